@@ -1,0 +1,116 @@
+"""Port files: a declarative description of one model we serve (config, weights, tokenizer).
+
+A port is named (`--model tiny-gemma4-moe` finds `neuron_moe/ports/tiny-gemma4-moe.toml`,
+packaged with the wheel) or given as a path to any `.toml` file of the same shape.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Gemma4TextConfig
+
+from .config import gemma4_moe_config
+from .errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+DEFAULT_PORT = "tiny-gemma4-moe"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_SECTIONS = {"name", "description", "weights", "tokenizer", "config"}
+_WEIGHT_SOURCES = ("random", "checkpoint")
+_TOKENIZERS = ("bytes", "checkpoint")
+
+
+class PortError(UserError):
+    pass
+
+
+@dataclass(frozen=True)
+class Port:
+    name: str
+    description: str
+    path: Path
+    config: Gemma4TextConfig
+    weights_source: str  # "random" (seeded) or "checkpoint"
+    dtype: torch.dtype
+    seed: int | None = None
+    checkpoint: Path | None = None  # directory; None means "supply --checkpoint"
+    tokenizer: str = "bytes"
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def builtin_ports() -> list[str]:
+    return sorted(p.name[: -len(".toml")] for p in resources.files("neuron_moe.ports").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def _port_path(name_or_path: str) -> Path:
+    if name_or_path.endswith(".toml") or "/" in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise PortError(f"port file not found: {path}")
+        return path
+    res = resources.files("neuron_moe.ports") / f"{name_or_path}.toml"
+    if not res.is_file():
+        raise PortError(f"unknown port {name_or_path!r}; built-in ports: {', '.join(builtin_ports())}")
+    return Path(str(res))
+
+
+def _require(table: dict, key: str, kind: type, where: str):
+    if key not in table:
+        raise PortError(f"{where}: missing field '{key}'")
+    value = table[key]
+    if not isinstance(value, kind):
+        raise PortError(f"{where}: field '{key}' must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
+    path = _port_path(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise PortError(f"{path}: not valid TOML: {e}") from None
+    where = str(path)
+    unknown = sorted(set(raw) - _SECTIONS)
+    if unknown:
+        raise PortError(f"{where}: unknown field(s) {unknown}; expected {sorted(_SECTIONS)}")
+
+    weights = _require(raw, "weights", dict, where)
+    source = _require(weights, "source", str, f"{where} [weights]")
+    if source not in _WEIGHT_SOURCES:
+        raise PortError(f"{where} [weights]: source {source!r} is not one of {_WEIGHT_SOURCES}")
+    dtype_name = weights.get("dtype", "float32")
+    if dtype_name not in DTYPES:
+        raise PortError(f"{where} [weights]: dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
+    seed = _require(weights, "seed", int, f"{where} [weights]") if source == "random" else None
+    checkpoint = None
+    if "checkpoint" in weights:
+        checkpoint = (path.parent / _require(weights, "checkpoint", str, f"{where} [weights]")).resolve()
+
+    tokenizer = raw.get("tokenizer", {}).get("kind", "bytes")
+    if tokenizer not in _TOKENIZERS:
+        raise PortError(f"{where} [tokenizer]: kind {tokenizer!r} is not one of {_TOKENIZERS}")
+
+    config = gemma4_moe_config(_require(raw, "config", dict, where), where)
+    return Port(
+        name=_require(raw, "name", str, where),
+        description=raw.get("description", ""),
+        path=path,
+        config=config,
+        weights_source=source,
+        dtype=DTYPES[dtype_name],
+        seed=seed,
+        checkpoint=checkpoint,
+        tokenizer=tokenizer,
+        raw=raw,
+    )
