@@ -1,0 +1,20 @@
+"""Our experts implementations, registered with transformers' experts-implementation registry.
+
+Importing this package is enough: afterwards `model.set_experts_implementation("dense_masked")`
+or `from_pretrained(..., experts_implementation="dense_masked")` replaces only each layer's
+`self.experts` forward; HF's router and dual-path decoder layer run unchanged.
+"""
+
+from transformers.integrations.moe import ExpertsInterface
+
+from .dense_masked import dense_masked_forward
+
+IMPLEMENTATIONS = {
+    "dense_masked": dense_masked_forward,
+}
+
+for _name, _fn in IMPLEMENTATIONS.items():
+    ExpertsInterface.register(_name, _fn)
+
+# "eager" is HF's own loop: the CPU reference every other implementation is checked against.
+ALL = ("eager", *IMPLEMENTATIONS)

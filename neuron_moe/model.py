@@ -1,0 +1,65 @@
+"""Build the HF Gemma-4 model for a port, with the chosen experts implementation.
+
+transformers' own Gemma4ForCausalLM is the model; we only choose its weights and which
+experts implementation its MoE blocks dispatch to. Attention is always HF "eager" so that two
+models built here differ in nothing but their experts.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import Gemma4ForCausalLM
+
+from . import experts as _experts  # registers our experts implementations
+from .checkpoint import load_checkpoint
+from .errors import UserError
+from .port import Port
+
+EXPERTS_IMPLEMENTATIONS = _experts.ALL
+
+
+def random_model(port: Port) -> Gemma4ForCausalLM:
+    """HF's initialisation from the port's seed, plus seeded non-trivial norm and router scales.
+
+    HF initialises every norm weight and the router's scales to exactly 1; left so, a bug that
+    scales one expert or drops the per-expert scale would be invisible. The perturbation keeps
+    the model generic without changing its architecture.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(port.seed)
+        # A copy: HF keeps the config object and set_*_implementation mutates it, so two
+        # models built from one shared config would silently share their experts implementation.
+        model = Gemma4ForCausalLM(copy.deepcopy(port.config))
+        gen = torch.Generator().manual_seed(port.seed + 1)
+        with torch.no_grad():
+            for name, param in sorted(model.named_parameters()):
+                if name.endswith("per_expert_scale"):
+                    param.copy_(torch.empty(param.shape).uniform_(0.5, 1.5, generator=gen))
+                elif name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "router.scale")):
+                    param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def build_model(
+    port: Port,
+    experts: str = "eager",
+    dtype: torch.dtype | None = None,
+    checkpoint: str | Path | None = None,
+) -> Gemma4ForCausalLM:
+    """The port's model in eval mode: `experts` names the implementation, `dtype` overrides the port's."""
+    if experts not in EXPERTS_IMPLEMENTATIONS:
+        raise UserError(f"unknown experts implementation {experts!r}; choose from {EXPERTS_IMPLEMENTATIONS}")
+    dtype = dtype or port.dtype
+    checkpoint = checkpoint or port.checkpoint
+    if checkpoint is not None:
+        model = load_checkpoint(Path(checkpoint), dtype)
+    elif port.weights_source == "random":
+        model = random_model(port).to(dtype)
+    else:
+        raise UserError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation(experts)
+    return model.eval()
