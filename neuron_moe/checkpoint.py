@@ -1,0 +1,244 @@
+"""Strict loading (and atomic saving) of HF-layout Gemma-4 MoE checkpoints.
+
+Accepted: a directory with config.json and either model.safetensors or shards listed in
+model.safetensors.index.json; text weights under `model.layers.` (Gemma4ForCausalLM) or
+`model.language_model.layers.` (Gemma4ForConditionalGeneration, the real 26B checkpoint).
+
+Strict means: every tensor the text model needs is present with the right shape, nothing
+unexplained is left over, and every error names the key, shape or file. transformers'
+`Gemma4ForCausalLM.from_pretrained` on a multimodal checkpoint instead reports every key
+missing and random-initialises the model without raising — the trap this module exists for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+from transformers.initialization import no_init_weights
+
+from .config import gemma4_moe_config, text_config_dict
+from .errors import UserError
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+MULTIMODAL_TEXT_PREFIX = "model.language_model."
+# Other modalities of Gemma4ForConditionalGeneration: present in the real checkpoint, not ours to load.
+MULTIMODAL_OTHER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CheckpointError(UserError):
+    pass
+
+
+def _listing(keys, limit: int = 20) -> str:
+    keys = sorted(keys)
+    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def read_config(ckpt_dir: Path) -> Gemma4TextConfig:
+    path = Path(ckpt_dir) / CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir}: no {CONFIG}")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return gemma4_moe_config(text_config_dict(raw, str(path)), str(path))
+
+
+def _weight_map(ckpt_dir: Path) -> dict[str, Path]:
+    """checkpoint key -> file that holds it (every file checked to exist)."""
+    index = ckpt_dir / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index (need a 'weight_map' object): {e}") from None
+        files = {name: ckpt_dir / name for name in set(weight_map.values())}
+        for name, path in files.items():
+            if not path.is_file():
+                raise CheckpointError(f"{index}: lists shard {name}, which does not exist")
+        return {key: files[name] for key, name in weight_map.items()}
+    single = ckpt_dir / SINGLE
+    if not single.is_file():
+        raise CheckpointError(f"{ckpt_dir}: neither {SINGLE} nor {INDEX}")
+    return {key: single for key in _file_keys(single)}
+
+
+def _file_keys(path: Path) -> list[str]:
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own error type, or OSError
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _text_key(key: str, multimodal: bool) -> str | None:
+    """Checkpoint key -> Gemma4ForCausalLM key; None for another modality's weight."""
+    if not multimodal:
+        return key
+    if key.startswith(MULTIMODAL_TEXT_PREFIX):
+        return "model." + key[len(MULTIMODAL_TEXT_PREFIX):]
+    if key.startswith(MULTIMODAL_OTHER_PREFIXES):
+        return None
+    return key  # lm_head.weight, or something unexpected that the key check will name
+
+
+def expected_shapes(config: Gemma4TextConfig) -> dict[str, tuple[int, ...]]:
+    """Every persistent tensor of Gemma4ForCausalLM, from the config, on the meta device."""
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    return shapes
+
+
+def read_state_dict(ckpt_dir: Path, config: Gemma4TextConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    ckpt_dir = Path(ckpt_dir)
+    weight_map = _weight_map(ckpt_dir)
+    multimodal = any(k.startswith(MULTIMODAL_TEXT_PREFIX) for k in weight_map)
+    wanted = {}
+    for key, path in weight_map.items():
+        text_key = _text_key(key, multimodal)
+        if text_key is not None:
+            wanted[text_key] = (key, path)
+    if config.tie_word_embeddings:
+        wanted.pop("lm_head.weight", None)  # tied: the embedding is the head, as HF does
+
+    expected = expected_shapes(config)
+    missing, unexpected = set(expected) - set(wanted), set(wanted) - set(expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} key(s): {_listing(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} key(s): {_listing(unexpected)}")
+        raise CheckpointError(f"{ckpt_dir}: " + "; ".join(parts))
+
+    by_file: dict[Path, list[str]] = {}
+    for text_key, (_, path) in wanted.items():
+        by_file.setdefault(path, []).append(text_key)
+    state = {}
+    for path, text_keys in by_file.items():
+        try:
+            with safe_open(path, framework="pt") as f:
+                present = set(f.keys())
+                for text_key in text_keys:
+                    key = wanted[text_key][0]
+                    if key not in present:
+                        raise CheckpointError(f"{path}: index lists {key} in this shard, but it is not there")
+                    tensor = f.get_tensor(key)
+                    if tuple(tensor.shape) != expected[text_key]:
+                        raise CheckpointError(
+                            f"{key}: shape {tuple(tensor.shape)} in {path.name}, expected {expected[text_key]}"
+                        )
+                    if tensor.dtype not in _FLOAT_DTYPES:
+                        raise CheckpointError(f"{key}: dtype {tensor.dtype} in {path.name} is not a float type")
+                    state[text_key] = tensor.to(dtype)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    return state
+
+
+def model_from_state_dict(config: Gemma4TextConfig, state: dict[str, torch.Tensor]) -> Gemma4ForCausalLM:
+    """Build the model without a random init, then take the checkpoint's tensors as its own."""
+    with no_init_weights():
+        model = Gemma4ForCausalLM(config)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(result.missing_keys) - allowed_missing or result.unexpected_keys:  # read_state_dict checked; belt and braces
+        raise CheckpointError(f"load_state_dict disagreed: {result}")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def load_checkpoint(ckpt_dir: Path, dtype: torch.dtype | None = None) -> Gemma4ForCausalLM:
+    config = read_config(Path(ckpt_dir))
+    return model_from_state_dict(config, read_state_dict(Path(ckpt_dir), config, dtype or torch.float32))
+
+
+def save_checkpoint(
+    model: Gemma4ForCausalLM, out_dir: Path, *, multimodal: bool = False, shard_bytes: int | None = None
+) -> Path:
+    """Write an HF-layout directory atomically: built in a temp dir beside it, then renamed in.
+
+    `multimodal=True` writes the Gemma4ForConditionalGeneration layout (text under
+    model.language_model., config under text_config) — what the real 26B checkpoint looks like.
+    """
+    out_dir = Path(out_dir)
+    config = model.config
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    if multimodal:
+        state = {(MULTIMODAL_TEXT_PREFIX + k[len("model."):] if k.startswith("model.") else k): v
+                 for k, v in state.items()}
+        cfg = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+               "text_config": config.to_dict()}
+    else:
+        cfg = dict(config.to_dict(), architectures=["Gemma4ForCausalLM"])
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        shards = _shard(state, shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], tmp / SINGLE, metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / name, metadata={"format": "pt"})
+                weight_map.update({k: name for k in shard})
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _shard(state: dict[str, torch.Tensor], shard_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    if not shard_bytes:
+        return [state]
+    shards, current, size = [], {}, 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = tensor
+        size += nbytes
+    shards.append(current)
+    return shards
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    if not target.exists():
+        os.rename(new, target)
+        return
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(target, old)
+    os.rename(new, target)
+    shutil.rmtree(old)
