@@ -1,0 +1,136 @@
+"""`neuron-moe` entry point: parses arguments, dispatches to the modules, prints reports."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+from .errors import UserError
+from .port import DEFAULT_PORT, DTYPES
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
+                   help=f"port name or path to a port .toml (default: {DEFAULT_PORT}; `neuron-moe ports` lists them)")
+    p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+
+
+def cmd_ports(args) -> int:
+    from .port import builtin_ports, load_port
+    from .report import table, write_json
+
+    rows = []
+    for name in builtin_ports():
+        port = load_port(name)
+        rows.append({"name": name, "weights": port.weights_source, "description": port.description})
+    if args.json:
+        write_json(rows, args.json)
+    if args.json != "-":
+        print(table(rows, [("name", "port"), ("weights", "weights"), ("description", "description")]))
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .info import geometry, parameter_counts
+    from .port import load_port
+    from .report import table, write_json
+
+    port = load_port(args.model)
+    report = {"model": port.name, "geometry": geometry(port.config), "parameters": parameter_counts(port.config)}
+    if args.json:
+        write_json(report, args.json)
+    if args.json == "-":
+        return 0
+    params = report["parameters"]
+    print(f"{port.name}: {port.description}\n")
+    print(table([{"field": k, "value": v} for k, v in report["geometry"].items()], [("field", "geometry"), ("value", "")]))
+    print()
+    rows = [{"what": g, "count": n, "B": n / 1e9, "share": f"{100 * n / params['total']:.1f}%"}
+            for g, n in params["groups"].items()]
+    rows += [{"what": "total", "count": params["total"], "B": params["total"] / 1e9, "share": "100.0%"},
+             {"what": "active per token", "count": params["active_per_token"],
+              "B": params["active_per_token"] / 1e9,
+              "share": f"{100 * params['active_per_token'] / params['total']:.1f}%"}]
+    print(table(rows, [("what", "parameters"), ("count", "count"), ("B", "billions"), ("share", "share")]))
+    print()
+    unit, scale = ("GiB", 2**30) if params["bytes"]["bfloat16"] >= 2**30 else ("MiB", 2**20)
+    print(table([{"dtype": k, "size": v / scale} for k, v in params["bytes"].items()],
+                [("dtype", "weights as"), ("size", unit, "{:.2f}")]))
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from .eval.seq_match import DEFAULT_PROMPTS, run_validation
+    from .port import load_port
+    from .report import table, write_json
+    from .tokenizer import load_tokenizer
+
+    port = load_port(args.model)
+    tokenizer = load_tokenizer(port, args.checkpoint)
+    prompts = list(DEFAULT_PROMPTS) + list(args.prompt or [])
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint)
+    if args.json:
+        write_json(report, args.json)
+    if args.json != "-":
+        print(f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}) "
+              f"vs {report['reference']}, {args.max_new_tokens} new tokens\n")
+        print(table(report["prompts"], [
+            ("prompt", "prompt"), ("seq_match", "SEQ_MATCH"), ("first_divergence", "first diff"),
+            ("max_abs_dlogit_step0", "max|Δlogit| step 0"), ("min_cosine", "min cosine", "{:.7f}"),
+        ]))
+        print(f"\n{'PASS' if report['all_match'] else 'FAIL'}: "
+              f"{sum(r['seq_match'] for r in report['prompts'])}/{len(report['prompts'])} prompts match")
+    return 0 if report["all_match"] else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    from .eval.seq_match import BACKENDS
+
+    import neuron_moe
+
+    top = argparse.ArgumentParser(prog="neuron-moe", description=neuron_moe.__doc__)
+    top.add_argument("--version", action="version", version=f"neuron-moe {__version__}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("ports", help="list the built-in ports")
+    p.add_argument("--json", metavar="FILE", help="also write the list as JSON ('-' for stdout)")
+    p.set_defaults(func=cmd_ports)
+
+    p = sub.add_parser("info", help="geometry, parameter counts and weight bytes of a port (meta device)")
+    _common(p)
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("validate", help="SEQ_MATCH: greedy tokens of a backend vs the CPU reference (HF eager fp32)",
+                       description="Greedy-generate from fixed prompts with the CPU reference (HF eager, fp32) "
+                                   "and with the backend under test; print one row per prompt. "
+                                   "Exit 0 only when every prompt's tokens match.")
+    _common(p)
+    p.add_argument("--backend", default="dense_masked", choices=sorted(BACKENDS), help="backend under test")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="backend dtype (default: the port's)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)")
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
+    p.set_defaults(func=cmd_validate)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

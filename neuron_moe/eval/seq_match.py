@@ -1,0 +1,82 @@
+"""SEQ_MATCH: greedy tokens of a backend against the CPU reference (HF eager, fp32).
+
+A backend is anything that turns (input_ids, attention_mask, max_new_tokens) into a
+`Generation`. Today the backends are the experts implementations run inside HF's model;
+later ones (traced graphs, Neuron artifacts) plug into BACKENDS with the same contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..generate import Generation, greedy, left_pad
+from ..model import build_model
+
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "Mixture-of-Experts models route each token to",
+)
+
+Generator = Callable[[torch.Tensor, torch.Tensor, int], Generation]
+
+
+def _hf_backend(experts: str):
+    def make(port, dtype, checkpoint) -> Generator:
+        model = build_model(port, experts, dtype, checkpoint)
+        return lambda ids, mask, n: greedy(model, ids, mask, n)
+
+    return make
+
+
+BACKENDS: dict[str, Callable[..., Generator]] = {
+    "dense_masked": _hf_backend("dense_masked"),
+    "eager": _hf_backend("eager"),  # the reference against itself: a check of the harness
+}
+
+
+def compare(reference: Generation, backend: Generation, prompts: list[str]) -> list[dict]:
+    """One row per prompt: SEQ_MATCH, first divergent position, max |Δlogit| at step 0, and the
+    lowest logit cosine over the steps where both had produced the same prefix."""
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ref_t, got_t = reference.tokens[i], backend.tokens[i]
+        diverged = (ref_t != got_t).nonzero()
+        first = int(diverged[0]) if len(diverged) else None
+        comparable = (first if first is not None else len(ref_t) - 1) + 1  # up to and incl. the first miss
+        ref_l, got_l = reference.logits[i, :comparable], backend.logits[i, :comparable].to(torch.float32)
+        cosine = torch.nn.functional.cosine_similarity(ref_l, got_l, dim=-1)
+        rows.append({
+            "prompt": prompt,
+            "seq_match": first is None,
+            "first_divergence": first,
+            "max_abs_dlogit_step0": float((ref_l[0] - got_l[0]).abs().max()),
+            "min_cosine": float(cosine.min()),
+            "new_tokens": len(ref_t),
+        })
+    return rows
+
+
+def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: list[str],
+                   dtype: torch.dtype | None = None, checkpoint=None) -> dict:
+    ids, mask = left_pad([tokenizer.encode(p) for p in prompts], tokenizer.pad_token_id)
+    reference = build_model(port, "eager", torch.float32, checkpoint)
+    ref_gen = greedy(reference, ids, mask, max_new_tokens)
+    del reference
+    got = BACKENDS[backend](port, dtype, checkpoint)(ids, mask, max_new_tokens)
+    rows = compare(ref_gen, got, prompts)
+    for row, ref_t, got_t in zip(rows, ref_gen.tokens, got.tokens):
+        row["reference_text"] = tokenizer.decode(ref_t.tolist())
+        row["backend_text"] = tokenizer.decode(got_t.tolist())
+    return {
+        "model": port.name,
+        "reference": "hf-eager float32 (CPU)",
+        "backend": backend,
+        "backend_dtype": str(dtype or port.dtype).removeprefix("torch."),
+        "max_new_tokens": max_new_tokens,
+        "all_match": all(r["seq_match"] for r in rows),
+        "prompts": rows,
+    }

@@ -1,0 +1,46 @@
+"""Plain-text tables and `--json FILE` output, shared by every reporting command."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def table(rows: list[dict[str, Any]], columns: list[tuple]) -> str:
+    """columns: (key, header) or (key, header, format); floats default to 4 significant digits."""
+
+    def cell(v, fmt):
+        if v is None:
+            return "-"
+        if fmt:
+            return fmt.format(v)
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    fmts = [c[2] if len(c) > 2 else None for c in columns]
+    grid = [[c[1] for c in columns]] + [[cell(r.get(c[0]), f) for c, f in zip(columns, fmts)] for r in rows]
+    widths = [max(len(line[i]) for line in grid) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in grid]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(obj: Any, dest: str) -> None:
+    """'-' is stdout; a path is written atomically (temp file in the same folder, then rename)."""
+    text = json.dumps(obj, indent=2, sort_keys=False) + "\n"
+    if dest == "-":
+        sys.stdout.write(text)
+        return
+    path = Path(dest)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,61 @@
+import json
+
+import pytest
+
+from neuron_moe import cli
+from neuron_moe.eval import seq_match
+
+
+def test_validate_passes_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "r" / "validate.json"
+    assert cli.main(["validate", "--max-new-tokens", "12", "--prompt", "x = 1 +", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["all_match"] and report["backend"] == "dense_masked"
+    assert len(report["prompts"]) == len(seq_match.DEFAULT_PROMPTS) + 1
+    for row in report["prompts"]:
+        assert row["seq_match"] and row["first_divergence"] is None
+        assert row["max_abs_dlogit_step0"] <= 1e-5 and row["min_cosine"] > 0.999999
+    printed = capsys.readouterr().out
+    assert "SEQ_MATCH" in printed and "PASS: 5/5 prompts match" in printed
+
+
+def test_validate_fails_with_exit_1_and_reports_divergence(monkeypatch, capsys):
+    make_eager = seq_match.BACKENDS["eager"]
+
+    def make(port, dtype, checkpoint):
+        inner = make_eager(port, dtype, checkpoint)
+
+        def generate(ids, mask, n):
+            gen = inner(ids, mask, n)
+            gen.tokens[0, 3:] = (gen.tokens[0, 3:] + 1) % port.config.vocab_size  # corrupt row 0 from step 3
+            return gen
+        return generate
+
+    monkeypatch.setitem(seq_match.BACKENDS, "eager", make)
+    assert cli.main(["validate", "--backend", "eager", "--max-new-tokens", "6", "--json", "-"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["all_match"]
+    assert report["prompts"][0]["first_divergence"] == 3
+    assert all(r["seq_match"] for r in report["prompts"][1:])
+
+
+def test_info_json_to_stdout(capsys):
+    assert cli.main(["info", "--model", "gemma4-26b-a4b", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["geometry"]["num_experts"] == 128
+
+
+def test_user_errors_are_one_line_and_exit_2(capsys):
+    assert cli.main(["info", "--model", "no-such-port"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown port 'no-such-port'") and "Traceback" not in err
+    assert cli.main(["validate", "--model", "gemma4-26b-a4b"]) == 2
+    assert "pass --checkpoint DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["info"], ["validate"], ["ports"]])
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(command + ["--help"])
+    assert exit_.value.code == 0
+    assert "--json" in capsys.readouterr().out or not command

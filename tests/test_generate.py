@@ -1,0 +1,28 @@
+import torch
+
+from neuron_moe.generate import greedy, left_pad
+
+from conftest import random_prompts
+
+
+def test_left_padding_does_not_change_a_row(tiny_eager):
+    """A prompt generates the same tokens alone and padded inside a batch (positions skip pads)."""
+    prompts = random_prompts(tiny_eager.config.vocab_size, [30, 6], seed=11)
+    ids, mask = left_pad(prompts, pad_id=0)
+    assert mask[1].tolist() == [0] * 24 + [1] * 6
+    batch = greedy(tiny_eager, ids, mask, 20)
+    alone = greedy(tiny_eager, *left_pad(prompts[1:], pad_id=0), 20)
+    assert torch.equal(batch.tokens[1], alone.tokens[0])
+    assert (batch.logits[1] - alone.logits[0]).abs().max() <= 1e-5
+
+
+def test_greedy_picks_the_argmax_of_its_logits(tiny_eager):
+    ids, mask = left_pad(random_prompts(tiny_eager.config.vocab_size, [9], seed=5), pad_id=0)
+    out = greedy(tiny_eager, ids, mask, 8)
+    assert out.tokens.shape == (1, 8) and out.logits.shape == (1, 8, tiny_eager.config.vocab_size)
+    assert torch.equal(out.logits.argmax(-1), out.tokens)
+    # the next step's logits are those of the sequence extended by the picked token
+    full = torch.cat([ids, out.tokens[:, :-1]], dim=1)
+    with torch.no_grad():
+        tf = tiny_eager(full).logits[:, ids.shape[1] - 1:].float()
+    assert (tf - out.logits).abs().max() <= 1e-5

@@ -1,0 +1,69 @@
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from neuron_moe.config import ConfigError
+from neuron_moe.port import PortError, builtin_ports, load_port
+
+
+def test_builtin_ports_load_by_name():
+    assert {"tiny-gemma4-moe", "gemma4-26b-a4b"} <= set(builtin_ports())
+    big = load_port("gemma4-26b-a4b").config
+    assert (big.hidden_size, big.num_hidden_layers, big.num_experts, big.top_k_experts) == (2816, 30, 128, 8)
+    assert (big.moe_intermediate_size, big.intermediate_size, big.vocab_size) == (704, 2112, 262144)
+    assert big.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert big.attention_k_eq_v and big.per_layer_config[5].head_dim == 512
+    assert big.per_layer_config[5].num_key_value_heads == 2
+
+
+def test_tiny_port_is_shardable_and_has_both_layer_kinds():
+    c = load_port("tiny-gemma4-moe").config
+    assert c.hidden_size % 128 == 0 and c.num_attention_heads % 8 == 0 and c.num_experts % 8 == 0
+    assert set(c.layer_types) == {"sliding_attention", "full_attention"}
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    return str(path)
+
+
+TINY = (load_port("tiny-gemma4-moe").path).read_text()
+
+
+def test_port_loads_by_path(tmp_path):
+    assert load_port(_write(tmp_path, TINY)).name == "tiny-gemma4-moe"
+
+
+@pytest.mark.parametrize("edit,error,message", [
+    (lambda t: t.replace('name = "tiny-gemma4-moe"', 'name = "x"\nflavour = "mint"'), PortError,
+     r"unknown field\(s\) \['flavour'\]"),
+    (lambda t: t.replace('dtype = "float32"', 'dtype = "float8"'), PortError, "dtype 'float8' is not one of"),
+    (lambda t: t.replace("seed = 20261130\n", ""), PortError, r"\[weights\]: missing field 'seed'"),
+    (lambda t: t.replace("enable_moe_block = true", "enable_moe_block = false"), ConfigError,
+     "not a Gemma-4 MoE config"),
+    (lambda t: t.replace("num_experts = 16", "num_experts = 16\nnum_expertz = 3"), ConfigError,
+     r"unknown config field\(s\) \['num_expertz'\]"),
+    (lambda t: t.replace("top_k_experts = 4", "top_k_experts = 32"), ConfigError, "exceeds num_experts=16"),
+    (lambda t: t + "\n[[[", PortError, "not valid TOML"),
+])
+def test_bad_port_files_name_the_problem(tmp_path, edit, error, message):
+    with pytest.raises(error, match=message):
+        load_port(_write(tmp_path, edit(TINY)))
+
+
+def test_unknown_port_name_lists_the_builtins():
+    with pytest.raises(PortError, match="unknown port 'nope'; built-in ports: gemma4-26b-a4b, tiny-gemma4-moe"):
+        load_port("nope")
+
+
+def test_ports_are_packaged_in_the_wheel(tmp_path):
+    """A non-editable install finds the ports: they are package data, not files beside the repo."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), "."], check=True)
+    (wheel,) = tmp_path.glob("neuron_moe-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "neuron_moe/ports/tiny-gemma4-moe.toml" in names
+    assert "neuron_moe/ports/gemma4-26b-a4b.toml" in names
