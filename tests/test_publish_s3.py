@@ -116,6 +116,11 @@ def test_round_trip_through_the_cli(bucket, client, artifacts, tmp_path, capsys)
     assert s3.pull(uri, dest) == dest
     again = s3.pull_report(uri, dest, progress=False)
     assert {r["action"] for r in again["files"]} == {"present"} and again["downloaded_bytes"] == 0
+    (dest / "config.json").write_text('{"tp_degree": 9}\n')  # same size, other bytes: replaced
+    again = s3.pull_report(uri, dest, progress=False)
+    assert {r["path"]: r["action"] for r in again["files"]} == {
+        "config.json": "downloaded", "model.pt": "present", "neff/graph.neff": "present"}
+    assert tree(dest) == local
 
 
 def test_multipart_upload_gets_a_full_object_crc32(bucket, client, tmp_path, monkeypatch):

@@ -340,7 +340,7 @@ def _fetch(client, bucket: str, key: str, target: Path, entry: dict, config, bar
     try:
         with _s3_errors(f"downloading {_uri(bucket, key)} to {target}"):
             client.download_file(bucket, key, tmp, Config=config, Callback=bar.update)
-        size, sha256, _ = _digest(Path(tmp))
+        size, sha256, _ = _digest(Path(tmp), bar)
         if size != entry["size"] or sha256 != entry["sha256"]:
             raise PublishError(f"{_uri(bucket, key)} does not match its manifest entry: {size} bytes, "
                                f"sha256 {sha256} (expected {entry['size']} bytes, sha256 {entry['sha256']}); "
@@ -363,13 +363,16 @@ def pull_report(uri: str, dest_dir: Path, *, progress: bool = True, client=None)
     dest.mkdir(parents=True, exist_ok=True)
     config = _transfer_config()
     rows, fetched = [], 0
-    with _bar(sum(f["size"] for f in files), "downloading", progress) as bar:
+    # every byte is counted twice: downloaded, then read again for its sha256
+    with _bar(2 * sum(f["size"] for f in files), "download + verify", progress) as bar:
         for entry in files:
             target = dest / entry["path"]
-            if target.is_file() and target.stat().st_size == entry["size"] and _digest(target)[1] == entry["sha256"]:
-                bar.update(entry["size"])
-                rows.append({**entry, "action": "present"})
-                continue
+            if target.is_file() and target.stat().st_size == entry["size"]:
+                if _digest(target, bar)[1] == entry["sha256"]:
+                    bar.update(entry["size"])
+                    rows.append({**entry, "action": "present"})
+                    continue
+                bar.total += entry["size"]  # read for nothing: it differs
             _fetch(client, bucket, _key(prefix, entry["path"]), target, entry, config, bar)
             fetched += entry["size"]
             rows.append({**entry, "action": "downloaded"})
