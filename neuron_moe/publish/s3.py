@@ -270,6 +270,7 @@ def publish(src_dir: Path, uri: str, *, overwrite: bool = False, deep: bool = Fa
                                    "(re-run with --overwrite once it is complete)")
             _verify_object(client, bucket, key, path, entry)
 
+    total = sum(e["size"] for e in entries)  # as hashed, not as first stat'ed
     manifest = {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "total_bytes": total, "files": entries}
     manifest_key = _put_manifest(client, bucket, prefix, manifest)
