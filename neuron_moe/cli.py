@@ -93,6 +93,34 @@ def cmd_validate(args) -> int:
     return 0 if report["all_match"] else 1
 
 
+def cmd_publish(args) -> int:
+    from .publish.s3 import publish
+    from .report import table, write_json
+
+    report = publish(args.dir, args.uri, overwrite=args.overwrite, deep=args.deep)
+    if args.json:
+        write_json(report, args.json)
+    if args.json != "-":
+        print(table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("crc32", "CRC32")]))
+        print(f"\npublished {len(report['files'])} files ({report['total_bytes']} bytes) to {report['uri']}, "
+              f"each verified with head_object; manifest {report['manifest']}")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from .publish.s3 import pull_report
+    from .report import table, write_json
+
+    report = pull_report(args.uri, args.dir)
+    if args.json:
+        write_json(report, args.json)
+    if args.json != "-":
+        print(table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("action", "")]))
+        print(f"\n{report['dest']}: {len(report['files'])} files verified against the manifest of {report['uri']} "
+              f"({report['downloaded_bytes']} of {report['total_bytes']} bytes downloaded)")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from .eval.seq_match import BACKENDS
 
@@ -120,6 +148,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("publish", help="upload an artifact directory to S3, integrity-checked, manifest last",
+                       description="Check every file (size stable while read; .pt files complete zip archives), "
+                                   "upload each with a full-object CRC32 checksum and its sha256 in metadata, "
+                                   "verify each with head_object, then write the manifest once. "
+                                   "Credentials and endpoint come from boto3 (AWS_* variables, ~/.aws).")
+    p.add_argument("dir", metavar="DIR", help="directory of artifacts to publish")
+    p.add_argument("uri", metavar="s3://BUCKET/PREFIX", help="where to publish; must hold no objects yet")
+    p.add_argument("--overwrite", action="store_true", help="replace whatever the prefix holds")
+    p.add_argument("--deep", action="store_true", help="also CRC-check every member of .pt archives (reads them)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+    p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("pull", help="download a publication from S3, each file verified (sha256) before it lands",
+                       description="Read the manifest at s3://BUCKET/PREFIX, download each file to a temp name, "
+                                   "check its size and sha256, then rename it into DIR. Files already in DIR "
+                                   "with the manifest's sha256 are kept.")
+    p.add_argument("uri", metavar="s3://BUCKET/PREFIX", help="a prefix written by `neuron-moe publish`")
+    p.add_argument("dir", metavar="DIR", help="destination directory (created if missing)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+    p.set_defaults(func=cmd_pull)
     return top
 
 

@@ -1,0 +1,1 @@
+"""Publishing compiled artifacts (S3, integrity-checked) and pulling them back."""
