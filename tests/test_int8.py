@@ -75,8 +75,8 @@ def test_int8_requantises_when_the_weights_change(tiny_port, tiny_eager):
 def test_int8_error_is_of_bf16s_order(tiny_port):
     """On this seeded (untrained) port neither int8 nor bf16 keeps greedy tokens over 32 steps
     (both fail SEQ_MATCH: its logits are near-flat); the int8 experts' error is well within bf16's
-    (mean |Δlogit| 0.014 against bf16's 0.064 here)."""
-    ids, mask = left_pad(random_prompts(tiny_port.config.vocab_size, [24, 16], seed=7), pad_id=0)
+    (mean |Δlogit| 0.017 against bf16's 0.084 here)."""
+    ids, mask = left_pad(random_prompts(tiny_port.config.vocab_size, [24], seed=7), pad_id=0)
     real = mask.bool()
     ref = prefill_logits(build_model(tiny_port, "eager"), ids, mask)[real]
     int8 = prefill_logits(build_model(tiny_port, "int8"), ids, mask)[real]
