@@ -121,6 +121,32 @@ def cmd_pull(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .neuron.plan import GB, plan
+    from .port import load_port
+    from .report import table, write_json
+
+    port = load_port(args.model)
+    report = plan(port.config, args.instance, args.tp, args.dtype, args.batch, args.seq,
+                  args.runtime_reserve_gib * 2**30, model=port.name)
+    if args.json:
+        write_json(report, args.json)
+    if args.json != "-":
+        print(f"{port.name} on {args.instance}: TP {args.tp}, {args.dtype} experts, batch {args.batch}, seq {args.seq}\n")
+        if "per_rank_bytes" in report:
+            rows = [{"what": k, "GB": v / GB} for k, v in report["per_rank_bytes"].items()]
+            rows.append({"what": "total", "GB": report["per_rank_total_bytes"] / GB})
+            print(table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]))
+            print(f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
+                  f"(graph and runtime rows are stated estimates, not measurements)\n")
+            print(table(report["decode"], [("experts", "decode: experts read as"), ("GB_per_token", "GB/token/rank", "{:.3f}"),
+                                           ("floor_ms", "HBM floor ms/token", "{:.2f}"),
+                                           ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]))
+            print()
+        print(f"{'FITS' if report['fits'] else 'DOES NOT FIT'}: {report['reason']}")
+    return 0 if report["fits"] else 1
+
+
 def parser() -> argparse.ArgumentParser:
     from .eval.seq_match import BACKENDS
 
@@ -169,6 +195,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="destination directory (created if missing)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_pull)
+
+    from .neuron.plan import DTYPES as PLAN_DTYPES, INSTANCES
+    from .parallel.layout import TP_DEGREES
+
+    p = sub.add_parser("plan", help="inf2 memory plan: bytes per NeuronCore at a TP degree, fit verdict, decode floor",
+                       description="Per-rank bytes (experts, attention, dense MLP, embeddings, lm_head, KV cache, "
+                                   "stated graph and runtime reserves) against 16 GiB per NeuronCore, the fit verdict "
+                                   "with its reason, and the bytes read per decoded token with the HBM-bound floor. "
+                                   "Exit 0 when it fits, 1 when not.")
+    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
+    p.add_argument("--instance", required=True, choices=sorted(INSTANCES), help="inf2 instance type")
+    p.add_argument("--tp", type=int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
+    p.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES, help="experts' dtype (the rest is bf16)")
+    p.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size (default 1)")
+    p.add_argument("--seq", type=_positive_int, default=4096, metavar="S", help="max sequence length: KV cache and largest prefill bucket (default 4096)")
+    p.add_argument("--runtime-reserve-gib", type=float, default=1.0, metavar="GIB",
+                   help="stated per-core runtime reserve (default 1.0)")
+    p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
+    p.set_defaults(func=cmd_plan)
     return top
 
 

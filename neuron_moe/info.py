@@ -17,7 +17,7 @@ _GROUPS = (
 )
 
 
-def _group(name: str) -> str:
+def parameter_group(name: str) -> str:
     for group, fragments in _GROUPS:
         if any(f in name for f in fragments):
             return group
@@ -55,12 +55,17 @@ def geometry(config: Gemma4TextConfig) -> dict:
     return out
 
 
-def parameter_counts(config: Gemma4TextConfig) -> dict:
+def meta_model(config: Gemma4TextConfig) -> Gemma4ForCausalLM:
+    """The model with every tensor on the meta device: shapes and names, no memory."""
     with torch.device("meta"):
-        model = Gemma4ForCausalLM(copy.deepcopy(config))
+        return Gemma4ForCausalLM(copy.deepcopy(config))
+
+
+def parameter_counts(config: Gemma4TextConfig) -> dict:
+    model = meta_model(config)
     groups: dict[str, int] = {}
     for name, p in model.named_parameters():  # tied weights are yielded once
-        groups[_group(name)] = groups.get(_group(name), 0) + p.numel()
+        groups[parameter_group(name)] = groups.get(parameter_group(name), 0) + p.numel()
     total = sum(groups.values())
     experts = groups.get("experts", 0)
     active = total - experts + experts * config.top_k_experts // config.num_experts

@@ -34,6 +34,7 @@ def _hf_backend(experts: str):
 
 BACKENDS: dict[str, Callable[..., Generator]] = {
     "dense_masked": _hf_backend("dense_masked"),
+    "int8": _hf_backend("int8"),
     "eager": _hf_backend("eager"),  # the reference against itself: a check of the harness
 }
 

@@ -1,0 +1,1 @@
+"""Inferentia2: the memory planner (plan.py) and, with the Neuron SDK, tracing and compiling."""

@@ -1,0 +1,148 @@
+"""inf2 memory planner: what one NeuronCore holds for a port at a TP degree, and whether it fits.
+
+Weights come from the port's meta-device model (`info.meta_model`) cut by the TP layout
+(`parallel/layout.py`), so the planner and the rank modules cannot disagree about who owns what.
+Each rank holds, in bytes:
+
+  experts      its E/t experts: bf16, or int8 + fp32 scales (per output channel: gate_up's split
+               with the experts, down's [H] replicated)
+  attention    q/o split by heads, k/v split or replicated up to t heads (layout.py)
+  dense MLP    1/t of gate/up/down
+  router etc.  router, norms and scalars, replicated
+  embeddings   1/t of the vocabulary rows; lm_head another 1/t: tied in the checkpoint, but two
+               tensors on the device (each parallel layer loads its own)
+  KV cache     bf16 K and V for batch × length × its KV heads; sliding layers hold the window
+  graph        stated estimate of the largest transient of the context-encoding graph at batch ×
+               seq: the MoE stage's [B·S, E/t·2I] gate_up output and [B·S, E/t·I] activation,
+               plus, for int8, one layer's local gate_up dequantised to bf16 (the quantized
+               layers cast the weight before the matmul), or the attention stage's fp32 scores
+               [B, h/t, S, S], whichever is larger
+  runtime      stated reserve (default 1 GiB): the runtime's per-core code (96 MiB documented),
+               DMA rings, I/O tensors, collectives buffers
+
+against 16 GiB of HBM per NeuronCore-v2. Non-expert weights are bf16 in both dtypes.
+
+Decode: bytes one rank reads per generated token (all its non-expert weights but the embedding
+table, its KV cache, and its experts as each implementation reads them) and the HBM-bound floor
+this implies at half a chip's 820 GiB/s per core (two cores per chip share it). Not measured:
+no Neuron device was used for any number here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import Gemma4TextConfig
+
+from ..info import meta_model, parameter_group
+from ..parallel import layout
+
+GB, GiB = 1e9, 2**30
+CORE_HBM = 16 * GiB
+CHIP_HBM_BW = 820 * GiB  # bytes/s per Inferentia2 chip (Neuron docs, inferentia2 architecture)
+CORES_PER_CHIP = 2
+DEFAULT_RUNTIME_RESERVE = 1 * GiB
+DTYPES = ("bf16", "int8")
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    chips: int
+
+    @property
+    def cores(self) -> int:
+        return self.chips * CORES_PER_CHIP
+
+
+INSTANCES = {i.name: i for i in (Instance("inf2.xlarge", 1), Instance("inf2.8xlarge", 1),
+                                  Instance("inf2.24xlarge", 6), Instance("inf2.48xlarge", 12))}
+
+
+def _weights_per_rank(config: Gemma4TextConfig, tp: int, dtype: str) -> dict[str, float]:
+    """Bytes of weights on one rank, by group (every rank holds the same amount)."""
+    state = meta_model(config).state_dict()  # tied embed_tokens / lm_head appear under both names
+    out: dict[str, float] = {}
+    for name, w in layout.parallel_state_dict(state, config, tp).items():
+        local = layout.shard(w, layout.placement(name), tp, 0)
+        if ".experts." in name and dtype == "int8":
+            scale_rows = local.shape[0]  # [out, 1] per linear: split with gate_up, whole with down
+            nbytes = local.numel() + 4 * scale_rows
+        elif name.endswith(".rank"):
+            nbytes = 4 * local.numel()  # int32 SPMDRank
+        else:
+            nbytes = 2 * local.numel()
+        group = "lm_head" if name == "lm_head.weight" else parameter_group(name)
+        out[group] = out.get(group, 0) + nbytes
+    return out
+
+
+def _kv_cache_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int) -> int:
+    total = 0
+    for i, kind in enumerate(config.layer_types):
+        length = min(seq, config.sliding_window) if kind == "sliding_attention" else seq
+        heads = layout.kv_heads_per_rank(config, i, tp)
+        total += 2 * batch * length * heads * config.per_layer_config[i].head_dim * 2  # K and V, bf16
+    return total
+
+
+def _graph_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, batch: int, seq: int) -> int:
+    tokens, E, I, H = batch * seq, config.num_experts // tp, config.moe_intermediate_size, config.hidden_size
+    moe = tokens * E * 3 * I * 2 + (E * 2 * I * H * 2 if dtype == "int8" else 0)
+    attention = batch * (config.num_attention_heads // tp) * seq * seq * 4
+    return max(moe, attention)
+
+
+def _expert_bytes(config: Gemma4TextConfig, dtype: str) -> int:
+    """One expert of one layer, as read by a decode step (int8: weights + its gate_up scales)."""
+    I, H = config.moe_intermediate_size, config.hidden_size
+    return 3 * I * H * 2 if dtype == "bf16" else 3 * I * H + 2 * I * 4
+
+
+def _decode(config: Gemma4TextConfig, tp: int, dtype: str, batch: int, weights: dict, kv: int) -> list[dict]:
+    L, E, k = config.num_hidden_layers, config.num_experts, config.top_k_experts
+    per_expert = _expert_bytes(config, dtype)
+    experts_fixed = weights["experts"] - L * (E // tp) * per_expert  # int8: down's replicated scales
+    rest = sum(v for g, v in weights.items() if g not in ("experts", "embeddings")) + kv
+    picks = min(batch * k, E)
+    reads = {
+        "dense_masked (all local experts)": L * (E // tp) * per_expert,
+        # static shapes: a rank holding whole experts must leave room for every pick to be local
+        "selective (whole experts per rank)": L * min(batch * k, E // tp) * per_expert,
+        "selective, experts split on I (NxD ExpertMLPs layout)": L * picks * per_expert / tp,
+    }
+    per_core_bw = CHIP_HBM_BW / CORES_PER_CHIP
+    rows = []
+    for impl, expert_bytes in reads.items():
+        total = rest + experts_fixed + expert_bytes
+        rows.append({"experts": impl, "bytes_per_token": total, "GB_per_token": total / GB,
+                     "floor_ms": 1e3 * total / per_core_bw, "tokens_per_s_ceiling": per_core_bw / total})
+    return rows
+
+
+def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: int, seq: int,
+         runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, model: str = "") -> dict:
+    inst = INSTANCES[instance]
+    report = {"model": model, "instance": instance, "tp": tp, "dtype": dtype, "batch": batch, "seq": seq,
+              "core_hbm_bytes": CORE_HBM, "runtime_reserve_bytes": runtime_reserve}
+    try:
+        layout.check_degree(config, tp)
+    except layout.LayoutError as e:
+        return {**report, "fits": False, "reason": f"not shardable: {e}"}
+    weights = _weights_per_rank(config, tp, dtype)
+    kv = _kv_cache_per_rank(config, tp, batch, seq)
+    graph = _graph_per_rank(config, tp, dtype, batch, seq)
+    per_rank = {**weights, "kv_cache": kv, "graph": graph, "runtime": runtime_reserve}
+    total = sum(per_rank.values())
+    experts_all = weights["experts"] * tp
+    if tp > inst.cores:
+        fits, reason = False, f"{instance} has {inst.cores} NeuronCores; TP {tp} needs {tp}"
+    elif total > CORE_HBM:
+        fits, reason = False, (f"{total / GB:.2f} GB per rank exceeds a NeuronCore's {CORE_HBM / GB:.2f} GB "
+                               f"(16 GiB) by {(total - CORE_HBM) / GB:.2f} GB")
+    else:
+        fits, reason = True, (f"{total / GB:.2f} GB per rank of {CORE_HBM / GB:.2f} GB (16 GiB); "
+                              f"{(CORE_HBM - total) / GB:.2f} GB spare")
+    return {**report, "fits": fits, "reason": reason, "per_rank_bytes": per_rank, "per_rank_total_bytes": total,
+            "experts_all_ranks_bytes": experts_all,
+            "decode": _decode(config, tp, dtype, batch, weights, kv)}

@@ -1,0 +1,190 @@
+"""NxD's parallel-layer surface on torch.distributed (gloo, or PyTorch's fake group while tracing).
+
+Same names and semantics as `parallel/nxd.py`, so the rank modules are written once:
+
+  ColumnParallelLinear     weight [out/t, in], partition dim 0, no collective (gather_output=False)
+                           or an all-gather of the outputs (gather_output=True, for lm_head)
+  RowParallelLinear        weight [out, in/t], partition dim 1, input already parallel, all-reduce
+                           (in fp32, as NxD's reduce_dtype) after the matmul
+  QuantizedColumnParallel  int8 weight as the column layer; fp32 scale [out/t, 1] split with it
+  QuantizedRowParallel     int8 weight as the row layer; fp32 scale [out, 1] replicated
+  ParallelEmbedding        rows split over the vocabulary; out-of-range ids masked, all-reduce
+  SPMDRank                 a [1] int32 parameter, `arange(t)` in the checkpoint, split on dim 0
+  scatter_to_process_group_spmd           slice by the SPMDRank tensor: right on every rank
+  scatter_to_tensor_model_parallel_region slice by the Python-int rank: frozen at trace time
+
+Collectives are torch.distributed's functional ones, which trace into an exported graph. Each
+parameter carries NxD's tags (tensor_model_parallel, partition_dim, partition_stride,
+num_partitions), and `shard_checkpoint` slices by those tags, as NxD's does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UserError
+from ..experts.int8 import dequantize_output
+from .layout import split
+
+
+class ShardError(UserError):
+    pass
+
+
+def _tag(param: nn.Parameter, dim: int | None, tp: int) -> nn.Parameter:
+    """NxD's set_tensor_model_parallel_attributes: how shard_checkpoint will cut this parameter."""
+    param.tensor_model_parallel = dim is not None
+    param.partition_dim = 0 if dim is None else dim
+    param.partition_stride = 1
+    param.num_partitions = tp if dim is not None else 1
+    return param
+
+
+def _per_rank(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ShardError(f"{what} {n} does not split over {tp} ranks")
+    return n // tp
+
+
+def all_reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """Sum over the ranks, in fp32 (gloo has no bf16 sum; NxD reduces in fp32 by default)."""
+    if tp == 1:
+        return x
+    return fc.all_reduce(x.to(torch.float32), "sum", dist.group.WORLD).to(x.dtype)
+
+
+def all_gather_last_dim(x: torch.Tensor, tp: int) -> torch.Tensor:
+    if tp == 1:
+        return x
+    return fc.all_gather_tensor(x.contiguous(), x.dim() - 1, dist.group.WORLD)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, gather_output=False):
+        super().__init__()
+        self.tp, self.gather_output = tp, gather_output
+        out = _per_rank(output_size, tp, "output size")
+        self.weight = _tag(nn.Parameter(torch.zeros(out, input_size, dtype=dtype), requires_grad=False), 0, tp)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        return all_gather_last_dim(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
+        super().__init__()
+        self.tp = tp
+        inp = _per_rank(input_size, tp, "input size")
+        self.weight = _tag(nn.Parameter(torch.zeros(output_size, inp, dtype=dtype), requires_grad=False), 1, tp)
+
+    def forward(self, x):
+        return all_reduce(F.linear(x, self.weight), self.tp)
+
+
+class QuantizedColumnParallel(nn.Module):
+    """per_channel_symmetric int8: the scale has one row per output channel and is split with them."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
+        super().__init__()
+        self.tp = tp
+        out = _per_rank(output_size, tp, "output size")
+        self.weight = _tag(nn.Parameter(torch.zeros(out, input_size, dtype=torch.int8), requires_grad=False), 0, tp)
+        self.scale = _tag(nn.Parameter(torch.ones(out, 1), requires_grad=False), 0, tp)
+
+    def forward(self, x):
+        return dequantize_output(F.linear(x, self.weight.to(x.dtype)), self.scale)
+
+
+class QuantizedRowParallel(nn.Module):
+    """per_channel_symmetric int8 over the input-sharded weight: the output channels are whole on
+    every rank, so the scale is replicated and applied before the all-reduce (as NxD does)."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
+        super().__init__()
+        self.tp = tp
+        inp = _per_rank(input_size, tp, "input size")
+        self.weight = _tag(nn.Parameter(torch.zeros(output_size, inp, dtype=torch.int8), requires_grad=False), 1, tp)
+        self.scale = _tag(nn.Parameter(torch.ones(output_size, 1), requires_grad=False), None, tp)
+
+    def forward(self, x):
+        return all_reduce(dequantize_output(F.linear(x, self.weight.to(x.dtype)), self.scale), self.tp)
+
+
+class SPMDRank(nn.Module):
+    def __init__(self, tp: int):
+        super().__init__()
+        self.rank = _tag(nn.Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False), 0, tp)
+
+    def get_rank(self) -> torch.Tensor:
+        return self.rank
+
+
+class ParallelEmbedding(nn.Module):
+    """Vocabulary-parallel embedding whose row offset comes from an SPMDRank, not a Python int
+    (NxD's `use_spmd_rank=True`; without it the offset is rank 0's in the traced graph)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: int, dtype=torch.float32):
+        super().__init__()
+        self.tp = tp
+        self.per_rank = _per_rank(num_embeddings, tp, "vocab size")
+        self.weight = _tag(nn.Parameter(torch.zeros(self.per_rank, embedding_dim, dtype=dtype), requires_grad=False), 0, tp)
+        self.rank_util = SPMDRank(tp)
+
+    def forward(self, ids):
+        if self.tp == 1:
+            return F.embedding(ids, self.weight)
+        start = self.rank_util.get_rank() * self.per_rank
+        local = ids - start
+        inside = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(local * inside, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(out, self.tp)
+
+
+def scatter_to_process_group_spmd(input_: torch.Tensor, partition_dim: int, rank: torch.Tensor, *, tp: int):
+    """This rank's 1/t of `input_` along `partition_dim`, indexed by the rank *tensor*: in a graph
+    traced on rank 0 the index is an input, so every rank takes its own slice."""
+    n = _per_rank(input_.shape[partition_dim], tp, f"dim {partition_dim} of size")
+    return torch.index_select(input_, partition_dim, torch.arange(n, device=input_.device) + rank * n)
+
+
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int):
+    """This rank's 1/t of `input_` along the last dim, indexed by the Python-int process-group rank,
+    as NxD's `_split_along_dim` does. Right when each rank runs its own code; in a graph traced on
+    rank 0 the slice is the constant 0:n on every rank (the seed bug)."""
+    if tp == 1:
+        return input_
+    n = _per_rank(input_.shape[-1], tp, "last dim of size")
+    rank = dist.get_rank()
+    return torch.index_select(input_, input_.dim() - 1, torch.arange(n, device=input_.device) + rank * n)
+
+
+def shard_checkpoint(checkpoint: dict[str, torch.Tensor], model: nn.Module, tp: int) -> list[dict[str, torch.Tensor]]:
+    """One state dict per rank, cut from the full (parallel-layout) checkpoint as NxD's
+    shard_checkpoint cuts it: a parameter tagged tensor_model_parallel is split on its
+    partition_dim into t contiguous chunks, everything else is replicated; each piece must have the
+    module's shape, and is cast to the module's dtype. Strict: a missing or unexpected key is an error."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(checkpoint))
+    unexpected = sorted(set(checkpoint) - set(expected))
+    if missing or unexpected:
+        raise ShardError(f"checkpoint does not match the rank module: missing {missing[:5]}{'…' if len(missing) > 5 else ''}"
+                         f", unexpected {unexpected[:5]}{'…' if len(unexpected) > 5 else ''}")
+    params = dict(model.named_parameters())
+    shards = []
+    for rank in range(tp):
+        state = {}
+        for name, local in expected.items():
+            full, param = checkpoint[name], params.get(name)
+            piece = split(full, param.partition_dim, param.num_partitions, rank) \
+                if getattr(param, "tensor_model_parallel", False) else full
+            if piece.shape != local.shape:
+                raise ShardError(f"{name}: rank {rank} expects shape {tuple(local.shape)}, "
+                                 f"the checkpoint's {tuple(full.shape)} gives {tuple(piece.shape)}")
+            state[name] = piece.to(local.dtype).clone()
+        shards.append(state)
+    return shards

@@ -1,0 +1,214 @@
+"""The parallel-layer surface of `parallel/cpu.py` on neuronx-distributed (NxD, the Neuron SDK).
+
+Same names and arguments as the CPU backend, so the rank modules (`parallel/moe.py`, …) are
+written once. This module imports without the SDK; the first use without it raises
+`NeuronSDKMissing`, one clear line instead of an ImportError from inside the SDK.
+
+Every NxD name this module touches goes through `_nxd` / `_bound`, which accept only the names in
+NXD_API, and every call passes keyword arguments only. NXD_API lists each name with its file in
+aws-neuron/neuronx-distributed and the keywords we pass; `tests/test_nxd_api.py` checks that this
+module uses nothing outside the table, and `tools/check_nxd_api.py SRC` checks the table against
+a checkout of the NxD source (each name defined there, each keyword a parameter of it).
+
+Traps (shared/notes/neuron-apis.md):
+- `initialize_model_parallel`'s third positional parameter is context_parallel_size, not the
+  expert-parallel degree some callers pass there: keywords only.
+- NxD's `scale_dequantize` multiplies an fp32 input in place. Its quantized layers call it on the
+  fresh matmul output only, which is harmless; we never call it ourselves, and the int8
+  checkpoint is made by `experts.int8.quantize_per_channel`, which never writes to its input.
+- The quantized layers broadcast the scale as [1, 1, out]: their inputs must be 3-D [B, S, H]
+  (the rank modules pass 3-D tensors throughout).
+- `ParallelEmbedding` takes its vocabulary offset from the Python-int rank unless
+  `use_spmd_rank=True`: the same frozen-at-trace-time bug as the router scatter.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+
+NXD_SOURCE = "aws-neuron/neuronx-distributed @ fbac349 (Release 2.29)"
+_L = "src/neuronx_distributed/parallel_layers/layers.py"
+_M = "src/neuronx_distributed/parallel_layers/mappings.py"
+_PS = "src/neuronx_distributed/parallel_layers/parallel_state.py"
+_Q = "src/neuronx_distributed/quantization/quantization_layers.py"
+_QC = "src/neuronx_distributed/quantization/quantization_config.py"
+_MB = "src/neuronx_distributed/trace/model_builder.py"
+
+# dotted name -> (file in NXD_SOURCE, keyword arguments we pass; None for a value we only read)
+NXD_API: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "neuronx_distributed.parallel_layers.layers.ColumnParallelLinear":
+        (_L, ("input_size", "output_size", "bias", "gather_output", "dtype")),
+    "neuronx_distributed.parallel_layers.layers.RowParallelLinear":
+        (_L, ("input_size", "output_size", "bias", "input_is_parallel", "dtype")),
+    "neuronx_distributed.parallel_layers.layers.ParallelEmbedding":
+        (_L, ("num_embeddings", "embedding_dim", "dtype", "shard_across_embedding", "use_spmd_rank")),
+    "neuronx_distributed.parallel_layers.layers.SPMDRank": (_L, ("world_size", "tensor_model_parallel_size")),
+    "neuronx_distributed.parallel_layers.mappings.scatter_to_process_group_spmd":
+        (_M, ("input_", "partition_dim", "rank")),
+    "neuronx_distributed.parallel_layers.mappings.scatter_to_tensor_model_parallel_region": (_M, ("input_",)),
+    "neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel":
+        (_PS, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+               "expert_model_parallel_size", "skip_collective_init")),
+    "neuronx_distributed.parallel_layers.parallel_state.model_parallel_is_initialized": (_PS, ()),
+    "neuronx_distributed.parallel_layers.parallel_state.get_tensor_model_parallel_size": (_PS, ()),
+    "neuronx_distributed.quantization.quantization_layers.QuantizedColumnParallel":
+        (_Q, ("input_size", "output_size", "bias", "quantization_type", "gather_output", "dtype",
+              "quantized_dtype", "quantization_per_channel_axis", "scale_dtype")),
+    "neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel":
+        (_Q, ("input_size", "output_size", "bias", "quantization_type", "input_is_parallel", "dtype",
+              "quantized_dtype", "quantization_per_channel_axis", "scale_dtype")),
+    "neuronx_distributed.quantization.quantization_config.QuantizationType.PER_CHANNEL_SYMMETRIC": (_QC, None),
+    "neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8": (_QC, None),
+    "neuronx_distributed.trace.model_builder.ModelBuilder":
+        (_MB, ("router", "tp_degree", "checkpoint_loader", "compiler_workdir")),
+    "neuronx_distributed.trace.model_builder.BaseModelInstance": (_MB, ("module_cls", "input_output_aliases")),
+    "neuronx_distributed.trace.model_builder.ModelBuilder.add":
+        (_MB, ("key", "model_instance", "example_inputs", "compiler_args")),
+    "neuronx_distributed.trace.model_builder.ModelBuilder.trace": (_MB, ("initialize_model_weights",)),
+    "neuronx_distributed.trace.model_builder.ModelBuilder.shard_checkpoint": (_MB, ("serialize_path",)),
+}
+
+
+_SDK_PACKAGES = ("neuronx_distributed", "torch_neuronx", "torch_xla")
+
+
+class NeuronSDKMissing(UserError):
+    pass
+
+
+def _nxd(dotted: str):
+    """The NxD object named `dotted` (a module attribute, or a class attribute such as an enum member)."""
+    if dotted not in NXD_API:
+        raise KeyError(f"{dotted} is not in NXD_API: verify it against {NXD_SOURCE} and add it")
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith(_SDK_PACKAGES):
+                raise
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise NeuronSDKMissing(
+        f"{dotted} needs the Neuron SDK (neuronx-distributed, torch-neuronx), which is not installed here. "
+        "It is not on PyPI: use the Neuron SDK 2.31 deep-learning container for inf2 (recipes/inf2-24xlarge/)")
+
+
+def _bound(obj, dotted: str) -> Callable:
+    """Method `dotted` (Class.method in NXD_API) of an NxD object."""
+    if dotted not in NXD_API:
+        raise KeyError(f"{dotted} is not in NXD_API: verify it against {NXD_SOURCE} and add it")
+    cls, method = dotted.split(".")[-2:]
+    if type(obj).__name__ != cls:
+        raise TypeError(f"{dotted} called on a {type(obj).__name__}")
+    return getattr(obj, method)
+
+
+def sdk_available() -> bool:
+    try:
+        _nxd("neuronx_distributed.parallel_layers.parallel_state.model_parallel_is_initialized")
+    except NeuronSDKMissing:
+        return False
+    return True
+
+
+def initialize_model_parallel(tp: int) -> None:
+    """NxD's parallel state for `tp` ranks, keywords only (see the trap above)."""
+    _nxd("neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel")(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=1,
+        expert_model_parallel_size=1, skip_collective_init=True)
+
+
+def _check_tp(tp: int) -> None:
+    """NxD's layers take the degree from its parallel state; ours take it as an argument. They must agree."""
+    initialized = _nxd("neuronx_distributed.parallel_layers.parallel_state.model_parallel_is_initialized")()
+    size = _nxd("neuronx_distributed.parallel_layers.parallel_state.get_tensor_model_parallel_size")() \
+        if initialized else None
+    if size != tp:
+        raise RuntimeError(f"NxD parallel state has TP {size}, the rank module was built for TP {tp}: "
+                           "build rank modules inside ModelBuilder (or after initialize_model_parallel)")
+
+
+def ColumnParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, gather_output=False):
+    _check_tp(tp)
+    return _nxd("neuronx_distributed.parallel_layers.layers.ColumnParallelLinear")(
+        input_size=input_size, output_size=output_size, bias=False, gather_output=gather_output, dtype=dtype)
+
+
+def RowParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
+    _check_tp(tp)
+    return _nxd("neuronx_distributed.parallel_layers.layers.RowParallelLinear")(
+        input_size=input_size, output_size=output_size, bias=False, input_is_parallel=True, dtype=dtype)
+
+
+def _int8_per_channel() -> dict:
+    return dict(
+        quantization_type=_nxd("neuronx_distributed.quantization.quantization_config.QuantizationType.PER_CHANNEL_SYMMETRIC"),
+        quantized_dtype=_nxd("neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8"),
+        quantization_per_channel_axis=0, scale_dtype=torch.float32)
+
+
+def QuantizedColumnParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
+    _check_tp(tp)
+    return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedColumnParallel")(
+        input_size=input_size, output_size=output_size, bias=False, gather_output=False, dtype=dtype,
+        **_int8_per_channel())
+
+
+def QuantizedRowParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
+    _check_tp(tp)
+    return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel")(
+        input_size=input_size, output_size=output_size, bias=False, input_is_parallel=True, dtype=dtype,
+        **_int8_per_channel())
+
+
+def ParallelEmbedding(num_embeddings: int, embedding_dim: int, *, tp: int, dtype=torch.float32):
+    _check_tp(tp)
+    return _nxd("neuronx_distributed.parallel_layers.layers.ParallelEmbedding")(
+        num_embeddings=num_embeddings, embedding_dim=embedding_dim, dtype=dtype,
+        shard_across_embedding=False, use_spmd_rank=True)
+
+
+def SPMDRank(tp: int):
+    _check_tp(tp)
+    return _nxd("neuronx_distributed.parallel_layers.layers.SPMDRank")(world_size=tp, tensor_model_parallel_size=tp)
+
+
+def scatter_to_process_group_spmd(input_: torch.Tensor, partition_dim: int, rank: torch.Tensor, *, tp: int):
+    return _nxd("neuronx_distributed.parallel_layers.mappings.scatter_to_process_group_spmd")(
+        input_=input_, partition_dim=partition_dim, rank=rank)
+
+
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int):
+    return _nxd("neuronx_distributed.parallel_layers.mappings.scatter_to_tensor_model_parallel_region")(input_=input_)
+
+
+def trace_keys(keys: dict[str, tuple[Callable[[], torch.nn.Module], list[tuple]]], checkpoint_loader: Callable[[], dict],
+               tp: int, workdir: Path, compiler_args: str | None = None):
+    """ModelBuilder over several keys (e.g. one per context-encoding bucket and one for token
+    generation): `keys[key] = (module factory, example input tuples)`. Traces rank 0 once per key
+    and compiles; returns (builder, traced model without weights) for `torch.jit.save` and
+    `shard_checkpoint`. `checkpoint_loader()` returns the full parallel-layout state dict."""
+    builder = _nxd("neuronx_distributed.trace.model_builder.ModelBuilder")(
+        router=None, tp_degree=tp, checkpoint_loader=checkpoint_loader, compiler_workdir=str(workdir))
+    for key, (factory, examples) in keys.items():
+        instance = _nxd("neuronx_distributed.trace.model_builder.BaseModelInstance")(
+            module_cls=factory, input_output_aliases={})
+        _bound(builder, "neuronx_distributed.trace.model_builder.ModelBuilder.add")(
+            key=key, model_instance=instance, example_inputs=examples, compiler_args=compiler_args)
+    traced = _bound(builder, "neuronx_distributed.trace.model_builder.ModelBuilder.trace")(initialize_model_weights=False)
+    return builder, traced
+
+
+def shard_checkpoint(builder, serialize_path: Path):
+    """Per-rank checkpoints `tp{rank}_sharded_checkpoint.safetensors` under serialize_path."""
+    return _bound(builder, "neuronx_distributed.trace.model_builder.ModelBuilder.shard_checkpoint")(
+        serialize_path=str(serialize_path))
