@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev]" "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev,serve]" "$(TORCH)"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import __version__
@@ -147,6 +148,50 @@ def cmd_plan(args) -> int:
     return 0 if report["fits"] else 1
 
 
+def cmd_serve(args) -> int:
+    try:
+        from .serve.server import run
+    except ModuleNotFoundError as e:
+        if e.name in ("fastapi", "uvicorn", "starlette", "pydantic"):
+            raise UserError(f"neuron-moe serve needs {e.name!r}: pip install 'neuron-moe[serve]'") from None
+        raise
+    return run(args)
+
+
+def _serve_parser(sub) -> None:
+    from .model import EXPERTS_IMPLEMENTATIONS
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, SSE streaming)",
+                       description="Serve one model over the OpenAI API: POST /v1/chat/completions, "
+                                   "/v1/completions; GET /v1/models, /health, /ping. The model loads after "
+                                   "the socket is bound (/health answers 503 until it is ready). SIGTERM "
+                                   "drains the requests in flight, then exits 0.")
+    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
+                   help=f"port name or path to a port .toml (default: {DEFAULT_PORT})")
+    p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
+    p.add_argument("--backend", default="eager", choices=[*EXPERTS_IMPLEMENTATIONS, "neuron"],
+                   help="an experts implementation (transformers' model on CPU), or neuron (a compiled "
+                        "artifact; needs the Neuron SDK) (default: eager)")
+    p.add_argument("--artifacts", metavar="DIR|s3://BUCKET/PREFIX",
+                   help="what the backend loads: the trace-and-compile output for neuron, an HF checkpoint for "
+                        "a CPU backend; an s3:// URI is pulled (and verified) into --artifacts-cache first")
+    p.add_argument("--artifacts-cache", default="~/.cache/neuron-moe/artifacts", metavar="DIR",
+                   help="where s3:// artifacts are pulled to (default: %(default)s)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="CPU backend dtype (default: the port's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NEURON_MOE_API_KEY; unset: open)")
+    p.add_argument("--max-running", type=_positive_int, default=1, metavar="N",
+                   help="requests generating at once (default: 1)")
+    p.add_argument("--max-queue", type=int, default=32, metavar="N",
+                   help="requests waiting beyond those; more get 429 + Retry-After (default: 32)")
+    p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+                   help="on SIGTERM, seconds to let requests in flight finish (default: 60)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
 def parser() -> argparse.ArgumentParser:
     from .eval.seq_match import BACKENDS
 
@@ -214,6 +259,8 @@ def parser() -> argparse.ArgumentParser:
                    help="stated per-core runtime reserve (default 1.0)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_plan)
+
+    _serve_parser(sub)
     return top
 
 

@@ -14,6 +14,7 @@ class ByteTokenizer:
     pad_token_id, eos_token_id, bos_token_id = 0, 1, 2
     offset = 3
     vocab_size = 256 + offset
+    chat_template = None  # the server falls back to a plain-text template (serve/chat.py)
 
     def encode(self, text: str) -> list[int]:
         return [self.bos_token_id] + [b + self.offset for b in text.encode("utf-8")]
@@ -40,6 +41,16 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._tok.chat_template
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt ids for a conversation, the assistant's turn opened. The rendered text
+        already holds the template's special tokens, so encoding adds none."""
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._tok.encode(text, add_special_tokens=False)
 
 
 def load_tokenizer(port, checkpoint: Path | None = None):

@@ -25,3 +25,12 @@ def reseeded(port, seed):
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [[2] + torch.randint(3, vocab, (n - 1,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture
+def one_torch_thread():
+    """The tiny model is overhead-bound: one intra-op thread is faster than two on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

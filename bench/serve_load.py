@@ -1,0 +1,199 @@
+"""Serving load on loopback: N concurrent clients, each sending M streamed chat requests one
+after another, against `neuron-moe serve` (started here on 127.0.0.1, or --url).
+
+Metrics as vLLM's serving benchmark defines them: TTFT (request sent -> first content
+chunk), ITL (gaps between content chunks), TPOT ((E2EL - TTFT) / (output tokens - 1)),
+E2EL (request sent -> [DONE]) as mean/p50/p90/p99, plus request and output-token
+throughput over the whole run, and errors (any non-200, error event, or missing [DONE]).
+
+    python bench/serve_load.py --clients 8 --requests 64 --max-tokens 16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from neuron_moe.report import table, write_json
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Mixture-of-Experts models route each token to",
+    "Explain what a KV cache is in one sentence.",
+    "Once upon a time, in a land far away,",
+    "List three prime numbers.",
+    "Translate 'good morning' into French.",
+]
+
+
+async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
+    start = time.perf_counter()
+    chunk_times, usage, error, done = [], None, None, False
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[len("data: "):]
+                if payload == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    error = f"error event: {event['error'].get('message')}"
+                    break
+                usage = event.get("usage") or usage
+                if any(c.get("delta", {}).get("content") for c in event["choices"]):
+                    chunk_times.append(time.perf_counter())
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    if error or not done or usage is None:
+        return {"error": error or "stream ended without [DONE] and usage"}
+    n = usage["completion_tokens"]
+    ttft = (chunk_times[0] if chunk_times else end) - start
+    return {"ttft": ttft, "e2el": end - start, "output_tokens": n,
+            "tpot": (end - start - ttft) / (n - 1) if n > 1 else None,
+            "itl": list(np.diff(chunk_times)) if len(chunk_times) > 1 else []}
+
+
+async def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int, api_key: str | None):
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+        async def client_loop(c: int) -> list[dict]:
+            results = []
+            for r in range(requests):
+                body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[(c * requests + r) % len(PROMPTS)]}],
+                        "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                results.append(await one_request(client, body))
+            return results
+
+        start = time.perf_counter()
+        per_client = await asyncio.gather(*(client_loop(c) for c in range(clients)))
+        return [r for rs in per_client for r in rs], time.perf_counter() - start
+
+
+def summarize(results: list[dict], duration: float) -> dict:
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+
+    def stats(values):
+        values = [v for v in values if v is not None]
+        if not values:
+            return {"mean": None, "p50": None, "p90": None, "p99": None, "n": 0}
+        ms = np.array(values) * 1000
+        return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)),
+                "p99": float(np.percentile(ms, 99)), "n": len(values)}
+
+    tokens = sum(r["output_tokens"] for r in ok)
+    return {
+        "requests": len(results), "completed": len(ok), "failed": len(errors), "errors": errors[:10],
+        "duration_s": duration, "request_throughput_per_s": len(ok) / duration,
+        "output_tokens": tokens, "output_token_throughput_per_s": tokens / duration,
+        "ttft_ms": stats([r["ttft"] for r in ok]), "tpot_ms": stats([r["tpot"] for r in ok]),
+        "itl_ms": stats([x for r in ok for x in r["itl"]]), "e2el_ms": stats([r["e2el"] for r in ok]),
+    }
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
+        cpu = found.group(1).strip() if found else cpu
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "load_average": os.getloadavg(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    """`neuron-moe serve` on 127.0.0.1 with a free port; returns once /health answers 200."""
+    cmd = [sys.executable, "-m", "neuron_moe", "serve", "--model", args.model, "--backend", args.backend,
+           "--host", "127.0.0.1", "--port", "0", "--max-queue", str(args.clients)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # stdout: access log
+    deadline = time.monotonic() + 300
+    for line in proc.stderr:  # uvicorn names the port it bound
+        found = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+        if found:
+            url = found.group(1)
+            break
+        if time.monotonic() > deadline:
+            break
+    else:
+        raise SystemExit(f"the server exited ({proc.wait()}) before it was listening")
+    # keep reading its log, so that a full pipe never stalls it; pass on all but the INFO lines
+    threading.Thread(target=lambda: [sys.stderr.write(line) for line in proc.stderr if not line.startswith("INFO")],
+                     daemon=True).start()
+    while httpx.get(f"{url}/health").status_code != 200:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise SystemExit("the server did not become ready within 300 s")
+        time.sleep(0.5)
+    return proc, url
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="an already running server (default: start one on 127.0.0.1)")
+    p.add_argument("--model", default="tiny-gemma4-moe", help="port to serve / model name to request")
+    p.add_argument("--backend", default="eager", help="backend of the server started here")
+    p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"))
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    p.add_argument("--requests", type=int, default=64, help="requests per client, one after another (default 64)")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each request (default 16)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+    args = p.parse_args(argv)
+
+    proc, url = (None, args.url) if args.url else start_server(args)
+    try:
+        host = machine()
+        results, duration = asyncio.run(run_load(url, args.model, args.clients, args.requests, args.max_tokens,
+                                                 args.api_key))
+        host["load_average_after"] = os.getloadavg()
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    summary = summarize(results, duration)
+    report = {"benchmark": "serve_load", "model": args.model, "backend": args.backend, "clients": args.clients,
+              "requests_per_client": args.requests, "max_tokens": args.max_tokens, "machine": host, **summary}
+    if args.json:
+        write_json(report, args.json)
+    if args.json == "-":
+        return 0 if summary["failed"] == 0 else 1
+    print(f"serve_load  {args.model} ({args.backend}), {args.clients} clients x {args.requests} requests, "
+          f"max_tokens {args.max_tokens}, streamed, temperature 0, loopback")
+    print(f"machine: {host['cpu']}, {host['cores']} cores, load average {host['load_average'][0]:.1f} before / "
+          f"{host['load_average_after'][0]:.1f} after, OMP_NUM_THREADS={host['OMP_NUM_THREADS']}\n")
+    rows = [{"metric": name, **summary[key]} for name, key in
+            (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2EL", "e2el_ms"))]
+    print(table(rows, [("metric", "ms"), ("mean", "mean", "{:.1f}"), ("p50", "p50", "{:.1f}"),
+                       ("p90", "p90", "{:.1f}"), ("p99", "p99", "{:.1f}"), ("n", "samples")]))
+    print(f"\nrequests: {summary['completed']}/{summary['requests']} completed, {summary['failed']} failed "
+          f"in {summary['duration_s']:.1f} s; {summary['request_throughput_per_s']:.2f} req/s, "
+          f"{summary['output_tokens']} output tokens, {summary['output_token_throughput_per_s']:.1f} tok/s")
+    for error in summary["errors"]:
+        print(f"  error: {error}")
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Generation over a backend, one request at a time per calling thread.
+
+A backend turns a prompt into next-token logits and then feeds one token at a time:
+`prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]`. The engine
+adds what serving needs on top: sampling (greedy at temperature 0, else temperature and
+top-p with a per-request seeded generator), EOS and stop sequences, and the text that is
+safe to send after each token (a partial stop string or a partial UTF-8 character is held
+back until it resolves).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from ..errors import UserError
+from ..tokenizer import load_tokenizer
+
+
+class RequestError(UserError):
+    """A request the engine cannot serve as asked; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Step:
+    text: str  # new text since the previous step; "" while text is held back
+    finish_reason: str | None  # "stop" | "length" on the last step, else None
+    completion_tokens: int  # tokens generated so far (an EOS counts)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token from [V] logits: argmax at temperature 0, else nucleus sampling."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # keep a token while the mass of the tokens before it is still short of top_p:
+        # the smallest prefix whose mass reaches top_p (the top token always stays)
+        keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+        return int(order[torch.multinomial(sorted_p * keep, 1, generator=generator)])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters must wait: a suffix that may grow into a stop string,
+    or an incomplete character (decoders show a partial UTF-8 sequence as U+FFFD)."""
+    n = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), n, -1):
+            if text.endswith(stop[:k]):
+                n = k
+                break
+    replacement = len(text) - len(text.rstrip("\ufffd"))
+    return max(n, replacement)
+
+
+class Engine:
+    def __init__(self, backend, tokenizer, max_context: int, eos_ids: set[int], max_prompt: int | None = None):
+        self.backend, self.tokenizer = backend, tokenizer
+        self.max_context = max_context
+        self.max_prompt = max_prompt or max_context  # a compiled backend's largest prefill bucket
+        self.eos_ids = frozenset(eos_ids)
+
+    def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
+        """The request's token budget: what it asked for, or what is left of the context."""
+        room = self.max_context - n_prompt
+        if room < 1:
+            raise RequestError(f"the prompt is {n_prompt} tokens; this model's context is {self.max_context} "
+                               f"tokens, which leaves no room to generate", "prompt")
+        if n_prompt > self.max_prompt:
+            raise RequestError(f"the prompt is {n_prompt} tokens; this backend takes at most {self.max_prompt}",
+                               "prompt")
+        if requested is None:
+            return room
+        if requested > room:
+            raise RequestError(f"this model's context is {self.max_context} tokens: the prompt ({n_prompt}) "
+                               f"plus max_tokens ({requested}) exceeds it by {requested - room}", "max_tokens")
+        return requested
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 cancelled: threading.Event | None = None) -> Iterator[Step]:
+        """One Step per generated token; the last carries the finish reason. Returns early,
+        without a final Step, once `cancelled` is set (the consumer went away)."""
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        tokens: list[int] = []
+        sent = 0  # characters of the decoded text already handed out
+        logits, state = self.backend.prefill(prompt_ids)
+        for i in range(params.max_tokens):
+            if cancelled is not None and cancelled.is_set():
+                return
+            token = sample(logits, params.temperature, params.top_p, generator)
+            if token in self.eos_ids:
+                yield Step(self._text(tokens)[sent:], "stop", i + 1)
+                return
+            tokens.append(token)
+            # Decoding the whole output each step is what keeps multi-token characters and
+            # tokenizers that merge across tokens right; outputs are short enough for it.
+            text = self._text(tokens)
+            cut = min((j for j in (text.find(s) for s in params.stop) if j >= 0), default=None)
+            if cut is not None:
+                yield Step(text[sent:cut], "stop", i + 1)
+                return
+            if i == params.max_tokens - 1:
+                yield Step(text[sent:], "length", i + 1)
+                return
+            safe = len(text) - held_back(text, params.stop)
+            yield Step(text[sent:safe], None, i + 1)
+            sent = max(sent, safe)
+            logits = self.backend.decode(token, state)
+
+    def _text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens) if tokens else ""
+
+
+class HFBackend:
+    """transformers' model on CPU (any experts implementation) with a per-request KV cache."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]):
+        cache = DynamicCache(config=self.model.config)
+        state = {"cache": cache, "position": len(ids)}
+        return self._forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache), state
+
+    @torch.inference_mode()
+    def decode(self, token: int, state) -> torch.Tensor:
+        position = torch.tensor([[state["position"]]])
+        state["position"] += 1
+        return self._forward(torch.tensor([[token]]), position, state["cache"])
+
+    def _forward(self, ids, positions, cache) -> torch.Tensor:
+        out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+
+def _eos_ids(tokenizer, config) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {i for i in ids if i is not None}
+
+
+def load_engine(port, backend: str, *, checkpoint: Path | None = None, artifacts: Path | None = None,
+                dtype: torch.dtype | None = None) -> Engine:
+    """The engine for `backend`: "neuron" (a compiled artifact directory) or an experts
+    implementation name (transformers' model on CPU)."""
+    if backend == "neuron":
+        from .neuron import NeuronBackend
+
+        tokenizer = load_tokenizer(port, checkpoint or artifacts)  # the artifact may carry the tokenizer
+        neuron = NeuronBackend(artifacts, port)
+        return Engine(neuron, tokenizer, neuron.max_context, _eos_ids(tokenizer, port.config), neuron.max_prompt)
+    from ..model import build_model
+
+    tokenizer = load_tokenizer(port, checkpoint)
+    model = build_model(port, backend, dtype, checkpoint)
+    return Engine(HFBackend(model), tokenizer, model.config.max_position_embeddings,
+                  _eos_ids(tokenizer, model.config))

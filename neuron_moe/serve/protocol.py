@@ -1,0 +1,114 @@
+"""Request bodies of the OpenAI dialect and errors in its shape.
+
+Unknown fields are ignored (clients send `extra_body` as-is); fields we cannot honour
+(n > 1, logprobs, echo, best_of, tools) are refused with 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+MAX_STOPS = 4
+
+
+class APIError(Exception):
+    """Answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", *,
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    n: int = 1
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: bool | int | None = None
+    tools: list | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("a stop sequence must not be empty")
+        return stops
+
+    @field_validator("n", "best_of")
+    @classmethod
+    def _one(cls, v, info):
+        if v is not None and v != 1:
+            raise ValueError(f"only {info.field_name}=1 is supported")
+        return v
+
+    @field_validator("echo", "logprobs", "tools")
+    @classmethod
+    def _unsupported(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return v
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens replaces the deprecated max_tokens; it wins when both are sent
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _single(cls, v):
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError(f"exactly one prompt is supported, got {len(v)}")
+            return v[0]
+        return v

@@ -1,0 +1,139 @@
+"""`neuron-moe serve`: check the arguments, resolve the artifacts, run uvicorn.
+
+What can be checked before loading (port file, backend, artifact path, Neuron SDK or S3
+support present) fails before the socket is bound, as one `error:` line. The model then
+loads in a thread — pulling an s3:// artifact first — while /health answers 503; a load
+that fails stops the server with that error (exit 2), so a container restarts.
+
+SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
+--drain-timeout for the requests in flight to finish, new requests on open connections get
+503 + Retry-After, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import uvicorn
+
+from ..errors import UserError
+from ..port import DTYPES, load_port
+
+log = logging.getLogger("neuron_moe.serve")
+S3_SCHEME = "s3://"
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+class ServeError(UserError):
+    pass
+
+
+def s3_pull_function():
+    """neuron_moe.publish.s3.pull(uri, dest_dir), imported only when an s3:// URI is given."""
+    try:
+        from ..publish.s3 import pull
+    except ModuleNotFoundError as e:
+        if (e.name or "").startswith("neuron_moe"):
+            raise ServeError("--artifacts s3://... needs neuron_moe.publish.s3, which this installation "
+                             "does not have") from None
+        raise ServeError(f"--artifacts s3://... needs the {e.name!r} package: "
+                         "pip install 'neuron-moe[publish]'") from None
+    return pull
+
+
+def s3_cache_dir(uri: str, root: Path) -> Path:
+    bucket, _, prefix = uri[len(S3_SCHEME):].partition("/")
+    if not bucket:
+        raise ServeError(f"--artifacts {uri}: no bucket in the URI (expected s3://bucket/prefix)")
+    return root.joinpath(bucket, *[p for p in prefix.split("/") if p not in ("", ".", "..")])
+
+
+def plan_load(args):
+    """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
+    from .engine import load_engine
+
+    port = load_port(args.model)
+    if args.max_queue < 0:
+        raise ServeError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    artifacts, pull = args.artifacts, None
+    if artifacts and artifacts.startswith(S3_SCHEME):
+        pull = s3_pull_function()
+        local = s3_cache_dir(artifacts, Path(args.artifacts_cache).expanduser())
+    elif artifacts:
+        local = Path(artifacts)
+        if not local.is_dir():
+            raise ServeError(f"--artifacts {artifacts}: not a directory")
+    else:
+        local = None
+
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    if args.backend == "neuron":
+        from . import neuron
+
+        if local is None:
+            raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
+        if args.max_running != 1:
+            raise ServeError("--backend neuron serves one sequence at a time (its KV cache lives on the "
+                             "device): --max-running must be 1")
+        if pull is None:
+            neuron.read_manifest(local)
+        neuron.require_sdk()
+    elif local is not None:  # for a CPU backend the artifact is an HF-layout checkpoint
+        if checkpoint is not None:
+            raise ServeError("give the CPU backend's weights once: --checkpoint or --artifacts, not both")
+        checkpoint = local if pull is None else None
+
+    def load():
+        nonlocal checkpoint
+        if pull is not None:
+            log.info("pulling %s into %s", artifacts, local)
+            pull(artifacts, local)
+            if args.backend != "neuron":
+                checkpoint = local
+        return load_engine(port, args.backend, checkpoint=checkpoint, artifacts=local,
+                           dtype=DTYPES[args.dtype] if args.dtype else None)
+
+    return port, load
+
+
+class DrainingServer(uvicorn.Server):
+    def handle_exit(self, sig, frame):
+        self.config.app.state.server.draining = True
+        log.info("signal %d: draining the requests in flight, then exiting", sig)
+        super().handle_exit(sig, frame)
+
+
+def run(args) -> int:
+    from .app import create_app
+
+    port, load = plan_load(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    if args.host not in LOOPBACK and not args.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
+    failure: list[BaseException] = []
+
+    def on_load_error(e: BaseException) -> None:
+        failure.append(e)
+        server.should_exit = True
+
+    app = create_app(load, model_name=port.name, api_key=args.api_key, max_running=args.max_running,
+                     max_queue=args.max_queue, on_load_error=on_load_error)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+    server = DrainingServer(config)
+    # uvicorn re-raises the signal it drained on once it is done; with the default handlers
+    # that would kill a cleanly drained process (SIGTERM) or print a traceback (SIGINT).
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failure:
+        if isinstance(failure[0], UserError):
+            raise ServeError(f"the model failed to load: {failure[0]}")
+        raise failure[0]
+    return 0
+

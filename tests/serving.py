@@ -1,0 +1,54 @@
+"""Test helpers: a uvicorn server in a thread on a free loopback port, always shut down."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+@contextlib.contextmanager
+def serving(app, timeout_s: float = 30.0):
+    """Run `app` on 127.0.0.1 (a port the OS picks) and yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            assert thread.is_alive(), "the test server stopped during startup"
+            assert time.monotonic() < deadline, f"the test server did not start within {timeout_s} s"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
+        sock.close()
+        assert not thread.is_alive(), "the test server did not stop"
+
+
+def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def sse_events(lines) -> list:
+    """`data:` payloads of an SSE stream, JSON-decoded ([DONE] kept as the string)."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

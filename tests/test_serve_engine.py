@@ -1,0 +1,278 @@
+"""The serving engine without HTTP: sampling, stop sequences, streamed text, limits, chat
+prompts, and the Neuron backend's bookkeeping against a stand-in for the NxD runtime."""
+
+import importlib.machinery
+import importlib.util
+import json
+import sys
+import types
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from neuron_moe.generate import greedy, left_pad
+from neuron_moe.serve import neuron
+from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
+from neuron_moe.serve.engine import Engine, HFBackend, RequestError, SamplingParams, held_back, sample
+from neuron_moe.tokenizer import ByteTokenizer, HFTokenizer
+
+BYTES = ByteTokenizer()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Scripted:
+    """A backend that emits the given tokens in order, whatever the prompt (then EOS)."""
+
+    def __init__(self, tokens, vocab=BYTES.vocab_size):
+        self.tokens, self.vocab = list(tokens), vocab
+
+    def prefill(self, ids):
+        return self._logits(0), {"i": 0}
+
+    def decode(self, token, state):
+        state["i"] += 1
+        return self._logits(state["i"])
+
+    def _logits(self, i):
+        logits = torch.full((self.vocab,), -30.0)
+        logits[self.tokens[i] if i < len(self.tokens) else BYTES.eos_token_id] = 0.0
+        return logits
+
+
+class Recording:
+    """Wraps a backend and records every token fed back to it."""
+
+    def __init__(self, inner):
+        self.inner, self.fed = inner, []
+
+    def prefill(self, ids):
+        return self.inner.prefill(ids)
+
+    def decode(self, token, state):
+        self.fed.append(token)
+        return self.inner.decode(token, state)
+
+
+def scripted_engine(text: str) -> Engine:
+    return Engine(Scripted([b + BYTES.offset for b in text.encode()]), BYTES, 512, {BYTES.eos_token_id})
+
+
+def run(engine, max_tokens=64, prompt=(2, 50), **kw):
+    return list(engine.generate(list(prompt), SamplingParams(max_tokens, temperature=0.0, **kw)))
+
+
+# ---- text handed out step by step ---------------------------------------------------------------
+
+def test_stop_sequence_cuts_the_text_and_is_never_sent():
+    steps = run(scripted_engine("The answer is 42. Done"), stop=("42.",))
+    assert "".join(s.text for s in steps) == "The answer is "
+    assert steps[-1].finish_reason == "stop" and steps[-1].completion_tokens == len("The answer is 42.")
+    assert all("4" not in s.text for s in steps)  # the stop's first character was held back, never sent
+
+
+def test_a_partial_stop_is_held_back_then_released():
+    steps = run(scripted_engine("abcabd"), max_tokens=6, stop=("abx",))
+    assert [s.text for s in steps] == ["", "", "abc", "", "", "abd"]
+    assert steps[-1].finish_reason == "length"
+
+
+def test_eos_ends_with_stop_and_flushes_what_was_held():
+    steps = run(scripted_engine("hi a"), stop=("ab",))  # "a" is held (could become "ab"), then EOS
+    assert "".join(s.text for s in steps) == "hi a"
+    assert (steps[-1].finish_reason, steps[-1].completion_tokens) == ("stop", 5)  # the EOS counts
+
+
+def test_multibyte_characters_are_never_sent_half():
+    text = "café ☕ ok"
+    steps = run(scripted_engine(text))
+    assert all("\ufffd" not in s.text for s in steps)
+    assert "".join(s.text for s in steps) == text
+    assert len(steps) == len(text.encode()) + 1  # one step per byte token, then EOS
+
+
+def test_max_tokens_ends_with_length():
+    steps = run(scripted_engine("hello world"), max_tokens=4)
+    assert ("".join(s.text for s in steps), steps[-1].finish_reason) == ("hell", "length")
+
+
+def test_held_back():
+    assert held_back("xx\ufffd", ()) == 1
+    assert held_back("hello wo", ("world", "xyz")) == 2
+    assert held_back("hello", ("world",)) == 0
+
+
+def test_cancelled_generation_stops_without_a_final_step():
+    import threading
+
+    cancelled = threading.Event()
+    steps = []
+    for step in scripted_engine("abcdefgh").generate([2], SamplingParams(8, temperature=0.0), cancelled):
+        steps.append(step)
+        if len(steps) == 3:
+            cancelled.set()
+    assert len(steps) == 3 and steps[-1].finish_reason is None
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+
+def _frequencies(logits, n=4000, **kw):
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([sample(logits, generator=gen, **kw) for _ in range(n)]),
+                            minlength=len(logits))
+    return (counts / n).tolist()
+
+
+def test_top_p_keeps_the_smallest_nucleus_and_renormalises():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    f = _frequencies(logits, temperature=1.0, top_p=0.75)  # 0.5 is short of it, 0.5 + 0.3 reaches it
+    assert f[2] == f[3] == 0.0 and abs(f[0] - 0.5 / 0.8) < 0.03
+    f = _frequencies(logits, temperature=1.0, top_p=0.9)
+    assert abs(f[2] - 0.15 / 0.95) < 0.03 and f[3] == 0.0
+
+
+def test_temperature_sharpens_as_it_should():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    f = _frequencies(logits, temperature=0.5, top_p=1.0)  # p^(1/T), renormalised
+    expected = [p**2 / sum(q**2 for q in (0.5, 0.3, 0.15, 0.05)) for p in (0.5, 0.3, 0.15, 0.05)]
+    assert all(abs(a - b) < 0.03 for a, b in zip(f, expected))
+    assert sample(logits, 0.0, 1.0, torch.Generator()) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_eager):
+    return Engine(HFBackend(tiny_eager), BYTES, tiny_eager.config.max_position_embeddings, {BYTES.eos_token_id})
+
+
+def test_greedy_generation_is_the_reference_greedy(tiny_engine, tiny_eager):
+    prompt = BYTES.encode("Mixture-of-Experts models route each token to")
+    recording = Recording(tiny_engine.backend)
+    engine = Engine(recording, BYTES, tiny_engine.max_context, set(tiny_engine.eos_ids))
+    steps = run(engine, max_tokens=16, prompt=prompt)
+    reference = greedy(tiny_eager, *left_pad([prompt], 0), 16).tokens[0].tolist()
+    assert steps[-1].completion_tokens == 16 and recording.fed == reference[:15]
+    assert "".join(s.text for s in steps) == BYTES.decode(reference)
+
+
+def test_seeded_sampling_is_reproducible(tiny_engine):
+    prompt = BYTES.encode("Once upon a time")
+
+    def text(**kw):
+        return "".join(s.text for s in tiny_engine.generate(prompt, SamplingParams(8, **kw)))
+
+    assert text(temperature=1.0, seed=5) == text(temperature=1.0, seed=5)
+    assert text(temperature=1.0, seed=5) != text(temperature=1.0, seed=6)
+    assert text(temperature=1.0, top_p=1e-9, seed=7) == text(temperature=0.0)  # a nucleus of one is greedy
+
+
+def test_token_budget(tiny_engine):
+    assert tiny_engine.max_tokens_for(500, None) == 12  # the rest of the 512-token context
+    with pytest.raises(RequestError, match="exceeds it by 8") as e:
+        tiny_engine.max_tokens_for(500, 20)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(RequestError, match="leaves no room") as e:
+        tiny_engine.max_tokens_for(512, None)
+    assert e.value.param == "prompt"
+
+
+# ---- chat prompts --------------------------------------------------------------------------------
+
+def test_fallback_chat_template_without_one_in_the_tokenizer():
+    ids, stops = render_chat(BYTES, [{"role": "developer", "content": "Be brief."},
+                                     {"role": "user", "content": "Hi"}])
+    assert BYTES.decode(ids) == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
+    assert ids[0] == BYTES.bos_token_id and stops == (FALLBACK_STOP,)
+
+
+def test_the_tokenizers_chat_template_is_used_when_it_has_one(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<bos>", "<unk>", "<turn>", "<end>", "system", "user", "assistant", "Hi", "Be", "brief"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
+                         "{% endfor %}{% if add_generation_prompt %}<turn> assistant {% endif %}")
+    tok.save_pretrained(tmp_path)
+
+    ids, stops = render_chat(HFTokenizer(tmp_path), [{"role": "developer", "content": "Be brief"},
+                                                     {"role": "user", "content": "Hi"}])
+    assert [words[i] for i in ids] == ["<bos>", "<turn>", "system", "Be", "brief", "<end>",
+                                       "<turn>", "user", "Hi", "<end>", "<turn>", "assistant"]  # one BOS
+    assert stops == ()
+
+
+# ---- the Neuron backend against a stand-in runtime ------------------------------------------------
+
+def test_manifest_errors_name_the_problem(tmp_path):
+    with pytest.raises(neuron.NeuronError, match="no manifest.json"):
+        neuron.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"port": "p", "tp": 2, "buckets": [64], "max_length": 32}))
+    with pytest.raises(neuron.NeuronError, match=r"'buckets' must be positive lengths up to max_length \(32\)"):
+        neuron.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"port": "p", "buckets": [8], "max_length": 32}))
+    with pytest.raises(neuron.NeuronError, match="field 'tp' is missing"):
+        neuron.read_manifest(tmp_path)
+
+
+def test_missing_sdk_is_a_clear_error():
+    if all(importlib.util.find_spec(m) for m in neuron.SDK_MODULES):
+        pytest.skip("the Neuron SDK is installed here")
+    with pytest.raises(neuron.NeuronError, match="needs the Neuron SDK"):
+        neuron.require_sdk()
+
+
+class StandInRuntime:
+    """What a compiled NxD artifact does, computed with the CPU model: prefill sees the prompt
+    padded on the right to a bucket and returns logits for every position; decode keeps the
+    sequence (as the device KV cache would) and returns the last position's logits."""
+
+    def __init__(self, model, buckets, max_length):
+        self.model, self.buckets, self.max_length = model, buckets, max_length
+        self.nxd_model = types.SimpleNamespace(initialize=self.initialize)
+        self.history, self.weights = [], None
+
+    def initialize(self, weights, start_rank):
+        self.weights, self.start_rank = weights, start_rank
+
+    @torch.no_grad()
+    def __call__(self, ids, mask, positions):
+        if ids.shape[1] > 1:
+            assert ids.shape[1] in self.buckets and ids.shape == mask.shape == positions.shape
+            self.history = ids[0, mask[0].bool()].tolist()
+            return (self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits,)
+        assert mask.shape == (1, self.max_length) and int(mask.sum()) == int(positions) + 1 == len(self.history) + 1
+        self.history.append(int(ids))
+        return self.model(torch.tensor([self.history])).logits[:, -1:]
+
+
+def test_neuron_backend_pads_to_buckets_and_matches_the_reference(tmp_path, monkeypatch, tiny_port, tiny_eager):
+    manifest = {"port": tiny_port.name, "tp": 2, "buckets": [64, 16], "max_length": 128}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "weights").mkdir()
+    for rank in range(2):
+        save_file({"w": torch.full((1,), float(rank))}, tmp_path / f"weights/tp{rank}_sharded_checkpoint.safetensors")
+    for name in neuron.SDK_MODULES:  # stand-ins found by importlib, as the SDK would be
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, module)
+    runtime = StandInRuntime(tiny_eager, {16, 64}, 128)
+    monkeypatch.setattr(torch.jit, "load", lambda path: runtime)
+
+    backend = neuron.NeuronBackend(tmp_path, tiny_port)
+    assert [float(w["w"]) for w in runtime.weights] == [0.0, 1.0]  # every rank's shard, in rank order
+    recording = Recording(backend)
+    engine = Engine(recording, BYTES, backend.max_context, {BYTES.eos_token_id}, backend.max_prompt)
+    for text in ("short prompt", "a prompt longer than sixteen bytes"):  # buckets 16 and 64
+        prompt = BYTES.encode(text)
+        recording.fed.clear()
+        steps = run(engine, max_tokens=10, prompt=prompt)
+        reference = greedy(tiny_eager, *left_pad([prompt], 0), 10).tokens[0].tolist()
+        assert recording.fed == reference[:9] and steps[-1].completion_tokens == 10
+    with pytest.raises(RequestError, match="takes at most 64"):
+        engine.max_tokens_for(65, 1)
+    with pytest.raises(neuron.NeuronError, match="compiled for port 'tiny-gemma4-moe', not 'other'"):
+        neuron.NeuronBackend(tmp_path, types.SimpleNamespace(name="other"))
+

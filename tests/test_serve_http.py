@@ -1,0 +1,330 @@
+"""The server over HTTP on 127.0.0.1, driven by the official `openai` client (and raw httpx
+where the wire format itself is the point): responses validate against OpenAI's types, and
+every error case answers in OpenAI's shape with the right status."""
+
+import threading
+
+import httpx
+import openai
+import pytest
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from neuron_moe.errors import UserError
+from neuron_moe.serve.app import create_app
+from neuron_moe.serve.chat import render_chat
+from neuron_moe.serve.engine import SamplingParams, load_engine
+
+from serving import serving, sse_events, wait_for
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+MODEL = "tiny-gemma4-moe"
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+class Spy:
+    """Wraps an engine: counts steps, records how each generation ended, can fail on cue."""
+
+    def __init__(self, engine, fail_after=None):
+        self.engine, self.fail_after = engine, fail_after
+        self.steps, self.outcomes = 0, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, prompt_ids, params, cancelled=None):
+        finish = "cancelled"
+        for i, step in enumerate(self.engine.generate(prompt_ids, params, cancelled)):
+            if i == self.fail_after:
+                self.outcomes.append("failed")
+                raise RuntimeError("injected backend fault")
+            self.steps += 1
+            finish = step.finish_reason or finish
+            yield step
+        self.outcomes.append(finish)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_port):
+    return load_engine(tiny_port, "eager")
+
+
+def make_app(engine, **kw):
+    return create_app(lambda: engine, model_name=MODEL, **kw)
+
+
+def ready(url):
+    wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, what="the model to be ready")
+    return url
+
+
+def client(url, key="unused", **kw):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60, **kw)
+
+
+def chat_body(**kw):
+    return {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0, **kw}
+
+
+def health(url):
+    return httpx.get(f"{url}/health").json()
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with serving(make_app(engine, max_running=1, max_queue=8)) as base:
+        yield ready(base)
+
+
+def assert_openai_error(response, status, param=None, code=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == ERROR_KEYS and error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+    return error
+
+
+# ---- what a client gets when all is well -----------------------------------------------------------
+
+def test_chat_completion_validates_and_is_the_engines_output(url, engine):
+    raw = client(url).chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=10,
+                                                                temperature=0)
+    completion = ChatCompletion.model_validate(raw.http_response.json())
+    ids, stops = render_chat(engine.tokenizer, CHAT)
+    steps = list(engine.generate(ids, SamplingParams(10, temperature=0.0, stop=stops)))
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == "".join(s.text for s in steps)
+    assert choice.finish_reason == steps[-1].finish_reason
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (len(ids), steps[-1].completion_tokens)
+    assert completion.id.startswith("chatcmpl-") and completion.model == MODEL
+
+
+def test_streamed_chat_chunks_validate_and_add_up(url):
+    body = chat_body(max_tokens=10, stream=True, stream_options={"include_usage": True})
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate(e) for e in events[:-1]]
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [chunks[-2].choices[0].finish_reason]  # once, on the last choice chunk
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == (
+        chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    streamed = client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
+                                                   stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+    plain = client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
+    assert plain.choices[0].message.content == text
+    assert plain.usage.completion_tokens == chunks[-1].usage.completion_tokens
+
+
+def test_text_completions_plain_and_streamed(url):
+    raw = client(url).completions.with_raw_response.create(model=MODEL, prompt="The capital of France is",
+                                                           max_tokens=8, temperature=0)
+    plain = Completion.model_validate(raw.http_response.json())
+    assert plain.object == "text_completion" and plain.id.startswith("cmpl-")
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    # OpenAI's Completion type has no null finish_reason, yet streamed text chunks carry one
+    # (as OpenAI's and vLLM's do; the client builds them unvalidated): only the last validates.
+    last = Completion.model_validate(events[-2])
+    assert last.choices[0].finish_reason == plain.choices[0].finish_reason
+    for event in events[:-2]:
+        assert event.keys() == events[-2].keys() and event["choices"][0]["finish_reason"] is None
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == plain.choices[0].text
+
+
+def test_stop_sequences_and_seeds_reach_the_engine(url):
+    c = client(url)
+    free = c.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=0).choices[0].text
+    stop = free[3:5]  # a stop string taken from the middle of the greedy output
+    cut = c.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=0, stop=[stop]).choices[0]
+    assert cut.text == free[: free.index(stop)] and cut.finish_reason == "stop"
+    sampled = [c.completions.create(model=MODEL, prompt="abc", max_tokens=8, seed=s).choices[0].text for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+def test_models_health_and_ping(url):
+    models = client(url).models.list()
+    assert [Model.model_validate(m.model_dump()).id for m in models.data] == [MODEL]
+    assert health(url) == {"status": "ready", "model": MODEL, "running": 0, "waiting": 0}
+    assert httpx.get(f"{url}/ping").status_code == 200
+
+
+# ---- invalid requests: 400 in OpenAI's shape, never 422 ------------------------------------------
+
+@pytest.mark.parametrize("edit,param", [
+    (dict(temperature=3.0), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(n=2), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=100_000), "max_tokens"),  # past the 512-token context
+    (dict(max_completion_tokens=100_000), "max_completion_tokens"),
+    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(messages=[]), "messages"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
+    (dict(messages=None), "messages"),
+    (dict(seed="seven"), "seed"),
+])
+def test_invalid_requests_are_400(url, edit, param):
+    body = {k: v for k, v in chat_body(**edit).items() if v is not None}
+    error = assert_openai_error(httpx.post(f"{url}/v1/chat/completions", json=body), 400, param=param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_a_too_long_prompt_are_400(url):
+    r = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert "not valid JSON" in assert_openai_error(r, 400)["message"]
+    long = {"model": MODEL, "prompt": "x" * 600, "max_tokens": 1}
+    assert "context is 512 tokens" in assert_openai_error(httpx.post(f"{url}/v1/completions", json=long), 400,
+                                                           param="prompt")["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model=MODEL, messages=CHAT, temperature=2.5)
+    assert e.value.param == "temperature"
+
+
+def test_unknown_model_is_404(url):
+    with pytest.raises(openai.NotFoundError) as e:
+        client(url).chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert (e.value.code, e.value.param) == ("model_not_found", "model")
+    assert_openai_error(httpx.get(f"{url}/v1/nope"), 404)
+
+
+def test_api_key(engine):
+    with serving(make_app(engine, api_key="secret")) as url:
+        ready(url)  # /health stays open for load balancers
+        assert httpx.get(f"{url}/ping").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            client(url, key="wrong").models.list()
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
+        assert_openai_error(r, 401, code="invalid_api_key")
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert client(url, key="secret").chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
+
+
+# ---- load, overload, disconnects, failures ------------------------------------------------------------
+
+def test_503_with_retry_after_while_loading(engine):
+    gate = threading.Event()
+
+    def load():
+        assert gate.wait(60)
+        return engine
+
+    with serving(create_app(load, model_name=MODEL)) as url:
+        try:
+            for path in ("/health", "/ping"):
+                r = httpx.get(url + path)
+                assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
+            assert health(url)["status"] == "loading"
+            r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
+            assert_openai_error(r, 503, code="model_loading")
+            assert int(r.headers["retry-after"]) > 0
+            with pytest.raises(openai.InternalServerError):
+                client(url).chat.completions.create(model=MODEL, messages=CHAT)
+        finally:
+            gate.set()
+        ready(url)
+        assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
+
+
+def test_a_failed_load_is_reported_and_stops_the_server(engine):
+    failures = []
+
+    def load():
+        raise UserError("/ckpt: no config.json")
+
+    with serving(create_app(load, model_name=MODEL, on_load_error=failures.append)) as url:
+        wait_for(lambda: failures, what="the load failure callback")
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "failed"
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
+        assert "no config.json" in assert_openai_error(r, 503, code="model_load_failed")["message"]
+
+
+def test_past_the_bounded_queue_429_with_retry_after(engine):
+    spy = Spy(engine)
+    with serving(make_app(spy, max_running=1, max_queue=1)) as url:
+        ready(url)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=300, stream=True)) as first:
+            wait_for(lambda: spy.steps >= 1, what="the first request to generate")
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=3, stream=True)) as queued:
+                assert queued.status_code == 200
+                wait_for(lambda: health(url)["waiting"] == 1, what="the second request to queue")
+                r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
+                assert_openai_error(r, 429, code="queue_full")
+                assert r.headers["retry-after"] == "1"
+                with pytest.raises(openai.RateLimitError):
+                    client(url).chat.completions.create(model=MODEL, messages=CHAT)
+                first.close()  # the first client leaves; the queued request gets the slot
+                events = sse_events(queued.iter_lines())
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert spy.outcomes == ["cancelled", "length"]
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(engine):
+    spy = Spy(engine)
+    with serving(make_app(spy, max_running=1, max_queue=0)) as url:
+        ready(url)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=400, stream=True)) as r:
+            lines = r.iter_lines()  # held: a dropped iterator closes the connection
+            next(lines)
+            wait_for(lambda: spy.steps >= 2, what="generation to start")
+            assert httpx.post(f"{url}/v1/chat/completions", json=chat_body()).status_code == 429  # slot taken
+        # the connection closed mid-stream
+        wait_for(lambda: spy.outcomes, what="the generation to stop")
+        assert spy.outcomes == ["cancelled"] and spy.steps < 400
+        wait_for(lambda: health(url)["running"] == 0, what="the slot to be free")
+        assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
+
+
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(engine):
+    spy = Spy(engine)
+    with serving(make_app(spy, max_running=1, max_queue=0)) as url:
+        ready(url)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=400), timeout=httpx.Timeout(30, read=1))
+        wait_for(lambda: spy.outcomes, what="the generation to stop")
+        assert spy.outcomes == ["cancelled"] and spy.steps < 400
+        wait_for(lambda: health(url)["running"] == 0, what="the slot to be free")
+
+
+def test_an_error_mid_stream_is_an_error_event_then_done(engine):
+    spy = Spy(engine, fail_after=3)
+    with serving(make_app(spy)) as url:
+        ready(url)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=20, stream=True)) as r:
+            assert r.status_code == 200
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]" and set(events[-2]) == {"error"}
+        assert set(events[-2]["error"]) == ERROR_KEYS and events[-2]["error"]["type"] == "server_error"
+        assert "injected backend fault" in events[-2]["error"]["message"]
+        for event in events[:-2]:
+            ChatCompletionChunk.model_validate(event)
+        with pytest.raises(openai.APIError, match="injected backend fault"):
+            for _ in client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, stream=True):
+                pass
+        with pytest.raises(openai.InternalServerError, match="injected backend fault"):
+            client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20)
+        assert spy.outcomes == ["failed"] * 3
+        spy.fail_after = None  # the server itself is unharmed
+        assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
+
+
+def test_a_draining_server_refuses_new_requests_with_503(engine):
+    app = make_app(engine)
+    with serving(app) as url:
+        ready(url)
+        app.state.server.draining = True
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
+        assert_openai_error(r, 503, code="draining")
+        assert int(r.headers["retry-after"]) > 0
+        assert health(url)["status"] == "draining"
