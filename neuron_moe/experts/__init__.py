@@ -8,9 +8,11 @@ or `from_pretrained(..., experts_implementation="dense_masked")` replaces only e
 from transformers.integrations.moe import ExpertsInterface
 
 from .dense_masked import dense_masked_forward
+from .selective import selective_forward
 
 IMPLEMENTATIONS = {
     "dense_masked": dense_masked_forward,
+    "selective": selective_forward,
 }
 
 for _name, _fn in IMPLEMENTATIONS.items():
