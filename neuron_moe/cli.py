@@ -41,12 +41,14 @@ def cmd_ports(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from .info import geometry, parameter_counts
+    from .info import geometry, parameter_counts, per_token_costs
     from .port import load_port
     from .report import table, write_json
 
     port = load_port(args.model)
     report = {"model": port.name, "geometry": geometry(port.config), "parameters": parameter_counts(port.config)}
+    if args.per_token:
+        report["per_token"] = per_token_costs(port.config, port.dtype)
     if args.json:
         write_json(report, args.json)
     if args.json == "-":
@@ -66,7 +68,26 @@ def cmd_info(args) -> int:
     unit, scale = ("GiB", 2**30) if params["bytes"]["bfloat16"] >= 2**30 else ("MiB", 2**20)
     print(table([{"dtype": k, "size": v / scale} for k, v in params["bytes"].items()],
                 [("dtype", "weights as"), ("size", unit, "{:.2f}")]))
+    if args.per_token:
+        _print_per_token(report["per_token"], port.config)
     return 0
+
+
+def _print_per_token(costs: dict, config) -> None:
+    from .report import table
+
+    print(f"\nper decoded token (batch 1, weights in {costs['dtype']}; attention over the KV cache not counted)\n")
+    rows = [{"experts": r["experts"], "read": r["experts_read_per_layer"], "mb_layer": r["expert_bytes_per_layer"] / 1e6,
+             "gb_experts": r["expert_bytes_per_token"] / 1e9, "gb_all": r["weight_bytes_per_token"] / 1e9,
+             "gflop": r["flops_per_token"] / 1e9, "x": f"{r['expert_bytes_reduction']:.0f}x"}
+            for r in costs["implementations"]]
+    print(table(rows, [
+        ("experts", "experts impl"), ("read", "experts read/layer"), ("mb_layer", "expert MB/layer", "{:.1f}"),
+        ("gb_experts", "expert GB/token", "{:.3f}"), ("gb_all", "all weights GB/token", "{:.3f}"),
+        ("gflop", "GFLOP/token", "{:.3f}"), ("x", "expert bytes vs dense_masked"),
+    ]))
+    print(f"\nselective reads batch x {config.top_k_experts} experts per layer and step, dense_masked "
+          f"{config.num_experts}: selective reads less below batch {costs['selective_below_batch']}")
 
 
 def cmd_validate(args) -> int:
@@ -207,6 +228,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="geometry, parameter counts and weight bytes of a port (meta device)")
     _common(p)
+    p.add_argument("--per-token", action="store_true",
+                   help="also weight bytes and FLOPs per decoded token for each experts implementation")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("validate", help="SEQ_MATCH: greedy tokens of a backend vs the CPU reference (HF eager fp32)",

@@ -82,3 +82,49 @@ def parameter_counts(config: Gemma4TextConfig) -> dict:
             "int8_experts_bf16_rest": (total - experts) * 2 + experts + expert_scales * 4,
         },
     }
+
+
+# Experts each implementation reads and computes per layer for one decoded token (batch 1).
+# HF's eager loop runs only the experts that some token picked: k of them at batch 1, but with
+# data-dependent shapes, so it is the CPU reference and never a graph.
+def _experts_per_token(config: Gemma4TextConfig) -> dict[str, int]:
+    return {"dense_masked": config.num_experts, "selective": config.top_k_experts, "eager": config.top_k_experts}
+
+
+def per_token_costs(config: Gemma4TextConfig, dtype: torch.dtype) -> dict:
+    """Weight bytes read and FLOPs per decoded token (batch 1) for each experts implementation,
+    from the geometry. Attention over the KV cache is left out: it depends on the context length."""
+    params = parameter_counts(config)
+    nbytes = torch.finfo(dtype).bits // 8
+    layers, H = config.num_hidden_layers, config.hidden_size
+    expert_params = 3 * config.moe_intermediate_size * H  # gate_up [2I, H] + down [H, I]
+    # Everything but the experts is read every step; an untied embedding table is only looked up
+    # (one row), a tied one is also the LM head and is read whole.
+    embed = config.vocab_size * H
+    rest = params["total"] - params["groups"]["experts"]
+    rest_read = rest if config.tie_word_embeddings else rest - embed + H
+    # matmul weights of the rest (2 FLOPs each): everything but norms, scalars and the lookup
+    rest_matmul = sum(n for g, n in params["groups"].items() if g not in ("experts", "norms_and_scalars", "embeddings"))
+    rest_matmul += embed  # the LM head, tied or not
+    rows = []
+    for name, experts in _experts_per_token(config).items():
+        layer_bytes = experts * expert_params * nbytes
+        rows.append({
+            "experts": name,
+            "experts_read_per_layer": experts,
+            "expert_bytes_per_layer": layer_bytes,
+            "expert_bytes_per_token": layers * layer_bytes,
+            "weight_bytes_per_token": layers * layer_bytes + rest_read * nbytes,
+            "flops_per_token": 2 * (layers * experts * expert_params + rest_matmul),
+        })
+    dense = rows[0]["expert_bytes_per_layer"]
+    for row in rows:
+        row["expert_bytes_reduction"] = dense / row["expert_bytes_per_layer"]
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch": 1,
+        # gathering k slices per token costs batch * k expert reads per step, DenseExperts E:
+        # selective reads less while batch * top_k < num_experts
+        "selective_below_batch": -(-config.num_experts // config.top_k_experts),
+        "implementations": rows,
+    }

@@ -25,13 +25,24 @@ else:  # pragma: no cover - exercised only on 3.10
 
 DEFAULT_PORT = "tiny-gemma4-moe"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_SECTIONS = {"name", "description", "weights", "tokenizer", "config"}
+_SECTIONS = {"name", "description", "weights", "tokenizer", "config", "static"}
 _WEIGHT_SOURCES = ("random", "checkpoint")
 _TOKENIZERS = ("bytes", "checkpoint")
 
 
 class PortError(UserError):
     pass
+
+
+@dataclass(frozen=True)
+class StaticSpec:
+    """The `[static]` table: the fixed shapes every traced graph of this port is built for."""
+
+    buckets: tuple[int, ...]  # prefill sequence lengths, ascending; a prompt is padded to the smallest that holds it
+    max_cache_len: int  # KV-cache slots of a global layer: bucket + new tokens - 1 at most
+    batch_size: int  # rows of every graph
+    prefill_experts: str  # experts implementation of the prefill graphs
+    decode_experts: str  # experts implementation of the decode graph
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class Port:
     seed: int | None = None
     checkpoint: Path | None = None  # directory; None means "supply --checkpoint"
     tokenizer: str = "bytes"
+    static: StaticSpec | None = None  # None: the port has no [static] table (no traced graphs)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -72,6 +84,39 @@ def _require(table: dict, key: str, kind: type, where: str):
     if not isinstance(value, kind):
         raise PortError(f"{where}: field '{key}' must be {kind.__name__}, got {type(value).__name__}")
     return value
+
+
+_STATIC_FIELDS = {"buckets", "max_cache_len", "batch_size", "prefill_experts", "decode_experts"}
+
+
+def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpec:
+    from .static import GRAPH_EXPERTS
+
+    where = f"{where} [static]"
+    unknown = sorted(set(table) - _STATIC_FIELDS)
+    if unknown:
+        raise PortError(f"{where}: unknown field(s) {unknown}; expected {sorted(_STATIC_FIELDS)}")
+    buckets = _require(table, "buckets", list, where)
+    if not buckets or not all(type(b) is int and b > 0 for b in buckets):
+        raise PortError(f"{where}: buckets must be a non-empty list of positive integers, got {buckets}")
+    if buckets != sorted(set(buckets)):
+        raise PortError(f"{where}: buckets must be strictly increasing, got {buckets}")
+    max_cache_len = _require(table, "max_cache_len", int, where)
+    if max_cache_len < buckets[-1]:
+        raise PortError(f"{where}: max_cache_len {max_cache_len} is shorter than the largest bucket {buckets[-1]}")
+    if max_cache_len > config.max_position_embeddings:
+        raise PortError(f"{where}: max_cache_len {max_cache_len} exceeds max_position_embeddings "
+                        f"{config.max_position_embeddings}")
+    batch_size = _require(table, "batch_size", int, where)
+    if batch_size < 1:
+        raise PortError(f"{where}: batch_size must be at least 1, got {batch_size}")
+    experts = {}
+    for key in ("prefill_experts", "decode_experts"):
+        experts[key] = _require(table, key, str, where)
+        if experts[key] not in GRAPH_EXPERTS:
+            raise PortError(f"{where}: {key} {experts[key]!r} is not an experts implementation for static "
+                            f"graphs; choose from {list(GRAPH_EXPERTS)}")
+    return StaticSpec(tuple(buckets), max_cache_len, batch_size, **experts)
 
 
 def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
@@ -102,6 +147,7 @@ def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
         raise PortError(f"{where} [tokenizer]: kind {tokenizer!r} is not one of {_TOKENIZERS}")
 
     config = gemma4_moe_config(_require(raw, "config", dict, where), where)
+    static = _static_spec(_require(raw, "static", dict, where), config, where) if "static" in raw else None
     return Port(
         name=_require(raw, "name", str, where),
         description=raw.get("description", ""),
@@ -112,5 +158,6 @@ def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
         seed=seed,
         checkpoint=checkpoint,
         tokenizer=tokenizer,
+        static=static,
         raw=raw,
     )

@@ -34,3 +34,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def prefill_logits(model, ids, mask):
+    """Teacher-forced logits of a left-padded batch through an HF model (positions skip pads)."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+
+
+class MoEBlock(torch.nn.Module):
+    """HF's router followed by the experts: the part of a decoder layer an experts implementation replaces."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.router, self.experts = layer.router, layer.experts
+
+    def forward(self, x):
+        _, weights, index = self.router(x)
+        return self.experts(x, index, weights)

@@ -43,6 +43,15 @@ def test_info_json_to_stdout(capsys):
     assert cli.main(["info", "--model", "gemma4-26b-a4b", "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["geometry"]["num_experts"] == 128
+    assert "per_token" not in report
+
+
+def test_info_per_token_table(capsys):
+    assert cli.main(["info", "--model", "gemma4-26b-a4b", "--per-token"]) == 0
+    out = capsys.readouterr().out
+    dense = next(line for line in out.splitlines() if line.startswith("dense_masked "))
+    selective = next(line for line in out.splitlines() if line.startswith("selective "))
+    assert "1522.5" in dense and "95.2" in selective and selective.rstrip().endswith("16x")
 
 
 def test_user_errors_are_one_line_and_exit_2(capsys):

@@ -6,19 +6,10 @@ import torch
 from neuron_moe.experts.dense_masked import dense_masked_forward, router_weight_matrix
 from neuron_moe.generate import greedy, left_pad
 from neuron_moe.model import build_model
+from neuron_moe.static import data_dependent_ops
 from transformers.integrations.moe import ExpertsInterface
 
-from conftest import random_prompts, reseeded
-
-# Ops whose output shape depends on tensor values: any of them in a graph breaks static tracing.
-DATA_DEPENDENT_OPS = ("aten.nonzero", "aten.index_add", "aten.masked_select", "aten.unique",
-                      "aten._local_scalar_dense", "aten.where.default")
-
-
-def prefill_logits(model, ids, mask):
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+from conftest import MoEBlock, prefill_logits, random_prompts, reseeded
 
 
 @pytest.mark.parametrize("seed,lengths", [(0, [40, 7, 23]), (1, [5, 33]), (2, [18, 18, 2, 29])])
@@ -73,18 +64,6 @@ def test_router_weight_matrix_is_zero_off_top_k():
     assert torch.equal(dense, torch.tensor([[0.3, 0.0, 0.0, 0.7], [0.0, 0.6, 0.4, 0.0]]))
 
 
-class MoEBlock(torch.nn.Module):
-    """HF's router followed by the experts: the part of a decoder layer DenseExperts replaces."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.router, self.experts = layer.router, layer.experts
-
-    def forward(self, x):
-        _, weights, index = self.router(x)
-        return self.experts(x, index, weights)
-
-
 def _export(block, tokens=10):
     x = torch.randn(tokens, block.router.hidden_size)
     dim = torch.export.Dim("tokens", min=2, max=8192)
@@ -97,7 +76,7 @@ def test_dense_masked_block_exports_with_dynamic_tokens_and_no_data_dependent_op
     ep = _export(block)
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert "aten.einsum.default" in targets  # the dense expert compute is in the graph
-    bad = [t for t in targets if t.startswith(DATA_DEPENDENT_OPS)]
+    bad = data_dependent_ops(ep)
     assert not bad, f"data-dependent ops in the DenseExperts graph: {bad}"
     with torch.no_grad():
         for tokens in (3, 57):  # one graph serves any token count

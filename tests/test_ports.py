@@ -48,6 +48,18 @@ def test_port_loads_by_path(tmp_path):
      r"unknown config field\(s\) \['num_expertz'\]"),
     (lambda t: t.replace("top_k_experts = 4", "top_k_experts = 32"), ConfigError, "exceeds num_experts=16"),
     (lambda t: t + "\n[[[", PortError, "not valid TOML"),
+    (lambda t: t.replace("buckets = [8, 56]", "buckets = [56, 8]"), PortError,
+     r"\[static\]: buckets must be strictly increasing, got \[56, 8\]"),
+    (lambda t: t.replace("buckets = [8, 56]", "buckets = []"), PortError, "buckets must be a non-empty list"),
+    (lambda t: t.replace("max_cache_len = 96", "max_cache_len = 32"), PortError,
+     "max_cache_len 32 is shorter than the largest bucket 56"),
+    (lambda t: t.replace("max_cache_len = 96", "max_cache_len = 1024"), PortError,
+     "max_cache_len 1024 exceeds max_position_embeddings 512"),
+    (lambda t: t.replace('decode_experts = "selective"', 'decode_experts = "eager"'), PortError,
+     "decode_experts 'eager' is not an experts implementation for static graphs"),
+    (lambda t: t.replace("batch_size = 2", "batch_size = 0"), PortError, "batch_size must be at least 1"),
+    (lambda t: t.replace("batch_size = 2", "batch = 2"), PortError,
+     r"\[static\]: unknown field\(s\) \['batch'\]"),
 ])
 def test_bad_port_files_name_the_problem(tmp_path, edit, error, message):
     with pytest.raises(error, match=message):

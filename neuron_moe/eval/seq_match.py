@@ -13,6 +13,7 @@ import torch
 
 from ..generate import Generation, greedy, left_pad
 from ..model import build_model
+from ..static.generate import traced_backend
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -36,6 +37,7 @@ BACKENDS: dict[str, Callable[..., Generator]] = {
     "dense_masked": _hf_backend("dense_masked"),
     "int8": _hf_backend("int8"),
     "eager": _hf_backend("eager"),  # the reference against itself: a check of the harness
+    "traced": traced_backend,  # the port's static graphs through torch.export (neuron_moe/static)
 }
 
 
@@ -64,10 +66,11 @@ def compare(reference: Generation, backend: Generation, prompts: list[str]) -> l
 def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: list[str],
                    dtype: torch.dtype | None = None, checkpoint=None) -> dict:
     ids, mask = left_pad([tokenizer.encode(p) for p in prompts], tokenizer.pad_token_id)
+    # the backend first: a backend that refuses the input does so before the reference has run
+    got = BACKENDS[backend](port, dtype, checkpoint)(ids, mask, max_new_tokens)
     reference = build_model(port, "eager", torch.float32, checkpoint)
     ref_gen = greedy(reference, ids, mask, max_new_tokens)
     del reference
-    got = BACKENDS[backend](port, dtype, checkpoint)(ids, mask, max_new_tokens)
     rows = compare(ref_gen, got, prompts)
     for row, ref_t, got_t in zip(rows, ref_gen.tokens, got.tokens):
         row["reference_text"] = tokenizer.decode(ref_t.tolist())

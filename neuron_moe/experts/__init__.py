@@ -9,9 +9,11 @@ from transformers.integrations.moe import ExpertsInterface
 
 from .dense_masked import dense_masked_forward
 from .int8 import int8_forward
+from .selective import selective_forward
 
 IMPLEMENTATIONS = {
     "dense_masked": dense_masked_forward,
+    "selective": selective_forward,
     "int8": int8_forward,
 }
 

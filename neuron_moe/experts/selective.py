@@ -1,0 +1,29 @@
+"""Selective experts: each token gathers the weights of its own top-k experts (fixed shapes).
+
+For token generation a step has a handful of tokens, each touching k of E experts. Computing
+every expert (DenseExperts) reads all E experts' weights per step; gathering k slices per token
+reads only k. The gather is `index_select` with T*k indices: its output shape is [T, k, ...]
+whatever the router picked, so the graph stays static (NxD calls this "selective loading").
+For prefill the gathered copy (T*k expert matrices) outgrows the weights themselves, which is
+why prefill stays on DenseExperts; the port's [static] table says which graph uses which.
+
+Signature is transformers' experts-interface contract, on a `Gemma4TextExperts` module
+(gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def selective_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    gate_up = self.gate_up_proj.index_select(0, flat).view(tokens, k, *self.gate_up_proj.shape[1:])  # [T, k, 2I, H]
+    down = self.down_proj.index_select(0, flat).view(tokens, k, *self.down_proj.shape[1:])  # [T, k, H, I]
+    gate, up = torch.einsum("th,tkoh->tko", hidden_states, gate_up).chunk(2, dim=-1)
+    act = self.act_fn(gate) * up  # [T, k, I]
+    out = torch.einsum("tki,tkhi->tkh", act, down)  # [T, k, H]
+    return torch.einsum("tkh,tk->th", out, top_k_weights.to(out.dtype))
