@@ -93,6 +93,47 @@ def cmd_validate(args) -> int:
     return 0 if report["all_match"] else 1
 
 
+def cmd_reads(args) -> int:
+    from dataclasses import asdict
+
+    from .port import load_port
+    from .reader.accounting import PACKINGS, Geometry, Layout, breakdown
+    from .report import table, write_json
+
+    explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
+    if any(v is not None for v in explicit):
+        if None in explicit:
+            raise UserError("an explicit geometry needs all four of --hidden --experts --top-k --intermediate")
+        geo, name = Geometry(*explicit), "explicit geometry"
+    else:
+        port = load_port(args.model)
+        geo, name = Geometry.from_config(port.config), port.name
+    layout = Layout(scan=args.scan, rank=args.rank, codes_per_byte=PACKINGS[args.packing])
+    report = {"model": name, "geometry": asdict(geo), "packing": args.packing, "scan": args.scan, "rank": args.rank,
+              **breakdown(geo, layout, args.budget)}
+    if args.json:
+        write_json(report, args.json)
+    if args.json == "-":
+        return 0
+    packing = ("2-bit codes (the sidecar's format)" if args.packing == "2bit"
+               else "base-3 codes, 5 per byte (what-if: prep writes 2-bit codes)")
+    print(f"reads per token and MoE layer: {name} (hidden {geo.hidden}, {geo.experts} experts, top-{geo.top_k}, "
+          f"intermediate {geo.intermediate})")
+    print(f"layout: {packing}, scan {args.scan} of 128 per block, recovery rank {args.rank}, bf16, 32-byte sectors")
+    print(f"budget {args.budget}% -> k = {report['k']} exact channels of {report['channels']} "
+          f"({100 * report['k'] / report['channels']:.1f}%)\n")
+    rows = [{"part": p, **v} for p, v in report["reads"].items()]
+    rows += [{"part": "total", "bytes": sum(v["bytes"] for v in report["reads"].values()),
+              "percent": report["total_percent"]},
+             {"part": "full model", "bytes": report["full_bytes"], "percent": 100.0}]
+    print(table(rows, [("part", "read"), ("bytes", "bytes"), ("percent", "share of full", "{:.2f}%")]))
+    print()
+    rows = [{"part": p, **v} for p, v in report["resident"].items()]
+    print(table(rows, [("part", "resident (per layer)"), ("bytes", "bytes"),
+                       ("percent", "share of the bf16 experts", "{:.2f}%")]))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from .eval.seq_match import BACKENDS
 
@@ -120,6 +161,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("reads", help="reader: bytes read per token and layer at a budget, and the k it buys",
+                       description="Bytes the reader reads per token and MoE layer (whole 32-byte sectors, bf16, "
+                                   "the sidecar layout) as a share of the full model's routed-expert reads; the "
+                                   "k a budget buys; the memory the sidecar adds. Geometry from --model, or "
+                                   "explicit with all of --hidden --experts --top-k --intermediate.")
+    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help="port whose geometry to use")
+    p.add_argument("--budget", type=float, default=17.8, metavar="PERCENT", help="read budget (default 17.8)")
+    for flag in ("--hidden", "--experts", "--top-k", "--intermediate"):
+        p.add_argument(flag, type=_positive_int, metavar="N", help="explicit geometry (instead of --model)")
+    p.add_argument("--scan", type=int, default=80, metavar="N", help="coordinates scanned per 128-block "
+                                                                     "(default 80; 128 = full scan)")
+    p.add_argument("--rank", type=int, default=32, metavar="R", help="recovery rank (default 32; 0 = off)")
+    p.add_argument("--packing", choices=("2bit", "base3"), default="2bit",
+                   help="code packing: 2bit (the sidecar's; default) or base3 (5 codes per byte, a what-if)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+    p.set_defaults(func=cmd_reads)
     return top
 
 
