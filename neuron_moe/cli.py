@@ -78,7 +78,12 @@ def cmd_validate(args) -> int:
     tokenizer = load_tokenizer(port, args.checkpoint)
     prompts = list(DEFAULT_PROMPTS) + list(args.prompt or [])
     dtype = DTYPES[args.dtype] if args.dtype else None
-    report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint)
+    reader_flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
+    options = {k: v for k, v in reader_flags.items() if v is not None}
+    if options and args.backend != "reader":
+        raise UserError(f"--{'/--'.join(options)} apply to --backend reader only")
+    report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
+                            options)
     if args.json:
         write_json(report, args.json)
     if args.json != "-":
@@ -134,6 +139,26 @@ def cmd_reads(args) -> int:
     return 0
 
 
+def cmd_prep_reader(args) -> int:
+    from pathlib import Path
+
+    from .port import load_port
+    from .reader.prep import Sidecar, prep_port
+    from .report import write_json
+
+    port = load_port(args.model)
+    path = prep_port(port, Path(args.out), args.checkpoint, seed=args.seed, rank=args.rank, scan=args.scan)
+    side = Sidecar(path)
+    report = {"model": port.name, "sidecar": str(path), "bytes": path.stat().st_size, "layers": side.layers,
+              "scan": side.scan, "rank": side.layout.rank, "seed": side.seed, "source_sha256": side.source_sha256}
+    if args.json:
+        write_json(report, args.json)
+    if args.json != "-":
+        print(f"wrote {path}: {report['bytes'] / 2**20:.2f} MiB, {side.layers} layers, scan {side.scan}, "
+              f"rank {side.layout.rank}, seed {side.seed}, source sha256 {side.source_sha256[:16]}…")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from .eval.seq_match import BACKENDS
 
@@ -160,6 +185,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="backend dtype (default: the port's)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
+    p.add_argument("--sidecar", metavar="FILE", help="reader: the sidecar (default: the port's [reader] sidecar)")
+    p.add_argument("--budget", type=float, metavar="PERCENT",
+                   help="reader: share of the routed-expert bytes read per token, in (0, 100]")
+    p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("reads", help="reader: bytes read per token and layer at a budget, and the k it buys",
@@ -178,6 +207,16 @@ def parser() -> argparse.ArgumentParser:
                    help="code packing: 2bit (the sidecar's; default) or base3 (5 codes per byte, a what-if)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_reads)
+
+    p = sub.add_parser("prep-reader", help="reader: write the weight-prep sidecar of a model",
+                       description="Prepare the reader's sidecar (ternary sketch, channel norms, recovery map) "
+                                   "from the expert weights alone, layer by layer, and write it atomically.")
+    _common(p)
+    p.add_argument("--out", required=True, metavar="FILE", help="sidecar file to write (.safetensors)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Hadamard sign vector (default 0)")
+    p.add_argument("--rank", type=int, default=32, metavar="R", help="recovery-map rank (default 32)")
+    p.add_argument("--scan", type=int, default=80, metavar="N", help="scan width recorded for readers (default 80)")
+    p.set_defaults(func=cmd_prep_reader)
     return top
 
 

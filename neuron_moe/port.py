@@ -25,7 +25,7 @@ else:  # pragma: no cover - exercised only on 3.10
 
 DEFAULT_PORT = "tiny-gemma4-moe"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_SECTIONS = {"name", "description", "weights", "tokenizer", "config"}
+_SECTIONS = {"name", "description", "weights", "tokenizer", "config", "reader"}  # [reader]: experts/channel_reader.py
 _WEIGHT_SOURCES = ("random", "checkpoint")
 _TOKENIZERS = ("bytes", "checkpoint")
 

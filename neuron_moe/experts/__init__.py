@@ -7,10 +7,12 @@ or `from_pretrained(..., experts_implementation="dense_masked")` replaces only e
 
 from transformers.integrations.moe import ExpertsInterface
 
+from .channel_reader import channel_reader_forward
 from .dense_masked import dense_masked_forward
 
 IMPLEMENTATIONS = {
     "dense_masked": dense_masked_forward,
+    "channel_reader": channel_reader_forward,  # needs a sidecar: channel_reader.attach_reader
 }
 
 for _name, _fn in IMPLEMENTATIONS.items():
