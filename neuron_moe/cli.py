@@ -82,6 +82,10 @@ def cmd_validate(args) -> int:
     options = {k: v for k, v in reader_flags.items() if v is not None}
     if options and args.backend != "reader":
         raise UserError(f"--{'/--'.join(options)} apply to --backend reader only")
+    if args.backend == "reader":  # fail on a bad sidecar or budget before the reference runs
+        from .experts.channel_reader import plan_reader, reader_settings
+
+        plan_reader(port.config, *reader_settings(port, **options))
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)
     if args.json:

@@ -119,7 +119,7 @@ def test_channel_reader_without_a_sidecar_says_what_to_do(tiny_port):
 ])
 def test_validate_reader_errors(sidecar, capsys, args, message):
     args = [str(sidecar) if a == "SIDECAR" else a for a in args]
-    assert cli.main(["validate", "--max-new-tokens", "2", *args]) == 2
+    assert cli.main(["validate", *args]) == 2  # 32 tokens by default: fails before any generation
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
@@ -127,9 +127,12 @@ def test_validate_reader_errors(sidecar, capsys, args, message):
 def test_port_reader_section_supplies_sidecar_and_budget(tiny_port, sidecar, tmp_path, capsys):
     port_file = tmp_path / "p.toml"
     port_file.write_text(tiny_port.path.read_text() + f'\n[reader]\nsidecar = "{sidecar}"\nbudget = 100\n')
-    assert cli.main(["validate", "--model", str(port_file), "--backend", "reader", "--max-new-tokens", "4",
+    assert cli.main(["validate", "--model", str(port_file), "--backend", "reader", "--max-new-tokens", "3",
                      "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["all_match"]
-    port_file.write_text(tiny_port.path.read_text() + '\n[reader]\nbudjet = 10\n')
-    assert cli.main(["validate", "--model", str(port_file), "--backend", "reader"]) == 2
-    assert "[reader]: unknown field(s) ['budjet']" in capsys.readouterr().err
+    # bad options fail at once, before the reference generates (no --max-new-tokens limit needed)
+    for section, message in (("budjet = 10", "[reader]: unknown field(s) ['budjet']"),
+                             ('budget = "lots"', "[reader]: field 'budget' has the wrong type ('lots')")):
+        port_file.write_text(tiny_port.path.read_text() + f'\n[reader]\nsidecar = "{sidecar}"\n{section}\n')
+        assert cli.main(["validate", "--model", str(port_file), "--backend", "reader"]) == 2
+        assert message in capsys.readouterr().err

@@ -42,14 +42,9 @@ def _mark_decode(layer, args, kwargs):
     layer.experts.reader.decode = hidden.shape[1] == 1
 
 
-@torch.no_grad()
-def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = None) -> int:
-    """Attach a sidecar to every MoE layer and select `channel_reader`; returns k per token.
-
-    Refuses a sidecar of another geometry or made from other weights. `rank` (default: the
-    sidecar's) may lower the recovery rank; 0 turns recovery off.
-    """
-    config = model.config
+def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = None) -> tuple[Sidecar, int, int]:
+    """Every check that needs no weights: the sidecar file against the config's geometry, the
+    rank, the budget. Returns (sidecar, k per token, rank)."""
     side = Sidecar(Path(sidecar))
     want = (config.hidden_size, config.num_experts, config.moe_intermediate_size, config.num_hidden_layers)
     have = (side.layout.hidden, side.layout.experts, side.layout.intermediate, side.layers)
@@ -59,7 +54,17 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
     rank = side.layout.rank if rank is None else rank
     if not 0 <= rank <= side.layout.rank:
         raise UserError(f"recovery rank {rank} outside [0, {side.layout.rank}] (the sidecar's rank)")
-    k = solve_k(Geometry.from_config(config), Layout(scan=side.scan, rank=rank), budget)
+    return side, solve_k(Geometry.from_config(config), Layout(scan=side.scan, rank=rank), budget), rank
+
+
+@torch.no_grad()
+def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = None) -> int:
+    """Attach a sidecar to every MoE layer and select `channel_reader`; returns k per token.
+
+    Refuses a sidecar of another geometry or made from other weights. `rank` (default: the
+    sidecar's) may lower the recovery rank; 0 turns recovery off.
+    """
+    side, k, rank = plan_reader(model.config, sidecar, budget, rank)
     side.check_source(model_expert_weights(model))
     for i, layer in enumerate(model.model.layers):
         experts = layer.experts
@@ -80,6 +85,9 @@ def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, f
     unknown = sorted(set(section) - {"sidecar", "budget", "rank"})
     if unknown:
         raise UserError(f"{port.path} [reader]: unknown field(s) {unknown}; expected budget, rank, sidecar")
+    for key, kinds in (("sidecar", str), ("budget", (int, float)), ("rank", int)):
+        if key in section and (not isinstance(section[key], kinds) or isinstance(section[key], bool)):
+            raise UserError(f"{port.path} [reader]: field '{key}' has the wrong type ({section[key]!r})")
     if sidecar is None and "sidecar" in section:
         sidecar = port.path.parent / section["sidecar"]
     budget = section.get("budget") if budget is None else budget
