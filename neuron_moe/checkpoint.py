@@ -242,3 +242,30 @@ def _replace_dir(new: Path, target: Path) -> None:
     os.rename(target, old)
     os.rename(new, target)
     shutil.rmtree(old)
+
+
+def iter_expert_weights(ckpt_dir: Path, config: Gemma4TextConfig):
+    """(gate_up_proj, down_proj) of each layer read straight from the files, one layer in memory
+    at a time, in the stored dtype: for offline passes over models too big to load (reader prep)."""
+    ckpt_dir = Path(ckpt_dir)
+    weight_map = _weight_map(ckpt_dir)
+    multimodal = any(k.startswith(MULTIMODAL_TEXT_PREFIX) for k in weight_map)
+    E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    for i in range(config.num_hidden_layers):
+        pair = []
+        for name, shape in (("gate_up_proj", (E, 2 * I, H)), ("down_proj", (E, H, I))):
+            key = f"model.layers.{i}.experts.{name}"
+            if multimodal:
+                key = MULTIMODAL_TEXT_PREFIX + key[len("model."):]
+            if key not in weight_map:
+                raise CheckpointError(f"{ckpt_dir}: missing key {key}")
+            try:
+                with safe_open(weight_map[key], framework="pt") as f:
+                    tensor = f.get_tensor(key)
+            except Exception as e:
+                raise CheckpointError(f"{weight_map[key]}: not a readable safetensors file ({e})") from None
+            if tuple(tensor.shape) != shape or tensor.dtype not in _FLOAT_DTYPES:
+                raise CheckpointError(f"{key}: {tensor.dtype} {tuple(tensor.shape)} in {weight_map[key].name}, "
+                                      f"expected a float tensor of shape {shape}")
+            pair.append(tensor)
+        yield tuple(pair)

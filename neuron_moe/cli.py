@@ -100,7 +100,16 @@ def cmd_validate(args) -> int:
     tokenizer = load_tokenizer(port, args.checkpoint)
     prompts = list(DEFAULT_PROMPTS) + list(args.prompt or [])
     dtype = DTYPES[args.dtype] if args.dtype else None
-    report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint)
+    reader_flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
+    options = {k: v for k, v in reader_flags.items() if v is not None}
+    if options and args.backend != "reader":
+        raise UserError(f"--{'/--'.join(options)} apply to --backend reader only")
+    if args.backend == "reader":  # fail on a bad sidecar or budget before the reference runs
+        from .experts.channel_reader import plan_reader, reader_settings
+
+        plan_reader(port.config, *reader_settings(port, **options))
+    report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
+                            options)
     if args.json:
         write_json(report, args.json)
     if args.json != "-":
@@ -211,6 +220,65 @@ def _serve_parser(sub) -> None:
                    help="on SIGTERM, seconds to let requests in flight finish (default: 60)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
+def cmd_reads(args) -> int:
+    from dataclasses import asdict
+
+    from .port import load_port
+    from .reader.accounting import PACKINGS, Geometry, Layout, breakdown
+    from .report import table, write_json
+
+    explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
+    if any(v is not None for v in explicit):
+        if None in explicit:
+            raise UserError("an explicit geometry needs all four of --hidden --experts --top-k --intermediate")
+        geo, name = Geometry(*explicit), "explicit geometry"
+    else:
+        port = load_port(args.model)
+        geo, name = Geometry.from_config(port.config), port.name
+    layout = Layout(scan=args.scan, rank=args.rank, codes_per_byte=PACKINGS[args.packing])
+    report = {"model": name, "geometry": asdict(geo), "packing": args.packing, "scan": args.scan, "rank": args.rank,
+              **breakdown(geo, layout, args.budget)}
+    if args.json:
+        write_json(report, args.json)
+    if args.json == "-":
+        return 0
+    packing = ("2-bit codes (the sidecar's format)" if args.packing == "2bit"
+               else "base-3 codes, 5 per byte (what-if: prep writes 2-bit codes)")
+    print(f"reads per token and MoE layer: {name} (hidden {geo.hidden}, {geo.experts} experts, top-{geo.top_k}, "
+          f"intermediate {geo.intermediate})")
+    print(f"layout: {packing}, scan {args.scan} of 128 per block, recovery rank {args.rank}, bf16, 32-byte sectors")
+    print(f"budget {args.budget}% -> k = {report['k']} exact channels of {report['channels']} "
+          f"({100 * report['k'] / report['channels']:.1f}%)\n")
+    rows = [{"part": p, **v} for p, v in report["reads"].items()]
+    rows += [{"part": "total", "bytes": sum(v["bytes"] for v in report["reads"].values()),
+              "percent": report["total_percent"]},
+             {"part": "full model", "bytes": report["full_bytes"], "percent": 100.0}]
+    print(table(rows, [("part", "read"), ("bytes", "bytes"), ("percent", "share of full", "{:.2f}%")]))
+    print()
+    rows = [{"part": p, **v} for p, v in report["resident"].items()]
+    print(table(rows, [("part", "resident (per layer)"), ("bytes", "bytes"),
+                       ("percent", "share of the bf16 experts", "{:.2f}%")]))
+    return 0
+
+
+def cmd_prep_reader(args) -> int:
+    from pathlib import Path
+
+    from .port import load_port
+    from .reader.prep import Sidecar, prep_port
+    from .report import write_json
+
+    port = load_port(args.model)
+    path = prep_port(port, Path(args.out), args.checkpoint, seed=args.seed, rank=args.rank, scan=args.scan)
+    side = Sidecar(path)
+    report = {"model": port.name, "sidecar": str(path), "bytes": path.stat().st_size, "layers": side.layers,
+              "scan": side.scan, "rank": side.layout.rank, "seed": side.seed, "source_sha256": side.source_sha256}
+    if args.json:
+        write_json(report, args.json)
+    if args.json != "-":
+        print(f"wrote {path}: {report['bytes'] / 2**20:.2f} MiB, {side.layers} layers, scan {side.scan}, "
+              f"rank {side.layout.rank}, seed {side.seed}, source sha256 {side.source_sha256[:16]}…")
+    return 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -241,6 +309,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="backend dtype (default: the port's)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
+    p.add_argument("--sidecar", metavar="FILE", help="reader: the sidecar (default: the port's [reader] sidecar)")
+    p.add_argument("--budget", type=float, metavar="PERCENT",
+                   help="reader: share of the routed-expert bytes read per token, in (0, 100]")
+    p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("publish", help="upload an artifact directory to S3, integrity-checked, manifest last",
@@ -284,6 +356,32 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     _serve_parser(sub)
+    p = sub.add_parser("reads", help="reader: bytes read per token and layer at a budget, and the k it buys",
+                       description="Bytes the reader reads per token and MoE layer (whole 32-byte sectors, bf16, "
+                                   "the sidecar layout) as a share of the full model's routed-expert reads; the "
+                                   "k a budget buys; the memory the sidecar adds. Geometry from --model, or "
+                                   "explicit with all of --hidden --experts --top-k --intermediate.")
+    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help="port whose geometry to use")
+    p.add_argument("--budget", type=float, default=17.8, metavar="PERCENT", help="read budget (default 17.8)")
+    for flag in ("--hidden", "--experts", "--top-k", "--intermediate"):
+        p.add_argument(flag, type=_positive_int, metavar="N", help="explicit geometry (instead of --model)")
+    p.add_argument("--scan", type=int, default=80, metavar="N", help="coordinates scanned per 128-block "
+                                                                     "(default 80; 128 = full scan)")
+    p.add_argument("--rank", type=int, default=32, metavar="R", help="recovery rank (default 32; 0 = off)")
+    p.add_argument("--packing", choices=("2bit", "base3"), default="2bit",
+                   help="code packing: 2bit (the sidecar's; default) or base3 (5 codes per byte, a what-if)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+    p.set_defaults(func=cmd_reads)
+
+    p = sub.add_parser("prep-reader", help="reader: write the weight-prep sidecar of a model",
+                       description="Prepare the reader's sidecar (ternary sketch, channel norms, recovery map) "
+                                   "from the expert weights alone, layer by layer, and write it atomically.")
+    _common(p)
+    p.add_argument("--out", required=True, metavar="FILE", help="sidecar file to write (.safetensors)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Hadamard sign vector (default 0)")
+    p.add_argument("--rank", type=int, default=32, metavar="R", help="recovery-map rank (default 32)")
+    p.add_argument("--scan", type=int, default=80, metavar="N", help="scan width recorded for readers (default 80)")
+    p.set_defaults(func=cmd_prep_reader)
     return top
 
 

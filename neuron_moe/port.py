@@ -25,7 +25,8 @@ else:  # pragma: no cover - exercised only on 3.10
 
 DEFAULT_PORT = "tiny-gemma4-moe"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_SECTIONS = {"name", "description", "weights", "tokenizer", "config", "static"}
+# [static]: the traced graphs' shapes (static/); [reader]: the channel reader's settings (experts/channel_reader.py)
+_SECTIONS = {"name", "description", "weights", "tokenizer", "config", "static", "reader"}
 _WEIGHT_SOURCES = ("random", "checkpoint")
 _TOKENIZERS = ("bytes", "checkpoint")
 

@@ -33,11 +33,19 @@ def _hf_backend(experts: str):
     return make
 
 
+def _reader_backend(port, dtype, checkpoint, **options) -> Generator:
+    from ..experts.channel_reader import reader_model
+
+    model = reader_model(port, dtype, checkpoint, **options)  # options: sidecar, budget, rank
+    return lambda ids, mask, n: greedy(model, ids, mask, n)
+
+
 BACKENDS: dict[str, Callable[..., Generator]] = {
     "dense_masked": _hf_backend("dense_masked"),
     "int8": _hf_backend("int8"),
     "eager": _hf_backend("eager"),  # the reference against itself: a check of the harness
     "traced": traced_backend,  # the port's static graphs through torch.export (neuron_moe/static)
+    "reader": _reader_backend,  # the sparse-channel reader on decode steps, full experts on prefill
 }
 
 
@@ -64,10 +72,10 @@ def compare(reference: Generation, backend: Generation, prompts: list[str]) -> l
 
 
 def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: list[str],
-                   dtype: torch.dtype | None = None, checkpoint=None) -> dict:
+                   dtype: torch.dtype | None = None, checkpoint=None, backend_options: dict | None = None) -> dict:
     ids, mask = left_pad([tokenizer.encode(p) for p in prompts], tokenizer.pad_token_id)
     # the backend first: a backend that refuses the input does so before the reference has run
-    got = BACKENDS[backend](port, dtype, checkpoint)(ids, mask, max_new_tokens)
+    got = BACKENDS[backend](port, dtype, checkpoint, **(backend_options or {}))(ids, mask, max_new_tokens)
     reference = build_model(port, "eager", torch.float32, checkpoint)
     ref_gen = greedy(reference, ids, mask, max_new_tokens)
     del reference
@@ -80,6 +88,7 @@ def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: 
         "reference": "hf-eager float32 (CPU)",
         "backend": backend,
         "backend_dtype": str(dtype or port.dtype).removeprefix("torch."),
+        "backend_options": {k: str(v) for k, v in (backend_options or {}).items()},
         "max_new_tokens": max_new_tokens,
         "all_match": all(r["seq_match"] for r in rows),
         "prompts": rows,

@@ -7,6 +7,7 @@ or `from_pretrained(..., experts_implementation="dense_masked")` replaces only e
 
 from transformers.integrations.moe import ExpertsInterface
 
+from .channel_reader import channel_reader_forward
 from .dense_masked import dense_masked_forward
 from .int8 import int8_forward
 from .selective import selective_forward
@@ -15,6 +16,7 @@ IMPLEMENTATIONS = {
     "dense_masked": dense_masked_forward,
     "selective": selective_forward,
     "int8": int8_forward,
+    "channel_reader": channel_reader_forward,  # needs a sidecar: channel_reader.attach_reader
 }
 
 for _name, _fn in IMPLEMENTATIONS.items():

@@ -1,0 +1,122 @@
+"""`channel_reader`: the sparse-channel reader inside HF's Gemma-4 model.
+
+`attach_reader(model, sidecar, budget)` gives every MoE layer's experts module a `reader`
+submodule: that layer's sidecar tensors as non-persistent buffers (they follow `.to()`, stay
+out of the state dict) and the k the budget buys. It also rearranges `down_proj` in place
+into the reader's [E, I, H] row layout: the parameter keeps HF's [E, H, I] shape as a
+transposed view, so there is still one copy, `save_checkpoint` and every other experts
+implementation see the same tensor, and the reader and prefill read rows.
+
+Decode or prefill is decided from a shape, never from values: a pre-hook on each decoder
+layer records whether its input holds one new token per sequence ([B, 1, H]); then the
+experts run the reader, otherwise the full experts (DenseExperts' fixed-shape compute).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..reader import reference
+from ..reader.accounting import Geometry, Layout, solve_k
+from ..reader.prep import LAYER_TENSORS, Sidecar, down_rows, model_expert_weights
+from .dense_masked import dense_masked_forward
+
+
+class ReaderState(torch.nn.Module):
+    """One layer's sidecar tensors and reader settings, attached as `experts.reader`."""
+
+    def __init__(self, layer, k: int, scan: int, rank: int):
+        super().__init__()
+        for name in (*LAYER_TENSORS, "signs"):
+            self.register_buffer(name, getattr(layer, name), persistent=False)
+        self.k, self.scan, self.rank = k, scan, rank
+        self.decode = False  # set by the decoder layer's pre-hook on every call
+        self.hook = None
+
+
+def _mark_decode(layer, args, kwargs):
+    hidden = args[0] if args else kwargs["hidden_states"]
+    layer.experts.reader.decode = hidden.shape[1] == 1
+
+
+def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = None) -> tuple[Sidecar, int, int]:
+    """Every check that needs no weights: the sidecar file against the config's geometry, the
+    rank, the budget. Returns (sidecar, k per token, rank)."""
+    side = Sidecar(Path(sidecar))
+    want = (config.hidden_size, config.num_experts, config.moe_intermediate_size, config.num_hidden_layers)
+    have = (side.layout.hidden, side.layout.experts, side.layout.intermediate, side.layers)
+    if want != have:
+        raise UserError(f"{side.path}: sidecar geometry (hidden, experts, intermediate, layers) = {have}, "
+                        f"this model's = {want}")
+    rank = side.layout.rank if rank is None else rank
+    if not 0 <= rank <= side.layout.rank:
+        raise UserError(f"recovery rank {rank} outside [0, {side.layout.rank}] (the sidecar's rank)")
+    return side, solve_k(Geometry.from_config(config), Layout(scan=side.scan, rank=rank), budget), rank
+
+
+@torch.no_grad()
+def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = None) -> int:
+    """Attach a sidecar to every MoE layer and select `channel_reader`; returns k per token.
+
+    Refuses a sidecar of another geometry or made from other weights. `rank` (default: the
+    sidecar's) may lower the recovery rank; 0 turns recovery off.
+    """
+    side, k, rank = plan_reader(model.config, sidecar, budget, rank)
+    side.check_source(model_expert_weights(model))
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.experts
+        rows = down_rows(experts.down_proj.data).contiguous()  # no copy if already rearranged
+        experts.down_proj = torch.nn.Parameter(rows.mT, requires_grad=False)
+        if getattr(experts, "reader", None) is not None:
+            experts.reader.hook.remove()
+        state = ReaderState(side.layer(i), k, side.scan, rank).to(experts.down_proj.device)
+        experts.reader = state
+        state.hook = layer.register_forward_pre_hook(_mark_decode, with_kwargs=True)
+    model.set_experts_implementation("channel_reader")
+    return k
+
+
+def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, float, int | None]:
+    """Sidecar path, budget and rank: the CLI's where given, else the port's [reader] section."""
+    section = port.raw.get("reader", {})
+    unknown = sorted(set(section) - {"sidecar", "budget", "rank"})
+    if unknown:
+        raise UserError(f"{port.path} [reader]: unknown field(s) {unknown}; expected budget, rank, sidecar")
+    for key, kinds in (("sidecar", str), ("budget", (int, float)), ("rank", int)):
+        if key in section and (not isinstance(section[key], kinds) or isinstance(section[key], bool)):
+            raise UserError(f"{port.path} [reader]: field '{key}' has the wrong type ({section[key]!r})")
+    if sidecar is None and "sidecar" in section:
+        sidecar = port.path.parent / section["sidecar"]
+    budget = section.get("budget") if budget is None else budget
+    rank = section.get("rank") if rank is None else rank
+    if sidecar is None:
+        raise UserError(f"the reader needs a sidecar: pass --sidecar FILE (make one with `neuron-moe prep-reader "
+                        f"--model {port.name} --out FILE`) or set [reader] sidecar in the port")
+    if budget is None:
+        raise UserError("the reader needs a budget: pass --budget PERCENT or set [reader] budget in the port")
+    return Path(sidecar), float(budget), rank
+
+
+def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None):
+    """The port's model with the reader attached (see `reader_settings` for the defaults)."""
+    from ..model import build_model
+
+    sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
+    model = build_model(port, "eager", dtype, checkpoint)
+    attach_reader(model, sidecar, budget, rank)
+    return model
+
+
+def channel_reader_forward(self, hidden_states, top_k_index, top_k_weights):
+    state = getattr(self, "reader", None)
+    if state is None:
+        raise UserError("channel_reader: no sidecar attached to this layer; call "
+                        "neuron_moe.experts.channel_reader.attach_reader(model, sidecar, budget) first")
+    if not state.decode:
+        return dense_masked_forward(self, hidden_states, top_k_index, top_k_weights)
+    return reference.forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                             down_rows(self.down_proj), state, k=state.k, scan=state.scan, rank=state.rank,
+                             act_fn=self.act_fn)

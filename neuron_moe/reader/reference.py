@@ -1,0 +1,83 @@
+"""The reader's PyTorch reference forward: what the Triton and NKI kernels must compute.
+
+In expert e, channel j owns row j of the gate G_e and the up V_e and row j of the
+transposed down D_e; a_j = φ(g_jᵀx)(v_jᵀx) and the routed output is Σ_e w_e Σ_j a_j d_j.
+Per token (each token its own selection, batched over tokens):
+
+1. screen: rotate x once (the sidecar's block Hadamard); per block keep the `scan`
+   coordinates of largest |Rx| and read only their ternary codes; estimate ĝ_j, v̂_j for
+   every channel of the token's experts.
+2. select: s_j = |w_e·‖d_j‖·φ(ĝ_j)v̂_j|; the top k across all of the token's experts
+   (one expert may get many channels, another none); compute a_j exactly for those.
+3. recover: y = Σ_{j∈K} w_e a_j d_j + U·Σ_{j∉K} w_e p_j b_j with p_j = φ(ĝ_j)v̂_j.
+
+Every shape depends only on (tokens, k, scan): no data-dependent op. All math in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hadamard import rotate_blocks
+from .prep import BLOCK, LayerSidecar, unpack_codes
+
+# `layer` below is a LayerSidecar or anything with its attributes (the HF integration's ReaderState).
+
+
+def sketch_estimates(x: torch.Tensor, top_k_index: torch.Tensor, layer: LayerSidecar, scan: int) -> torch.Tensor:
+    """[T, H] -> estimates of every gate/up row's dot with x, [T, k_e, 2I] (gate rows first)."""
+    rotated = rotate_blocks(x, layer.signs, BLOCK)  # [T, nb, 128]
+    coords = rotated.abs().topk(scan, dim=-1).indices  # [T, nb, scan]
+    nb, rows = layer.scales.shape[1:]
+    experts = top_k_index[:, :, None, None]  # [T, ke, 1, 1]
+    blocks = torch.arange(nb, device=x.device)[None, None, :, None]  # [1, 1, nb, 1]
+    strips = layer.codes[experts, blocks, coords[:, None]]  # [T, ke, nb, scan, R_pad/4]: only the scanned strips
+    codes = unpack_codes(strips)[..., :rows].to(torch.float32)
+    partial = torch.einsum("tkbcr,tbc->tkbr", codes, rotated.gather(-1, coords))
+    return (partial * layer.scales[top_k_index].to(torch.float32)).sum(dim=2)
+
+
+def exact_estimates(x: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """The unquantised, full-scan screen: the true dots, [T, k_e, 2I] (for tests and ablations)."""
+    return torch.einsum("th,tkrh->tkr", x.to(torch.float32), gate_up[top_k_index].to(torch.float32))
+
+
+def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act_fn):
+    """Top-k channels per token by s_j over all its experts' channels.
+
+    Returns (chosen [T, k] indices into the flattened (slot, channel) grid, p [T, k_e, I]).
+    """
+    gate, up = estimates.chunk(2, dim=-1)
+    p = act_fn(gate) * up
+    score = (top_k_weights.to(torch.float32)[..., None] * down_norms[top_k_index].to(torch.float32) * p).abs()
+    return score.flatten(1).topk(k, dim=-1).indices, p
+
+
+def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer: LayerSidecar, *, k: int, scan: int,
+            rank: int, act_fn, screen: str = "sketch") -> torch.Tensor:
+    """The reader's routed output for tokens x [T, H]; gate_up [E, 2I, H], down_rows [E, I, H].
+
+    `screen="exact"` replaces the sketch by the true dots (an ablation the tests use).
+    """
+    xf = x.to(torch.float32)
+    if screen == "sketch":
+        estimates = sketch_estimates(xf, top_k_index, layer, scan)
+    elif screen == "exact":
+        estimates = exact_estimates(xf, top_k_index, gate_up)
+    else:
+        raise ValueError(f"screen must be 'sketch' or 'exact', got {screen!r}")
+    chosen, p = select(estimates, top_k_index, top_k_weights, layer.down_norms, k, act_fn)
+    inter = down_rows.shape[1]
+    slot, channel = chosen // inter, chosen % inter
+    expert = top_k_index.gather(1, slot)  # [T, k]
+    weight = top_k_weights.to(torch.float32).gather(1, slot)
+    gate = gate_up[expert, channel].to(torch.float32)  # [T, k, H]: one contiguous row each
+    up = gate_up[expert, channel + inter].to(torch.float32)
+    a = act_fn(torch.einsum("tkh,th->tk", gate, xf)) * torch.einsum("tkh,th->tk", up, xf)
+    out = torch.einsum("tk,tkh->th", weight * a, down_rows[expert, channel].to(torch.float32))
+    if rank:
+        rest = torch.ones_like(p).flatten(1).scatter(1, chosen, 0.0).view_as(p)  # 1 for j ∉ K
+        z = torch.einsum("tki,tkir->tr", top_k_weights.to(torch.float32)[..., None] * p * rest,
+                         layer.coeffs[top_k_index][..., :rank].to(torch.float32))
+        out = out + z @ layer.basis[:, :rank].to(torch.float32).T
+    return out.to(x.dtype)

@@ -1,0 +1,217 @@
+"""Reader weight prep: the Hadamard rotation, the ternary sketch, the layout every kernel reads,
+the recovery map, and the sidecar file (round trip, and every way it can be wrong)."""
+
+import itertools
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import trained_like
+from neuron_moe.reader.hadamard import fwht, padded, random_signs, rotate_blocks
+from neuron_moe.reader.prep import (
+    BLOCK, FORMAT_VERSION, LAYER_TENSORS, Layout, Sidecar, SidecarError, pack_codes, prep_layer, source_digest,
+    ternary, unpack_codes, write_sidecar,
+)
+
+
+def sylvester(n):
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 128])
+def test_fwht_is_the_sylvester_hadamard_matrix(n):
+    x = torch.randn(3, 5, n, dtype=torch.float64)
+    assert torch.allclose(fwht(x), x @ sylvester(n).double(), atol=1e-10)
+
+
+def test_fwht_refuses_a_length_that_is_not_a_power_of_two():
+    with pytest.raises(ValueError, match="power-of-two length, got 96"):
+        fwht(torch.zeros(96))
+
+
+def test_rotation_keeps_inner_products_and_pads_odd_hidden_sizes():
+    hidden = 200  # not a multiple of 128: padded to two blocks, not rejected
+    signs = random_signs(padded(hidden, BLOCK), seed=3)
+    x, rows = torch.randn(4, hidden, dtype=torch.float64), torch.randn(6, hidden, dtype=torch.float64)
+    rx, rr = rotate_blocks(x, signs, BLOCK), rotate_blocks(rows, signs, BLOCK)
+    assert rx.shape == (4, 2, BLOCK)
+    assert torch.allclose(rr.flatten(1) @ rx.flatten(1).T, (rows @ x.T).float(), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(rx.flatten(1).norm(dim=1), x.norm(dim=1).float(), rtol=1e-5)
+    # the signs matter: without them R is plain Hadamard, a different rotation
+    assert not torch.allclose(rx, rotate_blocks(x, torch.ones_like(signs), BLOCK))
+
+
+def test_signs_are_seeded():
+    assert torch.equal(random_signs(256, 7), random_signs(256, 7))
+    assert not torch.equal(random_signs(256, 7), random_signs(256, 8))
+    assert set(random_signs(256, 7).tolist()) == {-1, 1}
+
+
+def test_codes_pack_two_bits_each_row_minor():
+    # row r of a strip sits at bits 2(r % 4) of byte r // 4; two's complement: 0 -> 00, +1 -> 01, -1 -> 11
+    codes = torch.tensor([0, 1, -1, 0, -1, -1, 1, 1], dtype=torch.int8)
+    assert pack_codes(codes).tolist() == [0b00_11_01_00, 0b01_01_11_11]
+    assert unpack_codes(torch.zeros(3, dtype=torch.uint8)).eq(0).all()  # zero bytes are zero codes
+    random = torch.randint(-1, 2, (5, 7, 64), dtype=torch.int8)
+    assert torch.equal(unpack_codes(pack_codes(random)), random)
+
+
+def test_ternary_is_the_least_squares_optimum():
+    """Against brute force over every code vector in {-1,0,1}^8 (each with its best scale)."""
+    all_codes = torch.tensor([c for c in itertools.product((-1.0, 0.0, 1.0), repeat=8) if any(c)])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        x = torch.randn(8, generator=gen, dtype=torch.float64) * torch.rand(8, generator=gen, dtype=torch.float64)
+        scale = (all_codes.double() @ x) / all_codes.square().sum(1).double()
+        best = (x - scale[:, None] * all_codes.double()).square().sum(1).min()
+        codes, s = ternary(x)
+        assert (x - s * codes).square().sum() <= best + 1e-12
+    codes, s = ternary(torch.zeros(2, 128))
+    assert codes.eq(0).all() and s.eq(0).all()
+
+
+@pytest.fixture(scope="module")
+def small():
+    """Odd sizes on purpose: hidden 200 (padded to 256), 2I = 80 rows (padded to 128 in the strips)."""
+    ex = trained_like.experts(num_experts=3, inter=40, hidden=200, seed=5)
+    signs = random_signs(padded(200, BLOCK), seed=0)
+    return ex, signs, prep_layer(ex.gate_up_proj, ex.down_proj, signs, rank=16)
+
+
+def test_prep_layer_shapes_match_the_layout(small):
+    ex, _, out = small
+    spec = Layout(hidden=200, experts=3, intermediate=40, rank=16).layer_tensors()
+    assert set(out) == set(LAYER_TENSORS) == set(spec)
+    for name, (dtype, shape) in spec.items():
+        assert out[name].dtype == dtype and tuple(out[name].shape) == shape, name
+    assert spec["codes"][1] == (3, 2, BLOCK, 32)  # 128 padded rows / 4 codes per byte = one sector per strip
+
+
+def test_codes_are_coordinate_major_and_scales_per_row_and_block(small):
+    """Byte layout: codes[e, b, c, r // 4] holds row r's code at coordinate c of block b."""
+    ex, signs, out = small
+    for e in range(3):
+        want_codes, want_scales = ternary(rotate_blocks(ex.gate_up_proj[e], signs, BLOCK))  # [80, 2, 128], [80, 2]
+        got = unpack_codes(out["codes"][e])  # [2, 128, 128 rows]
+        assert torch.equal(got[..., :80], want_codes.permute(1, 2, 0))
+        assert got[..., 80:].eq(0).all()  # padding rows
+        assert torch.allclose(out["scales"][e].float(), want_scales.T, rtol=2**-8)
+    # the sketch is a sketch: decoded and rotated back it approximates the rows
+    decoded = (unpack_codes(out["codes"][0])[..., :80].float() * out["scales"][0].float()[:, None, :]).permute(2, 0, 1)
+    true = rotate_blocks(ex.gate_up_proj[0], signs, BLOCK)
+    cos = torch.nn.functional.cosine_similarity(decoded.flatten(1), true.flatten(1))
+    assert cos.min() > 0.85
+
+
+def test_norms_and_recovery_map(small):
+    ex, _, out = small
+    assert torch.allclose(out["down_norms"].float(), ex.down_proj.norm(dim=1), rtol=2**-8)
+    basis = out["basis"].float()
+    assert torch.allclose(basis.T @ basis, torch.eye(16), atol=2e-2)  # orthonormal up to bf16
+    stacked = ex.down_proj.permute(1, 0, 2).reshape(200, -1)  # [H, E·I]: every down column
+    u = torch.linalg.svd(stacked.double(), full_matrices=False).U[:, :16].float()
+    assert (basis @ basis.T - u @ u.T).abs().max() < 2e-2  # the top-16 left singular subspace
+    want = torch.einsum("hr,ehi->eir", basis, ex.down_proj)
+    assert torch.allclose(out["coeffs"].float(), want, rtol=2e-2, atol=1e-3 * want.abs().max())
+
+
+def write_small(path, layers, seed=0, rank=16):
+    return write_sidecar(path, layers, hidden=200, experts=3, intermediate=40, layers=len(layers), seed=seed,
+                         rank=rank, progress=False)
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory):
+    layers = [(e.gate_up_proj, e.down_proj) for e in
+              (trained_like.experts(3, 40, 200, seed=s) for s in (5, 6))]
+    path = write_small(tmp_path_factory.mktemp("sidecar") / "reader.safetensors", layers)
+    return path, layers
+
+
+def test_sidecar_is_plain_safetensors_with_the_prep_output(sidecar):
+    path, layers = sidecar
+    raw = path.read_bytes()
+    header_len = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + header_len])
+    meta = header["__metadata__"]
+    assert meta["format"] == "neuron-moe-reader" and meta["format_version"] == str(FORMAT_VERSION)
+    assert (meta["block"], meta["scan"], meta["rank"], meta["seed"], meta["layers"]) == ("128", "80", "16", "0", "2")
+    assert meta["source_sha256"] == source_digest(layers)
+    tensors = load_file(path)  # any safetensors reader can open it
+    signs = random_signs(256, 0)
+    assert torch.equal(tensors["hadamard_signs"], signs)
+    for i, (gate_up, down) in enumerate(layers):
+        for name, want in prep_layer(gate_up, down, signs, rank=16).items():
+            assert torch.equal(tensors[f"layers.{i}.{name}"], want), name
+    side = Sidecar(path)
+    assert (side.layers, side.scan, side.layout.rank) == (2, 80, 16)
+    side.check_source(layers)  # the same weights pass
+    assert torch.equal(side.layer(1).codes, tensors["layers.1.codes"])
+
+
+def test_the_digest_is_that_of_the_bf16_weights(sidecar):
+    _, layers = sidecar
+    bf16 = [(g.bfloat16(), d.bfloat16()) for g, d in layers]
+    assert source_digest(bf16) == source_digest(layers)  # fp32 or bf16 copy of one checkpoint: same sidecar
+    nudged = [(layers[0][0].clone(), layers[0][1]), layers[1]]
+    nudged[0][0][2, 7, 9] += 0.1
+    assert source_digest(nudged) != source_digest(layers)
+
+
+def test_a_sidecar_of_other_weights_is_refused(sidecar):
+    path, layers = sidecar
+    other = [(e.gate_up_proj, e.down_proj) for e in (trained_like.experts(3, 40, 200, seed=s) for s in (5, 7))]
+    with pytest.raises(SidecarError, match="made from other expert weights"):
+        Sidecar(path).check_source(other)
+
+
+def _rewrite(src, dst, edit_meta=None, edit_tensors=None):
+    with safe_open(src, framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    (edit_meta or (lambda m: None))(meta)
+    (edit_tensors or (lambda t: None))(tensors)
+    save_file(tensors, dst, metadata=meta)
+    return dst
+
+
+@pytest.mark.parametrize("edit_meta,edit_tensors,message", [
+    (lambda m: m.update(format_version="2"), None, r"sidecar format version '2'; this build reads version 1"),
+    (lambda m: m.update(format="something-else"), None, "not a reader sidecar"),
+    (lambda m: m.update(block="64"), None, "block 64"),
+    (lambda m: m.pop("rank"), None, "metadata field 'rank' missing"),
+    (lambda m: m.update(seed="1"), None, "hadamard_signs are not those of seed 1"),
+    (None, lambda t: t.pop("layers.1.coeffs"), r"missing \['layers.1.coeffs'\]"),
+    (None, lambda t: t.update({"layers.0.scales": t["layers.0.scales"].float()}), "layers.0.scales is F32"),
+])
+def test_bad_sidecars_name_the_problem(sidecar, tmp_path, edit_meta, edit_tensors, message):
+    bad = _rewrite(sidecar[0], tmp_path / "bad.safetensors", edit_meta, edit_tensors)
+    with pytest.raises(SidecarError, match=message):
+        Sidecar(bad)
+
+
+def test_truncated_and_missing_sidecars(sidecar, tmp_path):
+    data = sidecar[0].read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(SidecarError, match=r"cut\.safetensors: not a readable safetensors file"):
+        Sidecar(tmp_path / "cut.safetensors")
+    with pytest.raises(SidecarError, match="reader sidecar not found"):
+        Sidecar(tmp_path / "none.safetensors")
+
+
+def test_weights_that_do_not_fit_the_geometry_leave_no_file(sidecar, tmp_path):
+    _, layers = sidecar
+    out = tmp_path / "x.safetensors"
+    with pytest.raises(SidecarError, match="expected 3 layers of expert weights, got 2"):
+        write_sidecar(out, layers, hidden=200, experts=3, intermediate=40, layers=3, progress=False)
+    wrong = [(layers[0][0][:2], layers[0][1][:2])]
+    with pytest.raises(SidecarError, match=r"layer 0: expert weights \(2, 80, 200\)"):
+        write_sidecar(out, wrong, hidden=200, experts=3, intermediate=40, layers=1, progress=False)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
