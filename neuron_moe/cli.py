@@ -126,13 +126,13 @@ def cmd_train_tiny(args) -> int:
 
 
 def cmd_eval_tasks(args) -> int:
-    from .eval.tasks import evaluate
+    from .eval.tasks import TASKS, evaluate
     from .port import load_port
     from .report import table, write_json
 
     port = load_port(args.model)
     report = evaluate(port, args.backend, args.checkpoint, per_task=args.items, corpus=args.corpus,
-                      text_docs=args.text_docs)
+                      text_docs=args.text_docs, tasks=tuple(args.task or TASKS))
     if args.json:
         write_json(report, args.json)
     if args.json == "-":
@@ -154,6 +154,7 @@ def cmd_eval_tasks(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from .eval.seq_match import BACKENDS
+    from .eval.tasks import TASKS
 
     import neuron_moe
 
@@ -214,6 +215,8 @@ def parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--backend", default="eager", choices=sorted(BACKENDS), help="backend that generates (default eager)")
     p.add_argument("--items", type=_positive_int, default=50, help="evaluation items per task (default 50)")
+    p.add_argument("--task", action="append", choices=TASKS,
+                   help="only this task (repeatable; default: all)")
     p.add_argument("--corpus", metavar="DIR", help="a build-corpus directory: adds held-out text perplexity (vs a "
                                                  "unigram baseline) and each expert's share of tokens on that text")
     p.add_argument("--text-docs", type=_positive_int, default=200, help="held-out text documents (default 200)")
