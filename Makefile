@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch that this project's machines carry; pip takes it from local disk.
 TORCH  := torch==2.13.0
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test train-tiny clean
 
 # Idempotent: re-running only installs what pyproject.toml changed.
 $(VENV)/.installed: pyproject.toml
@@ -24,6 +24,11 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# Retrain the embedded default model (installs the Debian package `fortunes`; ~25-40 min on CPU).
+# Not part of `test`: CI uses the committed checkpoint.
+train-tiny: venv
+	recipes/cpu/train-tiny.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

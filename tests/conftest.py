@@ -18,8 +18,8 @@ def tiny_eager(tiny_port):
 
 
 def reseeded(port, seed):
-    """The same port with other seeded random weights."""
-    return dataclasses.replace(port, seed=seed)
+    """The same architecture with seeded random weights instead of the port's trained checkpoint."""
+    return dataclasses.replace(port, weights_source="random", seed=seed, checkpoint=None)
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:

@@ -62,7 +62,8 @@ def test_user_errors_are_one_line_and_exit_2(capsys):
     assert "pass --checkpoint DIR" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [[], ["info"], ["validate"], ["ports"]])
+@pytest.mark.parametrize("command", [[], ["info"], ["validate"], ["ports"], ["eval-tasks"], ["train-tiny"],
+                                     ["build-corpus"]])
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(command + ["--help"])

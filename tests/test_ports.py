@@ -41,7 +41,8 @@ def test_port_loads_by_path(tmp_path):
     (lambda t: t.replace('name = "tiny-gemma4-moe"', 'name = "x"\nflavour = "mint"'), PortError,
      r"unknown field\(s\) \['flavour'\]"),
     (lambda t: t.replace('dtype = "float32"', 'dtype = "float8"'), PortError, "dtype 'float8' is not one of"),
-    (lambda t: t.replace("seed = 20261130\n", ""), PortError, r"\[weights\]: missing field 'seed'"),
+    (lambda t: t.replace('source = "checkpoint"', 'source = "random"'), PortError,
+     r"\[weights\]: missing field 'seed'"),
     (lambda t: t.replace("enable_moe_block = true", "enable_moe_block = false"), ConfigError,
      "not a Gemma-4 MoE config"),
     (lambda t: t.replace("num_experts = 16", "num_experts = 16\nnum_expertz = 3"), ConfigError,
@@ -79,3 +80,5 @@ def test_ports_are_packaged_in_the_wheel(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "neuron_moe/ports/tiny-gemma4-moe.toml" in names
     assert "neuron_moe/ports/gemma4-26b-a4b.toml" in names
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert f"neuron_moe/ports/tiny-gemma4-moe/{name}" in names

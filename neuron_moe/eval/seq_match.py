@@ -15,11 +15,12 @@ from ..generate import Generation, greedy, left_pad
 from ..model import build_model
 from ..static.generate import traced_backend
 
+# In the trained default model's domain (neuron_moe/eval/tasks.py): a fact, two tasks, and text.
 DEFAULT_PROMPTS = (
     "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "Mixture-of-Experts models route each token to",
+    "Q: Reverse: red fox owl sun\nA:",
+    "Q: cat=41 owl=17 sun=93 key=25. What is owl?\nA:",
+    "Q: Add 7 to 223, 15 times.\nA:",
 )
 
 Generator = Callable[[torch.Tensor, torch.Tensor, int], Generation]

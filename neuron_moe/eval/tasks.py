@@ -1,0 +1,268 @@
+"""The task suite of the trained tiny model: items with exact answers, and how they are scored.
+
+Four tasks, each a generator of (prompt, answer) items from a seeded `random.Random`:
+
+  fact     recall of a fact stated in the training text, asked in a Q/A form that training never
+           shows for that country ("Q: What is the capital of Peru?" -> "Lima")
+  kv       key-value retrieval from earlier in the context
+  reverse  reverse a list of words
+  series   multi-digit arithmetic with worked steps: repeated addition, one line per step,
+           lines counted down so that stopping is local; 15-18 lines, over 200 tokens
+
+Evaluation items are never in training: `fact` and `series` split by subject (country; start
+and step), the others exclude from training every prompt that the evaluation set holds.
+The same module scores a model: greedy generation through any SEQ_MATCH backend, exact match of
+the text up to the first EOS; perplexity of held-out text against a unigram baseline; and the
+share of tokens each expert receives on the evaluation text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+# (country, capital, continent): facts the training text states and the `fact` task asks about.
+FACTS = (
+    ("France", "Paris", "Europe"), ("Germany", "Berlin", "Europe"), ("Italy", "Rome", "Europe"),
+    ("Spain", "Madrid", "Europe"), ("Portugal", "Lisbon", "Europe"), ("Greece", "Athens", "Europe"),
+    ("Poland", "Warsaw", "Europe"), ("Austria", "Vienna", "Europe"), ("Norway", "Oslo", "Europe"),
+    ("Sweden", "Stockholm", "Europe"), ("Finland", "Helsinki", "Europe"), ("Denmark", "Copenhagen", "Europe"),
+    ("Ireland", "Dublin", "Europe"), ("Hungary", "Budapest", "Europe"), ("Belgium", "Brussels", "Europe"),
+    ("Netherlands", "Amsterdam", "Europe"), ("Russia", "Moscow", "Europe"), ("Ukraine", "Kyiv", "Europe"),
+    ("Romania", "Bucharest", "Europe"), ("Bulgaria", "Sofia", "Europe"), ("Serbia", "Belgrade", "Europe"),
+    ("Croatia", "Zagreb", "Europe"), ("Iceland", "Reykjavik", "Europe"), ("Switzerland", "Bern", "Europe"),
+    ("Japan", "Tokyo", "Asia"), ("China", "Beijing", "Asia"), ("India", "New Delhi", "Asia"),
+    ("Thailand", "Bangkok", "Asia"), ("Vietnam", "Hanoi", "Asia"), ("Indonesia", "Jakarta", "Asia"),
+    ("Philippines", "Manila", "Asia"), ("Malaysia", "Kuala Lumpur", "Asia"), ("Iran", "Tehran", "Asia"),
+    ("Iraq", "Baghdad", "Asia"), ("Pakistan", "Islamabad", "Asia"), ("Nepal", "Kathmandu", "Asia"),
+    ("Mongolia", "Ulaanbaatar", "Asia"), ("Bangladesh", "Dhaka", "Asia"), ("Turkey", "Ankara", "Asia"),
+    ("Egypt", "Cairo", "Africa"), ("Kenya", "Nairobi", "Africa"), ("Nigeria", "Abuja", "Africa"),
+    ("Ethiopia", "Addis Ababa", "Africa"), ("Ghana", "Accra", "Africa"), ("Morocco", "Rabat", "Africa"),
+    ("Senegal", "Dakar", "Africa"), ("Uganda", "Kampala", "Africa"), ("Tanzania", "Dodoma", "Africa"),
+    ("Algeria", "Algiers", "Africa"), ("Tunisia", "Tunis", "Africa"), ("Sudan", "Khartoum", "Africa"),
+    ("Canada", "Ottawa", "North America"), ("Mexico", "Mexico City", "North America"),
+    ("Cuba", "Havana", "North America"), ("Jamaica", "Kingston", "North America"),
+    ("Brazil", "Brasilia", "South America"), ("Argentina", "Buenos Aires", "South America"),
+    ("Peru", "Lima", "South America"), ("Chile", "Santiago", "South America"),
+    ("Colombia", "Bogota", "South America"), ("Venezuela", "Caracas", "South America"),
+    ("Ecuador", "Quito", "South America"), ("Australia", "Canberra", "Oceania"),
+    ("New Zealand", "Wellington", "Oceania"),
+)
+WORDS = ("ant bee cat dog elk fox gnu hen owl pig rat yak cow emu ape bat eel jay kid "
+         "ram red blue green gold pink gray black white tea cup pen box hat map key sun "
+         "moon star rain snow wind tree leaf rock sand lake hill road door").split()
+TASKS = ("fact", "kv", "reverse", "series")
+
+
+@dataclass(frozen=True)
+class Item:
+    task: str
+    prompt: str  # ends where the model's answer begins
+    answer: str  # what the model must produce (then EOS)
+
+
+def stable_fraction(key: str) -> float:
+    """A number in [0, 1) fixed by `key` alone (sha1), for splits that do not move between runs."""
+    return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") / 2**64
+
+
+def is_eval_subject(key: str) -> bool:
+    return stable_fraction(key) < 0.2
+
+
+def fact_sentences(rng: random.Random, country: str, capital: str, continent: str) -> list[str]:
+    """The facts as training text states them (for every country, in several phrasings)."""
+    return [
+        rng.choice([f"The capital of {country} is {capital}.", f"{capital} is the capital of {country}.",
+                    f"The capital city of {country} is {capital}."]),
+        rng.choice([f"{country} is a country in {continent}.", f"{country} is in {continent}."]),
+    ]
+
+
+def fact_item(rng: random.Random, country: str, capital: str, continent: str) -> Item:
+    if rng.random() < 0.5:
+        return Item("fact", f"Q: What is the capital of {country}?\nA:", f" {capital}")
+    return Item("fact", f"Q: Which continent is {country} in?\nA:", f" {continent}")
+
+
+def kv_item(rng: random.Random) -> Item:
+    keys = rng.sample(WORDS, rng.randint(4, 8))
+    pairs = {k: rng.randint(10, 99) for k in keys}
+    key = rng.choice(keys)
+    listing = " ".join(f"{k}={v}" for k, v in pairs.items())
+    return Item("kv", f"Q: {listing}. What is {key}?\nA:", f" {pairs[key]}")
+
+
+def reverse_item(rng: random.Random) -> Item:
+    words = rng.sample(WORDS, rng.randint(3, 8))
+    return Item("reverse", f"Q: Reverse: {' '.join(words)}\nA:", " " + " ".join(reversed(words)))
+
+
+def series_parts(start: int, step: int, lines: int) -> Item:
+    out, value = [], start
+    for n in range(lines, 0, -1):  # counted down, so when to stop is local: after line 1
+        out.append(f"{n}: {value}+{step}={value + step}")
+        value += step
+    return Item("series", f"Q: Add {step} to {start}, {lines} times.\nA:", "\n" + "\n".join(out))
+
+
+def series_item(rng: random.Random, evaluation: bool) -> Item:
+    """A series whose (start, step) lies in the evaluation split or, with evaluation=False, outside it."""
+    while True:
+        start, step = rng.randint(100, 299), rng.randint(2, 9)
+        if is_eval_subject(f"series:{start}:{step}") == evaluation:
+            return series_parts(start, step, rng.randint(15, 18))
+
+
+_RANDOM_ITEMS = {"kv": kv_item, "reverse": reverse_item}
+
+
+def eval_items(per_task: int, seed: int = 1234, tasks=TASKS) -> list[Item]:
+    """The fixed evaluation set: `per_task` items of each task, subjects from the evaluation split."""
+    rng = random.Random(seed)
+    items = []
+    for task in tasks:
+        for _ in range(per_task):
+            if task == "fact":
+                items.append(fact_item(rng, *rng.choice([f for f in FACTS if is_eval_subject(f[0])])))
+            elif task == "series":
+                items.append(series_item(rng, evaluation=True))
+            else:
+                items.append(_RANDOM_ITEMS[task](rng))
+    return items
+
+
+def train_item(rng: random.Random, task: str, held_out: set[str]) -> Item:
+    """One training item of `task`: never an evaluation subject, never a held-out prompt."""
+    while True:
+        if task == "fact":
+            item = fact_item(rng, *rng.choice([f for f in FACTS if not is_eval_subject(f[0])]))
+        elif task == "series":
+            item = series_item(rng, evaluation=False)
+        else:
+            item = _RANDOM_ITEMS[task](rng)
+        if item.prompt not in held_out:
+            return item
+
+
+def fact_text(rng: random.Random) -> str:
+    """A training paragraph of fact statements, about any country (eval ones included)."""
+    chosen = rng.sample(FACTS, rng.randint(2, 5))
+    return " ".join(s for f in chosen for s in fact_sentences(rng, *f))
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring
+
+
+def answer_text(tokenizer, tokens: list[int]) -> str:
+    """The generated text up to the first EOS (the model's whole answer)."""
+    if tokenizer.eos_token_id in tokens:
+        tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(tokens)
+
+
+def score_items(generate, tokenizer, items: list[Item], batch_size: int = 32, progress=None) -> list[dict]:
+    """Greedy answers of `generate` (a SEQ_MATCH backend's generator), one row per item."""
+    from ..generate import left_pad
+
+    rows = []
+    for start in range(0, len(items), batch_size):
+        batch = items[start:start + batch_size]
+        ids, mask = left_pad([tokenizer.encode(i.prompt) for i in batch], tokenizer.pad_token_id)
+        want = [len(tokenizer.encode(i.answer)) for i in batch]  # encode adds BOS: +1 leaves room for EOS
+        gen = generate(ids, mask, max(want) + 1)
+        for item, toks, n in zip(batch, gen.tokens.tolist(), want):
+            got = answer_text(tokenizer, toks)
+            rows.append({"task": item.task, "prompt": item.prompt, "answer": item.answer, "got": got,
+                         "correct": got == item.answer, "answer_tokens": n - 1})
+        if progress is not None:
+            progress.update(len(batch))
+    return rows
+
+
+def accuracy_by_task(rows: list[dict]) -> list[dict]:
+    out = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        mine = [r for r in rows if r["task"] == task]
+        lengths = [r["answer_tokens"] for r in mine]
+        out.append({"task": task, "items": len(mine), "correct": sum(r["correct"] for r in mine),
+                    "accuracy": sum(r["correct"] for r in mine) / len(mine),
+                    "answer_tokens_min": min(lengths), "answer_tokens_max": max(lengths)})
+    return out
+
+
+def unigram_counts(token_lists) -> tuple[Counter, int]:
+    counts = Counter()
+    for toks in token_lists:
+        counts.update(toks[1:])  # BOS is given, never predicted
+    return counts, sum(counts.values())
+
+
+@torch.no_grad()
+def text_metrics(model, docs: list[list[int]], unigram: tuple[Counter, int], vocab_size: int) -> dict:
+    """Held-out perplexity of the model and of a unigram model of the training text (add-one
+    smoothed), over the same tokens; plus each expert's share of the routed token slots."""
+    counts, total = unigram
+    nll = uni_nll = 0.0
+    n = 0
+    loads = None
+    hooks, captured = [], []
+    for layer in model.model.layers:
+        hooks.append(layer.router.register_forward_hook(lambda m, i, out: captured.append(out[2])))
+    try:
+        for toks in docs:
+            captured.clear()
+            ids = torch.tensor([toks])
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            target = ids[0, 1:]
+            nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+            uni_nll -= sum(math.log((counts[t] + 1) / (total + vocab_size)) for t in target.tolist())
+            n += len(target)
+            per_layer = torch.stack([torch.bincount(idx.flatten(), minlength=model.config.num_experts)
+                                     for idx in captured])  # [L, E]
+            loads = per_layer if loads is None else loads + per_layer
+    finally:
+        for h in hooks:
+            h.remove()
+    share = loads.double() / loads.sum(-1, keepdim=True)
+    return {"tokens": n, "perplexity": math.exp(nll / n), "unigram_perplexity": math.exp(uni_nll / n),
+            "expert_share": share.tolist(),  # [layer][expert], each row sums to 1
+            "expert_share_min": float(share.min()), "expert_share_max": float(share.max())}
+
+
+def evaluate(port, backend: str = "eager", checkpoint=None, per_task: int = 50, corpus=None,
+             text_docs: int = 200, tasks=TASKS) -> dict:
+    """Task accuracy with `backend` (any of seq_match.BACKENDS); with `corpus` (a build-corpus
+    directory) also held-out perplexity, the unigram baseline and the expert load on that text."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from ..model import build_model
+    from ..tokenizer import load_tokenizer
+    from .seq_match import BACKENDS
+
+    tokenizer = load_tokenizer(port, checkpoint)
+    items = eval_items(per_task, tasks=tasks)
+    generate = BACKENDS[backend](port, None, checkpoint)
+    with tqdm(total=len(items), desc=f"eval-tasks ({backend})", leave=False) as bar:
+        rows = score_items(generate, tokenizer, items, progress=bar)
+    report = {"model": port.name, "backend": backend, "items_per_task": per_task,
+              "tasks": accuracy_by_task(rows), "text": None, "items": rows}
+    if corpus is not None:
+        from ..training.corpus import read_jsonl
+
+        train_text = [r["text"] for r in read_jsonl(Path(corpus) / "train.jsonl") if r["kind"] == "text"]
+        held_out = [r["text"] for r in read_jsonl(Path(corpus) / "eval_text.jsonl")][:text_docs]
+        unigram = unigram_counts(tokenizer.encode(t) for t in train_text)
+        model = build_model(port, "eager", torch.float32, checkpoint)
+        longest = port.config.max_position_embeddings  # a few fortunes are longer than the training window
+        docs = [tokenizer.encode(t)[:longest] for t in held_out]
+        report["text"] = dict(text_metrics(model, docs, unigram, port.config.vocab_size), documents=len(held_out))
+    return report

@@ -1,0 +1,111 @@
+"""The training corpus of the tiny model: real English text plus the synthetic task mix.
+
+Text: the fortune-cookie files of the Debian package `fortunes` (FORTUNES_PACKAGE, installed to
+/usr/share/games/fortunes; `recipes/cpu/train-tiny.sh` installs it): quotations, jokes, poems
+and definitions, ~2.5 MB of English. Each fortune is a document; a stable hash of its text puts
+it in train (90 %), calibration (5 %) or evaluation (5 %).
+
+Tasks (`neuron_moe.eval.tasks`): training items are drawn from their own seed and exclude the
+evaluation subjects and prompts; fact statements about every country are training text.
+
+Output, a directory of JSON-lines files, one document per line ({"kind": ..., "text": ...}):
+train.jsonl, calib.jsonl, eval_text.jsonl, and eval_tasks.jsonl ({"task", "prompt", "answer"}).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import UserError
+from ..eval import tasks as T
+
+FORTUNES_PACKAGE = "fortunes=1:1.99.1-7.3"
+FORTUNES_DIR = Path("/usr/share/games/fortunes")
+# Not prose: ASCII pictures, and text in other languages.
+SKIP_FILES = {"art", "ascii-art", "translate-me"}
+# Training items per task, chosen so each task has a similar share of the tokens (a `series`
+# item is ~240 tokens, a `fact` question ~15).
+TRAIN_ITEMS = {"fact": 16000, "kv": 12000, "reverse": 16000, "series": 2500}
+FACT_PARAGRAPHS = 6000  # statements of the facts, mixed into the running text
+EVAL_ITEMS_PER_TASK = 50
+
+
+class CorpusError(UserError):
+    pass
+
+
+def read_fortunes(text_dir: Path) -> list[str]:
+    """Every fortune in the directory's data files (`%`-separated), whitespace-normalised per line."""
+    files = sorted(p for p in Path(text_dir).iterdir()
+                   if p.is_file() and p.suffix == "" and p.name not in SKIP_FILES)
+    if not files:
+        raise CorpusError(f"{text_dir}: no fortune files; install the Debian package: apt-get install {FORTUNES_PACKAGE}")
+    docs = []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for chunk in text.split("\n%\n"):
+            # ~100 lines use backspace overstriking ("_\bx") for emphasis; the backspaces are dropped
+            # and the overstruck pair stays ("_x"): the committed model was trained on exactly this
+            lines = [" ".join(line.replace("\b", "").split()) for line in chunk.strip("%\n").splitlines()]
+            doc = "\n".join(lines).strip()
+            if len(doc) >= 20:
+                docs.append(doc)
+    return docs
+
+
+def split_of(doc: str) -> str:
+    f = T.stable_fraction("text:" + doc)
+    return "eval" if f < 0.05 else "calib" if f < 0.10 else "train"
+
+
+def build_corpus(text_dir: Path, out_dir: Path, seed: int = 0, scale: float = 1.0) -> dict:
+    """Write the corpus files; `scale` multiplies the number of training task items (tests use a
+    small one). Returns the counts per file and kind."""
+    docs = read_fortunes(text_dir)
+    splits = {"train": [], "calib": [], "eval": []}
+    for doc in dict.fromkeys(docs):  # duplicates (the same quote in two files) once, in one split
+        splits[split_of(doc)].append({"kind": "text", "text": doc})
+
+    evaluation = T.eval_items(EVAL_ITEMS_PER_TASK)
+    calibration = T.eval_items(EVAL_ITEMS_PER_TASK, seed=4321)
+    held_out = {i.prompt for i in evaluation}
+    rng = random.Random(seed)
+    train = splits["train"]
+    for task, n in TRAIN_ITEMS.items():
+        for _ in range(max(1, round(n * scale))):
+            item = T.train_item(rng, task, held_out)
+            train.append({"kind": task, "text": item.prompt + item.answer})
+    for _ in range(max(1, round(FACT_PARAGRAPHS * scale))):
+        train.append({"kind": "fact_text", "text": T.fact_text(rng)})
+    rng.shuffle(train)
+    calib = splits["calib"] + [{"kind": i.task, "text": i.prompt + i.answer} for i in calibration]
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"train.jsonl": train, "calib.jsonl": calib, "eval_text.jsonl": splits["eval"],
+             "eval_tasks.jsonl": [asdict(i) for i in evaluation]}
+    for name, rows in files.items():
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(out_dir / name)
+    counts = {name: len(rows) for name, rows in files.items()}
+    counts["train_kinds"] = {k: sum(r["kind"] == k for r in train) for k in dict.fromkeys(r["kind"] for r in train)}
+    counts["source"] = {"text": f"Debian package {FORTUNES_PACKAGE}", "text_dir": str(text_dir), "seed": seed}
+    (out_dir / "manifest.json").write_text(json.dumps(counts, indent=2) + "\n")
+    return counts
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"{path}: missing; build the corpus first (neuron-moe build-corpus)")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise CorpusError(f"{path}:{n}: not JSON: {e}") from None
+    return rows

@@ -1,0 +1,169 @@
+"""The tiny model's corpus, training run and task suite: splits that hold items out, a training run
+that reproduces, scoring that is exact, and the committed model's quality."""
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+
+from neuron_moe import cli
+from neuron_moe.checkpoint import load_checkpoint
+from neuron_moe.eval import tasks as T
+from neuron_moe.generate import Generation
+from neuron_moe.port import load_port
+from neuron_moe.tokenizer import HFTokenizer, load_tokenizer
+from neuron_moe.training.corpus import CorpusError, build_corpus, read_fortunes, read_jsonl
+from neuron_moe.training.tiny import balance_loss, train
+
+FORTUNES = [
+    "A journey of a thousand miles begins with a single step.\n-- Lao Tzu",
+    "Never put off till tomorrow what you can do the day after tomorrow.",
+    "The _\bbest way to predict the future is to invent it.\n-- Alan Kay",
+    "Simplicity is prerequisite for reliability.\n-- Edsger W. Dijkstra",
+    "If you want to go fast, go alone. If you want to go far, go together.",
+    "Time flies like an arrow; fruit flies like a banana.",
+] * 4
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    text_dir = tmp_path_factory.mktemp("fortunes")
+    for i in range(3):  # fortune files: '%'-separated, the format of the Debian package
+        (text_dir / f"f{i}").write_text("\n%\n".join(f"{t} ({i}, {j})" for j, t in enumerate(FORTUNES)) + "\n%\n")
+    (text_dir / "f0.dat").write_bytes(b"\x00\x01binary index")
+    return text_dir
+
+
+@pytest.fixture(scope="module")
+def corpus(text_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    build_corpus(text_dir, out, scale=0.02)
+    return out
+
+
+def test_fortunes_are_read_as_documents(text_dir, tmp_path):
+    docs = read_fortunes(text_dir)
+    assert len(docs) == 3 * len(FORTUNES)
+    assert sum(d.startswith("The _best way to predict") for d in docs) == 12  # backspaces dropped
+    with pytest.raises(CorpusError, match="no fortune files; install the Debian package: apt-get install fortunes"):
+        read_fortunes(tmp_path)
+
+
+def test_evaluation_items_are_never_training_items(corpus):
+    train_text = "\n".join(r["text"] for r in read_jsonl(corpus / "train.jsonl"))
+    evaluation = [T.Item(**r) for r in read_jsonl(corpus / "eval_tasks.jsonl")]
+    assert {i.task for i in evaluation} == set(T.TASKS)
+    for item in evaluation:
+        assert item.prompt not in train_text, item
+    # facts are held out by country: the question form of an evaluation country is never trained,
+    # but its facts are stated in the training text
+    eval_countries = [c for c, _, _ in T.FACTS if T.is_eval_subject(c)]
+    assert 5 <= len(eval_countries) <= 25
+    for country in eval_countries:
+        assert f"capital of {country}?" not in train_text and f"is {country} in?" not in train_text
+    stated = {c for c, _, _ in T.FACTS if f"of {c} is" in train_text or f"capital of {c}." in train_text}
+    assert set(eval_countries) & stated
+    kinds = {r["kind"] for r in read_jsonl(corpus / "train.jsonl")}
+    assert kinds == {"text", "fact_text", *T.TASKS}
+
+
+def test_series_answers_are_long_worked_steps():
+    item = T.series_parts(295, 9, 3)
+    assert item.answer == "\n3: 295+9=304\n2: 304+9=313\n1: 313+9=322"
+    tok = load_tokenizer(load_port("tiny-gemma4-moe"))
+    lengths = [len(tok.encode(i.answer)) - 1 for i in T.eval_items(10, tasks=("series",))]
+    assert min(lengths) > 200
+
+
+def _tiny_config():
+    config = copy.deepcopy(load_port("tiny-gemma4-moe").config)
+    config.vocab_size = 320  # what a BPE on the small test corpus can fill
+    return config
+
+
+def test_training_reproduces_its_loss_curve_and_writes_a_loadable_checkpoint(corpus, tmp_path):
+    kw = dict(steps=3, batch_size=1, seq_len=384, progress=False)
+    a = train(_tiny_config(), corpus, tmp_path / "a", seed=7, **kw)
+    b = train(_tiny_config(), corpus, tmp_path / "b", seed=7, **kw)
+    c = train(_tiny_config(), corpus, tmp_path / "c", seed=8, **kw)
+    assert [r["loss"] for r in a["log"]] == [r["loss"] for r in b["log"]]
+    assert [r["loss"] for r in a["log"]] != [r["loss"] for r in c["log"]]  # the seed matters
+    assert a["log"][-1]["loss"] < a["log"][0]["loss"]
+    model = load_checkpoint(tmp_path / "a")  # the strict loader reads what training wrote
+    ref = load_checkpoint(tmp_path / "b")
+    for (k, v), w in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(v, w), k
+    tok = HFTokenizer(tmp_path / "a")
+    ids = tok.encode("Q: Add 7 to 123, 15 times.")
+    assert ids[0] == tok.bos_token_id == 2 and tok.eos_token_id == 1 and tok.pad_token_id == 0
+    assert tok.decode(ids) == "Q: Add 7 to 123, 15 times."
+    digits = [tok.decode([i]) for i in tok.encode("12345")[1:]]
+    assert digits == list("12345")  # one token per digit
+    log = json.loads((tmp_path / "a" / "train_log.json").read_text())
+    assert log["steps"] == 3 and len(log["log"]) == 3
+
+
+def test_balance_loss_is_one_when_balanced_and_grows_when_collapsed():
+    E, k, n = 16, 4, 64
+    uniform = torch.full((n, E), 1 / E)
+    spread = torch.stack([torch.arange(i, i + k) % E for i in range(0, n * k, k)])
+    collapsed_p = torch.zeros(n, E)
+    collapsed_p[:, :k] = 1 / k
+    collapsed_i = torch.arange(k).repeat(n, 1)
+    assert abs(float(balance_loss([uniform], [spread], E)) - 1.0) < 1e-6
+    assert abs(float(balance_loss([collapsed_p], [collapsed_i], E)) - E / k) < 1e-6
+
+
+class _Tok:
+    """Whitespace 'tokenizer' over a fixed word list: enough to test the scoring."""
+    pad_token_id, eos_token_id, bos_token_id = 0, 1, 2
+    words = ["<pad>", "<eos>", "<bos>", "Q:", "A:", "x", "y", "z"]
+
+    def encode(self, text):
+        return [2] + [self.words.index(w) for w in text.split()]
+
+    def decode(self, ids):
+        return " " + " ".join(self.words[i] for i in ids if i > 2)
+
+
+@pytest.mark.parametrize("continuation,correct", [
+    ([5, 6, 1, 7], True),      # the answer, EOS, then anything
+    ([5, 6, 7, 1], False),     # an extra token before EOS
+    ([5, 7, 1, 1], False),     # a wrong token
+    ([5, 6, 6, 6], False),     # never stops (no EOS)
+])
+def test_scoring_is_exact_match_up_to_eos(continuation, correct):
+    item = T.Item("reverse", "Q: y x A:", " x y")
+
+    def generate(ids, mask, n):
+        toks = torch.tensor([continuation[:n] + [1] * max(0, n - len(continuation))])
+        return Generation(toks, torch.zeros(1, n, 8))
+
+    rows = T.score_items(generate, _Tok(), [item])
+    assert rows[0]["correct"] is correct and rows[0]["answer_tokens"] == 2
+
+
+def test_committed_model_recalls_held_out_facts():
+    """The shipped checkpoint (not seeded random weights) answers fact questions in a form it never
+    saw for those countries (bench/results/tiny-model.md: 48/50). The other tasks it does not yet
+    solve, so they have no bar here."""
+    report = T.evaluate(load_port("tiny-gemma4-moe"), "dense_masked", per_task=10, tasks=("fact",))
+    assert report["tasks"][0]["accuracy"] >= 0.8, report["tasks"]
+
+
+def test_eval_tasks_cli_reports_accuracy_perplexity_and_expert_load(corpus, tmp_path, capsys):
+    out = tmp_path / "tasks.json"
+    assert cli.main(["eval-tasks", "--items", "2", "--task", "fact", "--task", "reverse", "--corpus", str(corpus),
+                     "--text-docs", "3", "--backend", "dense_masked", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["task"] for r in report["tasks"]] == ["fact", "reverse"] and len(report["items"]) == 4
+    text = report["text"]
+    held_out = len(read_jsonl(corpus / "eval_text.jsonl"))
+    assert held_out >= 1 and text["documents"] == min(3, held_out)
+    assert text["perplexity"] > 1 and text["unigram_perplexity"] > 1
+    share = torch.tensor(text["expert_share"])
+    assert share.shape == (4, 16) and torch.allclose(share.sum(-1), torch.ones(4, dtype=share.dtype))
+    printed = capsys.readouterr().out
+    assert "unigram baseline" in printed and "expert share" in printed
