@@ -142,6 +142,8 @@ def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
     checkpoint = None
     if "checkpoint" in weights:
         checkpoint = (path.parent / _require(weights, "checkpoint", str, f"{where} [weights]")).resolve()
+        if not checkpoint.is_dir():  # relative paths are relative to the port file
+            raise PortError(f"{where} [weights]: checkpoint directory {checkpoint} not found")
 
     tokenizer = raw.get("tokenizer", {}).get("kind", "bytes")
     if tokenizer not in _TOKENIZERS:

@@ -28,6 +28,8 @@ class HFTokenizer:
     def __init__(self, path: Path):
         from transformers import AutoTokenizer
 
+        if not Path(path).is_dir():  # else transformers takes the path for a hub repo id
+            raise UserError(f"tokenizer directory {path} not found")
         try:
             self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as e:

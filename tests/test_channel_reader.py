@@ -126,13 +126,15 @@ def test_validate_reader_errors(sidecar, capsys, args, message):
 
 def test_port_reader_section_supplies_sidecar_and_budget(tiny_port, sidecar, tmp_path, capsys):
     port_file = tmp_path / "p.toml"
-    port_file.write_text(tiny_port.path.read_text() + f'\n[reader]\nsidecar = "{sidecar}"\nbudget = 100\n')
+    # the port's checkpoint path is relative to its file: point the copy at the packaged one
+    text = tiny_port.path.read_text().replace('checkpoint = "tiny-gemma4-moe"', f'checkpoint = "{tiny_port.checkpoint}"')
+    port_file.write_text(text + f'\n[reader]\nsidecar = "{sidecar}"\nbudget = 100\n')
     assert cli.main(["validate", "--model", str(port_file), "--backend", "reader", "--max-new-tokens", "3",
                      "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["all_match"]
     # bad options fail at once, before the reference generates (no --max-new-tokens limit needed)
     for section, message in (("budjet = 10", "[reader]: unknown field(s) ['budjet']"),
                              ('budget = "lots"', "[reader]: field 'budget' has the wrong type ('lots')")):
-        port_file.write_text(tiny_port.path.read_text() + f'\n[reader]\nsidecar = "{sidecar}"\n{section}\n')
+        port_file.write_text(text + f'\n[reader]\nsidecar = "{sidecar}"\n{section}\n')
         assert cli.main(["validate", "--model", str(port_file), "--backend", "reader"]) == 2
         assert message in capsys.readouterr().err

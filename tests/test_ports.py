@@ -30,7 +30,15 @@ def _write(tmp_path, text):
     return str(path)
 
 
-TINY = (load_port("tiny-gemma4-moe").path).read_text()
+_TINY_PORT = load_port("tiny-gemma4-moe")
+# a copy elsewhere: its relative checkpoint path is made absolute (paths are relative to the port file)
+TINY = _TINY_PORT.path.read_text().replace('checkpoint = "tiny-gemma4-moe"', f'checkpoint = "{_TINY_PORT.checkpoint}"')
+
+
+def test_a_port_whose_checkpoint_is_missing_says_so(tmp_path):
+    text = _TINY_PORT.path.read_text()  # relative "tiny-gemma4-moe": not beside the copy
+    with pytest.raises(PortError, match=r"\[weights\]: checkpoint directory .*tiny-gemma4-moe not found"):
+        load_port(_write(tmp_path, text))
 
 
 def test_port_loads_by_path(tmp_path):
