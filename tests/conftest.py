@@ -22,6 +22,15 @@ def reseeded(port, seed):
     return dataclasses.replace(port, weights_source="random", seed=seed, checkpoint=None)
 
 
+def port_text_elsewhere(port) -> str:
+    """The port file's text for a copy in another folder: its relative checkpoint path made absolute."""
+    text = port.path.read_text()
+    if port.checkpoint is None:
+        return text
+    rel = port.raw["weights"]["checkpoint"]
+    return text.replace(f'checkpoint = "{rel}"', f'checkpoint = "{port.checkpoint}"')
+
+
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [[2] + torch.randint(3, vocab, (n - 1,), generator=gen).tolist() for n in lengths]

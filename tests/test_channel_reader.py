@@ -15,7 +15,7 @@ from neuron_moe.generate import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.reader.prep import SidecarError, write_sidecar
 
-from conftest import random_prompts, reseeded
+from conftest import port_text_elsewhere, random_prompts, reseeded
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +126,7 @@ def test_validate_reader_errors(sidecar, capsys, args, message):
 
 def test_port_reader_section_supplies_sidecar_and_budget(tiny_port, sidecar, tmp_path, capsys):
     port_file = tmp_path / "p.toml"
-    # the port's checkpoint path is relative to its file: point the copy at the packaged one
-    text = tiny_port.path.read_text().replace('checkpoint = "tiny-gemma4-moe"', f'checkpoint = "{tiny_port.checkpoint}"')
+    text = port_text_elsewhere(tiny_port)
     port_file.write_text(text + f'\n[reader]\nsidecar = "{sidecar}"\nbudget = 100\n')
     assert cli.main(["validate", "--model", str(port_file), "--backend", "reader", "--max-new-tokens", "3",
                      "--json", "-"]) == 0

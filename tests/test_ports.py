@@ -7,6 +7,8 @@ import pytest
 from neuron_moe.config import ConfigError
 from neuron_moe.port import PortError, builtin_ports, load_port
 
+from conftest import port_text_elsewhere
+
 
 def test_builtin_ports_load_by_name():
     assert {"tiny-gemma4-moe", "gemma4-26b-a4b"} <= set(builtin_ports())
@@ -31,8 +33,7 @@ def _write(tmp_path, text):
 
 
 _TINY_PORT = load_port("tiny-gemma4-moe")
-# a copy elsewhere: its relative checkpoint path is made absolute (paths are relative to the port file)
-TINY = _TINY_PORT.path.read_text().replace('checkpoint = "tiny-gemma4-moe"', f'checkpoint = "{_TINY_PORT.checkpoint}"')
+TINY = port_text_elsewhere(_TINY_PORT)
 
 
 def test_a_port_whose_checkpoint_is_missing_says_so(tmp_path):

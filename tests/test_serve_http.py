@@ -2,6 +2,7 @@
 where the wire format itself is the point): responses validate against OpenAI's types, and
 every error case answers in OpenAI's shape with the right status."""
 
+import copy
 import threading
 
 import httpx
@@ -48,6 +49,14 @@ class Spy:
 @pytest.fixture(scope="module")
 def engine(tiny_port):
     return load_engine(tiny_port, "eager")
+
+
+@pytest.fixture(scope="module")
+def endless_engine(engine):
+    """The engine without EOS: the trained model may end an answer before a test has cancelled it."""
+    endless = copy.copy(engine)
+    endless.eos_ids = frozenset()
+    return endless
 
 
 def make_app(engine, **kw):
@@ -270,8 +279,8 @@ def test_past_the_bounded_queue_429_with_retry_after(engine):
         assert spy.outcomes == ["cancelled", "length"]
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_slot(engine):
-    spy = Spy(engine)
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(endless_engine):
+    spy = Spy(endless_engine)
     with serving(make_app(spy, max_running=1, max_queue=0)) as url:
         ready(url)
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=400, stream=True)) as r:
@@ -286,8 +295,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(engine):
         assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
 
 
-def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(engine):
-    spy = Spy(engine)
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(endless_engine):
+    spy = Spy(endless_engine)
     with serving(make_app(spy, max_running=1, max_queue=0)) as url:
         ready(url)
         with pytest.raises(httpx.ReadTimeout):

@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,11 +79,12 @@ def _embedding(engine):
 def test_cpu_backend_loads_its_checkpoint_from_artifacts(tmp_path, monkeypatch, tiny_port, where, one_torch_thread):
     other = build_model(reseeded(tiny_port, 4242))  # weights unlike the port's own
     published = save_checkpoint(other, tmp_path / "published")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a published checkpoint carries its tokenizer
+        shutil.copy(tiny_port.checkpoint / name, published / name)
     pulls = []
 
     def pull(uri, dest):
         pulls.append((uri, Path(dest)))
-        import shutil
         shutil.copytree(published, dest)
 
     if where == "s3":

@@ -18,7 +18,7 @@ from neuron_moe.static import data_dependent_ops
 from neuron_moe.static import generate as static_generate
 from neuron_moe.static.generate import StaticGenerator, StaticInputError
 
-from conftest import random_prompts
+from conftest import port_text_elsewhere, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_cli_refuses_bad_traced_input_before_the_reference_runs(monkeypatch, cap
 
 
 def test_a_port_without_static_table_has_no_traced_backend(tiny_port, tmp_path, capsys):
-    text = tiny_port.path.read_text()
+    text = port_text_elsewhere(tiny_port)
     path = tmp_path / "no-static.toml"
     path.write_text(text[:text.index("[static]")])
     assert cli.main(["validate", "--backend", "traced", "--model", str(path)]) == 2
