@@ -60,13 +60,12 @@ def test_every_graph_exports_strict_with_fixed_shapes_and_no_data_dependent_op(g
         assert shapes[2 + 2 * i] == shapes[3 + 2 * i] == (B, layer.num_key_value_heads, length, layer.head_dim)
 
 
-@pytest.mark.slow
-def test_every_op_of_the_exported_graphs_lowered_in_the_xla_check(generator):
+def test_every_op_of_the_exported_graphs_lowered_in_the_xla_check(generator):  # instant: shares the export
     """The XLA check (bench/xla_check.py, torch-xla 2.9 on CPU) ran these graphs with no aten
     fallback and one compilation each, and wrote down their ops; a graph that gains an op it
     has not seen lower fails here, without torch-xla. Rerun `make xla-check` after a change."""
     allowed = xla_lowered_ops()
-    assert {"aten.index_select.default", "aten.index_copy.default", "aten.einsum.default"} & allowed
+    assert {"aten.index_select.default", "aten.index_copy.default", "aten.einsum.default"} <= allowed
     assert not allowed & {"aten.nonzero.default", "aten.histc.default", "aten._local_scalar_dense.default"}
     for name, program in generator.programs.items():
         assert ops_not_lowered(program) == [], name
