@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from neuron_moe import report  # noqa: E402
+from neuron_moe.errors import UserError  # noqa: E402
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS, compare  # noqa: E402
 from neuron_moe.experts.int8 import _quantized  # noqa: E402
 from neuron_moe.generate import greedy, left_pad  # noqa: E402
@@ -266,6 +267,8 @@ def main(argv=None) -> int:
     import transformers
 
     port = load_port(args.model)
+    if port.static is None:
+        sys.exit(f"error: port {port.name!r} has no [static] table: it has no static graphs to check")
     tokenizer = ByteTokenizer()
     ids, mask = left_pad([tokenizer.encode(p) for p in PROMPTS], tokenizer.pad_token_id)
     references = {"fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, args.new_tokens),
@@ -325,4 +328,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UserError as e:  # a bad --model: one line, as the CLI prints it
+        sys.exit(f"error: {e}")
