@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch that this project's machines carry; pip takes it from local disk.
 TORCH  := torch==2.13.0
 
-.PHONY: venv demo test train-tiny clean
+.PHONY: venv demo test train-tiny xla-check clean
 
 # Idempotent: re-running only installs what pyproject.toml changed.
 $(VENV)/.installed: pyproject.toml
@@ -29,6 +29,22 @@ test: venv
 # Not part of `test`: CI uses the committed checkpoint.
 train-tiny: venv
 	recipes/cpu/train-tiny.sh
+
+# The XLA lowering check (bench/xla_check.py): the static graphs through torch-xla on the CPU.
+# Its own venv, because torch-xla 2.9 needs torch 2.9 (the Neuron SDK 2.31 pair) and PyPI's
+# torch 2.9 is a CUDA build: about 7 GB, so it is cached here and kept out of `make test` and CI.
+XLA_VENV := .venv-xla
+XLA_PINS := torch==2.9.0 torch-xla==2.9.0
+
+$(XLA_VENV)/.installed: pyproject.toml
+	test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(XLA_VENV)/bin/python -m pip install --quiet $(XLA_PINS)
+	$(XLA_VENV)/bin/python -m pip install --quiet -e . $(XLA_PINS)
+	touch $@
+
+xla-check: $(XLA_VENV)/.installed
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python bench/xla_check.py --hlo bench/results/xla-check-hlo
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

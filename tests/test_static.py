@@ -14,7 +14,7 @@ from neuron_moe.eval import seq_match
 from neuron_moe.generate import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.static.cache import decode_mask, to_ring
-from neuron_moe.static import data_dependent_ops
+from neuron_moe.static import data_dependent_ops, ops_not_lowered, xla_lowered_ops
 from neuron_moe.static import generate as static_generate
 from neuron_moe.static.generate import StaticGenerator, StaticInputError
 
@@ -58,6 +58,28 @@ def test_every_graph_exports_strict_with_fixed_shapes_and_no_data_dependent_op(g
         layer = config.per_layer_config[i]
         length = spec.max_cache_len if kind == "full_attention" else config.sliding_window
         assert shapes[2 + 2 * i] == shapes[3 + 2 * i] == (B, layer.num_key_value_heads, length, layer.head_dim)
+
+
+def test_every_op_of_the_exported_graphs_lowered_in_the_xla_check(generator):  # instant: shares the export
+    """The XLA check (bench/xla_check.py, torch-xla 2.9 on CPU) ran these graphs with no aten
+    fallback and one compilation each, and wrote down their ops; a graph that gains an op it
+    has not seen lower fails here, without torch-xla. Rerun `make xla-check` after a change."""
+    allowed = xla_lowered_ops()
+    assert {"aten.index_select.default", "aten.index_copy.default", "aten.einsum.default"} <= allowed
+    assert not allowed & {"aten.nonzero.default", "aten.histc.default", "aten._local_scalar_dense.default"}
+    for name, program in generator.programs.items():
+        assert ops_not_lowered(program) == [], name
+
+
+def test_an_op_the_xla_check_did_not_see_is_reported():
+    """The check has teeth: grouped_mm's expert histogram (`histc`) fell back on XLA:CPU."""
+    program = torch.export.export(_Histc(), (torch.rand(8),), strict=True)
+    assert ops_not_lowered(program) == ["aten.histc.default"]
+
+
+class _Histc(torch.nn.Module):
+    def forward(self, x):
+        return torch.histc(x, bins=4, min=0, max=1)
 
 
 @pytest.mark.parametrize("lengths,new_tokens", [

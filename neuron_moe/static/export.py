@@ -35,8 +35,8 @@ def decode_inputs(graph: Decode, spec: StaticSpec) -> tuple[torch.Tensor, ...]:
 def _export(graph: torch.nn.Module, inputs: tuple, what: str) -> torch.export.ExportedProgram:
     with warnings.catch_warnings(), torch.no_grad():
         # Dynamo reports the Python-side effects it replays (the experts-implementation switch,
-        # transformers' output recorder); neither is in the graph.
-        warnings.filterwarnings("ignore", message="While compiling, we found certain side effects")
+        # transformers' output recorder); neither is in the graph. (torch 2.9 says "exporting".)
+        warnings.filterwarnings("ignore", message="While (compiling|exporting), we found certain side effects")
         program = torch.export.export(graph, inputs, strict=True)
     bad = data_dependent_ops(program)
     if bad:

@@ -10,6 +10,7 @@ before any graph is exported or run.
 from __future__ import annotations
 
 import torch
+from torch.export.passes import move_to_device_pass
 from tqdm import tqdm
 
 from ..errors import UserError
@@ -52,10 +53,17 @@ def prompt_lengths(attention_mask: torch.Tensor) -> list[int]:
 
 
 class StaticGenerator:
-    """Greedy generation through the exported programs (or, `exported=False`, the modules)."""
+    """Greedy generation through the exported programs (or, `exported=False`, the modules).
 
-    def __init__(self, model, spec: StaticSpec, exported: bool = True):
-        self.model, self.spec, self.exported = model, spec, exported
+    `device`: where the graphs run and their inputs are made (the model must already be there
+    when `exported=False`; exported programs are moved there). Tokens and logits stay on it
+    until the end: the token a graph picks (argmax in the graph) is fed straight back. On a lazy
+    device (torch-xla) wrap each graph so that it syncs after its call (bench/xla_check.py),
+    or the whole loop becomes one graph.
+    """
+
+    def __init__(self, model, spec: StaticSpec, exported: bool = True, device: torch.device | str = "cpu"):
+        self.model, self.spec, self.exported, self.device = model, spec, exported, torch.device(device)
         self.pad_id = model.config.pad_token_id or 0
         self.programs: dict[str, torch.export.ExportedProgram] = {}  # "prefill <bucket>", "decode"
         self._graphs: dict[str, torch.nn.Module] = {}  # the same, callable
@@ -82,6 +90,9 @@ class StaticGenerator:
                     else Prefill(self.model, spec.max_cache_len, spec.prefill_experts))
         program = export_decode(self.model, spec) if bucket is None else export_prefill(self.model, spec, bucket)
         self.programs[name] = program
+        if self.device.type != "cpu":
+            # the graph holds constants made on the CPU while tracing (aranges, lifted tensors)
+            program = move_to_device_pass(program, self.device)
         return program.module()
 
     @torch.no_grad()
@@ -100,17 +111,22 @@ class StaticGenerator:
         ids = torch.cat([ids, ids[-1:].expand(batch - rows, -1)])
         mask = torch.cat([mask, mask[-1:].expand(batch - rows, -1)])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-
-        token, logits, *cache = self._graphs[f"prefill {bucket}"](ids, mask, positions)
+        # Every input is made on the host and sent as it is: a graph's only device-side inputs
+        # are other graphs' outputs (the token, the KV buffers), so on a lazy device no host-side
+        # arithmetic is fused into a graph and each graph keeps one compiled form.
+        dev = self.device
+        token, logits, *cache = self._graphs[f"prefill {bucket}"](ids.to(dev), mask.to(dev), positions.to(dev))
         tokens, all_logits = [token], [logits]
         # generated slots are real for every row; the graph masks slots after the query itself
-        mask = torch.cat([mask, torch.ones(batch, self.spec.max_cache_len - bucket, dtype=torch.long)], dim=1)
-        position = positions[:, -1:]
-        for slot in range(bucket, bucket + max_new_tokens - 1):
-            position = position + 1
-            token, logits, *cache = self._graphs["decode"](token, position, torch.tensor([slot]), mask, *cache)
+        mask = torch.cat([mask, torch.ones(batch, self.spec.max_cache_len - bucket, dtype=torch.long)], dim=1).to(dev)
+        for step, slot in enumerate(range(bucket, bucket + max_new_tokens - 1), start=1):
+            position = (positions[:, -1:] + step).to(dev)
+            token, logits, *cache = self._graphs["decode"](token, position, torch.tensor([slot]).to(dev), mask, *cache)
             tokens.append(token)
             all_logits.append(logits)
+        # to the host one by one: tensors a graph computed are a copy away, a cat on a lazy device
+        # would be one more graph
+        tokens, all_logits = [t.cpu() for t in tokens], [t.cpu() for t in all_logits]
         return Generation(torch.cat(tokens, dim=1)[:rows], torch.stack(all_logits, dim=1)[:rows])
 
 
@@ -123,12 +139,15 @@ def traced_backend(port, dtype=None, checkpoint=None):
         raise UserError(f"port {port.name!r} has no [static] table (buckets, max_cache_len, batch_size, "
                         f"prefill_experts, decode_experts): it has no traced graphs")
     generator = StaticGenerator(build_model(port, port.static.decode_experts, dtype, checkpoint), port.static)
-    size = port.static.batch_size
+    return lambda ids, mask, n: generate_batches(generator, ids, mask, n)
 
-    def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> Generation:
-        batches = [(input_ids[i:i + size], attention_mask[i:i + size]) for i in range(0, len(input_ids), size)]
-        generator.prepare([generator.check(mask, max_new_tokens) for _, mask in batches])
-        outs = [generator.generate(ids, mask, max_new_tokens) for ids, mask in batches]
-        return Generation(torch.cat([o.tokens for o in outs]), torch.cat([o.logits for o in outs]))
 
-    return generate
+def generate_batches(generator: StaticGenerator, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     max_new_tokens: int) -> Generation:
+    """Any number of prompts, in batches of the compiled batch size (every batch is checked, and
+    the buckets they need exported, before any batch runs)."""
+    size = generator.spec.batch_size
+    batches = [(input_ids[i:i + size], attention_mask[i:i + size]) for i in range(0, len(input_ids), size)]
+    generator.prepare([generator.check(mask, max_new_tokens) for _, mask in batches])
+    outs = [generator.generate(ids, mask, max_new_tokens) for ids, mask in batches]
+    return Generation(torch.cat([o.tokens for o in outs]), torch.cat([o.logits for o in outs]))
