@@ -31,7 +31,7 @@ def sketch_estimates(x: torch.Tensor, top_k_index: torch.Tensor, layer: LayerSid
     nb, rows = layer.scales.shape[1:]
     experts = top_k_index[:, :, None, None]  # [T, ke, 1, 1]
     blocks = torch.arange(nb, device=x.device)[None, None, :, None]  # [1, 1, nb, 1]
-    strips = layer.codes[experts, blocks, coords[:, None]]  # [T, ke, nb, scan, R_pad/4]: only the scanned strips
+    strips = layer.codes[experts, blocks, coords[:, None]]  # [T, ke, nb, scan, R_pad/5]: only the scanned strips
     codes = unpack_codes(strips)[..., :rows].to(torch.float32)
     partial = torch.einsum("tkbcr,tbc->tkbr", codes, rotated.gather(-1, coords))
     return (partial * layer.scales[top_k_index].to(torch.float32)).sum(dim=2)
