@@ -102,12 +102,15 @@ def cmd_validate(args) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     reader_flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
     options = {k: v for k, v in reader_flags.items() if v is not None}
+    if args.reader_backend is not None:
+        options["reader_backend"] = args.reader_backend
     if options and args.backend != "reader":
-        raise UserError(f"--{'/--'.join(options)} apply to --backend reader only")
-    if args.backend == "reader":  # fail on a bad sidecar or budget before the reference runs
-        from .experts.channel_reader import plan_reader, reader_settings
+        raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only")
+    if args.backend == "reader":  # fail on a bad sidecar, budget or reader backend before the reference runs
+        from .experts.channel_reader import plan_reader, reader_forward, reader_settings
 
-        plan_reader(port.config, *reader_settings(port, **options))
+        reader_forward(options.get("reader_backend", "reference"))
+        plan_reader(port.config, *reader_settings(port, **reader_flags))
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)
     if args.json:
@@ -311,6 +314,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, metavar="PERCENT",
                    help="reader: share of the routed-expert bytes read per token, in (0, 100]")
     p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
+    p.add_argument("--reader-backend", choices=("reference", "triton", "nki"),
+                   help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("publish", help="upload an artifact directory to S3, integrity-checked, manifest last",
