@@ -112,3 +112,17 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int,
     coef = exact(xf, expert, channel, weight, gate_up, activation(act_fn))
     z = recover(reference.unchosen_weights(p, chosen, top_k_weights), top_k_index, layer.coeffs, rank) if rank else None
     return down(coef, expert, channel, down_rows, layer.basis, z, rank).to(x.dtype)
+
+
+def dense_forward(x, top_k_index, top_k_weights, gate_up, down_rows, *, act_fn) -> torch.Tensor:
+    """The dense top-k MoE on the same kernels, every channel of the routed experts exact: a
+    fused-MoE-style GEMV baseline (gate/up rows with the activation fused, then down rows) that
+    differs from the reader only in what it reads."""
+    T, ke = top_k_index.shape
+    inter = down_rows.shape[1]
+    expert = top_k_index.repeat_interleave(inter, dim=1)  # [T, ke·I]: slot-major, like the reader's grid
+    channel = torch.arange(inter, device=x.device).repeat(T, ke)
+    weight = top_k_weights.to(torch.float32).repeat_interleave(inter, dim=1)
+    xf = x.to(torch.float32).contiguous()
+    coef = exact(xf, expert, channel, weight, gate_up, activation(act_fn))
+    return down(coef, expert, channel, down_rows).to(x.dtype)
