@@ -43,8 +43,9 @@ def reader_forward(backend: str):
             raise UserError(f"reader backend 'triton' needs triton ({e}); pip install 'neuron-moe[triton]'") from None
         return forward
     if backend == "nki":
-        from ..reader.nki.forward import forward  # raises a UserError without the Neuron SDK
+        from ..reader.nki.forward import _nki_kernels, forward
 
+        _nki_kernels()  # a UserError without the Neuron SDK, now rather than at the first decode step
         return forward
     raise UserError(f"unknown reader backend {backend!r}; expected one of {', '.join(READER_BACKENDS)}")
 

@@ -23,6 +23,19 @@ from .prep import BLOCK, LayerSidecar, unpack_codes
 
 # `layer` below is a LayerSidecar or anything with its attributes (the HF integration's ReaderState).
 
+ACTIVATIONS = {"GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "GELUPytorchTanh": "gelu_tanh",
+               "SiLUActivation": "silu", "SiLU": "silu"}
+
+
+def activation_name(act_fn) -> str:
+    """The kernels' name for an HF activation module: gelu_tanh (Gemma-4) or silu (Qwen3)."""
+    name = type(act_fn).__name__
+    if name not in ACTIVATIONS:
+        from ..errors import UserError
+
+        raise UserError(f"reader kernels: activation {name} not supported (gelu_pytorch_tanh or silu)")
+    return ACTIVATIONS[name]
+
 
 def scanned(x: torch.Tensor, layer: LayerSidecar, scan: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate x [T, H] once; per block the `scan` coordinates of largest |Rx| and Rx there, [T, nb, scan] each."""

@@ -27,12 +27,7 @@ BQ, BK, BH, BI, SPLIT = 16, 16, 128, 64, 4
 
 def activation(act_fn) -> int:
     """The kernels' ACT constant for an HF activation module."""
-    name = type(act_fn).__name__
-    if name in ("GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"):
-        return kernels.GELU_TANH
-    if name in ("SiLUActivation", "SiLU"):
-        return kernels.SILU
-    raise UserError(f"reader triton backend: activation {name} not supported (gelu_pytorch_tanh or silu)")
+    return {"gelu_tanh": kernels.GELU_TANH, "silu": kernels.SILU}[reference.activation_name(act_fn)]
 
 
 def _contiguous(**tensors):
