@@ -53,11 +53,11 @@ def reader_forward(backend: str):
 class ReaderState(torch.nn.Module):
     """One layer's sidecar tensors and reader settings, attached as `experts.reader`."""
 
-    def __init__(self, layer, k: int, scan: int, rank: int, forward=reference.forward):
+    def __init__(self, layer, k: int, scan: int, rank: int, run=reference.forward):
         super().__init__()
         for name in (*LAYER_TENSORS, "signs"):
             self.register_buffer(name, getattr(layer, name), persistent=False)
-        self.k, self.scan, self.rank, self.forward = k, scan, rank, forward
+        self.k, self.scan, self.rank, self.run = k, scan, rank, run  # run: the backend's forward
         self.decode = False  # set by the decoder layer's pre-hook on every call
         self.hook = None
 
@@ -144,6 +144,6 @@ def channel_reader_forward(self, hidden_states, top_k_index, top_k_weights):
                         "neuron_moe.experts.channel_reader.attach_reader(model, sidecar, budget) first")
     if not state.decode:
         return dense_masked_forward(self, hidden_states, top_k_index, top_k_weights)
-    return state.forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                         down_rows(self.down_proj), state, k=state.k, scan=state.scan, rank=state.rank,
-                         act_fn=self.act_fn)
+    return state.run(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                     down_rows(self.down_proj), state, k=state.k, scan=state.scan, rank=state.rank,
+                     act_fn=self.act_fn)

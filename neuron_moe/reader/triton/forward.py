@@ -16,7 +16,7 @@ import triton
 
 from ...errors import UserError
 from .. import reference
-from ..prep import BLOCK, CODES_PER_BYTE
+from ..prep import BLOCK, CODES_PER_BYTE, SECTOR
 from . import kernels
 
 # Tile sizes. BQ code bytes (5·BQ rows) per screen program; BK chosen rows per exact program;
@@ -43,7 +43,7 @@ def screen(values, coords, top_k_index, codes, scales) -> torch.Tensor:
     nb, scan = coords.shape[1:]
     strip, rows = codes.shape[-1], scales.shape[-1]
     _contiguous(codes=codes, scales=scales)
-    if not rows <= CODES_PER_BYTE * strip < rows + 160:
+    if not rows <= CODES_PER_BYTE * strip < rows + SECTOR * CODES_PER_BYTE:  # prep pads rows to whole sectors
         raise UserError(f"reader codes: strips of {strip} bytes do not hold {rows} rows at {CODES_PER_BYTE} per byte")
     out = torch.empty(T, ke, rows, dtype=torch.float32, device=values.device)
     grid = (T * ke, triton.cdiv(strip, BQ))
