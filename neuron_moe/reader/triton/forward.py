@@ -19,10 +19,11 @@ from .. import reference
 from ..prep import BLOCK, CODES_PER_BYTE, SECTOR
 from . import kernels
 
-# Tile sizes. BQ code bytes (5·BQ rows) per screen program; BK chosen rows per exact program;
+# Tile sizes (not yet tuned on a GPU). BQ code bytes (5·BQ rows) per screen program: 32, one
+# sector of every scanned strip (strips are whole sectors); BK chosen rows per exact program;
 # BH output coordinates per down program, whose k rows are split in SPLIT shares (more
 # programs at batch 1, where T·H/BH alone would leave most of a GPU idle).
-BQ, BK, BH, BI, SPLIT = 16, 16, 128, 64, 4
+BQ, BK, BH, BI, SPLIT = 32, 16, 128, 64, 4
 
 
 def activation(act_fn) -> int:
