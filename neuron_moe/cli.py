@@ -102,12 +102,15 @@ def cmd_validate(args) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     reader_flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
     options = {k: v for k, v in reader_flags.items() if v is not None}
+    if args.reader_backend is not None:
+        options["reader_backend"] = args.reader_backend
     if options and args.backend != "reader":
-        raise UserError(f"--{'/--'.join(options)} apply to --backend reader only")
-    if args.backend == "reader":  # fail on a bad sidecar or budget before the reference runs
-        from .experts.channel_reader import plan_reader, reader_settings
+        raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only")
+    if args.backend == "reader":  # fail on a bad sidecar, budget or reader backend before the reference runs
+        from .experts.channel_reader import plan_reader, reader_forward, reader_settings
 
-        plan_reader(port.config, *reader_settings(port, **options))
+        reader_forward(options.get("reader_backend", "reference"))
+        plan_reader(port.config, *reader_settings(port, **reader_flags))
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)
     if args.json:
@@ -228,7 +231,7 @@ def cmd_reads(args) -> int:
     from dataclasses import asdict
 
     from .port import load_port
-    from .reader.accounting import PACKINGS, Geometry, Layout, breakdown
+    from .reader.accounting import Geometry, Layout, breakdown
     from .report import table, write_json
 
     explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
@@ -239,18 +242,16 @@ def cmd_reads(args) -> int:
     else:
         port = load_port(args.model)
         geo, name = Geometry.from_config(port.config), port.name
-    layout = Layout(scan=args.scan, rank=args.rank, codes_per_byte=PACKINGS[args.packing])
-    report = {"model": name, "geometry": asdict(geo), "packing": args.packing, "scan": args.scan, "rank": args.rank,
+    layout = Layout(scan=args.scan, rank=args.rank)
+    report = {"model": name, "geometry": asdict(geo), "scan": args.scan, "rank": args.rank,
               **breakdown(geo, layout, args.budget)}
     if args.json:
         write_json(report, args.json)
     if args.json == "-":
         return 0
-    packing = ("2-bit codes (the sidecar's format)" if args.packing == "2bit"
-               else "base-3 codes, 5 per byte (what-if: prep writes 2-bit codes)")
     print(f"reads per token and MoE layer: {name} (hidden {geo.hidden}, {geo.experts} experts, top-{geo.top_k}, "
           f"intermediate {geo.intermediate})")
-    print(f"layout: {packing}, scan {args.scan} of 128 per block, recovery rank {args.rank}, bf16, 32-byte sectors")
+    print(f"layout: the sidecar's (base-3 codes, 5 per byte), scan {args.scan} of 128 per block, recovery rank {args.rank}, bf16, 32-byte sectors")
     print(f"budget {args.budget}% -> k = {report['k']} exact channels of {report['channels']} "
           f"({100 * report['k'] / report['channels']:.1f}%)\n")
     rows = [{"part": p, **v} for p, v in report["reads"].items()]
@@ -373,6 +374,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, metavar="PERCENT",
                    help="reader: share of the routed-expert bytes read per token, in (0, 100]")
     p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
+    p.add_argument("--reader-backend", choices=("reference", "triton", "nki"),
+                   help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("build-corpus", help="write the tiny model's corpus: English text plus the synthetic tasks",
@@ -469,8 +472,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scan", type=int, default=80, metavar="N", help="coordinates scanned per 128-block "
                                                                      "(default 80; 128 = full scan)")
     p.add_argument("--rank", type=int, default=32, metavar="R", help="recovery rank (default 32; 0 = off)")
-    p.add_argument("--packing", choices=("2bit", "base3"), default="2bit",
-                   help="code packing: 2bit (the sidecar's; default) or base3 (5 codes per byte, a what-if)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_reads)
 

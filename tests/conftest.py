@@ -1,3 +1,9 @@
+import os
+
+# The reader's Triton kernels run on the CPU through Triton's interpreter in the tests. Triton
+# reads this when it is first imported, and transformers imports it early: set it here, first.
+os.environ["TRITON_INTERPRET"] = "1"
+
 import dataclasses
 
 import pytest

@@ -8,7 +8,7 @@ import pytest
 import trained_like
 from neuron_moe import cli
 from neuron_moe.reader.accounting import (
-    PACKINGS, BudgetError, Geometry, Layout, breakdown, full_bytes, reads, resident, row_sectors, solve_k,
+    BudgetError, Geometry, Layout, breakdown, full_bytes, reads, resident, row_sectors, solve_k,
 )
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.prep import prep_layer
@@ -21,36 +21,25 @@ def test_qwen3_reads_by_hand():
     """Every number derived on paper for hidden 2048, 128 experts, top-8, intermediate 768."""
     full = 8 * 3 * 768 * 2048 * 2  # eight whole experts in bf16
     assert full_bytes(QWEN3_30B) == full == 75_497_472
-    parts = reads(QWEN3_30B, Layout(), k=701)
-    # 16 blocks x 80 scanned coordinates x one strip of 1536 2-bit codes (384 B = 12 sectors), + scales [16, 1536] bf16
-    assert parts["sketch"] == 8 * (16 * 80 * 384 + 16 * 1536 * 2)
+    parts = reads(QWEN3_30B, Layout(), k=755)
+    # 16 blocks x 80 scanned coordinates x one strip of 1536 base-3 codes (1600 padded rows / 5 = 320 B = 10
+    # sectors), + scales [16, 1536] bf16
+    assert parts["sketch"] == 8 * (16 * 80 * 320 + 16 * 1536 * 2)
     assert parts["norms"] == 8 * 768 * 2
-    assert parts["exact"] == 701 * 3 * 2048 * 2  # gate row + up row + down row
-    assert parts["recovery"] == 2048 * 32 * 2 + (6144 - 701) * 32 * 2  # U once, b_j for the unchosen
-    assert solve_k(QWEN3_30B, Layout(), 17.8) == 701
+    assert parts["exact"] == 755 * 3 * 2048 * 2  # gate row + up row + down row
+    assert parts["recovery"] == 2048 * 32 * 2 + (6144 - 755) * 32 * 2  # U once, b_j for the unchosen
+    assert solve_k(QWEN3_30B, Layout(), 17.8) == 755
 
 
-def test_qwen3_at_17_8_percent_with_the_sidecar_layout():
-    """2-bit codes: the sketch alone costs 80/128 x 2/16 x 2/3 = 5.21 % before its scales, so the
-    paper's 4.9 % sketch is out of reach; the exact share shrinks to make room (see docs/reader.md)."""
+def test_qwen3_at_17_8_percent_reproduces_the_papers_breakdown():
+    """5 ternary codes per byte, strips padded to whole sectors: sketch 4.9, exact 12.3, recovery 0.6;
+    resident ≈ 7 % sketch, ≈ 0.5 % recovery (80/128 x 1.6/16 x 2/3 = 4.17 % of codes, + scales)."""
     b = breakdown(QWEN3_30B, Layout(), 17.8)
     share = {name: part["percent"] for name, part in b["reads"].items()}
-    assert share["sketch"] == pytest.approx(5.73, abs=0.005)
-    assert share["exact"] == pytest.approx(11.41, abs=0.005)
-    assert share["recovery"] == pytest.approx(0.64, abs=0.005)
+    assert share["sketch"] == pytest.approx(4.86, abs=0.005)
+    assert share["exact"] == pytest.approx(12.29, abs=0.005)
+    assert share["recovery"] == pytest.approx(0.63, abs=0.005)
     assert b["total_percent"] <= 17.8
-    assert b["resident"]["sketch"]["percent"] == pytest.approx(8.85, abs=0.005)
-    assert b["resident"]["recovery"]["percent"] == pytest.approx(0.53, abs=0.005)
-
-
-def test_base3_packing_reproduces_the_papers_breakdown():
-    """5 ternary codes per byte, strips padded to whole sectors: sketch 4.9, exact 12.3, recovery 0.6;
-    resident ≈ 7 % sketch, ≈ 0.5 % recovery."""
-    b = breakdown(QWEN3_30B, Layout(codes_per_byte=PACKINGS["base3"]), 17.8)
-    share = {name: part["percent"] for name, part in b["reads"].items()}
-    assert round(share["sketch"], 1) == 4.9
-    assert round(share["exact"], 1) == 12.3
-    assert round(share["recovery"], 1) == 0.6
     assert b["k"] == 755
     assert round(b["resident"]["sketch"]["percent"]) == 7
     assert round(b["resident"]["recovery"]["percent"], 1) == 0.5
@@ -79,7 +68,7 @@ def test_rows_that_are_not_whole_sectors_cost_one_more():
 
 @pytest.mark.parametrize("budget,message", [
     (0, r"budget must be in \(0, 100\]"), (-3, r"budget must be in \(0, 100\]"), (100.5, r"budget must be in"),
-    (5.0, r"budget 5.0% is below what the reader reads before any exact channel \(6.44%: sketch 5.73%, norms 0.02%, recovery 0.69%"),
+    (5.0, r"budget 5.0% is below what the reader reads before any exact channel \(5.57%: sketch 4.86%, norms 0.02%, recovery 0.69%"),
 ])
 def test_budgets_out_of_range_are_refused(budget, message):
     with pytest.raises(BudgetError, match=message):
@@ -100,16 +89,16 @@ def test_reads_cli_for_gemma4_and_explicit_geometry(capsys):
     assert cli.main(["reads", "--model", "gemma4-26b-a4b"]) == 0
     printed = capsys.readouterr().out
     assert "gemma4-26b-a4b (hidden 2816, 128 experts, top-8, intermediate 704)" in printed
-    assert "k = 649 exact channels of 5632" in printed and "resident" in printed
+    assert "k = 703 exact channels of 5632" in printed and "resident" in printed
     args = ["reads", "--hidden", "2048", "--experts", "128", "--top-k", "8", "--intermediate", "768",
-            "--packing", "base3", "--json", "-"]
+            "--json", "-"]
     assert cli.main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["k"] == 755 and report["geometry"]["hidden"] == 2048
-    assert cli.main(args[:-4] + ["--scan", "128", "--rank", "0", "--json", "-"]) == 0
+    assert cli.main(args[:-2] + ["--scan", "128", "--rank", "0", "--json", "-"]) == 0
     full_scan = json.loads(capsys.readouterr().out)
     assert full_scan["reads"]["recovery"]["bytes"] == 0
-    assert full_scan["reads"]["sketch"]["bytes"] == 8 * (16 * 128 * 384 + 16 * 1536 * 2)  # every strip
+    assert full_scan["reads"]["sketch"]["bytes"] == 8 * (16 * 128 * 320 + 16 * 1536 * 2)  # every strip
 
 
 @pytest.mark.parametrize("args,message", [

@@ -54,12 +54,13 @@ def test_signs_are_seeded():
     assert set(random_signs(256, 7).tolist()) == {-1, 1}
 
 
-def test_codes_pack_two_bits_each_row_minor():
-    # row r of a strip sits at bits 2(r % 4) of byte r // 4; two's complement: 0 -> 00, +1 -> 01, -1 -> 11
-    codes = torch.tensor([0, 1, -1, 0, -1, -1, 1, 1], dtype=torch.int8)
-    assert pack_codes(codes).tolist() == [0b00_11_01_00, 0b01_01_11_11]
-    assert unpack_codes(torch.zeros(3, dtype=torch.uint8)).eq(0).all()  # zero bytes are zero codes
-    random = torch.randint(-1, 2, (5, 7, 64), dtype=torch.int8)
+def test_codes_pack_five_per_byte_base3_row_minor():
+    # row r is base-3 digit r % 5 of byte r // 5; the digit is the code mod 3: 0 -> 0, +1 -> 1, -1 -> 2
+    codes = torch.tensor([0, 1, -1, 0, -1, 1, 1, 0, 0, -1], dtype=torch.int8)
+    assert pack_codes(codes).tolist() == [0 + 1 * 3 + 2 * 9 + 0 * 27 + 2 * 81, 1 + 1 * 3 + 0 * 9 + 0 * 27 + 2 * 81]
+    assert unpack_codes(torch.zeros(3, dtype=torch.uint8)).eq(0).all()  # zero bytes are zero codes (padding)
+    assert unpack_codes(torch.tensor([242], dtype=torch.uint8)).tolist() == [-1] * 5  # the largest byte written
+    random = torch.randint(-1, 2, (5, 7, 60), dtype=torch.int8)
     assert torch.equal(unpack_codes(pack_codes(random)), random)
 
 
@@ -91,15 +92,15 @@ def test_prep_layer_shapes_match_the_layout(small):
     assert set(out) == set(LAYER_TENSORS) == set(spec)
     for name, (dtype, shape) in spec.items():
         assert out[name].dtype == dtype and tuple(out[name].shape) == shape, name
-    assert spec["codes"][1] == (3, 2, BLOCK, 32)  # 128 padded rows / 4 codes per byte = one sector per strip
+    assert spec["codes"][1] == (3, 2, BLOCK, 32)  # 160 padded rows / 5 codes per byte = one sector per strip
 
 
 def test_codes_are_coordinate_major_and_scales_per_row_and_block(small):
-    """Byte layout: codes[e, b, c, r // 4] holds row r's code at coordinate c of block b."""
+    """Byte layout: codes[e, b, c, r // 5] holds row r's code at coordinate c of block b."""
     ex, signs, out = small
     for e in range(3):
         want_codes, want_scales = ternary(rotate_blocks(ex.gate_up_proj[e], signs, BLOCK))  # [80, 2, 128], [80, 2]
-        got = unpack_codes(out["codes"][e])  # [2, 128, 128 rows]
+        got = unpack_codes(out["codes"][e])  # [2, 128, 160 rows]
         assert torch.equal(got[..., :80], want_codes.permute(1, 2, 0))
         assert got[..., 80:].eq(0).all()  # padding rows
         assert torch.allclose(out["scales"][e].float(), want_scales.T, rtol=2**-8)
@@ -183,7 +184,8 @@ def _rewrite(src, dst, edit_meta=None, edit_tensors=None):
 
 
 @pytest.mark.parametrize("edit_meta,edit_tensors,message", [
-    (lambda m: m.update(format_version="2"), None, r"sidecar format version '2'; this build reads version 1"),
+    (lambda m: m.update(format_version="1"), None, r"sidecar format version '1'; this build reads version 2"),
+    (lambda m: m.update(codes_per_byte="4"), None, "4 codes per byte; this build reads block 128, 5 codes per byte"),
     (lambda m: m.update(format="something-else"), None, "not a reader sidecar"),
     (lambda m: m.update(block="64"), None, "block 64"),
     (lambda m: m.pop("rank"), None, "metadata field 'rank' missing"),

@@ -37,7 +37,7 @@ def _hf_backend(experts: str):
 def _reader_backend(port, dtype, checkpoint, **options) -> Generator:
     from ..experts.channel_reader import reader_model
 
-    model = reader_model(port, dtype, checkpoint, **options)  # options: sidecar, budget, rank
+    model = reader_model(port, dtype, checkpoint, **options)  # options: sidecar, budget, rank, reader_backend
     return lambda ids, mask, n: greedy(model, ids, mask, n)
 
 

@@ -10,6 +10,10 @@ implementation see the same tensor, and the reader and prefill read rows.
 Decode or prefill is decided from a shape, never from values: a pre-hook on each decoder
 layer records whether its input holds one new token per sequence ([B, 1, H]); then the
 experts run the reader, otherwise the full experts (DenseExperts' fixed-shape compute).
+
+The reader's decode step runs on one of READER_BACKENDS, all consuming the same sidecar
+tensors: `reference` (PyTorch, any device), `triton` (CUDA kernels, `reader/triton/`), `nki`
+(NeuronCore kernels, `reader/nki/`).
 """
 
 from __future__ import annotations
@@ -25,14 +29,35 @@ from ..reader.prep import LAYER_TENSORS, Sidecar, down_rows, model_expert_weight
 from .dense_masked import dense_masked_forward
 
 
+READER_BACKENDS = ("reference", "triton", "nki")
+
+
+def reader_forward(backend: str):
+    """The decode-step forward of a reader backend (same signature as `reference.forward`)."""
+    if backend == "reference":
+        return reference.forward
+    if backend == "triton":
+        try:
+            from ..reader.triton.forward import forward
+        except ImportError as e:
+            raise UserError(f"reader backend 'triton' needs triton ({e}); pip install 'neuron-moe[triton]'") from None
+        return forward
+    if backend == "nki":
+        from ..reader.nki.forward import _nki_kernels, forward
+
+        _nki_kernels()  # a UserError without the Neuron SDK, now rather than at the first decode step
+        return forward
+    raise UserError(f"unknown reader backend {backend!r}; expected one of {', '.join(READER_BACKENDS)}")
+
+
 class ReaderState(torch.nn.Module):
     """One layer's sidecar tensors and reader settings, attached as `experts.reader`."""
 
-    def __init__(self, layer, k: int, scan: int, rank: int):
+    def __init__(self, layer, k: int, scan: int, rank: int, run=reference.forward):
         super().__init__()
         for name in (*LAYER_TENSORS, "signs"):
             self.register_buffer(name, getattr(layer, name), persistent=False)
-        self.k, self.scan, self.rank = k, scan, rank
+        self.k, self.scan, self.rank, self.run = k, scan, rank, run  # run: the backend's forward
         self.decode = False  # set by the decoder layer's pre-hook on every call
         self.hook = None
 
@@ -58,12 +83,14 @@ def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = N
 
 
 @torch.no_grad()
-def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = None) -> int:
+def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = None,
+                  backend: str = "reference") -> int:
     """Attach a sidecar to every MoE layer and select `channel_reader`; returns k per token.
 
     Refuses a sidecar of another geometry or made from other weights. `rank` (default: the
-    sidecar's) may lower the recovery rank; 0 turns recovery off.
+    sidecar's) may lower the recovery rank; 0 turns recovery off. `backend`: one of READER_BACKENDS.
     """
+    forward = reader_forward(backend)
     side, k, rank = plan_reader(model.config, sidecar, budget, rank)
     side.check_source(model_expert_weights(model))
     for i, layer in enumerate(model.model.layers):
@@ -72,7 +99,7 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
         experts.down_proj = torch.nn.Parameter(rows.mT, requires_grad=False)
         if getattr(experts, "reader", None) is not None:
             experts.reader.hook.remove()
-        state = ReaderState(side.layer(i), k, side.scan, rank).to(experts.down_proj.device)
+        state = ReaderState(side.layer(i), k, side.scan, rank, forward).to(experts.down_proj.device)
         experts.reader = state
         state.hook = layer.register_forward_pre_hook(_mark_decode, with_kwargs=True)
     model.set_experts_implementation("channel_reader")
@@ -100,13 +127,13 @@ def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, f
     return Path(sidecar), float(budget), rank
 
 
-def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None):
+def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_backend="reference"):
     """The port's model with the reader attached (see `reader_settings` for the defaults)."""
     from ..model import build_model
 
     sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
     model = build_model(port, "eager", dtype, checkpoint)
-    attach_reader(model, sidecar, budget, rank)
+    attach_reader(model, sidecar, budget, rank, reader_backend)
     return model
 
 
@@ -117,6 +144,6 @@ def channel_reader_forward(self, hidden_states, top_k_index, top_k_weights):
                         "neuron_moe.experts.channel_reader.attach_reader(model, sidecar, budget) first")
     if not state.decode:
         return dense_masked_forward(self, hidden_states, top_k_index, top_k_weights)
-    return reference.forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                             down_rows(self.down_proj), state, k=state.k, scan=state.scan, rank=state.rank,
-                             act_fn=self.act_fn)
+    return state.run(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                     down_rows(self.down_proj), state, k=state.k, scan=state.scan, rank=state.rank,
+                     act_fn=self.act_fn)

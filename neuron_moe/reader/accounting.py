@@ -3,8 +3,8 @@
 Everything follows from the geometry and the sidecar layout of `prep.py`; nothing is fitted.
 For one token the reader reads, from its top_k experts:
 
-- sketch: for each expert, block and scanned coordinate one strip of codes (one code per
-  gate/up row, rows padded to whole sectors), and the expert's scales [blocks, 2I] (bf16);
+- sketch: for each expert, block and scanned coordinate one strip of codes (one base-3 code
+  per gate/up row, 5 per byte, rows padded to whole sectors), and the expert's scales [blocks, 2I] (bf16);
 - norms: ‖d_j‖ of the expert's I channels (bf16);
 - exact: for each of the k chosen channels its gate row, up row and down row (H bf16 each);
 - recovery: U [H, rank] (bf16) once, and b_j (rank bf16) for every channel not chosen.
@@ -23,7 +23,6 @@ from .hadamard import padded
 from .prep import BLOCK, CODES_PER_BYTE, RANK, SCAN, SECTOR
 
 BF16 = 2
-PACKINGS = {"2bit": CODES_PER_BYTE, "base3": 5}  # base3: 5 ternary codes per byte (3^5 = 243) — not written by prep
 
 
 class BudgetError(UserError):
@@ -51,7 +50,6 @@ class Geometry:
 class Layout:
     scan: int = SCAN
     rank: int = RANK
-    codes_per_byte: int = CODES_PER_BYTE
 
     def check(self, geo: Geometry) -> None:
         if not 1 <= self.scan <= BLOCK:
@@ -72,8 +70,8 @@ def row_sectors(nbytes: int) -> int:
 
 
 def strip_bytes(geo: Geometry, layout: Layout) -> int:
-    """Bytes of one coordinate's codes for all gate/up rows (rows padded to whole sectors)."""
-    return padded(2 * geo.intermediate, SECTOR * layout.codes_per_byte) // layout.codes_per_byte
+    """Bytes of one coordinate's codes for all gate/up rows (5 per byte, rows padded to whole sectors)."""
+    return padded(2 * geo.intermediate, SECTOR * CODES_PER_BYTE) // CODES_PER_BYTE
 
 
 def reads(geo: Geometry, layout: Layout, k: int) -> dict[str, int]:

@@ -6,9 +6,9 @@ Per MoE layer, once, from the expert weights alone (no calibration data):
   blocks and rotated per block by R = H·diag(s)/√128 (`hadamard.py`, seeded signs s);
 - each rotated (row, block) gets a ternary sketch: codes in {-1, 0, +1} and one scale, the
   least-squares optimum over all thresholds;
-- the codes are stored coordinate-major, 2 bits each: for (expert, block, coordinate) one
-  contiguous strip holds that coordinate's code for every row, so a token that scans 80 of
-  a block's 128 coordinates reads 80 strips and nothing else;
+- the codes are stored coordinate-major, base 3, 5 per byte (3⁵ = 243 ≤ 256): for (expert,
+  block, coordinate) one contiguous strip holds that coordinate's code for every row, so a
+  token that scans 80 of a block's 128 coordinates reads 80 strips and nothing else;
 - ‖d_j‖ for every channel j (column j of down_proj);
 - the recovery map: U, the top-`rank` left singular vectors of all the layer's down
   columns stacked ([H, E·I]), and b_j = Uᵀd_j per channel.
@@ -39,12 +39,13 @@ from ..errors import UserError
 from .hadamard import padded, random_signs, rotate_blocks
 
 FORMAT = "neuron-moe-reader"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: 2-bit codes (4 per byte); 2: base-3 codes (5 per byte)
 BLOCK = 128  # coordinates per Hadamard block
 SCAN = 80  # coordinates per block a token scans (recorded; a reader may scan any number)
 RANK = 32  # recovery-map rank
 SECTOR = 32  # bytes: the unit a GPU memory read is charged in
-CODES_PER_BYTE = 4  # 2-bit codes, two's complement: 0b00 = 0, 0b01 = +1, 0b11 = -1
+CODES_PER_BYTE = 5  # base-3 digits: byte = Σ_t digit(row 5q+t)·3^t, digit = code mod 3 (0, +1 -> 1, -1 -> 2)
+POW3 = (1, 3, 9, 27, 81)
 FLOAT = torch.bfloat16  # scales, norms, U and b
 LAYER_TENSORS = ("codes", "scales", "down_norms", "basis", "coeffs")
 SIGNS = "hadamard_signs"
@@ -93,16 +94,16 @@ class Layout:
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes in {-1, 0, 1} [..., R] (R % 4 == 0) -> uint8 [..., R/4]; code r at bits 2(r%4)."""
-    fields = (codes.to(torch.int8) & 3).to(torch.uint8).reshape(*codes.shape[:-1], -1, CODES_PER_BYTE)
-    return fields[..., 0] | fields[..., 1] << 2 | fields[..., 2] << 4 | fields[..., 3] << 6
+    """int8 codes in {-1, 0, 1} [..., R] (R % 5 == 0) -> uint8 [..., R/5]; row r is base-3 digit r % 5 of
+    byte r // 5, the digit being the code mod 3 (0 -> 0, +1 -> 1, -1 -> 2), so zero bytes are zero codes."""
+    digits = (codes.to(torch.int16) % 3).reshape(*codes.shape[:-1], -1, CODES_PER_BYTE)
+    return (digits * torch.tensor(POW3, dtype=torch.int16, device=codes.device)).sum(-1).to(torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., B] -> int8 codes [..., 4B]. (field ^ 2) - 2 sign-extends a 2-bit field."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
-    fields = (packed.unsqueeze(-1) >> shifts) & 3
-    return ((fields ^ 2).to(torch.int8) - 2).reshape(*packed.shape[:-1], -1)
+    """uint8 [..., B] -> int8 codes [..., 5B]: digit d = byte // 3^t % 3, code = d − 3·(d >> 1)."""
+    digits = packed.to(torch.int16).unsqueeze(-1) // torch.tensor(POW3, dtype=torch.int16, device=packed.device) % 3
+    return (digits - 3 * (digits >> 1)).to(torch.int8).reshape(*packed.shape[:-1], -1)
 
 
 def ternary(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +192,7 @@ def model_expert_weights(model) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 def _metadata(layout: Layout, layers: int, scan: int, seed: int, digest: str) -> dict[str, str]:
     return {"format": FORMAT, "format_version": str(FORMAT_VERSION), "block": str(BLOCK), "scan": str(scan),
-            "rank": str(layout.rank), "seed": str(seed), "code_bits": str(8 // CODES_PER_BYTE),
+            "rank": str(layout.rank), "seed": str(seed), "codes_per_byte": str(CODES_PER_BYTE),
             "hidden": str(layout.hidden), "experts": str(layout.experts),
             "intermediate": str(layout.intermediate), "layers": str(layers), "source_sha256": digest}
 
@@ -265,7 +266,7 @@ def write_sidecar(out: Path, weights: Iterable[tuple[torch.Tensor, torch.Tensor]
 class LayerSidecar:
     """One layer's sidecar tensors, as the reference forward consumes them."""
 
-    codes: torch.Tensor  # uint8 [E, nb, 128, R_pad/4]
+    codes: torch.Tensor  # uint8 [E, nb, 128, R_pad/5]
     scales: torch.Tensor  # bf16 [E, nb, 2I]
     down_norms: torch.Tensor  # bf16 [E, I]
     basis: torch.Tensor  # bf16 [H, rank]   U
@@ -296,13 +297,13 @@ class Sidecar:
             raise SidecarError(f"{self.path}: sidecar format version {meta.get('format_version')!r}; this build "
                                f"reads version {FORMAT_VERSION} (re-run `neuron-moe prep-reader`)")
         try:
-            fields = {k: int(meta[k]) for k in ("block", "scan", "rank", "seed", "code_bits", "hidden",
+            fields = {k: int(meta[k]) for k in ("block", "scan", "rank", "seed", "codes_per_byte", "hidden",
                                                 "experts", "intermediate", "layers")}
         except (KeyError, ValueError) as e:
             raise SidecarError(f"{self.path}: metadata field {e} missing or not an integer") from None
-        if (fields["block"], fields["code_bits"]) != (BLOCK, 8 // CODES_PER_BYTE):
-            raise SidecarError(f"{self.path}: block {fields['block']} / {fields['code_bits']}-bit codes; this build "
-                               f"reads block {BLOCK}, {8 // CODES_PER_BYTE}-bit codes")
+        if (fields["block"], fields["codes_per_byte"]) != (BLOCK, CODES_PER_BYTE):
+            raise SidecarError(f"{self.path}: block {fields['block']}, {fields['codes_per_byte']} codes per byte; "
+                               f"this build reads block {BLOCK}, {CODES_PER_BYTE} codes per byte")
         self.scan, self.seed, self.layers = fields["scan"], fields["seed"], fields["layers"]
         self.source_sha256 = meta.get("source_sha256", "")
         self.layout = Layout(fields["hidden"], fields["experts"], fields["intermediate"], fields["rank"])

@@ -23,17 +23,36 @@ from .prep import BLOCK, LayerSidecar, unpack_codes
 
 # `layer` below is a LayerSidecar or anything with its attributes (the HF integration's ReaderState).
 
+ACTIVATIONS = {"GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "GELUPytorchTanh": "gelu_tanh",
+               "SiLUActivation": "silu", "SiLU": "silu"}
+
+
+def activation_name(act_fn) -> str:
+    """The kernels' name for an HF activation module: gelu_tanh (Gemma-4) or silu (Qwen3)."""
+    name = type(act_fn).__name__
+    if name not in ACTIVATIONS:
+        from ..errors import UserError
+
+        raise UserError(f"reader kernels: activation {name} not supported (gelu_pytorch_tanh or silu)")
+    return ACTIVATIONS[name]
+
+
+def scanned(x: torch.Tensor, layer: LayerSidecar, scan: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate x [T, H] once; per block the `scan` coordinates of largest |Rx| and Rx there, [T, nb, scan] each."""
+    rotated = rotate_blocks(x, layer.signs, BLOCK)  # [T, nb, 128]
+    coords = rotated.abs().topk(scan, dim=-1).indices
+    return coords, rotated.gather(-1, coords)
+
 
 def sketch_estimates(x: torch.Tensor, top_k_index: torch.Tensor, layer: LayerSidecar, scan: int) -> torch.Tensor:
     """[T, H] -> estimates of every gate/up row's dot with x, [T, k_e, 2I] (gate rows first)."""
-    rotated = rotate_blocks(x, layer.signs, BLOCK)  # [T, nb, 128]
-    coords = rotated.abs().topk(scan, dim=-1).indices  # [T, nb, scan]
+    coords, values = scanned(x, layer, scan)
     nb, rows = layer.scales.shape[1:]
     experts = top_k_index[:, :, None, None]  # [T, ke, 1, 1]
     blocks = torch.arange(nb, device=x.device)[None, None, :, None]  # [1, 1, nb, 1]
-    strips = layer.codes[experts, blocks, coords[:, None]]  # [T, ke, nb, scan, R_pad/4]: only the scanned strips
+    strips = layer.codes[experts, blocks, coords[:, None]]  # [T, ke, nb, scan, R_pad/5]: only the scanned strips
     codes = unpack_codes(strips)[..., :rows].to(torch.float32)
-    partial = torch.einsum("tkbcr,tbc->tkbr", codes, rotated.gather(-1, coords))
+    partial = torch.einsum("tkbcr,tbc->tkbr", codes, values)
     return (partial * layer.scales[top_k_index].to(torch.float32)).sum(dim=2)
 
 
@@ -53,6 +72,18 @@ def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act_fn):
     return score.flatten(1).topk(k, dim=-1).indices, p
 
 
+def chosen_rows(chosen, top_k_index, top_k_weights, inter: int):
+    """Flattened (slot, channel) picks [T, k] -> expert, channel and router weight of each, [T, k] each."""
+    slot, channel = chosen // inter, chosen % inter
+    return top_k_index.gather(1, slot), channel, top_k_weights.to(torch.float32).gather(1, slot)
+
+
+def unchosen_weights(p, chosen, top_k_weights):
+    """w_e·p_j for the channels recovery covers (j ∉ K), 0 for the chosen: [T, k_e, I]."""
+    rest = torch.ones_like(p).flatten(1).scatter(1, chosen, 0.0).view_as(p)
+    return top_k_weights.to(torch.float32)[..., None] * p * rest
+
+
 def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer: LayerSidecar, *, k: int, scan: int,
             rank: int, act_fn, screen: str = "sketch") -> torch.Tensor:
     """The reader's routed output for tokens x [T, H]; gate_up [E, 2I, H], down_rows [E, I, H].
@@ -67,17 +98,13 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer: LayerSidec
     else:
         raise ValueError(f"screen must be 'sketch' or 'exact', got {screen!r}")
     chosen, p = select(estimates, top_k_index, top_k_weights, layer.down_norms, k, act_fn)
-    inter = down_rows.shape[1]
-    slot, channel = chosen // inter, chosen % inter
-    expert = top_k_index.gather(1, slot)  # [T, k]
-    weight = top_k_weights.to(torch.float32).gather(1, slot)
+    expert, channel, weight = chosen_rows(chosen, top_k_index, top_k_weights, down_rows.shape[1])
     gate = gate_up[expert, channel].to(torch.float32)  # [T, k, H]: one contiguous row each
-    up = gate_up[expert, channel + inter].to(torch.float32)
+    up = gate_up[expert, channel + down_rows.shape[1]].to(torch.float32)
     a = act_fn(torch.einsum("tkh,th->tk", gate, xf)) * torch.einsum("tkh,th->tk", up, xf)
     out = torch.einsum("tk,tkh->th", weight * a, down_rows[expert, channel].to(torch.float32))
     if rank:
-        rest = torch.ones_like(p).flatten(1).scatter(1, chosen, 0.0).view_as(p)  # 1 for j ∉ K
-        z = torch.einsum("tki,tkir->tr", top_k_weights.to(torch.float32)[..., None] * p * rest,
+        z = torch.einsum("tki,tkir->tr", unchosen_weights(p, chosen, top_k_weights),
                          layer.coeffs[top_k_index][..., :rank].to(torch.float32))
         out = out + z @ layer.basis[:, :rank].to(torch.float32).T
     return out.to(x.dtype)

@@ -1,0 +1,277 @@
+"""The reader's MoE block on a GPU against dense top-k baselines: time, bytes, bandwidth.
+
+One MoE layer's routed experts (router output given), for the Gemma-4 26B-A4B and
+Qwen3-30B-A3B layer geometries, batch 1, 4 and 8 decode tokens, bf16 weights:
+
+- `hf-batched_mm`, `hf-grouped_mm`: transformers' own experts implementations;
+- `triton-dense`: a fused-MoE-style Triton GEMV (gate/up rows with the activation fused, then
+  down rows) — the reader's own exact kernels with every channel selected;
+- `reader-17.8`, `reader-12.8`: the reader's Triton kernels at those read budgets.
+
+Weights are random of the real shapes (nothing here depends on their values), several
+layers of them, cycled with fresh routings so that consecutive calls do not find the previous
+call's experts in L2. The reader's sidecar is random too, in the exact layout of
+`reader/prep.py` (prep of a real layer takes minutes on a CPU; the kernels' work depends
+only on the shapes). Every implementation is first checked against its reference in fp32 on
+the same inputs (dense: the einsum MoE; reader: `reader.reference.forward`). Each is then
+timed over a CUDA graph of `--iters` calls (one capture per layer and routing buffer; launch
+overhead is what a served decode step pays with graphs), against the copy bandwidth of the
+same card (a device-to-device copy of 1 GiB). Bytes read are the accounting's, per token ×
+tokens (`reader/accounting.py`): a lower bound on what the kernels move.
+
+    python bench/gpu_reader.py                  # on the GPU: JSON to $OUT/gpu_reader.json
+    python bench/gpu_reader.py --dry-run        # CPU, tiny shapes, Triton interpreter (CI runs it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# (hidden, experts, top_k, intermediate, activation, recovery rank)
+GEOMETRIES = {
+    "gemma4-26b-a4b": (2816, 128, 8, 704, "gelu_pytorch_tanh", 32),
+    "qwen3-30b-a3b": (2048, 128, 8, 768, "silu", 32),
+}
+DRY_GEOMETRIES = {  # a hidden size that is not a multiple of 128; low rank so that 12.8 % fits such small layers
+    "tiny-gemma-like": (320, 8, 2, 160, "gelu_pytorch_tanh", 4),
+    "tiny-qwen-like": (256, 8, 2, 160, "silu", 2),
+}
+BUDGETS = (17.8, 12.8)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter, each "
+                                                              "implementation run once (its check)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8], metavar="T")
+    p.add_argument("--layers", type=int, default=4, help="layers of weights cycled through (default 4)")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per implementation (default 50)")
+    p.add_argument("--json", metavar="FILE", help="default: $OUT/gpu_reader.json, else bench/results/")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.layers, args.batches = 1, [1, 2]
+    return args
+
+
+args = parse_args()
+if args.dry_run:  # before triton is first imported (transformers imports it)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig  # noqa: E402
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts  # noqa: E402
+
+from neuron_moe.reader import reference  # noqa: E402
+from neuron_moe.reader.accounting import Geometry, Layout, full_bytes, reads, solve_k  # noqa: E402
+from neuron_moe.reader.hadamard import random_signs  # noqa: E402
+from neuron_moe.reader.prep import LayerSidecar  # noqa: E402
+from neuron_moe.reader.prep import Layout as SidecarLayout  # noqa: E402
+from neuron_moe.reader.triton import forward as triton_reader  # noqa: E402
+from neuron_moe.report import table, write_json  # noqa: E402
+
+DEVICE = "cpu" if args.dry_run else "cuda"
+BF16 = torch.bfloat16
+
+
+class Layer:
+    """One layer: bf16 weights in HF's layout (for HF's experts) and the reader's [E, I, H] rows, and a
+    random sidecar in the exact layout `prep.py` writes."""
+
+    def __init__(self, hidden, experts, inter, act, rank, gen):
+        def randn(*shape, scale=0.02):
+            return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(BF16)
+
+        gate_up, down = randn(experts, 2 * inter, hidden), randn(experts, hidden, inter)
+        self.hf = {}
+        for impl in ("batched_mm", "grouped_mm"):
+            config = Gemma4TextConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                                      hidden_activation=act)
+            config._experts_implementation = impl
+            with torch.device("meta"):  # no host copy of the weights: the parameters are set below
+                module = Gemma4TextExperts(config)
+            module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)  # one copy for both modules
+            module.down_proj = torch.nn.Parameter(down, requires_grad=False)
+            self.hf[impl] = module
+        self.gate_up, self.down = gate_up, down
+        self.down_rows = down.mT.contiguous()  # attach_reader's layout (in the model: in place, one copy)
+        self.act_fn = ACT2FN[act]
+        spec = SidecarLayout(hidden, experts, inter, rank).layer_tensors()
+        basis = torch.linalg.qr(torch.randn(hidden, rank, generator=gen, device=DEVICE))[0]
+        sidecar = {
+            "codes": torch.randint(0, 243, spec["codes"][1], generator=gen, device=DEVICE, dtype=torch.uint8),
+            "scales": (torch.rand(spec["scales"][1], generator=gen, device=DEVICE) * 0.02).to(BF16),
+            "down_norms": down.float().norm(dim=1).to(BF16),
+            "basis": basis.to(BF16),
+            "coeffs": torch.einsum("hr,ehi->eir", basis, down.float()).to(BF16),
+        }
+        signs = random_signs(spec["codes"][1][1] * 128, seed=0).to(DEVICE)
+        self.sidecar = LayerSidecar.from_tensors(sidecar, signs)
+
+
+def routing(tokens, experts, top_k, gen):
+    index = torch.rand(tokens, experts, generator=gen, device=DEVICE).argsort(dim=-1)[:, :top_k]
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen, device=DEVICE), dim=-1)
+    return index, weights
+
+
+def dense_reference(layer, x, index, weights):
+    """Σ_e w_e D_e(φ(G_e x) ⊙ U_e x) in fp32 from the bf16 weights."""
+    gate, up = torch.einsum("th,tkrh->tkr", x.float(), layer.gate_up[index].float()).chunk(2, dim=-1)
+    h = layer.act_fn(gate) * up * weights.float()[..., None]
+    return torch.einsum("tki,tkhi->th", h, layer.down[index].float())
+
+
+def implementations(geo, rank):
+    """name -> (forward(layer, x, index, weights), bytes per token, k or None for the dense ones)."""
+    full = full_bytes(geo)
+    out = {
+        "hf-batched_mm": (lambda L, x, i, w: L.hf["batched_mm"](x, i, w), full, None),
+        "hf-grouped_mm": (lambda L, x, i, w: L.hf["grouped_mm"](x, i, w), full, None),
+        "triton-dense": (lambda L, x, i, w: triton_reader.dense_forward(x, i, w, L.gate_up, L.down_rows,
+                                                                       act_fn=L.act_fn), full, None),
+    }
+    for budget in BUDGETS:
+        k = solve_k(geo, Layout(rank=rank), budget)
+
+        def run(L, x, i, w, k=k):
+            return triton_reader.forward(x, i, w, L.gate_up, L.down_rows, L.sidecar, k=k, scan=80, rank=rank,
+                                         act_fn=L.act_fn)
+
+        out[f"reader-{budget}"] = (run, sum(reads(geo, Layout(rank=rank), k).values()), k)
+    return out
+
+
+def check(fn, layer, x, index, weights, k, rank):
+    """Max error relative to the largest output entry, against the fp32 reference of the same inputs;
+    and the seconds the call took (the time a dry run reports: it runs each implementation once)."""
+    start = time.perf_counter()
+    got = fn(layer, x, index, weights).float()
+    seconds = time.perf_counter() - start
+    if k is None:
+        want = dense_reference(layer, x, index, weights)
+    else:
+        want = reference.forward(x, index, weights, layer.gate_up, layer.down_rows, layer.sidecar, k=k, scan=80,
+                                 rank=rank, act_fn=layer.act_fn).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    return err, err <= 2e-2, seconds  # bf16 inputs and outputs: a few bf16 ulps of the largest entry
+
+
+def timed(fn, layers, inputs, iters):
+    """Seconds per call: `iters` calls cycling through layers and routings, in one CUDA graph on a GPU."""
+    calls = [(layers[i % len(layers)], *inputs[i % len(inputs)]) for i in range(iters)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls[:3]:
+            fn(*c)  # warm-up: Triton compiles, cuBLAS picks its kernels
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for c in calls:
+                fn(*c)
+        replay, graphed = graph.replay, True
+    except Exception:  # not capturable (a host sync inside): time the eager calls instead, and say so
+        graph = None
+
+        def replay():
+            for c in calls:
+                fn(*c)
+        graphed = False
+    replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters, graphed
+
+
+def copy_bandwidth():
+    """Device-to-device copy of 1 GiB: bytes read + written per second (what the card's HBM sustains)."""
+    if DEVICE == "cpu":
+        src = torch.empty(1 << 24, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        start = time.perf_counter()
+        dst.copy_(src)
+        return 2 * src.numel() / (time.perf_counter() - start)
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    del src, dst
+    return 2 * 10 * (1 << 30) / (start.elapsed_time(end) / 1e3)
+
+
+def machine():
+    info = {"torch": torch.__version__, "triton": triton.__version__, "dry_run": args.dry_run,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    info["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (Triton interpreter)"
+    return info
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    copy_bw = copy_bandwidth()
+    rows = []
+    for name, (hidden, experts, top_k, inter, act, rank) in (DRY_GEOMETRIES if args.dry_run else GEOMETRIES).items():
+        geo = Geometry(hidden, experts, top_k, inter)
+        layers = [Layer(hidden, experts, inter, act, rank, gen) for _ in range(args.layers)]
+        impls = implementations(geo, rank)
+        for tokens in args.batches:
+            inputs = []
+            for _ in range(min(args.iters, 8)):
+                index, weights = routing(tokens, experts, top_k, gen)
+                x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(BF16)
+                inputs.append((x, index, weights))
+            for impl, (fn, per_token, k) in impls.items():
+                err, ok, seconds = check(fn, layers[0], *inputs[0], k, rank)
+                graphed = False
+                if not args.dry_run:
+                    seconds, graphed = timed(fn, layers, inputs, args.iters)
+                nbytes = per_token * tokens
+                rows.append({"geometry": name, "tokens": tokens, "impl": impl, "k": k or geo.channels,
+                             "check_rel_err": err, "check_ok": ok, "us": seconds * 1e6, "cuda_graph": graphed,
+                             "bytes": nbytes, "read_percent": 100 * per_token / full_bytes(geo),
+                             "GBps": nbytes / seconds / 1e9, "of_copy_bw": nbytes / seconds / copy_bw})
+                print(f"{name} T={tokens} {impl}: {seconds * 1e6:.1f} us, check {'ok' if ok else 'FAILED'} "
+                      f"({err:.1e})", flush=True)
+        del layers
+        for r in rows:
+            if r["geometry"] == name:
+                best = min(x["us"] for x in rows if x["geometry"] == name and x["tokens"] == r["tokens"]
+                           and not x["impl"].startswith("reader"))
+                r["speedup_vs_best_dense"] = best / r["us"]
+    report = {"machine": machine(), "copy_GBps": copy_bw / 1e9, "iters": args.iters, "layers": args.layers,
+              "rows": rows}
+    dest = args.json or (str(Path(os.environ["OUT"]) / "gpu_reader.json") if os.environ.get("OUT")
+                         else str(Path(__file__).parent / "results" / "gpu_reader.json"))
+    write_json(report, dest)
+    print(f"\n{report['machine']['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; JSON: {dest}\n")
+    print(table(rows, [("geometry", "geometry"), ("tokens", "T"), ("impl", "implementation"), ("k", "k"),
+                       ("read_percent", "reads", "{:.1f}%"), ("us", "µs/layer", "{:.1f}"),
+                       ("speedup_vs_best_dense", "× best dense", "{:.2f}"), ("GBps", "GB/s", "{:.0f}"),
+                       ("of_copy_bw", "of copy", "{:.0%}"), ("cuda_graph", "graph"),
+                       ("check_ok", "check")]))
+    return 0 if all(r["check_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The reader's Triton kernels against the PyTorch reference, on the CPU through Triton's
+interpreter: screen, exact and recover, on a hidden size that is not a multiple of 128 and on
+a batch-1 token one of whose experts gets no channel, in fp32 (rtol 1e-3) and with bf16 weights."""
+
+import pytest
+import torch
+from transformers.activations import ACT2FN
+
+import trained_like
+from neuron_moe import cli
+from neuron_moe.experts.channel_reader import attach_reader
+from neuron_moe.generate import greedy, left_pad
+from neuron_moe.model import build_model
+from neuron_moe.errors import UserError
+from neuron_moe.reader import reference
+from neuron_moe.reader.hadamard import padded, random_signs
+from neuron_moe.reader.prep import BLOCK, LayerSidecar, prep_layer
+from neuron_moe.reader.triton import forward as triton_reader  # interpreted: conftest sets TRITON_INTERPRET=1
+
+from conftest import random_prompts
+
+# the interpreter evaluates sigmoid(z) = 1/(1 + exp(-z)) in numpy: exp overflows to inf for very
+# negative z, which gives the right 0 (the GPU's exp does the same without a warning)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def close(got, want, rtol=1e-3):
+    """rtol relative to the output's scale: elementwise rtol breaks on entries that cancel to ~0."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= rtol * want.float().abs().max().item(), err
+    return err
+
+
+class Case:
+    """One layer, its sidecar, tokens and routing; `dtype` is that of the weights and tokens."""
+
+    def __init__(self, experts, inter, hidden, tokens, top_k, k, scan, rank, act="gelu_pytorch_tanh", seed=0,
+                 dtype=torch.float32):
+        self.ex = trained_like.experts(num_experts=experts, inter=inter, hidden=hidden, seed=seed)
+        signs = random_signs(padded(hidden, BLOCK), seed)
+        self.layer = LayerSidecar.from_tensors(prep_layer(self.ex.gate_up_proj, self.ex.down_proj, signs, rank), signs)
+        self.gate_up = self.ex.gate_up_proj.to(dtype).contiguous()
+        self.down_rows = self.ex.down_proj.mT.to(dtype).contiguous()  # attach_reader's layout
+        self.x = trained_like.tokens(self.ex, count=tokens).to(dtype)
+        self.index, self.weights = trained_like.routing(tokens, experts, top_k)
+        self.act_fn, self.k, self.scan, self.rank = ACT2FN[act], k, scan, rank
+
+    def run(self, impl, **kw):
+        kw = {"k": self.k, "scan": self.scan, "rank": self.rank, "act_fn": self.act_fn, **kw}
+        return impl(self.x, self.index, self.weights, self.gate_up, self.down_rows, self.layer, **kw)
+
+
+@pytest.fixture(scope="module")
+def odd():
+    """Hidden 200 (two blocks, the second 72/128 padding), 2I = 80 rows (strips padded to 160), 3 tokens."""
+    return Case(experts=4, inter=40, hidden=200, tokens=3, top_k=2, k=30, scan=48, rank=16)
+
+
+@pytest.fixture(scope="module")
+def starved():
+    """Batch 1, silu (Qwen3's activation), 2I = 200 rows (strips of 64 bytes: two screen column tiles);
+    the third routed expert has weight 0, so its score is 0 for every channel and it gets none of the k."""
+    case = Case(experts=5, inter=100, hidden=256, tokens=1, top_k=3, k=50, scan=80, rank=8, act="silu", seed=4)
+    case.weights[:, 2] = 0.0
+    return case
+
+
+@pytest.fixture(params=["odd", "starved"])
+def case(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_screen_matches_the_reference(case):
+    coords, values = reference.scanned(case.x.float(), case.layer, case.scan)
+    got = triton_reader.screen(values, coords, case.index, case.layer.codes, case.layer.scales)
+    want = reference.sketch_estimates(case.x.float(), case.index, case.layer, case.scan)
+    close(got, want)
+    # teeth: scanning one coordinate fewer per block is outside the tolerance
+    fewer = reference.sketch_estimates(case.x.float(), case.index, case.layer, case.scan - 1)
+    assert (got - fewer).abs().max() > 1e-3 * want.abs().max()
+
+
+def test_exact_and_down_match_the_reference(case):
+    """Without recovery the output is Σ_{j∈K} w_e a_j d_j: the exact kernel then the down kernel."""
+    got, want = case.run(triton_reader.forward, rank=0), case.run(reference.forward, rank=0)
+    close(got, want)
+    # teeth: one chosen channel fewer is outside the tolerance
+    assert (case.run(reference.forward, rank=0, k=case.k - 1) - got).abs().max() > 1e-3 * want.abs().max()
+
+
+def test_recover_matches_the_reference(case):
+    """z = Σ_{j∉K} w_e p_j b_j per token (the recover kernel), then y += U z (the down kernel's epilogue)."""
+    estimates = reference.sketch_estimates(case.x.float(), case.index, case.layer, case.scan)
+    chosen, p = reference.select(estimates, case.index, case.weights, case.layer.down_norms, case.k, case.act_fn)
+    unchosen = reference.unchosen_weights(p, chosen, case.weights)
+    z = triton_reader.recover(unchosen, case.index, case.layer.coeffs, case.rank).sum(1)[:, :case.rank]
+    close(z, torch.einsum("tki,tkir->tr", unchosen, case.layer.coeffs[case.index][..., :case.rank].float()))
+    got, want = case.run(triton_reader.forward), case.run(reference.forward)
+    close(got, want)
+    recovery = want - case.run(reference.forward, rank=0)
+    assert recovery.abs().max() > 2e-3 * want.abs().max()  # a missing recovery would be outside the tolerance
+
+
+def test_an_expert_with_no_selected_channel(starved):
+    estimates = reference.sketch_estimates(starved.x, starved.index, starved.layer, starved.scan)
+    chosen, _ = reference.select(estimates, starved.index, starved.weights, starved.layer.down_norms, starved.k,
+                                 starved.act_fn)
+    slots = (chosen // 100).flatten().tolist()
+    assert 2 not in slots and {0, 1} <= set(slots)  # the case the other tests run is the one named
+    close(starved.run(triton_reader.forward), starved.run(reference.forward))
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_down_split_shares_sum_to_the_same_rows(odd, split):
+    """The down kernel's shares of the k rows meet through atomic adds; any split is the same sum."""
+    gen = torch.Generator().manual_seed(0)
+    expert = odd.index.gather(1, torch.randint(0, 2, (3, 30), generator=gen))
+    channel = torch.randint(0, 40, (3, 30), generator=gen)
+    coef = torch.randn(3, 30, generator=gen)
+    got = triton_reader.down(coef, expert, channel, odd.down_rows, split=split)
+    close(got, torch.einsum("tk,tkh->th", coef, odd.down_rows[expert, channel]))
+
+
+def test_bf16_weights():
+    """bf16 weights, sidecar and tokens, batch 8: every load converted to fp32 in the kernels; the
+    output is the reference's to bf16 rounding."""
+    case = Case(experts=4, inter=40, hidden=200, tokens=8, top_k=2, k=30, scan=48, rank=16, seed=2,
+                dtype=torch.bfloat16)
+    got, want = case.run(triton_reader.forward), case.run(reference.forward)
+    assert got.dtype == torch.bfloat16
+    close(got, want, rtol=2**-7)
+
+
+def test_an_unsupported_activation_is_refused(odd):
+    with pytest.raises(UserError, match="activation ReLU not supported"):
+        odd.run(triton_reader.forward, act_fn=torch.nn.ReLU())
+
+
+def test_the_hf_model_on_the_triton_backend(tiny_port, tmp_path, capsys):
+    """`attach_reader(..., backend="triton")`: the decode steps' logits are the reference backend's."""
+    sidecar = tmp_path / "tiny.safetensors"
+    assert cli.main(["prep-reader", "--out", str(sidecar)]) == 0
+    ids, mask = left_pad(random_prompts(tiny_port.config.vocab_size, [5, 3], seed=4), pad_id=0)
+    logits = {}
+    for backend in ("reference", "triton"):
+        model = build_model(tiny_port)
+        attach_reader(model, sidecar, budget=60, backend=backend)
+        logits[backend] = greedy(model, ids, mask, 2).logits[:, 1]  # a decode step (step 0 is the prefill)
+    close(logits["triton"], logits["reference"])
+    with pytest.raises(UserError, match="unknown reader backend 'cuda'"):
+        attach_reader(build_model(tiny_port), sidecar, budget=60, backend="cuda")
+    assert cli.main(["validate", "--reader-backend", "triton"]) == 2
+    assert "--reader-backend apply to --backend reader only" in capsys.readouterr().err
+
+
+def test_the_triton_backend_refuses_cpu_tensors_outside_the_interpreter(odd, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UserError, match="needs CUDA tensors"):
+        odd.run(triton_reader.forward)
