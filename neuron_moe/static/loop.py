@@ -1,0 +1,39 @@
+"""The host loop over the static graphs: pad to the bucket, one prefill, then one decode per token.
+
+Only torch here: the TP ranks (`parallel/trace.py`) run this same loop in every process, and a
+rank process should import nothing it does not need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def run_graphs(graphs: dict, batch: int, max_cache_len: int, pad_id: int, bucket: int,
+               input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):
+    """Greedy generation through `graphs["prefill <bucket>"]` and `graphs["decode"]` (callables
+    with the static decoder's signatures) -> (tokens [rows, n], logits [rows, n, V]). The prompts
+    were checked against the bucket and max_cache_len (`StaticGenerator.check`)."""
+    rows = input_ids.shape[0]
+    # left-pad to the bucket (or drop surplus pad columns), then fill the batch with copies
+    # of the last row, whose outputs are dropped
+    width = input_ids.shape[1]
+    ids = torch.full((rows, bucket), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, bucket), dtype=torch.long)
+    keep = min(width, bucket)
+    ids[:, bucket - keep:], mask[:, bucket - keep:] = input_ids[:, width - keep:], attention_mask[:, width - keep:]
+    ids = torch.cat([ids, ids[-1:].expand(batch - rows, -1)])
+    mask = torch.cat([mask, mask[-1:].expand(batch - rows, -1)])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    token, logits, *cache = graphs[f"prefill {bucket}"](ids, mask, positions)
+    tokens, all_logits = [token], [logits]
+    # generated slots are real for every row; the graph masks slots after the query itself
+    mask = torch.cat([mask, torch.ones(batch, max_cache_len - bucket, dtype=torch.long)], dim=1)
+    position = positions[:, -1:]
+    for slot in range(bucket, bucket + max_new_tokens - 1):
+        position = position + 1
+        token, logits, *cache = graphs["decode"](token, position, torch.tensor([slot]), mask, *cache)
+        tokens.append(token)
+        all_logits.append(logits)
+    return torch.cat(tokens, dim=1)[:rows], torch.stack(all_logits, dim=1)[:rows]
