@@ -9,23 +9,26 @@ from __future__ import annotations
 import torch
 
 
-def run_graphs(graphs: dict, batch: int, max_cache_len: int, pad_id: int, bucket: int,
-               input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):
-    """Greedy generation through `graphs["prefill <bucket>"]` and `graphs["decode"]` (callables
-    with the static decoder's signatures) -> (tokens [rows, n], logits [rows, n, V]). The prompts
-    were checked against the bucket and max_cache_len (`StaticGenerator.check`)."""
-    rows = input_ids.shape[0]
-    # left-pad to the bucket (or drop surplus pad columns), then fill the batch with copies
-    # of the last row, whose outputs are dropped
-    width = input_ids.shape[1]
+def pad_to_bucket(input_ids: torch.Tensor, attention_mask: torch.Tensor, bucket: int, batch: int, pad_id: int):
+    """Left-pad (or drop surplus pad columns) to the bucket and fill the batch with copies of the
+    last row, whose outputs are dropped -> (ids, mask, positions), each [batch, bucket]."""
+    rows, width = input_ids.shape
     ids = torch.full((rows, bucket), pad_id, dtype=torch.long)
     mask = torch.zeros((rows, bucket), dtype=torch.long)
     keep = min(width, bucket)
     ids[:, bucket - keep:], mask[:, bucket - keep:] = input_ids[:, width - keep:], attention_mask[:, width - keep:]
     ids = torch.cat([ids, ids[-1:].expand(batch - rows, -1)])
     mask = torch.cat([mask, mask[-1:].expand(batch - rows, -1)])
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
+
+def run_graphs(graphs: dict, batch: int, max_cache_len: int, pad_id: int, bucket: int,
+               input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):
+    """Greedy generation through `graphs["prefill <bucket>"]` and `graphs["decode"]` (callables
+    with the static decoder's signatures) -> (tokens [rows, n], logits [rows, n, V]). The prompts
+    were checked against the bucket and max_cache_len (`StaticGenerator.check`)."""
+    rows = input_ids.shape[0]
+    ids, mask, positions = pad_to_bucket(input_ids, attention_mask, bucket, batch, pad_id)
     token, logits, *cache = graphs[f"prefill {bucket}"](ids, mask, positions)
     tokens, all_logits = [token], [logits]
     # generated slots are real for every row; the graph masks slots after the query itself
