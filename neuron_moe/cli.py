@@ -184,7 +184,7 @@ def cmd_trace_and_compile(args) -> int:
         print(table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]))
         what = "dry run (CPU, gloo layers; exported, not compiled)" if report["dry_run"] else "compiled for Neuron"
         print(f"\n{report['out']}: {port.name} {args.dtype} TP {args.tp}, keys {', '.join(report['keys'])}; {what}"
-              + ("" if report["weights"] else "; no weights (meta device): manifest and shard plan only"))
+              + ("" if report["weights"] else "; no weights (meta device): exported, manifest and shard plan only"))
     return 0
 
 
@@ -310,8 +310,8 @@ def parser() -> argparse.ArgumentParser:
                                    "(on Neuron, with ModelBuilder) compile them; write model.pt, "
                                    "weights/tp{r}_sharded_checkpoint.safetensors, shard_plan.json and manifest.json "
                                    "into DIR, built aside and renamed into place when complete. --dry-run does the "
-                                   "same on CPU (exported programs under graphs/); a port without weights gets the "
-                                   "manifest and shard plan only (meta device).")
+                                   "same on CPU (exported programs under graphs/); a port without weights is built and "
+                                   "exported on the meta device: manifest and shard plan only.")
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
     p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
     p.add_argument("--dtype", default="bf16", choices=sorted(COMPILE_DTYPES),

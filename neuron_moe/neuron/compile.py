@@ -17,7 +17,8 @@ On Neuron (the SDK present) the keys go through ModelBuilder (`parallel/nxd.py`)
 builds the same rank modules on CPU over the gloo backend (`parallel/cpu.py`), exports every key
 as rank 0 (torch.export under a fake process group, what ModelBuilder's trace sees), and writes
 the exported programs under graphs/ in place of model.pt; for a port without weights (the
-full-size one) it builds the modules on the meta device and writes the manifest and shard plan only.
+full-size one) it builds the modules on the meta device and exports each key there (a graph
+without weights: nothing under graphs/), then writes the manifest and shard plan.
 
 Nothing is half-written: the directory is built as a hidden sibling and renamed into place when
 complete. An existing DIR is refused unless --overwrite; leftovers of an interrupted run (the
@@ -172,7 +173,9 @@ def shard_plan(module, full: dict | None, tp: int) -> dict:
 
 
 def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, overwrite: bool = False,
-                      checkpoint=None) -> dict:
+                      checkpoint=None, export: bool = True) -> dict:
+    """Write the artifact directory `out` (see the module docstring); returns the manifest.
+    `export=False` (dry run only) skips tracing: the shard plan and manifest alone."""
     from ..parallel import cpu, layout, nxd
 
     if dtype not in DTYPES:
@@ -196,7 +199,7 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     try:
         full = _full_state(port, tp, torch_dtype, int8, checkpoint) if has_weights else None
         if dry_run:
-            module, files, exported = _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp)
+            module, files, exported = _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp, export)
         else:
             module, files, exported = _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp)
         _atomic_write(tmp / SHARD_PLAN, lambda p: p.write_text(json.dumps(shard_plan(module, full, tp), indent=1)))
@@ -228,7 +231,7 @@ def _full_state(port, tp, torch_dtype, int8, checkpoint) -> dict:
     return quantize_experts(full) if int8 else full
 
 
-def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path):
+def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: bool):
     from safetensors.torch import save_file
 
     from ..parallel import cpu
@@ -236,21 +239,24 @@ def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path):
     from ..parallel.trace import export_rank0
     from ..static import data_dependent_ops
 
-    if full is None:  # no weights: shapes only
-        return rank_model(port.config, tp, cpu, int8=int8, dtype=torch_dtype, device="meta"), [], False
-    module = rank_model(port.config, tp, cpu, int8=int8, dtype=torch_dtype)
-    shards = cpu.shard_checkpoint(full, module, tp)
-    module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
+    device = "cpu" if full is not None else "meta"  # no weights: shapes only, nothing allocated
+    module = rank_model(port.config, tp, cpu, int8=int8, dtype=torch_dtype, device=device)
     files = []
-    for key in tqdm(keys, desc="export", unit="key"):
+    if full is not None:
+        shards = cpu.shard_checkpoint(full, module, tp)
+        module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
+    for key in tqdm(keys if export else [], desc="export", unit="key"):
         graph = _graph(module, spec, key)
-        program = export_rank0(graph, _example(graph, spec, key), tp)
+        program = export_rank0(graph, tuple(x.to(device) for x in _example(graph, spec, key)), tp)
         bad = data_dependent_ops(program)
         if bad:
             raise ArtifactError(f"{key}: data-dependent ops in the exported graph: {sorted(set(bad))}")
-        name = GRAPHS.format(key=key)
-        _atomic_write(tmp / name, lambda p: torch.export.save(program, p))
-        files.append(name)
+        if full is not None:  # a meta program has no weights to save
+            name = GRAPHS.format(key=key)
+            _atomic_write(tmp / name, lambda p: torch.export.save(program, p))
+            files.append(name)
+    if full is None:
+        return module, files, export
     for rank, shard in enumerate(tqdm(shards, desc="shards", unit="rank")):
         name = WEIGHTS.format(rank=rank)
         # the graphs hold the model as `.model`: their parameters are named model.<rank-module name>
