@@ -53,6 +53,7 @@ def test_rank_module_at_tp1_is_hf(tiny_eager, prompts):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.slow
 def test_tp8_spmd_naive_and_int8(tiny_port, prompts, reference):
     gens = {"spmd": TPGenerator(tiny_port, 8), "naive": TPGenerator(tiny_port, 8, scatter="naive"),
             "int8": TPGenerator(tiny_port, 8, int8=True)}
