@@ -113,3 +113,42 @@ def test_without_the_sdk_it_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert re.search(r"^error: trace-and-compile needs the Neuron SDK .* or pass --dry-run", err)
     assert not (tmp_path / "x").exists()
+
+
+def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, monkeypatch):
+    """Without the SDK, ModelBuilder stood in for: the keys, their example inputs, the checkpoint it
+    is handed (named as the graphs' parameters), and what ends up in the directory."""
+    from safetensors.torch import save_file
+
+    from neuron_moe.parallel import cpu
+    from neuron_moe.parallel.model import rank_model
+
+    seen = {}
+
+    def trace_keys(keys, checkpoint_loader, tp, workdir):
+        seen.update(keys=keys, checkpoint=checkpoint_loader(), tp=tp)
+        return "builder", torch.jit.script(torch.nn.Identity())
+
+    def shard_checkpoint(builder, path):
+        for rank in range(2):
+            save_file({"w": torch.zeros(1)}, str(path / f"tp{rank}_sharded_checkpoint.safetensors"))
+
+    monkeypatch.setattr(nxd, "sdk_available", lambda: True)
+    monkeypatch.setattr(nxd, "trace_keys", trace_keys)
+    monkeypatch.setattr(nxd, "shard_checkpoint", lambda builder, serialize_path: (
+        serialize_path.mkdir(), shard_checkpoint(builder, serialize_path)))
+    report = nc.trace_and_compile(one_bucket_port, "int8", 2, tmp_path / "out", dry_run=False)
+
+    assert seen["tp"] == 2 and list(seen["keys"]) == ["context_encoding_16", "token_generation"]
+    (_, [prefill]), (_, [decode]) = seen["keys"].values()
+    assert [tuple(x.shape) for x in prefill] == [(2, 16)] * 3
+    assert [tuple(x.shape) for x in decode[:4]] == [(2, 1), (2, 1), (1,), (2, 96)]
+    assert [tuple(x.shape) for x in decode[4:6]] == [(2, 2, 16, 32)] * 2  # sliding layer: 2 of 4 KV heads, ring 16
+    graph = nc._graph(rank_model(one_bucket_port.config, 2, cpu, int8=True, device="meta"), one_bucket_port.static,
+                      "token_generation")
+    assert seen["checkpoint"].keys() == graph.state_dict().keys()
+    assert seen["checkpoint"]["model.model.layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
+    assert sorted(report["files"]) == [nc.MODEL, nc.SHARD_PLAN, *(nc.WEIGHTS.format(rank=r) for r in range(2))]
+    assert not report["dry_run"] and nc.read_manifest(tmp_path / "out")["dtype"] == "int8"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "model.pt", "shard_plan.json",
+                                                                    "weights"]

@@ -266,24 +266,19 @@ def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: b
     return module, files, True
 
 
-def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path):  # pragma: no cover - needs the Neuron SDK
+def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path):
     """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
     from ..parallel import cpu, nxd
     from ..parallel.model import rank_model
-    from ..parallel.model import rank_config
-    from ..static.cache import cache_layout, empty_cache
-    from ..static.export import prefill_inputs
 
     def factory(key):
         return lambda: _graph(rank_model(port.config, tp, nxd, int8=int8, dtype=torch_dtype), spec, key)
 
+    # example inputs (CPU tensors) and the shard plan come from a meta-device module of the same layout
+    shapes = rank_model(port.config, tp, cpu, int8=int8, dtype=torch_dtype, device="meta")
+
     def example(key):
-        if key != "token_generation":
-            return prefill_inputs(spec, int(key.rsplit("_", 1)[1]))
-        batch, layout_ = spec.batch_size, cache_layout(rank_config(port.config, tp), spec.max_cache_len)
-        return (torch.zeros(batch, 1, dtype=torch.long), torch.zeros(batch, 1, dtype=torch.long),
-                torch.zeros(1, dtype=torch.long), torch.ones(batch, spec.max_cache_len, dtype=torch.long),
-                *empty_cache(layout_, batch, torch_dtype))
+        return _example(_graph(shapes, spec, key), spec, key)
 
     checkpoint = {f"model.{k}": v for k, v in full.items()}
     builder, traced = nxd.trace_keys({key: (factory(key), [example(key)]) for key in keys},
@@ -295,5 +290,4 @@ def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path):  # pragma
     missing = [f for f in files if not (tmp / f).is_file()]
     if missing:
         raise ArtifactError(f"ModelBuilder did not write {missing}")
-    # the shard plan is read off a CPU module of the same layout (NxD's layers carry the same tags)
-    return rank_model(port.config, tp, cpu, int8=int8, dtype=torch_dtype, device="meta"), files, True
+    return shapes, files, True  # NxD's layers carry the same partition tags as the CPU ones
