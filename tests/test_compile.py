@@ -2,6 +2,7 @@
 rank-0 graphs and the per-rank shards it writes are loaded back and run on 2 gloo ranks, and give
 the reference tokens; a directory is never half-written or mixed with an earlier one."""
 
+import dataclasses
 import json
 import re
 
@@ -20,12 +21,9 @@ from conftest import random_prompts
 
 
 @pytest.fixture(scope="module")
-def one_bucket_port(tmp_path_factory, tiny_port):
+def one_bucket_port(tiny_port):
     """The tiny port with one prefill bucket: two keys to export instead of three."""
-    text = tiny_port.path.read_text().replace("buckets = [8, 56]", "buckets = [16]")
-    path = tmp_path_factory.mktemp("port") / "tiny-one-bucket.toml"
-    path.write_text(text)
-    return load_port(str(path))
+    return dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(16,)))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +55,7 @@ def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
     programs = {"a/prefill 16": torch.export.load(out / nc.GRAPHS.format(key="context_encoding_16")),
                 "a/decode": torch.export.load(out / nc.GRAPHS.format(key="token_generation"))}
     shards = [load_file(out / nc.WEIGHTS.format(rank=r)) for r in range(2)]
-    ids, mask = left_pad(random_prompts(512, [11, 5], seed=3), 0)
+    ids, mask = left_pad(random_prompts(one_bucket_port.config.vocab_size, [11, 5], seed=3), 0)
     (result, _) = run_replicated(programs, {k: shards for k in programs}, generation_job,
                                  [("a", 2, 96, 0, [(16, ids, mask, 5)])])
     reference = greedy(tiny_eager, ids, mask, 5)
