@@ -185,6 +185,25 @@ def cmd_plan(args) -> int:
     return 0 if report["fits"] else 1
 
 
+def cmd_trace_and_compile(args) -> int:
+    from .neuron.compile import trace_and_compile
+    from .port import load_port
+    from .report import table, write_json
+
+    port = load_port(args.model)
+    report = trace_and_compile(port, args.dtype, args.tp, args.out, dry_run=args.dry_run, overwrite=args.overwrite,
+                               checkpoint=args.checkpoint)
+    if args.json:
+        write_json(report, args.json)
+    if args.json != "-":
+        rows = [{"file": f, "bytes": v["size"], "sha256": v["sha256"]} for f, v in report["files"].items()]
+        print(table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]))
+        what = "dry run (CPU, gloo layers; exported, not compiled)" if report["dry_run"] else "compiled for Neuron"
+        print(f"\n{report['out']}: {port.name} {args.dtype} TP {args.tp}, keys {', '.join(report['keys'])}; {what}"
+              + ("" if report["weights"] else "; no weights (meta device): exported, manifest and shard plan only"))
+    return 0
+
+
 def cmd_serve(args) -> int:
     try:
         from .serve.server import run
@@ -458,6 +477,27 @@ def parser() -> argparse.ArgumentParser:
                    help="stated per-core runtime reserve (default 1.0)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_plan)
+
+    from .neuron.compile import DTYPES as COMPILE_DTYPES
+
+    p = sub.add_parser("trace-and-compile", help="rank graphs (a prefill key per bucket, a decode key), per-rank "
+                                                 "weights and a manifest: Neuron, or --dry-run on CPU",
+                       description="Build the full-model rank modules at TP T, trace each key once as rank 0 and "
+                                   "(on Neuron, with ModelBuilder) compile them; write model.pt, "
+                                   "weights/tp{r}_sharded_checkpoint.safetensors, shard_plan.json and manifest.json "
+                                   "into DIR, built aside and renamed into place when complete. --dry-run does the "
+                                   "same on CPU (exported programs under graphs/); a port without weights is built and "
+                                   "exported on the meta device: manifest and shard plan only.")
+    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
+    p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(COMPILE_DTYPES),
+                   help="bf16; int8 (int8 experts, the rest bf16); fp32 (default: bf16)")
+    p.add_argument("--tp", type=int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
+    p.add_argument("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
+    p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
+    p.set_defaults(func=cmd_trace_and_compile)
 
     _serve_parser(sub)
     p = sub.add_parser("reads", help="reader: bytes read per token and layer at a budget, and the k it buys",

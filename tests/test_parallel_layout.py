@@ -18,7 +18,7 @@ def block_state(parallel_state, layer=LAYER):
     """The MoE block's part of a parallel-layout state dict, named as in ParallelMoE."""
     prefix = f"model.layers.{layer}."
     return {k[len(prefix):]: v for k, v in parallel_state.items()
-            if k.startswith(prefix) and k[len(prefix):].split(".")[0] in ("router", "experts", "spmd_rank")}
+            if k.startswith(prefix) and k[len(prefix):].split(".")[0] in ("router", "experts")}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_parallel_state_dict_leaves_its_input_alone(hf_state, tiny_eager):
     before = {k: (v._version, v.clone()) for k, v in hf_state.items()}
     par = layout.parallel_state_dict(hf_state, tiny_eager.config, 8)
     assert all(hf_state[k]._version == ver and torch.equal(hf_state[k], old) for k, (ver, old) in before.items())
-    assert torch.equal(par["model.layers.0.spmd_rank.rank"], torch.arange(8, dtype=torch.int32))
+    assert torch.equal(par["model.layers.0.experts.spmd_rank.rank"], torch.arange(8, dtype=torch.int32))
     assert torch.equal(par["model.embed_tokens.rank_util.rank"], torch.arange(8, dtype=torch.int32))
     assert "model.layers.0.experts.gate_up_proj" not in par
 
@@ -105,7 +105,7 @@ def test_shard_checkpoint_cuts_as_nxd_does(tiny_eager, hf_state):
         assert torch.equal(state["experts.gate_up_proj.scale"], gu_s.chunk(tp, 0)[rank])  # scale split with it
         assert torch.equal(state["experts.down_proj.weight"], dn.chunk(tp, 1)[rank])  # row: dim 1
         assert torch.equal(state["experts.down_proj.scale"], dn_s)  # scale replicated
-        assert state["spmd_rank.rank"].tolist() == [rank] and state["spmd_rank.rank"].dtype == torch.int32
+        assert state["experts.spmd_rank.rank"].tolist() == [rank] and state["experts.spmd_rank.rank"].dtype == torch.int32
         assert torch.equal(state["router.proj.weight"], full["router.proj.weight"])  # replicated
     # reassembled, the shards are the checkpoint
     assert torch.equal(torch.cat([s["experts.down_proj.weight"] for s in shards], 1), dn)
@@ -115,8 +115,8 @@ def test_shard_checkpoint_is_strict(tiny_eager, hf_state):
     config = tiny_eager.config
     full = block_state(layout.parallel_state_dict(hf_state, config, 2))
     module = ParallelMoE(config, 2, cpu)
-    with pytest.raises(cpu.ShardError, match=r"missing \['spmd_rank.rank'\]"):
-        cpu.shard_checkpoint({k: v for k, v in full.items() if k != "spmd_rank.rank"}, module, 2)
+    with pytest.raises(cpu.ShardError, match=r"missing \['experts.spmd_rank.rank'\]"):
+        cpu.shard_checkpoint({k: v for k, v in full.items() if k != "experts.spmd_rank.rank"}, module, 2)
     wrong = dict(full, **{"experts.down_proj.weight": full["experts.down_proj.weight"][:, :-2]})
     with pytest.raises(cpu.ShardError, match=r"experts\.down_proj\.weight: rank 0 expects shape \(128, 512\), "
                                              r"the checkpoint's \(128, 1022\) gives \(128, 511\)"):

@@ -206,13 +206,17 @@ def test_the_tokenizers_chat_template_is_used_when_it_has_one(tmp_path):
 
 # ---- the Neuron backend against a stand-in runtime ------------------------------------------------
 
+def _manifest(**fields):
+    return json.dumps(dict({"format": 1, "dtype": "bf16", "batch_size": 2, "dry_run": False}, **fields))
+
+
 def test_manifest_errors_name_the_problem(tmp_path):
     with pytest.raises(neuron.NeuronError, match="no manifest.json"):
         neuron.read_manifest(tmp_path)
-    (tmp_path / "manifest.json").write_text(json.dumps({"port": "p", "tp": 2, "buckets": [64], "max_length": 32}))
+    (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[64], max_length=32))
     with pytest.raises(neuron.NeuronError, match=r"'buckets' must be positive lengths up to max_length \(32\)"):
         neuron.read_manifest(tmp_path)
-    (tmp_path / "manifest.json").write_text(json.dumps({"port": "p", "buckets": [8], "max_length": 32}))
+    (tmp_path / "manifest.json").write_text(_manifest(port="p", buckets=[8], max_length=32))
     with pytest.raises(neuron.NeuronError, match="field 'tp' is missing"):
         neuron.read_manifest(tmp_path)
 
@@ -225,32 +229,32 @@ def test_missing_sdk_is_a_clear_error():
 
 
 class StandInRuntime:
-    """What a compiled NxD artifact does, computed with the CPU model: prefill sees the prompt
-    padded on the right to a bucket and returns logits for every position; decode keeps the
-    sequence (as the device KV cache would) and returns the last position's logits."""
+    """What a compiled artifact does, computed with the CPU model's static graphs (static/decoder.py,
+    the graphs trace-and-compile traces): NxD routes a call to the key whose inputs match, here
+    prefill (3 inputs, one graph per bucket) or decode (the KV cache after 4 inputs)."""
 
     def __init__(self, model, buckets, max_length):
-        self.model, self.buckets, self.max_length = model, buckets, max_length
+        from neuron_moe.static.decoder import Decode, Prefill
+
+        self.buckets, self.max_length = buckets, max_length
+        self.prefill, self.decode = Prefill(model, max_length, "dense_masked"), Decode(model, max_length, "selective")
         self.nxd_model = types.SimpleNamespace(initialize=self.initialize)
-        self.history, self.weights = [], None
+        self.weights = None
 
     def initialize(self, weights, start_rank):
         self.weights, self.start_rank = weights, start_rank
 
     @torch.no_grad()
-    def __call__(self, ids, mask, positions):
-        if ids.shape[1] > 1:
-            assert ids.shape[1] in self.buckets and ids.shape == mask.shape == positions.shape
-            self.history = ids[0, mask[0].bool()].tolist()
-            return (self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits,)
-        assert mask.shape == (1, self.max_length) and int(mask.sum()) == int(positions) + 1 == len(self.history) + 1
-        self.history.append(int(ids))
-        return self.model(torch.tensor([self.history])).logits[:, -1:]
+    def __call__(self, *inputs):
+        if len(inputs) == 3:
+            assert inputs[0].shape[1] in self.buckets and inputs[0].shape == inputs[1].shape == inputs[2].shape
+            return self.prefill(*inputs)
+        assert inputs[3].shape[1] == self.max_length
+        return self.decode(*inputs)
 
 
 def test_neuron_backend_pads_to_buckets_and_matches_the_reference(tmp_path, monkeypatch, tiny_port, tiny_eager):
-    manifest = {"port": tiny_port.name, "tp": 2, "buckets": [64, 16], "max_length": 128}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[64, 16], max_length=128))
     (tmp_path / "weights").mkdir()
     for rank in range(2):
         save_file({"w": torch.full((1,), float(rank))}, tmp_path / f"weights/tp{rank}_sharded_checkpoint.safetensors")

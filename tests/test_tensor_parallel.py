@@ -17,7 +17,7 @@ from test_parallel_layout import LAYER, block_state
 
 def _uses_rank(program) -> bool:
     """Whether the graph reads the SPMDRank parameter at all."""
-    name = next(s.arg.name for s in program.graph_signature.input_specs if s.target == "spmd_rank.rank")
+    name = next(s.arg.name for s in program.graph_signature.input_specs if s.target == "experts.spmd_rank.rank")
     return any(len(n.users) for n in program.graph.nodes if n.name == name)
 
 

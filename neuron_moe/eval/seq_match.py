@@ -13,6 +13,7 @@ import torch
 
 from ..generate import Generation, greedy, left_pad
 from ..model import build_model
+from ..parallel.generate import BACKENDS as TP_BACKENDS
 from ..static.generate import traced_backend
 
 # In the trained default model's domain (neuron_moe/eval/tasks.py): a fact, two tasks, and text.
@@ -47,6 +48,7 @@ BACKENDS: dict[str, Callable[..., Generator]] = {
     "eager": _hf_backend("eager"),  # the reference against itself: a check of the harness
     "traced": traced_backend,  # the port's static graphs through torch.export (neuron_moe/static)
     "reader": _reader_backend,  # the sparse-channel reader on decode steps, full experts on prefill
+    **TP_BACKENDS,  # tp8, tp8-naive-scatter, tp8-int8: those graphs at TP 8 on gloo (neuron_moe/parallel)
 }
 
 

@@ -65,14 +65,15 @@ def _weights_per_rank(config: Gemma4TextConfig, tp: int, dtype: str) -> dict[str
     out: dict[str, float] = {}
     for name, w in layout.parallel_state_dict(state, config, tp).items():
         local = layout.shard(w, layout.placement(name), tp, 0)
-        if ".experts." in name and dtype == "int8":
+        if name.endswith(".rank"):
+            nbytes = 4 * local.numel()  # int32 SPMDRank
+        elif ".experts." in name and dtype == "int8":
             scale_rows = local.shape[0]  # [out, 1] per linear: split with gate_up, whole with down
             nbytes = local.numel() + 4 * scale_rows
-        elif name.endswith(".rank"):
-            nbytes = 4 * local.numel()  # int32 SPMDRank
         else:
             nbytes = 2 * local.numel()
-        group = "lm_head" if name == "lm_head.weight" else parameter_group(name)
+        # the experts' SPMDRank is a scalar, not expert weights: it counts where a block's scalars do
+        group = "lm_head" if name == "lm_head.weight" else parameter_group(name.replace(".experts.spmd_rank.", ".spmd_rank."))
         out[group] = out.get(group, 0) + nbytes
     return out
 

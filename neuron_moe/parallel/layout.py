@@ -19,7 +19,8 @@ Per decoder layer:
               experts r·E/t … (r+1)·E/t − 1 whole. The router is replicated; each rank scatters the
               dense [T, E] router weights to its own [T, E/t] slice, which must use the rank as a
               tensor (SPMDRank), never as a Python int: ModelBuilder traces rank 0 only.
-  spmd_rank   a [1] int32 parameter per MoE block, `arange(t)` in the checkpoint, split on dim 0.
+  spmd_rank   a [1] int32 parameter per MoE block (`<...>.experts.spmd_rank.rank`), `arange(t)` in the
+              checkpoint, split on dim 0.
 Embeddings are vocab-parallel (their row offset from an SPMDRank, `embed_tokens.rank_util`) and
 lm_head column-parallel over the vocabulary (logits gathered). They are tied in the checkpoint but
 two tensors on the device: each parallel layer loads its own.
@@ -122,7 +123,7 @@ def parallel_state_dict(state: dict[str, torch.Tensor], config: Gemma4TextConfig
     """An HF state dict in the parallel layout, before any slicing (NxD's preshard step).
 
     Experts become their 2-D linear weights under `<...>.experts.{gate_up_proj,down_proj}.weight`,
-    KV projections are replicated up to t heads, each MoE block gains `<...>.spmd_rank.rank` and
+    KV projections are replicated up to t heads, each MoE block gains `<...>.experts.spmd_rank.rank` and
     the embedding `<...>.rank_util.rank`, both arange(t); every other tensor keeps its name and
     value. The input is never modified.
     """
@@ -132,7 +133,7 @@ def parallel_state_dict(state: dict[str, torch.Tensor], config: Gemma4TextConfig
         layer = _LAYER.search(name)
         if name.endswith(".experts.gate_up_proj"):
             out[name + ".weight"] = gate_up_2d(w)
-            out[name.removesuffix("experts.gate_up_proj") + "spmd_rank.rank"] = torch.arange(tp, dtype=torch.int32)
+            out[name.removesuffix("gate_up_proj") + "spmd_rank.rank"] = torch.arange(tp, dtype=torch.int32)
         elif name.endswith(".experts.down_proj"):
             out[name + ".weight"] = down_2d(w)
         elif name.endswith((".self_attn.k_proj.weight", ".self_attn.v_proj.weight")):

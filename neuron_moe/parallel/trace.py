@@ -5,23 +5,21 @@ compiles that one graph, and runs it SPMD on every rank; only the weights differ
 anything the module derives from a Python-int rank is frozen to rank 0's value on every rank.
 
 Here the trace is `torch.export` (strict=False, so that the functional collectives trace into the
-graph) under PyTorch's fake process group of world size t at rank 0; the one ExportedProgram is
-serialised, and each of t gloo processes loads it, loads its own shard, and runs it. The processes
-come from a forkserver that has imported torch once (8 fresh interpreters on 2 cores would spend
-most of a test importing torch); this module imports nothing heavier, and the jobs the ranks run
-live here so that unpickling them imports nothing more.
+graph) under PyTorch's fake process group of world size t at rank 0. Then t gloo processes are
+forked from this one: each starts with that one ExportedProgram, loads its own shard into it, and
+runs it. (That the programs serialise is checked where they are written: `neuron/compile.py`.) Forked, not spawned: 8 fresh interpreters on 2 cores would spend most of a test importing
+torch and deserialising the graphs (seconds per program per rank); the ranks set one intra-op
+thread before they compute.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch._export.serde.serialize  # noqa: F401  loaded once in the forkserver, not in every rank
 import torch.distributed as dist
 
 
@@ -45,25 +43,20 @@ def run_replicated(programs: dict[str, torch.export.ExportedProgram], rank_state
     key of `programs` to that one program with `rank_states[key][rank]` loaded (strict). Returns
     the ranks' results, in rank order. `job` must be a module-level function."""
     (tp,) = {len(states) for states in rank_states.values()}
-    blobs = {}
-    for key, program in programs.items():
-        buf = io.BytesIO()
-        torch.export.save(program, buf)
-        blobs[key] = buf.getvalue()
+    templates = {key: program.module() for key, program in programs.items()}
     with tempfile.TemporaryDirectory(prefix="neuron-moe-tp-") as tmp:
-        torch.multiprocessing.set_forkserver_preload([__name__])
-        torch.multiprocessing.start_processes(_rank_main, args=(tp, blobs, rank_states, job, job_args, tmp),
-                                              nprocs=tp, start_method="forkserver")
+        torch.multiprocessing.start_processes(_rank_main, args=(tp, templates, rank_states, job, job_args, tmp),
+                                              nprocs=tp, start_method="fork")
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(tp)]
 
 
-def _rank_main(rank: int, tp: int, blobs: dict[str, bytes], rank_states: dict, job: Callable, job_args: tuple, tmp: str):
+def _rank_main(rank: int, tp: int, templates: dict[str, torch.nn.Module], rank_states: dict, job: Callable,
+               job_args: tuple, tmp: str):
     torch.set_num_threads(1)  # t ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=tp)
     try:
         modules = {}
-        for key, blob in blobs.items():
-            module = torch.export.load(io.BytesIO(blob)).module()
+        for key, module in templates.items():  # this process's copy of the one program
             module.load_state_dict(rank_states[key][rank], strict=True)
             modules[key] = module
         with torch.no_grad():
@@ -78,3 +71,17 @@ def _rank_main(rank: int, tp: int, blobs: dict[str, bytes], rank_states: dict, j
 def forward_job(modules: dict[str, torch.nn.Module], rank: int, inputs: list[tuple]) -> dict[str, list[torch.Tensor]]:
     """Each program on each input tuple."""
     return {key: [module(*args) for args in inputs] for key, module in modules.items()}
+
+
+def generation_job(modules: dict[str, torch.nn.Module], rank: int, runs: list[tuple]) -> dict[str, tuple]:
+    """Greedy generation through static graphs on every rank, SPMD: each run is (name, batch,
+    max_cache_len, pad_id, [(bucket, input_ids, attention_mask, max_new_tokens), ...]) over the
+    programs keyed "<name>/prefill <bucket>" and "<name>/decode". -> {name: (tokens, logits)}."""
+    from ..static.loop import run_graphs
+
+    out = {}
+    for name, batch, max_cache_len, pad_id, batches in runs:
+        graphs = {key.split("/", 1)[1]: m for key, m in modules.items() if key.split("/", 1)[0] == name}
+        parts = [run_graphs(graphs, batch, max_cache_len, pad_id, *b) for b in batches]
+        out[name] = (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    return out

@@ -4,59 +4,34 @@ Written against the NxD runtime API as NxD Inference uses it; the Neuron SDK
 (torch-neuronx, neuronx-distributed — in the Neuron DLC for inf2) is imported only when
 `--backend neuron` is chosen, and its absence is a clear error.
 
-The artifact directory it expects (the trace-and-compile output, or what `pull` fetched):
+The artifact directory is what `neuron-moe trace-and-compile` writes; its contract (file names,
+manifest fields, the graphs' signatures) is defined once, in `neuron_moe/neuron/compile.py`:
+manifest.json, model.pt (a context-encoding key per bucket, a token-generation key; NxD routes
+each call to the key whose example inputs match), weights/tp{r}_sharded_checkpoint.safetensors.
 
-    manifest.json  {"port": NAME, "tp": T, "buckets": [prefill lengths], "max_length": L, ...}
-    model.pt       torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): a
-                   context-encoding graph per bucket and a token-generation graph; NxD routes
-                   each call to the graph whose example shapes match its inputs
-    weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint)
-
-Calls, batch 1: model(input_ids [1, S], attention_mask [1, S], position_ids [1, S]) ->
-logits [1, S or 1, V] (or a tuple that starts with them). Prefill pads the prompt on the
-right to the smallest bucket; decode passes one token at its position with a mask over
-max_length. The KV cache stays on the device (aliased in and out of the graphs), so one
-sequence is served at a time.
+Calls (the static decoder's graphs, `static/decoder.py`), batch = the manifest's batch_size, one
+sequence served at a time (the other rows are copies, dropped):
+  prefill  model(input_ids, attention_mask, position_ids), each [batch, bucket], the prompt
+           left-padded to the smallest bucket -> (token, logits [batch, V], *kv_cache)
+  decode   model(input_ids [batch, 1], position_ids [batch, 1], slot [1],
+           attention_mask [batch, max_length], *kv_cache) -> (token, logits, *kv_cache)
+The KV cache comes back from each call and goes into the next (host-side here: correct, not yet
+the device-resident aliasing a fast deployment wants).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import torch
 
-from ..errors import UserError
+from ..neuron.compile import MANIFEST, MODEL, WEIGHTS, ArtifactError, read_manifest  # noqa: F401  (the contract)
+from ..static.loop import pad_to_bucket
 
-MANIFEST = "manifest.json"
-MODEL = "model.pt"
-WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 SDK_MODULES = ("torch_neuronx", "neuronx_distributed")
-
-
-class NeuronError(UserError):
-    pass
-
-
-def read_manifest(artifacts: Path) -> dict:
-    path = Path(artifacts) / MANIFEST
-    if not path.is_file():
-        raise NeuronError(f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise NeuronError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(manifest, dict):
-        raise NeuronError(f"{path}: expected a JSON object")
-    for key, kind in (("port", str), ("tp", int), ("buckets", list), ("max_length", int)):
-        if not isinstance(manifest.get(key), kind):
-            raise NeuronError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
-    buckets = manifest["buckets"]
-    if not buckets or not all(isinstance(b, int) and 0 < b <= manifest["max_length"] for b in buckets):
-        raise NeuronError(f"{path}: 'buckets' must be positive lengths up to max_length "
-                          f"({manifest['max_length']}), got {buckets}")
-    return manifest
+# one artifact contract, one error for it
+NeuronError = ArtifactError
 
 
 def require_sdk() -> None:
@@ -70,6 +45,8 @@ class NeuronBackend:
     def __init__(self, artifacts: Path, port):
         artifacts = Path(artifacts)
         self.manifest = read_manifest(artifacts)
+        if self.manifest["dry_run"]:
+            raise NeuronError(f"{artifacts}: a --dry-run output (exported on CPU, not compiled; no {MODEL})")
         if self.manifest["port"] != port.name:
             raise NeuronError(f"{artifacts}: compiled for port {self.manifest['port']!r}, not {port.name!r}")
         require_sdk()
@@ -83,27 +60,30 @@ class NeuronBackend:
         self.model = torch.jit.load(str(artifacts / MODEL))
         self.model.nxd_model.initialize([load_file(p) for p in shards], torch.tensor([0], dtype=torch.int32))
         self.buckets = sorted(self.manifest["buckets"])
-        self.max_context = self.manifest["max_length"]
+        self.batch, self.max_length = self.manifest["batch_size"], self.manifest["max_length"]
         self.max_prompt = self.buckets[-1]
+        # A prompt of n tokens fills its bucket's slots, then each new token but the last takes one:
+        # bucket(n) + new - 1 <= max_length for every n the engine admits (new <= max_context - n)
+        # holds when max_context leaves room for the widest gap between buckets.
+        gap = max(b - a for a, b in zip([0, *self.buckets], self.buckets))
+        self.max_context = self.max_length + 2 - gap
 
     def prefill(self, ids: list[int]):
         n = len(ids)
         bucket = next(b for b in self.buckets if b >= n)  # the engine refuses longer prompts
-        input_ids = torch.zeros(1, bucket, dtype=torch.long)
-        input_ids[0, :n] = torch.tensor(ids)
-        mask = torch.zeros(1, bucket, dtype=torch.long)
-        mask[0, :n] = 1
-        logits = self._call(input_ids, mask, torch.arange(bucket)[None])
-        last = logits[0, n - 1] if logits.shape[1] > 1 else logits[0, -1]  # full or last-token logits
-        return last.float(), {"position": n}
+        ids_, mask, positions = pad_to_bucket(torch.tensor([ids]), torch.ones(1, n, dtype=torch.long),
+                                              bucket, self.batch, 0)
+        _, logits, *cache = self.model(ids_, mask, positions)
+        mask = torch.cat([mask, torch.ones(self.batch, self.max_length - bucket, dtype=torch.long)], dim=1)
+        return logits[0].float(), {"slot": bucket, "position": n, "mask": mask, "cache": cache}
 
     def decode(self, token: int, state) -> torch.Tensor:
-        position = state["position"]
+        if state["slot"] >= self.max_length:
+            raise NeuronError(f"the KV cache holds {self.max_length} slots; this sequence has used them all")
+        ids = torch.full((self.batch, 1), token, dtype=torch.long)
+        position = torch.full((self.batch, 1), state["position"], dtype=torch.long)
+        _, logits, *state["cache"] = self.model(ids, position, torch.tensor([state["slot"]]), state["mask"],
+                                                *state["cache"])
+        state["slot"] += 1
         state["position"] += 1
-        mask = torch.zeros(1, self.max_context, dtype=torch.long)
-        mask[0, : position + 1] = 1
-        return self._call(torch.tensor([[token]]), mask, torch.tensor([[position]]))[0, -1].float()
-
-    def _call(self, *inputs) -> torch.Tensor:
-        out = self.model(*inputs)
-        return out[0] if isinstance(out, (tuple, list)) else out
+        return logits[0].float()

@@ -18,6 +18,7 @@ from ..generate import Generation
 from ..port import StaticSpec
 from .decoder import Decode, Prefill
 from .export import export_decode, export_prefill
+from .loop import run_graphs
 
 
 class StaticInputError(UserError):
@@ -99,35 +100,9 @@ class StaticGenerator:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> Generation:
         bucket = self.check(attention_mask, max_new_tokens)
         self.prepare([bucket])
-        rows, batch = input_ids.shape[0], self.spec.batch_size
-
-        # left-pad to the bucket (or drop surplus pad columns), then fill the batch with copies
-        # of the last row, whose outputs are dropped
-        width = input_ids.shape[1]
-        ids = torch.full((rows, bucket), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, bucket), dtype=torch.long)
-        keep = min(width, bucket)
-        ids[:, bucket - keep:], mask[:, bucket - keep:] = input_ids[:, width - keep:], attention_mask[:, width - keep:]
-        ids = torch.cat([ids, ids[-1:].expand(batch - rows, -1)])
-        mask = torch.cat([mask, mask[-1:].expand(batch - rows, -1)])
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        # Every input is made on the host and sent as it is: a graph's only device-side inputs
-        # are other graphs' outputs (the token, the KV buffers), so on a lazy device no host-side
-        # arithmetic is fused into a graph and each graph keeps one compiled form.
-        dev = self.device
-        token, logits, *cache = self._graphs[f"prefill {bucket}"](ids.to(dev), mask.to(dev), positions.to(dev))
-        tokens, all_logits = [token], [logits]
-        # generated slots are real for every row; the graph masks slots after the query itself
-        mask = torch.cat([mask, torch.ones(batch, self.spec.max_cache_len - bucket, dtype=torch.long)], dim=1).to(dev)
-        for step, slot in enumerate(range(bucket, bucket + max_new_tokens - 1), start=1):
-            position = (positions[:, -1:] + step).to(dev)
-            token, logits, *cache = self._graphs["decode"](token, position, torch.tensor([slot]).to(dev), mask, *cache)
-            tokens.append(token)
-            all_logits.append(logits)
-        # to the host one by one: tensors a graph computed are a copy away, a cat on a lazy device
-        # would be one more graph
-        tokens, all_logits = [t.cpu() for t in tokens], [t.cpu() for t in all_logits]
-        return Generation(torch.cat(tokens, dim=1)[:rows], torch.stack(all_logits, dim=1)[:rows])
+        spec = self.spec
+        return Generation(*run_graphs(self._graphs, spec.batch_size, spec.max_cache_len, self.pad_id, bucket,
+                                      input_ids, attention_mask, max_new_tokens, self.device))
 
 
 def traced_backend(port, dtype=None, checkpoint=None):

@@ -1,0 +1,293 @@
+"""trace-and-compile: the rank modules' graphs, per-rank weights and a manifest, in one directory.
+
+The artifact contract (what `serve/neuron.py` and `pull` read) is defined here, once:
+
+    manifest.json   MANIFEST_FIELDS below, plus the files' sizes and sha256
+    model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
+                    context-encoding key per prefill bucket and one token-generation key
+    weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint)
+    shard_plan.json every rank-module tensor: placement, full and per-rank shape, dtype
+
+Each key is the static decoder (`static/decoder.py`) over the full-model rank module
+(`parallel/model.py`): context_encoding_<bucket> = Prefill(input_ids, attention_mask,
+position_ids) and token_generation = Decode(input_ids, position_ids, slot, attention_mask, *cache),
+both returning (token, logits, *cache); prompts are left-padded to the bucket.
+
+On Neuron (the SDK present) the keys go through ModelBuilder (`parallel/nxd.py`). `--dry-run`
+builds the same rank modules on CPU over the gloo backend (`parallel/cpu.py`), exports every key
+as rank 0 (torch.export under a fake process group, what ModelBuilder's trace sees), and writes
+the exported programs under graphs/ in place of model.pt; for a port without weights (the
+full-size one) it builds the modules on the meta device and exports each key there (a graph
+without weights: nothing under graphs/), then writes the manifest and shard plan.
+
+Nothing is half-written: the directory is built as a hidden sibling and renamed into place when
+complete. An existing DIR is refused unless --overwrite; leftovers of an interrupted run (the
+hidden siblings) are removed by the next run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..errors import UserError
+
+MANIFEST = "manifest.json"
+MODEL = "model.pt"
+WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
+SHARD_PLAN = "shard_plan.json"
+GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
+FORMAT = 1
+# field -> type; what a server needs to call the graphs
+MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "buckets": list, "max_length": int,
+                   "batch_size": int, "dry_run": bool}
+DTYPES = {"bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True), "fp32": (torch.float32, False)}
+_PARTIAL = ".{name}.partial-"
+_SDK_DISTS = ("torch", "transformers", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla")
+
+
+class ArtifactError(UserError):
+    pass
+
+
+def read_manifest(artifacts: Path) -> dict:
+    """The manifest of an artifact directory, every field of the contract checked."""
+    path = Path(artifacts) / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: expected a JSON object")
+    for key, kind in MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
+    if manifest["format"] != FORMAT:
+        raise ArtifactError(f"{path}: artifact format {manifest['format']}, this version reads {FORMAT}")
+    buckets = manifest["buckets"]
+    if not buckets or not all(isinstance(b, int) and 0 < b <= manifest["max_length"] for b in buckets):
+        raise ArtifactError(f"{path}: 'buckets' must be positive lengths up to max_length "
+                           f"({manifest['max_length']}), got {buckets}")
+    return manifest
+
+
+def key_names(buckets) -> list[str]:
+    return [f"context_encoding_{b}" for b in buckets] + ["token_generation"]
+
+
+def sdk_versions() -> dict[str, str | None]:
+    out = {}
+    for dist in _SDK_DISTS:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _prepare_out(out: Path, overwrite: bool) -> Path:
+    """A fresh hidden sibling of `out` to build in; stale ones of earlier runs removed."""
+    out = out.resolve()
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"{out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        what = "a complete artifact" if (out / MANIFEST).is_file() else "files but no manifest (not ours, or partial)"
+        raise ArtifactError(f"{out} already holds {what}; pass --overwrite to replace it, or choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = _PARTIAL.format(name=out.name)
+    for stale in out.parent.glob(prefix + "*"):
+        shutil.rmtree(stale, ignore_errors=True)  # an interrupted run's leftovers, never the output
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would become the published directory's mode
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished directory into place; an old one is moved aside first, then removed."""
+    out = out.resolve()
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=_PARTIAL.format(name=out.name) + "old-", dir=out.parent))
+        os.rename(out, old / "x")
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _atomic_write(path: Path, write) -> None:
+    """write(tmp_path), then rename: a reader never sees a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(".tmp-" + path.name)  # same suffix: torch.export.save wants .pt2
+    write(part)
+    os.replace(part, path)
+
+
+def _graph(model, spec, key: str):
+    from ..static.decoder import Decode, Prefill
+
+    if key == "token_generation":
+        return Decode(model, spec.max_cache_len, spec.decode_experts)
+    return Prefill(model, spec.max_cache_len, spec.prefill_experts)
+
+
+def _example(graph, spec, key: str) -> tuple:
+    from ..static.export import decode_inputs, prefill_inputs
+
+    if key == "token_generation":
+        return decode_inputs(graph, spec)
+    return prefill_inputs(spec, int(key.rsplit("_", 1)[1]))
+
+
+def shard_plan(module, full: dict | None, tp: int) -> dict:
+    """Every tensor of the rank module: placement, full shape, per-rank shape, dtype."""
+    from ..parallel import layout
+
+    plan = {}
+    for name, t in module.state_dict().items():
+        param = dict(module.named_parameters()).get(name)
+        split = bool(getattr(param, "tensor_model_parallel", False))
+        full_shape = list(full[name].shape) if full is not None else \
+            [n * (tp if split and d == param.partition_dim else 1) for d, n in enumerate(t.shape)]
+        plan[name] = {"placement": layout.placement(name) if split else layout.REPLICATED,
+                      "partition_dim": param.partition_dim if split else None,
+                      "full_shape": full_shape, "rank_shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    return plan
+
+
+def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, overwrite: bool = False,
+                      checkpoint=None, export: bool = True) -> dict:
+    """Write the artifact directory `out` (see the module docstring); returns the manifest.
+    `export=False` (dry run only) skips tracing: the shard plan and manifest alone."""
+    from ..parallel import cpu, layout, nxd
+
+    if dtype not in DTYPES:
+        raise ArtifactError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if port.static is None:
+        raise ArtifactError(f"port {port.name!r} has no [static] table (buckets, max_cache_len, batch_size): "
+                           "nothing to trace")
+    layout.check_degree(port.config, tp)
+    if not dry_run and not nxd.sdk_available():
+        raise nxd.NeuronSDKMissing(
+            "trace-and-compile needs the Neuron SDK (neuronx-distributed, torch-neuronx), which is not installed "
+            "here: run it on an inf2 instance in the Neuron DLC (recipes/inf2-24xlarge/), or pass --dry-run to "
+            "build and export the same rank modules on CPU")
+    torch_dtype, int8 = DTYPES[dtype]
+    spec, keys = port.static, key_names(port.static.buckets)
+    has_weights = checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
+    if not dry_run and not has_weights:
+        raise ArtifactError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
+    out = Path(out)
+    tmp = _prepare_out(out, overwrite)
+    try:
+        full = _full_state(port, tp, torch_dtype, int8, checkpoint) if has_weights else None
+        if dry_run:
+            module, files, exported = _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp, export)
+        else:
+            module, files, exported = _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp)
+        _atomic_write(tmp / SHARD_PLAN, lambda p: p.write_text(json.dumps(shard_plan(module, full, tp), indent=1)))
+        files = [*files, SHARD_PLAN]
+        manifest = {
+            "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "buckets": list(spec.buckets),
+            "max_length": spec.max_cache_len, "batch_size": spec.batch_size,
+            "keys": {k: {"graph": "token_generation" if k == "token_generation" else "context_encoding",
+                         "exported": exported} for k in keys},
+            "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
+            "files": {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)},
+        }
+        _atomic_write(tmp / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dict(manifest, out=str(out.resolve()))
+
+
+def _full_state(port, tp, torch_dtype, int8, checkpoint) -> dict:
+    """The whole model in the parallel layout (int8 experts quantised), named as the rank module."""
+    from ..experts.int8 import quantize_experts
+    from ..model import build_model
+    from ..parallel import layout
+
+    hf = build_model(port, "eager", torch_dtype, checkpoint)
+    full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp)
+    return quantize_experts(full) if int8 else full
+
+
+def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: bool):
+    from safetensors.torch import save_file
+
+    from ..parallel import cpu
+    from ..parallel.model import rank_model
+    from ..parallel.trace import export_rank0
+    from ..static import data_dependent_ops
+
+    device = "cpu" if full is not None else "meta"  # no weights: shapes only, nothing allocated
+    module = rank_model(port.config, tp, cpu, int8=int8, dtype=torch_dtype, device=device)
+    files = []
+    if full is not None:
+        shards = cpu.shard_checkpoint(full, module, tp)
+        module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
+    for key in tqdm(keys if export else [], desc="export", unit="key"):
+        graph = _graph(module, spec, key)
+        program = export_rank0(graph, tuple(x.to(device) for x in _example(graph, spec, key)), tp)
+        bad = data_dependent_ops(program)
+        if bad:
+            raise ArtifactError(f"{key}: data-dependent ops in the exported graph: {sorted(set(bad))}")
+        if full is not None:  # a meta program has no weights to save
+            name = GRAPHS.format(key=key)
+            _atomic_write(tmp / name, lambda p: torch.export.save(program, p))
+            files.append(name)
+    if full is None:
+        return module, files, export
+    for rank, shard in enumerate(tqdm(shards, desc="shards", unit="rank")):
+        name = WEIGHTS.format(rank=rank)
+        # the graphs hold the model as `.model`: their parameters are named model.<rank-module name>
+        state = {f"model.{k}": v.contiguous() for k, v in shard.items()}
+        _atomic_write(tmp / name, lambda p: save_file(state, str(p)))
+        files.append(name)
+    return module, files, True
+
+
+def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path):
+    """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
+    from ..parallel import cpu, nxd
+    from ..parallel.model import rank_model
+
+    def factory(key):
+        return lambda: _graph(rank_model(port.config, tp, nxd, int8=int8, dtype=torch_dtype), spec, key)
+
+    # example inputs (CPU tensors) and the shard plan come from a meta-device module of the same layout
+    shapes = rank_model(port.config, tp, cpu, int8=int8, dtype=torch_dtype, device="meta")
+
+    def example(key):
+        return _example(_graph(shapes, spec, key), spec, key)
+
+    checkpoint = {f"model.{k}": v for k, v in full.items()}
+    builder, traced = nxd.trace_keys({key: (factory(key), [example(key)]) for key in keys},
+                                     checkpoint_loader=lambda: checkpoint, tp=tp, workdir=tmp / "compiler")
+    _atomic_write(tmp / MODEL, lambda p: torch.jit.save(traced, str(p)))
+    nxd.shard_checkpoint(builder, tmp / "weights")
+    shutil.rmtree(tmp / "compiler", ignore_errors=True)
+    files = [MODEL] + [WEIGHTS.format(rank=r) for r in range(tp)]
+    missing = [f for f in files if not (tmp / f).is_file()]
+    if missing:
+        raise ArtifactError(f"ModelBuilder did not write {missing}")
+    return shapes, files, True  # NxD's layers carry the same partition tags as the CPU ones

@@ -1,0 +1,111 @@
+"""Greedy generation over the full model at TP t on gloo: trace once, replicate.
+
+The rank module (`parallel/model.py`) wrapped in the static decoder's prefill (per bucket) and
+decode graphs is exported once, as rank 0 under a fake process group, exactly as ModelBuilder
+traces; then t gloo processes each load those same programs with their own shard and run the
+static host loop (`static/loop.py`) in lockstep. Every rank gathers the full logits and takes the
+same greedy token; the ranks' tokens are checked to agree.
+
+Backends for `validate`: `tp8` (SPMDRank scatter), `tp8-naive-scatter` (the seed port's
+Python-int scatter, which a graph traced on rank 0 freezes to rank 0's slice: a wrong model, on
+purpose) and `tp8-int8` (int8 experts, per-channel scales).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from ..experts.int8 import quantize_experts
+from ..generate import Generation
+from ..static import data_dependent_ops
+from ..static.decoder import Decode, Prefill
+from ..static.export import decode_inputs, prefill_inputs
+from ..static.generate import StaticGenerator
+from . import cpu, layout
+from .model import rank_model
+from .trace import export_rank0, generation_job, run_replicated
+
+
+class TPGenerator(StaticGenerator):
+    """StaticGenerator whose graphs are rank-0 exports of the rank module, run on t processes."""
+
+    def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, int8: bool = False, scatter: str = "spmd"):
+        from ..model import build_model
+
+        if port.static is None:
+            raise UserError(f"port {port.name!r} has no [static] table: it has no traced graphs")
+        dtype = dtype or port.dtype
+        hf = build_model(port, "eager", dtype, checkpoint)
+        full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp)
+        del hf
+        if int8:
+            full = quantize_experts(full)
+        module = rank_model(port.config, tp, cpu, int8=int8, scatter=scatter, dtype=dtype)
+        shards = cpu.shard_checkpoint(full, module, tp)
+        module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
+        # the graphs (static/decoder.py) hold the model as `.model`
+        self.states = [{f"model.{k}": v for k, v in shard.items()} for shard in shards]
+        super().__init__(module, port.static)
+        self.tp = tp
+
+    def _graph(self, name: str, bucket: int | None) -> torch.nn.Module:
+        spec = self.spec
+        if bucket is None:
+            graph = Decode(self.model, spec.max_cache_len, spec.decode_experts)
+            inputs = decode_inputs(graph, spec)
+        else:
+            graph = Prefill(self.model, spec.max_cache_len, spec.prefill_experts)
+            inputs = prefill_inputs(spec, bucket)
+        program = export_rank0(graph, inputs, self.tp)
+        bad = data_dependent_ops(program)
+        if bad:
+            raise RuntimeError(f"{name}: data-dependent ops in the exported graph: {sorted(set(bad))}")
+        self.programs[name] = program
+        return program.module()
+
+    def plan(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> list[tuple]:
+        """Check every batch, export what they need; -> [(bucket, ids, mask, n), ...]."""
+        size = self.spec.batch_size
+        batches = [(input_ids[i:i + size], attention_mask[i:i + size]) for i in range(0, len(input_ids), size)]
+        buckets = [self.check(mask, max_new_tokens) for _, mask in batches]
+        self.prepare(buckets)
+        return [(b, ids, mask, max_new_tokens) for b, (ids, mask) in zip(buckets, batches)]
+
+    def generate(self, input_ids, attention_mask, max_new_tokens) -> Generation:
+        return generate_replicated({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]
+
+
+def generate_replicated(generators: dict[str, TPGenerator], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        max_new_tokens: int) -> dict[str, Generation]:
+    """Several TP generators (same degree) over the same prompts in one set of t processes."""
+    programs, states, runs = {}, {}, []
+    for name, gen in generators.items():
+        batches = gen.plan(input_ids, attention_mask, max_new_tokens)
+        for key, program in gen.programs.items():
+            programs[f"{name}/{key}"], states[f"{name}/{key}"] = program, gen.states
+        runs.append((name, gen.spec.batch_size, gen.spec.max_cache_len, gen.pad_id, batches))
+    results = run_replicated(programs, states, generation_job, runs)
+    out = {}
+    for name in generators:
+        tokens, logits = results[0][name]
+        for rank, result in enumerate(results[1:], 1):
+            if not torch.equal(result[name][0], tokens):  # one graph, the same all-reduced inputs
+                raise RuntimeError(f"{name}: rank {rank} generated other tokens than rank 0")
+        out[name] = Generation(tokens, logits)
+    return out
+
+
+def tp_backend(tp: int, **variant):
+    """A `validate` backend factory: TP `tp` on gloo, `variant` passed to TPGenerator."""
+    def make(port, dtype=None, checkpoint=None):
+        return TPGenerator(port, tp, dtype, checkpoint, **variant).generate
+
+    return make
+
+
+BACKENDS = {
+    "tp8": tp_backend(8),
+    "tp8-naive-scatter": tp_backend(8, scatter="naive"),
+    "tp8-int8": tp_backend(8, int8=True),
+}

@@ -1,0 +1,152 @@
+"""trace-and-compile --dry-run: the artifact a Neuron server would load, written on CPU. The exported
+rank-0 graphs and the per-rank shards it writes are loaded back and run on 2 gloo ranks, and give
+the reference tokens; a directory is never half-written or mixed with an earlier one."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from neuron_moe.cli import main
+from neuron_moe.generate import greedy, left_pad
+from neuron_moe.neuron import compile as nc
+from neuron_moe.parallel import nxd
+from neuron_moe.parallel.trace import generation_job, run_replicated
+from neuron_moe.port import load_port
+
+from conftest import random_prompts
+
+
+@pytest.fixture(scope="module")
+def one_bucket_port(tiny_port):
+    """The tiny port with one prefill bucket: two keys to export instead of three."""
+    return dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(16,)))
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, one_bucket_port):
+    out = tmp_path_factory.mktemp("art") / "tp2"
+    return nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True), out
+
+
+def test_dry_run_writes_the_contract(artifact, one_bucket_port):
+    manifest, out = artifact
+    assert nc.read_manifest(out) == {k: v for k, v in manifest.items() if k != "out"}
+    assert manifest["keys"].keys() == {"context_encoding_16", "token_generation"}
+    assert (manifest["port"], manifest["tp"], manifest["buckets"], manifest["max_length"]) == \
+        (one_bucket_port.name, 2, [16], 96)
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == sorted([*manifest["files"], nc.MANIFEST])  # nothing else, nothing hidden
+    for name, meta in manifest["files"].items():
+        assert (out / name).stat().st_size == meta["size"] and nc._sha256(out / name) == meta["sha256"]
+    plan = json.loads((out / nc.SHARD_PLAN).read_text())
+    gu = plan["model.layers.1.experts.gate_up_proj.weight"]
+    assert (gu["placement"], gu["full_shape"], gu["rank_shape"]) == ("column", [16 * 128, 128], [8 * 128, 128])
+    shard = load_file(out / nc.WEIGHTS.format(rank=1))
+    assert shard["model.model.layers.1.experts.spmd_rank.rank"].tolist() == [1]
+
+
+def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
+    """The written programs and shards, loaded back, generate the reference tokens at TP 2."""
+    _, out = artifact
+    programs = {"a/prefill 16": torch.export.load(out / nc.GRAPHS.format(key="context_encoding_16")),
+                "a/decode": torch.export.load(out / nc.GRAPHS.format(key="token_generation"))}
+    shards = [load_file(out / nc.WEIGHTS.format(rank=r)) for r in range(2)]
+    ids, mask = left_pad(random_prompts(one_bucket_port.config.vocab_size, [11, 5], seed=3), 0)
+    (result, _) = run_replicated(programs, {k: shards for k in programs}, generation_job,
+                                 [("a", 2, 96, 0, [(16, ids, mask, 5)])])
+    reference = greedy(tiny_eager, ids, mask, 5)
+    assert torch.equal(result["a"][0], reference.tokens)
+
+
+def test_a_second_run_never_mixes(artifact, one_bucket_port, tmp_path, monkeypatch):
+    _, out = artifact
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(nc.ArtifactError, match="already holds a complete artifact; pass --overwrite"):
+        nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+    # an interrupted run leaves no output; its leftovers are removed by the next run
+    target = tmp_path / "art"
+    stale = tmp_path / ".art.partial-crashed"
+    stale.mkdir()
+    (stale / "model.pt").write_text("half")
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("neuron_moe.parallel.trace.export_rank0", boom)
+    with pytest.raises(KeyboardInterrupt):
+        nc.trace_and_compile(one_bucket_port, "fp32", 2, target, dry_run=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the output nor any partial
+    (target / "stray").parent.mkdir()
+    (target / "stray").write_text("x")
+    with pytest.raises(nc.ArtifactError, match="holds files but no manifest"):
+        nc.trace_and_compile(one_bucket_port, "fp32", 2, target, dry_run=True)
+
+
+def test_full_size_port_dry_run_on_meta(tmp_path):
+    """Shapes only (exporting 30 layers on the meta device takes minutes: the CLI does it, not this test)."""
+    out = tmp_path / "big"
+    report = nc.trace_and_compile(load_port("gemma4-26b-a4b"), "int8", 8, out, dry_run=True, export=False)
+    assert not report["weights"] and not report["keys"]["token_generation"]["exported"]
+    manifest = nc.read_manifest(out)
+    assert manifest["keys"].keys() == {"context_encoding_128", "context_encoding_512", "context_encoding_2048",
+                                       "token_generation"}
+    plan = json.loads((out / nc.SHARD_PLAN).read_text())
+    down = plan["model.layers.5.experts.down_proj.weight"]  # 128 experts x 704 over 8 ranks, int8
+    assert (down["full_shape"], down["rank_shape"], down["dtype"]) == ([2816, 128 * 704], [2816, 16 * 704], "int8")
+    assert plan["model.layers.5.experts.down_proj.scale"]["rank_shape"] == [2816, 1]  # replicated with the row layer
+    k = plan["model.layers.5.self_attn.k_proj.weight"]  # 2 global KV heads of 512, replicated to 8
+    assert (k["full_shape"], k["rank_shape"]) == ([8 * 512, 2816], [512, 2816])
+
+
+def test_without_the_sdk_it_says_so(tmp_path, capsys):
+    if nxd.sdk_available():
+        pytest.skip("the Neuron SDK is installed here")
+    assert main(["trace-and-compile", "--tp", "2", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"^error: trace-and-compile needs the Neuron SDK .* or pass --dry-run", err)
+    assert not (tmp_path / "x").exists()
+
+
+def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, monkeypatch):
+    """Without the SDK, ModelBuilder stood in for: the keys, their example inputs, the checkpoint it
+    is handed (named as the graphs' parameters), and what ends up in the directory."""
+    from safetensors.torch import save_file
+
+    from neuron_moe.parallel import cpu
+    from neuron_moe.parallel.model import rank_model
+
+    seen = {}
+
+    def trace_keys(keys, checkpoint_loader, tp, workdir):
+        seen.update(keys=keys, checkpoint=checkpoint_loader(), tp=tp)
+        return "builder", torch.jit.script(torch.nn.Identity())
+
+    def shard_checkpoint(builder, path):
+        for rank in range(2):
+            save_file({"w": torch.zeros(1)}, str(path / f"tp{rank}_sharded_checkpoint.safetensors"))
+
+    monkeypatch.setattr(nxd, "sdk_available", lambda: True)
+    monkeypatch.setattr(nxd, "trace_keys", trace_keys)
+    monkeypatch.setattr(nxd, "shard_checkpoint", lambda builder, serialize_path: (
+        serialize_path.mkdir(), shard_checkpoint(builder, serialize_path)))
+    report = nc.trace_and_compile(one_bucket_port, "int8", 2, tmp_path / "out", dry_run=False)
+
+    assert seen["tp"] == 2 and list(seen["keys"]) == ["context_encoding_16", "token_generation"]
+    (_, [prefill]), (_, [decode]) = seen["keys"].values()
+    assert [tuple(x.shape) for x in prefill] == [(2, 16)] * 3
+    assert [tuple(x.shape) for x in decode[:4]] == [(2, 1), (2, 1), (1,), (2, 96)]
+    assert [tuple(x.shape) for x in decode[4:6]] == [(2, 2, 16, 32)] * 2  # sliding layer: 2 of 4 KV heads, ring 16
+    graph = nc._graph(rank_model(one_bucket_port.config, 2, cpu, int8=True, device="meta"), one_bucket_port.static,
+                      "token_generation")
+    assert seen["checkpoint"].keys() == graph.state_dict().keys()
+    assert seen["checkpoint"]["model.model.layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
+    assert sorted(report["files"]) == [nc.MODEL, nc.SHARD_PLAN, *(nc.WEIGHTS.format(rank=r) for r in range(2))]
+    assert not report["dry_run"] and nc.read_manifest(tmp_path / "out")["dtype"] == "int8"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "model.pt", "shard_plan.json",
+                                                                    "weights"]
