@@ -26,6 +26,7 @@ from transformers.initialization import no_init_weights
 
 from .config import gemma4_moe_config, text_config_dict
 from .errors import UserError
+from .report import read_json_object
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -48,14 +49,7 @@ def _listing(keys, limit: int = 20) -> str:
 
 def read_config(ckpt_dir: Path) -> Gemma4TextConfig:
     path = Path(ckpt_dir) / CONFIG
-    if not path.is_file():
-        raise CheckpointError(f"{ckpt_dir}: no {CONFIG}")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
+    raw = read_json_object(path, CheckpointError, f"{ckpt_dir}: no {CONFIG}")
     return gemma4_moe_config(text_config_dict(raw, str(path)), str(path))
 
 

@@ -1,4 +1,4 @@
-"""Plain-text tables and `--json FILE` output, shared by every reporting command."""
+"""Plain-text tables, `--json FILE` output, and reading the project's own JSON files."""
 
 from __future__ import annotations
 
@@ -44,3 +44,16 @@ def write_json(obj: Any, dest: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def read_json_object(path: Path, error: type[Exception], missing: str) -> dict:
+    """A JSON file that must hold an object; `error(message)` names the file and the problem."""
+    if not path.is_file():
+        raise error(missing)
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise error(f"{path}: expected a JSON object")
+    return raw

@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..report import read_json_object
 
 MANIFEST = "manifest.json"
 MODEL = "model.pt"
@@ -61,14 +62,8 @@ class ArtifactError(UserError):
 def read_manifest(artifacts: Path) -> dict:
     """The manifest of an artifact directory, every field of the contract checked."""
     path = Path(artifacts) / MANIFEST
-    if not path.is_file():
-        raise ArtifactError(f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(manifest, dict):
-        raise ArtifactError(f"{path}: expected a JSON object")
+    manifest = read_json_object(
+        path, ArtifactError, f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)")
     for key, kind in MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind):
             raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
