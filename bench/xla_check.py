@@ -206,7 +206,7 @@ def markdown(result: dict) -> str:
         "# XLA lowering check (torch-xla on CPU)", "",
         f"Machine: {env['machine']} — CPU only, `PJRT_DEVICE=CPU` (XLA:CPU; no Neuron device, no neuronx-cc).",
         f"Packages: Python {env['python']}, torch {env['torch']}, torch-xla {env['torch_xla']}, "
-        f"transformers {env['transformers']}. Port `{result['port']}` (seeded random weights), "
+        f"transformers {env['transformers']}. Port `{result['port']}` ({result['weights']}), "
         f"{len(PROMPTS)} prompts in batches of {result['batch_size']}, prefill + {result['new_tokens'] - 1} decode steps.",
         "", "Written by `make xla-check` (`bench/xla_check.py`). Compilations from `CompileTime`, fallbacks are "
         "torch-xla's `aten::*` counters, per graph; a call is one graph call plus `torch_xla.sync()`.", "",
@@ -240,9 +240,9 @@ def markdown(result: dict) -> str:
         "Notes:",
         "- A first call with 0 compilations found its graph already compiled: the same HLO (same graph, same "
         "weights) ran in an earlier run of this process (torch-xla's `CachedCompile`).",
-        "- int8 against the fp32 reference: the tiny port's weights are seeded random, its logits nearly flat, so "
-        "int8 rounding flips greedy picks (as bf16 does, README); the check for the XLA lowering is the same int8 "
-        "model on the CPU. A trained checkpoint will replace these weights.",
+        "- int8 is compared with the fp32 reference and with the same int8 model on the CPU; the second is the "
+        "check of the XLA lowering (on seeded random weights, whose logits are nearly flat, int8 rounding alone "
+        "flips greedy picks).",
         "- int8 runs as modules (lazy tracing, what torch-neuronx traces); it is not exported (`torch.export`), "
         "since its int8 copies are made on first use, outside any graph.",
         "- HLO column (with `--hlo`): each `sort` is a router's `topk` (one per layer), which torch-xla lowers to a "
@@ -312,7 +312,10 @@ def main(argv=None) -> int:
     print(allowlist)
 
     result = {
-        "port": port.name, "new_tokens": args.new_tokens, "batch_size": port.static.batch_size,
+        "port": port.name,
+        "weights": f"seeded random weights, seed {port.seed}" if port.weights_source == "random"
+                   else f"checkpoint {port.checkpoint.name}",
+        "new_tokens": args.new_tokens, "batch_size": port.static.batch_size,
         "prompts": list(PROMPTS), "passed": ok, "allowlist": allowlist, "runs": rows,
         "environment": {"machine": f"CPU ({platform.machine()}, {os.cpu_count()} cores shared)",
                         "python": platform.python_version(), "torch": torch.__version__,
