@@ -259,8 +259,8 @@ def test_a_failed_load_is_reported_and_stops_the_server(engine):
         assert "no config.json" in assert_openai_error(r, 503, code="model_load_failed")["message"]
 
 
-def test_past_the_bounded_queue_429_with_retry_after(engine):
-    spy = Spy(engine)
+def test_past_the_bounded_queue_429_with_retry_after(endless_engine):
+    spy = Spy(endless_engine)
     with serving(make_app(spy, max_running=1, max_queue=1)) as url:
         ready(url)
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=300, stream=True)) as first:
