@@ -63,7 +63,7 @@ def test_top_k_reads_its_budget_on_every_token(case, name, budget):
     assert torch.all(result.reads == planned)  # measured from what each token kept: not a sector off
     limit = budget / 100 * full_bytes(layer.geo)
     lead, *rest = counts  # one more step (the lead part +1, the others in proportion) would not fit
-    units = {p: part.units for p, part in S._parts(name, layer.geo, layer.layout)[1].items()}
+    units = {p: part.units for p, part in S.layout_parts(name, layer.geo, layer.layout)[1].items()}
     more = {lead: counts[lead] + 1, **{p: (counts[lead] + 1) * units[p] // units[lead] for p in rest}}
     assert planned <= limit < S.charged(name, layer.geo, layer.layout, more)
 
@@ -101,7 +101,7 @@ def test_a_calibrated_threshold_drifts_on_shifted_activations(case, name):
 def test_calibration_keeps_its_target_on_its_own_data(case, name):
     layer, x, index, weights, _ = case
     counts = S.plan(name, layer.geo, layer.layout, 50.0)
-    units = {p: part.units for p, part in S._parts(name, layer.geo, layer.layout)[1].items()}
+    units = {p: part.units for p, part in S.layout_parts(name, layer.geo, layer.layout)[1].items()}
     result = S.run(name, layer, x, index, weights, S.calibrate(name, layer, x, index, weights, 50.0))
     for part, kept in result.kept.items():
         assert float(kept.mean()) == pytest.approx(counts[part] / units[part], abs=2 / (units[part] * len(x)) + 1e-6)

@@ -169,7 +169,7 @@ def reader(layer, x, index, weights, rule):
     return out, {"channel": keep}
 
 
-def _parts(name, geo: Geometry, layout) -> tuple[int, dict[str, Part]]:
+def layout_parts(name, geo: Geometry, layout) -> tuple[int, dict[str, Part]]:
     """(fixed bytes per token, parts) of each selector's natural layout."""
     H, I, k = geo.hidden, geo.intermediate, geo.top_k
     row = SECTOR * row_sectors(H * BF16)  # one gate, up or down row
@@ -196,7 +196,7 @@ def charged(name, geo: Geometry, layout, counts: dict) -> int:
     """Bytes a token reads keeping counts[part] units of each part."""
     if name == "reader":
         return sum(accounting.reads(geo, layout, counts["channel"]).values())
-    fixed, parts = _parts(name, geo, layout)
+    fixed, parts = layout_parts(name, geo, layout)
     return fixed + sum(counts[p] * part.nbytes for p, part in parts.items())
 
 
@@ -207,7 +207,7 @@ def plan(name, geo: Geometry, layout, budget: float) -> dict:
     """
     if not 0 < budget <= 100:
         raise BudgetError(f"budget must be in (0, 100] percent, got {budget}")
-    fixed, parts = _parts(name, geo, layout)
+    fixed, parts = layout_parts(name, geo, layout)
     if budget == 100:
         return {p: part.units for p, part in parts.items()}
     if name == "reader":
@@ -230,9 +230,14 @@ def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
         out, masks = SELECTORS[name](layer, x, index, weights, rule)
     geo = layer.geo
     counts = {p: m.flatten(1).sum(1) for p, m in masks.items()}
-    reads = torch.tensor([charged(name, geo, layer.layout, {p: int(c[t]) for p, c in counts.items()})
-                          for t in range(x.shape[0])])
-    units = _parts(name, geo, layer.layout)[1]
+    fixed, units = layout_parts(name, geo, layer.layout)
+    if name == "reader":  # not linear in k (recovery, the full read at every channel): charge each k once
+        ks = counts["channel"]
+        reads = torch.zeros_like(ks)
+        for k in ks.unique().tolist():
+            reads[ks == k] = charged(name, geo, layer.layout, {"channel": k})
+    else:
+        reads = fixed + sum(c * units[p].nbytes for p, c in counts.items())
     return Result(out.to(x.dtype), reads, {p: c / units[p].units for p, c in counts.items()})
 
 
@@ -245,7 +250,7 @@ def calibrate(name, layer: MoeLayer, x, index, weights, budget: float) -> Thresh
 
     Pass only calibration-split activations: the thresholds are then applied to other data.
     """
-    geo, parts = layer.geo, _parts(name, layer.geo, layer.layout)[1]
+    geo, parts = layer.geo, layout_parts(name, layer.geo, layer.layout)[1]
     fractions = {p: c / parts[p].units for p, c in plan(name, geo, layer.layout, budget).items()}
     rule = Calibrating(fractions)
     run(name, layer, x, index, weights, rule)
