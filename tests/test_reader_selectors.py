@@ -115,3 +115,6 @@ def test_bad_input_is_named(case):
         S.plan("cats", layer.geo, layer.layout, 20.0)
     with pytest.raises(BudgetError, match=r"budget must be in \(0, 100\]"):
         S.plan("teal", layer.geo, layer.layout, 0)
+    bare = S.MoeLayer(layer.gate_up, layer.down, layer.act_fn, TOP_K)
+    with pytest.raises(BudgetError, match="reader: this MoeLayer has no sidecar"):
+        S.run("reader", bare, x, index, weights, S.top_k("reader", bare, 50.0))

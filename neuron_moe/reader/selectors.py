@@ -32,6 +32,7 @@ import torch
 from . import accounting, reference
 from .accounting import BF16, SECTOR, BudgetError, Geometry, row_sectors, sectors
 
+
 @dataclass
 class MoeLayer:
     """One MoE layer's routed experts, as HF holds them, and (for the reader) its sidecar."""
@@ -156,6 +157,8 @@ def oracle(layer, x, index, weights, rule):
 def reader(layer, x, index, weights, rule):
     """The reader's own forward (`reference.forward`) at each token's k: the rule picks k from s_j."""
     sc = layer.sidecar
+    if sc is None:
+        raise BudgetError("reader: this MoeLayer has no sidecar (prep.LayerSidecar); run prep first")
     estimates = reference.sketch_estimates(x.to(torch.float32), index, sc, layer.layout.scan)
     score, _ = reference.scores(estimates, index, weights, sc.down_norms, layer.act_fn)
     keep = rule("channel", score.flatten(1))
