@@ -61,14 +61,19 @@ def exact_estimates(x: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.T
     return torch.einsum("th,tkrh->tkr", x.to(torch.float32), gate_up[top_k_index].to(torch.float32))
 
 
+def scores(estimates, top_k_index, top_k_weights, down_norms, act_fn):
+    """s_j = |w_e·‖d_j‖·p_j| and p_j = φ(ĝ_j)v̂_j for every channel of the token's experts, [T, k_e, I] each."""
+    gate, up = estimates.chunk(2, dim=-1)
+    p = act_fn(gate) * up
+    return (top_k_weights.to(torch.float32)[..., None] * down_norms[top_k_index].to(torch.float32) * p).abs(), p
+
+
 def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act_fn):
     """Top-k channels per token by s_j over all its experts' channels.
 
     Returns (chosen [T, k] indices into the flattened (slot, channel) grid, p [T, k_e, I]).
     """
-    gate, up = estimates.chunk(2, dim=-1)
-    p = act_fn(gate) * up
-    score = (top_k_weights.to(torch.float32)[..., None] * down_norms[top_k_index].to(torch.float32) * p).abs()
+    score, p = scores(estimates, top_k_index, top_k_weights, down_norms, act_fn)
     return score.flatten(1).topk(k, dim=-1).indices, p
 
 

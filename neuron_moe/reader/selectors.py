@@ -1,0 +1,260 @@
+"""Channel selectors the reader is compared against, each under two retention rules.
+
+In expert e, channel j owns gate row j, up row j (gate_up_proj [E, 2I, H], gate rows first)
+and down column j (down_proj [E, H, I]); a_j = φ(g_jᵀx)(v_jᵀx), y = Σ_e w_e Σ_j a_j d_j.
+A selector scores candidate units per token and keeps some; a rule decides how many:
+
+- `TopK`: a fixed count per part, solved from a reads budget: every token reads the same bytes;
+- `Threshold`: keep what scores above a per-layer threshold calibrated on other activations
+  (`calibrate`): the bytes read vary by token and drift when the activations shift.
+
+The selectors and the layout each reads in (every unit charged in whole 32-byte sectors,
+`accounting.row_sectors`):
+
+- teal:   |x_i| over input coordinates for gate/up (column-major gate_up: coordinate i of every
+          routed expert is one strip of 2I values), then |a_j| over the intermediate activations
+          for the down (rows of down_rows);
+- wina:   |x_i|·‖W_e[:, i]‖ per (expert, coordinate) for gate/up, |a_j|·‖d_j‖ for the down; it
+          also reads the column norms of the routed experts;
+- cats:   |φ(g_jᵀx)|: the whole gate is read, then an up row and a down row per kept channel;
+- oracle: w_e·‖d_j‖·|a_j| with the exact a_j: an upper bound, charged only its 3 rows per channel;
+- reader: the sketch score of `reference.py`, charged by `accounting.reads`.
+
+At budget 100 % every selector keeps every unit and computes the full MoE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import accounting, reference
+from .accounting import BF16, SECTOR, BudgetError, Geometry, row_sectors, sectors
+
+
+@dataclass
+class MoeLayer:
+    """One MoE layer's routed experts, as HF holds them, and (for the reader) its sidecar."""
+
+    gate_up: torch.Tensor  # [E, 2I, H]
+    down: torch.Tensor  # [E, H, I]
+    act_fn: object
+    top_k: int
+    sidecar: object = None  # prep.LayerSidecar
+    layout: accounting.Layout = field(default_factory=accounting.Layout)
+
+    @property
+    def geo(self) -> Geometry:
+        E, H, I = self.down.shape
+        return Geometry(hidden=H, experts=E, top_k=self.top_k, intermediate=I)
+
+
+@dataclass(frozen=True)
+class Part:
+    units: int  # candidates per token
+    nbytes: int  # bytes one kept unit costs
+
+
+@dataclass
+class Result:
+    out: torch.Tensor  # [T, H] routed output
+    reads: torch.Tensor  # [T] bytes read per token
+    kept: dict  # part -> [T] fraction of its units kept
+
+
+# ---- retention rules: rule(part, score [T, n]) -> keep mask [T, n] ----
+
+@dataclass
+class TopK:
+    counts: dict  # part -> units kept per token
+
+    def __call__(self, part, score):
+        mask = torch.zeros_like(score, dtype=torch.bool)
+        return mask.scatter_(1, score.topk(self.counts[part], dim=-1).indices, True)
+
+
+@dataclass
+class Threshold:
+    thresholds: dict  # part -> keep scores strictly above
+
+    def __call__(self, part, score):
+        return score > self.thresholds[part]
+
+
+def quantile_threshold(score: torch.Tensor, keep: float) -> float:
+    """The threshold that keeps the top `keep` fraction of the calibration scores (exact order statistic;
+    TEAL reads it off a 10,000-bin histogram, too coarse for heavy-tailed channel scores)."""
+    score = score.flatten().to(torch.float32)
+    drop = round((1 - keep) * score.numel())
+    if drop <= 0:
+        return -1.0  # scores are magnitudes: keep everything
+    return float(score.kthvalue(drop).values)
+
+
+@dataclass
+class Calibrating:
+    """A rule that, on calibration activations, sets each part's threshold at its target keep fraction."""
+
+    fractions: dict  # part -> target keep fraction
+    thresholds: dict = field(default_factory=dict)
+
+    def __call__(self, part, score):
+        self.thresholds[part] = quantile_threshold(score, self.fractions[part])
+        return score > self.thresholds[part]
+
+
+# ---- the selectors ----
+
+def _routed(layer, index):
+    return layer.gate_up[index].to(torch.float32), layer.down[index].to(torch.float32)  # [T,k,2I,H], [T,k,H,I]
+
+
+def _output(a, keep, weights, down):
+    return torch.einsum("tki,tkhi,tk->th", a * keep, down, weights.to(torch.float32))
+
+
+def _act(layer, xin, gate_up):
+    """a [T, k, I] from inputs xin [T, k, H] (each expert may see its own masked x)."""
+    g, v = torch.einsum("tkh,tkrh->tkr", xin, gate_up).chunk(2, dim=-1)
+    return layer.act_fn(g) * v
+
+
+def teal(layer, x, index, weights, rule):
+    gate_up, down = _routed(layer, index)
+    xin = rule("input", x.abs()) * x  # one mask for all the token's experts: x is shared
+    a = _act(layer, xin[:, None].expand(-1, index.shape[1], -1), gate_up)
+    keep = rule("channel", a.abs().flatten(1)).view_as(a)
+    return _output(a, keep, weights, down), {"input": xin != 0, "channel": keep}
+
+
+def wina(layer, x, index, weights, rule):
+    gate_up, down = _routed(layer, index)
+    col_norms = gate_up.norm(dim=2)  # [T, k, H]: ‖W_e[:, i]‖ over the expert's gate and up rows
+    score = x.abs()[:, None] * col_norms
+    keep_in = rule("input", score.flatten(1)).view_as(score)
+    a = _act(layer, x[:, None] * keep_in, gate_up)
+    keep = rule("channel", (a.abs() * down.norm(dim=2)).flatten(1)).view_as(a)
+    return _output(a, keep, weights, down), {"input": keep_in, "channel": keep}
+
+
+def cats(layer, x, index, weights, rule):
+    gate_up, down = _routed(layer, index)
+    g, v = torch.einsum("th,tkrh->tkr", x.to(torch.float32), gate_up).chunk(2, dim=-1)
+    act = layer.act_fn(g)
+    keep = rule("channel", act.abs().flatten(1)).view_as(act)
+    return _output(act * v, keep, weights, down), {"channel": keep}
+
+
+def oracle(layer, x, index, weights, rule):
+    gate_up, down = _routed(layer, index)
+    a = _act(layer, x.to(torch.float32)[:, None].expand(-1, index.shape[1], -1), gate_up)
+    score = weights.to(torch.float32)[..., None] * down.norm(dim=2) * a.abs()
+    keep = rule("channel", score.flatten(1)).view_as(a)
+    return _output(a, keep, weights, down), {"channel": keep}
+
+
+def reader(layer, x, index, weights, rule):
+    """The reader's own forward (`reference.forward`) at each token's k: the rule picks k from s_j."""
+    sc = layer.sidecar
+    if sc is None:
+        raise BudgetError("reader: this MoeLayer has no sidecar (prep.LayerSidecar); run prep first")
+    estimates = reference.sketch_estimates(x.to(torch.float32), index, sc, layer.layout.scan)
+    score, _ = reference.scores(estimates, index, weights, sc.down_norms, layer.act_fn)
+    keep = rule("channel", score.flatten(1))
+    ks = keep.sum(1)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    for k in ks.unique().tolist():  # tokens with equal k run together: the reference's shapes depend on k
+        rows = ks == k
+        out[rows] = reference.forward(x[rows].to(torch.float32), index[rows], weights[rows], layer.gate_up,
+                                      layer.down.mT, sc, k=k, scan=layer.layout.scan, rank=layer.layout.rank,
+                                      act_fn=layer.act_fn).to(torch.float32)
+    return out, {"channel": keep}
+
+
+def layout_parts(name, geo: Geometry, layout) -> tuple[int, dict[str, Part]]:
+    """(fixed bytes per token, parts) of each selector's natural layout."""
+    H, I, k = geo.hidden, geo.intermediate, geo.top_k
+    row = SECTOR * row_sectors(H * BF16)  # one gate, up or down row
+    strip = SECTOR * row_sectors(2 * I * BF16)  # one input coordinate of one expert's gate_up, column-major
+    channel = Part(geo.channels, row)
+    if name == "teal":
+        return 0, {"input": Part(H, k * strip), "channel": channel}
+    if name == "wina":
+        norms = SECTOR * k * (sectors(H * BF16) + sectors(I * BF16))
+        return norms, {"input": Part(k * H, strip), "channel": channel}
+    if name == "cats":
+        return k * I * row, {"channel": Part(geo.channels, 2 * row)}
+    if name == "oracle":
+        return 0, {"channel": Part(geo.channels, 3 * row)}
+    if name == "reader":
+        return 0, {"channel": Part(geo.channels, 0)}  # charged by accounting.reads, not linearly
+    raise BudgetError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")
+
+
+SELECTORS = {"teal": teal, "wina": wina, "cats": cats, "oracle": oracle, "reader": reader}
+
+
+def charged(name, geo: Geometry, layout, counts: dict) -> int:
+    """Bytes a token reads keeping counts[part] units of each part."""
+    if name == "reader":
+        return sum(accounting.reads(geo, layout, counts["channel"]).values())
+    fixed, parts = layout_parts(name, geo, layout)
+    return fixed + sum(counts[p] * part.nbytes for p, part in parts.items())
+
+
+def plan(name, geo: Geometry, layout, budget: float) -> dict:
+    """Top-k counts per part whose reads fit `budget` percent of the full model's reads.
+
+    Two-part selectors keep the same fraction of each part (TEAL and WINA's uniform allocation).
+    """
+    if not 0 < budget <= 100:
+        raise BudgetError(f"budget must be in (0, 100] percent, got {budget}")
+    fixed, parts = layout_parts(name, geo, layout)
+    if budget == 100:
+        return {p: part.units for p, part in parts.items()}
+    if name == "reader":
+        return {"channel": accounting.solve_k(geo, layout, budget)}
+    limit = budget / 100 * accounting.full_bytes(geo)
+    lead, *rest = parts
+    for m in range(parts[lead].units, -1, -1):  # reads grow with m: the first that fits is the most
+        counts = {lead: m, **{p: m * parts[p].units // parts[lead].units for p in rest}}
+        if charged(name, geo, layout, counts) <= limit:
+            return counts
+    raise BudgetError(f"{name}: budget {budget}% is below its fixed reads "
+                      f"({100 * fixed / accounting.full_bytes(geo):.2f}%)")
+
+
+def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
+    """Selector `name` on tokens x [T, H] routed to index/weights [T, top_k]; reads measured from what it kept."""
+    if name not in SELECTORS:
+        raise BudgetError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")
+    with torch.no_grad():
+        out, masks = SELECTORS[name](layer, x, index, weights, rule)
+    geo = layer.geo
+    counts = {p: m.flatten(1).sum(1) for p, m in masks.items()}
+    fixed, units = layout_parts(name, geo, layer.layout)
+    if name == "reader":  # not linear in k (recovery, the full read at every channel): charge each k once
+        ks = counts["channel"]
+        reads = torch.zeros_like(ks)
+        for k in ks.unique().tolist():
+            reads[ks == k] = charged(name, geo, layer.layout, {"channel": k})
+    else:
+        reads = fixed + sum(c * units[p].nbytes for p, c in counts.items())
+    return Result(out.to(x.dtype), reads, {p: c / units[p].units for p, c in counts.items()})
+
+
+def top_k(name, layer: MoeLayer, budget: float) -> TopK:
+    return TopK(plan(name, layer.geo, layer.layout, budget))
+
+
+def calibrate(name, layer: MoeLayer, x, index, weights, budget: float) -> Threshold:
+    """Per-layer thresholds from calibration activations, set to keep what top-k keeps at `budget`.
+
+    Pass only calibration-split activations: the thresholds are then applied to other data.
+    """
+    geo, parts = layer.geo, layout_parts(name, layer.geo, layer.layout)[1]
+    fractions = {p: c / parts[p].units for p, c in plan(name, geo, layer.layout, budget).items()}
+    rule = Calibrating(fractions)
+    run(name, layer, x, index, weights, rule)
+    return Threshold(rule.thresholds)
