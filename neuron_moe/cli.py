@@ -11,6 +11,16 @@ from .errors import UserError
 from .port import DEFAULT_PORT, DTYPES
 
 
+def _json_out(report, args) -> bool:
+    """Write the report as --json asks; True when the text report should print too (not when the
+    JSON went to stdout)."""
+    if args.json:
+        from .report import write_json
+
+        write_json(report, args.json)
+    return args.json != "-"
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -27,15 +37,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def cmd_ports(args) -> int:
     from .port import builtin_ports, load_port
-    from .report import table, write_json
+    from .report import table
 
     rows = []
     for name in builtin_ports():
         port = load_port(name)
         rows.append({"name": name, "weights": port.weights_source, "description": port.description})
-    if args.json:
-        write_json(rows, args.json)
-    if args.json != "-":
+    if _json_out(rows, args):
         print(table(rows, [("name", "port"), ("weights", "weights"), ("description", "description")]))
     return 0
 
@@ -43,15 +51,13 @@ def cmd_ports(args) -> int:
 def cmd_info(args) -> int:
     from .info import geometry, parameter_counts, per_token_costs
     from .port import load_port
-    from .report import table, write_json
+    from .report import table
 
     port = load_port(args.model)
     report = {"model": port.name, "geometry": geometry(port.config), "parameters": parameter_counts(port.config)}
     if args.per_token:
         report["per_token"] = per_token_costs(port.config, port.dtype)
-    if args.json:
-        write_json(report, args.json)
-    if args.json == "-":
+    if not _json_out(report, args):
         return 0
     params = report["parameters"]
     print(f"{port.name}: {port.description}\n")
@@ -93,7 +99,7 @@ def _print_per_token(costs: dict, config) -> None:
 def cmd_validate(args) -> int:
     from .eval.seq_match import DEFAULT_PROMPTS, run_validation
     from .port import load_port
-    from .report import table, write_json
+    from .report import table
     from .tokenizer import load_tokenizer
 
     port = load_port(args.model)
@@ -113,9 +119,7 @@ def cmd_validate(args) -> int:
         plan_reader(port.config, *reader_settings(port, **reader_flags))
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)
-    if args.json:
-        write_json(report, args.json)
-    if args.json != "-":
+    if _json_out(report, args):
         print(f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}) "
               f"vs {report['reference']}, {args.max_new_tokens} new tokens\n")
         shown = [dict(r, prompt=repr(r["prompt"])) for r in report["prompts"]]  # newlines visible, one row each
@@ -133,12 +137,10 @@ def cmd_validate(args) -> int:
 
 def cmd_publish(args) -> int:
     from .publish.s3 import publish
-    from .report import table, write_json
+    from .report import table
 
     report = publish(args.dir, args.uri, overwrite=args.overwrite, deep=args.deep)
-    if args.json:
-        write_json(report, args.json)
-    if args.json != "-":
+    if _json_out(report, args):
         print(table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("crc32", "CRC32")]))
         print(f"\npublished {len(report['files'])} files ({report['total_bytes']} bytes) to {report['uri']}, "
               f"each verified with head_object; manifest {report['manifest']}")
@@ -147,12 +149,10 @@ def cmd_publish(args) -> int:
 
 def cmd_pull(args) -> int:
     from .publish.s3 import pull_report
-    from .report import table, write_json
+    from .report import table
 
     report = pull_report(args.uri, args.dir)
-    if args.json:
-        write_json(report, args.json)
-    if args.json != "-":
+    if _json_out(report, args):
         print(table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("action", "")]))
         print(f"\n{report['dest']}: {len(report['files'])} files verified against the manifest of {report['uri']} "
               f"({report['downloaded_bytes']} of {report['total_bytes']} bytes downloaded)")
@@ -162,14 +162,12 @@ def cmd_pull(args) -> int:
 def cmd_plan(args) -> int:
     from .neuron.plan import GB, plan
     from .port import load_port
-    from .report import table, write_json
+    from .report import table
 
     port = load_port(args.model)
     report = plan(port.config, args.instance, args.tp, args.dtype, args.batch, args.seq,
                   args.runtime_reserve_gib * 2**30, model=port.name)
-    if args.json:
-        write_json(report, args.json)
-    if args.json != "-":
+    if _json_out(report, args):
         print(f"{port.name} on {args.instance}: TP {args.tp}, {args.dtype} experts, batch {args.batch}, seq {args.seq}\n")
         if "per_rank_bytes" in report:
             rows = [{"what": k, "GB": v / GB} for k, v in report["per_rank_bytes"].items()]
@@ -188,14 +186,12 @@ def cmd_plan(args) -> int:
 def cmd_trace_and_compile(args) -> int:
     from .neuron.compile import trace_and_compile
     from .port import load_port
-    from .report import table, write_json
+    from .report import table
 
     port = load_port(args.model)
     report = trace_and_compile(port, args.dtype, args.tp, args.out, dry_run=args.dry_run, overwrite=args.overwrite,
                                checkpoint=args.checkpoint)
-    if args.json:
-        write_json(report, args.json)
-    if args.json != "-":
+    if _json_out(report, args):
         rows = [{"file": f, "bytes": v["size"], "sha256": v["sha256"]} for f, v in report["files"].items()]
         print(table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]))
         what = "dry run (CPU, gloo layers; exported, not compiled)" if report["dry_run"] else "compiled for Neuron"
@@ -251,7 +247,7 @@ def cmd_reads(args) -> int:
 
     from .port import load_port
     from .reader.accounting import Geometry, Layout, breakdown
-    from .report import table, write_json
+    from .report import table
 
     explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
     if any(v is not None for v in explicit):
@@ -264,9 +260,7 @@ def cmd_reads(args) -> int:
     layout = Layout(scan=args.scan, rank=args.rank)
     report = {"model": name, "geometry": asdict(geo), "scan": args.scan, "rank": args.rank,
               **breakdown(geo, layout, args.budget)}
-    if args.json:
-        write_json(report, args.json)
-    if args.json == "-":
+    if not _json_out(report, args):
         return 0
     print(f"reads per token and MoE layer: {name} (hidden {geo.hidden}, {geo.experts} experts, top-{geo.top_k}, "
           f"intermediate {geo.intermediate})")
@@ -290,44 +284,35 @@ def cmd_prep_reader(args) -> int:
 
     from .port import load_port
     from .reader.prep import Sidecar, prep_port
-    from .report import write_json
 
     port = load_port(args.model)
     path = prep_port(port, Path(args.out), args.checkpoint, seed=args.seed, rank=args.rank, scan=args.scan)
     side = Sidecar(path)
     report = {"model": port.name, "sidecar": str(path), "bytes": path.stat().st_size, "layers": side.layers,
               "scan": side.scan, "rank": side.layout.rank, "seed": side.seed, "source_sha256": side.source_sha256}
-    if args.json:
-        write_json(report, args.json)
-    if args.json != "-":
+    if _json_out(report, args):
         print(f"wrote {path}: {report['bytes'] / 2**20:.2f} MiB, {side.layers} layers, scan {side.scan}, "
               f"rank {side.layout.rank}, seed {side.seed}, source sha256 {side.source_sha256[:16]}…")
     return 0
 
 
 def cmd_build_corpus(args) -> int:
-    from .report import write_json
     from .training.corpus import build_corpus
 
     counts = build_corpus(args.text_dir, args.out, seed=args.seed, scale=args.scale)
-    if args.json:
-        write_json(counts, args.json)
-    if args.json != "-":
+    if _json_out(counts, args):
         print(f"corpus in {args.out}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if isinstance(v, int)))
     return 0
 
 
 def cmd_train_tiny(args) -> int:
     from .port import load_port
-    from .report import write_json
     from .training.tiny import train
 
     port = load_port(args.model)
     summary = train(port.config, args.corpus, args.out, steps=args.steps, batch_size=args.batch_size,
                     seq_len=args.seq_len, lr=args.lr, seed=args.seed, threads=args.threads)
-    if args.json:
-        write_json({k: v for k, v in summary.items() if k != "log"}, args.json)
-    if args.json != "-":
+    if _json_out({k: v for k, v in summary.items() if k != "log"}, args):
         print(f"wrote {args.out}: {summary['steps']} steps, {summary['tokens']} tokens, "
               f"{summary['seconds']:.0f} s, final loss {summary['final_loss']:.4f}")
     return 0
@@ -336,14 +321,12 @@ def cmd_train_tiny(args) -> int:
 def cmd_eval_tasks(args) -> int:
     from .eval.tasks import TASKS, evaluate
     from .port import load_port
-    from .report import table, write_json
+    from .report import table
 
     port = load_port(args.model)
     report = evaluate(port, args.backend, args.checkpoint, per_task=args.items, corpus=args.corpus,
                       text_docs=args.text_docs, tasks=tuple(args.task or TASKS))
-    if args.json:
-        write_json(report, args.json)
-    if args.json == "-":
+    if not _json_out(report, args):
         return 0
     print(f"{report['model']}: greedy answers with {report['backend']}, exact match up to EOS\n")
     print(table(report["tasks"], [("task", "task"), ("items", "items"), ("correct", "correct"),
