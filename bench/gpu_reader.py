@@ -165,9 +165,14 @@ def check(fn, layer, x, index, weights, k, rank):
     return err, err <= 2e-2, seconds  # bf16 inputs and outputs: a few bf16 ulps of the largest entry
 
 
-def timed(fn, layers, inputs, iters):
-    """Seconds per call: `iters` calls cycling through layers and routings, in one CUDA graph on a GPU."""
-    calls = [(layers[i % len(layers)], *inputs[i % len(inputs)]) for i in range(iters)]
+def cycled(layers, inputs, iters):
+    """`iters` calls' arguments, cycling through layers and routings."""
+    return [(layers[i % len(layers)], *inputs[i % len(inputs)]) for i in range(iters)]
+
+
+def timed(fn, calls):
+    """Seconds per call of fn(*c) over `calls`, in one CUDA graph on a GPU."""
+    iters = len(calls)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -195,6 +200,50 @@ def timed(fn, layers, inputs, iters):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / iters, graphed
+
+
+def reader_stages(layers, inputs, k, rank, iters):
+    """Microseconds per call of each stage of the Triton reader (`triton/forward.py`), each timed on
+    its own over the same calls with the previous stages' outputs precomputed: where the time goes."""
+    def prepared(layer, x, index, weights):
+        sc = layer.sidecar
+        xf = x.to(torch.float32).contiguous()
+        coords, values = reference.scanned(xf, sc, 80)
+        est = triton_reader.screen(values, coords, index, sc.codes, sc.scales)
+        chosen, p = reference.select(est, index, weights, sc.down_norms, k, layer.act_fn)
+        expert, channel, weight = reference.chosen_rows(chosen, index, weights, layer.down_rows.shape[1])
+        q = reference.unchosen_weights(p, chosen, weights)
+        coef = triton_reader.exact(xf, expert, channel, weight, layer.gate_up, triton_reader.activation(layer.act_fn))
+        z = triton_reader.recover(q, index, sc.coeffs, rank)
+        return dict(L=layer, sc=sc, xf=xf, coords=coords, values=values, est=est, chosen=chosen, p=p,
+                    index=index, weights=weights, expert=expert, channel=channel, weight=weight, coef=coef, z=z)
+
+    def glue_select(d):
+        chosen, p = reference.select(d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["L"].act_fn)
+        reference.chosen_rows(chosen, d["index"], d["weights"], d["L"].down_rows.shape[1])
+        reference.unchosen_weights(p, chosen, d["weights"])
+
+    stages = {
+        "rotate+scan (torch)": lambda d: reference.scanned(d["xf"], d["sc"], 80),
+        "screen": lambda d: triton_reader.screen(d["values"], d["coords"], d["index"], d["sc"].codes, d["sc"].scales),
+        "select (torch)": glue_select,
+        "exact gate/up": lambda d: triton_reader.exact(d["xf"], d["expert"], d["channel"], d["weight"], d["L"].gate_up,
+                                                       triton_reader.activation(d["L"].act_fn)),
+        "recover": lambda d: triton_reader.recover(reference.unchosen_weights(d["p"], d["chosen"], d["weights"]),
+                                                   d["index"], d["sc"].coeffs, rank),
+        "down (+U)": lambda d: triton_reader.down(d["coef"], d["expert"], d["channel"], d["L"].down_rows,
+                                                  d["sc"].basis, d["z"], rank),
+    }
+    calls = [(prepared(*c),) for c in cycled(layers, inputs, min(iters, len(layers) * len(inputs)))]
+    calls = [calls[i % len(calls)] for i in range(iters)]
+    out = {}
+    for name, fn in stages.items():
+        if DEVICE == "cpu":
+            fn(*calls[0])
+            out[name] = None
+        else:
+            out[name] = timed(fn, calls)[0] * 1e6
+    return out
 
 
 def copy_bandwidth():
@@ -230,7 +279,7 @@ def main() -> int:
     torch.manual_seed(0)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     copy_bw = copy_bandwidth()
-    rows = []
+    rows, stage_rows = [], []
     for name, (hidden, experts, top_k, inter, act, rank) in (DRY_GEOMETRIES if args.dry_run else GEOMETRIES).items():
         geo = Geometry(hidden, experts, top_k, inter)
         layers = [Layer(hidden, experts, inter, act, rank, gen) for _ in range(args.layers)]
@@ -246,7 +295,7 @@ def main() -> int:
                     err, ok, seconds = check(fn, layers[0], *inputs[0], k, rank)
                     graphed = False
                     if not args.dry_run:
-                        seconds, graphed = timed(fn, layers, inputs, args.iters)
+                        seconds, graphed = timed(fn, cycled(layers, inputs, args.iters))
                 except Exception as e:  # one device call per session: record the failure, measure the rest
                     why = f"{type(e).__name__}: {e}" + (f"\ncaused by {e.__cause__!r}" if e.__cause__ else "")
                     print(f"{name} T={tokens} {impl}: FAILED {why}", flush=True)
@@ -260,6 +309,13 @@ def main() -> int:
                              "GBps": nbytes / seconds / 1e9, "of_copy_bw": nbytes / seconds / copy_bw})
                 print(f"{name} T={tokens} {impl}: {seconds * 1e6:.1f} us, check {'ok' if ok else 'FAILED'} "
                       f"({err:.1e})", flush=True)
+            k = impls[f"reader-{BUDGETS[0]}"][2]
+            try:
+                for stage, us in reader_stages(layers, inputs, k, rank, args.iters).items():
+                    stage_rows.append({"geometry": name, "tokens": tokens, "budget": BUDGETS[0], "stage": stage,
+                                       "us": us})
+            except Exception as e:
+                print(f"{name} T={tokens} reader stages: FAILED {type(e).__name__}: {e}", flush=True)
         del layers
         for r in rows:
             if r["geometry"] == name:
@@ -268,10 +324,13 @@ def main() -> int:
                 if dense and "us" in r:
                     r["speedup_vs_best_dense"] = min(dense) / r["us"]
     report = {"machine": machine(), "copy_GBps": copy_bw / 1e9, "iters": args.iters, "layers": args.layers,
-              "rows": rows}
+              "rows": rows, "reader_stages": stage_rows}
     dest = args.json or (str(Path(os.environ["OUT"]) / "gpu_reader.json") if os.environ.get("OUT")
                          else str(Path(__file__).parent / "results" / "gpu_reader.json"))
     write_json(report, dest)
+    print("\nreader stages, each timed alone (µs per call):")
+    print(table(stage_rows, [("geometry", "geometry"), ("tokens", "T"), ("budget", "budget"), ("stage", "stage"),
+                             ("us", "µs", "{:.1f}")]))
     print(f"\n{report['machine']['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; JSON: {dest}\n")
     print(table(rows, [("geometry", "geometry"), ("tokens", "T"), ("impl", "implementation"), ("k", "k"),
                        ("read_percent", "reads", "{:.1f}%"), ("us", "µs/layer", "{:.1f}"),
