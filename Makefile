@@ -25,7 +25,7 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q
 
-# Retrain the embedded default model (installs the Debian package `fortunes`; ~25-40 min on CPU).
+# Retrain the embedded default model (installs the Debian package `fortunes`; about an hour on CPU).
 # Not part of `test`: CI uses the committed checkpoint.
 train-tiny: venv
 	recipes/cpu/train-tiny.sh

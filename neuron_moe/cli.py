@@ -311,7 +311,8 @@ def cmd_train_tiny(args) -> int:
 
     port = load_port(args.model)
     summary = train(port.config, args.corpus, args.out, steps=args.steps, batch_size=args.batch_size,
-                    seq_len=args.seq_len, lr=args.lr, seed=args.seed, threads=args.threads)
+                    seq_len=args.seq_len, lr=args.lr, task_share=args.task_share, seed=args.seed,
+                    threads=args.threads)
     if _json_out({k: v for k, v in summary.items() if k != "log"}, args):
         print(f"wrote {args.out}: {summary['steps']} steps, {summary['tokens']} tokens, "
               f"{summary['seconds']:.0f} s, final loss {summary['final_loss']:.4f}")
@@ -396,10 +397,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help="port whose config to train")
     p.add_argument("--corpus", required=True, metavar="DIR", help="directory written by build-corpus")
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
-    p.add_argument("--steps", type=_positive_int, default=1500, help="optimizer steps (default 1500)")
+    p.add_argument("--steps", type=_positive_int, default=3000, help="optimizer steps (default 3000)")
     p.add_argument("--batch-size", type=_positive_int, default=4, help="windows per step (default 4)")
     p.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per window (default 512)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--task-share", type=float, default=1.0, metavar="F",
+                   help="task items fill up to this share of each window, running text the rest (default 1.0: "
+                        "text fills only what the last whole item leaves)")
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order (default 0)")
     p.add_argument("--threads", type=_positive_int, default=1,
                    help="torch threads (default 1: on shared cores two threads wait on each other and run "

@@ -53,7 +53,9 @@ def test_int8_is_the_dequantised_model_and_leaves_the_weights_alone(tiny_port):
     assert all(p._version == params[k][0] and torch.equal(p, params[k][1]) for k, p in model.named_parameters())
     assert "_int8_cache" not in "".join(model.state_dict())  # int8 copies are not weights to save
     want = prefill_logits(_dequantised_copy(tiny_port), ids, mask)
-    assert (got[real] - want[real]).abs().max() <= 1e-5
+    # fp32 reassociation only (scales after the matmul vs folded into the weights): ~2e-5 on the
+    # trained weights; a wrong scale or channel moves logits by far more than 5e-5
+    assert (got[real] - want[real]).abs().max() <= 5e-5
 
 
 def test_int8_requantises_when_the_weights_change(tiny_port, tiny_eager):

@@ -15,7 +15,8 @@ from neuron_moe.generate import Generation
 from neuron_moe.port import load_port
 from neuron_moe.tokenizer import HFTokenizer, load_tokenizer
 from neuron_moe.training.corpus import CorpusError, build_corpus, read_fortunes, read_jsonl
-from neuron_moe.training.tiny import balance_loss, train
+from neuron_moe.errors import UserError
+from neuron_moe.training.tiny import Windows, balance_loss, train
 
 FORTUNES = [
     "A journey of a thousand miles begins with a single step.\n-- Lao Tzu",
@@ -75,6 +76,20 @@ def test_series_answers_are_long_worked_steps():
     tok = load_tokenizer(load_port("tiny-gemma4-moe"))
     lengths = [len(tok.encode(i.answer)) - 1 for i in T.eval_items(10, tasks=("series",))]
     assert min(lengths) > 200
+
+
+@pytest.mark.parametrize("share, task_tokens", [(1.0, 90), (0.5, 60)])
+def test_windows_fill_with_task_items_up_to_their_share_then_text(share, task_tokens):
+    tasks = [[7] * 30 for _ in range(10)]  # whole items of 30 tokens; text is token 5
+    windows = Windows(tasks, [[5] * 1000], seq_len=100, rng=random.Random(0), task_share=share)
+    for _ in range(3):
+        w = windows.window()
+        assert len(w) == 100 and w.count(7) == task_tokens and set(w[task_tokens:]) == {5}
+
+
+def test_train_refuses_a_task_share_outside_0_1(corpus, tmp_path):
+    with pytest.raises(UserError, match="task share 0"):
+        train(_tiny_config(), corpus, tmp_path / "a", steps=1, task_share=0, progress=False)
 
 
 def _tiny_config():
@@ -145,12 +160,14 @@ def test_scoring_is_exact_match_up_to_eos(continuation, correct):
     assert rows[0]["correct"] is correct and rows[0]["answer_tokens"] == 2
 
 
-def test_committed_model_recalls_held_out_facts():
-    """The shipped checkpoint (not seeded random weights) answers fact questions in a form it never
-    saw for those countries (bench/results/tiny-model.md: 48/50). The other tasks it does not yet
-    solve, so they have no bar here."""
-    report = T.evaluate(load_port("tiny-gemma4-moe"), "dense_masked", per_task=10, tasks=("fact",))
-    assert report["tasks"][0]["accuracy"] >= 0.8, report["tasks"]
+def test_committed_model_copies_from_its_context():
+    """The shipped checkpoint (not seeded random weights) reverses held-out lists and writes
+    held-out 15-18-line series exactly (bench/results/tiny-model.md: 50/50 each). Facts (14 %) and
+    kv (10 %) it does not yet answer, so they have no bar here."""
+    port = load_port("tiny-gemma4-moe")
+    reverse = T.evaluate(port, "dense_masked", per_task=8, tasks=("reverse",))["tasks"][0]
+    series = T.evaluate(port, "dense_masked", per_task=1, tasks=("series",))["tasks"][0]  # 245 decode steps
+    assert reverse["accuracy"] >= 7 / 8 and series["accuracy"] == 1, (reverse, series)
 
 
 def test_eval_tasks_cli_reports_accuracy_perplexity_and_expert_load(corpus, tmp_path, capsys):

@@ -27,9 +27,9 @@ FORTUNES_DIR = Path("/usr/share/games/fortunes")
 # Not prose: ASCII pictures, and text in other languages.
 SKIP_FILES = {"art", "ascii-art", "translate-me"}
 # Training items per task, chosen so each task has a similar share of the tokens (a `series`
-# item is ~240 tokens, a `fact` question ~15).
-TRAIN_ITEMS = {"fact": 16000, "kv": 12000, "reverse": 16000, "series": 2500}
-FACT_PARAGRAPHS = 6000  # statements of the facts, mixed into the running text
+# item is ~240 tokens, a `fact` question ~15); a 3000-step run sees each about twice.
+TRAIN_ITEMS = {"fact": 32000, "kv": 24000, "reverse": 32000, "series": 5000}
+FACT_PARAGRAPHS = 12000  # statements of the facts, mixed into the running text
 EVAL_ITEMS_PER_TASK = 50
 
 

@@ -53,7 +53,7 @@ class Windows:
     the rest running text. Items never straddle a window, so each is seen with its prompt."""
 
     def __init__(self, task_docs: list[list[int]], text_docs: list[list[int]], seq_len: int,
-                 rng: random.Random, task_share: float = 0.7):
+                 rng: random.Random, task_share: float):
         self.tasks, self.seq_len, self.rng, self.task_share = task_docs, seq_len, rng, task_share
         self.text = [t for doc in text_docs for t in doc]
         self.order: list[int] = []
@@ -99,11 +99,13 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: int = 4, seq_len: int = 512,
-          lr: float = 3e-3, balance_coef: float = 0.01, seed: int = 0, threads: int = 1,
-          progress: bool = True) -> dict:
+          lr: float = 3e-3, balance_coef: float = 0.01, task_share: float = 1.0, seed: int = 0,
+          threads: int = 1, progress: bool = True) -> dict:
     """Train and write an HF-layout checkpoint directory (weights, config, tokenizer, train_log.json)."""
     from tqdm import tqdm
 
+    if not 0 < task_share <= 1:
+        raise UserError(f"task share {task_share}: must be in (0, 1]")
     torch.set_num_threads(threads)
     rows = read_jsonl(Path(corpus_dir) / "train.jsonl")
     tokenizer = train_tokenizer([r["text"] for r in rows], config.vocab_size)
@@ -111,7 +113,7 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
     eos = tokenizer.eos_token_id
     task_docs = [ids + [eos] for r, ids in zip(rows, encoded) if r["kind"] not in ("text", "fact_text")]
     text_docs = [ids + [eos] for r, ids in zip(rows, encoded) if r["kind"] in ("text", "fact_text")]
-    windows = Windows(task_docs, text_docs, seq_len, random.Random(seed))
+    windows = Windows(task_docs, text_docs, seq_len, random.Random(seed), task_share)
 
     torch.manual_seed(seed)
     model = Gemma4ForCausalLM(config)
@@ -150,7 +152,8 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
         save_checkpoint(model, staging / "ckpt")
         tokenizer.save_pretrained(staging / "ckpt")
         summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
-                   "balance_coef": balance_coef, "threads": threads, "tokens": steps * batch_size * seq_len,
+                   "balance_coef": balance_coef, "task_share": task_share, "threads": threads,
+                   "tokens": steps * batch_size * seq_len,
                    "seconds": round(elapsed, 1), "final_loss": log[-1]["loss"], "log": log}
         (staging / "ckpt" / LOG).write_text(json.dumps(summary, indent=1) + "\n")
         _replace_dir(staging / "ckpt", out_dir)

@@ -2,7 +2,7 @@
 # Rebuild the embedded default model (port tiny-gemma4-moe) from scratch on CPU:
 # the Debian text package, the corpus, the tokenizer + training run, and the task evaluation.
 # Usage: recipes/cpu/train-tiny.sh [OUT_DIR]   (default: neuron_moe/ports/tiny-gemma4-moe, the committed copy)
-# Needs root (or sudo) for apt-get; ~25-40 min on 2 idle cores (`make test` never runs this).
+# Needs root (or sudo) for apt-get; 3000 steps on 1 torch thread: 61 min measured with the 2 cores shared by a second run (`make test` never runs this).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-neuron_moe/ports/tiny-gemma4-moe}
