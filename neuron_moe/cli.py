@@ -127,7 +127,7 @@ def cmd_validate(args) -> int:
             ("prompt", "prompt"), ("seq_match", "SEQ_MATCH"), ("first_divergence", "first diff"),
             ("max_abs_dlogit_step0", "max|Δlogit| step 0"), ("min_cosine", "min cosine", "{:.7f}"),
         ]))
-        print("\nreference (greedy) continuations:")
+        print("\nreference (greedy) continuations, up to the first EOS:")
         for row in report["prompts"]:
             print(f"  {row['prompt']!r} -> {row['reference_text']!r}")
         print(f"\n{'PASS' if report['all_match'] else 'FAIL'}: "

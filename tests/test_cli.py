@@ -17,6 +17,10 @@ def test_validate_passes_and_writes_json(tmp_path, capsys):
         assert row["max_abs_dlogit_step0"] <= 1e-5 and row["min_cosine"] > 0.999999
     printed = capsys.readouterr().out
     assert "SEQ_MATCH" in printed and "PASS: 5/5 prompts match" in printed
+    # the shown texts end at the model's EOS: the reversed list, not the next made-up question after it
+    row = next(r for r in report["prompts"] if r["prompt"].startswith("Q: Reverse: "))
+    words = row["prompt"].removeprefix("Q: Reverse: ").removesuffix("\nA:").split()
+    assert row["reference_text"] == row["backend_text"] == " " + " ".join(reversed(words))
 
 
 def test_validate_fails_with_exit_1_and_reports_divergence(monkeypatch, capsys):

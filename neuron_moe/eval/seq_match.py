@@ -15,6 +15,7 @@ from ..generate import Generation, greedy, left_pad
 from ..model import build_model
 from ..parallel.generate import BACKENDS as TP_BACKENDS
 from ..static.generate import traced_backend
+from .tasks import answer_text
 
 # In the trained default model's domain (neuron_moe/eval/tasks.py): a fact, two tasks, and text.
 DEFAULT_PROMPTS = (
@@ -83,9 +84,9 @@ def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: 
     ref_gen = greedy(reference, ids, mask, max_new_tokens)
     del reference
     rows = compare(ref_gen, got, prompts)
-    for row, ref_t, got_t in zip(rows, ref_gen.tokens, got.tokens):
-        row["reference_text"] = tokenizer.decode(ref_t.tolist())
-        row["backend_text"] = tokenizer.decode(got_t.tolist())
+    for row, ref_t, got_t in zip(rows, ref_gen.tokens, got.tokens):  # SEQ_MATCH compares every token;
+        row["reference_text"] = answer_text(tokenizer, ref_t.tolist())  # the texts end at the first EOS
+        row["backend_text"] = answer_text(tokenizer, got_t.tolist())
     return {
         "model": port.name,
         "reference": "hf-eager float32 (CPU)",
