@@ -268,10 +268,15 @@ class Run:
         return name, moe_layers(self.model, self.sidecar, int(rank) if rank else None)
 
     def generate(self, progress=None) -> list[dict]:
+        """Greedy answers, one batch per task (a batch runs as many steps as its longest answer)."""
         from ..generate import greedy
 
-        return T.score_items(lambda ids, mask, n: greedy(self.model, ids, mask, n), self.tokenizer, self.items,
-                             batch_size=16, progress=progress)
+        rows = []
+        for task in dict.fromkeys(i.task for i in self.items):
+            mine = [i for i in self.items if i.task == task]
+            rows += T.score_items(lambda ids, mask, n: greedy(self.model, ids, mask, n), self.tokenizer, mine,
+                                  batch_size=64, progress=progress)
+        return rows
 
     def cell(self, spec: str, rule: str, budget: float, progress=None) -> dict:
         """One selector × rule × budget: its statistics, or why the budget is not reachable."""
@@ -316,7 +321,6 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
     tokenizer = load_tokenizer(port, checkpoint)
     key = {"model": port.name, "weights_sha256": weights_digest(model),
            **{k: list(v) if isinstance(v, tuple) else v for k, v in settings.__dict__.items()}}
-    key["corpus"] = str(Path(settings.corpus).resolve()) if settings.corpus else None
     out.mkdir(parents=True, exist_ok=True)
     run_file = out / "run.json"
     if run_file.exists():
@@ -395,9 +399,20 @@ def write_markdown(report: dict, path: Path) -> None:
     from ..report import table
 
     acc = report["full_model"]["accuracy"]
+    drift, versus = drift_rows(report), versus_rows(report)
     text = (f"# eval-reader: {report['model']}\n\nfull model: {acc['correct']}/{acc['items']} items correct "
             f"({', '.join(f'{t} {n}' for t, n in acc['by_task'].items())}); generation: {report['generation']}\n\n"
             + table(table_rows(report), COLUMNS, markdown=True) + "\n")
+    if drift:
+        text += ("\n## Calibrated thresholds on the evaluation data\n\nreads as % of the target (the top-k plan the "
+                 "threshold was calibrated to match), by where the token is\n\n"
+                 + table(drift, DRIFT_COLUMNS, markdown=True) + "\n")
+    if versus:
+        verdicts = [r[m] for r in versus for m in ("kl_verdict", "top1_verdict", "acc_verdict") if r[m]]
+        text += ("\n## Top-k against the calibrated threshold, same scores\n\n"
+                 + table(versus, VERSUS_COLUMNS, markdown=True)
+                 + f"\n\ntop-k matches or beats the threshold in {sum(v != 'threshold' for v in verdicts)} of "
+                   f"{len(verdicts)} comparisons\n")
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
@@ -423,4 +438,56 @@ def table_rows(report: dict) -> list[dict]:
                            "reads_p5_95": f"{r['p5']:.2f}–{r['p95']:.2f}", "kl_mean": c["kl_mean"],
                            "kl_p99": c["kl_p99"], "top1": 100 * c["top1"], "acc": c["accuracy_percent_of_full"],
                            "note": note})
+    return rows
+
+
+DRIFT_COLUMNS = [("selector", "selector"), ("budget", "budget %", "{:g}"), ("target", "target reads %", "{:.2f}"),
+                 ("all", "all tokens", "{:.1f}"), ("text", "held-out text", "{:.1f}"),
+                 ("first", "answer position 0", "{:.1f}"), ("last", "last answer bin", "{:.1f}"),
+                 ("last_bin", "(positions)")]
+
+
+def drift_rows(report: dict) -> list[dict]:
+    """Each calibrated threshold's reads as % of its target: overall, on text, at the answer's start and end."""
+    rows = []
+    for c in report["cells"]:
+        if c["status"] != "ok" or c["rule"] != "threshold":
+            continue
+        pct = 100 / c["target_reads"]
+        bins = c["reads_by_answer_position"]
+        text = c["by_source"].get("text")
+        rows.append({"selector": c["selector"], "budget": c["budget"], "target": c["target_reads"],
+                     "all": pct * c["reads"]["mean"], "text": pct * text["reads_mean"] if text else None,
+                     "first": pct * bins[0]["mean"] if bins else None, "last": pct * bins[-1]["mean"] if bins else None,
+                     "last_bin": f"{bins[-1]['lo']}+" if bins else None})
+    return rows
+
+
+VERSUS_COLUMNS = [("selector", "selector"), ("budget", "budget %", "{:g}"), ("reads", "reads % top-k / thr"),
+                  ("kl", "KL mean top-k / thr"), ("kl_verdict", "better"), ("top1", "top-1 % top-k / thr"),
+                  ("top1_verdict", "better"), ("acc", "correct top-k / thr"), ("acc_verdict", "better")]
+
+
+def _verdict(top, thr, higher_is_better: bool) -> str:
+    if top == thr:
+        return "tie"
+    return "top-k" if (top > thr) == higher_is_better else "threshold"
+
+
+def versus_rows(report: dict) -> list[dict]:
+    """Per selector and budget where both rules ran: top-k against the calibrated threshold."""
+    cells = {(c["selector"], c["budget"], c["rule"]): c for c in report["cells"] if c["status"] == "ok"}
+    rows = []
+    for (sel, budget, rule), top in cells.items():
+        thr = cells.get((sel, budget, "threshold"))
+        if rule != "topk" or thr is None:
+            continue
+        rows.append({"selector": sel, "budget": budget,
+                     "reads": f"{top['reads']['mean']:.2f} / {thr['reads']['mean']:.2f}",
+                     "kl": f"{top['kl_mean']:.4f} / {thr['kl_mean']:.4f}",
+                     "kl_verdict": _verdict(top["kl_mean"], thr["kl_mean"], False),
+                     "top1": f"{100 * top['top1']:.1f} / {100 * thr['top1']:.1f}",
+                     "top1_verdict": _verdict(top["top1"], thr["top1"], True),
+                     "acc": f"{top['accuracy']['correct']} / {thr['accuracy']['correct']}",
+                     "acc_verdict": _verdict(top["accuracy"]["correct"], thr["accuracy"]["correct"], True)})
     return rows
