@@ -347,6 +347,7 @@ def cmd_eval_reader(args) -> int:
     from pathlib import Path
 
     from .eval import reader_eval as R
+    from .eval.reader_report import COLUMNS, table_rows
     from .port import load_port
     from .report import table
 
@@ -360,7 +361,7 @@ def cmd_eval_reader(args) -> int:
         acc = report["full_model"]["accuracy"]
         print(f"{port.name}: selectors vs the full model (fp32), full model {acc['correct']}/{acc['items']} "
               f"items correct; generation: {report['generation']}\n")
-        print(table(R.table_rows(report), R.COLUMNS))
+        print(table(table_rows(report), COLUMNS))
         print(f"\n{args.out}: report.json, report.md, cells/, " + ", ".join(Path(p).name for p in report["plots"]))
     return 0
 
