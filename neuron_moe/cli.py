@@ -448,7 +448,7 @@ def parser() -> argparse.ArgumentParser:
                                            "at read budgets: KL, top-1, task accuracy, reads, retention",
                        description="For each selector x retention rule x budget, on the evaluation split: "
                                    "teacher-forced KL(full || sparse) (mean, p99), top-1 agreement, greedy task "
-                                   "accuracy as %% of the full model's (the selector on every token), reads per "
+                                   "accuracy as % of the full model's (the selector on every token), reads per "
                                    "token against the target, their distribution and their mean by position in the "
                                    "answer. Threshold rules are calibrated on the calibration split only. Writes "
                                    "OUT/cells/*.json (one per cell; a rerun skips those done), OUT/report.json, "

@@ -239,7 +239,7 @@ def cell_name(spec: str, rule: str, budget: float) -> str:
 
 @dataclass
 class Run:
-    """One evaluation: the model, its data, the full model's reference, and the cells done so far."""
+    """One evaluation: the model, its data and the full model's reference; `cell` measures one cell."""
 
     model: object
     tokenizer: object
@@ -361,7 +361,8 @@ def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: li
         run.layers(spec)  # a reader rank above the sidecar's is refused before any cell runs
     per_cell = len(run.evaluation) + len(run.items)
     cells = out / "cells"
-    run.reference = teacher_forced(run.model, run.evaluation)
+    with tqdm(total=len(run.evaluation), desc="eval-reader: full model, teacher forced", leave=False) as bar:
+        run.reference = teacher_forced(run.model, run.evaluation, progress=bar)
     full_file = cells / "full.json"
     if not full_file.exists():
         with tqdm(total=len(run.items), desc="eval-reader: full model", leave=False) as bar:
