@@ -146,7 +146,10 @@ def table_rows(report: dict) -> list[dict]:
             rows.append(row | {"note": "not reachable"})
             continue
         r = c["reads"]
-        note = ("reads = plan on every token" if c["within_one_sector"] else "") if c["rule"] == "topk" else "measured"
+        note = "measured"
+        if c["rule"] == "topk":
+            note = ("reads = plan on every token" if c["within_one_sector"]
+                    else f"OFF the plan by up to {c['max_read_deviation_bytes']} B")
         rows.append(row | {"target": c["target_reads"], "reads_mean": r["mean"], "reads_p50": r["p50"],
                            "reads_p5_95": f"{r['p5']:.2f}–{r['p95']:.2f}", "kl_mean": c["kl_mean"],
                            "kl_p99": c["kl_p99"], "top1": 100 * c["top1"], "acc": c["accuracy_percent_of_full"],
