@@ -344,6 +344,29 @@ def cmd_eval_tasks(args) -> int:
     return 0
 
 
+def cmd_eval_reader(args) -> int:
+    from pathlib import Path
+
+    from .eval import reader_eval as R
+    from .eval.reader_report import COLUMNS, table_rows
+    from .port import load_port
+    from .report import table
+
+    budgets, specs, rules = R.parse_budgets(args.budgets), R.parse_selectors(args.selectors), R.parse_rules(args.rules)
+    port = load_port(args.model)
+    settings = R.Settings.quick(args.corpus) if args.quick else R.Settings(corpus=args.corpus)
+    if args.items is not None:
+        settings.per_task = args.items
+    report = R.evaluate(port, args.checkpoint, budgets, specs, rules, args.out, settings)
+    if _json_out(report, args):
+        acc = report["full_model"]["accuracy"]
+        print(f"{port.name}: selectors vs the full model (fp32), full model {acc['correct']}/{acc['items']} "
+              f"items correct; generation: {report['generation']}\n")
+        print(table(table_rows(report), COLUMNS))
+        print(f"\n{args.out}: report.json, report.md, cells/, " + ", ".join(Path(p).name for p in report["plots"]))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from .eval.seq_match import BACKENDS
     from .eval.tasks import TASKS
@@ -424,6 +447,32 @@ def parser() -> argparse.ArgumentParser:
                                                  "unigram baseline) and each expert's share of tokens on that text")
     p.add_argument("--text-docs", type=_positive_int, default=200, help="held-out text documents (default 200)")
     p.set_defaults(func=cmd_eval_tasks)
+
+    p = sub.add_parser("eval-reader", help="channel selectors (TEAL, WINA, CATS, oracle, reader) vs the full model "
+                                           "at read budgets: KL, top-1, task accuracy, reads, retention",
+                       description="For each selector x retention rule x budget, on the evaluation split: "
+                                   "teacher-forced KL(full || sparse) (mean, p99), top-1 agreement, greedy task "
+                                   "accuracy as % of the full model's (the selector on every token), reads per "
+                                   "token against the target, their distribution and their mean by position in the "
+                                   "answer. Threshold rules are calibrated on the calibration split only. Writes "
+                                   "OUT/cells/*.json (one per cell; a rerun skips those done), OUT/report.json, "
+                                   "OUT/report.md and PNG plots. A budget a selector cannot reach is reported, "
+                                   "not an error.")
+    _common(p)
+    p.add_argument("--budgets", default="12.8,17.8", metavar="B,B",
+                   help="read budgets, %% of the full model's routed-expert reads (default %(default)s)")
+    p.add_argument("--selectors", default="teal,wina,cats,oracle,reader", metavar="S,S",
+                   help="teal, wina, cats, oracle, reader; reader-rN: the reader at recovery rank N "
+                        "(default %(default)s)")
+    p.add_argument("--rules", default="topk,threshold", metavar="R,R",
+                   help="topk (fixed reads per token) and/or threshold (calibrated) (default %(default)s)")
+    p.add_argument("--corpus", metavar="DIR", help="a build-corpus directory: adds held-out text (eval_text.jsonl) "
+                                                 "to the evaluation and calib.jsonl text to the calibration")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable)")
+    p.add_argument("--items", type=_positive_int, help="evaluation items per task (default 20; --quick 2)")
+    p.add_argument("--quick", action="store_true", help="a few short items (fact, kv, reverse) and 4 text "
+                                                        "documents: a check in about a minute, not a measurement")
+    p.set_defaults(func=cmd_eval_reader)
 
     p = sub.add_parser("publish", help="upload an artifact directory to S3, integrity-checked, manifest last",
                        description="Check every file (size stable while read; .pt files complete zip archives), "

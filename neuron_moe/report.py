@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 
-def table(rows: list[dict[str, Any]], columns: list[tuple]) -> str:
-    """columns: (key, header) or (key, header, format); floats default to 4 significant digits."""
+def table(rows: list[dict[str, Any]], columns: list[tuple], markdown: bool = False) -> str:
+    """columns: (key, header) or (key, header, format); floats default to 4 significant digits.
+    `markdown`: a pipe table instead of aligned text."""
 
     def cell(v, fmt):
         if v is None:
@@ -22,6 +23,10 @@ def table(rows: list[dict[str, Any]], columns: list[tuple]) -> str:
 
     fmts = [c[2] if len(c) > 2 else None for c in columns]
     grid = [[c[1] for c in columns]] + [[cell(r.get(c[0]), f) for c, f in zip(columns, fmts)] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(line) + " |" for line in grid]
+        lines.insert(1, "|" + "---|" * len(columns))
+        return "\n".join(lines)
     widths = [max(len(line[i]) for line in grid) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in grid]
     lines.insert(1, "  ".join("-" * w for w in widths))

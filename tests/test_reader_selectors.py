@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import trained_like
+from neuron_moe.reader import reference
 from neuron_moe.reader import selectors as S
 from neuron_moe.reader.accounting import BudgetError, full_bytes
 from neuron_moe.reader.hadamard import random_signs
@@ -105,6 +106,23 @@ def test_calibration_keeps_its_target_on_its_own_data(case, name):
     result = S.run(name, layer, x, index, weights, S.calibrate(name, layer, x, index, weights, 50.0))
     for part, kept in result.kept.items():
         assert float(kept.mean()) == pytest.approx(counts[part] / units[part], abs=2 / (units[part] * len(x)) + 1e-6)
+
+
+def test_the_reader_selector_is_the_reference_forward_at_each_tokens_k(case):
+    """Masked (every token its own k, one pass) = `reference.forward` run per k, recovery included."""
+    layer, x, index, weights, _ = case
+    result = S.run("reader", layer, x, index, weights, S.calibrate("reader", layer, x, index, weights, 50.0))
+    ks = (result.kept["channel"] * layer.geo.channels).round().long()
+    assert len(ks.unique()) > 5  # a threshold: k varies by token
+    want, fewer = torch.empty_like(result.out), torch.empty_like(result.out)
+    for k in ks.unique().tolist():
+        rows = ks == k
+        for into, kk in ((want, k), (fewer, k - 1)):  # teeth: one channel fewer per token
+            into[rows] = reference.forward(x[rows], index[rows], weights[rows], layer.gate_up, layer.down.mT,
+                                           layer.sidecar, k=kk, scan=layer.layout.scan, rank=layer.layout.rank,
+                                           act_fn=layer.act_fn)
+    assert rel_err(result.out, want) < 3e-6
+    assert rel_err(result.out, fewer) > 1e-4
 
 
 def test_bad_input_is_named(case):

@@ -11,12 +11,14 @@ from .channel_reader import channel_reader_forward
 from .dense_masked import dense_masked_forward
 from .int8 import int8_forward
 from .selective import selective_forward
+from .selector import selector_forward
 
 IMPLEMENTATIONS = {
     "dense_masked": dense_masked_forward,
     "selective": selective_forward,
     "int8": int8_forward,
     "channel_reader": channel_reader_forward,  # needs a sidecar: channel_reader.attach_reader
+    "selector": selector_forward,  # a reader/selectors.py baseline: selector.attach_selector
 }
 
 for _name, _fn in IMPLEMENTATIONS.items():

@@ -155,20 +155,23 @@ def oracle(layer, x, index, weights, rule):
 
 
 def reader(layer, x, index, weights, rule):
-    """The reader's own forward (`reference.forward`) at each token's k: the rule picks k from s_j."""
+    """The reader's forward (`reference.forward`) with the rule choosing the exact channels from s_j:
+    the kept channels exactly, the rest through the rank-r recovery map. Masked rather than gathered,
+    so tokens with different k run together (equal to `reference.forward` at each token's k)."""
     sc = layer.sidecar
     if sc is None:
         raise BudgetError("reader: this MoeLayer has no sidecar (prep.LayerSidecar); run prep first")
-    estimates = reference.sketch_estimates(x.to(torch.float32), index, sc, layer.layout.scan)
-    score, _ = reference.scores(estimates, index, weights, sc.down_norms, layer.act_fn)
-    keep = rule("channel", score.flatten(1))
-    ks = keep.sum(1)
-    out = torch.empty(x.shape, dtype=torch.float32)
-    for k in ks.unique().tolist():  # tokens with equal k run together: the reference's shapes depend on k
-        rows = ks == k
-        out[rows] = reference.forward(x[rows].to(torch.float32), index[rows], weights[rows], layer.gate_up,
-                                      layer.down.mT, sc, k=k, scan=layer.layout.scan, rank=layer.layout.rank,
-                                      act_fn=layer.act_fn).to(torch.float32)
+    xf = x.to(torch.float32)
+    estimates = reference.sketch_estimates(xf, index, sc, layer.layout.scan)
+    score, p = reference.scores(estimates, index, weights, sc.down_norms, layer.act_fn)
+    keep = rule("channel", score.flatten(1)).view_as(score)
+    gate_up, down = _routed(layer, index)
+    out = _output(_act(layer, xf[:, None].expand(-1, index.shape[1], -1), gate_up), keep, weights, down)
+    rank = layer.layout.rank
+    if rank:
+        rest = weights.to(torch.float32)[..., None] * p * ~keep
+        z = torch.einsum("tki,tkir->tr", rest, sc.coeffs[index][..., :rank].to(torch.float32))
+        out = out + z @ sc.basis[:, :rank].to(torch.float32).T
     return out, {"channel": keep}
 
 

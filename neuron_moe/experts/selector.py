@@ -1,0 +1,71 @@
+"""`selector`: a channel selector of `reader/selectors.py` in place of each layer's routed experts.
+
+`attach_selector(model, name, rules)` gives every MoE layer's experts module a `selector`
+attribute: the layer's weights as a `selectors.MoeLayer` (HF's tensors, not copied; the
+reader's sidecar layer when the selector is the reader), the layer's retention rule and a
+list that collects each call's `selectors.Result` when one is wanted (`state.results`).
+Every token that reaches the experts goes through the selector, prefill and decode alike;
+the router, the dense MLP beside the MoE and everything else run unchanged (the same seam as
+`channel_reader`: transformers' experts-implementation registry).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from ..reader import selectors
+from ..reader.accounting import Layout
+
+# Tokens per selectors.run call: the baselines gather each token's routed experts in fp32
+# ([T, k, 2I, H]), so memory grows with T; the rules decide per token, so chunking changes nothing.
+CHUNK = 256
+
+
+class SelectorState:
+    def __init__(self, name: str, layer: selectors.MoeLayer, rule):
+        self.name, self.layer, self.rule = name, layer, rule
+        self.results: list | None = None  # a list to collect each call's Result, or None
+
+
+def moe_layers(model, sidecar=None, rank: int | None = None) -> list[selectors.MoeLayer]:
+    """Each decoder layer's routed experts as a MoeLayer; with a sidecar (prep.Sidecar) the reader's
+    tensors too, at `rank` (default: the sidecar's) and the sidecar's scan."""
+    top_k = model.config.top_k_experts
+    layers = []
+    for i, decoder_layer in enumerate(model.model.layers):
+        ex = decoder_layer.experts
+        layer = selectors.MoeLayer(ex.gate_up_proj.data, ex.down_proj.data, ex.act_fn, top_k)
+        if sidecar is not None:
+            layer.sidecar = sidecar.layer(i)
+            layer.layout = Layout(scan=sidecar.scan, rank=sidecar.layout.rank if rank is None else rank)
+        layers.append(layer)
+    return layers
+
+
+def attach_selector(model, name: str, layers: list[selectors.MoeLayer], rules: list) -> list[SelectorState]:
+    """Run selector `name` with rules[i] in layer i (layers from `moe_layers`); returns the states."""
+    if name not in selectors.SELECTORS:
+        raise UserError(f"unknown selector {name!r}; known: {', '.join(selectors.SELECTORS)}")
+    states = []
+    for decoder_layer, layer, rule in zip(model.model.layers, layers, rules, strict=True):
+        decoder_layer.experts.selector = SelectorState(name, layer, rule)
+        states.append(decoder_layer.experts.selector)
+    model.set_experts_implementation("selector")
+    return states
+
+
+def selector_forward(self, hidden_states, top_k_index, top_k_weights):
+    state = getattr(self, "selector", None)
+    if state is None:
+        raise UserError("selector: no selector attached to this layer; call "
+                        "neuron_moe.experts.selector.attach_selector(model, name, layers, rules) first")
+    outs = []
+    for s in range(0, hidden_states.shape[0], CHUNK):
+        part = slice(s, s + CHUNK)
+        result = selectors.run(state.name, state.layer, hidden_states[part], top_k_index[part],
+                               top_k_weights[part], state.rule)
+        if state.results is not None:
+            state.results.append(result)
+        outs.append(result.out)
+    return torch.cat(outs) if outs else torch.zeros_like(hidden_states)

@@ -1,0 +1,129 @@
+"""eval-reader: selectors inside the trained model at read budgets. The full budget is the full model,
+top-k reads its plan on every token, thresholds are calibrated on data disjoint from the evaluation
+and their reads are measured, unreachable budgets are reported, and a rerun skips finished cells."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from neuron_moe import cli
+from neuron_moe.eval import reader_eval as R
+from neuron_moe.experts.selector import attach_selector, moe_layers
+from neuron_moe.reader import selectors as S
+from neuron_moe.reader.prep import Sidecar, prep_port
+from neuron_moe.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The two corpus files eval-reader reads, with a few short documents each."""
+    out = tmp_path_factory.mktemp("corpus")
+    for name, words in (("calib.jsonl", "calibration"), ("eval_text.jsonl", "evaluation")):
+        rows = [{"kind": "text", "text": f"A short {words} text, number {i}. The capital of Peru is Lima."}
+                for i in range(3)]
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sidecar(tiny_port, tmp_path_factory):
+    return Sidecar(prep_port(tiny_port, tmp_path_factory.mktemp("sc") / "sidecar.safetensors"))
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits[0]
+
+
+@pytest.mark.parametrize("name", list(S.SELECTORS))
+def test_full_budget_is_the_full_model(tiny_port, tiny_eager, sidecar, name):
+    """Every selector at 100 % inside the model = HF eager to 1e-5 on the logits; at 60 % it is not."""
+    from neuron_moe.model import build_model
+
+    ids = torch.tensor([load_tokenizer(tiny_port).encode("Q: Reverse: red fox owl sun\nA: sun owl fox red")])
+    want = logits(tiny_eager, ids)
+    model = build_model(tiny_port, "eager", torch.float32)
+    layers = moe_layers(model, sidecar if name == "reader" else None, 0 if name == "reader" else None)
+    attach_selector(model, name, layers, [S.top_k(name, layer, 100.0) for layer in layers])
+    assert float((logits(model, ids) - want).abs().max()) < 1e-5
+    attach_selector(model, name, layers, [S.top_k(name, layer, 60.0) for layer in layers])
+    assert float((logits(model, ids) - want).abs().max()) > 1e-3  # teeth
+
+
+def test_calibration_never_sees_the_evaluation(tiny_port, corpus):
+    settings = R.Settings(per_task=50, corpus=str(corpus))  # the calibration split build-corpus writes
+    raw = {i.prompt for i in R.T.eval_items(50, seed=4321)}
+    evaluation = {i.prompt for i in R.evaluation_items(settings)}
+    assert raw & evaluation  # the fact task draws both splits from the same held-out countries ...
+    assert not {i.prompt for i in R.calibration_items(settings)} & evaluation  # ... so calibration drops those
+    tok = load_tokenizer(tiny_port)
+    calib = {tuple(s.ids) for s in R.sequences(tok, settings, 512, "calibration")}
+    evals = {tuple(s.ids) for s in R.sequences(tok, settings, 512, "evaluation")}
+    assert not calib & evals and len(calib) > 100
+    assert {s.source for s in R.sequences(tok, settings, 512, "calibration")} >= {"text", "series"}
+
+
+def test_answer_positions_are_the_answer(tiny_port):
+    """Scored positions predict exactly the answer's tokens and EOS."""
+    tok = load_tokenizer(tiny_port)
+    item = R.T.eval_items(1, tasks=("reverse",))[0]
+    seq = R.item_sequence(tok, item)
+    predicted = seq.ids[seq.start + 1:]
+    assert predicted[-1] == tok.eos_token_id and tok.decode(predicted[:-1]) == item.answer
+
+
+def test_quick_run_end_to_end_and_resume(tiny_port, corpus, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    argv = ["eval-reader", "--quick", "--items", "1", "--selectors", "teal,cats", "--budgets", "30",
+            "--corpus", str(corpus), "--out", str(out), "--json", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    cells = {(c["selector"], c["rule"]): c for c in report["cells"]}
+    assert cells["cats", "topk"]["status"] == cells["cats", "threshold"]["status"] == "not reachable"
+    assert "below its fixed reads" in cells["cats", "topk"]["reason"]  # CATS reads the whole gate first: 33 %
+    top, thr = cells["teal", "topk"], cells["teal", "threshold"]
+    assert top["within_one_sector"] and top["max_read_deviation_bytes"] == 0  # the plan, on every token and layer
+    assert 30 - 0.6 < top["target_reads"] <= 30  # within one TEAL step (4 strips of 256 B = 0.52 %) below
+    assert top["reads"]["p5"] == pytest.approx(top["reads"]["p95"]) == pytest.approx(top["target_reads"])
+    assert thr["within_one_sector"] is None and thr["reads"]["p95"] - thr["reads"]["p5"] > 1  # measured, varies
+    assert thr["target_reads"] == top["target_reads"]
+    for c in (top, thr):
+        assert c["positions"] == sum(s["positions"] for s in c["by_source"].values())
+        assert set(c["by_source"]) == {"fact", "kv", "reverse", "text"}
+        assert sum(b["tokens"] for b in c["reads_by_answer_position"]) == c["positions"] - c["by_source"]["text"]["positions"]
+        assert c["kl_mean"] > 0 and 0 < c["top1"] <= 1 and c["accuracy"]["items"] == 3
+    printed = capsys.readouterr().out
+    assert "not reachable" in printed and "teal" in printed
+    assert "| teal | topk | 30 |" in (out / "report.md").read_text()
+    for png in ("reads_vs_quality.png", "retention.png", "retention_by_position.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+    def no_recompute(*a, **k):
+        raise AssertionError("a finished cell was run again")
+
+    monkeypatch.setattr(R.Run, "cell", no_recompute)
+    assert cli.main(argv) == 0  # resumed: every cell read back from OUT/cells
+    assert json.loads((tmp_path / "r.json").read_text())["cells"] == report["cells"]
+    other = argv[:argv.index("--items") + 1] + ["2"] + argv[argv.index("--items") + 2:]
+    assert cli.main(other) == 2  # another item count into the same OUT is refused
+    assert "holds cells of another run (different per_task)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--selectors", "teal,deja-vu"], "unknown selector 'deja-vu'"),
+    (["--selectors", "teal-r4"], "unknown selector 'teal-r4'"),
+    (["--rules", "topk,median"], "--rules: expected a comma-separated subset of topk, threshold"),
+    (["--budgets", "0,17.8"], r"each budget must be in \(0, 100\] percent"),
+    (["--budgets", "150"], r"each budget must be in \(0, 100\] percent"),
+    (["--budgets", "a"], "expected comma-separated percentages"),
+    (["--corpus", "/nonexistent"], "/nonexistent/eval_text.jsonl: missing; build the corpus first"),
+    (["--selectors", "reader-r64"], r"reader-r64: recovery rank 64 above the sidecar's \(32\)"),
+])
+def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
+    assert cli.main(["eval-reader", "--quick", "--out", str(tmp_path / "o"), *flags]) == 2
+    err = capsys.readouterr().err.split("\r")[-1]  # after any progress bar (the reader's sidecar prep)
+    assert err.startswith("error: ") or err.split("\n", 1)[1].startswith("error: "), err
+    assert err.count("error: ") == 1 and "Traceback" not in err
+    assert re.search(message, err), err
