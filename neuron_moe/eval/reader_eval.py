@@ -248,8 +248,17 @@ class Run:
     sidecar: object = None  # prep.Sidecar, when a reader cell is asked for
     evaluation: list = field(default_factory=list)
     items: list = field(default_factory=list)
-    reference: list = field(default_factory=list)
+    reference: list | None = None  # the full model's teacher-forced log-probs, computed on first need
     calibration: list | None = None  # per layer (x, index, weights), computed on first need
+
+    def full_reference(self) -> list:
+        """Computed only when a cell is measured: a resumed run whose cells are all done skips it."""
+        if self.reference is None:
+            from tqdm import tqdm
+
+            with tqdm(total=len(self.evaluation), desc="eval-reader: full model, teacher forced", leave=False) as bar:
+                self.reference = teacher_forced(self.model, self.evaluation, progress=bar)
+        return self.reference
 
     def calibrate_inputs(self) -> list[tuple]:
         if self.calibration is None:
@@ -294,13 +303,14 @@ class Run:
         except BudgetError as e:
             return row | {"status": "not reachable", "reason": str(e)}
         full = full_bytes(layers[0].geo)
+        reference = self.full_reference()  # before the selector replaces the experts
         states = attach_selector(self.model, name, layers, rules)
         try:
             sparse = teacher_forced(self.model, self.evaluation, states, progress)
             rows = self.generate(progress)
         finally:
             self.model.set_experts_implementation("eager")
-        stats = cell_stats(self.reference, sparse, self.evaluation, full)
+        stats = cell_stats(reference, sparse, self.evaluation, full)
         # top-k: the plan must be read on every token and layer (measured from what each kept);
         # threshold: what the calibrated rule read is reported against the same target, not checked
         deviation = max(int((r - planned).abs().max()) for _, r in sparse) if rule == "topk" else None
@@ -361,8 +371,6 @@ def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: li
         run.layers(spec)  # a reader rank above the sidecar's is refused before any cell runs
     per_cell = len(run.evaluation) + len(run.items)
     cells = out / "cells"
-    with tqdm(total=len(run.evaluation), desc="eval-reader: full model, teacher forced", leave=False) as bar:
-        run.reference = teacher_forced(run.model, run.evaluation, progress=bar)
     full_file = cells / "full.json"
     if not full_file.exists():
         with tqdm(total=len(run.items), desc="eval-reader: full model", leave=False) as bar:
