@@ -204,37 +204,42 @@ def timed(fn, calls):
 
 def reader_stages(layers, inputs, k, rank, iters):
     """Microseconds per call of each stage of the Triton reader (`triton/forward.py`), each timed on
-    its own over the same calls with the previous stages' outputs precomputed: where the time goes."""
+    its own over the same calls with the previous stages' outputs precomputed: where the time goes.
+    A stage that reduces into a zeroed buffer is timed with its own zeroing (one more launch)."""
     def prepared(layer, x, index, weights):
         sc = layer.sidecar
-        xf = x.to(torch.float32).contiguous()
-        coords, values = reference.scanned(xf, sc, 80)
+        act = triton_reader.activation(layer.act_fn)
+        coords, values = triton_reader.rotate_scan(x, sc.signs, 80)
         est = triton_reader.screen(values, coords, index, sc.codes, sc.scales)
-        chosen, p = reference.select(est, index, weights, sc.down_norms, k, layer.act_fn)
-        expert, channel, weight = reference.chosen_rows(chosen, index, weights, layer.down_rows.shape[1])
-        q = reference.unchosen_weights(p, chosen, weights)
-        coef = triton_reader.exact(xf, expert, channel, weight, layer.gate_up, triton_reader.activation(layer.act_fn))
+        expert, channel, weight, q = triton_reader.select(est, index, weights, sc.down_norms, k, act)
+        gu = triton_reader.exact(x, expert, channel, layer.gate_up)
         z = triton_reader.recover(q, index, sc.coeffs, rank)
-        return dict(L=layer, sc=sc, xf=xf, coords=coords, values=values, est=est, chosen=chosen, p=p,
-                    index=index, weights=weights, expert=expert, channel=channel, weight=weight, coef=coef, z=z)
-
-    def glue_select(d):
-        chosen, p = reference.select(d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["L"].act_fn)
-        reference.chosen_rows(chosen, d["index"], d["weights"], d["L"].down_rows.shape[1])
-        reference.unchosen_weights(p, chosen, d["weights"])
+        return dict(L=layer, sc=sc, act=act, x=x, coords=coords, values=values, est=est, index=index,
+                    weights=weights, expert=expert, channel=channel, weight=weight, q=q, gu=gu, z=z)
 
     stages = {
-        "rotate+scan (torch)": lambda d: reference.scanned(d["xf"], d["sc"], 80),
+        "rotate+scan": lambda d: triton_reader.rotate_scan(d["x"], d["sc"].signs, 80),
         "screen": lambda d: triton_reader.screen(d["values"], d["coords"], d["index"], d["sc"].codes, d["sc"].scales),
-        "select (torch)": glue_select,
-        "exact gate/up": lambda d: triton_reader.exact(d["xf"], d["expert"], d["channel"], d["weight"], d["L"].gate_up,
-                                                       triton_reader.activation(d["L"].act_fn)),
-        "recover": lambda d: triton_reader.recover(reference.unchosen_weights(d["p"], d["chosen"], d["weights"]),
-                                                   d["index"], d["sc"].coeffs, rank),
-        "down (+U)": lambda d: triton_reader.down(d["coef"], d["expert"], d["channel"], d["L"].down_rows,
-                                                  d["sc"].basis, d["z"], rank),
+        "select": lambda d: triton_reader.select(d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"]),
+        "exact gate/up": lambda d: triton_reader.exact(d["x"], d["expert"], d["channel"], d["L"].gate_up),
+        "recover": lambda d: triton_reader.recover(d["q"], d["index"], d["sc"].coeffs, rank),
+        "down (+U)": lambda d: triton_reader.down(d["gu"], d["weight"], d["expert"], d["channel"], d["L"].down_rows,
+                                                  d["act"], d["sc"].basis, d["z"], rank),
+        "zeroing alone": lambda d: torch.zeros(d["x"].shape[0], d["est"].shape[1] * d["est"].shape[2],
+                                               device=d["x"].device),
     }
-    calls = [(prepared(*c),) for c in cycled(layers, inputs, min(iters, len(layers) * len(inputs)))]
+    # variants beside the defaults (`triton/forward.py` chose its defaults from such rows)
+    for warps in (2, 4):
+        stages[f"screen, {warps} warps"] = lambda d, w=warps: triton_reader.screen(
+            d["values"], d["coords"], d["index"], d["sc"].codes, d["sc"].scales, warps=w)
+    for warps in (4, 16):
+        stages[f"select, {warps} warps"] = lambda d, w=warps: triton_reader.select(
+            d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], warps=w)
+    stages["down (+U), split 16"] = lambda d: triton_reader.down(
+        d["gu"], d["weight"], d["expert"], d["channel"], d["L"].down_rows, d["act"], d["sc"].basis, d["z"], rank,
+        split=16)
+    distinct = 1 if DEVICE == "cpu" else min(iters, len(layers) * len(inputs))  # a dry run only runs each once
+    calls = [(prepared(*c),) for c in cycled(layers, inputs, distinct)]
     calls = [calls[i % len(calls)] for i in range(iters)]
     out = {}
     for name, fn in stages.items():

@@ -32,6 +32,6 @@ def test_gpu_reader_bench_dry_run(tmp_path):
             reads = {r["impl"]: r["read_percent"] for r in rows}
             assert 12 < reads["reader-12.8"] <= 12.8 < reads["reader-17.8"] <= 17.8 < reads["triton-dense"] == 100
             stages = [r["stage"] for r in report["reader_stages"] if r["geometry"] == geometry and r["tokens"] == tokens]
-            assert len(stages) == 6 and "screen" in stages and "down (+U)" in stages  # each stage ran once
+            assert len(stages) == 12 and "screen" in stages and "down (+U)" in stages  # each stage ran once
     last = done.stdout.strip().splitlines()
     assert last[-1].split()[:3] == ["tiny-qwen-like", "2", "reader-12.8"]  # the table is printed last

@@ -1,6 +1,7 @@
 """The reader's Triton kernels against the PyTorch reference, on the CPU through Triton's
-interpreter: screen, exact and recover, on a hidden size that is not a multiple of 128 and on
-a batch-1 token one of whose experts gets no channel, in fp32 (rtol 1e-3) and with bf16 weights."""
+interpreter: rotate+scan, screen, select, exact, recover and down, on a hidden size that is not
+a multiple of 128 and on a batch-1 token one of whose experts gets no channel, in fp32 (rtol
+1e-3) and with bf16 weights."""
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from neuron_moe.reader import reference
 from neuron_moe.reader.hadamard import padded, random_signs
 from neuron_moe.reader.prep import BLOCK, LayerSidecar, prep_layer
 from neuron_moe.reader.triton import forward as triton_reader  # interpreted: conftest sets TRITON_INTERPRET=1
+from neuron_moe.reader.triton import kernels
 
 from conftest import random_prompts
 
@@ -71,6 +73,41 @@ def case(request):
     return request.getfixturevalue(request.param)
 
 
+def test_rotate_scan_matches_the_reference(case):
+    """The same coordinates in the same order (descending |Rx|), and their rotated values."""
+    want_coords, want_values = reference.scanned(case.x.float(), case.layer, case.scan)
+    coords, values = triton_reader.rotate_scan(case.x, case.layer.signs, case.scan)
+    assert torch.equal(coords.long(), want_coords)
+    close(values, want_values)
+
+
+def test_select_matches_the_reference(case):
+    """The same k channels (as a set: the kernel writes them in channel order), their experts and
+    router weights, and the recovery weights q of the others."""
+    est = reference.sketch_estimates(case.x.float(), case.index, case.layer, case.scan)
+    chosen, p = reference.select(est, case.index, case.weights, case.layer.down_norms, case.k, case.act_fn)
+    inter = est.shape[-1] // 2
+    expert, channel, weight = reference.chosen_rows(chosen, case.index, case.weights, inter)
+    got = triton_reader.select(est, case.index, case.weights, case.layer.down_norms, case.k,
+                               triton_reader.activation(case.act_fn))
+    for t in range(est.shape[0]):
+        want_rows = sorted(zip(expert[t].tolist(), channel[t].tolist(), weight[t].tolist()))
+        got_rows = sorted(zip(got[0][t].tolist(), got[1][t].tolist(), got[2][t].tolist()))
+        assert want_rows == got_rows
+    close(got[3], reference.unchosen_weights(p, chosen, case.weights))
+
+
+def test_select_takes_exactly_k_among_tied_scores():
+    """Scores tied at the k-th value (here: all of them zero) still give exactly k distinct channels."""
+    est = torch.zeros(2, 3, 20)
+    index, weights = torch.tensor([[0, 1, 2], [2, 1, 0]]), torch.full((2, 3), 1 / 3)
+    expert, channel, _, q = triton_reader.select(est, index, weights, torch.ones(3, 10), 7, kernels.SILU)
+    for t in range(2):
+        picks = set(zip(expert[t].tolist(), channel[t].tolist()))
+        assert len(picks) == 7 and all(e in index[t].tolist() and 0 <= c < 10 for e, c in picks)
+    assert torch.equal(q, torch.zeros(2, 3, 10))
+
+
 def test_screen_matches_the_reference(case):
     coords, values = reference.scanned(case.x.float(), case.layer, case.scan)
     got = triton_reader.screen(values, coords, case.index, case.layer.codes, case.layer.scales)
@@ -94,7 +131,7 @@ def test_recover_matches_the_reference(case):
     estimates = reference.sketch_estimates(case.x.float(), case.index, case.layer, case.scan)
     chosen, p = reference.select(estimates, case.index, case.weights, case.layer.down_norms, case.k, case.act_fn)
     unchosen = reference.unchosen_weights(p, chosen, case.weights)
-    z = triton_reader.recover(unchosen, case.index, case.layer.coeffs, case.rank).sum(1)[:, :case.rank]
+    z = triton_reader.recover(unchosen, case.index, case.layer.coeffs, case.rank)[:, :case.rank]
     close(z, torch.einsum("tki,tkir->tr", unchosen, case.layer.coeffs[case.index][..., :case.rank].float()))
     got, want = case.run(triton_reader.forward), case.run(reference.forward)
     close(got, want)
@@ -113,12 +150,15 @@ def test_an_expert_with_no_selected_channel(starved):
 
 @pytest.mark.parametrize("split", [1, 3])
 def test_down_split_shares_sum_to_the_same_rows(odd, split):
-    """The down kernel's shares of the k rows meet through atomic adds; any split is the same sum."""
+    """The down kernel's shares of the k rows meet through atomic adds; any split is the same sum.
+    The activation is applied in the kernel: coef_j = w_j·φ(g_j)·u_j."""
     gen = torch.Generator().manual_seed(0)
     expert = odd.index.gather(1, torch.randint(0, 2, (3, 30), generator=gen))
     channel = torch.randint(0, 40, (3, 30), generator=gen)
-    coef = torch.randn(3, 30, generator=gen)
-    got = triton_reader.down(coef, expert, channel, odd.down_rows, split=split)
+    gu, weight = torch.randn(3, 30, 2, generator=gen), torch.rand(3, 30, generator=gen)
+    got = triton_reader.down(gu, weight, expert, channel, odd.down_rows, triton_reader.activation(odd.act_fn),
+                             split=split)
+    coef = weight * odd.act_fn(gu[..., 0]) * gu[..., 1]
     close(got, torch.einsum("tk,tkh->th", coef, odd.down_rows[expert, channel]))
 
 

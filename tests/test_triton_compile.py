@@ -23,25 +23,30 @@ from neuron_moe.reader.triton import kernels as K
 
 P = {"bf16": "*bf16", "f32": "*fp32", "i32": "*i32", "u8": "*u8"}
 CASES = [
-    (K.screen_kernel, dict(codes_ptr="*u8", scales_ptr="*bf16", experts_ptr="*i32", coords_ptr="*i32",
-                           values_ptr="*fp32", out_ptr="*fp32", ke="i32", nb="i32", scan="i32", strip="i32",
-                           rows="i32"), [dict(SCAN_P2=128, BQ=32)]),
-    (K.exact_act_kernel, dict(gate_up_ptr="*bf16", x_ptr="*fp32", expert_ptr="*i32", channel_ptr="*i32",
-                              weight_ptr="*fp32", coef_ptr="*fp32", k="i32", H="i32", inter="i32"),
-     [dict(ACT=a, BK=16, BH=128) for a in (K.GELU_TANH, K.SILU)]),
-    (K.recover_kernel, dict(coeffs_ptr="*bf16", q_ptr="*fp32", z_ptr="*fp32", inter="i32", rank="i32",
-                            stride_e="i32", stride_i="i32", stride_r="i32", experts_ptr="*i32"),
-     [dict(RANK_P2=32, BI=64)]),
-    (K.down_kernel, dict(down_ptr="*bf16", expert_ptr="*i32", channel_ptr="*i32", coef_ptr="*fp32",
-                         basis_ptr="*bf16", z_ptr="*fp32", out_ptr="*fp32", k="i32", H="i32", inter="i32",
-                         ke="i32", rank="i32", stride_h="i32", stride_r="i32"),
-     [dict(HAS_RECOVERY=r, RANK_P2=32, BK=16, BH=128) for r in (True, False)]),
+    (K.rotate_scan_kernel, dict(x_ptr="*bf16", signs_ptr="*i8", hadamard_ptr="*fp32", coords_ptr="*i32",
+                                values_ptr="*fp32", H="i32", nb="i32"), [dict(SCAN=80, BLOCK=128)], 4),
+    (K.screen_kernel, dict(codes_ptr="*u8", scales_ptr="*bf16", experts_ptr="*i64", coords_ptr="*i32",
+                           values_ptr="*fp32", out_ptr="*fp32", ke="i32", nb="i32", strip="i32", rows="i32",
+                           blocks_per_program="i32"), [dict(SCAN=80, SC=16, BQ=32)], 1),
+    (K.select_kernel, dict(est_ptr="*fp32", experts_ptr="*i64", weights_ptr="*bf16", norms_ptr="*bf16",
+                           expert_out="*i32", channel_out="*i32", weight_out="*fp32", q_out="*fp32", ke="i32",
+                           inter="i32", k="i32"),
+     [dict(ACT=a, HAS_RECOVERY=r, N_P2=8192) for a, r in ((K.GELU_TANH, True), (K.SILU, False))], 8),
+    (K.exact_kernel, dict(gate_up_ptr="*bf16", x_ptr="*bf16", expert_ptr="*i32", channel_ptr="*i32",
+                          gu_ptr="*fp32", k="i32", H="i32", inter="i32"), [dict(BK=16, BH=256)], 4),
+    (K.recover_kernel, dict(coeffs_ptr="*bf16", q_ptr="*fp32", experts_ptr="*i64", z_ptr="*fp32", ke="i32",
+                            inter="i32", rank="i32", stride_e="i32", stride_i="i32", stride_r="i32"),
+     [dict(RANK_P2=32, BI=64)], 4),
+    (K.down_kernel, dict(down_ptr="*bf16", expert_ptr="*i32", channel_ptr="*i32", weight_ptr="*fp32",
+                         gu_ptr="*fp32", basis_ptr="*bf16", z_ptr="*fp32", out_ptr="*fp32", k="i32", H="i32",
+                         inter="i32", rank="i32", stride_h="i32", stride_r="i32", rows_per_share="i32"),
+     [dict(ACT=a, HAS_RECOVERY=r, RANK_P2=32, BK=16, BH=128) for a, r in ((K.GELU_TANH, True), (K.SILU, False))], 4),
 ]
 target = GPUTarget("cuda", 90, 32)
-for fn, sig, variants in CASES:
+for fn, sig, variants, warps in CASES:  # warps: as forward.py launches it
     for const in variants:
         src = ASTSource(fn, {**sig, **{k: "constexpr" for k in const}}, constexprs=const)
-        compiled = triton.compile(src, target=target)
+        compiled = triton.compile(src, target=target, options={"num_warps": warps})
         assert compiled.asm["cubin"], fn.__name__
         print(fn.__name__, const, "sm_90 cubin", len(compiled.asm["cubin"]), "bytes")
 """
@@ -52,4 +57,4 @@ def test_every_kernel_compiles_for_sm90():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("sm_90 cubin") == 6, proc.stdout
+    assert proc.stdout.count("sm_90 cubin") == 8, proc.stdout

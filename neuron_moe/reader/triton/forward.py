@@ -1,14 +1,17 @@
 """The reader's forward on the Triton kernels: same inputs, same output as `reference.forward`.
 
-Stages (docs/reader.md): the rotation of x and the choice of scanned coordinates (a [T, H]
-op), the selection (torch.topk) and the w·p of the unchosen channels stay in PyTorch — they
-touch no weights. What reads weights is a kernel: `screen` (the scanned code strips and the
-scales), `exact` (the chosen gate/up rows, then the chosen down rows), `recover` (b_j of the
-unchosen channels; U is read in the down kernel's epilogue).
+Stages (docs/reader.md), one kernel each: `rotate_scan` (the block rotation of x and the
+scanned coordinates), `screen` (the scanned code strips and the scales -> estimates), `select`
+(scores, the top k, the recovery weights), `exact` (the chosen gate/up rows), `recover` (b_j
+of the unchosen channels) and `down` (the chosen down rows, the activation, and U). The
+reductions meet in one zeroed fp32 workspace through atomic adds, so a call is eight
+launches: the zeroing, the six kernels and the cast of y to the input dtype.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 
 import torch
@@ -16,15 +19,17 @@ import triton
 
 from ...errors import UserError
 from .. import reference
+from ..hadamard import fwht
 from ..prep import BLOCK, CODES_PER_BYTE, SECTOR
 from . import kernels
 
-# Tile sizes (not yet tuned on a GPU). BQ code bytes (5·BQ rows) per screen program: 32, one
-# sector of every scanned strip (strips are whole sectors); BK chosen rows per exact program;
-# BH output coordinates per down program, whose k rows are split in SPLIT shares (more
-# programs at batch 1, where T·H/BH alone would leave most of a GPU idle).
-BQ, BK, BH, BI, SPLIT = 32, 16, 128, 64, 4
-
+# Tile sizes. BQ code bytes (5·BQ rows) per screen program: 32, one sector of a scanned strip
+# (strips are whole sectors), SC scanned coordinates at a time. BK rows per exact/down step;
+# EXACT_BH coordinates of a gate/up row per exact program; BH output coordinates per down
+# program; BI channels per recover program. PROGRAMS: how many programs the split reductions aim
+# for (a few per SM of a 132-SM H200), so that no stage walks a long serial loop on a few SMs at
+# batch 1. Measured alternatives: bench/results/gpu_reader-h200-2026-11-30-tuning.md.
+BQ, SC, BK, EXACT_BH, BH, BI, PROGRAMS = 32, 16, 16, 256, 128, 64, 1024
 
 def activation(act_fn) -> int:
     """The kernels' ACT constant for an HF activation module."""
@@ -38,7 +43,30 @@ def _contiguous(**tensors):
                             f"stride {t.stride()})")
 
 
-def screen(values, coords, top_k_index, codes, scales) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _hadamard(device: torch.device) -> torch.Tensor:
+    """The normalised Hadamard matrix the sidecar's rotation uses (`hadamard.rotate_blocks`), fp32;
+    made on a device's first call (a warm-up call, before any CUDA-graph capture)."""
+    return (fwht(torch.eye(BLOCK)) / math.sqrt(BLOCK)).to(device)
+
+
+def rotate_scan(x, signs, scan: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.scanned` in one kernel: coords (int32) and Rx values (fp32), [T, nb, scan] each."""
+    T, H = x.shape
+    nb = signs.numel() // BLOCK
+    coords = torch.empty(T, nb, scan, dtype=torch.int32, device=x.device)
+    values = torch.empty(T, nb, scan, dtype=torch.float32, device=x.device)
+    kernels.rotate_scan_kernel[(T, nb)](x.contiguous(), signs, _hadamard(x.device), coords, values, H, nb,
+                                        SCAN=scan, BLOCK=BLOCK)
+    return coords, values
+
+
+def _shares(total: int, others: int) -> int:
+    """How many pieces to cut a reduction of `total` steps into, with `others` programs per piece."""
+    return max(1, min(total, triton.cdiv(PROGRAMS, others)))
+
+
+def screen(values, coords, top_k_index, codes, scales, out=None, warps=None) -> torch.Tensor:
     """Sketch estimates [T, ke, 2I] from the scanned Rx values and coordinates [T, nb, scan]."""
     T, ke = top_k_index.shape
     nb, scan = coords.shape[1:]
@@ -46,79 +74,127 @@ def screen(values, coords, top_k_index, codes, scales) -> torch.Tensor:
     _contiguous(codes=codes, scales=scales)
     if not rows <= CODES_PER_BYTE * strip < rows + SECTOR * CODES_PER_BYTE:  # prep pads rows to whole sectors
         raise UserError(f"reader codes: strips of {strip} bytes do not hold {rows} rows at {CODES_PER_BYTE} per byte")
-    out = torch.empty(T, ke, rows, dtype=torch.float32, device=values.device)
-    grid = (T * ke, triton.cdiv(strip, BQ))
-    kernels.screen_kernel[grid](codes, scales, top_k_index.to(torch.int32).contiguous(),
-                                coords.to(torch.int32).contiguous(), values.contiguous(), out,
-                                ke, nb, scan, strip, rows, SCAN_P2=triton.next_power_of_2(scan), BQ=BQ)
+    out = torch.zeros(T, ke, rows, dtype=torch.float32, device=values.device) if out is None else out
+    tiles = triton.cdiv(strip, BQ)
+    per = triton.cdiv(nb, _shares(nb, T * ke * tiles))
+    # warps per program, as measured fastest on the H200: 1 at one token (more programs resident),
+    # else 4 (fewer registers a thread; measured at 4 and 8 tokens)
+    warps = warps or (1 if T == 1 else 4)
+    kernels.screen_kernel[(T * ke, tiles, triton.cdiv(nb, per))](
+        codes, scales, top_k_index.contiguous(), coords.to(torch.int32).contiguous(), values.contiguous(), out,
+        ke, nb, strip, rows, per, SCAN=scan, SC=SC, BQ=BQ, num_warps=warps)
     return out
 
 
-def exact(x, expert, channel, weight, gate_up, act: int) -> torch.Tensor:
-    """coef [T, k] = w_e·φ(g_j·x)(v_j·x) of the chosen channels (their gate and up rows read whole)."""
+def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, recovery: bool = True,
+           warps: int = 8):
+    """Top-k channels per token by s_j over all its experts' channels: expert (int32), channel (int32),
+    weight (fp32) [T, k] in channel order, and q [T, ke, I] = w_e·p_j for the others (None without recovery).
+    One program per token; 8 warps measured fastest on the H200 (4: 1.5×, 16: 1.07× the time)."""
+    T, ke, rows = estimates.shape
+    inter = rows // 2
+    if not 0 < k <= ke * inter:
+        raise UserError(f"reader: k = {k} channels, but a token's experts have {ke * inter}")
+    dev = estimates.device
+    expert = torch.empty(T, k, dtype=torch.int32, device=dev)
+    channel = torch.empty(T, k, dtype=torch.int32, device=dev)
+    weight = torch.empty(T, k, dtype=torch.float32, device=dev)
+    q = torch.empty(T, ke, inter, dtype=torch.float32, device=dev) if recovery else weight  # weight: never written
+    kernels.select_kernel[(T,)](estimates, top_k_index.contiguous(), top_k_weights.contiguous(), down_norms,
+                                expert, channel, weight, q, ke, inter, k, ACT=act, HAS_RECOVERY=recovery,
+                                N_P2=triton.next_power_of_2(ke * inter), num_warps=warps)
+    return expert, channel, weight, (q if recovery else None)
+
+
+def exact(x, expert, channel, gate_up, out=None) -> torch.Tensor:
+    """gu [T, k, 2] = (g_j·x, v_j·x) of the chosen channels (their gate and up rows read whole)."""
     T, k = expert.shape
     _, rows, H = gate_up.shape
     _contiguous(gate_up=gate_up)
-    coef = torch.empty(T, k, dtype=torch.float32, device=x.device)
-    kernels.exact_act_kernel[(T, triton.cdiv(k, BK))](
-        gate_up, x, expert.to(torch.int32).contiguous(), channel.to(torch.int32).contiguous(),
-        weight.contiguous(), coef, k, H, rows // 2, ACT=act, BK=BK, BH=BH)
-    return coef
+    out = torch.zeros(T, k, 2, dtype=torch.float32, device=x.device) if out is None else out
+    kernels.exact_kernel[(T, triton.cdiv(k, BK), triton.cdiv(H, EXACT_BH))](
+        gate_up, x.contiguous(), expert.contiguous(), channel.contiguous(), out, k, H, rows // 2, BK=BK, BH=EXACT_BH)
+    return out
 
 
-def recover(unchosen, top_k_index, coeffs, rank: int) -> torch.Tensor:
-    """Per (token, slot) z = Σ_j q_j b_j [T, ke, RANK_P2], q = `reference.unchosen_weights` (0 = chosen)."""
-    T, ke, inter = unchosen.shape
+def recover(q, top_k_index, coeffs, rank: int, out=None) -> torch.Tensor:
+    """z [T, RANK_P2] = Σ_slots Σ_j q_j b_j (b_j: the first `rank` of an expert's coefficients)."""
+    T, ke, inter = q.shape
     rank_p2 = triton.next_power_of_2(rank)
-    z = torch.empty(T, ke, rank_p2, dtype=torch.float32, device=unchosen.device)
-    kernels.recover_kernel[(T * ke,)](coeffs, unchosen.contiguous(), z, inter, rank, *coeffs.stride(),
-                                      top_k_index.to(torch.int32).contiguous(), RANK_P2=rank_p2, BI=BI)
-    return z
+    out = torch.zeros(T, rank_p2, dtype=torch.float32, device=q.device) if out is None else out
+    kernels.recover_kernel[(T * ke, triton.cdiv(inter, BI))](coeffs, q.contiguous(), top_k_index.contiguous(), out,
+                                                            ke, inter, rank, *coeffs.stride(), RANK_P2=rank_p2, BI=BI)
+    return out
 
 
-def down(coef, expert, channel, down_rows, basis=None, z=None, rank: int = 0, split: int = SPLIT) -> torch.Tensor:
-    """y [T, H] = Σ_j coef_j d_j (+ U·Σ_slots z when rank > 0), fp32."""
-    T, k = coef.shape
+def down(gu, weight, expert, channel, down_rows, act: int, basis=None, z=None, rank: int = 0, split=None,
+         out=None) -> torch.Tensor:
+    """y [T, H] = Σ_j w_j·φ(g_j)·u_j·d_j (+ U·z when rank > 0), fp32; `split` shares of the k rows."""
+    T, k = expert.shape
     _, inter, H = down_rows.shape
     _contiguous(down_rows=down_rows)
-    out = torch.zeros(T, H, dtype=torch.float32, device=coef.device)
+    out = torch.zeros(T, H, dtype=torch.float32, device=gu.device) if out is None else out
+    tiles = triton.cdiv(H, BH)
+    split = split or _shares(triton.cdiv(k, BK), T * tiles)
     recovery = rank > 0
     if not recovery:
         basis, z = out, out  # never read
-    kernels.down_kernel[(T, triton.cdiv(H, BH), split)](
-        down_rows, expert.to(torch.int32).contiguous(), channel.to(torch.int32).contiguous(), coef, basis, z, out,
-        k, H, inter, z.shape[1] if recovery else 0, rank, *basis.stride(),
-        HAS_RECOVERY=recovery, RANK_P2=triton.next_power_of_2(max(rank, 1)), BK=BK, BH=BH)
+    kernels.down_kernel[(T, tiles, split)](
+        down_rows, expert.contiguous(), channel.contiguous(), weight.contiguous(), gu, basis, z, out,
+        k, H, inter, rank, *basis.stride(), triton.cdiv(k, split),
+        ACT=act, HAS_RECOVERY=recovery, RANK_P2=z.shape[1] if recovery else 1, BK=BK, BH=BH)
     return out
+
+
+def _workspace(T: int, sizes: dict[str, tuple[int, ...]], device) -> dict[str, torch.Tensor]:
+    """Zeroed fp32 buffers for the atomic reductions, carved from one allocation: one memset."""
+    flat = torch.zeros(T * sum(math.prod(s) for s in sizes.values()), dtype=torch.float32, device=device)
+    out, at = {}, 0
+    for name, shape in sizes.items():
+        n = T * math.prod(shape)
+        out[name] = flat[at:at + n].view(T, *shape)
+        at += n
+    return out
+
+
+def _check_device(x):
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UserError(f"reader backend 'triton' needs CUDA tensors (these are on {x.device}); on a CPU, "
+                        f"TRITON_INTERPRET=1 runs the kernels in Triton's interpreter (slow: for tests)")
 
 
 def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int,
             act_fn) -> torch.Tensor:
     """`reference.forward` (screen="sketch") on the kernels; x [T, H], gate_up [E, 2I, H], down_rows [E, I, H]."""
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise UserError(f"reader backend 'triton' needs CUDA tensors (these are on {x.device}); on a CPU, "
-                        f"TRITON_INTERPRET=1 runs the kernels in Triton's interpreter (slow: for tests)")
+    _check_device(x)
     if layer.codes.shape[2] != BLOCK:
         raise UserError(f"reader codes have {layer.codes.shape[2]} coordinates per block, expected {BLOCK}")
-    xf = x.to(torch.float32).contiguous()
-    coords, values = reference.scanned(xf, layer, scan)
-    estimates = screen(values, coords, top_k_index, layer.codes, layer.scales)
-    chosen, p = reference.select(estimates, top_k_index, top_k_weights, layer.down_norms, k, act_fn)
-    expert, channel, weight = reference.chosen_rows(chosen, top_k_index, top_k_weights, down_rows.shape[1])
-    coef = exact(xf, expert, channel, weight, gate_up, activation(act_fn))
-    z = recover(reference.unchosen_weights(p, chosen, top_k_weights), top_k_index, layer.coeffs, rank) if rank else None
-    return down(coef, expert, channel, down_rows, layer.basis, z, rank).to(x.dtype)
+    act = activation(act_fn)
+    T, H = x.shape
+    ke = top_k_index.shape[1]
+    rows = gate_up.shape[1]
+    work = _workspace(T, {"est": (ke, rows), "gu": (k, 2), "z": (triton.next_power_of_2(max(rank, 1)),),
+                          "y": (H,)}, x.device)
+    coords, values = rotate_scan(x, layer.signs, scan)
+    screen(values, coords, top_k_index, layer.codes, layer.scales, out=work["est"])
+    expert, channel, weight, q = select(work["est"], top_k_index, top_k_weights, layer.down_norms, k, act,
+                                        recovery=rank > 0)
+    exact(x, expert, channel, gate_up, out=work["gu"])
+    if rank:
+        recover(q, top_k_index, layer.coeffs, rank, out=work["z"])
+    y = down(work["gu"], weight, expert, channel, down_rows, act, layer.basis, work["z"], rank, out=work["y"])
+    return y.to(x.dtype)
 
 
 def dense_forward(x, top_k_index, top_k_weights, gate_up, down_rows, *, act_fn) -> torch.Tensor:
     """The dense top-k MoE on the same kernels, every channel of the routed experts exact: a
-    fused-MoE-style GEMV baseline (gate/up rows with the activation fused, then down rows) that
+    fused-MoE-style GEMV baseline (gate/up rows, then down rows with the activation fused) that
     differs from the reader only in what it reads."""
+    _check_device(x)
     T, ke = top_k_index.shape
     inter = down_rows.shape[1]
-    expert = top_k_index.repeat_interleave(inter, dim=1)  # [T, ke·I]: slot-major, like the reader's grid
-    channel = torch.arange(inter, device=x.device).repeat(T, ke)
+    expert = top_k_index.to(torch.int32).repeat_interleave(inter, dim=1)  # [T, ke·I]: slot-major
+    channel = torch.arange(inter, device=x.device, dtype=torch.int32).repeat(T, ke)
     weight = top_k_weights.to(torch.float32).repeat_interleave(inter, dim=1)
-    xf = x.to(torch.float32).contiguous()
-    coef = exact(xf, expert, channel, weight, gate_up, activation(act_fn))
-    return down(coef, expert, channel, down_rows).to(x.dtype)
+    act = activation(act_fn)
+    return down(exact(x, expert, channel, gate_up), weight, expert, channel, down_rows, act).to(x.dtype)

@@ -1,10 +1,17 @@
-"""The reader's Triton kernels: screen, exact (gate/up dots, then down rows), recover.
+"""The reader's Triton kernels: rotate+scan, screen, select, exact (gate/up dots), recover, down.
 
 Every kernel reads the sidecar exactly as `reader/prep.py` writes it (docs/reader.md): codes
 uint8 [E, nb, 128, S] coordinate-major, base 3, five rows per byte; scales [E, nb, 2I];
-coeffs [E, I, rank]; basis [H, rank]; the down projection as rows [E, I, H]. Weights may be
-bf16 or fp32: every load is converted to fp32 before any arithmetic (the interpreter gets bf16
-arithmetic wrong, and fp32 accumulation is what the reference does).
+down_norms [E, I]; coeffs [E, I, rank]; basis [H, rank]; signs [nb·128]; the down projection
+as rows [E, I, H]. Weights and tokens may be bf16 or fp32: every load is converted to fp32
+before any arithmetic (the interpreter gets bf16 arithmetic wrong, and fp32 accumulation is
+what the reference does).
+
+Decode is latency-bound: the first H200 run (bench/results/gpu_reader-h200-2026-11-30*.md)
+spent ~75 % of a 360 µs layer in programs that walked long serial loops on a few SMs and in
+~40 small torch ops. So every weight-reading kernel splits its reduction across many
+programs that meet in fp32 buffers through atomic adds (zeroed once per call), and the glue
+(rotation, scan choice, top-k) is two kernels of its own.
 
 Kernels live in this file so that `TRITON_INTERPRET=1`, set before it is imported, runs them
 on the CPU (the tests do that).
@@ -31,141 +38,210 @@ def _act(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _digit_dot(byte, xv, POW: tl.constexpr):
-    """Σ_c code(c)·x_c over the scanned coordinates for the rows in base-3 digit POW of each byte."""
-    d = (byte // POW) % 3
-    code = (d - 3 * (d >> 1)).to(tl.float32)  # digit 0, 1, 2 -> code 0, +1, -1
-    return tl.sum(code * xv[:, None], axis=0)
+def rotate_scan_kernel(x_ptr, signs_ptr, hadamard_ptr, coords_ptr, values_ptr, H, nb,
+                       SCAN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: one token's one block of BLOCK coordinates. r = H_n·diag(s)·x_block (the
+    sidecar's rotation; H_n the normalised Hadamard matrix), then the SCAN coordinates of largest
+    |r|, written in descending order (ties to the lower index) with their r: coords, values
+    [T, nb, SCAN]. The order is a coordinate's rank, counted directly: no sort."""
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    h = b * BLOCK + i
+    xs = tl.load(x_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32) * tl.load(signs_ptr + h).to(tl.float32)
+    hadamard = tl.load(hadamard_ptr + i[:, None] * BLOCK + i[None, :])
+    r = tl.sum(xs[:, None] * hadamard, axis=0)  # r_j = Σ_i xs_i H_ij (H symmetric)
+    a = tl.abs(r)
+    ai, aj = a[:, None], a[None, :]
+    ahead = (ai > aj) | ((ai == aj) & (i[:, None] < i[None, :]))  # coordinate i comes before j
+    rank = tl.sum(ahead.to(tl.int32), axis=0)
+    keep = rank < SCAN
+    dest = (t * nb + b) * SCAN + rank
+    tl.store(coords_ptr + dest, i, mask=keep)
+    tl.store(values_ptr + dest, r, mask=keep)
 
 
 @triton.jit
-def _scaled_add(scales_row, acc, q, rows, part, t: tl.constexpr):
-    """acc + scale[r]·part for rows r = 5q + t (digit t of each byte)."""
-    r = 5 * q + t
-    return acc + tl.load(scales_row + r, mask=r < rows, other=0.0).to(tl.float32) * part
+def _digit(f, xs, acc):
+    """Digit 0 of the base-3 numbers f [SC, BQ] (floats holding integers < 243) as codes 0, +1, -1,
+    times xs [SC, BQ], added to acc; and f // 3. In fp32 (twice the int32 rate on a GPU): floor(f/3)
+    is exact here, and d·(2.5 - 1.5·d) maps d = 0, 1, 2 to 0, 1, -1."""
+    rest = tl.floor(f * 0.3333333432674408)
+    d = f - 3.0 * rest
+    return acc + d * (2.5 - 1.5 * d) * xs, rest
 
 
 @triton.jit
 def screen_kernel(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, out_ptr,
-                  ke, nb, scan, strip, rows,
-                  SCAN_P2: tl.constexpr, BQ: tl.constexpr):
-    """One program: one (token, routed slot) and BQ bytes (5·BQ rows) of every scanned strip.
+                  ke, nb, strip, rows, blocks_per_program,
+                  SCAN: tl.constexpr, SC: tl.constexpr, BQ: tl.constexpr):
+    """One program: one (token, routed slot), BQ code bytes (5·BQ rows) of the scanned strips of
+    `blocks_per_program` blocks. Adds into out [T, ke, rows] (zeroed):
 
-    est[r] = Σ_b scale[e, b, r] · Σ_{c scanned} code(e, b, c, r) · (Rx)_{b,c}; reads only the
-    scanned strips (coordinate-major: one contiguous run of bytes per coordinate) and scales.
-    """
+    est[r] += Σ_b Σ_{c scanned} code(e, b, c, r) · (Rx)_{b,c} · scale[e, b, r]
+
+    reading only the scanned strips (coordinate-major: a contiguous run of bytes per coordinate)
+    and the scales; SC scanned coordinates at a time (the chunk loop is unrolled: SCAN is a
+    constexpr, so the chunks' loads are in flight together). The sums stay elementwise in [SC, BQ]
+    accumulators and cross the coordinates once, at the end: a reduction per chunk and digit
+    (shuffles across the warp) was the first H200 run's cost."""
     tk = tl.program_id(0)  # token · ke + slot
     t = tk // ke
     q = tl.program_id(1) * BQ + tl.arange(0, BQ)
-    qmask = q < strip
-    c = tl.arange(0, SCAN_P2)
-    cmask = c < scan
+    qm = q < strip
     e = tl.load(experts_ptr + tk).to(tl.int64)
-    acc0 = tl.zeros([BQ], dtype=tl.float32)
-    acc1 = tl.zeros([BQ], dtype=tl.float32)
-    acc2 = tl.zeros([BQ], dtype=tl.float32)
-    acc3 = tl.zeros([BQ], dtype=tl.float32)
-    acc4 = tl.zeros([BQ], dtype=tl.float32)
-    for b in range(nb):
-        coord = tl.load(coords_ptr + (t * nb + b) * scan + c, mask=cmask, other=0).to(tl.int64)
-        xv = tl.load(values_ptr + (t * nb + b) * scan + c, mask=cmask, other=0.0)
+    acc0 = tl.zeros([SC, BQ], dtype=tl.float32)
+    acc1 = tl.zeros([SC, BQ], dtype=tl.float32)
+    acc2 = tl.zeros([SC, BQ], dtype=tl.float32)
+    acc3 = tl.zeros([SC, BQ], dtype=tl.float32)
+    acc4 = tl.zeros([SC, BQ], dtype=tl.float32)
+    first = tl.program_id(2) * blocks_per_program
+    for b in range(first, tl.minimum(first + blocks_per_program, nb)):
         block = codes_ptr + (e * nb + b) * 128 * strip
-        byte = tl.load(block + coord[:, None] * strip + q[None, :], mask=cmask[:, None] & qmask[None, :],
-                       other=0).to(tl.int32)
-        scales_row = scales_ptr + (e * nb + b) * rows
-        acc0 = _scaled_add(scales_row, acc0, q, rows, _digit_dot(byte, xv, 1), 0)
-        acc1 = _scaled_add(scales_row, acc1, q, rows, _digit_dot(byte, xv, 3), 1)
-        acc2 = _scaled_add(scales_row, acc2, q, rows, _digit_dot(byte, xv, 9), 2)
-        acc3 = _scaled_add(scales_row, acc3, q, rows, _digit_dot(byte, xv, 27), 3)
-        acc4 = _scaled_add(scales_row, acc4, q, rows, _digit_dot(byte, xv, 81), 4)
-    out_row = out_ptr + tk * rows
-    tl.store(out_row + 5 * q, acc0, mask=5 * q < rows)
-    tl.store(out_row + 5 * q + 1, acc1, mask=5 * q + 1 < rows)
-    tl.store(out_row + 5 * q + 2, acc2, mask=5 * q + 2 < rows)
-    tl.store(out_row + 5 * q + 3, acc3, mask=5 * q + 3 < rows)
-    tl.store(out_row + 5 * q + 4, acc4, mask=5 * q + 4 < rows)
+        scanned = (t * nb + b) * SCAN
+        scale = scales_ptr + (e * nb + b) * rows + 5 * q
+        s0 = tl.load(scale, mask=5 * q < rows, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(scale + 1, mask=5 * q + 1 < rows, other=0.0).to(tl.float32)[None, :]
+        s2 = tl.load(scale + 2, mask=5 * q + 2 < rows, other=0.0).to(tl.float32)[None, :]
+        s3 = tl.load(scale + 3, mask=5 * q + 3 < rows, other=0.0).to(tl.float32)[None, :]
+        s4 = tl.load(scale + 4, mask=5 * q + 4 < rows, other=0.0).to(tl.float32)[None, :]
+        for c0 in tl.static_range(0, SCAN, SC):
+            c = c0 + tl.arange(0, SC)
+            cm = c < SCAN
+            coord = tl.load(coords_ptr + scanned + c, mask=cm, other=0)
+            xv = tl.load(values_ptr + scanned + c, mask=cm, other=0.0)[:, None]
+            f = tl.load(block + coord[:, None] * strip + q[None, :], mask=cm[:, None] & qm[None, :],
+                        other=0).to(tl.float32)
+            acc0, f = _digit(f, xv * s0, acc0)
+            acc1, f = _digit(f, xv * s1, acc1)
+            acc2, f = _digit(f, xv * s2, acc2)
+            acc3, f = _digit(f, xv * s3, acc3)
+            acc4, f = _digit(f, xv * s4, acc4)
+    out = out_ptr + tk * rows + 5 * q
+    tl.atomic_add(out, tl.sum(acc0, axis=0), mask=5 * q < rows)
+    tl.atomic_add(out + 1, tl.sum(acc1, axis=0), mask=5 * q + 1 < rows)
+    tl.atomic_add(out + 2, tl.sum(acc2, axis=0), mask=5 * q + 2 < rows)
+    tl.atomic_add(out + 3, tl.sum(acc3, axis=0), mask=5 * q + 3 < rows)
+    tl.atomic_add(out + 4, tl.sum(acc4, axis=0), mask=5 * q + 4 < rows)
 
 
 @triton.jit
-def exact_act_kernel(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, weight_ptr, coef_ptr,
-                     k, H, inter,
-                     ACT: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
-    """One program: BK chosen channels of one token. Reads their gate and up rows (contiguous,
-    H each) and writes coef_j = w_e · φ(g_j·x)(v_j·x)."""
+def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, channel_out, weight_out, q_out,
+                  ke, inter, k,
+                  ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, N_P2: tl.constexpr):
+    """One program: one token. Over all its experts' channels n = slot·I + j: p_j = φ(ĝ_j)·v̂_j,
+    s_j = |w_e·‖d_j‖·p_j|; the k largest s_j (ties to the lower n) -> expert, channel, weight
+    [T, k] in channel order; q [T, ke, I] = w_e·p_j for the others, 0 for the chosen.
+
+    The k-th largest score is found by bisection on its fp32 bit pattern (monotonic for s ≥ 0):
+    31 counting passes over registers, where torch.topk costs several launches. On the H200 the
+    loads and scores take ~1 µs of its ~20, the bisection ~14, the prefix sums and stores ~11
+    (each measured alone); 4- and 16-way searches (counting at several cuts per pass) and a
+    [rows, 128] layout for the prefix sums were slower or no faster."""
+    t = tl.program_id(0)
+    n = tl.arange(0, N_P2)
+    valid = n < ke * inter
+    slot = n // inter
+    j = n % inter
+    e = tl.load(experts_ptr + t * ke + slot, mask=valid, other=0).to(tl.int64)
+    w = tl.load(weights_ptr + t * ke + slot, mask=valid, other=0.0).to(tl.float32)
+    row = est_ptr + (t * ke + slot) * 2 * inter + j
+    g = tl.load(row, mask=valid, other=0.0)
+    u = tl.load(row + inter, mask=valid, other=0.0)
+    norm = tl.load(norms_ptr + e * inter + j, mask=valid, other=0.0).to(tl.float32)
+    p = _act(g, ACT) * u
+    bits = tl.where(valid, tl.abs(w * norm * p).to(tl.int32, bitcast=True), -1)
+    lo = tl.full([], 0, tl.int32)  # count(bits >= lo) >= k: every valid score is >= +0.0
+    hi = tl.full([], 0x7F800001, tl.int32)  # count(bits >= hi) < k: above +inf
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2
+        enough = tl.sum((bits >= mid).to(tl.int32), axis=0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    above = bits > lo
+    tied = (bits == lo).to(tl.int32)
+    room = k - tl.sum(above.to(tl.int32), axis=0)  # how many of the scores equal to the k-th to take
+    chosen = above | ((tied != 0) & (tl.cumsum(tied, axis=0) - tied < room))
+    pos = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    tl.store(expert_out + t * k + pos, e.to(tl.int32), mask=chosen)
+    tl.store(channel_out + t * k + pos, j, mask=chosen)
+    tl.store(weight_out + t * k + pos, w, mask=chosen)
+    if HAS_RECOVERY:
+        tl.store(q_out + t * ke * inter + n, tl.where(chosen, 0.0, w * p), mask=valid)
+
+
+@triton.jit
+def exact_kernel(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter,
+                 BK: tl.constexpr, BH: tl.constexpr):
+    """One program: BK chosen channels of one token, BH coordinates of their gate and up rows
+    (contiguous runs of the [E, 2I, H] layout). Adds the partial dots g_j·x, v_j·x into
+    gu [T, k, 2] (zeroed); the activation is applied where they are complete (down_kernel)."""
     t = tl.program_id(0)
     j = tl.program_id(1) * BK + tl.arange(0, BK)
     jm = j < k
+    h = tl.program_id(2) * BH + tl.arange(0, BH)
+    hm = h < H
     e = tl.load(expert_ptr + t * k + j, mask=jm, other=0).to(tl.int64)
     ch = tl.load(channel_ptr + t * k + j, mask=jm, other=0).to(tl.int64)
     gate_row = (e * 2 * inter + ch) * H
-    up_row = gate_row + inter * H
-    g = tl.zeros([BK], dtype=tl.float32)
-    u = tl.zeros([BK], dtype=tl.float32)
-    for h0 in range(0, H, BH):
-        h = h0 + tl.arange(0, BH)
-        hm = h < H
-        xv = tl.load(x_ptr + t * H + h, mask=hm, other=0.0)
-        m = jm[:, None] & hm[None, :]
-        gw = tl.load(gate_up_ptr + gate_row[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
-        uw = tl.load(gate_up_ptr + up_row[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
-        g += tl.sum(gw * xv[None, :], axis=1)
-        u += tl.sum(uw * xv[None, :], axis=1)
-    w = tl.load(weight_ptr + t * k + j, mask=jm, other=0.0)
-    tl.store(coef_ptr + t * k + j, w * _act(g, ACT) * u, mask=jm)
+    xv = tl.load(x_ptr + t * H + h, mask=hm, other=0.0).to(tl.float32)
+    m = jm[:, None] & hm[None, :]
+    gw = tl.load(gate_up_ptr + gate_row[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
+    uw = tl.load(gate_up_ptr + (gate_row + inter * H)[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.atomic_add(gu_ptr + (t * k + j) * 2, tl.sum(gw * xv[None, :], axis=1), mask=jm)
+    tl.atomic_add(gu_ptr + (t * k + j) * 2 + 1, tl.sum(uw * xv[None, :], axis=1), mask=jm)
 
 
 @triton.jit
-def recover_kernel(coeffs_ptr, q_ptr, z_ptr, inter, rank, stride_e, stride_i, stride_r, experts_ptr,
+def recover_kernel(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r,
                    RANK_P2: tl.constexpr, BI: tl.constexpr):
-    """One program: one (token, routed slot). z[r] = Σ_j q_j · b_j[r] over the expert's channels,
+    """One program: one (token, routed slot), BI of its expert's channels. Adds Σ_j q_j·b_j into
+    the token's z [T, RANK_P2] (zeroed; summed over slots, which is all the down epilogue needs);
     q_j = w_e·p_j for unchosen channels and 0 for chosen ones, whose b_j are never read."""
     tk = tl.program_id(0)
+    t = tk // ke
+    i = tl.program_id(1) * BI + tl.arange(0, BI)
     e = tl.load(experts_ptr + tk).to(tl.int64)
     r = tl.arange(0, RANK_P2)
     rm = r < rank
-    z = tl.zeros([RANK_P2], dtype=tl.float32)
-    for i0 in range(0, inter, BI):
-        i = i0 + tl.arange(0, BI)
-        qv = tl.load(q_ptr + tk * inter + i, mask=i < inter, other=0.0)
-        m = ((i < inter) & (qv != 0.0))[:, None] & rm[None, :]
-        b = tl.load(coeffs_ptr + e * stride_e + i[:, None] * stride_i + r[None, :] * stride_r, mask=m, other=0.0)
-        z += tl.sum(qv[:, None] * b.to(tl.float32), axis=0)
-    tl.store(z_ptr + tk * RANK_P2 + r, z)
+    qv = tl.load(q_ptr + tk * inter + i, mask=i < inter, other=0.0)
+    m = ((i < inter) & (qv != 0.0))[:, None] & rm[None, :]
+    b = tl.load(coeffs_ptr + e * stride_e + i[:, None] * stride_i + r[None, :] * stride_r, mask=m, other=0.0)
+    tl.atomic_add(z_ptr + t * RANK_P2 + r, tl.sum(qv[:, None] * b.to(tl.float32), axis=0), mask=rm)
 
 
 @triton.jit
-def down_kernel(down_ptr, expert_ptr, channel_ptr, coef_ptr, basis_ptr, z_ptr, out_ptr,
-                k, H, inter, ke, rank, stride_h, stride_r,
-                HAS_RECOVERY: tl.constexpr, RANK_P2: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
-    """One program: BH output coordinates of one token, one of `split` shares of its k chosen rows.
-
-    y[h] += Σ_j coef_j · down[e_j, ch_j, h] over rows j ≡ share (mod split), BK rows at a time
-    (each a contiguous H-row of the [E, I, H] layout); share 0 also adds the recovery,
-    U[h, :] · Σ_slots z (fused here: U is read once per tile, y is written once per share).
-    Shares meet in y through atomic adds (y starts at zero)."""
+def down_kernel(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, basis_ptr, z_ptr, out_ptr,
+                k, H, inter, rank, stride_h, stride_r, rows_per_share,
+                ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, RANK_P2: tl.constexpr,
+                BK: tl.constexpr, BH: tl.constexpr):
+    """One program: BH output coordinates of one token, one share (`rows_per_share` rows) of its
+    k chosen rows. coef_j = w_e·φ(g_j·x)(v_j·x) from gu; y[h] += Σ_j coef_j·down[e_j, ch_j, h]
+    (each a contiguous H-row of the [E, I, H] layout); share 0 also adds the recovery U[h, :]·z.
+    Shares meet in y [T, H] (zeroed) through atomic adds."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = h < H
     share = tl.program_id(2)
-    split = tl.num_programs(2)
+    first = share * rows_per_share
+    last = tl.minimum(first + rows_per_share, k)
     acc = tl.zeros([BH], dtype=tl.float32)
-    for j0 in range(share * BK, k, split * BK):
+    for j0 in range(first, last, BK):
         j = j0 + tl.arange(0, BK)
-        jm = j < k
+        jm = j < last
         e = tl.load(expert_ptr + t * k + j, mask=jm, other=0).to(tl.int64)
         ch = tl.load(channel_ptr + t * k + j, mask=jm, other=0).to(tl.int64)
-        cf = tl.load(coef_ptr + t * k + j, mask=jm, other=0.0)
+        g = tl.load(gu_ptr + (t * k + j) * 2, mask=jm, other=0.0)
+        u = tl.load(gu_ptr + (t * k + j) * 2 + 1, mask=jm, other=0.0)
+        coef = tl.load(weight_ptr + t * k + j, mask=jm, other=0.0) * _act(g, ACT) * u
         d = tl.load(down_ptr + ((e * inter + ch) * H)[:, None] + h[None, :], mask=jm[:, None] & hm[None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(cf[:, None] * d, axis=0)
+        acc += tl.sum(coef[:, None] * d, axis=0)
     if HAS_RECOVERY:
         if share == 0:
             r = tl.arange(0, RANK_P2)
-            rm = r < rank
-            z = tl.zeros([RANK_P2], dtype=tl.float32)
-            for s in range(ke):
-                z += tl.load(z_ptr + (t * ke + s) * RANK_P2 + r)
-            u = tl.load(basis_ptr + h[:, None] * stride_h + r[None, :] * stride_r, mask=hm[:, None] & rm[None, :],
-                        other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + t * RANK_P2 + r)
+            u = tl.load(basis_ptr + h[:, None] * stride_h + r[None, :] * stride_r,
+                        mask=hm[:, None] & (r < rank)[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(u * z[None, :], axis=1)
     tl.atomic_add(out_ptr + t * H + h, acc, mask=hm)
