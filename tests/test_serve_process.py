@@ -156,7 +156,9 @@ def test_entrypoint_serves_then_sigterm_drains_the_stream_in_flight(tmp_path):
             before = sse_events([next(lines), next(lines)])  # the role chunk and a first step
             proc.send_signal(signal.SIGTERM)
             after = sse_events(lines)
-        assert after[-1] == "[DONE]" and after[-2]["usage"]["completion_tokens"] == 60  # finished, not cut
+        # finished, not cut: the generation's own end (EOS or max_tokens), many steps after the signal
+        finish = [e["choices"][0]["finish_reason"] for e in after[:-1] if e["choices"]]
+        assert after[-1] == "[DONE]" and finish[-1] in ("stop", "length") and after[-2]["usage"]["completion_tokens"] > 10
         assert any(e["choices"] for e in after[:-2]) and before[0]["choices"][0]["delta"]["role"] == "assistant"
         assert proc.wait(60) == 0
         with pytest.raises(httpx.ConnectError):
