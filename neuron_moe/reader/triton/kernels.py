@@ -9,7 +9,7 @@ what the reference does).
 
 Decode is latency-bound: the first H200 run (bench/results/gpu_reader-h200-2026-11-30*.md)
 spent ~75 % of a 360 µs layer in programs that walked long serial loops on a few SMs and in
-~40 small torch ops. So every weight-reading kernel splits its reduction across many
+dozens of small torch ops. So every weight-reading kernel splits its reduction across many
 programs that meet in fp32 buffers through atomic adds (zeroed once per call), and the glue
 (rotation, scan choice, top-k) is two kernels of its own.
 
