@@ -10,12 +10,12 @@ import torch
 
 from neuron_moe import cli
 from neuron_moe.checkpoint import load_checkpoint
+from neuron_moe.errors import UserError
 from neuron_moe.eval import tasks as T
 from neuron_moe.generate import Generation
 from neuron_moe.port import load_port
 from neuron_moe.tokenizer import HFTokenizer, load_tokenizer
 from neuron_moe.training.corpus import CorpusError, build_corpus, read_fortunes, read_jsonl
-from neuron_moe.errors import UserError
 from neuron_moe.training.tiny import Windows, balance_loss, train
 
 FORTUNES = [
@@ -160,7 +160,7 @@ def test_scoring_is_exact_match_up_to_eos(continuation, correct):
     assert rows[0]["correct"] is correct and rows[0]["answer_tokens"] == 2
 
 
-def test_committed_model_copies_from_its_context():
+def test_committed_model_copies_and_recalls_held_out_facts():
     """The shipped checkpoint (not seeded random weights) reverses held-out lists, writes held-out
     15-18-line series exactly and recalls facts it read only as statements, asked in the Q/A form
     (bench/results/tiny-model.md: reverse 50/50, series 48/50, fact 40/50; chance on a capital is
