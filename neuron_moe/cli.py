@@ -326,10 +326,11 @@ def cmd_eval_tasks(args) -> int:
 
     port = load_port(args.model)
     report = evaluate(port, args.backend, args.checkpoint, per_task=args.items, corpus=args.corpus,
-                      text_docs=args.text_docs, tasks=tuple(args.task or TASKS))
+                      text_docs=args.text_docs, tasks=tuple(args.task or TASKS), split=args.split)
     if not _json_out(report, args):
         return 0
-    print(f"{report['model']}: greedy answers with {report['backend']}, exact match up to EOS\n")
+    print(f"{report['model']}: {report['split']} split, greedy answers with {report['backend']}, "
+          "exact match up to EOS\n")
     print(table(report["tasks"], [("task", "task"), ("items", "items"), ("correct", "correct"),
                                   ("accuracy", "accuracy", "{:.1%}"), ("answer_tokens_min", "answer tokens min"),
                                   ("answer_tokens_max", "max")]))
@@ -369,7 +370,7 @@ def cmd_eval_reader(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from .eval.seq_match import BACKENDS
-    from .eval.tasks import TASKS
+    from .eval.tasks import SPLITS, TASKS
 
     import neuron_moe
 
@@ -446,6 +447,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", metavar="DIR", help="a build-corpus directory: adds held-out text perplexity (vs a "
                                                  "unigram baseline) and each expert's share of tokens on that text")
     p.add_argument("--text-docs", type=_positive_int, default=200, help="held-out text documents (default 200)")
+    p.add_argument("--split", default="eval", choices=SPLITS,
+                   help="eval (default) or valid: the validation split, for choosing between training runs "
+                        "(its text is the calibration text)")
     p.set_defaults(func=cmd_eval_tasks)
 
     p = sub.add_parser("eval-reader", help="channel selectors (TEAL, WINA, CATS, oracle, reader) vs the full model "

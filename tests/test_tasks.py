@@ -60,12 +60,18 @@ def test_evaluation_items_are_never_training_items(corpus):
         assert item.prompt not in train_text, item
     # facts are held out by country: the question form of an evaluation country is never trained,
     # but its facts are stated in the training text
-    eval_countries = [c for c, _, _ in T.FACTS if T.is_eval_subject(c)]
-    assert 5 <= len(eval_countries) <= 25
-    for country in eval_countries:
+    validation = [T.Item(**r) for r in read_jsonl(corpus / "valid_tasks.jsonl")]
+    assert {i.task for i in validation} == set(T.TASKS)
+    for item in validation:
+        assert item.prompt not in train_text, item
+    assert not {i.prompt for i in validation} & {i.prompt for i in evaluation}
+    split_of = {c: T.subject_split(c) for c, _, _ in T.FACTS}
+    held_out = [c for c, s in split_of.items() if s != "train"]
+    assert 5 <= list(split_of.values()).count("eval") <= 15 and 5 <= list(split_of.values()).count("valid") <= 15
+    for country in held_out:
         assert f"capital of {country}?" not in train_text and f"is {country} in?" not in train_text
     stated = {c for c, _, _ in T.FACTS if f"of {c} is" in train_text or f"capital of {c}." in train_text}
-    assert set(eval_countries) & stated
+    assert {c for c in held_out if split_of[c] == "eval"} & stated and {c for c in held_out if split_of[c] == "valid"} & stated
     kinds = {r["kind"] for r in read_jsonl(corpus / "train.jsonl")}
     assert kinds == {"text", "fact_text", *T.TASKS}
 
@@ -187,3 +193,17 @@ def test_eval_tasks_cli_reports_accuracy_perplexity_and_expert_load(corpus, tmp_
     assert share.shape == (4, 16) and torch.allclose(share.sum(-1), torch.ones(4, dtype=share.dtype))
     printed = capsys.readouterr().out
     assert "unigram baseline" in printed and "expert share" in printed
+
+
+def test_eval_tasks_on_the_validation_split_asks_its_items_and_reads_the_calibration_text(corpus, tmp_path):
+    out = tmp_path / "valid.json"
+    assert cli.main(["eval-tasks", "--split", "valid", "--items", "2", "--task", "fact", "--corpus", str(corpus),
+                     "--text-docs", "2", "--backend", "dense_masked", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    want = [T.Item(**r) for r in read_jsonl(corpus / "valid_tasks.jsonl") if r["task"] == "fact"][:2]
+    assert report["split"] == "valid" and [r["prompt"] for r in report["items"]] == [i.prompt for i in want]
+    for item in want:  # asked about a validation country
+        country = next(c for c, _, _ in T.FACTS if f" {c}?" in item.prompt or f" {c} in?" in item.prompt)
+        assert T.subject_split(country) == "valid", item
+    calib_text = [r for r in read_jsonl(corpus / "calib.jsonl") if r["kind"] == "text"]
+    assert report["text"]["documents"] == min(2, len(calib_text))

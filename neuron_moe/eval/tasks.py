@@ -10,7 +10,9 @@ Four tasks, each a generator of (prompt, answer) items from a seeded `random.Ran
            lines counted down so that stopping is local; 15-18 lines, over 200 tokens
 
 Evaluation items are never in training: `fact` and `series` split by subject (country; start
-and step), the others exclude from training every prompt that the evaluation set holds.
+and step), the others exclude from training every prompt that the evaluation set holds. A
+validation split, held out the same way with subjects of its own, is for choosing between
+training runs, so that the evaluation split stays an estimate of the chosen one.
 The same module scores a model: greedy generation through any SEQ_MATCH backend, exact match of
 the text up to the first EOS; perplexity of held-out text against a unigram baseline; and the
 share of tokens each expert receives on the evaluation text.
@@ -71,8 +73,13 @@ def stable_fraction(key: str) -> float:
     return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") / 2**64
 
 
-def is_eval_subject(key: str) -> bool:
-    return stable_fraction(key) < 0.2
+SPLITS = ("eval", "valid")
+
+
+def subject_split(key: str) -> str:
+    """Which split a subject (a country, a series' start and step) belongs to: eval, valid or train."""
+    f = stable_fraction(key)
+    return "eval" if f < 0.2 else "valid" if f < 0.35 else "train"
 
 
 def fact_sentences(rng: random.Random, country: str, capital: str, continent: str) -> list[str]:
@@ -111,39 +118,43 @@ def series_parts(start: int, step: int, lines: int) -> Item:
     return Item("series", f"Q: Add {step} to {start}, {lines} times.\nA:", "\n" + "\n".join(out))
 
 
-def series_item(rng: random.Random, evaluation: bool) -> Item:
-    """A series whose (start, step) lies in the evaluation split or, with evaluation=False, outside it."""
+def series_item(rng: random.Random, split: str) -> Item:
+    """A series whose (start, step) lies in `split`."""
     while True:
         start, step = rng.randint(100, 299), rng.randint(2, 9)
-        if is_eval_subject(f"series:{start}:{step}") == evaluation:
+        if subject_split(f"series:{start}:{step}") == split:
             return series_parts(start, step, rng.randint(15, 18))
 
 
 _RANDOM_ITEMS = {"kv": kv_item, "reverse": reverse_item}
 
 
-def eval_items(per_task: int, seed: int = 1234, tasks=TASKS) -> list[Item]:
-    """The fixed evaluation set: `per_task` items of each task, subjects from the evaluation split."""
-    rng = random.Random(seed)
+SPLIT_SEEDS = {"eval": 1234, "valid": 5678}
+
+
+def eval_items(per_task: int, seed: int | None = None, tasks=TASKS, split: str = "eval") -> list[Item]:
+    """The fixed held-out set of `split` (eval or valid): `per_task` items of each task, subjects
+    from that split; `seed` defaults to the split's own."""
+    rng = random.Random(SPLIT_SEEDS[split] if seed is None else seed)
     items = []
     for task in tasks:
         for _ in range(per_task):
             if task == "fact":
-                items.append(fact_item(rng, *rng.choice([f for f in FACTS if is_eval_subject(f[0])])))
+                items.append(fact_item(rng, *rng.choice([f for f in FACTS if subject_split(f[0]) == split])))
             elif task == "series":
-                items.append(series_item(rng, evaluation=True))
+                items.append(series_item(rng, split))
             else:
                 items.append(_RANDOM_ITEMS[task](rng))
     return items
 
 
 def train_item(rng: random.Random, task: str, held_out: set[str]) -> Item:
-    """One training item of `task`: never an evaluation subject, never a held-out prompt."""
+    """One training item of `task`: never a held-out subject, never a held-out prompt."""
     while True:
         if task == "fact":
-            item = fact_item(rng, *rng.choice([f for f in FACTS if not is_eval_subject(f[0])]))
+            item = fact_item(rng, *rng.choice([f for f in FACTS if subject_split(f[0]) == "train"]))
         elif task == "series":
-            item = series_item(rng, evaluation=False)
+            item = series_item(rng, "train")
         else:
             item = _RANDOM_ITEMS[task](rng)
         if item.prompt not in held_out:
@@ -237,9 +248,10 @@ def text_metrics(model, docs: list[list[int]], unigram: tuple[Counter, int], voc
 
 
 def evaluate(port, backend: str = "eager", checkpoint=None, per_task: int = 50, corpus=None,
-             text_docs: int = 200, tasks=TASKS) -> dict:
-    """Task accuracy with `backend` (any of seq_match.BACKENDS); with `corpus` (a build-corpus
-    directory) also held-out perplexity, the unigram baseline and the expert load on that text."""
+             text_docs: int = 200, tasks=TASKS, split: str = "eval") -> dict:
+    """Task accuracy on `split` with `backend` (any of seq_match.BACKENDS); with `corpus` (a
+    build-corpus directory) also held-out perplexity, the unigram baseline and the expert load on
+    that split's text (the calibration text for valid)."""
     from pathlib import Path
 
     from tqdm import tqdm
@@ -249,17 +261,19 @@ def evaluate(port, backend: str = "eager", checkpoint=None, per_task: int = 50, 
     from .seq_match import BACKENDS
 
     tokenizer = load_tokenizer(port, checkpoint)
-    items = eval_items(per_task, tasks=tasks)
+    items = eval_items(per_task, tasks=tasks, split=split)
     generate = BACKENDS[backend](port, None, checkpoint)
     with tqdm(total=len(items), desc=f"eval-tasks ({backend})", leave=False) as bar:
         rows = score_items(generate, tokenizer, items, progress=bar)
-    report = {"model": port.name, "backend": backend, "items_per_task": per_task,
+    report = {"model": port.name, "backend": backend, "split": split, "items_per_task": per_task,
               "tasks": accuracy_by_task(rows), "text": None, "items": rows}
     if corpus is not None:
         from ..training.corpus import read_jsonl
 
         train_text = [r["text"] for r in read_jsonl(Path(corpus) / "train.jsonl") if r["kind"] == "text"]
-        held_out = [r["text"] for r in read_jsonl(Path(corpus) / "eval_text.jsonl")][:text_docs]
+        held_out = (read_jsonl(Path(corpus) / "eval_text.jsonl") if split == "eval" else
+                    [r for r in read_jsonl(Path(corpus) / "calib.jsonl") if r["kind"] == "text"])
+        held_out = [r["text"] for r in held_out][:text_docs]
         unigram = unigram_counts(tokenizer.encode(t) for t in train_text)
         model = build_model(port, "eager", torch.float32, checkpoint)
         longest = port.config.max_position_embeddings  # a few fortunes are longer than the training window

@@ -9,7 +9,8 @@ Tasks (`neuron_moe.eval.tasks`): training items are drawn from their own seed an
 evaluation subjects and prompts; fact statements about every country are training text.
 
 Output, a directory of JSON-lines files, one document per line ({"kind": ..., "text": ...}):
-train.jsonl, calib.jsonl, eval_text.jsonl, and eval_tasks.jsonl ({"task", "prompt", "answer"}).
+train.jsonl, calib.jsonl, eval_text.jsonl, eval_tasks.jsonl and valid_tasks.jsonl (the validation
+split's items, for choosing between training runs) ({"task", "prompt", "answer"}).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def build_corpus(text_dir: Path, out_dir: Path, seed: int = 0, scale: float = 1.
 
     evaluation = T.eval_items(EVAL_ITEMS_PER_TASK)
     calibration = T.eval_items(EVAL_ITEMS_PER_TASK, seed=4321)
-    held_out = {i.prompt for i in evaluation}
+    validation = T.eval_items(EVAL_ITEMS_PER_TASK, split="valid")
+    held_out = {i.prompt for i in evaluation + validation}
     rng = random.Random(seed)
     train = splits["train"]
     for task, n in TRAIN_ITEMS.items():
@@ -86,7 +88,8 @@ def build_corpus(text_dir: Path, out_dir: Path, seed: int = 0, scale: float = 1.
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {"train.jsonl": train, "calib.jsonl": calib, "eval_text.jsonl": splits["eval"],
-             "eval_tasks.jsonl": [asdict(i) for i in evaluation]}
+             "eval_tasks.jsonl": [asdict(i) for i in evaluation],
+             "valid_tasks.jsonl": [asdict(i) for i in validation]}
     for name, rows in files.items():
         tmp = out_dir / f".{name}.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
