@@ -81,7 +81,7 @@ def test_rotate_scan_matches_the_reference(case):
     close(values, want_values)
 
 
-# every variant of the select kernel (search: bisection or radix)
+# every variant of the select kernel (search: bisection or radix; placement: two scans or one)
 SELECT_VARIANTS = pytest.mark.parametrize("variant", list(triton_reader.SELECT_VARIANTS))
 
 
@@ -140,6 +140,15 @@ def test_select_breaks_ties_inside_the_kth_value_to_the_lower_channel(variant):
             assert channel[t].tolist() == [n % inter for n in want]
 
 
+def test_one_scan_placement_refuses_more_channels_than_its_packing_holds():
+    """ONE_SCAN packs two counts of up to N_P2 into one int32: beyond 32768 channels it is refused
+    before a launch (the kernel's static_assert would be a compile error)."""
+    est, index = torch.zeros(1, 8, 2 * 4097), torch.arange(8)[None]
+    with pytest.raises(UserError, match="one-scan placement packs two counts of up to 65536"):
+        triton_reader.select(est, index, torch.full((1, 8), 0.125), torch.ones(8, 4097), 10, kernels.SILU,
+                             place=kernels.ONE_SCAN)
+
+
 def test_screen_matches_the_reference(case):
     coords, values = reference.scanned(case.x.float(), case.layer, case.scan)
     got = triton_reader.screen(values, coords, case.index, case.layer.codes, case.layer.scales)
@@ -183,7 +192,7 @@ def test_an_expert_with_no_selected_channel(starved):
 def test_forward_takes_a_select_variant_by_name(starved):
     """`forward(select_variant=...)`, as bench/gpu_reader.py calls it: the reference's output; a name
     that is not a variant is refused."""
-    close(starved.run(triton_reader.forward, select_variant="radix5"), starved.run(reference.forward))
+    close(starved.run(triton_reader.forward, select_variant="radix5+1scan"), starved.run(reference.forward))
     with pytest.raises(UserError, match="unknown select variant 'radix'"):
         starved.run(triton_reader.forward, select_variant="radix")
 

@@ -22,9 +22,10 @@ from triton.compiler import ASTSource
 from neuron_moe.reader.triton import kernels as K
 from neuron_moe.reader.triton.forward import SELECT_VARIANTS
 
-# select_kernel's variants (search, digit width; the first its default) as constexprs:
+# select_kernel's variants (search, digit width, placement; the first its default) as constexprs:
 # ASTSource does not apply a kernel's defaults
-SELECTS = [dict(SEARCH=v.get("search", K.BISECT), RADIX_BITS=v.get("radix_bits", 8)) for v in SELECT_VARIANTS.values()]
+SELECTS = [dict(SEARCH=v.get("search", K.BISECT), RADIX_BITS=v.get("radix_bits", 8), PLACE=v.get("place", K.TWO_SCANS))
+           for v in SELECT_VARIANTS.values()]
 
 P = {"bf16": "*bf16", "f32": "*fp32", "i32": "*i32", "u8": "*u8"}
 CASES = [
@@ -63,4 +64,4 @@ def test_every_kernel_compiles_for_sm90():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("sm_90 cubin") == 8 + 2, proc.stdout  # 5: select's variants beside its default
+    assert proc.stdout.count("sm_90 cubin") == 8 + 5, proc.stdout  # 5: select's variants beside its default

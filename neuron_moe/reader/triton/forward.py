@@ -33,12 +33,15 @@ BQ, SC, BK, EXACT_BH, BH, BI, PROGRAMS = 32, 16, 16, 256, 128, 64, 1024
 
 # select_kernel's variants beside the default (`select` keywords), named for bench/gpu_reader.py and
 # the tests, which run each: the k-th largest by radix histograms of 8- or 5-bit digits (4 or 7
-# passes) instead of bisection (31). 5 bits: the fewest instructions of 4-8 bits compiled for
-# sm_90 by triton 3.6 (32 bins: one per lane).
+# passes) instead of bisection (31), and placement by one prefix sum instead of two. 5 bits: the
+# fewest instructions of 4-8 bits compiled for sm_90 by triton 3.6 (32 bins: one per lane).
 SELECT_VARIANTS = {
     "bisect": {},
     "radix8": {"search": kernels.RADIX, "radix_bits": 8},
     "radix5": {"search": kernels.RADIX, "radix_bits": 5},
+    "bisect+1scan": {"place": kernels.ONE_SCAN},
+    "radix8+1scan": {"search": kernels.RADIX, "radix_bits": 8, "place": kernels.ONE_SCAN},
+    "radix5+1scan": {"search": kernels.RADIX, "radix_bits": 5, "place": kernels.ONE_SCAN},
 }
 
 
@@ -98,16 +101,20 @@ def screen(values, coords, top_k_index, codes, scales, out=None, warps=None) -> 
 
 
 def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, recovery: bool = True,
-           warps: int = 8, search: int = kernels.BISECT, radix_bits: int = 8):
+           warps: int = 8, search: int = kernels.BISECT, radix_bits: int = 8, place: int = kernels.TWO_SCANS):
     """Top-k channels per token by s_j over all its experts' channels: expert (int32), channel (int32),
     weight (fp32) [T, k] in channel order, and q [T, ke, I] = w_e·p_j for the others (None without recovery).
     One program per token; 8 warps measured fastest on the H200 (4: 1.5×, 16: 1.07× the time).
-    `search` (BISECT or RADIX with `radix_bits`-bit digits): the kernel's variants
-    (`kernels.select_kernel`); the same channels whichever is chosen."""
+    `search` (BISECT or RADIX with `radix_bits`-bit digits) and `place` (TWO_SCANS or ONE_SCAN):
+    the kernel's variants (`kernels.select_kernel`); the same channels whichever is chosen."""
     T, ke, rows = estimates.shape
     inter = rows // 2
     if not 0 < k <= ke * inter:
         raise UserError(f"reader: k = {k} channels, but a token's experts have {ke * inter}")
+    n_p2 = triton.next_power_of_2(ke * inter)
+    if place == kernels.ONE_SCAN and n_p2 > 32768:
+        raise UserError(f"reader select: one-scan placement packs two counts of up to {n_p2} in int32; "
+                        f"{ke} experts × {inter} channels is too many for it")
     dev = estimates.device
     expert = torch.empty(T, k, dtype=torch.int32, device=dev)
     channel = torch.empty(T, k, dtype=torch.int32, device=dev)
@@ -115,8 +122,8 @@ def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, 
     q = torch.empty(T, ke, inter, dtype=torch.float32, device=dev) if recovery else weight  # weight: never written
     kernels.select_kernel[(T,)](estimates, top_k_index.contiguous(), top_k_weights.contiguous(), down_norms,
                                 expert, channel, weight, q, ke, inter, k, ACT=act, HAS_RECOVERY=recovery,
-                                N_P2=triton.next_power_of_2(ke * inter), SEARCH=search,
-                                RADIX_BITS=radix_bits, num_warps=warps)
+                                N_P2=n_p2, SEARCH=search, RADIX_BITS=radix_bits,
+                                PLACE=place, num_warps=warps)
     return expert, channel, weight, (q if recovery else None)
 
 

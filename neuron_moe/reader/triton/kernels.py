@@ -126,6 +126,7 @@ def screen_kernel(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, ou
 
 
 BISECT, RADIX = 0, 1  # the SEARCH constexpr of select_kernel: how the k-th largest score is found
+TWO_SCANS, ONE_SCAN = 0, 1  # its PLACE constexpr: how the chosen channels find their output slots
 
 
 @triton.jit
@@ -183,7 +184,7 @@ def _radix_kth(bits, k, BITS: tl.constexpr, N_P2: tl.constexpr):
 def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, channel_out, weight_out, q_out,
                   ke, inter, k,
                   ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, N_P2: tl.constexpr,
-                  SEARCH: tl.constexpr = BISECT, RADIX_BITS: tl.constexpr = 8):
+                  SEARCH: tl.constexpr = BISECT, RADIX_BITS: tl.constexpr = 8, PLACE: tl.constexpr = TWO_SCANS):
     """One program: one token. Over all its experts' channels n = slot·I + j: p_j = φ(ĝ_j)·v̂_j,
     s_j = |w_e·‖d_j‖·p_j|; the k largest s_j (ties to the lower n) -> expert, channel, weight
     [T, k] in channel order; q [T, ke, I] = w_e·p_j for the others, 0 for the chosen.
@@ -191,10 +192,15 @@ def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, chan
     The k-th largest score is found on its fp32 bit pattern (monotonic for s ≥ 0), in registers,
     where torch.topk costs several launches. SEARCH = BISECT: 31 counting passes; RADIX: a few
     histogram passes over RADIX_BITS-bit digits (`_radix_kth`), which also yields how many of
-    the scores equal to the k-th to take. On the H200 (BISECT) the loads and scores
+    the scores equal to the k-th to take. On the H200 (BISECT, TWO_SCANS) the loads and scores
     take ~1 µs of its ~20, the bisection ~14, the prefix sums and stores ~11 (each measured
     alone); 4- and 16-way searches (counting at several cuts per pass) and a [rows, 128] layout
-    for the prefix sums were slower or no faster."""
+    for the prefix sums were slower or no faster.
+
+    PLACE = TWO_SCANS: a prefix sum over the tied scores picks the first `room` of them, a second
+    over the chosen gives each its output slot. ONE_SCAN: one prefix sum of (above + N_P2·tied)
+    carries both counts, since the chosen up to n are the above up to n plus min(tied up to n,
+    room): half the scan work (needs N_P2 <= 32768 so the packed count fits in int32)."""
     t = tl.program_id(0)
     n = tl.arange(0, N_P2)
     valid = n < ke * inter
@@ -214,9 +220,16 @@ def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, chan
     else:
         kth, room = _radix_kth(bits, k, RADIX_BITS, N_P2)
     above = bits > kth
-    tied = (bits == kth).to(tl.int32)
-    chosen = above | ((tied != 0) & (tl.cumsum(tied, axis=0) - tied < room))
-    pos = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    if PLACE == 0:  # TWO_SCANS
+        tied = (bits == kth).to(tl.int32)
+        chosen = above | ((tied != 0) & (tl.cumsum(tied, axis=0) - tied < room))
+        pos = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    else:
+        tl.static_assert(N_P2 <= 32768)
+        both = tl.cumsum(above.to(tl.int32) + (bits == kth).to(tl.int32) * N_P2, axis=0)
+        tied_upto = both // N_P2
+        chosen = above | ((bits == kth) & (tied_upto <= room))
+        pos = both % N_P2 + tl.minimum(tied_upto, room) - 1
     tl.store(expert_out + t * k + pos, e.to(tl.int32), mask=chosen)
     tl.store(channel_out + t * k + pos, j, mask=chosen)
     tl.store(weight_out + t * k + pos, w, mask=chosen)
