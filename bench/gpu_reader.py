@@ -6,7 +6,12 @@ Qwen3-30B-A3B layer geometries, batch 1, 4 and 8 decode tokens, bf16 weights:
 - `hf-batched_mm`, `hf-grouped_mm`: transformers' own experts implementations;
 - `triton-dense`: a fused-MoE-style Triton GEMV (gate/up rows with the activation fused, then
   down rows) — the reader's own exact kernels with every channel selected;
-- `reader-17.8`, `reader-12.8`: the reader's Triton kernels at those read budgets.
+- `reader-17.8`, `reader-12.8`: the reader's Triton kernels at those read budgets;
+- `reader-17.8 <variant>`: the same with one of the select kernel's variants
+  (`triton/forward.py` SELECT_VARIANTS: radix search, one-scan placement), whose select stage
+  is also timed alone; a table of the variants side by side is printed before the main one.
+  Each variant is first checked to pick exactly what the default does, at the real shapes, in
+  a process of its own (`--preflight`): one that faulted on the device would end the run.
 
 Weights are random of the real shapes (nothing here depends on their values), several
 layers of them, cycled with fresh routings so that consecutive calls do not find the previous
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4, help="layers of weights cycled through (default 4)")
     p.add_argument("--iters", type=int, default=50, help="timed calls per implementation (default 50)")
     p.add_argument("--json", metavar="FILE", help="default: $OUT/gpu_reader.json, else bench/results/")
+    p.add_argument("--preflight", action="store_true", help="only check the select kernel's variants against "
+                                                                "its default (run by the script in a process of its own)")
     args = p.parse_args(argv)
     if args.dry_run:
         args.layers, args.batches = 1, [1, 2]
@@ -130,8 +138,9 @@ def dense_reference(layer, x, index, weights):
     return torch.einsum("tki,tkhi->th", h, layer.down[index].float())
 
 
-def implementations(geo, rank):
-    """name -> (forward(layer, x, index, weights), bytes per token, k or None for the dense ones)."""
+def implementations(geo, rank, variants):
+    """name -> (forward(layer, x, index, weights), bytes per token, k or None for the dense ones);
+    `variants`: the select variants beside the default to run at the first budget."""
     full = full_bytes(geo)
     out = {
         "hf-batched_mm": (lambda L, x, i, w: L.hf["batched_mm"](x, i, w), full, None),
@@ -141,12 +150,14 @@ def implementations(geo, rank):
     }
     for budget in BUDGETS:
         k = solve_k(geo, Layout(rank=rank), budget)
+        for variant in ["bisect", *variants] if budget == BUDGETS[0] else ["bisect"]:  # the default first
 
-        def run(L, x, i, w, k=k):
-            return triton_reader.forward(x, i, w, L.gate_up, L.down_rows, L.sidecar, k=k, scan=80, rank=rank,
-                                         act_fn=L.act_fn)
+            def run(L, x, i, w, k=k, variant=variant):
+                return triton_reader.forward(x, i, w, L.gate_up, L.down_rows, L.sidecar, k=k, scan=80, rank=rank,
+                                             act_fn=L.act_fn, select_variant=variant)
 
-        out[f"reader-{budget}"] = (run, sum(reads(geo, Layout(rank=rank), k).values()), k)
+            name = f"reader-{budget}" + ("" if variant == "bisect" else f" {variant}")
+            out[name] = (run, sum(reads(geo, Layout(rank=rank), k).values()), k)
     return out
 
 
@@ -202,10 +213,12 @@ def timed(fn, calls):
     return start.elapsed_time(end) / 1e3 / iters, graphed
 
 
-def reader_stages(layers, inputs, k, rank, iters):
+def reader_stages(layers, inputs, k, rank, iters, variants):
     """Microseconds per call of each stage of the Triton reader (`triton/forward.py`), each timed on
     its own over the same calls with the previous stages' outputs precomputed: where the time goes.
-    A stage that reduces into a zeroed buffer is timed with its own zeroing (one more launch)."""
+    A stage that reduces into a zeroed buffer is timed with its own zeroing (one more launch).
+    And, for each select variant's stage, whether it picks exactly what the default does (the same
+    expert, channel, weight and recovery weight tensors from the same estimates)."""
     def prepared(layer, x, index, weights):
         sc = layer.sidecar
         act = triton_reader.activation(layer.act_fn)
@@ -235,20 +248,95 @@ def reader_stages(layers, inputs, k, rank, iters):
     for warps in (4, 16):
         stages[f"select, {warps} warps"] = lambda d, w=warps: triton_reader.select(
             d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], warps=w)
+    for variant in variants:
+        stages[f"select, {variant}"] = lambda d, kw=triton_reader.SELECT_VARIANTS[variant]: triton_reader.select(
+            d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], **kw)
     stages["down (+U), split 16"] = lambda d: triton_reader.down(
         d["gu"], d["weight"], d["expert"], d["channel"], d["L"].down_rows, d["act"], d["sc"].basis, d["z"], rank,
         split=16)
     distinct = 1 if DEVICE == "cpu" else min(iters, len(layers) * len(inputs))  # a dry run only runs each once
     calls = [(prepared(*c),) for c in cycled(layers, inputs, distinct)]
     calls = [calls[i % len(calls)] for i in range(iters)]
-    out = {}
+    want = stages["select"](*calls[0])
+    out, same = {}, {}
     for name, fn in stages.items():
-        if DEVICE == "cpu":
-            fn(*calls[0])
+        variant = name.startswith("select, ") and "warps" not in name
+        try:  # one device call per session: a stage that fails leaves the others' times
+            if variant:
+                same[name] = False  # until shown
+                same[name] = all(torch.equal(a, b) for a, b in zip(want, fn(*calls[0])))
+            elif DEVICE == "cpu":
+                fn(*calls[0])  # a dry run runs each stage once
+            out[name] = None if DEVICE == "cpu" else timed(fn, calls)[0] * 1e6
+        except Exception as e:
+            print(f"stage {name}: FAILED {type(e).__name__}: {e}", flush=True)
             out[name] = None
-        else:
-            out[name] = timed(fn, calls)[0] * 1e6
+    return out, same
+
+
+def select_variants(rows, stage_rows):
+    """The select kernel's variants side by side per geometry and batch: the select stage alone and
+    the whole reader at the first budget; checked: the reader against the reference, and the
+    variant's picks against the default's (`reader_stages`)."""
+    out = []
+    for r in rows:
+        head, _, variant = r["impl"].partition(" ")
+        if head != f"reader-{BUDGETS[0]}":
+            continue
+        variant = variant or "bisect"
+        stage = "select" if variant == "bisect" else f"select, {variant}"
+        timed_alone = [s for s in stage_rows if s["geometry"] == r["geometry"] and s["tokens"] == r["tokens"]
+                       and s["stage"] == stage]
+        same = timed_alone[0].get("same_picks", True) if timed_alone else None  # the default: itself
+        out.append({"geometry": r["geometry"], "tokens": r["tokens"], "variant": variant,
+                    "select_us": timed_alone[0]["us"] if timed_alone else None, "reader_us": r.get("us"),
+                    "speedup_vs_best_dense": r.get("speedup_vs_best_dense"), "same_picks": same,
+                    "check_ok": r["check_ok"] and same is True})
     return out
+
+
+def preflight() -> int:
+    """`--preflight`: each select variant on this device at the real shapes and batches, against the
+    default's picks (expert, channel, weight, q all equal), on random estimates and on coarse ones
+    with equal norms (many tied scores). Prints `same <variant>` for each that agrees."""
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    inputs = []
+    for hidden, experts, top_k, inter, act, rank in (DRY_GEOMETRIES if args.dry_run else GEOMETRIES).values():
+        k = solve_k(Geometry(hidden, experts, top_k, inter), Layout(rank=rank), BUDGETS[0])
+        act = triton_reader.activation(ACT2FN[act])
+        for tokens in args.batches:
+            index, weights = routing(tokens, experts, top_k, gen)
+            est = torch.randn(tokens, top_k, 2 * inter, generator=gen, device=DEVICE)
+            norms = torch.rand(experts, inter, generator=gen, device=DEVICE).to(BF16)
+            inputs.append((est, index, weights, norms, k, act))
+            inputs.append((est.mul(2).round(), index, weights, torch.ones_like(norms), k, act))
+    want = [triton_reader.select(*i) for i in inputs]
+    for variant, keywords in triton_reader.SELECT_VARIANTS.items():
+        if not keywords:
+            continue  # the default
+        got = [triton_reader.select(*i, **keywords) for i in inputs]
+        if all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g)):
+            print(f"same {variant}", flush=True)
+    return 0
+
+
+def checked_variants() -> tuple[list[str], dict[str, bool]]:
+    """The select variants (beside the default) that pick what the default does on this device,
+    checked in a process of their own: one that faults there would otherwise end this run."""
+    names = [v for v in triton_reader.SELECT_VARIANTS if v != "bisect"]
+    argv = [sys.executable, __file__, "--preflight", "--batches", *map(str, args.batches)]
+    try:
+        done = subprocess.run(argv + (["--dry-run"] if args.dry_run else []), capture_output=True, text=True,
+                              timeout=300)
+        same = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("same ")}
+    except subprocess.TimeoutExpired:
+        done, same = None, set()
+    ok = {v: v in same for v in names}
+    if not all(ok.values()):
+        why = "timed out" if done is None else f"exit {done.returncode}: {done.stderr[-1500:]}"
+        print(f"select preflight: {', '.join(v for v in names if not ok[v])} not shown to pick what the default "
+              f"does, so not run ({why})", flush=True)
+    return [v for v in names if ok[v]], ok
 
 
 def copy_bandwidth():
@@ -281,6 +369,9 @@ def machine():
 
 
 def main() -> int:
+    if args.preflight:
+        return preflight()
+    variants, preflight_ok = checked_variants()
     torch.manual_seed(0)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -288,7 +379,7 @@ def main() -> int:
     for name, (hidden, experts, top_k, inter, act, rank) in (DRY_GEOMETRIES if args.dry_run else GEOMETRIES).items():
         geo = Geometry(hidden, experts, top_k, inter)
         layers = [Layer(hidden, experts, inter, act, rank, gen) for _ in range(args.layers)]
-        impls = implementations(geo, rank)
+        impls = implementations(geo, rank, variants)
         for tokens in args.batches:
             inputs = []
             for _ in range(min(args.iters, 8)):
@@ -316,9 +407,10 @@ def main() -> int:
                       f"({err:.1e})", flush=True)
             k = impls[f"reader-{BUDGETS[0]}"][2]
             try:
-                for stage, us in reader_stages(layers, inputs, k, rank, args.iters).items():
+                times, same = reader_stages(layers, inputs, k, rank, args.iters, variants)
+                for stage, us in times.items():
                     stage_rows.append({"geometry": name, "tokens": tokens, "budget": BUDGETS[0], "stage": stage,
-                                       "us": us})
+                                       "us": us, **({"same_picks": same[stage]} if stage in same else {})})
             except Exception as e:
                 print(f"{name} T={tokens} reader stages: FAILED {type(e).__name__}: {e}", flush=True)
         del layers
@@ -328,21 +420,28 @@ def main() -> int:
                          and not x["impl"].startswith("reader") and "us" in x]
                 if dense and "us" in r:
                     r["speedup_vs_best_dense"] = min(dense) / r["us"]
+    variant_rows = select_variants(rows, stage_rows)
     report = {"machine": machine(), "copy_GBps": copy_bw / 1e9, "iters": args.iters, "layers": args.layers,
-              "rows": rows, "reader_stages": stage_rows}
+              "rows": rows, "reader_stages": stage_rows, "select_variants": variant_rows,
+              "select_preflight": preflight_ok}
     dest = args.json or (str(Path(os.environ["OUT"]) / "gpu_reader.json") if os.environ.get("OUT")
                          else str(Path(__file__).parent / "results" / "gpu_reader.json"))
     write_json(report, dest)
     print("\nreader stages, each timed alone (µs per call):")
     print(table(stage_rows, [("geometry", "geometry"), ("tokens", "T"), ("budget", "budget"), ("stage", "stage"),
                              ("us", "µs", "{:.1f}")]))
+    print(f"\nselect kernel variants at {BUDGETS[0]} % reads (µs per call; select alone, and the whole reader):")
+    print(table(variant_rows, [("geometry", "geometry"), ("tokens", "T"), ("variant", "select variant"),
+                               ("select_us", "select µs", "{:.1f}"), ("reader_us", "reader µs", "{:.1f}"),
+                               ("speedup_vs_best_dense", "× best dense", "{:.2f}"), ("same_picks", "same picks"),
+                               ("check_ok", "check")]))
     print(f"\n{report['machine']['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; JSON: {dest}\n")
     print(table(rows, [("geometry", "geometry"), ("tokens", "T"), ("impl", "implementation"), ("k", "k"),
                        ("read_percent", "reads", "{:.1f}%"), ("us", "µs/layer", "{:.1f}"),
                        ("speedup_vs_best_dense", "× best dense", "{:.2f}"), ("GBps", "GB/s", "{:.0f}"),
                        ("of_copy_bw", "of copy", "{:.0%}"), ("cuda_graph", "graph"),
                        ("check_ok", "check")]))
-    return 0 if all(r["check_ok"] for r in rows) else 1
+    return 0 if all(r["check_ok"] for r in rows + variant_rows) and all(preflight_ok.values()) else 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from neuron_moe.reader.triton.forward import SELECT_VARIANTS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,7 +24,10 @@ def test_gpu_reader_bench_dry_run(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["machine"]["dry_run"] and report["machine"]["device"].startswith("cpu")
+    variants = [v for v in SELECT_VARIANTS if v != "bisect"]  # the select kernel's, beside its default
+    assert report["select_preflight"] == {v: True for v in variants}  # each picks what the default does
     impls = {"hf-batched_mm", "hf-grouped_mm", "triton-dense", "reader-17.8", "reader-12.8"}
+    impls |= {f"reader-17.8 {v}" for v in variants}
     for geometry in ("tiny-gemma-like", "tiny-qwen-like"):
         for tokens in (1, 2):
             rows = [r for r in report["rows"] if r["geometry"] == geometry and r["tokens"] == tokens]
@@ -32,6 +37,9 @@ def test_gpu_reader_bench_dry_run(tmp_path):
             reads = {r["impl"]: r["read_percent"] for r in rows}
             assert 12 < reads["reader-12.8"] <= 12.8 < reads["reader-17.8"] <= 17.8 < reads["triton-dense"] == 100
             stages = [r["stage"] for r in report["reader_stages"] if r["geometry"] == geometry and r["tokens"] == tokens]
-            assert len(stages) == 12 and "screen" in stages and "down (+U)" in stages  # each stage ran once
+            assert len(stages) == 12 + len(variants) and "screen" in stages and "down (+U)" in stages  # each ran once
+            assert {f"select, {v}" for v in variants} <= set(stages)
+            side = [r for r in report["select_variants"] if r["geometry"] == geometry and r["tokens"] == tokens]
+            assert [r["variant"] for r in side] == list(SELECT_VARIANTS) and all(r["check_ok"] for r in side)
     last = done.stdout.strip().splitlines()
     assert last[-1].split()[:3] == ["tiny-qwen-like", "2", "reader-12.8"]  # the table is printed last

@@ -81,7 +81,12 @@ def test_rotate_scan_matches_the_reference(case):
     close(values, want_values)
 
 
-def test_select_matches_the_reference(case):
+# every variant of the select kernel (search: bisection or radix; placement: two scans or one)
+SELECT_VARIANTS = pytest.mark.parametrize("variant", list(triton_reader.SELECT_VARIANTS))
+
+
+@SELECT_VARIANTS
+def test_select_matches_the_reference(case, variant):
     """The same k channels (as a set: the kernel writes them in channel order), their experts and
     router weights, and the recovery weights q of the others."""
     est = reference.sketch_estimates(case.x.float(), case.index, case.layer, case.scan)
@@ -89,7 +94,7 @@ def test_select_matches_the_reference(case):
     inter = est.shape[-1] // 2
     expert, channel, weight = reference.chosen_rows(chosen, case.index, case.weights, inter)
     got = triton_reader.select(est, case.index, case.weights, case.layer.down_norms, case.k,
-                               triton_reader.activation(case.act_fn))
+                               triton_reader.activation(case.act_fn), **triton_reader.SELECT_VARIANTS[variant])
     for t in range(est.shape[0]):
         want_rows = sorted(zip(expert[t].tolist(), channel[t].tolist(), weight[t].tolist()))
         got_rows = sorted(zip(got[0][t].tolist(), got[1][t].tolist(), got[2][t].tolist()))
@@ -97,15 +102,51 @@ def test_select_matches_the_reference(case):
     close(got[3], reference.unchosen_weights(p, chosen, case.weights))
 
 
-def test_select_takes_exactly_k_among_tied_scores():
+@SELECT_VARIANTS
+def test_select_takes_exactly_k_among_tied_scores(variant):
     """Scores tied at the k-th value (here: all of them zero) still give exactly k distinct channels."""
     est = torch.zeros(2, 3, 20)
     index, weights = torch.tensor([[0, 1, 2], [2, 1, 0]]), torch.full((2, 3), 1 / 3)
-    expert, channel, _, q = triton_reader.select(est, index, weights, torch.ones(3, 10), 7, kernels.SILU)
+    expert, channel, _, q = triton_reader.select(est, index, weights, torch.ones(3, 10), 7, kernels.SILU,
+                                                 **triton_reader.SELECT_VARIANTS[variant])
     for t in range(2):
         picks = set(zip(expert[t].tolist(), channel[t].tolist()))
         assert len(picks) == 7 and all(e in index[t].tolist() and 0 <= c < 10 for e, c in picks)
     assert torch.equal(q, torch.zeros(2, 3, 10))
+
+
+@SELECT_VARIANTS
+def test_select_breaks_ties_inside_the_kth_value_to_the_lower_channel(variant):
+    """Scores of a few distinct values, the k-th inside a run of equal ones (and the values' bit
+    patterns differ in every digit a radix pass reads): all channels above it, then the tied ones
+    of lowest index n = slot·I + j, exactly k, written in that order; and k = every channel."""
+    gen = torch.Generator().manual_seed(3)
+    inter, ke = 30, 3
+    levels = torch.tensor([1e-30, 0.37, 1.0, 3.0e5])  # u: the score is proportional to it
+    u = levels[torch.randint(0, 4, (ke * inter,), generator=gen)]
+    u = torch.stack([u, u.flip(0)]).view(2, ke, inter)  # the same counts per value, tied channels elsewhere
+    est = torch.cat([torch.full((2, ke, inter), 2.0), u], dim=-1)  # ĝ = 2 everywhere: φ(ĝ) one constant
+    index, weights = torch.tensor([[0, 1, 2], [2, 1, 0]]), torch.full((2, ke), 0.25)
+    score = u.flatten(1)
+    for k in (1, int((score[0] >= 1.0).sum()) + 5, int((score[0] >= 0.37).sum()) + 3, ke * inter):
+        expert, channel, _, _ = triton_reader.select(est, index, weights, torch.ones(3, inter), k, kernels.SILU,
+                                                     **triton_reader.SELECT_VARIANTS[variant])
+        for t in range(2):
+            order = sorted(range(ke * inter), key=lambda n: (-score[t, n].item(), n))[:k]
+            kth = score[t, order[-1]]
+            assert k == ke * inter or (score[t] == kth).sum() > (score[t, order] == kth).sum()  # inside a tie
+            want = sorted(order)  # the kernel writes the chosen in channel order
+            assert expert[t].tolist() == [index[t, n // inter].item() for n in want]
+            assert channel[t].tolist() == [n % inter for n in want]
+
+
+def test_one_scan_placement_refuses_more_channels_than_its_packing_holds():
+    """ONE_SCAN packs two counts of up to N_P2 into one int32: beyond 32768 channels it is refused
+    before a launch (the kernel's static_assert would be a compile error)."""
+    est, index = torch.zeros(1, 8, 2 * 4097), torch.arange(8)[None]
+    with pytest.raises(UserError, match="one-scan placement packs two counts of up to 65536"):
+        triton_reader.select(est, index, torch.full((1, 8), 0.125), torch.ones(8, 4097), 10, kernels.SILU,
+                             place=kernels.ONE_SCAN)
 
 
 def test_screen_matches_the_reference(case):
@@ -146,6 +187,14 @@ def test_an_expert_with_no_selected_channel(starved):
     slots = (chosen // 100).flatten().tolist()
     assert 2 not in slots and {0, 1} <= set(slots)  # the case the other tests run is the one named
     close(starved.run(triton_reader.forward), starved.run(reference.forward))
+
+
+def test_forward_takes_a_select_variant_by_name(starved):
+    """`forward(select_variant=...)`, as bench/gpu_reader.py calls it: the reference's output; a name
+    that is not a variant is refused."""
+    close(starved.run(triton_reader.forward, select_variant="radix5+1scan"), starved.run(reference.forward))
+    with pytest.raises(UserError, match="unknown select variant 'radix'"):
+        starved.run(triton_reader.forward, select_variant="radix")
 
 
 @pytest.mark.parametrize("split", [1, 3])

@@ -20,6 +20,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from neuron_moe.reader.triton import kernels as K
+from neuron_moe.reader.triton.forward import SELECT_VARIANTS
+
+# select_kernel's variants (search, digit width, placement; the first its default) as constexprs:
+# ASTSource does not apply a kernel's defaults
+SELECTS = [dict(SEARCH=v.get("search", K.BISECT), RADIX_BITS=v.get("radix_bits", 8), PLACE=v.get("place", K.TWO_SCANS))
+           for v in SELECT_VARIANTS.values()]
 
 P = {"bf16": "*bf16", "f32": "*fp32", "i32": "*i32", "u8": "*u8"}
 CASES = [
@@ -31,7 +37,8 @@ CASES = [
     (K.select_kernel, dict(est_ptr="*fp32", experts_ptr="*i64", weights_ptr="*bf16", norms_ptr="*bf16",
                            expert_out="*i32", channel_out="*i32", weight_out="*fp32", q_out="*fp32", ke="i32",
                            inter="i32", k="i32"),
-     [dict(ACT=a, HAS_RECOVERY=r, N_P2=8192) for a, r in ((K.GELU_TANH, True), (K.SILU, False))], 8),
+     [dict(ACT=K.SILU, HAS_RECOVERY=False, N_P2=8192, **SELECTS[0])]
+     + [dict(ACT=K.GELU_TANH, HAS_RECOVERY=True, N_P2=8192, **v) for v in SELECTS], 8),
     (K.exact_kernel, dict(gate_up_ptr="*bf16", x_ptr="*bf16", expert_ptr="*i32", channel_ptr="*i32",
                           gu_ptr="*fp32", k="i32", H="i32", inter="i32"), [dict(BK=16, BH=256)], 4),
     (K.recover_kernel, dict(coeffs_ptr="*bf16", q_ptr="*fp32", experts_ptr="*i64", z_ptr="*fp32", ke="i32",
@@ -57,4 +64,4 @@ def test_every_kernel_compiles_for_sm90():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("sm_90 cubin") == 8, proc.stdout
+    assert proc.stdout.count("sm_90 cubin") == 8 + 5, proc.stdout  # 5: select's variants beside its default

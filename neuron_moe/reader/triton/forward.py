@@ -31,6 +31,20 @@ from . import kernels
 # batch 1. Measured alternatives: bench/results/gpu_reader-h200-2026-11-30-tuning.md.
 BQ, SC, BK, EXACT_BH, BH, BI, PROGRAMS = 32, 16, 16, 256, 128, 64, 1024
 
+# select_kernel's variants beside the default (`select` keywords), named for bench/gpu_reader.py and
+# the tests, which run each: the k-th largest by radix histograms of 8- or 5-bit digits (4 or 7
+# passes) instead of bisection (31), and placement by one prefix sum instead of two. 5 bits: the
+# fewest instructions of 4-8 bits compiled for sm_90 by triton 3.6 (32 bins: one per lane).
+SELECT_VARIANTS = {
+    "bisect": {},
+    "radix8": {"search": kernels.RADIX, "radix_bits": 8},
+    "radix5": {"search": kernels.RADIX, "radix_bits": 5},
+    "bisect+1scan": {"place": kernels.ONE_SCAN},
+    "radix8+1scan": {"search": kernels.RADIX, "radix_bits": 8, "place": kernels.ONE_SCAN},
+    "radix5+1scan": {"search": kernels.RADIX, "radix_bits": 5, "place": kernels.ONE_SCAN},
+}
+
+
 def activation(act_fn) -> int:
     """The kernels' ACT constant for an HF activation module."""
     return {"gelu_tanh": kernels.GELU_TANH, "silu": kernels.SILU}[reference.activation_name(act_fn)]
@@ -87,14 +101,20 @@ def screen(values, coords, top_k_index, codes, scales, out=None, warps=None) -> 
 
 
 def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, recovery: bool = True,
-           warps: int = 8):
+           warps: int = 8, search: int = kernels.BISECT, radix_bits: int = 8, place: int = kernels.TWO_SCANS):
     """Top-k channels per token by s_j over all its experts' channels: expert (int32), channel (int32),
     weight (fp32) [T, k] in channel order, and q [T, ke, I] = w_e·p_j for the others (None without recovery).
-    One program per token; 8 warps measured fastest on the H200 (4: 1.5×, 16: 1.07× the time)."""
+    One program per token; 8 warps measured fastest on the H200 (4: 1.5×, 16: 1.07× the time).
+    `search` (BISECT or RADIX with `radix_bits`-bit digits) and `place` (TWO_SCANS or ONE_SCAN):
+    the kernel's variants (`kernels.select_kernel`); the same channels whichever is chosen."""
     T, ke, rows = estimates.shape
     inter = rows // 2
     if not 0 < k <= ke * inter:
         raise UserError(f"reader: k = {k} channels, but a token's experts have {ke * inter}")
+    n_p2 = triton.next_power_of_2(ke * inter)
+    if place == kernels.ONE_SCAN and n_p2 > 32768:
+        raise UserError(f"reader select: one-scan placement packs two counts of up to {n_p2} in int32; "
+                        f"{ke} experts × {inter} channels is too many for it")
     dev = estimates.device
     expert = torch.empty(T, k, dtype=torch.int32, device=dev)
     channel = torch.empty(T, k, dtype=torch.int32, device=dev)
@@ -102,7 +122,8 @@ def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, 
     q = torch.empty(T, ke, inter, dtype=torch.float32, device=dev) if recovery else weight  # weight: never written
     kernels.select_kernel[(T,)](estimates, top_k_index.contiguous(), top_k_weights.contiguous(), down_norms,
                                 expert, channel, weight, q, ke, inter, k, ACT=act, HAS_RECOVERY=recovery,
-                                N_P2=triton.next_power_of_2(ke * inter), num_warps=warps)
+                                N_P2=n_p2, SEARCH=search, RADIX_BITS=radix_bits,
+                                PLACE=place, num_warps=warps)
     return expert, channel, weight, (q if recovery else None)
 
 
@@ -164,9 +185,12 @@ def _check_device(x):
 
 
 def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int,
-            act_fn) -> torch.Tensor:
-    """`reference.forward` (screen="sketch") on the kernels; x [T, H], gate_up [E, 2I, H], down_rows [E, I, H]."""
+            act_fn, select_variant: str = "bisect") -> torch.Tensor:
+    """`reference.forward` (screen="sketch") on the kernels; x [T, H], gate_up [E, 2I, H], down_rows [E, I, H].
+    `select_variant`: a name in SELECT_VARIANTS (the same output; bench/gpu_reader.py times each)."""
     _check_device(x)
+    if select_variant not in SELECT_VARIANTS:
+        raise UserError(f"unknown select variant {select_variant!r}; known: {', '.join(SELECT_VARIANTS)}")
     if layer.codes.shape[2] != BLOCK:
         raise UserError(f"reader codes have {layer.codes.shape[2]} coordinates per block, expected {BLOCK}")
     act = activation(act_fn)
@@ -178,7 +202,7 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int,
     coords, values = rotate_scan(x, layer.signs, scan)
     screen(values, coords, top_k_index, layer.codes, layer.scales, out=work["est"])
     expert, channel, weight, q = select(work["est"], top_k_index, top_k_weights, layer.down_norms, k, act,
-                                        recovery=rank > 0)
+                                        recovery=rank > 0, **SELECT_VARIANTS[select_variant])
     exact(x, expert, channel, gate_up, out=work["gu"])
     if rank:
         recover(q, top_k_index, layer.coeffs, rank, out=work["z"])

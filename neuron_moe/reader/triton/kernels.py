@@ -125,19 +125,82 @@ def screen_kernel(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, ou
     tl.atomic_add(out + 4, tl.sum(acc4, axis=0), mask=5 * q + 4 < rows)
 
 
+BISECT, RADIX = 0, 1  # the SEARCH constexpr of select_kernel: how the k-th largest score is found
+TWO_SCANS, ONE_SCAN = 0, 1  # its PLACE constexpr: how the chosen channels find their output slots
+
+
+@triton.jit
+def _bisect_kth(bits, k):
+    """The k-th largest of the non-negative int32 `bits` (invalid entries -1): the largest v with
+    count(bits >= v) >= k, by bisection over [0, +inf]: 31 counting passes, each a reduction
+    across the program's warps."""
+    lo = tl.full([], 0, tl.int32)  # count(bits >= lo) >= k: every valid score is >= +0.0
+    hi = tl.full([], 0x7F800001, tl.int32)  # count(bits >= hi) < k: above +inf
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2
+        enough = tl.sum((bits >= mid).to(tl.int32), axis=0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    return lo
+
+
+@triton.jit
+def _radix_kth(bits, k, BITS: tl.constexpr, N_P2: tl.constexpr):
+    """The k-th largest of the non-negative int32 `bits` (invalid entries -1): the same value as
+    `_bisect_kth`; and how many entries equal to it are among the k largest (k minus those above).
+
+    Digit by digit from the top (BITS bits each; the top digit takes what is left of the 31), each
+    a tl.histogram over the candidates, the entries whose higher digits are those found so far:
+    the k-th largest's digit is the one where the count of candidates with a larger or equal digit
+    first reaches `need` (how many of the k are still among the candidates). The histogram is over
+    the digit's complement, rank 0 = digit 2^BITS - 1, so that a forward cumulative sum counts
+    "larger or equal". ceil(31 / BITS) passes (4 at 8 bits) instead of the bisection's 31. The
+    candidates are recomputed from `bits` each pass rather than kept as a mask: a mask of N_P2
+    entries is another register per entry, and the kernel is at the register limit."""
+    BINS: tl.constexpr = 1 << BITS
+    PASSES: tl.constexpr = (31 + BITS - 1) // BITS
+    # one reduction per pass yields both the rank and the count above it: each rank below the
+    # chosen one adds UNIT + its count (counts are at most N_P2 < UNIT)
+    UNIT: tl.constexpr = 2 * N_P2
+    kth = tl.full([], 0, tl.int32)
+    need = k
+    for i in tl.static_range(PASSES):
+        shift = (PASSES - 1 - i) * BITS
+        if i == 0:
+            cand = bits >= 0
+        else:
+            cand = (bits >> (shift + BITS)) == (kth >> (shift + BITS))  # -1 (invalid) never matches
+        rank = (~bits >> shift) & (BINS - 1)  # (BINS - 1) - digit; ~bits: bit 31 of bits is 0
+        hist = tl.histogram(rank, BINS, mask=cand)
+        upto = tl.cumsum(hist, axis=0)  # candidates with rank <= r, i.e. digit >= BINS - 1 - r
+        packed = tl.sum(tl.where(upto < need, UNIT + hist, 0), axis=0)
+        top = packed // UNIT  # the first rank where upto >= need
+        need -= packed % UNIT  # the candidates with a larger digit are all among the k
+        kth = kth | ((BINS - 1 - top) << shift)
+    return kth, need
+
+
 @triton.jit
 def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, channel_out, weight_out, q_out,
                   ke, inter, k,
-                  ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, N_P2: tl.constexpr):
+                  ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, N_P2: tl.constexpr,
+                  SEARCH: tl.constexpr = BISECT, RADIX_BITS: tl.constexpr = 8, PLACE: tl.constexpr = TWO_SCANS):
     """One program: one token. Over all its experts' channels n = slot·I + j: p_j = φ(ĝ_j)·v̂_j,
     s_j = |w_e·‖d_j‖·p_j|; the k largest s_j (ties to the lower n) -> expert, channel, weight
     [T, k] in channel order; q [T, ke, I] = w_e·p_j for the others, 0 for the chosen.
 
-    The k-th largest score is found by bisection on its fp32 bit pattern (monotonic for s ≥ 0):
-    31 counting passes over registers, where torch.topk costs several launches. On the H200 the
-    loads and scores take ~1 µs of its ~20, the bisection ~14, the prefix sums and stores ~11
-    (each measured alone); 4- and 16-way searches (counting at several cuts per pass) and a
-    [rows, 128] layout for the prefix sums were slower or no faster."""
+    The k-th largest score is found on its fp32 bit pattern (monotonic for s ≥ 0), in registers,
+    where torch.topk costs several launches. SEARCH = BISECT: 31 counting passes; RADIX: a few
+    histogram passes over RADIX_BITS-bit digits (`_radix_kth`), which also yields how many of
+    the scores equal to the k-th to take. On the H200 (BISECT, TWO_SCANS) the loads and scores
+    take ~1 µs of its ~20, the bisection ~14, the prefix sums and stores ~11 (each measured
+    alone); 4- and 16-way searches (counting at several cuts per pass) and a [rows, 128] layout
+    for the prefix sums were slower or no faster.
+
+    PLACE = TWO_SCANS: a prefix sum over the tied scores picks the first `room` of them, a second
+    over the chosen gives each its output slot. ONE_SCAN: one prefix sum of (above + N_P2·tied)
+    carries both counts, since the chosen up to n are the above up to n plus min(tied up to n,
+    room): half the scan work (needs N_P2 <= 32768 so the packed count fits in int32)."""
     t = tl.program_id(0)
     n = tl.arange(0, N_P2)
     valid = n < ke * inter
@@ -151,18 +214,22 @@ def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, chan
     norm = tl.load(norms_ptr + e * inter + j, mask=valid, other=0.0).to(tl.float32)
     p = _act(g, ACT) * u
     bits = tl.where(valid, tl.abs(w * norm * p).to(tl.int32, bitcast=True), -1)
-    lo = tl.full([], 0, tl.int32)  # count(bits >= lo) >= k: every valid score is >= +0.0
-    hi = tl.full([], 0x7F800001, tl.int32)  # count(bits >= hi) < k: above +inf
-    for _ in range(31):
-        mid = lo + (hi - lo) // 2
-        enough = tl.sum((bits >= mid).to(tl.int32), axis=0) >= k
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
-    above = bits > lo
-    tied = (bits == lo).to(tl.int32)
-    room = k - tl.sum(above.to(tl.int32), axis=0)  # how many of the scores equal to the k-th to take
-    chosen = above | ((tied != 0) & (tl.cumsum(tied, axis=0) - tied < room))
-    pos = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    if SEARCH == 0:  # BISECT (a kernel cannot read a plain-int global)
+        kth = _bisect_kth(bits, k)
+        room = k - tl.sum((bits > kth).to(tl.int32), axis=0)  # how many of the scores equal to the k-th to take
+    else:
+        kth, room = _radix_kth(bits, k, RADIX_BITS, N_P2)
+    above = bits > kth
+    if PLACE == 0:  # TWO_SCANS
+        tied = (bits == kth).to(tl.int32)
+        chosen = above | ((tied != 0) & (tl.cumsum(tied, axis=0) - tied < room))
+        pos = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    else:
+        tl.static_assert(N_P2 <= 32768)
+        both = tl.cumsum(above.to(tl.int32) + (bits == kth).to(tl.int32) * N_P2, axis=0)
+        tied_upto = both // N_P2
+        chosen = above | ((bits == kth) & (tied_upto <= room))
+        pos = both % N_P2 + tl.minimum(tied_upto, room) - 1
     tl.store(expert_out + t * k + pos, e.to(tl.int32), mask=chosen)
     tl.store(channel_out + t * k + pos, j, mask=chosen)
     tl.store(weight_out + t * k + pos, w, mask=chosen)
