@@ -140,6 +140,28 @@ def test_select_breaks_ties_inside_the_kth_value_to_the_lower_channel(variant):
             assert channel[t].tolist() == [n % inter for n in want]
 
 
+@SELECT_VARIANTS
+def test_select_never_writes_past_k_when_scores_are_nan(variant):
+    """NaN estimates (from NaN input) sort above +inf in the bit patterns the search reads: more
+    than k of them must still give exactly k distinct channels and nothing written past the row."""
+    ke, inter, k, guard = 2, 16, 5, 64
+    est = torch.ones(1, ke, 2 * inter)
+    est[0, :, :inter] = float("nan")  # every ĝ: every score NaN
+    index, weights = torch.tensor([[0, 1]]), torch.full((1, ke), 0.5)
+    out = {name: torch.full((k + guard,), -7, dtype=dtype) for name, dtype in
+           (("expert", torch.int32), ("channel", torch.int32), ("weight", torch.float32))}
+    q = torch.empty(1, ke, inter)
+    v = triton_reader.SELECT_VARIANTS[variant]
+    kernels.select_kernel[(1,)](est, index, weights, torch.ones(ke, inter), out["expert"], out["channel"],
+                                out["weight"], q, ke, inter, k, ACT=kernels.SILU, HAS_RECOVERY=True, N_P2=32,
+                                SEARCH=v.get("search", kernels.BISECT), RADIX_BITS=v.get("radix_bits", 8),
+                                PLACE=v.get("place", kernels.TWO_SCANS))
+    for name, buf in out.items():
+        assert (buf[k:] == -7).all(), name  # the guard past the row is untouched
+        assert (buf[:k] != -7).all(), name  # and the row is written
+    assert len(set(zip(out["expert"][:k].tolist(), out["channel"][:k].tolist()))) == k
+
+
 def test_one_scan_placement_refuses_more_channels_than_its_packing_holds():
     """ONE_SCAN packs two counts of up to N_P2 into one int32: beyond 32768 channels it is refused
     before a launch (the kernel's static_assert would be a compile error)."""

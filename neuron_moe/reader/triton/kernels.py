@@ -213,7 +213,9 @@ def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, chan
     u = tl.load(row + inter, mask=valid, other=0.0)
     norm = tl.load(norms_ptr + e * inter + j, mask=valid, other=0.0).to(tl.float32)
     p = _act(g, ACT) * u
-    bits = tl.where(valid, tl.abs(w * norm * p).to(tl.int32, bitcast=True), -1)
+    # NaN scores (from NaN input) count as +inf: above it, k or more of them would make the
+    # searches' bounds false and the placement write past the token's row
+    bits = tl.where(valid, tl.minimum(tl.abs(w * norm * p).to(tl.int32, bitcast=True), 0x7F800000), -1)
     if SEARCH == 0:  # BISECT (a kernel cannot read a plain-int global)
         kth = _bisect_kth(bits, k)
         room = k - tl.sum((bits > kth).to(tl.int32), axis=0)  # how many of the scores equal to the k-th to take
