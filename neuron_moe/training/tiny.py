@@ -17,6 +17,7 @@ import random
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -91,6 +92,22 @@ def balance_loss(probs: list[torch.Tensor], index: list[torch.Tensor], num_exper
     return total / len(probs)
 
 
+@contextmanager
+def repeatable(threads: int):
+    """`threads` torch threads and deterministic algorithms, restored after. On more than one
+    thread some CPU backward kernels accumulate in a varying order (measured: two 2-thread runs of
+    the same seed differ from the second step's loss on); deterministic algorithms make a run
+    repeatable at any fixed thread count."""
+    before = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before[0])
+        torch.use_deterministic_algorithms(before[1])
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -106,7 +123,6 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
 
     if not 0 < task_share <= 1:
         raise UserError(f"task share {task_share}: must be in (0, 1]")
-    torch.set_num_threads(threads)
     rows = read_jsonl(Path(corpus_dir) / "train.jsonl")
     tokenizer = train_tokenizer([r["text"] for r in rows], config.vocab_size)
     encoded = tokenizer([r["text"] for r in rows])["input_ids"]
@@ -117,33 +133,34 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
     text_docs = [ids + [eos] for r, ids in zip(rows, encoded) if r["kind"] == "text"]
     windows = Windows(task_docs, text_docs, seq_len, random.Random(seed), task_share)
 
-    torch.manual_seed(seed)
-    model = Gemma4ForCausalLM(config)
-    model.set_attn_implementation("sdpa")  # training speed; the saved weights do not depend on it
-    model.set_experts_implementation("grouped_mm")
-    model.train()
-    captured: list[tuple] = []
-    for layer in model.model.layers:
-        layer.router.register_forward_hook(lambda m, i, out: captured.append((out[0], out[2])))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    with repeatable(threads):
+        torch.manual_seed(seed)
+        model = Gemma4ForCausalLM(config)
+        model.set_attn_implementation("sdpa")  # training speed; the saved weights do not depend on it
+        model.set_experts_implementation("grouped_mm")
+        model.train()
+        captured: list[tuple] = []
+        for layer in model.model.layers:
+            layer.router.register_forward_hook(lambda m, i, out: captured.append((out[0], out[2])))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
 
-    log = []
-    start = time.time()
-    bar = tqdm(range(steps), desc="train-tiny", disable=not progress)
-    for step in bar:
-        ids = torch.tensor([windows.window() for _ in range(batch_size)])
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
-        captured.clear()
-        lm_loss = model(input_ids=ids, labels=ids).loss
-        aux = balance_loss([c[0] for c in captured], [c[1] for c in captured], config.num_experts)
-        loss = lm_loss + balance_coef * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        log.append({"step": step, "loss": lm_loss.item(), "balance": aux.item()})
-        bar.set_postfix(loss=f"{lm_loss.item():.3f}", balance=f"{aux.item():.3f}")
+        log = []
+        start = time.time()
+        bar = tqdm(range(steps), desc="train-tiny", disable=not progress)
+        for step in bar:
+            ids = torch.tensor([windows.window() for _ in range(batch_size)])
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
+            captured.clear()
+            lm_loss = model(input_ids=ids, labels=ids).loss
+            aux = balance_loss([c[0] for c in captured], [c[1] for c in captured], config.num_experts)
+            loss = lm_loss + balance_coef * aux
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            log.append({"step": step, "loss": lm_loss.item(), "balance": aux.item()})
+            bar.set_postfix(loss=f"{lm_loss.item():.3f}", balance=f"{aux.item():.3f}")
     elapsed = time.time() - start
 
     model.eval()
