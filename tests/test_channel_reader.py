@@ -52,7 +52,9 @@ def test_validate_reader_at_full_budget_matches(sidecar, tmp_path):
     assert cli.main(args) == 0
     report = json.loads(out.read_text())
     assert report["all_match"] and report["backend_options"]["budget"] == "100.0"
-    assert all(r["max_abs_dlogit_step0"] <= 1e-5 and r["min_cosine"] > 0.999999 for r in report["prompts"])
+    # at full budget the reader is the full MLP up to fp32 summation order: a few ulp of logits that
+    # reach ~25 on the trained weights (measured 4-5e-6; ~1e-5 in the full suite)
+    assert all(r["max_abs_dlogit_step0"] <= 3e-5 and r["min_cosine"] > 0.999999 for r in report["prompts"]), report
 
 
 def test_decode_steps_run_the_reader_and_prefill_the_full_experts(tiny_port, tiny_eager, sidecar):

@@ -38,10 +38,12 @@ def test_fp32_logits_match_eager_on_the_trained_model(tiny_port):
     ids, mask = left_pad(prompts, pad_id=tok.pad_token_id)
     eager, dense = build_model(tiny_port, "eager"), build_model(tiny_port, "dense_masked")
     real = mask.bool()
-    assert (prefill_logits(eager, ids, mask)[real] - prefill_logits(dense, ids, mask)[real]).abs().max() <= 1e-5
+    want = prefill_logits(eager, ids, mask)[real]
+    # fp32 summation order only: a few ulp of the largest logit (|logit| reaches ~15 on trained weights)
+    assert (want - prefill_logits(dense, ids, mask)[real]).abs().max() <= 2e-6 * want.abs().max()
     ref, got = greedy(eager, ids, mask, 32), greedy(dense, ids, mask, 32)
     assert torch.equal(ref.tokens, got.tokens)
-    assert (ref.logits - got.logits).abs().max() <= 1e-5
+    assert (ref.logits - got.logits).abs().max() <= 2e-6 * ref.logits.abs().max()
     assert ref.logits.std() > 1.0  # trained logits: far from flat
 
 

@@ -92,7 +92,8 @@ def test_traced_greedy_equals_hf_eager(generator, tiny_eager, lengths, new_token
     ref = greedy(tiny_eager, ids, mask, new_tokens)
     got = generator.generate(ids, mask, new_tokens)
     assert torch.equal(ref.tokens, got.tokens)
-    assert (ref.logits - got.logits).abs().max() <= 1e-5
+    # fp32 summation order only: a few ulp of the largest logit (|logit| reaches ~25 on trained weights)
+    assert (ref.logits - got.logits).abs().max() <= 2e-6 * ref.logits.abs().max()
     assert ref.logits.std() > 0.05
 
 
