@@ -2,7 +2,8 @@
 # Rebuild the embedded default model (port tiny-gemma4-moe) from scratch on CPU:
 # the Debian text package, the corpus, the tokenizer + training run, and the task evaluation.
 # Usage: recipes/cpu/train-tiny.sh [OUT_DIR]   (default: neuron_moe/ports/tiny-gemma4-moe, the committed copy)
-# Needs root (or sudo) for apt-get; 3000 steps on 1 torch thread: 45 min measured with the 2 cores shared by a second run (`make test` never runs this). Seed 1: see bench/results/tiny-model.md.
+# Needs root (or sudo) for apt-get; 6000 steps on 2 torch threads: 50.5 min measured on the 2 cores (nothing else heavy
+# running; 2 threads on shared cores run several times slower) (`make test` never runs this). See bench/results/tiny-model.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-neuron_moe/ports/tiny-gemma4-moe}
@@ -18,5 +19,6 @@ fi
 
 mkdir -p "$WORK"
 $NEURON_MOE build-corpus --out "$WORK/corpus" --json "$WORK/corpus.json"
-$NEURON_MOE train-tiny --corpus "$WORK/corpus" --out "$OUT" --seed 1 --json "$WORK/train.json"
+$NEURON_MOE train-tiny --corpus "$WORK/corpus" --out "$OUT" --seed 1 --steps 6000 --threads 2 --json "$WORK/train.json"
+$NEURON_MOE eval-tasks --checkpoint "$OUT" --corpus "$WORK/corpus" --split valid --json "$WORK/valid-tasks.json"
 $NEURON_MOE eval-tasks --checkpoint "$OUT" --corpus "$WORK/corpus" --json "$WORK/eval-tasks.json"
