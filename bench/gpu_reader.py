@@ -213,6 +213,11 @@ def timed(fn, calls):
     return start.elapsed_time(end) / 1e3 / iters, graphed
 
 
+def same_picks(a, b) -> bool:
+    """Two `triton_reader.select` results are the same: expert, channel, weight and q tensors equal."""
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def reader_stages(layers, inputs, k, rank, iters, variants):
     """Microseconds per call of each stage of the Triton reader (`triton/forward.py`), each timed on
     its own over the same calls with the previous stages' outputs precomputed: where the time goes.
@@ -264,7 +269,7 @@ def reader_stages(layers, inputs, k, rank, iters, variants):
         try:  # one device call per session: a stage that fails leaves the others' times
             if variant:
                 same[name] = False  # until shown
-                same[name] = all(torch.equal(a, b) for a, b in zip(want, fn(*calls[0])))
+                same[name] = same_picks(want, fn(*calls[0]))
             elif DEVICE == "cpu":
                 fn(*calls[0])  # a dry run runs each stage once
             out[name] = None if DEVICE == "cpu" else timed(fn, calls)[0] * 1e6
@@ -315,7 +320,7 @@ def preflight() -> int:
         if not keywords:
             continue  # the default
         got = [triton_reader.select(*i, **keywords) for i in inputs]
-        if all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g)):
+        if all(same_picks(w, g) for w, g in zip(want, got)):
             print(f"same {variant}", flush=True)
     return 0
 
