@@ -81,6 +81,17 @@ def test_rotate_scan_matches_the_reference(case):
     close(values, want_values)
 
 
+def test_rotate_scan_zeroes_the_workspace_it_is_given(odd):
+    """`forward(fuse=True)` has no memset: rotate+scan's programs zero the whole buffer, whatever its
+    size against the programs' count (6 programs here), and the coordinates are unchanged."""
+    want_coords, _ = triton_reader.rotate_scan(odd.x, odd.layer.signs, odd.scan)
+    for n in (1, 6, 1000, 7000):  # 7000: more than one 1024-wide step per program
+        buf = torch.full((n + 7,), float("nan"))
+        coords, _ = triton_reader.rotate_scan(odd.x, odd.layer.signs, odd.scan, zero=buf[:n])
+        assert torch.equal(buf[:n], torch.zeros(n)) and buf[n:].isnan().all()  # nothing past the end
+        assert torch.equal(coords, want_coords)
+
+
 # every variant of the select kernel (search: bisection or radix; placement: two scans or one)
 SELECT_VARIANTS = pytest.mark.parametrize("variant", list(triton_reader.SELECT_VARIANTS))
 
@@ -200,6 +211,12 @@ def test_recover_matches_the_reference(case):
     close(got, want)
     recovery = want - case.run(reference.forward, rank=0)
     assert recovery.abs().max() > 2e-3 * want.abs().max()  # a missing recovery would be outside the tolerance
+
+
+def test_fused_launches_give_the_reference_output(case):
+    """`forward(fuse=True)`: the workspace zeroed by rotate+scan, exact and recover in one launch."""
+    close(case.run(triton_reader.forward, fuse=True), case.run(reference.forward))
+    close(case.run(triton_reader.forward, fuse=True, rank=0), case.run(reference.forward, rank=0))
 
 
 def test_an_expert_with_no_selected_channel(starved):

@@ -30,7 +30,8 @@ SELECTS = [dict(SEARCH=v.get("search", K.BISECT), RADIX_BITS=v.get("radix_bits",
 P = {"bf16": "*bf16", "f32": "*fp32", "i32": "*i32", "u8": "*u8"}
 CASES = [
     (K.rotate_scan_kernel, dict(x_ptr="*bf16", signs_ptr="*i8", hadamard_ptr="*fp32", coords_ptr="*i32",
-                                values_ptr="*fp32", H="i32", nb="i32"), [dict(SCAN=80, BLOCK=128)], 4),
+                                values_ptr="*fp32", zero_ptr="*fp32", H="i32", nb="i32", zero_n="i32",
+                                zero_per_program="i32"), [dict(SCAN=80, BLOCK=128, ZB=1024)], 4),
     (K.screen_kernel, dict(codes_ptr="*u8", scales_ptr="*bf16", experts_ptr="*i64", coords_ptr="*i32",
                            values_ptr="*fp32", out_ptr="*fp32", ke="i32", nb="i32", strip="i32", rows="i32",
                            blocks_per_program="i32"), [dict(SCAN=80, SC=16, BQ=32)], 1),
@@ -44,6 +45,11 @@ CASES = [
     (K.recover_kernel, dict(coeffs_ptr="*bf16", q_ptr="*fp32", experts_ptr="*i64", z_ptr="*fp32", ke="i32",
                             inter="i32", rank="i32", stride_e="i32", stride_i="i32", stride_r="i32"),
      [dict(RANK_P2=32, BI=64)], 4),
+    (K.exact_recover_kernel, dict(gate_up_ptr="*bf16", x_ptr="*bf16", expert_ptr="*i32", channel_ptr="*i32",
+                                  gu_ptr="*fp32", coeffs_ptr="*bf16", q_ptr="*fp32", experts_ptr="*i64",
+                                  z_ptr="*fp32", T="i32", k="i32", H="i32", inter="i32", ke="i32", rank="i32",
+                                  stride_e="i32", stride_i="i32", stride_r="i32"),
+     [dict(BK=16, BH=256, RANK_P2=32, BI=64)], 4),
     (K.down_kernel, dict(down_ptr="*bf16", expert_ptr="*i32", channel_ptr="*i32", weight_ptr="*fp32",
                          gu_ptr="*fp32", basis_ptr="*bf16", z_ptr="*fp32", out_ptr="*fp32", k="i32", H="i32",
                          inter="i32", rank="i32", stride_h="i32", stride_r="i32", rows_per_share="i32"),
@@ -64,4 +70,4 @@ def test_every_kernel_compiles_for_sm90():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("sm_90 cubin") == 8 + 5, proc.stdout  # 5: select's variants beside its default
+    assert proc.stdout.count("sm_90 cubin") == 9 + 5, proc.stdout  # 5: select's variants beside its default

@@ -5,7 +5,9 @@ scanned coordinates), `screen` (the scanned code strips and the scales -> estima
 (scores, the top k, the recovery weights), `exact` (the chosen gate/up rows), `recover` (b_j
 of the unchosen channels) and `down` (the chosen down rows, the activation, and U). The
 reductions meet in one zeroed fp32 workspace through atomic adds, so a call is eight
-launches: the zeroing, the six kernels and the cast of y to the input dtype.
+launches: the zeroing, the six kernels and the cast of y to the input dtype. `fuse=True` makes
+it six (untimed on a GPU so far: bench/gpu_reader.py times it beside the default): rotate+scan
+zeroes the workspace, and exact and recover share one launch.
 """
 
 from __future__ import annotations
@@ -64,14 +66,17 @@ def _hadamard(device: torch.device) -> torch.Tensor:
     return (fwht(torch.eye(BLOCK)) / math.sqrt(BLOCK)).to(device)
 
 
-def rotate_scan(x, signs, scan: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.scanned` in one kernel: coords (int32) and Rx values (fp32), [T, nb, scan] each."""
+def rotate_scan(x, signs, scan: int, zero=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.scanned` in one kernel: coords (int32) and Rx values (fp32), [T, nb, scan] each.
+    `zero`: a contiguous fp32 buffer the kernel's programs also fill with zeros (or None)."""
     T, H = x.shape
     nb = signs.numel() // BLOCK
     coords = torch.empty(T, nb, scan, dtype=torch.int32, device=x.device)
     values = torch.empty(T, nb, scan, dtype=torch.float32, device=x.device)
-    kernels.rotate_scan_kernel[(T, nb)](x.contiguous(), signs, _hadamard(x.device), coords, values, H, nb,
-                                        SCAN=scan, BLOCK=BLOCK)
+    zero_n = 0 if zero is None else zero.numel()
+    kernels.rotate_scan_kernel[(T, nb)](x.contiguous(), signs, _hadamard(x.device), coords, values,
+                                        values if zero is None else zero, H, nb, zero_n, triton.cdiv(zero_n, T * nb),
+                                        SCAN=scan, BLOCK=BLOCK, ZB=1024)
     return coords, values
 
 
@@ -138,6 +143,19 @@ def exact(x, expert, channel, gate_up, out=None) -> torch.Tensor:
     return out
 
 
+def exact_recover(x, expert, channel, gate_up, q, top_k_index, coeffs, rank: int, gu, z):
+    """`exact` and `recover` in one launch, into their zeroed outputs gu [T, k, 2] and z [T, RANK_P2]."""
+    T, k = expert.shape
+    H = gate_up.shape[2]
+    ke, inter = q.shape[1:]
+    _contiguous(gate_up=gate_up)
+    programs = T * triton.cdiv(k, BK) * triton.cdiv(H, EXACT_BH) + T * ke * triton.cdiv(inter, BI)
+    kernels.exact_recover_kernel[(programs,)](
+        gate_up, x.contiguous(), expert.contiguous(), channel.contiguous(), gu, coeffs, q.contiguous(),
+        top_k_index.contiguous(), z, T, k, H, inter, ke, rank, *coeffs.stride(),
+        BK=BK, BH=EXACT_BH, RANK_P2=z.shape[1], BI=BI)
+
+
 def recover(q, top_k_index, coeffs, rank: int, out=None) -> torch.Tensor:
     """z [T, RANK_P2] = Σ_slots Σ_j q_j b_j (b_j: the first `rank` of an expert's coefficients)."""
     T, ke, inter = q.shape
@@ -167,15 +185,17 @@ def down(gu, weight, expert, channel, down_rows, act: int, basis=None, z=None, r
     return out
 
 
-def _workspace(T: int, sizes: dict[str, tuple[int, ...]], device) -> dict[str, torch.Tensor]:
-    """Zeroed fp32 buffers for the atomic reductions, carved from one allocation: one memset."""
-    flat = torch.zeros(T * sum(math.prod(s) for s in sizes.values()), dtype=torch.float32, device=device)
+def _workspace(T: int, sizes: dict[str, tuple[int, ...]], device, zeroed: bool = True):
+    """fp32 buffers for the atomic reductions, carved from one allocation (zeroed: one memset):
+    the allocation, and the buffers by name."""
+    flat = (torch.zeros if zeroed else torch.empty)(T * sum(math.prod(s) for s in sizes.values()),
+                                                    dtype=torch.float32, device=device)
     out, at = {}, 0
     for name, shape in sizes.items():
         n = T * math.prod(shape)
         out[name] = flat[at:at + n].view(T, *shape)
         at += n
-    return out
+    return flat, out
 
 
 def _check_device(x):
@@ -185,9 +205,10 @@ def _check_device(x):
 
 
 def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int,
-            act_fn, select_variant: str = "bisect") -> torch.Tensor:
+            act_fn, select_variant: str = "bisect", fuse: bool = False) -> torch.Tensor:
     """`reference.forward` (screen="sketch") on the kernels; x [T, H], gate_up [E, 2I, H], down_rows [E, I, H].
-    `select_variant`: a name in SELECT_VARIANTS (the same output; bench/gpu_reader.py times each)."""
+    `select_variant`: a name in SELECT_VARIANTS; `fuse`: six launches instead of eight (the module's
+    docstring). Both give the same output; bench/gpu_reader.py times each."""
     _check_device(x)
     if select_variant not in SELECT_VARIANTS:
         raise UserError(f"unknown select variant {select_variant!r}; known: {', '.join(SELECT_VARIANTS)}")
@@ -197,15 +218,18 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int,
     T, H = x.shape
     ke = top_k_index.shape[1]
     rows = gate_up.shape[1]
-    work = _workspace(T, {"est": (ke, rows), "gu": (k, 2), "z": (triton.next_power_of_2(max(rank, 1)),),
-                          "y": (H,)}, x.device)
-    coords, values = rotate_scan(x, layer.signs, scan)
+    flat, work = _workspace(T, {"est": (ke, rows), "gu": (k, 2), "z": (triton.next_power_of_2(max(rank, 1)),),
+                                "y": (H,)}, x.device, zeroed=not fuse)
+    coords, values = rotate_scan(x, layer.signs, scan, zero=flat if fuse else None)
     screen(values, coords, top_k_index, layer.codes, layer.scales, out=work["est"])
     expert, channel, weight, q = select(work["est"], top_k_index, top_k_weights, layer.down_norms, k, act,
                                         recovery=rank > 0, **SELECT_VARIANTS[select_variant])
-    exact(x, expert, channel, gate_up, out=work["gu"])
-    if rank:
-        recover(q, top_k_index, layer.coeffs, rank, out=work["z"])
+    if fuse and rank:
+        exact_recover(x, expert, channel, gate_up, q, top_k_index, layer.coeffs, rank, work["gu"], work["z"])
+    else:
+        exact(x, expert, channel, gate_up, out=work["gu"])
+        if rank:
+            recover(q, top_k_index, layer.coeffs, rank, out=work["z"])
     y = down(work["gu"], weight, expert, channel, down_rows, act, layer.basis, work["z"], rank, out=work["y"])
     return y.to(x.dtype)
 

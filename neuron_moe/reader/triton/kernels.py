@@ -38,14 +38,20 @@ def _act(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def rotate_scan_kernel(x_ptr, signs_ptr, hadamard_ptr, coords_ptr, values_ptr, H, nb,
-                       SCAN: tl.constexpr, BLOCK: tl.constexpr):
+def rotate_scan_kernel(x_ptr, signs_ptr, hadamard_ptr, coords_ptr, values_ptr, zero_ptr, H, nb, zero_n,
+                       zero_per_program, SCAN: tl.constexpr, BLOCK: tl.constexpr, ZB: tl.constexpr):
     """One program: one token's one block of BLOCK coordinates. r = H_n·diag(s)·x_block (the
     sidecar's rotation; H_n the normalised Hadamard matrix), then the SCAN coordinates of largest
     |r|, written in descending order (ties to the lower index) with their r: coords, values
-    [T, nb, SCAN]. The order is a coordinate's rank, counted directly: no sort."""
+    [T, nb, SCAN]. The order is a coordinate's rank, counted directly: no sort.
+    With zero_per_program > 0 each program also zeroes its share of the fp32 buffer zero_ptr
+    [zero_n] (the later stages' atomic workspace), in place of a memset launch of its own."""
     t = tl.program_id(0)
     b = tl.program_id(1)
+    first = (t * nb + b) * zero_per_program
+    for z0 in range(first, first + zero_per_program, ZB):
+        z = z0 + tl.arange(0, ZB)
+        tl.store(zero_ptr + z, tl.zeros([ZB], dtype=tl.float32), mask=(z < first + zero_per_program) & (z < zero_n))
     i = tl.arange(0, BLOCK)
     h = b * BLOCK + i
     xs = tl.load(x_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32) * tl.load(signs_ptr + h).to(tl.float32)
@@ -245,10 +251,16 @@ def exact_kernel(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inte
     """One program: BK chosen channels of one token, BH coordinates of their gate and up rows
     (contiguous runs of the [E, 2I, H] layout). Adds the partial dots g_j·x, v_j·x into
     gu [T, k, 2] (zeroed); the activation is applied where they are complete (down_kernel)."""
-    t = tl.program_id(0)
-    j = tl.program_id(1) * BK + tl.arange(0, BK)
+    _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter,
+           tl.program_id(0), tl.program_id(1), tl.program_id(2), BK, BH)
+
+
+@triton.jit
+def _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter, t, jb, hb,
+           BK: tl.constexpr, BH: tl.constexpr):
+    j = jb * BK + tl.arange(0, BK)
     jm = j < k
-    h = tl.program_id(2) * BH + tl.arange(0, BH)
+    h = hb * BH + tl.arange(0, BH)
     hm = h < H
     e = tl.load(expert_ptr + t * k + j, mask=jm, other=0).to(tl.int64)
     ch = tl.load(channel_ptr + t * k + j, mask=jm, other=0).to(tl.int64)
@@ -267,9 +279,15 @@ def recover_kernel(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, strid
     """One program: one (token, routed slot), BI of its expert's channels. Adds Σ_j q_j·b_j into
     the token's z [T, RANK_P2] (zeroed; summed over slots, which is all the down epilogue needs);
     q_j = w_e·p_j for unchosen channels and 0 for chosen ones, whose b_j are never read."""
-    tk = tl.program_id(0)
+    _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r,
+             tl.program_id(0), tl.program_id(1), RANK_P2, BI)
+
+
+@triton.jit
+def _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r, tk, ib,
+             RANK_P2: tl.constexpr, BI: tl.constexpr):
     t = tk // ke
-    i = tl.program_id(1) * BI + tl.arange(0, BI)
+    i = ib * BI + tl.arange(0, BI)
     e = tl.load(experts_ptr + tk).to(tl.int64)
     r = tl.arange(0, RANK_P2)
     rm = r < rank
@@ -277,6 +295,25 @@ def recover_kernel(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, strid
     m = ((i < inter) & (qv != 0.0))[:, None] & rm[None, :]
     b = tl.load(coeffs_ptr + e * stride_e + i[:, None] * stride_i + r[None, :] * stride_r, mask=m, other=0.0)
     tl.atomic_add(z_ptr + t * RANK_P2 + r, tl.sum(qv[:, None] * b.to(tl.float32), axis=0), mask=rm)
+
+
+@triton.jit
+def exact_recover_kernel(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, coeffs_ptr, q_ptr, experts_ptr,
+                         z_ptr, T, k, H, inter, ke, rank, stride_e, stride_i, stride_r,
+                         BK: tl.constexpr, BH: tl.constexpr, RANK_P2: tl.constexpr, BI: tl.constexpr):
+    """exact_kernel's programs, then recover_kernel's, in one launch (a 1-D grid of both counts):
+    the two stages need only select's output, so recover's few programs run beside exact's
+    rather than after them, and a launch is saved."""
+    pid = tl.program_id(0)
+    j_tiles = tl.cdiv(k, BK)
+    n_exact = T * j_tiles * tl.cdiv(H, BH)
+    if pid < n_exact:
+        _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter,
+               pid % T, (pid // T) % j_tiles, pid // (T * j_tiles), BK, BH)
+    else:
+        r = pid - n_exact
+        _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r,
+                 r % (T * ke), r // (T * ke), RANK_P2, BI)
 
 
 @triton.jit
