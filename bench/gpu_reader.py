@@ -9,9 +9,11 @@ Qwen3-30B-A3B layer geometries, batch 1, 4 and 8 decode tokens, bf16 weights:
 - `reader-17.8`, `reader-12.8`: the reader's Triton kernels at those read budgets;
 - `reader-17.8 <variant>`: the same with one of the select kernel's variants
   (`triton/forward.py` SELECT_VARIANTS: radix search, one-scan placement), whose select stage
-  is also timed alone; a table of the variants side by side is printed before the main one.
-  Each variant is first checked to pick exactly what the default does, at the real shapes, in
-  a process of its own (`--preflight`): one that faulted on the device would end the run.
+  is also timed alone, or `fused` (`forward(fuse=True)`: six launches instead of eight); a
+  table of the variants side by side is printed before the main one. Each variant is first
+  checked, at the real shapes and in a process of its own (`--preflight`), to pick exactly
+  what the default does (fused: to match the reference): one that faulted on the device
+  would end the run.
 
 Weights are random of the real shapes (nothing here depends on their values), several
 layers of them, cycled with fresh routings so that consecutive calls do not find the previous
@@ -50,6 +52,7 @@ DRY_GEOMETRIES = {  # a hidden size that is not a multiple of 128; low rank so t
     "tiny-qwen-like": (256, 8, 2, 160, "silu", 2),
 }
 BUDGETS = (17.8, 12.8)
+FUSED = "fused"  # the reader's variant beside the select kernel's: forward(fuse=True)
 
 
 def parse_args(argv=None):
@@ -60,8 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4, help="layers of weights cycled through (default 4)")
     p.add_argument("--iters", type=int, default=50, help="timed calls per implementation (default 50)")
     p.add_argument("--json", metavar="FILE", help="default: $OUT/gpu_reader.json, else bench/results/")
-    p.add_argument("--preflight", action="store_true", help="only check the select kernel's variants against "
-                                                                "its default (run by the script in a process of its own)")
+    p.add_argument("--preflight", action="store_true", help="only check the reader's variants against its "
+                                                                "default (run by the script in a process of its own)")
     args = p.parse_args(argv)
     if args.dry_run:
         args.layers, args.batches = 1, [1, 2]
@@ -153,8 +156,9 @@ def implementations(geo, rank, variants):
         for variant in ["bisect", *variants] if budget == BUDGETS[0] else ["bisect"]:  # the default first
 
             def run(L, x, i, w, k=k, variant=variant):
+                how = {"fuse": True} if variant == FUSED else {"select_variant": variant}
                 return triton_reader.forward(x, i, w, L.gate_up, L.down_rows, L.sidecar, k=k, scan=80, rank=rank,
-                                             act_fn=L.act_fn, select_variant=variant)
+                                             act_fn=L.act_fn, **how)
 
             name = f"reader-{budget}" + ("" if variant == "bisect" else f" {variant}")
             out[name] = (run, sum(reads(geo, Layout(rank=rank), k).values()), k)
@@ -245,6 +249,12 @@ def reader_stages(layers, inputs, k, rank, iters, variants):
                                                   d["act"], d["sc"].basis, d["z"], rank),
         "zeroing alone": lambda d: torch.zeros(d["x"].shape[0], d["est"].shape[1] * d["est"].shape[2],
                                                device=d["x"].device),
+        # forward(fuse=True)'s two stages that differ (the same workspace size as the zeroing above)
+        "rotate+scan, zeroing": lambda d: triton_reader.rotate_scan(
+            d["x"], d["sc"].signs, 80, zero=torch.empty(d["est"].numel(), device=d["x"].device)),
+        "exact+recover, one launch": lambda d: triton_reader.exact_recover(
+            d["x"], d["expert"], d["channel"], d["L"].gate_up, d["q"], d["index"], d["sc"].coeffs, rank,
+            torch.zeros_like(d["gu"]), torch.zeros_like(d["z"])),
     }
     # variants beside the defaults (`triton/forward.py` chose its defaults from such rows)
     for warps in (2, 4):
@@ -253,7 +263,7 @@ def reader_stages(layers, inputs, k, rank, iters, variants):
     for warps in (4, 16):
         stages[f"select, {warps} warps"] = lambda d, w=warps: triton_reader.select(
             d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], warps=w)
-    for variant in variants:
+    for variant in (v for v in variants if v != FUSED):
         stages[f"select, {variant}"] = lambda d, kw=triton_reader.SELECT_VARIANTS[variant]: triton_reader.select(
             d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], **kw)
     stages["down (+U), split 16"] = lambda d: triton_reader.down(
@@ -279,17 +289,17 @@ def reader_stages(layers, inputs, k, rank, iters, variants):
     return out, same
 
 
-def select_variants(rows, stage_rows):
-    """The select kernel's variants side by side per geometry and batch: the select stage alone and
-    the whole reader at the first budget; checked: the reader against the reference, and the
-    variant's picks against the default's (`reader_stages`)."""
+def variants_side_by_side(rows, stage_rows):
+    """The reader's variants side by side per geometry and batch: the select stage alone (the
+    default's for `fused`) and the whole reader at the first budget; checked: the reader against the
+    reference, and a select variant's picks against the default's (`reader_stages`)."""
     out = []
     for r in rows:
         head, _, variant = r["impl"].partition(" ")
         if head != f"reader-{BUDGETS[0]}":
             continue
         variant = variant or "bisect"
-        stage = "select" if variant == "bisect" else f"select, {variant}"
+        stage = "select" if variant in ("bisect", FUSED) else f"select, {variant}"
         timed_alone = [s for s in stage_rows if s["geometry"] == r["geometry"] and s["tokens"] == r["tokens"]
                        and s["stage"] == stage]
         same = timed_alone[0].get("same_picks", True) if timed_alone else None  # the default: itself
@@ -303,10 +313,13 @@ def select_variants(rows, stage_rows):
 def preflight() -> int:
     """`--preflight`: each select variant on this device at the real shapes and batches, against the
     default's picks (expert, channel, weight, q all equal), on random estimates and on coarse ones
-    with equal norms (many tied scores). Prints `same <variant>` for each that agrees."""
+    with equal norms (many tied scores); then the fused reader against the reference (`check`), last,
+    so that a fault there cannot hide the select variants' results. Prints `same <variant>` for each
+    that agrees."""
     gen = torch.Generator(device=DEVICE).manual_seed(1)
+    geometries = (DRY_GEOMETRIES if args.dry_run else GEOMETRIES).values()
     inputs = []
-    for hidden, experts, top_k, inter, act, rank in (DRY_GEOMETRIES if args.dry_run else GEOMETRIES).values():
+    for hidden, experts, top_k, inter, act, rank in geometries:
         k = solve_k(Geometry(hidden, experts, top_k, inter), Layout(rank=rank), BUDGETS[0])
         act = triton_reader.activation(ACT2FN[act])
         for tokens in args.batches:
@@ -322,13 +335,24 @@ def preflight() -> int:
         got = [triton_reader.select(*i, **keywords) for i in inputs]
         if all(same_picks(w, g) for w, g in zip(want, got)):
             print(f"same {variant}", flush=True)
+    fused_ok = True
+    for hidden, experts, top_k, inter, act, rank in geometries:
+        geo = Geometry(hidden, experts, top_k, inter)
+        fn, _, k = implementations(geo, rank, [FUSED])[f"reader-{BUDGETS[0]} {FUSED}"]
+        layer = Layer(hidden, experts, inter, act, rank, gen)
+        for tokens in args.batches:
+            x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(BF16)
+            fused_ok &= check(fn, layer, x, *routing(tokens, experts, top_k, gen), k, rank)[1]
+        del layer
+    if fused_ok:
+        print(f"same {FUSED}", flush=True)
     return 0
 
 
 def checked_variants() -> tuple[list[str], dict[str, bool]]:
-    """The select variants (beside the default) that pick what the default does on this device,
-    checked in a process of their own: one that faults there would otherwise end this run."""
-    names = [v for v in triton_reader.SELECT_VARIANTS if v != "bisect"]
+    """The reader's variants (beside the default) that agree with it on this device, checked in a
+    process of their own: one that faults there would otherwise end this run."""
+    names = [v for v in triton_reader.SELECT_VARIANTS if v != "bisect"] + [FUSED]
     argv = [sys.executable, __file__, "--preflight", "--batches", *map(str, args.batches)]
     try:
         done = subprocess.run(argv + (["--dry-run"] if args.dry_run else []), capture_output=True, text=True,
@@ -339,8 +363,8 @@ def checked_variants() -> tuple[list[str], dict[str, bool]]:
     ok = {v: v in same for v in names}
     if not all(ok.values()):
         why = "timed out" if done is None else f"exit {done.returncode}: {done.stderr[-1500:]}"
-        print(f"select preflight: {', '.join(v for v in names if not ok[v])} not shown to pick what the default "
-              f"does, so not run ({why})", flush=True)
+        print(f"preflight: {', '.join(v for v in names if not ok[v])} not shown to agree with the default, "
+              f"so not run ({why})", flush=True)
     return [v for v in names if ok[v]], ok
 
 
@@ -425,18 +449,18 @@ def main() -> int:
                          and not x["impl"].startswith("reader") and "us" in x]
                 if dense and "us" in r:
                     r["speedup_vs_best_dense"] = min(dense) / r["us"]
-    variant_rows = select_variants(rows, stage_rows)
+    variant_rows = variants_side_by_side(rows, stage_rows)
     report = {"machine": machine(), "copy_GBps": copy_bw / 1e9, "iters": args.iters, "layers": args.layers,
-              "rows": rows, "reader_stages": stage_rows, "select_variants": variant_rows,
-              "select_preflight": preflight_ok}
+              "rows": rows, "reader_stages": stage_rows, "variants": variant_rows,
+              "preflight": preflight_ok}
     dest = args.json or (str(Path(os.environ["OUT"]) / "gpu_reader.json") if os.environ.get("OUT")
                          else str(Path(__file__).parent / "results" / "gpu_reader.json"))
     write_json(report, dest)
     print("\nreader stages, each timed alone (µs per call):")
     print(table(stage_rows, [("geometry", "geometry"), ("tokens", "T"), ("budget", "budget"), ("stage", "stage"),
                              ("us", "µs", "{:.1f}")]))
-    print(f"\nselect kernel variants at {BUDGETS[0]} % reads (µs per call; select alone, and the whole reader):")
-    print(table(variant_rows, [("geometry", "geometry"), ("tokens", "T"), ("variant", "select variant"),
+    print(f"\nreader variants at {BUDGETS[0]} % reads (µs per call; select alone, and the whole reader):")
+    print(table(variant_rows, [("geometry", "geometry"), ("tokens", "T"), ("variant", "variant"),
                                ("select_us", "select µs", "{:.1f}"), ("reader_us", "reader µs", "{:.1f}"),
                                ("speedup_vs_best_dense", "× best dense", "{:.2f}"), ("same_picks", "same picks"),
                                ("check_ok", "check")]))

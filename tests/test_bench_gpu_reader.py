@@ -24,8 +24,9 @@ def test_gpu_reader_bench_dry_run(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["machine"]["dry_run"] and report["machine"]["device"].startswith("cpu")
-    variants = [v for v in SELECT_VARIANTS if v != "bisect"]  # the select kernel's, beside its default
-    assert report["select_preflight"] == {v: True for v in variants}  # each picks what the default does
+    selects = [v for v in SELECT_VARIANTS if v != "bisect"]  # the select kernel's, beside its default
+    variants = selects + ["fused"]  # and forward(fuse=True)
+    assert report["preflight"] == {v: True for v in variants}  # each agrees with the default
     impls = {"hf-batched_mm", "hf-grouped_mm", "triton-dense", "reader-17.8", "reader-12.8"}
     impls |= {f"reader-17.8 {v}" for v in variants}
     for geometry in ("tiny-gemma-like", "tiny-qwen-like"):
@@ -37,9 +38,9 @@ def test_gpu_reader_bench_dry_run(tmp_path):
             reads = {r["impl"]: r["read_percent"] for r in rows}
             assert 12 < reads["reader-12.8"] <= 12.8 < reads["reader-17.8"] <= 17.8 < reads["triton-dense"] == 100
             stages = [r["stage"] for r in report["reader_stages"] if r["geometry"] == geometry and r["tokens"] == tokens]
-            assert len(stages) == 12 + len(variants) and "screen" in stages and "down (+U)" in stages  # each ran once
-            assert {f"select, {v}" for v in variants} <= set(stages)
-            side = [r for r in report["select_variants"] if r["geometry"] == geometry and r["tokens"] == tokens]
-            assert [r["variant"] for r in side] == list(SELECT_VARIANTS) and all(r["check_ok"] for r in side)
+            assert len(stages) == 14 + len(selects) and "screen" in stages and "down (+U)" in stages  # each ran once
+            assert {f"select, {v}" for v in selects} | {"rotate+scan, zeroing", "exact+recover, one launch"} <= set(stages)
+            side = [r for r in report["variants"] if r["geometry"] == geometry and r["tokens"] == tokens]
+            assert [r["variant"] for r in side] == ["bisect", *variants] and all(r["check_ok"] for r in side)
     last = done.stdout.strip().splitlines()
     assert last[-1].split()[:3] == ["tiny-qwen-like", "2", "reader-12.8"]  # the table is printed last
