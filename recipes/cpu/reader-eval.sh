@@ -4,7 +4,7 @@
 # fit these budgets on the tiny geometry), the per-layer error analysis, and the copies that
 # bench/results/reader-eval/ holds (report.md, report.json, the plots, layers.json).
 # Usage: recipes/cpu/reader-eval.sh [CHECKPOINT_DIR]   (default: the port's committed weights)
-# ~30 min on 2 idle cores; resumable (a rerun skips finished cells). Needs the Debian package
+# ~11 min on 2 idle cores (measured 2026-12-01); resumable (a rerun skips finished cells). Needs the Debian package
 # `fortunes` for the corpus (recipes/cpu/train-tiny.sh installs it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
