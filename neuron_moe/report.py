@@ -33,6 +33,16 @@ def table(rows: list[dict[str, Any]], columns: list[tuple], markdown: bool = Fal
     return "\n".join(lines)
 
 
+def temp_beside(path: Path) -> tuple[int, str]:
+    """A temp file in path's folder to write and then rename onto path (fd, name), with the mode a
+    plain open() would give the file (mkstemp's own is 0600: results unreadable by anyone else)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, tmp
+
+
 def write_json(obj: Any, dest: str) -> None:
     """'-' is stdout; a path is written atomically (temp file in the same folder, then rename)."""
     text = json.dumps(obj, indent=2, sort_keys=False) + "\n"
@@ -41,7 +51,7 @@ def write_json(obj: Any, dest: str) -> None:
         return
     path = Path(dest)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

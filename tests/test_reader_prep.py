@@ -3,6 +3,8 @@ the recovery map, and the sidecar file (round trip, and every way it can be wron
 
 import itertools
 import json
+import os
+import stat
 import struct
 
 import pytest
@@ -138,6 +140,9 @@ def sidecar(tmp_path_factory):
 
 def test_sidecar_is_plain_safetensors_with_the_prep_output(sidecar):
     path, layers = sidecar
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # what open() gives, not mkstemp's 0600
     raw = path.read_bytes()
     header_len = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + header_len])

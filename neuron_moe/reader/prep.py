@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..report import temp_beside
 from .hadamard import padded, random_signs, rotate_blocks
 
 FORMAT = "neuron-moe-reader"
@@ -236,7 +236,7 @@ def write_sidecar(out: Path, weights: Iterable[tuple[torch.Tensor, torch.Tensor]
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    fd, tmp = temp_beside(out)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(text)) + text)
