@@ -143,7 +143,8 @@ def dense_reference(layer, x, index, weights):
 
 def implementations(geo, rank, variants):
     """name -> (forward(layer, x, index, weights), bytes per token, k or None for the dense ones);
-    `variants`: the select variants beside the default to run at the first budget."""
+    `variants`: the reader's variants beside the default to run at the first budget (names in
+    SELECT_VARIANTS, or FUSED)."""
     full = full_bytes(geo)
     out = {
         "hf-batched_mm": (lambda L, x, i, w: L.hf["batched_mm"](x, i, w), full, None),

@@ -73,7 +73,7 @@ def rotate_scan(x, signs, scan: int, zero=None) -> tuple[torch.Tensor, torch.Ten
     nb = signs.numel() // BLOCK
     coords = torch.empty(T, nb, scan, dtype=torch.int32, device=x.device)
     values = torch.empty(T, nb, scan, dtype=torch.float32, device=x.device)
-    zero_n = 0 if zero is None else zero.numel()
+    zero_n = 0 if zero is None else zero.numel()  # 0: nothing zeroed, `values` stands in as the pointer
     kernels.rotate_scan_kernel[(T, nb)](x.contiguous(), signs, _hadamard(x.device), coords, values,
                                         values if zero is None else zero, H, nb, zero_n, triton.cdiv(zero_n, T * nb),
                                         SCAN=scan, BLOCK=BLOCK, ZB=1024)
