@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,24 @@ def table(rows: list[dict[str, Any]], columns: list[tuple], markdown: bool = Fal
     return "\n".join(lines)
 
 
-def temp_beside(path: Path) -> tuple[int, str]:
-    """A temp file in path's folder to write and then rename onto path (fd, name), with the mode a
-    plain open() would give the file (mkstemp's own is 0600: results unreadable by anyone else)."""
+@contextmanager
+def atomic_write(path: Path, mode: str = "w"):
+    """Open a temp file in path's folder (creating the folder), yield it, then rename it onto
+    path; on any failure the temp file is removed and path is untouched. The file gets the mode a
+    plain open() would give it (mkstemp's own is 0600: results unreadable by anyone else)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     umask = os.umask(0)
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)
-    return fd, tmp
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def write_json(obj: Any, dest: str) -> None:
@@ -49,16 +60,8 @@ def write_json(obj: Any, dest: str) -> None:
     if dest == "-":
         sys.stdout.write(text)
         return
-    path = Path(dest)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_beside(path)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_write(Path(dest)) as f:
+        f.write(text)
 
 
 def read_json_object(path: Path, error: type[Exception], missing: str) -> dict:

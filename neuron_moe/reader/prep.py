@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..report import temp_beside
+from ..report import atomic_write
 from .hadamard import padded, random_signs, rotate_blocks
 
 FORMAT = "neuron-moe-reader"
@@ -235,38 +234,31 @@ def write_sidecar(out: Path, weights: Iterable[tuple[torch.Tensor, torch.Tensor]
     digest_at = 8 + text.index(placeholder.encode())
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_beside(out)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
+    with atomic_write(out, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
 
-            def put(name, tensor):
-                dtype, shape = specs[name]
-                assert tensor.dtype == dtype and tuple(tensor.shape) == shape, (name, tensor.dtype, tensor.shape)
-                f.write(tensor.contiguous().view(torch.uint8).numpy().data)
+        def put(name, tensor):
+            dtype, shape = specs[name]
+            assert tensor.dtype == dtype and tuple(tensor.shape) == shape, (name, tensor.dtype, tensor.shape)
+            f.write(tensor.contiguous().view(torch.uint8).numpy().data)
 
-            signs = random_signs(layout.hidden_padded, seed)
-            put(SIGNS, signs)
-            digest, count = SourceDigest(), 0
-            expected = ((experts, 2 * intermediate, hidden), (experts, hidden, intermediate))
-            for i, (gate_up, down) in enumerate(tqdm(weights, total=layers, desc="reader prep", unit="layer",
-                                                     disable=not progress)):
-                if i >= layers or (tuple(gate_up.shape), tuple(down.shape)) != expected:
-                    raise SidecarError(f"layer {i}: expert weights {tuple(gate_up.shape)}, {tuple(down.shape)} "
-                                       f"do not fit the declared geometry ({layers} layers of {expected})")
-                digest.update(gate_up, down)
-                for name, tensor in prep_layer(gate_up, down, signs, rank).items():
-                    put(f"layers.{i}.{name}", tensor)
-                count += 1
-            if count != layers:
-                raise SidecarError(f"expected {layers} layers of expert weights, got {count}")
-            f.seek(digest_at)
-            f.write(digest.hexdigest().encode())
-        os.replace(tmp, out)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        signs = random_signs(layout.hidden_padded, seed)
+        put(SIGNS, signs)
+        digest, count = SourceDigest(), 0
+        expected = ((experts, 2 * intermediate, hidden), (experts, hidden, intermediate))
+        for i, (gate_up, down) in enumerate(tqdm(weights, total=layers, desc="reader prep", unit="layer",
+                                                 disable=not progress)):
+            if i >= layers or (tuple(gate_up.shape), tuple(down.shape)) != expected:
+                raise SidecarError(f"layer {i}: expert weights {tuple(gate_up.shape)}, {tuple(down.shape)} "
+                                   f"do not fit the declared geometry ({layers} layers of {expected})")
+            digest.update(gate_up, down)
+            for name, tensor in prep_layer(gate_up, down, signs, rank).items():
+                put(f"layers.{i}.{name}", tensor)
+            count += 1
+        if count != layers:
+            raise SidecarError(f"expected {layers} layers of expert weights, got {count}")
+        f.seek(digest_at)
+        f.write(digest.hexdigest().encode())
     return out
 
 
