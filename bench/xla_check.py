@@ -300,9 +300,8 @@ def main(argv=None) -> int:
         header = (f"# Ops of the exported static graphs ({', '.join(sorted(ops))}) that lowered on XLA:CPU with no\n"
                   f"# aten fallback and one compilation per graph. Written by bench/xla_check.py --write-ops\n"
                   f"# (torch {torch.__version__}, torch-xla {xla.version}); do not edit by hand.\n")
-        tmp = XLA_LOWERED_OPS_FILE.with_suffix(".tmp")
-        tmp.write_text(header + "".join(f"{op}\n" for op in sorted(exported)))
-        tmp.replace(XLA_LOWERED_OPS_FILE)
+        with report.atomic_write(XLA_LOWERED_OPS_FILE) as f:
+            f.write(header + "".join(f"{op}\n" for op in sorted(exported)))
         allowlist = f"`{XLA_LOWERED_OPS_FILE.name}` written: {len(exported)} ops."
     else:
         missing = sorted(exported - xla_lowered_ops())
@@ -322,10 +321,8 @@ def main(argv=None) -> int:
                         "torch_xla": xla.version, "transformers": transformers.__version__},
     }
     report.write_json(result, f"{args.out}.json")
-    text = markdown(result)
-    tmp = Path(f"{args.out}.md.tmp")
-    tmp.write_text(text)
-    tmp.replace(f"{args.out}.md")
+    with report.atomic_write(Path(f"{args.out}.md")) as f:
+        f.write(markdown(result))
     print(f"{'PASS' if ok else 'FAIL'}: written {args.out}.md and {args.out}.json")
     return 0 if ok else 1
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UserError
+from ..report import atomic_write, table
 from .reader_eval import ANSWER_BINS
 
 RULE_STYLE = {"topk": ("o", "-"), "threshold": ("x", "--")}
@@ -97,20 +98,18 @@ def _bin_label(b) -> str:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=90)
-    fig.clf()
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
-    tmp.replace(path)
+    fig.tight_layout()
+    try:
+        with atomic_write(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=90)
+    finally:
+        plt.close(fig)
     return path
 
 
 def write_markdown(report: dict, path: Path) -> None:
-    from ..report import table
-
     acc = report["full_model"]["accuracy"]
     drift, versus = drift_rows(report), versus_rows(report)
     text = (f"# eval-reader: {report['model']}\n\nfull model: {acc['correct']}/{acc['items']} items correct "
@@ -126,9 +125,8 @@ def write_markdown(report: dict, path: Path) -> None:
                  + table(versus, VERSUS_COLUMNS, markdown=True)
                  + f"\n\ntop-k matches or beats the threshold in {sum(v != 'threshold' for v in verdicts)} of "
                    f"{len(verdicts)} comparisons\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    with atomic_write(path) as f:
+        f.write(text)
 
 
 COLUMNS = [("selector", "selector"), ("rule", "rule"), ("budget", "budget %", "{:g}"),

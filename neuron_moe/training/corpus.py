@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..eval import tasks as T
+from ..report import atomic_write, write_json
 
 FORTUNES_PACKAGE = "fortunes=1:1.99.1-7.3"
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
@@ -91,13 +92,12 @@ def build_corpus(text_dir: Path, out_dir: Path, seed: int = 0, scale: float = 1.
              "eval_tasks.jsonl": [asdict(i) for i in evaluation],
              "valid_tasks.jsonl": [asdict(i) for i in validation]}
     for name, rows in files.items():
-        tmp = out_dir / f".{name}.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(out_dir / name)
+        with atomic_write(out_dir / name) as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     counts = {name: len(rows) for name, rows in files.items()}
     counts["train_kinds"] = {k: sum(r["kind"] == k for r in train) for k in dict.fromkeys(r["kind"] for r in train)}
     counts["source"] = {"text": f"Debian package {FORTUNES_PACKAGE}", "text_dir": str(text_dir), "seed": seed}
-    (out_dir / "manifest.json").write_text(json.dumps(counts, indent=2) + "\n")
+    write_json(counts, str(out_dir / "manifest.json"))
     return counts
 
 
