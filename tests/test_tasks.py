@@ -65,15 +65,44 @@ def test_evaluation_items_are_never_training_items(corpus):
     for item in validation:
         assert item.prompt not in train_text, item
     assert not {i.prompt for i in validation} & {i.prompt for i in evaluation}
-    split_of = {c: T.subject_split(c) for c, _, _ in T.FACTS}
+    split_of = T.COUNTRY_SPLIT
     held_out = [c for c, s in split_of.items() if s != "train"]
-    assert 5 <= list(split_of.values()).count("eval") <= 15 and 5 <= list(split_of.values()).count("valid") <= 15
     for country in held_out:
         assert f"capital of {country}?" not in train_text and f"is {country} in?" not in train_text
-    stated = {c for c, _, _ in T.FACTS if f"of {c} is" in train_text or f"capital of {c}." in train_text}
+    paragraphs = [r["text"] for r in read_jsonl(corpus / "train.jsonl") if r["kind"] == "fact_text"]
+    stated = {c for c, capital, _ in T.FACTS if any(c in p and capital in p for p in paragraphs)}
     assert {c for c in held_out if split_of[c] == "eval"} & stated and {c for c in held_out if split_of[c] == "valid"} & stated
     kinds = {r["kind"] for r in read_jsonl(corpus / "train.jsonl")}
     assert kinds == {"text", "fact_text", *T.TASKS}
+
+
+def test_fact_statements_state_both_facts_in_varied_words_never_as_the_question():
+    rng = random.Random(0)
+    forms = set()
+    for _ in range(400):
+        sentences = T.fact_sentences(rng, "Peru", "Lima", "South America")
+        text = " ".join(sentences)
+        assert "Lima" in text and "South America" in text, text
+        assert "?" not in text and "Q:" not in text, text
+        forms.update(s.replace("Lima", "*").replace("South America", "*") for s in sentences)
+        assert all(s.startswith(("Peru", "The capital", "The continent", "In Peru")) for s in sentences
+                   if not s.startswith("Lima is the capital")), sentences
+    assert len(forms) >= 12, forms  # the fact in many wordings, so it must ride on the name
+
+
+def test_every_continent_keeps_most_of_its_countries_in_the_training_questions():
+    # the model learns to answer a continent from the training questions about it; a continent
+    # mostly held out is never answered (a plain hash split once held out 6 of 7 South American
+    # countries, and every held-out one was answered "Europe")
+    by_continent = {}
+    for country, _, continent in T.FACTS:
+        by_continent.setdefault(continent, []).append(T.COUNTRY_SPLIT[country])
+    assert len(by_continent) == 6 and len({c for c, _, _ in T.FACTS}) == len(T.FACTS)
+    for continent, splits in by_continent.items():
+        assert splits.count("train") >= (0.6 if len(splits) >= 5 else 0.5) * len(splits), continent
+        if len(splits) >= 5:
+            assert splits.count("eval") >= 1 and splits.count("valid") >= 1, continent
+    assert T._country_splits(T.FACTS[::-1]) == T.COUNTRY_SPLIT  # fixed by the names, not their order
 
 
 def test_series_answers_are_long_worked_steps():
@@ -172,11 +201,11 @@ def test_scoring_is_exact_match_up_to_eos(continuation, correct):
 def test_committed_model_copies_and_recalls_held_out_facts():
     """The shipped checkpoint (not seeded random weights) reverses held-out lists, writes held-out
     15-18-line series exactly and recalls facts it read only as statements, asked in the Q/A form
-    (bench/results/tiny-model.md: reverse 47/50, series 50/50, fact 46/50; chance on a capital is
-    ~1/13). kv (10 %) it does not yet answer, so it has no bar here."""
+    (bench/results/tiny-model.md: fact, reverse and series 50/50 each; chance on a capital is
+    ~1/13). kv (22 %) it does not yet answer, so it has no bar here."""
     port = load_port("tiny-gemma4-moe")
     fact = T.evaluate(port, "dense_masked", per_task=8, tasks=("fact",))["tasks"][0]
-    assert fact["accuracy"] >= 4 / 8, fact
+    assert fact["accuracy"] >= 7 / 8, fact
     reverse = T.evaluate(port, "dense_masked", per_task=8, tasks=("reverse",))["tasks"][0]
     series = T.evaluate(port, "dense_masked", per_task=1, tasks=("series",))["tasks"][0]  # 245 decode steps
     assert reverse["accuracy"] >= 7 / 8 and series["accuracy"] == 1, (reverse, series)
@@ -207,6 +236,6 @@ def test_eval_tasks_on_the_validation_split_asks_its_items_and_reads_the_calibra
     assert report["split"] == "valid" and [r["prompt"] for r in report["items"]] == [i.prompt for i in want]
     for item in want:  # asked about a validation country
         country = next(c for c, _, _ in T.FACTS if f" {c}?" in item.prompt or f" {c} in?" in item.prompt)
-        assert T.subject_split(country) == "valid", item
+        assert T.COUNTRY_SPLIT[country] == "valid", item
     calib_text = [r for r in read_jsonl(corpus / "calib.jsonl") if r["kind"] == "text"]
     assert report["text"]["documents"] == min(2, len(calib_text))

@@ -76,19 +76,57 @@ def stable_fraction(key: str) -> float:
 SPLITS = ("eval", "valid")
 
 
-def subject_split(key: str) -> str:
-    """Which split a subject (a country, a series' start and step) belongs to: eval, valid or train."""
-    f = stable_fraction(key)
+def _split_at(f: float) -> str:
     return "eval" if f < 0.2 else "valid" if f < 0.35 else "train"
 
 
+def subject_split(key: str) -> str:
+    """Which split a series' (start, step) belongs to: eval, valid or train."""
+    return _split_at(stable_fraction(key))
+
+
+def _country_splits(facts) -> dict[str, str]:
+    # Stratified by continent: within each, countries are ranked by their stable hash and the
+    # rank's quantile picks the split, so every continent of five or more countries keeps ~65 %
+    # of them in the training questions. (A plain hash split held out 6 of 7 South American countries, and the
+    # model answered "Europe", or nothing, for held-out ones.)
+    by_continent: dict[str, list[str]] = {}
+    for country, _, continent in facts:
+        by_continent.setdefault(continent, []).append(country)
+    splits = {}
+    for countries in by_continent.values():
+        ranked = sorted(countries, key=stable_fraction)
+        for rank, country in enumerate(ranked):
+            splits[country] = _split_at((rank + 0.5) / len(ranked))
+    return splits
+
+
+COUNTRY_SPLIT = _country_splits(FACTS)
+
+
 def fact_sentences(rng: random.Random, country: str, capital: str, continent: str) -> list[str]:
-    """The facts as training text states them (for every country, in several phrasings)."""
-    return [
-        rng.choice([f"The capital of {country} is {capital}.", f"{capital} is the capital of {country}.",
-                    f"The capital city of {country} is {capital}."]),
-        rng.choice([f"{country} is a country in {continent}.", f"{country} is in {continent}."]),
+    """The facts as training text states them (for every country, in varied phrasings, in either
+    order). Nearly every phrasing names the country first and words the fact differently after it,
+    so that to predict the fact the model must carry it on the country's name: the form a held-out
+    country's question finds it in. (With three fixed phrasings, held-out capitals that the model
+    completed in a statement were often missed, or run on, in the question form.)"""
+    capital_forms = [
+        f"The capital of {country} is {capital}.", f"The capital city of {country} is {capital}.",
+        f"{country} has its capital in {capital}.", f"{country}'s capital is {capital}.",
+        f"In {country}, the capital is {capital}.", f"{country} is governed from {capital}.",
+        f"{capital} is the capital of {country}.",
     ]
+    continent_forms = [
+        f"{country} is a country in {continent}.", f"{country} is in {continent}.",
+        f"{country} lies in {continent}.", f"{country} is part of {continent}.",
+        f"The continent of {country} is {continent}.", f"{country} is on the continent of {continent}.",
+    ]
+    if rng.random() < 0.2:
+        return [f"{country}, a country in {continent}, has its capital in {capital}."]
+    sentences = [rng.choice(capital_forms), rng.choice(continent_forms)]
+    if rng.random() < 0.5:
+        sentences.reverse()
+    return sentences
 
 
 def fact_item(rng: random.Random, country: str, capital: str, continent: str) -> Item:
@@ -140,7 +178,7 @@ def eval_items(per_task: int, seed: int | None = None, tasks=TASKS, split: str =
     for task in tasks:
         for _ in range(per_task):
             if task == "fact":
-                items.append(fact_item(rng, *rng.choice([f for f in FACTS if subject_split(f[0]) == split])))
+                items.append(fact_item(rng, *rng.choice([f for f in FACTS if COUNTRY_SPLIT[f[0]] == split])))
             elif task == "series":
                 items.append(series_item(rng, split))
             else:
@@ -152,7 +190,7 @@ def train_item(rng: random.Random, task: str, held_out: set[str]) -> Item:
     """One training item of `task`: never a held-out subject, never a held-out prompt."""
     while True:
         if task == "fact":
-            item = fact_item(rng, *rng.choice([f for f in FACTS if subject_split(f[0]) == "train"]))
+            item = fact_item(rng, *rng.choice([f for f in FACTS if COUNTRY_SPLIT[f[0]] == "train"]))
         elif task == "series":
             item = series_item(rng, "train")
         else:

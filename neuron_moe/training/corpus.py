@@ -30,7 +30,7 @@ FORTUNES_DIR = Path("/usr/share/games/fortunes")
 SKIP_FILES = {"art", "ascii-art", "translate-me"}
 # Training items per task, chosen so each task has a similar share of the tokens (a `series`
 # item is ~240 tokens, a `fact` question ~15); a 3000-step run sees each about twice.
-TRAIN_ITEMS = {"fact": 32000, "kv": 24000, "reverse": 32000, "series": 5000}
+TRAIN_ITEMS = {"fact": 12000, "kv": 24000, "reverse": 32000, "series": 5000}
 FACT_PARAGRAPHS = 12000  # statements of the facts about every country (held-out ones included); packed as items
 EVAL_ITEMS_PER_TASK = 50
 
