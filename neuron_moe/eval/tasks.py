@@ -105,11 +105,11 @@ COUNTRY_SPLIT = _country_splits(FACTS)
 
 
 def fact_sentences(rng: random.Random, country: str, capital: str, continent: str) -> list[str]:
-    """The facts as training text states them (for every country, in varied phrasings, in either
-    order). Nearly every phrasing names the country first and words the fact differently after it,
-    so that to predict the fact the model must carry it on the country's name: the form a held-out
-    country's question finds it in. (With three fixed phrasings, held-out capitals that the model
-    completed in a statement were often missed, or run on, in the question form.)"""
+    """The facts as training text states them (for every country, in either order). All wordings but
+    one put the country before the fact, each in different words, so that only the country's name
+    predicts the fact: the model has to carry it on the name, which is where a held-out country's
+    question finds it. (With 3 + 2 fixed wordings, held-out fact recall was 70-80 %; with these
+    13, 96-100 %: bench/results/tiny-model.md, v11 and v12.)"""
     capital_forms = [
         f"The capital of {country} is {capital}.", f"The capital city of {country} is {capital}.",
         f"{country} has its capital in {capital}.", f"{country}'s capital is {capital}.",

@@ -28,8 +28,9 @@ FORTUNES_PACKAGE = "fortunes=1:1.99.1-7.3"
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
 # Not prose: ASCII pictures, and text in other languages.
 SKIP_FILES = {"art", "ascii-art", "translate-me"}
-# Training items per task, chosen so each task has a similar share of the tokens (a `series`
-# item is ~240 tokens, a `fact` question ~15); a 3000-step run sees each about twice.
+# Training items per task (a `series` item is ~240 tokens, a `fact` question ~15). fact: ~280
+# questions per training country; 32,000 taught the held-out countries' questions less well
+# (bench/results/tiny-model.md, v10 and v11).
 TRAIN_ITEMS = {"fact": 12000, "kv": 24000, "reverse": 32000, "series": 5000}
 FACT_PARAGRAPHS = 12000  # statements of the facts about every country (held-out ones included); packed as items
 EVAL_ITEMS_PER_TASK = 50
