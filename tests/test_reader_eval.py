@@ -39,9 +39,8 @@ def logits(model, ids):
 
 @pytest.mark.parametrize("name", list(S.SELECTORS))
 def test_full_budget_is_the_full_model(tiny_port, tiny_eager, sidecar, name):
-    """Every selector at 100 % inside the model = HF eager to 1e-4 on the logits; at 60 % it is not.
-    (The selector's expert sum runs in another order: 1.2e-5 apart on logits up to ~18 with 1
-    torch thread, under 1e-5 with 2; a wrong channel moves them by > 1e-3.)"""
+    """Every selector at 100 % inside the model = HF eager to fp32 summation order (2e-6 of the
+    largest logit, as in test_dense_masked; 1.2e-5 apart with 1 torch thread); at 60 % it is not."""
     from neuron_moe.model import build_model
 
     ids = torch.tensor([load_tokenizer(tiny_port).encode("Q: Reverse: red fox owl sun\nA: sun owl fox red")])
@@ -49,7 +48,7 @@ def test_full_budget_is_the_full_model(tiny_port, tiny_eager, sidecar, name):
     model = build_model(tiny_port, "eager", torch.float32)
     layers = moe_layers(model, sidecar if name == "reader" else None, 0 if name == "reader" else None)
     attach_selector(model, name, layers, [S.top_k(name, layer, 100.0) for layer in layers])
-    assert float((logits(model, ids) - want).abs().max()) < 1e-4
+    assert float((logits(model, ids) - want).abs().max()) <= 2e-6 * float(want.abs().max())
     attach_selector(model, name, layers, [S.top_k(name, layer, 60.0) for layer in layers])
     assert float((logits(model, ids) - want).abs().max()) > 1e-3  # teeth
 
