@@ -36,9 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 def manifest_dir(tmp_path):
     d = tmp_path / "compiled"
     d.mkdir()
-    (d / "manifest.json").write_text(json.dumps({"format": 1, "port": "tiny-gemma4-moe", "dtype": "bf16", "tp": 1,
+    (d / "manifest.json").write_text(json.dumps({"format": 2, "port": "tiny-gemma4-moe", "dtype": "bf16", "tp": 1,
                                                 "buckets": [64], "max_length": 128, "batch_size": 1,
-                                                "dry_run": False}))
+                                                "dry_run": False, "logits": False}))
     return d
 
 
