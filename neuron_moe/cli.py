@@ -179,6 +179,9 @@ def cmd_plan(args) -> int:
                                            ("floor_ms", "HBM floor ms/token", "{:.2f}"),
                                            ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]))
             print()
+            print(table(report["host_per_step"], [("what", "host <-> device per decode step"),
+                                                   ("direction", ""), ("bytes", "bytes")]))
+            print()
         print(f"{'FITS' if report['fits'] else 'DOES NOT FIT'}: {report['reason']}")
     return 0 if report["fits"] else 1
 

@@ -62,6 +62,14 @@ def test_kv_cache_and_decode_floor_on_the_tiny_port(tiny_port):
     assert dense["floor_ms"] == pytest.approx(1e3 * dense["bytes_per_token"] / (CHIP_HBM_BW / 2))
 
 
+def test_no_kv_bytes_cross_the_host_per_decode_step(big):
+    r = plan(big, "inf2.24xlarge", 8, "bf16", batch=4, seq=4096)
+    rows = {row["what"].split(" [")[0].split(" (")[0]: row for row in r["host_per_step"]}
+    assert rows["KV cache"]["bytes"] == 0
+    assert rows["input_ids + position_ids"]["bytes"] == 2 * 4 * 8 and rows["token"]["bytes"] == 4 * 8
+    assert rows["logits"]["bytes"] == 4 * 262144 * 4 and "--with-logits" in rows["logits"]["what"]
+
+
 def test_tp_beyond_the_instance_or_the_model_is_refused_with_a_reason(big):
     r = plan(big, "inf2.xlarge", 8, "bf16", batch=1, seq=4096)
     assert not r["fits"] and r["reason"] == "inf2.xlarge has 2 NeuronCores; TP 8 needs 8"
@@ -74,6 +82,7 @@ def test_plan_cli(capsys):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "FITS:" in out and "HBM floor ms/token" in out and "lm_head" in out
+    assert "KV cache (device state, aliased)" in out and "host <-> device per decode step" in out
     assert cli.main(["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.8xlarge", "--tp", "2",
                      "--dtype", "int8", "--json", "-"]) == 1
     assert json.loads(capsys.readouterr().out)["fits"] is False
