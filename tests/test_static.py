@@ -74,8 +74,7 @@ def test_every_graph_exports_strict_with_fixed_shapes_the_cache_as_state_and_no_
         assert all(t is generator.state[n] for n, t in state_tensors(graph).items())
 
 
-@pytest.mark.slow
-def test_a_cache_tensor_returned_as_a_user_output_fails_the_check(tiny_port):
+def test_a_cache_tensor_returned_as_a_user_output_fails_the_check(tiny_port):  # non-strict export: < 20 s
     """The check has teeth: the decode graph in NxD's form (the cache as parameters, the new cache
     returned as aliased outputs) is, to torch.export, a graph whose KV tensors are user outputs."""
     model = build_model(tiny_port, "eager")
