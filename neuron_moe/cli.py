@@ -28,6 +28,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
+    from .parallel.layout import EXPERT_LAYOUTS
+
+    p.add_argument("--expert-layout", choices=EXPERT_LAYOUTS,
+                   help=f"{which}how TP ranks split the experts: channel (every expert's I/t intermediate channels "
+                        "per rank; decode gathers each token's k experts) or expert (E/t whole experts per rank, "
+                        "the seed port's) (default: the port's [static] expert_layout, else channel)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
                    help=f"port name or path to a port .toml (default: {DEFAULT_PORT}; `neuron-moe ports` lists them)")
@@ -112,6 +121,12 @@ def cmd_validate(args) -> int:
         options["reader_backend"] = args.reader_backend
     if options and args.backend != "reader":
         raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only")
+    if args.expert_layout is not None:
+        from .parallel.generate import BACKENDS as TP_BACKENDS
+
+        if args.backend not in TP_BACKENDS:
+            raise UserError(f"--expert-layout applies to the TP backends ({', '.join(TP_BACKENDS)}) only")
+        options["expert_layout"] = args.expert_layout
     if args.backend == "reader":  # fail on a bad sidecar, budget or reader backend before the reference runs
         from .experts.channel_reader import plan_reader, reader_forward, reader_settings
 
@@ -403,6 +418,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
     p.add_argument("--reader-backend", choices=("reference", "triton", "nki"),
                    help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron)")
+    _expert_layout_arg(p, "tp8, tp8-int8: ")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("build-corpus", help="write the tiny model's corpus: English text plus the synthetic tasks",
