@@ -205,12 +205,13 @@ def cmd_trace_and_compile(args) -> int:
 
     port = load_port(args.model)
     report = trace_and_compile(port, args.dtype, args.tp, args.out, dry_run=args.dry_run, overwrite=args.overwrite,
-                               checkpoint=args.checkpoint)
+                               checkpoint=args.checkpoint, expert_layout=args.expert_layout)
     if _json_out(report, args):
         rows = [{"file": f, "bytes": v["size"], "sha256": v["sha256"]} for f, v in report["files"].items()]
         print(table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]))
         what = "dry run (CPU, gloo layers; exported, not compiled)" if report["dry_run"] else "compiled for Neuron"
-        print(f"\n{report['out']}: {port.name} {args.dtype} TP {args.tp}, keys {', '.join(report['keys'])}; {what}"
+        print(f"\n{report['out']}: {port.name} {args.dtype} TP {args.tp}, {report['expert_layout']} expert layout, "
+              f"keys {', '.join(report['keys'])}; {what}"
               + ("" if report["weights"] else "; no weights (meta device): exported, manifest and shard plan only"))
     return 0
 
@@ -552,6 +553,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
     p.add_argument("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
+    _expert_layout_arg(p)
     p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_trace_and_compile)
 
