@@ -8,6 +8,7 @@ import sys
 
 from . import __version__
 from .errors import UserError
+from .parallel.layout import DEFAULT_EXPERT_LAYOUT
 from .port import DEFAULT_PORT, DTYPES
 
 
@@ -180,20 +181,26 @@ def cmd_plan(args) -> int:
     from .report import table
 
     port = load_port(args.model)
+    static = port.static
+    expert_layout = args.expert_layout or (static.expert_layout if static else DEFAULT_EXPERT_LAYOUT)
     report = plan(port.config, args.instance, args.tp, args.dtype, args.batch, args.seq,
-                  args.runtime_reserve_gib * 2**30, model=port.name)
+                  args.runtime_reserve_gib * 2**30, model=port.name, expert_layout=expert_layout,
+                  decode_experts=static.decode_experts if static else "selective")
     if _json_out(report, args):
-        print(f"{port.name} on {args.instance}: TP {args.tp}, {args.dtype} experts, batch {args.batch}, seq {args.seq}\n")
+        print(f"{port.name} on {args.instance}: TP {args.tp}, {args.dtype} experts in the {expert_layout} layout, "
+              f"batch {args.batch}, seq {args.seq}\n")
         if "per_rank_bytes" in report:
             rows = [{"what": k, "GB": v / GB} for k, v in report["per_rank_bytes"].items()]
             rows.append({"what": "total", "GB": report["per_rank_total_bytes"] / GB})
             print(table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]))
             print(f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
                   f"(graph and runtime rows are stated estimates, not measurements)\n")
-            print(table(report["decode"], [("experts", "decode: experts read as"), ("GB_per_token", "GB/token/rank", "{:.3f}"),
-                                           ("floor_ms", "HBM floor ms/token", "{:.2f}"),
-                                           ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]))
-            print()
+            rows = [dict(r, expert_layout=r["expert_layout"] + (" (this plan)" if r["this_plan"] else ""))
+                    for r in report["decode"]]
+            print(table(rows, [("expert_layout", "expert layout"), ("decode_graph", "its decode graph reads"),
+                               ("GB_per_token", "GB/token/rank", "{:.3f}"), ("floor_ms", "HBM floor ms/token", "{:.2f}"),
+                               ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]))
+            print("\n(decode: the graphs trace-and-compile builds, at this batch; bytes read, not measured)\n")
         print(f"{'FITS' if report['fits'] else 'DOES NOT FIT'}: {report['reason']}")
     return 0 if report["fits"] else 1
 
@@ -532,6 +539,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=_positive_int, default=4096, metavar="S", help="max sequence length: KV cache and largest prefill bucket (default 4096)")
     p.add_argument("--runtime-reserve-gib", type=float, default=1.0, metavar="GIB",
                    help="stated per-core runtime reserve (default 1.0)")
+    _expert_layout_arg(p)
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_plan)
 
