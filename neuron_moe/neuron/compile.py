@@ -50,7 +50,7 @@ MODEL = "model.pt"
 WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
-FORMAT = 2  # 2: expert_layout
+FORMAT = 2
 # field -> type; what a server needs to call the graphs
 MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "expert_layout": str, "buckets": list,
                    "max_length": int, "batch_size": int, "dry_run": bool}
