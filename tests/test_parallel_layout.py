@@ -216,3 +216,29 @@ def test_each_rank_running_its_own_code_takes_its_own_router_slice(tiny_eager, h
             finally:
                 dist.destroy_process_group()
             assert torch.equal(local, dense[..., rank * n:(rank + 1) * n]), (scatter, rank)
+
+
+@pytest.mark.parametrize("tokens,gathers", [(3, True), (4, False)])
+def test_a_decode_graph_gathers_only_while_tokens_times_k_is_below_e(tiny_eager, hf_state, tokens, gathers):
+    """NxD's rule, fixed per graph while it is traced: the tiny port's 16 experts, top-4, so a decode
+    graph of 3 tokens gathers 12 expert slices and one of 4 tokens (16 ≥ 16) computes all experts,
+    with HF's output either way. A graph that is not a decode graph never gathers."""
+    from neuron_moe.parallel.trace import export_rank0
+
+    from conftest import expert_reads
+
+    config = copy.deepcopy(tiny_eager.config)
+    config._experts_implementation = "selective"  # what the static decode graph sets while it is traced
+    module = ParallelMoE(config, 1, cpu)
+    module.load_state_dict(block_state(layout.parallel_state_dict(hf_state, config, 1)))
+    x = torch.randn(tokens, 1, config.hidden_size, generator=torch.Generator().manual_seed(tokens))
+    program = export_rank0(module, (x, x), 1)
+    assert bool(expert_reads(program)["gathered"]) == gathers
+    layer = tiny_eager.model.layers[LAYER]
+    with torch.no_grad():
+        _, w, idx = layer.router(x.reshape(tokens, -1))
+        want = layer.experts(x.reshape(tokens, -1), idx, w)
+        got = program.module()(x, x).reshape(tokens, -1)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    config._experts_implementation = "dense_masked"  # a prefill graph
+    assert not expert_reads(export_rank0(module, (x, x), 1))["gathered"]
