@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from neuron_moe.generate import greedy, left_pad
+from neuron_moe.neuron.compile import FORMAT
 from neuron_moe.serve import neuron
 from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
 from neuron_moe.serve.engine import Engine, HFBackend, RequestError, SamplingParams, held_back, sample
@@ -207,7 +208,8 @@ def test_the_tokenizers_chat_template_is_used_when_it_has_one(tmp_path):
 # ---- the Neuron backend against a stand-in runtime ------------------------------------------------
 
 def _manifest(**fields):
-    return json.dumps(dict({"format": 1, "dtype": "bf16", "batch_size": 2, "dry_run": False}, **fields))
+    return json.dumps(dict({"format": FORMAT, "dtype": "bf16", "batch_size": 2, "dry_run": False,
+                            "expert_layout": "channel"}, **fields))
 
 
 def test_manifest_errors_name_the_problem(tmp_path):
@@ -279,4 +281,17 @@ def test_neuron_backend_pads_to_buckets_and_matches_the_reference(tmp_path, monk
         engine.max_tokens_for(65, 1)
     with pytest.raises(neuron.NeuronError, match="compiled for port 'tiny-gemma4-moe', not 'other'"):
         neuron.NeuronBackend(tmp_path, types.SimpleNamespace(name="other"))
+
+
+def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path, tiny_port):
+    """Checked from the manifest, before the SDK or any weights are needed."""
+    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96,
+                                                      expert_layout="expert"))
+    with pytest.raises(neuron.NeuronError, match=r"built with the 'expert' expert layout, served here with the "
+                                                 r"'channel' layout \(the port's \[static\] expert_layout\)"):
+        neuron.NeuronBackend(tmp_path, tiny_port)
+    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96,
+                                                      expert_layout="rows"))
+    with pytest.raises(neuron.NeuronError, match="expert_layout 'rows' is not one of"):
+        neuron.read_manifest(tmp_path)
 
