@@ -13,7 +13,7 @@ bisection and two prefix sums over 5,632 channels). This kernel removes both:
   took their tickets before it did and so are running: whatever the GPU keeps resident, no
   program waits for one that cannot start. Under Triton's interpreter the programs run one
   after another in id order, so every wait is already met (the tests run it there). A wait
-  that outlasts `LIMIT` spins gives up and counts a fault (`faults()`), so a bug can give a
+  that outlasts SPIN_LIMIT polls gives up and counts a fault (`faults()`), so a bug can give a
   wrong answer that the checks catch, never a hang.
 - **Select across programs.** One *pivot* program per token finds the k-th largest score
   (`_pivot`: a radix search whose first 8-bit digit runs over all channels and the rest only
@@ -52,7 +52,8 @@ from ..prep import BLOCK
 from .forward import ATOMICS, _check_device, _hadamard, _workspace, activation, check_layer
 from .kernels import _down_recovery, _down_rows, _exact, _recover, _scores, _screen, _zero
 
-LINE = 32  # int32 entries per counter: one 128-byte line, so that spinning on one does not slow another
+LINE = 32  # int32 entries per counter (the kernels write it as the literal 32): one 128-byte line each,
+# so that programs spinning on one counter do not slow the adds to another
 # counter lines: 0 ticket, 1 programs done, 2 faults, 3 rotate+scan programs done; then per token t:
 # 4 + 5t + (0 screen, 1 pivot, 2 place, 3 exact, 4 recover); then 4 + 5T + t·tiles + tile: down arrivals
 FAULT_LINE = 2
@@ -90,7 +91,7 @@ PERSISTENT_VARIANTS = {
     "persistent sc8": {"sc": 8},  # 8-coordinate screen chunks: 18.8 vs 19.0 µs batch 1, 85 vs 100 batch 8 (H200)
     "persistent spin": {"spin_ns": 256},
     "persistent acq_rel": {"atomics": "acq_rel"},  # the single launch alone, without relaxed reductions
-    "persistent r128": {"maxnreg": 128},  # 4 programs of 4 warps per SM instead of 3 (143 registers), 48 B spilled
+    "persistent r128": {"maxnreg": 128},  # 4 programs of 4 warps per SM, not 3 (143 registers); GELU: 48 B spilled
 }
 
 
