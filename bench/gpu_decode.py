@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import gc
 import json
 import os
@@ -102,6 +101,7 @@ from transformers import Gemma4ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
 
 from neuron_moe import experts as _registered  # noqa: E402,F401  (registers channel_reader, dense_masked)
 from neuron_moe.experts.channel_reader import ReaderState, reader_forward  # noqa: E402
+from neuron_moe.errors import UserError  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader.accounting import Geometry, Layout, solve_k  # noqa: E402
 from neuron_moe.reader.hadamard import padded, random_signs  # noqa: E402
@@ -210,19 +210,10 @@ def set_reader(model, k: int, run) -> None:
 
 
 def triton_variant(name: str):
-    """The Triton reader's forward for a bench/gpu_reader.py variant name ("bisect": the default)."""
-    from neuron_moe.reader.triton import forward as triton_reader
-    from neuron_moe.reader.triton import persistent
+    """The Triton reader's forward for a variant name (`reader/triton/variants.py`; "bisect": the default)."""
+    from neuron_moe.reader.triton import variants
 
-    if name in persistent.PERSISTENT_VARIANTS:
-        return functools.partial(persistent.forward, shape=persistent.tiles(name))
-    if name in ("fused", "relaxed"):
-        return functools.partial(triton_reader.forward, **({"fuse": True} if name == "fused" else
-                                                           {"atomics": "relaxed"}))
-    if name not in triton_reader.SELECT_VARIANTS:
-        raise SystemExit(f"--reader-variant {name!r}: not one of bisect, fused, relaxed, "
-                         f"{', '.join(triton_reader.SELECT_VARIANTS)}, {', '.join(persistent.PERSISTENT_VARIANTS)}")
-    return functools.partial(triton_reader.forward, select_variant=name)
+    return variants.reader_forward(name)
 
 
 def sync():
@@ -464,7 +455,10 @@ def main() -> int:
         if fastest and fastest not in args.reader_variants:
             args.reader_variants.append(fastest)
     for variant in args.reader_variants:
-        triton_variant(variant)  # an unknown name stops the run here, not after a model is built
+        try:
+            triton_variant(variant)  # an unknown name stops the run here, not after a model is built
+        except UserError as e:
+            raise SystemExit(f"--reader-variants: {e}") from None
     began = time.perf_counter()
     for name in names:
         why = skip_reason(report, name, args.time_budget and args.time_budget - (time.perf_counter() - began))

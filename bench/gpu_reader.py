@@ -8,8 +8,8 @@ Qwen3-30B-A3B layer geometries, batch 1, 4 and 8 decode tokens, bf16 weights:
   down rows) — the reader's own exact kernels with every channel selected;
 - `reader-17.8`, `reader-12.8`: the reader's Triton kernels at those read budgets (the default:
   eight launches, `triton/forward.py`);
-- `reader-17.8 <variant>`, at the first geometry only (`--variant-geometry`): one of the select
-  kernel's variants (`forward.py` SELECT_VARIANTS: radix search, one-scan placement), `fused`
+- `reader-17.8 <variant>`, at the first geometry only (`--variant-geometry`; `triton/variants.py`
+  names them): one of the select kernel's variants (`forward.py` SELECT_VARIANTS: radix search, one-scan placement), `fused`
   (six launches), `relaxed` (fire-and-forget reductions), or a `persistent ...` variant: the
   whole reader in one launch with the select spread over programs (`triton/persistent.py`
   PERSISTENT_VARIANTS: its tile shapes). A table of the variants side by side is printed
@@ -59,8 +59,6 @@ DRY_GEOMETRIES = {  # a hidden size that is not a multiple of 128; low rank so t
     "tiny-qwen-like": (256, 8, 2, 160, "silu", 2),
 }
 BUDGETS = (17.8, 12.8)
-FUSED = "fused"  # forward(fuse=True): six launches instead of eight
-RELAXED = "relaxed"  # forward(atomics="relaxed")
 
 
 def parse_args(argv=None):
@@ -100,6 +98,7 @@ from neuron_moe.reader.prep import LayerSidecar  # noqa: E402
 from neuron_moe.reader.prep import Layout as SidecarLayout  # noqa: E402
 from neuron_moe.reader.triton import forward as triton_reader  # noqa: E402
 from neuron_moe.reader.triton import persistent  # noqa: E402
+from neuron_moe.reader.triton.variants import FUSED, NAMES as VARIANTS, RELAXED, SELECTS, reader_forward  # noqa: E402
 from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
 from gpu_env import header, machine  # noqa: E402  (bench/ is on sys.path: this script's folder)
 
@@ -155,22 +154,12 @@ def dense_reference(layer, x, index, weights):
     return torch.einsum("tki,tkhi->th", h, layer.down[index].float())
 
 
-SELECTS = [v for v in triton_reader.SELECT_VARIANTS if v != "bisect"]  # select_kernel's, beside its default
-VARIANTS = [*SELECTS, FUSED, RELAXED, *persistent.PERSISTENT_VARIANTS]
 DRY_VARIANTS = ["radix5+1scan", FUSED, RELAXED, "persistent"]  # one of each kind: the interpreter is slow
-
-
-def reader_forward(variant: str):
-    """The reader's forward for a variant name ("bisect": the default)."""
-    if variant in persistent.PERSISTENT_VARIANTS:
-        return functools.partial(persistent.forward, shape=persistent.tiles(variant))
-    how = {FUSED: {"fuse": True}, RELAXED: {"atomics": "relaxed"}}.get(variant, {"select_variant": variant})
-    return functools.partial(triton_reader.forward, **how)
 
 
 def implementations(geo, rank, variants):
     """name -> (forward(layer, x, index, weights), bytes per token, k or None for the dense ones);
-    `variants`: the reader's variants beside the default to run at the first budget (VARIANTS names)."""
+    `variants`: the reader's variants beside the default to run at the first budget (`triton/variants.py`)."""
     full = full_bytes(geo)
     out = {
         "hf-batched_mm": (lambda L, x, i, w: L.hf["batched_mm"](x, i, w), full, None),
