@@ -35,10 +35,12 @@ CompileConfig: torch.compile mode "reduce-overhead") — would send the reader's
 decode pre-hook through dynamo, and graph-break into several graphs where it cannot trace; a manual
 capture of the eager forward needs neither and is the same for every experts implementation.
 
-Check, at batch 1 before any timing: one decode step's logits of each configuration against a
-reference on the same prompt — the full experts against `dense_masked` (fixed-shape, all experts), the
-reader against its own PyTorch reference backend on the same sidecar — within 5e-2 of the largest
-|logit| (bf16 through every layer; a tie at the k-th score may fall either way in the two backends).
+Check, at batch 1 before any timing: one decode step on the same prompt, the first MoE layer's experts
+output of each configuration against a reference — the full experts against `dense_masked`
+(fixed-shape, all experts), the reader against its own PyTorch reference backend on the same sidecar —
+within 2e-2 of its largest entry (bf16, as bench/gpu_reader.py's check). The first layer's experts see
+the same input whichever implementation runs; the logits do not (random weights through every layer in
+bf16 amplify rounding: `first_step`), so their difference is recorded (`logits_rel_err`), not checked.
 
     python bench/gpu_decode.py                         # GPU: $OUT/gpu_decode.json and .md
     python bench/gpu_decode.py --models gemma4-26b-a4b qwen3-30b-a3b
@@ -111,7 +113,7 @@ from gpu_env import header, machine  # noqa: E402  (bench/ is on sys.path: this 
 
 DEVICE = "cpu" if args.dry_run else "cuda"
 BF16 = torch.bfloat16
-TOLERANCE = 5e-2  # of the largest |logit|: the check's bound
+TOLERANCE = 2e-2  # of the first MoE layer's largest output entry: the check's bound (bf16, as bench/gpu_reader.py)
 
 
 def qwen3_config(**sizes) -> Qwen3MoeConfig:
@@ -239,13 +241,23 @@ def step(model, cache, ids):
 
 
 @torch.no_grad()
-def first_logits(model, batch: int = 1) -> torch.Tensor:
-    """One decode step's logits after the prompt (prefill eager), for the checks. The step's token is the
-    prompt's first, not the prefill's argmax: two implementations may break a near-tie there differently."""
-    cache = new_cache(model)
-    ids = prompt(model, batch)
-    step(model, cache, ids)
-    return step(model, cache, ids[:, :1])[1]
+def first_step(model, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step after the prompt (prefill eager), for the checks: the first MoE layer's experts
+    output and the logits. The first layer's experts see the same input whatever implementation runs
+    (nothing upstream differs), so their outputs compare at the kernels' own tolerance; the logits of
+    random weights, through every layer in bf16, can differ far more between two correct
+    implementations (on the tiny port's geometry: 0.28 of the largest logit in bf16, 1e-6 in fp32, the
+    first layer's experts 3e-3 in bf16), so they are recorded, not checked. The step's token is the prompt's first, not the prefill's argmax."""
+    seen = []
+    hook = moe_layers(model)[0][1].register_forward_hook(lambda module, args, out: seen.append(out.float()))
+    try:
+        cache = new_cache(model)
+        ids = prompt(model, batch)
+        step(model, cache, ids)
+        logits = step(model, cache, ids[:, :1])[1]
+    finally:
+        hook.remove()
+    return seen[-1], logits
 
 
 def rel_err(got, want) -> float:
@@ -383,13 +395,14 @@ def run_model(report, dest, name) -> None:
                                      len(model.model.layers), "build_s": time.perf_counter() - t0, "rank": rank}
     print(f"{name}: {params / 1e9:.2f} B parameters built on {DEVICE} in {info['build_s']:.1f} s", flush=True)
     model.set_experts_implementation("dense_masked")
-    reference = first_logits(model)
+    reference = first_step(model)
     full = {}
     for impl in ("batched_mm", "grouped_mm"):
         model.set_experts_implementation(impl)
-        full[impl] = first_logits(model)
-        err = rel_err(full[impl], reference)
-        measure(report, dest, name, model, impl, (err, err <= TOLERANCE))
+        full[impl] = first_step(model)
+        err = rel_err(full[impl][0], reference[0])
+        measure(report, dest, name, model, impl, (err, err <= TOLERANCE),
+                logits_rel_err=rel_err(full[impl][1], reference[1]))
     t0 = time.perf_counter()
     sidecars, times = prep_sidecars(model, rank, args.prep_seconds)
     info.update(prepped_layers=len(sidecars), prep_s=time.perf_counter() - t0, prep_s_per_layer=times)
@@ -399,13 +412,15 @@ def run_model(report, dest, name) -> None:
     for budget, variant in [(b, first) for b in BUDGETS] + [(BUDGETS[0], v) for v in others]:
         k = solve_k(geometry(model.config), Layout(rank=rank), budget)
         set_reader(model, k, reader_forward("reference"))
-        want = first_logits(model)
+        want = first_step(model)
         set_reader(model, k, triton_variant(variant))
-        got = first_logits(model)
-        err = rel_err(got, want)
-        # how far the reader's logits are from the full model's: not a check (random weights), a sign that it ran
+        got = first_step(model)
+        err = rel_err(got[0], want[0])
+        # vs_full: the first layer's reader output against the full experts' (not a check: a sign that it ran,
+        # and sparsely)
         measure(report, dest, name, model, f"reader-{budget}" + ("" if variant == "bisect" else f" {variant}"),
-                (err, err <= TOLERANCE), k=k, vs_full=rel_err(got, full["batched_mm"]))
+                (err, err <= TOLERANCE), k=k, logits_rel_err=rel_err(got[1], want[1]),
+                vs_full=rel_err(got[0], full["batched_mm"][0]))
     info["seconds"] = time.perf_counter() - start
     del model, sidecars
     gc.collect()
