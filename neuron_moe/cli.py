@@ -8,6 +8,7 @@ import sys
 
 from . import __version__
 from .errors import UserError
+from .parallel.layout import DEFAULT_EXPERT_LAYOUT
 from .port import DEFAULT_PORT, DTYPES
 
 
@@ -26,6 +27,15 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
+    from .parallel.layout import EXPERT_LAYOUTS
+
+    p.add_argument("--expert-layout", choices=EXPERT_LAYOUTS,
+                   help=f"{which}how TP ranks split the experts: channel (every expert's I/t intermediate channels "
+                        "per rank; decode gathers each token's k experts) or expert (E/t whole experts per rank, "
+                        "the seed port's) (default: the port's [static] expert_layout, else channel)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -112,6 +122,12 @@ def cmd_validate(args) -> int:
         options["reader_backend"] = args.reader_backend
     if options and args.backend != "reader":
         raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only")
+    if args.expert_layout is not None:
+        from .parallel.generate import BACKENDS as TP_BACKENDS
+
+        if args.backend not in TP_BACKENDS:
+            raise UserError(f"--expert-layout applies to the TP backends ({', '.join(TP_BACKENDS)}) only")
+        options["expert_layout"] = args.expert_layout
     if args.backend == "reader":  # fail on a bad sidecar, budget or reader backend before the reference runs
         from .experts.channel_reader import plan_reader, reader_forward, reader_settings
 
@@ -165,20 +181,26 @@ def cmd_plan(args) -> int:
     from .report import table
 
     port = load_port(args.model)
+    static = port.static
+    expert_layout = args.expert_layout or (static.expert_layout if static else DEFAULT_EXPERT_LAYOUT)
     report = plan(port.config, args.instance, args.tp, args.dtype, args.batch, args.seq,
-                  args.runtime_reserve_gib * 2**30, model=port.name)
+                  args.runtime_reserve_gib * 2**30, model=port.name, expert_layout=expert_layout,
+                  decode_experts=static.decode_experts if static else "selective")
     if _json_out(report, args):
-        print(f"{port.name} on {args.instance}: TP {args.tp}, {args.dtype} experts, batch {args.batch}, seq {args.seq}\n")
+        print(f"{port.name} on {args.instance}: TP {args.tp}, {args.dtype} experts in the {expert_layout} layout, "
+              f"batch {args.batch}, seq {args.seq}\n")
         if "per_rank_bytes" in report:
             rows = [{"what": k, "GB": v / GB} for k, v in report["per_rank_bytes"].items()]
             rows.append({"what": "total", "GB": report["per_rank_total_bytes"] / GB})
             print(table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]))
             print(f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
                   f"(graph and runtime rows are stated estimates, not measurements)\n")
-            print(table(report["decode"], [("experts", "decode: experts read as"), ("GB_per_token", "GB/token/rank", "{:.3f}"),
-                                           ("floor_ms", "HBM floor ms/token", "{:.2f}"),
-                                           ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]))
-            print()
+            rows = [dict(r, expert_layout=r["expert_layout"] + (" (this plan)" if r["this_plan"] else ""))
+                    for r in report["decode"]]
+            print(table(rows, [("expert_layout", "expert layout"), ("decode_graph", "its decode graph reads"),
+                               ("GB_per_token", "GB/token/rank", "{:.3f}"), ("floor_ms", "HBM floor ms/token", "{:.2f}"),
+                               ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]))
+            print("\n(decode: the graphs trace-and-compile builds, at this batch; bytes read, not measured)\n")
             print(table(report["host_per_step"], [("what", "host <-> device per decode step"),
                                                    ("direction", ""), ("bytes", "bytes")]))
             print()
@@ -193,12 +215,13 @@ def cmd_trace_and_compile(args) -> int:
 
     port = load_port(args.model)
     report = trace_and_compile(port, args.dtype, args.tp, args.out, dry_run=args.dry_run, overwrite=args.overwrite,
-                               checkpoint=args.checkpoint, logits=args.with_logits)
+                               checkpoint=args.checkpoint, expert_layout=args.expert_layout, logits=args.with_logits)
     if _json_out(report, args):
         rows = [{"file": f, "bytes": v["size"], "sha256": v["sha256"]} for f, v in report["files"].items()]
         print(table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]))
         what = "dry run (CPU, gloo layers; exported, not compiled)" if report["dry_run"] else "compiled for Neuron"
-        print(f"\n{report['out']}: {port.name} {args.dtype} TP {args.tp}, keys {', '.join(report['keys'])}; {what}"
+        print(f"\n{report['out']}: {port.name} {args.dtype} TP {args.tp}, {report['expert_layout']} expert layout, "
+              f"keys {', '.join(report['keys'])}; {what}"
               + ("" if report["weights"] else "; no weights (meta device): exported, manifest and shard plan only"))
     return 0
 
@@ -406,6 +429,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
     p.add_argument("--reader-backend", choices=("reference", "triton", "nki"),
                    help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron)")
+    _expert_layout_arg(p, "tp8, tp8-int8: ")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("build-corpus", help="write the tiny model's corpus: English text plus the synthetic tasks",
@@ -518,6 +542,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=_positive_int, default=4096, metavar="S", help="max sequence length: KV cache and largest prefill bucket (default 4096)")
     p.add_argument("--runtime-reserve-gib", type=float, default=1.0, metavar="GIB",
                    help="stated per-core runtime reserve (default 1.0)")
+    _expert_layout_arg(p)
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_plan)
 
@@ -541,6 +566,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
     p.add_argument("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
+    _expert_layout_arg(p)
     p.add_argument("--with-logits", action="store_true",
                    help="graphs that also return the fp32 logits (validation, host-side sampling: vocab x 4 bytes "
                         "per row and step to the host); default: the greedy token alone")

@@ -17,6 +17,7 @@ from transformers import Gemma4TextConfig
 
 from .config import gemma4_moe_config
 from .errors import UserError
+from .parallel.layout import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -44,6 +45,7 @@ class StaticSpec:
     batch_size: int  # rows of every graph
     prefill_experts: str  # experts implementation of the prefill graphs
     decode_experts: str  # experts implementation of the decode graph
+    expert_layout: str = DEFAULT_EXPERT_LAYOUT  # how the TP graphs split the experts (parallel/layout.py)
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def _require(table: dict, key: str, kind: type, where: str):
     return value
 
 
-_STATIC_FIELDS = {"buckets", "max_cache_len", "batch_size", "prefill_experts", "decode_experts"}
+_STATIC_FIELDS = {"buckets", "max_cache_len", "batch_size", "prefill_experts", "decode_experts", "expert_layout"}
 
 
 def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpec:
@@ -117,7 +119,10 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
         if experts[key] not in GRAPH_EXPERTS:
             raise PortError(f"{where}: {key} {experts[key]!r} is not an experts implementation for static "
                             f"graphs; choose from {list(GRAPH_EXPERTS)}")
-    return StaticSpec(tuple(buckets), max_cache_len, batch_size, **experts)
+    expert_layout = table.get("expert_layout", DEFAULT_EXPERT_LAYOUT)
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise PortError(f"{where}: expert_layout {expert_layout!r} is not one of {list(EXPERT_LAYOUTS)}")
+    return StaticSpec(tuple(buckets), max_cache_len, batch_size, **experts, expert_layout=expert_layout)
 
 
 def load_port(name_or_path: str = DEFAULT_PORT) -> Port:

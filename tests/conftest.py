@@ -68,3 +68,24 @@ class MoEBlock(torch.nn.Module):
     def forward(self, x):
         _, weights, index = self.router(x)
         return self.experts(x, index, weights)
+
+
+_GATHERS = (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default)
+
+
+def expert_reads(program) -> dict[str, dict[str, int]]:
+    """The experts weights an exported graph reads, by parameter name: "gathered", the elements of
+    the slices it indexes out of a parameter (`weight[idx]`, index_select: selective loading);
+    "whole", the elements of the parameters it reads in full."""
+    params = program.graph_signature.inputs_to_parameters  # placeholder name -> parameter name
+    out = {"gathered": {}, "whole": {}}
+    for node in program.graph.nodes:
+        name = params.get(node.name, "")
+        if node.op != "placeholder" or ".experts." not in "." + name or not name.endswith("proj.weight"):
+            continue
+        for user in node.users:
+            if user.target in _GATHERS:
+                out["gathered"][name] = out["gathered"].get(name, 0) + user.meta["val"].numel()
+            else:
+                out["whole"][name] = node.meta["val"].numel()
+    return out

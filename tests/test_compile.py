@@ -1,6 +1,8 @@
 """trace-and-compile --dry-run: the artifact a Neuron server would load, written on CPU. The exported
 rank-0 graphs and the per-rank shards it writes are loaded back and run on 2 gloo ranks, and give
-the reference tokens; a directory is never half-written or mixed with an earlier one."""
+the reference tokens; a directory is never half-written or mixed with an earlier one; the decode
+graph of the full-size port reads what its expert layout says; an artifact or shard of one expert
+layout is refused by the other."""
 
 import dataclasses
 import json
@@ -17,7 +19,7 @@ from neuron_moe.parallel import nxd
 from neuron_moe.parallel.trace import generation_job, run_replicated
 from neuron_moe.port import load_port
 
-from conftest import random_prompts
+from conftest import expert_reads, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +38,22 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     manifest, out = artifact
     assert nc.read_manifest(out) == {k: v for k, v in manifest.items() if k != "out"}
     assert manifest["keys"].keys() == {"context_encoding_16", "token_generation"}
-    assert (manifest["port"], manifest["tp"], manifest["buckets"], manifest["max_length"]) == \
-        (one_bucket_port.name, 2, [16], 96)
+    assert (manifest["port"], manifest["tp"], manifest["buckets"], manifest["max_length"], manifest["expert_layout"]) == \
+        (one_bucket_port.name, 2, [16], 96, "channel")
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert files == sorted([*manifest["files"], nc.MANIFEST])  # nothing else, nothing hidden
     for name, meta in manifest["files"].items():
         assert (out / name).stat().st_size == meta["size"] and nc._sha256(out / name) == meta["sha256"]
     plan = json.loads((out / nc.SHARD_PLAN).read_text())
-    gu = plan["model.layers.1.experts.gate_up_proj.weight"]
-    assert (gu["placement"], gu["full_shape"], gu["rank_shape"]) == ("column", [16 * 128, 128], [8 * 128, 128])
+    gu = plan["model.layers.1.experts.gate_up_proj.weight"]  # [E, H, 2I], each rank's gate and up channels
+    assert (gu["placement"], gu["partition_dim"], gu["partition_stride"], gu["full_shape"], gu["rank_shape"]) == \
+        ("experts_column", 2, 2, [16, 128, 128], [16, 128, 64])
     shard = load_file(out / nc.WEIGHTS.format(rank=1))
-    assert shard["model.model.layers.1.experts.spmd_rank.rank"].tolist() == [1]
+    assert shard["model.model.embed_tokens.rank_util.rank"].tolist() == [1]
+    assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == 2 and manifest["logits"] is False
+    assert manifest["format"] == nc.FORMAT == 3 and manifest["logits"] is False
     assert manifest["keys"]["context_encoding_16"]["inputs"] == {
         "input_ids": [1, 16], "attention_mask": [1, 16], "position_ids": [1, 16], "row_ids": [1]}
     assert manifest["keys"]["token_generation"]["inputs"] == {"input_ids": [2, 1], "position_ids": [2, 1]}
@@ -117,11 +121,72 @@ def test_full_size_port_dry_run_on_meta(tmp_path):
     assert manifest["keys"].keys() == {"context_encoding_128", "context_encoding_512", "context_encoding_2048",
                                        "token_generation"}
     plan = json.loads((out / nc.SHARD_PLAN).read_text())
-    down = plan["model.layers.5.experts.down_proj.weight"]  # 128 experts x 704 over 8 ranks, int8
-    assert (down["full_shape"], down["rank_shape"], down["dtype"]) == ([2816, 128 * 704], [2816, 16 * 704], "int8")
-    assert plan["model.layers.5.experts.down_proj.scale"]["rank_shape"] == [2816, 1]  # replicated with the row layer
+    down = plan["model.layers.5.experts.down_proj.weight"]  # every expert's 704 channels over 8 ranks, int8
+    assert (down["full_shape"], down["rank_shape"], down["dtype"]) == ([128, 704, 2816], [128, 88, 2816], "int8")
+    assert plan["model.layers.5.experts.down_proj.scale"]["rank_shape"] == [128, 1, 2816]  # per (expert, hidden), replicated
+    assert plan["model.layers.5.experts.gate_up_proj.scale"]["rank_shape"] == [128, 1, 2 * 88]  # split with its channels
     k = plan["model.layers.5.self_attn.k_proj.weight"]  # 2 global KV heads of 512, replicated to 8
     assert (k["full_shape"], k["rank_shape"]) == ([8 * 512, 2816], [512, 2816])
+
+
+@pytest.mark.parametrize("expert_layout,gathered,whole", [
+    ("channel", 8 * 3 * 88 * 2816, 0),  # k experts' slices of I/t channels
+    ("expert", 0, 16 * 3 * 704 * 2816),  # all E/t experts, whole
+])
+def test_full_size_decode_graph_reads_what_its_layout_says(expert_layout, gathered, whole):
+    """The token-generation key of the full-size port at TP 8, batch 1, exported as rank 0 on the meta
+    device (two of its 30 layers, one sliding and one global, at full width): per layer and rank the
+    channel layout's graph gathers k·3·(I/t)·H expert weights (11.9 MB in bf16), the expert layout's
+    reads its (E/t)·3·I·H whole (190 MB): 16 times more."""
+    from neuron_moe.config import gemma4_moe_config
+    from neuron_moe.parallel import cpu
+    from neuron_moe.parallel.model import rank_model
+    from neuron_moe.parallel.trace import export_rank0
+    from neuron_moe.static import data_dependent_ops
+    from neuron_moe.static.decoder import new_cache
+
+    port = load_port("gemma4-26b-a4b")
+    config = gemma4_moe_config(dict(port.raw["config"], num_hidden_layers=2,
+                                    layer_types=["sliding_attention", "full_attention"]), "two layers")
+    module = rank_model(config, 8, cpu, expert_layout=expert_layout, device="meta")
+    graph = nc._graph(module, port.static, "token_generation",
+                      new_cache(module, port.static.max_cache_len, port.static.batch_size), False)
+    program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(port.static, "token_generation")), 8)
+    assert data_dependent_ops(program) == []
+    reads = expert_reads(program)
+    for layer in range(2):
+        weights = [f"model.model.layers.{layer}.experts.{p}_proj.weight" for p in ("gate_up", "down")]
+        assert sum(reads["gathered"].get(w, 0) for w in weights) == gathered
+        assert sum(reads["whole"].get(w, 0) for w in weights) == whole
+
+
+def test_an_artifact_or_shard_of_the_other_layout_is_refused(artifact, tmp_path):
+    """The channel artifact above, its manifest edited to claim the expert layout: served with the
+    port's channel layout it is refused, and its shards are refused as not the manifest's layout."""
+    manifest, out = artifact
+    manifest = nc.read_manifest(out)
+    nc.check_expert_layout(manifest, "channel", out)
+    with pytest.raises(nc.ArtifactError, match="built with the 'channel' expert layout, served here with the "
+                                               "'expert' layout"):
+        nc.check_expert_layout(manifest, "expert", out)
+    claimed = dict(manifest, expert_layout="expert")
+    with pytest.raises(nc.ArtifactError, match=r"tp0_sharded_checkpoint.safetensors holds its experts in the "
+                                               r"'channel' layout, the manifest says 'expert'"):
+        nc.load_shards(out, claimed)
+    assert len(nc.load_shards(out, manifest)) == 2
+
+
+def test_a_degree_that_does_not_split_the_channels_is_refused(tiny_port, tmp_path, capsys):
+    from conftest import port_text_elsewhere
+
+    (tmp_path / "p.toml").write_text(port_text_elsewhere(tiny_port).replace("moe_intermediate_size = 64",
+                                                                            "moe_intermediate_size = 60"))
+    args = ["trace-and-compile", "--model", str(tmp_path / "p.toml"), "--tp", "8", "--dry-run", "--out",
+            str(tmp_path / "x")]
+    assert main(args) == 2
+    assert "TP 8 (channel expert layout): 60 expert intermediate channels do not split over 8 ranks" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_without_the_sdk_it_says_so(tmp_path, capsys):

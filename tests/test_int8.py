@@ -1,5 +1,6 @@
 """int8 experts: per-output-channel symmetric quantisation that never touches its source, dequantised
-after the matmul (exactly the model with dequantised weights), and an error of bf16's order."""
+after the matmul (exactly the model with dequantised weights), an error of bf16's order, and down's
+scale per (expert, hidden channel) closer to fp32 than one shared by the experts."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from neuron_moe.experts.int8 import QMAX, quantize_per_channel
 from neuron_moe.generate import left_pad
 from neuron_moe.model import build_model
-from neuron_moe.parallel.layout import down_2d, gate_up_2d
+from neuron_moe.parallel.layout import down_2d, fused
 
 from conftest import random_prompts
 from test_dense_masked import prefill_logits
@@ -30,17 +31,22 @@ def test_quantize_per_channel(dtype):
     assert scale[7] > 50 * scale[0]
 
 
-def _dequantised_copy(port):
-    """The float model whose expert weights are the int8 model's, dequantised (q · scale)."""
+def _dequantised_copy(port, down_shared_by_experts=False):
+    """The float model whose expert weights are the int8 model's, dequantised (q · scale); or, with
+    `down_shared_by_experts`, down quantised as the expert layout must (one scale per hidden channel)."""
     model = build_model(port, "dense_masked")
     with torch.no_grad():
         for layer in model.model.layers:
             e = layer.experts
-            E, O, H = e.gate_up_proj.shape
-            q, s = quantize_per_channel(gate_up_2d(e.gate_up_proj))
-            e.gate_up_proj.copy_((q.float() * s).view(E, O, H))
-            q, s = quantize_per_channel(down_2d(e.down_proj))
-            e.down_proj.copy_((q.float() * s).view(H, E, -1).permute(1, 0, 2))
+            q, s = quantize_per_channel(fused(e.gate_up_proj))  # [E, H, 2I], a scale per (expert, channel)
+            e.gate_up_proj.copy_(fused(q.float() * s))
+            if down_shared_by_experts:
+                E, H, _ = e.down_proj.shape
+                q, s = quantize_per_channel(down_2d(e.down_proj))  # [H, E·I], a scale per hidden channel
+                e.down_proj.copy_((q.float() * s).view(H, E, -1).permute(1, 0, 2))
+            else:
+                q, s = quantize_per_channel(fused(e.down_proj))  # [E, I, H], a scale per (expert, hidden)
+                e.down_proj.copy_(fused(q.float() * s))
     return model
 
 
@@ -90,3 +96,15 @@ def test_int8_error_is_of_bf16s_order(tiny_port):
     err8, err16 = (int8 - ref).abs(), (bf16 - ref).abs()
     assert err8.mean() <= err16.mean()
     assert err8.mean() > 1e-4  # the quantisation is real
+
+
+def test_down_scales_per_expert_are_closer_to_fp32_than_shared_ones(tiny_port):
+    """Why `int8` (and the channel layout) quantise down per (expert, hidden channel): on the
+    committed checkpoint the mean |Δlogit| against fp32 is 0.018, against 0.025 with the expert
+    layout's scale per hidden channel shared by the experts (measured; 3 prompts, 81 positions)."""
+    ids, mask = left_pad(random_prompts(tiny_port.config.vocab_size, [24, 40, 17], seed=7), pad_id=0)
+    real = mask.bool()
+    ref = prefill_logits(build_model(tiny_port, "eager"), ids, mask)[real]
+    per_expert = (prefill_logits(_dequantised_copy(tiny_port), ids, mask)[real] - ref).abs().mean()
+    shared = (prefill_logits(_dequantised_copy(tiny_port, down_shared_by_experts=True), ids, mask)[real] - ref)
+    assert per_expert < 0.8 * shared.abs().mean()

@@ -59,8 +59,9 @@ def test_initialize_model_parallel_is_called_with_keywords():
 
 def test_same_surface_as_the_cpu_backend():
     for name in ("ColumnParallelLinear", "RowParallelLinear", "QuantizedColumnParallel", "QuantizedRowParallel",
-                 "ParallelEmbedding", "SPMDRank", "scatter_to_process_group_spmd",
-                 "scatter_to_tensor_model_parallel_region"):
+                 "ExpertFusedColumnParallelLinear", "ExpertFusedRowParallelLinear", "QuantizedExpertFusedColumnParallel",
+                 "QuantizedExpertFusedRowParallel", "ParallelEmbedding", "SPMDRank", "scatter_to_process_group_spmd",
+                 "scatter_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"):
         assert inspect.signature(getattr(nxd, name)).parameters.keys() == \
             inspect.signature(getattr(cpu, name)).parameters.keys(), name
 
@@ -69,6 +70,7 @@ def test_same_surface_as_the_cpu_backend():
 def test_without_the_sdk_every_entry_point_is_one_clear_error():
     assert not nxd.sdk_available()
     for build in (lambda: nxd.ColumnParallelLinear(8, 8, tp=2), lambda: nxd.SPMDRank(2),
+                  lambda: nxd.ExpertFusedColumnParallelLinear(4, 8, 8, tp=2, stride=2),
                   lambda: nxd.initialize_model_parallel(2), lambda: nxd.trace_keys({}, dict, 2, "/tmp/x")):
         with pytest.raises(nxd.NeuronSDKMissing, match="needs the Neuron SDK .* not on PyPI") as e:
             build()

@@ -1,5 +1,8 @@
-"""The TP layout and the CPU backend's sharding, in one process: who owns what, sliced as NxD's
-shard_checkpoint slices it, and the rank modules' parameters tagged as the layout says."""
+"""The TP layout and the CPU backend's sharding, in one process: who owns what in each expert
+layout, sliced as NxD's shard_checkpoint slices it (partition stride included), the rank modules'
+parameters tagged as the layout says, and one layout's checkpoint refused by the other's module."""
+
+import copy
 
 import pytest
 import torch
@@ -27,9 +30,9 @@ def hf_state(tiny_eager):
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
-def test_experts_are_whole_and_expert_major_on_each_rank(tiny_eager, hf_state, tp):
+def test_expert_layout_experts_are_whole_and_expert_major_on_each_rank(tiny_eager, hf_state, tp):
     config = tiny_eager.config
-    par = layout.parallel_state_dict(hf_state, config, tp)
+    par = layout.parallel_state_dict(hf_state, config, tp, layout.EXPERT)
     gate_up, down = hf_state[f"model.layers.{LAYER}.experts.gate_up_proj"], hf_state[f"model.layers.{LAYER}.experts.down_proj"]
     for rank in range(tp):
         mine = list(layout.expert_range(config, tp, rank))
@@ -38,6 +41,28 @@ def test_experts_are_whole_and_expert_major_on_each_rank(tiny_eager, hf_state, t
         dn = layout.shard(par[f"model.layers.{LAYER}.experts.down_proj.weight"], layout.ROW, tp, rank)
         assert torch.equal(gu, gate_up[mine].reshape(-1, config.hidden_size))
         assert torch.equal(dn, down[mine].permute(1, 0, 2).reshape(config.hidden_size, -1))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_channel_layout_ranks_hold_every_experts_channels_gate_paired_with_up(tiny_eager, hf_state, tp):
+    config = tiny_eager.config
+    I = config.moe_intermediate_size
+    par = layout.parallel_state_dict(hf_state, config, tp, layout.CHANNEL)
+    gate_up, down = hf_state[f"model.layers.{LAYER}.experts.gate_up_proj"], hf_state[f"model.layers.{LAYER}.experts.down_proj"]
+    assert f"model.layers.{LAYER}.experts.spmd_rank.rank" not in par  # nothing in the block depends on the rank
+    gu_full, dn_full = par[f"model.layers.{LAYER}.experts.gate_up_proj.weight"], par[f"model.layers.{LAYER}.experts.down_proj.weight"]
+    pieces = []
+    for rank in range(tp):
+        mine = list(layout.channel_range(config, tp, rank))
+        assert mine == list(range(rank * I // tp, (rank + 1) * I // tp))
+        gu = layout.shard(gu_full, layout.placement(f"model.layers.{LAYER}.experts.gate_up_proj.weight"), tp, rank)
+        dn = layout.shard(dn_full, layout.placement(f"model.layers.{LAYER}.experts.down_proj.weight"), tp, rank)
+        # [E, H, 2I/t]: this rank's gate channels, then the same channels of up (HF: gate rows 0:I, up I:2I)
+        want_gate_up = torch.cat([gate_up[:, mine], gate_up[:, [I + i for i in mine]]], dim=1).transpose(1, 2)
+        assert torch.equal(gu, want_gate_up)
+        assert torch.equal(dn, down[:, :, mine].transpose(1, 2))  # [E, I/t, H]
+        pieces.append(dn)
+    assert torch.equal(torch.cat(pieces, 1), dn_full)  # the ranks' channels tile the experts'
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -61,41 +86,55 @@ def test_each_rank_holds_the_kv_head_its_query_heads_read(tiny_eager, hf_state, 
 
 def test_parallel_state_dict_leaves_its_input_alone(hf_state, tiny_eager):
     before = {k: (v._version, v.clone()) for k, v in hf_state.items()}
-    par = layout.parallel_state_dict(hf_state, tiny_eager.config, 8)
-    assert all(hf_state[k]._version == ver and torch.equal(hf_state[k], old) for k, (ver, old) in before.items())
+    for expert_layout in layout.EXPERT_LAYOUTS:
+        par = layout.parallel_state_dict(hf_state, tiny_eager.config, 8, expert_layout)
+        assert all(hf_state[k]._version == ver and torch.equal(hf_state[k], old) for k, (ver, old) in before.items())
+        assert torch.equal(par["model.embed_tokens.rank_util.rank"], torch.arange(8, dtype=torch.int32))
+        assert "model.layers.0.experts.gate_up_proj" not in par
+        assert layout.expert_layout_of(par) == expert_layout
     assert torch.equal(par["model.layers.0.experts.spmd_rank.rank"], torch.arange(8, dtype=torch.int32))
-    assert torch.equal(par["model.embed_tokens.rank_util.rank"], torch.arange(8, dtype=torch.int32))
-    assert "model.layers.0.experts.gate_up_proj" not in par
 
 
 def test_degrees_that_do_not_split_are_named():
     big = load_port("gemma4-26b-a4b").config
+    with pytest.raises(layout.LayoutError, match=r"TP 24 \(channel expert layout\): 16 attention heads do not "
+                                                 "split over 24 ranks; 704 expert intermediate channels do not split"):
+        layout.check_degree(big, 24)
     with pytest.raises(layout.LayoutError, match="16 attention heads do not split over 24 ranks; "
                                                  "128 experts do not split over 24 ranks"):
-        layout.check_degree(big, 24)
+        layout.check_degree(big, 24, layout.EXPERT)
     with pytest.raises(layout.LayoutError, match=r"TP degree 3 is not one of \(1, 2, 4, 8, 24\)"):
         layout.check_degree(big, 3)
     layout.check_degree(big, 8)
+    layout.check_degree(big, 8, layout.EXPERT)
+    # each layout checks what it splits: the channel layout I, the expert layout E
+    odd = copy.deepcopy(big)
+    odd.moe_intermediate_size = 700
+    with pytest.raises(layout.LayoutError, match="700 expert intermediate channels do not split over 8 ranks"):
+        layout.check_degree(odd, 8)
+    layout.check_degree(odd, 8, layout.EXPERT)
+    with pytest.raises(layout.LayoutError, match="unknown expert layout 'rows'; expected one of channel, expert"):
+        layout.check_degree(big, 8, "rows")
 
 
+@pytest.mark.parametrize("expert_layout", layout.EXPERT_LAYOUTS)
 @pytest.mark.parametrize("int8", [False, True])
-def test_rank_module_tags_agree_with_the_layout(tiny_eager, int8):
-    module = ParallelMoE(tiny_eager.config, 4, cpu, int8=int8)
+def test_rank_module_tags_agree_with_the_layout(tiny_eager, expert_layout, int8):
+    module = ParallelMoE(tiny_eager.config, 4, cpu, expert_layout=expert_layout, int8=int8)
+    names = {name for name, _ in module.named_parameters()}
+    assert ("experts.spmd_rank.rank" in names) == (expert_layout == layout.EXPERT)
     for name, p in module.named_parameters():
-        kind = layout.placement(name)
-        if name.endswith(".scale"):  # int8 scales: split with a column layer, replicated with a row layer
-            kind = layout.placement(name.removesuffix("scale") + "weight")
-            kind = kind if kind == layout.COLUMN else layout.REPLICATED
+        kind = layout.placement(name, expert_layout)
         split = getattr(p, "tensor_model_parallel", False)  # HF's router: untagged, as in NxD
         assert split == (kind != layout.REPLICATED), name
         if split:
-            assert p.partition_dim == layout.SPLIT_DIM[kind] and p.num_partitions == 4, name
+            assert (p.partition_dim, p.partition_stride) == layout.PARTITION[kind] and p.num_partitions == 4, name
 
 
 def test_shard_checkpoint_cuts_as_nxd_does(tiny_eager, hf_state):
     config, tp = tiny_eager.config, 4
-    full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp)))
-    module = ParallelMoE(config, tp, cpu, int8=True)
+    full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp, layout.EXPERT)))
+    module = ParallelMoE(config, tp, cpu, expert_layout=layout.EXPERT, int8=True)
     shards = cpu.shard_checkpoint(full, module, tp)
     gu, gu_s = full["experts.gate_up_proj.weight"], full["experts.gate_up_proj.scale"]
     dn, dn_s = full["experts.down_proj.weight"], full["experts.down_proj.scale"]
@@ -111,16 +150,45 @@ def test_shard_checkpoint_cuts_as_nxd_does(tiny_eager, hf_state):
     assert torch.equal(torch.cat([s["experts.down_proj.weight"] for s in shards], 1), dn)
 
 
+def test_shard_checkpoint_cuts_the_channel_layout_with_its_stride(tiny_eager, hf_state):
+    """gate_up [E, H, 2I] has partition stride 2: NxD cuts it into 2t chunks of I/t and gives rank r
+    chunks r and r + t (its gate and its up channels); its scale [E, 1, 2I] is cut the same way,
+    down's [E, 1, H] is replicated."""
+    config, tp = tiny_eager.config, 4
+    n, I = config.moe_intermediate_size // tp, config.moe_intermediate_size
+    full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp, layout.CHANNEL)))
+    module = ParallelMoE(config, tp, cpu, int8=True)
+    shards = cpu.shard_checkpoint(full, module, tp)
+    gu, gu_s = full["experts.gate_up_proj.weight"], full["experts.gate_up_proj.scale"]
+    dn, dn_s = full["experts.down_proj.weight"], full["experts.down_proj.scale"]
+    assert gu.shape == (16, 128, 2 * I) and gu_s.shape == (16, 1, 2 * I) and dn_s.shape == (16, 1, 128)
+    for rank, state in enumerate(shards):
+        mine = [*range(rank * n, (rank + 1) * n), *range(I + rank * n, I + (rank + 1) * n)]
+        assert torch.equal(state["experts.gate_up_proj.weight"], gu[:, :, mine])
+        assert torch.equal(state["experts.gate_up_proj.scale"], gu_s[:, :, mine])
+        assert torch.equal(state["experts.down_proj.weight"], dn[:, rank * n:(rank + 1) * n])
+        assert torch.equal(state["experts.down_proj.scale"], dn_s)
+    assert torch.equal(torch.cat([s["experts.down_proj.weight"] for s in shards], 1), dn)
+
+
 def test_shard_checkpoint_is_strict(tiny_eager, hf_state):
     config = tiny_eager.config
-    full = block_state(layout.parallel_state_dict(hf_state, config, 2))
-    module = ParallelMoE(config, 2, cpu)
+    full = block_state(layout.parallel_state_dict(hf_state, config, 2, layout.EXPERT))
+    module = ParallelMoE(config, 2, cpu, expert_layout=layout.EXPERT)
     with pytest.raises(cpu.ShardError, match=r"missing \['experts.spmd_rank.rank'\]"):
         cpu.shard_checkpoint({k: v for k, v in full.items() if k != "experts.spmd_rank.rank"}, module, 2)
     wrong = dict(full, **{"experts.down_proj.weight": full["experts.down_proj.weight"][:, :-2]})
     with pytest.raises(cpu.ShardError, match=r"experts\.down_proj\.weight: rank 0 expects shape \(128, 512\), "
                                              r"the checkpoint's \(128, 1022\) gives \(128, 511\)"):
         cpu.shard_checkpoint(wrong, module, 2)
+    # one expert layout's checkpoint in the other's rank module: refused, naming both
+    with pytest.raises(layout.LayoutError, match=r"the checkpoint holds its experts in the 'expert' layout "
+                                                 r"\(experts.gate_up_proj.weight \[2048, 128\]\); it is used here "
+                                                 r"with the 'channel' layout"):
+        cpu.shard_checkpoint(full, ParallelMoE(config, 2, cpu), 2)
+    channel = block_state(layout.parallel_state_dict(hf_state, config, 2, layout.CHANNEL))
+    with pytest.raises(layout.LayoutError, match="in the 'channel' layout .* with the 'expert' layout"):
+        cpu.shard_checkpoint(channel, module, 2)
 
 
 @pytest.mark.parametrize("tp", [2, 8])
@@ -131,14 +199,14 @@ def test_each_rank_running_its_own_code_takes_its_own_router_slice(tiny_eager, h
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     config = tiny_eager.config
-    full = block_state(layout.parallel_state_dict(hf_state, config, tp))
+    full = block_state(layout.parallel_state_dict(hf_state, config, tp, layout.EXPERT))
     x = torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, w, idx = tiny_eager.model.layers[LAYER].router(x.reshape(10, -1))
     dense = router_weight_matrix(idx, w, config.num_experts).view(2, 5, -1)
     n = config.num_experts // tp
     for scatter in ("spmd", "naive"):
-        module = ParallelMoE(config, tp, cpu, scatter=scatter)
+        module = ParallelMoE(config, tp, cpu, expert_layout=layout.EXPERT, scatter=scatter)
         for rank, state in enumerate(cpu.shard_checkpoint(full, module, tp)):
             module.load_state_dict(state)
             dist.init_process_group("fake", rank=rank, world_size=tp, store=FakeStore())
@@ -148,3 +216,29 @@ def test_each_rank_running_its_own_code_takes_its_own_router_slice(tiny_eager, h
             finally:
                 dist.destroy_process_group()
             assert torch.equal(local, dense[..., rank * n:(rank + 1) * n]), (scatter, rank)
+
+
+@pytest.mark.parametrize("tokens,gathers", [(3, True), (4, False)])
+def test_a_decode_graph_gathers_only_while_tokens_times_k_is_below_e(tiny_eager, hf_state, tokens, gathers):
+    """NxD's rule, fixed per graph while it is traced: the tiny port's 16 experts, top-4, so a decode
+    graph of 3 tokens gathers 12 expert slices and one of 4 tokens (16 ≥ 16) computes all experts,
+    with HF's output either way. A graph that is not a decode graph never gathers."""
+    from neuron_moe.parallel.trace import export_rank0
+
+    from conftest import expert_reads
+
+    config = copy.deepcopy(tiny_eager.config)
+    config._experts_implementation = "selective"  # what the static decode graph sets while it is traced
+    module = ParallelMoE(config, 1, cpu)
+    module.load_state_dict(block_state(layout.parallel_state_dict(hf_state, config, 1)))
+    x = torch.randn(tokens, 1, config.hidden_size, generator=torch.Generator().manual_seed(tokens))
+    program = export_rank0(module, (x, x), 1)
+    assert bool(expert_reads(program)["gathered"]) == gathers
+    layer = tiny_eager.model.layers[LAYER]
+    with torch.no_grad():
+        _, w, idx = layer.router(x.reshape(tokens, -1))
+        want = layer.experts(x.reshape(tokens, -1), idx, w)
+        got = program.module()(x, x).reshape(tokens, -1)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    config._experts_implementation = "dense_masked"  # a prefill graph
+    assert not expert_reads(export_rank0(module, (x, x), 1))["gathered"]

@@ -9,6 +9,8 @@ from neuron_moe.info import parameter_counts
 from neuron_moe.neuron.plan import CHIP_HBM_BW, CORE_HBM, GB, plan
 from neuron_moe.port import load_port
 
+from conftest import port_text_elsewhere
+
 
 @pytest.fixture(scope="module")
 def big():
@@ -26,7 +28,12 @@ def test_int8_at_tp2_does_not_fit_inf2_8xlarge_once_lm_head_graph_and_runtime_co
     r = plan(big, "inf2.8xlarge", 2, "int8", batch=1, seq=4096)
     per_rank = r["per_rank_bytes"]
     assert 11.4 <= per_rank["experts"] / GB < 11.5  # ≈11.4 GB of experts on each rank
-    assert 22.8 <= r["experts_all_ranks_bytes"] / GB < 22.9  # ≈22.8 GB in all
+    # ≈22.9 GB in all: the channel layout's down scales, [E, 1, H] per layer (43 MB), are on both ranks
+    assert 22.9 <= r["experts_all_ranks_bytes"] / GB < 23.0
+    whole = plan(big, "inf2.8xlarge", 2, "int8", batch=1, seq=4096, expert_layout="expert")
+    assert 22.8 <= whole["experts_all_ranks_bytes"] / GB < 22.9  # the seed port's ≈22.8 GB: down scales [H]
+    assert r["experts_all_ranks_bytes"] - whole["experts_all_ranks_bytes"] == 2 * 30 * (128 - 1) * 2816 * 4
+    assert not whole["fits"]
     assert not r["fits"] and "exceeds a NeuronCore's 17.18 GB (16 GiB)" in r["reason"]
     assert r["per_rank_total_bytes"] > CORE_HBM
     uncounted = r["per_rank_total_bytes"] - per_rank["lm_head"] - per_rank["graph"] - per_rank["runtime"]
@@ -39,7 +46,7 @@ def test_per_rank_bytes_add_up_to_info_counts(big):
     r = plan(big, "inf2.48xlarge", 1, "bf16", batch=1, seq=128)
     w = r["per_rank_bytes"]
     weights = sum(v for k, v in w.items() if k not in ("lm_head", "kv_cache", "graph", "runtime"))
-    spmd_ranks = 4 * (big.num_hidden_layers + 1)  # int32 SPMDRank per MoE block and for the embedding
+    spmd_ranks = 4  # the embedding's int32 SPMDRank (the channel layout's MoE blocks have none)
     layer_scalars = 2 * big.num_hidden_layers  # a buffer, not a parameter: info does not count it
     assert weights - spmd_ranks - layer_scalars == counts["bytes"]["bfloat16"]  # info counts tied lm_head once
     for tp in (2, 4, 8):  # split groups shrink by exactly t
@@ -52,14 +59,41 @@ def test_kv_cache_and_decode_floor_on_the_tiny_port(tiny_port):
     r = plan(tiny_port.config, "inf2.24xlarge", 8, "bf16", batch=2, seq=64)
     # sliding layers 0, 2: window 16, 4 KV heads -> 1 per rank, head_dim 32; global 1, 3: 64, 2 -> 1 (replicated), 64
     assert r["per_rank_bytes"]["kv_cache"] == 2 * (2 * 2 * 16 * 1 * 32 * 2) + 2 * (2 * 2 * 64 * 1 * 64 * 2)
-    # TP 2, batch 1: 8 experts per rank, top-4 -> selective reads 4 of them, split on I 4 halves
+    # TP 2, batch 1: the channel layout's decode graph gathers 4 experts' 32 of 64 channels; the
+    # expert layout's computes its 8 experts whole
     r = plan(tiny_port.config, "inf2.24xlarge", 2, "bf16", batch=1, seq=64)
-    dense, selective, split = r["decode"]
+    channel, whole = r["decode"]
+    assert (channel["expert_layout"], channel["this_plan"], whole["expert_layout"]) == ("channel", True, "expert", )
     expert = 3 * 64 * 128 * 2 * 4  # one expert's bf16 bytes, times 4 layers
-    assert dense["bytes_per_token"] - selective["bytes_per_token"] == 4 * expert
-    assert selective["bytes_per_token"] - split["bytes_per_token"] == 2 * expert
-    assert dense["bytes_per_token"] > selective["bytes_per_token"] > split["bytes_per_token"]
-    assert dense["floor_ms"] == pytest.approx(1e3 * dense["bytes_per_token"] / (CHIP_HBM_BW / 2))
+    rank_scalar = 4 * 4  # the expert layout's int32 SPMDRank in each of 4 MoE blocks
+    assert whole["bytes_per_token"] - channel["bytes_per_token"] == 8 * expert - 4 * expert / 2 + rank_scalar
+    assert channel["decode_graph"] == "gathers 1×4 experts' 32 of 64 channels per layer"
+    assert whole["floor_ms"] == pytest.approx(1e3 * whole["bytes_per_token"] / (CHIP_HBM_BW / 2))
+    # batch 4: 4 × top-4 = 16 = E, so the channel decode graph computes all experts (NxD's rule)
+    channel4 = plan(tiny_port.config, "inf2.24xlarge", 2, "bf16", batch=4, seq=64)["decode"][0]
+    assert channel4["decode_graph"] == "all 16 experts' 32 of 64 channels per layer"
+    assert channel4["bytes_per_token"] - plan(tiny_port.config, "inf2.24xlarge", 2, "bf16", batch=4, seq=64,
+                                              expert_layout="expert")["decode"][0]["bytes_per_token"] == -rank_scalar
+
+
+def test_full_size_decode_table_is_what_the_built_graphs_read(big):
+    """TP 8, batch 1: the channel layout's decode graph gathers 8 experts × 88 of 704 channels
+    (1.06 GB/token/rank, a 2.40 ms floor); the expert layout's reads all 16 of its experts."""
+    r = plan(big, "inf2.24xlarge", 8, "bf16", batch=1, seq=4096)
+    channel, whole = r["decode"]
+    assert channel["decode_graph"] == "gathers 1×8 experts' 88 of 704 channels per layer" and channel["this_plan"]
+    assert channel["GB_per_token"] == pytest.approx(1.055, abs=5e-4) and round(channel["floor_ms"], 2) == 2.40
+    assert whole["decode_graph"] == "all 16 of its experts, whole, per layer"
+    assert whole["GB_per_token"] == pytest.approx(6.407, abs=5e-4) and round(whole["floor_ms"], 2) == 14.55
+    # the experts' share of the difference: 30 layers × (16 whole experts - 8 slices of 1/8) in bf16
+    assert whole["bytes_per_token"] - channel["bytes_per_token"] == pytest.approx(
+        30 * (16 - 1) * 3 * 704 * 2816 * 2 + 4 * 30, rel=1e-12)
+    # int8: the channel layout's per-(expert, hidden) down scales are gathered with the weights
+    r8 = plan(big, "inf2.24xlarge", 8, "int8", batch=1, seq=4096)
+    slice8 = 3 * 88 * 2816 + 4 * (2 * 88 + 2816)  # one expert's int8 slice on one rank, with its scales
+    assert r8["per_rank_bytes"]["experts"] == 30 * 128 * slice8
+    assert r8["decode"][0]["bytes_per_token"] == pytest.approx(
+        r["decode"][0]["bytes_per_token"] - 30 * 8 * 3 * 88 * 2816 * 2 + 30 * 8 * slice8, rel=1e-12)
 
 
 def test_no_kv_bytes_cross_the_host_per_decode_step(big):
@@ -74,7 +108,30 @@ def test_tp_beyond_the_instance_or_the_model_is_refused_with_a_reason(big):
     r = plan(big, "inf2.xlarge", 8, "bf16", batch=1, seq=4096)
     assert not r["fits"] and r["reason"] == "inf2.xlarge has 2 NeuronCores; TP 8 needs 8"
     r = plan(big, "inf2.48xlarge", 24, "bf16", batch=1, seq=4096)
-    assert not r["fits"] and r["reason"].startswith("not shardable: TP 24: 16 attention heads do not split")
+    assert not r["fits"] and r["reason"].startswith("not shardable: TP 24 (channel expert layout): 16 attention "
+                                                    "heads do not split over 24 ranks; 704 expert intermediate channels")
+
+
+@pytest.mark.parametrize("field,value,refused,message", [
+    ("moe_intermediate_size", 60, "channel", "60 expert intermediate channels do not split over 8 ranks"),
+    ("num_experts", 12, "expert", "12 experts do not split over 8 ranks"),
+])
+def test_a_degree_that_does_not_split_what_the_layout_splits_is_refused(tiny_port, tmp_path, capsys, field, value,
+                                                                         refused, message):
+    """The channel layout splits each expert's I channels, the expert layout the E experts: a TP
+    degree dividing one but not the other is refused by that layout only, naming both numbers."""
+    text = port_text_elsewhere(tiny_port).replace(f"{field} = {getattr(tiny_port.config, field)}", f"{field} = {value}")
+    (tmp_path / "p.toml").write_text(text)
+    args = ["plan", "--model", str(tmp_path / "p.toml"), "--instance", "inf2.24xlarge", "--tp", "8"]
+    other = next(n for n in ("channel", "expert") if n != refused)
+    assert cli.main([*args, "--expert-layout", refused]) == 1
+    assert f"DOES NOT FIT: not shardable: TP 8 ({refused} expert layout): {message}" in capsys.readouterr().out
+    assert cli.main([*args, "--expert-layout", other]) == 0
+    assert "FITS:" in capsys.readouterr().out
+    # no decode row for a graph that cannot be built at this degree
+    config = load_port(str(tmp_path / "p.toml")).config
+    rows = plan(config, "inf2.24xlarge", 8, "bf16", batch=1, seq=64, expert_layout=other)["decode"]
+    assert [r["expert_layout"] for r in rows] == [other]
 
 
 def test_plan_cli(capsys):
@@ -82,7 +139,12 @@ def test_plan_cli(capsys):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "FITS:" in out and "HBM floor ms/token" in out and "lm_head" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("channel ", "expert  "))]
+    assert rows[0][:3] == ["channel", "(this", "plan)"] and rows[0][-3:] == ["1.055", "2.40", "417.4"]
+    assert rows[1][0] == "expert" and rows[1][-3:] == ["6.407", "14.55", "68.7"]
     assert "KV cache (device state, aliased)" in out and "host <-> device per decode step" in out
+    assert cli.main(args + ["--expert-layout", "expert"]) == 0
+    assert "expert (this plan)" in capsys.readouterr().out
     assert cli.main(["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.8xlarge", "--tp", "2",
                      "--dtype", "int8", "--json", "-"]) == 1
     assert json.loads(capsys.readouterr().out)["fits"] is False

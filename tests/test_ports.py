@@ -46,6 +46,14 @@ def test_port_loads_by_path(tmp_path):
     assert load_port(_write(tmp_path, TINY)).name == "tiny-gemma4-moe"
 
 
+def test_expert_layout_defaults_to_channel(tmp_path):
+    assert _TINY_PORT.static.expert_layout == "channel" and load_port("gemma4-26b-a4b").static.expert_layout == "channel"
+    without = TINY.replace('expert_layout = "channel"', "")
+    assert without != TINY and load_port(_write(tmp_path, without)).static.expert_layout == "channel"
+    expert = TINY.replace('expert_layout = "channel"', 'expert_layout = "expert"')
+    assert load_port(_write(tmp_path, expert)).static.expert_layout == "expert"
+
+
 @pytest.mark.parametrize("edit,error,message", [
     (lambda t: t.replace('name = "tiny-gemma4-moe"', 'name = "x"\nflavour = "mint"'), PortError,
      r"unknown field\(s\) \['flavour'\]"),
@@ -70,6 +78,8 @@ def test_port_loads_by_path(tmp_path):
     (lambda t: t.replace("batch_size = 2", "batch_size = 0"), PortError, "batch_size must be at least 1"),
     (lambda t: t.replace("batch_size = 2", "batch = 2"), PortError,
      r"\[static\]: unknown field\(s\) \['batch'\]"),
+    (lambda t: t.replace('expert_layout = "channel"', 'expert_layout = "rows"'), PortError,
+     r"\[static\]: expert_layout 'rows' is not one of \['channel', 'expert'\]"),
 ])
 def test_bad_port_files_name_the_problem(tmp_path, edit, error, message):
     with pytest.raises(error, match=message):

@@ -1,7 +1,10 @@
 """The reader's Triton kernels against the PyTorch reference, on the CPU through Triton's
 interpreter: rotate+scan, screen, select, exact, recover and down, on a hidden size that is not
 a multiple of 128 and on a batch-1 token one of whose experts gets no channel, in fp32 (rtol
-1e-3) and with bf16 weights."""
+1e-3) and with bf16 weights; and the one-launch kernel (`persistent.py`), whose select runs
+across programs, on the same cases."""
+
+import functools
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from neuron_moe.reader import reference
 from neuron_moe.reader.hadamard import padded, random_signs
 from neuron_moe.reader.prep import BLOCK, LayerSidecar, prep_layer
 from neuron_moe.reader.triton import forward as triton_reader  # interpreted: conftest sets TRITON_INTERPRET=1
-from neuron_moe.reader.triton import kernels
+from neuron_moe.reader.triton import kernels, persistent
 
 from conftest import random_prompts
 
@@ -92,8 +95,11 @@ def test_rotate_scan_zeroes_the_workspace_it_is_given(odd):
         assert torch.equal(coords, want_coords)
 
 
-# every variant of the select kernel (search: bisection or radix; placement: two scans or one)
-SELECT_VARIANTS = pytest.mark.parametrize("variant", list(triton_reader.SELECT_VARIANTS))
+# every variant of the select kernel (search: bisection or radix; placement: two scans or one), and the
+# one-launch kernel's pivot and place phases alone, in chunks of 16 channels (several place programs)
+SELECTORS = {name: functools.partial(triton_reader.select, **kw) for name, kw in triton_reader.SELECT_VARIANTS.items()}
+SELECTORS["persistent"] = functools.partial(persistent.select, shape=persistent.Tiles(chunk=16))
+SELECT_VARIANTS = pytest.mark.parametrize("variant", list(SELECTORS))
 
 
 @SELECT_VARIANTS
@@ -104,8 +110,8 @@ def test_select_matches_the_reference(case, variant):
     chosen, p = reference.select(est, case.index, case.weights, case.layer.down_norms, case.k, case.act_fn)
     inter = est.shape[-1] // 2
     expert, channel, weight = reference.chosen_rows(chosen, case.index, case.weights, inter)
-    got = triton_reader.select(est, case.index, case.weights, case.layer.down_norms, case.k,
-                               triton_reader.activation(case.act_fn), **triton_reader.SELECT_VARIANTS[variant])
+    got = SELECTORS[variant](est, case.index, case.weights, case.layer.down_norms, case.k,
+                             triton_reader.activation(case.act_fn))
     for t in range(est.shape[0]):
         want_rows = sorted(zip(expert[t].tolist(), channel[t].tolist(), weight[t].tolist()))
         got_rows = sorted(zip(got[0][t].tolist(), got[1][t].tolist(), got[2][t].tolist()))
@@ -118,8 +124,7 @@ def test_select_takes_exactly_k_among_tied_scores(variant):
     """Scores tied at the k-th value (here: all of them zero) still give exactly k distinct channels."""
     est = torch.zeros(2, 3, 20)
     index, weights = torch.tensor([[0, 1, 2], [2, 1, 0]]), torch.full((2, 3), 1 / 3)
-    expert, channel, _, q = triton_reader.select(est, index, weights, torch.ones(3, 10), 7, kernels.SILU,
-                                                 **triton_reader.SELECT_VARIANTS[variant])
+    expert, channel, _, q = SELECTORS[variant](est, index, weights, torch.ones(3, 10), 7, kernels.SILU)
     for t in range(2):
         picks = set(zip(expert[t].tolist(), channel[t].tolist()))
         assert len(picks) == 7 and all(e in index[t].tolist() and 0 <= c < 10 for e, c in picks)
@@ -140,8 +145,7 @@ def test_select_breaks_ties_inside_the_kth_value_to_the_lower_channel(variant):
     index, weights = torch.tensor([[0, 1, 2], [2, 1, 0]]), torch.full((2, ke), 0.25)
     score = u.flatten(1)
     for k in (1, int((score[0] >= 1.0).sum()) + 5, int((score[0] >= 0.37).sum()) + 3, ke * inter):
-        expert, channel, _, _ = triton_reader.select(est, index, weights, torch.ones(3, inter), k, kernels.SILU,
-                                                     **triton_reader.SELECT_VARIANTS[variant])
+        expert, channel, _, _ = SELECTORS[variant](est, index, weights, torch.ones(3, inter), k, kernels.SILU)
         for t in range(2):
             order = sorted(range(ke * inter), key=lambda n: (-score[t, n].item(), n))[:k]
             kth = score[t, order[-1]]
@@ -151,7 +155,7 @@ def test_select_breaks_ties_inside_the_kth_value_to_the_lower_channel(variant):
             assert channel[t].tolist() == [n % inter for n in want]
 
 
-@SELECT_VARIANTS
+@pytest.mark.parametrize("variant", list(triton_reader.SELECT_VARIANTS))
 def test_select_never_writes_past_k_when_scores_are_nan(variant):
     """NaN estimates (from NaN input) sort above +inf in the bit patterns the search reads: more
     than k of them must still give exactly k distinct channels and nothing written past the row."""
@@ -171,6 +175,15 @@ def test_select_never_writes_past_k_when_scores_are_nan(variant):
         assert (buf[k:] == -7).all(), name  # the guard past the row is untouched
         assert (buf[:k] != -7).all(), name  # and the row is written
     assert len(set(zip(out["expert"][:k].tolist(), out["channel"][:k].tolist()))) == k
+
+
+def test_persistent_select_takes_exactly_k_when_scores_are_nan():
+    """The pivot's first digit of a NaN score is that of +inf: more than k of them still give k channels."""
+    est = torch.ones(1, 2, 32)
+    est[0, :, :16] = float("nan")
+    expert, channel, _, _ = SELECTORS["persistent"](est, torch.tensor([[0, 1]]), torch.full((1, 2), 0.5),
+                                                    torch.ones(2, 16), 5, kernels.SILU)
+    assert len(set(zip(expert[0].tolist(), channel[0].tolist()))) == 5
 
 
 def test_one_scan_placement_refuses_more_channels_than_its_packing_holds():
@@ -217,6 +230,50 @@ def test_fused_launches_give_the_reference_output(case):
     """`forward(fuse=True)`: the workspace zeroed by rotate+scan, exact and recover in one launch."""
     close(case.run(triton_reader.forward, fuse=True), case.run(reference.forward))
     close(case.run(triton_reader.forward, fuse=True, rank=0), case.run(reference.forward, rank=0))
+
+
+def test_persistent_gives_the_reference_output(case):
+    """One launch: rotate, screen, pivot and place, exact, recover, down, the output cast; every wait
+    met (no fault counted) and the counters back to zero for the next call."""
+    before = persistent.faults("cpu")
+    close(case.run(persistent.forward), case.run(reference.forward))
+    assert persistent.faults("cpu") == before
+    counters = persistent._COUNTERS[torch.device("cpu")][-1]
+    assert not counters.view(-1, persistent.LINE)[:, 0].any()
+
+
+def test_persistent_without_recovery_in_small_tiles(odd):
+    """Other tiles (16-channel place chunks, 8 × 64-byte screen tiles, a 128-wide exact tile over a
+    200-wide hidden, 256-wide down tiles) and acq_rel reductions give the same output; rank 0 has no
+    recover phase."""
+    shape = persistent.Tiles(chunk=16, bq=64, sc=8, exact_bh=128, bh=256, atomics="acq_rel")
+    close(odd.run(persistent.forward, rank=0, shape=shape), odd.run(reference.forward, rank=0))
+
+
+def test_a_wait_that_cannot_be_met_counts_a_fault_instead_of_hanging(monkeypatch):
+    """Producers that never run: the kernel is told of two screen programs, but the ticket starts past
+    them, so the pivot's wait for them gives up after SPIN_LIMIT polls and counts a fault."""
+    monkeypatch.setattr(persistent, "SPIN_LIMIT", 3)
+    real = persistent._launch
+
+    def screen_never_runs(shape, T, counts, pointers, sizes, constexprs, dev):
+        ctr = persistent._counters(dev, 16)
+        ctr[0] = 2  # the ticket: ids 0 and 1, the screen programs, are never taken
+        real(shape, T, counts, pointers, {**sizes, "screen_tiles": 1, "screen_shares": 1}, constexprs, dev)
+        ctr.view(-1, persistent.LINE)[[0, 1, 3, 4, 5, 6]] = 0  # the call never ends, so it resets nothing
+
+    monkeypatch.setattr(persistent, "_launch", screen_never_runs)
+    before = persistent.faults("cpu")
+    persistent.select(torch.randn(1, 2, 32), torch.tensor([[0, 1]]), torch.full((1, 2), 0.5), torch.ones(2, 16), 5,
+                      kernels.SILU)
+    assert persistent.faults("cpu") == before + 1  # the pivot's one wait (the place programs' is met)
+
+
+def test_relaxed_reductions_give_the_reference_output(starved):
+    """`forward(atomics="relaxed")`: every reduction a fire-and-forget add (kernel ends order them)."""
+    close(starved.run(triton_reader.forward, atomics="relaxed", fuse=True), starved.run(reference.forward))
+    with pytest.raises(UserError, match="unknown atomics 'seq_cst'"):
+        starved.run(triton_reader.forward, atomics="seq_cst")
 
 
 def test_an_expert_with_no_selected_channel(starved):

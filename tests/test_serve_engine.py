@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from neuron_moe.generate import greedy, left_pad
+from neuron_moe.neuron.compile import FORMAT
 from neuron_moe.serve import neuron
 from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
 from neuron_moe.serve.engine import Engine, HFBackend, RequestError, SamplingParams, held_back, sample
@@ -210,8 +211,8 @@ def test_the_tokenizers_chat_template_is_used_when_it_has_one(tmp_path):
 # ---- the Neuron backend against a stand-in runtime ------------------------------------------------
 
 def _manifest(**fields):
-    return json.dumps(dict({"format": 2, "dtype": "bf16", "batch_size": 2, "dry_run": False, "logits": False},
-                           **fields))
+    return json.dumps(dict({"format": FORMAT, "dtype": "bf16", "batch_size": 2, "dry_run": False,
+                            "expert_layout": "channel", "logits": False}, **fields))
 
 
 def test_manifest_errors_name_the_problem(tmp_path):
@@ -306,7 +307,22 @@ def test_neuron_backend_pads_to_buckets_and_matches_the_reference(tmp_path, monk
         neuron.NeuronBackend(tmp_path, types.SimpleNamespace(name="other"))
 
 
-def test_neuron_backend_refuses_a_format_1_artifact(tmp_path):
-    (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[16], max_length=32, format=1))
-    with pytest.raises(neuron.NeuronError, match="artifact format 1, this version reads 2 .*rebuild it"):
+def test_neuron_backend_refuses_an_artifact_of_an_older_format(tmp_path):
+    for old in (1, 2):  # the cache in and out of every call
+        (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[16], max_length=32, format=old))
+        with pytest.raises(neuron.NeuronError, match=f"artifact format {old}, this version reads 3 .*rebuild it"):
+            neuron.read_manifest(tmp_path)
+
+
+def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path, tiny_port):
+    """Checked from the manifest, before the SDK or any weights are needed."""
+    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96,
+                                                      expert_layout="expert"))
+    with pytest.raises(neuron.NeuronError, match=r"built with the 'expert' expert layout, served here with the "
+                                                 r"'channel' layout \(the port's \[static\] expert_layout\)"):
+        neuron.NeuronBackend(tmp_path, tiny_port)
+    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96,
+                                                      expert_layout="rows"))
+    with pytest.raises(neuron.NeuronError, match="expert_layout 'rows' is not one of"):
         neuron.read_manifest(tmp_path)
+

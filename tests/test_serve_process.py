@@ -23,6 +23,7 @@ import torch
 from neuron_moe import cli
 from neuron_moe.checkpoint import save_checkpoint
 from neuron_moe.model import build_model
+from neuron_moe.neuron.compile import FORMAT
 from neuron_moe.serve import neuron
 from neuron_moe.serve.server import plan_load
 
@@ -36,9 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 def manifest_dir(tmp_path):
     d = tmp_path / "compiled"
     d.mkdir()
-    (d / "manifest.json").write_text(json.dumps({"format": 2, "port": "tiny-gemma4-moe", "dtype": "bf16", "tp": 1,
-                                                "buckets": [64], "max_length": 128, "batch_size": 1,
-                                                "dry_run": False, "logits": False}))
+    (d / "manifest.json").write_text(json.dumps({"format": FORMAT, "port": "tiny-gemma4-moe", "dtype": "bf16", "tp": 1,
+                                                "expert_layout": "channel", "buckets": [64], "max_length": 128,
+                                                "batch_size": 1, "dry_run": False, "logits": False}))
     return d
 
 

@@ -1,11 +1,13 @@
 """The full model at TP t, trace once / replicate: the static decoder's prefill and decode graphs of
 the rank module exported once as rank 0, run on t forked gloo processes with each rank's shard.
 
-The SPMDRank scatter gives the reference tokens at TP 2, 4 and 8; the Python-int scatter (the seed
-bug) gives other tokens; int8 experts at TP 8 give the single-rank int8 implementation's tokens and
-logits. The TP 8 variants share one set of processes. The longer prompt is padded to the 56-slot
-bucket, which is longer than the sliding window (16): each rank's sliding-layer ring is rolled; the
-shorter one to the 8-slot bucket, so the two rows decode at different positions."""
+The channel layout (the default: every expert split on its intermediate channels, the decode
+graph gathering each token's k experts) gives the reference tokens at TP 2, 4 and 8, and with int8
+experts at TP 8 the single-rank int8 implementation's tokens and logits. The expert layout with the
+SPMDRank scatter gives the reference tokens at TP 8; with the Python-int scatter (the seed bug)
+other tokens. The TP 8 variants share one set of processes. The longer prompt is padded to the
+56-slot bucket, which is longer than the sliding window (16): each rank's sliding-layer ring is
+rolled; the shorter one to the 8-slot bucket, so the two rows decode at different positions."""
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.generate import TPGenerator, generate_replicated
 from neuron_moe.parallel.model import rank_model
 
-from conftest import random_prompts
+from conftest import expert_reads, random_prompts
 
 NEW_TOKENS = 6
 
@@ -35,6 +37,11 @@ def _close(got, want, tol=1e-4):
     return (got.logits - want.logits).abs().max().item() <= tol * want.logits.abs().max().item()
 
 
+def _step0_within_fp32(got, want) -> bool:
+    """The project's fp32 bound (test_dense_masked): a few ulp of the largest logit, at step 0."""
+    return (got.logits[:, 0] - want.logits[:, 0]).abs().max() <= 2e-6 * want.logits[:, 0].abs().max()
+
+
 def _reads_rank(program) -> bool:
     """Whether the graph reads any experts' SPMDRank parameter at all."""
     names = [s.arg.name for s in program.graph_signature.input_specs
@@ -42,10 +49,11 @@ def _reads_rank(program) -> bool:
     return any(len(n.users) for n in program.graph.nodes if n.name in names)
 
 
-def test_rank_module_at_tp1_is_hf(tiny_eager, prompts):
+@pytest.mark.parametrize("expert_layout", layout.EXPERT_LAYOUTS)
+def test_rank_module_at_tp1_is_hf(tiny_eager, prompts, expert_layout):
     """The rank module's wiring without any split: the same logits as HF's model."""
-    module = rank_model(tiny_eager.config, 1, cpu)
-    full = layout.parallel_state_dict(tiny_eager.state_dict(), tiny_eager.config, 1)
+    module = rank_model(tiny_eager.config, 1, cpu, expert_layout=expert_layout)
+    full = layout.parallel_state_dict(tiny_eager.state_dict(), tiny_eager.config, 1, expert_layout)
     module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
     ids, mask = prompts
     with torch.no_grad():
@@ -55,24 +63,33 @@ def test_rank_module_at_tp1_is_hf(tiny_eager, prompts):
 
 
 @pytest.mark.slow
-def test_tp8_spmd_naive_and_int8(tiny_port, prompts, reference):
-    gens = {"spmd": TPGenerator(tiny_port, 8), "naive": TPGenerator(tiny_port, 8, scatter="naive"),
-            "int8": TPGenerator(tiny_port, 8, int8=True)}
+def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
+    gens = {"channel": TPGenerator(tiny_port, 8), "int8": TPGenerator(tiny_port, 8, int8=True),
+            "expert": TPGenerator(tiny_port, 8, expert_layout="expert"),
+            "naive": TPGenerator(tiny_port, 8, expert_layout="expert", scatter="naive")}
     out = generate_replicated(gens, *prompts, NEW_TOKENS)  # raises if any rank's tokens differ from rank 0's
 
-    assert torch.equal(out["spmd"].tokens, reference.tokens) and _close(out["spmd"], reference)
+    for name in ("channel", "expert"):
+        assert torch.equal(out[name].tokens, reference.tokens) and _close(out[name], reference), name
+        assert _step0_within_fp32(out[name], reference), name
+    # the channel layout's decode graph gathers its experts' slices; its prefill graphs and the
+    # expert layout's graphs read every local expert
+    assert expert_reads(gens["channel"].programs["decode"])["gathered"]
+    assert not expert_reads(gens["channel"].programs["prefill 56"])["gathered"]
+    assert not expert_reads(gens["expert"].programs["decode"])["gathered"]
     # the seed bug: every rank weights its experts with experts 0..1's router weights
     assert not torch.equal(out["naive"].tokens, reference.tokens)
     assert not _close(out["naive"], reference, 0.1)
-    assert _reads_rank(gens["spmd"].programs["decode"]) and not _reads_rank(gens["naive"].programs["decode"])
-    # int8 under TP is the single-rank int8 implementation, not the float model
+    assert _reads_rank(gens["expert"].programs["decode"]) and not _reads_rank(gens["naive"].programs["decode"])
+    assert not _reads_rank(gens["channel"].programs["decode"])  # nothing in its MoE block depends on the rank
+    # int8 under TP (channel layout) is the single-rank int8 implementation, not the float model
     int8 = greedy(build_model(tiny_port, "int8", torch.float32), *prompts, NEW_TOKENS)
     assert torch.equal(out["int8"].tokens, int8.tokens) and _close(out["int8"], int8)
     assert not _close(out["int8"], reference, 1e-3)
 
     # the rank-0 programs carry the KV cache as mutated state, not as inputs or outputs; each rank's
     # holds its own KV heads: 1 of the global layers' 2 (replicated) and 1 of 4
-    for name, program in gens["spmd"].programs.items():
+    for name, program in gens["channel"].programs.items():
         sig = program.graph_signature
         state = {spec.target: spec.arg.name for spec in sig.input_specs if (spec.target or "").startswith("cache.")}
         assert set(sig.buffers_to_mutate.values()) == set(state) and len(state) == 8, name
@@ -84,5 +101,8 @@ def test_tp8_spmd_naive_and_int8(tiny_port, prompts, reference):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp2_tp4_match_the_reference(tiny_port, prompts, reference, tp):
-    got = TPGenerator(tiny_port, tp).generate(*prompts, NEW_TOKENS)
-    assert torch.equal(got.tokens, reference.tokens) and _close(got, reference)
+    """The channel layout (the port's default), its decode graph gathering: batch 2 × top-4 < 16 experts."""
+    gen = TPGenerator(tiny_port, tp)
+    got = gen.generate(*prompts, NEW_TOKENS)
+    assert gen.expert_layout == "channel" and expert_reads(gen.programs["decode"])["gathered"]
+    assert torch.equal(got.tokens, reference.tokens) and _close(got, reference) and _step0_within_fp32(got, reference)

@@ -1,13 +1,24 @@
 """int8 experts: per-output-channel symmetric int8 weights, fp32 scales, dequantised after the matmul.
 
-The quantisation is defined once, on the experts' two linears as the parallel layout writes them
-(`parallel/layout.py`): gate_up [E·2I, H] gets a scale per expert and output channel; down
-[H, E·I] a scale per hidden channel, shared by the experts, because there down is one linear whose
-output channels are the hidden units. That is what NxD's QuantizedColumnParallel /
-QuantizedRowParallel (per_channel_symmetric, channel axis 0) hold, so the single-rank
-implementation below (`int8`, registered with transformers) and the TP rank modules carry the
-same int8 numbers. The router weight multiplies the activation before down, so down's
-output-channel scale still applies after one matmul over all experts.
+The quantisation is defined once, on the experts' linears as the parallel layouts write them
+(`parallel/layout.py`): each weight gets one scale per output channel, over its input dim (dim 1
+of all of them: [out, in] linears and NxD's expert-fused [E, in, out]). So it follows the layout:
+
+  channel  gate_up [E, H, 2I] and down [E, I, H]: a scale per (expert, output channel) for both,
+           [E, 1, 2I] and [E, 1, H] (NxD's QuantizedExpertFused* layers, expert_wise_per_channel);
+  expert   gate_up [E·2I, H]: per (expert, output channel), the same numbers as channel's;
+           down [H, E·I], one linear over all experts: per hidden channel, shared by the experts
+           (NxD's QuantizedRowParallel, per_channel_symmetric).
+
+The one-rank implementation below (`int8`, registered with transformers) holds the channel
+layout's numbers, so TP int8 on the default layout is one-rank int8 up to fp32 summation order.
+Why that one: it is the finer quantisation (on the tiny port, mean |Δlogit| against fp32 is 0.018
+with down per (expert, hidden) and 0.025 with down's scale shared by the experts; prefill of three
+prompts, measured on CPU), and NxD's selective loading gathers the scales with the weights
+(`scale[expert_indices]`), so the channel layout's down needs a scale per expert anyway. The expert
+layout cannot hold it: its down is one matmul over all of a rank's experts, after which a scale can
+only be per hidden channel. Its down is the coarser quantisation, checked against its own
+dequantised weights (tests/test_tensor_parallel.py).
 
 Quantisation never mutates the source weights. (NxD's `scale_dequantize` multiplies an fp32
 input in place, since `.to(float32)` of an fp32 tensor is the tensor itself; nothing here does.)
@@ -16,16 +27,16 @@ input in place, since `.to(float32)` of an fp32 tensor is the tensor itself; not
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..parallel.layout import down_2d, gate_up_2d
+from ..parallel.layout import fused
 from .dense_masked import router_weight_matrix
 
 QMAX = 127  # symmetric: -127 … 127, so the grid is the same both sides of zero
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (int8 [out, in], fp32 scale [out, 1]) with w ≈ q · scale."""
+    """[out, in] or [E, in, out] float -> (int8 of the same shape, fp32 scale [out, 1] or [E, 1, out])
+    with w ≈ q · scale: one scale per output channel, the amax over the input dim (dim 1) / 127."""
     w32 = w.detach().to(torch.float32)  # may be `w` itself: only out-of-place ops below
     amax = w32.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))  # an all-zero row stays zero
@@ -34,12 +45,19 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_output(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y [..., out] of a matmul with int8 weights, times the [out, 1] scale, in fp32, back to y's dtype."""
-    return (y.to(torch.float32) * scale.T).to(y.dtype)
+    """y [..., out] of a matmul with int8 weights, times its scale in fp32, back to y's dtype. The
+    scale is [out, 1] (a linear: one row per output channel) or [E, 1, out] (expert-fused: y is
+    [E, ..., out], one expert per leading row)."""
+    if scale.dim() == 2:
+        scale = scale.T
+    else:
+        scale = scale.view(scale.shape[0], *[1] * (y.dim() - 2), scale.shape[-1])
+    return (y.to(torch.float32) * scale).to(y.dtype)
 
 
 def quantize_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A parallel-layout state dict with every experts linear replaced by int8 `weight` + fp32 `scale`."""
+    """A parallel-layout state dict (either expert layout) with every experts linear replaced by
+    int8 `weight` + fp32 `scale`."""
     out = {}
     for name, w in state.items():
         if ("." + name).endswith((".experts.gate_up_proj.weight", ".experts.down_proj.weight")):
@@ -50,13 +68,14 @@ def quantize_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _quantized(experts) -> tuple[torch.Tensor, ...]:
-    """The module's int8 weights and scales, made on first use and again whenever a source weight
+    """The module's int8 weights and scales in the channel layout's order (gate_up [E, H, 2I],
+    [E, 1, 2I]; down [E, I, H], [E, 1, H]), made on first use and again whenever a source weight
     is replaced or changed in place (keyed on its storage and version counter)."""
     key = tuple((p.data_ptr(), p._version) for p in (experts.gate_up_proj, experts.down_proj))
     cached = getattr(experts, "_int8_cache", None)
     if cached is None or cached[0] != key:
-        cached = (key, *quantize_per_channel(gate_up_2d(experts.gate_up_proj)),
-                  *quantize_per_channel(down_2d(experts.down_proj)))
+        cached = (key, *quantize_per_channel(fused(experts.gate_up_proj)),
+                  *quantize_per_channel(fused(experts.down_proj)))
         experts._int8_cache = cached  # a plain attribute: not a buffer, not in the state dict
     return cached[1:]
 
@@ -66,10 +85,10 @@ def int8_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     """transformers' experts-interface signature, on a `Gemma4TextExperts`. Fixed shapes (every
     expert for every token, as dense_masked), eager only: the int8 tensors are made on the fly."""
     gate_up_q, gate_up_scale, down_q, down_scale = _quantized(self)
-    T, dtype = hidden_states.shape[0], hidden_states.dtype
-    E, I = self.num_experts, self.intermediate_dim
-    weights = router_weight_matrix(top_k_index, top_k_weights, E)  # [T, E]
-    gate_up = dequantize_output(F.linear(hidden_states, gate_up_q.to(dtype)), gate_up_scale)
-    gate, up = gate_up.view(T, E, 2 * I).chunk(2, dim=-1)
-    act = self.act_fn(gate) * up * weights.unsqueeze(-1).to(dtype)  # [T, E, I]
-    return dequantize_output(F.linear(act.reshape(T, E * I), down_q.to(dtype)), down_scale)
+    dtype = hidden_states.dtype
+    weights = router_weight_matrix(top_k_index, top_k_weights, self.num_experts)  # [T, E]
+    gate_up = dequantize_output(torch.einsum("th,eho->eto", hidden_states, gate_up_q.to(dtype)), gate_up_scale)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = self.act_fn(gate) * up  # [E, T, I]
+    out = dequantize_output(torch.einsum("eti,eih->eth", act, down_q.to(dtype)), down_scale)  # [E, T, H]
+    return torch.einsum("eth,te->th", out, weights.to(dtype))

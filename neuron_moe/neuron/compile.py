@@ -2,12 +2,15 @@
 
 The artifact contract (what `serve/neuron.py` and `pull` read) is defined here, once:
 
-    manifest.json   MANIFEST_FIELDS below, plus each key's inputs and outputs, the state, and the
+    manifest.json   MANIFEST_FIELDS below (expert_layout: how the graphs split the experts,
+                    `parallel/layout.py`), plus each key's inputs and outputs, the state, and the
                     files' sizes and sha256
     model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
                     context-encoding key per prefill bucket and one token-generation key
-    weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint)
-    shard_plan.json every rank-module tensor: placement, full and per-rank shape, dtype
+    weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint),
+                    in the manifest's expert layout (`load_shards` refuses one of the other)
+    shard_plan.json every rank-module tensor: placement, partition dim and stride, full and
+                    per-rank shape, dtype
 
 Each key is the static decoder (`static/decoder.py`) over the full-model rank module
 (`parallel/model.py`); B = batch_size, the rows of the KV cache:
@@ -21,8 +24,8 @@ An artifact built with `logits=True` (`--with-logits`) also returns the fp32 log
 the token (validation, host-side sampling); the default returns the token alone. The KV cache is
 the graphs' state, never an input or output: `cache.k{i}` / `cache.v{i}` per layer, [B, KV heads of
 the rank, ring length, head_dim], aliased parameters (`input_output_aliases`) that every key
-shares and NxD zero-initialises on each rank (the manifest's `state`). Format 1 (the cache in and
-out of every call) is refused.
+shares and NxD zero-initialises on each rank (the manifest's `state`). Formats 1 and 2 (the cache
+in and out of every call) are refused.
 
 On Neuron (the SDK present) the keys go through ModelBuilder (`parallel/nxd.py`). `--dry-run`
 builds the same rank modules on CPU over the gloo backend (`parallel/cpu.py`), exports every key
@@ -50,6 +53,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..parallel.layout import EXPERT_LAYOUTS
 from ..report import read_json_object
 
 MANIFEST = "manifest.json"
@@ -57,10 +61,10 @@ MODEL = "model.pt"
 WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
-FORMAT = 2
+FORMAT = 3
 # field -> type; what a server needs to call the graphs
-MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "buckets": list, "max_length": int,
-                   "batch_size": int, "dry_run": bool, "logits": bool}
+MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "expert_layout": str, "buckets": list,
+                   "max_length": int, "batch_size": int, "dry_run": bool, "logits": bool}
 DTYPES = {"bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True), "fp32": (torch.float32, False)}
 _PARTIAL = ".{name}.partial-"
 _SDK_DISTS = ("torch", "transformers", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla")
@@ -81,11 +85,43 @@ def read_manifest(artifacts: Path) -> dict:
     if manifest["format"] != FORMAT:
         raise ArtifactError(f"{path}: artifact format {manifest['format']}, this version reads {FORMAT} "
                             f"(rebuild it with this version's trace-and-compile)")
+    if manifest["expert_layout"] not in EXPERT_LAYOUTS:
+        raise ArtifactError(f"{path}: expert_layout {manifest['expert_layout']!r} is not one of {list(EXPERT_LAYOUTS)}")
     buckets = manifest["buckets"]
     if not buckets or not all(isinstance(b, int) and 0 < b <= manifest["max_length"] for b in buckets):
         raise ArtifactError(f"{path}: 'buckets' must be positive lengths up to max_length "
                            f"({manifest['max_length']}), got {buckets}")
     return manifest
+
+
+def check_expert_layout(manifest: dict, expert_layout: str, artifacts: Path) -> None:
+    """Refuse an artifact built for the other expert layout than the one it is to be served with."""
+    if manifest["expert_layout"] != expert_layout:
+        raise ArtifactError(f"{artifacts}: built with the {manifest['expert_layout']!r} expert layout, served here "
+                            f"with the {expert_layout!r} layout (the port's [static] expert_layout): rebuild it with "
+                            f"trace-and-compile --expert-layout {expert_layout}, or set expert_layout = "
+                            f"\"{manifest['expert_layout']}\" in the port")
+
+
+def load_shards(artifacts: Path, manifest: dict) -> list[dict]:
+    """Every rank's weight shard, each checked to be in the manifest's expert layout."""
+    from safetensors.torch import load_file
+
+    from ..parallel import layout
+
+    paths = [Path(artifacts) / WEIGHTS.format(rank=r) for r in range(manifest["tp"])]
+    absent = [str(p) for p in paths if not p.is_file()]
+    if absent:
+        raise ArtifactError(f"{artifacts}: missing weight shard(s) {', '.join(absent)}")
+    shards = []
+    for path in paths:
+        shard = load_file(path)
+        have = layout.expert_layout_of(shard)
+        if have is not None and have != manifest["expert_layout"]:
+            raise ArtifactError(f"{path} holds its experts in the {have!r} layout, the manifest says "
+                                f"{manifest['expert_layout']!r}: the directory mixes two builds; rebuild it")
+        shards.append(shard)
+    return shards
 
 
 def key_names(buckets) -> list[str]:
@@ -175,28 +211,32 @@ def _key_contract(graph, spec, key: str) -> dict:
             "inputs": {n: list(x.shape) for n, x in zip(names, example)}, "outputs": outputs}
 
 
-def shard_plan(module, full: dict | None, tp: int) -> dict:
-    """Every tensor of the rank module: placement, full shape, per-rank shape, dtype."""
+def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
+    """Every tensor of the rank module: placement, partition dim and stride, full shape, per-rank
+    shape, dtype."""
     from ..parallel import layout
 
     plan = {}
+    params = dict(module.named_parameters())
     for name, t in module.state_dict().items():
-        param = dict(module.named_parameters()).get(name)
+        param = params.get(name)
         split = bool(getattr(param, "tensor_model_parallel", False))
         full_shape = list(full[name].shape) if full is not None else \
             [n * (tp if split and d == param.partition_dim else 1) for d, n in enumerate(t.shape)]
-        plan[name] = {"placement": layout.placement(name) if split else layout.REPLICATED,
+        plan[name] = {"placement": layout.placement(name, expert_layout) if split else layout.REPLICATED,
                       "partition_dim": param.partition_dim if split else None,
+                      "partition_stride": param.partition_stride if split else None,
                       "full_shape": full_shape, "rank_shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     return plan
 
 
 def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, overwrite: bool = False,
-                      checkpoint=None, export: bool = True, logits: bool = False) -> dict:
+                      checkpoint=None, export: bool = True, expert_layout: str | None = None,
+                      logits: bool = False) -> dict:
     """Write the artifact directory `out` (see the module docstring); returns the manifest.
-    `export=False` (dry run only) skips tracing: the shard plan and manifest alone. `logits=True`:
-    graphs that also return the logits (validation, host-side sampling), at V·4 bytes per row and
-    step across the host."""
+    `expert_layout` defaults to the port's [static] expert_layout. `export=False` (dry run only)
+    skips tracing: the shard plan and manifest alone. `logits=True`: graphs that also return the
+    logits (validation, host-side sampling), at V·4 bytes per row and step across the host."""
     from ..parallel import cpu, layout, nxd
 
     if dtype not in DTYPES:
@@ -204,7 +244,8 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     if port.static is None:
         raise ArtifactError(f"port {port.name!r} has no [static] table (buckets, max_cache_len, batch_size): "
                            "nothing to trace")
-    layout.check_degree(port.config, tp)
+    expert_layout = expert_layout or port.static.expert_layout
+    layout.check_degree(port.config, tp, expert_layout)
     if not dry_run and not nxd.sdk_available():
         raise nxd.NeuronSDKMissing(
             "trace-and-compile needs the Neuron SDK (neuronx-distributed, torch-neuronx), which is not installed "
@@ -218,16 +259,20 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     out = Path(out)
     tmp = _prepare_out(out, overwrite)
     try:
-        full = _full_state(port, tp, torch_dtype, int8, checkpoint) if has_weights else None
+        full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout) if has_weights else None
         if dry_run:
-            module, files, exported = _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp, export, logits)
+            module, files, exported = _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp, export,
+                                               expert_layout, logits)
         else:
-            module, files, exported = _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp, logits)
-        _atomic_write(tmp / SHARD_PLAN, lambda p: p.write_text(json.dumps(shard_plan(module, full, tp), indent=1)))
+            module, files, exported = _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp, expert_layout,
+                                              logits)
+        plan = shard_plan(module, full, tp, expert_layout)
+        _atomic_write(tmp / SHARD_PLAN, lambda p: p.write_text(json.dumps(plan, indent=1)))
         files = [*files, SHARD_PLAN]
         contract, state = _contract(module, spec, keys, logits)
         manifest = {
-            "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "buckets": list(spec.buckets),
+            "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "expert_layout": expert_layout,
+            "buckets": list(spec.buckets),
             "max_length": spec.max_cache_len, "batch_size": spec.batch_size, "logits": logits,
             "keys": {k: dict(contract[k], exported=exported) for k in keys}, "state": state,
             "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
@@ -241,18 +286,19 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     return dict(manifest, out=str(out.resolve()))
 
 
-def _full_state(port, tp, torch_dtype, int8, checkpoint) -> dict:
+def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout) -> dict:
     """The whole model in the parallel layout (int8 experts quantised), named as the rank module."""
     from ..experts.int8 import quantize_experts
     from ..model import build_model
     from ..parallel import layout
 
     hf = build_model(port, "eager", torch_dtype, checkpoint)
-    full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp)
+    full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
     return quantize_experts(full) if int8 else full
 
 
-def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: bool, logits: bool):
+def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: bool, expert_layout: str,
+             logits: bool):
     from safetensors.torch import save_file
 
     from ..parallel import cpu
@@ -262,7 +308,7 @@ def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: b
     from ..static.export import GraphError, checked, functional
 
     device = "cpu" if full is not None else "meta"  # no weights: shapes only, nothing allocated
-    module = rank_model(port.config, tp, cpu, int8=int8, dtype=torch_dtype, device=device)
+    module = rank_model(port.config, tp, cpu, expert_layout=expert_layout, int8=int8, dtype=torch_dtype, device=device)
     files = []
     if full is not None:
         shards = cpu.shard_checkpoint(full, module, tp)
@@ -291,21 +337,23 @@ def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: b
     return module, files, True
 
 
-def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, logits: bool):
+def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, expert_layout: str, logits: bool):
     """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
     from ..parallel import cpu, nxd
     from ..parallel.model import rank_model
     from ..static.decoder import new_cache
 
+    build = dict(expert_layout=expert_layout, int8=int8, dtype=torch_dtype)
+
     def factory(key):
-        def build():  # each key's own module; its state names (cache.k0, ...) are every key's
-            model = rank_model(port.config, tp, nxd, int8=int8, dtype=torch_dtype)
+        def make():  # each key's own module; its state names (cache.k0, ...) are every key's
+            model = rank_model(port.config, tp, nxd, **build)
             return _graph(model, spec, key, new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True),
                           logits)
-        return build
+        return make
 
     # the shard plan comes from a meta-device module of the same layout
-    shapes = rank_model(port.config, tp, cpu, int8=int8, dtype=torch_dtype, device="meta")
+    shapes = rank_model(port.config, tp, cpu, device="meta", **build)
 
     checkpoint = {f"model.{k}": v for k, v in full.items()}  # weights only: the state is not in it
     builder, traced = nxd.trace_keys({key: (factory(key), [_example(spec, key)]) for key in keys},

@@ -1,11 +1,14 @@
 """inf2 memory planner: what one NeuronCore holds for a port at a TP degree, and whether it fits.
 
 Weights come from the port's meta-device model (`info.meta_model`) cut by the TP layout
-(`parallel/layout.py`), so the planner and the rank modules cannot disagree about who owns what.
-Each rank holds, in bytes:
+(`parallel/layout.py`, in the chosen expert layout) and, for int8, quantised as the rank modules
+are (`experts.int8.quantize_experts`), so the planner and the rank modules cannot disagree about
+who owns what. Each rank holds, in bytes:
 
-  experts      its E/t experts: bf16, or int8 + fp32 scales (per output channel: gate_up's split
-               with the experts, down's [H] replicated)
+  experts      1/t of the experts (channel layout: every expert's I/t channels; expert layout: E/t
+               experts whole): bf16, or int8 + fp32 scales per output channel (gate_up's split
+               with its channels; down's replicated: [E, 1, H] in the channel layout, [H, 1] in
+               the expert layout)
   attention    q/o split by heads, k/v split or replicated up to t heads (layout.py)
   dense MLP    1/t of gate/up/down
   router etc.  router, norms and scalars, replicated
@@ -13,7 +16,8 @@ Each rank holds, in bytes:
                tensors on the device (each parallel layer loads its own)
   KV cache     bf16 K and V for batch × length × its KV heads; sliding layers hold the window
   graph        stated estimate of the largest transient of the context-encoding graph at batch ×
-               seq: the MoE stage's [B·S, E/t·2I] gate_up output and [B·S, E/t·I] activation,
+               seq: the MoE stage's gate_up output and activation, B·S × (E·2I/t + E·I/t) in
+               either layout,
                plus, for int8, one layer's local gate_up dequantised to bf16 (the quantized
                layers cast the weight before the matmul), or the attention stage's fp32 scores
                [B, h/t, S, S], whichever is larger
@@ -23,8 +27,12 @@ Each rank holds, in bytes:
 against 16 GiB of HBM per NeuronCore-v2. Non-expert weights are bf16 in both dtypes.
 
 Decode: bytes one rank reads per generated token (all its non-expert weights but the embedding
-table, its KV cache, and its experts as each implementation reads them) and the HBM-bound floor
-this implies at half a chip's 820 GiB/s per core (two cores per chip share it).
+table, its KV cache, and its experts as the decode graph of each expert layout reads them) and
+the HBM-bound floor this implies at half a chip's 820 GiB/s per core (two cores per chip share
+it). The graphs are those trace-and-compile builds (`parallel/moe.py`): the channel layout's
+gathers the batch's B·k experts' I/t channels while B·k < E (with the port's decode_experts =
+"selective"), else computes all E experts' channels; the expert layout's computes all its E/t
+experts.
 
 Host: bytes crossing between host and device per decode step of the built graphs (`neuron/compile.py`):
 int64 input_ids and position_ids [batch, 1] in, the token [batch, 1] out; the KV cache is device
@@ -36,8 +44,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers import Gemma4TextConfig
 
+from ..experts.int8 import quantize_experts
 from ..info import meta_model, parameter_group
 from ..parallel import layout
 
@@ -63,19 +73,18 @@ INSTANCES = {i.name: i for i in (Instance("inf2.xlarge", 1), Instance("inf2.8xla
                                   Instance("inf2.24xlarge", 6), Instance("inf2.48xlarge", 12))}
 
 
-def _weights_per_rank(config: Gemma4TextConfig, tp: int, dtype: str) -> dict[str, float]:
+def _weights_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: str) -> dict[str, float]:
     """Bytes of weights on one rank, by group (every rank holds the same amount)."""
     state = meta_model(config).state_dict()  # tied embed_tokens / lm_head appear under both names
+    full = layout.parallel_state_dict(state, config, tp, expert_layout)
+    if dtype == "int8":
+        full = quantize_experts(full)  # on the meta device: int8 weights and fp32 scales, shapes only
     out: dict[str, float] = {}
-    for name, w in layout.parallel_state_dict(state, config, tp).items():
-        local = layout.shard(w, layout.placement(name), tp, 0)
-        if name.endswith(".rank"):
-            nbytes = 4 * local.numel()  # int32 SPMDRank
-        elif ".experts." in name and dtype == "int8":
-            scale_rows = local.shape[0]  # [out, 1] per linear: split with gate_up, whole with down
-            nbytes = local.numel() + 4 * scale_rows
-        else:
-            nbytes = 2 * local.numel()
+    for name, w in full.items():
+        local = layout.shard(w, layout.placement(name, expert_layout), tp, 0)
+        # int8 experts, int32 SPMDRanks, the experts' fp32 scales (not the router's `scale`); the rest bf16
+        fp32 = ".experts." in name and name.endswith(".scale")
+        nbytes = local.numel() * {torch.int8: 1, torch.int32: 4}.get(local.dtype, 4 if fp32 else 2)
         # the experts' SPMDRank is a scalar, not expert weights: it counts where a block's scalars do
         group = "lm_head" if name == "lm_head.weight" else parameter_group(name.replace(".experts.spmd_rank.", ".spmd_rank."))
         out[group] = out.get(group, 0) + nbytes
@@ -98,30 +107,37 @@ def _graph_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, batch: int, s
     return max(moe, attention)
 
 
-def _expert_bytes(config: Gemma4TextConfig, dtype: str) -> int:
-    """One expert of one layer, as read by a decode step (int8: weights + its gate_up scales)."""
-    I, H = config.moe_intermediate_size, config.hidden_size
-    return 3 * I * H * 2 if dtype == "bf16" else 3 * I * H + 2 * I * 4
-
-
-def _decode(config: Gemma4TextConfig, tp: int, dtype: str, batch: int, weights: dict, kv: int) -> list[dict]:
-    L, E, k = config.num_hidden_layers, config.num_experts, config.top_k_experts
-    per_expert = _expert_bytes(config, dtype)
-    experts_fixed = weights["experts"] - L * (E // tp) * per_expert  # int8: down's replicated scales
+def _decode_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv: int, expert_layout: str,
+                decode_experts: str) -> dict:
+    """What one layout's decode graph reads per token on one rank (every rank reads the same)."""
+    E, I, k = config.num_experts, config.moe_intermediate_size, config.top_k_experts
     rest = sum(v for g, v in weights.items() if g not in ("experts", "embeddings")) + kv
-    picks = min(batch * k, E)
-    reads = {
-        "dense_masked (all local experts)": L * (E // tp) * per_expert,
-        # static shapes: a rank holding whole experts must leave room for every pick to be local
-        "selective (whole experts per rank)": L * min(batch * k, E // tp) * per_expert,
-        "selective, experts split on I (NxD ExpertMLPs layout)": L * picks * per_expert / tp,
-    }
+    if expert_layout == layout.EXPERT:
+        graph, share = f"all {E // tp} of its experts, whole,", 1.0
+    elif decode_experts == "selective" and layout.gathers(config, batch):
+        # a rank holds the same slice of every expert (scales included): B·k of its E slices
+        graph, share = f"gathers {batch}×{k} experts' {I // tp} of {I} channels", batch * k / E
+    else:
+        graph, share = f"all {E} experts' {I // tp} of {I} channels", 1.0
+    total = rest + share * weights["experts"]
     per_core_bw = CHIP_HBM_BW / CORES_PER_CHIP
+    return {"expert_layout": expert_layout, "decode_graph": graph + " per layer", "bytes_per_token": total,
+            "GB_per_token": total / GB, "floor_ms": 1e3 * total / per_core_bw,
+            "tokens_per_s_ceiling": per_core_bw / total}
+
+
+def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts) -> list[dict]:
+    """A row per expert layout whose graphs can be built at TP `tp`, this plan's layout (whose
+    weights are `weights`) first."""
     rows = []
-    for impl, expert_bytes in reads.items():
-        total = rest + experts_fixed + expert_bytes
-        rows.append({"experts": impl, "bytes_per_token": total, "GB_per_token": total / GB,
-                     "floor_ms": 1e3 * total / per_core_bw, "tokens_per_s_ceiling": per_core_bw / total})
+    for name in sorted(layout.EXPERT_LAYOUTS, key=lambda n: n != expert_layout):
+        try:
+            layout.check_degree(config, tp, name)
+        except layout.LayoutError:
+            continue  # no such graph can be built at this degree
+        held = weights if name == expert_layout else _weights_per_rank(config, tp, dtype, name)
+        row = _decode_row(config, tp, batch, held, kv, name, decode_experts)
+        rows.append(dict(row, this_plan=name == expert_layout))
     return rows
 
 
@@ -135,15 +151,18 @@ def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
 
 
 def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: int, seq: int,
-         runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, model: str = "") -> dict:
+         runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, model: str = "",
+         expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, decode_experts: str = "selective") -> dict:
+    """The plan for `expert_layout`; its decode table has a row for each expert layout that shards at
+    TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts."""
     inst = INSTANCES[instance]
-    report = {"model": model, "instance": instance, "tp": tp, "dtype": dtype, "batch": batch, "seq": seq,
-              "core_hbm_bytes": CORE_HBM, "runtime_reserve_bytes": runtime_reserve}
+    report = {"model": model, "instance": instance, "tp": tp, "dtype": dtype, "expert_layout": expert_layout,
+              "batch": batch, "seq": seq, "core_hbm_bytes": CORE_HBM, "runtime_reserve_bytes": runtime_reserve}
     try:
-        layout.check_degree(config, tp)
+        layout.check_degree(config, tp, expert_layout)
     except layout.LayoutError as e:
         return {**report, "fits": False, "reason": f"not shardable: {e}"}
-    weights = _weights_per_rank(config, tp, dtype)
+    weights = _weights_per_rank(config, tp, dtype, expert_layout)
     kv = _kv_cache_per_rank(config, tp, batch, seq)
     graph = _graph_per_rank(config, tp, dtype, batch, seq)
     per_rank = {**weights, "kv_cache": kv, "graph": graph, "runtime": runtime_reserve}
@@ -159,4 +178,5 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
                               f"{(CORE_HBM - total) / GB:.2f} GB spare")
     return {**report, "fits": fits, "reason": reason, "per_rank_bytes": per_rank, "per_rank_total_bytes": total,
             "experts_all_ranks_bytes": experts_all,
-            "decode": _decode(config, tp, dtype, batch, weights, kv), "host_per_step": _host_per_step(config, batch)}
+            "decode": _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts),
+            "host_per_step": _host_per_step(config, batch)}

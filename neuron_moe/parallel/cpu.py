@@ -8,6 +8,14 @@ Same names and semantics as `parallel/nxd.py`, so the rank modules are written o
                            (in fp32, as NxD's reduce_dtype) after the matmul
   QuantizedColumnParallel  int8 weight as the column layer; fp32 scale [out/t, 1] split with it
   QuantizedRowParallel     int8 weight as the row layer; fp32 scale [out, 1] replicated
+  ExpertFusedColumnParallelLinear  weight [E, in, out/t], partition dim 2 (stride 2 for a fused
+                           gate_up: each rank's gate columns, then the same up columns)
+  ExpertFusedRowParallelLinear     weight [E, in/t, out], partition dim 1; no collective
+                           (reduce_output=False: one all-reduce after the router-weighted sum)
+  QuantizedExpertFusedColumnParallel / QuantizedExpertFusedRowParallel   their int8 forms,
+                           expert_wise_per_channel: fp32 scale [E, 1, out(/t)], split with the
+                           column layer (with its stride), replicated with the row layer
+  reduce_from_tensor_model_parallel_region   the all-reduce itself
   ParallelEmbedding        rows split over the vocabulary; out-of-range ids masked, all-reduce
   SPMDRank                 a [1] int32 parameter, `arange(t)` in the checkpoint, split on dim 0
   scatter_to_process_group_spmd           slice by the SPMDRank tensor: right on every rank
@@ -28,18 +36,18 @@ from torch import nn
 
 from ..errors import UserError
 from ..experts.int8 import dequantize_output
-from .layout import split
+from . import layout
 
 
 class ShardError(UserError):
     pass
 
 
-def _tag(param: nn.Parameter, dim: int | None, tp: int) -> nn.Parameter:
+def _tag(param: nn.Parameter, dim: int | None, tp: int, stride: int = 1) -> nn.Parameter:
     """NxD's set_tensor_model_parallel_attributes: how shard_checkpoint will cut this parameter."""
     param.tensor_model_parallel = dim is not None
     param.partition_dim = 0 if dim is None else dim
-    param.partition_stride = 1
+    param.partition_stride = stride if dim is not None else 1
     param.num_partitions = tp if dim is not None else 1
     return param
 
@@ -115,6 +123,77 @@ class QuantizedRowParallel(nn.Module):
         return all_reduce(dequantize_output(F.linear(x, self.weight.to(x.dtype)), self.scale), self.tp)
 
 
+class ExpertFusedColumnParallelLinear(nn.Module):
+    """E linears in one [E, in, out/t] weight, split on the output dim. forward(x [E or 1, 1, c, in],
+    expert_indices [E'] or None) -> [E', 1, c, out/t]: with expert_indices the weight is gathered
+    (`weight[expert_indices]`, NxD's selective loading), x's leading dim is 1 or E'."""
+
+    def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32,
+                 stride: int = 1):
+        super().__init__()
+        out = _per_rank(output_size, tp * stride, "output size") * stride
+        self.weight = _tag(nn.Parameter(torch.zeros(num_experts, input_size, out, dtype=dtype), requires_grad=False),
+                           2, tp, stride)
+
+    def forward(self, x, expert_indices=None):
+        return _expert_matmul(x, self.weight, expert_indices)
+
+
+class ExpertFusedRowParallelLinear(nn.Module):
+    """E linears in one [E, in/t, out] weight, split on the input dim; no all-reduce (NxD's
+    reduce_output=False): each rank's output is a partial sum over its input channels."""
+
+    def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
+        super().__init__()
+        inp = _per_rank(input_size, tp, "input size")
+        self.weight = _tag(nn.Parameter(torch.zeros(num_experts, inp, output_size, dtype=dtype), requires_grad=False),
+                           1, tp)
+
+    def forward(self, x, expert_indices=None):
+        return _expert_matmul(x, self.weight, expert_indices)
+
+
+class QuantizedExpertFusedColumnParallel(ExpertFusedColumnParallelLinear):
+    """int8 weight as the float layer; expert_wise_per_channel scale [E, 1, out/t], split with it."""
+
+    def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32,
+                 stride: int = 1):
+        super().__init__(num_experts, input_size, output_size, tp=tp, dtype=torch.int8, stride=stride)
+        E, _, out = self.weight.shape
+        self.scale = _tag(nn.Parameter(torch.ones(E, 1, out), requires_grad=False), 2, tp, stride)
+
+    def forward(self, x, expert_indices=None):
+        return _expert_matmul(x, self.weight, expert_indices, self.scale)
+
+
+class QuantizedExpertFusedRowParallel(ExpertFusedRowParallelLinear):
+    """int8 weight as the float layer; expert_wise_per_channel scale [E, 1, out], replicated (the
+    output channels are whole on every rank) and applied before the caller's all-reduce."""
+
+    def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
+        super().__init__(num_experts, input_size, output_size, tp=tp, dtype=torch.int8)
+        self.scale = _tag(nn.Parameter(torch.ones(num_experts, 1, output_size), requires_grad=False), None, tp)
+
+    def forward(self, x, expert_indices=None):
+        return _expert_matmul(x, self.weight, expert_indices, self.scale)
+
+
+def _expert_matmul(x, weight, expert_indices, scale=None):
+    """NxD's expert-fused forward: the weight (and an int8 layer's scale) gathered by expert_indices
+    when given, einsum("e...h,ehi->e...i") on 4-D inputs as NxD's Experts module passes them (its
+    quantized layers broadcast the scale as [E, 1, 1, out]), then the scale applied."""
+    if x.dim() != 4:
+        raise ValueError(f"expert-fused layers take [E, 1, tokens, in] inputs, got shape {tuple(x.shape)}")
+    if expert_indices is not None:
+        weight, scale = weight[expert_indices], None if scale is None else scale[expert_indices]
+    y = torch.einsum("e...h,ehi->e...i", x, weight.to(x.dtype))
+    return y if scale is None else dequantize_output(y, scale)
+
+
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int) -> torch.Tensor:
+    return all_reduce(input_, tp)
+
+
 class SPMDRank(nn.Module):
     def __init__(self, tp: int):
         super().__init__()
@@ -166,9 +245,13 @@ def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int):
 def shard_checkpoint(checkpoint: dict[str, torch.Tensor], model: nn.Module, tp: int) -> list[dict[str, torch.Tensor]]:
     """One state dict per rank, cut from the full (parallel-layout) checkpoint as NxD's
     shard_checkpoint cuts it: a parameter tagged tensor_model_parallel is split on its
-    partition_dim into t contiguous chunks, everything else is replicated; each piece must have the
-    module's shape, and is cast to the module's dtype. Strict: a missing or unexpected key is an error."""
+    partition_dim into t chunks (t·s with partition stride s, rank r taking r, r + t, …), everything
+    else is replicated; each piece must have the module's shape, and is cast to the module's dtype.
+    Strict: a checkpoint of the other expert layout, or a missing or unexpected key, is an error."""
     expected = model.state_dict()
+    want = layout.expert_layout_of(expected)
+    if want is not None:
+        layout.check_expert_layout(checkpoint, want, "the checkpoint")
     missing = sorted(set(expected) - set(checkpoint))
     unexpected = sorted(set(checkpoint) - set(expected))
     if missing or unexpected:
@@ -180,7 +263,7 @@ def shard_checkpoint(checkpoint: dict[str, torch.Tensor], model: nn.Module, tp: 
         state = {}
         for name, local in expected.items():
             full, param = checkpoint[name], params.get(name)
-            piece = split(full, param.partition_dim, param.num_partitions, rank) \
+            piece = layout.split(full, param.partition_dim, param.num_partitions, rank, param.partition_stride) \
                 if getattr(param, "tensor_model_parallel", False) else full
             if piece.shape != local.shape:
                 raise ShardError(f"{name}: rank {rank} expects shape {tuple(local.shape)}, "

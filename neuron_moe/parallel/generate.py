@@ -7,9 +7,10 @@ zero-initialised KV state of their own (as NxD's state initializer does on each 
 never in a weight shard) and run the static host loop (`static/loop.py`) in lockstep. Every rank
 gathers the full logits and takes the same greedy token; the ranks' tokens are checked to agree.
 
-Backends for `validate`: `tp8` (SPMDRank scatter), `tp8-naive-scatter` (the seed port's
-Python-int scatter, which a graph traced on rank 0 freezes to rank 0's slice: a wrong model, on
-purpose) and `tp8-int8` (int8 experts, per-channel scales).
+Backends for `validate`: `tp8` and `tp8-int8` (int8 experts, per-channel scales) in either expert
+layout (`--expert-layout`, default the port's [static] expert_layout: channel), and
+`tp8-naive-scatter`, always the expert layout: the seed port's Python-int router scatter, which a
+graph traced on rank 0 freezes to rank 0's slice (a wrong model, on purpose).
 """
 
 from __future__ import annotations
@@ -29,25 +30,27 @@ from .trace import export_rank0, generation_job, run_replicated
 class TPGenerator(StaticGenerator):
     """StaticGenerator whose graphs are rank-0 exports of the rank module, run on t processes."""
 
-    def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, int8: bool = False, scatter: str = "spmd",
-                 logits: bool = True):
+    def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
+                 int8: bool = False, scatter: str = "spmd", logits: bool = True):
         from ..model import build_model
 
         if port.static is None:
             raise UserError(f"port {port.name!r} has no [static] table: it has no traced graphs")
         dtype = dtype or port.dtype
+        expert_layout = expert_layout or port.static.expert_layout
+        layout.check_degree(port.config, tp, expert_layout)  # before the weights load
         hf = build_model(port, "eager", dtype, checkpoint)
-        full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp)
+        full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
         del hf
         if int8:
             full = quantize_experts(full)
-        module = rank_model(port.config, tp, cpu, int8=int8, scatter=scatter, dtype=dtype)
+        module = rank_model(port.config, tp, cpu, expert_layout=expert_layout, int8=int8, scatter=scatter, dtype=dtype)
         shards = cpu.shard_checkpoint(full, module, tp)
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
         # the graphs (static/decoder.py) hold the model as `.model`
         self.states = [{f"model.{k}": v for k, v in shard.items()} for shard in shards]
         super().__init__(module, port.static, logits=logits)
-        self.tp = tp
+        self.tp, self.expert_layout = tp, expert_layout
 
     def prepare(self, buckets) -> None:
         """Export the programs; they run (and get their state) in the rank processes."""
@@ -89,15 +92,21 @@ def generate_replicated(generators: dict[str, TPGenerator], input_ids: torch.Ten
 
 
 def tp_backend(tp: int, **variant):
-    """A `validate` backend factory: TP `tp` on gloo, `variant` passed to TPGenerator."""
-    def make(port, dtype=None, checkpoint=None):
-        return TPGenerator(port, tp, dtype, checkpoint, **variant).generate
+    """A `validate` backend factory: TP `tp` on gloo, `variant` passed to TPGenerator; `expert_layout`
+    may be chosen unless the variant fixes it."""
+    def make(port, dtype=None, checkpoint=None, expert_layout=None):
+        fixed = variant.get("expert_layout")
+        if fixed and expert_layout and expert_layout != fixed:
+            raise UserError(f"this backend runs the {fixed!r} expert layout only, not {expert_layout!r}")
+        options = dict(variant, expert_layout=fixed or expert_layout)
+        return TPGenerator(port, tp, dtype, checkpoint, **options).generate
 
     return make
 
 
 BACKENDS = {
     "tp8": tp_backend(8),
-    "tp8-naive-scatter": tp_backend(8, scatter="naive"),
+    # the seed bug lives in the expert layout's router scatter: the channel layout has none
+    "tp8-naive-scatter": tp_backend(8, scatter="naive", expert_layout=layout.EXPERT),
     "tp8-int8": tp_backend(8, int8=True),
 }

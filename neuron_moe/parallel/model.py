@@ -8,7 +8,9 @@ channels; the linears that hold a share are replaced by the backend's parallel l
 
   attention   q/k/v_proj ColumnParallelLinear, o_proj RowParallelLinear (all-reduce)
   dense MLP   gate/up_proj ColumnParallelLinear, down_proj RowParallelLinear (all-reduce)
-  experts     ParallelExperts (`moe.py`): the rank's experts whole, router weights scattered by rank
+  experts     `moe.parallel_experts`: in the channel layout every expert's I/t channels (one
+              all-reduce after the router-weighted sum), in the expert layout the rank's experts
+              whole (router weights scattered by rank)
   embedding   ParallelEmbedding over the vocabulary (× HF's embed scale), all-reduce
   lm_head     ColumnParallelLinear over the vocabulary, gather_output: every rank has all logits,
               so every rank takes the same greedy token
@@ -25,12 +27,12 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from . import layout
-from .moe import ParallelExperts
+from .moe import parallel_experts
 
 
-def rank_config(config: Gemma4TextConfig, tp: int) -> Gemma4TextConfig:
+def rank_config(config: Gemma4TextConfig, tp: int, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT) -> Gemma4TextConfig:
     """The config one rank's HF modules see: its heads, KV heads and dense intermediate size."""
-    layout.check_degree(config, tp)
+    layout.check_degree(config, tp, expert_layout)
     fields = config.to_dict()
     fields["num_attention_heads"] = config.num_attention_heads // tp
     fields["num_key_value_heads"] = max(fields["num_key_value_heads"] // tp, 1)
@@ -50,12 +52,14 @@ def _scaled(embedding: nn.Module, scale: torch.Tensor) -> nn.Module:
     return embedding
 
 
-def rank_model(config: Gemma4TextConfig, tp: int, backend, *, int8: bool = False, scatter: str = "spmd",
-               dtype: torch.dtype = torch.float32, device: str = "cpu") -> Gemma4ForCausalLM:
+def rank_model(config: Gemma4TextConfig, tp: int, backend, *, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
+               int8: bool = False, scatter: str = "spmd", dtype: torch.dtype = torch.float32,
+               device: str = "cpu") -> Gemma4ForCausalLM:
     """One rank's Gemma4ForCausalLM over `backend` (`parallel.cpu` or `parallel.nxd`); its state dict
-    names are those of `layout.parallel_state_dict` (int8: of `experts.int8.quantize_experts` of it).
-    `device="meta"` builds it without memory (for plans and shape checks)."""
-    local = rank_config(config, tp)
+    names are those of `layout.parallel_state_dict` in `expert_layout` (int8: of
+    `experts.int8.quantize_experts` of it). `device="meta"` builds it without memory (for plans and
+    shape checks)."""
+    local = rank_config(config, tp, expert_layout)
     H, V = config.hidden_size, config.vocab_size
     with torch.device("meta"):
         model = Gemma4ForCausalLM(local)
@@ -74,7 +78,8 @@ def rank_model(config: Gemma4TextConfig, tp: int, backend, *, int8: bool = False
             mlp.gate_proj = backend.ColumnParallelLinear(H, config.intermediate_size, tp=tp, dtype=dtype)
             mlp.up_proj = backend.ColumnParallelLinear(H, config.intermediate_size, tp=tp, dtype=dtype)
             mlp.down_proj = backend.RowParallelLinear(config.intermediate_size, H, tp=tp, dtype=dtype)
-            layer.experts = ParallelExperts(config, tp, backend, int8, scatter, dtype)
+            layer.experts = parallel_experts(model.config, tp, backend, expert_layout, int8=int8, scatter=scatter,
+                                             dtype=dtype)
         scale = torch.tensor(H**0.5)
         model.model.embed_tokens = _scaled(backend.ParallelEmbedding(V, H, tp=tp, dtype=dtype), scale)
         model.lm_head = backend.ColumnParallelLinear(H, V, tp=tp, dtype=dtype, gather_output=True)

@@ -1,16 +1,31 @@
 """The MoE block of one decoder layer as a rank module: HF's router, replicated, and this rank's
-experts as one column-parallel and one row-parallel linear (`layout.py`).
+share of the experts in one of the two expert layouts (`layout.py`).
 
 Written once over a parallel-layer backend (`parallel.cpu` or `parallel.nxd`, the same names).
-Every rank computes the full dense [T, E] router weights, then keeps the columns of its own
-experts; with `scatter="spmd"` that slice is indexed by the SPMDRank tensor (right in a graph
-traced once on rank 0), with `scatter="naive"` by the Python-int process-group rank (the seed
-port's bug: in that graph every rank weights its experts with experts 0…E/t−1's router weights).
-The router weight multiplies the activation before down, so down is one matmul over the rank's
-experts and the all-reduce after it sums over all experts.
+Both experts modules have transformers' experts signature, forward(x, top_k_index, top_k_weights),
+so the full-model rank module (`parallel/model.py`) puts them in place of HF's `Gemma4TextExperts`.
 
-`ParallelExperts` has transformers' experts signature, forward(x, top_k_index, top_k_weights), so
-the full-model rank module (`parallel/model.py`) puts it in place of HF's `Gemma4TextExperts`.
+`ChannelExperts` (the channel layout, the default): every expert's I/t channels of this rank, as
+NxD's expert-fused layers. Nothing depends on the rank: the router's top-k is used whole, and one
+all-reduce sums the ranks' router-weighted partial outputs. Two fixed-shape computations:
+  all experts  every token through all E experts' channels (DenseExperts math on the shard), the
+               outputs weighted by the dense [T, E] router matrix;
+  gather       each token gathers its k experts' channel slices from the [E, …] parameters
+               (`weight[expert_indices]`, [T·k, …]: NxD's selective loading), weighted by its k
+               router weights.
+A graph gathers when it is a decode graph (the static decoder runs it with the port's
+`decode_experts = "selective"`) and its T·k < E (`layout.gathers`, NxD's rule); the choice is
+made while tracing, so it is fixed per graph by the graph's batch size. Prefill graphs compute
+all experts.
+
+`WholeExperts` (the expert layout, the seed port's): the rank's E/t experts whole, as one
+column-parallel and one row-parallel linear. Every rank computes the full dense [T, E] router
+weights, then keeps the columns of its own experts; with `scatter="spmd"` that slice is indexed by
+the SPMDRank tensor (right in a graph traced once on rank 0), with `scatter="naive"` by the
+Python-int process-group rank (the seed port's bug: in that graph every rank weights its experts
+with experts 0…E/t−1's router weights). The router weight multiplies the activation before down,
+so down is one matmul over the rank's experts and the all-reduce after it sums over all experts.
+It computes all its experts in every graph.
 """
 
 from __future__ import annotations
@@ -20,12 +35,46 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
 
+from ..errors import UserError
 from ..experts.dense_masked import router_weight_matrix
+from . import layout
 
 SCATTERS = ("spmd", "naive")
 
 
-class ParallelExperts(nn.Module):
+class ChannelExperts(nn.Module):
+    def __init__(self, config, tp: int, backend, int8: bool = False, dtype=torch.float32):
+        super().__init__()
+        E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        column = backend.QuantizedExpertFusedColumnParallel if int8 else backend.ExpertFusedColumnParallelLinear
+        row = backend.QuantizedExpertFusedRowParallel if int8 else backend.ExpertFusedRowParallelLinear
+        self.gate_up_proj = column(E, H, 2 * I, tp=tp, dtype=dtype, stride=2)  # [E, H, 2I/t]: gate, then up
+        self.down_proj = row(E, I, H, tp=tp, dtype=dtype)  # [E, I/t, H]
+        self.config = config  # the model's: the static graphs set its experts implementation per graph
+        self.tp, self.backend, self.num_experts = tp, backend, E
+        self.act_fn = ACT2FN[config.hidden_activation]
+
+    def gathers(self, tokens: int) -> bool:
+        return self.config._experts_implementation == "selective" and layout.gathers(self.config, tokens)
+
+    def _mlp(self, x: torch.Tensor, expert_indices: torch.Tensor | None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, expert_indices=expert_indices).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up, expert_indices=expert_indices)
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], top-k [T, k] -> [T, H], summed over all ranks' channels."""
+        (T, H), k = x.shape, top_k_index.shape[1]
+        if self.gathers(T):  # the expert-fused layers take [E', 1, tokens, in]
+            out = self._mlp(x[:, None].expand(T, k, H).reshape(T * k, 1, 1, H), top_k_index.reshape(-1))
+            out = torch.einsum("tkh,tk->th", out.view(T, k, H), top_k_weights.to(out.dtype))
+        else:
+            out = self._mlp(x.view(1, 1, T, H), None)[:, 0]  # [E, T, H]
+            weights = router_weight_matrix(top_k_index, top_k_weights, self.num_experts)
+            out = torch.einsum("eth,te->th", out, weights.to(out.dtype))
+        return self.backend.reduce_from_tensor_model_parallel_region(out, tp=self.tp)
+
+
+class WholeExperts(nn.Module):
     def __init__(self, config, tp: int, backend, int8: bool = False, scatter: str = "spmd", dtype=torch.float32):
         super().__init__()
         if scatter not in SCATTERS:
@@ -56,16 +105,29 @@ class ParallelExperts(nn.Module):
         return self.down_proj(act.flatten(-2))[0]
 
 
+def parallel_experts(config, tp: int, backend, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, *,
+                     int8: bool = False, scatter: str = "spmd", dtype=torch.float32) -> nn.Module:
+    """This rank's experts in `expert_layout`. `config` is the model's own (ChannelExperts reads the
+    experts implementation the static graph sets on it). `scatter` exists only in the expert layout."""
+    if layout.check_layout_name(expert_layout) == layout.CHANNEL:
+        if scatter != "spmd":
+            raise UserError(f"scatter {scatter!r} is the expert layout's: the channel layout slices nothing by rank")
+        return ChannelExperts(config, tp, backend, int8, dtype)
+    return WholeExperts(config, tp, backend, int8, scatter, dtype)
+
+
 class ParallelMoE(nn.Module):
     """forward(router_input, experts_input), both [B, S, H]: the residual (the router normalises
     it itself) and pre_feedforward_layernorm_2 of it, as in Gemma4TextDecoderLayer."""
 
-    def __init__(self, config, tp: int, backend, *, int8: bool = False, scatter: str = "spmd", dtype=torch.float32):
+    def __init__(self, config, tp: int, backend, *, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
+                 int8: bool = False, scatter: str = "spmd", dtype=torch.float32):
         super().__init__()
         self.router = Gemma4TextRouter(config).to(dtype)
-        self.experts = ParallelExperts(config, tp, backend, int8, scatter, dtype)
+        self.experts = parallel_experts(config, tp, backend, expert_layout, int8=int8, scatter=scatter, dtype=dtype)
 
     def local_router_weights(self, router_input: torch.Tensor) -> torch.Tensor:
+        """The expert layout's scatter of the dense router weights to this rank's experts."""
         _, top_k_weights, top_k_index = self.router(router_input.reshape(-1, router_input.shape[-1]))
         dense = router_weight_matrix(top_k_index, top_k_weights, self.experts.num_experts)
         return self.experts.local_weights(dense).reshape(*router_input.shape[:-1], -1)

@@ -17,7 +17,12 @@ Traps (shared/notes/neuron-apis.md):
   fresh matmul output only, which is harmless; we never call it ourselves, and the int8
   checkpoint is made by `experts.int8.quantize_per_channel`, which never writes to its input.
 - The quantized layers broadcast the scale as [1, 1, out]: their inputs must be 3-D [B, S, H]
-  (the rank modules pass 3-D tensors throughout).
+  (the rank modules pass 3-D tensors throughout). The quantized expert-fused layers broadcast
+  their [E, 1, out] scale as [E, 1, 1, out]: their inputs must be 4-D [E, 1, tokens, in], as NxD's
+  own `modules/moe/experts.py` passes them.
+- NxD's sharding (`trace/trace.py: shard_children`) cuts only parameters of its parallel-layer
+  classes: a tagged parameter of any other module is silently replicated. Hence the expert-fused
+  layers for the channel layout's 3-D experts, not tagged parameters of our own.
 - `ParallelEmbedding` takes its vocabulary offset from the Python-int rank unless
   `use_spmd_rank=True`: the same frozen-at-trace-time bug as the router scatter.
 """
@@ -39,6 +44,7 @@ _PS = "src/neuronx_distributed/parallel_layers/parallel_state.py"
 _Q = "src/neuronx_distributed/quantization/quantization_layers.py"
 _QC = "src/neuronx_distributed/quantization/quantization_config.py"
 _MB = "src/neuronx_distributed/trace/model_builder.py"
+_MOE = "src/neuronx_distributed/modules/moe/moe_parallel_layers.py"
 
 # dotted name -> (file in NXD_SOURCE, keyword arguments we pass; None for a value we only read)
 NXD_API: dict[str, tuple[str, tuple[str, ...] | None]] = {
@@ -52,6 +58,11 @@ NXD_API: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "neuronx_distributed.parallel_layers.mappings.scatter_to_process_group_spmd":
         (_M, ("input_", "partition_dim", "rank")),
     "neuronx_distributed.parallel_layers.mappings.scatter_to_tensor_model_parallel_region": (_M, ("input_",)),
+    "neuronx_distributed.parallel_layers.mappings.reduce_from_tensor_model_parallel_region": (_M, ("input_",)),
+    "neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear":
+        (_MOE, ("num_experts", "input_size", "output_size", "bias", "dtype", "stride")),
+    "neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedRowParallelLinear":
+        (_MOE, ("num_experts", "input_size", "output_size", "bias", "reduce_output", "dtype")),
     "neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel":
         (_PS, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                "expert_model_parallel_size", "skip_collective_init")),
@@ -63,7 +74,15 @@ NXD_API: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel":
         (_Q, ("input_size", "output_size", "bias", "quantization_type", "input_is_parallel", "dtype",
               "quantized_dtype", "quantization_per_channel_axis", "scale_dtype")),
+    "neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedColumnParallel":
+        (_Q, ("num_experts", "input_size", "output_size", "bias", "quantization_type", "dtype", "quantized_dtype",
+              "stride", "quantization_per_channel_axis", "scale_dtype")),
+    "neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedRowParallel":
+        (_Q, ("num_experts", "input_size", "output_size", "reduce_output", "bias", "quantization_type",
+              "quantized_dtype", "dtype", "quantization_per_channel_axis", "scale_dtype")),
     "neuronx_distributed.quantization.quantization_config.QuantizationType.PER_CHANNEL_SYMMETRIC": (_QC, None),
+    "neuronx_distributed.quantization.quantization_config.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC":
+        (_QC, None),
     "neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8": (_QC, None),
     "neuronx_distributed.trace.model_builder.ModelBuilder":
         (_MB, ("router", "tp_degree", "checkpoint_loader", "compiler_workdir")),
@@ -150,10 +169,21 @@ def RowParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch
 
 
 def _int8_per_channel() -> dict:
+    """A linear's int8: a scale per output channel (axis 0 of its [out, in] weight)."""
     return dict(
         quantization_type=_nxd("neuronx_distributed.quantization.quantization_config.QuantizationType.PER_CHANNEL_SYMMETRIC"),
         quantized_dtype=_nxd("neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8"),
         quantization_per_channel_axis=0, scale_dtype=torch.float32)
+
+
+def _int8_expert_wise() -> dict:
+    """An expert-fused layer's int8: a scale per expert and output channel (axis 2 of [E, in, out]),
+    [E, 1, out]; selective loading gathers it with the weight (`scale[expert_indices]`)."""
+    return dict(
+        quantization_type=_nxd(
+            "neuronx_distributed.quantization.quantization_config.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC"),
+        quantized_dtype=_nxd("neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8"),
+        quantization_per_channel_axis=2, scale_dtype=torch.float32)
 
 
 def QuantizedColumnParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
@@ -168,6 +198,41 @@ def QuantizedRowParallel(input_size: int, output_size: int, *, tp: int, dtype=to
     return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel")(
         input_size=input_size, output_size=output_size, bias=False, input_is_parallel=True, dtype=dtype,
         **_int8_per_channel())
+
+
+def ExpertFusedColumnParallelLinear(num_experts: int, input_size: int, output_size: int, *, tp: int,
+                                    dtype=torch.float32, stride: int = 1):
+    _check_tp(tp)
+    return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear")(
+        num_experts=num_experts, input_size=input_size, output_size=output_size, bias=False, dtype=dtype,
+        stride=stride)
+
+
+def ExpertFusedRowParallelLinear(num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
+    _check_tp(tp)
+    return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedRowParallelLinear")(
+        num_experts=num_experts, input_size=input_size, output_size=output_size, bias=False, reduce_output=False,
+        dtype=dtype)
+
+
+def QuantizedExpertFusedColumnParallel(num_experts: int, input_size: int, output_size: int, *, tp: int,
+                                       dtype=torch.float32, stride: int = 1):
+    _check_tp(tp)
+    return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedColumnParallel")(
+        num_experts=num_experts, input_size=input_size, output_size=output_size, bias=False, dtype=dtype,
+        stride=stride, **_int8_expert_wise())
+
+
+def QuantizedExpertFusedRowParallel(num_experts: int, input_size: int, output_size: int, *, tp: int,
+                                    dtype=torch.float32):
+    _check_tp(tp)
+    return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedRowParallel")(
+        num_experts=num_experts, input_size=input_size, output_size=output_size, reduce_output=False, bias=False,
+        dtype=dtype, **_int8_expert_wise())
+
+
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int):
+    return _nxd("neuronx_distributed.parallel_layers.mappings.reduce_from_tensor_model_parallel_region")(input_=input_)
 
 
 def ParallelEmbedding(num_embeddings: int, embedding_dim: int, *, tp: int, dtype=torch.float32):

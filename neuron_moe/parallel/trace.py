@@ -68,9 +68,10 @@ def _rank_main(rank: int, tp: int, templates: dict[str, torch.nn.Module], rank_s
         dist.destroy_process_group()
 
 
-def forward_job(modules: dict[str, torch.nn.Module], rank: int, inputs: list[tuple]) -> dict[str, list[torch.Tensor]]:
-    """Each program on each input tuple."""
-    return {key: [module(*args) for args in inputs] for key, module in modules.items()}
+def forward_job(modules: dict[str, torch.nn.Module], rank: int,
+                inputs: dict[str, list[tuple]]) -> dict[str, list[torch.Tensor]]:
+    """Each program on each of its input tuples, `inputs[key]`."""
+    return {key: [module(*args) for args in inputs[key]] for key, module in modules.items()}
 
 
 def generation_job(modules: dict[str, torch.nn.Module], rank: int, runs: list[tuple]) -> dict[str, tuple]:

@@ -138,15 +138,18 @@ def down_rows(down_proj: torch.Tensor) -> torch.Tensor:
 def prep_layer(gate_up: torch.Tensor, down: torch.Tensor, signs: torch.Tensor, rank: int = RANK) -> dict:
     """One layer's sidecar tensors from gate_up_proj [E, 2I, H] and down_proj [E, H, I] (any float dtype).
 
-    Works one expert at a time, so the transient memory is a few fp32 copies of one expert.
+    Works one expert at a time, so the transient memory is a few fp32 copies of one expert. Runs on
+    the weights' device (bench/gpu_decode.py preps on the GPU); the result is there too.
     """
     E, H, I = down.shape
     layout = Layout(H, E, I, rank)
     nb, R = layout.blocks, layout.rows
-    codes = torch.zeros(E, nb, BLOCK, layout.rows_padded // CODES_PER_BYTE, dtype=torch.uint8)
-    scales = torch.empty(E, nb, R, dtype=FLOAT)
-    norms = torch.empty(E, I, dtype=FLOAT)
-    gram = torch.zeros(H, H, dtype=torch.float64)
+    dev = gate_up.device
+    signs = signs.to(dev)
+    codes = torch.zeros(E, nb, BLOCK, layout.rows_padded // CODES_PER_BYTE, dtype=torch.uint8, device=dev)
+    scales = torch.empty(E, nb, R, dtype=FLOAT, device=dev)
+    norms = torch.empty(E, I, dtype=FLOAT, device=dev)
+    gram = torch.zeros(H, H, dtype=torch.float64, device=dev)
     for e in range(E):
         code, scale = ternary(rotate_blocks(gate_up[e], signs, BLOCK))  # [R, nb, 128], [R, nb]
         code = torch.nn.functional.pad(code.permute(1, 2, 0), (0, layout.rows_padded - R))  # coordinate-major

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from ..neuron.compile import MANIFEST, MODEL, WEIGHTS, ArtifactError, read_manifest  # noqa: F401  (the contract)
+from ..neuron.compile import (MANIFEST, MODEL, WEIGHTS, ArtifactError, check_expert_layout,  # noqa: F401  (the contract)
+                               load_shards, read_manifest)
+from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
 from ..static.loop import bucket_for, prefill_row
 
 SDK_MODULES = ("torch_neuronx", "neuronx_distributed")
@@ -51,16 +53,14 @@ class NeuronBackend:
             raise NeuronError(f"{artifacts}: a --dry-run output (exported on CPU, not compiled; no {MODEL})")
         if self.manifest["port"] != port.name:
             raise NeuronError(f"{artifacts}: compiled for port {self.manifest['port']!r}, not {port.name!r}")
+        check_expert_layout(self.manifest, port.static.expert_layout if port.static else DEFAULT_EXPERT_LAYOUT,
+                            artifacts)
         require_sdk()
         import torch_neuronx  # noqa: F401 - registers the Neuron classes that torch.jit.load needs
-        from safetensors.torch import load_file
 
-        shards = [artifacts / WEIGHTS.format(rank=r) for r in range(self.manifest["tp"])]
-        absent = [str(p) for p in shards if not p.is_file()]
-        if absent:
-            raise NeuronError(f"{artifacts}: missing weight shard(s) {', '.join(absent)}")
+        shards = load_shards(artifacts, self.manifest)  # each in the manifest's expert layout
         self.model = torch.jit.load(str(artifacts / MODEL))
-        self.model.nxd_model.initialize([load_file(p) for p in shards], torch.tensor([0], dtype=torch.int32))
+        self.model.nxd_model.initialize(shards, torch.tensor([0], dtype=torch.int32))
         self.buckets = sorted(self.manifest["buckets"])
         self.batch, self.max_length = self.manifest["batch_size"], self.manifest["max_length"]
         self.max_prompt = self.buckets[-1]

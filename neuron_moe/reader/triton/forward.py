@@ -7,7 +7,9 @@ of the unchosen channels) and `down` (the chosen down rows, the activation, and 
 reductions meet in one zeroed fp32 workspace through atomic adds, so a call is eight
 launches: the zeroing, the six kernels and the cast of y to the input dtype. `fuse=True` makes
 it six (untimed on a GPU so far: bench/gpu_reader.py times it beside the default): rotate+scan
-zeroes the workspace, and exact and recover share one launch.
+zeroes the workspace, and exact and recover share one launch. `atomics="relaxed"` makes every
+reduction a fire-and-forget add instead of Triton's default acq_rel round trip (also untimed).
+The same stages in one launch, with the select spread over programs: `persistent.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from . import kernels
 # for (a few per SM of a 132-SM H200), so that no stage walks a long serial loop on a few SMs at
 # batch 1. Measured alternatives: bench/results/gpu_reader-h200-2026-11-30-tuning.md.
 BQ, SC, BK, EXACT_BH, BH, BI, PROGRAMS = 32, 16, 16, 256, 128, 64, 1024
+
+# The memory order of the reductions' atomic adds (kernels.py): Triton's default "acq_rel", as
+# measured on the H200; "relaxed" (ATOMICS) compiles to fire-and-forget reductions, not yet timed.
+DEFAULT_ATOMICS = "acq_rel"
+ATOMICS = ("acq_rel", "relaxed")
 
 # select_kernel's variants beside the default (`select` keywords), named for bench/gpu_reader.py and
 # the tests, which run each: the k-th largest by radix histograms of 8- or 5-bit digits (4 or 7
@@ -85,7 +92,7 @@ def _shares(total: int, others: int) -> int:
     return max(1, min(total, triton.cdiv(PROGRAMS, others)))
 
 
-def screen(values, coords, top_k_index, codes, scales, out=None, warps=None) -> torch.Tensor:
+def screen(values, coords, top_k_index, codes, scales, out=None, warps=None, sem=DEFAULT_ATOMICS) -> torch.Tensor:
     """Sketch estimates [T, ke, 2I] from the scanned Rx values and coordinates [T, nb, scan]."""
     T, ke = top_k_index.shape
     nb, scan = coords.shape[1:]
@@ -101,7 +108,7 @@ def screen(values, coords, top_k_index, codes, scales, out=None, warps=None) -> 
     warps = warps or (1 if T == 1 else 4)
     kernels.screen_kernel[(T * ke, tiles, triton.cdiv(nb, per))](
         codes, scales, top_k_index.contiguous(), coords.to(torch.int32).contiguous(), values.contiguous(), out,
-        ke, nb, strip, rows, per, SCAN=scan, SC=SC, BQ=BQ, num_warps=warps)
+        ke, nb, strip, rows, per, SCAN=scan, SC=SC, BQ=BQ, SEM=sem, num_warps=warps)
     return out
 
 
@@ -132,18 +139,19 @@ def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, 
     return expert, channel, weight, (q if recovery else None)
 
 
-def exact(x, expert, channel, gate_up, out=None) -> torch.Tensor:
+def exact(x, expert, channel, gate_up, out=None, sem=DEFAULT_ATOMICS) -> torch.Tensor:
     """gu [T, k, 2] = (g_j·x, v_j·x) of the chosen channels (their gate and up rows read whole)."""
     T, k = expert.shape
     _, rows, H = gate_up.shape
     _contiguous(gate_up=gate_up)
     out = torch.zeros(T, k, 2, dtype=torch.float32, device=x.device) if out is None else out
     kernels.exact_kernel[(T, triton.cdiv(k, BK), triton.cdiv(H, EXACT_BH))](
-        gate_up, x.contiguous(), expert.contiguous(), channel.contiguous(), out, k, H, rows // 2, BK=BK, BH=EXACT_BH)
+        gate_up, x.contiguous(), expert.contiguous(), channel.contiguous(), out, k, H, rows // 2, BK=BK, BH=EXACT_BH,
+        SEM=sem)
     return out
 
 
-def exact_recover(x, expert, channel, gate_up, q, top_k_index, coeffs, rank: int, gu, z):
+def exact_recover(x, expert, channel, gate_up, q, top_k_index, coeffs, rank: int, gu, z, sem=DEFAULT_ATOMICS):
     """`exact` and `recover` in one launch, into their zeroed outputs gu [T, k, 2] and z [T, RANK_P2]."""
     T, k = expert.shape
     H = gate_up.shape[2]
@@ -153,21 +161,22 @@ def exact_recover(x, expert, channel, gate_up, q, top_k_index, coeffs, rank: int
     kernels.exact_recover_kernel[(programs,)](
         gate_up, x.contiguous(), expert.contiguous(), channel.contiguous(), gu, coeffs, q.contiguous(),
         top_k_index.contiguous(), z, T, k, H, inter, ke, rank, *coeffs.stride(),
-        BK=BK, BH=EXACT_BH, RANK_P2=z.shape[1], BI=BI)
+        BK=BK, BH=EXACT_BH, RANK_P2=z.shape[1], BI=BI, SEM=sem)
 
 
-def recover(q, top_k_index, coeffs, rank: int, out=None) -> torch.Tensor:
+def recover(q, top_k_index, coeffs, rank: int, out=None, sem=DEFAULT_ATOMICS) -> torch.Tensor:
     """z [T, RANK_P2] = Σ_slots Σ_j q_j b_j (b_j: the first `rank` of an expert's coefficients)."""
     T, ke, inter = q.shape
     rank_p2 = triton.next_power_of_2(rank)
     out = torch.zeros(T, rank_p2, dtype=torch.float32, device=q.device) if out is None else out
     kernels.recover_kernel[(T * ke, triton.cdiv(inter, BI))](coeffs, q.contiguous(), top_k_index.contiguous(), out,
-                                                            ke, inter, rank, *coeffs.stride(), RANK_P2=rank_p2, BI=BI)
+                                                            ke, inter, rank, *coeffs.stride(), RANK_P2=rank_p2, BI=BI,
+                                                            SEM=sem)
     return out
 
 
 def down(gu, weight, expert, channel, down_rows, act: int, basis=None, z=None, rank: int = 0, split=None,
-         out=None) -> torch.Tensor:
+         out=None, sem=DEFAULT_ATOMICS) -> torch.Tensor:
     """y [T, H] = Σ_j w_j·φ(g_j)·u_j·d_j (+ U·z when rank > 0), fp32; `split` shares of the k rows."""
     T, k = expert.shape
     _, inter, H = down_rows.shape
@@ -181,7 +190,7 @@ def down(gu, weight, expert, channel, down_rows, act: int, basis=None, z=None, r
     kernels.down_kernel[(T, tiles, split)](
         down_rows, expert.contiguous(), channel.contiguous(), weight.contiguous(), gu, basis, z, out,
         k, H, inter, rank, *basis.stride(), triton.cdiv(k, split),
-        ACT=act, HAS_RECOVERY=recovery, RANK_P2=z.shape[1] if recovery else 1, BK=BK, BH=BH)
+        ACT=act, HAS_RECOVERY=recovery, RANK_P2=z.shape[1] if recovery else 1, BK=BK, BH=BH, SEM=sem)
     return out
 
 
@@ -205,15 +214,17 @@ def _check_device(x):
 
 
 def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int,
-            act_fn, select_variant: str = "bisect", fuse: bool = False) -> torch.Tensor:
+            act_fn, select_variant: str = "bisect", fuse: bool = False, atomics: str = DEFAULT_ATOMICS) -> torch.Tensor:
     """`reference.forward` (screen="sketch") on the kernels; x [T, H], gate_up [E, 2I, H], down_rows [E, I, H].
     `select_variant`: a name in SELECT_VARIANTS; `fuse`: six launches instead of eight (the module's
-    docstring). Both give the same output; bench/gpu_reader.py times each."""
+    docstring); `atomics`: the reductions' memory order, one of ATOMICS. All give the same output;
+    bench/gpu_reader.py times each."""
     _check_device(x)
     if select_variant not in SELECT_VARIANTS:
         raise UserError(f"unknown select variant {select_variant!r}; known: {', '.join(SELECT_VARIANTS)}")
-    if layer.codes.shape[2] != BLOCK:
-        raise UserError(f"reader codes have {layer.codes.shape[2]} coordinates per block, expected {BLOCK}")
+    if atomics not in ATOMICS:
+        raise UserError(f"unknown atomics {atomics!r}; known: {', '.join(ATOMICS)}")
+    check_layer(layer)
     act = activation(act_fn)
     T, H = x.shape
     ke = top_k_index.shape[1]
@@ -221,17 +232,24 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int,
     flat, work = _workspace(T, {"est": (ke, rows), "gu": (k, 2), "z": (triton.next_power_of_2(max(rank, 1)),),
                                 "y": (H,)}, x.device, zeroed=not fuse)
     coords, values = rotate_scan(x, layer.signs, scan, zero=flat if fuse else None)
-    screen(values, coords, top_k_index, layer.codes, layer.scales, out=work["est"])
+    screen(values, coords, top_k_index, layer.codes, layer.scales, out=work["est"], sem=atomics)
     expert, channel, weight, q = select(work["est"], top_k_index, top_k_weights, layer.down_norms, k, act,
                                         recovery=rank > 0, **SELECT_VARIANTS[select_variant])
     if fuse and rank:
-        exact_recover(x, expert, channel, gate_up, q, top_k_index, layer.coeffs, rank, work["gu"], work["z"])
+        exact_recover(x, expert, channel, gate_up, q, top_k_index, layer.coeffs, rank, work["gu"], work["z"],
+                      sem=atomics)
     else:
-        exact(x, expert, channel, gate_up, out=work["gu"])
+        exact(x, expert, channel, gate_up, out=work["gu"], sem=atomics)
         if rank:
-            recover(q, top_k_index, layer.coeffs, rank, out=work["z"])
-    y = down(work["gu"], weight, expert, channel, down_rows, act, layer.basis, work["z"], rank, out=work["y"])
+            recover(q, top_k_index, layer.coeffs, rank, out=work["z"], sem=atomics)
+    y = down(work["gu"], weight, expert, channel, down_rows, act, layer.basis, work["z"], rank, out=work["y"],
+             sem=atomics)
     return y.to(x.dtype)
+
+
+def check_layer(layer) -> None:
+    if layer.codes.shape[2] != BLOCK:
+        raise UserError(f"reader codes have {layer.codes.shape[2]} coordinates per block, expected {BLOCK}")
 
 
 def dense_forward(x, top_k_index, top_k_weights, gate_up, down_rows, *, act_fn) -> torch.Tensor:

@@ -13,6 +13,14 @@ dozens of small torch ops. So every weight-reading kernel splits its reduction a
 programs that meet in fp32 buffers through atomic adds (zeroed once per call), and the glue
 (rotation, scan choice, top-k) is two kernels of its own.
 
+Each kernel's body is a `_helper` taking its program indices, so that `persistent.py` runs the
+same code as phases of one launch. Two constexprs every helper that reduces or reads another
+stage's output takes: SEM, the memory order of the reductions' atomic adds (Triton's default
+"acq_rel" compiles to `atom.acq_rel`, a round trip and a fence per add; "relaxed" to a
+fire-and-forget `red`: both correct here, since a kernel's end or, in the one-launch kernel, a
+release/acquire pair on a counter orders them), and CACHE, the cache modifier of those reads
+("" as usual; ".cg", L2 only, where another program of the same launch wrote the data).
+
 Kernels live in this file so that `TRITON_INTERPRET=1`, set before it is imported, runs them
 on the CPU (the tests do that).
 """
@@ -48,10 +56,21 @@ def rotate_scan_kernel(x_ptr, signs_ptr, hadamard_ptr, coords_ptr, values_ptr, z
     [zero_n] (the later stages' atomic workspace), in place of a memset launch of its own."""
     t = tl.program_id(0)
     b = tl.program_id(1)
-    first = (t * nb + b) * zero_per_program
-    for z0 in range(first, first + zero_per_program, ZB):
+    _zero(zero_ptr, zero_n, (t * nb + b) * zero_per_program, zero_per_program, ZB)
+    _rotate_scan(x_ptr, signs_ptr, hadamard_ptr, coords_ptr, values_ptr, H, nb, t, b, SCAN, BLOCK)
+
+
+@triton.jit
+def _zero(ptr, n, first, count, ZB: tl.constexpr):
+    """Zero the fp32 entries [first, first + count) of ptr [n]."""
+    for z0 in range(first, first + count, ZB):
         z = z0 + tl.arange(0, ZB)
-        tl.store(zero_ptr + z, tl.zeros([ZB], dtype=tl.float32), mask=(z < first + zero_per_program) & (z < zero_n))
+        tl.store(ptr + z, tl.zeros([ZB], dtype=tl.float32), mask=(z < first + count) & (z < n))
+
+
+@triton.jit
+def _rotate_scan(x_ptr, signs_ptr, hadamard_ptr, coords_ptr, values_ptr, H, nb, t, b,
+                 SCAN: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     h = b * BLOCK + i
     xs = tl.load(x_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32) * tl.load(signs_ptr + h).to(tl.float32)
@@ -80,7 +99,7 @@ def _digit(f, xs, acc):
 @triton.jit
 def screen_kernel(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, out_ptr,
                   ke, nb, strip, rows, blocks_per_program,
-                  SCAN: tl.constexpr, SC: tl.constexpr, BQ: tl.constexpr):
+                  SCAN: tl.constexpr, SC: tl.constexpr, BQ: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
     """One program: one (token, routed slot), BQ code bytes (5·BQ rows) of the scanned strips of
     `blocks_per_program` blocks. Adds into out [T, ke, rows] (zeroed):
 
@@ -91,9 +110,17 @@ def screen_kernel(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, ou
     constexpr, so the chunks' loads are in flight together). The sums stay elementwise in [SC, BQ]
     accumulators and cross the coordinates once, at the end: a reduction per chunk and digit
     (shuffles across the warp) was the first H200 run's cost."""
-    tk = tl.program_id(0)  # token · ke + slot
+    _screen(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, out_ptr, ke, nb, strip, rows,
+            blocks_per_program, tl.program_id(0), tl.program_id(1), tl.program_id(2), SCAN, SC, BQ, SEM, "")
+
+
+@triton.jit
+def _screen(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, out_ptr, ke, nb, strip, rows,
+            blocks_per_program, tk, tile, share, SCAN: tl.constexpr, SC: tl.constexpr, BQ: tl.constexpr,
+            SEM: tl.constexpr, CACHE: tl.constexpr):
+    """screen_kernel's program (tk: token · ke + slot; tile: BQ code bytes; share: of the blocks)."""
     t = tk // ke
-    q = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    q = tile * BQ + tl.arange(0, BQ)
     qm = q < strip
     e = tl.load(experts_ptr + tk).to(tl.int64)
     acc0 = tl.zeros([SC, BQ], dtype=tl.float32)
@@ -101,7 +128,7 @@ def screen_kernel(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, ou
     acc2 = tl.zeros([SC, BQ], dtype=tl.float32)
     acc3 = tl.zeros([SC, BQ], dtype=tl.float32)
     acc4 = tl.zeros([SC, BQ], dtype=tl.float32)
-    first = tl.program_id(2) * blocks_per_program
+    first = share * blocks_per_program
     for b in range(first, tl.minimum(first + blocks_per_program, nb)):
         block = codes_ptr + (e * nb + b) * 128 * strip
         scanned = (t * nb + b) * SCAN
@@ -114,8 +141,8 @@ def screen_kernel(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, ou
         for c0 in tl.static_range(0, SCAN, SC):
             c = c0 + tl.arange(0, SC)
             cm = c < SCAN
-            coord = tl.load(coords_ptr + scanned + c, mask=cm, other=0)
-            xv = tl.load(values_ptr + scanned + c, mask=cm, other=0.0)[:, None]
+            coord = tl.load(coords_ptr + scanned + c, mask=cm, other=0, cache_modifier=CACHE)
+            xv = tl.load(values_ptr + scanned + c, mask=cm, other=0.0, cache_modifier=CACHE)[:, None]
             f = tl.load(block + coord[:, None] * strip + q[None, :], mask=cm[:, None] & qm[None, :],
                         other=0).to(tl.float32)
             acc0, f = _digit(f, xv * s0, acc0)
@@ -124,11 +151,11 @@ def screen_kernel(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, ou
             acc3, f = _digit(f, xv * s3, acc3)
             acc4, f = _digit(f, xv * s4, acc4)
     out = out_ptr + tk * rows + 5 * q
-    tl.atomic_add(out, tl.sum(acc0, axis=0), mask=5 * q < rows)
-    tl.atomic_add(out + 1, tl.sum(acc1, axis=0), mask=5 * q + 1 < rows)
-    tl.atomic_add(out + 2, tl.sum(acc2, axis=0), mask=5 * q + 2 < rows)
-    tl.atomic_add(out + 3, tl.sum(acc3, axis=0), mask=5 * q + 3 < rows)
-    tl.atomic_add(out + 4, tl.sum(acc4, axis=0), mask=5 * q + 4 < rows)
+    tl.atomic_add(out, tl.sum(acc0, axis=0), mask=5 * q < rows, sem=SEM)
+    tl.atomic_add(out + 1, tl.sum(acc1, axis=0), mask=5 * q + 1 < rows, sem=SEM)
+    tl.atomic_add(out + 2, tl.sum(acc2, axis=0), mask=5 * q + 2 < rows, sem=SEM)
+    tl.atomic_add(out + 3, tl.sum(acc3, axis=0), mask=5 * q + 3 < rows, sem=SEM)
+    tl.atomic_add(out + 4, tl.sum(acc4, axis=0), mask=5 * q + 4 < rows, sem=SEM)
 
 
 BISECT, RADIX = 0, 1  # the SEARCH constexpr of select_kernel: how the k-th largest score is found
@@ -187,6 +214,40 @@ def _radix_kth(bits, k, BITS: tl.constexpr, N_P2: tl.constexpr):
 
 
 @triton.jit
+def _scores(est_ptr, experts_ptr, weights_ptr, norms_ptr, ke, inter, t, first, ACT: tl.constexpr,
+            WIDTH: tl.constexpr, CACHE: tl.constexpr):
+    """Token t's channels n = slot·I + j, n = first .. first + WIDTH - 1 (valid: n < ke·I): n, valid, j,
+    expert, router weight, p_j = φ(ĝ_j)·v̂_j, and the scores s_j = |w_e·‖d_j‖·p_j| as int32 bit
+    patterns (monotonic for s >= 0; invalid entries -1)."""
+    n = first + tl.arange(0, WIDTH)
+    valid = n < ke * inter
+    slot = n // inter
+    j = n % inter
+    e = tl.load(experts_ptr + t * ke + slot, mask=valid, other=0).to(tl.int64)
+    w = tl.load(weights_ptr + t * ke + slot, mask=valid, other=0.0).to(tl.float32)
+    row = est_ptr + (t * ke + slot) * 2 * inter + j
+    g = tl.load(row, mask=valid, other=0.0, cache_modifier=CACHE)
+    u = tl.load(row + inter, mask=valid, other=0.0, cache_modifier=CACHE)
+    norm = tl.load(norms_ptr + e * inter + j, mask=valid, other=0.0).to(tl.float32)
+    p = _act(g, ACT) * u
+    # NaN scores (from NaN input) count as +inf: above it, k or more of them would make the
+    # searches' bounds false and the placement write past the token's row
+    bits = tl.where(valid, tl.minimum(tl.abs(w * norm * p).to(tl.int32, bitcast=True), 0x7F800000), -1)
+    return n, valid, j, e, w, p, bits
+
+
+@triton.jit
+def _kth(bits, k, SEARCH: tl.constexpr, RADIX_BITS: tl.constexpr, N_P2: tl.constexpr):
+    """The k-th largest of `bits` and how many of the entries equal to it are among the k largest."""
+    if SEARCH == 0:  # BISECT (a kernel cannot read a plain-int global)
+        kth = _bisect_kth(bits, k)
+        room = k - tl.sum((bits > kth).to(tl.int32), axis=0)
+    else:
+        kth, room = _radix_kth(bits, k, RADIX_BITS, N_P2)
+    return kth, room
+
+
+@triton.jit
 def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, channel_out, weight_out, q_out,
                   ke, inter, k,
                   ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, N_P2: tl.constexpr,
@@ -208,25 +269,8 @@ def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, chan
     carries both counts, since the chosen up to n are the above up to n plus min(tied up to n,
     room): half the scan work (needs N_P2 <= 32768 so the packed count fits in int32)."""
     t = tl.program_id(0)
-    n = tl.arange(0, N_P2)
-    valid = n < ke * inter
-    slot = n // inter
-    j = n % inter
-    e = tl.load(experts_ptr + t * ke + slot, mask=valid, other=0).to(tl.int64)
-    w = tl.load(weights_ptr + t * ke + slot, mask=valid, other=0.0).to(tl.float32)
-    row = est_ptr + (t * ke + slot) * 2 * inter + j
-    g = tl.load(row, mask=valid, other=0.0)
-    u = tl.load(row + inter, mask=valid, other=0.0)
-    norm = tl.load(norms_ptr + e * inter + j, mask=valid, other=0.0).to(tl.float32)
-    p = _act(g, ACT) * u
-    # NaN scores (from NaN input) count as +inf: above it, k or more of them would make the
-    # searches' bounds false and the placement write past the token's row
-    bits = tl.where(valid, tl.minimum(tl.abs(w * norm * p).to(tl.int32, bitcast=True), 0x7F800000), -1)
-    if SEARCH == 0:  # BISECT (a kernel cannot read a plain-int global)
-        kth = _bisect_kth(bits, k)
-        room = k - tl.sum((bits > kth).to(tl.int32), axis=0)  # how many of the scores equal to the k-th to take
-    else:
-        kth, room = _radix_kth(bits, k, RADIX_BITS, N_P2)
+    n, valid, j, e, w, p, bits = _scores(est_ptr, experts_ptr, weights_ptr, norms_ptr, ke, inter, t, 0, ACT, N_P2, "")
+    kth, room = _kth(bits, k, SEARCH, RADIX_BITS, N_P2)
     above = bits > kth
     if PLACE == 0:  # TWO_SCANS
         tied = (bits == kth).to(tl.int32)
@@ -247,60 +291,61 @@ def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, chan
 
 @triton.jit
 def exact_kernel(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter,
-                 BK: tl.constexpr, BH: tl.constexpr):
+                 BK: tl.constexpr, BH: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
     """One program: BK chosen channels of one token, BH coordinates of their gate and up rows
     (contiguous runs of the [E, 2I, H] layout). Adds the partial dots g_j·x, v_j·x into
     gu [T, k, 2] (zeroed); the activation is applied where they are complete (down_kernel)."""
     _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter,
-           tl.program_id(0), tl.program_id(1), tl.program_id(2), BK, BH)
+           tl.program_id(0), tl.program_id(1), tl.program_id(2), BK, BH, SEM, "")
 
 
 @triton.jit
 def _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter, t, jb, hb,
-           BK: tl.constexpr, BH: tl.constexpr):
+           BK: tl.constexpr, BH: tl.constexpr, SEM: tl.constexpr, CACHE: tl.constexpr):
     j = jb * BK + tl.arange(0, BK)
     jm = j < k
     h = hb * BH + tl.arange(0, BH)
     hm = h < H
-    e = tl.load(expert_ptr + t * k + j, mask=jm, other=0).to(tl.int64)
-    ch = tl.load(channel_ptr + t * k + j, mask=jm, other=0).to(tl.int64)
+    e = tl.load(expert_ptr + t * k + j, mask=jm, other=0, cache_modifier=CACHE).to(tl.int64)
+    ch = tl.load(channel_ptr + t * k + j, mask=jm, other=0, cache_modifier=CACHE).to(tl.int64)
     gate_row = (e * 2 * inter + ch) * H
     xv = tl.load(x_ptr + t * H + h, mask=hm, other=0.0).to(tl.float32)
     m = jm[:, None] & hm[None, :]
     gw = tl.load(gate_up_ptr + gate_row[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
     uw = tl.load(gate_up_ptr + (gate_row + inter * H)[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.atomic_add(gu_ptr + (t * k + j) * 2, tl.sum(gw * xv[None, :], axis=1), mask=jm)
-    tl.atomic_add(gu_ptr + (t * k + j) * 2 + 1, tl.sum(uw * xv[None, :], axis=1), mask=jm)
+    tl.atomic_add(gu_ptr + (t * k + j) * 2, tl.sum(gw * xv[None, :], axis=1), mask=jm, sem=SEM)
+    tl.atomic_add(gu_ptr + (t * k + j) * 2 + 1, tl.sum(uw * xv[None, :], axis=1), mask=jm, sem=SEM)
 
 
 @triton.jit
 def recover_kernel(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r,
-                   RANK_P2: tl.constexpr, BI: tl.constexpr):
+                   RANK_P2: tl.constexpr, BI: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
     """One program: one (token, routed slot), BI of its expert's channels. Adds Σ_j q_j·b_j into
     the token's z [T, RANK_P2] (zeroed; summed over slots, which is all the down epilogue needs);
     q_j = w_e·p_j for unchosen channels and 0 for chosen ones, whose b_j are never read."""
     _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r,
-             tl.program_id(0), tl.program_id(1), RANK_P2, BI)
+             tl.program_id(0), tl.program_id(1), RANK_P2, BI, SEM, "")
 
 
 @triton.jit
 def _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r, tk, ib,
-             RANK_P2: tl.constexpr, BI: tl.constexpr):
+             RANK_P2: tl.constexpr, BI: tl.constexpr, SEM: tl.constexpr, CACHE: tl.constexpr):
     t = tk // ke
     i = ib * BI + tl.arange(0, BI)
     e = tl.load(experts_ptr + tk).to(tl.int64)
     r = tl.arange(0, RANK_P2)
     rm = r < rank
-    qv = tl.load(q_ptr + tk * inter + i, mask=i < inter, other=0.0)
+    qv = tl.load(q_ptr + tk * inter + i, mask=i < inter, other=0.0, cache_modifier=CACHE)
     m = ((i < inter) & (qv != 0.0))[:, None] & rm[None, :]
     b = tl.load(coeffs_ptr + e * stride_e + i[:, None] * stride_i + r[None, :] * stride_r, mask=m, other=0.0)
-    tl.atomic_add(z_ptr + t * RANK_P2 + r, tl.sum(qv[:, None] * b.to(tl.float32), axis=0), mask=rm)
+    tl.atomic_add(z_ptr + t * RANK_P2 + r, tl.sum(qv[:, None] * b.to(tl.float32), axis=0), mask=rm, sem=SEM)
 
 
 @triton.jit
 def exact_recover_kernel(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, coeffs_ptr, q_ptr, experts_ptr,
                          z_ptr, T, k, H, inter, ke, rank, stride_e, stride_i, stride_r,
-                         BK: tl.constexpr, BH: tl.constexpr, RANK_P2: tl.constexpr, BI: tl.constexpr):
+                         BK: tl.constexpr, BH: tl.constexpr, RANK_P2: tl.constexpr, BI: tl.constexpr,
+                         SEM: tl.constexpr = "acq_rel"):
     """exact_kernel's programs, then recover_kernel's, in one launch (a 1-D grid of both counts):
     the two stages need only select's output, so recover's few programs run beside exact's
     rather than after them, and a launch is saved."""
@@ -309,45 +354,61 @@ def exact_recover_kernel(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, co
     n_exact = T * j_tiles * tl.cdiv(H, BH)
     if pid < n_exact:
         _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter,
-               pid % T, (pid // T) % j_tiles, pid // (T * j_tiles), BK, BH)
+               pid % T, (pid // T) % j_tiles, pid // (T * j_tiles), BK, BH, SEM, "")
     else:
         r = pid - n_exact
         _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r,
-                 r % (T * ke), r // (T * ke), RANK_P2, BI)
+                 r % (T * ke), r // (T * ke), RANK_P2, BI, SEM, "")
 
 
 @triton.jit
 def down_kernel(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, basis_ptr, z_ptr, out_ptr,
                 k, H, inter, rank, stride_h, stride_r, rows_per_share,
                 ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, RANK_P2: tl.constexpr,
-                BK: tl.constexpr, BH: tl.constexpr):
+                BK: tl.constexpr, BH: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
     """One program: BH output coordinates of one token, one share (`rows_per_share` rows) of its
     k chosen rows. coef_j = w_e·φ(g_j·x)(v_j·x) from gu; y[h] += Σ_j coef_j·down[e_j, ch_j, h]
     (each a contiguous H-row of the [E, I, H] layout); share 0 also adds the recovery U[h, :]·z.
     Shares meet in y [T, H] (zeroed) through atomic adds."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
-    hm = h < H
     share = tl.program_id(2)
+    acc = _down_rows(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inter, rows_per_share, t, h,
+                     share, ACT, BK, BH, "")
+    if HAS_RECOVERY:
+        if share == 0:
+            acc += _down_recovery(basis_ptr, z_ptr, H, rank, stride_h, stride_r, t, h, RANK_P2, "")
+    tl.atomic_add(out_ptr + t * H + h, acc, mask=h < H, sem=SEM)
+
+
+@triton.jit
+def _down_rows(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inter, rows_per_share, t, h, share,
+               ACT: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, CACHE: tl.constexpr):
+    """Σ_j coef_j·down[e_j, ch_j, h] over the share's rows, [BH] fp32."""
+    hm = h < H
     first = share * rows_per_share
     last = tl.minimum(first + rows_per_share, k)
     acc = tl.zeros([BH], dtype=tl.float32)
     for j0 in range(first, last, BK):
         j = j0 + tl.arange(0, BK)
         jm = j < last
-        e = tl.load(expert_ptr + t * k + j, mask=jm, other=0).to(tl.int64)
-        ch = tl.load(channel_ptr + t * k + j, mask=jm, other=0).to(tl.int64)
-        g = tl.load(gu_ptr + (t * k + j) * 2, mask=jm, other=0.0)
-        u = tl.load(gu_ptr + (t * k + j) * 2 + 1, mask=jm, other=0.0)
-        coef = tl.load(weight_ptr + t * k + j, mask=jm, other=0.0) * _act(g, ACT) * u
+        e = tl.load(expert_ptr + t * k + j, mask=jm, other=0, cache_modifier=CACHE).to(tl.int64)
+        ch = tl.load(channel_ptr + t * k + j, mask=jm, other=0, cache_modifier=CACHE).to(tl.int64)
+        g = tl.load(gu_ptr + (t * k + j) * 2, mask=jm, other=0.0, cache_modifier=CACHE)
+        u = tl.load(gu_ptr + (t * k + j) * 2 + 1, mask=jm, other=0.0, cache_modifier=CACHE)
+        coef = tl.load(weight_ptr + t * k + j, mask=jm, other=0.0, cache_modifier=CACHE) * _act(g, ACT) * u
         d = tl.load(down_ptr + ((e * inter + ch) * H)[:, None] + h[None, :], mask=jm[:, None] & hm[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(coef[:, None] * d, axis=0)
-    if HAS_RECOVERY:
-        if share == 0:
-            r = tl.arange(0, RANK_P2)
-            z = tl.load(z_ptr + t * RANK_P2 + r)
-            u = tl.load(basis_ptr + h[:, None] * stride_h + r[None, :] * stride_r,
-                        mask=hm[:, None] & (r < rank)[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(u * z[None, :], axis=1)
-    tl.atomic_add(out_ptr + t * H + h, acc, mask=hm)
+    return acc
+
+
+@triton.jit
+def _down_recovery(basis_ptr, z_ptr, H, rank, stride_h, stride_r, t, h, RANK_P2: tl.constexpr,
+                   CACHE: tl.constexpr):
+    """The recovery term U[h, :]·z of token t, [BH] fp32."""
+    r = tl.arange(0, RANK_P2)
+    z = tl.load(z_ptr + t * RANK_P2 + r, cache_modifier=CACHE)
+    u = tl.load(basis_ptr + h[:, None] * stride_h + r[None, :] * stride_r,
+                mask=(h < H)[:, None] & (r < rank)[None, :], other=0.0).to(tl.float32)
+    return tl.sum(u * z[None, :], axis=1)
