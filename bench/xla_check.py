@@ -362,7 +362,9 @@ def _code(root: Path) -> str:
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
         return str(root)
-    return f"{git('rev-parse', '--abbrev-ref', 'HEAD')} {commit}" + (" + changes" if git("status", "--porcelain") else "")
+    # this run's own output (bench/results) is no change to the code
+    changed = git("status", "--porcelain", "--", ".", ":!bench/results")
+    return f"{git('rev-parse', '--abbrev-ref', 'HEAD')} {commit}" + (" + changes" if changed else "")
 
 
 def main(argv=None) -> int:
