@@ -2,16 +2,25 @@
 
 torch-neuronx (Neuron SDK 2.31, the last with inf2) lowers each graph to HLO through torch-xla
 and hands the HLO to neuronx-cc. This runs the part of that path that is not Neuron-specific,
-on XLA:CPU (`PJRT_DEVICE=CPU`): the tiny port's prefill (one graph per bucket) and decode graphs
-move to the XLA device and generate greedily through the static host loop
-(`StaticGenerator`: argmax in the graph, the token fed back on the device; never HF generate).
+on XLA:CPU (`PJRT_DEVICE=CPU`): the tiny port's serving graphs — the prefill (one graph per
+bucket, one prompt into its own cache row) and decode graphs, with the KV cache as their shared
+device state and the greedy token as their only output — move to the XLA device and generate
+greedily through the static host loop (`StaticGenerator`: argmax in the graph, the token fed back
+on the device; never HF generate).
 
 Per graph, from torch-xla's own metrics: compilations on the first call and on every later call
-(a later one means a dynamic shape slipped in) and every `aten::` counter (an op that fell back
-to eager CPU, which the Neuron compiler would never see). Tokens are compared with the CPU
-reference (HF eager, fp32: SEQ_MATCH); the int8 run also with the same int8 model on the CPU.
-Exit 0 only when every graph settles to one compilation, nothing falls back, the fp32 runs
-match the reference and the int8 run matches CPU int8.
+(a later one means a dynamic shape slipped in), every `aten::` counter (an op that fell back
+to eager CPU, which the Neuron compiler would never see), and the bytes that crossed between
+host and device (`OutboundData`, `InboundData`) per call, beside the bytes of the call's own
+inputs and outputs (what NxD's runtime moves to and from the host for every input and every
+output that is not an aliased state). Tokens are compared with the CPU reference (HF eager, fp32:
+SEQ_MATCH); the int8 run also with the same int8 model on the CPU. Exit 0 only when every graph
+settles to one compilation, nothing falls back, the fp32 runs match the reference and the int8
+run matches CPU int8.
+
+`--baseline DIR` measures another checkout of this package the same way (its port's [static]
+run only), e.g. main's before a change, into OUT-baseline.json; the report then shows the bytes
+per decode step before and after side by side.
 
 The exported runs run the `torch.export` programs themselves; their op sets, once every one of
 them lowered cleanly, are the allow-list `neuron_moe/static/xla_lowered_ops.txt` that the normal
@@ -33,11 +42,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the package under test: this checkout, or --baseline DIR's (read before anything imports it)
+_BASELINE = next((a.split("=", 1)[1] if "=" in a else sys.argv[i + 2] for i, a in enumerate(sys.argv[1:])
+                  if a.startswith("--baseline")), None)
+sys.path.insert(0, str(Path(_BASELINE or Path(__file__).resolve().parents[1]).resolve()))
 
 from neuron_moe import report  # noqa: E402
 from neuron_moe.errors import UserError  # noqa: E402
-from neuron_moe.eval.seq_match import DEFAULT_PROMPTS, compare  # noqa: E402
+from neuron_moe.eval.seq_match import DEFAULT_PROMPTS  # noqa: E402
 from neuron_moe.experts.int8 import _quantized  # noqa: E402
 from neuron_moe.generate import greedy, left_pad  # noqa: E402
 from neuron_moe.model import build_model  # noqa: E402
@@ -66,19 +78,31 @@ RUNS = (
 )
 
 
+def tensor_bytes(tree) -> int:
+    """Bytes of the tensors in a call's arguments or outputs (tuples and lists walked)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, (tuple, list)):
+        return sum(tensor_bytes(t) for t in tree)
+    return 0
+
+
 class Metered:
     """One graph on the XLA device: each call runs it, syncs (one HLO graph per call) and records
-    the compilations and `aten::` fallbacks that the call caused, and its wall time."""
+    the compilations and `aten::` fallbacks that the call caused, the host<->device bytes moved since
+    the previous graph call ended (the host loop makes this call's inputs and reads the previous
+    one's outputs in between), the bytes of its own inputs and outputs, and its wall time."""
 
     def __init__(self, xla, name: str, graph, hlo_dir: Path | None):
         self.xla, self.name, self.graph, self.hlo_dir = xla, name, graph, hlo_dir
-        self.calls: list[tuple[int, dict[str, int], float]] = []
+        self.calls: list[dict] = []
         self.cache_hits = 0  # graphs found already compiled (same HLO, e.g. by an earlier run)
         self.hlo_ops: dict[str, int] = {}  # HLO instructions worth a look before neuronx-cc sees them
 
     def __call__(self, *args):
         xla = self.xla
-        compiles, fallbacks, hits, start = xla.compiles(), xla.fallbacks(), xla.cache_hits(), time.perf_counter()
+        compiles, fallbacks, hits = xla.compiles(), xla.fallbacks(), xla.cache_hits()
+        start = time.perf_counter()
         outs = self.graph(*args)
         if self.hlo_dir is not None and not self.calls:
             self.hlo_dir.mkdir(parents=True, exist_ok=True)
@@ -86,26 +110,33 @@ class Metered:
             (self.hlo_dir / f"{self.name.replace(' ', '-')}.hlo.txt").write_text(text)
             self.hlo_ops = {op: text.count(f" {op}(") for op in ("sort", "custom-call", "while", "conditional")}
         xla.sync()
-        after = xla.fallbacks()
-        new_fallbacks = {k: v - fallbacks.get(k, 0) for k, v in after.items() if v != fallbacks.get(k, 0)}
-        self.calls.append((xla.compiles() - compiles, new_fallbacks, time.perf_counter() - start))
+        after, (to_device, to_host) = xla.fallbacks(), xla.moved()
+        self.calls.append({
+            "compiles": xla.compiles() - compiles,
+            "fallbacks": {k: v - fallbacks.get(k, 0) for k, v in after.items() if v != fallbacks.get(k, 0)},
+            "to_device": to_device, "to_host": to_host,
+            "inputs": tensor_bytes(args), "outputs": tensor_bytes(outs), "s": time.perf_counter() - start})
         if len(self.calls) == 1:
             self.cache_hits = xla.cache_hits() - hits
         return outs
 
     def summary(self) -> dict:
-        later = self.calls[1:]
+        first, later = self.calls[0], self.calls[1:]
         fallbacks: dict[str, int] = {}
-        for _, f, _ in self.calls:
-            for k, v in f.items():
+        for call in self.calls:
+            for k, v in call["fallbacks"].items():
                 fallbacks[k] = fallbacks.get(k, 0) + v
+        # the steady state: the first decode call also carries the batch's first tokens across
+        per_call = {k: statistics.median(c[k] for c in self.calls) for k in ("to_device", "to_host", "inputs",
+                                                                            "outputs")}
         return {
             "graph": self.name, "calls": len(self.calls),
-            "compiles_first_call": self.calls[0][0], "cache_hit_first_call": self.cache_hits,
-            "compiles_later_calls": sum(c for c, _, _ in later),
+            "compiles_first_call": first["compiles"], "cache_hit_first_call": self.cache_hits,
+            "compiles_later_calls": sum(c["compiles"] for c in later),
             "aten_fallbacks": fallbacks, "hlo_ops": self.hlo_ops,
-            "first_call_s": self.calls[0][2],
-            "later_call_ms": 1e3 * statistics.median(s for _, _, s in later) if later else None,
+            **{f"{k}_bytes_per_call": v for k, v in per_call.items()},
+            "first_call_s": first["s"],
+            "later_call_ms": 1e3 * statistics.median(c["s"] for c in later) if later else None,
         }
 
 
@@ -124,6 +155,7 @@ class Xla:
         self.torch_xla, self.met = torch_xla, met
         self.device = torch_xla.device()
         self.version = torch_xla.__version__
+        self.mark = self.transfers()
 
     def compiles(self) -> int:
         data = self.met.metric_data("CompileTime")
@@ -131,6 +163,16 @@ class Xla:
 
     def cache_hits(self) -> int:
         return self.met.counter_value("CachedCompile") or 0
+
+    def transfers(self) -> tuple[int, int]:
+        """Bytes moved so far (host -> device, device -> host): PJRT's OutboundData and InboundData."""
+        return tuple(int((self.met.metric_data(name) or (0, 0))[1]) for name in ("OutboundData", "InboundData"))
+
+    def moved(self) -> tuple[int, int]:
+        """Bytes moved since the last call of this (or `start_moving`)."""
+        now = self.transfers()
+        delta, self.mark = (now[0] - self.mark[0], now[1] - self.mark[1]), now
+        return delta
 
     def fallbacks(self) -> dict[str, int]:
         return {n: self.met.counter_value(n) for n in self.met.counter_names() if n.startswith("aten::")}
@@ -143,24 +185,34 @@ class Xla:
 
 
 def seq_match(reference, got) -> dict:
-    rows = compare(reference, got, list(PROMPTS))
-    return {"all_match": all(r["seq_match"] for r in rows),
-            "matched": sum(r["seq_match"] for r in rows),
-            "first_divergence": [r["first_divergence"] for r in rows],
-            "max_abs_dlogit_step0": max(r["max_abs_dlogit_step0"] for r in rows),
-            "min_cosine": min(r["min_cosine"] for r in rows)}
+    """SEQ_MATCH on the tokens (the serving graphs return no logits)."""
+    firsts = []
+    for ref, tokens in zip(reference.tokens, got.tokens):
+        diverged = (ref != tokens).nonzero()
+        firsts.append(int(diverged[0]) if len(diverged) else None)
+    return {"all_match": all(f is None for f in firsts), "matched": sum(f is None for f in firsts),
+            "first_divergence": firsts}
 
 
-def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: dict, hlo_dir) -> tuple[dict, dict]:
+def _buckets(generator, mask, new_tokens: int) -> set[int]:
+    found = generator.check(mask, new_tokens)  # a set of buckets; one bucket in a --baseline of main's code
+    return found if isinstance(found, set) else {found}
+
+
+def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: dict, hlo_dir,
+              baseline: bool = False) -> tuple[dict, dict]:
     """One run on XLA: (its report row, {graph name: op set} of its exported programs)."""
     spec = dataclasses.replace(port.static, prefill_experts=run.prefill, decode_experts=run.decode)
     model = build_model(port, run.decode)
     start = time.perf_counter()
     if not run.exported:
         model = model.to(xla.device)
-    generator = StaticGenerator(model, spec, exported=run.exported, device=xla.device)
+    # the serving graphs (the token alone); a --baseline checkout's graphs are what it had
+    options = {} if baseline else {"logits": False}
+    generator = StaticGenerator(model, spec, exported=run.exported, device=xla.device, **options)
     size = spec.batch_size
-    generator.prepare([generator.check(mask[i:i + size], new_tokens) for i in range(0, len(ids), size)])
+    generator.prepare(set().union(*(_buckets(generator, mask[i:i + size], new_tokens)
+                                    for i in range(0, len(ids), size))))
     export_s = time.perf_counter() - start
     tag = f"{run.prefill}-{run.decode}-{'exported' if run.exported else 'modules'}"
     # the generator's graphs, each replaced by its metered self (the loop calls them by name)
@@ -171,19 +223,26 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
         # so that the prefill graph's one compilation is its own
         graphs["int8 quantise"] = Metered(xla, f"{tag} int8 quantise", lambda: [
             t for layer in model.model.layers for t in _quantized(layer.experts)], None)
+        xla.moved()  # not the model's move to the device
         graphs["int8 quantise"]()
-    compiles_before = xla.compiles()
+    compiles_before, moved_before = xla.compiles(), xla.transfers()
+    xla.moved()
     start = time.perf_counter()
     got = generate_batches(generator, ids, mask, new_tokens)
     generate_s = time.perf_counter() - start
+    moved = [now - before for now, before in zip(xla.transfers(), moved_before)]
     summaries = [g.summary() for g in graphs.values()]
     graph_compiles = sum(g["compiles_first_call"] + g["compiles_later_calls"] for g in summaries
                          if not g["graph"].endswith("int8 quantise"))
+    decode_steps = len(graphs["decode"].calls)
     row = {
         "run": run.name, "exported": run.exported, "prefill_experts": run.prefill, "decode_experts": run.decode,
         "graphs": summaries,
-        # compilations outside the graphs: collecting the tokens and logits for the host
+        # compilations outside the graphs: collecting the tokens (and logits) for the host
         "other_compiles": xla.compiles() - compiles_before - graph_compiles,
+        # everything the generation moved, prefills and the tokens (and logits) read at the end included
+        "generation_to_device_bytes_per_decode_call": moved[0] / decode_steps,
+        "generation_to_host_bytes_per_decode_call": moved[1] / decode_steps,
         "export_s": export_s if run.exported else None, "generate_s": generate_s,
         "vs_cpu_fp32": seq_match(references["fp32"], got),
     }
@@ -200,7 +259,38 @@ def passed(row: dict) -> bool:
     return clean and tokens
 
 
-def markdown(result: dict) -> str:
+def _step_bytes(row: dict) -> dict:
+    """A run's bytes per decode call: the call's own inputs/outputs, and what XLA moved."""
+    (decode,) = [g for g in row["graphs"] if g["graph"].endswith(" decode")]
+    return {"inputs": decode["inputs_bytes_per_call"], "outputs": decode["outputs_bytes_per_call"],
+            "to_device": decode["to_device_bytes_per_call"], "to_host": decode["to_host_bytes_per_call"],
+            "all_to_device": row["generation_to_device_bytes_per_decode_call"],
+            "all_to_host": row["generation_to_host_bytes_per_decode_call"]}
+
+
+def before_after(baseline: dict, result: dict) -> list[str]:
+    """The decode step's bytes, the baseline checkout's first run beside this one's."""
+    rows = [dict(_step_bytes(baseline["runs"][0]), code=f"before: {baseline['code']}"),
+            dict(_step_bytes(result["runs"][0]), code=f"after: {result['code']}")]
+    return [
+        "## Bytes per decode step: before and after", "",
+        f"Run: {result['runs'][0]['run']}; batch {result['batch_size']}. *call inputs / outputs*: the bytes of "
+        "the decode call's own arguments and results — on Neuron, what NxD's runtime copies between host and "
+        "device for every input and for every output that is not an aliased state. *XLA host→device / "
+        "device→host*: torch-xla's `OutboundData` / `InboundData` from the end of the previous graph call to the end "
+        "of this one (the host makes the call's inputs in between), the median over the decode calls; *whole "
+        "generation*: everything the generation moved (the prefills, and the tokens and logits read at the end, "
+        "included) divided by its decode calls. On XLA:CPU a graph output stays on the device until read, so the "
+        "old graphs' KV round trip shows in the call's inputs/outputs (what an NxD runtime would copy), not in "
+        "XLA's transfers; their logits show in the whole generation's device→host bytes.", "",
+        report.table(rows, [("code", "code"), ("inputs", "call inputs", "{:.0f}"),
+                            ("outputs", "call outputs", "{:.0f}"), ("to_device", "XLA host→device", "{:.0f}"),
+                            ("to_host", "XLA device→host", "{:.0f}"),
+                            ("all_to_device", "whole generation host→device", "{:.0f}"),
+                            ("all_to_host", "whole generation device→host", "{:.0f}")], markdown=True), ""]
+
+
+def markdown(result: dict, baseline: dict | None = None) -> str:
     env = result["environment"]
     lines = [
         "# XLA lowering check (torch-xla on CPU)", "",
@@ -209,35 +299,44 @@ def markdown(result: dict) -> str:
         f"transformers {env['transformers']}. Port `{result['port']}` ({result['weights']}), "
         f"{len(PROMPTS)} prompts in batches of {result['batch_size']}, prefill + {result['new_tokens'] - 1} decode steps.",
         "", "Written by `make xla-check` (`bench/xla_check.py`). Compilations from `CompileTime`, fallbacks are "
-        "torch-xla's `aten::*` counters, per graph; a call is one graph call plus `torch_xla.sync()`.", "",
+        "torch-xla's `aten::*` counters, per graph; a call is one graph call plus `torch_xla.sync()`. The graphs "
+        "are the serving graphs: the KV cache is their device state, the token their only output.", "",
     ]
+    if baseline is not None:
+        lines += before_after(baseline, result)
     for row in result["runs"]:
         fp32 = row["vs_cpu_fp32"]
         lines += [f"## {row['run']}", "",
-                  "| graph | calls | compiles, 1st call | compiles, later calls | aten fallbacks | HLO sort / custom-call / while / conditional | 1st call s | later call ms |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| graph | calls | compiles, 1st call | compiles, later calls | aten fallbacks | HLO sort / custom-call / while / conditional | call in / out bytes | XLA host→device / device→host bytes | 1st call s | later call ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for g in row["graphs"]:
             fb = ", ".join(f"{k} ×{v}" for k, v in g["aten_fallbacks"].items()) or "none"
             later = "-" if g["later_call_ms"] is None else f"{g['later_call_ms']:.1f}"
             first = f"{g['compiles_first_call']}" + (" (cached: same HLO as an earlier run)" if g["cache_hit_first_call"] else "")
             lines.append(f"| {g['graph'].split(' ', 1)[1]} | {g['calls']} | {first} | "
                          f"{g['compiles_later_calls']} | {fb} | {' / '.join(map(str, g['hlo_ops'].values())) or '-'} | "
+                         f"{g['inputs_bytes_per_call']:.0f} / {g['outputs_bytes_per_call']:.0f} | "
+                         f"{g['to_device_bytes_per_call']:.0f} / {g['to_host_bytes_per_call']:.0f} | "
                          f"{g['first_call_s']:.1f} | {later} |")
         lines += ["", f"- SEQ_MATCH vs CPU fp32 reference (HF eager): **{fp32['all_match']}** "
-                      f"({fp32['matched']}/{len(PROMPTS)}; first divergence per prompt {fp32['first_divergence']}; "
-                      f"max |Δlogit| at step 0 {fp32['max_abs_dlogit_step0']:.2e}, lowest logit cosine {fp32['min_cosine']:.6f})"]
+                      f"({fp32['matched']}/{len(PROMPTS)}; first divergence per prompt {fp32['first_divergence']})"]
         if "vs_cpu_int8" in row:
             q = row["vs_cpu_int8"]
             lines.append(f"- SEQ_MATCH vs the same int8 model on the CPU (HF, int8 experts): **{q['all_match']}** "
-                         f"({q['matched']}/{len(PROMPTS)}; max |Δlogit| at step 0 {q['max_abs_dlogit_step0']:.2e}, "
-                         f"lowest cosine {q['min_cosine']:.6f})")
+                         f"({q['matched']}/{len(PROMPTS)}; first divergence per prompt {q['first_divergence']})")
         export = "" if row["export_s"] is None else f"export {row['export_s']:.0f} s, "
-        lines += [f"- wall: {export}generation {row['generate_s']:.1f} s (compiles included); "
-                  f"{row['other_compiles']} compilation(s) outside the graphs (collecting tokens/logits for the host)",
+        lines += [f"- bytes the whole generation moved, per decode call: host→device "
+                  f"{row['generation_to_device_bytes_per_decode_call']:.0f}, device→host "
+                  f"{row['generation_to_host_bytes_per_decode_call']:.0f}",
+                  f"- wall: {export}generation {row['generate_s']:.1f} s (compiles included); "
+                  f"{row['other_compiles']} compilation(s) outside the graphs (collecting the tokens for the host)",
                   f"- verdict: {'PASS' if row['passed'] else 'FAIL'}", ""]
     lines += [
         f"Allow-list: {result['allowlist']}", "",
         "Notes:",
+        "- Bytes per call are the median over the graph's calls, XLA's from the end of the previous graph call to the "
+        "end of this one. A call's inputs made on the host (ids, pad mask, positions, row ids) are what XLA moves to "
+        "the device; the fed-back token is already there.",
         "- A first call with 0 compilations found its graph already compiled: the same HLO (same graph, same "
         "weights) ran in an earlier run of this process (torch-xla's `CachedCompile`).",
         "- int8 is compared with the fp32 reference and with the same int8 model on the CPU; the second is the "
@@ -247,9 +346,25 @@ def markdown(result: dict) -> str:
         "since its int8 copies are made on first use, outside any graph.",
         "- HLO column (with `--hlo`): each `sort` is a router's `topk` (one per layer), which torch-xla lowers to a "
         "full sort; a custom-call would be an op outside plain HLO, a while or conditional control flow in the graph.",
-        "- What this does not show: that neuronx-cc accepts this HLO (its sort support included), "
-        "or anything about speed on a Neuron device. Times above are XLA:CPU on a shared 2-core machine.", ""]
+        "- What this does not show: that neuronx-cc accepts this HLO (its sort support included), that NxD's "
+        "runtime keeps the aliased state on the device as its source says, or anything about speed on a Neuron "
+        "device. Times above are XLA:CPU on a shared 2-core machine.", ""]
     return "\n".join(lines)
+
+
+def _code(root: Path) -> str:
+    """Which code ran: the checkout's commit (and whether its tree had changes)."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return str(root)
+    # this run's own output (bench/results) is no change to the code
+    changed = git("status", "--porcelain", "--", ".", ":!bench/results")
+    return f"{git('rev-parse', '--abbrev-ref', 'HEAD')} {commit}" + (" + changes" if changed else "")
 
 
 def main(argv=None) -> int:
@@ -261,6 +376,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hlo", metavar="DIR", help="also write each graph's HLO text into DIR")
     parser.add_argument("--write-ops", action="store_true",
                         help=f"rewrite the allow-list {XLA_LOWERED_OPS_FILE.name} from the exported graphs")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="measure the package of another checkout (e.g. main's) instead, first run only, into "
+                             "OUT-baseline.json; a later run without it shows the two side by side")
     args = parser.parse_args(argv)
 
     xla = Xla()
@@ -273,12 +391,13 @@ def main(argv=None) -> int:
     ids, mask = left_pad([tokenizer.encode(p) for p in PROMPTS], tokenizer.pad_token_id)
     references = {"fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, args.new_tokens),
                   "int8": greedy(build_model(port, "int8", torch.float32), ids, mask, args.new_tokens)}
-    hlo_dir = Path(args.hlo) if args.hlo else None
+    hlo_dir = Path(args.hlo) if args.hlo and not args.baseline else None
 
     rows, ops = [], {}
-    for run in RUNS:
+    for run in RUNS[:1] if args.baseline else RUNS:
         print(f"== {run.name}", flush=True)
-        row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir)
+        row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir,
+                                 baseline=bool(args.baseline))
         row["passed"] = passed(row)
         rows.append(row)
         for graph, names in run_ops.items():
@@ -286,13 +405,33 @@ def main(argv=None) -> int:
         print(report.table(row["graphs"], [("graph", "graph"), ("calls", "calls"),
                                            ("compiles_first_call", "compiles 1st"),
                                            ("compiles_later_calls", "compiles later"),
-                                           ("aten_fallbacks", "aten fallbacks")]))
+                                           ("aten_fallbacks", "aten fallbacks"),
+                                           ("inputs_bytes_per_call", "in bytes"),
+                                           ("outputs_bytes_per_call", "out bytes"),
+                                           ("to_device_bytes_per_call", "XLA h->d"),
+                                           ("to_host_bytes_per_call", "XLA d->h")]))
         print(f"SEQ_MATCH vs CPU fp32: {row['vs_cpu_fp32']['all_match']}"
               + (f"; vs CPU int8: {row['vs_cpu_int8']['all_match']}" if "vs_cpu_int8" in row else "")
               + f"  -> {'PASS' if row['passed'] else 'FAIL'}", flush=True)
 
-    exported = set().union(*(names for names, _ in ops.values()))
     ok = all(row["passed"] for row in rows)
+    result = {
+        "port": port.name,
+        "weights": f"seeded random weights, seed {port.seed}" if port.weights_source == "random"
+                   else f"checkpoint {port.checkpoint.name}",
+        "new_tokens": args.new_tokens, "batch_size": port.static.batch_size,
+        "code": _code(Path(report.__file__).resolve().parents[1]),  # the checkout the package came from
+        "prompts": list(PROMPTS), "passed": ok, "runs": rows,
+        "environment": {"machine": f"CPU ({platform.machine()}, {os.cpu_count()} cores shared)",
+                        "python": platform.python_version(), "torch": torch.__version__,
+                        "torch_xla": xla.version, "transformers": transformers.__version__},
+    }
+    if args.baseline:
+        report.write_json(result, f"{args.out}-baseline.json")
+        print(f"written {args.out}-baseline.json ({result['code']})")
+        return 0 if ok else 1
+
+    exported = set().union(*(names for names, _ in ops.values()))
     if args.write_ops:
         if not ok:
             print("error: not writing the allow-list: a run failed", file=sys.stderr)
@@ -309,20 +448,13 @@ def main(argv=None) -> int:
         allowlist = (f"every one of the {len(exported)} ops of the exported graphs is on `{XLA_LOWERED_OPS_FILE.name}`"
                      if not missing else f"ops of the exported graphs missing from the allow-list: {missing}")
     print(allowlist)
-
-    result = {
-        "port": port.name,
-        "weights": f"seeded random weights, seed {port.seed}" if port.weights_source == "random"
-                   else f"checkpoint {port.checkpoint.name}",
-        "new_tokens": args.new_tokens, "batch_size": port.static.batch_size,
-        "prompts": list(PROMPTS), "passed": ok, "allowlist": allowlist, "runs": rows,
-        "environment": {"machine": f"CPU ({platform.machine()}, {os.cpu_count()} cores shared)",
-                        "python": platform.python_version(), "torch": torch.__version__,
-                        "torch_xla": xla.version, "transformers": transformers.__version__},
-    }
+    result.update(passed=ok, allowlist=allowlist)
+    baseline_path = Path(f"{args.out}-baseline.json")
+    baseline = report.read_json_object(baseline_path, UserError, f"{baseline_path}: unreadable") \
+        if baseline_path.is_file() else None
     report.write_json(result, f"{args.out}.json")
     with report.atomic_write(Path(f"{args.out}.md")) as f:
-        f.write(markdown(result))
+        f.write(markdown(result, baseline))
     print(f"{'PASS' if ok else 'FAIL'}: written {args.out}.md and {args.out}.json")
     return 0 if ok else 1
 

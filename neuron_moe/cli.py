@@ -201,6 +201,9 @@ def cmd_plan(args) -> int:
                                ("GB_per_token", "GB/token/rank", "{:.3f}"), ("floor_ms", "HBM floor ms/token", "{:.2f}"),
                                ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]))
             print("\n(decode: the graphs trace-and-compile builds, at this batch; bytes read, not measured)\n")
+            print(table(report["host_per_step"], [("what", "host <-> device per decode step"),
+                                                   ("direction", ""), ("bytes", "bytes")]))
+            print()
         print(f"{'FITS' if report['fits'] else 'DOES NOT FIT'}: {report['reason']}")
     return 0 if report["fits"] else 1
 
@@ -212,7 +215,7 @@ def cmd_trace_and_compile(args) -> int:
 
     port = load_port(args.model)
     report = trace_and_compile(port, args.dtype, args.tp, args.out, dry_run=args.dry_run, overwrite=args.overwrite,
-                               checkpoint=args.checkpoint, expert_layout=args.expert_layout)
+                               checkpoint=args.checkpoint, expert_layout=args.expert_layout, logits=args.with_logits)
     if _json_out(report, args):
         rows = [{"file": f, "bytes": v["size"], "sha256": v["sha256"]} for f, v in report["files"].items()]
         print(table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]))
@@ -552,7 +555,9 @@ def parser() -> argparse.ArgumentParser:
                                    "weights/tp{r}_sharded_checkpoint.safetensors, shard_plan.json and manifest.json "
                                    "into DIR, built aside and renamed into place when complete. --dry-run does the "
                                    "same on CPU (exported programs under graphs/); a port without weights is built and "
-                                   "exported on the meta device: manifest and shard plan only.")
+                                   "exported on the meta device: manifest and shard plan only. The KV cache is the graphs' "
+                                   "state (aliased, zero-initialised on each rank): only ids, pad masks, positions and "
+                                   "row ids go in, the token comes out.")
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
     p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
     p.add_argument("--dtype", default="bf16", choices=sorted(COMPILE_DTYPES),
@@ -562,6 +567,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
     _expert_layout_arg(p)
+    p.add_argument("--with-logits", action="store_true",
+                   help="graphs that also return the fp32 logits (validation, host-side sampling: vocab x 4 bytes "
+                        "per row and step to the host); default: the greedy token alone")
     p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_trace_and_compile)
 

@@ -16,7 +16,14 @@ from transformers import DynamicCache
 @dataclass
 class Generation:
     tokens: torch.Tensor  # [B, N] int64, the greedy picks
-    logits: torch.Tensor  # [B, N, V] fp32, the logits each pick was taken from
+    logits: torch.Tensor | None  # [B, N, V] fp32, the logits each pick was taken from (None: a graph
+    # that returns the token alone, as a serving graph does)
+
+    @staticmethod
+    def cat(parts: list[Generation]) -> Generation:
+        """Generations of successive batches, as one."""
+        logits = None if parts[0].logits is None else torch.cat([p.logits for p in parts])
+        return Generation(torch.cat([p.tokens for p in parts]), logits)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

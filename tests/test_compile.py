@@ -51,6 +51,26 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     shard = load_file(out / nc.WEIGHTS.format(rank=1))
     assert shard["model.model.embed_tokens.rank_util.rank"].tolist() == [1]
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
+    assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
+    # the contract: what goes in and out of each key (never a KV tensor), and the state they share
+    assert manifest["format"] == nc.FORMAT == 3 and manifest["logits"] is False
+    assert manifest["keys"]["context_encoding_16"]["inputs"] == {
+        "input_ids": [1, 16], "attention_mask": [1, 16], "position_ids": [1, 16], "row_ids": [1]}
+    assert manifest["keys"]["token_generation"]["inputs"] == {"input_ids": [2, 1], "position_ids": [2, 1]}
+    assert [k["outputs"] for k in manifest["keys"].values()] == [{"token": [1, 1]}, {"token": [2, 1]}]
+    state = manifest["state"]
+    assert list(state) == [f"cache.{kv}{i}" for i in range(4) for kv in "kv"]
+    assert state["cache.k0"] == {"shape": [2, 2, 16, 32], "dtype": "float32"}  # sliding: 2 of 4 KV heads, ring 16
+    assert state["cache.v1"] == {"shape": [2, 1, 96, 64], "dtype": "float32"}  # global: 1 of 2, every position
+
+
+def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
+    _, out = artifact
+    for key in ("context_encoding_16", "token_generation"):
+        program = torch.export.load(out / nc.GRAPHS.format(key=key))
+        sig = program.graph_signature
+        assert sorted(sig.buffers_to_mutate.values()) == sorted(f"cache.{kv}{i}" for i in range(4) for kv in "kv")
+        assert len(sig.user_outputs) == 1  # the token; no KV tensor, no logits
 
 
 def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
@@ -61,7 +81,7 @@ def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
     shards = [load_file(out / nc.WEIGHTS.format(rank=r)) for r in range(2)]
     ids, mask = left_pad(random_prompts(one_bucket_port.config.vocab_size, [11, 5], seed=3), 0)
     (result, _) = run_replicated(programs, {k: shards for k in programs}, generation_job,
-                                 [("a", 2, 96, 0, [(16, ids, mask, 5)])])
+                                 [("a", 2, 0, [(ids, mask, 5)])])  # each rank zero-initialises its own state
     reference = greedy(tiny_eager, ids, mask, 5)
     assert torch.equal(result["a"][0], reference.tokens)
 
@@ -123,13 +143,15 @@ def test_full_size_decode_graph_reads_what_its_layout_says(expert_layout, gather
     from neuron_moe.parallel.model import rank_model
     from neuron_moe.parallel.trace import export_rank0
     from neuron_moe.static import data_dependent_ops
+    from neuron_moe.static.decoder import new_cache
 
     port = load_port("gemma4-26b-a4b")
     config = gemma4_moe_config(dict(port.raw["config"], num_hidden_layers=2,
                                     layer_types=["sliding_attention", "full_attention"]), "two layers")
-    graph = nc._graph(rank_model(config, 8, cpu, expert_layout=expert_layout, device="meta"), port.static,
-                      "token_generation")
-    program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(graph, port.static, "token_generation")), 8)
+    module = rank_model(config, 8, cpu, expert_layout=expert_layout, device="meta")
+    graph = nc._graph(module, port.static, "token_generation",
+                      new_cache(module, port.static.max_cache_len, port.static.batch_size), False)
+    program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(port.static, "token_generation")), 8)
     assert data_dependent_ops(program) == []
     reads = expert_reads(program)
     for layer in range(2):
@@ -183,6 +205,7 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
 
     from neuron_moe.parallel import cpu
     from neuron_moe.parallel.model import rank_model
+    from neuron_moe.static.decoder import new_cache
 
     seen = {}
 
@@ -202,14 +225,79 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
 
     assert seen["tp"] == 2 and list(seen["keys"]) == ["context_encoding_16", "token_generation"]
     (_, [prefill]), (_, [decode]) = seen["keys"].values()
-    assert [tuple(x.shape) for x in prefill] == [(2, 16)] * 3
-    assert [tuple(x.shape) for x in decode[:4]] == [(2, 1), (2, 1), (1,), (2, 96)]
-    assert [tuple(x.shape) for x in decode[4:6]] == [(2, 2, 16, 32)] * 2  # sliding layer: 2 of 4 KV heads, ring 16
-    graph = nc._graph(rank_model(one_bucket_port.config, 2, cpu, int8=True, device="meta"), one_bucket_port.static,
-                      "token_generation")
-    assert seen["checkpoint"].keys() == graph.state_dict().keys()
+    assert [tuple(x.shape) for x in prefill] == [(1, 16)] * 3 + [(1,)]  # one prompt, into the row it names
+    assert [tuple(x.shape) for x in decode] == [(2, 1), (2, 1)]  # ids and positions: no cache, no mask
+    module = rank_model(one_bucket_port.config, 2, cpu, int8=True, device="meta")
+    graph = nc._graph(module, one_bucket_port.static, "token_generation", new_cache(module, 96, 2), False)
+    assert seen["checkpoint"].keys() == graph.state_dict().keys()  # weights only: the state is not in it
     assert seen["checkpoint"]["model.model.layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
     assert sorted(report["files"]) == [nc.MODEL, nc.SHARD_PLAN, *(nc.WEIGHTS.format(rank=r) for r in range(2))]
     assert not report["dry_run"] and nc.read_manifest(tmp_path / "out")["dtype"] == "int8"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "model.pt", "shard_plan.json",
                                                                     "weights"]
+
+
+def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, monkeypatch):
+    """nxd.trace_keys against stand-ins for NxD's ModelBuilder and BaseModelInstance that do what
+    fbac349's do with them (the instance keeps the aliases dict it was given, load_module calls the
+    factory, get returns both; trace runs each module on its example): every key's aliases map each
+    state parameter of the module it built to the output that replaces it, and the keys name their
+    state alike (one state set). The aliased outputs are the new cache: row 0 written, row 1 not."""
+    from neuron_moe.parallel import cpu, layout
+    from neuron_moe.parallel.model import rank_model
+    from neuron_moe.static.decoder import new_cache
+
+    class BaseModelInstance:
+        def __init__(self, module_cls, input_output_aliases):
+            self.module_cls, self.module, self.input_output_aliases = module_cls, None, [input_output_aliases]
+
+        def load_module(self):
+            self.module = self.module_cls()
+
+        def get(self, bucket_rank, **kwargs):
+            return self.module, self.input_output_aliases[0]
+
+    class ModelBuilder:
+        def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir):
+            self.keys = {}
+
+        def add(self, key, model_instance, example_inputs, compiler_args):
+            self.keys[key] = (model_instance, example_inputs)
+
+        def trace(self, initialize_model_weights):
+            traced = {}
+            for key, (instance, examples) in self.keys.items():
+                instance.load_module()
+                module, aliases = instance.get(0)
+                with torch.no_grad():
+                    traced[key] = (module, dict(aliases), module(*examples[0]))
+            return traced
+
+    stand_ins = {f"neuronx_distributed.trace.model_builder.{c.__name__}": c for c in (ModelBuilder, BaseModelInstance)}
+    monkeypatch.setattr(nxd, "_nxd", stand_ins.__getitem__)
+    spec = one_bucket_port.static
+
+    full = layout.parallel_state_dict(tiny_eager.state_dict(), tiny_eager.config, 1)
+
+    def factory(key):  # as _neuron builds a key, on the CPU layers at TP 1 (no collectives to stand in for)
+        def build():
+            model = rank_model(one_bucket_port.config, 1, cpu)
+            model.load_state_dict(cpu.shard_checkpoint(full, model, 1)[0], strict=True)
+            return nc._graph(model, spec, key, new_cache(model, 96, 2, aliased=True), False)
+        return build
+
+    keys = {k: (factory(k), [nc._example(spec, k)]) for k in nc.key_names(spec.buckets)}
+    _, traced = nxd.trace_keys(keys, checkpoint_loader=dict, tp=1, workdir="unused")
+    names = []
+    for key, (module, aliases, outputs) in traced.items():
+        state = dict(module.named_parameters())
+        aliased = {n: aliases[p] for n, p in state.items() if p in aliases}
+        assert list(aliased) == [f"cache.{kv}{i}" for i in range(4) for kv in "kv"] and len(aliases) == 8
+        assert sorted(aliased.values()) == list(range(1, 9)) and len(outputs) == 9  # the token, then the state
+        for name, index in aliased.items():
+            assert outputs[index].shape == state[name].shape
+        names.append(list(aliased))
+        if key == "context_encoding_16":
+            k0 = outputs[aliased["cache.k0"]]  # layer 0's K of the prompt, in row 0 only
+            assert k0[0].abs().sum() > 0 and not k0[1].any()
+    assert names[0] == names[1]

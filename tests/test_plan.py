@@ -96,6 +96,14 @@ def test_full_size_decode_table_is_what_the_built_graphs_read(big):
         r["decode"][0]["bytes_per_token"] - 30 * 8 * 3 * 88 * 2816 * 2 + 30 * 8 * slice8, rel=1e-12)
 
 
+def test_no_kv_bytes_cross_the_host_per_decode_step(big):
+    r = plan(big, "inf2.24xlarge", 8, "bf16", batch=4, seq=4096)
+    rows = {row["what"].split(" [")[0].split(" (")[0]: row for row in r["host_per_step"]}
+    assert rows["KV cache"]["bytes"] == 0
+    assert rows["input_ids + position_ids"]["bytes"] == 2 * 4 * 8 and rows["token"]["bytes"] == 4 * 8
+    assert rows["logits"]["bytes"] == 4 * 262144 * 4 and "--with-logits" in rows["logits"]["what"]
+
+
 def test_tp_beyond_the_instance_or_the_model_is_refused_with_a_reason(big):
     r = plan(big, "inf2.xlarge", 8, "bf16", batch=1, seq=4096)
     assert not r["fits"] and r["reason"] == "inf2.xlarge has 2 NeuronCores; TP 8 needs 8"
@@ -134,6 +142,7 @@ def test_plan_cli(capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith(("channel ", "expert  "))]
     assert rows[0][:3] == ["channel", "(this", "plan)"] and rows[0][-3:] == ["1.055", "2.40", "417.4"]
     assert rows[1][0] == "expert" and rows[1][-3:] == ["6.407", "14.55", "68.7"]
+    assert "KV cache (device state, aliased)" in out and "host <-> device per decode step" in out
     assert cli.main(args + ["--expert-layout", "expert"]) == 0
     assert "expert (this plan)" in capsys.readouterr().out
     assert cli.main(["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.8xlarge", "--tp", "2",

@@ -5,8 +5,9 @@ The channel layout (the default: every expert split on its intermediate channels
 graph gathering each token's k experts) gives the reference tokens at TP 2, 4 and 8, and with int8
 experts at TP 8 the single-rank int8 implementation's tokens and logits. The expert layout with the
 SPMDRank scatter gives the reference tokens at TP 8; with the Python-int scatter (the seed bug)
-other tokens. The TP 8 variants share one set of processes. The prompts are padded to the 56-slot
-bucket, which is longer than the sliding window (16): each rank's sliding-layer ring is rolled."""
+other tokens. The TP 8 variants share one set of processes. The longer prompt is padded to the
+56-slot bucket, which is longer than the sliding window (16): each rank's sliding-layer ring is
+rolled; the shorter one to the 8-slot bucket, so the two rows decode at different positions."""
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def prompts(tiny_port):
-    return left_pad(random_prompts(tiny_port.config.vocab_size, [23, 9], seed=44), 0)
+    return left_pad(random_prompts(tiny_port.config.vocab_size, [23, 7], seed=44), 0)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +87,16 @@ def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
     assert torch.equal(out["int8"].tokens, int8.tokens) and _close(out["int8"], int8)
     assert not _close(out["int8"], reference, 1e-3)
 
-    # each rank's KV cache holds its own KV heads: 1 of the global layers' 2 (replicated) and 1 of 4
-    decode = gens["channel"].programs["decode"]
-    cache_inputs = [n.meta["val"].shape for n in decode.graph.nodes if n.op == "placeholder"][-8:]
-    assert [tuple(s[1:]) for s in cache_inputs[:4]] == [(1, 16, 32), (1, 16, 32), (1, 96, 64), (1, 96, 64)]
+    # the rank-0 programs carry the KV cache as mutated state, not as inputs or outputs; each rank's
+    # holds its own KV heads: 1 of the global layers' 2 (replicated) and 1 of 4
+    for name, program in gens["channel"].programs.items():
+        sig = program.graph_signature
+        state = {spec.target: spec.arg.name for spec in sig.input_specs if (spec.target or "").startswith("cache.")}
+        assert set(sig.buffers_to_mutate.values()) == set(state) and len(state) == 8, name
+        assert len(sig.user_outputs) == 2 and len(sig.user_inputs) == (2 if name == "decode" else 4), name
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in program.graph.nodes if n.op == "placeholder"}
+    assert [shapes[state[f"cache.{kv}{i}"]] for i in (0, 1) for kv in "kv"] == \
+        [(2, 1, 16, 32), (2, 1, 16, 32), (2, 1, 96, 64), (2, 1, 96, 64)]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -3,7 +3,8 @@
 The artifact contract (what `serve/neuron.py` and `pull` read) is defined here, once:
 
     manifest.json   MANIFEST_FIELDS below (expert_layout: how the graphs split the experts,
-                    `parallel/layout.py`), plus the files' sizes and sha256
+                    `parallel/layout.py`), plus each key's inputs and outputs, the state, and the
+                    files' sizes and sha256
     model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
                     context-encoding key per prefill bucket and one token-generation key
     weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint),
@@ -12,9 +13,19 @@ The artifact contract (what `serve/neuron.py` and `pull` read) is defined here, 
                     per-rank shape, dtype
 
 Each key is the static decoder (`static/decoder.py`) over the full-model rank module
-(`parallel/model.py`): context_encoding_<bucket> = Prefill(input_ids, attention_mask,
-position_ids) and token_generation = Decode(input_ids, position_ids, slot, attention_mask, *cache),
-both returning (token, logits, *cache); prompts are left-padded to the bucket.
+(`parallel/model.py`); B = batch_size, the rows of the KV cache:
+
+    context_encoding_<b>  (input_ids, attention_mask, position_ids [1, b], row_ids [1]) -> token [1, 1]
+                          one prompt, left-padded to the bucket, into cache row row_ids[0]
+    token_generation      (input_ids [B, 1], position_ids [B, 1]) -> token [B, 1]
+                          every row at its own position
+
+An artifact built with `logits=True` (`--with-logits`) also returns the fp32 logits [rows, V] after
+the token (validation, host-side sampling); the default returns the token alone. The KV cache is
+the graphs' state, never an input or output: `cache.k{i}` / `cache.v{i}` per layer, [B, KV heads of
+the rank, ring length, head_dim], aliased parameters (`input_output_aliases`) that every key
+shares and NxD zero-initialises on each rank (the manifest's `state`). Formats 1 and 2 (the cache
+in and out of every call) are refused.
 
 On Neuron (the SDK present) the keys go through ModelBuilder (`parallel/nxd.py`). `--dry-run`
 builds the same rank modules on CPU over the gloo backend (`parallel/cpu.py`), exports every key
@@ -50,10 +61,10 @@ MODEL = "model.pt"
 WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
-FORMAT = 2
+FORMAT = 3
 # field -> type; what a server needs to call the graphs
 MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "expert_layout": str, "buckets": list,
-                   "max_length": int, "batch_size": int, "dry_run": bool}
+                   "max_length": int, "batch_size": int, "dry_run": bool, "logits": bool}
 DTYPES = {"bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True), "fp32": (torch.float32, False)}
 _PARTIAL = ".{name}.partial-"
 _SDK_DISTS = ("torch", "transformers", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla")
@@ -72,7 +83,8 @@ def read_manifest(artifacts: Path) -> dict:
         if not isinstance(manifest.get(key), kind):
             raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
     if manifest["format"] != FORMAT:
-        raise ArtifactError(f"{path}: artifact format {manifest['format']}, this version reads {FORMAT}")
+        raise ArtifactError(f"{path}: artifact format {manifest['format']}, this version reads {FORMAT} "
+                            f"(rebuild it with this version's trace-and-compile)")
     if manifest["expert_layout"] not in EXPERT_LAYOUTS:
         raise ArtifactError(f"{path}: expert_layout {manifest['expert_layout']!r} is not one of {list(EXPERT_LAYOUTS)}")
     buckets = manifest["buckets"]
@@ -171,20 +183,32 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(part, path)
 
 
-def _graph(model, spec, key: str):
+def _graph(model, spec, key: str, cache, logits: bool):
+    """Key `key`'s graph over `model`, its state `cache` (shared by every key of one model)."""
     from ..static.decoder import Decode, Prefill
 
     if key == "token_generation":
-        return Decode(model, spec.max_cache_len, spec.decode_experts)
-    return Prefill(model, spec.max_cache_len, spec.prefill_experts)
+        return Decode(model, cache, spec.decode_experts, logits)
+    return Prefill(model, cache, spec.prefill_experts, logits)
 
 
-def _example(graph, spec, key: str) -> tuple:
-    from ..static.export import decode_inputs, prefill_inputs
+def _example(spec, key: str) -> tuple:
+    from ..static.export import example_inputs
 
-    if key == "token_generation":
-        return decode_inputs(graph, spec)
-    return prefill_inputs(spec, int(key.rsplit("_", 1)[1]))
+    return example_inputs(spec, None if key == "token_generation" else int(key.rsplit("_", 1)[1]))
+
+
+def _key_contract(graph, spec, key: str) -> dict:
+    """A key's calls as the manifest records them: input and output names and shapes."""
+    names = ("input_ids", "position_ids") if key == "token_generation" else \
+        ("input_ids", "attention_mask", "position_ids", "row_ids")
+    example = _example(spec, key)
+    rows = example[0].shape[0]
+    outputs = {"token": [rows, 1]}
+    if graph.logits:
+        outputs["logits"] = [rows, graph.model.config.vocab_size]
+    return {"graph": "token_generation" if key == "token_generation" else "context_encoding",
+            "inputs": {n: list(x.shape) for n, x in zip(names, example)}, "outputs": outputs}
 
 
 def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
@@ -207,10 +231,12 @@ def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
 
 
 def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, overwrite: bool = False,
-                      checkpoint=None, export: bool = True, expert_layout: str | None = None) -> dict:
+                      checkpoint=None, export: bool = True, expert_layout: str | None = None,
+                      logits: bool = False) -> dict:
     """Write the artifact directory `out` (see the module docstring); returns the manifest.
     `expert_layout` defaults to the port's [static] expert_layout. `export=False` (dry run only)
-    skips tracing: the shard plan and manifest alone."""
+    skips tracing: the shard plan and manifest alone. `logits=True`: graphs that also return the
+    logits (validation, host-side sampling), at V·4 bytes per row and step across the host."""
     from ..parallel import cpu, layout, nxd
 
     if dtype not in DTYPES:
@@ -235,18 +261,20 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     try:
         full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout) if has_weights else None
         if dry_run:
-            module, files, exported = _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp, export, expert_layout)
+            module, files, exported = _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp, export,
+                                               expert_layout, logits)
         else:
-            module, files, exported = _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp, expert_layout)
+            module, files, exported = _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp, expert_layout,
+                                              logits)
         plan = shard_plan(module, full, tp, expert_layout)
         _atomic_write(tmp / SHARD_PLAN, lambda p: p.write_text(json.dumps(plan, indent=1)))
         files = [*files, SHARD_PLAN]
+        contract, state = _contract(module, spec, keys, logits)
         manifest = {
             "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "expert_layout": expert_layout,
             "buckets": list(spec.buckets),
-            "max_length": spec.max_cache_len, "batch_size": spec.batch_size,
-            "keys": {k: {"graph": "token_generation" if k == "token_generation" else "context_encoding",
-                         "exported": exported} for k in keys},
+            "max_length": spec.max_cache_len, "batch_size": spec.batch_size, "logits": logits,
+            "keys": {k: dict(contract[k], exported=exported) for k in keys}, "state": state,
             "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
             "files": {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)},
         }
@@ -269,13 +297,15 @@ def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout) -> dict:
     return quantize_experts(full) if int8 else full
 
 
-def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: bool, expert_layout: str):
+def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: bool, expert_layout: str,
+             logits: bool):
     from safetensors.torch import save_file
 
     from ..parallel import cpu
     from ..parallel.model import rank_model
     from ..parallel.trace import export_rank0
-    from ..static import data_dependent_ops
+    from ..static.decoder import new_cache
+    from ..static.export import GraphError, checked, functional
 
     device = "cpu" if full is not None else "meta"  # no weights: shapes only, nothing allocated
     module = rank_model(port.config, tp, cpu, expert_layout=expert_layout, int8=int8, dtype=torch_dtype, device=device)
@@ -283,12 +313,14 @@ def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: b
     if full is not None:
         shards = cpu.shard_checkpoint(full, module, tp)
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
+    cache = new_cache(module, spec.max_cache_len, spec.batch_size)  # the one state set every key mutates
     for key in tqdm(keys if export else [], desc="export", unit="key"):
-        graph = _graph(module, spec, key)
-        program = export_rank0(graph, tuple(x.to(device) for x in _example(graph, spec, key)), tp)
-        bad = data_dependent_ops(program)
-        if bad:
-            raise ArtifactError(f"{key}: data-dependent ops in the exported graph: {sorted(set(bad))}")
+        graph = _graph(module, spec, key, cache, logits)
+        program = functional(export_rank0(graph, tuple(x.to(device) for x in _example(spec, key)), tp))
+        try:
+            checked(program, graph, key)
+        except GraphError as e:
+            raise ArtifactError(str(e)) from None
         if full is not None:  # a meta program has no weights to save
             name = GRAPHS.format(key=key)
             _atomic_write(tmp / name, lambda p: torch.export.save(program, p))
@@ -297,31 +329,34 @@ def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: b
         return module, files, export
     for rank, shard in enumerate(tqdm(shards, desc="shards", unit="rank")):
         name = WEIGHTS.format(rank=rank)
-        # the graphs hold the model as `.model`: their parameters are named model.<rank-module name>
+        # the graphs hold the model as `.model`: their parameters are named model.<rank-module name>;
+        # the KV cache is state, not a weight: it is in no shard (each rank zero-initialises its own)
         state = {f"model.{k}": v.contiguous() for k, v in shard.items()}
         _atomic_write(tmp / name, lambda p: save_file(state, str(p)))
         files.append(name)
     return module, files, True
 
 
-def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, expert_layout: str):
+def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, expert_layout: str, logits: bool):
     """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
     from ..parallel import cpu, nxd
     from ..parallel.model import rank_model
+    from ..static.decoder import new_cache
 
     build = dict(expert_layout=expert_layout, int8=int8, dtype=torch_dtype)
 
     def factory(key):
-        return lambda: _graph(rank_model(port.config, tp, nxd, **build), spec, key)
+        def make():  # each key's own module; its state names (cache.k0, ...) are every key's
+            model = rank_model(port.config, tp, nxd, **build)
+            return _graph(model, spec, key, new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True),
+                          logits)
+        return make
 
-    # example inputs (CPU tensors) and the shard plan come from a meta-device module of the same layout
+    # the shard plan comes from a meta-device module of the same layout
     shapes = rank_model(port.config, tp, cpu, device="meta", **build)
 
-    def example(key):
-        return _example(_graph(shapes, spec, key), spec, key)
-
-    checkpoint = {f"model.{k}": v for k, v in full.items()}
-    builder, traced = nxd.trace_keys({key: (factory(key), [example(key)]) for key in keys},
+    checkpoint = {f"model.{k}": v for k, v in full.items()}  # weights only: the state is not in it
+    builder, traced = nxd.trace_keys({key: (factory(key), [_example(spec, key)]) for key in keys},
                                      checkpoint_loader=lambda: checkpoint, tp=tp, workdir=tmp / "compiler")
     _atomic_write(tmp / MODEL, lambda p: torch.jit.save(traced, str(p)))
     nxd.shard_checkpoint(builder, tmp / "weights")
@@ -331,3 +366,13 @@ def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, expert_lay
     if missing:
         raise ArtifactError(f"ModelBuilder did not write {missing}")
     return shapes, files, True  # NxD's layers carry the same partition tags as the CPU ones
+
+
+def _contract(module, spec, keys, logits: bool) -> tuple[dict, dict]:
+    """(each key's inputs and outputs, the KV state per rank) as the manifest records them."""
+    from ..static.decoder import new_cache
+
+    cache = new_cache(module, spec.max_cache_len, spec.batch_size)
+    state = {f"cache.{n}": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+             for n, t in zip(cache.names, cache.tensors())}
+    return {k: _key_contract(_graph(module, spec, k, cache, logits), spec, k) for k in keys}, state

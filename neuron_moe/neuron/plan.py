@@ -32,7 +32,12 @@ the HBM-bound floor this implies at half a chip's 820 GiB/s per core (two cores 
 it). The graphs are those trace-and-compile builds (`parallel/moe.py`): the channel layout's
 gathers the batch's B·k experts' I/t channels while B·k < E (with the port's decode_experts =
 "selective"), else computes all E experts' channels; the expert layout's computes all its E/t
-experts. Not measured: no Neuron device was used for any number here.
+experts.
+
+Host: bytes crossing between host and device per decode step of the built graphs (`neuron/compile.py`):
+int64 input_ids and position_ids [batch, 1] in, the token [batch, 1] out; the KV cache is device
+state (0), and the logits come out only from an artifact built with --with-logits. Not measured:
+no Neuron device was used for any number here.
 """
 
 from __future__ import annotations
@@ -136,6 +141,15 @@ def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts
     return rows
 
 
+def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
+    """What crosses the host per decode step (the same on every rank's call: one SPMD program)."""
+    return [{"what": "KV cache (device state, aliased)", "direction": "-", "bytes": 0},
+            {"what": "input_ids + position_ids [B, 1] int64", "direction": "in", "bytes": 2 * batch * 8},
+            {"what": "token [B, 1] int64", "direction": "out", "bytes": batch * 8},
+            {"what": "logits [B, V] fp32 (only an artifact built --with-logits)", "direction": "out",
+             "bytes": batch * config.vocab_size * 4}]
+
+
 def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: int, seq: int,
          runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, model: str = "",
          expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, decode_experts: str = "selective") -> dict:
@@ -164,5 +178,5 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
                               f"{(CORE_HBM - total) / GB:.2f} GB spare")
     return {**report, "fits": fits, "reason": reason, "per_rank_bytes": per_rank, "per_rank_total_bytes": total,
             "experts_all_ranks_bytes": experts_all,
-            "decode": _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts)}
-
+            "decode": _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts),
+            "host_per_step": _host_per_step(config, batch)}

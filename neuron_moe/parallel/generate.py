@@ -2,9 +2,10 @@
 
 The rank module (`parallel/model.py`) wrapped in the static decoder's prefill (per bucket) and
 decode graphs is exported once, as rank 0 under a fake process group, exactly as ModelBuilder
-traces; then t gloo processes each load those same programs with their own shard and run the
-static host loop (`static/loop.py`) in lockstep. Every rank gathers the full logits and takes the
-same greedy token; the ranks' tokens are checked to agree.
+traces; then t gloo processes each load those same programs with their own shard, give them one
+zero-initialised KV state of their own (as NxD's state initializer does on each rank; the cache is
+never in a weight shard) and run the static host loop (`static/loop.py`) in lockstep. Every rank
+gathers the full logits and takes the same greedy token; the ranks' tokens are checked to agree.
 
 Backends for `validate`: `tp8` and `tp8-int8` (int8 experts, per-channel scales) in either expert
 layout (`--expert-layout`, default the port's [static] expert_layout: channel), and
@@ -19,9 +20,7 @@ import torch
 from ..errors import UserError
 from ..experts.int8 import quantize_experts
 from ..generate import Generation
-from ..static import data_dependent_ops
-from ..static.decoder import Decode, Prefill
-from ..static.export import decode_inputs, prefill_inputs
+from ..static.export import checked, example_inputs, functional
 from ..static.generate import StaticGenerator
 from . import cpu, layout
 from .model import rank_model
@@ -32,7 +31,7 @@ class TPGenerator(StaticGenerator):
     """StaticGenerator whose graphs are rank-0 exports of the rank module, run on t processes."""
 
     def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
-                 int8: bool = False, scatter: str = "spmd"):
+                 int8: bool = False, scatter: str = "spmd", logits: bool = True):
         from ..model import build_model
 
         if port.static is None:
@@ -50,31 +49,23 @@ class TPGenerator(StaticGenerator):
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
         # the graphs (static/decoder.py) hold the model as `.model`
         self.states = [{f"model.{k}": v for k, v in shard.items()} for shard in shards]
-        super().__init__(module, port.static)
+        super().__init__(module, port.static, logits=logits)
         self.tp, self.expert_layout = tp, expert_layout
 
-    def _graph(self, name: str, bucket: int | None) -> torch.nn.Module:
-        spec = self.spec
-        if bucket is None:
-            graph = Decode(self.model, spec.max_cache_len, spec.decode_experts)
-            inputs = decode_inputs(graph, spec)
-        else:
-            graph = Prefill(self.model, spec.max_cache_len, spec.prefill_experts)
-            inputs = prefill_inputs(spec, bucket)
-        program = export_rank0(graph, inputs, self.tp)
-        bad = data_dependent_ops(program)
-        if bad:
-            raise RuntimeError(f"{name}: data-dependent ops in the exported graph: {sorted(set(bad))}")
-        self.programs[name] = program
-        return program.module()
+    def prepare(self, buckets) -> None:
+        """Export the programs; they run (and get their state) in the rank processes."""
+        for name, bucket in [(f"prefill {b}", b) for b in sorted(set(buckets))] + [("decode", None)]:
+            if name not in self.programs:
+                graph = self.graph(bucket)
+                program = export_rank0(graph, example_inputs(self.spec, bucket), self.tp)
+                self.programs[name] = checked(functional(program), graph, name)
 
     def plan(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> list[tuple]:
-        """Check every batch, export what they need; -> [(bucket, ids, mask, n), ...]."""
+        """Check every batch, export what they need; -> [(ids, mask, n), ...]."""
         size = self.spec.batch_size
         batches = [(input_ids[i:i + size], attention_mask[i:i + size]) for i in range(0, len(input_ids), size)]
-        buckets = [self.check(mask, max_new_tokens) for _, mask in batches]
-        self.prepare(buckets)
-        return [(b, ids, mask, max_new_tokens) for b, (ids, mask) in zip(buckets, batches)]
+        self.prepare(set().union(*(self.check(mask, max_new_tokens) for _, mask in batches)))
+        return [(ids, mask, max_new_tokens) for ids, mask in batches]
 
     def generate(self, input_ids, attention_mask, max_new_tokens) -> Generation:
         return generate_replicated({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]
@@ -88,7 +79,7 @@ def generate_replicated(generators: dict[str, TPGenerator], input_ids: torch.Ten
         batches = gen.plan(input_ids, attention_mask, max_new_tokens)
         for key, program in gen.programs.items():
             programs[f"{name}/{key}"], states[f"{name}/{key}"] = program, gen.states
-        runs.append((name, gen.spec.batch_size, gen.spec.max_cache_len, gen.pad_id, batches))
+        runs.append((name, gen.spec.batch_size, gen.pad_id, batches))
     results = run_replicated(programs, states, generation_job, runs)
     out = {}
     for name in generators:

@@ -261,16 +261,35 @@ def trace_keys(keys: dict[str, tuple[Callable[[], torch.nn.Module], list[tuple]]
     """ModelBuilder over several keys (e.g. one per context-encoding bucket and one for token
     generation): `keys[key] = (module factory, example input tuples)`. Traces rank 0 once per key
     and compiles; returns (builder, traced model without weights) for `torch.jit.save` and
-    `shard_checkpoint`. `checkpoint_loader()` returns the full parallel-layout state dict."""
+    `shard_checkpoint`. `checkpoint_loader()` returns the full parallel-layout state dict.
+
+    A module with state (the static graphs' aliased KV cache) has `output_aliases()`: {state
+    parameter: output index}, ModelBuilder's input_output_aliases. Those parameters exist only once
+    ModelBuilder has built the module (`BaseModelInstance.load_module` calls the factory), so each
+    key's instance holds a dict that its factory fills when it is called — the dict the instance
+    returns from `get` (it keeps the object it was given, fbac349 model_builder.py); NxD's own
+    StatefulModelInstance test subclasses for the same reason.
+    """
     builder = _nxd("neuronx_distributed.trace.model_builder.ModelBuilder")(
         router=None, tp_degree=tp, checkpoint_loader=checkpoint_loader, compiler_workdir=str(workdir))
     for key, (factory, examples) in keys.items():
+        aliases: dict = {}
         instance = _nxd("neuronx_distributed.trace.model_builder.BaseModelInstance")(
-            module_cls=factory, input_output_aliases={})
+            module_cls=_filling(factory, aliases), input_output_aliases=aliases)
         _bound(builder, "neuronx_distributed.trace.model_builder.ModelBuilder.add")(
             key=key, model_instance=instance, example_inputs=examples, compiler_args=compiler_args)
     traced = _bound(builder, "neuronx_distributed.trace.model_builder.ModelBuilder.trace")(initialize_model_weights=False)
     return builder, traced
+
+
+def _filling(factory: Callable[[], torch.nn.Module], aliases: dict) -> Callable[[], torch.nn.Module]:
+    """`factory`, which also makes `aliases` the built module's output aliases (none if stateless)."""
+    def build():
+        module = factory()
+        aliases.clear()
+        aliases.update(module.output_aliases() if hasattr(module, "output_aliases") else {})
+        return module
+    return build
 
 
 def shard_checkpoint(builder, serialize_path: Path):

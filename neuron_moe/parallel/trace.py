@@ -76,13 +76,18 @@ def forward_job(modules: dict[str, torch.nn.Module], rank: int,
 
 def generation_job(modules: dict[str, torch.nn.Module], rank: int, runs: list[tuple]) -> dict[str, tuple]:
     """Greedy generation through static graphs on every rank, SPMD: each run is (name, batch,
-    max_cache_len, pad_id, [(bucket, input_ids, attention_mask, max_new_tokens), ...]) over the
-    programs keyed "<name>/prefill <bucket>" and "<name>/decode". -> {name: (tokens, logits)}."""
+    pad_id, [(input_ids, attention_mask, max_new_tokens), ...]) over the programs keyed
+    "<name>/prefill <bucket>" and "<name>/decode", which get one zero-initialised KV state per name
+    in this rank's process (NxD's state initializer). -> {name: (tokens, logits or None)}."""
+    from ..generate import Generation
+    from ..static.cache import share_state
     from ..static.loop import run_graphs
 
     out = {}
-    for name, batch, max_cache_len, pad_id, batches in runs:
+    for name, batch, pad_id, batches in runs:
         graphs = {key.split("/", 1)[1]: m for key, m in modules.items() if key.split("/", 1)[0] == name}
-        parts = [run_graphs(graphs, batch, max_cache_len, pad_id, *b) for b in batches]
-        out[name] = (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+        share_state(graphs.values())
+        parts = [Generation(*run_graphs(graphs, batch, pad_id, *b)) for b in batches]
+        whole = Generation.cat(parts)
+        out[name] = (whole.tokens, whole.logits)
     return out

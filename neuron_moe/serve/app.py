@@ -245,10 +245,11 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
                       chat: bool):
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
+            engine.check_sampling(req.temperature)
         except RequestError as e:
             where = {"prompt": "messages" if chat else "prompt",
                      "max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
-            raise APIError(400, str(e), param=where[e.param]) from None
+            raise APIError(400, str(e), param=where.get(e.param, e.param)) from None
         params = SamplingParams(max_tokens, req.temperature, req.top_p, req.seed, tuple(req.stop or ()) + extra_stops)
         job = scheduler.submit(engine, prompt_ids, params)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",

@@ -1,7 +1,9 @@
 """Generation over a backend, one request at a time per calling thread.
 
 A backend turns a prompt into next-token logits and then feeds one token at a time:
-`prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]`. The engine
+`prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]`; a backend whose
+graphs pick the token themselves (`greedy_only`: a Neuron artifact built without logits) returns
+that token instead, as a 0-dim tensor, and serves temperature 0 only. The engine
 adds what serving needs on top: sampling (greedy at temperature 0, else temperature and
 top-p with a per-request seeded generator), EOS and stop sequences, and the text that is
 safe to send after each token (a partial stop string or a partial UTF-8 character is held
@@ -80,6 +82,13 @@ class Engine:
         self.max_context = max_context
         self.max_prompt = max_prompt or max_context  # a compiled backend's largest prefill bucket
         self.eos_ids = frozenset(eos_ids)
+        self.greedy_only = getattr(backend, "greedy_only", False)
+
+    def check_sampling(self, temperature: float) -> None:
+        """A RequestError if the backend cannot sample this request."""
+        if self.greedy_only and temperature != 0:
+            raise RequestError(f"this backend's graphs return the greedy token only (an artifact built without "
+                               f"--with-logits): temperature must be 0, got {temperature}", "temperature")
 
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
         """The request's token budget: what it asked for, or what is left of the context."""
@@ -105,11 +114,12 @@ class Engine:
         generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
         tokens: list[int] = []
         sent = 0  # characters of the decoded text already handed out
-        logits, state = self.backend.prefill(prompt_ids)
+        self.check_sampling(params.temperature)
+        out, state = self.backend.prefill(prompt_ids)
         for i in range(params.max_tokens):
             if cancelled is not None and cancelled.is_set():
                 return
-            token = sample(logits, params.temperature, params.top_p, generator)
+            token = int(out) if self.greedy_only else sample(out, params.temperature, params.top_p, generator)
             if token in self.eos_ids:
                 yield Step(self._text(tokens)[sent:], "stop", i + 1)
                 return
@@ -127,7 +137,7 @@ class Engine:
             safe = len(text) - held_back(text, params.stop)
             yield Step(text[sent:safe], None, i + 1)
             sent = max(sent, safe)
-            logits = self.backend.decode(token, state)
+            out = self.backend.decode(token, state)
 
     def _text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens) if tokens else ""

@@ -9,14 +9,15 @@ manifest fields, the graphs' signatures) is defined once, in `neuron_moe/neuron/
 manifest.json, model.pt (a context-encoding key per bucket, a token-generation key; NxD routes
 each call to the key whose example inputs match), weights/tp{r}_sharded_checkpoint.safetensors.
 
-Calls (the static decoder's graphs, `static/decoder.py`), batch = the manifest's batch_size, one
-sequence served at a time (the other rows are copies, dropped):
-  prefill  model(input_ids, attention_mask, position_ids), each [batch, bucket], the prompt
-           left-padded to the smallest bucket -> (token, logits [batch, V], *kv_cache)
-  decode   model(input_ids [batch, 1], position_ids [batch, 1], slot [1],
-           attention_mask [batch, max_length], *kv_cache) -> (token, logits, *kv_cache)
-The KV cache comes back from each call and goes into the next (host-side here: correct, not yet
-the device-resident aliasing a fast deployment wants).
+Calls (the static decoder's graphs, `static/decoder.py`), batch B = the manifest's batch_size, one
+sequence served at a time, in cache row 0 (the other rows idle at position 0, in their own rows):
+  prefill  model(input_ids, attention_mask, position_ids [1, bucket], row_ids [1]), the prompt
+           left-padded to the smallest bucket -> token [1, 1] (, logits [1, V])
+  decode   model(input_ids [B, 1], position_ids [B, 1]) -> token [B, 1] (, logits [B, V])
+The KV cache is the artifact's state: it stays on the device (NxD's input_output_aliases) and
+never crosses the call. An artifact built without --with-logits returns the greedy token alone:
+it serves temperature 0 only (on-device sampling is the batching engine's, issue 21); one built
+with it returns the logits too, and the engine samples on the host.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import torch
 from ..neuron.compile import (MANIFEST, MODEL, WEIGHTS, ArtifactError, check_expert_layout,  # noqa: F401  (the contract)
                                load_shards, read_manifest)
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
-from ..static.loop import pad_to_bucket
+from ..static.loop import bucket_for, prefill_row
 
 SDK_MODULES = ("torch_neuronx", "neuronx_distributed")
 # one artifact contract, one error for it
 NeuronError = ArtifactError
+ROW = 0  # the cache row the one served sequence lives in
 
 
 def require_sdk() -> None:
@@ -62,28 +64,26 @@ class NeuronBackend:
         self.buckets = sorted(self.manifest["buckets"])
         self.batch, self.max_length = self.manifest["batch_size"], self.manifest["max_length"]
         self.max_prompt = self.buckets[-1]
-        # A prompt of n tokens fills its bucket's slots, then each new token but the last takes one:
-        # bucket(n) + new - 1 <= max_length for every n the engine admits (new <= max_context - n)
-        # holds when max_context leaves room for the widest gap between buckets.
-        gap = max(b - a for a, b in zip([0, *self.buckets], self.buckets))
-        self.max_context = self.max_length + 2 - gap
+        # A prompt of n tokens holds positions 0..n-1 and each new token but the last takes the next:
+        # n + new - 1 <= max_length, which is the engine's n + new <= max_context.
+        self.max_context = self.max_length + 1
+        self.greedy_only = not self.manifest["logits"]  # the graphs pick the token: prefill/decode return it
+
+    def _out(self, outputs) -> torch.Tensor:
+        """Row 0's logits [V], or (a token-only artifact) its token as a 0-dim tensor."""
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)  # one output may come bare
+        return outputs[0][0, 0] if self.greedy_only else outputs[1][0].float()
 
     def prefill(self, ids: list[int]):
         n = len(ids)
-        bucket = next(b for b in self.buckets if b >= n)  # the engine refuses longer prompts
-        ids_, mask, positions = pad_to_bucket(torch.tensor([ids]), torch.ones(1, n, dtype=torch.long),
-                                              bucket, self.batch, 0)
-        _, logits, *cache = self.model(ids_, mask, positions)
-        mask = torch.cat([mask, torch.ones(self.batch, self.max_length - bucket, dtype=torch.long)], dim=1)
-        return logits[0].float(), {"slot": bucket, "position": n, "mask": mask, "cache": cache}
+        inputs = prefill_row(torch.tensor(ids), bucket_for(n, self.buckets), 0)  # the engine refuses longer prompts
+        return self._out(self.model(*inputs, torch.tensor([ROW]))), {"position": n}
 
     def decode(self, token: int, state) -> torch.Tensor:
-        if state["slot"] >= self.max_length:
-            raise NeuronError(f"the KV cache holds {self.max_length} slots; this sequence has used them all")
-        ids = torch.full((self.batch, 1), token, dtype=torch.long)
-        position = torch.full((self.batch, 1), state["position"], dtype=torch.long)
-        _, logits, *state["cache"] = self.model(ids, position, torch.tensor([state["slot"]]), state["mask"],
-                                                *state["cache"])
-        state["slot"] += 1
+        if state["position"] >= self.max_length:
+            raise NeuronError(f"the KV cache holds {self.max_length} positions; this sequence has used them all")
+        ids = torch.zeros(self.batch, 1, dtype=torch.long)
+        positions = torch.zeros(self.batch, 1, dtype=torch.long)
+        ids[ROW], positions[ROW] = token, state["position"]
         state["position"] += 1
-        return logits[0].float()
+        return self._out(self.model(ids, positions))

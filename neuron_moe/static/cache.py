@@ -1,22 +1,35 @@
-"""The static KV cache: one fixed-size buffer per layer, written by fixed-shape index ops.
+"""The static KV cache: module state of fixed shape, one row per sequence, written per row.
 
-Slots, not positions: a batch is left-padded to a prefill bucket, so slot `s` is the same
-column for every row (the pads occupy the first slots) while RoPE positions count only a
-row's real tokens. A row's real tokens are contiguous, so slot distance = position distance.
+State, not graph inputs: `KVCache` holds K and V of every layer, [rows, kv_heads, length,
+head_dim], as registered tensors of the graphs (`static/decoder.py`), and the prefill and decode
+graphs hold the one `KVCache`, so they read and write the same state. Each call updates it
+functionally (an `index_copy` or a `scatter` of the old buffer) and commits the result:
 
-Each layer's buffer is a ring of `length` slots; slot `s` lives at index `s % length`:
-- global layers: length = max_cache_len, so the ring never wraps (index = slot);
-- sliding layers: length = min(sliding_window, max_cache_len), so the ring holds exactly the
-  window (the query and the window - 1 slots before it) and overwrites what fell out of it.
-With that one rule, prefill, decode and both masks are the same code for both layer kinds,
-and nothing depends on how full the cache is (no Python state, no branch on data).
+- torch.export, CPU and XLA (`aliased=False`): the buffers are non-persistent (never in a
+  checkpoint or a weight shard) and the commit is an in-place copy, which torch.export records as
+  a buffer mutation (`graph_signature.buffers_to_mutate`), not as a graph output;
+- NxD ModelBuilder v1 (`aliased=True`): the buffers are `nn.Parameter`s and the commit returns the
+  new tensors as extra outputs, which `output_aliases()` maps back onto them
+  (`BaseModelInstance(input_output_aliases=...)`): the runtime writes them into the parameters'
+  device buffers and never hands them to the host. Every key of one builder names its state the
+  same (`cache.k0`, `cache.v0`, ...), which is how the keys share one state set; NxD's state
+  initializer zero-fills it on each rank.
+
+Positions, not pad columns: row b's token at position p lives at ring index p % length of its
+own row, and positions 0..p are the row's real tokens (nothing else is ever written to them), so
+- global layers: length = max_cache_len, index = position;
+- sliding layers: length = min(sliding_window, max_cache_len), the ring holds exactly the window
+  (the query and the window - 1 positions before it) and overwrites what fell out of it.
+The decode mask follows from the row's position alone (`ring_positions`), so decode takes no
+mask input, and the rows of a batch can sit at different positions. A prefill writes whole rows
+(`index_copy` on the batch dimension, by row id): the rows it does not name are not touched.
+What a row's slots held before its prefill is never read: prefill rewrites the whole ring of
+every layer, and a later slot is written by its own decode step before anything attends to it.
 
 Why not transformers' StaticCache: its StaticSlidingWindowLayer branches on a Python int (how
 full the window is), so an exported graph would freeze one branch — transformers' own export
 recipes (integrations/executorch.py) therefore swap sliding layers for full-length ones and
-pass no padding mask (batch 1). Its buffers are also mutated in place behind one scalar
-length. Here the cache is explicit graph inputs/outputs and the masks are built from an
-attention-mask input, which is what a compiler's input/output aliasing wants.
+pass no padding mask (batch 1) — and it keeps one length for the whole batch.
 """
 
 from __future__ import annotations
@@ -24,14 +37,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import Gemma4TextConfig
 
 SLIDING = "sliding_attention"
+STATE = "cache"  # the graphs' attribute, and the prefix of every state tensor's name ("cache.k0")
 
 
 @dataclass(frozen=True)
 class LayerCache:
-    """Geometry of one layer's KV buffers, each [batch, kv_heads, length, head_dim]."""
+    """Geometry of one layer's KV buffers, each [rows, kv_heads, length, head_dim]."""
 
     kind: str  # the HF layer type: "sliding_attention" or "full_attention"
     kv_heads: int
@@ -49,49 +64,85 @@ def cache_layout(config: Gemma4TextConfig, max_cache_len: int) -> list[LayerCach
     return layout
 
 
-def empty_cache(layout: list[LayerCache], batch: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zeroed K and V for every layer, flat: [k0, v0, k1, v1, ...]."""
-    return [torch.zeros(batch, spec.kv_heads, spec.length, spec.head_dim, dtype=dtype)
-            for spec in layout for _ in ("k", "v")]
+class KVCache(nn.Module):
+    """K and V of every layer as module state: `k{i}`, `v{i}`, zeros at construction."""
+
+    def __init__(self, layout: list[LayerCache], rows: int, dtype: torch.dtype, device=None, aliased: bool = False):
+        super().__init__()
+        self.layout, self.rows, self.aliased = layout, rows, aliased
+        self.names = [f"{kv}{i}" for i in range(len(layout)) for kv in "kv"]
+        for name in self.names:
+            spec = layout[int(name[1:])]
+            zeros = torch.zeros(rows, spec.kv_heads, spec.length, spec.head_dim, dtype=dtype, device=device)
+            if aliased:
+                self.register_parameter(name, nn.Parameter(zeros, requires_grad=False))
+            else:
+                self.register_buffer(name, zeros, persistent=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.names]
+
+    def commit(self, new: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Make `new` (in `names` order) the state: in place, or returned as the aliased outputs."""
+        if self.aliased:
+            return tuple(new)
+        for old, value in zip(self.tensors(), new):
+            old.copy_(value)
+        return ()
 
 
-def to_ring(states: torch.Tensor, length: int) -> torch.Tensor:
-    """K or V of slots 0..S-1 ([B, H, S, D]) -> a fresh ring buffer [B, H, length, D].
-
-    Slot s goes to index s % length; of more than `length` slots only the last `length` are
-    kept. S and length are static, so this is a pad or a slice and a roll, never a scatter.
-    """
-    slots = states.shape[2]
-    if slots <= length:
-        return torch.nn.functional.pad(states, (0, 0, 0, length - slots))
-    return states[:, :, slots - length:].roll((slots - length) % length, dims=2)
+def ring_positions(last: torch.Tensor, length: int) -> torch.Tensor:
+    """[R] a row's latest position -> [R, length]: the position each ring index holds, the latest
+    q <= last with q = index (mod length); negative where no position has reached that index yet."""
+    last = last.reshape(-1, 1)
+    return last - torch.remainder(last - torch.arange(length, device=last.device), length)
 
 
-class SlotCache:
+class GraphCache:
     """What HF's attention layers call: `update(key, value, layer_idx)` -> the K/V to attend over.
 
-    Prefill (no `past`): attention runs over the bucket's own K/V; the buffers are built fresh.
-    Decode (`past` and the slot being written): the step's K/V is copied into index
-    `slot % length` and attention runs over the whole buffer. Either way the new buffers are
-    collected in `new`, in layout order, for the graph to return.
+    Prefill (`rows` given): attention runs over the bucket's own K/V (its mask handles the pads);
+    each layer's new state is the old one with the prefilled rows replaced by rings gathered from
+    the bucket. Decode: each row's K/V is scattered into index position % length of its own row
+    and attention runs over the whole ring. The new state of every layer is collected in `new`.
     """
 
-    def __init__(self, layout: list[LayerCache], past: list[torch.Tensor] | None = None,
-                 slot: torch.Tensor | None = None):
-        self.layout, self.past, self.slot = layout, past, slot
-        self.new: list[torch.Tensor | None] = [None] * (2 * len(layout))
+    def __init__(self, state: KVCache, positions: torch.Tensor, rows: torch.Tensor | None = None):
+        self.state, self.positions, self.rows = state, positions, rows
+        self.new: list[torch.Tensor | None] = [None] * len(state.names)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        length = self.layout[layer_idx].length
-        if self.past is None:
-            self.new[2 * layer_idx] = to_ring(key, length)
-            self.new[2 * layer_idx + 1] = to_ring(value, length)
-            return key, value
-        index = self.slot % length
-        key = self.past[2 * layer_idx].index_copy(2, index, key)
-        value = self.past[2 * layer_idx + 1].index_copy(2, index, value)
-        self.new[2 * layer_idx], self.new[2 * layer_idx + 1] = key, value
-        return key, value
+        length = self.state.layout[layer_idx].length
+        old = self.state.tensors()[2 * layer_idx: 2 * layer_idx + 2]
+        if self.rows is not None:
+            index = _bucket_columns(self.positions, length)
+            new = [o.index_copy(0, self.rows, _gather_seq(t, index)) for o, t in zip(old, (key, value))]
+            attend = (key, value)
+        else:
+            index = torch.remainder(self.positions, length)  # [B, 1]
+            new = [o.scatter(2, _expand(index, t), t) for o, t in zip(old, (key, value))]
+            attend = new
+        self.new[2 * layer_idx], self.new[2 * layer_idx + 1] = new
+        return attend
+
+
+def _expand(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[R, S] sequence indices -> the [R, heads, S, head_dim] index a gather/scatter on dim 2 takes."""
+    return index[:, None, :, None].expand(like.shape[0], like.shape[1], index.shape[1], like.shape[3])
+
+
+def _gather_seq(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return states.gather(2, _expand(index, states))
+
+
+def _bucket_columns(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """A left-padded bucket's positions [R, bucket] -> [R, length]: the bucket column that each
+    ring index takes after the prompt (the column of the position it holds; column 0 where it holds
+    none yet, which the decode mask hides until that position is decoded)."""
+    bucket = positions.shape[1]
+    last = positions[:, -1:]  # the last column is every row's last prompt token
+    held = ring_positions(last, length)
+    return (held + (bucket - 1 - last)).clamp(min=0)  # position q sits in column q + pads
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -102,21 +153,45 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def prefill_mask(attention_mask: torch.Tensor, window: int | None, dtype: torch.dtype) -> torch.Tensor:
     """Causal (and, for sliding layers, windowed) attention over the bucket, pads masked."""
     slots = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    dist = slots[:, None] - slots[None, :]  # query slot - key slot
+    dist = slots[:, None] - slots[None, :]  # query column - key column
     allowed = dist >= 0
     if window is not None:
         allowed = allowed & (dist < window)
     return _additive(allowed[None] & attention_mask.bool()[:, None, :], dtype)
 
 
-def decode_mask(attention_mask: torch.Tensor, slot: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """The query at `slot` against a ring of `length` indices.
+def decode_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's query at its position ([B, 1]) against its ring of `length` indices: an index is
+    visible if it holds a position (>= 0), which is then a real one of that row at most the query's;
+    a ring of at most the window's length is the window itself."""
+    return _additive((ring_positions(positions, length) >= 0)[:, None, :], dtype)
 
-    Index r holds slot s(r) = slot - ((slot - r) mod length): the latest slot <= the query that
-    maps to r. It is visible if s(r) >= 0 and the row's attention_mask ([B, max_cache_len], 1 on
-    real prompt tokens and on every generated slot) marks it real. Later slots have s(r) < 0, so
-    this is also the causal mask; and a ring of at most window slots is the window itself.
+
+def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The KV state of a graph (a module, or an exported program's module) by name: `cache.k0`, ..."""
+    found = {name: t for name, t in [*module.named_buffers(), *module.named_parameters()]
+             if name.startswith(STATE + ".")}
+    if not found:
+        raise ValueError(f"{type(module).__name__} holds no KV state ({STATE}.*)")
+    return found
+
+
+def share_state(modules, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Make every module's KV state (buffers: the torch.export form) the same tensors: `state`, or
+    (None) fresh zeros shaped as the first module's — what NxD's state initializer does on each
+    rank. Returns the state.
+
+    Exported programs each hold their own copy of the buffers once they are saved and loaded, or
+    moved to a device; a graph only shares state with the graphs bound to it here.
     """
-    held = slot - torch.remainder(slot - torch.arange(length, device=slot.device), length)  # [length]
-    real = attention_mask.gather(1, held.clamp(min=0).expand(attention_mask.shape[0], length)).bool()
-    return _additive((real & (held >= 0))[:, None, :], dtype)
+    modules = list(modules)
+    if state is None:  # made on the host and sent: on a lazy device (XLA) zeros made there would be a graph
+        state = {name: torch.zeros(t.shape, dtype=t.dtype).to(t.device) for name, t in state_tensors(modules[0]).items()}
+    for module in modules:
+        mine = state_tensors(module)
+        if {n: (t.shape, t.dtype) for n, t in mine.items()} != {n: (t.shape, t.dtype) for n, t in state.items()}:
+            raise ValueError(f"{type(module).__name__}: its KV state does not match the shared one")
+        for name, tensor in state.items():
+            owner, attr = name.rsplit(".", 1)
+            module.get_submodule(owner).register_buffer(attr, tensor, persistent=False)
+    return state

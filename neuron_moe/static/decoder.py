@@ -1,14 +1,32 @@
 """The static-shape Gemma-4 decoder: one prefill graph per bucket and one decode graph.
 
 Both wrap transformers' own Gemma4ForCausalLM — HF's embedding, attention, router, dense MLP
-and norms run unchanged. What is ours: the KV cache (`SlotCache`: fixed-size buffers in and
-out), the attention masks (built from an attention-mask input and handed to HF as a dict per
-layer type, so transformers' masking_utils and its host-side checks never run), and which
-fixed-shape experts implementation each graph uses.
+and norms run unchanged. What is ours: the KV cache (`KVCache`, module state shared by every
+graph built over it, written per row: `cache.py`), the attention masks (built from an
+attention-mask input or from the positions, and handed to HF as a dict per layer type, so
+transformers' masking_utils and its host-side checks never run), and which fixed-shape experts
+implementation each graph uses.
 
-Every shape is fixed by (batch, bucket) or (batch, max_cache_len); positions and the cache
-slot are tensors. Outputs: the greedy next token [B, 1], the fp32 logits it came from [B, V],
-then the KV buffers [k0, v0, k1, v1, ...] (see cache.py for their layout).
+The calls (every shape fixed at build time; P prefill rows, B = the cache's rows):
+
+  Prefill  (input_ids [P, bucket], attention_mask [P, bucket], position_ids [P, bucket],
+            row_ids [P]) -> token [P, 1]
+           each prompt left-padded to the bucket; writes cache rows `row_ids` only
+  Decode   (input_ids [B, 1], position_ids [B, 1]) -> token [B, 1]
+           every row at its own position; a row with nothing to do writes its own slot only
+
+The token is the greedy pick (argmax in the graph). A graph built with `logits=True` also returns
+the fp32 logits it came from ([rows, V], after the token): for validation, never for serving,
+where only the token may cross to the host. With an aliased cache (NxD), the new state follows
+as extra outputs, mapped onto the state by `output_aliases()`.
+
+Sampling (issue 21, continuous batching): `pick` is the one place the token is chosen. On-device
+sampling plugs in there: a `sampling [B, 3]` input after the positions (temperature, top_p, and a
+uniform draw u in [0, 1) from the request's own seeded generator on the host), and `pick` becomes
+greedy where temperature == 0, else softmax(logits / temperature) cut to the top_p nucleus and
+inverted at u (a cumsum and a compare: fixed shapes). The draw coming from the row's generator is
+what keeps a seeded request's tokens independent of the rows beside it; NxD does the same on the
+device (OnDeviceSamplingConfig). Until then, sampled requests need a `logits=True` graph.
 """
 
 from __future__ import annotations
@@ -17,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .cache import SLIDING, SlotCache, cache_layout, decode_mask, prefill_mask
+from .cache import SLIDING, GraphCache, KVCache, cache_layout, decode_mask, prefill_mask
 
 
 @contextmanager
@@ -33,46 +51,63 @@ def experts_implementation(model, name: str):
         model.config._experts_implementation = previous
 
 
+def new_cache(model, max_cache_len: int, rows: int, aliased: bool = False) -> KVCache:
+    """Zeroed KV state for `model` (its KV heads per layer: a rank module's are its own share)."""
+    weight = model.model.embed_tokens.weight
+    return KVCache(cache_layout(model.config, max_cache_len), rows, weight.dtype, weight.device, aliased)
+
+
 class _StaticGraph(torch.nn.Module):
-    def __init__(self, model, max_cache_len: int, experts: str):
+    def __init__(self, model, cache: KVCache, experts: str, logits: bool = False):
         super().__init__()
         self.model = model
-        self.layout = cache_layout(model.config, max_cache_len)
-        self.experts = experts
+        self.cache = cache  # its tensors are named cache.k0, cache.v0, ... (cache.STATE)
+        self.experts, self.logits = experts, logits
         # per layer type: the sliding window (None for global layers) and the ring length
         self.kinds = {spec.kind: (model.config.sliding_window if spec.kind == SLIDING else None, spec.length)
-                      for spec in self.layout}
+                      for spec in cache.layout}
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.model.embed_tokens.weight.dtype
 
-    def _run(self, input_ids, masks, position_ids, cache: SlotCache):
+    @property
+    def user_outputs(self) -> int:
+        return 2 if self.logits else 1
+
+    def output_aliases(self) -> dict[torch.nn.Parameter, int]:
+        """NxD's input_output_aliases: each state parameter -> the output that replaces it."""
+        if not self.cache.aliased:
+            raise ValueError("output_aliases() is for an aliased cache (NxD); this one is mutated in place")
+        return {t: self.user_outputs + i for i, t in enumerate(self.cache.tensors())}
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, V] fp32 -> the next token [rows, 1] (greedy; issue 21 samples here)."""
+        return logits.argmax(-1, keepdim=True)
+
+    def _run(self, input_ids, masks, position_ids, cache: GraphCache):
         with experts_implementation(self.model, self.experts):
             out = self.model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, cache=cache,
                              use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()
-        return (logits.argmax(-1, keepdim=True), logits, *cache.new)
+        token = self.pick(logits)
+        return ((token, logits) if self.logits else (token,)) + self.cache.commit(cache.new)
 
 
 class Prefill(_StaticGraph):
-    """forward(input_ids [B, bucket], attention_mask [B, bucket], position_ids [B, bucket]).
+    """forward(input_ids, attention_mask, position_ids, each [P, bucket]; row_ids [P]).
 
-    The batch is left-padded to the bucket: the last slot is every row's last prompt token.
+    The rows are left-padded to the bucket: the last column is every row's last prompt token.
     """
 
-    def forward(self, input_ids, attention_mask, position_ids):
+    def forward(self, input_ids, attention_mask, position_ids, row_ids):
         masks = {kind: prefill_mask(attention_mask, window, self.dtype) for kind, (window, _) in self.kinds.items()}
-        return self._run(input_ids, masks, position_ids, SlotCache(self.layout))
+        return self._run(input_ids, masks, position_ids, GraphCache(self.cache, position_ids, row_ids))
 
 
 class Decode(_StaticGraph):
-    """forward(input_ids [B, 1], position_ids [B, 1], slot [1], attention_mask [B, max_cache_len], *cache).
+    """forward(input_ids [B, 1], position_ids [B, 1]): row b's token at its position."""
 
-    `slot` is the cache slot this token is written to (the same for every row); attention_mask
-    marks each row's real slots (its prompt tokens and everything generated).
-    """
-
-    def forward(self, input_ids, position_ids, slot, attention_mask, *cache):
-        masks = {kind: decode_mask(attention_mask, slot, length, self.dtype) for kind, (_, length) in self.kinds.items()}
-        return self._run(input_ids, masks, position_ids, SlotCache(self.layout, list(cache), slot))
+    def forward(self, input_ids, position_ids):
+        masks = {kind: decode_mask(position_ids, length, self.dtype) for kind, (_, length) in self.kinds.items()}
+        return self._run(input_ids, masks, position_ids, GraphCache(self.cache, position_ids))

@@ -2,7 +2,10 @@
 
 `strict=True` (TorchDynamo) so that anything Python-side that would differ between calls —
 a branch on data, a Python int taken from a tensor — fails here rather than in a compiler.
-Every exported graph is checked for data-dependent ops before it is handed out.
+Every exported program is functionalised (`run_decompositions({})`: the cache's in-place commit
+becomes a buffer mutation the program returns to its state, `graph_signature.buffers_to_mutate`)
+and checked before it is handed out: no data-dependent op, the whole KV cache mutated state, and
+nothing but the token (and, in a validation graph, the logits) among its outputs.
 """
 
 from __future__ import annotations
@@ -13,42 +16,77 @@ import torch
 
 from ..port import StaticSpec
 from . import data_dependent_ops
-from .cache import empty_cache
-from .decoder import Decode, Prefill
+from .cache import STATE
+from .decoder import Decode, _StaticGraph
 
 
-def prefill_inputs(spec: StaticSpec, bucket: int) -> tuple[torch.Tensor, ...]:
-    """Example (input_ids, attention_mask, position_ids): only their shapes matter."""
-    shape = (spec.batch_size, bucket)
+def prefill_inputs(spec: StaticSpec, bucket: int, rows: int = 1) -> tuple[torch.Tensor, ...]:
+    """Example (input_ids, attention_mask, position_ids, row_ids): only their shapes matter. A
+    prefill fills `rows` cache rows (one: a request joins the batch alone)."""
+    shape = (rows, bucket)
     return (torch.zeros(shape, dtype=torch.long), torch.ones(shape, dtype=torch.long),
-            torch.arange(bucket).expand(shape).contiguous())
+            torch.arange(bucket).expand(shape).contiguous(), torch.arange(rows))
 
 
-def decode_inputs(graph: Decode, spec: StaticSpec) -> tuple[torch.Tensor, ...]:
-    """Example (input_ids, position_ids, slot, attention_mask, *cache)."""
-    batch = spec.batch_size
-    return (torch.zeros(batch, 1, dtype=torch.long), torch.zeros(batch, 1, dtype=torch.long),
-            torch.zeros(1, dtype=torch.long), torch.ones(batch, spec.max_cache_len, dtype=torch.long),
-            *empty_cache(graph.layout, batch, graph.dtype))
+def decode_inputs(spec: StaticSpec) -> tuple[torch.Tensor, ...]:
+    """Example (input_ids, position_ids), each [batch, 1]."""
+    return torch.zeros(spec.batch_size, 1, dtype=torch.long), torch.zeros(spec.batch_size, 1, dtype=torch.long)
 
 
-def _export(graph: torch.nn.Module, inputs: tuple, what: str) -> torch.export.ExportedProgram:
+def example_inputs(spec: StaticSpec, bucket: int | None) -> tuple[torch.Tensor, ...]:
+    """The example inputs of the prefill graph of `bucket`, or of the decode graph (bucket None)."""
+    return decode_inputs(spec) if bucket is None else prefill_inputs(spec, bucket)
+
+
+def functional(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """The functional form: in-place ops replaced, the cache's commit a buffer mutation."""
+    with warnings.catch_warnings():
+        # torch 2.13's own pytree code, on every call: "isinstance(treespec, LeafSpec) is deprecated"
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        return program.run_decompositions({})
+
+
+def state_problems(program: torch.export.ExportedProgram, graph: _StaticGraph) -> list[str]:
+    """Why `program` does not carry `graph`'s KV cache as state (empty: it does): every state
+    tensor mutated, none among the user inputs, and only the token (and logits) as user outputs."""
+    sig, problems = program.graph_signature, []
+    state = {f"{STATE}.{name}": tuple(t.shape) for name, t in zip(graph.cache.names, graph.cache.tensors())}
+    unmutated = sorted(set(state) - set(sig.buffers_to_mutate.values()))
+    if unmutated:
+        problems.append(f"KV state not mutated by the graph: {unmutated[:4]}{'…' if len(unmutated) > 4 else ''}")
+    nodes = {n.name: n for n in program.graph.nodes}
+    outputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_outputs]
+    inputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_inputs]
+    expected_inputs = 2 if isinstance(graph, Decode) else 4
+    if len(outputs) != graph.user_outputs or any(len(s) != 2 for s in outputs):
+        problems.append(f"user outputs {outputs}: expected the token{' and the logits' if graph.logits else ''} "
+                        f"only, no KV tensor")
+    if len(inputs) != expected_inputs or any(s in state.values() for s in inputs):
+        problems.append(f"user inputs {inputs}: expected {expected_inputs} (ids, positions, masks, row ids), "
+                        f"no KV tensor")
+    return problems
+
+
+def export(graph: _StaticGraph, inputs: tuple, what: str) -> torch.export.ExportedProgram:
+    """torch.export (strict) of one graph, functional and checked (see the module docstring)."""
     with warnings.catch_warnings(), torch.no_grad():
         # Dynamo reports the Python-side effects it replays (the experts-implementation switch,
         # transformers' output recorder); neither is in the graph. (torch 2.9 says "exporting".)
         warnings.filterwarnings("ignore", message="While (compiling|exporting), we found certain side effects")
-        program = torch.export.export(graph, inputs, strict=True)
+        program = functional(torch.export.export(graph, inputs, strict=True))
+    return checked(program, graph, what)
+
+
+class GraphError(RuntimeError):
+    """An exported graph a compiler must not be given (a bug of the graph, not of the input)."""
+
+
+def checked(program: torch.export.ExportedProgram, graph: _StaticGraph, what: str) -> torch.export.ExportedProgram:
+    """`program`, or a GraphError naming what makes it unfit for a compiler."""
     bad = data_dependent_ops(program)
-    if bad:
-        raise RuntimeError(f"{what}: data-dependent ops in the exported graph: {sorted(set(bad))}")
+    problems = ([f"data-dependent ops in the exported graph: {sorted(set(bad))}"] if bad else []) \
+        + state_problems(program, graph)
+    if problems:
+        raise GraphError(f"{what}: {'; '.join(problems)}")
     return program
 
-
-def export_prefill(model, spec: StaticSpec, bucket: int) -> torch.export.ExportedProgram:
-    graph = Prefill(model, spec.max_cache_len, spec.prefill_experts)
-    return _export(graph, prefill_inputs(spec, bucket), f"prefill bucket {bucket}")
-
-
-def export_decode(model, spec: StaticSpec) -> torch.export.ExportedProgram:
-    graph = Decode(model, spec.max_cache_len, spec.decode_experts)
-    return _export(graph, decode_inputs(graph, spec), "decode")

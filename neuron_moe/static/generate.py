@@ -1,9 +1,10 @@
 """Greedy generation over the static graphs: the host loop a compiled deployment runs.
 
-The host picks the bucket, left-pads the batch to it (and to the compiled batch size), runs
-the bucket's prefill program once and the decode program once per further token. Everything
-the graphs need to know about the data arrives as tensors: positions, the cache slot, the
-attention mask. Bad input (too long a prompt, too many tokens, too big a batch) is refused
+Each prompt is prefilled into its own cache row, padded to the smallest bucket that holds it
+(rows of one batch may use different buckets), then every row decodes at once, each at its own
+position (`loop.py`). The graphs share one KV state (`cache.py`): nothing of the cache crosses
+the call boundary. Everything else the graphs need to know arrives as tensors: ids, the pad mask,
+positions, the row ids. Bad input (too long a prompt, too many tokens, too big a batch) is refused
 before any graph is exported or run.
 """
 
@@ -16,30 +17,31 @@ from tqdm import tqdm
 from ..errors import UserError
 from ..generate import Generation
 from ..port import StaticSpec
-from .decoder import Decode, Prefill
-from .export import export_decode, export_prefill
-from .loop import run_graphs
+from .cache import share_state
+from .decoder import Decode, Prefill, new_cache
+from .export import example_inputs, export
+from .loop import bucket_for, run_graphs
 
 
 class StaticInputError(UserError):
     pass
 
 
-def choose_bucket(spec: StaticSpec, batch: int, longest: int, max_new_tokens: int) -> int:
-    """The smallest bucket that holds the longest prompt; every limit of the graphs checked."""
-    if batch > spec.batch_size:
-        raise StaticInputError(f"batch of {batch} prompts exceeds the compiled batch size {spec.batch_size}")
+def choose_buckets(spec: StaticSpec, lengths: list[int], max_new_tokens: int) -> set[int]:
+    """The bucket of each prompt (the smallest that holds it); every limit of the graphs checked."""
+    if len(lengths) > spec.batch_size:
+        raise StaticInputError(f"batch of {len(lengths)} prompts exceeds the compiled batch size {spec.batch_size}")
+    longest = max(lengths)
     if longest > spec.buckets[-1]:
         raise StaticInputError(f"prompt of {longest} tokens exceeds the largest prefill bucket {spec.buckets[-1]} "
                                f"(buckets: {list(spec.buckets)})")
-    bucket = next(b for b in spec.buckets if b >= longest)
-    # the prompt fills slots [0, bucket); each generated token but the last is fed back into a slot
-    if bucket + max_new_tokens - 1 > spec.max_cache_len:
+    # a prompt of n tokens holds positions 0..n-1; each generated token but the last is fed back at the next
+    if longest + max_new_tokens - 1 > spec.max_cache_len:
         raise StaticInputError(
-            f"{max_new_tokens} new tokens after a prompt padded to bucket {bucket} need "
-            f"{bucket + max_new_tokens - 1} cache slots; max_cache_len is {spec.max_cache_len} "
-            f"(at most {spec.max_cache_len - bucket + 1} new tokens in this bucket)")
-    return bucket
+            f"{max_new_tokens} new tokens after a prompt of {longest} tokens need {longest + max_new_tokens - 1} "
+            f"cache slots; max_cache_len is {spec.max_cache_len} "
+            f"(at most {spec.max_cache_len - longest + 1} new tokens for this prompt)")
+    return {bucket_for(n, spec.buckets) for n in lengths}
 
 
 def prompt_lengths(attention_mask: torch.Tensor) -> list[int]:
@@ -56,40 +58,52 @@ def prompt_lengths(attention_mask: torch.Tensor) -> list[int]:
 class StaticGenerator:
     """Greedy generation through the exported programs (or, `exported=False`, the modules).
 
-    `device`: where the graphs run and their inputs are made (the model must already be there
-    when `exported=False`; exported programs are moved there). Tokens and logits stay on it
-    until the end: the token a graph picks (argmax in the graph) is fed straight back. On a lazy
-    device (torch-xla) wrap each graph so that it syncs after its call (bench/xla_check.py),
-    or the whole loop becomes one graph.
+    `device`: where the graphs run, their state lives and their inputs are made (the model must
+    already be there when `exported=False`; exported programs are moved there). `logits=True`
+    builds the validation graphs, which also return the logits; the serving graphs (False) return
+    the token alone. Tokens stay on the device until the end: the token a graph picks (argmax in
+    the graph) is fed straight back. On a lazy device (torch-xla) wrap each graph so that it
+    syncs after its call (bench/xla_check.py), or the whole loop becomes one graph.
     """
 
-    def __init__(self, model, spec: StaticSpec, exported: bool = True, device: torch.device | str = "cpu"):
+    def __init__(self, model, spec: StaticSpec, exported: bool = True, device: torch.device | str = "cpu",
+                 logits: bool = False):
         self.model, self.spec, self.exported, self.device = model, spec, exported, torch.device(device)
+        self.logits = logits
         self.pad_id = model.config.pad_token_id or 0
+        self.cache = new_cache(model, spec.max_cache_len, spec.batch_size)  # what the graphs are built over
+        self.state: dict[str, torch.Tensor] | None = None  # what they run with: the one set, on `device`
         self.programs: dict[str, torch.export.ExportedProgram] = {}  # "prefill <bucket>", "decode"
         self._graphs: dict[str, torch.nn.Module] = {}  # the same, callable
 
-    def check(self, attention_mask: torch.Tensor, max_new_tokens: int) -> int:
-        """The bucket this batch will use, or a StaticInputError; does no work."""
+    def check(self, attention_mask: torch.Tensor, max_new_tokens: int) -> set[int]:
+        """The buckets this batch will use, or a StaticInputError; does no work."""
         if max_new_tokens < 1:
             raise StaticInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        lengths = prompt_lengths(attention_mask)
-        return choose_bucket(self.spec, len(lengths), max(lengths), max_new_tokens)
+        return choose_buckets(self.spec, prompt_lengths(attention_mask), max_new_tokens)
 
     def prepare(self, buckets) -> None:
         """Export (once) the prefill programs of `buckets` and the decode program."""
         todo = [(f"prefill {b}", b) for b in sorted(set(buckets))] + [("decode", None)]
         todo = [(name, bucket) for name, bucket in todo if name not in self._graphs]
         for name, bucket in tqdm(todo, desc="export", unit="graph", disable=not todo or not self.exported):
-            self._graphs[name] = self._graph(name, bucket)
+            graph = self._graph(name, bucket)
+            self.state = share_state([graph], self.state)
+            self._graphs[name] = graph
+
+    def graph(self, bucket: int | None) -> Prefill | Decode:
+        """The module of the prefill graph of `bucket`, or of the decode graph (bucket None)."""
+        spec = self.spec
+        if bucket is None:
+            return Decode(self.model, self.cache, spec.decode_experts, self.logits)
+        return Prefill(self.model, self.cache, spec.prefill_experts, self.logits)
 
     def _graph(self, name: str, bucket: int | None) -> torch.nn.Module:
-        """The prefill graph of `bucket`, or the decode graph (bucket None): exported, or the module."""
-        spec = self.spec
+        """The graph `name` as it will run: exported (and moved to the device), or the module."""
+        graph = self.graph(bucket)
         if not self.exported:
-            return (Decode(self.model, spec.max_cache_len, spec.decode_experts) if bucket is None
-                    else Prefill(self.model, spec.max_cache_len, spec.prefill_experts))
-        program = export_decode(self.model, spec) if bucket is None else export_prefill(self.model, spec, bucket)
+            return graph
+        program = export(graph, example_inputs(self.spec, bucket), name)
         self.programs[name] = program
         if self.device.type != "cpu":
             # the graph holds constants made on the CPU while tracing (aranges, lifted tensors)
@@ -98,22 +112,22 @@ class StaticGenerator:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> Generation:
-        bucket = self.check(attention_mask, max_new_tokens)
-        self.prepare([bucket])
-        spec = self.spec
-        return Generation(*run_graphs(self._graphs, spec.batch_size, spec.max_cache_len, self.pad_id, bucket,
-                                      input_ids, attention_mask, max_new_tokens, self.device))
+        self.prepare(self.check(attention_mask, max_new_tokens))
+        return Generation(*run_graphs(self._graphs, self.spec.batch_size, self.pad_id, input_ids, attention_mask,
+                                      max_new_tokens, self.device))
 
 
 def traced_backend(port, dtype=None, checkpoint=None):
-    """`validate --backend traced`: the port's exported programs, prompts run in batches of the
-    compiled batch size (every batch is checked before anything is exported)."""
+    """`validate --backend traced`: the port's exported programs (the validation graphs, which
+    return the logits too), prompts run in batches of the compiled batch size (every batch is
+    checked before anything is exported)."""
     from ..model import build_model
 
     if port.static is None:
         raise UserError(f"port {port.name!r} has no [static] table (buckets, max_cache_len, batch_size, "
                         f"prefill_experts, decode_experts): it has no traced graphs")
-    generator = StaticGenerator(build_model(port, port.static.decode_experts, dtype, checkpoint), port.static)
+    generator = StaticGenerator(build_model(port, port.static.decode_experts, dtype, checkpoint), port.static,
+                                logits=True)
     return lambda ids, mask, n: generate_batches(generator, ids, mask, n)
 
 
@@ -123,6 +137,5 @@ def generate_batches(generator: StaticGenerator, input_ids: torch.Tensor, attent
     the buckets they need exported, before any batch runs)."""
     size = generator.spec.batch_size
     batches = [(input_ids[i:i + size], attention_mask[i:i + size]) for i in range(0, len(input_ids), size)]
-    generator.prepare([generator.check(mask, max_new_tokens) for _, mask in batches])
-    outs = [generator.generate(ids, mask, max_new_tokens) for ids, mask in batches]
-    return Generation(torch.cat([o.tokens for o in outs]), torch.cat([o.logits for o in outs]))
+    generator.prepare(set().union(*(generator.check(mask, max_new_tokens) for _, mask in batches)))
+    return Generation.cat([generator.generate(ids, mask, max_new_tokens) for ids, mask in batches])

@@ -1,4 +1,11 @@
-"""The host loop over the static graphs: pad to the bucket, one prefill, then one decode per token.
+"""The host loop over the static graphs: a prefill per prompt, into its own cache row, then one
+decode per token for all rows at once, each row at its own position.
+
+The KV cache never passes through here: it is the graphs' state (`cache.py`). What the host
+sends is a prompt's ids, pad mask and positions (prefill, one row: its bucket is the prompt's
+own), the positions (decode); what comes back is the token (and the logits, from a graph built to
+return them). This is the shape a continuous-batching engine drives: a waiting request is
+prefilled into a free row while the others sit mid-generation.
 
 Only torch here: the TP ranks (`parallel/trace.py`) run this same loop in every process, and a
 rank process should import nothing it does not need.
@@ -9,40 +16,58 @@ from __future__ import annotations
 import torch
 
 
-def pad_to_bucket(input_ids: torch.Tensor, attention_mask: torch.Tensor, bucket: int, batch: int, pad_id: int):
-    """Left-pad (or drop surplus pad columns) to the bucket and fill the batch with copies of the
-    last row, whose outputs are dropped -> (ids, mask, positions), each [batch, bucket]."""
-    rows, width = input_ids.shape
-    ids = torch.full((rows, bucket), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, bucket), dtype=torch.long)
-    keep = min(width, bucket)
-    ids[:, bucket - keep:], mask[:, bucket - keep:] = input_ids[:, width - keep:], attention_mask[:, width - keep:]
-    ids = torch.cat([ids, ids[-1:].expand(batch - rows, -1)])
-    mask = torch.cat([mask, mask[-1:].expand(batch - rows, -1)])
+def prefill_row(prompt: torch.Tensor, bucket: int, pad_id: int):
+    """One prompt's ids [n] -> (input_ids, attention_mask, position_ids), each [1, bucket], left-padded."""
+    n = prompt.shape[0]
+    ids = torch.full((1, bucket), pad_id, dtype=torch.long)
+    mask = torch.zeros((1, bucket), dtype=torch.long)
+    ids[0, bucket - n:], mask[0, bucket - n:] = prompt, 1
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def run_graphs(graphs: dict, batch: int, max_cache_len: int, pad_id: int, bucket: int,
-               input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-               device: torch.device | str = "cpu"):
+def bucket_for(n: int, buckets) -> int:
+    """The smallest bucket that holds n tokens (the caller checked that one does)."""
+    return next(b for b in sorted(buckets) if b >= n)
+
+
+def run_graphs(graphs: dict, batch: int, pad_id: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               max_new_tokens: int, device: torch.device | str = "cpu"):
     """Greedy generation through `graphs["prefill <bucket>"]` and `graphs["decode"]` (callables
-    with the static decoder's signatures) -> (tokens [rows, n], logits [rows, n, V]) on the host.
-    The prompts were checked against the bucket and max_cache_len (`StaticGenerator.check`)."""
-    rows = input_ids.shape[0]
-    ids, mask, positions = pad_to_bucket(input_ids, attention_mask, bucket, batch, pad_id)
+    with the static decoder's signatures, sharing one KV state) for a left-padded batch of at most
+    `batch` prompts -> (tokens [rows, n], logits [rows, n, V] or None) on the host. Row r of the
+    batch is cache row r; the rows past the prompts idle at position 0. The prompts were checked
+    against the buckets and max_cache_len (`StaticGenerator.check`)."""
+    rows, width = input_ids.shape
+    lengths = attention_mask.sum(-1)
+    buckets = sorted(int(k.split()[1]) for k in graphs if k.startswith("prefill "))
     # Every input is made on the host and sent as it is: a graph's only device-side inputs are
-    # other graphs' outputs (the token, the KV buffers), so on a lazy device (XLA) no host-side
-    # arithmetic is fused into a graph and each graph keeps one compiled form.
-    token, logits, *cache = graphs[f"prefill {bucket}"](ids.to(device), mask.to(device), positions.to(device))
-    tokens, all_logits = [token], [logits]
-    # generated slots are real for every row; the graph masks slots after the query itself
-    mask = torch.cat([mask, torch.ones(batch, max_cache_len - bucket, dtype=torch.long)], dim=1).to(device)
-    for step, slot in enumerate(range(bucket, bucket + max_new_tokens - 1), start=1):
-        position = (positions[:, -1:] + step).to(device)
-        token, logits, *cache = graphs["decode"](token, position, torch.tensor([slot]).to(device), mask, *cache)
+    # other graphs' outputs (the token), so on a lazy device (XLA) no host-side arithmetic is
+    # fused into a graph and each graph keeps one compiled form.
+    first = []
+    for row, n in enumerate(lengths.tolist()):
+        bucket = bucket_for(n, buckets)
+        inputs = (*prefill_row(input_ids[row, width - n:], bucket, pad_id), torch.tensor([row]))
+        first.append(graphs[f"prefill {bucket}"](*(x.to(device) for x in inputs)))
+    # the first tokens to the host, where the decode batch is put together (a cat on a lazy
+    # device would be one more graph)
+    token = torch.full((batch, 1), pad_id, dtype=torch.long)
+    token[:rows] = torch.cat([out[0].cpu() for out in first])
+    tokens, step_logits = [token[:rows]], []
+    if len(first[0]) > 1:
+        step_logits.append(torch.cat([out[1].cpu() for out in first]))
+    start = torch.zeros(batch, 1, dtype=torch.long)
+    start[:rows, 0] = lengths
+    active = torch.arange(batch)[:, None] < rows
+    token = token.to(device)
+    for step in range(max_new_tokens - 1):
+        positions = torch.where(active, start + step, 0)  # the fed token's position
+        out = graphs["decode"](token, positions.to(device))
+        token = out[0]
         tokens.append(token)
-        all_logits.append(logits)
+        if step_logits:
+            step_logits.append(out[1])
     # to the host one by one: a tensor a graph computed is a copy away, a cat on a lazy device
     # would be one more graph
-    tokens, all_logits = [t.cpu() for t in tokens], [t.cpu() for t in all_logits]
-    return torch.cat(tokens, dim=1)[:rows], torch.stack(all_logits, dim=1)[:rows]
+    tokens = torch.cat([t.cpu()[:rows] for t in tokens], dim=1)
+    logits = torch.stack([t.cpu()[:rows] for t in step_logits], dim=1) if step_logits else None
+    return tokens, logits
