@@ -120,6 +120,8 @@ def cmd_validate(args) -> int:
     options = {k: v for k, v in reader_flags.items() if v is not None}
     if args.reader_backend is not None:
         options["reader_backend"] = args.reader_backend
+    if args.reader_weights is not None:
+        options["reader_weights"] = args.reader_weights
     if options and args.backend != "reader":
         raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only")
     if args.expert_layout is not None:
@@ -132,7 +134,7 @@ def cmd_validate(args) -> int:
         from .experts.channel_reader import plan_reader, reader_forward, reader_settings
 
         reader_forward(options.get("reader_backend", "reference"))
-        plan_reader(port.config, *reader_settings(port, **reader_flags))
+        plan_reader(port.config, *reader_settings(port, **reader_flags), options.get("reader_weights", "bf16"))
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)
     if _json_out(report, args):
@@ -272,7 +274,7 @@ def cmd_reads(args) -> int:
     from dataclasses import asdict
 
     from .port import load_port
-    from .reader.accounting import Geometry, Layout, breakdown
+    from .reader.accounting import Geometry, Layout, batch_breakdown, breakdown, full_bytes
     from .report import table
 
     explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
@@ -283,14 +285,19 @@ def cmd_reads(args) -> int:
     else:
         port = load_port(args.model)
         geo, name = Geometry.from_config(port.config), port.name
-    layout = Layout(scan=args.scan, rank=args.rank)
-    report = {"model": name, "geometry": asdict(geo), "scan": args.scan, "rank": args.rank,
+    layout = Layout(scan=args.scan, rank=args.rank, weights=args.dtype)
+    report = {"model": name, "geometry": asdict(geo), "scan": args.scan, "rank": args.rank, "dtype": args.dtype,
               **breakdown(geo, layout, args.budget)}
+    if args.dtype != "bf16":
+        report["percent_of_bf16_full"] = 100 * sum(v["bytes"] for v in report["reads"].values()) / full_bytes(geo)
+    if args.batch is not None:
+        report["batch"] = batch_breakdown(geo, layout, args.budget, args.batch, args.step_budget)
     if not _json_out(report, args):
         return 0
     print(f"reads per token and MoE layer: {name} (hidden {geo.hidden}, {geo.experts} experts, top-{geo.top_k}, "
           f"intermediate {geo.intermediate})")
-    print(f"layout: the sidecar's (base-3 codes, 5 per byte), scan {args.scan} of 128 per block, recovery rank {args.rank}, bf16, 32-byte sectors")
+    experts = "bf16" if args.dtype == "bf16" else "int8 exact rows with fp32 scales, the sketch and recovery bf16"
+    print(f"layout: the sidecar's (base-3 codes, 5 per byte), scan {args.scan} of 128 per block, recovery rank {args.rank}, {experts}, 32-byte sectors")
     print(f"budget {args.budget}% -> k = {report['k']} exact channels of {report['channels']} "
           f"({100 * report['k'] / report['channels']:.1f}%)\n")
     rows = [{"part": p, **v} for p, v in report["reads"].items()]
@@ -302,7 +309,28 @@ def cmd_reads(args) -> int:
     rows = [{"part": p, **v} for p, v in report["resident"].items()]
     print(table(rows, [("part", "resident (per layer)"), ("bytes", "bytes"),
                        ("percent", "share of the bf16 experts", "{:.2f}%")]))
+    if args.dtype != "bf16":
+        print(f"\n{report['total_percent']:.2f}% of the {args.dtype} experts' full read is "
+              f"{report['percent_of_bf16_full']:.2f}% of the bf16 experts'")
+    if args.batch is not None:
+        _print_batch(report["batch"])
     return 0
+
+
+def _print_batch(b: dict) -> None:
+    from .report import table
+
+    print(f"\na decode step of batch {b['batch']} (uniform routing: {b['expected_union']:.1f} experts expected in the "
+          f"union, taken as {b['union_experts']}), each row read once; one token reads {b['one_token_bytes']} B")
+    rows = [{"rule": "full batch (the union's experts whole)", "bytes": b["full_bytes"], "percent": 100.0,
+             "x": b["full_bytes"] / b["one_token_bytes"], "k": ""}]
+    token, rule = b["rules"]["token"], b["rules"]["batch"]
+    rows.append({"rule": f"independent top-k, k = {b['k_per_token']} per token (at most)", "bytes": token["bytes"],
+                 "percent": token["percent_of_full_batch"], "x": token["x_one_token"], "k": ""})
+    rows.append({"rule": f"batch rule within {b['step_budget']:g}x one token's reads", "bytes": rule["bytes"],
+                 "percent": rule["percent_of_full_batch"], "x": rule["x_one_token"], "k": rule["k"]})
+    print(table(rows, [("rule", "step reads"), ("bytes", "bytes"), ("percent", "share of full batch", "{:.2f}%"),
+                       ("x", "x one token", "{:.2f}"), ("k", "channels of the step")]))
 
 
 def cmd_prep_reader(args) -> int:
@@ -429,6 +457,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
     p.add_argument("--reader-backend", choices=("reference", "triton", "nki"),
                    help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron)")
+    p.add_argument("--reader-weights", choices=("bf16", "int8"),
+                   help="reader: the experts it reads, the model's own (bf16, default) or the int8 experts' numbers "
+                        "(exact rows in int8 with their scales, prefill through the int8 experts; reference only)")
     _expert_layout_arg(p, "tp8, tp8-int8: ")
     p.set_defaults(func=cmd_validate)
 
@@ -586,6 +617,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scan", type=int, default=80, metavar="N", help="coordinates scanned per 128-block "
                                                                      "(default 80; 128 = full scan)")
     p.add_argument("--rank", type=int, default=32, metavar="R", help="recovery rank (default 32; 0 = off)")
+    p.add_argument("--dtype", choices=["bf16", "int8"], default="bf16",
+                   help="the experts' weights: bf16, or int8 exact rows with fp32 scales (the sketch and recovery "
+                        "stay bf16); --budget is a share of those experts' full read (default bf16)")
+    p.add_argument("--batch", type=_positive_int, metavar="B",
+                   help="also a decode step of B tokens, each row read once: the full batch, independent per-token "
+                        "top-k, and the batch rule (one set of channels for the step), under uniform routing")
+    p.add_argument("--step-budget", type=float, default=2.0, metavar="X",
+                   help="with --batch: the batch rule's step reads, in units of one token's reads (default 2)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_reads)
 

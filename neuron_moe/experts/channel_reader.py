@@ -14,6 +14,11 @@ experts run the reader, otherwise the full experts (DenseExperts' fixed-shape co
 The reader's decode step runs on one of READER_BACKENDS, all consuming the same sidecar
 tensors: `reference` (PyTorch, any device), `triton` (CUDA kernels, `reader/triton/`), `nki`
 (NeuronCore kernels, `reader/nki/`).
+
+`weights="int8"`: the reader over the `int8` experts (experts/int8.py's numbers): decode steps
+read their exact channels as int8 rows with their scales (reader/int8.py), prefill runs the int8
+experts whole; the budget is a share of the int8 experts' full read. The sidecar may be made from
+the weights the int8 ones were quantised from or from the dequantised int8. Reference backend only.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import torch
 from ..errors import UserError
 from ..reader import reference
 from ..reader.accounting import Geometry, Layout, solve_k
-from ..reader.prep import LAYER_TENSORS, Sidecar, down_rows, model_expert_weights
+from ..reader.prep import LAYER_TENSORS, Sidecar, SidecarError, down_rows, model_expert_weights
 from .dense_masked import dense_masked_forward
+from .int8 import int8_experts, int8_forward
 
 
 READER_BACKENDS = ("reference", "triton", "nki")
@@ -60,6 +66,7 @@ class ReaderState(torch.nn.Module):
         self.k, self.scan, self.rank, self.run = k, scan, rank, run  # run: the backend's forward
         self.decode = False  # set by the decoder layer's pre-hook on every call
         self.hook = None
+        self.int8 = None  # reader.int8.Int8Experts: the exact rows are read there (weights="int8")
 
 
 def _mark_decode(layer, args, kwargs):
@@ -67,7 +74,8 @@ def _mark_decode(layer, args, kwargs):
     layer.experts.reader.decode = hidden.shape[1] == 1
 
 
-def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = None) -> tuple[Sidecar, int, int]:
+def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = None,
+                weights: str = "bf16") -> tuple[Sidecar, int, int]:
     """Every check that needs no weights: the sidecar file against the config's geometry, the
     rank, the budget. Returns (sidecar, k per token, rank)."""
     side = Sidecar(Path(sidecar))
@@ -79,20 +87,27 @@ def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = N
     rank = side.layout.rank if rank is None else rank
     if not 0 <= rank <= side.layout.rank:
         raise UserError(f"recovery rank {rank} outside [0, {side.layout.rank}] (the sidecar's rank)")
-    return side, solve_k(Geometry.from_config(config), Layout(scan=side.scan, rank=rank), budget), rank
+    layout = Layout(scan=side.scan, rank=rank, weights=weights)
+    return side, solve_k(Geometry.from_config(config), layout, budget), rank
 
 
 @torch.no_grad()
 def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = None,
-                  backend: str = "reference") -> int:
+                  backend: str = "reference", weights: str = "bf16") -> int:
     """Attach a sidecar to every MoE layer and select `channel_reader`; returns k per token.
 
     Refuses a sidecar of another geometry or made from other weights. `rank` (default: the
     sidecar's) may lower the recovery rank; 0 turns recovery off. `backend`: one of READER_BACKENDS.
+    `weights`: "bf16" (the model's own experts) or "int8" (the int8 experts' numbers).
     """
+    if weights == "int8" and backend != "reference":
+        raise UserError(f"the reader over int8 experts runs on the reference backend only, not {backend!r}")
     forward = reader_forward(backend)
-    side, k, rank = plan_reader(model.config, sidecar, budget, rank)
-    side.check_source(model_expert_weights(model))
+    side, k, rank = plan_reader(model.config, sidecar, budget, rank, weights)
+    if weights == "int8":
+        _check_int8_source(side, model)
+    else:
+        side.check_source(model_expert_weights(model))
     for i, layer in enumerate(model.model.layers):
         experts = layer.experts
         rows = down_rows(experts.down_proj.data).contiguous()  # no copy if already rearranged
@@ -100,10 +115,20 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
         if getattr(experts, "reader", None) is not None:
             experts.reader.hook.remove()
         state = ReaderState(side.layer(i), k, side.scan, rank, forward).to(experts.down_proj.device)
+        if weights == "int8":
+            state.int8 = int8_experts(experts)
         experts.reader = state
         state.hook = layer.register_forward_pre_hook(_mark_decode, with_kwargs=True)
     model.set_experts_implementation("channel_reader")
     return k
+
+
+def _check_int8_source(side: Sidecar, model) -> None:
+    """An int8 reader's sidecar comes from the weights int8 was quantised from, or from the dequantised int8."""
+    try:
+        side.check_source(model_expert_weights(model))
+    except SidecarError:
+        side.check_source(int8_experts(layer.experts).dequantized() for layer in model.model.layers)
 
 
 def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, float, int | None]:
@@ -127,13 +152,14 @@ def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, f
     return Path(sidecar), float(budget), rank
 
 
-def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_backend="reference"):
+def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_backend="reference",
+                 reader_weights="bf16"):
     """The port's model with the reader attached (see `reader_settings` for the defaults)."""
     from ..model import build_model
 
     sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
     model = build_model(port, "eager", dtype, checkpoint)
-    attach_reader(model, sidecar, budget, rank, reader_backend)
+    attach_reader(model, sidecar, budget, rank, reader_backend, reader_weights)
     return model
 
 
@@ -143,7 +169,9 @@ def channel_reader_forward(self, hidden_states, top_k_index, top_k_weights):
         raise UserError("channel_reader: no sidecar attached to this layer; call "
                         "neuron_moe.experts.channel_reader.attach_reader(model, sidecar, budget) first")
     if not state.decode:
-        return dense_masked_forward(self, hidden_states, top_k_index, top_k_weights)
+        full = dense_masked_forward if state.int8 is None else int8_forward
+        return full(self, hidden_states, top_k_index, top_k_weights)
+    int8 = {} if state.int8 is None else {"int8": state.int8}  # the kernels' forwards take no int8
     return state.run(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
                      down_rows(self.down_proj), state, k=state.k, scan=state.scan, rank=state.rank,
-                     act_fn=self.act_fn)
+                     act_fn=self.act_fn, **int8)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.layout import fused
+from ..reader.int8 import Int8Experts
 from .dense_masked import router_weight_matrix
 
 QMAX = 127  # symmetric: -127 … 127, so the grid is the same both sides of zero
@@ -78,6 +79,11 @@ def _quantized(experts) -> tuple[torch.Tensor, ...]:
                   *quantize_per_channel(fused(experts.down_proj)))
         experts._int8_cache = cached  # a plain attribute: not a buffer, not in the state dict
     return cached[1:]
+
+
+def int8_experts(experts):
+    """The module's int8 numbers as the reader holds them (reader/int8.py: rows, scale pairs)."""
+    return Int8Experts.from_channel_layout(*_quantized(experts))
 
 
 def int8_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -16,6 +16,7 @@ import torch
 from ..errors import UserError
 from ..reader import selectors
 from ..reader.accounting import Layout
+from .int8 import int8_experts
 
 # Tokens per selectors.run call: the baselines gather each token's routed experts in fp32
 # ([T, k, 2I, H]), so memory grows with T; the rules decide per token, so chunking changes nothing.
@@ -26,11 +27,14 @@ class SelectorState:
     def __init__(self, name: str, layer: selectors.MoeLayer, rule):
         self.name, self.layer, self.rule = name, layer, rule
         self.results: list | None = None  # a list to collect each call's Result, or None
+        self.active: torch.Tensor | None = None  # bool [T]: the tokens a call selects for (None: all);
+        # the others (idle rows of a decode batch) get a zero output and take no part in a Step rule
 
 
-def moe_layers(model, sidecar=None, rank: int | None = None) -> list[selectors.MoeLayer]:
+def moe_layers(model, sidecar=None, rank: int | None = None, int8: bool = False) -> list[selectors.MoeLayer]:
     """Each decoder layer's routed experts as a MoeLayer; with a sidecar (prep.Sidecar) the reader's
-    tensors too, at `rank` (default: the sidecar's) and the sidecar's scan."""
+    tensors too, at `rank` (default: the sidecar's) and the sidecar's scan; `int8`: the reader reads
+    its exact rows from the `int8` experts' numbers (experts/int8.py)."""
     top_k = model.config.top_k_experts
     layers = []
     for i, decoder_layer in enumerate(model.model.layers):
@@ -38,7 +42,10 @@ def moe_layers(model, sidecar=None, rank: int | None = None) -> list[selectors.M
         layer = selectors.MoeLayer(ex.gate_up_proj.data, ex.down_proj.data, ex.act_fn, top_k)
         if sidecar is not None:
             layer.sidecar = sidecar.layer(i)
-            layer.layout = Layout(scan=sidecar.scan, rank=sidecar.layout.rank if rank is None else rank)
+            layer.layout = Layout(scan=sidecar.scan, rank=sidecar.layout.rank if rank is None else rank,
+                                  weights="int8" if int8 else "bf16")
+            if int8:
+                layer.int8 = int8_experts(ex)
         layers.append(layer)
     return layers
 
@@ -60,6 +67,16 @@ def selector_forward(self, hidden_states, top_k_index, top_k_weights):
     if state is None:
         raise UserError("selector: no selector attached to this layer; call "
                         "neuron_moe.experts.selector.attach_selector(model, name, layers, rules) first")
+    if state.active is not None:
+        out = torch.zeros_like(hidden_states)
+        rows = state.active
+        if rows.any():
+            result = selectors.run(state.name, state.layer, hidden_states[rows], top_k_index[rows],
+                                   top_k_weights[rows], state.rule)
+            if state.results is not None:
+                state.results.append(result)
+            out[rows] = result.out
+        return out
     outs = []
     for s in range(0, hidden_states.shape[0], CHUNK):
         part = slice(s, s + CHUNK)

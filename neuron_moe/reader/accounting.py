@@ -23,6 +23,8 @@ from .hadamard import padded
 from .prep import BLOCK, CODES_PER_BYTE, RANK, SCAN, SECTOR
 
 BF16 = 2
+INT8, FP32 = 1, 4
+WEIGHTS = ("bf16", "int8")
 
 
 class BudgetError(UserError):
@@ -50,12 +52,15 @@ class Geometry:
 class Layout:
     scan: int = SCAN
     rank: int = RANK
+    weights: str = "bf16"  # the exact rows: "bf16", or "int8" with fp32 scales (reader/int8.py)
 
     def check(self, geo: Geometry) -> None:
         if not 1 <= self.scan <= BLOCK:
             raise BudgetError(f"scan must be in [1, {BLOCK}], got {self.scan}")
         if not 0 <= self.rank <= geo.hidden:
             raise BudgetError(f"rank must be in [0, hidden={geo.hidden}], got {self.rank}")
+        if self.weights not in WEIGHTS:
+            raise BudgetError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
 
 
 def sectors(nbytes: int) -> int:
@@ -76,6 +81,8 @@ def strip_bytes(geo: Geometry, layout: Layout) -> int:
 
 def reads(geo: Geometry, layout: Layout, k: int) -> dict[str, int]:
     """Bytes (whole sectors) read per token and layer with k exact channels, by part."""
+    if layout.weights != "bf16":
+        return step_reads(geo, layout, token_rows(geo, layout, k))
     H, I, top_k = geo.hidden, geo.intermediate, geo.top_k
     blocks = padded(H, BLOCK) // BLOCK
     if k >= geo.channels:  # every channel exact: read the experts whole, no screen needed
@@ -105,6 +112,8 @@ def solve_k(geo: Geometry, layout: Layout, budget: float) -> int:
         raise BudgetError(f"budget must be in (0, 100] percent, got {budget}")
     if budget == 100:
         return geo.channels
+    if layout.weights != "bf16":  # a share of the experts' own full read
+        return solve_k_bytes(geo, layout, budget / 100 * full_reads(geo, layout), budget)
     limit = budget / 100 * full_bytes(geo)
     floor = sum(reads(geo, layout, 0).values())
     if floor > limit:
@@ -134,7 +143,7 @@ def expert_bytes(geo: Geometry) -> int:
 def breakdown(geo: Geometry, layout: Layout, budget: float) -> dict:
     """Everything `neuron-moe reads` reports: k, reads by part, resident memory by part."""
     k = solve_k(geo, layout, budget)
-    full, parts = full_bytes(geo), reads(geo, layout, k)
+    full, parts = full_reads(geo, layout), reads(geo, layout, k)
     held = resident(geo, layout)
     return {
         "budget_percent": budget,
@@ -146,3 +155,147 @@ def breakdown(geo: Geometry, layout: Layout, budget: float) -> dict:
         "expert_bytes": expert_bytes(geo),
         "resident": {name: {"bytes": v, "percent": 100 * v / expert_bytes(geo)} for name, v in held.items()},
     }
+
+
+# ---- int8 experts, and decode steps of B tokens (issue 23) ----
+#
+# int8 experts (reader/int8.py's layout): each exact channel reads its gate, up and down rows in
+# int8 and its (gate, up) scale pair, 8 bytes of fp32 side by side (one sector); each routed expert
+# also reads its down scale, one fp32 per hidden channel, whether or not a channel of it is chosen.
+# The sketch, norms and recovery map stay bf16: the same bytes, now against half the full read.
+#
+# A decode step of B tokens reads every row once, however many of its tokens use it: the sketch
+# and norms of each expert in the union of the tokens' experts, each distinct exact channel, each
+# distinct b_j. At B = 1 that is `reads` (a test holds them equal).
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The distinct rows one decode step reads, each once whichever of its tokens use it."""
+
+    experts: int  # routed experts in the union of the step's tokens' experts
+    strips: int  # scanned code strips, distinct (expert, block, coordinate); 0: no screen, experts read whole
+    exact: int  # exact channels, distinct (expert, channel)
+    coeffs: int  # recovery rows b_j, distinct (expert, channel); 0 without recovery
+
+
+def channel_bytes(geo: Geometry, weights: str = "bf16") -> int:
+    """One exact channel: its gate, up and down rows (int8: and its gate/up scale pair, one sector)."""
+    if weights == "int8":
+        return SECTOR * (3 * row_sectors(geo.hidden * INT8) + 1)
+    return SECTOR * 3 * row_sectors(geo.hidden * BF16)
+
+
+def expert_read_bytes(geo: Geometry, weights: str = "bf16") -> int:
+    """One routed expert read whole: gate_up [2I, H] and down [H, I] (int8: and their fp32 scales,
+    one per gate/up row and one per hidden channel)."""
+    H, I = geo.hidden, geo.intermediate
+    if weights == "int8":
+        return SECTOR * (row_sectors(2 * I * H * INT8) + row_sectors(H * I * INT8)
+                         + row_sectors(2 * I * FP32) + row_sectors(H * FP32))
+    return SECTOR * (row_sectors(2 * I * H * BF16) + row_sectors(H * I * BF16))
+
+
+def full_reads(geo: Geometry, layout: Layout, experts: int | None = None) -> int:
+    """The full model's routed-expert reads in the layout's weights: `experts` (default top_k) read whole."""
+    return (geo.top_k if experts is None else experts) * expert_read_bytes(geo, layout.weights)
+
+
+def token_rows(geo: Geometry, layout: Layout, k: int) -> StepRows:
+    """What one token reads with k exact channels (each token on its own: today's reader)."""
+    if k >= geo.channels:
+        return StepRows(geo.top_k, 0, geo.channels, 0)
+    return batch_rows(geo, layout, geo.top_k, k)
+
+
+def batch_rows(geo: Geometry, layout: Layout, experts: int, k: int) -> StepRows:
+    """What the batch rule reads: one scan shared by the step, so every expert of the union reads
+    blocks × scan strips, K channels exact, the union's other channels' b_j (with recovery)."""
+    channels = experts * geo.intermediate
+    if k >= channels:
+        return StepRows(experts, 0, channels, 0)
+    blocks = padded(geo.hidden, BLOCK) // BLOCK
+    return StepRows(experts, experts * blocks * layout.scan, k, channels - k if layout.rank else 0)
+
+
+def step_reads(geo: Geometry, layout: Layout, rows: StepRows) -> dict[str, int]:
+    """Bytes (whole sectors) a step reads, by part, reading each of `rows` once."""
+    H, I = geo.hidden, geo.intermediate
+    if rows.strips == 0:  # no screen: every channel of the union exact, its experts read whole
+        return {"sketch": 0, "norms": 0, "exact": full_reads(geo, layout, rows.experts), "recovery": 0}
+    blocks = padded(H, BLOCK) // BLOCK
+    down_scales = rows.experts * row_sectors(H * FP32) if layout.weights == "int8" else 0
+    out = {
+        "sketch": SECTOR * (rows.strips * row_sectors(strip_bytes(geo, layout))
+                            + rows.experts * row_sectors(blocks * 2 * I * BF16)),
+        "norms": SECTOR * rows.experts * row_sectors(I * BF16),
+        "exact": rows.exact * channel_bytes(geo, layout.weights) + SECTOR * down_scales,
+        "recovery": 0,
+    }
+    if layout.rank:
+        out["recovery"] = SECTOR * (sectors(H * layout.rank * BF16) + rows.coeffs * row_sectors(layout.rank * BF16))
+    return out
+
+
+def solve_step_k(geo: Geometry, layout: Layout, experts: int, limit: float) -> int:
+    """The batch rule's K: the most exact channels a step whose union holds `experts` experts reads
+    within `limit` bytes. Every channel (the experts read whole) if that fits; else the largest K
+    whose screened reads fit (reads are linear in K below the full read); 0 if not even the screen
+    fits — the step then reads its screen anyway, over the limit."""
+    layout.check(geo)
+    channels = experts * geo.intermediate
+    total = lambda k: sum(step_reads(geo, layout, batch_rows(geo, layout, experts, k)).values())  # noqa: E731
+    if total(channels) <= limit:
+        return channels
+    floor = total(0)
+    return max(0, min(int((limit - floor) // (total(1) - floor)), channels - 1))
+
+
+def solve_k_bytes(geo: Geometry, layout: Layout, limit: float, budget: float | None = None) -> int:
+    """One token's k within `limit` bytes (any weights); a budget the screen alone overruns is refused."""
+    full = full_reads(geo, layout)
+    floor = sum(step_reads(geo, layout, token_rows(geo, layout, 0)).values())
+    if floor > limit and full > limit:
+        parts = ", ".join(f"{name} {100 * v / full:.2f}%" for name, v in step_reads(
+            geo, layout, token_rows(geo, layout, 0)).items() if v)
+        said = f"budget {budget}%" if budget is not None else f"{limit:.0f} bytes"
+        raise BudgetError(f"{said} is below what the reader reads before any exact channel "
+                          f"({100 * floor / full:.2f}% of the {layout.weights} experts: {parts})")
+    return solve_step_k(geo, layout, geo.top_k, limit)
+
+
+def expected_union(geo: Geometry, batch: int) -> float:
+    """Experts in the union of `batch` tokens' top_k under uniform routing: E·(1 − (1 − top_k/E)^B)."""
+    return geo.experts * (1 - (1 - geo.top_k / geo.experts) ** batch)
+
+
+def batch_breakdown(geo: Geometry, layout: Layout, budget: float, batch: int, step_budget: float = 2.0) -> dict:
+    """A step of `batch` tokens under uniform routing, its union taken at its expected size: the
+    full batch (the union's experts whole); independent top-k at `budget` per token, at most (no
+    channel or strip shared by two tokens of an expert; what a kernel that does not share reads is
+    `batch` × one token's); the batch rule within `step_budget` × one token's reads."""
+    layout.check(geo)
+    n = max(geo.top_k, round(expected_union(geo, batch)))
+    k = solve_k(geo, layout, budget)
+    one = sum(reads(geo, layout, k).values())
+    full = full_reads(geo, layout, n)
+    blocks = padded(geo.hidden, BLOCK) // BLOCK
+    if k >= geo.channels:
+        token = StepRows(n, 0, n * geo.intermediate, 0)
+    else:
+        token = StepRows(n, min(batch * geo.top_k * blocks * layout.scan, n * blocks * BLOCK),
+                         min(batch * k, n * geo.intermediate),
+                         min(batch * (geo.channels - k), n * geo.intermediate) if layout.rank else 0)
+    limit = step_budget * one
+    rule = batch_rows(geo, layout, n, solve_step_k(geo, layout, n, limit))
+
+    def row(rows: StepRows, **more) -> dict:
+        parts = step_reads(geo, layout, rows)
+        total = sum(parts.values())
+        return {"rows": rows.__dict__, "reads": parts, "bytes": total, "percent_of_full_batch": 100 * total / full,
+                "x_one_token": total / one, **more}
+
+    return {"batch": batch, "routing": "uniform", "union_experts": n, "expected_union": expected_union(geo, batch),
+            "k_per_token": k, "one_token_bytes": one, "full_bytes": full, "step_budget": step_budget,
+            "limit_bytes": limit,
+            "rules": {"token": row(token, bound="at most"), "batch": row(rule, k=rule.exact)}}

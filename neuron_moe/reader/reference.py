@@ -51,9 +51,15 @@ def sketch_estimates(x: torch.Tensor, top_k_index: torch.Tensor, layer: LayerSid
     experts = top_k_index[:, :, None, None]  # [T, ke, 1, 1]
     blocks = torch.arange(nb, device=x.device)[None, None, :, None]  # [1, 1, nb, 1]
     strips = layer.codes[experts, blocks, coords[:, None]]  # [T, ke, nb, scan, R_pad/5]: only the scanned strips
+    return strip_estimates(strips, values, layer.scales[top_k_index], rows)
+
+
+def strip_estimates(strips: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """Scanned strips [T, ke, nb, scan, R_pad/5], Rx there [T, nb, scan] and the experts' scales
+    [T, ke, nb, 2I] -> the gate/up row estimates [T, ke, 2I]."""
     codes = unpack_codes(strips)[..., :rows].to(torch.float32)
     partial = torch.einsum("tkbcr,tbc->tkbr", codes, values)
-    return (partial * layer.scales[top_k_index].to(torch.float32)).sum(dim=2)
+    return (partial * scales.to(torch.float32)).sum(dim=2)
 
 
 def exact_estimates(x: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -90,10 +96,11 @@ def unchosen_weights(p, chosen, top_k_weights):
 
 
 def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer: LayerSidecar, *, k: int, scan: int,
-            rank: int, act_fn, screen: str = "sketch") -> torch.Tensor:
+            rank: int, act_fn, screen: str = "sketch", int8=None) -> torch.Tensor:
     """The reader's routed output for tokens x [T, H]; gate_up [E, 2I, H], down_rows [E, I, H].
 
-    `screen="exact"` replaces the sketch by the true dots (an ablation the tests use).
+    `screen="exact"` replaces the sketch by the true dots (an ablation the tests use). `int8`
+    (reader/int8.py's Int8Experts): the exact channels are read from those int8 rows instead.
     """
     xf = x.to(torch.float32)
     if screen == "sketch":
@@ -104,10 +111,14 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer: LayerSidec
         raise ValueError(f"screen must be 'sketch' or 'exact', got {screen!r}")
     chosen, p = select(estimates, top_k_index, top_k_weights, layer.down_norms, k, act_fn)
     expert, channel, weight = chosen_rows(chosen, top_k_index, top_k_weights, down_rows.shape[1])
-    gate = gate_up[expert, channel].to(torch.float32)  # [T, k, H]: one contiguous row each
-    up = gate_up[expert, channel + down_rows.shape[1]].to(torch.float32)
+    if int8 is None:
+        gate = gate_up[expert, channel].to(torch.float32)  # [T, k, H]: one contiguous row each
+        up = gate_up[expert, channel + down_rows.shape[1]].to(torch.float32)
+        down = down_rows[expert, channel].to(torch.float32)
+    else:
+        gate, up, down = int8.rows(expert, channel)
     a = act_fn(torch.einsum("tkh,th->tk", gate, xf)) * torch.einsum("tkh,th->tk", up, xf)
-    out = torch.einsum("tk,tkh->th", weight * a, down_rows[expert, channel].to(torch.float32))
+    out = torch.einsum("tk,tkh->th", weight * a, down)
     if rank:
         z = torch.einsum("tki,tkir->tr", unchosen_weights(p, chosen, top_k_weights),
                          layer.coeffs[top_k_index][..., :rank].to(torch.float32))

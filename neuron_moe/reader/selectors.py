@@ -18,9 +18,15 @@ The selectors and the layout each reads in (every unit charged in whole 32-byte 
           also reads the column norms of the routed experts;
 - cats:   |φ(g_jᵀx)|: the whole gate is read, then an up row and a down row per kept channel;
 - oracle: w_e·‖d_j‖·|a_j| with the exact a_j: an upper bound, charged only its 3 rows per channel;
-- reader: the sketch score of `reference.py`, charged by `accounting.reads`.
+- reader: the sketch score of `reference.py`, charged by `accounting.reads`; its exact rows in
+          int8 when the layer has `int8` experts (reader/int8.py; budgets stay a share of the bf16
+          full read, so bf16 and int8 cells at one budget read equal bytes).
 
 At budget 100 % every selector keeps every unit and computes the full MoE.
+
+A `Step` rule runs the reader over a decode step's tokens together (reader/batch.py): each token
+its own top k, or the batch rule's one set of channels under a budget on the union; its reads are
+the step's, each row once (`Result.step`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import accounting, reference
+from . import accounting, batch, reference
 from .accounting import BF16, SECTOR, BudgetError, Geometry, row_sectors, sectors
 
 
@@ -43,6 +49,7 @@ class MoeLayer:
     top_k: int
     sidecar: object = None  # prep.LayerSidecar
     layout: accounting.Layout = field(default_factory=accounting.Layout)
+    int8: object = None  # int8.Int8Experts: the reader reads its exact rows there (layout.weights "int8")
 
     @property
     def geo(self) -> Geometry:
@@ -59,8 +66,9 @@ class Part:
 @dataclass
 class Result:
     out: torch.Tensor  # [T, H] routed output
-    reads: torch.Tensor  # [T] bytes read per token
+    reads: torch.Tensor  # [T] bytes read per token (a Step rule: the step's, on every token)
     kept: dict  # part -> [T] fraction of its units kept
+    step: accounting.StepRows | None = None  # a Step rule: the rows the step read, each once
 
 
 # ---- retention rules: rule(part, score [T, n]) -> keep mask [T, n] ----
@@ -104,9 +112,23 @@ class Calibrating:
         return score > self.thresholds[part]
 
 
+@dataclass
+class Step:
+    """The reader over one decode step's tokens together (reader/batch.py). `rule` "token": each
+    token its own top `k`, the step reading the union; "batch": one set of channels for the step
+    within `limit` bytes, or — `limit` None — within what "token" at `k` reads on the same step."""
+
+    rule: str
+    k: int | None = None
+    limit: float | None = None
+
+
 # ---- the selectors ----
 
 def _routed(layer, index):
+    if layer.int8 is not None:  # what the int8 numbers stand for (reader.int8's rows, dequantised)
+        gate_up, down = layer.int8.dequantized()
+        return gate_up[index], down[index]
     return layer.gate_up[index].to(torch.float32), layer.down[index].to(torch.float32)  # [T,k,2I,H], [T,k,H,I]
 
 
@@ -216,6 +238,8 @@ def plan(name, geo: Geometry, layout, budget: float) -> dict:
     fixed, parts = layout_parts(name, geo, layout)
     if budget == 100:
         return {p: part.units for p, part in parts.items()}
+    if name == "reader" and layout.weights != "bf16":  # equal bytes: a share of the bf16 full read
+        return {"channel": accounting.solve_k_bytes(geo, layout, budget / 100 * accounting.full_bytes(geo), budget)}
     if name == "reader":
         return {"channel": accounting.solve_k(geo, layout, budget)}
     limit = budget / 100 * accounting.full_bytes(geo)
@@ -232,6 +256,8 @@ def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
     """Selector `name` on tokens x [T, H] routed to index/weights [T, top_k]; reads measured from what it kept."""
     if name not in SELECTORS:
         raise BudgetError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")
+    if isinstance(rule, Step):
+        return run_step(layer, x, index, weights, rule)
     with torch.no_grad():
         out, masks = SELECTORS[name](layer, x, index, weights, rule)
     geo = layer.geo
@@ -245,6 +271,24 @@ def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
     else:
         reads = fixed + sum(c * units[p].nbytes for p, c in counts.items())
     return Result(out.to(x.dtype), reads, {p: c / units[p].units for p, c in counts.items()})
+
+
+def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
+    """The reader on one decode step of tokens x [T, H] under a Step rule."""
+    if layer.sidecar is None:
+        raise BudgetError("reader: this MoeLayer has no sidecar (prep.LayerSidecar); run prep first")
+    go = lambda **kw: batch.step(x, index, weights, layer.gate_up, layer.down.mT, layer.sidecar,  # noqa: E731
+                                 layer.layout, layer.act_fn, int8=layer.int8, **kw)
+    if rule.rule == "token":
+        done = go(rule="token", k=rule.k)
+    else:
+        limit = rule.limit
+        if limit is None:
+            limit = sum(accounting.step_reads(layer.geo, layer.layout, go(rule="token", k=rule.k).rows).values())
+        done = go(rule="batch", limit=limit)
+    nbytes = sum(accounting.step_reads(layer.geo, layer.layout, done.rows).values())
+    reads = torch.full((len(x),), nbytes, dtype=torch.long)
+    return Result(done.out, reads, {"channel": done.keep.flatten(1).float().mean(1)}, done.rows)
 
 
 def top_k(name, layer: MoeLayer, budget: float) -> TopK:
