@@ -165,16 +165,26 @@ def test_a_step_reads_what_the_accounting_charges(case, weights, B, rule):
         assert sum(A.reads(GEO, layout, k).values()) < total(layout, got.rows) < B * sum(A.reads(GEO, layout, k).values())
 
 
+def token_err(y, want):
+    """Mean over tokens of each token's relative error: what a token's KL follows."""
+    return float(((y - want).norm(dim=1) / want.norm(dim=1)).mean())
+
+
 @pytest.mark.parametrize("B", [4, 8, 16])
 def test_the_batch_rule_beats_independent_top_k_at_equal_union_reads(case, B):
-    """At the bytes independent top-k's union costs, the batch rule (one scan, one set of channels,
-    shared) is closer to the full MoE on every step size; measured 0.08-0.12 against 0.18-0.23."""
+    """At the bytes independent top-k's union costs, the batch rule (each expert's scan, one set of
+    channels, shared) is closer to the full MoE per token on every step size (measured 0.110 / 0.088
+    / 0.038 against 0.123 / 0.147 / 0.163), and summing shares beats summing raw scores (0.142 /
+    0.097 / 0.043): raw sums hand the channels to the loudest tokens."""
     _, _, _, _, _, full = case
     k = A.solve_k(GEO, A.Layout(), 40.0)
     token = run(case, slice(0, B), rule="token", k=k)
-    mine = run(case, slice(0, B), rule="batch", limit=total(A.Layout(), token.rows))
-    assert total(A.Layout(), mine.rows) <= total(A.Layout(), token.rows)
-    assert rel_err(mine.out, full[:B]) < 0.7 * rel_err(token.out, full[:B])
+    limit = total(A.Layout(), token.rows)
+    mine = run(case, slice(0, B), rule="batch", limit=limit)
+    raw = run(case, slice(0, B), rule="batch", limit=limit, weigh="raw")
+    assert total(A.Layout(), mine.rows) <= limit
+    assert token_err(mine.out, full[:B]) < 0.92 * token_err(token.out, full[:B])
+    assert token_err(mine.out, full[:B]) < 0.92 * token_err(raw.out, full[:B])
 
 
 def test_the_selectors_step_rule_runs_the_batch_step(case):

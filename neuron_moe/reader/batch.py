@@ -4,16 +4,19 @@ Today each token selects its own top k (`rule="token"`): at batch B a step reads
 what its tokens read, which grows with B. The batch rule (`rule="batch"`) selects once per step
 and layer:
 
-- **Screen.** One set of scanned coordinates per block for the whole step: the `scan` largest of
-  Σ_t |Rx_t| / 2^e_t, each token scaled to about unit norm by a power of two (exact, so at B = 1
-  the order is the token's own). Every expert of the union then reads blocks × scan strips, as
-  one token reads per expert.
-- **Select.** Every (expert, channel) of the union gets the summed score
-  S_ej = Σ_{t routed to e} |w_te·‖d_j‖·p_tj|, each token's output-level score as today. A chosen
-  channel's rows are read once however many tokens use it, and every channel costs the same
-  (three rows, less the b_j it no longer needs), so the union budget is a cap on the count: the
-  top K by S is exactly the set with the largest summed score that fits
-  (K = accounting.solve_step_k of the union's size and the step's byte limit).
+- **Screen.** Each expert of the union scans one set of coordinates per block for all its
+  tokens: the `scan` largest of Σ_{t routed to e} |Rx_t| / 2^e_t, each token scaled to about unit
+  norm by a power of two (exact, so an expert with one token scans that token's own). Every
+  expert of the union then reads blocks × scan strips, as one token reads per expert.
+- **Select.** Each token's output-level scores s_tj = |w_te·‖d_j‖·p_tj| (today's), as shares of
+  its own total Σ_j s_tj, summed over the tokens of each (expert, channel):
+  S_ej = Σ_{t routed to e} s_tj / Σ_j' s_tj'. A chosen channel's rows are read once however many
+  tokens use it, and every channel costs the same (three rows, less the b_j it no longer needs),
+  so the union budget caps the count: the top K by S is exactly the set with the largest summed
+  share that fits (K = accounting.solve_step_k of the union's size and the step's byte limit).
+  Shares, not raw scores (`weigh="raw"`): a token's error is relative to its own output, and raw
+  sums let the tokens with the largest activations take the channels (measured on the tiny model,
+  B = 4 at twice one token's reads: KL 0.042 with shares, 0.052 raw).
 - **Compute.** Each token computes the chosen channels of its own experts exactly and recovers
   its other channels through the rank-r map, as today.
 
@@ -34,9 +37,12 @@ import torch
 from . import reference
 from .accounting import Geometry, Layout, StepRows, solve_step_k
 from .hadamard import rotate_blocks
-from .prep import BLOCK
+from .prep import BLOCK, unpack_codes
 
 RULES = ("token", "batch")
+
+
+WEIGHINGS = ("share", "raw")
 
 
 @dataclass
@@ -52,22 +58,25 @@ class Step:
         return StepRows(*(len(self.read[part]) for part in ("experts", "strips", "exact", "coeffs")))
 
 
-def shared_scan(rotated: torch.Tensor, scan: int) -> torch.Tensor:
-    """Rx of the step's tokens [T, nb, 128] -> the `scan` coordinates per block all of them scan, [nb, scan]."""
+def expert_scan(rotated: torch.Tensor, local: torch.Tensor, experts: int, scan: int) -> torch.Tensor:
+    """Rx of the step's tokens [T, nb, 128], each token's slots' places in the union [T, k_e] -> the
+    `scan` coordinates per block each union expert scans for all its tokens, [experts, nb, scan]."""
     _, exponent = torch.frexp(rotated.flatten(1).norm(dim=1))  # ‖Rx_t‖ = m·2^e, m in [0.5, 1)
     unit = rotated.abs() * torch.exp2(-exponent.to(torch.float32))[:, None, None]  # a power of two: exact
-    return unit.sum(0).topk(scan, dim=-1).indices
+    ke = local.shape[1]
+    summed = torch.zeros(experts, *rotated.shape[1:]).index_add_(0, local.flatten(), unit.repeat_interleave(ke, 0))
+    return summed.topk(scan, dim=-1).indices
 
 
 @torch.no_grad()
 def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn, *, rule: str,
-         k: int | None = None, limit: float | None = None, int8=None) -> Step:
+         k: int | None = None, limit: float | None = None, int8=None, weigh: str = "share") -> Step:
     """One decode step of tokens x [T, H] routed to index/weights [T, k_e]: gate_up [E, 2I, H],
     down_rows [E, I, H], the layer's sidecar (prep.LayerSidecar). `rule="token"` takes k channels
-    per token; `rule="batch"` takes `limit` bytes for the step. `int8` (reader/int8.py): exact rows
-    from those int8 weights."""
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    per token; `rule="batch"` takes `limit` bytes for the step, its scores summed as `weigh`
+    ("share" or "raw"). `int8` (reader/int8.py): exact rows from those int8 weights."""
+    if rule not in RULES or weigh not in WEIGHINGS:
+        raise ValueError(f"rule must be one of {RULES} and weigh of {WEIGHINGS}, got {rule!r}, {weigh!r}")
     T, ke = index.shape
     E, I, H = down_rows.shape
     geo = Geometry(hidden=H, experts=E, top_k=ke, intermediate=I)
@@ -84,7 +93,7 @@ def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn,
         union = torch.ones(n, I, dtype=torch.bool)
         strips, p = torch.zeros(0, 3, dtype=torch.long), None
     else:
-        score, p, strips = _screen(xf, experts, local, weights, sidecar, layout, act_fn, coords_shared=rule == "batch")
+        score, p, strips = _screen(xf, experts, local, weights, sidecar, layout, act_fn, per_expert=rule == "batch")
         if rule == "token":
             keep = torch.zeros(T, ke * I, dtype=torch.bool).scatter_(1, score.flatten(1).topk(k, dim=-1).indices, True)
             keep = keep.view(T, ke, I)
@@ -92,6 +101,8 @@ def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn,
                                                                     torch.arange(I).expand(T, ke, I)[keep]),
                                                                    torch.tensor(True))
         else:
+            if weigh == "share":
+                score = score / score.flatten(1).sum(1)[:, None, None]
             summed = torch.zeros(n, I).index_add_(0, local.flatten(), score.flatten(0, 1))
             union = torch.zeros(n * I, dtype=torch.bool)
             union[summed.flatten().topk(k).indices] = True
@@ -106,19 +117,18 @@ def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn,
     return Step(out.to(x.dtype), read, keep, k)
 
 
-def _screen(xf, experts, local, weights, sidecar, layout, act_fn, coords_shared: bool):
+def _screen(xf, experts, local, weights, sidecar, layout, act_fn, per_expert: bool):
     """Scores s and p of every (token, slot, channel) [T, k_e, I] from the strips each union expert
-    needs (the union of its tokens' scanned coordinates), each read once; and which were read."""
-    T = xf.shape[0]
+    needs (the union of the coordinates its tokens scan), each read once; and which were read."""
     rotated = rotate_blocks(xf, sidecar.signs, BLOCK)  # [T, nb, 128]
-    nb = rotated.shape[1]
-    if coords_shared:
-        coords = shared_scan(rotated, layout.scan)[None].expand(T, -1, -1)
-    else:
-        coords = rotated.abs().topk(layout.scan, dim=-1).indices  # each token its own: reference.scanned
-    values = rotated.gather(-1, coords)  # [T, nb, scan]
+    nb, ke = rotated.shape[1], local.shape[1]
+    if per_expert:  # each (token, slot) scans its expert's coordinates
+        coords = expert_scan(rotated, local, len(experts), layout.scan)[local]
+    else:  # each token its own, in every slot: reference.scanned
+        coords = rotated.abs().topk(layout.scan, dim=-1).indices[:, None].expand(-1, ke, -1, -1)
+    values = rotated[:, None].expand(-1, ke, -1, -1).gather(-1, coords)  # [T, k_e, nb, scan]
     blocks = torch.arange(nb)[None, None, :, None]
-    wanted = (local[:, :, None, None], blocks, coords[:, None])  # [T, k_e, nb, scan] (union expert, block, coord)
+    wanted = (local[:, :, None, None], blocks, coords)  # [T, k_e, nb, scan]: (union expert, block, coordinate)
     need = torch.zeros(len(experts), nb, BLOCK, dtype=torch.bool)
     need[wanted] = True
     where = need.nonzero(as_tuple=True)
@@ -127,7 +137,8 @@ def _screen(xf, experts, local, weights, sidecar, layout, act_fn, coords_shared:
     slot[where] = torch.arange(len(where[0]))
     scales = sidecar.scales[experts]  # the read: [n, nb, 2I]
     norms = sidecar.down_norms[experts]  # the read: [n, I]
-    estimates = reference.strip_estimates(strips[slot[wanted]], values, scales[local], scales.shape[-1])
+    codes = unpack_codes(strips)[:, :scales.shape[-1]].to(torch.float32)  # each read strip decoded once
+    estimates = reference.code_estimates(codes[slot[wanted]], values, scales[local])
     score, p = reference.scores(estimates, local, weights, norms, act_fn)
     return score, p, torch.stack([experts[where[0]], where[1], where[2]], dim=1)
 

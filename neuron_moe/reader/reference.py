@@ -51,14 +51,14 @@ def sketch_estimates(x: torch.Tensor, top_k_index: torch.Tensor, layer: LayerSid
     experts = top_k_index[:, :, None, None]  # [T, ke, 1, 1]
     blocks = torch.arange(nb, device=x.device)[None, None, :, None]  # [1, 1, nb, 1]
     strips = layer.codes[experts, blocks, coords[:, None]]  # [T, ke, nb, scan, R_pad/5]: only the scanned strips
-    return strip_estimates(strips, values, layer.scales[top_k_index], rows)
+    return code_estimates(unpack_codes(strips)[..., :rows].to(torch.float32), values, layer.scales[top_k_index])
 
 
-def strip_estimates(strips: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """Scanned strips [T, ke, nb, scan, R_pad/5], Rx there [T, nb, scan] and the experts' scales
-    [T, ke, nb, 2I] -> the gate/up row estimates [T, ke, 2I]."""
-    codes = unpack_codes(strips)[..., :rows].to(torch.float32)
-    partial = torch.einsum("tkbcr,tbc->tkbr", codes, values)
+def code_estimates(codes: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The scanned strips' codes [T, ke, nb, scan, 2I] (fp32), Rx there ([T, nb, scan], or [T, ke, nb,
+    scan] when each expert scans its own) and the experts' scales [T, ke, nb, 2I] -> the gate/up row
+    estimates [T, ke, 2I]."""
+    partial = torch.einsum("tkbcr,tbc->tkbr" if values.dim() == 3 else "tkbcr,tkbc->tkbr", codes, values)
     return (partial * scales.to(torch.float32)).sum(dim=2)
 
 

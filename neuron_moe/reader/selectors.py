@@ -121,6 +121,7 @@ class Step:
     rule: str
     k: int | None = None
     limit: float | None = None
+    weigh: str = "share"  # the batch rule's scores: each token's as shares of its total, or "raw"
 
 
 # ---- the selectors ----
@@ -285,7 +286,7 @@ def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
         limit = rule.limit
         if limit is None:
             limit = sum(accounting.step_reads(layer.geo, layer.layout, go(rule="token", k=rule.k).rows).values())
-        done = go(rule="batch", limit=limit)
+        done = go(rule="batch", limit=limit, weigh=rule.weigh)
     nbytes = sum(accounting.step_reads(layer.geo, layer.layout, done.rows).values())
     reads = torch.full((len(x),), nbytes, dtype=torch.long)
     return Result(done.out, reads, {"channel": done.keep.flatten(1).float().mean(1)}, done.rows)

@@ -1,0 +1,279 @@
+"""The reader's batch rule against independent per-token top-k on decode batches of B tokens.
+
+On the committed tiny model (`tiny-gemma4-moe`, fp32): the evaluation split's sequences decoded
+B rows at a time, teacher-forced, each step's tokens from different sequences
+(`eval/reader_batch.py`), every MoE layer's routed experts through the reader on decode steps
+(prompts prefilled with the full experts). Per B and rule, against the full model teacher-forced
+on the same positions: KL(full ‖ sparse) mean and p99, top-1 agreement; the union reads per step
+(each row once: `reader/batch.py`, charged by `accounting.step_reads`) as a multiple of one
+token's reads and as a share of the full batch's (the union's experts whole); with --accuracy B,..,
+task accuracy (all four tasks) with the same rule in batched greedy generation at those B.
+
+Teacher-forced data: the fact, kv and reverse items of the evaluation split and --text-docs
+held-out texts of --corpus (the series task's 4,558 answer positions are copied digits: KL ≈ 5e-6
+at every setting tried, a dilution that costs most of the time; it is in the accuracy runs).
+
+Rules per B (k: today's channels per token at --budget; one: one token's reads at k):
+  token         independent per-token top-k at k (today's reader); the step reads the union
+  batch=token   the batch rule within what `token` reads on the same step (equal union reads)
+  batch-raw=token  the same, summing raw scores instead of each token's shares (at --raw B,..)
+  batch-xM      the batch rule within M x one (--step-budgets)
+At B = 1 the batch rule is `token` (tests/test_reader_batch.py), so B = 1 runs `token` alone.
+
+The accounting part: the same three reads at each B on the Gemma-4 26B-A4B and Qwen3-30B-A3B
+geometries, under uniform routing (`accounting.batch_breakdown`).
+
+    python bench/reader_batch.py --corpus build/tiny/corpus [--per-task 20] [--text-docs 30]
+        [--batches 1,4,8,16] [--budget 17.8] [--rank 0] [--step-budgets 2,3,4] [--raw 8] [--accuracy 1,8]
+        [--work build/reader-batch] [--out bench/results/reader-batch]
+
+Cells are JSON files under --work (a rerun skips what is done); --out gets report.json,
+report.md and union_reads.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from neuron_moe.eval import reader_batch as RB  # noqa: E402
+from neuron_moe.eval import reader_eval as R  # noqa: E402
+from neuron_moe.eval import tasks as T  # noqa: E402
+from neuron_moe.eval.reader_report import _pyplot  # noqa: E402
+from neuron_moe.experts.selector import moe_layers  # noqa: E402
+from neuron_moe.model import build_model  # noqa: E402
+from neuron_moe.port import load_port  # noqa: E402
+from neuron_moe.reader import accounting as A  # noqa: E402
+from neuron_moe.reader import selectors as S  # noqa: E402
+from neuron_moe.reader.prep import Sidecar, prep_port  # noqa: E402
+from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
+from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
+
+GEOMETRIES = {"gemma4-26b-a4b": A.Geometry(2816, 128, 8, 704), "qwen3-30b-a3b": A.Geometry(2048, 128, 8, 768)}
+
+
+def rules(batch: int, k: int, one: int, step_budgets: list[float], raw_at: list[int]) -> dict[str, S.Step]:
+    if batch == 1:
+        return {"token": S.Step("token", k=k)}
+    raw = {"batch-raw=token": S.Step("batch", k=k, weigh="raw")} if batch in raw_at else {}
+    return {"token": S.Step("token", k=k), "batch=token": S.Step("batch", k=k), **raw,
+            **{f"batch-x{m:g}": S.Step("batch", limit=m * one) for m in step_budgets}}
+
+
+def generation_sequences(tokenizer, items) -> tuple[list[R.Sequence], list[int]]:
+    """Each item's prompt, its last token the first decoded; tokens to generate as eval-tasks does."""
+    seqs = [R.Sequence(tokenizer.encode(i.prompt), i.task, len(tokenizer.encode(i.prompt)) - 1) for i in items]
+    return seqs, [len(tokenizer.encode(i.answer)) + 1 for i in items]
+
+
+def accuracy(tokenizer, items, decoded: RB.Decoded) -> dict:
+    rows = [{"task": i.task, "correct": T.answer_text(tokenizer, picks) == i.answer, "answer_tokens": 0}
+            for i, picks in zip(items, decoded.picks)]
+    return R.accuracy(rows)
+
+
+def cell(run: dict, batch: int, name: str, rule: S.Step, progress) -> dict:
+    model, layers, seqs = run["model"], run["layers"], run["seqs"]
+    started = time.perf_counter()
+    decoded = RB.run_rule(model, seqs, batch, "reader", layers, [rule] * len(layers), progress=progress)
+    # each scored position's reads: its step's, the mean over layers (cell_stats reports them as % of one token's full)
+    step_of = []
+    for s in decoded.steps:
+        step_of += [sum(layer["bytes"] for layer in s["layers"]) / len(s["layers"])] * s["tokens"]
+    reads = [torch.zeros(1, len(lp)) for lp in decoded.logprobs]  # positions are consumed row by row, not in order
+    stats = R.cell_stats(run["reference"], [(lp, r) for lp, r in zip(decoded.logprobs, reads)], seqs, run["full"])
+    full_steps = [s for s in decoded.steps if s["tokens"] == batch] or decoded.steps
+    per_layer = [layer for s in full_steps for layer in s["layers"]]
+    mean = lambda key: sum(layer[key] for layer in per_layer) / len(per_layer)  # noqa: E731
+    geo, layout = layers[0].geo, layers[0].layout
+    share = [100 * layer["bytes"] / A.full_reads(geo, layout, layer["experts"]) for layer in per_layer]
+    row = {"batch": batch, "rule": name, "steps": len(decoded.steps), "full_steps": len(full_steps),
+           "positions": stats["positions"], "kl_mean": stats["kl_mean"], "kl_p99": stats["kl_p99"],
+           "top1": stats["top1"], "by_source": stats["by_source"],
+           "step_bytes": mean("bytes"), "x_one_token": mean("bytes") / run["one"],
+           "percent_of_full_batch": sum(share) / len(share), "union_experts": mean("experts"),
+           "exact_channels": mean("exact"), "over_limit_steps": None}
+    if rule.rule == "batch" and rule.limit is not None:
+        row["over_limit_steps"] = sum(layer["bytes"] > rule.limit for layer in per_layer) / len(per_layer)
+    if batch in run["accuracy"]:
+        gen_seqs, new_tokens = run["generation"]
+        decoded = RB.run_rule(model, gen_seqs, batch, "reader", layers, [rule] * len(layers), new_tokens=new_tokens,
+                              eos=run["tokenizer"].eos_token_id, progress=progress)
+        row["accuracy"] = accuracy(run["tokenizer"], run["items"], decoded)
+    return row | {"seconds": time.perf_counter() - started}
+
+
+def accounting_rows(budget: float, rank: int, batches: list[int], step_budgets: list[float]) -> list[dict]:
+    rows = []
+    for name, geo in GEOMETRIES.items():
+        layout = A.Layout(rank=rank)
+        for batch in batches:
+            for m in step_budgets:
+                b = A.batch_breakdown(geo, layout, budget, batch, m)
+                token, rule = b["rules"]["token"], b["rules"]["batch"]
+                rows.append({"geometry": name, "batch": batch, "step_budget": m, "union_experts": b["union_experts"],
+                             "expected_union": b["expected_union"], "full_x": b["full_bytes"] / b["one_token_bytes"],
+                             "token_x": token["x_one_token"], "token_percent": token["percent_of_full_batch"],
+                             "batch_x": rule["x_one_token"], "batch_percent": rule["percent_of_full_batch"],
+                             "batch_k": rule["k"], "token_k": min(batch * b["k_per_token"], rule["rows"]["experts"] * geo.intermediate),
+                             "sketch_x": rule["reads"]["sketch"] / b["one_token_bytes"]})
+    return rows
+
+
+MEASURED = [("batch", "B"), ("rule", "rule"), ("x_one_token", "step reads x one token", "{:.2f}"),
+            ("percent_of_full_batch", "% of full batch", "{:.1f}"), ("union_experts", "union experts", "{:.1f}"),
+            ("exact_channels", "exact channels", "{:.0f}"), ("kl_mean", "KL mean", "{:.4f}"),
+            ("kl_p99", "KL p99", "{:.3f}"), ("top1", "top-1", "{:.3f}"), ("acc", "accuracy % of full"),
+            ("full_steps", "full steps")]
+GEOMETRY = [("geometry", "geometry"), ("batch", "B"), ("union_experts", "union experts"),
+            ("full_x", "full batch x one token", "{:.2f}"), ("token_x", "token: x one token (at most)", "{:.2f}"),
+            ("token_percent", "token: % of full batch", "{:.1f}"), ("batch_x", "batch rule: x one token", "{:.2f}"),
+            ("batch_percent", "batch rule: % of full batch", "{:.2f}"), ("batch_k", "batch rule: channels"),
+            ("sketch_x", "of which sketch x one token", "{:.2f}")]
+
+
+def write_report(report: dict, out: Path) -> None:
+    full_correct = report["full_model"]["accuracy"]["correct"] if report["full_model"] else None
+    cells = []
+    for c in report["cells"]:
+        acc = c.get("accuracy")
+        cells.append(c | {"acc": f"{100 * acc['correct'] / full_correct:.1f}" if acc and full_correct else ""})
+    settings = report["settings"]
+    lines = [f"# reader-batch: {settings['model']}, budget {settings['budget']}% per token "
+             f"(k = {settings['k']}), recovery rank {settings['rank']}",
+             "", "Measured (CPU, fp32, teacher-forced decode batches):", "",
+             table(cells, MEASURED, markdown=True), "",
+             f"Accounting, uniform routing, batch rule within {report['geometries'][0]['step_budget']:g}x one token:", "",
+             table(report["geometries"], GEOMETRY, markdown=True), ""]
+    with atomic_write(out / "report.md") as f:
+        f.write("\n".join(lines))
+
+
+def plot(report: dict, out: Path) -> Path:
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    cells = report["cells"]
+    for i, name in enumerate(dict.fromkeys(c["rule"] for c in cells)):
+        mine = sorted((c for c in cells if c["rule"] == name or (c["batch"] == 1 and name != "token")),
+                      key=lambda c: c["batch"])
+        left.plot([c["batch"] for c in mine], [c["x_one_token"] for c in mine], marker="o", color=f"C{i}", label=name)
+    full = report["full_batch_x"]
+    left.plot(list(map(int, full)), list(full.values()), color="gray", linestyle=":", label="full batch")
+    left.set(xlabel="tokens per step B", ylabel="union reads per step, x one token's", yscale="log",
+             title=f"{report['settings']['model']} (measured, CPU)")
+    left.legend(fontsize=8)
+    for i, name in enumerate(GEOMETRIES):
+        rows = [r for r in report["geometries"] if r["geometry"] == name and r["step_budget"] == 2]
+        b = [r["batch"] for r in rows]
+        right.plot(b, [r["token_x"] for r in rows], marker="o", color=f"C{i}", label=f"{name}: independent top-k (at most)")
+        right.plot(b, [r["batch_x"] for r in rows], marker="s", color=f"C{i}", linestyle="--",
+                   label=f"{name}: batch rule, 2x one token")
+        right.plot(b, [r["full_x"] for r in rows], color=f"C{i}", linestyle=":", label=f"{name}: full batch")
+    right.set(xlabel="tokens per step B", ylabel="union reads per step, x one token's", yscale="log",
+              title="accounting, uniform routing")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "union_reads.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--corpus", help="build-corpus's directory: held-out text (eval_text.jsonl)")
+    ap.add_argument("--per-task", type=int, default=20)
+    ap.add_argument("--tasks", default="fact,kv,reverse", help="teacher-forced tasks (default: all but series)")
+    ap.add_argument("--text-docs", type=int, default=30)
+    ap.add_argument("--batches", default="1,4,8,16")
+    ap.add_argument("--budget", type=float, default=17.8)
+    ap.add_argument("--rank", type=int, default=0, help="recovery rank (default 0: rank 32 reads 18.5%% on the tiny geometry)")
+    ap.add_argument("--step-budgets", default="2,3,4")
+    ap.add_argument("--raw", default="8", metavar="B,..", help="the raw-score ablation at these B (default 8)")
+    ap.add_argument("--accuracy", default="", metavar="B,..",
+                    help="task accuracy in batched greedy generation (all four tasks) at these B")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--work", default="build/reader-batch")
+    ap.add_argument("--out", default="bench/results/reader-batch")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    step_budgets = [float(m) for m in args.step_budgets.split(",")]
+    work, out = Path(args.work), Path(args.out)
+    (work / "cells").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+    port = load_port("tiny-gemma4-moe")
+    tokenizer = load_tokenizer(port, None)
+    model = build_model(port, "eager", torch.float32)
+    sidecar_path = work / "sidecar.safetensors"
+    if not sidecar_path.exists():
+        prep_port(port, sidecar_path)
+    sidecar = Sidecar(sidecar_path)
+    settings = R.Settings(per_task=args.per_task, tasks=tuple(args.tasks.split(",")), text_docs=args.text_docs,
+                          corpus=args.corpus)
+    accuracy_at = [int(b) for b in args.accuracy.split(",") if b]
+    seqs = R.sequences(tokenizer, settings, model.config.max_position_embeddings, "evaluation")
+    layers = moe_layers(model, sidecar, args.rank)
+    geo, layout = layers[0].geo, layers[0].layout
+    k = A.solve_k(geo, layout, args.budget)
+    one = sum(A.reads(geo, layout, k).values())
+    key = {"model": port.name, "weights_sha256": R.weights_digest(model), "per_task": args.per_task,
+           "tasks": args.tasks, "text_docs": args.text_docs if args.corpus else 0, "budget": args.budget,
+           "rank": args.rank, "k": k}
+    run_file = work / "run.json"
+    if run_file.exists() and json.loads(run_file.read_text()) != key:
+        sys.exit(f"{work} holds cells of another run; pass another --work or remove it")
+    write_json(key, str(run_file))
+    model.set_experts_implementation("eager")
+    run = {"model": model, "layers": layers, "seqs": seqs, "one": one, "full": A.full_bytes(geo),
+           "tokenizer": tokenizer, "accuracy": accuracy_at, "reference": None}
+    full_model = None
+    if accuracy_at:
+        run["items"] = R.evaluation_items(R.Settings(per_task=args.per_task))
+        run["generation"] = generation_sequences(tokenizer, run["items"])
+        full_file = work / "cells" / "full.json"
+        if not full_file.exists():
+            gen_seqs, new_tokens = run["generation"]
+            decoded = RB.decode(model, gen_seqs, 16, new_tokens=new_tokens, eos=tokenizer.eos_token_id)
+            write_json({"accuracy": accuracy(tokenizer, run["items"], decoded)}, str(full_file))
+        full_model = json.loads(full_file.read_text())
+    raw_at = [int(b) for b in args.raw.split(",") if b]
+    wanted = [(b, name, rule) for b in batches for name, rule in rules(b, k, one, step_budgets, raw_at).items()]
+    positions = sum(len(s.ids) - 1 - s.start for s in seqs)
+    results = []
+    with tqdm(total=len(wanted), desc="reader-batch", unit="cell") as bar:
+        for b, name, rule in wanted:
+            path = work / "cells" / f"B{b}-{name}.json"
+            if not path.exists():
+                if run["reference"] is None:
+                    run["reference"] = R.teacher_forced(model, seqs)
+                bar.set_postfix_str(f"B={b} {name}")
+                answers = sum(run["generation"][1]) if b in accuracy_at else 0
+                with tqdm(total=positions + answers, desc=f"B={b} {name}", unit="tok",
+                          leave=False) as inner:
+                    write_json(cell(run, b, name, rule, inner), str(path))
+            results.append(json.loads(path.read_text()))
+            bar.update(1)
+    report = {"settings": key | {"batches": batches, "step_budgets": step_budgets, "one_token_bytes": one,
+                                 "routing": "uniform (accounting)", "machine": "CPU"},
+              "full_model": full_model, "cells": results,
+              "full_batch_x": {str(b): A.full_reads(geo, layout, A.expected_union(geo, b)) / one for b in batches},
+              "geometries": accounting_rows(args.budget, 32, batches, [2.0])}
+    write_json(report, str(out / "report.json"))
+    write_report(report, out)
+    plot(report, out)
+    print(table([c | {"acc": ""} for c in results], MEASURED))
+    print()
+    print(table(report["geometries"], GEOMETRY))
+
+
+if __name__ == "__main__":
+    main()
