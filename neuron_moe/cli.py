@@ -524,7 +524,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default="12.8,17.8", metavar="B,B",
                    help="read budgets, %% of the full model's routed-expert reads (default %(default)s)")
     p.add_argument("--selectors", default="teal,wina,cats,oracle,reader", metavar="S,S",
-                   help="teal, wina, cats, oracle, reader; reader-rN: the reader at recovery rank N "
+                   help="teal, wina, cats, oracle, reader; reader-rN: the reader at recovery rank N; "
+                        "reader[-rN]-int8: over the int8 experts (exact rows int8), -int8dq: with the sketch made "
+                        "from the dequantised int8 (budgets stay %% of the bf16 read: equal bytes) "
                         "(default %(default)s)")
     p.add_argument("--rules", default="topk,threshold", metavar="R,R",
                    help="topk (fixed reads per token) and/or threshold (calibrated) (default %(default)s)")

@@ -233,3 +233,50 @@ def test_reads_cli_batch(capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["reads", "--batch", "0"])
     assert exit.value.code == 2 and "argument --batch: must be at least 1" in capsys.readouterr().err
+
+
+# ---- decode batches inside the model (eval/reader_batch.py) ----
+
+@pytest.fixture(scope="module")
+def short_sequences(tiny_port):
+    from neuron_moe.eval.reader_eval import Sequence
+    from neuron_moe.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_port, None)
+    texts = ["The capital of France is Paris.", "Q: Reverse: red fox\nA: fox red", "A short text about owls.",
+             "Q: cat=41 owl=17. What is owl?\nA: 17", "Lima is in Peru."]
+    return [Sequence(tokenizer.encode(t), "x", start) for t, start in zip(texts, (4, 6, 0, 9, 2))]
+
+
+def test_decode_batches_teacher_forced_are_the_full_model(tiny_eager, short_sequences):
+    """Rows at their own positions over the per-row cache, prompts prefilled, rows refilled as
+    sequences end: with the full experts, each scored position's log-probs are the plain forward's."""
+    from neuron_moe.eval import reader_batch as RB
+    from neuron_moe.eval.reader_eval import teacher_forced
+
+    want = teacher_forced(tiny_eager, short_sequences)
+    for B in (1, 3, 8):  # 8 rows for 5 sequences: the fillers repeat them, unscored
+        got = RB.decode(tiny_eager, short_sequences, B)
+        for (ref, _), lp in zip(want, got.logprobs):
+            assert lp.shape == ref.shape and float((lp - ref).abs().max()) < 1e-4
+
+
+def test_every_step_holds_b_tokens_and_generation_is_greedy(tiny_port, tiny_eager, short_sequences, tmp_path):
+    from neuron_moe.eval import reader_batch as RB
+    from neuron_moe.experts.selector import moe_layers
+    from neuron_moe.generate import greedy
+    from neuron_moe.reader.prep import Sidecar, prep_port
+
+    layers = moe_layers(tiny_eager, Sidecar(prep_port(tiny_port, tmp_path / "s.safetensors")), 0)
+    k = A.solve_k(layers[0].geo, layers[0].layout, 30.0)
+    got = RB.run_rule(tiny_eager, short_sequences, 3, "reader", layers, [S.Step("batch", k=k)] * len(layers))
+    assert got.steps and all(s["tokens"] == 3 for s in got.steps)  # fillers keep the step full
+    assert sum(len(lp) for lp in got.logprobs) == sum(len(s.ids) - 1 - s.start for s in short_sequences)
+    assert all(layer["bytes"] > 0 and layer["experts"] >= 4 for s in got.steps for layer in s["layers"])
+    # greedy generation through the same loop, full experts: the reference loop's tokens
+    prompts = [s.ids[:s.start + 1] for s in short_sequences]
+    seqs = [type(s)(p, s.source, len(p) - 1) for s, p in zip(short_sequences, prompts)]
+    gen = RB.decode(tiny_eager, seqs, 2, new_tokens=[6] * len(seqs))
+    for p, picks in zip(prompts, gen.picks):
+        ids = torch.tensor([p])
+        assert picks == greedy(tiny_eager, ids, torch.ones_like(ids), 6).tokens[0].tolist()

@@ -136,3 +136,38 @@ def test_reads_cli_int8(capsys):
     assert report["percent_of_bf16_full"] == pytest.approx(17.8 * report["full_bytes"] / A.full_bytes(GEMMA4_26B),
                                                            abs=0.01)
     assert report["reads"]["sketch"]["percent"] == pytest.approx(9.54, abs=0.01)
+
+
+def test_eval_reader_int8_selectors(tiny_port, sidecar):
+    """eval-reader's `reader[-rN]-int8[dq]`: budgets stay a share of the bf16 read (equal bytes); at
+    the int8 experts' whole read the selector is the int8 experts."""
+    from neuron_moe.eval.reader_eval import EvalError, parse_spec
+    from neuron_moe.experts.selector import moe_layers
+    from neuron_moe.reader import selectors as S
+    from neuron_moe.reader.prep import Sidecar
+
+    assert parse_spec("reader-r16-int8dq") == ("reader", 16, "int8dq")
+    assert parse_spec("reader-int8") == ("reader", None, "int8") and parse_spec("teal") == ("teal", None, None)
+    for bad in ("teal-int8", "reader-int4", "reader-r-int8", "oracle-r3"):
+        with pytest.raises(EvalError, match="unknown selector"):
+            parse_spec(bad)
+    model = build_model(tiny_port)
+    layer = moe_layers(model, Sidecar(sidecar), 0, int8=True)[1]
+    bf16 = moe_layers(model, Sidecar(sidecar), 0)[1]
+    geo, layout = layer.geo, layer.layout
+    whole = 100 * A.full_reads(geo, layout) / A.full_bytes(geo)  # 52.08 % on this geometry
+    assert S.plan("reader", geo, layout, whole)["channel"] == geo.channels
+    assert S.plan("reader", geo, layout, whole - 0.1)["channel"] < geo.channels
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(10, 128, generator=gen)
+    index = torch.rand(10, 16, generator=gen).argsort(-1)[:, :4]
+    weights = torch.softmax(torch.randn(10, 4, generator=gen), -1)
+    got = S.run("reader", layer, x, index, weights, S.top_k("reader", layer, whole))
+    with torch.no_grad():
+        want = int8_forward(model.model.layers[1].experts, x, index, weights)
+    assert float((got.out - want).abs().max() / want.abs().max()) < 2e-6
+    assert torch.all(got.reads == A.full_reads(geo, layout))
+    # equal bytes at 17.8 %: int8 rows buy the reader ~1.7x the channels on this geometry (30 -> 51)
+    k8, k16 = S.plan("reader", geo, layout, 17.8)["channel"], S.plan("reader", geo, bf16.layout, 17.8)["channel"]
+    assert 1.5 * k16 < k8 < 2 * k16
+    assert S.charged("reader", geo, layout, {"channel": k8}) <= 0.178 * A.full_bytes(geo)

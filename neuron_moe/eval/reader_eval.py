@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,14 +81,29 @@ def parse_budgets(text: str) -> list[float]:
     return budgets
 
 
+SPEC = re.compile(r"(?P<name>[a-z]+)(?:-r(?P<rank>\d+))?(?:-(?P<weights>int8|int8dq))?")
+
+
+def parse_spec(spec: str) -> tuple[str, int | None, str | None]:
+    """`reader[-rN][-int8|-int8dq]` or a baseline's name -> (name, rank or None, weights or None).
+
+    reader-rN: recovery rank N (≤ the sidecar's; plain `reader`: the sidecar's). -int8: the reader
+    over the int8 experts (exact rows in int8, sketch and recovery from the model's weights); -int8dq:
+    the same with the sketch and recovery made from the dequantised int8. Budgets stay a share of
+    the bf16 full read, so one budget is equal bytes across them."""
+    match = SPEC.fullmatch(spec)
+    if match is None or match["name"] not in SELECTORS or (
+            match["name"] != "reader" and (match["rank"] or match["weights"])):
+        raise EvalError(f"unknown selector {spec!r}; known: {', '.join(SELECTORS)} (and reader-rN: the reader "
+                        f"at recovery rank N; reader[-rN]-int8 / -int8dq: over the int8 experts)")
+    return match["name"], None if match["rank"] is None else int(match["rank"]), match["weights"]
+
+
 def parse_selectors(text: str) -> list[str]:
-    """Selector names; `reader-rN` is the reader at recovery rank N (≤ the sidecar's; plain `reader`: the sidecar's)."""
+    """Selector specs (`parse_spec`)."""
     specs = [s.strip() for s in text.split(",") if s.strip()]
     for spec in specs:
-        name, _, rank = spec.partition("-r")
-        if name not in SELECTORS or (rank and (name != "reader" or not rank.isdigit())):
-            raise EvalError(f"unknown selector {spec!r}; known: {', '.join(SELECTORS)} (and reader-rN: the reader "
-                            f"at recovery rank N)")
+        parse_spec(spec)
     if not specs:
         raise EvalError("--selectors: none given")
     return specs
@@ -269,12 +285,27 @@ class Run:
         return self.calibration
 
     def layers(self, spec: str):
-        name, _, rank = spec.partition("-r")
+        name, rank, weights = parse_spec(spec)
         if name != "reader":
             return name, moe_layers(self.model)
-        if rank and int(rank) > self.sidecar.layout.rank:
+        if rank is not None and rank > self.sidecar.layout.rank:
             raise EvalError(f"{spec}: recovery rank {rank} above the sidecar's ({self.sidecar.layout.rank})")
-        return name, moe_layers(self.model, self.sidecar, int(rank) if rank else None)
+        sidecar = self.dequantised_sidecar() if weights == "int8dq" else self.sidecar
+        return name, moe_layers(self.model, sidecar, rank, int8=weights is not None)
+
+    def dequantised_sidecar(self):
+        """The sidecar made from the int8 experts' dequantised weights: OUT/sidecar-int8dq.safetensors, once."""
+        from ..experts.int8 import int8_experts
+        from ..reader.prep import Sidecar, write_sidecar
+
+        path = self.out / "sidecar-int8dq.safetensors"
+        if not path.exists():
+            c = self.model.config
+            write_sidecar(path, [int8_experts(layer.experts).dequantized() for layer in self.model.model.layers],
+                          hidden=c.hidden_size, experts=c.num_experts, intermediate=c.moe_intermediate_size,
+                          layers=c.num_hidden_layers, seed=self.sidecar.seed, rank=self.sidecar.layout.rank,
+                          scan=self.sidecar.scan)
+        return Sidecar(path)
 
     def generate(self, progress=None) -> list[dict]:
         """Greedy answers, one batch per task (a batch runs as many steps as its longest answer)."""

@@ -209,8 +209,8 @@ def token_rows(geo: Geometry, layout: Layout, k: int) -> StepRows:
 
 
 def batch_rows(geo: Geometry, layout: Layout, experts: int, k: int) -> StepRows:
-    """What the batch rule reads: one scan shared by the step, so every expert of the union reads
-    blocks × scan strips, K channels exact, the union's other channels' b_j (with recovery)."""
+    """What the batch rule reads: every expert of the union scans `scan` coordinates per block for
+    all its tokens (blocks × scan strips), K channels exact, the union's other channels' b_j."""
     channels = experts * geo.intermediate
     if k >= channels:
         return StepRows(experts, 0, channels, 0)

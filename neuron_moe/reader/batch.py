@@ -40,13 +40,11 @@ from .hadamard import rotate_blocks
 from .prep import BLOCK, unpack_codes
 
 RULES = ("token", "batch")
-
-
 WEIGHINGS = ("share", "raw")
 
 
 @dataclass
-class Step:
+class StepResult:
     out: torch.Tensor  # [T, H] routed output
     read: dict  # what the step read, each row once: experts [n]; strips [m, 3] (expert, block, coordinate),
     #             exact and coeffs [m, 2] (expert, channel); strips empty: the experts were read whole
@@ -70,7 +68,7 @@ def expert_scan(rotated: torch.Tensor, local: torch.Tensor, experts: int, scan: 
 
 @torch.no_grad()
 def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn, *, rule: str,
-         k: int | None = None, limit: float | None = None, int8=None, weigh: str = "share") -> Step:
+         k: int | None = None, limit: float | None = None, int8=None, weigh: str = "share") -> StepResult:
     """One decode step of tokens x [T, H] routed to index/weights [T, k_e]: gate_up [E, 2I, H],
     down_rows [E, I, H], the layer's sidecar (prep.LayerSidecar). `rule="token"` takes k channels
     per token; `rule="batch"` takes `limit` bytes for the step, its scores summed as `weigh`
@@ -102,7 +100,7 @@ def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn,
                                                                    torch.tensor(True))
         else:
             if weigh == "share":
-                score = score / score.flatten(1).sum(1)[:, None, None]
+                score = score / score.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
             summed = torch.zeros(n, I).index_add_(0, local.flatten(), score.flatten(0, 1))
             union = torch.zeros(n * I, dtype=torch.bool)
             union[summed.flatten().topk(k).indices] = True
@@ -114,7 +112,7 @@ def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn,
         z, coeffs = _recover(experts, local, weights, p, keep, sidecar, layout.rank)
         out = out + z @ sidecar.basis[:, :layout.rank].to(torch.float32).T
     read = {"experts": experts, "strips": strips, "exact": exact, "coeffs": coeffs}
-    return Step(out.to(x.dtype), read, keep, k)
+    return StepResult(out.to(x.dtype), read, keep, k)
 
 
 def _screen(xf, experts, local, weights, sidecar, layout, act_fn, per_expert: bool):
