@@ -18,13 +18,15 @@ Rules per B (k: today's channels per token at --budget; one: one token's reads a
   batch=token   the batch rule within what `token` reads on the same step (equal union reads)
   batch-raw=token  the same, summing raw scores instead of each token's shares (at --raw B,..)
   batch-xM      the batch rule within M x one (--step-budgets)
+  batch-xM-scanS   the same scanning S coordinates per block instead of the sidecar's 80, trading
+                the union's sketch for exact channels (--scans, at the --raw B, M < 4)
 At B = 1 the batch rule is `token` (tests/test_reader_batch.py), so B = 1 runs `token` alone.
 
 The accounting part: the same three reads at each B on the Gemma-4 26B-A4B and Qwen3-30B-A3B
 geometries, under uniform routing (`accounting.batch_breakdown`).
 
     python bench/reader_batch.py --corpus build/tiny/corpus [--per-task 20] [--text-docs 30]
-        [--batches 1,4,8,16] [--budget 17.8] [--rank 0] [--step-budgets 2,3,4] [--raw 8] [--accuracy 1,8]
+        [--batches 1,4,8,16] [--budget 17.8] [--rank 0] [--step-budgets 2,3,4] [--raw 8] [--scans 40] [--accuracy 1,8]
         [--work build/reader-batch] [--out bench/results/reader-batch]
 
 Cells are JSON files under --work (a rerun skips what is done); --out gets report.json,
@@ -59,12 +61,15 @@ from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
 GEOMETRIES = {"gemma4-26b-a4b": A.Geometry(2816, 128, 8, 704), "qwen3-30b-a3b": A.Geometry(2048, 128, 8, 768)}
 
 
-def rules(batch: int, k: int, one: int, step_budgets: list[float], raw_at: list[int]) -> dict[str, S.Step]:
+def rules(batch: int, k: int, one: int, step_budgets: list[float], raw_at: list[int],
+          scans: list[int]) -> dict[str, S.Step]:
     if batch == 1:
         return {"token": S.Step("token", k=k)}
     raw = {"batch-raw=token": S.Step("batch", k=k, weigh="raw")} if batch in raw_at else {}
+    narrow = {f"batch-x{m:g}-scan{s}": S.Step("batch", limit=m * one, scan=s)
+              for s in scans for m in step_budgets if m < 4} if batch in raw_at else {}
     return {"token": S.Step("token", k=k), "batch=token": S.Step("batch", k=k), **raw,
-            **{f"batch-x{m:g}": S.Step("batch", limit=m * one) for m in step_budgets}}
+            **{f"batch-x{m:g}": S.Step("batch", limit=m * one) for m in step_budgets}, **narrow}
 
 
 def generation_sequences(tokenizer, items) -> tuple[list[R.Sequence], list[int]]:
@@ -196,7 +201,9 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=17.8)
     ap.add_argument("--rank", type=int, default=0, help="recovery rank (default 0: rank 32 reads 18.5%% on the tiny geometry)")
     ap.add_argument("--step-budgets", default="2,3,4")
-    ap.add_argument("--raw", default="8", metavar="B,..", help="the raw-score ablation at these B (default 8)")
+    ap.add_argument("--raw", default="8", metavar="B,..",
+                    help="the raw-score ablation and the --scans variants at these B (default 8)")
+    ap.add_argument("--scans", default="", metavar="S,..", help="batch-rule scan widths to try (default none)")
     ap.add_argument("--accuracy", default="", metavar="B,..",
                     help="task accuracy in batched greedy generation (all four tasks) at these B")
     ap.add_argument("--threads", type=int, default=1)
@@ -246,7 +253,9 @@ def main() -> None:
             write_json({"accuracy": accuracy(tokenizer, run["items"], decoded)}, str(full_file))
         full_model = json.loads(full_file.read_text())
     raw_at = [int(b) for b in args.raw.split(",") if b]
-    wanted = [(b, name, rule) for b in batches for name, rule in rules(b, k, one, step_budgets, raw_at).items()]
+    scans = [int(s) for s in args.scans.split(",") if s]
+    wanted = [(b, name, rule) for b in batches
+              for name, rule in rules(b, k, one, step_budgets, raw_at, scans).items()]
     positions = sum(len(s.ids) - 1 - s.start for s in seqs)
     results = []
     with tqdm(total=len(wanted), desc="reader-batch", unit="cell") as bar:

@@ -196,6 +196,10 @@ def test_the_selectors_step_rule_runs_the_batch_step(case):
     direct = run(case, slice(0, 8), rule="batch", limit=int(token.reads[0]))
     assert torch.equal(matched.out, direct.out) and matched.step == direct.rows
     assert torch.all(matched.reads == total(A.Layout(), direct.rows))
+    narrow = S.run("reader", layer, x[:8], index[:8], weights[:8], S.Step("batch", limit=int(token.reads[0]), scan=40))
+    direct = run(case, slice(0, 8), A.Layout(scan=40), rule="batch", limit=int(token.reads[0]))
+    assert torch.equal(narrow.out, direct.out) and narrow.step.strips == narrow.step.experts * 2 * 40
+    assert narrow.step.exact > matched.step.exact  # half the sketch buys exact channels
     # independent top-k through the Step rule: the per-token reader's output (each token its own k)
     per_token = S.run("reader", layer, x[:8], index[:8], weights[:8], S.top_k("reader", layer, 40.0))
     assert rel_err(token.out, per_token.out) < 2e-6

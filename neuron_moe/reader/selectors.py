@@ -31,6 +31,7 @@ the step's, each row once (`Result.step`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +123,7 @@ class Step:
     k: int | None = None
     limit: float | None = None
     weigh: str = "share"  # the batch rule's scores: each token's as shares of its total, or "raw"
+    scan: int | None = None  # the batch rule's scanned coordinates per block (default: the layer's)
 
 
 # ---- the selectors ----
@@ -278,16 +280,19 @@ def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
     """The reader on one decode step of tokens x [T, H] under a Step rule."""
     if layer.sidecar is None:
         raise BudgetError("reader: this MoeLayer has no sidecar (prep.LayerSidecar); run prep first")
-    go = lambda **kw: batch.step(x, index, weights, layer.gate_up, layer.down.mT, layer.sidecar,  # noqa: E731
-                                 layer.layout, layer.act_fn, int8=layer.int8, **kw)
+    go = lambda layout, **kw: batch.step(x, index, weights, layer.gate_up, layer.down.mT,  # noqa: E731
+                                         layer.sidecar, layout, layer.act_fn, int8=layer.int8, **kw)
+    layout = layer.layout
     if rule.rule == "token":
-        done = go(rule="token", k=rule.k)
+        done = go(layout, rule="token", k=rule.k)
     else:
         limit = rule.limit
         if limit is None:
-            limit = sum(accounting.step_reads(layer.geo, layer.layout, go(rule="token", k=rule.k).rows).values())
-        done = go(rule="batch", limit=limit, weigh=rule.weigh)
-    nbytes = sum(accounting.step_reads(layer.geo, layer.layout, done.rows).values())
+            limit = sum(accounting.step_reads(layer.geo, layout, go(layout, rule="token", k=rule.k).rows).values())
+        if rule.scan is not None:
+            layout = dataclasses.replace(layout, scan=rule.scan)
+        done = go(layout, rule="batch", limit=limit, weigh=rule.weigh)
+    nbytes = sum(accounting.step_reads(layer.geo, layout, done.rows).values())
     reads = torch.full((len(x),), nbytes, dtype=torch.long)
     return Result(done.out, reads, {"channel": done.keep.flatten(1).float().mean(1)}, done.rows)
 

@@ -2,7 +2,8 @@
 # bench/results/reader-int8.md's numbers: the reader over the int8 experts on the committed default
 # model, at equal bytes with the bf16 reader and the int8 experts read whole (the budgets are shares
 # of the bf16 full read; 52.1 % is the int8 experts' whole read on this geometry), the sketch made
-# from the bf16 weights (-int8) or the dequantised int8 (-int8dq); and the reads breakdown at 17.8 %
+# from the bf16 weights (-int8) or the dequantised int8 (-int8dq), 10 items per task (the machine was
+# shared four ways: ~30 min a cell at 20); and the reads breakdown at 17.8 %
 # on the Gemma-4 and Qwen3-30B-A3B geometries. Resumable (a rerun skips finished cells). Needs the
 # corpus (neuron-moe build-corpus; the Debian package `fortunes`).
 set -euo pipefail
@@ -13,9 +14,9 @@ RESULTS=bench/results/reader-int8
 mkdir -p "$RESULTS"
 
 [ -f "$WORK/corpus/eval_text.jsonl" ] || $PY -m neuron_moe build-corpus --out "$WORK/corpus"
-$PY -m neuron_moe eval-reader --corpus "$WORK/corpus" --budgets 12.8,17.8,25,52.1 --rules topk \
+$PY -m neuron_moe eval-reader --corpus "$WORK/corpus" --items 10 --budgets 17.8,52.1 --rules topk \
     --selectors reader-r0,reader-r0-int8,reader-r0-int8dq --out "$WORK/reader-int8"
-$PY -m neuron_moe eval-reader --corpus "$WORK/corpus" --budgets 25 --rules topk \
+$PY -m neuron_moe eval-reader --corpus "$WORK/corpus" --items 10 --budgets 25 --rules topk \
     --selectors reader,reader-int8,reader-int8dq --out "$WORK/reader-int8-r32"
 cp "$WORK/reader-int8/report.md" "$RESULTS/report-r0.md"
 cp "$WORK/reader-int8/report.json" "$RESULTS/report-r0.json"
