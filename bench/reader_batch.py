@@ -26,7 +26,7 @@ The accounting part: the same three reads at each B on the Gemma-4 26B-A4B and Q
 geometries, under uniform routing (`accounting.batch_breakdown`).
 
     python bench/reader_batch.py --corpus build/tiny/corpus [--per-task 20] [--text-docs 30]
-        [--batches 1,4,8,16] [--budget 17.8] [--rank 0] [--step-budgets 2,3,4] [--raw 8] [--scans 40] [--accuracy 1,8]
+        [--batches 1,4,8,16] [--budget 17.8] [--rank 0] [--step-budgets 2,3,4,16:6] [--raw 8] [--scans 40] [--accuracy 1,8]
         [--work build/reader-batch] [--out bench/results/reader-batch]
 
 Cells are JSON files under --work (a rerun skips what is done); --out gets report.json,
@@ -61,15 +61,24 @@ from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
 GEOMETRIES = {"gemma4-26b-a4b": A.Geometry(2816, 128, 8, 704), "qwen3-30b-a3b": A.Geometry(2048, 128, 8, 768)}
 
 
-def rules(batch: int, k: int, one: int, step_budgets: list[float], raw_at: list[int],
-          scans: list[int]) -> dict[str, S.Step]:
+def parse_step_budgets(text: str) -> list[tuple[int | None, float]]:
+    """"2,3,4,16:6" -> [(None, 2), (None, 3), (None, 4), (16, 6)]: M at every B, or B:M at that B only."""
+    out = []
+    for item in text.split(","):
+        at, _, m = item.rpartition(":")
+        out.append((int(at) if at else None, float(m)))
+    return out
+
+
+def rules(batch: int, k: int, one: int, step_budgets: list, raw_at: list[int], scans: list[int]) -> dict[str, S.Step]:
     if batch == 1:
         return {"token": S.Step("token", k=k)}
+    mine = [m for at, m in step_budgets if at in (None, batch)]
     raw = {"batch-raw=token": S.Step("batch", k=k, weigh="raw")} if batch in raw_at else {}
     narrow = {f"batch-x{m:g}-scan{s}": S.Step("batch", limit=m * one, scan=s)
-              for s in scans for m in step_budgets if m < 4} if batch in raw_at else {}
+              for s in scans for m in mine if m < 4} if batch in raw_at else {}
     return {"token": S.Step("token", k=k), "batch=token": S.Step("batch", k=k), **raw,
-            **{f"batch-x{m:g}": S.Step("batch", limit=m * one) for m in step_budgets}, **narrow}
+            **{f"batch-x{m:g}": S.Step("batch", limit=m * one) for m in mine}, **narrow}
 
 
 def generation_sequences(tokenizer, items) -> tuple[list[R.Sequence], list[int]]:
@@ -161,29 +170,58 @@ def write_report(report: dict, out: Path) -> None:
         f.write("\n".join(lines))
 
 
+def holding(cells: list[dict], batch: int, limit: float) -> dict | None:
+    """The batch rule's cell with the least reads whose KL stays within `limit`, at that B."""
+    ok = [c for c in cells if c["batch"] == batch and c["rule"].startswith("batch") and "raw" not in c["rule"]
+          and "scan" not in c["rule"] and c["kl_mean"] <= limit]
+    return min(ok, key=lambda c: c["x_one_token"], default=None)
+
+
 def plot(report: dict, out: Path) -> Path:
+    """Left: KL against union reads per step, a curve per B (the batch rule; x: independent top-k).
+    Middle: union reads per step against B, independent top-k and the batch rule's least measured
+    reads that hold KL within 1.5x of B = 1. Right: the accounting on the full-size geometries."""
     plt = _pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(17, 4.8))
     cells = report["cells"]
-    for i, name in enumerate(dict.fromkeys(c["rule"] for c in cells)):
-        mine = sorted((c for c in cells if c["rule"] == name or (c["batch"] == 1 and name != "token")),
-                      key=lambda c: c["batch"])
-        left.plot([c["batch"] for c in mine], [c["x_one_token"] for c in mine], marker="o", color=f"C{i}", label=name)
+    one = next(c for c in cells if c["batch"] == 1)
+    batches = sorted({c["batch"] for c in cells if c["batch"] > 1})
+    for i, b in enumerate(batches):
+        curve = sorted((c for c in cells if c["batch"] == b and c["rule"].startswith("batch")
+                        and "raw" not in c["rule"] and "scan" not in c["rule"]), key=lambda c: c["x_one_token"])
+        left.plot([c["x_one_token"] for c in curve], [c["kl_mean"] for c in curve], marker="o", color=f"C{i}",
+                  label=f"B = {b}: batch rule")
+        token = next(c for c in cells if c["batch"] == b and c["rule"] == "token")
+        left.scatter([token["x_one_token"]], [token["kl_mean"]], marker="x", s=80, color=f"C{i}",
+                     label=f"B = {b}: independent top-k")
+    left.axhline(one["kl_mean"], color="gray", linestyle="--", label="B = 1")
+    left.axhline(1.5 * one["kl_mean"], color="gray", linestyle=":", label="1.5x B = 1")
+    left.set(xlabel="union reads per step, x one token's", ylabel="KL(full || reader), mean", yscale="log",
+             title=f"{report['settings']['model']}: quality against step reads (CPU)")
+    left.legend(fontsize=7)
+    limit = 1.5 * one["kl_mean"]
+    xs = [1] + batches
+    token_x = [1.0] + [next(c for c in cells if c["batch"] == b and c["rule"] == "token")["x_one_token"]
+                       for b in batches]
+    held = [1.0] + [(holding(cells, b, limit) or {}).get("x_one_token", float("nan")) for b in batches]
+    mid.plot(xs, token_x, marker="x", label="independent top-k (its union)")
+    mid.plot(xs, held, marker="o", label="batch rule, least measured reads with KL <= 1.5x B = 1")
     full = report["full_batch_x"]
-    left.plot(list(map(int, full)), list(full.values()), color="gray", linestyle=":", label="full batch")
-    left.set(xlabel="tokens per step B", ylabel="union reads per step, x one token's", yscale="log",
-             title=f"{report['settings']['model']} (measured, CPU)")
-    left.legend(fontsize=8)
+    mid.plot([int(b) for b in full], list(full.values()), color="gray", linestyle=":", label="full batch")
+    mid.set(xlabel="tokens per step B", ylabel="union reads per step, x one token's", yscale="log",
+            title="reads that hold batch-1 quality (measured)")
+    mid.legend(fontsize=7)
     for i, name in enumerate(GEOMETRIES):
-        rows = [r for r in report["geometries"] if r["geometry"] == name and r["step_budget"] == 2]
+        rows = [r for r in report["geometries"] if r["geometry"] == name]
         b = [r["batch"] for r in rows]
-        right.plot(b, [r["token_x"] for r in rows], marker="o", color=f"C{i}", label=f"{name}: independent top-k (at most)")
-        right.plot(b, [r["batch_x"] for r in rows], marker="s", color=f"C{i}", linestyle="--",
-                   label=f"{name}: batch rule, 2x one token")
+        right.plot(b, [r["token_x"] for r in rows], marker="x", color=f"C{i}", label=f"{name}: independent top-k (at most)")
+        right.plot(b, [r["batch_x"] for r in rows], marker="o", color=f"C{i}", linestyle="--",
+                   label=f"{name}: batch rule at 2x (its floor where above)")
+        right.plot(b, [r["sketch_x"] for r in rows], color=f"C{i}", linestyle="-.", label=f"{name}: the union's sketch")
         right.plot(b, [r["full_x"] for r in rows], color=f"C{i}", linestyle=":", label=f"{name}: full batch")
     right.set(xlabel="tokens per step B", ylabel="union reads per step, x one token's", yscale="log",
               title="accounting, uniform routing")
-    right.legend(fontsize=7)
+    right.legend(fontsize=6)
     fig.tight_layout()
     path = out / "union_reads.png"
     fig.savefig(path, dpi=110)
@@ -200,7 +238,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--budget", type=float, default=17.8)
     ap.add_argument("--rank", type=int, default=0, help="recovery rank (default 0: rank 32 reads 18.5%% on the tiny geometry)")
-    ap.add_argument("--step-budgets", default="2,3,4")
+    ap.add_argument("--step-budgets", default="2,3,4", metavar="M,B:M,..",
+                    help="the batch rule's step reads, x one token's: at every B, or B:M at B only")
     ap.add_argument("--raw", default="8", metavar="B,..",
                     help="the raw-score ablation and the --scans variants at these B (default 8)")
     ap.add_argument("--scans", default="", metavar="S,..", help="batch-rule scan widths to try (default none)")
@@ -212,7 +251,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    step_budgets = [float(m) for m in args.step_budgets.split(",")]
+    step_budgets = parse_step_budgets(args.step_budgets)
     work, out = Path(args.work), Path(args.out)
     (work / "cells").mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -271,7 +310,7 @@ def main() -> None:
                     write_json(cell(run, b, name, rule, inner), str(path))
             results.append(json.loads(path.read_text()))
             bar.update(1)
-    report = {"settings": key | {"batches": batches, "step_budgets": step_budgets, "one_token_bytes": one,
+    report = {"settings": key | {"batches": batches, "step_budgets": args.step_budgets, "one_token_bytes": one,
                                  "routing": "uniform (accounting)", "machine": "CPU"},
               "full_model": full_model, "cells": results,
               "full_batch_x": {str(b): A.full_reads(geo, layout, A.expected_union(geo, b)) / one for b in batches},
