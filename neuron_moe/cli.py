@@ -29,6 +29,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _tcp_port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {value}")
+    return value
+
+
 def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
     from .parallel.layout import EXPERT_LAYOUTS
 
@@ -143,6 +150,9 @@ def cmd_validate(args) -> int:
             ("prompt", "prompt"), ("seq_match", "SEQ_MATCH"), ("first_divergence", "first diff"),
             ("max_abs_dlogit_step0", "max|Δlogit| step 0"), ("min_cosine", "min cosine", "{:.7f}"),
         ]))
+        for row in report["prompts"]:
+            if not row["finite_logits"]:
+                print(f"\n{row['prompt']!r}: NaN or inf among the logits (a failed comparison)")
         print("\nreference (greedy) continuations, up to the first EOS:")
         for row in report["prompts"]:
             print(f"  {row['prompt']!r} -> {row['reference_text']!r}")
@@ -257,7 +267,7 @@ def _serve_parser(sub) -> None:
                    help="where s3:// artifacts are pulled to (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="CPU backend dtype (default: the port's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--port", type=_tcp_port, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NEURON_MOE_API_KEY; unset: open)")
     p.add_argument("--max-running", type=_positive_int, default=1, metavar="N",
@@ -265,7 +275,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=32, metavar="N",
                    help="requests waiting beyond those; more get 429 + Retry-After (default: 32)")
     p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
-                   help="on SIGTERM, seconds to let requests in flight finish (default: 60)")
+                   help="on SIGTERM, seconds to let requests in flight finish; those still running then end "
+                        "with an error event (streams) or a 503 (default: 60)")
+    p.add_argument("--max-body-bytes", type=_positive_int, metavar="N",
+                   help="larger request bodies get 413 before they are read (default: 4194304, 4 MiB)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 def cmd_reads(args) -> int:
@@ -601,13 +614,33 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _check_outputs(args) -> None:
+    """Every output path a command was given, checked before its work starts (not after an upload
+    or an hour of training). `--out` is a directory but for prep-reader's sidecar."""
+    from .report import check_output
+
+    if getattr(args, "json", None):
+        check_output(args.json)
+    if getattr(args, "out", None):
+        file = args.command == "prep-reader"
+        check_output(args.out, directory=not file, seekable=file)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        _check_outputs(args)
         return args.func(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
+    except OSError as e:  # the system refused (a full disk, a read-only or missing path): one line, not a bug
+        return _error(f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
+
+
+def _error(message: str) -> int:
+    """One `error:` line, whatever the message (a library's may span several): exit 2."""
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

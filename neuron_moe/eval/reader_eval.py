@@ -21,7 +21,6 @@ atomically, so a rerun skips what is done; a budget a selector cannot reach is a
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from ..errors import UserError
 from ..experts.selector import attach_selector, moe_layers
 from ..reader import selectors
 from ..reader.accounting import SECTOR, BudgetError, full_bytes
-from ..report import write_json
+from ..report import read_json_object, write_json
 from . import tasks as T
 
 RULES = ("topk", "threshold")
@@ -321,6 +320,11 @@ class Run:
         }
 
 
+def _read(path: Path) -> dict:
+    """A file of OUT, written by an earlier run: a corrupt one is named, never a traceback."""
+    return read_json_object(path, EvalError, f"{path}: missing")
+
+
 def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool) -> Run:
     """Load the model and data; check OUT holds nothing from other weights or settings; prep the
     sidecar into OUT once."""
@@ -334,7 +338,7 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
     out.mkdir(parents=True, exist_ok=True)
     run_file = out / "run.json"
     if run_file.exists():
-        before = json.loads(run_file.read_text())
+        before = _read(run_file)
         if before != key:
             changed = sorted(k for k in key if before.get(k) != key[k])
             raise EvalError(f"{out} holds cells of another run (different {', '.join(changed)}); "
@@ -384,14 +388,16 @@ def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: li
                 bar.set_postfix_str(cell_name(spec, rule, budget))
                 with tqdm(total=per_cell, desc=cell_name(spec, rule, budget), leave=False) as inner:
                     write_json(run.cell(spec, rule, budget, inner), str(path))
-            results.append(json.loads(path.read_text()))
+            results.append(_read(path))
             bar.update(1)
-    full_acc = json.loads(full_file.read_text())["accuracy"]
+    full_acc = _read(full_file).get("accuracy")
+    if not isinstance(full_acc, dict):
+        raise EvalError(f"{full_file}: no 'accuracy' object; remove the file to recompute it")
     for row in results:
         if row["status"] == "ok":
             row["accuracy_percent_of_full"] = (100 * row["accuracy"]["correct"] / full_acc["correct"]
                                                if full_acc["correct"] else None)
-    report = {"model": port.name, "settings": json.loads((out / "run.json").read_text()),
+    report = {"model": port.name, "settings": _read(out / "run.json"),
               "generation": "greedy, the selector on every token (prefill and decode alike)",
               "teacher_forced": "prompt + answer + EOS; scored: the positions that predict an answer token, and "
                                 "every position of the held-out text",
