@@ -108,13 +108,7 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
 
 def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, float, int | None]:
     """Sidecar path, budget and rank: the CLI's where given, else the port's [reader] section."""
-    section = port.raw.get("reader", {})
-    unknown = sorted(set(section) - {"sidecar", "budget", "rank"})
-    if unknown:
-        raise UserError(f"{port.path} [reader]: unknown field(s) {unknown}; expected budget, rank, sidecar")
-    for key, kinds in (("sidecar", str), ("budget", (int, float)), ("rank", int)):
-        if key in section and (not isinstance(section[key], kinds) or isinstance(section[key], bool)):
-            raise UserError(f"{port.path} [reader]: field '{key}' has the wrong type ({section[key]!r})")
+    section = port.raw.get("reader", {})  # its fields and their types checked by load_port
     if sidecar is None and "sidecar" in section:
         sidecar = port.path.parent / section["sidecar"]
     budget = section.get("budget") if budget is None else budget
