@@ -237,7 +237,7 @@ def write_sidecar(out: Path, weights: Iterable[tuple[torch.Tensor, torch.Tensor]
     digest_at = 8 + text.index(placeholder.encode())
 
     out = Path(out)
-    with atomic_write(out, "wb") as f:
+    with atomic_write(out, "wb", seekable=True) as f:  # the digest is patched in at the end
         f.write(struct.pack("<Q", len(text)) + text)
 
         def put(name, tensor):
@@ -307,6 +307,10 @@ class Sidecar:
         if (fields["block"], fields["codes_per_byte"]) != (BLOCK, CODES_PER_BYTE):
             raise SidecarError(f"{self.path}: block {fields['block']}, {fields['codes_per_byte']} codes per byte; "
                                f"this build reads block {BLOCK}, {CODES_PER_BYTE} codes per byte")
+        if not 1 <= fields["layers"] <= len(keys):
+            # before the table of every layer's tensors is built: a header claiming 10^8 layers is not believed
+            raise SidecarError(f"{self.path}: metadata says {fields['layers']} layers; the file holds "
+                               f"{len(keys)} tensors (1 + {len(LAYER_TENSORS)} per layer)")
         self.scan, self.seed, self.layers = fields["scan"], fields["seed"], fields["layers"]
         self.source_sha256 = meta.get("source_sha256", "")
         self.layout = Layout(fields["hidden"], fields["experts"], fields["intermediate"], fields["rank"])
@@ -348,7 +352,7 @@ def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0,
     if checkpoint is not None:
         from ..checkpoint import iter_expert_weights, read_config
 
-        config = read_config(Path(checkpoint))
+        config = read_config(Path(checkpoint), port.config, port.name)
         weights = iter_expert_weights(Path(checkpoint), config)
     elif port.weights_source == "random":
         from ..model import build_model
