@@ -35,15 +35,16 @@ full-size one) it builds the modules on the meta device and exports each key the
 without weights: nothing under graphs/), then writes the manifest and shard plan.
 
 Nothing is half-written: the directory is built as a hidden sibling and renamed into place when
-complete. An existing DIR is refused unless --overwrite; leftovers of an interrupted run (the
-hidden siblings) are removed by the next run.
+complete. An existing DIR is refused unless --overwrite, and --overwrite replaces only an artifact
+(a directory with our manifest), never another directory. A run holds a lock on DIR (`.DIR.lock`
+beside it) from start to end: a second run on the same DIR is refused, so the hidden siblings a
+run finds are an interrupted run's leftovers, and it removes them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import os
 import shutil
 import tempfile
@@ -54,7 +55,7 @@ from tqdm import tqdm
 
 from ..errors import UserError
 from ..parallel.layout import EXPERT_LAYOUTS
-from ..report import read_json_object
+from ..report import check_output, dumps, read_json_object, run_lock
 
 MANIFEST = "manifest.json"
 MODEL = "model.pt"
@@ -147,17 +148,27 @@ def _sha256(path: Path) -> str:
 
 
 def _prepare_out(out: Path, overwrite: bool) -> Path:
-    """A fresh hidden sibling of `out` to build in; stale ones of earlier runs removed."""
+    """A fresh hidden sibling of `out` to build in; stale ones of earlier runs removed (call it
+    holding the run lock of `out`: then every other sibling is a dead run's)."""
     out = out.resolve()
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        what = "a complete artifact" if (out / MANIFEST).is_file() else "files but no manifest (not ours, or partial)"
-        raise ArtifactError(f"{out} already holds {what}; pass --overwrite to replace it, or choose another --out")
+    if out.exists() and any(out.iterdir()):
+        manifest = out / MANIFEST
+        if not manifest.is_file():
+            raise ArtifactError(f"{out} holds files but no manifest: not a trace-and-compile artifact, which "
+                                "--overwrite never replaces; remove it yourself, or choose another --out")
+        raw = read_json_object(manifest, ArtifactError, "")
+        if not isinstance(raw.get("format"), int) or not isinstance(raw.get("files"), dict):
+            raise ArtifactError(f"{manifest} is not a trace-and-compile manifest (no 'format' and 'files'); {out} is "
+                                "not replaced, --overwrite or not: remove it yourself, or choose another --out")
+        if not overwrite:
+            raise ArtifactError(f"{out} already holds a complete artifact; pass --overwrite to replace it, "
+                                "or choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     prefix = _PARTIAL.format(name=out.name)
     for stale in out.parent.glob(prefix + "*"):
-        shutil.rmtree(stale, ignore_errors=True)  # an interrupted run's leftovers, never the output
+        shutil.rmtree(stale, ignore_errors=True)  # a dead run's leftovers (a live one would hold the lock)
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would become the published directory's mode
     return tmp
@@ -257,32 +268,34 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     if not dry_run and not has_weights:
         raise ArtifactError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
     out = Path(out)
-    tmp = _prepare_out(out, overwrite)
-    try:
-        full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout) if has_weights else None
-        if dry_run:
-            module, files, exported = _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp, export,
-                                               expert_layout, logits)
-        else:
-            module, files, exported = _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp, expert_layout,
-                                              logits)
-        plan = shard_plan(module, full, tp, expert_layout)
-        _atomic_write(tmp / SHARD_PLAN, lambda p: p.write_text(json.dumps(plan, indent=1)))
-        files = [*files, SHARD_PLAN]
-        contract, state = _contract(module, spec, keys, logits)
-        manifest = {
-            "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "expert_layout": expert_layout,
-            "buckets": list(spec.buckets),
-            "max_length": spec.max_cache_len, "batch_size": spec.batch_size, "logits": logits,
-            "keys": {k: dict(contract[k], exported=exported) for k in keys}, "state": state,
-            "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
-            "files": {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)},
-        }
-        _atomic_write(tmp / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    check_output(out, directory=True)
+    with run_lock(out.resolve(), "trace-and-compile"):
+        tmp = _prepare_out(out, overwrite)
+        try:
+            full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout) if has_weights else None
+            if dry_run:
+                module, files, exported = _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp, export,
+                                                   expert_layout, logits)
+            else:
+                module, files, exported = _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp, expert_layout,
+                                                  logits)
+            plan = shard_plan(module, full, tp, expert_layout)
+            _atomic_write(tmp / SHARD_PLAN, lambda p: p.write_text(dumps(plan, indent=1)))
+            files = [*files, SHARD_PLAN]
+            contract, state = _contract(module, spec, keys, logits)
+            manifest = {
+                "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "expert_layout": expert_layout,
+                "buckets": list(spec.buckets),
+                "max_length": spec.max_cache_len, "batch_size": spec.batch_size, "logits": logits,
+                "keys": {k: dict(contract[k], exported=exported) for k in keys}, "state": state,
+                "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
+                "files": {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)},
+            }
+            _atomic_write(tmp / MANIFEST, lambda p: p.write_text(dumps(manifest, indent=1) + "\n"))
+            _publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return dict(manifest, out=str(out.resolve()))
 
 
