@@ -11,13 +11,18 @@ import time
 import uvicorn
 
 
+def server_config(app) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+
+
 @contextlib.contextmanager
-def serving(app, timeout_s: float = 30.0):
-    """Run `app` on 127.0.0.1 (a port the OS picks) and yield its base URL."""
+def serving(app, timeout_s: float = 30.0, server: uvicorn.Server | None = None):
+    """Run `app` on 127.0.0.1 (a port the OS picks) and yield its base URL; `server`: a uvicorn
+    Server of `server_config(app)` to run it with, instead of a plain one."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    server = server or uvicorn.Server(server_config(app))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
     thread.start()
     try:

@@ -15,7 +15,8 @@ from neuron_moe.generate import greedy, left_pad
 from neuron_moe.neuron.compile import FORMAT
 from neuron_moe.serve import neuron
 from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
-from neuron_moe.serve.engine import Engine, HFBackend, RequestError, SamplingParams, held_back, sample
+from neuron_moe.serve.engine import (Engine, GenerationError, HFBackend, RequestError, SamplingParams, held_back,
+                                     sample)
 from neuron_moe.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()
@@ -118,7 +119,29 @@ def test_cancelled_generation_stops_without_a_final_step():
     assert len(steps) == 3 and steps[-1].finish_reason is None
 
 
+def test_non_finite_logits_fail_the_request_not_answer_it(tiny_port):
+    """NaN logits (issue 26, item 4): greedy used to return the argmax of NaNs as a token (empty text),
+    sampling a 500 from multinomial; both are now the same clear failure."""
+    nan_from = Scripted([b + BYTES.offset for b in b"abc"])
+    inner = nan_from._logits
+    nan_from._logits = lambda i: inner(i) if i < 2 else torch.full((BYTES.vocab_size,), float("nan"))
+    engine = Engine(nan_from, BYTES, 512, {BYTES.eos_token_id})
+    for temperature in (0.0, 1.0):
+        steps = []
+        with pytest.raises(GenerationError, match="non-finite logits .* at step 2"):
+            for step in engine.generate([2], SamplingParams(8, temperature=temperature, seed=0)):
+                steps.append(step)
+        assert "".join(s.text for s in steps) == "ab"
+
+
 # ---- sampling ------------------------------------------------------------------------------------
+
+def test_a_vanishing_temperature_or_top_p_samples_the_top_token():
+    """Found by tests/test_fuzz.py: a schema-valid temperature of 1e-300 overflowed logits / T to inf
+    and softmax to NaN; a top_p of 5e-324 is 0 in float32 and kept no token (multinomial failed)."""
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    for temperature, top_p in ((1e-300, 1.0), (5e-324, 1.0), (1e-6, 1.0), (1.0, 5e-324), (1.0, 1e-9)):
+        assert sample(logits, temperature, top_p, torch.Generator().manual_seed(0)) == 0
 
 def _frequencies(logits, n=4000, **kw):
     gen = torch.Generator().manual_seed(0)

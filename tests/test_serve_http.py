@@ -3,7 +3,10 @@ where the wire format itself is the point): responses validate against OpenAI's 
 every error case answers in OpenAI's shape with the right status."""
 
 import copy
+import json
+import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -15,8 +18,9 @@ from neuron_moe.errors import UserError
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.chat import render_chat
 from neuron_moe.serve.engine import SamplingParams, load_engine
+from neuron_moe.serve.server import DrainingServer
 
-from serving import serving, sse_events, wait_for
+from serving import server_config, serving, sse_events, wait_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MODEL = "tiny-gemma4-moe"
@@ -182,10 +186,13 @@ def test_models_health_and_ping(url):
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
     (dict(messages=None), "messages"),
     (dict(seed="seven"), "seed"),
+    (dict(messages=[{"role": "user", "content": "\ud800"}]), "messages.0.content"),  # a lone surrogate
+    (dict(stop=["ok", "\udfff"]), "stop"),
 ])
 def test_invalid_requests_are_400(url, edit, param):
     body = {k: v for k, v in chat_body(**edit).items() if v is not None}
-    error = assert_openai_error(httpx.post(f"{url}/v1/chat/completions", json=body), 400, param=param)
+    r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+    error = assert_openai_error(r, 400, param=param)
     assert error["type"] == "invalid_request_error"
 
 
@@ -337,3 +344,100 @@ def test_a_draining_server_refuses_new_requests_with_503(engine):
         assert_openai_error(r, 503, code="draining")
         assert int(r.headers["retry-after"]) > 0
         assert health(url)["status"] == "draining"
+
+
+# ---- hostile clients: huge bodies, slow tokenizing (issue 26, item 2) -----------------------------------
+
+def test_a_body_over_the_limit_is_413_in_openai_shape(engine):
+    big = chat_body(messages=[{"role": "user", "content": "x" * 10_000}])
+    data = json.dumps(big).encode()
+    with serving(make_app(engine, max_body_bytes=4096)) as url:
+        ready(url)
+        r = httpx.post(f"{url}/v1/chat/completions", json=big)  # Content-Length says it: refused unread
+        assert "larger than this server's limit of 4096 bytes" in assert_openai_error(
+            r, 413, code="request_too_large")["message"]
+        chunked = (data[i:i + 1000] for i in range(0, len(data), 1000))  # no Content-Length: refused as it grows
+        r = httpx.post(f"{url}/v1/chat/completions", content=chunked, headers={"content-type": "application/json"})
+        assert_openai_error(r, 413, code="request_too_large")
+        assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
+
+
+class SlowTokenizer:
+    """The engine's tokenizer, taking `seconds` to encode (time.sleep holds no GIL: only the event loop
+    being blocked can delay /health) and counting its calls."""
+
+    def __init__(self, inner, seconds):
+        self.inner, self.seconds = inner, seconds
+        self.calls, self.busy = 0, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text):
+        self.calls += 1
+        self.busy.set()
+        time.sleep(self.seconds)
+        return self.inner.encode(text)
+
+
+def test_health_answers_while_a_prompt_is_tokenized(engine):
+    """A 10 MB prompt took 15 s in the tokenizer, on the event loop: /health waited as long."""
+    slow = copy.copy(engine)
+    slow.tokenizer = SlowTokenizer(engine.tokenizer, 3.0)
+    with serving(make_app(slow)) as url:
+        ready(url)
+        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1}
+        answers = []
+        sender = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                           timeout=60)))
+        sender.start()
+        assert slow.tokenizer.busy.wait(30)
+        start = time.perf_counter()
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        assert time.perf_counter() - start < 1.0
+        sender.join(60)
+    assert answers[0].status_code == 200
+
+
+def test_a_prompt_longer_than_the_context_could_hold_is_refused_untokenized(engine):
+    counting = copy.copy(engine)
+    counting.tokenizer = SlowTokenizer(engine.tokenizer, 0.0)
+    n_bytes = engine.max_prompt * engine.tokenizer.max_token_bytes + 1  # more than any 512 tokens can be
+    with serving(make_app(counting)) as url:
+        ready(url)
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x" * n_bytes, "max_tokens": 1})
+        assert f"the prompt is {n_bytes} bytes" in assert_openai_error(r, 400, param="prompt")["message"]
+        wide = chat_body(messages=[{"role": "user", "content": "é" * n_bytes}])  # 2 bytes a character
+        r = httpx.post(f"{url}/v1/chat/completions", json=wide)
+        assert_openai_error(r, 400, param="messages")
+    assert counting.tokenizer.calls == 0
+
+
+# ---- the drain deadline (item 7) ------------------------------------------------------------------------
+
+def test_past_the_drain_timeout_requests_in_flight_end_properly(endless_engine):
+    """They used to be cut: a chunked stream without its end (no error event, no [DONE]), or a plain-text
+    500. Now a stream ends with an error event and [DONE], a plain request with a 503 JSON body."""
+    spy = Spy(endless_engine)
+    app = make_app(spy, max_running=2)
+    server = DrainingServer(server_config(app), drain_timeout=1.0)
+    plain = []
+    with serving(app, server=server) as url:
+        ready(url)
+        sender = threading.Thread(target=lambda: plain.append(httpx.post(
+            f"{url}/v1/chat/completions", json=chat_body(max_tokens=450), timeout=60)))
+        sender.start()
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=450, stream=True),
+                          timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            wait_for(lambda: spy.steps >= 4 and health(url)["running"] == 2, what="both requests to generate")
+            start = time.perf_counter()
+            server.handle_exit(signal.SIGTERM, None)
+            events = sse_events(lines)
+        assert 0.9 < time.perf_counter() - start < 4.5  # at the deadline, not at uvicorn's own later one
+        sender.join(30)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "draining"
+    assert set(events[-2]["error"]) == ERROR_KEYS and "drain timeout" in events[-2]["error"]["message"]
+    assert_openai_error(plain[0], 503, code="draining")
+    wait_for(lambda: spy.outcomes == ["cancelled", "cancelled"], what="both generations to stop")

@@ -33,6 +33,10 @@ class RequestError(UserError):
         self.param = param
 
 
+class GenerationError(RuntimeError):
+    """The model failed a request mid-way (a server fault: answered 500 or an error event)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -49,9 +53,14 @@ class Step:
     completion_tokens: int  # tokens generated so far (an EOS counts)
 
 
+# Below this temperature, sampling is greedy: logits / 1e-300 overflow to inf and softmax to NaN
+# (vLLM draws the line at the same place).
+GREEDY_BELOW = 1e-5
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token from [V] logits: argmax at temperature 0, else nucleus sampling."""
-    if temperature == 0:
+    """One token from [V] logits: argmax at temperature 0 (or below GREEDY_BELOW), else nucleus sampling."""
+    if temperature < GREEDY_BELOW:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
@@ -59,6 +68,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
         # keep a token while the mass of the tokens before it is still short of top_p:
         # the smallest prefix whose mass reaches top_p (the top token always stays)
         keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+        keep[0] = True  # also when top_p underflows in float32 (5e-324 is 0 there)
         return int(order[torch.multinomial(sorted_p * keep, 1, generator=generator)])
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -119,6 +129,8 @@ class Engine:
         for i in range(params.max_tokens):
             if cancelled is not None and cancelled.is_set():
                 return
+            if not self.greedy_only and not torch.isfinite(out).all():  # else argmax picks a NaN, sampling fails
+                raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {i}")
             token = int(out) if self.greedy_only else sample(out, params.temperature, params.top_p, generator)
             if token in self.eos_ids:
                 yield Step(self._text(tokens)[sent:], "stop", i + 1)

@@ -7,7 +7,9 @@ that fails stops the server with that error (exit 2), so a container restarts.
 
 SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
 --drain-timeout for the requests in flight to finish, new requests on open connections get
-503 + Retry-After, and the process exits 0.
+503 + Retry-After, and the process exits 0. A request still running at the deadline is ended
+properly (a stream: an error event, then [DONE]; a plain request: a 503 JSON body), and uvicorn
+is given DRAIN_GRACE_S more to send those endings before it cuts connections itself.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from pathlib import Path
 
 import uvicorn
 
+from ..checkpoint import read_config
 from ..errors import UserError
 from ..port import DTYPES, load_port
 
 log = logging.getLogger("neuron_moe.serve")
 S3_SCHEME = "s3://"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+DRAIN_GRACE_S = 5.0
 
 
 class ServeError(UserError):
@@ -57,6 +61,8 @@ def plan_load(args):
     port = load_port(args.model)
     if args.max_queue < 0:
         raise ServeError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if args.drain_timeout < 0:
+        raise ServeError(f"--drain-timeout must be 0 or more, got {args.drain_timeout}")
     artifacts, pull = args.artifacts, None
     if artifacts and artifacts.startswith(S3_SCHEME):
         pull = s3_pull_function()
@@ -69,6 +75,9 @@ def plan_load(args):
         local = None
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    if checkpoint is not None or (local is not None and pull is None and args.backend != "neuron"):
+        # a checkpoint of another model, or a broken config, fails now, not after binding
+        read_config(checkpoint or local, port.config, port.name)
     if args.backend == "neuron":
         from . import neuron
 
@@ -99,14 +108,21 @@ def plan_load(args):
 
 
 class DrainingServer(uvicorn.Server):
+    """uvicorn, its graceful shutdown DRAIN_GRACE_S longer than the app's own drain deadline."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout: float):
+        config.timeout_graceful_shutdown = drain_timeout + DRAIN_GRACE_S
+        super().__init__(config)
+        self.drain_timeout = drain_timeout
+
     def handle_exit(self, sig, frame):
-        self.config.app.state.server.draining = True
-        log.info("signal %d: draining the requests in flight, then exiting", sig)
+        self.config.app.state.server.drain(self.drain_timeout)
+        log.info("signal %d: draining the requests in flight (up to %g s), then exiting", sig, self.drain_timeout)
         super().handle_exit(sig, frame)
 
 
 def run(args) -> int:
-    from .app import create_app
+    from .app import MAX_BODY_BYTES, create_app
 
     port, load = plan_load(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
@@ -119,10 +135,10 @@ def run(args) -> int:
         server.should_exit = True
 
     app = create_app(load, model_name=port.name, api_key=args.api_key, max_running=args.max_running,
-                     max_queue=args.max_queue, on_load_error=on_load_error)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
-    server = DrainingServer(config)
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES,
+                     on_load_error=on_load_error)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
+    server = DrainingServer(config, args.drain_timeout)
     # uvicorn re-raises the signal it drained on once it is done; with the default handlers
     # that would kill a cleanly drained process (SIGTERM) or print a traceback (SIGINT).
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
