@@ -153,11 +153,16 @@ def test_fuzz_completion_requests(http, body, raw):
 
 # ---- the files a user can pass ----------------------------------------------------------------------------
 
+# what a careless edit puts in a field: a size of zero, a negative or absurd one, the wrong type
+CONFUSIONS = [0, -1, 10**9, 10**30, 1e308, 1.5, "", "x", "8", True, [], [1], {}, {"a": 1}]
+
+
 def mutations(fields: dict, values=json_values):
-    """(key, value) edits of a dict: an existing field set to any value or deleted (None as the
-    action), or an unknown field added."""
-    keys = st.sampled_from(sorted(fields)) | any_text
-    return st.lists(st.tuples(keys, st.one_of(st.just(DELETE), values)), min_size=1, max_size=3)
+    """(key, value) edits of a dict: mostly an existing field set to a confusing value, to any
+    value, or deleted (DELETE); sometimes an unknown field added."""
+    keys = st.one_of(*[st.sampled_from(sorted(fields))] * 3, any_text)
+    edits = st.one_of(st.sampled_from(CONFUSIONS), st.sampled_from(CONFUSIONS), values, st.just(DELETE))
+    return st.lists(st.tuples(keys, edits), min_size=1, max_size=3)
 
 
 DELETE = object()
@@ -286,7 +291,8 @@ def small_sidecar(tmp_path_factory):
 def test_fuzz_sidecar_metadata(small_sidecar, tmp_path, edits):
     meta, tensors = small_sidecar
     path = tmp_path / "s.safetensors"
-    save_file(tensors, path, metadata={str(k): v for k, v in mutated(meta, edits).items()})
+    metadata = {str(k): str(v) for k, v in mutated(meta, edits).items()}  # safetensors takes strings only
+    save_file(tensors, path, metadata=metadata)
     expect_user_error_or_nothing(lambda: Sidecar(path))
 
 
