@@ -75,9 +75,6 @@ def plan_load(args):
         local = None
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
-    if checkpoint is not None or (local is not None and pull is None and args.backend != "neuron"):
-        # a checkpoint of another model, or a broken config, fails now, not after binding
-        read_config(checkpoint or local, port.config, port.name)
     if args.backend == "neuron":
         from . import neuron
 
@@ -93,6 +90,8 @@ def plan_load(args):
         if checkpoint is not None:
             raise ServeError("give the CPU backend's weights once: --checkpoint or --artifacts, not both")
         checkpoint = local if pull is None else None
+    if checkpoint is not None:  # a checkpoint of another model, or a broken config, fails now, not after binding
+        read_config(checkpoint, port.config, port.name)
 
     def load():
         nonlocal checkpoint
