@@ -61,29 +61,39 @@ def _target(path: Path) -> tuple[Path, os.stat_result | None]:
         raise OutputError(f"{path}: {e.strerror}") from None
 
 
+def _file_output(dest: str | Path, seekable: bool) -> tuple[str, Path | None, os.stat_result | None]:
+    """How a file output is written: ("stdout" | "stream" | "file", where it lands, what is there
+    now). A directory is refused, and a stream (stdout, a FIFO, a device) when written with seeks."""
+    if str(dest) == "-":
+        kind, target, st = "stdout", None, None
+    else:
+        target, st = _target(Path(dest))
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise OutputError(f"{dest} is a directory; give a file name")
+        kind = "file" if st is None or stat.S_ISREG(st.st_mode) else "stream"
+    if seekable and kind != "file":
+        raise OutputError(f"{dest} is not a regular file; this output is written with seeks, so it needs one")
+    return kind, target, st
+
+
 def check_output(dest: str | Path, directory: bool = False, seekable: bool = False) -> None:
-    """Fail now, before any work, when `dest` cannot be written: it is a directory (or, for a
-    `directory` output, a file), a parent on the way is a file, or the folder it goes in is not
-    writable. '-' (stdout) and existing non-regular files (a FIFO, /dev/null) are fine for a file
-    unless it is written with seeks (`seekable`, as `atomic_write` says)."""
-    if str(dest) == "-" and not directory:
-        if seekable:
-            raise OutputError("this output is written with seeks: give a file, not '-' (stdout)")
-        return
+    """Fail now, before any work, when `dest` cannot be written: a file output that is a directory
+    (or a stream, when `seekable`), a directory output that is a file, a parent on the way that is
+    a file, or a folder it goes in that is not writable. '-' is stdout."""
     path = Path(dest)
-    target, st = _target(path)
-    if st is not None:
-        if directory:
+    if directory:
+        target, st = _target(path)
+        if st is not None:
             if not stat.S_ISDIR(st.st_mode):
                 raise OutputError(f"{path} exists and is not a directory")
             if not os.access(path, os.W_OK | os.X_OK):
                 raise OutputError(f"{path}: directory not writable")
             return
-        if stat.S_ISDIR(st.st_mode):
-            raise OutputError(f"{path} is a directory; give a file name")
-        if not stat.S_ISREG(st.st_mode):
-            if seekable:
-                raise OutputError(f"{path} is not a regular file; this output is written with seeks, so it needs one")
+    else:
+        kind, target, _ = _file_output(dest, seekable)
+        if kind == "stdout":
+            return
+        if kind == "stream":
             if not os.access(path, os.W_OK):
                 raise OutputError(f"{path}: not writable")
             return
@@ -121,19 +131,13 @@ def atomic_write(path: Path, mode: str = "w", seekable: bool = False):
     has nothing to replace), unless the writer needs to `seekable` back. A directory is refused.
     A new file gets the mode a plain open() would give it (mkstemp's own is 0600: results
     unreadable by anyone else); a replaced one keeps its mode."""
-    if str(path) == "-":
-        if seekable:
-            raise OutputError("this output is written with seeks: give a file, not '-' (stdout)")
+    kind, target, st = _file_output(path, seekable)
+    if kind == "stdout":
         yield sys.stdout.buffer if "b" in mode else sys.stdout
         sys.stdout.flush()
         return
     path = Path(path)
-    target, st = _target(path)
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        raise OutputError(f"{path} is a directory; give a file name")
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        if seekable:
-            raise OutputError(f"{path} is not a regular file; this output is written with seeks, so it needs one")
+    if kind == "stream":
         with _storage_errors(path), open(path, mode) as f:
             yield f
         return
@@ -219,7 +223,7 @@ def run_lock(path: Path, what: str):
                                   "wait for it to finish, or choose another output") from None
             try:
                 if os.path.samestat(os.fstat(fd), os.stat(lock)):
-                    break  # else the holder we waited behind removed this file as it let go: take a new one
+                    break  # else its holder removed it as it let go, between our open and our flock: again
             except FileNotFoundError:
                 pass
             os.close(fd)
