@@ -4,7 +4,8 @@ after another, against `neuron-moe serve` (started here on 127.0.0.1, or --url).
 Metrics as vLLM's serving benchmark defines them: TTFT (request sent -> first content
 chunk), ITL (gaps between content chunks), TPOT ((E2EL - TTFT) / (output tokens - 1)),
 E2EL (request sent -> [DONE]) as mean/p50/p90/p99, plus request and output-token
-throughput over the whole run, and errors (any non-200, error event, or missing [DONE]).
+throughput over the whole run, and errors (any non-200, error event, or missing [DONE]). Each
+client sends one warm-up request first, which is not counted.
 
 The engine under test is `--backend`; with `--batch-size B [B ...]` (`--backend static`, the
 batching engine) the same load runs against a server at each batch size in turn, and a table
@@ -83,17 +84,19 @@ async def run_load(url: str, model: str, clients: int, requests: int, max_tokens
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
-        async def client_loop(c: int) -> list[dict]:
+        async def client_loop(c: int, n: int) -> list[dict]:
             results = []
-            for r in range(requests):
+            for r in range(n):
                 body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[(c * requests + r) % len(PROMPTS)]}],
                         "max_tokens": max_tokens, "temperature": 0, "stream": True,
                         "stream_options": {"include_usage": True}}
                 results.append(await one_request(client, body))
             return results
 
+        # one request per client first, not counted: the server's first calls (allocations, lazy imports)
+        await asyncio.gather(*(client_loop(c, 1) for c in range(clients)))
         start = time.perf_counter()
-        per_client = await asyncio.gather(*(client_loop(c) for c in range(clients)))
+        per_client = await asyncio.gather(*(client_loop(c, requests) for c in range(clients)))
         return [r for rs in per_client for r in rs], time.perf_counter() - start
 
 

@@ -12,7 +12,7 @@ from neuron_moe.serve.engine import RequestError, SamplingParams
 from neuron_moe.serve.runtime import static_runtime
 
 from conftest import random_prompts
-from serving import IdTokenizer, Sink, serve_together, tokens_of
+from serving import IdTokenizer, Sink, serve_together, tokens_of, wait_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -79,6 +79,15 @@ def test_a_cancelled_request_frees_its_row_within_one_step(tiny_port, static_mod
         assert waiting.steps == second.steps  # the freed row served the next request as if new
     finally:
         engine.close()
+
+
+def test_a_consumer_that_stops_reading_frees_its_row(engine):
+    steps = engine.generate(PROMPTS[0], SamplingParams(40, temperature=0.0))
+    next(steps)
+    steps.close()
+    closed_at = engine.steps
+    wait_for(lambda: engine.slots == [None] * engine.rows, 10, "the row to be freed")
+    assert engine.steps <= closed_at + 2  # not the 39 steps the request had left
 
 
 def test_a_failure_in_one_row_ends_that_request_only(engine):

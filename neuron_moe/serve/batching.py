@@ -93,17 +93,14 @@ class BatchEngine(Engine):
         the loop's thread. A consumer that stops reading (or sets `cancelled`) frees its row."""
         sink = _QueueSink(cancelled or threading.Event())
         self.submit(prompt_ids, params, sink)
-        over = False
         try:
             while (item := sink.items.get()) is not _END:
                 if isinstance(item, BaseException):
-                    over = True
                     raise item
                 yield item
-            over = True
-        finally:
-            if not over:
-                sink.cancelled.set()
+        except GeneratorExit:  # closed (or dropped) by its consumer before the end
+            sink.cancelled.set()
+            raise
 
     def close(self) -> None:
         """Stop the loop; requests still waiting or running end without a final Step."""
