@@ -2,6 +2,8 @@
 requests join and leave the batch at different steps, and each gets the tokens it gets alone.
 (The same engine over the Neuron artifact's calls: test_serve_neuron.py.)"""
 
+import types
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from neuron_moe.model import build_model
 from neuron_moe.serve.batching import BatchEngine
 from neuron_moe.serve.engine import RequestError, SamplingParams
 from neuron_moe.serve.runtime import static_runtime
+from neuron_moe.serve.scheduler import Scheduler
 
 from conftest import random_prompts
 from serving import IdTokenizer, Sink, serve_together, tokens_of, wait_for
@@ -133,3 +136,9 @@ def test_limits_are_refused_before_anything_runs_and_the_cache_end_is_length(eng
     assert tokens_of(steps) == greedy(tiny_eager, *left_pad([PROMPTS[1]], 0), budget).tokens[0].tolist()
 
 
+def test_a_batching_engine_sets_the_admission_to_its_rows():
+    scheduler = Scheduler(None, max_queue=3)
+    scheduler.open(types.SimpleNamespace(rows=4))
+    assert (scheduler.max_running, scheduler.executor) == (4, None)  # its step loop runs the jobs
+    with pytest.raises(ValueError, match="runs its 4 rows at once; max_running \\(2\\) does not apply"):
+        Scheduler(2, max_queue=3).open(types.SimpleNamespace(rows=4))
