@@ -247,9 +247,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
                    help=f"port name or path to a port .toml (default: {DEFAULT_PORT})")
     p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
-    p.add_argument("--backend", default="eager", choices=[*EXPERTS_IMPLEMENTATIONS, "neuron"],
-                   help="an experts implementation (transformers' model on CPU), or neuron (a compiled "
-                        "artifact; needs the Neuron SDK) (default: eager)")
+    p.add_argument("--backend", default="eager", choices=[*EXPERTS_IMPLEMENTATIONS, "static", "neuron"],
+                   help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
+                        "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
+                        "experts implementation: transformers' model on CPU, one request per thread, any "
+                        "prompt that fits the context (default: eager)")
     p.add_argument("--artifacts", metavar="DIR|s3://BUCKET/PREFIX",
                    help="what the backend loads: the trace-and-compile output for neuron, an HF checkpoint for "
                         "a CPU backend; an s3:// URI is pulled (and verified) into --artifacts-cache first")
@@ -260,8 +262,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NEURON_MOE_API_KEY; unset: open)")
-    p.add_argument("--max-running", type=_positive_int, default=1, metavar="N",
-                   help="requests generating at once (default: 1)")
+    p.add_argument("--batch-size", type=_positive_int, metavar="B",
+                   help="--backend static: rows of the graphs' batch, the requests generating at once "
+                        "(default: the port's [static] batch_size)")
+    p.add_argument("--max-running", type=_positive_int, metavar="N",
+                   help="per-request backends: requests generating at once (default: 1); the batching "
+                        "backends run one request per row")
     p.add_argument("--max-queue", type=int, default=32, metavar="N",
                    help="requests waiting beyond those; more get 429 + Retry-After (default: 32)")
     p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",

@@ -192,11 +192,18 @@ async def _collect(job, request: Request):
 
 
 def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | None = None,
-               max_running: int = 1, max_queue: int = 32,
+               max_running: int | None = None, max_queue: int = 32,
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """`load` builds the Engine; it runs in a thread at startup while the server already answers."""
-    state = ServerState(load, on_load_error)
+    """`load` builds the Engine; it runs in a thread at startup while the server already answers.
+    `max_running`: requests generating at once (default: a batching engine's rows, else 1)."""
     scheduler = Scheduler(max_running, max_queue)
+
+    def load_and_open() -> Engine:
+        engine = load()
+        scheduler.open(engine)
+        return engine
+
+    state = ServerState(load_and_open, on_load_error)
     created = int(time.time())
 
     @asynccontextmanager
@@ -218,7 +225,7 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
     @app.get("/health")
     async def health():
         problem = state.unavailable()
-        running = min(scheduler.admitted, max_running)
+        running = min(scheduler.admitted, scheduler.max_running or 0)
         body = {"status": "draining" if state.draining else state.phase, "model": model_name,
                 "running": running, "waiting": scheduler.admitted - running}
         return JSONResponse(body, problem.status if problem else 200, headers=problem.headers if problem else None)
