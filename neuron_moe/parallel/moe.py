@@ -38,6 +38,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
 from ..errors import UserError
 from ..experts.dense_masked import router_weight_matrix
 from . import layout
+from .reader import READER
 
 SCATTERS = ("spmd", "naive")
 
@@ -53,6 +54,11 @@ class ChannelExperts(nn.Module):
         self.config = config  # the model's: the static graphs set its experts implementation per graph
         self.tp, self.backend, self.num_experts = tp, backend, E
         self.act_fn = ACT2FN[config.hidden_activation]
+        self.reader = None  # a reader.ReaderShard: decode graphs built with the reader read through it
+
+    def reads(self) -> bool:
+        """Whether this graph runs the reader: a decode graph built with it (`reader.READER`)."""
+        return self.reader is not None and self.config._experts_implementation == READER
 
     def gathers(self, tokens: int) -> bool:
         return self.config._experts_implementation == "selective" and layout.gathers(self.config, tokens)
@@ -64,7 +70,10 @@ class ChannelExperts(nn.Module):
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], top-k [T, k] -> [T, H], summed over all ranks' channels."""
         (T, H), k = x.shape, top_k_index.shape[1]
-        if self.gathers(T):  # the expert-fused layers take [E', 1, tokens, in]
+        if self.reads():  # the rank's reader on its shard: gate/up rows are the columns of [E, H, 2I/t]
+            out = self.reader(x, top_k_index, top_k_weights, self.gate_up_proj.weight.mT, self.down_proj.weight,
+                              self.act_fn)
+        elif self.gathers(T):  # the expert-fused layers take [E', 1, tokens, in]
             out = self._mlp(x[:, None].expand(T, k, H).reshape(T * k, 1, 1, H), top_k_index.reshape(-1))
             out = torch.einsum("tkh,tk->th", out.view(T, k, H), top_k_weights.to(out.dtype))
         else:
