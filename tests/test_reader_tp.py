@@ -293,3 +293,36 @@ def test_full_size_decode_graph_with_the_reader_reads_its_plan():
         assert got["codes"] + got["scales"] == plan["sketch"]
         assert got["coeffs"] + got["basis"] == plan["recovery"] + 55 * 32 * 2
         assert got["down_norms"] == 8 * 88 * 2 and plan["norms"] == 8 * 7 * 32
+
+
+def test_prep_reader_tp_cli(shards, tmp_path, capsys):
+    whole = shards / shard.WHOLE
+    assert main(["prep-reader", "--tp", "4", "--from", str(whole), "--out", str(tmp_path), "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tp"] == 4 and sorted(p.name for p in tmp_path.iterdir()) == [f"tp4-rank{r}.safetensors" for r in range(4)]
+    for r in range(4):  # the same bytes as the fixture's shards
+        assert (tmp_path / shard.shard_name(4, r)).read_bytes() == (shards / shard.shard_name(4, r)).read_bytes()
+    assert main(["prep-reader", "--from", str(whole), "--out", str(tmp_path / "x")]) == 2
+    assert "--from shards an existing sidecar: it needs --tp" in capsys.readouterr().err
+    assert main(["prep-reader", "--tp", "2", "--from", str(shards / "tp2-rank0.safetensors"), "--out", str(tmp_path)]) == 2
+    assert "already a TP shard (rank 0 of 2)" in capsys.readouterr().err
+
+
+def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
+    """Shapes only: the manifest's reader (55 channels per rank at 17.8 %), each rank's shard in the plan."""
+    from neuron_moe.port import load_port
+
+    port = load_port("gemma4-26b-a4b")
+    report = nc.trace_and_compile(port, "bf16", 8, tmp_path / "big", dry_run=True, export=False,
+                                  reader={"budget": 17.8})
+    assert report["reader"] == {"budget": 17.8, "k_per_rank": 55, "scan": 80, "rank": 32, "source_sha256": None}
+    plan = json.loads((tmp_path / "big" / nc.SHARD_PLAN).read_text())
+    codes = plan["model.layers.7.experts.reader.codes"]
+    assert (codes["placement"], codes["full_shape"], codes["rank_shape"]) == \
+        ("reader_shard", [8 * 128, 22, 128, 64], [128, 22, 128, 64])
+    assert plan["model.layers.7.experts.reader.basis"]["placement"] == "replicated"
+    with pytest.raises(nc.ArtifactError, match="has no weights here: --reader builds shapes only"):
+        nc.trace_and_compile(port, "bf16", 8, tmp_path / "b2", dry_run=True, export=False,
+                             reader={"budget": 17.8, "sidecar": tmp_path})
+    with pytest.raises(Exception, match=r"per rank at TP 8 .*below what the reader reads"):
+        nc.trace_and_compile(port, "bf16", 8, tmp_path / "b3", dry_run=True, export=False, reader={"budget": 9})

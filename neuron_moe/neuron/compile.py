@@ -3,12 +3,14 @@
 The artifact contract (what `serve/neuron.py` and `pull` read) is defined here, once:
 
     manifest.json   MANIFEST_FIELDS below (expert_layout: how the graphs split the experts,
-                    `parallel/layout.py`), plus each key's inputs and outputs, the state, and the
-                    files' sizes and sha256
+                    `parallel/layout.py`), plus each key's inputs and outputs, the state, the
+                    reader (`--reader`: budget, k_per_rank, scan, rank, source_sha256; null
+                    without), and the files' sizes and sha256
     model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
                     context-encoding key per prefill bucket and one token-generation key
     weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint),
-                    in the manifest's expert layout (`load_shards` refuses one of the other)
+                    in the manifest's expert layout (`load_shards` refuses one of the other);
+                    with the reader, rank r's sidecar shard too (`<...>.experts.reader.*`)
     shard_plan.json every rank-module tensor: placement, partition dim and stride, full and
                     per-rank shape, dtype
 
@@ -327,6 +329,9 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, h
         sides, k, rank = reader.open_shards(port.config, options["sidecar"], tp, options["budget"], options.get("rank"))
         scan, local, digest = sides[0].scan, sides[0].layout, sides[0].source_sha256
     else:  # shapes only (the meta device): the geometry's sidecar layout
+        if options.get("sidecar") is not None:
+            raise ArtifactError(f"port {port.name!r} has no weights here: --reader builds shapes only (meta device), "
+                                f"a sidecar is not read; drop --sidecar or pass --checkpoint DIR")
         geo, rank = Geometry.from_config(port.config), options.get("rank")
         rank, scan = RANK if rank is None else rank, options.get("scan") or SCAN
         k, sides, digest = solve_rank_k(geo, Layout(scan=scan, rank=rank), options["budget"], tp), None, None

@@ -34,6 +34,11 @@ gathers the batch's B·k experts' I/t channels while B·k < E (with the port's d
 "selective"), else computes all E experts' channels; the expert layout's computes all its E/t
 experts.
 
+With a reader budget (`--reader-budget`), the channel layout's decode graph with the reader
+(`parallel/reader.py`) is a row of its own: per token, layer and rank its sketch, norms, k_r exact
+channels and recovery on the rank's I/t channels (`reader.accounting.rank_geometry`); each rank
+then also holds its sidecar shard (`reader_sidecar`).
+
 Host: bytes crossing between host and device per decode step of the built graphs (`neuron/compile.py`):
 int64 input_ids and position_ids [batch, 1] in, the token [batch, 1] out; the KV cache is device
 state (0), and the logits come out only from an artifact built with --with-logits. Not measured:

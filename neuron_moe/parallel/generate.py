@@ -10,7 +10,8 @@ gathers the full logits and takes the same greedy token; the ranks' tokens are c
 Backends for `validate`: `tp8` and `tp8-int8` (int8 experts, per-channel scales) in either expert
 layout (`--expert-layout`, default the port's [static] expert_layout: channel), and
 `tp8-naive-scatter`, always the expert layout: the seed port's Python-int router scatter, which a
-graph traced on rank 0 freezes to rank 0's slice (a wrong model, on purpose).
+graph traced on rank 0 freezes to rank 0's slice (a wrong model, on purpose). `tp8` with a sidecar
+directory and a budget (`prep-reader --tp 8`) runs the reader in the decode graph (`reader.py`).
 """
 
 from __future__ import annotations

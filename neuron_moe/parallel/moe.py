@@ -16,7 +16,9 @@ all-reduce sums the ranks' router-weighted partial outputs. Two fixed-shape comp
 A graph gathers when it is a decode graph (the static decoder runs it with the port's
 `decode_experts = "selective"`) and its T·k < E (`layout.gathers`, NxD's rule); the choice is
 made while tracing, so it is fixed per graph by the graph's batch size. Prefill graphs compute
-all experts.
+all experts. With a reader attached (`reader.py`: the rank's sidecar shard), a decode graph built
+with it (`decode_experts = "channel_reader"`) reads through the reader instead: each token's k_r
+channels of the rank's I/t, fixed shapes (tokens, k_r, scan), the same one all-reduce after.
 
 `WholeExperts` (the expert layout, the seed port's): the rank's E/t experts whole, as one
 column-parallel and one row-parallel linear. Every rank computes the full dense [T, E] router

@@ -21,6 +21,9 @@ The selectors and the layout each reads in (every unit charged in whole 32-byte 
 - reader: the sketch score of `reference.py`, charged by `accounting.reads`.
 
 At budget 100 % every selector keeps every unit and computes the full MoE.
+
+The reader at TP t on the channel layout (`shard.py`): `MoeLayer.tp` charges each rank for its own
+channels on its own geometry, and `RankTopK` is the per-rank quota (each rank its k of its own).
 """
 
 from __future__ import annotations
