@@ -125,7 +125,8 @@ def cmd_validate(args) -> int:
         raise UserError("--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp 8`) and "
                         "--budget; its kernels are the PyTorch reference (no --reader-backend)")
     if options and args.backend != "reader" and not tp_reader:
-        raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader and tp8 only")
+        raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only "
+                        f"(--sidecar, --budget and --rank also to tp8)")
     if args.expert_layout is not None:
         from .parallel.generate import BACKENDS as TP_BACKENDS
 
@@ -327,7 +328,8 @@ def cmd_reads(args) -> int:
     rows = [{"part": p, **v} for p, v in report["reads"].items()]
     rows += [{"part": "total", "bytes": sum(v["bytes"] for v in report["reads"].values()),
               "percent": report["total_percent"]},
-             {"part": "full model", "bytes": report["full_bytes"], "percent": 100.0}]
+             {"part": "full model" if tp == 1 else "full (the rank's share)", "bytes": report["full_bytes"],
+              "percent": 100.0}]
     print(table(rows, [("part", "read"), ("bytes", "bytes"), ("percent", "share of full", "{:.2f}%")]))
     print()
     rows = [{"part": p, **v} for p, v in report["resident"].items()]
