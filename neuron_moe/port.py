@@ -67,6 +67,13 @@ class Port:
     static: StaticSpec | None = None  # None: the port has no [static] table (no traced graphs)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def static_spec(self, what: str) -> StaticSpec:
+        """The [static] table, or a UserError saying that `what` needs one."""
+        if self.static is None:
+            raise UserError(f"port {self.name!r} has no [static] table (buckets, max_cache_len, batch_size, "
+                            f"prefill_experts, decode_experts): {what} needs the static graphs it describes")
+        return self.static
+
 
 def builtin_ports() -> list[str]:
     return sorted(p.name[: -len(".toml")] for p in resources.files("neuron_moe.ports").iterdir()

@@ -21,6 +21,7 @@ atomically, so a rerun skips what is done; a budget a selector cannot reach is a
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,8 @@ import torch
 from ..errors import UserError
 from ..experts.selector import attach_selector, moe_layers
 from ..reader import selectors
-from ..reader.accounting import SECTOR, BudgetError, full_bytes
+from ..parallel.layout import TP_DEGREES
+from ..reader.accounting import SECTOR, BudgetError, full_bytes, rank_geometry, solve_k, solve_rank_k
 from ..report import read_json_object, write_json
 from . import tasks as T
 
@@ -79,14 +81,36 @@ def parse_budgets(text: str) -> list[float]:
     return budgets
 
 
+# The reader at TP T on the channel layout (`reader/shard.py`), emulated in this one process:
+#   reader[-rN]-tpT               per-rank quota: each rank its k_r of its own channels, k_r solved from
+#                                 the accounting on the rank's geometry (every rank reads the budget)
+#   reader[-rN]-tpT-global        one top-(T·k_r) over all ranks' scores (gathered): same total k, no quota
+#   reader[-rN]-tpT-split         per-rank quota of ⌊k/T⌋, k the one-rank reader's at the budget: the quota's
+#                                 cost at the one-rank reader's exact channels, whatever a rank then reads
+#   reader[-rN]-tpT-split-global  one top-(T·⌊k/T⌋) over all ranks
+TP_VARIANTS = ("", "-global", "-split", "-split-global")
+_SPEC = re.compile(r"(?P<name>[a-z]+)(?:-r(?P<rank>\d+))?(?:-tp(?P<tp>\d+)(?P<variant>" +
+                   "|".join(v for v in TP_VARIANTS if v) + ")?)?")
+
+
+def parse_spec(spec: str) -> tuple[str, int | None, int | None, str]:
+    """(selector, recovery rank or None, TP degree or None, TP variant) of a selector spec."""
+    m = _SPEC.fullmatch(spec)
+    if not m or m["name"] not in SELECTORS or ((m["rank"] or m["tp"]) and m["name"] != "reader"):
+        raise EvalError(f"unknown selector {spec!r}; known: {', '.join(SELECTORS)}, and reader-rN (the reader at "
+                        f"recovery rank N), reader[-rN]-tpT[-global|-split|-split-global] (the reader at TP T)")
+    tp = int(m["tp"]) if m["tp"] else None
+    if tp is not None and tp not in TP_DEGREES:
+        raise EvalError(f"{spec}: TP degree {tp} is not one of {TP_DEGREES}")
+    return m["name"], int(m["rank"]) if m["rank"] else None, tp, m["variant"] or ""
+
+
 def parse_selectors(text: str) -> list[str]:
-    """Selector names; `reader-rN` is the reader at recovery rank N (≤ the sidecar's; plain `reader`: the sidecar's)."""
+    """Selector names; `reader-rN` is the reader at recovery rank N (≤ the sidecar's; plain `reader`: the
+    sidecar's); `reader[-rN]-tpT...` the reader at TP T (TP_VARIANTS)."""
     specs = [s.strip() for s in text.split(",") if s.strip()]
     for spec in specs:
-        name, _, rank = spec.partition("-r")
-        if name not in SELECTORS or (rank and (name != "reader" or not rank.isdigit())):
-            raise EvalError(f"unknown selector {spec!r}; known: {', '.join(SELECTORS)} (and reader-rN: the reader "
-                            f"at recovery rank N)")
+        parse_spec(spec)
     if not specs:
         raise EvalError("--selectors: none given")
     return specs
@@ -268,12 +292,15 @@ class Run:
         return self.calibration
 
     def layers(self, spec: str):
-        name, _, rank = spec.partition("-r")
+        name, rank, tp, _ = parse_spec(spec)
         if name != "reader":
             return name, moe_layers(self.model)
-        if rank and int(rank) > self.sidecar.layout.rank:
+        if rank is not None and rank > self.sidecar.layout.rank:
             raise EvalError(f"{spec}: recovery rank {rank} above the sidecar's ({self.sidecar.layout.rank})")
-        return name, moe_layers(self.model, self.sidecar, int(rank) if rank else None)
+        layers = moe_layers(self.model, self.sidecar, rank)
+        for layer in layers:
+            layer.tp = tp or 1
+        return name, layers
 
     def generate(self, progress=None) -> list[dict]:
         """Greedy answers, one batch per task (a batch runs as many steps as its longest answer)."""
@@ -291,17 +318,21 @@ class Run:
         started = time.perf_counter()
         name, layers = self.layers(spec)
         row = {"selector": spec, "rule": rule, "budget": budget}
+        full = full_bytes(layers[0].geo)
         try:
-            planned = selectors.charged(name, layers[0].geo, layers[0].layout,
-                                        selectors.plan(name, layers[0].geo, layers[0].layout, budget))
-            if rule == "topk":
-                rules = [selectors.top_k(name, layer, budget) for layer in layers]
+            if layers[0].tp > 1:
+                rules, planned, full, k = tp_plan(layers, parse_spec(spec)[3], budget)
+                row["k_per_rank"] = k
             else:
-                rules = [selectors.calibrate(name, layer, *inputs, budget)
-                         for layer, inputs in zip(layers, self.calibrate_inputs())]
+                planned = selectors.charged(name, layers[0].geo, layers[0].layout,
+                                            selectors.plan(name, layers[0].geo, layers[0].layout, budget))
+                if rule == "topk":
+                    rules = [selectors.top_k(name, layer, budget) for layer in layers]
+                else:
+                    rules = [selectors.calibrate(name, layer, *inputs, budget)
+                             for layer, inputs in zip(layers, self.calibrate_inputs())]
         except BudgetError as e:
             return row | {"status": "not reachable", "reason": str(e)}
-        full = full_bytes(layers[0].geo)
         reference = self.full_reference()  # before the selector replaces the experts
         states = attach_selector(self.model, name, layers, rules)
         try:
@@ -323,6 +354,22 @@ class Run:
 def _read(path: Path) -> dict:
     """A file of OUT, written by an earlier run: a corrupt one is named, never a traceback."""
     return read_json_object(path, EvalError, f"{path}: missing")
+
+
+def tp_plan(layers, variant: str, budget: float) -> tuple[list, int, int, int]:
+    """(rules, planned bytes per rank and token, a rank's full read, k per rank) of the reader at TP
+    `layers[0].tp` (TP_VARIANTS); a BudgetError where a rank cannot reach the budget."""
+    geo, layout, tp = layers[0].geo, layers[0].layout, layers[0].tp
+    if variant.startswith("-split"):  # the one-rank reader's exact channels, split evenly
+        k = solve_k(geo, layout, budget) // tp
+    else:
+        k = solve_rank_k(geo, layout, budget, tp)
+    local = rank_geometry(geo, tp)
+    if variant.endswith("-global"):
+        rules = [selectors.TopK({"channel": tp * k}) for _ in layers]
+    else:
+        rules = [selectors.RankTopK({"channel": k}, tp, geo.intermediate) for _ in layers]
+    return rules, selectors.charged("reader", local, layout, {"channel": k}), full_bytes(local), k
 
 
 def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool) -> Run:
@@ -370,6 +417,8 @@ def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: li
             if not (Path(settings.corpus) / name).is_file():
                 raise EvalError(f"{Path(settings.corpus) / name}: missing; build the corpus first "
                                 f"(neuron-moe build-corpus --out {settings.corpus})")
+    if "threshold" in rules and any(parse_spec(s)[2] for s in specs):
+        raise EvalError("the reader at TP T (reader-...-tpT) is a top-k rule per rank: pass --rules topk")
     run = open_run(port, checkpoint, settings, out, any(s.startswith("reader") for s in specs))
     for spec in specs:
         run.layers(spec)  # a reader rank above the sidecar's is refused before any cell runs

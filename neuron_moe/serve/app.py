@@ -295,17 +295,25 @@ def _check_prompt_bytes(engine: Engine, texts: list[str], param: str) -> None:
     if per_token is None:
         return
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    if n_bytes > engine.max_prompt * per_token:
-        raise APIError(400, f"the prompt is {n_bytes} bytes, more than the {engine.max_prompt} tokens this model "
+    limit = engine.max_prompt or engine.max_context  # a static backend's largest bucket, else the context
+    if n_bytes > limit * per_token:
+        raise APIError(400, f"the prompt is {n_bytes} bytes, more than the {limit} tokens this model "
                             f"takes can hold (a token is at most {per_token} bytes)", param=param)
 
 
 def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | None = None,
-               max_running: int = 1, max_queue: int = 32, max_body_bytes: int = MAX_BODY_BYTES,
+               max_running: int | None = None, max_queue: int = 32, max_body_bytes: int = MAX_BODY_BYTES,
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """`load` builds the Engine; it runs in a thread at startup while the server already answers."""
-    state = ServerState(load, on_load_error)
+    """`load` builds the Engine; it runs in a thread at startup while the server already answers.
+    `max_running`: requests generating at once (default: a batching engine's rows, else 1)."""
     scheduler = Scheduler(max_running, max_queue)
+
+    def load_and_open() -> Engine:
+        engine = load()
+        scheduler.open(engine)
+        return engine
+
+    state = ServerState(load_and_open, on_load_error)
     created = int(time.time())
 
     @asynccontextmanager
@@ -329,7 +337,7 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
     @app.get("/health")
     async def health():
         problem = state.unavailable()
-        running = min(scheduler.admitted, max_running)
+        running = min(scheduler.admitted, scheduler.max_running or 0)
         body = {"status": "draining" if state.draining else state.phase, "model": model_name,
                 "running": running, "waiting": scheduler.admitted - running}
         return JSONResponse(body, problem.status if problem else 200, headers=problem.headers if problem else None)

@@ -56,7 +56,7 @@ def s3_cache_dir(uri: str, root: Path) -> Path:
 
 def plan_load(args):
     """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
-    from .engine import load_engine
+    from .engine import STATIC, load_engine
 
     port = load_port(args.model)
     if args.max_queue < 0:
@@ -75,14 +75,22 @@ def plan_load(args):
         local = None
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    batching = args.backend in (STATIC, "neuron")
+    if batching and args.max_running is not None:
+        raise ServeError(f"--backend {args.backend} batches: it runs as many requests at once as its graphs have "
+                         f"rows{' (--batch-size)' if args.backend == STATIC else ''}; --max-running is for the "
+                         f"per-request backends")
+    if args.batch_size is not None and args.backend != STATIC:
+        raise ServeError(f"--batch-size sets the rows of --backend static's graphs; --backend {args.backend} "
+                         + ("takes its batch from the artifact's manifest" if args.backend == "neuron"
+                            else "runs one request per thread (--max-running)"))
+    if args.backend == STATIC:
+        port.static_spec("--backend static")
     if args.backend == "neuron":
         from . import neuron
 
         if local is None:
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
-        if args.max_running != 1:
-            raise ServeError("--backend neuron serves one sequence at a time (its KV cache lives on the "
-                             "device): --max-running must be 1")
         if pull is None:
             neuron.read_manifest(local)
         neuron.require_sdk()
@@ -101,7 +109,7 @@ def plan_load(args):
             if args.backend != "neuron":
                 checkpoint = local
         return load_engine(port, args.backend, checkpoint=checkpoint, artifacts=local,
-                           dtype=DTYPES[args.dtype] if args.dtype else None)
+                           dtype=DTYPES[args.dtype] if args.dtype else None, batch_size=args.batch_size)
 
     return port, load
 
