@@ -4,9 +4,22 @@ after another, against `neuron-moe serve` (started here on 127.0.0.1, or --url).
 Metrics as vLLM's serving benchmark defines them: TTFT (request sent -> first content
 chunk), ITL (gaps between content chunks), TPOT ((E2EL - TTFT) / (output tokens - 1)),
 E2EL (request sent -> [DONE]) as mean/p50/p90/p99, plus request and output-token
-throughput over the whole run, and errors (any non-200, error event, or missing [DONE]).
+throughput over the whole run, and errors (any non-200, error event, or missing [DONE]). Each
+client sends one warm-up request first, which is not counted. GET /health is polled throughout
+(every 0.1 s, in a thread of its own): its latency too.
+
+The engine under test is `--backend`; with `--batch-size B [B ...]` (`--backend static`, the
+batching engine) the same load runs against a server at each batch size in turn, and a table
+puts the runs side by side, with each run's output tokens/s as a multiple of the last run's.
+
+--hostile-bytes N runs the load twice on the same server, side by side: without, then with one
+more client that sends an N-byte prompt again and again (what froze the server before issue 26:
+a 10 MB prompt held the event loop in the tokenizer for 15 s). It reports what that client got
+and how /health and the normal clients' TTFT fared in each run.
 
     python bench/serve_load.py --clients 8 --requests 64 --max-tokens 16 --json out.json
+    python bench/serve_load.py --backend static --batch-size 8 1
+    python bench/serve_load.py --clients 8 --requests 16 --hostile-bytes 10000000
 """
 
 from __future__ import annotations
@@ -14,8 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
+import queue
 import re
 import signal
 import subprocess
@@ -27,7 +42,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from neuron_moe.report import table, write_json
+from neuron_moe.report import check_output, table, write_json
 
 PROMPTS = [
     "The capital of France is",
@@ -78,32 +93,108 @@ async def run_load(url: str, model: str, clients: int, requests: int, max_tokens
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
-        async def client_loop(c: int) -> list[dict]:
+        async def client_loop(c: int, n: int) -> list[dict]:
             results = []
-            for r in range(requests):
+            for r in range(n):
                 body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[(c * requests + r) % len(PROMPTS)]}],
                         "max_tokens": max_tokens, "temperature": 0, "stream": True,
                         "stream_options": {"include_usage": True}}
                 results.append(await one_request(client, body))
             return results
 
+        # one request per client first, not counted: the server's first calls (allocations, lazy imports)
+        await asyncio.gather(*(client_loop(c, 1) for c in range(clients)))
         start = time.perf_counter()
-        per_client = await asyncio.gather(*(client_loop(c) for c in range(clients)))
+        per_client = await asyncio.gather(*(client_loop(c, requests) for c in range(clients)))
         return [r for rs in per_client for r in rs], time.perf_counter() - start
+
+
+def health_loop(url: str, stop: threading.Event, latencies: list, interval_s: float = 0.1) -> None:
+    """GET /health every interval_s until stop; each latency, or None for a failure."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while not stop.is_set():
+            start = time.perf_counter()
+            try:
+                ok = client.get("/health").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            latencies.append(time.perf_counter() - start if ok else None)
+            stop.wait(interval_s)
+
+
+def hostile_loop(url: str, model: str, n_bytes: int, interval_s: float, api_key: str | None, stop,
+                 answers) -> None:
+    """One client sending an n_bytes prompt again and again until stop, each at least interval_s after
+    the one before: (status or error, seconds) each, put on `answers`. Run in a process of its own
+    (its sending is not this process's GIL), the body encoded once (its JSON work is not measured)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * n_bytes}],
+                       "max_tokens": 1}).encode()
+    headers = {"content-type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    with httpx.Client(base_url=url, headers=headers, timeout=600) as client:
+        while not stop.is_set():
+            start = time.perf_counter()
+            try:
+                outcome = client.post("/v1/chat/completions", content=body).status_code
+            except httpx.HTTPError as e:  # a server that refuses a body unread may close before it is all sent
+                outcome = type(e).__name__
+            answers.put((outcome, time.perf_counter() - start))
+            stop.wait(max(0.0, interval_s - (time.perf_counter() - start)))
+
+
+def run_phase(url: str, args, hostile_bytes: int) -> dict:
+    """The load, /health polled beside it, and (hostile_bytes > 0) the hostile client."""
+    spawn = multiprocessing.get_context("spawn")
+    stop, hostile_stop, answers, latencies = threading.Event(), spawn.Event(), spawn.Queue(), []
+    health = threading.Thread(target=health_loop, args=(url, stop, latencies), daemon=True)
+    hostile = spawn.Process(target=hostile_loop, daemon=True,
+                            args=(url, args.model, hostile_bytes, args.hostile_interval, args.api_key, hostile_stop,
+                                  answers))
+    if hostile_bytes:
+        hostile.start()
+        time.sleep(2.0)  # its interpreter started and its first request sent
+    health.start()
+    try:
+        results, duration = asyncio.run(run_load(url, args.model, args.clients, args.requests, args.max_tokens,
+                                                 args.api_key))
+    finally:
+        stop.set()
+        hostile_stop.set()
+        health.join(600)
+        answers_list = []
+        if hostile_bytes:
+            while hostile.is_alive() or not answers.empty():
+                try:
+                    answers_list.append(answers.get(timeout=1))
+                except queue.Empty:
+                    pass
+            hostile.join(600)
+    answers = answers_list
+    summary = summarize(results, duration)
+    ok = [x for x in latencies if x is not None]
+    summary["health_ms"] = {**stats(ok), "max": 1000 * max(ok) if ok else None, "failed": len(latencies) - len(ok)}
+    if hostile_bytes:
+        outcomes: dict[str, int] = {}
+        for outcome, _ in answers:
+            outcomes[str(outcome)] = outcomes.get(str(outcome), 0) + 1
+        summary["hostile"] = {"bytes": hostile_bytes, "interval_s": args.hostile_interval, "requests": len(answers),
+                              "rate_per_s": len(answers) / duration, "outcomes": outcomes,
+                              "seconds": stats([sec for _, sec in answers])}
+    return summary
+
+
+def stats(values) -> dict:
+    """mean/p50/p90/p99 in ms of seconds."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "n": 0}
+    ms = np.array(values) * 1000
+    return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)),
+            "p99": float(np.percentile(ms, 99)), "n": len(values)}
 
 
 def summarize(results: list[dict], duration: float) -> dict:
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
-
-    def stats(values):
-        values = [v for v in values if v is not None]
-        if not values:
-            return {"mean": None, "p50": None, "p90": None, "p99": None, "n": 0}
-        ms = np.array(values) * 1000
-        return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)),
-                "p99": float(np.percentile(ms, 99)), "n": len(values)}
-
     tokens = sum(r["output_tokens"] for r in ok)
     return {
         "requests": len(results), "completed": len(ok), "failed": len(errors), "errors": errors[:10],
@@ -124,10 +215,11 @@ def machine() -> dict:
             "load_average": os.getloadavg(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, batch_size: int | None) -> tuple[subprocess.Popen, str]:
     """`neuron-moe serve` on 127.0.0.1 with a free port; returns once /health answers 200."""
     cmd = [sys.executable, "-m", "neuron_moe", "serve", "--model", args.model, "--backend", args.backend,
-           "--host", "127.0.0.1", "--port", "0", "--max-queue", str(args.clients)]
+           "--host", "127.0.0.1", "--port", "0", "--max-queue", str(args.clients + bool(args.hostile_bytes)),
+           *(["--batch-size", str(batch_size)] if batch_size else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # stdout: access log
     deadline = time.monotonic() + 300
     for line in proc.stderr:  # uvicorn names the port it bound
@@ -150,49 +242,130 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="an already running server (default: start one on 127.0.0.1)")
-    p.add_argument("--model", default="tiny-gemma4-moe", help="port to serve / model name to request")
-    p.add_argument("--backend", default="eager", help="backend of the server started here")
-    p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"))
-    p.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
-    p.add_argument("--requests", type=int, default=64, help="requests per client, one after another (default 64)")
-    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each request (default 16)")
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
-    args = p.parse_args(argv)
-
-    proc, url = (None, args.url) if args.url else start_server(args)
+def run_once(args, batch_size: int | None) -> dict:
+    """The load against one server (started here, or --url), and again beside the hostile client
+    with --hostile-bytes; the report of that run."""
+    proc, url = (None, args.url) if args.url else start_server(args, batch_size)
     try:
         host = machine()
-        results, duration = asyncio.run(run_load(url, args.model, args.clients, args.requests, args.max_tokens,
-                                                 args.api_key))
+        summary = run_phase(url, args, 0)
+        hostile = run_phase(url, args, args.hostile_bytes) if args.hostile_bytes else None
         host["load_average_after"] = os.getloadavg()
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    summary = summarize(results, duration)
-    report = {"benchmark": "serve_load", "model": args.model, "backend": args.backend, "clients": args.clients,
-              "requests_per_client": args.requests, "max_tokens": args.max_tokens, "machine": host, **summary}
-    if args.json:
-        write_json(report, args.json)
-    if args.json == "-":
-        return 0 if summary["failed"] == 0 else 1
-    print(f"serve_load  {args.model} ({args.backend}), {args.clients} clients x {args.requests} requests, "
-          f"max_tokens {args.max_tokens}, streamed, temperature 0, loopback")
-    print(f"machine: {host['cpu']}, {host['cores']} cores, load average {host['load_average'][0]:.1f} before / "
-          f"{host['load_average_after'][0]:.1f} after, OMP_NUM_THREADS={host['OMP_NUM_THREADS']}\n")
+    report = {"benchmark": "serve_load", "model": args.model, "backend": args.backend, "batch_size": batch_size,
+              "clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
+              "machine": host, **summary}
+    if hostile:
+        report["with_hostile_client"] = hostile
+    return report
+
+
+def print_run(summary: dict) -> None:
     rows = [{"metric": name, **summary[key]} for name, key in
-            (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2EL", "e2el_ms"))]
+            (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2EL", "e2el_ms"),
+             ("/health", "health_ms"))]
     print(table(rows, [("metric", "ms"), ("mean", "mean", "{:.1f}"), ("p50", "p50", "{:.1f}"),
                        ("p90", "p90", "{:.1f}"), ("p99", "p99", "{:.1f}"), ("n", "samples")]))
     print(f"\nrequests: {summary['completed']}/{summary['requests']} completed, {summary['failed']} failed "
           f"in {summary['duration_s']:.1f} s; {summary['request_throughput_per_s']:.2f} req/s, "
-          f"{summary['output_tokens']} output tokens, {summary['output_token_throughput_per_s']:.1f} tok/s")
+          f"{summary['output_tokens']} output tokens, {summary['output_token_throughput_per_s']:.1f} tok/s; "
+          f"/health max {summary['health_ms']['max']:.1f} ms, {summary['health_ms']['failed']} failed")
     for error in summary["errors"]:
         print(f"  error: {error}")
-    return 0 if summary["failed"] == 0 else 1
+
+
+def print_hostile_comparison(without: dict, hostile: dict) -> None:
+    h = hostile["hostile"]
+    pace = f"at most one per {h['interval_s']:g} s" if h["interval_s"] else "back to back"
+    print(f"\nside by side: the same load without, then with one client sending a {h['bytes']:,}-byte prompt "
+          f"again and again, {pace} ({h['requests']} times, {h['rate_per_s']:.1f}/s: {h['outcomes']}, "
+          f"{h['seconds']['mean']:.0f} ms each on average)\n")
+    rows = [{"run": name, "ttft50": r["ttft_ms"]["p50"], "ttft99": r["ttft_ms"]["p99"], "ttft": r["ttft_ms"]["mean"],
+             "h50": r["health_ms"]["p50"], "h99": r["health_ms"]["p99"], "hmax": r["health_ms"]["max"],
+             "failed": r["failed"]} for name, r in (("without", without), ("with", hostile))]
+    rows.append({"run": "with / without", "ttft50": hostile["ttft_ms"]["p50"] / without["ttft_ms"]["p50"],
+                 "ttft99": hostile["ttft_ms"]["p99"] / without["ttft_ms"]["p99"],
+                 "ttft": hostile["ttft_ms"]["mean"] / without["ttft_ms"]["mean"]})
+    print(table(rows, [("run", "run"), ("ttft", "TTFT mean", "{:.2f}"), ("ttft50", "TTFT p50", "{:.2f}"),
+                       ("ttft99", "TTFT p99", "{:.2f}"), ("h50", "/health p50 ms", "{:.1f}"),
+                       ("h99", "/health p99 ms", "{:.1f}"), ("hmax", "/health max ms", "{:.1f}"),
+                       ("failed", "failed requests")]))
+
+
+def print_batch_comparison(reports: list[dict]) -> None:
+    """The runs side by side; tokens/s also as a multiple of the last run's."""
+    base = reports[-1]["output_token_throughput_per_s"]
+    runs = [f"batch {r['batch_size']}" for r in reports]
+
+    def row(metric, value):
+        return {"metric": metric, **{run: value(r) for run, r in zip(runs, reports)}}
+
+    rows = [row("output tok/s", lambda r: f"{r['output_token_throughput_per_s']:.1f}"),
+            row(f"  x {runs[-1]}", lambda r: f"{r['output_token_throughput_per_s'] / base:.2f}"),
+            row("requests/s", lambda r: f"{r['request_throughput_per_s']:.2f}")]
+    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("/health", "health_ms")):
+        for stat in ("mean", "p50", "p99"):
+            rows.append(row(f"{name} {stat} (ms)", lambda r: f"{r[key][stat]:.1f}" if r[key][stat] is not None else "-"))
+    rows += [row("completed", lambda r: f"{r['completed']}/{r['requests']}"),
+             row("failed", lambda r: str(r["failed"])),
+             row("duration (s)", lambda r: f"{r['duration_s']:.1f}"),
+             row("load avg before/after", lambda r: f"{r['machine']['load_average'][0]:.1f} / "
+                                                     f"{r['machine']['load_average_after'][0]:.1f}")]
+    print(table(rows, [("metric", "metric"), *[(run, run) for run in runs]]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="an already running server (default: start one on 127.0.0.1)")
+    p.add_argument("--model", default="tiny-gemma4-moe", help="port to serve / model name to request")
+    p.add_argument("--backend", default="eager",
+                   help="engine under test: the backend of the server started here (static: the batching engine "
+                        "on CPU; an experts implementation: one request per thread) (default: eager)")
+    p.add_argument("--batch-size", type=int, nargs="+", metavar="B",
+                   help="--backend static: run the load against a server at each batch size, one after another, "
+                        "and compare them (e.g. 8 1)")
+    p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"))
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    p.add_argument("--requests", type=int, default=64, help="requests per client, one after another (default 64)")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each request (default 16)")
+    p.add_argument("--hostile-bytes", type=int, default=0, metavar="N",
+                   help="also run the load beside a client sending an N-byte prompt again and again (default: no)")
+    p.add_argument("--hostile-interval", type=float, default=0.0, metavar="S",
+                   help="at least S seconds from one of its requests to the next (default 0: back to back)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+    args = p.parse_args(argv)
+    if args.batch_size and args.url:
+        p.error("--batch-size starts the servers it compares: it cannot be used with --url")
+    if args.batch_size and args.backend != "static":
+        p.error("--batch-size is the batching engine's (--backend static)")
+    check_output(args.json or "-")
+
+    reports = [run_once(args, batch_size) for batch_size in (args.batch_size or [None])]
+    failed = sum(r["failed"] + r.get("with_hostile_client", {}).get("failed", 0) for r in reports)
+    if args.json:
+        write_json(reports[0] if len(reports) == 1 else {"benchmark": "serve_load", "runs": reports}, args.json)
+    if args.json == "-":
+        return 0 if failed == 0 else 1
+    for report in reports:
+        host = report["machine"]
+        engine = args.backend + (f", batch {report['batch_size']}" if report["batch_size"] else "")
+        print(f"serve_load  {args.model} ({engine}), {args.clients} clients x {args.requests} requests, "
+              f"max_tokens {args.max_tokens}, streamed, temperature 0, loopback")
+        print(f"machine: {host['cpu']}, {host['cores']} cores, load average {host['load_average'][0]:.1f} before / "
+              f"{host['load_average_after'][0]:.1f} after, OMP_NUM_THREADS={host['OMP_NUM_THREADS']}\n")
+        print_run(report)
+        hostile = report.get("with_hostile_client")
+        if hostile:
+            print(f"\nwith the {args.hostile_bytes:,}-byte client:\n")
+            print_run(hostile)
+            print_hostile_comparison(report, hostile)
+        print()
+    if len(reports) > 1:
+        print_batch_comparison(reports)
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.initialization import no_init_weights
 
-from .config import gemma4_moe_config, text_config_dict
+from .config import geometry_differences, read_config_file
 from .errors import UserError
-from .report import read_json_object
+from .report import dumps, read_json_object
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -35,6 +35,7 @@ MULTIMODAL_TEXT_PREFIX = "model.language_model."
 # Other modalities of Gemma4ForConditionalGeneration: present in the real checkpoint, not ours to load.
 MULTIMODAL_OTHER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FINITE_CHUNK = 1 << 24
 
 
 class CheckpointError(UserError):
@@ -47,20 +48,27 @@ def _listing(keys, limit: int = 20) -> str:
     return ", ".join(keys[:limit]) + more
 
 
-def read_config(ckpt_dir: Path) -> Gemma4TextConfig:
-    path = Path(ckpt_dir) / CONFIG
-    raw = read_json_object(path, CheckpointError, f"{ckpt_dir}: no {CONFIG}")
-    return gemma4_moe_config(text_config_dict(raw, str(path)), str(path))
+def read_config(ckpt_dir: Path, expected: Gemma4TextConfig | None = None, port: str = "") -> Gemma4TextConfig:
+    """The checkpoint's config; with `expected` (a port's), refused unless it is the same model:
+    a checkpoint of another model must not silently stand in for the port's."""
+    config = read_config_file(Path(ckpt_dir) / CONFIG, CheckpointError)
+    diffs = geometry_differences(expected, config) if expected is not None else []
+    if diffs:
+        raise CheckpointError(f"{Path(ckpt_dir) / CONFIG}: not the model of port {port!r}: {'; '.join(diffs)} "
+                              "(give this port's checkpoint, or a port whose [config] is this checkpoint's)")
+    return config
 
 
 def _weight_map(ckpt_dir: Path) -> dict[str, Path]:
     """checkpoint key -> file that holds it (every file checked to exist)."""
     index = ckpt_dir / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index (need a 'weight_map' object): {e}") from None
+        weight_map = read_json_object(index, CheckpointError, f"{index}: unreadable").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: not a safetensors index (need a 'weight_map' object of key -> file name)")
+        for name in set(weight_map.values()):
+            if Path(name).name != name or name in ("", ".", ".."):  # a shard is a file of this directory
+                raise CheckpointError(f"{index}: shard name {name!r} is not a file name in {ckpt_dir}")
         files = {name: ckpt_dir / name for name in set(weight_map.values())}
         for name, path in files.items():
             if not path.is_file():
@@ -142,12 +150,23 @@ def read_state_dict(ckpt_dir: Path, config: Gemma4TextConfig, dtype: torch.dtype
                         )
                     if tensor.dtype not in _FLOAT_DTYPES:
                         raise CheckpointError(f"{key}: dtype {tensor.dtype} in {path.name} is not a float type")
+                    _check_finite(tensor, key, path)
                     state[text_key] = tensor.to(dtype)
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
     return state
+
+
+def _check_finite(tensor: torch.Tensor, key: str, path: Path) -> None:
+    """NaN or inf in a weight makes every output NaN (empty text, failed sampling): refuse it at
+    load. One pass of isfinite over each tensor, a small share of reading the file."""
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _FINITE_CHUNK):  # chunks: a bool mask of 2^24, not of the tensor
+        if not torch.isfinite(flat[start:start + _FINITE_CHUNK]).all():
+            bad = flat.numel() - int(torch.isfinite(flat).sum())
+            raise CheckpointError(f"{key} in {path.name}: {bad} non-finite value(s) (NaN or inf) of {flat.numel()}")
 
 
 def model_from_state_dict(config: Gemma4TextConfig, state: dict[str, torch.Tensor]) -> Gemma4ForCausalLM:
@@ -163,8 +182,10 @@ def model_from_state_dict(config: Gemma4TextConfig, state: dict[str, torch.Tenso
     return model.eval()
 
 
-def load_checkpoint(ckpt_dir: Path, dtype: torch.dtype | None = None) -> Gemma4ForCausalLM:
-    config = read_config(Path(ckpt_dir))
+def load_checkpoint(ckpt_dir: Path, dtype: torch.dtype | None = None, expected: Gemma4TextConfig | None = None,
+                    port: str = "") -> Gemma4ForCausalLM:
+    """The checkpoint's model; with `expected`, only if it is that config's model (`read_config`)."""
+    config = read_config(Path(ckpt_dir), expected, port)
     return model_from_state_dict(config, read_state_dict(Path(ckpt_dir), config, dtype or torch.float32))
 
 
@@ -192,7 +213,7 @@ def save_checkpoint(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        (tmp / CONFIG).write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
         shards = _shard(state, shard_bytes)
         if len(shards) == 1:
             save_file(shards[0], tmp / SINGLE, metadata={"format": "pt"})
@@ -261,5 +282,6 @@ def iter_expert_weights(ckpt_dir: Path, config: Gemma4TextConfig):
             if tuple(tensor.shape) != shape or tensor.dtype not in _FLOAT_DTYPES:
                 raise CheckpointError(f"{key}: {tensor.dtype} {tuple(tensor.shape)} in {weight_map[key].name}, "
                                       f"expected a float tensor of shape {shape}")
+            _check_finite(tensor, key, weight_map[key])
             pair.append(tensor)
         yield tuple(pair)

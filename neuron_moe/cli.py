@@ -29,6 +29,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _tcp_port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {value}")
+    return value
+
+
 def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
     from .parallel.layout import EXPERT_LAYOUTS
 
@@ -122,8 +129,14 @@ def cmd_validate(args) -> int:
         options["reader_backend"] = args.reader_backend
     if args.reader_weights is not None:
         options["reader_weights"] = args.reader_weights
-    if options and args.backend != "reader":
-        raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only")
+    tp_reader = args.backend == "tp8" and bool(options)  # the reader in the TP 8 decode graph
+    if tp_reader and ({"reader_backend", "reader_weights"} & options.keys() or args.sidecar is None):
+        raise UserError("--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp 8`) and "
+                        "--budget; its kernels are the PyTorch reference over the bf16 experts "
+                        "(no --reader-backend, no --reader-weights)")
+    if options and args.backend != "reader" and not tp_reader:
+        raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only "
+                        f"(--sidecar, --budget and --rank also to tp8)")
     if args.expert_layout is not None:
         from .parallel.generate import BACKENDS as TP_BACKENDS
 
@@ -135,6 +148,13 @@ def cmd_validate(args) -> int:
 
         reader_forward(options.get("reader_backend", "reference"))
         plan_reader(port.config, *reader_settings(port, **reader_flags), options.get("reader_weights", "bf16"))
+    if tp_reader:
+        from .parallel.generate import check_reader
+        from .parallel.reader import open_shards
+
+        check_reader(args.expert_layout or (port.static.expert_layout if port.static else DEFAULT_EXPERT_LAYOUT), False,
+                     args.budget)
+        open_shards(port.config, args.sidecar, 8, args.budget, args.rank)
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)
     if _json_out(report, args):
@@ -145,6 +165,9 @@ def cmd_validate(args) -> int:
             ("prompt", "prompt"), ("seq_match", "SEQ_MATCH"), ("first_divergence", "first diff"),
             ("max_abs_dlogit_step0", "max|Δlogit| step 0"), ("min_cosine", "min cosine", "{:.7f}"),
         ]))
+        for row in report["prompts"]:
+            if not row["finite_logits"]:
+                print(f"\n{row['prompt']!r}: NaN or inf among the logits (a failed comparison)")
         print("\nreference (greedy) continuations, up to the first EOS:")
         for row in report["prompts"]:
             print(f"  {row['prompt']!r} -> {row['reference_text']!r}")
@@ -185,9 +208,11 @@ def cmd_plan(args) -> int:
     port = load_port(args.model)
     static = port.static
     expert_layout = args.expert_layout or (static.expert_layout if static else DEFAULT_EXPERT_LAYOUT)
+    reader = None if args.reader_budget is None else \
+        {"budget": args.reader_budget, "scan": args.reader_scan, "rank": args.reader_rank}
     report = plan(port.config, args.instance, args.tp, args.dtype, args.batch, args.seq,
                   args.runtime_reserve_gib * 2**30, model=port.name, expert_layout=expert_layout,
-                  decode_experts=static.decode_experts if static else "selective")
+                  decode_experts=static.decode_experts if static else "selective", reader=reader)
     if _json_out(report, args):
         print(f"{port.name} on {args.instance}: TP {args.tp}, {args.dtype} experts in the {expert_layout} layout, "
               f"batch {args.batch}, seq {args.seq}\n")
@@ -197,8 +222,8 @@ def cmd_plan(args) -> int:
             print(table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]))
             print(f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
                   f"(graph and runtime rows are stated estimates, not measurements)\n")
-            rows = [dict(r, expert_layout=r["expert_layout"] + (" (this plan)" if r["this_plan"] else ""))
-                    for r in report["decode"]]
+            rows = [dict(r, expert_layout=r["expert_layout"] + (" + reader" if "reader" in r else "")
+                         + (" (this plan)" if r["this_plan"] else "")) for r in report["decode"]]
             print(table(rows, [("expert_layout", "expert layout"), ("decode_graph", "its decode graph reads"),
                                ("GB_per_token", "GB/token/rank", "{:.3f}"), ("floor_ms", "HBM floor ms/token", "{:.2f}"),
                                ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]))
@@ -216,8 +241,12 @@ def cmd_trace_and_compile(args) -> int:
     from .report import table
 
     port = load_port(args.model)
+    flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
+    if not args.reader and any(v is not None for v in flags.values()):
+        raise UserError("--sidecar, --budget and --rank configure the reader: pass --reader")
     report = trace_and_compile(port, args.dtype, args.tp, args.out, dry_run=args.dry_run, overwrite=args.overwrite,
-                               checkpoint=args.checkpoint, expert_layout=args.expert_layout, logits=args.with_logits)
+                               checkpoint=args.checkpoint, expert_layout=args.expert_layout, logits=args.with_logits,
+                               reader=flags if args.reader else None)
     if _json_out(report, args):
         rows = [{"file": f, "bytes": v["size"], "sha256": v["sha256"]} for f, v in report["files"].items()]
         print(table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]))
@@ -225,6 +254,11 @@ def cmd_trace_and_compile(args) -> int:
         print(f"\n{report['out']}: {port.name} {args.dtype} TP {args.tp}, {report['expert_layout']} expert layout, "
               f"keys {', '.join(report['keys'])}; {what}"
               + ("" if report["weights"] else "; no weights (meta device): exported, manifest and shard plan only"))
+        if report.get("reader"):
+            r = report["reader"]
+            print(f"decode key reads through the reader: budget {r['budget']:g} %, {r['k_per_rank']} exact channels "
+                  f"per token and rank, scan {r['scan']}, recovery rank {r['rank']} (each rank's sidecar shard in its "
+                  f"weights)")
     return 0
 
 
@@ -249,9 +283,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
                    help=f"port name or path to a port .toml (default: {DEFAULT_PORT})")
     p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
-    p.add_argument("--backend", default="eager", choices=[*EXPERTS_IMPLEMENTATIONS, "neuron"],
-                   help="an experts implementation (transformers' model on CPU), or neuron (a compiled "
-                        "artifact; needs the Neuron SDK) (default: eager)")
+    p.add_argument("--backend", default="eager", choices=[*EXPERTS_IMPLEMENTATIONS, "static", "neuron"],
+                   help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
+                        "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
+                        "experts implementation: transformers' model on CPU, one request per thread, any "
+                        "prompt that fits the context (default: eager)")
     p.add_argument("--artifacts", metavar="DIR|s3://BUCKET/PREFIX",
                    help="what the backend loads: the trace-and-compile output for neuron, an HF checkpoint for "
                         "a CPU backend; an s3:// URI is pulled (and verified) into --artifacts-cache first")
@@ -259,15 +295,22 @@ def _serve_parser(sub) -> None:
                    help="where s3:// artifacts are pulled to (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="CPU backend dtype (default: the port's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--port", type=_tcp_port, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NEURON_MOE_API_KEY; unset: open)")
-    p.add_argument("--max-running", type=_positive_int, default=1, metavar="N",
-                   help="requests generating at once (default: 1)")
+    p.add_argument("--batch-size", type=_positive_int, metavar="B",
+                   help="--backend static: rows of the graphs' batch, the requests generating at once "
+                        "(default: the port's [static] batch_size)")
+    p.add_argument("--max-running", type=_positive_int, metavar="N",
+                   help="per-request backends: requests generating at once (default: 1); the batching "
+                        "backends run one request per row")
     p.add_argument("--max-queue", type=int, default=32, metavar="N",
                    help="requests waiting beyond those; more get 429 + Retry-After (default: 32)")
     p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
-                   help="on SIGTERM, seconds to let requests in flight finish (default: 60)")
+                   help="on SIGTERM, seconds to let requests in flight finish; those still running then end "
+                        "with an error event (streams) or a 503 (default: 60)")
+    p.add_argument("--max-body-bytes", type=_positive_int, metavar="N",
+                   help="larger request bodies get 413 before they are read (default: 4194304, 4 MiB)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 def cmd_reads(args) -> int:
@@ -286,7 +329,17 @@ def cmd_reads(args) -> int:
         port = load_port(args.model)
         geo, name = Geometry.from_config(port.config), port.name
     layout = Layout(scan=args.scan, rank=args.rank, weights=args.dtype)
-    report = {"model": name, "geometry": asdict(geo), "scan": args.scan, "rank": args.rank, "dtype": args.dtype,
+    whole, tp = geo, args.tp or 1
+    if tp > 1 and (args.dtype != "bf16" or args.batch is not None):
+        raise UserError("reads --tp T is the per-rank reader over bf16 experts, one token a step "
+                        "(not with --dtype int8 or --batch)")
+    if tp > 1:  # one rank of the channel layout: I/t channels of every expert
+        from .reader.accounting import rank_geometry, solve_rank_k
+
+        geo = rank_geometry(whole, tp)
+        solve_rank_k(whole, layout, args.budget, tp)  # a budget below a rank's floor: the error names TP
+    report = {"model": name, "geometry": asdict(whole), "scan": args.scan, "rank": args.rank, "tp": tp,
+              "dtype": args.dtype,
               **breakdown(geo, layout, args.budget)}
     if args.dtype != "bf16":
         report["percent_of_bf16_full"] = 100 * sum(v["bytes"] for v in report["reads"].values()) / full_bytes(geo)
@@ -295,7 +348,10 @@ def cmd_reads(args) -> int:
     if not _json_out(report, args):
         return 0
     print(f"reads per token and MoE layer: {name} (hidden {geo.hidden}, {geo.experts} experts, top-{geo.top_k}, "
-          f"intermediate {geo.intermediate})")
+          f"intermediate {whole.intermediate})")
+    if tp > 1:
+        print(f"per rank at TP {tp} (channel expert layout: each rank its {geo.intermediate} of {whole.intermediate} "
+              f"channels of every expert, its own sketch strips, the whole U); every rank reads the same")
     experts = "bf16" if args.dtype == "bf16" else "int8 exact rows with fp32 scales, the sketch and recovery bf16"
     print(f"layout: the sidecar's (base-3 codes, 5 per byte), scan {args.scan} of 128 per block, recovery rank {args.rank}, {experts}, 32-byte sectors")
     print(f"budget {args.budget}% -> k = {report['k']} exact channels of {report['channels']} "
@@ -303,7 +359,8 @@ def cmd_reads(args) -> int:
     rows = [{"part": p, **v} for p, v in report["reads"].items()]
     rows += [{"part": "total", "bytes": sum(v["bytes"] for v in report["reads"].values()),
               "percent": report["total_percent"]},
-             {"part": "full model", "bytes": report["full_bytes"], "percent": 100.0}]
+             {"part": "full model" if tp == 1 else "full (the rank's share)", "bytes": report["full_bytes"],
+              "percent": 100.0}]
     print(table(rows, [("part", "read"), ("bytes", "bytes"), ("percent", "share of full", "{:.2f}%")]))
     print()
     rows = [{"part": p, **v} for p, v in report["resident"].items()]
@@ -339,14 +396,34 @@ def cmd_prep_reader(args) -> int:
     from .port import load_port
     from .reader.prep import Sidecar, prep_port
 
+    if args.source and not args.tp:
+        raise UserError("--from shards an existing sidecar: it needs --tp")
     port = load_port(args.model)
-    path = prep_port(port, Path(args.out), args.checkpoint, seed=args.seed, rank=args.rank, scan=args.scan)
+    out = Path(args.out)
+    if args.tp:  # a directory: the whole sidecar and each rank's shard
+        from .parallel.layout import check_degree
+        from .reader.shard import WHOLE, write_shards
+
+        check_degree(port.config, args.tp)
+        path = Path(args.source) if args.source else out / WHOLE
+        if not args.source:
+            out.mkdir(parents=True, exist_ok=True)
+            prep_port(port, path, args.checkpoint, seed=args.seed, rank=args.rank, scan=args.scan)
+    else:
+        path = prep_port(port, out, args.checkpoint, seed=args.seed, rank=args.rank, scan=args.scan)
     side = Sidecar(path)
+    if side.tp is not None:
+        raise UserError(f"{path}: already a TP shard (rank {side.tp_rank} of {side.tp}); shard the whole sidecar")
+    files = [path] + (write_shards(side, out, args.tp) if args.tp else [])
     report = {"model": port.name, "sidecar": str(path), "bytes": path.stat().st_size, "layers": side.layers,
-              "scan": side.scan, "rank": side.layout.rank, "seed": side.seed, "source_sha256": side.source_sha256}
+              "scan": side.scan, "rank": side.layout.rank, "seed": side.seed, "source_sha256": side.source_sha256,
+              "tp": args.tp, "files": {str(f): f.stat().st_size for f in files}}
     if _json_out(report, args):
-        print(f"wrote {path}: {report['bytes'] / 2**20:.2f} MiB, {side.layers} layers, scan {side.scan}, "
-              f"rank {side.layout.rank}, seed {side.seed}, source sha256 {side.source_sha256[:16]}…")
+        for f in files:
+            print(f"{'wrote' if f != path or not args.source else 'read'} {f}: {f.stat().st_size / 2**20:.2f} MiB")
+        print(f"{side.layers} layers, scan {side.scan}, rank {side.layout.rank}, seed {side.seed}, "
+              f"source sha256 {side.source_sha256[:16]}…"
+              + (f"; shards for TP {args.tp}, channel expert layout" if args.tp else ""))
     return 0
 
 
@@ -451,7 +528,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="backend dtype (default: the port's)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
-    p.add_argument("--sidecar", metavar="FILE", help="reader: the sidecar (default: the port's [reader] sidecar)")
+    p.add_argument("--sidecar", metavar="FILE|DIR", help="reader: the sidecar (default: the port's [reader] sidecar); "
+                                                       "tp8: the directory of `prep-reader --tp 8`")
     p.add_argument("--budget", type=float, metavar="PERCENT",
                    help="reader: share of the routed-expert bytes read per token, in (0, 100]")
     p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
@@ -573,6 +651,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES, help="experts' dtype (the rest is bf16)")
     p.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size (default 1)")
     p.add_argument("--seq", type=_positive_int, default=4096, metavar="S", help="max sequence length: KV cache and largest prefill bucket (default 4096)")
+    p.add_argument("--reader-budget", type=float, metavar="PERCENT",
+                   help="also the channel layout's decode graph with the reader at this budget (bytes per token and "
+                        "rank, each rank's sidecar shard in the memory plan)")
+    p.add_argument("--reader-rank", type=int, default=32, metavar="R", help="with --reader-budget: recovery rank "
+                                                                             "(default 32)")
+    p.add_argument("--reader-scan", type=int, default=80, metavar="N", help="with --reader-budget: coordinates "
+                                                                             "scanned per 128-block (default 80)")
     p.add_argument("--runtime-reserve-gib", type=float, default=1.0, metavar="GIB",
                    help="stated per-core runtime reserve (default 1.0)")
     _expert_layout_arg(p)
@@ -600,6 +685,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
     _expert_layout_arg(p)
+    p.add_argument("--reader", action="store_true",
+                   help="the decode key reads through the reader (channel layout, bf16/fp32): each rank's sidecar "
+                        "shard goes into its weights; needs --budget and --sidecar DIR (a port without weights: "
+                        "shapes only, no sidecar)")
+    p.add_argument("--sidecar", metavar="DIR", help="with --reader: the directory of `prep-reader --tp T`")
+    p.add_argument("--budget", type=float, metavar="PERCENT", help="with --reader: share of a rank's routed-expert "
+                                                                   "bytes read per token, in (0, 100]")
+    p.add_argument("--rank", type=int, metavar="R", help="with --reader: recovery rank, 0 = off (default: the sidecar's)")
     p.add_argument("--with-logits", action="store_true",
                    help="graphs that also return the fp32 logits (validation, host-side sampling: vocab x 4 bytes "
                         "per row and step to the host); default: the greedy token alone")
@@ -627,6 +720,8 @@ def parser() -> argparse.ArgumentParser:
                         "top-k, and the batch rule (one set of channels for the step), under uniform routing")
     p.add_argument("--step-budget", type=float, default=2.0, metavar="X",
                    help="with --batch: the batch rule's step reads, in units of one token's reads (default 2)")
+    p.add_argument("--tp", type=int, choices=TP_DEGREES, metavar="T",
+                   help="per rank at TP T on the channel expert layout (each rank its I/T channels of every expert)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_reads)
 
@@ -634,7 +729,14 @@ def parser() -> argparse.ArgumentParser:
                        description="Prepare the reader's sidecar (ternary sketch, channel norms, recovery map) "
                                    "from the expert weights alone, layer by layer, and write it atomically.")
     _common(p)
-    p.add_argument("--out", required=True, metavar="FILE", help="sidecar file to write (.safetensors)")
+    p.add_argument("--out", required=True, metavar="FILE|DIR",
+                   help="sidecar file to write (.safetensors); with --tp a directory")
+    p.add_argument("--tp", type=int, choices=TP_DEGREES, metavar="T",
+                   help="also shard it for TP T on the channel expert layout: DIR/reader.safetensors (the whole "
+                        "sidecar) and DIR/tpT-rankR.safetensors, rank R's channels of every expert, each tied to its "
+                        f"rank, TP degree, layout and source weights ({', '.join(map(str, TP_DEGREES))})")
+    p.add_argument("--from", dest="source", metavar="FILE",
+                   help="with --tp: shard this existing whole sidecar instead of prepping one")
     p.add_argument("--seed", type=int, default=0, help="seed of the Hadamard sign vector (default 0)")
     p.add_argument("--rank", type=int, default=32, metavar="R", help="recovery-map rank (default 32)")
     p.add_argument("--scan", type=int, default=80, metavar="N", help="scan width recorded for readers (default 80)")
@@ -642,13 +744,33 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _check_outputs(args) -> None:
+    """Every output path a command was given, checked before its work starts (not after an upload
+    or an hour of training). `--out` is a directory but for prep-reader's sidecar (without --tp)."""
+    from .report import check_output
+
+    if getattr(args, "json", None):
+        check_output(args.json)
+    if getattr(args, "out", None):
+        file = args.command == "prep-reader" and not args.tp
+        check_output(args.out, directory=not file, seekable=file)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        _check_outputs(args)
         return args.func(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
+    except OSError as e:  # the system refused (a full disk, a read-only or missing path): one line, not a bug
+        return _error(f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
+
+
+def _error(message: str) -> int:
+    """One `error:` line, whatever the message (a library's may span several): exit 2."""
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def build_model(
     dtype = dtype or port.dtype
     checkpoint = checkpoint or port.checkpoint
     if checkpoint is not None:
-        model = load_checkpoint(Path(checkpoint), dtype)
+        model = load_checkpoint(Path(checkpoint), dtype, expected=port.config, port=port.name)
     elif port.weights_source == "random":
         model = random_model(port).to(dtype)
     else:

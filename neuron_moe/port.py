@@ -30,6 +30,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SECTIONS = {"name", "description", "weights", "tokenizer", "config", "static", "reader"}
 _WEIGHT_SOURCES = ("random", "checkpoint")
 _TOKENIZERS = ("bytes", "checkpoint")
+# the fields of each table besides [config] (Gemma4TextConfig's) and [static] (_STATIC_FIELDS)
+_FIELDS = {"weights": {"source", "seed", "checkpoint", "dtype"}, "tokenizer": {"kind"},
+           "reader": {"sidecar", "budget", "rank"}}
+MAX_BATCH = 1024  # rows of a static graph; the KV cache is allocated for all of them
+MAX_BUCKETS = 64
 
 
 class PortError(UserError):
@@ -62,6 +67,13 @@ class Port:
     static: StaticSpec | None = None  # None: the port has no [static] table (no traced graphs)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def static_spec(self, what: str) -> StaticSpec:
+        """The [static] table, or a UserError saying that `what` needs one."""
+        if self.static is None:
+            raise UserError(f"port {self.name!r} has no [static] table (buckets, max_cache_len, batch_size, "
+                            f"prefill_experts, decode_experts): {what} needs the static graphs it describes")
+        return self.static
+
 
 def builtin_ports() -> list[str]:
     return sorted(p.name[: -len(".toml")] for p in resources.files("neuron_moe.ports").iterdir()
@@ -80,13 +92,28 @@ def _port_path(name_or_path: str) -> Path:
     return Path(str(res))
 
 
-def _require(table: dict, key: str, kind: type, where: str):
+def _require(table: dict, key: str, kind: type | tuple, where: str):
     if key not in table:
         raise PortError(f"{where}: missing field '{key}'")
+    return _typed(table, key, kind, where)
+
+
+def _typed(table: dict, key: str, kind: type | tuple, where: str):
     value = table[key]
-    if not isinstance(value, kind):
-        raise PortError(f"{where}: field '{key}' must be {kind.__name__}, got {type(value).__name__}")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise PortError(f"{where}: field '{key}' must be {names}, got {type(value).__name__} {value!r}")
     return value
+
+
+def _table(raw: dict, name: str, where: str) -> dict:
+    """An optional table with a known set of fields, each a misspelling away from being ignored."""
+    table = _typed(raw, name, dict, where) if name in raw else {}
+    unknown = sorted(set(table) - _FIELDS[name])
+    if unknown:
+        raise PortError(f"{where} [{name}]: unknown field(s) {unknown}; expected {sorted(_FIELDS[name])}")
+    return table
 
 
 _STATIC_FIELDS = {"buckets", "max_cache_len", "batch_size", "prefill_experts", "decode_experts", "expert_layout"}
@@ -100,8 +127,8 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
     if unknown:
         raise PortError(f"{where}: unknown field(s) {unknown}; expected {sorted(_STATIC_FIELDS)}")
     buckets = _require(table, "buckets", list, where)
-    if not buckets or not all(type(b) is int and b > 0 for b in buckets):
-        raise PortError(f"{where}: buckets must be a non-empty list of positive integers, got {buckets}")
+    if not 0 < len(buckets) <= MAX_BUCKETS or not all(type(b) is int and b > 0 for b in buckets):
+        raise PortError(f"{where}: buckets must be a list of 1 to {MAX_BUCKETS} positive integers, got {buckets}")
     if buckets != sorted(set(buckets)):
         raise PortError(f"{where}: buckets must be strictly increasing, got {buckets}")
     max_cache_len = _require(table, "max_cache_len", int, where)
@@ -111,15 +138,15 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
         raise PortError(f"{where}: max_cache_len {max_cache_len} exceeds max_position_embeddings "
                         f"{config.max_position_embeddings}")
     batch_size = _require(table, "batch_size", int, where)
-    if batch_size < 1:
-        raise PortError(f"{where}: batch_size must be at least 1, got {batch_size}")
+    if not 1 <= batch_size <= MAX_BATCH:
+        raise PortError(f"{where}: batch_size must be in [1, {MAX_BATCH}], got {batch_size}")
     experts = {}
     for key in ("prefill_experts", "decode_experts"):
         experts[key] = _require(table, key, str, where)
         if experts[key] not in GRAPH_EXPERTS:
             raise PortError(f"{where}: {key} {experts[key]!r} is not an experts implementation for static "
                             f"graphs; choose from {list(GRAPH_EXPERTS)}")
-    expert_layout = table.get("expert_layout", DEFAULT_EXPERT_LAYOUT)
+    expert_layout = _typed(table, "expert_layout", str, where) if "expert_layout" in table else DEFAULT_EXPERT_LAYOUT
     if expert_layout not in EXPERT_LAYOUTS:
         raise PortError(f"{where}: expert_layout {expert_layout!r} is not one of {list(EXPERT_LAYOUTS)}")
     return StaticSpec(tuple(buckets), max_cache_len, batch_size, **experts, expert_layout=expert_layout)
@@ -131,16 +158,20 @@ def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
         raw = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise PortError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise PortError(f"{path}: cannot read the port file: {e.strerror}") from None
     where = str(path)
     unknown = sorted(set(raw) - _SECTIONS)
     if unknown:
         raise PortError(f"{where}: unknown field(s) {unknown}; expected {sorted(_SECTIONS)}")
 
-    weights = _require(raw, "weights", dict, where)
+    if "weights" not in raw:
+        raise PortError(f"{where}: missing field 'weights'")
+    weights = _table(raw, "weights", where)
     source = _require(weights, "source", str, f"{where} [weights]")
     if source not in _WEIGHT_SOURCES:
         raise PortError(f"{where} [weights]: source {source!r} is not one of {_WEIGHT_SOURCES}")
-    dtype_name = weights.get("dtype", "float32")
+    dtype_name = _typed(weights, "dtype", str, f"{where} [weights]") if "dtype" in weights else "float32"
     if dtype_name not in DTYPES:
         raise PortError(f"{where} [weights]: dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
     seed = _require(weights, "seed", int, f"{where} [weights]") if source == "random" else None
@@ -150,15 +181,20 @@ def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
         if not checkpoint.is_dir():  # relative paths are relative to the port file
             raise PortError(f"{where} [weights]: checkpoint directory {checkpoint} not found")
 
-    tokenizer = raw.get("tokenizer", {}).get("kind", "bytes")
+    tokenizer_table = _table(raw, "tokenizer", where)
+    tokenizer = _typed(tokenizer_table, "kind", str, f"{where} [tokenizer]") if "kind" in tokenizer_table else "bytes"
     if tokenizer not in _TOKENIZERS:
         raise PortError(f"{where} [tokenizer]: kind {tokenizer!r} is not one of {_TOKENIZERS}")
+    reader = _table(raw, "reader", where)
+    for key, kinds in (("sidecar", str), ("budget", (int, float)), ("rank", int)):
+        if key in reader:
+            _typed(reader, key, kinds, f"{where} [reader]")
 
     config = gemma4_moe_config(_require(raw, "config", dict, where), where)
     static = _static_spec(_require(raw, "static", dict, where), config, where) if "static" in raw else None
     return Port(
         name=_require(raw, "name", str, where),
-        description=raw.get("description", ""),
+        description=_typed(raw, "description", str, where) if "description" in raw else "",
         path=path,
         config=config,
         weights_source=source,

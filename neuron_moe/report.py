@@ -1,14 +1,30 @@
-"""Plain-text tables, `--json FILE` output, and reading the project's own JSON files."""
+"""Plain-text tables, `--json FILE` output, and the project's files: reading its JSON, writing
+outputs (atomic for regular files, streamed to others), checking output paths before the work,
+and the lock a run holds on its output."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import math
 import os
+import stat
 import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from .errors import UserError
+
+# errors of a write that are the filesystem's, not ours: reported as one line naming the path
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG,
+                   errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+
+
+class OutputError(UserError):
+    pass
 
 
 def table(rows: list[dict[str, Any]], columns: list[tuple], markdown: bool = False) -> str:
@@ -34,44 +50,187 @@ def table(rows: list[dict[str, Any]], columns: list[tuple], markdown: bool = Fal
     return "\n".join(lines)
 
 
-@contextmanager
-def atomic_write(path: Path, mode: str = "w"):
-    """Open a temp file in path's folder (creating the folder), yield it, then rename it onto
-    path; on any failure the temp file is removed and path is untouched. The file gets the mode a
-    plain open() would give it (mkstemp's own is 0600: results unreadable by anyone else)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
+def _target(path: Path) -> tuple[Path, os.stat_result | None]:
+    """Where a write to `path` lands (a symlink's target, followed) and what is there now."""
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
     try:
-        with os.fdopen(fd, mode) as f:
+        return target, os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):  # nothing there yet (a dangling link: its target is made)
+        return target, None
+    except OSError as e:
+        raise OutputError(f"{path}: {e.strerror}") from None
+
+
+def _file_output(dest: str | Path, seekable: bool) -> tuple[str, Path | None, os.stat_result | None]:
+    """How a file output is written: ("stdout" | "stream" | "file", where it lands, what is there
+    now). A directory is refused, and a stream (stdout, a FIFO, a device) when written with seeks."""
+    if str(dest) == "-":
+        kind, target, st = "stdout", None, None
+    else:
+        target, st = _target(Path(dest))
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise OutputError(f"{dest} is a directory; give a file name")
+        kind = "file" if st is None or stat.S_ISREG(st.st_mode) else "stream"
+    if seekable and kind != "file":
+        raise OutputError(f"{dest} is not a regular file; this output is written with seeks, so it needs one")
+    return kind, target, st
+
+
+def check_output(dest: str | Path, directory: bool = False, seekable: bool = False) -> None:
+    """Fail now, before any work, when `dest` cannot be written: a file output that is a directory
+    (or a stream, when `seekable`), a directory output that is a file, a parent on the way that is
+    a file, or a folder it goes in that is not writable. '-' is stdout."""
+    path = Path(dest)
+    if directory:
+        target, st = _target(path)
+        if st is not None:
+            if not stat.S_ISDIR(st.st_mode):
+                raise OutputError(f"{path} exists and is not a directory")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise OutputError(f"{path}: directory not writable")
+            return
+    else:
+        kind, target, _ = _file_output(dest, seekable)
+        if kind == "stdout":
+            return
+        if kind == "stream":
+            if not os.access(path, os.W_OK):
+                raise OutputError(f"{path}: not writable")
+            return
+    folder = target.parent  # a regular file is written beside itself, then renamed; a directory made there
+    while not folder.exists():
+        if folder.is_symlink():
+            raise OutputError(f"{folder}: a dangling symbolic link on the way to {path}")
+        folder = folder.parent
+    if not folder.is_dir():
+        raise OutputError(f"{folder} is not a directory, so {path} cannot be written")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"{folder}: directory not writable, so {path} cannot be written")
+
+
+@contextmanager
+def _storage_errors(path: Path):
+    """The filesystem's refusals (full, read-only, no permission, a file where a folder should be)
+    as one line naming the path."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _STORAGE_ERRNOS:
+            raise
+        raise OutputError(f"cannot write {path}: {e.strerror}") from None
+
+
+@contextmanager
+def atomic_write(path: Path, mode: str = "w", seekable: bool = False):
+    """Yield a file to write `path` through; nothing is half-written. '-' is stdout.
+
+    A regular file (or none yet) is written as a temp file in its folder (created if missing),
+    then renamed onto it; on any failure the temp file is removed and the old file is untouched.
+    A symbolic link is written through: its target is replaced, the link stays. Anything else that
+    exists — a FIFO, a terminal, /dev/null, /dev/stdout — is opened and written in place (a stream
+    has nothing to replace), unless the writer needs to `seekable` back. A directory is refused.
+    A new file gets the mode a plain open() would give it (mkstemp's own is 0600: results
+    unreadable by anyone else); a replaced one keeps its mode."""
+    kind, target, st = _file_output(path, seekable)
+    if kind == "stdout":
+        yield sys.stdout.buffer if "b" in mode else sys.stdout
+        sys.stdout.flush()
+        return
+    path = Path(path)
+    if kind == "stream":
+        with _storage_errors(path), open(path, mode) as f:
             yield f
-        os.replace(tmp, path)
+        return
+    with _storage_errors(path):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        if st is not None:
+            os.fchmod(fd, stat.S_IMODE(st.st_mode))
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
+        with _storage_errors(path):
+            with os.fdopen(fd, mode) as f:
+                yield f
+            os.replace(tmp, target)
     except BaseException:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
 
 
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any, **kwargs) -> str:
+    """JSON text; a non-finite float (NaN, ±inf) is written as null, since JSON has no such number
+    (Python's json would write a bare NaN, which no strict parser reads)."""
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
 def write_json(obj: Any, dest: str) -> None:
-    """'-' is stdout; a path is written atomically (temp file in the same folder, then rename)."""
-    text = json.dumps(obj, indent=2, sort_keys=False) + "\n"
-    if dest == "-":
-        sys.stdout.write(text)
-        return
-    with atomic_write(Path(dest)) as f:
-        f.write(text)
+    """`obj` as JSON to `dest` ('-': stdout), through `atomic_write`."""
+    with atomic_write(dest) as f:
+        f.write(dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def read_json_object(path: Path, error: type[Exception], missing: str) -> dict:
-    """A JSON file that must hold an object; `error(message)` names the file and the problem."""
+    """A JSON file that must hold an object; `error(message)` names the file and the problem.
+    NaN and Infinity, which Python's json would accept, are refused: they are not JSON."""
     if not path.is_file():
         raise error(missing)
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = json.loads(path.read_text(), parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise error(f"{path}: not valid JSON: {e}") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror}") from None
     if not isinstance(raw, dict):
         raise error(f"{path}: expected a JSON object")
     return raw
+
+
+@contextmanager
+def run_lock(path: Path, what: str):
+    """Hold the lock of `path` (a file `.NAME.lock` beside it) while a run writes `path`, so that
+    a second run on the same output is refused instead of deleting the first's work; leftovers
+    found while holding it are a dead run's. flock: the kernel drops it when its holder dies."""
+    path = Path(path).absolute()
+    lock = path.parent / f".{path.name}.lock"
+    with _storage_errors(lock):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise OutputError(f"{path} is being written by another {what} (pid {holder}); "
+                                  "wait for it to finish, or choose another output") from None
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                    break  # else its holder removed it as it let go, between our open and our flock: again
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        yield
+    finally:
+        os.unlink(lock)  # while still holding it: whoever opens the path next gets a fresh file
+        os.close(fd)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .config import read_config_file
 from .errors import UserError
 
 
@@ -14,6 +15,7 @@ class ByteTokenizer:
     pad_token_id, eos_token_id, bos_token_id = 0, 1, 2
     offset = 3
     vocab_size = 256 + offset
+    max_token_bytes = 1  # of the text a token stands for
     chat_template = None  # the server falls back to a plain-text template (serve/chat.py)
 
     def encode(self, text: str) -> list[int]:
@@ -26,17 +28,28 @@ class ByteTokenizer:
 
 class HFTokenizer:
     def __init__(self, path: Path):
+        from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoTokenizer
 
         if not Path(path).is_dir():  # else transformers takes the path for a hub repo id
             raise UserError(f"tokenizer directory {path} not found")
+        if (Path(path) / "config.json").is_file():
+            # AutoTokenizer parses it with transformers' own config class, which builds a view of every
+            # layer (a config.json claiming 10^8 layers would hang it): our checks first
+            read_config_file(Path(path) / "config.json")
         try:
             self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as e:  # the last: its config.json's
             raise UserError(f"{path}: no usable tokenizer: {e}") from None
         self.pad_token_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else 0
         self.eos_token_id = self._tok.eos_token_id
         self.bos_token_id = self._tok.bos_token_id
+        # At most this many bytes of input text per token (the server refuses a prompt longer than its
+        # context could hold without tokenizing it): the longest token's text, +1 for a space a decoder
+        # strips, x4 for a normalizer that maps a 4-byte character to a 1-byte one.
+        backend = self._tok.backend_tokenizer
+        texts = backend.decode_batch([[i] for i in range(backend.get_vocab_size())], skip_special_tokens=False)
+        self.max_token_bytes = 4 * (max(len(t.encode("utf-8")) for t in texts) + 1)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text)

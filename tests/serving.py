@@ -1,4 +1,5 @@
-"""Test helpers: a uvicorn server in a thread on a free loopback port, always shut down."""
+"""Test helpers: a uvicorn server in a thread on a free loopback port, always shut down; the
+batching engine's requests seen from their sinks."""
 
 from __future__ import annotations
 
@@ -11,13 +12,18 @@ import time
 import uvicorn
 
 
+def server_config(app) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+
+
 @contextlib.contextmanager
-def serving(app, timeout_s: float = 30.0):
-    """Run `app` on 127.0.0.1 (a port the OS picks) and yield its base URL."""
+def serving(app, timeout_s: float = 30.0, server: uvicorn.Server | None = None):
+    """Run `app` on 127.0.0.1 (a port the OS picks) and yield its base URL; `server`: a uvicorn
+    Server of `server_config(app)` to run it with, instead of a plain one."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    server = server or uvicorn.Server(server_config(app))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
     thread.start()
     try:
@@ -52,3 +58,48 @@ def sse_events(lines) -> list:
             payload = line[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+# ---- the batching engine (serve/batching.py) -----------------------------------------------------
+
+class IdTokenizer:
+    """A tokenizer whose text spells the token ids (`<5><17>`), so a request's text is its tokens."""
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def tokens_of(steps) -> list[int]:
+    return [int(t) for t in "".join(s.text for s in steps).strip("<>").split("><") if t]
+
+
+class Sink:
+    """A request's end of the engine (as scheduler.Job is): records each Step with the decode step
+    it came in, and how the request ended."""
+
+    def __init__(self, engine, fail_at=None):
+        self.engine, self.fail_at = engine, fail_at
+        self.cancelled, self.ended = threading.Event(), threading.Event()
+        self.steps, self.at, self.error = [], [], None
+
+    def put(self, step):
+        if len(self.steps) == self.fail_at:
+            raise RuntimeError("injected fault in one row")
+        self.steps.append(step)
+        self.at.append(self.engine.steps)
+
+    def fail(self, error):
+        self.error = error
+
+    def end(self):
+        self.ended.set()
+
+
+def serve_together(engine, requests, sinks=None):
+    """Submit every (prompt, params) at once; wait until each has ended."""
+    sinks = sinks or [Sink(engine) for _ in requests]
+    for (prompt, params), sink in zip(requests, sinks):
+        engine.submit(prompt, params, sink)
+    for sink in sinks:
+        assert sink.ended.wait(60), "a request did not end"
+    return sinks

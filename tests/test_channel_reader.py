@@ -135,7 +135,7 @@ def test_port_reader_section_supplies_sidecar_and_budget(tiny_port, sidecar, tmp
     assert json.loads(capsys.readouterr().out)["all_match"]
     # bad options fail at once, before the reference generates (no --max-new-tokens limit needed)
     for section, message in (("budjet = 10", "[reader]: unknown field(s) ['budjet']"),
-                             ('budget = "lots"', "[reader]: field 'budget' has the wrong type ('lots')")):
+                             ('budget = "lots"', "[reader]: field 'budget' must be int or float, got str 'lots'")):
         port_file.write_text(text + f'\n[reader]\nsidecar = "{sidecar}"\n{section}\n')
         assert cli.main(["validate", "--model", str(port_file), "--backend", "reader"]) == 2
         assert message in capsys.readouterr().err

@@ -2,14 +2,17 @@
 checkpoint can be wrong is an error that names the key, shape or file."""
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from neuron_moe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from neuron_moe.config import ConfigError
+from neuron_moe import cli
+from neuron_moe.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint
+from neuron_moe.config import ConfigError, gemma4_moe_config
 from neuron_moe.model import build_model
+from neuron_moe.port import load_port
 
 
 def assert_same_weights(a, b):
@@ -71,6 +74,8 @@ def _edit(src, dst, edit):
     """Copy a saved checkpoint with its tensors edited by `edit(state)`."""
     dst.mkdir()
     (dst / "config.json").write_text((src / "config.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / name).symlink_to(load_port("tiny-gemma4-moe").checkpoint / name)
     state = load_file(src / "model.safetensors")
     edit(state)
     save_file(state, dst / "model.safetensors")
@@ -132,6 +137,8 @@ def _with_config(saved, tmp_path, edit):
     edit(cfg)
     (path / "config.json").write_text(json.dumps(cfg))
     (path / "model.safetensors").symlink_to(saved[1] / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # what a command needs beside the weights
+        (path / name).symlink_to(load_port("tiny-gemma4-moe").checkpoint / name)
     return path
 
 
@@ -153,3 +160,72 @@ def test_missing_config_and_weights(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json: not valid JSON"):
         load_checkpoint(tmp_path)
+
+
+def one_error_line(capsys, message: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    return err
+
+
+# ---- a checkpoint of another model never stands in for the port's (issue 26, item 3) -------------------
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(tiny_port, capsys):
+    """The full-size port with the tiny checkpoint: it used to PASS validation and serve as gemma4-26b-a4b."""
+    tiny = str(tiny_port.checkpoint)
+    assert cli.main(["validate", "--model", "gemma4-26b-a4b", "--checkpoint", tiny, "--max-new-tokens", "2"]) == 2
+    err = one_error_line(capsys, "not the model of port 'gemma4-26b-a4b'")
+    assert "hidden_size 128 (expected 2816)" in err and "num_experts 16 (expected 128)" in err
+    assert cli.main(["serve", "--model", "gemma4-26b-a4b", "--checkpoint", tiny]) == 2  # before the socket is bound
+    one_error_line(capsys, "hidden_size 128 (expected 2816)")
+    with pytest.raises(CheckpointError, match=r"layer 1 head_dim, key-value heads 64, 2 \(expected 64, 1\)"):
+        read_config(tiny_port.checkpoint, gemma4_moe_config(dict(tiny_port.raw["config"], num_global_key_value_heads=1),
+                                                            "p.toml"), "p")
+
+
+# ---- non-finite weights are an error at load (item 4) -------------------------------------------------
+
+def test_nan_or_inf_weights_are_refused_at_load(saved, tmp_path, capsys):
+    def poison(s):
+        s["model.layers.1.experts.down_proj"][3, 5, 7] = float("nan")
+        s["model.layers.1.experts.down_proj"][0, 0, 0] = float("inf")
+    path = _edit(saved[1], tmp_path / "nan", poison)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.experts\.down_proj in model\.safetensors: 2 "
+                                              r"non-finite value\(s\) \(NaN or inf\)"):
+        load_checkpoint(path)
+    # validate used to print PASS with max|Δlogit| nan (exit 0); it is now one error line
+    assert cli.main(["validate", "--checkpoint", str(path), "--max-new-tokens", "2"]) == 2
+    one_error_line(capsys, "non-finite value(s)")
+
+
+# ---- wrong fields in config.json and the index (item 6) ------------------------------------------------
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.update(hidden_size=0), "hidden_size = 0 is outside [1, 65536]"),
+    (lambda c: c.update(num_experts=[16]), "num_experts must be an integer, got [16]"),
+    (lambda c: c.update(layer_types=c["layer_types"][:2]), "must be equal to the number of `layer_types` (2)"),
+    (lambda c: c.update(hidden_activation=5), "Validation error for field 'hidden_activation'"),
+    (lambda c: c.update(rope_parameters="default"), "Validation error for field 'rope_parameters'"),
+    (lambda c: c.update(num_hidden_layers=10**8), "num_hidden_layers = 100000000 is outside [1, 256]"),
+    (lambda c: c.update(enable_moe_block="yes"), "not a Gemma-4 MoE config"),
+])
+def test_wrong_config_fields_are_one_error_line(saved, tmp_path, capsys, edit, message):
+    path = _with_config(saved, tmp_path, edit)
+    assert cli.main(["validate", "--checkpoint", str(path), "--max-new-tokens", "2"]) == 2
+    one_error_line(capsys, message)
+    assert cli.main(["serve", "--checkpoint", str(path)]) == 2  # checked before binding, not in the load thread
+    one_error_line(capsys, message)
+
+
+@pytest.mark.parametrize("weight_map,message", [
+    ([], "need a 'weight_map' object of key -> file name"),
+    ({"model.embed_tokens.weight": 3}, "need a 'weight_map' object of key -> file name"),
+    ({"model.embed_tokens.weight": ["a.safetensors"]}, "need a 'weight_map' object of key -> file name"),
+    ({"model.embed_tokens.weight": "../outside.safetensors"}, "is not a file name in"),
+    ({"model.embed_tokens.weight": "/etc/passwd"}, "is not a file name in"),
+])
+def test_a_bad_weight_map_is_named(saved, tmp_path, capsys, weight_map, message):
+    path = _with_config(saved, tmp_path, lambda c: None)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_checkpoint(path)

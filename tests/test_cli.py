@@ -1,9 +1,11 @@
 import json
 
 import pytest
+import torch
 
 from neuron_moe import cli
 from neuron_moe.eval import seq_match
+from neuron_moe.generate import Generation
 
 
 def test_validate_passes_and_writes_json(tmp_path, capsys):
@@ -78,3 +80,23 @@ def test_help(command, capsys):
         cli.main(command + ["--help"])
     assert exit_.value.code == 0
     assert "--json" in capsys.readouterr().out or not command
+
+
+def test_a_non_finite_logit_fails_the_comparison_whatever_the_tokens(capsys):
+    """Issue 26, item 4: NaN logits gave max|Δlogit| nan, cosine nan and SEQ_MATCH True (exit 0)."""
+    tokens = torch.tensor([[5, 6, 7], [5, 6, 7]])
+    logits = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0))
+    poisoned = logits.clone()
+    poisoned[1, 1, 3] = float("nan")
+    rows = seq_match.compare(Generation(tokens, logits), Generation(tokens.clone(), poisoned), ["a", "b"])
+    assert [r["seq_match"] for r in rows] == [True, False]
+    assert [r["finite_logits"] for r in rows] == [True, False]
+    rows = seq_match.compare(Generation(tokens, poisoned), Generation(tokens.clone(), logits), ["a", "b"])
+    assert [r["seq_match"] for r in rows] == [True, False]  # the reference's NaN fails it too
+
+
+def test_validate_refuses_more_new_tokens_than_the_context_holds(capsys):
+    """Issue 26, item 9: 10^9 new tokens ran (and allocated logits) until something broke."""
+    assert cli.main(["validate", "--max-new-tokens", "1000000000"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's context of 512 tokens" in err and err.count("\n") == 1

@@ -7,6 +7,7 @@ layout is refused by the other."""
 import dataclasses
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from neuron_moe.neuron import compile as nc
 from neuron_moe.parallel import nxd
 from neuron_moe.parallel.trace import generation_job, run_replicated
 from neuron_moe.port import load_port
+from neuron_moe.report import OutputError
 
 from conftest import expert_reads, random_prompts
 
@@ -110,6 +112,52 @@ def test_a_second_run_never_mixes(artifact, one_bucket_port, tmp_path, monkeypat
     (target / "stray").write_text("x")
     with pytest.raises(nc.ArtifactError, match="holds files but no manifest"):
         nc.trace_and_compile(one_bucket_port, "fp32", 2, target, dry_run=True)
+
+
+def test_overwrite_replaces_only_an_artifact(one_bucket_port, tmp_path):
+    """Issue 26, item 5: --overwrite deleted any directory (files, subfolders) to put the artifact there."""
+    precious = tmp_path / "home"
+    (precious / "notes").mkdir(parents=True)
+    (precious / "notes" / "todo.txt").write_text("keep me")
+    (precious / "config.json").write_text("{}")
+    for manifest in (None, "[1, 2]", '{"name": "someone else\'s manifest.json"}'):
+        if manifest is not None:
+            (precious / nc.MANIFEST).write_text(manifest)
+        with pytest.raises(nc.ArtifactError, match="--overwrite never replaces|is not replaced, --overwrite or not|"
+                                                   "expected a JSON object"):
+            nc.trace_and_compile(one_bucket_port, "fp32", 2, precious, dry_run=True, overwrite=True, export=False)
+        assert (precious / "notes" / "todo.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # nothing built beside it, no lock left
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(one_bucket_port, tmp_path, monkeypatch):
+    """Issue 26, item 8: the second run took the first one's build directory for leftovers, deleted it,
+    and the first died. Now the first holds a lock; the second is refused and the first completes."""
+    out = tmp_path / "art"
+    inside, release = threading.Event(), threading.Event()
+    full_state = nc._full_state
+
+    def slow_full_state(*args):
+        inside.set()
+        assert release.wait(60)
+        return full_state(*args)
+
+    monkeypatch.setattr(nc, "_full_state", slow_full_state)
+    first = {}
+    thread = threading.Thread(target=lambda: first.update(
+        manifest=nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True, export=False)))
+    thread.start()
+    try:
+        assert inside.wait(60)
+        (building,) = tmp_path.glob(".art.partial-*")
+        with pytest.raises(OutputError, match=r"art is being written by another trace-and-compile \(pid \d+\)"):
+            nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True, export=False, overwrite=True)
+        assert building.is_dir()  # the first run's build directory is untouched
+    finally:
+        release.set()
+        thread.join(120)
+    assert first["manifest"]["files"] and nc.read_manifest(out)["tp"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no partial, no lock file left
 
 
 def test_full_size_port_dry_run_on_meta(tmp_path):

@@ -96,6 +96,30 @@ def test_full_size_decode_table_is_what_the_built_graphs_read(big):
         r["decode"][0]["bytes_per_token"] - 30 * 8 * 3 * 88 * 2816 * 2 + 30 * 8 * slice8, rel=1e-12)
 
 
+def test_full_size_decode_with_the_reader(big, capsys):
+    """TP 8, batch 1, the reader at 17.8 %: each rank reads its sketch, norms, 55 exact channels and
+    recovery of its 8 experts' 88 channels per layer (`neuron-moe reads --tp 8`): 17.8 % of the selective
+    row's expert bytes, so 0.761 GB/token/rank and a 1.73 ms floor against 1.055 and 2.40; each rank
+    holds its sidecar shard (0.75 GB)."""
+    from neuron_moe.reader.accounting import Geometry, Layout, rank_geometry, reads
+
+    reader = {"budget": 17.8, "scan": 80, "rank": 32}
+    r = plan(big, "inf2.24xlarge", 8, "bf16", batch=1, seq=4096, reader=reader)
+    channel, with_reader, _ = r["decode"]
+    assert not channel["this_plan"] and with_reader["this_plan"] and with_reader["reader"]["k_per_rank"] == 55
+    per_layer = sum(reads(rank_geometry(Geometry.from_config(big), 8), Layout(), 55).values())
+    assert per_layer <= 0.178 * 8 * 3 * 88 * 2816 * 2
+    assert channel["bytes_per_token"] - with_reader["bytes_per_token"] == pytest.approx(
+        30 * (8 * 3 * 88 * 2816 * 2 - per_layer), rel=1e-12)
+    assert round(with_reader["GB_per_token"], 3) == 0.761 and round(with_reader["floor_ms"], 2) == 1.73
+    assert round(r["per_rank_bytes"]["reader_sidecar"] / GB, 2) == 0.75 and r["fits"]
+    assert cli.main(["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.24xlarge", "--tp", "8",
+                     "--reader-budget", "17.8"]) == 0
+    assert "channel + reader (this plan)" in capsys.readouterr().out
+    with pytest.raises(Exception, match="the reader runs in the channel expert layout's bf16 graphs"):
+        plan(big, "inf2.24xlarge", 8, "int8", batch=1, seq=4096, reader=reader)
+
+
 def test_no_kv_bytes_cross_the_host_per_decode_step(big):
     r = plan(big, "inf2.24xlarge", 8, "bf16", batch=4, seq=4096)
     rows = {row["what"].split(" [")[0].split(" (")[0]: row for row in r["host_per_step"]}

@@ -1,9 +1,11 @@
 import subprocess
 import sys
+import time
 import zipfile
 
 import pytest
 
+from neuron_moe import cli
 from neuron_moe.config import ConfigError
 from neuron_moe.port import PortError, builtin_ports, load_port
 
@@ -68,14 +70,14 @@ def test_expert_layout_defaults_to_channel(tmp_path):
     (lambda t: t + "\n[[[", PortError, "not valid TOML"),
     (lambda t: t.replace("buckets = [8, 56]", "buckets = [56, 8]"), PortError,
      r"\[static\]: buckets must be strictly increasing, got \[56, 8\]"),
-    (lambda t: t.replace("buckets = [8, 56]", "buckets = []"), PortError, "buckets must be a non-empty list"),
+    (lambda t: t.replace("buckets = [8, 56]", "buckets = []"), PortError, "buckets must be a list of 1 to 64"),
     (lambda t: t.replace("max_cache_len = 96", "max_cache_len = 32"), PortError,
      "max_cache_len 32 is shorter than the largest bucket 56"),
     (lambda t: t.replace("max_cache_len = 96", "max_cache_len = 1024"), PortError,
      "max_cache_len 1024 exceeds max_position_embeddings 512"),
     (lambda t: t.replace('decode_experts = "selective"', 'decode_experts = "eager"'), PortError,
      "decode_experts 'eager' is not an experts implementation for static graphs"),
-    (lambda t: t.replace("batch_size = 2", "batch_size = 0"), PortError, "batch_size must be at least 1"),
+    (lambda t: t.replace("batch_size = 2", "batch_size = 0"), PortError, "batch_size must be in \\[1, 1024\\]"),
     (lambda t: t.replace("batch_size = 2", "batch = 2"), PortError,
      r"\[static\]: unknown field\(s\) \['batch'\]"),
     (lambda t: t.replace('expert_layout = "channel"', 'expert_layout = "rows"'), PortError,
@@ -84,6 +86,59 @@ def test_expert_layout_defaults_to_channel(tmp_path):
 def test_bad_port_files_name_the_problem(tmp_path, edit, error, message):
     with pytest.raises(error, match=message):
         load_port(_write(tmp_path, edit(TINY)))
+
+
+# Wrong types, sizes and misspellings (issue 26, item 6): each is one `error:` line naming the field,
+# where each used to be a raw traceback (transformers' own error class, an unhashable value, a
+# zero size that fails later) or, for a misspelled key outside [config], silently ignored.
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.replace('dtype = "float32"', "dtype = []"), "[weights]: field 'dtype' must be str, got list"),
+    (lambda t: t.replace('kind = "checkpoint"', 'kind = ["checkpoint"]'), "[tokenizer]: field 'kind' must be str"),
+    (lambda t: t.replace('[tokenizer]\nkind = "checkpoint"', "").replace(
+        'name = "tiny-gemma4-moe"', 'name = "tiny-gemma4-moe"\ntokenizer = "checkpoint"'),
+     "field 'tokenizer' must be dict, got str"),
+    (lambda t: t.replace('dtype = "float32"', 'dtype = "float32"\nseeed = 3'), "[weights]: unknown field(s) ['seeed']"),
+    (lambda t: t.replace('kind = "checkpoint"', 'knd = "checkpoint"'), "[tokenizer]: unknown field(s) ['knd']"),
+    (lambda t: t + "\n[reader]\nbudjet = 10\n", "[reader]: unknown field(s) ['budjet']"),
+    (lambda t: t + '\n[reader]\nrank = "full"\n', "[reader]: field 'rank' must be int, got str"),
+    (lambda t: t.replace("hidden_size = 128", "hidden_size = 0"), "hidden_size = 0 is outside [1, 65536]"),
+    (lambda t: t.replace("num_attention_heads = 8", "num_attention_heads = -8"), "num_attention_heads = -8 is outside"),
+    (lambda t: t.replace("top_k_experts = 4", 'top_k_experts = "4"'), "top_k_experts must be an integer, got '4'"),
+    (lambda t: t.replace('layer_types = ["sliding_attention", "full_attention", ', "layer_types = ["),
+     "`num_hidden_layers` (4) must be equal to the number of `layer_types` (2)"),
+    (lambda t: t.replace("final_logit_softcapping = 30.0", 'final_logit_softcapping = "30"'),
+     "Validation error for field 'final_logit_softcapping'"),  # transformers' strict dataclass check
+    (lambda t: t.replace("num_key_value_heads = 4", "num_key_value_heads = 3"),
+     "num_attention_heads 8 is not a multiple of layer 0's key-value heads 3"),
+    (lambda t: t.replace('expert_layout = "channel"', "expert_layout = []"), "field 'expert_layout' must be str"),
+    (lambda t: t.replace("batch_size = 2", "batch_size = true"), "field 'batch_size' must be int, got bool"),
+    (lambda t: t.replace("final_logit_softcapping = 30.0", "final_logit_softcapping = nan"),
+     "final_logit_softcapping is not a finite number"),
+])
+def test_wrong_fields_are_one_error_line(tmp_path, capsys, edit, message):
+    text = edit(TINY)
+    assert text != TINY
+    assert cli.main(["info", "--model", _write(tmp_path, text)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+# Absurd sizes (item 9): refused by the port check before anything is built from them.
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.replace("batch_size = 2", "batch_size = 1_000_000_000"), "batch_size must be in [1, 1024]"),
+    (lambda t: t.replace("num_hidden_layers = 4", "num_hidden_layers = 200_000").replace(
+        'layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]', ""),
+     "num_hidden_layers = 200000 is outside [1, 256]"),
+    (lambda t: t.replace("vocab_size = 2048", "vocab_size = 1_000_000_000_000"),
+     "vocab_size = 1000000000000 is outside"),
+])
+def test_absurd_sizes_are_refused_at_once(tmp_path, capsys, edit, message):
+    text = edit(TINY)
+    assert text != TINY
+    start = time.perf_counter()
+    assert cli.main(["info", "--model", _write(tmp_path, text)]) == 2
+    assert message in capsys.readouterr().err
+    assert time.perf_counter() - start < 5  # not built, then refused (200,000 meta layers take minutes)
 
 
 def test_unknown_port_name_lists_the_builtins():

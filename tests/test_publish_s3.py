@@ -25,6 +25,8 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from moto.server import ThreadedMotoServer
 
 from neuron_moe import cli
+from neuron_moe.errors import UserError
+from neuron_moe.report import run_lock
 from neuron_moe.publish import s3
 from neuron_moe.publish.s3 import MANIFEST, PublishError
 
@@ -317,6 +319,64 @@ def test_bad_input_errors_name_the_problem(bucket, client, artifacts, tmp_path):
     with pytest.raises(PublishError, match=r"empty: no files to publish"):
         (tmp_path / "empty").mkdir()
         s3.publish(tmp_path / "empty", f"s3://{bucket}/v1", progress=False, client=client)
+
+
+def test_a_killed_pulls_leftovers_are_removed_by_the_next_pull(bucket, client, artifacts, tmp_path):
+    """Issue 26, item 11: a killed pull left hidden `.part` files (ours, and boto's beside them), and
+    `publish` of that directory then refused it for its hidden files."""
+    uri = f"s3://{bucket}/v1"
+    s3.publish(artifacts, uri, progress=False, client=client)
+    dest = tmp_path / "pulled"
+    (dest / "neff").mkdir(parents=True)
+    leftovers = [dest / ".model.pt.k2j4h1x0.part", dest / "neff" / ".graph.neff.a8d0.part.1A2b3C4d"]
+    for part in leftovers:
+        part.write_bytes(b"half a download")
+    (dest / ".mine").write_text("not a download: kept")
+    s3.pull_report(uri, dest, progress=False, client=client)
+    assert not any(p.exists() for p in leftovers)
+    assert (dest / ".mine").exists() and tree(dest) == {**tree(artifacts), ".mine": b"not a download: kept"}
+    (dest / ".mine").unlink()
+    assert s3.publish(dest, f"s3://{bucket}/v2", progress=False, client=client)["files"]
+    assert not (tmp_path / ".pulled.lock").exists()  # the lock went with its pull
+
+
+def test_a_second_pull_into_the_same_dir_is_refused_while_one_runs(bucket, client, artifacts, tmp_path):
+    """A live pull's temp files are not leftovers: a second pull into DIR is refused, not let delete them."""
+    uri = f"s3://{bucket}/v1"
+    s3.publish(artifacts, uri, progress=False, client=client)
+    dest = tmp_path / "pulled"
+    with run_lock(dest, "pull"):  # as a running pull holds it
+        with pytest.raises(UserError, match=r"pulled is being written by another pull \(pid \d+\)"):
+            s3.pull_report(uri, dest, progress=False, client=client)
+    s3.pull_report(uri, dest, progress=False, client=client)
+    assert tree(dest) == tree(artifacts)
+
+
+@pytest.mark.parametrize("clash", ["file where a folder goes", "folder where a file goes"])
+def test_a_pull_that_cannot_land_fails_before_downloading(bucket, client, artifacts, tmp_path, capsys, clash):
+    """Issue 26, item 10: a file/folder conflict in DIR was a raw traceback, after part of the download."""
+    uri = f"s3://{bucket}/v1"
+    s3.publish(artifacts, uri, progress=False, client=client)
+    dest = tmp_path / "pulled"
+    dest.mkdir()
+    if clash == "file where a folder goes":
+        (dest / "neff").write_text("x")
+        message = "neff is a file, where the manifest's neff/graph.neff needs a folder"
+    else:
+        (dest / "model.pt").mkdir()
+        message = "model.pt is a folder, where the manifest has the file model.pt"
+    assert cli.main(["pull", uri, str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert not (dest / "config.json").exists()  # nothing was downloaded
+
+
+def test_publish_with_a_bad_json_path_fails_before_uploading(bucket, client, artifacts, tmp_path, capsys):
+    """Issue 26, item 10: `publish --json <dir>` uploaded everything, then died writing the report."""
+    uri = f"s3://{bucket}/v1"
+    assert cli.main(["publish", str(artifacts), uri, "--json", str(tmp_path)]) == 2
+    assert "is a directory; give a file name" in capsys.readouterr().err
+    assert keys(client, bucket, "v1") == []
 
 
 @pytest.mark.parametrize("command", ["publish", "pull"])

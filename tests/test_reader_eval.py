@@ -112,6 +112,27 @@ def test_quick_run_end_to_end_and_resume(tiny_port, corpus, tmp_path, capsys, mo
     assert "holds cells of another run (different per_task)" in capsys.readouterr().err
 
 
+def test_the_reader_at_tp(tmp_path, capsys):
+    """The per-rank quota reads its plan on every rank and token; the global top-k over the ranks has the
+    same total k and reads unevenly; a budget below a rank's floor is not reachable, with that floor; the
+    split variant takes the one-rank reader's k over the ranks."""
+    out = tmp_path / "tp"
+    argv = ["eval-reader", "--quick", "--items", "1", "--budgets", "40", "--rules", "topk", "--out", str(out),
+            "--selectors", "reader-r0,reader-r0-tp2,reader-r0-tp2-global,reader-r0-tp8,reader-r0-tp8-split",
+            "--json", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 0
+    cells = {c["selector"]: c for c in json.loads((tmp_path / "r.json").read_text())["cells"]}
+    one, quota, glob = cells["reader-r0"], cells["reader-r0-tp2"], cells["reader-r0-tp2-global"]
+    assert quota["max_read_deviation_bytes"] == 0 and 40 - 1 < quota["target_reads"] <= 40
+    assert quota["k_per_rank"] == glob["k_per_rank"] == 36 and glob["max_read_deviation_bytes"] > 0
+    assert quota["kl_mean"] != glob["kl_mean"] and one["kl_mean"] > 0
+    assert cells["reader-r0-tp8"]["status"] == "not reachable"
+    assert "per rank at TP 8" in cells["reader-r0-tp8"]["reason"] and "43.23%" in cells["reader-r0-tp8"]["reason"]
+    split = cells["reader-r0-tp8-split"]
+    assert split["status"] == "ok" and split["k_per_rank"] == 87 // 8 and split["target_reads"] > 43.23
+    assert "| reader-r0-tp2 | topk | 40 |" in (out / "report.md").read_text()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--selectors", "teal,deja-vu"], "unknown selector 'deja-vu'"),
     (["--selectors", "teal-r4"], "unknown selector 'teal-r4'"),
@@ -121,6 +142,9 @@ def test_quick_run_end_to_end_and_resume(tiny_port, corpus, tmp_path, capsys, mo
     (["--budgets", "a"], "expected comma-separated percentages"),
     (["--corpus", "/nonexistent"], "/nonexistent/eval_text.jsonl: missing; build the corpus first"),
     (["--selectors", "reader-r64"], r"reader-r64: recovery rank 64 above the sidecar's \(32\)"),
+    (["--selectors", "reader-tp3"], "reader-tp3: TP degree 3 is not one of"),
+    (["--selectors", "teal-tp2"], "unknown selector 'teal-tp2'"),
+    (["--selectors", "reader-tp2"], r"is a top-k rule per rank: pass --rules topk"),
 ])
 def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
     assert cli.main(["eval-reader", "--quick", "--out", str(tmp_path / "o"), *flags]) == 2

@@ -146,11 +146,14 @@ def test_eval_reader_int8_selectors(tiny_port, sidecar):
     from neuron_moe.reader import selectors as S
     from neuron_moe.reader.prep import Sidecar
 
-    assert parse_spec("reader-r16-int8dq") == ("reader", 16, "int8dq")
-    assert parse_spec("reader-int8") == ("reader", None, "int8") and parse_spec("teal") == ("teal", None, None)
+    assert parse_spec("reader-r16-int8dq") == ("reader", 16, None, "", "int8dq")
+    assert parse_spec("reader-int8") == ("reader", None, None, "", "int8")
+    assert parse_spec("teal") == ("teal", None, None, "", None)
     for bad in ("teal-int8", "reader-int4", "reader-r-int8", "oracle-r3"):
         with pytest.raises(EvalError, match="unknown selector"):
             parse_spec(bad)
+    with pytest.raises(EvalError, match="runs at one rank"):
+        parse_spec("reader-tp2-int8")
     model = build_model(tiny_port)
     layer = moe_layers(model, Sidecar(sidecar), 0, int8=True)[1]
     bf16 = moe_layers(model, Sidecar(sidecar), 0)[1]

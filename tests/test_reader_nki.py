@@ -116,6 +116,35 @@ def test_tiles_fit_neuroncore_v2_for_the_real_geometries():
         plan(Layout(2048, 8, 768), top_k=2, k=10, scan=80, rank=256)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_per_rank_the_plan_executed_in_torch_is_the_reference(tp):
+    """At TP t on the channel layout the NKI forward takes a rank's shard (`reader/shard.py`): the plan
+    addresses that rank's sidecar and weights, and the ranks' outputs sum to the per-rank reader."""
+    from neuron_moe.reader import shard
+
+    ex, layer, x, index, weights = case(4, 40, 256, 3, 2, 0, rank=16)
+    down_rows = ex.down_proj.mT.contiguous()
+    kw = dict(k=12, scan=48, rank=16, act_fn=ex.act_fn)
+    ranks = [(*shard.shard_weights(ex.gate_up_proj, down_rows, tp, r), shard.rank_sidecar(layer, tp, r))
+             for r in range(tp)]
+    outs = []
+    for gate_up, down, part in ranks:
+        want = reference.forward(x, index, weights, gate_up, down, part, **kw)
+        kernels = TorchKernels()
+        outs.append(nki_reader.forward(x, index, weights, gate_up.contiguous(), down.contiguous(), part, **kw,
+                                       kernels=kernels))
+        assert (outs[-1] - want).abs().max() <= 1e-5 * want.abs().max()
+        assert kernels.calls["screen"]["codes"].data_ptr() == part.codes.data_ptr()  # the rank's own shard
+    total = shard.forward_ranks(x, index, weights, ranks, **kw)
+    assert (sum(outs) - total).abs().max() <= 1e-5 * total.abs().max()
+
+
+def test_a_ranks_tiles_fit_neuroncore_v2():
+    """Gemma-4 at TP 8: a rank's strips are 64 B (176 rows padded to 320), its 55 channels at 17.8 % one tile."""
+    rank = plan(Layout(2816, 128, 88), top_k=8, k=55, scan=80, rank=32)
+    assert (rank.strip, rank.k_tiles, rank.h_tiles, rank.i_tiles) == (64, 1, 6, 1)
+
+
 def test_the_kernel_source_parses():
     py_compile.compile(str(Path(nki_reader.__file__).with_name("kernels.py")), doraise=True)
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from neuron_moe.experts.selective import selective_forward
+from neuron_moe.experts.selective import gather_forward
 from neuron_moe.generate import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.static import data_dependent_ops
@@ -29,7 +29,7 @@ def test_fp32_logits_match_eager_over_prefill_and_32_decode_steps(tiny_port):
 def test_a_wrong_gather_is_caught(tiny_port):
     """Pairing each token's weights with the wrong expert (top-k order reversed) fails the tolerance."""
     def misrouted(self, hidden_states, top_k_index, top_k_weights):
-        return selective_forward(self, hidden_states, top_k_index.flip(-1), top_k_weights)
+        return gather_forward(self, hidden_states, top_k_index.flip(-1), top_k_weights)
 
     ExpertsInterface.register("test_misrouted", misrouted)
     broken = build_model(tiny_port, "eager")
@@ -52,3 +52,19 @@ def test_selective_block_exports_with_fixed_shapes_and_gathers_k_slices(tiny_por
         (2 * c.top_k_experts, c.hidden_size, c.moe_intermediate_size)])
     with torch.no_grad():
         assert (ep.module()(x) - block(x)).abs().max() <= 1e-6
+
+
+def test_a_block_of_as_many_tokens_as_experts_over_k_computes_every_expert(tiny_port):
+    """At T*k >= E gathering would copy more than the weights: the graph computes all experts (NxD's
+    rule, fixed when it is traced), one token fewer still gathers; both match HF's experts loop."""
+    c = tiny_port.config
+    eager = MoEBlock(build_model(tiny_port, "eager").model.layers[0])
+    block = MoEBlock(build_model(tiny_port, "selective").model.layers[0])
+    edge = c.num_experts // c.top_k_experts
+    for tokens, gathered in ((edge - 1, True), (edge, False)):
+        x = torch.randn(tokens, c.hidden_size, generator=torch.Generator().manual_seed(tokens))
+        ep = torch.export.export(block, (x,), strict=True)
+        ops = {str(n.target) for n in ep.graph.nodes}
+        assert ("aten.index_select.default" in ops) == gathered, tokens
+        with torch.no_grad():
+            assert (ep.module()(x) - eager(x)).abs().max() <= 1e-5, tokens

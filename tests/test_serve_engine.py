@@ -1,21 +1,13 @@
-"""The serving engine without HTTP: sampling, stop sequences, streamed text, limits, chat
-prompts, and the Neuron backend's bookkeeping against a stand-in for the NxD runtime."""
-
-import importlib.machinery
-import importlib.util
-import json
-import sys
-import types
+"""The serving engine without HTTP: sampling, stop sequences, streamed text, limits and chat
+prompts (the batching engine: test_serve_batching.py; the Neuron backend: test_serve_neuron.py)."""
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from neuron_moe.generate import greedy, left_pad
-from neuron_moe.neuron.compile import FORMAT
-from neuron_moe.serve import neuron
 from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
-from neuron_moe.serve.engine import Engine, HFBackend, RequestError, SamplingParams, held_back, sample
+from neuron_moe.serve.engine import (Engine, GenerationError, HFBackend, RequestError, SamplingParams, held_back,
+                                     sample)
 from neuron_moe.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()
@@ -46,9 +38,6 @@ class Recording:
 
     def __init__(self, inner):
         self.inner, self.fed = inner, []
-
-    def __getattr__(self, name):  # what the backend declares (greedy_only)
-        return getattr(self.inner, name)
 
     def prefill(self, ids):
         return self.inner.prefill(ids)
@@ -118,7 +107,29 @@ def test_cancelled_generation_stops_without_a_final_step():
     assert len(steps) == 3 and steps[-1].finish_reason is None
 
 
+def test_non_finite_logits_fail_the_request_not_answer_it(tiny_port):
+    """NaN logits (issue 26, item 4): greedy used to return the argmax of NaNs as a token (empty text),
+    sampling a 500 from multinomial; both are now the same clear failure."""
+    nan_from = Scripted([b + BYTES.offset for b in b"abc"])
+    inner = nan_from._logits
+    nan_from._logits = lambda i: inner(i) if i < 2 else torch.full((BYTES.vocab_size,), float("nan"))
+    engine = Engine(nan_from, BYTES, 512, {BYTES.eos_token_id})
+    for temperature in (0.0, 1.0):
+        steps = []
+        with pytest.raises(GenerationError, match="non-finite logits .* at step 2"):
+            for step in engine.generate([2], SamplingParams(8, temperature=temperature, seed=0)):
+                steps.append(step)
+        assert "".join(s.text for s in steps) == "ab"
+
+
 # ---- sampling ------------------------------------------------------------------------------------
+
+def test_a_vanishing_temperature_or_top_p_samples_the_top_token():
+    """Found by tests/test_fuzz.py: a schema-valid temperature of 1e-300 overflowed logits / T to inf
+    and softmax to NaN; a top_p of 5e-324 is 0 in float32 and kept no token (multinomial failed)."""
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    for temperature, top_p in ((1e-300, 1.0), (5e-324, 1.0), (1e-6, 1.0), (1.0, 5e-324), (1.0, 1e-9)):
+        assert sample(logits, temperature, top_p, torch.Generator().manual_seed(0)) == 0
 
 def _frequencies(logits, n=4000, **kw):
     gen = torch.Generator().manual_seed(0)
@@ -206,123 +217,3 @@ def test_the_tokenizers_chat_template_is_used_when_it_has_one(tmp_path):
     assert [words[i] for i in ids] == ["<bos>", "<turn>", "system", "Be", "brief", "<end>",
                                        "<turn>", "user", "Hi", "<end>", "<turn>", "assistant"]  # one BOS
     assert stops == ()
-
-
-# ---- the Neuron backend against a stand-in runtime ------------------------------------------------
-
-def _manifest(**fields):
-    return json.dumps(dict({"format": FORMAT, "dtype": "bf16", "batch_size": 2, "dry_run": False,
-                            "expert_layout": "channel", "logits": False}, **fields))
-
-
-def test_manifest_errors_name_the_problem(tmp_path):
-    with pytest.raises(neuron.NeuronError, match="no manifest.json"):
-        neuron.read_manifest(tmp_path)
-    (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[64], max_length=32))
-    with pytest.raises(neuron.NeuronError, match=r"'buckets' must be positive lengths up to max_length \(32\)"):
-        neuron.read_manifest(tmp_path)
-    (tmp_path / "manifest.json").write_text(_manifest(port="p", buckets=[8], max_length=32))
-    with pytest.raises(neuron.NeuronError, match="field 'tp' is missing"):
-        neuron.read_manifest(tmp_path)
-
-
-def test_missing_sdk_is_a_clear_error():
-    if all(importlib.util.find_spec(m) for m in neuron.SDK_MODULES):
-        pytest.skip("the Neuron SDK is installed here")
-    with pytest.raises(neuron.NeuronError, match="needs the Neuron SDK"):
-        neuron.require_sdk()
-
-
-class StandInRuntime:
-    """What a compiled artifact does, computed with the CPU model's static graphs (static/decoder.py,
-    the graphs trace-and-compile traces) over one KV state that stays inside, as NxD keeps it on the
-    device: NxD routes a call to the key whose input shapes match, here prefill (one prompt in its
-    bucket, and its row id) or decode (ids and positions of every row). Every call is recorded."""
-
-    def __init__(self, model, buckets, batch, max_length, logits):
-        from neuron_moe.static.decoder import Decode, Prefill, new_cache
-
-        self.buckets, self.batch = buckets, batch
-        cache = new_cache(model, max_length, batch)
-        self.prefill = Prefill(model, cache, "dense_masked", logits)
-        self.decode = Decode(model, cache, "selective", logits)
-        self.nxd_model = types.SimpleNamespace(initialize=self.initialize)
-        self.weights, self.calls = None, []
-
-    def initialize(self, weights, start_rank):
-        self.weights, self.start_rank = weights, start_rank
-
-    @torch.no_grad()
-    def __call__(self, *inputs):
-        self.calls.append([tuple(x.shape) for x in inputs])
-        assert all(x.dtype == torch.long and x.dim() <= 2 for x in inputs)  # ids, masks, positions: no KV tensor
-        if len(inputs) == 4:
-            bucket = inputs[0].shape[1]
-            assert bucket in self.buckets and self.calls[-1] == [(1, bucket)] * 3 + [(1,)]
-            return self.prefill(*inputs)
-        assert self.calls[-1] == [(self.batch, 1)] * 2
-        return self.decode(*inputs)
-
-
-def _neuron_backend(tmp_path, monkeypatch, port, model, logits: bool):
-    (tmp_path / "manifest.json").write_text(_manifest(port=port.name, tp=2, buckets=[64, 16], max_length=128,
-                                                      logits=logits))
-    (tmp_path / "weights").mkdir(exist_ok=True)
-    for rank in range(2):
-        save_file({"w": torch.full((1,), float(rank))}, tmp_path / f"weights/tp{rank}_sharded_checkpoint.safetensors")
-    for name in neuron.SDK_MODULES:  # stand-ins found by importlib, as the SDK would be
-        module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        monkeypatch.setitem(sys.modules, name, module)
-    runtime = StandInRuntime(model, {16, 64}, 2, 128, logits)
-    monkeypatch.setattr(torch.jit, "load", lambda path: runtime)
-    return neuron.NeuronBackend(tmp_path, port), runtime
-
-
-@pytest.mark.parametrize("logits", [False, True])
-def test_neuron_backend_pads_to_buckets_and_matches_the_reference(tmp_path, monkeypatch, tiny_port, tiny_eager,
-                                                                   logits):
-    backend, runtime = _neuron_backend(tmp_path, monkeypatch, tiny_port, tiny_eager, logits)
-    assert [float(w["w"]) for w in runtime.weights] == [0.0, 1.0]  # every rank's shard, in rank order
-    recording = Recording(backend)
-    engine = Engine(recording, BYTES, backend.max_context, {BYTES.eos_token_id}, backend.max_prompt)
-    for text in ("short prompt", "a prompt longer than sixteen bytes"):  # buckets 16 and 64
-        prompt = BYTES.encode(text)
-        recording.fed.clear()
-        steps = run(engine, max_tokens=10, prompt=prompt)
-        reference = greedy(tiny_eager, *left_pad([prompt], 0), 10).tokens[0].tolist()
-        assert recording.fed == reference[:9] and steps[-1].completion_tokens == 10
-    assert [c[0] for c in runtime.calls].count((1, 16)) == 1 and [c[0] for c in runtime.calls].count((1, 64)) == 1
-    with pytest.raises(RequestError, match="takes at most 64"):
-        engine.max_tokens_for(65, 1)
-    assert engine.max_tokens_for(64, None) == 128 - 64 + 1  # positions 0..127: the last token takes none
-    sampled = SamplingParams(3, temperature=0.8, seed=1)
-    if logits:  # the host samples from the logits
-        assert len(list(engine.generate(BYTES.encode("hi"), sampled))) == 3
-    else:  # the graphs pick the token: a sampled request is refused, naming the parameter
-        with pytest.raises(RequestError, match="temperature must be 0, got 0.8") as e:
-            list(engine.generate(BYTES.encode("hi"), sampled))
-        assert e.value.param == "temperature"
-    with pytest.raises(neuron.NeuronError, match="compiled for port 'tiny-gemma4-moe', not 'other'"):
-        neuron.NeuronBackend(tmp_path, types.SimpleNamespace(name="other"))
-
-
-def test_neuron_backend_refuses_an_artifact_of_an_older_format(tmp_path):
-    for old in (1, 2):  # the cache in and out of every call
-        (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[16], max_length=32, format=old))
-        with pytest.raises(neuron.NeuronError, match=f"artifact format {old}, this version reads 3 .*rebuild it"):
-            neuron.read_manifest(tmp_path)
-
-
-def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path, tiny_port):
-    """Checked from the manifest, before the SDK or any weights are needed."""
-    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96,
-                                                      expert_layout="expert"))
-    with pytest.raises(neuron.NeuronError, match=r"built with the 'expert' expert layout, served here with the "
-                                                 r"'channel' layout \(the port's \[static\] expert_layout\)"):
-        neuron.NeuronBackend(tmp_path, tiny_port)
-    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96,
-                                                      expert_layout="rows"))
-    with pytest.raises(neuron.NeuronError, match="expert_layout 'rows' is not one of"):
-        neuron.read_manifest(tmp_path)
-

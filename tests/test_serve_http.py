@@ -2,8 +2,13 @@
 where the wire format itself is the point): responses validate against OpenAI's types, and
 every error case answers in OpenAI's shape with the right status."""
 
+import asyncio
+import contextlib
 import copy
+import json
+import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -15,52 +20,105 @@ from neuron_moe.errors import UserError
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.chat import render_chat
 from neuron_moe.serve.engine import SamplingParams, load_engine
+from neuron_moe.serve.server import DrainingServer
 
-from serving import serving, sse_events, wait_for
+from serving import server_config, serving, sse_events, wait_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MODEL = "tiny-gemma4-moe"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
 ERROR_KEYS = {"message", "type", "param", "code"}
+LONG, SLOW_S = 60, 0.05  # a long request (it fits the static graphs' cache after CHAT), slowed to 3 s
 
 
 class Spy:
-    """Wraps an engine: counts steps, records how each generation ended, can fail on cue."""
+    """Wraps an engine: counts steps, records how each generation ended, can fail on cue, and can
+    slow generation down (`step_delay_s`) or hold it until `gate` is set, so that a test holds the
+    rows while it looks. A
+    per-request engine is watched through `generate`; a batching engine through the sink the
+    scheduler hands its step loop (a failure there is one row's failure)."""
 
-    def __init__(self, engine, fail_after=None):
-        self.engine, self.fail_after = engine, fail_after
+    def __init__(self, engine, fail_after=None, step_delay_s=0.0, gate: threading.Event | None = None):
+        self.engine, self.fail_after, self.step_delay_s, self.gate = engine, fail_after, step_delay_s, gate
         self.steps, self.outcomes = 0, []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def generate(self, prompt_ids, params, cancelled=None):
-        finish = "cancelled"
-        for i, step in enumerate(self.engine.generate(prompt_ids, params, cancelled)):
-            if i == self.fail_after:
-                self.outcomes.append("failed")
-                raise RuntimeError("injected backend fault")
-            self.steps += 1
-            finish = step.finish_reason or finish
-            yield step
-        self.outcomes.append(finish)
+        watch = _Watch(self)
+        try:
+            for step in self.engine.generate(prompt_ids, params, cancelled):
+                watch.put(step)
+                yield step
+        finally:
+            watch.end()
+
+    def submit(self, prompt_ids, params, sink):
+        self.engine.submit(prompt_ids, params, _Watch(self, sink))
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_port):
-    return load_engine(tiny_port, "eager")
+class _Watch:
+    """One request's steps as the Spy sees them, passed on to the scheduler's sink (if any)."""
+
+    def __init__(self, spy, sink=None):
+        self.spy, self.sink, self.i, self.finish = spy, sink, 0, "cancelled"
+        self.cancelled = sink.cancelled if sink else None
+
+    def put(self, step):
+        if self.i == self.spy.fail_after:
+            self._outcome("failed")  # recorded before the client can see the failure
+            raise RuntimeError("injected backend fault")
+        if self.spy.gate is not None:
+            assert self.spy.gate.wait(60), "the test never opened the gate"
+        self.i += 1
+        self.spy.steps += 1
+        self.finish = step.finish_reason or self.finish
+        time.sleep(self.spy.step_delay_s)
+        if self.sink:
+            self.sink.put(step)
+
+    def fail(self, error):
+        self.sink.fail(error)
+
+    def end(self):
+        self._outcome(self.finish)
+        if self.sink:
+            self.sink.end()
+
+    def _outcome(self, outcome):
+        if self.finish is not None:
+            self.spy.outcomes.append(outcome)
+            self.finish = None
+
+
+@pytest.fixture(scope="module", params=["eager", "static"])
+def engine(request, tiny_port):
+    """Each test against transformers' model (one request per thread) and against the static
+    graphs (the batching engine, the port's 2 rows)."""
+    engine = load_engine(tiny_port, request.param)
+    yield engine
+    if engine.rows:
+        engine.close()
 
 
 @pytest.fixture(scope="module")
 def endless_engine(engine):
-    """The engine without EOS: the trained model may end an answer before a test has cancelled it."""
+    """The engine without EOS: the trained model may end an answer before a test has cancelled it.
+    (A shallow copy: a batching engine's copy feeds the same step loop.)"""
     endless = copy.copy(engine)
     endless.eos_ids = frozenset()
     return endless
 
 
+def rows(engine) -> int:
+    """Requests that generate at once: a batching engine's rows, else the one thread these tests give."""
+    return engine.rows or 1
+
+
 def make_app(engine, **kw):
-    return create_app(lambda: engine, model_name=MODEL, **kw)
+    """An app over `engine`; a per-request engine runs one request at a time."""
+    return create_app(lambda: engine, model_name=MODEL, **({"max_running": 1} if engine.rows is None else {}), **kw)
 
 
 def ready(url):
@@ -82,7 +140,7 @@ def health(url):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    with serving(make_app(engine, max_running=1, max_queue=8)) as base:
+    with serving(make_app(engine, max_queue=8)) as base:
         yield ready(base)
 
 
@@ -174,7 +232,7 @@ def test_models_health_and_ping(url):
     (dict(top_p=0), "top_p"),
     (dict(n=2), "n"),
     (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=100_000), "max_tokens"),  # past the 512-token context
+    (dict(max_tokens=100_000), "max_tokens"),  # past the context (512 tokens; 97 for the static graphs)
     (dict(max_completion_tokens=100_000), "max_completion_tokens"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(logprobs=True), "logprobs"),
@@ -182,19 +240,25 @@ def test_models_health_and_ping(url):
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
     (dict(messages=None), "messages"),
     (dict(seed="seven"), "seed"),
+    (dict(messages=[{"role": "user", "content": "\ud800"}]), "messages.0.content"),  # a lone surrogate
+    (dict(stop=["ok", "\udfff"]), "stop"),
 ])
 def test_invalid_requests_are_400(url, edit, param):
     body = {k: v for k, v in chat_body(**edit).items() if v is not None}
-    error = assert_openai_error(httpx.post(f"{url}/v1/chat/completions", json=body), 400, param=param)
+    r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+    error = assert_openai_error(r, 400, param=param)
     assert error["type"] == "invalid_request_error"
 
 
-def test_malformed_json_and_a_too_long_prompt_are_400(url):
+def test_malformed_json_and_a_too_long_prompt_are_400(url, engine):
     r = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert "not valid JSON" in assert_openai_error(r, 400)["message"]
     long = {"model": MODEL, "prompt": "x" * 600, "max_tokens": 1}
-    assert "context is 512 tokens" in assert_openai_error(httpx.post(f"{url}/v1/completions", json=long), 400,
-                                                           param="prompt")["message"]
+    n = len(engine.tokenizer.encode(long["prompt"]))
+    # the static graphs' limit is their largest prefill bucket, and the message names both numbers
+    limit = f"largest prefill bucket holds {engine.max_prompt}" if engine.rows else "context is 512 tokens"
+    message = assert_openai_error(httpx.post(f"{url}/v1/completions", json=long), 400, param="prompt")["message"]
+    assert f"the prompt is {n} tokens" in message and limit in message
     with pytest.raises(openai.BadRequestError) as e:
         client(url).chat.completions.create(model=MODEL, messages=CHAT, temperature=2.5)
     assert e.value.param == "temperature"
@@ -259,51 +323,90 @@ def test_a_failed_load_is_reported_and_stops_the_server(engine):
         assert "no config.json" in assert_openai_error(r, 503, code="model_load_failed")["message"]
 
 
+def hold_streams(url, stack, n):
+    """Open n long streamed requests (the Spy slows them down) and keep them open in `stack`."""
+    body = chat_body(max_tokens=LONG, stream=True)
+    return [stack.enter_context(httpx.stream("POST", f"{url}/v1/chat/completions", json=body)) for _ in range(n)]
+
+
 def test_past_the_bounded_queue_429_with_retry_after(endless_engine):
-    spy = Spy(endless_engine)
-    with serving(make_app(spy, max_running=1, max_queue=1)) as url:
+    spy, n = Spy(endless_engine, step_delay_s=SLOW_S), rows(endless_engine)
+    with serving(make_app(spy, max_queue=1)) as url, contextlib.ExitStack() as stack:
         ready(url)
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=300, stream=True)) as first:
-            wait_for(lambda: spy.steps >= 1, what="the first request to generate")
-            with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=3, stream=True)) as queued:
-                assert queued.status_code == 200
-                wait_for(lambda: health(url)["waiting"] == 1, what="the second request to queue")
-                r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
-                assert_openai_error(r, 429, code="queue_full")
-                assert r.headers["retry-after"] == "1"
-                with pytest.raises(openai.RateLimitError):
-                    client(url).chat.completions.create(model=MODEL, messages=CHAT)
-                first.close()  # the first client leaves; the queued request gets the slot
-                events = sse_events(queued.iter_lines())
+        first = hold_streams(url, stack, n)[0]
+        wait_for(lambda: spy.steps >= n, what="the first requests to generate")
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=3, stream=True)) as queued:
+            assert queued.status_code == 200
+            wait_for(lambda: health(url) == dict(health(url), running=n, waiting=1), what="one request to queue")
+            r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
+            assert_openai_error(r, 429, code="queue_full")
+            assert r.headers["retry-after"] == "1"
+            with pytest.raises(openai.RateLimitError):
+                client(url).chat.completions.create(model=MODEL, messages=CHAT)
+            first.close()  # the first client leaves; the queued request gets its slot (its row)
+            events = sse_events(queued.iter_lines())
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
         assert spy.outcomes == ["cancelled", "length"]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(endless_engine):
-    spy = Spy(endless_engine)
-    with serving(make_app(spy, max_running=1, max_queue=0)) as url:
+    spy, n = Spy(endless_engine, step_delay_s=SLOW_S), rows(endless_engine)
+    with serving(make_app(spy, max_queue=0)) as url, contextlib.ExitStack() as stack:
         ready(url)
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=400, stream=True)) as r:
-            lines = r.iter_lines()  # held: a dropped iterator closes the connection
-            next(lines)
-            wait_for(lambda: spy.steps >= 2, what="generation to start")
-            assert httpx.post(f"{url}/v1/chat/completions", json=chat_body()).status_code == 429  # slot taken
-        # the connection closed mid-stream
+        first = hold_streams(url, stack, n)[0]
+        lines = first.iter_lines()  # held: a dropped iterator closes the connection
+        next(lines)
+        wait_for(lambda: spy.steps >= 2 * n, what="generation to start")
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat_body()).status_code == 429  # all slots taken
+        first.close()  # the connection closed mid-stream
         wait_for(lambda: spy.outcomes, what="the generation to stop")
-        assert spy.outcomes == ["cancelled"] and spy.steps < 400
-        wait_for(lambda: health(url)["running"] == 0, what="the slot to be free")
+        assert spy.outcomes == ["cancelled"] and spy.steps < n * LONG
+        wait_for(lambda: health(url)["running"] == n - 1, what="the slot to be free")
         assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
 
 
 def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(endless_engine):
-    spy = Spy(endless_engine)
-    with serving(make_app(spy, max_running=1, max_queue=0)) as url:
+    spy = Spy(endless_engine, step_delay_s=SLOW_S)
+    with serving(make_app(spy, max_queue=0)) as url:
         ready(url)
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=400), timeout=httpx.Timeout(30, read=1))
+            httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=LONG), timeout=httpx.Timeout(30, read=1))
         wait_for(lambda: spy.outcomes, what="the generation to stop")
-        assert spy.outcomes == ["cancelled"] and spy.steps < 400
+        assert spy.outcomes == ["cancelled"] and spy.steps < LONG
         wait_for(lambda: health(url)["running"] == 0, what="the slot to be free")
+
+
+def test_the_queue_bound_holds_under_50_concurrent_clients(endless_engine):
+    """50 clients at once, while the admitted requests are held: exactly rows + max_queue are
+    admitted, every other one gets 429 + Retry-After at once, and the admitted ones all finish."""
+    gate, max_queue = threading.Event(), 3
+    admitted = rows(endless_engine) + max_queue
+    spy = Spy(endless_engine, gate=gate)
+
+    async def storm(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=50)) as c:
+            tasks = [asyncio.create_task(c.post("/v1/chat/completions", json=chat_body(max_tokens=4)))
+                     for _ in range(50)]
+            deadline = time.monotonic() + 60
+            while sum(t.done() for t in tasks) < 50 - admitted:
+                assert time.monotonic() < deadline, "the refused requests were not answered at once"
+                await asyncio.sleep(0.05)
+            refused = [t.result() for t in tasks if t.done()]
+            gate.set()
+            return refused, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    with serving(make_app(spy, max_queue=max_queue)) as url:
+        ready(url)
+        try:
+            refused, responses = asyncio.run(storm(url))
+        finally:
+            gate.set()
+        assert health(url)["running"] == 0
+    assert len(refused) == 50 - admitted and all(r.status_code == 429 for r in refused)
+    assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full" for r in refused)
+    done = [r.json() for r in responses if r.status_code == 200]
+    assert len(done) == admitted and all(r["usage"]["completion_tokens"] == 4 for r in done)
+    assert spy.outcomes == ["length"] * admitted
 
 
 def test_an_error_mid_stream_is_an_error_event_then_done(engine):
@@ -328,12 +431,119 @@ def test_an_error_mid_stream_is_an_error_event_then_done(engine):
         assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
 
 
-def test_a_draining_server_refuses_new_requests_with_503(engine):
-    app = make_app(engine)
-    with serving(app) as url:
+def test_a_draining_server_refuses_new_requests_and_finishes_the_running_ones(endless_engine):
+    """What SIGTERM does to the app (uvicorn's side: test_serve_process.py): no new request, and
+    the running ones — every row of a batching engine — go on to their own end."""
+    spy, n = Spy(endless_engine, step_delay_s=0.01), rows(endless_engine)
+    app = make_app(spy)
+    with serving(app) as url, contextlib.ExitStack() as stack:
         ready(url)
+        running = hold_streams(url, stack, n)
+        wait_for(lambda: spy.steps >= n, what="the rows to generate")
         app.state.server.draining = True
         r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
         assert_openai_error(r, 503, code="draining")
         assert int(r.headers["retry-after"]) > 0
         assert health(url)["status"] == "draining"
+        for stream in running:
+            events = sse_events(stream.iter_lines())
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert spy.outcomes == ["length"] * n
+
+
+# ---- hostile clients: huge bodies, slow tokenizing (issue 26, item 2) -----------------------------------
+
+def test_a_body_over_the_limit_is_413_in_openai_shape(engine):
+    big = chat_body(messages=[{"role": "user", "content": "x" * 10_000}])
+    data = json.dumps(big).encode()
+    with serving(make_app(engine, max_body_bytes=4096)) as url:
+        ready(url)
+        r = httpx.post(f"{url}/v1/chat/completions", json=big)  # Content-Length says it: refused unread
+        assert "larger than this server's limit of 4096 bytes" in assert_openai_error(
+            r, 413, code="request_too_large")["message"]
+        chunked = (data[i:i + 1000] for i in range(0, len(data), 1000))  # no Content-Length: refused as it grows
+        r = httpx.post(f"{url}/v1/chat/completions", content=chunked, headers={"content-type": "application/json"})
+        assert_openai_error(r, 413, code="request_too_large")
+        assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
+
+
+class SlowTokenizer:
+    """The engine's tokenizer, taking `seconds` to encode (time.sleep holds no GIL: only the event loop
+    being blocked can delay /health) and counting its calls."""
+
+    def __init__(self, inner, seconds):
+        self.inner, self.seconds = inner, seconds
+        self.calls, self.busy = 0, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text):
+        self.calls += 1
+        self.busy.set()
+        time.sleep(self.seconds)
+        return self.inner.encode(text)
+
+
+def test_health_answers_while_a_prompt_is_tokenized(engine):
+    """A 10 MB prompt took 15 s in the tokenizer, on the event loop: /health waited as long."""
+    slow = copy.copy(engine)
+    slow.tokenizer = SlowTokenizer(engine.tokenizer, 3.0)
+    with serving(make_app(slow)) as url:
+        ready(url)
+        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1}
+        answers = []
+        sender = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                           timeout=60)))
+        sender.start()
+        assert slow.tokenizer.busy.wait(30)
+        start = time.perf_counter()
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        assert time.perf_counter() - start < 1.0
+        sender.join(60)
+    assert answers[0].status_code == 200
+
+
+def test_a_prompt_longer_than_the_context_could_hold_is_refused_untokenized(engine):
+    counting = copy.copy(engine)
+    counting.tokenizer = SlowTokenizer(engine.tokenizer, 0.0)
+    longest = engine.max_prompt or engine.max_context  # a static engine's largest bucket, else the context
+    n_bytes = longest * engine.tokenizer.max_token_bytes + 1  # more than any prompt it takes can be
+    with serving(make_app(counting)) as url:
+        ready(url)
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x" * n_bytes, "max_tokens": 1})
+        assert f"the prompt is {n_bytes} bytes" in assert_openai_error(r, 400, param="prompt")["message"]
+        wide = chat_body(messages=[{"role": "user", "content": "é" * n_bytes}])  # 2 bytes a character
+        r = httpx.post(f"{url}/v1/chat/completions", json=wide)
+        assert_openai_error(r, 400, param="messages")
+    assert counting.tokenizer.calls == 0
+
+
+# ---- the drain deadline (item 7) ------------------------------------------------------------------------
+
+def test_past_the_drain_timeout_requests_in_flight_end_properly(endless_engine):
+    """They used to be cut: a chunked stream without its end (no error event, no [DONE]), or a plain-text
+    500. Now a stream ends with an error event and [DONE], a plain request with a 503 JSON body."""
+    spy = Spy(endless_engine, step_delay_s=SLOW_S)  # LONG tokens take 3 s: running at the 1 s deadline
+    app = create_app(lambda: spy, model_name=MODEL, **({"max_running": 2} if spy.rows is None else {}))
+    server = DrainingServer(server_config(app), drain_timeout=1.0)
+    plain = []
+    with serving(app, server=server) as url:
+        ready(url)
+        sender = threading.Thread(target=lambda: plain.append(httpx.post(
+            f"{url}/v1/chat/completions", json=chat_body(max_tokens=LONG), timeout=60)))
+        sender.start()
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=LONG, stream=True),
+                          timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            wait_for(lambda: spy.steps >= 4 and health(url)["running"] == 2, what="both requests to generate")
+            start = time.perf_counter()
+            server.handle_exit(signal.SIGTERM, None)
+            events = sse_events(lines)
+        assert 0.9 < time.perf_counter() - start < 4.5  # at the deadline, not at uvicorn's own later one
+        sender.join(30)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "draining"
+    assert set(events[-2]["error"]) == ERROR_KEYS and "drain timeout" in events[-2]["error"]["message"]
+    assert_openai_error(plain[0], 503, code="draining")
+    wait_for(lambda: spy.outcomes == ["cancelled", "cancelled"], what="both generations to stop")

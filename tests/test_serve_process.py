@@ -24,10 +24,11 @@ from neuron_moe import cli
 from neuron_moe.checkpoint import save_checkpoint
 from neuron_moe.model import build_model
 from neuron_moe.neuron.compile import FORMAT
+from neuron_moe.port import load_port
 from neuron_moe.serve import neuron
 from neuron_moe.serve.server import plan_load
 
-from conftest import reseeded
+from conftest import port_text_elsewhere, reseeded
 from dockerfile import DOCKER, final_stage
 from serving import sse_events, wait_for
 
@@ -46,7 +47,12 @@ def manifest_dir(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--backend", "neuron"], "--backend neuron needs --artifacts"),
     (["--backend", "neuron", "--artifacts", "{tmp}"], "no manifest.json"),
-    (["--backend", "neuron", "--artifacts", "{compiled}", "--max-running", "2"], "--max-running must be 1"),
+    (["--backend", "neuron", "--artifacts", "{compiled}", "--max-running", "2"],
+     "--backend neuron batches: it runs as many requests at once as its graphs have rows; --max-running is for"),
+    (["--backend", "neuron", "--artifacts", "{compiled}", "--batch-size", "2"], "takes its batch from the artifact"),
+    (["--backend", "static", "--max-running", "2"], "its graphs have rows (--batch-size); --max-running is for"),
+    (["--batch-size", "4"], "--batch-size sets the rows of --backend static's graphs; --backend eager runs one"),
+    (["--backend", "static", "--model", "{unstatic}"], "has no [static] table"),
     (["--artifacts", "{tmp}/absent"], "absent: not a directory"),
     (["--checkpoint", "{tmp}", "--artifacts", "{tmp}"], "--checkpoint or --artifacts, not both"),
     (["--model", "no-such-port"], "unknown port 'no-such-port'"),
@@ -54,7 +60,9 @@ def manifest_dir(tmp_path):
 ])
 def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
     compiled = manifest_dir(tmp_path)
-    args = [a.format(tmp=tmp_path, compiled=compiled) for a in args]
+    unstatic = tmp_path / "unstatic.toml"  # the tiny port without its [static] table
+    unstatic.write_text(port_text_elsewhere(load_port("tiny-gemma4-moe")).split("[static]")[0])
+    args = [a.format(tmp=tmp_path, compiled=compiled, unstatic=unstatic) for a in args]
     assert cli.main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err

@@ -21,19 +21,20 @@ atomically, so a rerun skips what is done; a budget a selector cannot reach is a
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from ..errors import UserError
 from ..experts.selector import attach_selector, moe_layers
 from ..reader import selectors
-from ..reader.accounting import SECTOR, BudgetError, full_bytes
-from ..report import write_json
+from ..parallel.layout import TP_DEGREES
+from ..reader.accounting import SECTOR, BudgetError, full_bytes, rank_geometry, solve_k, solve_rank_k
+from ..report import read_json_object, write_json
 from . import tasks as T
 
 RULES = ("topk", "threshold")
@@ -81,22 +82,44 @@ def parse_budgets(text: str) -> list[float]:
     return budgets
 
 
-SPEC = re.compile(r"(?P<name>[a-z]+)(?:-r(?P<rank>\d+))?(?:-(?P<weights>int8|int8dq))?")
+# Selector specs: a baseline's name, or reader[-rN][-tpT[variant]][-int8|-int8dq].
+#   reader-rN                     recovery rank N (≤ the sidecar's; plain `reader`: the sidecar's)
+#   reader-int8                   the reader over the int8 experts (exact rows in int8, sketch and recovery
+#                                 from the model's weights); -int8dq: sketch and recovery from the dequantised
+#                                 int8. Budgets stay a share of the bf16 full read: one budget is equal bytes.
+# The reader at TP T on the channel layout (`reader/shard.py`), emulated in this one process:
+#   reader[-rN]-tpT               per-rank quota: each rank its k_r of its own channels, k_r solved from
+#                                 the accounting on the rank's geometry (every rank reads the budget)
+#   reader[-rN]-tpT-global        one top-(T·k_r) over all ranks' scores (gathered): same total k, no quota
+#   reader[-rN]-tpT-split         per-rank quota of ⌊k/T⌋, k the one-rank reader's at the budget: the quota's
+#                                 cost at the one-rank reader's exact channels, whatever a rank then reads
+#   reader[-rN]-tpT-split-global  one top-(T·⌊k/T⌋) over all ranks
+TP_VARIANTS = ("", "-global", "-split", "-split-global")
+_SPEC = re.compile(r"(?P<name>[a-z]+)(?:-r(?P<rank>\d+))?(?:-tp(?P<tp>\d+)(?P<variant>" +
+                   "|".join(v for v in TP_VARIANTS if v) + r")?)?(?:-(?P<weights>int8|int8dq))?")
 
 
-def parse_spec(spec: str) -> tuple[str, int | None, str | None]:
-    """`reader[-rN][-int8|-int8dq]` or a baseline's name -> (name, rank or None, weights or None).
+class Spec(NamedTuple):
+    name: str
+    rank: int | None  # recovery rank, None: the sidecar's
+    tp: int | None  # the per-rank reader at this TP degree, None: one rank
+    variant: str  # one of TP_VARIANTS
+    weights: str | None  # "int8" / "int8dq": the reader over the int8 experts
 
-    reader-rN: recovery rank N (≤ the sidecar's; plain `reader`: the sidecar's). -int8: the reader
-    over the int8 experts (exact rows in int8, sketch and recovery from the model's weights); -int8dq:
-    the same with the sketch and recovery made from the dequantised int8. Budgets stay a share of
-    the bf16 full read, so one budget is equal bytes across them."""
-    match = SPEC.fullmatch(spec)
-    if match is None or match["name"] not in SELECTORS or (
-            match["name"] != "reader" and (match["rank"] or match["weights"])):
-        raise EvalError(f"unknown selector {spec!r}; known: {', '.join(SELECTORS)} (and reader-rN: the reader "
-                        f"at recovery rank N; reader[-rN]-int8 / -int8dq: over the int8 experts)")
-    return match["name"], None if match["rank"] is None else int(match["rank"]), match["weights"]
+
+def parse_spec(spec: str) -> Spec:
+    """A selector spec (see above), checked."""
+    m = _SPEC.fullmatch(spec)
+    if not m or m["name"] not in SELECTORS or ((m["rank"] or m["tp"] or m["weights"]) and m["name"] != "reader"):
+        raise EvalError(f"unknown selector {spec!r}; known: {', '.join(SELECTORS)}, and reader-rN (the reader at "
+                        f"recovery rank N), reader[-rN]-tpT[-global|-split|-split-global] (the reader at TP T), "
+                        f"reader[-rN]-int8 / -int8dq (over the int8 experts)")
+    tp = int(m["tp"]) if m["tp"] else None
+    if tp is not None and tp not in TP_DEGREES:
+        raise EvalError(f"{spec}: TP degree {tp} is not one of {TP_DEGREES}")
+    if tp is not None and m["weights"]:
+        raise EvalError(f"{spec}: the reader over int8 experts runs at one rank; drop -tp{tp} or -{m['weights']}")
+    return Spec(m["name"], int(m["rank"]) if m["rank"] else None, tp, m["variant"] or "", m["weights"])
 
 
 def parse_selectors(text: str) -> list[str]:
@@ -285,13 +308,16 @@ class Run:
         return self.calibration
 
     def layers(self, spec: str):
-        name, rank, weights = parse_spec(spec)
+        name, rank, tp, _, weights = parse_spec(spec)
         if name != "reader":
             return name, moe_layers(self.model)
         if rank is not None and rank > self.sidecar.layout.rank:
             raise EvalError(f"{spec}: recovery rank {rank} above the sidecar's ({self.sidecar.layout.rank})")
         sidecar = self.dequantised_sidecar() if weights == "int8dq" else self.sidecar
-        return name, moe_layers(self.model, sidecar, rank, int8=weights is not None)
+        layers = moe_layers(self.model, sidecar, rank, int8=weights is not None)
+        for layer in layers:
+            layer.tp = tp or 1
+        return name, layers
 
     def dequantised_sidecar(self):
         """The sidecar made from the int8 experts' dequantised weights: OUT/sidecar-int8dq.safetensors, once."""
@@ -323,17 +349,21 @@ class Run:
         started = time.perf_counter()
         name, layers = self.layers(spec)
         row = {"selector": spec, "rule": rule, "budget": budget}
+        full = full_bytes(layers[0].geo)
         try:
-            planned = selectors.charged(name, layers[0].geo, layers[0].layout,
-                                        selectors.plan(name, layers[0].geo, layers[0].layout, budget))
-            if rule == "topk":
-                rules = [selectors.top_k(name, layer, budget) for layer in layers]
+            if layers[0].tp > 1:
+                rules, planned, full, k = tp_plan(layers, parse_spec(spec).variant, budget)
+                row["k_per_rank"] = k
             else:
-                rules = [selectors.calibrate(name, layer, *inputs, budget)
-                         for layer, inputs in zip(layers, self.calibrate_inputs())]
+                planned = selectors.charged(name, layers[0].geo, layers[0].layout,
+                                            selectors.plan(name, layers[0].geo, layers[0].layout, budget))
+                if rule == "topk":
+                    rules = [selectors.top_k(name, layer, budget) for layer in layers]
+                else:
+                    rules = [selectors.calibrate(name, layer, *inputs, budget)
+                             for layer, inputs in zip(layers, self.calibrate_inputs())]
         except BudgetError as e:
             return row | {"status": "not reachable", "reason": str(e)}
-        full = full_bytes(layers[0].geo)
         reference = self.full_reference()  # before the selector replaces the experts
         states = attach_selector(self.model, name, layers, rules)
         try:
@@ -352,6 +382,27 @@ class Run:
         }
 
 
+def _read(path: Path) -> dict:
+    """A file of OUT, written by an earlier run: a corrupt one is named, never a traceback."""
+    return read_json_object(path, EvalError, f"{path}: missing")
+
+
+def tp_plan(layers, variant: str, budget: float) -> tuple[list, int, int, int]:
+    """(rules, planned bytes per rank and token, a rank's full read, k per rank) of the reader at TP
+    `layers[0].tp` (TP_VARIANTS); a BudgetError where a rank cannot reach the budget."""
+    geo, layout, tp = layers[0].geo, layers[0].layout, layers[0].tp
+    if variant.startswith("-split"):  # the one-rank reader's exact channels, split evenly
+        k = solve_k(geo, layout, budget) // tp
+    else:
+        k = solve_rank_k(geo, layout, budget, tp)
+    local = rank_geometry(geo, tp)
+    if variant.endswith("-global"):
+        rules = [selectors.TopK({"channel": tp * k}) for _ in layers]
+    else:
+        rules = [selectors.RankTopK({"channel": k}, tp, geo.intermediate) for _ in layers]
+    return rules, selectors.charged("reader", local, layout, {"channel": k}), full_bytes(local), k
+
+
 def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool) -> Run:
     """Load the model and data; check OUT holds nothing from other weights or settings; prep the
     sidecar into OUT once."""
@@ -365,7 +416,7 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
     out.mkdir(parents=True, exist_ok=True)
     run_file = out / "run.json"
     if run_file.exists():
-        before = json.loads(run_file.read_text())
+        before = _read(run_file)
         if before != key:
             changed = sorted(k for k in key if before.get(k) != key[k])
             raise EvalError(f"{out} holds cells of another run (different {', '.join(changed)}); "
@@ -397,6 +448,8 @@ def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: li
             if not (Path(settings.corpus) / name).is_file():
                 raise EvalError(f"{Path(settings.corpus) / name}: missing; build the corpus first "
                                 f"(neuron-moe build-corpus --out {settings.corpus})")
+    if "threshold" in rules and any(parse_spec(s).tp for s in specs):
+        raise EvalError("the reader at TP T (reader-...-tpT) is a top-k rule per rank: pass --rules topk")
     run = open_run(port, checkpoint, settings, out, any(s.startswith("reader") for s in specs))
     for spec in specs:
         run.layers(spec)  # a reader rank above the sidecar's is refused before any cell runs
@@ -415,14 +468,16 @@ def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: li
                 bar.set_postfix_str(cell_name(spec, rule, budget))
                 with tqdm(total=per_cell, desc=cell_name(spec, rule, budget), leave=False) as inner:
                     write_json(run.cell(spec, rule, budget, inner), str(path))
-            results.append(json.loads(path.read_text()))
+            results.append(_read(path))
             bar.update(1)
-    full_acc = json.loads(full_file.read_text())["accuracy"]
+    full_acc = _read(full_file).get("accuracy")
+    if not isinstance(full_acc, dict):
+        raise EvalError(f"{full_file}: no 'accuracy' object; remove the file to recompute it")
     for row in results:
         if row["status"] == "ok":
             row["accuracy_percent_of_full"] = (100 * row["accuracy"]["correct"] / full_acc["correct"]
                                                if full_acc["correct"] else None)
-    report = {"model": port.name, "settings": json.loads((out / "run.json").read_text()),
+    report = {"model": port.name, "settings": _read(out / "run.json"),
               "generation": "greedy, the selector on every token (prefill and decode alike)",
               "teacher_forced": "prompt + answer + EOS; scored: the positions that predict an answer token, and "
                                 "every position of the held-out text",

@@ -133,7 +133,7 @@ COLUMNS = [("selector", "selector"), ("rule", "rule"), ("budget", "budget %", "{
            ("target", "target reads %", "{:.2f}"), ("reads_mean", "reads % mean", "{:.2f}"),
            ("reads_p50", "median", "{:.2f}"), ("reads_p5_95", "5–95 %"), ("kl_mean", "KL mean", "{:.4f}"),
            ("kl_p99", "KL p99", "{:.3f}"), ("top1", "top-1 %", "{:.1f}"), ("acc", "accuracy % of full", "{:.1f}"),
-           ("note", "note")]
+           ("k", "k/rank (TP)"), ("note", "note")]
 
 
 def table_rows(report: dict) -> list[dict]:
@@ -151,7 +151,7 @@ def table_rows(report: dict) -> list[dict]:
         rows.append(row | {"target": c["target_reads"], "reads_mean": r["mean"], "reads_p50": r["p50"],
                            "reads_p5_95": f"{r['p5']:.2f}–{r['p95']:.2f}", "kl_mean": c["kl_mean"],
                            "kl_p99": c["kl_p99"], "top1": 100 * c["top1"], "acc": c["accuracy_percent_of_full"],
-                           "note": note})
+                           "k": c.get("k_per_rank"), "note": note})
     return rows
 
 

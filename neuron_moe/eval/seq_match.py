@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import UserError
 from ..generate import Generation, greedy, left_pad
 from ..model import build_model
 from ..parallel.generate import BACKENDS as TP_BACKENDS
@@ -55,7 +56,8 @@ BACKENDS: dict[str, Callable[..., Generator]] = {
 
 def compare(reference: Generation, backend: Generation, prompts: list[str]) -> list[dict]:
     """One row per prompt: SEQ_MATCH, first divergent position, max |Δlogit| at step 0, and the
-    lowest logit cosine over the steps where both had produced the same prefix."""
+    lowest logit cosine over the steps where both had produced the same prefix. A NaN or inf among
+    the compared logits fails the prompt whatever the tokens (argmax of NaNs picks a token too)."""
     rows = []
     for i, prompt in enumerate(prompts):
         ref_t, got_t = reference.tokens[i], backend.tokens[i]
@@ -64,9 +66,11 @@ def compare(reference: Generation, backend: Generation, prompts: list[str]) -> l
         comparable = (first if first is not None else len(ref_t) - 1) + 1  # up to and incl. the first miss
         ref_l, got_l = reference.logits[i, :comparable], backend.logits[i, :comparable].to(torch.float32)
         cosine = torch.nn.functional.cosine_similarity(ref_l, got_l, dim=-1)
+        finite = bool(torch.isfinite(ref_l).all() and torch.isfinite(got_l).all())
         rows.append({
             "prompt": prompt,
-            "seq_match": first is None,
+            "seq_match": first is None and finite,
+            "finite_logits": finite,
             "first_divergence": first,
             "max_abs_dlogit_step0": float((ref_l[0] - got_l[0]).abs().max()),
             "min_cosine": float(cosine.min()),
@@ -78,6 +82,10 @@ def compare(reference: Generation, backend: Generation, prompts: list[str]) -> l
 def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: list[str],
                    dtype: torch.dtype | None = None, checkpoint=None, backend_options: dict | None = None) -> dict:
     ids, mask = left_pad([tokenizer.encode(p) for p in prompts], tokenizer.pad_token_id)
+    context = port.config.max_position_embeddings
+    if ids.shape[1] + max_new_tokens > context:
+        raise UserError(f"the longest prompt ({ids.shape[1]} tokens) plus --max-new-tokens {max_new_tokens} exceeds "
+                        f"the model's context of {context} tokens")
     # the backend first: a backend that refuses the input does so before the reference has run
     got = BACKENDS[backend](port, dtype, checkpoint, **(backend_options or {}))(ids, mask, max_new_tokens)
     reference = build_model(port, "eager", torch.float32, checkpoint)

@@ -93,21 +93,31 @@ def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = N
 
 @torch.no_grad()
 def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = None,
-                  backend: str = "reference", weights: str = "bf16") -> int:
+                  backend: str = "reference", weights: str = "bf16", tp: int = 1) -> int:
     """Attach a sidecar to every MoE layer and select `channel_reader`; returns k per token.
 
     Refuses a sidecar of another geometry or made from other weights. `rank` (default: the
     sidecar's) may lower the recovery rank; 0 turns recovery off. `backend`: one of READER_BACKENDS.
     `weights`: "bf16" (the model's own experts) or "int8" (the int8 experts' numbers).
+    `tp` > 1 emulates in this one process the per-rank reader of TP `tp` on the channel layout
+    (`reader/shard.py`): each rank's k channels among its own, summed; returns k per rank.
     """
     if weights == "int8" and backend != "reference":
         raise UserError(f"the reader over int8 experts runs on the reference backend only, not {backend!r}")
     forward = reader_forward(backend)
+    if weights == "int8" and tp > 1:
+        raise UserError(f"the reader over int8 experts runs at TP 1 only, not the per-rank emulation at TP {tp}")
     side, k, rank = plan_reader(model.config, sidecar, budget, rank, weights)
     if weights == "int8":
         _check_int8_source(side, model)
     else:
         side.check_source(model_expert_weights(model))
+    if tp > 1:
+        if backend != "reference":
+            raise UserError("the per-rank reader emulation (tp > 1) runs on the reference backend")
+        from ..reader.accounting import solve_rank_k
+
+        k = solve_rank_k(Geometry.from_config(model.config), Layout(scan=side.scan, rank=rank), budget, tp)
     for i, layer in enumerate(model.model.layers):
         experts = layer.experts
         rows = down_rows(experts.down_proj.data).contiguous()  # no copy if already rearranged
@@ -117,6 +127,10 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
         state = ReaderState(side.layer(i), k, side.scan, rank, forward).to(experts.down_proj.device)
         if weights == "int8":
             state.int8 = int8_experts(experts)
+        if tp > 1:
+            from ..reader.shard import rank_sidecar
+
+            state.run = _per_rank([rank_sidecar(side.layer(i), tp, r) for r in range(tp)], tp)
         experts.reader = state
         state.hook = layer.register_forward_pre_hook(_mark_decode, with_kwargs=True)
     model.set_experts_implementation("channel_reader")
@@ -131,15 +145,21 @@ def _check_int8_source(side: Sidecar, model) -> None:
         side.check_source(int8_experts(layer.experts).dequantized() for layer in model.model.layers)
 
 
+def _per_rank(shards: list, tp: int):
+    """A forward with reference.forward's signature that runs the per-rank reader of `tp` ranks on one
+    layer: each rank's sidecar shard (`shards`, rank order) and its share of the experts, summed."""
+    from ..reader import shard
+
+    def run(x, top_k_index, top_k_weights, gate_up, down_rows, layer, **kw):
+        ranks = [(*shard.shard_weights(gate_up, down_rows, tp, r), side) for r, side in enumerate(shards)]
+        return shard.forward_ranks(x, top_k_index, top_k_weights, ranks, **kw)
+
+    return run
+
+
 def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, float, int | None]:
     """Sidecar path, budget and rank: the CLI's where given, else the port's [reader] section."""
-    section = port.raw.get("reader", {})
-    unknown = sorted(set(section) - {"sidecar", "budget", "rank"})
-    if unknown:
-        raise UserError(f"{port.path} [reader]: unknown field(s) {unknown}; expected budget, rank, sidecar")
-    for key, kinds in (("sidecar", str), ("budget", (int, float)), ("rank", int)):
-        if key in section and (not isinstance(section[key], kinds) or isinstance(section[key], bool)):
-            raise UserError(f"{port.path} [reader]: field '{key}' has the wrong type ({section[key]!r})")
+    section = port.raw.get("reader", {})  # its fields and their types checked by load_port
     if sidecar is None and "sidecar" in section:
         sidecar = port.path.parent / section["sidecar"]
     budget = section.get("budget") if budget is None else budget

@@ -4,8 +4,11 @@ For token generation a step has a handful of tokens, each touching k of E expert
 every expert (DenseExperts) reads all E experts' weights per step; gathering k slices per token
 reads only k. The gather is `index_select` with T*k indices: its output shape is [T, k, ...]
 whatever the router picked, so the graph stays static (NxD calls this "selective loading").
-For prefill the gathered copy (T*k expert matrices) outgrows the weights themselves, which is
-why prefill stays on DenseExperts; the port's [static] table says which graph uses which.
+Once T*k reaches E the gathered copy (T*k expert matrices) outgrows the weights themselves, so a
+graph of that many tokens computes every expert instead (DenseExperts) — NxD's rule, the same as
+the TP channel layout's (`parallel/layout.gathers`); T is fixed per graph, so the choice is made
+once, when the graph is traced. Prefill graphs stay on DenseExperts; the port's [static] table
+says which graph uses which.
 
 Signature is transformers' experts-interface contract, on a `Gemma4TextExperts` module
 (gate_up_proj [E, 2I, H], down_proj [E, H, I]).
@@ -15,8 +18,19 @@ from __future__ import annotations
 
 import torch
 
+from .dense_masked import dense_masked_forward
+
 
 def selective_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    tokens, k = top_k_index.shape
+    if tokens * k >= self.num_experts:  # gathering would read more than the weights themselves
+        return dense_masked_forward(self, hidden_states, top_k_index, top_k_weights)
+    return gather_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def gather_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     tokens, k = top_k_index.shape

@@ -3,12 +3,14 @@
 The artifact contract (what `serve/neuron.py` and `pull` read) is defined here, once:
 
     manifest.json   MANIFEST_FIELDS below (expert_layout: how the graphs split the experts,
-                    `parallel/layout.py`), plus each key's inputs and outputs, the state, and the
-                    files' sizes and sha256
+                    `parallel/layout.py`), plus each key's inputs and outputs, the state, the
+                    reader (`--reader`: budget, k_per_rank, scan, rank, source_sha256; null
+                    without), and the files' sizes and sha256
     model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
                     context-encoding key per prefill bucket and one token-generation key
     weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint),
-                    in the manifest's expert layout (`load_shards` refuses one of the other)
+                    in the manifest's expert layout (`load_shards` refuses one of the other);
+                    with the reader, rank r's sidecar shard too (`<...>.experts.reader.*`)
     shard_plan.json every rank-module tensor: placement, partition dim and stride, full and
                     per-rank shape, dtype
 
@@ -35,15 +37,17 @@ full-size one) it builds the modules on the meta device and exports each key the
 without weights: nothing under graphs/), then writes the manifest and shard plan.
 
 Nothing is half-written: the directory is built as a hidden sibling and renamed into place when
-complete. An existing DIR is refused unless --overwrite; leftovers of an interrupted run (the
-hidden siblings) are removed by the next run.
+complete. An existing DIR is refused unless --overwrite, and --overwrite replaces only an artifact
+(a directory with our manifest), never another directory. A run holds a lock on DIR (`.DIR.lock`
+beside it) from start to end: a second run on the same DIR is refused, so the hidden siblings a
+run finds are an interrupted run's leftovers, and it removes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
-import json
 import os
 import shutil
 import tempfile
@@ -54,7 +58,8 @@ from tqdm import tqdm
 
 from ..errors import UserError
 from ..parallel.layout import EXPERT_LAYOUTS
-from ..report import read_json_object
+from ..parallel.reader import READER
+from ..report import check_output, dumps, read_json_object, run_lock
 
 MANIFEST = "manifest.json"
 MODEL = "model.pt"
@@ -147,17 +152,27 @@ def _sha256(path: Path) -> str:
 
 
 def _prepare_out(out: Path, overwrite: bool) -> Path:
-    """A fresh hidden sibling of `out` to build in; stale ones of earlier runs removed."""
+    """A fresh hidden sibling of `out` to build in; stale ones of earlier runs removed (call it
+    holding the run lock of `out`: then every other sibling is a dead run's)."""
     out = out.resolve()
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        what = "a complete artifact" if (out / MANIFEST).is_file() else "files but no manifest (not ours, or partial)"
-        raise ArtifactError(f"{out} already holds {what}; pass --overwrite to replace it, or choose another --out")
+    if out.exists() and any(out.iterdir()):
+        manifest = out / MANIFEST
+        if not manifest.is_file():
+            raise ArtifactError(f"{out} holds files but no manifest: not a trace-and-compile artifact, which "
+                                "--overwrite never replaces; remove it yourself, or choose another --out")
+        raw = read_json_object(manifest, ArtifactError, "")
+        if not isinstance(raw.get("format"), int) or not isinstance(raw.get("files"), dict):
+            raise ArtifactError(f"{manifest} is not a trace-and-compile manifest (no 'format' and 'files'); {out} is "
+                                "not replaced, --overwrite or not: remove it yourself, or choose another --out")
+        if not overwrite:
+            raise ArtifactError(f"{out} already holds a complete artifact; pass --overwrite to replace it, "
+                                "or choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     prefix = _PARTIAL.format(name=out.name)
     for stale in out.parent.glob(prefix + "*"):
-        shutil.rmtree(stale, ignore_errors=True)  # an interrupted run's leftovers, never the output
+        shutil.rmtree(stale, ignore_errors=True)  # a dead run's leftovers (a live one would hold the lock)
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would become the published directory's mode
     return tmp
@@ -232,12 +247,15 @@ def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
 
 def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, overwrite: bool = False,
                       checkpoint=None, export: bool = True, expert_layout: str | None = None,
-                      logits: bool = False) -> dict:
+                      logits: bool = False, reader: dict | None = None) -> dict:
     """Write the artifact directory `out` (see the module docstring); returns the manifest.
     `expert_layout` defaults to the port's [static] expert_layout. `export=False` (dry run only)
     skips tracing: the shard plan and manifest alone. `logits=True`: graphs that also return the
-    logits (validation, host-side sampling), at V·4 bytes per row and step across the host."""
-    from ..parallel import cpu, layout, nxd
+    logits (validation, host-side sampling), at V·4 bytes per row and step across the host.
+    `reader` ({"sidecar": DIR of `prep-reader --tp`, "budget", "rank"}): the decode key reads through
+    each rank's sidecar shard (`parallel/reader.py`), which goes into that rank's weights; a port
+    without weights takes the geometry's shapes (`scan`, `rank`; no sidecar)."""
+    from ..parallel import layout, nxd
 
     if dtype not in DTYPES:
         raise ArtifactError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -256,59 +274,109 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     has_weights = checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
     if not dry_run and not has_weights:
         raise ArtifactError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
+    sides, reads = None, None
+    if reader is not None:  # every check of the reader before any weight loads
+        sides, reads = _plan_reader(port, tp, int8, expert_layout, reader, has_weights)
+        spec = dataclasses.replace(spec, decode_experts=READER)
     out = Path(out)
-    tmp = _prepare_out(out, overwrite)
-    try:
-        full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout) if has_weights else None
-        if dry_run:
-            module, files, exported = _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp, export,
-                                               expert_layout, logits)
-        else:
-            module, files, exported = _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp, expert_layout,
-                                              logits)
-        plan = shard_plan(module, full, tp, expert_layout)
-        _atomic_write(tmp / SHARD_PLAN, lambda p: p.write_text(json.dumps(plan, indent=1)))
-        files = [*files, SHARD_PLAN]
-        contract, state = _contract(module, spec, keys, logits)
-        manifest = {
-            "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "expert_layout": expert_layout,
-            "buckets": list(spec.buckets),
-            "max_length": spec.max_cache_len, "batch_size": spec.batch_size, "logits": logits,
-            "keys": {k: dict(contract[k], exported=exported) for k in keys}, "state": state,
-            "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
-            "files": {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)},
-        }
-        _atomic_write(tmp / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    check_output(out, directory=True)
+    with run_lock(out.resolve(), "trace-and-compile"):
+        tmp = _prepare_out(out, overwrite)
+        try:
+            full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides) if has_weights else None
+            build = dict(expert_layout=expert_layout, int8=int8, dtype=torch_dtype, reader=reads)
+            if dry_run:
+                module, files, exported = _dry_run(port, spec, keys, tp, full, tmp, export, logits, build)
+            else:
+                module, files, exported = _neuron(port, spec, keys, tp, full, tmp, logits, build)
+            plan = shard_plan(module, full, tp, expert_layout)
+            _atomic_write(tmp / SHARD_PLAN, lambda p: p.write_text(dumps(plan, indent=1)))
+            files = [*files, SHARD_PLAN]
+            contract, state = _contract(module, spec, keys, logits)
+            manifest = {
+                "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "expert_layout": expert_layout,
+                "buckets": list(spec.buckets),
+                "max_length": spec.max_cache_len, "batch_size": spec.batch_size, "logits": logits,
+                "keys": {k: dict(contract[k], exported=exported) for k in keys}, "state": state,
+                "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
+                "reader": None if reads is None else {k: v for k, v in reads.items() if k != "layout"},
+                "files": {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)},
+            }
+            _atomic_write(tmp / MANIFEST, lambda p: p.write_text(dumps(manifest, indent=1) + "\n"))
+            _publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return dict(manifest, out=str(out.resolve()))
 
 
-def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout) -> dict:
-    """The whole model in the parallel layout (int8 experts quantised), named as the rank module."""
+def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=None) -> dict:
+    """The whole model in the parallel layout (int8 experts quantised), named as the rank module;
+    with the reader's shards `sides`, their entries too (checked against these weights)."""
     from ..experts.int8 import quantize_experts
     from ..model import build_model
-    from ..parallel import layout
+    from ..parallel import layout, reader
+    from ..reader.prep import model_expert_weights
 
     hf = build_model(port, "eager", torch_dtype, checkpoint)
+    if sides is not None:
+        sides[0].check_source(model_expert_weights(hf))
     full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
-    return quantize_experts(full) if int8 else full
+    full = quantize_experts(full) if int8 else full
+    return full if sides is None else {**full, **reader.full_state(sides)}
 
 
-def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: bool, expert_layout: str,
-             logits: bool):
+def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, has_weights: bool):
+    """(each rank's shard or None, the settings the graphs are built with) of `--reader`."""
+    from ..parallel import reader
+    from ..parallel.generate import check_reader
+    from ..reader.accounting import Geometry, Layout, rank_geometry, solve_rank_k
+    from ..reader.prep import RANK, SCAN
+    from ..reader.prep import Layout as SidecarLayout
+
+    check_reader(expert_layout, int8, options.get("budget"))
+    if has_weights:
+        if options.get("sidecar") is None:
+            raise ArtifactError("--reader needs --sidecar DIR (from `neuron-moe prep-reader --tp "
+                                f"{tp} --out DIR`) for a port with weights")
+        sides, k, rank = reader.open_shards(port.config, options["sidecar"], tp, options["budget"], options.get("rank"))
+        scan, local, digest = sides[0].scan, sides[0].layout, sides[0].source_sha256
+    else:  # shapes only (the meta device): the geometry's sidecar layout
+        if options.get("sidecar") is not None:
+            raise ArtifactError(f"port {port.name!r} has no weights here: --reader builds shapes only (meta device), "
+                                f"a sidecar is not read; drop --sidecar or pass --checkpoint DIR")
+        geo, rank = Geometry.from_config(port.config), options.get("rank")
+        rank, scan = RANK if rank is None else rank, options.get("scan") or SCAN
+        k, sides, digest = solve_rank_k(geo, Layout(scan=scan, rank=rank), options["budget"], tp), None, None
+        g = rank_geometry(geo, tp)
+        local = SidecarLayout(g.hidden, g.experts, g.intermediate, rank)
+    return sides, {"budget": options["budget"], "k_per_rank": k, "scan": scan, "rank": rank,
+                   "source_sha256": digest, "layout": local}
+
+
+def _rank_module(port, tp, backend, build: dict, device="cpu"):
+    """One rank's model (`parallel/model.py`), with the reader's shard module when `build` has one."""
+    from ..parallel import reader
+    from ..parallel.model import rank_model
+
+    options = {k: v for k, v in build.items() if k != "reader"}
+    model = rank_model(port.config, tp, backend, device=device, **options)
+    reads = build.get("reader")
+    if reads is not None:
+        reader.attach(model, reads["layout"], tp, reads["k_per_rank"], reads["scan"], reads["rank"])
+    return model
+
+
+def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, build: dict):
     from safetensors.torch import save_file
 
     from ..parallel import cpu
-    from ..parallel.model import rank_model
     from ..parallel.trace import export_rank0
     from ..static.decoder import new_cache
     from ..static.export import GraphError, checked, functional
 
     device = "cpu" if full is not None else "meta"  # no weights: shapes only, nothing allocated
-    module = rank_model(port.config, tp, cpu, expert_layout=expert_layout, int8=int8, dtype=torch_dtype, device=device)
+    module = _rank_module(port, tp, cpu, build, device)
     files = []
     if full is not None:
         shards = cpu.shard_checkpoint(full, module, tp)
@@ -337,25 +405,25 @@ def _dry_run(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, export: b
     return module, files, True
 
 
-def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, expert_layout: str, logits: bool):
+def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict):
     """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
     from ..parallel import cpu, nxd
-    from ..parallel.model import rank_model
     from ..static.decoder import new_cache
-
-    build = dict(expert_layout=expert_layout, int8=int8, dtype=torch_dtype)
 
     def factory(key):
         def make():  # each key's own module; its state names (cache.k0, ...) are every key's
-            model = rank_model(port.config, tp, nxd, **build)
+            model = _rank_module(port, tp, nxd, build)
             return _graph(model, spec, key, new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True),
                           logits)
         return make
 
     # the shard plan comes from a meta-device module of the same layout
-    shapes = rank_model(port.config, tp, cpu, device="meta", **build)
+    shapes = _rank_module(port, tp, cpu, build, device="meta")
 
-    checkpoint = {f"model.{k}": v for k, v in full.items()}  # weights only: the state is not in it
+    # weights only: the state is not in it. NxD cuts only its own layers' parameters and replicates the
+    # rest, so the reader's split tensors go in at one rank's shape and each rank's are written after.
+    own = _reader_split(full)
+    checkpoint = {f"model.{k}": (_rank_piece(v, tp, 0) if k in own else v) for k, v in full.items()}
     builder, traced = nxd.trace_keys({key: (factory(key), [_example(spec, key)]) for key in keys},
                                      checkpoint_loader=lambda: checkpoint, tp=tp, workdir=tmp / "compiler")
     _atomic_write(tmp / MODEL, lambda p: torch.jit.save(traced, str(p)))
@@ -365,7 +433,33 @@ def _neuron(port, spec, keys, tp, torch_dtype, int8, full, tmp: Path, expert_lay
     missing = [f for f in files if not (tmp / f).is_file()]
     if missing:
         raise ArtifactError(f"ModelBuilder did not write {missing}")
+    if own:
+        _write_reader_shards(tmp, {k: full[k] for k in own}, tp)
     return shapes, files, True  # NxD's layers carry the same partition tags as the CPU ones
+
+
+def _reader_split(full: dict) -> list[str]:
+    """The reader's per-rank entries of a full checkpoint (the ranks' shards concatenated on dim 0)."""
+    from ..parallel import layout
+
+    return [k for k in full if layout.placement(k) == layout.READER_SHARD]
+
+
+def _rank_piece(tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    from ..parallel import layout
+
+    return layout.split(tensor, 0, tp, rank).contiguous()
+
+
+def _write_reader_shards(tmp: Path, entries: dict, tp: int) -> None:
+    """Each rank's reader shard into its weights file (NxD's shard_checkpoint wrote rank 0's in all)."""
+    from safetensors.torch import load_file, save_file
+
+    for rank in range(tp):
+        path = tmp / WEIGHTS.format(rank=rank)
+        state = load_file(path)
+        state.update({f"model.{k}": _rank_piece(v, tp, rank) for k, v in entries.items()})
+        _atomic_write(path, lambda p: save_file(state, str(p)))
 
 
 def _contract(module, spec, keys, logits: bool) -> tuple[dict, dict]:

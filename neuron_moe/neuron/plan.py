@@ -34,6 +34,11 @@ gathers the batch's B·k experts' I/t channels while B·k < E (with the port's d
 "selective"), else computes all E experts' channels; the expert layout's computes all its E/t
 experts.
 
+With a reader budget (`--reader-budget`), the channel layout's decode graph with the reader
+(`parallel/reader.py`) is a row of its own: per token, layer and rank its sketch, norms, k_r exact
+channels and recovery on the rank's I/t channels (`reader.accounting.rank_geometry`); each rank
+then also holds its sidecar shard (`reader_sidecar`).
+
 Host: bytes crossing between host and device per decode step of the built graphs (`neuron/compile.py`):
 int64 input_ids and position_ids [batch, 1] in, the token [batch, 1] out; the KV cache is device
 state (0), and the logits come out only from an artifact built with --with-logits. Not measured:
@@ -107,6 +112,14 @@ def _graph_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, batch: int, s
     return max(moe, attention)
 
 
+def _reader_sidecar_per_rank(config: Gemma4TextConfig, tp: int, reader: dict) -> int:
+    """A rank's sidecar shard (`reader/shard.py`): its channels' sketch, norms and b_j, and U, every layer."""
+    from ..reader.accounting import Geometry, Layout, rank_geometry, resident
+
+    held = resident(rank_geometry(Geometry.from_config(config), tp), Layout(scan=reader["scan"], rank=reader["rank"]))
+    return sum(held.values()) * config.num_hidden_layers
+
+
 def _decode_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv: int, expert_layout: str,
                 decode_experts: str) -> dict:
     """What one layout's decode graph reads per token on one rank (every rank reads the same)."""
@@ -119,16 +132,37 @@ def _decode_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv
         graph, share = f"gathers {batch}×{k} experts' {I // tp} of {I} channels", batch * k / E
     else:
         graph, share = f"all {E} experts' {I // tp} of {I} channels", 1.0
-    total = rest + share * weights["experts"]
+    return _row(expert_layout, graph + " per layer", rest + share * weights["experts"])
+
+
+def _row(expert_layout: str, graph: str, total: float) -> dict:
     per_core_bw = CHIP_HBM_BW / CORES_PER_CHIP
-    return {"expert_layout": expert_layout, "decode_graph": graph + " per layer", "bytes_per_token": total,
+    return {"expert_layout": expert_layout, "decode_graph": graph, "bytes_per_token": total,
             "GB_per_token": total / GB, "floor_ms": 1e3 * total / per_core_bw,
             "tokens_per_s_ceiling": per_core_bw / total}
 
 
-def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts) -> list[dict]:
+def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv: int, reader: dict) -> dict:
+    """The channel layout's decode graph with the reader (`parallel/reader.py`): per token and layer each
+    rank reads its sketch, norms, k_r exact channels and recovery on its own I/t channels
+    (`accounting.rank_geometry`); the batch's tokens each select on their own (their reads add up)."""
+    from ..reader.accounting import Geometry, Layout, rank_geometry, reads, solve_rank_k
+
+    geo, layout_ = Geometry.from_config(config), Layout(scan=reader["scan"], rank=reader["rank"])
+    k = solve_rank_k(geo, layout_, reader["budget"], tp)
+    local = rank_geometry(geo, tp)
+    per_layer = sum(reads(local, layout_, k).values())
+    rest = sum(v for g, v in weights.items() if g not in ("experts", "embeddings")) + kv
+    graph = (f"reader at {reader['budget']:g} %: {batch}×{k} of {config.top_k_experts}×{local.intermediate} channels "
+             f"exact, the rest screened (sketch) and recovered, per layer")
+    row = _row(layout.CHANNEL, graph, rest + batch * per_layer * config.num_hidden_layers)
+    return dict(row, reader=dict(reader, k_per_rank=k, expert_bytes_per_layer=per_layer))
+
+
+def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader=None) -> list[dict]:
     """A row per expert layout whose graphs can be built at TP `tp`, this plan's layout (whose
-    weights are `weights`) first."""
+    weights are `weights`) first; with `reader`, the channel layout's decode graph with the reader
+    after the channel row."""
     rows = []
     for name in sorted(layout.EXPERT_LAYOUTS, key=lambda n: n != expert_layout):
         try:
@@ -137,7 +171,9 @@ def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts
             continue  # no such graph can be built at this degree
         held = weights if name == expert_layout else _weights_per_rank(config, tp, dtype, name)
         row = _decode_row(config, tp, batch, held, kv, name, decode_experts)
-        rows.append(dict(row, this_plan=name == expert_layout))
+        rows.append(dict(row, this_plan=name == expert_layout and reader is None))
+        if reader is not None and name == layout.CHANNEL:
+            rows.append(dict(_reader_row(config, tp, batch, held, kv, reader), this_plan=name == expert_layout))
     return rows
 
 
@@ -152,12 +188,19 @@ def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
 
 def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: int, seq: int,
          runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, model: str = "",
-         expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, decode_experts: str = "selective") -> dict:
+         expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, decode_experts: str = "selective",
+         reader: dict | None = None) -> dict:
     """The plan for `expert_layout`; its decode table has a row for each expert layout that shards at
-    TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts."""
+    TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts. `reader`
+    ({"budget", "scan", "rank"}): the channel layout's decode graph with the reader, whose sidecar
+    shard each rank then holds (`reader_sidecar`), and its row in the decode table."""
     inst = INSTANCES[instance]
     report = {"model": model, "instance": instance, "tp": tp, "dtype": dtype, "expert_layout": expert_layout,
               "batch": batch, "seq": seq, "core_hbm_bytes": CORE_HBM, "runtime_reserve_bytes": runtime_reserve}
+    if reader is not None and (expert_layout != layout.CHANNEL or dtype != "bf16"):
+        from ..errors import UserError
+
+        raise UserError(f"the reader runs in the channel expert layout's bf16 graphs, not {expert_layout} / {dtype}")
     try:
         layout.check_degree(config, tp, expert_layout)
     except layout.LayoutError as e:
@@ -166,6 +209,8 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
     kv = _kv_cache_per_rank(config, tp, batch, seq)
     graph = _graph_per_rank(config, tp, dtype, batch, seq)
     per_rank = {**weights, "kv_cache": kv, "graph": graph, "runtime": runtime_reserve}
+    if reader is not None:
+        per_rank["reader_sidecar"] = _reader_sidecar_per_rank(config, tp, reader)
     total = sum(per_rank.values())
     experts_all = weights["experts"] * tp
     if tp > inst.cores:
@@ -178,5 +223,5 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
                               f"{(CORE_HBM - total) / GB:.2f} GB spare")
     return {**report, "fits": fits, "reason": reason, "per_rank_bytes": per_rank, "per_rank_total_bytes": total,
             "experts_all_ranks_bytes": experts_all,
-            "decode": _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts),
+            "decode": _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader),
             "host_per_step": _host_per_step(config, batch)}

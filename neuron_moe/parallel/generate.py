@@ -10,10 +10,13 @@ gathers the full logits and takes the same greedy token; the ranks' tokens are c
 Backends for `validate`: `tp8` and `tp8-int8` (int8 experts, per-channel scales) in either expert
 layout (`--expert-layout`, default the port's [static] expert_layout: channel), and
 `tp8-naive-scatter`, always the expert layout: the seed port's Python-int router scatter, which a
-graph traced on rank 0 freezes to rank 0's slice (a wrong model, on purpose).
+graph traced on rank 0 freezes to rank 0's slice (a wrong model, on purpose). `tp8` with a sidecar
+directory and a budget (`prep-reader --tp 8`) runs the reader in the decode graph (`reader.py`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -22,7 +25,7 @@ from ..experts.int8 import quantize_experts
 from ..generate import Generation
 from ..static.export import checked, example_inputs, functional
 from ..static.generate import StaticGenerator
-from . import cpu, layout
+from . import cpu, layout, reader
 from .model import rank_model
 from .trace import export_rank0, generation_job, run_replicated
 
@@ -31,26 +34,39 @@ class TPGenerator(StaticGenerator):
     """StaticGenerator whose graphs are rank-0 exports of the rank module, run on t processes."""
 
     def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
-                 int8: bool = False, scatter: str = "spmd", logits: bool = True):
+                 int8: bool = False, scatter: str = "spmd", logits: bool = True, sidecar=None,
+                 budget: float | None = None, rank: int | None = None):
         from ..model import build_model
+        from ..reader.prep import model_expert_weights
 
         if port.static is None:
             raise UserError(f"port {port.name!r} has no [static] table: it has no traced graphs")
         dtype = dtype or port.dtype
         expert_layout = expert_layout or port.static.expert_layout
         layout.check_degree(port.config, tp, expert_layout)  # before the weights load
+        spec, sides = port.static, None
+        if sidecar is not None:  # the reader on decode steps: every check before the weights load
+            check_reader(expert_layout, int8, budget)
+            sides, k, rank = reader.open_shards(port.config, sidecar, tp, budget, rank)
+            spec = dataclasses.replace(spec, decode_experts=reader.READER)
         hf = build_model(port, "eager", dtype, checkpoint)
+        if sides is not None:
+            sides[0].check_source(model_expert_weights(hf))  # one prep for all ranks: check_shards
         full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
         del hf
         if int8:
             full = quantize_experts(full)
         module = rank_model(port.config, tp, cpu, expert_layout=expert_layout, int8=int8, scatter=scatter, dtype=dtype)
+        if sides is not None:
+            reader.attach(module, sides[0].layout, tp, k, sides[0].scan, rank)
+            full.update(reader.full_state(sides))
         shards = cpu.shard_checkpoint(full, module, tp)
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
         # the graphs (static/decoder.py) hold the model as `.model`
         self.states = [{f"model.{k}": v for k, v in shard.items()} for shard in shards]
-        super().__init__(module, port.static, logits=logits)
+        super().__init__(module, spec, logits=logits)
         self.tp, self.expert_layout = tp, expert_layout
+        self.reader_k = k if sides is not None else None  # channels per token and rank on decode steps
 
     def prepare(self, buckets) -> None:
         """Export the programs; they run (and get their state) in the rank processes."""
@@ -69,6 +85,17 @@ class TPGenerator(StaticGenerator):
 
     def generate(self, input_ids, attention_mask, max_new_tokens) -> Generation:
         return generate_replicated({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]
+
+
+def check_reader(expert_layout: str, int8: bool, budget) -> None:
+    """The reader runs in the channel layout's float decode graphs, at a budget."""
+    if expert_layout != layout.CHANNEL:
+        raise UserError(f"the reader runs on the {layout.CHANNEL!r} expert layout (each rank screens its own I/t "
+                        f"channels of every expert), not the {expert_layout!r} layout")
+    if int8:
+        raise UserError("the reader reads float (bf16/fp32) experts; int8 experts with the reader are not built")
+    if budget is None:
+        raise UserError("the reader needs a budget: pass --budget PERCENT")
 
 
 def generate_replicated(generators: dict[str, TPGenerator], input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -94,11 +121,11 @@ def generate_replicated(generators: dict[str, TPGenerator], input_ids: torch.Ten
 def tp_backend(tp: int, **variant):
     """A `validate` backend factory: TP `tp` on gloo, `variant` passed to TPGenerator; `expert_layout`
     may be chosen unless the variant fixes it."""
-    def make(port, dtype=None, checkpoint=None, expert_layout=None):
+    def make(port, dtype=None, checkpoint=None, expert_layout=None, **reader_options):
         fixed = variant.get("expert_layout")
         if fixed and expert_layout and expert_layout != fixed:
             raise UserError(f"this backend runs the {fixed!r} expert layout only, not {expert_layout!r}")
-        options = dict(variant, expert_layout=fixed or expert_layout)
+        options = dict(variant, expert_layout=fixed or expert_layout, **reader_options)  # sidecar, budget, rank
         return TPGenerator(port, tp, dtype, checkpoint, **options).generate
 
     return make

@@ -11,6 +11,8 @@ NxD's expert-fused weights [E, in, out]):
                   r·I/t … (r+1)·I/t − 1 and the same up channels (ExpertFusedColumnParallelLinear)
   experts_row     [E, I, H] split on dim 1, the intermediate channels (ExpertFusedRowParallelLinear)
   replicated      whole on every rank                   (norms, router, scalars)
+  reader_shard    a rank's reader sidecar shard (`reader/shard.py`): the ranks' shards concatenated on
+                  dim 0 in the full checkpoint; U and the Hadamard signs are replicated (`parallel/reader.py`)
 
 Per decoder layer:
   attention   q_proj column (heads split), o_proj row; k_proj / v_proj column after the KV heads
@@ -57,8 +59,10 @@ from ..errors import UserError
 
 COLUMN, ROW, VOCAB, REPLICATED = "column", "row", "vocab", "replicated"
 EXPERTS_COLUMN, EXPERTS_ROW = "experts_column", "experts_row"
+READER_SHARD = "reader_shard"  # a rank's reader sidecar shard: the ranks' shards concatenated on dim 0 (parallel/reader.py)
 # placement -> (partition dim, partition stride), as NxD's parameter tags say it
-PARTITION = {COLUMN: (0, 1), VOCAB: (0, 1), ROW: (1, 1), EXPERTS_COLUMN: (2, 2), EXPERTS_ROW: (1, 1)}
+PARTITION = {COLUMN: (0, 1), VOCAB: (0, 1), ROW: (1, 1), EXPERTS_COLUMN: (2, 2), EXPERTS_ROW: (1, 1),
+             READER_SHARD: (0, 1)}
 TP_DEGREES = (1, 2, 4, 8, 24)  # what inf2 supports
 
 CHANNEL, EXPERT = "channel", "expert"
@@ -83,7 +87,8 @@ _EXPERT_RULES = {
     EXPERT: ((".experts.gate_up_proj.weight", COLUMN), (".experts.gate_up_proj.scale", COLUMN),
              (".experts.down_proj.weight", ROW), (".experts.spmd_rank.rank", COLUMN)),
     CHANNEL: ((".experts.gate_up_proj.weight", EXPERTS_COLUMN), (".experts.gate_up_proj.scale", EXPERTS_COLUMN),
-              (".experts.down_proj.weight", EXPERTS_ROW)),
+              (".experts.down_proj.weight", EXPERTS_ROW),
+              *((f".experts.reader.{name}", READER_SHARD) for name in ("codes", "scales", "down_norms", "coeffs"))),
 }
 _GATE_UP = ".experts.gate_up_proj.weight"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -16,7 +16,9 @@ all-reduce sums the ranks' router-weighted partial outputs. Two fixed-shape comp
 A graph gathers when it is a decode graph (the static decoder runs it with the port's
 `decode_experts = "selective"`) and its T·k < E (`layout.gathers`, NxD's rule); the choice is
 made while tracing, so it is fixed per graph by the graph's batch size. Prefill graphs compute
-all experts.
+all experts. With a reader attached (`reader.py`: the rank's sidecar shard), a decode graph built
+with it (`decode_experts = "channel_reader"`) reads through the reader instead: each token's k_r
+channels of the rank's I/t, fixed shapes (tokens, k_r, scan), the same one all-reduce after.
 
 `WholeExperts` (the expert layout, the seed port's): the rank's E/t experts whole, as one
 column-parallel and one row-parallel linear. Every rank computes the full dense [T, E] router
@@ -38,6 +40,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
 from ..errors import UserError
 from ..experts.dense_masked import router_weight_matrix
 from . import layout
+from .reader import READER
 
 SCATTERS = ("spmd", "naive")
 
@@ -53,6 +56,11 @@ class ChannelExperts(nn.Module):
         self.config = config  # the model's: the static graphs set its experts implementation per graph
         self.tp, self.backend, self.num_experts = tp, backend, E
         self.act_fn = ACT2FN[config.hidden_activation]
+        self.reader = None  # a reader.ReaderShard: decode graphs built with the reader read through it
+
+    def reads(self) -> bool:
+        """Whether this graph runs the reader: a decode graph built with it (`reader.READER`)."""
+        return self.reader is not None and self.config._experts_implementation == READER
 
     def gathers(self, tokens: int) -> bool:
         return self.config._experts_implementation == "selective" and layout.gathers(self.config, tokens)
@@ -64,7 +72,10 @@ class ChannelExperts(nn.Module):
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], top-k [T, k] -> [T, H], summed over all ranks' channels."""
         (T, H), k = x.shape, top_k_index.shape[1]
-        if self.gathers(T):  # the expert-fused layers take [E', 1, tokens, in]
+        if self.reads():  # the rank's reader on its shard: gate/up rows are the columns of [E, H, 2I/t]
+            out = self.reader(x, top_k_index, top_k_weights, self.gate_up_proj.weight.mT, self.down_proj.weight,
+                              self.act_fn)
+        elif self.gathers(T):  # the expert-fused layers take [E', 1, tokens, in]
             out = self._mlp(x[:, None].expand(T, k, H).reshape(T * k, 1, 1, H), top_k_index.reshape(-1))
             out = torch.einsum("tkh,tk->th", out.view(T, k, H), top_k_weights.to(out.dtype))
         else:

@@ -15,9 +15,12 @@ publish(DIR, "s3://bucket/prefix"):
   4. The manifest is written last and only once: put_object(IfNoneMatch="*") fails if any writer
      created it in the meantime. A prefix without a manifest is not a publication.
 
-pull("s3://bucket/prefix", DIR): reads the manifest, downloads each file to a temp name in its final
-folder, checks its size and sha256 against the manifest and only then renames it into place. A file
-already in DIR with the manifest's sha256 is kept; a failed file leaves nothing behind.
+pull("s3://bucket/prefix", DIR): reads the manifest, checks that every file can land in DIR (no
+file where a folder must go, no folder where a file must), downloads each file to a temp name in
+its final folder, checks its size and sha256 against the manifest and only then renames it into
+place. A file already in DIR with the manifest's sha256 is kept; a failed file leaves nothing
+behind. A pull holds a lock on DIR (`.DIR.lock` beside it): a second pull into DIR is refused, and
+the temp files a killed pull left (hidden `.part` names, which `publish` would refuse) are removed.
 
 Credentials, region and endpoint come from boto3's usual sources (AWS_* variables, ~/.aws, an
 instance role); AWS_ENDPOINT_URL_S3 points it at another S3 implementation.
@@ -41,6 +44,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..report import check_output, run_lock
 
 MANIFEST = "neuron-moe-manifest.json"
 FORMAT = "neuron-moe-artifacts/1"
@@ -49,6 +53,7 @@ CHUNK = 8 * 2**20
 # S3 allows 10,000 parts of at least 5 MiB: 64 MiB parts reach 625 GiB per file.
 MULTIPART_THRESHOLD = 64 * 2**20
 MULTIPART_CHUNKSIZE = 64 * 2**20
+PART = ".part"  # suffix of a download in progress
 
 
 class PublishError(UserError):
@@ -336,19 +341,20 @@ def read_manifest(uri: str, client=None) -> list[dict]:
 def _fetch(client, bucket: str, key: str, target: Path, entry: dict, config, bar: tqdm) -> None:
     """Download to a temp file beside target, verify, fsync, rename; on any failure remove the temp."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=PART, dir=target.parent)
     os.close(fd)
     try:
-        with _s3_errors(f"downloading {_uri(bucket, key)} to {target}"):
+        with _disk_errors(target), _s3_errors(f"downloading {_uri(bucket, key)} to {target}"):
             client.download_file(bucket, key, tmp, Config=config, Callback=bar.update)
         size, sha256, _ = _digest(Path(tmp), bar)
         if size != entry["size"] or sha256 != entry["sha256"]:
             raise PublishError(f"{_uri(bucket, key)} does not match its manifest entry: {size} bytes, "
                                f"sha256 {sha256} (expected {entry['size']} bytes, sha256 {entry['sha256']}); "
                                f"{target} was not written")
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        with _disk_errors(target):
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -361,7 +367,20 @@ def pull_report(uri: str, dest_dir: Path, *, progress: bool = True, client=None)
     client = client or _client()
     files = read_manifest(uri, client)
     dest = Path(dest_dir)
-    dest.mkdir(parents=True, exist_ok=True)
+    check_output(dest, directory=True)
+    _check_landing(dest, files)
+    with run_lock(dest, "pull"):
+        with _disk_errors(dest):
+            dest.mkdir(parents=True, exist_ok=True)
+            for part in _leftovers(dest):  # a dead pull's: a live one would hold the lock
+                part.unlink()
+        rows, fetched = _pull_files(client, bucket, prefix, files, dest, progress)
+    return {"uri": _uri(bucket, prefix), "dest": str(dest), "files": rows,
+            "total_bytes": sum(f["size"] for f in files), "downloaded_bytes": fetched,
+            "seconds": round(time.monotonic() - start, 3)}
+
+
+def _pull_files(client, bucket: str, prefix: str, files: list[dict], dest: Path, progress: bool):
     config = _transfer_config()
     rows, fetched = [], 0
     # every byte is counted twice: downloaded, then read again for its sha256
@@ -377,9 +396,35 @@ def pull_report(uri: str, dest_dir: Path, *, progress: bool = True, client=None)
             _fetch(client, bucket, _key(prefix, entry["path"]), target, entry, config, bar)
             fetched += entry["size"]
             rows.append({**entry, "action": "downloaded"})
-    return {"uri": _uri(bucket, prefix), "dest": str(dest), "files": rows,
-            "total_bytes": sum(f["size"] for f in files), "downloaded_bytes": fetched,
-            "seconds": round(time.monotonic() - start, 3)}
+    return rows, fetched
+
+
+def _check_landing(dest: Path, files: list[dict]) -> None:
+    """Before any download: every file of the manifest can land in dest."""
+    for entry in files:
+        target = dest / entry["path"]
+        for folder in reversed(target.parents):
+            if folder in dest.parents or folder == dest:
+                continue
+            if folder.exists() and not folder.is_dir():
+                raise PublishError(f"{folder} is a file, where the manifest's {entry['path']} needs a folder")
+        if target.is_dir():
+            raise PublishError(f"{target} is a folder, where the manifest has the file {entry['path']}")
+
+
+def _leftovers(dest: Path) -> list[Path]:
+    """Temp files of an interrupted pull: ours (`.NAME.*.part`) and boto's beside them (`.part.XXXXXXXX`)."""
+    return [p for p in dest.rglob(".*" + PART + "*")
+            if p.is_file() and (p.name.endswith(PART) or PART + "." in p.name)]
+
+
+@contextmanager
+def _disk_errors(where: Path):
+    """A full disk, a read-only or forbidden folder: one line naming the place."""
+    try:
+        yield
+    except OSError as e:
+        raise PublishError(f"writing {where}: {e.strerror or e}") from None
 
 
 def pull(uri: str, dest_dir: Path) -> Path:

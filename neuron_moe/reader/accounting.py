@@ -299,3 +299,23 @@ def batch_breakdown(geo: Geometry, layout: Layout, budget: float, batch: int, st
             "k_per_token": k, "one_token_bytes": one, "full_bytes": full, "step_budget": step_budget,
             "limit_bytes": limit,
             "rules": {"token": row(token, bound="at most"), "batch": row(rule, k=rule.exact)}}
+def rank_geometry(geo: Geometry, tp: int) -> Geometry:
+    """What one rank of the channel expert layout holds at TP `tp`: I/t channels of every expert. Its
+    reads are the reader's on this geometry (`reads`, `solve_k`): its own sketch strips (2I/t rows,
+    padded to whole sectors), norms, k_r exact channels and b_j, and the layer's whole U; its full
+    read is 1/t of the model's. Every rank reads the same."""
+    if tp < 1 or geo.intermediate % tp:
+        raise BudgetError(f"{geo.intermediate} expert channels do not split over {tp} ranks")
+    return Geometry(geo.hidden, geo.experts, geo.top_k, geo.intermediate // tp)
+
+
+def solve_rank_k(geo: Geometry, layout: Layout, budget: float, tp: int) -> int:
+    """k per rank at TP `tp`: every rank reads `budget` percent of its share of the full read; a
+    budget below a rank's floor is refused with that floor."""
+    try:
+        return solve_k(rank_geometry(geo, tp), layout, budget)
+    except BudgetError as e:
+        if tp == 1:
+            raise
+        raise BudgetError(f"per rank at TP {tp} (each rank reads its own {geo.intermediate // tp} of "
+                          f"{geo.intermediate} channels' sketch): {e}") from None

@@ -225,44 +225,59 @@ def write_sidecar(out: Path, weights: Iterable[tuple[torch.Tensor, torch.Tensor]
     if not 0 <= rank <= hidden or not 1 <= scan <= BLOCK:
         raise SidecarError(f"rank must be in [0, {hidden}] and scan in [1, {BLOCK}]; got rank {rank}, scan {scan}")
     layout = Layout(hidden, experts, intermediate, rank)
-    specs = _specs(layout, layers)
-    placeholder = "0" * 64
-    header, offset = {"__metadata__": _metadata(layout, layers, scan, seed, placeholder)}, 0
-    for name, (dtype, shape) in specs.items():
-        size = torch.Size(shape).numel() * dtype.itemsize
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
-    digest_at = 8 + text.index(placeholder.encode())
+    signs = random_signs(layout.hidden_padded, seed)
+    digest = SourceDigest()
+    expected = ((experts, 2 * intermediate, hidden), (experts, hidden, intermediate))
 
-    out = Path(out)
-    with atomic_write(out, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-
-        def put(name, tensor):
-            dtype, shape = specs[name]
-            assert tensor.dtype == dtype and tuple(tensor.shape) == shape, (name, tensor.dtype, tensor.shape)
-            f.write(tensor.contiguous().view(torch.uint8).numpy().data)
-
-        signs = random_signs(layout.hidden_padded, seed)
-        put(SIGNS, signs)
-        digest, count = SourceDigest(), 0
-        expected = ((experts, 2 * intermediate, hidden), (experts, hidden, intermediate))
+    def prepped():
+        count = 0
         for i, (gate_up, down) in enumerate(tqdm(weights, total=layers, desc="reader prep", unit="layer",
                                                  disable=not progress)):
             if i >= layers or (tuple(gate_up.shape), tuple(down.shape)) != expected:
                 raise SidecarError(f"layer {i}: expert weights {tuple(gate_up.shape)}, {tuple(down.shape)} "
                                    f"do not fit the declared geometry ({layers} layers of {expected})")
             digest.update(gate_up, down)
-            for name, tensor in prep_layer(gate_up, down, signs, rank).items():
-                put(f"layers.{i}.{name}", tensor)
+            yield prep_layer(gate_up, down, signs, rank)
             count += 1
         if count != layers:
             raise SidecarError(f"expected {layers} layers of expert weights, got {count}")
-        f.seek(digest_at)
-        f.write(digest.hexdigest().encode())
-    return out
+
+    meta = _metadata(layout, layers, scan, seed, _PLACEHOLDER)
+    with atomic_write(Path(out), "wb", seekable=True) as f:  # the digest is patched in at the end
+        stream_layers(f, layout, layers, meta, signs, prepped(), digest.hexdigest)
+    return Path(out)
+
+
+_PLACEHOLDER = "0" * 64  # the source digest's place in the header, until the weights have streamed through
+
+
+def stream_layers(f, layout: Layout, layers: int, meta: dict[str, str], signs: torch.Tensor,
+                  tensors: Iterable[dict[str, torch.Tensor]], digest=None) -> None:
+    """Write a sidecar to the open file `f`: the header (every offset follows from the geometry), the
+    signs, then each layer's tensors as `tensors` yields them (bounded memory). `digest()`, if given,
+    replaces the placeholder `source_sha256` of `meta` once every layer is written."""
+    specs = _specs(layout, layers)
+    header, offset = {"__metadata__": meta}, 0
+    for name, (dtype, shape) in specs.items():
+        size = torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
+    f.write(struct.pack("<Q", len(text)) + text)
+
+    def put(name, tensor):
+        dtype, shape = specs[name]
+        assert tensor.dtype == dtype and tuple(tensor.shape) == shape, (name, tensor.dtype, tensor.shape)
+        f.write(tensor.contiguous().view(torch.uint8).numpy().data)
+
+    put(SIGNS, signs)
+    for i, layer in enumerate(tensors):
+        for name in LAYER_TENSORS:
+            put(f"layers.{i}.{name}", layer[name])
+    if digest is not None:
+        f.seek(8 + text.index(_PLACEHOLDER.encode()))
+        f.write(digest().encode())
 
 
 @dataclass(frozen=True)
@@ -307,8 +322,20 @@ class Sidecar:
         if (fields["block"], fields["codes_per_byte"]) != (BLOCK, CODES_PER_BYTE):
             raise SidecarError(f"{self.path}: block {fields['block']}, {fields['codes_per_byte']} codes per byte; "
                                f"this build reads block {BLOCK}, {CODES_PER_BYTE} codes per byte")
+        if not 1 <= fields["layers"] <= len(keys):
+            # before the table of every layer's tensors is built: a header claiming 10^8 layers is not believed
+            raise SidecarError(f"{self.path}: metadata says {fields['layers']} layers; the file holds "
+                               f"{len(keys)} tensors (1 + {len(LAYER_TENSORS)} per layer)")
         self.scan, self.seed, self.layers = fields["scan"], fields["seed"], fields["layers"]
         self.source_sha256 = meta.get("source_sha256", "")
+        # a tensor-parallel shard (`shard.py`): one rank's channels of every expert; None for a whole sidecar
+        self.tp = self.tp_rank = self.expert_layout = None
+        if "tp" in meta:
+            try:
+                self.tp, self.tp_rank = int(meta["tp"]), int(meta["tp_rank"])
+            except (KeyError, ValueError):
+                raise SidecarError(f"{self.path}: metadata tp / tp_rank missing or not an integer") from None
+            self.expert_layout = meta.get("expert_layout")
         self.layout = Layout(fields["hidden"], fields["experts"], fields["intermediate"], fields["rank"])
         specs = _specs(self.layout, self.layers)
         if keys != set(specs):
@@ -348,7 +375,7 @@ def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0,
     if checkpoint is not None:
         from ..checkpoint import iter_expert_weights, read_config
 
-        config = read_config(Path(checkpoint))
+        config = read_config(Path(checkpoint), port.config, port.name)
         weights = iter_expert_weights(Path(checkpoint), config)
     elif port.weights_source == "random":
         from ..model import build_model

@@ -27,6 +27,8 @@ At budget 100 % every selector keeps every unit and computes the full MoE.
 A `Step` rule runs the reader over a decode step's tokens together (reader/batch.py): each token
 its own top k, or the batch rule's one set of channels under a budget on the union; its reads are
 the step's, each row once (`Result.step`).
+The reader at TP t on the channel layout (`shard.py`): `MoeLayer.tp` charges each rank for its own
+channels on its own geometry, and `RankTopK` is the per-rank quota (each rank its k of its own).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class MoeLayer:
     sidecar: object = None  # prep.LayerSidecar
     layout: accounting.Layout = field(default_factory=accounting.Layout)
     int8: object = None  # int8.Int8Experts: the reader reads its exact rows there (layout.weights "int8")
+    tp: int = 1  # the reader's reads are charged per rank of the channel layout at this TP degree
 
     @property
     def geo(self) -> Geometry:
@@ -70,6 +73,7 @@ class Result:
     reads: torch.Tensor  # [T] bytes read per token (a Step rule: the step's, on every token)
     kept: dict  # part -> [T] fraction of its units kept
     step: accounting.StepRows | None = None  # a Step rule: the rows the step read, each once
+    rank_reads: torch.Tensor | None = None  # [T, tp] bytes each rank reads (the reader at tp > 1; reads = their max)
 
 
 # ---- retention rules: rule(part, score [T, n]) -> keep mask [T, n] ----
@@ -81,6 +85,23 @@ class TopK:
     def __call__(self, part, score):
         mask = torch.zeros_like(score, dtype=torch.bool)
         return mask.scatter_(1, score.topk(self.counts[part], dim=-1).indices, True)
+
+
+@dataclass
+class RankTopK:
+    """The per-rank quota at TP `tp` on the channel layout: rank r holds channels r·I/t … (r+1)·I/t − 1
+    of every expert, and keeps counts[part] of its own candidates (`reader/shard.py`)."""
+
+    counts: dict  # part -> units kept per token and rank
+    tp: int
+    inter: int  # I: channels per expert
+
+    def __call__(self, part, score):
+        T, n = score.shape[0], self.inter // self.tp
+        by_rank = score.view(T, -1, self.tp, n).transpose(1, 2).reshape(T, self.tp, -1)  # [T, t, slots·I/t]
+        keep = torch.zeros_like(by_rank, dtype=torch.bool)
+        keep.scatter_(2, by_rank.topk(self.counts[part], dim=-1).indices, True)
+        return keep.view(T, self.tp, -1, n).transpose(1, 2).reshape(T, -1)
 
 
 @dataclass
@@ -266,6 +287,8 @@ def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
     geo = layer.geo
     counts = {p: m.flatten(1).sum(1) for p, m in masks.items()}
     fixed, units = layout_parts(name, geo, layer.layout)
+    if name == "reader" and layer.tp > 1:
+        return _rank_result(layer, out.to(x.dtype), masks["channel"], {p: c / units[p].units for p, c in counts.items()})
     if name == "reader":  # not linear in k (recovery, the full read at every channel): charge each k once
         ks = counts["channel"]
         reads = torch.zeros_like(ks)
@@ -280,6 +303,8 @@ def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
     """The reader on one decode step of tokens x [T, H] under a Step rule."""
     if layer.sidecar is None:
         raise BudgetError("reader: this MoeLayer has no sidecar (prep.LayerSidecar); run prep first")
+    if layer.tp > 1:
+        raise BudgetError(f"reader: the Step rules run at TP 1; this layer is charged per rank at TP {layer.tp}")
     go = lambda layout, **kw: batch.step(x, index, weights, layer.gate_up, layer.down.mT,  # noqa: E731
                                          layer.sidecar, layout, layer.act_fn, int8=layer.int8, **kw)
     layout = layer.layout
@@ -295,6 +320,18 @@ def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
     nbytes = sum(accounting.step_reads(layer.geo, layout, done.rows).values())
     reads = torch.full((len(x),), nbytes, dtype=torch.long)
     return Result(done.out, reads, {"channel": done.keep.flatten(1).float().mean(1)}, done.rows)
+
+
+def _rank_result(layer: MoeLayer, out, keep, kept) -> Result:
+    """The reader at TP > 1: each rank charged for its own channels on its own geometry
+    (`accounting.rank_geometry`); a step waits for its slowest rank, so `reads` is their max."""
+    geo = layer.geo
+    ks = keep.view(keep.shape[0], -1, layer.tp, geo.intermediate // layer.tp).sum((1, 3))  # [T, tp]
+    local = accounting.rank_geometry(geo, layer.tp)
+    rank_reads = torch.zeros_like(ks)
+    for k in ks.unique().tolist():
+        rank_reads[ks == k] = charged("reader", local, layer.layout, {"channel": k})
+    return Result(out, rank_reads.max(1).values, kept, rank_reads=rank_reads)
 
 
 def top_k(name, layer: MoeLayer, budget: float) -> TopK:

@@ -1,10 +1,14 @@
 """`neuron-moe serve`: an OpenAI-compatible HTTP server over one model.
 
-engine.py     generation over a backend: sampling, stop sequences, token-by-token text
+engine.py     a request's limits and output (sampling, stop sequences, token-by-token text);
+              one request per thread over transformers' model (the CPU experts backends)
+batching.py   continuous batching: one step loop over the rows of the static graphs
+runtime.py    the static graphs as the batching engine calls them; on CPU, the modules themselves
 chat.py       messages -> prompt ids (the tokenizer's chat template, or a documented fallback)
-neuron.py     the Neuron backend (a compiled NxD artifact; needs the Neuron SDK)
+neuron.py     the Neuron runtime (a compiled NxD artifact; needs the Neuron SDK)
 protocol.py   request bodies and OpenAI-shaped errors
-scheduler.py  bounded admission: a few generation threads and a bounded wait queue
+scheduler.py  bounded admission: a bounded wait queue before the batching engine's rows, or
+              before a few generation threads
 app.py        the FastAPI routes, SSE streaming, readiness while the model loads
 server.py     argument checks, artifact resolution, uvicorn with SIGTERM draining
 """

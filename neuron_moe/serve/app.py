@@ -5,13 +5,18 @@ the bearer key when one is set — and GET /health, /ping, open for load balance
 Docker's HEALTHCHECK. The model loads in a thread once the socket is bound; until it is
 ready, /health, /ping and the completion routes answer 503 + Retry-After. Every error is
 OpenAI's `{"error": {...}}` with 400 for an invalid request (never FastAPI's 422).
+
+Nothing slow runs on the event loop, so /health answers under any request mix: a body over
+`max_body_bytes` is refused (413) before it is read, tokenizing runs in a thread, and a prompt
+longer in bytes than the longest prompt the model takes could be in tokens is refused untokenized.
+Draining (SIGTERM) refuses new requests; past the drain timeout the requests still in flight are
+ended properly: a stream with an error event and [DONE], a plain request with a 503 JSON body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import threading
 import time
@@ -24,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..report import dumps
 from .chat import render_chat
 from .engine import Engine, RequestError, SamplingParams
 from .protocol import APIError, ChatRequest, CompletionRequest, error_body
@@ -33,6 +39,7 @@ log = logging.getLogger("neuron_moe.serve")
 LOADING_RETRY_AFTER_S = 5
 DRAINING_RETRY_AFTER_S = 5
 KEEPALIVE_S = 15.0  # an SSE comment while a streamed request waits in the queue
+MAX_BODY_BYTES = 4 * 2**20  # a full 262144-token context is about 1 MiB of text; 4 leaves room for JSON escapes
 
 
 class ServerState:
@@ -44,6 +51,8 @@ class ServerState:
         self.engine: Engine | None = None
         self.error: BaseException | None = None
         self.draining = False
+        self.cut = asyncio.Event()  # set at the drain deadline: what still runs is ended
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
 
     def start_loading(self) -> None:
         threading.Thread(target=self._load, name="load-model", daemon=True).start()
@@ -59,6 +68,13 @@ class ServerState:
             return
         self.engine, self.phase = engine, "ready"
         log.info("model ready")
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new requests now, and end those in flight after `timeout_s`. From any thread,
+        or a signal handler."""
+        self.draining = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, timeout_s, self.cut.set)
 
     def unavailable(self) -> APIError | None:
         if self.draining:
@@ -91,8 +107,50 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+class BodyLimit:
+    """Pure ASGI: a request body over `max_bytes` gets 413 in OpenAI's shape — at once when its
+    Content-Length says so, else as soon as the chunks received pass it — and is never read whole."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _message(self) -> str:
+        return f"the request body is larger than this server's limit of {self.max_bytes} bytes"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            body = error_body(self._message(), "invalid_request_error", code="request_too_large")
+            return await JSONResponse(body, 413, headers={"Connection": "close"})(scope, receive, send)
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # an HTTPException passes FastAPI's body parsing as it is
+                raise HTTPException(413, self._message(), headers={"Connection": "close"})
+            return message
+
+        await self.app(scope, limited, send)
+
+
 async def _api_error(_request, e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers=e.headers)
+
+
+def _param(loc) -> str | None:
+    """The field an error's location names: 'messages.0.content', without pydantic's tags for the
+    member of a union it tried ('str', 'list[str]', 'function-after[...]')."""
+    parts = []
+    for p in loc:
+        if isinstance(p, str) and (not p.isidentifier() or p in ("str", "int", "float", "bool", "list", "dict")):
+            break
+        if p != "body":
+            parts.append(str(p))
+    return ".".join(parts) or None
 
 
 async def _validation_error(_request, exc: RequestValidationError) -> JSONResponse:
@@ -100,14 +158,15 @@ async def _validation_error(_request, exc: RequestValidationError) -> JSONRespon
     if err.get("type") == "json_invalid":
         return JSONResponse(error_body(f"the request body is not valid JSON: {err.get('msg')}",
                                        "invalid_request_error"), 400)
-    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or None
+    param = _param(err.get("loc", ()))
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return JSONResponse(error_body(f"{param}: {msg}" if param else msg, "invalid_request_error", param), 400)
 
 
 async def _http_error(_request, exc: HTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
+    code = "request_too_large" if exc.status_code == 413 else None
+    return JSONResponse(error_body(str(exc.detail), kind, code=code), exc.status_code, headers=exc.headers)
 
 
 async def _server_error(_request, exc: Exception) -> JSONResponse:
@@ -132,19 +191,46 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 def _sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
-async def _stream(job, head: dict, chat: bool, include_usage: bool, n_prompt: int):
+class _Cut(Exception):
+    """The drain deadline passed while a request was still in flight."""
+
+
+CUT_MESSAGE = "the server shut down before this request finished (drain timeout); retry it"
+
+
+async def _until_cut(events, cut: asyncio.Event):
+    """`events` as they come, until `cut` is set: then _Cut."""
+    stop = asyncio.ensure_future(cut.wait())
+    it = events.__aiter__()
+    try:
+        while True:
+            step = asyncio.ensure_future(it.__anext__())
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                raise _Cut
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stop.cancel()
+
+
+async def _stream(job, head: dict, chat: bool, include_usage: bool, n_prompt: int, cut: asyncio.Event):
     """SSE events: (chat: a role delta), text deltas, a finish chunk, (usage), [DONE]. A
-    failure mid-stream is an `{"error": ...}` event, then [DONE]. Leaving this generator
-    early — the client disconnected — cancels the job, which frees its slot."""
+    failure mid-stream, or the drain deadline, is an `{"error": ...}` event, then [DONE]. Leaving
+    this generator early — the client disconnected — cancels the job, which frees its slot."""
     usage = {"usage": None} if include_usage else {}
     completion, finished = 0, False
     try:
         if chat:
             yield _sse({**head, "choices": [_choice(True, True, "", None, role=True)], **usage})
-        async for item in job.events(KEEPALIVE_S):
+        async for item in _until_cut(job.events(KEEPALIVE_S), cut):
             if item is None:
                 yield ": keep-alive\n\n"
                 continue
@@ -161,6 +247,9 @@ async def _stream(job, head: dict, chat: bool, include_usage: bool, n_prompt: in
         if finished and include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(n_prompt, completion)})
         yield "data: [DONE]\n\n"
+    except _Cut:
+        yield _sse(error_body(CUT_MESSAGE, "service_unavailable", code="draining"))
+        yield "data: [DONE]\n\n"
     finally:
         job.cancel()
 
@@ -170,11 +259,12 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(job, request: Request):
-    """(text, finish_reason, completion tokens), or None when the client left first."""
+async def _collect(job, request: Request, cut: asyncio.Event):
+    """(text, finish_reason, completion tokens), or None when the client left first; a 503
+    APIError at the drain deadline."""
     async def consume():
         parts, finish, completion = [], None, 0
-        async for item in job.events():
+        async for item in _until_cut(job.events(), cut):
             if isinstance(item, Exception):
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}", "server_error")
             parts.append(item.text)
@@ -184,23 +274,51 @@ async def _collect(job, request: Request):
     consumer, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({consumer, gone}, return_when=asyncio.FIRST_COMPLETED)
-        return consumer.result() if consumer.done() else None
+        if not consumer.done():
+            return None
+        try:
+            return consumer.result()
+        except _Cut:
+            raise APIError(503, CUT_MESSAGE, "service_unavailable", code="draining",
+                           retry_after=DRAINING_RETRY_AFTER_S) from None
     finally:
         gone.cancel()
         consumer.cancel()
         job.cancel()
 
 
+def _check_prompt_bytes(engine: Engine, texts: list[str], param: str) -> None:
+    """Refuse, without tokenizing it, a prompt longer in UTF-8 bytes than the longest prompt the
+    model takes could be: no token stands for more than `max_token_bytes` bytes (a 10 MB prompt
+    would otherwise hold a CPU core in the tokenizer for many seconds, only to be refused)."""
+    per_token = getattr(engine.tokenizer, "max_token_bytes", None)
+    if per_token is None:
+        return
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    limit = engine.max_prompt or engine.max_context  # a static backend's largest bucket, else the context
+    if n_bytes > limit * per_token:
+        raise APIError(400, f"the prompt is {n_bytes} bytes, more than the {limit} tokens this model "
+                            f"takes can hold (a token is at most {per_token} bytes)", param=param)
+
+
 def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | None = None,
-               max_running: int = 1, max_queue: int = 32,
+               max_running: int | None = None, max_queue: int = 32, max_body_bytes: int = MAX_BODY_BYTES,
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """`load` builds the Engine; it runs in a thread at startup while the server already answers."""
-    state = ServerState(load, on_load_error)
+    """`load` builds the Engine; it runs in a thread at startup while the server already answers.
+    `max_running`: requests generating at once (default: a batching engine's rows, else 1)."""
     scheduler = Scheduler(max_running, max_queue)
+
+    def load_and_open() -> Engine:
+        engine = load()
+        scheduler.open(engine)
+        return engine
+
+    state = ServerState(load_and_open, on_load_error)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_app):
+        state.loop = asyncio.get_running_loop()
         state.start_loading()
         yield
         scheduler.close()
@@ -212,13 +330,14 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
-    if api_key:
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key:  # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(BearerAuth, key=api_key)
 
     @app.get("/health")
     async def health():
         problem = state.unavailable()
-        running = min(scheduler.admitted, max_running)
+        running = min(scheduler.admitted, scheduler.max_running or 0)
         body = {"status": "draining" if state.draining else state.phase, "model": model_name,
                 "running": running, "waiting": scheduler.admitted - running}
         return JSONResponse(body, problem.status if problem else 200, headers=problem.headers if problem else None)
@@ -243,6 +362,9 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
 
     async def respond(engine: Engine, req, request: Request, prompt_ids: list[int], extra_stops: tuple,
                       chat: bool):
+        problem = state.unavailable()  # the server may have begun draining while the prompt was tokenized
+        if problem:
+            raise problem
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
             engine.check_sampling(req.temperature)
@@ -256,10 +378,10 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
                 "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and req.stream else ""),
                 "created": int(time.time()), "model": model_name}
         if req.stream:
-            return StreamingResponse(_stream(job, head, chat, req.include_usage, len(prompt_ids)),
+            return StreamingResponse(_stream(job, head, chat, req.include_usage, len(prompt_ids), state.cut),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result = await _collect(job, request)
+        result = await _collect(job, request, state.cut)
         if result is None:
             return Response(status_code=499)  # nobody is listening; the status is for the access log
         text, finish, completion = result
@@ -268,13 +390,16 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         engine = ready_engine(req.model)
-        prompt_ids, extra_stops = render_chat(engine.tokenizer, [{"role": m.role, "content": m.text()}
-                                                                 for m in req.messages])
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        _check_prompt_bytes(engine, [m["content"] for m in messages], "messages")
+        prompt_ids, extra_stops = await asyncio.to_thread(render_chat, engine.tokenizer, messages)
         return await respond(engine, req, request, prompt_ids, extra_stops, chat=True)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         engine = ready_engine(req.model)
-        return await respond(engine, req, request, engine.tokenizer.encode(req.prompt), (), chat=False)
+        _check_prompt_bytes(engine, [req.prompt], "prompt")
+        prompt_ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
+        return await respond(engine, req, request, prompt_ids, (), chat=False)
 
     return app

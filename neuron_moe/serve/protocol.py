@@ -6,9 +6,9 @@ Unknown fields are ignored (clients send `extra_body` as-is); fields we cannot h
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field, field_validator
 
 MAX_STOPS = 4
 
@@ -30,14 +30,26 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def _unicode(text: str) -> str:
+    """JSON may carry a lone surrogate (\\ud800); no tokenizer can encode one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text holds a lone surrogate (\\ud800-\\udfff): not valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -55,7 +67,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     n: int = 1
     best_of: int | None = None
@@ -102,7 +114,7 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
 
     @field_validator("prompt")
     @classmethod

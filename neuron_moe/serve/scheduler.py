@@ -1,10 +1,14 @@
-"""Bounded admission: `max_running` generation threads and at most `max_queue` waiting.
+"""Bounded admission: at most `max_running` requests generating and `max_queue` waiting.
 
-Generation is blocking torch code, so each request runs in a thread of a fixed pool; the
-pool's own queue is the wait queue, and a request past `max_running + max_queue` is refused
-at once (429 + Retry-After) instead of waiting without bound. A slot is released when its
-thread returns — not when its client leaves — so the count never over-admits; a client that
-goes away sets the job's cancel flag, and the thread stops at the next token.
+A request past `max_running + max_queue` is refused at once (429 + Retry-After) instead of
+waiting without bound. Two ways to run what is admitted:
+- a batching engine (`batching.py`, `engine.rows` set) takes the Job itself: its step loop runs up
+  to `rows` requests at once, and its own wait queue holds the rest;
+- any other engine is blocking torch code per request: each Job runs in a thread of a fixed
+  pool of `max_running`, whose queue is the wait queue.
+A slot is released when the generation ends (`Job.end`) — not when its client leaves — so the
+count never over-admits; a client that goes away sets the job's cancel flag, and generation
+stops at the next token (the batching engine frees the row at its next step).
 """
 
 from __future__ import annotations
@@ -23,32 +27,46 @@ _DONE = object()
 
 
 class Job:
-    """One request's generation: its thread pushes Steps onto an asyncio queue."""
+    """One request's generation: whichever thread generates it calls `put(step)`, `fail(error)`
+    and, once, `end()`; the event loop reads them from an asyncio queue (`events`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.future: asyncio.Future | None = None
+        self.done: asyncio.Future = loop.create_future()  # resolved by end(), on the loop
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     def run(self, engine, prompt_ids: list[int], params: SamplingParams) -> None:  # in a pool thread
-        if self.cancelled.is_set():  # its client left while it waited
-            return
         try:
-            for step in engine.generate(prompt_ids, params, self.cancelled):
-                self._put(step)
+            if not self.cancelled.is_set():  # else its client left while it waited
+                for step in engine.generate(prompt_ids, params, self.cancelled):
+                    self.put(step)
         except Exception as e:  # a backend failure ends this request, not the server
             log.exception("generation failed")
-            self._put(e)
+            self.fail(e)
         finally:
-            self._put(_DONE)
+            self.end()
 
-    def _put(self, item) -> None:
+    def put(self, step) -> None:
+        self._send(self.queue.put_nowait, step)
+
+    def fail(self, error: Exception) -> None:
+        self._send(self.queue.put_nowait, error)
+
+    def end(self) -> None:
+        self._send(self._finish)
+
+    def _finish(self) -> None:
+        self.queue.put_nowait(_DONE)
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def _send(self, call, *args) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(call, *args)
         except RuntimeError:  # the loop is closed: the server is gone, nobody is listening
             self.cancelled.set()
 
@@ -66,11 +84,23 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, max_running: int, max_queue: int):
+    def __init__(self, max_running: int | None, max_queue: int):
+        """`max_running` None: a batching engine's rows, else 1 (set by `open`)."""
         self.max_running, self.max_queue = max_running, max_queue
-        self.executor = ThreadPoolExecutor(max_running, thread_name_prefix="generate")
+        self.executor: ThreadPoolExecutor | None = None
         self.admitted = 0  # running + waiting; touched only on the event loop
         self.jobs: set[Job] = set()
+
+    def open(self, engine) -> None:
+        """Size the admission for the engine that is ready to serve."""
+        if engine.rows is not None:
+            if self.max_running not in (None, engine.rows):
+                raise ValueError(f"the batching engine runs its {engine.rows} rows at once; max_running "
+                                 f"({self.max_running}) does not apply to it (choose the batch size)")
+            self.max_running = engine.rows
+        else:
+            self.max_running = self.max_running or 1
+            self.executor = ThreadPoolExecutor(self.max_running, thread_name_prefix="generate")
 
     def submit(self, engine, prompt_ids: list[int], params: SamplingParams) -> Job:
         if self.admitted >= self.max_running + self.max_queue:
@@ -79,10 +109,13 @@ class Scheduler:
                            code="queue_full", retry_after=OVERLOADED_RETRY_AFTER_S)
         loop = asyncio.get_running_loop()
         job = Job(loop)
+        if self.executor is None:
+            engine.submit(prompt_ids, params, job)
+        else:
+            loop.run_in_executor(self.executor, job.run, engine, prompt_ids, params)
         self.admitted += 1
         self.jobs.add(job)
-        job.future = loop.run_in_executor(self.executor, job.run, engine, prompt_ids, params)
-        job.future.add_done_callback(lambda _: self._release(job))
+        job.done.add_done_callback(lambda _: self._release(job))
         return job
 
     def _release(self, job: Job) -> None:
@@ -93,5 +126,6 @@ class Scheduler:
         """Stop what still runs (after the drain), and wait for the threads to return."""
         for job in list(self.jobs):
             job.cancel()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
 

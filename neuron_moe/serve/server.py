@@ -7,7 +7,9 @@ that fails stops the server with that error (exit 2), so a container restarts.
 
 SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
 --drain-timeout for the requests in flight to finish, new requests on open connections get
-503 + Retry-After, and the process exits 0.
+503 + Retry-After, and the process exits 0. A request still running at the deadline is ended
+properly (a stream: an error event, then [DONE]; a plain request: a 503 JSON body), and uvicorn
+is given DRAIN_GRACE_S more to send those endings before it cuts connections itself.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from pathlib import Path
 
 import uvicorn
 
+from ..checkpoint import read_config
 from ..errors import UserError
 from ..port import DTYPES, load_port
 
 log = logging.getLogger("neuron_moe.serve")
 S3_SCHEME = "s3://"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+DRAIN_GRACE_S = 5.0
 
 
 class ServeError(UserError):
@@ -52,11 +56,13 @@ def s3_cache_dir(uri: str, root: Path) -> Path:
 
 def plan_load(args):
     """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
-    from .engine import load_engine
+    from .engine import STATIC, load_engine
 
     port = load_port(args.model)
     if args.max_queue < 0:
         raise ServeError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if args.drain_timeout < 0:
+        raise ServeError(f"--drain-timeout must be 0 or more, got {args.drain_timeout}")
     artifacts, pull = args.artifacts, None
     if artifacts and artifacts.startswith(S3_SCHEME):
         pull = s3_pull_function()
@@ -69,14 +75,22 @@ def plan_load(args):
         local = None
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    batching = args.backend in (STATIC, "neuron")
+    if batching and args.max_running is not None:
+        raise ServeError(f"--backend {args.backend} batches: it runs as many requests at once as its graphs have "
+                         f"rows{' (--batch-size)' if args.backend == STATIC else ''}; --max-running is for the "
+                         f"per-request backends")
+    if args.batch_size is not None and args.backend != STATIC:
+        raise ServeError(f"--batch-size sets the rows of --backend static's graphs; --backend {args.backend} "
+                         + ("takes its batch from the artifact's manifest" if args.backend == "neuron"
+                            else "runs one request per thread (--max-running)"))
+    if args.backend == STATIC:
+        port.static_spec("--backend static")
     if args.backend == "neuron":
         from . import neuron
 
         if local is None:
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
-        if args.max_running != 1:
-            raise ServeError("--backend neuron serves one sequence at a time (its KV cache lives on the "
-                             "device): --max-running must be 1")
         if pull is None:
             neuron.read_manifest(local)
         neuron.require_sdk()
@@ -84,6 +98,8 @@ def plan_load(args):
         if checkpoint is not None:
             raise ServeError("give the CPU backend's weights once: --checkpoint or --artifacts, not both")
         checkpoint = local if pull is None else None
+    if checkpoint is not None:  # a checkpoint of another model, or a broken config, fails now, not after binding
+        read_config(checkpoint, port.config, port.name)
 
     def load():
         nonlocal checkpoint
@@ -93,20 +109,27 @@ def plan_load(args):
             if args.backend != "neuron":
                 checkpoint = local
         return load_engine(port, args.backend, checkpoint=checkpoint, artifacts=local,
-                           dtype=DTYPES[args.dtype] if args.dtype else None)
+                           dtype=DTYPES[args.dtype] if args.dtype else None, batch_size=args.batch_size)
 
     return port, load
 
 
 class DrainingServer(uvicorn.Server):
+    """uvicorn, its graceful shutdown DRAIN_GRACE_S longer than the app's own drain deadline."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout: float):
+        config.timeout_graceful_shutdown = drain_timeout + DRAIN_GRACE_S
+        super().__init__(config)
+        self.drain_timeout = drain_timeout
+
     def handle_exit(self, sig, frame):
-        self.config.app.state.server.draining = True
-        log.info("signal %d: draining the requests in flight, then exiting", sig)
+        self.config.app.state.server.drain(self.drain_timeout)
+        log.info("signal %d: draining the requests in flight (up to %g s), then exiting", sig, self.drain_timeout)
         super().handle_exit(sig, frame)
 
 
 def run(args) -> int:
-    from .app import create_app
+    from .app import MAX_BODY_BYTES, create_app
 
     port, load = plan_load(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
@@ -119,10 +142,10 @@ def run(args) -> int:
         server.should_exit = True
 
     app = create_app(load, model_name=port.name, api_key=args.api_key, max_running=args.max_running,
-                     max_queue=args.max_queue, on_load_error=on_load_error)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
-    server = DrainingServer(config)
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES,
+                     on_load_error=on_load_error)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
+    server = DrainingServer(config, args.drain_timeout)
     # uvicorn re-raises the signal it drained on once it is done; with the default handlers
     # that would kill a cleanly drained process (SIGTERM) or print a traceback (SIGINT).
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -20,13 +20,14 @@ the fp32 logits it came from ([rows, V], after the token): for validation, never
 where only the token may cross to the host. With an aliased cache (NxD), the new state follows
 as extra outputs, mapped onto the state by `output_aliases()`.
 
-Sampling (issue 21, continuous batching): `pick` is the one place the token is chosen. On-device
-sampling plugs in there: a `sampling [B, 3]` input after the positions (temperature, top_p, and a
-uniform draw u in [0, 1) from the request's own seeded generator on the host), and `pick` becomes
+Sampling: `pick` is the one place a graph chooses the token. The serving engine
+(`serve/batching.py`) takes it as it is for greedy rows and samples the other rows on the host
+from the logits of a `logits=True` graph, with each request's own seeded generator. On-device
+sampling would plug in at `pick`: a `sampling [B, 3]` input after the positions (temperature,
+top_p, and a uniform draw u in [0, 1) from the request's generator on the host), and `pick`
 greedy where temperature == 0, else softmax(logits / temperature) cut to the top_p nucleus and
-inverted at u (a cumsum and a compare: fixed shapes). The draw coming from the row's generator is
-what keeps a seeded request's tokens independent of the rows beside it; NxD does the same on the
-device (OnDeviceSamplingConfig). Until then, sampled requests need a `logits=True` graph.
+inverted at u (a cumsum and a compare: fixed shapes) — what NxD's OnDeviceSamplingConfig does.
+Until then, an artifact without logits serves temperature 0 only.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class _StaticGraph(torch.nn.Module):
         return {t: self.user_outputs + i for i, t in enumerate(self.cache.tensors())}
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """[rows, V] fp32 -> the next token [rows, 1] (greedy; issue 21 samples here)."""
+        """[rows, V] fp32 -> the next token [rows, 1] (greedy; on-device sampling would go here)."""
         return logits.argmax(-1, keepdim=True)
 
     def _run(self, input_ids, masks, position_ids, cache: GraphCache):

@@ -1,0 +1,311 @@
+"""Fuzzing every surface the way a user reaches it (seeded, bounded, on loopback).
+
+The server: request bodies drawn from the OpenAI schema (and beyond it: wrong types, edge numbers,
+lone surrogates, arbitrary JSON) sent over HTTP to a live server of the tiny model. Each either
+succeeds — its response or stream validating against OpenAI's types — or gets a 4xx in OpenAI's
+error shape; a 5xx is a bug.
+
+The files a user can pass: port files, a checkpoint's config.json and index, a reader sidecar's
+metadata, an artifact's manifest, a publication's manifest, each mutated field by field. Each
+either works or is one `UserError` (one `error:` line); any other exception is a bug.
+
+`derandomize=True`: the same examples on every run, so a failure here is a regression, not luck.
+"""
+
+import json
+import math
+import shutil
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from neuron_moe import cli
+from neuron_moe.checkpoint import _weight_map
+from neuron_moe.errors import UserError
+from neuron_moe.neuron import compile as nc
+from neuron_moe.port import tomllib
+from neuron_moe.publish import s3
+from neuron_moe.reader.prep import Sidecar, write_sidecar
+from neuron_moe.serve.app import create_app
+from neuron_moe.serve.engine import load_engine
+from neuron_moe.serve.server import plan_load
+
+from conftest import port_text_elsewhere
+from serving import serving, sse_events, wait_for
+
+MODEL = "tiny-gemma4-moe"
+ERROR_KEYS = {"message", "type", "param", "code"}
+FUZZ = dict(deadline=None, derandomize=True, database=None,
+            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                   HealthCheck.data_too_large])
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# ---- values ----------------------------------------------------------------------------------------------
+
+# Any code point, lone surrogates included: JSON can carry "\ud800", which no UTF-8 codec takes.
+any_text = st.text(st.characters(exclude_categories=()), max_size=12)
+edge_ints = st.sampled_from([0, -1, 1, 2, 3, 255, 256, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30])
+edge_floats = st.sampled_from([0.0, -0.0, 1e-300, 5e-324, 1e-5, 0.5, 1.0, 2.0, 2.0000001, 1e308])
+numbers = st.one_of(st.integers(-3, 600), edge_ints, st.floats(-3, 3), edge_floats)
+scalars = st.one_of(st.none(), st.booleans(), numbers, any_text)
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(any_text, inner,
+                                                                                               max_size=3),
+                           max_leaves=6)
+
+
+# ---- the server --------------------------------------------------------------------------------------------
+
+# Schema-valid requests (what the server must answer 200), then each with one field made anything
+# (what it must refuse with a 4xx), then arbitrary JSON.
+valid_text = st.text(max_size=16)  # any code point but lone surrogates
+parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": valid_text}), max_size=2)
+message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant"]),
+                                 "content": valid_text | parts})
+OPTIONAL = {
+    "max_completion_tokens": st.integers(1, 3),  # small: a request that succeeds is a few decode steps
+    "temperature": st.floats(0, 2) | st.sampled_from([0.0, 1e-300, 5e-324, 2.0]),
+    "top_p": st.floats(0, 1, exclude_min=True) | st.sampled_from([5e-324, 1.0]),
+    "stream": st.booleans(),
+    "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stop": st.none() | st.text(min_size=1, max_size=6) | st.lists(st.text(min_size=1, max_size=6), max_size=4),
+    "seed": st.none() | st.integers(-(2**63), 2**64 - 1),
+    "n": st.just(1),
+    "best_of": st.none() | st.just(1),
+    "echo": st.just(False),
+    "logprobs": st.none() | st.just(False) | st.just(0),
+    "tools": st.none() | st.just([]),
+    "user": valid_text,  # not ours: ignored
+}
+
+
+def requests(required: dict):
+    valid = st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens": st.integers(1, 3), **required},
+                                  optional=OPTIONAL)
+    fields = sorted({"model", "max_tokens", *required, *OPTIONAL})
+    broken = st.tuples(valid, st.sampled_from(fields), json_values | st.sampled_from(
+        [0, -1, 600, 2**63, 10**30, 1e308, "\ud800", "", [], {}])).map(lambda t: {**t[0], t[1]: t[2]})
+    return st.one_of(valid, valid, broken, json_values)
+
+
+chat_requests = requests({"messages": st.lists(message, min_size=1, max_size=3)})
+completion_requests = requests({"prompt": valid_text | st.lists(valid_text, min_size=1, max_size=1)})
+
+
+@pytest.fixture(scope="module")
+def url(tiny_port):
+    engine = load_engine(tiny_port, "eager")
+    with serving(create_app(lambda: engine, model_name=MODEL, max_running=1, max_queue=4)) as base:
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, what="the model to be ready")
+        yield base
+
+
+@pytest.fixture(scope="module")
+def http(url):
+    with httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+
+
+def post(http: httpx.Client, path: str, body) -> httpx.Response:
+    """`body` as JSON, lone surrogates escaped (httpx's own json= cannot encode them)."""
+    return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def check_answer(r: httpx.Response, body, chat: bool) -> None:
+    assert r.status_code < 500, (body, r.status_code, r.text)
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert set(error) == ERROR_KEYS and isinstance(error["message"], str) and error["message"], r.text
+        return
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = sse_events(r.text.splitlines())
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), (body, events)
+        for event in events[:-1]:
+            if chat:
+                ChatCompletionChunk.model_validate(event)
+            elif event["choices"]:  # OpenAI's Completion type has no null finish_reason: checked by hand
+                assert isinstance(event["choices"][0]["text"], str) and event["object"] == "text_completion"
+            else:
+                assert event["usage"]["total_tokens"] >= 1
+        return
+    (ChatCompletion if chat else Completion).model_validate(r.json())
+
+
+@settings(max_examples=60, **FUZZ)
+@given(body=chat_requests)
+def test_fuzz_chat_requests(http, body):
+    check_answer(post(http, "/v1/chat/completions", body), body, chat=True)
+
+
+@settings(max_examples=40, **FUZZ)
+@given(body=completion_requests, raw=st.none() | st.binary(max_size=40))
+def test_fuzz_completion_requests(http, body, raw):
+    check_answer(post(http, "/v1/completions", body), body, chat=False)
+    if raw is not None:  # not JSON at all, or not UTF-8
+        check_answer(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
+                     raw, chat=False)
+
+
+# ---- the files a user can pass ----------------------------------------------------------------------------
+
+# what a careless edit puts in a field: a size of zero, a negative or absurd one, the wrong type
+CONFUSIONS = [0, -1, 10**9, 10**30, 1e308, 1.5, "", "x", "8", True, [], [1], {}, {"a": 1}]
+
+
+def mutations(fields: dict, values=json_values):
+    """(key, value) edits of a dict: mostly an existing field set to a confusing value, to any
+    value, or deleted (DELETE); sometimes an unknown field added."""
+    keys = st.one_of(*[st.sampled_from(sorted(fields))] * 3, any_text)
+    edits = st.one_of(st.sampled_from(CONFUSIONS), st.sampled_from(CONFUSIONS), values, st.just(DELETE))
+    return st.lists(st.tuples(keys, edits), min_size=1, max_size=3)
+
+
+DELETE = object()
+
+
+def mutated(fields: dict, edits) -> dict:
+    out = dict(fields)
+    for key, value in edits:
+        if value is DELETE:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def expect_user_error_or_nothing(call):
+    """The call works, or raises a UserError (the CLI's one line); anything else fails the test."""
+    try:
+        return call()
+    except UserError:
+        return None
+
+
+def one_line_or_success(argv, capsys) -> None:
+    status = cli.main(argv)
+    err = capsys.readouterr().err
+    assert status in (0, 2), (status, err)
+    if status == 2:
+        assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf") if math.isinf(value) else repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # control characters as \u00XX: TOML reads them too
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + "}"
+
+
+def toml_text(doc: dict) -> str:
+    lines = [f"{json.dumps(k)} = {toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)]
+    for name, table in doc.items():
+        if isinstance(table, dict):
+            lines += [f"[{json.dumps(name)}]"] + [f"{json.dumps(k)} = {toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+# TOML cannot hold a lone surrogate (a file is UTF-8) or None: the values a port file can carry
+toml_scalars = st.one_of(st.booleans(), numbers, st.floats(), st.text(max_size=12))
+toml_values = st.recursive(toml_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.text(max_size=8), inner, max_size=3), max_leaves=6)
+
+
+@pytest.fixture(scope="module")
+def tiny_doc(tiny_port):
+    return tomllib.loads(port_text_elsewhere(tiny_port))
+
+
+@settings(max_examples=70, **FUZZ)
+@given(data=st.data())
+def test_fuzz_port_files(tiny_doc, tmp_path, capsys, data):
+    doc = {k: dict(v) if isinstance(v, dict) else v for k, v in tiny_doc.items()}
+    doc["reader"] = {"sidecar": "s.safetensors", "budget": 17.8, "rank": 8}
+    section = data.draw(st.sampled_from(["", "weights", "tokenizer", "config", "static", "reader"]))
+    if section:
+        doc[section] = mutated(doc[section], data.draw(mutations(doc[section], toml_values)))
+    else:
+        doc = mutated(doc, data.draw(mutations(doc, toml_values)))
+    path = tmp_path / "port.toml"
+    path.write_text(toml_text(doc))
+    one_line_or_success(["info", "--model", str(path)], capsys)
+    one_line_or_success(["reads", "--model", str(path), "--budget", "50"], capsys)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_files(tiny_port):
+    config = json.loads((tiny_port.checkpoint / "config.json").read_text())
+    return tiny_port.checkpoint, config
+
+
+@settings(max_examples=50, **FUZZ)
+@given(edits=st.one_of(mutations({"hidden_size": 0, "num_experts": 0, "layer_types": 0, "vocab_size": 0,
+                                  "num_hidden_layers": 0, "rope_parameters": 0, "per_layer_config": 0,
+                                  "enable_moe_block": 0, "model_type": 0, "top_k_experts": 0}),
+                       mutations({"x": 0})),
+       index=st.one_of(st.none(), json_values, st.fixed_dictionaries({"weight_map": json_values})))
+def test_fuzz_checkpoint_config_and_index(checkpoint_files, tmp_path, edits, index):
+    """What `serve --checkpoint DIR` reads before it binds: config.json (and the tokenizer beside it)."""
+    source, config = checkpoint_files
+    ckpt = tmp_path / "ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    ckpt.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (ckpt / name).symlink_to(source / name)
+    (ckpt / "config.json").write_text(json.dumps(mutated(config, edits)))
+    if index is not None:
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    args = cli.parser().parse_args(["serve", "--checkpoint", str(ckpt)])
+    expect_user_error_or_nothing(lambda: plan_load(args))
+    if index is not None:
+        expect_user_error_or_nothing(lambda: _weight_map(ckpt))
+
+
+@pytest.fixture(scope="module")
+def small_sidecar(tmp_path_factory):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(4, 32, 128, generator=gen), torch.randn(4, 128, 16, generator=gen)) for _ in range(2)]
+    path = tmp_path_factory.mktemp("sidecar") / "s.safetensors"
+    write_sidecar(path, layers, hidden=128, experts=4, intermediate=16, layers=2, rank=4, progress=False)
+    with safe_open(path, framework="pt") as f:
+        return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+
+
+@settings(max_examples=30, **FUZZ)
+@given(edits=mutations({k: 0 for k in ("format", "format_version", "block", "scan", "rank", "seed", "hidden",
+                                       "experts", "intermediate", "layers", "codes_per_byte")},
+                       st.one_of(st.text(max_size=8), edge_ints.map(str), st.integers(-3, 300).map(str))))
+def test_fuzz_sidecar_metadata(small_sidecar, tmp_path, edits):
+    meta, tensors = small_sidecar
+    path = tmp_path / "s.safetensors"
+    metadata = {str(k): str(v) for k, v in mutated(meta, edits).items()}  # safetensors takes strings only
+    save_file(tensors, path, metadata=metadata)
+    expect_user_error_or_nothing(lambda: Sidecar(path))
+
+
+ARTIFACT = {"format": nc.FORMAT, "port": MODEL, "dtype": "bf16", "tp": 1, "expert_layout": "channel",
+            "buckets": [64], "max_length": 128, "batch_size": 1, "dry_run": False, "logits": False}
+PUBLICATION = {"format": s3.FORMAT, "files": [{"path": "model.pt", "size": 3, "sha256": "0" * 64}]}
+
+
+@settings(max_examples=40, **FUZZ)
+@given(artifact=mutations(ARTIFACT), publication=mutations(PUBLICATION),
+       entry=mutations(PUBLICATION["files"][0]))
+def test_fuzz_manifests(tmp_path, artifact, publication, entry):
+    (tmp_path / nc.MANIFEST).write_text(json.dumps(mutated(ARTIFACT, artifact)))
+    expect_user_error_or_nothing(lambda: nc.read_manifest(tmp_path))
+    for doc in (mutated(PUBLICATION, publication), dict(PUBLICATION, files=[mutated(PUBLICATION["files"][0], entry)])):
+        expect_user_error_or_nothing(lambda: s3._check_manifest(doc, "s3://b/p/manifest"))

@@ -1,0 +1,157 @@
+"""The Neuron backend (serve/neuron.py) without the device: the artifact contract's checks, and
+the batching engine driving the artifact's calls on a stand-in for the NxD runtime that keeps its
+KV cache inside, as the device does."""
+
+import importlib.machinery
+import importlib.util
+import json
+import sys
+import types
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from neuron_moe.generate import greedy, left_pad
+from neuron_moe.neuron.compile import FORMAT
+from neuron_moe.serve import neuron
+from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import RequestError, SamplingParams
+from neuron_moe.serve.runtime import static_runtime
+
+from serving import IdTokenizer, serve_together, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _manifest(**fields):
+    return json.dumps(dict({"format": FORMAT, "dtype": "bf16", "batch_size": 2, "dry_run": False,
+                            "expert_layout": "channel", "logits": False}, **fields))
+
+
+def test_manifest_errors_name_the_problem(tmp_path):
+    with pytest.raises(neuron.NeuronError, match="no manifest.json"):
+        neuron.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[64], max_length=32))
+    with pytest.raises(neuron.NeuronError, match=r"'buckets' must be positive lengths up to max_length \(32\)"):
+        neuron.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(_manifest(port="p", buckets=[8], max_length=32))
+    with pytest.raises(neuron.NeuronError, match="field 'tp' is missing"):
+        neuron.read_manifest(tmp_path)
+
+
+def test_missing_sdk_is_a_clear_error():
+    if all(importlib.util.find_spec(m) for m in neuron.SDK_MODULES):
+        pytest.skip("the Neuron SDK is installed here")
+    with pytest.raises(neuron.NeuronError, match="needs the Neuron SDK"):
+        neuron.require_sdk()
+
+
+class StandInRuntime:
+    """What a compiled artifact does, computed with the CPU model's static graphs (static/decoder.py,
+    the graphs trace-and-compile traces) over one KV state that stays inside, as NxD keeps it on the
+    device: NxD routes a call to the key whose input shapes match, here prefill (one prompt in its
+    bucket, and its row id) or decode (ids and positions of every row). Every call's input and
+    output shapes are recorded."""
+
+    def __init__(self, model, buckets, batch, max_length, logits):
+        from neuron_moe.static.decoder import Decode, Prefill, new_cache
+
+        self.buckets, self.batch = buckets, batch
+        cache = new_cache(model, max_length, batch)
+        self.prefill = Prefill(model, cache, "dense_masked", logits)
+        self.decode = Decode(model, cache, "selective", logits)
+        self.nxd_model = types.SimpleNamespace(initialize=self.initialize)
+        self.weights, self.calls = None, []
+
+    def initialize(self, weights, start_rank):
+        self.weights, self.start_rank = weights, start_rank
+
+    @torch.no_grad()
+    def __call__(self, *inputs):
+        shapes = [tuple(x.shape) for x in inputs]
+        assert all(x.dtype == torch.long for x in inputs)  # ids, masks, positions, row ids
+        if len(inputs) == 4:
+            assert shapes == [(1, shapes[0][1])] * 3 + [(1,)] and shapes[0][1] in self.buckets
+            outputs = self.prefill(*inputs)
+        else:
+            assert shapes == [(self.batch, 1)] * 2
+            outputs = self.decode(*inputs)
+        self.calls.append((shapes, [tuple(x.shape) for x in outputs]))
+        return outputs
+
+
+def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int = 3):
+    (tmp_path / "manifest.json").write_text(_manifest(port=port.name, tp=2, buckets=[64, 16], max_length=128,
+                                                      batch_size=batch, logits=logits))
+    (tmp_path / "weights").mkdir(exist_ok=True)
+    for rank in range(2):
+        save_file({"w": torch.full((1,), float(rank))}, tmp_path / f"weights/tp{rank}_sharded_checkpoint.safetensors")
+    for name in neuron.SDK_MODULES:  # stand-ins found by importlib, as the SDK would be
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, module)
+    artifact = StandInRuntime(model, {16, 64}, batch, 128, logits)
+    monkeypatch.setattr(torch.jit, "load", lambda path: artifact)
+    return neuron.neuron_runtime(tmp_path, port), artifact
+
+
+@pytest.mark.parametrize("logits", [False, True])
+def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(tmp_path, monkeypatch, tiny_port, tiny_eager,
+                                                                       logits):
+    """Five requests on the artifact's three rows, in both buckets: only ids, masks, positions and
+    row ids go in, only the token (and the logits) come out, and each request's tokens are the CPU
+    runtime's (the same static graphs as modules) and HF eager's."""
+    runtime, artifact = _neuron_runtime(tmp_path, monkeypatch, tiny_port, tiny_eager, logits)
+    assert [float(w["w"]) for w in artifact.weights] == [0.0, 1.0]  # every rank's shard, in rank order
+    engine = BatchEngine(runtime, IdTokenizer(), set())
+    cpu = BatchEngine(static_runtime(tiny_eager, tiny_port.static), IdTokenizer(), set())
+    try:
+        prompts = [[2] + list(range(40, 40 + n)) for n in (5, 30, 12, 50, 3)]  # buckets 16 and 64
+        requests = [(p, SamplingParams(n, temperature=0.0)) for p, n in zip(prompts, (9, 4, 7, 6, 8))]
+        together = serve_together(engine, requests)
+        for (prompt, params), sink in zip(requests, together):
+            assert sink.steps == list(cpu.generate(prompt, params))
+            reference = greedy(tiny_eager, *left_pad([prompt], 0), params.max_tokens).tokens[0].tolist()
+            assert tokens_of(sink.steps) == reference
+        vocab = tiny_eager.config.vocab_size
+        for inputs, outputs in artifact.calls:  # token [rows, 1] (and logits [rows, V]), no KV tensor
+            rows = inputs[0][0]
+            assert outputs == [(rows, 1)] + ([(rows, vocab)] if logits else [])
+        prefills = [inputs[0][1] for inputs, _ in artifact.calls if len(inputs) == 4]
+        assert sorted(prefills) == [16, 16, 16, 64, 64]
+        with pytest.raises(RequestError, match="the prompt is 65 tokens; this backend's largest prefill bucket holds 64"):
+            engine.max_tokens_for(65, 1)
+        assert engine.max_tokens_for(64, None) == 128 - 64 + 1  # positions 0..127: the last token takes none
+        sampled = SamplingParams(3, temperature=0.8, seed=1)
+        if logits:  # the host samples each sampled row from its logits
+            assert list(engine.generate(prompts[0], sampled)) == list(cpu.generate(prompts[0], sampled))
+        else:  # the graphs pick the token: a sampled request is refused, naming the parameter
+            with pytest.raises(RequestError, match="temperature must be 0, got 0.8") as e:
+                list(engine.generate(prompts[0], sampled))
+            assert e.value.param == "temperature"
+    finally:
+        engine.close()
+        cpu.close()
+    with pytest.raises(neuron.NeuronError, match="compiled for port 'tiny-gemma4-moe', not 'other'"):
+        neuron.neuron_runtime(tmp_path, types.SimpleNamespace(name="other"))
+
+
+def test_neuron_backend_refuses_an_artifact_of_an_older_format(tmp_path):
+    for old in (1, 2):  # the cache in and out of every call
+        (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[16], max_length=32, format=old))
+        with pytest.raises(neuron.NeuronError, match=f"artifact format {old}, this version reads 3 .*rebuild it"):
+            neuron.read_manifest(tmp_path)
+
+
+def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path, tiny_port):
+    """Checked from the manifest, before the SDK or any weights are needed."""
+    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96,
+                                                      expert_layout="expert"))
+    with pytest.raises(neuron.NeuronError, match=r"built with the 'expert' expert layout, served here with the "
+                                                 r"'channel' layout \(the port's \[static\] expert_layout\)"):
+        neuron.neuron_runtime(tmp_path, tiny_port)
+    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96,
+                                                      expert_layout="rows"))
+    with pytest.raises(neuron.NeuronError, match="expert_layout 'rows' is not one of"):
+        neuron.read_manifest(tmp_path)
