@@ -700,13 +700,13 @@ def parser() -> argparse.ArgumentParser:
 
 def _check_outputs(args) -> None:
     """Every output path a command was given, checked before its work starts (not after an upload
-    or an hour of training). `--out` is a directory but for prep-reader's sidecar."""
+    or an hour of training). `--out` is a directory but for prep-reader's sidecar (without --tp)."""
     from .report import check_output
 
     if getattr(args, "json", None):
         check_output(args.json)
     if getattr(args, "out", None):
-        file = args.command == "prep-reader"
+        file = args.command == "prep-reader" and not args.tp
         check_output(args.out, directory=not file, seekable=file)
 
 
