@@ -259,9 +259,7 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
 
     if dtype not in DTYPES:
         raise ArtifactError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    if port.static is None:
-        raise ArtifactError(f"port {port.name!r} has no [static] table (buckets, max_cache_len, batch_size): "
-                           "nothing to trace")
+    port.static_spec("trace-and-compile")
     expert_layout = expert_layout or port.static.expert_layout
     layout.check_degree(port.config, tp, expert_layout)
     if not dry_run and not nxd.sdk_available():

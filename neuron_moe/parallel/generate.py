@@ -39,8 +39,7 @@ class TPGenerator(StaticGenerator):
         from ..model import build_model
         from ..reader.prep import model_expert_weights
 
-        if port.static is None:
-            raise UserError(f"port {port.name!r} has no [static] table: it has no traced graphs")
+        port.static_spec(f"the TP {tp} backend")
         dtype = dtype or port.dtype
         expert_layout = expert_layout or port.static.expert_layout
         layout.check_degree(port.config, tp, expert_layout)  # before the weights load

@@ -123,11 +123,8 @@ def traced_backend(port, dtype=None, checkpoint=None):
     checked before anything is exported)."""
     from ..model import build_model
 
-    if port.static is None:
-        raise UserError(f"port {port.name!r} has no [static] table (buckets, max_cache_len, batch_size, "
-                        f"prefill_experts, decode_experts): it has no traced graphs")
-    generator = StaticGenerator(build_model(port, port.static.decode_experts, dtype, checkpoint), port.static,
-                                logits=True)
+    spec = port.static_spec("validate --backend traced")
+    generator = StaticGenerator(build_model(port, spec.decode_experts, dtype, checkpoint), spec, logits=True)
     return lambda ids, mask, n: generate_batches(generator, ids, mask, n)
 
 
