@@ -1,0 +1,89 @@
+"""What the static graphs cost per call on this machine, the ceiling of the batching engine.
+
+The batching engine (`serve/batching.py`) spends its time in two calls of the runtime: a prefill
+of one prompt into one row, and a decode step of every row. This times both at each batch size on
+the port's static graphs as the server runs them (`serve --backend static`: `static_runtime`,
+modules on CPU), and from them the throughput ratio a perfect engine would reach for requests of
+`--max-tokens` tokens against batch 1:
+
+    ratio = B · (P + (n−1)·D_1) / (B·P + (n−1)·D_B)
+
+(every request: one prefill P, then n−1 decode steps; at batch B the steps are shared by B rows).
+`bench/serve_load.py` measures what the server reaches through HTTP; this says what the graphs allow.
+
+    OMP_NUM_THREADS=1 python bench/static_steps.py --batch-sizes 1,8 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from neuron_moe.model import build_model  # noqa: E402
+from neuron_moe.port import load_port  # noqa: E402
+from neuron_moe.report import table, write_json  # noqa: E402
+from neuron_moe.serve.runtime import static_runtime  # noqa: E402
+
+
+def best_ms(call, repeats: int) -> float:
+    """The fastest of `repeats` calls, in ms (the least disturbed by anything else on the machine)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny-gemma4-moe", help="port with a [static] table (default tiny-gemma4-moe)")
+    ap.add_argument("--batch-sizes", default="1,8", help="comma-separated; the first is the baseline (default 1,8)")
+    ap.add_argument("--prompt-tokens", type=int, default=25, help="prompt length (default 25: the chat prompts' middle)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens per request for the ratio (default 16)")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    port = load_port(args.model)
+    spec = port.static_spec("bench/static_steps.py")
+    model = build_model(port, spec.decode_experts)
+    prompt = list(range(5, 5 + args.prompt_tokens))
+    rows = []
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        runtime = static_runtime(model, spec, batch)
+        for row in range(batch):
+            runtime.prefill(prompt, row)
+        ids = torch.full((batch, 1), 7)
+        positions = torch.full((batch, 1), args.prompt_tokens)
+        runtime.decode(ids, positions)  # warm
+        rows.append({"batch": batch, "prefill_ms": best_ms(lambda: runtime.prefill(prompt, 0), args.repeats),
+                     "decode_ms": best_ms(lambda: runtime.decode(ids, positions), args.repeats)})
+    base, n = rows[0], args.max_tokens
+    for r in rows:
+        r["decode_ms_per_token"] = r["decode_ms"] / r["batch"]
+        r["decode_x_base"] = r["decode_ms"] / base["decode_ms"]
+        r["ceiling_x_base"] = (r["batch"] * (base["prefill_ms"] + (n - 1) * base["decode_ms"] / base["batch"])
+                               / (r["batch"] * r["prefill_ms"] + (n - 1) * r["decode_ms"]))
+    print(f"static graphs of {port.name} (prefill: {spec.prefill_experts}, decode: {spec.decode_experts}), "
+          f"prompt {args.prompt_tokens} tokens, {n}-token requests; best of {args.repeats}")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}\n")
+    print(table(rows, [("batch", "batch"), ("prefill_ms", "prefill ms", "{:.2f}"), ("decode_ms", "decode step ms", "{:.2f}"),
+                       ("decode_ms_per_token", "decode ms/token", "{:.2f}"), ("decode_x_base", "step × base", "{:.2f}"),
+                       ("ceiling_x_base", "tok/s ceiling × base", "{:.2f}")]))
+    if args.json:
+        write_json({"model": port.name, "settings": vars(args), "rows": rows}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
