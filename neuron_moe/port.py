@@ -116,12 +116,14 @@ def _table(raw: dict, name: str, where: str) -> dict:
     return table
 
 
+# Experts implementations a static graph may use: fixed shapes, and exported in the tests.
+# (Not every registered implementation qualifies: HF's eager loop has data-dependent shapes.)
+GRAPH_EXPERTS = ("dense_masked", "selective")
+
 _STATIC_FIELDS = {"buckets", "max_cache_len", "batch_size", "prefill_experts", "decode_experts", "expert_layout"}
 
 
 def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpec:
-    from .static import GRAPH_EXPERTS
-
     where = f"{where} [static]"
     unknown = sorted(set(table) - _STATIC_FIELDS)
     if unknown:

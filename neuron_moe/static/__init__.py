@@ -1,14 +1,10 @@
 """Static-shape Gemma-4 decoder for tracing: fixed-size KV cache, prefill buckets, export.
 
-What a static graph may contain is defined here, once, for the port check, the exporter and
-the tests.
+What a static graph may contain is defined here, once, for the exporter and the tests; the
+experts implementations it may use are `port.GRAPH_EXPERTS`, which the port check holds.
 """
 
 from pathlib import Path
-
-# Experts implementations a static graph may use: fixed shapes, and exported in the tests.
-# (Not every registered implementation qualifies: HF's eager loop has data-dependent shapes.)
-GRAPH_EXPERTS = ("dense_masked", "selective")
 
 # Ops whose output shape (or a host-side value) depends on tensor contents: any of them in a
 # graph breaks static tracing. `aten.where.default` is the one-argument where (= nonzero).
