@@ -13,7 +13,6 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..report import atomic_write, table
-from .reader_eval import ANSWER_BINS
 
 RULE_STYLE = {"topk": ("o", "-"), "threshold": ("x", "--")}
 
@@ -74,15 +73,16 @@ def plot(report: dict, out: Path) -> list[Path]:
     paths.append(_save(fig, out / "retention.png"))
 
     fig, axes = plt.subplots(1, len(budgets), figsize=(5 * len(budgets), 4), squeeze=False)
+    edges = sorted({b["lo"] for c in cells for b in c["reads_by_answer_position"]})  # the bins' x positions
     for ax, budget in zip(axes[0], budgets):
         labels = {}
         for c in (c for c in cells if c["budget"] == budget):
             bins = c["reads_by_answer_position"]
             labels.update({b["lo"]: _bin_label(b) for b in bins})
             marker, line = RULE_STYLE[c["rule"]]
-            ax.plot([ANSWER_BINS.index(b["lo"]) for b in bins], [100 * b["mean"] / c["target_reads"] for b in bins],
+            ax.plot([edges.index(b["lo"]) for b in bins], [100 * b["mean"] / c["target_reads"] for b in bins],
                     color=colors[c["selector"]], marker=marker, linestyle=line, label=f"{c['selector']} {c['rule']}")
-        ax.set_xticks([ANSWER_BINS.index(lo) for lo in labels], list(labels.values()), fontsize=7)
+        ax.set_xticks([edges.index(lo) for lo in labels], list(labels.values()), fontsize=7)
         ax.axhline(100, color="gray", linewidth=0.8)
         ax.set(title=f"budget {budget:g} %", xlabel="position in the answer (0 = predicts its first token)",
                ylabel="reads, % of target (mean)")
