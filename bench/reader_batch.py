@@ -50,11 +50,11 @@ from neuron_moe.eval import reader_eval as R  # noqa: E402
 from neuron_moe.eval import tasks as T  # noqa: E402
 from neuron_moe.eval.reader_report import _pyplot  # noqa: E402
 from neuron_moe.experts.selector import moe_layers  # noqa: E402
-from neuron_moe.model import build_model  # noqa: E402
+from neuron_moe.model import build_model, prep_port  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader import accounting as A  # noqa: E402
 from neuron_moe.reader import selectors as S  # noqa: E402
-from neuron_moe.reader.prep import Sidecar, prep_port  # noqa: E402
+from neuron_moe.reader.prep import Sidecar  # noqa: E402
 from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
 from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
 

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS  # noqa: E402
 from neuron_moe.experts.channel_reader import attach_reader  # noqa: E402
 from neuron_moe.generate import greedy, left_pad  # noqa: E402
-from neuron_moe.model import build_model  # noqa: E402
+from neuron_moe.model import build_model, prep_port  # noqa: E402
 from neuron_moe.parallel.generate import TPGenerator, generate_replicated  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader import shard  # noqa: E402
-from neuron_moe.reader.prep import Sidecar, prep_port  # noqa: E402
+from neuron_moe.reader.prep import Sidecar  # noqa: E402
 from neuron_moe.report import table, write_json  # noqa: E402
 from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
 

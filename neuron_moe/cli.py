@@ -394,7 +394,8 @@ def cmd_prep_reader(args) -> int:
     from pathlib import Path
 
     from .port import load_port
-    from .reader.prep import Sidecar, prep_port
+    from .model import prep_port
+    from .reader.prep import Sidecar
 
     if args.source and not args.tp:
         raise UserError("--from shards an existing sidecar: it needs --tp")

@@ -3,6 +3,10 @@
 transformers' own Gemma4ForCausalLM is the model; we only choose its weights and which
 experts implementation its MoE blocks dispatch to. Attention is always HF "eager" so that two
 models built here differ in nothing but their experts.
+
+Also what needs a port's weights for the reader: its sidecar (`prep_port`) and the model with
+the reader attached (`reader_model`). The reader itself (`reader/`, `experts/channel_reader.py`)
+knows tensors and files, not ports.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import torch
 from transformers import Gemma4ForCausalLM
 
 from . import experts as _experts  # registers our experts implementations
-from .checkpoint import load_checkpoint
+from .checkpoint import iter_expert_weights, load_checkpoint, read_config
 from .errors import UserError
+from .experts.channel_reader import attach_reader, reader_settings
 from .port import Port
+from .reader.prep import RANK, SCAN, SidecarError, model_expert_weights, write_sidecar
 
 EXPERTS_IMPLEMENTATIONS = _experts.ALL
 
@@ -63,3 +69,30 @@ def build_model(
     model.set_attn_implementation("eager")
     model.set_experts_implementation(experts)
     return model.eval()
+
+
+def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_backend="reference",
+                 reader_weights="bf16"):
+    """The port's model with the reader attached (see `reader_settings` for the defaults)."""
+    sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
+    model = build_model(port, "eager", dtype, checkpoint)
+    attach_reader(model, sidecar, budget, rank, reader_backend, reader_weights)
+    return model
+
+
+def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0, rank: int = RANK,
+              scan: int = SCAN) -> Path:
+    """The reader's sidecar of a port's model: streamed layer by layer from a checkpoint (the
+    port's or `checkpoint`), or from the seeded model of a random-weights port."""
+    config = port.config
+    checkpoint = checkpoint or port.checkpoint
+    if checkpoint is not None:
+        config = read_config(Path(checkpoint), port.config, port.name)
+        weights = iter_expert_weights(Path(checkpoint), config)
+    elif port.weights_source == "random":
+        weights = model_expert_weights(build_model(port))
+    else:
+        raise SidecarError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
+    return write_sidecar(out, weights, hidden=config.hidden_size, experts=config.num_experts,
+                         intermediate=config.moe_intermediate_size, layers=config.num_hidden_layers,
+                         seed=seed, rank=rank, scan=scan)

@@ -269,7 +269,8 @@ def test_every_step_holds_b_tokens_and_generation_is_greedy(tiny_port, tiny_eage
     from neuron_moe.eval import reader_batch as RB
     from neuron_moe.experts.selector import moe_layers
     from neuron_moe.generate import greedy
-    from neuron_moe.reader.prep import Sidecar, prep_port
+    from neuron_moe.model import prep_port
+    from neuron_moe.reader.prep import Sidecar
 
     layers = moe_layers(tiny_eager, Sidecar(prep_port(tiny_port, tmp_path / "s.safetensors")), 0)
     k = A.solve_k(layers[0].geo, layers[0].layout, 30.0)

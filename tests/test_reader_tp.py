@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from neuron_moe.cli import main
-from neuron_moe.experts.channel_reader import attach_reader, reader_model
+from neuron_moe.experts.channel_reader import attach_reader
+from neuron_moe.model import prep_port, reader_model
 from neuron_moe.generate import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.neuron import compile as nc
@@ -32,7 +33,7 @@ from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.parallel.trace import export_rank0, forward_job, generation_job, run_replicated
 from neuron_moe.reader import reference, shard
 from neuron_moe.reader.hadamard import random_signs
-from neuron_moe.reader.prep import Layout, LayerSidecar, Sidecar, SidecarError, prep_layer, prep_port
+from neuron_moe.reader.prep import Layout, LayerSidecar, Sidecar, SidecarError, prep_layer
 from neuron_moe.static import data_dependent_ops
 
 from conftest import random_prompts, reseeded

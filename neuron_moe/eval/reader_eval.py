@@ -425,7 +425,8 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
         write_json(key, str(run_file))
     run = Run(model, tokenizer, settings, out)
     if need_sidecar:
-        from ..reader.prep import Sidecar, model_expert_weights, prep_port
+        from ..model import prep_port
+        from ..reader.prep import Sidecar, model_expert_weights
 
         path = out / "sidecar.safetensors"
         if not path.exists():

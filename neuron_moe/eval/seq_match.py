@@ -13,7 +13,7 @@ import torch
 
 from ..errors import UserError
 from ..generate import Generation, greedy, left_pad
-from ..model import build_model
+from ..model import build_model, reader_model
 from ..parallel.generate import BACKENDS as TP_BACKENDS
 from ..static.generate import traced_backend
 from .tasks import answer_text
@@ -38,8 +38,6 @@ def _hf_backend(experts: str):
 
 
 def _reader_backend(port, dtype, checkpoint, **options) -> Generator:
-    from ..experts.channel_reader import reader_model
-
     model = reader_model(port, dtype, checkpoint, **options)  # options: sidecar, budget, rank, reader_backend
     return lambda ids, mask, n: greedy(model, ids, mask, n)
 

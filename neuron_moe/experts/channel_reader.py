@@ -172,17 +172,6 @@ def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, f
     return Path(sidecar), float(budget), rank
 
 
-def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_backend="reference",
-                 reader_weights="bf16"):
-    """The port's model with the reader attached (see `reader_settings` for the defaults)."""
-    from ..model import build_model
-
-    sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
-    model = build_model(port, "eager", dtype, checkpoint)
-    attach_reader(model, sidecar, budget, rank, reader_backend, reader_weights)
-    return model
-
-
 def channel_reader_forward(self, hidden_states, top_k_index, top_k_weights):
     state = getattr(self, "reader", None)
     if state is None:

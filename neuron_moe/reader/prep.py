@@ -364,25 +364,3 @@ class Sidecar:
         with safe_open(self.path, framework="pt") as f:
             tensors = {name: f.get_tensor(f"layers.{index}.{name}") for name in LAYER_TENSORS}
         return LayerSidecar.from_tensors(tensors, self.signs)
-
-
-def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0, rank: int = RANK,
-              scan: int = SCAN) -> Path:
-    """The sidecar of a port's model: streamed layer by layer from a checkpoint (the port's or
-    `checkpoint`), or from the seeded model of a random-weights port."""
-    config = port.config
-    checkpoint = checkpoint or port.checkpoint
-    if checkpoint is not None:
-        from ..checkpoint import iter_expert_weights, read_config
-
-        config = read_config(Path(checkpoint), port.config, port.name)
-        weights = iter_expert_weights(Path(checkpoint), config)
-    elif port.weights_source == "random":
-        from ..model import build_model
-
-        weights = model_expert_weights(build_model(port))
-    else:
-        raise SidecarError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
-    return write_sidecar(out, weights, hidden=config.hidden_size, experts=config.num_experts,
-                         intermediate=config.moe_intermediate_size, layers=config.num_hidden_layers,
-                         seed=seed, rank=rank, scan=scan)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from ..parallel import layout as tp_layout
 from ..report import atomic_write
 from . import reference
-from .prep import (CODES_PER_BYTE, LAYER_TENSORS, Layout, LayerSidecar, Sidecar, SidecarError, _metadata,
+from .prep import (CODES_PER_BYTE, Layout, LayerSidecar, Sidecar, SidecarError, _metadata,
                    pack_codes, stream_layers, unpack_codes)
 
 WHOLE = "reader.safetensors"  # the whole sidecar, in a `prep-reader --tp` directory
