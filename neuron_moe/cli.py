@@ -452,7 +452,8 @@ def cmd_train_tiny(args) -> int:
 
 
 def cmd_eval_tasks(args) -> int:
-    from .eval.tasks import TASKS, evaluate
+    from .eval.tasks import TASKS
+    from .eval.tasks_eval import evaluate
     from .port import load_port
     from .report import table
 

@@ -13,9 +13,9 @@ Evaluation items are never in training: `fact` and `series` split by subject (co
 and step), the others exclude from training every prompt that the evaluation set holds. A
 validation split, held out the same way with subjects of its own, is for choosing between
 training runs, so that the evaluation split stays an estimate of the chosen one.
-The same module scores a model: greedy generation through any SEQ_MATCH backend, exact match of
-the text up to the first EOS; perplexity of held-out text against a unigram baseline; and the
-share of tokens each expert receives on the evaluation text.
+The same module scores a model: greedy generation through any generator, exact match of the text
+up to the first EOS; perplexity of held-out text against a unigram baseline; and the share of
+tokens each expert receives on the evaluation text. `tasks_eval.py` runs them on a port.
 """
 
 from __future__ import annotations
@@ -283,38 +283,3 @@ def text_metrics(model, docs: list[list[int]], unigram: tuple[Counter, int], voc
     return {"tokens": n, "perplexity": math.exp(nll / n), "unigram_perplexity": math.exp(uni_nll / n),
             "expert_share": share.tolist(),  # [layer][expert], each row sums to 1
             "expert_share_min": float(share.min()), "expert_share_max": float(share.max())}
-
-
-def evaluate(port, backend: str = "eager", checkpoint=None, per_task: int = 50, corpus=None,
-             text_docs: int = 200, tasks=TASKS, split: str = "eval") -> dict:
-    """Task accuracy on `split` with `backend` (any of seq_match.BACKENDS); with `corpus` (a
-    build-corpus directory) also held-out perplexity, the unigram baseline and the expert load on
-    that split's text (the calibration text for valid)."""
-    from pathlib import Path
-
-    from tqdm import tqdm
-
-    from ..model import build_model
-    from ..tokenizer import load_tokenizer
-    from .seq_match import BACKENDS
-
-    tokenizer = load_tokenizer(port, checkpoint)
-    items = eval_items(per_task, tasks=tasks, split=split)
-    generate = BACKENDS[backend](port, None, checkpoint)
-    with tqdm(total=len(items), desc=f"eval-tasks ({backend})", leave=False) as bar:
-        rows = score_items(generate, tokenizer, items, progress=bar)
-    report = {"model": port.name, "backend": backend, "split": split, "items_per_task": per_task,
-              "tasks": accuracy_by_task(rows), "text": None, "items": rows}
-    if corpus is not None:
-        from ..training.corpus import read_jsonl
-
-        train_text = [r["text"] for r in read_jsonl(Path(corpus) / "train.jsonl") if r["kind"] == "text"]
-        held_out = (read_jsonl(Path(corpus) / "eval_text.jsonl") if split == "eval" else
-                    [r for r in read_jsonl(Path(corpus) / "calib.jsonl") if r["kind"] == "text"])
-        held_out = [r["text"] for r in held_out][:text_docs]
-        unigram = unigram_counts(tokenizer.encode(t) for t in train_text)
-        model = build_model(port, "eager", torch.float32, checkpoint)
-        longest = port.config.max_position_embeddings  # a few fortunes are longer than the training window
-        docs = [tokenizer.encode(t)[:longest] for t in held_out]
-        report["text"] = dict(text_metrics(model, docs, unigram, port.config.vocab_size), documents=len(held_out))
-    return report
