@@ -33,7 +33,7 @@ from neuron_moe.port import tomllib
 from neuron_moe.publish import s3
 from neuron_moe.reader.prep import Sidecar, write_sidecar
 from neuron_moe.serve.app import create_app
-from neuron_moe.serve.engine import load_engine
+from neuron_moe.serve.backends import load_engine
 from neuron_moe.serve.server import plan_load
 
 from conftest import port_text_elsewhere

@@ -17,16 +17,11 @@ import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from ..errors import UserError
-from ..tokenizer import load_tokenizer
-
-
-STATIC = "static"  # the backend name of the port's static graphs on CPU
 
 
 class RequestError(UserError):
@@ -218,33 +213,9 @@ class HFBackend:
         return out.logits[0, -1].float()
 
 
-def _eos_ids(tokenizer, config) -> set[int]:
+def eos_ids(tokenizer, config) -> set[int]:
+    """The tokens that end a generation: the tokenizer's EOS and the model config's."""
     ids = {tokenizer.eos_token_id}
     eos = getattr(config, "eos_token_id", None)
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return {i for i in ids if i is not None}
-
-
-def load_engine(port, backend: str, *, checkpoint: Path | None = None, artifacts: Path | None = None,
-                dtype: torch.dtype | None = None, batch_size: int | None = None) -> Engine:
-    """The engine for `backend`: "static" (the port's static graphs on CPU, batched; `batch_size`
-    rows, default the port's), "neuron" (a compiled artifact directory, batched) or an experts
-    implementation name (transformers' model on CPU, one request per thread)."""
-    from ..model import build_model
-    from .batching import BatchEngine
-
-    if backend == "neuron":
-        from .neuron import neuron_runtime
-
-        tokenizer = load_tokenizer(port, checkpoint or artifacts)  # the artifact may carry the tokenizer
-        return BatchEngine(neuron_runtime(artifacts, port), tokenizer, _eos_ids(tokenizer, port.config))
-    tokenizer = load_tokenizer(port, checkpoint)
-    if backend == STATIC:
-        from .runtime import static_runtime
-
-        spec = port.static_spec("--backend static")
-        model = build_model(port, spec.decode_experts, dtype, checkpoint)
-        return BatchEngine(static_runtime(model, spec, batch_size), tokenizer, _eos_ids(tokenizer, model.config))
-    model = build_model(port, backend, dtype, checkpoint)
-    return Engine(HFBackend(model), tokenizer, model.config.max_position_embeddings,
-                  _eos_ids(tokenizer, model.config))

@@ -56,7 +56,7 @@ def s3_cache_dir(uri: str, root: Path) -> Path:
 
 def plan_load(args):
     """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
-    from .engine import STATIC, load_engine
+    from .backends import STATIC, load_engine
 
     port = load_port(args.model)
     if args.max_queue < 0:
