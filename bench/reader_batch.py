@@ -45,9 +45,9 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from neuron_moe import tasks as T  # noqa: E402
 from neuron_moe.eval import reader_batch as RB  # noqa: E402
 from neuron_moe.eval import reader_eval as R  # noqa: E402
-from neuron_moe.eval import tasks as T  # noqa: E402
 from neuron_moe.eval.reader_report import _pyplot  # noqa: E402
 from neuron_moe.experts.selector import moe_layers  # noqa: E402
 from neuron_moe.model import build_model, prep_port  # noqa: E402
@@ -56,7 +56,7 @@ from neuron_moe.reader import accounting as A  # noqa: E402
 from neuron_moe.reader import selectors as S  # noqa: E402
 from neuron_moe.reader.prep import Sidecar  # noqa: E402
 from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
-from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
+from neuron_moe.tokenizer import answer_text, load_tokenizer  # noqa: E402
 
 GEOMETRIES = {"gemma4-26b-a4b": A.Geometry(2816, 128, 8, 704), "qwen3-30b-a3b": A.Geometry(2048, 128, 8, 768)}
 
@@ -88,7 +88,7 @@ def generation_sequences(tokenizer, items) -> tuple[list[R.Sequence], list[int]]
 
 
 def accuracy(tokenizer, items, decoded: RB.Decoded) -> dict:
-    rows = [{"task": i.task, "correct": T.answer_text(tokenizer, picks) == i.answer, "answer_tokens": 0}
+    rows = [{"task": i.task, "correct": answer_text(tokenizer, picks) == i.answer, "answer_tokens": 0}
             for i, picks in zip(items, decoded.picks)]
     return R.accuracy(rows)
 

@@ -452,8 +452,8 @@ def cmd_train_tiny(args) -> int:
 
 
 def cmd_eval_tasks(args) -> int:
-    from .eval.tasks import TASKS
-    from .eval.tasks_eval import evaluate
+    from .eval.tasks import evaluate
+    from .tasks import TASKS
     from .port import load_port
     from .report import table
 
@@ -503,7 +503,7 @@ def cmd_eval_reader(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from .eval.seq_match import BACKENDS
-    from .eval.tasks import SPLITS, TASKS
+    from .tasks import SPLITS, TASKS
 
     import neuron_moe
 
@@ -545,7 +545,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build-corpus", help="write the tiny model's corpus: English text plus the synthetic tasks",
                        description="Text from the Debian package 'fortunes' (apt-get install fortunes) plus "
-                                   "the task mix of neuron_moe.eval.tasks; fixed train/calib/eval splits.")
+                                   "the task mix of neuron_moe.tasks; fixed train/calib/eval splits.")
     p.add_argument("--text-dir", default="/usr/share/games/fortunes", help="the fortune files (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the training items (default 0)")

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoTokenizer
+
 from .config import read_config_file
 from .errors import UserError
 
@@ -28,9 +31,6 @@ class ByteTokenizer:
 
 class HFTokenizer:
     def __init__(self, path: Path):
-        from huggingface_hub.errors import StrictDataclassError
-        from transformers import AutoTokenizer
-
         if not Path(path).is_dir():  # else transformers takes the path for a hub repo id
             raise UserError(f"tokenizer directory {path} not found")
         if (Path(path) / "config.json").is_file():
@@ -78,3 +78,10 @@ def load_tokenizer(port, checkpoint: Path | None = None):
     if path is None:
         raise UserError(f"port {port.name!r} takes its tokenizer from the checkpoint: pass --checkpoint DIR")
     return HFTokenizer(Path(path))
+
+
+def answer_text(tokenizer, tokens: list[int]) -> str:
+    """The generated text up to the first EOS (the model's whole answer)."""
+    if tokenizer.eos_token_id in tokens:
+        tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(tokens)

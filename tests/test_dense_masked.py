@@ -30,7 +30,7 @@ def test_fp32_logits_match_eager_over_prefill_and_32_decode_steps(tiny_port, see
 
 def test_fp32_logits_match_eager_on_the_trained_model(tiny_port):
     """The same bound on the committed trained weights, from prompts in the model's own domain."""
-    from neuron_moe.eval.tasks import eval_items
+    from neuron_moe.tasks import eval_items
     from neuron_moe.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_port)

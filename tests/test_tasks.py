@@ -11,8 +11,8 @@ import torch
 from neuron_moe import cli
 from neuron_moe.checkpoint import load_checkpoint
 from neuron_moe.errors import UserError
-from neuron_moe.eval import tasks as T
-from neuron_moe.eval.tasks_eval import evaluate
+from neuron_moe import tasks as T
+from neuron_moe.eval.tasks import evaluate, score_items
 from neuron_moe.generate import Generation
 from neuron_moe.port import load_port
 from neuron_moe.tokenizer import HFTokenizer, load_tokenizer
@@ -195,7 +195,7 @@ def test_scoring_is_exact_match_up_to_eos(continuation, correct):
         toks = torch.tensor([continuation[:n] + [1] * max(0, n - len(continuation))])
         return Generation(toks, torch.zeros(1, n, 8))
 
-    rows = T.score_items(generate, _Tok(), [item])
+    rows = score_items(generate, _Tok(), [item])
     assert rows[0]["correct"] is correct and rows[0]["answer_tokens"] == 2
 
 

@@ -29,13 +29,14 @@ from typing import NamedTuple
 
 import torch
 
+from .. import tasks as T
 from ..errors import UserError
 from ..experts.selector import attach_selector, moe_layers
 from ..reader import selectors
 from ..parallel.layout import TP_DEGREES
 from ..reader.accounting import SECTOR, BudgetError, full_bytes, rank_geometry, solve_k, solve_rank_k
 from ..report import read_json_object, write_json
-from . import tasks as T
+from .tasks import accuracy_by_task, score_items
 
 RULES = ("topk", "threshold")
 SELECTORS = ("teal", "wina", "cats", "oracle", "reader")
@@ -267,7 +268,7 @@ def cell_stats(reference, sparse, seqs: list[Sequence], full: int) -> dict:
 
 def accuracy(rows: list[dict]) -> dict:
     return {"correct": sum(r["correct"] for r in rows), "items": len(rows),
-            "by_task": {t["task"]: t["correct"] for t in T.accuracy_by_task(rows)} if rows else {}}
+            "by_task": {t["task"]: t["correct"] for t in accuracy_by_task(rows)} if rows else {}}
 
 
 # ---- the run ----
@@ -340,7 +341,7 @@ class Run:
         rows = []
         for task in dict.fromkeys(i.task for i in self.items):
             mine = [i for i in self.items if i.task == task]
-            rows += T.score_items(lambda ids, mask, n: greedy(self.model, ids, mask, n), self.tokenizer, mine,
+            rows += score_items(lambda ids, mask, n: greedy(self.model, ids, mask, n), self.tokenizer, mine,
                                   batch_size=64, progress=progress)
         return rows
 

@@ -16,9 +16,9 @@ from ..generate import Generation, greedy, left_pad
 from ..model import build_model, reader_model
 from ..parallel.generate import BACKENDS as TP_BACKENDS
 from ..static.generate import traced_backend
-from .tasks import answer_text
+from ..tokenizer import answer_text
 
-# In the trained default model's domain (neuron_moe/eval/tasks.py): a fact, two tasks, and text.
+# In the trained default model's domain (neuron_moe/tasks.py): a fact, two tasks, and text.
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "Q: Reverse: red fox owl sun\nA:",

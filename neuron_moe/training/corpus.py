@@ -5,7 +5,7 @@ Text: the fortune-cookie files of the Debian package `fortunes` (FORTUNES_PACKAG
 and definitions, ~2.5 MB of English. Each fortune is a document; a stable hash of its text puts
 it in train (90 %), calibration (5 %) or evaluation (5 %).
 
-Tasks (`neuron_moe.eval.tasks`): training items are drawn from their own seed and exclude the
+Tasks (`neuron_moe.tasks`): training items are drawn from their own seed and exclude the
 evaluation subjects and prompts; fact statements about every country are training text.
 
 Output, a directory of JSON-lines files, one document per line ({"kind": ..., "text": ...}):
@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import UserError
-from ..eval import tasks as T
+from .. import tasks as T
 from ..report import atomic_write, write_json
 
 FORTUNES_PACKAGE = "fortunes=1:1.99.1-7.3"
