@@ -13,9 +13,6 @@ missing and random-initialises the model without raising — the trap this modul
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,7 +23,7 @@ from transformers.initialization import no_init_weights
 
 from .config import geometry_differences, read_config_file
 from .errors import UserError
-from .report import dumps, read_json_object
+from .report import atomic_dir, dumps, read_json_object
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -192,7 +189,16 @@ def load_checkpoint(ckpt_dir: Path, dtype: torch.dtype | None = None, expected: 
 def save_checkpoint(
     model: Gemma4ForCausalLM, out_dir: Path, *, multimodal: bool = False, shard_bytes: int | None = None
 ) -> Path:
-    """Write an HF-layout directory atomically: built in a temp dir beside it, then renamed in.
+    """Write an HF-layout directory atomically: built beside it, then renamed in (`atomic_dir`)."""
+    with atomic_dir(out_dir) as tmp:
+        write_checkpoint(model, tmp, multimodal=multimodal, shard_bytes=shard_bytes)
+    return Path(out_dir)
+
+
+def write_checkpoint(
+    model: Gemma4ForCausalLM, out_dir: Path, *, multimodal: bool = False, shard_bytes: int | None = None
+) -> None:
+    """The HF-layout files of `model` into the existing directory `out_dir`.
 
     `multimodal=True` writes the Gemma4ForConditionalGeneration layout (text under
     model.language_model., config under text_config) — what the real 26B checkpoint looks like.
@@ -210,27 +216,19 @@ def save_checkpoint(
     else:
         cfg = dict(config.to_dict(), architectures=["Gemma4ForCausalLM"])
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        (tmp / CONFIG).write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
-        shards = _shard(state, shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], tmp / SINGLE, metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, tmp / name, metadata={"format": "pt"})
-                weight_map.update({k: name for k in shard})
-            total = sum(t.numel() * t.element_size() for t in state.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    (out_dir / CONFIG).write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
+    shards = _shard(state, shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], out_dir / SINGLE, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out_dir / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _shard(state: dict[str, torch.Tensor], shard_bytes: int | None) -> list[dict[str, torch.Tensor]]:
@@ -246,17 +244,6 @@ def _shard(state: dict[str, torch.Tensor], shard_bytes: int | None) -> list[dict
         size += nbytes
     shards.append(current)
     return shards
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    if not target.exists():
-        os.rename(new, target)
-        return
-    old = target.with_name(f".{target.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    os.rename(target, old)
-    os.rename(new, target)
-    shutil.rmtree(old)
 
 
 def iter_expert_weights(ckpt_dir: Path, config: Gemma4TextConfig):

@@ -1,20 +1,25 @@
 """Plain-text tables, `--json FILE` output, and the project's files: reading its JSON, writing
-outputs (atomic for regular files, streamed to others), checking output paths before the work,
-and the lock a run holds on its output."""
+outputs (atomic for regular files, streamed to others; whole directories renamed into place),
+checking output paths before the work, the lock a run holds on its output, and a file's digest."""
 
 from __future__ import annotations
 
+import base64
 import errno
 import fcntl
+import glob
+import hashlib
 import json
 import math
 import os
+import shutil
 import stat
 import sys
 import tempfile
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import UserError
 
@@ -148,9 +153,7 @@ def atomic_write(path: Path, mode: str = "w", seekable: bool = False):
         if st is not None:
             os.fchmod(fd, stat.S_IMODE(st.st_mode))
         else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)
+            os.fchmod(fd, 0o666 & ~_umask())
         with _storage_errors(path):
             with os.fdopen(fd, mode) as f:
                 yield f
@@ -159,6 +162,66 @@ def atomic_write(path: Path, mode: str = "w", seekable: bool = False):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+@contextmanager
+def atomic_dir(out: Path, *, sweep: bool = False):
+    """Yield an empty hidden sibling of `out` (`.NAME.partial-*`) to build a directory in; when the
+    block ends it is renamed onto `out`, an old `out` moved aside first and removed after. On any
+    failure it is removed and `out` is untouched. `sweep`: the caller holds `out`'s `run_lock`, so
+    the partial siblings it finds are dead runs' leftovers: they are removed first."""
+    out = Path(out).absolute()
+    prefix = f".{out.name}.partial-"
+    with _storage_errors(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if sweep:
+            for stale in out.parent.glob(glob.escape(prefix) + "*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would become the published directory's mode
+        yield tmp
+        with _storage_errors(out):
+            old = None
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=prefix + "old-", dir=out.parent))
+                os.rename(out, old / "x")
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                if old is not None:
+                    os.rename(old / "x", out)
+                raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class FileDigest(NamedTuple):
+    size: int
+    sha256: str  # hex
+    crc32: str  # base64 of the big-endian 4 bytes, as S3 reports a CRC32 checksum
+
+
+def file_digest(path: Path, progress=None, chunk: int = 8 * 2**20) -> FileDigest:
+    """Size, sha256 and CRC32 of a file in one read; `progress` (a tqdm bar) is advanced by the bytes."""
+    sha, crc, size = hashlib.sha256(), 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            sha.update(block)
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+            if progress is not None:
+                progress.update(len(block))
+    return FileDigest(size, sha.hexdigest(), base64.b64encode(crc.to_bytes(4, "big")).decode())
 
 
 def _finite(obj: Any) -> Any:

@@ -189,7 +189,7 @@ def test_deep_check_finds_a_corrupt_member_the_quick_check_lets_through(bucket, 
 
 
 def test_a_file_growing_while_read_is_refused(bucket, client, artifacts, monkeypatch):
-    digest = s3._digest
+    digest = s3.file_digest
 
     def digest_while_a_writer_appends(path, bar=None):
         result = digest(path, bar)
@@ -198,7 +198,7 @@ def test_a_file_growing_while_read_is_refused(bucket, client, artifacts, monkeyp
                 f.write(b"more")
         return result
 
-    monkeypatch.setattr(s3, "_digest", digest_while_a_writer_appends)
+    monkeypatch.setattr(s3, "file_digest", digest_while_a_writer_appends)
     with pytest.raises(PublishError, match=r"graph\.neff: changed while it was read \(300000 -> 300004 bytes\)"):
         s3.publish(artifacts, f"s3://{bucket}/v1", progress=False, client=client)
     assert keys(client, bucket, "") == []

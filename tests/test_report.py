@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from neuron_moe import cli
-from neuron_moe.report import OutputError, atomic_write, write_json
+from neuron_moe.report import OutputError, atomic_dir, atomic_write, file_digest, write_json
 
 
 
@@ -137,3 +137,37 @@ def test_a_corrupt_run_file_of_eval_reader_is_named(tmp_path, capsys):
     (tmp_path / "run.json").write_text('{"model": "tiny-gemma4-moe", ')
     assert cli.main(["eval-reader", "--out", str(tmp_path), "--quick", "--selectors", "teal"]) == 2
     assert_one_error_line(capsys.readouterr().err, f"{tmp_path / 'run.json'}: not valid JSON")
+
+
+def test_a_directory_is_published_whole_or_not_at_all(tmp_path):
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with atomic_dir(out) as tmp:
+            (tmp / "new.txt").write_text("half")
+            raise RuntimeError("interrupted")
+    assert [p.name for p in tmp_path.iterdir()] == ["art"] and (out / "old.txt").read_text() == "old"
+    with atomic_dir(out) as tmp:
+        assert list(tmp.iterdir()) == [] and tmp.parent == tmp_path
+        (tmp / "new.txt").write_text("new")
+        assert (out / "old.txt").exists()  # the old one stands until the new one is complete
+    assert [p.name for p in tmp_path.iterdir()] == ["art"] and os.listdir(out) == ["new.txt"]
+
+
+def test_a_published_directory_gets_the_umask_mode_and_sweep_removes_dead_partials(tmp_path, restore_umask):
+    os.umask(0o027)
+    (tmp_path / ".art.partial-dead").mkdir()
+    (tmp_path / ".other.partial-x").mkdir()  # another output's: not ours to remove
+    with atomic_dir(tmp_path / "art", sweep=True):
+        pass
+    assert stat.S_IMODE((tmp_path / "art").stat().st_mode) == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.partial-x", "art"]
+
+
+def test_file_digest_is_size_sha256_and_s3s_crc32(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"hello world")
+    d = file_digest(path, chunk=4)  # several reads
+    assert d.size == 11 and d.sha256 == "b94d27b9934d3e08a52e52d7da7dabfac484efe37a5380ee9088f7ace2efcde9"
+    assert d.crc32 == "DUoRhQ=="  # base64 of crc32 0x0d4a1185, big-endian, as S3's ChecksumCRC32

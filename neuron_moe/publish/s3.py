@@ -28,8 +28,6 @@ instance role); AWS_ENDPOINT_URL_S3 points it at another S3 implementation.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import os
 import re
@@ -44,12 +42,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..report import check_output, run_lock
+from ..report import check_output, file_digest, run_lock
 
 MANIFEST = "neuron-moe-manifest.json"
 FORMAT = "neuron-moe-artifacts/1"
 ZIP_SUFFIXES = (".pt",)  # torch.save / torch.jit.save archives
-CHUNK = 8 * 2**20
 # S3 allows 10,000 parts of at least 5 MiB: 64 MiB parts reach 625 GiB per file.
 MULTIPART_THRESHOLD = 64 * 2**20
 MULTIPART_CHUNKSIZE = 64 * 2**20
@@ -111,19 +108,6 @@ def _bar(total: int, desc: str, progress: bool) -> tqdm:
                 disable=None if progress else True)
 
 
-def _digest(path: Path, bar: tqdm | None = None) -> tuple[int, str, str]:
-    """(size, sha256 hex, CRC32 as S3 writes it: base64 of the big-endian 4 bytes), in one read."""
-    sha, crc, size = hashlib.sha256(), 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            sha.update(chunk)
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-            if bar is not None:
-                bar.update(len(chunk))
-    return size, sha.hexdigest(), base64.b64encode(crc.to_bytes(4, "big")).decode()
-
-
 def _stamp(path: Path) -> tuple[int, int]:
     st = path.stat()
     return st.st_size, st.st_mtime_ns
@@ -171,7 +155,7 @@ def _check_file(rel: str, path: Path, deep: bool, bar: tqdm) -> tuple[dict, tupl
     before = _stamp(path)
     if path.name.endswith(ZIP_SUFFIXES):
         _check_zip(path, deep)
-    size, sha256, crc32 = _digest(path, bar)
+    size, sha256, crc32 = file_digest(path, bar)
     after = _stamp(path)
     if before != after or size != after[0]:
         raise PublishError(f"{path}: changed while it was read ({before[0]} -> {after[0]} bytes): "
@@ -346,7 +330,7 @@ def _fetch(client, bucket: str, key: str, target: Path, entry: dict, config, bar
     try:
         with _disk_errors(target), _s3_errors(f"downloading {_uri(bucket, key)} to {target}"):
             client.download_file(bucket, key, tmp, Config=config, Callback=bar.update)
-        size, sha256, _ = _digest(Path(tmp), bar)
+        size, sha256, _ = file_digest(Path(tmp), bar)
         if size != entry["size"] or sha256 != entry["sha256"]:
             raise PublishError(f"{_uri(bucket, key)} does not match its manifest entry: {size} bytes, "
                                f"sha256 {sha256} (expected {entry['size']} bytes, sha256 {entry['sha256']}); "
@@ -388,7 +372,7 @@ def _pull_files(client, bucket: str, prefix: str, files: list[dict], dest: Path,
         for entry in files:
             target = dest / entry["path"]
             if target.is_file() and target.stat().st_size == entry["size"]:
-                if _digest(target, bar)[1] == entry["sha256"]:
+                if file_digest(target, bar).sha256 == entry["sha256"]:
                     bar.update(entry["size"])
                     rows.append({**entry, "action": "present"})
                     continue

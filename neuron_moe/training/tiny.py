@@ -14,17 +14,18 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm import tqdm
 from transformers import Gemma4ForCausalLM, PreTrainedTokenizerFast
 
-from ..checkpoint import _replace_dir, save_checkpoint
+from ..checkpoint import write_checkpoint
 from ..errors import UserError
+from ..report import atomic_dir
 from .corpus import read_jsonl
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"  # ids 0, 1, 2: the port config's pad/eos/bos ids
@@ -32,8 +33,6 @@ LOG = "train_log.json"
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
@@ -119,8 +118,6 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
           lr: float = 3e-3, balance_coef: float = 0.01, task_share: float = 1.0, seed: int = 0,
           threads: int = 1, progress: bool = True) -> dict:
     """Train and write an HF-layout checkpoint directory (weights, config, tokenizer, train_log.json)."""
-    from tqdm import tqdm
-
     if not 0 < task_share <= 1:
         raise UserError(f"task share {task_share}: must be in (0, 1]")
     rows = read_jsonl(Path(corpus_dir) / "train.jsonl")
@@ -164,18 +161,12 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
     elapsed = time.time() - start
 
     model.eval()
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        save_checkpoint(model, staging / "ckpt")
-        tokenizer.save_pretrained(staging / "ckpt")
-        summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
-                   "balance_coef": balance_coef, "task_share": task_share, "threads": threads,
-                   "tokens": steps * batch_size * seq_len,
-                   "seconds": round(elapsed, 1), "final_loss": log[-1]["loss"], "log": log}
-        (staging / "ckpt" / LOG).write_text(json.dumps(summary, indent=1) + "\n")
-        _replace_dir(staging / "ckpt", out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
+               "balance_coef": balance_coef, "task_share": task_share, "threads": threads,
+               "tokens": steps * batch_size * seq_len,
+               "seconds": round(elapsed, 1), "final_loss": log[-1]["loss"], "log": log}
+    with atomic_dir(out_dir) as tmp:
+        write_checkpoint(model, tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / LOG).write_text(json.dumps(summary, indent=1) + "\n")
     return summary
