@@ -15,11 +15,12 @@ from safetensors.torch import load_file
 
 from neuron_moe.cli import main
 from neuron_moe.generate import greedy, left_pad
+from neuron_moe.neuron import artifact as na
 from neuron_moe.neuron import compile as nc
 from neuron_moe.parallel import nxd
 from neuron_moe.parallel.trace import generation_job, run_replicated
 from neuron_moe.port import load_port
-from neuron_moe.report import OutputError
+from neuron_moe.report import OutputError, file_digest
 
 from conftest import expert_reads, random_prompts
 
@@ -38,24 +39,24 @@ def artifact(tmp_path_factory, one_bucket_port):
 
 def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     manifest, out = artifact
-    assert nc.read_manifest(out) == {k: v for k, v in manifest.items() if k != "out"}
+    assert na.read_manifest(out) == {k: v for k, v in manifest.items() if k != "out"}
     assert manifest["keys"].keys() == {"context_encoding_16", "token_generation"}
     assert (manifest["port"], manifest["tp"], manifest["buckets"], manifest["max_length"], manifest["expert_layout"]) == \
         (one_bucket_port.name, 2, [16], 96, "channel")
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-    assert files == sorted([*manifest["files"], nc.MANIFEST])  # nothing else, nothing hidden
+    assert files == sorted([*manifest["files"], na.MANIFEST])  # nothing else, nothing hidden
     for name, meta in manifest["files"].items():
-        assert (out / name).stat().st_size == meta["size"] and nc._sha256(out / name) == meta["sha256"]
-    plan = json.loads((out / nc.SHARD_PLAN).read_text())
+        assert (out / name).stat().st_size == meta["size"] and file_digest(out / name).sha256 == meta["sha256"]
+    plan = json.loads((out / na.SHARD_PLAN).read_text())
     gu = plan["model.layers.1.experts.gate_up_proj.weight"]  # [E, H, 2I], each rank's gate and up channels
     assert (gu["placement"], gu["partition_dim"], gu["partition_stride"], gu["full_shape"], gu["rank_shape"]) == \
         ("experts_column", 2, 2, [16, 128, 128], [16, 128, 64])
-    shard = load_file(out / nc.WEIGHTS.format(rank=1))
+    shard = load_file(out / na.WEIGHTS.format(rank=1))
     assert shard["model.model.embed_tokens.rank_util.rank"].tolist() == [1]
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == nc.FORMAT == 3 and manifest["logits"] is False
+    assert manifest["format"] == na.FORMAT == 3 and manifest["logits"] is False
     assert manifest["keys"]["context_encoding_16"]["inputs"] == {
         "input_ids": [1, 16], "attention_mask": [1, 16], "position_ids": [1, 16], "row_ids": [1]}
     assert manifest["keys"]["token_generation"]["inputs"] == {"input_ids": [2, 1], "position_ids": [2, 1]}
@@ -69,7 +70,7 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
 def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
     _, out = artifact
     for key in ("context_encoding_16", "token_generation"):
-        program = torch.export.load(out / nc.GRAPHS.format(key=key))
+        program = torch.export.load(out / na.GRAPHS.format(key=key))
         sig = program.graph_signature
         assert sorted(sig.buffers_to_mutate.values()) == sorted(f"cache.{kv}{i}" for i in range(4) for kv in "kv")
         assert len(sig.user_outputs) == 1  # the token; no KV tensor, no logits
@@ -78,9 +79,9 @@ def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
 def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
     """The written programs and shards, loaded back, generate the reference tokens at TP 2."""
     _, out = artifact
-    programs = {"a/prefill 16": torch.export.load(out / nc.GRAPHS.format(key="context_encoding_16")),
-                "a/decode": torch.export.load(out / nc.GRAPHS.format(key="token_generation"))}
-    shards = [load_file(out / nc.WEIGHTS.format(rank=r)) for r in range(2)]
+    programs = {"a/prefill 16": torch.export.load(out / na.GRAPHS.format(key="context_encoding_16")),
+                "a/decode": torch.export.load(out / na.GRAPHS.format(key="token_generation"))}
+    shards = [load_file(out / na.WEIGHTS.format(rank=r)) for r in range(2)]
     ids, mask = left_pad(random_prompts(one_bucket_port.config.vocab_size, [11, 5], seed=3), 0)
     (result, _) = run_replicated(programs, {k: shards for k in programs}, generation_job,
                                  [("a", 2, 0, [(ids, mask, 5)])])  # each rank zero-initialises its own state
@@ -91,7 +92,7 @@ def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
 def test_a_second_run_never_mixes(artifact, one_bucket_port, tmp_path, monkeypatch):
     _, out = artifact
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    with pytest.raises(nc.ArtifactError, match="already holds a complete artifact; pass --overwrite"):
+    with pytest.raises(na.ArtifactError, match="already holds a complete artifact; pass --overwrite"):
         nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True)
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
@@ -104,13 +105,13 @@ def test_a_second_run_never_mixes(artifact, one_bucket_port, tmp_path, monkeypat
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("neuron_moe.parallel.trace.export_rank0", boom)
+    monkeypatch.setattr(nc, "export_rank0", boom)
     with pytest.raises(KeyboardInterrupt):
         nc.trace_and_compile(one_bucket_port, "fp32", 2, target, dry_run=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the output nor any partial
     (target / "stray").parent.mkdir()
     (target / "stray").write_text("x")
-    with pytest.raises(nc.ArtifactError, match="holds files but no manifest"):
+    with pytest.raises(na.ArtifactError, match="holds files but no manifest"):
         nc.trace_and_compile(one_bucket_port, "fp32", 2, target, dry_run=True)
 
 
@@ -122,8 +123,8 @@ def test_overwrite_replaces_only_an_artifact(one_bucket_port, tmp_path):
     (precious / "config.json").write_text("{}")
     for manifest in (None, "[1, 2]", '{"name": "someone else\'s manifest.json"}'):
         if manifest is not None:
-            (precious / nc.MANIFEST).write_text(manifest)
-        with pytest.raises(nc.ArtifactError, match="--overwrite never replaces|is not replaced, --overwrite or not|"
+            (precious / na.MANIFEST).write_text(manifest)
+        with pytest.raises(na.ArtifactError, match="--overwrite never replaces|is not replaced, --overwrite or not|"
                                                    "expected a JSON object"):
             nc.trace_and_compile(one_bucket_port, "fp32", 2, precious, dry_run=True, overwrite=True, export=False)
         assert (precious / "notes" / "todo.txt").read_text() == "keep me"
@@ -156,7 +157,7 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(one_bucket
     finally:
         release.set()
         thread.join(120)
-    assert first["manifest"]["files"] and nc.read_manifest(out)["tp"] == 2
+    assert first["manifest"]["files"] and na.read_manifest(out)["tp"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no partial, no lock file left
 
 
@@ -165,10 +166,10 @@ def test_full_size_port_dry_run_on_meta(tmp_path):
     out = tmp_path / "big"
     report = nc.trace_and_compile(load_port("gemma4-26b-a4b"), "int8", 8, out, dry_run=True, export=False)
     assert not report["weights"] and not report["keys"]["token_generation"]["exported"]
-    manifest = nc.read_manifest(out)
+    manifest = na.read_manifest(out)
     assert manifest["keys"].keys() == {"context_encoding_128", "context_encoding_512", "context_encoding_2048",
                                        "token_generation"}
-    plan = json.loads((out / nc.SHARD_PLAN).read_text())
+    plan = json.loads((out / na.SHARD_PLAN).read_text())
     down = plan["model.layers.5.experts.down_proj.weight"]  # every expert's 704 channels over 8 ranks, int8
     assert (down["full_shape"], down["rank_shape"], down["dtype"]) == ([128, 704, 2816], [128, 88, 2816], "int8")
     assert plan["model.layers.5.experts.down_proj.scale"]["rank_shape"] == [128, 1, 2816]  # per (expert, hidden), replicated
@@ -212,16 +213,16 @@ def test_an_artifact_or_shard_of_the_other_layout_is_refused(artifact, tmp_path)
     """The channel artifact above, its manifest edited to claim the expert layout: served with the
     port's channel layout it is refused, and its shards are refused as not the manifest's layout."""
     manifest, out = artifact
-    manifest = nc.read_manifest(out)
-    nc.check_expert_layout(manifest, "channel", out)
-    with pytest.raises(nc.ArtifactError, match="built with the 'channel' expert layout, served here with the "
+    manifest = na.read_manifest(out)
+    na.check_expert_layout(manifest, "channel", out)
+    with pytest.raises(na.ArtifactError, match="built with the 'channel' expert layout, served here with the "
                                                "'expert' layout"):
-        nc.check_expert_layout(manifest, "expert", out)
+        na.check_expert_layout(manifest, "expert", out)
     claimed = dict(manifest, expert_layout="expert")
-    with pytest.raises(nc.ArtifactError, match=r"tp0_sharded_checkpoint.safetensors holds its experts in the "
+    with pytest.raises(na.ArtifactError, match=r"tp0_sharded_checkpoint.safetensors holds its experts in the "
                                                r"'channel' layout, the manifest says 'expert'"):
-        nc.load_shards(out, claimed)
-    assert len(nc.load_shards(out, manifest)) == 2
+        na.load_shards(out, claimed)
+    assert len(na.load_shards(out, manifest)) == 2
 
 
 def test_a_degree_that_does_not_split_the_channels_is_refused(tiny_port, tmp_path, capsys):
@@ -279,8 +280,8 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
     graph = nc._graph(module, one_bucket_port.static, "token_generation", new_cache(module, 96, 2), False)
     assert seen["checkpoint"].keys() == graph.state_dict().keys()  # weights only: the state is not in it
     assert seen["checkpoint"]["model.model.layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
-    assert sorted(report["files"]) == [nc.MODEL, nc.SHARD_PLAN, *(nc.WEIGHTS.format(rank=r) for r in range(2))]
-    assert not report["dry_run"] and nc.read_manifest(tmp_path / "out")["dtype"] == "int8"
+    assert sorted(report["files"]) == [na.MODEL, na.SHARD_PLAN, *(na.WEIGHTS.format(rank=r) for r in range(2))]
+    assert not report["dry_run"] and na.read_manifest(tmp_path / "out")["dtype"] == "int8"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "model.pt", "shard_plan.json",
                                                                     "weights"]
 
@@ -334,7 +335,7 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
             return nc._graph(model, spec, key, new_cache(model, 96, 2, aliased=True), False)
         return build
 
-    keys = {k: (factory(k), [nc._example(spec, k)]) for k in nc.key_names(spec.buckets)}
+    keys = {k: (factory(k), [nc._example(spec, k)]) for k in na.key_names(spec.buckets)}
     _, traced = nxd.trace_keys(keys, checkpoint_loader=dict, tp=1, workdir="unused")
     names = []
     for key, (module, aliases, outputs) in traced.items():

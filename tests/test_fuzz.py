@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from neuron_moe import cli
 from neuron_moe.checkpoint import _weight_map
 from neuron_moe.errors import UserError
-from neuron_moe.neuron import compile as nc
+from neuron_moe.neuron import artifact as na
 from neuron_moe.port import tomllib
 from neuron_moe.publish import s3
 from neuron_moe.reader.prep import Sidecar, write_sidecar
@@ -296,7 +296,7 @@ def test_fuzz_sidecar_metadata(small_sidecar, tmp_path, edits):
     expect_user_error_or_nothing(lambda: Sidecar(path))
 
 
-ARTIFACT = {"format": nc.FORMAT, "port": MODEL, "dtype": "bf16", "tp": 1, "expert_layout": "channel",
+ARTIFACT = {"format": na.FORMAT, "port": MODEL, "dtype": "bf16", "tp": 1, "expert_layout": "channel",
             "buckets": [64], "max_length": 128, "batch_size": 1, "dry_run": False, "logits": False}
 PUBLICATION = {"format": s3.FORMAT, "files": [{"path": "model.pt", "size": 3, "sha256": "0" * 64}]}
 
@@ -305,7 +305,7 @@ PUBLICATION = {"format": s3.FORMAT, "files": [{"path": "model.pt", "size": 3, "s
 @given(artifact=mutations(ARTIFACT), publication=mutations(PUBLICATION),
        entry=mutations(PUBLICATION["files"][0]))
 def test_fuzz_manifests(tmp_path, artifact, publication, entry):
-    (tmp_path / nc.MANIFEST).write_text(json.dumps(mutated(ARTIFACT, artifact)))
-    expect_user_error_or_nothing(lambda: nc.read_manifest(tmp_path))
+    (tmp_path / na.MANIFEST).write_text(json.dumps(mutated(ARTIFACT, artifact)))
+    expect_user_error_or_nothing(lambda: na.read_manifest(tmp_path))
     for doc in (mutated(PUBLICATION, publication), dict(PUBLICATION, files=[mutated(PUBLICATION["files"][0], entry)])):
         expect_user_error_or_nothing(lambda: s3._check_manifest(doc, "s3://b/p/manifest"))

@@ -26,6 +26,7 @@ from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.model import prep_port, reader_model
 from neuron_moe.generate import greedy, left_pad
 from neuron_moe.model import build_model
+from neuron_moe.neuron import artifact as na
 from neuron_moe.neuron import compile as nc
 from neuron_moe.parallel import cpu, layout, nxd, reader
 from neuron_moe.parallel.generate import TPGenerator
@@ -120,9 +121,9 @@ def test_tp2_artifact_is_the_per_rank_reader_emulated(tiny_port, tiny_eager, sha
     port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(8,)))
     out = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, logits=True,
                                reader={"sidecar": shards, "budget": BUDGET})
-    programs = {f"a/{name}": torch.export.load(tmp_path / "art" / nc.GRAPHS.format(key=key))
+    programs = {f"a/{name}": torch.export.load(tmp_path / "art" / na.GRAPHS.format(key=key))
                 for name, key in (("prefill 8", "context_encoding_8"), ("decode", "token_generation"))}
-    weights = [load_file(tmp_path / "art" / nc.WEIGHTS.format(rank=r)) for r in range(2)]
+    weights = [load_file(tmp_path / "art" / na.WEIGHTS.format(rank=r)) for r in range(2)]
     tokens, logits = run_replicated(programs, {k: weights for k in programs}, generation_job,
                                     [("a", 2, 0, [(*prompts, NEW_TOKENS)])])[0]["a"]
     emulated = build_model(tiny_port, "eager")
@@ -177,8 +178,8 @@ def test_neuron_path_writes_each_ranks_shard(tiny_port, shards, tmp_path, monkey
     mine = [Sidecar(shards / shard.shard_name(2, r)).layer(3).coeffs for r in range(2)]
     assert seen["checkpoint"][name].shape == mine[0].shape
     for r in range(2):
-        assert torch.equal(load_file(tmp_path / "out" / nc.WEIGHTS.format(rank=r))[name], mine[r])
-    manifest = json.loads((tmp_path / "out" / nc.MANIFEST).read_text())
+        assert torch.equal(load_file(tmp_path / "out" / na.WEIGHTS.format(rank=r))[name], mine[r])
+    manifest = json.loads((tmp_path / "out" / na.MANIFEST).read_text())
     assert manifest["reader"]["budget"] == BUDGET and manifest["reader"]["k_per_rank"] > 0
 
 
@@ -317,12 +318,12 @@ def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
     report = nc.trace_and_compile(port, "bf16", 8, tmp_path / "big", dry_run=True, export=False,
                                   reader={"budget": 17.8})
     assert report["reader"] == {"budget": 17.8, "k_per_rank": 55, "scan": 80, "rank": 32, "source_sha256": None}
-    plan = json.loads((tmp_path / "big" / nc.SHARD_PLAN).read_text())
+    plan = json.loads((tmp_path / "big" / na.SHARD_PLAN).read_text())
     codes = plan["model.layers.7.experts.reader.codes"]
     assert (codes["placement"], codes["full_shape"], codes["rank_shape"]) == \
         ("reader_shard", [8 * 128, 22, 128, 64], [128, 22, 128, 64])
     assert plan["model.layers.7.experts.reader.basis"]["placement"] == "replicated"
-    with pytest.raises(nc.ArtifactError, match="has no weights here: --reader builds shapes only"):
+    with pytest.raises(na.ArtifactError, match="has no weights here: --reader builds shapes only"):
         nc.trace_and_compile(port, "bf16", 8, tmp_path / "b2", dry_run=True, export=False,
                              reader={"budget": 17.8, "sidecar": tmp_path})
     with pytest.raises(Exception, match=r"per rank at TP 8 .*below what the reader reads"):

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from neuron_moe.generate import greedy, left_pad
-from neuron_moe.neuron.compile import FORMAT
+from neuron_moe.neuron.artifact import FORMAT
 from neuron_moe.serve import neuron
 from neuron_moe.serve.batching import BatchEngine
 from neuron_moe.serve.engine import RequestError, SamplingParams

@@ -23,7 +23,7 @@ import torch
 from neuron_moe import cli
 from neuron_moe.checkpoint import save_checkpoint
 from neuron_moe.model import build_model
-from neuron_moe.neuron.compile import FORMAT
+from neuron_moe.neuron.artifact import FORMAT
 from neuron_moe.port import load_port
 from neuron_moe.serve import neuron
 from neuron_moe.serve.server import plan_load

@@ -1,33 +1,6 @@
 """trace-and-compile: the rank modules' graphs, per-rank weights and a manifest, in one directory.
 
-The artifact contract (what `serve/neuron.py` and `pull` read) is defined here, once:
-
-    manifest.json   MANIFEST_FIELDS below (expert_layout: how the graphs split the experts,
-                    `parallel/layout.py`), plus each key's inputs and outputs, the state, the
-                    reader (`--reader`: budget, k_per_rank, scan, rank, source_sha256; null
-                    without), and the files' sizes and sha256
-    model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
-                    context-encoding key per prefill bucket and one token-generation key
-    weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint),
-                    in the manifest's expert layout (`load_shards` refuses one of the other);
-                    with the reader, rank r's sidecar shard too (`<...>.experts.reader.*`)
-    shard_plan.json every rank-module tensor: placement, partition dim and stride, full and
-                    per-rank shape, dtype
-
-Each key is the static decoder (`static/decoder.py`) over the full-model rank module
-(`parallel/model.py`); B = batch_size, the rows of the KV cache:
-
-    context_encoding_<b>  (input_ids, attention_mask, position_ids [1, b], row_ids [1]) -> token [1, 1]
-                          one prompt, left-padded to the bucket, into cache row row_ids[0]
-    token_generation      (input_ids [B, 1], position_ids [B, 1]) -> token [B, 1]
-                          every row at its own position
-
-An artifact built with `logits=True` (`--with-logits`) also returns the fp32 logits [rows, V] after
-the token (validation, host-side sampling); the default returns the token alone. The KV cache is
-the graphs' state, never an input or output: `cache.k{i}` / `cache.v{i}` per layer, [B, KV heads of
-the rank, ring length, head_dim], aliased parameters (`input_output_aliases`) that every key
-shares and NxD zero-initialises on each rank (the manifest's `state`). Formats 1 and 2 (the cache
-in and out of every call) are refused.
+The directory is the artifact contract of `artifact.py`, which serve and pull read.
 
 On Neuron (the SDK present) the keys go through ModelBuilder (`parallel/nxd.py`). `--dry-run`
 builds the same rank modules on CPU over the gloo backend (`parallel/cpu.py`), exports every key
@@ -46,91 +19,31 @@ run finds are an interrupted run's leftovers, and it removes them.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.metadata
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..errors import UserError
-from ..parallel.layout import EXPERT_LAYOUTS
+from ..experts.int8 import quantize_experts
+from ..model import build_model
+from ..parallel import cpu, layout, nxd, reader
+from ..parallel.generate import check_reader
+from ..parallel.model import rank_model
 from ..parallel.reader import READER
-from ..report import check_output, dumps, read_json_object, run_lock
+from ..parallel.trace import export_rank0
+from ..reader.accounting import Geometry, Layout, rank_geometry, solve_rank_k
+from ..reader.prep import RANK, SCAN, model_expert_weights
+from ..reader.prep import Layout as SidecarLayout
+from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock
+from ..static.decoder import Decode, Prefill, new_cache
+from ..static.export import GraphError, checked, example_inputs, functional
+from .artifact import FORMAT, GRAPHS, MANIFEST, MODEL, SHARD_PLAN, WEIGHTS, ArtifactError, key_names
 
-MANIFEST = "manifest.json"
-MODEL = "model.pt"
-WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
-SHARD_PLAN = "shard_plan.json"
-GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
-FORMAT = 3
-# field -> type; what a server needs to call the graphs
-MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "expert_layout": str, "buckets": list,
-                   "max_length": int, "batch_size": int, "dry_run": bool, "logits": bool}
 DTYPES = {"bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True), "fp32": (torch.float32, False)}
-_PARTIAL = ".{name}.partial-"
 _SDK_DISTS = ("torch", "transformers", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla")
-
-
-class ArtifactError(UserError):
-    pass
-
-
-def read_manifest(artifacts: Path) -> dict:
-    """The manifest of an artifact directory, every field of the contract checked."""
-    path = Path(artifacts) / MANIFEST
-    manifest = read_json_object(
-        path, ArtifactError, f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)")
-    for key, kind in MANIFEST_FIELDS.items():
-        if not isinstance(manifest.get(key), kind):
-            raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
-    if manifest["format"] != FORMAT:
-        raise ArtifactError(f"{path}: artifact format {manifest['format']}, this version reads {FORMAT} "
-                            f"(rebuild it with this version's trace-and-compile)")
-    if manifest["expert_layout"] not in EXPERT_LAYOUTS:
-        raise ArtifactError(f"{path}: expert_layout {manifest['expert_layout']!r} is not one of {list(EXPERT_LAYOUTS)}")
-    buckets = manifest["buckets"]
-    if not buckets or not all(isinstance(b, int) and 0 < b <= manifest["max_length"] for b in buckets):
-        raise ArtifactError(f"{path}: 'buckets' must be positive lengths up to max_length "
-                           f"({manifest['max_length']}), got {buckets}")
-    return manifest
-
-
-def check_expert_layout(manifest: dict, expert_layout: str, artifacts: Path) -> None:
-    """Refuse an artifact built for the other expert layout than the one it is to be served with."""
-    if manifest["expert_layout"] != expert_layout:
-        raise ArtifactError(f"{artifacts}: built with the {manifest['expert_layout']!r} expert layout, served here "
-                            f"with the {expert_layout!r} layout (the port's [static] expert_layout): rebuild it with "
-                            f"trace-and-compile --expert-layout {expert_layout}, or set expert_layout = "
-                            f"\"{manifest['expert_layout']}\" in the port")
-
-
-def load_shards(artifacts: Path, manifest: dict) -> list[dict]:
-    """Every rank's weight shard, each checked to be in the manifest's expert layout."""
-    from safetensors.torch import load_file
-
-    from ..parallel import layout
-
-    paths = [Path(artifacts) / WEIGHTS.format(rank=r) for r in range(manifest["tp"])]
-    absent = [str(p) for p in paths if not p.is_file()]
-    if absent:
-        raise ArtifactError(f"{artifacts}: missing weight shard(s) {', '.join(absent)}")
-    shards = []
-    for path in paths:
-        shard = load_file(path)
-        have = layout.expert_layout_of(shard)
-        if have is not None and have != manifest["expert_layout"]:
-            raise ArtifactError(f"{path} holds its experts in the {have!r} layout, the manifest says "
-                                f"{manifest['expert_layout']!r}: the directory mixes two builds; rebuild it")
-        shards.append(shard)
-    return shards
-
-
-def key_names(buckets) -> list[str]:
-    return [f"context_encoding_{b}" for b in buckets] + ["token_generation"]
 
 
 def sdk_versions() -> dict[str, str | None]:
@@ -143,18 +56,9 @@ def sdk_versions() -> dict[str, str | None]:
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _prepare_out(out: Path, overwrite: bool) -> Path:
-    """A fresh hidden sibling of `out` to build in; stale ones of earlier runs removed (call it
-    holding the run lock of `out`: then every other sibling is a dead run's)."""
-    out = out.resolve()
+def _check_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuse an `out` that is not ours to replace: a file, a directory that is not an artifact,
+    or an artifact without --overwrite."""
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()):
@@ -169,47 +73,23 @@ def _prepare_out(out: Path, overwrite: bool) -> Path:
         if not overwrite:
             raise ArtifactError(f"{out} already holds a complete artifact; pass --overwrite to replace it, "
                                 "or choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    prefix = _PARTIAL.format(name=out.name)
-    for stale in out.parent.glob(prefix + "*"):
-        shutil.rmtree(stale, ignore_errors=True)  # a dead run's leftovers (a live one would hold the lock)
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would become the published directory's mode
-    return tmp
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename the finished directory into place; an old one is moved aside first, then removed."""
-    out = out.resolve()
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=_PARTIAL.format(name=out.name) + "old-", dir=out.parent))
-        os.rename(out, old / "x")
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """write(tmp_path), then rename: a reader never sees a partial file."""
+def _new_file(path: Path) -> Path:
+    """`path` with its folder made. The run's files go straight into its private directory, which
+    `atomic_dir` renames into place only when the manifest is written: none needs its own rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(".tmp-" + path.name)  # same suffix: torch.export.save wants .pt2
-    write(part)
-    os.replace(part, path)
+    return path
 
 
 def _graph(model, spec, key: str, cache, logits: bool):
     """Key `key`'s graph over `model`, its state `cache` (shared by every key of one model)."""
-    from ..static.decoder import Decode, Prefill
-
     if key == "token_generation":
         return Decode(model, cache, spec.decode_experts, logits)
     return Prefill(model, cache, spec.prefill_experts, logits)
 
 
 def _example(spec, key: str) -> tuple:
-    from ..static.export import example_inputs
-
     return example_inputs(spec, None if key == "token_generation" else int(key.rsplit("_", 1)[1]))
 
 
@@ -229,8 +109,6 @@ def _key_contract(graph, spec, key: str) -> dict:
 def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
     """Every tensor of the rank module: placement, partition dim and stride, full shape, per-rank
     shape, dtype."""
-    from ..parallel import layout
-
     plan = {}
     params = dict(module.named_parameters())
     for name, t in module.state_dict().items():
@@ -255,8 +133,6 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     `reader` ({"sidecar": DIR of `prep-reader --tp`, "budget", "rank"}): the decode key reads through
     each rank's sidecar shard (`parallel/reader.py`), which goes into that rank's weights; a port
     without weights takes the geometry's shapes (`scan`, `rank`; no sidecar)."""
-    from ..parallel import layout, nxd
-
     if dtype not in DTYPES:
         raise ArtifactError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     port.static_spec("trace-and-compile")
@@ -279,8 +155,8 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     out = Path(out)
     check_output(out, directory=True)
     with run_lock(out.resolve(), "trace-and-compile"):
-        tmp = _prepare_out(out, overwrite)
-        try:
+        _check_replaceable(out.resolve(), overwrite)
+        with atomic_dir(out.resolve(), sweep=True) as tmp:  # sweep: holding the lock, partial siblings are dead runs'
             full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides) if has_weights else None
             build = dict(expert_layout=expert_layout, int8=int8, dtype=torch_dtype, reader=reads)
             if dry_run:
@@ -288,9 +164,10 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
             else:
                 module, files, exported = _neuron(port, spec, keys, tp, full, tmp, logits, build)
             plan = shard_plan(module, full, tp, expert_layout)
-            _atomic_write(tmp / SHARD_PLAN, lambda p: p.write_text(dumps(plan, indent=1)))
+            (tmp / SHARD_PLAN).write_text(dumps(plan, indent=1))
             files = [*files, SHARD_PLAN]
             contract, state = _contract(module, spec, keys, logits)
+            digests = {f: file_digest(tmp / f) for f in sorted(files)}
             manifest = {
                 "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "expert_layout": expert_layout,
                 "buckets": list(spec.buckets),
@@ -298,24 +175,15 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
                 "keys": {k: dict(contract[k], exported=exported) for k in keys}, "state": state,
                 "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
                 "reader": None if reads is None else {k: v for k, v in reads.items() if k != "layout"},
-                "files": {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)},
+                "files": {f: {"size": d.size, "sha256": d.sha256} for f, d in digests.items()},
             }
-            _atomic_write(tmp / MANIFEST, lambda p: p.write_text(dumps(manifest, indent=1) + "\n"))
-            _publish(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            (tmp / MANIFEST).write_text(dumps(manifest, indent=1) + "\n")
     return dict(manifest, out=str(out.resolve()))
 
 
 def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=None) -> dict:
     """The whole model in the parallel layout (int8 experts quantised), named as the rank module;
     with the reader's shards `sides`, their entries too (checked against these weights)."""
-    from ..experts.int8 import quantize_experts
-    from ..model import build_model
-    from ..parallel import layout, reader
-    from ..reader.prep import model_expert_weights
-
     hf = build_model(port, "eager", torch_dtype, checkpoint)
     if sides is not None:
         sides[0].check_source(model_expert_weights(hf))
@@ -326,12 +194,6 @@ def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=No
 
 def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, has_weights: bool):
     """(each rank's shard or None, the settings the graphs are built with) of `--reader`."""
-    from ..parallel import reader
-    from ..parallel.generate import check_reader
-    from ..reader.accounting import Geometry, Layout, rank_geometry, solve_rank_k
-    from ..reader.prep import RANK, SCAN
-    from ..reader.prep import Layout as SidecarLayout
-
     check_reader(expert_layout, int8, options.get("budget"))
     if has_weights:
         if options.get("sidecar") is None:
@@ -354,9 +216,6 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, h
 
 def _rank_module(port, tp, backend, build: dict, device="cpu"):
     """One rank's model (`parallel/model.py`), with the reader's shard module when `build` has one."""
-    from ..parallel import reader
-    from ..parallel.model import rank_model
-
     options = {k: v for k, v in build.items() if k != "reader"}
     model = rank_model(port.config, tp, backend, device=device, **options)
     reads = build.get("reader")
@@ -366,13 +225,6 @@ def _rank_module(port, tp, backend, build: dict, device="cpu"):
 
 
 def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, build: dict):
-    from safetensors.torch import save_file
-
-    from ..parallel import cpu
-    from ..parallel.trace import export_rank0
-    from ..static.decoder import new_cache
-    from ..static.export import GraphError, checked, functional
-
     device = "cpu" if full is not None else "meta"  # no weights: shapes only, nothing allocated
     module = _rank_module(port, tp, cpu, build, device)
     files = []
@@ -389,7 +241,7 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
             raise ArtifactError(str(e)) from None
         if full is not None:  # a meta program has no weights to save
             name = GRAPHS.format(key=key)
-            _atomic_write(tmp / name, lambda p: torch.export.save(program, p))
+            torch.export.save(program, _new_file(tmp / name))
             files.append(name)
     if full is None:
         return module, files, export
@@ -398,16 +250,13 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
         # the graphs hold the model as `.model`: their parameters are named model.<rank-module name>;
         # the KV cache is state, not a weight: it is in no shard (each rank zero-initialises its own)
         state = {f"model.{k}": v.contiguous() for k, v in shard.items()}
-        _atomic_write(tmp / name, lambda p: save_file(state, str(p)))
+        save_file(state, _new_file(tmp / name))
         files.append(name)
     return module, files, True
 
 
 def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict):
     """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
-    from ..parallel import cpu, nxd
-    from ..static.decoder import new_cache
-
     def factory(key):
         def make():  # each key's own module; its state names (cache.k0, ...) are every key's
             model = _rank_module(port, tp, nxd, build)
@@ -424,7 +273,7 @@ def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict):
     checkpoint = {f"model.{k}": (_rank_piece(v, tp, 0) if k in own else v) for k, v in full.items()}
     builder, traced = nxd.trace_keys({key: (factory(key), [_example(spec, key)]) for key in keys},
                                      checkpoint_loader=lambda: checkpoint, tp=tp, workdir=tmp / "compiler")
-    _atomic_write(tmp / MODEL, lambda p: torch.jit.save(traced, str(p)))
+    torch.jit.save(traced, str(tmp / MODEL))
     nxd.shard_checkpoint(builder, tmp / "weights")
     shutil.rmtree(tmp / "compiler", ignore_errors=True)
     files = [MODEL] + [WEIGHTS.format(rank=r) for r in range(tp)]
@@ -438,32 +287,24 @@ def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict):
 
 def _reader_split(full: dict) -> list[str]:
     """The reader's per-rank entries of a full checkpoint (the ranks' shards concatenated on dim 0)."""
-    from ..parallel import layout
-
     return [k for k in full if layout.placement(k) == layout.READER_SHARD]
 
 
 def _rank_piece(tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    from ..parallel import layout
-
     return layout.split(tensor, 0, tp, rank).contiguous()
 
 
 def _write_reader_shards(tmp: Path, entries: dict, tp: int) -> None:
     """Each rank's reader shard into its weights file (NxD's shard_checkpoint wrote rank 0's in all)."""
-    from safetensors.torch import load_file, save_file
-
     for rank in range(tp):
         path = tmp / WEIGHTS.format(rank=rank)
         state = load_file(path)
         state.update({f"model.{k}": _rank_piece(v, tp, rank) for k, v in entries.items()})
-        _atomic_write(path, lambda p: save_file(state, str(p)))
+        save_file(state, path)
 
 
 def _contract(module, spec, keys, logits: bool) -> tuple[dict, dict]:
     """(each key's inputs and outputs, the KV state per rank) as the manifest records them."""
-    from ..static.decoder import new_cache
-
     cache = new_cache(module, spec.max_cache_len, spec.batch_size)
     state = {f"cache.{n}": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
              for n, t in zip(cache.names, cache.tensors())}

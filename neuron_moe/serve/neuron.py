@@ -5,7 +5,7 @@ Written against the NxD runtime API as NxD Inference uses it; the Neuron SDK
 `--backend neuron` is chosen, and its absence is a clear error.
 
 The artifact directory is what `neuron-moe trace-and-compile` writes; its contract (file names,
-manifest fields, the graphs' signatures) is defined once, in `neuron_moe/neuron/compile.py`:
+manifest fields, the graphs' signatures) is defined once, in `neuron_moe/neuron/artifact.py`:
 manifest.json, model.pt (a context-encoding key per bucket, a token-generation key; NxD routes
 each call to the key whose example inputs match), weights/tp{r}_sharded_checkpoint.safetensors.
 
@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..neuron.compile import (MANIFEST, MODEL, WEIGHTS, ArtifactError, check_expert_layout,  # noqa: F401  (the contract)
-                               load_shards, read_manifest)
+from ..neuron.artifact import MODEL, ArtifactError, check_expert_layout, load_shards, read_manifest
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
 from .runtime import GraphRuntime
 

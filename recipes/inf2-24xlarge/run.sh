@@ -47,7 +47,7 @@ for step in $STEPS; do
               --tp $TP --out /artifacts/$MODEL-int8-tp$TP" ;;
     validate)  # the artifacts' manifests; SEQ_MATCH of the TP-8 rank modules on CPU (gloo), on the tiny port:
                # the full-size fp32 reference alone would need ~100 GB of host memory and hours
-      in_dlc "$VENV && python3 -c 'import sys; from neuron_moe.neuron.compile import read_manifest; \
+      in_dlc "$VENV && python3 -c 'import sys; from neuron_moe.neuron.artifact import read_manifest; \
               [print(d, read_manifest(d)[\"files\"].keys()) for d in sys.argv[1:]]' \
               /artifacts/$MODEL-bf16-tp$TP /artifacts/$MODEL-int8-tp$TP \
               && neuron-moe validate --model tiny-gemma4-moe --backend tp8" ;;

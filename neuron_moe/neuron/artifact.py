@@ -1,0 +1,105 @@
+"""The trace-and-compile artifact: what `neuron/compile.py` writes and `serve/neuron.py` reads,
+defined here once.
+
+    manifest.json   MANIFEST_FIELDS below (expert_layout: how the graphs split the experts,
+                    `parallel/layout.py`), plus each key's inputs and outputs, the state, the
+                    reader (`--reader`: budget, k_per_rank, scan, rank, source_sha256; null
+                    without), and the files' sizes and sha256
+    model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
+                    context-encoding key per prefill bucket and one token-generation key
+    weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint),
+                    in the manifest's expert layout (`load_shards` refuses one of the other);
+                    with the reader, rank r's sidecar shard too (`<...>.experts.reader.*`)
+    shard_plan.json every rank-module tensor: placement, partition dim and stride, full and
+                    per-rank shape, dtype
+
+Each key is the static decoder (`static/decoder.py`) over the full-model rank module
+(`parallel/model.py`); B = batch_size, the rows of the KV cache:
+
+    context_encoding_<b>  (input_ids, attention_mask, position_ids [1, b], row_ids [1]) -> token [1, 1]
+                          one prompt, left-padded to the bucket, into cache row row_ids[0]
+    token_generation      (input_ids [B, 1], position_ids [B, 1]) -> token [B, 1]
+                          every row at its own position
+
+An artifact built with `logits=True` (`--with-logits`) also returns the fp32 logits [rows, V] after
+the token (validation, host-side sampling); the default returns the token alone. The KV cache is
+the graphs' state, never an input or output: `cache.k{i}` / `cache.v{i}` per layer, [B, KV heads of
+the rank, ring length, head_dim], aliased parameters (`input_output_aliases`) that every key
+shares and NxD zero-initialises on each rank (the manifest's `state`). Formats 1 and 2 (the cache
+in and out of every call) are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from ..errors import UserError
+from ..parallel import layout
+from ..parallel.layout import EXPERT_LAYOUTS
+from ..report import read_json_object
+
+MANIFEST = "manifest.json"
+MODEL = "model.pt"
+WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
+SHARD_PLAN = "shard_plan.json"
+GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
+FORMAT = 3
+# field -> type; what a server needs to call the graphs
+MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "expert_layout": str, "buckets": list,
+                   "max_length": int, "batch_size": int, "dry_run": bool, "logits": bool}
+
+
+class ArtifactError(UserError):
+    pass
+
+
+def read_manifest(artifacts: Path) -> dict:
+    """The manifest of an artifact directory, every field of the contract checked."""
+    path = Path(artifacts) / MANIFEST
+    manifest = read_json_object(
+        path, ArtifactError, f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)")
+    for key, kind in MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
+    if manifest["format"] != FORMAT:
+        raise ArtifactError(f"{path}: artifact format {manifest['format']}, this version reads {FORMAT} "
+                            f"(rebuild it with this version's trace-and-compile)")
+    if manifest["expert_layout"] not in EXPERT_LAYOUTS:
+        raise ArtifactError(f"{path}: expert_layout {manifest['expert_layout']!r} is not one of {list(EXPERT_LAYOUTS)}")
+    buckets = manifest["buckets"]
+    if not buckets or not all(isinstance(b, int) and 0 < b <= manifest["max_length"] for b in buckets):
+        raise ArtifactError(f"{path}: 'buckets' must be positive lengths up to max_length "
+                           f"({manifest['max_length']}), got {buckets}")
+    return manifest
+
+
+def check_expert_layout(manifest: dict, expert_layout: str, artifacts: Path) -> None:
+    """Refuse an artifact built for the other expert layout than the one it is to be served with."""
+    if manifest["expert_layout"] != expert_layout:
+        raise ArtifactError(f"{artifacts}: built with the {manifest['expert_layout']!r} expert layout, served here "
+                            f"with the {expert_layout!r} layout (the port's [static] expert_layout): rebuild it with "
+                            f"trace-and-compile --expert-layout {expert_layout}, or set expert_layout = "
+                            f"\"{manifest['expert_layout']}\" in the port")
+
+
+def load_shards(artifacts: Path, manifest: dict) -> list[dict]:
+    """Every rank's weight shard, each checked to be in the manifest's expert layout."""
+    paths = [Path(artifacts) / WEIGHTS.format(rank=r) for r in range(manifest["tp"])]
+    absent = [str(p) for p in paths if not p.is_file()]
+    if absent:
+        raise ArtifactError(f"{artifacts}: missing weight shard(s) {', '.join(absent)}")
+    shards = []
+    for path in paths:
+        shard = load_file(path)
+        have = layout.expert_layout_of(shard)
+        if have is not None and have != manifest["expert_layout"]:
+            raise ArtifactError(f"{path} holds its experts in the {have!r} layout, the manifest says "
+                                f"{manifest['expert_layout']!r}: the directory mixes two builds; rebuild it")
+        shards.append(shard)
+    return shards
+
+
+def key_names(buckets) -> list[str]:
+    return [f"context_encoding_{b}" for b in buckets] + ["token_generation"]
