@@ -4,7 +4,7 @@ experts against the reader, at batch 1, 4 and 8.
 Models, with random bf16 weights of the real shapes, built on the meta device and materialised on the
 GPU by HF's own initialisation there (no host copy, a few seconds):
 
-- `gemma4-26b-a4b`: transformers' Gemma4ForCausalLM at the config of neuron_moe/ports/gemma4-26b-a4b.toml
+- `gemma4-26b-a4b`: transformers' Gemma4ForCausalLM at the config of ports/gemma4-26b-a4b.toml
   (30 layers, 128 experts top-8 beside a dense MLP, sliding + global attention; ~52 GB);
 - `qwen3-30b-a3b`: transformers' Qwen3MoeForCausalLM at Qwen3-30B-A3B's published config (48 layers, 128
   experts top-8 of I 768, no dense MLP, hidden 2048, 32 query / 4 KV heads of 128, vocab 151936; ~61 GB;

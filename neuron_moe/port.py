@@ -1,7 +1,8 @@
 """Port files: a declarative description of one model we serve (config, weights, tokenizer).
 
-A port is named (`--model tiny-gemma4-moe` finds `neuron_moe/ports/tiny-gemma4-moe.toml`,
-packaged with the wheel) or given as a path to any `.toml` file of the same shape.
+A port is named (`--model tiny-gemma4-moe` finds the repository's `ports/tiny-gemma4-moe.toml`,
+packaged with the wheel as the package data of `neuron_moe.ports`: see pyproject.toml's
+package-dir) or given as a path to any `.toml` file of the same shape.
 """
 
 from __future__ import annotations

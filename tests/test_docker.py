@@ -15,7 +15,7 @@ from dockerfile import DOCKER, final_stage, instructions
 
 NEURON_DLC = "public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk2.31.1-ubuntu24.04"
 IMAGES = ["Dockerfile.cpu", "Dockerfile.neuron"]
-ALLOWED_SOURCES = {"pyproject.toml", "README.md", "neuron_moe", "docker/entrypoint.sh"}
+ALLOWED_SOURCES = {"pyproject.toml", "README.md", "neuron_moe", "ports", "docker/entrypoint.sh"}
 
 
 def hadolint(path: Path) -> subprocess.CompletedProcess:

@@ -1,7 +1,9 @@
+import shutil
 import subprocess
 import sys
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,13 @@ from neuron_moe.config import ConfigError
 from neuron_moe.port import PortError, builtin_ports, load_port
 
 from conftest import port_text_elsewhere
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_builtin_ports_load_by_name():
@@ -146,13 +155,37 @@ def test_unknown_port_name_lists_the_builtins():
         load_port("nope")
 
 
+def _source_files(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
 def test_ports_are_packaged_in_the_wheel(tmp_path):
-    """A non-editable install finds the ports: they are package data, not files beside the repo."""
+    """A non-editable install finds the ports: the top-level ports/ ships as neuron_moe.ports, every
+    port file and the whole tiny checkpoint."""
+    # Built from a copy of what the images' build stage copies (docker/Dockerfile.*): an in-tree
+    # build would reuse the checkout's build/lib, where a file since removed from ports/ lingers.
+    src = tmp_path / "src"
+    for name in ("neuron_moe", "ports"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), "."], check=True)
+                    "-w", str(tmp_path), "."], cwd=src, check=True)
     (wheel,) = tmp_path.glob("neuron_moe-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "neuron_moe/ports/tiny-gemma4-moe.toml" in names
-    assert "neuron_moe/ports/gemma4-26b-a4b.toml" in names
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        assert f"neuron_moe/ports/tiny-gemma4-moe/{name}" in names
+    names = set(zipfile.ZipFile(wheel).namelist())
+    # Paths inside the wheel: ports/ lands where the import name neuron_moe.ports puts it.
+    shipped = {n[len("neuron_moe/ports/"):] for n in names if n.startswith("neuron_moe/ports/")}
+    assert shipped == _source_files(ROOT / "ports")
+    assert {"tiny-gemma4-moe.toml", "gemma4-26b-a4b.toml", "tiny-gemma4-moe/model.safetensors",
+            "tiny-gemma4-moe/tokenizer.json", "tiny-gemma4-moe/config.json"} <= shipped
+
+
+def test_pyproject_lists_every_package():
+    """pyproject.toml lists the packages (find cannot see neuron_moe.ports, mapped from ports/). One
+    left out would still ship, as its parent's data, with only a warning: so compare the list itself."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(("neuron_moe",) + Path(f).parent.parts)
+             for f in _source_files(ROOT / "neuron_moe") if Path(f).name == "__init__.py"}
+    assert set(setuptools["packages"]) == found | {"neuron_moe.ports"}
+    assert setuptools["package-dir"] == {"neuron_moe.ports": "ports"}

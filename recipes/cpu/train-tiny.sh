@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Rebuild the embedded default model (port tiny-gemma4-moe) from scratch on CPU:
 # the Debian text package, the corpus, the tokenizer + training run, and the task evaluation.
-# Usage: recipes/cpu/train-tiny.sh [OUT_DIR]   (default: neuron_moe/ports/tiny-gemma4-moe, the committed copy)
+# Usage: recipes/cpu/train-tiny.sh [OUT_DIR]   (default: ports/tiny-gemma4-moe, the committed copy)
 # Needs root (or sudo) for apt-get; 6000 steps on 2 torch threads: 50-57 min measured on the 2 cores (nothing else heavy
 # running; 2 threads on shared cores run several times slower) (`make test` never runs this). See bench/results/tiny-model.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:-neuron_moe/ports/tiny-gemma4-moe}
+OUT=${1:-ports/tiny-gemma4-moe}
 WORK=${WORK:-build/tiny}
 NEURON_MOE=${NEURON_MOE:-.venv/bin/neuron-moe}
 FORTUNES_PIN=$(.venv/bin/python -c 'from neuron_moe.training.corpus import FORTUNES_PACKAGE; print(FORTUNES_PACKAGE)')
