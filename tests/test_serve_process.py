@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import httpx
@@ -75,10 +74,10 @@ def test_neuron_backend_without_the_sdk(tmp_path, capsys):
     assert "needs the Neuron SDK (missing torch_neuronx, neuronx_distributed)" in capsys.readouterr().err
 
 
-def test_s3_artifacts_without_the_publish_module(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "neuron_moe.publish.s3", None)  # as if it were not installed
+def test_s3_artifacts_without_boto3(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if the publish extra were not installed
     assert cli.main(["serve", "--artifacts", "s3://bucket/prefix"]) == 2
-    assert "needs neuron_moe.publish.s3" in capsys.readouterr().err
+    assert "--artifacts s3://... needs the 'boto3' package: pip install 'neuron-moe[publish]'" in capsys.readouterr().err
 
 
 def _embedding(engine):
@@ -98,9 +97,7 @@ def test_cpu_backend_loads_its_checkpoint_from_artifacts(tmp_path, monkeypatch, 
         shutil.copytree(published, dest)
 
     if where == "s3":
-        module = types.ModuleType("neuron_moe.publish.s3")
-        module.pull = pull
-        monkeypatch.setitem(sys.modules, "neuron_moe.publish.s3", module)
+        monkeypatch.setattr("neuron_moe.publish.s3.pull", pull)
         spec = "s3://bucket/runs/../tiny/"
     else:
         spec = str(published)

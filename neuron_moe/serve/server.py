@@ -14,6 +14,7 @@ is given DRAIN_GRACE_S more to send those endings before it cuts connections its
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import signal
 from pathlib import Path
@@ -23,6 +24,10 @@ import uvicorn
 from ..checkpoint import read_config
 from ..errors import UserError
 from ..port import DTYPES, load_port
+from ..publish import s3
+from . import neuron
+from .app import MAX_BODY_BYTES, create_app
+from .backends import STATIC, load_engine
 
 log = logging.getLogger("neuron_moe.serve")
 S3_SCHEME = "s3://"
@@ -35,16 +40,11 @@ class ServeError(UserError):
 
 
 def s3_pull_function():
-    """neuron_moe.publish.s3.pull(uri, dest_dir), imported only when an s3:// URI is given."""
-    try:
-        from ..publish.s3 import pull
-    except ModuleNotFoundError as e:
-        if (e.name or "").startswith("neuron_moe"):
-            raise ServeError("--artifacts s3://... needs neuron_moe.publish.s3, which this installation "
-                             "does not have") from None
-        raise ServeError(f"--artifacts s3://... needs the {e.name!r} package: "
-                         "pip install 'neuron-moe[publish]'") from None
-    return pull
+    """`publish.s3.pull(uri, dest_dir)`, once its S3 client (boto3, the publish extra) is known to be
+    installed: an s3:// URI without it fails before the model loads."""
+    if importlib.util.find_spec("boto3") is None:
+        raise ServeError("--artifacts s3://... needs the 'boto3' package: pip install 'neuron-moe[publish]'")
+    return s3.pull
 
 
 def s3_cache_dir(uri: str, root: Path) -> Path:
@@ -56,8 +56,6 @@ def s3_cache_dir(uri: str, root: Path) -> Path:
 
 def plan_load(args):
     """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
-    from .backends import STATIC, load_engine
-
     port = load_port(args.model)
     if args.max_queue < 0:
         raise ServeError(f"--max-queue must be 0 or more, got {args.max_queue}")
@@ -87,8 +85,6 @@ def plan_load(args):
     if args.backend == STATIC:
         port.static_spec("--backend static")
     if args.backend == "neuron":
-        from . import neuron
-
         if local is None:
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
         if pull is None:
@@ -129,8 +125,6 @@ class DrainingServer(uvicorn.Server):
 
 
 def run(args) -> int:
-    from .app import MAX_BODY_BYTES, create_app
-
     port, load = plan_load(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     if args.host not in LOOPBACK and not args.api_key:
