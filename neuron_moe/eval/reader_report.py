@@ -18,6 +18,7 @@ RULE_STYLE = {"topk": ("o", "-"), "threshold": ("x", "--")}
 
 
 def _pyplot():
+    # matplotlib (the eval extra) is imported only to plot: the tables and JSON need nothing more
     try:
         import matplotlib
     except ModuleNotFoundError:

@@ -23,6 +23,8 @@ import torch
 from ..errors import UserError
 from ..experts.int8 import quantize_experts
 from ..generate import Generation
+from ..model import build_model
+from ..reader.prep import model_expert_weights
 from ..static.export import checked, example_inputs, functional
 from ..static.generate import StaticGenerator
 from . import cpu, layout, reader
@@ -36,9 +38,6 @@ class TPGenerator(StaticGenerator):
     def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
                  int8: bool = False, scatter: str = "spmd", logits: bool = True, sidecar=None,
                  budget: float | None = None, rank: int | None = None):
-        from ..model import build_model
-        from ..reader.prep import model_expert_weights
-
         port.static_spec(f"the TP {tp} backend")
         dtype = dtype or port.dtype
         expert_layout = expert_layout or port.static.expert_layout

@@ -21,12 +21,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from ..generate import Generation
+from ..static.cache import share_state
+from ..static.loop import run_graphs
 
 
 def export_rank0(module: torch.nn.Module, args: tuple, tp: int, dynamic_shapes=None) -> torch.export.ExportedProgram:
     """Export `module` as rank 0 of a world of `tp` ranks (nothing is communicated)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("export_rank0 needs a process without a process group")
     dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
@@ -79,10 +82,6 @@ def generation_job(modules: dict[str, torch.nn.Module], rank: int, runs: list[tu
     pad_id, [(input_ids, attention_mask, max_new_tokens), ...]) over the programs keyed
     "<name>/prefill <bucket>" and "<name>/decode", which get one zero-initialised KV state per name
     in this rank's process (NxD's state initializer). -> {name: (tokens, logits or None)}."""
-    from ..generate import Generation
-    from ..static.cache import share_state
-    from ..static.loop import run_graphs
-
     out = {}
     for name, batch, pad_id, batches in runs:
         graphs = {key.split("/", 1)[1]: m for key, m in modules.items() if key.split("/", 1)[0] == name}

@@ -73,6 +73,8 @@ def _uri(bucket: str, key: str) -> str:
     return f"s3://{bucket}/{key}"
 
 
+# boto3 and botocore (the publish extra) are imported where they are used, never at the top: the
+# server imports this module, and needs them only for an s3:// URI.
 def _client():
     try:
         import boto3

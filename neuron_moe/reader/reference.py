@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UserError
 from .hadamard import rotate_blocks
 from .prep import BLOCK, LayerSidecar, unpack_codes
 
@@ -31,8 +32,6 @@ def activation_name(act_fn) -> str:
     """The kernels' name for an HF activation module: gelu_tanh (Gemma-4) or silu (Qwen3)."""
     name = type(act_fn).__name__
     if name not in ACTIVATIONS:
-        from ..errors import UserError
-
         raise UserError(f"reader kernels: activation {name} not supported (gelu_pytorch_tanh or silu)")
     return ACTIVATIONS[name]
 

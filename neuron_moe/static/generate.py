@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from ..errors import UserError
 from ..generate import Generation
+from ..model import build_model
 from ..port import StaticSpec
 from .cache import share_state
 from .decoder import Decode, Prefill, new_cache
@@ -121,8 +122,6 @@ def traced_backend(port, dtype=None, checkpoint=None):
     """`validate --backend traced`: the port's exported programs (the validation graphs, which
     return the logits too), prompts run in batches of the compiled batch size (every batch is
     checked before anything is exported)."""
-    from ..model import build_model
-
     spec = port.static_spec("validate --backend traced")
     generator = StaticGenerator(build_model(port, spec.decode_experts, dtype, checkpoint), spec, logits=True)
     return lambda ids, mask, n: generate_batches(generator, ids, mask, n)

@@ -65,7 +65,7 @@ def recover_inputs(unchosen, top_k_index, layer, rank: int) -> dict[str, torch.T
 
 def _nki_kernels():
     try:
-        from . import kernels
+        from . import kernels  # imports the Neuron SDK's nki: present only on Neuron
     except ImportError as e:
         raise UserError(f"reader backend 'nki' needs the Neuron SDK's nki package ({e}); run it in the Neuron "
                         f"images (see README \"Neuron\")") from None
