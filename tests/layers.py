@@ -1,6 +1,6 @@
 """The package's import graph, function-local imports included, and the layers it must respect
-(docs/architecture.md): a module imports only its own layer and those below, and no modules
-import each other in a cycle."""
+(docs/architecture.md): a module imports only its own layer and those below, no modules import
+each other in a cycle, and an import inside a function is only for an optional dependency."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ LAYERS = (
                    "info")),
     ("surfaces", ("serve", "cli", "__main__")),
 )
+
+
+# Packages a user may not have (extras, the Neuron SDK): imported on first use, inside a function.
+OPTIONAL = ("boto3", "botocore", "matplotlib", "triton", "fastapi", "uvicorn", "torch_neuronx",
+            "neuronx_distributed", "neuronxcc", "nki")
 
 
 def layer_of(module: str) -> int:
@@ -43,13 +48,21 @@ def modules(package: Path = PACKAGE) -> dict[str, Path]:
     return out
 
 
+def _in_functions(tree: ast.AST) -> set[int]:
+    """ids of the import statements inside a function."""
+    return {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+
+
 def imports(package: Path = PACKAGE) -> list[tuple[str, str, int, bool]]:
     """(importer, imported, line, inside a function) for every import of one package module by another."""
     known = modules(package)
     edges = []
     for name, path in known.items():
         is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        local_ids = _in_functions(tree)
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = name.split(".") if name else []
                 if not is_package:
@@ -66,12 +79,54 @@ def imports(package: Path = PACKAGE) -> list[tuple[str, str, int, bool]]:
                 target = None
             else:
                 continue
-            local = node.col_offset > 0
+            local = id(node) in local_ids
             for full in names:
                 imported = full if full in known else target  # `from pkg import module` or a name in pkg
                 if imported is not None and imported in known and imported != name:
                     edges.append((name, imported, node.lineno, local))
     return edges
+
+
+def _top_level_packages(tree: ast.AST) -> set[str]:
+    """The outside packages a module imports at its top (not inside a function)."""
+    local_ids = _in_functions(tree)
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in local_ids:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def needless_local_imports(package: Path = PACKAGE) -> list[str]:
+    """Imports inside a function that are not of an OPTIONAL package, nor of a package module that
+    imports one at its top (the one lazy step that keeps the dependency optional), one line each."""
+    known = modules(package)
+    optional_modules = {name for name, path in known.items()
+                        if _top_level_packages(ast.parse(path.read_text())) & set(OPTIONAL)}
+    package_edges = {(a, line): b for a, b, line, local in imports(package) if local}
+    out = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        local_ids = _in_functions(tree)
+        for node in ast.walk(tree):
+            if id(node) not in local_ids:
+                continue
+            if isinstance(node, ast.Import):
+                tops = {a.name.split(".")[0] for a in node.names}
+            elif node.level or (node.module or "").startswith("neuron_moe"):
+                imported = package_edges.get((name, node.lineno))
+                if imported in optional_modules:
+                    continue
+                tops = {f"neuron_moe.{imported}"}
+            else:
+                tops = {node.module.split(".")[0]}
+            if not tops <= set(OPTIONAL):
+                out.append(f"{name} line {node.lineno}: {', '.join(sorted(tops))} inside a function")
+    return out
 
 
 def upward(edges) -> list[str]:

@@ -1,5 +1,6 @@
 """The layering of docs/architecture.md, held: no module imports a layer above its own, and no
-modules import each other in a cycle — imports inside functions included (tests/layers.py)."""
+modules import each other in a cycle — imports inside functions included — and a function
+imports only what a user may not have installed (tests/layers.py)."""
 
 import shutil
 
@@ -14,6 +15,10 @@ def test_no_module_imports_a_layer_above_its_own():
 
 def test_no_import_cycle():
     assert L.cycles(L.imports()) == []
+
+
+def test_imports_inside_functions_are_only_for_optional_packages():
+    assert L.needless_local_imports() == []
 
 
 def test_every_module_has_a_layer():
@@ -47,3 +52,11 @@ def test_a_module_in_no_layer_is_named(package):
     (package / "stray.py").write_text("")
     with pytest.raises(KeyError, match="neuron_moe.stray is in no layer"):
         [L.layer_of(name) for name in L.modules(package)]
+
+
+def test_the_check_tells_a_needless_local_import_from_an_optional_one(package):
+    with open(package / "reader" / "hadamard.py", "a") as f:
+        f.write("\n\ndef _lazy():\n    import boto3  # noqa: F401\n    from ..reader.triton import forward  # noqa: F401\n"
+                "    from ..errors import UserError  # noqa: F401\n    import json  # noqa: F401\n")
+    lines = {line.split(": ", 1)[1] for line in L.needless_local_imports(package) if line.startswith("reader.hadamard")}
+    assert lines == {"neuron_moe.errors inside a function", "json inside a function"}
