@@ -53,70 +53,28 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_ports(args) -> int:
-    from .port import builtin_ports, load_port
-    from .report import table
+    from .port import ports_report, render_ports
 
-    rows = []
-    for name in builtin_ports():
-        port = load_port(name)
-        rows.append({"name": name, "weights": port.weights_source, "description": port.description})
+    rows = ports_report()
     if _json_out(rows, args):
-        print(table(rows, [("name", "port"), ("weights", "weights"), ("description", "description")]))
+        print(render_ports(rows))
     return 0
 
 
 def cmd_info(args) -> int:
-    from .info import geometry, parameter_counts, per_token_costs
+    from .info import info_report, render_info
     from .port import load_port
-    from .report import table
 
     port = load_port(args.model)
-    report = {"model": port.name, "geometry": geometry(port.config), "parameters": parameter_counts(port.config)}
-    if args.per_token:
-        report["per_token"] = per_token_costs(port.config, port.dtype)
-    if not _json_out(report, args):
-        return 0
-    params = report["parameters"]
-    print(f"{port.name}: {port.description}\n")
-    print(table([{"field": k, "value": v} for k, v in report["geometry"].items()], [("field", "geometry"), ("value", "")]))
-    print()
-    rows = [{"what": g, "count": n, "B": n / 1e9, "share": f"{100 * n / params['total']:.1f}%"}
-            for g, n in params["groups"].items()]
-    rows += [{"what": "total", "count": params["total"], "B": params["total"] / 1e9, "share": "100.0%"},
-             {"what": "active per token", "count": params["active_per_token"],
-              "B": params["active_per_token"] / 1e9,
-              "share": f"{100 * params['active_per_token'] / params['total']:.1f}%"}]
-    print(table(rows, [("what", "parameters"), ("count", "count"), ("B", "billions"), ("share", "share")]))
-    print()
-    unit, scale = ("GiB", 2**30) if params["bytes"]["bfloat16"] >= 2**30 else ("MiB", 2**20)
-    print(table([{"dtype": k, "size": v / scale} for k, v in params["bytes"].items()],
-                [("dtype", "weights as"), ("size", unit, "{:.2f}")]))
-    if args.per_token:
-        _print_per_token(report["per_token"], port.config)
+    report = info_report(port, args.per_token)
+    if _json_out(report, args):
+        print(render_info(report, port.description))
     return 0
 
 
-def _print_per_token(costs: dict, config) -> None:
-    from .report import table
-
-    print(f"\nper decoded token (batch 1, weights in {costs['dtype']}; attention over the KV cache not counted)\n")
-    rows = [{"experts": r["experts"], "read": r["experts_read_per_layer"], "mb_layer": r["expert_bytes_per_layer"] / 1e6,
-             "gb_experts": r["expert_bytes_per_token"] / 1e9, "gb_all": r["weight_bytes_per_token"] / 1e9,
-             "gflop": r["flops_per_token"] / 1e9, "x": f"{r['expert_bytes_reduction']:.0f}x"}
-            for r in costs["implementations"]]
-    print(table(rows, [
-        ("experts", "experts impl"), ("read", "experts read/layer"), ("mb_layer", "expert MB/layer", "{:.1f}"),
-        ("gb_experts", "expert GB/token", "{:.3f}"), ("gb_all", "all weights GB/token", "{:.3f}"),
-        ("gflop", "GFLOP/token", "{:.3f}"), ("x", "expert bytes vs dense_masked"),
-    ]))
-    print(f"\nselective reads batch x {config.top_k_experts} experts per layer and step, dense_masked "
-          f"{config.num_experts}: selective reads less below batch {costs['selective_below_batch']}")
-
-
 def cmd_validate(args) -> int:
-    from .eval.seq_match import DEFAULT_PROMPTS, run_validation
+    from .eval.seq_match import DEFAULT_PROMPTS, render_validation, run_validation
     from .port import load_port
-    from .report import table
     from .tokenizer import load_tokenizer
 
     port = load_port(args.model)
@@ -158,87 +116,44 @@ def cmd_validate(args) -> int:
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)
     if _json_out(report, args):
-        print(f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}) "
-              f"vs {report['reference']}, {args.max_new_tokens} new tokens\n")
-        shown = [dict(r, prompt=repr(r["prompt"])) for r in report["prompts"]]  # newlines visible, one row each
-        print(table(shown, [
-            ("prompt", "prompt"), ("seq_match", "SEQ_MATCH"), ("first_divergence", "first diff"),
-            ("max_abs_dlogit_step0", "max|Δlogit| step 0"), ("min_cosine", "min cosine", "{:.7f}"),
-        ]))
-        for row in report["prompts"]:
-            if not row["finite_logits"]:
-                print(f"\n{row['prompt']!r}: NaN or inf among the logits (a failed comparison)")
-        print("\nreference (greedy) continuations, up to the first EOS:")
-        for row in report["prompts"]:
-            print(f"  {row['prompt']!r} -> {row['reference_text']!r}")
-        print(f"\n{'PASS' if report['all_match'] else 'FAIL'}: "
-              f"{sum(r['seq_match'] for r in report['prompts'])}/{len(report['prompts'])} prompts match")
+        print(render_validation(report))
     return 0 if report["all_match"] else 1
 
 
 def cmd_publish(args) -> int:
-    from .publish.s3 import publish
-    from .report import table
+    from .publish.s3 import publish, render_publish
 
     report = publish(args.dir, args.uri, overwrite=args.overwrite, deep=args.deep)
     if _json_out(report, args):
-        print(table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("crc32", "CRC32")]))
-        print(f"\npublished {len(report['files'])} files ({report['total_bytes']} bytes) to {report['uri']}, "
-              f"each verified with head_object; manifest {report['manifest']}")
+        print(render_publish(report))
     return 0
 
 
 def cmd_pull(args) -> int:
-    from .publish.s3 import pull_report
-    from .report import table
+    from .publish.s3 import pull_report, render_pull
 
     report = pull_report(args.uri, args.dir)
     if _json_out(report, args):
-        print(table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("action", "")]))
-        print(f"\n{report['dest']}: {len(report['files'])} files verified against the manifest of {report['uri']} "
-              f"({report['downloaded_bytes']} of {report['total_bytes']} bytes downloaded)")
+        print(render_pull(report))
     return 0
 
 
 def cmd_plan(args) -> int:
-    from .neuron.plan import GB, plan
+    from .neuron.plan import port_plan, render_plan
     from .port import load_port
-    from .report import table
 
-    port = load_port(args.model)
-    static = port.static
-    expert_layout = args.expert_layout or (static.expert_layout if static else DEFAULT_EXPERT_LAYOUT)
     reader = None if args.reader_budget is None else \
         {"budget": args.reader_budget, "scan": args.reader_scan, "rank": args.reader_rank}
-    report = plan(port.config, args.instance, args.tp, args.dtype, args.batch, args.seq,
-                  args.runtime_reserve_gib * 2**30, model=port.name, expert_layout=expert_layout,
-                  decode_experts=static.decode_experts if static else "selective", reader=reader)
+    report = port_plan(load_port(args.model), args.instance, args.tp, args.dtype, args.batch, args.seq,
+                       args.runtime_reserve_gib * 2**30, expert_layout=args.expert_layout, reader=reader)
     if _json_out(report, args):
-        print(f"{port.name} on {args.instance}: TP {args.tp}, {args.dtype} experts in the {expert_layout} layout, "
-              f"batch {args.batch}, seq {args.seq}\n")
-        if "per_rank_bytes" in report:
-            rows = [{"what": k, "GB": v / GB} for k, v in report["per_rank_bytes"].items()]
-            rows.append({"what": "total", "GB": report["per_rank_total_bytes"] / GB})
-            print(table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]))
-            print(f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
-                  f"(graph and runtime rows are stated estimates, not measurements)\n")
-            rows = [dict(r, expert_layout=r["expert_layout"] + (" + reader" if "reader" in r else "")
-                         + (" (this plan)" if r["this_plan"] else "")) for r in report["decode"]]
-            print(table(rows, [("expert_layout", "expert layout"), ("decode_graph", "its decode graph reads"),
-                               ("GB_per_token", "GB/token/rank", "{:.3f}"), ("floor_ms", "HBM floor ms/token", "{:.2f}"),
-                               ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]))
-            print("\n(decode: the graphs trace-and-compile builds, at this batch; bytes read, not measured)\n")
-            print(table(report["host_per_step"], [("what", "host <-> device per decode step"),
-                                                   ("direction", ""), ("bytes", "bytes")]))
-            print()
-        print(f"{'FITS' if report['fits'] else 'DOES NOT FIT'}: {report['reason']}")
+        print(render_plan(report))
     return 0 if report["fits"] else 1
 
 
 def cmd_trace_and_compile(args) -> int:
-    from .neuron.compile import trace_and_compile
+    from .neuron.compile import render_trace_and_compile, trace_and_compile
     from .port import load_port
-    from .report import table
 
     port = load_port(args.model)
     flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
@@ -248,17 +163,7 @@ def cmd_trace_and_compile(args) -> int:
                                checkpoint=args.checkpoint, expert_layout=args.expert_layout, logits=args.with_logits,
                                reader=flags if args.reader else None)
     if _json_out(report, args):
-        rows = [{"file": f, "bytes": v["size"], "sha256": v["sha256"]} for f, v in report["files"].items()]
-        print(table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]))
-        what = "dry run (CPU, gloo layers; exported, not compiled)" if report["dry_run"] else "compiled for Neuron"
-        print(f"\n{report['out']}: {port.name} {args.dtype} TP {args.tp}, {report['expert_layout']} expert layout, "
-              f"keys {', '.join(report['keys'])}; {what}"
-              + ("" if report["weights"] else "; no weights (meta device): exported, manifest and shard plan only"))
-        if report.get("reader"):
-            r = report["reader"]
-            print(f"decode key reads through the reader: budget {r['budget']:g} %, {r['k_per_rank']} exact channels "
-                  f"per token and rank, scan {r['scan']}, recovery rank {r['rank']} (each rank's sidecar shard in its "
-                  f"weights)")
+        print(render_trace_and_compile(report))
     return 0
 
 
@@ -314,11 +219,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 def cmd_reads(args) -> int:
-    from dataclasses import asdict
-
     from .port import load_port
-    from .reader.accounting import Geometry, Layout, batch_breakdown, breakdown, full_bytes
-    from .report import table
+    from .reader.accounting import Geometry, Layout, reads_report, render_reads
 
     explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
     if any(v is not None for v in explicit):
@@ -328,163 +230,65 @@ def cmd_reads(args) -> int:
     else:
         port = load_port(args.model)
         geo, name = Geometry.from_config(port.config), port.name
-    layout = Layout(scan=args.scan, rank=args.rank, weights=args.dtype)
-    whole, tp = geo, args.tp or 1
-    if tp > 1 and (args.dtype != "bf16" or args.batch is not None):
-        raise UserError("reads --tp T is the per-rank reader over bf16 experts, one token a step "
-                        "(not with --dtype int8 or --batch)")
-    if tp > 1:  # one rank of the channel layout: I/t channels of every expert
-        from .reader.accounting import rank_geometry, solve_rank_k
-
-        geo = rank_geometry(whole, tp)
-        solve_rank_k(whole, layout, args.budget, tp)  # a budget below a rank's floor: the error names TP
-    report = {"model": name, "geometry": asdict(whole), "scan": args.scan, "rank": args.rank, "tp": tp,
-              "dtype": args.dtype,
-              **breakdown(geo, layout, args.budget)}
-    if args.dtype != "bf16":
-        report["percent_of_bf16_full"] = 100 * sum(v["bytes"] for v in report["reads"].values()) / full_bytes(geo)
-    if args.batch is not None:
-        report["batch"] = batch_breakdown(geo, layout, args.budget, args.batch, args.step_budget)
-    if not _json_out(report, args):
-        return 0
-    print(f"reads per token and MoE layer: {name} (hidden {geo.hidden}, {geo.experts} experts, top-{geo.top_k}, "
-          f"intermediate {whole.intermediate})")
-    if tp > 1:
-        print(f"per rank at TP {tp} (channel expert layout: each rank its {geo.intermediate} of {whole.intermediate} "
-              f"channels of every expert, its own sketch strips, the whole U); every rank reads the same")
-    experts = "bf16" if args.dtype == "bf16" else "int8 exact rows with fp32 scales, the sketch and recovery bf16"
-    print(f"layout: the sidecar's (base-3 codes, 5 per byte), scan {args.scan} of 128 per block, recovery rank {args.rank}, {experts}, 32-byte sectors")
-    print(f"budget {args.budget}% -> k = {report['k']} exact channels of {report['channels']} "
-          f"({100 * report['k'] / report['channels']:.1f}%)\n")
-    rows = [{"part": p, **v} for p, v in report["reads"].items()]
-    rows += [{"part": "total", "bytes": sum(v["bytes"] for v in report["reads"].values()),
-              "percent": report["total_percent"]},
-             {"part": "full model" if tp == 1 else "full (the rank's share)", "bytes": report["full_bytes"],
-              "percent": 100.0}]
-    print(table(rows, [("part", "read"), ("bytes", "bytes"), ("percent", "share of full", "{:.2f}%")]))
-    print()
-    rows = [{"part": p, **v} for p, v in report["resident"].items()]
-    print(table(rows, [("part", "resident (per layer)"), ("bytes", "bytes"),
-                       ("percent", "share of the bf16 experts", "{:.2f}%")]))
-    if args.dtype != "bf16":
-        print(f"\n{report['total_percent']:.2f}% of the {args.dtype} experts' full read is "
-              f"{report['percent_of_bf16_full']:.2f}% of the bf16 experts'")
-    if args.batch is not None:
-        _print_batch(report["batch"])
+    report = reads_report(name, geo, Layout(scan=args.scan, rank=args.rank, weights=args.dtype), args.budget,
+                          args.tp or 1, args.batch, args.step_budget)
+    if _json_out(report, args):
+        print(render_reads(report))
     return 0
 
 
-def _print_batch(b: dict) -> None:
-    from .report import table
-
-    print(f"\na decode step of batch {b['batch']} (uniform routing: {b['expected_union']:.1f} experts expected in the "
-          f"union, taken as {b['union_experts']}), each row read once; one token reads {b['one_token_bytes']} B")
-    rows = [{"rule": "full batch (the union's experts whole)", "bytes": b["full_bytes"], "percent": 100.0,
-             "x": b["full_bytes"] / b["one_token_bytes"], "k": ""}]
-    token, rule = b["rules"]["token"], b["rules"]["batch"]
-    rows.append({"rule": f"independent top-k, k = {b['k_per_token']} per token (at most)", "bytes": token["bytes"],
-                 "percent": token["percent_of_full_batch"], "x": token["x_one_token"], "k": ""})
-    rows.append({"rule": f"batch rule within {b['step_budget']:g}x one token's reads", "bytes": rule["bytes"],
-                 "percent": rule["percent_of_full_batch"], "x": rule["x_one_token"], "k": rule["k"]})
-    print(table(rows, [("rule", "step reads"), ("bytes", "bytes"), ("percent", "share of full batch", "{:.2f}%"),
-                       ("x", "x one token", "{:.2f}"), ("k", "channels of the step")]))
-
-
 def cmd_prep_reader(args) -> int:
-    from pathlib import Path
-
+    from .model import prep_reader, render_prep_reader
     from .port import load_port
-    from .model import prep_port
-    from .reader.prep import Sidecar
 
     if args.source and not args.tp:
         raise UserError("--from shards an existing sidecar: it needs --tp")
-    port = load_port(args.model)
-    out = Path(args.out)
-    if args.tp:  # a directory: the whole sidecar and each rank's shard
-        from .parallel.layout import check_degree
-        from .reader.shard import WHOLE, write_shards
-
-        check_degree(port.config, args.tp)
-        path = Path(args.source) if args.source else out / WHOLE
-        if not args.source:
-            out.mkdir(parents=True, exist_ok=True)
-            prep_port(port, path, args.checkpoint, seed=args.seed, rank=args.rank, scan=args.scan)
-    else:
-        path = prep_port(port, out, args.checkpoint, seed=args.seed, rank=args.rank, scan=args.scan)
-    side = Sidecar(path)
-    if side.tp is not None:
-        raise UserError(f"{path}: already a TP shard (rank {side.tp_rank} of {side.tp}); shard the whole sidecar")
-    files = [path] + (write_shards(side, out, args.tp) if args.tp else [])
-    report = {"model": port.name, "sidecar": str(path), "bytes": path.stat().st_size, "layers": side.layers,
-              "scan": side.scan, "rank": side.layout.rank, "seed": side.seed, "source_sha256": side.source_sha256,
-              "tp": args.tp, "files": {str(f): f.stat().st_size for f in files}}
+    report = prep_reader(load_port(args.model), args.out, args.checkpoint, tp=args.tp, source=args.source,
+                         seed=args.seed, rank=args.rank, scan=args.scan)
     if _json_out(report, args):
-        for f in files:
-            print(f"{'wrote' if f != path or not args.source else 'read'} {f}: {f.stat().st_size / 2**20:.2f} MiB")
-        print(f"{side.layers} layers, scan {side.scan}, rank {side.layout.rank}, seed {side.seed}, "
-              f"source sha256 {side.source_sha256[:16]}…"
-              + (f"; shards for TP {args.tp}, channel expert layout" if args.tp else ""))
+        print(render_prep_reader(report, read_source=bool(args.source)))
     return 0
 
 
 def cmd_build_corpus(args) -> int:
-    from .training.corpus import build_corpus
+    from .training.corpus import build_corpus, render_corpus
 
     counts = build_corpus(args.text_dir, args.out, seed=args.seed, scale=args.scale)
     if _json_out(counts, args):
-        print(f"corpus in {args.out}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if isinstance(v, int)))
+        print(render_corpus(counts, args.out))
     return 0
 
 
 def cmd_train_tiny(args) -> int:
     from .port import load_port
-    from .training.tiny import train
+    from .training.tiny import render_training, train
 
     port = load_port(args.model)
     summary = train(port.config, args.corpus, args.out, steps=args.steps, batch_size=args.batch_size,
                     seq_len=args.seq_len, lr=args.lr, task_share=args.task_share, seed=args.seed,
                     threads=args.threads)
     if _json_out({k: v for k, v in summary.items() if k != "log"}, args):
-        print(f"wrote {args.out}: {summary['steps']} steps, {summary['tokens']} tokens, "
-              f"{summary['seconds']:.0f} s, final loss {summary['final_loss']:.4f}")
+        print(render_training(summary, args.out))
     return 0
 
 
 def cmd_eval_tasks(args) -> int:
     from .eval.tasks import TASKS
-    from .eval.tasks_eval import evaluate
+    from .eval.tasks_eval import evaluate, render_tasks
     from .port import load_port
-    from .report import table
 
     port = load_port(args.model)
     report = evaluate(port, args.backend, args.checkpoint, per_task=args.items, corpus=args.corpus,
                       text_docs=args.text_docs, tasks=tuple(args.task or TASKS), split=args.split)
-    if not _json_out(report, args):
-        return 0
-    print(f"{report['model']}: {report['split']} split, greedy answers with {report['backend']}, "
-          "exact match up to EOS\n")
-    print(table(report["tasks"], [("task", "task"), ("items", "items"), ("correct", "correct"),
-                                  ("accuracy", "accuracy", "{:.1%}"), ("answer_tokens_min", "answer tokens min"),
-                                  ("answer_tokens_max", "max")]))
-    text = report["text"]
-    if text is None:
-        print("\nno --corpus: held-out perplexity and expert load not measured")
-        return 0
-    print(f"\nheld-out text ({text['tokens']} tokens): perplexity {text['perplexity']:.2f}, "
-          f"unigram baseline {text['unigram_perplexity']:.2f}")
-    print(f"expert share of routed slots on that text: min {text['expert_share_min']:.3f}, "
-          f"max {text['expert_share_max']:.3f} (uniform {1 / port.config.num_experts:.3f})")
+    if _json_out(report, args):
+        print(render_tasks(report, port.config.num_experts))
     return 0
 
 
 def cmd_eval_reader(args) -> int:
-    from pathlib import Path
-
     from .eval import reader_eval as R
-    from .eval.reader_report import COLUMNS, table_rows
+    from .eval.reader_report import render_reader_eval
     from .port import load_port
-    from .report import table
 
     budgets, specs, rules = R.parse_budgets(args.budgets), R.parse_selectors(args.selectors), R.parse_rules(args.rules)
     port = load_port(args.model)
@@ -493,11 +297,7 @@ def cmd_eval_reader(args) -> int:
         settings.per_task = args.items
     report = R.evaluate(port, args.checkpoint, budgets, specs, rules, args.out, settings)
     if _json_out(report, args):
-        acc = report["full_model"]["accuracy"]
-        print(f"{port.name}: selectors vs the full model (fp32), full model {acc['correct']}/{acc['items']} "
-              f"items correct; generation: {report['generation']}\n")
-        print(table(table_rows(report), COLUMNS))
-        print(f"\n{args.out}: report.json, report.md, cells/, " + ", ".join(Path(p).name for p in report["plots"]))
+        print(render_reader_eval(report, args.out))
     return 0
 
 

@@ -15,6 +15,7 @@ from ..errors import UserError
 from ..generate import Generation, greedy, left_pad
 from ..model import build_model, reader_model
 from ..parallel.generate import BACKENDS as TP_BACKENDS
+from ..report import table
 from ..static.generate import traced_backend
 from .tasks import answer_text
 
@@ -103,3 +104,20 @@ def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: 
         "all_match": all(r["seq_match"] for r in rows),
         "prompts": rows,
     }
+
+
+def render_validation(report: dict) -> str:
+    shown = [dict(r, prompt=repr(r["prompt"])) for r in report["prompts"]]  # newlines visible, one row each
+    lines = [f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}) "
+             f"vs {report['reference']}, {report['max_new_tokens']} new tokens\n",
+             table(shown, [
+                 ("prompt", "prompt"), ("seq_match", "SEQ_MATCH"), ("first_divergence", "first diff"),
+                 ("max_abs_dlogit_step0", "max|Δlogit| step 0"), ("min_cosine", "min cosine", "{:.7f}"),
+             ])]
+    lines += [f"\n{row['prompt']!r}: NaN or inf among the logits (a failed comparison)"
+              for row in report["prompts"] if not row["finite_logits"]]
+    lines.append("\nreference (greedy) continuations, up to the first EOS:")
+    lines += [f"  {row['prompt']!r} -> {row['reference_text']!r}" for row in report["prompts"]]
+    lines.append(f"\n{'PASS' if report['all_match'] else 'FAIL'}: "
+                 f"{sum(r['seq_match'] for r in report['prompts'])}/{len(report['prompts'])} prompts match")
+    return "\n".join(lines)

@@ -179,3 +179,8 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return summary
+
+
+def render_training(summary: dict, out) -> str:
+    return (f"wrote {out}: {summary['steps']} steps, {summary['tokens']} tokens, "
+            f"{summary['seconds']:.0f} s, final loss {summary['final_loss']:.4f}")
