@@ -8,7 +8,6 @@ import sys
 
 from . import __version__
 from .errors import UserError
-from .parallel.layout import DEFAULT_EXPERT_LAYOUT
 from .port import DEFAULT_PORT, DTYPES
 
 
@@ -73,7 +72,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .eval.seq_match import DEFAULT_PROMPTS, render_validation, run_validation
+    from .eval.seq_match import DEFAULT_PROMPTS, backend_options, render_validation, run_validation
     from .port import load_port
     from .tokenizer import load_tokenizer
 
@@ -81,38 +80,9 @@ def cmd_validate(args) -> int:
     tokenizer = load_tokenizer(port, args.checkpoint)
     prompts = list(DEFAULT_PROMPTS) + list(args.prompt or [])
     dtype = DTYPES[args.dtype] if args.dtype else None
-    reader_flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
-    options = {k: v for k, v in reader_flags.items() if v is not None}
-    if args.reader_backend is not None:
-        options["reader_backend"] = args.reader_backend
-    if args.reader_weights is not None:
-        options["reader_weights"] = args.reader_weights
-    tp_reader = args.backend == "tp8" and bool(options)  # the reader in the TP 8 decode graph
-    if tp_reader and ({"reader_backend", "reader_weights"} & options.keys() or args.sidecar is None):
-        raise UserError("--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp 8`) and "
-                        "--budget; its kernels are the PyTorch reference over the bf16 experts "
-                        "(no --reader-backend, no --reader-weights)")
-    if options and args.backend != "reader" and not tp_reader:
-        raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only "
-                        f"(--sidecar, --budget and --rank also to tp8)")
-    if args.expert_layout is not None:
-        from .parallel.generate import BACKENDS as TP_BACKENDS
-
-        if args.backend not in TP_BACKENDS:
-            raise UserError(f"--expert-layout applies to the TP backends ({', '.join(TP_BACKENDS)}) only")
-        options["expert_layout"] = args.expert_layout
-    if args.backend == "reader":  # fail on a bad sidecar, budget or reader backend before the reference runs
-        from .experts.channel_reader import plan_reader, reader_forward, reader_settings
-
-        reader_forward(options.get("reader_backend", "reference"))
-        plan_reader(port.config, *reader_settings(port, **reader_flags), options.get("reader_weights", "bf16"))
-    if tp_reader:
-        from .parallel.generate import check_reader
-        from .parallel.reader import open_shards
-
-        check_reader(args.expert_layout or (port.static.expert_layout if port.static else DEFAULT_EXPERT_LAYOUT), False,
-                     args.budget)
-        open_shards(port.config, args.sidecar, 8, args.budget, args.rank)
+    options = backend_options(args.backend, sidecar=args.sidecar, budget=args.budget, rank=args.rank,
+                              reader_backend=args.reader_backend, reader_weights=args.reader_weights,
+                              expert_layout=args.expert_layout)
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)
     if _json_out(report, args):

@@ -20,7 +20,7 @@ from transformers import Gemma4ForCausalLM
 from . import experts as _experts  # registers our experts implementations
 from .checkpoint import iter_expert_weights, load_checkpoint, read_config
 from .errors import UserError
-from .experts.channel_reader import attach_reader, reader_settings
+from .experts.channel_reader import attach_reader, plan_reader, reader_forward, reader_settings
 from .parallel.layout import check_degree
 from .port import Port
 from .reader.prep import RANK, SCAN, Sidecar, SidecarError, model_expert_weights, write_sidecar
@@ -75,8 +75,11 @@ def build_model(
 
 def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_backend="reference",
                  reader_weights="bf16"):
-    """The port's model with the reader attached (see `reader_settings` for the defaults)."""
+    """The port's model with the reader attached (see `reader_settings` for the defaults). The backend,
+    sidecar, rank and budget are checked before the weights load (minutes, for a large checkpoint)."""
+    reader_forward(reader_backend)
     sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
+    plan_reader(port.config, sidecar, budget, rank, reader_weights)
     model = build_model(port, "eager", dtype, checkpoint)
     attach_reader(model, sidecar, budget, rank, reader_backend, reader_weights)
     return model
