@@ -6,17 +6,32 @@ import argparse
 import os
 import sys
 
-from . import __version__
+import neuron_moe
+
 from .errors import UserError
-from .port import DEFAULT_PORT, DTYPES
+from .eval import reader_eval
+from .eval.reader_report import render_reader_eval
+from .eval.seq_match import BACKENDS, DEFAULT_PROMPTS, backend_options, render_validation, run_validation
+from .eval.tasks import SPLITS, TASKS
+from .eval.tasks_eval import evaluate, render_tasks
+from .info import info_report, render_info
+from .model import EXPERTS_IMPLEMENTATIONS, prep_reader, render_prep_reader
+from .neuron.compile import DTYPES as COMPILE_DTYPES, render_trace_and_compile, trace_and_compile
+from .neuron.plan import DTYPES as PLAN_DTYPES, INSTANCES, port_plan, render_plan
+from .parallel.layout import EXPERT_LAYOUTS, TP_DEGREES
+from .port import DEFAULT_PORT, DTYPES, load_port, ports_report, render_ports
+from .publish.s3 import publish, pull_report, render_publish, render_pull
+from .reader.accounting import Geometry, Layout, reads_report, render_reads
+from .report import check_output, write_json
+from .tokenizer import load_tokenizer
+from .training.corpus import build_corpus, render_corpus
+from .training.tiny import render_training, train
 
 
 def _json_out(report, args) -> bool:
     """Write the report as --json asks; True when the text report should print too (not when the
     JSON went to stdout)."""
     if args.json:
-        from .report import write_json
-
         write_json(report, args.json)
     return args.json != "-"
 
@@ -36,8 +51,6 @@ def _tcp_port(text: str) -> int:
 
 
 def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
-    from .parallel.layout import EXPERT_LAYOUTS
-
     p.add_argument("--expert-layout", choices=EXPERT_LAYOUTS,
                    help=f"{which}how TP ranks split the experts: channel (every expert's I/t intermediate channels "
                         "per rank; decode gathers each token's k experts) or expert (E/t whole experts per rank, "
@@ -52,8 +65,6 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_ports(args) -> int:
-    from .port import ports_report, render_ports
-
     rows = ports_report()
     if _json_out(rows, args):
         print(render_ports(rows))
@@ -61,9 +72,6 @@ def cmd_ports(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from .info import info_report, render_info
-    from .port import load_port
-
     port = load_port(args.model)
     report = info_report(port, args.per_token)
     if _json_out(report, args):
@@ -72,10 +80,6 @@ def cmd_info(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .eval.seq_match import DEFAULT_PROMPTS, backend_options, render_validation, run_validation
-    from .port import load_port
-    from .tokenizer import load_tokenizer
-
     port = load_port(args.model)
     tokenizer = load_tokenizer(port, args.checkpoint)
     prompts = list(DEFAULT_PROMPTS) + list(args.prompt or [])
@@ -91,8 +95,6 @@ def cmd_validate(args) -> int:
 
 
 def cmd_publish(args) -> int:
-    from .publish.s3 import publish, render_publish
-
     report = publish(args.dir, args.uri, overwrite=args.overwrite, deep=args.deep)
     if _json_out(report, args):
         print(render_publish(report))
@@ -100,8 +102,6 @@ def cmd_publish(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .publish.s3 import pull_report, render_pull
-
     report = pull_report(args.uri, args.dir)
     if _json_out(report, args):
         print(render_pull(report))
@@ -109,9 +109,6 @@ def cmd_pull(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .neuron.plan import port_plan, render_plan
-    from .port import load_port
-
     reader = None if args.reader_budget is None else \
         {"budget": args.reader_budget, "scan": args.reader_scan, "rank": args.reader_rank}
     report = port_plan(load_port(args.model), args.instance, args.tp, args.dtype, args.batch, args.seq,
@@ -122,9 +119,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_trace_and_compile(args) -> int:
-    from .neuron.compile import render_trace_and_compile, trace_and_compile
-    from .port import load_port
-
     port = load_port(args.model)
     flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
     if not args.reader and any(v is not None for v in flags.values()):
@@ -138,7 +132,7 @@ def cmd_trace_and_compile(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    try:
+    try:  # the `serve` extra (uvicorn, fastapi): imported here so that the other commands run without it
         from .serve.server import run
     except ModuleNotFoundError as e:
         if e.name in ("fastapi", "uvicorn", "starlette", "pydantic"):
@@ -148,8 +142,6 @@ def cmd_serve(args) -> int:
 
 
 def _serve_parser(sub) -> None:
-    from .model import EXPERTS_IMPLEMENTATIONS
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, SSE streaming)",
                        description="Serve one model over the OpenAI API: POST /v1/chat/completions, "
                                    "/v1/completions; GET /v1/models, /health, /ping. The model loads after "
@@ -189,9 +181,6 @@ def _serve_parser(sub) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 def cmd_reads(args) -> int:
-    from .port import load_port
-    from .reader.accounting import Geometry, Layout, reads_report, render_reads
-
     explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
     if any(v is not None for v in explicit):
         if None in explicit:
@@ -208,9 +197,6 @@ def cmd_reads(args) -> int:
 
 
 def cmd_prep_reader(args) -> int:
-    from .model import prep_reader, render_prep_reader
-    from .port import load_port
-
     if args.source and not args.tp:
         raise UserError("--from shards an existing sidecar: it needs --tp")
     report = prep_reader(load_port(args.model), args.out, args.checkpoint, tp=args.tp, source=args.source,
@@ -221,8 +207,6 @@ def cmd_prep_reader(args) -> int:
 
 
 def cmd_build_corpus(args) -> int:
-    from .training.corpus import build_corpus, render_corpus
-
     counts = build_corpus(args.text_dir, args.out, seed=args.seed, scale=args.scale)
     if _json_out(counts, args):
         print(render_corpus(counts, args.out))
@@ -230,9 +214,6 @@ def cmd_build_corpus(args) -> int:
 
 
 def cmd_train_tiny(args) -> int:
-    from .port import load_port
-    from .training.tiny import render_training, train
-
     port = load_port(args.model)
     summary = train(port.config, args.corpus, args.out, steps=args.steps, batch_size=args.batch_size,
                     seq_len=args.seq_len, lr=args.lr, task_share=args.task_share, seed=args.seed,
@@ -243,10 +224,6 @@ def cmd_train_tiny(args) -> int:
 
 
 def cmd_eval_tasks(args) -> int:
-    from .eval.tasks import TASKS
-    from .eval.tasks_eval import evaluate, render_tasks
-    from .port import load_port
-
     port = load_port(args.model)
     report = evaluate(port, args.backend, args.checkpoint, per_task=args.items, corpus=args.corpus,
                       text_docs=args.text_docs, tasks=tuple(args.task or TASKS), split=args.split)
@@ -256,29 +233,21 @@ def cmd_eval_tasks(args) -> int:
 
 
 def cmd_eval_reader(args) -> int:
-    from .eval import reader_eval as R
-    from .eval.reader_report import render_reader_eval
-    from .port import load_port
-
-    budgets, specs, rules = R.parse_budgets(args.budgets), R.parse_selectors(args.selectors), R.parse_rules(args.rules)
+    budgets = reader_eval.parse_budgets(args.budgets)
+    specs, rules = reader_eval.parse_selectors(args.selectors), reader_eval.parse_rules(args.rules)
     port = load_port(args.model)
-    settings = R.Settings.quick(args.corpus) if args.quick else R.Settings(corpus=args.corpus)
+    settings = reader_eval.Settings.quick(args.corpus) if args.quick else reader_eval.Settings(corpus=args.corpus)
     if args.items is not None:
         settings.per_task = args.items
-    report = R.evaluate(port, args.checkpoint, budgets, specs, rules, args.out, settings)
+    report = reader_eval.evaluate(port, args.checkpoint, budgets, specs, rules, args.out, settings)
     if _json_out(report, args):
         print(render_reader_eval(report, args.out))
     return 0
 
 
 def parser() -> argparse.ArgumentParser:
-    from .eval.seq_match import BACKENDS
-    from .eval.tasks import SPLITS, TASKS
-
-    import neuron_moe
-
     top = argparse.ArgumentParser(prog="neuron-moe", description=neuron_moe.__doc__)
-    top.add_argument("--version", action="version", version=f"neuron-moe {__version__}")
+    top.add_argument("--version", action="version", version=f"neuron-moe {neuron_moe.__version__}")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("ports", help="list the built-in ports")
@@ -409,8 +378,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_pull)
 
-    from .neuron.plan import DTYPES as PLAN_DTYPES, INSTANCES
-    from .parallel.layout import TP_DEGREES
 
     p = sub.add_parser("plan", help="inf2 memory plan: bytes per NeuronCore at a TP degree, fit verdict, decode floor",
                        description="Per-rank bytes (experts, attention, dense MLP, embeddings, lm_head, KV cache, "
@@ -436,7 +403,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_plan)
 
-    from .neuron.compile import DTYPES as COMPILE_DTYPES
 
     p = sub.add_parser("trace-and-compile", help="rank graphs (a prefill key per bucket, a decode key), per-rank "
                                                  "weights and a manifest: Neuron, or --dry-run on CPU",
@@ -519,8 +485,6 @@ def parser() -> argparse.ArgumentParser:
 def _check_outputs(args) -> None:
     """Every output path a command was given, checked before its work starts (not after an upload
     or an hour of training). `--out` is a directory but for prep-reader's sidecar (without --tp)."""
-    from .report import check_output
-
     if getattr(args, "json", None):
         check_output(args.json)
     if getattr(args, "out", None):
