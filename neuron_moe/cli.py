@@ -15,16 +15,19 @@ from .eval.seq_match import BACKENDS, DEFAULT_PROMPTS, backend_options, render_v
 from .eval.tasks import SPLITS, TASKS
 from .eval.tasks_eval import evaluate, render_tasks
 from .info import info_report, render_info
-from .model import EXPERTS_IMPLEMENTATIONS, prep_reader, render_prep_reader
+from .experts.channel_reader import READER_BACKENDS
+from .model import prep_reader, render_prep_reader
 from .neuron.compile import DTYPES as COMPILE_DTYPES, render_trace_and_compile, trace_and_compile
-from .neuron.plan import DTYPES as PLAN_DTYPES, INSTANCES, port_plan, render_plan
+from .neuron.plan import DEFAULT_RUNTIME_RESERVE, DTYPES as PLAN_DTYPES, GiB, INSTANCES, port_plan, render_plan
 from .parallel.layout import EXPERT_LAYOUTS, TP_DEGREES
 from .port import DEFAULT_PORT, DTYPES, load_port, ports_report, render_ports
 from .publish.s3 import publish, pull_report, render_publish, render_pull
-from .reader.accounting import Geometry, Layout, reads_report, render_reads
+from .reader.accounting import STEP_BUDGET, WEIGHTS, Geometry, Layout, reads_report, render_reads
+from .reader.prep import BLOCK, RANK, SCAN
 from .report import check_output, write_json
+from .serve.backends import BACKENDS as SERVE_BACKENDS
 from .tokenizer import load_tokenizer
-from .training.corpus import build_corpus, render_corpus
+from .training.corpus import FORTUNES_DIR, build_corpus, render_corpus
 from .training.tiny import render_training, train
 
 
@@ -112,7 +115,7 @@ def cmd_plan(args) -> int:
     reader = None if args.reader_budget is None else \
         {"budget": args.reader_budget, "scan": args.reader_scan, "rank": args.reader_rank}
     report = port_plan(load_port(args.model), args.instance, args.tp, args.dtype, args.batch, args.seq,
-                       args.runtime_reserve_gib * 2**30, expert_layout=args.expert_layout, reader=reader)
+                       args.runtime_reserve_gib * GiB, expert_layout=args.expert_layout, reader=reader)
     if _json_out(report, args):
         print(render_plan(report))
     return 0 if report["fits"] else 1
@@ -150,7 +153,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
                    help=f"port name or path to a port .toml (default: {DEFAULT_PORT})")
     p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
-    p.add_argument("--backend", default="eager", choices=[*EXPERTS_IMPLEMENTATIONS, "static", "neuron"],
+    p.add_argument("--backend", default="eager", choices=SERVE_BACKENDS,
                    help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
                         "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
                         "experts implementation: transformers' model on CPU, one request per thread, any "
@@ -274,9 +277,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, metavar="PERCENT",
                    help="reader: share of the routed-expert bytes read per token, in (0, 100]")
     p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
-    p.add_argument("--reader-backend", choices=("reference", "triton", "nki"),
+    p.add_argument("--reader-backend", choices=READER_BACKENDS,
                    help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron)")
-    p.add_argument("--reader-weights", choices=("bf16", "int8"),
+    p.add_argument("--reader-weights", choices=WEIGHTS,
                    help="reader: the experts it reads, the model's own (bf16, default) or the int8 experts' numbers "
                         "(exact rows in int8 with their scales, prefill through the int8 experts; reference only)")
     _expert_layout_arg(p, "tp8, tp8-int8: ")
@@ -285,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-corpus", help="write the tiny model's corpus: English text plus the synthetic tasks",
                        description="Text from the Debian package 'fortunes' (apt-get install fortunes) plus "
                                    "the task mix of neuron_moe.eval.tasks; fixed train/calib/eval splits.")
-    p.add_argument("--text-dir", default="/usr/share/games/fortunes", help="the fortune files (default: %(default)s)")
+    p.add_argument("--text-dir", default=FORTUNES_DIR, help="the fortune files (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the training items (default 0)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of training task items")
@@ -342,17 +345,18 @@ def parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--budgets", default="12.8,17.8", metavar="B,B",
                    help="read budgets, %% of the full model's routed-expert reads (default %(default)s)")
-    p.add_argument("--selectors", default="teal,wina,cats,oracle,reader", metavar="S,S",
+    p.add_argument("--selectors", default=",".join(reader_eval.SELECTORS), metavar="S,S",
                    help="teal, wina, cats, oracle, reader; reader-rN: the reader at recovery rank N; "
                         "reader[-rN]-int8: over the int8 experts (exact rows int8), -int8dq: with the sketch made "
                         "from the dequantised int8 (budgets stay %% of the bf16 read: equal bytes) "
                         "(default %(default)s)")
-    p.add_argument("--rules", default="topk,threshold", metavar="R,R",
+    p.add_argument("--rules", default=",".join(reader_eval.RULES), metavar="R,R",
                    help="topk (fixed reads per token) and/or threshold (calibrated) (default %(default)s)")
     p.add_argument("--corpus", metavar="DIR", help="a build-corpus directory: adds held-out text (eval_text.jsonl) "
                                                  "to the evaluation and calib.jsonl text to the calibration")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable)")
-    p.add_argument("--items", type=_positive_int, help="evaluation items per task (default 20; --quick 2)")
+    p.add_argument("--items", type=_positive_int, help=f"evaluation items per task (default "
+                   f"{reader_eval.Settings.per_task}; --quick {reader_eval.QUICK['per_task']})")
     p.add_argument("--quick", action="store_true", help="a few short items (fact, kv, reverse) and 4 text "
                                                         "documents: a check in about a minute, not a measurement")
     p.set_defaults(func=cmd_eval_reader)
@@ -393,12 +397,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reader-budget", type=float, metavar="PERCENT",
                    help="also the channel layout's decode graph with the reader at this budget (bytes per token and "
                         "rank, each rank's sidecar shard in the memory plan)")
-    p.add_argument("--reader-rank", type=int, default=32, metavar="R", help="with --reader-budget: recovery rank "
-                                                                             "(default 32)")
-    p.add_argument("--reader-scan", type=int, default=80, metavar="N", help="with --reader-budget: coordinates "
-                                                                             "scanned per 128-block (default 80)")
-    p.add_argument("--runtime-reserve-gib", type=float, default=1.0, metavar="GIB",
-                   help="stated per-core runtime reserve (default 1.0)")
+    p.add_argument("--reader-rank", type=int, default=RANK, metavar="R",
+                   help=f"with --reader-budget: recovery rank (default {RANK})")
+    p.add_argument("--reader-scan", type=int, default=SCAN, metavar="N",
+                   help=f"with --reader-budget: coordinates scanned per {BLOCK}-block (default {SCAN})")
+    p.add_argument("--runtime-reserve-gib", type=float, default=DEFAULT_RUNTIME_RESERVE / GiB, metavar="GIB",
+                   help="stated per-core runtime reserve (default %(default)s)")
     _expert_layout_arg(p)
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
     p.set_defaults(func=cmd_plan)
@@ -447,17 +451,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=17.8, metavar="PERCENT", help="read budget (default 17.8)")
     for flag in ("--hidden", "--experts", "--top-k", "--intermediate"):
         p.add_argument(flag, type=_positive_int, metavar="N", help="explicit geometry (instead of --model)")
-    p.add_argument("--scan", type=int, default=80, metavar="N", help="coordinates scanned per 128-block "
-                                                                     "(default 80; 128 = full scan)")
-    p.add_argument("--rank", type=int, default=32, metavar="R", help="recovery rank (default 32; 0 = off)")
-    p.add_argument("--dtype", choices=["bf16", "int8"], default="bf16",
+    p.add_argument("--scan", type=int, default=SCAN, metavar="N",
+                   help=f"coordinates scanned per {BLOCK}-block (default {SCAN}; {BLOCK} = full scan)")
+    p.add_argument("--rank", type=int, default=RANK, metavar="R", help=f"recovery rank (default {RANK}; 0 = off)")
+    p.add_argument("--dtype", choices=WEIGHTS, default="bf16",
                    help="the experts' weights: bf16, or int8 exact rows with fp32 scales (the sketch and recovery "
                         "stay bf16); --budget is a share of those experts' full read (default bf16)")
     p.add_argument("--batch", type=_positive_int, metavar="B",
                    help="also a decode step of B tokens, each row read once: the full batch, independent per-token "
                         "top-k, and the batch rule (one set of channels for the step), under uniform routing")
-    p.add_argument("--step-budget", type=float, default=2.0, metavar="X",
-                   help="with --batch: the batch rule's step reads, in units of one token's reads (default 2)")
+    p.add_argument("--step-budget", type=float, default=STEP_BUDGET, metavar="X",
+                   help=f"with --batch: the batch rule's step reads, in units of one token's reads "
+                        f"(default {STEP_BUDGET:g})")
     p.add_argument("--tp", type=int, choices=TP_DEGREES, metavar="T",
                    help="per rank at TP T on the channel expert layout (each rank its I/T channels of every expert)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
@@ -476,8 +481,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", metavar="FILE",
                    help="with --tp: shard this existing whole sidecar instead of prepping one")
     p.add_argument("--seed", type=int, default=0, help="seed of the Hadamard sign vector (default 0)")
-    p.add_argument("--rank", type=int, default=32, metavar="R", help="recovery-map rank (default 32)")
-    p.add_argument("--scan", type=int, default=80, metavar="N", help="scan width recorded for readers (default 80)")
+    p.add_argument("--rank", type=int, default=RANK, metavar="R", help=f"recovery-map rank (default {RANK})")
+    p.add_argument("--scan", type=int, default=SCAN, metavar="N",
+                   help=f"scan width recorded for readers (default {SCAN})")
     p.set_defaults(func=cmd_prep_reader)
     return top
 

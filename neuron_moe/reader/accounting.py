@@ -26,6 +26,7 @@ from .prep import BLOCK, CODES_PER_BYTE, RANK, SCAN, SECTOR
 BF16 = 2
 INT8, FP32 = 1, 4
 WEIGHTS = ("bf16", "int8")
+STEP_BUDGET = 2.0  # the batch rule's reads per decode step, in units of one token's (`batch_breakdown`)
 
 
 class BudgetError(UserError):
@@ -270,7 +271,7 @@ def expected_union(geo: Geometry, batch: int) -> float:
     return geo.experts * (1 - (1 - geo.top_k / geo.experts) ** batch)
 
 
-def batch_breakdown(geo: Geometry, layout: Layout, budget: float, batch: int, step_budget: float = 2.0) -> dict:
+def batch_breakdown(geo: Geometry, layout: Layout, budget: float, batch: int, step_budget: float = STEP_BUDGET) -> dict:
     """A step of `batch` tokens under uniform routing, its union taken at its expected size: the
     full batch (the union's experts whole); independent top-k at `budget` per token, at most (no
     channel or strip shared by two tokens of an expert; what a kernel that does not share reads is
@@ -323,7 +324,7 @@ def solve_rank_k(geo: Geometry, layout: Layout, budget: float, tp: int) -> int:
 
 
 def reads_report(name: str, geo: Geometry, layout: Layout, budget: float, tp: int = 1, batch: int | None = None,
-                 step_budget: float = 2.0) -> dict:
+                 step_budget: float = STEP_BUDGET) -> dict:
     """Everything `neuron-moe reads` reports: `breakdown` for a token of `geo` (named `name`), per rank
     at TP `tp` on the channel expert layout, and with `batch` a decode step of that many tokens."""
     local = geo
