@@ -20,9 +20,11 @@ from transformers import Gemma4ForCausalLM
 from . import experts as _experts  # registers our experts implementations
 from .checkpoint import iter_expert_weights, load_checkpoint, read_config
 from .errors import UserError
-from .experts.channel_reader import attach_reader, reader_settings
+from .experts.channel_reader import attach_reader, plan_reader, reader_forward, reader_settings
+from .parallel.layout import check_degree
 from .port import Port
-from .reader.prep import RANK, SCAN, SidecarError, model_expert_weights, write_sidecar
+from .reader.prep import RANK, SCAN, Sidecar, SidecarError, model_expert_weights, write_sidecar
+from .reader.shard import WHOLE, write_shards
 
 EXPERTS_IMPLEMENTATIONS = _experts.ALL
 
@@ -73,8 +75,11 @@ def build_model(
 
 def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_backend="reference",
                  reader_weights="bf16"):
-    """The port's model with the reader attached (see `reader_settings` for the defaults)."""
+    """The port's model with the reader attached (see `reader_settings` for the defaults). The backend,
+    sidecar, rank and budget are checked before the weights load (minutes, for a large checkpoint)."""
+    reader_forward(reader_backend)
     sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
+    plan_reader(port.config, sidecar, budget, rank, reader_weights)
     model = build_model(port, "eager", dtype, checkpoint)
     attach_reader(model, sidecar, budget, rank, reader_backend, reader_weights)
     return model
@@ -96,3 +101,35 @@ def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0,
     return write_sidecar(out, weights, hidden=config.hidden_size, experts=config.num_experts,
                          intermediate=config.moe_intermediate_size, layers=config.num_hidden_layers,
                          seed=seed, rank=rank, scan=scan)
+
+
+def prep_reader(port, out: Path, checkpoint: Path | None = None, *, tp: int | None = None,
+                source: Path | None = None, seed: int = 0, rank: int = RANK, scan: int = SCAN) -> dict:
+    """`neuron-moe prep-reader`: the port's sidecar written to `out`; with `tp`, `out` is a directory
+    of the whole sidecar (prepped there, or the existing `source`) and each rank's shard at TP `tp`."""
+    out = Path(out)
+    if tp:  # a directory: the whole sidecar and each rank's shard
+        check_degree(port.config, tp)
+        path = Path(source) if source else out / WHOLE
+        if not source:
+            out.mkdir(parents=True, exist_ok=True)
+            prep_port(port, path, checkpoint, seed=seed, rank=rank, scan=scan)
+    else:
+        path = prep_port(port, out, checkpoint, seed=seed, rank=rank, scan=scan)
+    side = Sidecar(path)
+    if side.tp is not None:
+        raise UserError(f"{path}: already a TP shard (rank {side.tp_rank} of {side.tp}); shard the whole sidecar")
+    files = [path] + (write_shards(side, out, tp) if tp else [])
+    return {"model": port.name, "sidecar": str(path), "bytes": path.stat().st_size, "layers": side.layers,
+            "scan": side.scan, "rank": side.layout.rank, "seed": side.seed, "source_sha256": side.source_sha256,
+            "tp": tp, "files": {str(f): f.stat().st_size for f in files}}
+
+
+def render_prep_reader(report: dict, read_source: bool = False) -> str:
+    """`read_source`: the whole sidecar was read (prep-reader --from), not written."""
+    lines = [f"{'read' if read_source and f == report['sidecar'] else 'wrote'} {f}: {size / 2**20:.2f} MiB"
+             for f, size in report["files"].items()]
+    lines.append(f"{report['layers']} layers, scan {report['scan']}, rank {report['rank']}, seed {report['seed']}, "
+                 f"source sha256 {report['source_sha256'][:16]}…"
+                 + (f"; shards for TP {report['tp']}, channel expert layout" if report["tp"] else ""))
+    return "\n".join(lines)

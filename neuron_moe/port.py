@@ -19,6 +19,7 @@ from transformers import Gemma4TextConfig
 from .config import gemma4_moe_config
 from .errors import UserError
 from .parallel.layout import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
+from .report import table
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -208,3 +209,16 @@ def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
         static=static,
         raw=raw,
     )
+
+
+def ports_report() -> list[dict]:
+    """`neuron-moe ports`: each built-in port's name, weights source and description."""
+    rows = []
+    for name in builtin_ports():
+        port = load_port(name)
+        rows.append({"name": name, "weights": port.weights_source, "description": port.description})
+    return rows
+
+
+def render_ports(rows: list[dict]) -> str:
+    return table(rows, [("name", "port"), ("weights", "weights"), ("description", "description")])

@@ -17,7 +17,7 @@ LAYERS = (
     # The generate loops over a port's graphs build the port's model: workflows, not modules.
     ("workflows", ("model", "static.generate", "parallel.generate", "neuron", "eval", "training", "publish",
                    "info")),
-    ("surfaces", ("serve", "cli", "__main__")),
+    ("surfaces", ("serve", "cli", "cli_parser", "__main__")),
 )
 
 

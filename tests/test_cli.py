@@ -1,3 +1,4 @@
+import argparse
 import json
 
 import pytest
@@ -80,6 +81,12 @@ def test_help(command, capsys):
         cli.main(command + ["--help"])
     assert exit_.value.code == 0
     assert "--json" in capsys.readouterr().out or not command
+
+
+def test_every_command_has_a_handler():
+    """cli_parser.py declares the commands and cli.COMMANDS runs them: the two agree."""
+    sub = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(cli.COMMANDS)
 
 
 def test_a_non_finite_logit_fails_the_comparison_whatever_the_tokens(capsys):

@@ -110,6 +110,15 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def render_reader_eval(report: dict, out) -> str:
+    """The console summary: every cell's row, and what was written to `out`."""
+    acc = report["full_model"]["accuracy"]
+    return (f"{report['model']}: selectors vs the full model (fp32), full model {acc['correct']}/{acc['items']} "
+            f"items correct; generation: {report['generation']}\n\n"
+            + table(table_rows(report), COLUMNS)
+            + f"\n\n{out}: report.json, report.md, cells/, " + ", ".join(Path(p).name for p in report["plots"]))
+
+
 def write_markdown(report: dict, path: Path) -> None:
     acc = report["full_model"]["accuracy"]
     drift, versus = drift_rows(report), versus_rows(report)

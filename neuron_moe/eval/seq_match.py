@@ -15,6 +15,7 @@ from ..errors import UserError
 from ..generate import Generation, greedy, left_pad
 from ..model import build_model, reader_model
 from ..parallel.generate import BACKENDS as TP_BACKENDS
+from ..report import table
 from ..static.generate import traced_backend
 from ..tokenizer import answer_text
 
@@ -50,6 +51,29 @@ BACKENDS: dict[str, Callable[..., Generator]] = {
     "reader": _reader_backend,  # the sparse-channel reader on decode steps, full experts on prefill
     **TP_BACKENDS,  # tp8, tp8-naive-scatter, tp8-int8: those graphs at TP 8 on gloo (neuron_moe/parallel)
 }
+
+
+def backend_options(backend: str, *, sidecar=None, budget=None, rank=None, reader_backend=None, reader_weights=None,
+                    expert_layout=None) -> dict:
+    """The options given (not None) that BACKENDS[backend] is built with; options it does not take are
+    refused. The reader takes them all but expert_layout; tp8 runs the reader in its decode graph with
+    sidecar, budget and rank; the TP backends take expert_layout."""
+    given = {"sidecar": sidecar, "budget": budget, "rank": rank, "reader_backend": reader_backend,
+             "reader_weights": reader_weights}
+    options = {k: v for k, v in given.items() if v is not None}
+    tp_reader = backend == "tp8" and bool(options)  # the reader in the TP 8 decode graph
+    if tp_reader and ({"reader_backend", "reader_weights"} & options.keys() or sidecar is None):
+        raise UserError("--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp 8`) and "
+                        "--budget; its kernels are the PyTorch reference over the bf16 experts "
+                        "(no --reader-backend, no --reader-weights)")
+    if options and backend != "reader" and not tp_reader:
+        raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only "
+                        f"(--sidecar, --budget and --rank also to tp8)")
+    if expert_layout is not None:
+        if backend not in TP_BACKENDS:
+            raise UserError(f"--expert-layout applies to the TP backends ({', '.join(TP_BACKENDS)}) only")
+        options["expert_layout"] = expert_layout
+    return options
 
 
 def compare(reference: Generation, backend: Generation, prompts: list[str]) -> list[dict]:
@@ -103,3 +127,20 @@ def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: 
         "all_match": all(r["seq_match"] for r in rows),
         "prompts": rows,
     }
+
+
+def render_validation(report: dict) -> str:
+    shown = [dict(r, prompt=repr(r["prompt"])) for r in report["prompts"]]  # newlines visible, one row each
+    lines = [f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}) "
+             f"vs {report['reference']}, {report['max_new_tokens']} new tokens\n",
+             table(shown, [
+                 ("prompt", "prompt"), ("seq_match", "SEQ_MATCH"), ("first_divergence", "first diff"),
+                 ("max_abs_dlogit_step0", "max|Δlogit| step 0"), ("min_cosine", "min cosine", "{:.7f}"),
+             ])]
+    lines += [f"\n{row['prompt']!r}: NaN or inf among the logits (a failed comparison)"
+              for row in report["prompts"] if not row["finite_logits"]]
+    lines.append("\nreference (greedy) continuations, up to the first EOS:")
+    lines += [f"  {row['prompt']!r} -> {row['reference_text']!r}" for row in report["prompts"]]
+    lines.append(f"\n{'PASS' if report['all_match'] else 'FAIL'}: "
+                 f"{sum(r['seq_match'] for r in report['prompts'])}/{len(report['prompts'])} prompts match")
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from ..generate import left_pad
 from ..model import build_model
+from ..report import table
 from ..tasks import TASKS, Item, eval_items
 from ..tokenizer import answer_text, load_tokenizer
 from ..training.corpus import read_jsonl
@@ -110,3 +111,20 @@ def evaluate(port, backend: str = "eager", checkpoint=None, per_task: int = 50, 
         docs = [tokenizer.encode(t)[:longest] for t in held_out]
         report["text"] = dict(text_metrics(model, docs, unigram, port.config.vocab_size), documents=len(held_out))
     return report
+
+
+def render_tasks(report: dict, num_experts: int) -> str:
+    lines = [f"{report['model']}: {report['split']} split, greedy answers with {report['backend']}, "
+             "exact match up to EOS\n",
+             table(report["tasks"], [("task", "task"), ("items", "items"), ("correct", "correct"),
+                                     ("accuracy", "accuracy", "{:.1%}"), ("answer_tokens_min", "answer tokens min"),
+                                     ("answer_tokens_max", "max")])]
+    text = report["text"]
+    if text is None:
+        lines.append("\nno --corpus: held-out perplexity and expert load not measured")
+    else:
+        lines += [f"\nheld-out text ({text['tokens']} tokens): perplexity {text['perplexity']:.2f}, "
+                  f"unigram baseline {text['unigram_perplexity']:.2f}",
+                  f"expert share of routed slots on that text: min {text['expert_share_min']:.3f}, "
+                  f"max {text['expert_share_max']:.3f} (uniform {1 / num_experts:.3f})"]
+    return "\n".join(lines)

@@ -37,7 +37,7 @@ from ..parallel.trace import export_rank0
 from ..reader.accounting import Geometry, Layout, rank_geometry, solve_rank_k
 from ..reader.prep import RANK, SCAN, model_expert_weights
 from ..reader.prep import Layout as SidecarLayout
-from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock
+from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock, table
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.export import GraphError, checked, example_inputs, functional
 from .artifact import FORMAT, GRAPHS, MANIFEST, MODEL, SHARD_PLAN, WEIGHTS, ArtifactError, key_names
@@ -309,3 +309,18 @@ def _contract(module, spec, keys, logits: bool) -> tuple[dict, dict]:
     state = {f"cache.{n}": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
              for n, t in zip(cache.names, cache.tensors())}
     return {k: _key_contract(_graph(module, spec, k, cache, logits), spec, k) for k in keys}, state
+
+
+def render_trace_and_compile(report: dict) -> str:
+    rows = [{"file": f, "bytes": v["size"], "sha256": v["sha256"]} for f, v in report["files"].items()]
+    what = "dry run (CPU, gloo layers; exported, not compiled)" if report["dry_run"] else "compiled for Neuron"
+    lines = [table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]),
+             f"\n{report['out']}: {report['port']} {report['dtype']} TP {report['tp']}, {report['expert_layout']} "
+             f"expert layout, keys {', '.join(report['keys'])}; {what}"
+             + ("" if report["weights"] else "; no weights (meta device): exported, manifest and shard plan only")]
+    if report.get("reader"):
+        r = report["reader"]
+        lines.append(f"decode key reads through the reader: budget {r['budget']:g} %, {r['k_per_rank']} exact "
+                     f"channels per token and rank, scan {r['scan']}, recovery rank {r['rank']} (each rank's "
+                     f"sidecar shard in its weights)")
+    return "\n".join(lines)

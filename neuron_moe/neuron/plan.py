@@ -55,6 +55,7 @@ from transformers import Gemma4TextConfig
 from ..experts.int8 import quantize_experts
 from ..info import meta_model, parameter_group
 from ..parallel import layout
+from ..report import table
 
 GB, GiB = 1e9, 2**30
 CORE_HBM = 16 * GiB
@@ -225,3 +226,37 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
             "experts_all_ranks_bytes": experts_all,
             "decode": _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader),
             "host_per_step": _host_per_step(config, batch)}
+
+
+def port_plan(port, instance: str, tp: int, dtype: str, batch: int, seq: int,
+              runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, expert_layout: str | None = None,
+              reader: dict | None = None) -> dict:
+    """`plan` for a port: its [static] expert_layout unless `expert_layout` is given, and its
+    decode_experts (a port without a [static] table: the channel layout, selective)."""
+    static = port.static
+    return plan(port.config, instance, tp, dtype, batch, seq, runtime_reserve, model=port.name,
+                expert_layout=expert_layout or (static.expert_layout if static else layout.DEFAULT_EXPERT_LAYOUT),
+                decode_experts=static.decode_experts if static else "selective", reader=reader)
+
+
+def render_plan(report: dict) -> str:
+    lines = [f"{report['model']} on {report['instance']}: TP {report['tp']}, {report['dtype']} experts in the "
+             f"{report['expert_layout']} layout, batch {report['batch']}, seq {report['seq']}\n"]
+    if "per_rank_bytes" in report:
+        rows = [{"what": k, "GB": v / GB} for k, v in report["per_rank_bytes"].items()]
+        rows.append({"what": "total", "GB": report["per_rank_total_bytes"] / GB})
+        decode = [dict(r, expert_layout=r["expert_layout"] + (" + reader" if "reader" in r else "")
+                       + (" (this plan)" if r["this_plan"] else "")) for r in report["decode"]]
+        lines += [table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]),
+                  f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
+                  f"(graph and runtime rows are stated estimates, not measurements)\n",
+                  table(decode, [("expert_layout", "expert layout"), ("decode_graph", "its decode graph reads"),
+                                 ("GB_per_token", "GB/token/rank", "{:.3f}"),
+                                 ("floor_ms", "HBM floor ms/token", "{:.2f}"),
+                                 ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]),
+                  "\n(decode: the graphs trace-and-compile builds, at this batch; bytes read, not measured)\n",
+                  table(report["host_per_step"], [("what", "host <-> device per decode step"),
+                                                  ("direction", ""), ("bytes", "bytes")]),
+                  ""]
+    lines.append(f"{'FITS' if report['fits'] else 'DOES NOT FIT'}: {report['reason']}")
+    return "\n".join(lines)

@@ -42,7 +42,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..report import check_output, file_digest, run_lock
+from ..report import check_output, file_digest, run_lock, table
 
 MANIFEST = "neuron-moe-manifest.json"
 FORMAT = "neuron-moe-artifacts/1"
@@ -417,3 +417,15 @@ def pull(uri: str, dest_dir: Path) -> Path:
     """Download the publication at uri into dest_dir, every file verified; returns dest_dir."""
     pull_report(uri, dest_dir)
     return Path(dest_dir)
+
+
+def render_publish(report: dict) -> str:
+    return (table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("crc32", "CRC32")])
+            + f"\n\npublished {len(report['files'])} files ({report['total_bytes']} bytes) to {report['uri']}, "
+              f"each verified with head_object; manifest {report['manifest']}")
+
+
+def render_pull(report: dict) -> str:
+    return (table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("action", "")])
+            + f"\n\n{report['dest']}: {len(report['files'])} files verified against the manifest of {report['uri']} "
+              f"({report['downloaded_bytes']} of {report['total_bytes']} bytes downloaded)")

@@ -16,15 +16,17 @@ layout cannot guarantee that start (a row length not a multiple of 32 bytes) one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..errors import UserError
+from ..report import table
 from .hadamard import padded
 from .prep import BLOCK, CODES_PER_BYTE, RANK, SCAN, SECTOR
 
 BF16 = 2
 INT8, FP32 = 1, 4
 WEIGHTS = ("bf16", "int8")
+STEP_BUDGET = 2.0  # the batch rule's reads per decode step, in units of one token's (`batch_breakdown`)
 
 
 class BudgetError(UserError):
@@ -269,7 +271,7 @@ def expected_union(geo: Geometry, batch: int) -> float:
     return geo.experts * (1 - (1 - geo.top_k / geo.experts) ** batch)
 
 
-def batch_breakdown(geo: Geometry, layout: Layout, budget: float, batch: int, step_budget: float = 2.0) -> dict:
+def batch_breakdown(geo: Geometry, layout: Layout, budget: float, batch: int, step_budget: float = STEP_BUDGET) -> dict:
     """A step of `batch` tokens under uniform routing, its union taken at its expected size: the
     full batch (the union's experts whole); independent top-k at `budget` per token, at most (no
     channel or strip shared by two tokens of an expert; what a kernel that does not share reads is
@@ -319,3 +321,70 @@ def solve_rank_k(geo: Geometry, layout: Layout, budget: float, tp: int) -> int:
             raise
         raise BudgetError(f"per rank at TP {tp} (each rank reads its own {geo.intermediate // tp} of "
                           f"{geo.intermediate} channels' sketch): {e}") from None
+
+
+def reads_report(name: str, geo: Geometry, layout: Layout, budget: float, tp: int = 1, batch: int | None = None,
+                 step_budget: float = STEP_BUDGET) -> dict:
+    """Everything `neuron-moe reads` reports: `breakdown` for a token of `geo` (named `name`), per rank
+    at TP `tp` on the channel expert layout, and with `batch` a decode step of that many tokens."""
+    local = geo
+    if tp > 1 and (layout.weights != "bf16" or batch is not None):
+        raise UserError("reads --tp T is the per-rank reader over bf16 experts, one token a step "
+                        "(not with --dtype int8 or --batch)")
+    if tp > 1:  # one rank of the channel layout: I/t channels of every expert
+        local = rank_geometry(geo, tp)
+        solve_rank_k(geo, layout, budget, tp)  # a budget below a rank's floor: the error names TP
+    report = {"model": name, "geometry": asdict(geo), "scan": layout.scan, "rank": layout.rank, "tp": tp,
+              "dtype": layout.weights, **breakdown(local, layout, budget)}
+    if layout.weights != "bf16":
+        report["percent_of_bf16_full"] = 100 * sum(v["bytes"] for v in report["reads"].values()) / full_bytes(local)
+    if batch is not None:
+        report["batch"] = batch_breakdown(local, layout, budget, batch, step_budget)
+    return report
+
+
+def render_reads(report: dict) -> str:
+    whole, tp, dtype = Geometry(**report["geometry"]), report["tp"], report["dtype"]
+    geo = rank_geometry(whole, tp) if tp > 1 else whole
+    lines = [f"reads per token and MoE layer: {report['model']} (hidden {geo.hidden}, {geo.experts} experts, "
+             f"top-{geo.top_k}, intermediate {whole.intermediate})"]
+    if tp > 1:
+        lines.append(f"per rank at TP {tp} (channel expert layout: each rank its {geo.intermediate} of "
+                     f"{whole.intermediate} channels of every expert, its own sketch strips, the whole U); every "
+                     f"rank reads the same")
+    experts = "bf16" if dtype == "bf16" else "int8 exact rows with fp32 scales, the sketch and recovery bf16"
+    rows = [{"part": p, **v} for p, v in report["reads"].items()]
+    rows += [{"part": "total", "bytes": sum(v["bytes"] for v in report["reads"].values()),
+              "percent": report["total_percent"]},
+             {"part": "full model" if tp == 1 else "full (the rank's share)", "bytes": report["full_bytes"],
+              "percent": 100.0}]
+    lines += [f"layout: the sidecar's (base-3 codes, {CODES_PER_BYTE} per byte), scan {report['scan']} of {BLOCK} per "
+              f"block, recovery rank {report['rank']}, {experts}, {SECTOR}-byte sectors",
+              f"budget {report['budget_percent']}% -> k = {report['k']} exact channels of {report['channels']} "
+              f"({100 * report['k'] / report['channels']:.1f}%)\n",
+              table(rows, [("part", "read"), ("bytes", "bytes"), ("percent", "share of full", "{:.2f}%")]),
+              "",
+              table([{"part": p, **v} for p, v in report["resident"].items()],
+                    [("part", "resident (per layer)"), ("bytes", "bytes"),
+                     ("percent", "share of the bf16 experts", "{:.2f}%")])]
+    if dtype != "bf16":
+        lines.append(f"\n{report['total_percent']:.2f}% of the {dtype} experts' full read is "
+                     f"{report['percent_of_bf16_full']:.2f}% of the bf16 experts'")
+    if "batch" in report:
+        lines.append(_render_batch(report["batch"]))
+    return "\n".join(lines)
+
+
+def _render_batch(b: dict) -> str:
+    token, rule = b["rules"]["token"], b["rules"]["batch"]
+    rows = [{"rule": "full batch (the union's experts whole)", "bytes": b["full_bytes"], "percent": 100.0,
+             "x": b["full_bytes"] / b["one_token_bytes"], "k": ""},
+            {"rule": f"independent top-k, k = {b['k_per_token']} per token (at most)", "bytes": token["bytes"],
+             "percent": token["percent_of_full_batch"], "x": token["x_one_token"], "k": ""},
+            {"rule": f"batch rule within {b['step_budget']:g}x one token's reads", "bytes": rule["bytes"],
+             "percent": rule["percent_of_full_batch"], "x": rule["x_one_token"], "k": rule["k"]}]
+    return (f"\na decode step of batch {b['batch']} (uniform routing: {b['expected_union']:.1f} experts expected in "
+            f"the union, taken as {b['union_experts']}), each row read once; one token reads "
+            f"{b['one_token_bytes']} B\n"
+            + table(rows, [("rule", "step reads"), ("bytes", "bytes"), ("percent", "share of full batch", "{:.2f}%"),
+                           ("x", "x one token", "{:.2f}"), ("k", "channels of the step")]))

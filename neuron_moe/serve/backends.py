@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..model import build_model
+from ..model import EXPERTS_IMPLEMENTATIONS, build_model
 from ..tokenizer import load_tokenizer
 from .batching import BatchEngine
 from .engine import Engine, HFBackend, eos_ids
@@ -15,6 +15,7 @@ from .neuron import neuron_runtime
 from .runtime import static_runtime
 
 STATIC = "static"  # the backend name of the port's static graphs on CPU
+BACKENDS = (*EXPERTS_IMPLEMENTATIONS, STATIC, "neuron")  # `serve --backend`: see load_engine
 
 
 def load_engine(port, backend: str, *, checkpoint: Path | None = None, artifacts: Path | None = None,

@@ -113,3 +113,7 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise CorpusError(f"{path}:{n}: not JSON: {e}") from None
     return rows
+
+
+def render_corpus(counts: dict, out) -> str:
+    return f"corpus in {out}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if isinstance(v, int))

@@ -170,3 +170,8 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
         tokenizer.save_pretrained(tmp)
         (tmp / LOG).write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def render_training(summary: dict, out) -> str:
+    return (f"wrote {out}: {summary['steps']} steps, {summary['tokens']} tokens, "
+            f"{summary['seconds']:.0f} s, final loss {summary['final_loss']:.4f}")
