@@ -214,10 +214,10 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, h
                    "source_sha256": digest, "layout": local}
 
 
-def _rank_module(port, tp, backend, build: dict, device="cpu"):
+def _rank_module(port, tp, layers, build: dict, device="cpu"):
     """One rank's model (`parallel/model.py`), with the reader's shard module when `build` has one."""
     options = {k: v for k, v in build.items() if k != "reader"}
-    model = rank_model(port.config, tp, backend, device=device, **options)
+    model = rank_model(port.config, tp, layers, device=device, **options)
     reads = build.get("reader")
     if reads is not None:
         reader.attach(model, reads["layout"], tp, reads["k_per_rank"], reads["scan"], reads["rank"])

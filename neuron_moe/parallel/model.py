@@ -4,7 +4,7 @@ share of every weight (`layout.py`), so the static decoder (`static/decoder.py`)
 HF's modules are kept where a rank holds them whole (norms, router, rotary embedding, layer scalar)
 and where their code is already per-head (attention: it reads the head counts from its config).
 The rank's config has h/t query heads, max(kv/t, 1) KV heads per layer and I/t dense intermediate
-channels; the linears that hold a share are replaced by the backend's parallel layers:
+channels; the linears that hold a share are replaced by parallel layers of `layers` (`parallel.cpu` or `parallel.nxd`):
 
   attention   q/k/v_proj ColumnParallelLinear, o_proj RowParallelLinear (all-reduce)
   dense MLP   gate/up_proj ColumnParallelLinear, down_proj RowParallelLinear (all-reduce)
@@ -52,10 +52,10 @@ def _scaled(embedding: nn.Module, scale: torch.Tensor) -> nn.Module:
     return embedding
 
 
-def rank_model(config: Gemma4TextConfig, tp: int, backend, *, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
+def rank_model(config: Gemma4TextConfig, tp: int, layers, *, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
                int8: bool = False, scatter: str = "spmd", dtype: torch.dtype = torch.float32,
                device: str = "cpu") -> Gemma4ForCausalLM:
-    """One rank's Gemma4ForCausalLM over `backend` (`parallel.cpu` or `parallel.nxd`); its state dict
+    """One rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`); its state dict
     names are those of `layout.parallel_state_dict` in `expert_layout` (int8: of
     `experts.int8.quantize_experts` of it). `device="meta"` builds it without memory (for plans and
     shape checks)."""
@@ -70,18 +70,18 @@ def rank_model(config: Gemma4TextConfig, tp: int, backend, *, expert_layout: str
         for i, layer in enumerate(model.model.layers):
             attn, mlp, head_dim = layer.self_attn, layer.mlp, local.per_layer_config[i].head_dim
             kv = max(layout.kv_heads(config, i), tp) * head_dim  # replicated up to t heads, then split
-            attn.q_proj = backend.ColumnParallelLinear(H, config.num_attention_heads * head_dim, tp=tp, dtype=dtype)
-            attn.k_proj = backend.ColumnParallelLinear(H, kv, tp=tp, dtype=dtype)
+            attn.q_proj = layers.ColumnParallelLinear(H, config.num_attention_heads * head_dim, tp=tp, dtype=dtype)
+            attn.k_proj = layers.ColumnParallelLinear(H, kv, tp=tp, dtype=dtype)
             if attn.v_proj is not None:  # k_eq_v global layers have none: V is K before its norm
-                attn.v_proj = backend.ColumnParallelLinear(H, kv, tp=tp, dtype=dtype)
-            attn.o_proj = backend.RowParallelLinear(config.num_attention_heads * head_dim, H, tp=tp, dtype=dtype)
-            mlp.gate_proj = backend.ColumnParallelLinear(H, config.intermediate_size, tp=tp, dtype=dtype)
-            mlp.up_proj = backend.ColumnParallelLinear(H, config.intermediate_size, tp=tp, dtype=dtype)
-            mlp.down_proj = backend.RowParallelLinear(config.intermediate_size, H, tp=tp, dtype=dtype)
-            layer.experts = parallel_experts(model.config, tp, backend, expert_layout, int8=int8, scatter=scatter,
+                attn.v_proj = layers.ColumnParallelLinear(H, kv, tp=tp, dtype=dtype)
+            attn.o_proj = layers.RowParallelLinear(config.num_attention_heads * head_dim, H, tp=tp, dtype=dtype)
+            mlp.gate_proj = layers.ColumnParallelLinear(H, config.intermediate_size, tp=tp, dtype=dtype)
+            mlp.up_proj = layers.ColumnParallelLinear(H, config.intermediate_size, tp=tp, dtype=dtype)
+            mlp.down_proj = layers.RowParallelLinear(config.intermediate_size, H, tp=tp, dtype=dtype)
+            layer.experts = parallel_experts(model.config, tp, layers, expert_layout, int8=int8, scatter=scatter,
                                              dtype=dtype)
         scale = torch.tensor(H**0.5)
-        model.model.embed_tokens = _scaled(backend.ParallelEmbedding(V, H, tp=tp, dtype=dtype), scale)
-        model.lm_head = backend.ColumnParallelLinear(H, V, tp=tp, dtype=dtype, gather_output=True)
+        model.model.embed_tokens = _scaled(layers.ParallelEmbedding(V, H, tp=tp, dtype=dtype), scale)
+        model.lm_head = layers.ColumnParallelLinear(H, V, tp=tp, dtype=dtype, gather_output=True)
         model.model.rotary_emb = Gemma4TextRotaryEmbedding(local)  # its inv_freq buffers are computed, not loaded
     return model.eval()

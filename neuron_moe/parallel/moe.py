@@ -1,7 +1,7 @@
 """The MoE block of one decoder layer as a rank module: HF's router, replicated, and this rank's
 share of the experts in one of the two expert layouts (`layout.py`).
 
-Written once over a parallel-layer backend (`parallel.cpu` or `parallel.nxd`, the same names).
+Written once over a library of parallel layers, `layers`: `parallel.cpu` or `parallel.nxd` (the same names).
 Both experts modules have transformers' experts signature, forward(x, top_k_index, top_k_weights),
 so the full-model rank module (`parallel/model.py`) puts them in place of HF's `Gemma4TextExperts`.
 
@@ -46,15 +46,15 @@ SCATTERS = ("spmd", "naive")
 
 
 class ChannelExperts(nn.Module):
-    def __init__(self, config, tp: int, backend, int8: bool = False, dtype=torch.float32):
+    def __init__(self, config, tp: int, layers, int8: bool = False, dtype=torch.float32):
         super().__init__()
         E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
-        column = backend.QuantizedExpertFusedColumnParallel if int8 else backend.ExpertFusedColumnParallelLinear
-        row = backend.QuantizedExpertFusedRowParallel if int8 else backend.ExpertFusedRowParallelLinear
+        column = layers.QuantizedExpertFusedColumnParallel if int8 else layers.ExpertFusedColumnParallelLinear
+        row = layers.QuantizedExpertFusedRowParallel if int8 else layers.ExpertFusedRowParallelLinear
         self.gate_up_proj = column(E, H, 2 * I, tp=tp, dtype=dtype, stride=2)  # [E, H, 2I/t]: gate, then up
         self.down_proj = row(E, I, H, tp=tp, dtype=dtype)  # [E, I/t, H]
         self.config = config  # the model's: the static graphs set its experts implementation per graph
-        self.tp, self.backend, self.num_experts = tp, backend, E
+        self.tp, self.layers, self.num_experts = tp, layers, E
         self.act_fn = ACT2FN[config.hidden_activation]
         self.reader = None  # a reader.ReaderShard: decode graphs built with the reader read through it
 
@@ -82,29 +82,29 @@ class ChannelExperts(nn.Module):
             out = self._mlp(x.view(1, 1, T, H), None)[:, 0]  # [E, T, H]
             weights = router_weight_matrix(top_k_index, top_k_weights, self.num_experts)
             out = torch.einsum("eth,te->th", out, weights.to(out.dtype))
-        return self.backend.reduce_from_tensor_model_parallel_region(out, tp=self.tp)
+        return self.layers.reduce_from_tensor_model_parallel_region(out, tp=self.tp)
 
 
 class WholeExperts(nn.Module):
-    def __init__(self, config, tp: int, backend, int8: bool = False, scatter: str = "spmd", dtype=torch.float32):
+    def __init__(self, config, tp: int, layers, int8: bool = False, scatter: str = "spmd", dtype=torch.float32):
         super().__init__()
         if scatter not in SCATTERS:
             raise ValueError(f"scatter must be one of {SCATTERS}, got {scatter!r}")
         E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
-        column = backend.QuantizedColumnParallel if int8 else backend.ColumnParallelLinear
-        row = backend.QuantizedRowParallel if int8 else backend.RowParallelLinear
+        column = layers.QuantizedColumnParallel if int8 else layers.ColumnParallelLinear
+        row = layers.QuantizedRowParallel if int8 else layers.RowParallelLinear
         self.gate_up_proj = column(H, E * 2 * I, tp=tp, dtype=dtype)  # rows: this rank's experts × 2I
         self.down_proj = row(E * I, H, tp=tp, dtype=dtype)  # columns: this rank's experts × I
-        self.spmd_rank = backend.SPMDRank(tp)
-        self.tp, self.scatter, self.backend = tp, scatter, backend
+        self.spmd_rank = layers.SPMDRank(tp)
+        self.tp, self.scatter, self.layers = tp, scatter, layers
         self.num_experts, self.local_experts, self.intermediate = E, E // tp, I
         self.act_fn = ACT2FN[config.hidden_activation]
 
     def local_weights(self, dense: torch.Tensor) -> torch.Tensor:
         """Dense router weights [T, E] -> this rank's columns [T, E/t]."""
         if self.scatter == "spmd":
-            return self.backend.scatter_to_process_group_spmd(dense, dense.dim() - 1, self.spmd_rank.get_rank(), tp=self.tp)
-        return self.backend.scatter_to_tensor_model_parallel_region(dense, tp=self.tp)
+            return self.layers.scatter_to_process_group_spmd(dense, dense.dim() - 1, self.spmd_rank.get_rank(), tp=self.tp)
+        return self.layers.scatter_to_tensor_model_parallel_region(dense, tp=self.tp)
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], top-k [T, k] -> [T, H], summed over all ranks' experts."""
@@ -116,26 +116,26 @@ class WholeExperts(nn.Module):
         return self.down_proj(act.flatten(-2))[0]
 
 
-def parallel_experts(config, tp: int, backend, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, *,
+def parallel_experts(config, tp: int, layers, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, *,
                      int8: bool = False, scatter: str = "spmd", dtype=torch.float32) -> nn.Module:
     """This rank's experts in `expert_layout`. `config` is the model's own (ChannelExperts reads the
     experts implementation the static graph sets on it). `scatter` exists only in the expert layout."""
     if layout.check_layout_name(expert_layout) == layout.CHANNEL:
         if scatter != "spmd":
             raise UserError(f"scatter {scatter!r} is the expert layout's: the channel layout slices nothing by rank")
-        return ChannelExperts(config, tp, backend, int8, dtype)
-    return WholeExperts(config, tp, backend, int8, scatter, dtype)
+        return ChannelExperts(config, tp, layers, int8, dtype)
+    return WholeExperts(config, tp, layers, int8, scatter, dtype)
 
 
 class ParallelMoE(nn.Module):
     """forward(router_input, experts_input), both [B, S, H]: the residual (the router normalises
     it itself) and pre_feedforward_layernorm_2 of it, as in Gemma4TextDecoderLayer."""
 
-    def __init__(self, config, tp: int, backend, *, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
+    def __init__(self, config, tp: int, layers, *, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
                  int8: bool = False, scatter: str = "spmd", dtype=torch.float32):
         super().__init__()
         self.router = Gemma4TextRouter(config).to(dtype)
-        self.experts = parallel_experts(config, tp, backend, expert_layout, int8=int8, scatter=scatter, dtype=dtype)
+        self.experts = parallel_experts(config, tp, layers, expert_layout, int8=int8, scatter=scatter, dtype=dtype)
 
     def local_router_weights(self, router_input: torch.Tensor) -> torch.Tensor:
         """The expert layout's scatter of the dense router weights to this rank's experts."""
