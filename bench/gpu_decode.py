@@ -107,7 +107,8 @@ from neuron_moe.errors import UserError  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader.accounting import Geometry, Layout, solve_k  # noqa: E402
 from neuron_moe.reader.hadamard import padded, random_signs  # noqa: E402
-from neuron_moe.reader.prep import BLOCK, SCAN, LayerSidecar, down_rows, prep_layer  # noqa: E402
+from neuron_moe.reader.prep import SCAN, down_rows, prep_layer  # noqa: E402
+from neuron_moe.reader.sidecar import BLOCK, LayerSidecar  # noqa: E402
 from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
 from gpu_env import header, machine  # noqa: E402  (bench/ is on sys.path: this script's folder)
 

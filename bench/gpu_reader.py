@@ -94,8 +94,8 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts  # noqa
 from neuron_moe.reader import reference  # noqa: E402
 from neuron_moe.reader.accounting import Geometry, Layout, full_bytes, reads, solve_k  # noqa: E402
 from neuron_moe.reader.hadamard import random_signs  # noqa: E402
-from neuron_moe.reader.prep import LayerSidecar  # noqa: E402
-from neuron_moe.reader.prep import Layout as SidecarLayout  # noqa: E402
+from neuron_moe.reader.sidecar import LayerSidecar  # noqa: E402
+from neuron_moe.reader.sidecar import Layout as SidecarLayout  # noqa: E402
 from neuron_moe.reader.triton import forward as triton_reader  # noqa: E402
 from neuron_moe.reader.triton import persistent  # noqa: E402
 from neuron_moe.reader.triton.variants import FUSED, NAMES as VARIANTS, RELAXED, SELECTS, reader_forward  # noqa: E402
@@ -108,7 +108,7 @@ BF16 = torch.bfloat16
 
 class Layer:
     """One layer: bf16 weights in HF's layout (for HF's experts) and the reader's [E, I, H] rows, and a
-    random sidecar in the exact layout `prep.py` writes."""
+    random sidecar in the exact layout of `sidecar.py`."""
 
     def __init__(self, hidden, experts, inter, act, rank, gen):
         def randn(*shape, scale=0.02):

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from neuron_moe.report import table, write_json  # noqa: E402
-from neuron_moe.reader.prep import Sidecar, write_sidecar  # noqa: E402
+from neuron_moe.reader.prep import write_sidecar  # noqa: E402
+from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
 
 
 def proc_status(field: str) -> int:

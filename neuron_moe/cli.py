@@ -395,7 +395,7 @@ def cmd_prep_reader(args) -> int:
 
     from .port import load_port
     from .model import prep_port
-    from .reader.prep import Sidecar
+    from .reader.sidecar import Sidecar
 
     if args.source and not args.tp:
         raise UserError("--from shards an existing sidecar: it needs --tp")

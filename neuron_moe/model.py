@@ -22,7 +22,8 @@ from .checkpoint import iter_expert_weights, load_checkpoint, read_config
 from .errors import UserError
 from .experts.channel_reader import attach_reader, reader_settings
 from .port import Port
-from .reader.prep import RANK, SCAN, SidecarError, model_expert_weights, write_sidecar
+from .reader.prep import RANK, SCAN, model_expert_weights, write_sidecar
+from .reader.sidecar import SidecarError
 
 EXPERTS_IMPLEMENTATIONS = _experts.ALL
 

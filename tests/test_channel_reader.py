@@ -13,7 +13,8 @@ from neuron_moe.errors import UserError
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.generate import greedy, left_pad
 from neuron_moe.model import build_model
-from neuron_moe.reader.prep import SidecarError, write_sidecar
+from neuron_moe.reader.prep import write_sidecar
+from neuron_moe.reader.sidecar import SidecarError
 
 from conftest import port_text_elsewhere, random_prompts, reseeded
 

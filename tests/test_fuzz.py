@@ -31,7 +31,8 @@ from neuron_moe.errors import UserError
 from neuron_moe.neuron import compile as nc
 from neuron_moe.port import tomllib
 from neuron_moe.publish import s3
-from neuron_moe.reader.prep import Sidecar, write_sidecar
+from neuron_moe.reader.prep import write_sidecar
+from neuron_moe.reader.sidecar import Sidecar
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.backends import load_engine
 from neuron_moe.serve.server import plan_load

@@ -15,7 +15,8 @@ from neuron_moe.reader import selectors as S
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.int8 import Int8Experts
 from neuron_moe.experts.int8 import quantize_per_channel
-from neuron_moe.reader.prep import LayerSidecar, prep_layer
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import LayerSidecar
 
 E, INTER, HIDDEN, TOP_K = 16, 48, 256, 4
 GEO = A.Geometry(HIDDEN, E, TOP_K, INTER)
@@ -270,7 +271,7 @@ def test_every_step_holds_b_tokens_and_generation_is_greedy(tiny_port, tiny_eage
     from neuron_moe.experts.selector import moe_layers
     from neuron_moe.generate import greedy
     from neuron_moe.model import prep_port
-    from neuron_moe.reader.prep import Sidecar
+    from neuron_moe.reader.sidecar import Sidecar
 
     layers = moe_layers(tiny_eager, Sidecar(prep_port(tiny_port, tmp_path / "s.safetensors")), 0)
     k = A.solve_k(layers[0].geo, layers[0].layout, 30.0)

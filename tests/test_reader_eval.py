@@ -13,7 +13,7 @@ from neuron_moe.eval import reader_eval as R
 from neuron_moe.experts.selector import attach_selector, moe_layers
 from neuron_moe.reader import selectors as S
 from neuron_moe.model import prep_port
-from neuron_moe.reader.prep import Sidecar
+from neuron_moe.reader.sidecar import Sidecar
 from neuron_moe.tokenizer import load_tokenizer
 
 

@@ -17,7 +17,8 @@ from neuron_moe.model import build_model
 from neuron_moe.reader import accounting as A
 from neuron_moe.reader import reference
 from neuron_moe.reader.hadamard import random_signs
-from neuron_moe.reader.prep import LayerSidecar, SidecarError, model_expert_weights, prep_layer, write_sidecar
+from neuron_moe.reader.prep import model_expert_weights, prep_layer, write_sidecar
+from neuron_moe.reader.sidecar import LayerSidecar, SidecarError
 from neuron_moe.tokenizer import load_tokenizer
 
 from conftest import reseeded
@@ -144,7 +145,7 @@ def test_eval_reader_int8_selectors(tiny_port, sidecar):
     from neuron_moe.eval.reader_eval import EvalError, parse_spec
     from neuron_moe.experts.selector import moe_layers
     from neuron_moe.reader import selectors as S
-    from neuron_moe.reader.prep import Sidecar
+    from neuron_moe.reader.sidecar import Sidecar
 
     assert parse_spec("reader-r16-int8dq") == ("reader", 16, None, "", "int8dq")
     assert parse_spec("reader-int8") == ("reader", None, None, "", "int8")

@@ -17,7 +17,8 @@ from neuron_moe.reader import reference
 from neuron_moe.reader.hadamard import padded, random_signs
 from neuron_moe.reader.nki import forward as nki_reader
 from neuron_moe.reader.nki.plan import NkiPlanError, plan
-from neuron_moe.reader.prep import BLOCK, Layout, LayerSidecar, prep_layer, unpack_codes
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import BLOCK, LayerSidecar, Layout, unpack_codes
 
 
 class TorchKernels:
@@ -106,14 +107,14 @@ def test_the_kernels_consume_the_sidecar_tensors_themselves():
 
 
 def test_tiles_fit_neuroncore_v2_for_the_real_geometries():
-    gemma = plan(Layout(2816, 128, 704), top_k=8, k=703, scan=80, rank=32)
+    gemma = plan(Layout(2816, 128, 704, 32), top_k=8, k=703, scan=80, rank=32)
     assert (gemma.strip, gemma.k_tiles, gemma.h_tiles, gemma.i_tiles) == (288, 6, 6, 6)
-    qwen = plan(Layout(2048, 128, 768), top_k=8, k=755, scan=80, rank=32)
+    qwen = plan(Layout(2048, 128, 768, 32), top_k=8, k=755, scan=80, rank=32)
     assert (qwen.strip, qwen.k_tiles, qwen.h_tiles) == (320, 6, 4)
     with pytest.raises(NkiPlanError, match="strip of 544 bytes > 512"):
-        plan(Layout(2048, 8, 1300), top_k=2, k=10, scan=80, rank=32)
+        plan(Layout(2048, 8, 1300, 32), top_k=2, k=10, scan=80, rank=32)
     with pytest.raises(NkiPlanError, match="rank 256 > 128"):
-        plan(Layout(2048, 8, 768), top_k=2, k=10, scan=80, rank=256)
+        plan(Layout(2048, 8, 768, 32), top_k=2, k=10, scan=80, rank=256)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -141,7 +142,7 @@ def test_per_rank_the_plan_executed_in_torch_is_the_reference(tp):
 
 def test_a_ranks_tiles_fit_neuroncore_v2():
     """Gemma-4 at TP 8: a rank's strips are 64 B (176 rows padded to 320), its 55 channels at 17.8 % one tile."""
-    rank = plan(Layout(2816, 128, 88), top_k=8, k=55, scan=80, rank=32)
+    rank = plan(Layout(2816, 128, 88, 32), top_k=8, k=55, scan=80, rank=32)
     assert (rank.strip, rank.k_tiles, rank.h_tiles, rank.i_tiles) == (64, 1, 6, 1)
 
 

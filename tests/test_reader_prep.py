@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 import trained_like
 from neuron_moe.reader.hadamard import fwht, padded, random_signs, rotate_blocks
-from neuron_moe.reader.prep import (
-    BLOCK, FORMAT_VERSION, LAYER_TENSORS, Layout, Sidecar, SidecarError, pack_codes, prep_layer, source_digest,
-    ternary, unpack_codes, write_sidecar,
+from neuron_moe.reader.prep import prep_layer, ternary, write_sidecar
+from neuron_moe.reader.sidecar import (
+    BLOCK, FORMAT_VERSION, LAYER_TENSORS, Layout, Sidecar, SidecarError, pack_codes, source_digest, unpack_codes,
 )
 
 

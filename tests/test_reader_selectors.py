@@ -10,7 +10,8 @@ from neuron_moe.reader import reference
 from neuron_moe.reader import selectors as S
 from neuron_moe.reader.accounting import BudgetError, full_bytes
 from neuron_moe.reader.hadamard import random_signs
-from neuron_moe.reader.prep import LayerSidecar, prep_layer
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import LayerSidecar
 
 TOP_K = 4
 NAMES = list(S.SELECTORS)

@@ -13,7 +13,8 @@ from neuron_moe.reader import reference, shard
 from neuron_moe.reader import selectors as S
 from neuron_moe.reader.accounting import BudgetError, Geometry, Layout, rank_geometry, reads, solve_k, solve_rank_k
 from neuron_moe.reader.hadamard import random_signs
-from neuron_moe.reader.prep import SECTOR, LayerSidecar, prep_layer, unpack_codes
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import SECTOR, LayerSidecar, unpack_codes
 
 E, I, H, TOP_K, RANK, SCAN = 8, 48, 256, 4, 16, 64
 

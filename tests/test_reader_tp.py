@@ -33,7 +33,8 @@ from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.parallel.trace import export_rank0, forward_job, generation_job, run_replicated
 from neuron_moe.reader import reference, shard
 from neuron_moe.reader.hadamard import random_signs
-from neuron_moe.reader.prep import Layout, LayerSidecar, Sidecar, SidecarError, prep_layer
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import LayerSidecar, Layout, Sidecar, SidecarError
 from neuron_moe.static import data_dependent_ops
 
 from conftest import random_prompts, reseeded

@@ -284,7 +284,7 @@ class Run:
     tokenizer: object
     settings: Settings
     out: Path
-    sidecar: object = None  # prep.Sidecar, when a reader cell is asked for
+    sidecar: object = None  # sidecar.Sidecar, when a reader cell is asked for
     evaluation: list = field(default_factory=list)
     items: list = field(default_factory=list)
     reference: list | None = None  # the full model's teacher-forced log-probs, computed on first need
@@ -322,7 +322,8 @@ class Run:
     def dequantised_sidecar(self):
         """The sidecar made from the int8 experts' dequantised weights: OUT/sidecar-int8dq.safetensors, once."""
         from ..experts.int8 import int8_experts
-        from ..reader.prep import Sidecar, write_sidecar
+        from ..reader.prep import write_sidecar
+        from ..reader.sidecar import Sidecar
 
         path = self.out / "sidecar-int8dq.safetensors"
         if not path.exists():
@@ -426,7 +427,8 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
     run = Run(model, tokenizer, settings, out)
     if need_sidecar:
         from ..model import prep_port
-        from ..reader.prep import Sidecar, model_expert_weights
+        from ..reader.prep import model_expert_weights
+        from ..reader.sidecar import Sidecar
 
         path = out / "sidecar.safetensors"
         if not path.exists():

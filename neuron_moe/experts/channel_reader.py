@@ -30,7 +30,8 @@ import torch
 from ..errors import UserError
 from ..reader import reference
 from ..reader.accounting import Geometry, Layout, solve_k
-from ..reader.prep import LAYER_TENSORS, Sidecar, SidecarError, down_rows, model_expert_weights
+from ..reader.prep import down_rows, model_expert_weights
+from ..reader.sidecar import LAYER_TENSORS, Sidecar, SidecarError
 from .dense_masked import dense_masked_forward
 from .int8 import int8_experts, int8_forward
 

@@ -32,7 +32,7 @@ class SelectorState:
 
 
 def moe_layers(model, sidecar=None, rank: int | None = None, int8: bool = False) -> list[selectors.MoeLayer]:
-    """Each decoder layer's routed experts as a MoeLayer; with a sidecar (prep.Sidecar) the reader's
+    """Each decoder layer's routed experts as a MoeLayer; with a sidecar (sidecar.Sidecar) the reader's
     tensors too, at `rank` (default: the sidecar's) and the sidecar's scan; `int8`: the reader reads
     its exact rows from the `int8` experts' numbers (experts/int8.py)."""
     top_k = model.config.top_k_experts

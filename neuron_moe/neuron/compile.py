@@ -330,7 +330,7 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, h
     from ..parallel.generate import check_reader
     from ..reader.accounting import Geometry, Layout, rank_geometry, solve_rank_k
     from ..reader.prep import RANK, SCAN
-    from ..reader.prep import Layout as SidecarLayout
+    from ..reader.sidecar import Layout as SidecarLayout
 
     check_reader(expert_layout, int8, options.get("budget"))
     if has_weights:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..reader import reference
-from ..reader.prep import LAYER_TENSORS, Layout
+from ..reader.sidecar import LAYER_TENSORS, Layout
 from . import cpu
 
 SPLIT = ("codes", "scales", "down_norms", "coeffs")  # per rank; basis (U) and signs are whole on every rank

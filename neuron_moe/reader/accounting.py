@@ -1,6 +1,6 @@
 """Bytes the reader reads per token and MoE layer, charged in whole 32-byte sectors.
 
-Everything follows from the geometry and the sidecar layout of `prep.py`; nothing is fitted.
+Everything follows from the geometry and the sidecar layout of `sidecar.py`; nothing is fitted.
 For one token the reader reads, from its top_k experts:
 
 - sketch: for each expert, block and scanned coordinate one strip of codes (one base-3 code
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 from .hadamard import padded
-from .prep import BLOCK, CODES_PER_BYTE, RANK, SCAN, SECTOR
+from .prep import RANK, SCAN
+from .sidecar import BLOCK, CODES_PER_BYTE, SECTOR
 
 BF16 = 2
 INT8, FP32 = 1, 4

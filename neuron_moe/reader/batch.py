@@ -37,7 +37,7 @@ import torch
 from . import reference
 from .accounting import Geometry, Layout, StepRows, solve_step_k
 from .hadamard import rotate_blocks
-from .prep import BLOCK, unpack_codes
+from .sidecar import BLOCK, unpack_codes
 
 RULES = ("token", "batch")
 WEIGHINGS = ("share", "raw")
@@ -70,7 +70,7 @@ def expert_scan(rotated: torch.Tensor, local: torch.Tensor, experts: int, scan: 
 def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn, *, rule: str,
          k: int | None = None, limit: float | None = None, int8=None, weigh: str = "share") -> StepResult:
     """One decode step of tokens x [T, H] routed to index/weights [T, k_e]: gate_up [E, 2I, H],
-    down_rows [E, I, H], the layer's sidecar (prep.LayerSidecar). `rule="token"` takes k channels
+    down_rows [E, I, H], the layer's sidecar (sidecar.LayerSidecar). `rule="token"` takes k channels
     per token; `rule="batch"` takes `limit` bytes for the step, its scores summed as `weigh`
     ("share" or "raw"). `int8` (reader/int8.py): exact rows from those int8 weights."""
     if rule not in RULES or weigh not in WEIGHINGS:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .hadamard import rotate_blocks
-from .prep import BLOCK, LayerSidecar, unpack_codes
+from .sidecar import BLOCK, LayerSidecar, unpack_codes
 
 # `layer` below is a LayerSidecar or anything with its attributes (the HF integration's ReaderState).
 

@@ -50,7 +50,7 @@ class MoeLayer:
     down: torch.Tensor  # [E, H, I]
     act_fn: object
     top_k: int
-    sidecar: object = None  # prep.LayerSidecar
+    sidecar: object = None  # sidecar.LayerSidecar
     layout: accounting.Layout = field(default_factory=accounting.Layout)
     int8: object = None  # int8.Int8Experts: the reader reads its exact rows there (layout.weights "int8")
     tp: int = 1  # the reader's reads are charged per rank of the channel layout at this TP degree
@@ -206,7 +206,7 @@ def reader(layer, x, index, weights, rule):
     so tokens with different k run together (equal to `reference.forward` at each token's k)."""
     sc = layer.sidecar
     if sc is None:
-        raise BudgetError("reader: this MoeLayer has no sidecar (prep.LayerSidecar); run prep first")
+        raise BudgetError("reader: this MoeLayer has no sidecar (sidecar.LayerSidecar); run prep first")
     xf = x.to(torch.float32)
     estimates = reference.sketch_estimates(xf, index, sc, layer.layout.scan)
     score, p = reference.scores(estimates, index, weights, sc.down_norms, layer.act_fn)
@@ -302,7 +302,7 @@ def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
 def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
     """The reader on one decode step of tokens x [T, H] under a Step rule."""
     if layer.sidecar is None:
-        raise BudgetError("reader: this MoeLayer has no sidecar (prep.LayerSidecar); run prep first")
+        raise BudgetError("reader: this MoeLayer has no sidecar (sidecar.LayerSidecar); run prep first")
     if layer.tp > 1:
         raise BudgetError(f"reader: the Step rules run at TP 1; this layer is charged per rank at TP {layer.tp}")
     go = lambda layout, **kw: batch.step(x, index, weights, layer.gate_up, layer.down.mT,  # noqa: E731

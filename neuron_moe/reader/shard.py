@@ -6,7 +6,7 @@ and those down rows. A rank's reader is the one-rank reader (`reference.forward`
 
 - its sidecar is the whole sidecar's rows of its channels: a row's ternary codes and scale depend on
   that row alone, so the shard's sketch is the same numbers, repacked with the shard's 2I/t rows
-  padded to whole 32-byte strips (`prep.Layout` of the rank's geometry); norms and b_j of its
+  padded to whole 32-byte strips (`sidecar.Layout` of the rank's geometry); norms and b_j of its
   channels; and the layer's whole U, which every rank projects its own recovery through;
 - it selects k_r channels per token among its top_k·I/t candidates by the same output-level score,
   k_r solved from the accounting on the rank's geometry (`accounting.rank_geometry`), so every
@@ -17,7 +17,7 @@ and those down rows. A rank's reader is the one-rank reader (`reference.forward`
 At TP 1 the shard is the sidecar itself, and the per-rank reader the one-rank reader.
 
 Files. `write_shards` (`neuron-moe prep-reader --tp t`) writes `tp{t}-rank{r}.safetensors` per rank
-beside the whole sidecar, in the sidecar format of `prep.py` with the rank's geometry (intermediate
+beside the whole sidecar, in the sidecar format (`sidecar.py`) with the rank's geometry (intermediate
 I/t); their metadata adds `tp`, `tp_rank` and `expert_layout`, and keeps `source_sha256` of the whole
 model's expert weights. `open_shard` refuses a shard made for another TP degree, rank, layout or
 model, naming which.
@@ -33,8 +33,8 @@ from tqdm import tqdm
 from ..parallel import layout as tp_layout
 from ..report import atomic_write
 from . import reference
-from .prep import (CODES_PER_BYTE, Layout, LayerSidecar, Sidecar, SidecarError, _metadata,
-                   pack_codes, stream_layers, unpack_codes)
+from .sidecar import (CODES_PER_BYTE, LayerSidecar, Layout, Sidecar, SidecarError, metadata, pack_codes,
+                      stream_layers, unpack_codes)
 
 WHOLE = "reader.safetensors"  # the whole sidecar, in a `prep-reader --tp` directory
 
@@ -108,7 +108,7 @@ def write_shards(sidecar: Sidecar, out_dir: Path, tp: int, expert_layout: str = 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / shard_name(tp, r) for r in range(tp)]
     for r, path in enumerate(paths):
-        meta = dict(_metadata(local, sidecar.layers, sidecar.scan, sidecar.seed, sidecar.source_sha256),
+        meta = dict(metadata(local, sidecar.layers, sidecar.scan, sidecar.seed, sidecar.source_sha256),
                     tp=str(tp), tp_rank=str(r), expert_layout=expert_layout)
         tensors = (shard_layer(sidecar.layer(i), tp, r) for i in range(sidecar.layers))
         with atomic_write(path, "wb") as f:
