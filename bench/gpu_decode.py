@@ -105,7 +105,8 @@ from neuron_moe import experts as _registered  # noqa: E402,F401  (registers cha
 from neuron_moe.experts.channel_reader import ReaderState, reader_forward  # noqa: E402
 from neuron_moe.errors import UserError  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.reader.accounting import Geometry, Layout, solve_k  # noqa: E402
+from neuron_moe.reader.accounting import Layout, solve_k  # noqa: E402
+from neuron_moe.reader.geometry import Geometry  # noqa: E402
 from neuron_moe.reader.hadamard import padded, random_signs  # noqa: E402
 from neuron_moe.reader.prep import SCAN, down_rows, prep_layer  # noqa: E402
 from neuron_moe.reader.sidecar import BLOCK, LayerSidecar  # noqa: E402
@@ -167,7 +168,8 @@ def moe_layers(model):
 
 def geometry(config) -> Geometry:
     top_k = getattr(config, "top_k_experts", None) or config.num_experts_per_tok
-    return Geometry(config.hidden_size, config.num_experts, top_k, config.moe_intermediate_size)
+    return Geometry(hidden=config.hidden_size, experts=config.num_experts, top_k=top_k,
+                    intermediate=config.moe_intermediate_size)
 
 
 @torch.no_grad()

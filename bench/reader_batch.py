@@ -54,11 +54,13 @@ from neuron_moe.model import build_model, prep_port  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader import accounting as A  # noqa: E402
 from neuron_moe.reader import selectors as S  # noqa: E402
+from neuron_moe.reader.geometry import Geometry  # noqa: E402
 from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
 from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
 from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
 
-GEOMETRIES = {"gemma4-26b-a4b": A.Geometry(2816, 128, 8, 704), "qwen3-30b-a3b": A.Geometry(2048, 128, 8, 768)}
+GEOMETRIES = {"gemma4-26b-a4b": Geometry(hidden=2816, experts=128, top_k=8, intermediate=704),
+              "qwen3-30b-a3b": Geometry(hidden=2048, experts=128, top_k=8, intermediate=768)}
 
 
 def parse_step_budgets(text: str) -> list[tuple[int | None, float]]:

@@ -317,14 +317,16 @@ def cmd_reads(args) -> int:
     from dataclasses import asdict
 
     from .port import load_port
-    from .reader.accounting import Geometry, Layout, batch_breakdown, breakdown, full_bytes
+    from .reader.accounting import Layout, batch_breakdown, breakdown, full_bytes
+    from .reader.geometry import Geometry
     from .report import table
 
     explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
     if any(v is not None for v in explicit):
         if None in explicit:
             raise UserError("an explicit geometry needs all four of --hidden --experts --top-k --intermediate")
-        geo, name = Geometry(*explicit), "explicit geometry"
+        geo = Geometry(hidden=args.hidden, experts=args.experts, top_k=args.top_k, intermediate=args.intermediate)
+        name = "explicit geometry"
     else:
         port = load_port(args.model)
         geo, name = Geometry.from_config(port.config), port.name

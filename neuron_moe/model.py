@@ -22,6 +22,7 @@ from .checkpoint import iter_expert_weights, load_checkpoint, read_config
 from .errors import UserError
 from .experts.channel_reader import attach_reader, reader_settings
 from .port import Port
+from .reader.geometry import Geometry
 from .reader.prep import RANK, SCAN, model_expert_weights, write_sidecar
 from .reader.sidecar import SidecarError
 
@@ -94,6 +95,5 @@ def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0,
         weights = model_expert_weights(build_model(port))
     else:
         raise SidecarError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
-    return write_sidecar(out, weights, hidden=config.hidden_size, experts=config.num_experts,
-                         intermediate=config.moe_intermediate_size, layers=config.num_hidden_layers,
-                         seed=seed, rank=rank, scan=scan)
+    return write_sidecar(out, weights, Geometry.from_config(config), layers=config.num_hidden_layers, seed=seed,
+                         rank=rank, scan=scan)

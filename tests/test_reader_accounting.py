@@ -8,8 +8,9 @@ import pytest
 import trained_like
 from neuron_moe import cli
 from neuron_moe.reader.accounting import (
-    BudgetError, Geometry, Layout, breakdown, full_bytes, reads, resident, row_sectors, solve_k,
+    BudgetError, Layout, breakdown, full_bytes, reads, resident, row_sectors, solve_k,
 )
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.prep import prep_layer
 
@@ -45,7 +46,13 @@ def test_qwen3_at_17_8_percent_reproduces_the_papers_breakdown():
     assert round(b["resident"]["recovery"]["percent"], 1) == 0.5
 
 
-@pytest.mark.parametrize("geo", [QWEN3_30B, GEMMA4_26B, Geometry(200, 16, 4, 40), Geometry(128, 16, 4, 64)])
+ODD = Geometry(hidden=200, experts=16, top_k=4, intermediate=40)  # hidden not whole blocks, rows not whole sectors
+
+
+WHOLE_BLOCKS = Geometry(hidden=128, experts=16, top_k=4, intermediate=64)
+
+
+@pytest.mark.parametrize("geo", [QWEN3_30B, GEMMA4_26B, ODD, WHOLE_BLOCKS])
 @pytest.mark.parametrize("layout", [Layout(), Layout(scan=128, rank=0), Layout(scan=40, rank=8)])
 def test_k_is_the_most_that_fits(geo, layout):
     limit = lambda budget: budget / 100 * full_bytes(geo)  # noqa: E731
@@ -62,7 +69,7 @@ def test_k_is_the_most_that_fits(geo, layout):
 
 def test_rows_that_are_not_whole_sectors_cost_one_more():
     assert row_sectors(64) == 2 and row_sectors(400) == 14  # 400 B: 12.5 sectors, may straddle 14
-    assert reads(Geometry(200, 16, 4, 40), Layout(), 1)["exact"] - reads(Geometry(200, 16, 4, 40), Layout(), 0)["exact"] \
+    assert reads(ODD, Layout(), 1)["exact"] - reads(ODD, Layout(), 0)["exact"] \
         == 3 * 14 * 32
 
 
@@ -80,7 +87,7 @@ def test_resident_bytes_are_the_sidecar_tensors():
     ex = trained_like.experts(num_experts=3, inter=40, hidden=200, seed=0)
     out = prep_layer(ex.gate_up_proj, ex.down_proj, random_signs(256, 0), rank=8)
     nbytes = {name: t.numel() * t.element_size() for name, t in out.items()}
-    held = resident(Geometry(200, 3, 1, 40), Layout(rank=8))
+    held = resident(Geometry(hidden=200, experts=3, top_k=1, intermediate=40), Layout(rank=8))
     assert held == {"sketch": nbytes["codes"] + nbytes["scales"], "norms": nbytes["down_norms"],
                     "recovery": nbytes["basis"] + nbytes["coeffs"]}
 

@@ -12,6 +12,7 @@ from neuron_moe import cli
 from neuron_moe.reader import accounting as A
 from neuron_moe.reader import batch, reference
 from neuron_moe.reader import selectors as S
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.int8 import Int8Experts
 from neuron_moe.experts.int8 import quantize_per_channel
@@ -19,7 +20,7 @@ from neuron_moe.reader.prep import prep_layer
 from neuron_moe.reader.sidecar import LayerSidecar
 
 E, INTER, HIDDEN, TOP_K = 16, 48, 256, 4
-GEO = A.Geometry(HIDDEN, E, TOP_K, INTER)
+GEO = Geometry(hidden=HIDDEN, experts=E, top_k=TOP_K, intermediate=INTER)
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +209,9 @@ def test_the_selectors_step_rule_runs_the_batch_step(case):
 
 def test_step_reads_at_batch_one_are_todays_reads():
     """The general step accounting charges one token's rows as `reads` does, on every geometry."""
-    for geo in (A.Geometry(2048, 128, 8, 768), A.Geometry(2816, 128, 8, 704), A.Geometry(200, 16, 4, 40), GEO):
+    for geo in (Geometry(hidden=2048, experts=128, top_k=8, intermediate=768),
+                Geometry(hidden=2816, experts=128, top_k=8, intermediate=704),
+                Geometry(hidden=200, experts=16, top_k=4, intermediate=40), GEO):
         for layout in (A.Layout(), A.Layout(scan=128, rank=0), A.Layout(scan=40, rank=8)):
             for k in (0, 1, 17, geo.channels - 1, geo.channels):
                 assert A.step_reads(geo, layout, A.token_rows(geo, layout, k)) == A.reads(geo, layout, k)
@@ -227,7 +230,8 @@ def test_reads_cli_batch(capsys):
     assert cli.main(args) == 0
     report = json.loads(capsys.readouterr().out)
     batch8 = report["batch"]
-    assert batch8["union_experts"] == round(A.expected_union(A.Geometry(2816, 128, 8, 704), 8))  # 52 of 128
+    gemma = Geometry(hidden=2816, experts=128, top_k=8, intermediate=704)
+    assert batch8["union_experts"] == round(A.expected_union(gemma, 8))  # 52 of 128
     assert batch8["routing"] == "uniform"
     rule = batch8["rules"]["batch"]
     assert rule["bytes"] <= batch8["limit_bytes"] and rule["k"] > 0

@@ -16,6 +16,7 @@ from neuron_moe.generate import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.reader import accounting as A
 from neuron_moe.reader import reference
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.prep import model_expert_weights, prep_layer, write_sidecar
 from neuron_moe.reader.sidecar import LayerSidecar, SidecarError
@@ -23,8 +24,8 @@ from neuron_moe.tokenizer import load_tokenizer
 
 from conftest import reseeded
 
-QWEN3_30B = A.Geometry(hidden=2048, experts=128, top_k=8, intermediate=768)
-GEMMA4_26B = A.Geometry(hidden=2816, experts=128, top_k=8, intermediate=704)
+QWEN3_30B = Geometry(hidden=2048, experts=128, top_k=8, intermediate=768)
+GEMMA4_26B = Geometry(hidden=2816, experts=128, top_k=8, intermediate=704)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def test_validate_reader_int8_cli(sidecar, capsys):
 def test_a_sidecar_of_the_dequantised_int8_is_accepted_for_int8_only(tiny_port, sidecar, tmp_path):
     model = build_model(tiny_port)
     dq = write_sidecar(tmp_path / "dq.safetensors", [int8_experts(l.experts).dequantized() for l in model.model.layers],
-                       hidden=128, experts=16, intermediate=64, layers=4, progress=False)
+                       Geometry(hidden=128, experts=16, intermediate=64), layers=4, progress=False)
     assert dq.read_bytes() != sidecar.read_bytes()
     attach_reader(build_model(tiny_port), dq, budget=60, rank=0, weights="int8")
     with pytest.raises(SidecarError, match="made from other expert weights"):

@@ -11,7 +11,8 @@ import trained_like
 from neuron_moe.cli import main
 from neuron_moe.reader import reference, shard
 from neuron_moe.reader import selectors as S
-from neuron_moe.reader.accounting import BudgetError, Geometry, Layout, rank_geometry, reads, solve_k, solve_rank_k
+from neuron_moe.reader.accounting import BudgetError, Layout, rank_geometry, reads, solve_k, solve_rank_k
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.prep import prep_layer
 from neuron_moe.reader.sidecar import SECTOR, LayerSidecar, unpack_codes
@@ -102,9 +103,9 @@ def test_a_ranks_reads_at_full_size():
     1,408 rows on one rank), so its sketch is 8.10 % of its reads, not 4.78 %, every rank reads the whole
     U (1.52 % of its share), and 17.8 % buys 55 exact channels per rank (440 in all) instead of the
     one-rank reader's 703."""
-    geo, layout = Geometry(2816, 128, 8, 704), Layout()
+    geo, layout = Geometry(hidden=2816, experts=128, top_k=8, intermediate=704), Layout()
     local = rank_geometry(geo, 8)
-    assert local == Geometry(2816, 128, 8, 88)
+    assert local == Geometry(hidden=2816, experts=128, top_k=8, intermediate=88)
     parts = reads(local, layout, 0)
     full = 8 * 3 * 88 * 2816 * 2
     assert parts["sketch"] == 8 * (22 * 80 * 64 + 22 * 176 * 2)
@@ -119,7 +120,7 @@ def test_a_ranks_reads_at_full_size():
 def test_a_budget_below_a_ranks_floor_is_refused_with_it(capsys):
     """The tiny port (hidden 128, I 64) at TP 8: 8 channels per expert and rank; its 16 gate/up rows
     take a whole 32-byte strip, so the sketch alone is 42.19 % of a rank's reads."""
-    geo = Geometry(128, 16, 4, 64)
+    geo = Geometry(hidden=128, experts=16, top_k=4, intermediate=64)
     with pytest.raises(BudgetError, match=r"per rank at TP 8 .*below what the reader reads before any exact channel "
                                           r"\(43\.23%: sketch 42\.19%"):
         solve_rank_k(geo, Layout(rank=0), 17.8, 8)

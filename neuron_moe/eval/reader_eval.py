@@ -30,10 +30,14 @@ from typing import NamedTuple
 import torch
 
 from ..errors import UserError
+from ..experts.int8 import int8_experts
 from ..experts.selector import attach_selector, moe_layers
 from ..reader import selectors
 from ..parallel.layout import TP_DEGREES
-from ..reader.accounting import SECTOR, BudgetError, full_bytes, rank_geometry, solve_k, solve_rank_k
+from ..reader.accounting import BudgetError, full_bytes, rank_geometry, solve_k, solve_rank_k
+from ..reader.geometry import Geometry
+from ..reader.prep import write_sidecar
+from ..reader.sidecar import SECTOR, Sidecar
 from ..report import read_json_object, write_json
 from . import tasks as T
 
@@ -321,17 +325,12 @@ class Run:
 
     def dequantised_sidecar(self):
         """The sidecar made from the int8 experts' dequantised weights: OUT/sidecar-int8dq.safetensors, once."""
-        from ..experts.int8 import int8_experts
-        from ..reader.prep import write_sidecar
-        from ..reader.sidecar import Sidecar
-
         path = self.out / "sidecar-int8dq.safetensors"
         if not path.exists():
             c = self.model.config
             write_sidecar(path, [int8_experts(layer.experts).dequantized() for layer in self.model.model.layers],
-                          hidden=c.hidden_size, experts=c.num_experts, intermediate=c.moe_intermediate_size,
-                          layers=c.num_hidden_layers, seed=self.sidecar.seed, rank=self.sidecar.layout.rank,
-                          scan=self.sidecar.scan)
+                          Geometry.from_config(c), layers=c.num_hidden_layers, seed=self.sidecar.seed,
+                          rank=self.sidecar.layout.rank, scan=self.sidecar.scan)
         return Sidecar(path)
 
     def generate(self, progress=None) -> list[dict]:

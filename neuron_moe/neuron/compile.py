@@ -59,6 +59,10 @@ from tqdm import tqdm
 from ..errors import UserError
 from ..parallel.layout import EXPERT_LAYOUTS
 from ..parallel.reader import READER
+from ..reader.accounting import Layout, rank_geometry, solve_rank_k
+from ..reader.geometry import Geometry
+from ..reader.prep import RANK, SCAN
+from ..reader.sidecar import SidecarLayout
 from ..report import check_output, dumps, read_json_object, run_lock
 
 MANIFEST = "manifest.json"
@@ -328,9 +332,6 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, h
     """(each rank's shard or None, the settings the graphs are built with) of `--reader`."""
     from ..parallel import reader
     from ..parallel.generate import check_reader
-    from ..reader.accounting import Geometry, Layout, rank_geometry, solve_rank_k
-    from ..reader.prep import RANK, SCAN
-    from ..reader.sidecar import Layout as SidecarLayout
 
     check_reader(expert_layout, int8, options.get("budget"))
     if has_weights:
@@ -346,8 +347,7 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, h
         geo, rank = Geometry.from_config(port.config), options.get("rank")
         rank, scan = RANK if rank is None else rank, options.get("scan") or SCAN
         k, sides, digest = solve_rank_k(geo, Layout(scan=scan, rank=rank), options["budget"], tp), None, None
-        g = rank_geometry(geo, tp)
-        local = SidecarLayout(g.hidden, g.experts, g.intermediate, rank)
+        local = SidecarLayout(rank_geometry(geo, tp), rank)
     return sides, {"budget": options["budget"], "k_per_rank": k, "scan": scan, "rank": rank,
                    "source_sha256": digest, "layout": local}
 

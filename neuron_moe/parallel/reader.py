@@ -20,8 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..reader import reference
-from ..reader.sidecar import LAYER_TENSORS, Layout
+from ..errors import UserError
+from ..reader import reference, shard
+from ..reader.accounting import Layout as Reads
+from ..reader.accounting import solve_rank_k
+from ..reader.geometry import Geometry
+from ..reader.sidecar import LAYER_TENSORS, SidecarLayout
 from . import cpu
 
 SPLIT = ("codes", "scales", "down_norms", "coeffs")  # per rank; basis (U) and signs are whole on every rank
@@ -29,7 +33,7 @@ READER = "channel_reader"  # the decode graph's experts implementation when a re
 
 
 class ReaderShard(nn.Module):
-    def __init__(self, local: Layout, tp: int, k: int, scan: int, rank: int, device=None):
+    def __init__(self, local: SidecarLayout, tp: int, k: int, scan: int, rank: int, device=None):
         super().__init__()
         for name, (dtype, shape) in local.layer_tensors().items():
             param = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
@@ -44,7 +48,7 @@ class ReaderShard(nn.Module):
                                  scan=self.scan, rank=self.rank, act_fn=act_fn)
 
 
-def attach(model, local: Layout, tp: int, k: int, scan: int, rank: int) -> None:
+def attach(model, local: SidecarLayout, tp: int, k: int, scan: int, rank: int) -> None:
     """Give every channel-layout experts module of a rank model a ReaderShard (values: its shard)."""
     device = model.model.embed_tokens.weight.device
     for layer in model.model.layers:
@@ -73,11 +77,6 @@ def full_state(sides: list) -> dict[str, torch.Tensor]:
 def open_shards(config, directory, tp: int, budget: float, rank: int | None = None) -> tuple[list, int, int]:
     """Every check that needs no weights: each rank's shard (`shard.open_shard`), one prep for all,
     the recovery rank, the budget per rank. Returns (shards in rank order, k per rank, recovery rank)."""
-    from ..errors import UserError
-    from ..reader import shard
-    from ..reader.accounting import Geometry, solve_rank_k
-    from ..reader.accounting import Layout as Reads
-
     sides = [shard.open_shard(directory, tp, r, config) for r in range(tp)]
     shard.check_shards(sides)
     rank = sides[0].layout.rank if rank is None else rank

@@ -16,9 +16,10 @@ layout cannot guarantee that start (a row length not a multiple of 32 bytes) one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import UserError
+from .geometry import Geometry
 from .hadamard import padded
 from .prep import RANK, SCAN
 from .sidecar import BLOCK, CODES_PER_BYTE, SECTOR
@@ -30,23 +31,6 @@ WEIGHTS = ("bf16", "int8")
 
 class BudgetError(UserError):
     pass
-
-
-@dataclass(frozen=True)
-class Geometry:
-    hidden: int
-    experts: int
-    top_k: int
-    intermediate: int
-
-    @classmethod
-    def from_config(cls, config) -> "Geometry":
-        return cls(config.hidden_size, config.num_experts, config.top_k_experts, config.moe_intermediate_size)
-
-    @property
-    def channels(self) -> int:
-        """Channels a token's experts hold: the candidates of one selection."""
-        return self.top_k * self.intermediate
 
 
 @dataclass(frozen=True)
@@ -307,7 +291,7 @@ def rank_geometry(geo: Geometry, tp: int) -> Geometry:
     read is 1/t of the model's. Every rank reads the same."""
     if tp < 1 or geo.intermediate % tp:
         raise BudgetError(f"{geo.intermediate} expert channels do not split over {tp} ranks")
-    return Geometry(geo.hidden, geo.experts, geo.top_k, geo.intermediate // tp)
+    return replace(geo, intermediate=geo.intermediate // tp)
 
 
 def solve_rank_k(geo: Geometry, layout: Layout, budget: float, tp: int) -> int:

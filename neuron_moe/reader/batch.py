@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
-from .accounting import Geometry, Layout, StepRows, solve_step_k
+from .accounting import Layout, StepRows, solve_step_k
+from .geometry import Geometry
 from .hadamard import rotate_blocks
 from .sidecar import BLOCK, unpack_codes
 

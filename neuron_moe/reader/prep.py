@@ -29,9 +29,10 @@ import torch
 from tqdm import tqdm
 
 from ..report import atomic_write
+from .geometry import Geometry
 from .hadamard import random_signs, rotate_blocks
-from .sidecar import (BLOCK, CODES_PER_BYTE, FLOAT, PLACEHOLDER, Layout, SidecarError, SourceDigest, metadata,
-                      pack_codes, stream_layers)
+from .sidecar import (BLOCK, CODES_PER_BYTE, FLOAT, PLACEHOLDER, SidecarError, SidecarLayout, SourceDigest,
+                      metadata, pack_codes, stream_layers)
 
 # The prep's defaults: what `neuron-moe prep-reader` makes, and so what a reader reads unless told otherwise.
 SCAN = 80  # coordinates per block a token scans (recorded; a reader may scan any number)
@@ -67,7 +68,7 @@ def prep_layer(gate_up: torch.Tensor, down: torch.Tensor, signs: torch.Tensor, r
     the weights' device (bench/gpu_decode.py preps on the GPU); the result is there too.
     """
     E, H, I = down.shape
-    layout = Layout(H, E, I, rank)
+    layout = SidecarLayout(Geometry(hidden=H, experts=E, intermediate=I), rank)
     nb, R = layout.blocks, layout.rows
     dev = gate_up.device
     signs = signs.to(dev)
@@ -100,17 +101,17 @@ def model_expert_weights(model) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield layer.experts.gate_up_proj.data, layer.experts.down_proj.data
 
 
-def write_sidecar(out: Path, weights: Iterable[tuple[torch.Tensor, torch.Tensor]], *, hidden: int, experts: int,
-                  intermediate: int, layers: int, seed: int = 0, rank: int = RANK, scan: int = SCAN,
-                  progress: bool = True) -> Path:
-    """Prep every layer of `weights` and stream the sidecar to `out` (temp file, then rename).
+def write_sidecar(out: Path, weights: Iterable[tuple[torch.Tensor, torch.Tensor]], geometry: Geometry, *,
+                  layers: int, seed: int = 0, rank: int = RANK, scan: int = SCAN, progress: bool = True) -> Path:
+    """Prep every layer of `weights` (each of `geometry`) and stream the sidecar to `out` (temp file, then rename).
 
     The safetensors header holds every tensor's offset up front (all shapes follow from the
     geometry) and a placeholder digest, patched once all weights have streamed through.
     """
+    hidden, experts, intermediate = geometry.sizes
     if not 0 <= rank <= hidden or not 1 <= scan <= BLOCK:
         raise SidecarError(f"rank must be in [0, {hidden}] and scan in [1, {BLOCK}]; got rank {rank}, scan {scan}")
-    layout = Layout(hidden, experts, intermediate, rank)
+    layout = SidecarLayout(geometry, rank)
     signs = random_signs(layout.hidden_padded, seed)
     digest = SourceDigest()
     expected = ((experts, 2 * intermediate, hidden), (experts, hidden, intermediate))

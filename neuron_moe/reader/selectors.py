@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from . import accounting, batch, reference
-from .accounting import BF16, SECTOR, BudgetError, Geometry, row_sectors, sectors
+from .accounting import BF16, BudgetError, row_sectors, sectors
+from .geometry import Geometry
+from .sidecar import SECTOR
 
 
 @dataclass

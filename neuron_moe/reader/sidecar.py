@@ -5,7 +5,7 @@ One safetensors file per model (or per rank: `shard.py`), docs/reader.md describ
 - metadata (`metadata`): format and version, the block, scan, recovery rank and seed it was made
   with, the expert geometry, the layer count, and `source_sha256`, the digest of the expert weights
   it was made from (`SourceDigest`: bf16, HF's layout), so a sidecar is never used with other weights;
-- `hadamard_signs` [H_pad] int8, then per layer `LAYER_TENSORS`, shaped by `Layout`:
+- `hadamard_signs` [H_pad] int8, then per layer `LAYER_TENSORS`, shaped by `SidecarLayout`:
   codes (base-3, 5 per byte, coordinate-major: `pack_codes` / `unpack_codes`), scales, down_norms,
   basis (U) and coeffs (b_j).
 
@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
+from .geometry import Geometry
 from .hadamard import padded, random_signs
 
 FORMAT = "neuron-moe-reader"
@@ -45,17 +46,16 @@ class SidecarError(UserError):
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Shapes of one layer's sidecar tensors, from the expert geometry."""
+class SidecarLayout:
+    """Shapes and paddings of one layer's sidecar tensors: the experts' geometry (its top_k plays no
+    part) and the recovery rank U and b_j are stored at."""
 
-    hidden: int
-    experts: int
-    intermediate: int
+    geometry: Geometry
     rank: int  # columns of U and of every b_j
 
     @property
     def hidden_padded(self) -> int:
-        return padded(self.hidden, BLOCK)
+        return padded(self.geometry.hidden, BLOCK)
 
     @property
     def blocks(self) -> int:
@@ -63,7 +63,7 @@ class Layout:
 
     @property
     def rows(self) -> int:  # gate rows then up rows, as in gate_up_proj
-        return 2 * self.intermediate
+        return 2 * self.geometry.intermediate
 
     @property
     def rows_padded(self) -> int:
@@ -71,12 +71,12 @@ class Layout:
         return padded(self.rows, SECTOR * CODES_PER_BYTE)
 
     def layer_tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        E, I, nb = self.experts, self.intermediate, self.blocks
+        E, I, nb = self.geometry.experts, self.geometry.intermediate, self.blocks
         return {
             "codes": (torch.uint8, (E, nb, BLOCK, self.rows_padded // CODES_PER_BYTE)),
             "scales": (FLOAT, (E, nb, self.rows)),
             "down_norms": (FLOAT, (E, I)),
-            "basis": (FLOAT, (self.hidden, self.rank)),
+            "basis": (FLOAT, (self.geometry.hidden, self.rank)),
             "coeffs": (FLOAT, (E, I, self.rank)),
         }
 
@@ -127,15 +127,16 @@ def source_digest(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-def metadata(layout: Layout, layers: int, scan: int, seed: int, digest: str) -> dict[str, str]:
+def metadata(layout: SidecarLayout, layers: int, scan: int, seed: int, digest: str) -> dict[str, str]:
     """The header's `__metadata__`: every field `Sidecar` reads back (a shard adds tp, tp_rank, expert_layout)."""
+    geo = layout.geometry
     return {"format": FORMAT, "format_version": str(FORMAT_VERSION), "block": str(BLOCK), "scan": str(scan),
             "rank": str(layout.rank), "seed": str(seed), "codes_per_byte": str(CODES_PER_BYTE),
-            "hidden": str(layout.hidden), "experts": str(layout.experts),
-            "intermediate": str(layout.intermediate), "layers": str(layers), "source_sha256": digest}
+            "hidden": str(geo.hidden), "experts": str(geo.experts),
+            "intermediate": str(geo.intermediate), "layers": str(layers), "source_sha256": digest}
 
 
-def _specs(layout: Layout, layers: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def _specs(layout: SidecarLayout, layers: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     specs = {SIGNS: (torch.int8, (layout.hidden_padded,))}
     for i in range(layers):
         specs.update({f"layers.{i}.{name}": spec for name, spec in layout.layer_tensors().items()})
@@ -145,7 +146,7 @@ def _specs(layout: Layout, layers: int) -> dict[str, tuple[torch.dtype, tuple[in
 PLACEHOLDER = "0" * 64  # the source digest's place in the header, until the weights have streamed through
 
 
-def stream_layers(f, layout: Layout, layers: int, meta: dict[str, str], signs: torch.Tensor,
+def stream_layers(f, layout: SidecarLayout, layers: int, meta: dict[str, str], signs: torch.Tensor,
                   tensors: Iterable[dict[str, torch.Tensor]], digest=None) -> None:
     """Write a sidecar to the open file `f`: the header (every offset follows from the geometry), the
     signs, then each layer's tensors as `tensors` yields them (bounded memory). `digest()`, if given,
@@ -230,7 +231,8 @@ class Sidecar:
             except (KeyError, ValueError):
                 raise SidecarError(f"{self.path}: metadata tp / tp_rank missing or not an integer") from None
             self.expert_layout = meta.get("expert_layout")
-        self.layout = Layout(fields["hidden"], fields["experts"], fields["intermediate"], fields["rank"])
+        geometry = Geometry(hidden=fields["hidden"], experts=fields["experts"], intermediate=fields["intermediate"])
+        self.layout = SidecarLayout(geometry, fields["rank"])
         specs = _specs(self.layout, self.layers)
         if keys != set(specs):
             missing, extra = sorted(set(specs) - keys), sorted(keys - set(specs))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import UserError
-from ..sidecar import BLOCK, CODES_PER_BYTE, Layout
+from ..sidecar import BLOCK, CODES_PER_BYTE, SidecarLayout
 
 # NeuronCore-v2 limits (nki.language.tile_size): partitions of SBUF/PSUM, the free size of a
 # matmul's moving tile / one PSUM bank in fp32, and of its stationary tile.
@@ -75,9 +75,10 @@ class TilePlan:
         return self
 
 
-def plan(layout: Layout, top_k: int, k: int, scan: int, rank: int) -> TilePlan:
+def plan(layout: SidecarLayout, top_k: int, k: int, scan: int, rank: int) -> TilePlan:
     strip = layout.rows_padded // CODES_PER_BYTE
-    return TilePlan(layout.hidden, layout.blocks, strip, layout.rows, layout.intermediate, rank, scan, k, top_k).check()
+    geo = layout.geometry
+    return TilePlan(geo.hidden, layout.blocks, strip, layout.rows, geo.intermediate, rank, scan, k, top_k).check()
 
 
 def sidecar_views(layer) -> dict[str, torch.Tensor]:
