@@ -105,7 +105,7 @@ from neuron_moe import experts as _registered  # noqa: E402,F401  (registers cha
 from neuron_moe.experts.channel_reader import ReaderState, reader_forward  # noqa: E402
 from neuron_moe.errors import UserError  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.reader.accounting import Layout, solve_k  # noqa: E402
+from neuron_moe.reader.accounting import ReaderSettings, solve_k  # noqa: E402
 from neuron_moe.reader.geometry import Geometry  # noqa: E402
 from neuron_moe.reader.hadamard import padded, random_signs  # noqa: E402
 from neuron_moe.reader.prep import SCAN, down_rows, prep_layer  # noqa: E402
@@ -413,7 +413,7 @@ def run_model(report, dest, name) -> None:
     attach(model, sidecars, rank)
     first, *others = args.reader_variants
     for budget, variant in [(b, first) for b in BUDGETS] + [(BUDGETS[0], v) for v in others]:
-        k = solve_k(geometry(model.config), Layout(rank=rank), budget)
+        k = solve_k(geometry(model.config), ReaderSettings(rank=rank), budget)
         set_reader(model, k, reader_forward("reference"))
         want = first_step(model)
         set_reader(model, k, triton_variant(variant))

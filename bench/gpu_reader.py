@@ -92,7 +92,7 @@ from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig  # 
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts  # noqa: E402
 
 from neuron_moe.reader import reference  # noqa: E402
-from neuron_moe.reader.accounting import Layout, full_bytes, reads, solve_k  # noqa: E402
+from neuron_moe.reader.accounting import ReaderSettings, full_bytes, reads, solve_k  # noqa: E402
 from neuron_moe.reader.geometry import Geometry  # noqa: E402
 from neuron_moe.reader.hadamard import random_signs  # noqa: E402
 from neuron_moe.reader.sidecar import LayerSidecar, SidecarLayout  # noqa: E402
@@ -168,14 +168,14 @@ def implementations(geo, rank, variants):
                                                                        act_fn=L.act_fn), full, None),
     }
     for budget in BUDGETS:
-        k = solve_k(geo, Layout(rank=rank), budget)
+        k = solve_k(geo, ReaderSettings(rank=rank), budget)
         for variant in ["bisect", *variants] if budget == BUDGETS[0] else ["bisect"]:  # the default first
 
             def run(L, x, i, w, k=k, fn=reader_forward(variant)):
                 return fn(x, i, w, L.gate_up, L.down_rows, L.sidecar, k=k, scan=80, rank=rank, act_fn=L.act_fn)
 
             name = f"reader-{budget}" + ("" if variant == "bisect" else f" {variant}")
-            out[name] = (run, sum(reads(geo, Layout(rank=rank), k).values()), k)
+            out[name] = (run, sum(reads(geo, ReaderSettings(rank=rank), k).values()), k)
     return out
 
 
@@ -360,7 +360,7 @@ def preflight(variant: str) -> int:
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     hidden, experts, top_k, inter, act, rank = geometries()[variant_geometry()]
     geo = Geometry(hidden=hidden, experts=experts, top_k=top_k, intermediate=inter)
-    k = solve_k(geo, Layout(rank=rank), BUDGETS[0])
+    k = solve_k(geo, ReaderSettings(rank=rank), BUDGETS[0])
     ok = True
     if variant in SELECTS or variant in persistent.PERSISTENT_VARIANTS:
         code = triton_reader.activation(ACT2FN[act])

@@ -317,7 +317,7 @@ def cmd_reads(args) -> int:
     from dataclasses import asdict
 
     from .port import load_port
-    from .reader.accounting import Layout, batch_breakdown, breakdown, full_bytes
+    from .reader.accounting import ReaderSettings, batch_breakdown, breakdown, full_bytes
     from .reader.geometry import Geometry
     from .report import table
 
@@ -330,7 +330,7 @@ def cmd_reads(args) -> int:
     else:
         port = load_port(args.model)
         geo, name = Geometry.from_config(port.config), port.name
-    layout = Layout(scan=args.scan, rank=args.rank, weights=args.dtype)
+    layout = ReaderSettings(scan=args.scan, rank=args.rank, weights=args.dtype)
     whole, tp = geo, args.tp or 1
     if tp > 1 and (args.dtype != "bf16" or args.batch is not None):
         raise UserError("reads --tp T is the per-rank reader over bf16 experts, one token a step "

@@ -277,8 +277,7 @@ def test_full_size_decode_graph_with_the_reader_reads_its_plan():
     from neuron_moe.config import gemma4_moe_config
     from neuron_moe.parallel.model import rank_model
     from neuron_moe.port import load_port
-    from neuron_moe.reader.accounting import rank_geometry, reads
-    from neuron_moe.reader.accounting import Layout as Reads
+    from neuron_moe.reader.accounting import ReaderSettings, rank_geometry, reads
     from neuron_moe.static.decoder import new_cache
 
     port = load_port("gemma4-26b-a4b")
@@ -290,7 +289,7 @@ def test_full_size_decode_graph_with_the_reader_reads_its_plan():
     graph = nc._graph(module, spec, "token_generation", new_cache(module, spec.max_cache_len, 1), False)
     program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(spec, "token_generation")), 8)
     assert data_dependent_ops(program) == []
-    plan = reads(rank_geometry(Geometry.from_config(config), 8), Reads(), 55)
+    plan = reads(rank_geometry(Geometry.from_config(config), 8), ReaderSettings(), 55)
     for layer in range(2):
         got = _bytes_read(program, layer)
         assert got["gate_up_proj"] + got["down_proj"] == plan["exact"] == 55 * 3 * 2816 * 2

@@ -355,8 +355,8 @@ class Run:
                 rules, planned, full, k = tp_plan(layers, parse_spec(spec).variant, budget)
                 row["k_per_rank"] = k
             else:
-                planned = selectors.charged(name, layers[0].geo, layers[0].layout,
-                                            selectors.plan(name, layers[0].geo, layers[0].layout, budget))
+                planned = selectors.charged(name, layers[0].geo, layers[0].settings,
+                                            selectors.plan(name, layers[0].geo, layers[0].settings, budget))
                 if rule == "topk":
                     rules = [selectors.top_k(name, layer, budget) for layer in layers]
                 else:
@@ -390,17 +390,17 @@ def _read(path: Path) -> dict:
 def tp_plan(layers, variant: str, budget: float) -> tuple[list, int, int, int]:
     """(rules, planned bytes per rank and token, a rank's full read, k per rank) of the reader at TP
     `layers[0].tp` (TP_VARIANTS); a BudgetError where a rank cannot reach the budget."""
-    geo, layout, tp = layers[0].geo, layers[0].layout, layers[0].tp
+    geo, settings, tp = layers[0].geo, layers[0].settings, layers[0].tp
     if variant.startswith("-split"):  # the one-rank reader's exact channels, split evenly
-        k = solve_k(geo, layout, budget) // tp
+        k = solve_k(geo, settings, budget) // tp
     else:
-        k = solve_rank_k(geo, layout, budget, tp)
+        k = solve_rank_k(geo, settings, budget, tp)
     local = rank_geometry(geo, tp)
     if variant.endswith("-global"):
         rules = [selectors.TopK({"channel": tp * k}) for _ in layers]
     else:
         rules = [selectors.RankTopK({"channel": k}, tp, geo.intermediate) for _ in layers]
-    return rules, selectors.charged("reader", local, layout, {"channel": k}), full_bytes(local), k
+    return rules, selectors.charged("reader", local, settings, {"channel": k}), full_bytes(local), k
 
 
 def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool) -> Run:

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import UserError
 from ..reader import reference, shard
-from ..reader.accounting import Layout, solve_k, solve_rank_k
+from ..reader.accounting import ReaderSettings, solve_k, solve_rank_k
 from ..reader.geometry import Geometry
 from ..reader.prep import down_rows, model_expert_weights
 from ..reader.sidecar import LAYER_TENSORS, Sidecar, SidecarError
@@ -88,8 +88,8 @@ def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = N
     rank = side.layout.rank if rank is None else rank
     if not 0 <= rank <= side.layout.rank:
         raise UserError(f"recovery rank {rank} outside [0, {side.layout.rank}] (the sidecar's rank)")
-    layout = Layout(scan=side.scan, rank=rank, weights=weights)
-    return side, solve_k(geo, layout, budget), rank
+    settings = ReaderSettings(scan=side.scan, rank=rank, weights=weights)
+    return side, solve_k(geo, settings, budget), rank
 
 
 @torch.no_grad()
@@ -116,7 +116,7 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
     if tp > 1:
         if backend != "reference":
             raise UserError("the per-rank reader emulation (tp > 1) runs on the reference backend")
-        k = solve_rank_k(Geometry.from_config(model.config), Layout(scan=side.scan, rank=rank), budget, tp)
+        k = solve_rank_k(Geometry.from_config(model.config), ReaderSettings(scan=side.scan, rank=rank), budget, tp)
     for i, layer in enumerate(model.model.layers):
         experts = layer.experts
         rows = down_rows(experts.down_proj.data).contiguous()  # no copy if already rearranged

@@ -59,7 +59,7 @@ from tqdm import tqdm
 from ..errors import UserError
 from ..parallel.layout import EXPERT_LAYOUTS
 from ..parallel.reader import READER
-from ..reader.accounting import Layout, rank_geometry, solve_rank_k
+from ..reader.accounting import ReaderSettings, rank_geometry, solve_rank_k
 from ..reader.geometry import Geometry
 from ..reader.prep import RANK, SCAN
 from ..reader.sidecar import SidecarLayout
@@ -346,7 +346,7 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, h
                                 f"a sidecar is not read; drop --sidecar or pass --checkpoint DIR")
         geo, rank = Geometry.from_config(port.config), options.get("rank")
         rank, scan = RANK if rank is None else rank, options.get("scan") or SCAN
-        k, sides, digest = solve_rank_k(geo, Layout(scan=scan, rank=rank), options["budget"], tp), None, None
+        k, sides, digest = solve_rank_k(geo, ReaderSettings(scan=scan, rank=rank), options["budget"], tp), None, None
         local = SidecarLayout(rank_geometry(geo, tp), rank)
     return sides, {"budget": options["budget"], "k_per_rank": k, "scan": scan, "rank": rank,
                    "source_sha256": digest, "layout": local}
