@@ -149,8 +149,7 @@ def cmd_validate(args) -> int:
         reader_forward(options.get("reader_backend", "reference"))
         plan_reader(port.config, *reader_settings(port, **reader_flags), options.get("reader_weights", "bf16"))
     if tp_reader:
-        from .parallel.generate import check_reader
-        from .parallel.reader import open_shards
+        from .parallel.reader import check_reader, open_shards
 
         check_reader(args.expert_layout or (port.static.expert_layout if port.static else DEFAULT_EXPERT_LAYOUT), False,
                      args.budget)

@@ -58,7 +58,7 @@ from tqdm import tqdm
 
 from ..errors import UserError
 from ..parallel.layout import EXPERT_LAYOUTS
-from ..parallel.reader import READER
+from ..parallel.reader import READER, check_reader, open_shards
 from ..reader.accounting import ReaderSettings, rank_geometry, solve_rank_k
 from ..reader.geometry import Geometry
 from ..reader.prep import RANK, SCAN
@@ -330,15 +330,12 @@ def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=No
 
 def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, has_weights: bool):
     """(each rank's shard or None, the settings the graphs are built with) of `--reader`."""
-    from ..parallel import reader
-    from ..parallel.generate import check_reader
-
     check_reader(expert_layout, int8, options.get("budget"))
     if has_weights:
         if options.get("sidecar") is None:
             raise ArtifactError("--reader needs --sidecar DIR (from `neuron-moe prep-reader --tp "
                                 f"{tp} --out DIR`) for a port with weights")
-        sides, k, rank = reader.open_shards(port.config, options["sidecar"], tp, options["budget"], options.get("rank"))
+        sides, k, rank = open_shards(port.config, options["sidecar"], tp, options["budget"], options.get("rank"))
         scan, local, digest = sides[0].scan, sides[0].layout, sides[0].source_sha256
     else:  # shapes only (the meta device): the geometry's sidecar layout
         if options.get("sidecar") is not None:

@@ -25,7 +25,7 @@ from ..reader import reference, shard
 from ..reader.accounting import ReaderSettings, solve_rank_k
 from ..reader.geometry import Geometry
 from ..reader.sidecar import LAYER_TENSORS, SidecarLayout
-from . import cpu
+from . import cpu, layout
 
 SPLIT = ("codes", "scales", "down_norms", "coeffs")  # per rank; basis (U) and signs are whole on every rank
 READER = "channel_reader"  # the decode graph's experts implementation when a reader is attached
@@ -71,6 +71,17 @@ def full_state(sides: list) -> dict[str, torch.Tensor]:
         layer = layer_state([side.layer(i) for side in sides])
         state.update({f"model.layers.{i}.experts.reader.{name}": t for name, t in layer.items()})
     return state
+
+
+def check_reader(expert_layout: str, int8: bool, budget) -> None:
+    """The reader runs in the channel layout's float decode graphs, at a budget."""
+    if expert_layout != layout.CHANNEL:
+        raise UserError(f"the reader runs on the {layout.CHANNEL!r} expert layout (each rank screens its own I/t "
+                        f"channels of every expert), not the {expert_layout!r} layout")
+    if int8:
+        raise UserError("the reader reads float (bf16/fp32) experts; int8 experts with the reader are not built")
+    if budget is None:
+        raise UserError("the reader needs a budget: pass --budget PERCENT")
 
 
 def open_shards(config, directory, tp: int, budget: float, rank: int | None = None) -> tuple[list, int, int]:
