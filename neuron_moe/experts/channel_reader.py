@@ -153,12 +153,10 @@ def _per_rank(shards: list, tp: int):
 
 
 def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, float, int | None]:
-    """Sidecar path, budget and rank: the CLI's where given, else the port's [reader] section."""
-    section = port.raw.get("reader", {})  # its fields and their types checked by load_port
-    if sidecar is None and "sidecar" in section:
-        sidecar = port.path.parent / section["sidecar"]
-    budget = section.get("budget") if budget is None else budget
-    rank = section.get("rank") if rank is None else rank
+    """Sidecar path, budget and rank: the CLI's where given, else the port's [reader] table (`port.ReaderSpec`)."""
+    sidecar = port.reader.sidecar if sidecar is None else sidecar
+    budget = port.reader.budget if budget is None else budget
+    rank = port.reader.rank if rank is None else rank
     if sidecar is None:
         raise UserError(f"the reader needs a sidecar: pass --sidecar FILE (make one with `neuron-moe prep-reader "
                         f"--model {port.name} --out FILE`) or set [reader] sidecar in the port")
