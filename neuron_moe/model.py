@@ -83,16 +83,21 @@ def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, r
 
 
 def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0, rank: int = RANK,
-              scan: int = SCAN) -> Path:
+              scan: int = SCAN, model: Gemma4ForCausalLM | None = None) -> Path:
     """The reader's sidecar of a port's model: streamed layer by layer from a checkpoint (the
-    port's or `checkpoint`), or from the seeded model of a random-weights port."""
+    port's or `checkpoint`), or from the seeded model of a random-weights port: `model`, the port's
+    model the caller already holds (`build_model`, in any dtype), else built here.
+
+    The random model's weights are prepped in the port's dtype, as `build_model(port)` gives them:
+    the same sidecar, byte for byte, whichever dtype the caller's copy is in."""
     config = port.config
     checkpoint = checkpoint or port.checkpoint
     if checkpoint is not None:
         config = read_config(Path(checkpoint), port.config, port.name)
         weights = iter_expert_weights(Path(checkpoint), config)
     elif port.weights_source == "random":
-        weights = model_expert_weights(build_model(port))
+        held = build_model(port) if model is None else model
+        weights = ((gate_up.to(port.dtype), down.to(port.dtype)) for gate_up, down in model_expert_weights(held))
     else:
         raise SidecarError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
     return write_sidecar(out, weights, Geometry.from_config(config), layers=config.num_hidden_layers, seed=seed,

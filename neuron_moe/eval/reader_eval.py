@@ -32,13 +32,15 @@ import torch
 from ..errors import UserError
 from ..experts.int8 import int8_experts
 from ..experts.selector import attach_selector, moe_layers
+from ..model import build_model, prep_port
 from ..reader import selectors
 from ..parallel.layout import TP_DEGREES
 from ..reader.accounting import BudgetError, full_bytes, rank_geometry, solve_k, solve_rank_k
 from ..reader.geometry import Geometry
-from ..reader.prep import write_sidecar
+from ..reader.prep import model_expert_weights, write_sidecar
 from ..reader.sidecar import SECTOR, Sidecar
 from ..report import read_json_object, write_json
+from ..tokenizer import load_tokenizer
 from . import tasks as T
 
 RULES = ("topk", "threshold")
@@ -406,9 +408,6 @@ def tp_plan(layers, variant: str, budget: float) -> tuple[list, int, int, int]:
 def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool) -> Run:
     """Load the model and data; check OUT holds nothing from other weights or settings; prep the
     sidecar into OUT once."""
-    from ..model import build_model
-    from ..tokenizer import load_tokenizer
-
     model = build_model(port, "eager", torch.float32, checkpoint)
     tokenizer = load_tokenizer(port, checkpoint)
     key = {"model": port.name, "weights_sha256": weights_digest(model),
@@ -425,13 +424,9 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
         write_json(key, str(run_file))
     run = Run(model, tokenizer, settings, out)
     if need_sidecar:
-        from ..model import prep_port
-        from ..reader.prep import model_expert_weights
-        from ..reader.sidecar import Sidecar
-
         path = out / "sidecar.safetensors"
         if not path.exists():
-            prep_port(port, path, checkpoint)
+            prep_port(port, path, checkpoint, model=model)  # a random-weights port's model is not built again
         run.sidecar = Sidecar(path)
         run.sidecar.check_source(model_expert_weights(model))
     run.evaluation = sequences(tokenizer, settings, model.config.max_position_embeddings, "evaluation")
