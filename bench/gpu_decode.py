@@ -105,9 +105,11 @@ from neuron_moe import experts as _registered  # noqa: E402,F401  (registers cha
 from neuron_moe.experts.channel_reader import ReaderState, reader_forward  # noqa: E402
 from neuron_moe.errors import UserError  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.reader.accounting import Geometry, Layout, solve_k  # noqa: E402
+from neuron_moe.reader.accounting import ReaderSettings, solve_k  # noqa: E402
+from neuron_moe.reader.geometry import Geometry  # noqa: E402
 from neuron_moe.reader.hadamard import padded, random_signs  # noqa: E402
-from neuron_moe.reader.prep import BLOCK, SCAN, LayerSidecar, down_rows, prep_layer  # noqa: E402
+from neuron_moe.reader.prep import SCAN, down_rows, prep_layer  # noqa: E402
+from neuron_moe.reader.sidecar import BLOCK, LayerSidecar  # noqa: E402
 from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
 from gpu_env import header, machine  # noqa: E402  (bench/ is on sys.path: this script's folder)
 
@@ -166,7 +168,8 @@ def moe_layers(model):
 
 def geometry(config) -> Geometry:
     top_k = getattr(config, "top_k_experts", None) or config.num_experts_per_tok
-    return Geometry(config.hidden_size, config.num_experts, top_k, config.moe_intermediate_size)
+    return Geometry(hidden=config.hidden_size, experts=config.num_experts, top_k=top_k,
+                    intermediate=config.moe_intermediate_size)
 
 
 @torch.no_grad()
@@ -410,7 +413,7 @@ def run_model(report, dest, name) -> None:
     attach(model, sidecars, rank)
     first, *others = args.reader_variants
     for budget, variant in [(b, first) for b in BUDGETS] + [(BUDGETS[0], v) for v in others]:
-        k = solve_k(geometry(model.config), Layout(rank=rank), budget)
+        k = solve_k(geometry(model.config), ReaderSettings(rank=rank), budget)
         set_reader(model, k, reader_forward("reference"))
         want = first_step(model)
         set_reader(model, k, triton_variant(variant))

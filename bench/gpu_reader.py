@@ -92,10 +92,10 @@ from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig  # 
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts  # noqa: E402
 
 from neuron_moe.reader import reference  # noqa: E402
-from neuron_moe.reader.accounting import Geometry, Layout, full_bytes, reads, solve_k  # noqa: E402
+from neuron_moe.reader.accounting import ReaderSettings, full_bytes, reads, solve_k  # noqa: E402
+from neuron_moe.reader.geometry import Geometry  # noqa: E402
 from neuron_moe.reader.hadamard import random_signs  # noqa: E402
-from neuron_moe.reader.prep import LayerSidecar  # noqa: E402
-from neuron_moe.reader.prep import Layout as SidecarLayout  # noqa: E402
+from neuron_moe.reader.sidecar import LayerSidecar, SidecarLayout  # noqa: E402
 from neuron_moe.reader.triton import forward as triton_reader  # noqa: E402
 from neuron_moe.reader.triton import persistent  # noqa: E402
 from neuron_moe.reader.triton.variants import FUSED, NAMES as VARIANTS, RELAXED, SELECTS, reader_forward  # noqa: E402
@@ -108,7 +108,7 @@ BF16 = torch.bfloat16
 
 class Layer:
     """One layer: bf16 weights in HF's layout (for HF's experts) and the reader's [E, I, H] rows, and a
-    random sidecar in the exact layout `prep.py` writes."""
+    random sidecar in the exact layout of `sidecar.py`."""
 
     def __init__(self, hidden, experts, inter, act, rank, gen):
         def randn(*shape, scale=0.02):
@@ -128,7 +128,7 @@ class Layer:
         self.gate_up, self.down = gate_up, down
         self.down_rows = down.mT.contiguous()  # attach_reader's layout (in the model: in place, one copy)
         self.act_fn = ACT2FN[act]
-        spec = SidecarLayout(hidden, experts, inter, rank).layer_tensors()
+        spec = SidecarLayout(Geometry(hidden=hidden, experts=experts, intermediate=inter), rank).layer_tensors()
         basis = torch.linalg.qr(torch.randn(hidden, rank, generator=gen, device=DEVICE))[0]
         sidecar = {
             "codes": torch.randint(0, 243, spec["codes"][1], generator=gen, device=DEVICE, dtype=torch.uint8),
@@ -168,14 +168,14 @@ def implementations(geo, rank, variants):
                                                                        act_fn=L.act_fn), full, None),
     }
     for budget in BUDGETS:
-        k = solve_k(geo, Layout(rank=rank), budget)
+        k = solve_k(geo, ReaderSettings(rank=rank), budget)
         for variant in ["bisect", *variants] if budget == BUDGETS[0] else ["bisect"]:  # the default first
 
             def run(L, x, i, w, k=k, fn=reader_forward(variant)):
                 return fn(x, i, w, L.gate_up, L.down_rows, L.sidecar, k=k, scan=80, rank=rank, act_fn=L.act_fn)
 
             name = f"reader-{budget}" + ("" if variant == "bisect" else f" {variant}")
-            out[name] = (run, sum(reads(geo, Layout(rank=rank), k).values()), k)
+            out[name] = (run, sum(reads(geo, ReaderSettings(rank=rank), k).values()), k)
     return out
 
 
@@ -359,8 +359,8 @@ def preflight(variant: str) -> int:
     kernel with no fault counted. Prints `same VARIANT` when all agree."""
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     hidden, experts, top_k, inter, act, rank = geometries()[variant_geometry()]
-    geo = Geometry(hidden, experts, top_k, inter)
-    k = solve_k(geo, Layout(rank=rank), BUDGETS[0])
+    geo = Geometry(hidden=hidden, experts=experts, top_k=top_k, intermediate=inter)
+    k = solve_k(geo, ReaderSettings(rank=rank), BUDGETS[0])
     ok = True
     if variant in SELECTS or variant in persistent.PERSISTENT_VARIANTS:
         code = triton_reader.activation(ACT2FN[act])
@@ -518,7 +518,7 @@ def main() -> int:
               "rows": [], "reader_stages": [], "variants": [], "targets": [], "preflight": preflight_ok}
     rows, stage_rows = report["rows"], report["reader_stages"]
     for name, (hidden, experts, top_k, inter, act, rank) in geometries().items():
-        geo = Geometry(hidden, experts, top_k, inter)
+        geo = Geometry(hidden=hidden, experts=experts, top_k=top_k, intermediate=inter)
         layers = [Layer(hidden, experts, inter, act, rank, gen) for _ in range(args.layers)]
         impls = implementations(geo, rank, variants if name == at else [])
         for tokens in args.batches:

@@ -45,7 +45,6 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from neuron_moe import tasks as T  # noqa: E402
 from neuron_moe.eval import reader_batch as RB  # noqa: E402
 from neuron_moe.eval import reader_eval as R  # noqa: E402
 from neuron_moe.eval.reader_report import _pyplot  # noqa: E402
@@ -54,11 +53,13 @@ from neuron_moe.model import build_model, prep_port  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader import accounting as A  # noqa: E402
 from neuron_moe.reader import selectors as S  # noqa: E402
-from neuron_moe.reader.prep import Sidecar  # noqa: E402
+from neuron_moe.reader.geometry import Geometry  # noqa: E402
+from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
 from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
 from neuron_moe.tokenizer import answer_text, load_tokenizer  # noqa: E402
 
-GEOMETRIES = {"gemma4-26b-a4b": A.Geometry(2816, 128, 8, 704), "qwen3-30b-a3b": A.Geometry(2048, 128, 8, 768)}
+GEOMETRIES = {"gemma4-26b-a4b": Geometry(hidden=2816, experts=128, top_k=8, intermediate=704),
+              "qwen3-30b-a3b": Geometry(hidden=2048, experts=128, top_k=8, intermediate=768)}
 
 
 def parse_step_budgets(text: str) -> list[tuple[int | None, float]]:
@@ -106,8 +107,8 @@ def cell(run: dict, batch: int, name: str, rule: S.Step, progress) -> dict:
     full_steps = [s for s in decoded.steps if s["tokens"] == batch] or decoded.steps
     per_layer = [layer for s in full_steps for layer in s["layers"]]
     mean = lambda key: sum(layer[key] for layer in per_layer) / len(per_layer)  # noqa: E731
-    geo, layout = layers[0].geo, layers[0].layout
-    share = [100 * layer["bytes"] / A.full_reads(geo, layout, layer["experts"]) for layer in per_layer]
+    geo, settings = layers[0].geo, layers[0].settings
+    share = [100 * layer["bytes"] / A.full_reads(geo, settings, layer["experts"]) for layer in per_layer]
     row = {"batch": batch, "rule": name, "steps": len(decoded.steps), "full_steps": len(full_steps),
            "positions": stats["positions"], "kl_mean": stats["kl_mean"], "kl_p99": stats["kl_p99"],
            "top1": stats["top1"], "by_source": stats["by_source"],
@@ -127,10 +128,10 @@ def cell(run: dict, batch: int, name: str, rule: S.Step, progress) -> dict:
 def accounting_rows(budget: float, rank: int, batches: list[int], step_budgets: list[float]) -> list[dict]:
     rows = []
     for name, geo in GEOMETRIES.items():
-        layout = A.Layout(rank=rank)
+        settings = A.ReaderSettings(rank=rank)
         for batch in batches:
             for m in step_budgets:
-                b = A.batch_breakdown(geo, layout, budget, batch, m)
+                b = A.batch_breakdown(geo, settings, budget, batch, m)
                 token, rule = b["rules"]["token"], b["rules"]["batch"]
                 rows.append({"geometry": name, "batch": batch, "step_budget": m, "union_experts": b["union_experts"],
                              "expected_union": b["expected_union"], "full_x": b["full_bytes"] / b["one_token_bytes"],
@@ -268,9 +269,9 @@ def main() -> None:
     accuracy_at = [int(b) for b in args.accuracy.split(",") if b]
     seqs = R.sequences(tokenizer, settings, model.config.max_position_embeddings, "evaluation")
     layers = moe_layers(model, sidecar, args.rank)
-    geo, layout = layers[0].geo, layers[0].layout
-    k = A.solve_k(geo, layout, args.budget)
-    one = sum(A.reads(geo, layout, k).values())
+    geo, settings = layers[0].geo, layers[0].settings
+    k = A.solve_k(geo, settings, args.budget)
+    one = sum(A.reads(geo, settings, k).values())
     key = {"model": port.name, "weights_sha256": R.weights_digest(model), "per_task": args.per_task,
            "tasks": args.tasks, "text_docs": args.text_docs if args.corpus else 0, "budget": args.budget,
            "rank": args.rank, "k": k}
@@ -313,7 +314,7 @@ def main() -> None:
     report = {"settings": key | {"batches": batches, "step_budgets": args.step_budgets, "one_token_bytes": one,
                                  "routing": "uniform (accounting)", "machine": "CPU"},
               "full_model": full_model, "cells": results,
-              "full_batch_x": {str(b): A.full_reads(geo, layout, A.expected_union(geo, b)) / one for b in batches},
+              "full_batch_x": {str(b): A.full_reads(geo, settings, A.expected_union(geo, b)) / one for b in batches},
               "geometries": accounting_rows(args.budget, 32, batches, [2.0])}
     write_json(report, str(out / "report.json"))
     write_report(report, out)

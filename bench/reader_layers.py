@@ -30,7 +30,7 @@ from neuron_moe.model import build_model, prep_port  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader import selectors as S  # noqa: E402
 from neuron_moe.reader.accounting import BudgetError, full_bytes  # noqa: E402
-from neuron_moe.reader.prep import Sidecar  # noqa: E402
+from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
 from neuron_moe.report import table, write_json  # noqa: E402
 from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
 
@@ -46,10 +46,10 @@ def layer_rows(layers_by_rank: dict, inputs, budget: float, ranks: list[int]) ->
     row = {}
     for name in ("teal", "wina", "oracle"):
         row[name] = rel_err(S.run(name, base, x, index, weights, S.top_k(name, base, budget)).out, full)
-    k = S.plan("reader", base.geo, base.layout, budget)["channel"]
+    k = S.plan("reader", base.geo, base.settings, budget)["channel"]
     reader_out = S.run("reader", base, x, index, weights, S.TopK({"channel": k}))
     oracle_k = S.run("oracle", base, x, index, weights, S.TopK({"channel": k}))
-    row |= {"reader_k": k, "oracle_channels": S.plan("oracle", base.geo, base.layout, budget)["channel"],
+    row |= {"reader_k": k, "oracle_channels": S.plan("oracle", base.geo, base.settings, budget)["channel"],
             "oracle@k": rel_err(oracle_k.out, full), "reader-r0": rel_err(reader_out.out, full),
             "recall": recall(base, x, index, weights, k)}
     for rank in ranks:

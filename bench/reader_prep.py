@@ -25,7 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from neuron_moe.report import table, write_json  # noqa: E402
-from neuron_moe.reader.prep import Sidecar, write_sidecar  # noqa: E402
+from neuron_moe.reader.geometry import Geometry  # noqa: E402
+from neuron_moe.reader.prep import write_sidecar  # noqa: E402
+from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
 
 
 def proc_status(field: str) -> int:
@@ -70,8 +72,8 @@ def main() -> int:
     rss_before = proc_status("VmRSS")
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        path = write_sidecar(Path(tmp) / "layer.safetensors", [(gate_up, down)], hidden=args.hidden,
-                             experts=args.experts, intermediate=args.intermediate, layers=1)
+        geometry = Geometry(hidden=args.hidden, experts=args.experts, intermediate=args.intermediate)
+        path = write_sidecar(Path(tmp) / "layer.safetensors", [(gate_up, down)], geometry, layers=1)
         seconds = time.perf_counter() - start
         peak = proc_status("VmHWM")
         sidecar_bytes = path.stat().st_size

@@ -31,7 +31,7 @@ from neuron_moe.model import build_model, prep_port  # noqa: E402
 from neuron_moe.parallel.generate import TPGenerator, generate_replicated  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader import shard  # noqa: E402
-from neuron_moe.reader.prep import Sidecar  # noqa: E402
+from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
 from neuron_moe.report import table, write_json  # noqa: E402
 from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
 

@@ -17,7 +17,8 @@ from .neuron.compile import render_trace_and_compile, trace_and_compile
 from .neuron.plan import GiB, port_plan, render_plan
 from .port import DTYPES, load_port, ports_report, render_ports
 from .publish.s3 import publish, pull_report, render_publish, render_pull
-from .reader.accounting import Geometry, Layout, reads_report, render_reads
+from .reader.accounting import ReaderSettings, reads_report, render_reads
+from .reader.geometry import Geometry
 from .report import check_output, write_json
 from .tasks import TASKS
 from .tokenizer import load_tokenizer
@@ -115,11 +116,12 @@ def cmd_reads(args) -> int:
     if any(v is not None for v in explicit):
         if None in explicit:
             raise UserError("an explicit geometry needs all four of --hidden --experts --top-k --intermediate")
-        geo, name = Geometry(*explicit), "explicit geometry"
+        geo = Geometry(hidden=args.hidden, experts=args.experts, top_k=args.top_k, intermediate=args.intermediate)
+        name = "explicit geometry"
     else:
         port = load_port(args.model)
         geo, name = Geometry.from_config(port.config), port.name
-    report = reads_report(name, geo, Layout(scan=args.scan, rank=args.rank, weights=args.dtype), args.budget,
+    report = reads_report(name, geo, ReaderSettings(scan=args.scan, rank=args.rank, weights=args.dtype), args.budget,
                           args.tp or 1, args.batch, args.step_budget)
     if _json_out(report, args):
         print(render_reads(report))

@@ -23,8 +23,10 @@ from .errors import UserError
 from .experts.channel_reader import attach_reader, plan_reader, reader_forward, reader_settings
 from .parallel.layout import check_degree
 from .port import Port
-from .reader.prep import RANK, SCAN, Sidecar, SidecarError, model_expert_weights, write_sidecar
+from .reader.geometry import Geometry
+from .reader.prep import RANK, SCAN, model_expert_weights, write_sidecar
 from .reader.shard import WHOLE, write_shards
+from .reader.sidecar import Sidecar, SidecarError
 
 EXPERTS_IMPLEMENTATIONS = _experts.ALL
 
@@ -86,23 +88,25 @@ def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, r
 
 
 def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0, rank: int = RANK,
-              scan: int = SCAN) -> Path:
+              scan: int = SCAN, model: Gemma4ForCausalLM | None = None) -> Path:
     """The reader's sidecar of a port's model: streamed layer by layer from a checkpoint (the
-    port's or `checkpoint`), or from the seeded model of a random-weights port."""
+    port's or `checkpoint`), or from the seeded model of a random-weights port: `model`, the port's
+    model the caller already holds (`build_model`, in any dtype), else built here.
+
+    The random model's weights are prepped in the port's dtype, as `build_model(port)` gives them:
+    the same sidecar, byte for byte, whichever dtype the caller's copy is in."""
     config = port.config
     checkpoint = checkpoint or port.checkpoint
     if checkpoint is not None:
         config = read_config(Path(checkpoint), port.config, port.name)
         weights = iter_expert_weights(Path(checkpoint), config)
     elif port.weights_source == "random":
-        weights = model_expert_weights(build_model(port))
+        held = build_model(port) if model is None else model
+        weights = ((gate_up.to(port.dtype), down.to(port.dtype)) for gate_up, down in model_expert_weights(held))
     else:
         raise SidecarError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
-    return write_sidecar(out, weights, hidden=config.hidden_size, experts=config.num_experts,
-                         intermediate=config.moe_intermediate_size, layers=config.num_hidden_layers,
-                         seed=seed, rank=rank, scan=scan)
-
-
+    return write_sidecar(out, weights, Geometry.from_config(config), layers=config.num_hidden_layers, seed=seed,
+                         rank=rank, scan=scan)
 def prep_reader(port, out: Path, checkpoint: Path | None = None, *, tp: int | None = None,
                 source: Path | None = None, seed: int = 0, rank: int = RANK, scan: int = SCAN) -> dict:
     """`neuron-moe prep-reader`: the port's sidecar written to `out`; with `tp`, `out` is a directory

@@ -32,9 +32,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SECTIONS = {"name", "description", "weights", "tokenizer", "config", "static", "reader"}
 _WEIGHT_SOURCES = ("random", "checkpoint")
 _TOKENIZERS = ("bytes", "checkpoint")
-# the fields of each table besides [config] (Gemma4TextConfig's) and [static] (_STATIC_FIELDS)
-_FIELDS = {"weights": {"source", "seed", "checkpoint", "dtype"}, "tokenizer": {"kind"},
-           "reader": {"sidecar", "budget", "rank"}}
+# the fields of each table but [config] (Gemma4TextConfig's), [static] (_STATIC_FIELDS) and [reader] (_READER_FIELDS)
+_FIELDS = {"weights": {"source", "seed", "checkpoint", "dtype"}, "tokenizer": {"kind"}}
 MAX_BATCH = 1024  # rows of a static graph; the KV cache is allocated for all of them
 MAX_BUCKETS = 64
 
@@ -56,6 +55,16 @@ class StaticSpec:
 
 
 @dataclass(frozen=True)
+class ReaderSpec:
+    """The `[reader]` table: this port's defaults for the channel reader (experts/channel_reader.py);
+    each is None where the table does not set it, and a command-line flag overrides it."""
+
+    sidecar: Path | None = None  # the sidecar file, relative paths taken from the port file's folder
+    budget: float | None = None  # percent of the full model's routed-expert reads, in (0, 100]
+    rank: int | None = None  # recovery rank; None: the sidecar's
+
+
+@dataclass(frozen=True)
 class Port:
     name: str
     description: str
@@ -67,6 +76,7 @@ class Port:
     checkpoint: Path | None = None  # directory; None means "supply --checkpoint"
     tokenizer: str = "bytes"
     static: StaticSpec | None = None  # None: the port has no [static] table (no traced graphs)
+    reader: ReaderSpec = ReaderSpec()  # every field None: the port has no [reader] table
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def static_spec(self, what: str) -> StaticSpec:
@@ -156,6 +166,24 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
     return StaticSpec(tuple(buckets), max_cache_len, batch_size, **experts, expert_layout=expert_layout)
 
 
+_READER_FIELDS = {"sidecar": str, "budget": (int, float), "rank": int}
+
+
+def _reader_spec(table: dict, folder: Path, where: str) -> ReaderSpec:
+    where = f"{where} [reader]"
+    unknown = sorted(set(table) - set(_READER_FIELDS))
+    if unknown:
+        raise PortError(f"{where}: unknown field(s) {unknown}; expected {sorted(_READER_FIELDS)}")
+    given = {key: _typed(table, key, kind, where) for key, kind in _READER_FIELDS.items() if key in table}
+    budget, rank = given.get("budget"), given.get("rank")
+    if budget is not None and not 0 < budget <= 100:
+        raise PortError(f"{where}: budget must be in (0, 100] percent, got {budget}")
+    if rank is not None and rank < 0:
+        raise PortError(f"{where}: rank must be 0 or more, got {rank}")
+    return ReaderSpec(sidecar=folder / given["sidecar"] if "sidecar" in given else None,
+                      budget=None if budget is None else float(budget), rank=rank)
+
+
 def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
     path = _port_path(name_or_path)
     try:
@@ -189,10 +217,7 @@ def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
     tokenizer = _typed(tokenizer_table, "kind", str, f"{where} [tokenizer]") if "kind" in tokenizer_table else "bytes"
     if tokenizer not in _TOKENIZERS:
         raise PortError(f"{where} [tokenizer]: kind {tokenizer!r} is not one of {_TOKENIZERS}")
-    reader = _table(raw, "reader", where)
-    for key, kinds in (("sidecar", str), ("budget", (int, float)), ("rank", int)):
-        if key in reader:
-            _typed(reader, key, kinds, f"{where} [reader]")
+    reader = _reader_spec(_typed(raw, "reader", dict, where) if "reader" in raw else {}, path.parent, where)
 
     config = gemma4_moe_config(_require(raw, "config", dict, where), where)
     static = _static_spec(_require(raw, "static", dict, where), config, where) if "static" in raw else None
@@ -207,6 +232,7 @@ def load_port(name_or_path: str = DEFAULT_PORT) -> Port:
         checkpoint=checkpoint,
         tokenizer=tokenizer,
         static=static,
+        reader=reader,
         raw=raw,
     )
 

@@ -13,7 +13,9 @@ from neuron_moe.errors import UserError
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.generate import greedy, left_pad
 from neuron_moe.model import build_model
-from neuron_moe.reader.prep import SidecarError, write_sidecar
+from neuron_moe.reader.geometry import Geometry
+from neuron_moe.reader.prep import write_sidecar
+from neuron_moe.reader.sidecar import SidecarError
 
 from conftest import port_text_elsewhere, random_prompts, reseeded
 
@@ -99,8 +101,8 @@ def test_a_sidecar_of_another_model_is_refused(tiny_port, sidecar):
 
 def test_a_sidecar_of_another_geometry_is_refused(tiny_port, tmp_path):
     ex = trained_like.experts(num_experts=16, inter=32, hidden=128)
-    path = write_sidecar(tmp_path / "g.safetensors", [(ex.gate_up_proj, ex.down_proj)] * 4, hidden=128,
-                         experts=16, intermediate=32, layers=4, progress=False)
+    path = write_sidecar(tmp_path / "g.safetensors", [(ex.gate_up_proj, ex.down_proj)] * 4,
+                         Geometry(hidden=128, experts=16, intermediate=32), layers=4, progress=False)
     with pytest.raises(UserError, match=r"sidecar geometry .* = \(128, 16, 32, 4\), this model's = \(128, 16, 64, 4\)"):
         attach_reader(build_model(tiny_port), path, budget=50)
 

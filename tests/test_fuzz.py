@@ -31,7 +31,9 @@ from neuron_moe.errors import UserError
 from neuron_moe.neuron import artifact as na
 from neuron_moe.port import tomllib
 from neuron_moe.publish import s3
-from neuron_moe.reader.prep import Sidecar, write_sidecar
+from neuron_moe.reader.geometry import Geometry
+from neuron_moe.reader.prep import write_sidecar
+from neuron_moe.reader.sidecar import Sidecar
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.backends import load_engine
 from neuron_moe.serve.server import plan_load
@@ -279,7 +281,7 @@ def small_sidecar(tmp_path_factory):
     gen = torch.Generator().manual_seed(0)
     layers = [(torch.randn(4, 32, 128, generator=gen), torch.randn(4, 128, 16, generator=gen)) for _ in range(2)]
     path = tmp_path_factory.mktemp("sidecar") / "s.safetensors"
-    write_sidecar(path, layers, hidden=128, experts=4, intermediate=16, layers=2, rank=4, progress=False)
+    write_sidecar(path, layers, Geometry(hidden=128, experts=4, intermediate=16), layers=2, rank=4, progress=False)
     with safe_open(path, framework="pt") as f:
         return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
 

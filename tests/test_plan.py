@@ -101,13 +101,14 @@ def test_full_size_decode_with_the_reader(big, capsys):
     recovery of its 8 experts' 88 channels per layer (`neuron-moe reads --tp 8`): 17.8 % of the selective
     row's expert bytes, so 0.761 GB/token/rank and a 1.73 ms floor against 1.055 and 2.40; each rank
     holds its sidecar shard (0.75 GB)."""
-    from neuron_moe.reader.accounting import Geometry, Layout, rank_geometry, reads
+    from neuron_moe.reader.accounting import ReaderSettings, rank_geometry, reads
+    from neuron_moe.reader.geometry import Geometry
 
     reader = {"budget": 17.8, "scan": 80, "rank": 32}
     r = plan(big, "inf2.24xlarge", 8, "bf16", batch=1, seq=4096, reader=reader)
     channel, with_reader, _ = r["decode"]
     assert not channel["this_plan"] and with_reader["this_plan"] and with_reader["reader"]["k_per_rank"] == 55
-    per_layer = sum(reads(rank_geometry(Geometry.from_config(big), 8), Layout(), 55).values())
+    per_layer = sum(reads(rank_geometry(Geometry.from_config(big), 8), ReaderSettings(), 55).values())
     assert per_layer <= 0.178 * 8 * 3 * 88 * 2816 * 2
     assert channel["bytes_per_token"] - with_reader["bytes_per_token"] == pytest.approx(
         30 * (8 * 3 * 88 * 2816 * 2 - per_layer), rel=1e-12)

@@ -9,7 +9,7 @@ import pytest
 
 from neuron_moe import cli
 from neuron_moe.config import ConfigError
-from neuron_moe.port import PortError, builtin_ports, load_port
+from neuron_moe.port import PortError, ReaderSpec, builtin_ports, load_port
 
 from conftest import port_text_elsewhere
 
@@ -91,10 +91,28 @@ def test_expert_layout_defaults_to_channel(tmp_path):
      r"\[static\]: unknown field\(s\) \['batch'\]"),
     (lambda t: t.replace('expert_layout = "channel"', 'expert_layout = "rows"'), PortError,
      r"\[static\]: expert_layout 'rows' is not one of \['channel', 'expert'\]"),
+    # [reader] as [static]: the file and the table named, each field's type and range checked at load
+    (lambda t: t + "\n[reader]\nbudjet = 10\n", PortError,
+     r"p\.toml \[reader\]: unknown field\(s\) \['budjet'\]; expected \['budget', 'rank', 'sidecar'\]"),
+    (lambda t: t + '\n[reader]\nrank = "full"\n', PortError, r"p\.toml \[reader\]: field 'rank' must be int, got str"),
+    (lambda t: t + "\n[reader]\nsidecar = 3\n", PortError, r"\[reader\]: field 'sidecar' must be str, got int 3"),
+    (lambda t: t + "\n[reader]\nbudget = true\n", PortError,
+     r"\[reader\]: field 'budget' must be int or float, got bool"),
+    (lambda t: t + "\n[reader]\nbudget = 0\n", PortError, r"\[reader\]: budget must be in \(0, 100\] percent, got 0"),
+    (lambda t: t + "\n[reader]\nrank = -1\n", PortError, r"\[reader\]: rank must be 0 or more, got -1"),
+    (lambda t: t.replace('name = "tiny-gemma4-moe"', 'name = "tiny-gemma4-moe"\nreader = 10'), PortError,
+     "field 'reader' must be dict, got int 10"),
 ])
 def test_bad_port_files_name_the_problem(tmp_path, edit, error, message):
     with pytest.raises(error, match=message):
         load_port(_write(tmp_path, edit(TINY)))
+
+
+def test_reader_table_is_parsed_at_load(tmp_path):
+    assert _TINY_PORT.reader == ReaderSpec()  # no [reader] table: every field unset
+    port = load_port(_write(tmp_path, TINY + '\n[reader]\nsidecar = "sc/tiny.safetensors"\nbudget = 30\n'))
+    # the sidecar relative to the port file; the budget a float; the rank left to the sidecar
+    assert port.reader == ReaderSpec(sidecar=tmp_path / "sc/tiny.safetensors", budget=30.0, rank=None)
 
 
 # Wrong types, sizes and misspellings (issue 26, item 6): each is one `error:` line naming the field,

@@ -8,8 +8,9 @@ import pytest
 import trained_like
 from neuron_moe import cli
 from neuron_moe.reader.accounting import (
-    BudgetError, Geometry, Layout, breakdown, full_bytes, reads, resident, row_sectors, solve_k,
+    BudgetError, ReaderSettings, breakdown, full_bytes, reads, resident, row_sectors, solve_k,
 )
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.prep import prep_layer
 
@@ -21,20 +22,20 @@ def test_qwen3_reads_by_hand():
     """Every number derived on paper for hidden 2048, 128 experts, top-8, intermediate 768."""
     full = 8 * 3 * 768 * 2048 * 2  # eight whole experts in bf16
     assert full_bytes(QWEN3_30B) == full == 75_497_472
-    parts = reads(QWEN3_30B, Layout(), k=755)
+    parts = reads(QWEN3_30B, ReaderSettings(), k=755)
     # 16 blocks x 80 scanned coordinates x one strip of 1536 base-3 codes (1600 padded rows / 5 = 320 B = 10
     # sectors), + scales [16, 1536] bf16
     assert parts["sketch"] == 8 * (16 * 80 * 320 + 16 * 1536 * 2)
     assert parts["norms"] == 8 * 768 * 2
     assert parts["exact"] == 755 * 3 * 2048 * 2  # gate row + up row + down row
     assert parts["recovery"] == 2048 * 32 * 2 + (6144 - 755) * 32 * 2  # U once, b_j for the unchosen
-    assert solve_k(QWEN3_30B, Layout(), 17.8) == 755
+    assert solve_k(QWEN3_30B, ReaderSettings(), 17.8) == 755
 
 
 def test_qwen3_at_17_8_percent_reproduces_the_papers_breakdown():
     """5 ternary codes per byte, strips padded to whole sectors: sketch 4.9, exact 12.3, recovery 0.6;
     resident ≈ 7 % sketch, ≈ 0.5 % recovery (80/128 x 1.6/16 x 2/3 = 4.17 % of codes, + scales)."""
-    b = breakdown(QWEN3_30B, Layout(), 17.8)
+    b = breakdown(QWEN3_30B, ReaderSettings(), 17.8)
     share = {name: part["percent"] for name, part in b["reads"].items()}
     assert share["sketch"] == pytest.approx(4.86, abs=0.005)
     assert share["exact"] == pytest.approx(12.29, abs=0.005)
@@ -45,24 +46,31 @@ def test_qwen3_at_17_8_percent_reproduces_the_papers_breakdown():
     assert round(b["resident"]["recovery"]["percent"], 1) == 0.5
 
 
-@pytest.mark.parametrize("geo", [QWEN3_30B, GEMMA4_26B, Geometry(200, 16, 4, 40), Geometry(128, 16, 4, 64)])
-@pytest.mark.parametrize("layout", [Layout(), Layout(scan=128, rank=0), Layout(scan=40, rank=8)])
-def test_k_is_the_most_that_fits(geo, layout):
+ODD = Geometry(hidden=200, experts=16, top_k=4, intermediate=40)  # hidden not whole blocks, rows not whole sectors
+
+
+WHOLE_BLOCKS = Geometry(hidden=128, experts=16, top_k=4, intermediate=64)
+
+
+@pytest.mark.parametrize("geo", [QWEN3_30B, GEMMA4_26B, ODD, WHOLE_BLOCKS])
+@pytest.mark.parametrize("settings", [ReaderSettings(), ReaderSettings(scan=128, rank=0),
+                                      ReaderSettings(scan=40, rank=8)])
+def test_k_is_the_most_that_fits(geo, settings):
     limit = lambda budget: budget / 100 * full_bytes(geo)  # noqa: E731
     for budget in (15.0, 17.8, 30.0, 60.0, 99.9):
         try:
-            k = solve_k(geo, layout, budget)
+            k = solve_k(geo, settings, budget)
         except BudgetError:
-            assert sum(reads(geo, layout, 0).values()) > limit(budget)
+            assert sum(reads(geo, settings, 0).values()) > limit(budget)
             continue
-        assert sum(reads(geo, layout, k).values()) <= limit(budget) < sum(reads(geo, layout, k + 1).values())
-    assert solve_k(geo, layout, 100) == geo.channels
-    assert sum(reads(geo, layout, geo.channels).values()) == full_bytes(geo)
+        assert sum(reads(geo, settings, k).values()) <= limit(budget) < sum(reads(geo, settings, k + 1).values())
+    assert solve_k(geo, settings, 100) == geo.channels
+    assert sum(reads(geo, settings, geo.channels).values()) == full_bytes(geo)
 
 
 def test_rows_that_are_not_whole_sectors_cost_one_more():
     assert row_sectors(64) == 2 and row_sectors(400) == 14  # 400 B: 12.5 sectors, may straddle 14
-    assert reads(Geometry(200, 16, 4, 40), Layout(), 1)["exact"] - reads(Geometry(200, 16, 4, 40), Layout(), 0)["exact"] \
+    assert reads(ODD, ReaderSettings(), 1)["exact"] - reads(ODD, ReaderSettings(), 0)["exact"] \
         == 3 * 14 * 32
 
 
@@ -72,7 +80,7 @@ def test_rows_that_are_not_whole_sectors_cost_one_more():
 ])
 def test_budgets_out_of_range_are_refused(budget, message):
     with pytest.raises(BudgetError, match=message):
-        solve_k(QWEN3_30B, Layout(), budget)
+        solve_k(QWEN3_30B, ReaderSettings(), budget)
 
 
 def test_resident_bytes_are_the_sidecar_tensors():
@@ -80,7 +88,7 @@ def test_resident_bytes_are_the_sidecar_tensors():
     ex = trained_like.experts(num_experts=3, inter=40, hidden=200, seed=0)
     out = prep_layer(ex.gate_up_proj, ex.down_proj, random_signs(256, 0), rank=8)
     nbytes = {name: t.numel() * t.element_size() for name, t in out.items()}
-    held = resident(Geometry(200, 3, 1, 40), Layout(rank=8))
+    held = resident(Geometry(hidden=200, experts=3, top_k=1, intermediate=40), ReaderSettings(rank=8))
     assert held == {"sketch": nbytes["codes"] + nbytes["scales"], "norms": nbytes["down_norms"],
                     "recovery": nbytes["basis"] + nbytes["coeffs"]}
 

@@ -12,13 +12,15 @@ from neuron_moe import cli
 from neuron_moe.reader import accounting as A
 from neuron_moe.reader import batch, reference
 from neuron_moe.reader import selectors as S
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.int8 import Int8Experts
 from neuron_moe.experts.int8 import quantize_per_channel
-from neuron_moe.reader.prep import LayerSidecar, prep_layer
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import LayerSidecar
 
 E, INTER, HIDDEN, TOP_K = 16, 48, 256, 4
-GEO = A.Geometry(HIDDEN, E, TOP_K, INTER)
+GEO = Geometry(hidden=HIDDEN, experts=E, top_k=TOP_K, intermediate=INTER)
 
 
 @pytest.fixture(scope="module")
@@ -36,38 +38,39 @@ def int8_of(ex) -> Int8Experts:
                                            *quantize_per_channel(ex.down_proj.mT))
 
 
-def run(case, rows, layout=A.Layout(), int8=None, **rule):
+def run(case, rows, settings=A.ReaderSettings(), int8=None, **rule):
     ex, sidecar, x, index, weights, _ = case
-    return batch.step(x[rows], index[rows], weights[rows], ex.gate_up_proj, ex.down_proj.mT, sidecar, layout,
+    return batch.step(x[rows], index[rows], weights[rows], ex.gate_up_proj, ex.down_proj.mT, sidecar, settings,
                       ex.act_fn, int8=int8, **rule)
 
 
-def total(layout, rows):
-    return sum(A.step_reads(GEO, layout, rows).values())
+def total(settings, rows):
+    return sum(A.step_reads(GEO, settings, rows).values())
 
 
 def rel_err(y, want):
     return float((y - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("budget,layout", [(40.0, A.Layout()), (60.0, A.Layout()), (30.0, A.Layout(rank=0)),
-                                           (40.0, A.Layout(scan=128, rank=8))])
-def test_the_batch_rule_at_batch_one_is_todays_top_k(case, budget, layout):
+@pytest.mark.parametrize("budget,settings", [(40.0, A.ReaderSettings()), (60.0, A.ReaderSettings()),
+                                             (30.0, A.ReaderSettings(rank=0)),
+                                             (40.0, A.ReaderSettings(scan=128, rank=8))])
+def test_the_batch_rule_at_batch_one_is_todays_top_k(case, budget, settings):
     """One token: the batch rule's budget buys today's k, picks the same channels and gives the same
     output, bit for bit; both are `reference.forward` (the per-token reader) up to summation order."""
     ex, sidecar, x, index, weights, _ = case
-    k = A.solve_k(GEO, layout, budget)
+    k = A.solve_k(GEO, settings, budget)
     for t in range(6):
-        mine = run(case, slice(t, t + 1), layout, rule="batch", limit=budget / 100 * A.full_bytes(GEO))
-        today = run(case, slice(t, t + 1), layout, rule="token", k=k)
+        mine = run(case, slice(t, t + 1), settings, rule="batch", limit=budget / 100 * A.full_bytes(GEO))
+        today = run(case, slice(t, t + 1), settings, rule="token", k=k)
         assert mine.k == k
         assert torch.equal(mine.keep, today.keep) and torch.equal(mine.out, today.out)
-        assert mine.rows == A.token_rows(GEO, layout, k)
-        assert A.step_reads(GEO, layout, mine.rows) == A.reads(GEO, layout, k)
+        assert mine.rows == A.token_rows(GEO, settings, k)
+        assert A.step_reads(GEO, settings, mine.rows) == A.reads(GEO, settings, k)
         want = reference.forward(x[t:t + 1], index[t:t + 1], weights[t:t + 1], ex.gate_up_proj, ex.down_proj.mT,
-                                 sidecar, k=k, scan=layout.scan, rank=layout.rank, act_fn=ex.act_fn)
+                                 sidecar, k=k, scan=settings.scan, rank=settings.rank, act_fn=ex.act_fn)
         assert rel_err(mine.out, want) < 2e-6
-        score, _ = reference.scores(reference.sketch_estimates(x[t:t + 1], index[t:t + 1], sidecar, layout.scan),
+        score, _ = reference.scores(reference.sketch_estimates(x[t:t + 1], index[t:t + 1], sidecar, settings.scan),
                                     index[t:t + 1], weights[t:t + 1], sidecar.down_norms, ex.act_fn)
         chosen = score.flatten(1).topk(k).indices  # today's selection, as (slot, channel)
         assert torch.equal(mine.keep.flatten(1).nonzero()[:, 1].sort().values, chosen[0].sort().values)
@@ -76,7 +79,7 @@ def test_the_batch_rule_at_batch_one_is_todays_top_k(case, budget, layout):
 @pytest.mark.parametrize("int8", [False, True])
 def test_at_budget_100_every_rule_is_the_full_moe(case, int8):
     ex, _, x, index, weights, full = case
-    layout = A.Layout(weights="int8" if int8 else "bf16")
+    settings = A.ReaderSettings(weights="int8" if int8 else "bf16")
     q = int8_of(ex) if int8 else None
     if int8:
         gate_up, down = q.dequantized()
@@ -85,12 +88,13 @@ def test_at_budget_100_every_rule_is_the_full_moe(case, int8):
         rows = slice(0, B)
         experts = len(index[rows].unique())
         for rule in ({"rule": "token", "k": GEO.channels},
-                     {"rule": "batch", "limit": A.full_reads(GEO, layout, experts)}):
-            got = run(case, rows, layout, q, **rule)
+                     {"rule": "batch", "limit": A.full_reads(GEO, settings, experts)}):
+            got = run(case, rows, settings, q, **rule)
             assert rel_err(got.out, full[rows]) < 1e-5, rule
             assert got.rows == A.StepRows(experts, 0, experts * INTER, 0)  # the union's experts whole, no screen
-            assert total(layout, got.rows) == A.full_reads(GEO, layout, experts)
-    one_short = run(case, slice(0, 8), rule="batch", limit=A.full_reads(GEO, A.Layout(), len(index[:8].unique())) - 1)
+            assert total(settings, got.rows) == A.full_reads(GEO, settings, experts)
+    union = len(index[:8].unique())
+    one_short = run(case, slice(0, 8), rule="batch", limit=A.full_reads(GEO, A.ReaderSettings(), union) - 1)
     assert one_short.rows.strips > 0 and rel_err(one_short.out, full[:8]) > 1e-4  # teeth: a byte less screens
 
 
@@ -140,29 +144,30 @@ def test_a_step_reads_what_the_accounting_charges(case, weights, B, rule):
     rule's plan follows from the union's size and K alone, and fits its limit with no room for one
     more channel."""
     ex, _, x, index, weights_, _ = case
-    layout = A.Layout(weights=weights)
+    settings = A.ReaderSettings(weights=weights)
     q = int8_of(ex) if weights == "int8" else None
-    k = A.solve_k(GEO, layout, 40.0)
+    k = A.solve_k(GEO, settings, 40.0)
     experts = len(index[:B].unique())
-    floor = total(layout, A.batch_rows(GEO, layout, experts, 0))
-    limit = (floor + A.full_reads(GEO, layout, experts)) / 2  # half-way from the union's screen to its full read
+    floor = total(settings, A.batch_rows(GEO, settings, experts, 0))
+    limit = (floor + A.full_reads(GEO, settings, experts)) / 2  # half-way from the union's screen to its full read
     args = {"rule": "token", "k": k} if rule == "token" else {"rule": "batch", "limit": limit}
-    got = run(case, slice(0, B), layout, q, **args)
+    got = run(case, slice(0, B), settings, q, **args)
     gate_up, down, side, q2 = poisoned(case, got.read, q)
-    again = batch.step(x[:B], index[:B], weights_[:B], gate_up, down, side, layout, ex.act_fn, int8=q2, **args)
+    again = batch.step(x[:B], index[:B], weights_[:B], gate_up, down, side, settings, ex.act_fn, int8=q2, **args)
     assert torch.equal(again.out, got.out) and torch.equal(again.keep, got.keep)
     for part in ("strips", "exact", "coeffs"):  # each row once
         assert len(got.read[part].unique(dim=0)) == len(got.read[part])
     if rule == "batch":
-        assert got.rows == A.batch_rows(GEO, layout, experts, got.k)
-        plan = A.step_reads(GEO, layout, A.batch_rows(GEO, layout, experts, got.k))
-        assert A.step_reads(GEO, layout, got.rows) == plan
-        more = A.step_reads(GEO, layout, A.batch_rows(GEO, layout, experts, got.k + 1))
+        assert got.rows == A.batch_rows(GEO, settings, experts, got.k)
+        plan = A.step_reads(GEO, settings, A.batch_rows(GEO, settings, experts, got.k))
+        assert A.step_reads(GEO, settings, got.rows) == plan
+        more = A.step_reads(GEO, settings, A.batch_rows(GEO, settings, experts, got.k + 1))
         assert sum(plan.values()) <= limit < sum(more.values())
     elif B == 1:
-        assert A.step_reads(GEO, layout, got.rows) == A.reads(GEO, layout, k)
+        assert A.step_reads(GEO, settings, got.rows) == A.reads(GEO, settings, k)
     else:  # independent top-k reads the union: less than B tokens apart, more than one
-        assert sum(A.reads(GEO, layout, k).values()) < total(layout, got.rows) < B * sum(A.reads(GEO, layout, k).values())
+        one = sum(A.reads(GEO, settings, k).values())
+        assert one < total(settings, got.rows) < B * one
 
 
 def token_err(y, want):
@@ -177,12 +182,12 @@ def test_the_batch_rule_beats_independent_top_k_at_equal_union_reads(case, B):
     / 0.038 against 0.123 / 0.147 / 0.163), and summing shares beats summing raw scores (0.142 /
     0.097 / 0.043): raw sums hand the channels to the loudest tokens."""
     _, _, _, _, _, full = case
-    k = A.solve_k(GEO, A.Layout(), 40.0)
+    k = A.solve_k(GEO, A.ReaderSettings(), 40.0)
     token = run(case, slice(0, B), rule="token", k=k)
-    limit = total(A.Layout(), token.rows)
+    limit = total(A.ReaderSettings(), token.rows)
     mine = run(case, slice(0, B), rule="batch", limit=limit)
     raw = run(case, slice(0, B), rule="batch", limit=limit, weigh="raw")
-    assert total(A.Layout(), mine.rows) <= limit
+    assert total(A.ReaderSettings(), mine.rows) <= limit
     assert token_err(mine.out, full[:B]) < 0.92 * token_err(token.out, full[:B])
     assert token_err(mine.out, full[:B]) < 0.92 * token_err(raw.out, full[:B])
 
@@ -190,14 +195,14 @@ def test_the_batch_rule_beats_independent_top_k_at_equal_union_reads(case, B):
 def test_the_selectors_step_rule_runs_the_batch_step(case):
     ex, sidecar, x, index, weights, _ = case
     layer = S.MoeLayer(ex.gate_up_proj, ex.down_proj, ex.act_fn, TOP_K, sidecar)
-    k = A.solve_k(GEO, layer.layout, 40.0)
+    k = A.solve_k(GEO, layer.settings, 40.0)
     token = S.run("reader", layer, x[:8], index[:8], weights[:8], S.Step("token", k=k))
     matched = S.run("reader", layer, x[:8], index[:8], weights[:8], S.Step("batch", k=k))  # limit: token's reads
     direct = run(case, slice(0, 8), rule="batch", limit=int(token.reads[0]))
     assert torch.equal(matched.out, direct.out) and matched.step == direct.rows
-    assert torch.all(matched.reads == total(A.Layout(), direct.rows))
+    assert torch.all(matched.reads == total(A.ReaderSettings(), direct.rows))
     narrow = S.run("reader", layer, x[:8], index[:8], weights[:8], S.Step("batch", limit=int(token.reads[0]), scan=40))
-    direct = run(case, slice(0, 8), A.Layout(scan=40), rule="batch", limit=int(token.reads[0]))
+    direct = run(case, slice(0, 8), A.ReaderSettings(scan=40), rule="batch", limit=int(token.reads[0]))
     assert torch.equal(narrow.out, direct.out) and narrow.step.strips == narrow.step.experts * 2 * 40
     assert narrow.step.exact > matched.step.exact  # half the sketch buys exact channels
     # independent top-k through the Step rule: the per-token reader's output (each token its own k)
@@ -207,11 +212,13 @@ def test_the_selectors_step_rule_runs_the_batch_step(case):
 
 def test_step_reads_at_batch_one_are_todays_reads():
     """The general step accounting charges one token's rows as `reads` does, on every geometry."""
-    for geo in (A.Geometry(2048, 128, 8, 768), A.Geometry(2816, 128, 8, 704), A.Geometry(200, 16, 4, 40), GEO):
-        for layout in (A.Layout(), A.Layout(scan=128, rank=0), A.Layout(scan=40, rank=8)):
+    for geo in (Geometry(hidden=2048, experts=128, top_k=8, intermediate=768),
+                Geometry(hidden=2816, experts=128, top_k=8, intermediate=704),
+                Geometry(hidden=200, experts=16, top_k=4, intermediate=40), GEO):
+        for settings in (A.ReaderSettings(), A.ReaderSettings(scan=128, rank=0), A.ReaderSettings(scan=40, rank=8)):
             for k in (0, 1, 17, geo.channels - 1, geo.channels):
-                assert A.step_reads(geo, layout, A.token_rows(geo, layout, k)) == A.reads(geo, layout, k)
-            assert A.solve_step_k(geo, layout, geo.top_k, 0.3 * A.full_bytes(geo)) == A.solve_k(geo, layout, 30.0)
+                assert A.step_reads(geo, settings, A.token_rows(geo, settings, k)) == A.reads(geo, settings, k)
+            assert A.solve_step_k(geo, settings, geo.top_k, 0.3 * A.full_bytes(geo)) == A.solve_k(geo, settings, 30.0)
 
 
 def test_expected_union_under_uniform_routing():
@@ -226,7 +233,8 @@ def test_reads_cli_batch(capsys):
     assert cli.main(args) == 0
     report = json.loads(capsys.readouterr().out)
     batch8 = report["batch"]
-    assert batch8["union_experts"] == round(A.expected_union(A.Geometry(2816, 128, 8, 704), 8))  # 52 of 128
+    gemma = Geometry(hidden=2816, experts=128, top_k=8, intermediate=704)
+    assert batch8["union_experts"] == round(A.expected_union(gemma, 8))  # 52 of 128
     assert batch8["routing"] == "uniform"
     rule = batch8["rules"]["batch"]
     assert rule["bytes"] <= batch8["limit_bytes"] and rule["k"] > 0
@@ -270,10 +278,10 @@ def test_every_step_holds_b_tokens_and_generation_is_greedy(tiny_port, tiny_eage
     from neuron_moe.experts.selector import moe_layers
     from neuron_moe.generate import greedy
     from neuron_moe.model import prep_port
-    from neuron_moe.reader.prep import Sidecar
+    from neuron_moe.reader.sidecar import Sidecar
 
     layers = moe_layers(tiny_eager, Sidecar(prep_port(tiny_port, tmp_path / "s.safetensors")), 0)
-    k = A.solve_k(layers[0].geo, layers[0].layout, 30.0)
+    k = A.solve_k(layers[0].geo, layers[0].settings, 30.0)
     got = RB.run_rule(tiny_eager, short_sequences, 3, "reader", layers, [S.Step("batch", k=k)] * len(layers))
     assert got.steps and all(s["tokens"] == 3 for s in got.steps)  # fillers keep the step full
     assert sum(len(lp) for lp in got.logprobs) == sum(len(s.ids) - 1 - s.start for s in short_sequences)

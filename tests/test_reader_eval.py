@@ -2,6 +2,7 @@
 top-k reads its plan on every token, thresholds are calibrated on data disjoint from the evaluation
 and their reads are measured, unreachable budgets are reported, and a rerun skips finished cells."""
 
+import dataclasses
 import json
 import re
 
@@ -12,9 +13,13 @@ from neuron_moe import cli
 from neuron_moe.eval import reader_eval as R
 from neuron_moe.experts.selector import attach_selector, moe_layers
 from neuron_moe.reader import selectors as S
-from neuron_moe.model import prep_port
-from neuron_moe.reader.prep import Sidecar
+from neuron_moe.model import build_model, prep_port
+from neuron_moe.reader.geometry import Geometry
+from neuron_moe.reader.prep import model_expert_weights, write_sidecar
+from neuron_moe.reader.sidecar import Sidecar
 from neuron_moe.tokenizer import load_tokenizer
+
+from conftest import reseeded
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +37,20 @@ def corpus(tmp_path_factory):
 def sidecar(tiny_port, tmp_path_factory):
     return Sidecar(prep_port(tiny_port, tmp_path_factory.mktemp("sc") / "sidecar.safetensors"))
 
+
+
+def test_the_sidecar_from_a_held_model_is_the_port_models(tiny_port, tmp_path):
+    """eval-reader preps from the fp32 model it already holds (a random-weights port is not built
+    again): byte for byte the sidecar prep_port makes from the model it builds in the port's dtype."""
+    port = dataclasses.replace(reseeded(tiny_port, 7), dtype=torch.bfloat16)
+    held = build_model(port, "eager", torch.float32)
+    built = prep_port(port, tmp_path / "built.safetensors").read_bytes()
+    assert prep_port(port, tmp_path / "held.safetensors", model=held).read_bytes() == built
+    # teeth: the held fp32 weights prepped as they are (not in the port's bf16) give other bytes
+    c = port.config
+    raw = write_sidecar(tmp_path / "raw.safetensors", model_expert_weights(held), Geometry.from_config(c),
+                        layers=c.num_hidden_layers, progress=False)
+    assert raw.read_bytes() != built
 
 def logits(model, ids):
     with torch.no_grad():

@@ -16,14 +16,16 @@ from neuron_moe.generate import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.reader import accounting as A
 from neuron_moe.reader import reference
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
-from neuron_moe.reader.prep import LayerSidecar, SidecarError, model_expert_weights, prep_layer, write_sidecar
+from neuron_moe.reader.prep import model_expert_weights, prep_layer, write_sidecar
+from neuron_moe.reader.sidecar import LayerSidecar, SidecarError
 from neuron_moe.tokenizer import load_tokenizer
 
 from conftest import reseeded
 
-QWEN3_30B = A.Geometry(hidden=2048, experts=128, top_k=8, intermediate=768)
-GEMMA4_26B = A.Geometry(hidden=2816, experts=128, top_k=8, intermediate=704)
+QWEN3_30B = Geometry(hidden=2048, experts=128, top_k=8, intermediate=768)
+GEMMA4_26B = Geometry(hidden=2816, experts=128, top_k=8, intermediate=704)
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +39,15 @@ def test_int8_reads_by_hand():
     """Qwen3-30B-A3B: a channel is three int8 rows of 2048 B and its 8-byte scale pair (one sector);
     an expert whole is its int8 gate_up and down and their fp32 scales; each routed expert's down
     scale (2048 fp32) is read whatever is chosen."""
-    layout = A.Layout(weights="int8")
+    settings = A.ReaderSettings(weights="int8")
     assert A.channel_bytes(QWEN3_30B, "int8") == 3 * 2048 + 32
     assert A.expert_read_bytes(QWEN3_30B, "int8") == 2 * 768 * 2048 + 768 * 2048 + 2 * 768 * 4 + 2048 * 4
-    parts = A.reads(QWEN3_30B, layout, k=300)
-    bf16 = A.reads(QWEN3_30B, A.Layout(), k=300)
+    parts = A.reads(QWEN3_30B, settings, k=300)
+    bf16 = A.reads(QWEN3_30B, A.ReaderSettings(), k=300)
     assert parts["sketch"] == bf16["sketch"] and parts["norms"] == bf16["norms"]  # the sidecar is bf16 either way
     assert parts["recovery"] == bf16["recovery"]
     assert parts["exact"] == 300 * (3 * 2048 + 32) + 8 * 2048 * 4
-    assert A.reads(QWEN3_30B, layout, QWEN3_30B.channels) == {"sketch": 0, "norms": 0, "recovery": 0,
+    assert A.reads(QWEN3_30B, settings, QWEN3_30B.channels) == {"sketch": 0, "norms": 0, "recovery": 0,
                                                                 "exact": 8 * A.expert_read_bytes(QWEN3_30B, "int8")}
 
 
@@ -53,14 +55,14 @@ def test_int8_reads_by_hand():
 def test_int8_at_17_8_percent_the_sketch_is_twice_its_bf16_share(geo):
     """The same sketch against half the full read: ≈ 9.5-9.7 % of the int8 experts' read (4.8-4.9 % of
     bf16's), so 17.8 % buys about half the exact bytes, ~1.1x the channels of bf16's 12.3 %."""
-    b8, b16 = A.breakdown(geo, A.Layout(weights="int8"), 17.8), A.breakdown(geo, A.Layout(), 17.8)
+    b8, b16 = A.breakdown(geo, A.ReaderSettings(weights="int8"), 17.8), A.breakdown(geo, A.ReaderSettings(), 17.8)
     assert b8["reads"]["sketch"]["percent"] == pytest.approx(2 * b16["reads"]["sketch"]["percent"], rel=0.01)
     assert b8["total_percent"] <= 17.8 and b8["full_bytes"] == geo.top_k * A.expert_read_bytes(geo, "int8")
-    k = A.solve_k(geo, A.Layout(weights="int8"), 17.8)
-    assert sum(A.reads(geo, A.Layout(weights="int8"), k).values()) <= 0.178 * b8["full_bytes"] \
-        < sum(A.reads(geo, A.Layout(weights="int8"), k + 1).values())
+    k = A.solve_k(geo, A.ReaderSettings(weights="int8"), 17.8)
+    assert sum(A.reads(geo, A.ReaderSettings(weights="int8"), k).values()) <= 0.178 * b8["full_bytes"] \
+        < sum(A.reads(geo, A.ReaderSettings(weights="int8"), k + 1).values())
     # equal bytes: the bf16 reader's 17.8 % buys the int8 reader nearly twice the channels
-    equal = A.solve_k_bytes(geo, A.Layout(weights="int8"), 0.178 * A.full_bytes(geo))
+    equal = A.solve_k_bytes(geo, A.ReaderSettings(weights="int8"), 0.178 * A.full_bytes(geo))
     assert 1.8 * b16["k"] < equal < 2.1 * b16["k"]
 
 
@@ -117,7 +119,7 @@ def test_validate_reader_int8_cli(sidecar, capsys):
 def test_a_sidecar_of_the_dequantised_int8_is_accepted_for_int8_only(tiny_port, sidecar, tmp_path):
     model = build_model(tiny_port)
     dq = write_sidecar(tmp_path / "dq.safetensors", [int8_experts(l.experts).dequantized() for l in model.model.layers],
-                       hidden=128, experts=16, intermediate=64, layers=4, progress=False)
+                       Geometry(hidden=128, experts=16, intermediate=64), layers=4, progress=False)
     assert dq.read_bytes() != sidecar.read_bytes()
     attach_reader(build_model(tiny_port), dq, budget=60, rank=0, weights="int8")
     with pytest.raises(SidecarError, match="made from other expert weights"):
@@ -144,7 +146,7 @@ def test_eval_reader_int8_selectors(tiny_port, sidecar):
     from neuron_moe.eval.reader_eval import EvalError, parse_spec
     from neuron_moe.experts.selector import moe_layers
     from neuron_moe.reader import selectors as S
-    from neuron_moe.reader.prep import Sidecar
+    from neuron_moe.reader.sidecar import Sidecar
 
     assert parse_spec("reader-r16-int8dq") == ("reader", 16, None, "", "int8dq")
     assert parse_spec("reader-int8") == ("reader", None, None, "", "int8")
@@ -157,10 +159,10 @@ def test_eval_reader_int8_selectors(tiny_port, sidecar):
     model = build_model(tiny_port)
     layer = moe_layers(model, Sidecar(sidecar), 0, int8=True)[1]
     bf16 = moe_layers(model, Sidecar(sidecar), 0)[1]
-    geo, layout = layer.geo, layer.layout
-    whole = 100 * A.full_reads(geo, layout) / A.full_bytes(geo)  # 52.08 % on this geometry
-    assert S.plan("reader", geo, layout, whole)["channel"] == geo.channels
-    assert S.plan("reader", geo, layout, whole - 0.1)["channel"] < geo.channels
+    geo, settings = layer.geo, layer.settings
+    whole = 100 * A.full_reads(geo, settings) / A.full_bytes(geo)  # 52.08 % on this geometry
+    assert S.plan("reader", geo, settings, whole)["channel"] == geo.channels
+    assert S.plan("reader", geo, settings, whole - 0.1)["channel"] < geo.channels
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(10, 128, generator=gen)
     index = torch.rand(10, 16, generator=gen).argsort(-1)[:, :4]
@@ -169,8 +171,8 @@ def test_eval_reader_int8_selectors(tiny_port, sidecar):
     with torch.no_grad():
         want = int8_forward(model.model.layers[1].experts, x, index, weights)
     assert float((got.out - want).abs().max() / want.abs().max()) < 2e-6
-    assert torch.all(got.reads == A.full_reads(geo, layout))
+    assert torch.all(got.reads == A.full_reads(geo, settings))
     # equal bytes at 17.8 %: int8 rows buy the reader ~1.7x the channels on this geometry (30 -> 51)
-    k8, k16 = S.plan("reader", geo, layout, 17.8)["channel"], S.plan("reader", geo, bf16.layout, 17.8)["channel"]
+    k8, k16 = S.plan("reader", geo, settings, 17.8)["channel"], S.plan("reader", geo, bf16.settings, 17.8)["channel"]
     assert 1.5 * k16 < k8 < 2 * k16
-    assert S.charged("reader", geo, layout, {"channel": k8}) <= 0.178 * A.full_bytes(geo)
+    assert S.charged("reader", geo, settings, {"channel": k8}) <= 0.178 * A.full_bytes(geo)

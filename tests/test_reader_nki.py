@@ -14,10 +14,12 @@ from transformers.activations import ACT2FN
 import trained_like
 from neuron_moe.errors import UserError
 from neuron_moe.reader import reference
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import padded, random_signs
 from neuron_moe.reader.nki import forward as nki_reader
 from neuron_moe.reader.nki.plan import NkiPlanError, plan
-from neuron_moe.reader.prep import BLOCK, Layout, LayerSidecar, prep_layer, unpack_codes
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import BLOCK, LayerSidecar, SidecarLayout, unpack_codes
 
 
 class TorchKernels:
@@ -86,7 +88,7 @@ def test_the_kernels_consume_the_sidecar_tensors_themselves():
     down_rows = ex.down_proj.mT.contiguous()
     nki_reader.forward(x, index, weights, ex.gate_up_proj, down_rows, layer, k=30, scan=48, rank=16,
                        act_fn=ex.act_fn, kernels=kernels)
-    spec = Layout(200, 4, 40, 16).layer_tensors()
+    spec = SidecarLayout(Geometry(hidden=200, experts=4, intermediate=40), 16).layer_tensors()
     screen, recover = kernels.calls["screen"], kernels.calls["recover"]
     assert screen["codes"].dtype == spec["codes"][0] == torch.uint8
     assert screen["codes"].untyped_storage().data_ptr() == layer.codes.untyped_storage().data_ptr()
@@ -105,15 +107,19 @@ def test_the_kernels_consume_the_sidecar_tensors_themselves():
     assert torch.equal(c, coords[:, None].expand_as(c))
 
 
+def layout(hidden, experts, intermediate, rank=32):
+    return SidecarLayout(Geometry(hidden=hidden, experts=experts, intermediate=intermediate), rank)
+
+
 def test_tiles_fit_neuroncore_v2_for_the_real_geometries():
-    gemma = plan(Layout(2816, 128, 704), top_k=8, k=703, scan=80, rank=32)
+    gemma = plan(layout(2816, 128, 704), top_k=8, k=703, scan=80, rank=32)
     assert (gemma.strip, gemma.k_tiles, gemma.h_tiles, gemma.i_tiles) == (288, 6, 6, 6)
-    qwen = plan(Layout(2048, 128, 768), top_k=8, k=755, scan=80, rank=32)
+    qwen = plan(layout(2048, 128, 768), top_k=8, k=755, scan=80, rank=32)
     assert (qwen.strip, qwen.k_tiles, qwen.h_tiles) == (320, 6, 4)
     with pytest.raises(NkiPlanError, match="strip of 544 bytes > 512"):
-        plan(Layout(2048, 8, 1300), top_k=2, k=10, scan=80, rank=32)
+        plan(layout(2048, 8, 1300), top_k=2, k=10, scan=80, rank=32)
     with pytest.raises(NkiPlanError, match="rank 256 > 128"):
-        plan(Layout(2048, 8, 768), top_k=2, k=10, scan=80, rank=256)
+        plan(layout(2048, 8, 768), top_k=2, k=10, scan=80, rank=256)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -141,7 +147,7 @@ def test_per_rank_the_plan_executed_in_torch_is_the_reference(tp):
 
 def test_a_ranks_tiles_fit_neuroncore_v2():
     """Gemma-4 at TP 8: a rank's strips are 64 B (176 rows padded to 320), its 55 channels at 17.8 % one tile."""
-    rank = plan(Layout(2816, 128, 88), top_k=8, k=55, scan=80, rank=32)
+    rank = plan(layout(2816, 128, 88), top_k=8, k=55, scan=80, rank=32)
     assert (rank.strip, rank.k_tiles, rank.h_tiles, rank.i_tiles) == (64, 1, 6, 1)
 
 

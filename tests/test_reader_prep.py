@@ -13,10 +13,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import trained_like
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import fwht, padded, random_signs, rotate_blocks
-from neuron_moe.reader.prep import (
-    BLOCK, FORMAT_VERSION, LAYER_TENSORS, Layout, Sidecar, SidecarError, pack_codes, prep_layer, source_digest,
-    ternary, unpack_codes, write_sidecar,
+from neuron_moe.reader.prep import prep_layer, ternary, write_sidecar
+from neuron_moe.reader.sidecar import (
+    BLOCK, FORMAT_VERSION, LAYER_TENSORS, Sidecar, SidecarError, SidecarLayout, pack_codes, source_digest, unpack_codes,
 )
 
 
@@ -90,7 +91,7 @@ def small():
 
 def test_prep_layer_shapes_match_the_layout(small):
     ex, _, out = small
-    spec = Layout(hidden=200, experts=3, intermediate=40, rank=16).layer_tensors()
+    spec = SidecarLayout(Geometry(hidden=200, experts=3, intermediate=40), rank=16).layer_tensors()
     assert set(out) == set(LAYER_TENSORS) == set(spec)
     for name, (dtype, shape) in spec.items():
         assert out[name].dtype == dtype and tuple(out[name].shape) == shape, name
@@ -126,8 +127,8 @@ def test_norms_and_recovery_map(small):
 
 
 def write_small(path, layers, seed=0, rank=16):
-    return write_sidecar(path, layers, hidden=200, experts=3, intermediate=40, layers=len(layers), seed=seed,
-                         rank=rank, progress=False)
+    return write_sidecar(path, layers, Geometry(hidden=200, experts=3, intermediate=40), layers=len(layers),
+                         seed=seed, rank=rank, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +221,8 @@ def test_weights_that_do_not_fit_the_geometry_leave_no_file(sidecar, tmp_path):
     _, layers = sidecar
     out = tmp_path / "x.safetensors"
     with pytest.raises(SidecarError, match="expected 3 layers of expert weights, got 2"):
-        write_sidecar(out, layers, hidden=200, experts=3, intermediate=40, layers=3, progress=False)
+        write_sidecar(out, layers, Geometry(hidden=200, experts=3, intermediate=40), layers=3, progress=False)
     wrong = [(layers[0][0][:2], layers[0][1][:2])]
     with pytest.raises(SidecarError, match=r"layer 0: expert weights \(2, 80, 200\)"):
-        write_sidecar(out, wrong, hidden=200, experts=3, intermediate=40, layers=1, progress=False)
+        write_sidecar(out, wrong, Geometry(hidden=200, experts=3, intermediate=40), layers=1, progress=False)
     assert list(tmp_path.iterdir()) == []  # nothing half-written

@@ -8,7 +8,8 @@ import trained_like
 from neuron_moe.model import build_model
 from neuron_moe.reader import reference
 from neuron_moe.reader.hadamard import padded, random_signs, rotate_blocks
-from neuron_moe.reader.prep import BLOCK, LayerSidecar, prep_layer
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import BLOCK, LayerSidecar
 
 TOP_K = 4
 

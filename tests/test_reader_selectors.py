@@ -10,7 +10,8 @@ from neuron_moe.reader import reference
 from neuron_moe.reader import selectors as S
 from neuron_moe.reader.accounting import BudgetError, full_bytes
 from neuron_moe.reader.hadamard import random_signs
-from neuron_moe.reader.prep import LayerSidecar, prep_layer
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import LayerSidecar
 
 TOP_K = 4
 NAMES = list(S.SELECTORS)
@@ -44,29 +45,29 @@ def test_full_budget_is_the_full_moe(case, name):
 
 def test_reads_charged_by_hand(case):
     """hidden 256, I 48, top-4, bf16: a row of H is 512 B (16 sectors), a column-major strip of 2I is 192 B."""
-    geo, layout = case[0].geo, case[0].layout
-    assert S.charged("teal", geo, layout, {"input": 10, "channel": 7}) == 10 * 4 * 192 + 7 * 512
-    assert S.charged("wina", geo, layout, {"input": 10, "channel": 7}) == 4 * (512 + 96) + 10 * 192 + 7 * 512
-    assert S.charged("cats", geo, layout, {"channel": 7}) == 4 * 48 * 512 + 7 * 2 * 512  # the whole gate first
-    assert S.charged("oracle", geo, layout, {"channel": 7}) == 7 * 3 * 512
+    geo, settings = case[0].geo, case[0].settings
+    assert S.charged("teal", geo, settings, {"input": 10, "channel": 7}) == 10 * 4 * 192 + 7 * 512
+    assert S.charged("wina", geo, settings, {"input": 10, "channel": 7}) == 4 * (512 + 96) + 10 * 192 + 7 * 512
+    assert S.charged("cats", geo, settings, {"channel": 7}) == 4 * 48 * 512 + 7 * 2 * 512  # the whole gate first
+    assert S.charged("oracle", geo, settings, {"channel": 7}) == 7 * 3 * 512
     for name in NAMES:  # all of every routed expert: what the full model reads (WINA also its norms)
-        counts = S.plan(name, geo, layout, 100)
-        assert S.charged(name, geo, layout, counts) == full_bytes(geo) + (4 * (512 + 96) if name == "wina" else 0)
+        counts = S.plan(name, geo, settings, 100)
+        assert S.charged(name, geo, settings, counts) == full_bytes(geo) + (4 * (512 + 96) if name == "wina" else 0)
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("budget", [40.0, 60.0])
 def test_top_k_reads_its_budget_on_every_token(case, name, budget):
     layer, x, index, weights, _ = case
-    counts = S.plan(name, layer.geo, layer.layout, budget)
+    counts = S.plan(name, layer.geo, layer.settings, budget)
     result = S.run(name, layer, x, index, weights, S.TopK(counts))
-    planned = S.charged(name, layer.geo, layer.layout, counts)
+    planned = S.charged(name, layer.geo, layer.settings, counts)
     assert torch.all(result.reads == planned)  # measured from what each token kept: not a sector off
     limit = budget / 100 * full_bytes(layer.geo)
     lead, *rest = counts  # one more step (the lead part +1, the others in proportion) would not fit
-    units = {p: part.units for p, part in S.layout_parts(name, layer.geo, layer.layout)[1].items()}
+    units = {p: part.units for p, part in S.layout_parts(name, layer.geo, layer.settings)[1].items()}
     more = {lead: counts[lead] + 1, **{p: (counts[lead] + 1) * units[p] // units[lead] for p in rest}}
-    assert planned <= limit < S.charged(name, layer.geo, layer.layout, more)
+    assert planned <= limit < S.charged(name, layer.geo, layer.settings, more)
 
 
 @pytest.mark.parametrize("budget", [40.0, 60.0])
@@ -87,7 +88,7 @@ def test_a_calibrated_threshold_drifts_on_shifted_activations(case, name):
     tokens (×0.6) — while top-k at the same budget still reads its budget exactly."""
     layer, x, index, weights, _ = case
     threshold = S.calibrate(name, layer, x, index, weights, 50.0)
-    planned = percent(layer, S.charged(name, layer.geo, layer.layout, S.plan(name, layer.geo, layer.layout, 50.0)))
+    planned = percent(layer, S.charged(name, layer.geo, layer.settings, S.plan(name, layer.geo, layer.settings, 50.0)))
     fresh = trained_like.tokens(trained_like.experts(8, 48, 256, seed=0), count=192, seed=5)
     same = S.run(name, layer, fresh, index, weights, threshold)
     assert abs(percent(layer, float(same.reads.float().mean())) - planned) < 2.5
@@ -101,8 +102,8 @@ def test_a_calibrated_threshold_drifts_on_shifted_activations(case, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_calibration_keeps_its_target_on_its_own_data(case, name):
     layer, x, index, weights, _ = case
-    counts = S.plan(name, layer.geo, layer.layout, 50.0)
-    units = {p: part.units for p, part in S.layout_parts(name, layer.geo, layer.layout)[1].items()}
+    counts = S.plan(name, layer.geo, layer.settings, 50.0)
+    units = {p: part.units for p, part in S.layout_parts(name, layer.geo, layer.settings)[1].items()}
     result = S.run(name, layer, x, index, weights, S.calibrate(name, layer, x, index, weights, 50.0))
     for part, kept in result.kept.items():
         assert float(kept.mean()) == pytest.approx(counts[part] / units[part], abs=2 / (units[part] * len(x)) + 1e-6)
@@ -119,7 +120,7 @@ def test_the_reader_selector_is_the_reference_forward_at_each_tokens_k(case):
         rows = ks == k
         for into, kk in ((want, k), (fewer, k - 1)):  # teeth: one channel fewer per token
             into[rows] = reference.forward(x[rows], index[rows], weights[rows], layer.gate_up, layer.down.mT,
-                                           layer.sidecar, k=kk, scan=layer.layout.scan, rank=layer.layout.rank,
+                                           layer.sidecar, k=kk, scan=layer.settings.scan, rank=layer.settings.rank,
                                            act_fn=layer.act_fn)
     assert rel_err(result.out, want) < 3e-6
     assert rel_err(result.out, fewer) > 1e-4
@@ -130,9 +131,9 @@ def test_bad_input_is_named(case):
     with pytest.raises(BudgetError, match="unknown selector 'deja-vu'"):
         S.run("deja-vu", layer, x, index, weights, S.TopK({}))
     with pytest.raises(BudgetError, match=r"cats: budget 20.0% is below its fixed reads \(33.33%\)"):
-        S.plan("cats", layer.geo, layer.layout, 20.0)
+        S.plan("cats", layer.geo, layer.settings, 20.0)
     with pytest.raises(BudgetError, match=r"budget must be in \(0, 100\]"):
-        S.plan("teal", layer.geo, layer.layout, 0)
+        S.plan("teal", layer.geo, layer.settings, 0)
     bare = S.MoeLayer(layer.gate_up, layer.down, layer.act_fn, TOP_K)
     with pytest.raises(BudgetError, match="reader: this MoeLayer has no sidecar"):
         S.run("reader", bare, x, index, weights, S.top_k("reader", bare, 50.0))

@@ -11,9 +11,11 @@ import trained_like
 from neuron_moe.cli import main
 from neuron_moe.reader import reference, shard
 from neuron_moe.reader import selectors as S
-from neuron_moe.reader.accounting import BudgetError, Geometry, Layout, rank_geometry, reads, solve_k, solve_rank_k
+from neuron_moe.reader.accounting import BudgetError, ReaderSettings, rank_geometry, reads, solve_k, solve_rank_k
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
-from neuron_moe.reader.prep import SECTOR, LayerSidecar, prep_layer, unpack_codes
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import SECTOR, LayerSidecar, unpack_codes
 
 E, I, H, TOP_K, RANK, SCAN = 8, 48, 256, 4, 16, 64
 
@@ -77,10 +79,11 @@ def test_the_per_rank_reader_is_the_per_rank_selector(case, tp):
     shards = ranks(ex, layer, tp)
     kw = dict(scan=SCAN, rank=RANK, act_fn=ex.act_fn)
     want = shard.forward_ranks(x, index, weights, shards, k=k, **kw)
-    moe = S.MoeLayer(ex.gate_up_proj, ex.down_proj, ex.act_fn, TOP_K, layer, Layout(scan=SCAN, rank=RANK), tp=tp)
+    settings = ReaderSettings(scan=SCAN, rank=RANK)
+    moe = S.MoeLayer(ex.gate_up_proj, ex.down_proj, ex.act_fn, TOP_K, layer, settings, tp=tp)
     got = S.run("reader", moe, x, index, weights, S.RankTopK({"channel": k}, tp, I))
     assert (got.out - want).abs().max() <= 1e-5 * want.abs().max()
-    plan = sum(reads(rank_geometry(moe.geo, tp), moe.layout, k).values())
+    plan = sum(reads(rank_geometry(moe.geo, tp), moe.settings, k).values())
     assert got.rank_reads.shape == (len(x), tp) and (got.rank_reads == plan).all()  # 0 bytes off, every rank
     # teeth: a selection without the quota is another output
     free = S.run("reader", moe, x, index, weights, S.TopK({"channel": tp * k}))
@@ -101,27 +104,27 @@ def test_a_ranks_reads_at_full_size():
     1,408 rows on one rank), so its sketch is 8.10 % of its reads, not 4.78 %, every rank reads the whole
     U (1.52 % of its share), and 17.8 % buys 55 exact channels per rank (440 in all) instead of the
     one-rank reader's 703."""
-    geo, layout = Geometry(2816, 128, 8, 704), Layout()
+    geo, settings = Geometry(hidden=2816, experts=128, top_k=8, intermediate=704), ReaderSettings()
     local = rank_geometry(geo, 8)
-    assert local == Geometry(2816, 128, 8, 88)
-    parts = reads(local, layout, 0)
+    assert local == Geometry(hidden=2816, experts=128, top_k=8, intermediate=88)
+    parts = reads(local, settings, 0)
     full = 8 * 3 * 88 * 2816 * 2
     assert parts["sketch"] == 8 * (22 * 80 * 64 + 22 * 176 * 2)
     assert round(100 * parts["sketch"] / full, 2) == 8.10
     assert round(100 * 2816 * 32 * 2 / full, 2) == 1.52 and parts["recovery"] == 2816 * 32 * 2 + 8 * 88 * 64
-    assert solve_rank_k(geo, layout, 17.8, 8) == 55 and solve_k(geo, layout, 17.8) == 703
-    total = sum(reads(local, layout, 55).values())
-    assert total <= 0.178 * full < sum(reads(local, layout, 56).values())
-    assert solve_rank_k(geo, layout, 17.8, 1) == solve_k(geo, layout, 17.8)
+    assert solve_rank_k(geo, settings, 17.8, 8) == 55 and solve_k(geo, settings, 17.8) == 703
+    total = sum(reads(local, settings, 55).values())
+    assert total <= 0.178 * full < sum(reads(local, settings, 56).values())
+    assert solve_rank_k(geo, settings, 17.8, 1) == solve_k(geo, settings, 17.8)
 
 
 def test_a_budget_below_a_ranks_floor_is_refused_with_it(capsys):
     """The tiny port (hidden 128, I 64) at TP 8: 8 channels per expert and rank; its 16 gate/up rows
     take a whole 32-byte strip, so the sketch alone is 42.19 % of a rank's reads."""
-    geo = Geometry(128, 16, 4, 64)
+    geo = Geometry(hidden=128, experts=16, top_k=4, intermediate=64)
     with pytest.raises(BudgetError, match=r"per rank at TP 8 .*below what the reader reads before any exact channel "
                                           r"\(43\.23%: sketch 42\.19%"):
-        solve_rank_k(geo, Layout(rank=0), 17.8, 8)
+        solve_rank_k(geo, ReaderSettings(rank=0), 17.8, 8)
     assert main(["reads", "--budget", "17.8", "--tp", "8", "--rank", "0"]) == 2
     assert "per rank at TP 8" in capsys.readouterr().err
     assert main(["reads", "--model", "gemma4-26b-a4b", "--tp", "8", "--json", "-"]) == 0

@@ -33,8 +33,10 @@ from neuron_moe.parallel.generate import TPGenerator
 from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.parallel.trace import export_rank0, forward_job, generation_job, run_replicated
 from neuron_moe.reader import reference, shard
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
-from neuron_moe.reader.prep import Layout, LayerSidecar, Sidecar, SidecarError, prep_layer
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import LayerSidecar, Sidecar, SidecarError, SidecarLayout
 from neuron_moe.static import data_dependent_ops
 
 from conftest import random_prompts, reseeded
@@ -70,7 +72,8 @@ def test_moe_block_on_every_rank_is_the_per_rank_reader(tiny_eager, tp):
     decode = copy.deepcopy(config)  # what the decode graph built with the reader sets while it is traced
     decode._experts_implementation = reader.READER
     module = ParallelMoE(decode, tp, cpu)
-    local = Layout(config.hidden_size, config.num_experts, config.moe_intermediate_size // tp, 32)
+    local = SidecarLayout(Geometry(hidden=config.hidden_size, experts=config.num_experts,
+                                   intermediate=config.moe_intermediate_size // tp), 32)
     module.experts.reader = reader.ReaderShard(local, tp, k, scan, rank)
     full = block_state(layout.parallel_state_dict(tiny_eager.state_dict(), config, tp))
     full.update({f"experts.reader.{n}": t for n, t in reader.layer_state(parts).items()})
@@ -275,20 +278,19 @@ def test_full_size_decode_graph_with_the_reader_reads_its_plan():
     from neuron_moe.config import gemma4_moe_config
     from neuron_moe.parallel.model import rank_model
     from neuron_moe.port import load_port
-    from neuron_moe.reader.accounting import Geometry, rank_geometry, reads
-    from neuron_moe.reader.accounting import Layout as Reads
+    from neuron_moe.reader.accounting import ReaderSettings, rank_geometry, reads
     from neuron_moe.static.decoder import new_cache
 
     port = load_port("gemma4-26b-a4b")
     config = gemma4_moe_config(dict(port.raw["config"], num_hidden_layers=2,
                                     layer_types=["sliding_attention", "full_attention"]), "two layers")
     module = rank_model(config, 8, cpu, device="meta", dtype=torch.bfloat16)
-    reader.attach(module, Layout(2816, 128, 88, 32), 8, 55, 80, 32)
+    reader.attach(module, SidecarLayout(Geometry(hidden=2816, experts=128, intermediate=88), 32), 8, 55, 80, 32)
     spec = dataclasses.replace(port.static, decode_experts=reader.READER)
     graph = nc._graph(module, spec, "token_generation", new_cache(module, spec.max_cache_len, 1), False)
     program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(spec, "token_generation")), 8)
     assert data_dependent_ops(program) == []
-    plan = reads(rank_geometry(Geometry.from_config(config), 8), Reads(), 55)
+    plan = reads(rank_geometry(Geometry.from_config(config), 8), ReaderSettings(), 55)
     for layer in range(2):
         got = _bytes_read(program, layer)
         assert got["gate_up_proj"] + got["down_proj"] == plan["exact"] == 55 * 3 * 2816 * 2

@@ -18,7 +18,8 @@ from neuron_moe.model import build_model
 from neuron_moe.errors import UserError
 from neuron_moe.reader import reference
 from neuron_moe.reader.hadamard import padded, random_signs
-from neuron_moe.reader.prep import BLOCK, LayerSidecar, prep_layer
+from neuron_moe.reader.prep import prep_layer
+from neuron_moe.reader.sidecar import BLOCK, LayerSidecar
 from neuron_moe.reader.triton import forward as triton_reader  # interpreted: conftest sets TRITON_INTERPRET=1
 from neuron_moe.reader.triton import kernels, persistent
 

@@ -31,11 +31,17 @@ import torch
 
 from .. import tasks as T
 from ..errors import UserError
+from ..experts.int8 import int8_experts
 from ..experts.selector import attach_selector, moe_layers
+from ..model import build_model, prep_port
 from ..reader import selectors
 from ..parallel.layout import TP_DEGREES
-from ..reader.accounting import SECTOR, BudgetError, full_bytes, rank_geometry, solve_k, solve_rank_k
+from ..reader.accounting import BudgetError, full_bytes, rank_geometry, solve_k, solve_rank_k
+from ..reader.geometry import Geometry
+from ..reader.prep import model_expert_weights, write_sidecar
+from ..reader.sidecar import SECTOR, Sidecar
 from ..report import read_json_object, write_json
+from ..tokenizer import load_tokenizer
 from .tasks import accuracy_by_task, score_items
 
 RULES = ("topk", "threshold")
@@ -285,7 +291,7 @@ class Run:
     tokenizer: object
     settings: Settings
     out: Path
-    sidecar: object = None  # prep.Sidecar, when a reader cell is asked for
+    sidecar: object = None  # sidecar.Sidecar, when a reader cell is asked for
     evaluation: list = field(default_factory=list)
     items: list = field(default_factory=list)
     reference: list | None = None  # the full model's teacher-forced log-probs, computed on first need
@@ -322,16 +328,12 @@ class Run:
 
     def dequantised_sidecar(self):
         """The sidecar made from the int8 experts' dequantised weights: OUT/sidecar-int8dq.safetensors, once."""
-        from ..experts.int8 import int8_experts
-        from ..reader.prep import Sidecar, write_sidecar
-
         path = self.out / "sidecar-int8dq.safetensors"
         if not path.exists():
             c = self.model.config
             write_sidecar(path, [int8_experts(layer.experts).dequantized() for layer in self.model.model.layers],
-                          hidden=c.hidden_size, experts=c.num_experts, intermediate=c.moe_intermediate_size,
-                          layers=c.num_hidden_layers, seed=self.sidecar.seed, rank=self.sidecar.layout.rank,
-                          scan=self.sidecar.scan)
+                          Geometry.from_config(c), layers=c.num_hidden_layers, seed=self.sidecar.seed,
+                          rank=self.sidecar.layout.rank, scan=self.sidecar.scan)
         return Sidecar(path)
 
     def generate(self, progress=None) -> list[dict]:
@@ -356,8 +358,8 @@ class Run:
                 rules, planned, full, k = tp_plan(layers, parse_spec(spec).variant, budget)
                 row["k_per_rank"] = k
             else:
-                planned = selectors.charged(name, layers[0].geo, layers[0].layout,
-                                            selectors.plan(name, layers[0].geo, layers[0].layout, budget))
+                planned = selectors.charged(name, layers[0].geo, layers[0].settings,
+                                            selectors.plan(name, layers[0].geo, layers[0].settings, budget))
                 if rule == "topk":
                     rules = [selectors.top_k(name, layer, budget) for layer in layers]
                 else:
@@ -391,25 +393,22 @@ def _read(path: Path) -> dict:
 def tp_plan(layers, variant: str, budget: float) -> tuple[list, int, int, int]:
     """(rules, planned bytes per rank and token, a rank's full read, k per rank) of the reader at TP
     `layers[0].tp` (TP_VARIANTS); a BudgetError where a rank cannot reach the budget."""
-    geo, layout, tp = layers[0].geo, layers[0].layout, layers[0].tp
+    geo, settings, tp = layers[0].geo, layers[0].settings, layers[0].tp
     if variant.startswith("-split"):  # the one-rank reader's exact channels, split evenly
-        k = solve_k(geo, layout, budget) // tp
+        k = solve_k(geo, settings, budget) // tp
     else:
-        k = solve_rank_k(geo, layout, budget, tp)
+        k = solve_rank_k(geo, settings, budget, tp)
     local = rank_geometry(geo, tp)
     if variant.endswith("-global"):
         rules = [selectors.TopK({"channel": tp * k}) for _ in layers]
     else:
         rules = [selectors.RankTopK({"channel": k}, tp, geo.intermediate) for _ in layers]
-    return rules, selectors.charged("reader", local, layout, {"channel": k}), full_bytes(local), k
+    return rules, selectors.charged("reader", local, settings, {"channel": k}), full_bytes(local), k
 
 
 def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool) -> Run:
     """Load the model and data; check OUT holds nothing from other weights or settings; prep the
     sidecar into OUT once."""
-    from ..model import build_model
-    from ..tokenizer import load_tokenizer
-
     model = build_model(port, "eager", torch.float32, checkpoint)
     tokenizer = load_tokenizer(port, checkpoint)
     key = {"model": port.name, "weights_sha256": weights_digest(model),
@@ -426,12 +425,9 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
         write_json(key, str(run_file))
     run = Run(model, tokenizer, settings, out)
     if need_sidecar:
-        from ..model import prep_port
-        from ..reader.prep import Sidecar, model_expert_weights
-
         path = out / "sidecar.safetensors"
         if not path.exists():
-            prep_port(port, path, checkpoint)
+            prep_port(port, path, checkpoint, model=model)  # a random-weights port's model is not built again
         run.sidecar = Sidecar(path)
         run.sidecar.check_source(model_expert_weights(model))
     run.evaluation = sequences(tokenizer, settings, model.config.max_position_embeddings, "evaluation")

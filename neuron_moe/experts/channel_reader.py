@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..reader import reference
-from ..reader.accounting import Geometry, Layout, solve_k
-from ..reader.prep import LAYER_TENSORS, Sidecar, SidecarError, down_rows, model_expert_weights
+from ..reader import reference, shard
+from ..reader.accounting import ReaderSettings, solve_k, solve_rank_k
+from ..reader.geometry import Geometry
+from ..reader.prep import down_rows, model_expert_weights
+from ..reader.sidecar import LAYER_TENSORS, Sidecar, SidecarError
 from .dense_masked import dense_masked_forward
 from .int8 import int8_experts, int8_forward
 
@@ -78,17 +80,16 @@ def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = N
                 weights: str = "bf16") -> tuple[Sidecar, int, int]:
     """Every check that needs no weights: the sidecar file against the config's geometry, the
     rank, the budget. Returns (sidecar, k per token, rank)."""
-    side = Sidecar(Path(sidecar))
-    want = (config.hidden_size, config.num_experts, config.moe_intermediate_size, config.num_hidden_layers)
-    have = (side.layout.hidden, side.layout.experts, side.layout.intermediate, side.layers)
+    side, geo = Sidecar(Path(sidecar)), Geometry.from_config(config)
+    want, have = (*geo.sizes, config.num_hidden_layers), (*side.layout.geometry.sizes, side.layers)
     if want != have:
         raise UserError(f"{side.path}: sidecar geometry (hidden, experts, intermediate, layers) = {have}, "
                         f"this model's = {want}")
     rank = side.layout.rank if rank is None else rank
     if not 0 <= rank <= side.layout.rank:
         raise UserError(f"recovery rank {rank} outside [0, {side.layout.rank}] (the sidecar's rank)")
-    layout = Layout(scan=side.scan, rank=rank, weights=weights)
-    return side, solve_k(Geometry.from_config(config), layout, budget), rank
+    settings = ReaderSettings(scan=side.scan, rank=rank, weights=weights)
+    return side, solve_k(geo, settings, budget), rank
 
 
 @torch.no_grad()
@@ -115,9 +116,7 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
     if tp > 1:
         if backend != "reference":
             raise UserError("the per-rank reader emulation (tp > 1) runs on the reference backend")
-        from ..reader.accounting import solve_rank_k
-
-        k = solve_rank_k(Geometry.from_config(model.config), Layout(scan=side.scan, rank=rank), budget, tp)
+        k = solve_rank_k(Geometry.from_config(model.config), ReaderSettings(scan=side.scan, rank=rank), budget, tp)
     for i, layer in enumerate(model.model.layers):
         experts = layer.experts
         rows = down_rows(experts.down_proj.data).contiguous()  # no copy if already rearranged
@@ -128,9 +127,7 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
         if weights == "int8":
             state.int8 = int8_experts(experts)
         if tp > 1:
-            from ..reader.shard import rank_sidecar
-
-            state.run = _per_rank([rank_sidecar(side.layer(i), tp, r) for r in range(tp)], tp)
+            state.run = _per_rank([shard.rank_sidecar(side.layer(i), tp, r) for r in range(tp)], tp)
         experts.reader = state
         state.hook = layer.register_forward_pre_hook(_mark_decode, with_kwargs=True)
     model.set_experts_implementation("channel_reader")
@@ -148,8 +145,6 @@ def _check_int8_source(side: Sidecar, model) -> None:
 def _per_rank(shards: list, tp: int):
     """A forward with reference.forward's signature that runs the per-rank reader of `tp` ranks on one
     layer: each rank's sidecar shard (`shards`, rank order) and its share of the experts, summed."""
-    from ..reader import shard
-
     def run(x, top_k_index, top_k_weights, gate_up, down_rows, layer, **kw):
         ranks = [(*shard.shard_weights(gate_up, down_rows, tp, r), side) for r, side in enumerate(shards)]
         return shard.forward_ranks(x, top_k_index, top_k_weights, ranks, **kw)
@@ -158,12 +153,10 @@ def _per_rank(shards: list, tp: int):
 
 
 def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, float, int | None]:
-    """Sidecar path, budget and rank: the CLI's where given, else the port's [reader] section."""
-    section = port.raw.get("reader", {})  # its fields and their types checked by load_port
-    if sidecar is None and "sidecar" in section:
-        sidecar = port.path.parent / section["sidecar"]
-    budget = section.get("budget") if budget is None else budget
-    rank = section.get("rank") if rank is None else rank
+    """Sidecar path, budget and rank: the CLI's where given, else the port's [reader] table (`port.ReaderSpec`)."""
+    sidecar = port.reader.sidecar if sidecar is None else sidecar
+    budget = port.reader.budget if budget is None else budget
+    rank = port.reader.rank if rank is None else rank
     if sidecar is None:
         raise UserError(f"the reader needs a sidecar: pass --sidecar FILE (make one with `neuron-moe prep-reader "
                         f"--model {port.name} --out FILE`) or set [reader] sidecar in the port")

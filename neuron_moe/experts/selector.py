@@ -15,7 +15,7 @@ import torch
 
 from ..errors import UserError
 from ..reader import selectors
-from ..reader.accounting import Layout
+from ..reader.accounting import ReaderSettings
 from .int8 import int8_experts
 
 # Tokens per selectors.run call: the baselines gather each token's routed experts in fp32
@@ -32,7 +32,7 @@ class SelectorState:
 
 
 def moe_layers(model, sidecar=None, rank: int | None = None, int8: bool = False) -> list[selectors.MoeLayer]:
-    """Each decoder layer's routed experts as a MoeLayer; with a sidecar (prep.Sidecar) the reader's
+    """Each decoder layer's routed experts as a MoeLayer; with a sidecar (sidecar.Sidecar) the reader's
     tensors too, at `rank` (default: the sidecar's) and the sidecar's scan; `int8`: the reader reads
     its exact rows from the `int8` experts' numbers (experts/int8.py)."""
     top_k = model.config.top_k_experts
@@ -42,7 +42,7 @@ def moe_layers(model, sidecar=None, rank: int | None = None, int8: bool = False)
         layer = selectors.MoeLayer(ex.gate_up_proj.data, ex.down_proj.data, ex.act_fn, top_k)
         if sidecar is not None:
             layer.sidecar = sidecar.layer(i)
-            layer.layout = Layout(scan=sidecar.scan, rank=sidecar.layout.rank if rank is None else rank,
+            layer.settings = ReaderSettings(scan=sidecar.scan, rank=sidecar.layout.rank if rank is None else rank,
                                   weights="int8" if int8 else "bf16")
             if int8:
                 layer.int8 = int8_experts(ex)

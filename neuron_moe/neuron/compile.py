@@ -30,13 +30,13 @@ from tqdm import tqdm
 from ..experts.int8 import quantize_experts
 from ..model import build_model
 from ..parallel import cpu, layout, nxd, reader
-from ..parallel.generate import check_reader
 from ..parallel.model import rank_model
-from ..parallel.reader import READER
+from ..parallel.reader import READER, check_reader, open_shards
 from ..parallel.trace import export_rank0
-from ..reader.accounting import Geometry, Layout, rank_geometry, solve_rank_k
+from ..reader.accounting import ReaderSettings, rank_geometry, solve_rank_k
+from ..reader.geometry import Geometry
 from ..reader.prep import RANK, SCAN, model_expert_weights
-from ..reader.prep import Layout as SidecarLayout
+from ..reader.sidecar import SidecarLayout
 from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock, table
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.export import GraphError, checked, example_inputs, functional
@@ -199,7 +199,7 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, h
         if options.get("sidecar") is None:
             raise ArtifactError("--reader needs --sidecar DIR (from `neuron-moe prep-reader --tp "
                                 f"{tp} --out DIR`) for a port with weights")
-        sides, k, rank = reader.open_shards(port.config, options["sidecar"], tp, options["budget"], options.get("rank"))
+        sides, k, rank = open_shards(port.config, options["sidecar"], tp, options["budget"], options.get("rank"))
         scan, local, digest = sides[0].scan, sides[0].layout, sides[0].source_sha256
     else:  # shapes only (the meta device): the geometry's sidecar layout
         if options.get("sidecar") is not None:
@@ -207,9 +207,8 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, h
                                 f"a sidecar is not read; drop --sidecar or pass --checkpoint DIR")
         geo, rank = Geometry.from_config(port.config), options.get("rank")
         rank, scan = RANK if rank is None else rank, options.get("scan") or SCAN
-        k, sides, digest = solve_rank_k(geo, Layout(scan=scan, rank=rank), options["budget"], tp), None, None
-        g = rank_geometry(geo, tp)
-        local = SidecarLayout(g.hidden, g.experts, g.intermediate, rank)
+        k, sides, digest = solve_rank_k(geo, ReaderSettings(scan=scan, rank=rank), options["budget"], tp), None, None
+        local = SidecarLayout(rank_geometry(geo, tp), rank)
     return sides, {"budget": options["budget"], "k_per_rank": k, "scan": scan, "rank": rank,
                    "source_sha256": digest, "layout": local}
 

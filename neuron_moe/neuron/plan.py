@@ -55,6 +55,8 @@ from transformers import Gemma4TextConfig
 from ..experts.int8 import quantize_experts
 from ..info import meta_model, parameter_group
 from ..parallel import layout
+from ..reader.accounting import ReaderSettings, rank_geometry, reads, resident, solve_rank_k
+from ..reader.geometry import Geometry
 from ..report import table
 
 GB, GiB = 1e9, 2**30
@@ -115,9 +117,8 @@ def _graph_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, batch: int, s
 
 def _reader_sidecar_per_rank(config: Gemma4TextConfig, tp: int, reader: dict) -> int:
     """A rank's sidecar shard (`reader/shard.py`): its channels' sketch, norms and b_j, and U, every layer."""
-    from ..reader.accounting import Geometry, Layout, rank_geometry, resident
-
-    held = resident(rank_geometry(Geometry.from_config(config), tp), Layout(scan=reader["scan"], rank=reader["rank"]))
+    settings = ReaderSettings(scan=reader["scan"], rank=reader["rank"])
+    held = resident(rank_geometry(Geometry.from_config(config), tp), settings)
     return sum(held.values()) * config.num_hidden_layers
 
 
@@ -147,12 +148,10 @@ def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv
     """The channel layout's decode graph with the reader (`parallel/reader.py`): per token and layer each
     rank reads its sketch, norms, k_r exact channels and recovery on its own I/t channels
     (`accounting.rank_geometry`); the batch's tokens each select on their own (their reads add up)."""
-    from ..reader.accounting import Geometry, Layout, rank_geometry, reads, solve_rank_k
-
-    geo, layout_ = Geometry.from_config(config), Layout(scan=reader["scan"], rank=reader["rank"])
-    k = solve_rank_k(geo, layout_, reader["budget"], tp)
+    geo, settings = Geometry.from_config(config), ReaderSettings(scan=reader["scan"], rank=reader["rank"])
+    k = solve_rank_k(geo, settings, reader["budget"], tp)
     local = rank_geometry(geo, tp)
-    per_layer = sum(reads(local, layout_, k).values())
+    per_layer = sum(reads(local, settings, k).values())
     rest = sum(v for g, v in weights.items() if g not in ("experts", "embeddings")) + kv
     graph = (f"reader at {reader['budget']:g} %: {batch}×{k} of {config.top_k_experts}×{local.intermediate} channels "
              f"exact, the rest screened (sketch) and recovered, per layer")

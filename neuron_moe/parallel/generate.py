@@ -44,7 +44,7 @@ class TPGenerator(StaticGenerator):
         layout.check_degree(port.config, tp, expert_layout)  # before the weights load
         spec, sides = port.static, None
         if sidecar is not None:  # the reader on decode steps: every check before the weights load
-            check_reader(expert_layout, int8, budget)
+            reader.check_reader(expert_layout, int8, budget)
             sides, k, rank = reader.open_shards(port.config, sidecar, tp, budget, rank)
             spec = dataclasses.replace(spec, decode_experts=reader.READER)
         hf = build_model(port, "eager", dtype, checkpoint)
@@ -83,17 +83,6 @@ class TPGenerator(StaticGenerator):
 
     def generate(self, input_ids, attention_mask, max_new_tokens) -> Generation:
         return generate_replicated({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]
-
-
-def check_reader(expert_layout: str, int8: bool, budget) -> None:
-    """The reader runs in the channel layout's float decode graphs, at a budget."""
-    if expert_layout != layout.CHANNEL:
-        raise UserError(f"the reader runs on the {layout.CHANNEL!r} expert layout (each rank screens its own I/t "
-                        f"channels of every expert), not the {expert_layout!r} layout")
-    if int8:
-        raise UserError("the reader reads float (bf16/fp32) experts; int8 experts with the reader are not built")
-    if budget is None:
-        raise UserError("the reader needs a budget: pass --budget PERCENT")
 
 
 def generate_replicated(generators: dict[str, TPGenerator], input_ids: torch.Tensor, attention_mask: torch.Tensor,

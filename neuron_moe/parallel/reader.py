@@ -20,16 +20,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..reader import reference
-from ..reader.prep import LAYER_TENSORS, Layout
-from . import cpu
+from ..errors import UserError
+from ..reader import reference, shard
+from ..reader.accounting import ReaderSettings, solve_rank_k
+from ..reader.geometry import Geometry
+from ..reader.sidecar import LAYER_TENSORS, SidecarLayout
+from . import cpu, layout
 
 SPLIT = ("codes", "scales", "down_norms", "coeffs")  # per rank; basis (U) and signs are whole on every rank
 READER = "channel_reader"  # the decode graph's experts implementation when a reader is attached
 
 
 class ReaderShard(nn.Module):
-    def __init__(self, local: Layout, tp: int, k: int, scan: int, rank: int, device=None):
+    def __init__(self, local: SidecarLayout, tp: int, k: int, scan: int, rank: int, device=None):
         super().__init__()
         for name, (dtype, shape) in local.layer_tensors().items():
             param = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
@@ -44,7 +47,7 @@ class ReaderShard(nn.Module):
                                  scan=self.scan, rank=self.rank, act_fn=act_fn)
 
 
-def attach(model, local: Layout, tp: int, k: int, scan: int, rank: int) -> None:
+def attach(model, local: SidecarLayout, tp: int, k: int, scan: int, rank: int) -> None:
     """Give every channel-layout experts module of a rank model a ReaderShard (values: its shard)."""
     device = model.model.embed_tokens.weight.device
     for layer in model.model.layers:
@@ -70,18 +73,24 @@ def full_state(sides: list) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_reader(expert_layout: str, int8: bool, budget) -> None:
+    """The reader runs in the channel layout's float decode graphs, at a budget."""
+    if expert_layout != layout.CHANNEL:
+        raise UserError(f"the reader runs on the {layout.CHANNEL!r} expert layout (each rank screens its own I/t "
+                        f"channels of every expert), not the {expert_layout!r} layout")
+    if int8:
+        raise UserError("the reader reads float (bf16/fp32) experts; int8 experts with the reader are not built")
+    if budget is None:
+        raise UserError("the reader needs a budget: pass --budget PERCENT")
+
+
 def open_shards(config, directory, tp: int, budget: float, rank: int | None = None) -> tuple[list, int, int]:
     """Every check that needs no weights: each rank's shard (`shard.open_shard`), one prep for all,
     the recovery rank, the budget per rank. Returns (shards in rank order, k per rank, recovery rank)."""
-    from ..errors import UserError
-    from ..reader import shard
-    from ..reader.accounting import Geometry, solve_rank_k
-    from ..reader.accounting import Layout as Reads
-
     sides = [shard.open_shard(directory, tp, r, config) for r in range(tp)]
     shard.check_shards(sides)
     rank = sides[0].layout.rank if rank is None else rank
     if not 0 <= rank <= sides[0].layout.rank:
         raise UserError(f"recovery rank {rank} outside [0, {sides[0].layout.rank}] (the sidecar's rank)")
-    k = solve_rank_k(Geometry.from_config(config), Reads(scan=sides[0].scan, rank=rank), budget, tp)
+    k = solve_rank_k(Geometry.from_config(config), ReaderSettings(scan=sides[0].scan, rank=rank), budget, tp)
     return sides, k, rank

@@ -1,6 +1,6 @@
 """Bytes the reader reads per token and MoE layer, charged in whole 32-byte sectors.
 
-Everything follows from the geometry and the sidecar layout of `prep.py`; nothing is fitted.
+Everything follows from the geometry and the sidecar layout of `sidecar.py`; nothing is fitted.
 For one token the reader reads, from its top_k experts:
 
 - sketch: for each expert, block and scanned coordinate one strip of codes (one base-3 code
@@ -16,12 +16,14 @@ layout cannot guarantee that start (a row length not a multiple of 32 bytes) one
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..errors import UserError
 from ..report import table
+from .geometry import Geometry
 from .hadamard import padded
-from .prep import BLOCK, CODES_PER_BYTE, RANK, SCAN, SECTOR
+from .prep import RANK, SCAN
+from .sidecar import BLOCK, CODES_PER_BYTE, SECTOR
 
 BF16 = 2
 INT8, FP32 = 1, 4
@@ -34,24 +36,10 @@ class BudgetError(UserError):
 
 
 @dataclass(frozen=True)
-class Geometry:
-    hidden: int
-    experts: int
-    top_k: int
-    intermediate: int
+class ReaderSettings:
+    """How the reader reads (what its reads are charged on besides the geometry): coordinates scanned
+    per block, the recovery rank it uses, and the dtype of the exact rows."""
 
-    @classmethod
-    def from_config(cls, config) -> "Geometry":
-        return cls(config.hidden_size, config.num_experts, config.top_k_experts, config.moe_intermediate_size)
-
-    @property
-    def channels(self) -> int:
-        """Channels a token's experts hold: the candidates of one selection."""
-        return self.top_k * self.intermediate
-
-
-@dataclass(frozen=True)
-class Layout:
     scan: int = SCAN
     rank: int = RANK
     weights: str = "bf16"  # the exact rows: "bf16", or "int8" with fp32 scales (reader/int8.py)
@@ -76,28 +64,29 @@ def row_sectors(nbytes: int) -> int:
     return sectors(nbytes) + (1 if nbytes % SECTOR else 0)
 
 
-def strip_bytes(geo: Geometry, layout: Layout) -> int:
+def strip_bytes(geo: Geometry, settings: ReaderSettings) -> int:
     """Bytes of one coordinate's codes for all gate/up rows (5 per byte, rows padded to whole sectors)."""
     return padded(2 * geo.intermediate, SECTOR * CODES_PER_BYTE) // CODES_PER_BYTE
 
 
-def reads(geo: Geometry, layout: Layout, k: int) -> dict[str, int]:
+def reads(geo: Geometry, settings: ReaderSettings, k: int) -> dict[str, int]:
     """Bytes (whole sectors) read per token and layer with k exact channels, by part."""
-    if layout.weights != "bf16":
-        return step_reads(geo, layout, token_rows(geo, layout, k))
+    if settings.weights != "bf16":
+        return step_reads(geo, settings, token_rows(geo, settings, k))
     H, I, top_k = geo.hidden, geo.intermediate, geo.top_k
     blocks = padded(H, BLOCK) // BLOCK
     if k >= geo.channels:  # every channel exact: read the experts whole, no screen needed
         return {"sketch": 0, "norms": 0, "exact": full_bytes(geo), "recovery": 0}
     out = {
-        "sketch": SECTOR * top_k * (blocks * layout.scan * row_sectors(strip_bytes(geo, layout))
+        "sketch": SECTOR * top_k * (blocks * settings.scan * row_sectors(strip_bytes(geo, settings))
                                     + row_sectors(blocks * 2 * I * BF16)),
         "norms": SECTOR * top_k * row_sectors(I * BF16),
         "exact": SECTOR * k * 3 * row_sectors(H * BF16),
         "recovery": 0,
     }
-    if layout.rank:
-        out["recovery"] = SECTOR * (sectors(H * layout.rank * BF16) + (geo.channels - k) * row_sectors(layout.rank * BF16))
+    if settings.rank:
+        out["recovery"] = SECTOR * (sectors(H * settings.rank * BF16)
+                                    + (geo.channels - k) * row_sectors(settings.rank * BF16))
     return out
 
 
@@ -107,33 +96,34 @@ def full_bytes(geo: Geometry) -> int:
     return SECTOR * geo.top_k * (row_sectors(2 * I * H * BF16) + row_sectors(H * I * BF16))
 
 
-def solve_k(geo: Geometry, layout: Layout, budget: float) -> int:
+def solve_k(geo: Geometry, settings: ReaderSettings, budget: float) -> int:
     """The largest k whose reads fit in `budget` percent of the full model's; 100 -> every channel."""
-    layout.check(geo)
+    settings.check(geo)
     if not 0 < budget <= 100:
         raise BudgetError(f"budget must be in (0, 100] percent, got {budget}")
     if budget == 100:
         return geo.channels
-    if layout.weights != "bf16":  # a share of the experts' own full read
-        return solve_k_bytes(geo, layout, budget / 100 * full_reads(geo, layout), budget)
+    if settings.weights != "bf16":  # a share of the experts' own full read
+        return solve_k_bytes(geo, settings, budget / 100 * full_reads(geo, settings), budget)
     limit = budget / 100 * full_bytes(geo)
-    floor = sum(reads(geo, layout, 0).values())
+    floor = sum(reads(geo, settings, 0).values())
     if floor > limit:
-        parts = ", ".join(f"{name} {100 * v / full_bytes(geo):.2f}%" for name, v in reads(geo, layout, 0).items() if v)
+        parts = ", ".join(f"{name} {100 * v / full_bytes(geo):.2f}%"
+                          for name, v in reads(geo, settings, 0).items() if v)
         raise BudgetError(f"budget {budget}% is below what the reader reads before any exact channel "
                           f"({100 * floor / full_bytes(geo):.2f}%: {parts})")
-    per_channel = sum(reads(geo, layout, 1).values()) - floor  # reads are linear in k below the full read
+    per_channel = sum(reads(geo, settings, 1).values()) - floor  # reads are linear in k below the full read
     return min(int((limit - floor) // per_channel), geo.channels - 1)
 
 
-def resident(geo: Geometry, layout: Layout) -> dict[str, int]:
+def resident(geo: Geometry, settings: ReaderSettings) -> dict[str, int]:
     """Bytes one layer's sidecar adds to memory (the down projection is rearranged, not copied)."""
     H, E, I = geo.hidden, geo.experts, geo.intermediate
     blocks = padded(H, BLOCK) // BLOCK
     return {
-        "sketch": E * blocks * (BLOCK * strip_bytes(geo, layout) + 2 * I * BF16),
+        "sketch": E * blocks * (BLOCK * strip_bytes(geo, settings) + 2 * I * BF16),
         "norms": E * I * BF16,
-        "recovery": (H + E * I) * layout.rank * BF16,
+        "recovery": (H + E * I) * settings.rank * BF16,
     }
 
 
@@ -142,11 +132,11 @@ def expert_bytes(geo: Geometry) -> int:
     return geo.experts * 3 * geo.intermediate * geo.hidden * BF16
 
 
-def breakdown(geo: Geometry, layout: Layout, budget: float) -> dict:
+def breakdown(geo: Geometry, settings: ReaderSettings, budget: float) -> dict:
     """Everything `neuron-moe reads` reports: k, reads by part, resident memory by part."""
-    k = solve_k(geo, layout, budget)
-    full, parts = full_reads(geo, layout), reads(geo, layout, k)
-    held = resident(geo, layout)
+    k = solve_k(geo, settings, budget)
+    full, parts = full_reads(geo, settings), reads(geo, settings, k)
+    held = resident(geo, settings)
     return {
         "budget_percent": budget,
         "k": k,
@@ -198,72 +188,72 @@ def expert_read_bytes(geo: Geometry, weights: str = "bf16") -> int:
     return SECTOR * (row_sectors(2 * I * H * BF16) + row_sectors(H * I * BF16))
 
 
-def full_reads(geo: Geometry, layout: Layout, experts: int | None = None) -> int:
-    """The full model's routed-expert reads in the layout's weights: `experts` (default top_k) read whole."""
-    return (geo.top_k if experts is None else experts) * expert_read_bytes(geo, layout.weights)
+def full_reads(geo: Geometry, settings: ReaderSettings, experts: int | None = None) -> int:
+    """The full model's routed-expert reads in the settings' weights: `experts` (default top_k) read whole."""
+    return (geo.top_k if experts is None else experts) * expert_read_bytes(geo, settings.weights)
 
 
-def token_rows(geo: Geometry, layout: Layout, k: int) -> StepRows:
+def token_rows(geo: Geometry, settings: ReaderSettings, k: int) -> StepRows:
     """What one token reads with k exact channels (each token on its own: today's reader)."""
     if k >= geo.channels:
         return StepRows(geo.top_k, 0, geo.channels, 0)
-    return batch_rows(geo, layout, geo.top_k, k)
+    return batch_rows(geo, settings, geo.top_k, k)
 
 
-def batch_rows(geo: Geometry, layout: Layout, experts: int, k: int) -> StepRows:
+def batch_rows(geo: Geometry, settings: ReaderSettings, experts: int, k: int) -> StepRows:
     """What the batch rule reads: every expert of the union scans `scan` coordinates per block for
     all its tokens (blocks × scan strips), K channels exact, the union's other channels' b_j."""
     channels = experts * geo.intermediate
     if k >= channels:
         return StepRows(experts, 0, channels, 0)
     blocks = padded(geo.hidden, BLOCK) // BLOCK
-    return StepRows(experts, experts * blocks * layout.scan, k, channels - k if layout.rank else 0)
+    return StepRows(experts, experts * blocks * settings.scan, k, channels - k if settings.rank else 0)
 
 
-def step_reads(geo: Geometry, layout: Layout, rows: StepRows) -> dict[str, int]:
+def step_reads(geo: Geometry, settings: ReaderSettings, rows: StepRows) -> dict[str, int]:
     """Bytes (whole sectors) a step reads, by part, reading each of `rows` once."""
     H, I = geo.hidden, geo.intermediate
     if rows.strips == 0:  # no screen: every channel of the union exact, its experts read whole
-        return {"sketch": 0, "norms": 0, "exact": full_reads(geo, layout, rows.experts), "recovery": 0}
+        return {"sketch": 0, "norms": 0, "exact": full_reads(geo, settings, rows.experts), "recovery": 0}
     blocks = padded(H, BLOCK) // BLOCK
-    down_scales = rows.experts * row_sectors(H * FP32) if layout.weights == "int8" else 0
+    down_scales = rows.experts * row_sectors(H * FP32) if settings.weights == "int8" else 0
     out = {
-        "sketch": SECTOR * (rows.strips * row_sectors(strip_bytes(geo, layout))
+        "sketch": SECTOR * (rows.strips * row_sectors(strip_bytes(geo, settings))
                             + rows.experts * row_sectors(blocks * 2 * I * BF16)),
         "norms": SECTOR * rows.experts * row_sectors(I * BF16),
-        "exact": rows.exact * channel_bytes(geo, layout.weights) + SECTOR * down_scales,
+        "exact": rows.exact * channel_bytes(geo, settings.weights) + SECTOR * down_scales,
         "recovery": 0,
     }
-    if layout.rank:
-        out["recovery"] = SECTOR * (sectors(H * layout.rank * BF16) + rows.coeffs * row_sectors(layout.rank * BF16))
+    if settings.rank:
+        out["recovery"] = SECTOR * (sectors(H * settings.rank * BF16) + rows.coeffs * row_sectors(settings.rank * BF16))
     return out
 
 
-def solve_step_k(geo: Geometry, layout: Layout, experts: int, limit: float) -> int:
+def solve_step_k(geo: Geometry, settings: ReaderSettings, experts: int, limit: float) -> int:
     """The batch rule's K: the most exact channels a step whose union holds `experts` experts reads
     within `limit` bytes. Every channel (the experts read whole) if that fits; else the largest K
     whose screened reads fit (reads are linear in K below the full read); 0 if not even the screen
     fits — the step then reads its screen anyway, over the limit."""
-    layout.check(geo)
+    settings.check(geo)
     channels = experts * geo.intermediate
-    total = lambda k: sum(step_reads(geo, layout, batch_rows(geo, layout, experts, k)).values())  # noqa: E731
+    total = lambda k: sum(step_reads(geo, settings, batch_rows(geo, settings, experts, k)).values())  # noqa: E731
     if total(channels) <= limit:
         return channels
     floor = total(0)
     return max(0, min(int((limit - floor) // (total(1) - floor)), channels - 1))
 
 
-def solve_k_bytes(geo: Geometry, layout: Layout, limit: float, budget: float | None = None) -> int:
+def solve_k_bytes(geo: Geometry, settings: ReaderSettings, limit: float, budget: float | None = None) -> int:
     """One token's k within `limit` bytes (any weights); a budget the screen alone overruns is refused."""
-    full = full_reads(geo, layout)
-    floor = sum(step_reads(geo, layout, token_rows(geo, layout, 0)).values())
+    full = full_reads(geo, settings)
+    floor = sum(step_reads(geo, settings, token_rows(geo, settings, 0)).values())
     if floor > limit and full > limit:
         parts = ", ".join(f"{name} {100 * v / full:.2f}%" for name, v in step_reads(
-            geo, layout, token_rows(geo, layout, 0)).items() if v)
+            geo, settings, token_rows(geo, settings, 0)).items() if v)
         said = f"budget {budget}%" if budget is not None else f"{limit:.0f} bytes"
         raise BudgetError(f"{said} is below what the reader reads before any exact channel "
-                          f"({100 * floor / full:.2f}% of the {layout.weights} experts: {parts})")
-    return solve_step_k(geo, layout, geo.top_k, limit)
+                          f"({100 * floor / full:.2f}% of the {settings.weights} experts: {parts})")
+    return solve_step_k(geo, settings, geo.top_k, limit)
 
 
 def expected_union(geo: Geometry, batch: int) -> float:
@@ -271,28 +261,29 @@ def expected_union(geo: Geometry, batch: int) -> float:
     return geo.experts * (1 - (1 - geo.top_k / geo.experts) ** batch)
 
 
-def batch_breakdown(geo: Geometry, layout: Layout, budget: float, batch: int, step_budget: float = STEP_BUDGET) -> dict:
+def batch_breakdown(geo: Geometry, settings: ReaderSettings, budget: float, batch: int,
+                    step_budget: float = STEP_BUDGET) -> dict:
     """A step of `batch` tokens under uniform routing, its union taken at its expected size: the
     full batch (the union's experts whole); independent top-k at `budget` per token, at most (no
     channel or strip shared by two tokens of an expert; what a kernel that does not share reads is
     `batch` × one token's); the batch rule within `step_budget` × one token's reads."""
-    layout.check(geo)
+    settings.check(geo)
     n = max(geo.top_k, round(expected_union(geo, batch)))
-    k = solve_k(geo, layout, budget)
-    one = sum(reads(geo, layout, k).values())
-    full = full_reads(geo, layout, n)
+    k = solve_k(geo, settings, budget)
+    one = sum(reads(geo, settings, k).values())
+    full = full_reads(geo, settings, n)
     blocks = padded(geo.hidden, BLOCK) // BLOCK
     if k >= geo.channels:
         token = StepRows(n, 0, n * geo.intermediate, 0)
     else:
-        token = StepRows(n, min(batch * geo.top_k * blocks * layout.scan, n * blocks * BLOCK),
+        token = StepRows(n, min(batch * geo.top_k * blocks * settings.scan, n * blocks * BLOCK),
                          min(batch * k, n * geo.intermediate),
-                         min(batch * (geo.channels - k), n * geo.intermediate) if layout.rank else 0)
+                         min(batch * (geo.channels - k), n * geo.intermediate) if settings.rank else 0)
     limit = step_budget * one
-    rule = batch_rows(geo, layout, n, solve_step_k(geo, layout, n, limit))
+    rule = batch_rows(geo, settings, n, solve_step_k(geo, settings, n, limit))
 
     def row(rows: StepRows, **more) -> dict:
-        parts = step_reads(geo, layout, rows)
+        parts = step_reads(geo, settings, rows)
         total = sum(parts.values())
         return {"rows": rows.__dict__, "reads": parts, "bytes": total, "percent_of_full_batch": 100 * total / full,
                 "x_one_token": total / one, **more}
@@ -308,14 +299,14 @@ def rank_geometry(geo: Geometry, tp: int) -> Geometry:
     read is 1/t of the model's. Every rank reads the same."""
     if tp < 1 or geo.intermediate % tp:
         raise BudgetError(f"{geo.intermediate} expert channels do not split over {tp} ranks")
-    return Geometry(geo.hidden, geo.experts, geo.top_k, geo.intermediate // tp)
+    return replace(geo, intermediate=geo.intermediate // tp)
 
 
-def solve_rank_k(geo: Geometry, layout: Layout, budget: float, tp: int) -> int:
+def solve_rank_k(geo: Geometry, settings: ReaderSettings, budget: float, tp: int) -> int:
     """k per rank at TP `tp`: every rank reads `budget` percent of its share of the full read; a
     budget below a rank's floor is refused with that floor."""
     try:
-        return solve_k(rank_geometry(geo, tp), layout, budget)
+        return solve_k(rank_geometry(geo, tp), settings, budget)
     except BudgetError as e:
         if tp == 1:
             raise
@@ -323,23 +314,23 @@ def solve_rank_k(geo: Geometry, layout: Layout, budget: float, tp: int) -> int:
                           f"{geo.intermediate} channels' sketch): {e}") from None
 
 
-def reads_report(name: str, geo: Geometry, layout: Layout, budget: float, tp: int = 1, batch: int | None = None,
-                 step_budget: float = STEP_BUDGET) -> dict:
+def reads_report(name: str, geo: Geometry, settings: ReaderSettings, budget: float, tp: int = 1,
+                 batch: int | None = None, step_budget: float = STEP_BUDGET) -> dict:
     """Everything `neuron-moe reads` reports: `breakdown` for a token of `geo` (named `name`), per rank
     at TP `tp` on the channel expert layout, and with `batch` a decode step of that many tokens."""
     local = geo
-    if tp > 1 and (layout.weights != "bf16" or batch is not None):
+    if tp > 1 and (settings.weights != "bf16" or batch is not None):
         raise UserError("reads --tp T is the per-rank reader over bf16 experts, one token a step "
                         "(not with --dtype int8 or --batch)")
     if tp > 1:  # one rank of the channel layout: I/t channels of every expert
         local = rank_geometry(geo, tp)
-        solve_rank_k(geo, layout, budget, tp)  # a budget below a rank's floor: the error names TP
-    report = {"model": name, "geometry": asdict(geo), "scan": layout.scan, "rank": layout.rank, "tp": tp,
-              "dtype": layout.weights, **breakdown(local, layout, budget)}
-    if layout.weights != "bf16":
+        solve_rank_k(geo, settings, budget, tp)  # a budget below a rank's floor: the error names TP
+    report = {"model": name, "geometry": asdict(geo), "scan": settings.scan, "rank": settings.rank, "tp": tp,
+              "dtype": settings.weights, **breakdown(local, settings, budget)}
+    if settings.weights != "bf16":
         report["percent_of_bf16_full"] = 100 * sum(v["bytes"] for v in report["reads"].values()) / full_bytes(local)
     if batch is not None:
-        report["batch"] = batch_breakdown(local, layout, budget, batch, step_budget)
+        report["batch"] = batch_breakdown(local, settings, budget, batch, step_budget)
     return report
 
 

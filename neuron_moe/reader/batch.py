@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
-from .accounting import Geometry, Layout, StepRows, solve_step_k
+from .accounting import ReaderSettings, StepRows, solve_step_k
+from .geometry import Geometry
 from .hadamard import rotate_blocks
-from .prep import BLOCK, unpack_codes
+from .sidecar import BLOCK, unpack_codes
 
 RULES = ("token", "batch")
 WEIGHINGS = ("share", "raw")
@@ -67,10 +68,10 @@ def expert_scan(rotated: torch.Tensor, local: torch.Tensor, experts: int, scan: 
 
 
 @torch.no_grad()
-def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn, *, rule: str,
+def step(x, index, weights, gate_up, down_rows, sidecar, settings: ReaderSettings, act_fn, *, rule: str,
          k: int | None = None, limit: float | None = None, int8=None, weigh: str = "share") -> StepResult:
     """One decode step of tokens x [T, H] routed to index/weights [T, k_e]: gate_up [E, 2I, H],
-    down_rows [E, I, H], the layer's sidecar (prep.LayerSidecar). `rule="token"` takes k channels
+    down_rows [E, I, H], the layer's sidecar (sidecar.LayerSidecar). `rule="token"` takes k channels
     per token; `rule="batch"` takes `limit` bytes for the step, its scores summed as `weigh`
     ("share" or "raw"). `int8` (reader/int8.py): exact rows from those int8 weights."""
     if rule not in RULES or weigh not in WEIGHINGS:
@@ -82,7 +83,7 @@ def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn,
     experts, local = index.unique(return_inverse=True)  # the union, sorted; each slot's place in it
     n = len(experts)
     if rule == "batch":
-        k = solve_step_k(geo, layout, n, limit)
+        k = solve_step_k(geo, settings, n, limit)
         whole = k >= n * I
     else:
         whole = k >= geo.channels
@@ -91,7 +92,7 @@ def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn,
         union = torch.ones(n, I, dtype=torch.bool)
         strips, p = torch.zeros(0, 3, dtype=torch.long), None
     else:
-        score, p, strips = _screen(xf, experts, local, weights, sidecar, layout, act_fn, per_expert=rule == "batch")
+        score, p, strips = _screen(xf, experts, local, weights, sidecar, settings, act_fn, per_expert=rule == "batch")
         if rule == "token":
             keep = torch.zeros(T, ke * I, dtype=torch.bool).scatter_(1, score.flatten(1).topk(k, dim=-1).indices, True)
             keep = keep.view(T, ke, I)
@@ -108,22 +109,22 @@ def step(x, index, weights, gate_up, down_rows, sidecar, layout: Layout, act_fn,
             keep = union[local]
     out, exact = _exact(xf, experts, local, weights, keep, union, gate_up, down_rows, act_fn, int8)
     coeffs = torch.zeros(0, 2, dtype=torch.long)
-    if layout.rank and not whole:
-        z, coeffs = _recover(experts, local, weights, p, keep, sidecar, layout.rank)
-        out = out + z @ sidecar.basis[:, :layout.rank].to(torch.float32).T
+    if settings.rank and not whole:
+        z, coeffs = _recover(experts, local, weights, p, keep, sidecar, settings.rank)
+        out = out + z @ sidecar.basis[:, :settings.rank].to(torch.float32).T
     read = {"experts": experts, "strips": strips, "exact": exact, "coeffs": coeffs}
     return StepResult(out.to(x.dtype), read, keep, k)
 
 
-def _screen(xf, experts, local, weights, sidecar, layout, act_fn, per_expert: bool):
+def _screen(xf, experts, local, weights, sidecar, settings, act_fn, per_expert: bool):
     """Scores s and p of every (token, slot, channel) [T, k_e, I] from the strips each union expert
     needs (the union of the coordinates its tokens scan), each read once; and which were read."""
     rotated = rotate_blocks(xf, sidecar.signs, BLOCK)  # [T, nb, 128]
     nb, ke = rotated.shape[1], local.shape[1]
     if per_expert:  # each (token, slot) scans its expert's coordinates
-        coords = expert_scan(rotated, local, len(experts), layout.scan)[local]
+        coords = expert_scan(rotated, local, len(experts), settings.scan)[local]
     else:  # each token its own, in every slot: reference.scanned
-        coords = rotated.abs().topk(layout.scan, dim=-1).indices[:, None].expand(-1, ke, -1, -1)
+        coords = rotated.abs().topk(settings.scan, dim=-1).indices[:, None].expand(-1, ke, -1, -1)
     values = rotated[:, None].expand(-1, ke, -1, -1).gather(-1, coords)  # [T, k_e, nb, scan]
     blocks = torch.arange(nb)[None, None, :, None]
     wanted = (local[:, :, None, None], blocks, coords)  # [T, k_e, nb, scan]: (union expert, block, coordinate)

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import UserError
 from .hadamard import rotate_blocks
-from .prep import BLOCK, LayerSidecar, unpack_codes
+from .sidecar import BLOCK, LayerSidecar, unpack_codes
 
 # `layer` below is a LayerSidecar or anything with its attributes (the HF integration's ReaderState).
 

@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from . import accounting, batch, reference
-from .accounting import BF16, SECTOR, BudgetError, Geometry, row_sectors, sectors
+from .accounting import BF16, BudgetError, row_sectors, sectors
+from .geometry import Geometry
+from .sidecar import SECTOR
 
 
 @dataclass
@@ -50,9 +52,9 @@ class MoeLayer:
     down: torch.Tensor  # [E, H, I]
     act_fn: object
     top_k: int
-    sidecar: object = None  # prep.LayerSidecar
-    layout: accounting.Layout = field(default_factory=accounting.Layout)
-    int8: object = None  # int8.Int8Experts: the reader reads its exact rows there (layout.weights "int8")
+    sidecar: object = None  # sidecar.LayerSidecar
+    settings: accounting.ReaderSettings = field(default_factory=accounting.ReaderSettings)
+    int8: object = None  # int8.Int8Experts: the reader reads its exact rows there (settings.weights "int8")
     tp: int = 1  # the reader's reads are charged per rank of the channel layout at this TP degree
 
     @property
@@ -206,14 +208,14 @@ def reader(layer, x, index, weights, rule):
     so tokens with different k run together (equal to `reference.forward` at each token's k)."""
     sc = layer.sidecar
     if sc is None:
-        raise BudgetError("reader: this MoeLayer has no sidecar (prep.LayerSidecar); run prep first")
+        raise BudgetError("reader: this MoeLayer has no sidecar (sidecar.LayerSidecar); run prep first")
     xf = x.to(torch.float32)
-    estimates = reference.sketch_estimates(xf, index, sc, layer.layout.scan)
+    estimates = reference.sketch_estimates(xf, index, sc, layer.settings.scan)
     score, p = reference.scores(estimates, index, weights, sc.down_norms, layer.act_fn)
     keep = rule("channel", score.flatten(1)).view_as(score)
     gate_up, down = _routed(layer, index)
     out = _output(_act(layer, xf[:, None].expand(-1, index.shape[1], -1), gate_up), keep, weights, down)
-    rank = layer.layout.rank
+    rank = layer.settings.rank
     if rank:
         rest = weights.to(torch.float32)[..., None] * p * ~keep
         z = torch.einsum("tki,tkir->tr", rest, sc.coeffs[index][..., :rank].to(torch.float32))
@@ -221,7 +223,7 @@ def reader(layer, x, index, weights, rule):
     return out, {"channel": keep}
 
 
-def layout_parts(name, geo: Geometry, layout) -> tuple[int, dict[str, Part]]:
+def layout_parts(name, geo: Geometry, settings) -> tuple[int, dict[str, Part]]:
     """(fixed bytes per token, parts) of each selector's natural layout."""
     H, I, k = geo.hidden, geo.intermediate, geo.top_k
     row = SECTOR * row_sectors(H * BF16)  # one gate, up or down row
@@ -244,33 +246,33 @@ def layout_parts(name, geo: Geometry, layout) -> tuple[int, dict[str, Part]]:
 SELECTORS = {"teal": teal, "wina": wina, "cats": cats, "oracle": oracle, "reader": reader}
 
 
-def charged(name, geo: Geometry, layout, counts: dict) -> int:
+def charged(name, geo: Geometry, settings, counts: dict) -> int:
     """Bytes a token reads keeping counts[part] units of each part."""
     if name == "reader":
-        return sum(accounting.reads(geo, layout, counts["channel"]).values())
-    fixed, parts = layout_parts(name, geo, layout)
+        return sum(accounting.reads(geo, settings, counts["channel"]).values())
+    fixed, parts = layout_parts(name, geo, settings)
     return fixed + sum(counts[p] * part.nbytes for p, part in parts.items())
 
 
-def plan(name, geo: Geometry, layout, budget: float) -> dict:
+def plan(name, geo: Geometry, settings, budget: float) -> dict:
     """Top-k counts per part whose reads fit `budget` percent of the full model's reads.
 
     Two-part selectors keep the same fraction of each part (TEAL and WINA's uniform allocation).
     """
     if not 0 < budget <= 100:
         raise BudgetError(f"budget must be in (0, 100] percent, got {budget}")
-    fixed, parts = layout_parts(name, geo, layout)
+    fixed, parts = layout_parts(name, geo, settings)
     if budget == 100:
         return {p: part.units for p, part in parts.items()}
-    if name == "reader" and layout.weights != "bf16":  # equal bytes: a share of the bf16 full read
-        return {"channel": accounting.solve_k_bytes(geo, layout, budget / 100 * accounting.full_bytes(geo), budget)}
+    if name == "reader" and settings.weights != "bf16":  # equal bytes: a share of the bf16 full read
+        return {"channel": accounting.solve_k_bytes(geo, settings, budget / 100 * accounting.full_bytes(geo), budget)}
     if name == "reader":
-        return {"channel": accounting.solve_k(geo, layout, budget)}
+        return {"channel": accounting.solve_k(geo, settings, budget)}
     limit = budget / 100 * accounting.full_bytes(geo)
     lead, *rest = parts
     for m in range(parts[lead].units, -1, -1):  # reads grow with m: the first that fits is the most
         counts = {lead: m, **{p: m * parts[p].units // parts[lead].units for p in rest}}
-        if charged(name, geo, layout, counts) <= limit:
+        if charged(name, geo, settings, counts) <= limit:
             return counts
     raise BudgetError(f"{name}: budget {budget}% is below its fixed reads "
                       f"({100 * fixed / accounting.full_bytes(geo):.2f}%)")
@@ -286,14 +288,14 @@ def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
         out, masks = SELECTORS[name](layer, x, index, weights, rule)
     geo = layer.geo
     counts = {p: m.flatten(1).sum(1) for p, m in masks.items()}
-    fixed, units = layout_parts(name, geo, layer.layout)
+    fixed, units = layout_parts(name, geo, layer.settings)
     if name == "reader" and layer.tp > 1:
         return _rank_result(layer, out.to(x.dtype), masks["channel"], {p: c / units[p].units for p, c in counts.items()})
     if name == "reader":  # not linear in k (recovery, the full read at every channel): charge each k once
         ks = counts["channel"]
         reads = torch.zeros_like(ks)
         for k in ks.unique().tolist():
-            reads[ks == k] = charged(name, geo, layer.layout, {"channel": k})
+            reads[ks == k] = charged(name, geo, layer.settings, {"channel": k})
     else:
         reads = fixed + sum(c * units[p].nbytes for p, c in counts.items())
     return Result(out.to(x.dtype), reads, {p: c / units[p].units for p, c in counts.items()})
@@ -302,22 +304,22 @@ def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
 def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
     """The reader on one decode step of tokens x [T, H] under a Step rule."""
     if layer.sidecar is None:
-        raise BudgetError("reader: this MoeLayer has no sidecar (prep.LayerSidecar); run prep first")
+        raise BudgetError("reader: this MoeLayer has no sidecar (sidecar.LayerSidecar); run prep first")
     if layer.tp > 1:
         raise BudgetError(f"reader: the Step rules run at TP 1; this layer is charged per rank at TP {layer.tp}")
-    go = lambda layout, **kw: batch.step(x, index, weights, layer.gate_up, layer.down.mT,  # noqa: E731
-                                         layer.sidecar, layout, layer.act_fn, int8=layer.int8, **kw)
-    layout = layer.layout
+    go = lambda settings, **kw: batch.step(x, index, weights, layer.gate_up, layer.down.mT,  # noqa: E731
+                                         layer.sidecar, settings, layer.act_fn, int8=layer.int8, **kw)
+    settings = layer.settings
     if rule.rule == "token":
-        done = go(layout, rule="token", k=rule.k)
+        done = go(settings, rule="token", k=rule.k)
     else:
         limit = rule.limit
         if limit is None:
-            limit = sum(accounting.step_reads(layer.geo, layout, go(layout, rule="token", k=rule.k).rows).values())
+            limit = sum(accounting.step_reads(layer.geo, settings, go(settings, rule="token", k=rule.k).rows).values())
         if rule.scan is not None:
-            layout = dataclasses.replace(layout, scan=rule.scan)
-        done = go(layout, rule="batch", limit=limit, weigh=rule.weigh)
-    nbytes = sum(accounting.step_reads(layer.geo, layout, done.rows).values())
+            settings = dataclasses.replace(settings, scan=rule.scan)
+        done = go(settings, rule="batch", limit=limit, weigh=rule.weigh)
+    nbytes = sum(accounting.step_reads(layer.geo, settings, done.rows).values())
     reads = torch.full((len(x),), nbytes, dtype=torch.long)
     return Result(done.out, reads, {"channel": done.keep.flatten(1).float().mean(1)}, done.rows)
 
@@ -330,12 +332,12 @@ def _rank_result(layer: MoeLayer, out, keep, kept) -> Result:
     local = accounting.rank_geometry(geo, layer.tp)
     rank_reads = torch.zeros_like(ks)
     for k in ks.unique().tolist():
-        rank_reads[ks == k] = charged("reader", local, layer.layout, {"channel": k})
+        rank_reads[ks == k] = charged("reader", local, layer.settings, {"channel": k})
     return Result(out, rank_reads.max(1).values, kept, rank_reads=rank_reads)
 
 
 def top_k(name, layer: MoeLayer, budget: float) -> TopK:
-    return TopK(plan(name, layer.geo, layer.layout, budget))
+    return TopK(plan(name, layer.geo, layer.settings, budget))
 
 
 def calibrate(name, layer: MoeLayer, x, index, weights, budget: float) -> Threshold:
@@ -343,8 +345,8 @@ def calibrate(name, layer: MoeLayer, x, index, weights, budget: float) -> Thresh
 
     Pass only calibration-split activations: the thresholds are then applied to other data.
     """
-    geo, parts = layer.geo, layout_parts(name, layer.geo, layer.layout)[1]
-    fractions = {p: c / parts[p].units for p, c in plan(name, geo, layer.layout, budget).items()}
+    geo, parts = layer.geo, layout_parts(name, layer.geo, layer.settings)[1]
+    fractions = {p: c / parts[p].units for p, c in plan(name, geo, layer.settings, budget).items()}
     rule = Calibrating(fractions)
     run(name, layer, x, index, weights, rule)
     return Threshold(rule.thresholds)

@@ -6,7 +6,7 @@ and those down rows. A rank's reader is the one-rank reader (`reference.forward`
 
 - its sidecar is the whole sidecar's rows of its channels: a row's ternary codes and scale depend on
   that row alone, so the shard's sketch is the same numbers, repacked with the shard's 2I/t rows
-  padded to whole 32-byte strips (`prep.Layout` of the rank's geometry); norms and b_j of its
+  padded to whole 32-byte strips (the `SidecarLayout` of the rank's geometry); norms and b_j of its
   channels; and the layer's whole U, which every rank projects its own recovery through;
 - it selects k_r channels per token among its top_k·I/t candidates by the same output-level score,
   k_r solved from the accounting on the rank's geometry (`accounting.rank_geometry`), so every
@@ -17,7 +17,7 @@ and those down rows. A rank's reader is the one-rank reader (`reference.forward`
 At TP 1 the shard is the sidecar itself, and the per-rank reader the one-rank reader.
 
 Files. `write_shards` (`neuron-moe prep-reader --tp t`) writes `tp{t}-rank{r}.safetensors` per rank
-beside the whole sidecar, in the sidecar format of `prep.py` with the rank's geometry (intermediate
+beside the whole sidecar, in the sidecar format (`sidecar.py`) with the rank's geometry (intermediate
 I/t); their metadata adds `tp`, `tp_rank` and `expert_layout`, and keeps `source_sha256` of the whole
 model's expert weights. `open_shard` refuses a shard made for another TP degree, rank, layout or
 model, naming which.
@@ -33,8 +33,10 @@ from tqdm import tqdm
 from ..parallel import layout as tp_layout
 from ..report import atomic_write
 from . import reference
-from .prep import (CODES_PER_BYTE, Layout, LayerSidecar, Sidecar, SidecarError, _metadata,
-                   pack_codes, stream_layers, unpack_codes)
+from .accounting import rank_geometry
+from .geometry import Geometry
+from .sidecar import (CODES_PER_BYTE, LayerSidecar, Sidecar, SidecarError, SidecarLayout, metadata, pack_codes,
+                      stream_layers, unpack_codes)
 
 WHOLE = "reader.safetensors"  # the whole sidecar, in a `prep-reader --tp` directory
 
@@ -63,7 +65,8 @@ def shard_layer(layer, tp: int, rank: int) -> dict[str, torch.Tensor]:
     rows = scales.shape[-1]  # 2I
     if rows % (2 * tp):
         raise SidecarError(f"{rows // 2} expert channels do not split over {tp} ranks")
-    local = Layout(hidden=get("basis").shape[0], experts=E, intermediate=rows // (2 * tp), rank=get("basis").shape[1])
+    hidden, rank_u = get("basis").shape
+    local = SidecarLayout(Geometry(hidden=hidden, experts=E, intermediate=rows // (2 * tp)), rank_u)
     out = torch.zeros(E, nb, block, local.rows_padded // CODES_PER_BYTE, dtype=torch.uint8)
     for e in range(E):
         mine = rank_rows(unpack_codes(codes[e])[..., :rows], -1, tp, rank)
@@ -101,14 +104,15 @@ def write_shards(sidecar: Sidecar, out_dir: Path, tp: int, expert_layout: str = 
     if tp not in tp_layout.TP_DEGREES:
         raise SidecarError(f"TP degree {tp} is not one of {tp_layout.TP_DEGREES}")
     whole = sidecar.layout
-    if whole.intermediate % tp:
-        raise SidecarError(f"{sidecar.path}: {whole.intermediate} expert channels do not split over {tp} ranks")
-    local = Layout(whole.hidden, whole.experts, whole.intermediate // tp, whole.rank)
+    channels = whole.geometry.intermediate
+    if channels % tp:
+        raise SidecarError(f"{sidecar.path}: {channels} expert channels do not split over {tp} ranks")
+    local = SidecarLayout(rank_geometry(whole.geometry, tp), whole.rank)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / shard_name(tp, r) for r in range(tp)]
     for r, path in enumerate(paths):
-        meta = dict(_metadata(local, sidecar.layers, sidecar.scan, sidecar.seed, sidecar.source_sha256),
+        meta = dict(metadata(local, sidecar.layers, sidecar.scan, sidecar.seed, sidecar.source_sha256),
                     tp=str(tp), tp_rank=str(r), expert_layout=expert_layout)
         tensors = (shard_layer(sidecar.layer(i), tp, r) for i in range(sidecar.layers))
         with atomic_write(path, "wb") as f:
@@ -137,8 +141,8 @@ def open_shard(directory: Path, tp: int, rank: int, config, expert_layout: str =
     if side.expert_layout != expert_layout:
         raise SidecarError(f"{path}: a shard of the {side.expert_layout!r} expert layout, used with the "
                            f"{expert_layout!r} layout")
-    want = (config.hidden_size, config.num_experts, config.moe_intermediate_size // tp, config.num_hidden_layers)
-    have = (side.layout.hidden, side.layout.experts, side.layout.intermediate, side.layers)
+    want = (*rank_geometry(Geometry.from_config(config), tp).sizes, config.num_hidden_layers)
+    have = (*side.layout.geometry.sizes, side.layers)
     if want != have:
         raise SidecarError(f"{path}: shard geometry (hidden, experts, intermediate per rank, layers) = {have}, this "
                            f"model's at TP {tp} = {want}: a sidecar of another model")

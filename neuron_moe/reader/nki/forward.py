@@ -16,6 +16,8 @@ import torch
 
 from ...errors import UserError
 from .. import reference
+from ..geometry import Geometry
+from ..sidecar import SidecarLayout
 from . import plan as tiles
 from .plan import PMAX
 
@@ -76,7 +78,8 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int,
             kernels=None) -> torch.Tensor:
     """`reference.forward` (screen="sketch") on the NKI kernels (or `kernels`, anything with the same three)."""
     kernels = kernels or _nki_kernels()
-    layout = tiles.Layout(x.shape[-1], layer.codes.shape[0], down_rows.shape[1], layer.basis.shape[-1])
+    geo = Geometry(hidden=x.shape[-1], experts=layer.codes.shape[0], intermediate=down_rows.shape[1])
+    layout = SidecarLayout(geo, layer.basis.shape[-1])
     tiles.plan(layout, top_k_index.shape[1], k, scan, rank)  # refuse a geometry outside the tile limits
     xf = x.to(torch.float32).contiguous()
     partial = kernels.screen_kernel(**screen_inputs(xf, top_k_index, layer, scan))

@@ -1,6 +1,6 @@
 """The NKI kernels' tile and index plan: pure PyTorch, no Neuron SDK, tested on the CPU.
 
-The kernels (`kernels.py`) read the sidecar tensors that `reader/prep.py` writes, as 2-D
+The kernels (`kernels.py`) read the sidecar tensors (`reader/sidecar.py`), as 2-D
 views whose rows are what one DMA descriptor moves (`sidecar_views`), and gather those rows
 with indirect DMA: one row index per SBUF partition. Every row index they use comes from
 here, computed in PyTorch before the kernel runs:
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import UserError
-from ..prep import BLOCK, CODES_PER_BYTE, Layout
+from ..sidecar import BLOCK, CODES_PER_BYTE, SidecarLayout
 
 # NeuronCore-v2 limits (nki.language.tile_size): partitions of SBUF/PSUM, the free size of a
 # matmul's moving tile / one PSUM bank in fp32, and of its stationary tile.
@@ -75,9 +75,10 @@ class TilePlan:
         return self
 
 
-def plan(layout: Layout, top_k: int, k: int, scan: int, rank: int) -> TilePlan:
+def plan(layout: SidecarLayout, top_k: int, k: int, scan: int, rank: int) -> TilePlan:
     strip = layout.rows_padded // CODES_PER_BYTE
-    return TilePlan(layout.hidden, layout.blocks, strip, layout.rows, layout.intermediate, rank, scan, k, top_k).check()
+    geo = layout.geometry
+    return TilePlan(geo.hidden, layout.blocks, strip, layout.rows, geo.intermediate, rank, scan, k, top_k).check()
 
 
 def sidecar_views(layer) -> dict[str, torch.Tensor]:

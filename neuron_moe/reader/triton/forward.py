@@ -24,7 +24,7 @@ import triton
 from ...errors import UserError
 from .. import reference
 from ..hadamard import fwht
-from ..prep import BLOCK, CODES_PER_BYTE, SECTOR
+from ..sidecar import BLOCK, CODES_PER_BYTE, SECTOR
 from . import kernels
 
 # Tile sizes. BQ code bytes (5·BQ rows) per screen program: 32, one sector of a scanned strip

@@ -1,6 +1,6 @@
 """The reader's Triton kernels: rotate+scan, screen, select, exact (gate/up dots), recover, down.
 
-Every kernel reads the sidecar exactly as `reader/prep.py` writes it (docs/reader.md): codes
+Every kernel reads the sidecar exactly as `reader/sidecar.py` lays it out (docs/reader.md): codes
 uint8 [E, nb, 128, S] coordinate-major, base 3, five rows per byte; scales [E, nb, 2I];
 down_norms [E, I]; coeffs [E, I, rank]; basis [H, rank]; signs [nb·128]; the down projection
 as rows [E, I, H]. Weights and tokens may be bf16 or fp32: every load is converted to fp32

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ...errors import UserError
-from ..prep import BLOCK
+from ..sidecar import BLOCK
 from .forward import ATOMICS, _check_device, _hadamard, _workspace, activation, check_layer
 from .kernels import _down_recovery, _down_rows, _exact, _recover, _scores, _screen, _zero
 
