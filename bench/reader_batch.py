@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from neuron_moe.eval import reader_batch as RB  # noqa: E402
 from neuron_moe.eval import reader_eval as R  # noqa: E402
 from neuron_moe.eval.reader_report import _pyplot  # noqa: E402
-from neuron_moe.experts.selector import moe_layers  # noqa: E402
+from neuron_moe.experts.selector_experts import moe_layers  # noqa: E402
 from neuron_moe.model import build_model, prep_port  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader import accounting as A  # noqa: E402

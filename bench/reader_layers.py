@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from neuron_moe.eval import reader_eval as R  # noqa: E402
-from neuron_moe.experts.selector import moe_layers  # noqa: E402
+from neuron_moe.experts.selector_experts import moe_layers  # noqa: E402
 from neuron_moe.model import build_model, prep_port  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader import selectors as S  # noqa: E402

@@ -2,7 +2,7 @@
 
 For each degree (default 2, 4, 8) one set of t forked gloo processes runs, over validate's four
 default prompts and N new tokens, three generators whose graphs are exported once as rank 0
-(`parallel/generate.py`): the channel layout without the reader, the reader at 100 %, and the
+(`parallel/tp_generator.py`): the channel layout without the reader, the reader at 100 %, and the
 reader at --budget (recovery --rank). Step 0's logits come from the prefill graph, which runs the
 full experts in all three; the reader runs in the decode graph, steps 1…N−1. Reported: SEQ_MATCH
 against HF eager fp32 (`validate`'s reference); the reader at 100 % against the channel layout
@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS  # noqa: E402
 from neuron_moe.experts.channel_reader import attach_reader  # noqa: E402
-from neuron_moe.generate import greedy, left_pad  # noqa: E402
+from neuron_moe.greedy import greedy, left_pad  # noqa: E402
 from neuron_moe.model import build_model, prep_port  # noqa: E402
-from neuron_moe.parallel.generate import TPGenerator, generate_replicated  # noqa: E402
+from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.reader import shard  # noqa: E402
 from neuron_moe.reader.sidecar import Sidecar  # noqa: E402

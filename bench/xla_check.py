@@ -51,11 +51,11 @@ from neuron_moe import report  # noqa: E402
 from neuron_moe.errors import UserError  # noqa: E402
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS  # noqa: E402
 from neuron_moe.experts.int8 import _quantized  # noqa: E402
-from neuron_moe.generate import greedy, left_pad  # noqa: E402
+from neuron_moe.greedy import greedy, left_pad  # noqa: E402
 from neuron_moe.model import build_model  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.static import XLA_LOWERED_OPS_FILE, graph_ops, xla_lowered_ops  # noqa: E402
-from neuron_moe.static.generate import StaticGenerator, generate_batches  # noqa: E402
+from neuron_moe.static.generator import StaticGenerator, generate_batches  # noqa: E402
 from neuron_moe.tokenizer import ByteTokenizer  # noqa: E402
 
 # The default prompts need the 56-token bucket; the short pair runs the 8-token one.

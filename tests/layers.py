@@ -13,9 +13,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "neuron_moe"
 LAYERS = (
     ("foundations", ("", "errors", "report", "config", "tokenizer")),  # "": the package's __init__
     ("definitions", ("port", "tasks", "checkpoint", "reader", "parallel.layout")),
-    ("modules", ("experts", "static", "parallel", "generate")),
-    # The generate loops over a port's graphs build the port's model: workflows, not modules.
-    ("workflows", ("model", "static.generate", "parallel.generate", "neuron", "eval", "training", "publish",
+    ("modules", ("experts", "static", "parallel", "greedy")),
+    # The generators over a port's graphs build the port's model: workflows, not modules.
+    ("workflows", ("model", "static.generator", "parallel.tp_generator", "neuron", "eval", "training", "publish",
                    "info")),
     ("surfaces", ("serve", "cli", "cli_parser", "__main__")),
 )

@@ -11,7 +11,7 @@ from neuron_moe import cli
 from neuron_moe.checkpoint import save_checkpoint
 from neuron_moe.errors import UserError
 from neuron_moe.experts.channel_reader import attach_reader
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.prep import write_sidecar

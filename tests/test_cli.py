@@ -6,7 +6,7 @@ import torch
 
 from neuron_moe import cli
 from neuron_moe.eval import seq_match
-from neuron_moe.generate import Generation
+from neuron_moe.greedy import Generation
 
 
 def test_validate_passes_and_writes_json(tmp_path, capsys):

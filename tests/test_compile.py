@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from neuron_moe.cli import main
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.neuron import artifact as na
 from neuron_moe.neuron import compile as nc
 from neuron_moe.parallel import nxd

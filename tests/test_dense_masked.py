@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from neuron_moe.experts.dense_masked import dense_masked_forward, router_weight_matrix
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.static import data_dependent_ops
 from transformers.integrations.moe import ExpertsInterface

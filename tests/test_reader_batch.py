@@ -275,8 +275,8 @@ def test_decode_batches_teacher_forced_are_the_full_model(tiny_eager, short_sequ
 
 def test_every_step_holds_b_tokens_and_generation_is_greedy(tiny_port, tiny_eager, short_sequences, tmp_path):
     from neuron_moe.eval import reader_batch as RB
-    from neuron_moe.experts.selector import moe_layers
-    from neuron_moe.generate import greedy
+    from neuron_moe.experts.selector_experts import moe_layers
+    from neuron_moe.greedy import greedy
     from neuron_moe.model import prep_port
     from neuron_moe.reader.sidecar import Sidecar
 

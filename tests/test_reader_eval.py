@@ -11,7 +11,7 @@ import torch
 
 from neuron_moe import cli
 from neuron_moe.eval import reader_eval as R
-from neuron_moe.experts.selector import attach_selector, moe_layers
+from neuron_moe.experts.selector_experts import attach_selector, moe_layers
 from neuron_moe.reader import selectors as S
 from neuron_moe.model import build_model, prep_port
 from neuron_moe.reader.geometry import Geometry

@@ -12,7 +12,7 @@ from neuron_moe.errors import UserError
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS, compare
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.experts.int8 import int8_experts, int8_forward
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.reader import accounting as A
 from neuron_moe.reader import reference
@@ -144,7 +144,7 @@ def test_eval_reader_int8_selectors(tiny_port, sidecar):
     """eval-reader's `reader[-rN]-int8[dq]`: budgets stay a share of the bf16 read (equal bytes); at
     the int8 experts' whole read the selector is the int8 experts."""
     from neuron_moe.eval.reader_eval import EvalError, parse_spec
-    from neuron_moe.experts.selector import moe_layers
+    from neuron_moe.experts.selector_experts import moe_layers
     from neuron_moe.reader import selectors as S
     from neuron_moe.reader.sidecar import Sidecar
 

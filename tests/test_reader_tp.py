@@ -24,12 +24,12 @@ from safetensors.torch import load_file
 from neuron_moe.cli import main
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.model import prep_port, reader_model
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.neuron import artifact as na
 from neuron_moe.neuron import compile as nc
 from neuron_moe.parallel import cpu, layout, nxd, reader
-from neuron_moe.parallel.generate import TPGenerator
+from neuron_moe.parallel.tp_generator import TPGenerator
 from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.parallel.trace import export_rank0, forward_job, generation_job, run_replicated
 from neuron_moe.reader import reference, shard

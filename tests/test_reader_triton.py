@@ -13,7 +13,7 @@ from transformers.activations import ACT2FN
 import trained_like
 from neuron_moe import cli
 from neuron_moe.experts.channel_reader import attach_reader
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.errors import UserError
 from neuron_moe.reader import reference

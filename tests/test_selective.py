@@ -3,7 +3,7 @@
 import torch
 
 from neuron_moe.experts.selective import gather_forward
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.static import data_dependent_ops
 from transformers.integrations.moe import ExpertsInterface

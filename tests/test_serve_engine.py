@@ -4,7 +4,7 @@ prompts (the batching engine: test_serve_batching.py; the Neuron backend: test_s
 import pytest
 import torch
 
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
 from neuron_moe.serve.engine import (Engine, GenerationError, HFBackend, RequestError, SamplingParams, held_back,
                                      sample)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.neuron.artifact import FORMAT
 from neuron_moe.serve import neuron
 from neuron_moe.serve.batching import BatchEngine

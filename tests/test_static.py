@@ -11,14 +11,14 @@ import torch
 
 from neuron_moe import cli
 from neuron_moe.eval import seq_match
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.static import data_dependent_ops, ops_not_lowered, xla_lowered_ops
-from neuron_moe.static import generate as static_generate
+from neuron_moe.static import generator as static_generator
 from neuron_moe.static.cache import _bucket_columns, decode_mask, state_tensors
 from neuron_moe.static.decoder import Decode, new_cache
 from neuron_moe.static.export import GraphError, checked, decode_inputs, functional, state_problems
-from neuron_moe.static.generate import StaticGenerator, StaticInputError
+from neuron_moe.static.generator import StaticGenerator, StaticInputError
 from neuron_moe.static.loop import prefill_row
 
 from conftest import port_text_elsewhere, random_prompts
@@ -168,7 +168,7 @@ def test_a_row_joins_while_another_is_mid_generation(generator, tiny_eager):
 def test_validate_traced_matches_on_every_prompt(generator, monkeypatch, tmp_path, capsys):
     """The CLI path end to end (prompts in batches of the compiled size), on the module's exported
     programs rather than a second export of the same graphs."""
-    monkeypatch.setattr(static_generate, "StaticGenerator", lambda model, spec, logits: generator)
+    monkeypatch.setattr(static_generator, "StaticGenerator", lambda model, spec, logits: generator)
     out = tmp_path / "traced.json"
     assert cli.main(["validate", "--backend", "traced", "--max-new-tokens", "32", "--json", str(out)]) == 0
     report = json.loads(out.read_text())

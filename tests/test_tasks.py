@@ -13,7 +13,7 @@ from neuron_moe.checkpoint import load_checkpoint
 from neuron_moe.errors import UserError
 from neuron_moe import tasks as T
 from neuron_moe.eval.tasks import evaluate, score_items
-from neuron_moe.generate import Generation
+from neuron_moe.greedy import Generation
 from neuron_moe.port import load_port
 from neuron_moe.tokenizer import HFTokenizer, load_tokenizer
 from neuron_moe.training.corpus import CorpusError, build_corpus, read_fortunes, read_jsonl

@@ -12,10 +12,10 @@ rolled; the shorter one to the 8-slot bucket, so the two rows decode at differen
 import pytest
 import torch
 
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.parallel import cpu, layout
-from neuron_moe.parallel.generate import TPGenerator, generate_replicated
+from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.parallel.model import rank_model
 
 from conftest import expert_reads, random_prompts

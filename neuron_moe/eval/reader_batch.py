@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..experts.selector import attach_selector
+from ..experts.selector_experts import attach_selector
 from ..static.decoder import Decode, Prefill, new_cache
 from .reader_eval import Sequence
 

@@ -2,7 +2,7 @@
 
 The model runs in fp32 with HF's eager experts as the reference; for each cell (selector ×
 retention rule × budget) every layer's routed experts go through `reader/selectors.py`
-(`experts/selector.py`, on every token, prefill and decode alike) and the rest stays exact.
+(`experts/selector_experts.py`, on every token, prefill and decode alike) and the rest stays exact.
 
 Data. Evaluation: the task suite's evaluation items (`tasks.eval_items`, seed 1234; prompt +
 answer + EOS, teacher forced: the scored positions are those that predict an answer token) and,
@@ -28,20 +28,24 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from tqdm import tqdm
 
 from .. import tasks as T
 from ..errors import UserError
 from ..experts.int8 import int8_experts
-from ..experts.selector import attach_selector, moe_layers
+from ..experts.selector_experts import attach_selector, moe_layers
+from ..greedy import greedy
 from ..model import build_model, prep_port
-from ..reader import selectors
 from ..parallel.layout import TP_DEGREES
+from ..reader import selectors
 from ..reader.accounting import BudgetError, full_bytes, rank_geometry, solve_k, solve_rank_k
 from ..reader.geometry import Geometry
 from ..reader.prep import model_expert_weights, write_sidecar
 from ..reader.sidecar import SECTOR, Sidecar
 from ..report import read_json_object, write_json
 from ..tokenizer import load_tokenizer
+from ..training.corpus import read_jsonl
+from .reader_report import plot, write_markdown
 from .tasks import accuracy_by_task, score_items
 
 RULES = ("topk", "threshold")
@@ -150,8 +154,6 @@ def corpus_text(corpus: str | None, name: str, docs: int) -> list[str]:
     """The first `docs` text documents of a build-corpus file (none without a corpus)."""
     if corpus is None:
         return []
-    from ..training.corpus import read_jsonl
-
     return [r["text"] for r in read_jsonl(Path(corpus) / name) if r.get("kind", "text") == "text"][:docs]
 
 
@@ -300,8 +302,6 @@ class Run:
     def full_reference(self) -> list:
         """Computed only when a cell is measured: a resumed run whose cells are all done skips it."""
         if self.reference is None:
-            from tqdm import tqdm
-
             with tqdm(total=len(self.evaluation), desc="eval-reader: full model, teacher forced", leave=False) as bar:
                 self.reference = teacher_forced(self.model, self.evaluation, progress=bar)
         return self.reference
@@ -338,8 +338,6 @@ class Run:
 
     def generate(self, progress=None) -> list[dict]:
         """Greedy answers, one batch per task (a batch runs as many steps as its longest answer)."""
-        from ..generate import greedy
-
         rows = []
         for task in dict.fromkeys(i.task for i in self.items):
             mine = [i for i in self.items if i.task == task]
@@ -438,8 +436,6 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
 def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: list[str], out: Path,
              settings: Settings) -> dict:
     """Every cell (skipping those OUT already holds), then the merged report: OUT/report.json."""
-    from tqdm import tqdm
-
     out = Path(out)
     if settings.corpus is not None:
         for name in ("eval_text.jsonl", "calib.jsonl"):
@@ -481,8 +477,6 @@ def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: li
                                 "every position of the held-out text",
               "full_model": {"accuracy": full_acc}, "cells": results}
     write_json(report, str(out / "report.json"))
-    from .reader_report import plot, write_markdown
-
     write_markdown(report, out / "report.md")
     report["plots"] = [str(p) for p in plot(report, out)]
     return report

@@ -12,11 +12,11 @@ from collections.abc import Callable
 import torch
 
 from ..errors import UserError
-from ..generate import Generation, greedy, left_pad
+from ..greedy import Generation, greedy, left_pad
 from ..model import build_model, reader_model
-from ..parallel.generate import BACKENDS as TP_BACKENDS
+from ..parallel.tp_generator import BACKENDS as TP_BACKENDS
 from ..report import table
-from ..static.generate import traced_backend
+from ..static.generator import traced_backend
 from ..tokenizer import answer_text
 
 # In the trained default model's domain (neuron_moe/tasks.py): a fact, two tasks, and text.

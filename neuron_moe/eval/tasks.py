@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..generate import left_pad
+from ..greedy import left_pad
 from ..model import build_model
 from ..report import table
 from ..tasks import TASKS, Item, eval_items

@@ -11,7 +11,7 @@ from .channel_reader import channel_reader_forward
 from .dense_masked import dense_masked_forward
 from .int8 import int8_forward
 from .selective import selective_forward
-from .selector import selector_forward
+from .selector_experts import selector_forward
 
 IMPLEMENTATIONS = {
     "dense_masked": dense_masked_forward,

@@ -31,6 +31,7 @@ from ..errors import UserError
 from ..reader import reference, shard
 from ..reader.accounting import ReaderSettings, solve_k, solve_rank_k
 from ..reader.geometry import Geometry
+from ..reader.nki import forward as nki
 from ..reader.prep import down_rows, model_expert_weights
 from ..reader.sidecar import LAYER_TENSORS, Sidecar, SidecarError
 from .dense_masked import dense_masked_forward
@@ -51,10 +52,8 @@ def reader_forward(backend: str):
             raise UserError(f"reader backend 'triton' needs triton ({e}); pip install 'neuron-moe[triton]'") from None
         return forward
     if backend == "nki":
-        from ..reader.nki.forward import _nki_kernels, forward
-
-        _nki_kernels()  # a UserError without the Neuron SDK, now rather than at the first decode step
-        return forward
+        nki.load_kernels()  # a UserError without the Neuron SDK, now rather than at the first decode step
+        return nki.forward
     raise UserError(f"unknown reader backend {backend!r}; expected one of {', '.join(READER_BACKENDS)}")
 
 

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Gemma4TextConfig
 
+from ..errors import UserError
 from ..experts.int8 import quantize_experts
 from ..info import meta_model, parameter_group
 from ..parallel import layout
@@ -198,8 +199,6 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
     report = {"model": model, "instance": instance, "tp": tp, "dtype": dtype, "expert_layout": expert_layout,
               "batch": batch, "seq": seq, "core_hbm_bytes": CORE_HBM, "runtime_reserve_bytes": runtime_reserve}
     if reader is not None and (expert_layout != layout.CHANNEL or dtype != "bf16"):
-        from ..errors import UserError
-
         raise UserError(f"the reader runs in the channel expert layout's bf16 graphs, not {expert_layout} / {dtype}")
     try:
         layout.check_degree(config, tp, expert_layout)

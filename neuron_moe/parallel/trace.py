@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ..generate import Generation
+from ..greedy import Generation
 from ..static.cache import share_state
 from ..static.loop import run_graphs
 

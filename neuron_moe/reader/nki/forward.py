@@ -65,7 +65,7 @@ def recover_inputs(unchosen, top_k_index, layer, rank: int) -> dict[str, torch.T
             "unchosen": _padded(unchosen.reshape(T, -1), ct * PMAX).view(T, ct, PMAX, 1)}
 
 
-def _nki_kernels():
+def load_kernels():
     try:
         from . import kernels  # imports the Neuron SDK's nki: present only on Neuron
     except ImportError as e:
@@ -77,7 +77,7 @@ def _nki_kernels():
 def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int, act_fn,
             kernels=None) -> torch.Tensor:
     """`reference.forward` (screen="sketch") on the NKI kernels (or `kernels`, anything with the same three)."""
-    kernels = kernels or _nki_kernels()
+    kernels = kernels or load_kernels()
     geo = Geometry(hidden=x.shape[-1], experts=layer.codes.shape[0], intermediate=down_rows.shape[1])
     layout = SidecarLayout(geo, layer.basis.shape[-1])
     tiles.plan(layout, top_k_index.shape[1], k, scan, rank)  # refuse a geometry outside the tile limits

@@ -15,7 +15,7 @@ from torch.export.passes import move_to_device_pass
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..generate import Generation
+from ..greedy import Generation
 from ..model import build_model
 from ..port import StaticSpec
 from .cache import share_state

@@ -1,6 +1,6 @@
 import torch
 
-from neuron_moe.generate import greedy, left_pad
+from neuron_moe.greedy import greedy, left_pad
 
 from conftest import random_prompts
 

@@ -66,7 +66,7 @@ def selector_forward(self, hidden_states, top_k_index, top_k_weights):
     state = getattr(self, "selector", None)
     if state is None:
         raise UserError("selector: no selector attached to this layer; call "
-                        "neuron_moe.experts.selector.attach_selector(model, name, layers, rules) first")
+                        "neuron_moe.experts.selector_experts.attach_selector(model, name, layers, rules) first")
     if state.active is not None:
         out = torch.zeros_like(hidden_states)
         rows = state.active

@@ -22,11 +22,11 @@ import torch
 
 from ..errors import UserError
 from ..experts.int8 import quantize_experts
-from ..generate import Generation
+from ..greedy import Generation
 from ..model import build_model
 from ..reader.prep import model_expert_weights
 from ..static.export import checked, example_inputs, functional
-from ..static.generate import StaticGenerator
+from ..static.generator import StaticGenerator
 from . import cpu, layout, reader
 from .model import rank_model
 from .trace import export_rank0, generation_job, run_replicated
