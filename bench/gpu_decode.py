@@ -16,7 +16,7 @@ Experts, per model and batch:
 
 - `batched_mm`, `grouped_mm`: transformers' implementations of the full experts (both timed; the faster
   is the baseline the reader is compared with);
-- `reader-17.8`, `reader-12.8`: `channel_reader` on the Triton backend (`--reader-variants`: the default
+- `reader-17.8`, `reader-12.8`: `channel_reader` on the Triton kernels (`--reader-variants`: the default
   kernels, and variants of bench/gpu_reader.py beside them at 17.8 %: `reader-17.8 NAME`), its sidecar
   prepped on the GPU from the model's own
   expert weights (`reader/prep.py` prep_layer, layer by layer) within `--prep-seconds`. Layers past that
@@ -37,7 +37,7 @@ capture of the eager forward needs neither and is the same for every experts imp
 
 Check, at batch 1 before any timing: one decode step on the same prompt, the first MoE layer's experts
 output of each configuration against a reference — the full experts against `dense_masked`
-(fixed-shape, all experts), the reader against its own PyTorch reference backend on the same sidecar —
+(fixed-shape, all experts), the reader against its own PyTorch reference kernel on the same sidecar —
 within 2e-2 of its largest entry (bf16, as bench/gpu_reader.py's check). The first layer's experts see
 the same input whichever implementation runs; the logits do not (random weights through every layer in
 bf16 amplify rounding: `first_step`), so their difference is recorded (`logits_rel_err`), not checked.

@@ -55,7 +55,7 @@ def cmd_validate(args) -> int:
     prompts = list(DEFAULT_PROMPTS) + list(args.prompt or [])
     dtype = DTYPES[args.dtype] if args.dtype else None
     options = backend_options(args.backend, sidecar=args.sidecar, budget=args.budget, rank=args.rank,
-                              reader_backend=args.reader_backend, reader_weights=args.reader_weights,
+                              reader_kernel=args.reader_kernel, reader_weights=args.reader_weights,
                               expert_layout=args.expert_layout)
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)

@@ -10,7 +10,7 @@ import neuron_moe
 
 from .eval import reader_eval
 from .eval.seq_match import BACKENDS
-from .experts.channel_reader import READER_BACKENDS
+from .experts.channel_reader import READER_KERNELS
 from .neuron.compile import DTYPES as COMPILE_DTYPES
 from .neuron.plan import DEFAULT_RUNTIME_RESERVE, DTYPES as PLAN_DTYPES, GiB, INSTANCES
 from .parallel.layout import EXPERT_LAYOUTS, TP_DEGREES
@@ -77,8 +77,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, metavar="PERCENT",
                    help="reader: share of the routed-expert bytes read per token, in (0, 100]")
     p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
-    p.add_argument("--reader-backend", choices=READER_BACKENDS,
-                   help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron)")
+    p.add_argument("--reader-kernel", "--reader-backend", dest="reader_kernel", choices=READER_KERNELS,
+                   help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron); "
+                        "--reader-backend is its old name")
     p.add_argument("--reader-weights", choices=WEIGHTS,
                    help="reader: the experts it reads, the model's own (bf16, default) or the int8 experts' numbers "
                         "(exact rows in int8 with their scales, prefill through the int8 experts; reference only)")

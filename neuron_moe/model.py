@@ -75,15 +75,15 @@ def build_model(
     return model.eval()
 
 
-def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_backend="reference",
+def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_kernel="reference",
                  reader_weights="bf16"):
     """The port's model with the reader attached (see `reader_settings` for the defaults). The backend,
     sidecar, rank and budget are checked before the weights load (minutes, for a large checkpoint)."""
-    reader_forward(reader_backend)
+    reader_forward(reader_kernel)
     sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
     plan_reader(port.config, sidecar, budget, rank, reader_weights)
     model = build_model(port, "eager", dtype, checkpoint)
-    attach_reader(model, sidecar, budget, rank, reader_backend, reader_weights)
+    attach_reader(model, sidecar, budget, rank, reader_kernel, reader_weights)
     return model
 
 

@@ -38,7 +38,7 @@ def test_gpu_decode_bench_dry_run(tmp_path):
         assert [(r["experts"], r["batch"]) for r in rows] == [(c, b) for c in configs for b in (1, 2)]
         for r in rows:
             assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["cuda_graph"] is False, r
-            if r["batch"] == 1:  # checked against dense_masked (full) or the reader's reference backend
+            if r["batch"] == 1:  # checked against dense_masked (full) or the reader's reference kernel
                 assert r["check_ok"] and r["check_rel_err"] <= 2e-2 and r["logits_rel_err"] >= 0, r
             if r["experts"].startswith("reader"):
                 assert 0 < r["k"] and (r["batch"] > 1 or r["vs_full"] > 1e-3), r  # it ran, and sparsely

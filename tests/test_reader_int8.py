@@ -126,8 +126,8 @@ def test_a_sidecar_of_the_dequantised_int8_is_accepted_for_int8_only(tiny_port, 
         attach_reader(build_model(tiny_port), dq, budget=60, rank=0)  # bf16 reads the weights themselves
     with pytest.raises(SidecarError, match="made from other expert weights"):
         attach_reader(build_model(reseeded(tiny_port, 99)), sidecar, budget=60, weights="int8")
-    with pytest.raises(UserError, match="int8 experts runs on the reference backend only"):
-        attach_reader(build_model(tiny_port), sidecar, budget=60, weights="int8", backend="triton")
+    with pytest.raises(UserError, match="int8 experts runs on the reference kernel only"):
+        attach_reader(build_model(tiny_port), sidecar, budget=60, weights="int8", kernel="triton")
     assert sum(1 for _ in model_expert_weights(model)) == 4
 
 

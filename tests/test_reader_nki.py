@@ -159,5 +159,5 @@ def test_the_kernel_source_parses():
 def test_without_the_sdk_the_nki_backend_is_a_clear_error():
     from neuron_moe.experts.channel_reader import reader_forward
 
-    with pytest.raises(UserError, match="reader backend 'nki' needs the Neuron SDK's nki package"):
+    with pytest.raises(UserError, match="reader kernel 'nki' needs the Neuron SDK's nki package"):
         reader_forward("nki")

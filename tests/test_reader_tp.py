@@ -224,7 +224,7 @@ def test_a_shard_for_another_tp_rank_layout_or_model_is_refused(tiny_port, shard
 @pytest.mark.parametrize("flags, message", [
     (["--budget", "17.8"], r"per rank at TP 8 .* budget 17.8% is below what the reader reads before any exact "
                            r"channel \(84\.90%: sketch 42\.19%, norms 1\.04%, recovery 41\.67%\)"),
-    (["--budget", "60", "--reader-backend", "nki"], "no --reader-backend"),
+    (["--budget", "60", "--reader-backend", "nki"], "no --reader-kernel"),  # the old name still parses
     (["--budget", "60", "--expert-layout", "expert"], "the reader runs on the 'channel' expert layout"),
 ])
 def test_validate_tp8_reader_refuses_before_running(shards, capsys, flags, message):

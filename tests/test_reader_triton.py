@@ -323,21 +323,21 @@ def test_an_unsupported_activation_is_refused(odd):
         odd.run(triton_reader.forward, act_fn=torch.nn.ReLU())
 
 
-def test_the_hf_model_on_the_triton_backend(tiny_port, tmp_path, capsys):
-    """`attach_reader(..., backend="triton")`: the decode steps' logits are the reference backend's."""
+def test_the_hf_model_on_the_triton_kernels(tiny_port, tmp_path, capsys):
+    """`attach_reader(..., kernel="triton")`: the decode steps' logits are the reference kernel's."""
     sidecar = tmp_path / "tiny.safetensors"
     assert cli.main(["prep-reader", "--out", str(sidecar)]) == 0
     ids, mask = left_pad(random_prompts(tiny_port.config.vocab_size, [5, 3], seed=4), pad_id=0)
     logits = {}
-    for backend in ("reference", "triton"):
+    for kernel in ("reference", "triton"):
         model = build_model(tiny_port)
-        attach_reader(model, sidecar, budget=60, backend=backend)
-        logits[backend] = greedy(model, ids, mask, 2).logits[:, 1]  # a decode step (step 0 is the prefill)
+        attach_reader(model, sidecar, budget=60, kernel=kernel)
+        logits[kernel] = greedy(model, ids, mask, 2).logits[:, 1]  # a decode step (step 0 is the prefill)
     close(logits["triton"], logits["reference"])
-    with pytest.raises(UserError, match="unknown reader backend 'cuda'"):
-        attach_reader(build_model(tiny_port), sidecar, budget=60, backend="cuda")
-    assert cli.main(["validate", "--reader-backend", "triton"]) == 2
-    assert "--reader-backend apply to --backend reader only" in capsys.readouterr().err
+    with pytest.raises(UserError, match="unknown reader kernel 'cuda'"):
+        attach_reader(build_model(tiny_port), sidecar, budget=60, kernel="cuda")
+    assert cli.main(["validate", "--reader-kernel", "triton"]) == 2
+    assert "--reader-kernel apply to --backend reader only" in capsys.readouterr().err
 
 
 def test_the_triton_backend_refuses_cpu_tensors_outside_the_interpreter(odd, monkeypatch):

@@ -39,7 +39,7 @@ def _hf_backend(experts: str):
 
 
 def _reader_backend(port, dtype, checkpoint, **options) -> Generator:
-    model = reader_model(port, dtype, checkpoint, **options)  # options: sidecar, budget, rank, reader_backend
+    model = reader_model(port, dtype, checkpoint, **options)  # options: sidecar, budget, rank, reader_kernel
     return lambda ids, mask, n: greedy(model, ids, mask, n)
 
 
@@ -53,19 +53,19 @@ BACKENDS: dict[str, Callable[..., Generator]] = {
 }
 
 
-def backend_options(backend: str, *, sidecar=None, budget=None, rank=None, reader_backend=None, reader_weights=None,
+def backend_options(backend: str, *, sidecar=None, budget=None, rank=None, reader_kernel=None, reader_weights=None,
                     expert_layout=None) -> dict:
     """The options given (not None) that BACKENDS[backend] is built with; options it does not take are
     refused. The reader takes them all but expert_layout; tp8 runs the reader in its decode graph with
     sidecar, budget and rank; the TP backends take expert_layout."""
-    given = {"sidecar": sidecar, "budget": budget, "rank": rank, "reader_backend": reader_backend,
+    given = {"sidecar": sidecar, "budget": budget, "rank": rank, "reader_kernel": reader_kernel,
              "reader_weights": reader_weights}
     options = {k: v for k, v in given.items() if v is not None}
     tp_reader = backend == "tp8" and bool(options)  # the reader in the TP 8 decode graph
-    if tp_reader and ({"reader_backend", "reader_weights"} & options.keys() or sidecar is None):
+    if tp_reader and ({"reader_kernel", "reader_weights"} & options.keys() or sidecar is None):
         raise UserError("--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp 8`) and "
                         "--budget; its kernels are the PyTorch reference over the bf16 experts "
-                        "(no --reader-backend, no --reader-weights)")
+                        "(no --reader-kernel, no --reader-weights)")
     if options and backend != "reader" and not tp_reader:
         raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only "
                         f"(--sidecar, --budget and --rank also to tp8)")

@@ -11,7 +11,7 @@ Decode or prefill is decided from a shape, never from values: a pre-hook on each
 layer records whether its input holds one new token per sequence ([B, 1, H]); then the
 experts run the reader, otherwise the full experts (DenseExperts' fixed-shape compute).
 
-The reader's decode step runs on one of READER_BACKENDS, all consuming the same sidecar
+The reader's decode step runs on one of READER_KERNELS, all consuming the same sidecar
 tensors: `reference` (PyTorch, any device), `triton` (CUDA kernels, `reader/triton/`), `nki`
 (NeuronCore kernels, `reader/nki/`).
 
@@ -38,23 +38,23 @@ from .dense_masked import dense_masked_forward
 from .int8 import int8_experts, int8_forward
 
 
-READER_BACKENDS = ("reference", "triton", "nki")
+READER_KERNELS = ("reference", "triton", "nki")
 
 
-def reader_forward(backend: str):
-    """The decode-step forward of a reader backend (same signature as `reference.forward`)."""
-    if backend == "reference":
+def reader_forward(kernel: str):
+    """The decode-step forward of the reader on `kernel` (same signature as `reference.forward`)."""
+    if kernel == "reference":
         return reference.forward
-    if backend == "triton":
+    if kernel == "triton":
         try:
             from ..reader.triton.forward import forward
         except ImportError as e:
-            raise UserError(f"reader backend 'triton' needs triton ({e}); pip install 'neuron-moe[triton]'") from None
+            raise UserError(f"reader kernel 'triton' needs triton ({e}); pip install 'neuron-moe[triton]'") from None
         return forward
-    if backend == "nki":
+    if kernel == "nki":
         nki.load_kernels()  # a UserError without the Neuron SDK, now rather than at the first decode step
         return nki.forward
-    raise UserError(f"unknown reader backend {backend!r}; expected one of {', '.join(READER_BACKENDS)}")
+    raise UserError(f"unknown reader kernel {kernel!r}; expected one of {', '.join(READER_KERNELS)}")
 
 
 class ReaderState(torch.nn.Module):
@@ -93,18 +93,18 @@ def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = N
 
 @torch.no_grad()
 def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = None,
-                  backend: str = "reference", weights: str = "bf16", tp: int = 1) -> int:
+                  kernel: str = "reference", weights: str = "bf16", tp: int = 1) -> int:
     """Attach a sidecar to every MoE layer and select `channel_reader`; returns k per token.
 
     Refuses a sidecar of another geometry or made from other weights. `rank` (default: the
-    sidecar's) may lower the recovery rank; 0 turns recovery off. `backend`: one of READER_BACKENDS.
+    sidecar's) may lower the recovery rank; 0 turns recovery off. `kernel`: one of READER_KERNELS.
     `weights`: "bf16" (the model's own experts) or "int8" (the int8 experts' numbers).
     `tp` > 1 emulates in this one process the per-rank reader of TP `tp` on the channel layout
     (`reader/shard.py`): each rank's k channels among its own, summed; returns k per rank.
     """
-    if weights == "int8" and backend != "reference":
-        raise UserError(f"the reader over int8 experts runs on the reference backend only, not {backend!r}")
-    forward = reader_forward(backend)
+    if weights == "int8" and kernel != "reference":
+        raise UserError(f"the reader over int8 experts runs on the reference kernel only, not {kernel!r}")
+    forward = reader_forward(kernel)
     if weights == "int8" and tp > 1:
         raise UserError(f"the reader over int8 experts runs at TP 1 only, not the per-rank emulation at TP {tp}")
     side, k, rank = plan_reader(model.config, sidecar, budget, rank, weights)
@@ -113,8 +113,8 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
     else:
         side.check_source(model_expert_weights(model))
     if tp > 1:
-        if backend != "reference":
-            raise UserError("the per-rank reader emulation (tp > 1) runs on the reference backend")
+        if kernel != "reference":
+            raise UserError("the per-rank reader emulation (tp > 1) runs on the reference kernel")
         k = solve_rank_k(Geometry.from_config(model.config), ReaderSettings(scan=side.scan, rank=rank), budget, tp)
     for i, layer in enumerate(model.model.layers):
         experts = layer.experts

@@ -69,7 +69,7 @@ def load_kernels():
     try:
         from . import kernels  # imports the Neuron SDK's nki: present only on Neuron
     except ImportError as e:
-        raise UserError(f"reader backend 'nki' needs the Neuron SDK's nki package ({e}); run it in the Neuron "
+        raise UserError(f"reader kernel 'nki' needs the Neuron SDK's nki package ({e}); run it in the Neuron "
                         f"images (see README \"Neuron\")") from None
     return kernels
 

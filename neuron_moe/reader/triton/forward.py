@@ -209,7 +209,7 @@ def _workspace(T: int, sizes: dict[str, tuple[int, ...]], device, zeroed: bool =
 
 def _check_device(x):
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise UserError(f"reader backend 'triton' needs CUDA tensors (these are on {x.device}); on a CPU, "
+        raise UserError(f"reader kernel 'triton' needs CUDA tensors (these are on {x.device}); on a CPU, "
                         f"TRITON_INTERPRET=1 runs the kernels in Triton's interpreter (slow: for tests)")
 
 
