@@ -99,7 +99,7 @@ def _bin_label(b) -> str:
 
 
 def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # loaded by _pyplot already (the figure exists): no new import
 
     fig.tight_layout()
     try:

@@ -47,7 +47,7 @@ def reader_forward(kernel: str):
         return reference.forward
     if kernel == "triton":
         try:
-            from ..reader.triton.forward import forward
+            from ..reader.triton.forward import forward  # imports triton (the triton extra): only when asked
         except ImportError as e:
             raise UserError(f"reader kernel 'triton' needs triton ({e}); pip install 'neuron-moe[triton]'") from None
         return forward
