@@ -16,7 +16,8 @@ from .neuron.plan import DEFAULT_RUNTIME_RESERVE, DTYPES as PLAN_DTYPES, GiB, IN
 from .parallel.layout import EXPERT_LAYOUTS, TP_DEGREES
 from .port import DEFAULT_PORT, DTYPES
 from .reader.accounting import STEP_BUDGET, WEIGHTS
-from .reader.prep import BLOCK, RANK, SCAN
+from .reader.prep import RANK, SCAN
+from .reader.sidecar import BLOCK
 from .serve.backends import BACKENDS as SERVE_BACKENDS
 from .tasks import SPLITS, TASKS
 from .training.corpus import FORTUNES_DIR
