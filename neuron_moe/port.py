@@ -87,9 +87,22 @@ class Port:
         return self.static
 
 
+def _ports_dir():
+    """The built-in ports: `neuron_moe.ports` where the project is installed (a wheel, or editable);
+    the checkout's own `ports/` where the package is imported from the checkout with nothing
+    installed (PYTHONPATH=repo, as the GPU session runs), the one place that package maps to."""
+    try:
+        return resources.files("neuron_moe.ports")
+    except ModuleNotFoundError:
+        checkout = Path(__file__).resolve().parents[1] / "ports"
+        if not (checkout / "__init__.py").is_file():
+            raise PortError(f"no built-in ports: neuron_moe.ports is not installed and {checkout} does not "
+                            "exist (install the project: pip install .)") from None
+        return checkout
+
+
 def builtin_ports() -> list[str]:
-    return sorted(p.name[: -len(".toml")] for p in resources.files("neuron_moe.ports").iterdir()
-                  if p.name.endswith(".toml"))
+    return sorted(p.name[: -len(".toml")] for p in _ports_dir().iterdir() if p.name.endswith(".toml"))
 
 
 def _port_path(name_or_path: str) -> Path:
@@ -98,7 +111,7 @@ def _port_path(name_or_path: str) -> Path:
         if not path.is_file():
             raise PortError(f"port file not found: {path}")
         return path
-    res = resources.files("neuron_moe.ports") / f"{name_or_path}.toml"
+    res = _ports_dir() / f"{name_or_path}.toml"
     if not res.is_file():
         raise PortError(f"unknown port {name_or_path!r}; built-in ports: {', '.join(builtin_ports())}")
     return Path(str(res))

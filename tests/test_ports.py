@@ -199,6 +199,17 @@ def test_ports_are_packaged_in_the_wheel(tmp_path):
             "tiny-gemma4-moe/tokenizer.json", "tiny-gemma4-moe/config.json"} <= shipped
 
 
+def test_a_checkout_with_nothing_installed_finds_its_ports(tmp_path):
+    """PYTHONPATH=checkout and no install (the GPU session's way): neuron_moe.ports does not exist,
+    and the ports come from the checkout's ports/."""
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+            f"sys.path.insert(0, {str(ROOT)!r}); import importlib.util as u; assert u.find_spec('neuron_moe.ports') is None; "
+            "from neuron_moe.port import builtin_ports, load_port; "
+            "print(builtin_ports(), load_port('tiny-gemma4-moe').checkpoint)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"{builtin_ports()} {ROOT / 'ports' / 'tiny-gemma4-moe'}"
+
+
 def test_pyproject_lists_every_package():
     """pyproject.toml lists the packages (find cannot see neuron_moe.ports, mapped from ports/). One
     left out would still ship, as its parent's data, with only a warning: so compare the list itself."""
