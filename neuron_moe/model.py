@@ -77,7 +77,7 @@ def build_model(
 
 def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_kernel="reference",
                  reader_weights="bf16"):
-    """The port's model with the reader attached (see `reader_settings` for the defaults). The backend,
+    """The port's model with the reader attached (see `reader_settings` for the defaults). The kernel,
     sidecar, rank and budget are checked before the weights load (minutes, for a large checkpoint)."""
     reader_forward(reader_kernel)
     sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
@@ -107,6 +107,8 @@ def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0,
         raise SidecarError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
     return write_sidecar(out, weights, Geometry.from_config(config), layers=config.num_hidden_layers, seed=seed,
                          rank=rank, scan=scan)
+
+
 def prep_reader(port, out: Path, checkpoint: Path | None = None, *, tp: int | None = None,
                 source: Path | None = None, seed: int = 0, rank: int = RANK, scan: int = SCAN) -> dict:
     """`neuron-moe prep-reader`: the port's sidecar written to `out`; with `tp`, `out` is a directory

@@ -292,6 +292,8 @@ def batch_breakdown(geo: Geometry, settings: ReaderSettings, budget: float, batc
             "k_per_token": k, "one_token_bytes": one, "full_bytes": full, "step_budget": step_budget,
             "limit_bytes": limit,
             "rules": {"token": row(token, bound="at most"), "batch": row(rule, k=rule.exact)}}
+
+
 def rank_geometry(geo: Geometry, tp: int) -> Geometry:
     """What one rank of the channel expert layout holds at TP `tp`: I/t channels of every expert. Its
     reads are the reader's on this geometry (`reads`, `solve_k`): its own sketch strips (2I/t rows,
