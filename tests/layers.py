@@ -48,19 +48,24 @@ def modules(package: Path = PACKAGE) -> dict[str, Path]:
     return out
 
 
+def parse(package: Path = PACKAGE) -> dict[str, tuple[Path, ast.AST]]:
+    """Dotted name -> (file, syntax tree), every module read once."""
+    return {name: (path, ast.parse(path.read_text(), str(path))) for name, path in modules(package).items()}
+
+
 def _in_functions(tree: ast.AST) -> set[int]:
     """ids of the import statements inside a function."""
     return {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
             for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
 
 
-def imports(package: Path = PACKAGE) -> list[tuple[str, str, int, bool]]:
-    """(importer, imported, line, inside a function) for every import of one package module by another."""
-    known = modules(package)
+def imports(package: Path = PACKAGE, parsed: dict | None = None) -> list[tuple[str, str, int, bool]]:
+    """(importer, imported, line, inside a function) for every import of one package module by another
+    (`parsed`: the package's `parse`, when the caller has it already)."""
+    known = parsed or parse(package)
     edges = []
-    for name, path in known.items():
+    for name, (path, tree) in known.items():
         is_package = path.name == "__init__.py"
-        tree = ast.parse(path.read_text(), str(path))
         local_ids = _in_functions(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level:
@@ -104,13 +109,14 @@ def _top_level_packages(tree: ast.AST) -> set[str]:
 def needless_local_imports(package: Path = PACKAGE) -> list[str]:
     """Imports inside a function that are not of an OPTIONAL package, nor of a package module that
     imports one at its top (the one lazy step that keeps the dependency optional), one line each."""
-    known = modules(package)
-    optional_modules = {name for name, path in known.items()
-                        if _top_level_packages(ast.parse(path.read_text())) & set(OPTIONAL)}
-    package_edges = {(a, line): b for a, b, line, local in imports(package) if local}
+    parsed = parse(package)
+    optional_modules = {name for name, (_, tree) in parsed.items() if _top_level_packages(tree) & set(OPTIONAL)}
+    package_edges: dict[tuple[str, int], set[str]] = {}  # every module one local import statement names
+    for a, b, line, local in imports(package, parsed):
+        if local:
+            package_edges.setdefault((a, line), set()).add(b)
     out = []
-    for name, path in known.items():
-        tree = ast.parse(path.read_text(), str(path))
+    for name, (_, tree) in parsed.items():
         local_ids = _in_functions(tree)
         for node in ast.walk(tree):
             if id(node) not in local_ids:
@@ -118,10 +124,10 @@ def needless_local_imports(package: Path = PACKAGE) -> list[str]:
             if isinstance(node, ast.Import):
                 tops = {a.name.split(".")[0] for a in node.names}
             elif node.level or (node.module or "").startswith("neuron_moe"):
-                imported = package_edges.get((name, node.lineno))
-                if imported in optional_modules:
+                imported = package_edges.get((name, node.lineno), set())
+                if imported and imported <= optional_modules:
                     continue
-                tops = {f"neuron_moe.{imported}"}
+                tops = {f"neuron_moe.{m}" for m in imported - optional_modules} or {"neuron_moe.?"}
             else:
                 tops = {node.module.split(".")[0]}
             if not tops <= set(OPTIONAL):
