@@ -152,11 +152,11 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     if reader is not None:  # every check of the reader before any weight loads
         sides, reads = _plan_reader(port, tp, int8, expert_layout, reader, has_weights)
         spec = dataclasses.replace(spec, decode_experts=READER)
-    out = Path(out)
     check_output(out, directory=True)
-    with run_lock(out.resolve(), "trace-and-compile"):
-        _check_replaceable(out.resolve(), overwrite)
-        with atomic_dir(out.resolve(), sweep=True) as tmp:  # sweep: holding the lock, partial siblings are dead runs'
+    out = Path(out).resolve()
+    with run_lock(out, "trace-and-compile"):
+        _check_replaceable(out, overwrite)
+        with atomic_dir(out, sweep=True) as tmp:  # sweep: holding the lock, partial siblings are dead runs'
             full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides) if has_weights else None
             build = dict(expert_layout=expert_layout, int8=int8, dtype=torch_dtype, reader=reads)
             if dry_run:
@@ -178,7 +178,7 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
                 "files": {f: {"size": d.size, "sha256": d.sha256} for f, d in digests.items()},
             }
             (tmp / MANIFEST).write_text(dumps(manifest, indent=1) + "\n")
-    return dict(manifest, out=str(out.resolve()))
+    return dict(manifest, out=str(out))
 
 
 def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=None) -> dict:
