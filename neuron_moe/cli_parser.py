@@ -177,7 +177,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="destination directory (created if missing)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
-
     p = sub.add_parser("plan", help="inf2 memory plan: bytes per NeuronCore at a TP degree, fit verdict, decode floor",
                        description="Per-rank bytes (experts, attention, dense MLP, embeddings, lm_head, KV cache, "
                                    "stated graph and runtime reserves) against 16 GiB per NeuronCore, the fit verdict "
@@ -200,7 +199,6 @@ def parser() -> argparse.ArgumentParser:
                    help="stated per-core runtime reserve (default %(default)s)")
     _expert_layout_arg(p)
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
-
 
     p = sub.add_parser("trace-and-compile", help="rank graphs (a prefill key per bucket, a decode key), per-rank "
                                                  "weights and a manifest: Neuron, or --dry-run on CPU",
