@@ -289,10 +289,12 @@ def read_json_object(path: Path, error: type[Exception], missing: str) -> dict:
 
 
 @contextmanager
-def run_lock(path: Path, what: str):
+def run_lock(path: Path, what: str, wait=None):
     """Hold the lock of `path` (a file `.NAME.lock` beside it) while a run writes `path`, so that
     a second run on the same output is refused instead of deleting the first's work; leftovers
-    found while holding it are a dead run's. flock: the kernel drops it when its holder dies."""
+    found while holding it are a dead run's. flock: the kernel drops it when its holder dies.
+    `wait(holder_pid)`: called instead of refusing, while another run holds the lock, before each
+    new try; it sleeps a little, and raises to give up."""
     path = Path(path).absolute()
     lock = path.parent / f".{path.name}.lock"
     with _storage_errors(lock):
@@ -304,8 +306,11 @@ def run_lock(path: Path, what: str):
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                raise OutputError(f"{path} is being written by another {what} (pid {holder}); "
-                                  "wait for it to finish, or choose another output") from None
+                if wait is None:
+                    raise OutputError(f"{path} is being written by another {what} (pid {holder}); "
+                                      "wait for it to finish, or choose another output") from None
+                wait(holder)
+                continue
             try:
                 if os.path.samestat(os.fstat(fd), os.stat(lock)):
                     break  # else its holder removed it as it let go, between our open and our flock: again
