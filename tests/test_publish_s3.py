@@ -27,6 +27,7 @@ import uuid
 import zipfile
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import boto3
 import pytest
@@ -586,6 +587,18 @@ def test_the_run_after_a_killed_publish_aborts_its_open_upload(bucket, client, t
     assert uploads(client, bucket, "v1/") == [] and report["aborted_uploads"] == 1
     assert keys(client, bucket, "v1/") == publication_keys(client, bucket, "v1")
     assert tree(s3.pull(uri, tmp_path / "dest")) == tree(src)
+
+
+def test_credentials_that_may_not_list_uploads_still_publish(bucket, client, artifacts, caplog):
+    """A policy without s3:ListBucketMultipartUploads: publish works, and says what it cannot do."""
+    def access_denied(**_):
+        return SimpleNamespace(status_code=403), {"Error": {"Code": "AccessDenied", "Message": "Access Denied"},
+                                                  "ResponseMetadata": {"HTTPStatusCode": 403}}
+
+    client.meta.events.register("before-call.s3.ListMultipartUploads", access_denied)
+    s3.publish(artifacts, f"s3://{bucket}/v1", progress=False, client=client)
+    assert keys(client, bucket, "v1/") == publication_keys(client, bucket, "v1")
+    assert "a killed run's open uploads are not aborted" in caplog.text
 
 
 def test_a_publication_in_the_first_layout_is_read_and_replaced_whole(bucket, client, artifacts, tmp_path):

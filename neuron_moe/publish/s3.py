@@ -257,7 +257,8 @@ def _get_manifest(client, bucket: str, prefix: str) -> tuple[dict | None, str | 
     try:
         return _check_manifest(json.loads(body), where), answer["ETag"]
     except (ValueError, PublishError) as e:  # JSONDecodeError is a ValueError
-        raise _BadManifest(f"{where}: {e}" if isinstance(e, ValueError) else str(e), answer["ETag"]) from None
+        raise _BadManifest(f"{where}: not JSON ({e})" if isinstance(e, ValueError) else str(e),
+                           answer["ETag"]) from None
 
 
 def _encode(doc: dict) -> bytes:
@@ -354,13 +355,23 @@ def _list_keys(client, bucket: str, prefix: str) -> list[str]:
 
 
 def _list_uploads(client, bucket: str, prefix: str) -> list[dict]:
-    """The incomplete multipart uploads under prefix: [{"Key", "UploadId", ...}]."""
+    """The incomplete multipart uploads under prefix: [{"Key", "UploadId", ...}]; none where the
+    credentials may not list them (s3:ListBucketMultipartUploads), with a warning."""
+    from botocore.exceptions import ClientError
+
     uploads = []
     with _s3_errors(f"listing the multipart uploads under {_uri(bucket, prefix)}"):
-        pages = client.get_paginator("list_multipart_uploads").paginate(
-            Bucket=bucket, Prefix=f"{prefix}/" if prefix else "")
-        for page in pages:
-            uploads += page.get("Uploads", [])
+        try:
+            pages = client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=bucket, Prefix=f"{prefix}/" if prefix else "")
+            for page in pages:
+                uploads += page.get("Uploads", [])
+        except ClientError as e:
+            if _error_code(e) not in ("AccessDenied", "403"):
+                raise
+            log.warning("may not list the multipart uploads under %s (%s): a killed run's open uploads are "
+                        "not aborted (a lifecycle rule, AbortIncompleteMultipartUpload, does it)",
+                        _uri(bucket, prefix), _error_code(e))
     return uploads
 
 
