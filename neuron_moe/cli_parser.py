@@ -160,12 +160,18 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("publish", help="upload an artifact directory to S3, integrity-checked, manifest last",
                        description="Check every file (size stable while read; .pt files complete zip archives), "
-                                   "upload each with a full-object CRC32 checksum and its sha256 in metadata, "
-                                   "verify each with head_object, then write the manifest once. "
+                                   "claim the prefix (a conditional write of its manifest), upload each file under "
+                                   "this run's own key with its full-object CRC32 checksum (which S3 checks) and its "
+                                   "sha256 in metadata, verify each with head_object, then write the manifest, on "
+                                   "condition that the claim is still this run's. "
                                    "Credentials and endpoint come from boto3 (AWS_* variables, ~/.aws).")
     p.add_argument("dir", metavar="DIR", help="directory of artifacts to publish")
-    p.add_argument("uri", metavar="s3://BUCKET/PREFIX", help="where to publish; must hold no objects yet")
-    p.add_argument("--overwrite", action="store_true", help="replace whatever the prefix holds")
+    p.add_argument("uri", metavar="s3://BUCKET/PREFIX",
+                   help="where to publish: a prefix with no publication yet, none above it and none below it")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the prefix's own publication, take over a run in progress there (it then "
+                        "fails instead of publishing), remove objects of no publication; never touch a "
+                        "publication below it")
     p.add_argument("--deep", action="store_true", help="also CRC-check every member of .pt archives (reads them)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 

@@ -165,17 +165,39 @@ def atomic_write(path: Path, mode: str = "w", seekable: bool = False):
 
 
 def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
+    # /proc says it without changing it: os.umask(0) would, for a moment, for every thread
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0)
+        os.umask(umask)
+        return umask
+
+
+def _give_new_modes(root: Path) -> None:
+    """Every file and folder under root (root included) the mode open()/mkdir() would have given
+    it, whatever the writer did (safetensors and mkdtemp make theirs owner-only)."""
+    umask = _umask()
+    os.chmod(root, 0o777 & ~umask)
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(folder, name), 0o777 & ~umask)
+        for name in files:
+            path = os.path.join(folder, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):  # a symbolic link has no mode of its own
+                os.chmod(path, (0o777 if st.st_mode & stat.S_IXUSR else 0o666) & ~umask)
 
 
 @contextmanager
 def atomic_dir(out: Path, *, sweep: bool = False):
     """Yield an empty hidden sibling of `out` (`.NAME.partial-*`) to build a directory in; when the
     block ends it is renamed onto `out`, an old `out` moved aside first and removed after. On any
-    failure it is removed and `out` is untouched. `sweep`: the caller holds `out`'s `run_lock`, so
-    the partial siblings it finds are dead runs' leftovers: they are removed first."""
+    failure it is removed and `out` is untouched. What lands has the modes open() and mkdir() give
+    under the umask, whoever wrote it (an artifact built by one user is read by a server running as
+    another). `sweep`: the caller holds `out`'s `run_lock`, so the partial siblings it finds are dead
+    runs' leftovers: they are removed first."""
     out = Path(out).absolute()
     prefix = f".{out.name}.partial-"
     with _storage_errors(out):
@@ -185,9 +207,9 @@ def atomic_dir(out: Path, *, sweep: bool = False):
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     try:
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would become the published directory's mode
         yield tmp
         with _storage_errors(out):
+            _give_new_modes(tmp)  # mkdtemp's 0700 would become the published directory's mode
             old = None
             if out.exists():
                 old = Path(tempfile.mkdtemp(prefix=prefix + "old-", dir=out.parent))
@@ -267,10 +289,12 @@ def read_json_object(path: Path, error: type[Exception], missing: str) -> dict:
 
 
 @contextmanager
-def run_lock(path: Path, what: str):
+def run_lock(path: Path, what: str, wait=None):
     """Hold the lock of `path` (a file `.NAME.lock` beside it) while a run writes `path`, so that
     a second run on the same output is refused instead of deleting the first's work; leftovers
-    found while holding it are a dead run's. flock: the kernel drops it when its holder dies."""
+    found while holding it are a dead run's. flock: the kernel drops it when its holder dies.
+    `wait(holder_pid)`: called instead of refusing, while another run holds the lock, before each
+    new try; it sleeps a little, and raises to give up."""
     path = Path(path).absolute()
     lock = path.parent / f".{path.name}.lock"
     with _storage_errors(lock):
@@ -282,8 +306,11 @@ def run_lock(path: Path, what: str):
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                raise OutputError(f"{path} is being written by another {what} (pid {holder}); "
-                                  "wait for it to finish, or choose another output") from None
+                if wait is None:
+                    raise OutputError(f"{path} is being written by another {what} (pid {holder}); "
+                                      "wait for it to finish, or choose another output") from None
+                wait(holder)
+                continue
             try:
                 if os.path.samestat(os.fstat(fd), os.stat(lock)):
                     break  # else its holder removed it as it let go, between our open and our flock: again

@@ -43,6 +43,15 @@ def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]
 
 
 @pytest.fixture
+def umask_027():
+    """Umask 027 (group may read, others nothing) for the test: a file written as open() would
+    is then 0640, a folder 0750; neither 0644 nor 0600 passes by luck."""
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+@pytest.fixture
 def one_torch_thread():
     """The tiny model is overhead-bound: one intra-op thread is faster than two on a busy machine."""
     before = torch.get_num_threads()

@@ -3,6 +3,7 @@ checkpoint can be wrong is an error that names the key, shape or file."""
 
 import json
 import re
+import stat
 
 import pytest
 import torch
@@ -68,6 +69,15 @@ def test_save_replaces_an_existing_checkpoint_whole(tmp_path, tiny_port):
     save_checkpoint(build_model(tiny_port), path)  # now a single file
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
     assert not list(tmp_path.glob(".c*"))  # no temp or old directory left behind
+
+
+def test_every_file_gets_the_mode_open_would_give(tmp_path, tiny_port, umask_027):
+    """safetensors' save_file makes its files 0600: a checkpoint built by one user would be
+    unreadable by a server running as another."""
+    path = save_checkpoint(build_model(tiny_port), tmp_path / "c", shard_bytes=1 << 20)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.iterdir()}
+    assert sum(name.endswith(".safetensors") for name in modes) > 1 and "config.json" in modes
+    assert modes == dict.fromkeys(modes, 0o640) and stat.S_IMODE(path.stat().st_mode) == 0o750
 
 
 def _edit(src, dst, edit):

@@ -7,6 +7,7 @@ layout is refused by the other."""
 import dataclasses
 import json
 import re
+import stat
 import threading
 
 import pytest
@@ -159,6 +160,17 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(one_bucket
         thread.join(120)
     assert first["manifest"]["files"] and na.read_manifest(out)["tp"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no partial, no lock file left
+
+
+def test_every_file_of_an_artifact_gets_the_mode_open_would_give(one_bucket_port, tmp_path, umask_027):
+    """The weight shards (safetensors' save_file: 0600) included: an artifact built on the host is
+    read by the image's non-root server."""
+    out = tmp_path / "art"
+    nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True, export=False)
+    modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")}
+    assert na.WEIGHTS.format(rank=1) in modes and na.MANIFEST in modes
+    assert modes == {name: 0o750 if (out / name).is_dir() else 0o640 for name in modes}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
 
 
 def test_full_size_port_dry_run_on_meta(tmp_path):

@@ -300,7 +300,8 @@ def test_fuzz_sidecar_metadata(small_sidecar, tmp_path, edits):
 
 ARTIFACT = {"format": na.FORMAT, "port": MODEL, "dtype": "bf16", "tp": 1, "expert_layout": "channel",
             "buckets": [64], "max_length": 128, "batch_size": 1, "dry_run": False, "logits": False}
-PUBLICATION = {"format": s3.FORMAT, "files": [{"path": "model.pt", "size": 3, "sha256": "0" * 64}]}
+PUBLICATION = {"format": s3.FORMAT, "run": "r1", "files": [{"path": "model.pt", "key": "runs/r1/model.pt", "size": 3,
+                                                              "sha256": "0" * 64}]}
 
 
 @settings(max_examples=40, **FUZZ)

@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import stat
+import tempfile
 import threading
 
 import pytest
@@ -163,6 +164,22 @@ def test_a_published_directory_gets_the_umask_mode_and_sweep_removes_dead_partia
         pass
     assert stat.S_IMODE((tmp_path / "art").stat().st_mode) == 0o750
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.partial-x", "art"]
+
+
+def test_what_a_directory_lands_with_has_the_modes_open_and_mkdir_give(tmp_path, restore_umask):
+    """Whoever wrote them (safetensors' save_file and mkstemp make 0600 files, mkdtemp 0700
+    folders), the files and folders of an atomic_dir land as open() and mkdir() would make them;
+    an executable keeps its x bits, under the umask."""
+    os.umask(0o027)
+    with atomic_dir(tmp_path / "art") as tmp:
+        fd, _ = tempfile.mkstemp(dir=tmp)
+        os.close(fd)
+        tempfile.mkdtemp(dir=tmp)
+        (tmp / "run.sh").write_text("#!/bin/sh\n")
+        (tmp / "run.sh").chmod(0o700)
+    out = tmp_path / "art"
+    modes = sorted(stat.S_IMODE(p.stat().st_mode) for p in out.iterdir())
+    assert modes == [0o640, 0o750, 0o750]  # the temp file, the temp folder, the script
 
 
 def test_file_digest_is_size_sha256_and_s3s_crc32(tmp_path):

@@ -92,7 +92,7 @@ def test_cpu_backend_loads_its_checkpoint_from_artifacts(tmp_path, monkeypatch, 
         shutil.copy(tiny_port.checkpoint / name, published / name)
     pulls = []
 
-    def pull(uri, dest):
+    def pull(uri, dest, **_):
         pulls.append((uri, Path(dest)))
         shutil.copytree(published, dest)
 

@@ -2,8 +2,9 @@
 
 What can be checked before loading (port file, backend, artifact path, Neuron SDK or S3
 support present) fails before the socket is bound, as one `error:` line. The model then
-loads in a thread — pulling an s3:// artifact first — while /health answers 503; a load
-that fails stops the server with that error (exit 2), so a container restarts.
+loads in a thread — pulling an s3:// artifact first (where another server is pulling it into
+the same cache: waiting for that pull, then verifying its files) — while /health answers 503; a
+load that fails stops the server with that error (exit 2), so a container restarts.
 
 SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
 --drain-timeout for the requests in flight to finish, new requests on open connections get
@@ -33,6 +34,10 @@ log = logging.getLogger("neuron_moe.serve")
 S3_SCHEME = "s3://"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 DRAIN_GRACE_S = 5.0
+# Servers sharing an --artifacts-cache: one pulls, the others wait for as long as its bytes keep
+# landing, up to this long without a byte (it may be hashing the files already there), then
+# verify what it pulled.
+SHARED_PULL_STALL_S = 600.0
 
 
 class ServeError(UserError):
@@ -101,7 +106,7 @@ def plan_load(args):
         nonlocal checkpoint
         if pull is not None:
             log.info("pulling %s into %s", artifacts, local)
-            pull(artifacts, local)
+            pull(artifacts, local, stall_s=SHARED_PULL_STALL_S)
             if args.backend != "neuron":
                 checkpoint = local
         return load_engine(port, args.backend, checkpoint=checkpoint, artifacts=local,
