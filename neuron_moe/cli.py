@@ -56,7 +56,7 @@ def cmd_validate(args) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     options = backend_options(args.backend, sidecar=args.sidecar, budget=args.budget, rank=args.rank,
                               reader_kernel=args.reader_kernel, reader_weights=args.reader_weights,
-                              expert_layout=args.expert_layout)
+                              expert_layout=args.expert_layout, tp=args.tp, tp_layers=args.tp_layers)
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)
     if _json_out(report, args):

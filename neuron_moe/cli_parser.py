@@ -14,6 +14,7 @@ from .experts.channel_reader import READER_KERNELS
 from .neuron.compile import DTYPES as COMPILE_DTYPES
 from .neuron.plan import DEFAULT_RUNTIME_RESERVE, DTYPES as PLAN_DTYPES, GiB, INSTANCES
 from .parallel.layout import EXPERT_LAYOUTS, TP_DEGREES
+from .parallel.rank_job import LAYERS as TP_LAYERS
 from .port import DEFAULT_PORT, DTYPES
 from .reader.accounting import STEP_BUDGET, WEIGHTS
 from .reader.prep import RANK, SCAN
@@ -85,6 +86,14 @@ def parser() -> argparse.ArgumentParser:
                    help="reader: the experts it reads, the model's own (bf16, default) or the int8 experts' numbers "
                         "(exact rows in int8 with their scales, prefill through the int8 experts; reference only)")
     _expert_layout_arg(p, "tp8, tp8-int8: ")
+    p.add_argument("--tp", type=int, choices=TP_DEGREES, metavar="T",
+                   help="the TP backends (tp8, tp8-int8, tp8-naive-scatter): the degree, where the port's geometry "
+                        "splits over it (default 8)")
+    p.add_argument("--tp-layers", choices=TP_LAYERS,
+                   help="the TP backends: the parallel-layer library the rank modules are built over: cpu "
+                        "(parallel/cpu.py, NxD's names over gloo; the graphs traced once as rank 0 and replicated) "
+                        "or nxd (neuronx-distributed's own layers in its CPU mode, eager on every rank: the installed "
+                        "package, else the source tree $NXD_SRC names; docs/neuron.md) (default cpu)")
 
     p = sub.add_parser("build-corpus", help="write the tiny model's corpus: English text plus the synthetic tasks",
                        description="Text from the Debian package 'fortunes' (apt-get install fortunes) plus "
