@@ -22,6 +22,8 @@ on rank 0 replicated to every rank): docs/neuron.md.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..errors import UserError
@@ -45,7 +47,6 @@ class NxDGenerator:
     def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
                  int8: bool = False, scatter: str = "spmd", sidecar=None, budget: float | None = None,
                  rank: int | None = None, shards: tuple[int, ...] | None = None):
-        self.source = nxd_source.require()  # before the weights load
         if scatter != "spmd":
             raise UserError("the Python-int router scatter is wrong only in a graph traced once on rank 0; "
                             "--tp-layers nxd runs NxD's layers eagerly on every rank (its CPU mode), where it is "
@@ -53,13 +54,14 @@ class NxDGenerator:
         if (dtype or port.dtype) != torch.float32:
             raise UserError(f"--tp-layers nxd runs float32 only, not {str(dtype or port.dtype).removeprefix('torch.')}:"
                             " NxD's CPU mode reduces over gloo, which has no bfloat16 sum")
+        self.source = nxd_source.require()  # before the weights load
         shards = tuple(range(tp)) if shards is None else tuple(shards)
         if len(shards) != tp or not all(0 <= s < tp for s in shards):
             raise ValueError(f"shards must name one of {tp} ranks' shards per rank, got {shards}")
         self.job = RankJob.prepare(port, tp, dtype, checkpoint, expert_layout=expert_layout, int8=int8,
                                    scatter=scatter, sidecar=sidecar, budget=budget, rank=rank)
         self.tp, self.spec, self.shards = tp, self.job.spec, shards
-        self.pad_id = port.config.pad_token_id or 0
+        self.ran: dict | None = None  # after a run, rank 0's account of it (`_rank`)
 
     def details(self) -> dict:
         return {"layers": "nxd", "tp": self.tp, "expert_layout": self.job.expert_layout,
@@ -89,8 +91,8 @@ def generate_nxd(generators: dict[str, NxDGenerator], input_ids: torch.Tensor, a
     runs = [(name, gen.job, gen.shards) for name, gen in generators.items()]
     results = run_ranks(tp, _rank, source, runs, input_ids, attention_mask, max_new_tokens)
     out = {}
-    for name in generators:
-        tokens, logits = results[0][name]
+    for name, gen in generators.items():
+        tokens, logits, gen.ran = results[0][name]
         for rank, result in enumerate(results[1:], 1):
             if not torch.equal(result[name][0], tokens):  # the same all-reduced logits on every rank
                 raise RuntimeError(f"{name}: rank {rank} generated other tokens than rank 0")
@@ -101,8 +103,9 @@ def generate_nxd(generators: dict[str, NxDGenerator], input_ids: torch.Tensor, a
 def _rank(rank: int, source: nxd_source.NxDSource, runs: list[tuple], input_ids: torch.Tensor,
           attention_mask: torch.Tensor, max_new_tokens: int) -> dict[str, tuple]:
     """One rank process: NxD's CPU mode, its parallel state, then each run's rank module (its
-    shard loaded) through the static graphs."""
-    nxd_source.activate(source)
+    shard loaded) through the static graphs. -> {name: (tokens, logits, what ran)}, what ran being
+    the packages stood in for, the NxD classes the module is built of and the file they came from."""
+    stand_ins = nxd_source.activate(source)
     (tp,) = {job.tp for _, job, _ in runs}
     nxd.initialize_model_parallel(tp)
     out = {}
@@ -113,6 +116,10 @@ def _rank(rank: int, source: nxd_source.NxDSource, runs: list[tuple], input_ids:
         module.load_state_dict(state, strict=True)
         generator = StaticGenerator(module, job.spec, exported=False, logits=True)
         generation = generate_batches(generator, input_ids, attention_mask, max_new_tokens)
-        out[name] = (generation.tokens, generation.logits)
+        classes = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in module.modules()
+                          if type(m).__module__.startswith(nxd_source.PACKAGE)})
+        ran = {"stand_ins": stand_ins, "classes": classes,
+               "layers_file": sys.modules[f"{nxd_source.PACKAGE}.parallel_layers.layers"].__file__}
+        out[name] = (generation.tokens, generation.logits, ran)
         del module, generator
     return out

@@ -153,8 +153,28 @@ class CollectivesConfig:
         self.rank_src_tgt_pairs = {g[0]: [] for g in groups}
 
 
+class _DeviceOnly:
+    """A Neuron device kernel (or what launches one) that NxD imports or builds at module level and
+    its CPU mode never calls: calling it, or indexing its launch grid, raises."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name}: a Neuron device kernel, stood in for on CPU (NxD's CPU mode called it)")
+
+    __call__ = __getitem__ = _refuse
+
+
+def _kernel_decorator(name: str):
+    """`nki_jit(**flags)(kernel)`: the kernel as a _DeviceOnly."""
+    return lambda *args, **kwargs: (lambda kernel: _DeviceOnly(f"{name}({getattr(kernel, '__name__', kernel)})"))
+
+
 def _stand_ins() -> dict[str, dict]:
-    """Module name -> its attributes, for the packages NxD's CPU-mode layers import at module level."""
+    """Module name -> its attributes, for the packages NxD's CPU-mode layers import at module level
+    (fbac349; the torch_neuronx.xla_impl and neuronxcc.nki.* below them for 73ab227, Release 2.28.0,
+    whose mappings build NKI collectives at import)."""
     return {
         "torch_xla": {},
         "torch_xla.core": {},
@@ -166,10 +186,19 @@ def _stand_ins() -> dict[str, dict]:
         "torch_xla.utils.serialization": {},
         "torch_neuronx": {},
         "torch_neuronx.utils": {"get_platform_target": lambda: "inf2"},
+        "torch_neuronx.xla_impl": {},
+        "torch_neuronx.xla_impl.ops": {"nki_jit": _kernel_decorator("torch_neuronx.xla_impl.ops.nki_jit")},
         "neuronxcc": {},
         "neuronxcc.nki": {},
         "neuronxcc.nki._pre_prod_kernels": {},
         "neuronxcc.nki._pre_prod_kernels.collectives": {"CollectivesConfig": CollectivesConfig},
+        "neuronxcc.nki.nccl": {},
+        "neuronxcc.nki.language": {},
+        "neuronxcc.nki.compiler": {},
+        "neuronxcc.nki.compiler.backends": {},
+        "neuronxcc.nki.compiler.backends.neuron": {},
+        "neuronxcc.nki.compiler.backends.neuron.dimensions": {
+            "CCPipeline": _DeviceOnly("neuronxcc.nki.compiler.backends.neuron.dimensions.CCPipeline")},
     }
 
 
