@@ -60,6 +60,15 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ports", help="list the built-in ports")
     p.add_argument("--json", metavar="FILE", help="also write the list as JSON ('-' for stdout)")
 
+    p = sub.add_parser("env", help="versions, Neuron devices, GPU, and which paths this machine supports (and why not)",
+                       description="Python and the versions of every package a path needs (torch, transformers, "
+                                   "torch-xla, torch-neuronx, neuronx-distributed, neuronx-cc, nki, triton), the "
+                                   "Neuron devices and cores (neuron-ls or /dev/neuron*), any CUDA GPU; then per path "
+                                   "(trace-and-compile, validate --tp-layers nxd, the reader's nki and triton kernels, "
+                                   "serve --backend neuron) whether it is supported here, and why not. A command that "
+                                   "needs a path refuses with the same reason before any work. Runs nothing.")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+
     p = sub.add_parser("info", help="geometry, parameter counts and weight bytes of a port (meta device)")
     _common(p)
     p.add_argument("--per-token", action="store_true",

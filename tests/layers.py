@@ -16,7 +16,7 @@ LAYERS = (
     ("modules", ("experts", "static", "parallel", "greedy")),
     # The generators over a port's graphs build the port's model: workflows, not modules.
     ("workflows", ("model", "static.generator", "parallel.tp_generator", "parallel.rank_job", "parallel.nxd_generator",
-                   "neuron", "eval", "training", "publish", "info")),
+                   "neuron", "eval", "training", "publish", "info", "environment")),
     ("surfaces", ("serve", "cli", "cli_parser", "__main__")),
 )
 

@@ -108,7 +108,9 @@ def test_cli_refuses_nxd_layers_without_nxd_in_one_line(monkeypatch, capsys):
     (["--backend", "tp8", "--tp-layers", "nxd", "--dtype", "bfloat16"], "runs float32 only, not bfloat16"),
     (["--backend", "tp8", "--tp", "24"], "TP 24 (channel expert layout): 8 attention heads do not split"),
 ])
-def test_cli_refuses_tp_options_that_do_not_apply(argv, message, capsys):
+def test_cli_refuses_tp_options_that_do_not_apply(argv, message, capsys, tmp_path, monkeypatch):
+    _tree(tmp_path)  # an NxD to be found (refused before it is imported)
+    monkeypatch.setenv("NXD_SRC", str(tmp_path))
     assert main(["validate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err

@@ -45,8 +45,8 @@ from ..errors import UserError
 
 ENV = "NXD_SRC"
 PACKAGE = "neuronx_distributed"
-MISSING = (f"--tp-layers nxd needs neuronx-distributed: install it (the Neuron SDK's package; docs/neuron.md) or "
-           f"set {ENV} to a checkout of aws-neuron/neuronx-distributed (its root or its src/ directory)")
+MISSING = (f"needs neuronx-distributed: install it (the Neuron SDK's package; docs/neuron.md) or set {ENV} to a "
+           f"checkout of aws-neuron/neuronx-distributed (its root or its src/ directory)")
 # source digest (`source_digest`) -> the public commit it is; checked against the git trees
 KNOWN_SOURCES = {
     "b29398e883b73fa3": "fbac349 (Release 2.29)",
@@ -127,7 +127,7 @@ def locate() -> NxDSource | None:
 def require() -> NxDSource:
     source = locate()
     if source is None:
-        raise UserError(MISSING)
+        raise UserError(f"--tp-layers nxd {MISSING}")
     return source
 
 
