@@ -23,6 +23,7 @@ on rank 0 replicated to every rank): docs/neuron.md.
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
@@ -104,12 +105,14 @@ def _rank(rank: int, source: nxd_source.NxDSource, runs: list[tuple], input_ids:
           attention_mask: torch.Tensor, max_new_tokens: int) -> dict[str, tuple]:
     """One rank process: NxD's CPU mode, its parallel state, then each run's rank module (its
     shard loaded) through the static graphs. -> {name: (tokens, logits, what ran)}, what ran being
-    the packages stood in for, the NxD classes the module is built of and the file they came from."""
+    the packages stood in for, the NxD classes the module is built of, the file they came from and
+    the run's seconds (build, shard, generate)."""
     stand_ins = nxd_source.activate(source)
     (tp,) = {job.tp for _, job, _ in runs}
     nxd.initialize_model_parallel(tp)
     out = {}
     for name, job, shards in runs:
+        started = time.perf_counter()
         module = job.rank_module(nxd, device="meta")
         state = cpu.shard_checkpoint(job.full, module, tp)[shards[rank]]
         materialize(module, job.config, tp, job.expert_layout)
@@ -118,7 +121,7 @@ def _rank(rank: int, source: nxd_source.NxDSource, runs: list[tuple], input_ids:
         generation = generate_batches(generator, input_ids, attention_mask, max_new_tokens)
         classes = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in module.modules()
                           if type(m).__module__.startswith(nxd_source.PACKAGE)})
-        ran = {"stand_ins": stand_ins, "classes": classes,
+        ran = {"stand_ins": stand_ins, "classes": classes, "seconds": time.perf_counter() - started,
                "layers_file": sys.modules[f"{nxd_source.PACKAGE}.parallel_layers.layers"].__file__}
         out[name] = (generation.tokens, generation.logits, ran)
         del module, generator
