@@ -5,14 +5,12 @@ import json
 import os
 
 import pytest
+from test_nxd_source import INSTALLED, _tree
 
-from neuron_moe import environment
-from neuron_moe import cli
+from neuron_moe import cli, environment
 from neuron_moe.cli import main
 from neuron_moe.errors import UserError
 from neuron_moe.reader.nki import forward as nki_forward
-
-from test_nxd_source import INSTALLED, _tree
 
 SDK = all(environment.importlib.util.find_spec(m) for m in environment.COMPILE_MODULES)
 

@@ -18,6 +18,7 @@ tier takes about 20 s on 2 cores.
 
 import pytest
 import torch
+from conftest import random_prompts
 
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.experts.int8 import quantize_experts
@@ -29,8 +30,6 @@ from neuron_moe.parallel.nxd_generator import NxDGenerator, generate_nxd
 from neuron_moe.parallel.trace import run_ranks
 from neuron_moe.reader import shard
 from neuron_moe.reader.sidecar import Sidecar
-
-from conftest import random_prompts
 
 SOURCE = nxd_source.locate()  # a bad NXD_SRC is an error here, not a skip
 pytestmark = pytest.mark.skipif(
