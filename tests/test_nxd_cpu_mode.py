@@ -5,7 +5,7 @@ cutter cuts by NxD's own parameter tags.
 Runs wherever NxD is importable: installed (a Neuron box), or the source tree NXD_SRC names (its
 root or its src/). Skipped elsewhere: CI has no NxD, as it has no Neuron device. Every case runs in
 one set of 2 processes (NxD imported and its parallel state initialised once per rank); the whole
-tier takes about 20 s on 2 cores.
+tier takes 4-14 s on 2 shared cores.
 
 - TP 2, channel and expert layouts: HF eager's tokens, its step-0 logits to the fp32 bound.
 - int8 experts in both layouts: the same int8 model on one rank (the channel layout's numbers are
