@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import sys
 
+from . import environment
 from .cli_parser import parser
+from .environment import render_env
 from .errors import UserError
 from .eval import reader_eval
 from .eval.reader_report import render_reader_eval
@@ -49,14 +51,25 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_env(args) -> int:
+    report = environment.env_report()
+    if _json_out(report, args):
+        print(render_env(report))
+    return 0
+
+
 def cmd_validate(args) -> int:
+    options = backend_options(args.backend, sidecar=args.sidecar, budget=args.budget, rank=args.rank,
+                              reader_kernel=args.reader_kernel, reader_weights=args.reader_weights,
+                              expert_layout=args.expert_layout, tp=args.tp, tp_layers=args.tp_layers)
+    if args.tp_layers == "nxd":
+        environment.require(environment.VALIDATE_NXD)
+    if args.reader_kernel in ("nki", "triton"):
+        environment.require(environment.READER_NKI if args.reader_kernel == "nki" else environment.READER_TRITON)
     port = load_port(args.model)
     tokenizer = load_tokenizer(port, args.checkpoint)
     prompts = list(DEFAULT_PROMPTS) + list(args.prompt or [])
     dtype = DTYPES[args.dtype] if args.dtype else None
-    options = backend_options(args.backend, sidecar=args.sidecar, budget=args.budget, rank=args.rank,
-                              reader_kernel=args.reader_kernel, reader_weights=args.reader_weights,
-                              expert_layout=args.expert_layout)
     report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
                             options)
     if _json_out(report, args):
@@ -89,6 +102,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_trace_and_compile(args) -> int:
+    if not args.dry_run:
+        environment.require(environment.TRACE_AND_COMPILE)
     port = load_port(args.model)
     flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
     if not args.reader and any(v is not None for v in flags.values()):
@@ -177,7 +192,7 @@ def cmd_eval_reader(args) -> int:
     return 0
 
 
-COMMANDS = {"ports": cmd_ports, "info": cmd_info, "validate": cmd_validate, "build-corpus": cmd_build_corpus,
+COMMANDS = {"ports": cmd_ports, "env": cmd_env, "info": cmd_info, "validate": cmd_validate, "build-corpus": cmd_build_corpus,
             "train-tiny": cmd_train_tiny, "eval-tasks": cmd_eval_tasks, "eval-reader": cmd_eval_reader,
             "publish": cmd_publish, "pull": cmd_pull, "plan": cmd_plan, "trace-and-compile": cmd_trace_and_compile,
             "serve": cmd_serve, "reads": cmd_reads, "prep-reader": cmd_prep_reader}

@@ -14,6 +14,7 @@ from .experts.channel_reader import READER_KERNELS
 from .neuron.compile import DTYPES as COMPILE_DTYPES
 from .neuron.plan import DEFAULT_RUNTIME_RESERVE, DTYPES as PLAN_DTYPES, GiB, INSTANCES
 from .parallel.layout import EXPERT_LAYOUTS, TP_DEGREES
+from .parallel.rank_job import LAYERS as TP_LAYERS
 from .port import DEFAULT_PORT, DTYPES
 from .reader.accounting import STEP_BUDGET, WEIGHTS
 from .reader.prep import RANK, SCAN
@@ -59,6 +60,15 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ports", help="list the built-in ports")
     p.add_argument("--json", metavar="FILE", help="also write the list as JSON ('-' for stdout)")
 
+    p = sub.add_parser("env", help="versions, Neuron devices, GPU, and which paths this machine supports (and why not)",
+                       description="Python and the versions of every package a path needs (torch, transformers, "
+                                   "torch-xla, torch-neuronx, neuronx-distributed, neuronx-cc, nki, triton), the "
+                                   "Neuron devices and cores (neuron-ls or /dev/neuron*), any CUDA GPU; then per path "
+                                   "(trace-and-compile, validate --tp-layers nxd, the reader's nki and triton kernels, "
+                                   "serve --backend neuron) whether it is supported here, and why not. A command that "
+                                   "needs a path refuses with the same reason before any work. Runs nothing.")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+
     p = sub.add_parser("info", help="geometry, parameter counts and weight bytes of a port (meta device)")
     _common(p)
     p.add_argument("--per-token", action="store_true",
@@ -74,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
     p.add_argument("--sidecar", metavar="FILE|DIR", help="reader: the sidecar (default: the port's [reader] sidecar); "
-                                                       "tp8: the directory of `prep-reader --tp 8`")
+                                                       "tp8: the directory of `prep-reader --tp T`")
     p.add_argument("--budget", type=float, metavar="PERCENT",
                    help="reader: share of the routed-expert bytes read per token, in (0, 100]")
     p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
@@ -85,6 +95,14 @@ def parser() -> argparse.ArgumentParser:
                    help="reader: the experts it reads, the model's own (bf16, default) or the int8 experts' numbers "
                         "(exact rows in int8 with their scales, prefill through the int8 experts; reference only)")
     _expert_layout_arg(p, "tp8, tp8-int8: ")
+    p.add_argument("--tp", type=int, choices=TP_DEGREES, metavar="T",
+                   help="the TP backends (tp8, tp8-int8, tp8-naive-scatter): the degree, where the port's geometry "
+                        "splits over it (default 8)")
+    p.add_argument("--tp-layers", choices=TP_LAYERS,
+                   help="the TP backends: the parallel-layer library the rank modules are built over: cpu "
+                        "(parallel/cpu.py, NxD's names over gloo; the graphs traced once as rank 0 and replicated) "
+                        "or nxd (neuronx-distributed's own layers in its CPU mode, eager on every rank: the installed "
+                        "package, else the source tree $NXD_SRC names; docs/neuron.md) (default cpu)")
 
     p = sub.add_parser("build-corpus", help="write the tiny model's corpus: English text plus the synthetic tasks",
                        description="Text from the Debian package 'fortunes' (apt-get install fortunes) plus "

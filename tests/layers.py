@@ -15,8 +15,8 @@ LAYERS = (
     ("definitions", ("port", "tasks", "checkpoint", "reader", "parallel.layout")),
     ("modules", ("experts", "static", "parallel", "greedy")),
     # The generators over a port's graphs build the port's model: workflows, not modules.
-    ("workflows", ("model", "static.generator", "parallel.tp_generator", "neuron", "eval", "training", "publish",
-                   "info")),
+    ("workflows", ("model", "static.generator", "parallel.tp_generator", "parallel.rank_job", "parallel.nxd_generator",
+                   "neuron", "eval", "training", "publish", "info", "environment")),
     ("surfaces", ("serve", "cli", "cli_parser", "__main__")),
 )
 

@@ -13,7 +13,10 @@ import pytest
 
 from dockerfile import DOCKER, final_stage, instructions
 
-NEURON_DLC = "public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk2.31.1-ubuntu24.04"
+# the Neuron SDK DLCs the images are built on (docs/neuron.md, "Which Neuron SDK"): 2.31.1 by default,
+# 2.28.0 for the reader's NKI kernels (--build-arg NEURON_SDK=2.28.0)
+NEURON_DLC = "public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk{sdk}-ubuntu24.04"
+NEURON_SDKS = {"default": "2.31.1", "nki": "2.28.0"}
 IMAGES = ["Dockerfile.cpu", "Dockerfile.neuron"]
 ALLOWED_SOURCES = {"pyproject.toml", "README.md", "neuron_moe", "ports", "docker/entrypoint.sh"}
 
@@ -61,13 +64,24 @@ def test_final_stage_is_non_root_and_health_checked(name, min_start_s):
         assert isinstance(json.loads(args), list), f"{keyword} must be exec form"
 
 
+def _from_images(ins, build_args=None) -> list[str]:
+    """The FROM images, ARG defaults (declared before the first FROM) and `build_args` substituted."""
+    first = next(i for i, (k, _) in enumerate(ins) if k == "FROM")
+    args = dict(a.split("=", 1) for k, a in ins[:first] if k == "ARG")
+    args.update(build_args or {})
+    images = [a.split()[0] for k, a in ins if k == "FROM"]
+    return [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image) for image in images]
+
+
 @pytest.mark.parametrize("name", IMAGES)
 def test_pinned_bases_and_only_the_package_copied(name):
     ins = instructions(DOCKER / name)
-    for image in (a.split()[0] for k, a in ins if k == "FROM"):
+    for image in _from_images(ins):
         assert ":" in image and not image.endswith(":latest"), image
         if name == "Dockerfile.neuron":
-            assert image == NEURON_DLC  # the last SDK (2.31) with inf2 support
+            assert image == NEURON_DLC.format(sdk=NEURON_SDKS["default"])
+    if name == "Dockerfile.neuron":  # the NKI image: the same file, the SDK 2.28.0 DLC
+        assert set(_from_images(ins, {"NEURON_SDK": NEURON_SDKS["nki"]})) == {NEURON_DLC.format(sdk="2.28.0")}
     for keyword, args in ins:
         if keyword == "COPY":
             parts = [p for p in args.split() if not p.startswith("--")]

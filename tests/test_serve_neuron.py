@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.neuron.artifact import FORMAT
+from neuron_moe import environment
 from neuron_moe.serve import neuron
 from neuron_moe.serve.batching import BatchEngine
 from neuron_moe.serve.engine import RequestError, SamplingParams
@@ -91,6 +92,7 @@ def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int
         module = types.ModuleType(name)
         module.__spec__ = importlib.machinery.ModuleSpec(name, None)
         monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(environment, "neuron_devices", lambda: {"devices": 1, "cores": 2, "source": "a stand-in"})
     artifact = StandInRuntime(model, {16, 64}, batch, 128, logits)
     monkeypatch.setattr(torch.jit, "load", lambda path: artifact)
     return neuron.neuron_runtime(tmp_path, port), artifact

@@ -54,25 +54,29 @@ BACKENDS: dict[str, Callable[..., Generator]] = {
 
 
 def backend_options(backend: str, *, sidecar=None, budget=None, rank=None, reader_kernel=None, reader_weights=None,
-                    expert_layout=None) -> dict:
+                    expert_layout=None, tp=None, tp_layers=None) -> dict:
     """The options given (not None) that BACKENDS[backend] is built with; options it does not take are
     refused. The reader takes them all but expert_layout; tp8 runs the reader in its decode graph with
-    sidecar, budget and rank; the TP backends take expert_layout."""
+    sidecar, budget and rank; the TP backends take expert_layout, tp (the degree) and tp_layers (the
+    parallel-layer library: cpu or nxd)."""
     given = {"sidecar": sidecar, "budget": budget, "rank": rank, "reader_kernel": reader_kernel,
              "reader_weights": reader_weights}
     options = {k: v for k, v in given.items() if v is not None}
     tp_reader = backend == "tp8" and bool(options)  # the reader in the TP 8 decode graph
     if tp_reader and ({"reader_kernel", "reader_weights"} & options.keys() or sidecar is None):
-        raise UserError("--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp 8`) and "
+        raise UserError("--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp T`) and "
                         "--budget; its kernels are the PyTorch reference over the bf16 experts "
                         "(no --reader-kernel, no --reader-weights)")
     if options and backend != "reader" and not tp_reader:
         raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only "
                         f"(--sidecar, --budget and --rank also to tp8)")
-    if expert_layout is not None:
-        if backend not in TP_BACKENDS:
-            raise UserError(f"--expert-layout applies to the TP backends ({', '.join(TP_BACKENDS)}) only")
-        options["expert_layout"] = expert_layout
+    tp_options = {"expert_layout": expert_layout, "tp": tp, "layers": tp_layers}
+    for name, value in tp_options.items():
+        if value is not None:
+            if backend not in TP_BACKENDS:
+                flag = "--tp-layers" if name == "layers" else f"--{name.replace('_', '-')}"
+                raise UserError(f"{flag} applies to the TP backends ({', '.join(TP_BACKENDS)}) only")
+            options[name] = value
     return options
 
 
@@ -109,7 +113,8 @@ def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: 
         raise UserError(f"the longest prompt ({ids.shape[1]} tokens) plus --max-new-tokens {max_new_tokens} exceeds "
                         f"the model's context of {context} tokens")
     # the backend first: a backend that refuses the input does so before the reference has run
-    got = BACKENDS[backend](port, dtype, checkpoint, **(backend_options or {}))(ids, mask, max_new_tokens)
+    generator = BACKENDS[backend](port, dtype, checkpoint, **(backend_options or {}))
+    got = generator(ids, mask, max_new_tokens)
     reference = build_model(port, "eager", torch.float32, checkpoint)
     ref_gen = greedy(reference, ids, mask, max_new_tokens)
     del reference
@@ -123,6 +128,7 @@ def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: 
         "backend": backend,
         "backend_dtype": str(dtype or port.dtype).removeprefix("torch."),
         "backend_options": {k: str(v) for k, v in (backend_options or {}).items()},
+        **getattr(generator, "details", {}),  # the TP backends: layers, layer_library, tp, expert_layout
         "max_new_tokens": max_new_tokens,
         "all_match": all(r["seq_match"] for r in rows),
         "prompts": rows,
@@ -132,7 +138,10 @@ def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: 
 def render_validation(report: dict) -> str:
     shown = [dict(r, prompt=repr(r["prompt"])) for r in report["prompts"]]  # newlines visible, one row each
     lines = [f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}) "
-             f"vs {report['reference']}, {report['max_new_tokens']} new tokens\n",
+             f"vs {report['reference']}, {report['max_new_tokens']} new tokens"]
+    if "layer_library" in report:
+        lines.append(f"TP {report['tp']}, expert layout {report['expert_layout']}, layers: {report['layer_library']}")
+    lines += ["",
              table(shown, [
                  ("prompt", "prompt"), ("seq_match", "SEQ_MATCH"), ("first_divergence", "first diff"),
                  ("max_abs_dlogit_step0", "max|Δlogit| step 0"), ("min_cosine", "min cosine", "{:.7f}"),

@@ -85,3 +85,16 @@ def rank_model(config: Gemma4TextConfig, tp: int, layers, *, expert_layout: str 
         model.lm_head = layers.ColumnParallelLinear(H, V, tp=tp, dtype=dtype, gather_output=True)
         model.model.rotary_emb = Gemma4TextRotaryEmbedding(local)  # its inv_freq buffers are computed, not loaded
     return model.eval()
+
+
+def materialize(model: Gemma4ForCausalLM, config: Gemma4TextConfig, tp: int,
+                expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, device: str = "cpu") -> Gemma4ForCausalLM:
+    """A rank model built on the meta device, allocated on `device` (uninitialised: every value
+    then comes from the rank's shard, `load_state_dict`), with what `rank_model` computes rather
+    than loads computed again there: the rotary embedding's buffers and the embedding scale."""
+    model.to_empty(device=device)
+    embedding = model.model.embed_tokens
+    embedding._forward_hooks.clear()  # the one hook `_scaled` registered, over a meta tensor
+    _scaled(embedding, torch.tensor(config.hidden_size**0.5, device=device))
+    model.model.rotary_emb = Gemma4TextRotaryEmbedding(rank_config(config, tp, expert_layout)).to(device)
+    return model

@@ -11,24 +11,22 @@ Backends for `validate`: `tp8` and `tp8-int8` (int8 experts, per-channel scales)
 layout (`--expert-layout`, default the port's [static] expert_layout: channel), and
 `tp8-naive-scatter`, always the expert layout: the seed port's Python-int router scatter, which a
 graph traced on rank 0 freezes to rank 0's slice (a wrong model, on purpose). `tp8` with a sidecar
-directory and a budget (`prep-reader --tp 8`) runs the reader in the decode graph (`reader.py`).
+directory and a budget (`prep-reader --tp T`) runs the reader in the decode graph (`reader.py`).
+`--tp T` sets the degree (default 8); `--tp-layers nxd` runs the same rank modules over NxD's own
+layers instead (`nxd_generator.py`), eagerly on every rank.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..errors import UserError
-from ..experts.int8 import quantize_experts
 from ..greedy import Generation
-from ..model import build_model
-from ..reader.prep import model_expert_weights
 from ..static.export import checked, example_inputs, functional
 from ..static.generator import StaticGenerator
-from . import cpu, layout, reader
-from .model import rank_model
+from . import cpu, layout
+from .nxd_generator import NxDGenerator
+from .rank_job import LAYERS, LIBRARY_CPU, RankJob
 from .trace import export_rank0, generation_job, run_replicated
 
 
@@ -38,33 +36,19 @@ class TPGenerator(StaticGenerator):
     def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
                  int8: bool = False, scatter: str = "spmd", logits: bool = True, sidecar=None,
                  budget: float | None = None, rank: int | None = None):
-        port.static_spec(f"the TP {tp} backend")
-        dtype = dtype or port.dtype
-        expert_layout = expert_layout or port.static.expert_layout
-        layout.check_degree(port.config, tp, expert_layout)  # before the weights load
-        spec, sides = port.static, None
-        if sidecar is not None:  # the reader on decode steps: every check before the weights load
-            reader.check_reader(expert_layout, int8, budget)
-            sides, k, rank = reader.open_shards(port.config, sidecar, tp, budget, rank)
-            spec = dataclasses.replace(spec, decode_experts=reader.READER)
-        hf = build_model(port, "eager", dtype, checkpoint)
-        if sides is not None:
-            sides[0].check_source(model_expert_weights(hf))  # one prep for all ranks: check_shards
-        full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
-        del hf
-        if int8:
-            full = quantize_experts(full)
-        module = rank_model(port.config, tp, cpu, expert_layout=expert_layout, int8=int8, scatter=scatter, dtype=dtype)
-        if sides is not None:
-            reader.attach(module, sides[0].layout, tp, k, sides[0].scan, rank)
-            full.update(reader.full_state(sides))
-        shards = cpu.shard_checkpoint(full, module, tp)
+        job = RankJob.prepare(port, tp, dtype, checkpoint, expert_layout=expert_layout, int8=int8, scatter=scatter,
+                              sidecar=sidecar, budget=budget, rank=rank)
+        module = job.rank_module(cpu)
+        shards = cpu.shard_checkpoint(job.full, module, tp)
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
         # the graphs (static/decoder.py) hold the model as `.model`
         self.states = [{f"model.{k}": v for k, v in shard.items()} for shard in shards]
-        super().__init__(module, spec, logits=logits)
-        self.tp, self.expert_layout = tp, expert_layout
-        self.reader_k = k if sides is not None else None  # channels per token and rank on decode steps
+        super().__init__(module, job.spec, logits=logits)
+        self.tp, self.expert_layout = tp, job.expert_layout
+        self.reader_k = job.reader_k  # channels per token and rank on decode steps (None: no reader)
+
+    def details(self) -> dict:
+        return {"layers": "cpu", "layer_library": LIBRARY_CPU, "tp": self.tp, "expert_layout": self.expert_layout}
 
     def prepare(self, buckets) -> None:
         """Export the programs; they run (and get their state) in the rank processes."""
@@ -105,15 +89,26 @@ def generate_replicated(generators: dict[str, TPGenerator], input_ids: torch.Ten
     return out
 
 
-def tp_backend(tp: int, **variant):
-    """A `validate` backend factory: TP `tp` on gloo, `variant` passed to TPGenerator; `expert_layout`
-    may be chosen unless the variant fixes it."""
-    def make(port, dtype=None, checkpoint=None, expert_layout=None, **reader_options):
+def tp_backend(default_tp: int, **variant):
+    """A `validate` backend factory: TP ranks over a layer library (`layers`: "cpu", trace once and
+    replicate on gloo, or "nxd", NxD's own layers in its CPU mode: `nxd_generator.py`) at degree `tp`
+    (default `default_tp`), `variant` passed to the generator; `expert_layout` may be chosen unless
+    the variant fixes it. The returned callable's `details` name the layers and the degree."""
+    def make(port, dtype=None, checkpoint=None, expert_layout=None, layers=None, tp=None, **reader_options):
         fixed = variant.get("expert_layout")
         if fixed and expert_layout and expert_layout != fixed:
             raise UserError(f"this backend runs the {fixed!r} expert layout only, not {expert_layout!r}")
         options = dict(variant, expert_layout=fixed or expert_layout, **reader_options)  # sidecar, budget, rank
-        return TPGenerator(port, tp, dtype, checkpoint, **options).generate
+        layers, tp = layers or "cpu", tp or default_tp
+        if layers not in LAYERS:
+            raise UserError(f"unknown layer library {layers!r}; expected one of {', '.join(LAYERS)}")
+        gen = (NxDGenerator if layers == "nxd" else TPGenerator)(port, tp, dtype, checkpoint, **options)
+
+        def run(input_ids, attention_mask, max_new_tokens):
+            return gen.generate(input_ids, attention_mask, max_new_tokens)
+
+        run.details = gen.details()
+        return run
 
     return make
 

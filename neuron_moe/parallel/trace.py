@@ -47,23 +47,33 @@ def run_replicated(programs: dict[str, torch.export.ExportedProgram], rank_state
     the ranks' results, in rank order. `job` must be a module-level function."""
     (tp,) = {len(states) for states in rank_states.values()}
     templates = {key: program.module() for key, program in programs.items()}
+    return run_ranks(tp, _replicated, templates, rank_states, job, job_args)
+
+
+def _replicated(rank: int, templates: dict[str, torch.nn.Module], rank_states: dict, job: Callable, job_args: tuple):
+    modules = {}
+    for key, module in templates.items():  # this process's copy of the one program
+        module.load_state_dict(rank_states[key][rank], strict=True)
+        modules[key] = module
+    return job(modules, rank, *job_args)
+
+
+def run_ranks(tp: int, job: Callable, *job_args) -> list:
+    """`job(rank, *job_args)` in each of `tp` gloo processes forked from this one (a world of `tp`
+    ranks, one intra-op thread each), under no_grad; the ranks' results in rank order. `job` must
+    be a module-level function; its result travels back through torch.save."""
     with tempfile.TemporaryDirectory(prefix="neuron-moe-tp-") as tmp:
-        torch.multiprocessing.start_processes(_rank_main, args=(tp, templates, rank_states, job, job_args, tmp),
-                                              nprocs=tp, start_method="fork")
+        torch.multiprocessing.start_processes(_rank_main, args=(tp, job, job_args, tmp), nprocs=tp,
+                                              start_method="fork")
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(tp)]
 
 
-def _rank_main(rank: int, tp: int, templates: dict[str, torch.nn.Module], rank_states: dict, job: Callable,
-               job_args: tuple, tmp: str):
+def _rank_main(rank: int, tp: int, job: Callable, job_args: tuple, tmp: str):
     torch.set_num_threads(1)  # t ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=tp)
     try:
-        modules = {}
-        for key, module in templates.items():  # this process's copy of the one program
-            module.load_state_dict(rank_states[key][rank], strict=True)
-            modules[key] = module
         with torch.no_grad():
-            result = job(modules, rank, *job_args)
+            result = job(rank, *job_args)
         part = Path(tmp) / f".rank{rank}.pt"
         torch.save(result, part)
         os.replace(part, Path(tmp) / f"rank{rank}.pt")

@@ -23,25 +23,25 @@ sampled row on the host.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
 
+from .. import environment
 from ..neuron.artifact import MODEL, ArtifactError, check_expert_layout, load_shards, read_manifest
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
 from .runtime import GraphRuntime
 
-SDK_MODULES = ("torch_neuronx", "neuronx_distributed")
+SDK_MODULES = environment.SERVE_MODULES
 # one artifact contract, one error for it
 NeuronError = ArtifactError
 
 
 def require_sdk() -> None:
-    missing = [m for m in SDK_MODULES if importlib.util.find_spec(m) is None]
-    if missing:
-        raise NeuronError(f"--backend neuron needs the Neuron SDK (missing {', '.join(missing)}): run it on "
-                          "an inf2 instance in the Neuron image (docker/Dockerfile.neuron)")
+    """The Neuron SDK's runtime and a Neuron device, or the reason `neuron-moe env` gives."""
+    supported, why = environment.support(environment.SERVE_NEURON)
+    if not supported:
+        raise NeuronError(f"--backend neuron {why}")
 
 
 def neuron_runtime(artifacts: Path, port) -> GraphRuntime:

@@ -10,7 +10,11 @@
 # Steps (default: all, in order): image venv compile-bf16 compile-int8 validate serve
 set -euo pipefail
 
-IMAGE=public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk2.31.1-ubuntu24.04
+# The Neuron SDK (docs/neuron.md, "Which Neuron SDK"): 2.31.1, the last with torch-neuronx and NxD for
+# inf2 and the line that keeps their fixes; NEURON_SDK=2.28.0 for the reader's NKI kernels (nki 0.2.x,
+# the last NKI with inf2). Compile and serve an artifact on the same SDK.
+NEURON_SDK=${NEURON_SDK:-2.31.1}
+IMAGE=public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk${NEURON_SDK}-ubuntu24.04
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 CHECKPOINT=${CHECKPOINT:?set CHECKPOINT to the Gemma-4 26B-A4B checkpoint directory (HF layout)}
 ARTIFACTS=${ARTIFACTS:?set ARTIFACTS to a directory for the compiled artifacts}

@@ -7,10 +7,20 @@ PyTorch (no weights read); the kernels read the sidecar and the weights. The ker
 kernel's unscaled partials (one [blocks, 2I] read per routed expert, as accounted).
 
 `forward(..., kernels=None)` imports `kernels.py` (the Neuron SDK's `nki`) on first use; a
-missing SDK is a UserError. Tests pass a PyTorch emulation of the three kernels instead.
+missing SDK, or an nki whose NKI does not support inf2, is a UserError. Tests pass a PyTorch
+emulation of the three kernels instead.
+
+The kernels target nki 0.2.x, the `nki.*` namespace of Neuron SDK 2.28: the last SDK whose NKI
+supports inf2 (its NKI FAQ lists Inf2, Trn1, Trn1n and Trn2; from 2.29, nki 0.3.0, Trn2 and Trn3
+only), and the first whose kernels may not use `neuronxcc.nki.*` (docs/neuron.md). Every nki.isa
+call they make has the same parameters in 0.2.0 as in 0.5.0 (the two SDKs' API stubs), their
+gathers use the access patterns of 2.28's `.ap(pattern, offset, vector_offset, indirect_dim)`, and
+their activations are ops 2.28's nki.isa.activation table lists.
 """
 
 from __future__ import annotations
+
+import importlib.metadata
 
 import torch
 
@@ -65,7 +75,32 @@ def recover_inputs(unchosen, top_k_index, layer, rank: int) -> dict[str, torch.T
             "unchosen": _padded(unchosen.reshape(T, -1), ct * PMAX).view(T, ct, PMAX, 1)}
 
 
+NKI_TARGET = "0.2"  # nki 0.2.x: Neuron SDK 2.28.x
+NKI_TARGET_SDK = "Neuron SDK 2.28"
+
+
+def nki_unsupported(version: str | None) -> str | None:
+    """Why nki `version` (None: not installed) cannot run these kernels on inf2; None when it can."""
+    if version is None:
+        return f"needs the Neuron SDK's nki package, nki {NKI_TARGET}.x ({NKI_TARGET_SDK}), which is not installed"
+    if version.split("+")[0].split(".")[:2] != NKI_TARGET.split("."):
+        return (f"targets nki {NKI_TARGET}.x ({NKI_TARGET_SDK}, the last whose NKI supports inf2), not nki {version}: "
+                f"NKI 0.3.0 and later (Neuron SDK 2.29+) support Trn2 and Trn3 only; on this SDK the reader runs its "
+                f"XLA-op path (--reader-kernel reference)")
+    return None
+
+
+def nki_version() -> str | None:
+    try:
+        return importlib.metadata.version("nki")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def load_kernels():
+    version = nki_version()
+    if version is not None and nki_unsupported(version):  # installed, but not an inf2 nki: refused by name
+        raise UserError(f"reader kernel 'nki' {nki_unsupported(version)}")
     try:
         from . import kernels  # imports the Neuron SDK's nki: present only on Neuron
     except ImportError as e:

@@ -1,7 +1,8 @@
 """The reader's NKI kernels for NeuronCore-v2 (inf2): screen, exact, recover.
 
-NOT RUN: written against the current `nki` namespace (nki.jit, nki.language as nl, nki.isa as
-nisa) and checked here only through the pure-PyTorch tile and index plan they consume
+NOT RUN: written against the `nki` namespace (nki.jit, nki.language as nl, nki.isa as nisa) of
+nki 0.2.x, Neuron SDK 2.28, the last whose NKI supports inf2 (`forward.NKI_TARGET`; docs/neuron.md),
+and checked here only through the pure-PyTorch tile and index plan they consume
 (`plan.py`, tested on the CPU). No simulator or NeuronCore has executed this file.
 
 Every row a kernel reads is gathered by indirect DMA (`nisa.dma_copy` from `tensor.ap(...,
@@ -90,7 +91,7 @@ def exact_kernel(gate_up, down, x, gate_idx, up_idx, down_idx, weights, act):
         nisa.dma_copy(dst=xb, src=x.ap(pattern=[[0, PMAX], [1, H]], offset=t * H))  # x broadcast to 128 partitions
         acc = nl.ndarray((1, H), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=acc, value=0.0)
-        for kt in nl.sequential_range(KT):
+        for kt in nl.sequential_range(0, KT, 1):
             dots = []
             for idx in (gate_idx, up_idx):
                 rows = _gather_rows(gate_up, idx[t, kt], PMAX, H)
@@ -128,7 +129,7 @@ def recover_kernel(coeffs, basis, coeff_idx, unchosen, rank):
     for t in nl.affine_range(T):
         z = nl.ndarray((rank, 1), dtype=nl.float32, buffer=nl.sbuf)  # zᵀ: rank on partitions
         nisa.memset(dst=z, value=0.0)
-        for ct in nl.sequential_range(CT):
+        for ct in nl.sequential_range(0, CT, 1):
             b = _gather_rows(coeffs, coeff_idx[t, ct], PMAX, rank, row_stride=full)
             q = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=q, src=unchosen[t, ct])

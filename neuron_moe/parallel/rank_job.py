@@ -1,0 +1,80 @@
+"""What every rank module of a TP run is built from, whichever layer library runs it.
+
+`RankJob.prepare` makes every check that needs no weights (the degree, the reader's shards), then
+the full parallel-layout checkpoint (`layout.parallel_state_dict`; int8 experts quantised; the
+reader's per-rank shards concatenated) that the shard cutter (`cpu.shard_checkpoint`) cuts for
+each rank; `rank_module` builds a rank's module over `parallel.cpu` (trace once and replicate:
+`tp_generator.py`) or `parallel.nxd` (NxD's own layers in its CPU mode: `nxd_generator.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..experts.int8 import quantize_experts
+from ..model import build_model
+from ..reader.prep import model_expert_weights
+from . import layout, reader
+from .model import rank_model
+
+LIBRARY_CPU = "parallel/cpu.py (NxD's layer names over torch.distributed functional collectives, gloo)"
+LAYERS = ("cpu", "nxd")  # the parallel-layer libraries a TP backend runs over (--tp-layers)
+
+
+@dataclasses.dataclass
+class RankJob:
+    """What every rank module of a TP run is built from: the port's static spec (the reader's decode
+    experts when one is attached), the options of the rank module, and the full parallel-layout
+    checkpoint (int8 experts quantised, the reader's shards concatenated) that the shard cutter cuts."""
+
+    config: object
+    spec: object
+    tp: int
+    dtype: torch.dtype
+    expert_layout: str
+    int8: bool
+    scatter: str
+    full: dict
+    reader: tuple | None  # (SidecarLayout of a rank, k per rank, scan, recovery rank)
+
+    @property
+    def reader_k(self) -> int | None:
+        return None if self.reader is None else self.reader[1]
+
+    @classmethod
+    def prepare(cls, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
+                int8: bool = False, scatter: str = "spmd", sidecar=None, budget: float | None = None,
+                rank: int | None = None) -> RankJob:
+        """Every check that needs no weights first, then the weights."""
+        port.static_spec(f"the TP {tp} backend")
+        dtype = dtype or port.dtype
+        expert_layout = expert_layout or port.static.expert_layout
+        layout.check_degree(port.config, tp, expert_layout)  # before the weights load
+        spec, sides, settings = port.static, None, None
+        if sidecar is not None:  # the reader on decode steps: every check before the weights load
+            reader.check_reader(expert_layout, int8, budget)
+            sides, k, rank = reader.open_shards(port.config, sidecar, tp, budget, rank)
+            spec = dataclasses.replace(spec, decode_experts=reader.READER)
+            settings = (sides[0].layout, k, sides[0].scan, rank)
+        hf = build_model(port, "eager", dtype, checkpoint)
+        if sides is not None:
+            sides[0].check_source(model_expert_weights(hf))  # one prep for all ranks: check_shards
+        full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
+        del hf
+        if int8:
+            full = quantize_experts(full)
+        if sides is not None:
+            full.update(reader.full_state(sides))
+        return cls(port.config, spec, tp, dtype, expert_layout, int8, scatter, full, settings)
+
+    def rank_module(self, layers, device: str = "cpu"):
+        """A rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`), the reader
+        attached if there is one; its values are zeros or uninitialised until a shard is loaded."""
+        module = rank_model(self.config, self.tp, layers, expert_layout=self.expert_layout, int8=self.int8,
+                            scatter=self.scatter, dtype=self.dtype, device=device)
+        if self.reader is not None:
+            local, k, scan, rank = self.reader
+            reader.attach(module, local, self.tp, k, scan, rank)
+        return module
