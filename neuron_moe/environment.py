@@ -40,7 +40,7 @@ PATHS = (TRACE_AND_COMPILE, VALIDATE_NXD, READER_NKI, READER_TRITON, SERVE_NEURO
 
 COMPILE_MODULES = ("torch_neuronx", "neuronx_distributed", "neuronxcc")  # ModelBuilder, its tracer, the compiler
 SERVE_MODULES = ("torch_neuronx", "neuronx_distributed")  # the runtime that loads a ModelBuilder artifact
-IMAGE = "the Neuron image (docker/Dockerfile.neuron: the Neuron SDK 2.28.0 DLC; docs/neuron.md)"
+IMAGE = "the Neuron image (docker/Dockerfile.neuron: the Neuron SDK 2.31.1 DLC by default; docs/neuron.md)"
 
 
 def version(distribution: str) -> str | None:
