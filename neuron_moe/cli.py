@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from . import hub
 from .cli_parser import parser
 from .errors import UserError
 from .eval import reader_eval
@@ -193,10 +194,23 @@ def _check_outputs(args) -> None:
         check_output(args.out, directory=not file, seekable=file)
 
 
+def _checkpoint(args) -> None:
+    """`--checkpoint` made a checked local directory before the command's work starts (a Hub id
+    downloaded: `hub.local_checkpoint`). serve makes the same check in its own order: its flags
+    first, then the checkpoint, before it binds its socket."""
+    if getattr(args, "checkpoint", None) is None:
+        if getattr(args, "revision", None) is not None:
+            raise UserError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
+        return
+    if args.command != "serve":
+        args.checkpoint = hub.local_checkpoint(args.checkpoint, args.revision, load_port(args.model))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         _check_outputs(args)
+        _checkpoint(args)
         return COMMANDS[args.command](args)
     except UserError as e:
         return _error(str(e))

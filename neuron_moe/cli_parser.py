@@ -44,10 +44,17 @@ def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
                         "the seed port's) (default: the port's [static] expert_layout, else channel)")
 
 
+def _checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", metavar="DIR|ORG/NAME",
+                   help="the weights (and tokenizer) instead of the port's: an HF-layout directory, or a Hugging Face "
+                        "Hub repository id, downloaded into the Hub cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply)")
+    p.add_argument("--revision", metavar="REV", help="with --checkpoint ORG/NAME: a branch, tag or commit (default main)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
                    help=f"port name or path to a port .toml (default: {DEFAULT_PORT}; `neuron-moe ports` lists them)")
-    p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
+    _checkpoint_args(p)
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
 
@@ -211,7 +218,7 @@ def parser() -> argparse.ArgumentParser:
                                    "state (aliased, zero-initialised on each rank): only ids, pad masks, positions and "
                                    "row ids go in, the token comes out.")
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
-    p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
+    _checkpoint_args(p)
     p.add_argument("--dtype", default="bf16", choices=sorted(COMPILE_DTYPES),
                    help="bf16; int8 (int8 experts, the rest bf16); fp32 (default: bf16)")
     p.add_argument("--tp", type=int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
@@ -233,13 +240,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, SSE streaming)",
-                       description="Serve one model over the OpenAI API: POST /v1/chat/completions, "
-                                   "/v1/completions; GET /v1/models, /health, /ping. The model loads after "
-                                   "the socket is bound (/health answers 503 until it is ready). SIGTERM "
-                                   "drains the requests in flight, then exits 0.")
+                       description="Serve one model over the OpenAI API as vLLM does: POST /v1/chat/completions, "
+                                   "/v1/completions, /tokenize, /detokenize; GET /v1/models, /version, /health, "
+                                   "/ping. The model loads after the socket is bound and runs one request per "
+                                   "graph to warm up (/health answers 503 until it is ready). SIGTERM drains the "
+                                   "requests in flight, then exits 0.")
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
                    help=f"port name or path to a port .toml (default: {DEFAULT_PORT})")
-    p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
+    _checkpoint_args(p)
     p.add_argument("--backend", default="eager", choices=SERVE_BACKENDS,
                    help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
                         "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
@@ -255,6 +263,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_tcp_port, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NEURON_MOE_API_KEY; unset: open)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the name(s) requests give as 'model' and /v1/models lists; responses carry the first "
+                        "(default: the port's name)")
+    p.add_argument("--max-model-len", type=_positive_int, metavar="N",
+                   help="context in tokens, prompt and completion together (default and most: what the backend "
+                        "holds: the graphs' max_cache_len + 1, or the model's max_position_embeddings)")
     p.add_argument("--batch-size", type=_positive_int, metavar="B",
                    help="--backend static: rows of the graphs' batch, the requests generating at once "
                         "(default: the port's [static] batch_size)")

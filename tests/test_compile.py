@@ -56,7 +56,12 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == na.FORMAT == 3 and manifest["logits"] is False
+    assert manifest["format"] == na.FORMAT == 4 and manifest["logits"] is False
+    # the tokenizer travels with the graphs: its files copied, named and digested (the server reads no other)
+    tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
+    assert manifest["tokenizer"] == {"kind": "checkpoint", "files": tokenizer}
+    for name in tokenizer:
+        assert (out / name).read_bytes() == (one_bucket_port.checkpoint / name.split("/")[1]).read_bytes()
     assert manifest["keys"]["context_encoding_16"]["inputs"] == {
         "input_ids": [1, 16], "attention_mask": [1, 16], "position_ids": [1, 16], "row_ids": [1]}
     assert manifest["keys"]["token_generation"]["inputs"] == {"input_ids": [2, 1], "position_ids": [2, 1]}
@@ -280,10 +285,11 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
     graph = nc._graph(module, one_bucket_port.static, "token_generation", new_cache(module, 96, 2), False)
     assert seen["checkpoint"].keys() == graph.state_dict().keys()  # weights only: the state is not in it
     assert seen["checkpoint"]["model.model.layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
-    assert sorted(report["files"]) == [na.MODEL, na.SHARD_PLAN, *(na.WEIGHTS.format(rank=r) for r in range(2))]
+    tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]  # the artifact serves alone
+    assert sorted(report["files"]) == [na.MODEL, na.SHARD_PLAN, *tokenizer, *(na.WEIGHTS.format(rank=r) for r in range(2))]
     assert not report["dry_run"] and na.read_manifest(tmp_path / "out")["dtype"] == "int8"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "model.pt", "shard_plan.json",
-                                                                    "weights"]
+                                                                    "tokenizer", "weights"]
 
 
 def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, monkeypatch):
