@@ -113,25 +113,38 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
 
 
-TokenId = Annotated[int, Field(strict=True, ge=0)]
+PROMPT_FORMS = "a string, a list of token ids, or a list of one of either"
+
+
+def _token_ids(v: list) -> list[int]:
+    if not v:
+        raise ValueError("the prompt holds no token")
+    bad = next((t for t in v if type(t) is not int or t < 0), None)
+    if bad is not None:
+        raise ValueError(f"token ids are integers from 0, got {bad!r}")
+    return v
 
 
 class CompletionRequest(_Sampling):
     """`prompt` as OpenAI allows it: a string, token ids, or a list of one of either (one prompt per
     request: several are refused, naming how many)."""
 
-    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    prompt: Text | list
 
     @field_validator("prompt")
     @classmethod
     def _single(cls, v):
-        if isinstance(v, list) and v and not isinstance(v[0], int):
+        if isinstance(v, str):
+            return v
+        if v and all(isinstance(p, (str, list)) for p in v):  # a batch of prompts
             if len(v) != 1:
                 raise ValueError(f"one prompt per request is supported, got {len(v)}: send each as its own request")
             v = v[0]
-        if isinstance(v, list) and not v:
-            raise ValueError("the prompt holds no token")
-        return v
+            if isinstance(v, str):
+                return _unicode(v)
+        if not isinstance(v, list) or any(isinstance(p, (str, list)) for p in v):
+            raise ValueError(f"must be {PROMPT_FORMS}")
+        return _token_ids(v)
 
 
 class TokenizeRequest(BaseModel):
@@ -153,4 +166,9 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v):
+        return _token_ids(v) if v else v
