@@ -16,7 +16,7 @@ from .info import info_report, render_info
 from .model import prep_reader, render_prep_reader
 from .neuron.compile import render_trace_and_compile, trace_and_compile
 from .neuron.plan import GiB, port_plan, render_plan
-from .port import DTYPES, load_port, ports_report, render_ports
+from .port import DTYPES, load_port, ports_report, render_ports, with_shapes
 from .publish.s3 import publish, pull_report, render_publish, render_pull
 from .reader.accounting import ReaderSettings, reads_report, render_reads
 from .reader.geometry import Geometry
@@ -82,15 +82,23 @@ def cmd_pull(args) -> int:
 def cmd_plan(args) -> int:
     reader = None if args.reader_budget is None else \
         {"budget": args.reader_budget, "scan": args.reader_scan, "rank": args.reader_rank}
-    report = port_plan(load_port(args.model), args.instance, args.tp, args.dtype, args.batch, args.seq,
-                       args.runtime_reserve_gib * GiB, expert_layout=args.expert_layout, reader=reader)
+    port = load_port(args.model)
+    if port.static is not None:  # the shapes trace-and-compile would build
+        port = with_shapes(port, batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
+        batch, seq = port.static.batch_size, port.static.max_cache_len
+    elif args.buckets is not None:
+        raise UserError(f"port {port.name!r} has no [static] table, whose buckets --buckets would replace")
+    else:
+        batch, seq = args.batch_size or 1, args.seq_len or 4096
+    report = port_plan(port, args.instance, args.tp, args.dtype, batch, seq, args.runtime_reserve_gib * GiB,
+                       expert_layout=args.expert_layout, reader=reader)
     if _json_out(report, args):
         print(render_plan(report))
     return 0 if report["fits"] else 1
 
 
 def cmd_trace_and_compile(args) -> int:
-    port = load_port(args.model)
+    port = with_shapes(load_port(args.model), batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
     flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
     if not args.reader and any(v is not None for v in flags.values()):
         raise UserError("--sidecar, --budget and --rank configure the reader: pass --reader")
@@ -184,6 +192,10 @@ COMMANDS = {"ports": cmd_ports, "info": cmd_info, "validate": cmd_validate, "bui
             "serve": cmd_serve, "reads": cmd_reads, "prep-reader": cmd_prep_reader}
 
 
+# commands that read a checkpoint's weights and no text: its tokenizer is not asked for
+WEIGHTS_ONLY = ("info", "prep-reader")
+
+
 def _check_outputs(args) -> None:
     """Every output path a command was given, checked before its work starts (not after an upload
     or an hour of training). `--out` is a directory but for prep-reader's sidecar (without --tp)."""
@@ -203,7 +215,8 @@ def _checkpoint(args) -> None:
             raise UserError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
         return
     if args.command != "serve":
-        args.checkpoint = hub.local_checkpoint(args.checkpoint, args.revision, load_port(args.model))
+        args.checkpoint = hub.local_checkpoint(args.checkpoint, args.revision, load_port(args.model),
+                                               tokenizer=args.command not in WEIGHTS_ONLY)
 
 
 def main(argv: list[str] | None = None) -> int:

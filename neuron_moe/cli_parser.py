@@ -37,6 +37,27 @@ def _tcp_port(text: str) -> int:
     return value
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, e.g. 128,512,2048, got {text!r}") \
+            from None
+
+
+def _shape_args(p: argparse.ArgumentParser, note: str = "", old_names: bool = False) -> None:
+    """The graphs' shapes as flags (NxD Inference / optimum-neuron style) over the port's [static],
+    the same for plan and trace-and-compile (`old_names`: plan's --batch and --seq still parse)."""
+    p.add_argument("--batch-size", *(["--batch"] if old_names else []), dest="batch_size", type=_positive_int,
+                   metavar="B", help="rows of the decode graph and the KV cache (default: the port's [static] batch_size)")
+    p.add_argument("--seq-len", *(["--seq"] if old_names else []), dest="seq_len", type=_positive_int, metavar="S",
+                   help="positions of the KV cache, the most a prompt and its completion take (context: S + 1 "
+                        "tokens; default: the port's [static] max_cache_len)")
+    p.add_argument("--buckets", type=_lengths, metavar="B,B",
+                   help="prefill lengths, strictly increasing, the largest at most --seq-len (default: the port's "
+                        f"[static] buckets){note}")
+
+
 def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
     p.add_argument("--expert-layout", choices=EXPERT_LAYOUTS,
                    help=f"{which}how TP ranks split the experts: channel (every expert's I/t intermediate channels "
@@ -193,8 +214,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--instance", required=True, choices=sorted(INSTANCES), help="inf2 instance type")
     p.add_argument("--tp", type=int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
     p.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES, help="experts' dtype (the rest is bf16)")
-    p.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size (default 1)")
-    p.add_argument("--seq", type=_positive_int, default=4096, metavar="S", help="max sequence length: KV cache and largest prefill bucket (default 4096)")
+    _shape_args(p, "; the graph estimate takes --seq-len as the prefill length, an upper bound. Without a [static] "
+                   "table: batch 1, seq 4096", old_names=True)
     p.add_argument("--reader-budget", type=float, metavar="PERCENT",
                    help="also the channel layout's decode graph with the reader at this budget (bytes per token and "
                         "rank, each rank's sidecar shard in the memory plan)")
@@ -225,6 +246,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
     p.add_argument("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
+    _shape_args(p)
     _expert_layout_arg(p)
     p.add_argument("--reader", action="store_true",
                    help="the decode key reads through the reader (channel layout, bf16/fp32): each rank's sidecar "

@@ -43,6 +43,7 @@ from ..static.export import GraphError, checked, example_inputs, functional
 from ..tokenizer import HFTokenizer
 from .artifact import (FORMAT, GRAPHS, MANIFEST, MODEL, SHARD_PLAN, TOKENIZER, WEIGHTS, ArtifactError, key_names,
                        tokenizer_files)
+from .plan import plan
 
 DTYPES = {"bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True), "fp32": (torch.float32, False)}
 _SDK_DISTS = ("torch", "transformers", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla")
@@ -155,6 +156,7 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     if reader is not None:  # every check of the reader before any weight loads
         sides, reads = _plan_reader(port, tp, int8, expert_layout, reader, has_weights)
         spec = dataclasses.replace(spec, decode_experts=READER)
+    _check_fits(port, dtype, tp, expert_layout, reads)
     check_output(out, directory=True)
     out = Path(out).resolve()
     with run_lock(out, "trace-and-compile"):
@@ -184,6 +186,21 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
             }
             (tmp / MANIFEST).write_text(dumps(manifest, indent=1) + "\n")
     return dict(manifest, out=str(out))
+
+
+def _check_fits(port, dtype: str, tp: int, expert_layout: str, reads: dict | None) -> None:
+    """The planner's verdict (`plan.py`) on what each NeuronCore would hold at these shapes, before
+    any work; fp32 (a CPU dtype, for checks) is not planned."""
+    if dtype == "fp32":
+        return
+    spec = port.static
+    reader = None if reads is None else {k: reads[k] for k in ("budget", "scan", "rank")}
+    verdict = plan(port.config, None, tp, dtype, spec.batch_size, spec.max_cache_len, model=port.name,
+                   expert_layout=expert_layout, decode_experts=spec.decode_experts, reader=reader)
+    if not verdict["fits"]:
+        raise ArtifactError(f"port {port.name!r} at TP {tp}, {dtype}, batch {spec.batch_size}, seq "
+                            f"{spec.max_cache_len}: {verdict['reason']} (`neuron-moe plan` shows what each "
+                            "NeuronCore holds)")
 
 
 def _tokenizer_source(port, checkpoint, has_weights: bool) -> Path | None:
