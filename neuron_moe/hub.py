@@ -83,9 +83,10 @@ def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def local_checkpoint(spec: str | Path, revision: str | None, port) -> Path:
+def local_checkpoint(spec: str | Path, revision: str | None, port, tokenizer: bool = True) -> Path:
     """`--checkpoint` for `port` as a checked local directory: `resolve`, then `check_checkpoint`,
-    the one check every command makes before its work (a server: before it binds its socket)."""
+    the one check every command makes before its work (a server: before it binds its socket);
+    `tokenizer`: the command reads text, so a port whose tokenizer is its checkpoint's needs one."""
     path = resolve(spec, revision)
-    check_checkpoint(path, port.config, port.name, tokenizer=port.tokenizer == "checkpoint")
+    check_checkpoint(path, port.config, port.name, tokenizer=tokenizer and port.tokenizer == "checkpoint")
     return path

@@ -258,6 +258,8 @@ def test_every_command_says_the_same_about_a_broken_checkpoint(saved, tmp_path, 
     path = _broken(kind, saved, tmp_path)
     commands = [["validate"], ["serve"], ["info"], ["eval-tasks"], ["prep-reader", "--out", str(tmp_path / "s")],
                 ["trace-and-compile", "--tp", "2", "--dry-run", "--out", str(tmp_path / "art")]]
+    if kind == "no tokenizer":  # what reads no text (info, prep-reader) needs no tokenizer
+        commands = [c for c in commands if c[0] not in ("info", "prep-reader")]
     errors = set()
     for command in commands:
         assert cli.main([*command, "--checkpoint", str(path)]) == 2, command
