@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from . import hub
 from .cli_parser import parser
 from .errors import UserError
@@ -221,6 +223,7 @@ def _checkpoint(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    torch.set_num_threads(args.threads)  # every command's (cli_parser.DEFAULT_THREADS: measured)
     try:
         _check_outputs(args)
         _checkpoint(args)

@@ -23,6 +23,19 @@ from .tasks import SPLITS, TASKS
 from .training.corpus import FORTUNES_DIR
 
 
+# torch's intra-op threads, for every command. Measured (bench/threads.py, bench/results/threads-cpu.md): on
+# this project's shared 2-core machine one thread answers a 32-token eager request in 0.39 s where two take
+# 4.65 s (validate: 0.59 s against 6.16 s): the tiny model's ops are too small to share, and two threads
+# wait on each other whenever another process holds a core.
+DEFAULT_THREADS = 1
+
+
+def _default_threads() -> int:
+    """$OMP_NUM_THREADS where a user set it (a positive integer), else DEFAULT_THREADS."""
+    text = os.environ.get("OMP_NUM_THREADS", "")
+    return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_THREADS
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -137,9 +150,6 @@ def parser() -> argparse.ArgumentParser:
                    help="task items fill up to this share of each window, running text the rest (default 1.0: "
                         "text fills only what the last whole item leaves)")
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order (default 0)")
-    p.add_argument("--threads", type=_positive_int, default=1,
-                   help="torch threads (default 1: on shared cores two threads wait on each other and run "
-                        "several times slower; the thread count is part of what makes a run reproducible)")
     p.add_argument("--json", metavar="FILE", help="also write the run summary as JSON ('-' for stdout)")
 
     p = sub.add_parser("eval-tasks", help="task accuracy, held-out perplexity and expert load of a model",
@@ -347,4 +357,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=RANK, metavar="R", help=f"recovery-map rank (default {RANK})")
     p.add_argument("--scan", type=int, default=SCAN, metavar="N",
                    help=f"scan width recorded for readers (default {SCAN})")
+
+    for p in sub.choices.values():
+        p.add_argument("--threads", type=_positive_int, default=_default_threads(), metavar="N",
+                       help=f"torch's intra-op threads (default: $OMP_NUM_THREADS, else {DEFAULT_THREADS}: measured "
+                            "fastest for the tiny port on 2 shared cores; raise it for a full-size model on idle "
+                            "cores). train-tiny: part of what makes a run reproducible")
     return top
