@@ -194,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--items", type=_positive_int, help=f"evaluation items per task (default "
                    f"{reader_eval.Settings.per_task}; --quick {reader_eval.QUICK['per_task']})")
     p.add_argument("--quick", action="store_true", help="a few short items (fact, kv, reverse) and 4 text "
-                                                        "documents: a check in about a minute, not a measurement")
+                                                        "documents: a check (16 s on 2 shared cores), not a measurement")
 
     p = sub.add_parser("publish", help="upload an artifact directory to S3, integrity-checked, manifest last",
                        description="Check every file (size stable while read; .pt files complete zip archives), "
