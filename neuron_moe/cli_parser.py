@@ -62,7 +62,8 @@ def _shape_args(p: argparse.ArgumentParser, note: str = "", old_names: bool = Fa
     """The graphs' shapes as flags (NxD Inference / optimum-neuron style) over the port's [static],
     the same for plan and trace-and-compile (`old_names`: plan's --batch and --seq still parse)."""
     p.add_argument("--batch-size", *(["--batch"] if old_names else []), dest="batch_size", type=_positive_int,
-                   metavar="B", help="rows of the decode graph and the KV cache (default: the port's [static] batch_size)")
+                   metavar="B", help="rows of the decode graph and the KV cache (default: the port's [static] "
+                                     "batch_size)")
     p.add_argument("--seq-len", *(["--seq"] if old_names else []), dest="seq_len", type=_positive_int, metavar="S",
                    help="positions of the KV cache, the most a prompt and its completion take (context: S + 1 "
                         "tokens; default: the port's [static] max_cache_len)")
@@ -82,7 +83,8 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", metavar="DIR|ORG/NAME",
                    help="the weights (and tokenizer) instead of the port's: an HF-layout directory, or a Hugging Face "
                         "Hub repository id, downloaded into the Hub cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply)")
-    p.add_argument("--revision", metavar="REV", help="with --checkpoint ORG/NAME: a branch, tag or commit (default main)")
+    p.add_argument("--revision", metavar="REV",
+                   help="with --checkpoint ORG/NAME: a branch, tag or commit (default main)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -194,7 +196,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--items", type=_positive_int, help=f"evaluation items per task (default "
                    f"{reader_eval.Settings.per_task}; --quick {reader_eval.QUICK['per_task']})")
     p.add_argument("--quick", action="store_true", help="a few short items (fact, kv, reverse) and 4 text "
-                                                        "documents: a check (16 s on 2 shared cores), not a measurement")
+                                                        "documents: a check (16 s on 2 shared cores), not a "
+                                                        "measurement")
 
     p = sub.add_parser("publish", help="upload an artifact directory to S3, integrity-checked, manifest last",
                        description="Check every file (size stable while read; .pt files complete zip archives), "

@@ -61,13 +61,15 @@ def resolve(spec: str | Path, revision: str | None = None) -> Path:
         raise CheckpointError(f"checkpoint {at}: a gated repository: accept its terms on the Hub with your "
                               "account, then set HF_TOKEN to a token of that account") from None
     except RevisionNotFoundError:
-        raise CheckpointError(f"checkpoint {at}: no revision {revision!r} (a branch, tag or commit) in {repo}") from None
+        raise CheckpointError(f"checkpoint {at}: no revision {revision!r} (a branch, tag or commit) in "
+                              f"{repo}") from None
     except RepositoryNotFoundError:
         raise CheckpointError(f"checkpoint {at}: no such repository on {constants.ENDPOINT}, or a private one "
                               "that HF_TOKEN does not open (and no such directory here)") from None
     except IncompleteSnapshotError:
         raise CheckpointError(f"checkpoint {at}: the Hugging Face cache {constants.HF_HUB_CACHE} holds part of it "
-                              "and the Hub cannot be reached to fetch the rest (HF_HUB_OFFLINE, or the network)") from None
+                              "and the Hub cannot be reached to fetch the rest (HF_HUB_OFFLINE, or the "
+                              "network)") from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
         if constants.HF_HUB_OFFLINE:
             raise CheckpointError(f"checkpoint {at}: not in the Hugging Face cache {constants.HF_HUB_CACHE}, and "

@@ -286,7 +286,8 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
     assert seen["checkpoint"].keys() == graph.state_dict().keys()  # weights only: the state is not in it
     assert seen["checkpoint"]["model.model.layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
     tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]  # the artifact serves alone
-    assert sorted(report["files"]) == [na.MODEL, na.SHARD_PLAN, *tokenizer, *(na.WEIGHTS.format(rank=r) for r in range(2))]
+    weights = [na.WEIGHTS.format(rank=r) for r in range(2)]
+    assert sorted(report["files"]) == [na.MODEL, na.SHARD_PLAN, *tokenizer, *weights]
     assert not report["dry_run"] and na.read_manifest(tmp_path / "out")["dtype"] == "int8"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "model.pt", "shard_plan.json",
                                                                     "tokenizer", "weights"]
@@ -389,7 +390,8 @@ def test_the_planner_refuses_what_a_neuroncore_cannot_hold_and_plan_agrees(tmp_p
     assert main(["trace-and-compile", "--model", "gemma4-26b-a4b", "--tp", "8", "--dry-run", "--out",
                  str(tmp_path / "big"), *shapes]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: port 'gemma4-26b-a4b' at TP 8, bf16, batch 64, seq 8192: ") and not (tmp_path / "big").exists()
+    assert err.startswith("error: port 'gemma4-26b-a4b' at TP 8, bf16, batch 64, seq 8192: ")
+    assert not (tmp_path / "big").exists()
     per_rank = re.search(r"(\d+\.\d+) GB per rank exceeds a NeuronCore's", err)[1]
     assert main(["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.24xlarge", "--tp", "8", *shapes]) == 1
-    assert f"DOES NOT FIT: {per_rank} GB per rank exceeds" in capsys.readouterr().out  # the same names, the same verdict
+    assert f"DOES NOT FIT: {per_rank} GB per rank exceeds" in capsys.readouterr().out  # same names, same verdict

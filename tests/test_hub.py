@@ -74,7 +74,8 @@ def fake_hub(tmp_path, monkeypatch, tiny_port):
     v2 = Repo.from_dir(other).revisions["main"]
     with FakeHub({"org/tiny": Repo({"main": main, "v2": v2})}) as fake:
         monkeypatch.setattr(constants, "ENDPOINT", fake.url)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            fake.url + "/{repo_id}/resolve/{revision}/{filename}")
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.delenv("HF_TOKEN", raising=False)

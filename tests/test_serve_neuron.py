@@ -197,7 +197,8 @@ def test_a_dry_run_artifact_serves_without_a_checkpoint(dry_run_artifact, monkey
     loaded = _cpu_graphs_for_the_device(monkeypatch)
     digested, digest = [], artifact.file_digest
     monkeypatch.setattr(artifact, "file_digest", lambda path, *a, **k: digested.append(path) or digest(path, *a, **k))
-    app = server.make_app(cli.parser().parse_args(["serve", "--backend", "neuron", "--artifacts", str(dry_run_artifact)]))
+    args = cli.parser().parse_args(["serve", "--backend", "neuron", "--artifacts", str(dry_run_artifact)])
+    app = server.make_app(args)
     tokenizer = load_tokenizer(tiny_port)
     prompt = "The capital of France is"
     reference = greedy(tiny_eager, *left_pad([tokenizer.encode(prompt)], 0), 8).tokens[0].tolist()
@@ -218,7 +219,8 @@ def test_a_dry_run_artifact_serves_without_a_checkpoint(dry_run_artifact, monkey
      "tokenizer/tokenizer.json: sha256 "),
     (lambda d: (d / "chat_template.jinja").write_text("{{ messages }}"),
      "tokenizer/chat_template.jinja: not in the artifact's manifest (added after trace-and-compile)"),
-    (lambda d: (d / "tokenizer_config.json").unlink(), "tokenizer/tokenizer_config.json: missing (the manifest lists it)"),
+    (lambda d: (d / "tokenizer_config.json").unlink(),
+     "tokenizer/tokenizer_config.json: missing (the manifest lists it)"),
 ])
 def test_a_tampered_tokenizer_is_refused_by_name_before_binding(dry_run_artifact, monkeypatch, capsys, tamper, named):
     _cpu_graphs_for_the_device(monkeypatch)

@@ -161,7 +161,8 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
     monkeypatch.setattr(GraphRuntime, "prefill",
                         lambda self, ids, row: calls.append(("prefill", bucket_for(len(ids), self.buckets)))
                         or prefill(self, ids, row))
-    monkeypatch.setattr(GraphRuntime, "decode", lambda self, ids, pos: calls.append(("decode",)) or decode(self, ids, pos))
+    monkeypatch.setattr(GraphRuntime, "decode",
+                        lambda self, ids, pos: calls.append(("decode",)) or decode(self, ids, pos))
     generated = []
     if backend == "eager":
         generate = Engine.generate

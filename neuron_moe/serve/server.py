@@ -1,9 +1,10 @@
 """`neuron-moe serve`: check the arguments, resolve the artifacts, run uvicorn.
 
-What can be checked before loading (port file, backend, artifact path, Neuron SDK or S3
-support present) fails before the socket is bound, as one `error:` line. The model then
-loads in a thread — pulling an s3:// artifact first — while /health answers 503; a load
-that fails stops the server with that error (exit 2), so a container restarts.
+What can be checked before loading (port file, backend, artifact path and its tokenizer's
+digests, Neuron SDK or S3 support present, the checkpoint, --max-model-len) fails before the
+socket is bound, as one `error:` line. The model then loads in a thread — pulling an s3://
+artifact first — and warms up (`ready.py`) while /health answers 503; a load that fails stops
+the server with that error (exit 2), so a container restarts.
 
 SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
 --drain-timeout for the requests in flight to finish, new requests on open connections get
@@ -22,8 +23,8 @@ from pathlib import Path
 import uvicorn
 
 from .. import hub
-from ..neuron.artifact import check_tokenizer
 from ..errors import UserError
+from ..neuron.artifact import check_tokenizer
 from ..port import DTYPES, load_port
 from ..publish import s3
 from . import neuron, ready
