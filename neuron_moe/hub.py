@@ -74,7 +74,8 @@ def resolve(spec: str | Path, revision: str | None = None) -> Path:
         if constants.HF_HUB_OFFLINE:
             raise CheckpointError(f"checkpoint {at}: not in the Hugging Face cache {constants.HF_HUB_CACHE}, and "
                                   "HF_HUB_OFFLINE=1 forbids downloading it: download it once online (unset "
-                                  "HF_HUB_OFFLINE), or point HF_HOME at a cache that holds it") from None
+                                  "HF_HUB_OFFLINE), or point HF_HOME at a cache that holds it (and no such "
+                                  "directory here)") from None
         raise CheckpointError(f"checkpoint {at}: cannot reach {constants.ENDPOINT} and not in the cache "
                               f"{constants.HF_HUB_CACHE}: {_first_line(e)}") from None
     except HfHubHTTPError as e:

@@ -238,6 +238,7 @@ def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=No
 def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, has_weights: bool):
     """(each rank's shard or None, the settings the graphs are built with) of `--reader`."""
     check_reader(expert_layout, int8, options.get("budget"))
+    options = dict(options, rank=port.reader.rank if options.get("rank") is None else options["rank"])
     if has_weights:
         if options.get("sidecar") is None:
             raise ArtifactError("--reader needs --sidecar DIR (from `neuron-moe prep-reader --tp "
