@@ -24,6 +24,7 @@ from transformers.initialization import no_init_weights
 from .config import geometry_differences, read_config_file
 from .errors import UserError
 from .report import atomic_dir, dumps, read_json_object
+from .tokenizer import TOKENIZER_MODELS
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -32,6 +33,7 @@ MULTIMODAL_TEXT_PREFIX = "model.language_model."
 # Other modalities of Gemma4ForConditionalGeneration: present in the real checkpoint, not ours to load.
 MULTIMODAL_OTHER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_HEADERS = ("F32", "BF16", "F16")  # the same, as safetensors headers name them
 _FINITE_CHUNK = 1 << 24
 
 
@@ -106,8 +108,9 @@ def expected_shapes(config: Gemma4TextConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_state_dict(ckpt_dir: Path, config: Gemma4TextConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    ckpt_dir = Path(ckpt_dir)
+def _wanted(ckpt_dir: Path, config: Gemma4TextConfig) -> tuple[dict[str, tuple[str, Path]], dict]:
+    """(Gemma4ForCausalLM key -> (checkpoint key, file), the expected shapes), every key accounted
+    for: a missing or unexpected one is an error that lists them."""
     weight_map = _weight_map(ckpt_dir)
     multimodal = any(k.startswith(MULTIMODAL_TEXT_PREFIX) for k in weight_map)
     wanted = {}
@@ -127,11 +130,15 @@ def read_state_dict(ckpt_dir: Path, config: Gemma4TextConfig, dtype: torch.dtype
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} key(s): {_listing(unexpected)}")
         raise CheckpointError(f"{ckpt_dir}: " + "; ".join(parts))
+    return wanted, expected
 
+
+def _each_tensor(wanted: dict[str, tuple[str, Path]], visit) -> None:
+    """`visit(f, text_key, key, path)` for every wanted tensor, each file opened once; a file that
+    is not safetensors, or lacks a key its index lists, is an error naming it."""
     by_file: dict[Path, list[str]] = {}
     for text_key, (_, path) in wanted.items():
         by_file.setdefault(path, []).append(text_key)
-    state = {}
     for path, text_keys in by_file.items():
         try:
             with safe_open(path, framework="pt") as f:
@@ -140,20 +147,59 @@ def read_state_dict(ckpt_dir: Path, config: Gemma4TextConfig, dtype: torch.dtype
                     key = wanted[text_key][0]
                     if key not in present:
                         raise CheckpointError(f"{path}: index lists {key} in this shard, but it is not there")
-                    tensor = f.get_tensor(key)
-                    if tuple(tensor.shape) != expected[text_key]:
-                        raise CheckpointError(
-                            f"{key}: shape {tuple(tensor.shape)} in {path.name}, expected {expected[text_key]}"
-                        )
-                    if tensor.dtype not in _FLOAT_DTYPES:
-                        raise CheckpointError(f"{key}: dtype {tensor.dtype} in {path.name} is not a float type")
-                    _check_finite(tensor, key, path)
-                    state[text_key] = tensor.to(dtype)
+                    visit(f, text_key, key, path)
         except CheckpointError:
             raise
-        except Exception as e:
+        except Exception as e:  # safetensors raises its own error type, or OSError
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _check_tensor(key: str, path: Path, shape: tuple, expected: tuple, dtype, floats: tuple) -> None:
+    if shape != expected:
+        raise CheckpointError(f"{key}: shape {shape} in {path.name}, expected {expected}")
+    if dtype not in floats:
+        raise CheckpointError(f"{key}: dtype {dtype} in {path.name} is not a float type")
+
+
+def read_state_dict(ckpt_dir: Path, config: Gemma4TextConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    wanted, expected = _wanted(Path(ckpt_dir), config)
+    state = {}
+
+    def load(f, text_key, key, path):
+        tensor = f.get_tensor(key)
+        _check_tensor(key, path, tuple(tensor.shape), expected[text_key], tensor.dtype, _FLOAT_DTYPES)
+        _check_finite(tensor, key, path)
+        state[text_key] = tensor.to(dtype)
+
+    _each_tensor(wanted, load)
     return state
+
+
+def check_checkpoint(ckpt_dir: Path, expected: Gemma4TextConfig | None = None, port: str = "",
+                     tokenizer: bool = False) -> Gemma4TextConfig:
+    """Everything about a checkpoint directory that is known without reading its weights, in one
+    place so that every command says the same about the same mistake before it starts its work (or
+    a server binds its socket): the directory, config.json (with `expected`: that it is the port's
+    model), every weight file, key, shape and dtype (the safetensors headers), and with `tokenizer`
+    the tokenizer's files. Non-finite weights are found when they are read (`read_state_dict`)."""
+    path = Path(ckpt_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: {'not a directory' if path.exists() else 'no such directory'}")
+    if not (path / CONFIG).is_file():
+        raise CheckpointError(f"checkpoint {path}: no {CONFIG} (an HF-layout checkpoint holds {CONFIG} and "
+                              f"{SINGLE}, or {INDEX} and its shards)")
+    config = read_config(path, expected, port)
+    wanted, shapes = _wanted(path, config)
+
+    def check(f, text_key, key, file):
+        header = f.get_slice(key)
+        _check_tensor(key, file, tuple(header.get_shape()), shapes[text_key], header.get_dtype(), _FLOAT_HEADERS)
+
+    _each_tensor(wanted, check)
+    if tokenizer and not any((path / name).is_file() for name in TOKENIZER_MODELS):
+        raise CheckpointError(f"checkpoint {path}: no tokenizer ({' or '.join(TOKENIZER_MODELS)}); port {port!r} "
+                              "takes its tokenizer from its checkpoint")
+    return config
 
 
 def _check_finite(tensor: torch.Tensor, key: str, path: Path) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import sys
 
-from . import environment
+import torch
+
+from . import environment, hub
 from .cli_parser import parser
 from .environment import render_env
 from .errors import UserError
@@ -17,7 +19,7 @@ from .info import info_report, render_info
 from .model import prep_reader, render_prep_reader
 from .neuron.compile import render_trace_and_compile, trace_and_compile
 from .neuron.plan import GiB, port_plan, render_plan
-from .port import DTYPES, load_port, ports_report, render_ports
+from .port import DTYPES, load_port, ports_report, render_ports, with_shapes
 from .publish.s3 import publish, pull_report, render_publish, render_pull
 from .reader.accounting import ReaderSettings, reads_report, render_reads
 from .reader.geometry import Geometry
@@ -94,8 +96,16 @@ def cmd_pull(args) -> int:
 def cmd_plan(args) -> int:
     reader = None if args.reader_budget is None else \
         {"budget": args.reader_budget, "scan": args.reader_scan, "rank": args.reader_rank}
-    report = port_plan(load_port(args.model), args.instance, args.tp, args.dtype, args.batch, args.seq,
-                       args.runtime_reserve_gib * GiB, expert_layout=args.expert_layout, reader=reader)
+    port = load_port(args.model)
+    if port.static is not None:  # the shapes trace-and-compile would build
+        port = with_shapes(port, batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
+        batch, seq = port.static.batch_size, port.static.max_cache_len
+    elif args.buckets is not None:
+        raise UserError(f"port {port.name!r} has no [static] table, whose buckets --buckets would replace")
+    else:
+        batch, seq = args.batch_size or 1, args.seq_len or 4096
+    report = port_plan(port, args.instance, args.tp, args.dtype, batch, seq, args.runtime_reserve_gib * GiB,
+                       expert_layout=args.expert_layout, reader=reader)
     if _json_out(report, args):
         print(render_plan(report))
     return 0 if report["fits"] else 1
@@ -104,7 +114,7 @@ def cmd_plan(args) -> int:
 def cmd_trace_and_compile(args) -> int:
     if not args.dry_run:
         environment.require(environment.TRACE_AND_COMPILE)
-    port = load_port(args.model)
+    port = with_shapes(load_port(args.model), batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
     flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
     if not args.reader and any(v is not None for v in flags.values()):
         raise UserError("--sidecar, --budget and --rank configure the reader: pass --reader")
@@ -198,6 +208,10 @@ COMMANDS = {"ports": cmd_ports, "env": cmd_env, "info": cmd_info, "validate": cm
             "serve": cmd_serve, "reads": cmd_reads, "prep-reader": cmd_prep_reader}
 
 
+# commands that read a checkpoint's weights and no text: its tokenizer is not asked for
+WEIGHTS_ONLY = ("info", "prep-reader")
+
+
 def _check_outputs(args) -> None:
     """Every output path a command was given, checked before its work starts (not after an upload
     or an hour of training). `--out` is a directory but for prep-reader's sidecar (without --tp)."""
@@ -208,10 +222,25 @@ def _check_outputs(args) -> None:
         check_output(args.out, directory=not file, seekable=file)
 
 
+def _checkpoint(args) -> None:
+    """`--checkpoint` made a checked local directory before the command's work starts (a Hub id
+    downloaded: `hub.local_checkpoint`). serve makes the same check in its own order: its flags
+    first, then the checkpoint, before it binds its socket."""
+    if getattr(args, "checkpoint", None) is None:
+        if getattr(args, "revision", None) is not None:
+            raise UserError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
+        return
+    if args.command != "serve":
+        args.checkpoint = hub.local_checkpoint(args.checkpoint, args.revision, load_port(args.model),
+                                               tokenizer=args.command not in WEIGHTS_ONLY)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    torch.set_num_threads(args.threads)  # every command's (cli_parser.DEFAULT_THREADS: measured)
     try:
         _check_outputs(args)
+        _checkpoint(args)
         return COMMANDS[args.command](args)
     except UserError as e:
         return _error(str(e))

@@ -24,6 +24,19 @@ from .tasks import SPLITS, TASKS
 from .training.corpus import FORTUNES_DIR
 
 
+# torch's intra-op threads, for every command. Measured (bench/threads.py, bench/results/threads-cpu.md): on
+# this project's shared 2-core machine one thread answers a 32-token eager request in 0.39 s where two take
+# 4.65 s (validate: 0.59 s against 6.16 s): the tiny model's ops are too small to share, and two threads
+# wait on each other whenever another process holds a core.
+DEFAULT_THREADS = 1
+
+
+def _default_threads() -> int:
+    """$OMP_NUM_THREADS where a user set it (a positive integer), else DEFAULT_THREADS."""
+    text = os.environ.get("OMP_NUM_THREADS", "")
+    return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_THREADS
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -38,6 +51,28 @@ def _tcp_port(text: str) -> int:
     return value
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, e.g. 128,512,2048, got {text!r}") \
+            from None
+
+
+def _shape_args(p: argparse.ArgumentParser, note: str = "", old_names: bool = False) -> None:
+    """The graphs' shapes as flags (NxD Inference / optimum-neuron style) over the port's [static],
+    the same for plan and trace-and-compile (`old_names`: plan's --batch and --seq still parse)."""
+    p.add_argument("--batch-size", *(["--batch"] if old_names else []), dest="batch_size", type=_positive_int,
+                   metavar="B", help="rows of the decode graph and the KV cache (default: the port's [static] "
+                                     "batch_size)")
+    p.add_argument("--seq-len", *(["--seq"] if old_names else []), dest="seq_len", type=_positive_int, metavar="S",
+                   help="positions of the KV cache, the most a prompt and its completion take (context: S + 1 "
+                        "tokens; default: the port's [static] max_cache_len)")
+    p.add_argument("--buckets", type=_lengths, metavar="B,B",
+                   help="prefill lengths, strictly increasing, the largest at most --seq-len (default: the port's "
+                        f"[static] buckets){note}")
+
+
 def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
     p.add_argument("--expert-layout", choices=EXPERT_LAYOUTS,
                    help=f"{which}how TP ranks split the experts: channel (every expert's I/t intermediate channels "
@@ -45,10 +80,18 @@ def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
                         "the seed port's) (default: the port's [static] expert_layout, else channel)")
 
 
+def _checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", metavar="DIR|ORG/NAME",
+                   help="the weights (and tokenizer) instead of the port's: an HF-layout directory, or a Hugging Face "
+                        "Hub repository id, downloaded into the Hub cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply)")
+    p.add_argument("--revision", metavar="REV",
+                   help="with --checkpoint ORG/NAME: a branch, tag or commit (default main)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
                    help=f"port name or path to a port .toml (default: {DEFAULT_PORT}; `neuron-moe ports` lists them)")
-    p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
+    _checkpoint_args(p)
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
 
@@ -127,9 +170,6 @@ def parser() -> argparse.ArgumentParser:
                    help="task items fill up to this share of each window, running text the rest (default 1.0: "
                         "text fills only what the last whole item leaves)")
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order (default 0)")
-    p.add_argument("--threads", type=_positive_int, default=1,
-                   help="torch threads (default 1: on shared cores two threads wait on each other and run "
-                        "several times slower; the thread count is part of what makes a run reproducible)")
     p.add_argument("--json", metavar="FILE", help="also write the run summary as JSON ('-' for stdout)")
 
     p = sub.add_parser("eval-tasks", help="task accuracy, held-out perplexity and expert load of a model",
@@ -174,7 +214,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--items", type=_positive_int, help=f"evaluation items per task (default "
                    f"{reader_eval.Settings.per_task}; --quick {reader_eval.QUICK['per_task']})")
     p.add_argument("--quick", action="store_true", help="a few short items (fact, kv, reverse) and 4 text "
-                                                        "documents: a check in about a minute, not a measurement")
+                                                        "documents: a check (16 s on 2 shared cores), not a "
+                                                        "measurement")
 
     p = sub.add_parser("publish", help="upload an artifact directory to S3, integrity-checked, manifest last",
                        description="Check every file (size stable while read; .pt files complete zip archives), "
@@ -210,8 +251,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--instance", required=True, choices=sorted(INSTANCES), help="inf2 instance type")
     p.add_argument("--tp", type=int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
     p.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES, help="experts' dtype (the rest is bf16)")
-    p.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size (default 1)")
-    p.add_argument("--seq", type=_positive_int, default=4096, metavar="S", help="max sequence length: KV cache and largest prefill bucket (default 4096)")
+    _shape_args(p, "; the graph estimate takes --seq-len as the prefill length, an upper bound. Without a [static] "
+                   "table: batch 1, seq 4096", old_names=True)
     p.add_argument("--reader-budget", type=float, metavar="PERCENT",
                    help="also the channel layout's decode graph with the reader at this budget (bytes per token and "
                         "rank, each rank's sidecar shard in the memory plan)")
@@ -235,13 +276,14 @@ def parser() -> argparse.ArgumentParser:
                                    "state (aliased, zero-initialised on each rank): only ids, pad masks, positions and "
                                    "row ids go in, the token comes out.")
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
-    p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
+    _checkpoint_args(p)
     p.add_argument("--dtype", default="bf16", choices=sorted(COMPILE_DTYPES),
                    help="bf16; int8 (int8 experts, the rest bf16); fp32 (default: bf16)")
     p.add_argument("--tp", type=int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
     p.add_argument("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
+    _shape_args(p)
     _expert_layout_arg(p)
     p.add_argument("--reader", action="store_true",
                    help="the decode key reads through the reader (channel layout, bf16/fp32): each rank's sidecar "
@@ -257,13 +299,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, SSE streaming)",
-                       description="Serve one model over the OpenAI API: POST /v1/chat/completions, "
-                                   "/v1/completions; GET /v1/models, /health, /ping. The model loads after "
-                                   "the socket is bound (/health answers 503 until it is ready). SIGTERM "
-                                   "drains the requests in flight, then exits 0.")
+                       description="Serve one model over the OpenAI API as vLLM does: POST /v1/chat/completions, "
+                                   "/v1/completions, /tokenize, /detokenize; GET /v1/models, /version, /health, "
+                                   "/ping. The model loads after the socket is bound and runs one request per "
+                                   "graph to warm up (/health answers 503 until it is ready). SIGTERM drains the "
+                                   "requests in flight, then exits 0.")
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
                    help=f"port name or path to a port .toml (default: {DEFAULT_PORT})")
-    p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
+    _checkpoint_args(p)
     p.add_argument("--backend", default="eager", choices=SERVE_BACKENDS,
                    help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
                         "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
@@ -279,6 +322,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_tcp_port, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NEURON_MOE_API_KEY; unset: open)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the name(s) requests give as 'model' and /v1/models lists; responses carry the first "
+                        "(default: the port's name)")
+    p.add_argument("--max-model-len", type=_positive_int, metavar="N",
+                   help="context in tokens, prompt and completion together (default and most: what the backend "
+                        "holds: the graphs' max_cache_len + 1, or the model's max_position_embeddings)")
     p.add_argument("--batch-size", type=_positive_int, metavar="B",
                    help="--backend static: rows of the graphs' batch, the requests generating at once "
                         "(default: the port's [static] batch_size)")
@@ -335,4 +384,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=RANK, metavar="R", help=f"recovery-map rank (default {RANK})")
     p.add_argument("--scan", type=int, default=SCAN, metavar="N",
                    help=f"scan width recorded for readers (default {SCAN})")
+
+    for p in sub.choices.values():
+        p.add_argument("--threads", type=_positive_int, default=_default_threads(), metavar="N",
+                       help=f"torch's intra-op threads (default: $OMP_NUM_THREADS, else {DEFAULT_THREADS}: measured "
+                            "fastest for the tiny port on 2 shared cores; raise it for a full-size model on idle "
+                            "cores). train-tiny: part of what makes a run reproducible")
     return top

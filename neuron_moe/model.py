@@ -12,6 +12,8 @@ knows tensors and files, not ports.
 from __future__ import annotations
 
 import copy
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from .errors import UserError
 from .experts.channel_reader import attach_reader, plan_reader, reader_forward, reader_settings
 from .parallel.layout import check_degree
 from .port import Port
+from .reader.accounting import ReaderSettings, solve_k
 from .reader.geometry import Geometry
 from .reader.prep import RANK, SCAN, model_expert_weights, write_sidecar
 from .reader.shard import WHOLE, write_shards
@@ -78,12 +81,23 @@ def build_model(
 def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_kernel="reference",
                  reader_weights="bf16"):
     """The port's model with the reader attached (see `reader_settings` for the defaults). The kernel,
-    sidecar, rank and budget are checked before the weights load (minutes, for a large checkpoint)."""
+    sidecar, rank and budget are checked before the weights load (minutes, for a large checkpoint).
+    Without a sidecar (none given, none in the port's [reader] table) one is prepped from the weights
+    the model loads, at the recovery rank it is read with, as eval-reader preps its own."""
     reader_forward(reader_kernel)
     sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
-    plan_reader(port.config, sidecar, budget, rank, reader_weights)
+    if sidecar is not None:
+        plan_reader(port.config, sidecar, budget, rank, reader_weights)
+    else:
+        rank = RANK if rank is None else rank
+        solve_k(Geometry.from_config(port.config), ReaderSettings(scan=SCAN, rank=rank, weights=reader_weights), budget)
     model = build_model(port, "eager", dtype, checkpoint)
-    attach_reader(model, sidecar, budget, rank, reader_kernel, reader_weights)
+    with tempfile.TemporaryDirectory(prefix="neuron-moe-sidecar-") as tmp:
+        if sidecar is None:
+            print(f"no --sidecar: prepping the reader's sidecar (rank {rank}) from the model's weights; "
+                  f"`neuron-moe prep-reader --out FILE` writes one to reuse", file=sys.stderr)
+            sidecar = prep_port(port, Path(tmp) / "sidecar.safetensors", checkpoint, rank=rank, model=model)
+        attach_reader(model, sidecar, budget, rank, reader_kernel, reader_weights)
     return model
 
 

@@ -8,7 +8,7 @@ package-dir) or given as a path to any `.toml` file of the same shape.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -177,6 +177,34 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
     if expert_layout not in EXPERT_LAYOUTS:
         raise PortError(f"{where}: expert_layout {expert_layout!r} is not one of {list(EXPERT_LAYOUTS)}")
     return StaticSpec(tuple(buckets), max_cache_len, batch_size, **experts, expert_layout=expert_layout)
+
+
+def with_shapes(port: Port, *, batch_size: int | None = None, seq_len: int | None = None,
+                buckets: tuple[int, ...] | None = None) -> Port:
+    """The port with the `[static]` shapes the flags give (`--batch-size`, `--seq-len`: the KV cache's
+    positions, max_cache_len; `--buckets`: the prefill lengths) in place of its table's, held to the
+    table's own checks; each refusal names the flag."""
+    given = {"--batch-size": batch_size, "--seq-len": seq_len, "--buckets": buckets}
+    if all(v is None for v in given.values()):
+        return port
+    spec = port.static_spec(", ".join(f for f, v in given.items() if v is not None))
+    buckets = tuple(buckets) if buckets is not None else spec.buckets
+    seq_len = spec.max_cache_len if seq_len is None else seq_len
+    batch_size = spec.batch_size if batch_size is None else batch_size
+    if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+        raise PortError(f"--buckets must be strictly increasing positive lengths, got {list(buckets)}")
+    if len(buckets) > MAX_BUCKETS:
+        raise PortError(f"--buckets: at most {MAX_BUCKETS} prefill lengths, got {len(buckets)}")
+    if buckets[-1] > seq_len:
+        whose = "--buckets" if given["--buckets"] is not None else f"the port's [static] buckets {list(buckets)}"
+        raise PortError(f"--seq-len {seq_len} (the KV cache's positions) is shorter than the largest prefill bucket "
+                        f"{buckets[-1]} ({whose}): pass --buckets up to {seq_len}, or a longer --seq-len")
+    if seq_len > port.config.max_position_embeddings:
+        raise PortError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
+                        f"{port.config.max_position_embeddings}")
+    if not 1 <= batch_size <= MAX_BATCH:
+        raise PortError(f"--batch-size must be in [1, {MAX_BATCH}], got {batch_size}")
+    return replace(port, static=replace(spec, buckets=buckets, max_cache_len=seq_len, batch_size=batch_size))
 
 
 _READER_FIELDS = {"sidecar": str, "budget": (int, float), "rank": int}

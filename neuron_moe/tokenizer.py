@@ -11,6 +11,13 @@ from transformers import AutoTokenizer
 from .config import read_config_file
 from .errors import UserError
 
+# The files of an HF tokenizer directory that serving reads (an artifact carries them): the tokenizer
+# itself (one of TOKENIZER_MODELS), its settings and special tokens, and the chat template when it
+# is a file of its own.
+TOKENIZER_MODELS = ("tokenizer.json", "tokenizer.model")
+TOKENIZER_FILES = (*TOKENIZER_MODELS, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json")
+
 
 class ByteTokenizer:
     """UTF-8 bytes shifted past the special ids: pad 0, eos 1, bos 2, byte b -> b + 3."""
@@ -21,8 +28,8 @@ class ByteTokenizer:
     max_token_bytes = 1  # of the text a token stands for
     chat_template = None  # the server falls back to a plain-text template (serve/chat.py)
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_token_id] + [b + self.offset for b in text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.bos_token_id] * add_special_tokens + [b + self.offset for b in text.encode("utf-8")]
 
     def decode(self, ids) -> str:
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.vocab_size)
@@ -51,8 +58,8 @@ class HFTokenizer:
         texts = backend.decode_batch([[i] for i in range(backend.get_vocab_size())], skip_special_tokens=False)
         self.max_token_bytes = 4 * (max(len(t.encode("utf-8")) for t in texts) + 1)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -37,6 +37,13 @@ def port_text_elsewhere(port) -> str:
     return text.replace(f'checkpoint = "{rel}"', f'checkpoint = "{port.checkpoint}"')
 
 
+def with_reader_table(text: str, body: str) -> str:
+    """A port file's text with its [reader] table's body replaced by `body` (appended if it has none)."""
+    head, found, tail = text.partition("\n[reader]\n")
+    rest = tail.split("\n[", 1)
+    return f"{head}\n[reader]\n{body}" + (f"\n[{rest[1]}" if found and len(rest) > 1 else "") + "\n"
+
+
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [[2] + torch.randint(3, vocab, (n - 1,), generator=gen).tolist() for n in lengths]

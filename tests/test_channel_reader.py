@@ -17,7 +17,7 @@ from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.prep import write_sidecar
 from neuron_moe.reader.sidecar import SidecarError
 
-from conftest import port_text_elsewhere, random_prompts, reseeded
+from conftest import port_text_elsewhere, random_prompts, reseeded, with_reader_table
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,6 @@ def test_channel_reader_without_a_sidecar_says_what_to_do(tiny_port):
 
 @pytest.mark.parametrize("args,message", [
     (["--backend", "dense_masked", "--budget", "50"], "--budget apply to --backend reader only"),
-    (["--backend", "reader", "--budget", "50"], "the reader needs a sidecar: pass --sidecar FILE"),
     (["--backend", "reader", "--budget", "5", "--sidecar", "SIDECAR"], "budget 5.0% is below what the reader reads"),
     (["--backend", "reader", "--budget", "150", "--sidecar", "SIDECAR"], r"budget must be in (0, 100]"),
     (["--backend", "reader", "--sidecar", "SIDECAR"], "the reader needs a budget"),
@@ -128,16 +127,29 @@ def test_validate_reader_errors(sidecar, capsys, args, message):
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
+def test_validate_reader_runs_with_its_defaults_on_the_default_model(capsys):
+    """No --sidecar, no --rank: the sidecar is prepped from the model's weights and read at the port's recovery
+    rank (0), which 17.8 % affords; at rank 32 the reader's fixed reads alone (18.49 %) are over the budget."""
+    args = ["validate", "--backend", "reader", "--budget", "17.8", "--max-new-tokens", "8", "--json", "-"]
+    assert cli.main(args) in (0, 1)  # it runs: SEQ_MATCH or not, a lossy reader's report
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert len(report["prompts"]) == 4 and report["backend_options"]["budget"] == "17.8"
+    assert "no --sidecar: prepping the reader's sidecar (rank 0) from the model's weights" in captured.err
+    assert cli.main(["validate", "--backend", "reader", "--budget", "17.8", "--rank", "32"]) == 2
+    assert "budget 17.8% is below what the reader reads before any exact channel (18.49%" in capsys.readouterr().err
+
+
 def test_port_reader_section_supplies_sidecar_and_budget(tiny_port, sidecar, tmp_path, capsys):
     port_file = tmp_path / "p.toml"
     text = port_text_elsewhere(tiny_port)
-    port_file.write_text(text + f'\n[reader]\nsidecar = "{sidecar}"\nbudget = 100\n')
+    port_file.write_text(with_reader_table(text, f'sidecar = "{sidecar}"\nbudget = 100'))
     assert cli.main(["validate", "--model", str(port_file), "--backend", "reader", "--max-new-tokens", "3",
                      "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["all_match"]
     # bad options fail at once, before the reference generates (no --max-new-tokens limit needed)
     for section, message in (("budjet = 10", "[reader]: unknown field(s) ['budjet']"),
                              ('budget = "lots"', "[reader]: field 'budget' must be int or float, got str 'lots'")):
-        port_file.write_text(text + f'\n[reader]\nsidecar = "{sidecar}"\n{section}\n')
+        port_file.write_text(with_reader_table(text, f'sidecar = "{sidecar}"\n{section}'))
         assert cli.main(["validate", "--model", str(port_file), "--backend", "reader"]) == 2
         assert message in capsys.readouterr().err

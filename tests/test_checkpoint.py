@@ -239,3 +239,42 @@ def test_a_bad_weight_map_is_named(saved, tmp_path, capsys, weight_map, message)
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_checkpoint(path)
+
+
+# ---- one checkpoint check, one message, whichever command meets the mistake ------------------------------
+
+def _broken(kind, saved, tmp_path):
+    path = tmp_path / kind
+    if kind == "absent":
+        return path
+    path.mkdir()
+    if kind in ("no weights", "no tokenizer"):
+        (path / "config.json").write_text((saved[1] / "config.json").read_text())
+    if kind == "no tokenizer":
+        (path / "model.safetensors").symlink_to(saved[1] / "model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("absent", "checkpoint {path}: no such directory"),
+    ("empty", "checkpoint {path}: no config.json (an HF-layout checkpoint holds config.json"),
+    ("no weights", "{path}: neither model.safetensors nor model.safetensors.index.json"),
+    ("no tokenizer", "checkpoint {path}: no tokenizer (tokenizer.json or tokenizer.model); port "
+                     "'tiny-gemma4-moe' takes its tokenizer from its checkpoint"),
+])
+def test_every_command_says_the_same_about_a_broken_checkpoint(saved, tmp_path, capsys, kind, message):
+    """validate, serve, info, eval-tasks, prep-reader and trace-and-compile: the same one line, before
+    any work (serve: before its socket is bound), never transformers' tokenizer message."""
+    path = _broken(kind, saved, tmp_path)
+    commands = [["validate"], ["serve"], ["info"], ["eval-tasks"], ["prep-reader", "--out", str(tmp_path / "s")],
+                ["trace-and-compile", "--tp", "2", "--dry-run", "--out", str(tmp_path / "art")]]
+    if kind == "no tokenizer":  # what reads no text (info, prep-reader) needs no tokenizer
+        commands = [c for c in commands if c[0] not in ("info", "prep-reader")]
+    errors = set()
+    for command in commands:
+        assert cli.main([*command, "--checkpoint", str(path)]) == 2, command
+        err = one_error_line(capsys, message.format(path=path))
+        assert "sentencepiece" not in err.lower() and "tiktoken" not in err.lower()
+        errors.add(err)
+    assert len(errors) == 1
+    assert not (tmp_path / "s").exists() and not (tmp_path / "art").exists()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from neuron_moe import cli
+from neuron_moe.cli_parser import DEFAULT_THREADS
 from neuron_moe.eval import seq_match
 from neuron_moe.greedy import Generation
 
@@ -107,3 +108,25 @@ def test_validate_refuses_more_new_tokens_than_the_context_holds(capsys):
     assert cli.main(["validate", "--max-new-tokens", "1000000000"]) == 2
     err = capsys.readouterr().err
     assert "exceeds the model's context of 512 tokens" in err and err.count("\n") == 1
+
+
+def test_every_command_takes_threads_and_applies_it(monkeypatch, capsys):
+    """--threads on every command (default: $OMP_NUM_THREADS, else the measured DEFAULT_THREADS), set on
+    torch before the command runs."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    subcommands = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in subcommands.items():
+        (threads,) = [a for a in sub._actions if "--threads" in a.option_strings]
+        assert threads.default == DEFAULT_THREADS == 1, name
+    assert set(subcommands) == set(cli.COMMANDS)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cli.parser().parse_args(["ports"]).threads == 3
+    before = torch.get_num_threads()
+    try:
+        assert cli.main(["ports", "--threads", "2"]) == 0 and torch.get_num_threads() == 2
+        assert cli.main(["ports"]) == 0 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SystemExit):
+        cli.main(["ports", "--threads", "0"])
+    assert "--threads: must be at least 1" in capsys.readouterr().err

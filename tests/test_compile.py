@@ -20,7 +20,7 @@ from neuron_moe.neuron import artifact as na
 from neuron_moe.neuron import compile as nc
 from neuron_moe.parallel import nxd
 from neuron_moe.parallel.trace import generation_job, run_replicated
-from neuron_moe.port import load_port
+from neuron_moe.port import load_port, with_shapes
 from neuron_moe.report import OutputError, file_digest
 
 from conftest import expert_reads, random_prompts
@@ -57,7 +57,12 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == na.FORMAT == 3 and manifest["logits"] is False
+    assert manifest["format"] == na.FORMAT == 4 and manifest["logits"] is False
+    # the tokenizer travels with the graphs: its files copied, named and digested (the server reads no other)
+    tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
+    assert manifest["tokenizer"] == {"kind": "checkpoint", "files": tokenizer}
+    for name in tokenizer:
+        assert (out / name).read_bytes() == (one_bucket_port.checkpoint / name.split("/")[1]).read_bytes()
     assert manifest["keys"]["context_encoding_16"]["inputs"] == {
         "input_ids": [1, 16], "attention_mask": [1, 16], "position_ids": [1, 16], "row_ids": [1]}
     assert manifest["keys"]["token_generation"]["inputs"] == {"input_ids": [2, 1], "position_ids": [2, 1]}
@@ -292,10 +297,12 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
     graph = nc._graph(module, one_bucket_port.static, "token_generation", new_cache(module, 96, 2), False)
     assert seen["checkpoint"].keys() == graph.state_dict().keys()  # weights only: the state is not in it
     assert seen["checkpoint"]["model.model.layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
-    assert sorted(report["files"]) == [na.MODEL, na.SHARD_PLAN, *(na.WEIGHTS.format(rank=r) for r in range(2))]
+    tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]  # the artifact serves alone
+    weights = [na.WEIGHTS.format(rank=r) for r in range(2)]
+    assert sorted(report["files"]) == [na.MODEL, na.SHARD_PLAN, *tokenizer, *weights]
     assert not report["dry_run"] and na.read_manifest(tmp_path / "out")["dtype"] == "int8"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "model.pt", "shard_plan.json",
-                                                                    "weights"]
+                                                                    "tokenizer", "weights"]
 
 
 def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, monkeypatch):
@@ -362,3 +369,41 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
             k0 = outputs[aliased["cache.k0"]]  # layer 0's K of the prompt, in row 0 only
             assert k0[0].abs().sum() > 0 and not k0[1].any()
     assert names[0] == names[1]
+
+
+# ---- the graphs' shapes as flags over the port's [static], checked by the planner before any work ------------
+
+def test_shape_flags_override_the_ports_static_table(tiny_port, tmp_path):
+    port = with_shapes(tiny_port, batch_size=3, seq_len=64, buckets=(16, 32))
+    manifest = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, export=False)
+    assert (manifest["batch_size"], manifest["max_length"], manifest["buckets"]) == (3, 64, [16, 32])
+    assert list(manifest["keys"]) == ["context_encoding_16", "context_encoding_32", "token_generation"]
+    assert manifest["keys"]["token_generation"]["inputs"]["input_ids"] == [3, 1]
+    assert manifest["state"]["cache.k1"]["shape"][:3:2] == [3, 64]  # 3 rows, every one of the 64 positions
+    assert with_shapes(tiny_port) is tiny_port  # no flag: the table as it is
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--seq-len", "32"], "--seq-len 32 (the KV cache's positions) is shorter than the largest prefill bucket 56 "
+                          "(the port's [static] buckets [8, 56]): pass --buckets up to 32"),
+    (["--buckets", "56,8"], "--buckets must be strictly increasing positive lengths, got [56, 8]"),
+    (["--seq-len", "600"], "--seq-len 600 exceeds the model's max_position_embeddings 512"),
+    (["--batch-size", "2000"], "--batch-size must be in [1, 1024], got 2000"),
+])
+def test_shape_flags_are_checked_before_any_work(tmp_path, capsys, flags, message):
+    assert main(["trace-and-compile", "--tp", "2", "--dry-run", "--out", str(tmp_path / "art"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "art").exists()
+
+
+def test_the_planner_refuses_what_a_neuroncore_cannot_hold_and_plan_agrees(tmp_path, capsys):
+    shapes = ["--batch-size", "64", "--seq-len", "8192", "--buckets", "128,512"]
+    assert main(["trace-and-compile", "--model", "gemma4-26b-a4b", "--tp", "8", "--dry-run", "--out",
+                 str(tmp_path / "big"), *shapes]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: port 'gemma4-26b-a4b' at TP 8, bf16, batch 64, seq 8192: ")
+    assert not (tmp_path / "big").exists()
+    per_rank = re.search(r"(\d+\.\d+) GB per rank exceeds a NeuronCore's", err)[1]
+    assert main(["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.24xlarge", "--tp", "8", *shapes]) == 1
+    assert f"DOES NOT FIT: {per_rank} GB per rank exceeds" in capsys.readouterr().out  # same names, same verdict

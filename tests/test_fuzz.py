@@ -29,7 +29,7 @@ from neuron_moe import cli
 from neuron_moe.checkpoint import _weight_map
 from neuron_moe.errors import UserError
 from neuron_moe.neuron import artifact as na
-from neuron_moe.port import tomllib
+from neuron_moe.port import load_port, tomllib
 from neuron_moe.publish import s3
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.prep import write_sidecar
@@ -299,7 +299,9 @@ def test_fuzz_sidecar_metadata(small_sidecar, tmp_path, edits):
 
 
 ARTIFACT = {"format": na.FORMAT, "port": MODEL, "dtype": "bf16", "tp": 1, "expert_layout": "channel",
-            "buckets": [64], "max_length": 128, "batch_size": 1, "dry_run": False, "logits": False}
+            "buckets": [64], "max_length": 128, "batch_size": 1, "dry_run": False, "logits": False,
+            "tokenizer": {"kind": "checkpoint", "files": ["tokenizer/tokenizer.json"]},
+            "files": {"tokenizer/tokenizer.json": {"size": 3, "sha256": "0" * 64}}}
 PUBLICATION = {"format": s3.FORMAT, "run": "r1", "files": [{"path": "model.pt", "key": "runs/r1/model.pt", "size": 3,
                                                               "sha256": "0" * 64}]}
 
@@ -310,5 +312,6 @@ PUBLICATION = {"format": s3.FORMAT, "run": "r1", "files": [{"path": "model.pt", 
 def test_fuzz_manifests(tmp_path, artifact, publication, entry):
     (tmp_path / na.MANIFEST).write_text(json.dumps(mutated(ARTIFACT, artifact)))
     expect_user_error_or_nothing(lambda: na.read_manifest(tmp_path))
+    expect_user_error_or_nothing(lambda: na.check_tokenizer(tmp_path, na.read_manifest(tmp_path), load_port(MODEL)))
     for doc in (mutated(PUBLICATION, publication), dict(PUBLICATION, files=[mutated(PUBLICATION["files"][0], entry)])):
         expect_user_error_or_nothing(lambda: s3._check_manifest(doc, "s3://b/p/manifest"))

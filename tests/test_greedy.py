@@ -12,8 +12,13 @@ def test_left_padding_does_not_change_a_row(tiny_eager):
     assert mask[1].tolist() == [0] * 24 + [1] * 6
     batch = greedy(tiny_eager, ids, mask, 20)
     alone = greedy(tiny_eager, *left_pad(prompts[1:], pad_id=0), 20)
-    assert torch.equal(batch.tokens[1], alone.tokens[0])
-    assert (batch.logits[1] - alone.logits[0]).abs().max() <= 1e-5
+    assert torch.equal(batch.tokens[1], alone.tokens[0])  # exact: the picks
+    # The logits differ in fp32 summation order only: a batch of 2 rows and a 30-token prefill run other
+    # GEMM kernels than 1 row and 6 tokens (a decode step of one row is a matrix-vector product), at any
+    # thread count. Measured: 3.8 ulp (float32 eps) of the largest logit; a bug that lets the pads in moves
+    # logits by whole units.
+    bound = 16 * torch.finfo(torch.float32).eps * alone.logits[0].abs().max()
+    assert (batch.logits[1] - alone.logits[0]).abs().max() <= bound
 
 
 def test_greedy_picks_the_argmax_of_its_logits(tiny_eager):

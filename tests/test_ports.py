@@ -11,7 +11,7 @@ from neuron_moe import cli
 from neuron_moe.config import ConfigError
 from neuron_moe.port import PortError, ReaderSpec, builtin_ports, load_port
 
-from conftest import port_text_elsewhere
+from conftest import port_text_elsewhere, with_reader_table
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -92,15 +92,16 @@ def test_expert_layout_defaults_to_channel(tmp_path):
     (lambda t: t.replace('expert_layout = "channel"', 'expert_layout = "rows"'), PortError,
      r"\[static\]: expert_layout 'rows' is not one of \['channel', 'expert'\]"),
     # [reader] as [static]: the file and the table named, each field's type and range checked at load
-    (lambda t: t + "\n[reader]\nbudjet = 10\n", PortError,
+    (lambda t: with_reader_table(t, "budjet = 10"), PortError,
      r"p\.toml \[reader\]: unknown field\(s\) \['budjet'\]; expected \['budget', 'rank', 'sidecar'\]"),
-    (lambda t: t + '\n[reader]\nrank = "full"\n', PortError, r"p\.toml \[reader\]: field 'rank' must be int, got str"),
-    (lambda t: t + "\n[reader]\nsidecar = 3\n", PortError, r"\[reader\]: field 'sidecar' must be str, got int 3"),
-    (lambda t: t + "\n[reader]\nbudget = true\n", PortError,
+    (lambda t: with_reader_table(t, 'rank = "full"'), PortError, r"p\.toml \[reader\]: field 'rank' must be int, got str"),
+    (lambda t: with_reader_table(t, "sidecar = 3"), PortError, r"\[reader\]: field 'sidecar' must be str, got int 3"),
+    (lambda t: with_reader_table(t, "budget = true"), PortError,
      r"\[reader\]: field 'budget' must be int or float, got bool"),
-    (lambda t: t + "\n[reader]\nbudget = 0\n", PortError, r"\[reader\]: budget must be in \(0, 100\] percent, got 0"),
-    (lambda t: t + "\n[reader]\nrank = -1\n", PortError, r"\[reader\]: rank must be 0 or more, got -1"),
-    (lambda t: t.replace('name = "tiny-gemma4-moe"', 'name = "tiny-gemma4-moe"\nreader = 10'), PortError,
+    (lambda t: with_reader_table(t, "budget = 0"), PortError, r"\[reader\]: budget must be in \(0, 100\] percent, got 0"),
+    (lambda t: with_reader_table(t, "rank = -1"), PortError, r"\[reader\]: rank must be 0 or more, got -1"),
+    (lambda t: t.split("\n[reader]\n")[0].replace('name = "tiny-gemma4-moe"', 'name = "tiny-gemma4-moe"\nreader = 10'),
+     PortError,
      "field 'reader' must be dict, got int 10"),
 ])
 def test_bad_port_files_name_the_problem(tmp_path, edit, error, message):
@@ -109,8 +110,8 @@ def test_bad_port_files_name_the_problem(tmp_path, edit, error, message):
 
 
 def test_reader_table_is_parsed_at_load(tmp_path):
-    assert _TINY_PORT.reader == ReaderSpec()  # no [reader] table: every field unset
-    port = load_port(_write(tmp_path, TINY + '\n[reader]\nsidecar = "sc/tiny.safetensors"\nbudget = 30\n'))
+    assert _TINY_PORT.reader == ReaderSpec(rank=0)  # recovery off by default; the sidecar prepped, the budget asked
+    port = load_port(_write(tmp_path, with_reader_table(TINY, 'sidecar = "sc/tiny.safetensors"\nbudget = 30')))
     # the sidecar relative to the port file; the budget a float; the rank left to the sidecar
     assert port.reader == ReaderSpec(sidecar=tmp_path / "sc/tiny.safetensors", budget=30.0, rank=None)
 
@@ -126,8 +127,8 @@ def test_reader_table_is_parsed_at_load(tmp_path):
      "field 'tokenizer' must be dict, got str"),
     (lambda t: t.replace('dtype = "float32"', 'dtype = "float32"\nseeed = 3'), "[weights]: unknown field(s) ['seeed']"),
     (lambda t: t.replace('kind = "checkpoint"', 'knd = "checkpoint"'), "[tokenizer]: unknown field(s) ['knd']"),
-    (lambda t: t + "\n[reader]\nbudjet = 10\n", "[reader]: unknown field(s) ['budjet']"),
-    (lambda t: t + '\n[reader]\nrank = "full"\n', "[reader]: field 'rank' must be int, got str"),
+    (lambda t: with_reader_table(t, "budjet = 10"), "[reader]: unknown field(s) ['budjet']"),
+    (lambda t: with_reader_table(t, 'rank = "full"'), "[reader]: field 'rank' must be int, got str"),
     (lambda t: t.replace("hidden_size = 128", "hidden_size = 0"), "hidden_size = 0 is outside [1, 65536]"),
     (lambda t: t.replace("num_attention_heads = 8", "num_attention_heads = -8"), "num_attention_heads = -8 is outside"),
     (lambda t: t.replace("top_k_experts = 4", 'top_k_experts = "4"'), "top_k_experts must be an integer, got '4'"),

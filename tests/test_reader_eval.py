@@ -132,6 +132,26 @@ def test_quick_run_end_to_end_and_resume(tiny_port, corpus, tmp_path, capsys, mo
     assert "holds cells of another run (different per_task)" in capsys.readouterr().err
 
 
+def test_the_readers_defaults_reach_the_default_budgets(tmp_path, capsys):
+    """Plain `reader` at eval-reader's default budgets (12.8, 17.8) on the default model: the port's recovery
+    rank (0: a rank-32 map alone reads 12.5 % here) makes both reachable, so the reader is in the table and
+    the plots; a selector that cannot reach a budget is named in a note, with its reason."""
+    out = tmp_path / "defaults"
+    argv = ["eval-reader", "--quick", "--items", "1", "--selectors", "reader,cats", "--rules", "topk",
+            "--out", str(out), "--json", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 0
+    cells = {(c["selector"], c["budget"]): c for c in json.loads((tmp_path / "r.json").read_text())["cells"]}
+    for budget in (12.8, 17.8):
+        reader = cells["reader", budget]
+        assert reader["status"] == "ok" and budget - 0.6 < reader["target_reads"] <= budget
+        assert cells["cats", budget]["status"] == "not reachable"
+    printed, md = capsys.readouterr().out, (out / "report.md").read_text()
+    for text in (printed, md):
+        assert "cats at 12.8 %: not reachable, so absent from the plots: budget 12.8% is below its fixed reads" in text
+        assert "reader at" not in text  # reachable: no note
+    assert "| reader | topk | 12.8 |" in md and "| reader | topk | 17.8 |" in md
+
+
 def test_the_reader_at_tp(tmp_path, capsys):
     """The per-rank quota reads its plan on every rank and token; the global top-k over the ranks has the
     same total k and reads unevenly; a budget below a rank's floor is not reachable, with that floor; the

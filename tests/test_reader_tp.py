@@ -44,6 +44,7 @@ from test_parallel_layout import LAYER, block_state
 
 NEW_TOKENS = 6
 BUDGET = 40.0  # above the tiny port's floors at TP 1 and 2 with recovery rank 32 (18.5 %, 27.9 %)
+RANK = 32  # recovery on (the tiny port's own default is 0), so that these tests read its map too
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +110,10 @@ def test_moe_block_on_every_rank_is_the_per_rank_reader(tiny_eager, tp):
 def test_tp1_is_the_one_rank_reader(tiny_port, shards, prompts):
     """TP 1's per-rank selection (its one shard, static graphs on a gloo rank) = `validate --backend
     reader` (HF's model with the one-rank reader): the same tokens, the logits to the fp32 bound."""
-    gen = TPGenerator(tiny_port, 1, sidecar=shards, budget=BUDGET)
+    gen = TPGenerator(tiny_port, 1, sidecar=shards, budget=BUDGET, rank=RANK)
     got = gen.generate(*prompts, NEW_TOKENS)
-    want = greedy(reader_model(tiny_port, sidecar=shards / shard.WHOLE, budget=BUDGET), *prompts, NEW_TOKENS)
+    want = greedy(reader_model(tiny_port, sidecar=shards / shard.WHOLE, budget=BUDGET, rank=RANK), *prompts,
+                  NEW_TOKENS)
     assert gen.reader_k == attach_reader(build_model(tiny_port, "eager"), shards / shard.WHOLE, BUDGET)
     assert torch.equal(got.tokens, want.tokens)
     assert (got.logits - want.logits).abs().max() <= 2e-6 * want.logits.abs().max()
@@ -123,7 +125,7 @@ def test_tp2_artifact_is_the_per_rank_reader_emulated(tiny_port, tiny_eager, sha
     (`attach_reader(..., tp=2)`, what eval-reader measures), token for token."""
     port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(8,)))
     out = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, logits=True,
-                               reader={"sidecar": shards, "budget": BUDGET})
+                               reader={"sidecar": shards, "budget": BUDGET, "rank": RANK})
     programs = {f"a/{name}": torch.export.load(tmp_path / "art" / na.GRAPHS.format(key=key))
                 for name, key in (("prefill 8", "context_encoding_8"), ("decode", "token_generation"))}
     weights = [load_file(tmp_path / "art" / na.WEIGHTS.format(rank=r)) for r in range(2)]
@@ -222,8 +224,10 @@ def test_a_shard_for_another_tp_rank_layout_or_model_is_refused(tiny_port, shard
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--budget", "17.8"], r"per rank at TP 8 .* budget 17.8% is below what the reader reads before any exact "
-                           r"channel \(84\.90%: sketch 42\.19%, norms 1\.04%, recovery 41\.67%\)"),
+    (["--budget", "17.8", "--rank", "32"], r"per rank at TP 8 .* budget 17.8% is below what the reader reads "
+                                           r"before any exact channel \(84\.90%: sketch 42\.19%, norms 1\.04%, "
+                                           r"recovery 41\.67%\)"),
+    (["--budget", "17.8"], r"per rank at TP 8 .* \(43\.23%: sketch 42\.19%, norms 1\.04%\)"),  # the port's rank 0
     (["--budget", "60", "--reader-backend", "nki"], "no --reader-kernel"),  # the old name still parses
     (["--budget", "60", "--expert-layout", "expert"], "the reader runs on the 'channel' expert layout"),
 ])

@@ -1,33 +1,42 @@
-"""The Neuron backend (serve/neuron.py) without the device: the artifact contract's checks, and
-the batching engine driving the artifact's calls on a stand-in for the NxD runtime that keeps its
-KV cache inside, as the device does."""
+"""The Neuron backend (serve/neuron.py) without the device: the artifact contract's checks, the
+batching engine driving the artifact's calls on a stand-in for the NxD runtime that keeps its KV
+cache inside, as the device does, and a dry-run artifact served alone (its own tokenizer)."""
 
 import importlib.machinery
 import importlib.util
 import json
 import sys
 import types
+from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from neuron_moe import cli
 from neuron_moe.greedy import greedy, left_pad
+from neuron_moe.model import build_model
+from neuron_moe.neuron import artifact
+from neuron_moe.neuron import compile as compile_
 from neuron_moe.neuron.artifact import FORMAT
 from neuron_moe import environment
-from neuron_moe.serve import neuron
+from neuron_moe.serve import backends, neuron, server
 from neuron_moe.serve.batching import BatchEngine
 from neuron_moe.serve.engine import RequestError, SamplingParams
 from neuron_moe.serve.runtime import static_runtime
+from neuron_moe.tokenizer import answer_text, load_tokenizer
 
-from serving import IdTokenizer, serve_together, tokens_of
+from serving import IdTokenizer, serve_together, serving, tokens_of, wait_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _manifest(**fields):
     return json.dumps(dict({"format": FORMAT, "dtype": "bf16", "batch_size": 2, "dry_run": False,
-                            "expert_layout": "channel", "logits": False}, **fields))
+                            "expert_layout": "channel", "logits": False,
+                            "tokenizer": {"kind": "checkpoint", "files": []}, "files": {}}, **fields))
 
 
 def test_manifest_errors_name_the_problem(tmp_path):
@@ -140,9 +149,9 @@ def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(tmp_path,
 
 
 def test_neuron_backend_refuses_an_artifact_of_an_older_format(tmp_path):
-    for old in (1, 2):  # the cache in and out of every call
+    for old in (1, 2, 3):  # the cache in and out of every call (1, 2); no tokenizer (3)
         (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[16], max_length=32, format=old))
-        with pytest.raises(neuron.NeuronError, match=f"artifact format {old}, this version reads 3 .*rebuild it"):
+        with pytest.raises(neuron.NeuronError, match=f"artifact format {old}, this version reads {FORMAT} .*rebuild"):
             neuron.read_manifest(tmp_path)
 
 
@@ -157,3 +166,67 @@ def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path,
                                                       expert_layout="rows"))
     with pytest.raises(neuron.NeuronError, match="expert_layout 'rows' is not one of"):
         neuron.read_manifest(tmp_path)
+
+
+# ---- an artifact serves alone: its tokenizer travels with its graphs ------------------------------------
+
+@pytest.fixture
+def dry_run_artifact(tmp_path, tiny_port):
+    """trace-and-compile --dry-run of the tiny port (not exported: the graphs are not what is served here)."""
+    out = tmp_path / "art"
+    compile_.trace_and_compile(tiny_port, "fp32", 1, out, dry_run=True, export=False)
+    return out
+
+
+def _cpu_graphs_for_the_device(monkeypatch):
+    """The Neuron runtime replaced by the CPU graphs of the artifact's port (the SDK's check passes)."""
+    loaded = []
+
+    def runtime(artifacts, port):
+        manifest = artifact.read_manifest(artifacts)
+        assert manifest["port"] == port.name and manifest["dry_run"]
+        loaded.append(artifacts)
+        return static_runtime(build_model(port, port.static.decode_experts), port.static, manifest["batch_size"])
+
+    monkeypatch.setattr(neuron, "require_sdk", lambda: None)
+    monkeypatch.setattr(backends, "neuron_runtime", runtime)
+    return loaded
+
+
+def test_a_dry_run_artifact_serves_without_a_checkpoint(dry_run_artifact, monkeypatch, tiny_port, tiny_eager):
+    """`serve --backend neuron --artifacts DIR`, no --checkpoint: the tokenizer is the artifact's own, its
+    files digest-checked against the manifest, and completions are the reference's."""
+    loaded = _cpu_graphs_for_the_device(monkeypatch)
+    digested, digest = [], artifact.file_digest
+    monkeypatch.setattr(artifact, "file_digest", lambda path, *a, **k: digested.append(path) or digest(path, *a, **k))
+    args = cli.parser().parse_args(["serve", "--backend", "neuron", "--artifacts", str(dry_run_artifact)])
+    app = server.make_app(args)
+    tokenizer = load_tokenizer(tiny_port)
+    prompt = "The capital of France is"
+    reference = greedy(tiny_eager, *left_pad([tokenizer.encode(prompt)], 0), 8).tokens[0].tolist()
+    with serving(app) as url:
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "the model to load")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        got = client.completions.create(model=tiny_port.name, prompt=prompt, max_tokens=8, temperature=0)
+    assert got.choices[0].text == answer_text(tokenizer, reference)
+    assert loaded == [dry_run_artifact]
+    served = app.state.server.engine.tokenizer
+    assert Path(served._tok.name_or_path) == dry_run_artifact / "tokenizer"
+    files = {dry_run_artifact / "tokenizer" / n for n in ("tokenizer.json", "tokenizer_config.json")}
+    assert files <= set(map(Path, digested))
+
+
+@pytest.mark.parametrize("tamper,named", [
+    (lambda d: (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text().replace('"<eos>"', '"<EOS>"')),
+     "tokenizer/tokenizer.json: sha256 "),
+    (lambda d: (d / "chat_template.jinja").write_text("{{ messages }}"),
+     "tokenizer/chat_template.jinja: not in the artifact's manifest (added after trace-and-compile)"),
+    (lambda d: (d / "tokenizer_config.json").unlink(),
+     "tokenizer/tokenizer_config.json: missing (the manifest lists it)"),
+])
+def test_a_tampered_tokenizer_is_refused_by_name_before_binding(dry_run_artifact, monkeypatch, capsys, tamper, named):
+    _cpu_graphs_for_the_device(monkeypatch)
+    tamper(dry_run_artifact / "tokenizer")
+    assert cli.main(["serve", "--backend", "neuron", "--artifacts", str(dry_run_artifact)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {dry_run_artifact}/{named}") and err.count("\n") == 1, err

@@ -39,7 +39,8 @@ def manifest_dir(tmp_path):
     d.mkdir()
     (d / "manifest.json").write_text(json.dumps({"format": FORMAT, "port": "tiny-gemma4-moe", "dtype": "bf16", "tp": 1,
                                                 "expert_layout": "channel", "buckets": [64], "max_length": 128,
-                                                "batch_size": 1, "dry_run": False, "logits": False}))
+                                                "batch_size": 1, "dry_run": False, "logits": False,
+                                                "tokenizer": {"kind": "checkpoint", "files": []}, "files": {}}))
     return d
 
 

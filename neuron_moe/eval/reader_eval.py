@@ -294,6 +294,7 @@ class Run:
     settings: Settings
     out: Path
     sidecar: object = None  # sidecar.Sidecar, when a reader cell is asked for
+    reader_rank: int | None = None  # plain `reader`'s recovery rank: the port's [reader] rank (None: the sidecar's)
     evaluation: list = field(default_factory=list)
     items: list = field(default_factory=list)
     reference: list | None = None  # the full model's teacher-forced log-probs, computed on first need
@@ -318,6 +319,7 @@ class Run:
         name, rank, tp, _, weights = parse_spec(spec)
         if name != "reader":
             return name, moe_layers(self.model)
+        rank = self.reader_rank if rank is None else rank  # plain `reader`: the port's [reader] rank, else the sidecar's
         if rank is not None and rank > self.sidecar.layout.rank:
             raise EvalError(f"{spec}: recovery rank {rank} above the sidecar's ({self.sidecar.layout.rank})")
         sidecar = self.dequantised_sidecar() if weights == "int8dq" else self.sidecar
@@ -409,7 +411,7 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
     sidecar into OUT once."""
     model = build_model(port, "eager", torch.float32, checkpoint)
     tokenizer = load_tokenizer(port, checkpoint)
-    key = {"model": port.name, "weights_sha256": weights_digest(model),
+    key = {"model": port.name, "weights_sha256": weights_digest(model), "reader_rank": port.reader.rank,
            **{k: list(v) if isinstance(v, tuple) else v for k, v in settings.__dict__.items()}}
     out.mkdir(parents=True, exist_ok=True)
     run_file = out / "run.json"
@@ -421,7 +423,7 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
                             f"pass another --out or remove it")
     else:
         write_json(key, str(run_file))
-    run = Run(model, tokenizer, settings, out)
+    run = Run(model, tokenizer, settings, out, reader_rank=port.reader.rank)
     if need_sidecar:
         path = out / "sidecar.safetensors"
         if not path.exists():

@@ -110,12 +110,25 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def unreachable(report: dict) -> list[str]:
+    """One line per selector and budget that could not be measured, with why (its reads before any
+    channel, above the budget): such a selector is missing from the plots, and the report says so."""
+    lines = {}
+    for c in report["cells"]:
+        if c["status"] != "ok":
+            lines.setdefault((c["selector"], c["budget"]), c.get("reason", "").removeprefix(f"{c['selector']}: "))
+    return [f"{sel} at {budget:g} %: not reachable, so absent from the plots: {reason}"
+            for (sel, budget), reason in lines.items()]
+
+
 def render_reader_eval(report: dict, out) -> str:
-    """The console summary: every cell's row, and what was written to `out`."""
+    """The console summary: every cell's row, a note per unreachable selector, and what was written to `out`."""
     acc = report["full_model"]["accuracy"]
+    notes = unreachable(report)
     return (f"{report['model']}: selectors vs the full model (fp32), full model {acc['correct']}/{acc['items']} "
             f"items correct; generation: {report['generation']}\n\n"
             + table(table_rows(report), COLUMNS)
+            + "".join(f"\nnote: {n}" for n in notes)
             + f"\n\n{out}: report.json, report.md, cells/, " + ", ".join(Path(p).name for p in report["plots"]))
 
 
@@ -125,6 +138,9 @@ def write_markdown(report: dict, path: Path) -> None:
     text = (f"# eval-reader: {report['model']}\n\nfull model: {acc['correct']}/{acc['items']} items correct "
             f"({', '.join(f'{t} {n}' for t, n in acc['by_task'].items())}); generation: {report['generation']}\n\n"
             + table(table_rows(report), COLUMNS, markdown=True) + "\n")
+    notes = unreachable(report)
+    if notes:
+        text += "\n" + "".join(f"- {n}\n" for n in notes)
     if drift:
         text += ("\n## Calibrated thresholds on the evaluation data\n\nreads as % of the target (the top-k plan the "
                  "threshold was calibrated to match), by where the token is\n\n"

@@ -151,17 +151,15 @@ def _per_rank(shards: list, tp: int):
     return run
 
 
-def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path, float, int | None]:
-    """Sidecar path, budget and rank: the CLI's where given, else the port's [reader] table (`port.ReaderSpec`)."""
+def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path | None, float, int | None]:
+    """Sidecar path, budget and rank: the CLI's where given, else the port's [reader] table
+    (`port.ReaderSpec`); a sidecar None when neither names one (the caller preps it)."""
     sidecar = port.reader.sidecar if sidecar is None else sidecar
     budget = port.reader.budget if budget is None else budget
     rank = port.reader.rank if rank is None else rank
-    if sidecar is None:
-        raise UserError(f"the reader needs a sidecar: pass --sidecar FILE (make one with `neuron-moe prep-reader "
-                        f"--model {port.name} --out FILE`) or set [reader] sidecar in the port")
     if budget is None:
         raise UserError("the reader needs a budget: pass --budget PERCENT or set [reader] budget in the port")
-    return Path(sidecar), float(budget), rank
+    return None if sidecar is None else Path(sidecar), float(budget), rank
 
 
 def channel_reader_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -12,6 +12,11 @@ defined here once.
                     with the reader, rank r's sidecar shard too (`<...>.experts.reader.*`)
     shard_plan.json every rank-module tensor: placement, partition dim and stride, full and
                     per-rank shape, dtype
+    tokenizer/      the checkpoint's tokenizer files (tokenizer.json or tokenizer.model, its config,
+                    the chat template), copied in at build time so that the artifact alone serves;
+                    the manifest's `tokenizer` names them ({"kind": "checkpoint", "files": [...]},
+                    or {"kind": "bytes"}: the built-in byte tokenizer) and `files` holds their
+                    digests, checked before they are read (`artifact_tokenizer`)
 
 Each key is the static decoder (`static/decoder.py`) over the full-model rank module
 (`parallel/model.py`); B = batch_size, the rows of the KV cache:
@@ -26,7 +31,7 @@ the token (validation, host-side sampling); the default returns the token alone.
 the graphs' state, never an input or output: `cache.k{i}` / `cache.v{i}` per layer, [B, KV heads of
 the rank, ring length, head_dim], aliased parameters (`input_output_aliases`) that every key
 shares and NxD zero-initialises on each rank (the manifest's `state`). Formats 1 and 2 (the cache
-in and out of every call) are refused.
+in and out of every call) and 3 (no tokenizer) are refused.
 """
 
 from __future__ import annotations
@@ -38,17 +43,20 @@ from safetensors.torch import load_file
 from ..errors import UserError
 from ..parallel import layout
 from ..parallel.layout import EXPERT_LAYOUTS
-from ..report import read_json_object
+from ..report import file_digest, read_json_object
+from ..tokenizer import TOKENIZER_FILES, TOKENIZER_MODELS, ByteTokenizer, HFTokenizer
 
 MANIFEST = "manifest.json"
 MODEL = "model.pt"
 WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
-FORMAT = 3
-# field -> type; what a server needs to call the graphs
+TOKENIZER = "tokenizer"  # the folder of the tokenizer's files
+FORMAT = 4
+# field -> type; what a server needs to call the graphs and to read and write text
 MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "expert_layout": str, "buckets": list,
-                   "max_length": int, "batch_size": int, "dry_run": bool, "logits": bool}
+                   "max_length": int, "batch_size": int, "dry_run": bool, "logits": bool, "tokenizer": dict,
+                   "files": dict}
 
 
 class ArtifactError(UserError):
@@ -72,7 +80,66 @@ def read_manifest(artifacts: Path) -> dict:
     if not buckets or not all(isinstance(b, int) and 0 < b <= manifest["max_length"] for b in buckets):
         raise ArtifactError(f"{path}: 'buckets' must be positive lengths up to max_length "
                            f"({manifest['max_length']}), got {buckets}")
+    tokenizer = manifest["tokenizer"]
+    files = tokenizer.get("files", [])
+    if tokenizer.get("kind") not in ("bytes", "checkpoint") or not isinstance(files, list) or not all(
+            isinstance(f, str) and f.startswith(TOKENIZER + "/") and _digest_entry(manifest["files"].get(f))
+            for f in files):
+        raise ArtifactError(f"{path}: 'tokenizer' must be {{\"kind\": \"bytes\"}} or {{\"kind\": \"checkpoint\", "
+                            f"\"files\": [...]}} naming files of {TOKENIZER}/ that 'files' lists, got {tokenizer}")
     return manifest
+
+
+def _digest_entry(entry) -> bool:
+    return isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("sha256"), str)
+
+
+def tokenizer_files(source: Path) -> list[str]:
+    """The tokenizer files of a checkpoint directory that an artifact carries (TOKENIZER_FILES that
+    exist); refused without the tokenizer itself (tokenizer.json or tokenizer.model)."""
+    names = [n for n in TOKENIZER_FILES if (Path(source) / n).is_file()]
+    if not any(n in TOKENIZER_MODELS for n in names):
+        raise ArtifactError(f"{source}: no tokenizer ({' or '.join(TOKENIZER_MODELS)}) to copy into the artifact")
+    return names
+
+
+def artifact_tokenizer(artifacts: Path, manifest: dict, port):
+    """The tokenizer an artifact carries (`check_tokenizer` first)."""
+    return ByteTokenizer() if manifest["tokenizer"]["kind"] == "bytes" else \
+        HFTokenizer(check_tokenizer(artifacts, manifest, port))
+
+
+def check_tokenizer(artifacts: Path, manifest: dict, port) -> Path | None:
+    """The folder of the tokenizer an artifact carries (None: the byte tokenizer), each of its files
+    checked against the manifest's size and sha256, and nothing else in it: a file changed, added or
+    removed since trace-and-compile is refused by name, before it is read."""
+    tokenizer = manifest["tokenizer"]
+    if tokenizer["kind"] != port.tokenizer:
+        raise ArtifactError(f"{artifacts}: built with the {tokenizer['kind']!r} tokenizer, port {port.name!r} "
+                            f"takes {port.tokenizer!r}")
+    if tokenizer["kind"] == "bytes":
+        return None
+    folder = Path(artifacts) / TOKENIZER
+    listed = tokenizer["files"]
+    if not listed:
+        raise ArtifactError(f"{artifacts}: carries no tokenizer (built without weights); pass --checkpoint DIR "
+                            "for its tokenizer")
+    present = sorted(f"{TOKENIZER}/{p.relative_to(folder).as_posix()}" for p in folder.rglob("*") if p.is_file()) \
+        if folder.is_dir() else []
+    extra = sorted(set(present) - set(listed))
+    if extra:
+        raise ArtifactError(f"{Path(artifacts) / extra[0]}: not in the artifact's manifest (added after "
+                            "trace-and-compile); remove it or rebuild the artifact")
+    for name in listed:
+        path, want = Path(artifacts) / name, manifest["files"][name]
+        if not path.is_file():
+            raise ArtifactError(f"{path}: missing (the manifest lists it); restore the artifact or rebuild it")
+        have = file_digest(path)
+        if (have.size, have.sha256) != (want["size"], want["sha256"]):
+            raise ArtifactError(f"{path}: sha256 {have.sha256[:16]}… ({have.size} bytes) is not the manifest's "
+                                f"{want['sha256'][:16]}… ({want['size']} bytes): the file changed after "
+                                "trace-and-compile; restore it or rebuild the artifact")
+    return folder
 
 
 def check_expert_layout(manifest: dict, expert_layout: str, artifacts: Path) -> None:

@@ -40,7 +40,10 @@ from ..reader.sidecar import SidecarLayout
 from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock, table
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.export import GraphError, checked, example_inputs, functional
-from .artifact import FORMAT, GRAPHS, MANIFEST, MODEL, SHARD_PLAN, WEIGHTS, ArtifactError, key_names
+from ..tokenizer import HFTokenizer
+from .artifact import (FORMAT, GRAPHS, MANIFEST, MODEL, SHARD_PLAN, TOKENIZER, WEIGHTS, ArtifactError, key_names,
+                       tokenizer_files)
+from .plan import plan
 
 DTYPES = {"bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True), "fp32": (torch.float32, False)}
 _SDK_DISTS = ("torch", "transformers", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla")
@@ -148,10 +151,12 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     has_weights = checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
     if not dry_run and not has_weights:
         raise ArtifactError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
+    tokenizer = _tokenizer_source(port, checkpoint, has_weights)
     sides, reads = None, None
     if reader is not None:  # every check of the reader before any weight loads
         sides, reads = _plan_reader(port, tp, int8, expert_layout, reader, has_weights)
         spec = dataclasses.replace(spec, decode_experts=READER)
+    _check_fits(port, dtype, tp, expert_layout, reads)
     check_output(out, directory=True)
     out = Path(out).resolve()
     with run_lock(out, "trace-and-compile"):
@@ -165,7 +170,8 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
                 module, files, exported = _neuron(port, spec, keys, tp, full, tmp, logits, build)
             plan = shard_plan(module, full, tp, expert_layout)
             (tmp / SHARD_PLAN).write_text(dumps(plan, indent=1))
-            files = [*files, SHARD_PLAN]
+            copied = _copy_tokenizer(tokenizer, tmp)
+            files = [*files, SHARD_PLAN, *copied]
             contract, state = _contract(module, spec, keys, logits)
             digests = {f: file_digest(tmp / f) for f in sorted(files)}
             manifest = {
@@ -175,10 +181,47 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
                 "keys": {k: dict(contract[k], exported=exported) for k in keys}, "state": state,
                 "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
                 "reader": None if reads is None else {k: v for k, v in reads.items() if k != "layout"},
+                "tokenizer": {"kind": port.tokenizer, **({} if port.tokenizer == "bytes" else {"files": copied})},
                 "files": {f: {"size": d.size, "sha256": d.sha256} for f, d in digests.items()},
             }
             (tmp / MANIFEST).write_text(dumps(manifest, indent=1) + "\n")
     return dict(manifest, out=str(out))
+
+
+def _check_fits(port, dtype: str, tp: int, expert_layout: str, reads: dict | None) -> None:
+    """The planner's verdict (`plan.py`) on what each NeuronCore would hold at these shapes, before
+    any work; fp32 (a CPU dtype, for checks) is not planned."""
+    if dtype == "fp32":
+        return
+    spec = port.static
+    reader = None if reads is None else {k: reads[k] for k in ("budget", "scan", "rank")}
+    verdict = plan(port.config, None, tp, dtype, spec.batch_size, spec.max_cache_len, model=port.name,
+                   expert_layout=expert_layout, decode_experts=spec.decode_experts, reader=reader)
+    if not verdict["fits"]:
+        raise ArtifactError(f"port {port.name!r} at TP {tp}, {dtype}, batch {spec.batch_size}, seq "
+                            f"{spec.max_cache_len}: {verdict['reason']} (`neuron-moe plan` shows what each "
+                            "NeuronCore holds)")
+
+
+def _tokenizer_source(port, checkpoint, has_weights: bool) -> Path | None:
+    """The checkpoint directory whose tokenizer the artifact carries, checked to load before any work;
+    None for the byte tokenizer, or for a port without weights here (shapes only: no tokenizer)."""
+    if port.tokenizer == "bytes" or not has_weights:
+        return None
+    source = Path(checkpoint or port.checkpoint)
+    tokenizer_files(source)
+    HFTokenizer(source)  # a tokenizer that does not load is refused now, not by the server that reads it
+    return source
+
+
+def _copy_tokenizer(source: Path | None, tmp: Path) -> list[str]:
+    """The tokenizer's files copied into the artifact (TOKENIZER/), as the manifest names them."""
+    if source is None:
+        return []
+    names = [f"{TOKENIZER}/{n}" for n in tokenizer_files(source)]
+    for name in names:
+        shutil.copyfile(source / Path(name).name, _new_file(tmp / name))
+    return names
 
 
 def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=None) -> dict:
@@ -195,6 +238,7 @@ def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=No
 def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, has_weights: bool):
     """(each rank's shard or None, the settings the graphs are built with) of `--reader`."""
     check_reader(expert_layout, int8, options.get("budget"))
+    options = dict(options, rank=port.reader.rank if options.get("rank") is None else options["rank"])
     if has_weights:
         if options.get("sidecar") is None:
             raise ArtifactError("--reader needs --sidecar DIR (from `neuron-moe prep-reader --tp "

@@ -194,8 +194,9 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
     """The plan for `expert_layout`; its decode table has a row for each expert layout that shards at
     TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts. `reader`
     ({"budget", "scan", "rank"}): the channel layout's decode graph with the reader, whose sidecar
-    shard each rank then holds (`reader_sidecar`), and its row in the decode table."""
-    inst = INSTANCES[instance]
+    shard each rank then holds (`reader_sidecar`), and its row in the decode table. `instance` None:
+    one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check)."""
+    inst = INSTANCES[instance] if instance is not None else None
     report = {"model": model, "instance": instance, "tp": tp, "dtype": dtype, "expert_layout": expert_layout,
               "batch": batch, "seq": seq, "core_hbm_bytes": CORE_HBM, "runtime_reserve_bytes": runtime_reserve}
     if reader is not None and (expert_layout != layout.CHANNEL or dtype != "bf16"):
@@ -212,7 +213,7 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
         per_rank["reader_sidecar"] = _reader_sidecar_per_rank(config, tp, reader)
     total = sum(per_rank.values())
     experts_all = weights["experts"] * tp
-    if tp > inst.cores:
+    if inst is not None and tp > inst.cores:
         fits, reason = False, f"{instance} has {inst.cores} NeuronCores; TP {tp} needs {tp}"
     elif total > CORE_HBM:
         fits, reason = False, (f"{total / GB:.2f} GB per rank exceeds a NeuronCore's {CORE_HBM / GB:.2f} GB "

@@ -164,7 +164,8 @@ def stream_layers(f, layout: SidecarLayout, layers: int, meta: dict[str, str], s
     def put(name, tensor):
         dtype, shape = specs[name]
         assert tensor.dtype == dtype and tuple(tensor.shape) == shape, (name, tensor.dtype, tensor.shape)
-        f.write(tensor.contiguous().view(torch.uint8).numpy().data)
+        # flattened first: an empty tensor (recovery rank 0's map) keeps strides that .view refuses
+        f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
     put(SIGNS, signs)
     for i, layer in enumerate(tensors):

@@ -1,10 +1,12 @@
-"""The HTTP surface: OpenAI-compatible routes over an Engine.
+"""The HTTP surface: OpenAI-compatible routes over an Engine, in vLLM's dialect.
 
-POST /v1/chat/completions and /v1/completions (SSE when `stream`), GET /v1/models — behind
-the bearer key when one is set — and GET /health, /ping, open for load balancers and
-Docker's HEALTHCHECK. The model loads in a thread once the socket is bound; until it is
-ready, /health, /ping and the completion routes answer 503 + Retry-After. Every error is
-OpenAI's `{"error": {...}}` with 400 for an invalid request (never FastAPI's 422).
+POST /v1/chat/completions and /v1/completions (SSE when `stream`), GET /v1/models, and vLLM's
+POST /tokenize and /detokenize — behind the bearer key when one is set — and GET /health,
+/ping and /version, open for load balancers and Docker's HEALTHCHECK. The model loads in a
+thread once the socket is bound; until it is ready, /health, /ping and the model's routes
+answer 503 + Retry-After. Every error is OpenAI's `{"error": {...}}` with 400 for an invalid
+request (never FastAPI's 422). Each request that generates logs one line when it ends: its
+prompt and completion tokens, time to first token and duration.
 
 Nothing slow runs on the event loop, so /health answers under any request mix: a body over
 `max_body_bytes` is refused (413) before it is read, tokenizing runs in a thread, and a prompt
@@ -21,7 +23,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -29,10 +31,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .. import __version__
 from ..report import dumps
 from .chat import render_chat
 from .engine import Engine, RequestError, SamplingParams
-from .protocol import APIError, ChatRequest, CompletionRequest, error_body
+from .protocol import APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .scheduler import Scheduler
 
 log = logging.getLogger("neuron_moe.serve")
@@ -89,15 +92,18 @@ class ServerState:
         return None
 
 
+OPEN_PATHS = ("/health", "/ping", "/version")  # what a load balancer or a health check calls, without the key
+
+
 class BearerAuth:
     """Pure ASGI (a BaseHTTPMiddleware would break disconnect detection of streams): every
-    /v1 route needs `Authorization: Bearer <key>`; /health and /ping stay open."""
+    route but OPEN_PATHS needs `Authorization: Bearer <key>`."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
                 body = error_body("missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -194,6 +200,26 @@ def _sse(obj) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
+class _Record:
+    """One generating request, for its log line: when it came, when its first token did, its size."""
+
+    def __init__(self, rid: str, n_prompt: int, started: float):
+        self.rid, self.n_prompt = rid, n_prompt
+        self.started, self.first = started, None  # perf_counter() when the request came in
+        self.completion, self.finish = 0, None
+
+    def step(self, item) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.completion, self.finish = item.completion_tokens, item.finish_reason or self.finish
+
+    def log(self, outcome: str | None = None) -> None:
+        ttft = "-" if self.first is None else f"{self.first - self.started:.3f} s"
+        log.info("request %s: prompt %d tokens, completion %d tokens, TTFT %s, duration %.3f s, %s", self.rid,
+                 self.n_prompt, self.completion, ttft, time.perf_counter() - self.started,
+                 outcome or f"finish {self.finish}")
+
+
 class _Cut(Exception):
     """The drain deadline passed while a request was still in flight."""
 
@@ -221,12 +247,12 @@ async def _until_cut(events, cut: asyncio.Event):
         stop.cancel()
 
 
-async def _stream(job, head: dict, chat: bool, include_usage: bool, n_prompt: int, cut: asyncio.Event):
+async def _stream(job, head: dict, chat: bool, include_usage: bool, record: _Record, cut: asyncio.Event):
     """SSE events: (chat: a role delta), text deltas, a finish chunk, (usage), [DONE]. A
     failure mid-stream, or the drain deadline, is an `{"error": ...}` event, then [DONE]. Leaving
     this generator early — the client disconnected — cancels the job, which frees its slot."""
     usage = {"usage": None} if include_usage else {}
-    completion, finished = 0, False
+    completion, finished, n_prompt, outcome = 0, False, record.n_prompt, "client gone"
     try:
         if chat:
             yield _sse({**head, "choices": [_choice(True, True, "", None, role=True)], **usage})
@@ -235,8 +261,10 @@ async def _stream(job, head: dict, chat: bool, include_usage: bool, n_prompt: in
                 yield ": keep-alive\n\n"
                 continue
             if isinstance(item, Exception):
+                outcome = f"failed: {type(item).__name__}"
                 yield _sse(error_body(f"generation failed: {type(item).__name__}: {item}", "server_error"))
                 break
+            record.step(item)
             completion = item.completion_tokens
             if item.text:
                 yield _sse({**head, "choices": [_choice(chat, True, item.text, None)], **usage})
@@ -246,12 +274,15 @@ async def _stream(job, head: dict, chat: bool, include_usage: bool, n_prompt: in
                             **usage})
         if finished and include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(n_prompt, completion)})
+        outcome = None if finished else outcome
         yield "data: [DONE]\n\n"
     except _Cut:
+        outcome = "cut at the drain deadline"
         yield _sse(error_body(CUT_MESSAGE, "service_unavailable", code="draining"))
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()
+        record.log(outcome)
 
 
 async def _disconnected(request: Request) -> None:
@@ -259,7 +290,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(job, request: Request, cut: asyncio.Event):
+async def _collect(job, request: Request, cut: asyncio.Event, record: _Record):
     """(text, finish_reason, completion tokens), or None when the client left first; a 503
     APIError at the drain deadline."""
     async def consume():
@@ -267,24 +298,33 @@ async def _collect(job, request: Request, cut: asyncio.Event):
         async for item in _until_cut(job.events(), cut):
             if isinstance(item, Exception):
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}", "server_error")
+            record.step(item)
             parts.append(item.text)
             finish, completion = item.finish_reason or finish, item.completion_tokens
         return "".join(parts), finish, completion
 
     consumer, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
+    outcome = "client gone"
     try:
         await asyncio.wait({consumer, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not consumer.done():
             return None
         try:
-            return consumer.result()
+            result = consumer.result()
         except _Cut:
+            outcome = "cut at the drain deadline"
             raise APIError(503, CUT_MESSAGE, "service_unavailable", code="draining",
                            retry_after=DRAINING_RETRY_AFTER_S) from None
+        except APIError as e:
+            outcome = f"failed: {e.message}"
+            raise
+        outcome = None
+        return result
     finally:
         gone.cancel()
         consumer.cancel()
         job.cancel()
+        record.log(outcome)
 
 
 def _check_prompt_bytes(engine: Engine, texts: list[str], param: str) -> None:
@@ -301,11 +341,23 @@ def _check_prompt_bytes(engine: Engine, texts: list[str], param: str) -> None:
                             f"takes can hold (a token is at most {per_token} bytes)", param=param)
 
 
-def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | None = None,
+def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
+    """Token ids a client sent (a prompt, /detokenize) must be the model's: below its vocabulary size."""
+    bad = [i for i in ids if vocab_size is not None and i >= vocab_size]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is not below the vocabulary size {vocab_size}", param=param)
+
+
+def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], api_key: str | None = None,
                max_running: int | None = None, max_queue: int = 32, max_body_bytes: int = MAX_BODY_BYTES,
+               vocab_size: int | None = None,
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """`load` builds the Engine; it runs in a thread at startup while the server already answers.
-    `max_running`: requests generating at once (default: a batching engine's rows, else 1)."""
+    `model_name`: the served name, or names (requests may give any; responses carry the first).
+    `max_running`: requests generating at once (default: a batching engine's rows, else 1).
+    `vocab_size`: the bound on token ids a client sends (None: not checked)."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    model_name = names[0]
     scheduler = Scheduler(max_running, max_queue)
 
     def load_and_open() -> Engine:
@@ -346,22 +398,29 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
     async def ping():  # what AWS's containers health-check
         return await health()
 
+    @app.get("/version")
+    async def version():  # vLLM's
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "neuron-moe"}]}
+        context = state.engine.max_context if state.engine is not None else None  # known once loaded
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "neuron-moe", "root": names[0], "parent": None,
+                                            "max_model_len": context} for name in names]}
 
-    def ready_engine(model: str) -> Engine:
+    def ready_engine(model: str | None) -> Engine:
         problem = state.unavailable()
         if problem:
             raise problem
-        if model != model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {model_name!r}",
+        if model is not None and model not in names:
+            served = ", ".join(repr(n) for n in names)
+            raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
         return state.engine
 
     async def respond(engine: Engine, req, request: Request, prompt_ids: list[int], extra_stops: tuple,
-                      chat: bool):
+                      chat: bool, started: float):
         problem = state.unavailable()  # the server may have begun draining while the prompt was tokenized
         if problem:
             raise problem
@@ -377,11 +436,12 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and req.stream else ""),
                 "created": int(time.time()), "model": model_name}
+        record = _Record(head["id"], len(prompt_ids), started)
         if req.stream:
-            return StreamingResponse(_stream(job, head, chat, req.include_usage, len(prompt_ids), state.cut),
+            return StreamingResponse(_stream(job, head, chat, req.include_usage, record, state.cut),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result = await _collect(job, request, state.cut)
+        result = await _collect(job, request, state.cut, record)
         if result is None:
             return Response(status_code=499)  # nobody is listening; the status is for the access log
         text, finish, completion = result
@@ -389,17 +449,41 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
+        started = time.perf_counter()
         engine = ready_engine(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         _check_prompt_bytes(engine, [m["content"] for m in messages], "messages")
         prompt_ids, extra_stops = await asyncio.to_thread(render_chat, engine.tokenizer, messages)
-        return await respond(engine, req, request, prompt_ids, extra_stops, chat=True)
+        return await respond(engine, req, request, prompt_ids, extra_stops, chat=True, started=started)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        started = time.perf_counter()
         engine = ready_engine(req.model)
-        _check_prompt_bytes(engine, [req.prompt], "prompt")
-        prompt_ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
-        return await respond(engine, req, request, prompt_ids, (), chat=False)
+        if isinstance(req.prompt, list):  # token ids, as they are
+            _check_token_ids(req.prompt, vocab_size, "prompt")
+            prompt_ids = req.prompt
+        else:
+            _check_prompt_bytes(engine, [req.prompt], "prompt")
+            prompt_ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
+        return await respond(engine, req, request, prompt_ids, (), chat=False, started=started)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):  # vLLM's: the ids a completion of this prompt would start from
+        engine = ready_engine(req.model)
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            _check_prompt_bytes(engine, [m["content"] for m in messages], "messages")
+            ids, _ = await asyncio.to_thread(render_chat, engine.tokenizer, messages)
+        else:
+            _check_prompt_bytes(engine, [req.prompt], "prompt")
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        engine = ready_engine(req.model)
+        _check_token_ids(req.tokens, vocab_size, "tokens")
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, req.tokens)}
 
     return app

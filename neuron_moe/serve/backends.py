@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..model import EXPERTS_IMPLEMENTATIONS, build_model
+from ..neuron.artifact import artifact_tokenizer, read_manifest
 from ..tokenizer import load_tokenizer
 from .batching import BatchEngine
 from .engine import Engine, HFBackend, eos_ids
@@ -23,8 +24,9 @@ def load_engine(port, backend: str, *, checkpoint: Path | None = None, artifacts
     """The engine for `backend`: "static" (the port's static graphs on CPU, batched; `batch_size`
     rows, default the port's), "neuron" (a compiled artifact directory, batched) or an experts
     implementation name (transformers' model on CPU, one request per thread)."""
-    if backend == "neuron":
-        tokenizer = load_tokenizer(port, checkpoint or artifacts)  # the artifact may carry the tokenizer
+    if backend == "neuron":  # the artifact's own tokenizer (digest-checked), unless --checkpoint gives one
+        tokenizer = load_tokenizer(port, checkpoint) if checkpoint else \
+            artifact_tokenizer(artifacts, read_manifest(artifacts), port)
         return BatchEngine(neuron_runtime(artifacts, port), tokenizer, eos_ids(tokenizer, port.config))
     tokenizer = load_tokenizer(port, checkpoint)
     if backend == STATIC:

@@ -2,7 +2,7 @@
 
 With a tokenizer that has a chat template (an HF tokenizer saved with one), the template
 renders the conversation and opens the assistant's turn. A tokenizer without one (the byte
-tokenizer of the seeded ports) gets this plain fallback, documented in the README:
+tokenizer of the seeded ports) gets this plain fallback, documented in docs/serving.md:
 
     System: {content}\n\nUser: {content}\n\nAssistant: {content}\n\n ... Assistant:
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
 
 MAX_STOPS = 4
 
@@ -113,14 +113,62 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
 
 
+PROMPT_FORMS = "a string, a list of token ids, or a list of one of either"
+
+
+def _token_ids(v: list) -> list[int]:
+    if not v:
+        raise ValueError("the prompt holds no token")
+    bad = next((t for t in v if type(t) is not int or t < 0), None)
+    if bad is not None:
+        raise ValueError(f"token ids are integers from 0, got {bad!r}")
+    return v
+
+
 class CompletionRequest(_Sampling):
-    prompt: Text | list[Text]
+    """`prompt` as OpenAI allows it: a string, token ids, or a list of one of either (one prompt per
+    request: several are refused, naming how many)."""
+
+    prompt: Text | list
 
     @field_validator("prompt")
     @classmethod
     def _single(cls, v):
-        if isinstance(v, list):
+        if isinstance(v, str):
+            return v
+        if v and all(isinstance(p, (str, list)) for p in v):  # a batch of prompts
             if len(v) != 1:
-                raise ValueError(f"exactly one prompt is supported, got {len(v)}")
-            return v[0]
-        return v
+                raise ValueError(f"one prompt per request is supported, got {len(v)}: send each as its own request")
+            v = v[0]
+            if isinstance(v, str):
+                return _unicode(v)
+        if not isinstance(v, list) or any(isinstance(p, (str, list)) for p in v):
+            raise ValueError(f"must be {PROMPT_FORMS}")
+        return _token_ids(v)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' (text) or 'messages' (a chat), not both or neither")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages: at least one message")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v):
+        return _token_ids(v) if v else v

@@ -1,10 +1,11 @@
 """`neuron-moe serve`: check the arguments, resolve the artifacts, run uvicorn.
 
-What can be checked before loading (port file, backend, artifact path, Neuron SDK or S3
-support present) fails before the socket is bound, as one `error:` line. The model then
-loads in a thread — pulling an s3:// artifact first (where another server is pulling it into
-the same cache: waiting for that pull, then verifying its files) — while /health answers 503; a
-load that fails stops the server with that error (exit 2), so a container restarts.
+What can be checked before loading (port file, backend, artifact path and its tokenizer's
+digests, Neuron SDK or S3 support present, the checkpoint, --max-model-len) fails before the
+socket is bound, as one `error:` line. The model then loads in a thread — pulling an s3://
+artifact first (where another server is pulling it into the same cache: waiting for that pull,
+then verifying its files) — and warms up (`ready.py`) while /health answers 503; a load that
+fails stops the server with that error (exit 2), so a container restarts.
 
 SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
 --drain-timeout for the requests in flight to finish, new requests on open connections get
@@ -22,11 +23,12 @@ from pathlib import Path
 
 import uvicorn
 
-from ..checkpoint import read_config
+from .. import hub
 from ..errors import UserError
+from ..neuron.artifact import check_tokenizer
 from ..port import DTYPES, load_port
 from ..publish import s3
-from . import neuron
+from . import neuron, ready
 from .app import MAX_BODY_BYTES, create_app
 from .backends import STATIC, load_engine
 
@@ -77,7 +79,9 @@ def plan_load(args):
     else:
         local = None
 
-    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    checkpoint, manifest = args.checkpoint, None
+    if args.revision is not None and checkpoint is None:
+        raise ServeError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
     batching = args.backend in (STATIC, "neuron")
     if batching and args.max_running is not None:
         raise ServeError(f"--backend {args.backend} batches: it runs as many requests at once as its graphs have "
@@ -92,15 +96,19 @@ def plan_load(args):
     if args.backend == "neuron":
         if local is None:
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
-        if pull is None:
-            neuron.read_manifest(local)
+        manifest = neuron.read_manifest(local) if pull is None else None  # s3: read once pulled
         neuron.require_sdk()
+        if manifest is not None and checkpoint is None:  # the artifact's own tokenizer: its files' digests, now
+            check_tokenizer(local, manifest, port)
     elif local is not None:  # for a CPU backend the artifact is an HF-layout checkpoint
         if checkpoint is not None:
             raise ServeError("give the CPU backend's weights once: --checkpoint or --artifacts, not both")
         checkpoint = local if pull is None else None
-    if checkpoint is not None:  # a checkpoint of another model, or a broken config, fails now, not after binding
-        read_config(checkpoint, port.config, port.name)
+    if checkpoint is not None:  # the checkpoint check every command makes, before binding (a Hub id: downloaded)
+        checkpoint = hub.local_checkpoint(checkpoint, args.revision, port)
+    context = _context(args.backend, port, manifest)
+    if context is not None:  # an s3:// artifact's is known once it is pulled: checked then
+        ready.check_max_model_len(args.max_model_len, *context)
 
     def load():
         nonlocal checkpoint
@@ -109,10 +117,30 @@ def plan_load(args):
             pull(artifacts, local, stall_s=SHARED_PULL_STALL_S)
             if args.backend != "neuron":
                 checkpoint = local
-        return load_engine(port, args.backend, checkpoint=checkpoint, artifacts=local,
-                           dtype=DTYPES[args.dtype] if args.dtype else None, batch_size=args.batch_size)
+        engine = load_engine(port, args.backend, checkpoint=checkpoint, artifacts=local,
+                             dtype=DTYPES[args.dtype] if args.dtype else None, batch_size=args.batch_size)
+        found = neuron.read_manifest(local) if args.backend == "neuron" else None
+        dtype = found["dtype"] if found else str(args.dtype or port.dtype).removeprefix("torch.")
+        banner = ready.Banner(port.name, tuple(served_names(args, port)), args.backend, dtype)
+        return ready.ready(engine, banner, args.max_model_len, _context(args.backend, port, found)[1])
 
     return port, load
+
+
+def served_names(args, port) -> list[str]:
+    """`--served-model-name`: the names requests may give as `model` (responses carry the first);
+    default the port's name."""
+    return list(args.served_model_name or [port.name])
+
+
+def _context(backend: str, port, manifest: dict | None) -> tuple[int, str] | None:
+    """(the context in tokens the backend holds, what holds it); None while an artifact is unread.
+    A prompt of n tokens and its new tokens take n + max_tokens - 1 cache positions."""
+    if backend == "neuron":
+        return None if manifest is None else (manifest["max_length"] + 1, "the artifact (max_length + 1)")
+    if backend == STATIC:
+        return port.static.max_cache_len + 1, "the static graphs ([static] max_cache_len + 1)"
+    return port.config.max_position_embeddings, "the model (max_position_embeddings)"
 
 
 class DrainingServer(uvicorn.Server):
@@ -129,20 +157,26 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run(args) -> int:
+def make_app(args, on_load_error=None):
+    """The application `serve` runs, every check of `plan_load` made; the model loads once it starts."""
     port, load = plan_load(args)
+    return create_app(load, model_name=served_names(args, port), api_key=args.api_key,
+                      max_running=args.max_running, max_queue=args.max_queue,
+                      max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES, vocab_size=port.config.vocab_size,
+                      on_load_error=on_load_error)
+
+
+def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    if args.host not in LOOPBACK and not args.api_key:
-        log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
     failure: list[BaseException] = []
 
     def on_load_error(e: BaseException) -> None:
         failure.append(e)
         server.should_exit = True
 
-    app = create_app(load, model_name=port.name, api_key=args.api_key, max_running=args.max_running,
-                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES,
-                     on_load_error=on_load_error)
+    app = make_app(args, on_load_error)
+    if args.host not in LOOPBACK and not args.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
     server = DrainingServer(config, args.drain_timeout)
     # uvicorn re-raises the signal it drained on once it is done; with the default handlers

@@ -105,7 +105,7 @@ def load_kernels():
         from . import kernels  # imports the Neuron SDK's nki: present only on Neuron
     except ImportError as e:
         raise UserError(f"reader kernel 'nki' needs the Neuron SDK's nki package ({e}); run it in the Neuron "
-                        f"images (see README \"Neuron\")") from None
+                        f"images (see docs/neuron.md)") from None
     return kernels
 
 

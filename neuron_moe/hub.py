@@ -1,0 +1,95 @@
+"""Where a checkpoint comes from: a local directory, or a Hugging Face Hub repository id.
+
+`--checkpoint ORG/NAME` (a name that is not an existing path) is fetched with huggingface_hub's
+`snapshot_download` into its cache, which honours the library's own settings: HF_HOME (or
+HF_HUB_CACHE) for where, HF_TOKEN for private and gated repositories, HF_ENDPOINT for another hub,
+HF_HUB_OFFLINE=1 for the cache alone. Only the files a command reads come down (the config, the
+safetensors weights and their index, the tokenizer's files); what is already in the cache is
+not fetched again. The directory it returns is then checked like any other
+(`checkpoint.check_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    IncompleteSnapshotError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from .checkpoint import CONFIG, INDEX, CheckpointError, check_checkpoint
+from .tokenizer import TOKENIZER_FILES
+
+# What checkpoint.py and tokenizer.py read: the weights as model.safetensors or the shards its index
+# names (model-00001-of-00012.safetensors: the name transformers writes); nothing else of the repo
+# (README, other formats, original/ weights) is downloaded.
+PATTERNS = (CONFIG, INDEX, "model*.safetensors", *TOKENIZER_FILES)
+# ORG/NAME as the Hub spells repository ids: letters, digits, '-', '_', '.'; not a path
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
+
+
+def is_repo_id(spec: str) -> bool:
+    return bool(_REPO_ID.fullmatch(spec)) and ".." not in spec and not Path(spec).exists()
+
+
+def resolve(spec: str | Path, revision: str | None = None) -> Path:
+    """The local directory of `spec`: itself, or the Hub repository `spec` at `revision` (a branch,
+    tag or commit; default main) downloaded into the Hugging Face cache. A failure is one
+    CheckpointError that names the repository and what to do."""
+    if not is_repo_id(str(spec)):
+        if revision is not None:
+            raise CheckpointError(f"--revision {revision} applies to a Hub repository id (ORG/NAME), not to the "
+                                  f"directory {spec}")
+        return Path(spec).expanduser()
+    repo = str(spec)
+    at = f"{repo}@{revision or 'main'}"
+    if not constants.HF_HUB_OFFLINE:
+        print(f"checkpoint {at}: from {constants.ENDPOINT} into {constants.HF_HUB_CACHE} (files already there "
+              "are not fetched again)", file=sys.stderr)
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=list(PATTERNS)))
+    except GatedRepoError:
+        raise CheckpointError(f"checkpoint {at}: a gated repository: accept its terms on the Hub with your "
+                              "account, then set HF_TOKEN to a token of that account") from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"checkpoint {at}: no revision {revision!r} (a branch, tag or commit) in "
+                              f"{repo}") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"checkpoint {at}: no such repository on {constants.ENDPOINT}, or a private one "
+                              "that HF_TOKEN does not open (and no such directory here)") from None
+    except IncompleteSnapshotError:
+        raise CheckpointError(f"checkpoint {at}: the Hugging Face cache {constants.HF_HUB_CACHE} holds part of it "
+                              "and the Hub cannot be reached to fetch the rest (HF_HUB_OFFLINE, or the "
+                              "network)") from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
+        if constants.HF_HUB_OFFLINE:
+            raise CheckpointError(f"checkpoint {at}: not in the Hugging Face cache {constants.HF_HUB_CACHE}, and "
+                                  "HF_HUB_OFFLINE=1 forbids downloading it: download it once online (unset "
+                                  "HF_HUB_OFFLINE), or point HF_HOME at a cache that holds it (and no such "
+                                  "directory here)") from None
+        raise CheckpointError(f"checkpoint {at}: cannot reach {constants.ENDPOINT} and not in the cache "
+                              f"{constants.HF_HUB_CACHE}: {_first_line(e)}") from None
+    except HfHubHTTPError as e:
+        raise CheckpointError(f"checkpoint {at}: the Hub answered {_first_line(e)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def local_checkpoint(spec: str | Path, revision: str | None, port, tokenizer: bool = True) -> Path:
+    """`--checkpoint` for `port` as a checked local directory: `resolve`, then `check_checkpoint`,
+    the one check every command makes before its work (a server: before it binds its socket);
+    `tokenizer`: the command reads text, so a port whose tokenizer is its checkpoint's needs one."""
+    path = resolve(spec, revision)
+    check_checkpoint(path, port.config, port.name, tokenizer=tokenizer and port.tokenizer == "checkpoint")
+    return path
