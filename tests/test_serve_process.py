@@ -55,7 +55,6 @@ def manifest_dir(tmp_path):
     (["--artifacts", "{tmp}/absent"], "absent: not a directory"),
     (["--checkpoint", "{tmp}", "--artifacts", "{tmp}"], "--checkpoint or --artifacts, not both"),
     (["--model", "no-such-port"], "unknown port 'no-such-port'"),
-    (["--max-queue", "-1"], "--max-queue must be 0 or more"),
 ])
 def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
     compiled = manifest_dir(tmp_path)

@@ -57,10 +57,6 @@ def s3_cache_dir(uri: str, root: Path) -> Path:
 def plan_load(args):
     """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
     port = load_port(args.model)
-    if args.max_queue < 0:
-        raise ServeError(f"--max-queue must be 0 or more, got {args.max_queue}")
-    if args.drain_timeout < 0:
-        raise ServeError(f"--drain-timeout must be 0 or more, got {args.drain_timeout}")
     artifacts, pull = args.artifacts, None
     if artifacts and artifacts.startswith(S3_SCHEME):
         pull = s3_pull_function()
