@@ -9,6 +9,7 @@ import os
 
 import neuron_moe
 
+from .errors import UserError
 from .eval import reader_eval
 from .eval.seq_match import BACKENDS
 from .experts.channel_reader import READER_KERNELS
@@ -19,7 +20,7 @@ from .port import DEFAULT_PORT, DTYPES
 from .reader.accounting import STEP_BUDGET, WEIGHTS
 from .reader.prep import RANK, SCAN
 from .reader.sidecar import BLOCK
-from .serve.backends import BACKENDS as SERVE_BACKENDS
+from .serve.backends import BACKENDS as SERVE_BACKENDS, check_backend
 from .tasks import SPLITS, TASKS
 from .training.corpus import FORTUNES_DIR
 
@@ -63,6 +64,13 @@ _positive = number(float, above=0)
 _non_negative = number(float, at_least=0)  # seconds, GiB
 _scan_width = number(int, at_least=1, at_most=BLOCK)  # coordinates scanned per Hadamard block
 _tcp_port = number(int, at_least=0, at_most=65535)  # 0: the OS picks a free one
+
+
+def _serve_backend(text: str) -> str:
+    try:
+        return check_backend(text)
+    except UserError as e:  # argparse's error, naming the option
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
@@ -268,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
                    help=f"port name or path to a port .toml (default: {DEFAULT_PORT})")
     p.add_argument("--checkpoint", metavar="DIR", help="HF-layout checkpoint directory (overrides the port's weights)")
-    p.add_argument("--backend", default="eager", choices=SERVE_BACKENDS,
+    p.add_argument("--backend", default="eager", type=_serve_backend, metavar="{" + ",".join(SERVE_BACKENDS) + "}",
                    help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
                         "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
                         "experts implementation: transformers' model on CPU, one request per thread, any "

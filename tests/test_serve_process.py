@@ -21,10 +21,14 @@ import torch
 
 from neuron_moe import cli
 from neuron_moe.checkpoint import save_checkpoint
+from neuron_moe.errors import UserError
 from neuron_moe.model import build_model
 from neuron_moe.neuron.artifact import FORMAT
 from neuron_moe.port import load_port
 from neuron_moe.serve import neuron
+from neuron_moe.serve.backends import BACKENDS, load_engine
+from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import SamplingParams
 from neuron_moe.serve.server import plan_load
 
 from conftest import port_text_elsewhere, reseeded
@@ -64,6 +68,29 @@ def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
     assert cli.main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("backend,message", [
+    ("channel_reader", "'channel_reader' is not served: the reader needs a sidecar and a budget"),
+    ("selector", "'selector' is not served: a channel selector"),
+])
+def test_a_backend_serve_cannot_run_is_not_offered(backend, message, capsys):
+    """Both answered every completion with a 500 (no sidecar attached): now refused by name, before binding."""
+    with pytest.raises(SystemExit) as e:
+        plan_load(cli.parser().parse_args(["serve", "--backend", backend]))
+    assert e.value.code == 2 and f"argument --backend: {message}" in capsys.readouterr().err
+    assert backend not in BACKENDS
+    with pytest.raises(UserError, match=message):
+        load_engine(load_port("tiny-gemma4-moe"), backend)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "neuron"])  # neuron: test_serve_neuron.py
+def test_every_backend_offered_generates(backend, tiny_port, one_torch_thread):
+    engine = load_engine(tiny_port, backend)
+    steps = list(engine.generate([2, 40, 41], SamplingParams(3, temperature=0.0)))
+    assert [s.completion_tokens for s in steps] == list(range(1, len(steps) + 1)) and steps[-1].finish_reason
+    if isinstance(engine, BatchEngine):
+        engine.close()
 
 
 def test_neuron_backend_without_the_sdk(tmp_path, capsys):
