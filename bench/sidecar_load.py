@@ -99,11 +99,10 @@ def main() -> int:
               "seconds_per_layer": {k.strip(): round(v, 4) for k, v in rows.items()}, "machine": machine}
     out = args.out or str(Path(__file__).parent / "results" / f"sidecar_load-{socket.gethostname()}.json")
     write_json(result, out)
+    title = f"one full-size sidecar layer, {size / 1e6:.1f} MB, warm ({machine['cpu']}, best of {args.repeats})"
     print(table([{"what": k, "layer": f"{v * 1e3:.0f} ms", "model": f"{v * LAYERS:.1f} s",
                   "rate": f"{size / v / 1e9:.2f} GB/s"} for k, v in rows.items()],
-                [("what", f"one full-size sidecar layer, {size / 1e6:.1f} MB, warm ({machine['cpu']}, "
-                          f"best of {args.repeats})"), ("layer", "per layer"), ("model", f"x {LAYERS} layers"),
-                 ("rate", "")]))
+                [("what", title), ("layer", "per layer"), ("model", f"x {LAYERS} layers"), ("rate", "")]))
     print(f"\nwrote {out}")
     return 0
 
