@@ -279,8 +279,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="eager", type=_serve_backend, metavar="{" + ",".join(SERVE_BACKENDS) + "}",
                    help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
                         "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
-                        "experts implementation: transformers' model on CPU, one request per thread, any "
-                        "prompt that fits the context (default: eager)")
+                        "experts implementation but the reader's: transformers' model on CPU, one request per "
+                        "thread, any prompt that fits the context (default: eager)")
     p.add_argument("--artifacts", metavar="DIR|s3://BUCKET/PREFIX",
                    help="what the backend loads: the trace-and-compile output for neuron, an HF checkpoint for "
                         "a CPU backend; an s3:// URI is pulled (and verified) into --artifacts-cache first")
