@@ -304,6 +304,11 @@ def parser() -> argparse.ArgumentParser:
                         "with an error event (streams) or a 503 (default: 60)")
     p.add_argument("--max-body-bytes", type=_positive_int, metavar="N",
                    help="larger request bodies get 413 before they are read (default: 4194304, 4 MiB)")
+    p.add_argument("--header-timeout", type=_positive, metavar="S",
+                   help="a connection that has not sent a request's complete headers S seconds after it opened "
+                        "(or after the first byte of its next request) is closed (default: 10)")
+    p.add_argument("--body-timeout", type=_positive, metavar="S",
+                   help="a request whose body has not all come S seconds after its headers gets 408 (default: 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     p = sub.add_parser("reads", help="reader: bytes read per token and layer at a budget, and the k it buys",

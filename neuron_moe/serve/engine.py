@@ -170,6 +170,9 @@ class Engine:
                                f"plus max_tokens ({requested}) exceeds it by {requested - room}", "max_tokens")
         return requested
 
+    def close(self) -> None:
+        """Nothing to stop: this engine generates on its callers' threads."""
+
     def output(self, params: SamplingParams) -> Output:
         """A new request's Output; a RequestError if the backend cannot sample it."""
         self.check_sampling(params.temperature)
