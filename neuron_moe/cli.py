@@ -141,6 +141,9 @@ def cmd_reads(args) -> int:
     if any(v is not None for v in explicit):
         if None in explicit:
             raise UserError("an explicit geometry needs all four of --hidden --experts --top-k --intermediate")
+        if args.top_k > args.experts:
+            raise UserError(f"--top-k {args.top_k} is more than --experts {args.experts}: a token routes to at most "
+                            f"every expert once")
         geo = Geometry(hidden=args.hidden, experts=args.experts, top_k=args.top_k, intermediate=args.intermediate)
         name = "explicit geometry"
     else:

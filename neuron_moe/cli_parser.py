@@ -4,10 +4,12 @@ the modules that own them; what a command does with its arguments is in cli.py."
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 import neuron_moe
 
+from .errors import UserError
 from .eval import reader_eval
 from .eval.seq_match import BACKENDS
 from .experts.channel_reader import READER_KERNELS
@@ -19,7 +21,7 @@ from .port import DEFAULT_PORT, DTYPES
 from .reader.accounting import STEP_BUDGET, WEIGHTS
 from .reader.prep import RANK, SCAN
 from .reader.sidecar import BLOCK
-from .serve.backends import BACKENDS as SERVE_BACKENDS
+from .serve.backends import BACKENDS as SERVE_BACKENDS, check_backend
 from .tasks import SPLITS, TASKS
 from .training.corpus import FORTUNES_DIR
 
@@ -37,18 +39,52 @@ def _default_threads() -> int:
     return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_THREADS
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def number(kind: type = int, *, at_least: float | None = None, above: float | None = None,
+           at_most: float | None = None):
+    """An argparse `type` for a numeric option: a finite `kind` (int or float) within the bounds, or
+    argparse's error naming the option, the range and the value. Every numeric option takes one, so
+    NaN, inf and out-of-range numbers are refused at the command line, not half-way through the work."""
+    def show(bound) -> str:
+        return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+    low = f"[{show(at_least)}" if at_least is not None else f"({show(above)}" if above is not None else None
+    if at_most is not None:
+        wanted = f"in {low or '(-inf'}, {show(at_most)}]"
+    else:
+        wanted = f"at least {show(at_least)}" if at_least is not None else f"more than {show(above)}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if (at_least is not None and value < at_least) or (above is not None and value <= above) or \
+                (at_most is not None and value > at_most):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+
+    return parse
 
 
-def _tcp_port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {value}")
-    return value
+# The numeric options' types (one check for all: `number`)
+_positive_int = number(int, at_least=1)  # counts of what must exist: steps, rows, tokens, sizes
+_count = number(int, at_least=0)  # counts that may be zero: a queue, a recovery rank (0 = off)
+_seed = number(int, at_least=0, at_most=2**64 - 1)  # what torch.Generator.manual_seed takes
+_percent = number(float, above=0, at_most=100)  # a read budget
+_positive = number(float, above=0)
+_non_negative = number(float, at_least=0)  # seconds, GiB
+_scan_width = number(int, at_least=1, at_most=BLOCK)  # coordinates scanned per Hadamard block
+_tcp_port = number(int, at_least=0, at_most=65535)  # 0: the OS picks a free one
+
+
+def _serve_backend(text: str) -> str:
+    try:
+        return check_backend(text)
+    except UserError as e:  # argparse's error, naming the option
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -128,9 +164,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
     p.add_argument("--sidecar", metavar="FILE|DIR", help="reader: the sidecar (default: the port's [reader] sidecar); "
                                                        "tp8: the directory of `prep-reader --tp T`")
-    p.add_argument("--budget", type=float, metavar="PERCENT",
+    p.add_argument("--budget", type=_percent, metavar="PERCENT",
                    help="reader: share of the routed-expert bytes read per token, in (0, 100]")
-    p.add_argument("--rank", type=int, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
+    p.add_argument("--rank", type=_count, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
     p.add_argument("--reader-kernel", "--reader-backend", dest="reader_kernel", choices=READER_KERNELS,
                    help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron); "
                         "--reader-backend is its old name")
@@ -152,8 +188,8 @@ def parser() -> argparse.ArgumentParser:
                                    "the task mix of neuron_moe.tasks; fixed train/calib/eval splits.")
     p.add_argument("--text-dir", default=FORTUNES_DIR, help="the fortune files (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--seed", type=int, default=0, help="seed of the training items (default 0)")
-    p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of training task items")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the training items (default 0)")
+    p.add_argument("--scale", type=_positive, default=1.0, help="multiplies the number of training task items")
     p.add_argument("--json", metavar="FILE", help="also write the counts as JSON ('-' for stdout)")
 
     p = sub.add_parser("train-tiny", help="train the port's model on a corpus (deterministic, CPU)",
@@ -165,11 +201,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=3000, help="optimizer steps (default 3000)")
     p.add_argument("--batch-size", type=_positive_int, default=4, help="windows per step (default 4)")
     p.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument("--task-share", type=float, default=1.0, metavar="F",
+    p.add_argument("--lr", type=_positive, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--task-share", type=number(float, above=0, at_most=1), default=1.0, metavar="F",
                    help="task items fill up to this share of each window, running text the rest (default 1.0: "
                         "text fills only what the last whole item leaves)")
-    p.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of initialisation and data order (default 0)")
     p.add_argument("--json", metavar="FILE", help="also write the run summary as JSON ('-' for stdout)")
 
     p = sub.add_parser("eval-tasks", help="task accuracy, held-out perplexity and expert load of a model",
@@ -253,14 +289,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES, help="experts' dtype (the rest is bf16)")
     _shape_args(p, "; the graph estimate takes --seq-len as the prefill length, an upper bound. Without a [static] "
                    "table: batch 1, seq 4096", old_names=True)
-    p.add_argument("--reader-budget", type=float, metavar="PERCENT",
+    p.add_argument("--reader-budget", type=_percent, metavar="PERCENT",
                    help="also the channel layout's decode graph with the reader at this budget (bytes per token and "
                         "rank, each rank's sidecar shard in the memory plan)")
-    p.add_argument("--reader-rank", type=int, default=RANK, metavar="R",
+    p.add_argument("--reader-rank", type=_count, default=RANK, metavar="R",
                    help=f"with --reader-budget: recovery rank (default {RANK})")
-    p.add_argument("--reader-scan", type=int, default=SCAN, metavar="N",
+    p.add_argument("--reader-scan", type=_scan_width, default=SCAN, metavar="N",
                    help=f"with --reader-budget: coordinates scanned per {BLOCK}-block (default {SCAN})")
-    p.add_argument("--runtime-reserve-gib", type=float, default=DEFAULT_RUNTIME_RESERVE / GiB, metavar="GIB",
+    p.add_argument("--runtime-reserve-gib", type=_non_negative, default=DEFAULT_RUNTIME_RESERVE / GiB, metavar="GIB",
                    help="stated per-core runtime reserve (default %(default)s)")
     _expert_layout_arg(p)
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
@@ -290,9 +326,9 @@ def parser() -> argparse.ArgumentParser:
                         "shard goes into its weights; needs --budget and --sidecar DIR (a port without weights: "
                         "shapes only, no sidecar)")
     p.add_argument("--sidecar", metavar="DIR", help="with --reader: the directory of `prep-reader --tp T`")
-    p.add_argument("--budget", type=float, metavar="PERCENT", help="with --reader: share of a rank's routed-expert "
+    p.add_argument("--budget", type=_percent, metavar="PERCENT", help="with --reader: share of a rank's routed-expert "
                                                                    "bytes read per token, in (0, 100]")
-    p.add_argument("--rank", type=int, metavar="R", help="with --reader: recovery rank, 0 = off (default: the sidecar's)")
+    p.add_argument("--rank", type=_count, metavar="R", help="with --reader: recovery rank, 0 = off (default: the sidecar's)")
     p.add_argument("--with-logits", action="store_true",
                    help="graphs that also return the fp32 logits (validation, host-side sampling: vocab x 4 bytes "
                         "per row and step to the host); default: the greedy token alone")
@@ -307,11 +343,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
                    help=f"port name or path to a port .toml (default: {DEFAULT_PORT})")
     _checkpoint_args(p)
-    p.add_argument("--backend", default="eager", choices=SERVE_BACKENDS,
+    p.add_argument("--backend", default="eager", type=_serve_backend, metavar="{" + ",".join(SERVE_BACKENDS) + "}",
                    help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
                         "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
-                        "experts implementation: transformers' model on CPU, one request per thread, any "
-                        "prompt that fits the context (default: eager)")
+                        "experts implementation but the reader's: transformers' model on CPU, one request per "
+                        "thread, any prompt that fits the context (default: eager)")
     p.add_argument("--artifacts", metavar="DIR|s3://BUCKET/PREFIX",
                    help="what the backend loads: the trace-and-compile output for neuron, an HF checkpoint for "
                         "a CPU backend; an s3:// URI is pulled (and verified) into --artifacts-cache first")
@@ -334,13 +370,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=_positive_int, metavar="N",
                    help="per-request backends: requests generating at once (default: 1); the batching "
                         "backends run one request per row")
-    p.add_argument("--max-queue", type=int, default=32, metavar="N",
+    p.add_argument("--max-queue", type=_count, default=32, metavar="N",
                    help="requests waiting beyond those; more get 429 + Retry-After (default: 32)")
-    p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+    p.add_argument("--drain-timeout", type=_non_negative, default=60.0, metavar="S",
                    help="on SIGTERM, seconds to let requests in flight finish; those still running then end "
                         "with an error event (streams) or a 503 (default: 60)")
     p.add_argument("--max-body-bytes", type=_positive_int, metavar="N",
                    help="larger request bodies get 413 before they are read (default: 4194304, 4 MiB)")
+    p.add_argument("--header-timeout", type=_positive, metavar="S",
+                   help="a connection that has not sent a request's complete headers S seconds after it opened "
+                        "(or after the first byte of its next request) is closed (default: 10)")
+    p.add_argument("--body-timeout", type=_positive, metavar="S",
+                   help="a request whose body has not all come S seconds after its headers gets 408 (default: 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     p = sub.add_parser("reads", help="reader: bytes read per token and layer at a budget, and the k it buys",
@@ -349,19 +390,19 @@ def parser() -> argparse.ArgumentParser:
                                    "k a budget buys; the memory the sidecar adds. Geometry from --model, or "
                                    "explicit with all of --hidden --experts --top-k --intermediate.")
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help="port whose geometry to use")
-    p.add_argument("--budget", type=float, default=17.8, metavar="PERCENT", help="read budget (default 17.8)")
+    p.add_argument("--budget", type=_percent, default=17.8, metavar="PERCENT", help="read budget (default 17.8)")
     for flag in ("--hidden", "--experts", "--top-k", "--intermediate"):
         p.add_argument(flag, type=_positive_int, metavar="N", help="explicit geometry (instead of --model)")
-    p.add_argument("--scan", type=int, default=SCAN, metavar="N",
+    p.add_argument("--scan", type=_scan_width, default=SCAN, metavar="N",
                    help=f"coordinates scanned per {BLOCK}-block (default {SCAN}; {BLOCK} = full scan)")
-    p.add_argument("--rank", type=int, default=RANK, metavar="R", help=f"recovery rank (default {RANK}; 0 = off)")
+    p.add_argument("--rank", type=_count, default=RANK, metavar="R", help=f"recovery rank (default {RANK}; 0 = off)")
     p.add_argument("--dtype", choices=WEIGHTS, default="bf16",
                    help="the experts' weights: bf16, or int8 exact rows with fp32 scales (the sketch and recovery "
                         "stay bf16); --budget is a share of those experts' full read (default bf16)")
     p.add_argument("--batch", type=_positive_int, metavar="B",
                    help="also a decode step of B tokens, each row read once: the full batch, independent per-token "
                         "top-k, and the batch rule (one set of channels for the step), under uniform routing")
-    p.add_argument("--step-budget", type=float, default=STEP_BUDGET, metavar="X",
+    p.add_argument("--step-budget", type=_positive, default=STEP_BUDGET, metavar="X",
                    help=f"with --batch: the batch rule's step reads, in units of one token's reads "
                         f"(default {STEP_BUDGET:g})")
     p.add_argument("--tp", type=int, choices=TP_DEGREES, metavar="T",
@@ -380,9 +421,9 @@ def parser() -> argparse.ArgumentParser:
                         f"rank, TP degree, layout and source weights ({', '.join(map(str, TP_DEGREES))})")
     p.add_argument("--from", dest="source", metavar="FILE",
                    help="with --tp: shard this existing whole sidecar instead of prepping one")
-    p.add_argument("--seed", type=int, default=0, help="seed of the Hadamard sign vector (default 0)")
-    p.add_argument("--rank", type=int, default=RANK, metavar="R", help=f"recovery-map rank (default {RANK})")
-    p.add_argument("--scan", type=int, default=SCAN, metavar="N",
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the Hadamard sign vector (default 0)")
+    p.add_argument("--rank", type=_count, default=RANK, metavar="R", help=f"recovery-map rank (default {RANK})")
+    p.add_argument("--scan", type=_scan_width, default=SCAN, metavar="N",
                    help=f"scan width recorded for readers (default {SCAN})")
 
     for p in sub.choices.values():

@@ -14,6 +14,7 @@ either works or is one `UserError` (one `error:` line); any other exception is a
 
 import json
 import math
+import re
 import shutil
 
 import httpx
@@ -315,3 +316,83 @@ def test_fuzz_manifests(tmp_path, artifact, publication, entry):
     expect_user_error_or_nothing(lambda: na.check_tokenizer(tmp_path, na.read_manifest(tmp_path), load_port(MODEL)))
     for doc in (mutated(PUBLICATION, publication), dict(PUBLICATION, files=[mutated(PUBLICATION["files"][0], entry)])):
         expect_user_error_or_nothing(lambda: s3._check_manifest(doc, "s3://b/p/manifest"))
+
+
+# ---- the command line's numbers ---------------------------------------------------------------------------
+
+# what a user may type for a number: edges, non-finite, absurd sizes, not a number at all
+edge_texts = st.sampled_from(["nan", "inf", "-inf", "-0", "0", "-1", "1", "2", "0.5", "1e308", "-1e-300",
+                             str(2**63), str(2**64), str(10**30), "1e3", "", "x", " 7 ", "1_0"])
+plausible_texts = st.sampled_from(["0", "1", "4", "8", "32", "80", "127", "128", "129", "4096", "17.8", "60"])
+number_texts = st.one_of(edge_texts, edge_texts, plausible_texts, plausible_texts, st.integers(-3, 300).map(str),
+                         st.floats(allow_nan=True, allow_infinity=True).map(repr))
+NUMERIC = {
+    "plan": ["--batch", "--seq", "--reader-budget", "--reader-rank", "--reader-scan", "--runtime-reserve-gib"],
+    "reads": ["--budget", "--hidden", "--experts", "--top-k", "--intermediate", "--scan", "--rank", "--batch",
+              "--step-budget"],
+    "serve": ["--port", "--batch-size", "--max-running", "--max-queue", "--drain-timeout", "--max-body-bytes",
+              "--header-timeout", "--body-timeout"],
+    "prep-reader": ["--seed", "--rank", "--scan"],
+}
+BASE = {"plan": ["--model", "gemma4-26b-a4b", "--instance", "inf2.48xlarge", "--tp", "8"], "reads": [],
+        "serve": ["--backend", "static"], "prep-reader": []}
+
+
+def numeric_argv(data, command: str, geometry: bool = False) -> list[str]:
+    flags = data.draw(st.lists(st.sampled_from(NUMERIC[command]), min_size=1, max_size=2, unique=True))
+    values = {flag: data.draw(number_texts) for flag in flags}
+    if geometry:  # reads with an explicit geometry: all four given, mostly plausible sizes
+        for flag in ("--hidden", "--experts", "--top-k", "--intermediate"):
+            values[flag] = data.draw(st.sampled_from(["1", "4", "16", "128", "2816", str(2**40)]) | number_texts)
+    return [command, *BASE[command], *(a for flag, value in values.items() for a in (flag, value))]
+
+
+def refused_or_ran(run, capsys):
+    """`run()` returns an exit status (0 or 1: a plan that does not fit) with a report free of NaN and inf,
+    or 2 with one `error:` line, or argparse refuses an argument by name (exit 2); any other exception
+    fails the test."""
+    try:
+        status = run()
+    except SystemExit as e:
+        err = capsys.readouterr().err
+        assert e.code == 2 and err.splitlines()[-1].split(": error: argument --")[1], err
+        return None
+    out, err = capsys.readouterr()
+    assert status in (0, 1, 2), (status, err)
+    if status == 2:
+        assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not re.search(r"\b(nan|inf)\b", out, re.IGNORECASE), out  # a NaN taken for a number ("FITS: nan")
+    return status
+
+
+@settings(max_examples=80, **FUZZ)
+@given(data=st.data(), command=st.sampled_from(["plan", "reads", "reads"]))
+def test_fuzz_numeric_options_of_plan_and_reads(capsys, data, command):
+    argv = numeric_argv(data, command, geometry=command == "reads" and data.draw(st.booleans()))
+    refused_or_ran(lambda: cli.main(argv), capsys)
+
+
+@settings(max_examples=40, **FUZZ)
+@given(data=st.data())
+def test_fuzz_numeric_options_of_serve_before_binding(capsys, data):
+    """What `serve` checks before it binds; no model is loaded (the sizes are checked up front)."""
+    argv = numeric_argv(data, "serve")
+
+    def check():
+        args = cli.parser().parse_args(argv)
+        try:
+            plan_load(args)
+        except UserError as e:
+            return cli._error(str(e))
+        taken = {k: v for k, v in vars(args).items() if isinstance(v, float)}
+        assert all(math.isfinite(v) for v in taken.values()), taken  # a NaN timeout taken for a number
+        return 0
+
+    refused_or_ran(check, capsys)
+
+
+@settings(max_examples=30, **FUZZ)
+@given(data=st.data())
+def test_fuzz_numeric_options_of_prep_reader(capsys, tmp_path_factory, data):
+    out = tmp_path_factory.mktemp("prep") / "s.safetensors"
+    refused_or_ran(lambda: cli.main(numeric_argv(data, "prep-reader") + ["--out", str(out)]), capsys)

@@ -110,11 +110,26 @@ def test_reads_cli_for_gemma4_and_explicit_geometry(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--budget", "0"], "budget must be in (0, 100]"),
     (["--hidden", "2048"], "needs all four of --hidden --experts --top-k --intermediate"),
-    (["--scan", "129"], "scan must be in [1, 128]"),
+    (["--hidden", "2048", "--experts", "4", "--top-k", "8", "--intermediate", "64"],
+     "--top-k 8 is more than --experts 4"),
 ])
 def test_reads_cli_errors(capsys, args, message):
     assert cli.main(["reads", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budget", "0"], "argument --budget: must be in (0, 100], got 0"),
+    (["--budget", "nan"], "argument --budget: must be a finite number, got nan"),
+    (["--scan", "129"], "argument --scan: must be in [1, 128], got 129"),
+    (["--rank", "-1"], "argument --rank: must be at least 0, got -1"),
+    (["--batch", "4", "--step-budget", "nan"], "argument --step-budget: must be a finite number, got nan"),
+    (["--batch", "4", "--step-budget", "0"], "argument --step-budget: must be more than 0, got 0"),
+    (["--batch", "4", "--step-budget", "-2"], "argument --step-budget: must be more than 0, got -2"),
+])
+def test_reads_numbers_out_of_range_are_argument_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["reads", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -1,11 +1,14 @@
 """Reader weight prep: the Hadamard rotation, the ternary sketch, the layout every kernel reads,
 the recovery map, and the sidecar file (round trip, and every way it can be wrong)."""
 
+import hashlib
 import itertools
 import json
 import os
+import shutil
 import stat
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,7 +193,7 @@ def _rewrite(src, dst, edit_meta=None, edit_tensors=None):
 
 
 @pytest.mark.parametrize("edit_meta,edit_tensors,message", [
-    (lambda m: m.update(format_version="1"), None, r"sidecar format version '1'; this build reads version 2"),
+    (lambda m: m.update(format_version="2"), None, r"sidecar format version '2'; this build reads version 3"),
     (lambda m: m.update(codes_per_byte="4"), None, "4 codes per byte; this build reads block 128, 5 codes per byte"),
     (lambda m: m.update(format="something-else"), None, "not a reader sidecar"),
     (lambda m: m.update(block="64"), None, "block 64"),
@@ -206,6 +209,74 @@ def test_bad_sidecars_name_the_problem(sidecar, tmp_path, edit_meta, edit_tensor
     bad = _rewrite(sidecar[0], tmp_path / "bad.safetensors", edit_meta, edit_tensors)
     with pytest.raises(SidecarError, match=message):
         Sidecar(bad)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m.pop("layers_sha256"), "metadata layers_sha256 is not 2 sha256 digests"),
+    (lambda m: m.update(layers_sha256=m["layers_sha256"].split(",")[0]), "layers_sha256 is not 2 sha256 digests"),
+    (lambda m: m.update(layers_sha256=m["layers_sha256"].upper()), "layers_sha256 is not 2 sha256 digests"),
+    (lambda m: m.update(seed=str(2**64)), r"metadata seed 18446744073709551616 is outside \[-2\^63, 2\^64\)"),
+])
+def test_bad_digests_and_seeds_are_refused_on_open(sidecar, tmp_path, edit, message):
+    with pytest.raises(SidecarError, match=message):
+        Sidecar(_rewrite(sidecar[0], tmp_path / "bad.safetensors", edit))
+
+
+def _flip_byte(path: Path, tensor: str, at: int) -> None:
+    """XOR one byte of `tensor`'s data in place, as a bad disk or a truncated copy would."""
+    raw = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    begin = json.loads(raw[8:8 + n])[tensor]["data_offsets"][0]
+    raw[8 + n + begin + at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("tensor", ["layers.1.codes", "layers.1.scales", "layers.1.coeffs"])
+def test_a_byte_flipped_layer_is_refused_by_name(sidecar, tmp_path, tensor):
+    """Any one byte of a layer changed (here in the layer read second) fails that layer's sha256."""
+    bad = tmp_path / "flipped.safetensors"
+    shutil.copy(sidecar[0], bad)
+    _flip_byte(bad, tensor, 7)
+    side = Sidecar(bad)  # the header is intact
+    side.layer(0)
+    with pytest.raises(SidecarError, match=r"flipped\.safetensors: layer 1's tensors do not match their sha256"):
+        side.layer(1)
+
+
+def _restamp(meta: dict, tensors: dict, layers: int) -> None:
+    """What a tool that rewrites the tensors and their digests would write: the digests match."""
+    digests = []
+    for i in range(layers):
+        h = hashlib.sha256()
+        for name in LAYER_TENSORS:
+            h.update(tensors[f"layers.{i}.{name}"].contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        digests.append(h.hexdigest())
+    meta["layers_sha256"] = ",".join(digests)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t["layers.0.codes"].fill_(250), r"layers\.0\.codes holds \d+ byte\(s\) above 242"),
+    (lambda t: t["layers.0.codes"].view(-1)[3].fill_(243), r"layers\.0\.codes holds 1 byte\(s\) above 242"),
+    (lambda t: t["layers.0.scales"].fill_(float("nan")), r"layers\.0\.scales holds NaN or inf"),
+    (lambda t: t["layers.0.coeffs"].view(-1)[5].fill_(float("inf")), r"layers\.0\.coeffs holds NaN or inf"),
+])
+def test_invalid_codes_and_non_finite_numbers_are_refused(sidecar, tmp_path, edit, message):
+    """Content that no prep writes, even with digests that match it: invalid code bytes (the reader
+    would read them as codes), NaN or inf (caught before, only as NaN logits)."""
+    with safe_open(sidecar[0], framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    _restamp(meta, tensors, 2)
+    save_file(tensors, tmp_path / "bad.safetensors", metadata=meta)
+    with pytest.raises(SidecarError, match=message):
+        Sidecar(tmp_path / "bad.safetensors").layer(0)
+
+
+def test_a_sidecar_of_rank_0_is_written_and_read(tmp_path):
+    """Recovery off: U and every b_j have no columns (an empty tensor has no bytes to write)."""
+    layers = [(e.gate_up_proj, e.down_proj) for e in (trained_like.experts(3, 40, 200, seed=5),)]
+    side = Sidecar(write_small(tmp_path / "r0.safetensors", layers, rank=0))
+    assert side.layout.rank == 0 and side.layer(0).basis.shape == (200, 0)
 
 
 def test_truncated_and_missing_sidecars(sidecar, tmp_path):

@@ -223,6 +223,21 @@ def test_a_shard_for_another_tp_rank_layout_or_model_is_refused(tiny_port, shard
         shard.write_shards(Sidecar(shards / shard.WHOLE), tmp_path, 2, expert_layout="expert")
 
 
+def test_a_byte_flipped_shard_is_refused_by_name(tiny_port, shards, tmp_path):
+    """One byte of one rank's shard changed (a bad disk, a torn copy): the TP model refuses that shard,
+    by file and layer, before anything is traced."""
+    for r in range(2):
+        _copy(shards / f"tp2-rank{r}.safetensors", tmp_path / f"tp2-rank{r}.safetensors")
+    bad = tmp_path / "tp2-rank1.safetensors"
+    raw = bytearray(bad.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    begin = json.loads(raw[8:8 + n])["layers.2.codes"]["data_offsets"][0]
+    raw[8 + n + begin + 5] ^= 0x01
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(SidecarError, match=r"tp2-rank1\.safetensors: layer 2's tensors do not match their sha256"):
+        TPGenerator(tiny_port, 2, sidecar=tmp_path, budget=BUDGET)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--budget", "17.8", "--rank", "32"], r"per rank at TP 8 .* budget 17.8% is below what the reader reads "
                                            r"before any exact channel \(84\.90%: sketch 42\.19%, norms 1\.04%, "

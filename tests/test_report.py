@@ -131,7 +131,7 @@ def test_a_write_the_filesystem_refuses_is_one_line(tmp_path, capsys):
 def test_a_port_outside_the_tcp_range_is_an_argument_error(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--port", "99999"])
-    assert e.value.code == 2 and "a TCP port is 0 to 65535, got 99999" in capsys.readouterr().err
+    assert e.value.code == 2 and "argument --port: must be in [0, 65535], got 99999" in capsys.readouterr().err
 
 
 def test_a_corrupt_run_file_of_eval_reader_is_named(tmp_path, capsys):

@@ -3,11 +3,13 @@ prompts (the batching engine: test_serve_batching.py; the Neuron backend: test_s
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
-from neuron_moe.serve.engine import (Engine, GenerationError, HFBackend, RequestError, SamplingParams, held_back,
-                                     sample)
+from neuron_moe.serve.engine import (Engine, GenerationError, HFBackend, Output, RequestError, SamplingParams,
+                                     held_back, sample)
 from neuron_moe.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()
@@ -93,6 +95,67 @@ def test_held_back():
     assert held_back("xx\ufffd", ()) == 1
     assert held_back("hello wo", ("world", "xyz")) == 2
     assert held_back("hello", ("world",)) == 0
+    assert held_back("xa\ufffd", ("a\u00e9",)) == 2  # the stop may go on in the incomplete character
+
+
+class ChunkTokenizer:
+    """Token i is chunks[i], any slice of UTF-8 bytes: decoded as a byte-level BPE decodes (a partial
+    character shows as U+FFFD)."""
+
+    def __init__(self, chunks: list[bytes]):
+        self.chunks = chunks
+
+    def decode(self, ids) -> str:
+        return b"".join(self.chunks[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def expected_output(tokenizer, n: int, stops) -> tuple[str, str]:
+    """The answer from scratch: after each token, the text decoded so far; the first that holds a stop
+    string ends there, at the earliest stop in it (nothing of the stop, nothing after it)."""
+    for i in range(1, n + 1):
+        text = tokenizer.decode(range(i)).rstrip("\ufffd")
+        cuts = [j for j in (text.find(s) for s in stops) if j >= 0]
+        if cuts:
+            return text[:min(cuts)], "stop"
+    return tokenizer.decode(range(n)), "length"
+
+
+ALPHABET = st.sampled_from(["a", "b", " ", "\u00e9", "\u20ac", "\U0001f600"])  # 1, 2, 3 and 4 UTF-8 bytes
+
+
+@st.composite
+def split_texts(draw):
+    """(chunks, stops): a text cut into tokens at random byte offsets (inside characters too), and stop
+    strings — some of them pieces of the text, so that they occur."""
+    text = draw(st.text(ALPHABET, min_size=1, max_size=14))
+    data = text.encode()
+    cuts = sorted(draw(st.sets(st.integers(1, len(data) - 1), max_size=len(data) - 1))) if len(data) > 1 else []
+    chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    pieces = st.integers(0, len(text) - 1).flatmap(lambda a: st.integers(a + 1, min(len(text), a + 4)).map(
+        lambda b: text[a:b]))
+    stops = draw(st.lists(pieces | st.text(ALPHABET, min_size=1, max_size=3), min_size=1, max_size=4))
+    return chunks, tuple(stops)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(case=split_texts())
+@example(case=([b"xa", b"\xc3", b"\xa9!"], ("a\u00e9",)))  # "xa" + half of "é": the "a" was sent, then the stop
+def test_no_part_of_a_stop_string_reaches_the_client_whatever_the_split(case):
+    """Streamed, each step's text is final (never a partial character, never taken back); collected
+    (a request without `stream`: the steps' texts joined), the answer ends just before the stop."""
+    chunks, stops = case
+    tokenizer = ChunkTokenizer(chunks)
+    output = Output(tokenizer, frozenset(), SamplingParams(len(chunks), temperature=0.0, stop=stops))
+    streamed, finish = [], None
+    for token in range(len(chunks)):
+        step = output.next(None, token)
+        assert "\ufffd" not in step.text, (step, chunks)
+        streamed.append(step.text)
+        finish = step.finish_reason
+        if finish:
+            break
+    want, want_finish = expected_output(tokenizer, len(chunks), stops)
+    assert ("".join(streamed), finish) == (want, want_finish), (chunks, stops, streamed)
 
 
 def test_cancelled_generation_stops_without_a_final_step():

@@ -7,16 +7,19 @@ import contextlib
 import copy
 import json
 import signal
+import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from neuron_moe.errors import UserError
+from neuron_moe.serve import connection
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.chat import render_chat
 from neuron_moe.serve.backends import load_engine
@@ -466,6 +469,72 @@ def test_a_body_over_the_limit_is_413_in_openai_shape(engine):
         r = httpx.post(f"{url}/v1/chat/completions", content=chunked, headers={"content-type": "application/json"})
         assert_openai_error(r, 413, code="request_too_large")
         assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
+
+
+def test_no_schema_or_docs_pages_are_served(engine):
+    """FastAPI's /openapi.json (and the /docs that reads it) answered without the API key."""
+    with serving(make_app(engine, api_key="secret")) as url:
+        ready(url)
+        for path in ("/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"):
+            for headers in ({}, {"Authorization": "Bearer secret"}):
+                assert httpx.get(f"{url}{path}", headers=headers).status_code == 404, path
+
+
+def _raw_request(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_body_that_does_not_all_come_gets_408(engine):
+    """A client that sends its headers and then trickles (or stops sending) its body is answered 408
+    once the body deadline passes, and the connection closed; the server goes on serving."""
+    with serving(make_app(engine, body_timeout=0.5)) as url:
+        ready(url)
+        with _raw_request(url) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 200\r\n\r\n{\"model\":")
+            start = time.monotonic()
+            answer = _read_until_closed(sock)
+            waited = time.monotonic() - start
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and 0.4 < waited < 5, (answer, waited)
+        error = json.loads(body)["error"]
+        assert error["code"] == "request_timeout" and "did not all arrive within 0.5 s" in error["message"]
+        assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
+
+
+def test_a_request_whose_headers_do_not_come_is_cut_and_others_are_not(engine):
+    """uvicorn alone never times out a connection that sends nothing or trickles its headers
+    (slowloris); with `connection.protocol`, the headers are due within the deadline, counted from
+    the connection (or the next request's first byte): a slow response is not cut."""
+    app = make_app(Spy(engine, step_delay_s=0.1))
+    config = server_config(app)
+    config.http = connection.protocol(0.5)
+    with serving(app, server=uvicorn.Server(config)) as url:
+        ready(url)
+        with _raw_request(url) as silent, _raw_request(url) as trickle:
+            start = time.monotonic()
+            try:
+                for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n":  # a byte every 0.05 s: 1.6 s of headers
+                    trickle.sendall(bytes([byte]))
+                    time.sleep(0.05)
+            except (BrokenPipeError, ConnectionResetError):  # the server closed it meanwhile
+                pass
+            assert _read_until_closed(silent) == b"" and _read_until_closed(trickle) == b""
+            assert time.monotonic() - start < 5
+        # a keep-alive connection with a response slower than the deadline (10 steps of 0.1 s): not cut
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for _ in range(2):
+                r = http.post("/v1/chat/completions", json=chat_body(max_tokens=10))
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+                time.sleep(0.3)
 
 
 class SlowTokenizer:

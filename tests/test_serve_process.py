@@ -9,6 +9,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,10 +22,14 @@ import torch
 
 from neuron_moe import cli
 from neuron_moe.checkpoint import save_checkpoint
+from neuron_moe.errors import UserError
 from neuron_moe.model import build_model
 from neuron_moe.neuron.artifact import FORMAT
 from neuron_moe.port import load_port
 from neuron_moe.serve import neuron
+from neuron_moe.serve.backends import BACKENDS, load_engine
+from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import SamplingParams
 from neuron_moe.serve.server import plan_load
 
 from conftest import port_text_elsewhere, reseeded
@@ -56,7 +61,6 @@ def manifest_dir(tmp_path):
     (["--artifacts", "{tmp}/absent"], "absent: not a directory"),
     (["--checkpoint", "{tmp}", "--artifacts", "{tmp}"], "--checkpoint or --artifacts, not both"),
     (["--model", "no-such-port"], "unknown port 'no-such-port'"),
-    (["--max-queue", "-1"], "--max-queue must be 0 or more"),
 ])
 def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
     compiled = manifest_dir(tmp_path)
@@ -66,6 +70,29 @@ def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
     assert cli.main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("backend,message", [
+    ("channel_reader", "'channel_reader' is not served: the reader needs a sidecar and a budget"),
+    ("selector", "'selector' is not served: a channel selector"),
+])
+def test_a_backend_serve_cannot_run_is_not_offered(backend, message, capsys):
+    """Both answered every completion with a 500 (no sidecar attached): now refused by name, before binding."""
+    with pytest.raises(SystemExit) as e:
+        plan_load(cli.parser().parse_args(["serve", "--backend", backend]))
+    assert e.value.code == 2 and f"argument --backend: {message}" in capsys.readouterr().err
+    assert backend not in BACKENDS
+    with pytest.raises(UserError, match=message):
+        load_engine(load_port("tiny-gemma4-moe"), backend)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "neuron"])  # neuron: test_serve_neuron.py
+def test_every_backend_offered_generates(backend, tiny_port, one_torch_thread):
+    engine = load_engine(tiny_port, backend)
+    steps = list(engine.generate([2, 40, 41], SamplingParams(3, temperature=0.0)))
+    assert [s.completion_tokens for s in steps] == list(range(1, len(steps) + 1)) and steps[-1].finish_reason
+    if isinstance(engine, BatchEngine):
+        engine.close()
 
 
 def test_neuron_backend_without_the_sdk(tmp_path, capsys):
@@ -175,3 +202,79 @@ def test_entrypoint_serves_then_sigterm_drains_the_stream_in_flight(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_an_address_in_use_is_one_line_before_anything_loads(capsys):
+    """The socket is bound before the model loads: a failed bind was uvicorn's exit 3 after the load had
+    begun in a thread (and, with the batching engine, could abort the process as it exited)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--backend", "static", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in err and "Traceback" not in err
+    assert not any(t.name == "load-model" for t in threading.enumerate())
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_binding(capsys):
+    """--batch-size 100000000 allocated a 21 TiB KV cache (and 763 GiB of logits a step) after binding."""
+    assert cli.main(["serve", "--backend", "static", "--batch-size", "100000000", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --batch-size 100000000: the static graphs' KV cache (21,362.3 GiB) and one "
+                          "step's logits (762.9 GiB) need more than the ") and err.count("\n") == 1
+
+
+def _stream_until_done(url: str, started: threading.Semaphore, ends: list) -> None:
+    body = {"model": "tiny-gemma4-moe", "prompt": "Once upon a time", "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: ") and not events:
+                    started.release()
+                events += sse_events([line])
+            ends.append(events[-2:])
+    except httpx.HTTPError as e:
+        ends.append(e)
+
+
+def test_sigterm_under_load_and_slow_clients_on_a_real_server(tmp_path):
+    """A real `serve --backend static` process: a client that never finishes its headers is cut at
+    --header-timeout and one that never finishes its body gets 408; then SIGTERM with every request
+    still generating: they end (finished, or the drain's error event) and the process exits 0. It
+    aborted ('terminate called without an active exception', exit 134) when the interpreter exited
+    with the step loop inside a decode step; 256 rows make each step long enough to be caught in."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "neuron_moe", "serve", "--backend", "static", "--port", "0",
+                             "--batch-size", "256", "--drain-timeout", "0.5", "--header-timeout", "1",
+                             "--body-timeout", "1"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out = Output(proc.stdout)
+        url = "http://127.0.0.1:" + out.wait_for(r"running on http://127\.0\.0\.1:(\d+)", 120).group(1)
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 120, "the model to load")
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as headers_only:
+            headers_only.sendall(b"GET /health HTTP/1.1\r\n")
+            assert headers_only.recv(100) == b""  # closed, unanswered
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as body_short:
+            body_short.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+            assert body_short.recv(100).startswith(b"HTTP/1.1 408")
+        started, ends = threading.Semaphore(0), []
+        clients = [threading.Thread(target=_stream_until_done, args=(url, started, ends)) for _ in range(12)]
+        for t in clients:
+            t.start()
+        for _ in clients:
+            assert started.acquire(timeout=60), "a stream did not start"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(out.all)
+        for t in clients:
+            t.join(30)
+        assert len(ends) == len(clients) and all(isinstance(e, list) and e[-1] == "[DONE]" for e in ends), ends
+        assert "terminate called" not in "".join(out.all)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+

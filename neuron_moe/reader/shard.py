@@ -115,7 +115,7 @@ def write_shards(sidecar: Sidecar, out_dir: Path, tp: int, expert_layout: str = 
         meta = dict(metadata(local, sidecar.layers, sidecar.scan, sidecar.seed, sidecar.source_sha256),
                     tp=str(tp), tp_rank=str(r), expert_layout=expert_layout)
         tensors = (shard_layer(sidecar.layer(i), tp, r) for i in range(sidecar.layers))
-        with atomic_write(path, "wb") as f:
+        with atomic_write(path, "wb", seekable=True) as f:
             stream_layers(f, local, sidecar.layers, meta, sidecar.signs,
                           tqdm(tensors, total=sidecar.layers, desc=f"reader shard {r} of {tp}", unit="layer",
                                disable=not progress))

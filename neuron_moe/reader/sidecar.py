@@ -3,14 +3,16 @@
 One safetensors file per model (or per rank: `shard.py`), docs/reader.md describing it in full:
 
 - metadata (`metadata`): format and version, the block, scan, recovery rank and seed it was made
-  with, the expert geometry, the layer count, and `source_sha256`, the digest of the expert weights
-  it was made from (`SourceDigest`: bf16, HF's layout), so a sidecar is never used with other weights;
+  with, the expert geometry, the layer count, `source_sha256`, the digest of the expert weights
+  it was made from (`SourceDigest`: bf16, HF's layout), so a sidecar is never used with other weights,
+  and `layers_sha256`, each layer's digest of its own bytes, so a corrupt file is never read as data;
 - `hadamard_signs` [H_pad] int8, then per layer `LAYER_TENSORS`, shaped by `SidecarLayout`:
   codes (base-3, 5 per byte, coordinate-major: `pack_codes` / `unpack_codes`), scales, down_norms,
   basis (U) and coeffs (b_j).
 
 `stream_layers` writes that layout from tensors as they come (bounded memory); `Sidecar` opens a file
-and checks every field against it. What goes into the tensors, the prep algorithm, is `prep.py`.
+and checks every field against it, and each layer as it is read (`Sidecar.layer`): its digest, its code
+bytes, its numbers finite. What goes into the tensors, the prep algorithm, is `prep.py`.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from .geometry import Geometry
 from .hadamard import padded, random_signs
 
 FORMAT = "neuron-moe-reader"
-FORMAT_VERSION = 2  # 1: 2-bit codes (4 per byte); 2: base-3 codes (5 per byte)
+FORMAT_VERSION = 3  # 1: 2-bit codes (4 per byte); 2: base-3 codes (5 per byte); 3: and each layer's sha256
 BLOCK = 128  # coordinates per Hadamard block
 SECTOR = 32  # bytes: the unit a GPU memory read is charged in; a coordinate's strip of codes is whole sectors
 CODES_PER_BYTE = 5  # base-3 digits: byte = Σ_t digit(row 5q+t)·3^t, digit = code mod 3 (0, +1 -> 1, -1 -> 2)
 POW3 = (1, 3, 9, 27, 81)
+CODE_BYTES = 3 ** CODES_PER_BYTE  # 243: bytes 0..242 hold five codes; 243..255 are never written
 FLOAT = torch.bfloat16  # scales, norms, U and b
 LAYER_TENSORS = ("codes", "scales", "down_norms", "basis", "coeffs")
 SIGNS = "hadamard_signs"
@@ -128,12 +131,14 @@ def source_digest(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:
 
 
 def metadata(layout: SidecarLayout, layers: int, scan: int, seed: int, digest: str) -> dict[str, str]:
-    """The header's `__metadata__`: every field `Sidecar` reads back (a shard adds tp, tp_rank, expert_layout)."""
+    """The header's `__metadata__`: every field `Sidecar` reads back (a shard adds tp, tp_rank, expert_layout).
+    `layers_sha256` holds placeholders until `stream_layers` has written the layers."""
     geo = layout.geometry
     return {"format": FORMAT, "format_version": str(FORMAT_VERSION), "block": str(BLOCK), "scan": str(scan),
             "rank": str(layout.rank), "seed": str(seed), "codes_per_byte": str(CODES_PER_BYTE),
             "hidden": str(geo.hidden), "experts": str(geo.experts),
-            "intermediate": str(geo.intermediate), "layers": str(layers), "source_sha256": digest}
+            "intermediate": str(geo.intermediate), "layers": str(layers), "source_sha256": digest,
+            "layers_sha256": ",".join([PLACEHOLDER] * layers)}
 
 
 def _specs(layout: SidecarLayout, layers: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -143,14 +148,20 @@ def _specs(layout: SidecarLayout, layers: int) -> dict[str, tuple[torch.dtype, t
     return specs
 
 
-PLACEHOLDER = "0" * 64  # the source digest's place in the header, until the weights have streamed through
+PLACEHOLDER = "0" * 64  # a digest's place in the header, until what it digests has streamed through
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes as they lie in the file (row-major, little-endian); an empty one's are none."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def stream_layers(f, layout: SidecarLayout, layers: int, meta: dict[str, str], signs: torch.Tensor,
                   tensors: Iterable[dict[str, torch.Tensor]], digest=None) -> None:
-    """Write a sidecar to the open file `f`: the header (every offset follows from the geometry), the
-    signs, then each layer's tensors as `tensors` yields them (bounded memory). `digest()`, if given,
-    replaces the placeholder `source_sha256` of `meta` once every layer is written."""
+    """Write a sidecar to the open, seekable file `f`: the header (every offset follows from the geometry),
+    the signs, then each layer's tensors as `tensors` yields them (bounded memory); then each layer's
+    digest in place of the placeholders of `layers_sha256`, and `digest()`, if given, in place of
+    the placeholder `source_sha256` of `meta`."""
     specs = _specs(layout, layers)
     header, offset = {"__metadata__": meta}, 0
     for name, (dtype, shape) in specs.items():
@@ -164,16 +175,24 @@ def stream_layers(f, layout: SidecarLayout, layers: int, meta: dict[str, str], s
     def put(name, tensor):
         dtype, shape = specs[name]
         assert tensor.dtype == dtype and tuple(tensor.shape) == shape, (name, tensor.dtype, tensor.shape)
-        # flattened first: an empty tensor (recovery rank 0's map) keeps strides that .view refuses
-        f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        data = _raw(tensor)
+        f.write(data)
+        return data
+
+    def patch(key: str, value: str) -> None:  # a metadata value of the same length as its placeholder
+        f.seek(8 + text.index(json.dumps(key).encode() + b":") + len(json.dumps(key)) + 2)
+        f.write(value.encode())
 
     put(SIGNS, signs)
+    layer_digests = []
     for i, layer in enumerate(tensors):
+        layer_digest = hashlib.sha256()
         for name in LAYER_TENSORS:
-            put(f"layers.{i}.{name}", layer[name])
+            layer_digest.update(put(f"layers.{i}.{name}", layer[name]))
+        layer_digests.append(layer_digest.hexdigest())
+    patch("layers_sha256", ",".join(layer_digests))
     if digest is not None:
-        f.seek(8 + text.index(PLACEHOLDER.encode()))
-        f.write(digest().encode())
+        patch("source_sha256", digest())
 
 
 @dataclass(frozen=True)
@@ -223,7 +242,13 @@ class Sidecar:
             raise SidecarError(f"{self.path}: metadata says {fields['layers']} layers; the file holds "
                                f"{len(keys)} tensors (1 + {len(LAYER_TENSORS)} per layer)")
         self.scan, self.seed, self.layers = fields["scan"], fields["seed"], fields["layers"]
+        if not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise SidecarError(f"{self.path}: metadata seed {self.seed} is outside [-2^63, 2^64)")
         self.source_sha256 = meta.get("source_sha256", "")
+        self.layers_sha256 = meta.get("layers_sha256", "").split(",")
+        if len(self.layers_sha256) != self.layers or not all(_is_sha256(d) for d in self.layers_sha256):
+            raise SidecarError(f"{self.path}: metadata layers_sha256 is not {self.layers} sha256 digests "
+                               f"(one per layer, comma-separated)")
         # a tensor-parallel shard (`shard.py`): one rank's channels of every expert; None for a whole sidecar
         self.tp = self.tp_rank = self.expert_layout = None
         if "tp" in meta:
@@ -258,6 +283,26 @@ class Sidecar:
                                f"`neuron-moe prep-reader` for this model")
 
     def layer(self, index: int) -> LayerSidecar:
+        """Layer `index`'s tensors, refused unless they are the bytes the sidecar was written with
+        (a corrupt file), their codes valid bytes and their numbers finite (a file written otherwise)."""
         with safe_open(self.path, framework="pt") as f:
             tensors = {name: f.get_tensor(f"layers.{index}.{name}") for name in LAYER_TENSORS}
+        digest = hashlib.sha256()
+        for name in LAYER_TENSORS:
+            digest.update(_raw(tensors[name]))
+        if digest.hexdigest() != self.layers_sha256[index]:
+            raise SidecarError(f"{self.path}: layer {index}'s tensors do not match their sha256 in the metadata "
+                               f"(the file is corrupt); re-run `neuron-moe prep-reader`")
+        codes = tensors["codes"]
+        if codes.numel() and int(codes.max()) >= CODE_BYTES:
+            bad = int((codes >= CODE_BYTES).sum())
+            raise SidecarError(f"{self.path}: layers.{index}.codes holds {bad} byte(s) above {CODE_BYTES - 1}, "
+                               f"which no five base-3 codes make")
+        for name in ("scales", "down_norms", "basis", "coeffs"):
+            if not torch.isfinite(tensors[name]).all():
+                raise SidecarError(f"{self.path}: layers.{index}.{name} holds NaN or inf")
         return LayerSidecar.from_tensors(tensors, self.signs)
+
+
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)

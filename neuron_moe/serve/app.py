@@ -9,8 +9,11 @@ request (never FastAPI's 422). Each request that generates logs one line when it
 prompt and completion tokens, time to first token and duration.
 
 Nothing slow runs on the event loop, so /health answers under any request mix: a body over
-`max_body_bytes` is refused (413) before it is read, tokenizing runs in a thread, and a prompt
-longer in bytes than the longest prompt the model takes could be in tokens is refused untokenized.
+`max_body_bytes` is refused (413) before it is read, a body that has not all come within
+`body_timeout` seconds gets 408 (a request's headers have their own deadline: `connection.py`),
+tokenizing runs in a thread, and a prompt longer in bytes than the longest prompt the model takes
+could be in tokens is refused untokenized. No schema or docs pages are served (`/openapi.json`,
+`/docs`): the API is OpenAI's, documented by OpenAI, and a server behind a key shows nothing without it.
 Draining (SIGTERM) refuses new requests; past the drain timeout the requests still in flight are
 ended properly: a stream with an error event and [DONE], a plain request with a 503 JSON body.
 """
@@ -43,6 +46,7 @@ LOADING_RETRY_AFTER_S = 5
 DRAINING_RETRY_AFTER_S = 5
 KEEPALIVE_S = 15.0  # an SSE comment while a streamed request waits in the queue
 MAX_BODY_BYTES = 4 * 2**20  # a full 262144-token context is about 1 MiB of text; 4 leaves room for JSON escapes
+BODY_TIMEOUT_S = 30.0  # 4 MiB in 30 s is 140 kB/s: a client slower than that is holding the connection
 
 
 class ServerState:
@@ -56,9 +60,21 @@ class ServerState:
         self.draining = False
         self.cut = asyncio.Event()  # set at the drain deadline: what still runs is ended
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
+        self._loading: threading.Thread | None = None
 
     def start_loading(self) -> None:
-        threading.Thread(target=self._load, name="load-model", daemon=True).start()
+        self._loading = threading.Thread(target=self._load, name="load-model", daemon=True)
+        self._loading.start()
+
+    def close(self) -> None:
+        """Stop the engine's own threads — the batching engine's step loop — once the server is done,
+        from the thread that runs it: a thread still inside torch when the interpreter exits aborts
+        the process. A load still running is waited for, then its engine closed."""
+        if self._loading is not None and self._loading.is_alive():
+            log.info("waiting for the model to finish loading, to close it")
+            self._loading.join()
+        if self.engine is not None:
+            self.engine.close()
 
     def _load(self) -> None:
         try:
@@ -115,10 +131,11 @@ class BearerAuth:
 
 class BodyLimit:
     """Pure ASGI: a request body over `max_bytes` gets 413 in OpenAI's shape — at once when its
-    Content-Length says so, else as soon as the chunks received pass it — and is never read whole."""
+    Content-Length says so, else as soon as the chunks received pass it — and is never read whole;
+    one that has not all come `timeout_s` after the app began to read it gets 408."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     def _message(self) -> str:
         return f"the request body is larger than this server's limit of {self.max_bytes} bytes"
@@ -130,11 +147,20 @@ class BodyLimit:
         if length.isdigit() and int(length) > self.max_bytes:
             body = error_body(self._message(), "invalid_request_error", code="request_too_large")
             return await JSONResponse(body, 413, headers={"Connection": "close"})(scope, receive, send)
-        received = 0
+        received, deadline, complete = 0, None, False
 
         async def limited():
-            nonlocal received
-            message = await receive()
+            nonlocal received, deadline, complete
+            if complete:  # what comes after the body (a disconnect) has no deadline
+                return await receive()
+            loop = asyncio.get_running_loop()
+            deadline = deadline or loop.time() + self.timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"the request body did not all arrive within {self.timeout_s:g} s",
+                                    headers={"Connection": "close"}) from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.max_bytes:  # an HTTPException passes FastAPI's body parsing as it is
                 raise HTTPException(413, self._message(), headers={"Connection": "close"})
@@ -171,7 +197,7 @@ async def _validation_error(_request, exc: RequestValidationError) -> JSONRespon
 
 async def _http_error(_request, exc: HTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    code = "request_too_large" if exc.status_code == 413 else None
+    code = {408: "request_timeout", 413: "request_too_large"}.get(exc.status_code)
     return JSONResponse(error_body(str(exc.detail), kind, code=code), exc.status_code, headers=exc.headers)
 
 
@@ -351,6 +377,7 @@ def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None
 def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], api_key: str | None = None,
                max_running: int | None = None, max_queue: int = 32, max_body_bytes: int = MAX_BODY_BYTES,
                vocab_size: int | None = None,
+               body_timeout: float = BODY_TIMEOUT_S,
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """`load` builds the Engine; it runs in a thread at startup while the server already answers.
     `model_name`: the served name, or names (requests may give any; responses carry the first).
@@ -375,14 +402,14 @@ def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], a
         yield
         scheduler.close()
 
-    app = FastAPI(title="neuron-moe", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="neuron-moe", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.server = state  # server.py marks it draining on SIGTERM; tests read it
     app.state.scheduler = scheduler
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout)
     if api_key:  # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(BearerAuth, key=api_key)
 

@@ -73,16 +73,17 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters must wait: a suffix that may grow into a stop string,
-    or an incomplete character (decoders show a partial UTF-8 sequence as U+FFFD)."""
+    """How many trailing characters must wait: an incomplete character at the end (decoders show a
+    partial UTF-8 sequence as U+FFFD), and before it a suffix that may grow into a stop string —
+    the stop may go on in that very character, so what precedes it waits with it."""
+    body = text.rstrip("\ufffd")
     n = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), n, -1):
-            if text.endswith(stop[:k]):
+        for k in range(min(len(stop) - 1, len(body)), n, -1):
+            if body.endswith(stop[:k]):
                 n = k
                 break
-    replacement = len(text) - len(text.rstrip("\ufffd"))
-    return max(n, replacement)
+    return n + len(text) - len(body)
 
 
 class Output:
@@ -168,6 +169,9 @@ class Engine:
             raise RequestError(f"this model's context is {self.max_context} tokens: the prompt ({n_prompt}) "
                                f"plus max_tokens ({requested}) exceeds it by {requested - room}", "max_tokens")
         return requested
+
+    def close(self) -> None:
+        """Nothing to stop: this engine generates on its callers' threads."""
 
     def output(self, params: SamplingParams) -> Output:
         """A new request's Output; a RequestError if the backend cannot sample it."""

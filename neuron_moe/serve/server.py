@@ -7,11 +7,15 @@ artifact first (where another server is pulling it into the same cache: waiting 
 then verifying its files) — and warms up (`ready.py`) while /health answers 503; a load that
 fails stops the server with that error (exit 2), so a container restarts.
 
+The socket is bound before anything loads (an address in use is one `error:` line). A client
+must send a request's headers within --header-timeout and its body within --body-timeout.
+
 SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
 --drain-timeout for the requests in flight to finish, new requests on open connections get
 503 + Retry-After, and the process exits 0. A request still running at the deadline is ended
 properly (a stream: an error event, then [DONE]; a plain request: a 503 JSON body), and uvicorn
-is given DRAIN_GRACE_S more to send those endings before it cuts connections itself.
+is given DRAIN_GRACE_S more to send those endings before it cuts connections itself. The engine's
+threads are stopped before the process exits (a thread inside torch at exit would abort it).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import signal
+import socket
 from pathlib import Path
 
 import uvicorn
@@ -28,8 +33,9 @@ from ..errors import UserError
 from ..neuron.artifact import check_tokenizer
 from ..port import DTYPES, load_port
 from ..publish import s3
-from . import neuron, ready
-from .app import MAX_BODY_BYTES, create_app
+from ..static.cache import cache_bytes, cache_layout
+from . import connection, neuron, ready
+from .app import BODY_TIMEOUT_S, MAX_BODY_BYTES, create_app
 from .backends import STATIC, load_engine
 
 log = logging.getLogger("neuron_moe.serve")
@@ -64,10 +70,6 @@ def s3_cache_dir(uri: str, root: Path) -> Path:
 def plan_load(args):
     """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
     port = load_port(args.model)
-    if args.max_queue < 0:
-        raise ServeError(f"--max-queue must be 0 or more, got {args.max_queue}")
-    if args.drain_timeout < 0:
-        raise ServeError(f"--drain-timeout must be 0 or more, got {args.drain_timeout}")
     artifacts, pull = args.artifacts, None
     if artifacts and artifacts.startswith(S3_SCHEME):
         pull = s3_pull_function()
@@ -92,7 +94,7 @@ def plan_load(args):
                          + ("takes its batch from the artifact's manifest" if args.backend == "neuron"
                             else "runs one request per thread (--max-running)"))
     if args.backend == STATIC:
-        port.static_spec("--backend static")
+        check_static_memory(port, args.batch_size, DTYPES[args.dtype] if args.dtype else port.dtype)
     if args.backend == "neuron":
         if local is None:
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
@@ -143,6 +145,33 @@ def _context(backend: str, port, manifest: dict | None) -> tuple[int, str] | Non
     return port.config.max_position_embeddings, "the model (max_position_embeddings)"
 
 
+def available_memory() -> int:
+    """Memory this process can allocate now without swapping: the kernel's MemAvailable, or what a
+    container's limit leaves when that is less (cgroup v2)."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+    free = int(meminfo["MemAvailable"].split()[0]) * 1024
+    try:
+        limit, used = (Path("/sys/fs/cgroup", f).read_text().strip() for f in ("memory.max", "memory.current"))
+    except OSError:
+        return free
+    return min(free, int(limit) - int(used)) if limit.isdigit() and used.isdigit() else free
+
+
+def check_static_memory(port, batch_size: int | None, dtype) -> None:
+    """The static runtime's KV cache (allocated at load) and one step's logits [B, V] fp32, against
+    the memory available: a batch that cannot fit is refused before binding, not by a failed
+    allocation (or the OOM killer) once the server is up."""
+    spec = port.static_spec("--backend static")
+    rows = batch_size or spec.batch_size
+    cache = cache_bytes(cache_layout(port.config, spec.max_cache_len), rows, dtype)
+    logits = rows * port.config.vocab_size * 4
+    free = available_memory()
+    if cache + logits > free:
+        raise ServeError(f"--batch-size {rows}: the static graphs' KV cache ({cache / 2**30:,.1f} GiB) and one "
+                         f"step's logits ({logits / 2**30:,.1f} GiB) need more than the {free / 2**30:,.1f} GiB "
+                         f"of memory available")
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, its graceful shutdown DRAIN_GRACE_S longer than the app's own drain deadline."""
 
@@ -157,13 +186,25 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything loads (as uvicorn would bind it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def make_app(args, on_load_error=None):
     """The application `serve` runs, every check of `plan_load` made; the model loads once it starts."""
     port, load = plan_load(args)
     return create_app(load, model_name=served_names(args, port), api_key=args.api_key,
                       max_running=args.max_running, max_queue=args.max_queue,
                       max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES, vocab_size=port.config.vocab_size,
-                      on_load_error=on_load_error)
+                      body_timeout=args.body_timeout or BODY_TIMEOUT_S, on_load_error=on_load_error)
 
 
 def run(args) -> int:
@@ -177,14 +218,22 @@ def run(args) -> int:
     app = make_app(args, on_load_error)
     if args.host not in LOOPBACK and not args.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                            http=connection.protocol(args.header_timeout or connection.HEADER_TIMEOUT_S))
     server = DrainingServer(config, args.drain_timeout)
+    sock = bind(args.host, args.port)
+    # uvicorn logs this line itself only for a socket it binds (the entrypoint's users read the port in it)
+    logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                                            *sock.getsockname()[:2])
     # uvicorn re-raises the signal it drained on once it is done; with the default handlers
     # that would kill a cleanly drained process (SIGTERM) or print a traceback (SIGINT).
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        app.state.scheduler.close()  # the requests still running end (uvicorn's own shutdown may be cut short)
+        app.state.server.close()  # and the engine's threads stop
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failure:

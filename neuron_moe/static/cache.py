@@ -64,6 +64,11 @@ def cache_layout(config: Gemma4TextConfig, max_cache_len: int) -> list[LayerCach
     return layout
 
 
+def cache_bytes(layout: list[LayerCache], rows: int, dtype: torch.dtype) -> int:
+    """What a KVCache of `rows` rows allocates: K and V of every layer."""
+    return 2 * rows * dtype.itemsize * sum(spec.kv_heads * spec.length * spec.head_dim for spec in layout)
+
+
 class KVCache(nn.Module):
     """K and V of every layer as module state: `k{i}`, `v{i}`, zeros at construction."""
 

@@ -1,0 +1,111 @@
+"""What checking a sidecar layer costs as it loads, at full size (Gemma-4 26B-A4B: 117.9 MB a layer).
+
+One layer of the real geometry (H 2816, 128 experts, I 704, rank 32) is written with `stream_layers`
+(valid random codes, random bf16 numbers), then read back warm (in the page cache) `--repeats` times:
+the tensors alone (safetensors' `get_tensor`, what loading did before the checks: it maps the file,
+so no byte is read until it is used), the same with every byte copied (what a first use costs), then
+`Sidecar.layer` (the same read, then the layer's sha256 against the metadata, its code bytes in
+0..242 and its numbers finite), and each check on its own. The full model has 30 such layers.
+
+    python bench/sidecar_load.py            # prints a table, writes bench/results/sidecar_load-<host>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from neuron_moe.reader.geometry import Geometry  # noqa: E402
+from neuron_moe.reader.hadamard import random_signs  # noqa: E402
+from neuron_moe.reader.sidecar import (CODE_BYTES, LAYER_TENSORS, Sidecar, SidecarLayout, _raw,  # noqa: E402
+                                       metadata, stream_layers)
+from neuron_moe.report import table, write_json  # noqa: E402
+
+LAYERS = 30  # Gemma-4 26B-A4B's MoE layers
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def best(fn, repeats: int) -> float:
+    """The fastest of `repeats` runs, in seconds (the least disturbed by the other work on the machine)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="results JSON (default bench/results/sidecar_load-<host>.json)")
+    args = p.parse_args()
+    geometry = Geometry(hidden=2816, experts=128, intermediate=704)
+    layout = SidecarLayout(geometry, 32)
+    gen = torch.Generator().manual_seed(0)
+    layer = {name: (torch.randint(0, CODE_BYTES, shape, generator=gen, dtype=torch.uint8) if dtype == torch.uint8
+                    else torch.randn(shape, generator=gen).to(dtype))
+             for name, (dtype, shape) in layout.layer_tensors().items()}
+    signs = random_signs(layout.hidden_padded, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "layer.safetensors"
+        with open(path, "wb") as f:
+            stream_layers(f, layout, 1, metadata(layout, 1, 80, 0, "0" * 64), signs, [layer])
+        size = path.stat().st_size
+        side = Sidecar(path)
+
+        def read():
+            with safe_open(path, framework="pt") as f:
+                return {name: f.get_tensor(f"layers.0.{name}") for name in LAYER_TENSORS}
+
+        tensors = read()  # and into the page cache
+
+        def digest():
+            h = hashlib.sha256()
+            for name in LAYER_TENSORS:
+                h.update(_raw(tensors[name]))
+            return h.hexdigest()
+
+        rows = {
+            "read the tensors (mapped: no byte touched yet)": best(read, args.repeats),
+            "read the tensors and copy every byte": best(lambda: [t.clone() for t in read().values()], args.repeats),
+            "Sidecar.layer (read + every check)": best(lambda: side.layer(0), args.repeats),
+            "  sha256 of the layer's bytes": best(digest, args.repeats),
+            "  code bytes <= 242": best(lambda: int(tensors["codes"].max()), args.repeats),
+            "  numbers finite": best(lambda: [bool(torch.isfinite(tensors[n]).all())
+                                              for n in ("scales", "down_norms", "basis", "coeffs")], args.repeats),
+        }
+    machine = {"host": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(),
+               "torch_threads": torch.get_num_threads(), "load_average_at_end": os.getloadavg(),
+               "torch": torch.__version__, "python": platform.python_version(), "device": "CPU"}
+    result = {"bench": "sidecar_load", "layer_bytes": size, "repeats": args.repeats,
+              "seconds_per_layer": {k.strip(): round(v, 4) for k, v in rows.items()}, "machine": machine}
+    out = args.out or str(Path(__file__).parent / "results" / f"sidecar_load-{socket.gethostname()}.json")
+    write_json(result, out)
+    title = f"one full-size sidecar layer, {size / 1e6:.1f} MB, warm ({machine['cpu']}, best of {args.repeats})"
+    print(table([{"what": k, "layer": f"{v * 1e3:.0f} ms", "model": f"{v * LAYERS:.1f} s",
+                  "rate": f"{size / v / 1e9:.2f} GB/s"} for k, v in rows.items()],
+                [("what", title), ("layer", "per layer"), ("model", f"x {LAYERS} layers"), ("rate", "")]))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
