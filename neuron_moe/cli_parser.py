@@ -174,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
                    help="reader: the experts it reads, the model's own (bf16, default) or the int8 experts' numbers "
                         "(exact rows in int8 with their scales, prefill through the int8 experts; reference only)")
     _expert_layout_arg(p, "tp8, tp8-int8: ")
-    p.add_argument("--tp", type=int, choices=TP_DEGREES, metavar="T",
+    p.add_argument("--tp", type=_positive_int, choices=TP_DEGREES, metavar="T",
                    help="the TP backends (tp8, tp8-int8, tp8-naive-scatter): the degree, where the port's geometry "
                         "splits over it (default 8)")
     p.add_argument("--tp-layers", choices=TP_LAYERS,
@@ -285,7 +285,7 @@ def parser() -> argparse.ArgumentParser:
                                    "Exit 0 when it fits, 1 when not.")
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
     p.add_argument("--instance", required=True, choices=sorted(INSTANCES), help="inf2 instance type")
-    p.add_argument("--tp", type=int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
+    p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
     p.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES, help="experts' dtype (the rest is bf16)")
     _shape_args(p, "; the graph estimate takes --seq-len as the prefill length, an upper bound. Without a [static] "
                    "table: batch 1, seq 4096", old_names=True)
@@ -315,7 +315,7 @@ def parser() -> argparse.ArgumentParser:
     _checkpoint_args(p)
     p.add_argument("--dtype", default="bf16", choices=sorted(COMPILE_DTYPES),
                    help="bf16; int8 (int8 experts, the rest bf16); fp32 (default: bf16)")
-    p.add_argument("--tp", type=int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
+    p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
     p.add_argument("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
@@ -405,7 +405,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-budget", type=_positive, default=STEP_BUDGET, metavar="X",
                    help=f"with --batch: the batch rule's step reads, in units of one token's reads "
                         f"(default {STEP_BUDGET:g})")
-    p.add_argument("--tp", type=int, choices=TP_DEGREES, metavar="T",
+    p.add_argument("--tp", type=_positive_int, choices=TP_DEGREES, metavar="T",
                    help="per rank at TP T on the channel expert layout (each rank its I/T channels of every expert)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
@@ -415,7 +415,7 @@ def parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--out", required=True, metavar="FILE|DIR",
                    help="sidecar file to write (.safetensors); with --tp a directory")
-    p.add_argument("--tp", type=int, choices=TP_DEGREES, metavar="T",
+    p.add_argument("--tp", type=_positive_int, choices=TP_DEGREES, metavar="T",
                    help="also shard it for TP T on the channel expert layout: DIR/reader.safetensors (the whole "
                         "sidecar) and DIR/tpT-rankR.safetensors, rank R's channels of every expert, each tied to its "
                         f"rank, TP degree, layout and source weights ({', '.join(map(str, TP_DEGREES))})")
