@@ -49,7 +49,8 @@ def test_it_builds_the_image_and_runs_every_step_in_it(recipe, tmp_path):
     assert done.returncode == 1  # the server died: the wait ended, it did not loop on
     assert "neuron-moe-serve exited before it was ready" in done.stderr and "the device is busy" in done.stderr
     build = calls[0]
-    assert build[:4] == ["build", "-f", str(REPO / "docker" / "Dockerfile.neuron"), "-t"] and build[-1] == str(REPO)
+    assert build[:3] == ["build", "-f", str(REPO / "docker" / "Dockerfile.neuron")] and build[-1] == str(REPO)
+    assert build[3:7] == ["--build-arg", "NEURON_SDK=2.31.1", "-t", "neuron-moe:neuron"]  # the pinned SDK
     runs = [c for c in calls if c[0] == "run"]
     assert runs and all("--rm" in c for c in runs)  # nothing left behind, a rerun never meets its own name
     assert all(str(REPO) not in " ".join(c) for c in runs)  # the image's own package, no checkout mounted
@@ -77,3 +78,12 @@ def test_a_local_checkpoint_is_mounted_read_only_and_a_built_artifact_kept(recip
     (compile_,) = [c for c in calls if c[0] == "run"]  # int8 exists: kept
     assert f"{checkpoint}:/checkpoint:ro" in compile_ and compile_[compile_.index("--checkpoint") + 1] == "/checkpoint"
     assert "gemma4-26b-a4b-int8-tp8 exists: kept (OVERWRITE=1 rebuilds it)" in done.stdout
+
+
+def test_the_nki_sdk_builds_its_own_image_and_runs_in_it(recipe):
+    """NEURON_SDK=2.28.0 (the reader's NKI kernels, docs/neuron.md): that SDK's DLC, under its own tag."""
+    done, calls = recipe("image", "plan", NEURON_SDK="2.28.0")
+    assert done.returncode == 0, done.stderr
+    build, plan = calls
+    assert build[3:7] == ["--build-arg", "NEURON_SDK=2.28.0", "-t", "neuron-moe:neuron-sdk2.28.0"]
+    assert "neuron-moe:neuron-sdk2.28.0" in plan
