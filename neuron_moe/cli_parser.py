@@ -258,6 +258,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, metavar="B",
                    help="--backend static: rows of the graphs' batch, the requests generating at once "
                         "(default: the port's [static] batch_size)")
+    p.add_argument("--prefill-rows", type=_positive_int, nargs="+", metavar="P",
+                   help="--backend static: the prompts one prefill call takes, one graph per count (e.g. 1 4; "
+                        "default: the port's [static] prefill_rows)")
+    p.add_argument("--prefill-chunk", type=_positive_int, metavar="N",
+                   help="--backend static: a prompt longer than N tokens is prefilled N at a time, between decode "
+                        "steps; one of the buckets (default: the port's [static] prefill_chunk)")
     p.add_argument("--max-running", type=_positive_int, metavar="N",
                    help="per-request backends: requests generating at once (default: 1); the batching "
                         "backends run one request per row")
