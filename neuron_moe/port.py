@@ -53,7 +53,7 @@ class StaticSpec:
     decode_experts: str  # experts implementation of the decode graph
     expert_layout: str = DEFAULT_EXPERT_LAYOUT  # how the TP graphs split the experts (parallel/layout.py)
     prefill_rows: tuple[int, ...] = (1,)  # prompts one prefill graph takes at once (at most the batch: `rows_for`)
-    prefill_chunk: int | None = None  # the longest piece of a prompt one prefill call takes (a bucket; None: the largest)
+    prefill_chunk: int | None = None  # the longest piece of a prompt a prefill call takes (a bucket; None: the largest)
 
     def rows_for(self, batch: int) -> tuple[int, ...]:
         """The prefill row counts of graphs over a cache of `batch` rows (none larger than it)."""

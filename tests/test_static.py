@@ -175,7 +175,8 @@ def test_a_prompt_prefilled_in_chunks_through_the_exported_programs_is_the_promp
     graphs = generator._graphs
     reference = greedy(tiny_eager, *left_pad([prompts[0]], 0), 6).tokens[0].tolist()
     token = torch.zeros(2, 1, dtype=torch.long)
-    (tok, _) = graphs["prefill 56"](*prefill_row(torch.tensor(prompts[0]), 56, 0), torch.tensor([0]), greedy_sampling(1))
+    whole = prefill_row(torch.tensor(prompts[0]), 56, 0)
+    (tok, _) = graphs["prefill 56"](*whole, torch.tensor([0]), greedy_sampling(1))
     token[0] = tok[0]
     for start in range(0, 50, 8):
         piece = torch.tensor(prompts[1][start:start + 8])

@@ -84,8 +84,8 @@ def read_manifest(artifacts: Path) -> dict:
         raise ArtifactError(f"{path}: 'buckets' must be increasing positive lengths up to max_length "
                            f"({manifest['max_length']}), got {buckets}")
     rows = manifest["prefill_rows"]
-    if not _count(manifest["batch_size"]) or not rows or not all(_count(p) and p <= manifest["batch_size"] for p in rows) \
-            or rows != sorted(set(rows)):
+    batch = manifest["batch_size"]
+    if not _count(batch) or not rows or not all(_count(p) and p <= batch for p in rows) or rows != sorted(set(rows)):
         raise ArtifactError(f"{path}: 'prefill_rows' must be increasing row counts of at least 1 and at most "
                             f"batch_size ({manifest['batch_size']}), got {rows}")
     if manifest["prefill_chunk"] not in buckets:

@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException
 from ..report import dumps
 from .chat import render_chat
 from .engine import Engine, RequestError, SamplingParams
-from .protocol import APIError, ChatRequest, CompletionRequest, error_body
+from .metrics import CONTENT_TYPE, Metrics
+from .protocol import APIError, ChatRequest, CompletionRequest, FieldError, error_body
 from .scheduler import Scheduler
 
 log = logging.getLogger("neuron_moe.serve")
@@ -158,7 +159,8 @@ async def _validation_error(_request, exc: RequestValidationError) -> JSONRespon
     if err.get("type") == "json_invalid":
         return JSONResponse(error_body(f"the request body is not valid JSON: {err.get('msg')}",
                                        "invalid_request_error"), 400)
-    param = _param(err.get("loc", ()))
+    cause = (err.get("ctx") or {}).get("error")
+    param = cause.field if isinstance(cause, FieldError) else _param(err.get("loc", ()))
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return JSONResponse(error_body(f"{param}: {msg}" if param else msg, "invalid_request_error", param), 400)
 
@@ -306,7 +308,8 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """`load` builds the Engine; it runs in a thread at startup while the server already answers.
     `max_running`: requests generating at once (default: a batching engine's rows, else 1)."""
-    scheduler = Scheduler(max_running, max_queue)
+    metrics = Metrics(model_name)
+    scheduler = Scheduler(max_running, max_queue, metrics)
 
     def load_and_open() -> Engine:
         engine = load()
@@ -346,6 +349,10 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
     async def ping():  # what AWS's containers health-check
         return await health()
 
+    @app.get("/metrics")
+    async def prometheus_metrics():  # open, as /health: what a Prometheus scraper reads (metrics.py)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -367,12 +374,12 @@ def create_app(load: Callable[[], Engine], *, model_name: str, api_key: str | No
             raise problem
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
-            engine.check_sampling(req.temperature)
+            params = SamplingParams(max_tokens, **req.sampling, stop=tuple(req.stop or ()) + extra_stops)
+            engine.check_sampling(params)
         except RequestError as e:
             where = {"prompt": "messages" if chat else "prompt",
                      "max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
             raise APIError(400, str(e), param=where.get(e.param, e.param)) from None
-        params = SamplingParams(max_tokens, req.temperature, req.top_p, req.seed, tuple(req.stop or ()) + extra_stops)
         job = scheduler.submit(engine, prompt_ids, params)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and req.stream else ""),

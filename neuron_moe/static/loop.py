@@ -4,8 +4,9 @@ decode per token for all rows at once, each row at its own position.
 The KV cache never passes through here: it is the graphs' state (`cache.py`). What the host
 sends is a prompt's ids, pad mask and positions (prefill, one row: its bucket is the prompt's
 own), the positions (decode), and each row's sampling (greedy here: `sampling.GREEDY`); what comes
-back is the token (and the logits, from a graph built to return them). This is the shape a continuous-batching engine drives: a waiting request is
-prefilled into a free row while the others sit mid-generation.
+back is the token (and the logits, from a graph built to return them). This is the shape a
+continuous-batching engine drives: a waiting request is prefilled into a free row while the others
+sit mid-generation.
 
 Only torch here: the TP ranks (`parallel/trace.py`) run this same loop in every process, and a
 rank process should import nothing it does not need.
