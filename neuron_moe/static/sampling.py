@@ -46,6 +46,10 @@ def pick(logits: torch.Tensor, sampling: torch.Tensor, candidates: int = CANDIDA
     temperature, top_k, top_p, u = sampling.unbind(-1)
     greedy = temperature < GREEDY_BELOW
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    # the whole vocabulary's weights: for temperature alone, and the normaliser of the probabilities
+    top = scaled.amax(-1, keepdim=True)
+    whole = (scaled - top).exp()
+    lse = whole.sum(-1).log() + top[:, 0]
 
     # top-k, then top-p, over the candidates (sorted, most likely first)
     values, index = scaled.topk(width, dim=-1)
@@ -54,52 +58,50 @@ def pick(logits: torch.Tensor, sampling: torch.Tensor, candidates: int = CANDIDA
     k = torch.where(k_on, top_k.clamp(max=width), torch.full_like(top_k, width))
     in_k = rank < k[:, None]
     kept = values.masked_fill(~in_k, -math.inf)
-    # the probabilities of the whole vocabulary when top-k is off (the nucleus is a share of all of it)
-    norm = torch.where(k_on, kept.logsumexp(-1), scaled.logsumexp(-1))
+    # with top-k off the nucleus is a share of the whole vocabulary, with it a share of the k kept
+    norm = torch.where(k_on, kept.logsumexp(-1), lse)
     probs = (kept - norm[:, None]).exp()
     before = probs.cumsum(-1) - probs  # the mass of the more likely candidates
     nucleus = in_k & ((before < top_p[:, None]) | (rank == 0))  # the top one always stays
     weights = probs * nucleus
-    chosen = _invert(weights, u * weights.sum(-1))
-    truncated = index.gather(1, chosen[:, None])[:, 0]
+    truncated = index.gather(1, _invert(weights, u)[:, None])[:, 0]
 
-    # temperature alone: the whole vocabulary, block by block
-    whole = _sample_vocab((scaled - scaled.amax(-1, keepdim=True)).exp(), u)
-
-    sampled = torch.where(k_on | (top_p < 1), truncated, whole)
+    sampled = torch.where(k_on | (top_p < 1), truncated, _sample_vocab(whole, u))
     token = torch.where(greedy, logits.argmax(-1), sampled)
-    token = torch.where(torch.isfinite(logits).all(-1), token, torch.full_like(token, -1))
-    return token[:, None]
+    # NaN or inf anywhere in a row makes its sum so: one reduction instead of a test per logit
+    return torch.where(torch.isfinite(logits.sum(-1)), token, torch.full_like(token, -1))[:, None]
 
 
-def _invert(weights: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """[R, N] non-negative weights, [R] thresholds in [0, their sum) -> [R] the first index whose
-    cumulative weight passes the threshold (kept on a token of non-zero weight, whatever fp32
-    rounding; always in [0, N): a row of NaNs, whose token is thrown away, still gathers in bounds)."""
-    cumulative = weights.cumsum(-1)
-    found = (cumulative <= threshold[:, None]).sum(-1)
-    slots = torch.arange(weights.shape[-1], device=weights.device).expand_as(weights)
-    positive = weights > 0
-    first = torch.where(positive, slots, weights.shape[-1]).amin(-1)
-    last = torch.where(positive, slots, -1).amax(-1)
+def _invert(weights: torch.Tensor, u: torch.Tensor, cumulative: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, N] non-negative weights, [R] uniform draws -> [R] the first index whose cumulative weight
+    passes u·(their sum): a draw from them. Kept on an index of non-zero weight whatever fp32 rounding
+    (between the first and the last non-zero one), and in [0, N) for a row of NaNs too (its token is
+    thrown away, but a gather must stay in bounds)."""
+    cumulative = weights.cumsum(-1) if cumulative is None else cumulative
+    total = cumulative[:, -1:]
+    found = (cumulative <= u[:, None] * total).sum(-1)
+    first, last = (cumulative <= 0).sum(-1), (cumulative < total).sum(-1)
     return torch.minimum(torch.maximum(found, first), last).clamp(0, weights.shape[-1] - 1)
 
 
 def _sample_vocab(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[R, V] unnormalised weights -> [R] tokens drawn in proportion to them: the block whose
-    cumulative sum passes u·total, then the token within it."""
+    """[R, V] unnormalised weights -> [R] tokens drawn in proportion to them: the block of about
+    sqrt(V) tokens whose cumulative sum passes u·total, then the token within it, at the same
+    point of the distribution (the draw rescaled to the block)."""
     rows, vocab = weights.shape
-    block = 1 << math.ceil(math.log2(max(vocab, 1)) / 2)  # about sqrt(V): 64 for 2048, 512 for 262144
+    block = 1 << math.ceil(math.log2(max(vocab, 1)) / 2)  # 64 for 2048 tokens, 512 for 262144
     blocks = -(-vocab // block)
     if blocks * block > vocab:
         weights = torch.cat([weights, weights.new_zeros(rows, blocks * block - vocab)], dim=-1)
     weights = weights.view(rows, blocks, block)
     sums = weights.sum(-1)
-    threshold = u * sums.sum(-1)
-    which = _invert(sums, threshold)
-    before = (sums.cumsum(-1) - sums).gather(1, which[:, None])[:, 0]
+    cumulative = sums.cumsum(-1)
+    which = _invert(sums, u, cumulative)
+    before = (cumulative - sums).gather(1, which[:, None])[:, 0]
     inner = weights.gather(1, which[:, None, None].expand(rows, 1, block))[:, 0]
-    return which * block + _invert(inner, threshold - before)
+    mass = sums.gather(1, which[:, None])[:, 0]
+    within = ((u * cumulative[:, -1] - before) / mass).clamp(0, 1)  # where u falls inside the block
+    return which * block + _invert(inner, within)
 
 
 def sampling_row(temperature: float, top_k: int, top_p: float, u: float) -> tuple[float, float, float, float]:
