@@ -19,17 +19,17 @@ and how /health and the normal clients' TTFT fared in each run.
 
 The load: short chat prompts, greedy; `--sampled` samples them (temperature 0.7, top-p 0.9, each
 request its own seed); `--long-every N` makes one request in N of each client a long prompt, its
-chat prompt `--long-tokens` long (default: the port's largest prefill bucket less 4), and reports
-the short requests apart. `--prefill-rows` and `--prefill-chunk` set the batching engine's prefill
+chat prompt `--long-tokens` long (default: the longest the cache takes with max_tokens, past the
+largest prefill bucket, so it is prefilled in chunks), and reports the short requests apart. `--prefill-rows` and `--prefill-chunk` set the batching engine's prefill
 graphs (serve's flags). Each run ends with a scrape of the server's /metrics (prefill and decode
 calls, and the rows in them), and records `uptime`.
 
 `--acceptance` runs issue 32's comparison, the same 8-client load against each (`--backend
-static`): the batched engine (batch 8, prefill graphs of 1 and 4 prompts) greedy, the same with
-one-prompt prefill only, batch 1, the batched engine sampled, and the batched engine prefilling in
-chunks of `--mixed-chunk` (default: the smallest bucket) without and then with the mixed load (one
+static`): the batched engine (batch 8, prefill graphs of 1 and 4 prompts, the port's prefill chunk
+or `--prefill-chunk`) greedy, the same with one-prompt prefill only, batch 1 (each prompt in one
+call: its fastest), the batched engine sampled, and the batched engine under the mixed load (one
 long prompt in 8); then the table of what the issue asks: tokens/s against batch 1, TTFT p99, and
-the short requests' TPOT p99 under the mixed load against the same server without it.
+the short requests' TPOT p99 under the mixed load against the batched run without it.
 
     python bench/serve_load.py --clients 8 --requests 64 --max-tokens 16 --json out.json
     python bench/serve_load.py --backend static --batch-size 8 1
@@ -410,30 +410,28 @@ def print_batch_comparison(reports: list[dict]) -> None:
     print(table(rows, [("metric", "metric"), *[(run, run) for run in runs]]))
 
 
-# issue 32's comparison: (name, overrides of the command line's settings), all --backend static
-# (the mixed load's pair: one server setting, prefill chunks of --mixed-chunk, without and with long prompts)
+# issue 32's comparison: (name, overrides of the command line's settings), all --backend static;
+# "largest": prefill chunks of the largest bucket (one call per prompt here: batch 1's fastest)
 ACCEPTANCE = [
     ("batched", {"batch_size": 8, "prefill_rows": [1, 4]}),
     ("one-prompt prefill", {"batch_size": 8, "prefill_rows": [1]}),
-    ("batch 1", {"batch_size": 1, "prefill_rows": [1]}),
+    ("batch 1", {"batch_size": 1, "prefill_rows": [1], "prefill_chunk": "largest"}),
     ("batched, sampled", {"batch_size": 8, "prefill_rows": [1, 4], "sampled": True}),
-    ("batched, chunked", {"batch_size": 8, "prefill_rows": [1, 4], "chunked": True}),
-    ("batched, chunked, mixed", {"batch_size": 8, "prefill_rows": [1, 4], "chunked": True, "long_every": 8}),
+    ("batched, mixed", {"batch_size": 8, "prefill_rows": [1, 4], "long_every": 8}),
 ]
 TODAYS_TTFT_P99_MS = 340.5  # bench/results/serve-batching.md: batch 8, one-prompt prefill, idle machine
 
 
 def acceptance(args) -> tuple[list[dict], dict]:
+    spec = load_port(args.model).static
     reports = {}
     for name, overrides in ACCEPTANCE:
         run = argparse.Namespace(**{**vars(args), "long_every": 0, **overrides})
-        if overrides.get("chunked"):
-            run.prefill_chunk = args.mixed_chunk
+        run.prefill_chunk = spec.buckets[-1] if run.prefill_chunk == "largest" else (run.prefill_chunk or spec.chunk)
         print(f"== {name}: {', '.join(f'{k} {v}' for k, v in overrides.items())}", flush=True)
         reports[name] = run_once(run, run.batch_size)
     tps = {name: r["output_token_throughput_per_s"] for name, r in reports.items()}
-    mixed, without = reports["batched, chunked, mixed"]["short"]["tpot_ms"]["p99"], \
-        reports["batched, chunked"]["tpot_ms"]["p99"]
+    mixed, without = reports["batched, mixed"]["short"]["tpot_ms"]["p99"], reports["batched"]["tpot_ms"]["p99"]
     summary = {
         "greedy_tokens_per_s_x_batch_1": tps["batched"] / tps["batch 1"],
         "sampled_tokens_per_s_x_batch_1": tps["batched, sampled"] / tps["batch 1"],
@@ -441,7 +439,7 @@ def acceptance(args) -> tuple[list[dict], dict]:
         "ttft_p99_ms": reports["batched"]["ttft_ms"]["p99"],
         "ttft_p99_ms_one_prompt_prefill": reports["one-prompt prefill"]["ttft_ms"]["p99"],
         "ttft_p99_ms_recorded_before": TODAYS_TTFT_P99_MS,
-        "mixed_chunk": args.mixed_chunk, "long_prompt_tokens": args.long_tokens,
+        "long_prompt_tokens": args.long_tokens,
         "mixed_short_tpot_p99_ms": mixed, "tpot_p99_ms_without_long": without,
         "mixed_short_tpot_p99_x_without": mixed / without,
     }
@@ -486,13 +484,12 @@ def main(argv=None) -> int:
     p.add_argument("--long-every", type=int, default=0, metavar="N",
                    help="one request in N of each client is a long prompt (default 0: none)")
     p.add_argument("--long-tokens", type=int, metavar="T",
-                   help="the long prompt's length in tokens (default: the port's largest prefill bucket less 4)")
+                   help="the long prompt's length in tokens (default: the longest the port's cache takes with "
+                        "--max-tokens)")
     p.add_argument("--prefill-rows", type=int, nargs="+", metavar="P", help="serve --prefill-rows (default: the port's)")
     p.add_argument("--prefill-chunk", type=int, metavar="N", help="serve --prefill-chunk (default: the port's)")
     p.add_argument("--acceptance", action="store_true",
                    help="issue 32's runs side by side (see the module docstring); --backend static")
-    p.add_argument("--mixed-chunk", type=int, metavar="N",
-                   help="--acceptance: the prefill chunk of the mixed run (default: the port's smallest bucket)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
     args = p.parse_args(argv)
     args.served = load_port(args.model).name  # --model may be a port file: the server serves its name
@@ -501,10 +498,10 @@ def main(argv=None) -> int:
             p.error("--acceptance starts the servers it compares: no --url or --batch-size")
         args.backend = "static"
     if args.long_every or args.acceptance:
-        spec = load_port(args.model).static_spec("--long-every / --acceptance (the long prompt is sized to its buckets)")
-        args.long_tokens = args.long_tokens or spec.buckets[-1] - 4
+        spec = load_port(args.model).static_spec("--long-every / --acceptance (the long prompt is sized to its cache)")
+        # a prompt of n tokens and max_tokens new ones take positions 0..n + max_tokens - 2
+        args.long_tokens = args.long_tokens or spec.max_cache_len + 1 - args.max_tokens
         args.long_text = long_prompt(args.model, args.long_tokens)
-        args.mixed_chunk = args.mixed_chunk or spec.buckets[0]
     if args.batch_size and args.url:
         p.error("--batch-size starts the servers it compares: it cannot be used with --url")
     if args.batch_size and args.backend != "static":

@@ -228,8 +228,8 @@ def parser() -> argparse.ArgumentParser:
                                                                    "bytes read per token, in (0, 100]")
     p.add_argument("--rank", type=int, metavar="R", help="with --reader: recovery rank, 0 = off (default: the sidecar's)")
     p.add_argument("--with-logits", action="store_true",
-                   help="graphs that also return the fp32 logits (validation, host-side sampling: vocab x 4 bytes "
-                        "per row and step to the host); default: the greedy token alone")
+                   help="graphs that also return the fp32 logits (validation: vocab x 4 bytes per row and step "
+                        "to the host); default: the token each graph chose (greedy or sampled in the graph) alone")
     p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, SSE streaming)",

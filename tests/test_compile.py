@@ -174,7 +174,7 @@ def test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket(tiny_port, tm
     assert manifest["prefill_rows"] == [1, 2] and manifest["keys"]["context_encoding_2x56"]["inputs"] == {
         "input_ids": [2, 56], "attention_mask": [2, 56], "position_ids": [2, 56], "row_ids": [2], "sampling": [2, 4]}
     assert manifest["keys"]["context_encoding_2x56"]["outputs"] == {"token": [2, 1]}
-    assert na.read_manifest(tmp_path / "art")["prefill_chunk"] == 56
+    assert na.read_manifest(tmp_path / "art")["prefill_chunk"] == tiny_port.static.chunk
 
 
 def test_full_size_port_dry_run_on_meta(tmp_path):

@@ -131,7 +131,7 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     """Write the artifact directory `out` (see the module docstring); returns the manifest.
     `expert_layout` defaults to the port's [static] expert_layout. `export=False` (dry run only)
     skips tracing: the shard plan and manifest alone. `logits=True`: graphs that also return the
-    logits (validation, host-side sampling), at V·4 bytes per row and step across the host.
+    logits (validation), at V·4 bytes per row and step across the host.
     `reader` ({"sidecar": DIR of `prep-reader --tp`, "budget", "rank"}): the decode key reads through
     each rank's sidecar shard (`parallel/reader.py`), which goes into that rank's weights; a port
     without weights takes the geometry's shapes (`scan`, `rank`; no sidecar)."""
