@@ -258,6 +258,19 @@ def uptime() -> str:
         return f"uptime failed: {e}"
 
 
+def code() -> str:
+    """The checkout that ran: branch, commit, and whether its tree had changes (bench/results aside)."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD")
+    changed = git("status", "--porcelain", "--", ".", ":!bench/results")
+    return f"{git('rev-parse', '--abbrev-ref', 'HEAD')} {commit}" + (" + changes" if changed else "") if commit else ""
+
+
 def machine() -> dict:
     cpu = "unknown"
     cpuinfo = Path("/proc/cpuinfo")
@@ -265,7 +278,8 @@ def machine() -> dict:
         found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
         cpu = found.group(1).strip() if found else cpu
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "load_average": os.getloadavg(), "uptime": uptime(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+            "load_average": os.getloadavg(), "uptime": uptime(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "code": code()}
 
 
 def engine_counters(url: str) -> dict:
