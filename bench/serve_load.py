@@ -263,7 +263,7 @@ def code() -> str:
     def git(*args):
         try:
             return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+                                  cwd=Path(__file__).resolve().parents[1]).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
     commit = git("rev-parse", "--short", "HEAD")
