@@ -57,10 +57,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from neuron_moe.port import load_port
-from neuron_moe.report import check_output, table, write_json
-from neuron_moe.serve.chat import render_chat
-from neuron_moe.tokenizer import load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, as the server it starts
+
+from neuron_moe.port import load_port  # noqa: E402
+from neuron_moe.report import check_output, table, write_json  # noqa: E402
+from neuron_moe.serve.chat import render_chat  # noqa: E402
+from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
 
 # The long prompt: this text, cut to the number of tokens asked (with the chat template's own)
 LONG_TEXT = ("Summarise the following passage in one sentence. The expedition left the harbour before dawn, "
