@@ -125,7 +125,7 @@ def test_a_graph_failure_ends_the_requests_it_ran_and_the_engine_goes_on(tiny_po
 
 
 def test_limits_are_refused_before_anything_runs_and_the_cache_end_is_length(engine, tiny_eager):
-    assert engine.max_context == 97 and engine.max_prompt is None  # max_cache_len 96; a long prompt is chunked
+    assert engine.max_context == 97  # max_cache_len 96: a prompt past the largest bucket is chunked
     assert engine.max_tokens_for(96, None) == 1  # a prompt past the largest bucket (56), up to the cache
     with pytest.raises(RequestError, match="the prompt is 97 tokens; this model's context is 97 tokens") as e:
         engine.max_tokens_for(97, None)

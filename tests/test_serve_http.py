@@ -636,7 +636,7 @@ def test_health_answers_while_a_prompt_is_tokenized(engine):
 def test_a_prompt_longer_than_the_context_could_hold_is_refused_untokenized(engine):
     counting = copy.copy(engine)
     counting.tokenizer = SlowTokenizer(engine.tokenizer, 0.0)
-    longest = engine.max_prompt or engine.max_context  # a static engine's largest bucket, else the context
+    longest = engine.max_context
     n_bytes = longest * engine.tokenizer.max_token_bytes + 1  # more than any prompt it takes can be
     with serving(make_app(counting)) as url:
         ready(url)

@@ -297,7 +297,7 @@ def _check_prompt_bytes(engine: Engine, texts: list[str], param: str) -> None:
     if per_token is None:
         return
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    limit = engine.max_prompt or engine.max_context  # a static backend's largest bucket, else the context
+    limit = engine.max_context
     if n_bytes > limit * per_token:
         raise APIError(400, f"the prompt is {n_bytes} bytes, more than the {limit} tokens this model "
                             f"takes can hold (a token is at most {per_token} bytes)", param=param)

@@ -141,10 +141,9 @@ class Engine:
 
     rows: int | None = None  # a batching engine's rows (batching.py); None: one request per thread
 
-    def __init__(self, backend, tokenizer, max_context: int, eos_ids: set[int], max_prompt: int | None = None):
+    def __init__(self, backend, tokenizer, max_context: int, eos_ids: set[int]):
         self.backend, self.tokenizer = backend, tokenizer
-        self.max_context = max_context
-        self.max_prompt = max_prompt  # a static backend's largest prefill bucket (None: any prompt that fits)
+        self.max_context = max_context  # prompt + generated tokens
         self.eos_ids = frozenset(eos_ids)
         # the most top_k the backend samples from exactly (its graphs' candidate width; None: any)
         self.max_top_k: int | None = getattr(backend, "candidates", None)
@@ -158,9 +157,6 @@ class Engine:
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
         """The request's token budget: what it asked for, or what is left of the context (a request
         that runs to the end of the cache ends with "length")."""
-        if self.max_prompt is not None and n_prompt > self.max_prompt:
-            raise RequestError(f"the prompt is {n_prompt} tokens; this backend's largest prefill bucket holds "
-                               f"{self.max_prompt}", "prompt")
         room = self.max_context - n_prompt
         if room < 1:
             raise RequestError(f"the prompt is {n_prompt} tokens; this model's context is {self.max_context} "
