@@ -176,6 +176,9 @@ def test_token_budget(tiny_engine):
     with pytest.raises(RequestError, match="leaves no room") as e:
         tiny_engine.max_tokens_for(512, None)
     assert e.value.param == "prompt"
+    with pytest.raises(RequestError, match="the prompt has no tokens") as e:
+        tiny_engine.max_tokens_for(0, None)
+    assert e.value.param == "prompt"
 
 
 # ---- chat prompts --------------------------------------------------------------------------------

@@ -157,6 +157,8 @@ class Engine:
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
         """The request's token budget: what it asked for, or what is left of the context (a request
         that runs to the end of the cache ends with "length")."""
+        if n_prompt < 1:  # a tokenizer that adds no BOS, and an empty prompt: nothing to prefill
+            raise RequestError("the prompt has no tokens", "prompt")
         room = self.max_context - n_prompt
         if room < 1:
             raise RequestError(f"the prompt is {n_prompt} tokens; this model's context is {self.max_context} "
