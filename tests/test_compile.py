@@ -58,7 +58,7 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == na.FORMAT == 4 and manifest["logits"] is False
+    assert manifest["format"] == na.FORMAT == 5 and manifest["logits"] is False
     assert (manifest["prefill_rows"], manifest["prefill_chunk"], manifest["candidates"]) == ([1], 16, 256)
     assert manifest["keys"]["context_encoding_1x16"]["inputs"] == {
         "input_ids": [1, 16], "attention_mask": [1, 16], "position_ids": [1, 16], "row_ids": [1], "sampling": [1, 4]}

@@ -147,9 +147,10 @@ def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(tmp_path,
 
 def test_neuron_backend_refuses_an_artifact_of_an_older_format(tmp_path):
     for old, what in ((1, "the KV cache in and out of every call"), (2, "the KV cache in and out of every call"),
-                      (3, "one-prompt prefill graphs that return the greedy token alone")):
+                      (3, "one-prompt prefill graphs that return the greedy token alone"),
+                      (4, "one-prompt prefill graphs that return the greedy token alone")):
         (tmp_path / "manifest.json").write_text(json.dumps({"format": old, "port": "p", "buckets": [16]}))
-        with pytest.raises(neuron.NeuronError, match=f"artifact format {old} \\({what}.*this version reads format 4: "
+        with pytest.raises(neuron.NeuronError, match=f"artifact format {old} \\({what}.*this version reads format 5: "
                                                      f"rebuild it"):
             neuron.read_manifest(tmp_path)
 

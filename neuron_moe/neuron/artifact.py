@@ -50,9 +50,11 @@ MODEL = "model.pt"
 WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
-FORMAT = 4
+FORMAT = 5
+# what each older format's graphs were (4: the format before the graphs sampled, with the tokenizer)
 OLD_FORMATS = {1: "the KV cache in and out of every call", 2: "the KV cache in and out of every call",
-               3: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs"}
+               3: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs",
+               4: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs"}
 # field -> type; what a server needs to call the graphs
 MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "expert_layout": str, "buckets": list,
                    "max_length": int, "batch_size": int, "prefill_rows": list, "prefill_chunk": int,
