@@ -20,9 +20,10 @@ and how /health and the normal clients' TTFT fared in each run.
 The load: short chat prompts, greedy; `--sampled` samples them (temperature 0.7, top-p 0.9, each
 request its own seed); `--long-every N` makes one request in N of each client a long prompt, its
 chat prompt `--long-tokens` long (default: the longest the cache takes with max_tokens, past the
-largest prefill bucket, so it is prefilled in chunks), and reports the short requests apart. `--prefill-rows` and `--prefill-chunk` set the batching engine's prefill
-graphs (serve's flags). Each run ends with a scrape of the server's /metrics (prefill and decode
-calls, and the rows in them), and records `uptime`.
+largest prefill bucket, so it is prefilled in chunks), and reports the short requests apart.
+`--prefill-rows` and `--prefill-chunk` set the batching engine's prefill graphs (serve's flags).
+Each run ends with a scrape of the server's /metrics (prefill and decode calls, and the rows in
+them), and records `uptime` and the commit.
 
 `--acceptance` runs issue 32's comparison, the same 8-client load against each (`--backend
 static`): the batched engine (batch 8, prefill graphs of 1 and 4 prompts, the port's prefill chunk
@@ -296,7 +297,8 @@ def engine_counters(url: str) -> dict:
         return {}
     found = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
     if found.get("neuron_moe:prefill_calls_total"):
-        found["prefill_rows_per_call"] = found["neuron_moe:prefill_rows_total"] / found["neuron_moe:prefill_calls_total"]
+        found["prefill_rows_per_call"] = \
+            found["neuron_moe:prefill_rows_total"] / found["neuron_moe:prefill_calls_total"]
     if found.get("neuron_moe:decode_calls_total"):
         found["decode_rows_per_call"] = found["neuron_moe:decode_rows_total"] / found["neuron_moe:decode_calls_total"]
     return found
@@ -502,7 +504,8 @@ def main(argv=None) -> int:
     p.add_argument("--long-tokens", type=int, metavar="T",
                    help="the long prompt's length in tokens (default: the longest the port's cache takes with "
                         "--max-tokens)")
-    p.add_argument("--prefill-rows", type=int, nargs="+", metavar="P", help="serve --prefill-rows (default: the port's)")
+    p.add_argument("--prefill-rows", type=int, nargs="+", metavar="P",
+                   help="serve --prefill-rows (default: the port's)")
     p.add_argument("--prefill-chunk", type=int, metavar="N", help="serve --prefill-chunk (default: the port's)")
     p.add_argument("--acceptance", action="store_true",
                    help="issue 32's runs side by side (see the module docstring); --backend static")

@@ -79,14 +79,15 @@ def main() -> int:
         r["prefill_ms_per_prompt"] = r["prefill_ms"] / r["prefill_rows"]
         r["decode_ms_per_token"] = r["decode_ms"] / r["batch"]
         r["decode_x_base"] = r["decode_ms"] / base["decode_ms"]
-        r["ceiling_x_base"] = (r["batch"] * (base["prefill_ms_per_prompt"] + (n - 1) * base["decode_ms"] / base["batch"])
-                               / (r["batch"] * r["prefill_ms_per_prompt"] + (n - 1) * r["decode_ms"]))
+        alone = base["prefill_ms_per_prompt"] + (n - 1) * base["decode_ms"] / base["batch"]
+        r["ceiling_x_base"] = r["batch"] * alone / (r["batch"] * r["prefill_ms_per_prompt"] + (n - 1) * r["decode_ms"])
     print(f"static graphs of {port.name} (prefill: {spec.prefill_experts}, decode: {spec.decode_experts}), "
           f"prompt {args.prompt_tokens} tokens, {n}-token requests; best of {args.repeats}")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}\n")
-    print(table(rows, [("batch", "batch"), ("prefill_rows", "prompts per prefill"), ("prefill_ms", "prefill ms", "{:.2f}"),
-                       ("prefill_ms_per_prompt", "prefill ms/prompt", "{:.2f}"), ("decode_ms", "decode step ms", "{:.2f}"),
+    print(table(rows, [("batch", "batch"), ("prefill_rows", "prompts per prefill"),
+                       ("prefill_ms", "prefill ms", "{:.2f}"), ("prefill_ms_per_prompt", "prefill ms/prompt", "{:.2f}"),
+                       ("decode_ms", "decode step ms", "{:.2f}"),
                        ("decode_ms_per_token", "decode ms/token", "{:.2f}"), ("decode_x_base", "step × base", "{:.2f}"),
                        ("ceiling_x_base", "tok/s ceiling × base", "{:.2f}")]))
     if args.json:
