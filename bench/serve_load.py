@@ -17,9 +17,25 @@ more client that sends an N-byte prompt again and again (what froze the server b
 a 10 MB prompt held the event loop in the tokenizer for 15 s). It reports what that client got
 and how /health and the normal clients' TTFT fared in each run.
 
+The load: short chat prompts, greedy; `--sampled` samples them (temperature 0.7, top-p 0.9, each
+request its own seed); `--long-every N` makes one request in N of each client a long prompt, its
+chat prompt `--long-tokens` long (default: the longest the cache takes with max_tokens, past the
+largest prefill bucket, so it is prefilled in chunks), and reports the short requests apart.
+`--prefill-rows` and `--prefill-chunk` set the batching engine's prefill graphs (serve's flags).
+Each run ends with a scrape of the server's /metrics (prefill and decode calls, and the rows in
+them), and records `uptime` and the commit.
+
+`--acceptance` runs issue 32's comparison, the same 8-client load against each (`--backend
+static`): the batched engine (batch 8, prefill graphs of 1 and 4 prompts, the port's prefill chunk
+or `--prefill-chunk`) greedy, the same with one-prompt prefill only, batch 1 (each prompt in one
+call: its fastest), the batched engine sampled, and the batched engine under the mixed load (one
+long prompt in 8); then the table of what the issue asks: tokens/s against batch 1, TTFT p99, and
+the short requests' TPOT p99 under the mixed load against the batched run without it.
+
     python bench/serve_load.py --clients 8 --requests 64 --max-tokens 16 --json out.json
     python bench/serve_load.py --backend static --batch-size 8 1
     python bench/serve_load.py --clients 8 --requests 16 --hostile-bytes 10000000
+    OMP_NUM_THREADS=1 python bench/serve_load.py --acceptance --requests 64 --json bench/results/serve-load-32.json
 """
 
 from __future__ import annotations
@@ -42,7 +58,18 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from neuron_moe.report import check_output, table, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, as the server it starts
+
+from neuron_moe.port import load_port  # noqa: E402
+from neuron_moe.report import check_output, table, write_json  # noqa: E402
+from neuron_moe.serve.chat import render_chat  # noqa: E402
+from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
+
+# The long prompt: this text, cut to the number of tokens asked (with the chat template's own)
+LONG_TEXT = ("Summarise the following passage in one sentence. The expedition left the harbour before dawn, "
+             "crossed the strait under a grey sky, and reached the northern islands three days later, where the "
+             "crew mapped the coast, counted the birds on the cliffs and wrote down every word the islanders "
+             "taught them about the winds, the tides, the fish and the long winters of the far north. ") * 8
 
 PROMPTS = [
     "The capital of France is",
@@ -89,23 +116,43 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
             "itl": list(np.diff(chunk_times)) if len(chunk_times) > 1 else []}
 
 
-async def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int, api_key: str | None):
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=clients)
+def long_prompt(model: str, tokens: int) -> str:
+    """A user message whose chat prompt is `tokens` tokens long (the port's tokenizer and template)."""
+    tokenizer = load_tokenizer(load_port(model), None)
+    words = LONG_TEXT.split()
+    for n in range(len(words), 0, -1):
+        text = " ".join(words[:n])
+        if len(render_chat(tokenizer, [{"role": "user", "content": text}])[0]) <= tokens:
+            return text
+    raise SystemExit(f"error: no prompt fits in {tokens} tokens")
+
+
+def is_long(args, c: int, r: int) -> bool:
+    """One request in `long_every` of each client, staggered across the clients."""
+    return bool(args.long_every) and (c + r) % args.long_every == args.long_every - 1
+
+
+async def run_load(url: str, args):
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.clients)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
-        async def client_loop(c: int, n: int) -> list[dict]:
+        async def client_loop(c: int, n: int, warm: bool = False) -> list[dict]:
             results = []
             for r in range(n):
-                body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[(c * requests + r) % len(PROMPTS)]}],
-                        "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                long = not warm and is_long(args, c, r)
+                content = args.long_text if long else PROMPTS[(c * args.requests + r) % len(PROMPTS)]
+                body = {"model": args.served, "messages": [{"role": "user", "content": content}],
+                        "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
                         "stream_options": {"include_usage": True}}
-                results.append(await one_request(client, body))
+                if args.sampled:
+                    body.update(temperature=0.7, top_p=0.9, seed=1000 * c + r)
+                results.append({**await one_request(client, body), "long": long})
             return results
 
         # one request per client first, not counted: the server's first calls (allocations, lazy imports)
-        await asyncio.gather(*(client_loop(c, 1) for c in range(clients)))
+        await asyncio.gather(*(client_loop(c, 1, warm=True) for c in range(args.clients)))
         start = time.perf_counter()
-        per_client = await asyncio.gather(*(client_loop(c, requests) for c in range(clients)))
+        per_client = await asyncio.gather(*(client_loop(c, args.requests) for c in range(args.clients)))
         return [r for rs in per_client for r in rs], time.perf_counter() - start
 
 
@@ -147,15 +194,14 @@ def run_phase(url: str, args, hostile_bytes: int) -> dict:
     stop, hostile_stop, answers, latencies = threading.Event(), spawn.Event(), spawn.Queue(), []
     health = threading.Thread(target=health_loop, args=(url, stop, latencies), daemon=True)
     hostile = spawn.Process(target=hostile_loop, daemon=True,
-                            args=(url, args.model, hostile_bytes, args.hostile_interval, args.api_key, hostile_stop,
+                            args=(url, args.served, hostile_bytes, args.hostile_interval, args.api_key, hostile_stop,
                                   answers))
     if hostile_bytes:
         hostile.start()
         time.sleep(2.0)  # its interpreter started and its first request sent
     health.start()
     try:
-        results, duration = asyncio.run(run_load(url, args.model, args.clients, args.requests, args.max_tokens,
-                                                 args.api_key))
+        results, duration = asyncio.run(run_load(url, args))
     finally:
         stop.set()
         hostile_stop.set()
@@ -170,6 +216,9 @@ def run_phase(url: str, args, hostile_bytes: int) -> dict:
             hostile.join(600)
     answers = answers_list
     summary = summarize(results, duration)
+    if args.long_every:  # the short requests apart, and the long ones
+        summary["short"] = summarize([r for r in results if not r.get("long")], duration)
+        summary["long"] = summarize([r for r in results if r.get("long")], duration)
     ok = [x for x in latencies if x is not None]
     summary["health_ms"] = {**stats(ok), "max": 1000 * max(ok) if ok else None, "failed": len(latencies) - len(ok)}
     if hostile_bytes:
@@ -205,6 +254,26 @@ def summarize(results: list[dict], duration: float) -> dict:
     }
 
 
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"uptime failed: {e}"
+
+
+def code() -> str:
+    """The checkout that ran: branch, commit, and whether its tree had changes (bench/results aside)."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD")
+    changed = git("status", "--porcelain", "--", ".", ":!bench/results")
+    return f"{git('rev-parse', '--abbrev-ref', 'HEAD')} {commit}" + (" + changes" if changed else "") if commit else ""
+
+
 def machine() -> dict:
     cpu = "unknown"
     cpuinfo = Path("/proc/cpuinfo")
@@ -212,14 +281,36 @@ def machine() -> dict:
         found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
         cpu = found.group(1).strip() if found else cpu
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "load_average": os.getloadavg(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+            "load_average": os.getloadavg(), "uptime": uptime(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "code": code()}
+
+
+def engine_counters(url: str) -> dict:
+    """The batching engine's calls and rows, from the server's /metrics (empty for another engine)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = ("neuron_moe:prefill_calls_total", "neuron_moe:prefill_rows_total", "neuron_moe:decode_calls_total",
+              "neuron_moe:decode_rows_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    found = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
+    if found.get("neuron_moe:prefill_calls_total"):
+        found["prefill_rows_per_call"] = \
+            found["neuron_moe:prefill_rows_total"] / found["neuron_moe:prefill_calls_total"]
+    if found.get("neuron_moe:decode_calls_total"):
+        found["decode_rows_per_call"] = found["neuron_moe:decode_rows_total"] / found["neuron_moe:decode_calls_total"]
+    return found
 
 
 def start_server(args, batch_size: int | None) -> tuple[subprocess.Popen, str]:
     """`neuron-moe serve` on 127.0.0.1 with a free port; returns once /health answers 200."""
     cmd = [sys.executable, "-m", "neuron_moe", "serve", "--model", args.model, "--backend", args.backend,
            "--host", "127.0.0.1", "--port", "0", "--max-queue", str(args.clients + bool(args.hostile_bytes)),
-           *(["--batch-size", str(batch_size)] if batch_size else [])]
+           *(["--batch-size", str(batch_size)] if batch_size else []),
+           *(["--prefill-rows", *map(str, args.prefill_rows)] if args.prefill_rows else []),
+           *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # stdout: access log
     deadline = time.monotonic() + 300
     for line in proc.stderr:  # uvicorn names the port it bound
@@ -250,14 +341,17 @@ def run_once(args, batch_size: int | None) -> dict:
         host = machine()
         summary = run_phase(url, args, 0)
         hostile = run_phase(url, args, args.hostile_bytes) if args.hostile_bytes else None
-        host["load_average_after"] = os.getloadavg()
+        host["load_average_after"], host["uptime_after"] = os.getloadavg(), uptime()
+        counters = engine_counters(url)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     report = {"benchmark": "serve_load", "model": args.model, "backend": args.backend, "batch_size": batch_size,
+              "prefill_rows": args.prefill_rows, "prefill_chunk": args.prefill_chunk, "sampled": args.sampled,
+              "long_every": args.long_every, "long_prompt_tokens": args.long_tokens if args.long_every else None,
               "clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
-              "machine": host, **summary}
+              "machine": host, "engine": counters, **summary}
     if hostile:
         report["with_hostile_client"] = hostile
     return report
@@ -295,26 +389,95 @@ def print_hostile_comparison(without: dict, hostile: dict) -> None:
                        ("failed", "failed requests")]))
 
 
+def run_name(r: dict) -> str:
+    name = f"batch {r['batch_size']}"
+    if r.get("prefill_rows"):
+        name += f", prefill {'/'.join(map(str, r['prefill_rows']))}"
+    if r.get("sampled"):
+        name += ", sampled"
+    if r.get("prefill_chunk"):
+        name += f", chunk {r['prefill_chunk']}"
+    if r.get("long_every"):
+        name += f", mixed (1 in {r['long_every']} long)"
+    return name
+
+
 def print_batch_comparison(reports: list[dict]) -> None:
-    """The runs side by side; tokens/s also as a multiple of the last run's."""
-    base = reports[-1]["output_token_throughput_per_s"]
-    runs = [f"batch {r['batch_size']}" for r in reports]
+    """The runs side by side; tokens/s also as a multiple of the batch-1 run's (else the last run's)."""
+    base_run = next((r for r in reports if r["batch_size"] == 1), reports[-1])
+    base = base_run["output_token_throughput_per_s"]
+    runs = [run_name(r) for r in reports]
 
     def row(metric, value):
         return {"metric": metric, **{run: value(r) for run, r in zip(runs, reports)}}
 
     rows = [row("output tok/s", lambda r: f"{r['output_token_throughput_per_s']:.1f}"),
-            row(f"  x {runs[-1]}", lambda r: f"{r['output_token_throughput_per_s'] / base:.2f}"),
+            row(f"  x {run_name(base_run)}", lambda r: f"{r['output_token_throughput_per_s'] / base:.2f}"),
             row("requests/s", lambda r: f"{r['request_throughput_per_s']:.2f}")]
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("/health", "health_ms")):
         for stat in ("mean", "p50", "p99"):
             rows.append(row(f"{name} {stat} (ms)", lambda r: f"{r[key][stat]:.1f}" if r[key][stat] is not None else "-"))
-    rows += [row("completed", lambda r: f"{r['completed']}/{r['requests']}"),
+    rows += [row("short TPOT p99 (ms)", lambda r: f"{r['short']['tpot_ms']['p99']:.1f}" if "short" in r else "-"),
+             row("prefill rows / call", lambda r: f"{r['engine'].get('prefill_rows_per_call', 0):.2f}"),
+             row("decode rows / call", lambda r: f"{r['engine'].get('decode_rows_per_call', 0):.2f}"),
+             row("completed", lambda r: f"{r['completed']}/{r['requests']}"),
              row("failed", lambda r: str(r["failed"])),
              row("duration (s)", lambda r: f"{r['duration_s']:.1f}"),
              row("load avg before/after", lambda r: f"{r['machine']['load_average'][0]:.1f} / "
                                                      f"{r['machine']['load_average_after'][0]:.1f}")]
     print(table(rows, [("metric", "metric"), *[(run, run) for run in runs]]))
+
+
+# issue 32's comparison: (name, overrides of the command line's settings), all --backend static;
+# "largest": prefill chunks of the largest bucket (one call per prompt here: batch 1's fastest)
+ACCEPTANCE = [
+    ("batched", {"batch_size": 8, "prefill_rows": [1, 4]}),
+    ("one-prompt prefill", {"batch_size": 8, "prefill_rows": [1]}),
+    ("batch 1", {"batch_size": 1, "prefill_rows": [1], "prefill_chunk": "largest"}),
+    ("batched, sampled", {"batch_size": 8, "prefill_rows": [1, 4], "sampled": True}),
+    ("batched, mixed", {"batch_size": 8, "prefill_rows": [1, 4], "long_every": 8}),
+]
+TODAYS_TTFT_P99_MS = 340.5  # bench/results/serve-batching.md: batch 8, one-prompt prefill, idle machine
+
+
+def acceptance(args) -> tuple[list[dict], dict]:
+    spec = load_port(args.model).static
+    reports = {}
+    for name, overrides in ACCEPTANCE:
+        run = argparse.Namespace(**{**vars(args), "long_every": 0, **overrides})
+        run.prefill_chunk = spec.buckets[-1] if run.prefill_chunk == "largest" else (run.prefill_chunk or spec.chunk)
+        print(f"== {name}: {', '.join(f'{k} {v}' for k, v in overrides.items())}", flush=True)
+        reports[name] = run_once(run, run.batch_size)
+    tps = {name: r["output_token_throughput_per_s"] for name, r in reports.items()}
+    mixed, without = reports["batched, mixed"]["short"]["tpot_ms"]["p99"], reports["batched"]["tpot_ms"]["p99"]
+    summary = {
+        "greedy_tokens_per_s_x_batch_1": tps["batched"] / tps["batch 1"],
+        "sampled_tokens_per_s_x_batch_1": tps["batched, sampled"] / tps["batch 1"],
+        "one_prompt_prefill_tokens_per_s_x_batch_1": tps["one-prompt prefill"] / tps["batch 1"],
+        "ttft_p99_ms": reports["batched"]["ttft_ms"]["p99"],
+        "ttft_p99_ms_one_prompt_prefill": reports["one-prompt prefill"]["ttft_ms"]["p99"],
+        "ttft_p99_ms_recorded_before": TODAYS_TTFT_P99_MS,
+        "long_prompt_tokens": args.long_tokens,
+        "mixed_short_tpot_p99_ms": mixed, "tpot_p99_ms_without_long": without,
+        "mixed_short_tpot_p99_x_without": mixed / without,
+    }
+    return list(reports.values()), summary
+
+
+def print_acceptance(summary: dict) -> None:
+    rows = [{"what": "greedy output tok/s, batched / batch 1", "got": summary["greedy_tokens_per_s_x_batch_1"],
+             "goal": ">= 4"},
+            {"what": "  the same with one-prompt prefill", "got": summary["one_prompt_prefill_tokens_per_s_x_batch_1"],
+             "goal": ""},
+            {"what": "sampled output tok/s, batched / batch 1", "got": summary["sampled_tokens_per_s_x_batch_1"],
+             "goal": "reported"},
+            {"what": "TTFT p99 (ms), batched", "got": summary["ttft_p99_ms"],
+             "goal": f"< {summary['ttft_p99_ms_recorded_before']:g} (recorded before)"},
+            {"what": "TTFT p99 (ms), one-prompt prefill, this run", "got": summary["ttft_p99_ms_one_prompt_prefill"],
+             "goal": "the same machine's"},
+            {"what": "short requests' TPOT p99, mixed / without", "got": summary["mixed_short_tpot_p99_x_without"],
+             "goal": "<= 1.5"}]
+    print(table(rows, [("what", "acceptance (issue 32)"), ("got", "this run", "{:.2f}"), ("goal", "goal")]))
 
 
 def main(argv=None) -> int:
@@ -335,28 +498,60 @@ def main(argv=None) -> int:
                    help="also run the load beside a client sending an N-byte prompt again and again (default: no)")
     p.add_argument("--hostile-interval", type=float, default=0.0, metavar="S",
                    help="at least S seconds from one of its requests to the next (default 0: back to back)")
+    p.add_argument("--sampled", action="store_true", help="sample: temperature 0.7, top-p 0.9, a seed per request")
+    p.add_argument("--long-every", type=int, default=0, metavar="N",
+                   help="one request in N of each client is a long prompt (default 0: none)")
+    p.add_argument("--long-tokens", type=int, metavar="T",
+                   help="the long prompt's length in tokens (default: the longest the port's cache takes with "
+                        "--max-tokens)")
+    p.add_argument("--prefill-rows", type=int, nargs="+", metavar="P",
+                   help="serve --prefill-rows (default: the port's)")
+    p.add_argument("--prefill-chunk", type=int, metavar="N", help="serve --prefill-chunk (default: the port's)")
+    p.add_argument("--acceptance", action="store_true",
+                   help="issue 32's runs side by side (see the module docstring); --backend static")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
     args = p.parse_args(argv)
+    args.served = load_port(args.model).name  # --model may be a port file: the server serves its name
+    if args.acceptance:
+        if args.url or args.batch_size:
+            p.error("--acceptance starts the servers it compares: no --url or --batch-size")
+        args.backend = "static"
+    if args.long_every or args.acceptance:
+        spec = load_port(args.model).static_spec("--long-every / --acceptance (the long prompt is sized to its cache)")
+        # a prompt of n tokens and max_tokens new ones take positions 0..n + max_tokens - 2
+        args.long_tokens = args.long_tokens or spec.max_cache_len + 1 - args.max_tokens
+        args.long_text = long_prompt(args.model, args.long_tokens)
     if args.batch_size and args.url:
         p.error("--batch-size starts the servers it compares: it cannot be used with --url")
     if args.batch_size and args.backend != "static":
         p.error("--batch-size is the batching engine's (--backend static)")
     check_output(args.json or "-")
 
-    reports = [run_once(args, batch_size) for batch_size in (args.batch_size or [None])]
+    summary = None
+    if args.acceptance:
+        reports, summary = acceptance(args)
+    else:
+        reports = [run_once(args, batch_size) for batch_size in (args.batch_size or [None])]
     failed = sum(r["failed"] + r.get("with_hostile_client", {}).get("failed", 0) for r in reports)
     if args.json:
-        write_json(reports[0] if len(reports) == 1 else {"benchmark": "serve_load", "runs": reports}, args.json)
+        doc = reports[0] if len(reports) == 1 else {"benchmark": "serve_load", "runs": reports}
+        if summary is not None:
+            doc = {**doc, "command": " ".join(sys.argv), "acceptance": summary}
+        write_json(doc, args.json)
     if args.json == "-":
         return 0 if failed == 0 else 1
     for report in reports:
         host = report["machine"]
         engine = args.backend + (f", batch {report['batch_size']}" if report["batch_size"] else "")
         print(f"serve_load  {args.model} ({engine}), {args.clients} clients x {args.requests} requests, "
-              f"max_tokens {args.max_tokens}, streamed, temperature 0, loopback")
+              f"max_tokens {args.max_tokens}, streamed, {'sampled' if report['sampled'] else 'temperature 0'}, "
+              f"loopback{'; mixed' if report['long_every'] else ''}")
         print(f"machine: {host['cpu']}, {host['cores']} cores, load average {host['load_average'][0]:.1f} before / "
               f"{host['load_average_after'][0]:.1f} after, OMP_NUM_THREADS={host['OMP_NUM_THREADS']}\n")
         print_run(report)
+        if "short" in report:
+            print("\nthe short requests alone:\n")
+            print_run({**report["short"], "health_ms": report["health_ms"]})
         hostile = report.get("with_hostile_client")
         if hostile:
             print(f"\nwith the {args.hostile_bytes:,}-byte client:\n")
@@ -365,6 +560,9 @@ def main(argv=None) -> int:
         print()
     if len(reports) > 1:
         print_batch_comparison(reports)
+    if summary is not None:
+        print()
+        print_acceptance(summary)
     return 0 if failed == 0 else 1
 
 

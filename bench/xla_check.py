@@ -18,6 +18,13 @@ SEQ_MATCH); the int8 run also with the same int8 model on the CPU. Exit 0 only w
 settles to one compilation, nothing falls back, the fp32 runs match the reference and the int8
 run matches CPU int8.
 
+The serving run drives the exported programs as the batching engine calls them, through its
+runtime (`serve/runtime.py`): a prefill graph of several prompts, a prompt prefilled in chunks
+between decode steps, and rows sampled in the graphs (temperature, top-k, top-p, each row's own
+uniform draw) beside greedy rows; its tokens are compared with the same programs on the CPU given
+the same inputs, its greedy row with HF eager, and the bytes a decode call returns are counted
+(the B token ids; no logits).
+
 `--baseline DIR` measures another checkout of this package the same way (its port's [static]
 run only), e.g. main's before a change, into OUT-baseline.json; the report then shows the bytes
 per decode step before and after side by side.
@@ -56,6 +63,15 @@ from neuron_moe.model import build_model  # noqa: E402
 from neuron_moe.port import load_port  # noqa: E402
 from neuron_moe.static import XLA_LOWERED_OPS_FILE, graph_ops, xla_lowered_ops  # noqa: E402
 from neuron_moe.static.generator import StaticGenerator, generate_batches  # noqa: E402
+
+if _BASELINE is None:  # what a checkout before the serving graphs does not have
+    from torch.export.passes import move_to_device_pass
+
+    from neuron_moe.serve.runtime import Chunk, GraphRuntime
+    from neuron_moe.static.cache import share_state
+    from neuron_moe.static.decoder import Decode, Prefill, new_cache
+    from neuron_moe.static.export import example_inputs, export
+    from neuron_moe.static.sampling import CANDIDATES, GREEDY
 from neuron_moe.tokenizer import ByteTokenizer  # noqa: E402
 
 # The default prompts need the 56-token bucket; the short pair runs the 8-token one.
@@ -252,10 +268,106 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     return row, ops
 
 
+SERVING = "exported, the serving runtime: batched and chunked prefill, sampled and greedy rows"
+SERVING_TOKENS = 12  # tokens of the serving run's chunked greedy row
+
+
+def serving_runtime(xla: Xla | None, programs: dict, spec, bucket: int, hlo_dir):
+    """The programs behind the batching engine's runtime, on XLA (metered) or on the CPU (xla None),
+    their KV state one zeroed set; prefill calls routed by their row count, as NxD routes by shape."""
+    device = "cpu" if xla is None else xla.device
+    graphs = {name: (p if xla is None else move_to_device_pass(p, device)).module() for name, p in programs.items()}
+    share_state(graphs.values())
+    if xla is not None:
+        graphs = {name: Metered(xla, f"serving {name}", g, hlo_dir) for name, g in graphs.items()}
+
+    def on(graph):
+        return lambda *args: graph(*(a.to(device) for a in args))
+
+    def prefill(*args):
+        return on(graphs[f"prefill {args[0].shape[0]}x{bucket}"])(*args)
+
+    rows = spec.rows_for(spec.batch_size)
+    runtime = GraphRuntime(prefill, on(graphs["decode"]), batch=spec.batch_size, buckets=[bucket], prefill_rows=rows,
+                           chunk=bucket, max_length=spec.max_cache_len, logits=False, candidates=CANDIDATES)
+    return runtime, graphs
+
+
+def drive(runtime, long: list[int], short: list[int], draws: list[tuple], bucket: int, pad: int) -> dict:
+    """Row 0: `long` prefilled a chunk of `bucket` at a time, then greedy; row 1: `short`, sampled
+    (its i-th token from draws[i]). The first call prefills both rows at once; row 1 decodes
+    between row 0's chunks, and row 0 sits in the decode batch at its next chunk's position."""
+    draws = iter(draws)
+    tokens, _ = runtime.prefill([Chunk(long[:bucket], 0, 0, GREEDY), Chunk(short, 0, 1, next(draws))])
+    out, done = {0: [], 1: [int(tokens[1])]}, bucket
+    while len(out[0]) < SERVING_TOKENS:
+        if done < len(long):
+            piece = long[done:done + bucket]
+            tokens, _ = runtime.prefill([Chunk(piece, done, 0, GREEDY)])
+            done += len(piece)
+            if done == len(long):
+                out[0].append(int(tokens[0]))
+        generating = bool(out[0])
+        ids = torch.tensor([[out[0][-1] if generating else pad], [out[1][-1]]])
+        positions = torch.tensor([[len(long) + len(out[0]) - 1 if generating else done],
+                                  [len(short) + len(out[1]) - 1]])
+        tokens, _ = runtime.decode(ids, positions, torch.tensor([GREEDY, next(draws)]))
+        if generating:
+            out[0].append(int(tokens[0]))
+        out[1].append(int(tokens[1]))
+    return out
+
+
+def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
+    """The port's graphs as the batching engine calls them, on XLA and on the CPU with the same
+    inputs: (the report row, {graph name: op set})."""
+    spec = port.static
+    spec = dataclasses.replace(spec, prefill_rows=tuple(sorted({*spec.prefill_rows, 2})))  # two prompts in one call
+    bucket, rows = spec.buckets[0], spec.rows_for(spec.batch_size)
+    model = build_model(port, spec.decode_experts)
+    cache = new_cache(model, spec.max_cache_len, spec.batch_size)
+    start = time.perf_counter()
+    programs = {f"prefill {p}x{bucket}": export(Prefill(model, cache, spec.prefill_experts),
+                                                example_inputs(spec, bucket, p), f"prefill {p}x{bucket}") for p in rows}
+    programs["decode"] = export(Decode(model, cache, spec.decode_experts), example_inputs(spec, None), "decode")
+    export_s = time.perf_counter() - start
+
+    tokenizer = ByteTokenizer()
+    long, short = tokenizer.encode(PROMPTS[2])[:2 * bucket + 3], tokenizer.encode(PROMPTS[-1])[:bucket]
+    gen = torch.Generator().manual_seed(0)
+    settings = [(0.8, 0, 0.9), (1.0, 20, 1.0), (0.7, 0, 1.0)]  # top-p; top-k; temperature alone
+    draws = [(*settings[i % 3], float(torch.rand((), generator=gen))) for i in range(SERVING_TOKENS + 8)]
+    pad = port.config.pad_token_id or 0
+    reference = drive(serving_runtime(None, programs, spec, bucket, None)[0], long, short, draws, bucket, pad)
+    runtime, graphs = serving_runtime(xla, programs, spec, bucket, hlo_dir)
+    xla.moved()  # not the programs' own move to the device
+    start = time.perf_counter()
+    got = drive(runtime, long, short, draws, bucket, pad)
+    generate_s = time.perf_counter() - start
+    ids, mask = torch.tensor([long]), torch.ones(1, len(long), dtype=torch.long)
+    eager = greedy(build_model(port, "eager", torch.float32), ids, mask, SERVING_TOKENS).tokens[0].tolist()
+    summaries = [g.summary() for g in graphs.values()]
+    (decode,) = [g for g in summaries if g["graph"].endswith(" decode")]
+    diverged = next((i for i, (a, b) in enumerate(zip(got[0], eager)) if a != b), None)
+    row = {"run": SERVING, "exported": True, "prefill_experts": spec.prefill_experts,
+           "decode_experts": spec.decode_experts, "graphs": summaries, "other_compiles": 0, "export_s": export_s,
+           "generate_s": generate_s,
+           "generation_to_device_bytes_per_decode_call": decode["to_device_bytes_per_call"],
+           "generation_to_host_bytes_per_decode_call": decode["to_host_bytes_per_call"],
+           "decode_output_bytes_per_call": decode["outputs_bytes_per_call"], "decode_token_bytes": spec.batch_size * 8,
+           "prompts": {"chunked greedy row": len(long), "sampled row": len(short), "chunk": bucket},
+           "sampled_like_cpu": got == reference, "tokens": got,
+           "vs_cpu_fp32": {"all_match": diverged is None, "matched": int(diverged is None),
+                           "first_divergence": [diverged]}}
+    return row, {name: graph_ops(p) for name, p in programs.items()}
+
+
 def passed(row: dict) -> bool:
     clean = all(g["compiles_first_call"] <= 1 and g["compiles_later_calls"] == 0 and not g["aten_fallbacks"]
                 for g in row["graphs"])
     tokens = row["vs_cpu_int8"]["all_match"] if "vs_cpu_int8" in row else row["vs_cpu_fp32"]["all_match"]
+    if row["run"] == SERVING:  # and the sampled row as the CPU samples it, and a decode call returns its tokens only
+        tokens = tokens and row["sampled_like_cpu"] and row["decode_output_bytes_per_call"] == row["decode_token_bytes"]
     return clean and tokens
 
 
@@ -318,12 +430,23 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
                          f"{g['inputs_bytes_per_call']:.0f} / {g['outputs_bytes_per_call']:.0f} | "
                          f"{g['to_device_bytes_per_call']:.0f} / {g['to_host_bytes_per_call']:.0f} | "
                          f"{g['first_call_s']:.1f} | {later} |")
+        n = 1 if row["run"] == SERVING else len(PROMPTS)
         lines += ["", f"- SEQ_MATCH vs CPU fp32 reference (HF eager): **{fp32['all_match']}** "
-                      f"({fp32['matched']}/{len(PROMPTS)}; first divergence per prompt {fp32['first_divergence']})"]
+                      f"({fp32['matched']}/{n}; first divergence per prompt {fp32['first_divergence']})"]
         if "vs_cpu_int8" in row:
             q = row["vs_cpu_int8"]
             lines.append(f"- SEQ_MATCH vs the same int8 model on the CPU (HF, int8 experts): **{q['all_match']}** "
                          f"({q['matched']}/{len(PROMPTS)}; first divergence per prompt {q['first_divergence']})")
+        if row["run"] == SERVING:
+            p = row["prompts"]
+            lines += [f"- row 0: a {p['chunked greedy row']}-token prompt prefilled in chunks of {p['chunk']} between "
+                      f"decode steps, then greedy (the SEQ_MATCH line above is its tokens vs HF eager); row 1: a "
+                      f"{p['sampled row']}-token prompt prefilled beside row 0's first chunk in one call, then sampled "
+                      "in the graphs (top-p 0.9, top-k 20, temperature alone, in turn, each token its own draw)",
+                      f"- every token equal to the same programs' on the CPU given the same inputs: "
+                      f"**{row['sampled_like_cpu']}**",
+                      f"- a decode call returns **{row['decode_output_bytes_per_call']:.0f} bytes**: the "
+                      f"{row['decode_token_bytes'] // 8} token ids (int64), no logits"]
         export = "" if row["export_s"] is None else f"export {row['export_s']:.0f} s, "
         lines += [f"- bytes the whole generation moved, per decode call: host→device "
                   f"{row['generation_to_device_bytes_per_decode_call']:.0f}, device→host "
@@ -394,14 +517,19 @@ def main(argv=None) -> int:
     hlo_dir = Path(args.hlo) if args.hlo and not args.baseline else None
 
     rows, ops = [], {}
-    for run in RUNS[:1] if args.baseline else RUNS:
-        print(f"== {run.name}", flush=True)
-        row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir,
-                                 baseline=bool(args.baseline))
+    for run in RUNS[:1] if args.baseline else (*RUNS, None):
+        print(f"== {run.name if run else SERVING}", flush=True)
+        if run is None:
+            row, run_ops = check_serving(xla, port, hlo_dir)
+            tag = "serving"
+        else:
+            row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir,
+                                     baseline=bool(args.baseline))
+            tag = f"{run.prefill}/{run.decode}"
         row["passed"] = passed(row)
         rows.append(row)
         for graph, names in run_ops.items():
-            ops[f"{run.prefill}/{run.decode} {graph}"] = (names, row["passed"])
+            ops[f"{tag} {graph}"] = (names, row["passed"])
         print(report.table(row["graphs"], [("graph", "graph"), ("calls", "calls"),
                                            ("compiles_first_call", "compiles 1st"),
                                            ("compiles_later_calls", "compiles later"),

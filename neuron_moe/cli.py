@@ -127,10 +127,10 @@ def cmd_trace_and_compile(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    try:  # the `serve` extra (uvicorn, fastapi): imported here so that the other commands run without it
+    try:  # the `serve` extra (uvicorn, fastapi, prometheus-client): imported here, not for the other commands
         from .serve.server import run
     except ModuleNotFoundError as e:
-        if e.name in ("fastapi", "uvicorn", "starlette", "pydantic"):
+        if e.name in ("fastapi", "uvicorn", "starlette", "pydantic", "prometheus_client"):
             raise UserError(f"neuron-moe serve needs {e.name!r}: pip install 'neuron-moe[serve]'") from None
         raise
     return run(args)

@@ -330,8 +330,8 @@ def parser() -> argparse.ArgumentParser:
                                                                    "bytes read per token, in (0, 100]")
     p.add_argument("--rank", type=_count, metavar="R", help="with --reader: recovery rank, 0 = off (default: the sidecar's)")
     p.add_argument("--with-logits", action="store_true",
-                   help="graphs that also return the fp32 logits (validation, host-side sampling: vocab x 4 bytes "
-                        "per row and step to the host); default: the greedy token alone")
+                   help="graphs that also return the fp32 logits (validation: vocab x 4 bytes per row and step "
+                        "to the host); default: the token each graph chose (greedy or sampled in the graph) alone")
     p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, SSE streaming)",
@@ -367,6 +367,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, metavar="B",
                    help="--backend static: rows of the graphs' batch, the requests generating at once "
                         "(default: the port's [static] batch_size)")
+    p.add_argument("--prefill-rows", type=_positive_int, nargs="+", metavar="P",
+                   help="--backend static: the prompts one prefill call takes, one graph per count (e.g. 1 4; "
+                        "default: the port's [static] prefill_rows)")
+    p.add_argument("--prefill-chunk", type=_positive_int, metavar="N",
+                   help="--backend static: a prompt longer than N tokens is prefilled N at a time, between decode "
+                        "steps; one of the buckets (default: the port's [static] prefill_chunk)")
     p.add_argument("--max-running", type=_positive_int, metavar="N",
                    help="per-request backends: requests generating at once (default: 1); the batching "
                         "backends run one request per row")

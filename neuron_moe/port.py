@@ -52,6 +52,17 @@ class StaticSpec:
     prefill_experts: str  # experts implementation of the prefill graphs
     decode_experts: str  # experts implementation of the decode graph
     expert_layout: str = DEFAULT_EXPERT_LAYOUT  # how the TP graphs split the experts (parallel/layout.py)
+    prefill_rows: tuple[int, ...] = (1,)  # prompts one prefill graph takes at once (at most the batch: `rows_for`)
+    prefill_chunk: int | None = None  # the longest piece of a prompt a prefill call takes (a bucket; None: the largest)
+
+    def rows_for(self, batch: int) -> tuple[int, ...]:
+        """The prefill row counts of graphs over a cache of `batch` rows (none larger than it)."""
+        return tuple(sorted({min(p, batch) for p in self.prefill_rows}))
+
+    @property
+    def chunk(self) -> int:
+        """The prefill chunk: the table's (one of the buckets), else the largest bucket."""
+        return self.prefill_chunk if self.prefill_chunk in self.buckets else self.buckets[-1]
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,8 @@ def _table(raw: dict, name: str, where: str) -> dict:
 # (Not every registered implementation qualifies: HF's eager loop has data-dependent shapes.)
 GRAPH_EXPERTS = ("dense_masked", "selective")
 
-_STATIC_FIELDS = {"buckets", "max_cache_len", "batch_size", "prefill_experts", "decode_experts", "expert_layout"}
+_STATIC_FIELDS = {"buckets", "max_cache_len", "batch_size", "prefill_experts", "decode_experts", "expert_layout",
+                  "prefill_rows", "prefill_chunk"}
 
 
 def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpec:
@@ -176,7 +188,16 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
     expert_layout = _typed(table, "expert_layout", str, where) if "expert_layout" in table else DEFAULT_EXPERT_LAYOUT
     if expert_layout not in EXPERT_LAYOUTS:
         raise PortError(f"{where}: expert_layout {expert_layout!r} is not one of {list(EXPERT_LAYOUTS)}")
-    return StaticSpec(tuple(buckets), max_cache_len, batch_size, **experts, expert_layout=expert_layout)
+    rows = _typed(table, "prefill_rows", list, where) if "prefill_rows" in table else [1]
+    if not 0 < len(rows) <= MAX_BUCKETS or not all(type(p) is int and 1 <= p <= MAX_BATCH for p in rows) \
+            or rows != sorted(set(rows)):
+        raise PortError(f"{where}: prefill_rows must be a strictly increasing list of 1 to {MAX_BUCKETS} row counts "
+                        f"in [1, {MAX_BATCH}], got {rows}")
+    chunk = _typed(table, "prefill_chunk", int, where) if "prefill_chunk" in table else buckets[-1]
+    if chunk not in buckets:
+        raise PortError(f"{where}: prefill_chunk {chunk} is not one of the buckets {buckets}")
+    return StaticSpec(tuple(buckets), max_cache_len, batch_size, **experts, expert_layout=expert_layout,
+                      prefill_rows=tuple(rows), prefill_chunk=chunk)
 
 
 def with_shapes(port: Port, *, batch_size: int | None = None, seq_len: int | None = None,

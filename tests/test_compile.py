@@ -28,8 +28,10 @@ from conftest import expert_reads, random_prompts
 
 @pytest.fixture(scope="module")
 def one_bucket_port(tiny_port):
-    """The tiny port with one prefill bucket: two keys to export instead of three."""
-    return dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(16,)))
+    """The tiny port with one prefill bucket and one-prompt prefill graphs: two keys to export
+    instead of five (test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket: the others)."""
+    return dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(16,),
+                                                                     prefill_rows=(1,), prefill_chunk=16))
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def artifact(tmp_path_factory, one_bucket_port):
 def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     manifest, out = artifact
     assert na.read_manifest(out) == {k: v for k, v in manifest.items() if k != "out"}
-    assert manifest["keys"].keys() == {"context_encoding_16", "token_generation"}
+    assert manifest["keys"].keys() == {"context_encoding_1x16", "token_generation"}
     assert (manifest["port"], manifest["tp"], manifest["buckets"], manifest["max_length"], manifest["expert_layout"]) == \
         (one_bucket_port.name, 2, [16], 96, "channel")
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
@@ -57,15 +59,17 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == na.FORMAT == 4 and manifest["logits"] is False
+    assert manifest["format"] == na.FORMAT == 5 and manifest["logits"] is False
+    assert (manifest["prefill_rows"], manifest["prefill_chunk"], manifest["candidates"]) == ([1], 16, 256)
     # the tokenizer travels with the graphs: its files copied, named and digested (the server reads no other)
     tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
     assert manifest["tokenizer"] == {"kind": "checkpoint", "files": tokenizer}
     for name in tokenizer:
         assert (out / name).read_bytes() == (one_bucket_port.checkpoint / name.split("/")[1]).read_bytes()
-    assert manifest["keys"]["context_encoding_16"]["inputs"] == {
-        "input_ids": [1, 16], "attention_mask": [1, 16], "position_ids": [1, 16], "row_ids": [1]}
-    assert manifest["keys"]["token_generation"]["inputs"] == {"input_ids": [2, 1], "position_ids": [2, 1]}
+    assert manifest["keys"]["context_encoding_1x16"]["inputs"] == {
+        "input_ids": [1, 16], "attention_mask": [1, 16], "position_ids": [1, 16], "row_ids": [1], "sampling": [1, 4]}
+    assert manifest["keys"]["token_generation"]["inputs"] == {"input_ids": [2, 1], "position_ids": [2, 1],
+                                                              "sampling": [2, 4]}
     assert [k["outputs"] for k in manifest["keys"].values()] == [{"token": [1, 1]}, {"token": [2, 1]}]
     state = manifest["state"]
     assert list(state) == [f"cache.{kv}{i}" for i in range(4) for kv in "kv"]
@@ -75,7 +79,7 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
 
 def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
     _, out = artifact
-    for key in ("context_encoding_16", "token_generation"):
+    for key in ("context_encoding_1x16", "token_generation"):
         program = torch.export.load(out / na.GRAPHS.format(key=key))
         sig = program.graph_signature
         assert sorted(sig.buffers_to_mutate.values()) == sorted(f"cache.{kv}{i}" for i in range(4) for kv in "kv")
@@ -85,7 +89,7 @@ def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
 def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
     """The written programs and shards, loaded back, generate the reference tokens at TP 2."""
     _, out = artifact
-    programs = {"a/prefill 16": torch.export.load(out / na.GRAPHS.format(key="context_encoding_16")),
+    programs = {"a/prefill 16": torch.export.load(out / na.GRAPHS.format(key="context_encoding_1x16")),
                 "a/decode": torch.export.load(out / na.GRAPHS.format(key="token_generation"))}
     shards = [load_file(out / na.WEIGHTS.format(rank=r)) for r in range(2)]
     ids, mask = left_pad(random_prompts(one_bucket_port.config.vocab_size, [11, 5], seed=3), 0)
@@ -178,14 +182,26 @@ def test_every_file_of_an_artifact_gets_the_mode_open_would_give(one_bucket_port
     assert stat.S_IMODE(out.stat().st_mode) == 0o750
 
 
+def test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket(tiny_port, tmp_path):
+    """Prefill graphs of 1 and 4 prompts (the tiny port's prefill_rows), cut to its batch of 2."""
+    port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, prefill_rows=(1, 4)))
+    manifest = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, export=False)
+    assert list(manifest["keys"]) == ["context_encoding_1x8", "context_encoding_1x56", "context_encoding_2x8",
+                                      "context_encoding_2x56", "token_generation"]
+    assert manifest["prefill_rows"] == [1, 2] and manifest["keys"]["context_encoding_2x56"]["inputs"] == {
+        "input_ids": [2, 56], "attention_mask": [2, 56], "position_ids": [2, 56], "row_ids": [2], "sampling": [2, 4]}
+    assert manifest["keys"]["context_encoding_2x56"]["outputs"] == {"token": [2, 1]}
+    assert na.read_manifest(tmp_path / "art")["prefill_chunk"] == tiny_port.static.chunk
+
+
 def test_full_size_port_dry_run_on_meta(tmp_path):
     """Shapes only (exporting 30 layers on the meta device takes minutes: the CLI does it, not this test)."""
     out = tmp_path / "big"
     report = nc.trace_and_compile(load_port("gemma4-26b-a4b"), "int8", 8, out, dry_run=True, export=False)
     assert not report["weights"] and not report["keys"]["token_generation"]["exported"]
     manifest = na.read_manifest(out)
-    assert manifest["keys"].keys() == {"context_encoding_128", "context_encoding_512", "context_encoding_2048",
-                                       "token_generation"}
+    assert manifest["keys"].keys() == {"context_encoding_1x128", "context_encoding_1x512", "context_encoding_1x2048",
+                                       "token_generation"}  # batch_size 1: one-prompt prefill graphs only
     plan = json.loads((out / na.SHARD_PLAN).read_text())
     down = plan["model.layers.5.experts.down_proj.weight"]  # every expert's 704 channels over 8 ranks, int8
     assert (down["full_shape"], down["rank_shape"], down["dtype"]) == ([128, 704, 2816], [128, 88, 2816], "int8")
@@ -289,10 +305,10 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
         serialize_path.mkdir(), shard_checkpoint(builder, serialize_path)))
     report = nc.trace_and_compile(one_bucket_port, "int8", 2, tmp_path / "out", dry_run=False)
 
-    assert seen["tp"] == 2 and list(seen["keys"]) == ["context_encoding_16", "token_generation"]
+    assert seen["tp"] == 2 and list(seen["keys"]) == ["context_encoding_1x16", "token_generation"]
     (_, [prefill]), (_, [decode]) = seen["keys"].values()
-    assert [tuple(x.shape) for x in prefill] == [(1, 16)] * 3 + [(1,)]  # one prompt, into the row it names
-    assert [tuple(x.shape) for x in decode] == [(2, 1), (2, 1)]  # ids and positions: no cache, no mask
+    assert [tuple(x.shape) for x in prefill] == [(1, 16)] * 3 + [(1,), (1, 4)]  # a prompt, its row, its sampling
+    assert [tuple(x.shape) for x in decode] == [(2, 1), (2, 1), (2, 4)]  # ids, positions, sampling: no cache, no mask
     module = rank_model(one_bucket_port.config, 2, cpu, int8=True, device="meta")
     graph = nc._graph(module, one_bucket_port.static, "token_generation", new_cache(module, 96, 2), False)
     assert seen["checkpoint"].keys() == graph.state_dict().keys()  # weights only: the state is not in it
@@ -343,7 +359,7 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
 
     stand_ins = {f"neuronx_distributed.trace.model_builder.{c.__name__}": c for c in (ModelBuilder, BaseModelInstance)}
     monkeypatch.setattr(nxd, "_nxd", stand_ins.__getitem__)
-    spec = one_bucket_port.static
+    spec = dataclasses.replace(one_bucket_port.static, prefill_rows=(1, 2))  # a key of 2 prompts too
 
     full = layout.parallel_state_dict(tiny_eager.state_dict(), tiny_eager.config, 1)
 
@@ -354,7 +370,7 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
             return nc._graph(model, spec, key, new_cache(model, 96, 2, aliased=True), False)
         return build
 
-    keys = {k: (factory(k), [nc._example(spec, k)]) for k in na.key_names(spec.buckets)}
+    keys = {k: (factory(k), [nc._example(spec, k)]) for k in na.key_names(spec.buckets, spec.prefill_rows)}
     _, traced = nxd.trace_keys(keys, checkpoint_loader=dict, tp=1, workdir="unused")
     names = []
     for key, (module, aliases, outputs) in traced.items():
@@ -365,10 +381,12 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
         for name, index in aliased.items():
             assert outputs[index].shape == state[name].shape
         names.append(list(aliased))
-        if key == "context_encoding_16":
+        if key == "context_encoding_1x16":
             k0 = outputs[aliased["cache.k0"]]  # layer 0's K of the prompt, in row 0 only
             assert k0[0].abs().sum() > 0 and not k0[1].any()
-    assert names[0] == names[1]
+        if key == "context_encoding_2x16":
+            assert outputs[aliased["cache.k0"]].abs().sum((1, 2, 3)).gt(0).tolist() == [True, True]  # both rows
+    assert names[0] == names[1] == names[2]
 
 
 # ---- the graphs' shapes as flags over the port's [static], checked by the planner before any work ------------
@@ -377,7 +395,8 @@ def test_shape_flags_override_the_ports_static_table(tiny_port, tmp_path):
     port = with_shapes(tiny_port, batch_size=3, seq_len=64, buckets=(16, 32))
     manifest = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, export=False)
     assert (manifest["batch_size"], manifest["max_length"], manifest["buckets"]) == (3, 64, [16, 32])
-    assert list(manifest["keys"]) == ["context_encoding_16", "context_encoding_32", "token_generation"]
+    assert list(manifest["keys"]) == ["context_encoding_1x16", "context_encoding_1x32", "context_encoding_3x16",
+                                      "context_encoding_3x32", "token_generation"]  # prefill_rows [1, 4] cut to 3
     assert manifest["keys"]["token_generation"]["inputs"]["input_ids"] == [3, 1]
     assert manifest["state"]["cache.k1"]["shape"][:3:2] == [3, 64]  # 3 rows, every one of the 64 positions
     assert with_shapes(tiny_port) is tiny_port  # no flag: the table as it is

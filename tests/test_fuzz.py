@@ -70,28 +70,70 @@ valid_text = st.text(max_size=16)  # any code point but lone surrogates
 parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": valid_text}), max_size=2)
 message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant"]),
                                  "content": valid_text | parts})
+# a number of the wrong JSON type: refused, never coerced
+wrong_types = st.sampled_from(["0.5", "1", True, False, [], {}, [1]])
 OPTIONAL = {
-    "max_completion_tokens": st.integers(1, 3),  # small: a request that succeeds is a few decode steps
-    "temperature": st.floats(0, 2) | st.sampled_from([0.0, 1e-300, 5e-324, 2.0]),
-    "top_p": st.floats(0, 1, exclude_min=True) | st.sampled_from([5e-324, 1.0]),
-    "stream": st.booleans(),
-    "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "max_completion_tokens": st.integers(1, 3) | st.none(),  # small: a request that succeeds is a few decode steps
+    "temperature": st.floats(0, 2) | st.sampled_from([0.0, 1e-300, 5e-324, 2.0, None]),
+    "top_p": st.floats(0, 1) | st.sampled_from([5e-324, 1.0, 0, None]),
+    "top_k": st.none() | st.integers(-1, 300) | st.sampled_from([1, 256, 257, 2048, 10**6]),
+    "stream": st.booleans() | st.none(),
+    "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans() | st.none()}),
     "stop": st.none() | st.text(min_size=1, max_size=6) | st.lists(st.text(min_size=1, max_size=6), max_size=4),
     "seed": st.none() | st.integers(-(2**63), 2**64 - 1),
-    "n": st.just(1),
-    "best_of": st.none() | st.just(1),
-    "echo": st.just(False),
-    "logprobs": st.none() | st.just(False) | st.just(0),
-    "tools": st.none() | st.just([]),
+    "n": st.sampled_from([1, None, 2]),
+    "best_of": st.sampled_from([None, 1, 2]),
+    "echo": st.sampled_from([None, False, True]),
+    "logprobs": st.sampled_from([None, False, True, 0, 3]),
+    "top_logprobs": st.sampled_from([None, 0, 5, 20]),
+    "presence_penalty": st.sampled_from([None, 0, 0.0, -2.0, 0.5, 2.0]) | st.floats(-2, 2),
+    "frequency_penalty": st.sampled_from([None, 0, 0.0, 1.0, -0.1]),
+    "logit_bias": st.none() | st.dictionaries(st.integers(0, 3000).map(str), st.integers(-100, 100), max_size=3),
+    "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]),
+    "suffix": st.sampled_from([None, "", "tail"]),
+    "tools": st.none() | st.just([]) | st.just([{"type": "function", "function": {"name": "f"}}]),
+    "tool_choice": st.sampled_from([None, "none", "auto", "required"]),
+    "functions": st.sampled_from([None, [], [{"name": "f"}]]),
+    "function_call": st.sampled_from([None, "none", "auto", {"name": "f"}]),
+    "modalities": st.sampled_from([None, ["text"], ["text", "audio"]]),
+    "min_p": st.sampled_from([0, 0.0, 0.05]),  # vLLM's extras, sent through extra_body
+    "repetition_penalty": st.sampled_from([1, 1.0, 1.3]),
+    "ignore_eos": st.booleans(),
     "user": valid_text,  # not ours: ignored
 }
+
+# What a request may set only to null or these (the server does not do anything else with them).
+# Written here from OpenAI's and vLLM's documentation, not from the server's own table: a 200 for
+# any other value is an accepted-and-ignored field.
+IGNORABLE = {"n": [1], "best_of": [1], "echo": [False], "logprobs": [False], "top_logprobs": [],
+             "presence_penalty": [0], "frequency_penalty": [0], "logit_bias": [{}], "suffix": [""],
+             "response_format": [{"type": "text"}], "tools": [[]], "tool_choice": ["none", "auto"],
+             "functions": [[]], "function_call": ["none", "auto"], "modalities": [["text"]],
+             "min_p": [0], "repetition_penalty": [1], "ignore_eos": [False]}
+
+
+def same_json(a, b) -> bool:
+    """Equal as JSON values: 1 and 1.0 alike, but never a boolean and a number."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def ignored_fields(body) -> list[str]:
+    """The fields of a body that ask for something this server does not do."""
+    if not isinstance(body, dict):
+        return []
+    return [k for k, allowed in IGNORABLE.items()
+            if body.get(k) is not None and not any(same_json(body[k], v) for v in allowed)]
 
 
 def requests(required: dict):
     valid = st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens": st.integers(1, 3), **required},
                                   optional=OPTIONAL)
     fields = sorted({"model", "max_tokens", *required, *OPTIONAL})
-    broken = st.tuples(valid, st.sampled_from(fields), json_values | st.sampled_from(
+    broken = st.tuples(valid, st.sampled_from(fields), json_values | wrong_types | st.sampled_from(
         [0, -1, 600, 2**63, 10**30, 1e308, "\ud800", "", [], {}])).map(lambda t: {**t[0], t[1]: t[2]})
     return st.one_of(valid, valid, broken, json_values)
 
@@ -100,12 +142,19 @@ chat_requests = requests({"messages": st.lists(message, min_size=1, max_size=3)}
 completion_requests = requests({"prompt": valid_text | st.lists(valid_text, min_size=1, max_size=1)})
 
 
-@pytest.fixture(scope="module")
-def url(tiny_port):
-    engine = load_engine(tiny_port, "eager")
-    with serving(create_app(lambda: engine, model_name=MODEL, max_running=1, max_queue=4)) as base:
-        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, what="the model to be ready")
-        yield base
+@pytest.fixture(scope="module", params=["eager", "static"])
+def url(request, tiny_port):
+    """A server over transformers' model (sampling on the host) and over the static graphs (the
+    batching engine, sampling in the graphs)."""
+    engine = load_engine(tiny_port, request.param)
+    rows = {} if engine.rows else {"max_running": 1}
+    try:
+        with serving(create_app(lambda: engine, model_name=MODEL, max_queue=4, **rows)) as base:
+            wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, what="the model to be ready")
+            yield base
+    finally:
+        if engine.rows:
+            engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +173,9 @@ def check_answer(r: httpx.Response, body, chat: bool) -> None:
     if r.status_code != 200:
         error = r.json()["error"]
         assert set(error) == ERROR_KEYS and isinstance(error["message"], str) and error["message"], r.text
+        assert "Traceback" not in error["message"], r.text
         return
+    assert not ignored_fields(body), f"accepted and ignored: {ignored_fields(body)} in {body}"
     if r.headers["content-type"].startswith("text/event-stream"):
         events = sse_events(r.text.splitlines())
         assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), (body, events)
@@ -152,6 +203,21 @@ def test_fuzz_completion_requests(http, body, raw):
     if raw is not None:  # not JSON at all, or not UTF-8
         check_answer(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
                      raw, chat=False)
+
+
+@settings(max_examples=60, **FUZZ)
+@given(field=st.sampled_from(sorted(IGNORABLE)), data=st.data(), chat=st.booleans())
+def test_fuzz_one_unsupported_field_is_refused_by_name_or_is_its_default(http, field, data, chat):
+    """A plain request with one field this server does not implement, set to anything its strategy
+    draws (defaults, nulls, real values, wrong types): a 200 only for null or the default, else a
+    400 that names the field."""
+    value = data.draw(OPTIONAL[field] | wrong_types, label=field)
+    body = {"model": MODEL, "max_tokens": 1, field: value,
+            **({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"})}
+    r = post(http, "/v1/chat/completions" if chat else "/v1/completions", body)
+    check_answer(r, body, chat)
+    if ignored_fields(body):
+        assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == field, (body, r.text)
 
 
 # ---- the files a user can pass ----------------------------------------------------------------------------
@@ -300,7 +366,8 @@ def test_fuzz_sidecar_metadata(small_sidecar, tmp_path, edits):
 
 
 ARTIFACT = {"format": na.FORMAT, "port": MODEL, "dtype": "bf16", "tp": 1, "expert_layout": "channel",
-            "buckets": [64], "max_length": 128, "batch_size": 1, "dry_run": False, "logits": False,
+            "buckets": [64], "max_length": 128, "batch_size": 1, "prefill_rows": [1], "prefill_chunk": 64,
+            "candidates": 256, "dry_run": False, "logits": False,
             "tokenizer": {"kind": "checkpoint", "files": ["tokenizer/tokenizer.json"]},
             "files": {"tokenizer/tokenizer.json": {"size": 3, "sha256": "0" * 64}}}
 PUBLICATION = {"format": s3.FORMAT, "run": "r1", "files": [{"path": "model.pt", "key": "runs/r1/model.pt", "size": 3,

@@ -126,6 +126,7 @@ def test_no_kv_bytes_cross_the_host_per_decode_step(big):
     rows = {row["what"].split(" [")[0].split(" (")[0]: row for row in r["host_per_step"]}
     assert rows["KV cache"]["bytes"] == 0
     assert rows["input_ids + position_ids"]["bytes"] == 2 * 4 * 8 and rows["token"]["bytes"] == 4 * 8
+    assert rows["sampling"]["bytes"] == 4 * 4 * 4  # the graphs choose the token: no logits for sampled requests
     assert rows["logits"]["bytes"] == 4 * 262144 * 4 and "--with-logits" in rows["logits"]["what"]
 
 

@@ -123,11 +123,12 @@ def test_tp2_artifact_is_the_per_rank_reader_emulated(tiny_port, tiny_eager, sha
     """A `trace-and-compile --reader` dry-run artifact at TP 2 (its rank-0 graphs and per-rank weights,
     loaded back and run on 2 gloo ranks) = the per-rank reader emulated in one process
     (`attach_reader(..., tp=2)`, what eval-reader measures), token for token."""
-    port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(8,)))
+    port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(8,), prefill_rows=(1,),
+                                                                     prefill_chunk=8))
     out = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, logits=True,
                                reader={"sidecar": shards, "budget": BUDGET, "rank": RANK})
     programs = {f"a/{name}": torch.export.load(tmp_path / "art" / na.GRAPHS.format(key=key))
-                for name, key in (("prefill 8", "context_encoding_8"), ("decode", "token_generation"))}
+                for name, key in (("prefill 8", "context_encoding_1x8"), ("decode", "token_generation"))}
     weights = [load_file(tmp_path / "art" / na.WEIGHTS.format(rank=r)) for r in range(2)]
     tokens, logits = run_replicated(programs, {k: weights for k in programs}, generation_job,
                                     [("a", 2, 0, [(*prompts, NEW_TOKENS)])])[0]["a"]
@@ -143,7 +144,7 @@ def test_tp2_artifact_is_the_per_rank_reader_emulated(tiny_port, tiny_eager, sha
     assert data_dependent_ops(decode) == []
     sig = decode.graph_signature
     cache = {s.target for s in sig.input_specs if (s.target or "").startswith("cache.")}
-    assert cache and set(sig.buffers_to_mutate.values()) == cache and len(sig.user_inputs) == 2
+    assert cache and set(sig.buffers_to_mutate.values()) == cache and len(sig.user_inputs) == 3  # ids, positions, sampling
     assert _reads(decode, "experts.reader.codes") and not _reads(prefill, "experts.reader.codes")
     # every rank's weights hold its own shard
     for r in range(2):

@@ -10,7 +10,7 @@ import torch
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import RequestError, SamplingParams
+from neuron_moe.serve.engine import Engine, HFBackend, RequestError, SamplingParams
 from neuron_moe.serve.runtime import static_runtime
 from neuron_moe.serve.scheduler import Scheduler
 
@@ -103,29 +103,36 @@ def test_a_failure_in_one_row_ends_that_request_only(engine):
 
 def test_a_graph_failure_ends_the_requests_it_ran_and_the_engine_goes_on(tiny_port, static_model):
     runtime = static_runtime(static_model, tiny_port.static, batch=2)
-    decode, calls = runtime.decode, []
+    decode, failed = runtime.decode, []
 
-    def failing_once(ids, positions):
-        calls.append(1)
-        if len(calls) == 3:
+    def failing_once(ids, positions, sampling):
+        if not failed and bool((positions > 0).all()):  # the first step of both rows
+            failed.append(positions[:, 0].tolist())
             raise RuntimeError("device fault")
-        return decode(ids, positions)
+        return decode(ids, positions, sampling)
 
     runtime.decode = failing_once
     engine = BatchEngine(runtime, IdTokenizer(), set())
     try:
         params = SamplingParams(6, temperature=0.0)
         sinks = serve_together(engine, [(PROMPTS[0], params), (PROMPTS[2], params)])
-        assert all("device fault" in str(s.error) and len(s.steps) == 3 for s in sinks)
+        # each ended with the fault, having had the tokens of the calls before it (the positions it had reached)
+        for sink, (prompt, _), at in zip(sinks, [(PROMPTS[0], 0), (PROMPTS[2], 0)], failed[0]):
+            assert "device fault" in str(sink.error) and len(sink.steps) == at - len(prompt) + 1
         assert len(list(engine.generate(PROMPTS[0], params))) == 6
     finally:
         engine.close()
 
 
 def test_limits_are_refused_before_anything_runs_and_the_cache_end_is_length(engine, tiny_eager):
-    assert engine.max_context == 97 and engine.max_prompt == 56  # max_cache_len 96, buckets [8, 56]
-    with pytest.raises(RequestError, match="the prompt is 57 tokens; this backend's largest prefill bucket holds 56"):
-        engine.max_tokens_for(57, 1)
+    assert engine.max_context == 97  # max_cache_len 96: a prompt past the largest bucket is chunked
+    assert engine.max_tokens_for(96, None) == 1  # a prompt past the largest bucket (56), up to the cache
+    with pytest.raises(RequestError, match="the prompt is 97 tokens; this model's context is 97 tokens") as e:
+        engine.max_tokens_for(97, None)
+    assert e.value.param == "prompt"
+    with pytest.raises(RequestError, match="top_k must be at most 256 .*got 257") as e:
+        engine.submit(PROMPTS[1], SamplingParams(4, temperature=1.0, top_k=257), Sink(engine))
+    assert e.value.param == "top_k"
     with pytest.raises(RequestError, match="exceeds it by 1") as e:
         engine.submit(PROMPTS[1], SamplingParams(97 - 56 + 1, temperature=0.0), Sink(engine))
     assert e.value.param == "max_tokens"
@@ -142,3 +149,95 @@ def test_a_batching_engine_sets_the_admission_to_its_rows():
     assert (scheduler.max_running, scheduler.executor) == (4, None)  # its step loop runs the jobs
     with pytest.raises(ValueError, match="runs its 4 rows at once; max_running \\(2\\) does not apply"):
         Scheduler(2, max_queue=3).open(types.SimpleNamespace(rows=4))
+
+
+class Calls:
+    """The runtime's calls in order: ("prefill", [(row, start, length), ...]) and ("decode", rows busy)."""
+
+    def __init__(self, runtime):
+        self.log, self.prefill, self.decode = [], runtime.prefill, runtime.decode
+        runtime.prefill, runtime.decode = self._prefill, self._decode
+
+    def _prefill(self, chunks):
+        self.log.append(("prefill", [(c.row, c.start, len(c.ids)) for c in chunks]))
+        return self.prefill(chunks)
+
+    def _decode(self, ids, positions, sampling):
+        self.log.append(("decode", None))
+        return self.decode(ids, positions, sampling)
+
+
+# 8 prompts, two of them longer than the largest bucket (56): chunked in any case
+EIGHT = random_prompts(2048, [5, 80, 14, 33, 9, 61, 22, 40], seed=33)
+EIGHT_TOKENS = [9, 12, 6, 11, 8, 10, 7, 12]
+
+
+@pytest.fixture(scope="module")
+def eight_rows(tiny_port, static_model):
+    """8 rows, prefill graphs of 1 and 4 prompts, chunks of 8 tokens: every prompt here but the
+    first is prefilled in pieces, several of them in each call."""
+    runtime = static_runtime(static_model, tiny_port.static, batch=8, prefill_rows=(1, 4), chunk=8)
+    calls = Calls(runtime)
+    engine = BatchEngine(runtime, IdTokenizer(), set())
+    yield engine, calls
+    engine.close()
+
+
+def test_greedy_beside_seven_others_with_batched_and_chunked_prefill_is_hf_eagers(eight_rows, tiny_eager):
+    engine, calls = eight_rows
+    requests = [(p, SamplingParams(n, temperature=0.0)) for p, n in zip(EIGHT, EIGHT_TOKENS)]
+    calls.log.clear()
+    together = serve_together(engine, requests)
+    log = list(calls.log)
+    for (prompt, params), sink in zip(requests, together):
+        reference = greedy(tiny_eager, *left_pad([prompt], 0), params.max_tokens).tokens[0].tolist()
+        assert sink.error is None and tokens_of(sink.steps) == reference, len(prompt)
+        assert list(engine.generate(prompt, params)) == sink.steps  # and alone
+    prefills = [chunks for kind, chunks in log if kind == "prefill"]
+    assert max(len(c) for c in prefills) == 4  # several prompts per call
+    assert sum(len(c) for c in prefills) == sum(-(-len(p) // 8) for p in EIGHT)  # every chunk once
+    # the 80-token prompt's ten chunks (starts 0, 8, ..., 72) run with decode steps of the rows
+    # already generating between them
+    long = [i for i, (kind, chunks) in enumerate(log) if kind == "prefill"
+            for row, start, n in chunks if start + n == 80 or (start > 0 and start % 8 == 0 and start < 72 and n == 8)]
+    assert len(long) >= 9 and sum(kind == "decode" for kind, _ in log[long[0]:long[-1]]) >= 5
+
+
+def test_chunked_prefill_is_the_unchunked_prefill(tiny_port, static_model, tiny_eager):
+    """The same prompts prefilled whole (chunk 56) and in pieces of 8: the same greedy tokens."""
+    prompts = random_prompts(2048, [56, 41, 17], seed=8)
+    out = {}
+    for chunk in (56, 8):
+        engine = BatchEngine(static_runtime(static_model, tiny_port.static, batch=4, prefill_rows=(1, 4), chunk=chunk),
+                             IdTokenizer(), set())
+        try:
+            out[chunk] = [s.steps for s in serve_together(engine, [(p, SamplingParams(10, temperature=0.0))
+                                                                   for p in prompts])]
+        finally:
+            engine.close()
+    assert out[8] == out[56]
+    assert [tokens_of(s) for s in out[8]] == [greedy(tiny_eager, *left_pad([p], 0), 10).tokens[0].tolist()
+                                              for p in prompts]
+
+
+def test_seeded_sampled_requests_are_the_same_alone_and_beside_seven_others(eight_rows):
+    engine, _ = eight_rows
+    sampled = [(EIGHT[i], SamplingParams(10, temperature=0.8, top_p=0.9, top_k=40 * (i % 2), seed=50 + i))
+               for i in range(4)]
+    greedy_rows = [(EIGHT[i], SamplingParams(EIGHT_TOKENS[i], temperature=0.0)) for i in range(4, 8)]
+    together = serve_together(engine, [*sampled, *greedy_rows])
+    for (prompt, params), sink in zip(sampled, together):
+        assert sink.error is None and sink.steps == list(engine.generate(prompt, params))
+    assert len({tuple(tokens_of(s.steps)) for s in together[:4]}) == 4
+
+
+def test_the_graphs_sample_what_the_host_samples_for_the_same_seed(eight_rows, tiny_eager):
+    """In the graphs (the batching engine) and on the host (the per-request engine over HF eager):
+    the same sampler, the same seeded draws, so the same tokens — where the graphs' cap does not
+    bite (a nucleus within their 256 candidates: top-p 0.6 here; the trained model's nucleus at
+    top-p 0.9 after a random prompt is wider, and is then cut: tests/test_sampling.py)."""
+    engine, _ = eight_rows
+    alone = Engine(HFBackend(tiny_eager), IdTokenizer(), tiny_eager.config.max_position_embeddings, set())
+    for i, (temperature, top_p, top_k) in enumerate([(1.0, 1.0, 0), (0.7, 0.6, 0), (1.2, 1.0, 30), (0.9, 0.8, 100)]):
+        params = SamplingParams(12, temperature=temperature, top_p=top_p, top_k=top_k, seed=900 + i)
+        assert tokens_of(engine.generate(EIGHT[2], params)) == tokens_of(alone.generate(EIGHT[2], params)), i

@@ -16,6 +16,7 @@ import openai
 import pytest
 import uvicorn
 from openai.types import Completion, Model
+from prometheus_client.parser import text_string_to_metric_families
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from neuron_moe.errors import UserError
@@ -233,7 +234,7 @@ def test_models_health_and_ping(url):
 
 @pytest.mark.parametrize("edit,param", [
     (dict(temperature=3.0), "temperature"),
-    (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
     (dict(n=2), "n"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=100_000), "max_tokens"),  # past the context (512 tokens; 97 for the static graphs)
@@ -254,13 +255,82 @@ def test_invalid_requests_are_400(url, edit, param):
     assert error["type"] == "invalid_request_error"
 
 
+# ---- sampling fields: OpenAI's schema and ranges, types refused, null the default, never ignored ---------
+
+REFUSED = [
+    ({"temperature": "0.5"}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"max_tokens": 8.0}, "max_tokens"),
+    ({"stream": 1}, "stream"), ({"seed": 1.5}, "seed"), ({"top_p": -0.1}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"top_k": 2.0}, "top_k"), ({"n": None, "best_of": 2}, "best_of"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"presence_penalty": "0"}, "presence_penalty"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -0.5}, "frequency_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.5}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias.a"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"logprobs": True}, "logprobs"), ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"), ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"modalities": ["text", "audio"]}, "modalities.1"), ({"audio": {"voice": "alloy"}}, "audio"),
+    ({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"ignore_eos": True}, "ignore_eos"),
+    ({"min_tokens": 4}, "min_tokens"), ({"stop_token_ids": [5]}, "stop_token_ids"), ({"echo": True}, "echo"),
+]
+
+
+@pytest.mark.parametrize("edit,param", REFUSED, ids=[param for _, param in REFUSED])
+def test_a_sampling_field_is_checked_and_refused_by_name_never_ignored(url, edit, param):
+    r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(chat_body(**edit)),
+                   headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, param=param)
+
+
+def test_null_or_the_default_of_every_field_is_the_default(url):
+    """What a client library sends when nothing is set: answered as if the fields were absent."""
+    defaults = dict(temperature=None, top_p=None, top_k=None, n=None, stream=None, seed=None, stop=None,
+                    presence_penalty=0, frequency_penalty=None, logit_bias={}, logprobs=False, top_logprobs=None,
+                    response_format={"type": "text"}, tools=[], tool_choice="none", functions=None, user="someone",
+                    modalities=["text"], stream_options=None, min_p=0, repetition_penalty=1.0, ignore_eos=False)
+    plain = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "seed": 3}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        answers = [http.post("/v1/chat/completions", json={**plain, **extra}).json() for extra in
+                   ({}, {**defaults, "seed": 3}, {"temperature": 1.0, "top_p": 1.0})]
+    texts = [a["choices"][0]["message"]["content"] for a in answers]
+    assert texts[0] == texts[1] == texts[2]  # null temperature and top_p: 1.0, sampled with the same seed
+
+
+def test_top_k_is_honoured(url, engine):
+    """top_k 1 is greedy whatever the temperature; past the static graphs' candidate width it is refused."""
+    with httpx.Client(base_url=url, timeout=60) as http:
+        greedy_text = http.post("/v1/chat/completions", json=chat_body()).json()["choices"][0]["message"]["content"]
+        for seed in (1, 2):
+            body = chat_body(temperature=2.0, top_k=1, seed=seed)
+            answer = http.post("/v1/chat/completions", json=body).json()
+            assert answer["choices"][0]["message"]["content"] == greedy_text
+        wide = http.post("/v1/chat/completions", json=chat_body(temperature=1.0, top_k=300, seed=1))
+    if engine.rows:
+        assert "at most 256" in assert_openai_error(wide, 400, param="top_k")["message"]
+    else:
+        assert wide.status_code == 200  # on the host every token is a candidate
+
+
+@pytest.mark.parametrize("edit,param", [({"logprobs": 0}, "logprobs"), ({"suffix": "end"}, "suffix"),
+                                        ({"echo": True}, "echo"), ({"best_of": 3}, "best_of")])
+def test_completions_fields_too(url, edit, param):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **edit}
+    assert_openai_error(httpx.post(f"{url}/v1/completions", json=body), 400, param=param)
+    fine = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "suffix": "", "echo": False, "best_of": 1,
+            "logprobs": None}
+    assert httpx.post(f"{url}/v1/completions", json=fine).status_code == 200
+
+
 def test_malformed_json_and_a_too_long_prompt_are_400(url, engine):
     r = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert "not valid JSON" in assert_openai_error(r, 400)["message"]
     long = {"model": MODEL, "prompt": "x" * 600, "max_tokens": 1}
     n = len(engine.tokenizer.encode(long["prompt"]))
-    # the static graphs' limit is their largest prefill bucket, and the message names both numbers
-    limit = f"largest prefill bucket holds {engine.max_prompt}" if engine.rows else "context is 512 tokens"
+    # the limit is the context: 512 tokens, the static graphs' 97 (a prompt past a bucket is chunked)
+    limit = f"context is {engine.max_context} tokens"
     message = assert_openai_error(httpx.post(f"{url}/v1/completions", json=long), 400, param="prompt")["message"]
     assert f"the prompt is {n} tokens" in message and limit in message
     with pytest.raises(openai.BadRequestError) as e:
@@ -285,6 +355,64 @@ def test_api_key(engine):
         assert_openai_error(r, 401, code="invalid_api_key")
         assert r.headers["www-authenticate"] == "Bearer"
         assert client(url, key="secret").chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
+
+
+# ---- /metrics --------------------------------------------------------------------------------------------
+
+def scrape(url) -> dict:
+    """/metrics parsed by prometheus_client's own parser: {(sample name, labels): value}."""
+    r = httpx.get(f"{url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples
+            if s.labels.get("model_name") == MODEL}
+
+
+def test_metrics_count_the_requests_and_tokens_sent(engine):
+    """A load of 9 requests (streamed and not, chat and completions, greedy and sampled, one cut short
+    by max_tokens): every counter is what the responses' usage says; the batching engine's calls add
+    up (each request's first token from a prefill call, every other token from a decode step)."""
+    with serving(make_app(engine, max_queue=16)) as base:
+        url = ready(base)
+        before = scrape(url)
+        assert before[("vllm:num_requests_running", ())] == before[("vllm:num_requests_waiting", ())] == 0
+        usages = []
+
+        async def one(i):
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                body = chat_body(max_tokens=3 + i % 4, temperature=0.7 * (i % 2), seed=i)
+                if i % 3 == 0:
+                    r = await http.post("/v1/completions", json={**body, "prompt": f"Hi {i}", "messages": None})
+                    usages.append(r.json()["usage"])
+                elif i % 3 == 1:
+                    async with http.stream("POST", "/v1/chat/completions", json={
+                            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                        usages.append(sse_events([line async for line in r.aiter_lines()])[-2]["usage"])
+                else:
+                    usages.append((await http.post("/v1/chat/completions", json=body)).json()["usage"])
+
+        async def load():
+            await asyncio.gather(*(one(i) for i in range(9)))
+
+        asyncio.run(load())
+        after = scrape(url)
+    got = {k: v - before.get(k, 0) for k, v in after.items()}
+    finished = sum(got[("vllm:request_success_total", (("finished_reason", r),))] for r in ("stop", "length"))
+    assert finished == 9 and got[("vllm:request_success_total", (("finished_reason", "abort"),))] == 0
+    assert got[("vllm:prompt_tokens_total", ())] == sum(u["prompt_tokens"] for u in usages)
+    generated = sum(u["completion_tokens"] for u in usages)
+    assert got[("vllm:generation_tokens_total", ())] == generated
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert got[(f"{name}_count", ())] == 9 and got[(f"{name}_sum", ())] > 0
+    assert got[("vllm:time_per_output_token_seconds_count", ())] == generated - 9  # every token but the first
+    assert after[("vllm:num_requests_running", ())] == after[("vllm:num_requests_waiting", ())] == 0
+    if engine.rows:  # every chunk of every prompt once, several to a call
+        chunks = sum(-(-u["prompt_tokens"] // engine.runtime.chunk) for u in usages)
+        assert got[("neuron_moe:prefill_rows_total", ())] == chunks
+        assert chunks / engine.runtime.prefill_rows[-1] <= got[("neuron_moe:prefill_calls_total", ())] <= chunks
+        assert got[("neuron_moe:decode_rows_total", ())] == generated - 9
+        assert got[("neuron_moe:decode_calls_total", ())] >= (generated - 9) / engine.rows
+        assert after[("neuron_moe:batch_rows", ())] == engine.rows and after[("neuron_moe:batch_rows_in_use", ())] == 0
 
 
 # ---- load, overload, disconnects, failures ------------------------------------------------------------
@@ -577,7 +705,7 @@ def test_health_answers_while_a_prompt_is_tokenized(engine):
 def test_a_prompt_longer_than_the_context_could_hold_is_refused_untokenized(engine):
     counting = copy.copy(engine)
     counting.tokenizer = SlowTokenizer(engine.tokenizer, 0.0)
-    longest = engine.max_prompt or engine.max_context  # a static engine's largest bucket, else the context
+    longest = engine.max_context
     n_bytes = longest * engine.tokenizer.max_token_bytes + 1  # more than any prompt it takes can be
     with serving(make_app(counting)) as url:
         ready(url)

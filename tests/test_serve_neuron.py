@@ -35,7 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _manifest(**fields):
     return json.dumps(dict({"format": FORMAT, "dtype": "bf16", "batch_size": 2, "dry_run": False,
-                            "expert_layout": "channel", "logits": False,
+                            "expert_layout": "channel", "logits": False, "prefill_rows": [1, 2],
+                            "prefill_chunk": fields.get("buckets", [16])[0], "candidates": 256,
                             "tokenizer": {"kind": "checkpoint", "files": []}, "files": {}}, **fields))
 
 
@@ -43,10 +44,16 @@ def test_manifest_errors_name_the_problem(tmp_path):
     with pytest.raises(neuron.NeuronError, match="no manifest.json"):
         neuron.read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[64], max_length=32))
-    with pytest.raises(neuron.NeuronError, match=r"'buckets' must be positive lengths up to max_length \(32\)"):
+    with pytest.raises(neuron.NeuronError, match=r"'buckets' must be increasing positive lengths up to max_length \(32"):
         neuron.read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text(_manifest(port="p", buckets=[8], max_length=32))
     with pytest.raises(neuron.NeuronError, match="field 'tp' is missing"):
+        neuron.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[8], max_length=32, prefill_rows=[1, 4]))
+    with pytest.raises(neuron.NeuronError, match=r"'prefill_rows' must be .* at most batch_size \(2\), got \[1, 4\]"):
+        neuron.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[8, 16], max_length=32, prefill_chunk=12))
+    with pytest.raises(neuron.NeuronError, match=r"'prefill_chunk' 12 is not one of the buckets \[8, 16\]"):
         neuron.read_manifest(tmp_path)
 
 
@@ -60,14 +67,14 @@ def test_missing_sdk_is_a_clear_error():
 class StandInRuntime:
     """What a compiled artifact does, computed with the CPU model's static graphs (static/decoder.py,
     the graphs trace-and-compile traces) over one KV state that stays inside, as NxD keeps it on the
-    device: NxD routes a call to the key whose input shapes match, here prefill (one prompt in its
-    bucket, and its row id) or decode (ids and positions of every row). Every call's input and
-    output shapes are recorded."""
+    device: NxD routes a call to the key whose input shapes match, here prefill (P chunks of prompts
+    in one bucket, their row ids and sampling, P one of the manifest's prefill_rows) or decode (ids,
+    positions and sampling of every row). Every call's input and output shapes are recorded."""
 
-    def __init__(self, model, buckets, batch, max_length, logits):
+    def __init__(self, model, buckets, batch, max_length, logits, prefill_rows=(1, 2)):
         from neuron_moe.static.decoder import Decode, Prefill, new_cache
 
-        self.buckets, self.batch = buckets, batch
+        self.buckets, self.batch, self.prefill_rows = buckets, batch, prefill_rows
         cache = new_cache(model, max_length, batch)
         self.prefill = Prefill(model, cache, "dense_masked", logits)
         self.decode = Decode(model, cache, "selective", logits)
@@ -80,20 +87,23 @@ class StandInRuntime:
     @torch.no_grad()
     def __call__(self, *inputs):
         shapes = [tuple(x.shape) for x in inputs]
-        assert all(x.dtype == torch.long for x in inputs)  # ids, masks, positions, row ids
-        if len(inputs) == 4:
-            assert shapes == [(1, shapes[0][1])] * 3 + [(1,)] and shapes[0][1] in self.buckets
+        assert all(x.dtype == torch.long for x in inputs[:-1]) and inputs[-1].dtype == torch.float32
+        if len(inputs) == 5:  # ids, mask, positions [P, bucket], row ids [P], sampling [P, 4]
+            rows, bucket = shapes[0]
+            assert shapes == [(rows, bucket)] * 3 + [(rows,), (rows, 4)]
+            assert bucket in self.buckets and rows in self.prefill_rows
             outputs = self.prefill(*inputs)
-        else:
-            assert shapes == [(self.batch, 1)] * 2
+        else:  # ids, positions [B, 1], sampling [B, 4]
+            assert shapes == [(self.batch, 1)] * 2 + [(self.batch, 4)]
             outputs = self.decode(*inputs)
         self.calls.append((shapes, [tuple(x.shape) for x in outputs]))
         return outputs
 
 
 def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int = 3):
-    (tmp_path / "manifest.json").write_text(_manifest(port=port.name, tp=2, buckets=[64, 16], max_length=128,
-                                                      batch_size=batch, logits=logits))
+    (tmp_path / "manifest.json").write_text(_manifest(port=port.name, tp=2, buckets=[16, 64], max_length=128,
+                                                      batch_size=batch, logits=logits, prefill_rows=[1, 2],
+                                                      prefill_chunk=16))
     (tmp_path / "weights").mkdir(exist_ok=True)
     for rank in range(2):
         save_file({"w": torch.full((1,), float(rank))}, tmp_path / f"weights/tp{rank}_sharded_checkpoint.safetensors")
@@ -110,13 +120,14 @@ def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int
 @pytest.mark.parametrize("logits", [False, True])
 def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(tmp_path, monkeypatch, tiny_port, tiny_eager,
                                                                        logits):
-    """Five requests on the artifact's three rows, in both buckets: only ids, masks, positions and
-    row ids go in, only the token (and the logits) come out, and each request's tokens are the CPU
-    runtime's (the same static graphs as modules) and HF eager's."""
+    """Five requests on the artifact's three rows, in both buckets, two prompts to a prefill call
+    and the long ones in chunks of 16: only ids, masks, positions, row ids and sampling go in,
+    only the token (and the logits) come out, and each request's tokens are the CPU runtime's (the
+    same static graphs as modules) and HF eager's, greedy or sampled in the graphs."""
     runtime, artifact = _neuron_runtime(tmp_path, monkeypatch, tiny_port, tiny_eager, logits)
     assert [float(w["w"]) for w in artifact.weights] == [0.0, 1.0]  # every rank's shard, in rank order
     engine = BatchEngine(runtime, IdTokenizer(), set())
-    cpu = BatchEngine(static_runtime(tiny_eager, tiny_port.static), IdTokenizer(), set())
+    cpu = BatchEngine(static_runtime(tiny_eager, tiny_port.static, chunk=8), IdTokenizer(), set())
     try:
         prompts = [[2] + list(range(40, 40 + n)) for n in (5, 30, 12, 50, 3)]  # buckets 16 and 64
         requests = [(p, SamplingParams(n, temperature=0.0)) for p, n in zip(prompts, (9, 4, 7, 6, 8))]
@@ -129,18 +140,15 @@ def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(tmp_path,
         for inputs, outputs in artifact.calls:  # token [rows, 1] (and logits [rows, V]), no KV tensor
             rows = inputs[0][0]
             assert outputs == [(rows, 1)] + ([(rows, vocab)] if logits else [])
-        prefills = [inputs[0][1] for inputs, _ in artifact.calls if len(inputs) == 4]
-        assert sorted(prefills) == [16, 16, 16, 64, 64]
-        with pytest.raises(RequestError, match="the prompt is 65 tokens; this backend's largest prefill bucket holds 64"):
-            engine.max_tokens_for(65, 1)
-        assert engine.max_tokens_for(64, None) == 128 - 64 + 1  # positions 0..127: the last token takes none
-        sampled = SamplingParams(3, temperature=0.8, seed=1)
-        if logits:  # the host samples each sampled row from its logits
-            assert list(engine.generate(prompts[0], sampled)) == list(cpu.generate(prompts[0], sampled))
-        else:  # the graphs pick the token: a sampled request is refused, naming the parameter
-            with pytest.raises(RequestError, match="temperature must be 0, got 0.8") as e:
-                list(engine.generate(prompts[0], sampled))
-            assert e.value.param == "temperature"
+        prefills = [inputs[0] for inputs, _ in artifact.calls if len(inputs) == 5]
+        assert {bucket for _, bucket in prefills} == {16} and max(rows for rows, _ in prefills) == 2  # chunks of 16
+        assert sum(rows for rows, _ in prefills) >= sum(-(-len(p) // 16) for p in prompts)  # every chunk (P padded)
+        assert engine.max_tokens_for(100, None) == 128 - 100 + 1  # past the largest bucket: chunked; positions 0..127
+        sampled = SamplingParams(6, temperature=0.8, top_p=0.9, seed=1)  # sampled in the graphs, either artifact
+        assert list(engine.generate(prompts[0], sampled)) == list(cpu.generate(prompts[0], sampled))
+        with pytest.raises(RequestError, match="top_k must be at most 256") as e:
+            list(engine.generate(prompts[0], SamplingParams(6, temperature=0.8, top_k=300)))
+        assert e.value.param == "top_k"
     finally:
         engine.close()
         cpu.close()
@@ -149,9 +157,13 @@ def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(tmp_path,
 
 
 def test_neuron_backend_refuses_an_artifact_of_an_older_format(tmp_path):
-    for old in (1, 2, 3):  # the cache in and out of every call (1, 2); no tokenizer (3)
-        (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[16], max_length=32, format=old))
-        with pytest.raises(neuron.NeuronError, match=f"artifact format {old}, this version reads {FORMAT} .*rebuild"):
+    for old, what in ((1, "the KV cache in and out of every call"), (2, "the KV cache in and out of every call"),
+                      (3, "one-prompt prefill graphs that return the greedy token alone, no sampling inputs, no "
+                          "tokenizer"),
+                      (4, "one-prompt prefill graphs that return the greedy token alone")):
+        (tmp_path / "manifest.json").write_text(json.dumps({"format": old, "port": "p", "buckets": [16]}))
+        with pytest.raises(neuron.NeuronError, match=f"artifact format {old} \\({what}.*this version reads format 5: "
+                                                     f"rebuild it"):
             neuron.read_manifest(tmp_path)
 
 

@@ -44,7 +44,8 @@ def manifest_dir(tmp_path):
     d.mkdir()
     (d / "manifest.json").write_text(json.dumps({"format": FORMAT, "port": "tiny-gemma4-moe", "dtype": "bf16", "tp": 1,
                                                 "expert_layout": "channel", "buckets": [64], "max_length": 128,
-                                                "batch_size": 1, "dry_run": False, "logits": False,
+                                                "batch_size": 1, "prefill_rows": [1], "prefill_chunk": 64,
+                                                "candidates": 256, "dry_run": False, "logits": False,
                                                 "tokenizer": {"kind": "checkpoint", "files": []}, "files": {}}))
     return d
 
@@ -54,9 +55,12 @@ def manifest_dir(tmp_path):
     (["--backend", "neuron", "--artifacts", "{tmp}"], "no manifest.json"),
     (["--backend", "neuron", "--artifacts", "{compiled}", "--max-running", "2"],
      "--backend neuron batches: it runs as many requests at once as its graphs have rows; --max-running is for"),
-    (["--backend", "neuron", "--artifacts", "{compiled}", "--batch-size", "2"], "takes its batch from the artifact"),
+    (["--backend", "neuron", "--artifacts", "{compiled}", "--batch-size", "2"], "takes its shapes from the artifact"),
+    (["--backend", "neuron", "--artifacts", "{compiled}", "--prefill-rows", "1", "4"],
+     "--prefill-rows shapes --backend static's graphs; --backend neuron takes its shapes from the artifact"),
+    (["--backend", "static", "--prefill-chunk", "20"], "--prefill-chunk 20 is not one of the port's buckets [8, 56]"),
     (["--backend", "static", "--max-running", "2"], "its graphs have rows (--batch-size); --max-running is for"),
-    (["--batch-size", "4"], "--batch-size sets the rows of --backend static's graphs; --backend eager runs one"),
+    (["--batch-size", "4"], "--batch-size shapes --backend static's graphs; --backend eager runs one"),
     (["--backend", "static", "--model", "{unstatic}"], "has no [static] table"),
     (["--artifacts", "{tmp}/absent"], "absent: not a directory"),
     (["--checkpoint", "{tmp}", "--artifacts", "{tmp}"], "--checkpoint or --artifacts, not both"),

@@ -155,14 +155,14 @@ def test_banner_and_one_log_line_per_request(caplog):
 
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
-    """Static graphs: one prefill in each bucket and decode steps, all before /health answers 200;
+    """Static graphs: every prefill graph (each row count at each bucket) and the decode graph, all before
+    /health answers 200;
     the per-request engine: one request."""
     calls, prefill, decode = [], GraphRuntime.prefill, GraphRuntime.decode
-    monkeypatch.setattr(GraphRuntime, "prefill",
-                        lambda self, ids, row: calls.append(("prefill", bucket_for(len(ids), self.buckets)))
-                        or prefill(self, ids, row))
+    monkeypatch.setattr(GraphRuntime, "prefill", lambda self, chunks: calls.append(
+        ("prefill", len(chunks), bucket_for(max(len(c.ids) for c in chunks), self.buckets))) or prefill(self, chunks))
     monkeypatch.setattr(GraphRuntime, "decode",
-                        lambda self, ids, pos: calls.append(("decode",)) or decode(self, ids, pos))
+                        lambda self, *inputs: calls.append(("decode",)) or decode(self, *inputs))
     generated = []
     if backend == "eager":
         generate = Engine.generate
@@ -171,6 +171,7 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
         ready(url)
         seen = list(calls), list(generated)
     if backend == "static":
-        assert ("prefill", 8) in seen[0] and ("prefill", 56) in seen[0] and ("decode",) in seen[0]
+        # every prefill graph (the tiny port's prefill_rows [1, 4] cut to its batch of 2, each bucket), then decode
+        assert seen[0] == [("prefill", 1, 8), ("prefill", 1, 56), ("prefill", 2, 8), ("prefill", 2, 56), ("decode",)]
     else:
         assert len(seen[1]) == 1

@@ -19,9 +19,9 @@ from neuron_moe.static.cache import _bucket_columns, decode_mask, state_tensors
 from neuron_moe.static.decoder import Decode, new_cache
 from neuron_moe.static.export import GraphError, checked, decode_inputs, functional, state_problems
 from neuron_moe.static.generator import StaticGenerator, StaticInputError
-from neuron_moe.static.loop import prefill_row
+from neuron_moe.static.loop import greedy_sampling, prefill_row
 
-from conftest import port_text_elsewhere, random_prompts
+from conftest import expert_reads, port_text_elsewhere, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +56,11 @@ def test_every_graph_exports_strict_with_fixed_shapes_the_cache_as_state_and_no_
         outputs = [tuple(nodes[o].meta["val"].shape) for o in sig.user_outputs]
         if name == "decode":
             assert {"aten.index_select.default", "aten.scatter.src"} <= targets  # selective + per-row cache write
-            assert list(sig.user_inputs) == ["input_ids", "position_ids"] and outputs == [(B, 1), (B, V)]
+            assert list(sig.user_inputs) == ["input_ids", "position_ids", "sampling"] and outputs == [(B, 1), (B, V)]
         else:
-            assert "aten.index_select.default" not in targets  # prefill computes every expert
+            assert expert_reads(program)["gathered"] == {}  # prefill computes every expert
             assert "aten.index_copy.default" in targets  # writes its row of the cache, by row id
-            assert list(sig.user_inputs) == ["input_ids", "attention_mask", "position_ids", "row_ids"]
+            assert list(sig.user_inputs) == ["input_ids", "attention_mask", "position_ids", "row_ids", "sampling"]
             assert outputs == [(1, 1), (1, V)]
         assert state_problems(program, generator.graph(None if name == "decode" else 8)) == []
     # one state set: global layers keep max_cache_len positions with their own head_dim / KV heads,
@@ -144,7 +144,7 @@ def test_a_row_joins_while_another_is_mid_generation(generator, tiny_eager):
     def prefill(row):
         bucket = 56 if len(prompts[row]) > 8 else 8
         (tok, _) = graphs[f"prefill {bucket}"](*prefill_row(torch.tensor(prompts[row]), bucket, 0),
-                                              torch.tensor([row]))
+                                              torch.tensor([row]), greedy_sampling(1))
         token[row] = tok[0]
         out[row].append(int(tok))
 
@@ -157,12 +157,36 @@ def test_a_row_joins_while_another_is_mid_generation(generator, tiny_eager):
             for name, t in state.items():
                 assert torch.equal(t[0], before[name][0]), f"prefilling row 1 changed row 0 of {name}"
                 assert not torch.equal(t[1], before[name][1]), f"prefilling row 1 left {name} alone"
-        tok, _ = graphs["decode"](token, torch.tensor(position)[:, None])
+        tok, _ = graphs["decode"](token, torch.tensor(position)[:, None], greedy_sampling(2))
         for row in (0, 1) if step >= joined_at - 1 else (0,):
             out[row].append(int(tok[row]))
             position[row] += 1
         token = tok
     assert out[0] == refs[0] and out[1] == refs[1]
+
+
+def test_a_prompt_prefilled_in_chunks_through_the_exported_programs_is_the_prompt_prefilled_whole(generator,
+                                                                                                  tiny_eager):
+    """Chunked prefill on the exported programs: a 50-token prompt as chunks of 8, 8, 8, 8, 8, 8, 2
+    (each at its own start, attending to the row's cache of the ones before) into row 1, then
+    decode: HF eager's tokens, and row 0 (prefilled whole, in the 56 bucket) untouched by it."""
+    prompts = random_prompts(tiny_eager.config.vocab_size, [50, 50], seed=12)
+    prompts[1] = prompts[0]
+    graphs = generator._graphs
+    reference = greedy(tiny_eager, *left_pad([prompts[0]], 0), 6).tokens[0].tolist()
+    token = torch.zeros(2, 1, dtype=torch.long)
+    whole = prefill_row(torch.tensor(prompts[0]), 56, 0)
+    (tok, _) = graphs["prefill 56"](*whole, torch.tensor([0]), greedy_sampling(1))
+    token[0] = tok[0]
+    for start in range(0, 50, 8):
+        piece = torch.tensor(prompts[1][start:start + 8])
+        (tok, _) = graphs["prefill 8"](*prefill_row(piece, 8, 0, start), torch.tensor([1]), greedy_sampling(1))
+    token[1] = tok[0]
+    out = [token[:, 0].tolist()]
+    for step in range(5):
+        token, _ = graphs["decode"](token, torch.full((2, 1), 50 + step), greedy_sampling(2))
+        out.append(token[:, 0].tolist())
+    assert [row[0] for row in out] == [row[1] for row in out] == reference
 
 
 def test_validate_traced_matches_on_every_prompt(generator, monkeypatch, tmp_path, capsys):
@@ -196,7 +220,7 @@ def test_prefill_puts_position_q_at_ring_index_q_mod_length():
     decode mask until its position is decoded."""
     for bucket, n, length in [(8, 5, 16), (16, 16, 16), (56, 40, 16), (56, 20, 96), (8, 8, 96)]:
         _, _, positions = prefill_row(torch.arange(n), bucket, 0)
-        column = _bucket_columns(positions, length)[0].tolist()
+        column = _bucket_columns(positions, length)[1][0].tolist()
         for r in range(length):
             held = max((q for q in range(n) if q % length == r), default=None)
             if held is not None:

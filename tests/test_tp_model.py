@@ -93,7 +93,7 @@ def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
         sig = program.graph_signature
         state = {spec.target: spec.arg.name for spec in sig.input_specs if (spec.target or "").startswith("cache.")}
         assert set(sig.buffers_to_mutate.values()) == set(state) and len(state) == 8, name
-        assert len(sig.user_outputs) == 2 and len(sig.user_inputs) == (2 if name == "decode" else 4), name
+        assert len(sig.user_outputs) == 2 and len(sig.user_inputs) == (3 if name == "decode" else 5), name  # + sampling
     shapes = {n.name: tuple(n.meta["val"].shape) for n in program.graph.nodes if n.op == "placeholder"}
     assert [shapes[state[f"cache.{kv}{i}"]] for i in (0, 1) for kv in "kv"] == \
         [(2, 1, 16, 32), (2, 1, 16, 32), (2, 1, 96, 64), (2, 1, 96, 64)]

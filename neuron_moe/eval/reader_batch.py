@@ -26,6 +26,7 @@ import torch
 
 from ..experts.selector_experts import attach_selector
 from ..static.decoder import Decode, Prefill, new_cache
+from ..static.loop import greedy_sampling
 from .reader_eval import Sequence
 
 
@@ -79,7 +80,7 @@ def decode(model, seqs: list[Sequence], batch: int, states=None, new_tokens: lis
         row = Row(i, list(s.ids), s.start, len(s.ids) - 2 + (new_tokens[i] if new_tokens else 0), scored)
         if s.start:  # the prompt before the first scored position: prefilled, full experts
             ids = torch.tensor([s.ids[:s.start]])
-            prefill(ids, torch.ones_like(ids), torch.arange(s.start)[None], torch.tensor([r]))
+            prefill(ids, torch.ones_like(ids), torch.arange(s.start)[None], torch.tensor([r]), greedy_sampling(1))
         rows[r] = row
 
     for r in range(batch):
@@ -90,7 +91,7 @@ def decode(model, seqs: list[Sequence], batch: int, states=None, new_tokens: lis
         positions = torch.tensor([[row.pos if row else 0] for row in rows])
         for state in states or ():
             state.active, state.results = active, []
-        _, logits = step(ids, positions)
+        _, logits = step(ids, positions, greedy_sampling(batch))
         if states:
             out.steps.append({"tokens": int(active.sum()), "layers": [
                 {"bytes": int(st.results[0].reads[0]), "experts": st.results[0].step.experts,

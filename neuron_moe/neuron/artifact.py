@@ -19,19 +19,24 @@ defined here once.
                     digests, checked before they are read (`artifact_tokenizer`)
 
 Each key is the static decoder (`static/decoder.py`) over the full-model rank module
-(`parallel/model.py`); B = batch_size, the rows of the KV cache:
+(`parallel/model.py`); B = batch_size, the rows of the KV cache, P one of prefill_rows:
 
-    context_encoding_<b>  (input_ids, attention_mask, position_ids [1, b], row_ids [1]) -> token [1, 1]
-                          one prompt, left-padded to the bucket, into cache row row_ids[0]
-    token_generation      (input_ids [B, 1], position_ids [B, 1]) -> token [B, 1]
-                          every row at its own position
+    context_encoding_<P>x<b>  (input_ids, attention_mask, position_ids [P, b], row_ids [P],
+                              sampling [P, 4]) -> token [P, 1]
+                              P chunks of prompts, each left-padded to the bucket, into cache rows
+                              row_ids (a chunk that is not a prompt's first attends to its row's cache)
+    token_generation          (input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1]
+                              every row at its own position
 
-An artifact built with `logits=True` (`--with-logits`) also returns the fp32 logits [rows, V] after
-the token (validation, host-side sampling); the default returns the token alone. The KV cache is
-the graphs' state, never an input or output: `cache.k{i}` / `cache.v{i}` per layer, [B, KV heads of
-the rank, ring length, head_dim], aliased parameters (`input_output_aliases`) that every key
-shares and NxD zero-initialises on each rank (the manifest's `state`). Formats 1 and 2 (the cache
-in and out of every call) and 3 (no tokenizer) are refused.
+Each graph chooses its tokens itself (`static/sampling.py`: per row temperature, top-k, top-p and
+a uniform draw; greedy at temperature 0) among `candidates` for top-k / top-p, so per call only
+the ids, positions and sampling go in and the tokens come out. A server prefills a prompt longer
+than `prefill_chunk` (a bucket) a chunk per call. An artifact built with `logits=True`
+(`--with-logits`) also returns the fp32 logits [rows, V] after the token (validation); the default
+returns the token alone. The KV cache is the graphs' state, never an input or output:
+`cache.k{i}` / `cache.v{i}` per layer, [B, KV heads of the rank, ring length, head_dim], aliased
+parameters (`input_output_aliases`) that every key shares and NxD zero-initialises on each rank
+(the manifest's `state`). Older formats are refused, naming what they were (`OLD_FORMATS`).
 """
 
 from __future__ import annotations
@@ -52,11 +57,15 @@ WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
 TOKENIZER = "tokenizer"  # the folder of the tokenizer's files
-FORMAT = 4
+FORMAT = 5
+# what each older format's graphs were
+OLD_FORMATS = {1: "the KV cache in and out of every call", 2: "the KV cache in and out of every call",
+               3: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs, no tokenizer",
+               4: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs"}
 # field -> type; what a server needs to call the graphs and to read and write text
 MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "expert_layout": str, "buckets": list,
-                   "max_length": int, "batch_size": int, "dry_run": bool, "logits": bool, "tokenizer": dict,
-                   "files": dict}
+                   "max_length": int, "batch_size": int, "prefill_rows": list, "prefill_chunk": int,
+                   "candidates": int, "dry_run": bool, "logits": bool, "tokenizer": dict, "files": dict}
 
 
 class ArtifactError(UserError):
@@ -68,6 +77,9 @@ def read_manifest(artifacts: Path) -> dict:
     path = Path(artifacts) / MANIFEST
     manifest = read_json_object(
         path, ArtifactError, f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)")
+    if manifest.get("format") in OLD_FORMATS:
+        raise ArtifactError(f"{path}: artifact format {manifest['format']} ({OLD_FORMATS[manifest['format']]}); this "
+                            f"version reads format {FORMAT}: rebuild it with this version's trace-and-compile")
     for key, kind in MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind):
             raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
@@ -77,9 +89,18 @@ def read_manifest(artifacts: Path) -> dict:
     if manifest["expert_layout"] not in EXPERT_LAYOUTS:
         raise ArtifactError(f"{path}: expert_layout {manifest['expert_layout']!r} is not one of {list(EXPERT_LAYOUTS)}")
     buckets = manifest["buckets"]
-    if not buckets or not all(isinstance(b, int) and 0 < b <= manifest["max_length"] for b in buckets):
-        raise ArtifactError(f"{path}: 'buckets' must be positive lengths up to max_length "
+    if not buckets or not all(_count(b) and b <= manifest["max_length"] for b in buckets) or buckets != sorted(buckets):
+        raise ArtifactError(f"{path}: 'buckets' must be increasing positive lengths up to max_length "
                            f"({manifest['max_length']}), got {buckets}")
+    rows = manifest["prefill_rows"]
+    batch = manifest["batch_size"]
+    if not _count(batch) or not rows or not all(_count(p) and p <= batch for p in rows) or rows != sorted(set(rows)):
+        raise ArtifactError(f"{path}: 'prefill_rows' must be increasing row counts of at least 1 and at most "
+                            f"batch_size ({manifest['batch_size']}), got {rows}")
+    if manifest["prefill_chunk"] not in buckets:
+        raise ArtifactError(f"{path}: 'prefill_chunk' {manifest['prefill_chunk']} is not one of the buckets {buckets}")
+    if not _count(manifest["candidates"]):
+        raise ArtifactError(f"{path}: 'candidates' must be a positive count, got {manifest['candidates']}")
     tokenizer = manifest["tokenizer"]
     files = tokenizer.get("files", [])
     if tokenizer.get("kind") not in ("bytes", "checkpoint") or not isinstance(files, list) or not all(
@@ -142,6 +163,10 @@ def check_tokenizer(artifacts: Path, manifest: dict, port) -> Path | None:
     return folder
 
 
+def _count(value) -> bool:
+    return type(value) is int and value > 0
+
+
 def check_expert_layout(manifest: dict, expert_layout: str, artifacts: Path) -> None:
     """Refuse an artifact built for the other expert layout than the one it is to be served with."""
     if manifest["expert_layout"] != expert_layout:
@@ -168,5 +193,17 @@ def load_shards(artifacts: Path, manifest: dict) -> list[dict]:
     return shards
 
 
-def key_names(buckets) -> list[str]:
-    return [f"context_encoding_{b}" for b in buckets] + ["token_generation"]
+def prefill_key(rows: int, bucket: int) -> str:
+    return f"context_encoding_{rows}x{bucket}"
+
+
+def key_names(buckets, prefill_rows) -> list[str]:
+    return [prefill_key(p, b) for p in prefill_rows for b in buckets] + ["token_generation"]
+
+
+def key_shape(key: str) -> tuple[int, int] | None:
+    """(rows, bucket) of a prefill key; None for the decode key."""
+    if key == "token_generation":
+        return None
+    rows, bucket = key.removeprefix("context_encoding_").split("x")
+    return int(rows), int(bucket)

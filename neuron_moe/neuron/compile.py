@@ -39,10 +39,11 @@ from ..reader.prep import RANK, SCAN, model_expert_weights
 from ..reader.sidecar import SidecarLayout
 from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock, table
 from ..static.decoder import Decode, Prefill, new_cache
+from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, example_inputs, functional
 from ..tokenizer import HFTokenizer
 from .artifact import (FORMAT, GRAPHS, MANIFEST, MODEL, SHARD_PLAN, TOKENIZER, WEIGHTS, ArtifactError, key_names,
-                       tokenizer_files)
+                       key_shape, tokenizer_files)
 from .plan import plan
 
 DTYPES = {"bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True), "fp32": (torch.float32, False)}
@@ -93,13 +94,14 @@ def _graph(model, spec, key: str, cache, logits: bool):
 
 
 def _example(spec, key: str) -> tuple:
-    return example_inputs(spec, None if key == "token_generation" else int(key.rsplit("_", 1)[1]))
+    shape = key_shape(key)
+    return example_inputs(spec, None) if shape is None else example_inputs(spec, shape[1], shape[0])
 
 
 def _key_contract(graph, spec, key: str) -> dict:
     """A key's calls as the manifest records them: input and output names and shapes."""
-    names = ("input_ids", "position_ids") if key == "token_generation" else \
-        ("input_ids", "attention_mask", "position_ids", "row_ids")
+    names = ("input_ids", "position_ids", "sampling") if key == "token_generation" else \
+        ("input_ids", "attention_mask", "position_ids", "row_ids", "sampling")
     example = _example(spec, key)
     rows = example[0].shape[0]
     outputs = {"token": [rows, 1]}
@@ -132,7 +134,7 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     """Write the artifact directory `out` (see the module docstring); returns the manifest.
     `expert_layout` defaults to the port's [static] expert_layout. `export=False` (dry run only)
     skips tracing: the shard plan and manifest alone. `logits=True`: graphs that also return the
-    logits (validation, host-side sampling), at V·4 bytes per row and step across the host.
+    logits (validation), at V·4 bytes per row and step across the host.
     `reader` ({"sidecar": DIR of `prep-reader --tp`, "budget", "rank"}): the decode key reads through
     each rank's sidecar shard (`parallel/reader.py`), which goes into that rank's weights; a port
     without weights takes the geometry's shapes (`scan`, `rank`; no sidecar)."""
@@ -147,7 +149,8 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
             "here: run it on an inf2 instance in the Neuron DLC (recipes/inf2-24xlarge/), or pass --dry-run to "
             "build and export the same rank modules on CPU")
     torch_dtype, int8 = DTYPES[dtype]
-    spec, keys = port.static, key_names(port.static.buckets)
+    spec = port.static
+    keys = key_names(spec.buckets, spec.rows_for(spec.batch_size))
     has_weights = checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
     if not dry_run and not has_weights:
         raise ArtifactError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
@@ -177,7 +180,9 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
             manifest = {
                 "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "expert_layout": expert_layout,
                 "buckets": list(spec.buckets),
-                "max_length": spec.max_cache_len, "batch_size": spec.batch_size, "logits": logits,
+                "max_length": spec.max_cache_len, "batch_size": spec.batch_size,
+                "prefill_rows": list(spec.rows_for(spec.batch_size)), "prefill_chunk": spec.chunk,
+                "candidates": min(CANDIDATES, port.config.vocab_size), "logits": logits,
                 "keys": {k: dict(contract[k], exported=exported) for k in keys}, "state": state,
                 "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
                 "reader": None if reads is None else {k: v for k, v in reads.items() if k != "layout"},

@@ -40,8 +40,9 @@ channels and recovery on the rank's I/t channels (`reader.accounting.rank_geomet
 then also holds its sidecar shard (`reader_sidecar`).
 
 Host: bytes crossing between host and device per decode step of the built graphs (`neuron/compile.py`):
-int64 input_ids and position_ids [batch, 1] in, the token [batch, 1] out; the KV cache is device
-state (0), and the logits come out only from an artifact built with --with-logits. Not measured:
+int64 input_ids and position_ids [batch, 1] and fp32 sampling [batch, 4] in, the token the graph
+chose [batch, 1] out; the KV cache is device state (0), and the logits come out only from an
+artifact built with --with-logits. Not measured:
 no Neuron device was used for any number here.
 """
 
@@ -182,6 +183,8 @@ def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
     """What crosses the host per decode step (the same on every rank's call: one SPMD program)."""
     return [{"what": "KV cache (device state, aliased)", "direction": "-", "bytes": 0},
             {"what": "input_ids + position_ids [B, 1] int64", "direction": "in", "bytes": 2 * batch * 8},
+            {"what": "sampling [B, 4] fp32 (temperature, top-k, top-p, a uniform draw)", "direction": "in",
+             "bytes": batch * 4 * 4},
             {"what": "token [B, 1] int64", "direction": "out", "bytes": batch * 8},
             {"what": "logits [B, V] fp32 (only an artifact built --with-logits)", "direction": "out",
              "bytes": batch * config.vocab_size * 4}]

@@ -6,9 +6,10 @@ batching.py   continuous batching: one step loop over the rows of the static gra
 runtime.py    the static graphs as the batching engine calls them; on CPU, the modules themselves
 chat.py       messages -> prompt ids (the tokenizer's chat template, or a documented fallback)
 neuron.py     the Neuron runtime (a compiled NxD artifact; needs the Neuron SDK)
-protocol.py   request bodies and OpenAI-shaped errors
+protocol.py   request bodies (OpenAI's schema, strictly) and OpenAI-shaped errors
 scheduler.py  bounded admission: a bounded wait queue before the batching engine's rows, or
-              before a few generation threads
+              before a few generation threads; each request's latencies counted for /metrics
+metrics.py    /metrics in Prometheus' text format, vLLM's names
 app.py        the FastAPI routes, SSE streaming, readiness while the model loads
 server.py     argument checks, artifact resolution, uvicorn with SIGTERM draining
 """

@@ -38,7 +38,9 @@ from .. import __version__
 from ..report import dumps
 from .chat import render_chat
 from .engine import Engine, RequestError, SamplingParams
-from .protocol import APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from .metrics import CONTENT_TYPE, Metrics
+from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, FieldError, TokenizeRequest,
+                       error_body)
 from .scheduler import Scheduler
 
 log = logging.getLogger("neuron_moe.serve")
@@ -108,7 +110,7 @@ class ServerState:
         return None
 
 
-OPEN_PATHS = ("/health", "/ping", "/version")  # what a load balancer or a health check calls, without the key
+OPEN_PATHS = ("/health", "/ping", "/version", "/metrics")  # what a load balancer, a health check or a scraper calls
 
 
 class BearerAuth:
@@ -190,7 +192,8 @@ async def _validation_error(_request, exc: RequestValidationError) -> JSONRespon
     if err.get("type") == "json_invalid":
         return JSONResponse(error_body(f"the request body is not valid JSON: {err.get('msg')}",
                                        "invalid_request_error"), 400)
-    param = _param(err.get("loc", ()))
+    cause = (err.get("ctx") or {}).get("error")
+    param = cause.field if isinstance(cause, FieldError) else _param(err.get("loc", ()))
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return JSONResponse(error_body(f"{param}: {msg}" if param else msg, "invalid_request_error", param), 400)
 
@@ -361,7 +364,7 @@ def _check_prompt_bytes(engine: Engine, texts: list[str], param: str) -> None:
     if per_token is None:
         return
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    limit = engine.max_prompt or engine.max_context  # a static backend's largest bucket, else the context
+    limit = engine.max_context
     if n_bytes > limit * per_token:
         raise APIError(400, f"the prompt is {n_bytes} bytes, more than the {limit} tokens this model "
                             f"takes can hold (a token is at most {per_token} bytes)", param=param)
@@ -385,7 +388,8 @@ def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], a
     `vocab_size`: the bound on token ids a client sends (None: not checked)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     model_name = names[0]
-    scheduler = Scheduler(max_running, max_queue)
+    metrics = Metrics(model_name)
+    scheduler = Scheduler(max_running, max_queue, metrics)
 
     def load_and_open() -> Engine:
         engine = load()
@@ -429,6 +433,10 @@ def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], a
     async def version():  # vLLM's
         return {"version": __version__}
 
+    @app.get("/metrics")
+    async def prometheus_metrics():  # open, as /health: what a Prometheus scraper reads (metrics.py)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     async def models():
         context = state.engine.max_context if state.engine is not None else None  # known once loaded
@@ -453,12 +461,12 @@ def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], a
             raise problem
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
-            engine.check_sampling(req.temperature)
+            params = SamplingParams(max_tokens, **req.sampling, stop=tuple(req.stop or ()) + extra_stops)
+            engine.check_sampling(params)
         except RequestError as e:
             where = {"prompt": "messages" if chat else "prompt",
                      "max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
             raise APIError(400, str(e), param=where.get(e.param, e.param)) from None
-        params = SamplingParams(max_tokens, req.temperature, req.top_p, req.seed, tuple(req.stop or ()) + extra_stops)
         job = scheduler.submit(engine, prompt_ids, params)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and req.stream else ""),

@@ -38,10 +38,12 @@ def check_backend(backend: str) -> str:
 
 
 def load_engine(port, backend: str, *, checkpoint: Path | None = None, artifacts: Path | None = None,
-                dtype: torch.dtype | None = None, batch_size: int | None = None) -> Engine:
+                dtype: torch.dtype | None = None, batch_size: int | None = None, prefill_rows=None,
+                prefill_chunk: int | None = None) -> Engine:
     """The engine for `backend`: "static" (the port's static graphs on CPU, batched; `batch_size`
-    rows, default the port's), "neuron" (a compiled artifact directory, batched) or an experts
-    implementation name (transformers' model on CPU, one request per thread)."""
+    rows, `prefill_rows` and `prefill_chunk`, each default the port's), "neuron" (a compiled
+    artifact directory, batched) or an experts implementation name (transformers' model on CPU,
+    one request per thread)."""
     check_backend(backend)
     if backend == "neuron":  # the artifact's own tokenizer (digest-checked), unless --checkpoint gives one
         tokenizer = load_tokenizer(port, checkpoint) if checkpoint else \
@@ -51,7 +53,8 @@ def load_engine(port, backend: str, *, checkpoint: Path | None = None, artifacts
     if backend == STATIC:
         spec = port.static_spec("--backend static")
         model = build_model(port, spec.decode_experts, dtype, checkpoint)
-        return BatchEngine(static_runtime(model, spec, batch_size), tokenizer, eos_ids(tokenizer, model.config))
+        runtime = static_runtime(model, spec, batch_size, prefill_rows=prefill_rows, chunk=prefill_chunk)
+        return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, model.config))
     model = build_model(port, backend, dtype, checkpoint)
     return Engine(HFBackend(model), tokenizer, model.config.max_position_embeddings,
                   eos_ids(tokenizer, model.config))

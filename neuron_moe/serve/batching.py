@@ -1,40 +1,57 @@
 """Continuous batching: one step loop owns the B rows of the static graphs' batch.
 
-A request waits until a row is free, then joins: it is prefilled into that row (the graph writes
-that row of the cache only, `runtime.py`) and its first token is sent at once. Every decode step
-advances all active rows together, each row at its own position. A row ends — EOS, a stop string,
-max_tokens (at most the end of the cache), or its client went away — and is free that same step:
-the next waiting request is prefilled into it before the next decode. A row with no request is fed
-the pad token at position 0: it writes only slot 0 of its own ring, which the prefill of its next
-request rewrites with the rest of the row, and nothing reads it before then.
+A request waits until a row is free, then joins: its prompt is prefilled into that row (the graph
+writes that row of the cache only, `runtime.py`), and its first token, which the prefill graph
+chose, is sent at once. Each turn of the loop runs at most one prefill call and then one decode
+step of every row that is generating:
 
-Per row, everything else is engine.py's `Output`: greedy rows take the graph's own pick, sampled
-rows sample that row's logits with the request's own seeded generator; stop strings, held-back
-text and UTF-8 are handled as for a request served alone.
+- the prefill call takes every row still prefilling, oldest first, up to the largest number of
+  rows a prefill graph takes (`runtime.prefill_rows`): a request that joins while others wait is
+  prefilled together with them, in one call;
+- a prompt longer than the chunk (`runtime.chunk`) is prefilled a chunk per turn, each chunk
+  attending to the row's cache of the ones before, so a long prompt costs the rows generating
+  beside it one chunk's call per token, not its whole prefill (chunked prefill);
+- the decode step advances all generating rows together, each at its own position.
+
+A row ends — EOS, a stop string, max_tokens (at most the end of the cache), or its client went
+away — and is free that same turn for the next waiting request. A row with nothing to generate
+sits in the decode batch as the pad token at its next prefill position (0 for a free row): it
+writes only that slot of its own ring, which its next prefill chunk rewrites, and nothing reads it
+before then (`static/cache.py`).
+
+Sampling happens in the graphs (`static/sampling.py`): each row's sampling input carries its
+request's temperature, top-k, top-p and a uniform draw from the request's own seeded generator
+(`engine.Output.sampling`), so a seeded request gets the same tokens whatever runs beside it.
+Per row, everything else is engine.py's `Output`: stop strings, held-back text and UTF-8 are
+handled as for a request served alone.
 
 A request comes with a sink (`scheduler.Job`) that the loop, in its own thread, calls: `put(step)`
 for each Step, `fail(error)`, and `end()` exactly once when the request is over; the loop reads
 `sink.cancelled` (an Event) at every step. `generate` wraps that in Engine.generate's blocking
-iterator. A failure in one row's work (its sampling, its text, its sink) ends that request with
-the error and leaves the other rows running; a graph call that fails ends the requests it was
-running (the prefilled one, or every active row); the loop itself goes on.
+iterator. A failure in one row's work (its text, its sink) ends that request with the error and
+leaves the other rows running; a graph call that fails ends the requests it was running (the
+prefilled ones, or every generating row); the loop itself goes on.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..static.sampling import GREEDY
 from .engine import Engine, Output, SamplingParams, Step
+from .runtime import Chunk
 
 log = logging.getLogger("neuron_moe.serve")
 _END = object()
+_ORDER = itertools.count()
 
 
 @dataclass
@@ -42,6 +59,12 @@ class _Request:
     prompt: list[int]
     output: Output
     sink: object  # put(step), fail(error), end(), cancelled: threading.Event
+    done: int = 0  # prompt tokens prefilled so far
+    order: int = field(default_factory=lambda: next(_ORDER))  # admission order: oldest first
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < len(self.prompt)
 
 
 class _QueueSink:
@@ -59,14 +82,16 @@ class BatchEngine(Engine):
     """The engine over a runtime (`runtime.py`): its `batch` rows are this engine's `rows`."""
 
     def __init__(self, runtime, tokenizer, eos_ids: set[int]):
-        super().__init__(runtime, tokenizer, runtime.max_length + 1, eos_ids, runtime.buckets[-1])
+        # Any prompt that fits the cache: a prompt longer than the chunk is prefilled a chunk at a time.
         # A prompt of n tokens takes positions 0..n-1 and each new token but the last the next one:
         # n + max_tokens - 1 <= max_length, which is the Engine's n + max_tokens <= max_context.
+        super().__init__(runtime, tokenizer, runtime.max_length + 1, eos_ids)
         self.runtime, self.rows = runtime, runtime.batch
         self.slots: list[_Request | None] = [None] * self.rows  # the request in each row
         self.ids = torch.full((self.rows, 1), runtime.pad_id, dtype=torch.long)  # each row's next input
         self.positions = torch.zeros(self.rows, 1, dtype=torch.long)  # and its position
         self.steps = 0  # decode steps run
+        self.metrics = None  # a metrics.Metrics, once a server counts this engine's calls
         self._waiting: deque[_Request] = deque()
         self._wake = threading.Condition()
         self._closed = False
@@ -102,6 +127,11 @@ class BatchEngine(Engine):
             sink.cancelled.set()
             raise
 
+    def load(self) -> tuple[int, int, int, int]:
+        """(requests running, waiting, rows, rows in use), for /metrics."""
+        in_use = sum(request is not None for request in self.slots)
+        return in_use, len(self._waiting), self.rows, in_use
+
     def close(self) -> None:
         """Stop the loop; requests still waiting or running end without a final Step."""
         with self._wake:
@@ -122,7 +152,8 @@ class BatchEngine(Engine):
                 if self.slots[row].sink.cancelled.is_set():
                     self._free(row)
             self._admit()
-            if self._active():
+            self._prefill()
+            if self._generating():
                 self._step()
         for row in self._active():
             self._free(row)
@@ -133,46 +164,72 @@ class BatchEngine(Engine):
     def _active(self) -> list[int]:
         return [row for row, request in enumerate(self.slots) if request is not None]
 
+    def _generating(self) -> list[int]:
+        return [row for row, request in enumerate(self.slots) if request is not None and not request.prefilling]
+
     def _admit(self) -> None:
-        """Prefill waiting requests into free rows, oldest first (one that ends on its first token
-        frees its row for the next at once)."""
-        while True:
-            free = [row for row, request in enumerate(self.slots) if request is None]
+        """Give each free row to the oldest waiting request (whose client has not left)."""
+        for row in [row for row, request in enumerate(self.slots) if request is None]:
             with self._wake:
-                if not free or not self._waiting:
+                while self._waiting and self._waiting[0].sink.cancelled.is_set():  # its client left while it waited
+                    self._waiting.popleft().sink.end()
+                if not self._waiting:
                     return
-                request = self._waiting.popleft()
-            if request.sink.cancelled.is_set():  # its client left while it waited
-                request.sink.end()
-                continue
-            row = free[0]
-            self.slots[row] = request
-            try:
-                token, logits = self.runtime.prefill(request.prompt, row)
-            except Exception as e:
-                log.exception("prefill failed")
+                self.slots[row] = self._waiting.popleft()
+
+    def _prefill(self) -> None:
+        """One prefill call: the next chunk of every row still prefilling, oldest first, as many as
+        one call takes. A row whose prompt that completes takes its first token from the call."""
+        rows = sorted((row for row in self._active() if self.slots[row].prefilling),
+                      key=lambda row: self.slots[row].order)[:self.runtime.prefill_rows[-1]]
+        if not rows:
+            return
+        chunks = []
+        for row in rows:
+            request = self.slots[row]
+            piece = request.prompt[request.done:request.done + self.runtime.chunk]
+            last = request.done + len(piece) == len(request.prompt)
+            chunks.append(Chunk(piece, request.done, row, request.output.sampling() if last else GREEDY))
+        try:
+            tokens, logits = self.runtime.prefill(chunks)
+        except Exception as e:
+            log.exception("prefill failed")
+            for row in rows:
                 self._free(row, e)
-                continue
-            self.positions[row] = len(request.prompt)
-            self._emit(row, int(token[0]), None if logits is None else logits[0])
+            return
+        if self.metrics is not None:
+            self.metrics.prefill_calls.inc()
+            self.metrics.prefill_rows.inc(len(rows))
+        for i, (row, chunk) in enumerate(zip(rows, chunks)):
+            request = self.slots[row]
+            request.done += len(chunk.ids)
+            self.positions[row] = request.done  # the next chunk's first position, or the first token's
+            if not request.prefilling:
+                self._emit(row, int(tokens[i]), None if logits is None else logits[i])
 
     def _step(self) -> None:
-        active = self._active()
+        rows = self._generating()
+        sampling = torch.tensor([GREEDY] * self.rows)
+        for row in rows:
+            sampling[row] = torch.tensor(self.slots[row].output.sampling())
         try:
-            tokens, logits = self.runtime.decode(self.ids, self.positions)
+            tokens, logits = self.runtime.decode(self.ids, self.positions, sampling)
         except Exception as e:
             log.exception("decode failed")
-            for row in active:
+            for row in rows:
                 self._free(row, e)
             return
         self.steps += 1
-        self.positions[active] += 1
-        for row, token in zip(active, tokens[active].tolist()):
+        if self.metrics is not None:
+            self.metrics.decode_calls.inc()
+            self.metrics.decode_rows.inc(len(rows))
+        self.positions[rows] += 1
+        for row, token in zip(rows, tokens[rows].tolist()):
             self._emit(row, token, None if logits is None else logits[row])
 
     def _emit(self, row: int, token: int, logits: torch.Tensor | None) -> None:
-        """Row `row`'s Step from the graph's pick (and the row's logits [V]), sent to its client;
-        the row is freed if that was its last, and otherwise fed its token at the next step."""
+        """Row `row`'s Step from the token its graph chose, sent to its client; the row is freed if
+        that was its last, and otherwise fed its token at the next step."""
         request = self.slots[row]
         try:
             step = request.output.next(logits, token)

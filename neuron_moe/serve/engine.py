@@ -1,7 +1,8 @@
 """The serving engine: what a request may ask, and the tokens and text it gets back.
 
 `Output` is one request's side of generation: sampling (greedy at temperature 0, else
-temperature and top-p with a per-request seeded generator), EOS, stop sequences and max_tokens,
+temperature, top-k and top-p from a per-request seeded generator's draws: `static/sampling.py`,
+in the graphs or, for a request served alone, on the host), EOS, stop sequences and max_tokens,
 and the text that is safe to send after each token (a partial stop string or a partial UTF-8
 character is held back until it resolves). `Engine` checks a request against the backend's limits
 and runs one request per calling thread over a backend with a state per request:
@@ -22,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import UserError
+from ..static.sampling import GREEDY, GREEDY_BELOW, pick, sampling_row
 
 
 class RequestError(UserError):
@@ -41,6 +43,7 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
@@ -52,24 +55,10 @@ class Step:
     completion_tokens: int  # tokens generated so far (an EOS counts)
 
 
-# Below this temperature, sampling is greedy: logits / 1e-300 overflow to inf and softmax to NaN
-# (vLLM draws the line at the same place).
-GREEDY_BELOW = 1e-5
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token from [V] logits: argmax at temperature 0 (or below GREEDY_BELOW), else nucleus sampling."""
-    if temperature < GREEDY_BELOW:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # keep a token while the mass of the tokens before it is still short of top_p:
-        # the smallest prefix whose mass reaches top_p (the top token always stays)
-        keep = (sorted_p.cumsum(0) - sorted_p) < top_p
-        keep[0] = True  # also when top_p underflows in float32 (5e-324 is 0 there)
-        return int(order[torch.multinomial(sorted_p * keep, 1, generator=generator)])
-    return int(torch.multinomial(probs, 1, generator=generator))
+def sample(logits: torch.Tensor, row: tuple) -> int:
+    """One token from [V] logits on the host: the graphs' own `pick`, every token a candidate
+    (nothing capped); -1 for non-finite logits."""
+    return int(pick(logits.float()[None], torch.tensor([row], dtype=torch.float32), logits.shape[-1])[0, 0])
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -89,13 +78,14 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 class Output:
     """One request's output: the token it takes from each step, and the text a client is sent.
 
-    `next(logits, token)` picks the request's next token — the graph's own greedy pick (`token`,
-    where the graphs return one) at temperature 0, else from the logits [V]: argmax at temperature
-    0, temperature and top-p with the request's own seeded generator otherwise, so a seeded request
-    samples the same whatever runs beside it — and returns its Step: EOS, a stop string or
-    max_tokens end it, and the text is what is safe to send (a partial stop string or a partial
-    UTF-8 character is held back until it resolves). The same for a request served alone
-    (`Engine.generate`) and for a row of a batch (`batching.BatchEngine`).
+    `sampling()` is the request's row of the graphs' `sampling` input for its next token (its
+    temperature, top-k, top-p and a fresh uniform draw from its own seeded generator, so a seeded
+    request samples the same whatever runs beside it); `next(logits, token)` takes the token the
+    graph chose from it (`token`), or chooses it on the host from the logits [V] with the same
+    function — and returns its Step: EOS, a stop string or max_tokens end it, and the text is what
+    is safe to send (a partial stop string or a partial UTF-8 character is held back until it
+    resolves). The same for a request served alone (`Engine.generate`) and for a row of a batch
+    (`batching.BatchEngine`).
     """
 
     def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams):
@@ -107,12 +97,24 @@ class Output:
         self.sent = 0  # characters of the decoded text already handed out
         self.token: int | None = None  # the latest token, which the backend is fed next
 
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature < GREEDY_BELOW
+
+    def sampling(self) -> tuple[float, float, float, float]:
+        """The next token's sampling row; a sampled request draws its uniform here, once per token."""
+        if self.greedy:
+            return GREEDY
+        params = self.params
+        u = float(torch.rand((), generator=self.generator))
+        return sampling_row(params.temperature, params.top_k, params.top_p, u)
+
     def next(self, logits: torch.Tensor | None, token: int | None = None) -> Step:
         params = self.params
-        if logits is not None and not torch.isfinite(logits).all():  # else argmax picks a NaN, sampling fails
+        if token is None:
+            token = sample(logits, self.sampling())
+        if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
-        if token is None or params.temperature != 0:
-            token = sample(logits, params.temperature, params.top_p, self.generator)
         self.token, self.count = token, self.count + 1
         if token in self.eos_ids:
             return Step(self._text()[self.sent:], "stop", self.count)
@@ -140,25 +142,24 @@ class Engine:
 
     rows: int | None = None  # a batching engine's rows (batching.py); None: one request per thread
 
-    def __init__(self, backend, tokenizer, max_context: int, eos_ids: set[int], max_prompt: int | None = None):
+    def __init__(self, backend, tokenizer, max_context: int, eos_ids: set[int]):
         self.backend, self.tokenizer = backend, tokenizer
-        self.max_context = max_context
-        self.max_prompt = max_prompt  # a static backend's largest prefill bucket (None: any prompt that fits)
+        self.max_context = max_context  # prompt + generated tokens
         self.eos_ids = frozenset(eos_ids)
-        self.greedy_only = getattr(backend, "greedy_only", False)
+        # the most top_k the backend samples from exactly (its graphs' candidate width; None: any)
+        self.max_top_k: int | None = getattr(backend, "candidates", None)
 
-    def check_sampling(self, temperature: float) -> None:
-        """A RequestError if the backend cannot sample this request."""
-        if self.greedy_only and temperature != 0:
-            raise RequestError(f"this backend's graphs return the greedy token only (an artifact built without "
-                               f"--with-logits): temperature must be 0, got {temperature}", "temperature")
+    def check_sampling(self, params: SamplingParams) -> None:
+        """A RequestError if the backend cannot sample this request as asked."""
+        if self.max_top_k is not None and params.top_k > self.max_top_k:
+            raise RequestError(f"this backend's graphs sample among the {self.max_top_k} most likely tokens: top_k "
+                               f"must be at most {self.max_top_k} (or 0, off), got {params.top_k}", "top_k")
 
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
         """The request's token budget: what it asked for, or what is left of the context (a request
         that runs to the end of the cache ends with "length")."""
-        if self.max_prompt is not None and n_prompt > self.max_prompt:
-            raise RequestError(f"the prompt is {n_prompt} tokens; this backend's largest prefill bucket holds "
-                               f"{self.max_prompt}", "prompt")
+        if n_prompt < 1:  # a tokenizer that adds no BOS, and an empty prompt: nothing to prefill
+            raise RequestError("the prompt has no tokens", "prompt")
         room = self.max_context - n_prompt
         if room < 1:
             raise RequestError(f"the prompt is {n_prompt} tokens; this model's context is {self.max_context} "
@@ -175,7 +176,7 @@ class Engine:
 
     def output(self, params: SamplingParams) -> Output:
         """A new request's Output; a RequestError if the backend cannot sample it."""
-        self.check_sampling(params.temperature)
+        self.check_sampling(params)
         return Output(self.tokenizer, self.eos_ids, params)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,

@@ -11,14 +11,14 @@ each call to the key whose example inputs match), weights/tp{r}_sharded_checkpoi
 
 Served by the batching engine (`batching.py`) as a `GraphRuntime` (`runtime.py`), B = the
 manifest's batch_size rows, each request in its own cache row:
-  prefill  model(input_ids, attention_mask, position_ids [1, bucket], row_ids [1]), the prompt
-           left-padded to the smallest bucket -> token [1, 1] (, logits [1, V])
-  decode   model(input_ids [B, 1], position_ids [B, 1]) -> token [B, 1] (, logits [B, V])
+  prefill  model(input_ids, attention_mask, position_ids [P, bucket], row_ids [P], sampling [P, 4]),
+           P of the manifest's prefill_rows chunks of prompts, each left-padded to the bucket
+           -> token [P, 1] (, logits [P, V])
+  decode   model(input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1] (, logits [B, V])
 The KV cache is the artifact's state: it stays on the device (NxD's input_output_aliases) and
-never crosses the call. An artifact built without --with-logits returns the greedy token alone:
-it serves temperature 0 only (on-device sampling would plug in at the graphs' `pick`,
-`static/decoder.py`); one built with it returns the logits too, and the engine samples each
-sampled row on the host.
+never crosses the call. The graphs choose each row's token themselves, greedy or sampled
+(temperature, top-k among the manifest's `candidates`, top-p: `static/sampling.py`), so an artifact
+without logits (the default) serves every request; one built --with-logits also returns them.
 """
 
 from __future__ import annotations
@@ -61,5 +61,6 @@ def neuron_runtime(artifacts: Path, port) -> GraphRuntime:
     model.nxd_model.initialize(shards, torch.tensor([0], dtype=torch.int32))
     # one callable: NxD routes each call to the key whose example inputs match its shapes
     return GraphRuntime(model, model, batch=manifest["batch_size"], buckets=manifest["buckets"],
+                        prefill_rows=manifest["prefill_rows"], chunk=manifest["prefill_chunk"],
                         max_length=manifest["max_length"], logits=manifest["logits"],
-                        pad_id=port.config.pad_token_id or 0)
+                        candidates=manifest["candidates"], pad_id=port.config.pad_token_id or 0)

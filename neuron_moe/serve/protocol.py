@@ -1,16 +1,36 @@
 """Request bodies of the OpenAI dialect and errors in its shape.
 
-Unknown fields are ignored (clients send `extra_body` as-is); fields we cannot honour
-(n > 1, logprobs, echo, best_of, tools) are refused with 400 rather than silently dropped.
+Every field is checked against OpenAI's schema and ranges, strictly: a value of the wrong JSON
+type is refused, never coerced ("0.5" is not a temperature, 1.0 is not a max_tokens, 1 is not a
+`stream`), and `null`, where OpenAI allows it, means the field's default. Unknown fields are
+ignored (clients send `extra_body` as-is); a field this server knows but cannot honour, OpenAI's
+or one of vLLM's sampling extras, is refused with 400 naming it when it asks for anything but its
+default (`UNSUPPORTED`): never accepted and ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+
+# What the server cannot do yet, by field: the values that ask for nothing (their defaults). Any
+# other value is a 400 naming the field. OpenAI's fields, then vLLM's sampling extras that clients
+# of vLLM send through `extra_body`.
+UNSUPPORTED: dict[str, tuple] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
+    "logprobs": (False,), "top_logprobs": (), "best_of": (1,),
+    "echo": (False,), "tools": ([],), "functions": ([],), "function_call": ("none", "auto"),
+    "suffix": ("",), "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (),
+    "web_search_options": (),
+    "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "ignore_eos": (False,),
+    "stop_token_ids": ([],), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
+    "length_penalty": (1, 1.0), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
+}
 
 
 class APIError(Exception):
@@ -42,12 +62,16 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
-class TextPart(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True)  # JSON types as they are: nothing coerced
+
+
+class TextPart(_Strict):
     type: Literal["text"]
     text: Text
 
 
-class Message(BaseModel):
+class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
 
@@ -55,25 +79,67 @@ class Message(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
 
 
-class _Sampling(BaseModel):
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v):
+        if v != "text":
+            raise ValueError(f"response_format {v!r} is not supported by this server (only 'text')")
+        return v
+
+
+def _token_id(key: str) -> str:
+    if not key.isdigit() or len(key) > 12:
+        raise ValueError(f"logit_bias keys are token ids (decimal digits), got {key!r}")
+    return key
+
+
+class _Sampling(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stream: bool = False
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extra: -1 or 0 is off
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    n: int = 1
-    best_of: int | None = None
-    echo: bool = False
-    logprobs: bool | int | None = None
+    n: int | None = Field(None, ge=1, le=128)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[int, Field(ge=-100, le=100)]] | None = \
+        Field(None, max_length=MAX_LOGIT_BIAS)
+    user: str | None = None
     tools: list | None = None
+    tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused
+    functions: list | None = None
+    function_call: Literal["none", "auto"] | dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_extras(cls, data: Any):
+        """An unsupported field this model does not declare (vLLM's extras): refused by name unless
+        null or its default."""
+        if isinstance(data, dict):
+            for name in sorted(set(data) & set(UNSUPPORTED) - set(cls.model_fields)):
+                _refuse_unless_default(name, data[name])
+        return data
+
+    @model_validator(mode="after")
+    def _unsupported_fields(self):
+        """An unsupported field this model declares: its type and range checked, then refused by
+        name unless null or its default."""
+        for name in sorted(self.model_fields_set & set(UNSUPPORTED)):
+            _refuse_unless_default(name, getattr(self, name))
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -85,19 +151,19 @@ class _Sampling(BaseModel):
             raise ValueError("a stop sequence must not be empty")
         return stops
 
-    @field_validator("n", "best_of")
+    @field_validator("n")
     @classmethod
     def _one(cls, v, info):
         if v is not None and v != 1:
             raise ValueError(f"only {info.field_name}=1 is supported")
         return v
 
-    @field_validator("echo", "logprobs", "tools")
-    @classmethod
-    def _unsupported(cls, v, info):
-        if v:
-            raise ValueError(f"{info.field_name} is not supported by this server")
-        return v
+    @property
+    def sampling(self) -> dict:
+        """temperature, top_p, top_k and seed with their defaults for null (top_k off: 0)."""
+        return {"temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "top_k": max(self.top_k or 0, 0), "seed": self.seed}
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -111,6 +177,10 @@ class _Sampling(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None  # "audio" is refused as not one of these
 
 
 PROMPT_FORMS = "a string, a list of token ids, or a list of one of either"
@@ -130,6 +200,10 @@ class CompletionRequest(_Sampling):
     request: several are refused, naming how many)."""
 
     prompt: Text | list
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1, le=20)
+    echo: bool | None = None
+    suffix: Text | None = None  # logprobs 0 asks for the chosen tokens' logprobs: not nothing
 
     @field_validator("prompt")
     @classmethod
@@ -172,3 +246,23 @@ class DetokenizeRequest(BaseModel):
     @classmethod
     def _ids(cls, v):
         return _token_ids(v) if v else v
+
+
+class FieldError(ValueError):
+    """A check across fields that names the one at fault (`app._validation_error` reads `field`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _refuse_unless_default(name: str, value) -> None:
+    if isinstance(value, BaseModel):
+        value = value.model_dump(exclude_none=True)
+    if value is not None and not any(value == d and type(value) is type(d) for d in UNSUPPORTED[name]):
+        raise FieldError(name, f"{name}={_short(value)} is not supported by this server")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

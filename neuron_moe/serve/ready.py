@@ -1,9 +1,11 @@
 """What happens between an engine loading and /health answering 200: the context limit a server
 was asked for (`--max-model-len`), a warm-up of every graph, and the start-up banner.
 
-Warm-up runs one prefill per prefill bucket and at least one decode step through the engine's own
-request path, as a request would: on Neuron the first call of each compiled key loads and
-initialises it, which a user's first request should not wait for.
+Warm-up calls every graph once before the first request: each prefill graph (every row count of
+`prefill_rows` at every bucket) and the decode graph of a batching engine's runtime, greedy, or one
+request through the per-request engine. On Neuron the first call of each compiled key loads and
+initialises it, which a user's first request should not wait for. The rows it writes hold nothing
+a request reads: a row's prefill writes every position its request will read before it reads it.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import UserError
+from ..static.sampling import GREEDY
 from .engine import Engine, SamplingParams
+from .runtime import Chunk
 
 log = logging.getLogger("neuron_moe.serve")
 
@@ -42,22 +48,28 @@ def check_max_model_len(max_model_len: int | None, context: int, what: str) -> N
 
 
 def warm_up(engine: Engine) -> int:
-    """One prefill in each bucket (a prompt one token longer than the bucket below it) and a decode
-    step after it, greedy, EOS ignored; the per-request engine gets one such request. Returns the
-    requests run."""
-    buckets = graph_buckets(engine) or [1]
-    lengths = [below + 1 for below in [0, *buckets[:-1]]]
-    endless = copy.copy(engine)  # a shallow copy: the same step loop and model, without EOS
-    endless.eos_ids = frozenset()
+    """Every graph of a batching engine's runtime called once (each prefill row count at each bucket,
+    then one decode step), greedy; the per-request engine gets one request, EOS ignored. Returns the
+    calls made."""
     token = engine.tokenizer.bos_token_id or 0
-    runs = 0
-    for n in lengths:
-        room = engine.max_context - n
-        if room >= 1:
-            for _ in endless.generate([token] * n, SamplingParams(min(2, room), temperature=0.0)):
-                pass
-            runs += 1
-    return runs
+    runtime = getattr(engine, "runtime", None)
+    if runtime is None:
+        endless = copy.copy(engine)  # a shallow copy: the same model, without EOS
+        endless.eos_ids = frozenset()
+        if engine.max_context < 2:  # no room for a token after the prompt
+            return 0
+        for _ in endless.generate([token], SamplingParams(min(2, engine.max_context - 1), temperature=0.0)):
+            pass
+        return 1
+    calls = 0
+    for rows in runtime.prefill_rows:
+        for bucket in runtime.buckets:
+            runtime.prefill([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)])
+            calls += 1
+    batch = runtime.batch
+    runtime.decode(torch.full((batch, 1), token), torch.zeros(batch, 1, dtype=torch.long),
+                   torch.tensor([GREEDY] * batch))
+    return calls + 1
 
 
 def ready(engine: Engine, banner: Banner, max_model_len: int | None, what: str) -> Engine:
@@ -69,7 +81,7 @@ def ready(engine: Engine, banner: Banner, max_model_len: int | None, what: str) 
     runs = warm_up(engine)
     buckets = graph_buckets(engine)
     rows = f"{engine.rows} batch rows" if engine.rows else "one request per thread"
-    log.info("serving %s as %s: backend %s, dtype %s, context %d tokens, %s, %s; warmed up in %.2f s (%d requests)",
+    log.info("serving %s as %s: backend %s, dtype %s, context %d tokens, %s, %s; warmed up in %.2f s (%d graph calls)",
              banner.port, ", ".join(banner.names), banner.backend, banner.dtype, engine.max_context, rows,
              f"prefill buckets {', '.join(map(str, buckets))}" if buckets else "any prompt length",
              time.perf_counter() - started, runs)

@@ -9,6 +9,9 @@ waiting without bound. Two ways to run what is admitted:
 A slot is released when the generation ends (`Job.end`) — not when its client leaves — so the
 count never over-admits; a client that goes away sets the job's cancel flag, and generation
 stops at the next token (the batching engine frees the row at its next step).
+
+Every request's Steps pass through its Job, whichever engine runs it: that is where its latencies
+and tokens are counted for /metrics (`metrics.RequestClock`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .engine import SamplingParams
+from .metrics import Metrics, RequestClock
 from .protocol import APIError
 
 log = logging.getLogger("neuron_moe.serve")
@@ -30,11 +35,13 @@ class Job:
     """One request's generation: whichever thread generates it calls `put(step)`, `fail(error)`
     and, once, `end()`; the event loop reads them from an asyncio queue (`events`)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: Metrics | None = None, prompt_tokens: int = 0):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.done: asyncio.Future = loop.create_future()  # resolved by end(), on the loop
+        self.clock, self.prompt_tokens = RequestClock(metrics, time.perf_counter()), prompt_tokens
+        self.finish_reason: str | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -51,12 +58,16 @@ class Job:
             self.end()
 
     def put(self, step) -> None:
+        self.clock.token(time.perf_counter(), self.prompt_tokens)
+        self.finish_reason = step.finish_reason or self.finish_reason
         self._send(self.queue.put_nowait, step)
 
     def fail(self, error: Exception) -> None:
+        self.finish_reason = None  # counted as an abort
         self._send(self.queue.put_nowait, error)
 
     def end(self) -> None:
+        self.clock.end(self.finish_reason)
         self._send(self._finish)
 
     def _finish(self) -> None:
@@ -84,15 +95,27 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, max_running: int | None, max_queue: int):
+    def __init__(self, max_running: int | None, max_queue: int, metrics: Metrics | None = None):
         """`max_running` None: a batching engine's rows, else 1 (set by `open`)."""
         self.max_running, self.max_queue = max_running, max_queue
         self.executor: ThreadPoolExecutor | None = None
         self.admitted = 0  # running + waiting; touched only on the event loop
         self.jobs: set[Job] = set()
+        self.metrics = metrics
+
+    def load(self, engine=None) -> tuple[int, int, int | None, int | None]:
+        """(running, waiting, rows, rows in use): the batching engine's own, else this admission's."""
+        if engine is not None and engine.rows is not None:
+            return engine.load()
+        running = min(self.admitted, self.max_running or 0)
+        return running, self.admitted - running, None, None
 
     def open(self, engine) -> None:
-        """Size the admission for the engine that is ready to serve."""
+        """Size the admission for the engine that is ready to serve (and count its calls)."""
+        if self.metrics is not None:
+            self.metrics.watch(lambda: self.load(engine))
+            if engine.rows is not None:
+                engine.metrics = self.metrics
         if engine.rows is not None:
             if self.max_running not in (None, engine.rows):
                 raise ValueError(f"the batching engine runs its {engine.rows} rows at once; max_running "
@@ -108,7 +131,7 @@ class Scheduler:
                                 f"{self.max_queue} waiting; retry later", "server_overloaded",
                            code="queue_full", retry_after=OVERLOADED_RETRY_AFTER_S)
         loop = asyncio.get_running_loop()
-        job = Job(loop)
+        job = Job(loop, self.metrics, len(prompt_ids))
         if self.executor is None:
             engine.submit(prompt_ids, params, job)
         else:

@@ -89,11 +89,17 @@ def plan_load(args):
         raise ServeError(f"--backend {args.backend} batches: it runs as many requests at once as its graphs have "
                          f"rows{' (--batch-size)' if args.backend == STATIC else ''}; --max-running is for the "
                          f"per-request backends")
-    if args.batch_size is not None and args.backend != STATIC:
-        raise ServeError(f"--batch-size sets the rows of --backend static's graphs; --backend {args.backend} "
-                         + ("takes its batch from the artifact's manifest" if args.backend == "neuron"
-                            else "runs one request per thread (--max-running)"))
+    for flag, value in (("--batch-size", args.batch_size), ("--prefill-rows", args.prefill_rows),
+                        ("--prefill-chunk", args.prefill_chunk)):
+        if value is not None and args.backend != STATIC:
+            raise ServeError(f"{flag} shapes --backend static's graphs; --backend {args.backend} "
+                             + ("takes its shapes from the artifact's manifest" if args.backend == "neuron"
+                                else "runs one request per thread (--max-running)"))
     if args.backend == STATIC:
+        spec = port.static_spec("--backend static")
+        if args.prefill_chunk is not None and args.prefill_chunk not in spec.buckets:
+            raise ServeError(f"--prefill-chunk {args.prefill_chunk} is not one of the port's buckets "
+                             f"{list(spec.buckets)}")
         check_static_memory(port, args.batch_size, DTYPES[args.dtype] if args.dtype else port.dtype)
     if args.backend == "neuron":
         if local is None:
@@ -120,7 +126,8 @@ def plan_load(args):
             if args.backend != "neuron":
                 checkpoint = local
         engine = load_engine(port, args.backend, checkpoint=checkpoint, artifacts=local,
-                             dtype=DTYPES[args.dtype] if args.dtype else None, batch_size=args.batch_size)
+                             dtype=DTYPES[args.dtype] if args.dtype else None, batch_size=args.batch_size,
+                             prefill_rows=args.prefill_rows, prefill_chunk=args.prefill_chunk)
         found = neuron.read_manifest(local) if args.backend == "neuron" else None
         dtype = found["dtype"] if found else str(args.dtype or port.dtype).removeprefix("torch.")
         banner = ready.Banner(port.name, tuple(served_names(args, port)), args.backend, dtype)

@@ -23,8 +23,15 @@ own row, and positions 0..p are the row's real tokens (nothing else is ever writ
 The decode mask follows from the row's position alone (`ring_positions`), so decode takes no
 mask input, and the rows of a batch can sit at different positions. A prefill writes whole rows
 (`index_copy` on the batch dimension, by row id): the rows it does not name are not touched.
-What a row's slots held before its prefill is never read: prefill rewrites the whole ring of
-every layer, and a later slot is written by its own decode step before anything attends to it.
+A prefill is a chunk of a prompt at positions s..s+n-1: its queries attend over the row's ring
+(the positions before s that the ring still holds: none for a first chunk, s = 0) and the chunk
+itself, and the row's new ring takes each index from the chunk where the chunk holds that index's
+latest position, from the old ring elsewhere. What a row's slots held before its first chunk is
+never read (every ring index then holds a negative position, which the masks hide), and a later
+slot is written by its own chunk or decode step before anything attends to it. A row between two
+chunks of its prompt sits in the decode batch with nothing to do at position s (the next chunk's
+first): the one slot that writes is the next chunk's to rewrite, and no query of that chunk
+attends to what it held (position s - length).
 
 Why not transformers' StaticCache: its StaticSlidingWindowLayer branches on a Python int (how
 full the window is), so an exported graph would freeze one branch — transformers' own export
@@ -106,23 +113,28 @@ def ring_positions(last: torch.Tensor, length: int) -> torch.Tensor:
 class GraphCache:
     """What HF's attention layers call: `update(key, value, layer_idx)` -> the K/V to attend over.
 
-    Prefill (`rows` given): attention runs over the bucket's own K/V (its mask handles the pads);
-    each layer's new state is the old one with the prefilled rows replaced by rings gathered from
-    the bucket. Decode: each row's K/V is scattered into index position % length of its own row
-    and attention runs over the whole ring. The new state of every layer is collected in `new`.
+    Prefill (`rows` given, and each row's first position `start` [P, 1]): attention runs over the
+    row's ring then the bucket's own K/V (`chunk_mask` handles the pads and what the ring holds);
+    each layer's new state is the old one with the prefilled rows' rings updated from the bucket.
+    Decode: each row's K/V is scattered into index position % length of its own row and attention
+    runs over the whole ring. The new state of every layer is collected in `new`.
     """
 
-    def __init__(self, state: KVCache, positions: torch.Tensor, rows: torch.Tensor | None = None):
-        self.state, self.positions, self.rows = state, positions, rows
+    def __init__(self, state: KVCache, positions: torch.Tensor, rows: torch.Tensor | None = None,
+                 start: torch.Tensor | None = None):
+        self.state, self.positions, self.rows, self.start = state, positions, rows, start
         self.new: list[torch.Tensor | None] = [None] * len(state.names)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         length = self.state.layout[layer_idx].length
         old = self.state.tensors()[2 * layer_idx: 2 * layer_idx + 2]
         if self.rows is not None:
-            index = _bucket_columns(self.positions, length)
-            new = [o.index_copy(0, self.rows, _gather_seq(t, index)) for o, t in zip(old, (key, value))]
-            attend = (key, value)
+            held, index = _bucket_columns(self.positions, length)
+            rings = [o.index_select(0, self.rows) for o in old]
+            from_chunk = (held >= self.start)[:, None, :, None]
+            new = [o.index_copy(0, self.rows, torch.where(from_chunk, _gather_seq(t, index), ring))
+                   for o, t, ring in zip(old, (key, value), rings)]
+            attend = tuple(torch.cat([ring, t], dim=2) for ring, t in zip(rings, (key, value)))
         else:
             index = torch.remainder(self.positions, length)  # [B, 1]
             new = [o.scatter(2, _expand(index, t), t) for o, t in zip(old, (key, value))]
@@ -140,14 +152,15 @@ def _gather_seq(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return states.gather(2, _expand(index, states))
 
 
-def _bucket_columns(positions: torch.Tensor, length: int) -> torch.Tensor:
-    """A left-padded bucket's positions [R, bucket] -> [R, length]: the bucket column that each
-    ring index takes after the prompt (the column of the position it holds; column 0 where it holds
-    none yet, which the decode mask hides until that position is decoded)."""
+def _bucket_columns(positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded bucket's positions [R, bucket] -> ([R, length] the position each ring index
+    holds after the chunk, [R, length] the bucket column it sits in: meaningful where that position
+    is the chunk's; clamped to column 0 elsewhere, where the old ring's value is kept or, before
+    any position reaches that index, the masks hide it)."""
     bucket = positions.shape[1]
-    last = positions[:, -1:]  # the last column is every row's last prompt token
+    last = positions[:, -1:]  # the last column is every row's last token of the chunk
     held = ring_positions(last, length)
-    return (held + (bucket - 1 - last)).clamp(min=0)  # position q sits in column q + pads
+    return held, (held + (bucket - 1 - last)).clamp(min=0)  # position q sits in column q - last + bucket - 1
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -155,14 +168,26 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def prefill_mask(attention_mask: torch.Tensor, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-    """Causal (and, for sliding layers, windowed) attention over the bucket, pads masked."""
+def chunk_mask(attention_mask: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, window: int | None,
+               length: int, dtype: torch.dtype) -> torch.Tensor:
+    """A chunk's queries [P, bucket] against the row's ring of `length` indices, then the bucket
+    ([P, 1, bucket, length + bucket]): a ring index is visible if it holds a position before the
+    chunk's `start` (and, in a sliding layer, within the query's window); a bucket column if it is
+    a real token at most the query's position (and within the window). Causal by construction:
+    everything in the ring comes before every token of the chunk."""
     slots = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     dist = slots[:, None] - slots[None, :]  # query column - key column
     allowed = dist >= 0
     if window is not None:
         allowed = allowed & (dist < window)
-    return _additive(allowed[None] & attention_mask.bool()[:, None, :], dtype)
+    own = allowed[None] & attention_mask.bool()[:, None, :]
+    held = ring_positions(start - 1, length)[:, None, :]  # [P, 1, length]; negative: nothing yet
+    ring = held >= 0
+    if window is not None:
+        ring = ring & (positions[:, :, None] - held < window)
+    else:
+        ring = ring.expand(-1, positions.shape[1], -1)
+    return _additive(torch.cat([ring, own], dim=-1), dtype)
 
 
 def decode_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:

@@ -10,24 +10,19 @@ implementation each graph uses.
 The calls (every shape fixed at build time; P prefill rows, B = the cache's rows):
 
   Prefill  (input_ids [P, bucket], attention_mask [P, bucket], position_ids [P, bucket],
-            row_ids [P]) -> token [P, 1]
-           each prompt left-padded to the bucket; writes cache rows `row_ids` only
-  Decode   (input_ids [B, 1], position_ids [B, 1]) -> token [B, 1]
+            row_ids [P], sampling [P, 4]) -> token [P, 1]
+           each row a chunk of a prompt, left-padded to the bucket, at its own positions: the
+           first chunk of a prompt starts at 0, a later one where the one before ended and
+           attends to the row's cache too (chunked prefill); writes cache rows `row_ids` only
+           (a row id may repeat with the very same inputs: P is padded that way)
+  Decode   (input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1]
            every row at its own position; a row with nothing to do writes its own slot only
 
-The token is the greedy pick (argmax in the graph). A graph built with `logits=True` also returns
-the fp32 logits it came from ([rows, V], after the token): for validation, never for serving,
-where only the token may cross to the host. With an aliased cache (NxD), the new state follows
-as extra outputs, mapped onto the state by `output_aliases()`.
-
-Sampling: `pick` is the one place a graph chooses the token. The serving engine
-(`serve/batching.py`) takes it as it is for greedy rows and samples the other rows on the host
-from the logits of a `logits=True` graph, with each request's own seeded generator. On-device
-sampling would plug in at `pick`: a `sampling [B, 3]` input after the positions (temperature,
-top_p, and a uniform draw u in [0, 1) from the request's generator on the host), and `pick`
-greedy where temperature == 0, else softmax(logits / temperature) cut to the top_p nucleus and
-inverted at u (a cumsum and a compare: fixed shapes) — what NxD's OnDeviceSamplingConfig does.
-Until then, an artifact without logits serves temperature 0 only.
+The token is chosen in the graph (`pick`, `sampling.py`): per row, greedy at temperature 0, else
+temperature, top-k and top-p from the row's own uniform draw. A graph built with `logits=True`
+also returns the fp32 logits it came from ([rows, V], after the token): for validation, never for
+serving, where only the token crosses to the host. With an aliased cache (NxD), the new state
+follows as extra outputs, mapped onto the state by `output_aliases()`.
 """
 
 from __future__ import annotations
@@ -36,7 +31,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .cache import SLIDING, GraphCache, KVCache, cache_layout, decode_mask, prefill_mask
+from .cache import SLIDING, GraphCache, KVCache, cache_layout, chunk_mask, decode_mask
+from .sampling import CANDIDATES
+from .sampling import pick as pick_token
 
 
 @contextmanager
@@ -59,11 +56,12 @@ def new_cache(model, max_cache_len: int, rows: int, aliased: bool = False) -> KV
 
 
 class _StaticGraph(torch.nn.Module):
-    def __init__(self, model, cache: KVCache, experts: str, logits: bool = False):
+    def __init__(self, model, cache: KVCache, experts: str, logits: bool = False, candidates: int = CANDIDATES):
         super().__init__()
         self.model = model
         self.cache = cache  # its tensors are named cache.k0, cache.v0, ... (cache.STATE)
         self.experts, self.logits = experts, logits
+        self.candidates = min(candidates, model.config.vocab_size)  # top-k / top-p candidate width
         # per layer type: the sliding window (None for global layers) and the ring length
         self.kinds = {spec.kind: (model.config.sliding_window if spec.kind == SLIDING else None, spec.length)
                       for spec in cache.layout}
@@ -82,33 +80,37 @@ class _StaticGraph(torch.nn.Module):
             raise ValueError("output_aliases() is for an aliased cache (NxD); this one is mutated in place")
         return {t: self.user_outputs + i for i, t in enumerate(self.cache.tensors())}
 
-    def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """[rows, V] fp32 -> the next token [rows, 1] (greedy; on-device sampling would go here)."""
-        return logits.argmax(-1, keepdim=True)
+    def pick(self, logits: torch.Tensor, sampling: torch.Tensor) -> torch.Tensor:
+        """[rows, V] fp32, [rows, 4] sampling -> the next token [rows, 1] (`sampling.pick`)."""
+        return pick_token(logits, sampling.float(), self.candidates)
 
-    def _run(self, input_ids, masks, position_ids, cache: GraphCache):
+    def _run(self, input_ids, masks, position_ids, sampling, cache: GraphCache):
         with experts_implementation(self.model, self.experts):
             out = self.model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, cache=cache,
                              use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()
-        token = self.pick(logits)
+        token = self.pick(logits, sampling)
         return ((token, logits) if self.logits else (token,)) + self.cache.commit(cache.new)
 
 
 class Prefill(_StaticGraph):
-    """forward(input_ids, attention_mask, position_ids, each [P, bucket]; row_ids [P]).
+    """forward(input_ids, attention_mask, position_ids, each [P, bucket]; row_ids [P]; sampling [P, 4]).
 
-    The rows are left-padded to the bucket: the last column is every row's last prompt token.
+    The rows are left-padded to the bucket: the last column is every row's last token of the
+    chunk, and a row's chunk starts at position `position_ids[:, -1] + 1 - (its real tokens)`.
     """
 
-    def forward(self, input_ids, attention_mask, position_ids, row_ids):
-        masks = {kind: prefill_mask(attention_mask, window, self.dtype) for kind, (window, _) in self.kinds.items()}
-        return self._run(input_ids, masks, position_ids, GraphCache(self.cache, position_ids, row_ids))
+    def forward(self, input_ids, attention_mask, position_ids, row_ids, sampling):
+        start = position_ids[:, -1:] + 1 - attention_mask.sum(-1, keepdim=True)  # [P, 1]
+        masks = {kind: chunk_mask(attention_mask, position_ids, start, window, length, self.dtype)
+                 for kind, (window, length) in self.kinds.items()}
+        return self._run(input_ids, masks, position_ids, sampling,
+                         GraphCache(self.cache, position_ids, row_ids, start))
 
 
 class Decode(_StaticGraph):
-    """forward(input_ids [B, 1], position_ids [B, 1]): row b's token at its position."""
+    """forward(input_ids [B, 1], position_ids [B, 1], sampling [B, 4]): row b's token at its position."""
 
-    def forward(self, input_ids, position_ids):
+    def forward(self, input_ids, position_ids, sampling):
         masks = {kind: decode_mask(position_ids, length, self.dtype) for kind, (_, length) in self.kinds.items()}
-        return self._run(input_ids, masks, position_ids, GraphCache(self.cache, position_ids))
+        return self._run(input_ids, masks, position_ids, sampling, GraphCache(self.cache, position_ids))

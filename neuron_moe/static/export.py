@@ -18,24 +18,27 @@ from ..port import StaticSpec
 from . import data_dependent_ops
 from .cache import STATE
 from .decoder import Decode, _StaticGraph
+from .loop import greedy_sampling
 
 
 def prefill_inputs(spec: StaticSpec, bucket: int, rows: int = 1) -> tuple[torch.Tensor, ...]:
-    """Example (input_ids, attention_mask, position_ids, row_ids): only their shapes matter. A
-    prefill fills `rows` cache rows (one: a request joins the batch alone)."""
+    """Example (input_ids, attention_mask, position_ids, row_ids, sampling): only their shapes
+    matter. A prefill fills `rows` cache rows."""
     shape = (rows, bucket)
     return (torch.zeros(shape, dtype=torch.long), torch.ones(shape, dtype=torch.long),
-            torch.arange(bucket).expand(shape).contiguous(), torch.arange(rows))
+            torch.arange(bucket).expand(shape).contiguous(), torch.arange(rows), greedy_sampling(rows))
 
 
 def decode_inputs(spec: StaticSpec) -> tuple[torch.Tensor, ...]:
-    """Example (input_ids, position_ids), each [batch, 1]."""
-    return torch.zeros(spec.batch_size, 1, dtype=torch.long), torch.zeros(spec.batch_size, 1, dtype=torch.long)
+    """Example (input_ids, position_ids [batch, 1], sampling [batch, 4])."""
+    return (torch.zeros(spec.batch_size, 1, dtype=torch.long), torch.zeros(spec.batch_size, 1, dtype=torch.long),
+            greedy_sampling(spec.batch_size))
 
 
-def example_inputs(spec: StaticSpec, bucket: int | None) -> tuple[torch.Tensor, ...]:
-    """The example inputs of the prefill graph of `bucket`, or of the decode graph (bucket None)."""
-    return decode_inputs(spec) if bucket is None else prefill_inputs(spec, bucket)
+def example_inputs(spec: StaticSpec, bucket: int | None, rows: int = 1) -> tuple[torch.Tensor, ...]:
+    """The example inputs of the prefill graph of `rows` rows and `bucket`, or of the decode graph
+    (bucket None)."""
+    return decode_inputs(spec) if bucket is None else prefill_inputs(spec, bucket, rows)
 
 
 def functional(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -57,13 +60,13 @@ def state_problems(program: torch.export.ExportedProgram, graph: _StaticGraph) -
     nodes = {n.name: n for n in program.graph.nodes}
     outputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_outputs]
     inputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_inputs]
-    expected_inputs = 2 if isinstance(graph, Decode) else 4
+    expected_inputs = 3 if isinstance(graph, Decode) else 5
     if len(outputs) != graph.user_outputs or any(len(s) != 2 for s in outputs):
         problems.append(f"user outputs {outputs}: expected the token{' and the logits' if graph.logits else ''} "
                         f"only, no KV tensor")
     if len(inputs) != expected_inputs or any(s in state.values() for s in inputs):
-        problems.append(f"user inputs {inputs}: expected {expected_inputs} (ids, positions, masks, row ids), "
-                        f"no KV tensor")
+        problems.append(f"user inputs {inputs}: expected {expected_inputs} (ids, positions, masks, row ids, "
+                        f"sampling), no KV tensor")
     return problems
 
 

@@ -3,9 +3,10 @@ decode per token for all rows at once, each row at its own position.
 
 The KV cache never passes through here: it is the graphs' state (`cache.py`). What the host
 sends is a prompt's ids, pad mask and positions (prefill, one row: its bucket is the prompt's
-own), the positions (decode); what comes back is the token (and the logits, from a graph built to
-return them). This is the shape a continuous-batching engine drives: a waiting request is
-prefilled into a free row while the others sit mid-generation.
+own), the positions (decode), and each row's sampling (greedy here: `sampling.GREEDY`); what comes
+back is the token (and the logits, from a graph built to return them). This is the shape a
+continuous-batching engine drives: a waiting request is prefilled into a free row while the others
+sit mid-generation.
 
 Only torch here: the TP ranks (`parallel/trace.py`) run this same loop in every process, and a
 rank process should import nothing it does not need.
@@ -15,14 +16,22 @@ from __future__ import annotations
 
 import torch
 
+from .sampling import GREEDY
 
-def prefill_row(prompt: torch.Tensor, bucket: int, pad_id: int):
-    """One prompt's ids [n] -> (input_ids, attention_mask, position_ids), each [1, bucket], left-padded."""
+
+def prefill_row(prompt: torch.Tensor, bucket: int, pad_id: int, start: int = 0):
+    """One chunk's ids [n] at positions start..start+n-1 -> (input_ids, attention_mask,
+    position_ids), each [1, bucket], left-padded (a pad's position is the chunk's first)."""
     n = prompt.shape[0]
     ids = torch.full((1, bucket), pad_id, dtype=torch.long)
     mask = torch.zeros((1, bucket), dtype=torch.long)
     ids[0, bucket - n:], mask[0, bucket - n:] = prompt, 1
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, start + (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def greedy_sampling(rows: int) -> torch.Tensor:
+    """The `sampling` input of `rows` greedy rows ([rows, 4])."""
+    return torch.tensor([GREEDY] * rows)
 
 
 def bucket_for(n: int, buckets) -> int:
@@ -46,7 +55,7 @@ def run_graphs(graphs: dict, batch: int, pad_id: int, input_ids: torch.Tensor, a
     first = []
     for row, n in enumerate(lengths.tolist()):
         bucket = bucket_for(n, buckets)
-        inputs = (*prefill_row(input_ids[row, width - n:], bucket, pad_id), torch.tensor([row]))
+        inputs = (*prefill_row(input_ids[row, width - n:], bucket, pad_id), torch.tensor([row]), greedy_sampling(1))
         first.append(graphs[f"prefill {bucket}"](*(x.to(device) for x in inputs)))
     # the first tokens to the host, where the decode batch is put together (a cat on a lazy
     # device would be one more graph)
@@ -58,10 +67,10 @@ def run_graphs(graphs: dict, batch: int, pad_id: int, input_ids: torch.Tensor, a
     start = torch.zeros(batch, 1, dtype=torch.long)
     start[:rows, 0] = lengths
     active = torch.arange(batch)[:, None] < rows
-    token = token.to(device)
+    token, sampling = token.to(device), greedy_sampling(batch).to(device)
     for step in range(max_new_tokens - 1):
         positions = torch.where(active, start + step, 0)  # the fed token's position
-        out = graphs["decode"](token, positions.to(device))
+        out = graphs["decode"](token, positions.to(device), sampling)
         token = out[0]
         tokens.append(token)
         if step_logits:
