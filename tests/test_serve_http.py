@@ -541,8 +541,10 @@ def test_the_queue_bound_holds_under_50_concurrent_clients(endless_engine):
     assert spy.outcomes == ["length"] * admitted
 
 
-def test_an_error_mid_stream_is_an_error_event_then_done(engine):
-    spy = Spy(engine, fail_after=3)
+def test_an_error_mid_stream_is_an_error_event_then_done(endless_engine):
+    """Every request is greedy and cannot end before its third token (no EOS): each one reaches the
+    injected fault, whatever the model would have said."""
+    spy = Spy(endless_engine, fail_after=3)
     with serving(make_app(spy)) as url:
         ready(url)
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=20, stream=True)) as r:
@@ -554,10 +556,11 @@ def test_an_error_mid_stream_is_an_error_event_then_done(engine):
         for event in events[:-2]:
             ChatCompletionChunk.model_validate(event)
         with pytest.raises(openai.APIError, match="injected backend fault"):
-            for _ in client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, stream=True):
+            for _ in client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, stream=True,
+                                                         temperature=0):
                 pass
         with pytest.raises(openai.InternalServerError, match="injected backend fault"):
-            client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20)
+            client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
         assert spy.outcomes == ["failed"] * 3
         spy.fail_after = None  # the server itself is unharmed
         assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
