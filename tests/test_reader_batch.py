@@ -210,17 +210,6 @@ def test_the_selectors_step_rule_runs_the_batch_step(case):
     assert rel_err(token.out, per_token.out) < 2e-6
 
 
-def test_step_reads_at_batch_one_are_todays_reads():
-    """The general step accounting charges one token's rows as `reads` does, on every geometry."""
-    for geo in (Geometry(hidden=2048, experts=128, top_k=8, intermediate=768),
-                Geometry(hidden=2816, experts=128, top_k=8, intermediate=704),
-                Geometry(hidden=200, experts=16, top_k=4, intermediate=40), GEO):
-        for settings in (A.ReaderSettings(), A.ReaderSettings(scan=128, rank=0), A.ReaderSettings(scan=40, rank=8)):
-            for k in (0, 1, 17, geo.channels - 1, geo.channels):
-                assert A.step_reads(geo, settings, A.token_rows(geo, settings, k)) == A.reads(geo, settings, k)
-            assert A.solve_step_k(geo, settings, geo.top_k, 0.3 * A.full_bytes(geo)) == A.solve_k(geo, settings, 30.0)
-
-
 def test_expected_union_under_uniform_routing():
     assert A.expected_union(GEO, 1) == pytest.approx(TOP_K)
     gen = torch.Generator().manual_seed(0)

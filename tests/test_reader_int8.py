@@ -62,7 +62,7 @@ def test_int8_at_17_8_percent_the_sketch_is_twice_its_bf16_share(geo):
     assert sum(A.reads(geo, A.ReaderSettings(weights="int8"), k).values()) <= 0.178 * b8["full_bytes"] \
         < sum(A.reads(geo, A.ReaderSettings(weights="int8"), k + 1).values())
     # equal bytes: the bf16 reader's 17.8 % buys the int8 reader nearly twice the channels
-    equal = A.solve_k_bytes(geo, A.ReaderSettings(weights="int8"), 0.178 * A.full_bytes(geo))
+    equal = A.solve_k(geo, A.ReaderSettings(weights="int8"), 17.8, full=A.full_bytes(geo))
     assert 1.8 * b16["k"] < equal < 2.1 * b16["k"]
 
 

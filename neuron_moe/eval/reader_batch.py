@@ -2,13 +2,14 @@
 independent per-token top-k (reader/batch.py), inside the model.
 
 The evaluation split's sequences (`reader_eval.sequences`) are decoded B at a time as a continuous
-batch over the static decoder's per-row KV cache (`static/decoder.py`): each row holds one
-sequence, its prompt prefilled with the full experts (every position before its first scored one),
-then one decode step per position, every row at its own position. Teacher-forced: the true next
-token is fed, so each token's context is its own sequence's, decoded by the same rule. A row whose
-sequence ends takes the next one; once every sequence has started, rows take them again from the
-start, unscored (fillers), so every step holds B tokens until the last scored sequence ends. The
-sequences are shuffled once (seeded), so a step mixes tasks.
+batch over the static decoder's per-row KV cache: the rows of `static/rows.py`, the loop serving
+drives too. Each row holds one sequence, its prompt prefilled with the full experts (every
+position before its first scored one, alone at its own length), then one decode step per
+position, every row at its own position. Teacher-forced: the true next token is fed, so each
+token's context is its own sequence's, decoded by the same rule. A row whose sequence ends takes
+the next one; once every sequence has started, rows take them again from the start, unscored
+(fillers), so every step holds B tokens until the last scored sequence ends. The sequences are
+shuffled once (seeded), so a step mixes tasks.
 
 Each decode step's routed experts go through a `selectors.Step` rule over the step's tokens (the
 idle rows of the last steps take no part); what the step read is recorded per layer, each row
@@ -26,17 +27,75 @@ import torch
 
 from ..experts.selector_experts import attach_selector
 from ..static.decoder import Decode, Prefill, new_cache
-from ..static.loop import greedy_sampling
+from ..static.rows import Rows
+from ..static.sampling import GREEDY
 from .reader_eval import Sequence
 
 
 @dataclass
 class Row:
-    seq: int  # index into the sequences
+    """One sequence in a row of the batch (the work a `Rows` runs)."""
+
+    prompt: list[int]  # prefilled with the full experts: the positions before the first scored one
     fed: list[int]  # the tokens fed so far and the next: the sequence (teacher-forced) or prompt + picks
     pos: int  # the position of the token fed next
-    end: int  # the last position to feed
-    scored: bool = True  # False: a filler, decoded only to keep the step full
+    last: int  # the last position to feed
+    logprobs: list | None  # its fed positions' log-probs [V] go here; None: a filler, decoded to keep the step full
+    picks: list | None  # and its greedy picks
+    generate: bool = False  # greedy generation: each pick is fed after the sequence's own tokens
+    eos: int | None = None  # greedy generation stops at it
+    decoding: bool = False  # past its prompt
+
+    @property
+    def scored(self) -> bool:
+        return self.logprobs is not None
+
+    def sampling(self) -> tuple[float, float, float, float]:
+        return GREEDY
+
+    def next(self, token: int | None, logits: torch.Tensor | None) -> int | None:
+        if not self.decoding:  # prefilled (or nothing to prefill): feed its first scored position's input
+            self.decoding = True
+            return self.fed[self.pos]
+        pick = int(logits.argmax())
+        if self.scored:
+            self.logprobs.append(logits.log_softmax(-1))
+            self.picks.append(pick)
+        if self.generate and self.pos + 1 >= len(self.fed):
+            self.fed.append(pick)
+        self.pos += 1
+        if self.pos > self.last or (self.generate and pick == self.eos):
+            return None
+        return self.fed[self.pos]
+
+    def end(self, error: Exception | None = None) -> None:
+        """Nothing to release: a failed graph call raises to `decode`'s caller."""
+
+
+class _Graphs:
+    """The static decoder as `Rows` calls it, at the evaluation's own shapes: every waiting prompt in
+    one prefill call, each prefilled alone at its own length with the full experts (no bucket, no
+    padding, so a position's numbers are the plain forward's); a decode step that returns its logits."""
+
+    def __init__(self, model, batch: int, max_length: int, decode_experts: str):
+        cache = new_cache(model, max_length, batch)
+        self._prefill = Prefill(model, cache, "eager")
+        self._decode = Decode(model, cache, decode_experts, logits=True)
+        self.batch, self.pad_id = batch, 0
+        self.chunk, self.prefill_rows = max_length, [batch]
+
+    def prefill(self, chunks):
+        tokens = []
+        for c in chunks:
+            ids = torch.tensor([c.ids])
+            positions = torch.arange(c.start, c.start + len(c.ids))[None]
+            out = self._prefill(ids, torch.ones_like(ids), positions, torch.tensor([c.row]), torch.tensor([c.sampling]))
+            tokens.append(out[0][0, 0])
+        return torch.stack(tokens), None
+
+    def decode(self, ids, positions, sampling):
+        token, logits = self._decode(ids, positions, sampling)[:2]
+        return token[:, 0], logits
 
 
 @dataclass
@@ -60,56 +119,38 @@ def decode(model, seqs: list[Sequence], batch: int, states=None, new_tokens: lis
     the decode steps run them, else the full experts. `new_tokens`: greedy generation of that many
     tokens per sequence after its prompt (stopping at `eos`), instead of teacher forcing."""
     longest = max(len(s.ids) + (new_tokens[i] if new_tokens else 0) for i, s in enumerate(seqs))
-    cache = new_cache(model, longest, batch)
-    prefill = Prefill(model, cache, "eager")
-    step = Decode(model, cache, "selector" if states else "eager", logits=True)
+    rows = Rows(_Graphs(model, batch, longest, "selector" if states else "eager"))
     queue = deque(order(len(seqs), seed))
     fillers = deque()
-    rows: list[Row | None] = [None] * batch
     out = Decoded([[] for _ in seqs], [[] for _ in seqs], [])
 
-    def take(r: int) -> None:
-        rows[r] = None
+    def take() -> Row | None:
+        """The next sequence for a free row: scored ones first, then fillers while a scored one runs."""
         scored = bool(queue)
-        if not scored and not any(row and row.scored for row in rows):
-            return
+        if not scored and not any(row.scored for row in rows.slots if row):
+            return None
         if not scored and not fillers:
             fillers.extend(order(len(seqs), seed))
         i = (queue if scored else fillers).popleft()
         s = seqs[i]
-        row = Row(i, list(s.ids), s.start, len(s.ids) - 2 + (new_tokens[i] if new_tokens else 0), scored)
-        if s.start:  # the prompt before the first scored position: prefilled, full experts
-            ids = torch.tensor([s.ids[:s.start]])
-            prefill(ids, torch.ones_like(ids), torch.arange(s.start)[None], torch.tensor([r]), greedy_sampling(1))
-        rows[r] = row
+        return Row(s.ids[:s.start], list(s.ids), s.start, len(s.ids) - 2 + (new_tokens[i] if new_tokens else 0),
+                   out.logprobs[i] if scored else None, out.picks[i] if scored else None, bool(new_tokens), eos)
 
-    for r in range(batch):
-        take(r)
-    while any(row and row.scored for row in rows):
-        active = torch.tensor([row is not None for row in rows])
-        ids = torch.tensor([[row.fed[row.pos] if row else 0] for row in rows])
-        positions = torch.tensor([[row.pos if row else 0] for row in rows])
+    while True:
+        rows.admit(take)
+        scored = sum(1 for row in rows.slots if row and row.scored)
+        if not scored:  # the last scored sequence has ended: the fillers go with it
+            break
+        rows.prefill()  # every prompt just admitted, in one call (`_Graphs`)
+        active = torch.zeros(batch, dtype=torch.bool)
+        active[rows.generating()] = True
         for state in states or ():
             state.active, state.results = active, []
-        _, logits = step(ids, positions, greedy_sampling(batch))
+        rows.decode()
         if states:
             out.steps.append({"tokens": int(active.sum()), "layers": [
                 {"bytes": int(st.results[0].reads[0]), "experts": st.results[0].step.experts,
                  "exact": st.results[0].step.exact} for st in states]})
-        logprobs = logits.log_softmax(-1)
-        scored = sum(1 for row in rows if row and row.scored)
-        for r, row in enumerate(rows):
-            if row is None:
-                continue
-            pick = int(logits[r].argmax())
-            if row.scored:
-                out.logprobs[row.seq].append(logprobs[r])
-                out.picks[row.seq].append(pick)
-            if new_tokens and row.pos + 1 >= len(row.fed):
-                row.fed.append(pick)
-            row.pos += 1
-            if row.pos > row.end or (new_tokens and pick == eos):
-                take(r)
         if progress is not None:
             progress.update(scored)
     out.logprobs = [torch.stack(lp) if lp else torch.zeros(0) for lp in out.logprobs]

@@ -12,18 +12,22 @@ For one token the reader reads, from its top_k experts:
 The full model reads each routed expert whole: gate_up [2I, H] and down [H, I] in bf16.
 A read of n bytes starting on a sector boundary touches ceil(n/32) sectors; where the
 layout cannot guarantee that start (a row length not a multiple of 32 bytes) one more.
+
+One definition charges every read: `step_reads` prices a set of distinct rows (`StepRows`), each
+read once — one token's (`token_rows`: that is `reads`) or a decode step's of B tokens. The
+blocks and code strips it charges are the sidecar's own (`sidecar.SidecarLayout`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from ..errors import UserError
 from ..report import table
 from .geometry import Geometry
-from .hadamard import padded
 from .prep import RANK, SCAN
-from .sidecar import BLOCK, CODES_PER_BYTE, SECTOR
+from .sidecar import BLOCK, CODES_PER_BYTE, SECTOR, SidecarLayout
 
 BF16 = 2
 INT8, FP32 = 1, 4
@@ -64,67 +68,45 @@ def row_sectors(nbytes: int) -> int:
     return sectors(nbytes) + (1 if nbytes % SECTOR else 0)
 
 
-def strip_bytes(geo: Geometry, settings: ReaderSettings) -> int:
-    """Bytes of one coordinate's codes for all gate/up rows (5 per byte, rows padded to whole sectors)."""
-    return padded(2 * geo.intermediate, SECTOR * CODES_PER_BYTE) // CODES_PER_BYTE
-
-
 def reads(geo: Geometry, settings: ReaderSettings, k: int) -> dict[str, int]:
-    """Bytes (whole sectors) read per token and layer with k exact channels, by part."""
-    if settings.weights != "bf16":
-        return step_reads(geo, settings, token_rows(geo, settings, k))
-    H, I, top_k = geo.hidden, geo.intermediate, geo.top_k
-    blocks = padded(H, BLOCK) // BLOCK
-    if k >= geo.channels:  # every channel exact: read the experts whole, no screen needed
-        return {"sketch": 0, "norms": 0, "exact": full_bytes(geo), "recovery": 0}
-    out = {
-        "sketch": SECTOR * top_k * (blocks * settings.scan * row_sectors(strip_bytes(geo, settings))
-                                    + row_sectors(blocks * 2 * I * BF16)),
-        "norms": SECTOR * top_k * row_sectors(I * BF16),
-        "exact": SECTOR * k * 3 * row_sectors(H * BF16),
-        "recovery": 0,
-    }
-    if settings.rank:
-        out["recovery"] = SECTOR * (sectors(H * settings.rank * BF16)
-                                    + (geo.channels - k) * row_sectors(settings.rank * BF16))
-    return out
+    """Bytes (whole sectors) read per token and layer with k exact channels, by part: the token's
+    rows (`token_rows`) as `step_reads` charges them."""
+    return step_reads(geo, settings, token_rows(geo, settings, k))
 
 
 def full_bytes(geo: Geometry) -> int:
-    """The full model's routed-expert reads per token and layer: top_k whole experts."""
-    H, I = geo.hidden, geo.intermediate
-    return SECTOR * geo.top_k * (row_sectors(2 * I * H * BF16) + row_sectors(H * I * BF16))
+    """The full model's routed-expert reads per token and layer: top_k whole experts in bf16."""
+    return geo.top_k * expert_read_bytes(geo)
 
 
-def solve_k(geo: Geometry, settings: ReaderSettings, budget: float) -> int:
-    """The largest k whose reads fit in `budget` percent of the full model's; 100 -> every channel."""
+def solve_k(geo: Geometry, settings: ReaderSettings, budget: float, full: float | None = None) -> int:
+    """The largest k whose reads fit in `budget` percent of `full` bytes (default: the full model's
+    read in the settings' weights); 100 -> every channel. A budget the screen alone overruns is
+    refused, unless the experts read whole fit in it (a share of a larger full read: int8 experts
+    at a share of bf16's)."""
     settings.check(geo)
     if not 0 < budget <= 100:
         raise BudgetError(f"budget must be in (0, 100] percent, got {budget}")
     if budget == 100:
         return geo.channels
-    if settings.weights != "bf16":  # a share of the experts' own full read
-        return solve_k_bytes(geo, settings, budget / 100 * full_reads(geo, settings), budget)
-    limit = budget / 100 * full_bytes(geo)
-    floor = sum(reads(geo, settings, 0).values())
-    if floor > limit:
-        parts = ", ".join(f"{name} {100 * v / full_bytes(geo):.2f}%"
-                          for name, v in reads(geo, settings, 0).items() if v)
+    own = full_reads(geo, settings)
+    limit = budget / 100 * (own if full is None else full)
+    floor = reads(geo, settings, 0)
+    if sum(floor.values()) > limit and own > limit:
+        parts = ", ".join(f"{name} {100 * v / own:.2f}%" for name, v in floor.items() if v)
+        experts = "" if settings.weights == "bf16" else f" of the {settings.weights} experts"
         raise BudgetError(f"budget {budget}% is below what the reader reads before any exact channel "
-                          f"({100 * floor / full_bytes(geo):.2f}%: {parts})")
-    per_channel = sum(reads(geo, settings, 1).values()) - floor  # reads are linear in k below the full read
-    return min(int((limit - floor) // per_channel), geo.channels - 1)
+                          f"({100 * sum(floor.values()) / own:.2f}%{experts}: {parts})")
+    return solve_step_k(geo, settings, geo.top_k, limit)
 
 
 def resident(geo: Geometry, settings: ReaderSettings) -> dict[str, int]:
-    """Bytes one layer's sidecar adds to memory (the down projection is rearranged, not copied)."""
-    H, E, I = geo.hidden, geo.experts, geo.intermediate
-    blocks = padded(H, BLOCK) // BLOCK
-    return {
-        "sketch": E * blocks * (BLOCK * strip_bytes(geo, settings) + 2 * I * BF16),
-        "norms": E * I * BF16,
-        "recovery": (H + E * I) * settings.rank * BF16,
-    }
+    """Bytes one layer's sidecar adds to memory (the down projection is rearranged, not copied): its
+    tensors at the settings' rank (`sidecar.SidecarLayout`)."""
+    held = {name: math.prod(shape) * dtype.itemsize
+            for name, (dtype, shape) in SidecarLayout(geo, settings.rank).layer_tensors().items()}
+    return {"sketch": held["codes"] + held["scales"], "norms": held["down_norms"],
+            "recovery": held["basis"] + held["coeffs"]}
 
 
 def expert_bytes(geo: Geometry) -> int:
@@ -149,7 +131,7 @@ def breakdown(geo: Geometry, settings: ReaderSettings, budget: float) -> dict:
     }
 
 
-# ---- int8 experts, and decode steps of B tokens (issue 23) ----
+# ---- int8 experts, and decode steps of B tokens ----
 #
 # int8 experts (reader/int8.py's layout): each exact channel reads its gate, up and down rows in
 # int8 and its (gate, up) scale pair, 8 bytes of fp32 side by side (one sector); each routed expert
@@ -158,7 +140,7 @@ def breakdown(geo: Geometry, settings: ReaderSettings, budget: float) -> dict:
 #
 # A decode step of B tokens reads every row once, however many of its tokens use it: the sketch
 # and norms of each expert in the union of the tokens' experts, each distinct exact channel, each
-# distinct b_j. At B = 1 that is `reads` (a test holds them equal).
+# distinct b_j. One token is the step of B = 1 (`token_rows`).
 
 
 @dataclass(frozen=True)
@@ -206,7 +188,7 @@ def batch_rows(geo: Geometry, settings: ReaderSettings, experts: int, k: int) ->
     channels = experts * geo.intermediate
     if k >= channels:
         return StepRows(experts, 0, channels, 0)
-    blocks = padded(geo.hidden, BLOCK) // BLOCK
+    blocks = SidecarLayout(geo, settings.rank).blocks
     return StepRows(experts, experts * blocks * settings.scan, k, channels - k if settings.rank else 0)
 
 
@@ -215,11 +197,11 @@ def step_reads(geo: Geometry, settings: ReaderSettings, rows: StepRows) -> dict[
     H, I = geo.hidden, geo.intermediate
     if rows.strips == 0:  # no screen: every channel of the union exact, its experts read whole
         return {"sketch": 0, "norms": 0, "exact": full_reads(geo, settings, rows.experts), "recovery": 0}
-    blocks = padded(H, BLOCK) // BLOCK
+    layout = SidecarLayout(geo, settings.rank)
     down_scales = rows.experts * row_sectors(H * FP32) if settings.weights == "int8" else 0
     out = {
-        "sketch": SECTOR * (rows.strips * row_sectors(strip_bytes(geo, settings))
-                            + rows.experts * row_sectors(blocks * 2 * I * BF16)),
+        "sketch": SECTOR * (rows.strips * row_sectors(layout.strip_bytes)
+                            + rows.experts * row_sectors(layout.blocks * 2 * I * BF16)),
         "norms": SECTOR * rows.experts * row_sectors(I * BF16),
         "exact": rows.exact * channel_bytes(geo, settings.weights) + SECTOR * down_scales,
         "recovery": 0,
@@ -243,19 +225,6 @@ def solve_step_k(geo: Geometry, settings: ReaderSettings, experts: int, limit: f
     return max(0, min(int((limit - floor) // (total(1) - floor)), channels - 1))
 
 
-def solve_k_bytes(geo: Geometry, settings: ReaderSettings, limit: float, budget: float | None = None) -> int:
-    """One token's k within `limit` bytes (any weights); a budget the screen alone overruns is refused."""
-    full = full_reads(geo, settings)
-    floor = sum(step_reads(geo, settings, token_rows(geo, settings, 0)).values())
-    if floor > limit and full > limit:
-        parts = ", ".join(f"{name} {100 * v / full:.2f}%" for name, v in step_reads(
-            geo, settings, token_rows(geo, settings, 0)).items() if v)
-        said = f"budget {budget}%" if budget is not None else f"{limit:.0f} bytes"
-        raise BudgetError(f"{said} is below what the reader reads before any exact channel "
-                          f"({100 * floor / full:.2f}% of the {settings.weights} experts: {parts})")
-    return solve_step_k(geo, settings, geo.top_k, limit)
-
-
 def expected_union(geo: Geometry, batch: int) -> float:
     """Experts in the union of `batch` tokens' top_k under uniform routing: E·(1 − (1 − top_k/E)^B)."""
     return geo.experts * (1 - (1 - geo.top_k / geo.experts) ** batch)
@@ -272,7 +241,7 @@ def batch_breakdown(geo: Geometry, settings: ReaderSettings, budget: float, batc
     k = solve_k(geo, settings, budget)
     one = sum(reads(geo, settings, k).values())
     full = full_reads(geo, settings, n)
-    blocks = padded(geo.hidden, BLOCK) // BLOCK
+    blocks = SidecarLayout(geo, settings.rank).blocks
     if k >= geo.channels:
         token = StepRows(n, 0, n * geo.intermediate, 0)
     else:

@@ -265,7 +265,7 @@ def plan(name, geo: Geometry, settings, budget: float) -> dict:
     if budget == 100:
         return {p: part.units for p, part in parts.items()}
     if name == "reader" and settings.weights != "bf16":  # equal bytes: a share of the bf16 full read
-        return {"channel": accounting.solve_k_bytes(geo, settings, budget / 100 * accounting.full_bytes(geo), budget)}
+        return {"channel": accounting.solve_k(geo, settings, budget, full=accounting.full_bytes(geo))}
     if name == "reader":
         return {"channel": accounting.solve_k(geo, settings, budget)}
     limit = budget / 100 * accounting.full_bytes(geo)

@@ -73,10 +73,15 @@ class SidecarLayout:
         """Rows rounded up so one coordinate's strip of codes is whole sectors."""
         return padded(self.rows, SECTOR * CODES_PER_BYTE)
 
+    @property
+    def strip_bytes(self) -> int:
+        """Bytes of one coordinate's strip of codes: every gate/up row's code, 5 per byte, whole sectors."""
+        return self.rows_padded // CODES_PER_BYTE
+
     def layer_tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         E, I, nb = self.geometry.experts, self.geometry.intermediate, self.blocks
         return {
-            "codes": (torch.uint8, (E, nb, BLOCK, self.rows_padded // CODES_PER_BYTE)),
+            "codes": (torch.uint8, (E, nb, BLOCK, self.strip_bytes)),
             "scales": (FLOAT, (E, nb, self.rows)),
             "down_norms": (FLOAT, (E, I)),
             "basis": (FLOAT, (self.geometry.hidden, self.rank)),

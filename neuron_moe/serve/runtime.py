@@ -1,4 +1,4 @@
-"""The static graphs as the batching engine calls them: one interface, two runtimes.
+"""The static graphs as the batching engine calls them (`static/rows.py`): one interface, two runtimes.
 
 A runtime holds a KV cache of `batch` rows as its state (`static/cache.py`); no cache tensor
 crosses its calls. What goes in is ids, positions and each row's sampling (temperature, top-k,
@@ -24,21 +24,12 @@ callable NxD routes to the key whose input shapes match (`neuron.py`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.loop import bucket_for, prefill_row
+from ..static.rows import Chunk
 from ..static.sampling import CANDIDATES
-
-
-@dataclass(frozen=True)
-class Chunk:
-    ids: list[int]  # the tokens of this piece of the prompt
-    start: int  # the position of its first token (0: the prompt's first piece)
-    row: int  # the cache row it goes into
-    sampling: tuple[float, float, float, float]  # the row's sampling (`static.sampling.FIELDS`)
 
 
 class GraphRuntime:

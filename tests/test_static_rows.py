@@ -1,0 +1,98 @@
+"""The batching loop over the static graphs' rows (static/rows.py), on a runtime that records its
+calls: which chunks each prefill call takes, what each decode step feeds at which positions, and
+how a row passes from one piece of work to the next. (Over the real graphs: test_serve_batching.py
+serves through it, test_reader_batch.py evaluates through it.)"""
+
+import pytest
+import torch
+
+from neuron_moe.static.rows import Rows
+from neuron_moe.static.sampling import GREEDY
+
+SAMPLED = (0.5, 0.0, 1.0, 0.25)
+
+
+class Runtime:
+    """Two rows, chunks of 4, up to 2 chunks a call; a prefill's token is 100 + its row, a decode
+    step's 1000 + the position it ran at."""
+
+    batch, pad_id, chunk, prefill_rows = 2, 0, 4, [1, 2]
+
+    def __init__(self, fail_decode=False):
+        self.calls, self.fail_decode = [], fail_decode
+
+    def prefill(self, chunks):
+        self.calls.append(("prefill", [(c.ids, c.start, c.row, c.sampling) for c in chunks]))
+        return torch.tensor([100 + c.row for c in chunks]), None
+
+    def decode(self, ids, positions, sampling):
+        sampled = [tuple(r) for r in sampling.tolist()]
+        self.calls.append(("decode", ids[:, 0].tolist(), positions[:, 0].tolist(), sampled))
+        if self.fail_decode:
+            raise RuntimeError("device fault")
+        return positions[:, 0] + 1000, None
+
+
+class Work:
+    """Takes `n` tokens, feeding back each one (its first input `first` if its prompt is empty)."""
+
+    def __init__(self, prompt, n, first=None):
+        self.prompt, self.n, self.first = prompt, n, first
+        self.got, self.ended = [], None
+
+    def sampling(self):
+        return SAMPLED
+
+    def next(self, token, logits):
+        self.got.append(token)
+        if len(self.got) == self.n:
+            return None
+        return self.first if token is None else token
+
+    def end(self, error=None):
+        self.ended = error or "done"
+
+
+def run(rows, waiting):
+    take = lambda: waiting.pop(0) if waiting else None  # noqa: E731
+    while waiting or rows.active():
+        rows.admit(take)
+        rows.prefill()
+        rows.decode()
+
+
+def test_rows_prefill_in_chunks_oldest_first_and_decode_each_row_at_its_own_position():
+    runtime, counted = Runtime(), []
+    rows = Rows(runtime)
+    rows.counted = lambda graph, n: counted.append((graph, n))
+    long, empty, short = Work([1, 2, 3, 4, 5], 2), Work([], 2, first=42), Work([7, 8], 1)
+    run(rows, [long, empty, short])
+    assert runtime.calls == [
+        # the long prompt's first chunk; the empty prompt decodes at once, the long one sits as a pad
+        # at its next prefill position
+        ("prefill", [([1, 2, 3, 4], 0, 0, GREEDY)]),
+        ("decode", [0, 42], [4, 0], [GREEDY, SAMPLED]),
+        # the empty one ended; the short one took its row and is prefilled with the long one's last
+        # chunk, in one call, each sampled as it asks for its first token
+        ("prefill", [([5], 4, 0, SAMPLED), ([7, 8], 0, 1, SAMPLED)]),
+        ("decode", [100, 0], [5, 0], [SAMPLED, GREEDY]),
+    ]
+    assert (long.got, empty.got, short.got) == ([100, 1005], [None, 1000], [101])
+    assert [w.ended for w in (long, empty, short)] == ["done"] * 3
+    assert counted == [("prefill", 1), ("decode", 1), ("prefill", 2), ("decode", 1)] and rows.steps == 2
+    assert rows.slots == [None, None] and rows.ids.tolist() == [[0], [0]] and rows.positions.tolist() == [[0], [0]]
+
+
+def test_a_failed_graph_call_ends_the_work_it_ran_frees_its_rows_and_raises():
+    rows = Rows(Runtime(fail_decode=True))
+    first, second, waiting = Work([1], 3), Work([2, 3], 3), Work([4], 1)
+    queue = [first, second]
+    rows.admit(lambda: queue.pop(0) if queue else None)
+    rows.prefill()
+    with pytest.raises(RuntimeError, match="device fault"):
+        rows.decode()
+    assert str(first.ended) == str(second.ended) == "device fault" and rows.slots == [None, None]
+    assert rows.steps == 0
+    rows.runtime.fail_decode = False  # the rows serve the next piece of work
+    run(rows, [waiting])
+    assert waiting.got == [100] and waiting.ended == "done"
