@@ -42,9 +42,9 @@ within 2e-2 of its largest entry (bf16, as bench/gpu_reader.py's check). The fir
 the same input whichever implementation runs; the logits do not (random weights through every layer in
 bf16 amplify rounding: `first_step`), so their difference is recorded (`logits_rel_err`), not checked.
 
-    python bench/gpu_decode.py                         # GPU: $OUT/gpu_decode.json and .md
-    python bench/gpu_decode.py --models gemma4-26b-a4b qwen3-30b-a3b
-    python bench/gpu_decode.py --dry-run               # CPU: the tiny port and a tiny Qwen3, eager, interpreter
+    python -m bench.gpu_decode                         # GPU: $OUT/gpu_decode.json and .md
+    python -m bench.gpu_decode --models gemma4-26b-a4b qwen3-30b-a3b
+    python -m bench.gpu_decode --dry-run               # CPU: the tiny port and a tiny Qwen3, eager, interpreter
 """
 
 from __future__ import annotations
@@ -59,7 +59,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import Gemma4ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, StaticCache
+
+from bench.gpu_env import command, header, interpret_on_cpu, machine
+from neuron_moe import experts as _registered  # noqa: F401  (registers channel_reader, dense_masked)
+from neuron_moe.errors import UserError
+from neuron_moe.experts.channel_reader import ReaderState, reader_forward
+from neuron_moe.port import load_port
+from neuron_moe.reader.accounting import ReaderSettings, solve_k
+from neuron_moe.reader.geometry import Geometry
+from neuron_moe.reader.hadamard import padded, random_signs
+from neuron_moe.reader.prep import SCAN, down_rows, prep_layer
+from neuron_moe.reader.sidecar import BLOCK, LayerSidecar
+from neuron_moe.report import atomic_write, table, write_json
 
 BUDGETS = (17.8, 12.8)
 PAPER_BATCH1 = (1.15, 1.36)  # the source paper's full-model decode gain at batch 1
@@ -94,26 +107,8 @@ def parse_args(argv=None):
     return args
 
 
-args = parse_args()
-if args.dry_run:  # before triton is first imported (transformers imports it)
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import torch  # noqa: E402
-from transformers import Gemma4ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, StaticCache  # noqa: E402
-
-from neuron_moe import experts as _registered  # noqa: E402,F401  (registers channel_reader, dense_masked)
-from neuron_moe.experts.channel_reader import ReaderState, reader_forward  # noqa: E402
-from neuron_moe.errors import UserError  # noqa: E402
-from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.reader.accounting import ReaderSettings, solve_k  # noqa: E402
-from neuron_moe.reader.geometry import Geometry  # noqa: E402
-from neuron_moe.reader.hadamard import padded, random_signs  # noqa: E402
-from neuron_moe.reader.prep import SCAN, down_rows, prep_layer  # noqa: E402
-from neuron_moe.reader.sidecar import BLOCK, LayerSidecar  # noqa: E402
-from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
-from gpu_env import header, machine  # noqa: E402  (bench/ is on sys.path: this script's folder)
-
-DEVICE = "cpu" if args.dry_run else "cuda"
+args: argparse.Namespace  # the command line's, set by main()
+DEVICE = "cuda"  # "cpu" in a dry run (main)
 BF16 = torch.bfloat16
 TOLERANCE = 2e-2  # of the first MoE layer's largest output entry: the check's bound (bf16, as bench/gpu_reader.py)
 
@@ -457,14 +452,20 @@ def skip_reason(report, name: str, left: float | None) -> str | None:
     return f"~{need:.0f} s needed at the first model's rate, {left:.0f} s of the budget left" if need > left else None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    global args, DEVICE
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.dry_run:
+        interpret_on_cpu("bench.gpu_decode", argv)
+        DEVICE = "cpu"
     names = args.models or (["tiny-gemma4", "tiny-qwen3"] if args.dry_run else ["gemma4-26b-a4b"])
     unknown = sorted(set(names) - set(models()))
     if unknown:
         raise SystemExit(f"--models: unknown {', '.join(unknown)}; known: {', '.join(models())}")
     dest = args.json or (str(Path(os.environ["OUT"]) / "gpu_decode.json") if os.environ.get("OUT")
                          else str(Path(__file__).parent / "results" / "gpu_decode.json"))
-    report = {"machine": machine(args.dry_run), "command": " ".join(["python", *sys.argv]), "steps": args.steps,
+    report = {"machine": machine(args.dry_run), "command": command("bench.gpu_decode", argv), "steps": args.steps,
               "replays": args.replays, "prompt": args.prompt, "reader_variants": args.reader_variants,
               "paper_batch1": list(PAPER_BATCH1), "models": {}, "skipped": {}, "rows": []}
     if args.fastest_from:
