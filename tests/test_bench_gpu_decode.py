@@ -17,6 +17,7 @@ import torch
 from bench import gpu_decode as g
 from bench import gpu_env
 from neuron_moe.errors import UserError
+from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.triton import persistent as ps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +85,21 @@ def test_the_model_materialised_is_hfs_own_initialisation(on_cpu, name):
             assert torch.equal(a, b), n
         else:  # a random one: of the same spread
             assert 0.5 < a.float().std() / b.float().std() < 2, n
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma4", "tiny-qwen3"])
+def test_both_models_read_through_the_packages_geometry_and_layers(on_cpu, name):
+    """Gemma-4 and Qwen3 alike: the package's Geometry.from_config reads the config's sizes, and every
+    decoder layer's routed experts are `layer.experts` (Qwen3's own `mlp.experts`, the same module)."""
+    cls, config, _ = g.models()[name]
+    model = g.build(cls, config)
+    moe = config.num_experts_per_tok if name == "tiny-qwen3" else config.top_k_experts
+    assert Geometry.from_config(model.config) == Geometry(hidden=config.hidden_size, experts=config.num_experts,
+                                                          top_k=moe, intermediate=config.moe_intermediate_size)
+    for layer in model.model.layers:
+        assert layer.experts is (layer.mlp.experts if name == "tiny-qwen3" else layer.experts)
+        assert layer.experts.gate_up_proj.shape == (config.num_experts, 2 * config.moe_intermediate_size,
+                                                    config.hidden_size)
 
 
 def test_a_second_model_is_skipped_where_it_would_not_fit_the_time_left(on_cpu):
