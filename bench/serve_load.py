@@ -534,7 +534,7 @@ def main(argv=None) -> int:
     if args.json:
         doc = reports[0] if len(reports) == 1 else {"benchmark": "serve_load", "runs": reports}
         if summary is not None:
-            doc = {**doc, "command": " ".join(sys.argv), "acceptance": summary}
+            doc = {**doc, "command": " ".join(["python -m bench.serve_load", *sys.argv[1:]]), "acceptance": summary}
         write_json(doc, args.json)
     if args.json == "-":
         return 0 if failed == 0 else 1
