@@ -69,7 +69,10 @@ def test_gpu_decode_bench_dry_run(tmp_path):
 
 @pytest.fixture
 def on_cpu(monkeypatch):
+    """The benchmark's models on the CPU; its seeding (`build`) kept out of the other tests' RNG."""
     monkeypatch.setattr(g, "DEVICE", "cpu")
+    with torch.random.fork_rng():
+        yield
 
 
 @pytest.mark.parametrize("name", ["tiny-gemma4", "tiny-qwen3"])
