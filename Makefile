@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch that this project's machines carry; pip takes it from local disk.
 TORCH  := torch==2.13.0
 
-.PHONY: venv demo test train-tiny xla-check clean
+.PHONY: venv demo test train-tiny xla-check xla-ops clean
 
 # Idempotent: re-running only installs what pyproject.toml changed.
 $(VENV)/.installed: pyproject.toml
@@ -30,7 +30,8 @@ test: venv
 train-tiny: venv
 	recipes/cpu/train-tiny.sh
 
-# The XLA lowering check (bench/xla_check.py): the static graphs through torch-xla on the CPU.
+# The XLA lowering check (bench/xla_check.py): the static graphs through torch-xla on the CPU; its report
+# goes to bench/results/xla-check.{md,json}, each graph's HLO text to build/xla-check-hlo/.
 # Its own venv, because torch-xla 2.9 needs torch 2.9 (the Neuron SDK 2.31 pair) and PyPI's
 # torch 2.9 is a CUDA build: about 7 GB, so it is cached here and kept out of `make test` and CI.
 XLA_VENV := .venv-xla
@@ -44,7 +45,12 @@ $(XLA_VENV)/.installed: pyproject.toml
 	touch $@
 
 xla-check: $(XLA_VENV)/.installed
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python bench/xla_check.py --hlo bench/results/xla-check-hlo
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m bench.xla_check --hlo build/xla-check-hlo
+
+# The allow-list of lowered ops the tests hold the graphs to (neuron_moe/static/xla_lowered_ops.txt),
+# from the XLA check's result once every run of it passed.
+xla-ops: venv
+	$(PY) -m tools.xla_ops bench/results/xla-check.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -42,9 +42,9 @@ within 2e-2 of its largest entry (bf16, as bench/gpu_reader.py's check). The fir
 the same input whichever implementation runs; the logits do not (random weights through every layer in
 bf16 amplify rounding: `first_step`), so their difference is recorded (`logits_rel_err`), not checked.
 
-    python bench/gpu_decode.py                         # GPU: $OUT/gpu_decode.json and .md
-    python bench/gpu_decode.py --models gemma4-26b-a4b qwen3-30b-a3b
-    python bench/gpu_decode.py --dry-run               # CPU: the tiny port and a tiny Qwen3, eager, interpreter
+    python -m bench.gpu_decode                         # GPU: $OUT/gpu_decode.json and .md
+    python -m bench.gpu_decode --models gemma4-26b-a4b qwen3-30b-a3b
+    python -m bench.gpu_decode --dry-run               # CPU: the tiny port and a tiny Qwen3, eager, interpreter
 """
 
 from __future__ import annotations
@@ -59,7 +59,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import Gemma4ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, StaticCache
+
+from bench.gpu_env import command, header, interpret_on_cpu, machine
+from neuron_moe import experts as _registered  # noqa: F401  (registers channel_reader, dense_masked)
+from neuron_moe.errors import UserError
+from neuron_moe.experts.channel_reader import ReaderState, reader_forward
+from neuron_moe.port import load_port
+from neuron_moe.reader.accounting import ReaderSettings, solve_k
+from neuron_moe.reader.geometry import Geometry
+from neuron_moe.reader.hadamard import padded, random_signs
+from neuron_moe.reader.prep import SCAN, down_rows, model_expert_weights, prep_layer
+from neuron_moe.reader.sidecar import BLOCK, LayerSidecar
+from neuron_moe.report import atomic_write, table, write_json
 
 BUDGETS = (17.8, 12.8)
 PAPER_BATCH1 = (1.15, 1.36)  # the source paper's full-model decode gain at batch 1
@@ -94,39 +107,23 @@ def parse_args(argv=None):
     return args
 
 
-args = parse_args()
-if args.dry_run:  # before triton is first imported (transformers imports it)
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import torch  # noqa: E402
-from transformers import Gemma4ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, StaticCache  # noqa: E402
-
-from neuron_moe import experts as _registered  # noqa: E402,F401  (registers channel_reader, dense_masked)
-from neuron_moe.experts.channel_reader import ReaderState, reader_forward  # noqa: E402
-from neuron_moe.errors import UserError  # noqa: E402
-from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.reader.accounting import ReaderSettings, solve_k  # noqa: E402
-from neuron_moe.reader.geometry import Geometry  # noqa: E402
-from neuron_moe.reader.hadamard import padded, random_signs  # noqa: E402
-from neuron_moe.reader.prep import SCAN, down_rows, prep_layer  # noqa: E402
-from neuron_moe.reader.sidecar import BLOCK, LayerSidecar  # noqa: E402
-from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
-from gpu_env import header, machine  # noqa: E402  (bench/ is on sys.path: this script's folder)
-
-DEVICE = "cpu" if args.dry_run else "cuda"
+args: argparse.Namespace  # the command line's, set by main()
+DEVICE = "cuda"  # "cpu" in a dry run (main)
 BF16 = torch.bfloat16
 TOLERANCE = 2e-2  # of the first MoE layer's largest output entry: the check's bound (bf16, as bench/gpu_reader.py)
 
 
 def qwen3_config(**sizes) -> Qwen3MoeConfig:
-    """Qwen3-30B-A3B's config (see the module docstring), `sizes` changed (the dry run's tiny one)."""
+    """Qwen3-30B-A3B's config (see the module docstring), `sizes` changed (the dry run's tiny one); its
+    top-k also under Gemma-4's name, `top_k_experts`, which the package's `Geometry.from_config` reads."""
     fields = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                   num_attention_heads=32, num_key_value_heads=4, head_dim=128, hidden_act="silu",
                   max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}, decoder_sparse_step=1,
                   moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128, norm_topk_prob=True,
                   mlp_only_layers=[], bos_token_id=151643, eos_token_id=151645)
-    return Qwen3MoeConfig(**{**fields, **sizes})
+    fields |= sizes
+    return Qwen3MoeConfig(**fields, top_k_experts=fields["num_experts_per_tok"])
 
 
 def models() -> dict:
@@ -150,7 +147,10 @@ def models() -> dict:
 
 def build(cls, config):
     """The model with random weights of the real shapes on DEVICE: built on the meta device, cast to bf16
-    there, materialised empty on DEVICE and filled by HF's own initialisation (rotary tables included)."""
+    there, materialised empty on DEVICE and filled by HF's own initialisation (rotary tables included).
+    Each decoder layer's routed experts are `layer.experts`, where the package's reader code finds them
+    (Gemma-4's place; a Qwen3 layer keeps them in `layer.mlp.experts`, and gets the same module under
+    Gemma-4's name too: no copy, its forward unchanged)."""
     with torch.device("meta"):  # a copy of the config: set_*_implementation mutates it
         model = cls(copy.deepcopy(config)).to(BF16)
     model.to_empty(device=DEVICE)
@@ -158,18 +158,10 @@ def build(cls, config):
     with torch.no_grad():
         model.init_weights()  # on DEVICE: no host copy of the weights
     model.set_attn_implementation("sdpa")
+    for layer in model.model.layers:
+        if not hasattr(layer, "experts"):
+            layer.experts = layer.mlp.experts
     return model.eval()
-
-
-def moe_layers(model):
-    """(decoder layer, its experts module) per layer: Gemma-4 `layer.experts`, Qwen3 `layer.mlp.experts`."""
-    return [(layer, layer.experts if hasattr(layer, "experts") else layer.mlp.experts) for layer in model.model.layers]
-
-
-def geometry(config) -> Geometry:
-    top_k = getattr(config, "top_k_experts", None) or config.num_experts_per_tok
-    return Geometry(hidden=config.hidden_size, experts=config.num_experts, top_k=top_k,
-                    intermediate=config.moe_intermediate_size)
 
 
 @torch.no_grad()
@@ -179,9 +171,9 @@ def prep_sidecars(model, rank: int, seconds: float) -> tuple[list[LayerSidecar],
     signs = random_signs(padded(model.config.hidden_size, BLOCK), seed=0).to(DEVICE)
     sidecars, times = [], []
     start = time.perf_counter()
-    for _, experts in moe_layers(model):
+    for gate_up, down in model_expert_weights(model):
         t0 = time.perf_counter()
-        tensors = prep_layer(experts.gate_up_proj.data, experts.down_proj.data, signs, rank)
+        tensors = prep_layer(gate_up, down, signs, rank)
         sync()
         sidecars.append(LayerSidecar.from_tensors(tensors, signs))
         times.append(time.perf_counter() - t0)
@@ -200,9 +192,10 @@ def mark_decode(state):
 
 @torch.no_grad()
 def attach(model, sidecars: list[LayerSidecar], rank: int) -> None:
-    """The reader on every MoE layer (`channel_reader.attach_reader`'s steps, from in-memory sidecars and for
-    either model's layout): down_proj rearranged in place into rows, layer i given sidecar i mod len."""
-    for i, (layer, experts) in enumerate(moe_layers(model)):
+    """The reader on every MoE layer (`channel_reader.attach_reader`'s steps, from in-memory sidecars):
+    down_proj rearranged in place into rows, layer i given sidecar i mod len."""
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.experts
         experts.down_proj = torch.nn.Parameter(down_rows(experts.down_proj.data).contiguous().mT, requires_grad=False)
         experts.reader = ReaderState(sidecars[i % len(sidecars)], 0, SCAN, rank)
         experts.reader.hook = layer.register_forward_pre_hook(mark_decode(experts.reader), with_kwargs=True)
@@ -210,8 +203,8 @@ def attach(model, sidecars: list[LayerSidecar], rank: int) -> None:
 
 
 def set_reader(model, k: int, run) -> None:
-    for _, experts in moe_layers(model):
-        experts.reader.k, experts.reader.run = k, run
+    for layer in model.model.layers:
+        layer.experts.reader.k, layer.experts.reader.run = k, run
 
 
 def triton_variant(name: str):
@@ -252,7 +245,7 @@ def first_step(model, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     implementations (on the tiny port's geometry: 0.28 of the largest logit in bf16, 1e-6 in fp32, the
     first layer's experts 3e-3 in bf16), so they are recorded, not checked. The step's token is the prompt's first, not the prefill's argmax."""
     seen = []
-    hook = moe_layers(model)[0][1].register_forward_hook(lambda module, args, out: seen.append(out.float()))
+    hook = model.model.layers[0].experts.register_forward_hook(lambda module, args, out: seen.append(out.float()))
     try:
         cache = new_cache(model)
         ids = prompt(model, batch)
@@ -413,7 +406,7 @@ def run_model(report, dest, name) -> None:
     attach(model, sidecars, rank)
     first, *others = args.reader_variants
     for budget, variant in [(b, first) for b in BUDGETS] + [(BUDGETS[0], v) for v in others]:
-        k = solve_k(geometry(model.config), ReaderSettings(rank=rank), budget)
+        k = solve_k(Geometry.from_config(model.config), ReaderSettings(rank=rank), budget)
         set_reader(model, k, reader_forward("reference"))
         want = first_step(model)
         set_reader(model, k, triton_variant(variant))
@@ -457,14 +450,20 @@ def skip_reason(report, name: str, left: float | None) -> str | None:
     return f"~{need:.0f} s needed at the first model's rate, {left:.0f} s of the budget left" if need > left else None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    global args, DEVICE
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.dry_run:
+        interpret_on_cpu("bench.gpu_decode", argv)
+        DEVICE = "cpu"
     names = args.models or (["tiny-gemma4", "tiny-qwen3"] if args.dry_run else ["gemma4-26b-a4b"])
     unknown = sorted(set(names) - set(models()))
     if unknown:
         raise SystemExit(f"--models: unknown {', '.join(unknown)}; known: {', '.join(models())}")
     dest = args.json or (str(Path(os.environ["OUT"]) / "gpu_decode.json") if os.environ.get("OUT")
                          else str(Path(__file__).parent / "results" / "gpu_decode.json"))
-    report = {"machine": machine(args.dry_run), "command": " ".join(["python", *sys.argv]), "steps": args.steps,
+    report = {"machine": machine(args.dry_run), "command": command("bench.gpu_decode", argv), "steps": args.steps,
               "replays": args.replays, "prompt": args.prompt, "reader_variants": args.reader_variants,
               "paper_batch1": list(PAPER_BATCH1), "models": {}, "skipped": {}, "rows": []}
     if args.fastest_from:

@@ -1,10 +1,27 @@
 """What a GPU benchmark ran on, recorded beside its numbers: the device, its driver, and the
-versions of torch, CUDA, triton and transformers (bench/gpu_reader.py, bench/gpu_decode.py)."""
+versions of torch, CUDA, triton and transformers (bench.gpu_reader, bench.gpu_decode); and the
+Triton interpreter their dry runs need on the CPU."""
 
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
+import sys
+
+
+def interpret_on_cpu(module: str, argv: list[str]) -> None:
+    """Make sure Triton's interpreter runs the kernels (a dry run, on the CPU). Triton chooses it when a
+    kernel is defined, at import, from TRITON_INTERPRET: where that is not yet "1", run `python -m
+    module argv` again in this process's place with it set (the arguments and everything else unchanged)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", module, *argv], {**os.environ, "TRITON_INTERPRET": "1"})
+
+
+def command(module: str, argv: list[str]) -> str:
+    """The command line that ran, as it is typed from the repository root."""
+    return " ".join(["python", "-m", module, *argv])
 
 
 def driver_version() -> str:

@@ -32,8 +32,8 @@ tokens (`reader/accounting.py`): a lower bound on what the kernels move. The JSO
 rewritten after each geometry (a run cut short keeps what it measured); a markdown copy of
 the tables goes beside it.
 
-    python bench/gpu_reader.py                  # on the GPU: $OUT/gpu_reader.json and .md
-    python bench/gpu_reader.py --dry-run        # CPU, tiny shapes, Triton interpreter (CI runs it)
+    python -m bench.gpu_reader                  # on the GPU: $OUT/gpu_reader.json and .md
+    python -m bench.gpu_reader --dry-run        # CPU, tiny shapes, Triton interpreter (CI runs it)
 """
 
 from __future__ import annotations
@@ -47,7 +47,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers.activations import ACT2FN
+from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+from bench.gpu_env import command, header, interpret_on_cpu, machine
+from neuron_moe.reader import reference
+from neuron_moe.reader.accounting import ReaderSettings, full_bytes, reads, solve_k
+from neuron_moe.reader.geometry import Geometry
+from neuron_moe.reader.hadamard import random_signs
+from neuron_moe.reader.sidecar import LayerSidecar, SidecarLayout
+from neuron_moe.reader.triton import forward as triton_reader
+from neuron_moe.reader.triton import persistent
+from neuron_moe.reader.triton.variants import FUSED, RELAXED, SELECTS, reader_forward
+from neuron_moe.reader.triton.variants import NAMES as VARIANTS
+from neuron_moe.report import atomic_write, table, write_json
 
 # (hidden, experts, top_k, intermediate, activation, recovery rank)
 GEOMETRIES = {
@@ -82,27 +97,8 @@ def parse_args(argv=None):
     return args
 
 
-args = parse_args()
-if args.dry_run:  # before triton is first imported (transformers imports it)
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import torch  # noqa: E402
-from transformers.activations import ACT2FN  # noqa: E402
-from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig  # noqa: E402
-from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts  # noqa: E402
-
-from neuron_moe.reader import reference  # noqa: E402
-from neuron_moe.reader.accounting import ReaderSettings, full_bytes, reads, solve_k  # noqa: E402
-from neuron_moe.reader.geometry import Geometry  # noqa: E402
-from neuron_moe.reader.hadamard import random_signs  # noqa: E402
-from neuron_moe.reader.sidecar import LayerSidecar, SidecarLayout  # noqa: E402
-from neuron_moe.reader.triton import forward as triton_reader  # noqa: E402
-from neuron_moe.reader.triton import persistent  # noqa: E402
-from neuron_moe.reader.triton.variants import FUSED, NAMES as VARIANTS, RELAXED, SELECTS, reader_forward  # noqa: E402
-from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
-from gpu_env import header, machine  # noqa: E402  (bench/ is on sys.path: this script's folder)
-
-DEVICE = "cpu" if args.dry_run else "cuda"
+args: argparse.Namespace  # the command line's, set by main()
+DEVICE = "cuda"  # "cpu" in a dry run (main)
 BF16 = torch.bfloat16
 
 
@@ -393,7 +389,7 @@ def checked_variants(names: list[str]) -> tuple[list[str], dict[str, bool]]:
     would otherwise end this run), several at once: they compile their kernels into Triton's cache too."""
 
     def one(variant: str):
-        argv = [sys.executable, __file__, "--preflight", variant, "--batches", *map(str, args.batches)]
+        argv = [sys.executable, "-m", "bench.gpu_reader", "--preflight", variant, "--batches", *map(str, args.batches)]
         argv += ["--dry-run"] if args.dry_run else []
         argv += ["--variant-geometry", args.variant_geometry] if args.variant_geometry else []
         try:
@@ -495,7 +491,13 @@ def write_report(report, dest: str) -> None:
         f.write("\n".join(lines))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    global args, DEVICE
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.dry_run:
+        interpret_on_cpu("bench.gpu_reader", argv)
+        DEVICE = "cpu"
     if args.preflight:
         return preflight(args.preflight)
     wanted = DRY_VARIANTS if args.dry_run else VARIANTS
@@ -513,7 +515,7 @@ def main() -> int:
     copy_bw = copy_bandwidth()
     dest = args.json or (str(Path(os.environ["OUT"]) / "gpu_reader.json") if os.environ.get("OUT")
                          else str(Path(__file__).parent / "results" / "gpu_reader.json"))
-    report = {"machine": machine(args.dry_run), "command": " ".join(["python", *sys.argv]),
+    report = {"machine": machine(args.dry_run), "command": command("bench.gpu_reader", argv),
               "copy_GBps": copy_bw / 1e9, "iters": args.iters, "layers": args.layers, "variant_geometry": at,
               "rows": [], "reader_stages": [], "variants": [], "targets": [], "preflight": preflight_ok}
     rows, stage_rows = report["rows"], report["reader_stages"]

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call on an NVIDIA H200 for issue 24, at most SESSION_S seconds (default 340 s; the kernel
 # comparison at most READER_S, default 200 s, the decode what is left):
-#   1. bench/gpu_reader.py: the reader's MoE block against the dense baselines, every kernel variant
+#   1. bench.gpu_reader: the reader's MoE block against the dense baselines, every kernel variant
 #      preflighted against the reference at the real shapes, then timed side by side;
-#   2. bench/gpu_decode.py: whole-model decode tokens/s, full experts vs the reader, batch 1/4/8 —
+#   2. bench.gpu_decode: whole-model decode tokens/s, full experts vs the reader, batch 1/4/8 —
 #      Gemma-4 26B-A4B, then Qwen3-30B-A3B if the time left allows — with the fastest checked kernel
 #      variant of part 1 beside the default.
 # Everything goes to $OUT (JSON + markdown per part, logs, session.json with each part's exit status and
@@ -54,14 +54,14 @@ part() {  # part NAME TIMEOUT_S COMMAND...: run it under a timeout, its output t
     log "$name: exit ${RC[$name]} after ${SEC[$name]} s$([ "${RC[$name]}" = 124 ] && echo ' (timed out)')"
 }
 
-part gpu_reader "${READER_S:-200}" python3 bench/gpu_reader.py "${DRY[@]}" --json "$OUT/gpu_reader.json"
+part gpu_reader "${READER_S:-200}" python3 -m bench.gpu_reader "${DRY[@]}" --json "$OUT/gpu_reader.json"
 left=$((SESSION_S - (SECONDS - START) - 15))
 [ "$left" -gt 60 ] || fail "no time left for the decode benchmark ($left s)"
 MODELS=(gemma4-26b-a4b qwen3-30b-a3b)
 [ ${#DRY[@]} = 1 ] && MODELS=(tiny-gemma4 tiny-qwen3)
 FASTEST=()
 [ -f "$OUT/gpu_reader.json" ] && FASTEST=(--fastest-from "$OUT/gpu_reader.json")
-part gpu_decode "$left" python3 bench/gpu_decode.py "${DRY[@]}" --models "${MODELS[@]}" --prep-seconds 30 \
+part gpu_decode "$left" python3 -m bench.gpu_decode "${DRY[@]}" --models "${MODELS[@]}" --prep-seconds 30 \
     --time-budget $((left - 20)) "${FASTEST[@]}" --json "$OUT/gpu_decode.json"
 
 python3 - "$OUT/session.json" "$((SECONDS - START))" "gpu_reader=${RC[gpu_reader]}:${SEC[gpu_reader]}" \

@@ -15,7 +15,7 @@ seconds rank 0 spent on it (build, shard, generate; NxD's import and parallel st
 per degree, in the degree's wall time). `--against-cpu` also runs the TP 2 layouts on the gloo
 stand-in (`parallel/cpu.py`, traced once and replicated) and reports NxD's step-0 logits against it.
 
-    NXD_SRC=/path/to/neuronx-distributed python bench/nxd_cpu_mode.py [--tp 2,4,8] [--new-tokens 32]
+    NXD_SRC=/path/to/neuronx-distributed python -m bench.nxd_cpu_mode [--tp 2,4,8] [--new-tokens 32]
         [--budget 40] [--against-cpu] [--json FILE]
 """
 
@@ -31,21 +31,20 @@ from pathlib import Path
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from neuron_moe.eval.seq_match import DEFAULT_PROMPTS  # noqa: E402
-from neuron_moe.experts.channel_reader import attach_reader  # noqa: E402
-from neuron_moe.experts.int8 import quantize_experts  # noqa: E402
-from neuron_moe.greedy import greedy, left_pad  # noqa: E402
-from neuron_moe.model import build_model, prep_port  # noqa: E402
-from neuron_moe.parallel import cpu, layout, nxd_source  # noqa: E402
-from neuron_moe.parallel.model import rank_model  # noqa: E402
-from neuron_moe.parallel.nxd_generator import NxDGenerator, generate_nxd  # noqa: E402
-from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated  # noqa: E402
-from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.reader import shard  # noqa: E402
-from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
-from neuron_moe.report import table, write_json  # noqa: E402
-from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
+from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
+from neuron_moe.experts.channel_reader import attach_reader
+from neuron_moe.experts.int8 import quantize_experts
+from neuron_moe.greedy import greedy, left_pad
+from neuron_moe.model import build_model, prep_port
+from neuron_moe.parallel import cpu, layout, nxd_source
+from neuron_moe.parallel.model import rank_model
+from neuron_moe.parallel.nxd_generator import NxDGenerator, generate_nxd
+from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
+from neuron_moe.port import load_port
+from neuron_moe.reader import shard
+from neuron_moe.reader.sidecar import Sidecar
+from neuron_moe.report import table, write_json
+from neuron_moe.tokenizer import load_tokenizer
 
 
 def expert_int8_on_one_rank(port, ids, mask, n):
@@ -126,7 +125,7 @@ def main() -> int:
               "budget": args.budget, "rows": rows, "degrees": degrees, "seconds": time.time() - started,
               "machine": f"CPU ({platform.machine()}), gloo ranks as forked processes, one torch thread each",
               "torch": torch.__version__, "transformers": transformers.__version__,
-              "command": "python bench/nxd_cpu_mode.py " + " ".join(sys.argv[1:])}
+              "command": "python -m bench.nxd_cpu_mode " + " ".join(sys.argv[1:])}
     if args.json:
         write_json(report, args.json)
     ok = all(r["ok"] for r in rows)

@@ -25,7 +25,7 @@ At B = 1 the batch rule is `token` (tests/test_reader_batch.py), so B = 1 runs `
 The accounting part: the same three reads at each B on the Gemma-4 26B-A4B and Qwen3-30B-A3B
 geometries, under uniform routing (`accounting.batch_breakdown`).
 
-    python bench/reader_batch.py --corpus build/tiny/corpus [--per-task 20] [--text-docs 30]
+    python -m bench.reader_batch --corpus build/tiny/corpus [--per-task 20] [--text-docs 30]
         [--batches 1,4,8,16] [--budget 17.8] [--rank 0] [--step-budgets 2,3,4,16:6] [--raw 8] [--scans 40] [--accuracy 1,8]
         [--work build/reader-batch] [--out bench/results/reader-batch]
 
@@ -44,19 +44,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from neuron_moe.eval import reader_batch as RB  # noqa: E402
-from neuron_moe.eval import reader_eval as R  # noqa: E402
-from neuron_moe.eval.reader_report import _pyplot  # noqa: E402
-from neuron_moe.experts.selector_experts import moe_layers  # noqa: E402
-from neuron_moe.model import build_model, prep_port  # noqa: E402
-from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.reader import accounting as A  # noqa: E402
-from neuron_moe.reader import selectors as S  # noqa: E402
-from neuron_moe.reader.geometry import Geometry  # noqa: E402
-from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
-from neuron_moe.report import atomic_write, table, write_json  # noqa: E402
-from neuron_moe.tokenizer import answer_text, load_tokenizer  # noqa: E402
+from neuron_moe.eval import reader_batch as RB
+from neuron_moe.eval import reader_eval as R
+from neuron_moe.eval.reader_report import _pyplot
+from neuron_moe.experts.selector_experts import moe_layers
+from neuron_moe.model import build_model, prep_port
+from neuron_moe.port import load_port
+from neuron_moe.reader import accounting as A
+from neuron_moe.reader import selectors as S
+from neuron_moe.reader.geometry import Geometry
+from neuron_moe.reader.sidecar import Sidecar
+from neuron_moe.report import atomic_write, table, write_json
+from neuron_moe.tokenizer import answer_text, load_tokenizer
 
 GEOMETRIES = {"gemma4-26b-a4b": Geometry(hidden=2816, experts=128, top_k=8, intermediate=704),
               "qwen3-30b-a3b": Geometry(hidden=2048, experts=128, top_k=8, intermediate=768)}

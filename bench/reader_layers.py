@@ -11,7 +11,7 @@ error decomposed against the exact-activation oracle:
   recall           share of the reader's k channels that are among the oracle's top k
   reader-rN        the reader at recovery rank N at the budget: fewer exact channels, plus recovery
 
-    python bench/reader_layers.py [--budget 17.8] [--corpus build/tiny/corpus] [--json FILE]
+    python -m bench.reader_layers [--budget 17.8] [--corpus build/tiny/corpus] [--json FILE]
 """
 
 from __future__ import annotations
@@ -23,16 +23,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from neuron_moe.eval import reader_eval as R  # noqa: E402
-from neuron_moe.experts.selector_experts import moe_layers  # noqa: E402
-from neuron_moe.model import build_model, prep_port  # noqa: E402
-from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.reader import selectors as S  # noqa: E402
-from neuron_moe.reader.accounting import BudgetError, full_bytes  # noqa: E402
-from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
-from neuron_moe.report import table, write_json  # noqa: E402
-from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
+from neuron_moe.eval import reader_eval as R
+from neuron_moe.experts.selector_experts import moe_layers
+from neuron_moe.model import build_model, prep_port
+from neuron_moe.port import load_port
+from neuron_moe.reader import selectors as S
+from neuron_moe.reader.accounting import BudgetError, full_bytes
+from neuron_moe.reader.sidecar import Sidecar
+from neuron_moe.report import table, write_json
+from neuron_moe.tokenizer import load_tokenizer
 
 
 def rel_err(y, full) -> float:

@@ -6,13 +6,12 @@ rotation, ternary sketch, norms, recovery map, streaming write). Peak RSS is the
 high-water mark (VmHWM); the weights themselves are resident before prep starts, so the
 figure to watch is the peak *added* by prep.
 
-    python bench/reader_prep.py            # prints a table, writes bench/results/reader_prep-<host>.json
+    python -m bench.reader_prep            # prints a table, writes bench/results/reader_prep-<host>.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -23,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from neuron_moe.report import table, write_json  # noqa: E402
-from neuron_moe.reader.geometry import Geometry  # noqa: E402
-from neuron_moe.reader.prep import write_sidecar  # noqa: E402
-from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
+from neuron_moe.reader.geometry import Geometry
+from neuron_moe.reader.prep import write_sidecar
+from neuron_moe.reader.sidecar import Sidecar
+from neuron_moe.report import table, write_json
 
 
 def proc_status(field: str) -> int:

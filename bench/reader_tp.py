@@ -10,7 +10,7 @@ without it (the same graphs but the decode experts) and against HF eager, max |Î
 decode steps; the reader at the budget against the per-rank reader emulated in one process
 (`attach_reader(..., tp=t)`, what eval-reader measures): the same tokens, max |Î”logit|.
 
-    python bench/reader_tp.py [--tp 2,4,8] [--budget 60] [--rank 0] [--new-tokens 32] [--json FILE]
+    python -m bench.reader_tp [--tp 2,4,8] [--budget 60] [--rank 0] [--new-tokens 32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from neuron_moe.eval.seq_match import DEFAULT_PROMPTS  # noqa: E402
-from neuron_moe.experts.channel_reader import attach_reader  # noqa: E402
-from neuron_moe.greedy import greedy, left_pad  # noqa: E402
-from neuron_moe.model import build_model, prep_port  # noqa: E402
-from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated  # noqa: E402
-from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.reader import shard  # noqa: E402
-from neuron_moe.reader.sidecar import Sidecar  # noqa: E402
-from neuron_moe.report import table, write_json  # noqa: E402
-from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
+from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
+from neuron_moe.experts.channel_reader import attach_reader
+from neuron_moe.greedy import greedy, left_pad
+from neuron_moe.model import build_model, prep_port
+from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
+from neuron_moe.port import load_port
+from neuron_moe.reader import shard
+from neuron_moe.reader.sidecar import Sidecar
+from neuron_moe.report import table, write_json
+from neuron_moe.tokenizer import load_tokenizer
 
 
 def step0(got, want) -> list[float]:

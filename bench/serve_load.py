@@ -32,10 +32,10 @@ call: its fastest), the batched engine sampled, and the batched engine under the
 long prompt in 8); then the table of what the issue asks: tokens/s against batch 1, TTFT p99, and
 the short requests' TPOT p99 under the mixed load against the batched run without it.
 
-    python bench/serve_load.py --clients 8 --requests 64 --max-tokens 16 --json out.json
-    python bench/serve_load.py --backend static --batch-size 8 1
-    python bench/serve_load.py --clients 8 --requests 16 --hostile-bytes 10000000
-    OMP_NUM_THREADS=1 python bench/serve_load.py --acceptance --requests 64 --json bench/results/serve-load-32.json
+    python -m bench.serve_load --clients 8 --requests 64 --max-tokens 16 --json out.json
+    python -m bench.serve_load --backend static --batch-size 8 1
+    python -m bench.serve_load --clients 8 --requests 16 --hostile-bytes 10000000
+    OMP_NUM_THREADS=1 python -m bench.serve_load --acceptance --requests 64 --json bench/results/serve-load-32.json
 """
 
 from __future__ import annotations
@@ -58,12 +58,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, as the server it starts
-
-from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.report import check_output, table, write_json  # noqa: E402
-from neuron_moe.serve.chat import render_chat  # noqa: E402
-from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
+from neuron_moe.port import load_port
+from neuron_moe.report import check_output, table, write_json
+from neuron_moe.serve.chat import render_chat
+from neuron_moe.tokenizer import load_tokenizer
 
 # The long prompt: this text, cut to the number of tokens asked (with the chat template's own)
 LONG_TEXT = ("Summarise the following passage in one sentence. The expedition left the harbour before dawn, "
@@ -536,7 +534,7 @@ def main(argv=None) -> int:
     if args.json:
         doc = reports[0] if len(reports) == 1 else {"benchmark": "serve_load", "runs": reports}
         if summary is not None:
-            doc = {**doc, "command": " ".join(sys.argv), "acceptance": summary}
+            doc = {**doc, "command": " ".join(["python -m bench.serve_load", *sys.argv[1:]]), "acceptance": summary}
         write_json(doc, args.json)
     if args.json == "-":
         return 0 if failed == 0 else 1

@@ -7,7 +7,7 @@ so no byte is read until it is used), the same with every byte copied (what a fi
 `Sidecar.layer` (the same read, then the layer's sha256 against the metadata, its code bytes in
 0..242 and its numbers finite), and each check on its own. The full model has 30 such layers.
 
-    python bench/sidecar_load.py            # prints a table, writes bench/results/sidecar_load-<host>.json
+    python -m bench.sidecar_load            # prints a table, writes bench/results/sidecar_load-<host>.json
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from neuron_moe.reader.geometry import Geometry  # noqa: E402
-from neuron_moe.reader.hadamard import random_signs  # noqa: E402
-from neuron_moe.reader.sidecar import (CODE_BYTES, LAYER_TENSORS, Sidecar, SidecarLayout, _raw,  # noqa: E402
-                                       metadata, stream_layers)
-from neuron_moe.report import table, write_json  # noqa: E402
+from neuron_moe.reader.geometry import Geometry
+from neuron_moe.reader.hadamard import random_signs
+from neuron_moe.reader.sidecar import CODE_BYTES, LAYER_TENSORS, Sidecar, SidecarLayout, _raw, metadata, stream_layers
+from neuron_moe.report import table, write_json
 
 LAYERS = 30  # Gemma-4 26B-A4B's MoE layers
 

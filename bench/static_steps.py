@@ -13,7 +13,7 @@ against batch 1:
 the steps are shared by B rows; at batch 1, R = 1).
 `bench/serve_load.py` measures what the server reaches through HTTP; this says what the graphs allow.
 
-    OMP_NUM_THREADS=1 python bench/static_steps.py --batch-sizes 1,8 --max-tokens 16 --prefill-rows 4
+    OMP_NUM_THREADS=1 python -m bench.static_steps --batch-sizes 1,8 --max-tokens 16 --prefill-rows 4
 """
 
 from __future__ import annotations
@@ -23,17 +23,14 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from neuron_moe.model import build_model  # noqa: E402
-from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.report import table, write_json  # noqa: E402
-from neuron_moe.serve.runtime import Chunk, static_runtime  # noqa: E402
-from neuron_moe.static.sampling import GREEDY  # noqa: E402
+from neuron_moe.model import build_model
+from neuron_moe.port import load_port
+from neuron_moe.report import table, write_json
+from neuron_moe.serve.runtime import Chunk, static_runtime
+from neuron_moe.static.sampling import GREEDY
 
 
 def best_ms(call, repeats: int) -> float:

@@ -10,7 +10,7 @@ median and fastest time. The workloads are what `--threads` (cli_parser.DEFAULT_
              (the model built once), EOS ignored
   static     the same request through `serve --backend static`'s batching engine
 
-    python bench/threads.py --threads 1,2 --repeats 5 --json bench/results/threads-cpu.json
+    python -m bench.threads --threads 1,2 --repeats 5 --json bench/results/threads-cpu.json
 """
 
 from __future__ import annotations
@@ -22,18 +22,15 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from neuron_moe.eval.seq_match import DEFAULT_PROMPTS, run_validation  # noqa: E402
-from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.report import table, write_json  # noqa: E402
-from neuron_moe.serve.backends import load_engine  # noqa: E402
-from neuron_moe.serve.engine import SamplingParams  # noqa: E402
-from neuron_moe.tokenizer import load_tokenizer  # noqa: E402
+from neuron_moe.eval.seq_match import DEFAULT_PROMPTS, run_validation
+from neuron_moe.port import load_port
+from neuron_moe.report import table, write_json
+from neuron_moe.serve.backends import load_engine
+from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.tokenizer import load_tokenizer
 
 
 def request(engine, prompt: str, n: int):

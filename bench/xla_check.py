@@ -25,15 +25,15 @@ uniform draw) beside greedy rows; its tokens are compared with the same programs
 the same inputs, its greedy row with HF eager, and the bytes a decode call returns are counted
 (the B token ids; no logits).
 
-`--baseline DIR` measures another checkout of this package the same way (its port's [static]
-run only), e.g. main's before a change, into OUT-baseline.json; the report then shows the bytes
-per decode step before and after side by side.
+Where OUT-baseline.json exists (the OUT.json of this check run in another checkout, e.g. main's
+before a change), the report shows the bytes per decode step before and after side by side.
 
-The exported runs run the `torch.export` programs themselves; their op sets, once every one of
-them lowered cleanly, are the allow-list `neuron_moe/static/xla_lowered_ops.txt` that the normal
-test suite (no torch-xla) holds the graphs to: `--write-ops` rewrites it.
+The exported runs run the `torch.export` programs themselves; the JSON records their ops, and the
+report whether each is on the allow-list `neuron_moe/static/xla_lowered_ops.txt` that the normal
+test suite (no torch-xla) holds the graphs to. `python -m tools.xla_ops` (`make xla-ops`) writes
+that list from this check's JSON once every run lowered cleanly.
 
-    make xla-check        # = PJRT_DEVICE=CPU .venv-xla/bin/python bench/xla_check.py
+    make xla-check        # = PJRT_DEVICE=CPU .venv-xla/bin/python -m bench.xla_check --hlo build/xla-check-hlo
 """
 
 from __future__ import annotations
@@ -48,31 +48,23 @@ import time
 from pathlib import Path
 
 import torch
+from torch.export.passes import move_to_device_pass
 
-# the package under test: this checkout, or --baseline DIR's (read before anything imports it)
-_BASELINE = next((a.split("=", 1)[1] if "=" in a else sys.argv[i + 2] for i, a in enumerate(sys.argv[1:])
-                  if a.startswith("--baseline")), None)
-sys.path.insert(0, str(Path(_BASELINE or Path(__file__).resolve().parents[1]).resolve()))
-
-from neuron_moe import report  # noqa: E402
-from neuron_moe.errors import UserError  # noqa: E402
-from neuron_moe.eval.seq_match import DEFAULT_PROMPTS  # noqa: E402
-from neuron_moe.experts.int8 import _quantized  # noqa: E402
-from neuron_moe.greedy import greedy, left_pad  # noqa: E402
-from neuron_moe.model import build_model  # noqa: E402
-from neuron_moe.port import load_port  # noqa: E402
-from neuron_moe.static import XLA_LOWERED_OPS_FILE, graph_ops, xla_lowered_ops  # noqa: E402
-from neuron_moe.static.generator import StaticGenerator, generate_batches  # noqa: E402
-
-if _BASELINE is None:  # what a checkout before the serving graphs does not have
-    from torch.export.passes import move_to_device_pass
-
-    from neuron_moe.serve.runtime import Chunk, GraphRuntime
-    from neuron_moe.static.cache import share_state
-    from neuron_moe.static.decoder import Decode, Prefill, new_cache
-    from neuron_moe.static.export import example_inputs, export
-    from neuron_moe.static.sampling import CANDIDATES, GREEDY
-from neuron_moe.tokenizer import ByteTokenizer  # noqa: E402
+from neuron_moe import report
+from neuron_moe.errors import UserError
+from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
+from neuron_moe.experts.int8 import _quantized
+from neuron_moe.greedy import greedy, left_pad
+from neuron_moe.model import build_model
+from neuron_moe.port import load_port
+from neuron_moe.serve.runtime import Chunk, GraphRuntime
+from neuron_moe.static import XLA_LOWERED_OPS_FILE, graph_ops, xla_lowered_ops
+from neuron_moe.static.cache import share_state
+from neuron_moe.static.decoder import Decode, Prefill, new_cache
+from neuron_moe.static.export import example_inputs, export
+from neuron_moe.static.generator import StaticGenerator, generate_batches
+from neuron_moe.static.sampling import CANDIDATES, GREEDY
+from neuron_moe.tokenizer import ByteTokenizer
 
 # The default prompts need the 56-token bucket; the short pair runs the 8-token one.
 PROMPTS = (*DEFAULT_PROMPTS, "Hi", "2+2=")
@@ -210,25 +202,17 @@ def seq_match(reference, got) -> dict:
             "first_divergence": firsts}
 
 
-def _buckets(generator, mask, new_tokens: int) -> set[int]:
-    found = generator.check(mask, new_tokens)  # a set of buckets; one bucket in a --baseline of main's code
-    return found if isinstance(found, set) else {found}
-
-
-def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: dict, hlo_dir,
-              baseline: bool = False) -> tuple[dict, dict]:
+def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: dict, hlo_dir) -> tuple[dict, dict]:
     """One run on XLA: (its report row, {graph name: op set} of its exported programs)."""
     spec = dataclasses.replace(port.static, prefill_experts=run.prefill, decode_experts=run.decode)
     model = build_model(port, run.decode)
     start = time.perf_counter()
     if not run.exported:
         model = model.to(xla.device)
-    # the serving graphs (the token alone); a --baseline checkout's graphs are what it had
-    options = {} if baseline else {"logits": False}
-    generator = StaticGenerator(model, spec, exported=run.exported, device=xla.device, **options)
+    # the serving graphs: the token alone
+    generator = StaticGenerator(model, spec, exported=run.exported, device=xla.device, logits=False)
     size = spec.batch_size
-    generator.prepare(set().union(*(_buckets(generator, mask[i:i + size], new_tokens)
-                                    for i in range(0, len(ids), size))))
+    generator.prepare(set().union(*(generator.check(mask[i:i + size], new_tokens) for i in range(0, len(ids), size))))
     export_s = time.perf_counter() - start
     tag = f"{run.prefill}-{run.decode}-{'exported' if run.exported else 'modules'}"
     # the generator's graphs, each replaced by its metered self (the loop calls them by name)
@@ -410,7 +394,7 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
         f"Packages: Python {env['python']}, torch {env['torch']}, torch-xla {env['torch_xla']}, "
         f"transformers {env['transformers']}. Port `{result['port']}` ({result['weights']}), "
         f"{len(PROMPTS)} prompts in batches of {result['batch_size']}, prefill + {result['new_tokens'] - 1} decode steps.",
-        "", "Written by `make xla-check` (`bench/xla_check.py`). Compilations from `CompileTime`, fallbacks are "
+        "", "Written by `make xla-check` (`python -m bench.xla_check`). Compilations from `CompileTime`, fallbacks are "
         "torch-xla's `aten::*` counters, per graph; a call is one graph call plus `torch_xla.sync()`. The graphs "
         "are the serving graphs: the KV cache is their device state, the token their only output.", "",
     ]
@@ -467,7 +451,8 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
         "flips greedy picks).",
         "- int8 runs as modules (lazy tracing, what torch-neuronx traces); it is not exported (`torch.export`), "
         "since its int8 copies are made on first use, outside any graph.",
-        "- HLO column (with `--hlo`): each `sort` is a router's `topk` (one per layer), which torch-xla lowers to a "
+        "- HLO column (with `--hlo DIR`, which writes each graph's HLO text there; `make xla-check`: "
+        "build/xla-check-hlo/): each `sort` is a router's `topk` (one per layer), which torch-xla lowers to a "
         "full sort; a custom-call would be an op outside plain HLO, a while or conditional control flow in the graph.",
         "- What this does not show: that neuronx-cc accepts this HLO (its sort support included), that NxD's "
         "runtime keeps the aliased state on the device as its source says, or anything about speed on a Neuron "
@@ -497,11 +482,6 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=33, help="tokens per prompt: prefill + N-1 decode steps")
     parser.add_argument("--out", default="bench/results/xla-check", help="result files: OUT.md and OUT.json")
     parser.add_argument("--hlo", metavar="DIR", help="also write each graph's HLO text into DIR")
-    parser.add_argument("--write-ops", action="store_true",
-                        help=f"rewrite the allow-list {XLA_LOWERED_OPS_FILE.name} from the exported graphs")
-    parser.add_argument("--baseline", metavar="DIR",
-                        help="measure the package of another checkout (e.g. main's) instead, first run only, into "
-                             "OUT-baseline.json; a later run without it shows the two side by side")
     args = parser.parse_args(argv)
 
     xla = Xla()
@@ -514,22 +494,21 @@ def main(argv=None) -> int:
     ids, mask = left_pad([tokenizer.encode(p) for p in PROMPTS], tokenizer.pad_token_id)
     references = {"fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, args.new_tokens),
                   "int8": greedy(build_model(port, "int8", torch.float32), ids, mask, args.new_tokens)}
-    hlo_dir = Path(args.hlo) if args.hlo and not args.baseline else None
+    hlo_dir = Path(args.hlo) if args.hlo else None
 
     rows, ops = [], {}
-    for run in RUNS[:1] if args.baseline else (*RUNS, None):
+    for run in (*RUNS, None):
         print(f"== {run.name if run else SERVING}", flush=True)
         if run is None:
             row, run_ops = check_serving(xla, port, hlo_dir)
             tag = "serving"
         else:
-            row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir,
-                                     baseline=bool(args.baseline))
+            row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir)
             tag = f"{run.prefill}/{run.decode}"
         row["passed"] = passed(row)
         rows.append(row)
         for graph, names in run_ops.items():
-            ops[f"{tag} {graph}"] = (names, row["passed"])
+            ops[f"{tag} {graph}"] = names
         print(report.table(row["graphs"], [("graph", "graph"), ("calls", "calls"),
                                            ("compiles_first_call", "compiles 1st"),
                                            ("compiles_later_calls", "compiles later"),
@@ -554,27 +533,14 @@ def main(argv=None) -> int:
                         "python": platform.python_version(), "torch": torch.__version__,
                         "torch_xla": xla.version, "transformers": transformers.__version__},
     }
-    if args.baseline:
-        report.write_json(result, f"{args.out}-baseline.json")
-        print(f"written {args.out}-baseline.json ({result['code']})")
-        return 0 if ok else 1
-
-    exported = set().union(*(names for names, _ in ops.values()))
-    if args.write_ops:
-        if not ok:
-            print("error: not writing the allow-list: a run failed", file=sys.stderr)
-            return 1
-        header = (f"# Ops of the exported static graphs ({', '.join(sorted(ops))}) that lowered on XLA:CPU with no\n"
-                  f"# aten fallback and one compilation per graph. Written by bench/xla_check.py --write-ops\n"
-                  f"# (torch {torch.__version__}, torch-xla {xla.version}); do not edit by hand.\n")
-        with report.atomic_write(XLA_LOWERED_OPS_FILE) as f:
-            f.write(header + "".join(f"{op}\n" for op in sorted(exported)))
-        allowlist = f"`{XLA_LOWERED_OPS_FILE.name}` written: {len(exported)} ops."
-    else:
-        missing = sorted(exported - xla_lowered_ops())
-        ok = ok and not missing
-        allowlist = (f"every one of the {len(exported)} ops of the exported graphs is on `{XLA_LOWERED_OPS_FILE.name}`"
-                     if not missing else f"ops of the exported graphs missing from the allow-list: {missing}")
+    # the exported programs' ops: what tools/xla_ops.py makes the allow-list of, once every run passed
+    exported = set().union(*ops.values())
+    result.update(exported_graphs=sorted(ops), exported_ops=sorted(exported))
+    missing = sorted(exported - xla_lowered_ops())
+    ok = ok and not missing
+    allowlist = (f"every one of the {len(exported)} ops of the exported graphs is on `{XLA_LOWERED_OPS_FILE.name}`"
+                 if not missing else f"ops of the exported graphs missing from the allow-list: {missing} "
+                                     "(`python -m tools.xla_ops` writes it from this run's JSON)")
     print(allowlist)
     result.update(passed=ok, allowlist=allowlist)
     baseline_path = Path(f"{args.out}-baseline.json")

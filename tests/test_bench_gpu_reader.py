@@ -1,4 +1,4 @@
-"""`bench/gpu_reader.py --dry-run`: the GPU benchmark end to end on the CPU (tiny shapes, Triton's
+"""`python -m bench.gpu_reader --dry-run`: the GPU benchmark end to end on the CPU (tiny shapes, Triton's
 interpreter), so that its one device call is never its first run."""
 
 import json
@@ -13,13 +13,18 @@ ROOT = Path(__file__).resolve().parents[1]
 DRY_VARIANTS = ["radix5+1scan", "fused", "relaxed", "persistent"]  # the script's: one of each kind
 
 
+def md_rows(md: str) -> list[list[str]]:
+    """The cells of every markdown table row (header and rule rows included)."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines() if line.startswith("|")]
+
+
 @pytest.mark.slow
 def test_gpu_reader_bench_dry_run(tmp_path):
     out = tmp_path / "gpu_reader.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("OUT", None)
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_reader.py"), "--dry-run", "--json", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_reader", "--dry-run", "--json", str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     machine = report["machine"]
@@ -47,7 +52,10 @@ def test_gpu_reader_bench_dry_run(tmp_path):
             side = [r for r in report["variants"] if r["geometry"] == geometry and r["tokens"] == tokens]
             assert [r["variant"] for r in side] == ["bisect", *variants] and all(r["check_ok"] for r in side)
     assert [t["tokens"] for t in report["targets"]] == [1, 4] and report["targets"][0]["best_reader"]
-    md = out.with_suffix(".md").read_text()
-    assert "a dry run on the CPU" in md and "## issue 24's targets" in md and "| tiny-qwen-like | 2 | reader-12.8 |" in md
+    assert report["command"] == f"python -m bench.gpu_reader --dry-run --json {out}"
+    # the markdown's tables: every row of the JSON's, by its first cells (the main table's (geometry, T, impl))
+    md = {tuple(cells[:3]) for cells in md_rows(out.with_suffix(".md").read_text())}
+    assert {(r["geometry"], str(r["tokens"]), r["impl"]) for r in report["rows"]} <= md
+    assert {(t["geometry"], str(t["tokens"]), t["best_reader"] or "-") for t in report["targets"]} <= md
     last = done.stdout.strip().splitlines()
     assert last[-1].split()[:3] == ["tiny-qwen-like", "2", "reader-12.8"]  # the main table is printed last

@@ -13,14 +13,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # python3 for the script: the version check answers as a CPU would (importing torch three times is slow),
 # the summary snippet runs for real; the two benchmarks are stand-ins that record their arguments, write
-# what the real ones would, and exit as told
+# what the real ones would, and exit as told, once the module named is found where the script runs
+# (PYTHONPATH the checkout, nothing installed but the venv's own packages: bench is never installed)
 SHIM = """#!/bin/bash
 if [ "$1" = "-" ] && [ "$2" = "--dry-run" ]; then cat > /dev/null; echo "cpu (dry run), torch (stand-in)"; exit 0; fi
 if [ "$1" = "-" ]; then exec {python} "$@"; fi
 echo "$*" >> {calls}
-case "$1" in
-  bench/gpu_reader.py) sleep "${{READER_SLEEP:-0}}"; echo '{{"rows": []}}' > "$OUT/gpu_reader.json"; echo reader-table;;
-  bench/gpu_decode.py) echo decode-table; exit "${{DECODE_EXIT:-0}}";;
+[ "$1" = "-m" ] && {python} -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)' \\
+    "$2" || exit 98
+case "$2" in
+  bench.gpu_reader) sleep "${{READER_SLEEP:-0}}"; echo '{{"rows": []}}' > "$OUT/gpu_reader.json"; echo reader-table;;
+  bench.gpu_decode) echo decode-table; exit "${{DECODE_EXIT:-0}}";;
   *) exit 99;;
 esac
 """
@@ -45,9 +48,9 @@ def session(tmp_path, out="out", **env):
 def test_both_parts_run_with_their_arguments_and_outputs(tmp_path):
     done, out, calls = session(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert calls[0] == f"bench/gpu_reader.py --dry-run --json {out}/gpu_reader.json"
+    assert calls[0] == f"-m bench.gpu_reader --dry-run --json {out}/gpu_reader.json"
     decode = calls[1].split()
-    assert decode[:5] == ["bench/gpu_decode.py", "--dry-run", "--models", "tiny-gemma4", "tiny-qwen3"]
+    assert decode[:6] == ["-m", "bench.gpu_decode", "--dry-run", "--models", "tiny-gemma4", "tiny-qwen3"]
     assert decode[decode.index("--fastest-from") + 1] == f"{out}/gpu_reader.json"  # part 1's result feeds part 2
     assert 0 < int(decode[decode.index("--time-budget") + 1]) < 340
     assert (out / "gpu_reader.log").read_text().strip() == "reader-table"

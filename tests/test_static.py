@@ -91,8 +91,9 @@ def test_a_cache_tensor_returned_as_a_user_output_fails_the_check(tiny_port):  #
 
 def test_every_op_of_the_exported_graphs_lowered_in_the_xla_check(generator):  # instant: shares the export
     """The XLA check (bench/xla_check.py, torch-xla 2.9 on CPU) ran these graphs with no aten
-    fallback and one compilation each, and wrote down their ops; a graph that gains an op it
-    has not seen lower fails here, without torch-xla. Rerun `make xla-check` after a change."""
+    fallback and one compilation each, and recorded their ops (the allow-list, written from its
+    result by tools/xla_ops.py); a graph that gains an op it has not seen lower fails here, without
+    torch-xla. After a change: `make xla-check`, and `make xla-ops` where it reports an op missing."""
     allowed = xla_lowered_ops()
     assert {"aten.index_select.default", "aten.index_copy.default", "aten.einsum.default"} <= allowed
     assert not allowed & {"aten.nonzero.default", "aten.histc.default", "aten._local_scalar_dense.default"}

@@ -1,6 +1,6 @@
 """Check neuron_moe.parallel.nxd.NXD_API against a checkout of aws-neuron/neuronx-distributed.
 
-    python tools/check_nxd_api.py /path/to/neuronx-distributed
+    python -m tools.check_nxd_api /path/to/neuronx-distributed
 
 For every name in the table: the file it names defines it (a class, a function, a method, or a
 class attribute such as an enum member), and every keyword we pass is a parameter of it (of
@@ -13,8 +13,7 @@ import ast
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from neuron_moe.parallel.nxd import NXD_API, NXD_SOURCE  # noqa: E402
+from neuron_moe.parallel.nxd import NXD_API, NXD_SOURCE
 
 
 def _params(fn: ast.FunctionDef) -> set[str]:

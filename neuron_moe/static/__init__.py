@@ -12,8 +12,9 @@ DATA_DEPENDENT_OPS = ("aten.nonzero", "aten.index_add", "aten.masked_select", "a
                       "aten._local_scalar_dense", "aten.item", "aten.where.default")
 
 # The ops of the exported graphs that torch-xla 2.9 (the Neuron SDK 2.31 stack) lowered to HLO
-# with no CPU fallback and one compilation per graph: written by `bench/xla_check.py --write-ops`
-# (`make xla-check`), which runs these graphs on XLA:CPU. Tests hold the graphs to this list.
+# with no CPU fallback and one compilation per graph: `make xla-check` runs these graphs on XLA:CPU
+# (bench/xla_check.py), `make xla-ops` writes its result here (tools/xla_ops.py). Tests hold the
+# graphs to this list.
 XLA_LOWERED_OPS_FILE = Path(__file__).with_name("xla_lowered_ops.txt")
 
 

@@ -10,6 +10,6 @@ WORK=${WORK:-build/tiny}
 PY=${PY:-.venv/bin/python}
 
 [ -f "$WORK/corpus/eval_text.jsonl" ] || $PY -m neuron_moe build-corpus --out "$WORK/corpus"
-$PY bench/reader_batch.py --corpus "$WORK/corpus" --per-task 20 --text-docs 30 --batches 1,4,8,16 \
+$PY -m bench.reader_batch --corpus "$WORK/corpus" --per-task 20 --text-docs 30 --batches 1,4,8,16 \
     --step-budgets 2,3,4,16:6 --raw 8 --scans 40 --accuracy 1,8 --work "${BATCH_WORK:-build/reader-batch}" \
     --out bench/results/reader-batch

@@ -18,4 +18,4 @@ $PY -m neuron_moe eval-reader "${CKPT[@]}" --corpus "$WORK/corpus" --budgets 12.
     --selectors teal,wina,cats,oracle,reader,reader-r16,reader-r0 --rules topk,threshold --out "$WORK/reader-eval"
 mkdir -p "$RESULTS"
 cp "$WORK"/reader-eval/{report.md,report.json,reads_vs_quality.png,retention.png,retention_by_position.png} "$RESULTS/"
-$PY bench/reader_layers.py "${CKPT[@]}" --corpus "$WORK/corpus" --budget 17.8 --json "$RESULTS/layers.json"
+$PY -m bench.reader_layers "${CKPT[@]}" --corpus "$WORK/corpus" --budget 17.8 --json "$RESULTS/layers.json"
