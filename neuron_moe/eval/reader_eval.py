@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from .. import spec
 from .. import tasks as T
 from ..errors import UserError
 from ..experts.int8 import int8_experts
@@ -311,7 +312,7 @@ class Run:
         if self.calibration is None:
             longest = self.model.config.max_position_embeddings
             seqs = sequences(self.tokenizer, self.settings, longest, "calibration")
-            self.model.set_experts_implementation("eager")
+            spec.set_experts(self.model, spec.EAGER)
             self.calibration = calibration_inputs(self.model, seqs, self.settings.calib_tokens)
         return self.calibration
 
@@ -373,7 +374,7 @@ class Run:
             sparse = teacher_forced(self.model, self.evaluation, states, progress)
             rows = self.generate(progress)
         finally:
-            self.model.set_experts_implementation("eager")
+            spec.set_experts(self.model, spec.EAGER)
         stats = cell_stats(reference, sparse, self.evaluation, full)
         # top-k: the plan must be read on every token and layer (measured from what each kept);
         # threshold: what the calibrated rule read is reported against the same target, not checked

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .. import spec
 from ..errors import UserError
 from ..reader import reference, shard
 from ..reader.accounting import ReaderSettings, solve_k, solve_rank_k
@@ -129,7 +130,7 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
             state.run = _per_rank([shard.rank_sidecar(side.layer(i), tp, r) for r in range(tp)], tp)
         experts.reader = state
         state.hook = layer.register_forward_pre_hook(_mark_decode, with_kwargs=True)
-    model.set_experts_implementation("channel_reader")
+    spec.set_experts(model, spec.CHANNEL_READER)
     return k
 
 

@@ -31,13 +31,14 @@ from ..experts.int8 import quantize_experts
 from ..model import build_model
 from ..parallel import cpu, layout, nxd, reader
 from ..parallel.model import rank_model
-from ..parallel.reader import READER, check_reader, open_shards
+from ..parallel.reader import check_reader, open_shards
 from ..parallel.trace import export_rank0
 from ..reader.accounting import ReaderSettings, rank_geometry, solve_rank_k
 from ..reader.geometry import Geometry
 from ..reader.prep import RANK, SCAN, model_expert_weights
 from ..reader.sidecar import SidecarLayout
 from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock, table
+from ..spec import CHANNEL_READER
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, example_inputs, functional
@@ -158,7 +159,7 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     sides, reads = None, None
     if reader is not None:  # every check of the reader before any weight loads
         sides, reads = _plan_reader(port, tp, int8, expert_layout, reader, has_weights)
-        spec = dataclasses.replace(spec, decode_experts=READER)
+        spec = dataclasses.replace(spec, decode_experts=CHANNEL_READER.name)
     _check_fits(port, dtype, tp, expert_layout, reads)
     check_output(out, directory=True)
     out = Path(out).resolve()

@@ -16,6 +16,7 @@ import torch
 from ..experts.int8 import quantize_experts
 from ..model import build_model
 from ..reader.prep import model_expert_weights
+from ..spec import CHANNEL_READER
 from . import layout, reader
 from .model import rank_model
 
@@ -57,7 +58,7 @@ class RankJob:
             reader.check_reader(expert_layout, int8, budget)
             rank = port.reader.rank if rank is None else rank  # the port's default, as the one-rank reader's
             sides, k, rank = reader.open_shards(port.config, sidecar, tp, budget, rank)
-            spec = dataclasses.replace(spec, decode_experts=reader.READER)
+            spec = dataclasses.replace(spec, decode_experts=CHANNEL_READER.name)
             settings = (sides[0].layout, k, sides[0].scan, rank)
         hf = build_model(port, "eager", dtype, checkpoint)
         if sides is not None:
