@@ -11,15 +11,15 @@ from . import environment, hub
 from .cli_parser import parser
 from .environment import render_env
 from .errors import UserError
-from .eval import reader_eval
+from .eval import reader_eval, seq_match
 from .eval.reader_report import render_reader_eval
-from .eval.seq_match import DEFAULT_PROMPTS, backend_options, render_validation, run_validation
+from .eval.seq_match import DEFAULT_PROMPTS, render_validation, run_validation
 from .eval.tasks import evaluate, render_tasks
 from .info import info_report, render_info
 from .model import prep_reader, render_prep_reader
 from .neuron.compile import render_trace_and_compile, trace_and_compile
 from .neuron.plan import GiB, port_plan, render_plan
-from .port import DTYPES, load_port, ports_report, render_ports, with_shapes
+from .port import load_port, ports_report, render_ports, with_shapes
 from .publish.s3 import publish, pull_report, render_publish, render_pull
 from .reader.accounting import ReaderSettings, reads_report, render_reads
 from .reader.geometry import Geometry
@@ -60,20 +60,23 @@ def cmd_env(args) -> int:
     return 0
 
 
+# What a layer library or a reader kernel needs of this machine (environment.py's paths)
+_LAYERS_NEED = {"nxd": environment.VALIDATE_NXD}
+_KERNEL_NEEDS = {"nki": environment.READER_NKI, "triton": environment.READER_TRITON}
+
+
 def cmd_validate(args) -> int:
-    options = backend_options(args.backend, sidecar=args.sidecar, budget=args.budget, rank=args.rank,
-                              reader_kernel=args.reader_kernel, reader_weights=args.reader_weights,
-                              expert_layout=args.expert_layout, tp=args.tp, tp_layers=args.tp_layers)
-    if args.tp_layers == "nxd":
-        environment.require(environment.VALIDATE_NXD)
-    if args.reader_kernel in ("nki", "triton"):
-        environment.require(environment.READER_NKI if args.reader_kernel == "nki" else environment.READER_TRITON)
+    backend = seq_match.backend(args.backend, sidecar=args.sidecar, budget=args.budget, rank=args.rank,
+                                reader_kernel=args.reader_kernel, reader_weights=args.reader_weights,
+                                expert_layout=args.expert_layout, tp=args.tp, tp_layers=args.tp_layers,
+                                dtype=args.dtype)
+    for need in (_LAYERS_NEED.get(args.tp_layers), _KERNEL_NEEDS.get(args.reader_kernel)):
+        if need is not None:
+            environment.require(need)
     port = load_port(args.model)
     tokenizer = load_tokenizer(port, args.checkpoint)
     prompts = list(DEFAULT_PROMPTS) + list(args.prompt or [])
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
-                            options)
+    report = run_validation(port, tokenizer, backend, args.max_new_tokens, prompts, args.checkpoint)
     if _json_out(report, args):
         print(render_validation(report))
     return 0 if report["all_match"] else 1
@@ -185,7 +188,7 @@ def cmd_train_tiny(args) -> int:
 
 def cmd_eval_tasks(args) -> int:
     port = load_port(args.model)
-    report = evaluate(port, args.backend, args.checkpoint, per_task=args.items, corpus=args.corpus,
+    report = evaluate(port, seq_match.BACKENDS[args.backend], args.checkpoint, per_task=args.items, corpus=args.corpus,
                       text_docs=args.text_docs, tasks=tuple(args.task or TASKS), split=args.split)
     if _json_out(report, args):
         print(render_tasks(report, port.config.num_experts))

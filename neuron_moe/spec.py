@@ -122,8 +122,9 @@ class Placement:
     def degree(self, default: int) -> int:
         return self.tp or default
 
-    def layout(self, port_layout: str) -> str:
-        """The expert layout: the one asked for, the naive scatter's (the expert layout), else the port's."""
+    def layout(self, port_layout: str | None) -> str | None:
+        """The expert layout: the one asked for, the naive scatter's (the expert layout), else the
+        port's (`port_layout`; None: left to the caller, which has the port's [static])."""
         if self.scatter == NAIVE:
             if self.expert_layout not in (None, EXPERT):
                 raise SpecError(f"this backend runs the {EXPERT!r} expert layout only, not {self.expert_layout!r}")

@@ -11,7 +11,6 @@ every rank runs that one graph with its own shard.
 - The full-size decode graph at TP 8 reads per layer exactly what the accounting charges a rank.
 - Bad input: a shard of another TP degree, rank, layout or model, a budget below a rank's floor."""
 
-import copy
 import dataclasses
 import json
 import re
@@ -21,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from neuron_moe import spec
 from neuron_moe.cli import main
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.model import prep_port, reader_model
@@ -70,8 +70,7 @@ def test_moe_block_on_every_rank_is_the_per_rank_reader(tiny_eager, tp):
     whole = LayerSidecar.from_tensors({n: t.contiguous() for n, t in prepped.items()}, signs)  # as read from a file
     parts = [shard.rank_sidecar(whole, tp, r) for r in range(tp)]
     k, scan, rank = 20 // tp, 80, 32
-    decode = copy.deepcopy(config)  # what the decode graph built with the reader sets while it is traced
-    decode._experts_implementation = reader.READER
+    decode = spec.dispatching(config, spec.CHANNEL_READER)  # what a decode graph built with the reader holds
     module = ParallelMoE(decode, tp, cpu)
     local = SidecarLayout(Geometry(hidden=config.hidden_size, experts=config.num_experts,
                                    intermediate=config.moe_intermediate_size // tp), 32)
@@ -306,9 +305,9 @@ def test_full_size_decode_graph_with_the_reader_reads_its_plan():
                                     layer_types=["sliding_attention", "full_attention"]), "two layers")
     module = rank_model(config, 8, cpu, device="meta", dtype=torch.bfloat16)
     reader.attach(module, SidecarLayout(Geometry(hidden=2816, experts=128, intermediate=88), 32), 8, 55, 80, 32)
-    spec = dataclasses.replace(port.static, decode_experts=reader.READER)
-    graph = nc._graph(module, spec, "token_generation", new_cache(module, spec.max_cache_len, 1), False)
-    program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(spec, "token_generation")), 8)
+    static = dataclasses.replace(port.static, decode_experts=spec.CHANNEL_READER.name)
+    graph = nc._graph(module, static, "token_generation", new_cache(module, static.max_cache_len, 1), False)
+    program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(static, "token_generation")), 8)
     assert data_dependent_ops(program) == []
     plan = reads(rank_geometry(Geometry.from_config(config), 8), ReaderSettings(), 55)
     for layer in range(2):

@@ -87,6 +87,9 @@ _EXPERT_RULES = {
               (".experts.down_proj.weight", EXPERTS_ROW),
               *((f".experts.reader.{name}", READER_SHARD) for name in ("codes", "scales", "down_norms", "coeffs"))),
 }
+# Column-parallel weights whose output every rank takes whole (gather_output): the logits, so that
+# every rank takes the same token.
+GATHERED = ("lm_head.weight",)
 _GATE_UP = ".experts.gate_up_proj.weight"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

@@ -223,32 +223,64 @@ def reader(layer, x, index, weights, rule):
     return out, {"channel": keep}
 
 
+def _row(geo: Geometry) -> int:
+    return SECTOR * row_sectors(geo.hidden * BF16)  # one gate, up or down row
+
+
+def _teal_parts(geo: Geometry) -> tuple[int, dict[str, Part]]:
+    strip = SECTOR * row_sectors(2 * geo.intermediate * BF16)  # one input coordinate of one expert's gate_up
+    return 0, {"input": Part(geo.hidden, geo.top_k * strip), "channel": Part(geo.channels, _row(geo))}
+
+
+def _wina_parts(geo: Geometry) -> tuple[int, dict[str, Part]]:
+    H, I, k = geo.hidden, geo.intermediate, geo.top_k
+    norms = SECTOR * k * (sectors(H * BF16) + sectors(I * BF16))
+    strip = SECTOR * row_sectors(2 * I * BF16)
+    return norms, {"input": Part(k * H, strip), "channel": Part(geo.channels, _row(geo))}
+
+
+def _cats_parts(geo: Geometry) -> tuple[int, dict[str, Part]]:
+    return geo.top_k * geo.intermediate * _row(geo), {"channel": Part(geo.channels, 2 * _row(geo))}
+
+
+def _oracle_parts(geo: Geometry) -> tuple[int, dict[str, Part]]:
+    return 0, {"channel": Part(geo.channels, 3 * _row(geo))}
+
+
+def _reader_parts(geo: Geometry) -> tuple[int, dict[str, Part]]:
+    return 0, {"channel": Part(geo.channels, 0)}  # charged by accounting.reads, not linearly
+
+
+@dataclass(frozen=True)
+class Selector:
+    """A selector: its forward, the (fixed bytes per token, parts) of its natural layout, and whether
+    it is the reader (`sketch`: scores from the sidecar's sketch, its reads charged by the reader's
+    accounting, not linearly in k, and per rank at TP > 1)."""
+
+    forward: object
+    parts: object
+    sketch: bool = False
+
+
+SELECTORS = {"teal": Selector(teal, _teal_parts), "wina": Selector(wina, _wina_parts),
+             "cats": Selector(cats, _cats_parts), "oracle": Selector(oracle, _oracle_parts),
+             "reader": Selector(reader, _reader_parts, sketch=True)}
+
+
+def _selector(name) -> Selector:
+    if name not in SELECTORS:
+        raise BudgetError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")
+    return SELECTORS[name]
+
+
 def layout_parts(name, geo: Geometry, settings) -> tuple[int, dict[str, Part]]:
     """(fixed bytes per token, parts) of each selector's natural layout."""
-    H, I, k = geo.hidden, geo.intermediate, geo.top_k
-    row = SECTOR * row_sectors(H * BF16)  # one gate, up or down row
-    strip = SECTOR * row_sectors(2 * I * BF16)  # one input coordinate of one expert's gate_up, column-major
-    channel = Part(geo.channels, row)
-    if name == "teal":
-        return 0, {"input": Part(H, k * strip), "channel": channel}
-    if name == "wina":
-        norms = SECTOR * k * (sectors(H * BF16) + sectors(I * BF16))
-        return norms, {"input": Part(k * H, strip), "channel": channel}
-    if name == "cats":
-        return k * I * row, {"channel": Part(geo.channels, 2 * row)}
-    if name == "oracle":
-        return 0, {"channel": Part(geo.channels, 3 * row)}
-    if name == "reader":
-        return 0, {"channel": Part(geo.channels, 0)}  # charged by accounting.reads, not linearly
-    raise BudgetError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")
-
-
-SELECTORS = {"teal": teal, "wina": wina, "cats": cats, "oracle": oracle, "reader": reader}
+    return _selector(name).parts(geo)
 
 
 def charged(name, geo: Geometry, settings, counts: dict) -> int:
     """Bytes a token reads keeping counts[part] units of each part."""
-    if name == "reader":
+    if _selector(name).sketch:
         return sum(accounting.reads(geo, settings, counts["channel"]).values())
     fixed, parts = layout_parts(name, geo, settings)
     return fixed + sum(counts[p] * part.nbytes for p, part in parts.items())
@@ -264,9 +296,10 @@ def plan(name, geo: Geometry, settings, budget: float) -> dict:
     fixed, parts = layout_parts(name, geo, settings)
     if budget == 100:
         return {p: part.units for p, part in parts.items()}
-    if name == "reader" and settings.weights != "bf16":  # equal bytes: a share of the bf16 full read
+    sketch = _selector(name).sketch
+    if sketch and settings.weights != "bf16":  # equal bytes: a share of the bf16 full read
         return {"channel": accounting.solve_k_bytes(geo, settings, budget / 100 * accounting.full_bytes(geo), budget)}
-    if name == "reader":
+    if sketch:
         return {"channel": accounting.solve_k(geo, settings, budget)}
     limit = budget / 100 * accounting.full_bytes(geo)
     lead, *rest = parts
@@ -280,18 +313,18 @@ def plan(name, geo: Geometry, settings, budget: float) -> dict:
 
 def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
     """Selector `name` on tokens x [T, H] routed to index/weights [T, top_k]; reads measured from what it kept."""
-    if name not in SELECTORS:
-        raise BudgetError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")
+    selector = _selector(name)
     if isinstance(rule, Step):
         return run_step(layer, x, index, weights, rule)
     with torch.no_grad():
-        out, masks = SELECTORS[name](layer, x, index, weights, rule)
+        out, masks = selector.forward(layer, x, index, weights, rule)
     geo = layer.geo
     counts = {p: m.flatten(1).sum(1) for p, m in masks.items()}
     fixed, units = layout_parts(name, geo, layer.settings)
-    if name == "reader" and layer.tp > 1:
-        return _rank_result(layer, out.to(x.dtype), masks["channel"], {p: c / units[p].units for p, c in counts.items()})
-    if name == "reader":  # not linear in k (recovery, the full read at every channel): charge each k once
+    if selector.sketch and layer.tp > 1:
+        return _rank_result(name, layer, out.to(x.dtype), masks["channel"],
+                            {p: c / units[p].units for p, c in counts.items()})
+    if selector.sketch:  # not linear in k (recovery, the full read at every channel): charge each k once
         ks = counts["channel"]
         reads = torch.zeros_like(ks)
         for k in ks.unique().tolist():
@@ -324,7 +357,7 @@ def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
     return Result(done.out, reads, {"channel": done.keep.flatten(1).float().mean(1)}, done.rows)
 
 
-def _rank_result(layer: MoeLayer, out, keep, kept) -> Result:
+def _rank_result(name, layer: MoeLayer, out, keep, kept) -> Result:
     """The reader at TP > 1: each rank charged for its own channels on its own geometry
     (`accounting.rank_geometry`); a step waits for its slowest rank, so `reads` is their max."""
     geo = layer.geo
@@ -332,7 +365,7 @@ def _rank_result(layer: MoeLayer, out, keep, kept) -> Result:
     local = accounting.rank_geometry(geo, layer.tp)
     rank_reads = torch.zeros_like(ks)
     for k in ks.unique().tolist():
-        rank_reads[ks == k] = charged("reader", local, layer.settings, {"channel": k})
+        rank_reads[ks == k] = charged(name, local, layer.settings, {"channel": k})
     return Result(out, rank_reads.max(1).values, kept, rank_reads=rank_reads)
 
 
