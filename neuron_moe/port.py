@@ -155,7 +155,7 @@ def _table(raw: dict, name: str, where: str) -> dict:
 
 # Experts implementations a static graph may use (spec.Experts.static: fixed shapes, nothing
 # attached), exported in the tests. HF's eager loop, with its data-dependent shapes, is not one.
-GRAPH_EXPERTS = spec.GRAPH_EXPERTS
+GRAPH_EXPERTS = tuple(name for name, e in spec.EXPERTS.items() if e.static)
 
 _STATIC_FIELDS = {"buckets", "max_cache_len", "batch_size", "prefill_experts", "decode_experts", "expert_layout",
                   "prefill_rows", "prefill_chunk"}

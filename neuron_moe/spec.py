@@ -91,7 +91,6 @@ CHANNEL_READER = Experts("channel_reader", graphs=True, reads=CHANNELS, needs=SI
 SELECTOR = Experts("selector", graphs=False, reads=CHANNELS, needs=SELECTOR_RULES)
 
 EXPERTS = {e.name: e for e in (EAGER, DENSE_MASKED, SELECTIVE, INT8, CHANNEL_READER, SELECTOR)}
-GRAPH_EXPERTS = tuple(name for name, e in EXPERTS.items() if e.static)  # what a port's [static] may name
 
 
 def experts(which: Experts | str) -> Experts:

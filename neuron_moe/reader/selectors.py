@@ -27,8 +27,9 @@ At budget 100 % every selector keeps every unit and computes the full MoE.
 A `Step` rule runs the reader over a decode step's tokens together (reader/batch.py): each token
 its own top k, or the batch rule's one set of channels under a budget on the union; its reads are
 the step's, each row once (`Result.step`).
-The reader at TP t on the channel layout (`shard.py`): `MoeLayer.tp` charges each rank for its own
-channels on its own geometry, and `RankTopK` is the per-rank quota (each rank its k of its own).
+The reader at TP t on the channel layout (`shard.py`, its one definition): `MoeLayer.tp` charges each
+rank for its own channels on its own geometry (`shard.by_rank`), and `RankTopK` is the per-rank quota
+(`shard.quota`: each rank its k of its own).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import accounting, batch, reference
+from . import accounting, batch, reference, shard
 from .accounting import BF16, BudgetError, row_sectors, sectors
 from .geometry import Geometry
 from .sidecar import SECTOR
@@ -99,11 +100,7 @@ class RankTopK:
     inter: int  # I: channels per expert
 
     def __call__(self, part, score):
-        T, n = score.shape[0], self.inter // self.tp
-        by_rank = score.view(T, -1, self.tp, n).transpose(1, 2).reshape(T, self.tp, -1)  # [T, t, slots·I/t]
-        keep = torch.zeros_like(by_rank, dtype=torch.bool)
-        keep.scatter_(2, by_rank.topk(self.counts[part], dim=-1).indices, True)
-        return keep.view(T, self.tp, -1, n).transpose(1, 2).reshape(T, -1)
+        return shard.quota(score, self.tp, self.inter, self.counts[part])
 
 
 @dataclass
@@ -361,7 +358,7 @@ def _rank_result(name, layer: MoeLayer, out, keep, kept) -> Result:
     """The reader at TP > 1: each rank charged for its own channels on its own geometry
     (`accounting.rank_geometry`); a step waits for its slowest rank, so `reads` is their max."""
     geo = layer.geo
-    ks = keep.view(keep.shape[0], -1, layer.tp, geo.intermediate // layer.tp).sum((1, 3))  # [T, tp]
+    ks = shard.by_rank(keep.flatten(1), layer.tp, geo.intermediate).sum(-1)  # [T, tp]: channels each rank keeps
     local = accounting.rank_geometry(geo, layer.tp)
     rank_reads = torch.zeros_like(ks)
     for k in ks.unique().tolist():
