@@ -24,6 +24,7 @@ from .publish.s3 import publish, pull_report, render_publish, render_pull
 from .reader.accounting import ReaderSettings, reads_report, render_reads
 from .reader.geometry import Geometry
 from .report import check_output, write_json
+from .spec import Reader
 from .tasks import TASKS
 from .tokenizer import load_tokenizer
 from .training.corpus import build_corpus, render_corpus
@@ -98,7 +99,7 @@ def cmd_pull(args) -> int:
 
 def cmd_plan(args) -> int:
     reader = None if args.reader_budget is None else \
-        {"budget": args.reader_budget, "scan": args.reader_scan, "rank": args.reader_rank}
+        Reader(budget=args.reader_budget, scan=args.reader_scan, rank=args.reader_rank)
     port = load_port(args.model)
     if port.static is not None:  # the shapes trace-and-compile would build
         port = with_shapes(port, batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
@@ -118,12 +119,12 @@ def cmd_trace_and_compile(args) -> int:
     if not args.dry_run:
         environment.require(environment.TRACE_AND_COMPILE)
     port = with_shapes(load_port(args.model), batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
-    flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
-    if not args.reader and any(v is not None for v in flags.values()):
+    reader = Reader(sidecar=args.sidecar, budget=args.budget, rank=args.rank)
+    if not args.reader and reader != Reader():
         raise UserError("--sidecar, --budget and --rank configure the reader: pass --reader")
     report = trace_and_compile(port, args.dtype, args.tp, args.out, dry_run=args.dry_run, overwrite=args.overwrite,
                                checkpoint=args.checkpoint, expert_layout=args.expert_layout, logits=args.with_logits,
-                               reader=flags if args.reader else None)
+                               reader=reader if args.reader else None)
     if _json_out(report, args):
         print(render_trace_and_compile(report))
     return 0

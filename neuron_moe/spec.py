@@ -104,8 +104,8 @@ def experts(which: Experts | str) -> Experts:
 
 # ---- a backend ----
 
+# What a backend runs: HF's model itself, or the static graphs as modules, exported, or compiled (Neuron)
 EAGER_GRAPHS, MODULES, EXPORTED, COMPILED = "eager", "modules", "exported", "compiled"
-GRAPHS = (EAGER_GRAPHS, MODULES, EXPORTED, COMPILED)  # HF's model; the static graphs as modules, exported, compiled
 
 
 @dataclass(frozen=True)
@@ -152,18 +152,12 @@ class Backend:
     """What a command runs: experts in graphs, placed on ranks, with a reader and a dtype."""
 
     name: str  # what --backend called it
-    graphs: str  # one of GRAPHS
+    graphs: str  # EAGER_GRAPHS, MODULES, EXPORTED or COMPILED
     experts: Experts | None = None  # HF's model's (EAGER_GRAPHS); None: each graph's, the port's [static]
-    placement: Placement | None = None  # None: one rank
+    placement: Placement | None = None  # None: one rank (over the nxd layers, the graphs run as modules)
     reader: Reader | None = None  # the reader's settings (with CHANNEL_READER, or in the TP decode graph)
     int8: bool = False  # int8 experts in the rank modules
     dtype: str | None = None  # the float dtype (a port dtype name); None: the port's
-
-    def graph_experts(self, static) -> tuple[Experts, Experts]:
-        """(prefill, decode) experts of the static graphs over a port's [static] table: the decode
-        graph reads through the reader when this backend has one."""
-        decode = CHANNEL_READER if self.reader is not None else experts(static.decode_experts)
-        return experts(static.prefill_experts), decode
 
 
 # ---- eval-reader's selectors ----

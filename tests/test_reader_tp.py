@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from neuron_moe import spec
+from neuron_moe.spec import Reader
 from neuron_moe.cli import main
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.model import prep_port, reader_model
@@ -125,7 +126,7 @@ def test_tp2_artifact_is_the_per_rank_reader_emulated(tiny_port, tiny_eager, sha
     port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(8,), prefill_rows=(1,),
                                                                      prefill_chunk=8))
     out = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, logits=True,
-                               reader={"sidecar": shards, "budget": BUDGET, "rank": RANK})
+                               reader=Reader(sidecar=shards, budget=BUDGET, rank=RANK))
     programs = {f"a/{name}": torch.export.load(tmp_path / "art" / na.GRAPHS.format(key=key))
                 for name, key in (("prefill 8", "context_encoding_1x8"), ("decode", "token_generation"))}
     weights = [load_file(tmp_path / "art" / na.WEIGHTS.format(rank=r)) for r in range(2)]
@@ -178,7 +179,7 @@ def test_neuron_path_writes_each_ranks_shard(tiny_port, shards, tmp_path, monkey
     monkeypatch.setattr(nxd, "trace_keys", trace_keys)
     monkeypatch.setattr(nxd, "shard_checkpoint", shard_checkpoint)
     nc.trace_and_compile(tiny_port, "bf16", 2, tmp_path / "out", dry_run=False,
-                         reader={"sidecar": shards, "budget": BUDGET})
+                         reader=Reader(sidecar=shards, budget=BUDGET))
     name = "model.model.layers.3.experts.reader.coeffs"
     mine = [Sidecar(shards / shard.shard_name(2, r)).layer(3).coeffs for r in range(2)]
     assert seen["checkpoint"][name].shape == mine[0].shape
@@ -337,7 +338,7 @@ def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
 
     port = load_port("gemma4-26b-a4b")
     report = nc.trace_and_compile(port, "bf16", 8, tmp_path / "big", dry_run=True, export=False,
-                                  reader={"budget": 17.8})
+                                  reader=Reader(budget=17.8))
     assert report["reader"] == {"budget": 17.8, "k_per_rank": 55, "scan": 80, "rank": 32, "source_sha256": None}
     plan = json.loads((tmp_path / "big" / na.SHARD_PLAN).read_text())
     codes = plan["model.layers.7.experts.reader.codes"]
@@ -346,6 +347,6 @@ def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
     assert plan["model.layers.7.experts.reader.basis"]["placement"] == "replicated"
     with pytest.raises(na.ArtifactError, match="has no weights here: --reader builds shapes only"):
         nc.trace_and_compile(port, "bf16", 8, tmp_path / "b2", dry_run=True, export=False,
-                             reader={"budget": 17.8, "sidecar": tmp_path})
+                             reader=Reader(budget=17.8, sidecar=tmp_path))
     with pytest.raises(Exception, match=r"per rank at TP 8 .*below what the reader reads"):
-        nc.trace_and_compile(port, "bf16", 8, tmp_path / "b3", dry_run=True, export=False, reader={"budget": 9})
+        nc.trace_and_compile(port, "bf16", 8, tmp_path / "b3", dry_run=True, export=False, reader=Reader(budget=9))

@@ -31,6 +31,8 @@ def with_experts(model, experts: spec.Experts):
     layers = _own_children(inner.layers)
     view._modules["model"], inner._modules["layers"] = inner, layers
     for key, layer in layers._modules.items():
+        if "experts" not in layer._modules:  # a decoder layer without an MoE block
+            continue
         layer = layers._modules[key] = _own_children(layer)
         moe = layer._modules["experts"] = copy.copy(layer.experts)  # the same weights and submodules
         moe.config = spec.dispatching(moe.config, experts)

@@ -118,9 +118,9 @@ def _graph_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, batch: int, s
     return max(moe, attention)
 
 
-def _reader_sidecar_per_rank(config: Gemma4TextConfig, tp: int, reader: dict) -> int:
+def _reader_sidecar_per_rank(config: Gemma4TextConfig, tp: int, reader: spec.Reader) -> int:
     """A rank's sidecar shard (`reader/shard.py`): its channels' sketch, norms and b_j, and U, every layer."""
-    settings = ReaderSettings(scan=reader["scan"], rank=reader["rank"])
+    settings = ReaderSettings(scan=reader.scan, rank=reader.rank)
     held = resident(rank_geometry(Geometry.from_config(config), tp), settings)
     return sum(held.values()) * config.num_hidden_layers
 
@@ -147,19 +147,20 @@ def _row(expert_layout: str, graph: str, total: float) -> dict:
             "tokens_per_s_ceiling": per_core_bw / total}
 
 
-def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv: int, reader: dict) -> dict:
+def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv: int, reader: spec.Reader) -> dict:
     """The channel layout's decode graph with the reader (`parallel/reader.py`): per token and layer each
     rank reads its sketch, norms, k_r exact channels and recovery on its own I/t channels
     (`accounting.rank_geometry`); the batch's tokens each select on their own (their reads add up)."""
-    geo, settings = Geometry.from_config(config), ReaderSettings(scan=reader["scan"], rank=reader["rank"])
-    k = solve_rank_k(geo, settings, reader["budget"], tp)
+    geo, settings = Geometry.from_config(config), ReaderSettings(scan=reader.scan, rank=reader.rank)
+    k = solve_rank_k(geo, settings, reader.budget, tp)
     local = rank_geometry(geo, tp)
     per_layer = sum(reads(local, settings, k).values())
     rest = sum(v for g, v in weights.items() if g not in ("experts", "embeddings")) + kv
-    graph = (f"reader at {reader['budget']:g} %: {batch}×{k} of {config.top_k_experts}×{local.intermediate} channels "
+    graph = (f"reader at {reader.budget:g} %: {batch}×{k} of {config.top_k_experts}×{local.intermediate} channels "
              f"exact, the rest screened (sketch) and recovered, per layer")
     row = _row(layout.CHANNEL, graph, rest + batch * per_layer * config.num_hidden_layers)
-    return dict(row, reader=dict(reader, k_per_rank=k, expert_bytes_per_layer=per_layer))
+    return dict(row, reader={"budget": reader.budget, "scan": reader.scan, "rank": reader.rank, "k_per_rank": k,
+                             "expert_bytes_per_layer": per_layer})
 
 
 def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader=None) -> list[dict]:
@@ -194,10 +195,10 @@ def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
 def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: int, seq: int,
          runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, model: str = "",
          expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, decode_experts: spec.Experts | str = spec.SELECTIVE,
-         reader: dict | None = None) -> dict:
+         reader: spec.Reader | None = None) -> dict:
     """The plan for `expert_layout`; its decode table has a row for each expert layout that shards at
     TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts. `reader`
-    ({"budget", "scan", "rank"}): the channel layout's decode graph with the reader, whose sidecar
+    (its budget, scan and rank): the channel layout's decode graph with the reader, whose sidecar
     shard each rank then holds (`reader_sidecar`), and its row in the decode table. `instance` None:
     one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check)."""
     inst = INSTANCES[instance] if instance is not None else None
@@ -233,7 +234,7 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
 
 def port_plan(port, instance: str, tp: int, dtype: str, batch: int, seq: int,
               runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, expert_layout: str | None = None,
-              reader: dict | None = None) -> dict:
+              reader: spec.Reader | None = None) -> dict:
     """`plan` for a port: its [static] expert_layout unless `expert_layout` is given, and its
     decode_experts (a port without a [static] table: the channel layout, selective)."""
     static = port.static
