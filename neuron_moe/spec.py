@@ -51,7 +51,7 @@ class Experts:
 
     name: str  # its name in transformers' experts registry
     graphs: bool  # a static graph may trace it: every shape fixed by the token count, nothing made on the fly
-    reads: str  # ALL: every expert for every token; ROUTED: each token's top-k experts; CHANNELS: some of their channels
+    reads: str  # ALL: every expert for every token; ROUTED: each token's top-k; CHANNELS: some of their channels
     needs: str | None = None  # SIDECAR or SELECTOR_RULES: attached to the model before it runs (None: nothing)
     int8: bool = False  # computes with per-channel int8 numbers of the model's experts (experts/int8.py)
     backend: str | None = None  # `validate`'s name for it in HF's model (None: not a validate backend)
