@@ -64,6 +64,7 @@ from transformers import Gemma4ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
 
 from bench.gpu_env import command, header, interpret_on_cpu, machine
 from neuron_moe import experts as _registered  # noqa: F401  (registers channel_reader, dense_masked)
+from neuron_moe import spec
 from neuron_moe.errors import UserError
 from neuron_moe.experts.channel_reader import ReaderState, reader_forward
 from neuron_moe.port import load_port
@@ -199,7 +200,7 @@ def attach(model, sidecars: list[LayerSidecar], rank: int) -> None:
         experts.down_proj = torch.nn.Parameter(down_rows(experts.down_proj.data).contiguous().mT, requires_grad=False)
         experts.reader = ReaderState(sidecars[i % len(sidecars)], 0, SCAN, rank)
         experts.reader.hook = layer.register_forward_pre_hook(mark_decode(experts.reader), with_kwargs=True)
-    model.set_experts_implementation("channel_reader")
+    spec.set_experts(model, spec.CHANNEL_READER)
 
 
 def set_reader(model, k: int, run) -> None:
@@ -390,11 +391,11 @@ def run_model(report, dest, name) -> None:
     info = report["models"][name] = {"parameters": params, "weights_GB": 2 * params / 1e9, "layers":
                                      len(model.model.layers), "build_s": time.perf_counter() - t0, "rank": rank}
     print(f"{name}: {params / 1e9:.2f} B parameters built on {DEVICE} in {info['build_s']:.1f} s", flush=True)
-    model.set_experts_implementation("dense_masked")
+    spec.set_experts(model, spec.DENSE_MASKED)
     reference = first_step(model)
     full = {}
     for impl in ("batched_mm", "grouped_mm"):
-        model.set_experts_implementation(impl)
+        spec.set_experts(model, impl)
         full[impl] = first_step(model)
         err = rel_err(full[impl][0], reference[0])
         measure(report, dest, name, model, impl, (err, err <= TOLERANCE),

@@ -54,6 +54,7 @@ from neuron_moe.reader import accounting as A
 from neuron_moe.reader import selectors as S
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.sidecar import Sidecar
+from neuron_moe import spec
 from neuron_moe.report import atomic_write, table, write_json
 from neuron_moe.tokenizer import answer_text, load_tokenizer
 
@@ -278,7 +279,7 @@ def main() -> None:
     if run_file.exists() and json.loads(run_file.read_text()) != key:
         sys.exit(f"{work} holds cells of another run; pass another --work or remove it")
     write_json(key, str(run_file))
-    model.set_experts_implementation("eager")
+    spec.set_experts(model, spec.EAGER)
     run = {"model": model, "layers": layers, "seqs": seqs, "one": one, "full": A.full_bytes(geo),
            "tokenizer": tokenizer, "accuracy": accuracy_at, "reference": None}
     full_model = None

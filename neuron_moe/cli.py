@@ -11,19 +11,20 @@ from . import environment, hub
 from .cli_parser import parser
 from .environment import render_env
 from .errors import UserError
-from .eval import reader_eval
+from .eval import reader_eval, seq_match
 from .eval.reader_report import render_reader_eval
-from .eval.seq_match import DEFAULT_PROMPTS, backend_options, render_validation, run_validation
+from .eval.seq_match import DEFAULT_PROMPTS, render_validation, run_validation
 from .eval.tasks import evaluate, render_tasks
 from .info import info_report, render_info
 from .model import prep_reader, render_prep_reader
 from .neuron.compile import render_trace_and_compile, trace_and_compile
 from .neuron.plan import GiB, port_plan, render_plan
-from .port import DTYPES, load_port, ports_report, render_ports, with_shapes
+from .port import load_port, ports_report, render_ports, with_shapes
 from .publish.s3 import publish, pull_report, render_publish, render_pull
 from .reader.accounting import ReaderSettings, reads_report, render_reads
 from .reader.geometry import Geometry
 from .report import check_output, write_json
+from .spec import Reader
 from .tasks import TASKS
 from .tokenizer import load_tokenizer
 from .training.corpus import build_corpus, render_corpus
@@ -60,20 +61,23 @@ def cmd_env(args) -> int:
     return 0
 
 
+# What a layer library or a reader kernel needs of this machine (environment.py's paths)
+_LAYERS_NEED = {"nxd": environment.VALIDATE_NXD}
+_KERNEL_NEEDS = {"nki": environment.READER_NKI, "triton": environment.READER_TRITON}
+
+
 def cmd_validate(args) -> int:
-    options = backend_options(args.backend, sidecar=args.sidecar, budget=args.budget, rank=args.rank,
-                              reader_kernel=args.reader_kernel, reader_weights=args.reader_weights,
-                              expert_layout=args.expert_layout, tp=args.tp, tp_layers=args.tp_layers)
-    if args.tp_layers == "nxd":
-        environment.require(environment.VALIDATE_NXD)
-    if args.reader_kernel in ("nki", "triton"):
-        environment.require(environment.READER_NKI if args.reader_kernel == "nki" else environment.READER_TRITON)
+    backend = seq_match.backend(args.backend, sidecar=args.sidecar, budget=args.budget, rank=args.rank,
+                                reader_kernel=args.reader_kernel, reader_weights=args.reader_weights,
+                                expert_layout=args.expert_layout, tp=args.tp, tp_layers=args.tp_layers,
+                                dtype=args.dtype)
+    for need in (_LAYERS_NEED.get(args.tp_layers), _KERNEL_NEEDS.get(args.reader_kernel)):
+        if need is not None:
+            environment.require(need)
     port = load_port(args.model)
     tokenizer = load_tokenizer(port, args.checkpoint)
     prompts = list(DEFAULT_PROMPTS) + list(args.prompt or [])
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    report = run_validation(port, tokenizer, args.backend, args.max_new_tokens, prompts, dtype, args.checkpoint,
-                            options)
+    report = run_validation(port, tokenizer, backend, args.max_new_tokens, prompts, args.checkpoint)
     if _json_out(report, args):
         print(render_validation(report))
     return 0 if report["all_match"] else 1
@@ -95,7 +99,7 @@ def cmd_pull(args) -> int:
 
 def cmd_plan(args) -> int:
     reader = None if args.reader_budget is None else \
-        {"budget": args.reader_budget, "scan": args.reader_scan, "rank": args.reader_rank}
+        Reader(budget=args.reader_budget, scan=args.reader_scan, rank=args.reader_rank)
     port = load_port(args.model)
     if port.static is not None:  # the shapes trace-and-compile would build
         port = with_shapes(port, batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
@@ -115,12 +119,12 @@ def cmd_trace_and_compile(args) -> int:
     if not args.dry_run:
         environment.require(environment.TRACE_AND_COMPILE)
     port = with_shapes(load_port(args.model), batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
-    flags = {"sidecar": args.sidecar, "budget": args.budget, "rank": args.rank}
-    if not args.reader and any(v is not None for v in flags.values()):
+    reader = Reader(sidecar=args.sidecar, budget=args.budget, rank=args.rank)
+    if not args.reader and reader != Reader():
         raise UserError("--sidecar, --budget and --rank configure the reader: pass --reader")
     report = trace_and_compile(port, args.dtype, args.tp, args.out, dry_run=args.dry_run, overwrite=args.overwrite,
                                checkpoint=args.checkpoint, expert_layout=args.expert_layout, logits=args.with_logits,
-                               reader=flags if args.reader else None)
+                               reader=reader if args.reader else None)
     if _json_out(report, args):
         print(render_trace_and_compile(report))
     return 0
@@ -185,7 +189,7 @@ def cmd_train_tiny(args) -> int:
 
 def cmd_eval_tasks(args) -> int:
     port = load_port(args.model)
-    report = evaluate(port, args.backend, args.checkpoint, per_task=args.items, corpus=args.corpus,
+    report = evaluate(port, seq_match.BACKENDS[args.backend], args.checkpoint, per_task=args.items, corpus=args.corpus,
                       text_docs=args.text_docs, tasks=tuple(args.task or TASKS), split=args.split)
     if _json_out(report, args):
         print(render_tasks(report, port.config.num_experts))

@@ -15,13 +15,12 @@ from .eval.seq_match import BACKENDS
 from .experts.channel_reader import READER_KERNELS
 from .neuron.compile import DTYPES as COMPILE_DTYPES
 from .neuron.plan import DEFAULT_RUNTIME_RESERVE, DTYPES as PLAN_DTYPES, GiB, INSTANCES
-from .parallel.layout import EXPERT_LAYOUTS, TP_DEGREES
-from .parallel.rank_job import LAYERS as TP_LAYERS
 from .port import DEFAULT_PORT, DTYPES
 from .reader.accounting import STEP_BUDGET, WEIGHTS
 from .reader.prep import RANK, SCAN
 from .reader.sidecar import BLOCK
 from .serve.backends import BACKENDS as SERVE_BACKENDS, check_backend
+from .spec import EXPERT_LAYOUTS, LAYERS as TP_LAYERS, TP_DEGREES
 from .tasks import SPLITS, TASKS
 from .training.corpus import FORTUNES_DIR
 

@@ -8,6 +8,7 @@ import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from .report import table
+from .spec import EXPERTS
 
 # Parameter groups, by the first matching name fragment; the rest are norms and scalars.
 _GROUPS = (
@@ -86,11 +87,13 @@ def parameter_counts(config: Gemma4TextConfig) -> dict:
     }
 
 
-# Experts each implementation reads and computes per layer for one decoded token (batch 1).
-# HF's eager loop runs only the experts that some token picked: k of them at batch 1, but with
-# data-dependent shapes, so it is the CPU reference and never a graph.
 def _experts_per_token(config: Gemma4TextConfig) -> dict[str, int]:
-    return {"dense_masked": config.num_experts, "selective": config.top_k_experts, "eager": config.top_k_experts}
+    """Experts each implementation reads and computes per layer for one decoded token (batch 1): those
+    over the model's own weights that need nothing attached, the graphs' first, then HF's eager loop
+    (only the experts some token picked, k at batch 1, but with data-dependent shapes: the CPU
+    reference, never a graph)."""
+    costed = sorted((e for e in EXPERTS.values() if e.needs is None and not e.int8), key=lambda e: not e.graphs)
+    return {e.name: e.experts_read(config) for e in costed}
 
 
 def per_token_costs(config: Gemma4TextConfig, dtype: torch.dtype) -> dict:
@@ -119,7 +122,7 @@ def per_token_costs(config: Gemma4TextConfig, dtype: torch.dtype) -> dict:
             "weight_bytes_per_token": layers * layer_bytes + rest_read * nbytes,
             "flops_per_token": 2 * (layers * experts * expert_params + rest_matmul),
         })
-    dense = rows[0]["expert_bytes_per_layer"]
+    dense = max(row["expert_bytes_per_layer"] for row in rows)  # every expert: dense_masked's
     for row in rows:
         row["expert_bytes_reduction"] = dense / row["expert_bytes_per_layer"]
     return {

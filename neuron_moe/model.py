@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from transformers import Gemma4ForCausalLM
 
-from . import experts as _experts  # registers our experts implementations
+from . import experts as _experts  # noqa: F401 (registers our experts implementations)
+from . import spec
 from .checkpoint import iter_expert_weights, load_checkpoint, read_config
 from .errors import UserError
 from .experts.channel_reader import attach_reader, plan_reader, reader_forward, reader_settings
@@ -30,8 +31,6 @@ from .reader.geometry import Geometry
 from .reader.prep import RANK, SCAN, model_expert_weights, write_sidecar
 from .reader.shard import WHOLE, write_shards
 from .reader.sidecar import Sidecar, SidecarError
-
-EXPERTS_IMPLEMENTATIONS = _experts.ALL
 
 
 def random_model(port: Port) -> Gemma4ForCausalLM:
@@ -58,13 +57,13 @@ def random_model(port: Port) -> Gemma4ForCausalLM:
 
 def build_model(
     port: Port,
-    experts: str = "eager",
+    experts: spec.Experts | str = spec.EAGER,
     dtype: torch.dtype | None = None,
     checkpoint: str | Path | None = None,
 ) -> Gemma4ForCausalLM:
-    """The port's model in eval mode: `experts` names the implementation, `dtype` overrides the port's."""
-    if experts not in EXPERTS_IMPLEMENTATIONS:
-        raise UserError(f"unknown experts implementation {experts!r}; choose from {EXPERTS_IMPLEMENTATIONS}")
+    """The port's model in eval mode: `experts` is the implementation (an entry of spec.EXPERTS, or
+    its name), `dtype` overrides the port's."""
+    experts = spec.experts(experts)
     dtype = dtype or port.dtype
     checkpoint = checkpoint or port.checkpoint
     if checkpoint is not None:
@@ -74,7 +73,7 @@ def build_model(
     else:
         raise UserError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
     model.set_attn_implementation("eager")
-    model.set_experts_implementation(experts)
+    spec.set_experts(model, experts)
     return model.eval()
 
 
@@ -91,7 +90,7 @@ def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, r
     else:
         rank = RANK if rank is None else rank
         solve_k(Geometry.from_config(port.config), ReaderSettings(scan=SCAN, rank=rank, weights=reader_weights), budget)
-    model = build_model(port, "eager", dtype, checkpoint)
+    model = build_model(port, spec.EAGER, dtype, checkpoint)
     with tempfile.TemporaryDirectory(prefix="neuron-moe-sidecar-") as tmp:
         if sidecar is None:
             print(f"no --sidecar: prepping the reader's sidecar (rank {rank}) from the model's weights; "

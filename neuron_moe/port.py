@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from transformers import Gemma4TextConfig
 
+from . import spec
 from .config import gemma4_moe_config
 from .errors import UserError
-from .parallel.layout import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 from .report import table
+from .spec import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -152,9 +153,9 @@ def _table(raw: dict, name: str, where: str) -> dict:
     return table
 
 
-# Experts implementations a static graph may use: fixed shapes, and exported in the tests.
-# (Not every registered implementation qualifies: HF's eager loop has data-dependent shapes.)
-GRAPH_EXPERTS = ("dense_masked", "selective")
+# Experts implementations a static graph may use (spec.Experts.static: fixed shapes, nothing
+# attached), exported in the tests. HF's eager loop, with its data-dependent shapes, is not one.
+GRAPH_EXPERTS = tuple(name for name, e in spec.EXPERTS.items() if e.static)
 
 _STATIC_FIELDS = {"buckets", "max_cache_len", "batch_size", "prefill_experts", "decode_experts", "expert_layout",
                   "prefill_rows", "prefill_chunk"}

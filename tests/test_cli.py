@@ -28,10 +28,10 @@ def test_validate_passes_and_writes_json(tmp_path, capsys):
 
 
 def test_validate_fails_with_exit_1_and_reports_divergence(monkeypatch, capsys):
-    make_eager = seq_match.BACKENDS["eager"]
+    make_eager = seq_match.generator
 
-    def make(port, dtype, checkpoint):
-        inner = make_eager(port, dtype, checkpoint)
+    def make(port, backend, checkpoint):
+        inner = make_eager(port, backend, checkpoint)
 
         def generate(ids, mask, n):
             gen = inner(ids, mask, n)
@@ -39,7 +39,7 @@ def test_validate_fails_with_exit_1_and_reports_divergence(monkeypatch, capsys):
             return gen
         return generate
 
-    monkeypatch.setitem(seq_match.BACKENDS, "eager", make)
+    monkeypatch.setattr(seq_match, "generator", make)
     assert cli.main(["validate", "--backend", "eager", "--max-new-tokens", "6", "--json", "-"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert not report["all_match"]

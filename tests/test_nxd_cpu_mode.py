@@ -38,6 +38,7 @@ pytestmark = pytest.mark.skipif(
 
 NEW_TOKENS = 6
 BUDGET = 40.0  # above the tiny port's per-rank floor at TP 2 with recovery rank 32 (27.9 %)
+RANK = 32  # the sidecar's; given to both sides (the TP backend's default is the port's [reader] rank, 0)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ CASES = {  # name -> NxDGenerator options, all at TP 2
 @pytest.fixture(scope="module")
 def runs(tiny_port, prompts, shards):
     gens = {name: NxDGenerator(tiny_port, 2, **options) for name, options in CASES.items()}
-    gens["reader"] = NxDGenerator(tiny_port, 2, sidecar=shards, budget=BUDGET)
+    gens["reader"] = NxDGenerator(tiny_port, 2, sidecar=shards, budget=BUDGET, rank=RANK)
     return generate_nxd(gens, *prompts, NEW_TOKENS), gens
 
 
@@ -107,7 +108,7 @@ def test_int8_experts_in_both_layouts_are_the_same_int8_model_on_one_rank(tiny_p
 
 def test_reader_per_rank_at_tp2_is_the_one_process_emulation(tiny_port, runs, shards, prompts, reference):
     emulated = build_model(tiny_port, "eager")
-    k = attach_reader(emulated, shards / shard.WHOLE, BUDGET, tp=2)
+    k = attach_reader(emulated, shards / shard.WHOLE, BUDGET, RANK, tp=2)
     want = greedy(emulated, *prompts, NEW_TOKENS)
     got = runs[0]["reader"]
     assert runs[1]["reader"].job.reader_k == k

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from neuron_moe import spec
 from neuron_moe.experts.dense_masked import router_weight_matrix
 from neuron_moe.experts.int8 import quantize_experts
 from neuron_moe.parallel import cpu, layout
@@ -227,8 +228,7 @@ def test_a_decode_graph_gathers_only_while_tokens_times_k_is_below_e(tiny_eager,
 
     from conftest import expert_reads
 
-    config = copy.deepcopy(tiny_eager.config)
-    config._experts_implementation = "selective"  # what the static decode graph sets while it is traced
+    config = spec.dispatching(tiny_eager.config, spec.SELECTIVE)  # what a decode graph's view holds
     module = ParallelMoE(config, 1, cpu)
     module.load_state_dict(block_state(layout.parallel_state_dict(hf_state, config, 1)))
     x = torch.randn(tokens, 1, config.hidden_size, generator=torch.Generator().manual_seed(tokens))
@@ -240,5 +240,5 @@ def test_a_decode_graph_gathers_only_while_tokens_times_k_is_below_e(tiny_eager,
         want = layer.experts(x.reshape(tokens, -1), idx, w)
         got = program.module()(x, x).reshape(tokens, -1)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    config._experts_implementation = "dense_masked"  # a prefill graph
+    module.experts.config = spec.dispatching(config, spec.DENSE_MASKED)  # a prefill graph's
     assert not expert_reads(export_rank0(module, (x, x), 1))["gathered"]

@@ -8,6 +8,7 @@ from neuron_moe import cli
 from neuron_moe.info import parameter_counts
 from neuron_moe.neuron.plan import CHIP_HBM_BW, CORE_HBM, GB, plan
 from neuron_moe.port import load_port
+from neuron_moe.spec import Reader
 
 from conftest import port_text_elsewhere
 
@@ -104,7 +105,7 @@ def test_full_size_decode_with_the_reader(big, capsys):
     from neuron_moe.reader.accounting import ReaderSettings, rank_geometry, reads
     from neuron_moe.reader.geometry import Geometry
 
-    reader = {"budget": 17.8, "scan": 80, "rank": 32}
+    reader = Reader(budget=17.8, scan=80, rank=32)
     r = plan(big, "inf2.24xlarge", 8, "bf16", batch=1, seq=4096, reader=reader)
     channel, with_reader, _ = r["decode"]
     assert not channel["this_plan"] and with_reader["this_plan"] and with_reader["reader"]["k_per_rank"] == 55

@@ -143,19 +143,21 @@ def test_reads_cli_int8(capsys):
 def test_eval_reader_int8_selectors(tiny_port, sidecar):
     """eval-reader's `reader[-rN]-int8[dq]`: budgets stay a share of the bf16 read (equal bytes); at
     the int8 experts' whole read the selector is the int8 experts."""
-    from neuron_moe.eval.reader_eval import EvalError, parse_spec
     from neuron_moe.experts.selector_experts import moe_layers
     from neuron_moe.reader import selectors as S
     from neuron_moe.reader.sidecar import Sidecar
 
-    assert parse_spec("reader-r16-int8dq") == ("reader", 16, None, "", "int8dq")
-    assert parse_spec("reader-int8") == ("reader", None, None, "", "int8")
-    assert parse_spec("teal") == ("teal", None, None, "", None)
+    from neuron_moe.spec import Selector, SpecError, parse_selector
+
+    assert parse_selector("reader-r16-int8dq", S.SELECTORS) == Selector("reader-r16-int8dq", "reader", 16, int8=True,
+                                                                       dequantised=True)
+    assert parse_selector("reader-int8", S.SELECTORS) == Selector("reader-int8", "reader", int8=True)
+    assert parse_selector("teal", S.SELECTORS) == Selector("teal", "teal")
     for bad in ("teal-int8", "reader-int4", "reader-r-int8", "oracle-r3"):
-        with pytest.raises(EvalError, match="unknown selector"):
-            parse_spec(bad)
-    with pytest.raises(EvalError, match="runs at one rank"):
-        parse_spec("reader-tp2-int8")
+        with pytest.raises(SpecError, match="unknown selector"):
+            parse_selector(bad, S.SELECTORS)
+    with pytest.raises(SpecError, match="runs at one rank"):
+        parse_selector("reader-tp2-int8", S.SELECTORS)
     model = build_model(tiny_port)
     layer = moe_layers(model, Sidecar(sidecar), 0, int8=True)[1]
     bf16 = moe_layers(model, Sidecar(sidecar), 0)[1]

@@ -11,7 +11,6 @@ every rank runs that one graph with its own shard.
 - The full-size decode graph at TP 8 reads per layer exactly what the accounting charges a rank.
 - Bad input: a shard of another TP degree, rank, layout or model, a budget below a rank's floor."""
 
-import copy
 import dataclasses
 import json
 import re
@@ -21,6 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from neuron_moe import spec
+from neuron_moe.spec import Reader
 from neuron_moe.cli import main
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.model import prep_port, reader_model
@@ -70,8 +71,7 @@ def test_moe_block_on_every_rank_is_the_per_rank_reader(tiny_eager, tp):
     whole = LayerSidecar.from_tensors({n: t.contiguous() for n, t in prepped.items()}, signs)  # as read from a file
     parts = [shard.rank_sidecar(whole, tp, r) for r in range(tp)]
     k, scan, rank = 20 // tp, 80, 32
-    decode = copy.deepcopy(config)  # what the decode graph built with the reader sets while it is traced
-    decode._experts_implementation = reader.READER
+    decode = spec.dispatching(config, spec.CHANNEL_READER)  # what a decode graph built with the reader holds
     module = ParallelMoE(decode, tp, cpu)
     local = SidecarLayout(Geometry(hidden=config.hidden_size, experts=config.num_experts,
                                    intermediate=config.moe_intermediate_size // tp), 32)
@@ -126,7 +126,7 @@ def test_tp2_artifact_is_the_per_rank_reader_emulated(tiny_port, tiny_eager, sha
     port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(8,), prefill_rows=(1,),
                                                                      prefill_chunk=8))
     out = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, logits=True,
-                               reader={"sidecar": shards, "budget": BUDGET, "rank": RANK})
+                               reader=Reader(sidecar=shards, budget=BUDGET, rank=RANK))
     programs = {f"a/{name}": torch.export.load(tmp_path / "art" / na.GRAPHS.format(key=key))
                 for name, key in (("prefill 8", "context_encoding_1x8"), ("decode", "token_generation"))}
     weights = [load_file(tmp_path / "art" / na.WEIGHTS.format(rank=r)) for r in range(2)]
@@ -179,7 +179,7 @@ def test_neuron_path_writes_each_ranks_shard(tiny_port, shards, tmp_path, monkey
     monkeypatch.setattr(nxd, "trace_keys", trace_keys)
     monkeypatch.setattr(nxd, "shard_checkpoint", shard_checkpoint)
     nc.trace_and_compile(tiny_port, "bf16", 2, tmp_path / "out", dry_run=False,
-                         reader={"sidecar": shards, "budget": BUDGET})
+                         reader=Reader(sidecar=shards, budget=BUDGET))
     name = "model.model.layers.3.experts.reader.coeffs"
     mine = [Sidecar(shards / shard.shard_name(2, r)).layer(3).coeffs for r in range(2)]
     assert seen["checkpoint"][name].shape == mine[0].shape
@@ -306,9 +306,9 @@ def test_full_size_decode_graph_with_the_reader_reads_its_plan():
                                     layer_types=["sliding_attention", "full_attention"]), "two layers")
     module = rank_model(config, 8, cpu, device="meta", dtype=torch.bfloat16)
     reader.attach(module, SidecarLayout(Geometry(hidden=2816, experts=128, intermediate=88), 32), 8, 55, 80, 32)
-    spec = dataclasses.replace(port.static, decode_experts=reader.READER)
-    graph = nc._graph(module, spec, "token_generation", new_cache(module, spec.max_cache_len, 1), False)
-    program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(spec, "token_generation")), 8)
+    static = dataclasses.replace(port.static, decode_experts=spec.CHANNEL_READER.name)
+    graph = nc._graph(module, static, "token_generation", new_cache(module, static.max_cache_len, 1), False)
+    program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(static, "token_generation")), 8)
     assert data_dependent_ops(program) == []
     plan = reads(rank_geometry(Geometry.from_config(config), 8), ReaderSettings(), 55)
     for layer in range(2):
@@ -338,7 +338,7 @@ def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
 
     port = load_port("gemma4-26b-a4b")
     report = nc.trace_and_compile(port, "bf16", 8, tmp_path / "big", dry_run=True, export=False,
-                                  reader={"budget": 17.8})
+                                  reader=Reader(budget=17.8))
     assert report["reader"] == {"budget": 17.8, "k_per_rank": 55, "scan": 80, "rank": 32, "source_sha256": None}
     plan = json.loads((tmp_path / "big" / na.SHARD_PLAN).read_text())
     codes = plan["model.layers.7.experts.reader.codes"]
@@ -347,6 +347,6 @@ def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
     assert plan["model.layers.7.experts.reader.basis"]["placement"] == "replicated"
     with pytest.raises(na.ArtifactError, match="has no weights here: --reader builds shapes only"):
         nc.trace_and_compile(port, "bf16", 8, tmp_path / "b2", dry_run=True, export=False,
-                             reader={"budget": 17.8, "sidecar": tmp_path})
+                             reader=Reader(budget=17.8, sidecar=tmp_path))
     with pytest.raises(Exception, match=r"per rank at TP 8 .*below what the reader reads"):
-        nc.trace_and_compile(port, "bf16", 8, tmp_path / "b3", dry_run=True, export=False, reader={"budget": 9})
+        nc.trace_and_compile(port, "bf16", 8, tmp_path / "b3", dry_run=True, export=False, reader=Reader(budget=9))

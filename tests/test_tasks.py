@@ -12,6 +12,7 @@ from neuron_moe import cli
 from neuron_moe.checkpoint import load_checkpoint
 from neuron_moe.errors import UserError
 from neuron_moe import tasks as T
+from neuron_moe.eval.seq_match import BACKENDS
 from neuron_moe.eval.tasks import evaluate, score_items
 from neuron_moe.greedy import Generation
 from neuron_moe.port import load_port
@@ -205,10 +206,11 @@ def test_committed_model_copies_and_recalls_held_out_facts():
     (bench/results/tiny-model.md: fact, reverse and series 50/50 each; chance on a capital is
     ~1/13). kv (22 %) it does not yet answer, so it has no bar here."""
     port = load_port("tiny-gemma4-moe")
-    fact = evaluate(port, "dense_masked", per_task=8, tasks=("fact",))["tasks"][0]
+    dense = BACKENDS["dense_masked"]
+    fact = evaluate(port, dense, per_task=8, tasks=("fact",))["tasks"][0]
     assert fact["accuracy"] >= 7 / 8, fact
-    reverse = evaluate(port, "dense_masked", per_task=8, tasks=("reverse",))["tasks"][0]
-    series = evaluate(port, "dense_masked", per_task=1, tasks=("series",))["tasks"][0]  # 245 decode steps
+    reverse = evaluate(port, dense, per_task=8, tasks=("reverse",))["tasks"][0]
+    series = evaluate(port, dense, per_task=1, tasks=("series",))["tasks"][0]  # 245 decode steps
     assert reverse["accuracy"] >= 7 / 8 and series["accuracy"] == 1, (reverse, series)
 
 

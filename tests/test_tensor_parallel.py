@@ -7,11 +7,10 @@ implementation's output. Expert layout: the SPMDRank scatter gives HF's output; 
 scatter reproduces the seed port's bug exactly; int8 gives its own quantisation's output (down
 per hidden channel, shared by the experts). One spawn per TP degree runs every program."""
 
-import copy
-
 import pytest
 import torch
 
+from neuron_moe import spec
 from neuron_moe.experts.dense_masked import router_weight_matrix
 from neuron_moe.experts.int8 import int8_forward, quantize_experts, quantize_per_channel
 from neuron_moe.parallel import cpu, layout
@@ -90,8 +89,7 @@ def _bug_prediction(per_expert, dense, tp, shape):
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_trace_once_replicate(tiny_eager, block, tp):
     config, inputs, refs = block
-    decode_config = copy.deepcopy(config)  # what the static decode graph sets while it is traced
-    decode_config._experts_implementation = "selective"
+    decode_config = spec.dispatching(config, spec.SELECTIVE)  # what a decode graph's view holds
     hf_state = tiny_eager.state_dict()
     programs, states = {}, {}
     for key, (expert_layout, options, shape, gathers) in PROGRAMS.items():

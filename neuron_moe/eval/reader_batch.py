@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import spec
 from ..experts.selector_experts import attach_selector
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.rows import Rows
@@ -165,4 +166,4 @@ def run_rule(model, seqs, batch, name, layers, rules, **kw) -> Decoded:
     try:
         return decode(model, seqs, batch, states, **kw)
     finally:
-        model.set_experts_implementation("eager")
+        spec.set_experts(model, spec.EAGER)

@@ -21,22 +21,20 @@ atomically, so a rerun skips what is done; a budget a selector cannot reach is a
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
 
+from .. import spec
 from .. import tasks as T
 from ..errors import UserError
 from ..experts.int8 import int8_experts
 from ..experts.selector_experts import attach_selector, moe_layers
 from ..greedy import greedy
 from ..model import build_model, prep_port
-from ..parallel.layout import TP_DEGREES
 from ..reader import selectors
 from ..reader.accounting import BudgetError, full_bytes, rank_geometry, solve_k, solve_rank_k
 from ..reader.geometry import Geometry
@@ -49,7 +47,7 @@ from .reader_report import plot, write_markdown
 from .tasks import accuracy_by_task, score_items
 
 RULES = ("topk", "threshold")
-SELECTORS = ("teal", "wina", "cats", "oracle", "reader")
+SELECTORS = tuple(selectors.SELECTORS)  # teal, wina, cats, oracle, reader
 # Bin edges of answer positions (position i predicts answer token i); the last bin is open.
 ANSWER_BINS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 CALIB_TOKENS = 2048  # calibration tokens per layer (a seeded sample): the baselines gather [T, k, 2I, H] at once
@@ -93,7 +91,8 @@ def parse_budgets(text: str) -> list[float]:
     return budgets
 
 
-# Selector specs: a baseline's name, or reader[-rN][-tpT[variant]][-int8|-int8dq].
+# Selector specs (`spec.Selector`, parsed by `spec.parse_selector`): a baseline's name, or
+# reader[-rN][-tpT[variant]][-int8|-int8dq].
 #   reader-rN                     recovery rank N (≤ the sidecar's; plain `reader`: the sidecar's)
 #   reader-int8                   the reader over the int8 experts (exact rows in int8, sketch and recovery
 #                                 from the model's weights); -int8dq: sketch and recovery from the dequantised
@@ -105,39 +104,11 @@ def parse_budgets(text: str) -> list[float]:
 #   reader[-rN]-tpT-split         per-rank quota of ⌊k/T⌋, k the one-rank reader's at the budget: the quota's
 #                                 cost at the one-rank reader's exact channels, whatever a rank then reads
 #   reader[-rN]-tpT-split-global  one top-(T·⌊k/T⌋) over all ranks
-TP_VARIANTS = ("", "-global", "-split", "-split-global")
-_SPEC = re.compile(r"(?P<name>[a-z]+)(?:-r(?P<rank>\d+))?(?:-tp(?P<tp>\d+)(?P<variant>" +
-                   "|".join(v for v in TP_VARIANTS if v) + r")?)?(?:-(?P<weights>int8|int8dq))?")
 
 
-class Spec(NamedTuple):
-    name: str
-    rank: int | None  # recovery rank, None: the sidecar's
-    tp: int | None  # the per-rank reader at this TP degree, None: one rank
-    variant: str  # one of TP_VARIANTS
-    weights: str | None  # "int8" / "int8dq": the reader over the int8 experts
-
-
-def parse_spec(spec: str) -> Spec:
-    """A selector spec (see above), checked."""
-    m = _SPEC.fullmatch(spec)
-    if not m or m["name"] not in SELECTORS or ((m["rank"] or m["tp"] or m["weights"]) and m["name"] != "reader"):
-        raise EvalError(f"unknown selector {spec!r}; known: {', '.join(SELECTORS)}, and reader-rN (the reader at "
-                        f"recovery rank N), reader[-rN]-tpT[-global|-split|-split-global] (the reader at TP T), "
-                        f"reader[-rN]-int8 / -int8dq (over the int8 experts)")
-    tp = int(m["tp"]) if m["tp"] else None
-    if tp is not None and tp not in TP_DEGREES:
-        raise EvalError(f"{spec}: TP degree {tp} is not one of {TP_DEGREES}")
-    if tp is not None and m["weights"]:
-        raise EvalError(f"{spec}: the reader over int8 experts runs at one rank; drop -tp{tp} or -{m['weights']}")
-    return Spec(m["name"], int(m["rank"]) if m["rank"] else None, tp, m["variant"] or "", m["weights"])
-
-
-def parse_selectors(text: str) -> list[str]:
-    """Selector specs (`parse_spec`)."""
-    specs = [s.strip() for s in text.split(",") if s.strip()]
-    for spec in specs:
-        parse_spec(spec)
+def parse_selectors(text: str) -> list[spec.Selector]:
+    """Selector specs (`spec.parse_selector`), each checked."""
+    specs = [spec.parse_selector(s.strip(), SELECTORS) for s in text.split(",") if s.strip()]
     if not specs:
         raise EvalError("--selectors: none given")
     return specs
@@ -281,8 +252,8 @@ def accuracy(rows: list[dict]) -> dict:
 
 # ---- the run ----
 
-def cell_name(spec: str, rule: str, budget: float) -> str:
-    return f"{spec}-{rule}-{budget:g}"
+def cell_name(selector: str, rule: str, budget: float) -> str:
+    return f"{selector}-{rule}-{budget:g}"
 
 
 @dataclass
@@ -311,22 +282,22 @@ class Run:
         if self.calibration is None:
             longest = self.model.config.max_position_embeddings
             seqs = sequences(self.tokenizer, self.settings, longest, "calibration")
-            self.model.set_experts_implementation("eager")
+            spec.set_experts(self.model, spec.EAGER)
             self.calibration = calibration_inputs(self.model, seqs, self.settings.calib_tokens)
         return self.calibration
 
-    def layers(self, spec: str):
-        name, rank, tp, _, weights = parse_spec(spec)
-        if name != "reader":
-            return name, moe_layers(self.model)
-        rank = self.reader_rank if rank is None else rank  # plain `reader`: the port's [reader] rank, else the sidecar's
+    def layers(self, selector: spec.Selector) -> list:
+        if not selector.reader:
+            return moe_layers(self.model)
+        # plain `reader`: the port's [reader] rank, else the sidecar's
+        rank = self.reader_rank if selector.rank is None else selector.rank
         if rank is not None and rank > self.sidecar.layout.rank:
-            raise EvalError(f"{spec}: recovery rank {rank} above the sidecar's ({self.sidecar.layout.rank})")
-        sidecar = self.dequantised_sidecar() if weights == "int8dq" else self.sidecar
-        layers = moe_layers(self.model, sidecar, rank, int8=weights is not None)
+            raise EvalError(f"{selector.text}: recovery rank {rank} above the sidecar's ({self.sidecar.layout.rank})")
+        sidecar = self.dequantised_sidecar() if selector.dequantised else self.sidecar
+        layers = moe_layers(self.model, sidecar, rank, int8=selector.int8)
         for layer in layers:
-            layer.tp = tp or 1
-        return name, layers
+            layer.tp = selector.tp or 1
+        return layers
 
     def dequantised_sidecar(self):
         """The sidecar made from the int8 experts' dequantised weights: OUT/sidecar-int8dq.safetensors, once."""
@@ -347,15 +318,15 @@ class Run:
                                   batch_size=64, progress=progress)
         return rows
 
-    def cell(self, spec: str, rule: str, budget: float, progress=None) -> dict:
+    def cell(self, selector: spec.Selector, rule: str, budget: float, progress=None) -> dict:
         """One selector × rule × budget: its statistics, or why the budget is not reachable."""
         started = time.perf_counter()
-        name, layers = self.layers(spec)
-        row = {"selector": spec, "rule": rule, "budget": budget}
+        name, layers = selector.name, self.layers(selector)
+        row = {"selector": selector.text, "rule": rule, "budget": budget}
         full = full_bytes(layers[0].geo)
         try:
             if layers[0].tp > 1:
-                rules, planned, full, k = tp_plan(layers, parse_spec(spec).variant, budget)
+                rules, planned, full, k = tp_plan(layers, selector, budget)
                 row["k_per_rank"] = k
             else:
                 planned = selectors.charged(name, layers[0].geo, layers[0].settings,
@@ -373,7 +344,7 @@ class Run:
             sparse = teacher_forced(self.model, self.evaluation, states, progress)
             rows = self.generate(progress)
         finally:
-            self.model.set_experts_implementation("eager")
+            spec.set_experts(self.model, spec.EAGER)
         stats = cell_stats(reference, sparse, self.evaluation, full)
         # top-k: the plan must be read on every token and layer (measured from what each kept);
         # threshold: what the calibrated rule read is reported against the same target, not checked
@@ -390,26 +361,27 @@ def _read(path: Path) -> dict:
     return read_json_object(path, EvalError, f"{path}: missing")
 
 
-def tp_plan(layers, variant: str, budget: float) -> tuple[list, int, int, int]:
+def tp_plan(layers, selector: spec.Selector, budget: float) -> tuple[list, int, int, int]:
     """(rules, planned bytes per rank and token, a rank's full read, k per rank) of the reader at TP
-    `layers[0].tp` (TP_VARIANTS); a BudgetError where a rank cannot reach the budget."""
+    `layers[0].tp` (its variant: `selector.split`, `selector.gathered`); a BudgetError where a rank
+    cannot reach the budget."""
     geo, settings, tp = layers[0].geo, layers[0].settings, layers[0].tp
-    if variant.startswith("-split"):  # the one-rank reader's exact channels, split evenly
+    if selector.split:  # the one-rank reader's exact channels, split evenly
         k = solve_k(geo, settings, budget) // tp
     else:
         k = solve_rank_k(geo, settings, budget, tp)
     local = rank_geometry(geo, tp)
-    if variant.endswith("-global"):
+    if selector.gathered:
         rules = [selectors.TopK({"channel": tp * k}) for _ in layers]
     else:
         rules = [selectors.RankTopK({"channel": k}, tp, geo.intermediate) for _ in layers]
-    return rules, selectors.charged("reader", local, settings, {"channel": k}), full_bytes(local), k
+    return rules, selectors.charged(selector.name, local, settings, {"channel": k}), full_bytes(local), k
 
 
 def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool) -> Run:
     """Load the model and data; check OUT holds nothing from other weights or settings; prep the
     sidecar into OUT once."""
-    model = build_model(port, "eager", torch.float32, checkpoint)
+    model = build_model(port, spec.EAGER, torch.float32, checkpoint)
     tokenizer = load_tokenizer(port, checkpoint)
     key = {"model": port.name, "weights_sha256": weights_digest(model), "reader_rank": port.reader.rank,
            **{k: list(v) if isinstance(v, tuple) else v for k, v in settings.__dict__.items()}}
@@ -435,7 +407,7 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
     return run
 
 
-def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: list[str], out: Path,
+def evaluate(port, checkpoint, budgets: list[float], specs: list[spec.Selector], rules: list[str], out: Path,
              settings: Settings) -> dict:
     """Every cell (skipping those OUT already holds), then the merged report: OUT/report.json."""
     out = Path(out)
@@ -444,11 +416,11 @@ def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: li
             if not (Path(settings.corpus) / name).is_file():
                 raise EvalError(f"{Path(settings.corpus) / name}: missing; build the corpus first "
                                 f"(neuron-moe build-corpus --out {settings.corpus})")
-    if "threshold" in rules and any(parse_spec(s).tp for s in specs):
+    if "threshold" in rules and any(s.tp for s in specs):
         raise EvalError("the reader at TP T (reader-...-tpT) is a top-k rule per rank: pass --rules topk")
-    run = open_run(port, checkpoint, settings, out, any(s.startswith("reader") for s in specs))
-    for spec in specs:
-        run.layers(spec)  # a reader rank above the sidecar's is refused before any cell runs
+    run = open_run(port, checkpoint, settings, out, any(s.reader for s in specs))
+    for selector in specs:
+        run.layers(selector)  # a reader rank above the sidecar's is refused before any cell runs
     per_cell = len(run.evaluation) + len(run.items)
     cells = out / "cells"
     full_file = cells / "full.json"
@@ -458,12 +430,13 @@ def evaluate(port, checkpoint, budgets: list[float], specs: list[str], rules: li
     wanted = [(s, r, b) for b in budgets for s in specs for r in rules]
     results = []
     with tqdm(total=len(wanted), desc="eval-reader", unit="cell") as bar:
-        for spec, rule, budget in wanted:
-            path = cells / f"{cell_name(spec, rule, budget)}.json"
+        for selector, rule, budget in wanted:
+            name = cell_name(selector.text, rule, budget)
+            path = cells / f"{name}.json"
             if not path.exists():
-                bar.set_postfix_str(cell_name(spec, rule, budget))
-                with tqdm(total=per_cell, desc=cell_name(spec, rule, budget), leave=False) as inner:
-                    write_json(run.cell(spec, rule, budget, inner), str(path))
+                bar.set_postfix_str(name)
+                with tqdm(total=per_cell, desc=name, leave=False) as inner:
+                    write_json(run.cell(selector, rule, budget, inner), str(path))
             results.append(_read(path))
             bar.update(1)
     full_acc = _read(full_file).get("accuracy")

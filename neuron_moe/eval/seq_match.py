@@ -1,12 +1,14 @@
 """SEQ_MATCH: greedy tokens of a backend against the CPU reference (HF eager, fp32).
 
-A backend is anything that turns (input_ids, attention_mask, max_new_tokens) into a
-`Generation`. Today the backends are the experts implementations run inside HF's model;
-later ones (traced graphs, Neuron artifacts) plug into BACKENDS with the same contract.
+A backend (`spec.Backend`, named in BACKENDS) becomes a generator: anything that turns (input_ids,
+attention_mask, max_new_tokens) into a `Generation`. The backends are every experts implementation
+that validate runs inside HF's model (`spec.Experts.backend`), the port's static graphs through
+torch.export, and those graphs at TP on gloo.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -14,8 +16,10 @@ import torch
 from ..errors import UserError
 from ..greedy import Generation, greedy, left_pad
 from ..model import build_model, reader_model
-from ..parallel.tp_generator import BACKENDS as TP_BACKENDS
+from ..parallel.tp_generator import tp_generator
+from ..port import DTYPES
 from ..report import table
+from ..spec import EAGER, EAGER_GRAPHS, EXPERTS, EXPORTED, NAIVE, SIDECAR, SPMD, Backend, Placement, Reader
 from ..static.generator import traced_backend
 from ..tokenizer import answer_text
 
@@ -29,55 +33,83 @@ DEFAULT_PROMPTS = (
 
 Generator = Callable[[torch.Tensor, torch.Tensor, int], Generation]
 
-
-def _hf_backend(experts: str):
-    def make(port, dtype, checkpoint) -> Generator:
-        model = build_model(port, experts, dtype, checkpoint)
-        return lambda ids, mask, n: greedy(model, ids, mask, n)
-
-    return make
-
-
-def _reader_backend(port, dtype, checkpoint, **options) -> Generator:
-    model = reader_model(port, dtype, checkpoint, **options)  # options: sidecar, budget, rank, reader_kernel
-    return lambda ids, mask, n: greedy(model, ids, mask, n)
-
-
-BACKENDS: dict[str, Callable[..., Generator]] = {
-    "dense_masked": _hf_backend("dense_masked"),
-    "int8": _hf_backend("int8"),
-    "eager": _hf_backend("eager"),  # the reference against itself: a check of the harness
-    "traced": traced_backend,  # the port's static graphs through torch.export (neuron_moe/static)
-    "reader": _reader_backend,  # the sparse-channel reader on decode steps, full experts on prefill
-    **TP_BACKENDS,  # tp8, tp8-naive-scatter, tp8-int8: those graphs at TP 8 on gloo (neuron_moe/parallel)
+BACKENDS: dict[str, Backend] = {
+    # the experts implementations in HF's model, eager included (the reference against itself: a check
+    # of the harness); the reader (channel_reader) on decode steps, full experts on prefill
+    **{e.backend: Backend(e.backend, EAGER_GRAPHS, e) for e in EXPERTS.values() if e.backend},
+    "traced": Backend("traced", EXPORTED),  # the port's static graphs through torch.export (neuron_moe/static)
+    # those graphs at TP 8 on gloo (neuron_moe/parallel); the seed bug lives in the expert layout's
+    # router scatter (the channel layout has none); int8 experts with per-channel scales
+    "tp8": Backend("tp8", EXPORTED, placement=Placement()),
+    "tp8-naive-scatter": Backend("tp8-naive-scatter", EXPORTED, placement=Placement(scatter=NAIVE)),
+    "tp8-int8": Backend("tp8-int8", EXPORTED, placement=Placement(), int8=True),
 }
+TP_BACKENDS = tuple(name for name, b in BACKENDS.items() if b.placement is not None)
+_READER_FLAGS = {"sidecar": "sidecar", "budget": "budget", "rank": "rank", "kernel": "reader_kernel",
+                 "weights": "reader_weights"}  # Reader field -> its option
 
 
-def backend_options(backend: str, *, sidecar=None, budget=None, rank=None, reader_kernel=None, reader_weights=None,
-                    expert_layout=None, tp=None, tp_layers=None) -> dict:
-    """The options given (not None) that BACKENDS[backend] is built with; options it does not take are
-    refused. The reader takes them all but expert_layout; tp8 runs the reader in its decode graph with
-    sidecar, budget and rank; the TP backends take expert_layout, tp (the degree) and tp_layers (the
-    parallel-layer library: cpu or nxd)."""
-    given = {"sidecar": sidecar, "budget": budget, "rank": rank, "reader_kernel": reader_kernel,
-             "reader_weights": reader_weights}
-    options = {k: v for k, v in given.items() if v is not None}
-    tp_reader = backend == "tp8" and bool(options)  # the reader in the TP 8 decode graph
-    if tp_reader and ({"reader_kernel", "reader_weights"} & options.keys() or sidecar is None):
+def _reads(backend: Backend) -> bool:
+    """The one-rank reader: an experts implementation that needs a sidecar."""
+    return backend.experts is not None and backend.experts.needs == SIDECAR
+
+
+def _reads_at_tp(backend: Backend) -> bool:
+    """Where the reader runs in the TP decode graph: the float experts, scattered by the SPMDRank."""
+    return backend.placement is not None and backend.placement.scatter == SPMD and not backend.int8
+
+
+def backend(name: str, *, sidecar=None, budget=None, rank=None, reader_kernel=None, reader_weights=None,
+            expert_layout=None, tp=None, tp_layers=None, dtype: str | None = None) -> Backend:
+    """BACKENDS[name] with the options given (not None); options it does not take are refused. The
+    reader takes them all but expert_layout; tp8 runs the reader in its decode graph with sidecar,
+    budget and rank; the TP backends take expert_layout, tp (the degree) and tp_layers (the
+    parallel-layer library: cpu or nxd). `dtype`: a port dtype name (None: the port's)."""
+    base = BACKENDS[name]
+    reader = Reader(sidecar=sidecar, budget=budget, rank=rank, kernel=reader_kernel, weights=reader_weights)
+    given = [flag for field, flag in _READER_FLAGS.items() if getattr(reader, field) is not None]
+    tp_reader = _reads_at_tp(base) and bool(given)  # the reader in the TP decode graph
+    if tp_reader and ({"reader_kernel", "reader_weights"} & set(given) or sidecar is None):
         raise UserError("--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp T`) and "
                         "--budget; its kernels are the PyTorch reference over the bf16 experts "
                         "(no --reader-kernel, no --reader-weights)")
-    if options and backend != "reader" and not tp_reader:
-        raise UserError(f"--{'/--'.join(options).replace('_', '-')} apply to --backend reader only "
+    if given and not _reads(base) and not tp_reader:
+        raise UserError(f"--{'/--'.join(given).replace('_', '-')} apply to --backend reader only "
                         f"(--sidecar, --budget and --rank also to tp8)")
-    tp_options = {"expert_layout": expert_layout, "tp": tp, "layers": tp_layers}
-    for name, value in tp_options.items():
-        if value is not None:
-            if backend not in TP_BACKENDS:
-                flag = "--tp-layers" if name == "layers" else f"--{name.replace('_', '-')}"
-                raise UserError(f"{flag} applies to the TP backends ({', '.join(TP_BACKENDS)}) only")
-            options[name] = value
-    return options
+    placement = {"expert_layout": expert_layout, "tp": tp, "layers": tp_layers}
+    for field, value in placement.items():
+        if value is not None and base.placement is None:
+            flag = "--tp-layers" if field == "layers" else f"--{field.replace('_', '-')}"
+            raise UserError(f"{flag} applies to the TP backends ({', '.join(TP_BACKENDS)}) only")
+    if base.placement is not None:
+        base = dataclasses.replace(base, placement=dataclasses.replace(
+            base.placement, **{k: v for k, v in placement.items() if v is not None}))
+    return dataclasses.replace(base, reader=reader if _reads(base) or tp_reader else None, dtype=dtype)
+
+
+def backend_options(backend: Backend) -> dict:
+    """The options `backend` was given (its report's backend_options)."""
+    reader, placement = backend.reader or Reader(), backend.placement or Placement()
+    options = {flag: getattr(reader, field) for field, flag in _READER_FLAGS.items()}
+    options.update(expert_layout=placement.expert_layout, tp=placement.tp, layers=placement.layers)
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def generator(port, backend: Backend, checkpoint=None) -> Generator:
+    """What `backend` generates with on `port`'s model: its TP ranks, its exported graphs, or HF's
+    model with its experts (the reader attached to it when it reads)."""
+    dtype = DTYPES[backend.dtype] if backend.dtype else None
+    if backend.placement is not None:
+        return tp_generator(port, backend, dtype, checkpoint)
+    if backend.graphs == EXPORTED:
+        return traced_backend(port, dtype, checkpoint)
+    if _reads(backend):
+        r = backend.reader or Reader()
+        model = reader_model(port, dtype, checkpoint, sidecar=r.sidecar, budget=r.budget, rank=r.rank,
+                             reader_kernel=r.kernel or "reference", reader_weights=r.weights or "bf16")
+    else:
+        model = build_model(port, backend.experts, dtype, checkpoint)
+    return lambda ids, mask, n: greedy(model, ids, mask, n)
 
 
 def compare(reference: Generation, backend: Generation, prompts: list[str]) -> list[dict]:
@@ -105,17 +137,17 @@ def compare(reference: Generation, backend: Generation, prompts: list[str]) -> l
     return rows
 
 
-def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: list[str],
-                   dtype: torch.dtype | None = None, checkpoint=None, backend_options: dict | None = None) -> dict:
+def run_validation(port, tokenizer, backend: Backend, max_new_tokens: int, prompts: list[str],
+                   checkpoint=None) -> dict:
     ids, mask = left_pad([tokenizer.encode(p) for p in prompts], tokenizer.pad_token_id)
     context = port.config.max_position_embeddings
     if ids.shape[1] + max_new_tokens > context:
         raise UserError(f"the longest prompt ({ids.shape[1]} tokens) plus --max-new-tokens {max_new_tokens} exceeds "
                         f"the model's context of {context} tokens")
     # the backend first: a backend that refuses the input does so before the reference has run
-    generator = BACKENDS[backend](port, dtype, checkpoint, **(backend_options or {}))
-    got = generator(ids, mask, max_new_tokens)
-    reference = build_model(port, "eager", torch.float32, checkpoint)
+    generate = generator(port, backend, checkpoint)
+    got = generate(ids, mask, max_new_tokens)
+    reference = build_model(port, EAGER, torch.float32, checkpoint)
     ref_gen = greedy(reference, ids, mask, max_new_tokens)
     del reference
     rows = compare(ref_gen, got, prompts)
@@ -125,10 +157,10 @@ def run_validation(port, tokenizer, backend: str, max_new_tokens: int, prompts: 
     return {
         "model": port.name,
         "reference": "hf-eager float32 (CPU)",
-        "backend": backend,
-        "backend_dtype": str(dtype or port.dtype).removeprefix("torch."),
-        "backend_options": {k: str(v) for k, v in (backend_options or {}).items()},
-        **getattr(generator, "details", {}),  # the TP backends: layers, layer_library, tp, expert_layout
+        "backend": backend.name,
+        "backend_dtype": str(DTYPES[backend.dtype] if backend.dtype else port.dtype).removeprefix("torch."),
+        "backend_options": {k: str(v) for k, v in backend_options(backend).items()},
+        **getattr(generate, "details", {}),  # the TP backends: layers, layer_library, tp, expert_layout
         "max_new_tokens": max_new_tokens,
         "all_match": all(r["seq_match"] for r in rows),
         "prompts": rows,

@@ -15,10 +15,11 @@ from tqdm import tqdm
 from ..greedy import left_pad
 from ..model import build_model
 from ..report import table
+from ..spec import EAGER, Backend
 from ..tasks import TASKS, Item, eval_items
 from ..tokenizer import answer_text, load_tokenizer
 from ..training.corpus import read_jsonl
-from .seq_match import BACKENDS
+from .seq_match import BACKENDS, generator
 
 
 def score_items(generate, tokenizer, items: list[Item], batch_size: int = 32, progress=None) -> list[dict]:
@@ -88,17 +89,17 @@ def text_metrics(model, docs: list[list[int]], unigram: tuple[Counter, int], voc
             "expert_share_min": float(share.min()), "expert_share_max": float(share.max())}
 
 
-def evaluate(port, backend: str = "eager", checkpoint=None, per_task: int = 50, corpus=None,
+def evaluate(port, backend: Backend = BACKENDS["eager"], checkpoint=None, per_task: int = 50, corpus=None,
              text_docs: int = 200, tasks=TASKS, split: str = "eval") -> dict:
     """Task accuracy on `split` with `backend` (any of seq_match.BACKENDS); with `corpus` (a
     build-corpus directory) also held-out perplexity, the unigram baseline and the expert load on
     that split's text (the calibration text for valid)."""
     tokenizer = load_tokenizer(port, checkpoint)
     items = eval_items(per_task, tasks=tasks, split=split)
-    generate = BACKENDS[backend](port, None, checkpoint)
-    with tqdm(total=len(items), desc=f"eval-tasks ({backend})", leave=False) as bar:
+    generate = generator(port, backend, checkpoint)
+    with tqdm(total=len(items), desc=f"eval-tasks ({backend.name})", leave=False) as bar:
         rows = score_items(generate, tokenizer, items, progress=bar)
-    report = {"model": port.name, "backend": backend, "split": split, "items_per_task": per_task,
+    report = {"model": port.name, "backend": backend.name, "split": split, "items_per_task": per_task,
               "tasks": accuracy_by_task(rows), "text": None, "items": rows}
     if corpus is not None:
         train_text = [r["text"] for r in read_jsonl(Path(corpus) / "train.jsonl") if r["kind"] == "text"]
@@ -106,7 +107,7 @@ def evaluate(port, backend: str = "eager", checkpoint=None, per_task: int = 50, 
                     [r for r in read_jsonl(Path(corpus) / "calib.jsonl") if r["kind"] == "text"])
         held_out = [r["text"] for r in held_out][:text_docs]
         unigram = unigram_counts(tokenizer.encode(t) for t in train_text)
-        model = build_model(port, "eager", torch.float32, checkpoint)
+        model = build_model(port, EAGER, torch.float32, checkpoint)
         longest = port.config.max_position_embeddings  # a few fortunes are longer than the training window
         docs = [tokenizer.encode(t)[:longest] for t in held_out]
         report["text"] = dict(text_metrics(model, docs, unigram, port.config.vocab_size), documents=len(held_out))

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .. import spec
 from ..errors import UserError
 from ..reader import reference, shard
 from ..reader.accounting import ReaderSettings, solve_k, solve_rank_k
@@ -100,7 +101,7 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
     sidecar's) may lower the recovery rank; 0 turns recovery off. `kernel`: one of READER_KERNELS.
     `weights`: "bf16" (the model's own experts) or "int8" (the int8 experts' numbers).
     `tp` > 1 emulates in this one process the per-rank reader of TP `tp` on the channel layout
-    (`reader/shard.py`): each rank's k channels among its own, summed; returns k per rank.
+    (`shard.emulated`): each rank's k channels among its own, summed; returns k per rank.
     """
     if weights == "int8" and kernel != "reference":
         raise UserError(f"the reader over int8 experts runs on the reference kernel only, not {kernel!r}")
@@ -126,10 +127,10 @@ def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = 
         if weights == "int8":
             state.int8 = int8_experts(experts)
         if tp > 1:
-            state.run = _per_rank([shard.rank_sidecar(side.layer(i), tp, r) for r in range(tp)], tp)
+            state.run = shard.emulated(side.layer(i), tp)
         experts.reader = state
         state.hook = layer.register_forward_pre_hook(_mark_decode, with_kwargs=True)
-    model.set_experts_implementation("channel_reader")
+    spec.set_experts(model, spec.CHANNEL_READER)
     return k
 
 
@@ -139,16 +140,6 @@ def _check_int8_source(side: Sidecar, model) -> None:
         side.check_source(model_expert_weights(model))
     except SidecarError:
         side.check_source(int8_experts(layer.experts).dequantized() for layer in model.model.layers)
-
-
-def _per_rank(shards: list, tp: int):
-    """A forward with reference.forward's signature that runs the per-rank reader of `tp` ranks on one
-    layer: each rank's sidecar shard (`shards`, rank order) and its share of the experts, summed."""
-    def run(x, top_k_index, top_k_weights, gate_up, down_rows, layer, **kw):
-        ranks = [(*shard.shard_weights(gate_up, down_rows, tp, r), side) for r, side in enumerate(shards)]
-        return shard.forward_ranks(x, top_k_index, top_k_weights, ranks, **kw)
-
-    return run
 
 
 def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path | None, float, int | None]:

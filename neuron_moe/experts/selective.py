@@ -6,7 +6,7 @@ reads only k. The gather is `index_select` with T*k indices: its output shape is
 whatever the router picked, so the graph stays static (NxD calls this "selective loading").
 Once T*k reaches E the gathered copy (T*k expert matrices) outgrows the weights themselves, so a
 graph of that many tokens computes every expert instead (DenseExperts) — NxD's rule, the same as
-the TP channel layout's (`parallel/layout.gathers`); T is fixed per graph, so the choice is made
+the TP channel layout's (`spec.Experts.gathers`); T is fixed per graph, so the choice is made
 once, when the graph is traced. Prefill graphs stay on DenseExperts; the port's [static] table
 says which graph uses which.
 
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
+from .. import spec
 from .dense_masked import dense_masked_forward
 
 
 def selective_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    tokens, k = top_k_index.shape
-    if tokens * k >= self.num_experts:  # gathering would read more than the weights themselves
+    if not spec.SELECTIVE.gathers(self.config, top_k_index.shape[0]):  # gathering would read more than the weights
         return dense_masked_forward(self, hidden_states, top_k_index, top_k_weights)
     return gather_forward(self, hidden_states, top_k_index, top_k_weights)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import spec
 from ..errors import UserError
 from ..reader import selectors
 from ..reader.accounting import ReaderSettings
@@ -58,7 +59,7 @@ def attach_selector(model, name: str, layers: list[selectors.MoeLayer], rules: l
     for decoder_layer, layer, rule in zip(model.model.layers, layers, rules, strict=True):
         decoder_layer.experts.selector = SelectorState(name, layer, rule)
         states.append(decoder_layer.experts.selector)
-    model.set_experts_implementation("selector")
+    spec.set_experts(model, spec.SELECTOR)
     return states
 
 

@@ -31,13 +31,14 @@ from ..experts.int8 import quantize_experts
 from ..model import build_model
 from ..parallel import cpu, layout, nxd, reader
 from ..parallel.model import rank_model
-from ..parallel.reader import READER, check_reader, open_shards
+from ..parallel.reader import check_reader, open_shards
 from ..parallel.trace import export_rank0
 from ..reader.accounting import ReaderSettings, rank_geometry, solve_rank_k
 from ..reader.geometry import Geometry
 from ..reader.prep import RANK, SCAN, model_expert_weights
 from ..reader.sidecar import SidecarLayout
 from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock, table
+from ..spec import CHANNEL_READER, Reader
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, example_inputs, functional
@@ -130,12 +131,12 @@ def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
 
 def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, overwrite: bool = False,
                       checkpoint=None, export: bool = True, expert_layout: str | None = None,
-                      logits: bool = False, reader: dict | None = None) -> dict:
+                      logits: bool = False, reader: Reader | None = None) -> dict:
     """Write the artifact directory `out` (see the module docstring); returns the manifest.
     `expert_layout` defaults to the port's [static] expert_layout. `export=False` (dry run only)
     skips tracing: the shard plan and manifest alone. `logits=True`: graphs that also return the
     logits (validation), at V·4 bytes per row and step across the host.
-    `reader` ({"sidecar": DIR of `prep-reader --tp`, "budget", "rank"}): the decode key reads through
+    `reader` (its sidecar, the DIR of `prep-reader --tp`, budget and rank): the decode key reads through
     each rank's sidecar shard (`parallel/reader.py`), which goes into that rank's weights; a port
     without weights takes the geometry's shapes (`scan`, `rank`; no sidecar)."""
     if dtype not in DTYPES:
@@ -158,7 +159,7 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
     sides, reads = None, None
     if reader is not None:  # every check of the reader before any weight loads
         sides, reads = _plan_reader(port, tp, int8, expert_layout, reader, has_weights)
-        spec = dataclasses.replace(spec, decode_experts=READER)
+        spec = dataclasses.replace(spec, decode_experts=CHANNEL_READER.name)
     _check_fits(port, dtype, tp, expert_layout, reads)
     check_output(out, directory=True)
     out = Path(out).resolve()
@@ -199,7 +200,7 @@ def _check_fits(port, dtype: str, tp: int, expert_layout: str, reads: dict | Non
     if dtype == "fp32":
         return
     spec = port.static
-    reader = None if reads is None else {k: reads[k] for k in ("budget", "scan", "rank")}
+    reader = None if reads is None else Reader(budget=reads["budget"], scan=reads["scan"], rank=reads["rank"])
     verdict = plan(port.config, None, tp, dtype, spec.batch_size, spec.max_cache_len, model=port.name,
                    expert_layout=expert_layout, decode_experts=spec.decode_experts, reader=reader)
     if not verdict["fits"]:
@@ -240,25 +241,25 @@ def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=No
     return full if sides is None else {**full, **reader.full_state(sides)}
 
 
-def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: dict, has_weights: bool):
+def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: Reader, has_weights: bool):
     """(each rank's shard or None, the settings the graphs are built with) of `--reader`."""
-    check_reader(expert_layout, int8, options.get("budget"))
-    options = dict(options, rank=port.reader.rank if options.get("rank") is None else options["rank"])
+    check_reader(expert_layout, int8, options.budget)
+    options = dataclasses.replace(options, rank=port.reader.rank if options.rank is None else options.rank)
     if has_weights:
-        if options.get("sidecar") is None:
+        if options.sidecar is None:
             raise ArtifactError("--reader needs --sidecar DIR (from `neuron-moe prep-reader --tp "
                                 f"{tp} --out DIR`) for a port with weights")
-        sides, k, rank = open_shards(port.config, options["sidecar"], tp, options["budget"], options.get("rank"))
+        sides, k, rank = open_shards(port.config, options.sidecar, tp, options.budget, options.rank)
         scan, local, digest = sides[0].scan, sides[0].layout, sides[0].source_sha256
     else:  # shapes only (the meta device): the geometry's sidecar layout
-        if options.get("sidecar") is not None:
+        if options.sidecar is not None:
             raise ArtifactError(f"port {port.name!r} has no weights here: --reader builds shapes only (meta device), "
                                 f"a sidecar is not read; drop --sidecar or pass --checkpoint DIR")
-        geo, rank = Geometry.from_config(port.config), options.get("rank")
-        rank, scan = RANK if rank is None else rank, options.get("scan") or SCAN
-        k, sides, digest = solve_rank_k(geo, ReaderSettings(scan=scan, rank=rank), options["budget"], tp), None, None
+        geo, rank = Geometry.from_config(port.config), options.rank
+        rank, scan = RANK if rank is None else rank, options.scan or SCAN
+        k, sides, digest = solve_rank_k(geo, ReaderSettings(scan=scan, rank=rank), options.budget, tp), None, None
         local = SidecarLayout(rank_geometry(geo, tp), rank)
-    return sides, {"budget": options["budget"], "k_per_rank": k, "scan": scan, "rank": rank,
+    return sides, {"budget": options.budget, "k_per_rank": k, "scan": scan, "rank": rank,
                    "source_sha256": digest, "layout": local}
 
 

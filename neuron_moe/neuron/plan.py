@@ -30,9 +30,9 @@ Decode: bytes one rank reads per generated token (all its non-expert weights but
 table, its KV cache, and its experts as the decode graph of each expert layout reads them) and
 the HBM-bound floor this implies at half a chip's 820 GiB/s per core (two cores per chip share
 it). The graphs are those trace-and-compile builds (`parallel/moe.py`): the channel layout's
-gathers the batch's B·k experts' I/t channels while B·k < E (with the port's decode_experts =
-"selective"), else computes all E experts' channels; the expert layout's computes all its E/t
-experts.
+gathers the batch's B·k experts' I/t channels while its experts implementation (the port's
+decode_experts) does at that batch (`spec.Experts.gathers`: selective, while B·k < E), else computes
+all E experts' channels; the expert layout's computes all its E/t experts.
 
 With a reader budget (`--reader-budget`), the channel layout's decode graph with the reader
 (`parallel/reader.py`) is a row of its own: per token, layer and rank its sketch, norms, k_r exact
@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Gemma4TextConfig
 
+from .. import spec
 from ..errors import UserError
 from ..experts.int8 import quantize_experts
 from ..info import meta_model, parameter_group
@@ -117,21 +118,21 @@ def _graph_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, batch: int, s
     return max(moe, attention)
 
 
-def _reader_sidecar_per_rank(config: Gemma4TextConfig, tp: int, reader: dict) -> int:
+def _reader_sidecar_per_rank(config: Gemma4TextConfig, tp: int, reader: spec.Reader) -> int:
     """A rank's sidecar shard (`reader/shard.py`): its channels' sketch, norms and b_j, and U, every layer."""
-    settings = ReaderSettings(scan=reader["scan"], rank=reader["rank"])
+    settings = ReaderSettings(scan=reader.scan, rank=reader.rank)
     held = resident(rank_geometry(Geometry.from_config(config), tp), settings)
     return sum(held.values()) * config.num_hidden_layers
 
 
 def _decode_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv: int, expert_layout: str,
-                decode_experts: str) -> dict:
+                decode_experts: spec.Experts | str) -> dict:
     """What one layout's decode graph reads per token on one rank (every rank reads the same)."""
     E, I, k = config.num_experts, config.moe_intermediate_size, config.top_k_experts
     rest = sum(v for g, v in weights.items() if g not in ("experts", "embeddings")) + kv
     if expert_layout == layout.EXPERT:
         graph, share = f"all {E // tp} of its experts, whole,", 1.0
-    elif decode_experts == "selective" and layout.gathers(config, batch):
+    elif spec.experts(decode_experts).gathers(config, batch):
         # a rank holds the same slice of every expert (scales included): B·k of its E slices
         graph, share = f"gathers {batch}×{k} experts' {I // tp} of {I} channels", batch * k / E
     else:
@@ -146,19 +147,20 @@ def _row(expert_layout: str, graph: str, total: float) -> dict:
             "tokens_per_s_ceiling": per_core_bw / total}
 
 
-def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv: int, reader: dict) -> dict:
+def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv: int, reader: spec.Reader) -> dict:
     """The channel layout's decode graph with the reader (`parallel/reader.py`): per token and layer each
     rank reads its sketch, norms, k_r exact channels and recovery on its own I/t channels
     (`accounting.rank_geometry`); the batch's tokens each select on their own (their reads add up)."""
-    geo, settings = Geometry.from_config(config), ReaderSettings(scan=reader["scan"], rank=reader["rank"])
-    k = solve_rank_k(geo, settings, reader["budget"], tp)
+    geo, settings = Geometry.from_config(config), ReaderSettings(scan=reader.scan, rank=reader.rank)
+    k = solve_rank_k(geo, settings, reader.budget, tp)
     local = rank_geometry(geo, tp)
     per_layer = sum(reads(local, settings, k).values())
     rest = sum(v for g, v in weights.items() if g not in ("experts", "embeddings")) + kv
-    graph = (f"reader at {reader['budget']:g} %: {batch}×{k} of {config.top_k_experts}×{local.intermediate} channels "
+    graph = (f"reader at {reader.budget:g} %: {batch}×{k} of {config.top_k_experts}×{local.intermediate} channels "
              f"exact, the rest screened (sketch) and recovered, per layer")
     row = _row(layout.CHANNEL, graph, rest + batch * per_layer * config.num_hidden_layers)
-    return dict(row, reader=dict(reader, k_per_rank=k, expert_bytes_per_layer=per_layer))
+    return dict(row, reader={"budget": reader.budget, "scan": reader.scan, "rank": reader.rank, "k_per_rank": k,
+                             "expert_bytes_per_layer": per_layer})
 
 
 def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader=None) -> list[dict]:
@@ -192,11 +194,11 @@ def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
 
 def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: int, seq: int,
          runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, model: str = "",
-         expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, decode_experts: str = "selective",
-         reader: dict | None = None) -> dict:
+         expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, decode_experts: spec.Experts | str = spec.SELECTIVE,
+         reader: spec.Reader | None = None) -> dict:
     """The plan for `expert_layout`; its decode table has a row for each expert layout that shards at
     TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts. `reader`
-    ({"budget", "scan", "rank"}): the channel layout's decode graph with the reader, whose sidecar
+    (its budget, scan and rank): the channel layout's decode graph with the reader, whose sidecar
     shard each rank then holds (`reader_sidecar`), and its row in the decode table. `instance` None:
     one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check)."""
     inst = INSTANCES[instance] if instance is not None else None
@@ -232,13 +234,13 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
 
 def port_plan(port, instance: str, tp: int, dtype: str, batch: int, seq: int,
               runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, expert_layout: str | None = None,
-              reader: dict | None = None) -> dict:
+              reader: spec.Reader | None = None) -> dict:
     """`plan` for a port: its [static] expert_layout unless `expert_layout` is given, and its
     decode_experts (a port without a [static] table: the channel layout, selective)."""
     static = port.static
     return plan(port.config, instance, tp, dtype, batch, seq, runtime_reserve, model=port.name,
                 expert_layout=expert_layout or (static.expert_layout if static else layout.DEFAULT_EXPERT_LAYOUT),
-                decode_experts=static.decode_experts if static else "selective", reader=reader)
+                decode_experts=static.decode_experts if static else spec.SELECTIVE, reader=reader)
 
 
 def render_plan(report: dict) -> str:

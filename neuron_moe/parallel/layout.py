@@ -56,6 +56,7 @@ import torch
 from transformers import Gemma4TextConfig
 
 from ..errors import UserError
+from ..spec import CHANNEL, DEFAULT_EXPERT_LAYOUT, EXPERT, EXPERT_LAYOUTS, TP_DEGREES
 
 COLUMN, ROW, VOCAB, REPLICATED = "column", "row", "vocab", "replicated"
 EXPERTS_COLUMN, EXPERTS_ROW = "experts_column", "experts_row"
@@ -63,11 +64,7 @@ READER_SHARD = "reader_shard"  # a rank's reader sidecar shard: the ranks' shard
 # placement -> (partition dim, partition stride), as NxD's parameter tags say it
 PARTITION = {COLUMN: (0, 1), VOCAB: (0, 1), ROW: (1, 1), EXPERTS_COLUMN: (2, 2), EXPERTS_ROW: (1, 1),
              READER_SHARD: (0, 1)}
-TP_DEGREES = (1, 2, 4, 8, 24)  # what inf2 supports
-
-CHANNEL, EXPERT = "channel", "expert"
-EXPERT_LAYOUTS = (CHANNEL, EXPERT)
-DEFAULT_EXPERT_LAYOUT = CHANNEL
+# the degrees (TP_DEGREES) and expert layouts (CHANNEL, EXPERT) are named in spec.py, with the backend
 _EXPERT_NDIM = {EXPERT: 2, CHANNEL: 3}  # the experts linears' weights: 2-D linears, or 3-D expert-fused
 
 # Parameter-name suffix (in the parallel layout's names) -> placement; everything else is replicated.
@@ -90,6 +87,9 @@ _EXPERT_RULES = {
               (".experts.down_proj.weight", EXPERTS_ROW),
               *((f".experts.reader.{name}", READER_SHARD) for name in ("codes", "scales", "down_norms", "coeffs"))),
 }
+# Column-parallel weights whose output every rank takes whole (gather_output): the logits, so that
+# every rank takes the same token.
+GATHERED = ("lm_head.weight",)
 _GATE_UP = ".experts.gate_up_proj.weight"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -155,12 +155,6 @@ def check_degree(config: Gemma4TextConfig, tp: int, expert_layout: str = DEFAULT
             problems.append(f"{kv} KV heads neither split over nor replicate evenly to {tp} ranks")
     if problems:
         raise LayoutError(f"TP {tp} ({expert_layout} expert layout): " + "; ".join(problems))
-
-
-def gathers(config: Gemma4TextConfig, tokens: int) -> bool:
-    """Whether a decode graph of `tokens` tokens gathers each token's k experts (selective loading)
-    rather than computing all experts: NxD's rule, tokens·k < E. Fixed per graph by its batch size."""
-    return tokens * config.top_k_experts < config.num_experts
 
 
 def expert_range(config: Gemma4TextConfig, tp: int, rank: int) -> range:

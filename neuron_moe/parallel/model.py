@@ -4,16 +4,19 @@ share of every weight (`layout.py`), so the static decoder (`static/decoder.py`)
 HF's modules are kept where a rank holds them whole (norms, router, rotary embedding, layer scalar)
 and where their code is already per-head (attention: it reads the head counts from its config).
 The rank's config has h/t query heads, max(kv/t, 1) KV heads per layer and I/t dense intermediate
-channels; the linears that hold a share are replaced by parallel layers of `layers` (`parallel.cpu` or `parallel.nxd`):
+channels; every module that holds a share is replaced by parallel layers of `layers` (`parallel.cpu`
+or `parallel.nxd`), as the layout's placement of its weight says (`layout.placement`, the way HF
+derives tensor parallelism from a model's tp_plan), at the weight's shape in the parallel layout
+(`layout.parallel_state_dict`: KV heads replicated up to t):
 
-  attention   q/k/v_proj ColumnParallelLinear, o_proj RowParallelLinear (all-reduce)
-  dense MLP   gate/up_proj ColumnParallelLinear, down_proj RowParallelLinear (all-reduce)
+  column      ColumnParallelLinear: q/k/v_proj, the dense MLP's gate/up_proj; lm_head too, its
+              output gathered (`layout.GATHERED`): every rank has all logits, so every rank takes
+              the same greedy token
+  row         RowParallelLinear (all-reduce): o_proj, the dense MLP's down_proj
+  vocab       ParallelEmbedding over the vocabulary (× HF's embed scale), all-reduce
   experts     `moe.parallel_experts`: in the channel layout every expert's I/t channels (one
               all-reduce after the router-weighted sum), in the expert layout the rank's experts
               whole (router weights scattered by rank)
-  embedding   ParallelEmbedding over the vocabulary (× HF's embed scale), all-reduce
-  lm_head     ColumnParallelLinear over the vocabulary, gather_output: every rank has all logits,
-              so every rank takes the same greedy token
 
 The skeleton is built on the meta device (HF would otherwise allocate all E experts and the full
 vocabulary once per rank), then materialised empty: every value comes from the rank's shard.
@@ -21,11 +24,15 @@ vocabulary once per rank), then materialised empty: every value comes from the r
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
+from .. import spec
+from ..spec import SPMD
 from . import layout
 from .moe import parallel_experts
 
@@ -53,38 +60,50 @@ def _scaled(embedding: nn.Module, scale: torch.Tensor) -> nn.Module:
 
 
 def rank_model(config: Gemma4TextConfig, tp: int, layers, *, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
-               int8: bool = False, scatter: str = "spmd", dtype: torch.dtype = torch.float32,
+               int8: bool = False, scatter: str = SPMD, dtype: torch.dtype = torch.float32,
                device: str = "cpu") -> Gemma4ForCausalLM:
     """One rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`); its state dict
     names are those of `layout.parallel_state_dict` in `expert_layout` (int8: of
     `experts.int8.quantize_experts` of it). `device="meta"` builds it without memory (for plans and
-    shape checks)."""
+    shape checks). Outside a graph it computes every expert (dense_masked); each static graph's view
+    runs the graph's own experts implementation (`experts/view.py`)."""
     local = rank_config(config, tp, expert_layout)
-    H, V = config.hidden_size, config.vocab_size
     with torch.device("meta"):
         model = Gemma4ForCausalLM(local)
+        whole = Gemma4ForCausalLM(copy.deepcopy(config))  # the full shapes, no memory
+    full = {name: t.shape for name, t in layout.parallel_state_dict(whole.state_dict(), config, tp,
+                                                                    expert_layout).items()}
     if device != "meta":
         model.to_empty(device=device)
     model.to(dtype)
     with torch.device(device):
-        for i, layer in enumerate(model.model.layers):
-            attn, mlp, head_dim = layer.self_attn, layer.mlp, local.per_layer_config[i].head_dim
-            kv = max(layout.kv_heads(config, i), tp) * head_dim  # replicated up to t heads, then split
-            attn.q_proj = layers.ColumnParallelLinear(H, config.num_attention_heads * head_dim, tp=tp, dtype=dtype)
-            attn.k_proj = layers.ColumnParallelLinear(H, kv, tp=tp, dtype=dtype)
-            if attn.v_proj is not None:  # k_eq_v global layers have none: V is K before its norm
-                attn.v_proj = layers.ColumnParallelLinear(H, kv, tp=tp, dtype=dtype)
-            attn.o_proj = layers.RowParallelLinear(config.num_attention_heads * head_dim, H, tp=tp, dtype=dtype)
-            mlp.gate_proj = layers.ColumnParallelLinear(H, config.intermediate_size, tp=tp, dtype=dtype)
-            mlp.up_proj = layers.ColumnParallelLinear(H, config.intermediate_size, tp=tp, dtype=dtype)
-            mlp.down_proj = layers.RowParallelLinear(config.intermediate_size, H, tp=tp, dtype=dtype)
-            layer.experts = parallel_experts(model.config, tp, layers, expert_layout, int8=int8, scatter=scatter,
-                                             dtype=dtype)
-        scale = torch.tensor(H**0.5)
-        model.model.embed_tokens = _scaled(layers.ParallelEmbedding(V, H, tp=tp, dtype=dtype), scale)
-        model.lm_head = layers.ColumnParallelLinear(H, V, tp=tp, dtype=dtype, gather_output=True)
+        for name, module in list(model.named_modules()):
+            share = _share(name, module, full, model.config, tp, layers, expert_layout, int8, scatter, dtype)
+            if share is not None:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, share)
         model.model.rotary_emb = Gemma4TextRotaryEmbedding(local)  # its inv_freq buffers are computed, not loaded
+    spec.set_experts(model, spec.DENSE_MASKED)
     return model.eval()
+
+
+def _share(name: str, module: nn.Module, full: dict, local, tp: int, layers, expert_layout: str, int8: bool,
+           scatter: str, dtype: torch.dtype) -> nn.Module | None:
+    """The parallel module in place of `module` (its name `name`), or None where a rank holds it whole."""
+    if f"{name}.gate_up_proj.weight" in full:  # the experts, as the layout holds their linears
+        return parallel_experts(local, tp, layers, expert_layout, int8=int8, scatter=scatter, dtype=dtype)
+    kind = layout.placement(f"{name}.weight", expert_layout)
+    if kind == layout.REPLICATED or not isinstance(module, (nn.Linear, nn.Embedding)):
+        return None
+    out, inp = full[f"{name}.weight"]
+    if kind == layout.VOCAB:
+        return _scaled(layers.ParallelEmbedding(out, inp, tp=tp, dtype=dtype), torch.tensor(inp**0.5))
+    if kind == layout.COLUMN:
+        return layers.ColumnParallelLinear(inp, out, tp=tp, dtype=dtype,
+                                           gather_output=f"{name}.weight" in layout.GATHERED)
+    if kind == layout.ROW:
+        return layers.RowParallelLinear(inp, out, tp=tp, dtype=dtype)
+    raise ValueError(f"{name}: no parallel layer for placement {kind!r}")
 
 
 def materialize(model: Gemma4ForCausalLM, config: Gemma4TextConfig, tp: int,

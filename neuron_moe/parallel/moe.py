@@ -13,12 +13,12 @@ all-reduce sums the ranks' router-weighted partial outputs. Two fixed-shape comp
   gather       each token gathers its k experts' channel slices from the [E, …] parameters
                (`weight[expert_indices]`, [T·k, …]: NxD's selective loading), weighted by its k
                router weights.
-A graph gathers when it is a decode graph (the static decoder runs it with the port's
-`decode_experts = "selective"`) and its T·k < E (`layout.gathers`, NxD's rule); the choice is
-made while tracing, so it is fixed per graph by the graph's batch size. Prefill graphs compute
-all experts. With a reader attached (`reader.py`: the rank's sidecar shard), a decode graph built
-with it (`decode_experts = "channel_reader"`) reads through the reader instead: each token's k_r
-channels of the rank's I/t, fixed shapes (tokens, k_r, scan), the same one all-reduce after.
+Which one a graph computes follows the experts implementation the graph was built with (its view's
+experts config, `experts/view.py`; `COMPUTE` below): a graph built with `selective` (the port's
+decode_experts) gathers while its T·k < E (`spec.Experts.gathers`, NxD's rule), fixed per graph by
+its batch size; `dense_masked` (the prefill graphs) computes all experts. A decode graph built with
+`channel_reader` reads through the rank's reader instead (`reader.py`: its sidecar shard): each
+token's k_r channels of the rank's I/t, fixed shapes (tokens, k_r, scan), the same one all-reduce after.
 
 `WholeExperts` (the expert layout, the seed port's): the rank's E/t experts whole, as one
 column-parallel and one row-parallel linear. Every rank computes the full dense [T, E] router
@@ -37,12 +37,10 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
 
+from .. import spec
 from ..errors import UserError
 from ..experts.dense_masked import router_weight_matrix
 from . import layout
-from .reader import READER
-
-SCATTERS = ("spmd", "naive")
 
 
 class ChannelExperts(nn.Module):
@@ -53,56 +51,76 @@ class ChannelExperts(nn.Module):
         row = layers.QuantizedExpertFusedRowParallel if int8 else layers.ExpertFusedRowParallelLinear
         self.gate_up_proj = column(E, H, 2 * I, tp=tp, dtype=dtype, stride=2)  # [E, H, 2I/t]: gate, then up
         self.down_proj = row(E, I, H, tp=tp, dtype=dtype)  # [E, I/t, H]
-        self.config = config  # the model's: the static graphs set its experts implementation per graph
+        self.config = config  # the model's; a graph's view gives it one naming the graph's experts implementation
         self.tp, self.layers, self.num_experts = tp, layers, E
         self.act_fn = ACT2FN[config.hidden_activation]
         self.reader = None  # a reader.ReaderShard: decode graphs built with the reader read through it
-
-    def reads(self) -> bool:
-        """Whether this graph runs the reader: a decode graph built with it (`reader.READER`)."""
-        return self.reader is not None and self.config._experts_implementation == READER
-
-    def gathers(self, tokens: int) -> bool:
-        return self.config._experts_implementation == "selective" and layout.gathers(self.config, tokens)
 
     def _mlp(self, x: torch.Tensor, expert_indices: torch.Tensor | None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, expert_indices=expert_indices).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up, expert_indices=expert_indices)
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], top-k [T, k] -> [T, H], summed over all ranks' channels."""
-        (T, H), k = x.shape, top_k_index.shape[1]
-        if self.reads():  # the rank's reader on its shard: gate/up rows are the columns of [E, H, 2I/t]
-            out = self.reader(x, top_k_index, top_k_weights, self.gate_up_proj.weight.mT, self.down_proj.weight,
-                              self.act_fn)
-        elif self.gathers(T):  # the expert-fused layers take [E', 1, tokens, in]
-            out = self._mlp(x[:, None].expand(T, k, H).reshape(T * k, 1, 1, H), top_k_index.reshape(-1))
-            out = torch.einsum("tkh,tk->th", out.view(T, k, H), top_k_weights.to(out.dtype))
-        else:
-            out = self._mlp(x.view(1, 1, T, H), None)[:, 0]  # [E, T, H]
-            weights = router_weight_matrix(top_k_index, top_k_weights, self.num_experts)
-            out = torch.einsum("eth,te->th", out, weights.to(out.dtype))
+        """x [T, H], top-k [T, k] -> [T, H], summed over all ranks' channels, computed as the experts
+        implementation of the graph this module is in asks (`COMPUTE`)."""
+        experts = spec.dispatched(self.config)
+        if experts not in COMPUTE:
+            raise UserError(f"the channel layout's rank module runs {', '.join(e.name for e in COMPUTE)}, "
+                            f"not {experts.name!r}")
+        out = COMPUTE[experts](self, x, top_k_index, top_k_weights)
         return self.layers.reduce_from_tensor_model_parallel_region(out, tp=self.tp)
+
+    def every_expert(self, x, top_k_index, top_k_weights):
+        """Every token through all E experts' channels, weighted by the dense [T, E] router matrix."""
+        T, H = x.shape
+        out = self._mlp(x.view(1, 1, T, H), None)[:, 0]  # [E, T, H]
+        weights = router_weight_matrix(top_k_index, top_k_weights, self.num_experts)
+        return torch.einsum("eth,te->th", out, weights.to(out.dtype))
+
+    def routed(self, x, top_k_index, top_k_weights):
+        """Each token's k experts' channels gathered while T·k < E, else every expert."""
+        (T, H), k = x.shape, top_k_index.shape[1]
+        if not spec.SELECTIVE.gathers(self.config, T):
+            return self.every_expert(x, top_k_index, top_k_weights)
+        # the expert-fused layers take [E', 1, tokens, in]
+        out = self._mlp(x[:, None].expand(T, k, H).reshape(T * k, 1, 1, H), top_k_index.reshape(-1))
+        return torch.einsum("tkh,tk->th", out.view(T, k, H), top_k_weights.to(out.dtype))
+
+    def read(self, x, top_k_index, top_k_weights):
+        """The rank's reader on its shard: gate/up rows are the columns of [E, H, 2I/t]."""
+        if self.reader is None:
+            raise UserError("a graph built with the reader needs a reader shard in every experts module "
+                            "(parallel.reader.attach)")
+        return self.reader(x, top_k_index, top_k_weights, self.gate_up_proj.weight.mT, self.down_proj.weight,
+                           self.act_fn)
+
+
+# What the channel layout's rank module computes in a graph built with each experts implementation (a
+# rank model outside any graph runs its own, dense_masked: `rank_model`; HF's eager, what a standalone
+# block over an HF model's config runs, computes the same sum over all its experts).
+COMPUTE = {spec.EAGER: ChannelExperts.every_expert, spec.DENSE_MASKED: ChannelExperts.every_expert,
+           spec.SELECTIVE: ChannelExperts.routed, spec.CHANNEL_READER: ChannelExperts.read}
 
 
 class WholeExperts(nn.Module):
-    def __init__(self, config, tp: int, layers, int8: bool = False, scatter: str = "spmd", dtype=torch.float32):
+    def __init__(self, config, tp: int, layers, int8: bool = False, scatter: str = spec.SPMD, dtype=torch.float32):
         super().__init__()
-        if scatter not in SCATTERS:
-            raise ValueError(f"scatter must be one of {SCATTERS}, got {scatter!r}")
+        if scatter not in spec.SCATTERS:
+            raise ValueError(f"scatter must be one of {spec.SCATTERS}, got {scatter!r}")
         E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
         column = layers.QuantizedColumnParallel if int8 else layers.ColumnParallelLinear
         row = layers.QuantizedRowParallel if int8 else layers.RowParallelLinear
         self.gate_up_proj = column(H, E * 2 * I, tp=tp, dtype=dtype)  # rows: this rank's experts × 2I
         self.down_proj = row(E * I, H, tp=tp, dtype=dtype)  # columns: this rank's experts × I
         self.spmd_rank = layers.SPMDRank(tp)
+        self.config = config  # as ChannelExperts': every graph computes all its experts, whatever it names
         self.tp, self.scatter, self.layers = tp, scatter, layers
         self.num_experts, self.local_experts, self.intermediate = E, E // tp, I
         self.act_fn = ACT2FN[config.hidden_activation]
 
     def local_weights(self, dense: torch.Tensor) -> torch.Tensor:
         """Dense router weights [T, E] -> this rank's columns [T, E/t]."""
-        if self.scatter == "spmd":
+        if self.scatter == spec.SPMD:
             return self.layers.scatter_to_process_group_spmd(dense, dense.dim() - 1, self.spmd_rank.get_rank(), tp=self.tp)
         return self.layers.scatter_to_tensor_model_parallel_region(dense, tp=self.tp)
 
@@ -117,11 +135,11 @@ class WholeExperts(nn.Module):
 
 
 def parallel_experts(config, tp: int, layers, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, *,
-                     int8: bool = False, scatter: str = "spmd", dtype=torch.float32) -> nn.Module:
-    """This rank's experts in `expert_layout`. `config` is the model's own (ChannelExperts reads the
-    experts implementation the static graph sets on it). `scatter` exists only in the expert layout."""
+                     int8: bool = False, scatter: str = spec.SPMD, dtype=torch.float32) -> nn.Module:
+    """This rank's experts in `expert_layout`. `config` is the model's own (a graph's view replaces it
+    with one naming the graph's experts implementation). `scatter` exists only in the expert layout."""
     if layout.check_layout_name(expert_layout) == layout.CHANNEL:
-        if scatter != "spmd":
+        if scatter != spec.SPMD:
             raise UserError(f"scatter {scatter!r} is the expert layout's: the channel layout slices nothing by rank")
         return ChannelExperts(config, tp, layers, int8, dtype)
     return WholeExperts(config, tp, layers, int8, scatter, dtype)
@@ -132,7 +150,7 @@ class ParallelMoE(nn.Module):
     it itself) and pre_feedforward_layernorm_2 of it, as in Gemma4TextDecoderLayer."""
 
     def __init__(self, config, tp: int, layers, *, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
-                 int8: bool = False, scatter: str = "spmd", dtype=torch.float32):
+                 int8: bool = False, scatter: str = spec.SPMD, dtype=torch.float32):
         super().__init__()
         self.router = Gemma4TextRouter(config).to(dtype)
         self.experts = parallel_experts(config, tp, layers, expert_layout, int8=int8, scatter=scatter, dtype=dtype)

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import UserError
 from ..greedy import Generation
+from ..spec import SPMD
 from ..static.generator import (
     StaticGenerator,
     choose_buckets,
@@ -46,9 +47,9 @@ class NxDGenerator:
     own; a negative control loads another's)."""
 
     def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
-                 int8: bool = False, scatter: str = "spmd", sidecar=None, budget: float | None = None,
+                 int8: bool = False, scatter: str = SPMD, sidecar=None, budget: float | None = None,
                  rank: int | None = None, shards: tuple[int, ...] | None = None):
-        if scatter != "spmd":
+        if scatter != SPMD:
             raise UserError("the Python-int router scatter is wrong only in a graph traced once on rank 0; "
                             "--tp-layers nxd runs NxD's layers eagerly on every rank (its CPU mode), where it is "
                             "right: run tp8-naive-scatter with --tp-layers cpu")

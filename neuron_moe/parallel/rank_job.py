@@ -16,11 +16,11 @@ import torch
 from ..experts.int8 import quantize_experts
 from ..model import build_model
 from ..reader.prep import model_expert_weights
+from ..spec import CHANNEL_READER, EAGER, SPMD
 from . import layout, reader
 from .model import rank_model
 
 LIBRARY_CPU = "parallel/cpu.py (NxD's layer names over torch.distributed functional collectives, gloo)"
-LAYERS = ("cpu", "nxd")  # the parallel-layer libraries a TP backend runs over (--tp-layers)
 
 
 @dataclasses.dataclass
@@ -45,7 +45,7 @@ class RankJob:
 
     @classmethod
     def prepare(cls, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
-                int8: bool = False, scatter: str = "spmd", sidecar=None, budget: float | None = None,
+                int8: bool = False, scatter: str = SPMD, sidecar=None, budget: float | None = None,
                 rank: int | None = None) -> RankJob:
         """Every check that needs no weights first, then the weights."""
         port.static_spec(f"the TP {tp} backend")
@@ -57,9 +57,9 @@ class RankJob:
             reader.check_reader(expert_layout, int8, budget)
             rank = port.reader.rank if rank is None else rank  # the port's default, as the one-rank reader's
             sides, k, rank = reader.open_shards(port.config, sidecar, tp, budget, rank)
-            spec = dataclasses.replace(spec, decode_experts=reader.READER)
+            spec = dataclasses.replace(spec, decode_experts=CHANNEL_READER.name)
             settings = (sides[0].layout, k, sides[0].scan, rank)
-        hf = build_model(port, "eager", dtype, checkpoint)
+        hf = build_model(port, EAGER, dtype, checkpoint)
         if sides is not None:
             sides[0].check_source(model_expert_weights(hf))  # one prep for all ranks: check_shards
         full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)

@@ -28,7 +28,6 @@ from ..reader.sidecar import LAYER_TENSORS, SidecarLayout
 from . import cpu, layout
 
 SPLIT = ("codes", "scales", "down_norms", "coeffs")  # per rank; basis (U) and signs are whole on every rank
-READER = "channel_reader"  # the decode graph's experts implementation when a reader is attached
 
 
 class ReaderShard(nn.Module):

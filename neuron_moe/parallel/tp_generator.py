@@ -24,9 +24,10 @@ from ..errors import UserError
 from ..greedy import Generation
 from ..static.export import checked, example_inputs, functional
 from ..static.generator import StaticGenerator
-from . import cpu, layout
+from ..spec import SPMD, Backend, Reader
+from . import cpu
 from .nxd_generator import NxDGenerator
-from .rank_job import LAYERS, LIBRARY_CPU, RankJob
+from .rank_job import LIBRARY_CPU, RankJob
 from .trace import export_rank0, generation_job, run_replicated
 
 
@@ -34,7 +35,7 @@ class TPGenerator(StaticGenerator):
     """StaticGenerator whose graphs are rank-0 exports of the rank module, run on t processes."""
 
     def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
-                 int8: bool = False, scatter: str = "spmd", logits: bool = True, sidecar=None,
+                 int8: bool = False, scatter: str = SPMD, logits: bool = True, sidecar=None,
                  budget: float | None = None, rank: int | None = None):
         job = RankJob.prepare(port, tp, dtype, checkpoint, expert_layout=expert_layout, int8=int8, scatter=scatter,
                               sidecar=sidecar, budget=budget, rank=rank)
@@ -89,33 +90,25 @@ def generate_replicated(generators: dict[str, TPGenerator], input_ids: torch.Ten
     return out
 
 
-def tp_backend(default_tp: int, **variant):
-    """A `validate` backend factory: TP ranks over a layer library (`layers`: "cpu", trace once and
-    replicate on gloo, or "nxd", NxD's own layers in its CPU mode: `nxd_generator.py`) at degree `tp`
-    (default `default_tp`), `variant` passed to the generator; `expert_layout` may be chosen unless
-    the variant fixes it. The returned callable's `details` name the layers and the degree."""
-    def make(port, dtype=None, checkpoint=None, expert_layout=None, layers=None, tp=None, **reader_options):
-        fixed = variant.get("expert_layout")
-        if fixed and expert_layout and expert_layout != fixed:
-            raise UserError(f"this backend runs the {fixed!r} expert layout only, not {expert_layout!r}")
-        options = dict(variant, expert_layout=fixed or expert_layout, **reader_options)  # sidecar, budget, rank
-        layers, tp = layers or "cpu", tp or default_tp
-        if layers not in LAYERS:
-            raise UserError(f"unknown layer library {layers!r}; expected one of {', '.join(LAYERS)}")
-        gen = (NxDGenerator if layers == "nxd" else TPGenerator)(port, tp, dtype, checkpoint, **options)
-
-        def run(input_ids, attention_mask, max_new_tokens):
-            return gen.generate(input_ids, attention_mask, max_new_tokens)
-
-        run.details = gen.details()
-        return run
-
-    return make
+TP_DEGREE = 8  # the degree of the tp8 backends unless --tp gives another
+GENERATORS = {"cpu": TPGenerator, "nxd": NxDGenerator}  # by the layer library the rank modules are built over
 
 
-BACKENDS = {
-    "tp8": tp_backend(8),
-    # the seed bug lives in the expert layout's router scatter: the channel layout has none
-    "tp8-naive-scatter": tp_backend(8, scatter="naive", expert_layout=layout.EXPERT),
-    "tp8-int8": tp_backend(8, int8=True),
-}
+def tp_generator(port, backend: Backend, dtype=None, checkpoint=None):
+    """A `validate` generator of TP ranks (`backend.placement`) over a layer library (`cpu`: trace once
+    and replicate on gloo; `nxd`: NxD's own layers in its CPU mode, `nxd_generator.py`), at the
+    placement's degree (default TP_DEGREE), with int8 experts and the reader in the decode graph as
+    `backend` asks. The returned callable's `details` name the layers and the degree."""
+    placement, reader = backend.placement, backend.reader or Reader()
+    if placement.library not in GENERATORS:
+        raise UserError(f"unknown layer library {placement.library!r}; expected one of {', '.join(GENERATORS)}")
+    gen = GENERATORS[placement.library](port, placement.degree(TP_DEGREE), dtype, checkpoint,
+                                        expert_layout=placement.layout(None), int8=backend.int8,
+                                        scatter=placement.scatter, sidecar=reader.sidecar, budget=reader.budget,
+                                        rank=reader.rank)
+
+    def run(input_ids, attention_mask, max_new_tokens):
+        return gen.generate(input_ids, attention_mask, max_new_tokens)
+
+    run.details = gen.details()
+    return run

@@ -27,8 +27,9 @@ At budget 100 % every selector keeps every unit and computes the full MoE.
 A `Step` rule runs the reader over a decode step's tokens together (reader/batch.py): each token
 its own top k, or the batch rule's one set of channels under a budget on the union; its reads are
 the step's, each row once (`Result.step`).
-The reader at TP t on the channel layout (`shard.py`): `MoeLayer.tp` charges each rank for its own
-channels on its own geometry, and `RankTopK` is the per-rank quota (each rank its k of its own).
+The reader at TP t on the channel layout (`shard.py`, its one definition): `MoeLayer.tp` charges each
+rank for its own channels on its own geometry (`shard.by_rank`), and `RankTopK` is the per-rank quota
+(`shard.quota`: each rank its k of its own).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import accounting, batch, reference
+from . import accounting, batch, reference, shard
 from .accounting import BF16, BudgetError, row_sectors, sectors
 from .geometry import Geometry
 from .sidecar import SECTOR
@@ -99,11 +100,7 @@ class RankTopK:
     inter: int  # I: channels per expert
 
     def __call__(self, part, score):
-        T, n = score.shape[0], self.inter // self.tp
-        by_rank = score.view(T, -1, self.tp, n).transpose(1, 2).reshape(T, self.tp, -1)  # [T, t, slots·I/t]
-        keep = torch.zeros_like(by_rank, dtype=torch.bool)
-        keep.scatter_(2, by_rank.topk(self.counts[part], dim=-1).indices, True)
-        return keep.view(T, self.tp, -1, n).transpose(1, 2).reshape(T, -1)
+        return shard.quota(score, self.tp, self.inter, self.counts[part])
 
 
 @dataclass
@@ -223,32 +220,64 @@ def reader(layer, x, index, weights, rule):
     return out, {"channel": keep}
 
 
+def _row(geo: Geometry) -> int:
+    return SECTOR * row_sectors(geo.hidden * BF16)  # one gate, up or down row
+
+
+def _teal_parts(geo: Geometry) -> tuple[int, dict[str, Part]]:
+    strip = SECTOR * row_sectors(2 * geo.intermediate * BF16)  # one input coordinate of one expert's gate_up
+    return 0, {"input": Part(geo.hidden, geo.top_k * strip), "channel": Part(geo.channels, _row(geo))}
+
+
+def _wina_parts(geo: Geometry) -> tuple[int, dict[str, Part]]:
+    H, I, k = geo.hidden, geo.intermediate, geo.top_k
+    norms = SECTOR * k * (sectors(H * BF16) + sectors(I * BF16))
+    strip = SECTOR * row_sectors(2 * I * BF16)
+    return norms, {"input": Part(k * H, strip), "channel": Part(geo.channels, _row(geo))}
+
+
+def _cats_parts(geo: Geometry) -> tuple[int, dict[str, Part]]:
+    return geo.top_k * geo.intermediate * _row(geo), {"channel": Part(geo.channels, 2 * _row(geo))}
+
+
+def _oracle_parts(geo: Geometry) -> tuple[int, dict[str, Part]]:
+    return 0, {"channel": Part(geo.channels, 3 * _row(geo))}
+
+
+def _reader_parts(geo: Geometry) -> tuple[int, dict[str, Part]]:
+    return 0, {"channel": Part(geo.channels, 0)}  # charged by accounting.reads, not linearly
+
+
+@dataclass(frozen=True)
+class Selector:
+    """A selector: its forward, the (fixed bytes per token, parts) of its natural layout, and whether
+    it is the reader (`sketch`: scores from the sidecar's sketch, its reads charged by the reader's
+    accounting, not linearly in k, and per rank at TP > 1)."""
+
+    forward: object
+    parts: object
+    sketch: bool = False
+
+
+SELECTORS = {"teal": Selector(teal, _teal_parts), "wina": Selector(wina, _wina_parts),
+             "cats": Selector(cats, _cats_parts), "oracle": Selector(oracle, _oracle_parts),
+             "reader": Selector(reader, _reader_parts, sketch=True)}
+
+
+def _selector(name) -> Selector:
+    if name not in SELECTORS:
+        raise BudgetError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")
+    return SELECTORS[name]
+
+
 def layout_parts(name, geo: Geometry, settings) -> tuple[int, dict[str, Part]]:
     """(fixed bytes per token, parts) of each selector's natural layout."""
-    H, I, k = geo.hidden, geo.intermediate, geo.top_k
-    row = SECTOR * row_sectors(H * BF16)  # one gate, up or down row
-    strip = SECTOR * row_sectors(2 * I * BF16)  # one input coordinate of one expert's gate_up, column-major
-    channel = Part(geo.channels, row)
-    if name == "teal":
-        return 0, {"input": Part(H, k * strip), "channel": channel}
-    if name == "wina":
-        norms = SECTOR * k * (sectors(H * BF16) + sectors(I * BF16))
-        return norms, {"input": Part(k * H, strip), "channel": channel}
-    if name == "cats":
-        return k * I * row, {"channel": Part(geo.channels, 2 * row)}
-    if name == "oracle":
-        return 0, {"channel": Part(geo.channels, 3 * row)}
-    if name == "reader":
-        return 0, {"channel": Part(geo.channels, 0)}  # charged by accounting.reads, not linearly
-    raise BudgetError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")
-
-
-SELECTORS = {"teal": teal, "wina": wina, "cats": cats, "oracle": oracle, "reader": reader}
+    return _selector(name).parts(geo)
 
 
 def charged(name, geo: Geometry, settings, counts: dict) -> int:
     """Bytes a token reads keeping counts[part] units of each part."""
-    if name == "reader":
+    if _selector(name).sketch:
         return sum(accounting.reads(geo, settings, counts["channel"]).values())
     fixed, parts = layout_parts(name, geo, settings)
     return fixed + sum(counts[p] * part.nbytes for p, part in parts.items())
@@ -264,9 +293,10 @@ def plan(name, geo: Geometry, settings, budget: float) -> dict:
     fixed, parts = layout_parts(name, geo, settings)
     if budget == 100:
         return {p: part.units for p, part in parts.items()}
-    if name == "reader" and settings.weights != "bf16":  # equal bytes: a share of the bf16 full read
+    sketch = _selector(name).sketch
+    if sketch and settings.weights != "bf16":  # equal bytes: a share of the bf16 full read
         return {"channel": accounting.solve_k(geo, settings, budget, full=accounting.full_bytes(geo))}
-    if name == "reader":
+    if sketch:
         return {"channel": accounting.solve_k(geo, settings, budget)}
     limit = budget / 100 * accounting.full_bytes(geo)
     lead, *rest = parts
@@ -280,18 +310,18 @@ def plan(name, geo: Geometry, settings, budget: float) -> dict:
 
 def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
     """Selector `name` on tokens x [T, H] routed to index/weights [T, top_k]; reads measured from what it kept."""
-    if name not in SELECTORS:
-        raise BudgetError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")
+    selector = _selector(name)
     if isinstance(rule, Step):
         return run_step(layer, x, index, weights, rule)
     with torch.no_grad():
-        out, masks = SELECTORS[name](layer, x, index, weights, rule)
+        out, masks = selector.forward(layer, x, index, weights, rule)
     geo = layer.geo
     counts = {p: m.flatten(1).sum(1) for p, m in masks.items()}
     fixed, units = layout_parts(name, geo, layer.settings)
-    if name == "reader" and layer.tp > 1:
-        return _rank_result(layer, out.to(x.dtype), masks["channel"], {p: c / units[p].units for p, c in counts.items()})
-    if name == "reader":  # not linear in k (recovery, the full read at every channel): charge each k once
+    if selector.sketch and layer.tp > 1:
+        return _rank_result(name, layer, out.to(x.dtype), masks["channel"],
+                            {p: c / units[p].units for p, c in counts.items()})
+    if selector.sketch:  # not linear in k (recovery, the full read at every channel): charge each k once
         ks = counts["channel"]
         reads = torch.zeros_like(ks)
         for k in ks.unique().tolist():
@@ -324,15 +354,15 @@ def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
     return Result(done.out, reads, {"channel": done.keep.flatten(1).float().mean(1)}, done.rows)
 
 
-def _rank_result(layer: MoeLayer, out, keep, kept) -> Result:
+def _rank_result(name, layer: MoeLayer, out, keep, kept) -> Result:
     """The reader at TP > 1: each rank charged for its own channels on its own geometry
     (`accounting.rank_geometry`); a step waits for its slowest rank, so `reads` is their max."""
     geo = layer.geo
-    ks = keep.view(keep.shape[0], -1, layer.tp, geo.intermediate // layer.tp).sum((1, 3))  # [T, tp]
+    ks = shard.by_rank(keep.flatten(1), layer.tp, geo.intermediate).sum(-1)  # [T, tp]: channels each rank keeps
     local = accounting.rank_geometry(geo, layer.tp)
     rank_reads = torch.zeros_like(ks)
     for k in ks.unique().tolist():
-        rank_reads[ks == k] = charged("reader", local, layer.settings, {"channel": k})
+        rank_reads[ks == k] = charged(name, local, layer.settings, {"channel": k})
     return Result(out, rank_reads.max(1).values, kept, rank_reads=rank_reads)
 
 

@@ -16,6 +16,12 @@ and those down rows. A rank's reader is the one-rank reader (`reference.forward`
 
 At TP 1 the shard is the sidecar itself, and the per-rank reader the one-rank reader.
 
+This is the one definition of the reader at TP, which its three uses take: the rank module's reader
+(`parallel/reader.py`: `reference.forward` on the rank's shard), the per-rank reader of t ranks in
+one process (`forward_ranks`, `emulated`: `experts.channel_reader.attach_reader(tp=)`), and
+eval-reader's selector on the whole layer (`reader/selectors.py`: each rank's quota, `quota`, and its
+own reads, counted by `by_rank`); k_r is `accounting.solve_rank_k` in all three.
+
 Files. `write_shards` (`neuron-moe prep-reader --tp t`) writes `tp{t}-rank{r}.safetensors` per rank
 beside the whole sidecar, in the sidecar format (`sidecar.py`) with the rank's geometry (intermediate
 I/t); their metadata adds `tp`, `tp_rank` and `expert_layout`, and keeps `source_sha256` of the whole
@@ -85,6 +91,23 @@ def rank_sidecar(layer: LayerSidecar, tp: int, rank: int) -> LayerSidecar:
     return LayerSidecar.from_tensors(shard_layer(layer, tp, rank), layer.signs)
 
 
+def by_rank(values: torch.Tensor, tp: int, inter: int) -> torch.Tensor:
+    """A token's per-channel values over its experts, [T, slots·I] (slot-major, I channels each), as
+    each rank holds them: [T, tp, slots·I/t], rank r's being its channels r·I/t … (r+1)·I/t − 1 of
+    every slot (`rank_channels`)."""
+    T, n = values.shape[0], inter // tp
+    return values.view(T, -1, tp, n).transpose(1, 2).reshape(T, tp, -1)
+
+
+def quota(score: torch.Tensor, tp: int, inter: int, k: int) -> torch.Tensor:
+    """The per-rank quota on a whole layer's scores [T, slots·I]: each rank keeps the top k of its own
+    channels (what `reference.forward` on its shard selects) -> keep mask [T, slots·I]."""
+    T, n = score.shape[0], inter // tp
+    mine = by_rank(score, tp, inter)
+    keep = torch.zeros_like(mine, dtype=torch.bool).scatter_(2, mine.topk(k, dim=-1).indices, True)
+    return keep.view(T, tp, -1, n).transpose(1, 2).reshape(T, -1)
+
+
 def forward_ranks(x, top_k_index, top_k_weights, shards, *, k: int, scan: int, rank: int, act_fn) -> torch.Tensor:
     """The per-rank reader of t ranks in one process: each rank's `reference.forward` on its shard
     (`shards`: [(gate_up rows, down rows, LayerSidecar)] per rank) with k channels per rank, summed as
@@ -92,6 +115,18 @@ def forward_ranks(x, top_k_index, top_k_weights, shards, *, k: int, scan: int, r
     out = sum(reference.forward(x, top_k_index, top_k_weights, gate_up, down, layer, k=k, scan=scan, rank=rank,
                                 act_fn=act_fn).to(torch.float32) for gate_up, down, layer in shards)
     return out.to(x.dtype)
+
+
+def emulated(layer: LayerSidecar, tp: int):
+    """A forward with `reference.forward`'s signature that runs the per-rank reader of `tp` ranks on one
+    layer in one process: each rank's shard of `layer` (made once) and its share of the experts, summed."""
+    shards = [rank_sidecar(layer, tp, r) for r in range(tp)]
+
+    def run(x, top_k_index, top_k_weights, gate_up, down_rows, layer, **kw):
+        ranks = [(*shard_weights(gate_up, down_rows, tp, r), side) for r, side in enumerate(shards)]
+        return forward_ranks(x, top_k_index, top_k_weights, ranks, **kw)
+
+    return run
 
 
 def write_shards(sidecar: Sidecar, out_dir: Path, tp: int, expert_layout: str = tp_layout.CHANNEL,

@@ -33,10 +33,11 @@ from ..errors import UserError
 from ..neuron.artifact import check_tokenizer
 from ..port import DTYPES, load_port
 from ..publish import s3
+from ..spec import COMPILED, MODULES
 from ..static.cache import cache_bytes, cache_layout
 from . import connection, neuron, ready
 from .app import BODY_TIMEOUT_S, MAX_BODY_BYTES, create_app
-from .backends import STATIC, load_engine
+from .backends import load_engine
 
 log = logging.getLogger("neuron_moe.serve")
 S3_SCHEME = "s3://"
@@ -84,24 +85,24 @@ def plan_load(args):
     checkpoint, manifest = args.checkpoint, None
     if args.revision is not None and checkpoint is None:
         raise ServeError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
-    batching = args.backend in (STATIC, "neuron")
-    if batching and args.max_running is not None:
-        raise ServeError(f"--backend {args.backend} batches: it runs as many requests at once as its graphs have "
-                         f"rows{' (--batch-size)' if args.backend == STATIC else ''}; --max-running is for the "
+    backend = args.backend  # a serve.backends.BACKENDS entry: parsed by the command line
+    if backend.graphs in (MODULES, COMPILED) and args.max_running is not None:
+        raise ServeError(f"--backend {backend.name} batches: it runs as many requests at once as its graphs have "
+                         f"rows{' (--batch-size)' if backend.graphs == MODULES else ''}; --max-running is for the "
                          f"per-request backends")
     for flag, value in (("--batch-size", args.batch_size), ("--prefill-rows", args.prefill_rows),
                         ("--prefill-chunk", args.prefill_chunk)):
-        if value is not None and args.backend != STATIC:
-            raise ServeError(f"{flag} shapes --backend static's graphs; --backend {args.backend} "
-                             + ("takes its shapes from the artifact's manifest" if args.backend == "neuron"
+        if value is not None and backend.graphs != MODULES:
+            raise ServeError(f"{flag} shapes --backend static's graphs; --backend {backend.name} "
+                             + ("takes its shapes from the artifact's manifest" if backend.graphs == COMPILED
                                 else "runs one request per thread (--max-running)"))
-    if args.backend == STATIC:
+    if backend.graphs == MODULES:
         spec = port.static_spec("--backend static")
         if args.prefill_chunk is not None and args.prefill_chunk not in spec.buckets:
             raise ServeError(f"--prefill-chunk {args.prefill_chunk} is not one of the port's buckets "
                              f"{list(spec.buckets)}")
         check_static_memory(port, args.batch_size, DTYPES[args.dtype] if args.dtype else port.dtype)
-    if args.backend == "neuron":
+    if backend.graphs == COMPILED:
         if local is None:
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
         manifest = neuron.read_manifest(local) if pull is None else None  # s3: read once pulled
@@ -114,7 +115,7 @@ def plan_load(args):
         checkpoint = local if pull is None else None
     if checkpoint is not None:  # the checkpoint check every command makes, before binding (a Hub id: downloaded)
         checkpoint = hub.local_checkpoint(checkpoint, args.revision, port)
-    context = _context(args.backend, port, manifest)
+    context = _context(backend, port, manifest)
     if context is not None:  # an s3:// artifact's is known once it is pulled: checked then
         ready.check_max_model_len(args.max_model_len, *context)
 
@@ -123,15 +124,15 @@ def plan_load(args):
         if pull is not None:
             log.info("pulling %s into %s", artifacts, local)
             pull(artifacts, local, stall_s=SHARED_PULL_STALL_S)
-            if args.backend != "neuron":
+            if backend.graphs != COMPILED:
                 checkpoint = local
-        engine = load_engine(port, args.backend, checkpoint=checkpoint, artifacts=local,
+        engine = load_engine(port, backend, checkpoint=checkpoint, artifacts=local,
                              dtype=DTYPES[args.dtype] if args.dtype else None, batch_size=args.batch_size,
                              prefill_rows=args.prefill_rows, prefill_chunk=args.prefill_chunk)
-        found = neuron.read_manifest(local) if args.backend == "neuron" else None
+        found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
         dtype = found["dtype"] if found else str(args.dtype or port.dtype).removeprefix("torch.")
-        banner = ready.Banner(port.name, tuple(served_names(args, port)), args.backend, dtype)
-        return ready.ready(engine, banner, args.max_model_len, _context(args.backend, port, found)[1])
+        banner = ready.Banner(port.name, tuple(served_names(args, port)), backend.name, dtype)
+        return ready.ready(engine, banner, args.max_model_len, _context(backend, port, found)[1])
 
     return port, load
 
@@ -142,12 +143,12 @@ def served_names(args, port) -> list[str]:
     return list(args.served_model_name or [port.name])
 
 
-def _context(backend: str, port, manifest: dict | None) -> tuple[int, str] | None:
+def _context(backend, port, manifest: dict | None) -> tuple[int, str] | None:
     """(the context in tokens the backend holds, what holds it); None while an artifact is unread.
     A prompt of n tokens and its new tokens take n + max_tokens - 1 cache positions."""
-    if backend == "neuron":
+    if backend.graphs == COMPILED:
         return None if manifest is None else (manifest["max_length"] + 1, "the artifact (max_length + 1)")
-    if backend == STATIC:
+    if backend.graphs == MODULES:
         return port.static.max_cache_len + 1, "the static graphs ([static] max_cache_len + 1)"
     return port.config.max_position_embeddings, "the model (max_position_embeddings)"
 

@@ -5,7 +5,8 @@ and norms run unchanged. What is ours: the KV cache (`KVCache`, module state sha
 graph built over it, written per row: `cache.py`), the attention masks (built from an
 attention-mask input or from the positions, and handed to HF as a dict per layer type, so
 transformers' masking_utils and its host-side checks never run), and which fixed-shape experts
-implementation each graph uses.
+implementation each graph uses: given when the graph is built, which then holds a view of the
+model whose experts modules dispatch to it (`experts/view.py`).
 
 The calls (every shape fixed at build time; P prefill rows, B = the cache's rows):
 
@@ -27,26 +28,13 @@ follows as extra outputs, mapped onto the state by `output_aliases()`.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
+from .. import spec
+from ..experts.view import with_experts
 from .cache import SLIDING, GraphCache, KVCache, cache_layout, chunk_mask, decode_mask
 from .sampling import CANDIDATES
 from .sampling import pick as pick_token
-
-
-@contextmanager
-def experts_implementation(model, name: str):
-    """HF dispatches the experts on `config._experts_implementation` at call time; the prefill
-    and decode graphs share one model but not one implementation, so each sets its own for the
-    duration of its forward (a trace records the one that was set)."""
-    previous = model.config._experts_implementation
-    model.config._experts_implementation = name
-    try:
-        yield
-    finally:
-        model.config._experts_implementation = previous
 
 
 def new_cache(model, max_cache_len: int, rows: int, aliased: bool = False) -> KVCache:
@@ -56,11 +44,13 @@ def new_cache(model, max_cache_len: int, rows: int, aliased: bool = False) -> KV
 
 
 class _StaticGraph(torch.nn.Module):
-    def __init__(self, model, cache: KVCache, experts: str, logits: bool = False, candidates: int = CANDIDATES):
+    def __init__(self, model, cache: KVCache, experts: spec.Experts | str, logits: bool = False,
+                 candidates: int = CANDIDATES):
         super().__init__()
-        self.model = model
+        self.experts = spec.experts(experts)  # this graph's experts implementation (an entry, or its name)
+        self.model = with_experts(model, self.experts)  # the model's weights, its experts dispatching to ours
         self.cache = cache  # its tensors are named cache.k0, cache.v0, ... (cache.STATE)
-        self.experts, self.logits = experts, logits
+        self.logits = logits
         self.candidates = min(candidates, model.config.vocab_size)  # top-k / top-p candidate width
         # per layer type: the sliding window (None for global layers) and the ring length
         self.kinds = {spec.kind: (model.config.sliding_window if spec.kind == SLIDING else None, spec.length)
@@ -85,9 +75,8 @@ class _StaticGraph(torch.nn.Module):
         return pick_token(logits, sampling.float(), self.candidates)
 
     def _run(self, input_ids, masks, position_ids, sampling, cache: GraphCache):
-        with experts_implementation(self.model, self.experts):
-            out = self.model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, cache=cache,
-                             use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, cache=cache,
+                         use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()
         token = self.pick(logits, sampling)
         return ((token, logits) if self.logits else (token,)) + self.cache.commit(cache.new)

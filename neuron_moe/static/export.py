@@ -73,8 +73,8 @@ def state_problems(program: torch.export.ExportedProgram, graph: _StaticGraph) -
 def export(graph: _StaticGraph, inputs: tuple, what: str) -> torch.export.ExportedProgram:
     """torch.export (strict) of one graph, functional and checked (see the module docstring)."""
     with warnings.catch_warnings(), torch.no_grad():
-        # Dynamo reports the Python-side effects it replays (the experts-implementation switch,
-        # transformers' output recorder); neither is in the graph. (torch 2.9 says "exporting".)
+        # Dynamo reports the Python-side effects it replays (transformers' output recorder), which
+        # are not in the graph. (torch 2.9 says "exporting".)
         warnings.filterwarnings("ignore", message="While (compiling|exporting), we found certain side effects")
         program = functional(torch.export.export(graph, inputs, strict=True))
     return checked(program, graph, what)

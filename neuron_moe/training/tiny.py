@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from tqdm import tqdm
 from transformers import Gemma4ForCausalLM, PreTrainedTokenizerFast
 
+from .. import spec
 from ..checkpoint import write_checkpoint
 from ..errors import UserError
 from ..report import atomic_dir
@@ -134,7 +135,7 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
         torch.manual_seed(seed)
         model = Gemma4ForCausalLM(config)
         model.set_attn_implementation("sdpa")  # training speed; the saved weights do not depend on it
-        model.set_experts_implementation("grouped_mm")
+        spec.set_experts(model, "grouped_mm")
         model.train()
         captured: list[tuple] = []
         for layer in model.model.layers:

@@ -1,0 +1,229 @@
+"""What runs, typed: the experts implementations (`EXPERTS`), a backend (`Backend`: which experts in
+which graphs, placed how, with which reader settings and weights) and eval-reader's selectors
+(`Selector`). A definition: names and what each needs and reads, no modules and no torch, so any
+layer may ask it.
+
+Each experts implementation is one entry here. Its HF forward is bound to the entry in
+`experts/__init__.py` (`FORWARDS`, one per entry), what a tensor-parallel rank module computes for
+it in `parallel/moe.py`; what the commands offer is derived from the entries (`port.GRAPH_EXPERTS`,
+the validate and serve backends, `info --per-token`, the planner's decode graph).
+
+transformers dispatches an experts module on its config's `_experts_implementation`, read at call
+time. Everything that names an implementation to transformers goes through the adapter at the end
+of this file (`set_experts`, `dispatching`, `dispatched`): a model's implementation is set when it
+is built, and each static graph is built over experts modules with configs of their own
+(`experts/view.py`), so nothing switches it while a graph runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+# ---- placement vocabulary: TP degrees, expert layouts, scatters, layer libraries ----
+
+TP_DEGREES = (1, 2, 4, 8, 24)  # what inf2 supports
+CHANNEL, EXPERT = "channel", "expert"  # how TP ranks split the experts (parallel/layout.py)
+EXPERT_LAYOUTS = (CHANNEL, EXPERT)
+DEFAULT_EXPERT_LAYOUT = CHANNEL
+SPMD, NAIVE = "spmd", "naive"  # the expert layout's router scatter: by the SPMDRank tensor, or the Python-int rank
+SCATTERS = (SPMD, NAIVE)
+LAYERS = ("cpu", "nxd")  # the parallel-layer libraries a rank module is built over (parallel/cpu.py, parallel/nxd.py)
+
+
+class SpecError(UserError):
+    pass
+
+
+# ---- experts implementations ----
+
+ALL, ROUTED, CHANNELS = "all", "routed", "channels"  # what an implementation reads of a layer's experts
+SIDECAR, SELECTOR_RULES = "sidecar", "selector rules"  # what one needs attached before it runs
+
+
+@dataclass(frozen=True)
+class Experts:
+    """One experts implementation: what transformers' model dispatches each MoE block's experts to."""
+
+    name: str  # its name in transformers' experts registry
+    graphs: bool  # a static graph may trace it: every shape fixed by the token count, nothing made on the fly
+    reads: str  # ALL: every expert for every token; ROUTED: each token's top-k; CHANNELS: some of their channels
+    needs: str | None = None  # SIDECAR or SELECTOR_RULES: attached to the model before it runs (None: nothing)
+    int8: bool = False  # computes with per-channel int8 numbers of the model's experts (experts/int8.py)
+    backend: str | None = None  # `validate`'s name for it in HF's model (None: not a validate backend)
+
+    def gathers(self, config, tokens: int) -> bool:
+        """Whether a graph of `tokens` tokens gathers each token's k experts (selective loading) rather
+        than computing all E: a fixed-shape implementation of the routed experts, while tokens·k < E
+        (NxD's rule; the gathered copy of tokens·k experts outgrows the weights after). Fixed per graph
+        by its row count."""
+        return self.graphs and self.reads == ROUTED and tokens * config.top_k_experts < config.num_experts
+
+    def experts_read(self, config, tokens: int = 1) -> int:
+        """Experts whose weights one layer reads for `tokens` tokens: all E, or the tokens' top-k (at
+        most E). For CHANNELS, the experts whose channels are read."""
+        if self.reads == ALL:
+            return config.num_experts
+        return min(tokens * config.top_k_experts, config.num_experts)
+
+    @property
+    def static(self) -> bool:
+        """A port's [static] table may name it: the graphs trace it and it needs nothing attached."""
+        return self.graphs and self.needs is None
+
+
+# HF's own loop: the experts some token picked (data-dependent shapes), the CPU reference of every other one
+EAGER = Experts("eager", graphs=False, reads=ROUTED, backend="eager")
+# every expert for every token, weighted by a dense router matrix: what the prefill graphs trace
+DENSE_MASKED = Experts("dense_masked", graphs=True, reads=ALL, backend="dense_masked")
+# each token gathers its top-k experts' weights: the decode graphs. Not a validate backend: at validate's
+# prompts it is dense_masked (tokens·k ≥ E); its gather is validated in the graphs (`validate --backend traced`)
+SELECTIVE = Experts("selective", graphs=True, reads=ROUTED)
+# per-channel symmetric int8, every expert (quantised on the fly: HF's model only, never a graph)
+INT8 = Experts("int8", graphs=False, reads=ALL, int8=True, backend="int8")
+# the sparse-channel reader on decode steps, full experts on prefill; at TP the decode graph with a rank's shard
+CHANNEL_READER = Experts("channel_reader", graphs=True, reads=CHANNELS, needs=SIDECAR, backend="reader")
+# a channel selector of reader/selectors.py (TEAL, WINA, CATS, oracle, the reader) in place of the experts
+SELECTOR = Experts("selector", graphs=False, reads=CHANNELS, needs=SELECTOR_RULES)
+
+EXPERTS = {e.name: e for e in (EAGER, DENSE_MASKED, SELECTIVE, INT8, CHANNEL_READER, SELECTOR)}
+
+
+def experts(which: Experts | str) -> Experts:
+    """The entry of `which` (an entry, or its name)."""
+    if isinstance(which, Experts):
+        return which
+    if which not in EXPERTS:
+        raise SpecError(f"unknown experts implementation {which!r}; choose from {tuple(EXPERTS)}")
+    return EXPERTS[which]
+
+
+# ---- a backend ----
+
+# What a backend runs: HF's model itself, or the static graphs as modules, exported, or compiled (Neuron)
+EAGER_GRAPHS, MODULES, EXPORTED, COMPILED = "eager", "modules", "exported", "compiled"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Tensor-parallel ranks. None: the default (the backend's degree, the port's [static]
+    expert_layout, the cpu layer library); a field given is what was asked."""
+
+    tp: int | None = None
+    expert_layout: str | None = None
+    scatter: str = SPMD  # NAIVE exists in the expert layout only (the channel layout slices nothing by rank)
+    layers: str | None = None
+
+    def degree(self, default: int) -> int:
+        return self.tp or default
+
+    def layout(self, port_layout: str | None) -> str | None:
+        """The expert layout: the one asked for, the naive scatter's (the expert layout), else the
+        port's (`port_layout`; None: left to the caller, which has the port's [static])."""
+        if self.scatter == NAIVE:
+            if self.expert_layout not in (None, EXPERT):
+                raise SpecError(f"this backend runs the {EXPERT!r} expert layout only, not {self.expert_layout!r}")
+            return EXPERT
+        return self.expert_layout or port_layout
+
+    @property
+    def library(self) -> str:
+        return self.layers or LAYERS[0]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """The reader's settings; None: not given (the port's [reader] table, else the default)."""
+
+    sidecar: Path | None = None  # a sidecar file (one rank) or a `prep-reader --tp` directory (TP)
+    budget: float | None = None  # percent of the full model's routed-expert reads
+    rank: int | None = None  # recovery rank
+    kernel: str | None = None  # one of the reader's kernels (reference, triton, nki)
+    weights: str | None = None  # the experts it reads: bf16 (the model's) or int8
+    scan: int | None = None  # coordinates scanned per block (the planner's; a sidecar records its own)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What a command runs: experts in graphs, placed on ranks, with a reader and a dtype."""
+
+    name: str  # what --backend called it
+    graphs: str  # EAGER_GRAPHS, MODULES, EXPORTED or COMPILED
+    experts: Experts | None = None  # HF's model's (EAGER_GRAPHS); None: each graph's, the port's [static]
+    placement: Placement | None = None  # None: one rank (over the nxd layers, the graphs run as modules)
+    reader: Reader | None = None  # the reader's settings (with CHANNEL_READER, or in the TP decode graph)
+    int8: bool = False  # int8 experts in the rank modules
+    dtype: str | None = None  # the float dtype (a port dtype name); None: the port's
+
+
+# ---- eval-reader's selectors ----
+
+READER_SELECTOR = "reader"  # the selector that is the reader (its sidecar, rank, TP and int8 settings)
+# The reader at TP T on the channel layout, emulated in one process: each rank its own quota (none),
+# or one top-(T·k_r) over all ranks' gathered scores (-global); k_r solved on the rank's geometry, or
+# the one-rank reader's k split evenly (-split)
+TP_VARIANTS = ("", "-global", "-split", "-split-global")
+_SELECTOR = re.compile(r"(?P<name>[a-z]+)(?:-r(?P<rank>\d+))?(?:-tp(?P<tp>\d+)(?P<variant>" +
+                       "|".join(v for v in TP_VARIANTS if v) + r")?)?(?:-(?P<weights>int8|int8dq))?")
+
+
+@dataclass(frozen=True)
+class Selector:
+    """A selector spec of eval-reader: a baseline's name, or reader[-rN][-tpT[variant]][-int8|-int8dq]."""
+
+    text: str  # as given: the cell's name
+    name: str
+    rank: int | None = None  # the reader's recovery rank; None: the port's [reader] rank, else the sidecar's
+    tp: int | None = None  # the per-rank reader at this TP degree; None: one rank
+    gathered: bool = False  # one top-(T·k_r) over all ranks' scores (-global), not each rank its quota
+    split: bool = False  # k_r = ⌊k/T⌋ of the one-rank reader's k (-split), not solved on the rank's geometry
+    int8: bool = False  # over the int8 experts (-int8, -int8dq)
+    dequantised: bool = False  # sketch and recovery from the dequantised int8 (-int8dq), not the model's weights
+
+    @property
+    def reader(self) -> bool:
+        """The reader, which needs a sidecar."""
+        return self.name == READER_SELECTOR
+
+
+def parse_selector(text: str, known) -> Selector:
+    """A selector spec, checked; `known`: the selectors' names (reader/selectors.py)."""
+    m = _SELECTOR.fullmatch(text)
+    if not m or m["name"] not in known or ((m["rank"] or m["tp"] or m["weights"]) and m["name"] != READER_SELECTOR):
+        raise SpecError(f"unknown selector {text!r}; known: {', '.join(known)}, and reader-rN (the reader at "
+                        f"recovery rank N), reader[-rN]-tpT[-global|-split|-split-global] (the reader at TP T), "
+                        f"reader[-rN]-int8 / -int8dq (over the int8 experts)")
+    tp = int(m["tp"]) if m["tp"] else None
+    if tp is not None and tp not in TP_DEGREES:
+        raise SpecError(f"{text}: TP degree {tp} is not one of {TP_DEGREES}")
+    if tp is not None and m["weights"]:
+        raise SpecError(f"{text}: the reader over int8 experts runs at one rank; drop -tp{tp} or -{m['weights']}")
+    variant = m["variant"] or ""
+    return Selector(text, m["name"], int(m["rank"]) if m["rank"] else None, tp, gathered=variant.endswith("-global"),
+                    split=variant.startswith("-split"), int8=m["weights"] is not None,
+                    dequantised=m["weights"] == "int8dq")
+
+
+# ---- the one adapter to transformers' experts registry ----
+
+def set_experts(model, which: Experts | str) -> None:
+    """Every MoE block of `model` dispatches to `which`: an entry, or the name of an implementation
+    transformers registers itself (training runs its `grouped_mm`)."""
+    model.set_experts_implementation(which.name if isinstance(which, Experts) else which)
+
+
+def dispatching(config, which: Experts):
+    """A copy of `config` naming `which`: what an experts module of one graph holds (`experts/view.py`)."""
+    own = copy.copy(config)
+    own._experts_implementation = which.name
+    return own
+
+
+def dispatched(config) -> Experts:
+    """The implementation an experts module with `config` runs; None (a config no model set) is HF's
+    own loop, as transformers' dispatch takes it."""
+    return experts(config._experts_implementation or EAGER.name)
