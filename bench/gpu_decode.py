@@ -81,27 +81,51 @@ PAPER_BATCH1 = (1.15, 1.36)  # the source paper's full-model decode gain at batc
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dry-run", action="store_true", help="CPU: the tiny port's geometry and a tiny Qwen3, eager "
-                                                              "steps, the Triton interpreter")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU: the tiny port's geometry and a tiny Qwen3, eager steps, the Triton interpreter",
+    )
     p.add_argument("--models", nargs="+", metavar="NAME", help="default: gemma4-26b-a4b (qwen3-30b-a3b: add it)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8], metavar="B")
     p.add_argument("--steps", type=int, default=16, help="decode steps per CUDA graph (default 16)")
     p.add_argument("--replays", type=int, default=3, help="timed replays of the graph (default 3; the median)")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row (default 32)")
     p.add_argument("--rank", type=int, help="the reader's recovery rank (default 32; a dry run: per model)")
-    p.add_argument("--prep-seconds", type=float, default=60.0,
-                   help="GPU time for sidecar prep per model (default 60): layers past it reuse prepped sidecars")
-    p.add_argument("--reader-variants", nargs="+", default=["bisect"], metavar="NAME",
-                   help="the reader's kernels: 'bisect' (the default eight launches), a select variant, 'fused', "
-                        "'relaxed' or a 'persistent ...' variant (bench/gpu_reader.py's names); the first at both "
-                        "budgets, the others at the first budget only")
-    p.add_argument("--fastest-from", metavar="JSON", help="a bench/gpu_reader.py result: its fastest checked reader "
-                   "variant at batch 1 (first geometry, first budget), where faster than the default, joins "
-                   "--reader-variants")
-    p.add_argument("--time-budget", type=float, metavar="S", help="seconds this run may take: a model after the "
-                   "first is skipped (and said so) where the first's time, scaled by parameters, would not fit")
-    p.add_argument("--json", metavar="FILE", help="default: $OUT/gpu_decode.json, else bench/results/; the "
-                                                  "markdown goes beside it (.md)")
+    p.add_argument(
+        "--prep-seconds",
+        type=float,
+        default=60.0,
+        help="GPU time for sidecar prep per model (default 60): layers past it reuse prepped sidecars",
+    )
+    p.add_argument(
+        "--reader-variants",
+        nargs="+",
+        default=["bisect"],
+        metavar="NAME",
+        help="the reader's kernels: 'bisect' (the default eight launches), a select variant, 'fused', "
+        "'relaxed' or a 'persistent ...' variant (bench/gpu_reader.py's names); the first at both "
+        "budgets, the others at the first budget only",
+    )
+    p.add_argument(
+        "--fastest-from",
+        metavar="JSON",
+        help="a bench/gpu_reader.py result: its fastest checked reader "
+        "variant at batch 1 (first geometry, first budget), where faster than the default, joins "
+        "--reader-variants",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="S",
+        help="seconds this run may take: a model after the "
+        "first is skipped (and said so) where the first's time, scaled by parameters, would not fit",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="default: $OUT/gpu_decode.json, else bench/results/; the markdown goes beside it (.md)",
+    )
     args = p.parse_args(argv)
     if args.dry_run:
         args.batches, args.steps, args.replays, args.prompt = [1, 2], 1, 1, 4
@@ -117,12 +141,28 @@ TOLERANCE = 2e-2  # of the first MoE layer's largest output entry: the check's b
 def qwen3_config(**sizes) -> Qwen3MoeConfig:
     """Qwen3-30B-A3B's config (see the module docstring), `sizes` changed (the dry run's tiny one); its
     top-k also under Gemma-4's name, `top_k_experts`, which the package's `Geometry.from_config` reads."""
-    fields = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, hidden_act="silu",
-                  max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, decoder_sparse_step=1,
-                  moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128, norm_topk_prob=True,
-                  mlp_only_layers=[], bos_token_id=151643, eos_token_id=151645)
+    fields = dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        hidden_act="silu",
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        decoder_sparse_step=1,
+        moe_intermediate_size=768,
+        num_experts_per_tok=8,
+        num_experts=128,
+        norm_topk_prob=True,
+        mlp_only_layers=[],
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
     fields |= sizes
     return Qwen3MoeConfig(**fields, top_k_experts=fields["num_experts_per_tok"])
 
@@ -137,12 +177,25 @@ def models() -> dict:
         # the dry run's: the tiny port's geometry (rank 0: a rank-32 map alone is 12.5 % of its reads), and a
         # tiny Qwen3 wide enough for a rank-2 map at 12.8 %
         "tiny-gemma4": (Gemma4ForCausalLM, tiny, 0),
-        "tiny-qwen3": (Qwen3MoeForCausalLM, qwen3_config(vocab_size=512, hidden_size=256, intermediate_size=256,
-                                                         num_hidden_layers=2, num_attention_heads=4,
-                                                         num_key_value_heads=2, head_dim=64, num_experts=16,
-                                                         num_experts_per_tok=4, moe_intermediate_size=64,
-                                                         max_position_embeddings=256, bos_token_id=1,
-                                                         eos_token_id=2), 2),
+        "tiny-qwen3": (
+            Qwen3MoeForCausalLM,
+            qwen3_config(
+                vocab_size=512,
+                hidden_size=256,
+                intermediate_size=256,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                num_experts=16,
+                num_experts_per_tok=4,
+                moe_intermediate_size=64,
+                max_position_embeddings=256,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            2,
+        ),
     }
 
 
@@ -185,9 +238,11 @@ def prep_sidecars(model, rank: int, seconds: float) -> tuple[list[LayerSidecar],
 
 def mark_decode(state):
     """A pre-hook on a decoder layer: the reader runs where the layer's input is one new token per row."""
+
     def hook(layer, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
         state.decode = hidden.shape[1] == 1
+
     return hook
 
 
@@ -312,8 +367,11 @@ def decode_rate(model, batch: int) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
-    out = {"cuda_graph": graph is not None, "ms_per_step": 1e3 * seconds / args.steps,
-           "tokens_per_s": batch * args.steps / seconds}
+    out = {
+        "cuda_graph": graph is not None,
+        "ms_per_step": 1e3 * seconds / args.steps,
+        "tokens_per_s": batch * args.steps / seconds,
+    }
     if why:
         out["graph_error"] = why
     if DEVICE == "cuda":
@@ -334,8 +392,11 @@ def measure(report, dest, name, model, experts: str, check: tuple[float, bool], 
             row.update(check_rel_err=check[0], check_ok=check[1], **first)
         try:
             row.update(decode_rate(model, batch))
-            print(f"{name} B={batch} {experts}: {row['tokens_per_s']:.1f} tok/s ({row['ms_per_step']:.2f} ms/step, "
-                  f"graph {row['cuda_graph']})", flush=True)
+            print(
+                f"{name} B={batch} {experts}: {row['tokens_per_s']:.1f} tok/s ({row['ms_per_step']:.2f} ms/step, "
+                f"graph {row['cuda_graph']})",
+                flush=True,
+            )
         except Exception as e:  # one device call per session: record it, measure the rest
             row.update(error=f"{type(e).__name__}: {e}"[-2000:], check_ok=False)
             print(f"{name} B={batch} {experts}: FAILED {row['error']}", flush=True)
@@ -346,16 +407,31 @@ def measure(report, dest, name, model, experts: str, check: tuple[float, bool], 
 def speedups(rows) -> None:
     """× the faster full-experts implementation of the same model and batch."""
     for r in rows:
-        full = [x["tokens_per_s"] for x in rows if x["model"] == r["model"] and x["batch"] == r["batch"]
-                and x["experts"] in ("batched_mm", "grouped_mm") and "tokens_per_s" in x]
+        full = [
+            x["tokens_per_s"]
+            for x in rows
+            if x["model"] == r["model"]
+            and x["batch"] == r["batch"]
+            and x["experts"] in ("batched_mm", "grouped_mm")
+            and "tokens_per_s" in x
+        ]
         if full and "tokens_per_s" in r:
             r["speedup_vs_best_full"] = r["tokens_per_s"] / max(full)
 
 
-COLUMNS = [("model", "model"), ("batch", "B"), ("experts", "experts"), ("k", "k"), ("tokens_per_s", "tok/s", "{:.1f}"),
-           ("ms_per_step", "ms/step", "{:.2f}"), ("speedup_vs_best_full", "× best full", "{:.2f}"),
-           ("paper_batch1", "paper B=1"), ("cuda_graph", "graph"), ("check_rel_err", "check err", "{:.1e}"),
-           ("check_ok", "check")]
+COLUMNS = [
+    ("model", "model"),
+    ("batch", "B"),
+    ("experts", "experts"),
+    ("k", "k"),
+    ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("ms_per_step", "ms/step", "{:.2f}"),
+    ("speedup_vs_best_full", "× best full", "{:.2f}"),
+    ("paper_batch1", "paper B=1"),
+    ("cuda_graph", "graph"),
+    ("check_rel_err", "check err", "{:.1e}"),
+    ("check_ok", "check"),
+]
 
 
 def write_report(report, dest: str) -> None:
@@ -366,16 +442,24 @@ def write_report(report, dest: str) -> None:
     write_json(report, dest)
     if dest == "-":
         return
-    lines = [f"# bench/gpu_decode.py — {report['machine']['device']}", "", header(report["machine"]), "",
-             f"Command: `{report['command']}`. {args.steps} greedy steps per CUDA graph after a {args.prompt}-token "
-             f"prompt, the median of {args.replays} replays; reader kernels: {', '.join(args.reader_variants)}. The source paper's "
-             f"full-model decode gain at batch 1 is {PAPER_BATCH1[0]}–{PAPER_BATCH1[1]}× (column 'paper B=1').", ""]
+    lines = [
+        f"# bench/gpu_decode.py — {report['machine']['device']}",
+        "",
+        header(report["machine"]),
+        "",
+        f"Command: `{report['command']}`. {args.steps} greedy steps per CUDA graph after a {args.prompt}-token "
+        f"prompt, the median of {args.replays} replays; reader kernels: {', '.join(args.reader_variants)}. The source paper's "
+        f"full-model decode gain at batch 1 is {PAPER_BATCH1[0]}–{PAPER_BATCH1[1]}× (column 'paper B=1').",
+        "",
+    ]
     for name, why in report["skipped"].items():
         lines.append(f"- {name}: not run ({why})")
     for name, info in report["models"].items():
-        lines.append(f"- {name}: {info['parameters'] / 1e9:.2f} B parameters ({info['weights_GB']:.1f} GB bf16), built "
-                     f"in {info['build_s']:.1f} s; sidecar prepped on the device for {info.get('prepped_layers', 0)} of "
-                     f"{info['layers']} layers in {info.get('prep_s', 0):.1f} s (the rest reuse them in turn)")
+        lines.append(
+            f"- {name}: {info['parameters'] / 1e9:.2f} B parameters ({info['weights_GB']:.1f} GB bf16), built "
+            f"in {info['build_s']:.1f} s; sidecar prepped on the device for {info.get('prepped_layers', 0)} of "
+            f"{info['layers']} layers in {info.get('prep_s', 0):.1f} s (the rest reuse them in turn)"
+        )
     lines += ["", table(report["rows"], COLUMNS, markdown=True), ""]
     with atomic_write(Path(dest).with_suffix(".md")) as f:
         f.write("\n".join(lines))
@@ -388,8 +472,13 @@ def run_model(report, dest, name) -> None:
     model = build(cls, config)
     sync()
     params = sum(p.numel() for p in model.parameters())
-    info = report["models"][name] = {"parameters": params, "weights_GB": 2 * params / 1e9, "layers":
-                                     len(model.model.layers), "build_s": time.perf_counter() - t0, "rank": rank}
+    info = report["models"][name] = {
+        "parameters": params,
+        "weights_GB": 2 * params / 1e9,
+        "layers": len(model.model.layers),
+        "build_s": time.perf_counter() - t0,
+        "rank": rank,
+    }
     print(f"{name}: {params / 1e9:.2f} B parameters built on {DEVICE} in {info['build_s']:.1f} s", flush=True)
     spec.set_experts(model, spec.DENSE_MASKED)
     reference = first_step(model)
@@ -398,8 +487,15 @@ def run_model(report, dest, name) -> None:
         spec.set_experts(model, impl)
         full[impl] = first_step(model)
         err = rel_err(full[impl][0], reference[0])
-        measure(report, dest, name, model, impl, (err, err <= TOLERANCE),
-                logits_rel_err=rel_err(full[impl][1], reference[1]))
+        measure(
+            report,
+            dest,
+            name,
+            model,
+            impl,
+            (err, err <= TOLERANCE),
+            logits_rel_err=rel_err(full[impl][1], reference[1]),
+        )
     t0 = time.perf_counter()
     sidecars, times = prep_sidecars(model, rank, args.prep_seconds)
     info.update(prepped_layers=len(sidecars), prep_s=time.perf_counter() - t0, prep_s_per_layer=times)
@@ -415,9 +511,17 @@ def run_model(report, dest, name) -> None:
         err = rel_err(got[0], want[0])
         # vs_full: the first layer's reader output against the full experts' (not a check: a sign that it ran,
         # and sparsely)
-        measure(report, dest, name, model, f"reader-{budget}" + ("" if variant == "bisect" else f" {variant}"),
-                (err, err <= TOLERANCE), k=k, logits_rel_err=rel_err(got[1], want[1]),
-                vs_full=rel_err(got[0], full["batched_mm"][0]))
+        measure(
+            report,
+            dest,
+            name,
+            model,
+            f"reader-{budget}" + ("" if variant == "bisect" else f" {variant}"),
+            (err, err <= TOLERANCE),
+            k=k,
+            logits_rel_err=rel_err(got[1], want[1]),
+            vs_full=rel_err(got[0], full["batched_mm"][0]),
+        )
     info["seconds"] = time.perf_counter() - start
     del model, sidecars
     gc.collect()
@@ -429,8 +533,15 @@ def fastest_variant(path: Path) -> str | None:
     """The fastest reader variant at batch 1 in a bench/gpu_reader.py JSON (its variant geometry, the first
     budget), checked against the reference, where it beat the default in that run; else None."""
     report = json.loads(Path(path).read_text())
-    rows = [r for r in report["rows"] if r["geometry"] == report.get("variant_geometry") and r["tokens"] == 1
-            and r["impl"].startswith(f"reader-{BUDGETS[0]}") and r.get("check_ok") and r.get("us")]
+    rows = [
+        r
+        for r in report["rows"]
+        if r["geometry"] == report.get("variant_geometry")
+        and r["tokens"] == 1
+        and r["impl"].startswith(f"reader-{BUDGETS[0]}")
+        and r.get("check_ok")
+        and r.get("us")
+    ]
     default = next((r["us"] for r in rows if r["impl"] == f"reader-{BUDGETS[0]}"), None)
     best = min(rows, key=lambda r: r["us"], default=None)
     if best is None or default is None or best["us"] >= default:
@@ -462,11 +573,23 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(models()))
     if unknown:
         raise SystemExit(f"--models: unknown {', '.join(unknown)}; known: {', '.join(models())}")
-    dest = args.json or (str(Path(os.environ["OUT"]) / "gpu_decode.json") if os.environ.get("OUT")
-                         else str(Path(__file__).parent / "results" / "gpu_decode.json"))
-    report = {"machine": machine(args.dry_run), "command": command("bench.gpu_decode", argv), "steps": args.steps,
-              "replays": args.replays, "prompt": args.prompt, "reader_variants": args.reader_variants,
-              "paper_batch1": list(PAPER_BATCH1), "models": {}, "skipped": {}, "rows": []}
+    dest = args.json or (
+        str(Path(os.environ["OUT"]) / "gpu_decode.json")
+        if os.environ.get("OUT")
+        else str(Path(__file__).parent / "results" / "gpu_decode.json")
+    )
+    report = {
+        "machine": machine(args.dry_run),
+        "command": command("bench.gpu_decode", argv),
+        "steps": args.steps,
+        "replays": args.replays,
+        "prompt": args.prompt,
+        "reader_variants": args.reader_variants,
+        "paper_batch1": list(PAPER_BATCH1),
+        "models": {},
+        "skipped": {},
+        "rows": [],
+    }
     if args.fastest_from:
         fastest = fastest_variant(args.fastest_from)
         print(f"fastest checked reader variant at batch 1 in {args.fastest_from}: {fastest or 'the default'}")
@@ -486,8 +609,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         run_model(report, dest, name)
     write_report(report, dest)
-    print(f"\nJSON: {dest} (markdown beside it); the paper's full-model gain at batch 1: "
-          f"{PAPER_BATCH1[0]}–{PAPER_BATCH1[1]}×\n")
+    print(
+        f"\nJSON: {dest} (markdown beside it); the paper's full-model gain at batch 1: "
+        f"{PAPER_BATCH1[0]}–{PAPER_BATCH1[1]}×\n"
+    )
     print(table(report["rows"], COLUMNS))
     return 0 if all(r.get("check_ok", True) and "tokens_per_s" in r for r in report["rows"]) else 1
 

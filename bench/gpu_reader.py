@@ -78,19 +78,32 @@ BUDGETS = (17.8, 12.8)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter, each "
-                                                              "implementation run once (its check)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU, tiny shapes, Triton interpreter, each implementation run once (its check)",
+    )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8], metavar="T")
     p.add_argument("--layers", type=int, default=4, help="layers of weights cycled through (default 4)")
     p.add_argument("--iters", type=int, default=50, help="timed calls per implementation (default 50)")
-    p.add_argument("--variants", nargs="+", metavar="NAME",
-                   help="the reader's variants to check and time beside its default (default: all; a dry run: one "
-                        "of each kind); 'none' for none")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        metavar="NAME",
+        help="the reader's variants to check and time beside its default (default: all; a dry run: one "
+        "of each kind); 'none' for none",
+    )
     p.add_argument("--variant-geometry", metavar="NAME", help="the geometry the variants run at (default: the first)")
-    p.add_argument("--json", metavar="FILE", help="default: $OUT/gpu_reader.json, else bench/results/; the "
-                                                  "markdown goes beside it (.md)")
-    p.add_argument("--preflight", metavar="VARIANT", help="only check one variant against the default or the "
-                                                          "reference (run by the script in a process of its own)")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="default: $OUT/gpu_reader.json, else bench/results/; the markdown goes beside it (.md)",
+    )
+    p.add_argument(
+        "--preflight",
+        metavar="VARIANT",
+        help="only check one variant against the default or the reference (run by the script in a process of its own)",
+    )
     args = p.parse_args(argv)
     if args.dry_run:
         args.layers, args.batches = 1, [1, 2]
@@ -113,8 +126,9 @@ class Layer:
         gate_up, down = randn(experts, 2 * inter, hidden), randn(experts, hidden, inter)
         self.hf = {}
         for impl in ("batched_mm", "grouped_mm"):
-            config = Gemma4TextConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
-                                      hidden_activation=act)
+            config = Gemma4TextConfig(
+                hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, hidden_activation=act
+            )
             config._experts_implementation = impl
             with torch.device("meta"):  # no host copy of the weights: the parameters are set below
                 module = Gemma4TextExperts(config)
@@ -160,8 +174,11 @@ def implementations(geo, rank, variants):
     out = {
         "hf-batched_mm": (lambda L, x, i, w: L.hf["batched_mm"](x, i, w), full, None),
         "hf-grouped_mm": (lambda L, x, i, w: L.hf["grouped_mm"](x, i, w), full, None),
-        "triton-dense": (lambda L, x, i, w: triton_reader.dense_forward(x, i, w, L.gate_up, L.down_rows,
-                                                                       act_fn=L.act_fn), full, None),
+        "triton-dense": (
+            lambda L, x, i, w: triton_reader.dense_forward(x, i, w, L.gate_up, L.down_rows, act_fn=L.act_fn),
+            full,
+            None,
+        ),
     }
     for budget in BUDGETS:
         k = solve_k(geo, ReaderSettings(rank=rank), budget)
@@ -184,8 +201,18 @@ def check(fn, layer, x, index, weights, k, rank):
     if k is None:
         want = dense_reference(layer, x, index, weights)
     else:
-        want = reference.forward(x, index, weights, layer.gate_up, layer.down_rows, layer.sidecar, k=k, scan=80,
-                                 rank=rank, act_fn=layer.act_fn).float()
+        want = reference.forward(
+            x,
+            index,
+            weights,
+            layer.gate_up,
+            layer.down_rows,
+            layer.sidecar,
+            k=k,
+            scan=80,
+            rank=rank,
+            act_fn=layer.act_fn,
+        ).float()
     err = ((got - want).abs().max() / want.abs().max()).item()
     return err, err <= 2e-2, seconds  # bf16 inputs and outputs: a few bf16 ulps of the largest entry
 
@@ -216,6 +243,7 @@ def timed(fn, calls):
         def replay():
             for c in calls:
                 fn(*c)
+
         graphed = False
     replay()
     torch.cuda.synchronize()
@@ -238,6 +266,7 @@ def reader_stages(layers, inputs, k, rank, iters, variants):
     A stage that reduces into a zeroed buffer is timed with its own zeroing (one more launch).
     And, for each select variant's stage, whether it picks exactly what the default does (the same
     expert, channel, weight and recovery weight tensors from the same estimates)."""
+
     def prepared(layer, x, index, weights):
         sc = layer.sidecar
         act = triton_reader.activation(layer.act_fn)
@@ -246,8 +275,23 @@ def reader_stages(layers, inputs, k, rank, iters, variants):
         expert, channel, weight, q = triton_reader.select(est, index, weights, sc.down_norms, k, act)
         gu = triton_reader.exact(x, expert, channel, layer.gate_up)
         z = triton_reader.recover(q, index, sc.coeffs, rank)
-        return dict(L=layer, sc=sc, act=act, x=x, coords=coords, values=values, est=est, index=index,
-                    weights=weights, expert=expert, channel=channel, weight=weight, q=q, gu=gu, z=z)
+        return dict(
+            L=layer,
+            sc=sc,
+            act=act,
+            x=x,
+            coords=coords,
+            values=values,
+            est=est,
+            index=index,
+            weights=weights,
+            expert=expert,
+            channel=channel,
+            weight=weight,
+            q=q,
+            gu=gu,
+            z=z,
+        )
 
     stages = {
         "rotate+scan": lambda d: triton_reader.rotate_scan(d["x"], d["sc"].signs, 80),
@@ -255,39 +299,74 @@ def reader_stages(layers, inputs, k, rank, iters, variants):
         "select": lambda d: triton_reader.select(d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"]),
         "exact gate/up": lambda d: triton_reader.exact(d["x"], d["expert"], d["channel"], d["L"].gate_up),
         "recover": lambda d: triton_reader.recover(d["q"], d["index"], d["sc"].coeffs, rank),
-        "down (+U)": lambda d: triton_reader.down(d["gu"], d["weight"], d["expert"], d["channel"], d["L"].down_rows,
-                                                  d["act"], d["sc"].basis, d["z"], rank),
-        "zeroing alone": lambda d: torch.zeros(d["x"].shape[0], d["est"].shape[1] * d["est"].shape[2],
-                                               device=d["x"].device),
+        "down (+U)": lambda d: triton_reader.down(
+            d["gu"], d["weight"], d["expert"], d["channel"], d["L"].down_rows, d["act"], d["sc"].basis, d["z"], rank
+        ),
+        "zeroing alone": lambda d: torch.zeros(
+            d["x"].shape[0], d["est"].shape[1] * d["est"].shape[2], device=d["x"].device
+        ),
         # forward(fuse=True)'s two stages that differ (the same workspace size as the zeroing above)
         "rotate+scan, zeroing": lambda d: triton_reader.rotate_scan(
-            d["x"], d["sc"].signs, 80, zero=torch.empty(d["est"].numel(), device=d["x"].device)),
+            d["x"], d["sc"].signs, 80, zero=torch.empty(d["est"].numel(), device=d["x"].device)
+        ),
         "exact+recover, one launch": lambda d: triton_reader.exact_recover(
-            d["x"], d["expert"], d["channel"], d["L"].gate_up, d["q"], d["index"], d["sc"].coeffs, rank,
-            torch.zeros_like(d["gu"]), torch.zeros_like(d["z"])),
+            d["x"],
+            d["expert"],
+            d["channel"],
+            d["L"].gate_up,
+            d["q"],
+            d["index"],
+            d["sc"].coeffs,
+            rank,
+            torch.zeros_like(d["gu"]),
+            torch.zeros_like(d["z"]),
+        ),
     }
     # variants beside the defaults (`triton/forward.py` chose its defaults from such rows)
     for warps in (2, 4):
         stages[f"screen, {warps} warps"] = lambda d, w=warps: triton_reader.screen(
-            d["values"], d["coords"], d["index"], d["sc"].codes, d["sc"].scales, warps=w)
+            d["values"], d["coords"], d["index"], d["sc"].codes, d["sc"].scales, warps=w
+        )
     for warps in (4, 16):
         stages[f"select, {warps} warps"] = lambda d, w=warps: triton_reader.select(
-            d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], warps=w)
+            d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], warps=w
+        )
     for variant in (v for v in variants if v in SELECTS):
         stages[f"select, {variant}"] = lambda d, kw=triton_reader.SELECT_VARIANTS[variant]: triton_reader.select(
-            d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], **kw)
+            d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], **kw
+        )
     if any(v in persistent.PERSISTENT_VARIANTS for v in variants):  # the one-launch kernel's pivot and place alone
-        stages["select, across programs"] = lambda d: persistent.select(d["est"], d["index"], d["weights"],
-                                                                        d["sc"].down_norms, k, d["act"])
+        stages["select, across programs"] = lambda d: persistent.select(
+            d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"]
+        )
     if RELAXED in variants:
-        stages["screen, relaxed"] = lambda d: triton_reader.screen(d["values"], d["coords"], d["index"], d["sc"].codes,
-                                                                   d["sc"].scales, sem="relaxed")
+        stages["screen, relaxed"] = lambda d: triton_reader.screen(
+            d["values"], d["coords"], d["index"], d["sc"].codes, d["sc"].scales, sem="relaxed"
+        )
         stages["down (+U), relaxed"] = lambda d: triton_reader.down(
-            d["gu"], d["weight"], d["expert"], d["channel"], d["L"].down_rows, d["act"], d["sc"].basis, d["z"], rank,
-            sem="relaxed")
+            d["gu"],
+            d["weight"],
+            d["expert"],
+            d["channel"],
+            d["L"].down_rows,
+            d["act"],
+            d["sc"].basis,
+            d["z"],
+            rank,
+            sem="relaxed",
+        )
     stages["down (+U), split 16"] = lambda d: triton_reader.down(
-        d["gu"], d["weight"], d["expert"], d["channel"], d["L"].down_rows, d["act"], d["sc"].basis, d["z"], rank,
-        split=16)
+        d["gu"],
+        d["weight"],
+        d["expert"],
+        d["channel"],
+        d["L"].down_rows,
+        d["act"],
+        d["sc"].basis,
+        d["z"],
+        rank,
+        split=16,
+    )
     distinct = 1 if DEVICE == "cpu" else min(iters, len(layers) * len(inputs))  # a dry run only runs each once
     calls = [(prepared(*c),) for c in cycled(layers, inputs, distinct)]
     calls = [calls[i % len(calls)] for i in range(iters)]
@@ -325,14 +404,25 @@ def variants_side_by_side(rows, stage_rows):
         if head != f"reader-{BUDGETS[0]}":
             continue
         variant = variant or "bisect"
-        timed_alone = [s for s in stage_rows if s["geometry"] == r["geometry"] and s["tokens"] == r["tokens"]
-                       and s["stage"] == select_stage(variant)]
+        timed_alone = [
+            s
+            for s in stage_rows
+            if s["geometry"] == r["geometry"] and s["tokens"] == r["tokens"] and s["stage"] == select_stage(variant)
+        ]
         # the default's picks are its own; None: the stage was not run (a dry run's later batches)
         same = timed_alone[0].get("same_picks", True) if timed_alone else None
-        out.append({"geometry": r["geometry"], "tokens": r["tokens"], "variant": variant,
-                    "select_us": timed_alone[0]["us"] if timed_alone else None, "reader_us": r.get("us"),
-                    "speedup_vs_best_dense": r.get("speedup_vs_best_dense"), "same_picks": same,
-                    "check_ok": r["check_ok"] and same is not False})
+        out.append(
+            {
+                "geometry": r["geometry"],
+                "tokens": r["tokens"],
+                "variant": variant,
+                "select_us": timed_alone[0]["us"] if timed_alone else None,
+                "reader_us": r.get("us"),
+                "speedup_vs_best_dense": r.get("speedup_vs_best_dense"),
+                "same_picks": same,
+                "check_ok": r["check_ok"] and same is not False,
+            }
+        )
     return out
 
 
@@ -369,7 +459,9 @@ def preflight(variant: str) -> int:
             est = torch.randn(tokens, top_k, 2 * inter, generator=gen, device=DEVICE)
             norms = torch.rand(experts, inter, generator=gen, device=DEVICE).to(BF16)
             for e, n in ((est, norms), (est.mul(2).round(), torch.ones_like(norms))):
-                ok &= same_picks(triton_reader.select(e, index, weights, n, k, code), pick(e, index, weights, n, k, code))
+                ok &= same_picks(
+                    triton_reader.select(e, index, weights, n, k, code), pick(e, index, weights, n, k, code)
+                )
     if variant not in SELECTS:
         name = f"reader-{BUDGETS[0]}" + ("" if variant == "bisect" else f" {variant}")
         fn, _, k = implementations(geo, rank, [] if variant == "bisect" else [variant])[name]
@@ -444,36 +536,90 @@ def targets(rows) -> list[dict]:
     out = []
     first = next(iter(geometries()))
     for tokens, target in TARGETS.items():
-        mine = [r for r in rows if r["geometry"] == first and r["tokens"] == tokens and r["check_ok"]
-                and r["impl"].split()[0] == f"reader-{BUDGETS[0]}" and r.get("speedup_vs_best_dense")]
+        mine = [
+            r
+            for r in rows
+            if r["geometry"] == first
+            and r["tokens"] == tokens
+            and r["check_ok"]
+            and r["impl"].split()[0] == f"reader-{BUDGETS[0]}"
+            and r.get("speedup_vs_best_dense")
+        ]
         best = max(mine, key=lambda r: r["speedup_vs_best_dense"], default=None)
-        out.append({"geometry": first, "tokens": tokens, "best_reader": best and best["impl"],
-                    "speedup_vs_best_dense": best and best["speedup_vs_best_dense"], "target": target,
-                    "paper_vs_vllm": PAPER[tokens],
-                    "met": bool(best and best["speedup_vs_best_dense"] >= target)})
+        out.append(
+            {
+                "geometry": first,
+                "tokens": tokens,
+                "best_reader": best and best["impl"],
+                "speedup_vs_best_dense": best and best["speedup_vs_best_dense"],
+                "target": target,
+                "paper_vs_vllm": PAPER[tokens],
+                "met": bool(best and best["speedup_vs_best_dense"] >= target),
+            }
+        )
     return out
 
 
 def tables(report) -> list[tuple[str, str, list]]:
     """(title, rows key, columns) of each table, in the order they are printed (the main one last)."""
     return [
-        ("reader stages, each timed alone (µs per call)", "reader_stages",
-         [("geometry", "geometry"), ("tokens", "T"), ("budget", "budget"), ("stage", "stage"), ("us", "µs", "{:.1f}"),
-          ("same_picks", "same picks")]),
-        (f"reader variants at {BUDGETS[0]} % reads (µs per call; select alone, and the whole reader)", "variants",
-         [("geometry", "geometry"), ("tokens", "T"), ("variant", "variant"), ("select_us", "select µs", "{:.1f}"),
-          ("reader_us", "reader µs", "{:.1f}"), ("speedup_vs_best_dense", "× best dense", "{:.2f}"),
-          ("same_picks", "same picks"), ("check_ok", "check")]),
-        (f"issue 24's targets at {BUDGETS[0]} % reads (× the best dense baseline of this run; the paper's "
-         "figure is against vLLM)", "targets",
-         [("geometry", "geometry"), ("tokens", "T"), ("best_reader", "fastest checked reader"),
-          ("speedup_vs_best_dense", "× best dense", "{:.2f}"), ("target", "target", "{:.2f}"),
-          ("paper_vs_vllm", "paper", "{:.2f}"), ("met", "met")]),
-        (f"{report['machine']['device']}: copy bandwidth {report['copy_GBps']:.0f} GB/s", "rows",
-         [("geometry", "geometry"), ("tokens", "T"), ("impl", "implementation"), ("k", "k"),
-          ("read_percent", "reads", "{:.1f}%"), ("us", "µs/layer", "{:.1f}"),
-          ("speedup_vs_best_dense", "× best dense", "{:.2f}"), ("GBps", "GB/s", "{:.0f}"),
-          ("of_copy_bw", "of copy", "{:.0%}"), ("cuda_graph", "graph"), ("check_ok", "check")]),
+        (
+            "reader stages, each timed alone (µs per call)",
+            "reader_stages",
+            [
+                ("geometry", "geometry"),
+                ("tokens", "T"),
+                ("budget", "budget"),
+                ("stage", "stage"),
+                ("us", "µs", "{:.1f}"),
+                ("same_picks", "same picks"),
+            ],
+        ),
+        (
+            f"reader variants at {BUDGETS[0]} % reads (µs per call; select alone, and the whole reader)",
+            "variants",
+            [
+                ("geometry", "geometry"),
+                ("tokens", "T"),
+                ("variant", "variant"),
+                ("select_us", "select µs", "{:.1f}"),
+                ("reader_us", "reader µs", "{:.1f}"),
+                ("speedup_vs_best_dense", "× best dense", "{:.2f}"),
+                ("same_picks", "same picks"),
+                ("check_ok", "check"),
+            ],
+        ),
+        (
+            f"issue 24's targets at {BUDGETS[0]} % reads (× the best dense baseline of this run; the paper's "
+            "figure is against vLLM)",
+            "targets",
+            [
+                ("geometry", "geometry"),
+                ("tokens", "T"),
+                ("best_reader", "fastest checked reader"),
+                ("speedup_vs_best_dense", "× best dense", "{:.2f}"),
+                ("target", "target", "{:.2f}"),
+                ("paper_vs_vllm", "paper", "{:.2f}"),
+                ("met", "met"),
+            ],
+        ),
+        (
+            f"{report['machine']['device']}: copy bandwidth {report['copy_GBps']:.0f} GB/s",
+            "rows",
+            [
+                ("geometry", "geometry"),
+                ("tokens", "T"),
+                ("impl", "implementation"),
+                ("k", "k"),
+                ("read_percent", "reads", "{:.1f}%"),
+                ("us", "µs/layer", "{:.1f}"),
+                ("speedup_vs_best_dense", "× best dense", "{:.2f}"),
+                ("GBps", "GB/s", "{:.0f}"),
+                ("of_copy_bw", "of copy", "{:.0%}"),
+                ("cuda_graph", "graph"),
+                ("check_ok", "check"),
+            ],
+        ),
     ]
 
 
@@ -482,9 +628,15 @@ def write_report(report, dest: str) -> None:
     write_json(report, dest)
     if dest == "-":
         return
-    lines = [f"# bench/gpu_reader.py — {report['machine']['device']}", "", header(report["machine"]), "",
-             f"Command: `{report['command']}`. Preflight (each variant against the default or the reference): "
-             + (", ".join(f"{v} {'ok' if ok else 'FAILED'}" for v, ok in report["preflight"].items()) or "none"), ""]
+    lines = [
+        f"# bench/gpu_reader.py — {report['machine']['device']}",
+        "",
+        header(report["machine"]),
+        "",
+        f"Command: `{report['command']}`. Preflight (each variant against the default or the reference): "
+        + (", ".join(f"{v} {'ok' if ok else 'FAILED'}" for v, ok in report["preflight"].items()) or "none"),
+        "",
+    ]
     for title, key, columns in tables(report):
         lines += [f"## {title}", "", table(report[key], columns, markdown=True), ""]
     with atomic_write(Path(dest).with_suffix(".md")) as f:
@@ -513,11 +665,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     copy_bw = copy_bandwidth()
-    dest = args.json or (str(Path(os.environ["OUT"]) / "gpu_reader.json") if os.environ.get("OUT")
-                         else str(Path(__file__).parent / "results" / "gpu_reader.json"))
-    report = {"machine": machine(args.dry_run), "command": command("bench.gpu_reader", argv),
-              "copy_GBps": copy_bw / 1e9, "iters": args.iters, "layers": args.layers, "variant_geometry": at,
-              "rows": [], "reader_stages": [], "variants": [], "targets": [], "preflight": preflight_ok}
+    dest = args.json or (
+        str(Path(os.environ["OUT"]) / "gpu_reader.json")
+        if os.environ.get("OUT")
+        else str(Path(__file__).parent / "results" / "gpu_reader.json")
+    )
+    report = {
+        "machine": machine(args.dry_run),
+        "command": command("bench.gpu_reader", argv),
+        "copy_GBps": copy_bw / 1e9,
+        "iters": args.iters,
+        "layers": args.layers,
+        "variant_geometry": at,
+        "rows": [],
+        "reader_stages": [],
+        "variants": [],
+        "targets": [],
+        "preflight": preflight_ok,
+    }
     rows, stage_rows = report["rows"], report["reader_stages"]
     for name, (hidden, experts, top_k, inter, act, rank) in geometries().items():
         geo = Geometry(hidden=hidden, experts=experts, top_k=top_k, intermediate=inter)
@@ -538,31 +703,67 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # one device call per session: record the failure, measure the rest
                     why = f"{type(e).__name__}: {e}" + (f"\ncaused by {e.__cause__!r}" if e.__cause__ else "")
                     print(f"{name} T={tokens} {impl}: FAILED {why}", flush=True)
-                    rows.append({"geometry": name, "tokens": tokens, "impl": impl, "k": k or geo.channels,
-                                 "check_ok": False, "error": why[-2000:]})
+                    rows.append(
+                        {
+                            "geometry": name,
+                            "tokens": tokens,
+                            "impl": impl,
+                            "k": k or geo.channels,
+                            "check_ok": False,
+                            "error": why[-2000:],
+                        }
+                    )
                     continue
                 nbytes = per_token * tokens
-                rows.append({"geometry": name, "tokens": tokens, "impl": impl, "k": k or geo.channels,
-                             "check_rel_err": err, "check_ok": ok, "us": seconds * 1e6, "cuda_graph": graphed,
-                             "bytes": nbytes, "read_percent": 100 * per_token / full_bytes(geo),
-                             "GBps": nbytes / seconds / 1e9, "of_copy_bw": nbytes / seconds / copy_bw})
-                print(f"{name} T={tokens} {impl}: {seconds * 1e6:.1f} us, check {'ok' if ok else 'FAILED'} "
-                      f"({err:.1e})", flush=True)
+                rows.append(
+                    {
+                        "geometry": name,
+                        "tokens": tokens,
+                        "impl": impl,
+                        "k": k or geo.channels,
+                        "check_rel_err": err,
+                        "check_ok": ok,
+                        "us": seconds * 1e6,
+                        "cuda_graph": graphed,
+                        "bytes": nbytes,
+                        "read_percent": 100 * per_token / full_bytes(geo),
+                        "GBps": nbytes / seconds / 1e9,
+                        "of_copy_bw": nbytes / seconds / copy_bw,
+                    }
+                )
+                print(
+                    f"{name} T={tokens} {impl}: {seconds * 1e6:.1f} us, check {'ok' if ok else 'FAILED'} ({err:.1e})",
+                    flush=True,
+                )
             k = impls[f"reader-{BUDGETS[0]}"][2]
             if args.dry_run and tokens != args.batches[0]:
                 continue  # a dry run runs each stage once, at its first batch: the interpreter is slow
             try:
                 times, same = reader_stages(layers, inputs, k, rank, args.iters, variants if name == at else [])
                 for stage, us in times.items():
-                    stage_rows.append({"geometry": name, "tokens": tokens, "budget": BUDGETS[0], "stage": stage,
-                                       "us": us, **({"same_picks": same[stage]} if stage in same else {})})
+                    stage_rows.append(
+                        {
+                            "geometry": name,
+                            "tokens": tokens,
+                            "budget": BUDGETS[0],
+                            "stage": stage,
+                            "us": us,
+                            **({"same_picks": same[stage]} if stage in same else {}),
+                        }
+                    )
             except Exception as e:
                 print(f"{name} T={tokens} reader stages: FAILED {type(e).__name__}: {e}", flush=True)
         del layers
         for r in rows:
             if r["geometry"] == name:
-                dense = [x["us"] for x in rows if x["geometry"] == name and x["tokens"] == r["tokens"]
-                         and not x["impl"].startswith("reader") and "us" in x]
+                dense = [
+                    x["us"]
+                    for x in rows
+                    if x["geometry"] == name
+                    and x["tokens"] == r["tokens"]
+                    and not x["impl"].startswith("reader")
+                    and "us" in x
+                ]
                 if dense and "us" in r:
                     r["speedup_vs_best_dense"] = min(dense) / r["us"]
         report["variants"] = variants_side_by_side(rows, stage_rows)

@@ -56,10 +56,12 @@ def expert_int8_on_one_rank(port, ids, mask, n):
 
 
 def compare(got, want) -> dict:
-    return {"tokens_equal": bool(torch.equal(got.tokens, want.tokens)),
-            "step0": float((got.logits[:, 0] - want.logits[:, 0]).abs().max()),
-            "all_steps": float((got.logits - want.logits).abs().max()),
-            "max_logit": float(want.logits.abs().max())}
+    return {
+        "tokens_equal": bool(torch.equal(got.tokens, want.tokens)),
+        "step0": float((got.logits[:, 0] - want.logits[:, 0]).abs().max()),
+        "all_steps": float((got.logits - want.logits).abs().max()),
+        "max_logit": float(want.logits.abs().max()),
+    }
 
 
 def main() -> int:
@@ -75,9 +77,11 @@ def main() -> int:
     tok = load_tokenizer(port)
     ids, mask = left_pad([tok.encode(p) for p in DEFAULT_PROMPTS], tok.pad_token_id)
     n = args.new_tokens
-    refs = {"HF eager": greedy(build_model(port, "eager", torch.float32), ids, mask, n),
-            "one-rank int8": greedy(build_model(port, "int8", torch.float32), ids, mask, n),
-            "expert int8 at TP 1": expert_int8_on_one_rank(port, ids, mask, n)}
+    refs = {
+        "HF eager": greedy(build_model(port, "eager", torch.float32), ids, mask, n),
+        "one-rank int8": greedy(build_model(port, "int8", torch.float32), ids, mask, n),
+        "expert int8 at TP 1": expert_int8_on_one_rank(port, ids, mask, n),
+    }
     rows, degrees, started = [], [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
         whole = Sidecar(prep_port(port, Path(tmp) / shard.WHOLE))
@@ -88,23 +92,37 @@ def main() -> int:
                 emulated = build_model(port, "eager", torch.float32)
                 attach_reader(emulated, whole.path, args.budget, tp=tp)
                 refs[f"reader {args.budget:g} % emulated"] = greedy(emulated, ids, mask, n)
-                cases.update({
-                    "channel-int8": ({"int8": True}, "one-rank int8"),
-                    "expert-int8": ({"expert_layout": layout.EXPERT, "int8": True}, "expert int8 at TP 1"),
-                    f"reader {args.budget:g} %": ({"sidecar": tmp, "budget": args.budget},
-                                                  f"reader {args.budget:g} % emulated"),
-                    "wrong-shard (control)": ({"shards": (0, 0)}, "HF eager"),
-                })
+                cases.update(
+                    {
+                        "channel-int8": ({"int8": True}, "one-rank int8"),
+                        "expert-int8": ({"expert_layout": layout.EXPERT, "int8": True}, "expert int8 at TP 1"),
+                        f"reader {args.budget:g} %": (
+                            {"sidecar": tmp, "budget": args.budget},
+                            f"reader {args.budget:g} % emulated",
+                        ),
+                        "wrong-shard (control)": ({"shards": (0, 0)}, "HF eager"),
+                    }
+                )
             gens = {name: NxDGenerator(port, tp, **options) for name, (options, _) in cases.items()}
             t0 = time.time()
             out = generate_nxd(gens, ids, mask, n)
             degrees.append({"tp": tp, "wall_seconds": time.time() - t0, "processes": tp})
             for name, (_, ref) in cases.items():
-                rows.append({"tp": tp, "case": name, "reference": ref, **compare(out[name], refs[ref]),
-                             "seconds": gens[name].ran["seconds"], "expected": "fail" if "control" in name else "pass"})
+                rows.append(
+                    {
+                        "tp": tp,
+                        "case": name,
+                        "reference": ref,
+                        **compare(out[name], refs[ref]),
+                        "seconds": gens[name].ran["seconds"],
+                        "expected": "fail" if "control" in name else "pass",
+                    }
+                )
             if tp == 2 and args.against_cpu:
-                cpu_gens = {name: TPGenerator(port, tp, **cases[name][0])
-                            for name in ("channel", "expert", "channel-int8", "expert-int8")}
+                cpu_gens = {
+                    name: TPGenerator(port, tp, **cases[name][0])
+                    for name in ("channel", "expert", "channel-int8", "expert-int8")
+                }
                 stand_in = generate_replicated(cpu_gens, ids, mask, n)
                 for row in rows:
                     if row["tp"] == tp and row["case"] in stand_in:
@@ -112,25 +130,48 @@ def main() -> int:
                         row["step0_vs_cpu_layers"] = float((got.logits[:, 0] - cpu_out.logits[:, 0]).abs().max())
             print(f"TP {tp}: {time.time() - t0:.1f} s", file=sys.stderr)
     for row in rows:
-        row["ok"] = (row["tokens_equal"] and row["step0"] <= 2e-6 * row["max_logit"]
-                     and row["all_steps"] <= 1e-4 * row["max_logit"]) == (row["expected"] == "pass")
-    columns = [("tp", "TP"), ("case", "case"), ("reference", "against"), ("tokens_equal", "tokens equal"),
-               ("step0", "max|Δlogit| step 0", "{:.1e}"), ("all_steps", "max|Δlogit| all steps", "{:.1e}"),
-               ("seconds", "s (rank 0)", "{:.2f}"), ("expected", "expected"), ("ok", "as expected")]
+        row["ok"] = (
+            row["tokens_equal"]
+            and row["step0"] <= 2e-6 * row["max_logit"]
+            and row["all_steps"] <= 1e-4 * row["max_logit"]
+        ) == (row["expected"] == "pass")
+    columns = [
+        ("tp", "TP"),
+        ("case", "case"),
+        ("reference", "against"),
+        ("tokens_equal", "tokens equal"),
+        ("step0", "max|Δlogit| step 0", "{:.1e}"),
+        ("all_steps", "max|Δlogit| all steps", "{:.1e}"),
+        ("seconds", "s (rank 0)", "{:.2f}"),
+        ("expected", "expected"),
+        ("ok", "as expected"),
+    ]
     if args.against_cpu:
         columns.insert(6, ("step0_vs_cpu_layers", "step 0 vs cpu layers", "{:.1e}"))
     print(table(rows, columns))
-    report = {"nxd": source.describe(), "nxd_version": source.version, "nxd_commit": source.commit,
-              "nxd_source_digest": source.digest, "new_tokens": n, "prompts": list(DEFAULT_PROMPTS),
-              "budget": args.budget, "rows": rows, "degrees": degrees, "seconds": time.time() - started,
-              "machine": f"CPU ({platform.machine()}), gloo ranks as forked processes, one torch thread each",
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "command": "python -m bench.nxd_cpu_mode " + " ".join(sys.argv[1:])}
+    report = {
+        "nxd": source.describe(),
+        "nxd_version": source.version,
+        "nxd_commit": source.commit,
+        "nxd_source_digest": source.digest,
+        "new_tokens": n,
+        "prompts": list(DEFAULT_PROMPTS),
+        "budget": args.budget,
+        "rows": rows,
+        "degrees": degrees,
+        "seconds": time.time() - started,
+        "machine": f"CPU ({platform.machine()}), gloo ranks as forked processes, one torch thread each",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "command": "python -m bench.nxd_cpu_mode " + " ".join(sys.argv[1:]),
+    }
     if args.json:
         write_json(report, args.json)
     ok = all(r["ok"] for r in rows)
-    print(f"\n{'PASS' if ok else 'FAIL'}: every case matches its reference (tokens; step 0 to 2e-6 of the largest "
-          f"logit, every step to 1e-4) and the control does not ({source.describe()})")
+    print(
+        f"\n{'PASS' if ok else 'FAIL'}: every case matches its reference (tokens; step 0 to 2e-6 of the largest "
+        f"logit, every step to 1e-4) and the control does not ({source.describe()})"
+    )
     return 0 if ok else 1
 
 

@@ -58,12 +58,14 @@ from neuron_moe import spec
 from neuron_moe.report import atomic_write, table, write_json
 from neuron_moe.tokenizer import answer_text, load_tokenizer
 
-GEOMETRIES = {"gemma4-26b-a4b": Geometry(hidden=2816, experts=128, top_k=8, intermediate=704),
-              "qwen3-30b-a3b": Geometry(hidden=2048, experts=128, top_k=8, intermediate=768)}
+GEOMETRIES = {
+    "gemma4-26b-a4b": Geometry(hidden=2816, experts=128, top_k=8, intermediate=704),
+    "qwen3-30b-a3b": Geometry(hidden=2048, experts=128, top_k=8, intermediate=768),
+}
 
 
 def parse_step_budgets(text: str) -> list[tuple[int | None, float]]:
-    """"2,3,4,16:6" -> [(None, 2), (None, 3), (None, 4), (16, 6)]: M at every B, or B:M at that B only."""
+    """ "2,3,4,16:6" -> [(None, 2), (None, 3), (None, 4), (16, 6)]: M at every B, or B:M at that B only."""
     out = []
     for item in text.split(","):
         at, _, m = item.rpartition(":")
@@ -76,10 +78,18 @@ def rules(batch: int, k: int, one: int, step_budgets: list, raw_at: list[int], s
         return {"token": S.Step("token", k=k)}
     mine = [m for at, m in step_budgets if at in (None, batch)]
     raw = {"batch-raw=token": S.Step("batch", k=k, weigh="raw")} if batch in raw_at else {}
-    narrow = {f"batch-x{m:g}-scan{s}": S.Step("batch", limit=m * one, scan=s)
-              for s in scans for m in mine if m < 4} if batch in raw_at else {}
-    return {"token": S.Step("token", k=k), "batch=token": S.Step("batch", k=k), **raw,
-            **{f"batch-x{m:g}": S.Step("batch", limit=m * one) for m in mine}, **narrow}
+    narrow = (
+        {f"batch-x{m:g}-scan{s}": S.Step("batch", limit=m * one, scan=s) for s in scans for m in mine if m < 4}
+        if batch in raw_at
+        else {}
+    )
+    return {
+        "token": S.Step("token", k=k),
+        "batch=token": S.Step("batch", k=k),
+        **raw,
+        **{f"batch-x{m:g}": S.Step("batch", limit=m * one) for m in mine},
+        **narrow,
+    }
 
 
 def generation_sequences(tokenizer, items) -> tuple[list[R.Sequence], list[int]]:
@@ -89,8 +99,10 @@ def generation_sequences(tokenizer, items) -> tuple[list[R.Sequence], list[int]]
 
 
 def accuracy(tokenizer, items, decoded: RB.Decoded) -> dict:
-    rows = [{"task": i.task, "correct": answer_text(tokenizer, picks) == i.answer, "answer_tokens": 0}
-            for i, picks in zip(items, decoded.picks)]
+    rows = [
+        {"task": i.task, "correct": answer_text(tokenizer, picks) == i.answer, "answer_tokens": 0}
+        for i, picks in zip(items, decoded.picks)
+    ]
     return R.accuracy(rows)
 
 
@@ -109,18 +121,38 @@ def cell(run: dict, batch: int, name: str, rule: S.Step, progress) -> dict:
     mean = lambda key: sum(layer[key] for layer in per_layer) / len(per_layer)  # noqa: E731
     geo, settings = layers[0].geo, layers[0].settings
     share = [100 * layer["bytes"] / A.full_reads(geo, settings, layer["experts"]) for layer in per_layer]
-    row = {"batch": batch, "rule": name, "steps": len(decoded.steps), "full_steps": len(full_steps),
-           "positions": stats["positions"], "kl_mean": stats["kl_mean"], "kl_p99": stats["kl_p99"],
-           "top1": stats["top1"], "by_source": stats["by_source"],
-           "step_bytes": mean("bytes"), "x_one_token": mean("bytes") / run["one"],
-           "percent_of_full_batch": sum(share) / len(share), "union_experts": mean("experts"),
-           "exact_channels": mean("exact"), "over_limit_steps": None}
+    row = {
+        "batch": batch,
+        "rule": name,
+        "steps": len(decoded.steps),
+        "full_steps": len(full_steps),
+        "positions": stats["positions"],
+        "kl_mean": stats["kl_mean"],
+        "kl_p99": stats["kl_p99"],
+        "top1": stats["top1"],
+        "by_source": stats["by_source"],
+        "step_bytes": mean("bytes"),
+        "x_one_token": mean("bytes") / run["one"],
+        "percent_of_full_batch": sum(share) / len(share),
+        "union_experts": mean("experts"),
+        "exact_channels": mean("exact"),
+        "over_limit_steps": None,
+    }
     if rule.rule == "batch" and rule.limit is not None:
         row["over_limit_steps"] = sum(layer["bytes"] > rule.limit for layer in per_layer) / len(per_layer)
     if batch in run["accuracy"]:
         gen_seqs, new_tokens = run["generation"]
-        decoded = RB.run_rule(model, gen_seqs, batch, "reader", layers, [rule] * len(layers), new_tokens=new_tokens,
-                              eos=run["tokenizer"].eos_token_id, progress=progress)
+        decoded = RB.run_rule(
+            model,
+            gen_seqs,
+            batch,
+            "reader",
+            layers,
+            [rule] * len(layers),
+            new_tokens=new_tokens,
+            eos=run["tokenizer"].eos_token_id,
+            progress=progress,
+        )
         row["accuracy"] = accuracy(run["tokenizer"], run["items"], decoded)
     return row | {"seconds": time.perf_counter() - started}
 
@@ -133,25 +165,51 @@ def accounting_rows(budget: float, rank: int, batches: list[int], step_budgets: 
             for m in step_budgets:
                 b = A.batch_breakdown(geo, settings, budget, batch, m)
                 token, rule = b["rules"]["token"], b["rules"]["batch"]
-                rows.append({"geometry": name, "batch": batch, "step_budget": m, "union_experts": b["union_experts"],
-                             "expected_union": b["expected_union"], "full_x": b["full_bytes"] / b["one_token_bytes"],
-                             "token_x": token["x_one_token"], "token_percent": token["percent_of_full_batch"],
-                             "batch_x": rule["x_one_token"], "batch_percent": rule["percent_of_full_batch"],
-                             "batch_k": rule["k"], "token_k": min(batch * b["k_per_token"], rule["rows"]["experts"] * geo.intermediate),
-                             "sketch_x": rule["reads"]["sketch"] / b["one_token_bytes"]})
+                rows.append(
+                    {
+                        "geometry": name,
+                        "batch": batch,
+                        "step_budget": m,
+                        "union_experts": b["union_experts"],
+                        "expected_union": b["expected_union"],
+                        "full_x": b["full_bytes"] / b["one_token_bytes"],
+                        "token_x": token["x_one_token"],
+                        "token_percent": token["percent_of_full_batch"],
+                        "batch_x": rule["x_one_token"],
+                        "batch_percent": rule["percent_of_full_batch"],
+                        "batch_k": rule["k"],
+                        "token_k": min(batch * b["k_per_token"], rule["rows"]["experts"] * geo.intermediate),
+                        "sketch_x": rule["reads"]["sketch"] / b["one_token_bytes"],
+                    }
+                )
     return rows
 
 
-MEASURED = [("batch", "B"), ("rule", "rule"), ("x_one_token", "step reads x one token", "{:.2f}"),
-            ("percent_of_full_batch", "% of full batch", "{:.1f}"), ("union_experts", "union experts", "{:.1f}"),
-            ("exact_channels", "exact channels", "{:.0f}"), ("kl_mean", "KL mean", "{:.4f}"),
-            ("kl_p99", "KL p99", "{:.3f}"), ("top1", "top-1", "{:.3f}"), ("acc", "accuracy % of full"),
-            ("full_steps", "full steps")]
-GEOMETRY = [("geometry", "geometry"), ("batch", "B"), ("union_experts", "union experts"),
-            ("full_x", "full batch x one token", "{:.2f}"), ("token_x", "token: x one token (at most)", "{:.2f}"),
-            ("token_percent", "token: % of full batch", "{:.1f}"), ("batch_x", "batch rule: x one token", "{:.2f}"),
-            ("batch_percent", "batch rule: % of full batch", "{:.2f}"), ("batch_k", "batch rule: channels"),
-            ("sketch_x", "of which sketch x one token", "{:.2f}")]
+MEASURED = [
+    ("batch", "B"),
+    ("rule", "rule"),
+    ("x_one_token", "step reads x one token", "{:.2f}"),
+    ("percent_of_full_batch", "% of full batch", "{:.1f}"),
+    ("union_experts", "union experts", "{:.1f}"),
+    ("exact_channels", "exact channels", "{:.0f}"),
+    ("kl_mean", "KL mean", "{:.4f}"),
+    ("kl_p99", "KL p99", "{:.3f}"),
+    ("top1", "top-1", "{:.3f}"),
+    ("acc", "accuracy % of full"),
+    ("full_steps", "full steps"),
+]
+GEOMETRY = [
+    ("geometry", "geometry"),
+    ("batch", "B"),
+    ("union_experts", "union experts"),
+    ("full_x", "full batch x one token", "{:.2f}"),
+    ("token_x", "token: x one token (at most)", "{:.2f}"),
+    ("token_percent", "token: % of full batch", "{:.1f}"),
+    ("batch_x", "batch rule: x one token", "{:.2f}"),
+    ("batch_percent", "batch rule: % of full batch", "{:.2f}"),
+    ("batch_k", "batch rule: channels"),
+    ("sketch_x", "of which sketch x one token", "{:.2f}"),
+]
 
 
 def write_report(report: dict, out: Path) -> None:
@@ -161,20 +219,34 @@ def write_report(report: dict, out: Path) -> None:
         acc = c.get("accuracy")
         cells.append(c | {"acc": f"{100 * acc['correct'] / full_correct:.1f}" if acc and full_correct else ""})
     settings = report["settings"]
-    lines = [f"# reader-batch: {settings['model']}, budget {settings['budget']}% per token "
-             f"(k = {settings['k']}), recovery rank {settings['rank']}",
-             "", "Measured (CPU, fp32, teacher-forced decode batches):", "",
-             table(cells, MEASURED, markdown=True), "",
-             f"Accounting, uniform routing, batch rule within {report['geometries'][0]['step_budget']:g}x one token:", "",
-             table(report["geometries"], GEOMETRY, markdown=True), ""]
+    lines = [
+        f"# reader-batch: {settings['model']}, budget {settings['budget']}% per token "
+        f"(k = {settings['k']}), recovery rank {settings['rank']}",
+        "",
+        "Measured (CPU, fp32, teacher-forced decode batches):",
+        "",
+        table(cells, MEASURED, markdown=True),
+        "",
+        f"Accounting, uniform routing, batch rule within {report['geometries'][0]['step_budget']:g}x one token:",
+        "",
+        table(report["geometries"], GEOMETRY, markdown=True),
+        "",
+    ]
     with atomic_write(out / "report.md") as f:
         f.write("\n".join(lines))
 
 
 def holding(cells: list[dict], batch: int, limit: float) -> dict | None:
     """The batch rule's cell with the least reads whose KL stays within `limit`, at that B."""
-    ok = [c for c in cells if c["batch"] == batch and c["rule"].startswith("batch") and "raw" not in c["rule"]
-          and "scan" not in c["rule"] and c["kl_mean"] <= limit]
+    ok = [
+        c
+        for c in cells
+        if c["batch"] == batch
+        and c["rule"].startswith("batch")
+        and "raw" not in c["rule"]
+        and "scan" not in c["rule"]
+        and c["kl_mean"] <= limit
+    ]
     return min(ok, key=lambda c: c["x_one_token"], default=None)
 
 
@@ -188,40 +260,81 @@ def plot(report: dict, out: Path) -> Path:
     one = next(c for c in cells if c["batch"] == 1)
     batches = sorted({c["batch"] for c in cells if c["batch"] > 1})
     for i, b in enumerate(batches):
-        curve = sorted((c for c in cells if c["batch"] == b and c["rule"].startswith("batch")
-                        and "raw" not in c["rule"] and "scan" not in c["rule"]), key=lambda c: c["x_one_token"])
-        left.plot([c["x_one_token"] for c in curve], [c["kl_mean"] for c in curve], marker="o", color=f"C{i}",
-                  label=f"B = {b}: batch rule")
+        curve = sorted(
+            (
+                c
+                for c in cells
+                if c["batch"] == b
+                and c["rule"].startswith("batch")
+                and "raw" not in c["rule"]
+                and "scan" not in c["rule"]
+            ),
+            key=lambda c: c["x_one_token"],
+        )
+        left.plot(
+            [c["x_one_token"] for c in curve],
+            [c["kl_mean"] for c in curve],
+            marker="o",
+            color=f"C{i}",
+            label=f"B = {b}: batch rule",
+        )
         token = next(c for c in cells if c["batch"] == b and c["rule"] == "token")
-        left.scatter([token["x_one_token"]], [token["kl_mean"]], marker="x", s=80, color=f"C{i}",
-                     label=f"B = {b}: independent top-k")
+        left.scatter(
+            [token["x_one_token"]],
+            [token["kl_mean"]],
+            marker="x",
+            s=80,
+            color=f"C{i}",
+            label=f"B = {b}: independent top-k",
+        )
     left.axhline(one["kl_mean"], color="gray", linestyle="--", label="B = 1")
     left.axhline(1.5 * one["kl_mean"], color="gray", linestyle=":", label="1.5x B = 1")
-    left.set(xlabel="union reads per step, x one token's", ylabel="KL(full || reader), mean", yscale="log",
-             title=f"{report['settings']['model']}: quality against step reads (CPU)")
+    left.set(
+        xlabel="union reads per step, x one token's",
+        ylabel="KL(full || reader), mean",
+        yscale="log",
+        title=f"{report['settings']['model']}: quality against step reads (CPU)",
+    )
     left.legend(fontsize=7)
     limit = 1.5 * one["kl_mean"]
     xs = [1] + batches
-    token_x = [1.0] + [next(c for c in cells if c["batch"] == b and c["rule"] == "token")["x_one_token"]
-                       for b in batches]
+    token_x = [1.0] + [
+        next(c for c in cells if c["batch"] == b and c["rule"] == "token")["x_one_token"] for b in batches
+    ]
     held = [1.0] + [(holding(cells, b, limit) or {}).get("x_one_token", float("nan")) for b in batches]
     mid.plot(xs, token_x, marker="x", label="independent top-k (its union)")
     mid.plot(xs, held, marker="o", label="batch rule, least measured reads with KL <= 1.5x B = 1")
     full = report["full_batch_x"]
     mid.plot([int(b) for b in full], list(full.values()), color="gray", linestyle=":", label="full batch")
-    mid.set(xlabel="tokens per step B", ylabel="union reads per step, x one token's", yscale="log",
-            title="reads that hold batch-1 quality (measured)")
+    mid.set(
+        xlabel="tokens per step B",
+        ylabel="union reads per step, x one token's",
+        yscale="log",
+        title="reads that hold batch-1 quality (measured)",
+    )
     mid.legend(fontsize=7)
     for i, name in enumerate(GEOMETRIES):
         rows = [r for r in report["geometries"] if r["geometry"] == name]
         b = [r["batch"] for r in rows]
-        right.plot(b, [r["token_x"] for r in rows], marker="x", color=f"C{i}", label=f"{name}: independent top-k (at most)")
-        right.plot(b, [r["batch_x"] for r in rows], marker="o", color=f"C{i}", linestyle="--",
-                   label=f"{name}: batch rule at 2x (its floor where above)")
+        right.plot(
+            b, [r["token_x"] for r in rows], marker="x", color=f"C{i}", label=f"{name}: independent top-k (at most)"
+        )
+        right.plot(
+            b,
+            [r["batch_x"] for r in rows],
+            marker="o",
+            color=f"C{i}",
+            linestyle="--",
+            label=f"{name}: batch rule at 2x (its floor where above)",
+        )
         right.plot(b, [r["sketch_x"] for r in rows], color=f"C{i}", linestyle="-.", label=f"{name}: the union's sketch")
         right.plot(b, [r["full_x"] for r in rows], color=f"C{i}", linestyle=":", label=f"{name}: full batch")
-    right.set(xlabel="tokens per step B", ylabel="union reads per step, x one token's", yscale="log",
-              title="accounting, uniform routing")
+    right.set(
+        xlabel="tokens per step B",
+        ylabel="union reads per step, x one token's",
+        yscale="log",
+        title="accounting, uniform routing",
+    )
     right.legend(fontsize=6)
     fig.tight_layout()
     path = out / "union_reads.png"
@@ -238,14 +351,28 @@ def main() -> None:
     ap.add_argument("--text-docs", type=int, default=30)
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--budget", type=float, default=17.8)
-    ap.add_argument("--rank", type=int, default=0, help="recovery rank (default 0: rank 32 reads 18.5%% on the tiny geometry)")
-    ap.add_argument("--step-budgets", default="2,3,4", metavar="M,B:M,..",
-                    help="the batch rule's step reads, x one token's: at every B, or B:M at B only")
-    ap.add_argument("--raw", default="8", metavar="B,..",
-                    help="the raw-score ablation and the --scans variants at these B (default 8)")
+    ap.add_argument(
+        "--rank", type=int, default=0, help="recovery rank (default 0: rank 32 reads 18.5%% on the tiny geometry)"
+    )
+    ap.add_argument(
+        "--step-budgets",
+        default="2,3,4",
+        metavar="M,B:M,..",
+        help="the batch rule's step reads, x one token's: at every B, or B:M at B only",
+    )
+    ap.add_argument(
+        "--raw",
+        default="8",
+        metavar="B,..",
+        help="the raw-score ablation and the --scans variants at these B (default 8)",
+    )
     ap.add_argument("--scans", default="", metavar="S,..", help="batch-rule scan widths to try (default none)")
-    ap.add_argument("--accuracy", default="", metavar="B,..",
-                    help="task accuracy in batched greedy generation (all four tasks) at these B")
+    ap.add_argument(
+        "--accuracy",
+        default="",
+        metavar="B,..",
+        help="task accuracy in batched greedy generation (all four tasks) at these B",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="build/reader-batch")
     ap.add_argument("--out", default="bench/results/reader-batch")
@@ -264,24 +391,40 @@ def main() -> None:
     if not sidecar_path.exists():
         prep_port(port, sidecar_path)
     sidecar = Sidecar(sidecar_path)
-    settings = R.Settings(per_task=args.per_task, tasks=tuple(args.tasks.split(",")), text_docs=args.text_docs,
-                          corpus=args.corpus)
+    settings = R.Settings(
+        per_task=args.per_task, tasks=tuple(args.tasks.split(",")), text_docs=args.text_docs, corpus=args.corpus
+    )
     accuracy_at = [int(b) for b in args.accuracy.split(",") if b]
     seqs = R.sequences(tokenizer, settings, model.config.max_position_embeddings, "evaluation")
     layers = moe_layers(model, sidecar, args.rank)
     geo, settings = layers[0].geo, layers[0].settings
     k = A.solve_k(geo, settings, args.budget)
     one = sum(A.reads(geo, settings, k).values())
-    key = {"model": port.name, "weights_sha256": R.weights_digest(model), "per_task": args.per_task,
-           "tasks": args.tasks, "text_docs": args.text_docs if args.corpus else 0, "budget": args.budget,
-           "rank": args.rank, "k": k}
+    key = {
+        "model": port.name,
+        "weights_sha256": R.weights_digest(model),
+        "per_task": args.per_task,
+        "tasks": args.tasks,
+        "text_docs": args.text_docs if args.corpus else 0,
+        "budget": args.budget,
+        "rank": args.rank,
+        "k": k,
+    }
     run_file = work / "run.json"
     if run_file.exists() and json.loads(run_file.read_text()) != key:
         sys.exit(f"{work} holds cells of another run; pass another --work or remove it")
     write_json(key, str(run_file))
     spec.set_experts(model, spec.EAGER)
-    run = {"model": model, "layers": layers, "seqs": seqs, "one": one, "full": A.full_bytes(geo),
-           "tokenizer": tokenizer, "accuracy": accuracy_at, "reference": None}
+    run = {
+        "model": model,
+        "layers": layers,
+        "seqs": seqs,
+        "one": one,
+        "full": A.full_bytes(geo),
+        "tokenizer": tokenizer,
+        "accuracy": accuracy_at,
+        "reference": None,
+    }
     full_model = None
     if accuracy_at:
         run["items"] = R.evaluation_items(R.Settings(per_task=args.per_task))
@@ -294,8 +437,7 @@ def main() -> None:
         full_model = json.loads(full_file.read_text())
     raw_at = [int(b) for b in args.raw.split(",") if b]
     scans = [int(s) for s in args.scans.split(",") if s]
-    wanted = [(b, name, rule) for b in batches
-              for name, rule in rules(b, k, one, step_budgets, raw_at, scans).items()]
+    wanted = [(b, name, rule) for b in batches for name, rule in rules(b, k, one, step_budgets, raw_at, scans).items()]
     positions = sum(len(s.ids) - 1 - s.start for s in seqs)
     results = []
     with tqdm(total=len(wanted), desc="reader-batch", unit="cell") as bar:
@@ -306,16 +448,24 @@ def main() -> None:
                     run["reference"] = R.teacher_forced(model, seqs)
                 bar.set_postfix_str(f"B={b} {name}")
                 answers = sum(run["generation"][1]) if b in accuracy_at else 0
-                with tqdm(total=positions + answers, desc=f"B={b} {name}", unit="tok",
-                          leave=False) as inner:
+                with tqdm(total=positions + answers, desc=f"B={b} {name}", unit="tok", leave=False) as inner:
                     write_json(cell(run, b, name, rule, inner), str(path))
             results.append(json.loads(path.read_text()))
             bar.update(1)
-    report = {"settings": key | {"batches": batches, "step_budgets": args.step_budgets, "one_token_bytes": one,
-                                 "routing": "uniform (accounting)", "machine": "CPU"},
-              "full_model": full_model, "cells": results,
-              "full_batch_x": {str(b): A.full_reads(geo, settings, A.expected_union(geo, b)) / one for b in batches},
-              "geometries": accounting_rows(args.budget, 32, batches, [2.0])}
+    report = {
+        "settings": key
+        | {
+            "batches": batches,
+            "step_budgets": args.step_budgets,
+            "one_token_bytes": one,
+            "routing": "uniform (accounting)",
+            "machine": "CPU",
+        },
+        "full_model": full_model,
+        "cells": results,
+        "full_batch_x": {str(b): A.full_reads(geo, settings, A.expected_union(geo, b)) / one for b in batches},
+        "geometries": accounting_rows(args.budget, 32, batches, [2.0]),
+    }
     write_json(report, str(out / "report.json"))
     write_report(report, out)
     plot(report, out)

@@ -48,9 +48,13 @@ def layer_rows(layers_by_rank: dict, inputs, budget: float, ranks: list[int]) ->
     k = S.plan("reader", base.geo, base.settings, budget)["channel"]
     reader_out = S.run("reader", base, x, index, weights, S.TopK({"channel": k}))
     oracle_k = S.run("oracle", base, x, index, weights, S.TopK({"channel": k}))
-    row |= {"reader_k": k, "oracle_channels": S.plan("oracle", base.geo, base.settings, budget)["channel"],
-            "oracle@k": rel_err(oracle_k.out, full), "reader-r0": rel_err(reader_out.out, full),
-            "recall": recall(base, x, index, weights, k)}
+    row |= {
+        "reader_k": k,
+        "oracle_channels": S.plan("oracle", base.geo, base.settings, budget)["channel"],
+        "oracle@k": rel_err(oracle_k.out, full),
+        "reader-r0": rel_err(reader_out.out, full),
+        "recall": recall(base, x, index, weights, k),
+    }
     for rank in ranks:
         layer = layers_by_rank[rank]
         try:
@@ -92,27 +96,42 @@ def main() -> int:
     port = load_port(args.model)
     model = build_model(port, "eager", torch.float32, args.checkpoint)
     settings = R.Settings(corpus=args.corpus)
-    seqs = R.sequences(load_tokenizer(port, args.checkpoint), settings, model.config.max_position_embeddings,
-                       "calibration")
+    seqs = R.sequences(
+        load_tokenizer(port, args.checkpoint), settings, model.config.max_position_embeddings, "calibration"
+    )
     inputs = R.calibration_inputs(model, seqs, args.tokens)
     ranks = [int(r) for r in args.ranks.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         side = Sidecar(prep_port(port, Path(tmp) / "sidecar.safetensors", args.checkpoint))
         by_rank = {r: moe_layers(model, side, r) for r in [0, *ranks]}
-        rows = [{"layer": i, **layer_rows({r: ls[i] for r, ls in by_rank.items()}, inputs[i], args.budget, ranks)}
-                for i in range(len(model.model.layers))]
+        rows = [
+            {"layer": i, **layer_rows({r: ls[i] for r, ls in by_rank.items()}, inputs[i], args.budget, ranks)}
+            for i in range(len(model.model.layers))
+        ]
     geo = by_rank[0][0].geo
-    print(f"{port.name}: relative error of the routed output per layer at {args.budget} % top-k, "
-          f"{args.tokens} calibration-split tokens (full reads {full_bytes(geo)} B per token and layer)\n")
-    cols = [("layer", "layer"), ("teal", "teal"), ("wina", "wina"), ("oracle", "oracle"),
-            ("oracle_channels", "oracle k"), ("reader_k", "reader k (r0)"), ("oracle@k", "oracle@k"),
-            ("reader-r0", "reader-r0"), ("recall", "sketch recall")]
+    print(
+        f"{port.name}: relative error of the routed output per layer at {args.budget} % top-k, "
+        f"{args.tokens} calibration-split tokens (full reads {full_bytes(geo)} B per token and layer)\n"
+    )
+    cols = [
+        ("layer", "layer"),
+        ("teal", "teal"),
+        ("wina", "wina"),
+        ("oracle", "oracle"),
+        ("oracle_channels", "oracle k"),
+        ("reader_k", "reader k (r0)"),
+        ("oracle@k", "oracle@k"),
+        ("reader-r0", "reader-r0"),
+        ("recall", "sketch recall"),
+    ]
     for r in ranks:
         cols += [(f"k-r{r}", f"k (r{r})"), (f"reader-r{r}", f"reader-r{r}")]
     print(table(rows, cols))
     if args.json:
-        write_json({"model": port.name, "budget": args.budget, "tokens": args.tokens, "split": "calibration",
-                    "layers": rows}, args.json)
+        write_json(
+            {"model": port.name, "budget": args.budget, "tokens": args.tokens, "split": "calibration", "layers": rows},
+            args.json,
+        )
     return 0
 
 

@@ -86,22 +86,40 @@ def main() -> int:
         "rss_before_prep_bytes": rss_before,
         "peak_rss_bytes": peak,
         "peak_added_by_prep_bytes": peak - rss_before,
-        "machine": {"host": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "load_average_at_end": os.getloadavg(),
-                    "torch": torch.__version__, "python": platform.python_version(), "device": "CPU"},
+        "machine": {
+            "host": socket.gethostname(),
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average_at_end": os.getloadavg(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "device": "CPU",
+        },
     }
     out = args.out or str(Path(__file__).parent / "results" / f"reader_prep-{socket.gethostname()}.json")
     write_json(result, out)
     gib = 2**30
-    print(table([
-        {"what": "expert weights (bf16, resident before prep)", "value": f"{weight_bytes / gib:.2f} GiB"},
-        {"what": "sidecar written", "value": f"{sidecar_bytes / 2**20:.1f} MiB"},
-        {"what": "prep wall time", "value": f"{seconds:.1f} s"},
-        {"what": "RSS before prep", "value": f"{rss_before / gib:.2f} GiB"},
-        {"what": "peak RSS", "value": f"{peak / gib:.2f} GiB"},
-        {"what": "peak added by prep", "value": f"{(peak - rss_before) / gib:.2f} GiB"},
-    ], [("what", f"reader prep, one Gemma-4 26B-A4B layer ({result['machine']['cpu']}, "
-                 f"{torch.get_num_threads()} threads)"), ("value", "")]))
+    print(
+        table(
+            [
+                {"what": "expert weights (bf16, resident before prep)", "value": f"{weight_bytes / gib:.2f} GiB"},
+                {"what": "sidecar written", "value": f"{sidecar_bytes / 2**20:.1f} MiB"},
+                {"what": "prep wall time", "value": f"{seconds:.1f} s"},
+                {"what": "RSS before prep", "value": f"{rss_before / gib:.2f} GiB"},
+                {"what": "peak RSS", "value": f"{peak / gib:.2f} GiB"},
+                {"what": "peak added by prep", "value": f"{(peak - rss_before) / gib:.2f} GiB"},
+            ],
+            [
+                (
+                    "what",
+                    f"reader prep, one Gemma-4 26B-A4B layer ({result['machine']['cpu']}, "
+                    f"{torch.get_num_threads()} threads)",
+                ),
+                ("value", ""),
+            ],
+        )
+    )
     print(f"\nwrote {out}")
     return 0
 

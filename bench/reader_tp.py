@@ -63,48 +63,73 @@ def main() -> int:
         for tp in [int(t) for t in args.tp.split(",")]:
             t0 = time.time()
             shard.write_shards(whole, tmp, tp, progress=False)
-            gens = {"channel": TPGenerator(port, tp),
-                    "reader 100": TPGenerator(port, tp, sidecar=tmp, budget=100),
-                    "reader": TPGenerator(port, tp, sidecar=tmp, budget=args.budget, rank=args.rank)}
+            gens = {
+                "channel": TPGenerator(port, tp),
+                "reader 100": TPGenerator(port, tp, sidecar=tmp, budget=100),
+                "reader": TPGenerator(port, tp, sidecar=tmp, budget=args.budget, rank=args.rank),
+            }
             out = generate_replicated(gens, ids, mask, args.new_tokens)
             emulated = build_model(port, "eager", torch.float32)
             attach_reader(emulated, whole.path, args.budget, rank=args.rank, tp=tp)
             emulation = greedy(emulated, ids, mask, args.new_tokens)
             reader = out["reader"]
             for i, prompt in enumerate(DEFAULT_PROMPTS):
-                rows.append({
-                    "tp": tp, "prompt": prompt,
-                    "channel_seq_match": bool(torch.equal(out["channel"].tokens[i], eager.tokens[i])),
-                    "r100_seq_match": bool(torch.equal(out["reader 100"].tokens[i], eager.tokens[i])),
-                    "r100_vs_eager": step0(out["reader 100"], eager)[i],
-                    "r100_vs_channel_decode": decode_steps(out["reader 100"], out["channel"])[i],
-                    "r100_vs_eager_decode": decode_steps(out["reader 100"], eager)[i],
-                    "channel_vs_eager_decode": decode_steps(out["channel"], eager)[i],
-                    "max_logit": float(eager.logits[i].abs().max()),
-                    "k_per_rank": gens["reader"].reader_k,
-                    "reader_vs_eager_seq_match": bool(torch.equal(reader.tokens[i], eager.tokens[i])),
-                    "reader_eq_emulation": bool(torch.equal(reader.tokens[i], emulation.tokens[i])),
-                    "reader_vs_emulation": float((reader.logits[i] - emulation.logits[i]).abs().max()),
-                })
+                rows.append(
+                    {
+                        "tp": tp,
+                        "prompt": prompt,
+                        "channel_seq_match": bool(torch.equal(out["channel"].tokens[i], eager.tokens[i])),
+                        "r100_seq_match": bool(torch.equal(out["reader 100"].tokens[i], eager.tokens[i])),
+                        "r100_vs_eager": step0(out["reader 100"], eager)[i],
+                        "r100_vs_channel_decode": decode_steps(out["reader 100"], out["channel"])[i],
+                        "r100_vs_eager_decode": decode_steps(out["reader 100"], eager)[i],
+                        "channel_vs_eager_decode": decode_steps(out["channel"], eager)[i],
+                        "max_logit": float(eager.logits[i].abs().max()),
+                        "k_per_rank": gens["reader"].reader_k,
+                        "reader_vs_eager_seq_match": bool(torch.equal(reader.tokens[i], eager.tokens[i])),
+                        "reader_eq_emulation": bool(torch.equal(reader.tokens[i], emulation.tokens[i])),
+                        "reader_vs_emulation": float((reader.logits[i] - emulation.logits[i]).abs().max()),
+                    }
+                )
             print(f"TP {tp}: {time.time() - t0:.0f} s", file=sys.stderr)
-    print(table(rows, [("tp", "TP"), ("prompt", "prompt", "{!r}"), ("channel_seq_match", "channel SEQ_MATCH"),
-                       ("r100_seq_match", "reader 100 % SEQ_MATCH"),
-                       ("r100_vs_channel_decode", "100 % vs channel, decode steps", "{:.1e}"),
-                       ("r100_vs_eager_decode", "100 % vs eager, decode", "{:.1e}"),
-                       ("channel_vs_eager_decode", "channel vs eager, decode", "{:.1e}"), ("max_logit", "max logit", "{:.1f}"),
-                       ("k_per_rank", f"k/rank @ {args.budget:g} %"),
-                       ("reader_vs_eager_seq_match", f"{args.budget:g} %: SEQ_MATCH"),
-                       ("reader_eq_emulation", "= emulation (tokens)"),
-                       ("reader_vs_emulation", "|Δlogit| vs emulation", "{:.1e}")]))
-    report = {"budget": args.budget, "rank": args.rank, "new_tokens": args.new_tokens, "rows": rows,
-              "seconds": time.time() - started, "machine": "CPU (gloo ranks as forked processes)"}
+    print(
+        table(
+            rows,
+            [
+                ("tp", "TP"),
+                ("prompt", "prompt", "{!r}"),
+                ("channel_seq_match", "channel SEQ_MATCH"),
+                ("r100_seq_match", "reader 100 % SEQ_MATCH"),
+                ("r100_vs_channel_decode", "100 % vs channel, decode steps", "{:.1e}"),
+                ("r100_vs_eager_decode", "100 % vs eager, decode", "{:.1e}"),
+                ("channel_vs_eager_decode", "channel vs eager, decode", "{:.1e}"),
+                ("max_logit", "max logit", "{:.1f}"),
+                ("k_per_rank", f"k/rank @ {args.budget:g} %"),
+                ("reader_vs_eager_seq_match", f"{args.budget:g} %: SEQ_MATCH"),
+                ("reader_eq_emulation", "= emulation (tokens)"),
+                ("reader_vs_emulation", "|Δlogit| vs emulation", "{:.1e}"),
+            ],
+        )
+    )
+    report = {
+        "budget": args.budget,
+        "rank": args.rank,
+        "new_tokens": args.new_tokens,
+        "rows": rows,
+        "seconds": time.time() - started,
+        "machine": "CPU (gloo ranks as forked processes)",
+    }
     if args.json:
         write_json(report, args.json)
-    ok = all(r["r100_seq_match"] and r["reader_eq_emulation"] and r["r100_vs_channel_decode"] <= 2e-6 * r["max_logit"]
-             for r in rows)
-    print(f"\n{'PASS' if ok else 'FAIL'}: reader at 100 % = HF eager (SEQ_MATCH) and = the channel layout without it "
-          f"on every decode step (fp32 bound, 2e-6 of the largest logit); reader at {args.budget:g} % = the one-process "
-          f"emulation, at every TP degree")
+    ok = all(
+        r["r100_seq_match"] and r["reader_eq_emulation"] and r["r100_vs_channel_decode"] <= 2e-6 * r["max_logit"]
+        for r in rows
+    )
+    print(
+        f"\n{'PASS' if ok else 'FAIL'}: reader at 100 % = HF eager (SEQ_MATCH) and = the channel layout without it "
+        f"on every decode step (fp32 bound, 2e-6 of the largest logit); reader at {args.budget:g} % = the one-process "
+        f"emulation, at every TP degree"
+    )
     return 0 if ok else 1
 
 

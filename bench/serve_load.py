@@ -64,10 +64,12 @@ from neuron_moe.serve.chat import render_chat
 from neuron_moe.tokenizer import load_tokenizer
 
 # The long prompt: this text, cut to the number of tokens asked (with the chat template's own)
-LONG_TEXT = ("Summarise the following passage in one sentence. The expedition left the harbour before dawn, "
-             "crossed the strait under a grey sky, and reached the northern islands three days later, where the "
-             "crew mapped the coast, counted the birds on the cliffs and wrote down every word the islanders "
-             "taught them about the winds, the tides, the fish and the long winters of the far north. ") * 8
+LONG_TEXT = (
+    "Summarise the following passage in one sentence. The expedition left the harbour before dawn, "
+    "crossed the strait under a grey sky, and reached the northern islands three days later, where the "
+    "crew mapped the coast, counted the birds on the cliffs and wrote down every word the islanders "
+    "taught them about the winds, the tides, the fish and the long winters of the far north. "
+) * 8
 
 PROMPTS = [
     "The capital of France is",
@@ -91,7 +93,7 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                payload = line[len("data: "):]
+                payload = line[len("data: ") :]
                 if payload == "[DONE]":
                     done = True
                     break
@@ -109,9 +111,13 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
         return {"error": error or "stream ended without [DONE] and usage"}
     n = usage["completion_tokens"]
     ttft = (chunk_times[0] if chunk_times else end) - start
-    return {"ttft": ttft, "e2el": end - start, "output_tokens": n,
-            "tpot": (end - start - ttft) / (n - 1) if n > 1 else None,
-            "itl": list(np.diff(chunk_times)) if len(chunk_times) > 1 else []}
+    return {
+        "ttft": ttft,
+        "e2el": end - start,
+        "output_tokens": n,
+        "tpot": (end - start - ttft) / (n - 1) if n > 1 else None,
+        "itl": list(np.diff(chunk_times)) if len(chunk_times) > 1 else [],
+    }
 
 
 def long_prompt(model: str, tokens: int) -> str:
@@ -134,14 +140,20 @@ async def run_load(url: str, args):
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.clients)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+
         async def client_loop(c: int, n: int, warm: bool = False) -> list[dict]:
             results = []
             for r in range(n):
                 long = not warm and is_long(args, c, r)
                 content = args.long_text if long else PROMPTS[(c * args.requests + r) % len(PROMPTS)]
-                body = {"model": args.served, "messages": [{"role": "user", "content": content}],
-                        "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-                        "stream_options": {"include_usage": True}}
+                body = {
+                    "model": args.served,
+                    "messages": [{"role": "user", "content": content}],
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 if args.sampled:
                     body.update(temperature=0.7, top_p=0.9, seed=1000 * c + r)
                 results.append({**await one_request(client, body), "long": long})
@@ -167,13 +179,13 @@ def health_loop(url: str, stop: threading.Event, latencies: list, interval_s: fl
             stop.wait(interval_s)
 
 
-def hostile_loop(url: str, model: str, n_bytes: int, interval_s: float, api_key: str | None, stop,
-                 answers) -> None:
+def hostile_loop(url: str, model: str, n_bytes: int, interval_s: float, api_key: str | None, stop, answers) -> None:
     """One client sending an n_bytes prompt again and again until stop, each at least interval_s after
     the one before: (status or error, seconds) each, put on `answers`. Run in a process of its own
     (its sending is not this process's GIL), the body encoded once (its JSON work is not measured)."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * n_bytes}],
-                       "max_tokens": 1}).encode()
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "x" * n_bytes}], "max_tokens": 1}
+    ).encode()
     headers = {"content-type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     with httpx.Client(base_url=url, headers=headers, timeout=600) as client:
         while not stop.is_set():
@@ -191,9 +203,11 @@ def run_phase(url: str, args, hostile_bytes: int) -> dict:
     spawn = multiprocessing.get_context("spawn")
     stop, hostile_stop, answers, latencies = threading.Event(), spawn.Event(), spawn.Queue(), []
     health = threading.Thread(target=health_loop, args=(url, stop, latencies), daemon=True)
-    hostile = spawn.Process(target=hostile_loop, daemon=True,
-                            args=(url, args.served, hostile_bytes, args.hostile_interval, args.api_key, hostile_stop,
-                                  answers))
+    hostile = spawn.Process(
+        target=hostile_loop,
+        daemon=True,
+        args=(url, args.served, hostile_bytes, args.hostile_interval, args.api_key, hostile_stop, answers),
+    )
     if hostile_bytes:
         hostile.start()
         time.sleep(2.0)  # its interpreter started and its first request sent
@@ -223,9 +237,14 @@ def run_phase(url: str, args, hostile_bytes: int) -> dict:
         outcomes: dict[str, int] = {}
         for outcome, _ in answers:
             outcomes[str(outcome)] = outcomes.get(str(outcome), 0) + 1
-        summary["hostile"] = {"bytes": hostile_bytes, "interval_s": args.hostile_interval, "requests": len(answers),
-                              "rate_per_s": len(answers) / duration, "outcomes": outcomes,
-                              "seconds": stats([sec for _, sec in answers])}
+        summary["hostile"] = {
+            "bytes": hostile_bytes,
+            "interval_s": args.hostile_interval,
+            "requests": len(answers),
+            "rate_per_s": len(answers) / duration,
+            "outcomes": outcomes,
+            "seconds": stats([sec for _, sec in answers]),
+        }
     return summary
 
 
@@ -235,8 +254,13 @@ def stats(values) -> dict:
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "n": 0}
     ms = np.array(values) * 1000
-    return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)),
-            "p99": float(np.percentile(ms, 99)), "n": len(values)}
+    return {
+        "mean": float(ms.mean()),
+        "p50": float(np.percentile(ms, 50)),
+        "p90": float(np.percentile(ms, 90)),
+        "p99": float(np.percentile(ms, 99)),
+        "n": len(values),
+    }
 
 
 def summarize(results: list[dict], duration: float) -> dict:
@@ -244,11 +268,18 @@ def summarize(results: list[dict], duration: float) -> dict:
     errors = [r["error"] for r in results if "error" in r]
     tokens = sum(r["output_tokens"] for r in ok)
     return {
-        "requests": len(results), "completed": len(ok), "failed": len(errors), "errors": errors[:10],
-        "duration_s": duration, "request_throughput_per_s": len(ok) / duration,
-        "output_tokens": tokens, "output_token_throughput_per_s": tokens / duration,
-        "ttft_ms": stats([r["ttft"] for r in ok]), "tpot_ms": stats([r["tpot"] for r in ok]),
-        "itl_ms": stats([x for r in ok for x in r["itl"]]), "e2el_ms": stats([r["e2el"] for r in ok]),
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(errors),
+        "errors": errors[:10],
+        "duration_s": duration,
+        "request_throughput_per_s": len(ok) / duration,
+        "output_tokens": tokens,
+        "output_token_throughput_per_s": tokens / duration,
+        "ttft_ms": stats([r["ttft"] for r in ok]),
+        "tpot_ms": stats([r["tpot"] for r in ok]),
+        "itl_ms": stats([x for r in ok for x in r["itl"]]),
+        "e2el_ms": stats([r["e2el"] for r in ok]),
     }
 
 
@@ -261,12 +292,15 @@ def uptime() -> str:
 
 def code() -> str:
     """The checkout that ran: branch, commit, and whether its tree had changes (bench/results aside)."""
+
     def git(*args):
         try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                                  cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+            return subprocess.run(
+                ["git", *args], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parents[1]
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
+
     commit = git("rev-parse", "--short", "HEAD")
     changed = git("status", "--porcelain", "--", ".", ":!bench/results")
     return f"{git('rev-parse', '--abbrev-ref', 'HEAD')} {commit}" + (" + changes" if changed else "") if commit else ""
@@ -278,25 +312,39 @@ def machine() -> dict:
     if cpuinfo.exists():
         found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
         cpu = found.group(1).strip() if found else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "load_average": os.getloadavg(), "uptime": uptime(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-            "code": code()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+        "uptime": uptime(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "code": code(),
+    }
 
 
 def engine_counters(url: str) -> dict:
     """The batching engine's calls and rows, from the server's /metrics (empty for another engine)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = ("neuron_moe:prefill_calls_total", "neuron_moe:prefill_rows_total", "neuron_moe:decode_calls_total",
-              "neuron_moe:decode_rows_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+    wanted = (
+        "neuron_moe:prefill_calls_total",
+        "neuron_moe:prefill_rows_total",
+        "neuron_moe:decode_calls_total",
+        "neuron_moe:decode_rows_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+    )
     try:
         text = httpx.get(f"{url}/metrics", timeout=30).text
     except httpx.HTTPError:
         return {}
     found = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
     if found.get("neuron_moe:prefill_calls_total"):
-        found["prefill_rows_per_call"] = \
+        found["prefill_rows_per_call"] = (
             found["neuron_moe:prefill_rows_total"] / found["neuron_moe:prefill_calls_total"]
+        )
     if found.get("neuron_moe:decode_calls_total"):
         found["decode_rows_per_call"] = found["neuron_moe:decode_rows_total"] / found["neuron_moe:decode_calls_total"]
     return found
@@ -304,11 +352,25 @@ def engine_counters(url: str) -> dict:
 
 def start_server(args, batch_size: int | None) -> tuple[subprocess.Popen, str]:
     """`neuron-moe serve` on 127.0.0.1 with a free port; returns once /health answers 200."""
-    cmd = [sys.executable, "-m", "neuron_moe", "serve", "--model", args.model, "--backend", args.backend,
-           "--host", "127.0.0.1", "--port", "0", "--max-queue", str(args.clients + bool(args.hostile_bytes)),
-           *(["--batch-size", str(batch_size)] if batch_size else []),
-           *(["--prefill-rows", *map(str, args.prefill_rows)] if args.prefill_rows else []),
-           *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "neuron_moe",
+        "serve",
+        "--model",
+        args.model,
+        "--backend",
+        args.backend,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--max-queue",
+        str(args.clients + bool(args.hostile_bytes)),
+        *(["--batch-size", str(batch_size)] if batch_size else []),
+        *(["--prefill-rows", *map(str, args.prefill_rows)] if args.prefill_rows else []),
+        *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # stdout: access log
     deadline = time.monotonic() + 300
     for line in proc.stderr:  # uvicorn names the port it bound
@@ -321,8 +383,9 @@ def start_server(args, batch_size: int | None) -> tuple[subprocess.Popen, str]:
     else:
         raise SystemExit(f"the server exited ({proc.wait()}) before it was listening")
     # keep reading its log, so that a full pipe never stalls it; pass on all but the INFO lines
-    threading.Thread(target=lambda: [sys.stderr.write(line) for line in proc.stderr if not line.startswith("INFO")],
-                     daemon=True).start()
+    threading.Thread(
+        target=lambda: [sys.stderr.write(line) for line in proc.stderr if not line.startswith("INFO")], daemon=True
+    ).start()
     while httpx.get(f"{url}/health").status_code != 200:
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
@@ -345,26 +408,58 @@ def run_once(args, batch_size: int | None) -> dict:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    report = {"benchmark": "serve_load", "model": args.model, "backend": args.backend, "batch_size": batch_size,
-              "prefill_rows": args.prefill_rows, "prefill_chunk": args.prefill_chunk, "sampled": args.sampled,
-              "long_every": args.long_every, "long_prompt_tokens": args.long_tokens if args.long_every else None,
-              "clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
-              "machine": host, "engine": counters, **summary}
+    report = {
+        "benchmark": "serve_load",
+        "model": args.model,
+        "backend": args.backend,
+        "batch_size": batch_size,
+        "prefill_rows": args.prefill_rows,
+        "prefill_chunk": args.prefill_chunk,
+        "sampled": args.sampled,
+        "long_every": args.long_every,
+        "long_prompt_tokens": args.long_tokens if args.long_every else None,
+        "clients": args.clients,
+        "requests_per_client": args.requests,
+        "max_tokens": args.max_tokens,
+        "machine": host,
+        "engine": counters,
+        **summary,
+    }
     if hostile:
         report["with_hostile_client"] = hostile
     return report
 
 
 def print_run(summary: dict) -> None:
-    rows = [{"metric": name, **summary[key]} for name, key in
-            (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2EL", "e2el_ms"),
-             ("/health", "health_ms"))]
-    print(table(rows, [("metric", "ms"), ("mean", "mean", "{:.1f}"), ("p50", "p50", "{:.1f}"),
-                       ("p90", "p90", "{:.1f}"), ("p99", "p99", "{:.1f}"), ("n", "samples")]))
-    print(f"\nrequests: {summary['completed']}/{summary['requests']} completed, {summary['failed']} failed "
-          f"in {summary['duration_s']:.1f} s; {summary['request_throughput_per_s']:.2f} req/s, "
-          f"{summary['output_tokens']} output tokens, {summary['output_token_throughput_per_s']:.1f} tok/s; "
-          f"/health max {summary['health_ms']['max']:.1f} ms, {summary['health_ms']['failed']} failed")
+    rows = [
+        {"metric": name, **summary[key]}
+        for name, key in (
+            ("TTFT", "ttft_ms"),
+            ("TPOT", "tpot_ms"),
+            ("ITL", "itl_ms"),
+            ("E2EL", "e2el_ms"),
+            ("/health", "health_ms"),
+        )
+    ]
+    print(
+        table(
+            rows,
+            [
+                ("metric", "ms"),
+                ("mean", "mean", "{:.1f}"),
+                ("p50", "p50", "{:.1f}"),
+                ("p90", "p90", "{:.1f}"),
+                ("p99", "p99", "{:.1f}"),
+                ("n", "samples"),
+            ],
+        )
+    )
+    print(
+        f"\nrequests: {summary['completed']}/{summary['requests']} completed, {summary['failed']} failed "
+        f"in {summary['duration_s']:.1f} s; {summary['request_throughput_per_s']:.2f} req/s, "
+        f"{summary['output_tokens']} output tokens, {summary['output_token_throughput_per_s']:.1f} tok/s; "
+        f"/health max {summary['health_ms']['max']:.1f} ms, {summary['health_ms']['failed']} failed"
+    )
     for error in summary["errors"]:
         print(f"  error: {error}")
 
@@ -372,19 +467,47 @@ def print_run(summary: dict) -> None:
 def print_hostile_comparison(without: dict, hostile: dict) -> None:
     h = hostile["hostile"]
     pace = f"at most one per {h['interval_s']:g} s" if h["interval_s"] else "back to back"
-    print(f"\nside by side: the same load without, then with one client sending a {h['bytes']:,}-byte prompt "
-          f"again and again, {pace} ({h['requests']} times, {h['rate_per_s']:.1f}/s: {h['outcomes']}, "
-          f"{h['seconds']['mean']:.0f} ms each on average)\n")
-    rows = [{"run": name, "ttft50": r["ttft_ms"]["p50"], "ttft99": r["ttft_ms"]["p99"], "ttft": r["ttft_ms"]["mean"],
-             "h50": r["health_ms"]["p50"], "h99": r["health_ms"]["p99"], "hmax": r["health_ms"]["max"],
-             "failed": r["failed"]} for name, r in (("without", without), ("with", hostile))]
-    rows.append({"run": "with / without", "ttft50": hostile["ttft_ms"]["p50"] / without["ttft_ms"]["p50"],
-                 "ttft99": hostile["ttft_ms"]["p99"] / without["ttft_ms"]["p99"],
-                 "ttft": hostile["ttft_ms"]["mean"] / without["ttft_ms"]["mean"]})
-    print(table(rows, [("run", "run"), ("ttft", "TTFT mean", "{:.2f}"), ("ttft50", "TTFT p50", "{:.2f}"),
-                       ("ttft99", "TTFT p99", "{:.2f}"), ("h50", "/health p50 ms", "{:.1f}"),
-                       ("h99", "/health p99 ms", "{:.1f}"), ("hmax", "/health max ms", "{:.1f}"),
-                       ("failed", "failed requests")]))
+    print(
+        f"\nside by side: the same load without, then with one client sending a {h['bytes']:,}-byte prompt "
+        f"again and again, {pace} ({h['requests']} times, {h['rate_per_s']:.1f}/s: {h['outcomes']}, "
+        f"{h['seconds']['mean']:.0f} ms each on average)\n"
+    )
+    rows = [
+        {
+            "run": name,
+            "ttft50": r["ttft_ms"]["p50"],
+            "ttft99": r["ttft_ms"]["p99"],
+            "ttft": r["ttft_ms"]["mean"],
+            "h50": r["health_ms"]["p50"],
+            "h99": r["health_ms"]["p99"],
+            "hmax": r["health_ms"]["max"],
+            "failed": r["failed"],
+        }
+        for name, r in (("without", without), ("with", hostile))
+    ]
+    rows.append(
+        {
+            "run": "with / without",
+            "ttft50": hostile["ttft_ms"]["p50"] / without["ttft_ms"]["p50"],
+            "ttft99": hostile["ttft_ms"]["p99"] / without["ttft_ms"]["p99"],
+            "ttft": hostile["ttft_ms"]["mean"] / without["ttft_ms"]["mean"],
+        }
+    )
+    print(
+        table(
+            rows,
+            [
+                ("run", "run"),
+                ("ttft", "TTFT mean", "{:.2f}"),
+                ("ttft50", "TTFT p50", "{:.2f}"),
+                ("ttft99", "TTFT p99", "{:.2f}"),
+                ("h50", "/health p50 ms", "{:.1f}"),
+                ("h99", "/health p99 ms", "{:.1f}"),
+                ("hmax", "/health max ms", "{:.1f}"),
+                ("failed", "failed requests"),
+            ],
+        )
+    )
 
 
 def run_name(r: dict) -> str:
@@ -409,20 +532,28 @@ def print_batch_comparison(reports: list[dict]) -> None:
     def row(metric, value):
         return {"metric": metric, **{run: value(r) for run, r in zip(runs, reports)}}
 
-    rows = [row("output tok/s", lambda r: f"{r['output_token_throughput_per_s']:.1f}"),
-            row(f"  x {run_name(base_run)}", lambda r: f"{r['output_token_throughput_per_s'] / base:.2f}"),
-            row("requests/s", lambda r: f"{r['request_throughput_per_s']:.2f}")]
+    rows = [
+        row("output tok/s", lambda r: f"{r['output_token_throughput_per_s']:.1f}"),
+        row(f"  x {run_name(base_run)}", lambda r: f"{r['output_token_throughput_per_s'] / base:.2f}"),
+        row("requests/s", lambda r: f"{r['request_throughput_per_s']:.2f}"),
+    ]
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("/health", "health_ms")):
         for stat in ("mean", "p50", "p99"):
-            rows.append(row(f"{name} {stat} (ms)", lambda r: f"{r[key][stat]:.1f}" if r[key][stat] is not None else "-"))
-    rows += [row("short TPOT p99 (ms)", lambda r: f"{r['short']['tpot_ms']['p99']:.1f}" if "short" in r else "-"),
-             row("prefill rows / call", lambda r: f"{r['engine'].get('prefill_rows_per_call', 0):.2f}"),
-             row("decode rows / call", lambda r: f"{r['engine'].get('decode_rows_per_call', 0):.2f}"),
-             row("completed", lambda r: f"{r['completed']}/{r['requests']}"),
-             row("failed", lambda r: str(r["failed"])),
-             row("duration (s)", lambda r: f"{r['duration_s']:.1f}"),
-             row("load avg before/after", lambda r: f"{r['machine']['load_average'][0]:.1f} / "
-                                                     f"{r['machine']['load_average_after'][0]:.1f}")]
+            rows.append(
+                row(f"{name} {stat} (ms)", lambda r: f"{r[key][stat]:.1f}" if r[key][stat] is not None else "-")
+            )
+    rows += [
+        row("short TPOT p99 (ms)", lambda r: f"{r['short']['tpot_ms']['p99']:.1f}" if "short" in r else "-"),
+        row("prefill rows / call", lambda r: f"{r['engine'].get('prefill_rows_per_call', 0):.2f}"),
+        row("decode rows / call", lambda r: f"{r['engine'].get('decode_rows_per_call', 0):.2f}"),
+        row("completed", lambda r: f"{r['completed']}/{r['requests']}"),
+        row("failed", lambda r: str(r["failed"])),
+        row("duration (s)", lambda r: f"{r['duration_s']:.1f}"),
+        row(
+            "load avg before/after",
+            lambda r: f"{r['machine']['load_average'][0]:.1f} / {r['machine']['load_average_after'][0]:.1f}",
+        ),
+    ]
     print(table(rows, [("metric", "metric"), *[(run, run) for run in runs]]))
 
 
@@ -456,25 +587,46 @@ def acceptance(args) -> tuple[list[dict], dict]:
         "ttft_p99_ms_one_prompt_prefill": reports["one-prompt prefill"]["ttft_ms"]["p99"],
         "ttft_p99_ms_recorded_before": TODAYS_TTFT_P99_MS,
         "long_prompt_tokens": args.long_tokens,
-        "mixed_short_tpot_p99_ms": mixed, "tpot_p99_ms_without_long": without,
+        "mixed_short_tpot_p99_ms": mixed,
+        "tpot_p99_ms_without_long": without,
         "mixed_short_tpot_p99_x_without": mixed / without,
     }
     return list(reports.values()), summary
 
 
 def print_acceptance(summary: dict) -> None:
-    rows = [{"what": "greedy output tok/s, batched / batch 1", "got": summary["greedy_tokens_per_s_x_batch_1"],
-             "goal": ">= 4"},
-            {"what": "  the same with one-prompt prefill", "got": summary["one_prompt_prefill_tokens_per_s_x_batch_1"],
-             "goal": ""},
-            {"what": "sampled output tok/s, batched / batch 1", "got": summary["sampled_tokens_per_s_x_batch_1"],
-             "goal": "reported"},
-            {"what": "TTFT p99 (ms), batched", "got": summary["ttft_p99_ms"],
-             "goal": f"< {summary['ttft_p99_ms_recorded_before']:g} (recorded before)"},
-            {"what": "TTFT p99 (ms), one-prompt prefill, this run", "got": summary["ttft_p99_ms_one_prompt_prefill"],
-             "goal": "the same machine's"},
-            {"what": "short requests' TPOT p99, mixed / without", "got": summary["mixed_short_tpot_p99_x_without"],
-             "goal": "<= 1.5"}]
+    rows = [
+        {
+            "what": "greedy output tok/s, batched / batch 1",
+            "got": summary["greedy_tokens_per_s_x_batch_1"],
+            "goal": ">= 4",
+        },
+        {
+            "what": "  the same with one-prompt prefill",
+            "got": summary["one_prompt_prefill_tokens_per_s_x_batch_1"],
+            "goal": "",
+        },
+        {
+            "what": "sampled output tok/s, batched / batch 1",
+            "got": summary["sampled_tokens_per_s_x_batch_1"],
+            "goal": "reported",
+        },
+        {
+            "what": "TTFT p99 (ms), batched",
+            "got": summary["ttft_p99_ms"],
+            "goal": f"< {summary['ttft_p99_ms_recorded_before']:g} (recorded before)",
+        },
+        {
+            "what": "TTFT p99 (ms), one-prompt prefill, this run",
+            "got": summary["ttft_p99_ms_one_prompt_prefill"],
+            "goal": "the same machine's",
+        },
+        {
+            "what": "short requests' TPOT p99, mixed / without",
+            "got": summary["mixed_short_tpot_p99_x_without"],
+            "goal": "<= 1.5",
+        },
+    ]
     print(table(rows, [("what", "acceptance (issue 32)"), ("got", "this run", "{:.2f}"), ("goal", "goal")]))
 
 
@@ -482,31 +634,61 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="an already running server (default: start one on 127.0.0.1)")
     p.add_argument("--model", default="tiny-gemma4-moe", help="port to serve / model name to request")
-    p.add_argument("--backend", default="eager",
-                   help="engine under test: the backend of the server started here (static: the batching engine "
-                        "on CPU; an experts implementation: one request per thread) (default: eager)")
-    p.add_argument("--batch-size", type=int, nargs="+", metavar="B",
-                   help="--backend static: run the load against a server at each batch size, one after another, "
-                        "and compare them (e.g. 8 1)")
+    p.add_argument(
+        "--backend",
+        default="eager",
+        help="engine under test: the backend of the server started here (static: the batching engine "
+        "on CPU; an experts implementation: one request per thread) (default: eager)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        nargs="+",
+        metavar="B",
+        help="--backend static: run the load against a server at each batch size, one after another, "
+        "and compare them (e.g. 8 1)",
+    )
     p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"))
     p.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
     p.add_argument("--requests", type=int, default=64, help="requests per client, one after another (default 64)")
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each request (default 16)")
-    p.add_argument("--hostile-bytes", type=int, default=0, metavar="N",
-                   help="also run the load beside a client sending an N-byte prompt again and again (default: no)")
-    p.add_argument("--hostile-interval", type=float, default=0.0, metavar="S",
-                   help="at least S seconds from one of its requests to the next (default 0: back to back)")
+    p.add_argument(
+        "--hostile-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run the load beside a client sending an N-byte prompt again and again (default: no)",
+    )
+    p.add_argument(
+        "--hostile-interval",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="at least S seconds from one of its requests to the next (default 0: back to back)",
+    )
     p.add_argument("--sampled", action="store_true", help="sample: temperature 0.7, top-p 0.9, a seed per request")
-    p.add_argument("--long-every", type=int, default=0, metavar="N",
-                   help="one request in N of each client is a long prompt (default 0: none)")
-    p.add_argument("--long-tokens", type=int, metavar="T",
-                   help="the long prompt's length in tokens (default: the longest the port's cache takes with "
-                        "--max-tokens)")
-    p.add_argument("--prefill-rows", type=int, nargs="+", metavar="P",
-                   help="serve --prefill-rows (default: the port's)")
+    p.add_argument(
+        "--long-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="one request in N of each client is a long prompt (default 0: none)",
+    )
+    p.add_argument(
+        "--long-tokens",
+        type=int,
+        metavar="T",
+        help="the long prompt's length in tokens (default: the longest the port's cache takes with --max-tokens)",
+    )
+    p.add_argument(
+        "--prefill-rows", type=int, nargs="+", metavar="P", help="serve --prefill-rows (default: the port's)"
+    )
     p.add_argument("--prefill-chunk", type=int, metavar="N", help="serve --prefill-chunk (default: the port's)")
-    p.add_argument("--acceptance", action="store_true",
-                   help="issue 32's runs side by side (see the module docstring); --backend static")
+    p.add_argument(
+        "--acceptance",
+        action="store_true",
+        help="issue 32's runs side by side (see the module docstring); --backend static",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
     args = p.parse_args(argv)
     args.served = load_port(args.model).name  # --model may be a port file: the server serves its name
@@ -541,11 +723,15 @@ def main(argv=None) -> int:
     for report in reports:
         host = report["machine"]
         engine = args.backend + (f", batch {report['batch_size']}" if report["batch_size"] else "")
-        print(f"serve_load  {args.model} ({engine}), {args.clients} clients x {args.requests} requests, "
-              f"max_tokens {args.max_tokens}, streamed, {'sampled' if report['sampled'] else 'temperature 0'}, "
-              f"loopback{'; mixed' if report['long_every'] else ''}")
-        print(f"machine: {host['cpu']}, {host['cores']} cores, load average {host['load_average'][0]:.1f} before / "
-              f"{host['load_average_after'][0]:.1f} after, OMP_NUM_THREADS={host['OMP_NUM_THREADS']}\n")
+        print(
+            f"serve_load  {args.model} ({engine}), {args.clients} clients x {args.requests} requests, "
+            f"max_tokens {args.max_tokens}, streamed, {'sampled' if report['sampled'] else 'temperature 0'}, "
+            f"loopback{'; mixed' if report['long_every'] else ''}"
+        )
+        print(
+            f"machine: {host['cpu']}, {host['cores']} cores, load average {host['load_average'][0]:.1f} before / "
+            f"{host['load_average_after'][0]:.1f} after, OMP_NUM_THREADS={host['OMP_NUM_THREADS']}\n"
+        )
         print_run(report)
         if "short" in report:
             print("\nthe short requests alone:\n")

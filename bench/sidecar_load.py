@@ -58,9 +58,14 @@ def main() -> int:
     geometry = Geometry(hidden=2816, experts=128, intermediate=704)
     layout = SidecarLayout(geometry, 32)
     gen = torch.Generator().manual_seed(0)
-    layer = {name: (torch.randint(0, CODE_BYTES, shape, generator=gen, dtype=torch.uint8) if dtype == torch.uint8
-                    else torch.randn(shape, generator=gen).to(dtype))
-             for name, (dtype, shape) in layout.layer_tensors().items()}
+    layer = {
+        name: (
+            torch.randint(0, CODE_BYTES, shape, generator=gen, dtype=torch.uint8)
+            if dtype == torch.uint8
+            else torch.randn(shape, generator=gen).to(dtype)
+        )
+        for name, (dtype, shape) in layout.layer_tensors().items()
+    }
     signs = random_signs(layout.hidden_padded, 0)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "layer.safetensors"
@@ -87,20 +92,45 @@ def main() -> int:
             "Sidecar.layer (read + every check)": best(lambda: side.layer(0), args.repeats),
             "  sha256 of the layer's bytes": best(digest, args.repeats),
             "  code bytes <= 242": best(lambda: int(tensors["codes"].max()), args.repeats),
-            "  numbers finite": best(lambda: [bool(torch.isfinite(tensors[n]).all())
-                                              for n in ("scales", "down_norms", "basis", "coeffs")], args.repeats),
+            "  numbers finite": best(
+                lambda: [bool(torch.isfinite(tensors[n]).all()) for n in ("scales", "down_norms", "basis", "coeffs")],
+                args.repeats,
+            ),
         }
-    machine = {"host": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(),
-               "torch_threads": torch.get_num_threads(), "load_average_at_end": os.getloadavg(),
-               "torch": torch.__version__, "python": platform.python_version(), "device": "CPU"}
-    result = {"bench": "sidecar_load", "layer_bytes": size, "repeats": args.repeats,
-              "seconds_per_layer": {k.strip(): round(v, 4) for k, v in rows.items()}, "machine": machine}
+    machine = {
+        "host": socket.gethostname(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_at_end": os.getloadavg(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": "CPU",
+    }
+    result = {
+        "bench": "sidecar_load",
+        "layer_bytes": size,
+        "repeats": args.repeats,
+        "seconds_per_layer": {k.strip(): round(v, 4) for k, v in rows.items()},
+        "machine": machine,
+    }
     out = args.out or str(Path(__file__).parent / "results" / f"sidecar_load-{socket.gethostname()}.json")
     write_json(result, out)
     title = f"one full-size sidecar layer, {size / 1e6:.1f} MB, warm ({machine['cpu']}, best of {args.repeats})"
-    print(table([{"what": k, "layer": f"{v * 1e3:.0f} ms", "model": f"{v * LAYERS:.1f} s",
-                  "rate": f"{size / v / 1e9:.2f} GB/s"} for k, v in rows.items()],
-                [("what", title), ("layer", "per layer"), ("model", f"x {LAYERS} layers"), ("rate", "")]))
+    print(
+        table(
+            [
+                {
+                    "what": k,
+                    "layer": f"{v * 1e3:.0f} ms",
+                    "model": f"{v * LAYERS:.1f} s",
+                    "rate": f"{size / v / 1e9:.2f} GB/s",
+                }
+                for k, v in rows.items()
+            ],
+            [("what", title), ("layer", "per layer"), ("model", f"x {LAYERS} layers"), ("rate", "")],
+        )
+    )
     print(f"\nwrote {out}")
     return 0
 

@@ -47,7 +47,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-gemma4-moe", help="port with a [static] table (default tiny-gemma4-moe)")
     ap.add_argument("--batch-sizes", default="1,8", help="comma-separated; the first is the baseline (default 1,8)")
-    ap.add_argument("--prompt-tokens", type=int, default=25, help="prompt length (default 25: the chat prompts' middle)")
+    ap.add_argument(
+        "--prompt-tokens", type=int, default=25, help="prompt length (default 25: the chat prompts' middle)"
+    )
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per request for the ratio (default 16)")
     ap.add_argument("--prefill-rows", type=int, default=4, help="prompts a prefill call takes at batch > 1 (default 4)")
     ap.add_argument("--repeats", type=int, default=30)
@@ -68,9 +70,14 @@ def main() -> int:
         positions = torch.full((batch, 1), args.prompt_tokens)
         sampling = torch.tensor([GREEDY] * batch)
         runtime.decode(ids, positions, sampling)  # warm
-        rows.append({"batch": batch, "prefill_rows": together,
-                     "prefill_ms": best_ms(lambda: runtime.prefill(chunks), args.repeats),
-                     "decode_ms": best_ms(lambda: runtime.decode(ids, positions, sampling), args.repeats)})
+        rows.append(
+            {
+                "batch": batch,
+                "prefill_rows": together,
+                "prefill_ms": best_ms(lambda: runtime.prefill(chunks), args.repeats),
+                "decode_ms": best_ms(lambda: runtime.decode(ids, positions, sampling), args.repeats),
+            }
+        )
     base, n = rows[0], args.max_tokens
     for r in rows:
         r["prefill_ms_per_prompt"] = r["prefill_ms"] / r["prefill_rows"]
@@ -78,15 +85,29 @@ def main() -> int:
         r["decode_x_base"] = r["decode_ms"] / base["decode_ms"]
         alone = base["prefill_ms_per_prompt"] + (n - 1) * base["decode_ms"] / base["batch"]
         r["ceiling_x_base"] = r["batch"] * alone / (r["batch"] * r["prefill_ms_per_prompt"] + (n - 1) * r["decode_ms"])
-    print(f"static graphs of {port.name} (prefill: {spec.prefill_experts}, decode: {spec.decode_experts}), "
-          f"prompt {args.prompt_tokens} tokens, {n}-token requests; best of {args.repeats}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}\n")
-    print(table(rows, [("batch", "batch"), ("prefill_rows", "prompts per prefill"),
-                       ("prefill_ms", "prefill ms", "{:.2f}"), ("prefill_ms_per_prompt", "prefill ms/prompt", "{:.2f}"),
-                       ("decode_ms", "decode step ms", "{:.2f}"),
-                       ("decode_ms_per_token", "decode ms/token", "{:.2f}"), ("decode_x_base", "step × base", "{:.2f}"),
-                       ("ceiling_x_base", "tok/s ceiling × base", "{:.2f}")]))
+    print(
+        f"static graphs of {port.name} (prefill: {spec.prefill_experts}, decode: {spec.decode_experts}), "
+        f"prompt {args.prompt_tokens} tokens, {n}-token requests; best of {args.repeats}"
+    )
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}\n"
+    )
+    print(
+        table(
+            rows,
+            [
+                ("batch", "batch"),
+                ("prefill_rows", "prompts per prefill"),
+                ("prefill_ms", "prefill ms", "{:.2f}"),
+                ("prefill_ms_per_prompt", "prefill ms/prompt", "{:.2f}"),
+                ("decode_ms", "decode step ms", "{:.2f}"),
+                ("decode_ms_per_token", "decode ms/token", "{:.2f}"),
+                ("decode_x_base", "step × base", "{:.2f}"),
+                ("ceiling_x_base", "tok/s ceiling × base", "{:.2f}"),
+            ],
+        )
+    )
     if args.json:
         write_json({"model": port.name, "settings": vars(args), "rows": rows}, args.json)
     return 0

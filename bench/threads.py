@@ -75,18 +75,50 @@ def main() -> int:
                 times[w, n].append(time.perf_counter() - start)
     engines["static"].close()
     load_after = os.getloadavg()
-    rows = [{"workload": w, "threads": n, "median_s": statistics.median(t), "min_s": min(t),
-             "vs_first": statistics.median(t) / statistics.median(times[w, counts[0]])}
-            for (w, n), t in times.items()]
-    host = {"machine": platform.machine(), "cpus": os.cpu_count(), "load_average_before": load_before,
-            "load_average_after": load_after, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    print(f"{port.name}, {args.max_new_tokens} new tokens, {args.repeats} repeats per count, interleaved; "
-          f"{host['cpus']} CPUs, load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
-    print(table(rows, [("workload", "workload"), ("threads", "threads"), ("median_s", "median s", "{:.3f}"),
-                       ("min_s", "fastest s", "{:.3f}"), ("vs_first", f"median / {counts[0]} thread(s)", "{:.2f}")]))
+    rows = [
+        {
+            "workload": w,
+            "threads": n,
+            "median_s": statistics.median(t),
+            "min_s": min(t),
+            "vs_first": statistics.median(t) / statistics.median(times[w, counts[0]]),
+        }
+        for (w, n), t in times.items()
+    ]
+    host = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    print(
+        f"{port.name}, {args.max_new_tokens} new tokens, {args.repeats} repeats per count, interleaved; "
+        f"{host['cpus']} CPUs, load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n"
+    )
+    print(
+        table(
+            rows,
+            [
+                ("workload", "workload"),
+                ("threads", "threads"),
+                ("median_s", "median s", "{:.3f}"),
+                ("min_s", "fastest s", "{:.3f}"),
+                ("vs_first", f"median / {counts[0]} thread(s)", "{:.2f}"),
+            ],
+        )
+    )
     if args.json:
-        write_json({"host": host, "settings": vars(args), "rows": rows,
-                    "times": {f"{w}/{n}": t for (w, n), t in times.items()}}, args.json)
+        write_json(
+            {
+                "host": host,
+                "settings": vars(args),
+                "rows": rows,
+                "times": {f"{w}/{n}": t for (w, n), t in times.items()},
+            },
+            args.json,
+        )
     return 0
 
 

@@ -119,11 +119,17 @@ class Metered:
             self.hlo_ops = {op: text.count(f" {op}(") for op in ("sort", "custom-call", "while", "conditional")}
         xla.sync()
         after, (to_device, to_host) = xla.fallbacks(), xla.moved()
-        self.calls.append({
-            "compiles": xla.compiles() - compiles,
-            "fallbacks": {k: v - fallbacks.get(k, 0) for k, v in after.items() if v != fallbacks.get(k, 0)},
-            "to_device": to_device, "to_host": to_host,
-            "inputs": tensor_bytes(args), "outputs": tensor_bytes(outs), "s": time.perf_counter() - start})
+        self.calls.append(
+            {
+                "compiles": xla.compiles() - compiles,
+                "fallbacks": {k: v - fallbacks.get(k, 0) for k, v in after.items() if v != fallbacks.get(k, 0)},
+                "to_device": to_device,
+                "to_host": to_host,
+                "inputs": tensor_bytes(args),
+                "outputs": tensor_bytes(outs),
+                "s": time.perf_counter() - start,
+            }
+        )
         if len(self.calls) == 1:
             self.cache_hits = xla.cache_hits() - hits
         return outs
@@ -135,13 +141,17 @@ class Metered:
             for k, v in call["fallbacks"].items():
                 fallbacks[k] = fallbacks.get(k, 0) + v
         # the steady state: the first decode call also carries the batch's first tokens across
-        per_call = {k: statistics.median(c[k] for c in self.calls) for k in ("to_device", "to_host", "inputs",
-                                                                            "outputs")}
+        per_call = {
+            k: statistics.median(c[k] for c in self.calls) for k in ("to_device", "to_host", "inputs", "outputs")
+        }
         return {
-            "graph": self.name, "calls": len(self.calls),
-            "compiles_first_call": first["compiles"], "cache_hit_first_call": self.cache_hits,
+            "graph": self.name,
+            "calls": len(self.calls),
+            "compiles_first_call": first["compiles"],
+            "cache_hit_first_call": self.cache_hits,
             "compiles_later_calls": sum(c["compiles"] for c in later),
-            "aten_fallbacks": fallbacks, "hlo_ops": self.hlo_ops,
+            "aten_fallbacks": fallbacks,
+            "hlo_ops": self.hlo_ops,
             **{f"{k}_bytes_per_call": v for k, v in per_call.items()},
             "first_call_s": first["s"],
             "later_call_ms": 1e3 * statistics.median(c["s"] for c in later) if later else None,
@@ -156,8 +166,10 @@ class Xla:
             import torch_xla
             import torch_xla.debug.metrics as met
         except ImportError as e:
-            sys.exit(f"error: torch-xla is not installed in this Python ({sys.executable}): {e}. "
-                     f"Run `make xla-check`, which creates .venv-xla with torch==2.9.0 and torch-xla==2.9.0.")
+            sys.exit(
+                f"error: torch-xla is not installed in this Python ({sys.executable}): {e}. "
+                f"Run `make xla-check`, which creates .venv-xla with torch==2.9.0 and torch-xla==2.9.0."
+            )
         if os.environ.get("PJRT_DEVICE") != "CPU":
             sys.exit("error: set PJRT_DEVICE=CPU (this check runs XLA on the CPU)")
         self.torch_xla, self.met = torch_xla, met
@@ -198,8 +210,11 @@ def seq_match(reference, got) -> dict:
     for ref, tokens in zip(reference.tokens, got.tokens):
         diverged = (ref != tokens).nonzero()
         firsts.append(int(diverged[0]) if len(diverged) else None)
-    return {"all_match": all(f is None for f in firsts), "matched": sum(f is None for f in firsts),
-            "first_divergence": firsts}
+    return {
+        "all_match": all(f is None for f in firsts),
+        "matched": sum(f is None for f in firsts),
+        "first_divergence": firsts,
+    }
 
 
 def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: dict, hlo_dir) -> tuple[dict, dict]:
@@ -212,7 +227,7 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     # the serving graphs: the token alone
     generator = StaticGenerator(model, spec, exported=run.exported, device=xla.device, logits=False)
     size = spec.batch_size
-    generator.prepare(set().union(*(generator.check(mask[i:i + size], new_tokens) for i in range(0, len(ids), size))))
+    generator.prepare(set().union(*(generator.check(mask[i : i + size], new_tokens) for i in range(0, len(ids), size))))
     export_s = time.perf_counter() - start
     tag = f"{run.prefill}-{run.decode}-{'exported' if run.exported else 'modules'}"
     # the generator's graphs, each replaced by its metered self (the loop calls them by name)
@@ -221,8 +236,12 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     if run.decode == "int8":
         # the int8 copies are made on the device on first use: made first, as a graph of their own,
         # so that the prefill graph's one compilation is its own
-        graphs["int8 quantise"] = Metered(xla, f"{tag} int8 quantise", lambda: [
-            t for layer in model.model.layers for t in _quantized(layer.experts)], None)
+        graphs["int8 quantise"] = Metered(
+            xla,
+            f"{tag} int8 quantise",
+            lambda: [t for layer in model.model.layers for t in _quantized(layer.experts)],
+            None,
+        )
         xla.moved()  # not the model's move to the device
         graphs["int8 quantise"]()
     compiles_before, moved_before = xla.compiles(), xla.transfers()
@@ -232,18 +251,25 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     generate_s = time.perf_counter() - start
     moved = [now - before for now, before in zip(xla.transfers(), moved_before)]
     summaries = [g.summary() for g in graphs.values()]
-    graph_compiles = sum(g["compiles_first_call"] + g["compiles_later_calls"] for g in summaries
-                         if not g["graph"].endswith("int8 quantise"))
+    graph_compiles = sum(
+        g["compiles_first_call"] + g["compiles_later_calls"]
+        for g in summaries
+        if not g["graph"].endswith("int8 quantise")
+    )
     decode_steps = len(graphs["decode"].calls)
     row = {
-        "run": run.name, "exported": run.exported, "prefill_experts": run.prefill, "decode_experts": run.decode,
+        "run": run.name,
+        "exported": run.exported,
+        "prefill_experts": run.prefill,
+        "decode_experts": run.decode,
         "graphs": summaries,
         # compilations outside the graphs: collecting the tokens (and logits) for the host
         "other_compiles": xla.compiles() - compiles_before - graph_compiles,
         # everything the generation moved, prefills and the tokens (and logits) read at the end included
         "generation_to_device_bytes_per_decode_call": moved[0] / decode_steps,
         "generation_to_host_bytes_per_decode_call": moved[1] / decode_steps,
-        "export_s": export_s if run.exported else None, "generate_s": generate_s,
+        "export_s": export_s if run.exported else None,
+        "generate_s": generate_s,
         "vs_cpu_fp32": seq_match(references["fp32"], got),
     }
     if run.decode == "int8":
@@ -272,8 +298,17 @@ def serving_runtime(xla: Xla | None, programs: dict, spec, bucket: int, hlo_dir)
         return on(graphs[f"prefill {args[0].shape[0]}x{bucket}"])(*args)
 
     rows = spec.rows_for(spec.batch_size)
-    runtime = GraphRuntime(prefill, on(graphs["decode"]), batch=spec.batch_size, buckets=[bucket], prefill_rows=rows,
-                           chunk=bucket, max_length=spec.max_cache_len, logits=False, candidates=CANDIDATES)
+    runtime = GraphRuntime(
+        prefill,
+        on(graphs["decode"]),
+        batch=spec.batch_size,
+        buckets=[bucket],
+        prefill_rows=rows,
+        chunk=bucket,
+        max_length=spec.max_cache_len,
+        logits=False,
+        candidates=CANDIDATES,
+    )
     return runtime, graphs
 
 
@@ -286,15 +321,16 @@ def drive(runtime, long: list[int], short: list[int], draws: list[tuple], bucket
     out, done = {0: [], 1: [int(tokens[1])]}, bucket
     while len(out[0]) < SERVING_TOKENS:
         if done < len(long):
-            piece = long[done:done + bucket]
+            piece = long[done : done + bucket]
             tokens, _ = runtime.prefill([Chunk(piece, done, 0, GREEDY)])
             done += len(piece)
             if done == len(long):
                 out[0].append(int(tokens[0]))
         generating = bool(out[0])
         ids = torch.tensor([[out[0][-1] if generating else pad], [out[1][-1]]])
-        positions = torch.tensor([[len(long) + len(out[0]) - 1 if generating else done],
-                                  [len(short) + len(out[1]) - 1]])
+        positions = torch.tensor(
+            [[len(long) + len(out[0]) - 1 if generating else done], [len(short) + len(out[1]) - 1]]
+        )
         tokens, _ = runtime.decode(ids, positions, torch.tensor([GREEDY, next(draws)]))
         if generating:
             out[0].append(int(tokens[0]))
@@ -311,13 +347,17 @@ def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     model = build_model(port, spec.decode_experts)
     cache = new_cache(model, spec.max_cache_len, spec.batch_size)
     start = time.perf_counter()
-    programs = {f"prefill {p}x{bucket}": export(Prefill(model, cache, spec.prefill_experts),
-                                                example_inputs(spec, bucket, p), f"prefill {p}x{bucket}") for p in rows}
+    programs = {
+        f"prefill {p}x{bucket}": export(
+            Prefill(model, cache, spec.prefill_experts), example_inputs(spec, bucket, p), f"prefill {p}x{bucket}"
+        )
+        for p in rows
+    }
     programs["decode"] = export(Decode(model, cache, spec.decode_experts), example_inputs(spec, None), "decode")
     export_s = time.perf_counter() - start
 
     tokenizer = ByteTokenizer()
-    long, short = tokenizer.encode(PROMPTS[2])[:2 * bucket + 3], tokenizer.encode(PROMPTS[-1])[:bucket]
+    long, short = tokenizer.encode(PROMPTS[2])[: 2 * bucket + 3], tokenizer.encode(PROMPTS[-1])[:bucket]
     gen = torch.Generator().manual_seed(0)
     settings = [(0.8, 0, 0.9), (1.0, 20, 1.0), (0.7, 0, 1.0)]  # top-p; top-k; temperature alone
     draws = [(*settings[i % 3], float(torch.rand((), generator=gen))) for i in range(SERVING_TOKENS + 8)]
@@ -333,22 +373,36 @@ def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     summaries = [g.summary() for g in graphs.values()]
     (decode,) = [g for g in summaries if g["graph"].endswith(" decode")]
     diverged = next((i for i, (a, b) in enumerate(zip(got[0], eager)) if a != b), None)
-    row = {"run": SERVING, "exported": True, "prefill_experts": spec.prefill_experts,
-           "decode_experts": spec.decode_experts, "graphs": summaries, "other_compiles": 0, "export_s": export_s,
-           "generate_s": generate_s,
-           "generation_to_device_bytes_per_decode_call": decode["to_device_bytes_per_call"],
-           "generation_to_host_bytes_per_decode_call": decode["to_host_bytes_per_call"],
-           "decode_output_bytes_per_call": decode["outputs_bytes_per_call"], "decode_token_bytes": spec.batch_size * 8,
-           "prompts": {"chunked greedy row": len(long), "sampled row": len(short), "chunk": bucket},
-           "sampled_like_cpu": got == reference, "tokens": got,
-           "vs_cpu_fp32": {"all_match": diverged is None, "matched": int(diverged is None),
-                           "first_divergence": [diverged]}}
+    row = {
+        "run": SERVING,
+        "exported": True,
+        "prefill_experts": spec.prefill_experts,
+        "decode_experts": spec.decode_experts,
+        "graphs": summaries,
+        "other_compiles": 0,
+        "export_s": export_s,
+        "generate_s": generate_s,
+        "generation_to_device_bytes_per_decode_call": decode["to_device_bytes_per_call"],
+        "generation_to_host_bytes_per_decode_call": decode["to_host_bytes_per_call"],
+        "decode_output_bytes_per_call": decode["outputs_bytes_per_call"],
+        "decode_token_bytes": spec.batch_size * 8,
+        "prompts": {"chunked greedy row": len(long), "sampled row": len(short), "chunk": bucket},
+        "sampled_like_cpu": got == reference,
+        "tokens": got,
+        "vs_cpu_fp32": {
+            "all_match": diverged is None,
+            "matched": int(diverged is None),
+            "first_divergence": [diverged],
+        },
+    }
     return row, {name: graph_ops(p) for name, p in programs.items()}
 
 
 def passed(row: dict) -> bool:
-    clean = all(g["compiles_first_call"] <= 1 and g["compiles_later_calls"] == 0 and not g["aten_fallbacks"]
-                for g in row["graphs"])
+    clean = all(
+        g["compiles_first_call"] <= 1 and g["compiles_later_calls"] == 0 and not g["aten_fallbacks"]
+        for g in row["graphs"]
+    )
     tokens = row["vs_cpu_int8"]["all_match"] if "vs_cpu_int8" in row else row["vs_cpu_fp32"]["all_match"]
     if row["run"] == SERVING:  # and the sampled row as the CPU samples it, and a decode call returns its tokens only
         tokens = tokens and row["sampled_like_cpu"] and row["decode_output_bytes_per_call"] == row["decode_token_bytes"]
@@ -358,18 +412,25 @@ def passed(row: dict) -> bool:
 def _step_bytes(row: dict) -> dict:
     """A run's bytes per decode call: the call's own inputs/outputs, and what XLA moved."""
     (decode,) = [g for g in row["graphs"] if g["graph"].endswith(" decode")]
-    return {"inputs": decode["inputs_bytes_per_call"], "outputs": decode["outputs_bytes_per_call"],
-            "to_device": decode["to_device_bytes_per_call"], "to_host": decode["to_host_bytes_per_call"],
-            "all_to_device": row["generation_to_device_bytes_per_decode_call"],
-            "all_to_host": row["generation_to_host_bytes_per_decode_call"]}
+    return {
+        "inputs": decode["inputs_bytes_per_call"],
+        "outputs": decode["outputs_bytes_per_call"],
+        "to_device": decode["to_device_bytes_per_call"],
+        "to_host": decode["to_host_bytes_per_call"],
+        "all_to_device": row["generation_to_device_bytes_per_decode_call"],
+        "all_to_host": row["generation_to_host_bytes_per_decode_call"],
+    }
 
 
 def before_after(baseline: dict, result: dict) -> list[str]:
     """The decode step's bytes, the baseline checkout's first run beside this one's."""
-    rows = [dict(_step_bytes(baseline["runs"][0]), code=f"before: {baseline['code']}"),
-            dict(_step_bytes(result["runs"][0]), code=f"after: {result['code']}")]
+    rows = [
+        dict(_step_bytes(baseline["runs"][0]), code=f"before: {baseline['code']}"),
+        dict(_step_bytes(result["runs"][0]), code=f"after: {result['code']}"),
+    ]
     return [
-        "## Bytes per decode step: before and after", "",
+        "## Bytes per decode step: before and after",
+        "",
         f"Run: {result['runs'][0]['run']}; batch {result['batch_size']}. *call inputs / outputs*: the bytes of "
         "the decode call's own arguments and results — on Neuron, what NxD's runtime copies between host and "
         "device for every input and for every output that is not an aliased state. *XLA host→device / "
@@ -378,68 +439,100 @@ def before_after(baseline: dict, result: dict) -> list[str]:
         "generation*: everything the generation moved (the prefills, and the tokens and logits read at the end, "
         "included) divided by its decode calls. On XLA:CPU a graph output stays on the device until read, so the "
         "old graphs' KV round trip shows in the call's inputs/outputs (what an NxD runtime would copy), not in "
-        "XLA's transfers; their logits show in the whole generation's device→host bytes.", "",
-        report.table(rows, [("code", "code"), ("inputs", "call inputs", "{:.0f}"),
-                            ("outputs", "call outputs", "{:.0f}"), ("to_device", "XLA host→device", "{:.0f}"),
-                            ("to_host", "XLA device→host", "{:.0f}"),
-                            ("all_to_device", "whole generation host→device", "{:.0f}"),
-                            ("all_to_host", "whole generation device→host", "{:.0f}")], markdown=True), ""]
+        "XLA's transfers; their logits show in the whole generation's device→host bytes.",
+        "",
+        report.table(
+            rows,
+            [
+                ("code", "code"),
+                ("inputs", "call inputs", "{:.0f}"),
+                ("outputs", "call outputs", "{:.0f}"),
+                ("to_device", "XLA host→device", "{:.0f}"),
+                ("to_host", "XLA device→host", "{:.0f}"),
+                ("all_to_device", "whole generation host→device", "{:.0f}"),
+                ("all_to_host", "whole generation device→host", "{:.0f}"),
+            ],
+            markdown=True,
+        ),
+        "",
+    ]
 
 
 def markdown(result: dict, baseline: dict | None = None) -> str:
     env = result["environment"]
     lines = [
-        "# XLA lowering check (torch-xla on CPU)", "",
+        "# XLA lowering check (torch-xla on CPU)",
+        "",
         f"Machine: {env['machine']} — CPU only, `PJRT_DEVICE=CPU` (XLA:CPU; no Neuron device, no neuronx-cc).",
         f"Packages: Python {env['python']}, torch {env['torch']}, torch-xla {env['torch_xla']}, "
         f"transformers {env['transformers']}. Port `{result['port']}` ({result['weights']}), "
         f"{len(PROMPTS)} prompts in batches of {result['batch_size']}, prefill + {result['new_tokens'] - 1} decode steps.",
-        "", "Written by `make xla-check` (`python -m bench.xla_check`). Compilations from `CompileTime`, fallbacks are "
+        "",
+        "Written by `make xla-check` (`python -m bench.xla_check`). Compilations from `CompileTime`, fallbacks are "
         "torch-xla's `aten::*` counters, per graph; a call is one graph call plus `torch_xla.sync()`. The graphs "
-        "are the serving graphs: the KV cache is their device state, the token their only output.", "",
+        "are the serving graphs: the KV cache is their device state, the token their only output.",
+        "",
     ]
     if baseline is not None:
         lines += before_after(baseline, result)
     for row in result["runs"]:
         fp32 = row["vs_cpu_fp32"]
-        lines += [f"## {row['run']}", "",
-                  "| graph | calls | compiles, 1st call | compiles, later calls | aten fallbacks | HLO sort / custom-call / while / conditional | call in / out bytes | XLA host→device / device→host bytes | 1st call s | later call ms |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {row['run']}",
+            "",
+            "| graph | calls | compiles, 1st call | compiles, later calls | aten fallbacks | HLO sort / custom-call / while / conditional | call in / out bytes | XLA host→device / device→host bytes | 1st call s | later call ms |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for g in row["graphs"]:
             fb = ", ".join(f"{k} ×{v}" for k, v in g["aten_fallbacks"].items()) or "none"
             later = "-" if g["later_call_ms"] is None else f"{g['later_call_ms']:.1f}"
-            first = f"{g['compiles_first_call']}" + (" (cached: same HLO as an earlier run)" if g["cache_hit_first_call"] else "")
-            lines.append(f"| {g['graph'].split(' ', 1)[1]} | {g['calls']} | {first} | "
-                         f"{g['compiles_later_calls']} | {fb} | {' / '.join(map(str, g['hlo_ops'].values())) or '-'} | "
-                         f"{g['inputs_bytes_per_call']:.0f} / {g['outputs_bytes_per_call']:.0f} | "
-                         f"{g['to_device_bytes_per_call']:.0f} / {g['to_host_bytes_per_call']:.0f} | "
-                         f"{g['first_call_s']:.1f} | {later} |")
+            first = f"{g['compiles_first_call']}" + (
+                " (cached: same HLO as an earlier run)" if g["cache_hit_first_call"] else ""
+            )
+            lines.append(
+                f"| {g['graph'].split(' ', 1)[1]} | {g['calls']} | {first} | "
+                f"{g['compiles_later_calls']} | {fb} | {' / '.join(map(str, g['hlo_ops'].values())) or '-'} | "
+                f"{g['inputs_bytes_per_call']:.0f} / {g['outputs_bytes_per_call']:.0f} | "
+                f"{g['to_device_bytes_per_call']:.0f} / {g['to_host_bytes_per_call']:.0f} | "
+                f"{g['first_call_s']:.1f} | {later} |"
+            )
         n = 1 if row["run"] == SERVING else len(PROMPTS)
-        lines += ["", f"- SEQ_MATCH vs CPU fp32 reference (HF eager): **{fp32['all_match']}** "
-                      f"({fp32['matched']}/{n}; first divergence per prompt {fp32['first_divergence']})"]
+        lines += [
+            "",
+            f"- SEQ_MATCH vs CPU fp32 reference (HF eager): **{fp32['all_match']}** "
+            f"({fp32['matched']}/{n}; first divergence per prompt {fp32['first_divergence']})",
+        ]
         if "vs_cpu_int8" in row:
             q = row["vs_cpu_int8"]
-            lines.append(f"- SEQ_MATCH vs the same int8 model on the CPU (HF, int8 experts): **{q['all_match']}** "
-                         f"({q['matched']}/{len(PROMPTS)}; first divergence per prompt {q['first_divergence']})")
+            lines.append(
+                f"- SEQ_MATCH vs the same int8 model on the CPU (HF, int8 experts): **{q['all_match']}** "
+                f"({q['matched']}/{len(PROMPTS)}; first divergence per prompt {q['first_divergence']})"
+            )
         if row["run"] == SERVING:
             p = row["prompts"]
-            lines += [f"- row 0: a {p['chunked greedy row']}-token prompt prefilled in chunks of {p['chunk']} between "
-                      f"decode steps, then greedy (the SEQ_MATCH line above is its tokens vs HF eager); row 1: a "
-                      f"{p['sampled row']}-token prompt prefilled beside row 0's first chunk in one call, then sampled "
-                      "in the graphs (top-p 0.9, top-k 20, temperature alone, in turn, each token its own draw)",
-                      f"- every token equal to the same programs' on the CPU given the same inputs: "
-                      f"**{row['sampled_like_cpu']}**",
-                      f"- a decode call returns **{row['decode_output_bytes_per_call']:.0f} bytes**: the "
-                      f"{row['decode_token_bytes'] // 8} token ids (int64), no logits"]
+            lines += [
+                f"- row 0: a {p['chunked greedy row']}-token prompt prefilled in chunks of {p['chunk']} between "
+                f"decode steps, then greedy (the SEQ_MATCH line above is its tokens vs HF eager); row 1: a "
+                f"{p['sampled row']}-token prompt prefilled beside row 0's first chunk in one call, then sampled "
+                "in the graphs (top-p 0.9, top-k 20, temperature alone, in turn, each token its own draw)",
+                f"- every token equal to the same programs' on the CPU given the same inputs: "
+                f"**{row['sampled_like_cpu']}**",
+                f"- a decode call returns **{row['decode_output_bytes_per_call']:.0f} bytes**: the "
+                f"{row['decode_token_bytes'] // 8} token ids (int64), no logits",
+            ]
         export = "" if row["export_s"] is None else f"export {row['export_s']:.0f} s, "
-        lines += [f"- bytes the whole generation moved, per decode call: host→device "
-                  f"{row['generation_to_device_bytes_per_decode_call']:.0f}, device→host "
-                  f"{row['generation_to_host_bytes_per_decode_call']:.0f}",
-                  f"- wall: {export}generation {row['generate_s']:.1f} s (compiles included); "
-                  f"{row['other_compiles']} compilation(s) outside the graphs (collecting the tokens for the host)",
-                  f"- verdict: {'PASS' if row['passed'] else 'FAIL'}", ""]
+        lines += [
+            f"- bytes the whole generation moved, per decode call: host→device "
+            f"{row['generation_to_device_bytes_per_decode_call']:.0f}, device→host "
+            f"{row['generation_to_host_bytes_per_decode_call']:.0f}",
+            f"- wall: {export}generation {row['generate_s']:.1f} s (compiles included); "
+            f"{row['other_compiles']} compilation(s) outside the graphs (collecting the tokens for the host)",
+            f"- verdict: {'PASS' if row['passed'] else 'FAIL'}",
+            "",
+        ]
     lines += [
-        f"Allow-list: {result['allowlist']}", "",
+        f"Allow-list: {result['allowlist']}",
+        "",
         "Notes:",
         "- Bytes per call are the median over the graph's calls, XLA's from the end of the previous graph call to the "
         "end of this one. A call's inputs made on the host (ids, pad mask, positions, row ids) are what XLA moves to "
@@ -456,7 +549,9 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
         "full sort; a custom-call would be an op outside plain HLO, a while or conditional control flow in the graph.",
         "- What this does not show: that neuronx-cc accepts this HLO (its sort support included), that NxD's "
         "runtime keeps the aliased state on the device as its source says, or anything about speed on a Neuron "
-        "device. Times above are XLA:CPU on a shared 2-core machine.", ""]
+        "device. Times above are XLA:CPU on a shared 2-core machine.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -476,8 +571,9 @@ def _code(root: Path) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny-gemma4-moe", help="port with a [static] table")
     parser.add_argument("--new-tokens", type=int, default=33, help="tokens per prompt: prefill + N-1 decode steps")
     parser.add_argument("--out", default="bench/results/xla-check", help="result files: OUT.md and OUT.json")
@@ -492,8 +588,10 @@ def main(argv=None) -> int:
         sys.exit(f"error: port {port.name!r} has no [static] table: it has no static graphs to check")
     tokenizer = ByteTokenizer()
     ids, mask = left_pad([tokenizer.encode(p) for p in PROMPTS], tokenizer.pad_token_id)
-    references = {"fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, args.new_tokens),
-                  "int8": greedy(build_model(port, "int8", torch.float32), ids, mask, args.new_tokens)}
+    references = {
+        "fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, args.new_tokens),
+        "int8": greedy(build_model(port, "int8", torch.float32), ids, mask, args.new_tokens),
+    }
     hlo_dir = Path(args.hlo) if args.hlo else None
 
     rows, ops = [], {}
@@ -509,43 +607,68 @@ def main(argv=None) -> int:
         rows.append(row)
         for graph, names in run_ops.items():
             ops[f"{tag} {graph}"] = names
-        print(report.table(row["graphs"], [("graph", "graph"), ("calls", "calls"),
-                                           ("compiles_first_call", "compiles 1st"),
-                                           ("compiles_later_calls", "compiles later"),
-                                           ("aten_fallbacks", "aten fallbacks"),
-                                           ("inputs_bytes_per_call", "in bytes"),
-                                           ("outputs_bytes_per_call", "out bytes"),
-                                           ("to_device_bytes_per_call", "XLA h->d"),
-                                           ("to_host_bytes_per_call", "XLA d->h")]))
-        print(f"SEQ_MATCH vs CPU fp32: {row['vs_cpu_fp32']['all_match']}"
-              + (f"; vs CPU int8: {row['vs_cpu_int8']['all_match']}" if "vs_cpu_int8" in row else "")
-              + f"  -> {'PASS' if row['passed'] else 'FAIL'}", flush=True)
+        print(
+            report.table(
+                row["graphs"],
+                [
+                    ("graph", "graph"),
+                    ("calls", "calls"),
+                    ("compiles_first_call", "compiles 1st"),
+                    ("compiles_later_calls", "compiles later"),
+                    ("aten_fallbacks", "aten fallbacks"),
+                    ("inputs_bytes_per_call", "in bytes"),
+                    ("outputs_bytes_per_call", "out bytes"),
+                    ("to_device_bytes_per_call", "XLA h->d"),
+                    ("to_host_bytes_per_call", "XLA d->h"),
+                ],
+            )
+        )
+        print(
+            f"SEQ_MATCH vs CPU fp32: {row['vs_cpu_fp32']['all_match']}"
+            + (f"; vs CPU int8: {row['vs_cpu_int8']['all_match']}" if "vs_cpu_int8" in row else "")
+            + f"  -> {'PASS' if row['passed'] else 'FAIL'}",
+            flush=True,
+        )
 
     ok = all(row["passed"] for row in rows)
     result = {
         "port": port.name,
-        "weights": f"seeded random weights, seed {port.seed}" if port.weights_source == "random"
-                   else f"checkpoint {port.checkpoint.name}",
-        "new_tokens": args.new_tokens, "batch_size": port.static.batch_size,
+        "weights": f"seeded random weights, seed {port.seed}"
+        if port.weights_source == "random"
+        else f"checkpoint {port.checkpoint.name}",
+        "new_tokens": args.new_tokens,
+        "batch_size": port.static.batch_size,
         "code": _code(Path(report.__file__).resolve().parents[1]),  # the checkout the package came from
-        "prompts": list(PROMPTS), "passed": ok, "runs": rows,
-        "environment": {"machine": f"CPU ({platform.machine()}, {os.cpu_count()} cores shared)",
-                        "python": platform.python_version(), "torch": torch.__version__,
-                        "torch_xla": xla.version, "transformers": transformers.__version__},
+        "prompts": list(PROMPTS),
+        "passed": ok,
+        "runs": rows,
+        "environment": {
+            "machine": f"CPU ({platform.machine()}, {os.cpu_count()} cores shared)",
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_xla": xla.version,
+            "transformers": transformers.__version__,
+        },
     }
     # the exported programs' ops: what tools/xla_ops.py makes the allow-list of, once every run passed
     exported = set().union(*ops.values())
     result.update(exported_graphs=sorted(ops), exported_ops=sorted(exported))
     missing = sorted(exported - xla_lowered_ops())
     ok = ok and not missing
-    allowlist = (f"every one of the {len(exported)} ops of the exported graphs is on `{XLA_LOWERED_OPS_FILE.name}`"
-                 if not missing else f"ops of the exported graphs missing from the allow-list: {missing} "
-                                     "(`python -m tools.xla_ops` writes it from this run's JSON)")
+    allowlist = (
+        f"every one of the {len(exported)} ops of the exported graphs is on `{XLA_LOWERED_OPS_FILE.name}`"
+        if not missing
+        else f"ops of the exported graphs missing from the allow-list: {missing} "
+        "(`python -m tools.xla_ops` writes it from this run's JSON)"
+    )
     print(allowlist)
     result.update(passed=ok, allowlist=allowlist)
     baseline_path = Path(f"{args.out}-baseline.json")
-    baseline = report.read_json_object(baseline_path, UserError, f"{baseline_path}: unreadable") \
-        if baseline_path.is_file() else None
+    baseline = (
+        report.read_json_object(baseline_path, UserError, f"{baseline_path}: unreadable")
+        if baseline_path.is_file()
+        else None
+    )
     report.write_json(result, f"{args.out}.json")
     with report.atomic_write(Path(f"{args.out}.md")) as f:
         f.write(markdown(result, baseline))

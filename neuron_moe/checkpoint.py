@@ -53,8 +53,10 @@ def read_config(ckpt_dir: Path, expected: Gemma4TextConfig | None = None, port: 
     config = read_config_file(Path(ckpt_dir) / CONFIG, CheckpointError)
     diffs = geometry_differences(expected, config) if expected is not None else []
     if diffs:
-        raise CheckpointError(f"{Path(ckpt_dir) / CONFIG}: not the model of port {port!r}: {'; '.join(diffs)} "
-                              "(give this port's checkpoint, or a port whose [config] is this checkpoint's)")
+        raise CheckpointError(
+            f"{Path(ckpt_dir) / CONFIG}: not the model of port {port!r}: {'; '.join(diffs)} "
+            "(give this port's checkpoint, or a port whose [config] is this checkpoint's)"
+        )
     return config
 
 
@@ -92,7 +94,7 @@ def _text_key(key: str, multimodal: bool) -> str | None:
     if not multimodal:
         return key
     if key.startswith(MULTIMODAL_TEXT_PREFIX):
-        return "model." + key[len(MULTIMODAL_TEXT_PREFIX):]
+        return "model." + key[len(MULTIMODAL_TEXT_PREFIX) :]
     if key.startswith(MULTIMODAL_OTHER_PREFIXES):
         return None
     return key  # lm_head.weight, or something unexpected that the key check will name
@@ -175,8 +177,9 @@ def read_state_dict(ckpt_dir: Path, config: Gemma4TextConfig, dtype: torch.dtype
     return state
 
 
-def check_checkpoint(ckpt_dir: Path, expected: Gemma4TextConfig | None = None, port: str = "",
-                     tokenizer: bool = False) -> Gemma4TextConfig:
+def check_checkpoint(
+    ckpt_dir: Path, expected: Gemma4TextConfig | None = None, port: str = "", tokenizer: bool = False
+) -> Gemma4TextConfig:
     """Everything about a checkpoint directory that is known without reading its weights, in one
     place so that every command says the same about the same mistake before it starts its work (or
     a server binds its socket): the directory, config.json (with `expected`: that it is the port's
@@ -186,8 +189,10 @@ def check_checkpoint(ckpt_dir: Path, expected: Gemma4TextConfig | None = None, p
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path}: {'not a directory' if path.exists() else 'no such directory'}")
     if not (path / CONFIG).is_file():
-        raise CheckpointError(f"checkpoint {path}: no {CONFIG} (an HF-layout checkpoint holds {CONFIG} and "
-                              f"{SINGLE}, or {INDEX} and its shards)")
+        raise CheckpointError(
+            f"checkpoint {path}: no {CONFIG} (an HF-layout checkpoint holds {CONFIG} and "
+            f"{SINGLE}, or {INDEX} and its shards)"
+        )
     config = read_config(path, expected, port)
     wanted, shapes = _wanted(path, config)
 
@@ -197,8 +202,10 @@ def check_checkpoint(ckpt_dir: Path, expected: Gemma4TextConfig | None = None, p
 
     _each_tensor(wanted, check)
     if tokenizer and not any((path / name).is_file() for name in TOKENIZER_MODELS):
-        raise CheckpointError(f"checkpoint {path}: no tokenizer ({' or '.join(TOKENIZER_MODELS)}); port {port!r} "
-                              "takes its tokenizer from its checkpoint")
+        raise CheckpointError(
+            f"checkpoint {path}: no tokenizer ({' or '.join(TOKENIZER_MODELS)}); port {port!r} "
+            "takes its tokenizer from its checkpoint"
+        )
     return config
 
 
@@ -207,7 +214,7 @@ def _check_finite(tensor: torch.Tensor, key: str, path: Path) -> None:
     load. One pass of isfinite over each tensor, a small share of reading the file."""
     flat = tensor.reshape(-1)
     for start in range(0, flat.numel(), _FINITE_CHUNK):  # chunks: a bool mask of 2^24, not of the tensor
-        if not torch.isfinite(flat[start:start + _FINITE_CHUNK]).all():
+        if not torch.isfinite(flat[start : start + _FINITE_CHUNK]).all():
             bad = flat.numel() - int(torch.isfinite(flat).sum())
             raise CheckpointError(f"{key} in {path.name}: {bad} non-finite value(s) (NaN or inf) of {flat.numel()}")
 
@@ -225,8 +232,9 @@ def model_from_state_dict(config: Gemma4TextConfig, state: dict[str, torch.Tenso
     return model.eval()
 
 
-def load_checkpoint(ckpt_dir: Path, dtype: torch.dtype | None = None, expected: Gemma4TextConfig | None = None,
-                    port: str = "") -> Gemma4ForCausalLM:
+def load_checkpoint(
+    ckpt_dir: Path, dtype: torch.dtype | None = None, expected: Gemma4TextConfig | None = None, port: str = ""
+) -> Gemma4ForCausalLM:
     """The checkpoint's model; with `expected`, only if it is that config's model (`read_config`)."""
     config = read_config(Path(ckpt_dir), expected, port)
     return model_from_state_dict(config, read_state_dict(Path(ckpt_dir), config, dtype or torch.float32))
@@ -255,10 +263,14 @@ def write_checkpoint(
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     if multimodal:
-        state = {(MULTIMODAL_TEXT_PREFIX + k[len("model."):] if k.startswith("model.") else k): v
-                 for k, v in state.items()}
-        cfg = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
-               "text_config": config.to_dict()}
+        state = {
+            (MULTIMODAL_TEXT_PREFIX + k[len("model.") :] if k.startswith("model.") else k): v for k, v in state.items()
+        }
+        cfg = {
+            "model_type": "gemma4",
+            "architectures": ["Gemma4ForConditionalGeneration"],
+            "text_config": config.to_dict(),
+        }
     else:
         cfg = dict(config.to_dict(), architectures=["Gemma4ForCausalLM"])
 
@@ -304,7 +316,7 @@ def iter_expert_weights(ckpt_dir: Path, config: Gemma4TextConfig):
         for name, shape in (("gate_up_proj", (E, 2 * I, H)), ("down_proj", (E, H, I))):
             key = f"model.layers.{i}.experts.{name}"
             if multimodal:
-                key = MULTIMODAL_TEXT_PREFIX + key[len("model."):]
+                key = MULTIMODAL_TEXT_PREFIX + key[len("model.") :]
             if key not in weight_map:
                 raise CheckpointError(f"{ckpt_dir}: missing key {key}")
             try:
@@ -313,8 +325,10 @@ def iter_expert_weights(ckpt_dir: Path, config: Gemma4TextConfig):
             except Exception as e:
                 raise CheckpointError(f"{weight_map[key]}: not a readable safetensors file ({e})") from None
             if tuple(tensor.shape) != shape or tensor.dtype not in _FLOAT_DTYPES:
-                raise CheckpointError(f"{key}: {tensor.dtype} {tuple(tensor.shape)} in {weight_map[key].name}, "
-                                      f"expected a float tensor of shape {shape}")
+                raise CheckpointError(
+                    f"{key}: {tensor.dtype} {tuple(tensor.shape)} in {weight_map[key].name}, "
+                    f"expected a float tensor of shape {shape}"
+                )
             _check_finite(tensor, key, weight_map[key])
             pair.append(tensor)
         yield tuple(pair)

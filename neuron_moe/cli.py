@@ -67,10 +67,18 @@ _KERNEL_NEEDS = {"nki": environment.READER_NKI, "triton": environment.READER_TRI
 
 
 def cmd_validate(args) -> int:
-    backend = seq_match.backend(args.backend, sidecar=args.sidecar, budget=args.budget, rank=args.rank,
-                                reader_kernel=args.reader_kernel, reader_weights=args.reader_weights,
-                                expert_layout=args.expert_layout, tp=args.tp, tp_layers=args.tp_layers,
-                                dtype=args.dtype)
+    backend = seq_match.backend(
+        args.backend,
+        sidecar=args.sidecar,
+        budget=args.budget,
+        rank=args.rank,
+        reader_kernel=args.reader_kernel,
+        reader_weights=args.reader_weights,
+        expert_layout=args.expert_layout,
+        tp=args.tp,
+        tp_layers=args.tp_layers,
+        dtype=args.dtype,
+    )
     for need in (_LAYERS_NEED.get(args.tp_layers), _KERNEL_NEEDS.get(args.reader_kernel)):
         if need is not None:
             environment.require(need)
@@ -98,8 +106,11 @@ def cmd_pull(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    reader = None if args.reader_budget is None else \
-        Reader(budget=args.reader_budget, scan=args.reader_scan, rank=args.reader_rank)
+    reader = (
+        None
+        if args.reader_budget is None
+        else Reader(budget=args.reader_budget, scan=args.reader_scan, rank=args.reader_rank)
+    )
     port = load_port(args.model)
     if port.static is not None:  # the shapes trace-and-compile would build
         port = with_shapes(port, batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
@@ -108,8 +119,17 @@ def cmd_plan(args) -> int:
         raise UserError(f"port {port.name!r} has no [static] table, whose buckets --buckets would replace")
     else:
         batch, seq = args.batch_size or 1, args.seq_len or 4096
-    report = port_plan(port, args.instance, args.tp, args.dtype, batch, seq, args.runtime_reserve_gib * GiB,
-                       expert_layout=args.expert_layout, reader=reader)
+    report = port_plan(
+        port,
+        args.instance,
+        args.tp,
+        args.dtype,
+        batch,
+        seq,
+        args.runtime_reserve_gib * GiB,
+        expert_layout=args.expert_layout,
+        reader=reader,
+    )
     if _json_out(report, args):
         print(render_plan(report))
     return 0 if report["fits"] else 1
@@ -122,9 +142,18 @@ def cmd_trace_and_compile(args) -> int:
     reader = Reader(sidecar=args.sidecar, budget=args.budget, rank=args.rank)
     if not args.reader and reader != Reader():
         raise UserError("--sidecar, --budget and --rank configure the reader: pass --reader")
-    report = trace_and_compile(port, args.dtype, args.tp, args.out, dry_run=args.dry_run, overwrite=args.overwrite,
-                               checkpoint=args.checkpoint, expert_layout=args.expert_layout, logits=args.with_logits,
-                               reader=reader if args.reader else None)
+    report = trace_and_compile(
+        port,
+        args.dtype,
+        args.tp,
+        args.out,
+        dry_run=args.dry_run,
+        overwrite=args.overwrite,
+        checkpoint=args.checkpoint,
+        expert_layout=args.expert_layout,
+        logits=args.with_logits,
+        reader=reader if args.reader else None,
+    )
     if _json_out(report, args):
         print(render_trace_and_compile(report))
     return 0
@@ -146,15 +175,24 @@ def cmd_reads(args) -> int:
         if None in explicit:
             raise UserError("an explicit geometry needs all four of --hidden --experts --top-k --intermediate")
         if args.top_k > args.experts:
-            raise UserError(f"--top-k {args.top_k} is more than --experts {args.experts}: a token routes to at most "
-                            f"every expert once")
+            raise UserError(
+                f"--top-k {args.top_k} is more than --experts {args.experts}: a token routes to at most "
+                f"every expert once"
+            )
         geo = Geometry(hidden=args.hidden, experts=args.experts, top_k=args.top_k, intermediate=args.intermediate)
         name = "explicit geometry"
     else:
         port = load_port(args.model)
         geo, name = Geometry.from_config(port.config), port.name
-    report = reads_report(name, geo, ReaderSettings(scan=args.scan, rank=args.rank, weights=args.dtype), args.budget,
-                          args.tp or 1, args.batch, args.step_budget)
+    report = reads_report(
+        name,
+        geo,
+        ReaderSettings(scan=args.scan, rank=args.rank, weights=args.dtype),
+        args.budget,
+        args.tp or 1,
+        args.batch,
+        args.step_budget,
+    )
     if _json_out(report, args):
         print(render_reads(report))
     return 0
@@ -163,8 +201,16 @@ def cmd_reads(args) -> int:
 def cmd_prep_reader(args) -> int:
     if args.source and not args.tp:
         raise UserError("--from shards an existing sidecar: it needs --tp")
-    report = prep_reader(load_port(args.model), args.out, args.checkpoint, tp=args.tp, source=args.source,
-                         seed=args.seed, rank=args.rank, scan=args.scan)
+    report = prep_reader(
+        load_port(args.model),
+        args.out,
+        args.checkpoint,
+        tp=args.tp,
+        source=args.source,
+        seed=args.seed,
+        rank=args.rank,
+        scan=args.scan,
+    )
     if _json_out(report, args):
         print(render_prep_reader(report, read_source=bool(args.source)))
     return 0
@@ -179,9 +225,18 @@ def cmd_build_corpus(args) -> int:
 
 def cmd_train_tiny(args) -> int:
     port = load_port(args.model)
-    summary = train(port.config, args.corpus, args.out, steps=args.steps, batch_size=args.batch_size,
-                    seq_len=args.seq_len, lr=args.lr, task_share=args.task_share, seed=args.seed,
-                    threads=args.threads)
+    summary = train(
+        port.config,
+        args.corpus,
+        args.out,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        task_share=args.task_share,
+        seed=args.seed,
+        threads=args.threads,
+    )
     if _json_out({k: v for k, v in summary.items() if k != "log"}, args):
         print(render_training(summary, args.out))
     return 0
@@ -189,8 +244,16 @@ def cmd_train_tiny(args) -> int:
 
 def cmd_eval_tasks(args) -> int:
     port = load_port(args.model)
-    report = evaluate(port, seq_match.BACKENDS[args.backend], args.checkpoint, per_task=args.items, corpus=args.corpus,
-                      text_docs=args.text_docs, tasks=tuple(args.task or TASKS), split=args.split)
+    report = evaluate(
+        port,
+        seq_match.BACKENDS[args.backend],
+        args.checkpoint,
+        per_task=args.items,
+        corpus=args.corpus,
+        text_docs=args.text_docs,
+        tasks=tuple(args.task or TASKS),
+        split=args.split,
+    )
     if _json_out(report, args):
         print(render_tasks(report, port.config.num_experts))
     return 0
@@ -209,10 +272,23 @@ def cmd_eval_reader(args) -> int:
     return 0
 
 
-COMMANDS = {"ports": cmd_ports, "env": cmd_env, "info": cmd_info, "validate": cmd_validate, "build-corpus": cmd_build_corpus,
-            "train-tiny": cmd_train_tiny, "eval-tasks": cmd_eval_tasks, "eval-reader": cmd_eval_reader,
-            "publish": cmd_publish, "pull": cmd_pull, "plan": cmd_plan, "trace-and-compile": cmd_trace_and_compile,
-            "serve": cmd_serve, "reads": cmd_reads, "prep-reader": cmd_prep_reader}
+COMMANDS = {
+    "ports": cmd_ports,
+    "env": cmd_env,
+    "info": cmd_info,
+    "validate": cmd_validate,
+    "build-corpus": cmd_build_corpus,
+    "train-tiny": cmd_train_tiny,
+    "eval-tasks": cmd_eval_tasks,
+    "eval-reader": cmd_eval_reader,
+    "publish": cmd_publish,
+    "pull": cmd_pull,
+    "plan": cmd_plan,
+    "trace-and-compile": cmd_trace_and_compile,
+    "serve": cmd_serve,
+    "reads": cmd_reads,
+    "prep-reader": cmd_prep_reader,
+}
 
 
 # commands that read a checkpoint's weights and no text: its tokenizer is not asked for
@@ -238,8 +314,9 @@ def _checkpoint(args) -> None:
             raise UserError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
         return
     if args.command != "serve":
-        args.checkpoint = hub.local_checkpoint(args.checkpoint, args.revision, load_port(args.model),
-                                               tokenizer=args.command not in WEIGHTS_ONLY)
+        args.checkpoint = hub.local_checkpoint(
+            args.checkpoint, args.revision, load_port(args.model), tokenizer=args.command not in WEIGHTS_ONLY
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

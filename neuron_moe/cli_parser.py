@@ -38,11 +38,13 @@ def _default_threads() -> int:
     return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_THREADS
 
 
-def number(kind: type = int, *, at_least: float | None = None, above: float | None = None,
-           at_most: float | None = None):
+def number(
+    kind: type = int, *, at_least: float | None = None, above: float | None = None, at_most: float | None = None
+):
     """An argparse `type` for a numeric option: a finite `kind` (int or float) within the bounds, or
     argparse's error naming the option, the range and the value. Every numeric option takes one, so
     NaN, inf and out-of-range numbers are refused at the command line, not half-way through the work."""
+
     def show(bound) -> str:
         return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
@@ -56,12 +58,16 @@ def number(kind: type = int, *, at_least: float | None = None, above: float | No
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if (at_least is not None and value < at_least) or (above is not None and value <= above) or \
-                (at_most is not None and value > at_most):
+        if (
+            (at_least is not None and value < at_least)
+            or (above is not None and value <= above)
+            or (at_most is not None and value > at_most)
+        ):
             raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
         return value
 
@@ -90,42 +96,69 @@ def _lengths(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, e.g. 128,512,2048, got {text!r}") \
-            from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token counts, e.g. 128,512,2048, got {text!r}"
+        ) from None
 
 
 def _shape_args(p: argparse.ArgumentParser, note: str = "", old_names: bool = False) -> None:
     """The graphs' shapes as flags (NxD Inference / optimum-neuron style) over the port's [static],
     the same for plan and trace-and-compile (`old_names`: plan's --batch and --seq still parse)."""
-    p.add_argument("--batch-size", *(["--batch"] if old_names else []), dest="batch_size", type=_positive_int,
-                   metavar="B", help="rows of the decode graph and the KV cache (default: the port's [static] "
-                                     "batch_size)")
-    p.add_argument("--seq-len", *(["--seq"] if old_names else []), dest="seq_len", type=_positive_int, metavar="S",
-                   help="positions of the KV cache, the most a prompt and its completion take (context: S + 1 "
-                        "tokens; default: the port's [static] max_cache_len)")
-    p.add_argument("--buckets", type=_lengths, metavar="B,B",
-                   help="prefill lengths, strictly increasing, the largest at most --seq-len (default: the port's "
-                        f"[static] buckets){note}")
+    p.add_argument(
+        "--batch-size",
+        *(["--batch"] if old_names else []),
+        dest="batch_size",
+        type=_positive_int,
+        metavar="B",
+        help="rows of the decode graph and the KV cache (default: the port's [static] batch_size)",
+    )
+    p.add_argument(
+        "--seq-len",
+        *(["--seq"] if old_names else []),
+        dest="seq_len",
+        type=_positive_int,
+        metavar="S",
+        help="positions of the KV cache, the most a prompt and its completion take (context: S + 1 "
+        "tokens; default: the port's [static] max_cache_len)",
+    )
+    p.add_argument(
+        "--buckets",
+        type=_lengths,
+        metavar="B,B",
+        help="prefill lengths, strictly increasing, the largest at most --seq-len (default: the port's "
+        f"[static] buckets){note}",
+    )
 
 
 def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
-    p.add_argument("--expert-layout", choices=EXPERT_LAYOUTS,
-                   help=f"{which}how TP ranks split the experts: channel (every expert's I/t intermediate channels "
-                        "per rank; decode gathers each token's k experts) or expert (E/t whole experts per rank, "
-                        "the seed port's) (default: the port's [static] expert_layout, else channel)")
+    p.add_argument(
+        "--expert-layout",
+        choices=EXPERT_LAYOUTS,
+        help=f"{which}how TP ranks split the experts: channel (every expert's I/t intermediate channels "
+        "per rank; decode gathers each token's k experts) or expert (E/t whole experts per rank, "
+        "the seed port's) (default: the port's [static] expert_layout, else channel)",
+    )
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", metavar="DIR|ORG/NAME",
-                   help="the weights (and tokenizer) instead of the port's: an HF-layout directory, or a Hugging Face "
-                        "Hub repository id, downloaded into the Hub cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply)")
-    p.add_argument("--revision", metavar="REV",
-                   help="with --checkpoint ORG/NAME: a branch, tag or commit (default main)")
+    p.add_argument(
+        "--checkpoint",
+        metavar="DIR|ORG/NAME",
+        help="the weights (and tokenizer) instead of the port's: an HF-layout directory, or a Hugging Face "
+        "Hub repository id, downloaded into the Hub cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply)",
+    )
+    p.add_argument(
+        "--revision", metavar="REV", help="with --checkpoint ORG/NAME: a branch, tag or commit (default main)"
+    )
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
-                   help=f"port name or path to a port .toml (default: {DEFAULT_PORT}; `neuron-moe ports` lists them)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_PORT,
+        metavar="NAME|PATH",
+        help=f"port name or path to a port .toml (default: {DEFAULT_PORT}; `neuron-moe ports` lists them)",
+    )
     _checkpoint_args(p)
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
@@ -138,62 +171,102 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ports", help="list the built-in ports")
     p.add_argument("--json", metavar="FILE", help="also write the list as JSON ('-' for stdout)")
 
-    p = sub.add_parser("env", help="versions, Neuron devices, GPU, and which paths this machine supports (and why not)",
-                       description="Python and the versions of every package a path needs (torch, transformers, "
-                                   "torch-xla, torch-neuronx, neuronx-distributed, neuronx-cc, nki, triton), the "
-                                   "Neuron devices and cores (neuron-ls or /dev/neuron*), any CUDA GPU; then per path "
-                                   "(trace-and-compile, validate --tp-layers nxd, the reader's nki and triton kernels, "
-                                   "serve --backend neuron) whether it is supported here, and why not. A command that "
-                                   "needs a path refuses with the same reason before any work. Runs nothing.")
+    p = sub.add_parser(
+        "env",
+        help="versions, Neuron devices, GPU, and which paths this machine supports (and why not)",
+        description="Python and the versions of every package a path needs (torch, transformers, "
+        "torch-xla, torch-neuronx, neuronx-distributed, neuronx-cc, nki, triton), the "
+        "Neuron devices and cores (neuron-ls or /dev/neuron*), any CUDA GPU; then per path "
+        "(trace-and-compile, validate --tp-layers nxd, the reader's nki and triton kernels, "
+        "serve --backend neuron) whether it is supported here, and why not. A command that "
+        "needs a path refuses with the same reason before any work. Runs nothing.",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
     p = sub.add_parser("info", help="geometry, parameter counts and weight bytes of a port (meta device)")
     _common(p)
-    p.add_argument("--per-token", action="store_true",
-                   help="also weight bytes and FLOPs per decoded token for each experts implementation")
+    p.add_argument(
+        "--per-token",
+        action="store_true",
+        help="also weight bytes and FLOPs per decoded token for each experts implementation",
+    )
 
-    p = sub.add_parser("validate", help="SEQ_MATCH: greedy tokens of a backend vs the CPU reference (HF eager fp32)",
-                       description="Greedy-generate from fixed prompts with the CPU reference (HF eager, fp32) "
-                                   "and with the backend under test; print one row per prompt. "
-                                   "Exit 0 only when every prompt's tokens match.")
+    p = sub.add_parser(
+        "validate",
+        help="SEQ_MATCH: greedy tokens of a backend vs the CPU reference (HF eager fp32)",
+        description="Greedy-generate from fixed prompts with the CPU reference (HF eager, fp32) "
+        "and with the backend under test; print one row per prompt. "
+        "Exit 0 only when every prompt's tokens match.",
+    )
     _common(p)
     p.add_argument("--backend", default="dense_masked", choices=sorted(BACKENDS), help="backend under test")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="backend dtype (default: the port's)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)")
+    p.add_argument(
+        "--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)"
+    )
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
-    p.add_argument("--sidecar", metavar="FILE|DIR", help="reader: the sidecar (default: the port's [reader] sidecar); "
-                                                       "tp8: the directory of `prep-reader --tp T`")
-    p.add_argument("--budget", type=_percent, metavar="PERCENT",
-                   help="reader: share of the routed-expert bytes read per token, in (0, 100]")
+    p.add_argument(
+        "--sidecar",
+        metavar="FILE|DIR",
+        help="reader: the sidecar (default: the port's [reader] sidecar); tp8: the directory of `prep-reader --tp T`",
+    )
+    p.add_argument(
+        "--budget",
+        type=_percent,
+        metavar="PERCENT",
+        help="reader: share of the routed-expert bytes read per token, in (0, 100]",
+    )
     p.add_argument("--rank", type=_count, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
-    p.add_argument("--reader-kernel", "--reader-backend", dest="reader_kernel", choices=READER_KERNELS,
-                   help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron); "
-                        "--reader-backend is its old name")
-    p.add_argument("--reader-weights", choices=WEIGHTS,
-                   help="reader: the experts it reads, the model's own (bf16, default) or the int8 experts' numbers "
-                        "(exact rows in int8 with their scales, prefill through the int8 experts; reference only)")
+    p.add_argument(
+        "--reader-kernel",
+        "--reader-backend",
+        dest="reader_kernel",
+        choices=READER_KERNELS,
+        help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron); "
+        "--reader-backend is its old name",
+    )
+    p.add_argument(
+        "--reader-weights",
+        choices=WEIGHTS,
+        help="reader: the experts it reads, the model's own (bf16, default) or the int8 experts' numbers "
+        "(exact rows in int8 with their scales, prefill through the int8 experts; reference only)",
+    )
     _expert_layout_arg(p, "tp8, tp8-int8: ")
-    p.add_argument("--tp", type=_positive_int, choices=TP_DEGREES, metavar="T",
-                   help="the TP backends (tp8, tp8-int8, tp8-naive-scatter): the degree, where the port's geometry "
-                        "splits over it (default 8)")
-    p.add_argument("--tp-layers", choices=TP_LAYERS,
-                   help="the TP backends: the parallel-layer library the rank modules are built over: cpu "
-                        "(parallel/cpu.py, NxD's names over gloo; the graphs traced once as rank 0 and replicated) "
-                        "or nxd (neuronx-distributed's own layers in its CPU mode, eager on every rank: the installed "
-                        "package, else the source tree $NXD_SRC names; docs/neuron.md) (default cpu)")
+    p.add_argument(
+        "--tp",
+        type=_positive_int,
+        choices=TP_DEGREES,
+        metavar="T",
+        help="the TP backends (tp8, tp8-int8, tp8-naive-scatter): the degree, where the port's geometry "
+        "splits over it (default 8)",
+    )
+    p.add_argument(
+        "--tp-layers",
+        choices=TP_LAYERS,
+        help="the TP backends: the parallel-layer library the rank modules are built over: cpu "
+        "(parallel/cpu.py, NxD's names over gloo; the graphs traced once as rank 0 and replicated) "
+        "or nxd (neuronx-distributed's own layers in its CPU mode, eager on every rank: the installed "
+        "package, else the source tree $NXD_SRC names; docs/neuron.md) (default cpu)",
+    )
 
-    p = sub.add_parser("build-corpus", help="write the tiny model's corpus: English text plus the synthetic tasks",
-                       description="Text from the Debian package 'fortunes' (apt-get install fortunes) plus "
-                                   "the task mix of neuron_moe.tasks; fixed train/calib/eval splits.")
+    p = sub.add_parser(
+        "build-corpus",
+        help="write the tiny model's corpus: English text plus the synthetic tasks",
+        description="Text from the Debian package 'fortunes' (apt-get install fortunes) plus "
+        "the task mix of neuron_moe.tasks; fixed train/calib/eval splits.",
+    )
     p.add_argument("--text-dir", default=FORTUNES_DIR, help="the fortune files (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the training items (default 0)")
     p.add_argument("--scale", type=_positive, default=1.0, help="multiplies the number of training task items")
     p.add_argument("--json", metavar="FILE", help="also write the counts as JSON ('-' for stdout)")
 
-    p = sub.add_parser("train-tiny", help="train the port's model on a corpus (deterministic, CPU)",
-                       description="Train a BPE tokenizer and the port's Gemma-4 MoE on the corpus from "
-                                   "build-corpus; write an HF-layout checkpoint with the tokenizer and the loss log.")
+    p = sub.add_parser(
+        "train-tiny",
+        help="train the port's model on a corpus (deterministic, CPU)",
+        description="Train a BPE tokenizer and the port's Gemma-4 MoE on the corpus from "
+        "build-corpus; write an HF-layout checkpoint with the tokenizer and the loss log.",
+    )
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help="port whose config to train")
     p.add_argument("--corpus", required=True, metavar="DIR", help="directory written by build-corpus")
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
@@ -201,239 +274,456 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=4, help="windows per step (default 4)")
     p.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per window (default 512)")
     p.add_argument("--lr", type=_positive, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument("--task-share", type=number(float, above=0, at_most=1), default=1.0, metavar="F",
-                   help="task items fill up to this share of each window, running text the rest (default 1.0: "
-                        "text fills only what the last whole item leaves)")
+    p.add_argument(
+        "--task-share",
+        type=number(float, above=0, at_most=1),
+        default=1.0,
+        metavar="F",
+        help="task items fill up to this share of each window, running text the rest (default 1.0: "
+        "text fills only what the last whole item leaves)",
+    )
     p.add_argument("--seed", type=_seed, default=0, help="seed of initialisation and data order (default 0)")
     p.add_argument("--json", metavar="FILE", help="also write the run summary as JSON ('-' for stdout)")
 
-    p = sub.add_parser("eval-tasks", help="task accuracy, held-out perplexity and expert load of a model",
-                       description="Greedy answers to the evaluation items of each task (exact match up to EOS), "
-                                   "perplexity of held-out text against a unigram baseline, and each expert's "
-                                   "share of routed tokens on that text.")
+    p = sub.add_parser(
+        "eval-tasks",
+        help="task accuracy, held-out perplexity and expert load of a model",
+        description="Greedy answers to the evaluation items of each task (exact match up to EOS), "
+        "perplexity of held-out text against a unigram baseline, and each expert's "
+        "share of routed tokens on that text.",
+    )
     _common(p)
-    p.add_argument("--backend", default="eager", choices=sorted(BACKENDS), help="backend that generates (default eager)")
+    p.add_argument(
+        "--backend", default="eager", choices=sorted(BACKENDS), help="backend that generates (default eager)"
+    )
     p.add_argument("--items", type=_positive_int, default=50, help="evaluation items per task (default 50)")
-    p.add_argument("--task", action="append", choices=TASKS,
-                   help="only this task (repeatable; default: all)")
-    p.add_argument("--corpus", metavar="DIR", help="a build-corpus directory: adds held-out text perplexity (vs a "
-                                                 "unigram baseline) and each expert's share of tokens on that text")
+    p.add_argument("--task", action="append", choices=TASKS, help="only this task (repeatable; default: all)")
+    p.add_argument(
+        "--corpus",
+        metavar="DIR",
+        help="a build-corpus directory: adds held-out text perplexity (vs a "
+        "unigram baseline) and each expert's share of tokens on that text",
+    )
     p.add_argument("--text-docs", type=_positive_int, default=200, help="held-out text documents (default 200)")
-    p.add_argument("--split", default="eval", choices=SPLITS,
-                   help="eval (default) or valid: the validation split, for choosing between training runs "
-                        "(its text is the calibration text)")
+    p.add_argument(
+        "--split",
+        default="eval",
+        choices=SPLITS,
+        help="eval (default) or valid: the validation split, for choosing between training runs "
+        "(its text is the calibration text)",
+    )
 
-    p = sub.add_parser("eval-reader", help="channel selectors (TEAL, WINA, CATS, oracle, reader) vs the full model "
-                                           "at read budgets: KL, top-1, task accuracy, reads, retention",
-                       description="For each selector x retention rule x budget, on the evaluation split: "
-                                   "teacher-forced KL(full || sparse) (mean, p99), top-1 agreement, greedy task "
-                                   "accuracy as % of the full model's (the selector on every token), reads per "
-                                   "token against the target, their distribution and their mean by position in the "
-                                   "answer. Threshold rules are calibrated on the calibration split only. Writes "
-                                   "OUT/cells/*.json (one per cell; a rerun skips those done), OUT/report.json, "
-                                   "OUT/report.md and PNG plots. A budget a selector cannot reach is reported, "
-                                   "not an error.")
+    p = sub.add_parser(
+        "eval-reader",
+        help="channel selectors (TEAL, WINA, CATS, oracle, reader) vs the full model "
+        "at read budgets: KL, top-1, task accuracy, reads, retention",
+        description="For each selector x retention rule x budget, on the evaluation split: "
+        "teacher-forced KL(full || sparse) (mean, p99), top-1 agreement, greedy task "
+        "accuracy as % of the full model's (the selector on every token), reads per "
+        "token against the target, their distribution and their mean by position in the "
+        "answer. Threshold rules are calibrated on the calibration split only. Writes "
+        "OUT/cells/*.json (one per cell; a rerun skips those done), OUT/report.json, "
+        "OUT/report.md and PNG plots. A budget a selector cannot reach is reported, "
+        "not an error.",
+    )
     _common(p)
-    p.add_argument("--budgets", default="12.8,17.8", metavar="B,B",
-                   help="read budgets, %% of the full model's routed-expert reads (default %(default)s)")
-    p.add_argument("--selectors", default=",".join(reader_eval.SELECTORS), metavar="S,S",
-                   help="teal, wina, cats, oracle, reader; reader-rN: the reader at recovery rank N; "
-                        "reader[-rN]-int8: over the int8 experts (exact rows int8), -int8dq: with the sketch made "
-                        "from the dequantised int8 (budgets stay %% of the bf16 read: equal bytes) "
-                        "(default %(default)s)")
-    p.add_argument("--rules", default=",".join(reader_eval.RULES), metavar="R,R",
-                   help="topk (fixed reads per token) and/or threshold (calibrated) (default %(default)s)")
-    p.add_argument("--corpus", metavar="DIR", help="a build-corpus directory: adds held-out text (eval_text.jsonl) "
-                                                 "to the evaluation and calib.jsonl text to the calibration")
+    p.add_argument(
+        "--budgets",
+        default="12.8,17.8",
+        metavar="B,B",
+        help="read budgets, %% of the full model's routed-expert reads (default %(default)s)",
+    )
+    p.add_argument(
+        "--selectors",
+        default=",".join(reader_eval.SELECTORS),
+        metavar="S,S",
+        help="teal, wina, cats, oracle, reader; reader-rN: the reader at recovery rank N; "
+        "reader[-rN]-int8: over the int8 experts (exact rows int8), -int8dq: with the sketch made "
+        "from the dequantised int8 (budgets stay %% of the bf16 read: equal bytes) "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--rules",
+        default=",".join(reader_eval.RULES),
+        metavar="R,R",
+        help="topk (fixed reads per token) and/or threshold (calibrated) (default %(default)s)",
+    )
+    p.add_argument(
+        "--corpus",
+        metavar="DIR",
+        help="a build-corpus directory: adds held-out text (eval_text.jsonl) "
+        "to the evaluation and calib.jsonl text to the calibration",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable)")
-    p.add_argument("--items", type=_positive_int, help=f"evaluation items per task (default "
-                   f"{reader_eval.Settings.per_task}; --quick {reader_eval.QUICK['per_task']})")
-    p.add_argument("--quick", action="store_true", help="a few short items (fact, kv, reverse) and 4 text "
-                                                        "documents: a check (16 s on 2 shared cores), not a "
-                                                        "measurement")
+    p.add_argument(
+        "--items",
+        type=_positive_int,
+        help=f"evaluation items per task (default "
+        f"{reader_eval.Settings.per_task}; --quick {reader_eval.QUICK['per_task']})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few short items (fact, kv, reverse) and 4 text "
+        "documents: a check (16 s on 2 shared cores), not a "
+        "measurement",
+    )
 
-    p = sub.add_parser("publish", help="upload an artifact directory to S3, integrity-checked, manifest last",
-                       description="Check every file (size stable while read; .pt files complete zip archives), "
-                                   "claim the prefix (a conditional write of its manifest), upload each file under "
-                                   "this run's own key with its full-object CRC32 checksum (which S3 checks) and its "
-                                   "sha256 in metadata, verify each with head_object, then write the manifest, on "
-                                   "condition that the claim is still this run's. "
-                                   "Credentials and endpoint come from boto3 (AWS_* variables, ~/.aws).")
+    p = sub.add_parser(
+        "publish",
+        help="upload an artifact directory to S3, integrity-checked, manifest last",
+        description="Check every file (size stable while read; .pt files complete zip archives), "
+        "claim the prefix (a conditional write of its manifest), upload each file under "
+        "this run's own key with its full-object CRC32 checksum (which S3 checks) and its "
+        "sha256 in metadata, verify each with head_object, then write the manifest, on "
+        "condition that the claim is still this run's. "
+        "Credentials and endpoint come from boto3 (AWS_* variables, ~/.aws).",
+    )
     p.add_argument("dir", metavar="DIR", help="directory of artifacts to publish")
-    p.add_argument("uri", metavar="s3://BUCKET/PREFIX",
-                   help="where to publish: a prefix with no publication yet, none above it and none below it")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the prefix's own publication, take over a run in progress there (it then "
-                        "fails instead of publishing), remove objects of no publication; never touch a "
-                        "publication below it")
+    p.add_argument(
+        "uri",
+        metavar="s3://BUCKET/PREFIX",
+        help="where to publish: a prefix with no publication yet, none above it and none below it",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the prefix's own publication, take over a run in progress there (it then "
+        "fails instead of publishing), remove objects of no publication; never touch a "
+        "publication below it",
+    )
     p.add_argument("--deep", action="store_true", help="also CRC-check every member of .pt archives (reads them)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
-    p = sub.add_parser("pull", help="download a publication from S3, each file verified (sha256) before it lands",
-                       description="Read the manifest at s3://BUCKET/PREFIX, download each file to a temp name, "
-                                   "check its size and sha256, then rename it into DIR. Files already in DIR "
-                                   "with the manifest's sha256 are kept.")
+    p = sub.add_parser(
+        "pull",
+        help="download a publication from S3, each file verified (sha256) before it lands",
+        description="Read the manifest at s3://BUCKET/PREFIX, download each file to a temp name, "
+        "check its size and sha256, then rename it into DIR. Files already in DIR "
+        "with the manifest's sha256 are kept.",
+    )
     p.add_argument("uri", metavar="s3://BUCKET/PREFIX", help="a prefix written by `neuron-moe publish`")
     p.add_argument("dir", metavar="DIR", help="destination directory (created if missing)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
-    p = sub.add_parser("plan", help="inf2 memory plan: bytes per NeuronCore at a TP degree, fit verdict, decode floor",
-                       description="Per-rank bytes (experts, attention, dense MLP, embeddings, lm_head, KV cache, "
-                                   "stated graph and runtime reserves) against 16 GiB per NeuronCore, the fit verdict "
-                                   "with its reason, and the bytes read per decoded token with the HBM-bound floor. "
-                                   "Exit 0 when it fits, 1 when not.")
+    p = sub.add_parser(
+        "plan",
+        help="inf2 memory plan: bytes per NeuronCore at a TP degree, fit verdict, decode floor",
+        description="Per-rank bytes (experts, attention, dense MLP, embeddings, lm_head, KV cache, "
+        "stated graph and runtime reserves) against 16 GiB per NeuronCore, the fit verdict "
+        "with its reason, and the bytes read per decoded token with the HBM-bound floor. "
+        "Exit 0 when it fits, 1 when not.",
+    )
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
     p.add_argument("--instance", required=True, choices=sorted(INSTANCES), help="inf2 instance type")
     p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
     p.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES, help="experts' dtype (the rest is bf16)")
-    _shape_args(p, "; the graph estimate takes --seq-len as the prefill length, an upper bound. Without a [static] "
-                   "table: batch 1, seq 4096", old_names=True)
-    p.add_argument("--reader-budget", type=_percent, metavar="PERCENT",
-                   help="also the channel layout's decode graph with the reader at this budget (bytes per token and "
-                        "rank, each rank's sidecar shard in the memory plan)")
-    p.add_argument("--reader-rank", type=_count, default=RANK, metavar="R",
-                   help=f"with --reader-budget: recovery rank (default {RANK})")
-    p.add_argument("--reader-scan", type=_scan_width, default=SCAN, metavar="N",
-                   help=f"with --reader-budget: coordinates scanned per {BLOCK}-block (default {SCAN})")
-    p.add_argument("--runtime-reserve-gib", type=_non_negative, default=DEFAULT_RUNTIME_RESERVE / GiB, metavar="GIB",
-                   help="stated per-core runtime reserve (default %(default)s)")
+    _shape_args(
+        p,
+        "; the graph estimate takes --seq-len as the prefill length, an upper bound. Without a [static] "
+        "table: batch 1, seq 4096",
+        old_names=True,
+    )
+    p.add_argument(
+        "--reader-budget",
+        type=_percent,
+        metavar="PERCENT",
+        help="also the channel layout's decode graph with the reader at this budget (bytes per token and "
+        "rank, each rank's sidecar shard in the memory plan)",
+    )
+    p.add_argument(
+        "--reader-rank",
+        type=_count,
+        default=RANK,
+        metavar="R",
+        help=f"with --reader-budget: recovery rank (default {RANK})",
+    )
+    p.add_argument(
+        "--reader-scan",
+        type=_scan_width,
+        default=SCAN,
+        metavar="N",
+        help=f"with --reader-budget: coordinates scanned per {BLOCK}-block (default {SCAN})",
+    )
+    p.add_argument(
+        "--runtime-reserve-gib",
+        type=_non_negative,
+        default=DEFAULT_RUNTIME_RESERVE / GiB,
+        metavar="GIB",
+        help="stated per-core runtime reserve (default %(default)s)",
+    )
     _expert_layout_arg(p)
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
 
-    p = sub.add_parser("trace-and-compile", help="rank graphs (a prefill key per bucket, a decode key), per-rank "
-                                                 "weights and a manifest: Neuron, or --dry-run on CPU",
-                       description="Build the full-model rank modules at TP T, trace each key once as rank 0 and "
-                                   "(on Neuron, with ModelBuilder) compile them; write model.pt, "
-                                   "weights/tp{r}_sharded_checkpoint.safetensors, shard_plan.json and manifest.json "
-                                   "into DIR, built aside and renamed into place when complete. --dry-run does the "
-                                   "same on CPU (exported programs under graphs/); a port without weights is built and "
-                                   "exported on the meta device: manifest and shard plan only. The KV cache is the graphs' "
-                                   "state (aliased, zero-initialised on each rank): only ids, pad masks, positions and "
-                                   "row ids go in, the token comes out.")
+    p = sub.add_parser(
+        "trace-and-compile",
+        help="rank graphs (a prefill key per bucket, a decode key), per-rank "
+        "weights and a manifest: Neuron, or --dry-run on CPU",
+        description="Build the full-model rank modules at TP T, trace each key once as rank 0 and "
+        "(on Neuron, with ModelBuilder) compile them; write model.pt, "
+        "weights/tp{r}_sharded_checkpoint.safetensors, shard_plan.json and manifest.json "
+        "into DIR, built aside and renamed into place when complete. --dry-run does the "
+        "same on CPU (exported programs under graphs/); a port without weights is built and "
+        "exported on the meta device: manifest and shard plan only. The KV cache is the graphs' "
+        "state (aliased, zero-initialised on each rank): only ids, pad masks, positions and "
+        "row ids go in, the token comes out.",
+    )
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
     _checkpoint_args(p)
-    p.add_argument("--dtype", default="bf16", choices=sorted(COMPILE_DTYPES),
-                   help="bf16; int8 (int8 experts, the rest bf16); fp32 (default: bf16)")
+    p.add_argument(
+        "--dtype",
+        default="bf16",
+        choices=sorted(COMPILE_DTYPES),
+        help="bf16; int8 (int8 experts, the rest bf16); fp32 (default: bf16)",
+    )
     p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
     p.add_argument("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)"
+    )
     _shape_args(p)
     _expert_layout_arg(p)
-    p.add_argument("--reader", action="store_true",
-                   help="the decode key reads through the reader (channel layout, bf16/fp32): each rank's sidecar "
-                        "shard goes into its weights; needs --budget and --sidecar DIR (a port without weights: "
-                        "shapes only, no sidecar)")
+    p.add_argument(
+        "--reader",
+        action="store_true",
+        help="the decode key reads through the reader (channel layout, bf16/fp32): each rank's sidecar "
+        "shard goes into its weights; needs --budget and --sidecar DIR (a port without weights: "
+        "shapes only, no sidecar)",
+    )
     p.add_argument("--sidecar", metavar="DIR", help="with --reader: the directory of `prep-reader --tp T`")
-    p.add_argument("--budget", type=_percent, metavar="PERCENT", help="with --reader: share of a rank's routed-expert "
-                                                                   "bytes read per token, in (0, 100]")
-    p.add_argument("--rank", type=_count, metavar="R", help="with --reader: recovery rank, 0 = off (default: the sidecar's)")
-    p.add_argument("--with-logits", action="store_true",
-                   help="graphs that also return the fp32 logits (validation: vocab x 4 bytes per row and step "
-                        "to the host); default: the token each graph chose (greedy or sampled in the graph) alone")
+    p.add_argument(
+        "--budget",
+        type=_percent,
+        metavar="PERCENT",
+        help="with --reader: share of a rank's routed-expert bytes read per token, in (0, 100]",
+    )
+    p.add_argument(
+        "--rank", type=_count, metavar="R", help="with --reader: recovery rank, 0 = off (default: the sidecar's)"
+    )
+    p.add_argument(
+        "--with-logits",
+        action="store_true",
+        help="graphs that also return the fp32 logits (validation: vocab x 4 bytes per row and step "
+        "to the host); default: the token each graph chose (greedy or sampled in the graph) alone",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, SSE streaming)",
-                       description="Serve one model over the OpenAI API as vLLM does: POST /v1/chat/completions, "
-                                   "/v1/completions, /tokenize, /detokenize; GET /v1/models, /version, /health, "
-                                   "/ping. The model loads after the socket is bound and runs one request per "
-                                   "graph to warm up (/health answers 503 until it is ready). SIGTERM drains the "
-                                   "requests in flight, then exits 0.")
-    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH",
-                   help=f"port name or path to a port .toml (default: {DEFAULT_PORT})")
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (chat and text completions, SSE streaming)",
+        description="Serve one model over the OpenAI API as vLLM does: POST /v1/chat/completions, "
+        "/v1/completions, /tokenize, /detokenize; GET /v1/models, /version, /health, "
+        "/ping. The model loads after the socket is bound and runs one request per "
+        "graph to warm up (/health answers 503 until it is ready). SIGTERM drains the "
+        "requests in flight, then exits 0.",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_PORT,
+        metavar="NAME|PATH",
+        help=f"port name or path to a port .toml (default: {DEFAULT_PORT})",
+    )
     _checkpoint_args(p)
-    p.add_argument("--backend", default="eager", type=_serve_backend, metavar="{" + ",".join(SERVE_BACKENDS) + "}",
-                   help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
-                        "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
-                        "experts implementation but the reader's: transformers' model on CPU, one request per "
-                        "thread, any prompt that fits the context (default: eager)")
-    p.add_argument("--artifacts", metavar="DIR|s3://BUCKET/PREFIX",
-                   help="what the backend loads: the trace-and-compile output for neuron, an HF checkpoint for "
-                        "a CPU backend; an s3:// URI is pulled (and verified) into --artifacts-cache first")
-    p.add_argument("--artifacts-cache", default="~/.cache/neuron-moe/artifacts", metavar="DIR",
-                   help="where s3:// artifacts are pulled to (default: %(default)s)")
+    p.add_argument(
+        "--backend",
+        default="eager",
+        type=_serve_backend,
+        metavar="{" + ",".join(SERVE_BACKENDS) + "}",
+        help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
+        "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
+        "experts implementation but the reader's: transformers' model on CPU, one request per "
+        "thread, any prompt that fits the context (default: eager)",
+    )
+    p.add_argument(
+        "--artifacts",
+        metavar="DIR|s3://BUCKET/PREFIX",
+        help="what the backend loads: the trace-and-compile output for neuron, an HF checkpoint for "
+        "a CPU backend; an s3:// URI is pulled (and verified) into --artifacts-cache first",
+    )
+    p.add_argument(
+        "--artifacts-cache",
+        default="~/.cache/neuron-moe/artifacts",
+        metavar="DIR",
+        help="where s3:// artifacts are pulled to (default: %(default)s)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), help="CPU backend dtype (default: the port's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=_tcp_port, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("NEURON_MOE_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NEURON_MOE_API_KEY; unset: open)")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="the name(s) requests give as 'model' and /v1/models lists; responses carry the first "
-                        "(default: the port's name)")
-    p.add_argument("--max-model-len", type=_positive_int, metavar="N",
-                   help="context in tokens, prompt and completion together (default and most: what the backend "
-                        "holds: the graphs' max_cache_len + 1, or the model's max_position_embeddings)")
-    p.add_argument("--batch-size", type=_positive_int, metavar="B",
-                   help="--backend static: rows of the graphs' batch, the requests generating at once "
-                        "(default: the port's [static] batch_size)")
-    p.add_argument("--prefill-rows", type=_positive_int, nargs="+", metavar="P",
-                   help="--backend static: the prompts one prefill call takes, one graph per count (e.g. 1 4; "
-                        "default: the port's [static] prefill_rows)")
-    p.add_argument("--prefill-chunk", type=_positive_int, metavar="N",
-                   help="--backend static: a prompt longer than N tokens is prefilled N at a time, between decode "
-                        "steps; one of the buckets (default: the port's [static] prefill_chunk)")
-    p.add_argument("--max-running", type=_positive_int, metavar="N",
-                   help="per-request backends: requests generating at once (default: 1); the batching "
-                        "backends run one request per row")
-    p.add_argument("--max-queue", type=_count, default=32, metavar="N",
-                   help="requests waiting beyond those; more get 429 + Retry-After (default: 32)")
-    p.add_argument("--drain-timeout", type=_non_negative, default=60.0, metavar="S",
-                   help="on SIGTERM, seconds to let requests in flight finish; those still running then end "
-                        "with an error event (streams) or a 503 (default: 60)")
-    p.add_argument("--max-body-bytes", type=_positive_int, metavar="N",
-                   help="larger request bodies get 413 before they are read (default: 4194304, 4 MiB)")
-    p.add_argument("--header-timeout", type=_positive, metavar="S",
-                   help="a connection that has not sent a request's complete headers S seconds after it opened "
-                        "(or after the first byte of its next request) is closed (default: 10)")
-    p.add_argument("--body-timeout", type=_positive, metavar="S",
-                   help="a request whose body has not all come S seconds after its headers gets 408 (default: 30)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("NEURON_MOE_API_KEY"),
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NEURON_MOE_API_KEY; unset: open)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the name(s) requests give as 'model' and /v1/models lists; responses carry the first "
+        "(default: the port's name)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        metavar="N",
+        help="context in tokens, prompt and completion together (default and most: what the backend "
+        "holds: the graphs' max_cache_len + 1, or the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        metavar="B",
+        help="--backend static: rows of the graphs' batch, the requests generating at once "
+        "(default: the port's [static] batch_size)",
+    )
+    p.add_argument(
+        "--prefill-rows",
+        type=_positive_int,
+        nargs="+",
+        metavar="P",
+        help="--backend static: the prompts one prefill call takes, one graph per count (e.g. 1 4; "
+        "default: the port's [static] prefill_rows)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=_positive_int,
+        metavar="N",
+        help="--backend static: a prompt longer than N tokens is prefilled N at a time, between decode "
+        "steps; one of the buckets (default: the port's [static] prefill_chunk)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=_positive_int,
+        metavar="N",
+        help="per-request backends: requests generating at once (default: 1); the batching "
+        "backends run one request per row",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=_count,
+        default=32,
+        metavar="N",
+        help="requests waiting beyond those; more get 429 + Retry-After (default: 32)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=_non_negative,
+        default=60.0,
+        metavar="S",
+        help="on SIGTERM, seconds to let requests in flight finish; those still running then end "
+        "with an error event (streams) or a 503 (default: 60)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        metavar="N",
+        help="larger request bodies get 413 before they are read (default: 4194304, 4 MiB)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=_positive,
+        metavar="S",
+        help="a connection that has not sent a request's complete headers S seconds after it opened "
+        "(or after the first byte of its next request) is closed (default: 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_positive,
+        metavar="S",
+        help="a request whose body has not all come S seconds after its headers gets 408 (default: 30)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
-    p = sub.add_parser("reads", help="reader: bytes read per token and layer at a budget, and the k it buys",
-                       description="Bytes the reader reads per token and MoE layer (whole 32-byte sectors, bf16, "
-                                   "the sidecar layout) as a share of the full model's routed-expert reads; the "
-                                   "k a budget buys; the memory the sidecar adds. Geometry from --model, or "
-                                   "explicit with all of --hidden --experts --top-k --intermediate.")
+    p = sub.add_parser(
+        "reads",
+        help="reader: bytes read per token and layer at a budget, and the k it buys",
+        description="Bytes the reader reads per token and MoE layer (whole 32-byte sectors, bf16, "
+        "the sidecar layout) as a share of the full model's routed-expert reads; the "
+        "k a budget buys; the memory the sidecar adds. Geometry from --model, or "
+        "explicit with all of --hidden --experts --top-k --intermediate.",
+    )
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help="port whose geometry to use")
     p.add_argument("--budget", type=_percent, default=17.8, metavar="PERCENT", help="read budget (default 17.8)")
     for flag in ("--hidden", "--experts", "--top-k", "--intermediate"):
         p.add_argument(flag, type=_positive_int, metavar="N", help="explicit geometry (instead of --model)")
-    p.add_argument("--scan", type=_scan_width, default=SCAN, metavar="N",
-                   help=f"coordinates scanned per {BLOCK}-block (default {SCAN}; {BLOCK} = full scan)")
+    p.add_argument(
+        "--scan",
+        type=_scan_width,
+        default=SCAN,
+        metavar="N",
+        help=f"coordinates scanned per {BLOCK}-block (default {SCAN}; {BLOCK} = full scan)",
+    )
     p.add_argument("--rank", type=_count, default=RANK, metavar="R", help=f"recovery rank (default {RANK}; 0 = off)")
-    p.add_argument("--dtype", choices=WEIGHTS, default="bf16",
-                   help="the experts' weights: bf16, or int8 exact rows with fp32 scales (the sketch and recovery "
-                        "stay bf16); --budget is a share of those experts' full read (default bf16)")
-    p.add_argument("--batch", type=_positive_int, metavar="B",
-                   help="also a decode step of B tokens, each row read once: the full batch, independent per-token "
-                        "top-k, and the batch rule (one set of channels for the step), under uniform routing")
-    p.add_argument("--step-budget", type=_positive, default=STEP_BUDGET, metavar="X",
-                   help=f"with --batch: the batch rule's step reads, in units of one token's reads "
-                        f"(default {STEP_BUDGET:g})")
-    p.add_argument("--tp", type=_positive_int, choices=TP_DEGREES, metavar="T",
-                   help="per rank at TP T on the channel expert layout (each rank its I/T channels of every expert)")
+    p.add_argument(
+        "--dtype",
+        choices=WEIGHTS,
+        default="bf16",
+        help="the experts' weights: bf16, or int8 exact rows with fp32 scales (the sketch and recovery "
+        "stay bf16); --budget is a share of those experts' full read (default bf16)",
+    )
+    p.add_argument(
+        "--batch",
+        type=_positive_int,
+        metavar="B",
+        help="also a decode step of B tokens, each row read once: the full batch, independent per-token "
+        "top-k, and the batch rule (one set of channels for the step), under uniform routing",
+    )
+    p.add_argument(
+        "--step-budget",
+        type=_positive,
+        default=STEP_BUDGET,
+        metavar="X",
+        help=f"with --batch: the batch rule's step reads, in units of one token's reads (default {STEP_BUDGET:g})",
+    )
+    p.add_argument(
+        "--tp",
+        type=_positive_int,
+        choices=TP_DEGREES,
+        metavar="T",
+        help="per rank at TP T on the channel expert layout (each rank its I/T channels of every expert)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
-    p = sub.add_parser("prep-reader", help="reader: write the weight-prep sidecar of a model",
-                       description="Prepare the reader's sidecar (ternary sketch, channel norms, recovery map) "
-                                   "from the expert weights alone, layer by layer, and write it atomically.")
+    p = sub.add_parser(
+        "prep-reader",
+        help="reader: write the weight-prep sidecar of a model",
+        description="Prepare the reader's sidecar (ternary sketch, channel norms, recovery map) "
+        "from the expert weights alone, layer by layer, and write it atomically.",
+    )
     _common(p)
-    p.add_argument("--out", required=True, metavar="FILE|DIR",
-                   help="sidecar file to write (.safetensors); with --tp a directory")
-    p.add_argument("--tp", type=_positive_int, choices=TP_DEGREES, metavar="T",
-                   help="also shard it for TP T on the channel expert layout: DIR/reader.safetensors (the whole "
-                        "sidecar) and DIR/tpT-rankR.safetensors, rank R's channels of every expert, each tied to its "
-                        f"rank, TP degree, layout and source weights ({', '.join(map(str, TP_DEGREES))})")
-    p.add_argument("--from", dest="source", metavar="FILE",
-                   help="with --tp: shard this existing whole sidecar instead of prepping one")
+    p.add_argument(
+        "--out", required=True, metavar="FILE|DIR", help="sidecar file to write (.safetensors); with --tp a directory"
+    )
+    p.add_argument(
+        "--tp",
+        type=_positive_int,
+        choices=TP_DEGREES,
+        metavar="T",
+        help="also shard it for TP T on the channel expert layout: DIR/reader.safetensors (the whole "
+        "sidecar) and DIR/tpT-rankR.safetensors, rank R's channels of every expert, each tied to its "
+        f"rank, TP degree, layout and source weights ({', '.join(map(str, TP_DEGREES))})",
+    )
+    p.add_argument(
+        "--from",
+        dest="source",
+        metavar="FILE",
+        help="with --tp: shard this existing whole sidecar instead of prepping one",
+    )
     p.add_argument("--seed", type=_seed, default=0, help="seed of the Hadamard sign vector (default 0)")
     p.add_argument("--rank", type=_count, default=RANK, metavar="R", help=f"recovery-map rank (default {RANK})")
-    p.add_argument("--scan", type=_scan_width, default=SCAN, metavar="N",
-                   help=f"scan width recorded for readers (default {SCAN})")
+    p.add_argument(
+        "--scan", type=_scan_width, default=SCAN, metavar="N", help=f"scan width recorded for readers (default {SCAN})"
+    )
 
     for p in sub.choices.values():
-        p.add_argument("--threads", type=_positive_int, default=_default_threads(), metavar="N",
-                       help=f"torch's intra-op threads (default: $OMP_NUM_THREADS, else {DEFAULT_THREADS}: measured "
-                            "fastest for the tiny port on 2 shared cores; raise it for a full-size model on idle "
-                            "cores). train-tiny: part of what makes a run reproducible")
+        p.add_argument(
+            "--threads",
+            type=_positive_int,
+            default=_default_threads(),
+            metavar="N",
+            help=f"torch's intra-op threads (default: $OMP_NUM_THREADS, else {DEFAULT_THREADS}: measured "
+            "fastest for the tiny port on 2 shared cores; raise it for a full-size model on idle "
+            "cores). train-tiny: part of what makes a run reproducible",
+        )
     return top

@@ -20,21 +20,44 @@ _MOE_KEYS = ("num_experts", "top_k_experts", "moe_intermediate_size")
 # typo of 10^6 layers would build modules for hours, and a vocab of 10^12 allocate a terabyte.
 # The bounds are far beyond any released model (Gemma-4 26B: 30 layers, hidden 2816, vocab 262144).
 SIZES = {
-    "vocab_size": (1, 1 << 22), "hidden_size": (1, 1 << 16), "intermediate_size": (1, 1 << 18),
-    "num_hidden_layers": (1, 256), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
-    "head_dim": (1, 4096), "global_head_dim": (1, 4096), "num_global_key_value_heads": (1, 1024),
-    "num_experts": (1, 4096), "top_k_experts": (1, 4096), "moe_intermediate_size": (1, 1 << 18),
-    "max_position_embeddings": (1, 1 << 24), "sliding_window": (1, 1 << 24),
-    "hidden_size_per_layer_input": (0, 1 << 16), "vocab_size_per_layer_input": (0, 1 << 22),
+    "vocab_size": (1, 1 << 22),
+    "hidden_size": (1, 1 << 16),
+    "intermediate_size": (1, 1 << 18),
+    "num_hidden_layers": (1, 256),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (1, 4096),
+    "global_head_dim": (1, 4096),
+    "num_global_key_value_heads": (1, 1024),
+    "num_experts": (1, 4096),
+    "top_k_experts": (1, 4096),
+    "moe_intermediate_size": (1, 1 << 18),
+    "max_position_embeddings": (1, 1 << 24),
+    "sliding_window": (1, 1 << 24),
+    "hidden_size_per_layer_input": (0, 1 << 16),
+    "vocab_size_per_layer_input": (0, 1 << 22),
     "num_kv_shared_layers": (0, 256),
 }
 # What makes two configs the same model to a checkpoint: every field that shapes a tensor or
 # changes the arithmetic. A port serves its checkpoint only if they agree on all of them.
 # (head_dim and num_key_value_heads are per layer: compared layer by layer.)
-GEOMETRY = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "layer_types", "sliding_window", "max_position_embeddings",
-            "attention_k_eq_v", "hidden_size_per_layer_input", "num_experts", "top_k_experts",
-            "moe_intermediate_size", "tie_word_embeddings", "final_logit_softcapping")
+GEOMETRY = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "layer_types",
+    "sliding_window",
+    "max_position_embeddings",
+    "attention_k_eq_v",
+    "hidden_size_per_layer_input",
+    "num_experts",
+    "top_k_experts",
+    "moe_intermediate_size",
+    "tie_word_embeddings",
+    "final_logit_softcapping",
+)
 
 
 class ConfigError(UserError):
@@ -105,8 +128,10 @@ def gemma4_moe_config(fields: dict[str, Any], source: str) -> Gemma4TextConfig:
             if type(value) is not int or not least <= value <= most:
                 raise ConfigError(f"{source}: layer {i}'s {key} {value!r} is not an integer in [{least}, {most}]")
         if config.num_attention_heads % layer.num_key_value_heads:
-            raise ConfigError(f"{source}: num_attention_heads {config.num_attention_heads} is not a multiple of "
-                              f"layer {i}'s key-value heads {layer.num_key_value_heads}")
+            raise ConfigError(
+                f"{source}: num_attention_heads {config.num_attention_heads} is not a multiple of "
+                f"layer {i}'s key-value heads {layer.num_key_value_heads}"
+            )
     return config
 
 
@@ -134,11 +159,16 @@ def per_layer(config: Gemma4TextConfig) -> list:
 def geometry_differences(expected: Gemma4TextConfig, got: Gemma4TextConfig) -> list[str]:
     """The GEOMETRY fields (and per-layer head_dim / KV heads) where `got` differs from `expected`,
     each as 'field got (expected)'."""
-    diffs = [f"{key} {getattr(got, key, None)!r} (expected {getattr(expected, key, None)!r})"
-             for key in GEOMETRY if getattr(got, key, None) != getattr(expected, key, None)]
+    diffs = [
+        f"{key} {getattr(got, key, None)!r} (expected {getattr(expected, key, None)!r})"
+        for key in GEOMETRY
+        if getattr(got, key, None) != getattr(expected, key, None)
+    ]
     for i, (a, b) in enumerate(zip(per_layer(expected), per_layer(got))):
         if (a.head_dim, a.num_key_value_heads) != (b.head_dim, b.num_key_value_heads):
-            diffs.append(f"layer {i} head_dim, key-value heads {b.head_dim}, {b.num_key_value_heads} "
-                         f"(expected {a.head_dim}, {a.num_key_value_heads})")
+            diffs.append(
+                f"layer {i} head_dim, key-value heads {b.head_dim}, {b.num_key_value_heads} "
+                f"(expected {a.head_dim}, {a.num_key_value_heads})"
+            )
             break
     return diffs

@@ -28,8 +28,17 @@ from .errors import UserError
 from .parallel import nxd_source
 from .reader.nki.forward import NKI_TARGET, NKI_TARGET_SDK, nki_unsupported
 
-DISTRIBUTIONS = ("torch", "transformers", "torch-xla", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "nki",
-                 "libneuronxla", "triton")
+DISTRIBUTIONS = (
+    "torch",
+    "transformers",
+    "torch-xla",
+    "torch-neuronx",
+    "neuronx-distributed",
+    "neuronx-cc",
+    "nki",
+    "libneuronxla",
+    "triton",
+)
 
 TRACE_AND_COMPILE = "trace-and-compile"
 VALIDATE_NXD = "validate --tp-layers nxd"
@@ -66,16 +75,22 @@ def neuron_devices() -> dict:
             devices = None
         if isinstance(devices, list):
             cores = [d.get("nc_count") for d in devices if isinstance(d, dict)]
-            return {"devices": len(devices), "cores": sum(cores) if cores and None not in cores else None,
-                    "source": "neuron-ls"}
-    files = sorted(f for f in glob.glob("/dev/neuron*") if f[len("/dev/neuron"):].isdigit())
+            return {
+                "devices": len(devices),
+                "cores": sum(cores) if cores and None not in cores else None,
+                "source": "neuron-ls",
+            }
+    files = sorted(f for f in glob.glob("/dev/neuron*") if f[len("/dev/neuron") :].isdigit())
     return {"devices": len(files), "cores": None, "source": "/dev/neuron*" if files else None}
 
 
 def gpu() -> dict:
     if not torch.cuda.is_available():
         return {"cuda": torch.version.cuda, "devices": []}
-    return {"cuda": torch.version.cuda, "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    return {
+        "cuda": torch.version.cuda,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
 
 
 def _missing(modules) -> list[str]:
@@ -92,10 +107,14 @@ def support(path: str) -> tuple[bool, str]:
     if path == TRACE_AND_COMPILE:
         missing = _missing(COMPILE_MODULES)
         if missing:
-            return False, (f"needs the Neuron SDK (missing {', '.join(missing)}): run it on an inf2 instance in {IMAGE}, "
-                           f"or pass --dry-run to build and export the same rank modules on CPU")
-        return True, (f"ModelBuilder: torch-neuronx {version('torch-neuronx')}, neuronx-distributed "
-                      f"{version('neuronx-distributed')}, neuronx-cc {version('neuronx-cc')}")
+            return False, (
+                f"needs the Neuron SDK (missing {', '.join(missing)}): run it on an inf2 instance in {IMAGE}, "
+                f"or pass --dry-run to build and export the same rank modules on CPU"
+            )
+        return True, (
+            f"ModelBuilder: torch-neuronx {version('torch-neuronx')}, neuronx-distributed "
+            f"{version('neuronx-distributed')}, neuronx-cc {version('neuronx-cc')}"
+        )
     if path == VALIDATE_NXD:
         try:
             source = nxd_source.locate()
@@ -105,13 +124,21 @@ def support(path: str) -> tuple[bool, str]:
             return False, nxd_source.MISSING
         return True, f"{source.describe()}, in NxD's CPU mode over gloo (not Neuron: docs/neuron.md)"
     if path == READER_NKI:
-        needs = [why for why in (nki_unsupported(version("nki")),
-                                 "needs torch-neuronx (the Neuron SDK)" if _missing(["torch_neuronx"]) else None,
-                                 "needs " + _no_device() if _no_device() else None) if why]
+        needs = [
+            why
+            for why in (
+                nki_unsupported(version("nki")),
+                "needs torch-neuronx (the Neuron SDK)" if _missing(["torch_neuronx"]) else None,
+                "needs " + _no_device() if _no_device() else None,
+            )
+            if why
+        ]
         if needs:
             return False, "; ".join(needs)
-        return True, (f"nki {version('nki')} (the kernels' target: {NKI_TARGET}.x, {NKI_TARGET_SDK}) on "
-                      f"{neuron_devices()['devices']} Neuron device(s)")
+        return True, (
+            f"nki {version('nki')} (the kernels' target: {NKI_TARGET}.x, {NKI_TARGET_SDK}) on "
+            f"{neuron_devices()['devices']} Neuron device(s)"
+        )
     if path == READER_TRITON:
         if version("triton") is None or importlib.util.find_spec("triton") is None:
             return False, "needs triton: pip install 'neuron-moe[triton]'"
@@ -123,11 +150,14 @@ def support(path: str) -> tuple[bool, str]:
     if path == SERVE_NEURON:
         missing, device = _missing(SERVE_MODULES), _no_device()
         if missing or device:
-            needs = " and ".join(filter(None, [f"the Neuron SDK (missing {', '.join(missing)})" if missing else None,
-                                               device]))
+            needs = " and ".join(
+                filter(None, [f"the Neuron SDK (missing {', '.join(missing)})" if missing else None, device])
+            )
             return False, f"needs {needs}: run it on an inf2 instance in {IMAGE}"
-        return True, (f"torch-neuronx {version('torch-neuronx')}, neuronx-distributed {version('neuronx-distributed')}"
-                      f", {neuron_devices()['devices']} Neuron device(s)")
+        return True, (
+            f"torch-neuronx {version('torch-neuronx')}, neuronx-distributed {version('neuronx-distributed')}"
+            f", {neuron_devices()['devices']} Neuron device(s)"
+        )
     raise KeyError(f"unknown path {path!r}; expected one of {', '.join(PATHS)}")
 
 
@@ -144,8 +174,14 @@ def env_report() -> dict:
         supported, why = support(path)
         rows.append({"path": path, "supported": supported, "why": why})
     nxd_src = os.environ.get(nxd_source.ENV)
-    return {"versions": versions(), "platform": platform.platform(), "neuron": neuron_devices(), "gpu": gpu(),
-            "nxd_src": nxd_src, "paths": rows}
+    return {
+        "versions": versions(),
+        "platform": platform.platform(),
+        "neuron": neuron_devices(),
+        "gpu": gpu(),
+        "nxd_src": nxd_src,
+        "paths": rows,
+    }
 
 
 def render_env(report: dict) -> str:
@@ -154,13 +190,18 @@ def render_env(report: dict) -> str:
     neuron, gpus = report["neuron"], report["gpu"]
     lines.append(f"platform: {report['platform']}")
     if neuron["devices"]:
-        cores = f"{neuron['cores']} NeuronCores" if neuron["cores"] is not None else "NeuronCores unknown (no neuron-ls)"
+        cores = (
+            f"{neuron['cores']} NeuronCores" if neuron["cores"] is not None else "NeuronCores unknown (no neuron-ls)"
+        )
         lines.append(f"Neuron devices: {neuron['devices']} ({cores}; from {neuron['source']})")
     else:
         lines.append("Neuron devices: none (no neuron-ls device, no /dev/neuron*)")
-    lines.append(f"GPU: {', '.join(gpus['devices'])} (CUDA {gpus['cuda']})" if gpus["devices"] else
-                 f"GPU: none (torch {'built with CUDA ' + gpus['cuda'] if gpus['cuda'] else 'without CUDA'}; "
-                 f"no CUDA device)")
+    lines.append(
+        f"GPU: {', '.join(gpus['devices'])} (CUDA {gpus['cuda']})"
+        if gpus["devices"]
+        else f"GPU: none (torch {'built with CUDA ' + gpus['cuda'] if gpus['cuda'] else 'without CUDA'}; "
+        f"no CUDA device)"
+    )
     lines.append(f"NXD_SRC: {report['nxd_src'] or 'unset'}")
     lines.append("")
     width = max(len(r["path"]) for r in report["paths"])

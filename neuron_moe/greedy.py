@@ -32,8 +32,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p) :] = 1
     return ids, mask
 
 
@@ -44,8 +44,14 @@ def greedy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     ids = input_ids
     tokens, logits = [], []
     for step in range(max_new_tokens):
-        out = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         step_logits = out.logits[:, -1].float()
         ids = step_logits.argmax(-1, keepdim=True)
         tokens.append(ids)

@@ -47,37 +47,52 @@ def resolve(spec: str | Path, revision: str | None = None) -> Path:
     CheckpointError that names the repository and what to do."""
     if not is_repo_id(str(spec)):
         if revision is not None:
-            raise CheckpointError(f"--revision {revision} applies to a Hub repository id (ORG/NAME), not to the "
-                                  f"directory {spec}")
+            raise CheckpointError(
+                f"--revision {revision} applies to a Hub repository id (ORG/NAME), not to the directory {spec}"
+            )
         return Path(spec).expanduser()
     repo = str(spec)
     at = f"{repo}@{revision or 'main'}"
     if not constants.HF_HUB_OFFLINE:
-        print(f"checkpoint {at}: from {constants.ENDPOINT} into {constants.HF_HUB_CACHE} (files already there "
-              "are not fetched again)", file=sys.stderr)
+        print(
+            f"checkpoint {at}: from {constants.ENDPOINT} into {constants.HF_HUB_CACHE} (files already there "
+            "are not fetched again)",
+            file=sys.stderr,
+        )
     try:
         return Path(snapshot_download(repo, revision=revision, allow_patterns=list(PATTERNS)))
     except GatedRepoError:
-        raise CheckpointError(f"checkpoint {at}: a gated repository: accept its terms on the Hub with your "
-                              "account, then set HF_TOKEN to a token of that account") from None
+        raise CheckpointError(
+            f"checkpoint {at}: a gated repository: accept its terms on the Hub with your "
+            "account, then set HF_TOKEN to a token of that account"
+        ) from None
     except RevisionNotFoundError:
-        raise CheckpointError(f"checkpoint {at}: no revision {revision!r} (a branch, tag or commit) in "
-                              f"{repo}") from None
+        raise CheckpointError(
+            f"checkpoint {at}: no revision {revision!r} (a branch, tag or commit) in {repo}"
+        ) from None
     except RepositoryNotFoundError:
-        raise CheckpointError(f"checkpoint {at}: no such repository on {constants.ENDPOINT}, or a private one "
-                              "that HF_TOKEN does not open (and no such directory here)") from None
+        raise CheckpointError(
+            f"checkpoint {at}: no such repository on {constants.ENDPOINT}, or a private one "
+            "that HF_TOKEN does not open (and no such directory here)"
+        ) from None
     except IncompleteSnapshotError:
-        raise CheckpointError(f"checkpoint {at}: the Hugging Face cache {constants.HF_HUB_CACHE} holds part of it "
-                              "and the Hub cannot be reached to fetch the rest (HF_HUB_OFFLINE, or the "
-                              "network)") from None
+        raise CheckpointError(
+            f"checkpoint {at}: the Hugging Face cache {constants.HF_HUB_CACHE} holds part of it "
+            "and the Hub cannot be reached to fetch the rest (HF_HUB_OFFLINE, or the "
+            "network)"
+        ) from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
         if constants.HF_HUB_OFFLINE:
-            raise CheckpointError(f"checkpoint {at}: not in the Hugging Face cache {constants.HF_HUB_CACHE}, and "
-                                  "HF_HUB_OFFLINE=1 forbids downloading it: download it once online (unset "
-                                  "HF_HUB_OFFLINE), or point HF_HOME at a cache that holds it (and no such "
-                                  "directory here)") from None
-        raise CheckpointError(f"checkpoint {at}: cannot reach {constants.ENDPOINT} and not in the cache "
-                              f"{constants.HF_HUB_CACHE}: {_first_line(e)}") from None
+            raise CheckpointError(
+                f"checkpoint {at}: not in the Hugging Face cache {constants.HF_HUB_CACHE}, and "
+                "HF_HUB_OFFLINE=1 forbids downloading it: download it once online (unset "
+                "HF_HUB_OFFLINE), or point HF_HOME at a cache that holds it (and no such "
+                "directory here)"
+            ) from None
+        raise CheckpointError(
+            f"checkpoint {at}: cannot reach {constants.ENDPOINT} and not in the cache "
+            f"{constants.HF_HUB_CACHE}: {_first_line(e)}"
+        ) from None
     except HfHubHTTPError as e:
         raise CheckpointError(f"checkpoint {at}: the Hub answered {_first_line(e)}") from None
 

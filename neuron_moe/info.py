@@ -114,14 +114,16 @@ def per_token_costs(config: Gemma4TextConfig, dtype: torch.dtype) -> dict:
     rows = []
     for name, experts in _experts_per_token(config).items():
         layer_bytes = experts * expert_params * nbytes
-        rows.append({
-            "experts": name,
-            "experts_read_per_layer": experts,
-            "expert_bytes_per_layer": layer_bytes,
-            "expert_bytes_per_token": layers * layer_bytes,
-            "weight_bytes_per_token": layers * layer_bytes + rest_read * nbytes,
-            "flops_per_token": 2 * (layers * experts * expert_params + rest_matmul),
-        })
+        rows.append(
+            {
+                "experts": name,
+                "experts_read_per_layer": experts,
+                "expert_bytes_per_layer": layer_bytes,
+                "expert_bytes_per_token": layers * layer_bytes,
+                "weight_bytes_per_token": layers * layer_bytes + rest_read * nbytes,
+                "flops_per_token": 2 * (layers * experts * expert_params + rest_matmul),
+            }
+        )
     dense = max(row["expert_bytes_per_layer"] for row in rows)  # every expert: dense_masked's
     for row in rows:
         row["expert_bytes_reduction"] = dense / row["expert_bytes_per_layer"]
@@ -145,37 +147,67 @@ def info_report(port, per_token: bool = False) -> dict:
 
 def render_info(report: dict, description: str) -> str:
     params = report["parameters"]
-    rows = [{"what": g, "count": n, "B": n / 1e9, "share": f"{100 * n / params['total']:.1f}%"}
-            for g, n in params["groups"].items()]
-    rows += [{"what": "total", "count": params["total"], "B": params["total"] / 1e9, "share": "100.0%"},
-             {"what": "active per token", "count": params["active_per_token"],
-              "B": params["active_per_token"] / 1e9,
-              "share": f"{100 * params['active_per_token'] / params['total']:.1f}%"}]
+    rows = [
+        {"what": g, "count": n, "B": n / 1e9, "share": f"{100 * n / params['total']:.1f}%"}
+        for g, n in params["groups"].items()
+    ]
+    rows += [
+        {"what": "total", "count": params["total"], "B": params["total"] / 1e9, "share": "100.0%"},
+        {
+            "what": "active per token",
+            "count": params["active_per_token"],
+            "B": params["active_per_token"] / 1e9,
+            "share": f"{100 * params['active_per_token'] / params['total']:.1f}%",
+        },
+    ]
     unit, scale = ("GiB", 2**30) if params["bytes"]["bfloat16"] >= 2**30 else ("MiB", 2**20)
-    lines = [f"{report['model']}: {description}\n",
-             table([{"field": k, "value": v} for k, v in report["geometry"].items()],
-                   [("field", "geometry"), ("value", "")]),
-             "",
-             table(rows, [("what", "parameters"), ("count", "count"), ("B", "billions"), ("share", "share")]),
-             "",
-             table([{"dtype": k, "size": v / scale} for k, v in params["bytes"].items()],
-                   [("dtype", "weights as"), ("size", unit, "{:.2f}")])]
+    lines = [
+        f"{report['model']}: {description}\n",
+        table(
+            [{"field": k, "value": v} for k, v in report["geometry"].items()], [("field", "geometry"), ("value", "")]
+        ),
+        "",
+        table(rows, [("what", "parameters"), ("count", "count"), ("B", "billions"), ("share", "share")]),
+        "",
+        table(
+            [{"dtype": k, "size": v / scale} for k, v in params["bytes"].items()],
+            [("dtype", "weights as"), ("size", unit, "{:.2f}")],
+        ),
+    ]
     if "per_token" in report:
         lines.append(_render_per_token(report["per_token"], report["geometry"]))
     return "\n".join(lines)
 
 
 def _render_per_token(costs: dict, geometry: dict) -> str:
-    rows = [{"experts": r["experts"], "read": r["experts_read_per_layer"], "mb_layer": r["expert_bytes_per_layer"] / 1e6,
-             "gb_experts": r["expert_bytes_per_token"] / 1e9, "gb_all": r["weight_bytes_per_token"] / 1e9,
-             "gflop": r["flops_per_token"] / 1e9, "x": f"{r['expert_bytes_reduction']:.0f}x"}
-            for r in costs["implementations"]]
-    return "\n".join([
-        f"\nper decoded token (batch 1, weights in {costs['dtype']}; attention over the KV cache not counted)\n",
-        table(rows, [
-            ("experts", "experts impl"), ("read", "experts read/layer"), ("mb_layer", "expert MB/layer", "{:.1f}"),
-            ("gb_experts", "expert GB/token", "{:.3f}"), ("gb_all", "all weights GB/token", "{:.3f}"),
-            ("gflop", "GFLOP/token", "{:.3f}"), ("x", "expert bytes vs dense_masked"),
-        ]),
-        f"\nselective reads batch x {geometry['top_k']} experts per layer and step, dense_masked "
-        f"{geometry['num_experts']}: selective reads less below batch {costs['selective_below_batch']}"])
+    rows = [
+        {
+            "experts": r["experts"],
+            "read": r["experts_read_per_layer"],
+            "mb_layer": r["expert_bytes_per_layer"] / 1e6,
+            "gb_experts": r["expert_bytes_per_token"] / 1e9,
+            "gb_all": r["weight_bytes_per_token"] / 1e9,
+            "gflop": r["flops_per_token"] / 1e9,
+            "x": f"{r['expert_bytes_reduction']:.0f}x",
+        }
+        for r in costs["implementations"]
+    ]
+    return "\n".join(
+        [
+            f"\nper decoded token (batch 1, weights in {costs['dtype']}; attention over the KV cache not counted)\n",
+            table(
+                rows,
+                [
+                    ("experts", "experts impl"),
+                    ("read", "experts read/layer"),
+                    ("mb_layer", "expert MB/layer", "{:.1f}"),
+                    ("gb_experts", "expert GB/token", "{:.3f}"),
+                    ("gb_all", "all weights GB/token", "{:.3f}"),
+                    ("gflop", "GFLOP/token", "{:.3f}"),
+                    ("x", "expert bytes vs dense_masked"),
+                ],
+            ),
+            f"\nselective reads batch x {geometry['top_k']} experts per layer and step, dense_masked "
+            f"{geometry['num_experts']}: selective reads less below batch {costs['selective_below_batch']}",
+        ]
+    )

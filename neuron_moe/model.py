@@ -77,8 +77,16 @@ def build_model(
     return model.eval()
 
 
-def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, rank=None, reader_kernel="reference",
-                 reader_weights="bf16"):
+def reader_model(
+    port,
+    dtype=None,
+    checkpoint=None,
+    sidecar=None,
+    budget=None,
+    rank=None,
+    reader_kernel="reference",
+    reader_weights="bf16",
+):
     """The port's model with the reader attached (see `reader_settings` for the defaults). The kernel,
     sidecar, rank and budget are checked before the weights load (minutes, for a large checkpoint).
     Without a sidecar (none given, none in the port's [reader] table) one is prepped from the weights
@@ -93,15 +101,26 @@ def reader_model(port, dtype=None, checkpoint=None, sidecar=None, budget=None, r
     model = build_model(port, spec.EAGER, dtype, checkpoint)
     with tempfile.TemporaryDirectory(prefix="neuron-moe-sidecar-") as tmp:
         if sidecar is None:
-            print(f"no --sidecar: prepping the reader's sidecar (rank {rank}) from the model's weights; "
-                  f"`neuron-moe prep-reader --out FILE` writes one to reuse", file=sys.stderr)
+            print(
+                f"no --sidecar: prepping the reader's sidecar (rank {rank}) from the model's weights; "
+                f"`neuron-moe prep-reader --out FILE` writes one to reuse",
+                file=sys.stderr,
+            )
             sidecar = prep_port(port, Path(tmp) / "sidecar.safetensors", checkpoint, rank=rank, model=model)
         attach_reader(model, sidecar, budget, rank, reader_kernel, reader_weights)
     return model
 
 
-def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0, rank: int = RANK,
-              scan: int = SCAN, model: Gemma4ForCausalLM | None = None) -> Path:
+def prep_port(
+    port,
+    out: Path,
+    checkpoint: Path | None = None,
+    *,
+    seed: int = 0,
+    rank: int = RANK,
+    scan: int = SCAN,
+    model: Gemma4ForCausalLM | None = None,
+) -> Path:
     """The reader's sidecar of a port's model: streamed layer by layer from a checkpoint (the
     port's or `checkpoint`), or from the seeded model of a random-weights port: `model`, the port's
     model the caller already holds (`build_model`, in any dtype), else built here.
@@ -118,12 +137,22 @@ def prep_port(port, out: Path, checkpoint: Path | None = None, *, seed: int = 0,
         weights = ((gate_up.to(port.dtype), down.to(port.dtype)) for gate_up, down in model_expert_weights(held))
     else:
         raise SidecarError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
-    return write_sidecar(out, weights, Geometry.from_config(config), layers=config.num_hidden_layers, seed=seed,
-                         rank=rank, scan=scan)
+    return write_sidecar(
+        out, weights, Geometry.from_config(config), layers=config.num_hidden_layers, seed=seed, rank=rank, scan=scan
+    )
 
 
-def prep_reader(port, out: Path, checkpoint: Path | None = None, *, tp: int | None = None,
-                source: Path | None = None, seed: int = 0, rank: int = RANK, scan: int = SCAN) -> dict:
+def prep_reader(
+    port,
+    out: Path,
+    checkpoint: Path | None = None,
+    *,
+    tp: int | None = None,
+    source: Path | None = None,
+    seed: int = 0,
+    rank: int = RANK,
+    scan: int = SCAN,
+) -> dict:
     """`neuron-moe prep-reader`: the port's sidecar written to `out`; with `tp`, `out` is a directory
     of the whole sidecar (prepped there, or the existing `source`) and each rank's shard at TP `tp`."""
     out = Path(out)
@@ -139,16 +168,29 @@ def prep_reader(port, out: Path, checkpoint: Path | None = None, *, tp: int | No
     if side.tp is not None:
         raise UserError(f"{path}: already a TP shard (rank {side.tp_rank} of {side.tp}); shard the whole sidecar")
     files = [path] + (write_shards(side, out, tp) if tp else [])
-    return {"model": port.name, "sidecar": str(path), "bytes": path.stat().st_size, "layers": side.layers,
-            "scan": side.scan, "rank": side.layout.rank, "seed": side.seed, "source_sha256": side.source_sha256,
-            "tp": tp, "files": {str(f): f.stat().st_size for f in files}}
+    return {
+        "model": port.name,
+        "sidecar": str(path),
+        "bytes": path.stat().st_size,
+        "layers": side.layers,
+        "scan": side.scan,
+        "rank": side.layout.rank,
+        "seed": side.seed,
+        "source_sha256": side.source_sha256,
+        "tp": tp,
+        "files": {str(f): f.stat().st_size for f in files},
+    }
 
 
 def render_prep_reader(report: dict, read_source: bool = False) -> str:
     """`read_source`: the whole sidecar was read (prep-reader --from), not written."""
-    lines = [f"{'read' if read_source and f == report['sidecar'] else 'wrote'} {f}: {size / 2**20:.2f} MiB"
-             for f, size in report["files"].items()]
-    lines.append(f"{report['layers']} layers, scan {report['scan']}, rank {report['rank']}, seed {report['seed']}, "
-                 f"source sha256 {report['source_sha256'][:16]}…"
-                 + (f"; shards for TP {report['tp']}, channel expert layout" if report["tp"] else ""))
+    lines = [
+        f"{'read' if read_source and f == report['sidecar'] else 'wrote'} {f}: {size / 2**20:.2f} MiB"
+        for f, size in report["files"].items()
+    ]
+    lines.append(
+        f"{report['layers']} layers, scan {report['scan']}, rank {report['rank']}, seed {report['seed']}, "
+        f"source sha256 {report['source_sha256'][:16]}…"
+        + (f"; shards for TP {report['tp']}, channel expert layout" if report["tp"] else "")
+    )
     return "\n".join(lines)

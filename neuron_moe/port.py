@@ -94,8 +94,10 @@ class Port:
     def static_spec(self, what: str) -> StaticSpec:
         """The [static] table, or a UserError saying that `what` needs one."""
         if self.static is None:
-            raise UserError(f"port {self.name!r} has no [static] table (buckets, max_cache_len, batch_size, "
-                            f"prefill_experts, decode_experts): {what} needs the static graphs it describes")
+            raise UserError(
+                f"port {self.name!r} has no [static] table (buckets, max_cache_len, batch_size, "
+                f"prefill_experts, decode_experts): {what} needs the static graphs it describes"
+            )
         return self.static
 
 
@@ -108,8 +110,10 @@ def _ports_dir():
     except ModuleNotFoundError:
         checkout = Path(__file__).resolve().parents[1] / "ports"
         if not (checkout / "__init__.py").is_file():
-            raise PortError(f"no built-in ports: neuron_moe.ports is not installed and {checkout} does not "
-                            "exist (install the project: pip install .)") from None
+            raise PortError(
+                f"no built-in ports: neuron_moe.ports is not installed and {checkout} does not "
+                "exist (install the project: pip install .)"
+            ) from None
         return checkout
 
 
@@ -157,8 +161,16 @@ def _table(raw: dict, name: str, where: str) -> dict:
 # attached), exported in the tests. HF's eager loop, with its data-dependent shapes, is not one.
 GRAPH_EXPERTS = tuple(name for name, e in spec.EXPERTS.items() if e.static)
 
-_STATIC_FIELDS = {"buckets", "max_cache_len", "batch_size", "prefill_experts", "decode_experts", "expert_layout",
-                  "prefill_rows", "prefill_chunk"}
+_STATIC_FIELDS = {
+    "buckets",
+    "max_cache_len",
+    "batch_size",
+    "prefill_experts",
+    "decode_experts",
+    "expert_layout",
+    "prefill_rows",
+    "prefill_chunk",
+}
 
 
 def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpec:
@@ -175,8 +187,9 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
     if max_cache_len < buckets[-1]:
         raise PortError(f"{where}: max_cache_len {max_cache_len} is shorter than the largest bucket {buckets[-1]}")
     if max_cache_len > config.max_position_embeddings:
-        raise PortError(f"{where}: max_cache_len {max_cache_len} exceeds max_position_embeddings "
-                        f"{config.max_position_embeddings}")
+        raise PortError(
+            f"{where}: max_cache_len {max_cache_len} exceeds max_position_embeddings {config.max_position_embeddings}"
+        )
     batch_size = _require(table, "batch_size", int, where)
     if not 1 <= batch_size <= MAX_BATCH:
         raise PortError(f"{where}: batch_size must be in [1, {MAX_BATCH}], got {batch_size}")
@@ -184,25 +197,40 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
     for key in ("prefill_experts", "decode_experts"):
         experts[key] = _require(table, key, str, where)
         if experts[key] not in GRAPH_EXPERTS:
-            raise PortError(f"{where}: {key} {experts[key]!r} is not an experts implementation for static "
-                            f"graphs; choose from {list(GRAPH_EXPERTS)}")
+            raise PortError(
+                f"{where}: {key} {experts[key]!r} is not an experts implementation for static "
+                f"graphs; choose from {list(GRAPH_EXPERTS)}"
+            )
     expert_layout = _typed(table, "expert_layout", str, where) if "expert_layout" in table else DEFAULT_EXPERT_LAYOUT
     if expert_layout not in EXPERT_LAYOUTS:
         raise PortError(f"{where}: expert_layout {expert_layout!r} is not one of {list(EXPERT_LAYOUTS)}")
     rows = _typed(table, "prefill_rows", list, where) if "prefill_rows" in table else [1]
-    if not 0 < len(rows) <= MAX_BUCKETS or not all(type(p) is int and 1 <= p <= MAX_BATCH for p in rows) \
-            or rows != sorted(set(rows)):
-        raise PortError(f"{where}: prefill_rows must be a strictly increasing list of 1 to {MAX_BUCKETS} row counts "
-                        f"in [1, {MAX_BATCH}], got {rows}")
+    if (
+        not 0 < len(rows) <= MAX_BUCKETS
+        or not all(type(p) is int and 1 <= p <= MAX_BATCH for p in rows)
+        or rows != sorted(set(rows))
+    ):
+        raise PortError(
+            f"{where}: prefill_rows must be a strictly increasing list of 1 to {MAX_BUCKETS} row counts "
+            f"in [1, {MAX_BATCH}], got {rows}"
+        )
     chunk = _typed(table, "prefill_chunk", int, where) if "prefill_chunk" in table else buckets[-1]
     if chunk not in buckets:
         raise PortError(f"{where}: prefill_chunk {chunk} is not one of the buckets {buckets}")
-    return StaticSpec(tuple(buckets), max_cache_len, batch_size, **experts, expert_layout=expert_layout,
-                      prefill_rows=tuple(rows), prefill_chunk=chunk)
+    return StaticSpec(
+        tuple(buckets),
+        max_cache_len,
+        batch_size,
+        **experts,
+        expert_layout=expert_layout,
+        prefill_rows=tuple(rows),
+        prefill_chunk=chunk,
+    )
 
 
-def with_shapes(port: Port, *, batch_size: int | None = None, seq_len: int | None = None,
-                buckets: tuple[int, ...] | None = None) -> Port:
+def with_shapes(
+    port: Port, *, batch_size: int | None = None, seq_len: int | None = None, buckets: tuple[int, ...] | None = None
+) -> Port:
     """The port with the `[static]` shapes the flags give (`--batch-size`, `--seq-len`: the KV cache's
     positions, max_cache_len; `--buckets`: the prefill lengths) in place of its table's, held to the
     table's own checks; each refusal names the flag."""
@@ -219,11 +247,14 @@ def with_shapes(port: Port, *, batch_size: int | None = None, seq_len: int | Non
         raise PortError(f"--buckets: at most {MAX_BUCKETS} prefill lengths, got {len(buckets)}")
     if buckets[-1] > seq_len:
         whose = "--buckets" if given["--buckets"] is not None else f"the port's [static] buckets {list(buckets)}"
-        raise PortError(f"--seq-len {seq_len} (the KV cache's positions) is shorter than the largest prefill bucket "
-                        f"{buckets[-1]} ({whose}): pass --buckets up to {seq_len}, or a longer --seq-len")
+        raise PortError(
+            f"--seq-len {seq_len} (the KV cache's positions) is shorter than the largest prefill bucket "
+            f"{buckets[-1]} ({whose}): pass --buckets up to {seq_len}, or a longer --seq-len"
+        )
     if seq_len > port.config.max_position_embeddings:
-        raise PortError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
-                        f"{port.config.max_position_embeddings}")
+        raise PortError(
+            f"--seq-len {seq_len} exceeds the model's max_position_embeddings {port.config.max_position_embeddings}"
+        )
     if not 1 <= batch_size <= MAX_BATCH:
         raise PortError(f"--batch-size must be in [1, {MAX_BATCH}], got {batch_size}")
     return replace(port, static=replace(spec, buckets=buckets, max_cache_len=seq_len, batch_size=batch_size))
@@ -243,8 +274,11 @@ def _reader_spec(table: dict, folder: Path, where: str) -> ReaderSpec:
         raise PortError(f"{where}: budget must be in (0, 100] percent, got {budget}")
     if rank is not None and rank < 0:
         raise PortError(f"{where}: rank must be 0 or more, got {rank}")
-    return ReaderSpec(sidecar=folder / given["sidecar"] if "sidecar" in given else None,
-                      budget=None if budget is None else float(budget), rank=rank)
+    return ReaderSpec(
+        sidecar=folder / given["sidecar"] if "sidecar" in given else None,
+        budget=None if budget is None else float(budget),
+        rank=rank,
+    )
 
 
 def load_port(name_or_path: str = DEFAULT_PORT) -> Port:

@@ -24,8 +24,18 @@ from typing import Any, NamedTuple
 from .errors import UserError
 
 # errors of a write that are the filesystem's, not ours: reported as one line naming the path
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG,
-                   errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+_STORAGE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EIO,
+    errno.EFBIG,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EEXIST,
+}
 
 
 class OutputError(UserError):
@@ -307,8 +317,10 @@ def run_lock(path: Path, what: str, wait=None):
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
                 if wait is None:
-                    raise OutputError(f"{path} is being written by another {what} (pid {holder}); "
-                                      "wait for it to finish, or choose another output") from None
+                    raise OutputError(
+                        f"{path} is being written by another {what} (pid {holder}); "
+                        "wait for it to finish, or choose another output"
+                    ) from None
                 wait(holder)
                 continue
             try:

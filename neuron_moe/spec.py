@@ -167,8 +167,11 @@ READER_SELECTOR = "reader"  # the selector that is the reader (its sidecar, rank
 # or one top-(T·k_r) over all ranks' gathered scores (-global); k_r solved on the rank's geometry, or
 # the one-rank reader's k split evenly (-split)
 TP_VARIANTS = ("", "-global", "-split", "-split-global")
-_SELECTOR = re.compile(r"(?P<name>[a-z]+)(?:-r(?P<rank>\d+))?(?:-tp(?P<tp>\d+)(?P<variant>" +
-                       "|".join(v for v in TP_VARIANTS if v) + r")?)?(?:-(?P<weights>int8|int8dq))?")
+_SELECTOR = re.compile(
+    r"(?P<name>[a-z]+)(?:-r(?P<rank>\d+))?(?:-tp(?P<tp>\d+)(?P<variant>"
+    + "|".join(v for v in TP_VARIANTS if v)
+    + r")?)?(?:-(?P<weights>int8|int8dq))?"
+)
 
 
 @dataclass(frozen=True)
@@ -194,21 +197,31 @@ def parse_selector(text: str, known) -> Selector:
     """A selector spec, checked; `known`: the selectors' names (reader/selectors.py)."""
     m = _SELECTOR.fullmatch(text)
     if not m or m["name"] not in known or ((m["rank"] or m["tp"] or m["weights"]) and m["name"] != READER_SELECTOR):
-        raise SpecError(f"unknown selector {text!r}; known: {', '.join(known)}, and reader-rN (the reader at "
-                        f"recovery rank N), reader[-rN]-tpT[-global|-split|-split-global] (the reader at TP T), "
-                        f"reader[-rN]-int8 / -int8dq (over the int8 experts)")
+        raise SpecError(
+            f"unknown selector {text!r}; known: {', '.join(known)}, and reader-rN (the reader at "
+            f"recovery rank N), reader[-rN]-tpT[-global|-split|-split-global] (the reader at TP T), "
+            f"reader[-rN]-int8 / -int8dq (over the int8 experts)"
+        )
     tp = int(m["tp"]) if m["tp"] else None
     if tp is not None and tp not in TP_DEGREES:
         raise SpecError(f"{text}: TP degree {tp} is not one of {TP_DEGREES}")
     if tp is not None and m["weights"]:
         raise SpecError(f"{text}: the reader over int8 experts runs at one rank; drop -tp{tp} or -{m['weights']}")
     variant = m["variant"] or ""
-    return Selector(text, m["name"], int(m["rank"]) if m["rank"] else None, tp, gathered=variant.endswith("-global"),
-                    split=variant.startswith("-split"), int8=m["weights"] is not None,
-                    dequantised=m["weights"] == "int8dq")
+    return Selector(
+        text,
+        m["name"],
+        int(m["rank"]) if m["rank"] else None,
+        tp,
+        gathered=variant.endswith("-global"),
+        split=variant.startswith("-split"),
+        int8=m["weights"] is not None,
+        dequantised=m["weights"] == "int8dq",
+    )
 
 
 # ---- the one adapter to transformers' experts registry ----
+
 
 def set_experts(model, which: Experts | str) -> None:
     """Every MoE block of `model` dispatches to `which`: an entry, or the name of an implementation

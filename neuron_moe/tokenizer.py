@@ -15,8 +15,14 @@ from .errors import UserError
 # itself (one of TOKENIZER_MODELS), its settings and special tokens, and the chat template when it
 # is a file of its own.
 TOKENIZER_MODELS = ("tokenizer.json", "tokenizer.model")
-TOKENIZER_FILES = (*TOKENIZER_MODELS, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    *TOKENIZER_MODELS,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 class ByteTokenizer:

@@ -20,8 +20,10 @@ class Repo:
     def __init__(self, revisions: dict[str, dict[str, bytes]], token: str | None = None):
         self.revisions = revisions
         self.token = token  # None: public; else the only Bearer token that opens it
-        self.commits = {name: hashlib.sha1(name.encode() + json.dumps(sorted(files)).encode()).hexdigest()
-                        for name, files in revisions.items()}
+        self.commits = {
+            name: hashlib.sha1(name.encode() + json.dumps(sorted(files)).encode()).hexdigest()
+            for name, files in revisions.items()
+        }
 
     @classmethod
     def from_dir(cls, path: Path, extra: dict[str, bytes] | None = None, **kw) -> Repo:
@@ -64,49 +66,81 @@ class FakeHub:
 
     def fetched(self) -> list[str]:
         """The files whose contents were sent (GET of /ORG/NAME/resolve/REV/PATH)."""
-        return sorted(unquote(p.split("/resolve/", 1)[1].split("/", 1)[1]) for m, p, _ in self.requests
-                      if m == "GET" and "/resolve/" in p)
+        return sorted(
+            unquote(p.split("/resolve/", 1)[1].split("/", 1)[1])
+            for m, p, _ in self.requests
+            if m == "GET" and "/resolve/" in p
+        )
 
     def _serve(self, handler, body: bool):
         path = urlsplit(handler.path).path
         auth = handler.headers.get("Authorization")
         self.requests.append((handler.command, path, auth))
-        route = (re.fullmatch(r"/api/models/([^/]+/[^/]+)/revision/([^/]+)", path)
-                 or re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)", path)
-                 or re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path))
+        route = (
+            re.fullmatch(r"/api/models/([^/]+/[^/]+)/revision/([^/]+)", path)
+            or re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)", path)
+            or re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        )
         if route is None:
             return self._send(handler, 404, {"error": "not found"}, body, {"X-Error-Code": "EntryNotFound"})
         repo_id, revision = route.group(1), unquote(route.group(2))
         repo = self.repos.get(repo_id)
         if repo is None or (repo.token is not None and auth != f"Bearer {repo.token}"):
-            return self._send(handler, 404 if repo is None else 401, {"error": "Repository not found"}, body,
-                              {"X-Error-Code": "RepoNotFound"})
+            return self._send(
+                handler,
+                404 if repo is None else 401,
+                {"error": "Repository not found"},
+                body,
+                {"X-Error-Code": "RepoNotFound"},
+            )
         found = repo.revision(revision)
         if found is None:
-            return self._send(handler, 404, {"error": f"Invalid rev id: {revision}"}, body,
-                              {"X-Error-Code": "RevisionNotFound"})
+            return self._send(
+                handler, 404, {"error": f"Invalid rev id: {revision}"}, body, {"X-Error-Code": "RevisionNotFound"}
+            )
         commit, files = found
         if "/revision/" in path:
-            return self._send(handler, 200, {"id": repo_id, "sha": commit, "private": repo.token is not None,
-                                             "siblings": [{"rfilename": f} for f in files]}, body)
+            return self._send(
+                handler,
+                200,
+                {
+                    "id": repo_id,
+                    "sha": commit,
+                    "private": repo.token is not None,
+                    "siblings": [{"rfilename": f} for f in files],
+                },
+                body,
+            )
         if "/tree/" in path:
-            return self._send(handler, 200, [{"type": "file", "path": f, "size": len(data),
-                                              "oid": hashlib.sha1(data).hexdigest()} for f, data in files.items()],
-                              body)
+            return self._send(
+                handler,
+                200,
+                [
+                    {"type": "file", "path": f, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                    for f, data in files.items()
+                ],
+                body,
+            )
         name = unquote(route.group(3))
         if name not in files:
             return self._send(handler, 404, {"error": "Entry not found"}, body, {"X-Error-Code": "EntryNotFound"})
         data = files[name]
-        headers = {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
-                   "Content-Type": "application/octet-stream"}
+        headers = {
+            "X-Repo-Commit": commit,
+            "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+            "Content-Type": "application/octet-stream",
+        }
         self._send(handler, 200, data, body, headers)
 
     @staticmethod
     def _send(handler, status: int, payload, body: bool, headers: dict | None = None):
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         handler.send_response(status)
-        for key, value in {"Content-Length": str(len(data)), "Content-Type": "application/json",
-                           **(headers or {})}.items():
+        for key, value in {
+            "Content-Length": str(len(data)),
+            "Content-Type": "application/json",
+            **(headers or {}),
+        }.items():
             handler.send_header(key, value)
         handler.end_headers()
         if body:

@@ -15,15 +15,39 @@ LAYERS = (
     ("definitions", ("spec", "port", "tasks", "checkpoint", "hub", "reader", "parallel.layout")),
     ("modules", ("experts", "static", "parallel", "greedy")),
     # The generators over a port's graphs build the port's model: workflows, not modules.
-    ("workflows", ("model", "static.generator", "parallel.tp_generator", "parallel.rank_job", "parallel.nxd_generator",
-                   "neuron", "eval", "training", "publish", "info", "environment")),
+    (
+        "workflows",
+        (
+            "model",
+            "static.generator",
+            "parallel.tp_generator",
+            "parallel.rank_job",
+            "parallel.nxd_generator",
+            "neuron",
+            "eval",
+            "training",
+            "publish",
+            "info",
+            "environment",
+        ),
+    ),
     ("surfaces", ("serve", "cli", "cli_parser", "__main__")),
 )
 
 
 # Packages a user may not have (extras, the Neuron SDK): imported on first use, inside a function.
-OPTIONAL = ("boto3", "botocore", "matplotlib", "triton", "fastapi", "uvicorn", "torch_neuronx",
-            "neuronx_distributed", "neuronxcc", "nki")
+OPTIONAL = (
+    "boto3",
+    "botocore",
+    "matplotlib",
+    "triton",
+    "fastapi",
+    "uvicorn",
+    "torch_neuronx",
+    "neuronx_distributed",
+    "neuronxcc",
+    "nki",
+)
 
 
 def layer_of(module: str) -> int:
@@ -55,8 +79,13 @@ def parse(package: Path = PACKAGE) -> dict[str, tuple[Path, ast.AST]]:
 
 def _in_functions(tree: ast.AST) -> set[int]:
     """ids of the import statements inside a function."""
-    return {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-            for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for n in ast.walk(f)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    }
 
 
 def imports(package: Path = PACKAGE, parsed: dict | None = None) -> list[tuple[str, str, int, bool]]:
@@ -79,8 +108,9 @@ def imports(package: Path = PACKAGE, parsed: dict | None = None) -> list[tuple[s
                 target = node.module.removeprefix("neuron_moe").lstrip(".")
                 names = [f"{target}.{a.name}" if target else a.name for a in node.names]
             elif isinstance(node, ast.Import):
-                names = [a.name.removeprefix("neuron_moe").lstrip(".") for a in node.names
-                         if a.name.startswith("neuron_moe")]
+                names = [
+                    a.name.removeprefix("neuron_moe").lstrip(".") for a in node.names if a.name.startswith("neuron_moe")
+                ]
                 target = None
             else:
                 continue
@@ -137,9 +167,12 @@ def needless_local_imports(package: Path = PACKAGE) -> list[str]:
 
 def upward(edges) -> list[str]:
     """Imports of a higher layer than the importer's, one line each."""
-    return [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]}) at line {line}"
-            + (" inside a function" if local else "")
-            for a, b, line, local in edges if layer_of(b) > layer_of(a)]
+    return [
+        f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]}) at line {line}"
+        + (" inside a function" if local else "")
+        for a, b, line, local in edges
+        if layer_of(b) > layer_of(a)
+    ]
 
 
 def cycles(edges) -> list[list[str]]:

@@ -55,12 +55,13 @@ def sse_events(lines) -> list:
     events = []
     for line in lines:
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
 
 # ---- the batching engine (serve/batching.py) -----------------------------------------------------
+
 
 class IdTokenizer:
     """A tokenizer whose text spells the token ids (`<5><17>`), so a request's text is its tokens."""

@@ -37,8 +37,14 @@ def md_rows(md: str) -> list[list[str]]:
 @pytest.mark.slow
 def test_gpu_decode_bench_dry_run(tmp_path):
     out = tmp_path / "gpu_decode.json"
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_decode", "--dry-run", "--json", str(out)],
-                          capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_decode", "--dry-run", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["machine"]["dry_run"] and report["machine"]["device"].startswith("cpu")
@@ -55,15 +61,17 @@ def test_gpu_decode_bench_dry_run(tmp_path):
             if r["experts"].startswith("reader"):
                 assert 0 < r["k"] and (r["batch"] > 1 or r["vs_full"] > 1e-3), r  # it ran, and sparsely
             # the source paper's batch-1 gain beside each reader row at batch 1
-            assert r.get("paper_batch1") == ("1.15–1.36×" if r["experts"].startswith("reader") and r["batch"] == 1
-                                             else None), r
+            assert r.get("paper_batch1") == (
+                "1.15–1.36×" if r["experts"].startswith("reader") and r["batch"] == 1 else None
+            ), r
         k = {r["experts"]: r["k"] for r in rows}
         assert k["reader-12.8"] < k["reader-17.8"]
     assert report["command"] == f"python -m bench.gpu_decode --dry-run --json {out}"
     # the markdown's table: one row per measured row, in order (model, B, experts, k)
     table = [cells[:4] for cells in md_rows(out.with_suffix(".md").read_text())]
-    assert table[2:] == [[r["model"], str(r["batch"]), r["experts"], "-" if r["k"] is None else str(r["k"])]
-                         for r in report["rows"]]
+    assert table[2:] == [
+        [r["model"], str(r["batch"]), r["experts"], "-" if r["k"] is None else str(r["k"])] for r in report["rows"]
+    ]
     assert done.stdout.strip().splitlines()[-1].split()[:3] == ["tiny-qwen3", "2", "reader-12.8"]
 
 
@@ -97,12 +105,16 @@ def test_both_models_read_through_the_packages_geometry_and_layers(on_cpu, name)
     cls, config, _ = g.models()[name]
     model = g.build(cls, config)
     moe = config.num_experts_per_tok if name == "tiny-qwen3" else config.top_k_experts
-    assert Geometry.from_config(model.config) == Geometry(hidden=config.hidden_size, experts=config.num_experts,
-                                                          top_k=moe, intermediate=config.moe_intermediate_size)
+    assert Geometry.from_config(model.config) == Geometry(
+        hidden=config.hidden_size, experts=config.num_experts, top_k=moe, intermediate=config.moe_intermediate_size
+    )
     for layer in model.model.layers:
         assert layer.experts is (layer.mlp.experts if name == "tiny-qwen3" else layer.experts)
-        assert layer.experts.gate_up_proj.shape == (config.num_experts, 2 * config.moe_intermediate_size,
-                                                    config.hidden_size)
+        assert layer.experts.gate_up_proj.shape == (
+            config.num_experts,
+            2 * config.moe_intermediate_size,
+            config.hidden_size,
+        )
 
 
 def test_a_second_model_is_skipped_where_it_would_not_fit_the_time_left(on_cpu):
@@ -116,11 +128,13 @@ def test_a_second_model_is_skipped_where_it_would_not_fit_the_time_left(on_cpu):
 
 def test_the_kernel_comparisons_fastest_checked_variant_joins_the_decode(tmp_path):
     """Its fastest checked variant at batch 1 joins the decode, where it beat the default."""
-    rows = [dict(geometry="g", tokens=1, impl="reader-17.8", check_ok=True, us=60.0),
-            dict(geometry="g", tokens=1, impl="reader-17.8 persistent", check_ok=True, us=40.0),
-            dict(geometry="g", tokens=1, impl="reader-17.8 relaxed", check_ok=False, us=30.0),  # mismatched: never
-            dict(geometry="g", tokens=4, impl="reader-17.8 fused", check_ok=True, us=20.0),  # batch 4: not this
-            dict(geometry="other", tokens=1, impl="reader-17.8 fused", check_ok=True, us=10.0)]  # not the variants'
+    rows = [
+        dict(geometry="g", tokens=1, impl="reader-17.8", check_ok=True, us=60.0),
+        dict(geometry="g", tokens=1, impl="reader-17.8 persistent", check_ok=True, us=40.0),
+        dict(geometry="g", tokens=1, impl="reader-17.8 relaxed", check_ok=False, us=30.0),  # mismatched: never
+        dict(geometry="g", tokens=4, impl="reader-17.8 fused", check_ok=True, us=20.0),  # batch 4: not this
+        dict(geometry="other", tokens=1, impl="reader-17.8 fused", check_ok=True, us=10.0),
+    ]  # not the variants'
     path = tmp_path / "gpu_reader.json"
     path.write_text(json.dumps({"variant_geometry": "g", "rows": rows}))
     assert g.fastest_variant(path) == "persistent"
@@ -150,6 +164,6 @@ def test_a_dry_run_without_the_interpreter_runs_again_with_it(monkeypatch):
     assert execs == []
     monkeypatch.delenv("TRITON_INTERPRET")
     gpu_env.interpret_on_cpu("bench.gpu_decode", ["--dry-run", "--steps", "2"])
-    (path, argv, environ), = execs
+    ((path, argv, environ),) = execs
     assert path == sys.executable and argv == [sys.executable, "-m", "bench.gpu_decode", "--dry-run", "--steps", "2"]
     assert environ["TRITON_INTERPRET"] == "1" and environ["PATH"] == os.environ["PATH"]

@@ -23,12 +23,22 @@ def test_gpu_reader_bench_dry_run(tmp_path):
     out = tmp_path / "gpu_reader.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("OUT", None)
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_reader", "--dry-run", "--json", str(out)],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_reader", "--dry-run", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     machine = report["machine"]
-    assert machine["dry_run"] and machine["device"].startswith("cpu") and {"driver", "transformers", "triton"} <= set(machine)
+    assert (
+        machine["dry_run"]
+        and machine["device"].startswith("cpu")
+        and {"driver", "transformers", "triton"} <= set(machine)
+    )
     assert report["preflight"] == {v: True for v in ["bisect", *DRY_VARIANTS]}  # each agrees: default or reference
     base = {"hf-batched_mm", "hf-grouped_mm", "triton-dense", "reader-17.8", "reader-12.8"}
     for geometry, variants in (("tiny-gemma-like", DRY_VARIANTS), ("tiny-qwen-like", [])):  # variants: the first only
@@ -39,8 +49,9 @@ def test_gpu_reader_bench_dry_run(tmp_path):
                 assert r["check_ok"] and r["check_rel_err"] <= 2e-2 and r["us"] > 0 and r["bytes"] > 0, r
             reads = {r["impl"]: r["read_percent"] for r in rows}
             assert 12 < reads["reader-12.8"] <= 12.8 < reads["reader-17.8"] <= 17.8 < reads["triton-dense"] == 100
-            stages = {r["stage"]: r for r in report["reader_stages"] if r["geometry"] == geometry
-                      and r["tokens"] == tokens}
+            stages = {
+                r["stage"]: r for r in report["reader_stages"] if r["geometry"] == geometry and r["tokens"] == tokens
+            }
             extra = {"select, radix5+1scan", "select, across programs", "screen, relaxed", "down (+U), relaxed"}
             if tokens == 1:  # a dry run runs each stage once, at its first batch
                 assert len(stages) == 14 + (len(extra) if variants else 0) and {"screen", "down (+U)"} <= set(stages)

@@ -49,8 +49,19 @@ def test_prep_from_a_checkpoint_streams_the_same_sidecar(tiny_port, sidecar, tmp
 
 def test_validate_reader_at_full_budget_matches(sidecar, tmp_path):
     out = tmp_path / "v.json"
-    args = ["validate", "--backend", "reader", "--budget", "100", "--sidecar", str(sidecar),
-            "--max-new-tokens", "10", "--json", str(out)]
+    args = [
+        "validate",
+        "--backend",
+        "reader",
+        "--budget",
+        "100",
+        "--sidecar",
+        str(sidecar),
+        "--max-new-tokens",
+        "10",
+        "--json",
+        str(out),
+    ]
     assert cli.main(args) == 0
     report = json.loads(out.read_text())
     assert report["all_match"] and report["backend_options"]["budget"] == "100.0"
@@ -69,7 +80,9 @@ def test_decode_steps_run_the_reader_and_prefill_the_full_experts(tiny_port, tin
     # step 0's logits come from the prefill (every prompt token through the full experts): exact
     assert (got.logits[:, 0] - ref.logits[:, 0]).abs().max() <= 1e-5
     # later steps are decode steps through the reader at 60 %: close, not equal
-    teacher = greedy(model, torch.cat([ids, ref.tokens[:, :1]], 1), torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), 1)
+    teacher = greedy(
+        model, torch.cat([ids, ref.tokens[:, :1]], 1), torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), 1
+    )
     step1 = teacher.logits[:, 0]
     assert (step1 - ref.logits[:, 1]).abs().max() <= 1e-5  # a fresh prefill of the same tokens: full experts again
     assert (got.logits[:, 1] - ref.logits[:, 1]).abs().max() > 1e-4
@@ -101,8 +114,13 @@ def test_a_sidecar_of_another_model_is_refused(tiny_port, sidecar):
 
 def test_a_sidecar_of_another_geometry_is_refused(tiny_port, tmp_path):
     ex = trained_like.experts(num_experts=16, inter=32, hidden=128)
-    path = write_sidecar(tmp_path / "g.safetensors", [(ex.gate_up_proj, ex.down_proj)] * 4,
-                         Geometry(hidden=128, experts=16, intermediate=32), layers=4, progress=False)
+    path = write_sidecar(
+        tmp_path / "g.safetensors",
+        [(ex.gate_up_proj, ex.down_proj)] * 4,
+        Geometry(hidden=128, experts=16, intermediate=32),
+        layers=4,
+        progress=False,
+    )
     with pytest.raises(UserError, match=r"sidecar geometry .* = \(128, 16, 32, 4\), this model's = \(128, 16, 64, 4\)"):
         attach_reader(build_model(tiny_port), path, budget=50)
 
@@ -113,12 +131,18 @@ def test_channel_reader_without_a_sidecar_says_what_to_do(tiny_port):
         model(torch.tensor([[2, 40, 41]]))
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--backend", "dense_masked", "--budget", "50"], "--budget apply to --backend reader only"),
-    (["--backend", "reader", "--budget", "5", "--sidecar", "SIDECAR"], "budget 5.0% is below what the reader reads"),
-    (["--backend", "reader", "--sidecar", "SIDECAR"], "the reader needs a budget"),
-    (["--backend", "reader", "--budget", "50", "--sidecar", "nowhere.safetensors"], "reader sidecar not found"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--backend", "dense_masked", "--budget", "50"], "--budget apply to --backend reader only"),
+        (
+            ["--backend", "reader", "--budget", "5", "--sidecar", "SIDECAR"],
+            "budget 5.0% is below what the reader reads",
+        ),
+        (["--backend", "reader", "--sidecar", "SIDECAR"], "the reader needs a budget"),
+        (["--backend", "reader", "--budget", "50", "--sidecar", "nowhere.safetensors"], "reader sidecar not found"),
+    ],
+)
 def test_validate_reader_errors(sidecar, capsys, args, message):
     args = [str(sidecar) if a == "SIDECAR" else a for a in args]
     assert cli.main(["validate", *args]) == 2  # 32 tokens by default: fails before any generation
@@ -138,6 +162,7 @@ def test_validate_reader_runs_with_its_defaults_on_the_default_model(capsys):
     assert cli.main(["validate", "--backend", "reader", "--budget", "17.8", "--rank", "32"]) == 2
     assert "budget 17.8% is below what the reader reads before any exact channel (18.49%" in capsys.readouterr().err
 
+
 def test_a_budget_outside_0_100_is_an_argument_error(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["validate", "--backend", "reader", "--budget", "150"])
@@ -148,12 +173,16 @@ def test_port_reader_section_supplies_sidecar_and_budget(tiny_port, sidecar, tmp
     port_file = tmp_path / "p.toml"
     text = port_text_elsewhere(tiny_port)
     port_file.write_text(with_reader_table(text, f'sidecar = "{sidecar}"\nbudget = 100'))
-    assert cli.main(["validate", "--model", str(port_file), "--backend", "reader", "--max-new-tokens", "3",
-                     "--json", "-"]) == 0
+    assert (
+        cli.main(["validate", "--model", str(port_file), "--backend", "reader", "--max-new-tokens", "3", "--json", "-"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["all_match"]
     # bad options fail at once, before the reference generates (no --max-new-tokens limit needed)
-    for section, message in (("budjet = 10", "[reader]: unknown field(s) ['budjet']"),
-                             ('budget = "lots"', "[reader]: field 'budget' must be int or float, got str 'lots'")):
+    for section, message in (
+        ("budjet = 10", "[reader]: unknown field(s) ['budjet']"),
+        ('budget = "lots"', "[reader]: field 'budget' must be int or float, got str 'lots'"),
+    ):
         port_file.write_text(with_reader_table(text, f'sidecar = "{sidecar}"\n{section}'))
         assert cli.main(["validate", "--model", str(port_file), "--backend", "reader"]) == 2
         assert message in capsys.readouterr().err

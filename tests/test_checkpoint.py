@@ -107,9 +107,13 @@ def test_unexpected_key_is_listed(saved, tmp_path):
 def test_wrong_shape_names_tensor_and_both_shapes(saved, tmp_path):
     def edit(s):
         s["model.layers.1.experts.gate_up_proj"] = torch.zeros(16, 128, 64)
+
     path = _edit(saved[1], tmp_path / "x", edit)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.experts\.gate_up_proj: shape \(16, 128, 64\) "
-                                              r"in model\.safetensors, expected \(16, 128, 128\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.layers\.1\.experts\.gate_up_proj: shape \(16, 128, 64\) "
+        r"in model\.safetensors, expected \(16, 128, 128\)",
+    ):
         load_checkpoint(path)
 
 
@@ -180,6 +184,7 @@ def one_error_line(capsys, message: str) -> str:
 
 # ---- a checkpoint of another model never stands in for the port's (issue 26, item 3) -------------------
 
+
 def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(tiny_port, capsys):
     """The full-size port with the tiny checkpoint: it used to PASS validation and serve as gemma4-26b-a4b."""
     tiny = str(tiny_port.checkpoint)
@@ -189,19 +194,27 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(tiny_port, c
     assert cli.main(["serve", "--model", "gemma4-26b-a4b", "--checkpoint", tiny]) == 2  # before the socket is bound
     one_error_line(capsys, "hidden_size 128 (expected 2816)")
     with pytest.raises(CheckpointError, match=r"layer 1 head_dim, key-value heads 64, 2 \(expected 64, 1\)"):
-        read_config(tiny_port.checkpoint, gemma4_moe_config(dict(tiny_port.raw["config"], num_global_key_value_heads=1),
-                                                            "p.toml"), "p")
+        read_config(
+            tiny_port.checkpoint,
+            gemma4_moe_config(dict(tiny_port.raw["config"], num_global_key_value_heads=1), "p.toml"),
+            "p",
+        )
 
 
 # ---- non-finite weights are an error at load (item 4) -------------------------------------------------
+
 
 def test_nan_or_inf_weights_are_refused_at_load(saved, tmp_path, capsys):
     def poison(s):
         s["model.layers.1.experts.down_proj"][3, 5, 7] = float("nan")
         s["model.layers.1.experts.down_proj"][0, 0, 0] = float("inf")
+
     path = _edit(saved[1], tmp_path / "nan", poison)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.experts\.down_proj in model\.safetensors: 2 "
-                                              r"non-finite value\(s\) \(NaN or inf\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.layers\.1\.experts\.down_proj in model\.safetensors: 2 "
+        r"non-finite value\(s\) \(NaN or inf\)",
+    ):
         load_checkpoint(path)
     # validate used to print PASS with max|Δlogit| nan (exit 0); it is now one error line
     assert cli.main(["validate", "--checkpoint", str(path), "--max-new-tokens", "2"]) == 2
@@ -210,15 +223,19 @@ def test_nan_or_inf_weights_are_refused_at_load(saved, tmp_path, capsys):
 
 # ---- wrong fields in config.json and the index (item 6) ------------------------------------------------
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda c: c.update(hidden_size=0), "hidden_size = 0 is outside [1, 65536]"),
-    (lambda c: c.update(num_experts=[16]), "num_experts must be an integer, got [16]"),
-    (lambda c: c.update(layer_types=c["layer_types"][:2]), "must be equal to the number of `layer_types` (2)"),
-    (lambda c: c.update(hidden_activation=5), "Validation error for field 'hidden_activation'"),
-    (lambda c: c.update(rope_parameters="default"), "Validation error for field 'rope_parameters'"),
-    (lambda c: c.update(num_hidden_layers=10**8), "num_hidden_layers = 100000000 is outside [1, 256]"),
-    (lambda c: c.update(enable_moe_block="yes"), "not a Gemma-4 MoE config"),
-])
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: c.update(hidden_size=0), "hidden_size = 0 is outside [1, 65536]"),
+        (lambda c: c.update(num_experts=[16]), "num_experts must be an integer, got [16]"),
+        (lambda c: c.update(layer_types=c["layer_types"][:2]), "must be equal to the number of `layer_types` (2)"),
+        (lambda c: c.update(hidden_activation=5), "Validation error for field 'hidden_activation'"),
+        (lambda c: c.update(rope_parameters="default"), "Validation error for field 'rope_parameters'"),
+        (lambda c: c.update(num_hidden_layers=10**8), "num_hidden_layers = 100000000 is outside [1, 256]"),
+        (lambda c: c.update(enable_moe_block="yes"), "not a Gemma-4 MoE config"),
+    ],
+)
 def test_wrong_config_fields_are_one_error_line(saved, tmp_path, capsys, edit, message):
     path = _with_config(saved, tmp_path, edit)
     assert cli.main(["validate", "--checkpoint", str(path), "--max-new-tokens", "2"]) == 2
@@ -227,13 +244,16 @@ def test_wrong_config_fields_are_one_error_line(saved, tmp_path, capsys, edit, m
     one_error_line(capsys, message)
 
 
-@pytest.mark.parametrize("weight_map,message", [
-    ([], "need a 'weight_map' object of key -> file name"),
-    ({"model.embed_tokens.weight": 3}, "need a 'weight_map' object of key -> file name"),
-    ({"model.embed_tokens.weight": ["a.safetensors"]}, "need a 'weight_map' object of key -> file name"),
-    ({"model.embed_tokens.weight": "../outside.safetensors"}, "is not a file name in"),
-    ({"model.embed_tokens.weight": "/etc/passwd"}, "is not a file name in"),
-])
+@pytest.mark.parametrize(
+    "weight_map,message",
+    [
+        ([], "need a 'weight_map' object of key -> file name"),
+        ({"model.embed_tokens.weight": 3}, "need a 'weight_map' object of key -> file name"),
+        ({"model.embed_tokens.weight": ["a.safetensors"]}, "need a 'weight_map' object of key -> file name"),
+        ({"model.embed_tokens.weight": "../outside.safetensors"}, "is not a file name in"),
+        ({"model.embed_tokens.weight": "/etc/passwd"}, "is not a file name in"),
+    ],
+)
 def test_a_bad_weight_map_is_named(saved, tmp_path, capsys, weight_map, message):
     path = _with_config(saved, tmp_path, lambda c: None)
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
@@ -242,6 +262,7 @@ def test_a_bad_weight_map_is_named(saved, tmp_path, capsys, weight_map, message)
 
 
 # ---- one checkpoint check, one message, whichever command meets the mistake ------------------------------
+
 
 def _broken(kind, saved, tmp_path):
     path = tmp_path / kind
@@ -255,19 +276,31 @@ def _broken(kind, saved, tmp_path):
     return path
 
 
-@pytest.mark.parametrize("kind,message", [
-    ("absent", "checkpoint {path}: no such directory"),
-    ("empty", "checkpoint {path}: no config.json (an HF-layout checkpoint holds config.json"),
-    ("no weights", "{path}: neither model.safetensors nor model.safetensors.index.json"),
-    ("no tokenizer", "checkpoint {path}: no tokenizer (tokenizer.json or tokenizer.model); port "
-                     "'tiny-gemma4-moe' takes its tokenizer from its checkpoint"),
-])
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("absent", "checkpoint {path}: no such directory"),
+        ("empty", "checkpoint {path}: no config.json (an HF-layout checkpoint holds config.json"),
+        ("no weights", "{path}: neither model.safetensors nor model.safetensors.index.json"),
+        (
+            "no tokenizer",
+            "checkpoint {path}: no tokenizer (tokenizer.json or tokenizer.model); port "
+            "'tiny-gemma4-moe' takes its tokenizer from its checkpoint",
+        ),
+    ],
+)
 def test_every_command_says_the_same_about_a_broken_checkpoint(saved, tmp_path, capsys, kind, message):
     """validate, serve, info, eval-tasks, prep-reader and trace-and-compile: the same one line, before
     any work (serve: before its socket is bound), never transformers' tokenizer message."""
     path = _broken(kind, saved, tmp_path)
-    commands = [["validate"], ["serve"], ["info"], ["eval-tasks"], ["prep-reader", "--out", str(tmp_path / "s")],
-                ["trace-and-compile", "--tp", "2", "--dry-run", "--out", str(tmp_path / "art")]]
+    commands = [
+        ["validate"],
+        ["serve"],
+        ["info"],
+        ["eval-tasks"],
+        ["prep-reader", "--out", str(tmp_path / "s")],
+        ["trace-and-compile", "--tp", "2", "--dry-run", "--out", str(tmp_path / "art")],
+    ]
     if kind == "no tokenizer":  # what reads no text (info, prep-reader) needs no tokenizer
         commands = [c for c in commands if c[0] not in ("info", "prep-reader")]
     errors = set()

@@ -37,6 +37,7 @@ def test_validate_fails_with_exit_1_and_reports_divergence(monkeypatch, capsys):
             gen = inner(ids, mask, n)
             gen.tokens[0, 3:] = (gen.tokens[0, 3:] + 1) % port.config.vocab_size  # corrupt row 0 from step 3
             return gen
+
         return generate
 
     monkeypatch.setattr(seq_match, "generator", make)
@@ -69,14 +70,17 @@ def test_user_errors_are_one_line_and_exit_2(capsys):
     assert cli.main(["validate", "--model", "gemma4-26b-a4b"]) == 2
     assert "pass --checkpoint DIR" in capsys.readouterr().err
     assert cli.main(["validate", "--backend", "int8", "--expert-layout", "channel"]) == 2
-    assert "--expert-layout applies to the TP backends (tp8, tp8-naive-scatter, tp8-int8) only" in capsys.readouterr().err
+    assert (
+        "--expert-layout applies to the TP backends (tp8, tp8-naive-scatter, tp8-int8) only" in capsys.readouterr().err
+    )
     # the seed bug is the expert layout's router scatter: the channel layout has none to get wrong
     assert cli.main(["validate", "--backend", "tp8-naive-scatter", "--expert-layout", "channel"]) == 2
     assert "runs the 'expert' expert layout only, not 'channel'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [[], ["info"], ["validate"], ["ports"], ["eval-tasks"], ["train-tiny"],
-                                     ["build-corpus"]])
+@pytest.mark.parametrize(
+    "command", [[], ["info"], ["validate"], ["ports"], ["eval-tasks"], ["train-tiny"], ["build-corpus"]]
+)
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(command + ["--help"])
@@ -131,28 +135,47 @@ def test_every_command_takes_threads_and_applies_it(monkeypatch, capsys):
         cli.main(["ports", "--threads", "0"])
     assert "--threads: must be at least 1" in capsys.readouterr().err
 
-@pytest.mark.parametrize("argv,message", [
-    (["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--runtime-reserve-gib", "nan"],
-     "argument --runtime-reserve-gib: must be a finite number, got nan"),
-    (["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--runtime-reserve-gib", "-1"],
-     "argument --runtime-reserve-gib: must be at least 0, got -1"),
-    (["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--reader-budget", "inf"],
-     "argument --reader-budget: must be a finite number, got inf"),
-    (["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--reader-scan", "0"],
-     "argument --reader-scan: must be in [1, 128], got 0"),
-    (["serve", "--drain-timeout", "nan"], "argument --drain-timeout: must be a finite number, got nan"),
-    (["serve", "--drain-timeout", "-1"], "argument --drain-timeout: must be at least 0, got -1"),
-    (["serve", "--max-queue", "-1"], "argument --max-queue: must be at least 0, got -1"),
-    (["serve", "--batch-size", "1.5"], "argument --batch-size: expected an integer, got '1.5'"),
-    (["prep-reader", "--out", "s.safetensors", "--seed", str(2**64)],
-     f"argument --seed: must be in [0, {2**64 - 1}], got {2**64}"),
-    (["prep-reader", "--out", "s.safetensors", "--seed", "-1"], "argument --seed: must be in [0, "),
-    (["train-tiny", "--corpus", "c", "--out", "o", "--lr", "nan"], "argument --lr: must be a finite number, got nan"),
-    (["train-tiny", "--corpus", "c", "--out", "o", "--task-share", "1.5"],
-     "argument --task-share: must be in (0, 1], got 1.5"),
-    (["build-corpus", "--out", "o", "--scale", "0"], "argument --scale: must be more than 0, got 0"),
-    (["validate", "--rank", "-2"], "argument --rank: must be at least 0, got -2"),
-])
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--runtime-reserve-gib", "nan"],
+            "argument --runtime-reserve-gib: must be a finite number, got nan",
+        ),
+        (
+            ["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--runtime-reserve-gib", "-1"],
+            "argument --runtime-reserve-gib: must be at least 0, got -1",
+        ),
+        (
+            ["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--reader-budget", "inf"],
+            "argument --reader-budget: must be a finite number, got inf",
+        ),
+        (
+            ["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--reader-scan", "0"],
+            "argument --reader-scan: must be in [1, 128], got 0",
+        ),
+        (["serve", "--drain-timeout", "nan"], "argument --drain-timeout: must be a finite number, got nan"),
+        (["serve", "--drain-timeout", "-1"], "argument --drain-timeout: must be at least 0, got -1"),
+        (["serve", "--max-queue", "-1"], "argument --max-queue: must be at least 0, got -1"),
+        (["serve", "--batch-size", "1.5"], "argument --batch-size: expected an integer, got '1.5'"),
+        (
+            ["prep-reader", "--out", "s.safetensors", "--seed", str(2**64)],
+            f"argument --seed: must be in [0, {2**64 - 1}], got {2**64}",
+        ),
+        (["prep-reader", "--out", "s.safetensors", "--seed", "-1"], "argument --seed: must be in [0, "),
+        (
+            ["train-tiny", "--corpus", "c", "--out", "o", "--lr", "nan"],
+            "argument --lr: must be a finite number, got nan",
+        ),
+        (
+            ["train-tiny", "--corpus", "c", "--out", "o", "--task-share", "1.5"],
+            "argument --task-share: must be in (0, 1], got 1.5",
+        ),
+        (["build-corpus", "--out", "o", "--scale", "0"], "argument --scale: must be more than 0, got 0"),
+        (["validate", "--rank", "-2"], "argument --rank: must be at least 0, got -2"),
+    ],
+)
 def test_numeric_options_out_of_range_are_refused_by_name(argv, message, capsys):
     """One check for every numeric option (cli_parser.number): NaN, inf, a negative reserve or timeout are
     refused at the command line, naming the option (a NaN reserve used to print 'FITS: nan' and exit 0)."""

@@ -30,8 +30,9 @@ from conftest import expert_reads, random_prompts
 def one_bucket_port(tiny_port):
     """The tiny port with one prefill bucket and one-prompt prefill graphs: two keys to export
     instead of five (test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket: the others)."""
-    return dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(16,),
-                                                                     prefill_rows=(1,), prefill_chunk=16))
+    return dataclasses.replace(
+        tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(16,), prefill_rows=(1,), prefill_chunk=16)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +45,26 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     manifest, out = artifact
     assert na.read_manifest(out) == {k: v for k, v in manifest.items() if k != "out"}
     assert manifest["keys"].keys() == {"context_encoding_1x16", "token_generation"}
-    assert (manifest["port"], manifest["tp"], manifest["buckets"], manifest["max_length"], manifest["expert_layout"]) == \
-        (one_bucket_port.name, 2, [16], 96, "channel")
+    assert (
+        manifest["port"],
+        manifest["tp"],
+        manifest["buckets"],
+        manifest["max_length"],
+        manifest["expert_layout"],
+    ) == (one_bucket_port.name, 2, [16], 96, "channel")
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert files == sorted([*manifest["files"], na.MANIFEST])  # nothing else, nothing hidden
     for name, meta in manifest["files"].items():
         assert (out / name).stat().st_size == meta["size"] and file_digest(out / name).sha256 == meta["sha256"]
     plan = json.loads((out / na.SHARD_PLAN).read_text())
     gu = plan["model.layers.1.experts.gate_up_proj.weight"]  # [E, H, 2I], each rank's gate and up channels
-    assert (gu["placement"], gu["partition_dim"], gu["partition_stride"], gu["full_shape"], gu["rank_shape"]) == \
-        ("experts_column", 2, 2, [16, 128, 128], [16, 128, 64])
+    assert (gu["placement"], gu["partition_dim"], gu["partition_stride"], gu["full_shape"], gu["rank_shape"]) == (
+        "experts_column",
+        2,
+        2,
+        [16, 128, 128],
+        [16, 128, 64],
+    )
     shard = load_file(out / na.WEIGHTS.format(rank=1))
     assert shard["model.model.embed_tokens.rank_util.rank"].tolist() == [1]
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
@@ -67,9 +78,17 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     for name in tokenizer:
         assert (out / name).read_bytes() == (one_bucket_port.checkpoint / name.split("/")[1]).read_bytes()
     assert manifest["keys"]["context_encoding_1x16"]["inputs"] == {
-        "input_ids": [1, 16], "attention_mask": [1, 16], "position_ids": [1, 16], "row_ids": [1], "sampling": [1, 4]}
-    assert manifest["keys"]["token_generation"]["inputs"] == {"input_ids": [2, 1], "position_ids": [2, 1],
-                                                              "sampling": [2, 4]}
+        "input_ids": [1, 16],
+        "attention_mask": [1, 16],
+        "position_ids": [1, 16],
+        "row_ids": [1],
+        "sampling": [1, 4],
+    }
+    assert manifest["keys"]["token_generation"]["inputs"] == {
+        "input_ids": [2, 1],
+        "position_ids": [2, 1],
+        "sampling": [2, 4],
+    }
     assert [k["outputs"] for k in manifest["keys"].values()] == [{"token": [1, 1]}, {"token": [2, 1]}]
     state = manifest["state"]
     assert list(state) == [f"cache.{kv}{i}" for i in range(4) for kv in "kv"]
@@ -89,12 +108,15 @@ def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
 def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
     """The written programs and shards, loaded back, generate the reference tokens at TP 2."""
     _, out = artifact
-    programs = {"a/prefill 16": torch.export.load(out / na.GRAPHS.format(key="context_encoding_1x16")),
-                "a/decode": torch.export.load(out / na.GRAPHS.format(key="token_generation"))}
+    programs = {
+        "a/prefill 16": torch.export.load(out / na.GRAPHS.format(key="context_encoding_1x16")),
+        "a/decode": torch.export.load(out / na.GRAPHS.format(key="token_generation")),
+    }
     shards = [load_file(out / na.WEIGHTS.format(rank=r)) for r in range(2)]
     ids, mask = left_pad(random_prompts(one_bucket_port.config.vocab_size, [11, 5], seed=3), 0)
-    (result, _) = run_replicated(programs, {k: shards for k in programs}, generation_job,
-                                 [("a", 2, 0, [(ids, mask, 5)])])  # each rank zero-initialises its own state
+    (result, _) = run_replicated(
+        programs, {k: shards for k in programs}, generation_job, [("a", 2, 0, [(ids, mask, 5)])]
+    )  # each rank zero-initialises its own state
     reference = greedy(tiny_eager, ids, mask, 5)
     assert torch.equal(result["a"][0], reference.tokens)
 
@@ -134,8 +156,10 @@ def test_overwrite_replaces_only_an_artifact(one_bucket_port, tmp_path):
     for manifest in (None, "[1, 2]", '{"name": "someone else\'s manifest.json"}'):
         if manifest is not None:
             (precious / na.MANIFEST).write_text(manifest)
-        with pytest.raises(na.ArtifactError, match="--overwrite never replaces|is not replaced, --overwrite or not|"
-                                                   "expected a JSON object"):
+        with pytest.raises(
+            na.ArtifactError,
+            match="--overwrite never replaces|is not replaced, --overwrite or not|expected a JSON object",
+        ):
             nc.trace_and_compile(one_bucket_port, "fp32", 2, precious, dry_run=True, overwrite=True, export=False)
         assert (precious / "notes" / "todo.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # nothing built beside it, no lock left
@@ -155,8 +179,11 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(one_bucket
 
     monkeypatch.setattr(nc, "_full_state", slow_full_state)
     first = {}
-    thread = threading.Thread(target=lambda: first.update(
-        manifest=nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True, export=False)))
+    thread = threading.Thread(
+        target=lambda: first.update(
+            manifest=nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True, export=False)
+        )
+    )
     thread.start()
     try:
         assert inside.wait(60)
@@ -186,10 +213,20 @@ def test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket(tiny_port, tm
     """Prefill graphs of 1 and 4 prompts (the tiny port's prefill_rows), cut to its batch of 2."""
     port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, prefill_rows=(1, 4)))
     manifest = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, export=False)
-    assert list(manifest["keys"]) == ["context_encoding_1x8", "context_encoding_1x56", "context_encoding_2x8",
-                                      "context_encoding_2x56", "token_generation"]
+    assert list(manifest["keys"]) == [
+        "context_encoding_1x8",
+        "context_encoding_1x56",
+        "context_encoding_2x8",
+        "context_encoding_2x56",
+        "token_generation",
+    ]
     assert manifest["prefill_rows"] == [1, 2] and manifest["keys"]["context_encoding_2x56"]["inputs"] == {
-        "input_ids": [2, 56], "attention_mask": [2, 56], "position_ids": [2, 56], "row_ids": [2], "sampling": [2, 4]}
+        "input_ids": [2, 56],
+        "attention_mask": [2, 56],
+        "position_ids": [2, 56],
+        "row_ids": [2],
+        "sampling": [2, 4],
+    }
     assert manifest["keys"]["context_encoding_2x56"]["outputs"] == {"token": [2, 1]}
     assert na.read_manifest(tmp_path / "art")["prefill_chunk"] == tiny_port.static.chunk
 
@@ -200,21 +237,36 @@ def test_full_size_port_dry_run_on_meta(tmp_path):
     report = nc.trace_and_compile(load_port("gemma4-26b-a4b"), "int8", 8, out, dry_run=True, export=False)
     assert not report["weights"] and not report["keys"]["token_generation"]["exported"]
     manifest = na.read_manifest(out)
-    assert manifest["keys"].keys() == {"context_encoding_1x128", "context_encoding_1x512", "context_encoding_1x2048",
-                                       "token_generation"}  # batch_size 1: one-prompt prefill graphs only
+    assert manifest["keys"].keys() == {
+        "context_encoding_1x128",
+        "context_encoding_1x512",
+        "context_encoding_1x2048",
+        "token_generation",
+    }  # batch_size 1: one-prompt prefill graphs only
     plan = json.loads((out / na.SHARD_PLAN).read_text())
     down = plan["model.layers.5.experts.down_proj.weight"]  # every expert's 704 channels over 8 ranks, int8
     assert (down["full_shape"], down["rank_shape"], down["dtype"]) == ([128, 704, 2816], [128, 88, 2816], "int8")
-    assert plan["model.layers.5.experts.down_proj.scale"]["rank_shape"] == [128, 1, 2816]  # per (expert, hidden), replicated
-    assert plan["model.layers.5.experts.gate_up_proj.scale"]["rank_shape"] == [128, 1, 2 * 88]  # split with its channels
+    assert plan["model.layers.5.experts.down_proj.scale"]["rank_shape"] == [
+        128,
+        1,
+        2816,
+    ]  # per (expert, hidden), replicated
+    assert plan["model.layers.5.experts.gate_up_proj.scale"]["rank_shape"] == [
+        128,
+        1,
+        2 * 88,
+    ]  # split with its channels
     k = plan["model.layers.5.self_attn.k_proj.weight"]  # 2 global KV heads of 512, replicated to 8
     assert (k["full_shape"], k["rank_shape"]) == ([8 * 512, 2816], [512, 2816])
 
 
-@pytest.mark.parametrize("expert_layout,gathered,whole", [
-    ("channel", 8 * 3 * 88 * 2816, 0),  # k experts' slices of I/t channels
-    ("expert", 0, 16 * 3 * 704 * 2816),  # all E/t experts, whole
-])
+@pytest.mark.parametrize(
+    "expert_layout,gathered,whole",
+    [
+        ("channel", 8 * 3 * 88 * 2816, 0),  # k experts' slices of I/t channels
+        ("expert", 0, 16 * 3 * 704 * 2816),  # all E/t experts, whole
+    ],
+)
 def test_full_size_decode_graph_reads_what_its_layout_says(expert_layout, gathered, whole):
     """The token-generation key of the full-size port at TP 8, batch 1, exported as rank 0 on the meta
     device (two of its 30 layers, one sliding and one global, at full width): per layer and rank the
@@ -228,11 +280,17 @@ def test_full_size_decode_graph_reads_what_its_layout_says(expert_layout, gather
     from neuron_moe.static.decoder import new_cache
 
     port = load_port("gemma4-26b-a4b")
-    config = gemma4_moe_config(dict(port.raw["config"], num_hidden_layers=2,
-                                    layer_types=["sliding_attention", "full_attention"]), "two layers")
+    config = gemma4_moe_config(
+        dict(port.raw["config"], num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]), "two layers"
+    )
     module = rank_model(config, 8, cpu, expert_layout=expert_layout, device="meta")
-    graph = nc._graph(module, port.static, "token_generation",
-                      new_cache(module, port.static.max_cache_len, port.static.batch_size), False)
+    graph = nc._graph(
+        module,
+        port.static,
+        "token_generation",
+        new_cache(module, port.static.max_cache_len, port.static.batch_size),
+        False,
+    )
     program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(port.static, "token_generation")), 8)
     assert data_dependent_ops(program) == []
     reads = expert_reads(program)
@@ -248,12 +306,16 @@ def test_an_artifact_or_shard_of_the_other_layout_is_refused(artifact, tmp_path)
     manifest, out = artifact
     manifest = na.read_manifest(out)
     na.check_expert_layout(manifest, "channel", out)
-    with pytest.raises(na.ArtifactError, match="built with the 'channel' expert layout, served here with the "
-                                               "'expert' layout"):
+    with pytest.raises(
+        na.ArtifactError, match="built with the 'channel' expert layout, served here with the 'expert' layout"
+    ):
         na.check_expert_layout(manifest, "expert", out)
     claimed = dict(manifest, expert_layout="expert")
-    with pytest.raises(na.ArtifactError, match=r"tp0_sharded_checkpoint.safetensors holds its experts in the "
-                                               r"'channel' layout, the manifest says 'expert'"):
+    with pytest.raises(
+        na.ArtifactError,
+        match=r"tp0_sharded_checkpoint.safetensors holds its experts in the "
+        r"'channel' layout, the manifest says 'expert'",
+    ):
         na.load_shards(out, claimed)
     assert len(na.load_shards(out, manifest)) == 2
 
@@ -261,13 +323,24 @@ def test_an_artifact_or_shard_of_the_other_layout_is_refused(artifact, tmp_path)
 def test_a_degree_that_does_not_split_the_channels_is_refused(tiny_port, tmp_path, capsys):
     from conftest import port_text_elsewhere
 
-    (tmp_path / "p.toml").write_text(port_text_elsewhere(tiny_port).replace("moe_intermediate_size = 64",
-                                                                            "moe_intermediate_size = 60"))
-    args = ["trace-and-compile", "--model", str(tmp_path / "p.toml"), "--tp", "8", "--dry-run", "--out",
-            str(tmp_path / "x")]
+    (tmp_path / "p.toml").write_text(
+        port_text_elsewhere(tiny_port).replace("moe_intermediate_size = 64", "moe_intermediate_size = 60")
+    )
+    args = [
+        "trace-and-compile",
+        "--model",
+        str(tmp_path / "p.toml"),
+        "--tp",
+        "8",
+        "--dry-run",
+        "--out",
+        str(tmp_path / "x"),
+    ]
     assert main(args) == 2
-    assert "TP 8 (channel expert layout): 60 expert intermediate channels do not split over 8 ranks" in \
-        capsys.readouterr().err
+    assert (
+        "TP 8 (channel expert layout): 60 expert intermediate channels do not split over 8 ranks"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "x").exists()
 
 
@@ -301,8 +374,11 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
 
     monkeypatch.setattr(nxd, "sdk_available", lambda: True)
     monkeypatch.setattr(nxd, "trace_keys", trace_keys)
-    monkeypatch.setattr(nxd, "shard_checkpoint", lambda builder, serialize_path: (
-        serialize_path.mkdir(), shard_checkpoint(builder, serialize_path)))
+    monkeypatch.setattr(
+        nxd,
+        "shard_checkpoint",
+        lambda builder, serialize_path: (serialize_path.mkdir(), shard_checkpoint(builder, serialize_path)),
+    )
     report = nc.trace_and_compile(one_bucket_port, "int8", 2, tmp_path / "out", dry_run=False)
 
     assert seen["tp"] == 2 and list(seen["keys"]) == ["context_encoding_1x16", "token_generation"]
@@ -317,8 +393,13 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
     weights = [na.WEIGHTS.format(rank=r) for r in range(2)]
     assert sorted(report["files"]) == [na.MODEL, na.SHARD_PLAN, *tokenizer, *weights]
     assert not report["dry_run"] and na.read_manifest(tmp_path / "out")["dtype"] == "int8"
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "model.pt", "shard_plan.json",
-                                                                    "tokenizer", "weights"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "manifest.json",
+        "model.pt",
+        "shard_plan.json",
+        "tokenizer",
+        "weights",
+    ]
 
 
 def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, monkeypatch):
@@ -368,6 +449,7 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
             model = rank_model(one_bucket_port.config, 1, cpu)
             model.load_state_dict(cpu.shard_checkpoint(full, model, 1)[0], strict=True)
             return nc._graph(model, spec, key, new_cache(model, 96, 2, aliased=True), False)
+
         return build
 
     keys = {k: (factory(k), [nc._example(spec, k)]) for k in na.key_names(spec.buckets, spec.prefill_rows)}
@@ -391,24 +473,36 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
 
 # ---- the graphs' shapes as flags over the port's [static], checked by the planner before any work ------------
 
+
 def test_shape_flags_override_the_ports_static_table(tiny_port, tmp_path):
     port = with_shapes(tiny_port, batch_size=3, seq_len=64, buckets=(16, 32))
     manifest = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, export=False)
     assert (manifest["batch_size"], manifest["max_length"], manifest["buckets"]) == (3, 64, [16, 32])
-    assert list(manifest["keys"]) == ["context_encoding_1x16", "context_encoding_1x32", "context_encoding_3x16",
-                                      "context_encoding_3x32", "token_generation"]  # prefill_rows [1, 4] cut to 3
+    assert list(manifest["keys"]) == [
+        "context_encoding_1x16",
+        "context_encoding_1x32",
+        "context_encoding_3x16",
+        "context_encoding_3x32",
+        "token_generation",
+    ]  # prefill_rows [1, 4] cut to 3
     assert manifest["keys"]["token_generation"]["inputs"]["input_ids"] == [3, 1]
     assert manifest["state"]["cache.k1"]["shape"][:3:2] == [3, 64]  # 3 rows, every one of the 64 positions
     assert with_shapes(tiny_port) is tiny_port  # no flag: the table as it is
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--seq-len", "32"], "--seq-len 32 (the KV cache's positions) is shorter than the largest prefill bucket 56 "
-                          "(the port's [static] buckets [8, 56]): pass --buckets up to 32"),
-    (["--buckets", "56,8"], "--buckets must be strictly increasing positive lengths, got [56, 8]"),
-    (["--seq-len", "600"], "--seq-len 600 exceeds the model's max_position_embeddings 512"),
-    (["--batch-size", "2000"], "--batch-size must be in [1, 1024], got 2000"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--seq-len", "32"],
+            "--seq-len 32 (the KV cache's positions) is shorter than the largest prefill bucket 56 "
+            "(the port's [static] buckets [8, 56]): pass --buckets up to 32",
+        ),
+        (["--buckets", "56,8"], "--buckets must be strictly increasing positive lengths, got [56, 8]"),
+        (["--seq-len", "600"], "--seq-len 600 exceeds the model's max_position_embeddings 512"),
+        (["--batch-size", "2000"], "--batch-size must be in [1, 1024], got 2000"),
+    ],
+)
 def test_shape_flags_are_checked_before_any_work(tmp_path, capsys, flags, message):
     assert main(["trace-and-compile", "--tp", "2", "--dry-run", "--out", str(tmp_path / "art"), *flags]) == 2
     err = capsys.readouterr().err
@@ -418,8 +512,22 @@ def test_shape_flags_are_checked_before_any_work(tmp_path, capsys, flags, messag
 
 def test_the_planner_refuses_what_a_neuroncore_cannot_hold_and_plan_agrees(tmp_path, capsys):
     shapes = ["--batch-size", "64", "--seq-len", "8192", "--buckets", "128,512"]
-    assert main(["trace-and-compile", "--model", "gemma4-26b-a4b", "--tp", "8", "--dry-run", "--out",
-                 str(tmp_path / "big"), *shapes]) == 2
+    assert (
+        main(
+            [
+                "trace-and-compile",
+                "--model",
+                "gemma4-26b-a4b",
+                "--tp",
+                "8",
+                "--dry-run",
+                "--out",
+                str(tmp_path / "big"),
+                *shapes,
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: port 'gemma4-26b-a4b' at TP 8, bf16, batch 64, seq 8192: ")
     assert not (tmp_path / "big").exists()

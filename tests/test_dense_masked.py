@@ -69,6 +69,7 @@ def test_bf16_error_is_that_of_bf16_itself(tiny_port, trained, agreement):
 
 def test_a_broken_implementation_is_caught(tiny_port):
     """The fp32 tolerance has teeth: ignoring per-token router weights (uniform 1/k) fails it."""
+
     def unweighted(self, hidden_states, top_k_index, top_k_weights):
         return dense_masked_forward(self, hidden_states, top_k_index, torch.full_like(top_k_weights, 0.25))
 

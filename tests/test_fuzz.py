@@ -44,9 +44,12 @@ from serving import serving, sse_events, wait_for
 
 MODEL = "tiny-gemma4-moe"
 ERROR_KEYS = {"message", "type", "param", "code"}
-FUZZ = dict(deadline=None, derandomize=True, database=None,
-            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                   HealthCheck.data_too_large])
+FUZZ = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # ---- values ----------------------------------------------------------------------------------------------
@@ -57,9 +60,9 @@ edge_ints = st.sampled_from([0, -1, 1, 2, 3, 255, 256, 2**31, 2**63, 2**64, -(2*
 edge_floats = st.sampled_from([0.0, -0.0, 1e-300, 5e-324, 1e-5, 0.5, 1.0, 2.0, 2.0000001, 1e308])
 numbers = st.one_of(st.integers(-3, 600), edge_ints, st.floats(-3, 3), edge_floats)
 scalars = st.one_of(st.none(), st.booleans(), numbers, any_text)
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(any_text, inner,
-                                                                                               max_size=3),
-                           max_leaves=6)
+json_values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(any_text, inner, max_size=3), max_leaves=6
+)
 
 
 # ---- the server --------------------------------------------------------------------------------------------
@@ -68,8 +71,9 @@ json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | 
 # (what it must refuse with a 4xx), then arbitrary JSON.
 valid_text = st.text(max_size=16)  # any code point but lone surrogates
 parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": valid_text}), max_size=2)
-message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant"]),
-                                 "content": valid_text | parts})
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": valid_text | parts}
+)
 # a number of the wrong JSON type: refused, never coerced
 wrong_types = st.sampled_from(["0.5", "1", True, False, [], {}, [1]])
 OPTIONAL = {
@@ -105,11 +109,26 @@ OPTIONAL = {
 # What a request may set only to null or these (the server does not do anything else with them).
 # Written here from OpenAI's and vLLM's documentation, not from the server's own table: a 200 for
 # any other value is an accepted-and-ignored field.
-IGNORABLE = {"n": [1], "best_of": [1], "echo": [False], "logprobs": [False], "top_logprobs": [],
-             "presence_penalty": [0], "frequency_penalty": [0], "logit_bias": [{}], "suffix": [""],
-             "response_format": [{"type": "text"}], "tools": [[]], "tool_choice": ["none", "auto"],
-             "functions": [[]], "function_call": ["none", "auto"], "modalities": [["text"]],
-             "min_p": [0], "repetition_penalty": [1], "ignore_eos": [False]}
+IGNORABLE = {
+    "n": [1],
+    "best_of": [1],
+    "echo": [False],
+    "logprobs": [False],
+    "top_logprobs": [],
+    "presence_penalty": [0],
+    "frequency_penalty": [0],
+    "logit_bias": [{}],
+    "suffix": [""],
+    "response_format": [{"type": "text"}],
+    "tools": [[]],
+    "tool_choice": ["none", "auto"],
+    "functions": [[]],
+    "function_call": ["none", "auto"],
+    "modalities": [["text"]],
+    "min_p": [0],
+    "repetition_penalty": [1],
+    "ignore_eos": [False],
+}
 
 
 def same_json(a, b) -> bool:
@@ -125,16 +144,23 @@ def ignored_fields(body) -> list[str]:
     """The fields of a body that ask for something this server does not do."""
     if not isinstance(body, dict):
         return []
-    return [k for k, allowed in IGNORABLE.items()
-            if body.get(k) is not None and not any(same_json(body[k], v) for v in allowed)]
+    return [
+        k
+        for k, allowed in IGNORABLE.items()
+        if body.get(k) is not None and not any(same_json(body[k], v) for v in allowed)
+    ]
 
 
 def requests(required: dict):
-    valid = st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens": st.integers(1, 3), **required},
-                                  optional=OPTIONAL)
+    valid = st.fixed_dictionaries(
+        {"model": st.just(MODEL), "max_tokens": st.integers(1, 3), **required}, optional=OPTIONAL
+    )
     fields = sorted({"model", "max_tokens", *required, *OPTIONAL})
-    broken = st.tuples(valid, st.sampled_from(fields), json_values | wrong_types | st.sampled_from(
-        [0, -1, 600, 2**63, 10**30, 1e308, "\ud800", "", [], {}])).map(lambda t: {**t[0], t[1]: t[2]})
+    broken = st.tuples(
+        valid,
+        st.sampled_from(fields),
+        json_values | wrong_types | st.sampled_from([0, -1, 600, 2**63, 10**30, 1e308, "\ud800", "", [], {}]),
+    ).map(lambda t: {**t[0], t[1]: t[2]})
     return st.one_of(valid, valid, broken, json_values)
 
 
@@ -201,8 +227,9 @@ def test_fuzz_chat_requests(http, body):
 def test_fuzz_completion_requests(http, body, raw):
     check_answer(post(http, "/v1/completions", body), body, chat=False)
     if raw is not None:  # not JSON at all, or not UTF-8
-        check_answer(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
-                     raw, chat=False)
+        check_answer(
+            http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), raw, chat=False
+        )
 
 
 @settings(max_examples=60, **FUZZ)
@@ -212,8 +239,12 @@ def test_fuzz_one_unsupported_field_is_refused_by_name_or_is_its_default(http, f
     draws (defaults, nulls, real values, wrong types): a 200 only for null or the default, else a
     400 that names the field."""
     value = data.draw(OPTIONAL[field] | wrong_types, label=field)
-    body = {"model": MODEL, "max_tokens": 1, field: value,
-            **({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"})}
+    body = {
+        "model": MODEL,
+        "max_tokens": 1,
+        field: value,
+        **({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}),
+    }
     r = post(http, "/v1/chat/completions" if chat else "/v1/completions", body)
     check_answer(r, body, chat)
     if ignored_fields(body):
@@ -287,8 +318,11 @@ def toml_text(doc: dict) -> str:
 
 # TOML cannot hold a lone surrogate (a file is UTF-8) or None: the values a port file can carry
 toml_scalars = st.one_of(st.booleans(), numbers, st.floats(), st.text(max_size=12))
-toml_values = st.recursive(toml_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.text(max_size=8), inner, max_size=3), max_leaves=6)
+toml_values = st.recursive(
+    toml_scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 @pytest.fixture(scope="module")
@@ -319,11 +353,26 @@ def checkpoint_files(tiny_port):
 
 
 @settings(max_examples=50, **FUZZ)
-@given(edits=st.one_of(mutations({"hidden_size": 0, "num_experts": 0, "layer_types": 0, "vocab_size": 0,
-                                  "num_hidden_layers": 0, "rope_parameters": 0, "per_layer_config": 0,
-                                  "enable_moe_block": 0, "model_type": 0, "top_k_experts": 0}),
-                       mutations({"x": 0})),
-       index=st.one_of(st.none(), json_values, st.fixed_dictionaries({"weight_map": json_values})))
+@given(
+    edits=st.one_of(
+        mutations(
+            {
+                "hidden_size": 0,
+                "num_experts": 0,
+                "layer_types": 0,
+                "vocab_size": 0,
+                "num_hidden_layers": 0,
+                "rope_parameters": 0,
+                "per_layer_config": 0,
+                "enable_moe_block": 0,
+                "model_type": 0,
+                "top_k_experts": 0,
+            }
+        ),
+        mutations({"x": 0}),
+    ),
+    index=st.one_of(st.none(), json_values, st.fixed_dictionaries({"weight_map": json_values})),
+)
 def test_fuzz_checkpoint_config_and_index(checkpoint_files, tmp_path, edits, index):
     """What `serve --checkpoint DIR` reads before it binds: config.json (and the tokenizer beside it)."""
     source, config = checkpoint_files
@@ -354,9 +403,27 @@ def small_sidecar(tmp_path_factory):
 
 
 @settings(max_examples=30, **FUZZ)
-@given(edits=mutations({k: 0 for k in ("format", "format_version", "block", "scan", "rank", "seed", "hidden",
-                                       "experts", "intermediate", "layers", "codes_per_byte")},
-                       st.one_of(st.text(max_size=8), edge_ints.map(str), st.integers(-3, 300).map(str))))
+@given(
+    edits=mutations(
+        {
+            k: 0
+            for k in (
+                "format",
+                "format_version",
+                "block",
+                "scan",
+                "rank",
+                "seed",
+                "hidden",
+                "experts",
+                "intermediate",
+                "layers",
+                "codes_per_byte",
+            )
+        },
+        st.one_of(st.text(max_size=8), edge_ints.map(str), st.integers(-3, 300).map(str)),
+    )
+)
 def test_fuzz_sidecar_metadata(small_sidecar, tmp_path, edits):
     meta, tensors = small_sidecar
     path = tmp_path / "s.safetensors"
@@ -365,18 +432,32 @@ def test_fuzz_sidecar_metadata(small_sidecar, tmp_path, edits):
     expect_user_error_or_nothing(lambda: Sidecar(path))
 
 
-ARTIFACT = {"format": na.FORMAT, "port": MODEL, "dtype": "bf16", "tp": 1, "expert_layout": "channel",
-            "buckets": [64], "max_length": 128, "batch_size": 1, "prefill_rows": [1], "prefill_chunk": 64,
-            "candidates": 256, "dry_run": False, "logits": False,
-            "tokenizer": {"kind": "checkpoint", "files": ["tokenizer/tokenizer.json"]},
-            "files": {"tokenizer/tokenizer.json": {"size": 3, "sha256": "0" * 64}}}
-PUBLICATION = {"format": s3.FORMAT, "run": "r1", "files": [{"path": "model.pt", "key": "runs/r1/model.pt", "size": 3,
-                                                              "sha256": "0" * 64}]}
+ARTIFACT = {
+    "format": na.FORMAT,
+    "port": MODEL,
+    "dtype": "bf16",
+    "tp": 1,
+    "expert_layout": "channel",
+    "buckets": [64],
+    "max_length": 128,
+    "batch_size": 1,
+    "prefill_rows": [1],
+    "prefill_chunk": 64,
+    "candidates": 256,
+    "dry_run": False,
+    "logits": False,
+    "tokenizer": {"kind": "checkpoint", "files": ["tokenizer/tokenizer.json"]},
+    "files": {"tokenizer/tokenizer.json": {"size": 3, "sha256": "0" * 64}},
+}
+PUBLICATION = {
+    "format": s3.FORMAT,
+    "run": "r1",
+    "files": [{"path": "model.pt", "key": "runs/r1/model.pt", "size": 3, "sha256": "0" * 64}],
+}
 
 
 @settings(max_examples=40, **FUZZ)
-@given(artifact=mutations(ARTIFACT), publication=mutations(PUBLICATION),
-       entry=mutations(PUBLICATION["files"][0]))
+@given(artifact=mutations(ARTIFACT), publication=mutations(PUBLICATION), entry=mutations(PUBLICATION["files"][0]))
 def test_fuzz_manifests(tmp_path, artifact, publication, entry):
     (tmp_path / na.MANIFEST).write_text(json.dumps(mutated(ARTIFACT, artifact)))
     expect_user_error_or_nothing(lambda: na.read_manifest(tmp_path))
@@ -388,21 +469,69 @@ def test_fuzz_manifests(tmp_path, artifact, publication, entry):
 # ---- the command line's numbers ---------------------------------------------------------------------------
 
 # what a user may type for a number: edges, non-finite, absurd sizes, not a number at all
-edge_texts = st.sampled_from(["nan", "inf", "-inf", "-0", "0", "-1", "1", "2", "0.5", "1e308", "-1e-300",
-                             str(2**63), str(2**64), str(10**30), "1e3", "", "x", " 7 ", "1_0"])
+edge_texts = st.sampled_from(
+    [
+        "nan",
+        "inf",
+        "-inf",
+        "-0",
+        "0",
+        "-1",
+        "1",
+        "2",
+        "0.5",
+        "1e308",
+        "-1e-300",
+        str(2**63),
+        str(2**64),
+        str(10**30),
+        "1e3",
+        "",
+        "x",
+        " 7 ",
+        "1_0",
+    ]
+)
 plausible_texts = st.sampled_from(["0", "1", "4", "8", "32", "80", "127", "128", "129", "4096", "17.8", "60"])
-number_texts = st.one_of(edge_texts, edge_texts, plausible_texts, plausible_texts, st.integers(-3, 300).map(str),
-                         st.floats(allow_nan=True, allow_infinity=True).map(repr))
+number_texts = st.one_of(
+    edge_texts,
+    edge_texts,
+    plausible_texts,
+    plausible_texts,
+    st.integers(-3, 300).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+)
 NUMERIC = {
     "plan": ["--batch", "--seq", "--reader-budget", "--reader-rank", "--reader-scan", "--runtime-reserve-gib"],
-    "reads": ["--budget", "--hidden", "--experts", "--top-k", "--intermediate", "--scan", "--rank", "--batch",
-              "--step-budget"],
-    "serve": ["--port", "--batch-size", "--max-running", "--max-queue", "--drain-timeout", "--max-body-bytes",
-              "--header-timeout", "--body-timeout"],
+    "reads": [
+        "--budget",
+        "--hidden",
+        "--experts",
+        "--top-k",
+        "--intermediate",
+        "--scan",
+        "--rank",
+        "--batch",
+        "--step-budget",
+    ],
+    "serve": [
+        "--port",
+        "--batch-size",
+        "--max-running",
+        "--max-queue",
+        "--drain-timeout",
+        "--max-body-bytes",
+        "--header-timeout",
+        "--body-timeout",
+    ],
     "prep-reader": ["--seed", "--rank", "--scan"],
 }
-BASE = {"plan": ["--model", "gemma4-26b-a4b", "--instance", "inf2.48xlarge", "--tp", "8"], "reads": [],
-        "serve": ["--backend", "static"], "prep-reader": []}
+BASE = {
+    "plan": ["--model", "gemma4-26b-a4b", "--instance", "inf2.48xlarge", "--tp", "8"],
+    "reads": [],
+    "serve": ["--backend", "static"],
+    "prep-reader": [],
+}
 
 
 def numeric_argv(data, command: str, geometry: bool = False) -> list[str]:

@@ -38,10 +38,10 @@ def session(tmp_path, out="out", **env):
     shim = bin_dir / "python3"
     shim.write_text(SHIM.format(python=sys.executable, calls=calls))
     shim.chmod(0o755)
-    run_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "GPU_SESSION_DRY": "1",
-               **env}
-    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh")], capture_output=True, text=True,
-                          env=run_env, timeout=120)
+    run_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "GPU_SESSION_DRY": "1", **env}
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_session.sh")], capture_output=True, text=True, env=run_env, timeout=120
+    )
     return done, out, calls.read_text().splitlines() if calls.exists() else []
 
 

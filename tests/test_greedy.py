@@ -29,5 +29,5 @@ def test_greedy_picks_the_argmax_of_its_logits(tiny_eager):
     # the next step's logits are those of the sequence extended by the picked token
     full = torch.cat([ids, out.tokens[:, :-1]], dim=1)
     with torch.no_grad():
-        tf = tiny_eager(full).logits[:, ids.shape[1] - 1:].float()
+        tf = tiny_eager(full).logits[:, ids.shape[1] - 1 :].float()
     assert (tf - out.logits).abs().max() <= 5e-5  # fp32 cached vs uncached attention: ~2e-5 on the trained weights

@@ -24,14 +24,23 @@ from fake_hub import FakeHub, Repo
 REPO = Path(__file__).resolve().parents[1]
 NEEDED = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 # what the tiny checkpoint's repository holds beside what we read: none of it may be fetched
-EXTRA = {"README.md": b"# tiny\n", ".gitattributes": b"*.safetensors filter=lfs\n",
-         "original/consolidated.safetensors": b"not ours", "pytorch_model.bin": b"not ours"}
+EXTRA = {
+    "README.md": b"# tiny\n",
+    ".gitattributes": b"*.safetensors filter=lfs\n",
+    "original/consolidated.safetensors": b"not ours",
+    "pytorch_model.bin": b"not ours",
+}
 
 
 def neuron_moe(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "neuron_moe", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-                                            **env})
+    return subprocess.run(
+        [sys.executable, "-m", "neuron_moe", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **env},
+    )
 
 
 def test_a_repo_id_is_fetched_once_then_served_from_the_cache_offline(tmp_path, tiny_port):
@@ -40,8 +49,9 @@ def test_a_repo_id_is_fetched_once_then_served_from_the_cache_offline(tmp_path, 
     offline is one error line naming the repository and the variable."""
     with FakeHub({"org/tiny": Repo.from_dir(tiny_port.checkpoint, extra=EXTRA, token="hf_secret")}) as fake:
         env = {"HF_ENDPOINT": fake.url, "HF_HOME": str(tmp_path / "home"), "HF_TOKEN": "hf_secret"}
-        run = neuron_moe(env, "validate", "--checkpoint", "org/tiny", "--backend", "eager", "--max-new-tokens", "2",
-                         "--json", "-")
+        run = neuron_moe(
+            env, "validate", "--checkpoint", "org/tiny", "--backend", "eager", "--max-new-tokens", "2", "--json", "-"
+        )
         assert run.returncode == 0, run.stderr
         assert json.loads(run.stdout)["all_match"]
         assert fake.fetched() == sorted(NEEDED) and "train_log.json" not in fake.fetched()
@@ -55,8 +65,9 @@ def test_a_repo_id_is_fetched_once_then_served_from_the_cache_offline(tmp_path, 
         assert warm.returncode == 0, warm.stderr
         assert json.loads(warm.stdout)["model"] == "tiny-gemma4-moe" and len(fake.requests) == before
 
-        cold = neuron_moe({**env, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "cold")},
-                          "info", "--checkpoint", "org/tiny")
+        cold = neuron_moe(
+            {**env, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "cold")}, "info", "--checkpoint", "org/tiny"
+        )
         assert cold.returncode == 2 and len(fake.requests) == before
         assert cold.stderr.count("\n") == 1 and "Traceback" not in cold.stderr
         assert cold.stderr.startswith("error: checkpoint org/tiny@main: not in the Hugging Face cache ")
@@ -74,8 +85,9 @@ def fake_hub(tmp_path, monkeypatch, tiny_port):
     v2 = Repo.from_dir(other).revisions["main"]
     with FakeHub({"org/tiny": Repo({"main": main, "v2": v2})}) as fake:
         monkeypatch.setattr(constants, "ENDPOINT", fake.url)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                            fake.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(
+            constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake.url + "/{repo_id}/resolve/{revision}/{filename}"
+        )
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -88,15 +100,19 @@ def test_revision_picks_the_weights(fake_hub, tiny_port):
     embedding = load_checkpoint(path).model.embed_tokens.weight
     assert torch.equal(embedding, load_checkpoint(other).model.embed_tokens.weight)
     main = hub.local_checkpoint("org/tiny", None, tiny_port)
-    assert torch.equal(load_checkpoint(main).model.embed_tokens.weight,
-                       load_checkpoint(tiny_port.checkpoint).model.embed_tokens.weight)
+    assert torch.equal(
+        load_checkpoint(main).model.embed_tokens.weight, load_checkpoint(tiny_port.checkpoint).model.embed_tokens.weight
+    )
     assert main != path
 
 
-@pytest.mark.parametrize("spec,revision,message", [
-    ("org/absent", None, "checkpoint org/absent@main: no such repository on http://127.0.0.1"),
-    ("org/tiny", "v9", "checkpoint org/tiny@v9: no revision 'v9' (a branch, tag or commit) in org/tiny"),
-])
+@pytest.mark.parametrize(
+    "spec,revision,message",
+    [
+        ("org/absent", None, "checkpoint org/absent@main: no such repository on http://127.0.0.1"),
+        ("org/tiny", "v9", "checkpoint org/tiny@v9: no revision 'v9' (a branch, tag or commit) in org/tiny"),
+    ],
+)
 def test_what_the_hub_refuses_is_named(fake_hub, tiny_port, spec, revision, message):
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
         hub.resolve(spec, revision)

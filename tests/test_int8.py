@@ -106,5 +106,5 @@ def test_down_scales_per_expert_are_closer_to_fp32_than_shared_ones(tiny_port):
     real = mask.bool()
     ref = prefill_logits(build_model(tiny_port, "eager"), ids, mask)[real]
     per_expert = (prefill_logits(_dequantised_copy(tiny_port), ids, mask)[real] - ref).abs().mean()
-    shared = (prefill_logits(_dequantised_copy(tiny_port, down_shared_by_experts=True), ids, mask)[real] - ref)
+    shared = prefill_logits(_dequantised_copy(tiny_port, down_shared_by_experts=True), ids, mask)[real] - ref
     assert per_expert < 0.8 * shared.abs().mean()

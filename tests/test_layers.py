@@ -56,7 +56,9 @@ def test_a_module_in_no_layer_is_named(package):
 
 def test_the_check_tells_a_needless_local_import_from_an_optional_one(package):
     with open(package / "reader" / "hadamard.py", "a") as f:
-        f.write("\n\ndef _lazy():\n    import boto3  # noqa: F401\n    from ..reader.triton import forward  # noqa: F401\n"
-                "    from ..errors import UserError  # noqa: F401\n    import json  # noqa: F401\n")
+        f.write(
+            "\n\ndef _lazy():\n    import boto3  # noqa: F401\n    from ..reader.triton import forward  # noqa: F401\n"
+            "    from ..errors import UserError  # noqa: F401\n    import json  # noqa: F401\n"
+        )
     lines = {line.split(": ", 1)[1] for line in L.needless_local_imports(package) if line.startswith("reader.hadamard")}
     assert lines == {"neuron_moe.errors inside a function", "json inside a function"}

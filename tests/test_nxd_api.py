@@ -24,8 +24,11 @@ def _nxd_calls():
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("_nxd", "_bound") \
-                and isinstance(node.args[-1], ast.Constant):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", "") in ("_nxd", "_bound")
+            and isinstance(node.args[-1], ast.Constant)
+        ):
             outer = parents.get(node)
             if isinstance(outer, ast.Call) and outer.func is node:
                 keywords = []
@@ -58,20 +61,37 @@ def test_initialize_model_parallel_is_called_with_keywords():
 
 
 def test_same_surface_as_the_cpu_backend():
-    for name in ("ColumnParallelLinear", "RowParallelLinear", "QuantizedColumnParallel", "QuantizedRowParallel",
-                 "ExpertFusedColumnParallelLinear", "ExpertFusedRowParallelLinear", "QuantizedExpertFusedColumnParallel",
-                 "QuantizedExpertFusedRowParallel", "ParallelEmbedding", "SPMDRank", "scatter_to_process_group_spmd",
-                 "scatter_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"):
-        assert inspect.signature(getattr(nxd, name)).parameters.keys() == \
-            inspect.signature(getattr(cpu, name)).parameters.keys(), name
+    for name in (
+        "ColumnParallelLinear",
+        "RowParallelLinear",
+        "QuantizedColumnParallel",
+        "QuantizedRowParallel",
+        "ExpertFusedColumnParallelLinear",
+        "ExpertFusedRowParallelLinear",
+        "QuantizedExpertFusedColumnParallel",
+        "QuantizedExpertFusedRowParallel",
+        "ParallelEmbedding",
+        "SPMDRank",
+        "scatter_to_process_group_spmd",
+        "scatter_to_tensor_model_parallel_region",
+        "reduce_from_tensor_model_parallel_region",
+    ):
+        assert (
+            inspect.signature(getattr(nxd, name)).parameters.keys()
+            == inspect.signature(getattr(cpu, name)).parameters.keys()
+        ), name
 
 
 @pytest.mark.skipif(nxd.sdk_available(), reason="the Neuron SDK is installed")
 def test_without_the_sdk_every_entry_point_is_one_clear_error():
     assert not nxd.sdk_available()
-    for build in (lambda: nxd.ColumnParallelLinear(8, 8, tp=2), lambda: nxd.SPMDRank(2),
-                  lambda: nxd.ExpertFusedColumnParallelLinear(4, 8, 8, tp=2, stride=2),
-                  lambda: nxd.initialize_model_parallel(2), lambda: nxd.trace_keys({}, dict, 2, "/tmp/x")):
+    for build in (
+        lambda: nxd.ColumnParallelLinear(8, 8, tp=2),
+        lambda: nxd.SPMDRank(2),
+        lambda: nxd.ExpertFusedColumnParallelLinear(4, 8, 8, tp=2, stride=2),
+        lambda: nxd.initialize_model_parallel(2),
+        lambda: nxd.trace_keys({}, dict, 2, "/tmp/x"),
+    ):
         with pytest.raises(nxd.NeuronSDKMissing, match="needs the Neuron SDK .* not on PyPI") as e:
             build()
         assert isinstance(e.value, UserError) and "\n" not in str(e.value)

@@ -33,8 +33,10 @@ from neuron_moe.reader.sidecar import Sidecar
 
 SOURCE = nxd_source.locate()  # a bad NXD_SRC is an error here, not a skip
 pytestmark = pytest.mark.skipif(
-    SOURCE is None, reason="neuronx-distributed is not importable: not installed, and NXD_SRC names no source tree "
-                           "(CI has no NxD, as it has no Neuron device)")
+    SOURCE is None,
+    reason="neuronx-distributed is not importable: not installed, and NXD_SRC names no source tree "
+    "(CI has no NxD, as it has no Neuron device)",
+)
 
 NEW_TOKENS = 6
 BUDGET = 40.0  # above the tiny port's per-rank floor at TP 2 with recovery rank 32 (27.9 %)
@@ -91,9 +93,11 @@ def matches(got, want) -> bool:
     """The same tokens, the step-0 logits to the fp32 bound (a few ulp of the largest logit), every
     step's within 1e-4 of it (the runs agree on every token, so the logits compared are comparable)."""
     scale = want.logits.abs().max()
-    return (torch.equal(got.tokens, want.tokens)
-            and bool((got.logits[:, 0] - want.logits[:, 0]).abs().max() <= 2e-6 * want.logits[:, 0].abs().max())
-            and bool((got.logits - want.logits).abs().max() <= 1e-4 * scale))
+    return (
+        torch.equal(got.tokens, want.tokens)
+        and bool((got.logits[:, 0] - want.logits[:, 0]).abs().max() <= 2e-6 * want.logits[:, 0].abs().max())
+        and bool((got.logits - want.logits).abs().max() <= 1e-4 * scale)
+    )
 
 
 @pytest.mark.parametrize("name", ["channel", "expert"])
@@ -128,14 +132,17 @@ def test_what_ran_is_nxds_own_layers(runs):
     for name, gen in gens.items():
         assert gen.ran["layers_file"].startswith(str(SOURCE.package)), name
     ran = {name: set(gen.ran["classes"]) for name, gen in gens.items()}
-    common = {f"neuronx_distributed.parallel_layers.layers.{c}"
-              for c in ("ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "SPMDRank")}
+    common = {
+        f"neuronx_distributed.parallel_layers.layers.{c}"
+        for c in ("ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "SPMDRank")
+    }
     assert all(common <= classes for classes in ran.values())
     moe = "neuronx_distributed.modules.moe.moe_parallel_layers."
     quantized = "neuronx_distributed.quantization.quantization_layers."
     assert {moe + "ExpertFusedColumnParallelLinear", moe + "ExpertFusedRowParallelLinear"} <= ran["channel"]
-    assert {quantized + "QuantizedExpertFusedColumnParallel", quantized + "QuantizedExpertFusedRowParallel"} \
-        <= ran["channel-int8"]
+    assert {quantized + "QuantizedExpertFusedColumnParallel", quantized + "QuantizedExpertFusedRowParallel"} <= ran[
+        "channel-int8"
+    ]
     assert {quantized + "QuantizedColumnParallel", quantized + "QuantizedRowParallel"} <= ran["expert-int8"]
     stood_in = set(gens["channel"].ran["stand_ins"])
     assert stood_in <= {"torch_xla", "torch_neuronx", "neuronxcc"}
@@ -164,5 +171,7 @@ def test_nxd_quantized_row_parallel_cpu_init_crashes_on_ranks_above_0():
     master is never TP times larger, splits into one chunk, and ranks > 0 get none to cat. When this
     turns red NxD has fixed it: build on CPU again and drop `model.materialize`'s meta round trip."""
     assert run_ranks(2, _quantized_row_parallel, SOURCE, "cpu") == [
-        (4, 4), "torch.cat(): expected a non-empty list of Tensors"]
+        (4, 4),
+        "torch.cat(): expected a non-empty list of Tensors",
+    ]
     assert run_ranks(2, _quantized_row_parallel, SOURCE, "meta") == [(4, 4), (4, 4)]  # the workaround's half

@@ -58,10 +58,15 @@ def _activated(rank, source, fake_dir):
         xm.xla_device()
     except AttributeError as e:
         missing = str(e)
-    return {"stood_in": stood_in, "real_file": torch_neuronx.__file__,
-            "real_is_stand_in": hasattr(torch_neuronx, "__neuron_moe_stand_in__"), "reduce_sum": xm.REDUCE_SUM,
-            "missing": missing, "cpu_mode": os.environ["NXD_CPU_MODE"],
-            "bare": sys.modules["neuronx_distributed"].__path__}
+    return {
+        "stood_in": stood_in,
+        "real_file": torch_neuronx.__file__,
+        "real_is_stand_in": hasattr(torch_neuronx, "__neuron_moe_stand_in__"),
+        "reduce_sum": xm.REDUCE_SUM,
+        "missing": missing,
+        "cpu_mode": os.environ["NXD_CPU_MODE"],
+        "bare": sys.modules["neuronx_distributed"].__path__,
+    }
 
 
 @pytest.mark.skipif(INSTALLED, reason="neuronx-distributed is installed here")
@@ -84,7 +89,9 @@ def test_stand_ins_only_for_absent_packages_never_a_real_one(tmp_path, monkeypat
 
 
 def test_device_kernels_stood_in_for_refuse_to_run():
-    kernel = nxd_source._kernel_decorator("ops.nki_jit")(experimental_flags="x")(test_device_kernels_stood_in_for_refuse_to_run)
+    kernel = nxd_source._kernel_decorator("ops.nki_jit")(experimental_flags="x")(
+        test_device_kernels_stood_in_for_refuse_to_run
+    )
     for call in (lambda: kernel(1), lambda: kernel[(1,)]):
         with pytest.raises(RuntimeError, match="a Neuron device kernel, stood in for on CPU"):
             call()
@@ -101,13 +108,16 @@ def test_cli_refuses_nxd_layers_without_nxd_in_one_line(monkeypatch, capsys):
     assert err.count("\n") == 1 and err.startswith("error: ") and "set NXD_SRC to a checkout" in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--backend", "dense_masked", "--tp-layers", "nxd"], "--tp-layers applies to the TP backends"),
-    (["--backend", "reader", "--tp", "2"], "--tp applies to the TP backends"),
-    (["--backend", "tp8-naive-scatter", "--tp-layers", "nxd"], "right: run tp8-naive-scatter with --tp-layers cpu"),
-    (["--backend", "tp8", "--tp-layers", "nxd", "--dtype", "bfloat16"], "runs float32 only, not bfloat16"),
-    (["--backend", "tp8", "--tp", "24"], "TP 24 (channel expert layout): 8 attention heads do not split"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--backend", "dense_masked", "--tp-layers", "nxd"], "--tp-layers applies to the TP backends"),
+        (["--backend", "reader", "--tp", "2"], "--tp applies to the TP backends"),
+        (["--backend", "tp8-naive-scatter", "--tp-layers", "nxd"], "right: run tp8-naive-scatter with --tp-layers cpu"),
+        (["--backend", "tp8", "--tp-layers", "nxd", "--dtype", "bfloat16"], "runs float32 only, not bfloat16"),
+        (["--backend", "tp8", "--tp", "24"], "TP 24 (channel expert layout): 8 attention heads do not split"),
+    ],
+)
 def test_cli_refuses_tp_options_that_do_not_apply(argv, message, capsys, tmp_path, monkeypatch):
     _tree(tmp_path)  # an NxD to be found (refused before it is imported)
     monkeypatch.setenv("NXD_SRC", str(tmp_path))

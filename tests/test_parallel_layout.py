@@ -21,8 +21,11 @@ LAYER = 1  # a global (full-attention) layer: 2 KV heads, head_dim 64, in the ti
 def block_state(parallel_state, layer=LAYER):
     """The MoE block's part of a parallel-layout state dict, named as in ParallelMoE."""
     prefix = f"model.layers.{layer}."
-    return {k[len(prefix):]: v for k, v in parallel_state.items()
-            if k.startswith(prefix) and k[len(prefix):].split(".")[0] in ("router", "experts")}
+    return {
+        k[len(prefix) :]: v
+        for k, v in parallel_state.items()
+        if k.startswith(prefix) and k[len(prefix) :].split(".")[0] in ("router", "experts")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,10 @@ def hf_state(tiny_eager):
 def test_expert_layout_experts_are_whole_and_expert_major_on_each_rank(tiny_eager, hf_state, tp):
     config = tiny_eager.config
     par = layout.parallel_state_dict(hf_state, config, tp, layout.EXPERT)
-    gate_up, down = hf_state[f"model.layers.{LAYER}.experts.gate_up_proj"], hf_state[f"model.layers.{LAYER}.experts.down_proj"]
+    gate_up, down = (
+        hf_state[f"model.layers.{LAYER}.experts.gate_up_proj"],
+        hf_state[f"model.layers.{LAYER}.experts.down_proj"],
+    )
     for rank in range(tp):
         mine = list(layout.expert_range(config, tp, rank))
         assert mine == list(range(rank * config.num_experts // tp, (rank + 1) * config.num_experts // tp))
@@ -49,9 +55,15 @@ def test_channel_layout_ranks_hold_every_experts_channels_gate_paired_with_up(ti
     config = tiny_eager.config
     I = config.moe_intermediate_size
     par = layout.parallel_state_dict(hf_state, config, tp, layout.CHANNEL)
-    gate_up, down = hf_state[f"model.layers.{LAYER}.experts.gate_up_proj"], hf_state[f"model.layers.{LAYER}.experts.down_proj"]
+    gate_up, down = (
+        hf_state[f"model.layers.{LAYER}.experts.gate_up_proj"],
+        hf_state[f"model.layers.{LAYER}.experts.down_proj"],
+    )
     assert f"model.layers.{LAYER}.experts.spmd_rank.rank" not in par  # nothing in the block depends on the rank
-    gu_full, dn_full = par[f"model.layers.{LAYER}.experts.gate_up_proj.weight"], par[f"model.layers.{LAYER}.experts.down_proj.weight"]
+    gu_full, dn_full = (
+        par[f"model.layers.{LAYER}.experts.gate_up_proj.weight"],
+        par[f"model.layers.{LAYER}.experts.down_proj.weight"],
+    )
     pieces = []
     for rank in range(tp):
         mine = list(layout.channel_range(config, tp, rank))
@@ -98,11 +110,16 @@ def test_parallel_state_dict_leaves_its_input_alone(hf_state, tiny_eager):
 
 def test_degrees_that_do_not_split_are_named():
     big = load_port("gemma4-26b-a4b").config
-    with pytest.raises(layout.LayoutError, match=r"TP 24 \(channel expert layout\): 16 attention heads do not "
-                                                 "split over 24 ranks; 704 expert intermediate channels do not split"):
+    with pytest.raises(
+        layout.LayoutError,
+        match=r"TP 24 \(channel expert layout\): 16 attention heads do not "
+        "split over 24 ranks; 704 expert intermediate channels do not split",
+    ):
         layout.check_degree(big, 24)
-    with pytest.raises(layout.LayoutError, match="16 attention heads do not split over 24 ranks; "
-                                                 "128 experts do not split over 24 ranks"):
+    with pytest.raises(
+        layout.LayoutError,
+        match="16 attention heads do not split over 24 ranks; 128 experts do not split over 24 ranks",
+    ):
         layout.check_degree(big, 24, layout.EXPERT)
     with pytest.raises(layout.LayoutError, match=r"TP degree 3 is not one of \(1, 2, 4, 8, 24\)"):
         layout.check_degree(big, 3)
@@ -145,7 +162,9 @@ def test_shard_checkpoint_cuts_as_nxd_does(tiny_eager, hf_state):
         assert torch.equal(state["experts.gate_up_proj.scale"], gu_s.chunk(tp, 0)[rank])  # scale split with it
         assert torch.equal(state["experts.down_proj.weight"], dn.chunk(tp, 1)[rank])  # row: dim 1
         assert torch.equal(state["experts.down_proj.scale"], dn_s)  # scale replicated
-        assert state["experts.spmd_rank.rank"].tolist() == [rank] and state["experts.spmd_rank.rank"].dtype == torch.int32
+        assert (
+            state["experts.spmd_rank.rank"].tolist() == [rank] and state["experts.spmd_rank.rank"].dtype == torch.int32
+        )
         assert torch.equal(state["router.proj.weight"], full["router.proj.weight"])  # replicated
     # reassembled, the shards are the checkpoint
     assert torch.equal(torch.cat([s["experts.down_proj.weight"] for s in shards], 1), dn)
@@ -167,7 +186,7 @@ def test_shard_checkpoint_cuts_the_channel_layout_with_its_stride(tiny_eager, hf
         mine = [*range(rank * n, (rank + 1) * n), *range(I + rank * n, I + (rank + 1) * n)]
         assert torch.equal(state["experts.gate_up_proj.weight"], gu[:, :, mine])
         assert torch.equal(state["experts.gate_up_proj.scale"], gu_s[:, :, mine])
-        assert torch.equal(state["experts.down_proj.weight"], dn[:, rank * n:(rank + 1) * n])
+        assert torch.equal(state["experts.down_proj.weight"], dn[:, rank * n : (rank + 1) * n])
         assert torch.equal(state["experts.down_proj.scale"], dn_s)
     assert torch.equal(torch.cat([s["experts.down_proj.weight"] for s in shards], 1), dn)
 
@@ -179,13 +198,19 @@ def test_shard_checkpoint_is_strict(tiny_eager, hf_state):
     with pytest.raises(cpu.ShardError, match=r"missing \['experts.spmd_rank.rank'\]"):
         cpu.shard_checkpoint({k: v for k, v in full.items() if k != "experts.spmd_rank.rank"}, module, 2)
     wrong = dict(full, **{"experts.down_proj.weight": full["experts.down_proj.weight"][:, :-2]})
-    with pytest.raises(cpu.ShardError, match=r"experts\.down_proj\.weight: rank 0 expects shape \(128, 512\), "
-                                             r"the checkpoint's \(128, 1022\) gives \(128, 511\)"):
+    with pytest.raises(
+        cpu.ShardError,
+        match=r"experts\.down_proj\.weight: rank 0 expects shape \(128, 512\), "
+        r"the checkpoint's \(128, 1022\) gives \(128, 511\)",
+    ):
         cpu.shard_checkpoint(wrong, module, 2)
     # one expert layout's checkpoint in the other's rank module: refused, naming both
-    with pytest.raises(layout.LayoutError, match=r"the checkpoint holds its experts in the 'expert' layout "
-                                                 r"\(experts.gate_up_proj.weight \[2048, 128\]\); it is used here "
-                                                 r"with the 'channel' layout"):
+    with pytest.raises(
+        layout.LayoutError,
+        match=r"the checkpoint holds its experts in the 'expert' layout "
+        r"\(experts.gate_up_proj.weight \[2048, 128\]\); it is used here "
+        r"with the 'channel' layout",
+    ):
         cpu.shard_checkpoint(full, ParallelMoE(config, 2, cpu), 2)
     channel = block_state(layout.parallel_state_dict(hf_state, config, 2, layout.CHANNEL))
     with pytest.raises(layout.LayoutError, match="in the 'channel' layout .* with the 'expert' layout"):
@@ -216,7 +241,7 @@ def test_each_rank_running_its_own_code_takes_its_own_router_slice(tiny_eager, h
                     local = module.local_router_weights(x)
             finally:
                 dist.destroy_process_group()
-            assert torch.equal(local, dense[..., rank * n:(rank + 1) * n]), (scatter, rank)
+            assert torch.equal(local, dense[..., rank * n : (rank + 1) * n]), (scatter, rank)
 
 
 @pytest.mark.parametrize("tokens,gathers", [(3, True), (4, False)])

@@ -64,7 +64,7 @@ def test_kv_cache_and_decode_floor_on_the_tiny_port(tiny_port):
     # expert layout's computes its 8 experts whole
     r = plan(tiny_port.config, "inf2.24xlarge", 2, "bf16", batch=1, seq=64)
     channel, whole = r["decode"]
-    assert (channel["expert_layout"], channel["this_plan"], whole["expert_layout"]) == ("channel", True, "expert", )
+    assert (channel["expert_layout"], channel["this_plan"], whole["expert_layout"]) == ("channel", True, "expert")
     expert = 3 * 64 * 128 * 2 * 4  # one expert's bf16 bytes, times 4 layers
     rank_scalar = 4 * 4  # the expert layout's int32 SPMDRank in each of 4 MoE blocks
     assert whole["bytes_per_token"] - channel["bytes_per_token"] == 8 * expert - 4 * expert / 2 + rank_scalar
@@ -73,8 +73,13 @@ def test_kv_cache_and_decode_floor_on_the_tiny_port(tiny_port):
     # batch 4: 4 × top-4 = 16 = E, so the channel decode graph computes all experts (NxD's rule)
     channel4 = plan(tiny_port.config, "inf2.24xlarge", 2, "bf16", batch=4, seq=64)["decode"][0]
     assert channel4["decode_graph"] == "all 16 experts' 32 of 64 channels per layer"
-    assert channel4["bytes_per_token"] - plan(tiny_port.config, "inf2.24xlarge", 2, "bf16", batch=4, seq=64,
-                                              expert_layout="expert")["decode"][0]["bytes_per_token"] == -rank_scalar
+    assert (
+        channel4["bytes_per_token"]
+        - plan(tiny_port.config, "inf2.24xlarge", 2, "bf16", batch=4, seq=64, expert_layout="expert")["decode"][0][
+            "bytes_per_token"
+        ]
+        == -rank_scalar
+    )
 
 
 def test_full_size_decode_table_is_what_the_built_graphs_read(big):
@@ -88,13 +93,15 @@ def test_full_size_decode_table_is_what_the_built_graphs_read(big):
     assert whole["GB_per_token"] == pytest.approx(6.407, abs=5e-4) and round(whole["floor_ms"], 2) == 14.55
     # the experts' share of the difference: 30 layers × (16 whole experts - 8 slices of 1/8) in bf16
     assert whole["bytes_per_token"] - channel["bytes_per_token"] == pytest.approx(
-        30 * (16 - 1) * 3 * 704 * 2816 * 2 + 4 * 30, rel=1e-12)
+        30 * (16 - 1) * 3 * 704 * 2816 * 2 + 4 * 30, rel=1e-12
+    )
     # int8: the channel layout's per-(expert, hidden) down scales are gathered with the weights
     r8 = plan(big, "inf2.24xlarge", 8, "int8", batch=1, seq=4096)
     slice8 = 3 * 88 * 2816 + 4 * (2 * 88 + 2816)  # one expert's int8 slice on one rank, with its scales
     assert r8["per_rank_bytes"]["experts"] == 30 * 128 * slice8
     assert r8["decode"][0]["bytes_per_token"] == pytest.approx(
-        r["decode"][0]["bytes_per_token"] - 30 * 8 * 3 * 88 * 2816 * 2 + 30 * 8 * slice8, rel=1e-12)
+        r["decode"][0]["bytes_per_token"] - 30 * 8 * 3 * 88 * 2816 * 2 + 30 * 8 * slice8, rel=1e-12
+    )
 
 
 def test_full_size_decode_with_the_reader(big, capsys):
@@ -112,11 +119,16 @@ def test_full_size_decode_with_the_reader(big, capsys):
     per_layer = sum(reads(rank_geometry(Geometry.from_config(big), 8), ReaderSettings(), 55).values())
     assert per_layer <= 0.178 * 8 * 3 * 88 * 2816 * 2
     assert channel["bytes_per_token"] - with_reader["bytes_per_token"] == pytest.approx(
-        30 * (8 * 3 * 88 * 2816 * 2 - per_layer), rel=1e-12)
+        30 * (8 * 3 * 88 * 2816 * 2 - per_layer), rel=1e-12
+    )
     assert round(with_reader["GB_per_token"], 3) == 0.761 and round(with_reader["floor_ms"], 2) == 1.73
     assert round(r["per_rank_bytes"]["reader_sidecar"] / GB, 2) == 0.75 and r["fits"]
-    assert cli.main(["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.24xlarge", "--tp", "8",
-                     "--reader-budget", "17.8"]) == 0
+    assert (
+        cli.main(
+            ["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.24xlarge", "--tp", "8", "--reader-budget", "17.8"]
+        )
+        == 0
+    )
     assert "channel + reader (this plan)" in capsys.readouterr().out
     with pytest.raises(Exception, match="the reader runs in the channel expert layout's bf16 graphs"):
         plan(big, "inf2.24xlarge", 8, "int8", batch=1, seq=4096, reader=reader)
@@ -135,16 +147,22 @@ def test_tp_beyond_the_instance_or_the_model_is_refused_with_a_reason(big):
     r = plan(big, "inf2.xlarge", 8, "bf16", batch=1, seq=4096)
     assert not r["fits"] and r["reason"] == "inf2.xlarge has 2 NeuronCores; TP 8 needs 8"
     r = plan(big, "inf2.48xlarge", 24, "bf16", batch=1, seq=4096)
-    assert not r["fits"] and r["reason"].startswith("not shardable: TP 24 (channel expert layout): 16 attention "
-                                                    "heads do not split over 24 ranks; 704 expert intermediate channels")
+    assert not r["fits"] and r["reason"].startswith(
+        "not shardable: TP 24 (channel expert layout): 16 attention "
+        "heads do not split over 24 ranks; 704 expert intermediate channels"
+    )
 
 
-@pytest.mark.parametrize("field,value,refused,message", [
-    ("moe_intermediate_size", 60, "channel", "60 expert intermediate channels do not split over 8 ranks"),
-    ("num_experts", 12, "expert", "12 experts do not split over 8 ranks"),
-])
-def test_a_degree_that_does_not_split_what_the_layout_splits_is_refused(tiny_port, tmp_path, capsys, field, value,
-                                                                         refused, message):
+@pytest.mark.parametrize(
+    "field,value,refused,message",
+    [
+        ("moe_intermediate_size", 60, "channel", "60 expert intermediate channels do not split over 8 ranks"),
+        ("num_experts", 12, "expert", "12 experts do not split over 8 ranks"),
+    ],
+)
+def test_a_degree_that_does_not_split_what_the_layout_splits_is_refused(
+    tiny_port, tmp_path, capsys, field, value, refused, message
+):
     """The channel layout splits each expert's I channels, the expert layout the E experts: a TP
     degree dividing one but not the other is refused by that layout only, naming both numbers."""
     text = port_text_elsewhere(tiny_port).replace(f"{field} = {getattr(tiny_port.config, field)}", f"{field} = {value}")
@@ -172,8 +190,24 @@ def test_plan_cli(capsys):
     assert "KV cache (device state, aliased)" in out and "host <-> device per decode step" in out
     assert cli.main(args + ["--expert-layout", "expert"]) == 0
     assert "expert (this plan)" in capsys.readouterr().out
-    assert cli.main(["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.8xlarge", "--tp", "2",
-                     "--dtype", "int8", "--json", "-"]) == 1
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--model",
+                "gemma4-26b-a4b",
+                "--instance",
+                "inf2.8xlarge",
+                "--tp",
+                "2",
+                "--dtype",
+                "int8",
+                "--json",
+                "-",
+            ]
+        )
+        == 1
+    )
     assert json.loads(capsys.readouterr().out)["fits"] is False
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "--instance", "inf2.8xlarge", "--tp", "3"])

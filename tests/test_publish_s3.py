@@ -154,7 +154,8 @@ def test_round_trip_through_the_cli(bucket, client, artifacts, tmp_path, capsys)
     published = manifest(client, bucket, "models/tiny/v1")
     assert published["format"] == s3.FORMAT and "pending" not in published and published["run"] == report["run"]
     assert {f["path"]: f["sha256"] for f in published["files"]} == {
-        rel: hashlib.sha256(data).hexdigest() for rel, data in local.items()}
+        rel: hashlib.sha256(data).hexdigest() for rel, data in local.items()
+    }
     for entry in published["files"]:  # each under the run's own key, as the manifest names it
         assert entry["key"] == f"runs/{report['run']}/{entry['path']}"
         data = local[entry["path"]]
@@ -178,7 +179,10 @@ def test_round_trip_through_the_cli(bucket, client, artifacts, tmp_path, capsys)
     (dest / "config.json").write_text('{"tp_degree": 9, "seed": 0}\n')  # same size, other bytes: replaced
     again = s3.pull_report(uri, dest, progress=False)
     assert {r["path"]: r["action"] for r in again["files"]} == {
-        "config.json": "downloaded", "model.pt": "present", "neff/graph.neff": "present"}
+        "config.json": "downloaded",
+        "model.pt": "present",
+        "neff/graph.neff": "present",
+    }
     assert tree(dest) == local
 
 
@@ -213,17 +217,21 @@ def test_the_checksum_goes_with_the_upload_for_the_server_to_verify(bucket, clie
     [complete] = headers("POST", key["big.bin"])
     assert complete["x-amz-checksum-crc32"] == crc32_b64(big).encode()
     assert complete["x-amz-checksum-type"] == b"FULL_OBJECT"
-    parts = {int(re.search(r"partNumber=(\d+)", url)[1]): h["x-amz-checksum-crc32"]
-             for m, url, h in sent if m == "PUT" and "partNumber=" in url}  # sent in parallel: any order
-    assert parts == {1 + i // (5 * MiB): crc32_b64(big[i:i + 5 * MiB]).encode() for i in range(0, len(big), 5 * MiB)}
+    parts = {
+        int(re.search(r"partNumber=(\d+)", url)[1]): h["x-amz-checksum-crc32"]
+        for m, url, h in sent
+        if m == "PUT" and "partNumber=" in url
+    }  # sent in parallel: any order
+    assert parts == {1 + i // (5 * MiB): crc32_b64(big[i : i + 5 * MiB]).encode() for i in range(0, len(big), 5 * MiB)}
     head = client.head_object(Bucket=bucket, Key=key["big.bin"], ChecksumMode="ENABLED")
     assert head["ETag"].endswith('-3"')  # three parts were sent
     assert head["ChecksumType"] == "FULL_OBJECT" and head["ChecksumCRC32"] == crc32_b64(big)
 
 
 @pytest.mark.parametrize("size", [300_000, 6 * MiB], ids=["single PUT", "multipart"])
-def test_a_file_changed_after_its_check_is_never_reported_published(bucket, client, tmp_path, monkeypatch,
-                                                                    small_parts, size):
+def test_a_file_changed_after_its_check_is_never_reported_published(
+    bucket, client, tmp_path, monkeypatch, small_parts, size
+):
     """The file changes after it was hashed, keeping its size and mtime (so no stat can see it). AWS
     would reject the upload (BadDigest); moto stores what it is sent, and for a single PUT echoes
     back the CRC32 it was given: publish must see it itself."""
@@ -240,8 +248,11 @@ def test_a_file_changed_after_its_check_is_never_reported_published(bucket, clie
 
     monkeypatch.setattr(s3, "file_digest", digest_then_change)
     uri = f"s3://{bucket}/v1"
-    with pytest.raises(PublishError, match=r"weights\.bin: changed between its check and its upload, its size and "
-                                           r"mtime kept .* no manifest was written"):
+    with pytest.raises(
+        PublishError,
+        match=r"weights\.bin: changed between its check and its upload, its size and "
+        r"mtime kept .* no manifest was written",
+    ):
         s3.publish(src, uri, progress=False, client=client)
     with pytest.raises(PublishError, match=r"holds no publication yet: the last publish there failed"):
         s3.read_manifest(uri, client)
@@ -258,8 +269,12 @@ def test_head_object_must_report_what_was_hashed(bucket, client, artifacts):
 
     def someone_else_writes(params, **_):
         if params["Key"].endswith("/config.json"):
-            other.put_object(Bucket=params["Bucket"], Key=params["Key"], Body=b'{"tp_degree": 2, "seed": 9}\n',
-                             ChecksumAlgorithm="CRC32")
+            other.put_object(
+                Bucket=params["Bucket"],
+                Key=params["Key"],
+                Body=b'{"tp_degree": 2, "seed": 9}\n',
+                ChecksumAlgorithm="CRC32",
+            )
 
     client.meta.events.register("before-parameter-build.s3.HeadObject", someone_else_writes)
     with pytest.raises(PublishError, match=r"config\.json does not match .*config\.json after upload: crc32"):
@@ -280,8 +295,10 @@ def test_deep_check_finds_a_corrupt_member_the_quick_check_lets_through(bucket, 
     with zipfile.ZipFile(pt) as archive:
         info = max(archive.infolist(), key=lambda i: i.file_size)  # the 256x256 tensor's storage
     raw = bytearray(pt.read_bytes())
-    name_len, extra_len = int.from_bytes(raw[info.header_offset + 26:info.header_offset + 28], "little"), \
-        int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
+    name_len, extra_len = (
+        int.from_bytes(raw[info.header_offset + 26 : info.header_offset + 28], "little"),
+        int.from_bytes(raw[info.header_offset + 28 : info.header_offset + 30], "little"),
+    )
     raw[info.header_offset + 30 + name_len + extra_len + 1000] ^= 0xFF  # inside the member's data
     pt.write_bytes(bytes(raw))
 
@@ -322,8 +339,9 @@ def test_a_file_changing_during_its_upload_leaves_no_publication(bucket, client,
     assert "files" not in manifest(client, bucket, "v1") and "pending" not in manifest(client, bucket, "v1")
 
 
-def test_failure_mid_upload_removes_the_run_and_a_rerun_needs_no_overwrite(bucket, client, tmp_path, small_parts,
-                                                                          capsys):
+def test_failure_mid_upload_removes_the_run_and_a_rerun_needs_no_overwrite(
+    bucket, client, tmp_path, small_parts, capsys
+):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a-small.bin").write_bytes(os.urandom(1000))
@@ -402,8 +420,10 @@ def test_conditional_writes_hold_on_this_server(client, bucket):
 
 # ------------------------------------------------------------------------- who may write a prefix
 
-def test_a_prefix_above_publications_is_refused_by_name_and_overwrite_never_deletes_them(bucket, client, artifacts,
-                                                                                          tmp_path, capsys):
+
+def test_a_prefix_above_publications_is_refused_by_name_and_overwrite_never_deletes_them(
+    bucket, client, artifacts, tmp_path, capsys
+):
     for version in ("v1", "v2"):
         s3.publish(artifacts, f"s3://{bucket}/p/{version}", progress=False, client=client)
     before = keys(client, bucket, "p/")
@@ -412,7 +432,8 @@ def test_a_prefix_above_publications_is_refused_by_name_and_overwrite_never_dele
         assert keys(client, bucket, "p/") == before
         assert capsys.readouterr().err == (
             f"error: s3://{bucket}/p holds publications below it: s3://{bucket}/p/v1, s3://{bucket}/p/v2; publish "
-            "to a prefix of its own (--overwrite replaces only the publication at the prefix itself)\n")
+            "to a prefix of its own (--overwrite replaces only the publication at the prefix itself)\n"
+        )
     assert cli.main(["publish", str(artifacts), f"s3://{bucket}/p/v1/sub", "--overwrite"]) == 2
     assert f"s3://{bucket}/p/v1/sub is inside the publication s3://{bucket}/p/v1;" in capsys.readouterr().err
     assert keys(client, bucket, "p/") == before
@@ -421,8 +442,9 @@ def test_a_prefix_above_publications_is_refused_by_name_and_overwrite_never_dele
     (artifacts / "config.json").write_text('{"tp_degree": 4}\n')
     report = s3.publish(artifacts, f"s3://{bucket}//p//v1/", overwrite=True, progress=False, client=client)
     assert report["uri"] == f"s3://{bucket}/p/v1" and report["replaced_objects"] == 3
-    assert keys(client, bucket, "p/") == sorted(publication_keys(client, bucket, "p/v1")
-                                                + publication_keys(client, bucket, "p/v2"))
+    assert keys(client, bucket, "p/") == sorted(
+        publication_keys(client, bucket, "p/v1") + publication_keys(client, bucket, "p/v2")
+    )
     assert tree(s3.pull(f"s3://{bucket}/p/v1", tmp_path / "v1")) == tree(artifacts)
     assert s3.pull_report(f"s3://{bucket}/p/v2", tmp_path / "v2", progress=False, client=client)["files"]
     with pytest.raises(PublishError, match=r"p/\.\./v1: a '\.' or '\.\.' segment in the prefix"):
@@ -461,12 +483,19 @@ def test_two_publishers_racing_to_one_prefix_never_break_the_winner(bucket, clie
                 barrier.wait()
                 if second and not first_done.wait(DEADLINE_S):
                     raise RuntimeError("the first publisher never finished")
+
         return hook
 
     threads = [
-        _publisher(name, src, uri, results, {f"before-parameter-build.s3.{op}": hook
-                                             for op in ("PutObject", "CreateMultipartUpload")})
-        for name, src, hook in (("a", a, first_write(False)), ("b", b, first_write(True)))]
+        _publisher(
+            name,
+            src,
+            uri,
+            results,
+            {f"before-parameter-build.s3.{op}": hook for op in ("PutObject", "CreateMultipartUpload")},
+        )
+        for name, src, hook in (("a", a, first_write(False)), ("b", b, first_write(True)))
+    ]
     threads[0].start()
     threads[1].start()
     threads[0].join(DEADLINE_S)
@@ -476,8 +505,10 @@ def test_two_publishers_racing_to_one_prefix_never_break_the_winner(bucket, clie
     assert keys(client, bucket, "v1/") == publication_keys(client, bucket, "v1")
     assert isinstance(results["a"], dict), results["a"]
     assert isinstance(results["b"], PublishError)
-    assert f"{uri} changed while this publish checked its files (another publish claimed it); nothing was " \
-           "written" in str(results["b"])
+    assert (
+        f"{uri} changed while this publish checked its files (another publish claimed it); nothing was "
+        "written" in str(results["b"])
+    )
 
 
 def test_an_overwrite_that_takes_over_a_running_publish_leaves_only_its_own(bucket, client, tmp_path):
@@ -509,8 +540,9 @@ def test_an_overwrite_that_takes_over_a_running_publish_leaves_only_its_own(buck
     assert uploads(client, bucket, "v1/") == []
     assert report["replaced_objects"] == 1  # A's first file
     assert isinstance(results["a"], PublishError)
-    assert f"another publish took {uri} over while this one ran (--overwrite); this run's files were removed" \
-           in str(results["a"])
+    assert f"another publish took {uri} over while this one ran (--overwrite); this run's files were removed" in str(
+        results["a"]
+    )
 
 
 def test_a_manifest_write_whose_first_try_landed_is_not_taken_for_a_lost_race(bucket, client, artifacts, tmp_path):
@@ -528,8 +560,12 @@ def test_a_manifest_write_whose_first_try_landed_is_not_taken_for_a_lost_race(bu
             if not isinstance(body, bytes):  # a stream: read it, and put it back for the request itself
                 position = body.tell()
                 body, _ = body.read(), body.seek(position)
-            other.put_object(Bucket=bucket, Key=f"v1/{MANIFEST}", Body=body,
-                             **({"IfMatch": value} if name.lower() == "if-match" else {"IfNoneMatch": value}))
+            other.put_object(
+                Bucket=bucket,
+                Key=f"v1/{MANIFEST}",
+                Body=body,
+                **({"IfMatch": value} if name.lower() == "if-match" else {"IfNoneMatch": value}),
+            )
             landed.append(name.lower())
 
     client.meta.events.register("before-send.s3.PutObject", first_try_lands)
@@ -541,17 +577,20 @@ def test_a_manifest_write_whose_first_try_landed_is_not_taken_for_a_lost_race(bu
     assert tree(s3.pull(uri, tmp_path / "dest")) == tree(artifacts)
 
 
-def test_a_run_in_progress_is_refused_by_name_and_overwrite_takes_it_over(bucket, client, artifacts, tmp_path,
-                                                                         capsys):
+def test_a_run_in_progress_is_refused_by_name_and_overwrite_takes_it_over(bucket, client, artifacts, tmp_path, capsys):
     run = "20250101T000000Z-0badf00d"
-    claim = {"format": s3.FORMAT, "pending": {"run": run, "host": "another-host", "pid": 4242,
-                                              "started": "2025-01-01T00:00:00+00:00"}}
+    claim = {
+        "format": s3.FORMAT,
+        "pending": {"run": run, "host": "another-host", "pid": 4242, "started": "2025-01-01T00:00:00+00:00"},
+    }
     client.put_object(Bucket=bucket, Key=f"v1/{MANIFEST}", Body=json.dumps(claim).encode())
     client.put_object(Bucket=bucket, Key=f"v1/runs/{run}/model.pt", Body=b"half of it")
     uri = f"s3://{bucket}/v1"
     assert cli.main(["publish", str(artifacts), uri]) == 2
-    assert (f"error: {uri} is being published by run {run} (host another-host, pid 4242, since "
-            "2025-01-01T00:00:00+00:00); wait for it, or if it was killed, pass --overwrite") in capsys.readouterr().err
+    assert (
+        f"error: {uri} is being published by run {run} (host another-host, pid 4242, since "
+        "2025-01-01T00:00:00+00:00); wait for it, or if it was killed, pass --overwrite"
+    ) in capsys.readouterr().err
     with pytest.raises(PublishError, match=rf"{uri} holds no publication yet: run {run} .* has not finished"):
         s3.pull(uri, tmp_path / "dest")
     report = s3.publish(artifacts, uri, overwrite=True, progress=False, client=client)
@@ -576,8 +615,14 @@ def test_the_run_after_a_killed_publish_aborts_its_open_upload(bucket, client, t
     src.mkdir()
     (src / "weights.bin").write_bytes(os.urandom(11 * MiB))
     uri = f"s3://{bucket}/v1"
-    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_ITS_FIRST_PART, str(src), uri], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, timeout=120, check=False)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_AFTER_ITS_FIRST_PART, str(src), uri],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-3000:]
     left_open = uploads(client, bucket, "v1/")
     assert len(left_open) == 1  # S3 keeps (and bills) its parts until someone aborts it
@@ -591,9 +636,12 @@ def test_the_run_after_a_killed_publish_aborts_its_open_upload(bucket, client, t
 
 def test_credentials_that_may_not_list_uploads_still_publish(bucket, client, artifacts, caplog):
     """A policy without s3:ListBucketMultipartUploads: publish works, and says what it cannot do."""
+
     def access_denied(**_):
-        return SimpleNamespace(status_code=403), {"Error": {"Code": "AccessDenied", "Message": "Access Denied"},
-                                                  "ResponseMetadata": {"HTTPStatusCode": 403}}
+        return SimpleNamespace(status_code=403), {
+            "Error": {"Code": "AccessDenied", "Message": "Access Denied"},
+            "ResponseMetadata": {"HTTPStatusCode": 403},
+        }
 
     client.meta.events.register("before-call.s3.ListMultipartUploads", access_denied)
     s3.publish(artifacts, f"s3://{bucket}/v1", progress=False, client=client)
@@ -606,10 +654,15 @@ def test_a_publication_in_the_first_layout_is_read_and_replaced_whole(bucket, cl
     files = tree(artifacts)
     for rel, data in files.items():
         client.put_object(Bucket=bucket, Key=f"old/{rel}", Body=data)
-    first = {"format": s3.FORMAT_V1, "created": "2025-01-01T00:00:00+00:00",
-             "total_bytes": sum(map(len, files.values())),
-             "files": [{"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                        "crc32": crc32_b64(data)} for rel, data in files.items()]}
+    first = {
+        "format": s3.FORMAT_V1,
+        "created": "2025-01-01T00:00:00+00:00",
+        "total_bytes": sum(map(len, files.values())),
+        "files": [
+            {"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "crc32": crc32_b64(data)}
+            for rel, data in files.items()
+        ],
+    }
     client.put_object(Bucket=bucket, Key=f"old/{MANIFEST}", Body=json.dumps(first).encode())
     uri = f"s3://{bucket}/old"
     assert tree(s3.pull(uri, tmp_path / "first")) == files
@@ -627,13 +680,16 @@ def test_objects_of_no_publication_need_overwrite(bucket, client, artifacts, cap
     client.put_object(Bucket=bucket, Key="v1/notes.txt", Body=b"someone's")
     uri = f"s3://{bucket}/v1"
     assert cli.main(["publish", str(artifacts), uri]) == 2
-    assert (f"error: {uri} holds 1 objects that belong to no publication (the first: {uri}/notes.txt)"
-            in capsys.readouterr().err)
+    assert (
+        f"error: {uri} holds 1 objects that belong to no publication (the first: {uri}/notes.txt)"
+        in capsys.readouterr().err
+    )
     assert s3.publish(artifacts, uri, overwrite=True, progress=False, client=client)["replaced_objects"] == 1
     assert keys(client, bucket, "v1/") == publication_keys(client, bucket, "v1")
 
 
 # ----------------------------------------------------------------------------------------- pull
+
 
 def test_pulled_files_get_the_mode_open_would_give(bucket, client, artifacts, tmp_path, umask_027):
     uri = f"s3://{bucket}/v1"
@@ -647,8 +703,9 @@ def _waiting_logged(caplog) -> bool:
     return any("waiting for the pull by pid" in r.getMessage() for r in caplog.records)
 
 
-def test_a_second_server_on_a_shared_cache_waits_for_the_first_pull(bucket, client, tiny_port, tmp_path,
-                                                                    monkeypatch, caplog, one_torch_thread):
+def test_a_second_server_on_a_shared_cache_waits_for_the_first_pull(
+    bucket, client, tiny_port, tmp_path, monkeypatch, caplog, one_torch_thread
+):
     """Two servers, one --artifacts s3://... and one --artifacts-cache: the second waits for the
     first's pull (saying how far it got), then loads from the cache after verifying it."""
     from neuron_moe.checkpoint import save_checkpoint
@@ -689,8 +746,10 @@ def test_a_second_server_on_a_shared_cache_waits_for_the_first_pull(bucket, clie
         except Exception as e:  # what the server would exit with
             results["second"] = e
 
-    first, second = threading.Thread(target=first_server, name="first"), threading.Thread(target=second_server,
-                                                                                           name="second")
+    first, second = (
+        threading.Thread(target=first_server, name="first"),
+        threading.Thread(target=second_server, name="second"),
+    )
     caplog.set_level("INFO", logger="neuron_moe.publish.s3")
     first.start()
     try:
@@ -720,8 +779,10 @@ def test_a_pull_waiting_on_a_stuck_one_gives_up(bucket, client, artifacts, tmp_p
     monkeypatch.setattr(s3, "WAIT_POLL_S", 0.05)
     dest = tmp_path / "pulled"
     total = sum(map(len, tree(artifacts).values()))
-    stuck = re.escape(f"{dest}: the pull by pid {os.getpid()} has landed nothing for 0.3 s (0.0 of {total / MiB:.1f} "
-                      "MiB there, waited 0 s)")
+    stuck = re.escape(
+        f"{dest}: the pull by pid {os.getpid()} has landed nothing for 0.3 s (0.0 of {total / MiB:.1f} "
+        "MiB there, waited 0 s)"
+    )
     with run_lock(dest, "pull"), pytest.raises(PublishError, match=stuck + r": is it stuck\?"):  # held; nothing lands
         s3.pull_report(uri, dest, progress=False, client=client, stall_s=0.3)
     assert not dest.exists()

@@ -8,7 +8,14 @@ import pytest
 import trained_like
 from neuron_moe import cli
 from neuron_moe.reader.accounting import (
-    BudgetError, ReaderSettings, breakdown, full_bytes, reads, resident, row_sectors, solve_k,
+    BudgetError,
+    ReaderSettings,
+    breakdown,
+    full_bytes,
+    reads,
+    resident,
+    row_sectors,
+    solve_k,
 )
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
@@ -53,8 +60,9 @@ WHOLE_BLOCKS = Geometry(hidden=128, experts=16, top_k=4, intermediate=64)
 
 
 @pytest.mark.parametrize("geo", [QWEN3_30B, GEMMA4_26B, ODD, WHOLE_BLOCKS])
-@pytest.mark.parametrize("settings", [ReaderSettings(), ReaderSettings(scan=128, rank=0),
-                                      ReaderSettings(scan=40, rank=8)])
+@pytest.mark.parametrize(
+    "settings", [ReaderSettings(), ReaderSettings(scan=128, rank=0), ReaderSettings(scan=40, rank=8)]
+)
 def test_k_is_the_most_that_fits(geo, settings):
     limit = lambda budget: budget / 100 * full_bytes(geo)  # noqa: E731
     for budget in (15.0, 17.8, 30.0, 60.0, 99.9):
@@ -70,14 +78,21 @@ def test_k_is_the_most_that_fits(geo, settings):
 
 def test_rows_that_are_not_whole_sectors_cost_one_more():
     assert row_sectors(64) == 2 and row_sectors(400) == 14  # 400 B: 12.5 sectors, may straddle 14
-    assert reads(ODD, ReaderSettings(), 1)["exact"] - reads(ODD, ReaderSettings(), 0)["exact"] \
-        == 3 * 14 * 32
+    assert reads(ODD, ReaderSettings(), 1)["exact"] - reads(ODD, ReaderSettings(), 0)["exact"] == 3 * 14 * 32
 
 
-@pytest.mark.parametrize("budget,message", [
-    (0, r"budget must be in \(0, 100\]"), (-3, r"budget must be in \(0, 100\]"), (100.5, r"budget must be in"),
-    (5.0, r"budget 5.0% is below what the reader reads before any exact channel \(5.57%: sketch 4.86%, norms 0.02%, recovery 0.69%"),
-])
+@pytest.mark.parametrize(
+    "budget,message",
+    [
+        (0, r"budget must be in \(0, 100\]"),
+        (-3, r"budget must be in \(0, 100\]"),
+        (100.5, r"budget must be in"),
+        (
+            5.0,
+            r"budget 5.0% is below what the reader reads before any exact channel \(5.57%: sketch 4.86%, norms 0.02%, recovery 0.69%",
+        ),
+    ],
+)
 def test_budgets_out_of_range_are_refused(budget, message):
     with pytest.raises(BudgetError, match=message):
         solve_k(QWEN3_30B, ReaderSettings(), budget)
@@ -89,8 +104,11 @@ def test_resident_bytes_are_the_sidecar_tensors():
     out = prep_layer(ex.gate_up_proj, ex.down_proj, random_signs(256, 0), rank=8)
     nbytes = {name: t.numel() * t.element_size() for name, t in out.items()}
     held = resident(Geometry(hidden=200, experts=3, top_k=1, intermediate=40), ReaderSettings(rank=8))
-    assert held == {"sketch": nbytes["codes"] + nbytes["scales"], "norms": nbytes["down_norms"],
-                    "recovery": nbytes["basis"] + nbytes["coeffs"]}
+    assert held == {
+        "sketch": nbytes["codes"] + nbytes["scales"],
+        "norms": nbytes["down_norms"],
+        "recovery": nbytes["basis"] + nbytes["coeffs"],
+    }
 
 
 def test_reads_cli_for_gemma4_and_explicit_geometry(capsys):
@@ -98,8 +116,7 @@ def test_reads_cli_for_gemma4_and_explicit_geometry(capsys):
     printed = capsys.readouterr().out
     assert "gemma4-26b-a4b (hidden 2816, 128 experts, top-8, intermediate 704)" in printed
     assert "k = 703 exact channels of 5632" in printed and "resident" in printed
-    args = ["reads", "--hidden", "2048", "--experts", "128", "--top-k", "8", "--intermediate", "768",
-            "--json", "-"]
+    args = ["reads", "--hidden", "2048", "--experts", "128", "--top-k", "8", "--intermediate", "768", "--json", "-"]
     assert cli.main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["k"] == 755 and report["geometry"]["hidden"] == 2048
@@ -109,26 +126,34 @@ def test_reads_cli_for_gemma4_and_explicit_geometry(capsys):
     assert full_scan["reads"]["sketch"]["bytes"] == 8 * (16 * 128 * 320 + 16 * 1536 * 2)  # every strip
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--hidden", "2048"], "needs all four of --hidden --experts --top-k --intermediate"),
-    (["--hidden", "2048", "--experts", "4", "--top-k", "8", "--intermediate", "64"],
-     "--top-k 8 is more than --experts 4"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--hidden", "2048"], "needs all four of --hidden --experts --top-k --intermediate"),
+        (
+            ["--hidden", "2048", "--experts", "4", "--top-k", "8", "--intermediate", "64"],
+            "--top-k 8 is more than --experts 4",
+        ),
+    ],
+)
 def test_reads_cli_errors(capsys, args, message):
     assert cli.main(["reads", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--budget", "0"], "argument --budget: must be in (0, 100], got 0"),
-    (["--budget", "nan"], "argument --budget: must be a finite number, got nan"),
-    (["--scan", "129"], "argument --scan: must be in [1, 128], got 129"),
-    (["--rank", "-1"], "argument --rank: must be at least 0, got -1"),
-    (["--batch", "4", "--step-budget", "nan"], "argument --step-budget: must be a finite number, got nan"),
-    (["--batch", "4", "--step-budget", "0"], "argument --step-budget: must be more than 0, got 0"),
-    (["--batch", "4", "--step-budget", "-2"], "argument --step-budget: must be more than 0, got -2"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--budget", "0"], "argument --budget: must be in (0, 100], got 0"),
+        (["--budget", "nan"], "argument --budget: must be a finite number, got nan"),
+        (["--scan", "129"], "argument --scan: must be in [1, 128], got 129"),
+        (["--rank", "-1"], "argument --rank: must be at least 0, got -1"),
+        (["--batch", "4", "--step-budget", "nan"], "argument --step-budget: must be a finite number, got nan"),
+        (["--batch", "4", "--step-budget", "0"], "argument --step-budget: must be more than 0, got 0"),
+        (["--batch", "4", "--step-budget", "-2"], "argument --step-budget: must be more than 0, got -2"),
+    ],
+)
 def test_reads_numbers_out_of_range_are_argument_errors(capsys, args, message):
     with pytest.raises(SystemExit) as e:
         cli.main(["reads", *args])

@@ -34,14 +34,25 @@ def case():
 
 
 def int8_of(ex) -> Int8Experts:
-    return Int8Experts.from_channel_layout(*quantize_per_channel(ex.gate_up_proj.mT),
-                                           *quantize_per_channel(ex.down_proj.mT))
+    return Int8Experts.from_channel_layout(
+        *quantize_per_channel(ex.gate_up_proj.mT), *quantize_per_channel(ex.down_proj.mT)
+    )
 
 
 def run(case, rows, settings=A.ReaderSettings(), int8=None, **rule):
     ex, sidecar, x, index, weights, _ = case
-    return batch.step(x[rows], index[rows], weights[rows], ex.gate_up_proj, ex.down_proj.mT, sidecar, settings,
-                      ex.act_fn, int8=int8, **rule)
+    return batch.step(
+        x[rows],
+        index[rows],
+        weights[rows],
+        ex.gate_up_proj,
+        ex.down_proj.mT,
+        sidecar,
+        settings,
+        ex.act_fn,
+        int8=int8,
+        **rule,
+    )
 
 
 def total(settings, rows):
@@ -52,9 +63,15 @@ def rel_err(y, want):
     return float((y - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("budget,settings", [(40.0, A.ReaderSettings()), (60.0, A.ReaderSettings()),
-                                             (30.0, A.ReaderSettings(rank=0)),
-                                             (40.0, A.ReaderSettings(scan=128, rank=8))])
+@pytest.mark.parametrize(
+    "budget,settings",
+    [
+        (40.0, A.ReaderSettings()),
+        (60.0, A.ReaderSettings()),
+        (30.0, A.ReaderSettings(rank=0)),
+        (40.0, A.ReaderSettings(scan=128, rank=8)),
+    ],
+)
 def test_the_batch_rule_at_batch_one_is_todays_top_k(case, budget, settings):
     """One token: the batch rule's budget buys today's k, picks the same channels and gives the same
     output, bit for bit; both are `reference.forward` (the per-token reader) up to summation order."""
@@ -67,11 +84,26 @@ def test_the_batch_rule_at_batch_one_is_todays_top_k(case, budget, settings):
         assert torch.equal(mine.keep, today.keep) and torch.equal(mine.out, today.out)
         assert mine.rows == A.token_rows(GEO, settings, k)
         assert A.step_reads(GEO, settings, mine.rows) == A.reads(GEO, settings, k)
-        want = reference.forward(x[t:t + 1], index[t:t + 1], weights[t:t + 1], ex.gate_up_proj, ex.down_proj.mT,
-                                 sidecar, k=k, scan=settings.scan, rank=settings.rank, act_fn=ex.act_fn)
+        want = reference.forward(
+            x[t : t + 1],
+            index[t : t + 1],
+            weights[t : t + 1],
+            ex.gate_up_proj,
+            ex.down_proj.mT,
+            sidecar,
+            k=k,
+            scan=settings.scan,
+            rank=settings.rank,
+            act_fn=ex.act_fn,
+        )
         assert rel_err(mine.out, want) < 2e-6
-        score, _ = reference.scores(reference.sketch_estimates(x[t:t + 1], index[t:t + 1], sidecar, settings.scan),
-                                    index[t:t + 1], weights[t:t + 1], sidecar.down_norms, ex.act_fn)
+        score, _ = reference.scores(
+            reference.sketch_estimates(x[t : t + 1], index[t : t + 1], sidecar, settings.scan),
+            index[t : t + 1],
+            weights[t : t + 1],
+            sidecar.down_norms,
+            ex.act_fn,
+        )
         chosen = score.flatten(1).topk(k).indices  # today's selection, as (slot, channel)
         assert torch.equal(mine.keep.flatten(1).nonzero()[:, 1].sort().values, chosen[0].sort().values)
 
@@ -83,12 +115,16 @@ def test_at_budget_100_every_rule_is_the_full_moe(case, int8):
     q = int8_of(ex) if int8 else None
     if int8:
         gate_up, down = q.dequantized()
-        full = trained_like.full_moe(type(ex)(gate_up_proj=gate_up, down_proj=down, act_fn=ex.act_fn), x, index, weights)
+        full = trained_like.full_moe(
+            type(ex)(gate_up_proj=gate_up, down_proj=down, act_fn=ex.act_fn), x, index, weights
+        )
     for B in (1, 8):
         rows = slice(0, B)
         experts = len(index[rows].unique())
-        for rule in ({"rule": "token", "k": GEO.channels},
-                     {"rule": "batch", "limit": A.full_reads(GEO, settings, experts)}):
+        for rule in (
+            {"rule": "token", "k": GEO.channels},
+            {"rule": "batch", "limit": A.full_reads(GEO, settings, experts)},
+        ):
             got = run(case, rows, settings, q, **rule)
             assert rel_err(got.out, full[rows]) < 1e-5, rule
             assert got.rows == A.StepRows(experts, 0, experts * INTER, 0)  # the union's experts whole, no screen
@@ -238,14 +274,20 @@ def test_reads_cli_batch(capsys):
 
 # ---- decode batches inside the model (eval/reader_batch.py) ----
 
+
 @pytest.fixture(scope="module")
 def short_sequences(tiny_port):
     from neuron_moe.eval.reader_eval import Sequence
     from neuron_moe.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_port, None)
-    texts = ["The capital of France is Paris.", "Q: Reverse: red fox\nA: fox red", "A short text about owls.",
-             "Q: cat=41 owl=17. What is owl?\nA: 17", "Lima is in Peru."]
+    texts = [
+        "The capital of France is Paris.",
+        "Q: Reverse: red fox\nA: fox red",
+        "A short text about owls.",
+        "Q: cat=41 owl=17. What is owl?\nA: 17",
+        "Lima is in Peru.",
+    ]
     return [Sequence(tokenizer.encode(t), "x", start) for t, start in zip(texts, (4, 6, 0, 9, 2))]
 
 
@@ -276,7 +318,7 @@ def test_every_step_holds_b_tokens_and_generation_is_greedy(tiny_port, tiny_eage
     assert sum(len(lp) for lp in got.logprobs) == sum(len(s.ids) - 1 - s.start for s in short_sequences)
     assert all(layer["bytes"] > 0 and layer["experts"] >= 4 for s in got.steps for layer in s["layers"])
     # greedy generation through the same loop, full experts: the reference loop's tokens
-    prompts = [s.ids[:s.start + 1] for s in short_sequences]
+    prompts = [s.ids[: s.start + 1] for s in short_sequences]
     seqs = [type(s)(p, s.source, len(p) - 1) for s, p in zip(short_sequences, prompts)]
     gen = RB.decode(tiny_eager, seqs, 2, new_tokens=[6] * len(seqs))
     for p, picks in zip(prompts, gen.picks):

@@ -27,8 +27,10 @@ def corpus(tmp_path_factory):
     """The two corpus files eval-reader reads, with a few short documents each."""
     out = tmp_path_factory.mktemp("corpus")
     for name, words in (("calib.jsonl", "calibration"), ("eval_text.jsonl", "evaluation")):
-        rows = [{"kind": "text", "text": f"A short {words} text, number {i}. The capital of Peru is Lima."}
-                for i in range(3)]
+        rows = [
+            {"kind": "text", "text": f"A short {words} text, number {i}. The capital of Peru is Lima."}
+            for i in range(3)
+        ]
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
 
@@ -36,7 +38,6 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sidecar(tiny_port, tmp_path_factory):
     return Sidecar(prep_port(tiny_port, tmp_path_factory.mktemp("sc") / "sidecar.safetensors"))
-
 
 
 def test_the_sidecar_from_a_held_model_is_the_port_models(tiny_port, tmp_path):
@@ -48,9 +49,15 @@ def test_the_sidecar_from_a_held_model_is_the_port_models(tiny_port, tmp_path):
     assert prep_port(port, tmp_path / "held.safetensors", model=held).read_bytes() == built
     # teeth: the held fp32 weights prepped as they are (not in the port's bf16) give other bytes
     c = port.config
-    raw = write_sidecar(tmp_path / "raw.safetensors", model_expert_weights(held), Geometry.from_config(c),
-                        layers=c.num_hidden_layers, progress=False)
+    raw = write_sidecar(
+        tmp_path / "raw.safetensors",
+        model_expert_weights(held),
+        Geometry.from_config(c),
+        layers=c.num_hidden_layers,
+        progress=False,
+    )
     assert raw.read_bytes() != built
+
 
 def logits(model, ids):
     with torch.no_grad():
@@ -91,14 +98,28 @@ def test_answer_positions_are_the_answer(tiny_port):
     tok = load_tokenizer(tiny_port)
     item = R.T.eval_items(1, tasks=("reverse",))[0]
     seq = R.item_sequence(tok, item)
-    predicted = seq.ids[seq.start + 1:]
+    predicted = seq.ids[seq.start + 1 :]
     assert predicted[-1] == tok.eos_token_id and tok.decode(predicted[:-1]) == item.answer
 
 
 def test_quick_run_end_to_end_and_resume(tiny_port, corpus, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    argv = ["eval-reader", "--quick", "--items", "1", "--selectors", "teal,cats", "--budgets", "30",
-            "--corpus", str(corpus), "--out", str(out), "--json", str(tmp_path / "r.json")]
+    argv = [
+        "eval-reader",
+        "--quick",
+        "--items",
+        "1",
+        "--selectors",
+        "teal,cats",
+        "--budgets",
+        "30",
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(out),
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
     assert cli.main(argv) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     cells = {(c["selector"], c["rule"]): c for c in report["cells"]}
@@ -113,7 +134,10 @@ def test_quick_run_end_to_end_and_resume(tiny_port, corpus, tmp_path, capsys, mo
     for c in (top, thr):
         assert c["positions"] == sum(s["positions"] for s in c["by_source"].values())
         assert set(c["by_source"]) == {"fact", "kv", "reverse", "text"}
-        assert sum(b["tokens"] for b in c["reads_by_answer_position"]) == c["positions"] - c["by_source"]["text"]["positions"]
+        assert (
+            sum(b["tokens"] for b in c["reads_by_answer_position"])
+            == c["positions"] - c["by_source"]["text"]["positions"]
+        )
         assert c["kl_mean"] > 0 and 0 < c["top1"] <= 1 and c["accuracy"]["items"] == 3
     printed = capsys.readouterr().out
     assert "not reachable" in printed and "teal" in printed
@@ -127,7 +151,7 @@ def test_quick_run_end_to_end_and_resume(tiny_port, corpus, tmp_path, capsys, mo
     monkeypatch.setattr(R.Run, "cell", no_recompute)
     assert cli.main(argv) == 0  # resumed: every cell read back from OUT/cells
     assert json.loads((tmp_path / "r.json").read_text())["cells"] == report["cells"]
-    other = argv[:argv.index("--items") + 1] + ["2"] + argv[argv.index("--items") + 2:]
+    other = argv[: argv.index("--items") + 1] + ["2"] + argv[argv.index("--items") + 2 :]
     assert cli.main(other) == 2  # another item count into the same OUT is refused
     assert "holds cells of another run (different per_task)" in capsys.readouterr().err
 
@@ -137,8 +161,20 @@ def test_the_readers_defaults_reach_the_default_budgets(tmp_path, capsys):
     rank (0: a rank-32 map alone reads 12.5 % here) makes both reachable, so the reader is in the table and
     the plots; a selector that cannot reach a budget is named in a note, with its reason."""
     out = tmp_path / "defaults"
-    argv = ["eval-reader", "--quick", "--items", "1", "--selectors", "reader,cats", "--rules", "topk",
-            "--out", str(out), "--json", str(tmp_path / "r.json")]
+    argv = [
+        "eval-reader",
+        "--quick",
+        "--items",
+        "1",
+        "--selectors",
+        "reader,cats",
+        "--rules",
+        "topk",
+        "--out",
+        str(out),
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
     assert cli.main(argv) == 0
     cells = {(c["selector"], c["budget"]): c for c in json.loads((tmp_path / "r.json").read_text())["cells"]}
     for budget in (12.8, 17.8):
@@ -157,9 +193,22 @@ def test_the_reader_at_tp(tmp_path, capsys):
     same total k and reads unevenly; a budget below a rank's floor is not reachable, with that floor; the
     split variant takes the one-rank reader's k over the ranks."""
     out = tmp_path / "tp"
-    argv = ["eval-reader", "--quick", "--items", "1", "--budgets", "40", "--rules", "topk", "--out", str(out),
-            "--selectors", "reader-r0,reader-r0-tp2,reader-r0-tp2-global,reader-r0-tp8,reader-r0-tp8-split",
-            "--json", str(tmp_path / "r.json")]
+    argv = [
+        "eval-reader",
+        "--quick",
+        "--items",
+        "1",
+        "--budgets",
+        "40",
+        "--rules",
+        "topk",
+        "--out",
+        str(out),
+        "--selectors",
+        "reader-r0,reader-r0-tp2,reader-r0-tp2-global,reader-r0-tp8,reader-r0-tp8-split",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
     assert cli.main(argv) == 0
     cells = {c["selector"]: c for c in json.loads((tmp_path / "r.json").read_text())["cells"]}
     one, quota, glob = cells["reader-r0"], cells["reader-r0-tp2"], cells["reader-r0-tp2-global"]
@@ -173,19 +222,22 @@ def test_the_reader_at_tp(tmp_path, capsys):
     assert "| reader-r0-tp2 | topk | 40 |" in (out / "report.md").read_text()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--selectors", "teal,deja-vu"], "unknown selector 'deja-vu'"),
-    (["--selectors", "teal-r4"], "unknown selector 'teal-r4'"),
-    (["--rules", "topk,median"], "--rules: expected a comma-separated subset of topk, threshold"),
-    (["--budgets", "0,17.8"], r"each budget must be in \(0, 100\] percent"),
-    (["--budgets", "150"], r"each budget must be in \(0, 100\] percent"),
-    (["--budgets", "a"], "expected comma-separated percentages"),
-    (["--corpus", "/nonexistent"], "/nonexistent/eval_text.jsonl: missing; build the corpus first"),
-    (["--selectors", "reader-r64"], r"reader-r64: recovery rank 64 above the sidecar's \(32\)"),
-    (["--selectors", "reader-tp3"], "reader-tp3: TP degree 3 is not one of"),
-    (["--selectors", "teal-tp2"], "unknown selector 'teal-tp2'"),
-    (["--selectors", "reader-tp2"], r"is a top-k rule per rank: pass --rules topk"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--selectors", "teal,deja-vu"], "unknown selector 'deja-vu'"),
+        (["--selectors", "teal-r4"], "unknown selector 'teal-r4'"),
+        (["--rules", "topk,median"], "--rules: expected a comma-separated subset of topk, threshold"),
+        (["--budgets", "0,17.8"], r"each budget must be in \(0, 100\] percent"),
+        (["--budgets", "150"], r"each budget must be in \(0, 100\] percent"),
+        (["--budgets", "a"], "expected comma-separated percentages"),
+        (["--corpus", "/nonexistent"], "/nonexistent/eval_text.jsonl: missing; build the corpus first"),
+        (["--selectors", "reader-r64"], r"reader-r64: recovery rank 64 above the sidecar's \(32\)"),
+        (["--selectors", "reader-tp3"], "reader-tp3: TP degree 3 is not one of"),
+        (["--selectors", "teal-tp2"], "unknown selector 'teal-tp2'"),
+        (["--selectors", "reader-tp2"], r"is a top-k rule per rank: pass --rules topk"),
+    ],
+)
 def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
     assert cli.main(["eval-reader", "--quick", "--out", str(tmp_path / "o"), *flags]) == 2
     err = capsys.readouterr().err.split("\r")[-1]  # after any progress bar (the reader's sidecar prep)

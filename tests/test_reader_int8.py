@@ -47,8 +47,12 @@ def test_int8_reads_by_hand():
     assert parts["sketch"] == bf16["sketch"] and parts["norms"] == bf16["norms"]  # the sidecar is bf16 either way
     assert parts["recovery"] == bf16["recovery"]
     assert parts["exact"] == 300 * (3 * 2048 + 32) + 8 * 2048 * 4
-    assert A.reads(QWEN3_30B, settings, QWEN3_30B.channels) == {"sketch": 0, "norms": 0, "recovery": 0,
-                                                                "exact": 8 * A.expert_read_bytes(QWEN3_30B, "int8")}
+    assert A.reads(QWEN3_30B, settings, QWEN3_30B.channels) == {
+        "sketch": 0,
+        "norms": 0,
+        "recovery": 0,
+        "exact": 8 * A.expert_read_bytes(QWEN3_30B, "int8"),
+    }
 
 
 @pytest.mark.parametrize("geo", [QWEN3_30B, GEMMA4_26B])
@@ -59,8 +63,11 @@ def test_int8_at_17_8_percent_the_sketch_is_twice_its_bf16_share(geo):
     assert b8["reads"]["sketch"]["percent"] == pytest.approx(2 * b16["reads"]["sketch"]["percent"], rel=0.01)
     assert b8["total_percent"] <= 17.8 and b8["full_bytes"] == geo.top_k * A.expert_read_bytes(geo, "int8")
     k = A.solve_k(geo, A.ReaderSettings(weights="int8"), 17.8)
-    assert sum(A.reads(geo, A.ReaderSettings(weights="int8"), k).values()) <= 0.178 * b8["full_bytes"] \
+    assert (
+        sum(A.reads(geo, A.ReaderSettings(weights="int8"), k).values())
+        <= 0.178 * b8["full_bytes"]
         < sum(A.reads(geo, A.ReaderSettings(weights="int8"), k + 1).values())
+    )
     # equal bytes: the bf16 reader's 17.8 % buys the int8 reader nearly twice the channels
     equal = A.solve_k(geo, A.ReaderSettings(weights="int8"), 17.8, full=A.full_bytes(geo))
     assert 1.8 * b16["k"] < equal < 2.1 * b16["k"]
@@ -78,11 +85,32 @@ def test_the_int8_reader_at_every_channel_is_the_int8_experts(tiny_port):
     want = int8_forward(experts, x, index, weights)
     signs = random_signs(128, 0)
     side = LayerSidecar.from_tensors(prep_layer(experts.gate_up_proj.data, experts.down_proj.data, signs), signs)
-    got = reference.forward(x, index, weights, experts.gate_up_proj, experts.down_proj.mT, side, k=256, scan=80,
-                            rank=32, act_fn=experts.act_fn, int8=int8_experts(experts))
+    got = reference.forward(
+        x,
+        index,
+        weights,
+        experts.gate_up_proj,
+        experts.down_proj.mT,
+        side,
+        k=256,
+        scan=80,
+        rank=32,
+        act_fn=experts.act_fn,
+        int8=int8_experts(experts),
+    )
     assert float((got - want).abs().max() / want.abs().max()) < 2e-6
-    bf16 = reference.forward(x, index, weights, experts.gate_up_proj, experts.down_proj.mT, side, k=256, scan=80,
-                             rank=32, act_fn=experts.act_fn)
+    bf16 = reference.forward(
+        x,
+        index,
+        weights,
+        experts.gate_up_proj,
+        experts.down_proj.mT,
+        side,
+        k=256,
+        scan=80,
+        rank=32,
+        act_fn=experts.act_fn,
+    )
     assert float((bf16 - want).abs().max() / want.abs().max()) > 1e-4  # teeth: the int8 numbers, not the weights
 
 
@@ -102,13 +130,28 @@ def test_seq_match_at_budget_100_against_one_rank_int8(tiny_port, sidecar):
     assert all(r["max_abs_dlogit_step0"] == 0 and r["min_cosine"] > 0.99999 for r in rows), rows
     sparse = build_model(tiny_port)
     attach_reader(sparse, sidecar, budget=60, rank=0, weights="int8")
-    assert not all(r["seq_match"] and r["min_cosine"] > 0.99999
-                   for r in compare(want, generate(sparse, tokenizer), list(DEFAULT_PROMPTS)))  # teeth
+    assert not all(
+        r["seq_match"] and r["min_cosine"] > 0.99999
+        for r in compare(want, generate(sparse, tokenizer), list(DEFAULT_PROMPTS))
+    )  # teeth
 
 
 def test_validate_reader_int8_cli(sidecar, capsys):
-    args = ["validate", "--backend", "reader", "--reader-weights", "int8", "--budget", "100", "--sidecar",
-            str(sidecar), "--max-new-tokens", "8", "--json", "-"]
+    args = [
+        "validate",
+        "--backend",
+        "reader",
+        "--reader-weights",
+        "int8",
+        "--budget",
+        "100",
+        "--sidecar",
+        str(sidecar),
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "-",
+    ]
     assert cli.main(args) == 0  # against HF eager fp32: int8 at 100 % keeps the greedy tokens
     report = json.loads(capsys.readouterr().out)
     assert report["all_match"] and report["backend_options"]["reader_weights"] == "int8"
@@ -118,8 +161,13 @@ def test_validate_reader_int8_cli(sidecar, capsys):
 
 def test_a_sidecar_of_the_dequantised_int8_is_accepted_for_int8_only(tiny_port, sidecar, tmp_path):
     model = build_model(tiny_port)
-    dq = write_sidecar(tmp_path / "dq.safetensors", [int8_experts(l.experts).dequantized() for l in model.model.layers],
-                       Geometry(hidden=128, experts=16, intermediate=64), layers=4, progress=False)
+    dq = write_sidecar(
+        tmp_path / "dq.safetensors",
+        [int8_experts(l.experts).dequantized() for l in model.model.layers],
+        Geometry(hidden=128, experts=16, intermediate=64),
+        layers=4,
+        progress=False,
+    )
     assert dq.read_bytes() != sidecar.read_bytes()
     attach_reader(build_model(tiny_port), dq, budget=60, rank=0, weights="int8")
     with pytest.raises(SidecarError, match="made from other expert weights"):
@@ -135,8 +183,9 @@ def test_reads_cli_int8(capsys):
     assert cli.main(["reads", "--model", "gemma4-26b-a4b", "--dtype", "int8", "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["dtype"] == "int8" and report["total_percent"] <= 17.8
-    assert report["percent_of_bf16_full"] == pytest.approx(17.8 * report["full_bytes"] / A.full_bytes(GEMMA4_26B),
-                                                           abs=0.01)
+    assert report["percent_of_bf16_full"] == pytest.approx(
+        17.8 * report["full_bytes"] / A.full_bytes(GEMMA4_26B), abs=0.01
+    )
     assert report["reads"]["sketch"]["percent"] == pytest.approx(9.54, abs=0.01)
 
 
@@ -149,8 +198,9 @@ def test_eval_reader_int8_selectors(tiny_port, sidecar):
 
     from neuron_moe.spec import Selector, SpecError, parse_selector
 
-    assert parse_selector("reader-r16-int8dq", S.SELECTORS) == Selector("reader-r16-int8dq", "reader", 16, int8=True,
-                                                                       dequantised=True)
+    assert parse_selector("reader-r16-int8dq", S.SELECTORS) == Selector(
+        "reader-r16-int8dq", "reader", 16, int8=True, dequantised=True
+    )
     assert parse_selector("reader-int8", S.SELECTORS) == Selector("reader-int8", "reader", int8=True)
     assert parse_selector("teal", S.SELECTORS) == Selector("teal", "teal")
     for bad in ("teal-int8", "reader-int4", "reader-r-int8", "oracle-r3"):

@@ -40,8 +40,10 @@ class TorchKernels:
     def exact_kernel(self, gate_up, down, x, gate_idx, up_idx, down_idx, weights, act):
         self.calls["exact"] = dict(gate_up=gate_up, down=down)
         T = x.shape[0]
-        g, u, d = (table[idx.view(T, -1).long()].float() for table, idx in
-                   ((gate_up, gate_idx), (gate_up, up_idx), (down, down_idx)))
+        g, u, d = (
+            table[idx.view(T, -1).long()].float()
+            for table, idx in ((gate_up, gate_idx), (gate_up, up_idx), (down, down_idx))
+        )
         coef = act(torch.einsum("tkh,th->tk", g, x)) * torch.einsum("tkh,th->tk", u, x) * weights.view(T, -1)
         return torch.einsum("tk,tkh->th", coef, d)
 
@@ -61,11 +63,14 @@ def case(experts, inter, hidden, tokens, top_k, seed, rank):
     return ex, layer, trained_like.tokens(ex, count=tokens), index, weights
 
 
-@pytest.mark.parametrize("geometry,k,rank", [
-    ((4, 40, 200, 3, 2, 0), 30, 16),  # hidden 200: not a multiple of 128; k < 128: one padded tile
-    ((5, 100, 256, 2, 3, 1), 150, 8),  # k = 150: two exact tiles; 300 channels: three recover tiles
-    ((5, 100, 256, 2, 3, 1), 150, 0),
-])
+@pytest.mark.parametrize(
+    "geometry,k,rank",
+    [
+        ((4, 40, 200, 3, 2, 0), 30, 16),  # hidden 200: not a multiple of 128; k < 128: one padded tile
+        ((5, 100, 256, 2, 3, 1), 150, 8),  # k = 150: two exact tiles; 300 channels: three recover tiles
+        ((5, 100, 256, 2, 3, 1), 150, 0),
+    ],
+)
 def test_the_plan_executed_in_torch_is_the_reference(geometry, k, rank):
     ex, layer, x, index, weights = case(*geometry, rank=16)
     args = (x, index, weights, ex.gate_up_proj, ex.down_proj.mT.contiguous(), layer)
@@ -86,8 +91,9 @@ def test_the_kernels_consume_the_sidecar_tensors_themselves():
     ex, layer, x, index, weights = case(4, 40, 200, 2, 2, 0, rank=16)
     kernels = TorchKernels()
     down_rows = ex.down_proj.mT.contiguous()
-    nki_reader.forward(x, index, weights, ex.gate_up_proj, down_rows, layer, k=30, scan=48, rank=16,
-                       act_fn=ex.act_fn, kernels=kernels)
+    nki_reader.forward(
+        x, index, weights, ex.gate_up_proj, down_rows, layer, k=30, scan=48, rank=16, act_fn=ex.act_fn, kernels=kernels
+    )
     spec = SidecarLayout(Geometry(hidden=200, experts=4, intermediate=40), 16).layer_tensors()
     screen, recover = kernels.calls["screen"], kernels.calls["recover"]
     assert screen["codes"].dtype == spec["codes"][0] == torch.uint8
@@ -131,14 +137,16 @@ def test_per_rank_the_plan_executed_in_torch_is_the_reference(tp):
     ex, layer, x, index, weights = case(4, 40, 256, 3, 2, 0, rank=16)
     down_rows = ex.down_proj.mT.contiguous()
     kw = dict(k=12, scan=48, rank=16, act_fn=ex.act_fn)
-    ranks = [(*shard.shard_weights(ex.gate_up_proj, down_rows, tp, r), shard.rank_sidecar(layer, tp, r))
-             for r in range(tp)]
+    ranks = [
+        (*shard.shard_weights(ex.gate_up_proj, down_rows, tp, r), shard.rank_sidecar(layer, tp, r)) for r in range(tp)
+    ]
     outs = []
     for gate_up, down, part in ranks:
         want = reference.forward(x, index, weights, gate_up, down, part, **kw)
         kernels = TorchKernels()
-        outs.append(nki_reader.forward(x, index, weights, gate_up.contiguous(), down.contiguous(), part, **kw,
-                                       kernels=kernels))
+        outs.append(
+            nki_reader.forward(x, index, weights, gate_up.contiguous(), down.contiguous(), part, **kw, kernels=kernels)
+        )
         assert (outs[-1] - want).abs().max() <= 1e-5 * want.abs().max()
         assert kernels.calls["screen"]["codes"].data_ptr() == part.codes.data_ptr()  # the rank's own shard
     total = shard.forward_ranks(x, index, weights, ranks, **kw)

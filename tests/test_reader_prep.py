@@ -20,7 +20,15 @@ from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import fwht, padded, random_signs, rotate_blocks
 from neuron_moe.reader.prep import prep_layer, ternary, write_sidecar
 from neuron_moe.reader.sidecar import (
-    BLOCK, FORMAT_VERSION, LAYER_TENSORS, Sidecar, SidecarError, SidecarLayout, pack_codes, source_digest, unpack_codes,
+    BLOCK,
+    FORMAT_VERSION,
+    LAYER_TENSORS,
+    Sidecar,
+    SidecarError,
+    SidecarLayout,
+    pack_codes,
+    source_digest,
+    unpack_codes,
 )
 
 
@@ -130,14 +138,20 @@ def test_norms_and_recovery_map(small):
 
 
 def write_small(path, layers, seed=0, rank=16):
-    return write_sidecar(path, layers, Geometry(hidden=200, experts=3, intermediate=40), layers=len(layers),
-                         seed=seed, rank=rank, progress=False)
+    return write_sidecar(
+        path,
+        layers,
+        Geometry(hidden=200, experts=3, intermediate=40),
+        layers=len(layers),
+        seed=seed,
+        rank=rank,
+        progress=False,
+    )
 
 
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory):
-    layers = [(e.gate_up_proj, e.down_proj) for e in
-              (trained_like.experts(3, 40, 200, seed=s) for s in (5, 6))]
+    layers = [(e.gate_up_proj, e.down_proj) for e in (trained_like.experts(3, 40, 200, seed=s) for s in (5, 6))]
     path = write_small(tmp_path_factory.mktemp("sidecar") / "reader.safetensors", layers)
     return path, layers
 
@@ -149,7 +163,7 @@ def test_sidecar_is_plain_safetensors_with_the_prep_output(sidecar):
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # what open() gives, not mkstemp's 0600
     raw = path.read_bytes()
     header_len = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + header_len])
+    header = json.loads(raw[8 : 8 + header_len])
     meta = header["__metadata__"]
     assert meta["format"] == "neuron-moe-reader" and meta["format_version"] == str(FORMAT_VERSION)
     assert (meta["block"], meta["scan"], meta["rank"], meta["seed"], meta["layers"]) == ("128", "80", "16", "0", "2")
@@ -192,31 +206,41 @@ def _rewrite(src, dst, edit_meta=None, edit_tensors=None):
     return dst
 
 
-@pytest.mark.parametrize("edit_meta,edit_tensors,message", [
-    (lambda m: m.update(format_version="2"), None, r"sidecar format version '2'; this build reads version 3"),
-    (lambda m: m.update(codes_per_byte="4"), None, "4 codes per byte; this build reads block 128, 5 codes per byte"),
-    (lambda m: m.update(format="something-else"), None, "not a reader sidecar"),
-    (lambda m: m.update(block="64"), None, "block 64"),
-    (lambda m: m.pop("rank"), None, "metadata field 'rank' missing"),
-    (lambda m: m.update(seed="1"), None, "hadamard_signs are not those of seed 1"),
-    # issue 26, item 9: a header claiming 10^8 layers built a table of 5·10^8 tensor specs (minutes, GBs)
-    (lambda m: m.update(layers="100000000"), None, "metadata says 100000000 layers; the file holds 11 tensors"),
-    (lambda m: m.update(layers="-3"), None, "metadata says -3 layers"),
-    (None, lambda t: t.pop("layers.1.coeffs"), r"missing \['layers.1.coeffs'\]"),
-    (None, lambda t: t.update({"layers.0.scales": t["layers.0.scales"].float()}), "layers.0.scales is F32"),
-])
+@pytest.mark.parametrize(
+    "edit_meta,edit_tensors,message",
+    [
+        (lambda m: m.update(format_version="2"), None, r"sidecar format version '2'; this build reads version 3"),
+        (
+            lambda m: m.update(codes_per_byte="4"),
+            None,
+            "4 codes per byte; this build reads block 128, 5 codes per byte",
+        ),
+        (lambda m: m.update(format="something-else"), None, "not a reader sidecar"),
+        (lambda m: m.update(block="64"), None, "block 64"),
+        (lambda m: m.pop("rank"), None, "metadata field 'rank' missing"),
+        (lambda m: m.update(seed="1"), None, "hadamard_signs are not those of seed 1"),
+        # issue 26, item 9: a header claiming 10^8 layers built a table of 5·10^8 tensor specs (minutes, GBs)
+        (lambda m: m.update(layers="100000000"), None, "metadata says 100000000 layers; the file holds 11 tensors"),
+        (lambda m: m.update(layers="-3"), None, "metadata says -3 layers"),
+        (None, lambda t: t.pop("layers.1.coeffs"), r"missing \['layers.1.coeffs'\]"),
+        (None, lambda t: t.update({"layers.0.scales": t["layers.0.scales"].float()}), "layers.0.scales is F32"),
+    ],
+)
 def test_bad_sidecars_name_the_problem(sidecar, tmp_path, edit_meta, edit_tensors, message):
     bad = _rewrite(sidecar[0], tmp_path / "bad.safetensors", edit_meta, edit_tensors)
     with pytest.raises(SidecarError, match=message):
         Sidecar(bad)
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda m: m.pop("layers_sha256"), "metadata layers_sha256 is not 2 sha256 digests"),
-    (lambda m: m.update(layers_sha256=m["layers_sha256"].split(",")[0]), "layers_sha256 is not 2 sha256 digests"),
-    (lambda m: m.update(layers_sha256=m["layers_sha256"].upper()), "layers_sha256 is not 2 sha256 digests"),
-    (lambda m: m.update(seed=str(2**64)), r"metadata seed 18446744073709551616 is outside \[-2\^63, 2\^64\)"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda m: m.pop("layers_sha256"), "metadata layers_sha256 is not 2 sha256 digests"),
+        (lambda m: m.update(layers_sha256=m["layers_sha256"].split(",")[0]), "layers_sha256 is not 2 sha256 digests"),
+        (lambda m: m.update(layers_sha256=m["layers_sha256"].upper()), "layers_sha256 is not 2 sha256 digests"),
+        (lambda m: m.update(seed=str(2**64)), r"metadata seed 18446744073709551616 is outside \[-2\^63, 2\^64\)"),
+    ],
+)
 def test_bad_digests_and_seeds_are_refused_on_open(sidecar, tmp_path, edit, message):
     with pytest.raises(SidecarError, match=message):
         Sidecar(_rewrite(sidecar[0], tmp_path / "bad.safetensors", edit))
@@ -226,7 +250,7 @@ def _flip_byte(path: Path, tensor: str, at: int) -> None:
     """XOR one byte of `tensor`'s data in place, as a bad disk or a truncated copy would."""
     raw = bytearray(path.read_bytes())
     n = struct.unpack("<Q", raw[:8])[0]
-    begin = json.loads(raw[8:8 + n])[tensor]["data_offsets"][0]
+    begin = json.loads(raw[8 : 8 + n])[tensor]["data_offsets"][0]
     raw[8 + n + begin + at] ^= 0x10
     path.write_bytes(bytes(raw))
 
@@ -254,12 +278,15 @@ def _restamp(meta: dict, tensors: dict, layers: int) -> None:
     meta["layers_sha256"] = ",".join(digests)
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda t: t["layers.0.codes"].fill_(250), r"layers\.0\.codes holds \d+ byte\(s\) above 242"),
-    (lambda t: t["layers.0.codes"].view(-1)[3].fill_(243), r"layers\.0\.codes holds 1 byte\(s\) above 242"),
-    (lambda t: t["layers.0.scales"].fill_(float("nan")), r"layers\.0\.scales holds NaN or inf"),
-    (lambda t: t["layers.0.coeffs"].view(-1)[5].fill_(float("inf")), r"layers\.0\.coeffs holds NaN or inf"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda t: t["layers.0.codes"].fill_(250), r"layers\.0\.codes holds \d+ byte\(s\) above 242"),
+        (lambda t: t["layers.0.codes"].view(-1)[3].fill_(243), r"layers\.0\.codes holds 1 byte\(s\) above 242"),
+        (lambda t: t["layers.0.scales"].fill_(float("nan")), r"layers\.0\.scales holds NaN or inf"),
+        (lambda t: t["layers.0.coeffs"].view(-1)[5].fill_(float("inf")), r"layers\.0\.coeffs holds NaN or inf"),
+    ],
+)
 def test_invalid_codes_and_non_finite_numbers_are_refused(sidecar, tmp_path, edit, message):
     """Content that no prep writes, even with digests that match it: invalid code bytes (the reader
     would read them as codes), NaN or inf (caught before, only as NaN logits)."""

@@ -120,8 +120,9 @@ def test_recovery_lowers_the_error_at_the_same_k(setup, k):
     assert with_svd < without  # measured: k=16 0.102 -> 0.060, k=48 0.028 -> 0.026
     # teeth: a random rank-32 basis (not the down columns' singular vectors) recovers less
     q = torch.linalg.qr(torch.randn(256, 32, generator=torch.Generator().manual_seed(9)))[0]
-    rand = LayerSidecar(**{**vars(layer), "basis": q.bfloat16(),
-                           "coeffs": torch.einsum("hr,ehi->eir", q, ex.down_proj).bfloat16()})
+    rand = LayerSidecar(
+        **{**vars(layer), "basis": q.bfloat16(), "coeffs": torch.einsum("hr,ehi->eir", q, ex.down_proj).bfloat16()}
+    )
     assert with_svd < rel_err(run(ex, rand, x, index, weights, k=k, rank=32), full)
 
 
@@ -134,5 +135,5 @@ def test_more_budget_less_error(setup):
 def test_each_token_selects_on_its_own(setup):
     ex, layer, x, index, weights, _ = setup
     batched = run(ex, layer, x[:6], index[:6], weights[:6], k=24)
-    alone = torch.cat([run(ex, layer, x[t:t + 1], index[t:t + 1], weights[t:t + 1], k=24) for t in range(6)])
+    alone = torch.cat([run(ex, layer, x[t : t + 1], index[t : t + 1], weights[t : t + 1], k=24) for t in range(6)])
     assert (batched - alone).abs().max() <= 1e-5 * alone.abs().max()

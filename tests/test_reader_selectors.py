@@ -119,9 +119,18 @@ def test_the_reader_selector_is_the_reference_forward_at_each_tokens_k(case):
     for k in ks.unique().tolist():
         rows = ks == k
         for into, kk in ((want, k), (fewer, k - 1)):  # teeth: one channel fewer per token
-            into[rows] = reference.forward(x[rows], index[rows], weights[rows], layer.gate_up, layer.down.mT,
-                                           layer.sidecar, k=kk, scan=layer.settings.scan, rank=layer.settings.rank,
-                                           act_fn=layer.act_fn)
+            into[rows] = reference.forward(
+                x[rows],
+                index[rows],
+                weights[rows],
+                layer.gate_up,
+                layer.down.mT,
+                layer.sidecar,
+                k=kk,
+                scan=layer.settings.scan,
+                rank=layer.settings.rank,
+                act_fn=layer.act_fn,
+            )
     assert rel_err(result.out, want) < 3e-6
     assert rel_err(result.out, fewer) > 1e-4
 

@@ -32,24 +32,25 @@ def case():
 
 def ranks(ex, layer, tp):
     down_rows = ex.down_proj.mT.contiguous()
-    return [(*shard.shard_weights(ex.gate_up_proj, down_rows, tp, r), shard.rank_sidecar(layer, tp, r))
-            for r in range(tp)]
+    return [
+        (*shard.shard_weights(ex.gate_up_proj, down_rows, tp, r), shard.rank_sidecar(layer, tp, r)) for r in range(tp)
+    ]
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_a_shard_is_the_sidecars_rows_in_whole_sectors(case, tp):
     ex, layer, x, index, _ = case
-    whole_codes = unpack_codes(layer.codes)[..., :2 * I]
+    whole_codes = unpack_codes(layer.codes)[..., : 2 * I]
     whole_est = reference.sketch_estimates(x, index, layer, SCAN)
     for r in range(tp):
         part = shard.rank_sidecar(layer, tp, r)
         assert part.codes.shape[-1] % SECTOR == 0  # each strip whole sectors, its rows padded
         codes = unpack_codes(part.codes)
-        assert torch.equal(codes[..., :2 * I // tp], shard.rank_rows(whole_codes, -1, tp, r))
-        assert not codes[..., 2 * I // tp:].any()  # padding rows: zero codes
+        assert torch.equal(codes[..., : 2 * I // tp], shard.rank_rows(whole_codes, -1, tp, r))
+        assert not codes[..., 2 * I // tp :].any()  # padding rows: zero codes
         assert torch.equal(part.scales, shard.rank_rows(layer.scales, -1, tp, r))
-        assert torch.equal(part.down_norms, layer.down_norms[:, r * I // tp:(r + 1) * I // tp])
-        assert torch.equal(part.coeffs, layer.coeffs[:, r * I // tp:(r + 1) * I // tp])
+        assert torch.equal(part.down_norms, layer.down_norms[:, r * I // tp : (r + 1) * I // tp])
+        assert torch.equal(part.coeffs, layer.coeffs[:, r * I // tp : (r + 1) * I // tp])
         assert part.basis is layer.basis  # the layer's whole U on every rank
         # its sketch estimates are the whole sidecar's of its rows
         got = reference.sketch_estimates(x, index, part, SCAN)
@@ -57,7 +58,9 @@ def test_a_shard_is_the_sidecars_rows_in_whole_sectors(case, tp):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     # rank r holds gate channel j = r·I/t + i and up channel I + j: they pair
     gate, up = shard.rank_rows(ex.gate_up_proj, 1, tp, 1).chunk(2, dim=1)
-    assert torch.equal(gate, ex.gate_up_proj[:, I // tp:2 * I // tp]) and torch.equal(up, ex.gate_up_proj[:, I + I // tp:I + 2 * I // tp])
+    assert torch.equal(gate, ex.gate_up_proj[:, I // tp : 2 * I // tp]) and torch.equal(
+        up, ex.gate_up_proj[:, I + I // tp : I + 2 * I // tp]
+    )
 
 
 def test_tp1_is_the_one_rank_reader_bit_for_bit(case):
@@ -95,8 +98,9 @@ def test_the_per_rank_reader_is_the_per_rank_selector(case, tp):
     assert (free.rank_reads.max(1).values > plan).any() and (free.rank_reads.min(1).values < plan).any()
     # every channel of every rank: the full MoE
     full = trained_like.full_moe(ex, x, index, weights)
-    assert (shard.forward_ranks(x, index, weights, shards, k=TOP_K * I // tp, **kw) - full).abs().max() \
-        <= 1e-5 * full.abs().max()
+    assert (
+        shard.forward_ranks(x, index, weights, shards, k=TOP_K * I // tp, **kw) - full
+    ).abs().max() <= 1e-5 * full.abs().max()
 
 
 def test_a_ranks_reads_at_full_size():
@@ -122,8 +126,11 @@ def test_a_budget_below_a_ranks_floor_is_refused_with_it(capsys):
     """The tiny port (hidden 128, I 64) at TP 8: 8 channels per expert and rank; its 16 gate/up rows
     take a whole 32-byte strip, so the sketch alone is 42.19 % of a rank's reads."""
     geo = Geometry(hidden=128, experts=16, top_k=4, intermediate=64)
-    with pytest.raises(BudgetError, match=r"per rank at TP 8 .*below what the reader reads before any exact channel "
-                                          r"\(43\.23%: sketch 42\.19%"):
+    with pytest.raises(
+        BudgetError,
+        match=r"per rank at TP 8 .*below what the reader reads before any exact channel "
+        r"\(43\.23%: sketch 42\.19%",
+    ):
         solve_rank_k(geo, ReaderSettings(rank=0), 17.8, 8)
     assert main(["reads", "--budget", "17.8", "--tp", "8", "--rank", "0"]) == 2
     assert "per rank at TP 8" in capsys.readouterr().err

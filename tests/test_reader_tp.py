@@ -73,8 +73,12 @@ def test_moe_block_on_every_rank_is_the_per_rank_reader(tiny_eager, tp):
     k, scan, rank = 20 // tp, 80, 32
     decode = spec.dispatching(config, spec.CHANNEL_READER)  # what a decode graph built with the reader holds
     module = ParallelMoE(decode, tp, cpu)
-    local = SidecarLayout(Geometry(hidden=config.hidden_size, experts=config.num_experts,
-                                   intermediate=config.moe_intermediate_size // tp), 32)
+    local = SidecarLayout(
+        Geometry(
+            hidden=config.hidden_size, experts=config.num_experts, intermediate=config.moe_intermediate_size // tp
+        ),
+        32,
+    )
     module.experts.reader = reader.ReaderShard(local, tp, k, scan, rank)
     full = block_state(layout.parallel_state_dict(tiny_eager.state_dict(), config, tp))
     full.update({f"experts.reader.{n}": t for n, t in reader.layer_state(parts).items()})
@@ -90,12 +94,24 @@ def test_moe_block_on_every_rank_is_the_per_rank_reader(tiny_eager, tp):
             _, w, idx = hf.router(router_in.reshape(-1, config.hidden_size))
             x = experts_in.reshape(-1, config.hidden_size)
             wants.append(shard.forward_ranks(x, idx, w, ranks, k=k, scan=scan, rank=rank, act_fn=hf.experts.act_fn))
-            every = shard.forward_ranks(x, idx, w, ranks, k=4 * 64 // tp, scan=scan, rank=rank, act_fn=hf.experts.act_fn)
+            every = shard.forward_ranks(
+                x, idx, w, ranks, k=4 * 64 // tp, scan=scan, rank=rank, act_fn=hf.experts.act_fn
+            )
             full = hf.experts(x, idx, w)  # every channel of every rank: HF's experts
             assert (every - full).abs().max() <= 1e-5 * full.abs().max()
             if tp == 1:  # the one-rank reader's path (channel_reader), bit for bit
-                one = reference.forward(x, idx, w, hf.experts.gate_up_proj, down_rows, whole, k=k, scan=scan,
-                                        rank=rank, act_fn=hf.experts.act_fn)
+                one = reference.forward(
+                    x,
+                    idx,
+                    w,
+                    hf.experts.gate_up_proj,
+                    down_rows,
+                    whole,
+                    k=k,
+                    scan=scan,
+                    rank=rank,
+                    act_fn=hf.experts.act_fn,
+                )
                 assert torch.equal(module(router_in, experts_in).view_as(one), one)
     if tp == 1:
         return
@@ -112,8 +128,7 @@ def test_tp1_is_the_one_rank_reader(tiny_port, shards, prompts):
     reader` (HF's model with the one-rank reader): the same tokens, the logits to the fp32 bound."""
     gen = TPGenerator(tiny_port, 1, sidecar=shards, budget=BUDGET, rank=RANK)
     got = gen.generate(*prompts, NEW_TOKENS)
-    want = greedy(reader_model(tiny_port, sidecar=shards / shard.WHOLE, budget=BUDGET, rank=RANK), *prompts,
-                  NEW_TOKENS)
+    want = greedy(reader_model(tiny_port, sidecar=shards / shard.WHOLE, budget=BUDGET, rank=RANK), *prompts, NEW_TOKENS)
     assert gen.reader_k == attach_reader(build_model(tiny_port, "eager"), shards / shard.WHOLE, BUDGET)
     assert torch.equal(got.tokens, want.tokens)
     assert (got.logits - want.logits).abs().max() <= 2e-6 * want.logits.abs().max()
@@ -123,15 +138,26 @@ def test_tp2_artifact_is_the_per_rank_reader_emulated(tiny_port, tiny_eager, sha
     """A `trace-and-compile --reader` dry-run artifact at TP 2 (its rank-0 graphs and per-rank weights,
     loaded back and run on 2 gloo ranks) = the per-rank reader emulated in one process
     (`attach_reader(..., tp=2)`, what eval-reader measures), token for token."""
-    port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(8,), prefill_rows=(1,),
-                                                                     prefill_chunk=8))
-    out = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, logits=True,
-                               reader=Reader(sidecar=shards, budget=BUDGET, rank=RANK))
-    programs = {f"a/{name}": torch.export.load(tmp_path / "art" / na.GRAPHS.format(key=key))
-                for name, key in (("prefill 8", "context_encoding_1x8"), ("decode", "token_generation"))}
+    port = dataclasses.replace(
+        tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(8,), prefill_rows=(1,), prefill_chunk=8)
+    )
+    out = nc.trace_and_compile(
+        port,
+        "fp32",
+        2,
+        tmp_path / "art",
+        dry_run=True,
+        logits=True,
+        reader=Reader(sidecar=shards, budget=BUDGET, rank=RANK),
+    )
+    programs = {
+        f"a/{name}": torch.export.load(tmp_path / "art" / na.GRAPHS.format(key=key))
+        for name, key in (("prefill 8", "context_encoding_1x8"), ("decode", "token_generation"))
+    }
     weights = [load_file(tmp_path / "art" / na.WEIGHTS.format(rank=r)) for r in range(2)]
-    tokens, logits = run_replicated(programs, {k: weights for k in programs}, generation_job,
-                                    [("a", 2, 0, [(*prompts, NEW_TOKENS)])])[0]["a"]
+    tokens, logits = run_replicated(
+        programs, {k: weights for k in programs}, generation_job, [("a", 2, 0, [(*prompts, NEW_TOKENS)])]
+    )[0]["a"]
     emulated = build_model(tiny_port, "eager")
     k = attach_reader(emulated, shards / shard.WHOLE, BUDGET, tp=2)
     want = greedy(emulated, *prompts, NEW_TOKENS)
@@ -144,7 +170,9 @@ def test_tp2_artifact_is_the_per_rank_reader_emulated(tiny_port, tiny_eager, sha
     assert data_dependent_ops(decode) == []
     sig = decode.graph_signature
     cache = {s.target for s in sig.input_specs if (s.target or "").startswith("cache.")}
-    assert cache and set(sig.buffers_to_mutate.values()) == cache and len(sig.user_inputs) == 3  # ids, positions, sampling
+    assert (
+        cache and set(sig.buffers_to_mutate.values()) == cache and len(sig.user_inputs) == 3
+    )  # ids, positions, sampling
     assert _reads(decode, "experts.reader.codes") and not _reads(prefill, "experts.reader.codes")
     # every rank's weights hold its own shard
     for r in range(2):
@@ -178,8 +206,9 @@ def test_neuron_path_writes_each_ranks_shard(tiny_port, shards, tmp_path, monkey
     monkeypatch.setattr(nxd, "sdk_available", lambda: True)
     monkeypatch.setattr(nxd, "trace_keys", trace_keys)
     monkeypatch.setattr(nxd, "shard_checkpoint", shard_checkpoint)
-    nc.trace_and_compile(tiny_port, "bf16", 2, tmp_path / "out", dry_run=False,
-                         reader=Reader(sidecar=shards, budget=BUDGET))
+    nc.trace_and_compile(
+        tiny_port, "bf16", 2, tmp_path / "out", dry_run=False, reader=Reader(sidecar=shards, budget=BUDGET)
+    )
     name = "model.model.layers.3.experts.reader.coeffs"
     mine = [Sidecar(shards / shard.shard_name(2, r)).layer(3).coeffs for r in range(2)]
     assert seen["checkpoint"][name].shape == mine[0].shape
@@ -190,6 +219,7 @@ def test_neuron_path_writes_each_ranks_shard(tiny_port, shards, tmp_path, monkey
 
 
 # ---- bad input ----
+
 
 def _copy(src, dst, text=None):
     shutil.copy(src, dst)
@@ -208,8 +238,11 @@ def test_a_shard_for_another_tp_rank_layout_or_model_is_refused(tiny_port, shard
     _copy(shards / "tp2-rank1.safetensors", tmp_path / "tp2-rank0.safetensors")
     with pytest.raises(SidecarError, match="holds rank 1's channels, loaded on rank 0"):
         shard.open_shard(tmp_path, 2, 0, config)
-    _copy(shards / "tp2-rank0.safetensors", tmp_path / "tp2-rank0.safetensors",
-          (b'"expert_layout":"channel"', b'"expert_layout":"expert" '))
+    _copy(
+        shards / "tp2-rank0.safetensors",
+        tmp_path / "tp2-rank0.safetensors",
+        (b'"expert_layout":"channel"', b'"expert_layout":"expert" '),
+    )
     with pytest.raises(SidecarError, match="a shard of the 'expert' expert layout, used with the 'channel' layout"):
         shard.open_shard(tmp_path, 2, 0, config)
     with pytest.raises(SidecarError, match=r"no reader shard for rank 0 at TP 8 \(the directory holds tp2-rank0"):
@@ -232,21 +265,27 @@ def test_a_byte_flipped_shard_is_refused_by_name(tiny_port, shards, tmp_path):
     bad = tmp_path / "tp2-rank1.safetensors"
     raw = bytearray(bad.read_bytes())
     n = int.from_bytes(raw[:8], "little")
-    begin = json.loads(raw[8:8 + n])["layers.2.codes"]["data_offsets"][0]
+    begin = json.loads(raw[8 : 8 + n])["layers.2.codes"]["data_offsets"][0]
     raw[8 + n + begin + 5] ^= 0x01
     bad.write_bytes(bytes(raw))
     with pytest.raises(SidecarError, match=r"tp2-rank1\.safetensors: layer 2's tensors do not match their sha256"):
         TPGenerator(tiny_port, 2, sidecar=tmp_path, budget=BUDGET)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--budget", "17.8", "--rank", "32"], r"per rank at TP 8 .* budget 17.8% is below what the reader reads "
-                                           r"before any exact channel \(84\.90%: sketch 42\.19%, norms 1\.04%, "
-                                           r"recovery 41\.67%\)"),
-    (["--budget", "17.8"], r"per rank at TP 8 .* \(43\.23%: sketch 42\.19%, norms 1\.04%\)"),  # the port's rank 0
-    (["--budget", "60", "--reader-backend", "nki"], "no --reader-kernel"),  # the old name still parses
-    (["--budget", "60", "--expert-layout", "expert"], "the reader runs on the 'channel' expert layout"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--budget", "17.8", "--rank", "32"],
+            r"per rank at TP 8 .* budget 17.8% is below what the reader reads "
+            r"before any exact channel \(84\.90%: sketch 42\.19%, norms 1\.04%, "
+            r"recovery 41\.67%\)",
+        ),
+        (["--budget", "17.8"], r"per rank at TP 8 .* \(43\.23%: sketch 42\.19%, norms 1\.04%\)"),  # the port's rank 0
+        (["--budget", "60", "--reader-backend", "nki"], "no --reader-kernel"),  # the old name still parses
+        (["--budget", "60", "--expert-layout", "expert"], "the reader runs on the 'channel' expert layout"),
+    ],
+)
 def test_validate_tp8_reader_refuses_before_running(shards, capsys, flags, message):
     assert main(["validate", "--backend", "tp8", "--sidecar", str(shards), *flags]) == 2
     err = capsys.readouterr().err
@@ -259,8 +298,15 @@ def test_int8_experts_with_the_reader_are_refused(tiny_port, shards):
         TPGenerator(tiny_port, 2, int8=True, sidecar=shards, budget=BUDGET)
 
 
-_VIEWS = {"aten.mT.default", "aten.alias.default", "aten.t.default", "aten.transpose.int", "aten.permute.default",
-          "aten.slice.Tensor", "aten.view.default"}
+_VIEWS = {
+    "aten.mT.default",
+    "aten.alias.default",
+    "aten.t.default",
+    "aten.transpose.int",
+    "aten.permute.default",
+    "aten.slice.Tensor",
+    "aten.view.default",
+}
 _GATHERS = {"aten.index.Tensor", "aten.index_select.default"}
 
 
@@ -302,8 +348,9 @@ def test_full_size_decode_graph_with_the_reader_reads_its_plan():
     from neuron_moe.static.decoder import new_cache
 
     port = load_port("gemma4-26b-a4b")
-    config = gemma4_moe_config(dict(port.raw["config"], num_hidden_layers=2,
-                                    layer_types=["sliding_attention", "full_attention"]), "two layers")
+    config = gemma4_moe_config(
+        dict(port.raw["config"], num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]), "two layers"
+    )
     module = rank_model(config, 8, cpu, device="meta", dtype=torch.bfloat16)
     reader.attach(module, SidecarLayout(Geometry(hidden=2816, experts=128, intermediate=88), 32), 8, 55, 80, 32)
     static = dataclasses.replace(port.static, decode_experts=spec.CHANNEL_READER.name)
@@ -323,12 +370,16 @@ def test_prep_reader_tp_cli(shards, tmp_path, capsys):
     whole = shards / shard.WHOLE
     assert main(["prep-reader", "--tp", "4", "--from", str(whole), "--out", str(tmp_path), "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["tp"] == 4 and sorted(p.name for p in tmp_path.iterdir()) == [f"tp4-rank{r}.safetensors" for r in range(4)]
+    assert report["tp"] == 4 and sorted(p.name for p in tmp_path.iterdir()) == [
+        f"tp4-rank{r}.safetensors" for r in range(4)
+    ]
     for r in range(4):  # the same bytes as the fixture's shards
         assert (tmp_path / shard.shard_name(4, r)).read_bytes() == (shards / shard.shard_name(4, r)).read_bytes()
     assert main(["prep-reader", "--from", str(whole), "--out", str(tmp_path / "x")]) == 2
     assert "--from shards an existing sidecar: it needs --tp" in capsys.readouterr().err
-    assert main(["prep-reader", "--tp", "2", "--from", str(shards / "tp2-rank0.safetensors"), "--out", str(tmp_path)]) == 2
+    assert (
+        main(["prep-reader", "--tp", "2", "--from", str(shards / "tp2-rank0.safetensors"), "--out", str(tmp_path)]) == 2
+    )
     assert "already a TP shard (rank 0 of 2)" in capsys.readouterr().err
 
 
@@ -337,16 +388,21 @@ def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
     from neuron_moe.port import load_port
 
     port = load_port("gemma4-26b-a4b")
-    report = nc.trace_and_compile(port, "bf16", 8, tmp_path / "big", dry_run=True, export=False,
-                                  reader=Reader(budget=17.8))
+    report = nc.trace_and_compile(
+        port, "bf16", 8, tmp_path / "big", dry_run=True, export=False, reader=Reader(budget=17.8)
+    )
     assert report["reader"] == {"budget": 17.8, "k_per_rank": 55, "scan": 80, "rank": 32, "source_sha256": None}
     plan = json.loads((tmp_path / "big" / na.SHARD_PLAN).read_text())
     codes = plan["model.layers.7.experts.reader.codes"]
-    assert (codes["placement"], codes["full_shape"], codes["rank_shape"]) == \
-        ("reader_shard", [8 * 128, 22, 128, 64], [128, 22, 128, 64])
+    assert (codes["placement"], codes["full_shape"], codes["rank_shape"]) == (
+        "reader_shard",
+        [8 * 128, 22, 128, 64],
+        [128, 22, 128, 64],
+    )
     assert plan["model.layers.7.experts.reader.basis"]["placement"] == "replicated"
     with pytest.raises(na.ArtifactError, match="has no weights here: --reader builds shapes only"):
-        nc.trace_and_compile(port, "bf16", 8, tmp_path / "b2", dry_run=True, export=False,
-                             reader=Reader(budget=17.8, sidecar=tmp_path))
+        nc.trace_and_compile(
+            port, "bf16", 8, tmp_path / "b2", dry_run=True, export=False, reader=Reader(budget=17.8, sidecar=tmp_path)
+        )
     with pytest.raises(Exception, match=r"per rank at TP 8 .*below what the reader reads"):
         nc.trace_and_compile(port, "bf16", 8, tmp_path / "b3", dry_run=True, export=False, reader=Reader(budget=9))

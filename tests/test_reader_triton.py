@@ -41,8 +41,9 @@ def close(got, want, rtol=1e-3):
 class Case:
     """One layer, its sidecar, tokens and routing; `dtype` is that of the weights and tokens."""
 
-    def __init__(self, experts, inter, hidden, tokens, top_k, k, scan, rank, act="gelu_pytorch_tanh", seed=0,
-                 dtype=torch.float32):
+    def __init__(
+        self, experts, inter, hidden, tokens, top_k, k, scan, rank, act="gelu_pytorch_tanh", seed=0, dtype=torch.float32
+    ):
         self.ex = trained_like.experts(num_experts=experts, inter=inter, hidden=hidden, seed=seed)
         signs = random_signs(padded(hidden, BLOCK), seed)
         self.layer = LayerSidecar.from_tensors(prep_layer(self.ex.gate_up_proj, self.ex.down_proj, signs, rank), signs)
@@ -111,8 +112,9 @@ def test_select_matches_the_reference(case, variant):
     chosen, p = reference.select(est, case.index, case.weights, case.layer.down_norms, case.k, case.act_fn)
     inter = est.shape[-1] // 2
     expert, channel, weight = reference.chosen_rows(chosen, case.index, case.weights, inter)
-    got = SELECTORS[variant](est, case.index, case.weights, case.layer.down_norms, case.k,
-                             triton_reader.activation(case.act_fn))
+    got = SELECTORS[variant](
+        est, case.index, case.weights, case.layer.down_norms, case.k, triton_reader.activation(case.act_fn)
+    )
     for t in range(est.shape[0]):
         want_rows = sorted(zip(expert[t].tolist(), channel[t].tolist(), weight[t].tolist()))
         got_rows = sorted(zip(got[0][t].tolist(), got[1][t].tolist(), got[2][t].tolist()))
@@ -164,14 +166,31 @@ def test_select_never_writes_past_k_when_scores_are_nan(variant):
     est = torch.ones(1, ke, 2 * inter)
     est[0, :, :inter] = float("nan")  # every ĝ: every score NaN
     index, weights = torch.tensor([[0, 1]]), torch.full((1, ke), 0.5)
-    out = {name: torch.full((k + guard,), -7, dtype=dtype) for name, dtype in
-           (("expert", torch.int32), ("channel", torch.int32), ("weight", torch.float32))}
+    out = {
+        name: torch.full((k + guard,), -7, dtype=dtype)
+        for name, dtype in (("expert", torch.int32), ("channel", torch.int32), ("weight", torch.float32))
+    }
     q = torch.empty(1, ke, inter)
     v = triton_reader.SELECT_VARIANTS[variant]
-    kernels.select_kernel[(1,)](est, index, weights, torch.ones(ke, inter), out["expert"], out["channel"],
-                                out["weight"], q, ke, inter, k, ACT=kernels.SILU, HAS_RECOVERY=True, N_P2=32,
-                                SEARCH=v.get("search", kernels.BISECT), RADIX_BITS=v.get("radix_bits", 8),
-                                PLACE=v.get("place", kernels.TWO_SCANS))
+    kernels.select_kernel[(1,)](
+        est,
+        index,
+        weights,
+        torch.ones(ke, inter),
+        out["expert"],
+        out["channel"],
+        out["weight"],
+        q,
+        ke,
+        inter,
+        k,
+        ACT=kernels.SILU,
+        HAS_RECOVERY=True,
+        N_P2=32,
+        SEARCH=v.get("search", kernels.BISECT),
+        RADIX_BITS=v.get("radix_bits", 8),
+        PLACE=v.get("place", kernels.TWO_SCANS),
+    )
     for name, buf in out.items():
         assert (buf[k:] == -7).all(), name  # the guard past the row is untouched
         assert (buf[:k] != -7).all(), name  # and the row is written
@@ -182,8 +201,9 @@ def test_persistent_select_takes_exactly_k_when_scores_are_nan():
     """The pivot's first digit of a NaN score is that of +inf: more than k of them still give k channels."""
     est = torch.ones(1, 2, 32)
     est[0, :, :16] = float("nan")
-    expert, channel, _, _ = SELECTORS["persistent"](est, torch.tensor([[0, 1]]), torch.full((1, 2), 0.5),
-                                                    torch.ones(2, 16), 5, kernels.SILU)
+    expert, channel, _, _ = SELECTORS["persistent"](
+        est, torch.tensor([[0, 1]]), torch.full((1, 2), 0.5), torch.ones(2, 16), 5, kernels.SILU
+    )
     assert len(set(zip(expert[0].tolist(), channel[0].tolist()))) == 5
 
 
@@ -192,8 +212,9 @@ def test_one_scan_placement_refuses_more_channels_than_its_packing_holds():
     before a launch (the kernel's static_assert would be a compile error)."""
     est, index = torch.zeros(1, 8, 2 * 4097), torch.arange(8)[None]
     with pytest.raises(UserError, match="one-scan placement packs two counts of up to 65536"):
-        triton_reader.select(est, index, torch.full((1, 8), 0.125), torch.ones(8, 4097), 10, kernels.SILU,
-                             place=kernels.ONE_SCAN)
+        triton_reader.select(
+            est, index, torch.full((1, 8), 0.125), torch.ones(8, 4097), 10, kernels.SILU, place=kernels.ONE_SCAN
+        )
 
 
 def test_screen_matches_the_reference(case):
@@ -219,8 +240,8 @@ def test_recover_matches_the_reference(case):
     estimates = reference.sketch_estimates(case.x.float(), case.index, case.layer, case.scan)
     chosen, p = reference.select(estimates, case.index, case.weights, case.layer.down_norms, case.k, case.act_fn)
     unchosen = reference.unchosen_weights(p, chosen, case.weights)
-    z = triton_reader.recover(unchosen, case.index, case.layer.coeffs, case.rank)[:, :case.rank]
-    close(z, torch.einsum("tki,tkir->tr", unchosen, case.layer.coeffs[case.index][..., :case.rank].float()))
+    z = triton_reader.recover(unchosen, case.index, case.layer.coeffs, case.rank)[:, : case.rank]
+    close(z, torch.einsum("tki,tkir->tr", unchosen, case.layer.coeffs[case.index][..., : case.rank].float()))
     got, want = case.run(triton_reader.forward), case.run(reference.forward)
     close(got, want)
     recovery = want - case.run(reference.forward, rank=0)
@@ -265,8 +286,9 @@ def test_a_wait_that_cannot_be_met_counts_a_fault_instead_of_hanging(monkeypatch
 
     monkeypatch.setattr(persistent, "_launch", screen_never_runs)
     before = persistent.faults("cpu")
-    persistent.select(torch.randn(1, 2, 32), torch.tensor([[0, 1]]), torch.full((1, 2), 0.5), torch.ones(2, 16), 5,
-                      kernels.SILU)
+    persistent.select(
+        torch.randn(1, 2, 32), torch.tensor([[0, 1]]), torch.full((1, 2), 0.5), torch.ones(2, 16), 5, kernels.SILU
+    )
     assert persistent.faults("cpu") == before + 1  # the pivot's one wait (the place programs' is met)
 
 
@@ -279,8 +301,9 @@ def test_relaxed_reductions_give_the_reference_output(starved):
 
 def test_an_expert_with_no_selected_channel(starved):
     estimates = reference.sketch_estimates(starved.x, starved.index, starved.layer, starved.scan)
-    chosen, _ = reference.select(estimates, starved.index, starved.weights, starved.layer.down_norms, starved.k,
-                                 starved.act_fn)
+    chosen, _ = reference.select(
+        estimates, starved.index, starved.weights, starved.layer.down_norms, starved.k, starved.act_fn
+    )
     slots = (chosen // 100).flatten().tolist()
     assert 2 not in slots and {0, 1} <= set(slots)  # the case the other tests run is the one named
     close(starved.run(triton_reader.forward), starved.run(reference.forward))
@@ -302,8 +325,9 @@ def test_down_split_shares_sum_to_the_same_rows(odd, split):
     expert = odd.index.gather(1, torch.randint(0, 2, (3, 30), generator=gen))
     channel = torch.randint(0, 40, (3, 30), generator=gen)
     gu, weight = torch.randn(3, 30, 2, generator=gen), torch.rand(3, 30, generator=gen)
-    got = triton_reader.down(gu, weight, expert, channel, odd.down_rows, triton_reader.activation(odd.act_fn),
-                             split=split)
+    got = triton_reader.down(
+        gu, weight, expert, channel, odd.down_rows, triton_reader.activation(odd.act_fn), split=split
+    )
     coef = weight * odd.act_fn(gu[..., 0]) * gu[..., 1]
     close(got, torch.einsum("tk,tkh->th", coef, odd.down_rows[expert, channel]))
 
@@ -311,8 +335,9 @@ def test_down_split_shares_sum_to_the_same_rows(odd, split):
 def test_bf16_weights():
     """bf16 weights, sidecar and tokens, batch 8: every load converted to fp32 in the kernels; the
     output is the reference's to bf16 rounding."""
-    case = Case(experts=4, inter=40, hidden=200, tokens=8, top_k=2, k=30, scan=48, rank=16, seed=2,
-                dtype=torch.bfloat16)
+    case = Case(
+        experts=4, inter=40, hidden=200, tokens=8, top_k=2, k=30, scan=48, rank=16, seed=2, dtype=torch.bfloat16
+    )
     got, want = case.run(triton_reader.forward), case.run(reference.forward)
     assert got.dtype == torch.bfloat16
     close(got, want, rtol=2**-7)

@@ -35,8 +35,14 @@ def recipe(tmp_path):
     calls = tmp_path / "calls.jsonl"
 
     def run(*steps, **env):
-        environ = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "CALLS": str(calls),
-                   "ARTIFACTS": str(tmp_path / "artifacts"), "HF_HOME": str(tmp_path / "hf"), **env}
+        environ = {
+            **os.environ,
+            "PATH": f"{stubs}:{os.environ['PATH']}",
+            "CALLS": str(calls),
+            "ARTIFACTS": str(tmp_path / "artifacts"),
+            "HF_HOME": str(tmp_path / "hf"),
+            **env,
+        }
         environ.pop("HF_TOKEN", None)
         done = subprocess.run(["bash", str(RECIPE), *steps], env=environ, capture_output=True, text=True, timeout=60)
         return done, [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
@@ -56,12 +62,18 @@ def test_it_builds_the_image_and_runs_every_step_in_it(recipe, tmp_path):
     assert all(str(REPO) not in " ".join(c) for c in runs)  # the image's own package, no checkout mounted
     assert all("neuron-moe:neuron" in c for c in runs)
     plan, compile_, serve = runs
-    assert plan[plan.index("--entrypoint") + 1:][:2] == ["neuron-moe", "neuron-moe:neuron"] and "plan" in plan
+    assert plan[plan.index("--entrypoint") + 1 :][:2] == ["neuron-moe", "neuron-moe:neuron"] and "plan" in plan
     assert compile_[compile_.index("--checkpoint") + 1] == "google/gemma-4-26B-A4B-it"  # a Hub id, into HF_HOME
     assert f"{tmp_path / 'hf'}:/hf" in compile_ and "HF_HOME=/hf" in compile_
     # the server: the image's entrypoint on the bf16 artifact alone (no checkpoint: the artifact has its tokenizer)
-    assert serve[serve.index("neuron-moe:neuron") + 1:] == ["--model", "gemma4-26b-a4b", "--backend", "neuron",
-                                                            "--artifacts", "/artifacts/gemma4-26b-a4b-bf16-tp8"]
+    assert serve[serve.index("neuron-moe:neuron") + 1 :] == [
+        "--model",
+        "gemma4-26b-a4b",
+        "--backend",
+        "neuron",
+        "--artifacts",
+        "/artifacts/gemma4-26b-a4b-bf16-tp8",
+    ]
     assert ["rm", "-f", "neuron-moe-serve"] in calls
     assert calls.index(["rm", "-f", "neuron-moe-serve"]) < calls.index(serve)
     assert serve[serve.index("--name") + 1] == "neuron-moe-serve" and "-d" in serve

@@ -15,7 +15,6 @@ from neuron_moe import cli
 from neuron_moe.report import OutputError, atomic_dir, atomic_write, file_digest, write_json
 
 
-
 @pytest.fixture
 def restore_umask():
     old = os.umask(0o022)
@@ -35,6 +34,7 @@ def test_write_json_gives_the_file_the_umask_mode(tmp_path, restore_umask, mask,
 
 
 # ---- outputs that are not plain new files (issue 26, item 1) -----------------------------------------
+
 
 def test_a_symlink_is_written_through_not_replaced(tmp_path):
     target = tmp_path / "results" / "r.json"
@@ -78,6 +78,7 @@ def test_a_directory_and_a_seeking_writer_on_a_stream_are_refused(tmp_path, caps
 
 # ---- JSON the project writes is JSON (item 4) --------------------------------------------------------
 
+
 def test_non_finite_numbers_are_written_as_null(tmp_path):
     out = tmp_path / "r.json"
     write_json({"delta": float("nan"), "rows": [float("inf"), -float("inf"), 1.5]}, str(out))
@@ -87,17 +88,21 @@ def test_non_finite_numbers_are_written_as_null(tmp_path):
 
 # ---- output paths checked before the work, one error line after it (item 10) ---------------------------
 
+
 def assert_one_error_line(err: str, message: str) -> None:
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("dest,message", [
-    ("{tmp}/file/r.json", "is not a directory, so"),  # a parent that is a file
-    ("{tmp}/file/deeper/r.json", "is not a directory, so"),
-    ("{tmp}", "is a directory; give a file name"),
-    ("{tmp}/dangling/r.json", "dangling symbolic link"),
-])
+@pytest.mark.parametrize(
+    "dest,message",
+    [
+        ("{tmp}/file/r.json", "is not a directory, so"),  # a parent that is a file
+        ("{tmp}/file/deeper/r.json", "is not a directory, so"),
+        ("{tmp}", "is a directory; give a file name"),
+        ("{tmp}/dangling/r.json", "dangling symbolic link"),
+    ],
+)
 def test_bad_json_destinations_fail_before_the_work(tmp_path, capsys, monkeypatch, dest, message):
     (tmp_path / "file").write_text("x")
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")

@@ -59,8 +59,9 @@ def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> float:
     obs, exp = obs[keep], exp[keep]
     stat = float(((obs - exp) ** 2 / exp).sum())
     dof = len(obs) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 # temperature alone; nuclei of 34 and 2 tokens; top-k; top-k and top-p; top-k near the cap, then top-p
@@ -122,7 +123,7 @@ def test_greedy_is_the_argmax_and_rows_do_not_see_each_other():
     rows = torch.tensor([[0.0, 0, 1.0, 0.5], [1e-300, 0, 1.0, 0.9], [0.9, 0, 0.95, 0.3], [1.5, 20, 1.0, 0.7]] * 16)
     rows[:, 3] = torch.rand(64, generator=gen)
     together = pick(logits, rows)[:, 0]
-    alone = torch.cat([pick(logits[i:i + 1], rows[i:i + 1])[:, 0] for i in range(64)])
+    alone = torch.cat([pick(logits[i : i + 1], rows[i : i + 1])[:, 0] for i in range(64)])
     assert torch.equal(together, alone)  # a row's token depends on its own logits and draw only
     greedy = rows[:, 0] < 1e-5
     assert torch.equal(together[greedy], logits[greedy].argmax(-1))

@@ -28,6 +28,7 @@ def test_fp32_logits_match_eager_over_prefill_and_32_decode_steps(tiny_port):
 
 def test_a_wrong_gather_is_caught(tiny_port):
     """Pairing each token's weights with the wrong expert (top-k order reversed) fails the tolerance."""
+
     def misrouted(self, hidden_states, top_k_index, top_k_weights):
         return gather_forward(self, hidden_states, top_k_index.flip(-1), top_k_weights)
 
@@ -47,9 +48,12 @@ def test_selective_block_exports_with_fixed_shapes_and_gathers_k_slices(tiny_por
     gathers = [n for n in ep.graph.nodes if str(n.target) == "aten.index_select.default"]
     c = tiny_port.config
     # gate_up and down, each [T*k] slices of one expert: never all E experts
-    assert sorted(tuple(n.meta["val"].shape) for n in gathers) == sorted([
-        (2 * c.top_k_experts, 2 * c.moe_intermediate_size, c.hidden_size),
-        (2 * c.top_k_experts, c.hidden_size, c.moe_intermediate_size)])
+    assert sorted(tuple(n.meta["val"].shape) for n in gathers) == sorted(
+        [
+            (2 * c.top_k_experts, 2 * c.moe_intermediate_size, c.hidden_size),
+            (2 * c.top_k_experts, c.hidden_size, c.moe_intermediate_size),
+        ]
+    )
     with torch.no_grad():
         assert (ep.module()(x) - block(x)).abs().max() <= 1e-6
 

@@ -198,9 +198,14 @@ def test_greedy_beside_seven_others_with_batched_and_chunked_prefill_is_hf_eager
     assert sum(len(c) for c in prefills) == sum(-(-len(p) // 8) for p in EIGHT)  # every chunk once
     # the 80-token prompt's ten chunks (starts 0, 8, ..., 72) run with decode steps of the rows
     # already generating between them
-    long = [i for i, (kind, chunks) in enumerate(log) if kind == "prefill"
-            for row, start, n in chunks if start + n == 80 or (start > 0 and start % 8 == 0 and start < 72 and n == 8)]
-    assert len(long) >= 9 and sum(kind == "decode" for kind, _ in log[long[0]:long[-1]]) >= 5
+    long = [
+        i
+        for i, (kind, chunks) in enumerate(log)
+        if kind == "prefill"
+        for row, start, n in chunks
+        if start + n == 80 or (start > 0 and start % 8 == 0 and start < 72 and n == 8)
+    ]
+    assert len(long) >= 9 and sum(kind == "decode" for kind, _ in log[long[0] : long[-1]]) >= 5
 
 
 def test_chunked_prefill_is_the_unchunked_prefill(tiny_port, static_model, tiny_eager):
@@ -208,22 +213,28 @@ def test_chunked_prefill_is_the_unchunked_prefill(tiny_port, static_model, tiny_
     prompts = random_prompts(2048, [56, 41, 17], seed=8)
     out = {}
     for chunk in (56, 8):
-        engine = BatchEngine(static_runtime(static_model, tiny_port.static, batch=4, prefill_rows=(1, 4), chunk=chunk),
-                             IdTokenizer(), set())
+        engine = BatchEngine(
+            static_runtime(static_model, tiny_port.static, batch=4, prefill_rows=(1, 4), chunk=chunk),
+            IdTokenizer(),
+            set(),
+        )
         try:
-            out[chunk] = [s.steps for s in serve_together(engine, [(p, SamplingParams(10, temperature=0.0))
-                                                                   for p in prompts])]
+            out[chunk] = [
+                s.steps for s in serve_together(engine, [(p, SamplingParams(10, temperature=0.0)) for p in prompts])
+            ]
         finally:
             engine.close()
     assert out[8] == out[56]
-    assert [tokens_of(s) for s in out[8]] == [greedy(tiny_eager, *left_pad([p], 0), 10).tokens[0].tolist()
-                                              for p in prompts]
+    assert [tokens_of(s) for s in out[8]] == [
+        greedy(tiny_eager, *left_pad([p], 0), 10).tokens[0].tolist() for p in prompts
+    ]
 
 
 def test_seeded_sampled_requests_are_the_same_alone_and_beside_seven_others(eight_rows):
     engine, _ = eight_rows
-    sampled = [(EIGHT[i], SamplingParams(10, temperature=0.8, top_p=0.9, top_k=40 * (i % 2), seed=50 + i))
-               for i in range(4)]
+    sampled = [
+        (EIGHT[i], SamplingParams(10, temperature=0.8, top_p=0.9, top_k=40 * (i % 2), seed=50 + i)) for i in range(4)
+    ]
     greedy_rows = [(EIGHT[i], SamplingParams(EIGHT_TOKENS[i], temperature=0.0)) for i in range(4, 8)]
     together = serve_together(engine, [*sampled, *greedy_rows])
     for (prompt, params), sink in zip(sampled, together):

@@ -8,8 +8,16 @@ from hypothesis import strategies as st
 
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
-from neuron_moe.serve.engine import (Engine, GenerationError, HFBackend, Output, RequestError, SamplingParams,
-                                     held_back, sample)
+from neuron_moe.serve.engine import (
+    Engine,
+    GenerationError,
+    HFBackend,
+    Output,
+    RequestError,
+    SamplingParams,
+    held_back,
+    sample,
+)
 from neuron_moe.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()
@@ -58,6 +66,7 @@ def run(engine, max_tokens=64, prompt=(2, 50), **kw):
 
 
 # ---- text handed out step by step ---------------------------------------------------------------
+
 
 def test_stop_sequence_cuts_the_text_and_is_never_sent():
     steps = run(scripted_engine("The answer is 42. Done"), stop=("42.",))
@@ -116,7 +125,7 @@ def expected_output(tokenizer, n: int, stops) -> tuple[str, str]:
         text = tokenizer.decode(range(i)).rstrip("\ufffd")
         cuts = [j for j in (text.find(s) for s in stops) if j >= 0]
         if cuts:
-            return text[:min(cuts)], "stop"
+            return text[: min(cuts)], "stop"
     return tokenizer.decode(range(n)), "length"
 
 
@@ -131,8 +140,9 @@ def split_texts(draw):
     data = text.encode()
     cuts = sorted(draw(st.sets(st.integers(1, len(data) - 1), max_size=len(data) - 1))) if len(data) > 1 else []
     chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
-    pieces = st.integers(0, len(text) - 1).flatmap(lambda a: st.integers(a + 1, min(len(text), a + 4)).map(
-        lambda b: text[a:b]))
+    pieces = st.integers(0, len(text) - 1).flatmap(
+        lambda a: st.integers(a + 1, min(len(text), a + 4)).map(lambda b: text[a:b])
+    )
     stops = draw(st.lists(pieces | st.text(ALPHABET, min_size=1, max_size=3), min_size=1, max_size=4))
     return chunks, tuple(stops)
 
@@ -186,6 +196,7 @@ def test_non_finite_logits_fail_the_request_not_answer_it(tiny_port):
 
 
 # ---- sampling ------------------------------------------------------------------------------------
+
 
 def test_a_vanishing_temperature_or_top_p_samples_the_top_token():
     """Found by tests/test_fuzz.py: a schema-valid temperature of 1e-300 overflowed logits / T to inf
@@ -246,9 +257,9 @@ def test_token_budget(tiny_engine):
 
 # ---- chat prompts --------------------------------------------------------------------------------
 
+
 def test_fallback_chat_template_without_one_in_the_tokenizer():
-    ids, stops = render_chat(BYTES, [{"role": "developer", "content": "Be brief."},
-                                     {"role": "user", "content": "Hi"}])
+    ids, stops = render_chat(BYTES, [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert BYTES.decode(ids) == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
     assert ids[0] == BYTES.bos_token_id and stops == (FALLBACK_STOP,)
 
@@ -260,14 +271,30 @@ def test_the_tokenizers_chat_template_is_used_when_it_has_one(tmp_path):
     words = ["<pad>", "<eos>", "<bos>", "<unk>", "<turn>", "<end>", "system", "user", "assistant", "Hi", "Be", "brief"]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                  unk_token="<unk>")
-    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
-                         "{% endfor %}{% if add_generation_prompt %}<turn> assistant {% endif %}")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] }} <end> "
+        "{% endfor %}{% if add_generation_prompt %}<turn> assistant {% endif %}"
+    )
     tok.save_pretrained(tmp_path)
 
-    ids, stops = render_chat(HFTokenizer(tmp_path), [{"role": "developer", "content": "Be brief"},
-                                                     {"role": "user", "content": "Hi"}])
-    assert [words[i] for i in ids] == ["<bos>", "<turn>", "system", "Be", "brief", "<end>",
-                                       "<turn>", "user", "Hi", "<end>", "<turn>", "assistant"]  # one BOS
+    ids, stops = render_chat(
+        HFTokenizer(tmp_path), [{"role": "developer", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
+    )
+    assert [words[i] for i in ids] == [
+        "<bos>",
+        "<turn>",
+        "system",
+        "Be",
+        "brief",
+        "<end>",
+        "<turn>",
+        "user",
+        "Hi",
+        "<end>",
+        "<turn>",
+        "assistant",
+    ]  # one BOS
     assert stops == ()

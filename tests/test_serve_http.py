@@ -159,16 +159,21 @@ def assert_openai_error(response, status, param=None, code=None):
 
 # ---- what a client gets when all is well -----------------------------------------------------------
 
+
 def test_chat_completion_validates_and_is_the_engines_output(url, engine):
-    raw = client(url).chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=10,
-                                                                temperature=0)
+    raw = client(url).chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT, max_tokens=10, temperature=0
+    )
     completion = ChatCompletion.model_validate(raw.http_response.json())
     ids, stops = render_chat(engine.tokenizer, CHAT)
     steps = list(engine.generate(ids, SamplingParams(10, temperature=0.0, stop=stops)))
     choice = completion.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == "".join(s.text for s in steps)
     assert choice.finish_reason == steps[-1].finish_reason
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (len(ids), steps[-1].completion_tokens)
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (
+        len(ids),
+        steps[-1].completion_tokens,
+    )
     assert completion.id.startswith("chatcmpl-") and completion.model == MODEL
 
 
@@ -184,11 +189,13 @@ def test_streamed_chat_chunks_validate_and_add_up(url):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [chunks[-2].choices[0].finish_reason]  # once, on the last choice chunk
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == (
-        chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens)
+        chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
-    streamed = client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
-                                                   stream=True)
+    streamed = client(url).chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=10, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
     plain = client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
     assert plain.choices[0].message.content == text
@@ -196,8 +203,9 @@ def test_streamed_chat_chunks_validate_and_add_up(url):
 
 
 def test_text_completions_plain_and_streamed(url):
-    raw = client(url).completions.with_raw_response.create(model=MODEL, prompt="The capital of France is",
-                                                           max_tokens=8, temperature=0)
+    raw = client(url).completions.with_raw_response.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     plain = Completion.model_validate(raw.http_response.json())
     assert plain.object == "text_completion" and plain.id.startswith("cmpl-")
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stream": True}
@@ -232,22 +240,26 @@ def test_models_health_and_ping(url):
 
 # ---- invalid requests: 400 in OpenAI's shape, never 422 ------------------------------------------
 
-@pytest.mark.parametrize("edit,param", [
-    (dict(temperature=3.0), "temperature"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(n=2), "n"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=100_000), "max_tokens"),  # past the context (512 tokens; 97 for the static graphs)
-    (dict(max_completion_tokens=100_000), "max_completion_tokens"),
-    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
-    (dict(logprobs=True), "logprobs"),
-    (dict(messages=[]), "messages"),
-    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
-    (dict(messages=None), "messages"),
-    (dict(seed="seven"), "seed"),
-    (dict(messages=[{"role": "user", "content": "\ud800"}]), "messages.0.content"),  # a lone surrogate
-    (dict(stop=["ok", "\udfff"]), "stop"),
-])
+
+@pytest.mark.parametrize(
+    "edit,param",
+    [
+        (dict(temperature=3.0), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(n=2), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=100_000), "max_tokens"),  # past the context (512 tokens; 97 for the static graphs)
+        (dict(max_completion_tokens=100_000), "max_completion_tokens"),
+        (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(messages=[]), "messages"),
+        (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
+        (dict(messages=None), "messages"),
+        (dict(seed="seven"), "seed"),
+        (dict(messages=[{"role": "user", "content": "\ud800"}]), "messages.0.content"),  # a lone surrogate
+        (dict(stop=["ok", "\udfff"]), "stop"),
+    ],
+)
 def test_invalid_requests_are_400(url, edit, param):
     body = {k: v for k, v in chat_body(**edit).items() if v is not None}
     r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
@@ -258,43 +270,86 @@ def test_invalid_requests_are_400(url, edit, param):
 # ---- sampling fields: OpenAI's schema and ranges, types refused, null the default, never ignored ---------
 
 REFUSED = [
-    ({"temperature": "0.5"}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": True}, "temperature"),
     ({"max_tokens": 8.0}, "max_tokens"),
-    ({"stream": 1}, "stream"), ({"seed": 1.5}, "seed"), ({"top_p": -0.1}, "top_p"), ({"top_k": -2}, "top_k"),
-    ({"top_k": 2.0}, "top_k"), ({"n": None, "best_of": 2}, "best_of"),
-    ({"presence_penalty": 2.5}, "presence_penalty"), ({"presence_penalty": "0"}, "presence_penalty"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -0.5}, "frequency_penalty"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"5": 1.5}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias.a"),
+    ({"stream": 1}, "stream"),
+    ({"seed": 1.5}, "seed"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 2.0}, "top_k"),
+    ({"n": None, "best_of": 2}, "best_of"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": "0"}, "presence_penalty"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -0.5}, "frequency_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.5}}, "logit_bias"),
+    ({"logit_bias": {"a": 1}}, "logit_bias.a"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-    ({"logprobs": True}, "logprobs"), ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"top_logprobs": 21}, "top_logprobs"), ({"response_format": {"type": "json_object"}}, "response_format.type"),
-    ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
-    ({"modalities": ["text", "audio"]}, "modalities.1"), ({"audio": {"voice": "alloy"}}, "audio"),
-    ({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"modalities": ["text", "audio"]}, "modalities.1"),
+    ({"audio": {"voice": "alloy"}}, "audio"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"ignore_eos": True}, "ignore_eos"),
-    ({"min_tokens": 4}, "min_tokens"), ({"stop_token_ids": [5]}, "stop_token_ids"), ({"echo": True}, "echo"),
+    ({"min_tokens": 4}, "min_tokens"),
+    ({"stop_token_ids": [5]}, "stop_token_ids"),
+    ({"echo": True}, "echo"),
 ]
 
 
 @pytest.mark.parametrize("edit,param", REFUSED, ids=[param for _, param in REFUSED])
 def test_a_sampling_field_is_checked_and_refused_by_name_never_ignored(url, edit, param):
-    r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(chat_body(**edit)),
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        content=json.dumps(chat_body(**edit)),
+        headers={"content-type": "application/json"},
+    )
     assert_openai_error(r, 400, param=param)
 
 
 def test_null_or_the_default_of_every_field_is_the_default(url):
     """What a client library sends when nothing is set: answered as if the fields were absent."""
-    defaults = dict(temperature=None, top_p=None, top_k=None, n=None, stream=None, seed=None, stop=None,
-                    presence_penalty=0, frequency_penalty=None, logit_bias={}, logprobs=False, top_logprobs=None,
-                    response_format={"type": "text"}, tools=[], tool_choice="none", functions=None, user="someone",
-                    modalities=["text"], stream_options=None, min_p=0, repetition_penalty=1.0, ignore_eos=False)
+    defaults = dict(
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        n=None,
+        stream=None,
+        seed=None,
+        stop=None,
+        presence_penalty=0,
+        frequency_penalty=None,
+        logit_bias={},
+        logprobs=False,
+        top_logprobs=None,
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        functions=None,
+        user="someone",
+        modalities=["text"],
+        stream_options=None,
+        min_p=0,
+        repetition_penalty=1.0,
+        ignore_eos=False,
+    )
     plain = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "seed": 3}
     with httpx.Client(base_url=url, timeout=60) as http:
-        answers = [http.post("/v1/chat/completions", json={**plain, **extra}).json() for extra in
-                   ({}, {**defaults, "seed": 3}, {"temperature": 1.0, "top_p": 1.0})]
+        answers = [
+            http.post("/v1/chat/completions", json={**plain, **extra}).json()
+            for extra in ({}, {**defaults, "seed": 3}, {"temperature": 1.0, "top_p": 1.0})
+        ]
     texts = [a["choices"][0]["message"]["content"] for a in answers]
     assert texts[0] == texts[1] == texts[2]  # null temperature and top_p: 1.0, sampled with the same seed
 
@@ -314,13 +369,27 @@ def test_top_k_is_honoured(url, engine):
         assert wide.status_code == 200  # on the host every token is a candidate
 
 
-@pytest.mark.parametrize("edit,param", [({"logprobs": 0}, "logprobs"), ({"suffix": "end"}, "suffix"),
-                                        ({"echo": True}, "echo"), ({"best_of": 3}, "best_of")])
+@pytest.mark.parametrize(
+    "edit,param",
+    [
+        ({"logprobs": 0}, "logprobs"),
+        ({"suffix": "end"}, "suffix"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 3}, "best_of"),
+    ],
+)
 def test_completions_fields_too(url, edit, param):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **edit}
     assert_openai_error(httpx.post(f"{url}/v1/completions", json=body), 400, param=param)
-    fine = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "suffix": "", "echo": False, "best_of": 1,
-            "logprobs": None}
+    fine = {
+        "model": MODEL,
+        "prompt": "Hi",
+        "max_tokens": 2,
+        "suffix": "",
+        "echo": False,
+        "best_of": 1,
+        "logprobs": None,
+    }
     assert httpx.post(f"{url}/v1/completions", json=fine).status_code == 200
 
 
@@ -359,13 +428,17 @@ def test_api_key(engine):
 
 # ---- /metrics --------------------------------------------------------------------------------------------
 
+
 def scrape(url) -> dict:
     """/metrics parsed by prometheus_client's own parser: {(sample name, labels): value}."""
     r = httpx.get(f"{url}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-            for family in text_string_to_metric_families(r.text) for s in family.samples
-            if s.labels.get("model_name") == MODEL}
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+        if s.labels.get("model_name") == MODEL
+    }
 
 
 def test_metrics_count_the_requests_and_tokens_sent(engine):
@@ -385,8 +458,11 @@ def test_metrics_count_the_requests_and_tokens_sent(engine):
                     r = await http.post("/v1/completions", json={**body, "prompt": f"Hi {i}", "messages": None})
                     usages.append(r.json()["usage"])
                 elif i % 3 == 1:
-                    async with http.stream("POST", "/v1/chat/completions", json={
-                            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                    async with http.stream(
+                        "POST",
+                        "/v1/chat/completions",
+                        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                    ) as r:
                         usages.append(sse_events([line async for line in r.aiter_lines()])[-2]["usage"])
                 else:
                     usages.append((await http.post("/v1/chat/completions", json=body)).json()["usage"])
@@ -416,6 +492,7 @@ def test_metrics_count_the_requests_and_tokens_sent(engine):
 
 
 # ---- load, overload, disconnects, failures ------------------------------------------------------------
+
 
 def test_503_with_retry_after_while_loading(engine):
     gate = threading.Event()
@@ -517,8 +594,9 @@ def test_the_queue_bound_holds_under_50_concurrent_clients(endless_engine):
 
     async def storm(url):
         async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=50)) as c:
-            tasks = [asyncio.create_task(c.post("/v1/chat/completions", json=chat_body(max_tokens=4)))
-                     for _ in range(50)]
+            tasks = [
+                asyncio.create_task(c.post("/v1/chat/completions", json=chat_body(max_tokens=4))) for _ in range(50)
+            ]
             deadline = time.monotonic() + 60
             while sum(t.done() for t in tasks) < 50 - admitted:
                 assert time.monotonic() < deadline, "the refused requests were not answered at once"
@@ -556,8 +634,9 @@ def test_an_error_mid_stream_is_an_error_event_then_done(endless_engine):
         for event in events[:-2]:
             ChatCompletionChunk.model_validate(event)
         with pytest.raises(openai.APIError, match="injected backend fault"):
-            for _ in client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, stream=True,
-                                                         temperature=0):
+            for _ in client(url).chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=20, stream=True, temperature=0
+            ):
                 pass
         with pytest.raises(openai.InternalServerError, match="injected backend fault"):
             client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
@@ -588,15 +667,18 @@ def test_a_draining_server_refuses_new_requests_and_finishes_the_running_ones(en
 
 # ---- hostile clients: huge bodies, slow tokenizing (issue 26, item 2) -----------------------------------
 
+
 def test_a_body_over_the_limit_is_413_in_openai_shape(engine):
     big = chat_body(messages=[{"role": "user", "content": "x" * 10_000}])
     data = json.dumps(big).encode()
     with serving(make_app(engine, max_body_bytes=4096)) as url:
         ready(url)
         r = httpx.post(f"{url}/v1/chat/completions", json=big)  # Content-Length says it: refused unread
-        assert "larger than this server's limit of 4096 bytes" in assert_openai_error(
-            r, 413, code="request_too_large")["message"]
-        chunked = (data[i:i + 1000] for i in range(0, len(data), 1000))  # no Content-Length: refused as it grows
+        assert (
+            "larger than this server's limit of 4096 bytes"
+            in assert_openai_error(r, 413, code="request_too_large")["message"]
+        )
+        chunked = (data[i : i + 1000] for i in range(0, len(data), 1000))  # no Content-Length: refused as it grows
         r = httpx.post(f"{url}/v1/chat/completions", content=chunked, headers={"content-type": "application/json"})
         assert_openai_error(r, 413, code="request_too_large")
         assert client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
@@ -629,8 +711,10 @@ def test_a_body_that_does_not_all_come_gets_408(engine):
     with serving(make_app(engine, body_timeout=0.5)) as url:
         ready(url)
         with _raw_request(url) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 200\r\n\r\n{\"model\":")
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 200\r\n\r\n{"model":'
+            )
             start = time.monotonic()
             answer = _read_until_closed(sock)
             waited = time.monotonic() - start
@@ -694,8 +778,9 @@ def test_health_answers_while_a_prompt_is_tokenized(engine):
         ready(url)
         body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1}
         answers = []
-        sender = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/completions", json=body,
-                                                                           timeout=60)))
+        sender = threading.Thread(
+            target=lambda: answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+        )
         sender.start()
         assert slow.tokenizer.busy.wait(30)
         start = time.perf_counter()
@@ -722,6 +807,7 @@ def test_a_prompt_longer_than_the_context_could_hold_is_refused_untokenized(engi
 
 # ---- the drain deadline (item 7) ------------------------------------------------------------------------
 
+
 def test_past_the_drain_timeout_requests_in_flight_end_properly(endless_engine):
     """They used to be cut: a chunked stream without its end (no error event, no [DONE]), or a plain-text
     500. Now a stream ends with an error event and [DONE], a plain request with a 503 JSON body."""
@@ -731,11 +817,15 @@ def test_past_the_drain_timeout_requests_in_flight_end_properly(endless_engine):
     plain = []
     with serving(app, server=server) as url:
         ready(url)
-        sender = threading.Thread(target=lambda: plain.append(httpx.post(
-            f"{url}/v1/chat/completions", json=chat_body(max_tokens=LONG), timeout=60)))
+        sender = threading.Thread(
+            target=lambda: plain.append(
+                httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=LONG), timeout=60)
+            )
+        )
         sender.start()
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=LONG, stream=True),
-                          timeout=60) as r:
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=chat_body(max_tokens=LONG, stream=True), timeout=60
+        ) as r:
             lines = r.iter_lines()
             next(lines)
             wait_for(lambda: spy.steps >= 4 and health(url)["running"] == 2, what="both requests to generate")

@@ -34,17 +34,33 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _manifest(**fields):
-    return json.dumps(dict({"format": FORMAT, "dtype": "bf16", "batch_size": 2, "dry_run": False,
-                            "expert_layout": "channel", "logits": False, "prefill_rows": [1, 2],
-                            "prefill_chunk": fields.get("buckets", [16])[0], "candidates": 256,
-                            "tokenizer": {"kind": "checkpoint", "files": []}, "files": {}}, **fields))
+    return json.dumps(
+        dict(
+            {
+                "format": FORMAT,
+                "dtype": "bf16",
+                "batch_size": 2,
+                "dry_run": False,
+                "expert_layout": "channel",
+                "logits": False,
+                "prefill_rows": [1, 2],
+                "prefill_chunk": fields.get("buckets", [16])[0],
+                "candidates": 256,
+                "tokenizer": {"kind": "checkpoint", "files": []},
+                "files": {},
+            },
+            **fields,
+        )
+    )
 
 
 def test_manifest_errors_name_the_problem(tmp_path):
     with pytest.raises(neuron.NeuronError, match="no manifest.json"):
         neuron.read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[64], max_length=32))
-    with pytest.raises(neuron.NeuronError, match=r"'buckets' must be increasing positive lengths up to max_length \(32"):
+    with pytest.raises(
+        neuron.NeuronError, match=r"'buckets' must be increasing positive lengths up to max_length \(32"
+    ):
         neuron.read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text(_manifest(port="p", buckets=[8], max_length=32))
     with pytest.raises(neuron.NeuronError, match="field 'tp' is missing"):
@@ -101,9 +117,18 @@ class StandInRuntime:
 
 
 def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int = 3):
-    (tmp_path / "manifest.json").write_text(_manifest(port=port.name, tp=2, buckets=[16, 64], max_length=128,
-                                                      batch_size=batch, logits=logits, prefill_rows=[1, 2],
-                                                      prefill_chunk=16))
+    (tmp_path / "manifest.json").write_text(
+        _manifest(
+            port=port.name,
+            tp=2,
+            buckets=[16, 64],
+            max_length=128,
+            batch_size=batch,
+            logits=logits,
+            prefill_rows=[1, 2],
+            prefill_chunk=16,
+        )
+    )
     (tmp_path / "weights").mkdir(exist_ok=True)
     for rank in range(2):
         save_file({"w": torch.full((1,), float(rank))}, tmp_path / f"weights/tp{rank}_sharded_checkpoint.safetensors")
@@ -118,8 +143,9 @@ def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int
 
 
 @pytest.mark.parametrize("logits", [False, True])
-def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(tmp_path, monkeypatch, tiny_port, tiny_eager,
-                                                                       logits):
+def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(
+    tmp_path, monkeypatch, tiny_port, tiny_eager, logits
+):
     """Five requests on the artifact's three rows, in both buckets, two prompts to a prefill call
     and the long ones in chunks of 16: only ids, masks, positions, row ids and sampling go in,
     only the token (and the logits) come out, and each request's tokens are the CPU runtime's (the
@@ -157,30 +183,39 @@ def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(tmp_path,
 
 
 def test_neuron_backend_refuses_an_artifact_of_an_older_format(tmp_path):
-    for old, what in ((1, "the KV cache in and out of every call"), (2, "the KV cache in and out of every call"),
-                      (3, "one-prompt prefill graphs that return the greedy token alone, no sampling inputs, no "
-                          "tokenizer"),
-                      (4, "one-prompt prefill graphs that return the greedy token alone")):
+    for old, what in (
+        (1, "the KV cache in and out of every call"),
+        (2, "the KV cache in and out of every call"),
+        (3, "one-prompt prefill graphs that return the greedy token alone, no sampling inputs, no tokenizer"),
+        (4, "one-prompt prefill graphs that return the greedy token alone"),
+    ):
         (tmp_path / "manifest.json").write_text(json.dumps({"format": old, "port": "p", "buckets": [16]}))
-        with pytest.raises(neuron.NeuronError, match=f"artifact format {old} \\({what}.*this version reads format 5: "
-                                                     f"rebuild it"):
+        with pytest.raises(
+            neuron.NeuronError, match=f"artifact format {old} \\({what}.*this version reads format 5: rebuild it"
+        ):
             neuron.read_manifest(tmp_path)
 
 
 def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path, tiny_port):
     """Checked from the manifest, before the SDK or any weights are needed."""
-    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96,
-                                                      expert_layout="expert"))
-    with pytest.raises(neuron.NeuronError, match=r"built with the 'expert' expert layout, served here with the "
-                                                 r"'channel' layout \(the port's \[static\] expert_layout\)"):
+    (tmp_path / "manifest.json").write_text(
+        _manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96, expert_layout="expert")
+    )
+    with pytest.raises(
+        neuron.NeuronError,
+        match=r"built with the 'expert' expert layout, served here with the "
+        r"'channel' layout \(the port's \[static\] expert_layout\)",
+    ):
         neuron.neuron_runtime(tmp_path, tiny_port)
-    (tmp_path / "manifest.json").write_text(_manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96,
-                                                      expert_layout="rows"))
+    (tmp_path / "manifest.json").write_text(
+        _manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96, expert_layout="rows")
+    )
     with pytest.raises(neuron.NeuronError, match="expert_layout 'rows' is not one of"):
         neuron.read_manifest(tmp_path)
 
 
 # ---- an artifact serves alone: its tokenizer travels with its graphs ------------------------------------
+
 
 @pytest.fixture
 def dry_run_artifact(tmp_path, tiny_port):
@@ -228,14 +263,25 @@ def test_a_dry_run_artifact_serves_without_a_checkpoint(dry_run_artifact, monkey
     assert files <= set(map(Path, digested))
 
 
-@pytest.mark.parametrize("tamper,named", [
-    (lambda d: (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text().replace('"<eos>"', '"<EOS>"')),
-     "tokenizer/tokenizer.json: sha256 "),
-    (lambda d: (d / "chat_template.jinja").write_text("{{ messages }}"),
-     "tokenizer/chat_template.jinja: not in the artifact's manifest (added after trace-and-compile)"),
-    (lambda d: (d / "tokenizer_config.json").unlink(),
-     "tokenizer/tokenizer_config.json: missing (the manifest lists it)"),
-])
+@pytest.mark.parametrize(
+    "tamper,named",
+    [
+        (
+            lambda d: (d / "tokenizer.json").write_text(
+                (d / "tokenizer.json").read_text().replace('"<eos>"', '"<EOS>"')
+            ),
+            "tokenizer/tokenizer.json: sha256 ",
+        ),
+        (
+            lambda d: (d / "chat_template.jinja").write_text("{{ messages }}"),
+            "tokenizer/chat_template.jinja: not in the artifact's manifest (added after trace-and-compile)",
+        ),
+        (
+            lambda d: (d / "tokenizer_config.json").unlink(),
+            "tokenizer/tokenizer_config.json: missing (the manifest lists it)",
+        ),
+    ],
+)
 def test_a_tampered_tokenizer_is_refused_by_name_before_binding(dry_run_artifact, monkeypatch, capsys, tamper, named):
     _cpu_graphs_for_the_device(monkeypatch)
     tamper(dry_run_artifact / "tokenizer")

@@ -42,30 +42,59 @@ REPO = Path(__file__).resolve().parents[1]
 def manifest_dir(tmp_path):
     d = tmp_path / "compiled"
     d.mkdir()
-    (d / "manifest.json").write_text(json.dumps({"format": FORMAT, "port": "tiny-gemma4-moe", "dtype": "bf16", "tp": 1,
-                                                "expert_layout": "channel", "buckets": [64], "max_length": 128,
-                                                "batch_size": 1, "prefill_rows": [1], "prefill_chunk": 64,
-                                                "candidates": 256, "dry_run": False, "logits": False,
-                                                "tokenizer": {"kind": "checkpoint", "files": []}, "files": {}}))
+    (d / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "port": "tiny-gemma4-moe",
+                "dtype": "bf16",
+                "tp": 1,
+                "expert_layout": "channel",
+                "buckets": [64],
+                "max_length": 128,
+                "batch_size": 1,
+                "prefill_rows": [1],
+                "prefill_chunk": 64,
+                "candidates": 256,
+                "dry_run": False,
+                "logits": False,
+                "tokenizer": {"kind": "checkpoint", "files": []},
+                "files": {},
+            }
+        )
+    )
     return d
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--backend", "neuron"], "--backend neuron needs --artifacts"),
-    (["--backend", "neuron", "--artifacts", "{tmp}"], "no manifest.json"),
-    (["--backend", "neuron", "--artifacts", "{compiled}", "--max-running", "2"],
-     "--backend neuron batches: it runs as many requests at once as its graphs have rows; --max-running is for"),
-    (["--backend", "neuron", "--artifacts", "{compiled}", "--batch-size", "2"], "takes its shapes from the artifact"),
-    (["--backend", "neuron", "--artifacts", "{compiled}", "--prefill-rows", "1", "4"],
-     "--prefill-rows shapes --backend static's graphs; --backend neuron takes its shapes from the artifact"),
-    (["--backend", "static", "--prefill-chunk", "20"], "--prefill-chunk 20 is not one of the port's buckets [8, 56]"),
-    (["--backend", "static", "--max-running", "2"], "its graphs have rows (--batch-size); --max-running is for"),
-    (["--batch-size", "4"], "--batch-size shapes --backend static's graphs; --backend eager runs one"),
-    (["--backend", "static", "--model", "{unstatic}"], "has no [static] table"),
-    (["--artifacts", "{tmp}/absent"], "absent: not a directory"),
-    (["--checkpoint", "{tmp}", "--artifacts", "{tmp}"], "--checkpoint or --artifacts, not both"),
-    (["--model", "no-such-port"], "unknown port 'no-such-port'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--backend", "neuron"], "--backend neuron needs --artifacts"),
+        (["--backend", "neuron", "--artifacts", "{tmp}"], "no manifest.json"),
+        (
+            ["--backend", "neuron", "--artifacts", "{compiled}", "--max-running", "2"],
+            "--backend neuron batches: it runs as many requests at once as its graphs have rows; --max-running is for",
+        ),
+        (
+            ["--backend", "neuron", "--artifacts", "{compiled}", "--batch-size", "2"],
+            "takes its shapes from the artifact",
+        ),
+        (
+            ["--backend", "neuron", "--artifacts", "{compiled}", "--prefill-rows", "1", "4"],
+            "--prefill-rows shapes --backend static's graphs; --backend neuron takes its shapes from the artifact",
+        ),
+        (
+            ["--backend", "static", "--prefill-chunk", "20"],
+            "--prefill-chunk 20 is not one of the port's buckets [8, 56]",
+        ),
+        (["--backend", "static", "--max-running", "2"], "its graphs have rows (--batch-size); --max-running is for"),
+        (["--batch-size", "4"], "--batch-size shapes --backend static's graphs; --backend eager runs one"),
+        (["--backend", "static", "--model", "{unstatic}"], "has no [static] table"),
+        (["--artifacts", "{tmp}/absent"], "absent: not a directory"),
+        (["--checkpoint", "{tmp}", "--artifacts", "{tmp}"], "--checkpoint or --artifacts, not both"),
+        (["--model", "no-such-port"], "unknown port 'no-such-port'"),
+    ],
+)
 def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
     compiled = manifest_dir(tmp_path)
     unstatic = tmp_path / "unstatic.toml"  # the tiny port without its [static] table
@@ -76,10 +105,13 @@ def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("backend,message", [
-    ("channel_reader", "'channel_reader' is not served: the reader needs a sidecar and a budget"),
-    ("selector", "'selector' is not served: a channel selector"),
-])
+@pytest.mark.parametrize(
+    "backend,message",
+    [
+        ("channel_reader", "'channel_reader' is not served: the reader needs a sidecar and a budget"),
+        ("selector", "'selector' is not served: a channel selector"),
+    ],
+)
 def test_a_backend_serve_cannot_run_is_not_offered(backend, message, capsys):
     """Both answered every completion with a 500 (no sidecar attached): now refused by name, before binding."""
     with pytest.raises(SystemExit) as e:
@@ -109,7 +141,9 @@ def test_neuron_backend_without_the_sdk(tmp_path, capsys):
 def test_s3_artifacts_without_boto3(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "boto3", None)  # as if the publish extra were not installed
     assert cli.main(["serve", "--artifacts", "s3://bucket/prefix"]) == 2
-    assert "--artifacts s3://... needs the 'boto3' package: pip install 'neuron-moe[publish]'" in capsys.readouterr().err
+    assert (
+        "--artifacts s3://... needs the 'boto3' package: pip install 'neuron-moe[publish]'" in capsys.readouterr().err
+    )
 
 
 def _embedding(engine):
@@ -177,18 +211,32 @@ def test_entrypoint_serves_then_sigterm_drains_the_stream_in_flight(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (bin_dir / "python3").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(REPO),
-               HOST="127.0.0.1", PORT="0", OMP_NUM_THREADS="1", NEURON_MOE_API_KEY="k")
-    proc = subprocess.Popen([str(DOCKER / "entrypoint.sh"), *cmd], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        PYTHONPATH=str(REPO),
+        HOST="127.0.0.1",
+        PORT="0",
+        OMP_NUM_THREADS="1",
+        NEURON_MOE_API_KEY="k",
+    )
+    proc = subprocess.Popen(
+        [str(DOCKER / "entrypoint.sh"), *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         out = Output(proc.stdout)
         url = "http://127.0.0.1:" + out.wait_for(r"running on http://127\.0\.0\.1:(\d+)", 120).group(1)
         wait_for(lambda: httpx.get(f"{url}/ping").status_code == 200, 120, "the model to load")
         auth = {"Authorization": "Bearer k"}
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the key came from the environment
-        body = {"model": "tiny-gemma4-moe", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny-gemma4-moe",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 60,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
             lines = r.iter_lines()
             before = sse_events([next(lines), next(lines)])  # the role chunk and a first step
@@ -196,7 +244,9 @@ def test_entrypoint_serves_then_sigterm_drains_the_stream_in_flight(tmp_path):
             after = sse_events(lines)
         # finished, not cut: the generation's own end (EOS or max_tokens), many steps after the signal
         finish = [e["choices"][0]["finish_reason"] for e in after[:-1] if e["choices"]]
-        assert after[-1] == "[DONE]" and finish[-1] in ("stop", "length") and after[-2]["usage"]["completion_tokens"] > 10
+        assert (
+            after[-1] == "[DONE]" and finish[-1] in ("stop", "length") and after[-2]["usage"]["completion_tokens"] > 10
+        )
         assert any(e["choices"] for e in after[:-2]) and before[0]["choices"][0]["delta"]["role"] == "assistant"
         assert proc.wait(60) == 0
         with pytest.raises(httpx.ConnectError):
@@ -225,8 +275,13 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_before_binding(capsys):
     """--batch-size 100000000 allocated a 21 TiB KV cache (and 763 GiB of logits a step) after binding."""
     assert cli.main(["serve", "--backend", "static", "--batch-size", "100000000", "--port", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --batch-size 100000000: the static graphs' KV cache (21,362.3 GiB) and one "
-                          "step's logits (762.9 GiB) need more than the ") and err.count("\n") == 1
+    assert (
+        err.startswith(
+            "error: --batch-size 100000000: the static graphs' KV cache (21,362.3 GiB) and one "
+            "step's logits (762.9 GiB) need more than the "
+        )
+        and err.count("\n") == 1
+    )
 
 
 def _stream_until_done(url: str, started: threading.Semaphore, ends: list) -> None:
@@ -250,10 +305,31 @@ def test_sigterm_under_load_and_slow_clients_on_a_real_server(tmp_path):
     aborted ('terminate called without an active exception', exit 134) when the interpreter exited
     with the step loop inside a decode step; 256 rows make each step long enough to be caught in."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "neuron_moe", "serve", "--backend", "static", "--port", "0",
-                             "--batch-size", "256", "--drain-timeout", "0.5", "--header-timeout", "1",
-                             "--body-timeout", "1"], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "neuron_moe",
+            "serve",
+            "--backend",
+            "static",
+            "--port",
+            "0",
+            "--batch-size",
+            "256",
+            "--drain-timeout",
+            "0.5",
+            "--header-timeout",
+            "1",
+            "--body-timeout",
+            "1",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         out = Output(proc.stdout)
         url = "http://127.0.0.1:" + out.wait_for(r"running on http://127\.0\.0\.1:(\d+)", 120).group(1)
@@ -281,4 +357,3 @@ def test_sigterm_under_load_and_slow_clients_on_a_real_server(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-

@@ -49,8 +49,9 @@ def error(response, status, param=None):
 @pytest.fixture(scope="module")
 def static(tmp_path_factory):
     """The static graphs served under two names, the context cut to 64 tokens, behind a key."""
-    app = app_for("--backend", "static", "--served-model-name", "tiny", "gemma-4-mini", "--max-model-len", "64",
-                  "--api-key", "k")
+    app = app_for(
+        "--backend", "static", "--served-model-name", "tiny", "gemma-4-mini", "--max-model-len", "64", "--api-key", "k"
+    )
     with serving(app) as url:
         yield ready(url)
 
@@ -69,18 +70,26 @@ def test_served_names_and_max_model_len_in_v1_models(static):
 
 def test_max_model_len_bounds_every_request(static):
     n = len(load_tokenizer(load_port(PORT)).encode(PROMPT))
-    raw = httpx.post(f"{static}/v1/completions", headers={"Authorization": "Bearer k"},
-                     json={"model": "tiny", "prompt": PROMPT, "max_tokens": 64 - n + 1, "temperature": 0})
+    raw = httpx.post(
+        f"{static}/v1/completions",
+        headers={"Authorization": "Bearer k"},
+        json={"model": "tiny", "prompt": PROMPT, "max_tokens": 64 - n + 1, "temperature": 0},
+    )
     assert "this model's context is 64 tokens" in error(raw, 400, "max_tokens")
     done = client(static, "k").completions.create(model="tiny", prompt=PROMPT, temperature=0)  # no max_tokens
     assert done.usage.prompt_tokens + done.usage.completion_tokens <= 64
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--backend", "static", "--max-model-len", "98"],
-     "--max-model-len 98 is more than the static graphs ([static] max_cache_len + 1) holds: 97 tokens"),
-    (["--max-model-len", "513"], "--max-model-len 513 is more than the model (max_position_embeddings) holds: 512"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--backend", "static", "--max-model-len", "98"],
+            "--max-model-len 98 is more than the static graphs ([static] max_cache_len + 1) holds: 97 tokens",
+        ),
+        (["--max-model-len", "513"], "--max-model-len 513 is more than the model (max_position_embeddings) holds: 512"),
+    ],
+)
 def test_max_model_len_above_the_graphs_is_refused_before_binding(capsys, flags, message):
     assert cli.main(["serve", *flags]) == 2
     err = capsys.readouterr().err
@@ -91,8 +100,12 @@ def test_tokenize_and_detokenize_as_vllm(static):
     tokenizer = load_tokenizer(load_port(PORT))
     auth = {"Authorization": "Bearer k"}
     got = httpx.post(f"{static}/tokenize", json={"model": "tiny", "prompt": PROMPT}, headers=auth).json()
-    assert got == {"count": len(tokenizer.encode(PROMPT)), "max_model_len": 64, "tokens": tokenizer.encode(PROMPT),
-                   "token_strs": None}
+    assert got == {
+        "count": len(tokenizer.encode(PROMPT)),
+        "max_model_len": 64,
+        "tokens": tokenizer.encode(PROMPT),
+        "token_strs": None,
+    }
     bare = httpx.post(f"{static}/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}, headers=auth).json()
     assert bare["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False) == got["tokens"][1:]
     chat = [{"role": "user", "content": "hi"}]
@@ -101,9 +114,11 @@ def test_tokenize_and_detokenize_as_vllm(static):
     text = httpx.post(f"{static}/detokenize", json={"tokens": got["tokens"]}, headers=auth).json()
     assert text == {"prompt": PROMPT}
     assert "below the vocabulary size 2048" in error(
-        httpx.post(f"{static}/detokenize", json={"tokens": [1, 2048]}, headers=auth), 400, "tokens")
+        httpx.post(f"{static}/detokenize", json={"tokens": [1, 2048]}, headers=auth), 400, "tokens"
+    )
     assert "either 'prompt'" in error(
-        httpx.post(f"{static}/tokenize", json={"prompt": "a", "messages": chat}, headers=auth), 400)
+        httpx.post(f"{static}/tokenize", json={"prompt": "a", "messages": chat}, headers=auth), 400
+    )
     assert httpx.post(f"{static}/tokenize", json={"prompt": "a"}).status_code == 401  # behind the key
     assert httpx.get(f"{static}/version").json()["version"] == __version__  # open, as /health
 
@@ -116,14 +131,16 @@ def test_prompts_as_token_ids_or_a_list_of_one(static):
         same = client(static, "k").completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
         assert same.choices[0].text == text.choices[0].text and same.usage.prompt_tokens == len(ids)
     auth = {"Authorization": "Bearer k"}
-    for prompt, param, message in (([PROMPT, PROMPT], "prompt", "one prompt per request is supported, got 2"),
-                                   ([ids, ids], "prompt", "one prompt per request is supported, got 2"),
-                                   ([], "prompt", "the prompt holds no token"),
-                                   ([2, 5000], "prompt", "token id 5000 is not below the vocabulary size 2048"),
-                                   ([2, -1], "prompt", "token ids are integers from 0, got -1"),
-                                   ([2, True], "prompt", "token ids are integers from 0, got True"),
-                                   ([2, "a"], "prompt", "must be a string, a list of token ids, or a list of one"),
-                                   ({"a": 1}, "prompt", "")):
+    for prompt, param, message in (
+        ([PROMPT, PROMPT], "prompt", "one prompt per request is supported, got 2"),
+        ([ids, ids], "prompt", "one prompt per request is supported, got 2"),
+        ([], "prompt", "the prompt holds no token"),
+        ([2, 5000], "prompt", "token id 5000 is not below the vocabulary size 2048"),
+        ([2, -1], "prompt", "token ids are integers from 0, got -1"),
+        ([2, True], "prompt", "token ids are integers from 0, got True"),
+        ([2, "a"], "prompt", "must be a string, a list of token ids, or a list of one"),
+        ({"a": 1}, "prompt", ""),
+    ):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
         assert message in error(httpx.post(f"{static}/v1/completions", json=body, headers=auth), 400, param)
 
@@ -135,17 +152,25 @@ def test_banner_and_one_log_line_per_request(caplog):
         banner = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
         assert len(banner) == 1 and banner[0].startswith(
             "serving tiny-gemma4-moe as tiny-gemma4-moe: backend static, dtype float32, context 97 tokens, "
-            "2 batch rows, prefill buckets 8, 56; warmed up in ")
+            "2 batch rows, prefill buckets 8, 56; warmed up in "
+        )
         caplog.clear()
         client(url).completions.create(model=PORT, prompt=PROMPT, max_tokens=5, temperature=0)
-        body = {"model": PORT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
-                "stream": True}
+        body = {
+            "model": PORT,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "temperature": 0,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             list(r.iter_lines())
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
     assert len(lines) == 2, lines
-    pattern = (r"request (cmpl|chatcmpl)-[0-9a-f]{32}: prompt (\d+) tokens, completion (\d+) tokens, "
-               r"TTFT (\d+\.\d{3}) s, duration (\d+\.\d{3}) s, finish (length|stop)")
+    pattern = (
+        r"request (cmpl|chatcmpl)-[0-9a-f]{32}: prompt (\d+) tokens, completion (\d+) tokens, "
+        r"TTFT (\d+\.\d{3}) s, duration (\d+\.\d{3}) s, finish (length|stop)"
+    )
     (plain, stream) = [re.fullmatch(pattern, line) for line in lines]
     assert plain and stream, lines
     assert plain[1] == "cmpl" and int(plain[3]) <= 5 and stream[1] == "chatcmpl" and int(stream[3]) <= 3
@@ -159,10 +184,17 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
     /health answers 200;
     the per-request engine: one request."""
     calls, prefill, decode = [], GraphRuntime.prefill, GraphRuntime.decode
-    monkeypatch.setattr(GraphRuntime, "prefill", lambda self, chunks: calls.append(
-        ("prefill", len(chunks), bucket_for(max(len(c.ids) for c in chunks), self.buckets))) or prefill(self, chunks))
-    monkeypatch.setattr(GraphRuntime, "decode",
-                        lambda self, *inputs: calls.append(("decode",)) or decode(self, *inputs))
+    monkeypatch.setattr(
+        GraphRuntime,
+        "prefill",
+        lambda self, chunks: (
+            calls.append(("prefill", len(chunks), bucket_for(max(len(c.ids) for c in chunks), self.buckets)))
+            or prefill(self, chunks)
+        ),
+    )
+    monkeypatch.setattr(
+        GraphRuntime, "decode", lambda self, *inputs: calls.append(("decode",)) or decode(self, *inputs)
+    )
     generated = []
     if backend == "eager":
         generate = Engine.generate

@@ -41,8 +41,16 @@ def test_what_the_commands_offer_is_derived_from_the_entries():
     assert GRAPH_EXPERTS == ("dense_masked", "selective")
     assert list(backends.BACKENDS) == ["eager", "dense_masked", "selective", "int8", "static", "neuron"]
     assert sorted(backends.NOT_SERVED) == ["channel_reader", "selector"]
-    assert sorted(seq_match.BACKENDS) == ["dense_masked", "eager", "int8", "reader", "tp8", "tp8-int8",
-                                          "tp8-naive-scatter", "traced"]
+    assert sorted(seq_match.BACKENDS) == [
+        "dense_masked",
+        "eager",
+        "int8",
+        "reader",
+        "tp8",
+        "tp8-int8",
+        "tp8-naive-scatter",
+        "traced",
+    ]
     assert seq_match.BACKENDS["reader"].experts is spec.CHANNEL_READER
 
 
@@ -59,9 +67,12 @@ def test_experts_read_and_the_gather_rule(tiny_port):
 def test_selector_specs_are_fields():
     known = ("teal", "reader")
     assert spec.parse_selector("reader-r8-tp4-split-global", known) == spec.Selector(
-        "reader-r8-tp4-split-global", "reader", 8, 4, gathered=True, split=True)
-    assert spec.parse_selector("reader-tp2-global", known).gathered and not \
-        spec.parse_selector("reader-tp2-global", known).split
+        "reader-r8-tp4-split-global", "reader", 8, 4, gathered=True, split=True
+    )
+    assert (
+        spec.parse_selector("reader-tp2-global", known).gathered
+        and not spec.parse_selector("reader-tp2-global", known).split
+    )
     assert not spec.parse_selector("teal", known).reader
     with pytest.raises(spec.SpecError, match="TP degree 3"):
         spec.parse_selector("reader-tp3", known)
@@ -143,8 +154,14 @@ def test_one_more_entry_is_offered_everywhere_it_fits():
     """A new fixed-shape implementation that needs nothing: the port's [static] may name it, validate
     and serve offer it, info costs it, HF's model runs it; the rank modules do not compute it until
     parallel/moe.py says how (the completeness test above then fails)."""
-    done = subprocess.run([sys.executable, "-c", _ONE_MORE], capture_output=True, text=True, timeout=300,
-                          cwd=PACKAGE.parent, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_MORE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PACKAGE.parent,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.splitlines()[-1])
     assert got["graph_experts"] == ["dense_masked", "selective", "dense_again"]

@@ -38,8 +38,7 @@ def test_tiny_port_buckets_straddle_the_sliding_window(tiny_port):
 
 
 @pytest.mark.slow
-def test_every_graph_exports_strict_with_fixed_shapes_the_cache_as_state_and_no_data_dependent_op(generator,
-                                                                                                  tiny_port):
+def test_every_graph_exports_strict_with_fixed_shapes_the_cache_as_state_and_no_data_dependent_op(generator, tiny_port):
     spec, config = tiny_port.static, tiny_port.config
     assert sorted(generator.programs) == sorted([f"prefill {b}" for b in spec.buckets] + ["decode"])
     B, V = spec.batch_size, config.vocab_size
@@ -78,8 +77,9 @@ def test_a_cache_tensor_returned_as_a_user_output_fails_the_check(tiny_port):  #
     """The check has teeth: the decode graph in NxD's form (the cache as parameters, the new cache
     returned as aliased outputs) is, to torch.export, a graph whose KV tensors are user outputs."""
     model = build_model(tiny_port, "eager")
-    graph = Decode(model, new_cache(model, tiny_port.static.max_cache_len, tiny_port.static.batch_size,
-                                    aliased=True), "selective")
+    graph = Decode(
+        model, new_cache(model, tiny_port.static.max_cache_len, tiny_port.static.batch_size, aliased=True), "selective"
+    )
     with torch.no_grad():
         program = functional(torch.export.export(graph, decode_inputs(tiny_port.static), strict=False))
     problems = state_problems(program, graph)
@@ -112,12 +112,15 @@ class _Histc(torch.nn.Module):
         return torch.histc(x, bins=4, min=0, max=1)
 
 
-@pytest.mark.parametrize("lengths,new_tokens", [
-    ([39, 25], 33),  # bucket 56 for both (ring rolled), both cross the window
-    ([39, 5], 33),  # one row in bucket 56, one in bucket 8: the rows sit at different positions throughout
-    ([5], 33),  # bucket 8 inside the window, decode wraps the ring twice; the second row idles
-    ([50], 47),  # the last token's step writes the last cache position (50 + 47 - 1 = 96)
-])
+@pytest.mark.parametrize(
+    "lengths,new_tokens",
+    [
+        ([39, 25], 33),  # bucket 56 for both (ring rolled), both cross the window
+        ([39, 5], 33),  # one row in bucket 56, one in bucket 8: the rows sit at different positions throughout
+        ([5], 33),  # bucket 8 inside the window, decode wraps the ring twice; the second row idles
+        ([50], 47),  # the last token's step writes the last cache position (50 + 47 - 1 = 96)
+    ],
+)
 def test_traced_greedy_equals_hf_eager(generator, tiny_eager, lengths, new_tokens):
     ids, mask = left_pad(random_prompts(tiny_eager.config.vocab_size, lengths, seed=sum(lengths)), pad_id=0)
     ref = greedy(tiny_eager, ids, mask, new_tokens)
@@ -135,8 +138,10 @@ def test_a_row_joins_while_another_is_mid_generation(generator, tiny_eager):
     that prompt alone."""
     prompts = random_prompts(tiny_eager.config.vocab_size, [39, 7], seed=7)
     joined_at, total = 5, 12  # row 1 is prefilled once row 0 has 5 tokens; row 1 then makes 12
-    refs = [greedy(tiny_eager, *left_pad([p], 0), n).tokens[0].tolist()
-            for p, n in zip(prompts, (joined_at + total - 1, total))]
+    refs = [
+        greedy(tiny_eager, *left_pad([p], 0), n).tokens[0].tolist()
+        for p, n in zip(prompts, (joined_at + total - 1, total))
+    ]
     graphs, state = generator._graphs, generator.state
     token = torch.zeros(2, 1, dtype=torch.long)
     out = {0: [], 1: []}
@@ -144,8 +149,9 @@ def test_a_row_joins_while_another_is_mid_generation(generator, tiny_eager):
 
     def prefill(row):
         bucket = 56 if len(prompts[row]) > 8 else 8
-        (tok, _) = graphs[f"prefill {bucket}"](*prefill_row(torch.tensor(prompts[row]), bucket, 0),
-                                              torch.tensor([row]), greedy_sampling(1))
+        (tok, _) = graphs[f"prefill {bucket}"](
+            *prefill_row(torch.tensor(prompts[row]), bucket, 0), torch.tensor([row]), greedy_sampling(1)
+        )
         token[row] = tok[0]
         out[row].append(int(tok))
 
@@ -166,8 +172,9 @@ def test_a_row_joins_while_another_is_mid_generation(generator, tiny_eager):
     assert out[0] == refs[0] and out[1] == refs[1]
 
 
-def test_a_prompt_prefilled_in_chunks_through_the_exported_programs_is_the_prompt_prefilled_whole(generator,
-                                                                                                  tiny_eager):
+def test_a_prompt_prefilled_in_chunks_through_the_exported_programs_is_the_prompt_prefilled_whole(
+    generator, tiny_eager
+):
     """Chunked prefill on the exported programs: a 50-token prompt as chunks of 8, 8, 8, 8, 8, 8, 2
     (each at its own start, attending to the row's cache of the ones before) into row 1, then
     decode: HF eager's tokens, and row 0 (prefilled whole, in the 56 bucket) untouched by it."""
@@ -180,7 +187,7 @@ def test_a_prompt_prefilled_in_chunks_through_the_exported_programs_is_the_promp
     (tok, _) = graphs["prefill 56"](*whole, torch.tensor([0]), greedy_sampling(1))
     token[0] = tok[0]
     for start in range(0, 50, 8):
-        piece = torch.tensor(prompts[1][start:start + 8])
+        piece = torch.tensor(prompts[1][start : start + 8])
         (tok, _) = graphs["prefill 8"](*prefill_row(piece, 8, 0, start), torch.tensor([1]), greedy_sampling(1))
     token[1] = tok[0]
     out = [token[:, 0].tolist()]
@@ -246,18 +253,27 @@ def test_bad_input_is_refused_before_any_work(tiny_port):
     gen = StaticGenerator(build_model(tiny_port, "eager"), spec)
     vocab = tiny_port.config.vocab_size
     too_long = left_pad(random_prompts(vocab, [spec.buckets[-1] + 1], seed=1), pad_id=0)
-    with pytest.raises(StaticInputError, match=rf"prompt of {spec.buckets[-1] + 1} tokens exceeds the largest "
-                                               rf"prefill bucket {spec.buckets[-1]}"):
+    with pytest.raises(
+        StaticInputError,
+        match=rf"prompt of {spec.buckets[-1] + 1} tokens exceeds the largest "
+        rf"prefill bucket {spec.buckets[-1]}",
+    ):
         gen.generate(*too_long, 4)
     ids, mask = left_pad(random_prompts(vocab, [30, 12], seed=2), pad_id=0)
     most = spec.max_cache_len - 30 + 1
-    with pytest.raises(StaticInputError, match=rf"{most + 1} new tokens after a prompt of 30 tokens need "
-                                               rf"{spec.max_cache_len + 1} cache slots; max_cache_len is "
-                                               rf"{spec.max_cache_len} \(at most {most} new tokens"):
+    with pytest.raises(
+        StaticInputError,
+        match=rf"{most + 1} new tokens after a prompt of 30 tokens need "
+        rf"{spec.max_cache_len + 1} cache slots; max_cache_len is "
+        rf"{spec.max_cache_len} \(at most {most} new tokens",
+    ):
         gen.generate(ids, mask, most + 1)
     big = left_pad(random_prompts(vocab, [5] * (spec.batch_size + 1), seed=3), pad_id=0)
-    with pytest.raises(StaticInputError, match=rf"batch of {spec.batch_size + 1} prompts exceeds the compiled "
-                                               rf"batch size {spec.batch_size}"):
+    with pytest.raises(
+        StaticInputError,
+        match=rf"batch of {spec.batch_size + 1} prompts exceeds the compiled "
+        rf"batch size {spec.batch_size}",
+    ):
         gen.generate(*big, 4)
     ids, mask = left_pad(random_prompts(vocab, [30, 10], seed=4), pad_id=0)
     with pytest.raises(StaticInputError, match="row 1 is not a left-padded prompt"):
@@ -275,12 +291,14 @@ def test_cli_refuses_bad_traced_input_before_the_reference_runs(monkeypatch, cap
     err = capsys.readouterr().err
     assert err.startswith("error: prompt of 57 tokens exceeds the largest prefill bucket 56") and "Traceback" not in err
     assert cli.main(["validate", "--backend", "traced", "--max-new-tokens", "71"]) == 2  # longest prompt: 27 tokens
-    assert "71 new tokens after a prompt of 27 tokens need 97 cache slots; max_cache_len is 96" in capsys.readouterr().err
+    assert (
+        "71 new tokens after a prompt of 27 tokens need 97 cache slots; max_cache_len is 96" in capsys.readouterr().err
+    )
 
 
 def test_a_port_without_static_table_has_no_traced_backend(tiny_port, tmp_path, capsys):
     text = port_text_elsewhere(tiny_port)
     path = tmp_path / "no-static.toml"
-    path.write_text(text[:text.index("[static]")])
+    path.write_text(text[: text.index("[static]")])
     assert cli.main(["validate", "--backend", "traced", "--model", str(path)]) == 2
     assert "has no [static] table" in capsys.readouterr().err

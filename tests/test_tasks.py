@@ -73,7 +73,9 @@ def test_evaluation_items_are_never_training_items(corpus):
         assert f"capital of {country}?" not in train_text and f"is {country} in?" not in train_text
     paragraphs = [r["text"] for r in read_jsonl(corpus / "train.jsonl") if r["kind"] == "fact_text"]
     stated = {c for c, capital, _ in T.FACTS if any(c in p and capital in p for p in paragraphs)}
-    assert {c for c in held_out if split_of[c] == "eval"} & stated and {c for c in held_out if split_of[c] == "valid"} & stated
+    assert {c for c in held_out if split_of[c] == "eval"} & stated and {
+        c for c in held_out if split_of[c] == "valid"
+    } & stated
     kinds = {r["kind"] for r in read_jsonl(corpus / "train.jsonl")}
     assert kinds == {"text", "fact_text", *T.TASKS}
 
@@ -87,8 +89,11 @@ def test_fact_statements_state_both_facts_in_varied_words_never_as_the_question(
         assert "Lima" in text and "South America" in text, text
         assert "?" not in text and "Q:" not in text, text
         forms.update(s.replace("Lima", "*").replace("South America", "*") for s in sentences)
-        assert all(s.startswith(("Peru", "The capital", "The continent", "In Peru")) for s in sentences
-                   if not s.startswith("Lima is the capital")), sentences
+        assert all(
+            s.startswith(("Peru", "The capital", "The continent", "In Peru"))
+            for s in sentences
+            if not s.startswith("Lima is the capital")
+        ), sentences
     assert len(forms) >= 12, forms  # the fact in many wordings, so it must ride on the name
 
 
@@ -173,6 +178,7 @@ def test_balance_loss_is_one_when_balanced_and_grows_when_collapsed():
 
 class _Tok:
     """Whitespace 'tokenizer' over a fixed word list: enough to test the scoring."""
+
     pad_token_id, eos_token_id, bos_token_id = 0, 1, 2
     words = ["<pad>", "<eos>", "<bos>", "Q:", "A:", "x", "y", "z"]
 
@@ -183,12 +189,15 @@ class _Tok:
         return " " + " ".join(self.words[i] for i in ids if i > 2)
 
 
-@pytest.mark.parametrize("continuation,correct", [
-    ([5, 6, 1, 7], True),      # the answer, EOS, then anything
-    ([5, 6, 7, 1], False),     # an extra token before EOS
-    ([5, 7, 1, 1], False),     # a wrong token
-    ([5, 6, 6, 6], False),     # never stops (no EOS)
-])
+@pytest.mark.parametrize(
+    "continuation,correct",
+    [
+        ([5, 6, 1, 7], True),  # the answer, EOS, then anything
+        ([5, 6, 7, 1], False),  # an extra token before EOS
+        ([5, 7, 1, 1], False),  # a wrong token
+        ([5, 6, 6, 6], False),  # never stops (no EOS)
+    ],
+)
 def test_scoring_is_exact_match_up_to_eos(continuation, correct):
     item = T.Item("reverse", "Q: y x A:", " x y")
 
@@ -216,8 +225,28 @@ def test_committed_model_copies_and_recalls_held_out_facts():
 
 def test_eval_tasks_cli_reports_accuracy_perplexity_and_expert_load(corpus, tmp_path, capsys):
     out = tmp_path / "tasks.json"
-    assert cli.main(["eval-tasks", "--items", "2", "--task", "fact", "--task", "reverse", "--corpus", str(corpus),
-                     "--text-docs", "3", "--backend", "dense_masked", "--json", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "eval-tasks",
+                "--items",
+                "2",
+                "--task",
+                "fact",
+                "--task",
+                "reverse",
+                "--corpus",
+                str(corpus),
+                "--text-docs",
+                "3",
+                "--backend",
+                "dense_masked",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert [r["task"] for r in report["tasks"]] == ["fact", "reverse"] and len(report["items"]) == 4
     text = report["text"]
@@ -232,8 +261,28 @@ def test_eval_tasks_cli_reports_accuracy_perplexity_and_expert_load(corpus, tmp_
 
 def test_eval_tasks_on_the_validation_split_asks_its_items_and_reads_the_calibration_text(corpus, tmp_path):
     out = tmp_path / "valid.json"
-    assert cli.main(["eval-tasks", "--split", "valid", "--items", "2", "--task", "fact", "--corpus", str(corpus),
-                     "--text-docs", "2", "--backend", "dense_masked", "--json", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "eval-tasks",
+                "--split",
+                "valid",
+                "--items",
+                "2",
+                "--task",
+                "fact",
+                "--corpus",
+                str(corpus),
+                "--text-docs",
+                "2",
+                "--backend",
+                "dense_masked",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     want = [T.Item(**r) for r in read_jsonl(corpus / "valid_tasks.jsonl") if r["task"] == "fact"][:2]
     assert report["split"] == "valid" and [r["prompt"] for r in report["items"]] == [i.prompt for i in want]

@@ -59,8 +59,10 @@ def block(tiny_eager):
     gen = torch.Generator().manual_seed(4)
     H, E = config.hidden_size, config.num_experts
     shapes = {"prefill": (2, 9), "decode": (2, 1)}  # T = 18 and 2 tokens: T·k = 72 and 8 against E = 16
-    inputs = {name: [tuple(torch.randn(*shape, H, generator=gen) for _ in range(2)) for _ in range(2)]
-              for name, shape in shapes.items()}
+    inputs = {
+        name: [tuple(torch.randn(*shape, H, generator=gen) for _ in range(2)) for _ in range(2)]
+        for name, shape in shapes.items()
+    }
     refs = {name: {"hf": [], "int8": [], "expert int8": [], "per_expert": []} for name in shapes}
     int8_weights = _expert_layout_int8(layer.experts)
     with torch.no_grad():
@@ -73,8 +75,11 @@ def block(tiny_eager):
                 ref["int8"].append(int8_forward(layer.experts, x, idx, w).view_as(experts_in))
                 per_expert = _per_expert(x, layer.experts.gate_up_proj, layer.experts.down_proj, layer.experts.act_fn)
                 ref["per_expert"].append((per_expert, dense))  # for the bug's exact prediction below
-                ref["expert int8"].append(torch.einsum("teh,te->th", _per_expert(x, *int8_weights, layer.experts.act_fn),
-                                                       dense).view_as(experts_in))
+                ref["expert int8"].append(
+                    torch.einsum("teh,te->th", _per_expert(x, *int8_weights, layer.experts.act_fn), dense).view_as(
+                        experts_in
+                    )
+                )
     return config, inputs, refs
 
 
@@ -95,8 +100,9 @@ def test_trace_once_replicate(tiny_eager, block, tp):
     for key, (expert_layout, options, shape, gathers) in PROGRAMS.items():
         full = layout.parallel_state_dict(hf_state, config, tp, expert_layout)
         full = block_state(quantize_experts(full) if options.get("int8") else full)
-        module = ParallelMoE(decode_config if shape == "decode" else config, tp, cpu, expert_layout=expert_layout,
-                             **options)
+        module = ParallelMoE(
+            decode_config if shape == "decode" else config, tp, cpu, expert_layout=expert_layout, **options
+        )
         states[key] = cpu.shard_checkpoint(full, module, tp)
         module.load_state_dict(states[key][0])
         programs[key] = export_rank0(module, inputs[shape][0], tp)  # traced once, as rank 0

@@ -20,9 +20,13 @@ OPS = ["aten.add.Tensor", "aten.index_copy.default", "<built-in function getitem
 
 def result(**changes) -> dict:
     """An XLA check result in the format bench.xla_check writes, every run passed."""
-    out = {"code": "bench 1234567", "environment": {"torch": "2.9.0+cu128", "torch_xla": "2.9.0"},
-           "runs": [{"run": "exported, dense_masked prefill", "passed": True}, {"run": "serving", "passed": True}],
-           "exported_graphs": ["dense_masked/selective decode", "serving decode"], "exported_ops": OPS[::-1]}
+    out = {
+        "code": "bench 1234567",
+        "environment": {"torch": "2.9.0+cu128", "torch_xla": "2.9.0"},
+        "runs": [{"run": "exported, dense_masked prefill", "passed": True}, {"run": "serving", "passed": True}],
+        "exported_graphs": ["dense_masked/selective decode", "serving decode"],
+        "exported_ops": OPS[::-1],
+    }
     return out | changes
 
 
@@ -47,12 +51,17 @@ def test_the_committed_list_is_what_the_tool_would_write_from_its_ops():
     assert frozenset(ops) == static.xla_lowered_ops()
 
 
-@pytest.mark.parametrize("changes,message", [
-    ({"runs": [{"run": "exported, dense_masked prefill", "passed": True}, {"run": "serving", "passed": False}]},
-     r"not every run lowered cleanly \(failed: serving\)"),
-    ({"runs": []}, "no runs: not a result of the XLA check"),
-    ({"exported_ops": []}, "no exported_ops / exported_graphs recorded"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (
+            {"runs": [{"run": "exported, dense_masked prefill", "passed": True}, {"run": "serving", "passed": False}]},
+            r"not every run lowered cleanly \(failed: serving\)",
+        ),
+        ({"runs": []}, "no runs: not a result of the XLA check"),
+        ({"exported_ops": []}, "no exported_ops / exported_graphs recorded"),
+    ],
+)
 def test_a_result_that_cannot_vouch_for_its_ops_is_refused(changes, message):
     with pytest.raises(UserError, match=message):
         xla_ops.allow_list(result(**changes), "r.json")
@@ -64,15 +73,28 @@ def test_the_command_writes_nothing_from_a_failed_run_and_says_why(tmp_path):
     bad = result(runs=[{"run": "serving", "passed": False}])
     (tmp_path / "r.json").write_text(json.dumps(bad))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "tools.xla_ops", str(tmp_path / "r.json"), "--out", str(out)],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.xla_ops", str(tmp_path / "r.json"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.strip().splitlines() == [f"error: {tmp_path / 'r.json'}: not every run lowered cleanly "
-                                                "(failed: serving), so its ops are not known to lower"]
+    assert done.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'r.json'}: not every run lowered cleanly "
+        "(failed: serving), so its ops are not known to lower"
+    ]
     assert out.read_text() == "# before\naten.add.Tensor\n"
     (tmp_path / "r.json").write_text(json.dumps(result()))
-    done = subprocess.run([sys.executable, "-m", "tools.xla_ops", str(tmp_path / "r.json"), "--out", str(out)],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.xla_ops", str(tmp_path / "r.json"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == (f"wrote {out}: 3 ops; added <built-in function getitem>, "
-                                   "aten.index_copy.default")
+    assert done.stdout.strip() == (f"wrote {out}: 3 ops; added <built-in function getitem>, aten.index_copy.default")

@@ -44,8 +44,11 @@ def _step0_within_fp32(got, want) -> bool:
 
 def _reads_rank(program) -> bool:
     """Whether the graph reads any experts' SPMDRank parameter at all."""
-    names = [s.arg.name for s in program.graph_signature.input_specs
-             if s.target and s.target.endswith("experts.spmd_rank.rank")]
+    names = [
+        s.arg.name
+        for s in program.graph_signature.input_specs
+        if s.target and s.target.endswith("experts.spmd_rank.rank")
+    ]
     return any(len(n.users) for n in program.graph.nodes if n.name in names)
 
 
@@ -64,9 +67,12 @@ def test_rank_module_at_tp1_is_hf(tiny_eager, prompts, expert_layout):
 
 @pytest.mark.slow
 def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
-    gens = {"channel": TPGenerator(tiny_port, 8), "int8": TPGenerator(tiny_port, 8, int8=True),
-            "expert": TPGenerator(tiny_port, 8, expert_layout="expert"),
-            "naive": TPGenerator(tiny_port, 8, expert_layout="expert", scatter="naive")}
+    gens = {
+        "channel": TPGenerator(tiny_port, 8),
+        "int8": TPGenerator(tiny_port, 8, int8=True),
+        "expert": TPGenerator(tiny_port, 8, expert_layout="expert"),
+        "naive": TPGenerator(tiny_port, 8, expert_layout="expert", scatter="naive"),
+    }
     out = generate_replicated(gens, *prompts, NEW_TOKENS)  # raises if any rank's tokens differ from rank 0's
 
     for name in ("channel", "expert"):
@@ -95,8 +101,12 @@ def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
         assert set(sig.buffers_to_mutate.values()) == set(state) and len(state) == 8, name
         assert len(sig.user_outputs) == 2 and len(sig.user_inputs) == (3 if name == "decode" else 5), name  # + sampling
     shapes = {n.name: tuple(n.meta["val"].shape) for n in program.graph.nodes if n.op == "placeholder"}
-    assert [shapes[state[f"cache.{kv}{i}"]] for i in (0, 1) for kv in "kv"] == \
-        [(2, 1, 16, 32), (2, 1, 16, 32), (2, 1, 96, 64), (2, 1, 96, 64)]
+    assert [shapes[state[f"cache.{kv}{i}"]] for i in (0, 1) for kv in "kv"] == [
+        (2, 1, 16, 32),
+        (2, 1, 16, 32),
+        (2, 1, 96, 64),
+        (2, 1, 96, 64),
+    ]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

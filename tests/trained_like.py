@@ -38,8 +38,7 @@ def experts(num_experts=8, inter=48, hidden=256, seed=0):
     down = basis @ torch.randn(num_experts, FEATURES, inter, generator=gen)
     down = down + 0.15 * torch.randn(num_experts, hidden, inter, generator=gen) / math.sqrt(hidden)
     down *= torch.exp(0.7 * torch.randn(num_experts, 1, inter, generator=gen))  # heavy-tailed channel norms
-    return SimpleNamespace(gate_up_proj=gate_up, down_proj=down, act_fn=ACT2FN["gelu_pytorch_tanh"],
-                           features=features)
+    return SimpleNamespace(gate_up_proj=gate_up, down_proj=down, act_fn=ACT2FN["gelu_pytorch_tanh"], features=features)
 
 
 def tokens(ex, count=64, seed=1):

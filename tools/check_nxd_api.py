@@ -38,7 +38,9 @@ def check(src: Path) -> list[str]:
     problems = []
     for dotted, (path, kwargs) in NXD_API.items():
         file = src / path
-        module_path = ".".join(Path(path).with_suffix("").parts[1:])  # src/neuronx_distributed/x.py -> neuronx_distributed.x
+        module_path = ".".join(
+            Path(path).with_suffix("").parts[1:]
+        )  # src/neuronx_distributed/x.py -> neuronx_distributed.x
         if not dotted.startswith(module_path + "."):
             problems.append(f"{dotted}: not in module {module_path} ({path})")
             continue
@@ -46,7 +48,7 @@ def check(src: Path) -> list[str]:
             problems.append(f"{dotted}: {path} does not exist")
             continue
         node, body = None, ast.parse(file.read_text()).body
-        for part in dotted[len(module_path) + 1:].split("."):
+        for part in dotted[len(module_path) + 1 :].split("."):
             node = _member(body, part)
             if node is None:
                 break
@@ -73,7 +75,9 @@ def main() -> int:
     problems = check(Path(sys.argv[1]))
     for p in problems:
         print("MISSING", p)
-    print(f"{len(NXD_API) - len(problems)}/{len(NXD_API)} NxD names verified in {sys.argv[1]} (table written against {NXD_SOURCE})")
+    print(
+        f"{len(NXD_API) - len(problems)}/{len(NXD_API)} NxD names verified in {sys.argv[1]} (table written against {NXD_SOURCE})"
+    )
     return 1 if problems else 0
 
 

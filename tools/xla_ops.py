@@ -32,17 +32,19 @@ def allow_list(result: dict, source: str) -> str:
         raise UserError(f"{source}: no runs: not a result of the XLA check")
     failed = [run.get("run", "?") for run in runs if run.get("passed") is not True]
     if failed:
-        raise UserError(f"{source}: not every run lowered cleanly (failed: {'; '.join(failed)}), so its ops "
-                        "are not known to lower")
+        raise UserError(
+            f"{source}: not every run lowered cleanly (failed: {'; '.join(failed)}), so its ops are not known to lower"
+        )
     ops, graphs = result.get("exported_ops"), result.get("exported_graphs")
     if not ops or not graphs:
-        raise UserError(f"{source}: no exported_ops / exported_graphs recorded: run the check again "
-                        "(`make xla-check`)")
+        raise UserError(f"{source}: no exported_ops / exported_graphs recorded: run the check again (`make xla-check`)")
     env = result.get("environment", {})
-    return (f"# Ops of the exported static graphs ({', '.join(graphs)}) that lowered on XLA:CPU with no\n"
-            f"# aten fallback and one compilation per graph. Written by `python -m tools.xla_ops` from {source}\n"
-            f"# ({result.get('code', '?')}; torch {env.get('torch', '?')}, torch-xla {env.get('torch_xla', '?')}); "
-            "do not edit by hand.\n" + "".join(f"{op}\n" for op in sorted(ops)))
+    return (
+        f"# Ops of the exported static graphs ({', '.join(graphs)}) that lowered on XLA:CPU with no\n"
+        f"# aten fallback and one compilation per graph. Written by `python -m tools.xla_ops` from {source}\n"
+        f"# ({result.get('code', '?')}; torch {env.get('torch', '?')}, torch-xla {env.get('torch_xla', '?')}); "
+        "do not edit by hand.\n" + "".join(f"{op}\n" for op in sorted(ops))
+    )
 
 
 def ops_of(text: str) -> list[str]:
@@ -53,8 +55,11 @@ def ops_of(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("result", nargs="?", default=str(RESULT), help=f"the check's JSON (default {RESULT})")
-    parser.add_argument("--out", default=str(XLA_LOWERED_OPS_FILE), help="the allow-list to write (default: the "
-                                                                         "package's, where the tests read it)")
+    parser.add_argument(
+        "--out",
+        default=str(XLA_LOWERED_OPS_FILE),
+        help="the allow-list to write (default: the package's, where the tests read it)",
+    )
     args = parser.parse_args(argv)
     result = read_json_object(Path(args.result), UserError, f"{args.result}: no such file (run `make xla-check`)")
     text = allow_list(result, args.result)
@@ -64,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         f.write(text)
     ops = ops_of(text)
     added, removed = sorted(set(ops) - before), sorted(before - set(ops))
-    print(f"wrote {out}: {len(ops)} ops" + (f"; added {', '.join(added)}" if added else "")
-          + (f"; removed {', '.join(removed)}" if removed else ""))
+    print(
+        f"wrote {out}: {len(ops)} ops"
+        + (f"; added {', '.join(added)}" if added else "")
+        + (f"; removed {', '.join(removed)}" if removed else "")
+    )
     return 0
 
 

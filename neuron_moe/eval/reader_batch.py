@@ -114,8 +114,16 @@ def order(count: int, seed: int = 0) -> list[int]:
 
 
 @torch.no_grad()
-def decode(model, seqs: list[Sequence], batch: int, states=None, new_tokens: list[int] | None = None,
-           eos: int | None = None, seed: int = 0, progress=None) -> Decoded:
+def decode(
+    model,
+    seqs: list[Sequence],
+    batch: int,
+    states=None,
+    new_tokens: list[int] | None = None,
+    eos: int | None = None,
+    seed: int = 0,
+    progress=None,
+) -> Decoded:
     """Decode `seqs` B = `batch` rows at a time. With selector `states` (attach_selector, Step rules)
     the decode steps run them, else the full experts. `new_tokens`: greedy generation of that many
     tokens per sequence after its prompt (stopping at `eos`), instead of teacher forcing."""
@@ -134,8 +142,16 @@ def decode(model, seqs: list[Sequence], batch: int, states=None, new_tokens: lis
             fillers.extend(order(len(seqs), seed))
         i = (queue if scored else fillers).popleft()
         s = seqs[i]
-        return Row(s.ids[:s.start], list(s.ids), s.start, len(s.ids) - 2 + (new_tokens[i] if new_tokens else 0),
-                   out.logprobs[i] if scored else None, out.picks[i] if scored else None, bool(new_tokens), eos)
+        return Row(
+            s.ids[: s.start],
+            list(s.ids),
+            s.start,
+            len(s.ids) - 2 + (new_tokens[i] if new_tokens else 0),
+            out.logprobs[i] if scored else None,
+            out.picks[i] if scored else None,
+            bool(new_tokens),
+            eos,
+        )
 
     while True:
         rows.admit(take)
@@ -149,9 +165,19 @@ def decode(model, seqs: list[Sequence], batch: int, states=None, new_tokens: lis
             state.active, state.results = active, []
         rows.decode()
         if states:
-            out.steps.append({"tokens": int(active.sum()), "layers": [
-                {"bytes": int(st.results[0].reads[0]), "experts": st.results[0].step.experts,
-                 "exact": st.results[0].step.exact} for st in states]})
+            out.steps.append(
+                {
+                    "tokens": int(active.sum()),
+                    "layers": [
+                        {
+                            "bytes": int(st.results[0].reads[0]),
+                            "experts": st.results[0].step.experts,
+                            "exact": st.results[0].step.exact,
+                        }
+                        for st in states
+                    ],
+                }
+            )
         if progress is not None:
             progress.update(scored)
     out.logprobs = [torch.stack(lp) if lp else torch.zeros(0) for lp in out.logprobs]

@@ -80,6 +80,7 @@ class Settings:
 
 # ---- input ----
 
+
 def parse_budgets(text: str) -> list[float]:
     try:
         budgets = [float(b) for b in text.split(",") if b.strip()]
@@ -131,7 +132,7 @@ def corpus_text(corpus: str | None, name: str, docs: int) -> list[str]:
 def item_sequence(tokenizer, item: T.Item) -> Sequence:
     prompt = tokenizer.encode(item.prompt)
     ids = tokenizer.encode(item.prompt + item.answer) + [tokenizer.eos_token_id]
-    if ids[:len(prompt)] != prompt:
+    if ids[: len(prompt)] != prompt:
         raise EvalError(f"the tokenizer does not split {item.prompt!r} where its answer begins")
     return Sequence(ids, item.task, len(prompt) - 1)
 
@@ -153,13 +154,16 @@ def calibration_items(s: Settings) -> list[T.Item]:
 
 def sequences(tokenizer, s: Settings, longest: int, split: str) -> list[Sequence]:
     """Teacher-forced sequences of the `evaluation` or `calibration` split."""
-    items, text_file = ((evaluation_items(s), "eval_text.jsonl") if split == "evaluation"
-                        else (calibration_items(s), "calib.jsonl"))
-    return ([item_sequence(tokenizer, i) for i in items]
-            + text_sequences(tokenizer, corpus_text(s.corpus, text_file, s.text_docs), longest))
+    items, text_file = (
+        (evaluation_items(s), "eval_text.jsonl") if split == "evaluation" else (calibration_items(s), "calib.jsonl")
+    )
+    return [item_sequence(tokenizer, i) for i in items] + text_sequences(
+        tokenizer, corpus_text(s.corpus, text_file, s.text_docs), longest
+    )
 
 
 # ---- running the model ----
+
 
 @torch.no_grad()
 def teacher_forced(model, seqs: list[Sequence], states=None, progress=None):
@@ -169,10 +173,10 @@ def teacher_forced(model, seqs: list[Sequence], states=None, progress=None):
     for seq in seqs:
         for state in states or ():
             state.results = []
-        logits = model(input_ids=torch.tensor([seq.ids])).logits[0, seq.start:-1].float()
+        logits = model(input_ids=torch.tensor([seq.ids])).logits[0, seq.start : -1].float()
         reads = None
         if states:
-            reads = torch.stack([torch.cat([r.reads for r in st.results])[seq.start:-1] for st in states])
+            reads = torch.stack([torch.cat([r.reads for r in st.results])[seq.start : -1] for st in states])
             for state in states:
                 state.results = None
         out.append((logits.log_softmax(-1), reads))
@@ -186,8 +190,10 @@ def calibration_inputs(model, seqs: list[Sequence], tokens: int, seed: int = 0) 
     """Each layer's routed-experts inputs (x, index, weights) on the calibration sequences, full
     model, the same seeded sample of `tokens` positions in every layer."""
     captured = [[] for _ in model.model.layers]
-    hooks = [layer.experts.register_forward_pre_hook(lambda m, args, into=into: into.append(args))
-             for layer, into in zip(model.model.layers, captured)]
+    hooks = [
+        layer.experts.register_forward_pre_hook(lambda m, args, into=into: into.append(args))
+        for layer, into in zip(model.model.layers, captured)
+    ]
     try:
         for seq in seqs:
             model(input_ids=torch.tensor([seq.ids]))
@@ -209,6 +215,7 @@ def weights_digest(model) -> str:
 
 
 # ---- statistics ----
+
 
 def quantiles(values: torch.Tensor, qs=(0.05, 0.25, 0.5, 0.75, 0.95)) -> dict:
     v = values.double()
@@ -237,20 +244,34 @@ def cell_stats(reference, sparse, seqs: list[Sequence], full: int) -> dict:
     by_source = {}
     for name in dict.fromkeys(source):
         rows = torch.tensor([s == name for s in source])
-        by_source[name] = {"positions": int(rows.sum()), "kl_mean": float(kl[rows].mean()),
-                           "top1": float(agree[rows].double().mean()), "reads_mean": float(reads[rows].mean())}
+        by_source[name] = {
+            "positions": int(rows.sum()),
+            "kl_mean": float(kl[rows].mean()),
+            "top1": float(agree[rows].double().mean()),
+            "reads_mean": float(reads[rows].mean()),
+        }
     answer = position >= 0
-    return {"positions": len(kl), "kl_mean": float(kl.mean()), "kl_p99": float(kl.double().quantile(0.99)),
-            "top1": float(agree.double().mean()), "reads": quantiles(reads), "by_source": by_source,
-            "reads_by_answer_position": answer_bins(position[answer], reads[answer])}
+    return {
+        "positions": len(kl),
+        "kl_mean": float(kl.mean()),
+        "kl_p99": float(kl.double().quantile(0.99)),
+        "top1": float(agree.double().mean()),
+        "reads": quantiles(reads),
+        "by_source": by_source,
+        "reads_by_answer_position": answer_bins(position[answer], reads[answer]),
+    }
 
 
 def accuracy(rows: list[dict]) -> dict:
-    return {"correct": sum(r["correct"] for r in rows), "items": len(rows),
-            "by_task": {t["task"]: t["correct"] for t in accuracy_by_task(rows)} if rows else {}}
+    return {
+        "correct": sum(r["correct"] for r in rows),
+        "items": len(rows),
+        "by_task": {t["task"]: t["correct"] for t in accuracy_by_task(rows)} if rows else {},
+    }
 
 
 # ---- the run ----
+
 
 def cell_name(selector: str, rule: str, budget: float) -> str:
     return f"{selector}-{rule}-{budget:g}"
@@ -304,9 +325,15 @@ class Run:
         path = self.out / "sidecar-int8dq.safetensors"
         if not path.exists():
             c = self.model.config
-            write_sidecar(path, [int8_experts(layer.experts).dequantized() for layer in self.model.model.layers],
-                          Geometry.from_config(c), layers=c.num_hidden_layers, seed=self.sidecar.seed,
-                          rank=self.sidecar.layout.rank, scan=self.sidecar.scan)
+            write_sidecar(
+                path,
+                [int8_experts(layer.experts).dequantized() for layer in self.model.model.layers],
+                Geometry.from_config(c),
+                layers=c.num_hidden_layers,
+                seed=self.sidecar.seed,
+                rank=self.sidecar.layout.rank,
+                scan=self.sidecar.scan,
+            )
         return Sidecar(path)
 
     def generate(self, progress=None) -> list[dict]:
@@ -314,8 +341,13 @@ class Run:
         rows = []
         for task in dict.fromkeys(i.task for i in self.items):
             mine = [i for i in self.items if i.task == task]
-            rows += score_items(lambda ids, mask, n: greedy(self.model, ids, mask, n), self.tokenizer, mine,
-                                  batch_size=64, progress=progress)
+            rows += score_items(
+                lambda ids, mask, n: greedy(self.model, ids, mask, n),
+                self.tokenizer,
+                mine,
+                batch_size=64,
+                progress=progress,
+            )
         return rows
 
     def cell(self, selector: spec.Selector, rule: str, budget: float, progress=None) -> dict:
@@ -329,13 +361,19 @@ class Run:
                 rules, planned, full, k = tp_plan(layers, selector, budget)
                 row["k_per_rank"] = k
             else:
-                planned = selectors.charged(name, layers[0].geo, layers[0].settings,
-                                            selectors.plan(name, layers[0].geo, layers[0].settings, budget))
+                planned = selectors.charged(
+                    name,
+                    layers[0].geo,
+                    layers[0].settings,
+                    selectors.plan(name, layers[0].geo, layers[0].settings, budget),
+                )
                 if rule == "topk":
                     rules = [selectors.top_k(name, layer, budget) for layer in layers]
                 else:
-                    rules = [selectors.calibrate(name, layer, *inputs, budget)
-                             for layer, inputs in zip(layers, self.calibrate_inputs())]
+                    rules = [
+                        selectors.calibrate(name, layer, *inputs, budget)
+                        for layer, inputs in zip(layers, self.calibrate_inputs())
+                    ]
         except BudgetError as e:
             return row | {"status": "not reachable", "reason": str(e)}
         reference = self.full_reference()  # before the selector replaces the experts
@@ -350,9 +388,13 @@ class Run:
         # threshold: what the calibrated rule read is reported against the same target, not checked
         deviation = max(int((r - planned).abs().max()) for _, r in sparse) if rule == "topk" else None
         return row | {
-            "status": "ok", "target_reads": 100 * planned / full, **stats,
-            "max_read_deviation_bytes": deviation, "within_one_sector": None if deviation is None else deviation <= SECTOR,
-            "accuracy": accuracy(rows), "seconds": time.perf_counter() - started,
+            "status": "ok",
+            "target_reads": 100 * planned / full,
+            **stats,
+            "max_read_deviation_bytes": deviation,
+            "within_one_sector": None if deviation is None else deviation <= SECTOR,
+            "accuracy": accuracy(rows),
+            "seconds": time.perf_counter() - started,
         }
 
 
@@ -383,16 +425,21 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
     sidecar into OUT once."""
     model = build_model(port, spec.EAGER, torch.float32, checkpoint)
     tokenizer = load_tokenizer(port, checkpoint)
-    key = {"model": port.name, "weights_sha256": weights_digest(model), "reader_rank": port.reader.rank,
-           **{k: list(v) if isinstance(v, tuple) else v for k, v in settings.__dict__.items()}}
+    key = {
+        "model": port.name,
+        "weights_sha256": weights_digest(model),
+        "reader_rank": port.reader.rank,
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in settings.__dict__.items()},
+    }
     out.mkdir(parents=True, exist_ok=True)
     run_file = out / "run.json"
     if run_file.exists():
         before = _read(run_file)
         if before != key:
             changed = sorted(k for k in key if before.get(k) != key[k])
-            raise EvalError(f"{out} holds cells of another run (different {', '.join(changed)}); "
-                            f"pass another --out or remove it")
+            raise EvalError(
+                f"{out} holds cells of another run (different {', '.join(changed)}); pass another --out or remove it"
+            )
     else:
         write_json(key, str(run_file))
     run = Run(model, tokenizer, settings, out, reader_rank=port.reader.rank)
@@ -407,15 +454,18 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
     return run
 
 
-def evaluate(port, checkpoint, budgets: list[float], specs: list[spec.Selector], rules: list[str], out: Path,
-             settings: Settings) -> dict:
+def evaluate(
+    port, checkpoint, budgets: list[float], specs: list[spec.Selector], rules: list[str], out: Path, settings: Settings
+) -> dict:
     """Every cell (skipping those OUT already holds), then the merged report: OUT/report.json."""
     out = Path(out)
     if settings.corpus is not None:
         for name in ("eval_text.jsonl", "calib.jsonl"):
             if not (Path(settings.corpus) / name).is_file():
-                raise EvalError(f"{Path(settings.corpus) / name}: missing; build the corpus first "
-                                f"(neuron-moe build-corpus --out {settings.corpus})")
+                raise EvalError(
+                    f"{Path(settings.corpus) / name}: missing; build the corpus first "
+                    f"(neuron-moe build-corpus --out {settings.corpus})"
+                )
     if "threshold" in rules and any(s.tp for s in specs):
         raise EvalError("the reader at TP T (reader-...-tpT) is a top-k rule per rank: pass --rules topk")
     run = open_run(port, checkpoint, settings, out, any(s.reader for s in specs))
@@ -444,13 +494,18 @@ def evaluate(port, checkpoint, budgets: list[float], specs: list[spec.Selector],
         raise EvalError(f"{full_file}: no 'accuracy' object; remove the file to recompute it")
     for row in results:
         if row["status"] == "ok":
-            row["accuracy_percent_of_full"] = (100 * row["accuracy"]["correct"] / full_acc["correct"]
-                                               if full_acc["correct"] else None)
-    report = {"model": port.name, "settings": _read(out / "run.json"),
-              "generation": "greedy, the selector on every token (prefill and decode alike)",
-              "teacher_forced": "prompt + answer + EOS; scored: the positions that predict an answer token, and "
-                                "every position of the held-out text",
-              "full_model": {"accuracy": full_acc}, "cells": results}
+            row["accuracy_percent_of_full"] = (
+                100 * row["accuracy"]["correct"] / full_acc["correct"] if full_acc["correct"] else None
+            )
+    report = {
+        "model": port.name,
+        "settings": _read(out / "run.json"),
+        "generation": "greedy, the selector on every token (prefill and decode alike)",
+        "teacher_forced": "prompt + answer + EOS; scored: the positions that predict an answer token, and "
+        "every position of the held-out text",
+        "full_model": {"accuracy": full_acc},
+        "cells": results,
+    }
     write_json(report, str(out / "report.json"))
     write_markdown(report, out / "report.md")
     report["plots"] = [str(p) for p in plot(report, out)]

@@ -45,8 +45,13 @@ BACKENDS: dict[str, Backend] = {
     "tp8-int8": Backend("tp8-int8", EXPORTED, placement=Placement(), int8=True),
 }
 TP_BACKENDS = tuple(name for name, b in BACKENDS.items() if b.placement is not None)
-_READER_FLAGS = {"sidecar": "sidecar", "budget": "budget", "rank": "rank", "kernel": "reader_kernel",
-                 "weights": "reader_weights"}  # Reader field -> its option
+_READER_FLAGS = {
+    "sidecar": "sidecar",
+    "budget": "budget",
+    "rank": "rank",
+    "kernel": "reader_kernel",
+    "weights": "reader_weights",
+}  # Reader field -> its option
 
 
 def _reads(backend: Backend) -> bool:
@@ -59,8 +64,19 @@ def _reads_at_tp(backend: Backend) -> bool:
     return backend.placement is not None and backend.placement.scatter == SPMD and not backend.int8
 
 
-def backend(name: str, *, sidecar=None, budget=None, rank=None, reader_kernel=None, reader_weights=None,
-            expert_layout=None, tp=None, tp_layers=None, dtype: str | None = None) -> Backend:
+def backend(
+    name: str,
+    *,
+    sidecar=None,
+    budget=None,
+    rank=None,
+    reader_kernel=None,
+    reader_weights=None,
+    expert_layout=None,
+    tp=None,
+    tp_layers=None,
+    dtype: str | None = None,
+) -> Backend:
     """BACKENDS[name] with the options given (not None); options it does not take are refused. The
     reader takes them all but expert_layout; tp8 runs the reader in its decode graph with sidecar,
     budget and rank; the TP backends take expert_layout, tp (the degree) and tp_layers (the
@@ -70,20 +86,25 @@ def backend(name: str, *, sidecar=None, budget=None, rank=None, reader_kernel=No
     given = [flag for field, flag in _READER_FLAGS.items() if getattr(reader, field) is not None]
     tp_reader = _reads_at_tp(base) and bool(given)  # the reader in the TP decode graph
     if tp_reader and ({"reader_kernel", "reader_weights"} & set(given) or sidecar is None):
-        raise UserError("--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp T`) and "
-                        "--budget; its kernels are the PyTorch reference over the bf16 experts "
-                        "(no --reader-kernel, no --reader-weights)")
+        raise UserError(
+            "--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp T`) and "
+            "--budget; its kernels are the PyTorch reference over the bf16 experts "
+            "(no --reader-kernel, no --reader-weights)"
+        )
     if given and not _reads(base) and not tp_reader:
-        raise UserError(f"--{'/--'.join(given).replace('_', '-')} apply to --backend reader only "
-                        f"(--sidecar, --budget and --rank also to tp8)")
+        raise UserError(
+            f"--{'/--'.join(given).replace('_', '-')} apply to --backend reader only "
+            f"(--sidecar, --budget and --rank also to tp8)"
+        )
     placement = {"expert_layout": expert_layout, "tp": tp, "layers": tp_layers}
     for field, value in placement.items():
         if value is not None and base.placement is None:
             flag = "--tp-layers" if field == "layers" else f"--{field.replace('_', '-')}"
             raise UserError(f"{flag} applies to the TP backends ({', '.join(TP_BACKENDS)}) only")
     if base.placement is not None:
-        base = dataclasses.replace(base, placement=dataclasses.replace(
-            base.placement, **{k: v for k, v in placement.items() if v is not None}))
+        base = dataclasses.replace(
+            base, placement=dataclasses.replace(base.placement, **{k: v for k, v in placement.items() if v is not None})
+        )
     return dataclasses.replace(base, reader=reader if _reads(base) or tp_reader else None, dtype=dtype)
 
 
@@ -105,8 +126,16 @@ def generator(port, backend: Backend, checkpoint=None) -> Generator:
         return traced_backend(port, dtype, checkpoint)
     if _reads(backend):
         r = backend.reader or Reader()
-        model = reader_model(port, dtype, checkpoint, sidecar=r.sidecar, budget=r.budget, rank=r.rank,
-                             reader_kernel=r.kernel or "reference", reader_weights=r.weights or "bf16")
+        model = reader_model(
+            port,
+            dtype,
+            checkpoint,
+            sidecar=r.sidecar,
+            budget=r.budget,
+            rank=r.rank,
+            reader_kernel=r.kernel or "reference",
+            reader_weights=r.weights or "bf16",
+        )
     else:
         model = build_model(port, backend.experts, dtype, checkpoint)
     return lambda ids, mask, n: greedy(model, ids, mask, n)
@@ -125,25 +154,28 @@ def compare(reference: Generation, backend: Generation, prompts: list[str]) -> l
         ref_l, got_l = reference.logits[i, :comparable], backend.logits[i, :comparable].to(torch.float32)
         cosine = torch.nn.functional.cosine_similarity(ref_l, got_l, dim=-1)
         finite = bool(torch.isfinite(ref_l).all() and torch.isfinite(got_l).all())
-        rows.append({
-            "prompt": prompt,
-            "seq_match": first is None and finite,
-            "finite_logits": finite,
-            "first_divergence": first,
-            "max_abs_dlogit_step0": float((ref_l[0] - got_l[0]).abs().max()),
-            "min_cosine": float(cosine.min()),
-            "new_tokens": len(ref_t),
-        })
+        rows.append(
+            {
+                "prompt": prompt,
+                "seq_match": first is None and finite,
+                "finite_logits": finite,
+                "first_divergence": first,
+                "max_abs_dlogit_step0": float((ref_l[0] - got_l[0]).abs().max()),
+                "min_cosine": float(cosine.min()),
+                "new_tokens": len(ref_t),
+            }
+        )
     return rows
 
 
-def run_validation(port, tokenizer, backend: Backend, max_new_tokens: int, prompts: list[str],
-                   checkpoint=None) -> dict:
+def run_validation(port, tokenizer, backend: Backend, max_new_tokens: int, prompts: list[str], checkpoint=None) -> dict:
     ids, mask = left_pad([tokenizer.encode(p) for p in prompts], tokenizer.pad_token_id)
     context = port.config.max_position_embeddings
     if ids.shape[1] + max_new_tokens > context:
-        raise UserError(f"the longest prompt ({ids.shape[1]} tokens) plus --max-new-tokens {max_new_tokens} exceeds "
-                        f"the model's context of {context} tokens")
+        raise UserError(
+            f"the longest prompt ({ids.shape[1]} tokens) plus --max-new-tokens {max_new_tokens} exceeds "
+            f"the model's context of {context} tokens"
+        )
     # the backend first: a backend that refuses the input does so before the reference has run
     generate = generator(port, backend, checkpoint)
     got = generate(ids, mask, max_new_tokens)
@@ -169,19 +201,34 @@ def run_validation(port, tokenizer, backend: Backend, max_new_tokens: int, promp
 
 def render_validation(report: dict) -> str:
     shown = [dict(r, prompt=repr(r["prompt"])) for r in report["prompts"]]  # newlines visible, one row each
-    lines = [f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}) "
-             f"vs {report['reference']}, {report['max_new_tokens']} new tokens"]
+    lines = [
+        f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}) "
+        f"vs {report['reference']}, {report['max_new_tokens']} new tokens"
+    ]
     if "layer_library" in report:
         lines.append(f"TP {report['tp']}, expert layout {report['expert_layout']}, layers: {report['layer_library']}")
-    lines += ["",
-             table(shown, [
-                 ("prompt", "prompt"), ("seq_match", "SEQ_MATCH"), ("first_divergence", "first diff"),
-                 ("max_abs_dlogit_step0", "max|Δlogit| step 0"), ("min_cosine", "min cosine", "{:.7f}"),
-             ])]
-    lines += [f"\n{row['prompt']!r}: NaN or inf among the logits (a failed comparison)"
-              for row in report["prompts"] if not row["finite_logits"]]
+    lines += [
+        "",
+        table(
+            shown,
+            [
+                ("prompt", "prompt"),
+                ("seq_match", "SEQ_MATCH"),
+                ("first_divergence", "first diff"),
+                ("max_abs_dlogit_step0", "max|Δlogit| step 0"),
+                ("min_cosine", "min cosine", "{:.7f}"),
+            ],
+        ),
+    ]
+    lines += [
+        f"\n{row['prompt']!r}: NaN or inf among the logits (a failed comparison)"
+        for row in report["prompts"]
+        if not row["finite_logits"]
+    ]
     lines.append("\nreference (greedy) continuations, up to the first EOS:")
     lines += [f"  {row['prompt']!r} -> {row['reference_text']!r}" for row in report["prompts"]]
-    lines.append(f"\n{'PASS' if report['all_match'] else 'FAIL'}: "
-                 f"{sum(r['seq_match'] for r in report['prompts'])}/{len(report['prompts'])} prompts match")
+    lines.append(
+        f"\n{'PASS' if report['all_match'] else 'FAIL'}: "
+        f"{sum(r['seq_match'] for r in report['prompts'])}/{len(report['prompts'])} prompts match"
+    )
     return "\n".join(lines)

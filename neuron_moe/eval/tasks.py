@@ -26,14 +26,22 @@ def score_items(generate, tokenizer, items: list[Item], batch_size: int = 32, pr
     """Greedy answers of `generate` (a SEQ_MATCH backend's generator), one row per item."""
     rows = []
     for start in range(0, len(items), batch_size):
-        batch = items[start:start + batch_size]
+        batch = items[start : start + batch_size]
         ids, mask = left_pad([tokenizer.encode(i.prompt) for i in batch], tokenizer.pad_token_id)
         want = [len(tokenizer.encode(i.answer)) for i in batch]  # encode adds BOS: +1 leaves room for EOS
         gen = generate(ids, mask, max(want) + 1)
         for item, toks, n in zip(batch, gen.tokens.tolist(), want):
             got = answer_text(tokenizer, toks)
-            rows.append({"task": item.task, "prompt": item.prompt, "answer": item.answer, "got": got,
-                         "correct": got == item.answer, "answer_tokens": n - 1})
+            rows.append(
+                {
+                    "task": item.task,
+                    "prompt": item.prompt,
+                    "answer": item.answer,
+                    "got": got,
+                    "correct": got == item.answer,
+                    "answer_tokens": n - 1,
+                }
+            )
         if progress is not None:
             progress.update(len(batch))
     return rows
@@ -44,9 +52,16 @@ def accuracy_by_task(rows: list[dict]) -> list[dict]:
     for task in dict.fromkeys(r["task"] for r in rows):
         mine = [r for r in rows if r["task"] == task]
         lengths = [r["answer_tokens"] for r in mine]
-        out.append({"task": task, "items": len(mine), "correct": sum(r["correct"] for r in mine),
-                    "accuracy": sum(r["correct"] for r in mine) / len(mine),
-                    "answer_tokens_min": min(lengths), "answer_tokens_max": max(lengths)})
+        out.append(
+            {
+                "task": task,
+                "items": len(mine),
+                "correct": sum(r["correct"] for r in mine),
+                "accuracy": sum(r["correct"] for r in mine) / len(mine),
+                "answer_tokens_min": min(lengths),
+                "answer_tokens_max": max(lengths),
+            }
+        )
     return out
 
 
@@ -77,20 +92,34 @@ def text_metrics(model, docs: list[list[int]], unigram: tuple[Counter, int], voc
             nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
             uni_nll -= sum(math.log((counts[t] + 1) / (total + vocab_size)) for t in target.tolist())
             n += len(target)
-            per_layer = torch.stack([torch.bincount(idx.flatten(), minlength=model.config.num_experts)
-                                     for idx in captured])  # [L, E]
+            per_layer = torch.stack(
+                [torch.bincount(idx.flatten(), minlength=model.config.num_experts) for idx in captured]
+            )  # [L, E]
             loads = per_layer if loads is None else loads + per_layer
     finally:
         for h in hooks:
             h.remove()
     share = loads.double() / loads.sum(-1, keepdim=True)
-    return {"tokens": n, "perplexity": math.exp(nll / n), "unigram_perplexity": math.exp(uni_nll / n),
-            "expert_share": share.tolist(),  # [layer][expert], each row sums to 1
-            "expert_share_min": float(share.min()), "expert_share_max": float(share.max())}
+    return {
+        "tokens": n,
+        "perplexity": math.exp(nll / n),
+        "unigram_perplexity": math.exp(uni_nll / n),
+        "expert_share": share.tolist(),  # [layer][expert], each row sums to 1
+        "expert_share_min": float(share.min()),
+        "expert_share_max": float(share.max()),
+    }
 
 
-def evaluate(port, backend: Backend = BACKENDS["eager"], checkpoint=None, per_task: int = 50, corpus=None,
-             text_docs: int = 200, tasks=TASKS, split: str = "eval") -> dict:
+def evaluate(
+    port,
+    backend: Backend = BACKENDS["eager"],
+    checkpoint=None,
+    per_task: int = 50,
+    corpus=None,
+    text_docs: int = 200,
+    tasks=TASKS,
+    split: str = "eval",
+) -> dict:
     """Task accuracy on `split` with `backend` (any of seq_match.BACKENDS); with `corpus` (a
     build-corpus directory) also held-out perplexity, the unigram baseline and the expert load on
     that split's text (the calibration text for valid)."""
@@ -99,12 +128,22 @@ def evaluate(port, backend: Backend = BACKENDS["eager"], checkpoint=None, per_ta
     generate = generator(port, backend, checkpoint)
     with tqdm(total=len(items), desc=f"eval-tasks ({backend.name})", leave=False) as bar:
         rows = score_items(generate, tokenizer, items, progress=bar)
-    report = {"model": port.name, "backend": backend.name, "split": split, "items_per_task": per_task,
-              "tasks": accuracy_by_task(rows), "text": None, "items": rows}
+    report = {
+        "model": port.name,
+        "backend": backend.name,
+        "split": split,
+        "items_per_task": per_task,
+        "tasks": accuracy_by_task(rows),
+        "text": None,
+        "items": rows,
+    }
     if corpus is not None:
         train_text = [r["text"] for r in read_jsonl(Path(corpus) / "train.jsonl") if r["kind"] == "text"]
-        held_out = (read_jsonl(Path(corpus) / "eval_text.jsonl") if split == "eval" else
-                    [r for r in read_jsonl(Path(corpus) / "calib.jsonl") if r["kind"] == "text"])
+        held_out = (
+            read_jsonl(Path(corpus) / "eval_text.jsonl")
+            if split == "eval"
+            else [r for r in read_jsonl(Path(corpus) / "calib.jsonl") if r["kind"] == "text"]
+        )
         held_out = [r["text"] for r in held_out][:text_docs]
         unigram = unigram_counts(tokenizer.encode(t) for t in train_text)
         model = build_model(port, EAGER, torch.float32, checkpoint)
@@ -115,17 +154,28 @@ def evaluate(port, backend: Backend = BACKENDS["eager"], checkpoint=None, per_ta
 
 
 def render_tasks(report: dict, num_experts: int) -> str:
-    lines = [f"{report['model']}: {report['split']} split, greedy answers with {report['backend']}, "
-             "exact match up to EOS\n",
-             table(report["tasks"], [("task", "task"), ("items", "items"), ("correct", "correct"),
-                                     ("accuracy", "accuracy", "{:.1%}"), ("answer_tokens_min", "answer tokens min"),
-                                     ("answer_tokens_max", "max")])]
+    lines = [
+        f"{report['model']}: {report['split']} split, greedy answers with {report['backend']}, exact match up to EOS\n",
+        table(
+            report["tasks"],
+            [
+                ("task", "task"),
+                ("items", "items"),
+                ("correct", "correct"),
+                ("accuracy", "accuracy", "{:.1%}"),
+                ("answer_tokens_min", "answer tokens min"),
+                ("answer_tokens_max", "max"),
+            ],
+        ),
+    ]
     text = report["text"]
     if text is None:
         lines.append("\nno --corpus: held-out perplexity and expert load not measured")
     else:
-        lines += [f"\nheld-out text ({text['tokens']} tokens): perplexity {text['perplexity']:.2f}, "
-                  f"unigram baseline {text['unigram_perplexity']:.2f}",
-                  f"expert share of routed slots on that text: min {text['expert_share_min']:.3f}, "
-                  f"max {text['expert_share_max']:.3f} (uniform {1 / num_experts:.3f})"]
+        lines += [
+            f"\nheld-out text ({text['tokens']} tokens): perplexity {text['perplexity']:.2f}, "
+            f"unigram baseline {text['unigram_perplexity']:.2f}",
+            f"expert share of routed slots on that text: min {text['expert_share_min']:.3f}, "
+            f"max {text['expert_share_max']:.3f} (uniform {1 / num_experts:.3f})",
+        ]
     return "\n".join(lines)

@@ -76,15 +76,17 @@ def _mark_decode(layer, args, kwargs):
     layer.experts.reader.decode = hidden.shape[1] == 1
 
 
-def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = None,
-                weights: str = "bf16") -> tuple[Sidecar, int, int]:
+def plan_reader(
+    config, sidecar: str | Path, budget: float, rank: int | None = None, weights: str = "bf16"
+) -> tuple[Sidecar, int, int]:
     """Every check that needs no weights: the sidecar file against the config's geometry, the
     rank, the budget. Returns (sidecar, k per token, rank)."""
     side, geo = Sidecar(Path(sidecar)), Geometry.from_config(config)
     want, have = (*geo.sizes, config.num_hidden_layers), (*side.layout.geometry.sizes, side.layers)
     if want != have:
-        raise UserError(f"{side.path}: sidecar geometry (hidden, experts, intermediate, layers) = {have}, "
-                        f"this model's = {want}")
+        raise UserError(
+            f"{side.path}: sidecar geometry (hidden, experts, intermediate, layers) = {have}, this model's = {want}"
+        )
     rank = side.layout.rank if rank is None else rank
     if not 0 <= rank <= side.layout.rank:
         raise UserError(f"recovery rank {rank} outside [0, {side.layout.rank}] (the sidecar's rank)")
@@ -93,8 +95,15 @@ def plan_reader(config, sidecar: str | Path, budget: float, rank: int | None = N
 
 
 @torch.no_grad()
-def attach_reader(model, sidecar: str | Path, budget: float, rank: int | None = None,
-                  kernel: str = "reference", weights: str = "bf16", tp: int = 1) -> int:
+def attach_reader(
+    model,
+    sidecar: str | Path,
+    budget: float,
+    rank: int | None = None,
+    kernel: str = "reference",
+    weights: str = "bf16",
+    tp: int = 1,
+) -> int:
     """Attach a sidecar to every MoE layer and select `channel_reader`; returns k per token.
 
     Refuses a sidecar of another geometry or made from other weights. `rank` (default: the
@@ -156,12 +165,24 @@ def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path | 
 def channel_reader_forward(self, hidden_states, top_k_index, top_k_weights):
     state = getattr(self, "reader", None)
     if state is None:
-        raise UserError("channel_reader: no sidecar attached to this layer; call "
-                        "neuron_moe.experts.channel_reader.attach_reader(model, sidecar, budget) first")
+        raise UserError(
+            "channel_reader: no sidecar attached to this layer; call "
+            "neuron_moe.experts.channel_reader.attach_reader(model, sidecar, budget) first"
+        )
     if not state.decode:
         full = dense_masked_forward if state.int8 is None else int8_forward
         return full(self, hidden_states, top_k_index, top_k_weights)
     int8 = {} if state.int8 is None else {"int8": state.int8}  # the kernels' forwards take no int8
-    return state.run(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                     down_rows(self.down_proj), state, k=state.k, scan=state.scan, rank=state.rank,
-                     act_fn=self.act_fn, **int8)
+    return state.run(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self.gate_up_proj,
+        down_rows(self.down_proj),
+        state,
+        k=state.k,
+        scan=state.scan,
+        rank=state.rank,
+        act_fn=self.act_fn,
+        **int8,
+    )

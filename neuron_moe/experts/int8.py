@@ -75,8 +75,11 @@ def _quantized(experts) -> tuple[torch.Tensor, ...]:
     key = tuple((p.data_ptr(), p._version) for p in (experts.gate_up_proj, experts.down_proj))
     cached = getattr(experts, "_int8_cache", None)
     if cached is None or cached[0] != key:
-        cached = (key, *quantize_per_channel(fused(experts.gate_up_proj)),
-                  *quantize_per_channel(fused(experts.down_proj)))
+        cached = (
+            key,
+            *quantize_per_channel(fused(experts.gate_up_proj)),
+            *quantize_per_channel(fused(experts.down_proj)),
+        )
         experts._int8_cache = cached  # a plain attribute: not a buffer, not in the state dict
     return cached[1:]
 
@@ -86,8 +89,9 @@ def int8_experts(experts):
     return Int8Experts.from_channel_layout(*_quantized(experts))
 
 
-def int8_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:
+def int8_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """transformers' experts-interface signature, on a `Gemma4TextExperts`. Fixed shapes (every
     expert for every token, as dense_masked), eager only: the int8 tensors are made on the fly."""
     gate_up_q, gate_up_scale, down_q, down_scale = _quantized(self)

@@ -43,8 +43,11 @@ def moe_layers(model, sidecar=None, rank: int | None = None, int8: bool = False)
         layer = selectors.MoeLayer(ex.gate_up_proj.data, ex.down_proj.data, ex.act_fn, top_k)
         if sidecar is not None:
             layer.sidecar = sidecar.layer(i)
-            layer.settings = ReaderSettings(scan=sidecar.scan, rank=sidecar.layout.rank if rank is None else rank,
-                                  weights="int8" if int8 else "bf16")
+            layer.settings = ReaderSettings(
+                scan=sidecar.scan,
+                rank=sidecar.layout.rank if rank is None else rank,
+                weights="int8" if int8 else "bf16",
+            )
             if int8:
                 layer.int8 = int8_experts(ex)
         layers.append(layer)
@@ -66,14 +69,17 @@ def attach_selector(model, name: str, layers: list[selectors.MoeLayer], rules: l
 def selector_forward(self, hidden_states, top_k_index, top_k_weights):
     state = getattr(self, "selector", None)
     if state is None:
-        raise UserError("selector: no selector attached to this layer; call "
-                        "neuron_moe.experts.selector_experts.attach_selector(model, name, layers, rules) first")
+        raise UserError(
+            "selector: no selector attached to this layer; call "
+            "neuron_moe.experts.selector_experts.attach_selector(model, name, layers, rules) first"
+        )
     if state.active is not None:
         out = torch.zeros_like(hidden_states)
         rows = state.active
         if rows.any():
-            result = selectors.run(state.name, state.layer, hidden_states[rows], top_k_index[rows],
-                                   top_k_weights[rows], state.rule)
+            result = selectors.run(
+                state.name, state.layer, hidden_states[rows], top_k_index[rows], top_k_weights[rows], state.rule
+            )
             if state.results is not None:
                 state.results.append(result)
             out[rows] = result.out
@@ -81,8 +87,9 @@ def selector_forward(self, hidden_states, top_k_index, top_k_weights):
     outs = []
     for s in range(0, hidden_states.shape[0], CHUNK):
         part = slice(s, s + CHUNK)
-        result = selectors.run(state.name, state.layer, hidden_states[part], top_k_index[part],
-                               top_k_weights[part], state.rule)
+        result = selectors.run(
+            state.name, state.layer, hidden_states[part], top_k_index[part], top_k_weights[part], state.rule
+        )
         if state.results is not None:
             state.results.append(result)
         outs.append(result.out)

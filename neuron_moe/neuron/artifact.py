@@ -59,13 +59,30 @@ GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
 TOKENIZER = "tokenizer"  # the folder of the tokenizer's files
 FORMAT = 5
 # what each older format's graphs were
-OLD_FORMATS = {1: "the KV cache in and out of every call", 2: "the KV cache in and out of every call",
-               3: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs, no tokenizer",
-               4: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs"}
+OLD_FORMATS = {
+    1: "the KV cache in and out of every call",
+    2: "the KV cache in and out of every call",
+    3: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs, no tokenizer",
+    4: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs",
+}
 # field -> type; what a server needs to call the graphs and to read and write text
-MANIFEST_FIELDS = {"format": int, "port": str, "dtype": str, "tp": int, "expert_layout": str, "buckets": list,
-                   "max_length": int, "batch_size": int, "prefill_rows": list, "prefill_chunk": int,
-                   "candidates": int, "dry_run": bool, "logits": bool, "tokenizer": dict, "files": dict}
+MANIFEST_FIELDS = {
+    "format": int,
+    "port": str,
+    "dtype": str,
+    "tp": int,
+    "expert_layout": str,
+    "buckets": list,
+    "max_length": int,
+    "batch_size": int,
+    "prefill_rows": list,
+    "prefill_chunk": int,
+    "candidates": int,
+    "dry_run": bool,
+    "logits": bool,
+    "tokenizer": dict,
+    "files": dict,
+}
 
 
 class ArtifactError(UserError):
@@ -76,38 +93,54 @@ def read_manifest(artifacts: Path) -> dict:
     """The manifest of an artifact directory, every field of the contract checked."""
     path = Path(artifacts) / MANIFEST
     manifest = read_json_object(
-        path, ArtifactError, f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)")
+        path, ArtifactError, f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)"
+    )
     if manifest.get("format") in OLD_FORMATS:
-        raise ArtifactError(f"{path}: artifact format {manifest['format']} ({OLD_FORMATS[manifest['format']]}); this "
-                            f"version reads format {FORMAT}: rebuild it with this version's trace-and-compile")
+        raise ArtifactError(
+            f"{path}: artifact format {manifest['format']} ({OLD_FORMATS[manifest['format']]}); this "
+            f"version reads format {FORMAT}: rebuild it with this version's trace-and-compile"
+        )
     for key, kind in MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind):
             raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
     if manifest["format"] != FORMAT:
-        raise ArtifactError(f"{path}: artifact format {manifest['format']}, this version reads {FORMAT} "
-                            f"(rebuild it with this version's trace-and-compile)")
+        raise ArtifactError(
+            f"{path}: artifact format {manifest['format']}, this version reads {FORMAT} "
+            f"(rebuild it with this version's trace-and-compile)"
+        )
     if manifest["expert_layout"] not in EXPERT_LAYOUTS:
         raise ArtifactError(f"{path}: expert_layout {manifest['expert_layout']!r} is not one of {list(EXPERT_LAYOUTS)}")
     buckets = manifest["buckets"]
     if not buckets or not all(_count(b) and b <= manifest["max_length"] for b in buckets) or buckets != sorted(buckets):
-        raise ArtifactError(f"{path}: 'buckets' must be increasing positive lengths up to max_length "
-                           f"({manifest['max_length']}), got {buckets}")
+        raise ArtifactError(
+            f"{path}: 'buckets' must be increasing positive lengths up to max_length "
+            f"({manifest['max_length']}), got {buckets}"
+        )
     rows = manifest["prefill_rows"]
     batch = manifest["batch_size"]
     if not _count(batch) or not rows or not all(_count(p) and p <= batch for p in rows) or rows != sorted(set(rows)):
-        raise ArtifactError(f"{path}: 'prefill_rows' must be increasing row counts of at least 1 and at most "
-                            f"batch_size ({manifest['batch_size']}), got {rows}")
+        raise ArtifactError(
+            f"{path}: 'prefill_rows' must be increasing row counts of at least 1 and at most "
+            f"batch_size ({manifest['batch_size']}), got {rows}"
+        )
     if manifest["prefill_chunk"] not in buckets:
         raise ArtifactError(f"{path}: 'prefill_chunk' {manifest['prefill_chunk']} is not one of the buckets {buckets}")
     if not _count(manifest["candidates"]):
         raise ArtifactError(f"{path}: 'candidates' must be a positive count, got {manifest['candidates']}")
     tokenizer = manifest["tokenizer"]
     files = tokenizer.get("files", [])
-    if tokenizer.get("kind") not in ("bytes", "checkpoint") or not isinstance(files, list) or not all(
+    if (
+        tokenizer.get("kind") not in ("bytes", "checkpoint")
+        or not isinstance(files, list)
+        or not all(
             isinstance(f, str) and f.startswith(TOKENIZER + "/") and _digest_entry(manifest["files"].get(f))
-            for f in files):
-        raise ArtifactError(f"{path}: 'tokenizer' must be {{\"kind\": \"bytes\"}} or {{\"kind\": \"checkpoint\", "
-                            f"\"files\": [...]}} naming files of {TOKENIZER}/ that 'files' lists, got {tokenizer}")
+            for f in files
+        )
+    ):
+        raise ArtifactError(
+            f'{path}: \'tokenizer\' must be {{"kind": "bytes"}} or {{"kind": "checkpoint", '
+            f"\"files\": [...]}} naming files of {TOKENIZER}/ that 'files' lists, got {tokenizer}"
+        )
     return manifest
 
 
@@ -126,8 +159,11 @@ def tokenizer_files(source: Path) -> list[str]:
 
 def artifact_tokenizer(artifacts: Path, manifest: dict, port):
     """The tokenizer an artifact carries (`check_tokenizer` first)."""
-    return ByteTokenizer() if manifest["tokenizer"]["kind"] == "bytes" else \
-        HFTokenizer(check_tokenizer(artifacts, manifest, port))
+    return (
+        ByteTokenizer()
+        if manifest["tokenizer"]["kind"] == "bytes"
+        else HFTokenizer(check_tokenizer(artifacts, manifest, port))
+    )
 
 
 def check_tokenizer(artifacts: Path, manifest: dict, port) -> Path | None:
@@ -136,30 +172,39 @@ def check_tokenizer(artifacts: Path, manifest: dict, port) -> Path | None:
     removed since trace-and-compile is refused by name, before it is read."""
     tokenizer = manifest["tokenizer"]
     if tokenizer["kind"] != port.tokenizer:
-        raise ArtifactError(f"{artifacts}: built with the {tokenizer['kind']!r} tokenizer, port {port.name!r} "
-                            f"takes {port.tokenizer!r}")
+        raise ArtifactError(
+            f"{artifacts}: built with the {tokenizer['kind']!r} tokenizer, port {port.name!r} takes {port.tokenizer!r}"
+        )
     if tokenizer["kind"] == "bytes":
         return None
     folder = Path(artifacts) / TOKENIZER
     listed = tokenizer["files"]
     if not listed:
-        raise ArtifactError(f"{artifacts}: carries no tokenizer (built without weights); pass --checkpoint DIR "
-                            "for its tokenizer")
-    present = sorted(f"{TOKENIZER}/{p.relative_to(folder).as_posix()}" for p in folder.rglob("*") if p.is_file()) \
-        if folder.is_dir() else []
+        raise ArtifactError(
+            f"{artifacts}: carries no tokenizer (built without weights); pass --checkpoint DIR for its tokenizer"
+        )
+    present = (
+        sorted(f"{TOKENIZER}/{p.relative_to(folder).as_posix()}" for p in folder.rglob("*") if p.is_file())
+        if folder.is_dir()
+        else []
+    )
     extra = sorted(set(present) - set(listed))
     if extra:
-        raise ArtifactError(f"{Path(artifacts) / extra[0]}: not in the artifact's manifest (added after "
-                            "trace-and-compile); remove it or rebuild the artifact")
+        raise ArtifactError(
+            f"{Path(artifacts) / extra[0]}: not in the artifact's manifest (added after "
+            "trace-and-compile); remove it or rebuild the artifact"
+        )
     for name in listed:
         path, want = Path(artifacts) / name, manifest["files"][name]
         if not path.is_file():
             raise ArtifactError(f"{path}: missing (the manifest lists it); restore the artifact or rebuild it")
         have = file_digest(path)
         if (have.size, have.sha256) != (want["size"], want["sha256"]):
-            raise ArtifactError(f"{path}: sha256 {have.sha256[:16]}… ({have.size} bytes) is not the manifest's "
-                                f"{want['sha256'][:16]}… ({want['size']} bytes): the file changed after "
-                                "trace-and-compile; restore it or rebuild the artifact")
+            raise ArtifactError(
+                f"{path}: sha256 {have.sha256[:16]}… ({have.size} bytes) is not the manifest's "
+                f"{want['sha256'][:16]}… ({want['size']} bytes): the file changed after "
+                "trace-and-compile; restore it or rebuild the artifact"
+            )
     return folder
 
 
@@ -170,10 +215,12 @@ def _count(value) -> bool:
 def check_expert_layout(manifest: dict, expert_layout: str, artifacts: Path) -> None:
     """Refuse an artifact built for the other expert layout than the one it is to be served with."""
     if manifest["expert_layout"] != expert_layout:
-        raise ArtifactError(f"{artifacts}: built with the {manifest['expert_layout']!r} expert layout, served here "
-                            f"with the {expert_layout!r} layout (the port's [static] expert_layout): rebuild it with "
-                            f"trace-and-compile --expert-layout {expert_layout}, or set expert_layout = "
-                            f"\"{manifest['expert_layout']}\" in the port")
+        raise ArtifactError(
+            f"{artifacts}: built with the {manifest['expert_layout']!r} expert layout, served here "
+            f"with the {expert_layout!r} layout (the port's [static] expert_layout): rebuild it with "
+            f"trace-and-compile --expert-layout {expert_layout}, or set expert_layout = "
+            f'"{manifest["expert_layout"]}" in the port'
+        )
 
 
 def load_shards(artifacts: Path, manifest: dict) -> list[dict]:
@@ -187,8 +234,10 @@ def load_shards(artifacts: Path, manifest: dict) -> list[dict]:
         shard = load_file(path)
         have = layout.expert_layout_of(shard)
         if have is not None and have != manifest["expert_layout"]:
-            raise ArtifactError(f"{path} holds its experts in the {have!r} layout, the manifest says "
-                                f"{manifest['expert_layout']!r}: the directory mixes two builds; rebuild it")
+            raise ArtifactError(
+                f"{path} holds its experts in the {have!r} layout, the manifest says "
+                f"{manifest['expert_layout']!r}: the directory mixes two builds; rebuild it"
+            )
         shards.append(shard)
     return shards
 

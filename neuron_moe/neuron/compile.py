@@ -43,8 +43,19 @@ from ..static.decoder import Decode, Prefill, new_cache
 from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, example_inputs, functional
 from ..tokenizer import HFTokenizer
-from .artifact import (FORMAT, GRAPHS, MANIFEST, MODEL, SHARD_PLAN, TOKENIZER, WEIGHTS, ArtifactError, key_names,
-                       key_shape, tokenizer_files)
+from .artifact import (
+    FORMAT,
+    GRAPHS,
+    MANIFEST,
+    MODEL,
+    SHARD_PLAN,
+    TOKENIZER,
+    WEIGHTS,
+    ArtifactError,
+    key_names,
+    key_shape,
+    tokenizer_files,
+)
 from .plan import plan
 
 DTYPES = {"bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True), "fp32": (torch.float32, False)}
@@ -69,15 +80,20 @@ def _check_replaceable(out: Path, overwrite: bool) -> None:
     if out.exists() and any(out.iterdir()):
         manifest = out / MANIFEST
         if not manifest.is_file():
-            raise ArtifactError(f"{out} holds files but no manifest: not a trace-and-compile artifact, which "
-                                "--overwrite never replaces; remove it yourself, or choose another --out")
+            raise ArtifactError(
+                f"{out} holds files but no manifest: not a trace-and-compile artifact, which "
+                "--overwrite never replaces; remove it yourself, or choose another --out"
+            )
         raw = read_json_object(manifest, ArtifactError, "")
         if not isinstance(raw.get("format"), int) or not isinstance(raw.get("files"), dict):
-            raise ArtifactError(f"{manifest} is not a trace-and-compile manifest (no 'format' and 'files'); {out} is "
-                                "not replaced, --overwrite or not: remove it yourself, or choose another --out")
+            raise ArtifactError(
+                f"{manifest} is not a trace-and-compile manifest (no 'format' and 'files'); {out} is "
+                "not replaced, --overwrite or not: remove it yourself, or choose another --out"
+            )
         if not overwrite:
-            raise ArtifactError(f"{out} already holds a complete artifact; pass --overwrite to replace it, "
-                                "or choose another --out")
+            raise ArtifactError(
+                f"{out} already holds a complete artifact; pass --overwrite to replace it, or choose another --out"
+            )
 
 
 def _new_file(path: Path) -> Path:
@@ -101,15 +117,21 @@ def _example(spec, key: str) -> tuple:
 
 def _key_contract(graph, spec, key: str) -> dict:
     """A key's calls as the manifest records them: input and output names and shapes."""
-    names = ("input_ids", "position_ids", "sampling") if key == "token_generation" else \
-        ("input_ids", "attention_mask", "position_ids", "row_ids", "sampling")
+    names = (
+        ("input_ids", "position_ids", "sampling")
+        if key == "token_generation"
+        else ("input_ids", "attention_mask", "position_ids", "row_ids", "sampling")
+    )
     example = _example(spec, key)
     rows = example[0].shape[0]
     outputs = {"token": [rows, 1]}
     if graph.logits:
         outputs["logits"] = [rows, graph.model.config.vocab_size]
-    return {"graph": "token_generation" if key == "token_generation" else "context_encoding",
-            "inputs": {n: list(x.shape) for n, x in zip(names, example)}, "outputs": outputs}
+    return {
+        "graph": "token_generation" if key == "token_generation" else "context_encoding",
+        "inputs": {n: list(x.shape) for n, x in zip(names, example)},
+        "outputs": outputs,
+    }
 
 
 def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
@@ -120,18 +142,36 @@ def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
     for name, t in module.state_dict().items():
         param = params.get(name)
         split = bool(getattr(param, "tensor_model_parallel", False))
-        full_shape = list(full[name].shape) if full is not None else \
-            [n * (tp if split and d == param.partition_dim else 1) for d, n in enumerate(t.shape)]
-        plan[name] = {"placement": layout.placement(name, expert_layout) if split else layout.REPLICATED,
-                      "partition_dim": param.partition_dim if split else None,
-                      "partition_stride": param.partition_stride if split else None,
-                      "full_shape": full_shape, "rank_shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        full_shape = (
+            list(full[name].shape)
+            if full is not None
+            else [n * (tp if split and d == param.partition_dim else 1) for d, n in enumerate(t.shape)]
+        )
+        plan[name] = {
+            "placement": layout.placement(name, expert_layout) if split else layout.REPLICATED,
+            "partition_dim": param.partition_dim if split else None,
+            "partition_stride": param.partition_stride if split else None,
+            "full_shape": full_shape,
+            "rank_shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+        }
     return plan
 
 
-def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, overwrite: bool = False,
-                      checkpoint=None, export: bool = True, expert_layout: str | None = None,
-                      logits: bool = False, reader: Reader | None = None) -> dict:
+def trace_and_compile(
+    port,
+    dtype: str,
+    tp: int,
+    out: Path,
+    *,
+    dry_run: bool,
+    overwrite: bool = False,
+    checkpoint=None,
+    export: bool = True,
+    expert_layout: str | None = None,
+    logits: bool = False,
+    reader: Reader | None = None,
+) -> dict:
     """Write the artifact directory `out` (see the module docstring); returns the manifest.
     `expert_layout` defaults to the port's [static] expert_layout. `export=False` (dry run only)
     skips tracing: the shard plan and manifest alone. `logits=True`: graphs that also return the
@@ -148,7 +188,8 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
         raise nxd.NeuronSDKMissing(
             "trace-and-compile needs the Neuron SDK (neuronx-distributed, torch-neuronx), which is not installed "
             "here: run it on an inf2 instance in the Neuron DLC (recipes/inf2-24xlarge/), or pass --dry-run to "
-            "build and export the same rank modules on CPU")
+            "build and export the same rank modules on CPU"
+        )
     torch_dtype, int8 = DTYPES[dtype]
     spec = port.static
     keys = key_names(spec.buckets, spec.rows_for(spec.batch_size))
@@ -179,13 +220,23 @@ def trace_and_compile(port, dtype: str, tp: int, out: Path, *, dry_run: bool, ov
             contract, state = _contract(module, spec, keys, logits)
             digests = {f: file_digest(tmp / f) for f in sorted(files)}
             manifest = {
-                "format": FORMAT, "port": port.name, "dtype": dtype, "tp": tp, "expert_layout": expert_layout,
+                "format": FORMAT,
+                "port": port.name,
+                "dtype": dtype,
+                "tp": tp,
+                "expert_layout": expert_layout,
                 "buckets": list(spec.buckets),
-                "max_length": spec.max_cache_len, "batch_size": spec.batch_size,
-                "prefill_rows": list(spec.rows_for(spec.batch_size)), "prefill_chunk": spec.chunk,
-                "candidates": min(CANDIDATES, port.config.vocab_size), "logits": logits,
-                "keys": {k: dict(contract[k], exported=exported) for k in keys}, "state": state,
-                "dry_run": dry_run, "weights": full is not None, "versions": sdk_versions(),
+                "max_length": spec.max_cache_len,
+                "batch_size": spec.batch_size,
+                "prefill_rows": list(spec.rows_for(spec.batch_size)),
+                "prefill_chunk": spec.chunk,
+                "candidates": min(CANDIDATES, port.config.vocab_size),
+                "logits": logits,
+                "keys": {k: dict(contract[k], exported=exported) for k in keys},
+                "state": state,
+                "dry_run": dry_run,
+                "weights": full is not None,
+                "versions": sdk_versions(),
                 "reader": None if reads is None else {k: v for k, v in reads.items() if k != "layout"},
                 "tokenizer": {"kind": port.tokenizer, **({} if port.tokenizer == "bytes" else {"files": copied})},
                 "files": {f: {"size": d.size, "sha256": d.sha256} for f, d in digests.items()},
@@ -201,12 +252,24 @@ def _check_fits(port, dtype: str, tp: int, expert_layout: str, reads: dict | Non
         return
     spec = port.static
     reader = None if reads is None else Reader(budget=reads["budget"], scan=reads["scan"], rank=reads["rank"])
-    verdict = plan(port.config, None, tp, dtype, spec.batch_size, spec.max_cache_len, model=port.name,
-                   expert_layout=expert_layout, decode_experts=spec.decode_experts, reader=reader)
+    verdict = plan(
+        port.config,
+        None,
+        tp,
+        dtype,
+        spec.batch_size,
+        spec.max_cache_len,
+        model=port.name,
+        expert_layout=expert_layout,
+        decode_experts=spec.decode_experts,
+        reader=reader,
+    )
     if not verdict["fits"]:
-        raise ArtifactError(f"port {port.name!r} at TP {tp}, {dtype}, batch {spec.batch_size}, seq "
-                            f"{spec.max_cache_len}: {verdict['reason']} (`neuron-moe plan` shows what each "
-                            "NeuronCore holds)")
+        raise ArtifactError(
+            f"port {port.name!r} at TP {tp}, {dtype}, batch {spec.batch_size}, seq "
+            f"{spec.max_cache_len}: {verdict['reason']} (`neuron-moe plan` shows what each "
+            "NeuronCore holds)"
+        )
 
 
 def _tokenizer_source(port, checkpoint, has_weights: bool) -> Path | None:
@@ -247,20 +310,30 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: Reader,
     options = dataclasses.replace(options, rank=port.reader.rank if options.rank is None else options.rank)
     if has_weights:
         if options.sidecar is None:
-            raise ArtifactError("--reader needs --sidecar DIR (from `neuron-moe prep-reader --tp "
-                                f"{tp} --out DIR`) for a port with weights")
+            raise ArtifactError(
+                "--reader needs --sidecar DIR (from `neuron-moe prep-reader --tp "
+                f"{tp} --out DIR`) for a port with weights"
+            )
         sides, k, rank = open_shards(port.config, options.sidecar, tp, options.budget, options.rank)
         scan, local, digest = sides[0].scan, sides[0].layout, sides[0].source_sha256
     else:  # shapes only (the meta device): the geometry's sidecar layout
         if options.sidecar is not None:
-            raise ArtifactError(f"port {port.name!r} has no weights here: --reader builds shapes only (meta device), "
-                                f"a sidecar is not read; drop --sidecar or pass --checkpoint DIR")
+            raise ArtifactError(
+                f"port {port.name!r} has no weights here: --reader builds shapes only (meta device), "
+                f"a sidecar is not read; drop --sidecar or pass --checkpoint DIR"
+            )
         geo, rank = Geometry.from_config(port.config), options.rank
         rank, scan = RANK if rank is None else rank, options.scan or SCAN
         k, sides, digest = solve_rank_k(geo, ReaderSettings(scan=scan, rank=rank), options.budget, tp), None, None
         local = SidecarLayout(rank_geometry(geo, tp), rank)
-    return sides, {"budget": options.budget, "k_per_rank": k, "scan": scan, "rank": rank,
-                   "source_sha256": digest, "layout": local}
+    return sides, {
+        "budget": options.budget,
+        "k_per_rank": k,
+        "scan": scan,
+        "rank": rank,
+        "source_sha256": digest,
+        "layout": local,
+    }
 
 
 def _rank_module(port, tp, layers, build: dict, device="cpu"):
@@ -306,11 +379,12 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
 
 def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict):
     """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
+
     def factory(key):
         def make():  # each key's own module; its state names (cache.k0, ...) are every key's
             model = _rank_module(port, tp, nxd, build)
-            return _graph(model, spec, key, new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True),
-                          logits)
+            return _graph(model, spec, key, new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True), logits)
+
         return make
 
     # the shard plan comes from a meta-device module of the same layout
@@ -320,8 +394,12 @@ def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict):
     # rest, so the reader's split tensors go in at one rank's shape and each rank's are written after.
     own = _reader_split(full)
     checkpoint = {f"model.{k}": (_rank_piece(v, tp, 0) if k in own else v) for k, v in full.items()}
-    builder, traced = nxd.trace_keys({key: (factory(key), [_example(spec, key)]) for key in keys},
-                                     checkpoint_loader=lambda: checkpoint, tp=tp, workdir=tmp / "compiler")
+    builder, traced = nxd.trace_keys(
+        {key: (factory(key), [_example(spec, key)]) for key in keys},
+        checkpoint_loader=lambda: checkpoint,
+        tp=tp,
+        workdir=tmp / "compiler",
+    )
     torch.jit.save(traced, str(tmp / MODEL))
     nxd.shard_checkpoint(builder, tmp / "weights")
     shutil.rmtree(tmp / "compiler", ignore_errors=True)
@@ -355,21 +433,27 @@ def _write_reader_shards(tmp: Path, entries: dict, tp: int) -> None:
 def _contract(module, spec, keys, logits: bool) -> tuple[dict, dict]:
     """(each key's inputs and outputs, the KV state per rank) as the manifest records them."""
     cache = new_cache(module, spec.max_cache_len, spec.batch_size)
-    state = {f"cache.{n}": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-             for n, t in zip(cache.names, cache.tensors())}
+    state = {
+        f"cache.{n}": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        for n, t in zip(cache.names, cache.tensors())
+    }
     return {k: _key_contract(_graph(module, spec, k, cache, logits), spec, k) for k in keys}, state
 
 
 def render_trace_and_compile(report: dict) -> str:
     rows = [{"file": f, "bytes": v["size"], "sha256": v["sha256"]} for f, v in report["files"].items()]
     what = "dry run (CPU, gloo layers; exported, not compiled)" if report["dry_run"] else "compiled for Neuron"
-    lines = [table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]),
-             f"\n{report['out']}: {report['port']} {report['dtype']} TP {report['tp']}, {report['expert_layout']} "
-             f"expert layout, keys {', '.join(report['keys'])}; {what}"
-             + ("" if report["weights"] else "; no weights (meta device): exported, manifest and shard plan only")]
+    lines = [
+        table(rows, [("file", "file"), ("bytes", "bytes"), ("sha256", "sha256")]),
+        f"\n{report['out']}: {report['port']} {report['dtype']} TP {report['tp']}, {report['expert_layout']} "
+        f"expert layout, keys {', '.join(report['keys'])}; {what}"
+        + ("" if report["weights"] else "; no weights (meta device): exported, manifest and shard plan only"),
+    ]
     if report.get("reader"):
         r = report["reader"]
-        lines.append(f"decode key reads through the reader: budget {r['budget']:g} %, {r['k_per_rank']} exact "
-                     f"channels per token and rank, scan {r['scan']}, recovery rank {r['rank']} (each rank's "
-                     f"sidecar shard in its weights)")
+        lines.append(
+            f"decode key reads through the reader: budget {r['budget']:g} %, {r['k_per_rank']} exact "
+            f"channels per token and rank, scan {r['scan']}, recovery rank {r['rank']} (each rank's "
+            f"sidecar shard in its weights)"
+        )
     return "\n".join(lines)

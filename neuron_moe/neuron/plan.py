@@ -80,8 +80,15 @@ class Instance:
         return self.chips * CORES_PER_CHIP
 
 
-INSTANCES = {i.name: i for i in (Instance("inf2.xlarge", 1), Instance("inf2.8xlarge", 1),
-                                  Instance("inf2.24xlarge", 6), Instance("inf2.48xlarge", 12))}
+INSTANCES = {
+    i.name: i
+    for i in (
+        Instance("inf2.xlarge", 1),
+        Instance("inf2.8xlarge", 1),
+        Instance("inf2.24xlarge", 6),
+        Instance("inf2.48xlarge", 12),
+    )
+}
 
 
 def _weights_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: str) -> dict[str, float]:
@@ -97,7 +104,11 @@ def _weights_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, expert_layo
         fp32 = ".experts." in name and name.endswith(".scale")
         nbytes = local.numel() * {torch.int8: 1, torch.int32: 4}.get(local.dtype, 4 if fp32 else 2)
         # the experts' SPMDRank is a scalar, not expert weights: it counts where a block's scalars do
-        group = "lm_head" if name == "lm_head.weight" else parameter_group(name.replace(".experts.spmd_rank.", ".spmd_rank."))
+        group = (
+            "lm_head"
+            if name == "lm_head.weight"
+            else parameter_group(name.replace(".experts.spmd_rank.", ".spmd_rank."))
+        )
         out[group] = out.get(group, 0) + nbytes
     return out
 
@@ -125,8 +136,15 @@ def _reader_sidecar_per_rank(config: Gemma4TextConfig, tp: int, reader: spec.Rea
     return sum(held.values()) * config.num_hidden_layers
 
 
-def _decode_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv: int, expert_layout: str,
-                decode_experts: spec.Experts | str) -> dict:
+def _decode_row(
+    config: Gemma4TextConfig,
+    tp: int,
+    batch: int,
+    weights: dict,
+    kv: int,
+    expert_layout: str,
+    decode_experts: spec.Experts | str,
+) -> dict:
     """What one layout's decode graph reads per token on one rank (every rank reads the same)."""
     E, I, k = config.num_experts, config.moe_intermediate_size, config.top_k_experts
     rest = sum(v for g, v in weights.items() if g not in ("experts", "embeddings")) + kv
@@ -142,9 +160,14 @@ def _decode_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv
 
 def _row(expert_layout: str, graph: str, total: float) -> dict:
     per_core_bw = CHIP_HBM_BW / CORES_PER_CHIP
-    return {"expert_layout": expert_layout, "decode_graph": graph, "bytes_per_token": total,
-            "GB_per_token": total / GB, "floor_ms": 1e3 * total / per_core_bw,
-            "tokens_per_s_ceiling": per_core_bw / total}
+    return {
+        "expert_layout": expert_layout,
+        "decode_graph": graph,
+        "bytes_per_token": total,
+        "GB_per_token": total / GB,
+        "floor_ms": 1e3 * total / per_core_bw,
+        "tokens_per_s_ceiling": per_core_bw / total,
+    }
 
 
 def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv: int, reader: spec.Reader) -> dict:
@@ -156,11 +179,21 @@ def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv
     local = rank_geometry(geo, tp)
     per_layer = sum(reads(local, settings, k).values())
     rest = sum(v for g, v in weights.items() if g not in ("experts", "embeddings")) + kv
-    graph = (f"reader at {reader.budget:g} %: {batch}×{k} of {config.top_k_experts}×{local.intermediate} channels "
-             f"exact, the rest screened (sketch) and recovered, per layer")
+    graph = (
+        f"reader at {reader.budget:g} %: {batch}×{k} of {config.top_k_experts}×{local.intermediate} channels "
+        f"exact, the rest screened (sketch) and recovered, per layer"
+    )
     row = _row(layout.CHANNEL, graph, rest + batch * per_layer * config.num_hidden_layers)
-    return dict(row, reader={"budget": reader.budget, "scan": reader.scan, "rank": reader.rank, "k_per_rank": k,
-                             "expert_bytes_per_layer": per_layer})
+    return dict(
+        row,
+        reader={
+            "budget": reader.budget,
+            "scan": reader.scan,
+            "rank": reader.rank,
+            "k_per_rank": k,
+            "expert_bytes_per_layer": per_layer,
+        },
+    )
 
 
 def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader=None) -> list[dict]:
@@ -183,27 +216,53 @@ def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts
 
 def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
     """What crosses the host per decode step (the same on every rank's call: one SPMD program)."""
-    return [{"what": "KV cache (device state, aliased)", "direction": "-", "bytes": 0},
-            {"what": "input_ids + position_ids [B, 1] int64", "direction": "in", "bytes": 2 * batch * 8},
-            {"what": "sampling [B, 4] fp32 (temperature, top-k, top-p, a uniform draw)", "direction": "in",
-             "bytes": batch * 4 * 4},
-            {"what": "token [B, 1] int64", "direction": "out", "bytes": batch * 8},
-            {"what": "logits [B, V] fp32 (only an artifact built --with-logits)", "direction": "out",
-             "bytes": batch * config.vocab_size * 4}]
+    return [
+        {"what": "KV cache (device state, aliased)", "direction": "-", "bytes": 0},
+        {"what": "input_ids + position_ids [B, 1] int64", "direction": "in", "bytes": 2 * batch * 8},
+        {
+            "what": "sampling [B, 4] fp32 (temperature, top-k, top-p, a uniform draw)",
+            "direction": "in",
+            "bytes": batch * 4 * 4,
+        },
+        {"what": "token [B, 1] int64", "direction": "out", "bytes": batch * 8},
+        {
+            "what": "logits [B, V] fp32 (only an artifact built --with-logits)",
+            "direction": "out",
+            "bytes": batch * config.vocab_size * 4,
+        },
+    ]
 
 
-def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: int, seq: int,
-         runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, model: str = "",
-         expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, decode_experts: spec.Experts | str = spec.SELECTIVE,
-         reader: spec.Reader | None = None) -> dict:
+def plan(
+    config: Gemma4TextConfig,
+    instance: str,
+    tp: int,
+    dtype: str,
+    batch: int,
+    seq: int,
+    runtime_reserve: float = DEFAULT_RUNTIME_RESERVE,
+    model: str = "",
+    expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
+    decode_experts: spec.Experts | str = spec.SELECTIVE,
+    reader: spec.Reader | None = None,
+) -> dict:
     """The plan for `expert_layout`; its decode table has a row for each expert layout that shards at
     TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts. `reader`
     (its budget, scan and rank): the channel layout's decode graph with the reader, whose sidecar
     shard each rank then holds (`reader_sidecar`), and its row in the decode table. `instance` None:
     one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check)."""
     inst = INSTANCES[instance] if instance is not None else None
-    report = {"model": model, "instance": instance, "tp": tp, "dtype": dtype, "expert_layout": expert_layout,
-              "batch": batch, "seq": seq, "core_hbm_bytes": CORE_HBM, "runtime_reserve_bytes": runtime_reserve}
+    report = {
+        "model": model,
+        "instance": instance,
+        "tp": tp,
+        "dtype": dtype,
+        "expert_layout": expert_layout,
+        "batch": batch,
+        "seq": seq,
+        "core_hbm_bytes": CORE_HBM,
+        "runtime_reserve_bytes": runtime_reserve,
+    }
     if reader is not None and (expert_layout != layout.CHANNEL or dtype != "bf16"):
         raise UserError(f"the reader runs in the channel expert layout's bf16 graphs, not {expert_layout} / {dtype}")
     try:
@@ -221,46 +280,99 @@ def plan(config: Gemma4TextConfig, instance: str, tp: int, dtype: str, batch: in
     if inst is not None and tp > inst.cores:
         fits, reason = False, f"{instance} has {inst.cores} NeuronCores; TP {tp} needs {tp}"
     elif total > CORE_HBM:
-        fits, reason = False, (f"{total / GB:.2f} GB per rank exceeds a NeuronCore's {CORE_HBM / GB:.2f} GB "
-                               f"(16 GiB) by {(total - CORE_HBM) / GB:.2f} GB")
+        fits, reason = (
+            False,
+            (
+                f"{total / GB:.2f} GB per rank exceeds a NeuronCore's {CORE_HBM / GB:.2f} GB "
+                f"(16 GiB) by {(total - CORE_HBM) / GB:.2f} GB"
+            ),
+        )
     else:
-        fits, reason = True, (f"{total / GB:.2f} GB per rank of {CORE_HBM / GB:.2f} GB (16 GiB); "
-                              f"{(CORE_HBM - total) / GB:.2f} GB spare")
-    return {**report, "fits": fits, "reason": reason, "per_rank_bytes": per_rank, "per_rank_total_bytes": total,
-            "experts_all_ranks_bytes": experts_all,
-            "decode": _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader),
-            "host_per_step": _host_per_step(config, batch)}
+        fits, reason = (
+            True,
+            (
+                f"{total / GB:.2f} GB per rank of {CORE_HBM / GB:.2f} GB (16 GiB); "
+                f"{(CORE_HBM - total) / GB:.2f} GB spare"
+            ),
+        )
+    return {
+        **report,
+        "fits": fits,
+        "reason": reason,
+        "per_rank_bytes": per_rank,
+        "per_rank_total_bytes": total,
+        "experts_all_ranks_bytes": experts_all,
+        "decode": _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader),
+        "host_per_step": _host_per_step(config, batch),
+    }
 
 
-def port_plan(port, instance: str, tp: int, dtype: str, batch: int, seq: int,
-              runtime_reserve: float = DEFAULT_RUNTIME_RESERVE, expert_layout: str | None = None,
-              reader: spec.Reader | None = None) -> dict:
+def port_plan(
+    port,
+    instance: str,
+    tp: int,
+    dtype: str,
+    batch: int,
+    seq: int,
+    runtime_reserve: float = DEFAULT_RUNTIME_RESERVE,
+    expert_layout: str | None = None,
+    reader: spec.Reader | None = None,
+) -> dict:
     """`plan` for a port: its [static] expert_layout unless `expert_layout` is given, and its
     decode_experts (a port without a [static] table: the channel layout, selective)."""
     static = port.static
-    return plan(port.config, instance, tp, dtype, batch, seq, runtime_reserve, model=port.name,
-                expert_layout=expert_layout or (static.expert_layout if static else layout.DEFAULT_EXPERT_LAYOUT),
-                decode_experts=static.decode_experts if static else spec.SELECTIVE, reader=reader)
+    return plan(
+        port.config,
+        instance,
+        tp,
+        dtype,
+        batch,
+        seq,
+        runtime_reserve,
+        model=port.name,
+        expert_layout=expert_layout or (static.expert_layout if static else layout.DEFAULT_EXPERT_LAYOUT),
+        decode_experts=static.decode_experts if static else spec.SELECTIVE,
+        reader=reader,
+    )
 
 
 def render_plan(report: dict) -> str:
-    lines = [f"{report['model']} on {report['instance']}: TP {report['tp']}, {report['dtype']} experts in the "
-             f"{report['expert_layout']} layout, batch {report['batch']}, seq {report['seq']}\n"]
+    lines = [
+        f"{report['model']} on {report['instance']}: TP {report['tp']}, {report['dtype']} experts in the "
+        f"{report['expert_layout']} layout, batch {report['batch']}, seq {report['seq']}\n"
+    ]
     if "per_rank_bytes" in report:
         rows = [{"what": k, "GB": v / GB} for k, v in report["per_rank_bytes"].items()]
         rows.append({"what": "total", "GB": report["per_rank_total_bytes"] / GB})
-        decode = [dict(r, expert_layout=r["expert_layout"] + (" + reader" if "reader" in r else "")
-                       + (" (this plan)" if r["this_plan"] else "")) for r in report["decode"]]
-        lines += [table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]),
-                  f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
-                  f"(graph and runtime rows are stated estimates, not measurements)\n",
-                  table(decode, [("expert_layout", "expert layout"), ("decode_graph", "its decode graph reads"),
-                                 ("GB_per_token", "GB/token/rank", "{:.3f}"),
-                                 ("floor_ms", "HBM floor ms/token", "{:.2f}"),
-                                 ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}")]),
-                  "\n(decode: the graphs trace-and-compile builds, at this batch; bytes read, not measured)\n",
-                  table(report["host_per_step"], [("what", "host <-> device per decode step"),
-                                                  ("direction", ""), ("bytes", "bytes")]),
-                  ""]
+        decode = [
+            dict(
+                r,
+                expert_layout=r["expert_layout"]
+                + (" + reader" if "reader" in r else "")
+                + (" (this plan)" if r["this_plan"] else ""),
+            )
+            for r in report["decode"]
+        ]
+        lines += [
+            table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]),
+            f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
+            f"(graph and runtime rows are stated estimates, not measurements)\n",
+            table(
+                decode,
+                [
+                    ("expert_layout", "expert layout"),
+                    ("decode_graph", "its decode graph reads"),
+                    ("GB_per_token", "GB/token/rank", "{:.3f}"),
+                    ("floor_ms", "HBM floor ms/token", "{:.2f}"),
+                    ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}"),
+                ],
+            ),
+            "\n(decode: the graphs trace-and-compile builds, at this batch; bytes read, not measured)\n",
+            table(
+                report["host_per_step"],
+                [("what", "host <-> device per decode step"), ("direction", ""), ("bytes", "bytes")],
+            ),
+            "",
+        ]
     lines.append(f"{'FITS' if report['fits'] else 'DOES NOT FIT'}: {report['reason']}")
     return "\n".join(lines)

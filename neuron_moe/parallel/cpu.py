@@ -128,12 +128,14 @@ class ExpertFusedColumnParallelLinear(nn.Module):
     expert_indices [E'] or None) -> [E', 1, c, out/t]: with expert_indices the weight is gathered
     (`weight[expert_indices]`, NxD's selective loading), x's leading dim is 1 or E'."""
 
-    def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32,
-                 stride: int = 1):
+    def __init__(
+        self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
+    ):
         super().__init__()
         out = _per_rank(output_size, tp * stride, "output size") * stride
-        self.weight = _tag(nn.Parameter(torch.zeros(num_experts, input_size, out, dtype=dtype), requires_grad=False),
-                           2, tp, stride)
+        self.weight = _tag(
+            nn.Parameter(torch.zeros(num_experts, input_size, out, dtype=dtype), requires_grad=False), 2, tp, stride
+        )
 
     def forward(self, x, expert_indices=None):
         return _expert_matmul(x, self.weight, expert_indices)
@@ -146,8 +148,9 @@ class ExpertFusedRowParallelLinear(nn.Module):
     def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
         super().__init__()
         inp = _per_rank(input_size, tp, "input size")
-        self.weight = _tag(nn.Parameter(torch.zeros(num_experts, inp, output_size, dtype=dtype), requires_grad=False),
-                           1, tp)
+        self.weight = _tag(
+            nn.Parameter(torch.zeros(num_experts, inp, output_size, dtype=dtype), requires_grad=False), 1, tp
+        )
 
     def forward(self, x, expert_indices=None):
         return _expert_matmul(x, self.weight, expert_indices)
@@ -156,8 +159,9 @@ class ExpertFusedRowParallelLinear(nn.Module):
 class QuantizedExpertFusedColumnParallel(ExpertFusedColumnParallelLinear):
     """int8 weight as the float layer; expert_wise_per_channel scale [E, 1, out/t], split with it."""
 
-    def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32,
-                 stride: int = 1):
+    def __init__(
+        self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
+    ):
         super().__init__(num_experts, input_size, output_size, tp=tp, dtype=torch.int8, stride=stride)
         E, _, out = self.weight.shape
         self.scale = _tag(nn.Parameter(torch.ones(E, 1, out), requires_grad=False), 2, tp, stride)
@@ -211,7 +215,9 @@ class ParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.per_rank = _per_rank(num_embeddings, tp, "vocab size")
-        self.weight = _tag(nn.Parameter(torch.zeros(self.per_rank, embedding_dim, dtype=dtype), requires_grad=False), 0, tp)
+        self.weight = _tag(
+            nn.Parameter(torch.zeros(self.per_rank, embedding_dim, dtype=dtype), requires_grad=False), 0, tp
+        )
         self.rank_util = SPMDRank(tp)
 
     def forward(self, ids):
@@ -255,19 +261,26 @@ def shard_checkpoint(checkpoint: dict[str, torch.Tensor], model: nn.Module, tp: 
     missing = sorted(set(expected) - set(checkpoint))
     unexpected = sorted(set(checkpoint) - set(expected))
     if missing or unexpected:
-        raise ShardError(f"checkpoint does not match the rank module: missing {missing[:5]}{'…' if len(missing) > 5 else ''}"
-                         f", unexpected {unexpected[:5]}{'…' if len(unexpected) > 5 else ''}")
+        raise ShardError(
+            f"checkpoint does not match the rank module: missing {missing[:5]}{'…' if len(missing) > 5 else ''}"
+            f", unexpected {unexpected[:5]}{'…' if len(unexpected) > 5 else ''}"
+        )
     params = dict(model.named_parameters())
     shards = []
     for rank in range(tp):
         state = {}
         for name, local in expected.items():
             full, param = checkpoint[name], params.get(name)
-            piece = layout.split(full, param.partition_dim, param.num_partitions, rank, param.partition_stride) \
-                if getattr(param, "tensor_model_parallel", False) else full
+            piece = (
+                layout.split(full, param.partition_dim, param.num_partitions, rank, param.partition_stride)
+                if getattr(param, "tensor_model_parallel", False)
+                else full
+            )
             if piece.shape != local.shape:
-                raise ShardError(f"{name}: rank {rank} expects shape {tuple(local.shape)}, "
-                                 f"the checkpoint's {tuple(full.shape)} gives {tuple(piece.shape)}")
+                raise ShardError(
+                    f"{name}: rank {rank} expects shape {tuple(local.shape)}, "
+                    f"the checkpoint's {tuple(full.shape)} gives {tuple(piece.shape)}"
+                )
             state[name] = piece.to(local.dtype).clone()
         shards.append(state)
     return shards

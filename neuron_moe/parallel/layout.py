@@ -60,10 +60,18 @@ from ..spec import CHANNEL, DEFAULT_EXPERT_LAYOUT, EXPERT, EXPERT_LAYOUTS, TP_DE
 
 COLUMN, ROW, VOCAB, REPLICATED = "column", "row", "vocab", "replicated"
 EXPERTS_COLUMN, EXPERTS_ROW = "experts_column", "experts_row"
-READER_SHARD = "reader_shard"  # a rank's reader sidecar shard: the ranks' shards concatenated on dim 0 (parallel/reader.py)
+READER_SHARD = (
+    "reader_shard"  # a rank's reader sidecar shard: the ranks' shards concatenated on dim 0 (parallel/reader.py)
+)
 # placement -> (partition dim, partition stride), as NxD's parameter tags say it
-PARTITION = {COLUMN: (0, 1), VOCAB: (0, 1), ROW: (1, 1), EXPERTS_COLUMN: (2, 2), EXPERTS_ROW: (1, 1),
-             READER_SHARD: (0, 1)}
+PARTITION = {
+    COLUMN: (0, 1),
+    VOCAB: (0, 1),
+    ROW: (1, 1),
+    EXPERTS_COLUMN: (2, 2),
+    EXPERTS_ROW: (1, 1),
+    READER_SHARD: (0, 1),
+}
 # the degrees (TP_DEGREES) and expert layouts (CHANNEL, EXPERT) are named in spec.py, with the backend
 _EXPERT_NDIM = {EXPERT: 2, CHANNEL: 3}  # the experts linears' weights: 2-D linears, or 3-D expert-fused
 
@@ -81,11 +89,18 @@ _RULES = (
     ("lm_head.weight", COLUMN),
 )
 _EXPERT_RULES = {
-    EXPERT: ((".experts.gate_up_proj.weight", COLUMN), (".experts.gate_up_proj.scale", COLUMN),
-             (".experts.down_proj.weight", ROW), (".experts.spmd_rank.rank", COLUMN)),
-    CHANNEL: ((".experts.gate_up_proj.weight", EXPERTS_COLUMN), (".experts.gate_up_proj.scale", EXPERTS_COLUMN),
-              (".experts.down_proj.weight", EXPERTS_ROW),
-              *((f".experts.reader.{name}", READER_SHARD) for name in ("codes", "scales", "down_norms", "coeffs"))),
+    EXPERT: (
+        (".experts.gate_up_proj.weight", COLUMN),
+        (".experts.gate_up_proj.scale", COLUMN),
+        (".experts.down_proj.weight", ROW),
+        (".experts.spmd_rank.rank", COLUMN),
+    ),
+    CHANNEL: (
+        (".experts.gate_up_proj.weight", EXPERTS_COLUMN),
+        (".experts.gate_up_proj.scale", EXPERTS_COLUMN),
+        (".experts.down_proj.weight", EXPERTS_ROW),
+        *((f".experts.reader.{name}", READER_SHARD) for name in ("codes", "scales", "down_norms", "coeffs")),
+    ),
 }
 # Column-parallel weights whose output every rank takes whole (gather_output): the logits, so that
 # every rank takes the same token.
@@ -125,9 +140,11 @@ def check_expert_layout(state: dict[str, torch.Tensor], expert_layout: str, what
     have = expert_layout_of(state)
     if have is not None and have != expert_layout:
         name = next(n for n in state if ("." + n).endswith(_GATE_UP))
-        raise LayoutError(f"{what} holds its experts in the {have!r} layout ({name} {list(state[name].shape)}); "
-                          f"it is used here with the {expert_layout!r} layout: pass --expert-layout {have}, "
-                          f"or make it again with --expert-layout {expert_layout}")
+        raise LayoutError(
+            f"{what} holds its experts in the {have!r} layout ({name} {list(state[name].shape)}); "
+            f"it is used here with the {expert_layout!r} layout: pass --expert-layout {have}, "
+            f"or make it again with --expert-layout {expert_layout}"
+        )
 
 
 def kv_heads(config: Gemma4TextConfig, layer: int) -> int:
@@ -143,11 +160,18 @@ def check_degree(config: Gemma4TextConfig, tp: int, expert_layout: str = DEFAULT
     check_layout_name(expert_layout)
     if tp not in TP_DEGREES:
         raise LayoutError(f"TP degree {tp} is not one of {TP_DEGREES} (the degrees inf2 supports)")
-    experts = (("experts", config.num_experts) if expert_layout == EXPERT else
-               ("expert intermediate channels", config.moe_intermediate_size))
+    experts = (
+        ("experts", config.num_experts)
+        if expert_layout == EXPERT
+        else ("expert intermediate channels", config.moe_intermediate_size)
+    )
     problems = []
-    for what, n in (("attention heads", config.num_attention_heads), experts,
-                    ("dense intermediate size", config.intermediate_size), ("vocab size", config.vocab_size)):
+    for what, n in (
+        ("attention heads", config.num_attention_heads),
+        experts,
+        ("dense intermediate size", config.intermediate_size),
+        ("vocab size", config.vocab_size),
+    ):
         if n % tp:
             problems.append(f"{n} {what} do not split over {tp} ranks")
     for kv in sorted({kv_heads(config, i) for i in range(config.num_hidden_layers)}):
@@ -197,8 +221,9 @@ def replicate_kv_heads(w: torch.Tensor, heads: int, tp: int) -> torch.Tensor:
     return w.reshape(heads, d, -1).repeat_interleave(tp // heads, dim=0).reshape(tp * d, -1)
 
 
-def parallel_state_dict(state: dict[str, torch.Tensor], config: Gemma4TextConfig, tp: int,
-                        expert_layout: str = DEFAULT_EXPERT_LAYOUT) -> dict[str, torch.Tensor]:
+def parallel_state_dict(
+    state: dict[str, torch.Tensor], config: Gemma4TextConfig, tp: int, expert_layout: str = DEFAULT_EXPERT_LAYOUT
+) -> dict[str, torch.Tensor]:
     """An HF state dict in the parallel layout, before any slicing (NxD's preshard step).
 
     Experts become their linears' weights under `<...>.experts.{gate_up_proj,down_proj}.weight`, as

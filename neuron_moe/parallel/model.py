@@ -37,7 +37,9 @@ from . import layout
 from .moe import parallel_experts
 
 
-def rank_config(config: Gemma4TextConfig, tp: int, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT) -> Gemma4TextConfig:
+def rank_config(
+    config: Gemma4TextConfig, tp: int, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT
+) -> Gemma4TextConfig:
     """The config one rank's HF modules see: its heads, KV heads and dense intermediate size."""
     layout.check_degree(config, tp, expert_layout)
     fields = config.to_dict()
@@ -46,7 +48,8 @@ def rank_config(config: Gemma4TextConfig, tp: int, expert_layout: str = layout.D
     fields["intermediate_size"] = config.intermediate_size // tp
     fields["per_layer_config"] = {
         i: dict(o, num_key_value_heads=max(o["num_key_value_heads"] // tp, 1)) if "num_key_value_heads" in o else o
-        for i, o in fields.get("per_layer_config", {}).items()}
+        for i, o in fields.get("per_layer_config", {}).items()
+    }
     local = Gemma4TextConfig(**fields)
     local._attn_implementation = "eager"  # what build_model uses: the reference's attention
     return local
@@ -59,9 +62,17 @@ def _scaled(embedding: nn.Module, scale: torch.Tensor) -> nn.Module:
     return embedding
 
 
-def rank_model(config: Gemma4TextConfig, tp: int, layers, *, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
-               int8: bool = False, scatter: str = SPMD, dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> Gemma4ForCausalLM:
+def rank_model(
+    config: Gemma4TextConfig,
+    tp: int,
+    layers,
+    *,
+    expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
+    int8: bool = False,
+    scatter: str = SPMD,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> Gemma4ForCausalLM:
     """One rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`); its state dict
     names are those of `layout.parallel_state_dict` in `expert_layout` (int8: of
     `experts.int8.quantize_experts` of it). `device="meta"` builds it without memory (for plans and
@@ -71,8 +82,9 @@ def rank_model(config: Gemma4TextConfig, tp: int, layers, *, expert_layout: str 
     with torch.device("meta"):
         model = Gemma4ForCausalLM(local)
         whole = Gemma4ForCausalLM(copy.deepcopy(config))  # the full shapes, no memory
-    full = {name: t.shape for name, t in layout.parallel_state_dict(whole.state_dict(), config, tp,
-                                                                    expert_layout).items()}
+    full = {
+        name: t.shape for name, t in layout.parallel_state_dict(whole.state_dict(), config, tp, expert_layout).items()
+    }
     if device != "meta":
         model.to_empty(device=device)
     model.to(dtype)
@@ -87,8 +99,18 @@ def rank_model(config: Gemma4TextConfig, tp: int, layers, *, expert_layout: str 
     return model.eval()
 
 
-def _share(name: str, module: nn.Module, full: dict, local, tp: int, layers, expert_layout: str, int8: bool,
-           scatter: str, dtype: torch.dtype) -> nn.Module | None:
+def _share(
+    name: str,
+    module: nn.Module,
+    full: dict,
+    local,
+    tp: int,
+    layers,
+    expert_layout: str,
+    int8: bool,
+    scatter: str,
+    dtype: torch.dtype,
+) -> nn.Module | None:
     """The parallel module in place of `module` (its name `name`), or None where a rank holds it whole."""
     if f"{name}.gate_up_proj.weight" in full:  # the experts, as the layout holds their linears
         return parallel_experts(local, tp, layers, expert_layout, int8=int8, scatter=scatter, dtype=dtype)
@@ -99,15 +121,21 @@ def _share(name: str, module: nn.Module, full: dict, local, tp: int, layers, exp
     if kind == layout.VOCAB:
         return _scaled(layers.ParallelEmbedding(out, inp, tp=tp, dtype=dtype), torch.tensor(inp**0.5))
     if kind == layout.COLUMN:
-        return layers.ColumnParallelLinear(inp, out, tp=tp, dtype=dtype,
-                                           gather_output=f"{name}.weight" in layout.GATHERED)
+        return layers.ColumnParallelLinear(
+            inp, out, tp=tp, dtype=dtype, gather_output=f"{name}.weight" in layout.GATHERED
+        )
     if kind == layout.ROW:
         return layers.RowParallelLinear(inp, out, tp=tp, dtype=dtype)
     raise ValueError(f"{name}: no parallel layer for placement {kind!r}")
 
 
-def materialize(model: Gemma4ForCausalLM, config: Gemma4TextConfig, tp: int,
-                expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, device: str = "cpu") -> Gemma4ForCausalLM:
+def materialize(
+    model: Gemma4ForCausalLM,
+    config: Gemma4TextConfig,
+    tp: int,
+    expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
+    device: str = "cpu",
+) -> Gemma4ForCausalLM:
     """A rank model built on the meta device, allocated on `device` (uninitialised: every value
     then comes from the rank's shard, `load_state_dict`), with what `rank_model` computes rather
     than loads computed again there: the rotary embedding's buffers and the embedding scale."""

@@ -65,8 +65,9 @@ class ChannelExperts(nn.Module):
         implementation of the graph this module is in asks (`COMPUTE`)."""
         experts = spec.dispatched(self.config)
         if experts not in COMPUTE:
-            raise UserError(f"the channel layout's rank module runs {', '.join(e.name for e in COMPUTE)}, "
-                            f"not {experts.name!r}")
+            raise UserError(
+                f"the channel layout's rank module runs {', '.join(e.name for e in COMPUTE)}, not {experts.name!r}"
+            )
         out = COMPUTE[experts](self, x, top_k_index, top_k_weights)
         return self.layers.reduce_from_tensor_model_parallel_region(out, tp=self.tp)
 
@@ -89,17 +90,23 @@ class ChannelExperts(nn.Module):
     def read(self, x, top_k_index, top_k_weights):
         """The rank's reader on its shard: gate/up rows are the columns of [E, H, 2I/t]."""
         if self.reader is None:
-            raise UserError("a graph built with the reader needs a reader shard in every experts module "
-                            "(parallel.reader.attach)")
-        return self.reader(x, top_k_index, top_k_weights, self.gate_up_proj.weight.mT, self.down_proj.weight,
-                           self.act_fn)
+            raise UserError(
+                "a graph built with the reader needs a reader shard in every experts module (parallel.reader.attach)"
+            )
+        return self.reader(
+            x, top_k_index, top_k_weights, self.gate_up_proj.weight.mT, self.down_proj.weight, self.act_fn
+        )
 
 
 # What the channel layout's rank module computes in a graph built with each experts implementation (a
 # rank model outside any graph runs its own, dense_masked: `rank_model`; HF's eager, what a standalone
 # block over an HF model's config runs, computes the same sum over all its experts).
-COMPUTE = {spec.EAGER: ChannelExperts.every_expert, spec.DENSE_MASKED: ChannelExperts.every_expert,
-           spec.SELECTIVE: ChannelExperts.routed, spec.CHANNEL_READER: ChannelExperts.read}
+COMPUTE = {
+    spec.EAGER: ChannelExperts.every_expert,
+    spec.DENSE_MASKED: ChannelExperts.every_expert,
+    spec.SELECTIVE: ChannelExperts.routed,
+    spec.CHANNEL_READER: ChannelExperts.read,
+}
 
 
 class WholeExperts(nn.Module):
@@ -121,7 +128,9 @@ class WholeExperts(nn.Module):
     def local_weights(self, dense: torch.Tensor) -> torch.Tensor:
         """Dense router weights [T, E] -> this rank's columns [T, E/t]."""
         if self.scatter == spec.SPMD:
-            return self.layers.scatter_to_process_group_spmd(dense, dense.dim() - 1, self.spmd_rank.get_rank(), tp=self.tp)
+            return self.layers.scatter_to_process_group_spmd(
+                dense, dense.dim() - 1, self.spmd_rank.get_rank(), tp=self.tp
+            )
         return self.layers.scatter_to_tensor_model_parallel_region(dense, tp=self.tp)
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -134,8 +143,16 @@ class WholeExperts(nn.Module):
         return self.down_proj(act.flatten(-2))[0]
 
 
-def parallel_experts(config, tp: int, layers, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT, *,
-                     int8: bool = False, scatter: str = spec.SPMD, dtype=torch.float32) -> nn.Module:
+def parallel_experts(
+    config,
+    tp: int,
+    layers,
+    expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
+    *,
+    int8: bool = False,
+    scatter: str = spec.SPMD,
+    dtype=torch.float32,
+) -> nn.Module:
     """This rank's experts in `expert_layout`. `config` is the model's own (a graph's view replaces it
     with one naming the graph's experts implementation). `scatter` exists only in the expert layout."""
     if layout.check_layout_name(expert_layout) == layout.CHANNEL:
@@ -149,8 +166,17 @@ class ParallelMoE(nn.Module):
     """forward(router_input, experts_input), both [B, S, H]: the residual (the router normalises
     it itself) and pre_feedforward_layernorm_2 of it, as in Gemma4TextDecoderLayer."""
 
-    def __init__(self, config, tp: int, layers, *, expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
-                 int8: bool = False, scatter: str = spec.SPMD, dtype=torch.float32):
+    def __init__(
+        self,
+        config,
+        tp: int,
+        layers,
+        *,
+        expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
+        int8: bool = False,
+        scatter: str = spec.SPMD,
+        dtype=torch.float32,
+    ):
         super().__init__()
         self.router = Gemma4TextRouter(config).to(dtype)
         self.experts = parallel_experts(config, tp, layers, expert_layout, int8=int8, scatter=scatter, dtype=dtype)

@@ -48,47 +48,118 @@ _MOE = "src/neuronx_distributed/modules/moe/moe_parallel_layers.py"
 
 # dotted name -> (file in NXD_SOURCE, keyword arguments we pass; None for a value we only read)
 NXD_API: dict[str, tuple[str, tuple[str, ...] | None]] = {
-    "neuronx_distributed.parallel_layers.layers.ColumnParallelLinear":
-        (_L, ("input_size", "output_size", "bias", "gather_output", "dtype")),
-    "neuronx_distributed.parallel_layers.layers.RowParallelLinear":
-        (_L, ("input_size", "output_size", "bias", "input_is_parallel", "dtype")),
-    "neuronx_distributed.parallel_layers.layers.ParallelEmbedding":
-        (_L, ("num_embeddings", "embedding_dim", "dtype", "shard_across_embedding", "use_spmd_rank")),
+    "neuronx_distributed.parallel_layers.layers.ColumnParallelLinear": (
+        _L,
+        ("input_size", "output_size", "bias", "gather_output", "dtype"),
+    ),
+    "neuronx_distributed.parallel_layers.layers.RowParallelLinear": (
+        _L,
+        ("input_size", "output_size", "bias", "input_is_parallel", "dtype"),
+    ),
+    "neuronx_distributed.parallel_layers.layers.ParallelEmbedding": (
+        _L,
+        ("num_embeddings", "embedding_dim", "dtype", "shard_across_embedding", "use_spmd_rank"),
+    ),
     "neuronx_distributed.parallel_layers.layers.SPMDRank": (_L, ("world_size", "tensor_model_parallel_size")),
-    "neuronx_distributed.parallel_layers.mappings.scatter_to_process_group_spmd":
-        (_M, ("input_", "partition_dim", "rank")),
+    "neuronx_distributed.parallel_layers.mappings.scatter_to_process_group_spmd": (
+        _M,
+        ("input_", "partition_dim", "rank"),
+    ),
     "neuronx_distributed.parallel_layers.mappings.scatter_to_tensor_model_parallel_region": (_M, ("input_",)),
     "neuronx_distributed.parallel_layers.mappings.reduce_from_tensor_model_parallel_region": (_M, ("input_",)),
-    "neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear":
-        (_MOE, ("num_experts", "input_size", "output_size", "bias", "dtype", "stride")),
-    "neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedRowParallelLinear":
-        (_MOE, ("num_experts", "input_size", "output_size", "bias", "reduce_output", "dtype")),
-    "neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel":
-        (_PS, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-               "expert_model_parallel_size", "skip_collective_init")),
+    "neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear": (
+        _MOE,
+        ("num_experts", "input_size", "output_size", "bias", "dtype", "stride"),
+    ),
+    "neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedRowParallelLinear": (
+        _MOE,
+        ("num_experts", "input_size", "output_size", "bias", "reduce_output", "dtype"),
+    ),
+    "neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel": (
+        _PS,
+        (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "skip_collective_init",
+        ),
+    ),
     "neuronx_distributed.parallel_layers.parallel_state.model_parallel_is_initialized": (_PS, ()),
     "neuronx_distributed.parallel_layers.parallel_state.get_tensor_model_parallel_size": (_PS, ()),
-    "neuronx_distributed.quantization.quantization_layers.QuantizedColumnParallel":
-        (_Q, ("input_size", "output_size", "bias", "quantization_type", "gather_output", "dtype",
-              "quantized_dtype", "quantization_per_channel_axis", "scale_dtype")),
-    "neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel":
-        (_Q, ("input_size", "output_size", "bias", "quantization_type", "input_is_parallel", "dtype",
-              "quantized_dtype", "quantization_per_channel_axis", "scale_dtype")),
-    "neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedColumnParallel":
-        (_Q, ("num_experts", "input_size", "output_size", "bias", "quantization_type", "dtype", "quantized_dtype",
-              "stride", "quantization_per_channel_axis", "scale_dtype")),
-    "neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedRowParallel":
-        (_Q, ("num_experts", "input_size", "output_size", "reduce_output", "bias", "quantization_type",
-              "quantized_dtype", "dtype", "quantization_per_channel_axis", "scale_dtype")),
+    "neuronx_distributed.quantization.quantization_layers.QuantizedColumnParallel": (
+        _Q,
+        (
+            "input_size",
+            "output_size",
+            "bias",
+            "quantization_type",
+            "gather_output",
+            "dtype",
+            "quantized_dtype",
+            "quantization_per_channel_axis",
+            "scale_dtype",
+        ),
+    ),
+    "neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel": (
+        _Q,
+        (
+            "input_size",
+            "output_size",
+            "bias",
+            "quantization_type",
+            "input_is_parallel",
+            "dtype",
+            "quantized_dtype",
+            "quantization_per_channel_axis",
+            "scale_dtype",
+        ),
+    ),
+    "neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedColumnParallel": (
+        _Q,
+        (
+            "num_experts",
+            "input_size",
+            "output_size",
+            "bias",
+            "quantization_type",
+            "dtype",
+            "quantized_dtype",
+            "stride",
+            "quantization_per_channel_axis",
+            "scale_dtype",
+        ),
+    ),
+    "neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedRowParallel": (
+        _Q,
+        (
+            "num_experts",
+            "input_size",
+            "output_size",
+            "reduce_output",
+            "bias",
+            "quantization_type",
+            "quantized_dtype",
+            "dtype",
+            "quantization_per_channel_axis",
+            "scale_dtype",
+        ),
+    ),
     "neuronx_distributed.quantization.quantization_config.QuantizationType.PER_CHANNEL_SYMMETRIC": (_QC, None),
-    "neuronx_distributed.quantization.quantization_config.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC":
-        (_QC, None),
+    "neuronx_distributed.quantization.quantization_config.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC": (
+        _QC,
+        None,
+    ),
     "neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8": (_QC, None),
-    "neuronx_distributed.trace.model_builder.ModelBuilder":
-        (_MB, ("router", "tp_degree", "checkpoint_loader", "compiler_workdir")),
+    "neuronx_distributed.trace.model_builder.ModelBuilder": (
+        _MB,
+        ("router", "tp_degree", "checkpoint_loader", "compiler_workdir"),
+    ),
     "neuronx_distributed.trace.model_builder.BaseModelInstance": (_MB, ("module_cls", "input_output_aliases")),
-    "neuronx_distributed.trace.model_builder.ModelBuilder.add":
-        (_MB, ("key", "model_instance", "example_inputs", "compiler_args")),
+    "neuronx_distributed.trace.model_builder.ModelBuilder.add": (
+        _MB,
+        ("key", "model_instance", "example_inputs", "compiler_args"),
+    ),
     "neuronx_distributed.trace.model_builder.ModelBuilder.trace": (_MB, ("initialize_model_weights",)),
     "neuronx_distributed.trace.model_builder.ModelBuilder.shard_checkpoint": (_MB, ("serialize_path",)),
 }
@@ -118,7 +189,8 @@ def _nxd(dotted: str):
         return obj
     raise NeuronSDKMissing(
         f"{dotted} needs the Neuron SDK (neuronx-distributed, torch-neuronx), which is not installed here. "
-        "It is not on PyPI: use the Neuron SDK 2.31 deep-learning container for inf2 (recipes/inf2-24xlarge/)")
+        "It is not on PyPI: use the Neuron SDK 2.31 deep-learning container for inf2 (recipes/inf2-24xlarge/)"
+    )
 
 
 def _bound(obj, dotted: str) -> Callable:
@@ -142,38 +214,53 @@ def sdk_available() -> bool:
 def initialize_model_parallel(tp: int) -> None:
     """NxD's parallel state for `tp` ranks, keywords only (see the trap above)."""
     _nxd("neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel")(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=1,
-        expert_model_parallel_size=1, skip_collective_init=True)
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        skip_collective_init=True,
+    )
 
 
 def _check_tp(tp: int) -> None:
     """NxD's layers take the degree from its parallel state; ours take it as an argument. They must agree."""
     initialized = _nxd("neuronx_distributed.parallel_layers.parallel_state.model_parallel_is_initialized")()
-    size = _nxd("neuronx_distributed.parallel_layers.parallel_state.get_tensor_model_parallel_size")() \
-        if initialized else None
+    size = (
+        _nxd("neuronx_distributed.parallel_layers.parallel_state.get_tensor_model_parallel_size")()
+        if initialized
+        else None
+    )
     if size != tp:
-        raise RuntimeError(f"NxD parallel state has TP {size}, the rank module was built for TP {tp}: "
-                           "build rank modules inside ModelBuilder (or after initialize_model_parallel)")
+        raise RuntimeError(
+            f"NxD parallel state has TP {size}, the rank module was built for TP {tp}: "
+            "build rank modules inside ModelBuilder (or after initialize_model_parallel)"
+        )
 
 
 def ColumnParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, gather_output=False):
     _check_tp(tp)
     return _nxd("neuronx_distributed.parallel_layers.layers.ColumnParallelLinear")(
-        input_size=input_size, output_size=output_size, bias=False, gather_output=gather_output, dtype=dtype)
+        input_size=input_size, output_size=output_size, bias=False, gather_output=gather_output, dtype=dtype
+    )
 
 
 def RowParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
     _check_tp(tp)
     return _nxd("neuronx_distributed.parallel_layers.layers.RowParallelLinear")(
-        input_size=input_size, output_size=output_size, bias=False, input_is_parallel=True, dtype=dtype)
+        input_size=input_size, output_size=output_size, bias=False, input_is_parallel=True, dtype=dtype
+    )
 
 
 def _int8_per_channel() -> dict:
     """A linear's int8: a scale per output channel (axis 0 of its [out, in] weight)."""
     return dict(
-        quantization_type=_nxd("neuronx_distributed.quantization.quantization_config.QuantizationType.PER_CHANNEL_SYMMETRIC"),
+        quantization_type=_nxd(
+            "neuronx_distributed.quantization.quantization_config.QuantizationType.PER_CHANNEL_SYMMETRIC"
+        ),
         quantized_dtype=_nxd("neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8"),
-        quantization_per_channel_axis=0, scale_dtype=torch.float32)
+        quantization_per_channel_axis=0,
+        scale_dtype=torch.float32,
+    )
 
 
 def _int8_expert_wise() -> dict:
@@ -181,54 +268,87 @@ def _int8_expert_wise() -> dict:
     [E, 1, out]; selective loading gathers it with the weight (`scale[expert_indices]`)."""
     return dict(
         quantization_type=_nxd(
-            "neuronx_distributed.quantization.quantization_config.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC"),
+            "neuronx_distributed.quantization.quantization_config.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC"
+        ),
         quantized_dtype=_nxd("neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8"),
-        quantization_per_channel_axis=2, scale_dtype=torch.float32)
+        quantization_per_channel_axis=2,
+        scale_dtype=torch.float32,
+    )
 
 
 def QuantizedColumnParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
     _check_tp(tp)
     return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedColumnParallel")(
-        input_size=input_size, output_size=output_size, bias=False, gather_output=False, dtype=dtype,
-        **_int8_per_channel())
+        input_size=input_size,
+        output_size=output_size,
+        bias=False,
+        gather_output=False,
+        dtype=dtype,
+        **_int8_per_channel(),
+    )
 
 
 def QuantizedRowParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
     _check_tp(tp)
     return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel")(
-        input_size=input_size, output_size=output_size, bias=False, input_is_parallel=True, dtype=dtype,
-        **_int8_per_channel())
+        input_size=input_size,
+        output_size=output_size,
+        bias=False,
+        input_is_parallel=True,
+        dtype=dtype,
+        **_int8_per_channel(),
+    )
 
 
-def ExpertFusedColumnParallelLinear(num_experts: int, input_size: int, output_size: int, *, tp: int,
-                                    dtype=torch.float32, stride: int = 1):
+def ExpertFusedColumnParallelLinear(
+    num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
+):
     _check_tp(tp)
     return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear")(
-        num_experts=num_experts, input_size=input_size, output_size=output_size, bias=False, dtype=dtype,
-        stride=stride)
+        num_experts=num_experts, input_size=input_size, output_size=output_size, bias=False, dtype=dtype, stride=stride
+    )
 
 
 def ExpertFusedRowParallelLinear(num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
     _check_tp(tp)
     return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedRowParallelLinear")(
-        num_experts=num_experts, input_size=input_size, output_size=output_size, bias=False, reduce_output=False,
-        dtype=dtype)
+        num_experts=num_experts,
+        input_size=input_size,
+        output_size=output_size,
+        bias=False,
+        reduce_output=False,
+        dtype=dtype,
+    )
 
 
-def QuantizedExpertFusedColumnParallel(num_experts: int, input_size: int, output_size: int, *, tp: int,
-                                       dtype=torch.float32, stride: int = 1):
+def QuantizedExpertFusedColumnParallel(
+    num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
+):
     _check_tp(tp)
     return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedColumnParallel")(
-        num_experts=num_experts, input_size=input_size, output_size=output_size, bias=False, dtype=dtype,
-        stride=stride, **_int8_expert_wise())
+        num_experts=num_experts,
+        input_size=input_size,
+        output_size=output_size,
+        bias=False,
+        dtype=dtype,
+        stride=stride,
+        **_int8_expert_wise(),
+    )
 
 
-def QuantizedExpertFusedRowParallel(num_experts: int, input_size: int, output_size: int, *, tp: int,
-                                    dtype=torch.float32):
+def QuantizedExpertFusedRowParallel(
+    num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32
+):
     _check_tp(tp)
     return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedRowParallel")(
-        num_experts=num_experts, input_size=input_size, output_size=output_size, reduce_output=False, bias=False,
-        dtype=dtype, **_int8_expert_wise())
+        num_experts=num_experts,
+        input_size=input_size,
+        output_size=output_size,
+        reduce_output=False,
+        bias=False,
+        dtype=dtype,
+        **_int8_expert_wise(),
+    )
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int):
@@ -238,8 +358,12 @@ def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int):
 def ParallelEmbedding(num_embeddings: int, embedding_dim: int, *, tp: int, dtype=torch.float32):
     _check_tp(tp)
     return _nxd("neuronx_distributed.parallel_layers.layers.ParallelEmbedding")(
-        num_embeddings=num_embeddings, embedding_dim=embedding_dim, dtype=dtype,
-        shard_across_embedding=False, use_spmd_rank=True)
+        num_embeddings=num_embeddings,
+        embedding_dim=embedding_dim,
+        dtype=dtype,
+        shard_across_embedding=False,
+        use_spmd_rank=True,
+    )
 
 
 def SPMDRank(tp: int):
@@ -249,15 +373,21 @@ def SPMDRank(tp: int):
 
 def scatter_to_process_group_spmd(input_: torch.Tensor, partition_dim: int, rank: torch.Tensor, *, tp: int):
     return _nxd("neuronx_distributed.parallel_layers.mappings.scatter_to_process_group_spmd")(
-        input_=input_, partition_dim=partition_dim, rank=rank)
+        input_=input_, partition_dim=partition_dim, rank=rank
+    )
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int):
     return _nxd("neuronx_distributed.parallel_layers.mappings.scatter_to_tensor_model_parallel_region")(input_=input_)
 
 
-def trace_keys(keys: dict[str, tuple[Callable[[], torch.nn.Module], list[tuple]]], checkpoint_loader: Callable[[], dict],
-               tp: int, workdir: Path, compiler_args: str | None = None):
+def trace_keys(
+    keys: dict[str, tuple[Callable[[], torch.nn.Module], list[tuple]]],
+    checkpoint_loader: Callable[[], dict],
+    tp: int,
+    workdir: Path,
+    compiler_args: str | None = None,
+):
     """ModelBuilder over several keys (e.g. one per context-encoding bucket and one for token
     generation): `keys[key] = (module factory, example input tuples)`. Traces rank 0 once per key
     and compiles; returns (builder, traced model without weights) for `torch.jit.save` and
@@ -271,28 +401,36 @@ def trace_keys(keys: dict[str, tuple[Callable[[], torch.nn.Module], list[tuple]]
     StatefulModelInstance test subclasses for the same reason.
     """
     builder = _nxd("neuronx_distributed.trace.model_builder.ModelBuilder")(
-        router=None, tp_degree=tp, checkpoint_loader=checkpoint_loader, compiler_workdir=str(workdir))
+        router=None, tp_degree=tp, checkpoint_loader=checkpoint_loader, compiler_workdir=str(workdir)
+    )
     for key, (factory, examples) in keys.items():
         aliases: dict = {}
         instance = _nxd("neuronx_distributed.trace.model_builder.BaseModelInstance")(
-            module_cls=_filling(factory, aliases), input_output_aliases=aliases)
+            module_cls=_filling(factory, aliases), input_output_aliases=aliases
+        )
         _bound(builder, "neuronx_distributed.trace.model_builder.ModelBuilder.add")(
-            key=key, model_instance=instance, example_inputs=examples, compiler_args=compiler_args)
-    traced = _bound(builder, "neuronx_distributed.trace.model_builder.ModelBuilder.trace")(initialize_model_weights=False)
+            key=key, model_instance=instance, example_inputs=examples, compiler_args=compiler_args
+        )
+    traced = _bound(builder, "neuronx_distributed.trace.model_builder.ModelBuilder.trace")(
+        initialize_model_weights=False
+    )
     return builder, traced
 
 
 def _filling(factory: Callable[[], torch.nn.Module], aliases: dict) -> Callable[[], torch.nn.Module]:
     """`factory`, which also makes `aliases` the built module's output aliases (none if stateless)."""
+
     def build():
         module = factory()
         aliases.clear()
         aliases.update(module.output_aliases() if hasattr(module, "output_aliases") else {})
         return module
+
     return build
 
 
 def shard_checkpoint(builder, serialize_path: Path):
     """Per-rank checkpoints `tp{rank}_sharded_checkpoint.safetensors` under serialize_path."""
     return _bound(builder, "neuronx_distributed.trace.model_builder.ModelBuilder.shard_checkpoint")(
-        serialize_path=str(serialize_path))
+        serialize_path=str(serialize_path)
+    )

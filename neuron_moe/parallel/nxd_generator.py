@@ -30,12 +30,7 @@ import torch
 from ..errors import UserError
 from ..greedy import Generation
 from ..spec import SPMD
-from ..static.generator import (
-    StaticGenerator,
-    choose_buckets,
-    generate_batches,
-    prompt_lengths,
-)
+from ..static.generator import StaticGenerator, choose_buckets, generate_batches, prompt_lengths
 from . import cpu, nxd, nxd_source
 from .model import materialize
 from .rank_job import RankJob
@@ -46,29 +41,60 @@ class NxDGenerator:
     """The TP backend over NxD's layers. `shards`: which rank's shard each rank loads (default its
     own; a negative control loads another's)."""
 
-    def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
-                 int8: bool = False, scatter: str = SPMD, sidecar=None, budget: float | None = None,
-                 rank: int | None = None, shards: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        port,
+        tp: int,
+        dtype=None,
+        checkpoint=None,
+        *,
+        expert_layout: str | None = None,
+        int8: bool = False,
+        scatter: str = SPMD,
+        sidecar=None,
+        budget: float | None = None,
+        rank: int | None = None,
+        shards: tuple[int, ...] | None = None,
+    ):
         if scatter != SPMD:
-            raise UserError("the Python-int router scatter is wrong only in a graph traced once on rank 0; "
-                            "--tp-layers nxd runs NxD's layers eagerly on every rank (its CPU mode), where it is "
-                            "right: run tp8-naive-scatter with --tp-layers cpu")
+            raise UserError(
+                "the Python-int router scatter is wrong only in a graph traced once on rank 0; "
+                "--tp-layers nxd runs NxD's layers eagerly on every rank (its CPU mode), where it is "
+                "right: run tp8-naive-scatter with --tp-layers cpu"
+            )
         if (dtype or port.dtype) != torch.float32:
-            raise UserError(f"--tp-layers nxd runs float32 only, not {str(dtype or port.dtype).removeprefix('torch.')}:"
-                            " NxD's CPU mode reduces over gloo, which has no bfloat16 sum")
+            raise UserError(
+                f"--tp-layers nxd runs float32 only, not {str(dtype or port.dtype).removeprefix('torch.')}:"
+                " NxD's CPU mode reduces over gloo, which has no bfloat16 sum"
+            )
         self.source = nxd_source.require()  # before the weights load
         shards = tuple(range(tp)) if shards is None else tuple(shards)
         if len(shards) != tp or not all(0 <= s < tp for s in shards):
             raise ValueError(f"shards must name one of {tp} ranks' shards per rank, got {shards}")
-        self.job = RankJob.prepare(port, tp, dtype, checkpoint, expert_layout=expert_layout, int8=int8,
-                                   scatter=scatter, sidecar=sidecar, budget=budget, rank=rank)
+        self.job = RankJob.prepare(
+            port,
+            tp,
+            dtype,
+            checkpoint,
+            expert_layout=expert_layout,
+            int8=int8,
+            scatter=scatter,
+            sidecar=sidecar,
+            budget=budget,
+            rank=rank,
+        )
         self.tp, self.spec, self.shards = tp, self.job.spec, shards
         self.ran: dict | None = None  # after a run, rank 0's account of it (`_rank`)
 
     def details(self) -> dict:
-        return {"layers": "nxd", "tp": self.tp, "expert_layout": self.job.expert_layout,
-                "layer_library": f"{self.source.describe()}, NxD's CPU mode over gloo",
-                "nxd_version": self.source.version, "nxd_commit": self.source.commit}
+        return {
+            "layers": "nxd",
+            "tp": self.tp,
+            "expert_layout": self.job.expert_layout,
+            "layer_library": f"{self.source.describe()}, NxD's CPU mode over gloo",
+            "nxd_version": self.source.version,
+            "nxd_commit": self.source.commit,
+        }
 
     def check(self, attention_mask: torch.Tensor, max_new_tokens: int) -> None:
         """Every batch of the graphs' batch size checked against the graphs, before any process starts."""
@@ -76,14 +102,15 @@ class NxDGenerator:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         size = self.spec.batch_size
         for i in range(0, len(attention_mask), size):
-            choose_buckets(self.spec, prompt_lengths(attention_mask[i:i + size]), max_new_tokens)
+            choose_buckets(self.spec, prompt_lengths(attention_mask[i : i + size]), max_new_tokens)
 
     def generate(self, input_ids, attention_mask, max_new_tokens) -> Generation:
         return generate_nxd({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]
 
 
-def generate_nxd(generators: dict[str, NxDGenerator], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 max_new_tokens: int) -> dict[str, Generation]:
+def generate_nxd(
+    generators: dict[str, NxDGenerator], input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
+) -> dict[str, Generation]:
     """Several NxD generators (same degree, same NxD) over the same prompts in one set of t
     processes: NxD is imported and its parallel state initialised once per rank."""
     (tp,) = {gen.tp for gen in generators.values()}
@@ -102,8 +129,14 @@ def generate_nxd(generators: dict[str, NxDGenerator], input_ids: torch.Tensor, a
     return out
 
 
-def _rank(rank: int, source: nxd_source.NxDSource, runs: list[tuple], input_ids: torch.Tensor,
-          attention_mask: torch.Tensor, max_new_tokens: int) -> dict[str, tuple]:
+def _rank(
+    rank: int,
+    source: nxd_source.NxDSource,
+    runs: list[tuple],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_new_tokens: int,
+) -> dict[str, tuple]:
     """One rank process: NxD's CPU mode, its parallel state, then each run's rank module (its
     shard loaded) through the static graphs. -> {name: (tokens, logits, what ran)}, what ran being
     the packages stood in for, the NxD classes the module is built of, the file they came from and
@@ -120,10 +153,19 @@ def _rank(rank: int, source: nxd_source.NxDSource, runs: list[tuple], input_ids:
         module.load_state_dict(state, strict=True)
         generator = StaticGenerator(module, job.spec, exported=False, logits=True)
         generation = generate_batches(generator, input_ids, attention_mask, max_new_tokens)
-        classes = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in module.modules()
-                          if type(m).__module__.startswith(nxd_source.PACKAGE)})
-        ran = {"stand_ins": stand_ins, "classes": classes, "seconds": time.perf_counter() - started,
-               "layers_file": sys.modules[f"{nxd_source.PACKAGE}.parallel_layers.layers"].__file__}
+        classes = sorted(
+            {
+                f"{type(m).__module__}.{type(m).__name__}"
+                for m in module.modules()
+                if type(m).__module__.startswith(nxd_source.PACKAGE)
+            }
+        )
+        ran = {
+            "stand_ins": stand_ins,
+            "classes": classes,
+            "seconds": time.perf_counter() - started,
+            "layers_file": sys.modules[f"{nxd_source.PACKAGE}.parallel_layers.layers"].__file__,
+        }
         out[name] = (generation.tokens, generation.logits, ran)
         del module, generator
     return out

@@ -45,13 +45,12 @@ from ..errors import UserError
 
 ENV = "NXD_SRC"
 PACKAGE = "neuronx_distributed"
-MISSING = (f"needs neuronx-distributed: install it (the Neuron SDK's package; docs/neuron.md) or set {ENV} to a "
-           f"checkout of aws-neuron/neuronx-distributed (its root or its src/ directory)")
+MISSING = (
+    f"needs neuronx-distributed: install it (the Neuron SDK's package; docs/neuron.md) or set {ENV} to a "
+    f"checkout of aws-neuron/neuronx-distributed (its root or its src/ directory)"
+)
 # source digest (`source_digest`) -> the public commit it is; checked against the git trees
-KNOWN_SOURCES = {
-    "b29398e883b73fa3": "fbac349 (Release 2.29)",
-    "7ce5782b0e4827eb": "73ab227 (Release 2.28.0)",
-}
+KNOWN_SOURCES = {"b29398e883b73fa3": "fbac349 (Release 2.29)", "7ce5782b0e4827eb": "73ab227 (Release 2.28.0)"}
 # modules that must not run their __init__ from a source tree (see the docstring)
 _BARE = (PACKAGE, f"{PACKAGE}.modules", f"{PACKAGE}.modules.moe")
 
@@ -84,8 +83,10 @@ def _tree_package(root: Path) -> Path:
     for candidate in (root / "src" / PACKAGE, root / PACKAGE):
         if (candidate / "parallel_layers" / "layers.py").is_file():
             return candidate
-    raise UserError(f"{ENV}={root}: no neuronx-distributed source there (expected {root / 'src' / PACKAGE} or "
-                    f"{root / PACKAGE}, with parallel_layers/layers.py)")
+    raise UserError(
+        f"{ENV}={root}: no neuronx-distributed source there (expected {root / 'src' / PACKAGE} or "
+        f"{root / PACKAGE}, with parallel_layers/layers.py)"
+    )
 
 
 def _version_of_tree(package: Path) -> str:
@@ -98,8 +99,13 @@ def _version_of_tree(package: Path) -> str:
 
 def _git_commit(root: Path) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=False)
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return f"git {out.stdout.strip()}" if out.returncode == 0 and out.stdout.strip() else None
@@ -137,8 +143,10 @@ class _StandIn(types.ModuleType):
     def __getattr__(self, attr):
         if attr.startswith("__"):
             raise AttributeError(attr)
-        raise AttributeError(f"{self.__name__}.{attr}: {self.__name__} is a neuron-moe stand-in for a Neuron-only "
-                             f"package (NxD's CPU mode reached a name it does not define)")
+        raise AttributeError(
+            f"{self.__name__}.{attr}: {self.__name__} is a neuron-moe stand-in for a Neuron-only "
+            f"package (NxD's CPU mode reached a name it does not define)"
+        )
 
 
 class CollectivesConfig:
@@ -149,7 +157,9 @@ class CollectivesConfig:
     def __init__(self, replica_groups):
         groups = [list(g) for g in replica_groups]
         if any(len(g) != 1 for g in groups):
-            raise NotImplementedError(f"the CollectivesConfig stand-in covers context parallelism 1, got groups {groups}")
+            raise NotImplementedError(
+                f"the CollectivesConfig stand-in covers context parallelism 1, got groups {groups}"
+            )
         self.rank_src_tgt_pairs = {g[0]: [] for g in groups}
 
 
@@ -168,7 +178,7 @@ class _DeviceOnly:
 
 def _kernel_decorator(name: str):
     """`nki_jit(**flags)(kernel)`: the kernel as a _DeviceOnly."""
-    return lambda *args, **kwargs: (lambda kernel: _DeviceOnly(f"{name}({getattr(kernel, '__name__', kernel)})"))
+    return lambda *args, **kwargs: lambda kernel: _DeviceOnly(f"{name}({getattr(kernel, '__name__', kernel)})")
 
 
 def _stand_ins() -> dict[str, dict]:
@@ -178,8 +188,14 @@ def _stand_ins() -> dict[str, dict]:
     return {
         "torch_xla": {},
         "torch_xla.core": {},
-        "torch_xla.core.xla_model": {"REDUCE_SUM": "sum", "REDUCE_MAX": "max", "REDUCE_MIN": "min",
-                                     "REDUCE_MUL": "mul", "REDUCE_AND": "and", "REDUCE_OR": "or"},
+        "torch_xla.core.xla_model": {
+            "REDUCE_SUM": "sum",
+            "REDUCE_MAX": "max",
+            "REDUCE_MIN": "min",
+            "REDUCE_MUL": "mul",
+            "REDUCE_AND": "and",
+            "REDUCE_OR": "or",
+        },
         "torch_xla.core.xla_env_vars": {"HOST_WORLD_SIZE": "XRT_HOST_WORLD_SIZE"},
         "torch_xla.runtime": {},
         "torch_xla.utils": {},
@@ -198,7 +214,8 @@ def _stand_ins() -> dict[str, dict]:
         "neuronxcc.nki.compiler.backends": {},
         "neuronxcc.nki.compiler.backends.neuron": {},
         "neuronxcc.nki.compiler.backends.neuron.dimensions": {
-            "CCPipeline": _DeviceOnly("neuronxcc.nki.compiler.backends.neuron.dimensions.CCPipeline")},
+            "CCPipeline": _DeviceOnly("neuronxcc.nki.compiler.backends.neuron.dimensions.CCPipeline")
+        },
     }
 
 

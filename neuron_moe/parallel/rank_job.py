@@ -44,9 +44,20 @@ class RankJob:
         return None if self.reader is None else self.reader[1]
 
     @classmethod
-    def prepare(cls, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
-                int8: bool = False, scatter: str = SPMD, sidecar=None, budget: float | None = None,
-                rank: int | None = None) -> RankJob:
+    def prepare(
+        cls,
+        port,
+        tp: int,
+        dtype=None,
+        checkpoint=None,
+        *,
+        expert_layout: str | None = None,
+        int8: bool = False,
+        scatter: str = SPMD,
+        sidecar=None,
+        budget: float | None = None,
+        rank: int | None = None,
+    ) -> RankJob:
         """Every check that needs no weights first, then the weights."""
         port.static_spec(f"the TP {tp} backend")
         dtype = dtype or port.dtype
@@ -73,8 +84,16 @@ class RankJob:
     def rank_module(self, layers, device: str = "cpu"):
         """A rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`), the reader
         attached if there is one; its values are zeros or uninitialised until a shard is loaded."""
-        module = rank_model(self.config, self.tp, layers, expert_layout=self.expert_layout, int8=self.int8,
-                            scatter=self.scatter, dtype=self.dtype, device=device)
+        module = rank_model(
+            self.config,
+            self.tp,
+            layers,
+            expert_layout=self.expert_layout,
+            int8=self.int8,
+            scatter=self.scatter,
+            dtype=self.dtype,
+            device=device,
+        )
         if self.reader is not None:
             local, k, scan, rank = self.reader
             reader.attach(module, local, self.tp, k, scan, rank)

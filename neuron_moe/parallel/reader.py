@@ -36,14 +36,27 @@ class ReaderShard(nn.Module):
         for name, (dtype, shape) in local.layer_tensors().items():
             param = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
             setattr(self, name, cpu._tag(param, 0 if name in SPLIT else None, tp))
-        self.signs = cpu._tag(nn.Parameter(torch.zeros(local.hidden_padded, dtype=torch.int8, device=device),
-                                           requires_grad=False), None, tp)
+        self.signs = cpu._tag(
+            nn.Parameter(torch.zeros(local.hidden_padded, dtype=torch.int8, device=device), requires_grad=False),
+            None,
+            tp,
+        )
         self.k, self.scan, self.rank = k, scan, rank
 
     def forward(self, x, top_k_index, top_k_weights, gate_up_rows, down_rows, act_fn):
         """This rank's partial routed output [T, H] (the caller all-reduces it)."""
-        return reference.forward(x, top_k_index, top_k_weights, gate_up_rows, down_rows, self, k=self.k,
-                                 scan=self.scan, rank=self.rank, act_fn=act_fn)
+        return reference.forward(
+            x,
+            top_k_index,
+            top_k_weights,
+            gate_up_rows,
+            down_rows,
+            self,
+            k=self.k,
+            scan=self.scan,
+            rank=self.rank,
+            act_fn=act_fn,
+        )
 
 
 def attach(model, local: SidecarLayout, tp: int, k: int, scan: int, rank: int) -> None:
@@ -58,8 +71,10 @@ def attach(model, local: SidecarLayout, tp: int, k: int, scan: int, rank: int) -
 def layer_state(shards: list) -> dict[str, torch.Tensor]:
     """One layer's ReaderShard entries of the full checkpoint from every rank's shard (LayerSidecars,
     rank order): split tensors concatenated on dim 0, U and the signs once."""
-    state = {name: torch.cat([getattr(s, name) for s in shards]) if name in SPLIT else getattr(shards[0], name)
-             for name in LAYER_TENSORS}
+    state = {
+        name: torch.cat([getattr(s, name) for s in shards]) if name in SPLIT else getattr(shards[0], name)
+        for name in LAYER_TENSORS
+    }
     return {**state, "signs": shards[0].signs.clone()}  # its own tensor in each layer (safetensors refuses shared ones)
 
 
@@ -75,8 +90,10 @@ def full_state(sides: list) -> dict[str, torch.Tensor]:
 def check_reader(expert_layout: str, int8: bool, budget) -> None:
     """The reader runs in the channel layout's float decode graphs, at a budget."""
     if expert_layout != layout.CHANNEL:
-        raise UserError(f"the reader runs on the {layout.CHANNEL!r} expert layout (each rank screens its own I/t "
-                        f"channels of every expert), not the {expert_layout!r} layout")
+        raise UserError(
+            f"the reader runs on the {layout.CHANNEL!r} expert layout (each rank screens its own I/t "
+            f"channels of every expert), not the {expert_layout!r} layout"
+        )
     if int8:
         raise UserError("the reader reads float (bf16/fp32) experts; int8 experts with the reader are not built")
     if budget is None:

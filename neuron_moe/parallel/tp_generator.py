@@ -34,11 +34,33 @@ from .trace import export_rank0, generation_job, run_replicated
 class TPGenerator(StaticGenerator):
     """StaticGenerator whose graphs are rank-0 exports of the rank module, run on t processes."""
 
-    def __init__(self, port, tp: int, dtype=None, checkpoint=None, *, expert_layout: str | None = None,
-                 int8: bool = False, scatter: str = SPMD, logits: bool = True, sidecar=None,
-                 budget: float | None = None, rank: int | None = None):
-        job = RankJob.prepare(port, tp, dtype, checkpoint, expert_layout=expert_layout, int8=int8, scatter=scatter,
-                              sidecar=sidecar, budget=budget, rank=rank)
+    def __init__(
+        self,
+        port,
+        tp: int,
+        dtype=None,
+        checkpoint=None,
+        *,
+        expert_layout: str | None = None,
+        int8: bool = False,
+        scatter: str = SPMD,
+        logits: bool = True,
+        sidecar=None,
+        budget: float | None = None,
+        rank: int | None = None,
+    ):
+        job = RankJob.prepare(
+            port,
+            tp,
+            dtype,
+            checkpoint,
+            expert_layout=expert_layout,
+            int8=int8,
+            scatter=scatter,
+            sidecar=sidecar,
+            budget=budget,
+            rank=rank,
+        )
         module = job.rank_module(cpu)
         shards = cpu.shard_checkpoint(job.full, module, tp)
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
@@ -62,7 +84,7 @@ class TPGenerator(StaticGenerator):
     def plan(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> list[tuple]:
         """Check every batch, export what they need; -> [(ids, mask, n), ...]."""
         size = self.spec.batch_size
-        batches = [(input_ids[i:i + size], attention_mask[i:i + size]) for i in range(0, len(input_ids), size)]
+        batches = [(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
         self.prepare(set().union(*(self.check(mask, max_new_tokens) for _, mask in batches)))
         return [(ids, mask, max_new_tokens) for ids, mask in batches]
 
@@ -70,8 +92,9 @@ class TPGenerator(StaticGenerator):
         return generate_replicated({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]
 
 
-def generate_replicated(generators: dict[str, TPGenerator], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        max_new_tokens: int) -> dict[str, Generation]:
+def generate_replicated(
+    generators: dict[str, TPGenerator], input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
+) -> dict[str, Generation]:
     """Several TP generators (same degree) over the same prompts in one set of t processes."""
     programs, states, runs = {}, {}, []
     for name, gen in generators.items():
@@ -102,10 +125,18 @@ def tp_generator(port, backend: Backend, dtype=None, checkpoint=None):
     placement, reader = backend.placement, backend.reader or Reader()
     if placement.library not in GENERATORS:
         raise UserError(f"unknown layer library {placement.library!r}; expected one of {', '.join(GENERATORS)}")
-    gen = GENERATORS[placement.library](port, placement.degree(TP_DEGREE), dtype, checkpoint,
-                                        expert_layout=placement.layout(None), int8=backend.int8,
-                                        scatter=placement.scatter, sidecar=reader.sidecar, budget=reader.budget,
-                                        rank=reader.rank)
+    gen = GENERATORS[placement.library](
+        port,
+        placement.degree(TP_DEGREE),
+        dtype,
+        checkpoint,
+        expert_layout=placement.layout(None),
+        int8=backend.int8,
+        scatter=placement.scatter,
+        sidecar=reader.sidecar,
+        budget=reader.budget,
+        rank=reader.rank,
+    )
 
     def run(input_ids, attention_mask, max_new_tokens):
         return gen.generate(input_ids, attention_mask, max_new_tokens)

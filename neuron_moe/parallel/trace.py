@@ -40,8 +40,9 @@ def export_rank0(module: torch.nn.Module, args: tuple, tp: int, dynamic_shapes=N
         dist.destroy_process_group()
 
 
-def run_replicated(programs: dict[str, torch.export.ExportedProgram], rank_states: dict[str, list[dict]],
-                   job: Callable, *job_args) -> list:
+def run_replicated(
+    programs: dict[str, torch.export.ExportedProgram], rank_states: dict[str, list[dict]], job: Callable, *job_args
+) -> list:
     """Run `job(modules, rank, *job_args)` in each of t gloo processes, where `modules` maps each
     key of `programs` to that one program with `rank_states[key][rank]` loaded (strict). Returns
     the ranks' results, in rank order. `job` must be a module-level function."""
@@ -63,8 +64,7 @@ def run_ranks(tp: int, job: Callable, *job_args) -> list:
     ranks, one intra-op thread each), under no_grad; the ranks' results in rank order. `job` must
     be a module-level function; its result travels back through torch.save."""
     with tempfile.TemporaryDirectory(prefix="neuron-moe-tp-") as tmp:
-        torch.multiprocessing.start_processes(_rank_main, args=(tp, job, job_args, tmp), nprocs=tp,
-                                              start_method="fork")
+        torch.multiprocessing.start_processes(_rank_main, args=(tp, job, job_args, tmp), nprocs=tp, start_method="fork")
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(tp)]
 
 
@@ -81,8 +81,9 @@ def _rank_main(rank: int, tp: int, job: Callable, job_args: tuple, tmp: str):
         dist.destroy_process_group()
 
 
-def forward_job(modules: dict[str, torch.nn.Module], rank: int,
-                inputs: dict[str, list[tuple]]) -> dict[str, list[torch.Tensor]]:
+def forward_job(
+    modules: dict[str, torch.nn.Module], rank: int, inputs: dict[str, list[tuple]]
+) -> dict[str, list[torch.Tensor]]:
     """Each program on each of its input tuples, `inputs[key]`."""
     return {key: [module(*args) for args in inputs[key]] for key, module in modules.items()}
 

@@ -172,8 +172,9 @@ def _error_code(e: Exception) -> str | None:
 
 
 def _bar(total: int, desc: str, progress: bool) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=None if progress else True)
+    return tqdm(
+        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None if progress else True
+    )
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -193,8 +194,12 @@ _RUN = re.compile(r"[0-9A-Za-z][0-9A-Za-z.-]*")
 
 def _relative(value, field: str) -> str:
     # a manifest names files inside DIR and keys inside P: nothing absolute, no '..', no empty or '.' parts
-    if (not isinstance(value, str) or value.startswith("/") or "\\" in value
-            or any(part in ("", ".", "..") for part in value.split("/"))):
+    if (
+        not isinstance(value, str)
+        or value.startswith("/")
+        or "\\" in value
+        or any(part in ("", ".", "..") for part in value.split("/"))
+    ):
         raise PublishError(f"{field} {value!r} is not a plain relative path")
     return value
 
@@ -233,8 +238,9 @@ def _check_manifest(doc, where: str) -> dict:
     if "run" in doc and (not isinstance(doc["run"], str) or not _RUN.fullmatch(doc["run"])):
         raise PublishError(f"{where}: field 'run' {doc['run']!r} is not a run name")
     pending = doc.get("pending")
-    if pending is not None and (not isinstance(pending, dict) or not isinstance(pending.get("run"), str)
-                                or not _RUN.fullmatch(pending["run"])):
+    if pending is not None and (
+        not isinstance(pending, dict) or not isinstance(pending.get("run"), str) or not _RUN.fullmatch(pending["run"])
+    ):
         raise PublishError(f"{where}: field 'pending' {pending!r} does not name a run")
     return checked
 
@@ -257,8 +263,9 @@ def _get_manifest(client, bucket: str, prefix: str) -> tuple[dict | None, str | 
     try:
         return _check_manifest(json.loads(body), where), answer["ETag"]
     except (ValueError, PublishError) as e:  # JSONDecodeError is a ValueError
-        raise _BadManifest(f"{where}: not JSON ({e})" if isinstance(e, ValueError) else str(e),
-                           answer["ETag"]) from None
+        raise _BadManifest(
+            f"{where}: not JSON ({e})" if isinstance(e, ValueError) else str(e), answer["ETag"]
+        ) from None
 
 
 def _encode(doc: dict) -> bytes:
@@ -274,8 +281,9 @@ def _put_manifest(client, bucket: str, prefix: str, doc: dict, etag: str | None,
     condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
     with _s3_errors(f"writing {_uri(bucket, key)}"):
         try:
-            return client.put_object(Bucket=bucket, Key=key, Body=body, ContentType="application/json",
-                                     **condition)["ETag"]
+            return client.put_object(Bucket=bucket, Key=key, Body=body, ContentType="application/json", **condition)[
+                "ETag"
+            ]
         except ClientError as e:
             if _error_code(e) not in LOST_RACE:
                 raise
@@ -296,6 +304,7 @@ def _publication(doc: dict | None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- publish
+
 
 def _local_files(src: Path) -> list[tuple[str, Path]]:
     if not src.is_dir():
@@ -320,8 +329,10 @@ def _local_files(src: Path) -> list[tuple[str, Path]]:
 
 def _check_zip(path: Path, deep: bool) -> None:
     if not zipfile.is_zipfile(path):
-        raise PublishError(f"{path}: not a complete zip archive (torch.save / torch.jit.save write one): "
-                           "truncated, or still being written")
+        raise PublishError(
+            f"{path}: not a complete zip archive (torch.save / torch.jit.save write one): "
+            "truncated, or still being written"
+        )
     if not deep:
         return
     try:
@@ -340,8 +351,9 @@ def _check_file(rel: str, path: Path, deep: bool, bar: tqdm) -> tuple[dict, tupl
     size, sha256, crc32 = file_digest(path, bar)
     after = _stamp(path)
     if before != after or size != after[0]:
-        raise PublishError(f"{path}: changed while it was read ({before[0]} -> {after[0]} bytes): "
-                           "is it still being written?")
+        raise PublishError(
+            f"{path}: changed while it was read ({before[0]} -> {after[0]} bytes): is it still being written?"
+        )
     return {"path": rel, "size": size, "sha256": sha256, "crc32": crc32}, after
 
 
@@ -363,15 +375,19 @@ def _list_uploads(client, bucket: str, prefix: str) -> list[dict]:
     with _s3_errors(f"listing the multipart uploads under {_uri(bucket, prefix)}"):
         try:
             pages = client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=bucket, Prefix=f"{prefix}/" if prefix else "")
+                Bucket=bucket, Prefix=f"{prefix}/" if prefix else ""
+            )
             for page in pages:
                 uploads += page.get("Uploads", [])
         except ClientError as e:
             if _error_code(e) not in ("AccessDenied", "403"):
                 raise
-            log.warning("may not list the multipart uploads under %s (%s): a killed run's open uploads are "
-                        "not aborted (a lifecycle rule, AbortIncompleteMultipartUpload, does it)",
-                        _uri(bucket, prefix), _error_code(e))
+            log.warning(
+                "may not list the multipart uploads under %s (%s): a killed run's open uploads are "
+                "not aborted (a lifecycle rule, AbortIncompleteMultipartUpload, does it)",
+                _uri(bucket, prefix),
+                _error_code(e),
+            )
     return uploads
 
 
@@ -379,7 +395,8 @@ def _delete(client, bucket: str, keys: list[str]) -> None:
     for i in range(0, len(keys), 1000):  # delete_objects takes at most 1000 keys
         with _s3_errors(f"deleting objects under {_uri(bucket, keys[i].rpartition('/')[0])}"):
             answer = client.delete_objects(
-                Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+                Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+            )
         if answer.get("Errors"):
             err = answer["Errors"][0]
             raise PublishError(f"deleting {_uri(bucket, err['Key'])}: {err.get('Code')} {err.get('Message')}")
@@ -399,7 +416,7 @@ def _abort(client, bucket: str, uploads: list[dict]) -> None:
 
 def _run_of(prefix: str, key: str) -> str | None:
     """The run whose object `key` is (P/runs/<run>/...), or None."""
-    parts = key[len(prefix) + 1 if prefix else 0:].split("/")
+    parts = key[len(prefix) + 1 if prefix else 0 :].split("/")
     return parts[1] if len(parts) > 2 and parts[0] == RUNS else None
 
 
@@ -410,7 +427,7 @@ def _named(prefix: str, doc: dict | None) -> set[str]:
 def _nested(prefix: str, keys: list[str], named: set[str]) -> list[str]:
     """The prefixes below `prefix` that hold a manifest of their own: other publications."""
     own, tail = _key(prefix, MANIFEST), "/" + MANIFEST
-    return sorted(k[:-len(tail)] for k in keys if k.endswith(tail) and k != own and k not in named)
+    return sorted(k[: -len(tail)] for k in keys if k.endswith(tail) and k != own and k not in named)
 
 
 def _below(key: str, prefixes: list[str]) -> bool:
@@ -423,9 +440,11 @@ def _refuse_nesting(client, bucket: str, prefix: str, keys: list[str], named: se
 
     nested = _nested(prefix, keys, named)
     if nested:
-        raise PublishError(f"{_uri(bucket, prefix)} holds publications below it: "
-                           f"{', '.join(_uri(bucket, n) for n in nested)}; publish to a prefix of its own "
-                           "(--overwrite replaces only the publication at the prefix itself)")
+        raise PublishError(
+            f"{_uri(bucket, prefix)} holds publications below it: "
+            f"{', '.join(_uri(bucket, n) for n in nested)}; publish to a prefix of its own "
+            "(--overwrite replaces only the publication at the prefix itself)"
+        )
     parts = prefix.split("/") if prefix else []
     for parent in ("/".join(parts[:i]) for i in range(len(parts))):
         key = _key(parent, MANIFEST)
@@ -436,8 +455,9 @@ def _refuse_nesting(client, bucket: str, prefix: str, keys: list[str], named: se
                 if _error_code(e) in ("404", "NoSuchKey", "403", "AccessDenied"):
                     continue  # none, or not ours to see (a policy that grants only our prefix)
                 raise
-        raise PublishError(f"{_uri(bucket, prefix)} is inside the publication {_uri(bucket, parent)}; "
-                           "publish to a prefix of its own")
+        raise PublishError(
+            f"{_uri(bucket, prefix)} is inside the publication {_uri(bucket, parent)}; publish to a prefix of its own"
+        )
 
 
 def _pid_alive(pid) -> bool:
@@ -459,19 +479,25 @@ def _refuse_unless_ours(bucket: str, prefix: str, keys: list[str], doc: dict | N
     """Without --overwrite: refuse a prefix that holds a publication, a live run, or others' objects."""
     where = _uri(bucket, prefix)
     if doc and doc.get("files"):
-        raise PublishError(f"{where} already holds a publication ({len(doc['files'])} files, created "
-                           f"{doc.get('created', '?')}); pass --overwrite to replace it")
+        raise PublishError(
+            f"{where} already holds a publication ({len(doc['files'])} files, created "
+            f"{doc.get('created', '?')}); pass --overwrite to replace it"
+        )
     pending = (doc or {}).get("pending")
     if pending and not _killed(pending):
-        raise PublishError(f"{where} is being published by run {pending['run']} (host {pending.get('host')}, pid "
-                           f"{pending.get('pid')}, since {pending.get('started')}); wait for it, or if it was "
-                           "killed, pass --overwrite to take over (that run then fails instead of publishing)")
+        raise PublishError(
+            f"{where} is being published by run {pending['run']} (host {pending.get('host')}, pid "
+            f"{pending.get('pid')}, since {pending.get('started')}); wait for it, or if it was "
+            "killed, pass --overwrite to take over (that run then fails instead of publishing)"
+        )
     own, named = _key(prefix, MANIFEST), _named(prefix, doc)
     strays = [k for k in keys if k != own and k not in named and _run_of(prefix, k) is None]
     if strays:
-        raise PublishError(f"{where} holds {len(strays)} objects that belong to no publication "
-                           f"(the first: {_uri(bucket, strays[0])}): an unfinished publish of an older neuron-moe, "
-                           "or other data; pass --overwrite to delete them")
+        raise PublishError(
+            f"{where} holds {len(strays)} objects that belong to no publication "
+            f"(the first: {_uri(bucket, strays[0])}): an unfinished publish of an older neuron-moe, "
+            "or other data; pass --overwrite to delete them"
+        )
 
 
 def _sweep(client, bucket: str, prefix: str, strays: bool, refuse_nested: bool) -> tuple[int, int]:
@@ -528,18 +554,30 @@ class _SentBytes:
 
 
 def _upload(client, bucket: str, key: str, path: Path, entry: dict, stamp, config, bar: tqdm) -> None:
-    with _s3_errors(f"uploading {path} to {_uri(bucket, key)} failed, no manifest was written"), \
-            open(path, "rb") as f:
+    with _s3_errors(f"uploading {path} to {_uri(bucket, key)} failed, no manifest was written"), open(path, "rb") as f:
         sent = _SentBytes(f)
-        client.upload_fileobj(sent, bucket, key, Config=config, Callback=bar.update, ExtraArgs={
-            "ChecksumAlgorithm": "CRC32", "ChecksumCRC32": entry["crc32"], "Metadata": {"sha256": entry["sha256"]}})
+        client.upload_fileobj(
+            sent,
+            bucket,
+            key,
+            Config=config,
+            Callback=bar.update,
+            ExtraArgs={
+                "ChecksumAlgorithm": "CRC32",
+                "ChecksumCRC32": entry["crc32"],
+                "Metadata": {"sha256": entry["sha256"]},
+            },
+        )
     if _stamp(path) != stamp:
-        raise PublishError(f"{path}: changed while it was uploaded; no manifest was written "
-                           "(publish again once it is complete)")
+        raise PublishError(
+            f"{path}: changed while it was uploaded; no manifest was written (publish again once it is complete)"
+        )
     if (sent.size, sent.crc32()) != (entry["size"], entry["crc32"]):
-        raise PublishError(f"{path}: changed between its check and its upload, its size and mtime kept "
-                           f"({entry['size']} bytes, CRC32 {entry['crc32']} when checked; {sent.size} bytes, "
-                           f"CRC32 {sent.crc32()} as sent); no manifest was written")
+        raise PublishError(
+            f"{path}: changed between its check and its upload, its size and mtime kept "
+            f"({entry['size']} bytes, CRC32 {entry['crc32']} when checked; {sent.size} bytes, "
+            f"CRC32 {sent.crc32()} as sent); no manifest was written"
+        )
     _verify_object(client, bucket, key, path, entry)
 
 
@@ -547,8 +585,11 @@ def _verify_object(client, bucket: str, key: str, path: Path, entry: dict) -> No
     where = _uri(bucket, key)
     with _s3_errors(f"checking {where}"):
         head = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
-    got = {"size": head.get("ContentLength"), "crc32": head.get("ChecksumCRC32"),
-           "sha256": head.get("Metadata", {}).get("sha256")}
+    got = {
+        "size": head.get("ContentLength"),
+        "crc32": head.get("ChecksumCRC32"),
+        "sha256": head.get("Metadata", {}).get("sha256"),
+    }
     bad = [f"{name} {got[name]!r} != {entry[name]!r}" for name in got if got[name] != entry[name]]
     # S3 names the type for multipart uploads; a single PUT's CRC32 covers the whole object by
     # definition (moto 5.2 leaves the type out there). A COMPOSITE CRC would not equal ours anyway.
@@ -577,8 +618,9 @@ def _abandon(client, bucket: str, prefix: str, run: str, claim: dict, claim_etag
         log.warning("cleaning up after the failed publish to %s: %s", _uri(bucket, prefix), e)
 
 
-def publish(src_dir: Path, uri: str, *, overwrite: bool = False, deep: bool = False,
-            progress: bool = True, client=None) -> dict:
+def publish(
+    src_dir: Path, uri: str, *, overwrite: bool = False, deep: bool = False, progress: bool = True, client=None
+) -> dict:
     """Publish every file under src_dir to uri (s3://bucket/prefix); returns the report."""
     start = time.monotonic()
     src = Path(src_dir)
@@ -607,11 +649,20 @@ def publish(src_dir: Path, uri: str, *, overwrite: bool = False, deep: bool = Fa
             stamps.append(stamp)
 
     run = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
-    claim = {"format": FORMAT, **_publication(doc),
-             "pending": {"run": run, "host": socket.gethostname(), "pid": os.getpid(), "started": _now()}}
-    claim_etag = _put_manifest(client, bucket, prefix, claim, etag,
-                               f"{where} changed while this publish checked its files (another publish claimed "
-                               "it); nothing was written: run it again to see what the prefix holds")
+    claim = {
+        "format": FORMAT,
+        **_publication(doc),
+        "pending": {"run": run, "host": socket.gethostname(), "pid": os.getpid(), "started": _now()},
+    }
+    claim_etag = _put_manifest(
+        client,
+        bucket,
+        prefix,
+        claim,
+        etag,
+        f"{where} changed while this publish checked its files (another publish claimed "
+        "it); nothing was written: run it again to see what the prefix holds",
+    )
     try:
         removed, aborted = _sweep(client, bucket, prefix, strays=overwrite, refuse_nested=True)
         config = _transfer_config()
@@ -622,20 +673,33 @@ def publish(src_dir: Path, uri: str, *, overwrite: bool = False, deep: bool = Fa
                 _upload(client, bucket, _key(prefix, entry["key"]), path, entry, stamp, config, bar)
         total = sum(e["size"] for e in entries)  # as hashed, not as first stat'ed
         manifest = {"format": FORMAT, "created": _now(), "run": run, "total_bytes": total, "files": entries}
-        _put_manifest(client, bucket, prefix, manifest, claim_etag,
-                      f"another publish took {where} over while this one ran (--overwrite); this run's files "
-                      "were removed, its manifest not written")
+        _put_manifest(
+            client,
+            bucket,
+            prefix,
+            manifest,
+            claim_etag,
+            f"another publish took {where} over while this one ran (--overwrite); this run's files "
+            "were removed, its manifest not written",
+        )
     except BaseException:
         _abandon(client, bucket, prefix, run, claim, claim_etag)
         raise
     swept = _sweep(client, bucket, prefix, strays=overwrite, refuse_nested=False)  # the replaced publication's
-    return {"uri": where, "manifest": _uri(bucket, _key(prefix, MANIFEST)), "run": run,
-            "files": [dict(e, key=_key(prefix, e["key"])) for e in entries],
-            "total_bytes": total, "replaced_objects": removed + swept[0], "aborted_uploads": aborted + swept[1],
-            "seconds": round(time.monotonic() - start, 3)}
+    return {
+        "uri": where,
+        "manifest": _uri(bucket, _key(prefix, MANIFEST)),
+        "run": run,
+        "files": [dict(e, key=_key(prefix, e["key"])) for e in entries],
+        "total_bytes": total,
+        "replaced_objects": removed + swept[0],
+        "aborted_uploads": aborted + swept[1],
+        "seconds": round(time.monotonic() - start, 3),
+    }
 
 
 # ------------------------------------------------------------------------------------------- pull
+
 
 def read_manifest(uri: str, client=None) -> list[dict]:
     """The files of the publication at uri, as its manifest lists them (checked), each with its
@@ -647,10 +711,15 @@ def read_manifest(uri: str, client=None) -> list[dict]:
         raise PublishError(f"no manifest at {where}: nothing was published there, or a publish did not finish")
     if not doc.get("files"):
         pending = doc.get("pending")
-        raise PublishError(f"{_uri(bucket, prefix)} holds no publication yet: " + (
-            f"run {pending['run']} (host {pending.get('host')}, pid {pending.get('pid')}) started publishing there "
-            f"at {pending.get('started')} and has not finished (or was killed)" if pending
-            else "the last publish there failed"))
+        raise PublishError(
+            f"{_uri(bucket, prefix)} holds no publication yet: "
+            + (
+                f"run {pending['run']} (host {pending.get('host')}, pid {pending.get('pid')}) started publishing there "
+                f"at {pending.get('started')} and has not finished (or was killed)"
+                if pending
+                else "the last publish there failed"
+            )
+        )
     return doc["files"]
 
 
@@ -667,14 +736,18 @@ def _fetch(client, bucket: str, key: str, target: Path, entry: dict, config, bar
                 client.download_file(bucket, key, tmp, Config=config, Callback=bar.update)
             except ClientError as e:
                 if _error_code(e) in ("404", "NoSuchKey"):
-                    raise PublishError(f"{_uri(bucket, key)} is gone: the publication was replaced during this "
-                                       f"pull (publish --overwrite); pull again") from e
+                    raise PublishError(
+                        f"{_uri(bucket, key)} is gone: the publication was replaced during this "
+                        f"pull (publish --overwrite); pull again"
+                    ) from e
                 raise
         size, sha256, _ = file_digest(Path(tmp), bar)
         if size != entry["size"] or sha256 != entry["sha256"]:
-            raise PublishError(f"{_uri(bucket, key)} does not match its manifest entry: {size} bytes, "
-                               f"sha256 {sha256} (expected {entry['size']} bytes, sha256 {entry['sha256']}); "
-                               f"{target} was not written")
+            raise PublishError(
+                f"{_uri(bucket, key)} does not match its manifest entry: {size} bytes, "
+                f"sha256 {sha256} (expected {entry['size']} bytes, sha256 {entry['sha256']}); "
+                f"{target} was not written"
+            )
         with _disk_errors(target):
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
@@ -702,9 +775,14 @@ def pull_report(uri: str, dest_dir: Path, *, progress: bool = True, client=None,
             for part in _leftovers(dest):  # a dead pull's: a live one would hold the lock
                 part.unlink()
         rows, fetched = _pull_files(client, bucket, prefix, files, dest, progress)
-    return {"uri": _uri(bucket, prefix), "dest": str(dest), "files": rows,
-            "total_bytes": sum(f["size"] for f in files), "downloaded_bytes": fetched,
-            "seconds": round(time.monotonic() - start, 3)}
+    return {
+        "uri": _uri(bucket, prefix),
+        "dest": str(dest),
+        "files": rows,
+        "total_bytes": sum(f["size"] for f in files),
+        "downloaded_bytes": fetched,
+        "seconds": round(time.monotonic() - start, 3),
+    }
 
 
 def _waiter(dest: Path, total: int, stall_s: float):
@@ -720,12 +798,19 @@ def _waiter(dest: Path, total: int, stall_s: float):
         if landed != seen:
             seen, last_change = landed, now
         elif now - last_change > stall_s:
-            raise PublishError(f"{dest}: the pull by pid {holder} has landed nothing for {stall_s:g} s "
-                               f"({_amount(landed, total)} there, waited {now - started:.0f} s): "
-                               "is it stuck? Stop it, or pull into another directory")
+            raise PublishError(
+                f"{dest}: the pull by pid {holder} has landed nothing for {stall_s:g} s "
+                f"({_amount(landed, total)} there, waited {now - started:.0f} s): "
+                "is it stuck? Stop it, or pull into another directory"
+            )
         if now >= next_log:
-            log.info("waiting for the pull by pid %s into %s: %s there (%.0f s)",
-                     holder, dest, _amount(landed, total), now - started)
+            log.info(
+                "waiting for the pull by pid %s into %s: %s there (%.0f s)",
+                holder,
+                dest,
+                _amount(landed, total),
+                now - started,
+            )
             next_log = now + WAIT_LOG_S
         time.sleep(WAIT_POLL_S)
 
@@ -781,8 +866,7 @@ def _check_landing(dest: Path, files: list[dict]) -> None:
 
 def _leftovers(dest: Path) -> list[Path]:
     """Temp files of an interrupted pull: ours (`.NAME.*.part`) and boto's beside them (`.part.XXXXXXXX`)."""
-    return [p for p in dest.rglob(".*" + PART + "*")
-            if p.is_file() and (p.name.endswith(PART) or PART + "." in p.name)]
+    return [p for p in dest.rglob(".*" + PART + "*") if p.is_file() and (p.name.endswith(PART) or PART + "." in p.name)]
 
 
 @contextmanager
@@ -802,13 +886,17 @@ def pull(uri: str, dest_dir: Path, *, stall_s: float | None = None) -> Path:
 
 
 def render_publish(report: dict) -> str:
-    return (table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("crc32", "CRC32")])
-            + f"\n\npublished {len(report['files'])} files ({report['total_bytes']} bytes) to {report['uri']}, "
-              f"each sent with its CRC32 and verified with head_object; manifest {report['manifest']} "
-              f"(run {report['run']})")
+    return (
+        table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("crc32", "CRC32")])
+        + f"\n\npublished {len(report['files'])} files ({report['total_bytes']} bytes) to {report['uri']}, "
+        f"each sent with its CRC32 and verified with head_object; manifest {report['manifest']} "
+        f"(run {report['run']})"
+    )
 
 
 def render_pull(report: dict) -> str:
-    return (table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("action", "")])
-            + f"\n\n{report['dest']}: {len(report['files'])} files verified against the manifest of {report['uri']} "
-              f"({report['downloaded_bytes']} of {report['total_bytes']} bytes downloaded)")
+    return (
+        table(report["files"], [("path", "file"), ("size", "bytes"), ("sha256", "sha256"), ("action", "")])
+        + f"\n\n{report['dest']}: {len(report['files'])} files verified against the manifest of {report['uri']} "
+        f"({report['downloaded_bytes']} of {report['total_bytes']} bytes downloaded)"
+    )

@@ -95,18 +95,25 @@ def solve_k(geo: Geometry, settings: ReaderSettings, budget: float, full: float 
     if sum(floor.values()) > limit and own > limit:
         parts = ", ".join(f"{name} {100 * v / own:.2f}%" for name, v in floor.items() if v)
         experts = "" if settings.weights == "bf16" else f" of the {settings.weights} experts"
-        raise BudgetError(f"budget {budget}% is below what the reader reads before any exact channel "
-                          f"({100 * sum(floor.values()) / own:.2f}%{experts}: {parts})")
+        raise BudgetError(
+            f"budget {budget}% is below what the reader reads before any exact channel "
+            f"({100 * sum(floor.values()) / own:.2f}%{experts}: {parts})"
+        )
     return solve_step_k(geo, settings, geo.top_k, limit)
 
 
 def resident(geo: Geometry, settings: ReaderSettings) -> dict[str, int]:
     """Bytes one layer's sidecar adds to memory (the down projection is rearranged, not copied): its
     tensors at the settings' rank (`sidecar.SidecarLayout`)."""
-    held = {name: math.prod(shape) * dtype.itemsize
-            for name, (dtype, shape) in SidecarLayout(geo, settings.rank).layer_tensors().items()}
-    return {"sketch": held["codes"] + held["scales"], "norms": held["down_norms"],
-            "recovery": held["basis"] + held["coeffs"]}
+    held = {
+        name: math.prod(shape) * dtype.itemsize
+        for name, (dtype, shape) in SidecarLayout(geo, settings.rank).layer_tensors().items()
+    }
+    return {
+        "sketch": held["codes"] + held["scales"],
+        "norms": held["down_norms"],
+        "recovery": held["basis"] + held["coeffs"],
+    }
 
 
 def expert_bytes(geo: Geometry) -> int:
@@ -165,8 +172,12 @@ def expert_read_bytes(geo: Geometry, weights: str = "bf16") -> int:
     one per gate/up row and one per hidden channel)."""
     H, I = geo.hidden, geo.intermediate
     if weights == "int8":
-        return SECTOR * (row_sectors(2 * I * H * INT8) + row_sectors(H * I * INT8)
-                         + row_sectors(2 * I * FP32) + row_sectors(H * FP32))
+        return SECTOR * (
+            row_sectors(2 * I * H * INT8)
+            + row_sectors(H * I * INT8)
+            + row_sectors(2 * I * FP32)
+            + row_sectors(H * FP32)
+        )
     return SECTOR * (row_sectors(2 * I * H * BF16) + row_sectors(H * I * BF16))
 
 
@@ -200,8 +211,8 @@ def step_reads(geo: Geometry, settings: ReaderSettings, rows: StepRows) -> dict[
     layout = SidecarLayout(geo, settings.rank)
     down_scales = rows.experts * row_sectors(H * FP32) if settings.weights == "int8" else 0
     out = {
-        "sketch": SECTOR * (rows.strips * row_sectors(layout.strip_bytes)
-                            + rows.experts * row_sectors(layout.blocks * 2 * I * BF16)),
+        "sketch": SECTOR
+        * (rows.strips * row_sectors(layout.strip_bytes) + rows.experts * row_sectors(layout.blocks * 2 * I * BF16)),
         "norms": SECTOR * rows.experts * row_sectors(I * BF16),
         "exact": rows.exact * channel_bytes(geo, settings.weights) + SECTOR * down_scales,
         "recovery": 0,
@@ -230,8 +241,9 @@ def expected_union(geo: Geometry, batch: int) -> float:
     return geo.experts * (1 - (1 - geo.top_k / geo.experts) ** batch)
 
 
-def batch_breakdown(geo: Geometry, settings: ReaderSettings, budget: float, batch: int,
-                    step_budget: float = STEP_BUDGET) -> dict:
+def batch_breakdown(
+    geo: Geometry, settings: ReaderSettings, budget: float, batch: int, step_budget: float = STEP_BUDGET
+) -> dict:
     """A step of `batch` tokens under uniform routing, its union taken at its expected size: the
     full batch (the union's experts whole); independent top-k at `budget` per token, at most (no
     channel or strip shared by two tokens of an expert; what a kernel that does not share reads is
@@ -245,22 +257,39 @@ def batch_breakdown(geo: Geometry, settings: ReaderSettings, budget: float, batc
     if k >= geo.channels:
         token = StepRows(n, 0, n * geo.intermediate, 0)
     else:
-        token = StepRows(n, min(batch * geo.top_k * blocks * settings.scan, n * blocks * BLOCK),
-                         min(batch * k, n * geo.intermediate),
-                         min(batch * (geo.channels - k), n * geo.intermediate) if settings.rank else 0)
+        token = StepRows(
+            n,
+            min(batch * geo.top_k * blocks * settings.scan, n * blocks * BLOCK),
+            min(batch * k, n * geo.intermediate),
+            min(batch * (geo.channels - k), n * geo.intermediate) if settings.rank else 0,
+        )
     limit = step_budget * one
     rule = batch_rows(geo, settings, n, solve_step_k(geo, settings, n, limit))
 
     def row(rows: StepRows, **more) -> dict:
         parts = step_reads(geo, settings, rows)
         total = sum(parts.values())
-        return {"rows": rows.__dict__, "reads": parts, "bytes": total, "percent_of_full_batch": 100 * total / full,
-                "x_one_token": total / one, **more}
+        return {
+            "rows": rows.__dict__,
+            "reads": parts,
+            "bytes": total,
+            "percent_of_full_batch": 100 * total / full,
+            "x_one_token": total / one,
+            **more,
+        }
 
-    return {"batch": batch, "routing": "uniform", "union_experts": n, "expected_union": expected_union(geo, batch),
-            "k_per_token": k, "one_token_bytes": one, "full_bytes": full, "step_budget": step_budget,
-            "limit_bytes": limit,
-            "rules": {"token": row(token, bound="at most"), "batch": row(rule, k=rule.exact)}}
+    return {
+        "batch": batch,
+        "routing": "uniform",
+        "union_experts": n,
+        "expected_union": expected_union(geo, batch),
+        "k_per_token": k,
+        "one_token_bytes": one,
+        "full_bytes": full,
+        "step_budget": step_budget,
+        "limit_bytes": limit,
+        "rules": {"token": row(token, bound="at most"), "batch": row(rule, k=rule.exact)},
+    }
 
 
 def rank_geometry(geo: Geometry, tp: int) -> Geometry:
@@ -281,23 +310,40 @@ def solve_rank_k(geo: Geometry, settings: ReaderSettings, budget: float, tp: int
     except BudgetError as e:
         if tp == 1:
             raise
-        raise BudgetError(f"per rank at TP {tp} (each rank reads its own {geo.intermediate // tp} of "
-                          f"{geo.intermediate} channels' sketch): {e}") from None
+        raise BudgetError(
+            f"per rank at TP {tp} (each rank reads its own {geo.intermediate // tp} of "
+            f"{geo.intermediate} channels' sketch): {e}"
+        ) from None
 
 
-def reads_report(name: str, geo: Geometry, settings: ReaderSettings, budget: float, tp: int = 1,
-                 batch: int | None = None, step_budget: float = STEP_BUDGET) -> dict:
+def reads_report(
+    name: str,
+    geo: Geometry,
+    settings: ReaderSettings,
+    budget: float,
+    tp: int = 1,
+    batch: int | None = None,
+    step_budget: float = STEP_BUDGET,
+) -> dict:
     """Everything `neuron-moe reads` reports: `breakdown` for a token of `geo` (named `name`), per rank
     at TP `tp` on the channel expert layout, and with `batch` a decode step of that many tokens."""
     local = geo
     if tp > 1 and (settings.weights != "bf16" or batch is not None):
-        raise UserError("reads --tp T is the per-rank reader over bf16 experts, one token a step "
-                        "(not with --dtype int8 or --batch)")
+        raise UserError(
+            "reads --tp T is the per-rank reader over bf16 experts, one token a step (not with --dtype int8 or --batch)"
+        )
     if tp > 1:  # one rank of the channel layout: I/t channels of every expert
         local = rank_geometry(geo, tp)
         solve_rank_k(geo, settings, budget, tp)  # a budget below a rank's floor: the error names TP
-    report = {"model": name, "geometry": asdict(geo), "scan": settings.scan, "rank": settings.rank, "tp": tp,
-              "dtype": settings.weights, **breakdown(local, settings, budget)}
+    report = {
+        "model": name,
+        "geometry": asdict(geo),
+        "scan": settings.scan,
+        "rank": settings.rank,
+        "tp": tp,
+        "dtype": settings.weights,
+        **breakdown(local, settings, budget),
+    }
     if settings.weights != "bf16":
         report["percent_of_bf16_full"] = 100 * sum(v["bytes"] for v in report["reads"].values()) / full_bytes(local)
     if batch is not None:
@@ -308,30 +354,47 @@ def reads_report(name: str, geo: Geometry, settings: ReaderSettings, budget: flo
 def render_reads(report: dict) -> str:
     whole, tp, dtype = Geometry(**report["geometry"]), report["tp"], report["dtype"]
     geo = rank_geometry(whole, tp) if tp > 1 else whole
-    lines = [f"reads per token and MoE layer: {report['model']} (hidden {geo.hidden}, {geo.experts} experts, "
-             f"top-{geo.top_k}, intermediate {whole.intermediate})"]
+    lines = [
+        f"reads per token and MoE layer: {report['model']} (hidden {geo.hidden}, {geo.experts} experts, "
+        f"top-{geo.top_k}, intermediate {whole.intermediate})"
+    ]
     if tp > 1:
-        lines.append(f"per rank at TP {tp} (channel expert layout: each rank its {geo.intermediate} of "
-                     f"{whole.intermediate} channels of every expert, its own sketch strips, the whole U); every "
-                     f"rank reads the same")
+        lines.append(
+            f"per rank at TP {tp} (channel expert layout: each rank its {geo.intermediate} of "
+            f"{whole.intermediate} channels of every expert, its own sketch strips, the whole U); every "
+            f"rank reads the same"
+        )
     experts = "bf16" if dtype == "bf16" else "int8 exact rows with fp32 scales, the sketch and recovery bf16"
     rows = [{"part": p, **v} for p, v in report["reads"].items()]
-    rows += [{"part": "total", "bytes": sum(v["bytes"] for v in report["reads"].values()),
-              "percent": report["total_percent"]},
-             {"part": "full model" if tp == 1 else "full (the rank's share)", "bytes": report["full_bytes"],
-              "percent": 100.0}]
-    lines += [f"layout: the sidecar's (base-3 codes, {CODES_PER_BYTE} per byte), scan {report['scan']} of {BLOCK} per "
-              f"block, recovery rank {report['rank']}, {experts}, {SECTOR}-byte sectors",
-              f"budget {report['budget_percent']}% -> k = {report['k']} exact channels of {report['channels']} "
-              f"({100 * report['k'] / report['channels']:.1f}%)\n",
-              table(rows, [("part", "read"), ("bytes", "bytes"), ("percent", "share of full", "{:.2f}%")]),
-              "",
-              table([{"part": p, **v} for p, v in report["resident"].items()],
-                    [("part", "resident (per layer)"), ("bytes", "bytes"),
-                     ("percent", "share of the bf16 experts", "{:.2f}%")])]
+    rows += [
+        {
+            "part": "total",
+            "bytes": sum(v["bytes"] for v in report["reads"].values()),
+            "percent": report["total_percent"],
+        },
+        {
+            "part": "full model" if tp == 1 else "full (the rank's share)",
+            "bytes": report["full_bytes"],
+            "percent": 100.0,
+        },
+    ]
+    lines += [
+        f"layout: the sidecar's (base-3 codes, {CODES_PER_BYTE} per byte), scan {report['scan']} of {BLOCK} per "
+        f"block, recovery rank {report['rank']}, {experts}, {SECTOR}-byte sectors",
+        f"budget {report['budget_percent']}% -> k = {report['k']} exact channels of {report['channels']} "
+        f"({100 * report['k'] / report['channels']:.1f}%)\n",
+        table(rows, [("part", "read"), ("bytes", "bytes"), ("percent", "share of full", "{:.2f}%")]),
+        "",
+        table(
+            [{"part": p, **v} for p, v in report["resident"].items()],
+            [("part", "resident (per layer)"), ("bytes", "bytes"), ("percent", "share of the bf16 experts", "{:.2f}%")],
+        ),
+    ]
     if dtype != "bf16":
-        lines.append(f"\n{report['total_percent']:.2f}% of the {dtype} experts' full read is "
-                     f"{report['percent_of_bf16_full']:.2f}% of the bf16 experts'")
+        lines.append(
+            f"\n{report['total_percent']:.2f}% of the {dtype} experts' full read is "
+            f"{report['percent_of_bf16_full']:.2f}% of the bf16 experts'"
+        )
     if "batch" in report:
         lines.append(_render_batch(report["batch"]))
     return "\n".join(lines)
@@ -339,14 +402,41 @@ def render_reads(report: dict) -> str:
 
 def _render_batch(b: dict) -> str:
     token, rule = b["rules"]["token"], b["rules"]["batch"]
-    rows = [{"rule": "full batch (the union's experts whole)", "bytes": b["full_bytes"], "percent": 100.0,
-             "x": b["full_bytes"] / b["one_token_bytes"], "k": ""},
-            {"rule": f"independent top-k, k = {b['k_per_token']} per token (at most)", "bytes": token["bytes"],
-             "percent": token["percent_of_full_batch"], "x": token["x_one_token"], "k": ""},
-            {"rule": f"batch rule within {b['step_budget']:g}x one token's reads", "bytes": rule["bytes"],
-             "percent": rule["percent_of_full_batch"], "x": rule["x_one_token"], "k": rule["k"]}]
-    return (f"\na decode step of batch {b['batch']} (uniform routing: {b['expected_union']:.1f} experts expected in "
-            f"the union, taken as {b['union_experts']}), each row read once; one token reads "
-            f"{b['one_token_bytes']} B\n"
-            + table(rows, [("rule", "step reads"), ("bytes", "bytes"), ("percent", "share of full batch", "{:.2f}%"),
-                           ("x", "x one token", "{:.2f}"), ("k", "channels of the step")]))
+    rows = [
+        {
+            "rule": "full batch (the union's experts whole)",
+            "bytes": b["full_bytes"],
+            "percent": 100.0,
+            "x": b["full_bytes"] / b["one_token_bytes"],
+            "k": "",
+        },
+        {
+            "rule": f"independent top-k, k = {b['k_per_token']} per token (at most)",
+            "bytes": token["bytes"],
+            "percent": token["percent_of_full_batch"],
+            "x": token["x_one_token"],
+            "k": "",
+        },
+        {
+            "rule": f"batch rule within {b['step_budget']:g}x one token's reads",
+            "bytes": rule["bytes"],
+            "percent": rule["percent_of_full_batch"],
+            "x": rule["x_one_token"],
+            "k": rule["k"],
+        },
+    ]
+    return (
+        f"\na decode step of batch {b['batch']} (uniform routing: {b['expected_union']:.1f} experts expected in "
+        f"the union, taken as {b['union_experts']}), each row read once; one token reads "
+        f"{b['one_token_bytes']} B\n"
+        + table(
+            rows,
+            [
+                ("rule", "step reads"),
+                ("bytes", "bytes"),
+                ("percent", "share of full batch", "{:.2f}%"),
+                ("x", "x one token", "{:.2f}"),
+                ("k", "channels of the step"),
+            ],
+        )
+    )

@@ -68,8 +68,22 @@ def expert_scan(rotated: torch.Tensor, local: torch.Tensor, experts: int, scan: 
 
 
 @torch.no_grad()
-def step(x, index, weights, gate_up, down_rows, sidecar, settings: ReaderSettings, act_fn, *, rule: str,
-         k: int | None = None, limit: float | None = None, int8=None, weigh: str = "share") -> StepResult:
+def step(
+    x,
+    index,
+    weights,
+    gate_up,
+    down_rows,
+    sidecar,
+    settings: ReaderSettings,
+    act_fn,
+    *,
+    rule: str,
+    k: int | None = None,
+    limit: float | None = None,
+    int8=None,
+    weigh: str = "share",
+) -> StepResult:
     """One decode step of tokens x [T, H] routed to index/weights [T, k_e]: gate_up [E, 2I, H],
     down_rows [E, I, H], the layer's sidecar (sidecar.LayerSidecar). `rule="token"` takes k channels
     per token; `rule="batch"` takes `limit` bytes for the step, its scores summed as `weigh`
@@ -96,9 +110,9 @@ def step(x, index, weights, gate_up, down_rows, sidecar, settings: ReaderSetting
         if rule == "token":
             keep = torch.zeros(T, ke * I, dtype=torch.bool).scatter_(1, score.flatten(1).topk(k, dim=-1).indices, True)
             keep = keep.view(T, ke, I)
-            union = torch.zeros(n, I, dtype=torch.bool).index_put_((local[..., None].expand(-1, -1, I)[keep],
-                                                                    torch.arange(I).expand(T, ke, I)[keep]),
-                                                                   torch.tensor(True))
+            union = torch.zeros(n, I, dtype=torch.bool).index_put_(
+                (local[..., None].expand(-1, -1, I)[keep], torch.arange(I).expand(T, ke, I)[keep]), torch.tensor(True)
+            )
         else:
             if weigh == "share":
                 score = score / score.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
@@ -111,7 +125,7 @@ def step(x, index, weights, gate_up, down_rows, sidecar, settings: ReaderSetting
     coeffs = torch.zeros(0, 2, dtype=torch.long)
     if settings.rank and not whole:
         z, coeffs = _recover(experts, local, weights, p, keep, sidecar, settings.rank)
-        out = out + z @ sidecar.basis[:, :settings.rank].to(torch.float32).T
+        out = out + z @ sidecar.basis[:, : settings.rank].to(torch.float32).T
     read = {"experts": experts, "strips": strips, "exact": exact, "coeffs": coeffs}
     return StepResult(out.to(x.dtype), read, keep, k)
 
@@ -136,7 +150,7 @@ def _screen(xf, experts, local, weights, sidecar, settings, act_fn, per_expert: 
     slot[where] = torch.arange(len(where[0]))
     scales = sidecar.scales[experts]  # the read: [n, nb, 2I]
     norms = sidecar.down_norms[experts]  # the read: [n, I]
-    codes = unpack_codes(strips)[:, :scales.shape[-1]].to(torch.float32)  # each read strip decoded once
+    codes = unpack_codes(strips)[:, : scales.shape[-1]].to(torch.float32)  # each read strip decoded once
     estimates = reference.code_estimates(codes[slot[wanted]], values, scales[local])
     score, p = reference.scores(estimates, local, weights, norms, act_fn)
     return score, p, torch.stack([experts[where[0]], where[1], where[2]], dim=1)
@@ -166,8 +180,9 @@ def _recover(experts, local, weights, p, keep, sidecar, rank):
     n, inter = len(experts), p.shape[-1]
     rest = weights.to(torch.float32)[..., None] * p * ~keep  # [T, k_e, I]
     needed = torch.zeros(n, inter, dtype=torch.bool)
-    needed.index_put_((local[..., None].expand_as(keep)[~keep], torch.arange(inter).expand_as(keep)[~keep]),
-                      torch.tensor(True))
+    needed.index_put_(
+        (local[..., None].expand_as(keep)[~keep], torch.arange(inter).expand_as(keep)[~keep]), torch.tensor(True)
+    )
     be, bj = needed.nonzero(as_tuple=True)
     b = torch.zeros(n, inter, rank)
     b[be, bj] = sidecar.coeffs[experts[be], bj][:, :rank].to(torch.float32)  # the read: [rows, rank]

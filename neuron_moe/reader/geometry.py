@@ -27,8 +27,12 @@ class Geometry:
 
     @classmethod
     def from_config(cls, config) -> "Geometry":
-        return cls(hidden=config.hidden_size, experts=config.num_experts, intermediate=config.moe_intermediate_size,
-                   top_k=config.top_k_experts)
+        return cls(
+            hidden=config.hidden_size,
+            experts=config.num_experts,
+            intermediate=config.moe_intermediate_size,
+            top_k=config.top_k_experts,
+        )
 
     @property
     def sizes(self) -> tuple[int, int, int]:

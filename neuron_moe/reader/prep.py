@@ -31,8 +31,18 @@ from tqdm import tqdm
 from ..report import atomic_write
 from .geometry import Geometry
 from .hadamard import random_signs, rotate_blocks
-from .sidecar import (BLOCK, CODES_PER_BYTE, FLOAT, PLACEHOLDER, SidecarError, SidecarLayout, SourceDigest,
-                      metadata, pack_codes, stream_layers)
+from .sidecar import (
+    BLOCK,
+    CODES_PER_BYTE,
+    FLOAT,
+    PLACEHOLDER,
+    SidecarError,
+    SidecarLayout,
+    SourceDigest,
+    metadata,
+    pack_codes,
+    stream_layers,
+)
 
 # The prep's defaults: what `neuron-moe prep-reader` makes, and so what a reader reads unless told otherwise.
 SCAN = 80  # coordinates per block a token scans (recorded; a reader may scan any number)
@@ -91,8 +101,7 @@ def prep_layer(gate_up: torch.Tensor, down: torch.Tensor, signs: torch.Tensor, r
     basis *= torch.sign(basis.gather(0, basis.abs().argmax(0, keepdim=True)))
     basis = basis.to(torch.float32)
     coeffs = torch.stack([(basis.T @ down[e].to(torch.float32)).T for e in range(E)])
-    return {"codes": codes, "scales": scales, "down_norms": norms,
-            "basis": basis.to(FLOAT), "coeffs": coeffs.to(FLOAT)}
+    return {"codes": codes, "scales": scales, "down_norms": norms, "basis": basis.to(FLOAT), "coeffs": coeffs.to(FLOAT)}
 
 
 def model_expert_weights(model) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -101,8 +110,17 @@ def model_expert_weights(model) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield layer.experts.gate_up_proj.data, layer.experts.down_proj.data
 
 
-def write_sidecar(out: Path, weights: Iterable[tuple[torch.Tensor, torch.Tensor]], geometry: Geometry, *,
-                  layers: int, seed: int = 0, rank: int = RANK, scan: int = SCAN, progress: bool = True) -> Path:
+def write_sidecar(
+    out: Path,
+    weights: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    geometry: Geometry,
+    *,
+    layers: int,
+    seed: int = 0,
+    rank: int = RANK,
+    scan: int = SCAN,
+    progress: bool = True,
+) -> Path:
     """Prep every layer of `weights` (each of `geometry`) and stream the sidecar to `out` (temp file, then rename).
 
     The safetensors header holds every tensor's offset up front (all shapes follow from the
@@ -118,11 +136,14 @@ def write_sidecar(out: Path, weights: Iterable[tuple[torch.Tensor, torch.Tensor]
 
     def prepped():
         count = 0
-        for i, (gate_up, down) in enumerate(tqdm(weights, total=layers, desc="reader prep", unit="layer",
-                                                 disable=not progress)):
+        for i, (gate_up, down) in enumerate(
+            tqdm(weights, total=layers, desc="reader prep", unit="layer", disable=not progress)
+        ):
             if i >= layers or (tuple(gate_up.shape), tuple(down.shape)) != expected:
-                raise SidecarError(f"layer {i}: expert weights {tuple(gate_up.shape)}, {tuple(down.shape)} "
-                                   f"do not fit the declared geometry ({layers} layers of {expected})")
+                raise SidecarError(
+                    f"layer {i}: expert weights {tuple(gate_up.shape)}, {tuple(down.shape)} "
+                    f"do not fit the declared geometry ({layers} layers of {expected})"
+                )
             digest.update(gate_up, down)
             yield prep_layer(gate_up, down, signs, rank)
             count += 1
@@ -133,5 +154,3 @@ def write_sidecar(out: Path, weights: Iterable[tuple[torch.Tensor, torch.Tensor]
     with atomic_write(Path(out), "wb", seekable=True) as f:  # the digest is patched in at the end
         stream_layers(f, layout, layers, meta, signs, prepped(), digest.hexdigest)
     return Path(out)
-
-

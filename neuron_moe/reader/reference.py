@@ -24,8 +24,13 @@ from .sidecar import BLOCK, LayerSidecar, unpack_codes
 
 # `layer` below is a LayerSidecar or anything with its attributes (the HF integration's ReaderState).
 
-ACTIVATIONS = {"GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "GELUPytorchTanh": "gelu_tanh",
-               "SiLUActivation": "silu", "SiLU": "silu"}
+ACTIVATIONS = {
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "GELUPytorchTanh": "gelu_tanh",
+    "SiLUActivation": "silu",
+    "SiLU": "silu",
+}
 
 
 def activation_name(act_fn) -> str:
@@ -94,8 +99,21 @@ def unchosen_weights(p, chosen, top_k_weights):
     return top_k_weights.to(torch.float32)[..., None] * p * rest
 
 
-def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer: LayerSidecar, *, k: int, scan: int,
-            rank: int, act_fn, screen: str = "sketch", int8=None) -> torch.Tensor:
+def forward(
+    x,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down_rows,
+    layer: LayerSidecar,
+    *,
+    k: int,
+    scan: int,
+    rank: int,
+    act_fn,
+    screen: str = "sketch",
+    int8=None,
+) -> torch.Tensor:
     """The reader's routed output for tokens x [T, H]; gate_up [E, 2I, H], down_rows [E, I, H].
 
     `screen="exact"` replaces the sketch by the true dots (an ablation the tests use). `int8`
@@ -119,7 +137,10 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer: LayerSidec
     a = act_fn(torch.einsum("tkh,th->tk", gate, xf)) * torch.einsum("tkh,th->tk", up, xf)
     out = torch.einsum("tk,tkh->th", weight * a, down)
     if rank:
-        z = torch.einsum("tki,tkir->tr", unchosen_weights(p, chosen, top_k_weights),
-                         layer.coeffs[top_k_index][..., :rank].to(torch.float32))
+        z = torch.einsum(
+            "tki,tkir->tr",
+            unchosen_weights(p, chosen, top_k_weights),
+            layer.coeffs[top_k_index][..., :rank].to(torch.float32),
+        )
         out = out + z @ layer.basis[:, :rank].to(torch.float32).T
     return out.to(x.dtype)

@@ -81,6 +81,7 @@ class Result:
 
 # ---- retention rules: rule(part, score [T, n]) -> keep mask [T, n] ----
 
+
 @dataclass
 class TopK:
     counts: dict  # part -> units kept per token
@@ -147,6 +148,7 @@ class Step:
 
 
 # ---- the selectors ----
+
 
 def _routed(layer, index):
     if layer.int8 is not None:  # what the int8 numbers stand for (reader.int8's rows, dequantised)
@@ -259,9 +261,13 @@ class Selector:
     sketch: bool = False
 
 
-SELECTORS = {"teal": Selector(teal, _teal_parts), "wina": Selector(wina, _wina_parts),
-             "cats": Selector(cats, _cats_parts), "oracle": Selector(oracle, _oracle_parts),
-             "reader": Selector(reader, _reader_parts, sketch=True)}
+SELECTORS = {
+    "teal": Selector(teal, _teal_parts),
+    "wina": Selector(wina, _wina_parts),
+    "cats": Selector(cats, _cats_parts),
+    "oracle": Selector(oracle, _oracle_parts),
+    "reader": Selector(reader, _reader_parts, sketch=True),
+}
 
 
 def _selector(name) -> Selector:
@@ -304,8 +310,9 @@ def plan(name, geo: Geometry, settings, budget: float) -> dict:
         counts = {lead: m, **{p: m * parts[p].units // parts[lead].units for p in rest}}
         if charged(name, geo, settings, counts) <= limit:
             return counts
-    raise BudgetError(f"{name}: budget {budget}% is below its fixed reads "
-                      f"({100 * fixed / accounting.full_bytes(geo):.2f}%)")
+    raise BudgetError(
+        f"{name}: budget {budget}% is below its fixed reads ({100 * fixed / accounting.full_bytes(geo):.2f}%)"
+    )
 
 
 def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
@@ -319,8 +326,9 @@ def run(name, layer: MoeLayer, x, index, weights, rule) -> Result:
     counts = {p: m.flatten(1).sum(1) for p, m in masks.items()}
     fixed, units = layout_parts(name, geo, layer.settings)
     if selector.sketch and layer.tp > 1:
-        return _rank_result(name, layer, out.to(x.dtype), masks["channel"],
-                            {p: c / units[p].units for p, c in counts.items()})
+        return _rank_result(
+            name, layer, out.to(x.dtype), masks["channel"], {p: c / units[p].units for p, c in counts.items()}
+        )
     if selector.sketch:  # not linear in k (recovery, the full read at every channel): charge each k once
         ks = counts["channel"]
         reads = torch.zeros_like(ks)
@@ -337,8 +345,18 @@ def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
         raise BudgetError("reader: this MoeLayer has no sidecar (sidecar.LayerSidecar); run prep first")
     if layer.tp > 1:
         raise BudgetError(f"reader: the Step rules run at TP 1; this layer is charged per rank at TP {layer.tp}")
-    go = lambda settings, **kw: batch.step(x, index, weights, layer.gate_up, layer.down.mT,  # noqa: E731
-                                         layer.sidecar, settings, layer.act_fn, int8=layer.int8, **kw)
+    go = lambda settings, **kw: batch.step(
+        x,
+        index,
+        weights,
+        layer.gate_up,
+        layer.down.mT,  # noqa: E731
+        layer.sidecar,
+        settings,
+        layer.act_fn,
+        int8=layer.int8,
+        **kw,
+    )
     settings = layer.settings
     if rule.rule == "token":
         done = go(settings, rule="token", k=rule.k)

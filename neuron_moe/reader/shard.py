@@ -41,8 +41,17 @@ from ..report import atomic_write
 from . import reference
 from .accounting import rank_geometry
 from .geometry import Geometry
-from .sidecar import (CODES_PER_BYTE, LayerSidecar, Sidecar, SidecarError, SidecarLayout, metadata, pack_codes,
-                      stream_layers, unpack_codes)
+from .sidecar import (
+    CODES_PER_BYTE,
+    LayerSidecar,
+    Sidecar,
+    SidecarError,
+    SidecarLayout,
+    metadata,
+    pack_codes,
+    stream_layers,
+    unpack_codes,
+)
 
 WHOLE = "reader.safetensors"  # the whole sidecar, in a `prep-reader --tp` directory
 
@@ -77,9 +86,13 @@ def shard_layer(layer, tp: int, rank: int) -> dict[str, torch.Tensor]:
     for e in range(E):
         mine = rank_rows(unpack_codes(codes[e])[..., :rows], -1, tp, rank)
         out[e] = pack_codes(torch.nn.functional.pad(mine, (0, local.rows_padded - local.rows)))
-    return {"codes": out, "scales": rank_rows(scales, -1, tp, rank).contiguous(),
-            "down_norms": rank_channels(get("down_norms"), 1, tp, rank).contiguous(),
-            "basis": get("basis"), "coeffs": rank_channels(get("coeffs"), 1, tp, rank).contiguous()}
+    return {
+        "codes": out,
+        "scales": rank_rows(scales, -1, tp, rank).contiguous(),
+        "down_norms": rank_channels(get("down_norms"), 1, tp, rank).contiguous(),
+        "basis": get("basis"),
+        "coeffs": rank_channels(get("coeffs"), 1, tp, rank).contiguous(),
+    }
 
 
 def shard_weights(gate_up: torch.Tensor, down_rows: torch.Tensor, tp: int, rank: int) -> tuple[torch.Tensor, ...]:
@@ -112,8 +125,12 @@ def forward_ranks(x, top_k_index, top_k_weights, shards, *, k: int, scan: int, r
     """The per-rank reader of t ranks in one process: each rank's `reference.forward` on its shard
     (`shards`: [(gate_up rows, down rows, LayerSidecar)] per rank) with k channels per rank, summed as
     the all-reduce sums them (fp32, rank order)."""
-    out = sum(reference.forward(x, top_k_index, top_k_weights, gate_up, down, layer, k=k, scan=scan, rank=rank,
-                                act_fn=act_fn).to(torch.float32) for gate_up, down, layer in shards)
+    out = sum(
+        reference.forward(
+            x, top_k_index, top_k_weights, gate_up, down, layer, k=k, scan=scan, rank=rank, act_fn=act_fn
+        ).to(torch.float32)
+        for gate_up, down, layer in shards
+    )
     return out.to(x.dtype)
 
 
@@ -129,13 +146,16 @@ def emulated(layer: LayerSidecar, tp: int):
     return run
 
 
-def write_shards(sidecar: Sidecar, out_dir: Path, tp: int, expert_layout: str = tp_layout.CHANNEL,
-                 progress: bool = True) -> list[Path]:
+def write_shards(
+    sidecar: Sidecar, out_dir: Path, tp: int, expert_layout: str = tp_layout.CHANNEL, progress: bool = True
+) -> list[Path]:
     """Every rank's shard of `sidecar`, streamed layer by layer into `out_dir` (each file a temp file,
     then renamed). Only the channel layout splits channels: the expert layout holds experts whole."""
     if expert_layout != tp_layout.CHANNEL:
-        raise SidecarError(f"reader shards exist for the {tp_layout.CHANNEL!r} expert layout only (each rank holds "
-                           f"every expert's I/t channels); the {expert_layout!r} layout holds experts whole")
+        raise SidecarError(
+            f"reader shards exist for the {tp_layout.CHANNEL!r} expert layout only (each rank holds "
+            f"every expert's I/t channels); the {expert_layout!r} layout holds experts whole"
+        )
     if tp not in tp_layout.TP_DEGREES:
         raise SidecarError(f"TP degree {tp} is not one of {tp_layout.TP_DEGREES}")
     whole = sidecar.layout
@@ -147,13 +167,24 @@ def write_shards(sidecar: Sidecar, out_dir: Path, tp: int, expert_layout: str = 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / shard_name(tp, r) for r in range(tp)]
     for r, path in enumerate(paths):
-        meta = dict(metadata(local, sidecar.layers, sidecar.scan, sidecar.seed, sidecar.source_sha256),
-                    tp=str(tp), tp_rank=str(r), expert_layout=expert_layout)
+        meta = dict(
+            metadata(local, sidecar.layers, sidecar.scan, sidecar.seed, sidecar.source_sha256),
+            tp=str(tp),
+            tp_rank=str(r),
+            expert_layout=expert_layout,
+        )
         tensors = (shard_layer(sidecar.layer(i), tp, r) for i in range(sidecar.layers))
         with atomic_write(path, "wb", seekable=True) as f:
-            stream_layers(f, local, sidecar.layers, meta, sidecar.signs,
-                          tqdm(tensors, total=sidecar.layers, desc=f"reader shard {r} of {tp}", unit="layer",
-                               disable=not progress))
+            stream_layers(
+                f,
+                local,
+                sidecar.layers,
+                meta,
+                sidecar.signs,
+                tqdm(
+                    tensors, total=sidecar.layers, desc=f"reader shard {r} of {tp}", unit="layer", disable=not progress
+                ),
+            )
     return paths
 
 
@@ -163,9 +194,11 @@ def open_shard(directory: Path, tp: int, rank: int, config, expert_layout: str =
     path = Path(directory) / shard_name(tp, rank)
     if not path.is_file():
         have = sorted(p.name for p in Path(directory).glob("tp*-rank*.safetensors")) if Path(directory).is_dir() else []
-        raise SidecarError(f"{path}: no reader shard for rank {rank} at TP {tp}"
-                           + (f" (the directory holds {', '.join(have[:4])})" if have else "")
-                           + f"; make them with `neuron-moe prep-reader --tp {tp} --out {directory}`")
+        raise SidecarError(
+            f"{path}: no reader shard for rank {rank} at TP {tp}"
+            + (f" (the directory holds {', '.join(have[:4])})" if have else "")
+            + f"; make them with `neuron-moe prep-reader --tp {tp} --out {directory}`"
+        )
     side = Sidecar(path)
     if side.tp is None:
         raise SidecarError(f"{path}: a whole sidecar, not a TP shard (no tp / tp_rank metadata)")
@@ -174,13 +207,16 @@ def open_shard(directory: Path, tp: int, rank: int, config, expert_layout: str =
     if side.tp_rank != rank:
         raise SidecarError(f"{path}: holds rank {side.tp_rank}'s channels, loaded on rank {rank}")
     if side.expert_layout != expert_layout:
-        raise SidecarError(f"{path}: a shard of the {side.expert_layout!r} expert layout, used with the "
-                           f"{expert_layout!r} layout")
+        raise SidecarError(
+            f"{path}: a shard of the {side.expert_layout!r} expert layout, used with the {expert_layout!r} layout"
+        )
     want = (*rank_geometry(Geometry.from_config(config), tp).sizes, config.num_hidden_layers)
     have = (*side.layout.geometry.sizes, side.layers)
     if want != have:
-        raise SidecarError(f"{path}: shard geometry (hidden, experts, intermediate per rank, layers) = {have}, this "
-                           f"model's at TP {tp} = {want}: a sidecar of another model")
+        raise SidecarError(
+            f"{path}: shard geometry (hidden, experts, intermediate per rank, layers) = {have}, this "
+            f"model's at TP {tp} = {want}: a sidecar of another model"
+        )
     return side
 
 
@@ -188,5 +224,7 @@ def check_shards(sides: list[Sidecar]) -> None:
     """The ranks' shards must come from one prep: same source weights, scan, recovery rank and seed."""
     ties = {(s.source_sha256, s.scan, s.layout.rank, s.seed) for s in sides}
     if len(ties) > 1:
-        raise SidecarError("the ranks' reader shards come from different preps (source sha256, scan, rank or seed "
-                           f"differ: {', '.join(str(s.path) for s in sides)}); re-run `neuron-moe prep-reader --tp`")
+        raise SidecarError(
+            "the ranks' reader shards come from different preps (source sha256, scan, rank or seed "
+            f"differ: {', '.join(str(s.path) for s in sides)}); re-run `neuron-moe prep-reader --tp`"
+        )

@@ -37,7 +37,7 @@ BLOCK = 128  # coordinates per Hadamard block
 SECTOR = 32  # bytes: the unit a GPU memory read is charged in; a coordinate's strip of codes is whole sectors
 CODES_PER_BYTE = 5  # base-3 digits: byte = Σ_t digit(row 5q+t)·3^t, digit = code mod 3 (0, +1 -> 1, -1 -> 2)
 POW3 = (1, 3, 9, 27, 81)
-CODE_BYTES = 3 ** CODES_PER_BYTE  # 243: bytes 0..242 hold five codes; 243..255 are never written
+CODE_BYTES = 3**CODES_PER_BYTE  # 243: bytes 0..242 hold five codes; 243..255 are never written
 FLOAT = torch.bfloat16  # scales, norms, U and b
 LAYER_TENSORS = ("codes", "scales", "down_norms", "basis", "coeffs")
 SIGNS = "hadamard_signs"
@@ -139,11 +139,21 @@ def metadata(layout: SidecarLayout, layers: int, scan: int, seed: int, digest: s
     """The header's `__metadata__`: every field `Sidecar` reads back (a shard adds tp, tp_rank, expert_layout).
     `layers_sha256` holds placeholders until `stream_layers` has written the layers."""
     geo = layout.geometry
-    return {"format": FORMAT, "format_version": str(FORMAT_VERSION), "block": str(BLOCK), "scan": str(scan),
-            "rank": str(layout.rank), "seed": str(seed), "codes_per_byte": str(CODES_PER_BYTE),
-            "hidden": str(geo.hidden), "experts": str(geo.experts),
-            "intermediate": str(geo.intermediate), "layers": str(layers), "source_sha256": digest,
-            "layers_sha256": ",".join([PLACEHOLDER] * layers)}
+    return {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "block": str(BLOCK),
+        "scan": str(scan),
+        "rank": str(layout.rank),
+        "seed": str(seed),
+        "codes_per_byte": str(CODES_PER_BYTE),
+        "hidden": str(geo.hidden),
+        "experts": str(geo.experts),
+        "intermediate": str(geo.intermediate),
+        "layers": str(layers),
+        "source_sha256": digest,
+        "layers_sha256": ",".join([PLACEHOLDER] * layers),
+    }
 
 
 def _specs(layout: SidecarLayout, layers: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -161,8 +171,15 @@ def _raw(tensor: torch.Tensor) -> memoryview:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def stream_layers(f, layout: SidecarLayout, layers: int, meta: dict[str, str], signs: torch.Tensor,
-                  tensors: Iterable[dict[str, torch.Tensor]], digest=None) -> None:
+def stream_layers(
+    f,
+    layout: SidecarLayout,
+    layers: int,
+    meta: dict[str, str],
+    signs: torch.Tensor,
+    tensors: Iterable[dict[str, torch.Tensor]],
+    digest=None,
+) -> None:
     """Write a sidecar to the open, seekable file `f`: the header (every offset follows from the geometry),
     the signs, then each layer's tensors as `tensors` yields them (bounded memory); then each layer's
     digest in place of the placeholders of `layers_sha256`, and `digest()`, if given, in place of
@@ -229,31 +246,52 @@ class Sidecar:
         except Exception as e:  # safetensors' own error type, or OSError
             raise SidecarError(f"{self.path}: not a readable safetensors file ({e})") from None
         if meta.get("format") != FORMAT:
-            raise SidecarError(f"{self.path}: not a reader sidecar (metadata format {meta.get('format')!r}, "
-                               f"expected {FORMAT!r})")
+            raise SidecarError(
+                f"{self.path}: not a reader sidecar (metadata format {meta.get('format')!r}, expected {FORMAT!r})"
+            )
         if meta.get("format_version") != str(FORMAT_VERSION):
-            raise SidecarError(f"{self.path}: sidecar format version {meta.get('format_version')!r}; this build "
-                               f"reads version {FORMAT_VERSION} (re-run `neuron-moe prep-reader`)")
+            raise SidecarError(
+                f"{self.path}: sidecar format version {meta.get('format_version')!r}; this build "
+                f"reads version {FORMAT_VERSION} (re-run `neuron-moe prep-reader`)"
+            )
         try:
-            fields = {k: int(meta[k]) for k in ("block", "scan", "rank", "seed", "codes_per_byte", "hidden",
-                                                "experts", "intermediate", "layers")}
+            fields = {
+                k: int(meta[k])
+                for k in (
+                    "block",
+                    "scan",
+                    "rank",
+                    "seed",
+                    "codes_per_byte",
+                    "hidden",
+                    "experts",
+                    "intermediate",
+                    "layers",
+                )
+            }
         except (KeyError, ValueError) as e:
             raise SidecarError(f"{self.path}: metadata field {e} missing or not an integer") from None
         if (fields["block"], fields["codes_per_byte"]) != (BLOCK, CODES_PER_BYTE):
-            raise SidecarError(f"{self.path}: block {fields['block']}, {fields['codes_per_byte']} codes per byte; "
-                               f"this build reads block {BLOCK}, {CODES_PER_BYTE} codes per byte")
+            raise SidecarError(
+                f"{self.path}: block {fields['block']}, {fields['codes_per_byte']} codes per byte; "
+                f"this build reads block {BLOCK}, {CODES_PER_BYTE} codes per byte"
+            )
         if not 1 <= fields["layers"] <= len(keys):
             # before the table of every layer's tensors is built: a header claiming 10^8 layers is not believed
-            raise SidecarError(f"{self.path}: metadata says {fields['layers']} layers; the file holds "
-                               f"{len(keys)} tensors (1 + {len(LAYER_TENSORS)} per layer)")
+            raise SidecarError(
+                f"{self.path}: metadata says {fields['layers']} layers; the file holds "
+                f"{len(keys)} tensors (1 + {len(LAYER_TENSORS)} per layer)"
+            )
         self.scan, self.seed, self.layers = fields["scan"], fields["seed"], fields["layers"]
-        if not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+        if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise SidecarError(f"{self.path}: metadata seed {self.seed} is outside [-2^63, 2^64)")
         self.source_sha256 = meta.get("source_sha256", "")
         self.layers_sha256 = meta.get("layers_sha256", "").split(",")
         if len(self.layers_sha256) != self.layers or not all(_is_sha256(d) for d in self.layers_sha256):
-            raise SidecarError(f"{self.path}: metadata layers_sha256 is not {self.layers} sha256 digests "
-                               f"(one per layer, comma-separated)")
+            raise SidecarError(
+                f"{self.path}: metadata layers_sha256 is not {self.layers} sha256 digests "
+                f"(one per layer, comma-separated)"
+            )
         # a tensor-parallel shard (`shard.py`): one rank's channels of every expert; None for a whole sidecar
         self.tp = self.tp_rank = self.expert_layout = None
         if "tp" in meta:
@@ -267,14 +305,17 @@ class Sidecar:
         specs = _specs(self.layout, self.layers)
         if keys != set(specs):
             missing, extra = sorted(set(specs) - keys), sorted(keys - set(specs))
-            raise SidecarError(f"{self.path}: tensors do not match the metadata; missing {missing[:5]}, "
-                               f"unexpected {extra[:5]}")
+            raise SidecarError(
+                f"{self.path}: tensors do not match the metadata; missing {missing[:5]}, unexpected {extra[:5]}"
+            )
         with safe_open(self.path, framework="pt") as f:
             for name, (dtype, shape) in specs.items():
                 sl = f.get_slice(name)
                 if _ST_DTYPES[dtype] != sl.get_dtype() or tuple(sl.get_shape()) != shape:
-                    raise SidecarError(f"{self.path}: {name} is {sl.get_dtype()} {tuple(sl.get_shape())}, "
-                                       f"expected {_ST_DTYPES[dtype]} {shape}")
+                    raise SidecarError(
+                        f"{self.path}: {name} is {sl.get_dtype()} {tuple(sl.get_shape())}, "
+                        f"expected {_ST_DTYPES[dtype]} {shape}"
+                    )
             self.signs = f.get_tensor(SIGNS)
         if not torch.equal(self.signs, random_signs(self.layout.hidden_padded, self.seed)):
             raise SidecarError(f"{self.path}: {SIGNS} are not those of seed {self.seed}")
@@ -283,9 +324,11 @@ class Sidecar:
         """Refuse unless the sidecar was made from exactly these expert weights (bf16-equal)."""
         got = source_digest(weights)
         if got != self.source_sha256:
-            raise SidecarError(f"{self.path}: made from other expert weights (sidecar source sha256 "
-                               f"{self.source_sha256[:16]}…, these weights {got[:16]}…); re-run "
-                               f"`neuron-moe prep-reader` for this model")
+            raise SidecarError(
+                f"{self.path}: made from other expert weights (sidecar source sha256 "
+                f"{self.source_sha256[:16]}…, these weights {got[:16]}…); re-run "
+                f"`neuron-moe prep-reader` for this model"
+            )
 
     def layer(self, index: int) -> LayerSidecar:
         """Layer `index`'s tensors, refused unless they are the bytes the sidecar was written with
@@ -296,13 +339,17 @@ class Sidecar:
         for name in LAYER_TENSORS:
             digest.update(_raw(tensors[name]))
         if digest.hexdigest() != self.layers_sha256[index]:
-            raise SidecarError(f"{self.path}: layer {index}'s tensors do not match their sha256 in the metadata "
-                               f"(the file is corrupt); re-run `neuron-moe prep-reader`")
+            raise SidecarError(
+                f"{self.path}: layer {index}'s tensors do not match their sha256 in the metadata "
+                f"(the file is corrupt); re-run `neuron-moe prep-reader`"
+            )
         codes = tensors["codes"]
         if codes.numel() and int(codes.max()) >= CODE_BYTES:
             bad = int((codes >= CODE_BYTES).sum())
-            raise SidecarError(f"{self.path}: layers.{index}.codes holds {bad} byte(s) above {CODE_BYTES - 1}, "
-                               f"which no five base-3 codes make")
+            raise SidecarError(
+                f"{self.path}: layers.{index}.codes holds {bad} byte(s) above {CODE_BYTES - 1}, "
+                f"which no five base-3 codes make"
+            )
         for name in ("scales", "down_norms", "basis", "coeffs"):
             if not torch.isfinite(tensors[name]).all():
                 raise SidecarError(f"{self.path}: layers.{index}.{name} holds NaN or inf")

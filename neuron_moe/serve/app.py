@@ -39,8 +39,15 @@ from ..report import dumps
 from .chat import render_chat
 from .engine import Engine, RequestError, SamplingParams
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, FieldError, TokenizeRequest,
-                       error_body)
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    FieldError,
+    TokenizeRequest,
+    error_body,
+)
 from .scheduler import Scheduler
 
 log = logging.getLogger("neuron_moe.serve")
@@ -99,14 +106,25 @@ class ServerState:
 
     def unavailable(self) -> APIError | None:
         if self.draining:
-            return APIError(503, "the server is shutting down", "service_unavailable", code="draining",
-                            retry_after=DRAINING_RETRY_AFTER_S)
+            return APIError(
+                503,
+                "the server is shutting down",
+                "service_unavailable",
+                code="draining",
+                retry_after=DRAINING_RETRY_AFTER_S,
+            )
         if self.phase == "loading":
-            return APIError(503, "the model is loading", "service_unavailable", code="model_loading",
-                            retry_after=LOADING_RETRY_AFTER_S)
+            return APIError(
+                503,
+                "the model is loading",
+                "service_unavailable",
+                code="model_loading",
+                retry_after=LOADING_RETRY_AFTER_S,
+            )
         if self.phase == "failed":
-            return APIError(503, f"the model failed to load: {self.error}", "service_unavailable",
-                            code="model_load_failed")
+            return APIError(
+                503, f"the model failed to load: {self.error}", "service_unavailable", code="model_load_failed"
+            )
         return None
 
 
@@ -124,8 +142,11 @@ class BearerAuth:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                body = error_body("missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                  "invalid_request_error", code="invalid_api_key")
+                body = error_body(
+                    "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                )
                 await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -160,8 +181,11 @@ class BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                raise HTTPException(408, f"the request body did not all arrive within {self.timeout_s:g} s",
-                                    headers={"Connection": "close"}) from None
+                raise HTTPException(
+                    408,
+                    f"the request body did not all arrive within {self.timeout_s:g} s",
+                    headers={"Connection": "close"},
+                ) from None
             complete = message["type"] != "http.request" or not message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.max_bytes:  # an HTTPException passes FastAPI's body parsing as it is
@@ -190,8 +214,9 @@ def _param(loc) -> str | None:
 async def _validation_error(_request, exc: RequestValidationError) -> JSONResponse:
     err = exc.errors()[0]
     if err.get("type") == "json_invalid":
-        return JSONResponse(error_body(f"the request body is not valid JSON: {err.get('msg')}",
-                                       "invalid_request_error"), 400)
+        return JSONResponse(
+            error_body(f"the request body is not valid JSON: {err.get('msg')}", "invalid_request_error"), 400
+        )
     cause = (err.get("ctx") or {}).get("error")
     param = cause.field if isinstance(cause, FieldError) else _param(err.get("loc", ()))
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -213,8 +238,12 @@ def _choice(chat: bool, stream: bool, text: str | None, finish: str | None, role
     if not chat:
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
     if not stream:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
     delta = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
@@ -244,9 +273,15 @@ class _Record:
 
     def log(self, outcome: str | None = None) -> None:
         ttft = "-" if self.first is None else f"{self.first - self.started:.3f} s"
-        log.info("request %s: prompt %d tokens, completion %d tokens, TTFT %s, duration %.3f s, %s", self.rid,
-                 self.n_prompt, self.completion, ttft, time.perf_counter() - self.started,
-                 outcome or f"finish {self.finish}")
+        log.info(
+            "request %s: prompt %d tokens, completion %d tokens, TTFT %s, duration %.3f s, %s",
+            self.rid,
+            self.n_prompt,
+            self.completion,
+            ttft,
+            time.perf_counter() - self.started,
+            outcome or f"finish {self.finish}",
+        )
 
 
 class _Cut(Exception):
@@ -299,8 +334,9 @@ async def _stream(job, head: dict, chat: bool, include_usage: bool, record: _Rec
                 yield _sse({**head, "choices": [_choice(chat, True, item.text, None)], **usage})
             if item.finish_reason:
                 finished = True
-                yield _sse({**head, "choices": [_choice(chat, True, None if chat else "", item.finish_reason)],
-                            **usage})
+                yield _sse(
+                    {**head, "choices": [_choice(chat, True, None if chat else "", item.finish_reason)], **usage}
+                )
         if finished and include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(n_prompt, completion)})
         outcome = None if finished else outcome
@@ -322,6 +358,7 @@ async def _disconnected(request: Request) -> None:
 async def _collect(job, request: Request, cut: asyncio.Event, record: _Record):
     """(text, finish_reason, completion tokens), or None when the client left first; a 503
     APIError at the drain deadline."""
+
     async def consume():
         parts, finish, completion = [], None, 0
         async for item in _until_cut(job.events(), cut):
@@ -342,8 +379,9 @@ async def _collect(job, request: Request, cut: asyncio.Event, record: _Record):
             result = consumer.result()
         except _Cut:
             outcome = "cut at the drain deadline"
-            raise APIError(503, CUT_MESSAGE, "service_unavailable", code="draining",
-                           retry_after=DRAINING_RETRY_AFTER_S) from None
+            raise APIError(
+                503, CUT_MESSAGE, "service_unavailable", code="draining", retry_after=DRAINING_RETRY_AFTER_S
+            ) from None
         except APIError as e:
             outcome = f"failed: {e.message}"
             raise
@@ -366,8 +404,12 @@ def _check_prompt_bytes(engine: Engine, texts: list[str], param: str) -> None:
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
     limit = engine.max_context
     if n_bytes > limit * per_token:
-        raise APIError(400, f"the prompt is {n_bytes} bytes, more than the {limit} tokens this model "
-                            f"takes can hold (a token is at most {per_token} bytes)", param=param)
+        raise APIError(
+            400,
+            f"the prompt is {n_bytes} bytes, more than the {limit} tokens this model "
+            f"takes can hold (a token is at most {per_token} bytes)",
+            param=param,
+        )
 
 
 def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
@@ -377,11 +419,18 @@ def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None
         raise APIError(400, f"token id {bad[0]} is not below the vocabulary size {vocab_size}", param=param)
 
 
-def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], api_key: str | None = None,
-               max_running: int | None = None, max_queue: int = 32, max_body_bytes: int = MAX_BODY_BYTES,
-               vocab_size: int | None = None,
-               body_timeout: float = BODY_TIMEOUT_S,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+def create_app(
+    load: Callable[[], Engine],
+    *,
+    model_name: str | Sequence[str],
+    api_key: str | None = None,
+    max_running: int | None = None,
+    max_queue: int = 32,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    vocab_size: int | None = None,
+    body_timeout: float = BODY_TIMEOUT_S,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
     """`load` builds the Engine; it runs in a thread at startup while the server already answers.
     `model_name`: the served name, or names (requests may give any; responses carry the first).
     `max_running`: requests generating at once (default: a batching engine's rows, else 1).
@@ -421,8 +470,12 @@ def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], a
     async def health():
         problem = state.unavailable()
         running = min(scheduler.admitted, scheduler.max_running or 0)
-        body = {"status": "draining" if state.draining else state.phase, "model": model_name,
-                "running": running, "waiting": scheduler.admitted - running}
+        body = {
+            "status": "draining" if state.draining else state.phase,
+            "model": model_name,
+            "running": running,
+            "waiting": scheduler.admitted - running,
+        }
         return JSONResponse(body, problem.status if problem else 200, headers=problem.headers if problem else None)
 
     @app.get("/ping")
@@ -440,9 +493,21 @@ def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], a
     @app.get("/v1/models")
     async def models():
         context = state.engine.max_context if state.engine is not None else None  # known once loaded
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                            "owned_by": "neuron-moe", "root": names[0], "parent": None,
-                                            "max_model_len": context} for name in names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "neuron-moe",
+                    "root": names[0],
+                    "parent": None,
+                    "max_model_len": context,
+                }
+                for name in names
+            ],
+        }
 
     def ready_engine(model: str | None) -> Engine:
         problem = state.unavailable()
@@ -450,12 +515,17 @@ def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], a
             raise problem
         if model is not None and model not in names:
             served = ", ".join(repr(n) for n in names)
-            raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server serves {served}",
+                param="model",
+                code="model_not_found",
+            )
         return state.engine
 
-    async def respond(engine: Engine, req, request: Request, prompt_ids: list[int], extra_stops: tuple,
-                      chat: bool, started: float):
+    async def respond(
+        engine: Engine, req, request: Request, prompt_ids: list[int], extra_stops: tuple, chat: bool, started: float
+    ):
         problem = state.unavailable()  # the server may have begun draining while the prompt was tokenized
         if problem:
             raise problem
@@ -464,18 +534,25 @@ def create_app(load: Callable[[], Engine], *, model_name: str | Sequence[str], a
             params = SamplingParams(max_tokens, **req.sampling, stop=tuple(req.stop or ()) + extra_stops)
             engine.check_sampling(params)
         except RequestError as e:
-            where = {"prompt": "messages" if chat else "prompt",
-                     "max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"}
+            where = {
+                "prompt": "messages" if chat else "prompt",
+                "max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+            }
             raise APIError(400, str(e), param=where.get(e.param, e.param)) from None
         job = scheduler.submit(engine, prompt_ids, params)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and req.stream else ""),
-                "created": int(time.time()), "model": model_name}
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and req.stream else ""),
+            "created": int(time.time()),
+            "model": model_name,
+        }
         record = _Record(head["id"], len(prompt_ids), started)
         if req.stream:
-            return StreamingResponse(_stream(job, head, chat, req.include_usage, record, state.cut),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                _stream(job, head, chat, req.include_usage, record, state.cut),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         result = await _collect(job, request, state.cut, record)
         if result is None:
             return Response(status_code=499)  # nobody is listening; the status is for the access log

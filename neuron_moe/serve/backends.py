@@ -22,15 +22,18 @@ STATIC = "static"  # the backend name of the port's static graphs on CPU
 # asks is told where it runs.
 _NOT_TAKEN = {
     SIDECAR: "the reader needs a sidecar and a budget, which serve does not take; "
-             "`neuron-moe validate --backend reader` and `eval-reader` run it",
+    "`neuron-moe validate --backend reader` and `eval-reader` run it",
     SELECTOR_RULES: "a channel selector (TEAL, WINA, CATS, ...) needs its retention rule per layer, calibrated "
-                    "by `neuron-moe eval-reader`, which runs it",
+    "by `neuron-moe eval-reader`, which runs it",
 }
 NOT_SERVED = {name: _NOT_TAKEN[e.needs] for name, e in EXPERTS.items() if e.needs is not None}
 # Every experts implementation that needs nothing attached (transformers' model, one request per
 # thread), the port's static graphs and a compiled artifact (both batched): see load_engine
-BACKENDS = {**{name: Backend(name, EAGER_GRAPHS, e) for name, e in EXPERTS.items() if e.needs is None},
-            STATIC: Backend(STATIC, MODULES), "neuron": Backend("neuron", COMPILED)}
+BACKENDS = {
+    **{name: Backend(name, EAGER_GRAPHS, e) for name, e in EXPERTS.items() if e.needs is None},
+    STATIC: Backend(STATIC, MODULES),
+    "neuron": Backend("neuron", COMPILED),
+}
 
 
 def check_backend(backend: str) -> Backend:
@@ -42,9 +45,17 @@ def check_backend(backend: str) -> Backend:
     return BACKENDS[backend]
 
 
-def load_engine(port, backend: Backend | str, *, checkpoint: Path | None = None, artifacts: Path | None = None,
-                dtype: torch.dtype | None = None, batch_size: int | None = None, prefill_rows=None,
-                prefill_chunk: int | None = None) -> Engine:
+def load_engine(
+    port,
+    backend: Backend | str,
+    *,
+    checkpoint: Path | None = None,
+    artifacts: Path | None = None,
+    dtype: torch.dtype | None = None,
+    batch_size: int | None = None,
+    prefill_rows=None,
+    prefill_chunk: int | None = None,
+) -> Engine:
     """The engine for `backend` (one of BACKENDS, or its name): the port's static graphs on CPU
     (MODULES, batched; `batch_size` rows, `prefill_rows` and `prefill_chunk`, each default the
     port's), a compiled artifact directory (COMPILED, batched) or an experts implementation in
@@ -52,8 +63,11 @@ def load_engine(port, backend: Backend | str, *, checkpoint: Path | None = None,
     if isinstance(backend, str):
         backend = check_backend(backend)
     if backend.graphs == COMPILED:  # the artifact's own tokenizer (digest-checked), unless --checkpoint gives one
-        tokenizer = load_tokenizer(port, checkpoint) if checkpoint else \
-            artifact_tokenizer(artifacts, read_manifest(artifacts), port)
+        tokenizer = (
+            load_tokenizer(port, checkpoint)
+            if checkpoint
+            else artifact_tokenizer(artifacts, read_manifest(artifacts), port)
+        )
         return BatchEngine(neuron_runtime(artifacts, port), tokenizer, eos_ids(tokenizer, port.config))
     tokenizer = load_tokenizer(port, checkpoint)
     if backend.graphs == MODULES:
@@ -62,5 +76,4 @@ def load_engine(port, backend: Backend | str, *, checkpoint: Path | None = None,
         runtime = static_runtime(model, spec, batch_size, prefill_rows=prefill_rows, chunk=prefill_chunk)
         return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, model.config))
     model = build_model(port, backend.experts, dtype, checkpoint)
-    return Engine(HFBackend(model), tokenizer, model.config.max_position_embeddings,
-                  eos_ids(tokenizer, model.config))
+    return Engine(HFBackend(model), tokenizer, model.config.max_position_embeddings, eos_ids(tokenizer, model.config))

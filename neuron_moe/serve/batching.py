@@ -125,8 +125,9 @@ class BatchEngine(Engine):
             self._waiting.append(request)
             self._wake.notify()
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 cancelled: threading.Event | None = None) -> Iterator[Step]:
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None
+    ) -> Iterator[Step]:
         """Engine.generate's iterator, for a request that runs in the batch: the Steps come from
         the loop's thread. A consumer that stops reading (or sets `cancelled`) frees its row."""
         sink = _QueueSink(cancelled or threading.Event())

@@ -56,8 +56,11 @@ class HeaderTimeoutProtocol(H11Protocol):
     def _expired(self) -> None:
         self._deadline = None
         if not self.transport.is_closing():
-            log.info("closing a connection from %s: no complete request headers within %g s",
-                     "%s:%d" % self.client if self.client else "?", self.header_timeout)
+            log.info(
+                "closing a connection from %s: no complete request headers within %g s",
+                "%s:%d" % self.client if self.client else "?",
+                self.header_timeout,
+            )
             self.transport.close()
 
 

@@ -117,18 +117,18 @@ class Output:
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
         self.token, self.count = token, self.count + 1
         if token in self.eos_ids:
-            return Step(self._text()[self.sent:], "stop", self.count)
+            return Step(self._text()[self.sent :], "stop", self.count)
         self.tokens.append(token)
         # Decoding the whole output each step is what keeps multi-token characters and
         # tokenizers that merge across tokens right; outputs are short enough for it.
         text = self._text()
         cut = min((j for j in (text.find(s) for s in params.stop) if j >= 0), default=None)
         if cut is not None:
-            return Step(text[self.sent:cut], "stop", self.count)
+            return Step(text[self.sent : cut], "stop", self.count)
         if self.count == params.max_tokens:
-            return Step(text[self.sent:], "length", self.count)
+            return Step(text[self.sent :], "length", self.count)
         safe = len(text) - held_back(text, params.stop)
-        step = Step(text[self.sent:safe], None, self.count)
+        step = Step(text[self.sent : safe], None, self.count)
         self.sent = max(self.sent, safe)
         return step
 
@@ -152,8 +152,11 @@ class Engine:
     def check_sampling(self, params: SamplingParams) -> None:
         """A RequestError if the backend cannot sample this request as asked."""
         if self.max_top_k is not None and params.top_k > self.max_top_k:
-            raise RequestError(f"this backend's graphs sample among the {self.max_top_k} most likely tokens: top_k "
-                               f"must be at most {self.max_top_k} (or 0, off), got {params.top_k}", "top_k")
+            raise RequestError(
+                f"this backend's graphs sample among the {self.max_top_k} most likely tokens: top_k "
+                f"must be at most {self.max_top_k} (or 0, off), got {params.top_k}",
+                "top_k",
+            )
 
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
         """The request's token budget: what it asked for, or what is left of the context (a request
@@ -162,13 +165,19 @@ class Engine:
             raise RequestError("the prompt has no tokens", "prompt")
         room = self.max_context - n_prompt
         if room < 1:
-            raise RequestError(f"the prompt is {n_prompt} tokens; this model's context is {self.max_context} "
-                               f"tokens, which leaves no room to generate", "prompt")
+            raise RequestError(
+                f"the prompt is {n_prompt} tokens; this model's context is {self.max_context} "
+                f"tokens, which leaves no room to generate",
+                "prompt",
+            )
         if requested is None:
             return room
         if requested > room:
-            raise RequestError(f"this model's context is {self.max_context} tokens: the prompt ({n_prompt}) "
-                               f"plus max_tokens ({requested}) exceeds it by {requested - room}", "max_tokens")
+            raise RequestError(
+                f"this model's context is {self.max_context} tokens: the prompt ({n_prompt}) "
+                f"plus max_tokens ({requested}) exceeds it by {requested - room}",
+                "max_tokens",
+            )
         return requested
 
     def close(self) -> None:
@@ -179,8 +188,9 @@ class Engine:
         self.check_sampling(params)
         return Output(self.tokenizer, self.eos_ids, params)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 cancelled: threading.Event | None = None) -> Iterator[Step]:
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None
+    ) -> Iterator[Step]:
         """One Step per generated token; the last carries the finish reason. Returns early,
         without a final Step, once `cancelled` is set (the consumer went away)."""
         output = self.output(params)

@@ -31,12 +31,74 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # prometheus_client.CONTENT_TYPE_LATEST
 REASONS = ("stop", "length", "abort")
-_TTFT_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-           40.0, 80.0, 160.0, 640.0)
-_TPOT_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-           0.75, 1.0, 2.5, 5.0, 10.0)
-_E2E_S = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0,
-          960.0, 1920.0)
+_TTFT_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_TPOT_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_E2E_S = (
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
 
 
 class Metrics:
@@ -53,17 +115,24 @@ class Metrics:
         self.waiting = series(Gauge, "vllm:num_requests_waiting", "Requests admitted, waiting to run.")
         self.prompt_tokens = series(Counter, "vllm:prompt_tokens", "Prompt tokens of the requests prefilled.")
         self.generation_tokens = series(Counter, "vllm:generation_tokens", "Tokens generated (an EOS counts).")
-        success = Counter("vllm:request_success", "Requests ended, by finished reason.",
-                          ["model_name", "finished_reason"], registry=registry)
+        success = Counter(
+            "vllm:request_success",
+            "Requests ended, by finished reason.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
         self.success = {reason: success.labels(model_name=model_name, finished_reason=reason) for reason in REASONS}
-        self.ttft = series(Histogram, "vllm:time_to_first_token_seconds", "Admission to first token.",
-                           buckets=_TTFT_S)
-        self.tpot = series(Histogram, "vllm:time_per_output_token_seconds", "The gap before each token but the first.",
-                           buckets=_TPOT_S)
-        self.request_tpot = series(Histogram, "vllm:request_time_per_output_token_seconds",
-                                   "Per request: (e2e - ttft) / (tokens - 1).", buckets=_TPOT_S)
-        self.e2e = series(Histogram, "vllm:e2e_request_latency_seconds", "Admission to the last token.",
-                          buckets=_E2E_S)
+        self.ttft = series(Histogram, "vllm:time_to_first_token_seconds", "Admission to first token.", buckets=_TTFT_S)
+        self.tpot = series(
+            Histogram, "vllm:time_per_output_token_seconds", "The gap before each token but the first.", buckets=_TPOT_S
+        )
+        self.request_tpot = series(
+            Histogram,
+            "vllm:request_time_per_output_token_seconds",
+            "Per request: (e2e - ttft) / (tokens - 1).",
+            buckets=_TPOT_S,
+        )
+        self.e2e = series(Histogram, "vllm:e2e_request_latency_seconds", "Admission to the last token.", buckets=_E2E_S)
         self.rows = series(Gauge, "neuron_moe:batch_rows", "Rows of the batching engine's graphs.")
         self.rows_in_use = series(Gauge, "neuron_moe:batch_rows_in_use", "Rows holding a request now.")
         self.prefill_calls = series(Counter, "neuron_moe:prefill_calls", "Prefill graph calls.")

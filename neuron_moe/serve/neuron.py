@@ -60,7 +60,15 @@ def neuron_runtime(artifacts: Path, port) -> GraphRuntime:
     model = torch.jit.load(str(artifacts / MODEL))
     model.nxd_model.initialize(shards, torch.tensor([0], dtype=torch.int32))
     # one callable: NxD routes each call to the key whose example inputs match its shapes
-    return GraphRuntime(model, model, batch=manifest["batch_size"], buckets=manifest["buckets"],
-                        prefill_rows=manifest["prefill_rows"], chunk=manifest["prefill_chunk"],
-                        max_length=manifest["max_length"], logits=manifest["logits"],
-                        candidates=manifest["candidates"], pad_id=port.config.pad_token_id or 0)
+    return GraphRuntime(
+        model,
+        model,
+        batch=manifest["batch_size"],
+        buckets=manifest["buckets"],
+        prefill_rows=manifest["prefill_rows"],
+        chunk=manifest["prefill_chunk"],
+        max_length=manifest["max_length"],
+        logits=manifest["logits"],
+        candidates=manifest["candidates"],
+        pad_id=port.config.pad_token_id or 0,
+    )

@@ -21,23 +21,53 @@ MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 # other value is a 400 naming the field. OpenAI's fields, then vLLM's sampling extras that clients
 # of vLLM send through `extra_body`.
 UNSUPPORTED: dict[str, tuple] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
-    "logprobs": (False,), "top_logprobs": (), "best_of": (1,),
-    "echo": (False,), "tools": ([],), "functions": ([],), "function_call": ("none", "auto"),
-    "suffix": ("",), "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (),
+    "best_of": (1,),
+    "echo": (False,),
+    "tools": ([],),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "suffix": ("",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
     "web_search_options": (),
-    "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "ignore_eos": (False,),
-    "stop_token_ids": ([],), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
-    "length_penalty": (1, 1.0), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
+    "min_p": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "prompt_logprobs": (),
 }
 
 
 class APIError(Exception):
     """Answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", *,
-                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
@@ -115,8 +145,9 @@ class _Sampling(_Strict):
     n: int | None = Field(None, ge=1, le=128)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[int, Field(ge=-100, le=100)]] | None = \
-        Field(None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[int, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS
+    )
     user: str | None = None
     tools: list | None = None
     tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused
@@ -161,9 +192,12 @@ class _Sampling(_Strict):
     @property
     def sampling(self) -> dict:
         """temperature, top_p, top_k and seed with their defaults for null (top_k off: 0)."""
-        return {"temperature": 1.0 if self.temperature is None else self.temperature,
-                "top_p": 1.0 if self.top_p is None else self.top_p,
-                "top_k": max(self.top_k or 0, 0), "seed": self.seed}
+        return {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": max(self.top_k or 0, 0),
+            "seed": self.seed,
+        }
 
     @property
     def requested_max_tokens(self) -> int | None:

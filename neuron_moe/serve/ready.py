@@ -67,8 +67,9 @@ def warm_up(engine: Engine) -> int:
             runtime.prefill([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)])
             calls += 1
     batch = runtime.batch
-    runtime.decode(torch.full((batch, 1), token), torch.zeros(batch, 1, dtype=torch.long),
-                   torch.tensor([GREEDY] * batch))
+    runtime.decode(
+        torch.full((batch, 1), token), torch.zeros(batch, 1, dtype=torch.long), torch.tensor([GREEDY] * batch)
+    )
     return calls + 1
 
 
@@ -81,8 +82,16 @@ def ready(engine: Engine, banner: Banner, max_model_len: int | None, what: str) 
     runs = warm_up(engine)
     buckets = graph_buckets(engine)
     rows = f"{engine.rows} batch rows" if engine.rows else "one request per thread"
-    log.info("serving %s as %s: backend %s, dtype %s, context %d tokens, %s, %s; warmed up in %.2f s (%d graph calls)",
-             banner.port, ", ".join(banner.names), banner.backend, banner.dtype, engine.max_context, rows,
-             f"prefill buckets {', '.join(map(str, buckets))}" if buckets else "any prompt length",
-             time.perf_counter() - started, runs)
+    log.info(
+        "serving %s as %s: backend %s, dtype %s, context %d tokens, %s, %s; warmed up in %.2f s (%d graph calls)",
+        banner.port,
+        ", ".join(banner.names),
+        banner.backend,
+        banner.dtype,
+        engine.max_context,
+        rows,
+        f"prefill buckets {', '.join(map(str, buckets))}" if buckets else "any prompt length",
+        time.perf_counter() - started,
+        runs,
+    )
     return engine

@@ -33,8 +33,20 @@ from ..static.sampling import CANDIDATES
 
 
 class GraphRuntime:
-    def __init__(self, prefill, decode, *, batch: int, buckets, prefill_rows, max_length: int, logits: bool,
-                 candidates: int, pad_id: int = 0, chunk: int | None = None):
+    def __init__(
+        self,
+        prefill,
+        decode,
+        *,
+        batch: int,
+        buckets,
+        prefill_rows,
+        max_length: int,
+        logits: bool,
+        candidates: int,
+        pad_id: int = 0,
+        chunk: int | None = None,
+    ):
         self._prefill, self._decode = prefill, decode
         self.batch, self.buckets, self.max_length = batch, sorted(buckets), max_length
         self.prefill_rows = sorted(prefill_rows)
@@ -54,7 +66,7 @@ class GraphRuntime:
         inputs = [torch.cat(column) for column in zip(*parts)]
         inputs += [torch.tensor([c.row for c in padded]), torch.tensor([c.sampling for c in padded])]
         tokens, logits = self._out(self._prefill(*inputs))
-        return tokens[:len(chunks)], None if logits is None else logits[:len(chunks)]
+        return tokens[: len(chunks)], None if logits is None else logits[: len(chunks)]
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
@@ -65,8 +77,9 @@ class GraphRuntime:
         return outputs[0][:, 0].cpu(), (outputs[1].float().cpu() if self.logits else None)
 
 
-def static_runtime(model, spec, batch: int | None = None, *, prefill_rows=None, chunk: int | None = None,
-                   logits: bool = False) -> GraphRuntime:
+def static_runtime(
+    model, spec, batch: int | None = None, *, prefill_rows=None, chunk: int | None = None, logits: bool = False
+) -> GraphRuntime:
     """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
     `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
     with the experts implementation the port names for it, choosing its tokens itself. `prefill_rows`
@@ -74,8 +87,15 @@ def static_runtime(model, spec, batch: int | None = None, *, prefill_rows=None, 
     batch = batch or spec.batch_size
     cache = new_cache(model, spec.max_cache_len, batch)
     rows = sorted({min(p, batch) for p in prefill_rows}) if prefill_rows else spec.rows_for(batch)
-    return GraphRuntime(Prefill(model, cache, spec.prefill_experts, logits=logits),
-                        Decode(model, cache, spec.decode_experts, logits=logits),
-                        batch=batch, buckets=spec.buckets, prefill_rows=rows, max_length=spec.max_cache_len,
-                        logits=logits, candidates=min(CANDIDATES, model.config.vocab_size),
-                        pad_id=model.config.pad_token_id or 0, chunk=chunk or spec.chunk)
+    return GraphRuntime(
+        Prefill(model, cache, spec.prefill_experts, logits=logits),
+        Decode(model, cache, spec.decode_experts, logits=logits),
+        batch=batch,
+        buckets=spec.buckets,
+        prefill_rows=rows,
+        max_length=spec.max_cache_len,
+        logits=logits,
+        candidates=min(CANDIDATES, model.config.vocab_size),
+        pad_id=model.config.pad_token_id or 0,
+        chunk=chunk or spec.chunk,
+    )

@@ -118,8 +118,10 @@ class Scheduler:
                 engine.metrics = self.metrics
         if engine.rows is not None:
             if self.max_running not in (None, engine.rows):
-                raise ValueError(f"the batching engine runs its {engine.rows} rows at once; max_running "
-                                 f"({self.max_running}) does not apply to it (choose the batch size)")
+                raise ValueError(
+                    f"the batching engine runs its {engine.rows} rows at once; max_running "
+                    f"({self.max_running}) does not apply to it (choose the batch size)"
+                )
             self.max_running = engine.rows
         else:
             self.max_running = self.max_running or 1
@@ -127,9 +129,13 @@ class Scheduler:
 
     def submit(self, engine, prompt_ids: list[int], params: SamplingParams) -> Job:
         if self.admitted >= self.max_running + self.max_queue:
-            raise APIError(429, f"server busy: {self.max_running} request(s) running and "
-                                f"{self.max_queue} waiting; retry later", "server_overloaded",
-                           code="queue_full", retry_after=OVERLOADED_RETRY_AFTER_S)
+            raise APIError(
+                429,
+                f"server busy: {self.max_running} request(s) running and {self.max_queue} waiting; retry later",
+                "server_overloaded",
+                code="queue_full",
+                retry_after=OVERLOADED_RETRY_AFTER_S,
+            )
         loop = asyncio.get_running_loop()
         job = Job(loop, self.metrics, len(prompt_ids))
         if self.executor is None:
@@ -151,4 +157,3 @@ class Scheduler:
             job.cancel()
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
-

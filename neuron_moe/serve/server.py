@@ -62,7 +62,7 @@ def s3_pull_function():
 
 
 def s3_cache_dir(uri: str, root: Path) -> Path:
-    bucket, _, prefix = uri[len(S3_SCHEME):].partition("/")
+    bucket, _, prefix = uri[len(S3_SCHEME) :].partition("/")
     if not bucket:
         raise ServeError(f"--artifacts {uri}: no bucket in the URI (expected s3://bucket/prefix)")
     return root.joinpath(bucket, *[p for p in prefix.split("/") if p not in ("", ".", "..")])
@@ -87,20 +87,31 @@ def plan_load(args):
         raise ServeError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
     backend = args.backend  # a serve.backends.BACKENDS entry: parsed by the command line
     if backend.graphs in (MODULES, COMPILED) and args.max_running is not None:
-        raise ServeError(f"--backend {backend.name} batches: it runs as many requests at once as its graphs have "
-                         f"rows{' (--batch-size)' if backend.graphs == MODULES else ''}; --max-running is for the "
-                         f"per-request backends")
-    for flag, value in (("--batch-size", args.batch_size), ("--prefill-rows", args.prefill_rows),
-                        ("--prefill-chunk", args.prefill_chunk)):
+        raise ServeError(
+            f"--backend {backend.name} batches: it runs as many requests at once as its graphs have "
+            f"rows{' (--batch-size)' if backend.graphs == MODULES else ''}; --max-running is for the "
+            f"per-request backends"
+        )
+    for flag, value in (
+        ("--batch-size", args.batch_size),
+        ("--prefill-rows", args.prefill_rows),
+        ("--prefill-chunk", args.prefill_chunk),
+    ):
         if value is not None and backend.graphs != MODULES:
-            raise ServeError(f"{flag} shapes --backend static's graphs; --backend {backend.name} "
-                             + ("takes its shapes from the artifact's manifest" if backend.graphs == COMPILED
-                                else "runs one request per thread (--max-running)"))
+            raise ServeError(
+                f"{flag} shapes --backend static's graphs; --backend {backend.name} "
+                + (
+                    "takes its shapes from the artifact's manifest"
+                    if backend.graphs == COMPILED
+                    else "runs one request per thread (--max-running)"
+                )
+            )
     if backend.graphs == MODULES:
         spec = port.static_spec("--backend static")
         if args.prefill_chunk is not None and args.prefill_chunk not in spec.buckets:
-            raise ServeError(f"--prefill-chunk {args.prefill_chunk} is not one of the port's buckets "
-                             f"{list(spec.buckets)}")
+            raise ServeError(
+                f"--prefill-chunk {args.prefill_chunk} is not one of the port's buckets {list(spec.buckets)}"
+            )
         check_static_memory(port, args.batch_size, DTYPES[args.dtype] if args.dtype else port.dtype)
     if backend.graphs == COMPILED:
         if local is None:
@@ -126,9 +137,16 @@ def plan_load(args):
             pull(artifacts, local, stall_s=SHARED_PULL_STALL_S)
             if backend.graphs != COMPILED:
                 checkpoint = local
-        engine = load_engine(port, backend, checkpoint=checkpoint, artifacts=local,
-                             dtype=DTYPES[args.dtype] if args.dtype else None, batch_size=args.batch_size,
-                             prefill_rows=args.prefill_rows, prefill_chunk=args.prefill_chunk)
+        engine = load_engine(
+            port,
+            backend,
+            checkpoint=checkpoint,
+            artifacts=local,
+            dtype=DTYPES[args.dtype] if args.dtype else None,
+            batch_size=args.batch_size,
+            prefill_rows=args.prefill_rows,
+            prefill_chunk=args.prefill_chunk,
+        )
         found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
         dtype = found["dtype"] if found else str(args.dtype or port.dtype).removeprefix("torch.")
         banner = ready.Banner(port.name, tuple(served_names(args, port)), backend.name, dtype)
@@ -175,9 +193,11 @@ def check_static_memory(port, batch_size: int | None, dtype) -> None:
     logits = rows * port.config.vocab_size * 4
     free = available_memory()
     if cache + logits > free:
-        raise ServeError(f"--batch-size {rows}: the static graphs' KV cache ({cache / 2**30:,.1f} GiB) and one "
-                         f"step's logits ({logits / 2**30:,.1f} GiB) need more than the {free / 2**30:,.1f} GiB "
-                         f"of memory available")
+        raise ServeError(
+            f"--batch-size {rows}: the static graphs' KV cache ({cache / 2**30:,.1f} GiB) and one "
+            f"step's logits ({logits / 2**30:,.1f} GiB) need more than the {free / 2**30:,.1f} GiB "
+            f"of memory available"
+        )
 
 
 class DrainingServer(uvicorn.Server):
@@ -209,10 +229,17 @@ def bind(host: str, port: int) -> socket.socket:
 def make_app(args, on_load_error=None):
     """The application `serve` runs, every check of `plan_load` made; the model loads once it starts."""
     port, load = plan_load(args)
-    return create_app(load, model_name=served_names(args, port), api_key=args.api_key,
-                      max_running=args.max_running, max_queue=args.max_queue,
-                      max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES, vocab_size=port.config.vocab_size,
-                      body_timeout=args.body_timeout or BODY_TIMEOUT_S, on_load_error=on_load_error)
+    return create_app(
+        load,
+        model_name=served_names(args, port),
+        api_key=args.api_key,
+        max_running=args.max_running,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES,
+        vocab_size=port.config.vocab_size,
+        body_timeout=args.body_timeout or BODY_TIMEOUT_S,
+        on_load_error=on_load_error,
+    )
 
 
 def run(args) -> int:
@@ -226,13 +253,20 @@ def run(args) -> int:
     app = make_app(args, on_load_error)
     if args.host not in LOOPBACK and not args.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
-                            http=connection.protocol(args.header_timeout or connection.HEADER_TIMEOUT_S))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+        http=connection.protocol(args.header_timeout or connection.HEADER_TIMEOUT_S),
+    )
     server = DrainingServer(config, args.drain_timeout)
     sock = bind(args.host, args.port)
     # uvicorn logs this line itself only for a socket it binds (the entrypoint's users read the port in it)
-    logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
-                                            *sock.getsockname()[:2])
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", *sock.getsockname()[:2]
+    )
     # uvicorn re-raises the signal it drained on once it is done; with the default handlers
     # that would kill a cleanly drained process (SIGTERM) or print a traceback (SIGINT).
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -249,4 +283,3 @@ def run(args) -> int:
             raise ServeError(f"the model failed to load: {failure[0]}")
         raise failure[0]
     return 0
-

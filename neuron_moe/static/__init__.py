@@ -8,8 +8,15 @@ from pathlib import Path
 
 # Ops whose output shape (or a host-side value) depends on tensor contents: any of them in a
 # graph breaks static tracing. `aten.where.default` is the one-argument where (= nonzero).
-DATA_DEPENDENT_OPS = ("aten.nonzero", "aten.index_add", "aten.masked_select", "aten.unique",
-                      "aten._local_scalar_dense", "aten.item", "aten.where.default")
+DATA_DEPENDENT_OPS = (
+    "aten.nonzero",
+    "aten.index_add",
+    "aten.masked_select",
+    "aten.unique",
+    "aten._local_scalar_dense",
+    "aten.item",
+    "aten.where.default",
+)
 
 # The ops of the exported graphs that torch-xla 2.9 (the Neuron SDK 2.31 stack) lowered to HLO
 # with no CPU fallback and one compilation per graph: `make xla-check` runs these graphs on XLA:CPU

@@ -120,20 +120,27 @@ class GraphCache:
     runs over the whole ring. The new state of every layer is collected in `new`.
     """
 
-    def __init__(self, state: KVCache, positions: torch.Tensor, rows: torch.Tensor | None = None,
-                 start: torch.Tensor | None = None):
+    def __init__(
+        self,
+        state: KVCache,
+        positions: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        start: torch.Tensor | None = None,
+    ):
         self.state, self.positions, self.rows, self.start = state, positions, rows, start
         self.new: list[torch.Tensor | None] = [None] * len(state.names)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         length = self.state.layout[layer_idx].length
-        old = self.state.tensors()[2 * layer_idx: 2 * layer_idx + 2]
+        old = self.state.tensors()[2 * layer_idx : 2 * layer_idx + 2]
         if self.rows is not None:
             held, index = _bucket_columns(self.positions, length)
             rings = [o.index_select(0, self.rows) for o in old]
             from_chunk = (held >= self.start)[:, None, :, None]
-            new = [o.index_copy(0, self.rows, torch.where(from_chunk, _gather_seq(t, index), ring))
-                   for o, t, ring in zip(old, (key, value), rings)]
+            new = [
+                o.index_copy(0, self.rows, torch.where(from_chunk, _gather_seq(t, index), ring))
+                for o, t, ring in zip(old, (key, value), rings)
+            ]
             attend = tuple(torch.cat([ring, t], dim=2) for ring, t in zip(rings, (key, value)))
         else:
             index = torch.remainder(self.positions, length)  # [B, 1]
@@ -165,11 +172,19 @@ def _bucket_columns(positions: torch.Tensor, length: int) -> tuple[torch.Tensor,
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean [B, Q, K] -> HF eager attention's additive mask [B, 1, Q, K]."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)[
+        :, None
+    ]
 
 
-def chunk_mask(attention_mask: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, window: int | None,
-               length: int, dtype: torch.dtype) -> torch.Tensor:
+def chunk_mask(
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    start: torch.Tensor,
+    window: int | None,
+    length: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """A chunk's queries [P, bucket] against the row's ring of `length` indices, then the bucket
     ([P, 1, bucket, length + bucket]): a ring index is visible if it holds a position before the
     chunk's `start` (and, in a sliding layer, within the query's window); a bucket column if it is
@@ -199,8 +214,9 @@ def decode_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> tor
 
 def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """The KV state of a graph (a module, or an exported program's module) by name: `cache.k0`, ..."""
-    found = {name: t for name, t in [*module.named_buffers(), *module.named_parameters()]
-             if name.startswith(STATE + ".")}
+    found = {
+        name: t for name, t in [*module.named_buffers(), *module.named_parameters()] if name.startswith(STATE + ".")
+    }
     if not found:
         raise ValueError(f"{type(module).__name__} holds no KV state ({STATE}.*)")
     return found
@@ -216,7 +232,9 @@ def share_state(modules, state: dict[str, torch.Tensor] | None = None) -> dict[s
     """
     modules = list(modules)
     if state is None:  # made on the host and sent: on a lazy device (XLA) zeros made there would be a graph
-        state = {name: torch.zeros(t.shape, dtype=t.dtype).to(t.device) for name, t in state_tensors(modules[0]).items()}
+        state = {
+            name: torch.zeros(t.shape, dtype=t.dtype).to(t.device) for name, t in state_tensors(modules[0]).items()
+        }
     for module in modules:
         mine = state_tensors(module)
         if {n: (t.shape, t.dtype) for n, t in mine.items()} != {n: (t.shape, t.dtype) for n, t in state.items()}:

@@ -44,8 +44,9 @@ def new_cache(model, max_cache_len: int, rows: int, aliased: bool = False) -> KV
 
 
 class _StaticGraph(torch.nn.Module):
-    def __init__(self, model, cache: KVCache, experts: spec.Experts | str, logits: bool = False,
-                 candidates: int = CANDIDATES):
+    def __init__(
+        self, model, cache: KVCache, experts: spec.Experts | str, logits: bool = False, candidates: int = CANDIDATES
+    ):
         super().__init__()
         self.experts = spec.experts(experts)  # this graph's experts implementation (an entry, or its name)
         self.model = with_experts(model, self.experts)  # the model's weights, its experts dispatching to ours
@@ -53,8 +54,10 @@ class _StaticGraph(torch.nn.Module):
         self.logits = logits
         self.candidates = min(candidates, model.config.vocab_size)  # top-k / top-p candidate width
         # per layer type: the sliding window (None for global layers) and the ring length
-        self.kinds = {spec.kind: (model.config.sliding_window if spec.kind == SLIDING else None, spec.length)
-                      for spec in cache.layout}
+        self.kinds = {
+            spec.kind: (model.config.sliding_window if spec.kind == SLIDING else None, spec.length)
+            for spec in cache.layout
+        }
 
     @property
     def dtype(self) -> torch.dtype:
@@ -75,8 +78,14 @@ class _StaticGraph(torch.nn.Module):
         return pick_token(logits, sampling.float(), self.candidates)
 
     def _run(self, input_ids, masks, position_ids, sampling, cache: GraphCache):
-        out = self.model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=masks,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         logits = out.logits[:, -1].float()
         token = self.pick(logits, sampling)
         return ((token, logits) if self.logits else (token,)) + self.cache.commit(cache.new)
@@ -91,10 +100,11 @@ class Prefill(_StaticGraph):
 
     def forward(self, input_ids, attention_mask, position_ids, row_ids, sampling):
         start = position_ids[:, -1:] + 1 - attention_mask.sum(-1, keepdim=True)  # [P, 1]
-        masks = {kind: chunk_mask(attention_mask, position_ids, start, window, length, self.dtype)
-                 for kind, (window, length) in self.kinds.items()}
-        return self._run(input_ids, masks, position_ids, sampling,
-                         GraphCache(self.cache, position_ids, row_ids, start))
+        masks = {
+            kind: chunk_mask(attention_mask, position_ids, start, window, length, self.dtype)
+            for kind, (window, length) in self.kinds.items()
+        }
+        return self._run(input_ids, masks, position_ids, sampling, GraphCache(self.cache, position_ids, row_ids, start))
 
 
 class Decode(_StaticGraph):

@@ -25,14 +25,22 @@ def prefill_inputs(spec: StaticSpec, bucket: int, rows: int = 1) -> tuple[torch.
     """Example (input_ids, attention_mask, position_ids, row_ids, sampling): only their shapes
     matter. A prefill fills `rows` cache rows."""
     shape = (rows, bucket)
-    return (torch.zeros(shape, dtype=torch.long), torch.ones(shape, dtype=torch.long),
-            torch.arange(bucket).expand(shape).contiguous(), torch.arange(rows), greedy_sampling(rows))
+    return (
+        torch.zeros(shape, dtype=torch.long),
+        torch.ones(shape, dtype=torch.long),
+        torch.arange(bucket).expand(shape).contiguous(),
+        torch.arange(rows),
+        greedy_sampling(rows),
+    )
 
 
 def decode_inputs(spec: StaticSpec) -> tuple[torch.Tensor, ...]:
     """Example (input_ids, position_ids [batch, 1], sampling [batch, 4])."""
-    return (torch.zeros(spec.batch_size, 1, dtype=torch.long), torch.zeros(spec.batch_size, 1, dtype=torch.long),
-            greedy_sampling(spec.batch_size))
+    return (
+        torch.zeros(spec.batch_size, 1, dtype=torch.long),
+        torch.zeros(spec.batch_size, 1, dtype=torch.long),
+        greedy_sampling(spec.batch_size),
+    )
 
 
 def example_inputs(spec: StaticSpec, bucket: int | None, rows: int = 1) -> tuple[torch.Tensor, ...]:
@@ -62,11 +70,13 @@ def state_problems(program: torch.export.ExportedProgram, graph: _StaticGraph) -
     inputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_inputs]
     expected_inputs = 3 if isinstance(graph, Decode) else 5
     if len(outputs) != graph.user_outputs or any(len(s) != 2 for s in outputs):
-        problems.append(f"user outputs {outputs}: expected the token{' and the logits' if graph.logits else ''} "
-                        f"only, no KV tensor")
+        problems.append(
+            f"user outputs {outputs}: expected the token{' and the logits' if graph.logits else ''} only, no KV tensor"
+        )
     if len(inputs) != expected_inputs or any(s in state.values() for s in inputs):
-        problems.append(f"user inputs {inputs}: expected {expected_inputs} (ids, positions, masks, row ids, "
-                        f"sampling), no KV tensor")
+        problems.append(
+            f"user inputs {inputs}: expected {expected_inputs} (ids, positions, masks, row ids, sampling), no KV tensor"
+        )
     return problems
 
 
@@ -87,9 +97,9 @@ class GraphError(RuntimeError):
 def checked(program: torch.export.ExportedProgram, graph: _StaticGraph, what: str) -> torch.export.ExportedProgram:
     """`program`, or a GraphError naming what makes it unfit for a compiler."""
     bad = data_dependent_ops(program)
-    problems = ([f"data-dependent ops in the exported graph: {sorted(set(bad))}"] if bad else []) \
-        + state_problems(program, graph)
+    problems = ([f"data-dependent ops in the exported graph: {sorted(set(bad))}"] if bad else []) + state_problems(
+        program, graph
+    )
     if problems:
         raise GraphError(f"{what}: {'; '.join(problems)}")
     return program
-

@@ -34,14 +34,17 @@ def choose_buckets(spec: StaticSpec, lengths: list[int], max_new_tokens: int) ->
         raise StaticInputError(f"batch of {len(lengths)} prompts exceeds the compiled batch size {spec.batch_size}")
     longest = max(lengths)
     if longest > spec.buckets[-1]:
-        raise StaticInputError(f"prompt of {longest} tokens exceeds the largest prefill bucket {spec.buckets[-1]} "
-                               f"(buckets: {list(spec.buckets)})")
+        raise StaticInputError(
+            f"prompt of {longest} tokens exceeds the largest prefill bucket {spec.buckets[-1]} "
+            f"(buckets: {list(spec.buckets)})"
+        )
     # a prompt of n tokens holds positions 0..n-1; each generated token but the last is fed back at the next
     if longest + max_new_tokens - 1 > spec.max_cache_len:
         raise StaticInputError(
             f"{max_new_tokens} new tokens after a prompt of {longest} tokens need {longest + max_new_tokens - 1} "
             f"cache slots; max_cache_len is {spec.max_cache_len} "
-            f"(at most {spec.max_cache_len - longest + 1} new tokens for this prompt)")
+            f"(at most {spec.max_cache_len - longest + 1} new tokens for this prompt)"
+        )
     return {bucket_for(n, spec.buckets) for n in lengths}
 
 
@@ -50,9 +53,10 @@ def prompt_lengths(attention_mask: torch.Tensor) -> list[int]:
     lengths = attention_mask.sum(-1)
     width = attention_mask.shape[1]
     for row, n in enumerate(lengths.tolist()):
-        if n < 1 or not bool(attention_mask[row, width - n:].all()):
-            raise StaticInputError(f"attention_mask row {row} is not a left-padded prompt (needs 0...0 1...1, "
-                                   f"at least one 1)")
+        if n < 1 or not bool(attention_mask[row, width - n :].all()):
+            raise StaticInputError(
+                f"attention_mask row {row} is not a left-padded prompt (needs 0...0 1...1, at least one 1)"
+            )
     return lengths.tolist()
 
 
@@ -67,8 +71,9 @@ class StaticGenerator:
     syncs after its call (bench/xla_check.py), or the whole loop becomes one graph.
     """
 
-    def __init__(self, model, spec: StaticSpec, exported: bool = True, device: torch.device | str = "cpu",
-                 logits: bool = False):
+    def __init__(
+        self, model, spec: StaticSpec, exported: bool = True, device: torch.device | str = "cpu", logits: bool = False
+    ):
         self.model, self.spec, self.exported, self.device = model, spec, exported, torch.device(device)
         self.logits = logits
         self.pad_id = model.config.pad_token_id or 0
@@ -114,8 +119,11 @@ class StaticGenerator:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> Generation:
         self.prepare(self.check(attention_mask, max_new_tokens))
-        return Generation(*run_graphs(self._graphs, self.spec.batch_size, self.pad_id, input_ids, attention_mask,
-                                      max_new_tokens, self.device))
+        return Generation(
+            *run_graphs(
+                self._graphs, self.spec.batch_size, self.pad_id, input_ids, attention_mask, max_new_tokens, self.device
+            )
+        )
 
 
 def traced_backend(port, dtype=None, checkpoint=None):
@@ -127,11 +135,12 @@ def traced_backend(port, dtype=None, checkpoint=None):
     return lambda ids, mask, n: generate_batches(generator, ids, mask, n)
 
 
-def generate_batches(generator: StaticGenerator, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     max_new_tokens: int) -> Generation:
+def generate_batches(
+    generator: StaticGenerator, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
+) -> Generation:
     """Any number of prompts, in batches of the compiled batch size (every batch is checked, and
     the buckets they need exported, before any batch runs)."""
     size = generator.spec.batch_size
-    batches = [(input_ids[i:i + size], attention_mask[i:i + size]) for i in range(0, len(input_ids), size)]
+    batches = [(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
     generator.prepare(set().union(*(generator.check(mask, max_new_tokens) for _, mask in batches)))
     return Generation.cat([generator.generate(ids, mask, max_new_tokens) for ids, mask in batches])

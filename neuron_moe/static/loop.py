@@ -25,7 +25,7 @@ def prefill_row(prompt: torch.Tensor, bucket: int, pad_id: int, start: int = 0):
     n = prompt.shape[0]
     ids = torch.full((1, bucket), pad_id, dtype=torch.long)
     mask = torch.zeros((1, bucket), dtype=torch.long)
-    ids[0, bucket - n:], mask[0, bucket - n:] = prompt, 1
+    ids[0, bucket - n :], mask[0, bucket - n :] = prompt, 1
     return ids, mask, start + (mask.cumsum(-1) - 1).clamp(min=0)
 
 
@@ -39,8 +39,15 @@ def bucket_for(n: int, buckets) -> int:
     return next(b for b in sorted(buckets) if b >= n)
 
 
-def run_graphs(graphs: dict, batch: int, pad_id: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               max_new_tokens: int, device: torch.device | str = "cpu"):
+def run_graphs(
+    graphs: dict,
+    batch: int,
+    pad_id: int,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_new_tokens: int,
+    device: torch.device | str = "cpu",
+):
     """Greedy generation through `graphs["prefill <bucket>"]` and `graphs["decode"]` (callables
     with the static decoder's signatures, sharing one KV state) for a left-padded batch of at most
     `batch` prompts -> (tokens [rows, n], logits [rows, n, V] or None) on the host. Row r of the
@@ -55,7 +62,7 @@ def run_graphs(graphs: dict, batch: int, pad_id: int, input_ids: torch.Tensor, a
     first = []
     for row, n in enumerate(lengths.tolist()):
         bucket = bucket_for(n, buckets)
-        inputs = (*prefill_row(input_ids[row, width - n:], bucket, pad_id), torch.tensor([row]), greedy_sampling(1))
+        inputs = (*prefill_row(input_ids[row, width - n :], bucket, pad_id), torch.tensor([row]), greedy_sampling(1))
         first.append(graphs[f"prefill {bucket}"](*(x.to(device) for x in inputs)))
     # the first tokens to the host, where the decode batch is put together (a cat on a lazy
     # device would be one more graph)

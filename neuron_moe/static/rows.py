@@ -90,14 +90,15 @@ class Rows:
 
     def prefill(self) -> list[int]:
         """One prefill call (none if no row is prefilling); the rows it ran."""
-        rows = sorted((row for row in self.active() if self._prefilling(row)),
-                      key=self._order.__getitem__)[:self.runtime.prefill_rows[-1]]
+        rows = sorted((row for row in self.active() if self._prefilling(row)), key=self._order.__getitem__)[
+            : self.runtime.prefill_rows[-1]
+        ]
         if not rows:
             return []
         chunks = []
         for row in rows:
             work, done = self.slots[row], self._done[row]
-            piece = work.prompt[done:done + self.runtime.chunk]
+            piece = work.prompt[done : done + self.runtime.chunk]
             last = done + len(piece) == len(work.prompt)
             chunks.append(Chunk(piece, done, row, work.sampling() if last else GREEDY))
         tokens, logits = self._call("prefill", rows, self.runtime.prefill, chunks)

@@ -42,10 +42,11 @@ class CorpusError(UserError):
 
 def read_fortunes(text_dir: Path) -> list[str]:
     """Every fortune in the directory's data files (`%`-separated), whitespace-normalised per line."""
-    files = sorted(p for p in Path(text_dir).iterdir()
-                   if p.is_file() and p.suffix == "" and p.name not in SKIP_FILES)
+    files = sorted(p for p in Path(text_dir).iterdir() if p.is_file() and p.suffix == "" and p.name not in SKIP_FILES)
     if not files:
-        raise CorpusError(f"{text_dir}: no fortune files; install the Debian package: apt-get install {FORTUNES_PACKAGE}")
+        raise CorpusError(
+            f"{text_dir}: no fortune files; install the Debian package: apt-get install {FORTUNES_PACKAGE}"
+        )
     docs = []
     for path in files:
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -89,9 +90,13 @@ def build_corpus(text_dir: Path, out_dir: Path, seed: int = 0, scale: float = 1.
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {"train.jsonl": train, "calib.jsonl": calib, "eval_text.jsonl": splits["eval"],
-             "eval_tasks.jsonl": [asdict(i) for i in evaluation],
-             "valid_tasks.jsonl": [asdict(i) for i in validation]}
+    files = {
+        "train.jsonl": train,
+        "calib.jsonl": calib,
+        "eval_text.jsonl": splits["eval"],
+        "eval_tasks.jsonl": [asdict(i) for i in evaluation],
+        "valid_tasks.jsonl": [asdict(i) for i in validation],
+    }
     for name, rows in files.items():
         with atomic_write(out_dir / name) as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

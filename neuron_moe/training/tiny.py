@@ -35,13 +35,16 @@ LOG = "train_log.json"
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS, BOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, EOS, BOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 2)])
     if tok.get_vocab_size() != vocab_size:
@@ -53,8 +56,14 @@ class Windows:
     """Fixed-length training windows: whole task items first (up to `task_share` of the window),
     the rest running text. Items never straddle a window, so each is seen with its prompt."""
 
-    def __init__(self, task_docs: list[list[int]], text_docs: list[list[int]], seq_len: int,
-                 rng: random.Random, task_share: float):
+    def __init__(
+        self,
+        task_docs: list[list[int]],
+        text_docs: list[list[int]],
+        seq_len: int,
+        rng: random.Random,
+        task_share: float,
+    ):
         self.tasks, self.seq_len, self.rng, self.task_share = task_docs, seq_len, rng, task_share
         self.text = [t for doc in text_docs for t in doc]
         self.order: list[int] = []
@@ -75,7 +84,7 @@ class Windows:
             out += self._next_task()
             self.order.pop()
         while len(out) < self.seq_len:
-            take = self.text[self.text_pos:self.text_pos + self.seq_len - len(out)]
+            take = self.text[self.text_pos : self.text_pos + self.seq_len - len(out)]
             out += take
             self.text_pos = (self.text_pos + len(take)) % len(self.text)
         return out
@@ -115,9 +124,21 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: int = 4, seq_len: int = 512,
-          lr: float = 3e-3, balance_coef: float = 0.01, task_share: float = 1.0, seed: int = 0,
-          threads: int = 1, progress: bool = True) -> dict:
+def train(
+    config,
+    corpus_dir: Path,
+    out_dir: Path,
+    *,
+    steps: int,
+    batch_size: int = 4,
+    seq_len: int = 512,
+    lr: float = 3e-3,
+    balance_coef: float = 0.01,
+    task_share: float = 1.0,
+    seed: int = 0,
+    threads: int = 1,
+    progress: bool = True,
+) -> dict:
     """Train and write an HF-layout checkpoint directory (weights, config, tokenizer, train_log.json)."""
     if not 0 < task_share <= 1:
         raise UserError(f"task share {task_share}: must be in (0, 1]")
@@ -162,10 +183,20 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
     elapsed = time.time() - start
 
     model.eval()
-    summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
-               "balance_coef": balance_coef, "task_share": task_share, "threads": threads,
-               "tokens": steps * batch_size * seq_len,
-               "seconds": round(elapsed, 1), "final_loss": log[-1]["loss"], "log": log}
+    summary = {
+        "seed": seed,
+        "steps": steps,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "lr": lr,
+        "balance_coef": balance_coef,
+        "task_share": task_share,
+        "threads": threads,
+        "tokens": steps * batch_size * seq_len,
+        "seconds": round(elapsed, 1),
+        "final_loss": log[-1]["loss"],
+        "log": log,
+    }
     with atomic_dir(out_dir) as tmp:
         write_checkpoint(model, tmp)
         tokenizer.save_pretrained(tmp)
@@ -174,5 +205,7 @@ def train(config, corpus_dir: Path, out_dir: Path, *, steps: int, batch_size: in
 
 
 def render_training(summary: dict, out) -> str:
-    return (f"wrote {out}: {summary['steps']} steps, {summary['tokens']} tokens, "
-            f"{summary['seconds']:.0f} s, final loss {summary['final_loss']:.4f}")
+    return (
+        f"wrote {out}: {summary['steps']} steps, {summary['tokens']} tokens, "
+        f"{summary['seconds']:.0f} s, final loss {summary['final_loss']:.4f}"
+    )

@@ -43,8 +43,11 @@ def screen_inputs(x, top_k_index, layer, scan: int) -> dict[str, torch.Tensor]:
     nb = coords.shape[1]
     rows = tiles.strip_rows(top_k_index, coords, nb)  # [T, ke, nb, scan]
     values = values[:, None].expand(T, ke, nb, scan)
-    return {"codes": tiles.sidecar_views(layer)["codes"], "strip_idx": rows.reshape(-1, scan, 1),
-            "values": values.reshape(-1, scan, 1).contiguous()}
+    return {
+        "codes": tiles.sidecar_views(layer)["codes"],
+        "strip_idx": rows.reshape(-1, scan, 1),
+        "values": values.reshape(-1, scan, 1).contiguous(),
+    }
 
 
 def scaled_estimates(partial: torch.Tensor, top_k_index, layer) -> torch.Tensor:
@@ -60,9 +63,15 @@ def exact_inputs(x, expert, channel, weight, gate_up, down_rows) -> dict[str, to
     inter, H = down_rows.shape[1:]
     kt = -(-k // PMAX)
     gate, up, down = (_padded(r, kt * PMAX).view(T, kt, PMAX, 1) for r in tiles.channel_rows(expert, channel, inter))
-    return {"gate_up": gate_up.view(-1, H), "down": down_rows.view(-1, H), "x": x,
-            "gate_idx": gate, "up_idx": up, "down_idx": down,
-            "weights": _padded(weight, kt * PMAX).view(T, kt, PMAX, 1)}
+    return {
+        "gate_up": gate_up.view(-1, H),
+        "down": down_rows.view(-1, H),
+        "x": x,
+        "gate_idx": gate,
+        "up_idx": up,
+        "down_idx": down,
+        "weights": _padded(weight, kt * PMAX).view(T, kt, PMAX, 1),
+    }
 
 
 def recover_inputs(unchosen, top_k_index, layer, rank: int) -> dict[str, torch.Tensor]:
@@ -70,9 +79,13 @@ def recover_inputs(unchosen, top_k_index, layer, rank: int) -> dict[str, torch.T
     ct = -(-ke * inter // PMAX)
     rows = tiles.coeff_rows(top_k_index, inter).view(T, -1)
     views = tiles.sidecar_views(layer)
-    return {"coeffs": views["coeffs"], "basis": views["basis"], "rank": rank,
-            "coeff_idx": _padded(rows, ct * PMAX).view(T, ct, PMAX, 1),
-            "unchosen": _padded(unchosen.reshape(T, -1), ct * PMAX).view(T, ct, PMAX, 1)}
+    return {
+        "coeffs": views["coeffs"],
+        "basis": views["basis"],
+        "rank": rank,
+        "coeff_idx": _padded(rows, ct * PMAX).view(T, ct, PMAX, 1),
+        "unchosen": _padded(unchosen.reshape(T, -1), ct * PMAX).view(T, ct, PMAX, 1),
+    }
 
 
 NKI_TARGET = "0.2"  # nki 0.2.x: Neuron SDK 2.28.x
@@ -84,9 +97,11 @@ def nki_unsupported(version: str | None) -> str | None:
     if version is None:
         return f"needs the Neuron SDK's nki package, nki {NKI_TARGET}.x ({NKI_TARGET_SDK}), which is not installed"
     if version.split("+")[0].split(".")[:2] != NKI_TARGET.split("."):
-        return (f"targets nki {NKI_TARGET}.x ({NKI_TARGET_SDK}, the last whose NKI supports inf2), not nki {version}: "
-                f"NKI 0.3.0 and later (Neuron SDK 2.29+) support Trn2 and Trn3 only; on this SDK the reader runs its "
-                f"XLA-op path (--reader-kernel reference)")
+        return (
+            f"targets nki {NKI_TARGET}.x ({NKI_TARGET_SDK}, the last whose NKI supports inf2), not nki {version}: "
+            f"NKI 0.3.0 and later (Neuron SDK 2.29+) support Trn2 and Trn3 only; on this SDK the reader runs its "
+            f"XLA-op path (--reader-kernel reference)"
+        )
     return None
 
 
@@ -104,13 +119,16 @@ def load_kernels():
     try:
         from . import kernels  # imports the Neuron SDK's nki: present only on Neuron
     except ImportError as e:
-        raise UserError(f"reader kernel 'nki' needs the Neuron SDK's nki package ({e}); run it in the Neuron "
-                        f"images (see docs/neuron.md)") from None
+        raise UserError(
+            f"reader kernel 'nki' needs the Neuron SDK's nki package ({e}); run it in the Neuron "
+            f"images (see docs/neuron.md)"
+        ) from None
     return kernels
 
 
-def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int, act_fn,
-            kernels=None) -> torch.Tensor:
+def forward(
+    x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int, act_fn, kernels=None
+) -> torch.Tensor:
     """`reference.forward` (screen="sketch") on the NKI kernels (or `kernels`, anything with the same three)."""
     kernels = kernels or load_kernels()
     geo = Geometry(hidden=x.shape[-1], experts=layer.codes.shape[0], intermediate=down_rows.shape[1])
@@ -121,8 +139,10 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int,
     estimates = scaled_estimates(partial, top_k_index, layer)
     chosen, p = reference.select(estimates, top_k_index, top_k_weights, layer.down_norms, k, act_fn)
     expert, channel, weight = reference.chosen_rows(chosen, top_k_index, top_k_weights, down_rows.shape[1])
-    out = kernels.exact_kernel(**exact_inputs(xf, expert, channel, weight, gate_up, down_rows),
-                               act=kernels.ACTIVATIONS[reference.activation_name(act_fn)])
+    out = kernels.exact_kernel(
+        **exact_inputs(xf, expert, channel, weight, gate_up, down_rows),
+        act=kernels.ACTIVATIONS[reference.activation_name(act_fn)],
+    )
     if rank:
         unchosen = reference.unchosen_weights(p, chosen, top_k_weights)
         out = out + kernels.recover_kernel(**recover_inputs(unchosen, top_k_index, layer, rank)).view_as(out)

@@ -64,14 +64,13 @@ def screen_kernel(codes, strip_idx, values):
             nisa.tensor_scalar(dst=step, data=digit, op0=nl.multiply, operand0=float(POW3[t]))
             nisa.tensor_tensor(dst=v, data1=v, data2=step, op=nl.subtract)  # the lower digits remain
             code = nl.ndarray((scan, S), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=code, data=digit, op0=nl.greater_equal, operand0=2.0, op1=nl.multiply,
-                               operand1=-3.0)
+            nisa.tensor_scalar(dst=code, data=digit, op0=nl.greater_equal, operand0=2.0, op1=nl.multiply, operand1=-3.0)
             nisa.tensor_tensor(dst=code, data1=code, data2=digit, op=nl.add)  # 0, 1, 2 -> 0, +1, -1
             acc = nl.ndarray((1, S), dtype=nl.float32, buffer=nl.psum)
             nisa.nc_matmul(dst=acc, stationary=x, moving=code)  # [scan, 1]ᵀ · [scan, S] -> [1, S]
             row = nl.ndarray((1, S), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=row, src=acc)
-            nisa.dma_copy(dst=out[p, t:t + 1, :], src=row)
+            nisa.dma_copy(dst=out[p, t : t + 1, :], src=row)
     return out
 
 
@@ -111,7 +110,7 @@ def exact_kernel(gate_up, down, x, gate_idx, up_idx, down_idx, weights, act):
                 part = nl.ndarray((1, hi - lo), dtype=nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=part, stationary=coef, moving=d[:, lo:hi])  # [128, 1]ᵀ · [128, w] -> [1, w]
                 nisa.tensor_tensor(dst=acc[:, lo:hi], data1=acc[:, lo:hi], data2=part, op=nl.add)
-        nisa.dma_copy(dst=y[t:t + 1, :], src=acc)
+        nisa.dma_copy(dst=y[t : t + 1, :], src=acc)
     return y
 
 

@@ -63,11 +63,19 @@ class TilePlan:
 
     def check(self) -> "TilePlan":
         limits = [
-            (self.scan <= PMAX, f"scan {self.scan} > {PMAX}: the scanned strips of a block are one gather, one per partition"),
-            (self.strip <= MOVING_FMAX, f"strip of {self.strip} bytes > {MOVING_FMAX}: the screen matmul's moving tile"),
+            (
+                self.scan <= PMAX,
+                f"scan {self.scan} > {PMAX}: the scanned strips of a block are one gather, one per partition",
+            ),
+            (
+                self.strip <= MOVING_FMAX,
+                f"strip of {self.strip} bytes > {MOVING_FMAX}: the screen matmul's moving tile",
+            ),
             (self.rank <= STATIONARY_FMAX, f"rank {self.rank} > {STATIONARY_FMAX}"),
-            (3 * self.hidden * 4 <= SBUF_PARTITION_BYTES,
-             f"hidden {self.hidden}: a gate, an up and a down row in fp32 must fit one SBUF partition"),
+            (
+                3 * self.hidden * 4 <= SBUF_PARTITION_BYTES,
+                f"hidden {self.hidden}: a gate, an up and a down row in fp32 must fit one SBUF partition",
+            ),
         ]
         for ok, message in limits:
             if not ok:

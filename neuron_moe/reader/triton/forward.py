@@ -62,8 +62,9 @@ def activation(act_fn) -> int:
 def _contiguous(**tensors):
     for name, t in tensors.items():
         if not t.is_contiguous():
-            raise UserError(f"reader triton backend: {name} must be contiguous (shape {tuple(t.shape)}, "
-                            f"stride {t.stride()})")
+            raise UserError(
+                f"reader triton backend: {name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
+            )
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,9 +82,21 @@ def rotate_scan(x, signs, scan: int, zero=None) -> tuple[torch.Tensor, torch.Ten
     coords = torch.empty(T, nb, scan, dtype=torch.int32, device=x.device)
     values = torch.empty(T, nb, scan, dtype=torch.float32, device=x.device)
     zero_n = 0 if zero is None else zero.numel()  # 0: nothing zeroed, `values` stands in as the pointer
-    kernels.rotate_scan_kernel[(T, nb)](x.contiguous(), signs, _hadamard(x.device), coords, values,
-                                        values if zero is None else zero, H, nb, zero_n, triton.cdiv(zero_n, T * nb),
-                                        SCAN=scan, BLOCK=BLOCK, ZB=1024)
+    kernels.rotate_scan_kernel[(T, nb)](
+        x.contiguous(),
+        signs,
+        _hadamard(x.device),
+        coords,
+        values,
+        values if zero is None else zero,
+        H,
+        nb,
+        zero_n,
+        triton.cdiv(zero_n, T * nb),
+        SCAN=scan,
+        BLOCK=BLOCK,
+        ZB=1024,
+    )
     return coords, values
 
 
@@ -107,13 +120,39 @@ def screen(values, coords, top_k_index, codes, scales, out=None, warps=None, sem
     # else 4 (fewer registers a thread; measured at 4 and 8 tokens)
     warps = warps or (1 if T == 1 else 4)
     kernels.screen_kernel[(T * ke, tiles, triton.cdiv(nb, per))](
-        codes, scales, top_k_index.contiguous(), coords.to(torch.int32).contiguous(), values.contiguous(), out,
-        ke, nb, strip, rows, per, SCAN=scan, SC=SC, BQ=BQ, SEM=sem, num_warps=warps)
+        codes,
+        scales,
+        top_k_index.contiguous(),
+        coords.to(torch.int32).contiguous(),
+        values.contiguous(),
+        out,
+        ke,
+        nb,
+        strip,
+        rows,
+        per,
+        SCAN=scan,
+        SC=SC,
+        BQ=BQ,
+        SEM=sem,
+        num_warps=warps,
+    )
     return out
 
 
-def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, recovery: bool = True,
-           warps: int = 8, search: int = kernels.BISECT, radix_bits: int = 8, place: int = kernels.TWO_SCANS):
+def select(
+    estimates,
+    top_k_index,
+    top_k_weights,
+    down_norms,
+    k: int,
+    act: int,
+    recovery: bool = True,
+    warps: int = 8,
+    search: int = kernels.BISECT,
+    radix_bits: int = 8,
+    place: int = kernels.TWO_SCANS,
+):
     """Top-k channels per token by s_j over all its experts' channels: expert (int32), channel (int32),
     weight (fp32) [T, k] in channel order, and q [T, ke, I] = w_e·p_j for the others (None without recovery).
     One program per token; 8 warps measured fastest on the H200 (4: 1.5×, 16: 1.07× the time).
@@ -125,17 +164,35 @@ def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, 
         raise UserError(f"reader: k = {k} channels, but a token's experts have {ke * inter}")
     n_p2 = triton.next_power_of_2(ke * inter)
     if place == kernels.ONE_SCAN and n_p2 > 32768:
-        raise UserError(f"reader select: one-scan placement packs two counts of up to {n_p2} in int32; "
-                        f"{ke} experts × {inter} channels is too many for it")
+        raise UserError(
+            f"reader select: one-scan placement packs two counts of up to {n_p2} in int32; "
+            f"{ke} experts × {inter} channels is too many for it"
+        )
     dev = estimates.device
     expert = torch.empty(T, k, dtype=torch.int32, device=dev)
     channel = torch.empty(T, k, dtype=torch.int32, device=dev)
     weight = torch.empty(T, k, dtype=torch.float32, device=dev)
     q = torch.empty(T, ke, inter, dtype=torch.float32, device=dev) if recovery else weight  # weight: never written
-    kernels.select_kernel[(T,)](estimates, top_k_index.contiguous(), top_k_weights.contiguous(), down_norms,
-                                expert, channel, weight, q, ke, inter, k, ACT=act, HAS_RECOVERY=recovery,
-                                N_P2=n_p2, SEARCH=search, RADIX_BITS=radix_bits,
-                                PLACE=place, num_warps=warps)
+    kernels.select_kernel[(T,)](
+        estimates,
+        top_k_index.contiguous(),
+        top_k_weights.contiguous(),
+        down_norms,
+        expert,
+        channel,
+        weight,
+        q,
+        ke,
+        inter,
+        k,
+        ACT=act,
+        HAS_RECOVERY=recovery,
+        N_P2=n_p2,
+        SEARCH=search,
+        RADIX_BITS=radix_bits,
+        PLACE=place,
+        num_warps=warps,
+    )
     return expert, channel, weight, (q if recovery else None)
 
 
@@ -146,8 +203,18 @@ def exact(x, expert, channel, gate_up, out=None, sem=DEFAULT_ATOMICS) -> torch.T
     _contiguous(gate_up=gate_up)
     out = torch.zeros(T, k, 2, dtype=torch.float32, device=x.device) if out is None else out
     kernels.exact_kernel[(T, triton.cdiv(k, BK), triton.cdiv(H, EXACT_BH))](
-        gate_up, x.contiguous(), expert.contiguous(), channel.contiguous(), out, k, H, rows // 2, BK=BK, BH=EXACT_BH,
-        SEM=sem)
+        gate_up,
+        x.contiguous(),
+        expert.contiguous(),
+        channel.contiguous(),
+        out,
+        k,
+        H,
+        rows // 2,
+        BK=BK,
+        BH=EXACT_BH,
+        SEM=sem,
+    )
     return out
 
 
@@ -159,9 +226,28 @@ def exact_recover(x, expert, channel, gate_up, q, top_k_index, coeffs, rank: int
     _contiguous(gate_up=gate_up)
     programs = T * triton.cdiv(k, BK) * triton.cdiv(H, EXACT_BH) + T * ke * triton.cdiv(inter, BI)
     kernels.exact_recover_kernel[(programs,)](
-        gate_up, x.contiguous(), expert.contiguous(), channel.contiguous(), gu, coeffs, q.contiguous(),
-        top_k_index.contiguous(), z, T, k, H, inter, ke, rank, *coeffs.stride(),
-        BK=BK, BH=EXACT_BH, RANK_P2=z.shape[1], BI=BI, SEM=sem)
+        gate_up,
+        x.contiguous(),
+        expert.contiguous(),
+        channel.contiguous(),
+        gu,
+        coeffs,
+        q.contiguous(),
+        top_k_index.contiguous(),
+        z,
+        T,
+        k,
+        H,
+        inter,
+        ke,
+        rank,
+        *coeffs.stride(),
+        BK=BK,
+        BH=EXACT_BH,
+        RANK_P2=z.shape[1],
+        BI=BI,
+        SEM=sem,
+    )
 
 
 def recover(q, top_k_index, coeffs, rank: int, out=None, sem=DEFAULT_ATOMICS) -> torch.Tensor:
@@ -169,14 +255,36 @@ def recover(q, top_k_index, coeffs, rank: int, out=None, sem=DEFAULT_ATOMICS) ->
     T, ke, inter = q.shape
     rank_p2 = triton.next_power_of_2(rank)
     out = torch.zeros(T, rank_p2, dtype=torch.float32, device=q.device) if out is None else out
-    kernels.recover_kernel[(T * ke, triton.cdiv(inter, BI))](coeffs, q.contiguous(), top_k_index.contiguous(), out,
-                                                            ke, inter, rank, *coeffs.stride(), RANK_P2=rank_p2, BI=BI,
-                                                            SEM=sem)
+    kernels.recover_kernel[(T * ke, triton.cdiv(inter, BI))](
+        coeffs,
+        q.contiguous(),
+        top_k_index.contiguous(),
+        out,
+        ke,
+        inter,
+        rank,
+        *coeffs.stride(),
+        RANK_P2=rank_p2,
+        BI=BI,
+        SEM=sem,
+    )
     return out
 
 
-def down(gu, weight, expert, channel, down_rows, act: int, basis=None, z=None, rank: int = 0, split=None,
-         out=None, sem=DEFAULT_ATOMICS) -> torch.Tensor:
+def down(
+    gu,
+    weight,
+    expert,
+    channel,
+    down_rows,
+    act: int,
+    basis=None,
+    z=None,
+    rank: int = 0,
+    split=None,
+    out=None,
+    sem=DEFAULT_ATOMICS,
+) -> torch.Tensor:
     """y [T, H] = Σ_j w_j·φ(g_j)·u_j·d_j (+ U·z when rank > 0), fp32; `split` shares of the k rows."""
     T, k = expert.shape
     _, inter, H = down_rows.shape
@@ -188,33 +296,68 @@ def down(gu, weight, expert, channel, down_rows, act: int, basis=None, z=None, r
     if not recovery:
         basis, z = out, out  # never read
     kernels.down_kernel[(T, tiles, split)](
-        down_rows, expert.contiguous(), channel.contiguous(), weight.contiguous(), gu, basis, z, out,
-        k, H, inter, rank, *basis.stride(), triton.cdiv(k, split),
-        ACT=act, HAS_RECOVERY=recovery, RANK_P2=z.shape[1] if recovery else 1, BK=BK, BH=BH, SEM=sem)
+        down_rows,
+        expert.contiguous(),
+        channel.contiguous(),
+        weight.contiguous(),
+        gu,
+        basis,
+        z,
+        out,
+        k,
+        H,
+        inter,
+        rank,
+        *basis.stride(),
+        triton.cdiv(k, split),
+        ACT=act,
+        HAS_RECOVERY=recovery,
+        RANK_P2=z.shape[1] if recovery else 1,
+        BK=BK,
+        BH=BH,
+        SEM=sem,
+    )
     return out
 
 
 def _workspace(T: int, sizes: dict[str, tuple[int, ...]], device, zeroed: bool = True):
     """fp32 buffers for the atomic reductions, carved from one allocation (zeroed: one memset):
     the allocation, and the buffers by name."""
-    flat = (torch.zeros if zeroed else torch.empty)(T * sum(math.prod(s) for s in sizes.values()),
-                                                    dtype=torch.float32, device=device)
+    flat = (torch.zeros if zeroed else torch.empty)(
+        T * sum(math.prod(s) for s in sizes.values()), dtype=torch.float32, device=device
+    )
     out, at = {}, 0
     for name, shape in sizes.items():
         n = T * math.prod(shape)
-        out[name] = flat[at:at + n].view(T, *shape)
+        out[name] = flat[at : at + n].view(T, *shape)
         at += n
     return flat, out
 
 
 def _check_device(x):
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise UserError(f"reader kernel 'triton' needs CUDA tensors (these are on {x.device}); on a CPU, "
-                        f"TRITON_INTERPRET=1 runs the kernels in Triton's interpreter (slow: for tests)")
+        raise UserError(
+            f"reader kernel 'triton' needs CUDA tensors (these are on {x.device}); on a CPU, "
+            f"TRITON_INTERPRET=1 runs the kernels in Triton's interpreter (slow: for tests)"
+        )
 
 
-def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int,
-            act_fn, select_variant: str = "bisect", fuse: bool = False, atomics: str = DEFAULT_ATOMICS) -> torch.Tensor:
+def forward(
+    x,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down_rows,
+    layer,
+    *,
+    k: int,
+    scan: int,
+    rank: int,
+    act_fn,
+    select_variant: str = "bisect",
+    fuse: bool = False,
+    atomics: str = DEFAULT_ATOMICS,
+) -> torch.Tensor:
     """`reference.forward` (screen="sketch") on the kernels; x [T, H], gate_up [E, 2I, H], down_rows [E, I, H].
     `select_variant`: a name in SELECT_VARIANTS; `fuse`: six launches instead of eight (the module's
     docstring); `atomics`: the reductions' memory order, one of ATOMICS. All give the same output;
@@ -229,21 +372,35 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int,
     T, H = x.shape
     ke = top_k_index.shape[1]
     rows = gate_up.shape[1]
-    flat, work = _workspace(T, {"est": (ke, rows), "gu": (k, 2), "z": (triton.next_power_of_2(max(rank, 1)),),
-                                "y": (H,)}, x.device, zeroed=not fuse)
+    flat, work = _workspace(
+        T,
+        {"est": (ke, rows), "gu": (k, 2), "z": (triton.next_power_of_2(max(rank, 1)),), "y": (H,)},
+        x.device,
+        zeroed=not fuse,
+    )
     coords, values = rotate_scan(x, layer.signs, scan, zero=flat if fuse else None)
     screen(values, coords, top_k_index, layer.codes, layer.scales, out=work["est"], sem=atomics)
-    expert, channel, weight, q = select(work["est"], top_k_index, top_k_weights, layer.down_norms, k, act,
-                                        recovery=rank > 0, **SELECT_VARIANTS[select_variant])
+    expert, channel, weight, q = select(
+        work["est"],
+        top_k_index,
+        top_k_weights,
+        layer.down_norms,
+        k,
+        act,
+        recovery=rank > 0,
+        **SELECT_VARIANTS[select_variant],
+    )
     if fuse and rank:
-        exact_recover(x, expert, channel, gate_up, q, top_k_index, layer.coeffs, rank, work["gu"], work["z"],
-                      sem=atomics)
+        exact_recover(
+            x, expert, channel, gate_up, q, top_k_index, layer.coeffs, rank, work["gu"], work["z"], sem=atomics
+        )
     else:
         exact(x, expert, channel, gate_up, out=work["gu"], sem=atomics)
         if rank:
             recover(q, top_k_index, layer.coeffs, rank, out=work["z"], sem=atomics)
-    y = down(work["gu"], weight, expert, channel, down_rows, act, layer.basis, work["z"], rank, out=work["y"],
-             sem=atomics)
+    y = down(
+        work["gu"], weight, expert, channel, down_rows, act, layer.basis, work["z"], rank, out=work["y"], sem=atomics
+    )
     return y.to(x.dtype)
 
 

@@ -46,8 +46,21 @@ def _act(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def rotate_scan_kernel(x_ptr, signs_ptr, hadamard_ptr, coords_ptr, values_ptr, zero_ptr, H, nb, zero_n,
-                       zero_per_program, SCAN: tl.constexpr, BLOCK: tl.constexpr, ZB: tl.constexpr):
+def rotate_scan_kernel(
+    x_ptr,
+    signs_ptr,
+    hadamard_ptr,
+    coords_ptr,
+    values_ptr,
+    zero_ptr,
+    H,
+    nb,
+    zero_n,
+    zero_per_program,
+    SCAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ZB: tl.constexpr,
+):
     """One program: one token's one block of BLOCK coordinates. r = H_n·diag(s)·x_block (the
     sidecar's rotation; H_n the normalised Hadamard matrix), then the SCAN coordinates of largest
     |r|, written in descending order (ties to the lower index) with their r: coords, values
@@ -69,8 +82,9 @@ def _zero(ptr, n, first, count, ZB: tl.constexpr):
 
 
 @triton.jit
-def _rotate_scan(x_ptr, signs_ptr, hadamard_ptr, coords_ptr, values_ptr, H, nb, t, b,
-                 SCAN: tl.constexpr, BLOCK: tl.constexpr):
+def _rotate_scan(
+    x_ptr, signs_ptr, hadamard_ptr, coords_ptr, values_ptr, H, nb, t, b, SCAN: tl.constexpr, BLOCK: tl.constexpr
+):
     i = tl.arange(0, BLOCK)
     h = b * BLOCK + i
     xs = tl.load(x_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32) * tl.load(signs_ptr + h).to(tl.float32)
@@ -97,9 +111,23 @@ def _digit(f, xs, acc):
 
 
 @triton.jit
-def screen_kernel(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, out_ptr,
-                  ke, nb, strip, rows, blocks_per_program,
-                  SCAN: tl.constexpr, SC: tl.constexpr, BQ: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
+def screen_kernel(
+    codes_ptr,
+    scales_ptr,
+    experts_ptr,
+    coords_ptr,
+    values_ptr,
+    out_ptr,
+    ke,
+    nb,
+    strip,
+    rows,
+    blocks_per_program,
+    SCAN: tl.constexpr,
+    SC: tl.constexpr,
+    BQ: tl.constexpr,
+    SEM: tl.constexpr = "acq_rel",
+):
     """One program: one (token, routed slot), BQ code bytes (5·BQ rows) of the scanned strips of
     `blocks_per_program` blocks. Adds into out [T, ke, rows] (zeroed):
 
@@ -110,14 +138,51 @@ def screen_kernel(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, ou
     constexpr, so the chunks' loads are in flight together). The sums stay elementwise in [SC, BQ]
     accumulators and cross the coordinates once, at the end: a reduction per chunk and digit
     (shuffles across the warp) was the first H200 run's cost."""
-    _screen(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, out_ptr, ke, nb, strip, rows,
-            blocks_per_program, tl.program_id(0), tl.program_id(1), tl.program_id(2), SCAN, SC, BQ, SEM, "")
+    _screen(
+        codes_ptr,
+        scales_ptr,
+        experts_ptr,
+        coords_ptr,
+        values_ptr,
+        out_ptr,
+        ke,
+        nb,
+        strip,
+        rows,
+        blocks_per_program,
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.program_id(2),
+        SCAN,
+        SC,
+        BQ,
+        SEM,
+        "",
+    )
 
 
 @triton.jit
-def _screen(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, out_ptr, ke, nb, strip, rows,
-            blocks_per_program, tk, tile, share, SCAN: tl.constexpr, SC: tl.constexpr, BQ: tl.constexpr,
-            SEM: tl.constexpr, CACHE: tl.constexpr):
+def _screen(
+    codes_ptr,
+    scales_ptr,
+    experts_ptr,
+    coords_ptr,
+    values_ptr,
+    out_ptr,
+    ke,
+    nb,
+    strip,
+    rows,
+    blocks_per_program,
+    tk,
+    tile,
+    share,
+    SCAN: tl.constexpr,
+    SC: tl.constexpr,
+    BQ: tl.constexpr,
+    SEM: tl.constexpr,
+    CACHE: tl.constexpr,
+):
     """screen_kernel's program (tk: token · ke + slot; tile: BQ code bytes; share: of the blocks)."""
     t = tk // ke
     q = tile * BQ + tl.arange(0, BQ)
@@ -143,8 +208,9 @@ def _screen(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, out_ptr,
             cm = c < SCAN
             coord = tl.load(coords_ptr + scanned + c, mask=cm, other=0, cache_modifier=CACHE)
             xv = tl.load(values_ptr + scanned + c, mask=cm, other=0.0, cache_modifier=CACHE)[:, None]
-            f = tl.load(block + coord[:, None] * strip + q[None, :], mask=cm[:, None] & qm[None, :],
-                        other=0).to(tl.float32)
+            f = tl.load(block + coord[:, None] * strip + q[None, :], mask=cm[:, None] & qm[None, :], other=0).to(
+                tl.float32
+            )
             acc0, f = _digit(f, xv * s0, acc0)
             acc1, f = _digit(f, xv * s1, acc1)
             acc2, f = _digit(f, xv * s2, acc2)
@@ -214,8 +280,19 @@ def _radix_kth(bits, k, BITS: tl.constexpr, N_P2: tl.constexpr):
 
 
 @triton.jit
-def _scores(est_ptr, experts_ptr, weights_ptr, norms_ptr, ke, inter, t, first, ACT: tl.constexpr,
-            WIDTH: tl.constexpr, CACHE: tl.constexpr):
+def _scores(
+    est_ptr,
+    experts_ptr,
+    weights_ptr,
+    norms_ptr,
+    ke,
+    inter,
+    t,
+    first,
+    ACT: tl.constexpr,
+    WIDTH: tl.constexpr,
+    CACHE: tl.constexpr,
+):
     """Token t's channels n = slot·I + j, n = first .. first + WIDTH - 1 (valid: n < ke·I): n, valid, j,
     expert, router weight, p_j = φ(ĝ_j)·v̂_j, and the scores s_j = |w_e·‖d_j‖·p_j| as int32 bit
     patterns (monotonic for s >= 0; invalid entries -1)."""
@@ -248,10 +325,25 @@ def _kth(bits, k, SEARCH: tl.constexpr, RADIX_BITS: tl.constexpr, N_P2: tl.const
 
 
 @triton.jit
-def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, channel_out, weight_out, q_out,
-                  ke, inter, k,
-                  ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, N_P2: tl.constexpr,
-                  SEARCH: tl.constexpr = BISECT, RADIX_BITS: tl.constexpr = 8, PLACE: tl.constexpr = TWO_SCANS):
+def select_kernel(
+    est_ptr,
+    experts_ptr,
+    weights_ptr,
+    norms_ptr,
+    expert_out,
+    channel_out,
+    weight_out,
+    q_out,
+    ke,
+    inter,
+    k,
+    ACT: tl.constexpr,
+    HAS_RECOVERY: tl.constexpr,
+    N_P2: tl.constexpr,
+    SEARCH: tl.constexpr = BISECT,
+    RADIX_BITS: tl.constexpr = 8,
+    PLACE: tl.constexpr = TWO_SCANS,
+):
     """One program: one token. Over all its experts' channels n = slot·I + j: p_j = φ(ĝ_j)·v̂_j,
     s_j = |w_e·‖d_j‖·p_j|; the k largest s_j (ties to the lower n) -> expert, channel, weight
     [T, k] in channel order; q [T, ke, I] = w_e·p_j for the others, 0 for the chosen.
@@ -290,18 +382,59 @@ def select_kernel(est_ptr, experts_ptr, weights_ptr, norms_ptr, expert_out, chan
 
 
 @triton.jit
-def exact_kernel(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter,
-                 BK: tl.constexpr, BH: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
+def exact_kernel(
+    gate_up_ptr,
+    x_ptr,
+    expert_ptr,
+    channel_ptr,
+    gu_ptr,
+    k,
+    H,
+    inter,
+    BK: tl.constexpr,
+    BH: tl.constexpr,
+    SEM: tl.constexpr = "acq_rel",
+):
     """One program: BK chosen channels of one token, BH coordinates of their gate and up rows
     (contiguous runs of the [E, 2I, H] layout). Adds the partial dots g_j·x, v_j·x into
     gu [T, k, 2] (zeroed); the activation is applied where they are complete (down_kernel)."""
-    _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter,
-           tl.program_id(0), tl.program_id(1), tl.program_id(2), BK, BH, SEM, "")
+    _exact(
+        gate_up_ptr,
+        x_ptr,
+        expert_ptr,
+        channel_ptr,
+        gu_ptr,
+        k,
+        H,
+        inter,
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.program_id(2),
+        BK,
+        BH,
+        SEM,
+        "",
+    )
 
 
 @triton.jit
-def _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter, t, jb, hb,
-           BK: tl.constexpr, BH: tl.constexpr, SEM: tl.constexpr, CACHE: tl.constexpr):
+def _exact(
+    gate_up_ptr,
+    x_ptr,
+    expert_ptr,
+    channel_ptr,
+    gu_ptr,
+    k,
+    H,
+    inter,
+    t,
+    jb,
+    hb,
+    BK: tl.constexpr,
+    BH: tl.constexpr,
+    SEM: tl.constexpr,
+    CACHE: tl.constexpr,
+):
     j = jb * BK + tl.arange(0, BK)
     jm = j < k
     h = hb * BH + tl.arange(0, BH)
@@ -318,18 +451,63 @@ def _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter, t, 
 
 
 @triton.jit
-def recover_kernel(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r,
-                   RANK_P2: tl.constexpr, BI: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
+def recover_kernel(
+    coeffs_ptr,
+    q_ptr,
+    experts_ptr,
+    z_ptr,
+    ke,
+    inter,
+    rank,
+    stride_e,
+    stride_i,
+    stride_r,
+    RANK_P2: tl.constexpr,
+    BI: tl.constexpr,
+    SEM: tl.constexpr = "acq_rel",
+):
     """One program: one (token, routed slot), BI of its expert's channels. Adds Σ_j q_j·b_j into
     the token's z [T, RANK_P2] (zeroed; summed over slots, which is all the down epilogue needs);
     q_j = w_e·p_j for unchosen channels and 0 for chosen ones, whose b_j are never read."""
-    _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r,
-             tl.program_id(0), tl.program_id(1), RANK_P2, BI, SEM, "")
+    _recover(
+        coeffs_ptr,
+        q_ptr,
+        experts_ptr,
+        z_ptr,
+        ke,
+        inter,
+        rank,
+        stride_e,
+        stride_i,
+        stride_r,
+        tl.program_id(0),
+        tl.program_id(1),
+        RANK_P2,
+        BI,
+        SEM,
+        "",
+    )
 
 
 @triton.jit
-def _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r, tk, ib,
-             RANK_P2: tl.constexpr, BI: tl.constexpr, SEM: tl.constexpr, CACHE: tl.constexpr):
+def _recover(
+    coeffs_ptr,
+    q_ptr,
+    experts_ptr,
+    z_ptr,
+    ke,
+    inter,
+    rank,
+    stride_e,
+    stride_i,
+    stride_r,
+    tk,
+    ib,
+    RANK_P2: tl.constexpr,
+    BI: tl.constexpr,
+    SEM: tl.constexpr,
+    CACHE: tl.constexpr,
+):
     t = tk // ke
     i = ib * BI + tl.arange(0, BI)
     e = tl.load(experts_ptr + tk).to(tl.int64)
@@ -342,10 +520,31 @@ def _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, s
 
 
 @triton.jit
-def exact_recover_kernel(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, coeffs_ptr, q_ptr, experts_ptr,
-                         z_ptr, T, k, H, inter, ke, rank, stride_e, stride_i, stride_r,
-                         BK: tl.constexpr, BH: tl.constexpr, RANK_P2: tl.constexpr, BI: tl.constexpr,
-                         SEM: tl.constexpr = "acq_rel"):
+def exact_recover_kernel(
+    gate_up_ptr,
+    x_ptr,
+    expert_ptr,
+    channel_ptr,
+    gu_ptr,
+    coeffs_ptr,
+    q_ptr,
+    experts_ptr,
+    z_ptr,
+    T,
+    k,
+    H,
+    inter,
+    ke,
+    rank,
+    stride_e,
+    stride_i,
+    stride_r,
+    BK: tl.constexpr,
+    BH: tl.constexpr,
+    RANK_P2: tl.constexpr,
+    BI: tl.constexpr,
+    SEM: tl.constexpr = "acq_rel",
+):
     """exact_kernel's programs, then recover_kernel's, in one launch (a 1-D grid of both counts):
     the two stages need only select's output, so recover's few programs run beside exact's
     rather than after them, and a launch is saved."""
@@ -353,19 +552,69 @@ def exact_recover_kernel(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, co
     j_tiles = tl.cdiv(k, BK)
     n_exact = T * j_tiles * tl.cdiv(H, BH)
     if pid < n_exact:
-        _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter,
-               pid % T, (pid // T) % j_tiles, pid // (T * j_tiles), BK, BH, SEM, "")
+        _exact(
+            gate_up_ptr,
+            x_ptr,
+            expert_ptr,
+            channel_ptr,
+            gu_ptr,
+            k,
+            H,
+            inter,
+            pid % T,
+            (pid // T) % j_tiles,
+            pid // (T * j_tiles),
+            BK,
+            BH,
+            SEM,
+            "",
+        )
     else:
         r = pid - n_exact
-        _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r,
-                 r % (T * ke), r // (T * ke), RANK_P2, BI, SEM, "")
+        _recover(
+            coeffs_ptr,
+            q_ptr,
+            experts_ptr,
+            z_ptr,
+            ke,
+            inter,
+            rank,
+            stride_e,
+            stride_i,
+            stride_r,
+            r % (T * ke),
+            r // (T * ke),
+            RANK_P2,
+            BI,
+            SEM,
+            "",
+        )
 
 
 @triton.jit
-def down_kernel(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, basis_ptr, z_ptr, out_ptr,
-                k, H, inter, rank, stride_h, stride_r, rows_per_share,
-                ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, RANK_P2: tl.constexpr,
-                BK: tl.constexpr, BH: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
+def down_kernel(
+    down_ptr,
+    expert_ptr,
+    channel_ptr,
+    weight_ptr,
+    gu_ptr,
+    basis_ptr,
+    z_ptr,
+    out_ptr,
+    k,
+    H,
+    inter,
+    rank,
+    stride_h,
+    stride_r,
+    rows_per_share,
+    ACT: tl.constexpr,
+    HAS_RECOVERY: tl.constexpr,
+    RANK_P2: tl.constexpr,
+    BK: tl.constexpr,
+    BH: tl.constexpr,
+    SEM: tl.constexpr = "acq_rel",
+):
     """One program: BH output coordinates of one token, one share (`rows_per_share` rows) of its
     k chosen rows. coef_j = w_e·φ(g_j·x)(v_j·x) from gu; y[h] += Σ_j coef_j·down[e_j, ch_j, h]
     (each a contiguous H-row of the [E, I, H] layout); share 0 also adds the recovery U[h, :]·z.
@@ -373,8 +622,9 @@ def down_kernel(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, basis_ptr
     t = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     share = tl.program_id(2)
-    acc = _down_rows(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inter, rows_per_share, t, h,
-                     share, ACT, BK, BH, "")
+    acc = _down_rows(
+        down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inter, rows_per_share, t, h, share, ACT, BK, BH, ""
+    )
     if HAS_RECOVERY:
         if share == 0:
             acc += _down_recovery(basis_ptr, z_ptr, H, rank, stride_h, stride_r, t, h, RANK_P2, "")
@@ -382,8 +632,24 @@ def down_kernel(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, basis_ptr
 
 
 @triton.jit
-def _down_rows(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inter, rows_per_share, t, h, share,
-               ACT: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, CACHE: tl.constexpr):
+def _down_rows(
+    down_ptr,
+    expert_ptr,
+    channel_ptr,
+    weight_ptr,
+    gu_ptr,
+    k,
+    H,
+    inter,
+    rows_per_share,
+    t,
+    h,
+    share,
+    ACT: tl.constexpr,
+    BK: tl.constexpr,
+    BH: tl.constexpr,
+    CACHE: tl.constexpr,
+):
     """Σ_j coef_j·down[e_j, ch_j, h] over the share's rows, [BH] fp32."""
     hm = h < H
     first = share * rows_per_share
@@ -397,18 +663,21 @@ def _down_rows(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inte
         g = tl.load(gu_ptr + (t * k + j) * 2, mask=jm, other=0.0, cache_modifier=CACHE)
         u = tl.load(gu_ptr + (t * k + j) * 2 + 1, mask=jm, other=0.0, cache_modifier=CACHE)
         coef = tl.load(weight_ptr + t * k + j, mask=jm, other=0.0, cache_modifier=CACHE) * _act(g, ACT) * u
-        d = tl.load(down_ptr + ((e * inter + ch) * H)[:, None] + h[None, :], mask=jm[:, None] & hm[None, :],
-                    other=0.0).to(tl.float32)
+        d = tl.load(
+            down_ptr + ((e * inter + ch) * H)[:, None] + h[None, :], mask=jm[:, None] & hm[None, :], other=0.0
+        ).to(tl.float32)
         acc += tl.sum(coef[:, None] * d, axis=0)
     return acc
 
 
 @triton.jit
-def _down_recovery(basis_ptr, z_ptr, H, rank, stride_h, stride_r, t, h, RANK_P2: tl.constexpr,
-                   CACHE: tl.constexpr):
+def _down_recovery(basis_ptr, z_ptr, H, rank, stride_h, stride_r, t, h, RANK_P2: tl.constexpr, CACHE: tl.constexpr):
     """The recovery term U[h, :]·z of token t, [BH] fp32."""
     r = tl.arange(0, RANK_P2)
     z = tl.load(z_ptr + t * RANK_P2 + r, cache_modifier=CACHE)
-    u = tl.load(basis_ptr + h[:, None] * stride_h + r[None, :] * stride_r,
-                mask=(h < H)[:, None] & (r < rank)[None, :], other=0.0).to(tl.float32)
+    u = tl.load(
+        basis_ptr + h[:, None] * stride_h + r[None, :] * stride_r,
+        mask=(h < H)[:, None] & (r < rank)[None, :],
+        other=0.0,
+    ).to(tl.float32)
     return tl.sum(u * z[None, :], axis=1)

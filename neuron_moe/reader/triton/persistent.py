@@ -99,8 +99,14 @@ PERSISTENT_VARIANTS = {
 def _sleep(ns: tl.constexpr):
     """Back off between polls: nanosleep (sm_70+), so that hundreds of spinning programs do not
     flood the L2 slice that holds the counter they wait on."""
-    tl.inline_asm_elementwise("nanosleep.u32 $1;\n mov.u32 $0, 0;", "=r,r", [tl.full([1], ns, tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "nanosleep.u32 $1;\n mov.u32 $0, 0;",
+        "=r,r",
+        [tl.full([1], ns, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -129,8 +135,21 @@ def _release(ctr_ptr, line):
 
 
 @triton.jit
-def _rotate_scan_tiled(x_ptr, signs_ptr, hadamard_ptr, rot_ptr, coords_ptr, values_ptr, H, nb, t, b,
-                       SCAN: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
+def _rotate_scan_tiled(
+    x_ptr,
+    signs_ptr,
+    hadamard_ptr,
+    rot_ptr,
+    coords_ptr,
+    values_ptr,
+    H,
+    nb,
+    t,
+    b,
+    SCAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RT: tl.constexpr,
+):
     """kernels._rotate_scan in RT-row tiles of the Hadamard matrix, the order by one sort of
     (|r| bits, 127 - i) keys (descending: larger |r| first, ties to the lower index); the scanned
     coordinates' values are read back from rot_ptr [T, nb, BLOCK] (a register tensor cannot be gathered)."""
@@ -163,8 +182,18 @@ def _digit_pick(hist, need, UNIT: tl.constexpr):
 
 
 @triton.jit
-def _refine(cand_ptr, t, count, kth, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, N_P2: tl.constexpr,
-            CH: tl.constexpr, UNIT: tl.constexpr):
+def _refine(
+    cand_ptr,
+    t,
+    count,
+    kth,
+    need,
+    SHIFT: tl.constexpr,
+    WIDTH: tl.constexpr,
+    N_P2: tl.constexpr,
+    CH: tl.constexpr,
+    UNIT: tl.constexpr,
+):
     """One more radix digit (bits SHIFT .. SHIFT + WIDTH - 1) of the k-th, over the `count` candidates."""
     hist = tl.zeros([256], dtype=tl.int32)
     for c0 in range(0, count, CH):
@@ -177,9 +206,25 @@ def _refine(cand_ptr, t, count, kth, need, SHIFT: tl.constexpr, WIDTH: tl.conste
 
 
 @triton.jit
-def _pivot(est_ptr, experts_ptr, weights_ptr, norms_ptr, bits_ptr, q_ptr, cand_ptr, sel_ptr, ke, inter, k, t,
-           ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, N_P2: tl.constexpr, CH: tl.constexpr,
-           CHUNKS: tl.constexpr):
+def _pivot(
+    est_ptr,
+    experts_ptr,
+    weights_ptr,
+    norms_ptr,
+    bits_ptr,
+    q_ptr,
+    cand_ptr,
+    sel_ptr,
+    ke,
+    inter,
+    k,
+    t,
+    ACT: tl.constexpr,
+    HAS_RECOVERY: tl.constexpr,
+    N_P2: tl.constexpr,
+    CH: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
     """Token t's k-th largest score (the largest value v with count(bits >= v) >= k, as kernels._radix_kth)
     and, per chunk of CH channels, how many scores lie above it and how many equal it in the chunks
     before: sel [T, 2 + 2·CHUNKS] = kth, room, above_before[CHUNKS], tied_before[CHUNKS].
@@ -192,8 +237,9 @@ def _pivot(est_ptr, experts_ptr, weights_ptr, norms_ptr, bits_ptr, q_ptr, cand_p
     UNIT: tl.constexpr = 2 * N_P2  # counts are at most N_P2: one sum carries a rank and a count (_radix_kth)
     hist = tl.zeros([256], dtype=tl.int32)
     for c in range(CHUNKS):
-        n, valid, j, e, w, p, bits = _scores(est_ptr, experts_ptr, weights_ptr, norms_ptr, ke, inter, t, c * CH,
-                                             ACT, CH, ".cg")
+        n, valid, j, e, w, p, bits = _scores(
+            est_ptr, experts_ptr, weights_ptr, norms_ptr, ke, inter, t, c * CH, ACT, CH, ".cg"
+        )
         tl.store(bits_ptr + t * N_P2 + n, bits)
         if HAS_RECOVERY:
             tl.store(q_ptr + t * ke * inter + n, w * p, mask=valid)  # place zeroes the chosen
@@ -236,17 +282,78 @@ def _pivot(est_ptr, experts_ptr, weights_ptr, norms_ptr, bits_ptr, q_ptr, cand_p
 
 @triton.jit
 def persistent_kernel(
-        x_ptr, signs_ptr, hadamard_ptr, codes_ptr, scales_ptr, experts_ptr, weights_ptr, norms_ptr, gate_up_ptr,
-        down_ptr, coeffs_ptr, basis_ptr,
-        rot_ptr, coords_ptr, values_ptr, est_ptr, bits_ptr, cand_ptr, q_ptr, sel_ptr, expert_ptr, channel_ptr,
-        weight_ptr, gu_ptr, z_ptr, y_ptr, zero_ptr, out_ptr, ctr_ptr,
-        T, H, nb, ke, inter, k, rank, strip, rows, zero_n, zero_per, screen_tiles, screen_shares, blocks_per_share,
-        exact_jt, exact_ht, recover_it, down_tiles, down_shares, rows_per_share,
-        stride_ce, stride_ci, stride_cr, stride_bh, stride_br,
-        ACT: tl.constexpr, HAS_RECOVERY: tl.constexpr, N_P2: tl.constexpr, CHUNKS: tl.constexpr, SCAN: tl.constexpr,
-        BLOCK: tl.constexpr, SC: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, EXACT_BH: tl.constexpr,
-        BH: tl.constexpr, BI: tl.constexpr, RANK_P2: tl.constexpr, ZB: tl.constexpr, SEM: tl.constexpr,
-        LIMIT: tl.constexpr, SPIN_NS: tl.constexpr):
+    x_ptr,
+    signs_ptr,
+    hadamard_ptr,
+    codes_ptr,
+    scales_ptr,
+    experts_ptr,
+    weights_ptr,
+    norms_ptr,
+    gate_up_ptr,
+    down_ptr,
+    coeffs_ptr,
+    basis_ptr,
+    rot_ptr,
+    coords_ptr,
+    values_ptr,
+    est_ptr,
+    bits_ptr,
+    cand_ptr,
+    q_ptr,
+    sel_ptr,
+    expert_ptr,
+    channel_ptr,
+    weight_ptr,
+    gu_ptr,
+    z_ptr,
+    y_ptr,
+    zero_ptr,
+    out_ptr,
+    ctr_ptr,
+    T,
+    H,
+    nb,
+    ke,
+    inter,
+    k,
+    rank,
+    strip,
+    rows,
+    zero_n,
+    zero_per,
+    screen_tiles,
+    screen_shares,
+    blocks_per_share,
+    exact_jt,
+    exact_ht,
+    recover_it,
+    down_tiles,
+    down_shares,
+    rows_per_share,
+    stride_ce,
+    stride_ci,
+    stride_cr,
+    stride_bh,
+    stride_br,
+    ACT: tl.constexpr,
+    HAS_RECOVERY: tl.constexpr,
+    N_P2: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    SCAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SC: tl.constexpr,
+    BQ: tl.constexpr,
+    BK: tl.constexpr,
+    EXACT_BH: tl.constexpr,
+    BH: tl.constexpr,
+    BI: tl.constexpr,
+    RANK_P2: tl.constexpr,
+    ZB: tl.constexpr,
+    SEM: tl.constexpr,
+    LIMIT: tl.constexpr,
+    SPIN_NS: tl.constexpr,
+):
     """One program: one item of one phase, by its ticket (the module's docstring). Phases, in id order:
     T·nb rotate+scan, T·ke·screen_tiles·screen_shares screen, T pivot, T·CHUNKS place, T·exact_jt·exact_ht
     exact, T·ke·recover_it recover (with recovery), T·down_tiles·down_shares down; token-major in each."""
@@ -264,8 +371,9 @@ def persistent_kernel(
     vid = tl.atomic_add(ctr_ptr, 1, sem="relaxed")
     if vid < n_rot:  # rotate+scan one (token, block), and zero a share of the workspace
         _zero(zero_ptr, zero_n, vid * zero_per, zero_per, ZB)
-        _rotate_scan_tiled(x_ptr, signs_ptr, hadamard_ptr, rot_ptr, coords_ptr, values_ptr, H, nb, vid // nb,
-                           vid % nb, SCAN, BLOCK, 32)
+        _rotate_scan_tiled(
+            x_ptr, signs_ptr, hadamard_ptr, rot_ptr, coords_ptr, values_ptr, H, nb, vid // nb, vid % nb, SCAN, BLOCK, 32
+        )
         _release(ctr_ptr, 3)
     elif vid < e_screen:  # screen: waits for every rotate program (they zero the estimates)
         i = vid - n_rot
@@ -273,15 +381,50 @@ def persistent_kernel(
         t = i // per_token
         r = i % per_token
         _wait(ctr_ptr, 3, n_rot, LIMIT, SPIN_NS)
-        _screen(codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, est_ptr, ke, nb, strip, rows,
-                blocks_per_share, t * ke + r % ke, (r // ke) % screen_tiles, r // (ke * screen_tiles),
-                SCAN, SC, BQ, SEM, ".cg")
+        _screen(
+            codes_ptr,
+            scales_ptr,
+            experts_ptr,
+            coords_ptr,
+            values_ptr,
+            est_ptr,
+            ke,
+            nb,
+            strip,
+            rows,
+            blocks_per_share,
+            t * ke + r % ke,
+            (r // ke) % screen_tiles,
+            r // (ke * screen_tiles),
+            SCAN,
+            SC,
+            BQ,
+            SEM,
+            ".cg",
+        )
         _release(ctr_ptr, 4 + 5 * t)
     elif vid < e_pivot:  # pivot: the token's k-th largest score and the chunks' counts
         t = vid - e_screen
         _wait(ctr_ptr, 4 + 5 * t, ke * screen_tiles * screen_shares, LIMIT, SPIN_NS)
-        _pivot(est_ptr, experts_ptr, weights_ptr, norms_ptr, bits_ptr, q_ptr, cand_ptr, sel_ptr, ke, inter, k, t,
-               ACT, HAS_RECOVERY, N_P2, CH, CHUNKS)
+        _pivot(
+            est_ptr,
+            experts_ptr,
+            weights_ptr,
+            norms_ptr,
+            bits_ptr,
+            q_ptr,
+            cand_ptr,
+            sel_ptr,
+            ke,
+            inter,
+            k,
+            t,
+            ACT,
+            HAS_RECOVERY,
+            N_P2,
+            CH,
+            CHUNKS,
+        )
         _release(ctr_ptr, 5 + 5 * t)
     elif vid < e_place:  # place: one chunk's chosen channels, in channel order, at their output slots
         i = vid - e_pivot
@@ -314,16 +457,47 @@ def persistent_kernel(
         t = i // (exact_jt * exact_ht)
         r = i % (exact_jt * exact_ht)
         _wait(ctr_ptr, 6 + 5 * t, CHUNKS, LIMIT, SPIN_NS)
-        _exact(gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter, t, r % exact_jt, r // exact_jt,
-               BK, EXACT_BH, SEM, ".cg")
+        _exact(
+            gate_up_ptr,
+            x_ptr,
+            expert_ptr,
+            channel_ptr,
+            gu_ptr,
+            k,
+            H,
+            inter,
+            t,
+            r % exact_jt,
+            r // exact_jt,
+            BK,
+            EXACT_BH,
+            SEM,
+            ".cg",
+        )
         _release(ctr_ptr, 7 + 5 * t)
     elif vid < e_recover:  # recover: b_j of BI unchosen channels of one (token, slot)
         i = vid - e_exact
         t = i // (ke * recover_it)
         r = i % (ke * recover_it)
         _wait(ctr_ptr, 6 + 5 * t, CHUNKS, LIMIT, SPIN_NS)
-        _recover(coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_ce, stride_ci, stride_cr,
-                 t * ke + r % ke, r // ke, RANK_P2, BI, SEM, ".cg")
+        _recover(
+            coeffs_ptr,
+            q_ptr,
+            experts_ptr,
+            z_ptr,
+            ke,
+            inter,
+            rank,
+            stride_ce,
+            stride_ci,
+            stride_cr,
+            t * ke + r % ke,
+            r // ke,
+            RANK_P2,
+            BI,
+            SEM,
+            ".cg",
+        )
         _release(ctr_ptr, 8 + 5 * t)
     elif vid < total:  # down: BH outputs × one share of the chosen rows; the tile's last share writes it out
         i = vid - e_recover
@@ -333,8 +507,24 @@ def persistent_kernel(
         share = r % down_shares
         h = tile * BH + tl.arange(0, BH)
         _wait(ctr_ptr, 7 + 5 * t, exact_jt * exact_ht, LIMIT, SPIN_NS)
-        acc = _down_rows(down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inter, rows_per_share, t, h,
-                         share, ACT, BK, BH, ".cg")
+        acc = _down_rows(
+            down_ptr,
+            expert_ptr,
+            channel_ptr,
+            weight_ptr,
+            gu_ptr,
+            k,
+            H,
+            inter,
+            rows_per_share,
+            t,
+            h,
+            share,
+            ACT,
+            BK,
+            BH,
+            ".cg",
+        )
         if HAS_RECOVERY:
             if share == 0:
                 _wait(ctr_ptr, 8 + 5 * t, ke * recover_it, LIMIT, SPIN_NS)
@@ -388,35 +578,121 @@ def _selection(T: int, ke: int, inter: int, k: int, shape: Tiles, dev) -> tuple[
         raise UserError(f"persistent reader: atomics {shape.atomics!r}; known: {', '.join(ATOMICS)}")
     n_p2 = triton.next_power_of_2(ke * inter)
     chunk = min(triton.next_power_of_2(shape.chunk), n_p2)
-    buffers = {name: torch.empty(T, *size, dtype=dtype, device=dev) for name, (size, dtype) in {
-        "bits": ((n_p2,), torch.int32), "cand": ((2, n_p2), torch.int32), "q": ((ke, inter), torch.float32),
-        "sel": ((2 + 2 * (n_p2 // chunk),), torch.int32), "expert": ((k,), torch.int32),
-        "channel": ((k,), torch.int32), "weight": ((k,), torch.float32)}.items()}
+    buffers = {
+        name: torch.empty(T, *size, dtype=dtype, device=dev)
+        for name, (size, dtype) in {
+            "bits": ((n_p2,), torch.int32),
+            "cand": ((2, n_p2), torch.int32),
+            "q": ((ke, inter), torch.float32),
+            "sel": ((2 + 2 * (n_p2 // chunk),), torch.int32),
+            "expert": ((k,), torch.int32),
+            "channel": ((k,), torch.int32),
+            "weight": ((k,), torch.float32),
+        }.items()
+    }
     return n_p2, chunk, buffers
 
 
 def _launch(shape: Tiles, T: int, counts: dict, pointers: dict, sizes: dict, constexprs: dict, dev):
     """persistent_kernel over exactly its programs (the phases' counts: `counts`, which sizes may be 0)."""
-    programs = (counts["rot"] + counts["screen"] + T + T * constexprs["CHUNKS"] + counts["exact"]
-                + (counts["recover"] if constexprs["HAS_RECOVERY"] else 0) + counts["down"])
+    programs = (
+        counts["rot"]
+        + counts["screen"]
+        + T
+        + T * constexprs["CHUNKS"]
+        + counts["exact"]
+        + (counts["recover"] if constexprs["HAS_RECOVERY"] else 0)
+        + counts["down"]
+    )
     ctr = _counters(dev, 4 + 5 * T + T * sizes["down_tiles"])
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     persistent_kernel[(programs,)](
-        *(pointers[name] for name in _POINTERS), ctr, *(sizes[name] for name in _SIZES),
-        **constexprs, SEM=shape.atomics, LIMIT=SPIN_LIMIT, ZB=1024, SPIN_NS=0 if interpreted else shape.spin_ns,
-        num_warps=shape.warps, **({"maxnreg": shape.maxnreg} if shape.maxnreg else {}))
+        *(pointers[name] for name in _POINTERS),
+        ctr,
+        *(sizes[name] for name in _SIZES),
+        **constexprs,
+        SEM=shape.atomics,
+        LIMIT=SPIN_LIMIT,
+        ZB=1024,
+        SPIN_NS=0 if interpreted else shape.spin_ns,
+        num_warps=shape.warps,
+        **({"maxnreg": shape.maxnreg} if shape.maxnreg else {}),
+    )
 
 
-_POINTERS = ("x", "signs", "hadamard", "codes", "scales", "experts", "weights", "norms", "gate_up", "down", "coeffs",
-             "basis", "rot", "coords", "values", "est", "bits", "cand", "q", "sel", "expert", "channel", "weight", "gu",
-             "z", "y", "zero", "out")
-_SIZES = ("T", "H", "nb", "ke", "inter", "k", "rank", "strip", "rows", "zero_n", "zero_per", "screen_tiles",
-          "screen_shares", "blocks_per_share", "exact_jt", "exact_ht", "recover_it", "down_tiles", "down_shares",
-          "rows_per_share", "stride_ce", "stride_ci", "stride_cr", "stride_bh", "stride_br")
+_POINTERS = (
+    "x",
+    "signs",
+    "hadamard",
+    "codes",
+    "scales",
+    "experts",
+    "weights",
+    "norms",
+    "gate_up",
+    "down",
+    "coeffs",
+    "basis",
+    "rot",
+    "coords",
+    "values",
+    "est",
+    "bits",
+    "cand",
+    "q",
+    "sel",
+    "expert",
+    "channel",
+    "weight",
+    "gu",
+    "z",
+    "y",
+    "zero",
+    "out",
+)
+_SIZES = (
+    "T",
+    "H",
+    "nb",
+    "ke",
+    "inter",
+    "k",
+    "rank",
+    "strip",
+    "rows",
+    "zero_n",
+    "zero_per",
+    "screen_tiles",
+    "screen_shares",
+    "blocks_per_share",
+    "exact_jt",
+    "exact_ht",
+    "recover_it",
+    "down_tiles",
+    "down_shares",
+    "rows_per_share",
+    "stride_ce",
+    "stride_ci",
+    "stride_cr",
+    "stride_bh",
+    "stride_br",
+)
 
 
-def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int, act_fn,
-            shape: Tiles = Tiles()) -> torch.Tensor:
+def forward(
+    x,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down_rows,
+    layer,
+    *,
+    k: int,
+    scan: int,
+    rank: int,
+    act_fn,
+    shape: Tiles = Tiles(),
+) -> torch.Tensor:
     """`reference.forward` (screen="sketch") in one launch; same inputs and output as `forward.forward`."""
     _check_device(x)
     check_layer(layer)
@@ -436,34 +712,84 @@ def forward(x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int,
     down_tiles = triton.cdiv(H, shape.bh)
     rows_per_share = triton.cdiv(k, max(1, min(triton.cdiv(k, shape.bk), triton.cdiv(shape.programs, T * down_tiles))))
     flat, work = _workspace(T, {"est": (ke, rows), "gu": (k, 2), "z": (rank_p2,), "y": (H,)}, dev, zeroed=False)
-    scratch = {"rot": torch.empty(T, nb, BLOCK, device=dev), "coords": torch.empty(T, nb, scan, dtype=torch.int32,
-                                                                                   device=dev),
-               "values": torch.empty(T, nb, scan, device=dev)}
+    scratch = {
+        "rot": torch.empty(T, nb, BLOCK, device=dev),
+        "coords": torch.empty(T, nb, scan, dtype=torch.int32, device=dev),
+        "values": torch.empty(T, nb, scan, device=dev),
+    }
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
-    sizes = dict(T=T, H=H, nb=nb, ke=ke, inter=inter, k=k, rank=rank, strip=strip, rows=rows, zero_n=flat.numel(),
-                 zero_per=triton.cdiv(flat.numel(), T * nb), screen_tiles=screen_tiles,
-                 screen_shares=triton.cdiv(nb, per), blocks_per_share=per, exact_jt=triton.cdiv(k, shape.bk),
-                 exact_ht=triton.cdiv(H, shape.exact_bh), recover_it=triton.cdiv(inter, shape.bi),
-                 down_tiles=down_tiles, down_shares=triton.cdiv(k, rows_per_share),  # no empty share: each arrives
-                 rows_per_share=rows_per_share)
+    sizes = dict(
+        T=T,
+        H=H,
+        nb=nb,
+        ke=ke,
+        inter=inter,
+        k=k,
+        rank=rank,
+        strip=strip,
+        rows=rows,
+        zero_n=flat.numel(),
+        zero_per=triton.cdiv(flat.numel(), T * nb),
+        screen_tiles=screen_tiles,
+        screen_shares=triton.cdiv(nb, per),
+        blocks_per_share=per,
+        exact_jt=triton.cdiv(k, shape.bk),
+        exact_ht=triton.cdiv(H, shape.exact_bh),
+        recover_it=triton.cdiv(inter, shape.bi),
+        down_tiles=down_tiles,
+        down_shares=triton.cdiv(k, rows_per_share),  # no empty share: each arrives
+        rows_per_share=rows_per_share,
+    )
     sizes.update(zip(("stride_ce", "stride_ci", "stride_cr"), layer.coeffs.stride()))
     sizes.update(zip(("stride_bh", "stride_br"), layer.basis.stride()))
-    counts = {"rot": T * nb, "screen": T * ke * screen_tiles * sizes["screen_shares"],
-              "exact": T * sizes["exact_jt"] * sizes["exact_ht"], "recover": T * ke * sizes["recover_it"],
-              "down": T * down_tiles * sizes["down_shares"]}
-    pointers = dict(x=x.contiguous(), signs=layer.signs, hadamard=_hadamard(dev), codes=layer.codes,
-                    scales=layer.scales, experts=top_k_index.contiguous(), weights=top_k_weights.contiguous(),
-                    norms=layer.down_norms, gate_up=gate_up, down=down_rows, coeffs=layer.coeffs, basis=layer.basis,
-                    zero=flat, out=out, **scratch, **sel, **{name: work[name] for name in ("est", "gu", "z", "y")})
-    constexprs = dict(ACT=activation(act_fn), HAS_RECOVERY=rank > 0, N_P2=n_p2, CHUNKS=n_p2 // chunk, SCAN=scan,
-                      BLOCK=BLOCK, SC=shape.sc, BQ=shape.bq, BK=shape.bk, EXACT_BH=shape.exact_bh, BH=shape.bh,
-                      BI=shape.bi, RANK_P2=rank_p2)
+    counts = {
+        "rot": T * nb,
+        "screen": T * ke * screen_tiles * sizes["screen_shares"],
+        "exact": T * sizes["exact_jt"] * sizes["exact_ht"],
+        "recover": T * ke * sizes["recover_it"],
+        "down": T * down_tiles * sizes["down_shares"],
+    }
+    pointers = dict(
+        x=x.contiguous(),
+        signs=layer.signs,
+        hadamard=_hadamard(dev),
+        codes=layer.codes,
+        scales=layer.scales,
+        experts=top_k_index.contiguous(),
+        weights=top_k_weights.contiguous(),
+        norms=layer.down_norms,
+        gate_up=gate_up,
+        down=down_rows,
+        coeffs=layer.coeffs,
+        basis=layer.basis,
+        zero=flat,
+        out=out,
+        **scratch,
+        **sel,
+        **{name: work[name] for name in ("est", "gu", "z", "y")},
+    )
+    constexprs = dict(
+        ACT=activation(act_fn),
+        HAS_RECOVERY=rank > 0,
+        N_P2=n_p2,
+        CHUNKS=n_p2 // chunk,
+        SCAN=scan,
+        BLOCK=BLOCK,
+        SC=shape.sc,
+        BQ=shape.bq,
+        BK=shape.bk,
+        EXACT_BH=shape.exact_bh,
+        BH=shape.bh,
+        BI=shape.bi,
+        RANK_P2=rank_p2,
+    )
     _launch(shape, T, counts, pointers, sizes, constexprs, dev)
     return out
 
 
-def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, recovery: bool = True,
-           shape: Tiles = Tiles()):
+def select(
+    estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, recovery: bool = True, shape: Tiles = Tiles()
+):
     """The pivot and place phases alone (the others sized 0), from given estimates [T, ke, 2I]: the same
     result as `forward.select` (expert, channel, weight [T, k], q [T, ke, I] or None): for the tests,
     and for bench/gpu_reader.py to time selection across programs beside select_kernel."""
@@ -472,10 +798,27 @@ def select(estimates, top_k_index, top_k_weights, down_norms, k: int, act: int, 
     n_p2, chunk, sel = _selection(T, ke, rows // 2, k, shape, dev)
     sizes = dict.fromkeys(_SIZES, 0) | dict(T=T, ke=ke, inter=rows // 2, k=k, rows=rows)
     unused = sel["q"]  # never read: every phase that would is sized 0
-    pointers = dict.fromkeys(_POINTERS, unused) | dict(est=estimates.contiguous(), experts=top_k_index.contiguous(),
-                                                        weights=top_k_weights.contiguous(), norms=down_norms, **sel)
-    constexprs = dict(ACT=act, HAS_RECOVERY=recovery, N_P2=n_p2, CHUNKS=n_p2 // chunk, SCAN=1, BLOCK=BLOCK,
-                      SC=shape.sc, BQ=shape.bq, BK=shape.bk, EXACT_BH=shape.exact_bh, BH=shape.bh, BI=shape.bi,
-                      RANK_P2=1)
+    pointers = dict.fromkeys(_POINTERS, unused) | dict(
+        est=estimates.contiguous(),
+        experts=top_k_index.contiguous(),
+        weights=top_k_weights.contiguous(),
+        norms=down_norms,
+        **sel,
+    )
+    constexprs = dict(
+        ACT=act,
+        HAS_RECOVERY=recovery,
+        N_P2=n_p2,
+        CHUNKS=n_p2 // chunk,
+        SCAN=1,
+        BLOCK=BLOCK,
+        SC=shape.sc,
+        BQ=shape.bq,
+        BK=shape.bk,
+        EXACT_BH=shape.exact_bh,
+        BH=shape.bh,
+        BI=shape.bi,
+        RANK_P2=1,
+    )
     _launch(shape, T, dict(rot=0, screen=0, exact=0, recover=0, down=0), pointers, sizes, constexprs, dev)
     return sel["expert"], sel["channel"], sel["weight"], (sel["q"] if recovery else None)
