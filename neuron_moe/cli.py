@@ -29,6 +29,7 @@ from .tasks import TASKS
 from .tokenizer import load_tokenizer
 from .training.corpus import build_corpus, render_corpus
 from .training.tiny import render_training, train
+from .verify import render_verify, verify
 
 
 def _json_out(report, args) -> bool:
@@ -102,6 +103,13 @@ def cmd_pull(args) -> int:
     report = pull_report(args.uri, args.dir)
     if _json_out(report, args):
         print(render_pull(report))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    report = verify(args.artifact, args.model)
+    if _json_out(report, args):
+        print(render_verify(report))
     return 0
 
 
@@ -283,6 +291,7 @@ COMMANDS = {
     "eval-reader": cmd_eval_reader,
     "publish": cmd_publish,
     "pull": cmd_pull,
+    "verify": cmd_verify,
     "plan": cmd_plan,
     "trace-and-compile": cmd_trace_and_compile,
     "serve": cmd_serve,

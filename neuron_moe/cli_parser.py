@@ -407,6 +407,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
     p = sub.add_parser(
+        "verify",
+        help="check a trace-and-compile artifact against its own manifest, no SDK needed",
+        description="Check the artifact's manifest.json (every field of the contract), each file's size "
+        "and sha256 against it, and that it holds no file the manifest does not list; with --model, "
+        "that it was built for that port. An s3:// publication is read from S3, each object checked "
+        "against the publication's manifest too, nothing written. Exit 0 when it is whole, 2 (one "
+        "error: line naming the file or field) when not. serve --artifacts makes the same checks.",
+    )
+    p.add_argument(
+        "artifact", metavar="ARTIFACT|s3://BUCKET/PREFIX", help="a trace-and-compile output, or its publication"
+    )
+    p.add_argument("--model", metavar="NAME|PATH", help="also check that it was built for this port")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+
+    p = sub.add_parser(
         "plan",
         help="inf2 memory plan: bytes per NeuronCore at a TP degree, fit verdict, decode floor",
         description="Per-rank bytes (experts, attention, dense MLP, embeddings, lm_head, KV cache, "

@@ -935,3 +935,59 @@ def test_help(command, capsys):
         cli.main([command, "--help"])
     assert exit_.value.code == 0
     assert "--json" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------- a trace-and-compile artifact
+
+
+@pytest.fixture
+def dry_run_artifact(tmp_path, tiny_port, one_torch_thread):
+    from neuron_moe.neuron import compile as compile_
+
+    out = tmp_path / "art"
+    compile_.trace_and_compile(tiny_port, "fp32", 1, out, dry_run=True, export=False)
+    return out
+
+
+def test_publish_refuses_an_artifact_that_its_own_manifest_does_not_describe(bucket, client, dry_run_artifact, capsys):
+    """A weight file changed after trace-and-compile (its manifest.json says other bytes): nothing
+    is uploaded, and the file is named; a file the manifest does not list, the same."""
+    weights = dry_run_artifact / "weights" / "tp0_sharded_checkpoint.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-100] + bytes([good[-100] ^ 0xFF]) + good[-99:])
+    uri = f"s3://{bucket}/art"
+    assert cli.main(["publish", str(dry_run_artifact), uri]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {weights}: sha256 ") and "the file changed after trace-and-compile" in err, err
+    assert keys(client, bucket, "") == []
+
+    weights.write_bytes(good)
+    (dry_run_artifact / "notes.txt").write_text("added later")
+    assert cli.main(["publish", str(dry_run_artifact), uri]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {dry_run_artifact}/notes.txt: not in the artifact's manifest")
+    assert keys(client, bucket, "") == []
+    (dry_run_artifact / "notes.txt").unlink()
+    assert cli.main(["publish", str(dry_run_artifact), uri]) == 0
+
+
+def test_verify_reads_a_publication_from_s3_and_refuses_a_rotten_object(
+    bucket, client, dry_run_artifact, tmp_path, capsys
+):
+    uri = f"s3://{bucket}/art"
+    report = s3.publish(dry_run_artifact, uri, progress=False, client=client)
+    assert cli.main(["verify", uri, "--model", "tiny-gemma4-moe"]) == 0
+    assert f"{uri}: {len(report['files']) - 1} files" in capsys.readouterr().out
+    assert not (tmp_path / "art-pulled").exists()
+
+    key = next(f["key"] for f in report["files"] if f["path"] == "shard_plan.json")
+    client.put_object(Bucket=bucket, Key=key, Body=b"{}")  # rot at rest
+    assert cli.main(["verify", uri]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: s3://{bucket}/{key} does not match its manifest entry") and err.count("\n") == 1
+
+    # a publication that is not an artifact
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "a.bin").write_bytes(b"a")
+    s3.publish(tmp_path / "plain", f"s3://{bucket}/plain", progress=False, client=client)
+    assert cli.main(["verify", f"s3://{bucket}/plain"]) == 2
+    assert f"error: s3://{bucket}/plain: no manifest.json" in capsys.readouterr().err

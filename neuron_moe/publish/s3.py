@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import base64
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -86,6 +87,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..neuron import artifact
 from ..report import atomic_dir, check_output, file_digest, run_lock, table
 
 log = logging.getLogger(__name__)
@@ -356,6 +358,25 @@ def _check_file(rel: str, path: Path, deep: bool, bar: tqdm) -> tuple[dict, tupl
             f"{path}: changed while it was read ({before[0]} -> {after[0]} bytes): is it still being written?"
         )
     return {"path": rel, "size": size, "sha256": sha256, "crc32": crc32}, after
+
+
+def _check_artifact(src: Path, entries: list[dict]) -> None:
+    """A directory that is a trace-and-compile artifact (its manifest.json has a format and files)
+    is published only as its manifest describes it: every file there with its size and sha256, none
+    else (the sha256 are those just computed: the bytes that will be sent)."""
+    path = src / artifact.MANIFEST
+    if not path.is_file():
+        return
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return  # not JSON: not a trace-and-compile manifest
+    if not isinstance(raw, dict) or not isinstance(raw.get("format"), int) or not isinstance(raw.get("files"), dict):
+        return  # another tool's manifest.json
+    manifest = artifact.check_manifest(raw, path)
+    artifact.check_files(
+        src, manifest, {e["path"]: (e["size"], e["sha256"]) for e in entries if e["path"] != artifact.MANIFEST}
+    )
 
 
 def _list_keys(client, bucket: str, prefix: str) -> list[str]:
@@ -648,6 +669,7 @@ def publish(
             entry, stamp = _check_file(rel, path, deep, bar)
             entries.append(entry)
             stamps.append(stamp)
+    _check_artifact(src, entries)
 
     run = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
     claim = {
@@ -722,6 +744,36 @@ def read_manifest(uri: str, client=None) -> list[dict]:
             )
         )
     return doc["files"]
+
+
+def read_files(uri: str, keep: tuple[str, ...] = (), *, progress: bool = True, client=None):
+    """Every file of the publication at uri read from S3, nothing written, each checked against the
+    manifest's size and sha256: ({path: (size, sha256)}, {path: bytes} of the paths in `keep`)."""
+    bucket, prefix = parse_uri(uri)
+    client = client or _client()
+    files = read_manifest(uri, client)
+    found, kept = {}, {}
+    with _bar(sum(f["size"] for f in files), "reading", progress) as bar:
+        for entry in files:
+            where = _uri(bucket, _key(prefix, entry["key"]))
+            sha, size, chunks = hashlib.sha256(), 0, []
+            with _s3_errors(f"reading {where}"):
+                body = client.get_object(Bucket=bucket, Key=_key(prefix, entry["key"]))["Body"]
+                for block in body.iter_chunks(8 * 2**20):
+                    sha.update(block)
+                    size += len(block)
+                    bar.update(len(block))
+                    if entry["path"] in keep:
+                        chunks.append(block)
+            if (size, sha.hexdigest()) != (entry["size"], entry["sha256"]):
+                raise PublishError(
+                    f"{where} does not match its manifest entry: {size} bytes, sha256 {sha.hexdigest()} "
+                    f"(expected {entry['size']} bytes, sha256 {entry['sha256']})"
+                )
+            found[entry["path"]] = (size, entry["sha256"])
+            if entry["path"] in keep:
+                kept[entry["path"]] = b"".join(chunks)
+    return found, kept
 
 
 def _fetch(client, bucket: str, key: str, target: Path, entry: dict, config, bar: tqdm) -> None:
