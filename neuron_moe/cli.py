@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e))
     except OSError as e:  # the system refused (a full disk, a read-only or missing path): one line, not a bug
         return _error(f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
+    except KeyboardInterrupt:  # Ctrl-C: each command's clean-up (temp output, uploads) ran as it unwound
+        print(f"error: interrupted: {args.command} stopped before it finished", file=sys.stderr)
+        return 130
 
 
 def _error(message: str) -> int:

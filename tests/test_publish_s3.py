@@ -991,3 +991,48 @@ def test_verify_reads_a_publication_from_s3_and_refuses_a_rotten_object(
     s3.publish(tmp_path / "plain", f"s3://{bucket}/plain", progress=False, client=client)
     assert cli.main(["verify", f"s3://{bucket}/plain"]) == 2
     assert f"error: s3://{bucket}/plain: no manifest.json" in capsys.readouterr().err
+
+
+INTERRUPTED_AFTER_ITS_FIRST_PART = """
+import os, signal, sys
+import boto3
+from neuron_moe import cli
+from neuron_moe.publish import s3
+s3.MULTIPART_THRESHOLD = s3.MULTIPART_CHUNKSIZE = 5 * 2**20
+client, sent = boto3.client, []
+def interrupt_once(**_):  # one Ctrl-C, as a user presses it
+    if not sent:
+        sent.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+def interrupting_client(*args, **kwargs):
+    made = client(*args, **kwargs)
+    made.meta.events.register("after-call.s3.UploadPart", interrupt_once)
+    return made
+boto3.client = interrupting_client
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_during_publish_is_one_line_and_its_clean_up_holds(bucket, client, tmp_path):
+    """SIGINT while s3transfer's threads upload: one line, exit 130; this run's objects removed, its
+    open upload aborted, its claim released (a rerun needs no --overwrite)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "weights.bin").write_bytes(os.urandom(16 * MiB))
+    uri = f"s3://{bucket}/v1"
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_AFTER_ITS_FIRST_PART, "publish", str(src), uri],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (130, "error: interrupted: publish stopped before it finished\n"), (
+        done.stderr[-3000:]
+    )
+    assert keys(client, bucket, "v1/") == [f"v1/{MANIFEST}"] and uploads(client, bucket, "v1/") == []
+    assert "pending" not in manifest(client, bucket, "v1")
+    s3.publish(src, uri, progress=False, client=client)
+    assert tree(s3.pull(uri, tmp_path / "dest")) == tree(src)
