@@ -398,12 +398,14 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "pull",
         help="download a publication from S3, each file verified (sha256) before it lands",
-        description="Read the manifest at s3://BUCKET/PREFIX, download each file to a temp name, "
-        "check its size and sha256, then rename it into DIR. Files already in DIR "
-        "with the manifest's sha256 are kept.",
+        description="Read the manifest at s3://BUCKET/PREFIX and build the publication beside DIR: "
+        "each file downloaded and its size and sha256 checked (or, where DIR already holds it with "
+        "that sha256, linked from there), then renamed onto DIR. DIR ends up holding exactly the "
+        "manifest's files, or, when the pull is refused, as it was. Only a new, an empty or a "
+        "pulled DIR is replaced.",
     )
     p.add_argument("uri", metavar="s3://BUCKET/PREFIX", help="a prefix written by `neuron-moe publish`")
-    p.add_argument("dir", metavar="DIR", help="destination directory (created if missing)")
+    p.add_argument("dir", metavar="DIR", help="destination directory (created if missing; replaced whole)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
     p = sub.add_parser(
