@@ -901,6 +901,19 @@ def test_a_directory_no_pull_wrote_is_refused_before_downloading(bucket, client,
     assert sorted(p.relative_to(dest) for p in dest.rglob("*")) == before  # nothing was downloaded
 
 
+def test_a_mount_point_is_refused_as_a_pull_destination(bucket, client, artifacts, tmp_path, monkeypatch):
+    """A pull replaces DIR whole, which a mount point (a container's volume) cannot be."""
+    uri = f"s3://{bucket}/v1"
+    s3.publish(artifacts, uri, progress=False, client=client)
+    dest = tmp_path / "volume"
+    dest.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == dest)
+    with pytest.raises(PublishError, match=rf"{dest} is a mount point; .* pull into a folder inside it"):
+        s3.pull_report(uri, dest, progress=False, client=client)
+    s3.pull_report(uri, dest / "v1", progress=False, client=client)
+    assert tree(dest / "v1") == tree(artifacts)
+
+
 def test_a_republication_with_other_files_pulled_into_a_used_directory_leaves_only_its_files(
     bucket, client, artifacts, tmp_path
 ):

@@ -819,6 +819,10 @@ def pull_report(uri: str, dest_dir: Path, *, progress: bool = True, client=None,
     dest = Path(dest_dir).absolute()
     check_output(dest, directory=True)
     wait = None if stall_s is None else _waiter(dest, sum(f["size"] for f in files), stall_s)
+    if os.path.ismount(dest):  # it could be neither renamed aside nor replaced
+        raise PublishError(
+            f"{dest} is a mount point; a pull replaces its directory whole: pull into a folder inside it"
+        )
     with run_lock(dest, "pull", wait=wait):
         if dest.is_dir() and any(dest.iterdir()) and not _pulled_mark(dest).is_file():
             raise PublishError(
