@@ -82,7 +82,8 @@ def text_dir(tmp_path_factory):
 
 
 def test_trace_and_compile_on_a_full_disk(namespace, tmp_path):
-    """torch's archive writer, refused a write mid-archive, used to abort the process (exit 134)."""
+    """torch's archive writer, refused a write mid-archive, throws from its destructor: the process
+    must not abort (exit 134) but say which file could not be written."""
     done, mnt = run_on_full_disk(
         namespace,
         tmp_path,
