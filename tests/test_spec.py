@@ -39,19 +39,19 @@ def test_every_entry_a_graph_may_trace_has_a_rank_module_compute():
 
 def test_what_the_commands_offer_is_derived_from_the_entries():
     assert GRAPH_EXPERTS == ("dense_masked", "selective")
-    assert list(backends.BACKENDS) == ["eager", "dense_masked", "selective", "int8", "static", "neuron"]
+    # the int8 experts are a format (--quantization int8), not a backend of their own
+    assert list(backends.BACKENDS) == ["eager", "dense_masked", "selective", "static", "neuron"]
     assert sorted(backends.NOT_SERVED) == ["channel_reader", "selector"]
-    assert sorted(seq_match.BACKENDS) == [
-        "dense_masked",
-        "eager",
-        "int8",
-        "reader",
-        "tp8",
-        "tp8-int8",
-        "tp8-naive-scatter",
-        "traced",
-    ]
+    assert sorted(seq_match.BACKENDS) == ["dense_masked", "eager", "reader", "tp", "traced"]
     assert seq_match.BACKENDS["reader"].experts is spec.CHANNEL_READER
+    for name in ("eager", "dense_masked"):
+        int8 = spec.quantized(seq_match.BACKENDS[name], "int8")
+        assert int8.experts is spec.INT8 and int8.quantization == "int8" and int8.name == name
+    tp = spec.quantized(seq_match.BACKENDS["tp"], "int8")
+    assert tp.quantization == "int8" and tp.placement == spec.Placement()
+    assert spec.quantized(seq_match.BACKENDS["traced"], "none") == seq_match.BACKENDS["traced"]
+    with pytest.raises(spec.SpecError, match="not --backend static"):
+        spec.quantized(backends.BACKENDS["static"], "int8")
 
 
 def test_experts_read_and_the_gather_rule(tiny_port):
@@ -66,7 +66,7 @@ def test_experts_read_and_the_gather_rule(tiny_port):
 
 def test_selector_specs_are_fields():
     known = ("teal", "reader")
-    assert spec.parse_selector("reader-r8-tp4-split-global", known) == spec.Selector(
+    assert spec.parse_selector("reader-r8-tp4-split-global", known) == spec.SelectorSpec(
         "reader-r8-tp4-split-global", "reader", 8, 4, gathered=True, split=True
     )
     assert (
@@ -165,7 +165,7 @@ def test_one_more_entry_is_offered_everywhere_it_fits():
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.splitlines()[-1])
     assert got["graph_experts"] == ["dense_masked", "selective", "dense_again"]
-    assert got["serve"] == ["eager", "dense_masked", "selective", "int8", "dense_again", "static", "neuron"]
+    assert got["serve"] == ["eager", "dense_masked", "selective", "dense_again", "static", "neuron"]
     assert "dense_again" in got["validate"] and got["validate_help"] == "dense_again"
     assert got["per_token"] == ["dense_masked", "selective", "dense_again", "eager"]
     assert got["serve_help"] == "dense_again" and got["same_tokens"]
