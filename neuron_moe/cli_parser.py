@@ -168,7 +168,10 @@ def _quantization_arg(p: argparse.ArgumentParser, help: str, choices=QUANTIZATIO
 
 
 def _reader_args(
-    p: argparse.ArgumentParser, applies: str, sidecar: str, recovery_default: str = "the sidecar's"
+    p: argparse.ArgumentParser,
+    applies: str,
+    sidecar: str,
+    recovery_default: str = "the port's [reader] recovery_rank, else the sidecar's",
 ) -> None:
     """The reader's settings, the same flags in every command that runs it (`spec.Reader.from_cli_args`)."""
     p.add_argument("--sidecar", metavar="FILE|DIR", help=sidecar)
