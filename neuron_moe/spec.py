@@ -198,16 +198,18 @@ class Reader:
         the experts' format of the whole command, not the reader's alone: the caller passes it on."""
         return cls(**{field: getattr(args, dest, None) for field, dest in cls.OPTIONS.items()})
 
+    @classmethod
+    def _fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
     def given(self) -> dict:
         """The fields given (not None), by their option's name."""
-        return {
-            self.OPTIONS.get(f, f): getattr(self, f) for f in self.__dataclass_fields__ if getattr(self, f) is not None
-        }
+        return {self.OPTIONS.get(f, f): getattr(self, f) for f in self._fields() if getattr(self, f) is not None}
 
     def over(self, defaults: Reader) -> Reader:
         """These settings, each field not given taken from `defaults` (the port's [reader] table)."""
         return Reader(
-            **{f: getattr(defaults, f) if getattr(self, f) is None else getattr(self, f) for f in _READER_FIELDS}
+            **{f: getattr(defaults, f) if getattr(self, f) is None else getattr(self, f) for f in self._fields()}
         )
 
     def resolved(self) -> Reader:
@@ -216,9 +218,6 @@ class Reader:
         return self.over(
             Reader(recovery_rank=RECOVERY_RANK, kernel=READER_KERNELS[0], quantization=NO_QUANTIZATION, scan=SCAN)
         )
-
-
-_READER_FIELDS = ("sidecar", "budget", "recovery_rank", "kernel", "quantization", "scan")
 
 
 @dataclass(frozen=True)
