@@ -205,8 +205,10 @@ def run_validation(port, tokenizer, backend: Backend, max_new_tokens: int, promp
 
 def render_validation(report: dict) -> str:
     shown = [dict(r, prompt=repr(r["prompt"])) for r in report["prompts"]]  # newlines visible, one row each
+    quantization = report["backend_options"].get("quantization")
+    experts = f", {quantization} experts" if quantization else ""
     lines = [
-        f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}) "
+        f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}{experts}) "
         f"vs {report['reference']}, {report['max_new_tokens']} new tokens"
     ]
     if "layer_library" in report:
