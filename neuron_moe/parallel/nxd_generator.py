@@ -1,6 +1,6 @@
 """Greedy generation over the full model at TP t through NxD's own parallel layers, in NxD's CPU mode.
 
-`validate --backend tp8 --tp-layers nxd`: t gloo processes forked from this one, each of which
+`validate --backend tp --tp-layers nxd`: t gloo processes forked from this one, each of which
 makes itself an NxD CPU-mode process (`nxd_source.activate`: the installed neuronx-distributed, or
 the source tree NXD_SRC names), initialises NxD's parallel state for t ranks, and builds its rank
 module over `parallel.nxd`: NxD's ColumnParallelLinear, RowParallelLinear, ParallelEmbedding,
@@ -60,7 +60,7 @@ class NxDGenerator:
             raise UserError(
                 "the Python-int router scatter is wrong only in a graph traced once on rank 0; "
                 "--tp-layers nxd runs NxD's layers eagerly on every rank (its CPU mode), where it is "
-                "right: run tp8-naive-scatter with --tp-layers cpu"
+                "right: the cpu layer library shows the bug"
             )
         if (dtype or port.dtype) != torch.float32:
             raise UserError(

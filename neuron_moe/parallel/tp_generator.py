@@ -7,13 +7,14 @@ zero-initialised KV state of their own (as NxD's state initializer does on each 
 never in a weight shard) and run the static host loop (`static/loop.py`) in lockstep. Every rank
 gathers the full logits and takes the same greedy token; the ranks' tokens are checked to agree.
 
-Backends for `validate`: `tp8` and `tp8-int8` (int8 experts, per-channel scales) in either expert
-layout (`--expert-layout`, default the port's [static] expert_layout: channel), and
-`tp8-naive-scatter`, always the expert layout: the seed port's Python-int router scatter, which a
-graph traced on rank 0 freezes to rank 0's slice (a wrong model, on purpose). `tp8` with a sidecar
-directory and a budget (`prep-reader --tp T`) runs the reader in the decode graph (`reader.py`).
-`--tp T` sets the degree (default 8); `--tp-layers nxd` runs the same rank modules over NxD's own
-layers instead (`nxd_generator.py`), eagerly on every rank.
+`validate --backend tp` (with `--quantization int8`: int8 experts, per-channel scales) in either
+expert layout (`--expert-layout`, default the port's [static] expert_layout: channel). A placement
+with the naive scatter (`spec.NAIVE`, always the expert layout) is the seed port's Python-int router
+scatter, which a graph traced on rank 0 freezes to rank 0's slice: a wrong model, kept as a test
+(tests/test_tp_model.py) that SEQ_MATCH catches it. `tp` with a sidecar directory and a budget
+(`prep-reader --tp T`) runs the reader in the decode graph (`reader.py`). `--tp T` sets the degree
+(default 8); `--tp-layers nxd` runs the same rank modules over NxD's own layers instead
+(`nxd_generator.py`), eagerly on every rank.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..errors import UserError
 from ..greedy import Generation
 from ..static.export import checked, example_inputs, functional
 from ..static.generator import StaticGenerator
-from ..spec import SPMD, Backend, Reader
+from ..spec import INT8_QUANTIZATION, SPMD, Backend, Reader
 from . import cpu
 from .nxd_generator import NxDGenerator
 from .rank_job import LIBRARY_CPU, RankJob
@@ -113,7 +114,7 @@ def generate_replicated(
     return out
 
 
-TP_DEGREE = 8  # the degree of the tp8 backends unless --tp gives another
+TP_DEGREE = 8  # the degree of validate's tp backend unless --tp gives another
 GENERATORS = {"cpu": TPGenerator, "nxd": NxDGenerator}  # by the layer library the rank modules are built over
 
 
@@ -131,11 +132,11 @@ def tp_generator(port, backend: Backend, dtype=None, checkpoint=None):
         dtype,
         checkpoint,
         expert_layout=placement.layout(None),
-        int8=backend.int8,
+        int8=backend.quantization == INT8_QUANTIZATION,
         scatter=placement.scatter,
         sidecar=reader.sidecar,
         budget=reader.budget,
-        rank=reader.rank,
+        rank=reader.recovery_rank,
     )
 
     def run(input_ids, attention_mask, max_new_tokens):

@@ -92,7 +92,7 @@ class BatchEngine(Engine):
         # A prompt of n tokens takes positions 0..n-1 and each new token but the last the next one:
         # n + max_tokens - 1 <= max_length, which is the Engine's n + max_tokens <= max_context.
         super().__init__(runtime, tokenizer, runtime.max_length + 1, eos_ids)
-        self.runtime, self.rows = runtime, runtime.batch
+        self.rows = runtime.batch
         self.batch = Rows(runtime)  # the request in each row
         self.batch.counted = self._counted
         self.metrics = None  # a metrics.Metrics, once a server counts this engine's calls
