@@ -19,7 +19,8 @@ from neuron_moe.static.cache import _bucket_columns, decode_mask, state_tensors
 from neuron_moe.static.decoder import Decode, new_cache
 from neuron_moe.static.export import GraphError, checked, decode_inputs, functional, state_problems
 from neuron_moe.static.generator import StaticGenerator, StaticInputError
-from neuron_moe.static.loop import greedy_sampling, prefill_row
+from neuron_moe.static.rows import prefill_row
+from neuron_moe.static.sampling import greedy_sampling
 
 from conftest import expert_reads, port_text_elsewhere, random_prompts
 

@@ -1,4 +1,4 @@
-"""The batching loop over the static graphs' rows (static/rows.py), on a runtime that records its
+"""The engine step over the static graphs' rows (static/rows.py), on a runtime that records its
 calls: which chunks each prefill call takes, what each decode step feeds at which positions, and
 how a row passes from one piece of work to the next. (Over the real graphs: test_serve_batching.py
 serves through it, test_reader_batch.py evaluates through it.)"""
@@ -56,9 +56,7 @@ class Work:
 def run(rows, waiting):
     take = lambda: waiting.pop(0) if waiting else None  # noqa: E731
     while waiting or rows.active():
-        rows.admit(take)
-        rows.prefill()
-        rows.decode()
+        rows.step(take)
 
 
 def test_rows_prefill_in_chunks_oldest_first_and_decode_each_row_at_its_own_position():
@@ -87,10 +85,8 @@ def test_a_failed_graph_call_ends_the_work_it_ran_frees_its_rows_and_raises():
     rows = Rows(Runtime(fail_decode=True))
     first, second, waiting = Work([1], 3), Work([2, 3], 3), Work([4], 1)
     queue = [first, second]
-    rows.admit(lambda: queue.pop(0) if queue else None)
-    rows.prefill()
     with pytest.raises(RuntimeError, match="device fault"):
-        rows.decode()
+        rows.step(lambda: queue.pop(0) if queue else None)
     assert str(first.ended) == str(second.ended) == "device fault" and rows.slots == [None, None]
     assert rows.steps == 0
     rows.runtime.fail_decode = False  # the rows serve the next piece of work

@@ -4,7 +4,7 @@ The rank module (`parallel/model.py`) wrapped in the static decoder's prefill (p
 decode graphs is exported once, as rank 0 under a fake process group, exactly as ModelBuilder
 traces; then t gloo processes each load those same programs with their own shard, give them one
 zero-initialised KV state of their own (as NxD's state initializer does on each rank; the cache is
-never in a weight shard) and run the static host loop (`static/loop.py`) in lockstep. Every rank
+never in a weight shard) and run the engine step (`static/rows.py`) in lockstep. Every rank
 gathers the full logits and takes the same greedy token; the ranks' tokens are checked to agree.
 
 Backends for `validate`: `tp8` and `tp8-int8` (int8 experts, per-channel scales) in either expert

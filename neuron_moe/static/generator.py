@@ -2,7 +2,7 @@
 
 Each prompt is prefilled into its own cache row, padded to the smallest bucket that holds it
 (rows of one batch may use different buckets), then every row decodes at once, each at its own
-position (`loop.py`). The graphs share one KV state (`cache.py`): nothing of the cache crosses
+position: the engine step (`rows.generate`). The graphs share one KV state (`cache.py`): nothing of the cache crosses
 the call boundary. Everything else the graphs need to know arrives as tensors: ids, the pad mask,
 positions, the row ids. Bad input (too long a prompt, too many tokens, too big a batch) is refused
 before any graph is exported or run.
@@ -21,7 +21,7 @@ from ..port import StaticSpec
 from .cache import share_state
 from .decoder import Decode, Prefill, new_cache
 from .export import example_inputs, export
-from .loop import bucket_for, run_graphs
+from .rows import bucket_for, generate, graph_runtime
 
 
 class StaticInputError(UserError):
@@ -66,8 +66,8 @@ class StaticGenerator:
     `device`: where the graphs run, their state lives and their inputs are made (the model must
     already be there when `exported=False`; exported programs are moved there). `logits=True`
     builds the validation graphs, which also return the logits; the serving graphs (False) return
-    the token alone. Tokens stay on the device until the end: the token a graph picks (argmax in
-    the graph) is fed straight back. On a lazy device (torch-xla) wrap each graph so that it
+    the token alone. Inputs are made on the host and sent; the token a graph picks (argmax in the
+    graph) comes back to the host each step. On a lazy device (torch-xla) wrap each graph so that it
     syncs after its call (bench/xla_check.py), or the whole loop becomes one graph.
     """
 
@@ -119,11 +119,8 @@ class StaticGenerator:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> Generation:
         self.prepare(self.check(attention_mask, max_new_tokens))
-        return Generation(
-            *run_graphs(
-                self._graphs, self.spec.batch_size, self.pad_id, input_ids, attention_mask, max_new_tokens, self.device
-            )
-        )
+        runtime = graph_runtime(self._graphs, self.spec.batch_size, self.pad_id, self.device)
+        return Generation(*generate(runtime, input_ids, attention_mask, max_new_tokens))
 
 
 def traced_backend(port, dtype=None, checkpoint=None):
