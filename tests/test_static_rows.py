@@ -6,7 +6,8 @@ serves through it, test_reader_batch.py evaluates through it.)"""
 import pytest
 import torch
 
-from neuron_moe.static.rows import Rows
+from neuron_moe.greedy import left_pad
+from neuron_moe.static.rows import GraphRuntime, Rows, generate
 from neuron_moe.static.sampling import GREEDY
 
 SAMPLED = (0.5, 0.0, 1.0, 0.25)
@@ -92,3 +93,28 @@ def test_a_failed_graph_call_ends_the_work_it_ran_frees_its_rows_and_raises():
     rows.runtime.fail_decode = False  # the rows serve the next piece of work
     run(rows, [waiting])
     assert waiting.got == [100] and waiting.ended == "done"
+
+
+def test_prefill_all_prefills_every_prompt_in_its_first_step_a_call_each_at_its_own_bucket():
+    """`generate`'s schedule (validate, the TP ranks): every prompt prefilled before the first decode,
+    on graphs of one row, each chunk in the smallest bucket that holds it (no buckets: its own length)."""
+    for buckets, widths in (([2, 4, 8], [4, 2, 8]), (None, [3, 1, 5])):
+        calls = []
+
+        def prefill(ids, mask, positions, row_ids, sampling):
+            calls.append(("prefill", ids.shape, ids[0, -1].item(), positions[0, -1].item(), row_ids.tolist()))
+            return (100 + row_ids[:, None],)
+
+        def decode(ids, positions, sampling):
+            calls.append(("decode", ids[:, 0].tolist(), positions[:, 0].tolist()))
+            return (1000 + positions,)
+
+        runtime = GraphRuntime(prefill, decode, batch=3, buckets=buckets, chunk=8, pad_id=0)
+        got = generate(runtime, *left_pad([[1, 2, 3], [4], [5, 6, 7, 8, 9]], 0), 2)
+        assert calls == [
+            ("prefill", (1, widths[0]), 3, 2, [0]),
+            ("prefill", (1, widths[1]), 4, 0, [1]),
+            ("prefill", (1, widths[2]), 9, 4, [2]),
+            ("decode", [100, 101, 102], [3, 1, 5]),
+        ]
+        assert got[0].tolist() == [[100, 1003], [101, 1001], [102, 1005]] and got[1] is None
