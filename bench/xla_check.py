@@ -61,7 +61,7 @@ from neuron_moe.static import XLA_LOWERED_OPS_FILE, graph_ops, xla_lowered_ops
 from neuron_moe.static.cache import share_state
 from neuron_moe.static.decoder import Decode, Prefill, new_cache
 from neuron_moe.static.export import example_inputs, export
-from neuron_moe.static.generator import StaticGenerator, generate_batches
+from neuron_moe.static.generator import StaticGenerator
 from neuron_moe.static.rows import Chunk, GraphRuntime
 from neuron_moe.static.sampling import CANDIDATES, GREEDY
 from neuron_moe.tokenizer import ByteTokenizer
@@ -226,8 +226,7 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
         model = model.to(xla.device)
     # the serving graphs: the token alone
     generator = StaticGenerator(model, spec, exported=run.exported, device=xla.device, logits=False)
-    size = spec.batch_size
-    generator.prepare(set().union(*(generator.check(mask[i : i + size], new_tokens) for i in range(0, len(ids), size))))
+    generator.prepare(generator.check(mask, new_tokens))
     export_s = time.perf_counter() - start
     tag = f"{run.prefill}-{run.decode}-{'exported' if run.exported else 'modules'}"
     # the generator's graphs, each replaced by its metered self (the loop calls them by name)
@@ -247,7 +246,7 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     compiles_before, moved_before = xla.compiles(), xla.transfers()
     xla.moved()
     start = time.perf_counter()
-    got = generate_batches(generator, ids, mask, new_tokens)
+    got = generator.generate(ids, mask, new_tokens)
     generate_s = time.perf_counter() - start
     moved = [now - before for now, before in zip(xla.transfers(), moved_before)]
     summaries = [g.summary() for g in graphs.values()]

@@ -82,11 +82,9 @@ class TPGenerator(StaticGenerator):
                 self.programs[name] = checked(functional(program), graph, name)
 
     def plan(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> list[tuple]:
-        """Check every batch, export what they need; -> [(ids, mask, n), ...]."""
-        size = self.spec.batch_size
-        batches = [(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
-        self.prepare(set().union(*(self.check(mask, max_new_tokens) for _, mask in batches)))
-        return [(ids, mask, max_new_tokens) for ids, mask in batches]
+        """Check the prompts, export what they need; -> [(ids, mask, n)], generation_job's batches."""
+        self.prepare(self.check(attention_mask, max_new_tokens))
+        return [(input_ids, attention_mask, max_new_tokens)]
 
     def generate(self, input_ids, attention_mask, max_new_tokens) -> Generation:
         return generate_replicated({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]

@@ -1,11 +1,11 @@
 """Greedy generation over the static graphs: the host loop a compiled deployment runs.
 
-Each prompt is prefilled into its own cache row, padded to the smallest bucket that holds it
-(rows of one batch may use different buckets), then every row decodes at once, each at its own
-position: the engine step (`rows.generate`). The graphs share one KV state (`cache.py`): nothing of the cache crosses
-the call boundary. Everything else the graphs need to know arrives as tensors: ids, the pad mask,
-positions, the row ids. Bad input (too long a prompt, too many tokens, too big a batch) is refused
-before any graph is exported or run.
+The engine step (`rows.generate`): the prompts take the cache's rows a batch at a time, each
+prefilled into its own row, padded to the smallest bucket that holds it (rows of one batch may use
+different buckets), then every row decodes at once, each at its own position. The graphs share one
+KV state (`cache.py`): nothing of the cache crosses the call boundary. Everything else the graphs
+need to know arrives as tensors: ids, the pad mask, positions, the row ids. Bad input (too long a
+prompt, too many tokens) is refused before any graph is exported or run.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ class StaticInputError(UserError):
 
 def choose_buckets(spec: StaticSpec, lengths: list[int], max_new_tokens: int) -> set[int]:
     """The bucket of each prompt (the smallest that holds it); every limit of the graphs checked."""
-    if len(lengths) > spec.batch_size:
-        raise StaticInputError(f"batch of {len(lengths)} prompts exceeds the compiled batch size {spec.batch_size}")
     longest = max(lengths)
     if longest > spec.buckets[-1]:
         raise StaticInputError(
@@ -83,7 +81,7 @@ class StaticGenerator:
         self._graphs: dict[str, torch.nn.Module] = {}  # the same, callable
 
     def check(self, attention_mask: torch.Tensor, max_new_tokens: int) -> set[int]:
-        """The buckets this batch will use, or a StaticInputError; does no work."""
+        """The buckets these prompts will use, or a StaticInputError; does no work."""
         if max_new_tokens < 1:
             raise StaticInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         return choose_buckets(self.spec, prompt_lengths(attention_mask), max_new_tokens)
@@ -125,19 +123,6 @@ class StaticGenerator:
 
 def traced_backend(port, dtype=None, checkpoint=None):
     """`validate --backend traced`: the port's exported programs (the validation graphs, which
-    return the logits too), prompts run in batches of the compiled batch size (every batch is
-    checked before anything is exported)."""
+    return the logits too), every prompt checked before anything is exported."""
     spec = port.static_spec("validate --backend traced")
-    generator = StaticGenerator(build_model(port, spec.decode_experts, dtype, checkpoint), spec, logits=True)
-    return lambda ids, mask, n: generate_batches(generator, ids, mask, n)
-
-
-def generate_batches(
-    generator: StaticGenerator, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
-) -> Generation:
-    """Any number of prompts, in batches of the compiled batch size (every batch is checked, and
-    the buckets they need exported, before any batch runs)."""
-    size = generator.spec.batch_size
-    batches = [(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
-    generator.prepare(set().union(*(generator.check(mask, max_new_tokens) for _, mask in batches)))
-    return Generation.cat([generator.generate(ids, mask, max_new_tokens) for ids, mask in batches])
+    return StaticGenerator(build_model(port, spec.decode_experts, dtype, checkpoint), spec, logits=True).generate

@@ -40,8 +40,8 @@ and raises out of the step.
 
 from __future__ import annotations
 
-import functools
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -275,14 +275,13 @@ class _Greedy:
 
 
 def generate(runtime, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):
-    """Greedy generation of a left-padded batch of at most `runtime.batch` prompts, prompt r in row r:
-    the first step prefills every prompt and decodes them all, each later step decodes them all ->
-    (tokens [rows, n], logits [rows, n, V] or None) on the host. The prompts were checked against
-    the buckets and the cache (`StaticGenerator.check`)."""
+    """Greedy generation of left-padded prompts, `runtime.batch` at a time (prompt i in row i mod
+    batch): a step prefills every prompt it admits and decodes every row; the rows end together and
+    the next step admits the next prompts -> (tokens [prompts, n], logits [prompts, n, V] or None) on
+    the host. The prompts were checked against the buckets and the cache (`StaticGenerator.check`)."""
     prompts = [_Greedy(ids[mask.bool()].tolist(), max_new_tokens) for ids, mask in zip(input_ids, attention_mask)]
-    rows, take = Rows(runtime, prefill_all=True), functools.partial(next, iter(prompts), None)
-    rows.step(take)
-    while rows.active():
-        rows.step()
+    rows, waiting = Rows(runtime, prefill_all=True), deque(prompts)
+    while waiting or rows.active():
+        rows.step(lambda: waiting.popleft() if waiting else None)
     logits = torch.stack([torch.stack(p.logits) for p in prompts]) if prompts[0].logits else None
     return torch.tensor([p.tokens for p in prompts]), logits
