@@ -61,12 +61,12 @@ def prompt_lengths(attention_mask: torch.Tensor) -> list[int]:
 class StaticGenerator:
     """Greedy generation through the exported programs (or, `exported=False`, the modules).
 
-    `device`: where the graphs run, their state lives and their inputs are made (the model must
-    already be there when `exported=False`; exported programs are moved there). `logits=True`
-    builds the validation graphs, which also return the logits; the serving graphs (False) return
-    the token alone. Inputs are made on the host and sent; the token a graph picks (argmax in the
-    graph) comes back to the host each step. On a lazy device (torch-xla) wrap each graph so that it
-    syncs after its call (bench/xla_check.py), or the whole loop becomes one graph.
+    `device`: where the graphs run and their state lives (the model must already be there when
+    `exported=False`; exported programs are moved there). `logits=True` builds the validation
+    graphs, which also return the logits; the serving graphs (False) return the token alone. Inputs
+    are made on the host and sent; the token a graph picks (argmax in the graph) comes back to the
+    host after each call (`rows.GraphRuntime`), which on a lazy device (torch-xla) runs each call
+    as its own graph (bench/xla_check.py also syncs after each call, to meter it).
     """
 
     def __init__(
