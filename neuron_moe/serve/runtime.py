@@ -1,19 +1,5 @@
-"""The port's static graphs on CPU as the batching engine's runtime (`static.rows.GraphRuntime`).
-
-A runtime holds a KV cache of `batch` rows as its state (`static/cache.py`); no cache tensor
-crosses its calls. What goes in is ids, positions and each row's sampling (temperature, top-k,
-top-p and a uniform draw, `static/sampling.py`); what comes back is the token each row's graph
-chose (and the logits, from graphs built to return them):
-
-  prefill(chunks)                  up to max(prefill_rows) chunks of prompts, each into its own
-                                   cache row (the other rows are not touched), in one call
-                                   -> (tokens [n], logits [n, V] | None)
-  decode(ids, positions, sampling) [B, 1], [B, 1], [B, 4]: every row one token at its own position
-                                   -> (tokens [B], logits [B, V] | None)
-
-Here the callables are the `Prefill` and `Decode` modules themselves over one `KVCache`
-(`serve --backend static`); on Inferentia2 the compiled artifact (`neuron.py`).
-"""
+"""The port's static graphs on CPU, as modules over one KV cache, as the batching engine's runtime
+(`static.rows.GraphRuntime`: what goes in and out; on Inferentia2 the compiled artifact, `neuron.py`)."""
 
 from __future__ import annotations
 

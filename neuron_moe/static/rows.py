@@ -2,8 +2,8 @@
 
 `Rows.step` is the one host loop over the graphs; every caller drives it, a step at a time:
 serving (`serve/batching.py`: threads, a sink per request), the batch evaluation
-(`eval/reader_batch.py`: teacher forcing, fillers, each step's reads), and greedy generation of a
-batch of prompts (`generate`: `validate`'s static and TP generators, on every TP rank in lockstep).
+(`eval/reader_batch.py`: teacher forcing, fillers, each step's reads), and greedy generation of
+prompts, a batch at a time (`generate`: `validate`'s static and TP generators, every TP rank in lockstep).
 One step is
 
 - admission: each free row, in order, takes the next piece of work `take()` hands it (None:
@@ -74,7 +74,8 @@ class Chunk:
 
 
 class GraphRuntime:
-    """Two callables with the static decoder's signatures (`decoder.py`), as the rows call them.
+    """Two callables with the static decoder's signatures (`decoder.py`), as the rows call them. The
+    KV cache of `batch` rows is their state (`cache.py`): no cache tensor crosses a call.
 
     A prefill call takes P rows of one bucket: P the smallest of `prefill_rows` (the compiled
     graphs' row counts) that holds the chunks, padded with copies of the last chunk (the same row
