@@ -30,7 +30,7 @@ import torch
 from ..errors import UserError
 from ..greedy import Generation
 from ..spec import SPMD
-from ..static.generator import StaticGenerator, choose_buckets, generate_batches, prompt_lengths
+from ..static.generator import StaticGenerator, choose_buckets, prompt_lengths
 from . import cpu, nxd, nxd_source
 from .model import materialize
 from .rank_job import RankJob
@@ -97,12 +97,10 @@ class NxDGenerator:
         }
 
     def check(self, attention_mask: torch.Tensor, max_new_tokens: int) -> None:
-        """Every batch of the graphs' batch size checked against the graphs, before any process starts."""
+        """Every prompt checked against the graphs, before any process starts."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        size = self.spec.batch_size
-        for i in range(0, len(attention_mask), size):
-            choose_buckets(self.spec, prompt_lengths(attention_mask[i : i + size]), max_new_tokens)
+        choose_buckets(self.spec, prompt_lengths(attention_mask), max_new_tokens)
 
     def generate(self, input_ids, attention_mask, max_new_tokens) -> Generation:
         return generate_nxd({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]
@@ -152,7 +150,7 @@ def _rank(
         materialize(module, job.config, tp, job.expert_layout)
         module.load_state_dict(state, strict=True)
         generator = StaticGenerator(module, job.spec, exported=False, logits=True)
-        generation = generate_batches(generator, input_ids, attention_mask, max_new_tokens)
+        generation = generator.generate(input_ids, attention_mask, max_new_tokens)
         classes = sorted(
             {
                 f"{type(m).__module__}.{type(m).__name__}"

@@ -4,7 +4,7 @@ The rank module (`parallel/model.py`) wrapped in the static decoder's prefill (p
 decode graphs is exported once, as rank 0 under a fake process group, exactly as ModelBuilder
 traces; then t gloo processes each load those same programs with their own shard, give them one
 zero-initialised KV state of their own (as NxD's state initializer does on each rank; the cache is
-never in a weight shard) and run the static host loop (`static/loop.py`) in lockstep. Every rank
+never in a weight shard) and run the engine step (`static/rows.py`) in lockstep. Every rank
 gathers the full logits and takes the same greedy token; the ranks' tokens are checked to agree.
 
 `validate --backend tp` (with `--quantization int8`: int8 experts, per-channel scales) in either
@@ -83,11 +83,9 @@ class TPGenerator(StaticGenerator):
                 self.programs[name] = checked(functional(program), graph, name)
 
     def plan(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> list[tuple]:
-        """Check every batch, export what they need; -> [(ids, mask, n), ...]."""
-        size = self.spec.batch_size
-        batches = [(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
-        self.prepare(set().union(*(self.check(mask, max_new_tokens) for _, mask in batches)))
-        return [(ids, mask, max_new_tokens) for ids, mask in batches]
+        """Check the prompts, export what they need; -> [(ids, mask, n)], generation_job's batches."""
+        self.prepare(self.check(attention_mask, max_new_tokens))
+        return [(input_ids, attention_mask, max_new_tokens)]
 
     def generate(self, input_ids, attention_mask, max_new_tokens) -> Generation:
         return generate_replicated({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]

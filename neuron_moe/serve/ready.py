@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
+from ..static.rows import Chunk
 from ..static.sampling import GREEDY
 from .engine import Engine, SamplingParams
-from .runtime import Chunk
 
 log = logging.getLogger("neuron_moe.serve")
 
