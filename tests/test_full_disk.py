@@ -87,7 +87,7 @@ def test_trace_and_compile_on_a_full_disk(namespace, tmp_path):
     done, mnt = run_on_full_disk(
         namespace,
         tmp_path,
-        ["trace-and-compile", "--dry-run", "--tp", "1", "--dtype", "fp32", "--out", str(tmp_path / "mnt" / "art")],
+        ["trace-and-compile", "--dry-run", "--tp", "1", "--dtype", "float32", "--out", str(tmp_path / "mnt" / "art")],
     )
     assert_one_error(done, ".pt2")
 

@@ -26,7 +26,7 @@ def test_ctrl_c_during_trace_and_compile_is_one_line_and_leaves_nothing(tmp_path
     out = tmp_path / "art"
     done = subprocess.run(
         [sys.executable, "-c", INTERRUPTED_AFTER_THE_FIRST_EXPORT]
-        + ["trace-and-compile", "--dry-run", "--tp", "1", "--dtype", "fp32", "--out", str(out)],
+        + ["trace-and-compile", "--dry-run", "--tp", "1", "--dtype", "float32", "--out", str(out)],
         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

@@ -774,7 +774,7 @@ def test_a_second_server_on_a_shared_cache_waits_for_the_first_pull(
     assert not isinstance(engine, Exception), engine
     assert {r["action"] for r in results["first"]["files"]} == {"downloaded"}
     assert set(fetched) == {"first"}  # the second downloaded nothing: it verified the first's files
-    assert torch.equal(engine.backend.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert torch.equal(engine.runtime.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
 def test_a_republished_checkpoint_served_from_a_used_cache_is_the_new_one(
@@ -958,7 +958,7 @@ def dry_run_artifact(tmp_path, tiny_port, one_torch_thread):
     from neuron_moe.neuron import compile as compile_
 
     out = tmp_path / "art"
-    compile_.trace_and_compile(tiny_port, "fp32", 1, out, dry_run=True, export=False)
+    compile_.trace_and_compile(tiny_port, compile_.Build(tp=1, out=out, dtype="float32", dry_run=True, export=False))
     return out
 
 

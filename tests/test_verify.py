@@ -12,7 +12,7 @@ import pytest
 
 from neuron_moe import cli
 from neuron_moe.neuron import compile as compile_
-from neuron_moe.neuron.artifact import MANIFEST, WEIGHTS
+from neuron_moe.neuron.artifact import MANIFEST, RANK_WEIGHTS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def built(tmp_path_factory, tiny_port):
     """trace-and-compile --dry-run of the tiny port (not exported: the files are what is checked)."""
     out = tmp_path_factory.mktemp("built") / "art"
-    compile_.trace_and_compile(tiny_port, "fp32", 1, out, dry_run=True, export=False)
+    compile_.trace_and_compile(tiny_port, compile_.Build(tp=1, out=out, dtype="float32", dry_run=True, export=False))
     return out
 
 
@@ -53,7 +53,7 @@ def _other_manifest_field(art):
 
 TAMPERINGS = {
     "flipped weight byte": (
-        lambda art: _flip(art / WEIGHTS.format(rank=0)),
+        lambda art: _flip(art / RANK_WEIGHTS.format(rank=0)),
         "/weights/tp0_sharded_checkpoint.safetensors: sha256 ",
     ),
     "swapped tokenizer": (_swap_tokenizer, "/tokenizer/tokenizer.json: sha256 "),
@@ -137,7 +137,7 @@ def _python3_here(tmp_path):
 def test_the_image_entrypoint_verifies_the_artifact_before_it_serves(art, tmp_path, spelling):
     """The entrypoint runs `neuron-moe verify` first: a tampered artifact stops it with verify's one
     line (exit 2), and serve never starts (no Neuron SDK needed to see it)."""
-    _flip(art / WEIGHTS.format(rank=0))
+    _flip(art / RANK_WEIGHTS.format(rank=0))
     given = ["--artifacts", str(art)] if spelling == "--artifacts DIR" else [f"--artifacts={art}"]
     done = subprocess.run(
         [str(REPO / "docker" / "entrypoint.sh"), "--model", "tiny-gemma4-moe", "--backend", "neuron", *given],
