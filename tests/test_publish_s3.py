@@ -799,7 +799,7 @@ def test_a_republished_checkpoint_served_from_a_used_cache_is_the_new_one(
 
     def serve():
         args = cli.parser().parse_args(["serve", "--artifacts", uri, "--artifacts-cache", str(tmp_path / "cache")])
-        return plan_load(args)[1]().backend.model.model.embed_tokens.weight
+        return plan_load(args)[1]().runtime.model.model.embed_tokens.weight
 
     uri = f"s3://{bucket}/tiny"
     first, files = publish(1, 2 * MiB, overwrite=False)
