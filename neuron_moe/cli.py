@@ -90,6 +90,15 @@ def cmd_pull(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from .verify import render_verify, verify
+
+    report = verify(args.artifact, args.model)
+    if _json_out(report, args):
+        print(render_verify(report))
+    return 0
+
+
 def cmd_plan(args) -> int:
     from .neuron.plan import GiB, port_plan, render_plan
     from .port import load_port, with_shapes
@@ -291,6 +300,7 @@ COMMANDS = {
     "eval-reader": cmd_eval_reader,
     "publish": cmd_publish,
     "pull": cmd_pull,
+    "verify": cmd_verify,
     "plan": cmd_plan,
     "trace-and-compile": cmd_trace_and_compile,
     "serve": cmd_serve,
@@ -343,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e))
     except OSError as e:  # the system refused (a full disk, a read-only or missing path): one line, not a bug
         return _error(f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
+    except KeyboardInterrupt:  # Ctrl-C: each command's clean-up (temp output, uploads) ran as it unwound
+        print(f"error: interrupted: {args.command} stopped before it finished", file=sys.stderr)
+        return 130
 
 
 def _error(message: str) -> int:

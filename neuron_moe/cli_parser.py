@@ -434,12 +434,29 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "pull",
         help="download a publication from S3, each file verified (sha256) before it lands",
-        description="Read the manifest at s3://BUCKET/PREFIX, download each file to a temp name, "
-        "check its size and sha256, then rename it into DIR. Files already in DIR "
-        "with the manifest's sha256 are kept.",
+        description="Read the manifest at s3://BUCKET/PREFIX and build the publication beside DIR: "
+        "each file downloaded and its size and sha256 checked (or, where DIR already holds it with "
+        "that sha256, linked from there), then renamed onto DIR. DIR ends up holding exactly the "
+        "manifest's files, or, when the pull is refused, as it was. Only a new, an empty or a "
+        "pulled DIR is replaced.",
     )
     p.add_argument("uri", metavar="s3://BUCKET/PREFIX", help="a prefix written by `neuron-moe publish`")
-    p.add_argument("dir", metavar="DIR", help="destination directory (created if missing)")
+    p.add_argument("dir", metavar="DIR", help="destination directory (created if missing; replaced whole)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+
+    p = sub.add_parser(
+        "verify",
+        help="check a trace-and-compile artifact against its own manifest, no SDK needed",
+        description="Check the artifact's manifest.json (every field of the contract), each file's size "
+        "and sha256 against it, and that it holds no file the manifest does not list; with --model, "
+        "that it was built for that port. An s3:// publication is read from S3, each object checked "
+        "against the publication's manifest too, nothing written. Exit 0 when it is whole, 2 (one "
+        "error: line naming the file or field) when not. serve --artifacts makes the same checks.",
+    )
+    p.add_argument(
+        "artifact", metavar="ARTIFACT|s3://BUCKET/PREFIX", help="a trace-and-compile output, or its publication"
+    )
+    p.add_argument("--model", metavar="NAME|PATH", help="also check that it was built for this port")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
     p = sub.add_parser(

@@ -135,7 +135,11 @@ def test_every_backend_offered_generates(backend, tiny_port, one_torch_thread):
 def test_neuron_backend_without_the_sdk(tmp_path, capsys):
     if all(importlib.util.find_spec(m) for m in neuron.SDK_MODULES):
         pytest.skip("the Neuron SDK is installed here")
-    assert cli.main(["serve", "--backend", "neuron", "--artifacts", str(manifest_dir(tmp_path))]) == 2
+    # a whole artifact (its manifest lists no files, and none are there) without a tokenizer: the
+    # checkpoint's; the artifact's checks pass, the SDK's do not
+    checkpoint = str(load_port("tiny-gemma4-moe").checkpoint)
+    args = ["serve", "--backend", "neuron", "--artifacts", str(manifest_dir(tmp_path)), "--checkpoint", checkpoint]
+    assert cli.main(args) == 2
     assert "needs the Neuron SDK (missing torch_neuronx, neuronx_distributed)" in capsys.readouterr().err
 
 
