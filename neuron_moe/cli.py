@@ -8,7 +8,7 @@ import sys
 import torch
 
 from . import environment, hub
-from .cli_parser import parser
+from .cli_parser import READS_BUDGET, max_threads, parser
 from .environment import render_env
 from .errors import UserError
 from .eval import reader_eval, seq_match
@@ -19,11 +19,12 @@ from .info import info_report, render_info
 from .model import prep_reader, render_prep_reader
 from .neuron.compile import render_trace_and_compile, trace_and_compile
 from .neuron.plan import GiB, port_plan, render_plan
-from .port import load_port, ports_report, render_ports, with_shapes
+from .port import ReaderSpec, load_port, ports_report, render_ports, with_shapes
 from .publish.s3 import publish, pull_report, render_publish, render_pull
 from .reader.accounting import ReaderSettings, reads_report, render_reads
 from .reader.geometry import Geometry
-from .report import check_output, write_json
+from .reader.prep import RANK
+from .report import OutputError, check_output, write_json
 from .spec import Reader
 from .tasks import TASKS
 from .tokenizer import load_tokenizer
@@ -180,15 +181,18 @@ def cmd_reads(args) -> int:
                 f"every expert once"
             )
         geo = Geometry(hidden=args.hidden, experts=args.experts, top_k=args.top_k, intermediate=args.intermediate)
-        name = "explicit geometry"
+        name, defaults = "explicit geometry", ReaderSpec()
     else:
         port = load_port(args.model)
-        geo, name = Geometry.from_config(port.config), port.name
+        geo, name, defaults = Geometry.from_config(port.config), port.name, port.reader
+    # a flag, else the port's [reader] setting, else the reader's own default
+    rank = next(r for r in (args.rank, defaults.rank, RANK) if r is not None)
+    budget = next(b for b in (args.budget, defaults.budget, READS_BUDGET) if b is not None)
     report = reads_report(
         name,
         geo,
-        ReaderSettings(scan=args.scan, rank=args.rank, weights=args.dtype),
-        args.budget,
+        ReaderSettings(scan=args.scan, rank=rank, weights=args.dtype),
+        budget,
         args.tp or 1,
         args.batch,
         args.step_budget,
@@ -298,11 +302,17 @@ WEIGHTS_ONLY = ("info", "prep-reader")
 def _check_outputs(args) -> None:
     """Every output path a command was given, checked before its work starts (not after an upload
     or an hour of training). `--out` is a directory but for prep-reader's sidecar (without --tp)."""
-    if getattr(args, "json", None):
-        check_output(args.json)
-    if getattr(args, "out", None):
-        file = args.command == "prep-reader" and not args.tp
-        check_output(args.out, directory=not file, seekable=file)
+    try:
+        if getattr(args, "json", None):
+            check_output(args.json)
+    except OutputError as e:
+        raise OutputError(f"--json: {e}") from None
+    try:
+        if getattr(args, "out", None):
+            file = args.command == "prep-reader" and not args.tp
+            check_output(args.out, directory=not file, seekable=file)
+    except OutputError as e:
+        raise OutputError(f"--out: {e}") from None
 
 
 def _checkpoint(args) -> None:
@@ -321,6 +331,11 @@ def _checkpoint(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.threads > max_threads():  # only $OMP_NUM_THREADS gets here: --threads is bounded by its type
+        return _error(
+            f"$OMP_NUM_THREADS={args.threads} is more torch threads than this machine runs (at most "
+            f"{max_threads()} here); pass --threads N"
+        )
     torch.set_num_threads(args.threads)  # every command's (cli_parser.DEFAULT_THREADS: measured)
     try:
         _check_outputs(args)
@@ -330,6 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e))
     except OSError as e:  # the system refused (a full disk, a read-only or missing path): one line, not a bug
         return _error(f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
+    except KeyboardInterrupt:  # Ctrl-C: what the command was writing was cleaned up on the way out
+        _error(f"interrupted (Ctrl-C): neuron-moe {args.command} stopped")
+        return INTERRUPTED
+
+
+INTERRUPTED = 130  # a shell's status for a process ended by SIGINT (128 + 2)
 
 
 def _error(message: str) -> int:
