@@ -3,7 +3,10 @@ prints its report (the module's renderer)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 
 import torch
 
@@ -337,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{max_threads()} here); pass --threads N"
         )
     torch.set_num_threads(args.threads)  # every command's (cli_parser.DEFAULT_THREADS: measured)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupt) if main_thread else None
     try:
         _check_outputs(args)
         _checkpoint(args)
@@ -348,9 +353,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what the command was writing was cleaned up on the way out
         _error(f"interrupted (Ctrl-C): neuron-moe {args.command} stopped")
         return INTERRUPTED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
 
 
 INTERRUPTED = 130  # a shell's status for a process ended by SIGINT (128 + 2)
+RESEND_S = 0.05
+
+
+def interrupt(signum, frame) -> None:
+    """SIGINT as KeyboardInterrupt, as Python's own handler, except inside a finalizer (`__del__`, run
+    by the garbage collector anywhere, in torch.export too), where Python prints the exception as
+    'Exception ignored in' and carries on, the Ctrl-C lost: there the signal is sent again a moment
+    later, once the finalizer is done."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            threading.Timer(RESEND_S, os.kill, (os.getpid(), signum)).start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
 
 
 def _error(message: str) -> int:
