@@ -176,6 +176,10 @@ def test_every_command_takes_threads_and_applies_it(monkeypatch, capsys):
         ),
         (["build-corpus", "--out", "o", "--scale", "0"], "argument --scale: must be in (0, 1000], got 0"),
         (["validate", "--rank", "-2"], "argument --rank: must be in [0, 262144], got -2"),
+        (
+            ["trace-and-compile", "--tp", "2", "--dry-run", "--out", "o", "--batch-size", "2000"],
+            "argument --batch-size: must be in [1, 1024], got 2000",
+        ),
     ],
 )
 def test_numeric_options_out_of_range_are_refused_by_name(argv, message, capsys):
