@@ -299,7 +299,7 @@ def parser() -> argparse.ArgumentParser:
         "--scale",
         type=number(float, above=0, at_most=1000),
         default=1.0,
-        help="multiplies the number of training task items",
+        help="multiplies the number of training task items (at most 1000)",
     )
     p.add_argument("--json", metavar="FILE", help="also write the counts as JSON ('-' for stdout)")
 
