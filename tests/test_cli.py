@@ -259,7 +259,7 @@ def test_the_parsers_bounds_are_the_ports_and_configs():
 
 
 def test_threads_are_bounded_by_what_the_machine_runs(monkeypatch, capsys):
-    """--threads 100000 crashed in a thread pool (exit 139), a 20-digit one was an overflow traceback."""
+    """--threads 100000 would crash a thread pool (exit 139), a 20-digit one overflow torch: both refused by name."""
     before = torch.get_num_threads()
     try:
         for value in ("99999999999999999999", "100000"):
@@ -338,8 +338,8 @@ def test_ctrl_c_during_trace_and_compiles_ranks_is_one_line_and_exit_130(tmp_pat
 
 def test_ctrl_c_inside_a_finalizer_is_not_lost():
     """Python prints an exception raised in `__del__` and carries on: a Ctrl-C landing in one (the
-    garbage collector runs them anywhere; a real Ctrl-C during trace-and-compile's export landed in
-    `regex`'s) was lost and the command ran on. cli's handler sends it again once out of the finalizer."""
+    garbage collector runs them anywhere; a real Ctrl-C during trace-and-compile's export can land in
+    `regex`'s) would be lost and the command run on. cli's handler sends it again once out of the finalizer."""
     import signal
     import time
 

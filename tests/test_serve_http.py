@@ -633,7 +633,7 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(endless_engine
 
 def test_a_storm_of_clients_that_leave_logs_no_unretrieved_task(endless_engine, caplog):
     """Clients that leave mid-stream or mid-request: each one's waiting task is cancelled and read,
-    not left for asyncio to log 'Task exception was never retrieved' (one per client before)."""
+    not left for asyncio to log 'Task exception was never retrieved', once per client."""
     spy = Spy(endless_engine, step_delay_s=0.01)
 
     async def storm(url):

@@ -108,7 +108,7 @@ def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
 
 @pytest.mark.parametrize("host", ["", " "])
 def test_an_empty_host_is_refused_by_name_before_binding(host):
-    """An empty --host made uvicorn bind every address, and the warning named a blank one."""
+    """An empty --host would have uvicorn bind every address under a blank name: refused, naming both meanings."""
     with pytest.raises(ServeError, match=r"^--host '\s*' is no address: pass 127\.0\.0\.1 .* or 0\.0\.0\.0 / ::"):
         plan_load(cli.parser().parse_args(["serve", "--host", host]))
 
