@@ -123,6 +123,12 @@ def check_output(dest: str | Path, directory: bool = False, seekable: bool = Fal
         raise OutputError(f"{folder} is not a directory, so {path} cannot be written")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(f"{folder}: directory not writable, so {path} cannot be written")
+    try:  # what the write will do there first (root passes os.access where the filesystem still refuses: /proc)
+        fd, probe = tempfile.mkstemp(prefix=".neuron-moe-probe.", dir=folder)
+    except OSError as e:
+        raise OutputError(f"{path} cannot be written: {folder} takes no new file ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 @contextmanager

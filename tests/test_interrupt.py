@@ -35,6 +35,6 @@ def test_ctrl_c_during_trace_and_compile_is_one_line_and_leaves_nothing(tmp_path
     )
     assert done.returncode == 130, done.stderr[-3000:]
     lines = done.stderr.splitlines()  # progress bars, then the one line
-    assert lines[-1] == "error: interrupted: trace-and-compile stopped before it finished", done.stderr[-3000:]
+    assert lines[-1] == "error: interrupted (Ctrl-C): neuron-moe trace-and-compile stopped", done.stderr[-3000:]
     assert "Traceback" not in done.stderr and sum("error" in line for line in lines) == 1
     assert list(tmp_path.iterdir()) == []  # no --out, no .art.partial-*, no .art.lock

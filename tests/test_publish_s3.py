@@ -1042,7 +1042,7 @@ def test_ctrl_c_during_publish_is_one_line_and_its_clean_up_holds(bucket, client
         timeout=120,
         check=False,
     )
-    assert (done.returncode, done.stderr) == (130, "error: interrupted: publish stopped before it finished\n"), (
+    assert (done.returncode, done.stderr) == (130, "error: interrupted (Ctrl-C): neuron-moe publish stopped\n"), (
         done.stderr[-3000:]
     )
     assert keys(client, bucket, "v1/") == [f"v1/{MANIFEST}"] and uploads(client, bucket, "v1/") == []

@@ -71,6 +71,11 @@ def s3_cache_dir(uri: str, root: Path) -> Path:
 
 def plan_load(args):
     """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
+    if not args.host.strip():  # uvicorn and the socket would take it for every address, unsaid
+        raise ServeError(
+            f"--host {args.host!r} is no address: pass 127.0.0.1 (this machine only, the default) or "
+            "0.0.0.0 / :: (every address)"
+        )
     port = load_port(args.model)
     artifacts, pull = args.artifacts, None
     if artifacts and artifacts.startswith(S3_SCHEME):
