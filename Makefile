@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch that this project's machines carry; pip takes it from local disk.
 TORCH  := torch==2.13.0
 
-.PHONY: venv demo test train-tiny xla-check xla-ops clean
+.PHONY: venv demo lint test train-tiny xla-check xla-ops clean
 
 # Idempotent: re-running only installs what pyproject.toml changed.
 $(VENV)/.installed: pyproject.toml
@@ -21,6 +21,11 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/neuron-moe info --model tiny-gemma4-moe
 	$(VENV)/bin/neuron-moe validate --model tiny-gemma4-moe --backend dense_masked --max-new-tokens 32
+
+# ruff's lint rules and formatting (config in pyproject.toml); CI runs this before the tests.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: venv
 	$(PY) -m pytest -q

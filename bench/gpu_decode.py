@@ -299,7 +299,8 @@ def first_step(model, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     (nothing upstream differs), so their outputs compare at the kernels' own tolerance; the logits of
     random weights, through every layer in bf16, can differ far more between two correct
     implementations (on the tiny port's geometry: 0.28 of the largest logit in bf16, 1e-6 in fp32, the
-    first layer's experts 3e-3 in bf16), so they are recorded, not checked. The step's token is the prompt's first, not the prefill's argmax."""
+    first layer's experts 3e-3 in bf16), so they are recorded, not checked. The step's token is the
+    prompt's first, not the prefill's argmax."""
     seen = []
     hook = model.model.layers[0].experts.register_forward_hook(lambda module, args, out: seen.append(out.float()))
     try:
@@ -376,7 +377,8 @@ def decode_rate(model, batch: int) -> dict:
         out["graph_error"] = why
     if DEVICE == "cuda":
         out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30  # weights, cache, graph pool
-    del graph, cache
+    # free the graph's pool and the cache before empty_cache; rebound, not deleted: run() closes over them
+    graph = cache = lengths = None
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -448,7 +450,8 @@ def write_report(report, dest: str) -> None:
         header(report["machine"]),
         "",
         f"Command: `{report['command']}`. {args.steps} greedy steps per CUDA graph after a {args.prompt}-token "
-        f"prompt, the median of {args.replays} replays; reader kernels: {', '.join(args.reader_variants)}. The source paper's "
+        f"prompt, the median of {args.replays} replays; reader kernels: {', '.join(args.reader_variants)}. "
+        "The source paper's "
         f"full-model decode gain at batch 1 is {PAPER_BATCH1[0]}–{PAPER_BATCH1[1]}× (column 'paper B=1').",
         "",
     ]

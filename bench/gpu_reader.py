@@ -9,7 +9,8 @@ Qwen3-30B-A3B layer geometries, batch 1, 4 and 8 decode tokens, bf16 weights:
 - `reader-17.8`, `reader-12.8`: the reader's Triton kernels at those read budgets (the default:
   eight launches, `triton/forward.py`);
 - `reader-17.8 <variant>`, at the first geometry only (`--variant-geometry`; `triton/variants.py`
-  names them): one of the select kernel's variants (`forward.py` SELECT_VARIANTS: radix search, one-scan placement), `fused`
+  names them): one of the select kernel's variants (`forward.py` SELECT_VARIANTS: radix search,
+  one-scan placement), `fused`
   (six launches), `relaxed` (fire-and-forget reductions), or a `persistent ...` variant: the
   whole reader in one launch with the select spread over programs (`triton/persistent.py`
   PERSISTENT_VARIANTS: its tile shapes). A table of the variants side by side is printed

@@ -26,7 +26,8 @@ The accounting part: the same three reads at each B on the Gemma-4 26B-A4B and Q
 geometries, under uniform routing (`accounting.batch_breakdown`).
 
     python -m bench.reader_batch --corpus build/tiny/corpus [--per-task 20] [--text-docs 30]
-        [--batches 1,4,8,16] [--budget 17.8] [--rank 0] [--step-budgets 2,3,4,16:6] [--raw 8] [--scans 40] [--accuracy 1,8]
+        [--batches 1,4,8,16] [--budget 17.8] [--rank 0] [--step-budgets 2,3,4,16:6] [--raw 8] [--scans 40]
+        [--accuracy 1,8]
         [--work build/reader-batch] [--out bench/results/reader-batch]
 
 Cells are JSON files under --work (a rerun skips what is done); --out gets report.json,

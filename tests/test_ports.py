@@ -293,7 +293,8 @@ def test_a_checkout_with_nothing_installed_finds_its_ports(tmp_path):
     and the ports come from the checkout's ports/."""
     code = (
         "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
-        f"sys.path.insert(0, {str(ROOT)!r}); import importlib.util as u; assert u.find_spec('neuron_moe.ports') is None; "
+        f"sys.path.insert(0, {str(ROOT)!r}); import importlib.util as u; "
+        "assert u.find_spec('neuron_moe.ports') is None; "
         "from neuron_moe.port import builtin_ports, load_port; "
         "print(builtin_ports(), load_port('tiny-gemma4-moe').checkpoint)"
     )

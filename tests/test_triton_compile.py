@@ -59,7 +59,8 @@ CASES = [
     (K.down_kernel, dict(down_ptr="*bf16", expert_ptr="*i32", channel_ptr="*i32", weight_ptr="*fp32",
                          gu_ptr="*fp32", basis_ptr="*bf16", z_ptr="*fp32", out_ptr="*fp32", k="i32", H="i32",
                          inter="i32", rank="i32", stride_h="i32", stride_r="i32", rows_per_share="i32"),
-     [dict(ACT=a, HAS_RECOVERY=r, RANK_P2=32, BK=16, BH=128, SEM="acq_rel") for a, r in ((K.GELU_TANH, True), (K.SILU, False))], 4),
+     [dict(ACT=a, HAS_RECOVERY=r, RANK_P2=32, BK=16, BH=128, SEM="acq_rel")
+      for a, r in ((K.GELU_TANH, True), (K.SILU, False))], 4),
 ]
 # the one-launch kernel: its default tiles (Gemma-4: 8192 channels in 8 chunks), and SiLU without recovery
 # with the nanosleep backoff and a register cap (the shapes its variants add)
