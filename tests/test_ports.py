@@ -169,9 +169,9 @@ def test_reader_table_is_parsed_at_load(tmp_path):
     assert port.reader == ReaderSpec(sidecar=tmp_path / "sc/tiny.safetensors", budget=30.0, rank=None)
 
 
-# Wrong types, sizes and misspellings (issue 26, item 6): each is one `error:` line naming the field,
-# where each used to be a raw traceback (transformers' own error class, an unhashable value, a
-# zero size that fails later) or, for a misspelled key outside [config], silently ignored.
+# Wrong types, sizes and misspellings: each is one `error:` line naming the field, not a raw traceback
+# (transformers' own error class, an unhashable value, a zero size that fails later) nor, for a
+# misspelled key outside [config], silently ignored.
 @pytest.mark.parametrize(
     "edit,message",
     [

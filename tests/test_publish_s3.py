@@ -814,8 +814,8 @@ def test_bad_input_errors_name_the_problem(bucket, client, artifacts, tmp_path):
 
 
 def test_a_killed_pulls_leftovers_are_removed_by_the_next_pull(bucket, client, artifacts, tmp_path):
-    """Issue 26, item 11: a killed pull left hidden `.part` files (ours, and boto's beside them), and
-    `publish` of that directory then refused it for its hidden files."""
+    """A killed pull leaves hidden `.part` files (ours, and boto's beside them); the next pull removes
+    them, so that `publish` of that directory does not refuse it for its hidden files."""
     uri = f"s3://{bucket}/v1"
     s3.publish(artifacts, uri, progress=False, client=client)
     dest = tmp_path / "pulled"
@@ -846,7 +846,8 @@ def test_a_second_pull_into_the_same_dir_is_refused_while_one_runs(bucket, clien
 
 @pytest.mark.parametrize("clash", ["file where a folder goes", "folder where a file goes"])
 def test_a_pull_that_cannot_land_fails_before_downloading(bucket, client, artifacts, tmp_path, capsys, clash):
-    """Issue 26, item 10: a file/folder conflict in DIR was a raw traceback, after part of the download."""
+    """A file/folder conflict in DIR is one error line before anything downloads, not a traceback
+    after part of the download."""
     uri = f"s3://{bucket}/v1"
     s3.publish(artifacts, uri, progress=False, client=client)
     dest = tmp_path / "pulled"
@@ -864,7 +865,7 @@ def test_a_pull_that_cannot_land_fails_before_downloading(bucket, client, artifa
 
 
 def test_publish_with_a_bad_json_path_fails_before_uploading(bucket, client, artifacts, tmp_path, capsys):
-    """Issue 26, item 10: `publish --json <dir>` uploaded everything, then died writing the report."""
+    """`publish --json <dir>` is refused before any upload, not after uploading everything."""
     uri = f"s3://{bucket}/v1"
     assert cli.main(["publish", str(artifacts), uri, "--json", str(tmp_path)]) == 2
     assert "is a directory; give a file name" in capsys.readouterr().err

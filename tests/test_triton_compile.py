@@ -1,7 +1,7 @@
 """Every reader kernel compiles for Hopper (sm_90) on this CPU-only machine.
 
 The interpreter tests run the kernels' Python, not the compiler, and the compiler is stricter
-(the first H200 run failed on a plain-float global the interpreter had accepted). Triton's
+(it refuses a plain-float global that the interpreter accepts). Triton's
 wheel carries LLVM and ptxas, so the whole pipeline down to a cubin runs without a GPU. The
 compile runs in a subprocess because conftest sets TRITON_INTERPRET=1 for this process. Each
 kernel's registers per thread and spilled stack bytes (cuobjdump, also in Triton's wheel) are

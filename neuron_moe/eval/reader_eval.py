@@ -67,7 +67,7 @@ class Sequence:
 
 @dataclass
 class Settings:
-    per_task: int = 20  # the full run's size: two budgets, every selector and rule in <= 30 min on 2 cores
+    per_task: int = 20  # the full run's size: two budgets, every selector and rule in <= 30 min on 2 CPU cores
     tasks: tuple = T.TASKS
     text_docs: int = 50
     calib_tokens: int = CALIB_TOKENS
