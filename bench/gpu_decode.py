@@ -44,7 +44,7 @@ bf16 amplify rounding: `first_step`), so their difference is recorded (`logits_r
 
     python -m bench.gpu_decode                         # GPU: $OUT/gpu_decode.json and .md
     python -m bench.gpu_decode --models gemma4-26b-a4b qwen3-30b-a3b
-    python -m bench.gpu_decode --dry-run               # CPU: the tiny port and a tiny Qwen3, eager, interpreter
+    python -m bench.gpu_decode --dry-run               # CPU, tiny port and Qwen3, interpreter: build/dry-run/
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ import argparse
 import copy
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -62,7 +61,7 @@ from pathlib import Path
 import torch
 from transformers import Gemma4ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, StaticCache
 
-from bench.gpu_env import command, header, interpret_on_cpu, machine
+from bench.gpu_env import command, default_json, header, interpret_on_cpu, machine
 from neuron_moe import experts as _registered  # noqa: F401  (registers channel_reader, dense_masked)
 from neuron_moe import spec
 from neuron_moe.errors import UserError
@@ -124,7 +123,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--json",
         metavar="FILE",
-        help="default: $OUT/gpu_decode.json, else bench/results/; the markdown goes beside it (.md)",
+        help="default: $OUT/gpu_decode.json, else bench/results/ (a dry run: build/dry-run/); the markdown goes "
+        "beside it (.md)",
     )
     args = p.parse_args(argv)
     if args.dry_run:
@@ -576,11 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(models()))
     if unknown:
         raise SystemExit(f"--models: unknown {', '.join(unknown)}; known: {', '.join(models())}")
-    dest = args.json or (
-        str(Path(os.environ["OUT"]) / "gpu_decode.json")
-        if os.environ.get("OUT")
-        else str(Path(__file__).parent / "results" / "gpu_decode.json")
-    )
+    dest = args.json or str(default_json("gpu_decode", args.dry_run))
     report = {
         "machine": machine(args.dry_run),
         "command": command("bench.gpu_decode", argv),

@@ -34,7 +34,7 @@ rewritten after each geometry (a run cut short keeps what it measured); a markdo
 the tables goes beside it.
 
     python -m bench.gpu_reader                  # on the GPU: $OUT/gpu_reader.json and .md
-    python -m bench.gpu_reader --dry-run        # CPU, tiny shapes, Triton interpreter (CI runs it)
+    python -m bench.gpu_reader --dry-run        # CPU, tiny shapes, Triton interpreter: build/dry-run/
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from transformers.activations import ACT2FN
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
-from bench.gpu_env import command, header, interpret_on_cpu, machine
+from bench.gpu_env import command, default_json, header, interpret_on_cpu, machine
 from neuron_moe.reader import reference
 from neuron_moe.reader.accounting import ReaderSettings, full_bytes, reads, solve_k
 from neuron_moe.reader.geometry import Geometry
@@ -98,7 +98,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--json",
         metavar="FILE",
-        help="default: $OUT/gpu_reader.json, else bench/results/; the markdown goes beside it (.md)",
+        help="default: $OUT/gpu_reader.json, else bench/results/ (a dry run: build/dry-run/); the markdown goes "
+        "beside it (.md)",
     )
     p.add_argument(
         "--preflight",
@@ -666,11 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     copy_bw = copy_bandwidth()
-    dest = args.json or (
-        str(Path(os.environ["OUT"]) / "gpu_reader.json")
-        if os.environ.get("OUT")
-        else str(Path(__file__).parent / "results" / "gpu_reader.json")
-    )
+    dest = args.json or str(default_json("gpu_reader", args.dry_run))
     report = {
         "machine": machine(args.dry_run),
         "command": command("bench.gpu_reader", argv),
