@@ -27,8 +27,14 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The suite on TEST_WORKERS processes (pytest-xdist; tests handed out as workers free up), each with
+# OMP_NUM_THREADS torch threads (default 1: two workers fill two cores), in a random order (pytest-randomly;
+# SEED=N replays one; the seed and thread count are printed at the end).
+TEST_WORKERS ?= 2
+SEED         ?=
 test: venv
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal \
+		$(if $(SEED),--randomly-seed=$(SEED)) --durations=15
 
 # Retrain the embedded default model (installs the Debian package `fortunes`; about an hour on CPU).
 # Not part of `test`: CI uses the committed checkpoint.

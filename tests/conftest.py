@@ -13,6 +13,16 @@ from neuron_moe.model import build_model
 from neuron_moe.port import load_port
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """What a run depends on beyond the code, printed even under -q: torch's intra-op threads and the
+    random order's seed (pytest-randomly; `make test SEED=N` replays it)."""
+    seed = config.getoption("randomly_seed", None)
+    omp = os.environ.get("OMP_NUM_THREADS", "unset")
+    terminalreporter.write_line(
+        f"torch threads per process: {torch.get_num_threads()} (OMP_NUM_THREADS={omp}); random-order seed: {seed}"
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_port():
     return load_port("tiny-gemma4-moe")

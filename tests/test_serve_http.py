@@ -771,7 +771,8 @@ class SlowTokenizer:
 
 
 def test_health_answers_while_a_prompt_is_tokenized(engine):
-    """A 10 MB prompt took 15 s in the tokenizer, on the event loop: /health waited as long."""
+    """Tokenizing runs off the event loop: while a prompt is in the tokenizer (3 s here; a 10 MB prompt
+    takes ~15 s), /health answers at once, well before the tokenizer is done."""
     slow = copy.copy(engine)
     slow.tokenizer = SlowTokenizer(engine.tokenizer, 3.0)
     with serving(make_app(slow)) as url:
@@ -785,7 +786,7 @@ def test_health_answers_while_a_prompt_is_tokenized(engine):
         assert slow.tokenizer.busy.wait(30)
         start = time.perf_counter()
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
-        assert time.perf_counter() - start < 1.0
+        assert time.perf_counter() - start < 2.0  # not the tokenizer's 3 s, with room for a loaded machine
         sender.join(60)
     assert answers[0].status_code == 200
 
