@@ -9,6 +9,8 @@ retention_by_position.png  mean reads as % of the target against the position in
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 from ..errors import UserError
@@ -470,9 +472,6 @@ def _accuracy_lines(cells: dict, budgets: list[float]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """python -m neuron_moe.eval.reader_report DIR [PAGE]: the results page from DIR's report.json (and
     layers.json, if there), to PAGE (default: DIR.md beside DIR)."""
-    import json
-    import sys
-
     argv = sys.argv[1:] if argv is None else argv
     if not 1 <= len(argv) <= 2:
         print("usage: python -m neuron_moe.eval.reader_report DIR [PAGE]", file=sys.stderr)
