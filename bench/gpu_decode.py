@@ -67,7 +67,8 @@ from neuron_moe import spec
 from neuron_moe.errors import UserError
 from neuron_moe.experts.channel_reader import ReaderState, reader_forward
 from neuron_moe.port import load_port
-from neuron_moe.reader.accounting import ReaderSettings, solve_k
+from neuron_moe.reader.accounting import solve_k
+from neuron_moe.spec import Reader
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import padded, random_signs
 from neuron_moe.reader.prep import SCAN, down_rows, model_expert_weights, prep_layer
@@ -90,7 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=16, help="decode steps per CUDA graph (default 16)")
     p.add_argument("--replays", type=int, default=3, help="timed replays of the graph (default 3; the median)")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row (default 32)")
-    p.add_argument("--rank", type=int, help="the reader's recovery rank (default 32; a dry run: per model)")
+    p.add_argument("--recovery-rank", type=int, help="the reader's recovery rank (default 32; a dry run: per model)")
     p.add_argument(
         "--prep-seconds",
         type=float,
@@ -470,7 +471,7 @@ def write_report(report, dest: str) -> None:
 
 def run_model(report, dest, name) -> None:
     cls, config, rank = models()[name]
-    rank = rank if args.rank is None else args.rank
+    rank = rank if args.recovery_rank is None else args.recovery_rank
     start = t0 = time.perf_counter()
     model = build(cls, config)
     sync()
@@ -506,7 +507,7 @@ def run_model(report, dest, name) -> None:
     attach(model, sidecars, rank)
     first, *others = args.reader_variants
     for budget, variant in [(b, first) for b in BUDGETS] + [(BUDGETS[0], v) for v in others]:
-        k = solve_k(Geometry.from_config(model.config), ReaderSettings(rank=rank), budget)
+        k = solve_k(Geometry.from_config(model.config), Reader(recovery_rank=rank).resolved(), budget)
         set_reader(model, k, reader_forward("reference"))
         want = first_step(model)
         set_reader(model, k, triton_variant(variant))

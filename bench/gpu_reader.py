@@ -55,7 +55,8 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
 from bench.gpu_env import command, default_json, header, interpret_on_cpu, machine
 from neuron_moe.reader import reference
-from neuron_moe.reader.accounting import ReaderSettings, full_bytes, reads, solve_k
+from neuron_moe.reader.accounting import full_bytes, reads, solve_k
+from neuron_moe.spec import Reader
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.sidecar import LayerSidecar, SidecarLayout
@@ -183,14 +184,14 @@ def implementations(geo, rank, variants):
         ),
     }
     for budget in BUDGETS:
-        k = solve_k(geo, ReaderSettings(rank=rank), budget)
+        k = solve_k(geo, Reader(recovery_rank=rank).resolved(), budget)
         for variant in ["bisect", *variants] if budget == BUDGETS[0] else ["bisect"]:  # the default first
 
             def run(L, x, i, w, k=k, fn=reader_forward(variant)):
                 return fn(x, i, w, L.gate_up, L.down_rows, L.sidecar, k=k, scan=80, rank=rank, act_fn=L.act_fn)
 
             name = f"reader-{budget}" + ("" if variant == "bisect" else f" {variant}")
-            out[name] = (run, sum(reads(geo, ReaderSettings(rank=rank), k).values()), k)
+            out[name] = (run, sum(reads(geo, Reader(recovery_rank=rank).resolved(), k).values()), k)
     return out
 
 
@@ -448,7 +449,7 @@ def preflight(variant: str) -> int:
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     hidden, experts, top_k, inter, act, rank = geometries()[variant_geometry()]
     geo = Geometry(hidden=hidden, experts=experts, top_k=top_k, intermediate=inter)
-    k = solve_k(geo, ReaderSettings(rank=rank), BUDGETS[0])
+    k = solve_k(geo, Reader(recovery_rank=rank).resolved(), BUDGETS[0])
     ok = True
     if variant in SELECTS or variant in persistent.PERSISTENT_VARIANTS:
         code = triton_reader.activation(ACT2FN[act])

@@ -26,8 +26,8 @@ The accounting part: the same three reads at each B on the Gemma-4 26B-A4B and Q
 geometries, under uniform routing (`accounting.batch_breakdown`).
 
     python -m bench.reader_batch --corpus build/tiny/corpus [--per-task 20] [--text-docs 30]
-        [--batches 1,4,8,16] [--budget 17.8] [--rank 0] [--step-budgets 2,3,4,16:6] [--raw 8] [--scans 40]
-        [--accuracy 1,8]
+        [--batches 1,4,8,16] [--budget 17.8] [--recovery-rank 0] [--step-budgets 2,3,4,16:6] [--raw 8]
+        [--scans 40] [--accuracy 1,8]
         [--work build/reader-batch] [--out bench/results/reader-batch]
 
 Cells are JSON files under --work (a rerun skips what is done); --out gets report.json,
@@ -161,7 +161,7 @@ def cell(run: dict, batch: int, name: str, rule: S.Step, progress) -> dict:
 def accounting_rows(budget: float, rank: int, batches: list[int], step_budgets: list[float]) -> list[dict]:
     rows = []
     for name, geo in GEOMETRIES.items():
-        settings = A.ReaderSettings(rank=rank)
+        settings = A.Reader(recovery_rank=rank).resolved()
         for batch in batches:
             for m in step_budgets:
                 b = A.batch_breakdown(geo, settings, budget, batch, m)
@@ -353,7 +353,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--budget", type=float, default=17.8)
     ap.add_argument(
-        "--rank", type=int, default=0, help="recovery rank (default 0: rank 32 reads 18.5%% on the tiny geometry)"
+        "--recovery-rank",
+        type=int,
+        default=0,
+        help="recovery rank (default 0: rank 32 reads 18.5%% on the tiny geometry)",
     )
     ap.add_argument(
         "--step-budgets",
@@ -397,7 +400,7 @@ def main() -> None:
     )
     accuracy_at = [int(b) for b in args.accuracy.split(",") if b]
     seqs = R.sequences(tokenizer, settings, model.config.max_position_embeddings, "evaluation")
-    layers = moe_layers(model, sidecar, args.rank)
+    layers = moe_layers(model, sidecar, args.recovery_rank)
     geo, settings = layers[0].geo, layers[0].settings
     k = A.solve_k(geo, settings, args.budget)
     one = sum(A.reads(geo, settings, k).values())
@@ -408,7 +411,7 @@ def main() -> None:
         "tasks": args.tasks,
         "text_docs": args.text_docs if args.corpus else 0,
         "budget": args.budget,
-        "rank": args.rank,
+        "rank": args.recovery_rank,
         "k": k,
     }
     run_file = work / "run.json"

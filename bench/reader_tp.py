@@ -3,14 +3,14 @@
 For each degree (default 2, 4, 8) one set of t forked gloo processes runs, over validate's four
 default prompts and N new tokens, three generators whose graphs are exported once as rank 0
 (`parallel/tp_generator.py`): the channel layout without the reader, the reader at 100 %, and the
-reader at --budget (recovery --rank). Step 0's logits come from the prefill graph, which runs the
+reader at --budget (--recovery-rank). Step 0's logits come from the prefill graph, which runs the
 full experts in all three; the reader runs in the decode graph, steps 1…N−1. Reported: SEQ_MATCH
 against HF eager fp32 (`validate`'s reference); the reader at 100 % against the channel layout
 without it (the same graphs but the decode experts) and against HF eager, max |Δlogit| over the
 decode steps; the reader at the budget against the per-rank reader emulated in one process
 (`attach_reader(..., tp=t)`, what eval-reader measures): the same tokens, max |Δlogit|.
 
-    python -m bench.reader_tp [--tp 2,4,8] [--budget 60] [--rank 0] [--new-tokens 32] [--json FILE]
+    python -m bench.reader_tp [--tp 2,4,8] [--budget 60] [--recovery-rank 0] [--new-tokens 32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", default="2,4,8", help="TP degrees (default 2,4,8)")
     ap.add_argument("--budget", type=float, default=60.0, help="the reader's budget besides 100 (default 60)")
-    ap.add_argument("--rank", type=int, default=0, help="recovery rank at --budget (default 0)")
+    ap.add_argument("--recovery-rank", type=int, default=0, help="recovery rank at --budget (default 0)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
@@ -66,11 +66,11 @@ def main() -> int:
             gens = {
                 "channel": TPGenerator(port, tp),
                 "reader 100": TPGenerator(port, tp, sidecar=tmp, budget=100),
-                "reader": TPGenerator(port, tp, sidecar=tmp, budget=args.budget, rank=args.rank),
+                "reader": TPGenerator(port, tp, sidecar=tmp, budget=args.budget, rank=args.recovery_rank),
             }
             out = generate_replicated(gens, ids, mask, args.new_tokens)
             emulated = build_model(port, "eager", torch.float32)
-            attach_reader(emulated, whole.path, args.budget, rank=args.rank, tp=tp)
+            attach_reader(emulated, whole.path, args.budget, rank=args.recovery_rank, tp=tp)
             emulation = greedy(emulated, ids, mask, args.new_tokens)
             reader = out["reader"]
             for i, prompt in enumerate(DEFAULT_PROMPTS):
@@ -113,7 +113,7 @@ def main() -> int:
     )
     report = {
         "budget": args.budget,
-        "rank": args.rank,
+        "rank": args.recovery_rank,
         "new_tokens": args.new_tokens,
         "rows": rows,
         "seconds": time.time() - started,

@@ -29,7 +29,8 @@ import torch
 from neuron_moe.model import build_model
 from neuron_moe.port import load_port
 from neuron_moe.report import table, write_json
-from neuron_moe.serve.runtime import Chunk, static_runtime
+from neuron_moe.serve.runtime import static_runtime
+from neuron_moe.static.rows import Chunk
 from neuron_moe.static.sampling import GREEDY
 
 

@@ -5,8 +5,8 @@ and hands the HLO to neuronx-cc. This runs the part of that path that is not Neu
 on XLA:CPU (`PJRT_DEVICE=CPU`): the tiny port's serving graphs — the prefill (one graph per
 bucket, one prompt into its own cache row) and decode graphs, with the KV cache as their shared
 device state and the greedy token as their only output — move to the XLA device and generate
-greedily through the static host loop (`StaticGenerator`: argmax in the graph, the token fed back
-on the device; never HF generate).
+greedily through the engine step (`StaticGenerator` over `static/rows.py`: argmax in the graph,
+the token read back to the host and sent as the next step's input; never HF generate).
 
 Per graph, from torch-xla's own metrics: compilations on the first call and on every later call
 (a later one means a dynamic shape slipped in), every `aten::` counter (an op that fell back
@@ -19,7 +19,7 @@ settles to one compilation, nothing falls back, the fp32 runs match the referenc
 run matches CPU int8.
 
 The serving run drives the exported programs as the batching engine calls them, through its
-runtime (`serve/runtime.py`): a prefill graph of several prompts, a prompt prefilled in chunks
+runtime (`static/rows.GraphRuntime`): a prefill graph of several prompts, a prompt prefilled in chunks
 between decode steps, and rows sampled in the graphs (temperature, top-k, top-p, each row's own
 uniform draw) beside greedy rows; its tokens are compared with the same programs on the CPU given
 the same inputs, its greedy row with HF eager, and the bytes a decode call returns are counted
@@ -57,12 +57,12 @@ from neuron_moe.experts.int8 import _quantized
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.port import load_port
-from neuron_moe.serve.runtime import Chunk, GraphRuntime
 from neuron_moe.static import XLA_LOWERED_OPS_FILE, graph_ops, xla_lowered_ops
 from neuron_moe.static.cache import share_state
 from neuron_moe.static.decoder import Decode, Prefill, new_cache
 from neuron_moe.static.export import example_inputs, export
-from neuron_moe.static.generator import StaticGenerator, generate_batches
+from neuron_moe.static.generator import StaticGenerator
+from neuron_moe.static.rows import Chunk, GraphRuntime
 from neuron_moe.static.sampling import CANDIDATES, GREEDY
 from neuron_moe.tokenizer import ByteTokenizer
 
@@ -226,8 +226,7 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
         model = model.to(xla.device)
     # the serving graphs: the token alone
     generator = StaticGenerator(model, spec, exported=run.exported, device=xla.device, logits=False)
-    size = spec.batch_size
-    generator.prepare(set().union(*(generator.check(mask[i : i + size], new_tokens) for i in range(0, len(ids), size))))
+    generator.prepare(generator.check(mask, new_tokens))
     export_s = time.perf_counter() - start
     tag = f"{run.prefill}-{run.decode}-{'exported' if run.exported else 'modules'}"
     # the generator's graphs, each replaced by its metered self (the loop calls them by name)
@@ -247,7 +246,7 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     compiles_before, moved_before = xla.compiles(), xla.transfers()
     xla.moved()
     start = time.perf_counter()
-    got = generate_batches(generator, ids, mask, new_tokens)
+    got = generator.generate(ids, mask, new_tokens)
     generate_s = time.perf_counter() - start
     moved = [now - before for now, before in zip(xla.transfers(), moved_before)]
     summaries = [g.summary() for g in graphs.values()]

@@ -1,34 +1,15 @@
-"""`neuron-moe` entry point: parses the arguments (cli_parser.py), runs the command's module,
-prints its report (the module's renderer)."""
+"""`neuron-moe` entry point: parses the arguments (cli_parser.py, no torch), runs the command,
+prints its report (the module's renderer). Each command imports its modules when it runs, so one
+command never waits on another's imports (torch, transformers, boto3, uvicorn)."""
 
 from __future__ import annotations
 
 import sys
 
-import torch
-
-from . import environment, hub
 from .cli_parser import parser
-from .environment import render_env
 from .errors import UserError
-from .eval import reader_eval, seq_match
-from .eval.reader_report import render_reader_eval
-from .eval.seq_match import DEFAULT_PROMPTS, render_validation, run_validation
-from .eval.tasks import evaluate, render_tasks
-from .info import info_report, render_info
-from .model import prep_reader, render_prep_reader
-from .neuron.compile import render_trace_and_compile, trace_and_compile
-from .neuron.plan import GiB, port_plan, render_plan
-from .port import load_port, ports_report, render_ports, with_shapes
-from .publish.s3 import publish, pull_report, render_publish, render_pull
-from .reader.accounting import ReaderSettings, reads_report, render_reads
-from .reader.geometry import Geometry
 from .report import check_output, write_json
 from .spec import Reader
-from .tasks import TASKS
-from .tokenizer import load_tokenizer
-from .training.corpus import build_corpus, render_corpus
-from .training.tiny import render_training, train
 
 
 def _json_out(report, args) -> bool:
@@ -40,6 +21,8 @@ def _json_out(report, args) -> bool:
 
 
 def cmd_ports(args) -> int:
+    from .port import ports_report, render_ports
+
     rows = ports_report()
     if _json_out(rows, args):
         print(render_ports(rows))
@@ -47,6 +30,9 @@ def cmd_ports(args) -> int:
 
 
 def cmd_info(args) -> int:
+    from .info import info_report, render_info
+    from .port import load_port
+
     port = load_port(args.model)
     report = info_report(port, args.per_token)
     if _json_out(report, args):
@@ -55,31 +41,26 @@ def cmd_info(args) -> int:
 
 
 def cmd_env(args) -> int:
+    from . import environment
+
     report = environment.env_report()
     if _json_out(report, args):
-        print(render_env(report))
+        print(environment.render_env(report))
     return 0
 
 
-# What a layer library or a reader kernel needs of this machine (environment.py's paths)
-_LAYERS_NEED = {"nxd": environment.VALIDATE_NXD}
-_KERNEL_NEEDS = {"nki": environment.READER_NKI, "triton": environment.READER_TRITON}
-
-
 def cmd_validate(args) -> int:
-    backend = seq_match.backend(
-        args.backend,
-        sidecar=args.sidecar,
-        budget=args.budget,
-        rank=args.rank,
-        reader_kernel=args.reader_kernel,
-        reader_weights=args.reader_weights,
-        expert_layout=args.expert_layout,
-        tp=args.tp,
-        tp_layers=args.tp_layers,
-        dtype=args.dtype,
-    )
-    for need in (_LAYERS_NEED.get(args.tp_layers), _KERNEL_NEEDS.get(args.reader_kernel)):
+    from . import environment
+    from .eval import seq_match
+    from .eval.seq_match import DEFAULT_PROMPTS, render_validation, run_validation
+    from .port import load_port
+    from .tokenizer import load_tokenizer
+
+    backend = seq_match.backend_from_cli_args(args)
+    # what a layer library or a reader kernel needs of this machine (environment.py's paths)
+    layers_need = {"nxd": environment.VALIDATE_NXD}
+    kernel_needs = {"nki": environment.READER_NKI, "triton": environment.READER_TRITON}
+    for need in (layers_need.get(args.tp_layers), kernel_needs.get(args.reader_kernel)):
         if need is not None:
             environment.require(need)
     port = load_port(args.model)
@@ -92,6 +73,8 @@ def cmd_validate(args) -> int:
 
 
 def cmd_publish(args) -> int:
+    from .publish.s3 import publish, render_publish
+
     report = publish(args.dir, args.uri, overwrite=args.overwrite, deep=args.deep)
     if _json_out(report, args):
         print(render_publish(report))
@@ -99,6 +82,8 @@ def cmd_publish(args) -> int:
 
 
 def cmd_pull(args) -> int:
+    from .publish.s3 import pull_report, render_pull
+
     report = pull_report(args.uri, args.dir)
     if _json_out(report, args):
         print(render_pull(report))
@@ -106,11 +91,12 @@ def cmd_pull(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    reader = (
-        None
-        if args.reader_budget is None
-        else Reader(budget=args.reader_budget, scan=args.reader_scan, rank=args.reader_rank)
-    )
+    from .neuron.plan import GiB, port_plan, render_plan
+    from .port import load_port, with_shapes
+
+    reader = _optional_reader(args)
+    if reader is not None and reader.budget is None:
+        raise UserError("--reader plans the reader's decode graph at a read budget: pass --budget")
     port = load_port(args.model)
     if port.static is not None:  # the shapes trace-and-compile would build
         port = with_shapes(port, batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
@@ -123,7 +109,7 @@ def cmd_plan(args) -> int:
         port,
         args.instance,
         args.tp,
-        args.dtype,
+        args.quantization,
         batch,
         seq,
         args.runtime_reserve_gib * GiB,
@@ -135,25 +121,25 @@ def cmd_plan(args) -> int:
     return 0 if report["fits"] else 1
 
 
+def _optional_reader(args) -> Reader | None:
+    """The reader's settings of a command where `--reader` turns it on (plan, trace-and-compile): None
+    without it, and its flags refused then."""
+    reader = Reader.from_cli_args(args)
+    if not args.reader and reader != Reader():
+        given = ", ".join(f"--{name.replace('_', '-')}" for name in reader.given())
+        raise UserError(f"{given} configure the reader: pass --reader")
+    return reader if args.reader else None
+
+
 def cmd_trace_and_compile(args) -> int:
+    from . import environment
+    from .neuron.compile import Build, render_trace_and_compile, trace_and_compile
+    from .port import load_port, with_shapes
+
     if not args.dry_run:
         environment.require(environment.TRACE_AND_COMPILE)
     port = with_shapes(load_port(args.model), batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
-    reader = Reader(sidecar=args.sidecar, budget=args.budget, rank=args.rank)
-    if not args.reader and reader != Reader():
-        raise UserError("--sidecar, --budget and --rank configure the reader: pass --reader")
-    report = trace_and_compile(
-        port,
-        args.dtype,
-        args.tp,
-        args.out,
-        dry_run=args.dry_run,
-        overwrite=args.overwrite,
-        checkpoint=args.checkpoint,
-        expert_layout=args.expert_layout,
-        logits=args.with_logits,
-        reader=reader if args.reader else None,
-    )
+    report = trace_and_compile(port, Build.from_cli_args(args), _optional_reader(args))
     if _json_out(report, args):
         print(render_trace_and_compile(report))
     return 0
@@ -170,6 +156,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_reads(args) -> int:
+    from .port import load_port
+    from .reader.accounting import reads_report, render_reads
+    from .reader.geometry import Geometry
+
     explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
     if any(v is not None for v in explicit):
         if None in explicit:
@@ -187,10 +177,10 @@ def cmd_reads(args) -> int:
     report = reads_report(
         name,
         geo,
-        ReaderSettings(scan=args.scan, rank=args.rank, weights=args.dtype),
+        Reader(scan=args.scan, recovery_rank=args.recovery_rank, quantization=args.quantization).resolved(),
         args.budget,
         args.tp or 1,
-        args.batch,
+        args.batch_size,
         args.step_budget,
     )
     if _json_out(report, args):
@@ -199,6 +189,9 @@ def cmd_reads(args) -> int:
 
 
 def cmd_prep_reader(args) -> int:
+    from .model import prep_reader, render_prep_reader
+    from .port import load_port
+
     if args.source and not args.tp:
         raise UserError("--from shards an existing sidecar: it needs --tp")
     report = prep_reader(
@@ -208,7 +201,7 @@ def cmd_prep_reader(args) -> int:
         tp=args.tp,
         source=args.source,
         seed=args.seed,
-        rank=args.rank,
+        rank=args.recovery_rank,
         scan=args.scan,
     )
     if _json_out(report, args):
@@ -217,6 +210,8 @@ def cmd_prep_reader(args) -> int:
 
 
 def cmd_build_corpus(args) -> int:
+    from .training.corpus import build_corpus, render_corpus
+
     counts = build_corpus(args.text_dir, args.out, seed=args.seed, scale=args.scale)
     if _json_out(counts, args):
         print(render_corpus(counts, args.out))
@@ -224,6 +219,9 @@ def cmd_build_corpus(args) -> int:
 
 
 def cmd_train_tiny(args) -> int:
+    from .port import load_port
+    from .training.tiny import render_training, train
+
     port = load_port(args.model)
     summary = train(
         port.config,
@@ -243,10 +241,16 @@ def cmd_train_tiny(args) -> int:
 
 
 def cmd_eval_tasks(args) -> int:
+    from .eval import seq_match
+    from .eval.tasks import evaluate, render_tasks
+    from .port import load_port
+    from .tasks import TASKS
+
+    backend = seq_match.backend(args.backend, quantization=args.quantization)
     port = load_port(args.model)
     report = evaluate(
         port,
-        seq_match.BACKENDS[args.backend],
+        backend,
         args.checkpoint,
         per_task=args.items,
         corpus=args.corpus,
@@ -260,6 +264,10 @@ def cmd_eval_tasks(args) -> int:
 
 
 def cmd_eval_reader(args) -> int:
+    from .eval import reader_eval
+    from .eval.reader_report import render_reader_eval
+    from .port import load_port
+
     budgets = reader_eval.parse_budgets(args.budgets)
     specs, rules = reader_eval.parse_selectors(args.selectors), reader_eval.parse_rules(args.rules)
     port = load_port(args.model)
@@ -314,6 +322,9 @@ def _checkpoint(args) -> None:
             raise UserError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
         return
     if args.command != "serve":
+        from . import hub
+        from .port import load_port
+
         args.checkpoint = hub.local_checkpoint(
             args.checkpoint, args.revision, load_port(args.model), tokenizer=args.command not in WEIGHTS_ONLY
         )
@@ -321,6 +332,8 @@ def _checkpoint(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    import torch  # after the arguments parse: --help and a wrong flag answer without it
+
     torch.set_num_threads(args.threads)  # every command's (cli_parser.DEFAULT_THREADS: measured)
     try:
         _check_outputs(args)

@@ -1,5 +1,7 @@
-"""`neuron-moe`'s arguments: each command's options and help. Defaults and choices come from
-the modules that own them; what a command does with its arguments is in cli.py."""
+"""`neuron-moe`'s arguments: each command's options and help, built from plain data (spec.py's
+vocabulary and defaults, tasks.py's names): this module imports no torch, so `--help` and a wrong
+flag answer at once. What a command does with its arguments is in cli.py, which imports a command's
+module only when that command runs."""
 
 from __future__ import annotations
 
@@ -9,18 +11,24 @@ import os
 
 import neuron_moe
 
+from . import spec
 from .errors import UserError
-from .eval import reader_eval
-from .eval.seq_match import BACKENDS
-from .experts.channel_reader import READER_KERNELS
-from .neuron.compile import DTYPES as COMPILE_DTYPES
-from .neuron.plan import DEFAULT_RUNTIME_RESERVE, DTYPES as PLAN_DTYPES, GiB, INSTANCES
-from .port import DEFAULT_PORT, DTYPES
-from .reader.accounting import STEP_BUDGET, WEIGHTS
-from .reader.prep import RANK, SCAN
-from .reader.sidecar import BLOCK
-from .serve.backends import BACKENDS as SERVE_BACKENDS, check_backend
-from .spec import EXPERT_LAYOUTS, LAYERS as TP_LAYERS, TP_DEGREES
+from .spec import (
+    BLOCK,
+    DEFAULT_PORT,
+    DEFAULT_RUNTIME_RESERVE_GIB,
+    DTYPE_NAMES,
+    EXPERT_LAYOUTS,
+    INSTANCE_CHIPS,
+    QUANTIZATIONS,
+    READER_KERNELS,
+    RECOVERY_RANK,
+    SCAN,
+    STEP_BUDGET,
+    TP_DEGREES,
+    LAYERS as TP_LAYERS,
+    check_serve_backend,
+)
 from .tasks import SPLITS, TASKS
 from .training.corpus import FORTUNES_DIR
 
@@ -87,7 +95,7 @@ _tcp_port = number(int, at_least=0, at_most=65535)  # 0: the OS picks a free one
 
 def _serve_backend(text: str) -> str:
     try:
-        return check_backend(text)
+        return check_serve_backend(text)
     except UserError as e:  # argparse's error, naming the option
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -101,21 +109,17 @@ def _lengths(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def _shape_args(p: argparse.ArgumentParser, note: str = "", old_names: bool = False) -> None:
+def _shape_args(p: argparse.ArgumentParser, note: str = "") -> None:
     """The graphs' shapes as flags (NxD Inference / optimum-neuron style) over the port's [static],
-    the same for plan and trace-and-compile (`old_names`: plan's --batch and --seq still parse)."""
+    the same for plan and trace-and-compile."""
     p.add_argument(
         "--batch-size",
-        *(["--batch"] if old_names else []),
-        dest="batch_size",
         type=_positive_int,
         metavar="B",
         help="rows of the decode graph and the KV cache (default: the port's [static] batch_size)",
     )
     p.add_argument(
         "--seq-len",
-        *(["--seq"] if old_names else []),
-        dest="seq_len",
         type=_positive_int,
         metavar="S",
         help="positions of the KV cache, the most a prompt and its completion take (context: S + 1 "
@@ -152,6 +156,39 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _dtype_arg(p: argparse.ArgumentParser, choices=DTYPE_NAMES, default=None, help: str = "") -> None:
+    """--dtype: the compute dtype, torch's spellings, in every command that takes one."""
+    p.add_argument("--dtype", choices=choices, default=default, help=help or "the compute dtype (default: the port's)")
+
+
+def _quantization_arg(p: argparse.ArgumentParser, help: str, choices=QUANTIZATIONS, default=None) -> None:
+    """--quantization: the routed experts' weight format ("none": the compute dtype's), in every command
+    that takes one."""
+    p.add_argument("--quantization", choices=choices, default=default, help=help)
+
+
+def _reader_args(
+    p: argparse.ArgumentParser,
+    applies: str,
+    sidecar: str,
+    recovery_default: str = "the port's [reader] recovery_rank, else the sidecar's",
+) -> None:
+    """The reader's settings, the same flags in every command that runs it (`spec.Reader.from_cli_args`)."""
+    p.add_argument("--sidecar", metavar="FILE|DIR", help=sidecar)
+    p.add_argument(
+        "--budget",
+        type=_percent,
+        metavar="PERCENT",
+        help=f"{applies}share of the routed-expert bytes read per token, in (0, 100]",
+    )
+    p.add_argument(
+        "--recovery-rank",
+        type=_count,
+        metavar="R",
+        help=f"{applies}rank of the recovery map, 0 = off (default: {recovery_default})",
+    )
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -164,7 +201,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="neuron-moe", description=neuron_moe.__doc__)
+    top = argparse.ArgumentParser(prog="neuron-moe", description=neuron_moe.__doc__, allow_abbrev=False)
     top.add_argument("--version", action="version", version=f"neuron-moe {neuron_moe.__version__}")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -199,51 +236,47 @@ def parser() -> argparse.ArgumentParser:
         "Exit 0 only when every prompt's tokens match.",
     )
     _common(p)
-    p.add_argument("--backend", default="dense_masked", choices=sorted(BACKENDS), help="backend under test")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="backend dtype (default: the port's)")
+    p.add_argument(
+        "--backend",
+        default="dense_masked",
+        choices=sorted(spec.validate_backends()),
+        help="backend under test: an experts implementation in HF's model (dense_masked, eager, reader), the "
+        "port's static graphs through torch.export (traced), or those graphs at TP --tp on gloo (tp)",
+    )
+    _dtype_arg(p, help="the backend's compute dtype (default: the port's)")
+    _quantization_arg(
+        p,
+        "the routed experts' weight format (default none): int8 runs per-channel int8 experts with fp32 "
+        "scales; with eager or dense_masked the int8 experts implementation (every expert computed), with tp "
+        "the rank modules' int8 experts, with reader the reader over the int8 experts' numbers (exact rows "
+        "in int8 with their scales, prefill through the int8 experts; reference kernel only)",
+    )
     p.add_argument(
         "--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)"
     )
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
-    p.add_argument(
-        "--sidecar",
-        metavar="FILE|DIR",
-        help="reader: the sidecar (default: the port's [reader] sidecar); tp8: the directory of `prep-reader --tp T`",
+    _reader_args(
+        p,
+        "reader, tp: ",
+        "reader: the sidecar (default: the port's [reader] sidecar); tp: the directory of `prep-reader --tp T`",
     )
-    p.add_argument(
-        "--budget",
-        type=_percent,
-        metavar="PERCENT",
-        help="reader: share of the routed-expert bytes read per token, in (0, 100]",
-    )
-    p.add_argument("--rank", type=_count, metavar="R", help="reader: recovery rank, 0 = off (default: the sidecar's)")
     p.add_argument(
         "--reader-kernel",
-        "--reader-backend",
-        dest="reader_kernel",
         choices=READER_KERNELS,
-        help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron); "
-        "--reader-backend is its old name",
+        help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron)",
     )
-    p.add_argument(
-        "--reader-weights",
-        choices=WEIGHTS,
-        help="reader: the experts it reads, the model's own (bf16, default) or the int8 experts' numbers "
-        "(exact rows in int8 with their scales, prefill through the int8 experts; reference only)",
-    )
-    _expert_layout_arg(p, "tp8, tp8-int8: ")
+    _expert_layout_arg(p, "tp: ")
     p.add_argument(
         "--tp",
         type=_positive_int,
         choices=TP_DEGREES,
         metavar="T",
-        help="the TP backends (tp8, tp8-int8, tp8-naive-scatter): the degree, where the port's geometry "
-        "splits over it (default 8)",
+        help="tp: the degree, where the port's geometry splits over it (default 8)",
     )
     p.add_argument(
         "--tp-layers",
         choices=TP_LAYERS,
-        help="the TP backends: the parallel-layer library the rank modules are built over: cpu "
+        help="tp: the parallel-layer library the rank modules are built over: cpu "
         "(parallel/cpu.py, NxD's names over gloo; the graphs traced once as rank 0 and replicated) "
         "or nxd (neuronx-distributed's own layers in its CPU mode, eager on every rank: the installed "
         "package, else the source tree $NXD_SRC names; docs/neuron.md) (default cpu)",
@@ -294,8 +327,12 @@ def parser() -> argparse.ArgumentParser:
     )
     _common(p)
     p.add_argument(
-        "--backend", default="eager", choices=sorted(BACKENDS), help="backend that generates (default eager)"
+        "--backend",
+        default="eager",
+        choices=sorted(spec.validate_backends()),
+        help="backend that generates (default eager)",
     )
+    _quantization_arg(p, "the routed experts' weight format, as validate's (default none)")
     p.add_argument("--items", type=_positive_int, default=50, help="evaluation items per task (default 50)")
     p.add_argument("--task", action="append", choices=TASKS, help="only this task (repeatable; default: all)")
     p.add_argument(
@@ -335,7 +372,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--selectors",
-        default=",".join(reader_eval.SELECTORS),
+        default=",".join(spec.SELECTOR_NAMES),
         metavar="S,S",
         help="teal, wina, cats, oracle, reader; reader-rN: the reader at recovery rank N; "
         "reader[-rN]-int8: over the int8 experts (exact rows int8), -int8dq: with the sketch made "
@@ -344,7 +381,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--rules",
-        default=",".join(reader_eval.RULES),
+        default=",".join(spec.RETENTION_RULES),
         metavar="R,R",
         help="topk (fixed reads per token) and/or threshold (calibrated) (default %(default)s)",
     )
@@ -358,8 +395,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--items",
         type=_positive_int,
-        help=f"evaluation items per task (default "
-        f"{reader_eval.Settings.per_task}; --quick {reader_eval.QUICK['per_task']})",
+        help=f"evaluation items per task (default {spec.EVAL_READER_ITEMS}; --quick {spec.EVAL_READER_QUICK_ITEMS})",
     )
     p.add_argument(
         "--quick",
@@ -415,40 +451,45 @@ def parser() -> argparse.ArgumentParser:
         "Exit 0 when it fits, 1 when not.",
     )
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
-    p.add_argument("--instance", required=True, choices=sorted(INSTANCES), help="inf2 instance type")
+    p.add_argument("--instance", required=True, choices=sorted(INSTANCE_CHIPS), help="inf2 instance type")
     p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
-    p.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES, help="experts' dtype (the rest is bf16)")
+    _dtype_arg(p, ("bfloat16",), "bfloat16", "the compute dtype of every weight but int8 experts' (default bfloat16)")
+    _quantization_arg(
+        p, "the routed experts' weight format: none (bfloat16) or int8 with fp32 scales (default none)", default="none"
+    )
     _shape_args(
         p,
         "; the graph estimate takes --seq-len as the prefill length, an upper bound. Without a [static] "
         "table: batch 1, seq 4096",
-        old_names=True,
     )
     p.add_argument(
-        "--reader-budget",
+        "--reader",
+        action="store_true",
+        help="also the channel layout's decode graph with the reader (bytes per token and rank, each rank's "
+        "sidecar shard in the memory plan); needs --budget",
+    )
+    p.add_argument(
+        "--budget",
         type=_percent,
         metavar="PERCENT",
-        help="also the channel layout's decode graph with the reader at this budget (bytes per token and "
-        "rank, each rank's sidecar shard in the memory plan)",
+        help="with --reader: share of a rank's routed-expert bytes read per token, in (0, 100]",
     )
     p.add_argument(
-        "--reader-rank",
+        "--recovery-rank",
         type=_count,
-        default=RANK,
         metavar="R",
-        help=f"with --reader-budget: recovery rank (default {RANK})",
+        help=f"with --reader: rank of the recovery map, 0 = off (default {RECOVERY_RANK})",
     )
     p.add_argument(
-        "--reader-scan",
+        "--scan",
         type=_scan_width,
-        default=SCAN,
         metavar="N",
-        help=f"with --reader-budget: coordinates scanned per {BLOCK}-block (default {SCAN})",
+        help=f"with --reader: coordinates scanned per {BLOCK}-block (default {SCAN})",
     )
     p.add_argument(
         "--runtime-reserve-gib",
         type=_non_negative,
-        default=DEFAULT_RUNTIME_RESERVE / GiB,
+        default=DEFAULT_RUNTIME_RESERVE_GIB,
         metavar="GIB",
         help="stated per-core runtime reserve (default %(default)s)",
     )
@@ -470,11 +511,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
     _checkpoint_args(p)
-    p.add_argument(
-        "--dtype",
-        default="bf16",
-        choices=sorted(COMPILE_DTYPES),
-        help="bf16; int8 (int8 experts, the rest bf16); fp32 (default: bf16)",
+    _dtype_arg(p, default="bfloat16", help="the compute dtype (default bfloat16; float32: for CPU checks)")
+    _quantization_arg(
+        p,
+        "the routed experts' weight format: none (the compute dtype) or int8 with fp32 scales (default none)",
+        default="none",
     )
     p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
@@ -487,20 +528,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reader",
         action="store_true",
-        help="the decode key reads through the reader (channel layout, bf16/fp32): each rank's sidecar "
-        "shard goes into its weights; needs --budget and --sidecar DIR (a port without weights: "
+        help="the decode key reads through the reader (channel layout, --quantization none): each rank's "
+        "sidecar shard goes into its weights; needs --budget and --sidecar DIR (a port without weights: "
         "shapes only, no sidecar)",
     )
-    p.add_argument("--sidecar", metavar="DIR", help="with --reader: the directory of `prep-reader --tp T`")
-    p.add_argument(
-        "--budget",
-        type=_percent,
-        metavar="PERCENT",
-        help="with --reader: share of a rank's routed-expert bytes read per token, in (0, 100]",
-    )
-    p.add_argument(
-        "--rank", type=_count, metavar="R", help="with --reader: recovery rank, 0 = off (default: the sidecar's)"
-    )
+    _reader_args(p, "with --reader: ", "with --reader: the directory of `prep-reader --tp T`")
     p.add_argument(
         "--with-logits",
         action="store_true",
@@ -529,7 +561,7 @@ def parser() -> argparse.ArgumentParser:
         "--backend",
         default="eager",
         type=_serve_backend,
-        metavar="{" + ",".join(SERVE_BACKENDS) + "}",
+        metavar="{" + ",".join(spec.serve_backends()) + "}",
         help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
         "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
         "experts implementation but the reader's: transformers' model on CPU, one request per "
@@ -547,7 +579,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where s3:// artifacts are pulled to (default: %(default)s)",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="CPU backend dtype (default: the port's)")
+    _dtype_arg(p, help="a CPU backend's compute dtype (default: the port's)")
+    _quantization_arg(
+        p,
+        "the routed experts' weight format (default none): int8 with --backend eager or dense_masked runs "
+        "the int8 experts implementation (every expert computed); a compiled artifact's is its own",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=_tcp_port, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
     p.add_argument(
@@ -654,16 +691,22 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"coordinates scanned per {BLOCK}-block (default {SCAN}; {BLOCK} = full scan)",
     )
-    p.add_argument("--rank", type=_count, default=RANK, metavar="R", help=f"recovery rank (default {RANK}; 0 = off)")
     p.add_argument(
-        "--dtype",
-        choices=WEIGHTS,
-        default="bf16",
-        help="the experts' weights: bf16, or int8 exact rows with fp32 scales (the sketch and recovery "
-        "stay bf16); --budget is a share of those experts' full read (default bf16)",
+        "--recovery-rank",
+        type=_count,
+        default=RECOVERY_RANK,
+        metavar="R",
+        help=f"rank of the recovery map (default {RECOVERY_RANK}; 0 = off)",
+    )
+    _quantization_arg(
+        p,
+        "the routed experts' weight format: none (bfloat16), or int8 exact rows with fp32 scales (the sketch "
+        "and recovery stay bfloat16); --budget is a share of those experts' full read (default none)",
+        ("none", "int8"),
+        "none",
     )
     p.add_argument(
-        "--batch",
+        "--batch-size",
         type=_positive_int,
         metavar="B",
         help="also a decode step of B tokens, each row read once: the full batch, independent per-token "
@@ -674,7 +717,7 @@ def parser() -> argparse.ArgumentParser:
         type=_positive,
         default=STEP_BUDGET,
         metavar="X",
-        help=f"with --batch: the batch rule's step reads, in units of one token's reads (default {STEP_BUDGET:g})",
+        help=f"with --batch-size: the batch rule's step reads, in units of one token's reads (default {STEP_BUDGET:g})",
     )
     p.add_argument(
         "--tp",
@@ -711,12 +754,19 @@ def parser() -> argparse.ArgumentParser:
         help="with --tp: shard this existing whole sidecar instead of prepping one",
     )
     p.add_argument("--seed", type=_seed, default=0, help="seed of the Hadamard sign vector (default 0)")
-    p.add_argument("--rank", type=_count, default=RANK, metavar="R", help=f"recovery-map rank (default {RANK})")
+    p.add_argument(
+        "--recovery-rank",
+        type=_count,
+        default=RECOVERY_RANK,
+        metavar="R",
+        help=f"rank of the recovery map (default {RECOVERY_RANK})",
+    )
     p.add_argument(
         "--scan", type=_scan_width, default=SCAN, metavar="N", help=f"scan width recorded for readers (default {SCAN})"
     )
 
     for p in sub.choices.values():
+        p.allow_abbrev = False  # one name per option: no prefix of it parses as the option
         p.add_argument(
             "--threads",
             type=_positive_int,

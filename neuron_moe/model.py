@@ -26,7 +26,7 @@ from .errors import UserError
 from .experts.channel_reader import attach_reader, plan_reader, reader_forward, reader_settings
 from .parallel.layout import check_degree
 from .port import Port
-from .reader.accounting import ReaderSettings, solve_k
+from .reader.accounting import solve_k
 from .reader.geometry import Geometry
 from .reader.prep import RANK, SCAN, model_expert_weights, write_sidecar
 from .reader.shard import WHOLE, write_shards
@@ -77,27 +77,22 @@ def build_model(
     return model.eval()
 
 
-def reader_model(
-    port,
-    dtype=None,
-    checkpoint=None,
-    sidecar=None,
-    budget=None,
-    rank=None,
-    reader_kernel="reference",
-    reader_weights="bf16",
-):
-    """The port's model with the reader attached (see `reader_settings` for the defaults). The kernel,
-    sidecar, rank and budget are checked before the weights load (minutes, for a large checkpoint).
-    Without a sidecar (none given, none in the port's [reader] table) one is prepped from the weights
-    the model loads, at the recovery rank it is read with, as eval-reader preps its own."""
-    reader_forward(reader_kernel)
-    sidecar, budget, rank = reader_settings(port, sidecar, budget, rank)
+def reader_model(port, dtype=None, checkpoint=None, reader: spec.Reader = spec.Reader()):
+    """The port's model with the reader attached, its settings `reader` over the port's [reader] table
+    (`reader_settings`). The kernel, sidecar, recovery rank and budget are checked before the weights
+    load (minutes, for a large checkpoint). Without a sidecar (none given, none in the port's [reader]
+    table) one is prepped from the weights the model loads, at the recovery rank it is read with, as
+    eval-reader preps its own."""
+    kernel, quantization = reader.kernel or "reference", reader.quantization or spec.NO_QUANTIZATION
+    reader_forward(kernel)
+    reader = reader_settings(port, reader)
+    sidecar, budget, rank = reader.sidecar, reader.budget, reader.recovery_rank
     if sidecar is not None:
-        plan_reader(port.config, sidecar, budget, rank, reader_weights)
+        plan_reader(port.config, sidecar, budget, rank, quantization)
     else:
         rank = RANK if rank is None else rank
-        solve_k(Geometry.from_config(port.config), ReaderSettings(scan=SCAN, rank=rank, weights=reader_weights), budget)
+        settings = spec.Reader(scan=SCAN, recovery_rank=rank, quantization=quantization)
+        solve_k(Geometry.from_config(port.config), settings, budget)
     model = build_model(port, spec.EAGER, dtype, checkpoint)
     with tempfile.TemporaryDirectory(prefix="neuron-moe-sidecar-") as tmp:
         if sidecar is None:
@@ -107,7 +102,7 @@ def reader_model(
                 file=sys.stderr,
             )
             sidecar = prep_port(port, Path(tmp) / "sidecar.safetensors", checkpoint, rank=rank, model=model)
-        attach_reader(model, sidecar, budget, rank, reader_kernel, reader_weights)
+        attach_reader(model, sidecar, budget, rank, kernel, quantization)
     return model
 
 

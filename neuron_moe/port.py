@@ -20,14 +20,13 @@ from . import spec
 from .config import gemma4_moe_config
 from .errors import UserError
 from .report import table
-from .spec import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
+from .spec import DEFAULT_EXPERT_LAYOUT, DEFAULT_PORT, EXPERT_LAYOUTS
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-DEFAULT_PORT = "tiny-gemma4-moe"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # [static]: the traced graphs' shapes (static/); [reader]: the channel reader's settings (experts/channel_reader.py)
 _SECTIONS = {"name", "description", "weights", "tokenizer", "config", "static", "reader"}
@@ -67,16 +66,6 @@ class StaticSpec:
 
 
 @dataclass(frozen=True)
-class ReaderSpec:
-    """The `[reader]` table: this port's defaults for the channel reader (experts/channel_reader.py);
-    each is None where the table does not set it, and a command-line flag overrides it."""
-
-    sidecar: Path | None = None  # the sidecar file, relative paths taken from the port file's folder
-    budget: float | None = None  # percent of the full model's routed-expert reads, in (0, 100]
-    rank: int | None = None  # recovery rank; None: the sidecar's
-
-
-@dataclass(frozen=True)
 class Port:
     name: str
     description: str
@@ -88,7 +77,9 @@ class Port:
     checkpoint: Path | None = None  # directory; None means "supply --checkpoint"
     tokenizer: str = "bytes"
     static: StaticSpec | None = None  # None: the port has no [static] table (no traced graphs)
-    reader: ReaderSpec = ReaderSpec()  # every field None: the port has no [reader] table
+    # the [reader] table: this port's defaults for the channel reader (sidecar, relative paths taken from the
+    # port file's folder; budget; recovery_rank), a command-line flag overriding each; every field None: no table
+    reader: spec.Reader = spec.Reader()
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def static_spec(self, what: str) -> StaticSpec:
@@ -260,24 +251,24 @@ def with_shapes(
     return replace(port, static=replace(spec, buckets=buckets, max_cache_len=seq_len, batch_size=batch_size))
 
 
-_READER_FIELDS = {"sidecar": str, "budget": (int, float), "rank": int}
+_READER_FIELDS = {"sidecar": str, "budget": (int, float), "recovery_rank": int}
 
 
-def _reader_spec(table: dict, folder: Path, where: str) -> ReaderSpec:
+def _reader_spec(table: dict, folder: Path, where: str) -> spec.Reader:
     where = f"{where} [reader]"
     unknown = sorted(set(table) - set(_READER_FIELDS))
     if unknown:
         raise PortError(f"{where}: unknown field(s) {unknown}; expected {sorted(_READER_FIELDS)}")
     given = {key: _typed(table, key, kind, where) for key, kind in _READER_FIELDS.items() if key in table}
-    budget, rank = given.get("budget"), given.get("rank")
+    budget, rank = given.get("budget"), given.get("recovery_rank")
     if budget is not None and not 0 < budget <= 100:
         raise PortError(f"{where}: budget must be in (0, 100] percent, got {budget}")
     if rank is not None and rank < 0:
-        raise PortError(f"{where}: rank must be 0 or more, got {rank}")
-    return ReaderSpec(
+        raise PortError(f"{where}: recovery_rank must be 0 or more, got {rank}")
+    return spec.Reader(
         sidecar=folder / given["sidecar"] if "sidecar" in given else None,
         budget=None if budget is None else float(budget),
-        rank=rank,
+        recovery_rank=rank,
     )
 
 

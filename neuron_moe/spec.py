@@ -1,7 +1,8 @@
 """What runs, typed: the experts implementations (`EXPERTS`), a backend (`Backend`: which experts in
-which graphs, placed how, with which reader settings and weights) and eval-reader's selectors
-(`Selector`). A definition: names and what each needs and reads, no modules and no torch, so any
-layer may ask it.
+which graphs, placed how, with which reader settings and weights), the backends validate and serve
+offer, eval-reader's selector specs (`SelectorSpec`) and the commands' vocabulary (dtypes, the
+experts' quantization, the reader's defaults). A definition: names and what each needs and reads, no
+modules and no torch, so any layer may ask it, the command-line parser included.
 
 Each experts implementation is one entry here. Its HF forward is bound to the entry in
 `experts/__init__.py` (`FORWARDS`, one per entry), what a tensor-parallel rank module computes for
@@ -18,6 +19,7 @@ is built, and each static graph is built over experts modules with configs of th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,39 @@ class SpecError(UserError):
     pass
 
 
+# ---- the commands' vocabulary: the same words in every command that takes them ----
+
+DEFAULT_PORT = "tiny-gemma4-moe"
+DTYPE_NAMES = ("bfloat16", "float32")  # --dtype: the compute dtype, torch's spellings (port.DTYPES: the torch dtypes)
+# --quantization: the routed experts' weight format; "none" computes them in the compute dtype, "int8" holds
+# per-channel symmetric int8 numbers with fp32 scales (experts/int8.py)
+NO_QUANTIZATION, INT8_QUANTIZATION = "none", "int8"
+QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
+
+# The reader's defaults (reader/prep.py writes them into a sidecar; reader/accounting.py charges them)
+BLOCK = 128  # coordinates per Hadamard block
+SCAN = 80  # coordinates per block a token scans (recorded; a reader may scan any number)
+RECOVERY_RANK = 32  # recovery-map rank
+READER_KERNELS = ("reference", "triton", "nki")  # the reader's decode-step kernels (experts/channel_reader.py)
+STEP_BUDGET = 2.0  # the batch rule's reads per decode step, in units of one token's (reader/accounting.py)
+
+# eval-reader's selectors and retention rules (reader/selectors.py, eval/reader_eval.py)
+SELECTOR_NAMES = ("teal", "wina", "cats", "oracle", "reader")
+RETENTION_RULES = ("topk", "threshold")
+EVAL_READER_ITEMS, EVAL_READER_QUICK_ITEMS = 20, 2  # evaluation items per task: a full run, --quick
+
+# plan: the inf2 instances (chips each) and the stated per-core runtime reserve
+INSTANCE_CHIPS = {"inf2.xlarge": 1, "inf2.8xlarge": 1, "inf2.24xlarge": 6, "inf2.48xlarge": 12}
+DEFAULT_RUNTIME_RESERVE_GIB = 1.0
+
+
+def check_quantization(quantization: str, offered=QUANTIZATIONS, where: str = "--quantization") -> str:
+    """`quantization` if it is one of `offered`, else a UserError naming the choices."""
+    if quantization not in offered:
+        raise SpecError(f"{where} {quantization!r}: expected one of {', '.join(offered)}")
+    return quantization
+
+
 # ---- experts implementations ----
 
 ALL, ROUTED, CHANNELS = "all", "routed", "channels"  # what an implementation reads of a layer's experts
@@ -53,7 +88,7 @@ class Experts:
     graphs: bool  # a static graph may trace it: every shape fixed by the token count, nothing made on the fly
     reads: str  # ALL: every expert for every token; ROUTED: each token's top-k; CHANNELS: some of their channels
     needs: str | None = None  # SIDECAR or SELECTOR_RULES: attached to the model before it runs (None: nothing)
-    int8: bool = False  # computes with per-channel int8 numbers of the model's experts (experts/int8.py)
+    quantization: str = NO_QUANTIZATION  # the experts' format it computes with (INT8_QUANTIZATION: experts/int8.py)
     backend: str | None = None  # `validate`'s name for it in HF's model (None: not a validate backend)
 
     def gathers(self, config, tokens: int) -> bool:
@@ -84,7 +119,7 @@ DENSE_MASKED = Experts("dense_masked", graphs=True, reads=ALL, backend="dense_ma
 # prompts it is dense_masked (tokens·k ≥ E); its gather is validated in the graphs (`validate --backend traced`)
 SELECTIVE = Experts("selective", graphs=True, reads=ROUTED)
 # per-channel symmetric int8, every expert (quantised on the fly: HF's model only, never a graph)
-INT8 = Experts("int8", graphs=False, reads=ALL, int8=True, backend="int8")
+INT8 = Experts("int8", graphs=False, reads=ALL, quantization=INT8_QUANTIZATION)
 # the sparse-channel reader on decode steps, full experts on prefill; at TP the decode graph with a rank's shard
 CHANNEL_READER = Experts("channel_reader", graphs=True, reads=CHANNELS, needs=SIDECAR, backend="reader")
 # a channel selector of reader/selectors.py (TEAL, WINA, CATS, oracle, the reader) in place of the experts
@@ -137,14 +172,52 @@ class Placement:
 
 @dataclass(frozen=True)
 class Reader:
-    """The reader's settings; None: not given (the port's [reader] table, else the default)."""
+    """The reader's settings, one object from the command line (`from_cli_args`) and the port's [reader]
+    table (`port.Port.reader`, merged by `over`) down to the accounting and the kernels. A field None
+    is not given: the port's, else the default (`resolved`); a sidecar records its own scan and rank."""
 
     sidecar: Path | None = None  # a sidecar file (one rank) or a `prep-reader --tp` directory (TP)
-    budget: float | None = None  # percent of the full model's routed-expert reads
-    rank: int | None = None  # recovery rank
-    kernel: str | None = None  # one of the reader's kernels (reference, triton, nki)
-    weights: str | None = None  # the experts it reads: bf16 (the model's) or int8
+    budget: float | None = None  # percent of the full model's routed-expert reads, in (0, 100]
+    recovery_rank: int | None = None  # the recovery map's rank (0: off)
+    kernel: str | None = None  # one of READER_KERNELS
+    quantization: str | None = None  # the experts it reads: QUANTIZATIONS ("none": the model's own)
     scan: int | None = None  # coordinates scanned per block (the planner's; a sidecar records its own)
+
+    # the command-line option of each field (argparse's dest)
+    OPTIONS = {
+        "sidecar": "sidecar",
+        "budget": "budget",
+        "recovery_rank": "recovery_rank",
+        "kernel": "reader_kernel",
+        "scan": "scan",
+    }
+
+    @classmethod
+    def from_cli_args(cls, args) -> Reader:
+        """The settings a command's reader flags gave (those it does not take: None). --quantization is
+        the experts' format of the whole command, not the reader's alone: the caller passes it on."""
+        return cls(**{field: getattr(args, dest, None) for field, dest in cls.OPTIONS.items()})
+
+    @classmethod
+    def _fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def given(self) -> dict:
+        """The fields given (not None), by their option's name."""
+        return {self.OPTIONS.get(f, f): getattr(self, f) for f in self._fields() if getattr(self, f) is not None}
+
+    def over(self, defaults: Reader) -> Reader:
+        """These settings, each field not given taken from `defaults` (the port's [reader] table)."""
+        return Reader(
+            **{f: getattr(defaults, f) if getattr(self, f) is None else getattr(self, f) for f in self._fields()}
+        )
+
+    def resolved(self) -> Reader:
+        """These settings with the defaults where not given: scan SCAN, RECOVERY_RANK, no quantization,
+        the reference kernel (what the accounting charges)."""
+        return self.over(
+            Reader(recovery_rank=RECOVERY_RANK, kernel=READER_KERNELS[0], quantization=NO_QUANTIZATION, scan=SCAN)
+        )
 
 
 @dataclass(frozen=True)
@@ -156,8 +229,88 @@ class Backend:
     experts: Experts | None = None  # HF's model's (EAGER_GRAPHS); None: each graph's, the port's [static]
     placement: Placement | None = None  # None: one rank (over the nxd layers, the graphs run as modules)
     reader: Reader | None = None  # the reader's settings (with CHANNEL_READER, or in the TP decode graph)
-    int8: bool = False  # int8 experts in the rank modules
-    dtype: str | None = None  # the float dtype (a port dtype name); None: the port's
+    quantization: str = NO_QUANTIZATION  # the routed experts' format in the rank modules (QUANTIZATIONS)
+    dtype: str | None = None  # the compute dtype (one of DTYPE_NAMES); None: the port's
+
+
+# ---- the backends validate and serve offer ----
+
+
+def validate_backends() -> dict[str, Backend]:
+    """validate's backends, derived from the registry when asked: every experts implementation that runs
+    inside HF's model (`Experts.backend`; the reader on decode steps, full experts on prefill), the port's
+    static graphs through torch.export, and those graphs at TP on gloo (the degree: --tp; int8 experts:
+    --quantization int8)."""
+    return {
+        **{e.backend: Backend(e.backend, EAGER_GRAPHS, e) for e in EXPERTS.values() if e.backend},
+        "traced": Backend("traced", EXPORTED),
+        "tp": Backend("tp", EXPORTED, placement=Placement()),
+    }
+
+
+# An HF-model backend with --quantization int8: the int8 experts implementation (it computes every
+# expert with the int8 numbers; the tokens routed to none are weighted 0, as eager's loop leaves them out)
+QUANTIZED_EXPERTS = {(EAGER.name, INT8_QUANTIZATION): INT8, (DENSE_MASKED.name, INT8_QUANTIZATION): INT8}
+
+STATIC_BACKEND, NEURON_BACKEND = "static", "neuron"
+_NOT_TAKEN = {
+    SIDECAR: "the reader needs a sidecar and a budget, which serve does not take; "
+    "`neuron-moe validate --backend reader` and `eval-reader` run it",
+    SELECTOR_RULES: "a channel selector (TEAL, WINA, CATS, ...) needs its retention rule per layer, calibrated "
+    "by `neuron-moe eval-reader`, which runs it",
+}
+
+
+def not_served() -> dict[str, str]:
+    """The experts implementations serve does not take, each with why and what runs it."""
+    return {name: _NOT_TAKEN[e.needs] for name, e in EXPERTS.items() if e.needs is not None}
+
+
+def serve_backends() -> dict[str, Backend]:
+    """serve's backends, derived from the registry when asked: every experts implementation in the
+    compute dtype that needs nothing attached (transformers' model, one request per thread; int8:
+    --quantization int8), the port's static graphs on CPU and a compiled artifact (both batched)."""
+    return {
+        **{
+            name: Backend(name, EAGER_GRAPHS, e)
+            for name, e in EXPERTS.items()
+            if e.needs is None and e.quantization == NO_QUANTIZATION
+        },
+        STATIC_BACKEND: Backend(STATIC_BACKEND, MODULES),
+        NEURON_BACKEND: Backend(NEURON_BACKEND, COMPILED),
+    }
+
+
+def quantized(backend: Backend, quantization: str | None) -> Backend:
+    """`backend` with its routed experts in `quantization` (None: not given, the compute dtype's): an
+    HF-model backend's experts implementation in that format (QUANTIZED_EXPERTS), the TP rank modules'
+    experts, or the reader's (its `Reader.quantization`, checked where the reader is built). Refused
+    where the backend has no experts of that format."""
+    if quantization in (None, NO_QUANTIZATION):
+        return backend
+    check_quantization(quantization)
+    if backend.placement is not None:
+        return dataclasses.replace(backend, quantization=quantization)
+    if backend.experts is not None and backend.experts.needs == SIDECAR:
+        return backend  # the reader's own setting (Reader.quantization)
+    if backend.graphs == EAGER_GRAPHS and (backend.experts.name, quantization) in QUANTIZED_EXPERTS:
+        experts = QUANTIZED_EXPERTS[backend.experts.name, quantization]
+        return dataclasses.replace(backend, experts=experts, quantization=quantization)
+    runs = sorted({name for name, q in QUANTIZED_EXPERTS if q == quantization})
+    raise SpecError(
+        f"--quantization {quantization} applies to --backend {', '.join(runs)} (HF's model) and validate's tp and "
+        f"reader, not --backend {backend.name}"
+    )
+
+
+def check_serve_backend(name: str) -> Backend:
+    """serve's backend `name` if serve can run it; else a UserError saying why not and what runs it."""
+    if name in not_served():
+        raise SpecError(f"{name!r} is not served: {not_served()[name]}")
+    backends = serve_backends()
+    if name not in backends:
+        raise SpecError(f"serve has no backend {name!r}; choose from {', '.join(backends)}")
+    return backends[name]
 
 
 # ---- eval-reader's selectors ----
@@ -175,7 +328,7 @@ _SELECTOR = re.compile(
 
 
 @dataclass(frozen=True)
-class Selector:
+class SelectorSpec:
     """A selector spec of eval-reader: a baseline's name, or reader[-rN][-tpT[variant]][-int8|-int8dq]."""
 
     text: str  # as given: the cell's name
@@ -184,7 +337,7 @@ class Selector:
     tp: int | None = None  # the per-rank reader at this TP degree; None: one rank
     gathered: bool = False  # one top-(T·k_r) over all ranks' scores (-global), not each rank its quota
     split: bool = False  # k_r = ⌊k/T⌋ of the one-rank reader's k (-split), not solved on the rank's geometry
-    int8: bool = False  # over the int8 experts (-int8, -int8dq)
+    quantization: str = NO_QUANTIZATION  # the experts it reads: INT8_QUANTIZATION with -int8, -int8dq
     dequantised: bool = False  # sketch and recovery from the dequantised int8 (-int8dq), not the model's weights
 
     @property
@@ -193,7 +346,7 @@ class Selector:
         return self.name == READER_SELECTOR
 
 
-def parse_selector(text: str, known) -> Selector:
+def parse_selector(text: str, known) -> SelectorSpec:
     """A selector spec, checked; `known`: the selectors' names (reader/selectors.py)."""
     m = _SELECTOR.fullmatch(text)
     if not m or m["name"] not in known or ((m["rank"] or m["tp"] or m["weights"]) and m["name"] != READER_SELECTOR):
@@ -208,14 +361,14 @@ def parse_selector(text: str, known) -> Selector:
     if tp is not None and m["weights"]:
         raise SpecError(f"{text}: the reader over int8 experts runs at one rank; drop -tp{tp} or -{m['weights']}")
     variant = m["variant"] or ""
-    return Selector(
+    return SelectorSpec(
         text,
         m["name"],
         int(m["rank"]) if m["rank"] else None,
         tp,
         gathered=variant.endswith("-global"),
         split=variant.startswith("-split"),
-        int8=m["weights"] is not None,
+        quantization=INT8_QUANTIZATION if m["weights"] else NO_QUANTIZATION,
         dequantised=m["weights"] == "int8dq",
     )
 

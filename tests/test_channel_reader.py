@@ -159,7 +159,7 @@ def test_validate_reader_runs_with_its_defaults_on_the_default_model(capsys):
     report = json.loads(captured.out)
     assert len(report["prompts"]) == 4 and report["backend_options"]["budget"] == "17.8"
     assert "no --sidecar: prepping the reader's sidecar (rank 0) from the model's weights" in captured.err
-    assert cli.main(["validate", "--backend", "reader", "--budget", "17.8", "--rank", "32"]) == 2
+    assert cli.main(["validate", "--backend", "reader", "--budget", "17.8", "--recovery-rank", "32"]) == 2
     assert "budget 17.8% is below what the reader reads before any exact channel (18.49%" in capsys.readouterr().err
 
 

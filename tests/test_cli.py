@@ -1,13 +1,17 @@
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from neuron_moe import cli
 from neuron_moe.cli_parser import DEFAULT_THREADS
+from neuron_moe.errors import UserError
 from neuron_moe.eval import seq_match
 from neuron_moe.greedy import Generation
+from neuron_moe.spec import NAIVE, Placement
 
 
 def test_validate_passes_and_writes_json(tmp_path, capsys):
@@ -69,13 +73,17 @@ def test_user_errors_are_one_line_and_exit_2(capsys):
     assert err.startswith("error: unknown port 'no-such-port'") and "Traceback" not in err
     assert cli.main(["validate", "--model", "gemma4-26b-a4b"]) == 2
     assert "pass --checkpoint DIR" in capsys.readouterr().err
-    assert cli.main(["validate", "--backend", "int8", "--expert-layout", "channel"]) == 2
-    assert (
-        "--expert-layout applies to the TP backends (tp8, tp8-naive-scatter, tp8-int8) only" in capsys.readouterr().err
-    )
+    assert cli.main(["validate", "--backend", "eager", "--quantization", "int8", "--expert-layout", "channel"]) == 2
+    assert "--expert-layout applies to the TP backends (tp) only" in capsys.readouterr().err
+    assert cli.main(["validate", "--backend", "traced", "--quantization", "int8"]) == 2
+    assert "--quantization int8 applies to --backend dense_masked, eager" in capsys.readouterr().err
+    assert cli.main(["serve", "--backend", "static", "--quantization", "int8", "--port", "0"]) == 2  # before binding
+    assert "not --backend static" in capsys.readouterr().err
+    assert cli.main(["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--budget", "10"]) == 2
+    assert "--budget configure the reader: pass --reader" in capsys.readouterr().err
     # the seed bug is the expert layout's router scatter: the channel layout has none to get wrong
-    assert cli.main(["validate", "--backend", "tp8-naive-scatter", "--expert-layout", "channel"]) == 2
-    assert "runs the 'expert' expert layout only, not 'channel'" in capsys.readouterr().err
+    with pytest.raises(UserError, match="runs the 'expert' expert layout only, not 'channel'"):
+        Placement(expert_layout="channel", scatter=NAIVE).layout(None)
 
 
 @pytest.mark.parametrize(
@@ -150,12 +158,12 @@ def test_every_command_takes_threads_and_applies_it(monkeypatch, capsys):
             "argument --runtime-reserve-gib: must be at least 0, got -1",
         ),
         (
-            ["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--reader-budget", "inf"],
-            "argument --reader-budget: must be a finite number, got inf",
+            ["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--reader", "--budget", "inf"],
+            "argument --budget: must be a finite number, got inf",
         ),
         (
-            ["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--reader-scan", "0"],
-            "argument --reader-scan: must be in [1, 128], got 0",
+            ["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--reader", "--scan", "0"],
+            "argument --scan: must be in [1, 128], got 0",
         ),
         (["serve", "--drain-timeout", "nan"], "argument --drain-timeout: must be a finite number, got nan"),
         (["serve", "--drain-timeout", "-1"], "argument --drain-timeout: must be at least 0, got -1"),
@@ -175,7 +183,7 @@ def test_every_command_takes_threads_and_applies_it(monkeypatch, capsys):
             "argument --task-share: must be in (0, 1], got 1.5",
         ),
         (["build-corpus", "--out", "o", "--scale", "0"], "argument --scale: must be more than 0, got 0"),
-        (["validate", "--rank", "-2"], "argument --rank: must be at least 0, got -2"),
+        (["validate", "--recovery-rank", "-2"], "argument --recovery-rank: must be at least 0, got -2"),
     ],
 )
 def test_numeric_options_out_of_range_are_refused_by_name(argv, message, capsys):
@@ -185,3 +193,48 @@ def test_numeric_options_out_of_range_are_refused_by_name(argv, message, capsys)
         cli.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_the_parser_and_the_entry_point_import_no_torch():
+    """`neuron-moe --help` and a wrong flag answer at once: building the parser (and importing the entry
+    point, which imports a command's modules only when it runs) loads neither torch nor transformers."""
+    code = (
+        "import sys, neuron_moe.cli_parser as p, neuron_moe.cli; p.parser(); "
+        "print(sorted(m for m in ('torch', 'transformers', 'boto3', 'uvicorn') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "argv,gone",
+    [
+        (["validate", "--reader-backend", "triton"], "--reader-backend"),
+        (["validate", "--reader-weights", "int8"], "--reader-weights"),
+        (["validate", "--backend", "tp8"], "invalid choice: 'tp8'"),
+        (["validate", "--backend", "tp8-naive-scatter"], "invalid choice: 'tp8-naive-scatter'"),
+        (["validate", "--rank", "4"], "--rank"),
+        (["plan", "--instance", "inf2.xlarge", "--tp", "1", "--batch", "4"], "--batch"),
+        (["plan", "--instance", "inf2.xlarge", "--tp", "1", "--seq", "64"], "--seq"),
+        (["plan", "--instance", "inf2.xlarge", "--tp", "1", "--reader-budget", "10"], "--reader-budget"),
+        (["plan", "--instance", "inf2.xlarge", "--tp", "1", "--dtype", "bf16"], "invalid choice: 'bf16'"),
+        (["reads", "--dtype", "int8"], "--dtype"),
+        (["trace-and-compile", "--tp", "1", "--out", "o", "--dtype", "fp32"], "invalid choice: 'fp32'"),
+    ],
+)
+def test_old_option_names_are_refused(argv, gone, capsys):
+    """One name per option, the same in every command: the old names (and any prefix of an option) do not parse."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and gone in capsys.readouterr().err
+
+
+def test_every_command_that_takes_them_offers_the_same_dtype_and_quantization_words():
+    subcommands = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in subcommands.items():
+        for action in sub._actions:
+            if "--dtype" in action.option_strings:
+                assert set(action.choices) <= {"bfloat16", "float32"}, name
+            if "--quantization" in action.option_strings:
+                assert set(action.choices) <= {"none", "int8", "int4"} and "none" in action.choices, name

@@ -38,7 +38,7 @@ def one_bucket_port(tiny_port):
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory, one_bucket_port):
     out = tmp_path_factory.mktemp("art") / "tp2"
-    return nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True), out
+    return nc.trace_and_compile(one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True)), out
 
 
 def test_dry_run_writes_the_contract(artifact, one_bucket_port):
@@ -65,12 +65,12 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
         [16, 128, 128],
         [16, 128, 64],
     )
-    shard = load_file(out / na.WEIGHTS.format(rank=1))
+    shard = load_file(out / na.RANK_WEIGHTS.format(rank=1))
     assert shard["model.model.embed_tokens.rank_util.rank"].tolist() == [1]
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == na.FORMAT == 5 and manifest["logits"] is False
+    assert manifest["format"] == na.FORMAT == 6 and manifest["logits"] is False
     assert (manifest["prefill_rows"], manifest["prefill_chunk"], manifest["candidates"]) == ([1], 16, 256)
     # the tokenizer travels with the graphs: its files copied, named and digested (the server reads no other)
     tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
@@ -112,7 +112,7 @@ def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
         "a/prefill 16": torch.export.load(out / na.GRAPHS.format(key="context_encoding_1x16")),
         "a/decode": torch.export.load(out / na.GRAPHS.format(key="token_generation")),
     }
-    shards = [load_file(out / na.WEIGHTS.format(rank=r)) for r in range(2)]
+    shards = [load_file(out / na.RANK_WEIGHTS.format(rank=r)) for r in range(2)]
     ids, mask = left_pad(random_prompts(one_bucket_port.config.vocab_size, [11, 5], seed=3), 0)
     (result, _) = run_replicated(
         programs, {k: shards for k in programs}, generation_job, [("a", 2, 0, [(ids, mask, 5)])]
@@ -125,7 +125,7 @@ def test_a_second_run_never_mixes(artifact, one_bucket_port, tmp_path, monkeypat
     _, out = artifact
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     with pytest.raises(na.ArtifactError, match="already holds a complete artifact; pass --overwrite"):
-        nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True)
+        nc.trace_and_compile(one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True))
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
     # an interrupted run leaves no output; its leftovers are removed by the next run
@@ -139,12 +139,12 @@ def test_a_second_run_never_mixes(artifact, one_bucket_port, tmp_path, monkeypat
 
     monkeypatch.setattr(nc, "export_rank0", boom)
     with pytest.raises(KeyboardInterrupt):
-        nc.trace_and_compile(one_bucket_port, "fp32", 2, target, dry_run=True)
+        nc.trace_and_compile(one_bucket_port, nc.Build(tp=2, out=target, dtype="float32", dry_run=True))
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the output nor any partial
     (target / "stray").parent.mkdir()
     (target / "stray").write_text("x")
     with pytest.raises(na.ArtifactError, match="holds files but no manifest"):
-        nc.trace_and_compile(one_bucket_port, "fp32", 2, target, dry_run=True)
+        nc.trace_and_compile(one_bucket_port, nc.Build(tp=2, out=target, dtype="float32", dry_run=True))
 
 
 def test_overwrite_replaces_only_an_artifact(one_bucket_port, tmp_path):
@@ -160,7 +160,10 @@ def test_overwrite_replaces_only_an_artifact(one_bucket_port, tmp_path):
             na.ArtifactError,
             match="--overwrite never replaces|is not replaced, --overwrite or not|expected a JSON object",
         ):
-            nc.trace_and_compile(one_bucket_port, "fp32", 2, precious, dry_run=True, overwrite=True, export=False)
+            nc.trace_and_compile(
+                one_bucket_port,
+                nc.Build(tp=2, out=precious, dtype="float32", dry_run=True, overwrite=True, export=False),
+            )
         assert (precious / "notes" / "todo.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # nothing built beside it, no lock left
 
@@ -181,7 +184,9 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(one_bucket
     first = {}
     thread = threading.Thread(
         target=lambda: first.update(
-            manifest=nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True, export=False)
+            manifest=nc.trace_and_compile(
+                one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True, export=False)
+            )
         )
     )
     thread.start()
@@ -189,7 +194,9 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(one_bucket
         assert inside.wait(60)
         (building,) = tmp_path.glob(".art.partial-*")
         with pytest.raises(OutputError, match=r"art is being written by another trace-and-compile \(pid \d+\)"):
-            nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True, export=False, overwrite=True)
+            nc.trace_and_compile(
+                one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True, export=False, overwrite=True)
+            )
         assert building.is_dir()  # the first run's build directory is untouched
     finally:
         release.set()
@@ -202,9 +209,9 @@ def test_every_file_of_an_artifact_gets_the_mode_open_would_give(one_bucket_port
     """The weight shards (safetensors' save_file: 0600) included: an artifact built on the host is
     read by the image's non-root server."""
     out = tmp_path / "art"
-    nc.trace_and_compile(one_bucket_port, "fp32", 2, out, dry_run=True, export=False)
+    nc.trace_and_compile(one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True, export=False))
     modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")}
-    assert na.WEIGHTS.format(rank=1) in modes and na.MANIFEST in modes
+    assert na.RANK_WEIGHTS.format(rank=1) in modes and na.MANIFEST in modes
     assert modes == {name: 0o750 if (out / name).is_dir() else 0o640 for name in modes}
     assert stat.S_IMODE(out.stat().st_mode) == 0o750
 
@@ -212,7 +219,9 @@ def test_every_file_of_an_artifact_gets_the_mode_open_would_give(one_bucket_port
 def test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket(tiny_port, tmp_path):
     """Prefill graphs of 1 and 4 prompts (the tiny port's prefill_rows), cut to its batch of 2."""
     port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, prefill_rows=(1, 4)))
-    manifest = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, export=False)
+    manifest = nc.trace_and_compile(
+        port, nc.Build(tp=2, out=tmp_path / "art", dtype="float32", dry_run=True, export=False)
+    )
     assert list(manifest["keys"]) == [
         "context_encoding_1x8",
         "context_encoding_1x56",
@@ -234,7 +243,9 @@ def test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket(tiny_port, tm
 def test_full_size_port_dry_run_on_meta(tmp_path):
     """Shapes only (exporting 30 layers on the meta device takes minutes: the CLI does it, not this test)."""
     out = tmp_path / "big"
-    report = nc.trace_and_compile(load_port("gemma4-26b-a4b"), "int8", 8, out, dry_run=True, export=False)
+    report = nc.trace_and_compile(
+        load_port("gemma4-26b-a4b"), nc.Build(tp=8, out=out, quantization="int8", dry_run=True, export=False)
+    )
     assert not report["weights"] and not report["keys"]["token_generation"]["exported"]
     manifest = na.read_manifest(out)
     assert manifest["keys"].keys() == {
@@ -379,7 +390,9 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
         "shard_checkpoint",
         lambda builder, serialize_path: (serialize_path.mkdir(), shard_checkpoint(builder, serialize_path)),
     )
-    report = nc.trace_and_compile(one_bucket_port, "int8", 2, tmp_path / "out", dry_run=False)
+    report = nc.trace_and_compile(
+        one_bucket_port, nc.Build(tp=2, out=tmp_path / "out", quantization="int8", dry_run=False)
+    )
 
     assert seen["tp"] == 2 and list(seen["keys"]) == ["context_encoding_1x16", "token_generation"]
     (_, [prefill]), (_, [decode]) = seen["keys"].values()
@@ -390,9 +403,9 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
     assert seen["checkpoint"].keys() == graph.state_dict().keys()  # weights only: the state is not in it
     assert seen["checkpoint"]["model.model.layers.0.experts.gate_up_proj.weight"].dtype == torch.int8
     tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]  # the artifact serves alone
-    weights = [na.WEIGHTS.format(rank=r) for r in range(2)]
+    weights = [na.RANK_WEIGHTS.format(rank=r) for r in range(2)]
     assert sorted(report["files"]) == [na.MODEL, na.SHARD_PLAN, *tokenizer, *weights]
-    assert not report["dry_run"] and na.read_manifest(tmp_path / "out")["dtype"] == "int8"
+    assert not report["dry_run"] and na.read_manifest(tmp_path / "out")["quantization"] == "int8"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "manifest.json",
         "model.pt",
@@ -476,7 +489,9 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
 
 def test_shape_flags_override_the_ports_static_table(tiny_port, tmp_path):
     port = with_shapes(tiny_port, batch_size=3, seq_len=64, buckets=(16, 32))
-    manifest = nc.trace_and_compile(port, "fp32", 2, tmp_path / "art", dry_run=True, export=False)
+    manifest = nc.trace_and_compile(
+        port, nc.Build(tp=2, out=tmp_path / "art", dtype="float32", dry_run=True, export=False)
+    )
     assert (manifest["batch_size"], manifest["max_length"], manifest["buckets"]) == (3, 64, [16, 32])
     assert list(manifest["keys"]) == [
         "context_encoding_1x16",
@@ -529,7 +544,7 @@ def test_the_planner_refuses_what_a_neuroncore_cannot_hold_and_plan_agrees(tmp_p
         == 2
     )
     err = capsys.readouterr().err
-    assert err.startswith("error: port 'gemma4-26b-a4b' at TP 8, bf16, batch 64, seq 8192: ")
+    assert err.startswith("error: port 'gemma4-26b-a4b' at TP 8, bfloat16, batch 64, seq 8192: ")
     assert not (tmp_path / "big").exists()
     per_rank = re.search(r"(\d+\.\d+) GB per rank exceeds a NeuronCore's", err)[1]
     assert main(["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.24xlarge", "--tp", "8", *shapes]) == 1

@@ -7,7 +7,7 @@ import os
 import pytest
 from test_nxd_source import INSTALLED, _tree
 
-from neuron_moe import cli, environment
+from neuron_moe import environment, port
 from neuron_moe.cli import main
 from neuron_moe.errors import UserError
 from neuron_moe.reader.nki import forward as nki_forward
@@ -65,7 +65,7 @@ def _not_before_the_refusal(*args, **kwargs):
     "argv, path",
     [
         (["trace-and-compile", "--tp", "2", "--out", "{tmp}/art"], environment.TRACE_AND_COMPILE),
-        (["validate", "--backend", "tp8", "--tp-layers", "nxd"], environment.VALIDATE_NXD),
+        (["validate", "--backend", "tp", "--tp-layers", "nxd"], environment.VALIDATE_NXD),
         (["validate", "--backend", "reader", "--reader-kernel", "nki"], environment.READER_NKI),
         (["validate", "--backend", "reader", "--reader-kernel", "triton"], environment.READER_TRITON),
     ],
@@ -74,7 +74,7 @@ def test_a_command_that_needs_a_path_refuses_with_the_rows_reason(plain_cpu, arg
     supported, why = environment.support(path)
     if supported:
         pytest.skip(f"{path} is supported here: {why}")
-    monkeypatch.setattr(cli, "load_port", _not_before_the_refusal)
+    monkeypatch.setattr(port, "load_port", _not_before_the_refusal)  # the commands import it when they run
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     assert capsys.readouterr().err == f"error: {path} {why}\n"
     assert not (tmp_path / "art").exists()

@@ -435,7 +435,8 @@ def test_fuzz_sidecar_metadata(small_sidecar, tmp_path, edits):
 ARTIFACT = {
     "format": na.FORMAT,
     "port": MODEL,
-    "dtype": "bf16",
+    "dtype": "bfloat16",
+    "quantization": "none",
     "tp": 1,
     "expert_layout": "channel",
     "buckets": [64],
@@ -502,7 +503,7 @@ number_texts = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
 )
 NUMERIC = {
-    "plan": ["--batch", "--seq", "--reader-budget", "--reader-rank", "--reader-scan", "--runtime-reserve-gib"],
+    "plan": ["--batch-size", "--seq-len", "--budget", "--recovery-rank", "--scan", "--runtime-reserve-gib"],
     "reads": [
         "--budget",
         "--hidden",
@@ -510,8 +511,8 @@ NUMERIC = {
         "--top-k",
         "--intermediate",
         "--scan",
-        "--rank",
-        "--batch",
+        "--recovery-rank",
+        "--batch-size",
         "--step-budget",
     ],
     "serve": [
@@ -524,10 +525,11 @@ NUMERIC = {
         "--header-timeout",
         "--body-timeout",
     ],
-    "prep-reader": ["--seed", "--rank", "--scan"],
+    "prep-reader": ["--seed", "--recovery-rank", "--scan"],
 }
 BASE = {
-    "plan": ["--model", "gemma4-26b-a4b", "--instance", "inf2.48xlarge", "--tp", "8"],
+    # the reader on (--budget given here, a drawn one after it wins): its numbers are fuzzed too
+    "plan": ["--model", "gemma4-26b-a4b", "--instance", "inf2.48xlarge", "--tp", "8", "--reader", "--budget", "17.8"],
     "reads": [],
     "serve": ["--backend", "static"],
     "prep-reader": [],

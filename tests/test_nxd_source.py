@@ -103,7 +103,7 @@ def test_device_kernels_stood_in_for_refuse_to_run():
 @pytest.mark.skipif(INSTALLED, reason="neuronx-distributed is installed here")
 def test_cli_refuses_nxd_layers_without_nxd_in_one_line(monkeypatch, capsys):
     monkeypatch.delenv("NXD_SRC", raising=False)
-    assert main(["validate", "--backend", "tp8", "--tp-layers", "nxd"]) == 2
+    assert main(["validate", "--backend", "tp", "--tp-layers", "nxd"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "set NXD_SRC to a checkout" in err
 
@@ -113,9 +113,8 @@ def test_cli_refuses_nxd_layers_without_nxd_in_one_line(monkeypatch, capsys):
     [
         (["--backend", "dense_masked", "--tp-layers", "nxd"], "--tp-layers applies to the TP backends"),
         (["--backend", "reader", "--tp", "2"], "--tp applies to the TP backends"),
-        (["--backend", "tp8-naive-scatter", "--tp-layers", "nxd"], "right: run tp8-naive-scatter with --tp-layers cpu"),
-        (["--backend", "tp8", "--tp-layers", "nxd", "--dtype", "bfloat16"], "runs float32 only, not bfloat16"),
-        (["--backend", "tp8", "--tp", "24"], "TP 24 (channel expert layout): 8 attention heads do not split"),
+        (["--backend", "tp", "--tp-layers", "nxd", "--dtype", "bfloat16"], "runs float32 only, not bfloat16"),
+        (["--backend", "tp", "--tp", "24"], "TP 24 (channel expert layout): 8 attention heads do not split"),
     ],
 )
 def test_cli_refuses_tp_options_that_do_not_apply(argv, message, capsys, tmp_path, monkeypatch):

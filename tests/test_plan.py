@@ -19,7 +19,7 @@ def big():
 
 
 def test_bf16_at_tp8_fits_inf2_24xlarge(big):
-    r = plan(big, "inf2.24xlarge", 8, "bf16", batch=1, seq=4096)
+    r = plan(big, "inf2.24xlarge", 8, "none", batch=1, seq=4096)
     assert r["fits"], r["reason"]
     assert abs(r["experts_all_ranks_bytes"] / GB - 45.68) < 0.01  # ≈45.7 GB of bf16 experts
     assert r["per_rank_bytes"]["experts"] * 8 == r["experts_all_ranks_bytes"]
@@ -44,25 +44,25 @@ def test_int8_at_tp2_does_not_fit_inf2_8xlarge_once_lm_head_graph_and_runtime_co
 
 def test_per_rank_bytes_add_up_to_info_counts(big):
     counts = parameter_counts(big)
-    r = plan(big, "inf2.48xlarge", 1, "bf16", batch=1, seq=128)
+    r = plan(big, "inf2.48xlarge", 1, "none", batch=1, seq=128)
     w = r["per_rank_bytes"]
     weights = sum(v for k, v in w.items() if k not in ("lm_head", "kv_cache", "graph", "runtime"))
     spmd_ranks = 4  # the embedding's int32 SPMDRank (the channel layout's MoE blocks have none)
     layer_scalars = 2 * big.num_hidden_layers  # a buffer, not a parameter: info does not count it
     assert weights - spmd_ranks - layer_scalars == counts["bytes"]["bfloat16"]  # info counts tied lm_head once
     for tp in (2, 4, 8):  # split groups shrink by exactly t
-        wt = plan(big, "inf2.48xlarge", tp, "bf16", batch=1, seq=128)["per_rank_bytes"]
+        wt = plan(big, "inf2.48xlarge", tp, "none", batch=1, seq=128)["per_rank_bytes"]
         assert wt["experts"] * tp == w["experts"] and wt["dense_mlp"] * tp == w["dense_mlp"]
         assert wt["router"] == w["router"]  # replicated
 
 
 def test_kv_cache_and_decode_floor_on_the_tiny_port(tiny_port):
-    r = plan(tiny_port.config, "inf2.24xlarge", 8, "bf16", batch=2, seq=64)
+    r = plan(tiny_port.config, "inf2.24xlarge", 8, "none", batch=2, seq=64)
     # sliding layers 0, 2: window 16, 4 KV heads -> 1 per rank, head_dim 32; global 1, 3: 64, 2 -> 1 (replicated), 64
     assert r["per_rank_bytes"]["kv_cache"] == 2 * (2 * 2 * 16 * 1 * 32 * 2) + 2 * (2 * 2 * 64 * 1 * 64 * 2)
     # TP 2, batch 1: the channel layout's decode graph gathers 4 experts' 32 of 64 channels; the
     # expert layout's computes its 8 experts whole
-    r = plan(tiny_port.config, "inf2.24xlarge", 2, "bf16", batch=1, seq=64)
+    r = plan(tiny_port.config, "inf2.24xlarge", 2, "none", batch=1, seq=64)
     channel, whole = r["decode"]
     assert (channel["expert_layout"], channel["this_plan"], whole["expert_layout"]) == ("channel", True, "expert")
     expert = 3 * 64 * 128 * 2 * 4  # one expert's bf16 bytes, times 4 layers
@@ -71,11 +71,11 @@ def test_kv_cache_and_decode_floor_on_the_tiny_port(tiny_port):
     assert channel["decode_graph"] == "gathers 1×4 experts' 32 of 64 channels per layer"
     assert whole["floor_ms"] == pytest.approx(1e3 * whole["bytes_per_token"] / (CHIP_HBM_BW / 2))
     # batch 4: 4 × top-4 = 16 = E, so the channel decode graph computes all experts (NxD's rule)
-    channel4 = plan(tiny_port.config, "inf2.24xlarge", 2, "bf16", batch=4, seq=64)["decode"][0]
+    channel4 = plan(tiny_port.config, "inf2.24xlarge", 2, "none", batch=4, seq=64)["decode"][0]
     assert channel4["decode_graph"] == "all 16 experts' 32 of 64 channels per layer"
     assert (
         channel4["bytes_per_token"]
-        - plan(tiny_port.config, "inf2.24xlarge", 2, "bf16", batch=4, seq=64, expert_layout="expert")["decode"][0][
+        - plan(tiny_port.config, "inf2.24xlarge", 2, "none", batch=4, seq=64, expert_layout="expert")["decode"][0][
             "bytes_per_token"
         ]
         == -rank_scalar
@@ -85,7 +85,7 @@ def test_kv_cache_and_decode_floor_on_the_tiny_port(tiny_port):
 def test_full_size_decode_table_is_what_the_built_graphs_read(big):
     """TP 8, batch 1: the channel layout's decode graph gathers 8 experts × 88 of 704 channels
     (1.06 GB/token/rank, a 2.40 ms floor); the expert layout's reads all 16 of its experts."""
-    r = plan(big, "inf2.24xlarge", 8, "bf16", batch=1, seq=4096)
+    r = plan(big, "inf2.24xlarge", 8, "none", batch=1, seq=4096)
     channel, whole = r["decode"]
     assert channel["decode_graph"] == "gathers 1×8 experts' 88 of 704 channels per layer" and channel["this_plan"]
     assert channel["GB_per_token"] == pytest.approx(1.055, abs=5e-4) and round(channel["floor_ms"], 2) == 2.40
@@ -109,14 +109,14 @@ def test_full_size_decode_with_the_reader(big, capsys):
     recovery of its 8 experts' 88 channels per layer (`neuron-moe reads --tp 8`): 17.8 % of the selective
     row's expert bytes, so 0.761 GB/token/rank and a 1.73 ms floor against 1.055 and 2.40; each rank
     holds its sidecar shard (0.75 GB)."""
-    from neuron_moe.reader.accounting import ReaderSettings, rank_geometry, reads
+    from neuron_moe.reader.accounting import rank_geometry, reads
     from neuron_moe.reader.geometry import Geometry
 
-    reader = Reader(budget=17.8, scan=80, rank=32)
-    r = plan(big, "inf2.24xlarge", 8, "bf16", batch=1, seq=4096, reader=reader)
+    reader = Reader(budget=17.8, scan=80, recovery_rank=32)
+    r = plan(big, "inf2.24xlarge", 8, "none", batch=1, seq=4096, reader=reader)
     channel, with_reader, _ = r["decode"]
     assert not channel["this_plan"] and with_reader["this_plan"] and with_reader["reader"]["k_per_rank"] == 55
-    per_layer = sum(reads(rank_geometry(Geometry.from_config(big), 8), ReaderSettings(), 55).values())
+    per_layer = sum(reads(rank_geometry(Geometry.from_config(big), 8), Reader().resolved(), 55).values())
     assert per_layer <= 0.178 * 8 * 3 * 88 * 2816 * 2
     assert channel["bytes_per_token"] - with_reader["bytes_per_token"] == pytest.approx(
         30 * (8 * 3 * 88 * 2816 * 2 - per_layer), rel=1e-12
@@ -125,7 +125,18 @@ def test_full_size_decode_with_the_reader(big, capsys):
     assert round(r["per_rank_bytes"]["reader_sidecar"] / GB, 2) == 0.75 and r["fits"]
     assert (
         cli.main(
-            ["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.24xlarge", "--tp", "8", "--reader-budget", "17.8"]
+            [
+                "plan",
+                "--model",
+                "gemma4-26b-a4b",
+                "--instance",
+                "inf2.24xlarge",
+                "--tp",
+                "8",
+                "--reader",
+                "--budget",
+                "17.8",
+            ]
         )
         == 0
     )
@@ -135,7 +146,7 @@ def test_full_size_decode_with_the_reader(big, capsys):
 
 
 def test_no_kv_bytes_cross_the_host_per_decode_step(big):
-    r = plan(big, "inf2.24xlarge", 8, "bf16", batch=4, seq=4096)
+    r = plan(big, "inf2.24xlarge", 8, "none", batch=4, seq=4096)
     rows = {row["what"].split(" [")[0].split(" (")[0]: row for row in r["host_per_step"]}
     assert rows["KV cache"]["bytes"] == 0
     assert rows["input_ids + position_ids"]["bytes"] == 2 * 4 * 8 and rows["token"]["bytes"] == 4 * 8
@@ -144,9 +155,9 @@ def test_no_kv_bytes_cross_the_host_per_decode_step(big):
 
 
 def test_tp_beyond_the_instance_or_the_model_is_refused_with_a_reason(big):
-    r = plan(big, "inf2.xlarge", 8, "bf16", batch=1, seq=4096)
+    r = plan(big, "inf2.xlarge", 8, "none", batch=1, seq=4096)
     assert not r["fits"] and r["reason"] == "inf2.xlarge has 2 NeuronCores; TP 8 needs 8"
-    r = plan(big, "inf2.48xlarge", 24, "bf16", batch=1, seq=4096)
+    r = plan(big, "inf2.48xlarge", 24, "none", batch=1, seq=4096)
     assert not r["fits"] and r["reason"].startswith(
         "not shardable: TP 24 (channel expert layout): 16 attention "
         "heads do not split over 24 ranks; 704 expert intermediate channels"
@@ -175,7 +186,7 @@ def test_a_degree_that_does_not_split_what_the_layout_splits_is_refused(
     assert "FITS:" in capsys.readouterr().out
     # no decode row for a graph that cannot be built at this degree
     config = load_port(str(tmp_path / "p.toml")).config
-    rows = plan(config, "inf2.24xlarge", 8, "bf16", batch=1, seq=64, expert_layout=other)["decode"]
+    rows = plan(config, "inf2.24xlarge", 8, "none", batch=1, seq=64, expert_layout=other)["decode"]
     assert [r["expert_layout"] for r in rows] == [other]
 
 
@@ -200,7 +211,7 @@ def test_plan_cli(capsys):
                 "inf2.8xlarge",
                 "--tp",
                 "2",
-                "--dtype",
+                "--quantization",
                 "int8",
                 "--json",
                 "-",

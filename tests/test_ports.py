@@ -9,7 +9,8 @@ import pytest
 
 from neuron_moe import cli
 from neuron_moe.config import ConfigError
-from neuron_moe.port import PortError, ReaderSpec, builtin_ports, load_port
+from neuron_moe.port import PortError, builtin_ports, load_port
+from neuron_moe.spec import Reader
 
 from conftest import port_text_elsewhere, with_reader_table
 
@@ -125,12 +126,12 @@ def test_expert_layout_defaults_to_channel(tmp_path):
         (
             lambda t: with_reader_table(t, "budjet = 10"),
             PortError,
-            r"p\.toml \[reader\]: unknown field\(s\) \['budjet'\]; expected \['budget', 'rank', 'sidecar'\]",
+            r"p\.toml \[reader\]: unknown field\(s\) \['budjet'\]; expected \['budget', 'recovery_rank', 'sidecar'\]",
         ),
         (
-            lambda t: with_reader_table(t, 'rank = "full"'),
+            lambda t: with_reader_table(t, 'recovery_rank = "full"'),
             PortError,
-            r"p\.toml \[reader\]: field 'rank' must be int, got str",
+            r"p\.toml \[reader\]: field 'recovery_rank' must be int, got str",
         ),
         (
             lambda t: with_reader_table(t, "sidecar = 3"),
@@ -147,7 +148,11 @@ def test_expert_layout_defaults_to_channel(tmp_path):
             PortError,
             r"\[reader\]: budget must be in \(0, 100\] percent, got 0",
         ),
-        (lambda t: with_reader_table(t, "rank = -1"), PortError, r"\[reader\]: rank must be 0 or more, got -1"),
+        (
+            lambda t: with_reader_table(t, "recovery_rank = -1"),
+            PortError,
+            r"\[reader\]: recovery_rank must be 0 or more, got -1",
+        ),
         (
             lambda t: t.split("\n[reader]\n")[0].replace(
                 'name = "tiny-gemma4-moe"', 'name = "tiny-gemma4-moe"\nreader = 10'
@@ -163,10 +168,12 @@ def test_bad_port_files_name_the_problem(tmp_path, edit, error, message):
 
 
 def test_reader_table_is_parsed_at_load(tmp_path):
-    assert _TINY_PORT.reader == ReaderSpec(rank=0)  # recovery off by default; the sidecar prepped, the budget asked
+    assert _TINY_PORT.reader == Reader(
+        recovery_rank=0
+    )  # recovery off by default; the sidecar prepped, the budget asked
     port = load_port(_write(tmp_path, with_reader_table(TINY, 'sidecar = "sc/tiny.safetensors"\nbudget = 30')))
-    # the sidecar relative to the port file; the budget a float; the rank left to the sidecar
-    assert port.reader == ReaderSpec(sidecar=tmp_path / "sc/tiny.safetensors", budget=30.0, rank=None)
+    # the sidecar relative to the port file; the budget a float; the recovery rank left to the sidecar
+    assert port.reader == Reader(sidecar=tmp_path / "sc/tiny.safetensors", budget=30.0)
 
 
 # Wrong types, sizes and misspellings: each is one `error:` line naming the field, not a raw traceback
@@ -189,7 +196,10 @@ def test_reader_table_is_parsed_at_load(tmp_path):
         ),
         (lambda t: t.replace('kind = "checkpoint"', 'knd = "checkpoint"'), "[tokenizer]: unknown field(s) ['knd']"),
         (lambda t: with_reader_table(t, "budjet = 10"), "[reader]: unknown field(s) ['budjet']"),
-        (lambda t: with_reader_table(t, 'rank = "full"'), "[reader]: field 'rank' must be int, got str"),
+        (
+            lambda t: with_reader_table(t, 'recovery_rank = "full"'),
+            "[reader]: field 'recovery_rank' must be int, got str",
+        ),
         (lambda t: t.replace("hidden_size = 128", "hidden_size = 0"), "hidden_size = 0 is outside [1, 65536]"),
         (
             lambda t: t.replace("num_attention_heads = 8", "num_attention_heads = -8"),

@@ -770,7 +770,7 @@ def test_a_second_server_on_a_shared_cache_waits_for_the_first_pull(
     assert not isinstance(engine, Exception), engine
     assert {r["action"] for r in results["first"]["files"]} == {"downloaded"}
     assert set(fetched) == {"first"}  # the second downloaded nothing: it verified the first's files
-    assert torch.equal(engine.backend.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert torch.equal(engine.runtime.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
 def test_a_pull_waiting_on_a_stuck_one_gives_up(bucket, client, artifacts, tmp_path, monkeypatch):

@@ -7,17 +7,9 @@ import pytest
 
 import trained_like
 from neuron_moe import cli
-from neuron_moe.reader.accounting import (
-    BudgetError,
-    ReaderSettings,
-    breakdown,
-    full_bytes,
-    reads,
-    resident,
-    row_sectors,
-    solve_k,
-)
+from neuron_moe.reader.accounting import BudgetError, breakdown, full_bytes, reads, resident, row_sectors, solve_k
 from neuron_moe.reader.geometry import Geometry
+from neuron_moe.spec import Reader
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.prep import prep_layer
 
@@ -29,20 +21,20 @@ def test_qwen3_reads_by_hand():
     """Every number derived on paper for hidden 2048, 128 experts, top-8, intermediate 768."""
     full = 8 * 3 * 768 * 2048 * 2  # eight whole experts in bf16
     assert full_bytes(QWEN3_30B) == full == 75_497_472
-    parts = reads(QWEN3_30B, ReaderSettings(), k=755)
+    parts = reads(QWEN3_30B, Reader().resolved(), k=755)
     # 16 blocks x 80 scanned coordinates x one strip of 1536 base-3 codes (1600 padded rows / 5 = 320 B = 10
     # sectors), + scales [16, 1536] bf16
     assert parts["sketch"] == 8 * (16 * 80 * 320 + 16 * 1536 * 2)
     assert parts["norms"] == 8 * 768 * 2
     assert parts["exact"] == 755 * 3 * 2048 * 2  # gate row + up row + down row
     assert parts["recovery"] == 2048 * 32 * 2 + (6144 - 755) * 32 * 2  # U once, b_j for the unchosen
-    assert solve_k(QWEN3_30B, ReaderSettings(), 17.8) == 755
+    assert solve_k(QWEN3_30B, Reader().resolved(), 17.8) == 755
 
 
 def test_qwen3_at_17_8_percent_reproduces_the_papers_breakdown():
     """5 ternary codes per byte, strips padded to whole sectors: sketch 4.9, exact 12.3, recovery 0.6;
     resident ≈ 7 % sketch, ≈ 0.5 % recovery (80/128 x 1.6/16 x 2/3 = 4.17 % of codes, + scales)."""
-    b = breakdown(QWEN3_30B, ReaderSettings(), 17.8)
+    b = breakdown(QWEN3_30B, Reader().resolved(), 17.8)
     share = {name: part["percent"] for name, part in b["reads"].items()}
     assert share["sketch"] == pytest.approx(4.86, abs=0.005)
     assert share["exact"] == pytest.approx(12.29, abs=0.005)
@@ -61,7 +53,8 @@ WHOLE_BLOCKS = Geometry(hidden=128, experts=16, top_k=4, intermediate=64)
 
 @pytest.mark.parametrize("geo", [QWEN3_30B, GEMMA4_26B, ODD, WHOLE_BLOCKS])
 @pytest.mark.parametrize(
-    "settings", [ReaderSettings(), ReaderSettings(scan=128, rank=0), ReaderSettings(scan=40, rank=8)]
+    "settings",
+    [Reader().resolved(), Reader(scan=128, recovery_rank=0).resolved(), Reader(scan=40, recovery_rank=8).resolved()],
 )
 def test_k_is_the_most_that_fits(geo, settings):
     limit = lambda budget: budget / 100 * full_bytes(geo)  # noqa: E731
@@ -78,7 +71,7 @@ def test_k_is_the_most_that_fits(geo, settings):
 
 def test_rows_that_are_not_whole_sectors_cost_one_more():
     assert row_sectors(64) == 2 and row_sectors(400) == 14  # 400 B: 12.5 sectors, may straddle 14
-    assert reads(ODD, ReaderSettings(), 1)["exact"] - reads(ODD, ReaderSettings(), 0)["exact"] == 3 * 14 * 32
+    assert reads(ODD, Reader().resolved(), 1)["exact"] - reads(ODD, Reader().resolved(), 0)["exact"] == 3 * 14 * 32
 
 
 @pytest.mark.parametrize(
@@ -96,7 +89,7 @@ def test_rows_that_are_not_whole_sectors_cost_one_more():
 )
 def test_budgets_out_of_range_are_refused(budget, message):
     with pytest.raises(BudgetError, match=message):
-        solve_k(QWEN3_30B, ReaderSettings(), budget)
+        solve_k(QWEN3_30B, Reader().resolved(), budget)
 
 
 def test_resident_bytes_are_the_sidecar_tensors():
@@ -104,7 +97,7 @@ def test_resident_bytes_are_the_sidecar_tensors():
     ex = trained_like.experts(num_experts=3, inter=40, hidden=200, seed=0)
     out = prep_layer(ex.gate_up_proj, ex.down_proj, random_signs(256, 0), rank=8)
     nbytes = {name: t.numel() * t.element_size() for name, t in out.items()}
-    held = resident(Geometry(hidden=200, experts=3, top_k=1, intermediate=40), ReaderSettings(rank=8))
+    held = resident(Geometry(hidden=200, experts=3, top_k=1, intermediate=40), Reader(recovery_rank=8).resolved())
     assert held == {
         "sketch": nbytes["codes"] + nbytes["scales"],
         "norms": nbytes["down_norms"],
@@ -121,7 +114,7 @@ def test_reads_cli_for_gemma4_and_explicit_geometry(capsys):
     assert cli.main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["k"] == 755 and report["geometry"]["hidden"] == 2048
-    assert cli.main(args[:-2] + ["--scan", "128", "--rank", "0", "--json", "-"]) == 0
+    assert cli.main(args[:-2] + ["--scan", "128", "--recovery-rank", "0", "--json", "-"]) == 0
     full_scan = json.loads(capsys.readouterr().out)
     assert full_scan["reads"]["recovery"]["bytes"] == 0
     assert full_scan["reads"]["sketch"]["bytes"] == 8 * (16 * 128 * 320 + 16 * 1536 * 2)  # every strip
@@ -149,10 +142,10 @@ def test_reads_cli_errors(capsys, args, message):
         (["--budget", "0"], "argument --budget: must be in (0, 100], got 0"),
         (["--budget", "nan"], "argument --budget: must be a finite number, got nan"),
         (["--scan", "129"], "argument --scan: must be in [1, 128], got 129"),
-        (["--rank", "-1"], "argument --rank: must be at least 0, got -1"),
-        (["--batch", "4", "--step-budget", "nan"], "argument --step-budget: must be a finite number, got nan"),
-        (["--batch", "4", "--step-budget", "0"], "argument --step-budget: must be more than 0, got 0"),
-        (["--batch", "4", "--step-budget", "-2"], "argument --step-budget: must be more than 0, got -2"),
+        (["--recovery-rank", "-1"], "argument --recovery-rank: must be at least 0, got -1"),
+        (["--batch-size", "4", "--step-budget", "nan"], "argument --step-budget: must be a finite number, got nan"),
+        (["--batch-size", "4", "--step-budget", "0"], "argument --step-budget: must be more than 0, got 0"),
+        (["--batch-size", "4", "--step-budget", "-2"], "argument --step-budget: must be more than 0, got -2"),
     ],
 )
 def test_reads_numbers_out_of_range_are_argument_errors(capsys, args, message):

@@ -39,7 +39,7 @@ def int8_of(ex) -> Int8Experts:
     )
 
 
-def run(case, rows, settings=A.ReaderSettings(), int8=None, **rule):
+def run(case, rows, settings=A.Reader().resolved(), int8=None, **rule):
     ex, sidecar, x, index, weights, _ = case
     return batch.step(
         x[rows],
@@ -66,10 +66,10 @@ def rel_err(y, want):
 @pytest.mark.parametrize(
     "budget,settings",
     [
-        (40.0, A.ReaderSettings()),
-        (60.0, A.ReaderSettings()),
-        (30.0, A.ReaderSettings(rank=0)),
-        (40.0, A.ReaderSettings(scan=128, rank=8)),
+        (40.0, A.Reader().resolved()),
+        (60.0, A.Reader().resolved()),
+        (30.0, A.Reader(recovery_rank=0).resolved()),
+        (40.0, A.Reader(scan=128, recovery_rank=8).resolved()),
     ],
 )
 def test_the_batch_rule_at_batch_one_is_todays_top_k(case, budget, settings):
@@ -93,7 +93,7 @@ def test_the_batch_rule_at_batch_one_is_todays_top_k(case, budget, settings):
             sidecar,
             k=k,
             scan=settings.scan,
-            rank=settings.rank,
+            rank=settings.recovery_rank,
             act_fn=ex.act_fn,
         )
         assert rel_err(mine.out, want) < 2e-6
@@ -111,7 +111,7 @@ def test_the_batch_rule_at_batch_one_is_todays_top_k(case, budget, settings):
 @pytest.mark.parametrize("int8", [False, True])
 def test_at_budget_100_every_rule_is_the_full_moe(case, int8):
     ex, _, x, index, weights, full = case
-    settings = A.ReaderSettings(weights="int8" if int8 else "bf16")
+    settings = A.Reader(quantization="int8" if int8 else "none").resolved()
     q = int8_of(ex) if int8 else None
     if int8:
         gate_up, down = q.dequantized()
@@ -130,7 +130,7 @@ def test_at_budget_100_every_rule_is_the_full_moe(case, int8):
             assert got.rows == A.StepRows(experts, 0, experts * INTER, 0)  # the union's experts whole, no screen
             assert total(settings, got.rows) == A.full_reads(GEO, settings, experts)
     union = len(index[:8].unique())
-    one_short = run(case, slice(0, 8), rule="batch", limit=A.full_reads(GEO, A.ReaderSettings(), union) - 1)
+    one_short = run(case, slice(0, 8), rule="batch", limit=A.full_reads(GEO, A.Reader().resolved(), union) - 1)
     assert one_short.rows.strips > 0 and rel_err(one_short.out, full[:8]) > 1e-4  # teeth: a byte less screens
 
 
@@ -171,17 +171,17 @@ def poisoned(case, read, int8=None):
     return gate_up, down, side, int8
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("B", [1, 4, 8, 16])
 @pytest.mark.parametrize("rule", ["token", "batch"])
-def test_a_step_reads_what_the_accounting_charges(case, weights, B, rule):
+def test_a_step_reads_what_the_accounting_charges(case, quantization, B, rule):
     """Each row once: the output is computed from the rows the step says it read (everything else
     garbage), and the accounting's plan of those rows is the step's reads, to the sector. The batch
     rule's plan follows from the union's size and K alone, and fits its limit with no room for one
     more channel."""
     ex, _, x, index, weights_, _ = case
-    settings = A.ReaderSettings(weights=weights)
-    q = int8_of(ex) if weights == "int8" else None
+    settings = A.Reader(quantization=quantization).resolved()
+    q = int8_of(ex) if quantization == "int8" else None
     k = A.solve_k(GEO, settings, 40.0)
     experts = len(index[:B].unique())
     floor = total(settings, A.batch_rows(GEO, settings, experts, 0))
@@ -218,12 +218,12 @@ def test_the_batch_rule_beats_independent_top_k_at_equal_union_reads(case, B):
     / 0.038 against 0.123 / 0.147 / 0.163), and summing shares beats summing raw scores (0.142 /
     0.097 / 0.043): raw sums hand the channels to the loudest tokens."""
     _, _, _, _, _, full = case
-    k = A.solve_k(GEO, A.ReaderSettings(), 40.0)
+    k = A.solve_k(GEO, A.Reader().resolved(), 40.0)
     token = run(case, slice(0, B), rule="token", k=k)
-    limit = total(A.ReaderSettings(), token.rows)
+    limit = total(A.Reader().resolved(), token.rows)
     mine = run(case, slice(0, B), rule="batch", limit=limit)
     raw = run(case, slice(0, B), rule="batch", limit=limit, weigh="raw")
-    assert total(A.ReaderSettings(), mine.rows) <= limit
+    assert total(A.Reader().resolved(), mine.rows) <= limit
     assert token_err(mine.out, full[:B]) < 0.92 * token_err(token.out, full[:B])
     assert token_err(mine.out, full[:B]) < 0.92 * token_err(raw.out, full[:B])
 
@@ -236,9 +236,9 @@ def test_the_selectors_step_rule_runs_the_batch_step(case):
     matched = S.run("reader", layer, x[:8], index[:8], weights[:8], S.Step("batch", k=k))  # limit: token's reads
     direct = run(case, slice(0, 8), rule="batch", limit=int(token.reads[0]))
     assert torch.equal(matched.out, direct.out) and matched.step == direct.rows
-    assert torch.all(matched.reads == total(A.ReaderSettings(), direct.rows))
+    assert torch.all(matched.reads == total(A.Reader().resolved(), direct.rows))
     narrow = S.run("reader", layer, x[:8], index[:8], weights[:8], S.Step("batch", limit=int(token.reads[0]), scan=40))
-    direct = run(case, slice(0, 8), A.ReaderSettings(scan=40), rule="batch", limit=int(token.reads[0]))
+    direct = run(case, slice(0, 8), A.Reader(scan=40).resolved(), rule="batch", limit=int(token.reads[0]))
     assert torch.equal(narrow.out, direct.out) and narrow.step.strips == narrow.step.experts * 2 * 40
     assert narrow.step.exact > matched.step.exact  # half the sketch buys exact channels
     # independent top-k through the Step rule: the per-token reader's output (each token its own k)
@@ -254,7 +254,7 @@ def test_expected_union_under_uniform_routing():
 
 
 def test_reads_cli_batch(capsys):
-    args = ["reads", "--model", "gemma4-26b-a4b", "--batch", "8", "--json", "-"]
+    args = ["reads", "--model", "gemma4-26b-a4b", "--batch-size", "8", "--json", "-"]
     assert cli.main(args) == 0
     report = json.loads(capsys.readouterr().out)
     batch8 = report["batch"]
@@ -264,12 +264,12 @@ def test_reads_cli_batch(capsys):
     rule = batch8["rules"]["batch"]
     assert rule["bytes"] <= batch8["limit_bytes"] and rule["k"] > 0
     assert batch8["rules"]["token"]["bytes"] > rule["bytes"]  # independent top-k's union, no sharing inside an expert
-    assert cli.main(["reads", "--model", "gemma4-26b-a4b", "--batch", "8"]) == 0
+    assert cli.main(["reads", "--model", "gemma4-26b-a4b", "--batch-size", "8"]) == 0
     printed = capsys.readouterr().out
     assert "batch 8" in printed and "uniform routing" in printed
     with pytest.raises(SystemExit) as exit:
-        cli.main(["reads", "--batch", "0"])
-    assert exit.value.code == 2 and "argument --batch: must be at least 1" in capsys.readouterr().err
+        cli.main(["reads", "--batch-size", "0"])
+    assert exit.value.code == 2 and "argument --batch-size: must be at least 1" in capsys.readouterr().err
 
 
 # ---- decode batches inside the model (eval/reader_batch.py) ----

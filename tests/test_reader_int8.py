@@ -39,11 +39,11 @@ def test_int8_reads_by_hand():
     """Qwen3-30B-A3B: a channel is three int8 rows of 2048 B and its 8-byte scale pair (one sector);
     an expert whole is its int8 gate_up and down and their fp32 scales; each routed expert's down
     scale (2048 fp32) is read whatever is chosen."""
-    settings = A.ReaderSettings(weights="int8")
+    settings = A.Reader(quantization="int8").resolved()
     assert A.channel_bytes(QWEN3_30B, "int8") == 3 * 2048 + 32
     assert A.expert_read_bytes(QWEN3_30B, "int8") == 2 * 768 * 2048 + 768 * 2048 + 2 * 768 * 4 + 2048 * 4
     parts = A.reads(QWEN3_30B, settings, k=300)
-    bf16 = A.reads(QWEN3_30B, A.ReaderSettings(), k=300)
+    bf16 = A.reads(QWEN3_30B, A.Reader().resolved(), k=300)
     assert parts["sketch"] == bf16["sketch"] and parts["norms"] == bf16["norms"]  # the sidecar is bf16 either way
     assert parts["recovery"] == bf16["recovery"]
     assert parts["exact"] == 300 * (3 * 2048 + 32) + 8 * 2048 * 4
@@ -59,17 +59,20 @@ def test_int8_reads_by_hand():
 def test_int8_at_17_8_percent_the_sketch_is_twice_its_bf16_share(geo):
     """The same sketch against half the full read: ≈ 9.5-9.7 % of the int8 experts' read (4.8-4.9 % of
     bf16's), so 17.8 % buys about half the exact bytes, ~1.1x the channels of bf16's 12.3 %."""
-    b8, b16 = A.breakdown(geo, A.ReaderSettings(weights="int8"), 17.8), A.breakdown(geo, A.ReaderSettings(), 17.8)
+    b8, b16 = (
+        A.breakdown(geo, A.Reader(quantization="int8").resolved(), 17.8),
+        A.breakdown(geo, A.Reader().resolved(), 17.8),
+    )
     assert b8["reads"]["sketch"]["percent"] == pytest.approx(2 * b16["reads"]["sketch"]["percent"], rel=0.01)
     assert b8["total_percent"] <= 17.8 and b8["full_bytes"] == geo.top_k * A.expert_read_bytes(geo, "int8")
-    k = A.solve_k(geo, A.ReaderSettings(weights="int8"), 17.8)
+    k = A.solve_k(geo, A.Reader(quantization="int8").resolved(), 17.8)
     assert (
-        sum(A.reads(geo, A.ReaderSettings(weights="int8"), k).values())
+        sum(A.reads(geo, A.Reader(quantization="int8").resolved(), k).values())
         <= 0.178 * b8["full_bytes"]
-        < sum(A.reads(geo, A.ReaderSettings(weights="int8"), k + 1).values())
+        < sum(A.reads(geo, A.Reader(quantization="int8").resolved(), k + 1).values())
     )
     # equal bytes: the bf16 reader's 17.8 % buys the int8 reader nearly twice the channels
-    equal = A.solve_k(geo, A.ReaderSettings(weights="int8"), 17.8, full=A.full_bytes(geo))
+    equal = A.solve_k(geo, A.Reader(quantization="int8").resolved(), 17.8, full=A.full_bytes(geo))
     assert 1.8 * b16["k"] < equal < 2.1 * b16["k"]
 
 
@@ -123,13 +126,13 @@ def test_seq_match_at_budget_100_against_one_rank_int8(tiny_port, sidecar):
     tokenizer = load_tokenizer(tiny_port, None)
     want = generate(build_model(tiny_port, "int8"), tokenizer)
     model = build_model(tiny_port)
-    assert attach_reader(model, sidecar, budget=100, weights="int8") == 4 * 64
+    assert attach_reader(model, sidecar, budget=100, quantization="int8") == 4 * 64
     rows = compare(want, generate(model, tokenizer), list(DEFAULT_PROMPTS))
     assert all(r["seq_match"] for r in rows), rows
     # int8 on both sides, summed in another order (measured 1e-5 on logits up to ~25)
     assert all(r["max_abs_dlogit_step0"] == 0 and r["min_cosine"] > 0.99999 for r in rows), rows
     sparse = build_model(tiny_port)
-    attach_reader(sparse, sidecar, budget=60, rank=0, weights="int8")
+    attach_reader(sparse, sidecar, budget=60, rank=0, quantization="int8")
     assert not all(
         r["seq_match"] and r["min_cosine"] > 0.99999
         for r in compare(want, generate(sparse, tokenizer), list(DEFAULT_PROMPTS))
@@ -141,7 +144,7 @@ def test_validate_reader_int8_cli(sidecar, capsys):
         "validate",
         "--backend",
         "reader",
-        "--reader-weights",
+        "--quantization",
         "int8",
         "--budget",
         "100",
@@ -154,9 +157,9 @@ def test_validate_reader_int8_cli(sidecar, capsys):
     ]
     assert cli.main(args) == 0  # against HF eager fp32: int8 at 100 % keeps the greedy tokens
     report = json.loads(capsys.readouterr().out)
-    assert report["all_match"] and report["backend_options"]["reader_weights"] == "int8"
-    assert cli.main(["validate", "--backend", "int8", "--reader-weights", "int8"]) == 2
-    assert "--reader-weights apply to --backend reader only" in capsys.readouterr().err
+    assert report["all_match"] and report["backend_options"]["quantization"] == "int8"
+    assert cli.main(["validate", "--backend", "eager", "--quantization", "int8", "--budget", "60"]) == 2
+    assert "--budget apply to --backend reader only" in capsys.readouterr().err
 
 
 def test_a_sidecar_of_the_dequantised_int8_is_accepted_for_int8_only(tiny_port, sidecar, tmp_path):
@@ -169,20 +172,20 @@ def test_a_sidecar_of_the_dequantised_int8_is_accepted_for_int8_only(tiny_port, 
         progress=False,
     )
     assert dq.read_bytes() != sidecar.read_bytes()
-    attach_reader(build_model(tiny_port), dq, budget=60, rank=0, weights="int8")
+    attach_reader(build_model(tiny_port), dq, budget=60, rank=0, quantization="int8")
     with pytest.raises(SidecarError, match="made from other expert weights"):
         attach_reader(build_model(tiny_port), dq, budget=60, rank=0)  # bf16 reads the weights themselves
     with pytest.raises(SidecarError, match="made from other expert weights"):
-        attach_reader(build_model(reseeded(tiny_port, 99)), sidecar, budget=60, weights="int8")
+        attach_reader(build_model(reseeded(tiny_port, 99)), sidecar, budget=60, quantization="int8")
     with pytest.raises(UserError, match="int8 experts runs on the reference kernel only"):
-        attach_reader(build_model(tiny_port), sidecar, budget=60, weights="int8", kernel="triton")
+        attach_reader(build_model(tiny_port), sidecar, budget=60, quantization="int8", kernel="triton")
     assert sum(1 for _ in model_expert_weights(model)) == 4
 
 
 def test_reads_cli_int8(capsys):
-    assert cli.main(["reads", "--model", "gemma4-26b-a4b", "--dtype", "int8", "--json", "-"]) == 0
+    assert cli.main(["reads", "--model", "gemma4-26b-a4b", "--quantization", "int8", "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["dtype"] == "int8" and report["total_percent"] <= 17.8
+    assert report["quantization"] == "int8" and report["total_percent"] <= 17.8
     assert report["percent_of_bf16_full"] == pytest.approx(
         17.8 * report["full_bytes"] / A.full_bytes(GEMMA4_26B), abs=0.01
     )
@@ -196,13 +199,13 @@ def test_eval_reader_int8_selectors(tiny_port, sidecar):
     from neuron_moe.reader import selectors as S
     from neuron_moe.reader.sidecar import Sidecar
 
-    from neuron_moe.spec import Selector, SpecError, parse_selector
+    from neuron_moe.spec import SelectorSpec, SpecError, parse_selector
 
-    assert parse_selector("reader-r16-int8dq", S.SELECTORS) == Selector(
-        "reader-r16-int8dq", "reader", 16, int8=True, dequantised=True
+    assert parse_selector("reader-r16-int8dq", S.SELECTORS) == SelectorSpec(
+        "reader-r16-int8dq", "reader", 16, quantization="int8", dequantised=True
     )
-    assert parse_selector("reader-int8", S.SELECTORS) == Selector("reader-int8", "reader", int8=True)
-    assert parse_selector("teal", S.SELECTORS) == Selector("teal", "teal")
+    assert parse_selector("reader-int8", S.SELECTORS) == SelectorSpec("reader-int8", "reader", quantization="int8")
+    assert parse_selector("teal", S.SELECTORS) == SelectorSpec("teal", "teal")
     for bad in ("teal-int8", "reader-int4", "reader-r-int8", "oracle-r3"):
         with pytest.raises(SpecError, match="unknown selector"):
             parse_selector(bad, S.SELECTORS)

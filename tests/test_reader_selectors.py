@@ -128,7 +128,7 @@ def test_the_reader_selector_is_the_reference_forward_at_each_tokens_k(case):
                 layer.sidecar,
                 k=kk,
                 scan=layer.settings.scan,
-                rank=layer.settings.rank,
+                rank=layer.settings.recovery_rank,
                 act_fn=layer.act_fn,
             )
     assert rel_err(result.out, want) < 3e-6

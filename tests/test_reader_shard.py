@@ -11,7 +11,8 @@ import trained_like
 from neuron_moe.cli import main
 from neuron_moe.reader import reference, shard
 from neuron_moe.reader import selectors as S
-from neuron_moe.reader.accounting import BudgetError, ReaderSettings, rank_geometry, reads, solve_k, solve_rank_k
+from neuron_moe.reader.accounting import BudgetError, rank_geometry, reads, solve_k, solve_rank_k
+from neuron_moe.spec import Reader
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.prep import prep_layer
@@ -82,7 +83,7 @@ def test_the_per_rank_reader_is_the_per_rank_selector(case, tp):
     shards = ranks(ex, layer, tp)
     kw = dict(scan=SCAN, rank=RANK, act_fn=ex.act_fn)
     want = shard.forward_ranks(x, index, weights, shards, k=k, **kw)
-    settings = ReaderSettings(scan=SCAN, rank=RANK)
+    settings = Reader(scan=SCAN, recovery_rank=RANK).resolved()
     moe = S.MoeLayer(ex.gate_up_proj, ex.down_proj, ex.act_fn, TOP_K, layer, settings, tp=tp)
     got = S.run("reader", moe, x, index, weights, S.RankTopK({"channel": k}, tp, I))
     assert (got.out - want).abs().max() <= 1e-5 * want.abs().max()
@@ -108,7 +109,7 @@ def test_a_ranks_reads_at_full_size():
     1,408 rows on one rank), so its sketch is 8.10 % of its reads, not 4.78 %, every rank reads the whole
     U (1.52 % of its share), and 17.8 % buys 55 exact channels per rank (440 in all) instead of the
     one-rank reader's 703."""
-    geo, settings = Geometry(hidden=2816, experts=128, top_k=8, intermediate=704), ReaderSettings()
+    geo, settings = Geometry(hidden=2816, experts=128, top_k=8, intermediate=704), Reader().resolved()
     local = rank_geometry(geo, 8)
     assert local == Geometry(hidden=2816, experts=128, top_k=8, intermediate=88)
     parts = reads(local, settings, 0)
@@ -131,8 +132,8 @@ def test_a_budget_below_a_ranks_floor_is_refused_with_it(capsys):
         match=r"per rank at TP 8 .*below what the reader reads before any exact channel "
         r"\(43\.23%: sketch 42\.19%",
     ):
-        solve_rank_k(geo, ReaderSettings(rank=0), 17.8, 8)
-    assert main(["reads", "--budget", "17.8", "--tp", "8", "--rank", "0"]) == 2
+        solve_rank_k(geo, Reader(recovery_rank=0).resolved(), 17.8, 8)
+    assert main(["reads", "--budget", "17.8", "--tp", "8", "--recovery-rank", "0"]) == 2
     assert "per rank at TP 8" in capsys.readouterr().err
     assert main(["reads", "--model", "gemma4-26b-a4b", "--tp", "8", "--json", "-"]) == 0
     out = capsys.readouterr().out

@@ -128,7 +128,11 @@ def test_tp1_is_the_one_rank_reader(tiny_port, shards, prompts):
     reader` (HF's model with the one-rank reader): the same tokens, the logits to the fp32 bound."""
     gen = TPGenerator(tiny_port, 1, sidecar=shards, budget=BUDGET, rank=RANK)
     got = gen.generate(*prompts, NEW_TOKENS)
-    want = greedy(reader_model(tiny_port, sidecar=shards / shard.WHOLE, budget=BUDGET, rank=RANK), *prompts, NEW_TOKENS)
+    want = greedy(
+        reader_model(tiny_port, reader=Reader(sidecar=shards / shard.WHOLE, budget=BUDGET, recovery_rank=RANK)),
+        *prompts,
+        NEW_TOKENS,
+    )
     assert gen.reader_k == attach_reader(build_model(tiny_port, "eager"), shards / shard.WHOLE, BUDGET)
     assert torch.equal(got.tokens, want.tokens)
     assert (got.logits - want.logits).abs().max() <= 2e-6 * want.logits.abs().max()
@@ -143,18 +147,14 @@ def test_tp2_artifact_is_the_per_rank_reader_emulated(tiny_port, tiny_eager, sha
     )
     out = nc.trace_and_compile(
         port,
-        "fp32",
-        2,
-        tmp_path / "art",
-        dry_run=True,
-        logits=True,
-        reader=Reader(sidecar=shards, budget=BUDGET, rank=RANK),
+        nc.Build(tp=2, out=tmp_path / "art", dtype="float32", dry_run=True, logits=True),
+        reader=Reader(sidecar=shards, budget=BUDGET, recovery_rank=RANK),
     )
     programs = {
         f"a/{name}": torch.export.load(tmp_path / "art" / na.GRAPHS.format(key=key))
         for name, key in (("prefill 8", "context_encoding_1x8"), ("decode", "token_generation"))
     }
-    weights = [load_file(tmp_path / "art" / na.WEIGHTS.format(rank=r)) for r in range(2)]
+    weights = [load_file(tmp_path / "art" / na.RANK_WEIGHTS.format(rank=r)) for r in range(2)]
     tokens, logits = run_replicated(
         programs, {k: weights for k in programs}, generation_job, [("a", 2, 0, [(*prompts, NEW_TOKENS)])]
     )[0]["a"]
@@ -207,13 +207,13 @@ def test_neuron_path_writes_each_ranks_shard(tiny_port, shards, tmp_path, monkey
     monkeypatch.setattr(nxd, "trace_keys", trace_keys)
     monkeypatch.setattr(nxd, "shard_checkpoint", shard_checkpoint)
     nc.trace_and_compile(
-        tiny_port, "bf16", 2, tmp_path / "out", dry_run=False, reader=Reader(sidecar=shards, budget=BUDGET)
+        tiny_port, nc.Build(tp=2, out=tmp_path / "out", dry_run=False), reader=Reader(sidecar=shards, budget=BUDGET)
     )
     name = "model.model.layers.3.experts.reader.coeffs"
     mine = [Sidecar(shards / shard.shard_name(2, r)).layer(3).coeffs for r in range(2)]
     assert seen["checkpoint"][name].shape == mine[0].shape
     for r in range(2):
-        assert torch.equal(load_file(tmp_path / "out" / na.WEIGHTS.format(rank=r))[name], mine[r])
+        assert torch.equal(load_file(tmp_path / "out" / na.RANK_WEIGHTS.format(rank=r))[name], mine[r])
     manifest = json.loads((tmp_path / "out" / na.MANIFEST).read_text())
     assert manifest["reader"]["budget"] == BUDGET and manifest["reader"]["k_per_rank"] > 0
 
@@ -276,18 +276,19 @@ def test_a_byte_flipped_shard_is_refused_by_name(tiny_port, shards, tmp_path):
     "flags, message",
     [
         (
-            ["--budget", "17.8", "--rank", "32"],
+            ["--budget", "17.8", "--recovery-rank", "32"],
             r"per rank at TP 8 .* budget 17.8% is below what the reader reads "
             r"before any exact channel \(84\.90%: sketch 42\.19%, norms 1\.04%, "
             r"recovery 41\.67%\)",
         ),
         (["--budget", "17.8"], r"per rank at TP 8 .* \(43\.23%: sketch 42\.19%, norms 1\.04%\)"),  # the port's rank 0
-        (["--budget", "60", "--reader-backend", "nki"], "no --reader-kernel"),  # the old name still parses
+        (["--budget", "60", "--reader-kernel", "nki"], "no --reader-kernel"),
+        (["--budget", "60", "--quantization", "int8"], "not --quantization int8"),
         (["--budget", "60", "--expert-layout", "expert"], "the reader runs on the 'channel' expert layout"),
     ],
 )
-def test_validate_tp8_reader_refuses_before_running(shards, capsys, flags, message):
-    assert main(["validate", "--backend", "tp8", "--sidecar", str(shards), *flags]) == 2
+def test_validate_tp_reader_refuses_before_running(shards, capsys, flags, message):
+    assert main(["validate", "--backend", "tp", "--sidecar", str(shards), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert re.search(message, err), err
@@ -344,7 +345,7 @@ def test_full_size_decode_graph_with_the_reader_reads_its_plan():
     from neuron_moe.config import gemma4_moe_config
     from neuron_moe.parallel.model import rank_model
     from neuron_moe.port import load_port
-    from neuron_moe.reader.accounting import ReaderSettings, rank_geometry, reads
+    from neuron_moe.reader.accounting import rank_geometry, reads
     from neuron_moe.static.decoder import new_cache
 
     port = load_port("gemma4-26b-a4b")
@@ -357,7 +358,7 @@ def test_full_size_decode_graph_with_the_reader_reads_its_plan():
     graph = nc._graph(module, static, "token_generation", new_cache(module, static.max_cache_len, 1), False)
     program = export_rank0(graph, tuple(x.to("meta") for x in nc._example(static, "token_generation")), 8)
     assert data_dependent_ops(program) == []
-    plan = reads(rank_geometry(Geometry.from_config(config), 8), ReaderSettings(), 55)
+    plan = reads(rank_geometry(Geometry.from_config(config), 8), Reader().resolved(), 55)
     for layer in range(2):
         got = _bytes_read(program, layer)
         assert got["gate_up_proj"] + got["down_proj"] == plan["exact"] == 55 * 3 * 2816 * 2
@@ -389,9 +390,15 @@ def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
 
     port = load_port("gemma4-26b-a4b")
     report = nc.trace_and_compile(
-        port, "bf16", 8, tmp_path / "big", dry_run=True, export=False, reader=Reader(budget=17.8)
+        port, nc.Build(tp=8, out=tmp_path / "big", dry_run=True, export=False), reader=Reader(budget=17.8)
     )
-    assert report["reader"] == {"budget": 17.8, "k_per_rank": 55, "scan": 80, "rank": 32, "source_sha256": None}
+    assert report["reader"] == {
+        "budget": 17.8,
+        "k_per_rank": 55,
+        "scan": 80,
+        "recovery_rank": 32,
+        "source_sha256": None,
+    }
     plan = json.loads((tmp_path / "big" / na.SHARD_PLAN).read_text())
     codes = plan["model.layers.7.experts.reader.codes"]
     assert (codes["placement"], codes["full_shape"], codes["rank_shape"]) == (
@@ -402,7 +409,11 @@ def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
     assert plan["model.layers.7.experts.reader.basis"]["placement"] == "replicated"
     with pytest.raises(na.ArtifactError, match="has no weights here: --reader builds shapes only"):
         nc.trace_and_compile(
-            port, "bf16", 8, tmp_path / "b2", dry_run=True, export=False, reader=Reader(budget=17.8, sidecar=tmp_path)
+            port,
+            nc.Build(tp=8, out=tmp_path / "b2", dry_run=True, export=False),
+            reader=Reader(budget=17.8, sidecar=tmp_path),
         )
     with pytest.raises(Exception, match=r"per rank at TP 8 .*below what the reader reads"):
-        nc.trace_and_compile(port, "bf16", 8, tmp_path / "b3", dry_run=True, export=False, reader=Reader(budget=9))
+        nc.trace_and_compile(
+            port, nc.Build(tp=8, out=tmp_path / "b3", dry_run=True, export=False), reader=Reader(budget=9)
+        )

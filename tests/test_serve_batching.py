@@ -10,7 +10,7 @@ import torch
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Engine, HFBackend, RequestError, SamplingParams
+from neuron_moe.serve.engine import Engine, HFRuntime, RequestError, SamplingParams
 from neuron_moe.serve.runtime import static_runtime
 from neuron_moe.serve.scheduler import Scheduler
 
@@ -248,7 +248,7 @@ def test_the_graphs_sample_what_the_host_samples_for_the_same_seed(eight_rows, t
     bite (a nucleus within their 256 candidates: top-p 0.6 here; the trained model's nucleus at
     top-p 0.9 after a random prompt is wider, and is then cut: tests/test_sampling.py)."""
     engine, _ = eight_rows
-    alone = Engine(HFBackend(tiny_eager), IdTokenizer(), tiny_eager.config.max_position_embeddings, set())
+    alone = Engine(HFRuntime(tiny_eager), IdTokenizer(), tiny_eager.config.max_position_embeddings, set())
     for i, (temperature, top_p, top_k) in enumerate([(1.0, 1.0, 0), (0.7, 0.6, 0), (1.2, 1.0, 30), (0.9, 0.8, 100)]):
         params = SamplingParams(12, temperature=temperature, top_p=top_p, top_k=top_k, seed=900 + i)
         assert tokens_of(engine.generate(EIGHT[2], params)) == tokens_of(alone.generate(EIGHT[2], params)), i

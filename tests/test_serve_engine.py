@@ -11,7 +11,7 @@ from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
 from neuron_moe.serve.engine import (
     Engine,
     GenerationError,
-    HFBackend,
+    HFRuntime,
     Output,
     RequestError,
     SamplingParams,
@@ -218,12 +218,12 @@ def test_the_host_samples_with_every_token_a_candidate():
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_eager):
-    return Engine(HFBackend(tiny_eager), BYTES, tiny_eager.config.max_position_embeddings, {BYTES.eos_token_id})
+    return Engine(HFRuntime(tiny_eager), BYTES, tiny_eager.config.max_position_embeddings, {BYTES.eos_token_id})
 
 
 def test_greedy_generation_is_the_reference_greedy(tiny_engine, tiny_eager):
     prompt = BYTES.encode("Mixture-of-Experts models route each token to")
-    recording = Recording(tiny_engine.backend)
+    recording = Recording(tiny_engine.runtime)
     engine = Engine(recording, BYTES, tiny_engine.max_context, set(tiny_engine.eos_ids))
     steps = run(engine, max_tokens=16, prompt=prompt)
     reference = greedy(tiny_eager, *left_pad([prompt], 0), 16).tokens[0].tolist()

@@ -38,7 +38,8 @@ def _manifest(**fields):
         dict(
             {
                 "format": FORMAT,
-                "dtype": "bf16",
+                "dtype": "bfloat16",
+                "quantization": "none",
                 "batch_size": 2,
                 "dry_run": False,
                 "expert_layout": "channel",
@@ -182,18 +183,18 @@ def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(
         neuron.neuron_runtime(tmp_path, types.SimpleNamespace(name="other"))
 
 
-def test_neuron_backend_refuses_an_artifact_of_an_older_format(tmp_path):
-    for old, what in (
-        (1, "the KV cache in and out of every call"),
-        (2, "the KV cache in and out of every call"),
-        (3, "one-prompt prefill graphs that return the greedy token alone, no sampling inputs, no tokenizer"),
-        (4, "one-prompt prefill graphs that return the greedy token alone"),
-    ):
-        (tmp_path / "manifest.json").write_text(json.dumps({"format": old, "port": "p", "buckets": [16]}))
+def test_neuron_backend_refuses_an_artifact_of_another_format_by_its_number_alone(tmp_path):
+    """Another format's manifest is refused by its format number, before any other field is read: a
+    manifest with nothing else (no port, no files) gets the format error, not a missing-field one."""
+    for other in (1, 4, 5, FORMAT + 1):
+        (tmp_path / "manifest.json").write_text(json.dumps({"format": other}))
         with pytest.raises(
-            neuron.NeuronError, match=f"artifact format {old} \\({what}.*this version reads format 5: rebuild it"
+            neuron.NeuronError, match=f"artifact format {other}, this version reads {FORMAT} \\(rebuild it"
         ):
             neuron.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "5"}))
+    with pytest.raises(neuron.NeuronError, match="field 'format' is missing or not an int"):
+        neuron.read_manifest(tmp_path)
 
 
 def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path, tiny_port):
@@ -221,7 +222,7 @@ def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path,
 def dry_run_artifact(tmp_path, tiny_port):
     """trace-and-compile --dry-run of the tiny port (not exported: the graphs are not what is served here)."""
     out = tmp_path / "art"
-    compile_.trace_and_compile(tiny_port, "fp32", 1, out, dry_run=True, export=False)
+    compile_.trace_and_compile(tiny_port, compile_.Build(tp=1, out=out, dtype="float32", dry_run=True, export=False))
     return out
 
 

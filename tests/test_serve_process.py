@@ -47,7 +47,8 @@ def manifest_dir(tmp_path):
             {
                 "format": FORMAT,
                 "port": "tiny-gemma4-moe",
-                "dtype": "bf16",
+                "dtype": "bfloat16",
+                "quantization": "none",
                 "tp": 1,
                 "expert_layout": "channel",
                 "buckets": [64],
@@ -147,7 +148,7 @@ def test_s3_artifacts_without_boto3(monkeypatch, capsys):
 
 
 def _embedding(engine):
-    return engine.backend.model.model.embed_tokens.weight
+    return engine.runtime.model.model.embed_tokens.weight
 
 
 @pytest.mark.parametrize("where", ["dir", "s3"])

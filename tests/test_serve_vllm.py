@@ -15,8 +15,8 @@ from neuron_moe.port import load_port
 from neuron_moe.serve import server
 from neuron_moe.serve.chat import render_chat
 from neuron_moe.serve.engine import Engine
-from neuron_moe.serve.runtime import GraphRuntime
-from neuron_moe.static.loop import bucket_for
+from neuron_moe.static.rows import GraphRuntime
+from neuron_moe.static.rows import bucket_for
 from neuron_moe.tokenizer import load_tokenizer
 
 from serving import serving, wait_for

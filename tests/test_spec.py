@@ -3,6 +3,8 @@ HF forward and to what a rank module computes for it; what the commands offer is
 entries, so one more entry is offered everywhere it fits; a graph's experts are fixed when it is
 built; the one adapter to transformers' registry is the only code that names its private field."""
 
+import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,10 +16,11 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from neuron_moe import experts, spec
-from neuron_moe.eval import seq_match
+from neuron_moe.eval import reader_eval, seq_match
 from neuron_moe.experts.view import with_experts
 from neuron_moe.parallel import moe
 from neuron_moe.port import GRAPH_EXPERTS
+from neuron_moe.reader import selectors
 from neuron_moe.serve import backends
 from neuron_moe.static.decoder import Decode, Prefill, new_cache
 
@@ -39,19 +42,19 @@ def test_every_entry_a_graph_may_trace_has_a_rank_module_compute():
 
 def test_what_the_commands_offer_is_derived_from_the_entries():
     assert GRAPH_EXPERTS == ("dense_masked", "selective")
-    assert list(backends.BACKENDS) == ["eager", "dense_masked", "selective", "int8", "static", "neuron"]
+    # the int8 experts are a format (--quantization int8), not a backend of their own
+    assert list(backends.BACKENDS) == ["eager", "dense_masked", "selective", "static", "neuron"]
     assert sorted(backends.NOT_SERVED) == ["channel_reader", "selector"]
-    assert sorted(seq_match.BACKENDS) == [
-        "dense_masked",
-        "eager",
-        "int8",
-        "reader",
-        "tp8",
-        "tp8-int8",
-        "tp8-naive-scatter",
-        "traced",
-    ]
+    assert sorted(seq_match.BACKENDS) == ["dense_masked", "eager", "reader", "tp", "traced"]
     assert seq_match.BACKENDS["reader"].experts is spec.CHANNEL_READER
+    for name in ("eager", "dense_masked"):
+        int8 = spec.quantized(seq_match.BACKENDS[name], "int8")
+        assert int8.experts is spec.INT8 and int8.quantization == "int8" and int8.name == name
+    tp = spec.quantized(seq_match.BACKENDS["tp"], "int8")
+    assert tp.quantization == "int8" and tp.placement == spec.Placement()
+    assert spec.quantized(seq_match.BACKENDS["traced"], "none") == seq_match.BACKENDS["traced"]
+    with pytest.raises(spec.SpecError, match="not --backend static"):
+        spec.quantized(backends.BACKENDS["static"], "int8")
 
 
 def test_experts_read_and_the_gather_rule(tiny_port):
@@ -66,7 +69,7 @@ def test_experts_read_and_the_gather_rule(tiny_port):
 
 def test_selector_specs_are_fields():
     known = ("teal", "reader")
-    assert spec.parse_selector("reader-r8-tp4-split-global", known) == spec.Selector(
+    assert spec.parse_selector("reader-r8-tp4-split-global", known) == spec.SelectorSpec(
         "reader-r8-tp4-split-global", "reader", 8, 4, gathered=True, split=True
     )
     assert (
@@ -165,8 +168,27 @@ def test_one_more_entry_is_offered_everywhere_it_fits():
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.splitlines()[-1])
     assert got["graph_experts"] == ["dense_masked", "selective", "dense_again"]
-    assert got["serve"] == ["eager", "dense_masked", "selective", "int8", "dense_again", "static", "neuron"]
+    assert got["serve"] == ["eager", "dense_masked", "selective", "dense_again", "static", "neuron"]
     assert "dense_again" in got["validate"] and got["validate_help"] == "dense_again"
     assert got["per_token"] == ["dense_masked", "selective", "dense_again", "eager"]
     assert got["serve_help"] == "dense_again" and got["same_tokens"]
     assert not got["rank_compute"]
+
+
+def test_the_readers_settings_are_one_object_from_the_flags_to_the_defaults():
+    """The flags fill what they give, the port's [reader] table what they do not, the defaults the rest."""
+    args = argparse.Namespace(sidecar=None, budget=30.0, recovery_rank=None, reader_kernel="nki", quantization="int8")
+    given = spec.Reader.from_cli_args(args)
+    assert given == spec.Reader(budget=30.0, kernel="nki")  # --quantization is the command's, not the reader's
+    assert given.given() == {"budget": 30.0, "reader_kernel": "nki"}  # by option, for error messages
+    port_table = spec.Reader(sidecar=Path("p.safetensors"), budget=10.0, recovery_rank=0)
+    merged = given.over(port_table)
+    assert merged == spec.Reader(sidecar=Path("p.safetensors"), budget=30.0, recovery_rank=0, kernel="nki")
+    assert merged.resolved() == dataclasses.replace(merged, quantization="none", scan=spec.SCAN)
+    assert spec.Reader().resolved().recovery_rank == spec.RECOVERY_RANK
+
+
+def test_the_parsers_plain_names_are_the_registries():
+    """cli_parser reads spec.py's names (no torch); the modules that own the selectors and rules agree."""
+    assert tuple(selectors.SELECTORS) == spec.SELECTOR_NAMES == reader_eval.SELECTORS
+    assert reader_eval.RULES == spec.RETENTION_RULES

@@ -1,4 +1,4 @@
-"""The batching loop over the static graphs' rows (static/rows.py), on a runtime that records its
+"""The engine step over the static graphs' rows (static/rows.py), on a runtime that records its
 calls: which chunks each prefill call takes, what each decode step feeds at which positions, and
 how a row passes from one piece of work to the next. (Over the real graphs: test_serve_batching.py
 serves through it, test_reader_batch.py evaluates through it.)"""
@@ -6,7 +6,8 @@ serves through it, test_reader_batch.py evaluates through it.)"""
 import pytest
 import torch
 
-from neuron_moe.static.rows import Rows
+from neuron_moe.greedy import left_pad
+from neuron_moe.static.rows import GraphRuntime, Rows, generate
 from neuron_moe.static.sampling import GREEDY
 
 SAMPLED = (0.5, 0.0, 1.0, 0.25)
@@ -56,9 +57,7 @@ class Work:
 def run(rows, waiting):
     take = lambda: waiting.pop(0) if waiting else None  # noqa: E731
     while waiting or rows.active():
-        rows.admit(take)
-        rows.prefill()
-        rows.decode()
+        rows.step(take)
 
 
 def test_rows_prefill_in_chunks_oldest_first_and_decode_each_row_at_its_own_position():
@@ -87,12 +86,35 @@ def test_a_failed_graph_call_ends_the_work_it_ran_frees_its_rows_and_raises():
     rows = Rows(Runtime(fail_decode=True))
     first, second, waiting = Work([1], 3), Work([2, 3], 3), Work([4], 1)
     queue = [first, second]
-    rows.admit(lambda: queue.pop(0) if queue else None)
-    rows.prefill()
     with pytest.raises(RuntimeError, match="device fault"):
-        rows.decode()
+        rows.step(lambda: queue.pop(0) if queue else None)
     assert str(first.ended) == str(second.ended) == "device fault" and rows.slots == [None, None]
     assert rows.steps == 0
     rows.runtime.fail_decode = False  # the rows serve the next piece of work
     run(rows, [waiting])
     assert waiting.got == [100] and waiting.ended == "done"
+
+
+def test_prefill_all_prefills_every_prompt_in_its_first_step_a_call_each_at_its_own_bucket():
+    """`generate`'s schedule (validate, the TP ranks): every prompt prefilled before the first decode,
+    on graphs of one row, each chunk in the smallest bucket that holds it (no buckets: its own length)."""
+    for buckets, widths in (([2, 4, 8], [4, 2, 8]), (None, [3, 1, 5])):
+        calls = []
+
+        def prefill(ids, mask, positions, row_ids, sampling):
+            calls.append(("prefill", ids.shape, ids[0, -1].item(), positions[0, -1].item(), row_ids.tolist()))
+            return (100 + row_ids[:, None],)
+
+        def decode(ids, positions, sampling):
+            calls.append(("decode", ids[:, 0].tolist(), positions[:, 0].tolist()))
+            return (1000 + positions,)
+
+        runtime = GraphRuntime(prefill, decode, batch=3, buckets=buckets, chunk=8, pad_id=0)
+        got = generate(runtime, *left_pad([[1, 2, 3], [4], [5, 6, 7, 8, 9]], 0), 2)
+        assert calls == [
+            ("prefill", (1, widths[0]), 3, 2, [0]),
+            ("prefill", (1, widths[1]), 4, 0, [1]),
+            ("prefill", (1, widths[2]), 9, 4, [2]),
+            ("decode", [100, 101, 102], [3, 1, 5]),
+        ]
+        assert got[0].tolist() == [[100, 1003], [101, 1001], [102, 1005]] and got[1] is None

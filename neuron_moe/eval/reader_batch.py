@@ -2,7 +2,7 @@
 independent per-token top-k (reader/batch.py), inside the model.
 
 The evaluation split's sequences (`reader_eval.sequences`) are decoded B at a time as a continuous
-batch over the static decoder's per-row KV cache: the rows of `static/rows.py`, the loop serving
+batch over the static decoder's per-row KV cache: the engine step of `static/rows.py`, which serving
 drives too. Each row holds one sequence, its prompt prefilled with the full experts (every
 position before its first scored one, alone at its own length), then one decode step per
 position, every row at its own position. Teacher-forced: the true next token is fed, so each
@@ -28,7 +28,7 @@ import torch
 from .. import spec
 from ..experts.selector_experts import attach_selector
 from ..static.decoder import Decode, Prefill, new_cache
-from ..static.rows import Rows
+from ..static.rows import GraphRuntime, Rows
 from ..static.sampling import GREEDY
 from .reader_eval import Sequence
 
@@ -73,32 +73,6 @@ class Row:
         """Nothing to release: a failed graph call raises to `decode`'s caller."""
 
 
-class _Graphs:
-    """The static decoder as `Rows` calls it, at the evaluation's own shapes: every waiting prompt in
-    one prefill call, each prefilled alone at its own length with the full experts (no bucket, no
-    padding, so a position's numbers are the plain forward's); a decode step that returns its logits."""
-
-    def __init__(self, model, batch: int, max_length: int, decode_experts: str):
-        cache = new_cache(model, max_length, batch)
-        self._prefill = Prefill(model, cache, "eager")
-        self._decode = Decode(model, cache, decode_experts, logits=True)
-        self.batch, self.pad_id = batch, 0
-        self.chunk, self.prefill_rows = max_length, [batch]
-
-    def prefill(self, chunks):
-        tokens = []
-        for c in chunks:
-            ids = torch.tensor([c.ids])
-            positions = torch.arange(c.start, c.start + len(c.ids))[None]
-            out = self._prefill(ids, torch.ones_like(ids), positions, torch.tensor([c.row]), torch.tensor([c.sampling]))
-            tokens.append(out[0][0, 0])
-        return torch.stack(tokens), None
-
-    def decode(self, ids, positions, sampling):
-        token, logits = self._decode(ids, positions, sampling)[:2]
-        return token[:, 0], logits
-
-
 @dataclass
 class Decoded:
     logprobs: list  # per sequence: log-probs at its fed positions from its first scored one, [n, V]
@@ -128,7 +102,23 @@ def decode(
     the decode steps run them, else the full experts. `new_tokens`: greedy generation of that many
     tokens per sequence after its prompt (stopping at `eos`), instead of teacher forcing."""
     longest = max(len(s.ids) + (new_tokens[i] if new_tokens else 0) for i, s in enumerate(seqs))
-    rows = Rows(_Graphs(model, batch, longest, "selector" if states else "eager"))
+    cache = new_cache(model, longest, batch)
+    decode_graph = Decode(model, cache, "selector" if states else "eager", logits=True)
+
+    def decode_step(ids, positions, sampling):
+        """The decode graph, its rows (the idle ones take no part) handed to the selector states first."""
+        generating, active = rows.generating(), torch.zeros(batch, dtype=torch.bool)
+        active[generating] = True
+        for state in states or ():
+            state.active, state.results = active, []
+        if progress is not None:
+            progress.update(sum(rows.slots[row].scored for row in generating))
+        return decode_graph(ids, positions, sampling)
+
+    # every prompt prefilled in the step that admits it, each alone at its own length with the full
+    # experts (no bucket, no padding: a position's numbers are the plain forward's)
+    prefill = Prefill(model, cache, "eager")
+    rows = Rows(GraphRuntime(prefill, decode_step, batch=batch, buckets=None, chunk=longest), prefill_all=True)
     queue = deque(order(len(seqs), seed))
     fillers = deque()
     out = Decoded([[] for _ in seqs], [[] for _ in seqs], [])
@@ -153,21 +143,12 @@ def decode(
             eos,
         )
 
-    while True:
-        rows.admit(take)
-        scored = sum(1 for row in rows.slots if row and row.scored)
-        if not scored:  # the last scored sequence has ended: the fillers go with it
-            break
-        rows.prefill()  # every prompt just admitted, in one call (`_Graphs`)
-        active = torch.zeros(batch, dtype=torch.bool)
-        active[rows.generating()] = True
-        for state in states or ():
-            state.active, state.results = active, []
-        rows.decode()
+    while queue or any(row is not None and row.scored for row in rows.slots):  # fillers end with the scored
+        rows.step(take)
         if states:
             out.steps.append(
                 {
-                    "tokens": int(active.sum()),
+                    "tokens": int(states[0].active.sum()),
                     "layers": [
                         {
                             "bytes": int(st.results[0].reads[0]),
@@ -178,8 +159,6 @@ def decode(
                     ],
                 }
             )
-        if progress is not None:
-            progress.update(scored)
     out.logprobs = [torch.stack(lp) if lp else torch.zeros(0) for lp in out.logprobs]
     for state in states or ():
         state.active, state.results = None, None

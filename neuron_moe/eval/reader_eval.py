@@ -46,12 +46,17 @@ from ..training.corpus import read_jsonl
 from .reader_report import plot, write_markdown
 from .tasks import accuracy_by_task, score_items
 
-RULES = ("topk", "threshold")
-SELECTORS = tuple(selectors.SELECTORS)  # teal, wina, cats, oracle, reader
+RULES = spec.RETENTION_RULES  # topk, threshold
+SELECTORS = spec.SELECTOR_NAMES  # selectors.SELECTORS: teal, wina, cats, oracle, reader
 # Bin edges of answer positions (position i predicts answer token i); the last bin is open.
 ANSWER_BINS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 CALIB_TOKENS = 2048  # calibration tokens per layer (a seeded sample): the baselines gather [T, k, 2I, H] at once
-QUICK = {"per_task": 2, "tasks": ("fact", "kv", "reverse"), "text_docs": 4, "calib_tokens": 256}
+QUICK = {
+    "per_task": spec.EVAL_READER_QUICK_ITEMS,
+    "tasks": ("fact", "kv", "reverse"),
+    "text_docs": 4,
+    "calib_tokens": 256,
+}
 
 
 class EvalError(UserError):
@@ -67,7 +72,8 @@ class Sequence:
 
 @dataclass
 class Settings:
-    per_task: int = 20  # the full run's size: two budgets, every selector and rule in <= 30 min on 2 CPU cores
+    # the full run's size: two budgets, every selector and rule in <= 30 min on 2 CPU cores
+    per_task: int = spec.EVAL_READER_ITEMS
     tasks: tuple = T.TASKS
     text_docs: int = 50
     calib_tokens: int = CALIB_TOKENS
@@ -92,7 +98,7 @@ def parse_budgets(text: str) -> list[float]:
     return budgets
 
 
-# Selector specs (`spec.Selector`, parsed by `spec.parse_selector`): a baseline's name, or
+# Selector specs (`spec.SelectorSpec`, parsed by `spec.parse_selector`): a baseline's name, or
 # reader[-rN][-tpT[variant]][-int8|-int8dq].
 #   reader-rN                     recovery rank N (≤ the sidecar's; plain `reader`: the sidecar's)
 #   reader-int8                   the reader over the int8 experts (exact rows in int8, sketch and recovery
@@ -107,7 +113,7 @@ def parse_budgets(text: str) -> list[float]:
 #   reader[-rN]-tpT-split-global  one top-(T·⌊k/T⌋) over all ranks
 
 
-def parse_selectors(text: str) -> list[spec.Selector]:
+def parse_selectors(text: str) -> list[spec.SelectorSpec]:
     """Selector specs (`spec.parse_selector`), each checked."""
     specs = [spec.parse_selector(s.strip(), SELECTORS) for s in text.split(",") if s.strip()]
     if not specs:
@@ -307,7 +313,7 @@ class Run:
             self.calibration = calibration_inputs(self.model, seqs, self.settings.calib_tokens)
         return self.calibration
 
-    def layers(self, selector: spec.Selector) -> list:
+    def layers(self, selector: spec.SelectorSpec) -> list:
         if not selector.reader:
             return moe_layers(self.model)
         # plain `reader`: the port's [reader] rank, else the sidecar's
@@ -315,7 +321,7 @@ class Run:
         if rank is not None and rank > self.sidecar.layout.rank:
             raise EvalError(f"{selector.text}: recovery rank {rank} above the sidecar's ({self.sidecar.layout.rank})")
         sidecar = self.dequantised_sidecar() if selector.dequantised else self.sidecar
-        layers = moe_layers(self.model, sidecar, rank, int8=selector.int8)
+        layers = moe_layers(self.model, sidecar, rank, int8=selector.quantization == spec.INT8_QUANTIZATION)
         for layer in layers:
             layer.tp = selector.tp or 1
         return layers
@@ -350,7 +356,7 @@ class Run:
             )
         return rows
 
-    def cell(self, selector: spec.Selector, rule: str, budget: float, progress=None) -> dict:
+    def cell(self, selector: spec.SelectorSpec, rule: str, budget: float, progress=None) -> dict:
         """One selector × rule × budget: its statistics, or why the budget is not reachable."""
         started = time.perf_counter()
         name, layers = selector.name, self.layers(selector)
@@ -403,7 +409,7 @@ def _read(path: Path) -> dict:
     return read_json_object(path, EvalError, f"{path}: missing")
 
 
-def tp_plan(layers, selector: spec.Selector, budget: float) -> tuple[list, int, int, int]:
+def tp_plan(layers, selector: spec.SelectorSpec, budget: float) -> tuple[list, int, int, int]:
     """(rules, planned bytes per rank and token, a rank's full read, k per rank) of the reader at TP
     `layers[0].tp` (its variant: `selector.split`, `selector.gathered`); a BudgetError where a rank
     cannot reach the budget."""
@@ -428,7 +434,7 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
     key = {
         "model": port.name,
         "weights_sha256": weights_digest(model),
-        "reader_rank": port.reader.rank,
+        "reader_rank": port.reader.recovery_rank,
         **{k: list(v) if isinstance(v, tuple) else v for k, v in settings.__dict__.items()},
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -442,7 +448,7 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
             )
     else:
         write_json(key, str(run_file))
-    run = Run(model, tokenizer, settings, out, reader_rank=port.reader.rank)
+    run = Run(model, tokenizer, settings, out, reader_rank=port.reader.recovery_rank)
     if need_sidecar:
         path = out / "sidecar.safetensors"
         if not path.exists():
@@ -455,7 +461,13 @@ def open_run(port, checkpoint, settings: Settings, out: Path, need_sidecar: bool
 
 
 def evaluate(
-    port, checkpoint, budgets: list[float], specs: list[spec.Selector], rules: list[str], out: Path, settings: Settings
+    port,
+    checkpoint,
+    budgets: list[float],
+    specs: list[spec.SelectorSpec],
+    rules: list[str],
+    out: Path,
+    settings: Settings,
 ) -> dict:
     """Every cell (skipping those OUT already holds), then the merged report: OUT/report.json."""
     out = Path(out)

@@ -1,9 +1,9 @@
 """SEQ_MATCH: greedy tokens of a backend against the CPU reference (HF eager, fp32).
 
-A backend (`spec.Backend`, named in BACKENDS) becomes a generator: anything that turns (input_ids,
-attention_mask, max_new_tokens) into a `Generation`. The backends are every experts implementation
-that validate runs inside HF's model (`spec.Experts.backend`), the port's static graphs through
-torch.export, and those graphs at TP on gloo.
+A backend (`spec.Backend`, named in BACKENDS: spec.VALIDATE_BACKENDS) becomes a generator: anything
+that turns (input_ids, attention_mask, max_new_tokens) into a `Generation`. The backends are every
+experts implementation that validate runs inside HF's model (`spec.Experts.backend`), the port's
+static graphs through torch.export, and those graphs at TP on gloo.
 """
 
 from __future__ import annotations
@@ -19,7 +19,18 @@ from ..model import build_model, reader_model
 from ..parallel.tp_generator import tp_generator
 from ..port import DTYPES
 from ..report import table
-from ..spec import EAGER, EAGER_GRAPHS, EXPERTS, EXPORTED, NAIVE, SIDECAR, SPMD, Backend, Placement, Reader
+from ..spec import (
+    EAGER,
+    EXPORTED,
+    NO_QUANTIZATION,
+    SIDECAR,
+    SPMD,
+    Backend,
+    Placement,
+    Reader,
+    quantized,
+    validate_backends,
+)
 from ..static.generator import traced_backend
 from ..tokenizer import answer_text
 
@@ -33,25 +44,8 @@ DEFAULT_PROMPTS = (
 
 Generator = Callable[[torch.Tensor, torch.Tensor, int], Generation]
 
-BACKENDS: dict[str, Backend] = {
-    # the experts implementations in HF's model, eager included (the reference against itself: a check
-    # of the harness); the reader (channel_reader) on decode steps, full experts on prefill
-    **{e.backend: Backend(e.backend, EAGER_GRAPHS, e) for e in EXPERTS.values() if e.backend},
-    "traced": Backend("traced", EXPORTED),  # the port's static graphs through torch.export (neuron_moe/static)
-    # those graphs at TP 8 on gloo (neuron_moe/parallel); the seed bug lives in the expert layout's
-    # router scatter (the channel layout has none); int8 experts with per-channel scales
-    "tp8": Backend("tp8", EXPORTED, placement=Placement()),
-    "tp8-naive-scatter": Backend("tp8-naive-scatter", EXPORTED, placement=Placement(scatter=NAIVE)),
-    "tp8-int8": Backend("tp8-int8", EXPORTED, placement=Placement(), int8=True),
-}
+BACKENDS = validate_backends()  # spec.py: the experts implementations in HF's model, traced, tp
 TP_BACKENDS = tuple(name for name, b in BACKENDS.items() if b.placement is not None)
-_READER_FLAGS = {
-    "sidecar": "sidecar",
-    "budget": "budget",
-    "rank": "rank",
-    "kernel": "reader_kernel",
-    "weights": "reader_weights",
-}  # Reader field -> its option
 
 
 def _reads(backend: Backend) -> bool:
@@ -61,41 +55,46 @@ def _reads(backend: Backend) -> bool:
 
 def _reads_at_tp(backend: Backend) -> bool:
     """Where the reader runs in the TP decode graph: the float experts, scattered by the SPMDRank."""
-    return backend.placement is not None and backend.placement.scatter == SPMD and not backend.int8
+    return (
+        backend.placement is not None and backend.placement.scatter == SPMD and backend.quantization == NO_QUANTIZATION
+    )
 
 
 def backend(
     name: str,
     *,
-    sidecar=None,
-    budget=None,
-    rank=None,
-    reader_kernel=None,
-    reader_weights=None,
-    expert_layout=None,
-    tp=None,
-    tp_layers=None,
+    reader: Reader = Reader(),
+    quantization: str | None = None,
+    expert_layout: str | None = None,
+    tp: int | None = None,
+    tp_layers: str | None = None,
     dtype: str | None = None,
 ) -> Backend:
     """BACKENDS[name] with the options given (not None); options it does not take are refused. The
-    reader takes them all but expert_layout; tp8 runs the reader in its decode graph with sidecar,
-    budget and rank; the TP backends take expert_layout, tp (the degree) and tp_layers (the
-    parallel-layer library: cpu or nxd). `dtype`: a port dtype name (None: the port's)."""
-    base = BACKENDS[name]
-    reader = Reader(sidecar=sidecar, budget=budget, rank=rank, kernel=reader_kernel, weights=reader_weights)
-    given = [flag for field, flag in _READER_FLAGS.items() if getattr(reader, field) is not None]
+    reader takes every reader setting; tp runs the reader in its decode graph with sidecar, budget and
+    recovery rank; the TP backends take expert_layout, tp (the degree) and tp_layers (the parallel-layer
+    library: cpu or nxd). `quantization`: the routed experts' format (`spec.quantized`). `dtype`: the
+    compute dtype, one of spec.DTYPE_NAMES (None: the port's)."""
+    base = quantized(BACKENDS[name], quantization)
+    given = list(reader.given())
     tp_reader = _reads_at_tp(base) and bool(given)  # the reader in the TP decode graph
-    if tp_reader and ({"reader_kernel", "reader_weights"} & set(given) or sidecar is None):
+    if tp_reader and ({"reader_kernel", "scan"} & set(given) or reader.sidecar is None):
         raise UserError(
-            "--backend tp8 runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp T`) and "
-            "--budget; its kernels are the PyTorch reference over the bf16 experts "
-            "(no --reader-kernel, no --reader-weights)"
+            "--backend tp runs the reader with --sidecar DIR (from `neuron-moe prep-reader --tp T`) and "
+            "--budget; its kernels are the PyTorch reference over the experts in the compute dtype "
+            "(no --reader-kernel, no --quantization)"
+        )
+    if given and base.placement is not None and not tp_reader:
+        raise UserError(
+            f"--backend {name} runs the reader over the experts in the compute dtype, not --quantization {quantization}"
         )
     if given and not _reads(base) and not tp_reader:
         raise UserError(
             f"--{'/--'.join(given).replace('_', '-')} apply to --backend reader only "
-            f"(--sidecar, --budget and --rank also to tp8)"
+            f"(--sidecar, --budget and --recovery-rank also to tp)"
         )
+    if _reads(base):
+        reader = dataclasses.replace(reader, quantization=quantization)
     placement = {"expert_layout": expert_layout, "tp": tp, "layers": tp_layers}
     for field, value in placement.items():
         if value is not None and base.placement is None:
@@ -108,10 +107,25 @@ def backend(
     return dataclasses.replace(base, reader=reader if _reads(base) or tp_reader else None, dtype=dtype)
 
 
+def backend_from_cli_args(args) -> Backend:
+    """validate's backend from its parsed arguments (`backend`)."""
+    return backend(
+        args.backend,
+        reader=Reader.from_cli_args(args),
+        quantization=args.quantization,
+        expert_layout=args.expert_layout,
+        tp=args.tp,
+        tp_layers=args.tp_layers,
+        dtype=args.dtype,
+    )
+
+
 def backend_options(backend: Backend) -> dict:
     """The options `backend` was given (its report's backend_options)."""
     reader, placement = backend.reader or Reader(), backend.placement or Placement()
-    options = {flag: getattr(reader, field) for field, flag in _READER_FLAGS.items()}
+    options = dict(reader.given())
+    if backend.quantization != NO_QUANTIZATION:
+        options["quantization"] = backend.quantization
     options.update(expert_layout=placement.expert_layout, tp=placement.tp, layers=placement.layers)
     return {k: v for k, v in options.items() if v is not None}
 
@@ -125,17 +139,7 @@ def generator(port, backend: Backend, checkpoint=None) -> Generator:
     if backend.graphs == EXPORTED:
         return traced_backend(port, dtype, checkpoint)
     if _reads(backend):
-        r = backend.reader or Reader()
-        model = reader_model(
-            port,
-            dtype,
-            checkpoint,
-            sidecar=r.sidecar,
-            budget=r.budget,
-            rank=r.rank,
-            reader_kernel=r.kernel or "reference",
-            reader_weights=r.weights or "bf16",
-        )
+        model = reader_model(port, dtype, checkpoint, backend.reader or Reader())
     else:
         model = build_model(port, backend.experts, dtype, checkpoint)
     return lambda ids, mask, n: greedy(model, ids, mask, n)
@@ -201,8 +205,10 @@ def run_validation(port, tokenizer, backend: Backend, max_new_tokens: int, promp
 
 def render_validation(report: dict) -> str:
     shown = [dict(r, prompt=repr(r["prompt"])) for r in report["prompts"]]  # newlines visible, one row each
+    quantization = report["backend_options"].get("quantization")
+    experts = f", {quantization} experts" if quantization else ""
     lines = [
-        f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}) "
+        f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}{experts}) "
         f"vs {report['reference']}, {report['max_new_tokens']} new tokens"
     ]
     if "layer_library" in report:

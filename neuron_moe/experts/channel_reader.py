@@ -15,13 +15,15 @@ The reader's decode step runs on one of READER_KERNELS, all consuming the same s
 tensors: `reference` (PyTorch, any device), `triton` (CUDA kernels, `reader/triton/`), `nki`
 (NeuronCore kernels, `reader/nki/`).
 
-`weights="int8"`: the reader over the `int8` experts (experts/int8.py's numbers): decode steps
+`quantization="int8"`: the reader over the `int8` experts (experts/int8.py's numbers): decode steps
 read their exact channels as int8 rows with their scales (reader/int8.py), prefill runs the int8
 experts whole; the budget is a share of the int8 experts' full read. The sidecar may be made from
 the weights the int8 ones were quantised from or from the dequantised int8. Reference backend only.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from pathlib import Path
 
@@ -30,16 +32,14 @@ import torch
 from .. import spec
 from ..errors import UserError
 from ..reader import reference, shard
-from ..reader.accounting import ReaderSettings, solve_k, solve_rank_k
+from ..reader.accounting import solve_k, solve_rank_k
 from ..reader.geometry import Geometry
 from ..reader.nki import forward as nki
 from ..reader.prep import down_rows, model_expert_weights
 from ..reader.sidecar import LAYER_TENSORS, Sidecar, SidecarError
+from ..spec import INT8_QUANTIZATION, NO_QUANTIZATION, READER_KERNELS, Reader
 from .dense_masked import dense_masked_forward
 from .int8 import int8_experts, int8_forward
-
-
-READER_KERNELS = ("reference", "triton", "nki")
 
 
 def reader_forward(kernel: str):
@@ -68,7 +68,7 @@ class ReaderState(torch.nn.Module):
         self.k, self.scan, self.rank, self.run = k, scan, rank, run  # run: the backend's forward
         self.decode = False  # set by the decoder layer's pre-hook on every call
         self.hook = None
-        self.int8 = None  # reader.int8.Int8Experts: the exact rows are read there (weights="int8")
+        self.int8 = None  # reader.int8.Int8Experts: the exact rows are read there (quantization="int8")
 
 
 def _mark_decode(layer, args, kwargs):
@@ -77,7 +77,7 @@ def _mark_decode(layer, args, kwargs):
 
 
 def plan_reader(
-    config, sidecar: str | Path, budget: float, rank: int | None = None, weights: str = "bf16"
+    config, sidecar: str | Path, budget: float, rank: int | None = None, quantization: str = NO_QUANTIZATION
 ) -> tuple[Sidecar, int, int]:
     """Every check that needs no weights: the sidecar file against the config's geometry, the
     rank, the budget. Returns (sidecar, k per token, rank)."""
@@ -90,7 +90,7 @@ def plan_reader(
     rank = side.layout.rank if rank is None else rank
     if not 0 <= rank <= side.layout.rank:
         raise UserError(f"recovery rank {rank} outside [0, {side.layout.rank}] (the sidecar's rank)")
-    settings = ReaderSettings(scan=side.scan, rank=rank, weights=weights)
+    settings = Reader(scan=side.scan, recovery_rank=rank, quantization=quantization).resolved()
     return side, solve_k(geo, settings, budget), rank
 
 
@@ -101,31 +101,33 @@ def attach_reader(
     budget: float,
     rank: int | None = None,
     kernel: str = "reference",
-    weights: str = "bf16",
+    quantization: str = NO_QUANTIZATION,
     tp: int = 1,
 ) -> int:
     """Attach a sidecar to every MoE layer and select `channel_reader`; returns k per token.
 
     Refuses a sidecar of another geometry or made from other weights. `rank` (default: the
     sidecar's) may lower the recovery rank; 0 turns recovery off. `kernel`: one of READER_KERNELS.
-    `weights`: "bf16" (the model's own experts) or "int8" (the int8 experts' numbers).
+    `quantization`: "none" (the model's own experts) or "int8" (the int8 experts' numbers).
     `tp` > 1 emulates in this one process the per-rank reader of TP `tp` on the channel layout
     (`shard.emulated`): each rank's k channels among its own, summed; returns k per rank.
     """
-    if weights == "int8" and kernel != "reference":
+    if quantization == INT8_QUANTIZATION and kernel != "reference":
         raise UserError(f"the reader over int8 experts runs on the reference kernel only, not {kernel!r}")
     forward = reader_forward(kernel)
-    if weights == "int8" and tp > 1:
+    if quantization == INT8_QUANTIZATION and tp > 1:
         raise UserError(f"the reader over int8 experts runs at TP 1 only, not the per-rank emulation at TP {tp}")
-    side, k, rank = plan_reader(model.config, sidecar, budget, rank, weights)
-    if weights == "int8":
+    side, k, rank = plan_reader(model.config, sidecar, budget, rank, quantization)
+    if quantization == INT8_QUANTIZATION:
         _check_int8_source(side, model)
     else:
         side.check_source(model_expert_weights(model))
     if tp > 1:
         if kernel != "reference":
             raise UserError("the per-rank reader emulation (tp > 1) runs on the reference kernel")
-        k = solve_rank_k(Geometry.from_config(model.config), ReaderSettings(scan=side.scan, rank=rank), budget, tp)
+        k = solve_rank_k(
+            Geometry.from_config(model.config), Reader(scan=side.scan, recovery_rank=rank).resolved(), budget, tp
+        )
     for i, layer in enumerate(model.model.layers):
         experts = layer.experts
         rows = down_rows(experts.down_proj.data).contiguous()  # no copy if already rearranged
@@ -133,7 +135,7 @@ def attach_reader(
         if getattr(experts, "reader", None) is not None:
             experts.reader.hook.remove()
         state = ReaderState(side.layer(i), k, side.scan, rank, forward).to(experts.down_proj.device)
-        if weights == "int8":
+        if quantization == INT8_QUANTIZATION:
             state.int8 = int8_experts(experts)
         if tp > 1:
             state.run = shard.emulated(side.layer(i), tp)
@@ -151,15 +153,15 @@ def _check_int8_source(side: Sidecar, model) -> None:
         side.check_source(int8_experts(layer.experts).dequantized() for layer in model.model.layers)
 
 
-def reader_settings(port, sidecar=None, budget=None, rank=None) -> tuple[Path | None, float, int | None]:
-    """Sidecar path, budget and rank: the CLI's where given, else the port's [reader] table
-    (`port.ReaderSpec`); a sidecar None when neither names one (the caller preps it)."""
-    sidecar = port.reader.sidecar if sidecar is None else sidecar
-    budget = port.reader.budget if budget is None else budget
-    rank = port.reader.rank if rank is None else rank
-    if budget is None:
+def reader_settings(port, reader: Reader) -> Reader:
+    """The reader's settings: those given (the command line's), else the port's [reader] table; a
+    sidecar None when neither names one (the caller preps it). A budget is needed."""
+    reader = reader.over(port.reader)
+    if reader.budget is None:
         raise UserError("the reader needs a budget: pass --budget PERCENT or set [reader] budget in the port")
-    return None if sidecar is None else Path(sidecar), float(budget), rank
+    return dataclasses.replace(
+        reader, sidecar=None if reader.sidecar is None else Path(reader.sidecar), budget=float(reader.budget)
+    )
 
 
 def channel_reader_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from .. import spec
+from ..spec import Reader
 from ..errors import UserError
 from ..reader import selectors
-from ..reader.accounting import ReaderSettings
 from .int8 import int8_experts
 
 # Tokens per selectors.run call: the baselines gather each token's routed experts in fp32
@@ -43,11 +43,11 @@ def moe_layers(model, sidecar=None, rank: int | None = None, int8: bool = False)
         layer = selectors.MoeLayer(ex.gate_up_proj.data, ex.down_proj.data, ex.act_fn, top_k)
         if sidecar is not None:
             layer.sidecar = sidecar.layer(i)
-            layer.settings = ReaderSettings(
+            layer.settings = Reader(
                 scan=sidecar.scan,
-                rank=sidecar.layout.rank if rank is None else rank,
-                weights="int8" if int8 else "bf16",
-            )
+                recovery_rank=sidecar.layout.rank if rank is None else rank,
+                quantization="int8" if int8 else "none",
+            ).resolved()
             if int8:
                 layer.int8 = int8_experts(ex)
         layers.append(layer)

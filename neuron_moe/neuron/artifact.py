@@ -1,9 +1,10 @@
 """The trace-and-compile artifact: what `neuron/compile.py` writes and `serve/neuron.py` reads,
 defined here once.
 
-    manifest.json   MANIFEST_FIELDS below (expert_layout: how the graphs split the experts,
+    manifest.json   MANIFEST_FIELDS below (dtype: the compute dtype, quantization: the routed
+                    experts' format, expert_layout: how the graphs split the experts,
                     `parallel/layout.py`), plus each key's inputs and outputs, the state, the
-                    reader (`--reader`: budget, k_per_rank, scan, rank, source_sha256; null
+                    reader (`--reader`: budget, k_per_rank, scan, recovery_rank, source_sha256; null
                     without), and the files' sizes and sha256
     model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
                     context-encoding key per prefill bucket and one token-generation key
@@ -36,7 +37,8 @@ than `prefill_chunk` (a bucket) a chunk per call. An artifact built with `logits
 returns the token alone. The KV cache is the graphs' state, never an input or output:
 `cache.k{i}` / `cache.v{i}` per layer, [B, KV heads of the rank, ring length, head_dim], aliased
 parameters (`input_output_aliases`) that every key shares and NxD zero-initialises on each rank
-(the manifest's `state`). Older formats are refused, naming what they were (`OLD_FORMATS`).
+(the manifest's `state`). A manifest of another format is refused by its format number alone,
+before any other field is read.
 """
 
 from __future__ import annotations
@@ -53,23 +55,17 @@ from ..tokenizer import TOKENIZER_FILES, TOKENIZER_MODELS, ByteTokenizer, HFToke
 
 MANIFEST = "manifest.json"
 MODEL = "model.pt"
-WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
+RANK_WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
 TOKENIZER = "tokenizer"  # the folder of the tokenizer's files
-FORMAT = 5
-# what each older format's graphs were
-OLD_FORMATS = {
-    1: "the KV cache in and out of every call",
-    2: "the KV cache in and out of every call",
-    3: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs, no tokenizer",
-    4: "one-prompt prefill graphs that return the greedy token alone, no sampling inputs",
-}
+FORMAT = 6
 # field -> type; what a server needs to call the graphs and to read and write text
 MANIFEST_FIELDS = {
     "format": int,
     "port": str,
     "dtype": str,
+    "quantization": str,
     "tp": int,
     "expert_layout": str,
     "buckets": list,
@@ -95,19 +91,16 @@ def read_manifest(artifacts: Path) -> dict:
     manifest = read_json_object(
         path, ArtifactError, f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)"
     )
-    if manifest.get("format") in OLD_FORMATS:
-        raise ArtifactError(
-            f"{path}: artifact format {manifest['format']} ({OLD_FORMATS[manifest['format']]}); this "
-            f"version reads format {FORMAT}: rebuild it with this version's trace-and-compile"
-        )
-    for key, kind in MANIFEST_FIELDS.items():
-        if not isinstance(manifest.get(key), kind):
-            raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
+    if type(manifest.get("format")) is not int:
+        raise ArtifactError(f"{path}: field 'format' is missing or not an int")
     if manifest["format"] != FORMAT:
         raise ArtifactError(
             f"{path}: artifact format {manifest['format']}, this version reads {FORMAT} "
             f"(rebuild it with this version's trace-and-compile)"
         )
+    for key, kind in MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
     if manifest["expert_layout"] not in EXPERT_LAYOUTS:
         raise ArtifactError(f"{path}: expert_layout {manifest['expert_layout']!r} is not one of {list(EXPERT_LAYOUTS)}")
     buckets = manifest["buckets"]
@@ -225,7 +218,7 @@ def check_expert_layout(manifest: dict, expert_layout: str, artifacts: Path) -> 
 
 def load_shards(artifacts: Path, manifest: dict) -> list[dict]:
     """Every rank's weight shard, each checked to be in the manifest's expert layout."""
-    paths = [Path(artifacts) / WEIGHTS.format(rank=r) for r in range(manifest["tp"])]
+    paths = [Path(artifacts) / RANK_WEIGHTS.format(rank=r) for r in range(manifest["tp"])]
     absent = [str(p) for p in paths if not p.is_file()]
     if absent:
         raise ArtifactError(f"{artifacts}: missing weight shard(s) {', '.join(absent)}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,12 +34,12 @@ from ..parallel import cpu, layout, nxd, reader
 from ..parallel.model import rank_model
 from ..parallel.reader import check_reader, open_shards
 from ..parallel.trace import export_rank0
-from ..reader.accounting import ReaderSettings, rank_geometry, solve_rank_k
+from ..reader.accounting import rank_geometry, solve_rank_k
 from ..reader.geometry import Geometry
-from ..reader.prep import RANK, SCAN, model_expert_weights
+from ..reader.prep import model_expert_weights
 from ..reader.sidecar import SidecarLayout
 from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock, table
-from ..spec import CHANNEL_READER, Reader
+from ..spec import CHANNEL_READER, INT8_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, example_inputs, functional
@@ -50,7 +51,7 @@ from .artifact import (
     MODEL,
     SHARD_PLAN,
     TOKENIZER,
-    WEIGHTS,
+    RANK_WEIGHTS,
     ArtifactError,
     key_names,
     key_shape,
@@ -58,7 +59,47 @@ from .artifact import (
 )
 from .plan import plan
 
-DTYPES = {"bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True), "fp32": (torch.float32, False)}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # spec.DTYPE_NAMES -> the rank modules' dtype
+
+
+@dataclass(frozen=True)
+class Build:
+    """What trace-and-compile builds, as its command line gives it (`from_cli_args`): the rank modules
+    at TP `tp` in the compute `dtype` (spec.DTYPE_NAMES) with the routed experts in `quantization`,
+    written into `out`. `expert_layout` None: the port's [static] expert_layout. `export=False` (dry run
+    only) skips tracing: the shard plan and manifest alone. `logits`: graphs that also return the logits
+    (validation), at V·4 bytes per row and step across the host."""
+
+    tp: int
+    out: Path
+    dtype: str = "bfloat16"
+    quantization: str = NO_QUANTIZATION
+    dry_run: bool = False
+    overwrite: bool = False
+    checkpoint: Path | None = None
+    export: bool = True
+    expert_layout: str | None = None
+    logits: bool = False
+
+    @classmethod
+    def from_cli_args(cls, args) -> Build:
+        return cls(
+            tp=args.tp,
+            out=args.out,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            dry_run=args.dry_run,
+            overwrite=args.overwrite,
+            checkpoint=args.checkpoint,
+            expert_layout=args.expert_layout,
+            logits=args.with_logits,
+        )
+
+    @property
+    def int8(self) -> bool:
+        return self.quantization == INT8_QUANTIZATION
+
+
 _SDK_DISTS = ("torch", "transformers", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla")
 
 
@@ -158,31 +199,18 @@ def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
     return plan
 
 
-def trace_and_compile(
-    port,
-    dtype: str,
-    tp: int,
-    out: Path,
-    *,
-    dry_run: bool,
-    overwrite: bool = False,
-    checkpoint=None,
-    export: bool = True,
-    expert_layout: str | None = None,
-    logits: bool = False,
-    reader: Reader | None = None,
-) -> dict:
-    """Write the artifact directory `out` (see the module docstring); returns the manifest.
-    `expert_layout` defaults to the port's [static] expert_layout. `export=False` (dry run only)
-    skips tracing: the shard plan and manifest alone. `logits=True`: graphs that also return the
-    logits (validation), at V·4 bytes per row and step across the host.
-    `reader` (its sidecar, the DIR of `prep-reader --tp`, budget and rank): the decode key reads through
-    each rank's sidecar shard (`parallel/reader.py`), which goes into that rank's weights; a port
-    without weights takes the geometry's shapes (`scan`, `rank`; no sidecar)."""
-    if dtype not in DTYPES:
-        raise ArtifactError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
+    """Write the artifact directory `build.out` (see the module docstring); returns the manifest.
+    `reader` (its sidecar, the DIR of `prep-reader --tp`, budget and recovery rank; the port's [reader]
+    table where not given): the decode key reads through each rank's sidecar shard
+    (`parallel/reader.py`), which goes into that rank's weights; a port without weights takes the
+    geometry's shapes (`scan`, `recovery_rank`; no sidecar)."""
+    if build.dtype not in DTYPES:
+        raise ArtifactError(f"dtype {build.dtype!r} is not one of {sorted(DTYPES)}")
+    check_quantization(build.quantization)
+    tp, out, dry_run, checkpoint, logits = build.tp, build.out, build.dry_run, build.checkpoint, build.logits
     port.static_spec("trace-and-compile")
-    expert_layout = expert_layout or port.static.expert_layout
+    expert_layout = build.expert_layout or port.static.expert_layout
     layout.check_degree(port.config, tp, expert_layout)
     if not dry_run and not nxd.sdk_available():
         raise nxd.NeuronSDKMissing(
@@ -190,7 +218,7 @@ def trace_and_compile(
             "here: run it on an inf2 instance in the Neuron DLC (recipes/inf2-24xlarge/), or pass --dry-run to "
             "build and export the same rank modules on CPU"
         )
-    torch_dtype, int8 = DTYPES[dtype]
+    torch_dtype, int8 = DTYPES[build.dtype], build.int8
     spec = port.static
     keys = key_names(spec.buckets, spec.rows_for(spec.batch_size))
     has_weights = checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
@@ -201,18 +229,18 @@ def trace_and_compile(
     if reader is not None:  # every check of the reader before any weight loads
         sides, reads = _plan_reader(port, tp, int8, expert_layout, reader, has_weights)
         spec = dataclasses.replace(spec, decode_experts=CHANNEL_READER.name)
-    _check_fits(port, dtype, tp, expert_layout, reads)
+    _check_fits(port, build, expert_layout, reads)
     check_output(out, directory=True)
     out = Path(out).resolve()
     with run_lock(out, "trace-and-compile"):
-        _check_replaceable(out, overwrite)
+        _check_replaceable(out, build.overwrite)
         with atomic_dir(out, sweep=True) as tmp:  # sweep: holding the lock, partial siblings are dead runs'
             full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides) if has_weights else None
-            build = dict(expert_layout=expert_layout, int8=int8, dtype=torch_dtype, reader=reads)
+            modules = dict(expert_layout=expert_layout, int8=int8, dtype=torch_dtype, reader=reads)
             if dry_run:
-                module, files, exported = _dry_run(port, spec, keys, tp, full, tmp, export, logits, build)
+                module, files, exported = _dry_run(port, spec, keys, tp, full, tmp, build.export, logits, modules)
             else:
-                module, files, exported = _neuron(port, spec, keys, tp, full, tmp, logits, build)
+                module, files, exported = _neuron(port, spec, keys, tp, full, tmp, logits, modules)
             plan = shard_plan(module, full, tp, expert_layout)
             (tmp / SHARD_PLAN).write_text(dumps(plan, indent=1))
             copied = _copy_tokenizer(tokenizer, tmp)
@@ -222,7 +250,8 @@ def trace_and_compile(
             manifest = {
                 "format": FORMAT,
                 "port": port.name,
-                "dtype": dtype,
+                "dtype": build.dtype,
+                "quantization": build.quantization,
                 "tp": tp,
                 "expert_layout": expert_layout,
                 "buckets": list(spec.buckets),
@@ -245,18 +274,22 @@ def trace_and_compile(
     return dict(manifest, out=str(out))
 
 
-def _check_fits(port, dtype: str, tp: int, expert_layout: str, reads: dict | None) -> None:
+def _check_fits(port, build: Build, expert_layout: str, reads: dict | None) -> None:
     """The planner's verdict (`plan.py`) on what each NeuronCore would hold at these shapes, before
-    any work; fp32 (a CPU dtype, for checks) is not planned."""
-    if dtype == "fp32":
+    any work; float32 (a CPU dtype, for checks) is not planned."""
+    if build.dtype == "float32":
         return
-    spec = port.static
-    reader = None if reads is None else Reader(budget=reads["budget"], scan=reads["scan"], rank=reads["rank"])
+    spec, tp = port.static, build.tp
+    reader = (
+        None
+        if reads is None
+        else Reader(budget=reads["budget"], scan=reads["scan"], recovery_rank=reads["recovery_rank"])
+    )
     verdict = plan(
         port.config,
         None,
         tp,
-        dtype,
+        build.quantization,
         spec.batch_size,
         spec.max_cache_len,
         model=port.name,
@@ -266,7 +299,8 @@ def _check_fits(port, dtype: str, tp: int, expert_layout: str, reads: dict | Non
     )
     if not verdict["fits"]:
         raise ArtifactError(
-            f"port {port.name!r} at TP {tp}, {dtype}, batch {spec.batch_size}, seq "
+            f"port {port.name!r} at TP {tp}, {build.dtype}{', int8 experts' if build.int8 else ''}, batch "
+            f"{spec.batch_size}, seq "
             f"{spec.max_cache_len}: {verdict['reason']} (`neuron-moe plan` shows what each "
             "NeuronCore holds)"
         )
@@ -307,14 +341,14 @@ def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=No
 def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: Reader, has_weights: bool):
     """(each rank's shard or None, the settings the graphs are built with) of `--reader`."""
     check_reader(expert_layout, int8, options.budget)
-    options = dataclasses.replace(options, rank=port.reader.rank if options.rank is None else options.rank)
+    options = options.over(port.reader)
     if has_weights:
         if options.sidecar is None:
             raise ArtifactError(
                 "--reader needs --sidecar DIR (from `neuron-moe prep-reader --tp "
                 f"{tp} --out DIR`) for a port with weights"
             )
-        sides, k, rank = open_shards(port.config, options.sidecar, tp, options.budget, options.rank)
+        sides, k, rank = open_shards(port.config, options.sidecar, tp, options.budget, options.recovery_rank)
         scan, local, digest = sides[0].scan, sides[0].layout, sides[0].source_sha256
     else:  # shapes only (the meta device): the geometry's sidecar layout
         if options.sidecar is not None:
@@ -322,15 +356,15 @@ def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: Reader,
                 f"port {port.name!r} has no weights here: --reader builds shapes only (meta device), "
                 f"a sidecar is not read; drop --sidecar or pass --checkpoint DIR"
             )
-        geo, rank = Geometry.from_config(port.config), options.rank
-        rank, scan = RANK if rank is None else rank, options.scan or SCAN
-        k, sides, digest = solve_rank_k(geo, ReaderSettings(scan=scan, rank=rank), options.budget, tp), None, None
+        geo, settings = Geometry.from_config(port.config), options.resolved()
+        rank, scan = settings.recovery_rank, settings.scan
+        k, sides, digest = solve_rank_k(geo, settings, options.budget, tp), None, None
         local = SidecarLayout(rank_geometry(geo, tp), rank)
     return sides, {
         "budget": options.budget,
         "k_per_rank": k,
         "scan": scan,
-        "rank": rank,
+        "recovery_rank": rank,
         "source_sha256": digest,
         "layout": local,
     }
@@ -342,7 +376,7 @@ def _rank_module(port, tp, layers, build: dict, device="cpu"):
     model = rank_model(port.config, tp, layers, device=device, **options)
     reads = build.get("reader")
     if reads is not None:
-        reader.attach(model, reads["layout"], tp, reads["k_per_rank"], reads["scan"], reads["rank"])
+        reader.attach(model, reads["layout"], tp, reads["k_per_rank"], reads["scan"], reads["recovery_rank"])
     return model
 
 
@@ -368,7 +402,7 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
     if full is None:
         return module, files, export
     for rank, shard in enumerate(tqdm(shards, desc="shards", unit="rank")):
-        name = WEIGHTS.format(rank=rank)
+        name = RANK_WEIGHTS.format(rank=rank)
         # the graphs hold the model as `.model`: their parameters are named model.<rank-module name>;
         # the KV cache is state, not a weight: it is in no shard (each rank zero-initialises its own)
         state = {f"model.{k}": v.contiguous() for k, v in shard.items()}
@@ -403,7 +437,7 @@ def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict):
     torch.jit.save(traced, str(tmp / MODEL))
     nxd.shard_checkpoint(builder, tmp / "weights")
     shutil.rmtree(tmp / "compiler", ignore_errors=True)
-    files = [MODEL] + [WEIGHTS.format(rank=r) for r in range(tp)]
+    files = [MODEL] + [RANK_WEIGHTS.format(rank=r) for r in range(tp)]
     missing = [f for f in files if not (tmp / f).is_file()]
     if missing:
         raise ArtifactError(f"ModelBuilder did not write {missing}")
@@ -424,7 +458,7 @@ def _rank_piece(tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 def _write_reader_shards(tmp: Path, entries: dict, tp: int) -> None:
     """Each rank's reader shard into its weights file (NxD's shard_checkpoint wrote rank 0's in all)."""
     for rank in range(tp):
-        path = tmp / WEIGHTS.format(rank=rank)
+        path = tmp / RANK_WEIGHTS.format(rank=rank)
         state = load_file(path)
         state.update({f"model.{k}": _rank_piece(v, tp, rank) for k, v in entries.items()})
         save_file(state, path)
@@ -453,7 +487,7 @@ def render_trace_and_compile(report: dict) -> str:
         r = report["reader"]
         lines.append(
             f"decode key reads through the reader: budget {r['budget']:g} %, {r['k_per_rank']} exact "
-            f"channels per token and rank, scan {r['scan']}, recovery rank {r['rank']} (each rank's "
+            f"channels per token and rank, scan {r['scan']}, recovery rank {r['recovery_rank']} (each rank's "
             f"sidecar shard in its weights)"
         )
     return "\n".join(lines)

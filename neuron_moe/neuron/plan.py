@@ -24,7 +24,7 @@ who owns what. Each rank holds, in bytes:
   runtime      stated reserve (default 1 GiB): the runtime's per-core code (96 MiB documented),
                DMA rings, I/O tensors, collectives buffers
 
-against 16 GiB of HBM per NeuronCore-v2. Non-expert weights are bf16 in both dtypes.
+against 16 GiB of HBM per NeuronCore-v2. Non-expert weights are bf16 whatever the experts.
 
 Decode: bytes one rank reads per generated token (all its non-expert weights but the embedding
 table, its KV cache, and its experts as the decode graph of each expert layout reads them) and
@@ -34,7 +34,7 @@ gathers the batch's B·k experts' I/t channels while its experts implementation 
 decode_experts) does at that batch (`spec.Experts.gathers`: selective, while B·k < E), else computes
 all E experts' channels; the expert layout's computes all its E/t experts.
 
-With a reader budget (`--reader-budget`), the channel layout's decode graph with the reader
+With a reader budget (`--reader --budget`), the channel layout's decode graph with the reader
 (`parallel/reader.py`) is a row of its own: per token, layer and rank its sketch, norms, k_r exact
 channels and recovery on the rank's I/t channels (`reader.accounting.rank_geometry`); each rank
 then also holds its sidecar shard (`reader_sidecar`).
@@ -58,7 +58,7 @@ from ..errors import UserError
 from ..experts.int8 import quantize_experts
 from ..info import meta_model, parameter_group
 from ..parallel import layout
-from ..reader.accounting import ReaderSettings, rank_geometry, reads, resident, solve_rank_k
+from ..reader.accounting import rank_geometry, reads, resident, solve_rank_k
 from ..reader.geometry import Geometry
 from ..report import table
 
@@ -66,8 +66,8 @@ GB, GiB = 1e9, 2**30
 CORE_HBM = 16 * GiB
 CHIP_HBM_BW = 820 * GiB  # bytes/s per Inferentia2 chip (Neuron docs, inferentia2 architecture)
 CORES_PER_CHIP = 2
-DEFAULT_RUNTIME_RESERVE = 1 * GiB
-DTYPES = ("bf16", "int8")
+DEFAULT_RUNTIME_RESERVE = spec.DEFAULT_RUNTIME_RESERVE_GIB * GiB
+QUANTIZATIONS = spec.QUANTIZATIONS  # the routed experts' formats planned (the rest of the weights: bf16)
 
 
 @dataclass(frozen=True)
@@ -80,22 +80,14 @@ class Instance:
         return self.chips * CORES_PER_CHIP
 
 
-INSTANCES = {
-    i.name: i
-    for i in (
-        Instance("inf2.xlarge", 1),
-        Instance("inf2.8xlarge", 1),
-        Instance("inf2.24xlarge", 6),
-        Instance("inf2.48xlarge", 12),
-    )
-}
+INSTANCES = {name: Instance(name, chips) for name, chips in spec.INSTANCE_CHIPS.items()}
 
 
-def _weights_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: str) -> dict[str, float]:
+def _weights_per_rank(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str) -> dict[str, float]:
     """Bytes of weights on one rank, by group (every rank holds the same amount)."""
     state = meta_model(config).state_dict()  # tied embed_tokens / lm_head appear under both names
     full = layout.parallel_state_dict(state, config, tp, expert_layout)
-    if dtype == "int8":
+    if quantization == spec.INT8_QUANTIZATION:
         full = quantize_experts(full)  # on the meta device: int8 weights and fp32 scales, shapes only
     out: dict[str, float] = {}
     for name, w in full.items():
@@ -122,16 +114,16 @@ def _kv_cache_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int) 
     return total
 
 
-def _graph_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, batch: int, seq: int) -> int:
+def _graph_per_rank(config: Gemma4TextConfig, tp: int, quantization: str, batch: int, seq: int) -> int:
     tokens, E, I, H = batch * seq, config.num_experts // tp, config.moe_intermediate_size, config.hidden_size
-    moe = tokens * E * 3 * I * 2 + (E * 2 * I * H * 2 if dtype == "int8" else 0)
+    moe = tokens * E * 3 * I * 2 + (E * 2 * I * H * 2 if quantization == spec.INT8_QUANTIZATION else 0)
     attention = batch * (config.num_attention_heads // tp) * seq * seq * 4
     return max(moe, attention)
 
 
 def _reader_sidecar_per_rank(config: Gemma4TextConfig, tp: int, reader: spec.Reader) -> int:
     """A rank's sidecar shard (`reader/shard.py`): its channels' sketch, norms and b_j, and U, every layer."""
-    settings = ReaderSettings(scan=reader.scan, rank=reader.rank)
+    settings = reader.resolved()
     held = resident(rank_geometry(Geometry.from_config(config), tp), settings)
     return sum(held.values()) * config.num_hidden_layers
 
@@ -174,7 +166,7 @@ def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv
     """The channel layout's decode graph with the reader (`parallel/reader.py`): per token and layer each
     rank reads its sketch, norms, k_r exact channels and recovery on its own I/t channels
     (`accounting.rank_geometry`); the batch's tokens each select on their own (their reads add up)."""
-    geo, settings = Geometry.from_config(config), ReaderSettings(scan=reader.scan, rank=reader.rank)
+    geo, settings = Geometry.from_config(config), reader.resolved()
     k = solve_rank_k(geo, settings, reader.budget, tp)
     local = rank_geometry(geo, tp)
     per_layer = sum(reads(local, settings, k).values())
@@ -188,15 +180,15 @@ def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv
         row,
         reader={
             "budget": reader.budget,
-            "scan": reader.scan,
-            "rank": reader.rank,
+            "scan": settings.scan,
+            "recovery_rank": settings.recovery_rank,
             "k_per_rank": k,
             "expert_bytes_per_layer": per_layer,
         },
     )
 
 
-def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader=None) -> list[dict]:
+def _decode(config, tp, quantization, batch, kv, weights, expert_layout, decode_experts, reader=None) -> list[dict]:
     """A row per expert layout whose graphs can be built at TP `tp`, this plan's layout (whose
     weights are `weights`) first; with `reader`, the channel layout's decode graph with the reader
     after the channel row."""
@@ -206,7 +198,7 @@ def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts
             layout.check_degree(config, tp, name)
         except layout.LayoutError:
             continue  # no such graph can be built at this degree
-        held = weights if name == expert_layout else _weights_per_rank(config, tp, dtype, name)
+        held = weights if name == expert_layout else _weights_per_rank(config, tp, quantization, name)
         row = _decode_row(config, tp, batch, held, kv, name, decode_experts)
         rows.append(dict(row, this_plan=name == expert_layout and reader is None))
         if reader is not None and name == layout.CHANNEL:
@@ -237,7 +229,7 @@ def plan(
     config: Gemma4TextConfig,
     instance: str,
     tp: int,
-    dtype: str,
+    quantization: str,
     batch: int,
     seq: int,
     runtime_reserve: float = DEFAULT_RUNTIME_RESERVE,
@@ -248,7 +240,7 @@ def plan(
 ) -> dict:
     """The plan for `expert_layout`; its decode table has a row for each expert layout that shards at
     TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts. `reader`
-    (its budget, scan and rank): the channel layout's decode graph with the reader, whose sidecar
+    (its budget, scan and recovery rank): the channel layout's decode graph with the reader, whose sidecar
     shard each rank then holds (`reader_sidecar`), and its row in the decode table. `instance` None:
     one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check)."""
     inst = INSTANCES[instance] if instance is not None else None
@@ -256,22 +248,25 @@ def plan(
         "model": model,
         "instance": instance,
         "tp": tp,
-        "dtype": dtype,
+        "quantization": quantization,
         "expert_layout": expert_layout,
         "batch": batch,
         "seq": seq,
         "core_hbm_bytes": CORE_HBM,
         "runtime_reserve_bytes": runtime_reserve,
     }
-    if reader is not None and (expert_layout != layout.CHANNEL or dtype != "bf16"):
-        raise UserError(f"the reader runs in the channel expert layout's bf16 graphs, not {expert_layout} / {dtype}")
+    spec.check_quantization(quantization)
+    if reader is not None and (expert_layout != layout.CHANNEL or quantization != spec.NO_QUANTIZATION):
+        raise UserError(
+            f"the reader runs in the channel expert layout's bf16 graphs, not {expert_layout} / {quantization} experts"
+        )
     try:
         layout.check_degree(config, tp, expert_layout)
     except layout.LayoutError as e:
         return {**report, "fits": False, "reason": f"not shardable: {e}"}
-    weights = _weights_per_rank(config, tp, dtype, expert_layout)
+    weights = _weights_per_rank(config, tp, quantization, expert_layout)
     kv = _kv_cache_per_rank(config, tp, batch, seq)
-    graph = _graph_per_rank(config, tp, dtype, batch, seq)
+    graph = _graph_per_rank(config, tp, quantization, batch, seq)
     per_rank = {**weights, "kv_cache": kv, "graph": graph, "runtime": runtime_reserve}
     if reader is not None:
         per_rank["reader_sidecar"] = _reader_sidecar_per_rank(config, tp, reader)
@@ -302,7 +297,7 @@ def plan(
         "per_rank_bytes": per_rank,
         "per_rank_total_bytes": total,
         "experts_all_ranks_bytes": experts_all,
-        "decode": _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader),
+        "decode": _decode(config, tp, quantization, batch, kv, weights, expert_layout, decode_experts, reader),
         "host_per_step": _host_per_step(config, batch),
     }
 
@@ -311,7 +306,7 @@ def port_plan(
     port,
     instance: str,
     tp: int,
-    dtype: str,
+    quantization: str,
     batch: int,
     seq: int,
     runtime_reserve: float = DEFAULT_RUNTIME_RESERVE,
@@ -325,7 +320,7 @@ def port_plan(
         port.config,
         instance,
         tp,
-        dtype,
+        quantization,
         batch,
         seq,
         runtime_reserve,
@@ -336,9 +331,15 @@ def port_plan(
     )
 
 
+def _experts_format(quantization: str) -> str:
+    """How the plan names the experts' bytes: bf16, or the quantized format."""
+    return "bf16" if quantization == spec.NO_QUANTIZATION else quantization
+
+
 def render_plan(report: dict) -> str:
     lines = [
-        f"{report['model']} on {report['instance']}: TP {report['tp']}, {report['dtype']} experts in the "
+        f"{report['model']} on {report['instance']}: TP {report['tp']}, "
+        f"{_experts_format(report['quantization'])} experts in the "
         f"{report['expert_layout']} layout, batch {report['batch']}, seq {report['seq']}\n"
     ]
     if "per_rank_bytes" in report:

@@ -1,6 +1,6 @@
 """Greedy generation over the full model at TP t through NxD's own parallel layers, in NxD's CPU mode.
 
-`validate --backend tp8 --tp-layers nxd`: t gloo processes forked from this one, each of which
+`validate --backend tp --tp-layers nxd`: t gloo processes forked from this one, each of which
 makes itself an NxD CPU-mode process (`nxd_source.activate`: the installed neuronx-distributed, or
 the source tree NXD_SRC names), initialises NxD's parallel state for t ranks, and builds its rank
 module over `parallel.nxd`: NxD's ColumnParallelLinear, RowParallelLinear, ParallelEmbedding,
@@ -30,7 +30,7 @@ import torch
 from ..errors import UserError
 from ..greedy import Generation
 from ..spec import SPMD
-from ..static.generator import StaticGenerator, choose_buckets, generate_batches, prompt_lengths
+from ..static.generator import StaticGenerator, choose_buckets, prompt_lengths
 from . import cpu, nxd, nxd_source
 from .model import materialize
 from .rank_job import RankJob
@@ -60,7 +60,7 @@ class NxDGenerator:
             raise UserError(
                 "the Python-int router scatter is wrong only in a graph traced once on rank 0; "
                 "--tp-layers nxd runs NxD's layers eagerly on every rank (its CPU mode), where it is "
-                "right: run tp8-naive-scatter with --tp-layers cpu"
+                "right: the cpu layer library shows the bug"
             )
         if (dtype or port.dtype) != torch.float32:
             raise UserError(
@@ -97,12 +97,10 @@ class NxDGenerator:
         }
 
     def check(self, attention_mask: torch.Tensor, max_new_tokens: int) -> None:
-        """Every batch of the graphs' batch size checked against the graphs, before any process starts."""
+        """Every prompt checked against the graphs, before any process starts."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        size = self.spec.batch_size
-        for i in range(0, len(attention_mask), size):
-            choose_buckets(self.spec, prompt_lengths(attention_mask[i : i + size]), max_new_tokens)
+        choose_buckets(self.spec, prompt_lengths(attention_mask), max_new_tokens)
 
     def generate(self, input_ids, attention_mask, max_new_tokens) -> Generation:
         return generate_nxd({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]
@@ -152,7 +150,7 @@ def _rank(
         materialize(module, job.config, tp, job.expert_layout)
         module.load_state_dict(state, strict=True)
         generator = StaticGenerator(module, job.spec, exported=False, logits=True)
-        generation = generate_batches(generator, input_ids, attention_mask, max_new_tokens)
+        generation = generator.generate(input_ids, attention_mask, max_new_tokens)
         classes = sorted(
             {
                 f"{type(m).__module__}.{type(m).__name__}"

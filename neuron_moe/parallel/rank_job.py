@@ -66,7 +66,7 @@ class RankJob:
         spec, sides, settings = port.static, None, None
         if sidecar is not None:  # the reader on decode steps: every check before the weights load
             reader.check_reader(expert_layout, int8, budget)
-            rank = port.reader.rank if rank is None else rank  # the port's default, as the one-rank reader's
+            rank = port.reader.recovery_rank if rank is None else rank  # the port's default, as the one-rank reader's
             sides, k, rank = reader.open_shards(port.config, sidecar, tp, budget, rank)
             spec = dataclasses.replace(spec, decode_experts=CHANNEL_READER.name)
             settings = (sides[0].layout, k, sides[0].scan, rank)

@@ -22,7 +22,8 @@ from torch import nn
 
 from ..errors import UserError
 from ..reader import reference, shard
-from ..reader.accounting import ReaderSettings, solve_rank_k
+from ..reader.accounting import solve_rank_k
+from ..spec import Reader
 from ..reader.geometry import Geometry
 from ..reader.sidecar import LAYER_TENSORS, SidecarLayout
 from . import cpu, layout
@@ -108,5 +109,7 @@ def open_shards(config, directory, tp: int, budget: float, rank: int | None = No
     rank = sides[0].layout.rank if rank is None else rank
     if not 0 <= rank <= sides[0].layout.rank:
         raise UserError(f"recovery rank {rank} outside [0, {sides[0].layout.rank}] (the sidecar's rank)")
-    k = solve_rank_k(Geometry.from_config(config), ReaderSettings(scan=sides[0].scan, rank=rank), budget, tp)
+    k = solve_rank_k(
+        Geometry.from_config(config), Reader(scan=sides[0].scan, recovery_rank=rank).resolved(), budget, tp
+    )
     return sides, k, rank

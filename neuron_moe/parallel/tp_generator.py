@@ -4,16 +4,17 @@ The rank module (`parallel/model.py`) wrapped in the static decoder's prefill (p
 decode graphs is exported once, as rank 0 under a fake process group, exactly as ModelBuilder
 traces; then t gloo processes each load those same programs with their own shard, give them one
 zero-initialised KV state of their own (as NxD's state initializer does on each rank; the cache is
-never in a weight shard) and run the static host loop (`static/loop.py`) in lockstep. Every rank
+never in a weight shard) and run the engine step (`static/rows.py`) in lockstep. Every rank
 gathers the full logits and takes the same greedy token; the ranks' tokens are checked to agree.
 
-Backends for `validate`: `tp8` and `tp8-int8` (int8 experts, per-channel scales) in either expert
-layout (`--expert-layout`, default the port's [static] expert_layout: channel), and
-`tp8-naive-scatter`, always the expert layout: the seed port's Python-int router scatter, which a
-graph traced on rank 0 freezes to rank 0's slice (a wrong model, on purpose). `tp8` with a sidecar
-directory and a budget (`prep-reader --tp T`) runs the reader in the decode graph (`reader.py`).
-`--tp T` sets the degree (default 8); `--tp-layers nxd` runs the same rank modules over NxD's own
-layers instead (`nxd_generator.py`), eagerly on every rank.
+`validate --backend tp` (with `--quantization int8`: int8 experts, per-channel scales) in either
+expert layout (`--expert-layout`, default the port's [static] expert_layout: channel). A placement
+with the naive scatter (`spec.NAIVE`, always the expert layout) is the seed port's Python-int router
+scatter, which a graph traced on rank 0 freezes to rank 0's slice: a wrong model, kept as a test
+(tests/test_tp_model.py) that SEQ_MATCH catches it. `tp` with a sidecar directory and a budget
+(`prep-reader --tp T`) runs the reader in the decode graph (`reader.py`). `--tp T` sets the degree
+(default 8); `--tp-layers nxd` runs the same rank modules over NxD's own layers instead
+(`nxd_generator.py`), eagerly on every rank.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..errors import UserError
 from ..greedy import Generation
 from ..static.export import checked, example_inputs, functional
 from ..static.generator import StaticGenerator
-from ..spec import SPMD, Backend, Reader
+from ..spec import INT8_QUANTIZATION, SPMD, Backend, Reader
 from . import cpu
 from .nxd_generator import NxDGenerator
 from .rank_job import LIBRARY_CPU, RankJob
@@ -82,11 +83,9 @@ class TPGenerator(StaticGenerator):
                 self.programs[name] = checked(functional(program), graph, name)
 
     def plan(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> list[tuple]:
-        """Check every batch, export what they need; -> [(ids, mask, n), ...]."""
-        size = self.spec.batch_size
-        batches = [(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
-        self.prepare(set().union(*(self.check(mask, max_new_tokens) for _, mask in batches)))
-        return [(ids, mask, max_new_tokens) for ids, mask in batches]
+        """Check the prompts, export what they need; -> [(ids, mask, n)], generation_job's batches."""
+        self.prepare(self.check(attention_mask, max_new_tokens))
+        return [(input_ids, attention_mask, max_new_tokens)]
 
     def generate(self, input_ids, attention_mask, max_new_tokens) -> Generation:
         return generate_replicated({"tp": self}, input_ids, attention_mask, max_new_tokens)["tp"]
@@ -113,7 +112,7 @@ def generate_replicated(
     return out
 
 
-TP_DEGREE = 8  # the degree of the tp8 backends unless --tp gives another
+TP_DEGREE = 8  # the degree of validate's tp backend unless --tp gives another
 GENERATORS = {"cpu": TPGenerator, "nxd": NxDGenerator}  # by the layer library the rank modules are built over
 
 
@@ -131,11 +130,11 @@ def tp_generator(port, backend: Backend, dtype=None, checkpoint=None):
         dtype,
         checkpoint,
         expert_layout=placement.layout(None),
-        int8=backend.int8,
+        int8=backend.quantization == INT8_QUANTIZATION,
         scatter=placement.scatter,
         sidecar=reader.sidecar,
         budget=reader.budget,
-        rank=reader.rank,
+        rank=reader.recovery_rank,
     )
 
     def run(input_ids, attention_mask, max_new_tokens):

@@ -26,7 +26,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ..greedy import Generation
 from ..static.cache import share_state
-from ..static.loop import run_graphs
+from ..static.rows import generate, graph_runtime
 
 
 def export_rank0(module: torch.nn.Module, args: tuple, tp: int, dynamic_shapes=None) -> torch.export.ExportedProgram:
@@ -90,15 +90,16 @@ def forward_job(
 
 
 def generation_job(modules: dict[str, torch.nn.Module], rank: int, runs: list[tuple]) -> dict[str, tuple]:
-    """Greedy generation through static graphs on every rank, SPMD: each run is (name, batch,
-    pad_id, [(input_ids, attention_mask, max_new_tokens), ...]) over the programs keyed
-    "<name>/prefill <bucket>" and "<name>/decode", which get one zero-initialised KV state per name
-    in this rank's process (NxD's state initializer). -> {name: (tokens, logits or None)}."""
+    """Greedy generation through static graphs on every rank, SPMD (the engine step, `static/rows.py`):
+    each run is (name, batch, pad_id, [(input_ids, attention_mask, max_new_tokens), ...]) over the
+    programs keyed "<name>/prefill <bucket>" and "<name>/decode", which get one zero-initialised KV
+    state per name in this rank's process (NxD's state initializer). -> {name: (tokens, logits or None)}."""
     out = {}
     for name, batch, pad_id, batches in runs:
         graphs = {key.split("/", 1)[1]: m for key, m in modules.items() if key.split("/", 1)[0] == name}
         share_state(graphs.values())
-        parts = [Generation(*run_graphs(graphs, batch, pad_id, *b)) for b in batches]
+        runtime = graph_runtime(graphs, batch, pad_id)
+        parts = [Generation(*generate(runtime, *b)) for b in batches]
         whole = Generation.cat(parts)
         out[name] = (whole.tokens, whole.logits)
     return out

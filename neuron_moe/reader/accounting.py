@@ -25,36 +25,28 @@ from dataclasses import asdict, dataclass, replace
 
 from ..errors import UserError
 from ..report import table
+from ..spec import INT8_QUANTIZATION, NO_QUANTIZATION, QUANTIZATIONS, STEP_BUDGET, Reader
 from .geometry import Geometry
-from .prep import RANK, SCAN
 from .sidecar import BLOCK, CODES_PER_BYTE, SECTOR, SidecarLayout
 
 BF16 = 2
 INT8, FP32 = 1, 4
-WEIGHTS = ("bf16", "int8")
-STEP_BUDGET = 2.0  # the batch rule's reads per decode step, in units of one token's (`batch_breakdown`)
 
 
 class BudgetError(UserError):
     pass
 
 
-@dataclass(frozen=True)
-class ReaderSettings:
-    """How the reader reads (what its reads are charged on besides the geometry): coordinates scanned
-    per block, the recovery rank it uses, and the dtype of the exact rows."""
-
-    scan: int = SCAN
-    rank: int = RANK
-    weights: str = "bf16"  # the exact rows: "bf16", or "int8" with fp32 scales (reader/int8.py)
-
-    def check(self, geo: Geometry) -> None:
-        if not 1 <= self.scan <= BLOCK:
-            raise BudgetError(f"scan must be in [1, {BLOCK}], got {self.scan}")
-        if not 0 <= self.rank <= geo.hidden:
-            raise BudgetError(f"rank must be in [0, hidden={geo.hidden}], got {self.rank}")
-        if self.weights not in WEIGHTS:
-            raise BudgetError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+def check_settings(settings: Reader, geo: Geometry) -> None:
+    """The reader's settings (`spec.Reader`, resolved: every field the accounting charges given) fit `geo`."""
+    if settings.scan is None or settings.recovery_rank is None or settings.quantization is None:
+        raise BudgetError(f"the reader's scan, recovery rank and quantization must be given, got {settings}")
+    if not 1 <= settings.scan <= BLOCK:
+        raise BudgetError(f"scan must be in [1, {BLOCK}], got {settings.scan}")
+    if not 0 <= settings.recovery_rank <= geo.hidden:
+        raise BudgetError(f"recovery rank must be in [0, hidden={geo.hidden}], got {settings.recovery_rank}")
+    if settings.quantization not in QUANTIZATIONS:
+        raise BudgetError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {settings.quantization!r}")
 
 
 def sectors(nbytes: int) -> int:
@@ -68,7 +60,7 @@ def row_sectors(nbytes: int) -> int:
     return sectors(nbytes) + (1 if nbytes % SECTOR else 0)
 
 
-def reads(geo: Geometry, settings: ReaderSettings, k: int) -> dict[str, int]:
+def reads(geo: Geometry, settings: Reader, k: int) -> dict[str, int]:
     """Bytes (whole sectors) read per token and layer with k exact channels, by part: the token's
     rows (`token_rows`) as `step_reads` charges them."""
     return step_reads(geo, settings, token_rows(geo, settings, k))
@@ -79,12 +71,12 @@ def full_bytes(geo: Geometry) -> int:
     return geo.top_k * expert_read_bytes(geo)
 
 
-def solve_k(geo: Geometry, settings: ReaderSettings, budget: float, full: float | None = None) -> int:
+def solve_k(geo: Geometry, settings: Reader, budget: float, full: float | None = None) -> int:
     """The largest k whose reads fit in `budget` percent of `full` bytes (default: the full model's
-    read in the settings' weights); 100 -> every channel. A budget the screen alone overruns is
+    read in the settings' quantization); 100 -> every channel. A budget the screen alone overruns is
     refused, unless the experts read whole fit in it (a share of a larger full read: int8 experts
     at a share of bf16's)."""
-    settings.check(geo)
+    check_settings(settings, geo)
     if not 0 < budget <= 100:
         raise BudgetError(f"budget must be in (0, 100] percent, got {budget}")
     if budget == 100:
@@ -94,7 +86,7 @@ def solve_k(geo: Geometry, settings: ReaderSettings, budget: float, full: float 
     floor = reads(geo, settings, 0)
     if sum(floor.values()) > limit and own > limit:
         parts = ", ".join(f"{name} {100 * v / own:.2f}%" for name, v in floor.items() if v)
-        experts = "" if settings.weights == "bf16" else f" of the {settings.weights} experts"
+        experts = "" if settings.quantization == NO_QUANTIZATION else f" of the {settings.quantization} experts"
         raise BudgetError(
             f"budget {budget}% is below what the reader reads before any exact channel "
             f"({100 * sum(floor.values()) / own:.2f}%{experts}: {parts})"
@@ -102,12 +94,12 @@ def solve_k(geo: Geometry, settings: ReaderSettings, budget: float, full: float 
     return solve_step_k(geo, settings, geo.top_k, limit)
 
 
-def resident(geo: Geometry, settings: ReaderSettings) -> dict[str, int]:
+def resident(geo: Geometry, settings: Reader) -> dict[str, int]:
     """Bytes one layer's sidecar adds to memory (the down projection is rearranged, not copied): its
     tensors at the settings' rank (`sidecar.SidecarLayout`)."""
     held = {
         name: math.prod(shape) * dtype.itemsize
-        for name, (dtype, shape) in SidecarLayout(geo, settings.rank).layer_tensors().items()
+        for name, (dtype, shape) in SidecarLayout(geo, settings.recovery_rank).layer_tensors().items()
     }
     return {
         "sketch": held["codes"] + held["scales"],
@@ -121,7 +113,7 @@ def expert_bytes(geo: Geometry) -> int:
     return geo.experts * 3 * geo.intermediate * geo.hidden * BF16
 
 
-def breakdown(geo: Geometry, settings: ReaderSettings, budget: float) -> dict:
+def breakdown(geo: Geometry, settings: Reader, budget: float) -> dict:
     """Everything `neuron-moe reads` reports: k, reads by part, resident memory by part."""
     k = solve_k(geo, settings, budget)
     full, parts = full_reads(geo, settings), reads(geo, settings, k)
@@ -160,18 +152,18 @@ class StepRows:
     coeffs: int  # recovery rows b_j, distinct (expert, channel); 0 without recovery
 
 
-def channel_bytes(geo: Geometry, weights: str = "bf16") -> int:
+def channel_bytes(geo: Geometry, quantization: str = NO_QUANTIZATION) -> int:
     """One exact channel: its gate, up and down rows (int8: and its gate/up scale pair, one sector)."""
-    if weights == "int8":
+    if quantization == INT8_QUANTIZATION:
         return SECTOR * (3 * row_sectors(geo.hidden * INT8) + 1)
     return SECTOR * 3 * row_sectors(geo.hidden * BF16)
 
 
-def expert_read_bytes(geo: Geometry, weights: str = "bf16") -> int:
+def expert_read_bytes(geo: Geometry, quantization: str = NO_QUANTIZATION) -> int:
     """One routed expert read whole: gate_up [2I, H] and down [H, I] (int8: and their fp32 scales,
     one per gate/up row and one per hidden channel)."""
     H, I = geo.hidden, geo.intermediate
-    if weights == "int8":
+    if quantization == INT8_QUANTIZATION:
         return SECTOR * (
             row_sectors(2 * I * H * INT8)
             + row_sectors(H * I * INT8)
@@ -181,53 +173,55 @@ def expert_read_bytes(geo: Geometry, weights: str = "bf16") -> int:
     return SECTOR * (row_sectors(2 * I * H * BF16) + row_sectors(H * I * BF16))
 
 
-def full_reads(geo: Geometry, settings: ReaderSettings, experts: int | None = None) -> int:
-    """The full model's routed-expert reads in the settings' weights: `experts` (default top_k) read whole."""
-    return (geo.top_k if experts is None else experts) * expert_read_bytes(geo, settings.weights)
+def full_reads(geo: Geometry, settings: Reader, experts: int | None = None) -> int:
+    """The full model's routed-expert reads in the settings' quantization: `experts` (default top_k) read whole."""
+    return (geo.top_k if experts is None else experts) * expert_read_bytes(geo, settings.quantization)
 
 
-def token_rows(geo: Geometry, settings: ReaderSettings, k: int) -> StepRows:
+def token_rows(geo: Geometry, settings: Reader, k: int) -> StepRows:
     """What one token reads with k exact channels (each token on its own: today's reader)."""
     if k >= geo.channels:
         return StepRows(geo.top_k, 0, geo.channels, 0)
     return batch_rows(geo, settings, geo.top_k, k)
 
 
-def batch_rows(geo: Geometry, settings: ReaderSettings, experts: int, k: int) -> StepRows:
+def batch_rows(geo: Geometry, settings: Reader, experts: int, k: int) -> StepRows:
     """What the batch rule reads: every expert of the union scans `scan` coordinates per block for
     all its tokens (blocks × scan strips), K channels exact, the union's other channels' b_j."""
     channels = experts * geo.intermediate
     if k >= channels:
         return StepRows(experts, 0, channels, 0)
-    blocks = SidecarLayout(geo, settings.rank).blocks
-    return StepRows(experts, experts * blocks * settings.scan, k, channels - k if settings.rank else 0)
+    blocks = SidecarLayout(geo, settings.recovery_rank).blocks
+    return StepRows(experts, experts * blocks * settings.scan, k, channels - k if settings.recovery_rank else 0)
 
 
-def step_reads(geo: Geometry, settings: ReaderSettings, rows: StepRows) -> dict[str, int]:
+def step_reads(geo: Geometry, settings: Reader, rows: StepRows) -> dict[str, int]:
     """Bytes (whole sectors) a step reads, by part, reading each of `rows` once."""
     H, I = geo.hidden, geo.intermediate
     if rows.strips == 0:  # no screen: every channel of the union exact, its experts read whole
         return {"sketch": 0, "norms": 0, "exact": full_reads(geo, settings, rows.experts), "recovery": 0}
-    layout = SidecarLayout(geo, settings.rank)
-    down_scales = rows.experts * row_sectors(H * FP32) if settings.weights == "int8" else 0
+    layout = SidecarLayout(geo, settings.recovery_rank)
+    down_scales = rows.experts * row_sectors(H * FP32) if settings.quantization == INT8_QUANTIZATION else 0
     out = {
         "sketch": SECTOR
         * (rows.strips * row_sectors(layout.strip_bytes) + rows.experts * row_sectors(layout.blocks * 2 * I * BF16)),
         "norms": SECTOR * rows.experts * row_sectors(I * BF16),
-        "exact": rows.exact * channel_bytes(geo, settings.weights) + SECTOR * down_scales,
+        "exact": rows.exact * channel_bytes(geo, settings.quantization) + SECTOR * down_scales,
         "recovery": 0,
     }
-    if settings.rank:
-        out["recovery"] = SECTOR * (sectors(H * settings.rank * BF16) + rows.coeffs * row_sectors(settings.rank * BF16))
+    if settings.recovery_rank:
+        out["recovery"] = SECTOR * (
+            sectors(H * settings.recovery_rank * BF16) + rows.coeffs * row_sectors(settings.recovery_rank * BF16)
+        )
     return out
 
 
-def solve_step_k(geo: Geometry, settings: ReaderSettings, experts: int, limit: float) -> int:
+def solve_step_k(geo: Geometry, settings: Reader, experts: int, limit: float) -> int:
     """The batch rule's K: the most exact channels a step whose union holds `experts` experts reads
     within `limit` bytes. Every channel (the experts read whole) if that fits; else the largest K
     whose screened reads fit (reads are linear in K below the full read); 0 if not even the screen
     fits — the step then reads its screen anyway, over the limit."""
-    settings.check(geo)
+    check_settings(settings, geo)
     channels = experts * geo.intermediate
     total = lambda k: sum(step_reads(geo, settings, batch_rows(geo, settings, experts, k)).values())  # noqa: E731
     if total(channels) <= limit:
@@ -242,18 +236,18 @@ def expected_union(geo: Geometry, batch: int) -> float:
 
 
 def batch_breakdown(
-    geo: Geometry, settings: ReaderSettings, budget: float, batch: int, step_budget: float = STEP_BUDGET
+    geo: Geometry, settings: Reader, budget: float, batch: int, step_budget: float = STEP_BUDGET
 ) -> dict:
     """A step of `batch` tokens under uniform routing, its union taken at its expected size: the
     full batch (the union's experts whole); independent top-k at `budget` per token, at most (no
     channel or strip shared by two tokens of an expert; what a kernel that does not share reads is
     `batch` × one token's); the batch rule within `step_budget` × one token's reads."""
-    settings.check(geo)
+    check_settings(settings, geo)
     n = max(geo.top_k, round(expected_union(geo, batch)))
     k = solve_k(geo, settings, budget)
     one = sum(reads(geo, settings, k).values())
     full = full_reads(geo, settings, n)
-    blocks = SidecarLayout(geo, settings.rank).blocks
+    blocks = SidecarLayout(geo, settings.recovery_rank).blocks
     if k >= geo.channels:
         token = StepRows(n, 0, n * geo.intermediate, 0)
     else:
@@ -261,7 +255,7 @@ def batch_breakdown(
             n,
             min(batch * geo.top_k * blocks * settings.scan, n * blocks * BLOCK),
             min(batch * k, n * geo.intermediate),
-            min(batch * (geo.channels - k), n * geo.intermediate) if settings.rank else 0,
+            min(batch * (geo.channels - k), n * geo.intermediate) if settings.recovery_rank else 0,
         )
     limit = step_budget * one
     rule = batch_rows(geo, settings, n, solve_step_k(geo, settings, n, limit))
@@ -302,7 +296,7 @@ def rank_geometry(geo: Geometry, tp: int) -> Geometry:
     return replace(geo, intermediate=geo.intermediate // tp)
 
 
-def solve_rank_k(geo: Geometry, settings: ReaderSettings, budget: float, tp: int) -> int:
+def solve_rank_k(geo: Geometry, settings: Reader, budget: float, tp: int) -> int:
     """k per rank at TP `tp`: every rank reads `budget` percent of its share of the full read; a
     budget below a rank's floor is refused with that floor."""
     try:
@@ -319,7 +313,7 @@ def solve_rank_k(geo: Geometry, settings: ReaderSettings, budget: float, tp: int
 def reads_report(
     name: str,
     geo: Geometry,
-    settings: ReaderSettings,
+    settings: Reader,
     budget: float,
     tp: int = 1,
     batch: int | None = None,
@@ -328,9 +322,10 @@ def reads_report(
     """Everything `neuron-moe reads` reports: `breakdown` for a token of `geo` (named `name`), per rank
     at TP `tp` on the channel expert layout, and with `batch` a decode step of that many tokens."""
     local = geo
-    if tp > 1 and (settings.weights != "bf16" or batch is not None):
+    if tp > 1 and (settings.quantization != NO_QUANTIZATION or batch is not None):
         raise UserError(
-            "reads --tp T is the per-rank reader over bf16 experts, one token a step (not with --dtype int8 or --batch)"
+            "reads --tp T is the per-rank reader over bf16 experts, one token a step (not with --quantization int8 "
+            "or --batch-size)"
         )
     if tp > 1:  # one rank of the channel layout: I/t channels of every expert
         local = rank_geometry(geo, tp)
@@ -339,12 +334,12 @@ def reads_report(
         "model": name,
         "geometry": asdict(geo),
         "scan": settings.scan,
-        "rank": settings.rank,
+        "recovery_rank": settings.recovery_rank,
         "tp": tp,
-        "dtype": settings.weights,
+        "quantization": settings.quantization,
         **breakdown(local, settings, budget),
     }
-    if settings.weights != "bf16":
+    if settings.quantization != NO_QUANTIZATION:
         report["percent_of_bf16_full"] = 100 * sum(v["bytes"] for v in report["reads"].values()) / full_bytes(local)
     if batch is not None:
         report["batch"] = batch_breakdown(local, settings, budget, batch, step_budget)
@@ -352,7 +347,7 @@ def reads_report(
 
 
 def render_reads(report: dict) -> str:
-    whole, tp, dtype = Geometry(**report["geometry"]), report["tp"], report["dtype"]
+    whole, tp, quantization = Geometry(**report["geometry"]), report["tp"], report["quantization"]
     geo = rank_geometry(whole, tp) if tp > 1 else whole
     lines = [
         f"reads per token and MoE layer: {report['model']} (hidden {geo.hidden}, {geo.experts} experts, "
@@ -364,7 +359,9 @@ def render_reads(report: dict) -> str:
             f"{whole.intermediate} channels of every expert, its own sketch strips, the whole U); every "
             f"rank reads the same"
         )
-    experts = "bf16" if dtype == "bf16" else "int8 exact rows with fp32 scales, the sketch and recovery bf16"
+    experts = (
+        "bf16" if quantization == NO_QUANTIZATION else "int8 exact rows with fp32 scales, the sketch and recovery bf16"
+    )
     rows = [{"part": p, **v} for p, v in report["reads"].items()]
     rows += [
         {
@@ -380,7 +377,7 @@ def render_reads(report: dict) -> str:
     ]
     lines += [
         f"layout: the sidecar's (base-3 codes, {CODES_PER_BYTE} per byte), scan {report['scan']} of {BLOCK} per "
-        f"block, recovery rank {report['rank']}, {experts}, {SECTOR}-byte sectors",
+        f"block, recovery rank {report['recovery_rank']}, {experts}, {SECTOR}-byte sectors",
         f"budget {report['budget_percent']}% -> k = {report['k']} exact channels of {report['channels']} "
         f"({100 * report['k'] / report['channels']:.1f}%)\n",
         table(rows, [("part", "read"), ("bytes", "bytes"), ("percent", "share of full", "{:.2f}%")]),
@@ -390,9 +387,9 @@ def render_reads(report: dict) -> str:
             [("part", "resident (per layer)"), ("bytes", "bytes"), ("percent", "share of the bf16 experts", "{:.2f}%")],
         ),
     ]
-    if dtype != "bf16":
+    if quantization != NO_QUANTIZATION:
         lines.append(
-            f"\n{report['total_percent']:.2f}% of the {dtype} experts' full read is "
+            f"\n{report['total_percent']:.2f}% of the {quantization} experts' full read is "
             f"{report['percent_of_bf16_full']:.2f}% of the bf16 experts'"
         )
     if "batch" in report:

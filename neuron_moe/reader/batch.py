@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
-from .accounting import ReaderSettings, StepRows, solve_step_k
+from ..spec import Reader
+from .accounting import StepRows, solve_step_k
 from .geometry import Geometry
 from .hadamard import rotate_blocks
 from .sidecar import BLOCK, unpack_codes
@@ -75,7 +76,7 @@ def step(
     gate_up,
     down_rows,
     sidecar,
-    settings: ReaderSettings,
+    settings: Reader,
     act_fn,
     *,
     rule: str,
@@ -123,9 +124,9 @@ def step(
             keep = union[local]
     out, exact = _exact(xf, experts, local, weights, keep, union, gate_up, down_rows, act_fn, int8)
     coeffs = torch.zeros(0, 2, dtype=torch.long)
-    if settings.rank and not whole:
-        z, coeffs = _recover(experts, local, weights, p, keep, sidecar, settings.rank)
-        out = out + z @ sidecar.basis[:, : settings.rank].to(torch.float32).T
+    if settings.recovery_rank and not whole:
+        z, coeffs = _recover(experts, local, weights, p, keep, sidecar, settings.recovery_rank)
+        out = out + z @ sidecar.basis[:, : settings.recovery_rank].to(torch.float32).T
     read = {"experts": experts, "strips": strips, "exact": exact, "coeffs": coeffs}
     return StepResult(out.to(x.dtype), read, keep, k)
 

@@ -29,6 +29,9 @@ import torch
 from tqdm import tqdm
 
 from ..report import atomic_write
+
+# The prep's defaults (spec.py): what `neuron-moe prep-reader` makes, and so what a reader reads unless told otherwise
+from ..spec import RECOVERY_RANK as RANK, SCAN
 from .geometry import Geometry
 from .hadamard import random_signs, rotate_blocks
 from .sidecar import (
@@ -43,10 +46,6 @@ from .sidecar import (
     pack_codes,
     stream_layers,
 )
-
-# The prep's defaults: what `neuron-moe prep-reader` makes, and so what a reader reads unless told otherwise.
-SCAN = 80  # coordinates per block a token scans (recorded; a reader may scan any number)
-RANK = 32  # recovery-map rank
 
 
 def ternary(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,7 @@ import torch
 
 from . import accounting, batch, reference, shard
 from .accounting import BF16, BudgetError, row_sectors, sectors
+from ..spec import Reader
 from .geometry import Geometry
 from .sidecar import SECTOR
 
@@ -54,8 +55,8 @@ class MoeLayer:
     act_fn: object
     top_k: int
     sidecar: object = None  # sidecar.LayerSidecar
-    settings: accounting.ReaderSettings = field(default_factory=accounting.ReaderSettings)
-    int8: object = None  # int8.Int8Experts: the reader reads its exact rows there (settings.weights "int8")
+    settings: Reader = field(default_factory=lambda: Reader().resolved())
+    int8: object = None  # int8.Int8Experts: the reader reads its exact rows there (settings.quantization "int8")
     tp: int = 1  # the reader's reads are charged per rank of the channel layout at this TP degree
 
     @property
@@ -214,7 +215,7 @@ def reader(layer, x, index, weights, rule):
     keep = rule("channel", score.flatten(1)).view_as(score)
     gate_up, down = _routed(layer, index)
     out = _output(_act(layer, xf[:, None].expand(-1, index.shape[1], -1), gate_up), keep, weights, down)
-    rank = layer.settings.rank
+    rank = layer.settings.recovery_rank
     if rank:
         rest = weights.to(torch.float32)[..., None] * p * ~keep
         z = torch.einsum("tki,tkir->tr", rest, sc.coeffs[index][..., :rank].to(torch.float32))
@@ -300,7 +301,7 @@ def plan(name, geo: Geometry, settings, budget: float) -> dict:
     if budget == 100:
         return {p: part.units for p, part in parts.items()}
     sketch = _selector(name).sketch
-    if sketch and settings.weights != "bf16":  # equal bytes: a share of the bf16 full read
+    if sketch and settings.quantization != "none":  # equal bytes: a share of the bf16 full read
         return {"channel": accounting.solve_k(geo, settings, budget, full=accounting.full_bytes(geo))}
     if sketch:
         return {"channel": accounting.solve_k(geo, settings, budget)}

@@ -28,12 +28,12 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
+from ..spec import BLOCK  # coordinates per Hadamard block
 from .geometry import Geometry
 from .hadamard import padded, random_signs
 
 FORMAT = "neuron-moe-reader"
 FORMAT_VERSION = 3  # 1: 2-bit codes (4 per byte); 2: base-3 codes (5 per byte); 3: and each layer's sha256
-BLOCK = 128  # coordinates per Hadamard block
 SECTOR = 32  # bytes: the unit a GPU memory read is charged in; a coordinate's strip of codes is whole sectors
 CODES_PER_BYTE = 5  # base-3 digits: byte = Σ_t digit(row 5q+t)·3^t, digit = code mod 3 (0, +1 -> 1, -1 -> 2)
 POW3 = (1, 3, 9, 27, 81)

@@ -2,13 +2,14 @@
 driven by one step loop in its own thread.
 
 A request waits until a row is free, then joins: its prompt is prefilled into that row (the graph
-writes that row of the cache only, `runtime.py`), and its first token, which the prefill graph
-chose, is sent at once. Each turn of the loop runs at most one prefill call and then one decode
-step of every row that is generating (`static.rows.Rows`: batched and chunked prefill, every row
-at its own position): a request that joins while others wait is prefilled together with them, in
-one call, and a long prompt costs the rows generating beside it one chunk's call per token, not
-its whole prefill. A row ends — EOS, a stop string, max_tokens (at most the end of the cache), or
-its client went away — and is free that same turn for the next waiting request.
+writes that row of the cache only, `static/rows.py`), and its first token, which the prefill graph
+chose, is sent at once. Each turn of the loop is one engine step (`static.rows.Rows.step`): at
+most one prefill call and then one decode step of every row that is generating (batched and
+chunked prefill, every row at its own position): a request that joins while others wait is
+prefilled together with them, in one call, and a long prompt costs the rows generating beside it
+one chunk's call per token, not its whole prefill. A row ends — EOS, a stop string, max_tokens
+(at most the end of the cache), or its client went away — and is free that same turn for the next
+waiting request.
 
 Sampling happens in the graphs (`static/sampling.py`): each row's sampling input carries its
 request's temperature, top-k, top-p and a uniform draw from the request's own seeded generator
@@ -92,7 +93,7 @@ class BatchEngine(Engine):
         # A prompt of n tokens takes positions 0..n-1 and each new token but the last the next one:
         # n + max_tokens - 1 <= max_length, which is the Engine's n + max_tokens <= max_context.
         super().__init__(runtime, tokenizer, runtime.max_length + 1, eos_ids)
-        self.runtime, self.rows = runtime, runtime.batch
+        self.rows = runtime.batch
         self.batch = Rows(runtime)  # the request in each row
         self.batch.counted = self._counted
         self.metrics = None  # a metrics.Metrics, once a server counts this engine's calls
@@ -166,15 +167,10 @@ class BatchEngine(Engine):
             for row in batch.active():
                 if batch.slots[row].sink.cancelled.is_set():
                     batch.free(row)
-            batch.admit(self._take)
             try:
-                batch.prefill()
-            except Exception:  # the requests it ran ended with the error
-                log.exception("prefill failed")
-            try:
-                batch.decode()
-            except Exception:
-                log.exception("decode failed")
+                batch.step(self._take)
+            except Exception:  # the requests its failed graph call ran ended with the error
+                log.exception("a graph call failed")
         for row in batch.active():
             batch.free(row)
         with self._wake:

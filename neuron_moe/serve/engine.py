@@ -4,10 +4,10 @@
 temperature, top-k and top-p from a per-request seeded generator's draws: `static/sampling.py`,
 in the graphs or, for a request served alone, on the host), EOS, stop sequences and max_tokens,
 and the text that is safe to send after each token (a partial stop string or a partial UTF-8
-character is held back until it resolves). `Engine` checks a request against the backend's limits
-and runs one request per calling thread over a backend with a state per request:
+character is held back until it resolves). `Engine` checks a request against its runtime's limits
+and runs one request per calling thread over a runtime with a state per request:
 `prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]` (HF's model on CPU,
-`HFBackend`). The static graphs (`--backend static` on CPU, `neuron` on the device) are served by
+`HFRuntime`). The static graphs (`--backend static` on CPU, `neuron` on the device) are served by
 `batching.BatchEngine` instead: one step loop over all the rows of the graphs' batch, with the
 same `Output` per row.
 """
@@ -95,7 +95,7 @@ class Output:
         self.tokens: list[int] = []
         self.count = 0  # tokens generated (an EOS counts)
         self.sent = 0  # characters of the decoded text already handed out
-        self.token: int | None = None  # the latest token, which the backend is fed next
+        self.token: int | None = None  # the latest token, which the runtime is fed next
 
     @property
     def greedy(self) -> bool:
@@ -137,20 +137,20 @@ class Output:
 
 
 class Engine:
-    """What a request may ask of a backend (its limits, its sampling), and generation of one
-    request on the calling thread over a backend with a state per request."""
+    """What a request may ask of a runtime (its limits, its sampling), and generation of one
+    request on the calling thread over a runtime with a state per request."""
 
     rows: int | None = None  # a batching engine's rows (batching.py); None: one request per thread
 
-    def __init__(self, backend, tokenizer, max_context: int, eos_ids: set[int]):
-        self.backend, self.tokenizer = backend, tokenizer
+    def __init__(self, runtime, tokenizer, max_context: int, eos_ids: set[int]):
+        self.runtime, self.tokenizer = runtime, tokenizer
         self.max_context = max_context  # prompt + generated tokens
         self.eos_ids = frozenset(eos_ids)
-        # the most top_k the backend samples from exactly (its graphs' candidate width; None: any)
-        self.max_top_k: int | None = getattr(backend, "candidates", None)
+        # the most top_k the runtime samples from exactly (its graphs' candidate width; None: any)
+        self.max_top_k: int | None = getattr(runtime, "candidates", None)
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """A RequestError if the backend cannot sample this request as asked."""
+        """A RequestError if the runtime cannot sample this request as asked."""
         if self.max_top_k is not None and params.top_k > self.max_top_k:
             raise RequestError(
                 f"this backend's graphs sample among the {self.max_top_k} most likely tokens: top_k "
@@ -184,7 +184,7 @@ class Engine:
         """Nothing to stop: this engine generates on its callers' threads."""
 
     def output(self, params: SamplingParams) -> Output:
-        """A new request's Output; a RequestError if the backend cannot sample it."""
+        """A new request's Output; a RequestError if the runtime cannot sample it."""
         self.check_sampling(params)
         return Output(self.tokenizer, self.eos_ids, params)
 
@@ -194,7 +194,7 @@ class Engine:
         """One Step per generated token; the last carries the finish reason. Returns early,
         without a final Step, once `cancelled` is set (the consumer went away)."""
         output = self.output(params)
-        logits, state = self.backend.prefill(prompt_ids)
+        logits, state = self.runtime.prefill(prompt_ids)
         while True:
             if cancelled is not None and cancelled.is_set():
                 return
@@ -202,10 +202,10 @@ class Engine:
             yield step
             if step.finish_reason:
                 return
-            logits = self.backend.decode(output.token, state)
+            logits = self.runtime.decode(output.token, state)
 
 
-class HFBackend:
+class HFRuntime:
     """transformers' model on CPU (any experts implementation) with a per-request KV cache."""
 
     def __init__(self, model):

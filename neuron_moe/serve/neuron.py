@@ -9,7 +9,7 @@ manifest fields, the graphs' signatures) is defined once, in `neuron_moe/neuron/
 manifest.json, model.pt (a context-encoding key per bucket, a token-generation key; NxD routes
 each call to the key whose example inputs match), weights/tp{r}_sharded_checkpoint.safetensors.
 
-Served by the batching engine (`batching.py`) as a `GraphRuntime` (`runtime.py`), B = the
+Served by the batching engine (`batching.py`) as a `GraphRuntime` (`static/rows.py`), B = the
 manifest's batch_size rows, each request in its own cache row:
   prefill  model(input_ids, attention_mask, position_ids [P, bucket], row_ids [P], sampling [P, 4]),
            P of the manifest's prefill_rows chunks of prompts, each left-padded to the bucket
@@ -30,7 +30,7 @@ import torch
 from .. import environment
 from ..neuron.artifact import MODEL, ArtifactError, check_expert_layout, load_shards, read_manifest
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
-from .runtime import GraphRuntime
+from ..static.rows import GraphRuntime
 
 SDK_MODULES = environment.SERVE_MODULES
 # one artifact contract, one error for it

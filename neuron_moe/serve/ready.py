@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
+from ..static.rows import Chunk
 from ..static.sampling import GREEDY
 from .engine import Engine, SamplingParams
-from .runtime import Chunk
 
 log = logging.getLogger("neuron_moe.serve")
 
@@ -37,8 +37,7 @@ class Banner:
 
 def graph_buckets(engine: Engine) -> list[int] | None:
     """The prefill buckets of a batching engine's graphs; None for the per-request engine."""
-    runtime = getattr(engine, "runtime", None)
-    return list(runtime.buckets) if runtime is not None else None
+    return list(engine.runtime.buckets) if engine.rows is not None else None
 
 
 def check_max_model_len(max_model_len: int | None, context: int, what: str) -> None:
@@ -52,8 +51,8 @@ def warm_up(engine: Engine) -> int:
     then one decode step), greedy; the per-request engine gets one request, EOS ignored. Returns the
     calls made."""
     token = engine.tokenizer.bos_token_id or 0
-    runtime = getattr(engine, "runtime", None)
-    if runtime is None:
+    runtime = engine.runtime
+    if engine.rows is None:  # one request per thread over HF's model
         endless = copy.copy(engine)  # a shallow copy: the same model, without EOS
         endless.eos_ids = frozenset()
         if engine.max_context < 2:  # no room for a token after the prompt

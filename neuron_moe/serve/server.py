@@ -33,7 +33,7 @@ from ..errors import UserError
 from ..neuron.artifact import check_tokenizer
 from ..port import DTYPES, load_port
 from ..publish import s3
-from ..spec import COMPILED, MODULES
+from ..spec import COMPILED, MODULES, quantized
 from ..static.cache import cache_bytes, cache_layout
 from . import connection, neuron, ready
 from .app import BODY_TIMEOUT_S, MAX_BODY_BYTES, create_app
@@ -85,7 +85,7 @@ def plan_load(args):
     checkpoint, manifest = args.checkpoint, None
     if args.revision is not None and checkpoint is None:
         raise ServeError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
-    backend = args.backend  # a serve.backends.BACKENDS entry: parsed by the command line
+    backend = quantized(args.backend, args.quantization)  # a spec.SERVE_BACKENDS entry, parsed by the command line
     if backend.graphs in (MODULES, COMPILED) and args.max_running is not None:
         raise ServeError(
             f"--backend {backend.name} batches: it runs as many requests at once as its graphs have "

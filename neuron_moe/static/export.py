@@ -18,7 +18,7 @@ from ..port import StaticSpec
 from . import data_dependent_ops
 from .cache import STATE
 from .decoder import Decode, _StaticGraph
-from .loop import greedy_sampling
+from .sampling import greedy_sampling
 
 
 def prefill_inputs(spec: StaticSpec, bucket: int, rows: int = 1) -> tuple[torch.Tensor, ...]:

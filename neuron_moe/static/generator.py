@@ -1,11 +1,11 @@
 """Greedy generation over the static graphs: the host loop a compiled deployment runs.
 
-Each prompt is prefilled into its own cache row, padded to the smallest bucket that holds it
-(rows of one batch may use different buckets), then every row decodes at once, each at its own
-position (`loop.py`). The graphs share one KV state (`cache.py`): nothing of the cache crosses
-the call boundary. Everything else the graphs need to know arrives as tensors: ids, the pad mask,
-positions, the row ids. Bad input (too long a prompt, too many tokens, too big a batch) is refused
-before any graph is exported or run.
+The engine step (`rows.generate`): the prompts take the cache's rows a batch at a time, each
+prefilled into its own row, padded to the smallest bucket that holds it (rows of one batch may use
+different buckets), then every row decodes at once, each at its own position. The graphs share one
+KV state (`cache.py`): nothing of the cache crosses the call boundary. Everything else the graphs
+need to know arrives as tensors: ids, the pad mask, positions, the row ids. Bad input (too long a
+prompt, too many tokens) is refused before any graph is exported or run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..port import StaticSpec
 from .cache import share_state
 from .decoder import Decode, Prefill, new_cache
 from .export import example_inputs, export
-from .loop import bucket_for, run_graphs
+from .rows import bucket_for, generate, graph_runtime
 
 
 class StaticInputError(UserError):
@@ -30,8 +30,6 @@ class StaticInputError(UserError):
 
 def choose_buckets(spec: StaticSpec, lengths: list[int], max_new_tokens: int) -> set[int]:
     """The bucket of each prompt (the smallest that holds it); every limit of the graphs checked."""
-    if len(lengths) > spec.batch_size:
-        raise StaticInputError(f"batch of {len(lengths)} prompts exceeds the compiled batch size {spec.batch_size}")
     longest = max(lengths)
     if longest > spec.buckets[-1]:
         raise StaticInputError(
@@ -63,12 +61,12 @@ def prompt_lengths(attention_mask: torch.Tensor) -> list[int]:
 class StaticGenerator:
     """Greedy generation through the exported programs (or, `exported=False`, the modules).
 
-    `device`: where the graphs run, their state lives and their inputs are made (the model must
-    already be there when `exported=False`; exported programs are moved there). `logits=True`
-    builds the validation graphs, which also return the logits; the serving graphs (False) return
-    the token alone. Tokens stay on the device until the end: the token a graph picks (argmax in
-    the graph) is fed straight back. On a lazy device (torch-xla) wrap each graph so that it
-    syncs after its call (bench/xla_check.py), or the whole loop becomes one graph.
+    `device`: where the graphs run and their state lives (the model must already be there when
+    `exported=False`; exported programs are moved there). `logits=True` builds the validation
+    graphs, which also return the logits; the serving graphs (False) return the token alone. Inputs
+    are made on the host and sent; the token a graph picks (argmax in the graph) comes back to the
+    host after each call (`rows.GraphRuntime`), which on a lazy device (torch-xla) runs each call
+    as its own graph (bench/xla_check.py also syncs after each call, to meter it).
     """
 
     def __init__(
@@ -83,7 +81,7 @@ class StaticGenerator:
         self._graphs: dict[str, torch.nn.Module] = {}  # the same, callable
 
     def check(self, attention_mask: torch.Tensor, max_new_tokens: int) -> set[int]:
-        """The buckets this batch will use, or a StaticInputError; does no work."""
+        """The buckets these prompts will use, or a StaticInputError; does no work."""
         if max_new_tokens < 1:
             raise StaticInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         return choose_buckets(self.spec, prompt_lengths(attention_mask), max_new_tokens)
@@ -119,28 +117,12 @@ class StaticGenerator:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> Generation:
         self.prepare(self.check(attention_mask, max_new_tokens))
-        return Generation(
-            *run_graphs(
-                self._graphs, self.spec.batch_size, self.pad_id, input_ids, attention_mask, max_new_tokens, self.device
-            )
-        )
+        runtime = graph_runtime(self._graphs, self.spec.batch_size, self.pad_id, self.device)
+        return Generation(*generate(runtime, input_ids, attention_mask, max_new_tokens))
 
 
 def traced_backend(port, dtype=None, checkpoint=None):
     """`validate --backend traced`: the port's exported programs (the validation graphs, which
-    return the logits too), prompts run in batches of the compiled batch size (every batch is
-    checked before anything is exported)."""
+    return the logits too), every prompt checked before anything is exported."""
     spec = port.static_spec("validate --backend traced")
-    generator = StaticGenerator(build_model(port, spec.decode_experts, dtype, checkpoint), spec, logits=True)
-    return lambda ids, mask, n: generate_batches(generator, ids, mask, n)
-
-
-def generate_batches(
-    generator: StaticGenerator, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
-) -> Generation:
-    """Any number of prompts, in batches of the compiled batch size (every batch is checked, and
-    the buckets they need exported, before any batch runs)."""
-    size = generator.spec.batch_size
-    batches = [(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
-    generator.prepare(set().union(*(generator.check(mask, max_new_tokens) for _, mask in batches)))
-    return Generation.cat([generator.generate(ids, mask, max_new_tokens) for ids, mask in batches])
+    return StaticGenerator(build_model(port, spec.decode_experts, dtype, checkpoint), spec, logits=True).generate

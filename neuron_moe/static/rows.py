@@ -1,23 +1,27 @@
-"""Continuous batching over the static graphs: B rows of one KV cache, a piece of work in each.
+"""The engine step over the static graphs: B rows of one KV cache, a piece of work in each.
 
-The one loop that serving (`serve/batching.py`: threads, a sink per request) and the batch
-evaluation (`eval/reader_batch.py`: teacher forcing, fillers, each step's reads) drive, a turn at a
-time, from loops of their own:
+`Rows.step` is the one host loop over the graphs; every caller drives it, a step at a time:
+serving (`serve/batching.py`: threads, a sink per request), the batch evaluation
+(`eval/reader_batch.py`: teacher forcing, fillers, each step's reads), and greedy generation of
+prompts, a batch at a time (`generate`: `validate`'s static and TP generators, every TP rank in lockstep).
+One step is
 
-- `admit(take)`: each free row, in order, takes the next piece of work `take()` hands it (None:
+- admission: each free row, in order, takes the next piece of work `take()` hands it (None:
   nothing now);
-- `prefill()`: one prefill call: the next chunk of every row still prefilling, oldest first, as
-  many as one call takes (`runtime.prefill_rows`). A prompt longer than `runtime.chunk` is
-  prefilled a chunk per call, each attending to the row's cache of the ones before (chunked
-  prefill); a row whose prompt that completes takes its first token from the call;
-- `decode()`: one decode step of every row that is generating, each at its own position.
+- prefill: the next chunk of every row still prefilling, oldest first, as many as one prefill call
+  takes (`runtime.prefill_rows`), or all of them (`prefill_all`). A prompt longer than
+  `runtime.chunk` is prefilled a chunk per step, each attending to the row's cache of the ones
+  before (chunked prefill); a row whose prompt that completes takes its first token from the call;
+- decode: one decode call for every row that is generating, each at its own position.
 
-A piece of work ends when its `next` says so or its caller `free`s it, and its row is free for the
-next `admit`. A row with nothing to generate sits in the decode batch as the pad token at its next
-prefill position (0 for a free row): it writes only that slot of its own ring, which its next
-prefill chunk rewrites, and nothing reads it before then (`static/cache.py`).
+Each row's inputs are made here, on the host, once per step: its chunk (`Chunk`), or its next id,
+position and sampling (`ids`, `positions`, the sampling of its work). A piece of work ends when its
+`next` says so or its caller `free`s it, and its row is free for the next step. A row with nothing
+to generate sits in the decode batch as the pad token at its next prefill position (0 for a free
+row): it writes only that slot of its own ring, which its next prefill chunk rewrites, and nothing
+reads it before then (`cache.py`).
 
-The work in a row (a served request, an evaluated sequence) is anything with:
+The work in a row (a served request, an evaluated sequence, a prompt to validate) is anything with:
 
   prompt               the tokens prefilled into the row before it decodes (empty: it decodes at once)
   sampling()           its row of the graphs' `sampling` input for the token the next call chooses
@@ -27,21 +31,38 @@ The work in a row (a served request, an evaluated sequence) is anything with:
                        next step, or None: the work is done
   end(error)           the row let go of it: done, freed by the caller, or its graph call failed
 
-A runtime (`serve/runtime.py`) has `batch` rows, a `pad_id`, `chunk`, `prefill_rows`,
-`prefill(chunks) -> (tokens [n], logits [n, V] | None)` and `decode(ids [B, 1], positions [B, 1],
-sampling [B, 4]) -> (tokens [B], logits [B, V] | None)`. A graph call that fails ends the work it
-was running with the error, frees those rows, and raises.
+A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` rows, a `pad_id`,
+`chunk`, `prefill_rows`, `prefill(chunks) -> (tokens [n], logits [n, V] | None)` and
+`decode(ids [B, 1], positions [B, 1], sampling [B, 4]) -> (tokens [B], logits [B, V] | None)`, on
+the host. A graph call that fails ends the work it was running with the error, frees those rows,
+and raises out of the step.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import GREEDY
+from .sampling import GREEDY, greedy_sampling
+
+
+def prefill_row(prompt: torch.Tensor, bucket: int, pad_id: int, start: int = 0):
+    """One chunk's ids [n] at positions start..start+n-1 -> (input_ids, attention_mask,
+    position_ids), each [1, bucket], left-padded (a pad's position is the chunk's first)."""
+    n = prompt.shape[0]
+    ids = torch.full((1, bucket), pad_id, dtype=torch.long)
+    mask = torch.zeros((1, bucket), dtype=torch.long)
+    ids[0, bucket - n :], mask[0, bucket - n :] = prompt, 1
+    return ids, mask, start + (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def bucket_for(n: int, buckets) -> int:
+    """The smallest bucket that holds n tokens (the caller checked that one does)."""
+    return next(b for b in sorted(buckets) if b >= n)
 
 
 @dataclass(frozen=True)
@@ -52,11 +73,92 @@ class Chunk:
     sampling: tuple[float, float, float, float]  # the row's sampling (`static.sampling.FIELDS`)
 
 
-class Rows:
-    """The `batch` rows of a runtime's graphs and the work in each."""
+class GraphRuntime:
+    """Two callables with the static decoder's signatures (`decoder.py`), as the rows call them. The
+    KV cache of `batch` rows is their state (`cache.py`): no cache tensor crosses a call.
 
-    def __init__(self, runtime):
+    A prefill call takes P rows of one bucket: P the smallest of `prefill_rows` (the compiled
+    graphs' row counts) that holds the chunks, padded with copies of the last chunk (the same row
+    written twice with the same values), the bucket the smallest that holds the longest chunk (no
+    `buckets`: its own length, unpadded). More chunks than the largest P go in successive calls. A
+    chunk is a whole prompt or a piece of one (`Chunk.start` > 0: it attends to what the row's
+    cache holds of the pieces before it). Inputs are made on the host and sent to `device`; the
+    tokens (and, `logits`, the logits: graphs built to return them; None: whichever the graphs
+    return, with no state among their outputs) come back to the host.
+
+    On CPU the callables are the `Prefill` and `Decode` modules themselves over one `KVCache`
+    (`serve/runtime.py`, `eval/reader_batch.py`) or exported programs (`graph_runtime`); on
+    Inferentia2 the compiled artifact, whose one callable NxD routes to the key whose input shapes
+    match (`serve/neuron.py`).
+    """
+
+    def __init__(
+        self,
+        prefill,
+        decode,
+        *,
+        batch: int,
+        buckets,
+        prefill_rows=(1,),
+        max_length: int | None = None,
+        logits: bool | None = None,
+        candidates: int | None = None,
+        pad_id: int = 0,
+        chunk: int | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        self._prefill, self._decode = prefill, decode
+        self.batch, self.buckets, self.max_length = batch, sorted(buckets or ()), max_length
+        self.prefill_rows = sorted(prefill_rows)
+        self.chunk = chunk or self.buckets[-1]  # the longest piece of a prompt one prefill call takes
+        self.candidates = candidates  # top-k / top-p candidate width of the graphs
+        self.pad_id, self.logits, self.device = pad_id, logits, device
+
+    @torch.no_grad()
+    def prefill(self, chunks: list[Chunk]):
+        """The caller checked that each chunk fits a bucket and the cache, and that their rows are
+        distinct rows of the batch."""
+        most = self.prefill_rows[-1]
+        if len(chunks) > most:
+            tokens, logits = zip(*(self.prefill(chunks[i : i + most]) for i in range(0, len(chunks), most)))
+            return torch.cat(tokens), None if logits[0] is None else torch.cat(logits)
+        rows = next(p for p in self.prefill_rows if p >= len(chunks))
+        longest = max(len(c.ids) for c in chunks)
+        bucket = bucket_for(longest, self.buckets) if self.buckets else longest
+        padded = chunks + [chunks[-1]] * (rows - len(chunks))
+        parts = [prefill_row(torch.tensor(c.ids), bucket, self.pad_id, c.start) for c in padded]
+        inputs = [torch.cat(column) for column in zip(*parts)]
+        inputs += [torch.tensor([c.row for c in padded]), torch.tensor([c.sampling for c in padded])]
+        tokens, logits = self._out(self._prefill(*(x.to(self.device) for x in inputs)))
+        return tokens[: len(chunks)], None if logits is None else logits[: len(chunks)]
+
+    @torch.no_grad()
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
+        return self._out(self._decode(*(x.to(self.device) for x in (ids, positions, sampling))))
+
+    def _out(self, outputs):
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)  # one output may come bare
+        logits = self.logits if self.logits is not None else len(outputs) > 1
+        return outputs[0][:, 0].cpu(), (outputs[1].float().cpu() if logits else None)
+
+
+def graph_runtime(graphs: dict, batch: int, pad_id: int, device="cpu") -> GraphRuntime:
+    """Graphs keyed "prefill <bucket>" (one row each) and "decode", sharing one KV state, as a runtime."""
+    buckets = [int(key.split()[1]) for key in graphs if key.startswith("prefill ")]
+    prefill = lambda *inputs: graphs[f"prefill {inputs[0].shape[1]}"](*inputs)  # noqa: E731
+    return GraphRuntime(prefill, graphs["decode"], batch=batch, buckets=buckets, pad_id=pad_id, device=device)
+
+
+class Rows:
+    """The `batch` rows of a runtime's graphs, the work in each, and the step that runs them.
+
+    `prefill_all`: each step prefills every row still prefilling (in as many calls as the runtime
+    needs) before its decode; else one prefill call's worth, so that a long prompt costs the rows
+    generating beside it one chunk's call per token, not its whole prefill."""
+
+    def __init__(self, runtime, prefill_all: bool = False):
         self.runtime, self.batch = runtime, runtime.batch
+        self._per_step = runtime.batch if prefill_all else runtime.prefill_rows[-1]  # chunks a step prefills
         self.slots: list = [None] * self.batch  # the work in each row
         self.ids = torch.full((self.batch, 1), runtime.pad_id, dtype=torch.long)  # each row's next input
         self.positions = torch.zeros(self.batch, 1, dtype=torch.long)  # and its position
@@ -73,11 +175,23 @@ class Rows:
     def generating(self) -> list[int]:
         return [row for row in self.active() if not self._prefilling(row)]
 
+    def step(self, take: Callable[[], object] = lambda: None) -> list[int]:
+        """Admission from `take`, a prefill, then a decode (each only if a row needs it); the rows
+        the decode ran."""
+        self._admit(take)
+        self._prefill()
+        return self._decode()
+
+    def free(self, row: int, error: Exception | None = None) -> None:
+        """End the work in `row` (with `error`, if it failed) and free the row."""
+        work, self.slots[row] = self.slots[row], None
+        self.ids[row], self.positions[row] = self.runtime.pad_id, 0
+        work.end(error)
+
     def _prefilling(self, row: int) -> bool:
         return self._done[row] < len(self.slots[row].prompt)
 
-    def admit(self, take: Callable[[], object]) -> None:
-        """Give each free row, in order, the work `take()` returns, until it returns None."""
+    def _admit(self, take: Callable[[], object]) -> None:
         for row in range(self.batch):
             if self.slots[row] is not None:
                 continue
@@ -88,13 +202,11 @@ class Rows:
             if not work.prompt:
                 self._next(row, None, None)
 
-    def prefill(self) -> list[int]:
-        """One prefill call (none if no row is prefilling); the rows it ran."""
-        rows = sorted((row for row in self.active() if self._prefilling(row)), key=self._order.__getitem__)[
-            : self.runtime.prefill_rows[-1]
-        ]
+    def _prefill(self) -> None:
+        prefilling = [row for row in self.active() if self._prefilling(row)]
+        rows = sorted(prefilling, key=self._order.__getitem__)[: self._per_step]
         if not rows:
-            return []
+            return
         chunks = []
         for row in rows:
             work, done = self.slots[row], self._done[row]
@@ -107,14 +219,12 @@ class Rows:
             self.positions[row] = self._done[row]  # the next chunk's first position, or the first token's
             if not self._prefilling(row):
                 self._next(row, int(tokens[i]), None if logits is None else logits[i])
-        return rows
 
-    def decode(self) -> list[int]:
-        """One decode step of every generating row (none if no row is); the rows it ran."""
+    def _decode(self) -> list[int]:
         rows = self.generating()
         if not rows:
             return []
-        sampling = torch.tensor([GREEDY] * self.batch)
+        sampling = greedy_sampling(self.batch)
         for row in rows:
             sampling[row] = torch.tensor(self.slots[row].sampling())
         tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, sampling)
@@ -123,12 +233,6 @@ class Rows:
         for row, token in zip(rows, tokens[rows].tolist()):
             self._next(row, token, None if logits is None else logits[row])
         return rows
-
-    def free(self, row: int, error: Exception | None = None) -> None:
-        """End the work in `row` (with `error`, if it failed) and free the row."""
-        work, self.slots[row] = self.slots[row], None
-        self.ids[row], self.positions[row] = self.runtime.pad_id, 0
-        work.end(error)
 
     def _call(self, graph: str, rows: list[int], call, *inputs):
         try:
@@ -147,3 +251,38 @@ class Rows:
             self.free(row)
         else:
             self.ids[row] = feed
+
+
+@dataclass
+class _Greedy:
+    """A prompt generating `n` tokens greedily, keeping them (and their logits)."""
+
+    prompt: list[int]
+    n: int
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    def sampling(self) -> tuple[float, float, float, float]:
+        return GREEDY
+
+    def next(self, token: int, logits: torch.Tensor | None) -> int | None:
+        self.tokens.append(token)
+        if logits is not None:
+            self.logits.append(logits)
+        return token if len(self.tokens) < self.n else None
+
+    def end(self, error: Exception | None = None) -> None:
+        """Nothing to release: a failed graph call raises out of `generate`."""
+
+
+def generate(runtime, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):
+    """Greedy generation of left-padded prompts, `runtime.batch` at a time (prompt i in row i mod
+    batch): a step prefills every prompt it admits and decodes every row; the rows end together and
+    the next step admits the next prompts -> (tokens [prompts, n], logits [prompts, n, V] or None) on
+    the host. The prompts were checked against the buckets and the cache (`StaticGenerator.check`)."""
+    prompts = [_Greedy(ids[mask.bool()].tolist(), max_new_tokens) for ids, mask in zip(input_ids, attention_mask)]
+    rows, waiting = Rows(runtime, prefill_all=True), deque(prompts)
+    while waiting or rows.active():
+        rows.step(lambda: waiting.popleft() if waiting else None)
+    logits = torch.stack([torch.stack(p.logits) for p in prompts]) if prompts[0].logits else None
+    return torch.tensor([p.tokens for p in prompts]), logits

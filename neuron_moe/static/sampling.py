@@ -39,6 +39,11 @@ FIELDS = ("temperature", "top_k", "top_p", "u")  # the columns of `sampling`
 GREEDY = (0.0, 0.0, 1.0, 0.0)  # a row that takes the argmax (and a row with nothing to sample)
 
 
+def greedy_sampling(rows: int) -> torch.Tensor:
+    """The `sampling` input of `rows` greedy rows ([rows, 4])."""
+    return torch.tensor([GREEDY] * rows)
+
+
 def pick(logits: torch.Tensor, sampling: torch.Tensor, candidates: int = CANDIDATES) -> torch.Tensor:
     """[R, V] fp32 logits, [R, 4] sampling -> the next token [R, 1] (int64; -1 for non-finite logits)."""
     rows, vocab = logits.shape

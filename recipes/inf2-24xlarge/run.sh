@@ -51,13 +51,15 @@ neuron_moe() {  # one neuron-moe command in the image, removed when it ends
     --entrypoint neuron-moe "$IMAGE" "$@"
 }
 
-compile() {  # DTYPE: an artifact already built is kept (remove it, or OVERWRITE=1, to rebuild)
-  local out=/artifacts/$MODEL-$1-tp$TP
+compile() {  # bf16 | int8 (the experts' format, the artifact's name): one already built is kept (OVERWRITE=1 rebuilds it)
+  local out=/artifacts/$MODEL-$1-tp$TP quantization=none
+  [ "$1" = int8 ] && quantization=int8
   if [ -f "$ARTIFACTS/$MODEL-$1-tp$TP/manifest.json" ] && [ -z "${OVERWRITE:-}" ]; then
     echo "$ARTIFACTS/$MODEL-$1-tp$TP exists: kept (OVERWRITE=1 rebuilds it)"
     return
   fi
-  neuron_moe trace-and-compile --model "$MODEL" --checkpoint "$CKPT" --dtype "$1" --tp "$TP" --out "$out" \
+  neuron_moe trace-and-compile --model "$MODEL" --checkpoint "$CKPT" --dtype bfloat16 --quantization "$quantization" \
+    --tp "$TP" --out "$out" \
     ${OVERWRITE:+--overwrite}
 }
 
@@ -89,7 +91,7 @@ for step in $STEPS; do
     image)
       docker build -f "$REPO/docker/Dockerfile.neuron" --build-arg NEURON_SDK="$NEURON_SDK" -t "$IMAGE" "$REPO" ;;
     plan)
-      neuron_moe plan --model "$MODEL" --instance inf2.24xlarge --tp "$TP" --dtype bf16 ;;
+      neuron_moe plan --model "$MODEL" --instance inf2.24xlarge --tp "$TP" ;;
     compile-bf16)
       compile bf16 ;;
     compile-int8)
@@ -104,7 +106,7 @@ for d in sys.argv[1:]:
     manifest = read_manifest(d)
     check_tokenizer(d, manifest, load_port(manifest["port"]))
     print(d, sorted(manifest["files"]))' "/artifacts/$MODEL-bf16-tp$TP" "/artifacts/$MODEL-int8-tp$TP"
-      neuron_moe validate --model tiny-gemma4-moe --backend tp8 ;;
+      neuron_moe validate --model tiny-gemma4-moe --backend tp ;;
     serve)
       serve ;;
     *)
