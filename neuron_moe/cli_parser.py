@@ -35,9 +35,9 @@ from .training.corpus import FORTUNES_DIR
 
 
 # torch's intra-op threads, for every command. Measured (bench/threads.py, bench/results/threads-cpu.md): on
-# this project's shared 2-core machine one thread answers a 32-token eager request in 0.39 s where two take
-# 4.65 s (validate: 0.59 s against 6.16 s): the tiny model's ops are too small to share, and two threads
-# wait on each other whenever another process holds a core.
+# 2 CPU cores with other processes running, one thread answers a 32-token eager request in 0.39 s where two
+# take 4.65 s (validate: 0.59 s against 6.16 s): the tiny model's ops are too small to share, and two
+# threads wait on each other whenever another process holds a core.
 DEFAULT_THREADS = 1
 
 

@@ -105,7 +105,8 @@ def test_every_command_has_a_handler():
 
 
 def test_a_non_finite_logit_fails_the_comparison_whatever_the_tokens(capsys):
-    """Issue 26, item 4: NaN logits gave max|Δlogit| nan, cosine nan and SEQ_MATCH True (exit 0)."""
+    """A NaN logit makes max|Δlogit| and the cosine NaN, and comparisons with NaN are false: the check must
+    fail on them explicitly, or matching tokens alone would pass (SEQ_MATCH True, exit 0)."""
     tokens = torch.tensor([[5, 6, 7], [5, 6, 7]])
     logits = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0))
     poisoned = logits.clone()
@@ -118,7 +119,8 @@ def test_a_non_finite_logit_fails_the_comparison_whatever_the_tokens(capsys):
 
 
 def test_validate_refuses_more_new_tokens_than_the_context_holds(capsys):
-    """Issue 26, item 9: 10^9 new tokens ran (and allocated logits) until something broke."""
+    """More new tokens than the context holds is refused up front, not run (allocating logits) until
+    something breaks."""
     assert cli.main(["validate", "--max-new-tokens", "1000000"]) == 2  # within the parser's bound, past the port's
     err = capsys.readouterr().err
     assert "exceeds the model's context of 512 tokens" in err and err.count("\n") == 1
@@ -192,7 +194,7 @@ def test_every_command_takes_threads_and_applies_it(monkeypatch, capsys):
 )
 def test_numeric_options_out_of_range_are_refused_by_name(argv, message, capsys):
     """One check for every numeric option (cli_parser.number): NaN, inf, a negative reserve or timeout are
-    refused at the command line, naming the option (a NaN reserve used to print 'FITS: nan' and exit 0)."""
+    refused at the command line, naming the option (a NaN reserve would otherwise print 'FITS: nan', exit 0)."""
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     err = capsys.readouterr().err

@@ -148,7 +148,7 @@ def test_a_second_run_never_mixes(artifact, one_bucket_port, tmp_path, monkeypat
 
 
 def test_overwrite_replaces_only_an_artifact(one_bucket_port, tmp_path):
-    """Issue 26, item 5: --overwrite deleted any directory (files, subfolders) to put the artifact there."""
+    """--overwrite replaces an artifact, never any other directory (files, subfolders)."""
     precious = tmp_path / "home"
     (precious / "notes").mkdir(parents=True)
     (precious / "notes" / "todo.txt").write_text("keep me")
@@ -169,8 +169,8 @@ def test_overwrite_replaces_only_an_artifact(one_bucket_port, tmp_path):
 
 
 def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(one_bucket_port, tmp_path, monkeypatch):
-    """Issue 26, item 8: the second run took the first one's build directory for leftovers, deleted it,
-    and the first died. Now the first holds a lock; the second is refused and the first completes."""
+    """Two runs on one --out: without a lock the second takes the first one's build directory for
+    leftovers and deletes it. The first holds a lock; the second is refused and the first completes."""
     out = tmp_path / "art"
     inside, release = threading.Event(), threading.Event()
     full_state = nc._full_state

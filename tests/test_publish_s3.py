@@ -935,7 +935,7 @@ def test_a_republication_with_other_files_pulled_into_a_used_directory_leaves_on
 
 
 def test_publish_with_a_bad_json_path_fails_before_uploading(bucket, client, artifacts, tmp_path, capsys):
-    """Issue 26, item 10: `publish --json <dir>` uploaded everything, then died writing the report."""
+    """`publish --json <dir>` is refused before any upload, not after uploading everything."""
     uri = f"s3://{bucket}/v1"
     assert cli.main(["publish", str(artifacts), uri, "--json", str(tmp_path)]) == 2
     assert "is a directory; give a file name" in capsys.readouterr().err

@@ -82,7 +82,8 @@ def test_rows_that_are_not_whole_sectors_cost_one_more():
         (100.5, r"budget must be in"),
         (
             5.0,
-            r"budget 5.0% is below what the reader reads before any exact channel \(5.57%: sketch 4.86%, norms 0.02%, recovery 0.69%",
+            r"budget 5.0% is below what the reader reads before any exact channel "
+            r"\(5.57%: sketch 4.86%, norms 0.02%, recovery 0.69%",
         ),
     ],
 )

@@ -219,7 +219,7 @@ def _rewrite(src, dst, edit_meta=None, edit_tensors=None):
         (lambda m: m.update(block="64"), None, "block 64"),
         (lambda m: m.pop("rank"), None, "metadata field 'rank' missing"),
         (lambda m: m.update(seed="1"), None, "hadamard_signs are not those of seed 1"),
-        # issue 26, item 9: a header claiming 10^8 layers built a table of 5·10^8 tensor specs (minutes, GBs)
+        # a header claiming 10^8 layers is refused before a table of 5·10^8 tensor specs is built (minutes, GBs)
         (lambda m: m.update(layers="100000000"), None, "metadata says 100000000 layers; the file holds 11 tensors"),
         (lambda m: m.update(layers="-3"), None, "metadata says -3 layers"),
         (None, lambda t: t.pop("layers.1.coeffs"), r"missing \['layers.1.coeffs'\]"),

@@ -192,8 +192,8 @@ def test_cancelled_generation_stops_without_a_final_step():
 
 
 def test_non_finite_logits_fail_the_request_not_answer_it(tiny_port):
-    """NaN logits (issue 26, item 4): greedy used to return the argmax of NaNs as a token (empty text),
-    sampling a 500 from multinomial; both are now the same clear failure."""
+    """NaN logits: greedy would take the argmax of NaNs as a token (empty text) and sampling would raise
+    in multinomial (a 500); both are the same clear failure."""
     nan_from = Scripted([b + BYTES.offset for b in b"abc"])
     inner = nan_from._logits
     nan_from._logits = lambda i: inner(i) if i < 2 else torch.full((BYTES.vocab_size,), float("nan"))

@@ -742,7 +742,7 @@ def test_a_draining_server_refuses_new_requests_and_finishes_the_running_ones(en
         assert spy.outcomes == ["length"] * n
 
 
-# ---- hostile clients: huge bodies, slow tokenizing (issue 26, item 2) -----------------------------------
+# ---- hostile clients: huge bodies, slow tokenizing -------------------------------------------------------
 
 
 def test_a_body_over_the_limit_is_413_in_openai_shape(engine):
@@ -848,7 +848,8 @@ class SlowTokenizer:
 
 
 def test_health_answers_while_a_prompt_is_tokenized(engine):
-    """A 10 MB prompt took 15 s in the tokenizer, on the event loop: /health waited as long."""
+    """Tokenizing runs off the event loop: while a prompt is in the tokenizer (3 s here; a 10 MB prompt
+    takes ~15 s), /health answers at once, well before the tokenizer is done."""
     slow = copy.copy(engine)
     slow.tokenizer = SlowTokenizer(engine.tokenizer, 3.0)
     with serving(make_app(slow)) as url:
@@ -862,7 +863,7 @@ def test_health_answers_while_a_prompt_is_tokenized(engine):
         assert slow.tokenizer.busy.wait(30)
         start = time.perf_counter()
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
-        assert time.perf_counter() - start < 1.0
+        assert time.perf_counter() - start < 2.0  # not the tokenizer's 3 s, with room for a loaded machine
         sender.join(60)
     assert answers[0].status_code == 200
 
@@ -886,8 +887,8 @@ def test_a_prompt_longer_than_the_context_could_hold_is_refused_untokenized(engi
 
 
 def test_past_the_drain_timeout_requests_in_flight_end_properly(endless_engine):
-    """They used to be cut: a chunked stream without its end (no error event, no [DONE]), or a plain-text
-    500. Now a stream ends with an error event and [DONE], a plain request with a 503 JSON body."""
+    """Not cut off (a chunked stream without its end, or a plain-text 500): a stream ends with an error
+    event and [DONE], a plain request with a 503 JSON body."""
     spy = Spy(endless_engine, step_delay_s=SLOW_S)  # LONG tokens take 3 s: running at the 1 s deadline
     app = create_app(lambda: spy, model_name=MODEL, **({"max_running": 2} if spy.rows is None else {}))
     server = DrainingServer(server_config(app), drain_timeout=1.0)
