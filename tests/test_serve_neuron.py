@@ -80,6 +80,18 @@ def test_missing_sdk_is_a_clear_error():
         neuron.require_sdk()
 
 
+class StandInNxDModel:
+    """The NxDModel attributes the streamed load uses: its weights, set per rank, then handed to the keys."""
+
+    weight_loader = None  # no layout transformation: the weights stream a load group at a time
+
+    def __init__(self):
+        self.weights, self.start_rank = None, None
+
+    def initialize_with_saved_weights(self, start_rank):
+        self.start_rank = start_rank
+
+
 class StandInRuntime:
     """What a compiled artifact does, computed with the CPU model's static graphs (static/decoder.py,
     the graphs trace-and-compile traces) over one KV state that stays inside, as NxD keeps it on the
@@ -94,11 +106,8 @@ class StandInRuntime:
         cache = new_cache(model, max_length, batch)
         self.prefill = Prefill(model, cache, "dense_masked", logits)
         self.decode = Decode(model, cache, "selective", logits)
-        self.nxd_model = types.SimpleNamespace(initialize=self.initialize)
-        self.weights, self.calls = None, []
-
-    def initialize(self, weights, start_rank):
-        self.weights, self.start_rank = weights, start_rank
+        self.nxd_model = StandInNxDModel()
+        self.calls = []
 
     @torch.no_grad()
     def __call__(self, *inputs):
@@ -139,6 +148,7 @@ def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int
     monkeypatch.setattr(environment, "neuron_devices", lambda: {"devices": 1, "cores": 2, "source": "a stand-in"})
     artifact = StandInRuntime(model, {16, 64}, batch, 128, logits)
     monkeypatch.setattr(torch.jit, "load", lambda path: artifact)
+    monkeypatch.setattr(neuron, "DEVICE", "cpu")  # the stand-in's cores
     return neuron.neuron_runtime(tmp_path, port), artifact
 
 
@@ -151,7 +161,8 @@ def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(
     only the token (and the logits) come out, and each request's tokens are the CPU runtime's (the
     same static graphs as modules) and HF eager's, greedy or sampled in the graphs."""
     runtime, artifact = _neuron_runtime(tmp_path, monkeypatch, tiny_port, tiny_eager, logits)
-    assert [float(w["w"]) for w in artifact.weights] == [0.0, 1.0]  # every rank's shard, in rank order
+    assert [float(w["w"]) for w in artifact.nxd_model.weights] == [0.0, 1.0]  # every rank's shard, in rank order
+    assert artifact.nxd_model.start_rank.tolist() == [0]
     engine = BatchEngine(runtime, IdTokenizer(), set())
     cpu = BatchEngine(static_runtime(tiny_eager, tiny_port.static, chunk=8), IdTokenizer(), set())
     try:

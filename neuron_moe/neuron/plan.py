@@ -57,6 +57,7 @@ from .. import spec
 from ..errors import UserError
 from ..experts.int8 import quantize_experts
 from ..info import meta_model, parameter_group
+from .artifact import load_group
 from ..parallel import layout
 from ..reader.accounting import ReaderSettings, rank_geometry, reads, resident, solve_rank_k
 from ..reader.geometry import Geometry
@@ -67,42 +68,77 @@ CORE_HBM = 16 * GiB
 CHIP_HBM_BW = 820 * GiB  # bytes/s per Inferentia2 chip (Neuron docs, inferentia2 architecture)
 CORES_PER_CHIP = 2
 DEFAULT_RUNTIME_RESERVE = 1 * GiB
-DTYPES = ("bf16", "int8")
+DTYPES = ("bf16", "int8", "int4")
+# int4 experts: two values per byte, one scale per INT4_GROUP values along the input dimension
+INT4_GROUP = 32
+INT4_SCALE_BYTES = 2  # bf16 scales
+# Host memory of a serving process (stated estimates, not measurements): the Python process with
+# torch, torch-neuronx, NxD and the server imported, and the compiled graphs (model.pt) it holds.
+HOST_PROCESS_RESERVE = 3 * GiB
+HOST_GRAPHS_RESERVE = 1 * GiB
+# The streamed load (`artifact.stream_shards`) holds one load group of one rank at a time: its
+# host buffer and, while it is copied to the device, the runtime's staging copy of it.
+HOST_LOAD_COPIES = 2
+SHAPE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # the batches the plan's largest-shape table tries
+SHAPE_STEP = 128  # context lengths it tries: multiples of this
 
 
 @dataclass(frozen=True)
 class Instance:
     name: str
     chips: int
+    host_memory: int  # bytes
 
     @property
     def cores(self) -> int:
         return self.chips * CORES_PER_CHIP
 
 
+# Neuron SDK docs, inf2 architecture: 2 NeuronCores and 32 GiB of HBM per chip
 INSTANCES = {
     i.name: i
     for i in (
-        Instance("inf2.xlarge", 1),
-        Instance("inf2.8xlarge", 1),
-        Instance("inf2.24xlarge", 6),
-        Instance("inf2.48xlarge", 12),
+        Instance("inf2.xlarge", 1, 16 * GiB),
+        Instance("inf2.8xlarge", 1, 128 * GiB),
+        Instance("inf2.24xlarge", 6, 384 * GiB),
+        Instance("inf2.48xlarge", 12, 768 * GiB),
     )
 }
+_EXPERT_WEIGHTS = (".experts.gate_up_proj.weight", ".experts.down_proj.weight")
 
 
-def _weights_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: str) -> dict[str, float]:
-    """Bytes of weights on one rank, by group (every rank holds the same amount)."""
+def int4_bytes(shape: torch.Size, group: int = INT4_GROUP) -> int:
+    """Bytes of one int4 weight of `shape` whose input dimension is dim 1 (every expert layout's
+    local experts: [E, H, 2I] / [E, I, H], or [E·2I, H] / [H, E·I]): packed two values per byte,
+    plus a scale per `group` values along dim 1."""
+    numel, inputs = shape.numel(), shape[1]
+    if inputs % group:
+        raise UserError(f"int4 experts: an input dimension of {inputs} is not a multiple of the group {group}")
+    return numel // 2 + numel // group * INT4_SCALE_BYTES
+
+
+def _rank_tensors(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: str) -> dict[str, int]:
+    """Bytes of each tensor on one rank (every rank holds the same amount)."""
     state = meta_model(config).state_dict()  # tied embed_tokens / lm_head appear under both names
     full = layout.parallel_state_dict(state, config, tp, expert_layout)
     if dtype == "int8":
         full = quantize_experts(full)  # on the meta device: int8 weights and fp32 scales, shapes only
-    out: dict[str, float] = {}
+    out = {}
     for name, w in full.items():
         local = layout.shard(w, layout.placement(name, expert_layout), tp, 0)
+        if dtype == "int4" and name.endswith(_EXPERT_WEIGHTS):
+            out[name] = int4_bytes(local.shape)
+            continue
         # int8 experts, int32 SPMDRanks, the experts' fp32 scales (not the router's `scale`); the rest bf16
         fp32 = ".experts." in name and name.endswith(".scale")
-        nbytes = local.numel() * {torch.int8: 1, torch.int32: 4}.get(local.dtype, 4 if fp32 else 2)
+        out[name] = local.numel() * {torch.int8: 1, torch.int32: 4}.get(local.dtype, 4 if fp32 else 2)
+    return out
+
+
+def _weights_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: str) -> dict[str, float]:
+    """Bytes of weights on one rank, by group (every rank holds the same amount)."""
+    out: dict[str, float] = {}
+    for name, nbytes in _rank_tensors(config, tp, dtype, expert_layout).items():
         # the experts' SPMDRank is a scalar, not expert weights: it counts where a block's scalars do
         group = (
             "lm_head"
@@ -111,6 +147,75 @@ def _weights_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, expert_layo
         )
         out[group] = out.get(group, 0) + nbytes
     return out
+
+
+def _host(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: str, inst: Instance | None) -> dict:
+    """Peak host memory of loading and serving the artifact: the process and its graphs (stated
+    reserves) and the streamed load's buffers, HOST_LOAD_COPIES × the largest load group of one
+    rank (`artifact.load_group`: a decoder layer, or a tensor outside the layers)."""
+    groups: dict[str, int] = {}
+    for name, nbytes in _rank_tensors(config, tp, dtype, expert_layout).items():
+        groups[load_group(name)] = groups.get(load_group(name), 0) + nbytes
+    largest = max(groups, key=groups.get)
+    peak = HOST_PROCESS_RESERVE + HOST_GRAPHS_RESERVE + HOST_LOAD_COPIES * groups[largest]
+    rank_weights = sum(groups.values())
+    host = {
+        "process_bytes": HOST_PROCESS_RESERVE,
+        "graphs_bytes": HOST_GRAPHS_RESERVE,
+        "largest_load_group": largest,
+        "largest_load_group_bytes": groups[largest],
+        "load_copies": HOST_LOAD_COPIES,
+        "peak_bytes": peak,
+        "whole_shards_peak_bytes": HOST_PROCESS_RESERVE + HOST_GRAPHS_RESERVE + tp * rank_weights,
+    }
+    if inst is not None:
+        host.update(memory_bytes=inst.host_memory, fits=peak <= inst.host_memory, margin_bytes=inst.host_memory - peak)
+    return host
+
+
+def _largest_shapes(config, tp, weights_bytes: float, dtype: str, fixed: float) -> list[dict]:
+    """For each of SHAPE_BATCHES, the longest context (a multiple of SHAPE_STEP, at most the model's
+    max_position_embeddings) at which a rank's weights, `fixed` bytes (runtime reserve, sidecar), KV
+    cache and graph estimate still fit a NeuronCore; batches at which none fits are left out."""
+    rows = []
+    for batch in SHAPE_BATCHES:
+
+        def fits(seq):
+            used = weights_bytes + fixed + _kv_cache_per_rank(config, tp, batch, seq)
+            return used + _graph_per_rank(config, tp, dtype, batch, seq) <= CORE_HBM
+
+        lo, hi = 0, config.max_position_embeddings // SHAPE_STEP  # the largest n with fits(n·STEP): lo
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid * SHAPE_STEP) else (lo, mid - 1)
+        if lo:
+            rows.append({"batch": batch, "context": lo * SHAPE_STEP, "tokens": batch * lo * SHAPE_STEP})
+    return rows
+
+
+def _savings(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: str, weights: dict) -> list[dict]:
+    """What this plan counts against bf16 experts and replicated embeddings, per rank."""
+    rows = []
+    if dtype != "bf16":
+        bf16 = _weights_per_rank(config, tp, "bf16", expert_layout)["experts"]
+        rows.append(
+            {
+                "what": f"{dtype} experts"
+                + (f" (groups of {INT4_GROUP}, bf16 scales)" if dtype == "int4" else " (fp32 scales per channel)"),
+                "instead_of": f"bf16 experts, {bf16 / GB:.2f} GB",
+                "saved_bytes": bf16 - weights["experts"],
+            }
+        )
+    if tp > 1:
+        vocab = ("embeddings", "lm_head")
+        rows.append(
+            {
+                "what": f"embeddings and lm_head sharded over the vocabulary (1/{tp} of the rows each)",
+                "instead_of": "both replicated on every rank",
+                "saved_bytes": (tp - 1) * sum(weights[g] for g in vocab),
+            }
+        )
+    return rows
 
 
 def _kv_cache_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int) -> int:
@@ -124,7 +229,9 @@ def _kv_cache_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int) 
 
 def _graph_per_rank(config: Gemma4TextConfig, tp: int, dtype: str, batch: int, seq: int) -> int:
     tokens, E, I, H = batch * seq, config.num_experts // tp, config.moe_intermediate_size, config.hidden_size
-    moe = tokens * E * 3 * I * 2 + (E * 2 * I * H * 2 if dtype == "int8" else 0)
+    # int8: one layer's local gate_up dequantised to bf16; int4: that, and its values unpacked to int8 first
+    dequantised = {"bf16": 0, "int8": 2, "int4": 3}[dtype]
+    moe = tokens * E * 3 * I * 2 + E * 2 * I * H * dequantised
     attention = batch * (config.num_attention_heads // tp) * seq * seq * 4
     return max(moe, attention)
 
@@ -277,8 +384,15 @@ def plan(
         per_rank["reader_sidecar"] = _reader_sidecar_per_rank(config, tp, reader)
     total = sum(per_rank.values())
     experts_all = weights["experts"] * tp
+    host = _host(config, tp, dtype, expert_layout, inst)
     if inst is not None and tp > inst.cores:
         fits, reason = False, f"{instance} has {inst.cores} NeuronCores; TP {tp} needs {tp}"
+    elif inst is not None and not host["fits"]:
+        fits, reason = (
+            False,
+            f"loading needs {host['peak_bytes'] / GiB:.2f} GiB of host memory, {instance} has "
+            f"{inst.host_memory / GiB:.0f} GiB",
+        )
     elif total > CORE_HBM:
         fits, reason = (
             False,
@@ -292,7 +406,13 @@ def plan(
             True,
             (
                 f"{total / GB:.2f} GB per rank of {CORE_HBM / GB:.2f} GB (16 GiB); "
-                f"{(CORE_HBM - total) / GB:.2f} GB spare"
+                f"{(CORE_HBM - total) / GB:.2f} GB spare per core"
+                + (
+                    f"; host peak {host['peak_bytes'] / GiB:.2f} of {inst.host_memory / GiB:.0f} GiB, "
+                    f"{host['margin_bytes'] / GiB:.2f} GiB spare"
+                    if inst is not None
+                    else ""
+                )
             ),
         )
     return {
@@ -302,7 +422,13 @@ def plan(
         "per_rank_bytes": per_rank,
         "per_rank_total_bytes": total,
         "experts_all_ranks_bytes": experts_all,
+        "margin_per_core_bytes": CORE_HBM - total,
+        "savings": _savings(config, tp, dtype, expert_layout, weights),
+        "largest_shapes": _largest_shapes(
+            config, tp, sum(weights.values()), dtype, runtime_reserve + per_rank.get("reader_sidecar", 0)
+        ),
         "decode": _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts, reader),
+        "host": host,
         "host_per_step": _host_per_step(config, batch),
     }
 
@@ -353,6 +479,27 @@ def render_plan(report: dict) -> str:
             )
             for r in report["decode"]
         ]
+        this = next(r for r in report["decode"] if r["this_plan"] or "reader" in r)
+        host = report["host"]
+        host_rows = [
+            {"what": "process: Python, torch, torch-neuronx, NxD, server (stated)", "GiB": host["process_bytes"] / GiB},
+            {"what": "compiled graphs, model.pt (stated)", "GiB": host["graphs_bytes"] / GiB},
+            {
+                "what": f"streamed load: {host['load_copies']} × one rank's {host['largest_load_group']}",
+                "GiB": host["load_copies"] * host["largest_load_group_bytes"] / GiB,
+            },
+            {"what": "peak", "GiB": host["peak_bytes"] / GiB},
+        ]
+        if "memory_bytes" in host:
+            host_rows.append(
+                {"what": f"margin of {report['instance']}'s host memory", "GiB": host["margin_bytes"] / GiB}
+            )
+        host_rows.append(
+            {
+                "what": "(every rank's whole shard in memory at once, for comparison)",
+                "GiB": host["whole_shards_peak_bytes"] / GiB,
+            }
+        )
         lines += [
             table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]),
             f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
@@ -368,6 +515,21 @@ def render_plan(report: dict) -> str:
                 ],
             ),
             "\n(decode: the graphs trace-and-compile builds, at this batch; bytes read, not measured)\n",
+            f"HBM-bound floor per token (this plan's decode graph, {CHIP_HBM_BW / CORES_PER_CHIP / GiB:.0f} GiB/s "
+            f"per core): {this['floor_ms']:.2f} ms, at most {this['tokens_per_s_ceiling']:.1f} steps/s\n",
+            table(
+                [dict(r, GB=r["saved_bytes"] / GB) for r in report["savings"]]
+                or [{"what": "none: bf16 experts, every tensor where the layout places it"}],
+                [("what", "savings counted per rank"), ("instead_of", "instead of"), ("GB", "GB saved", "{:.2f}")],
+            )
+            + "\n",
+            table(
+                report["largest_shapes"],
+                [("batch", "batch"), ("context", "longest context that fits"), ("tokens", "batch × context")],
+            )
+            + f"\n(the weights, reserves, KV cache and graph estimate per core at each batch, contexts in steps of "
+            f"{SHAPE_STEP}; the graph estimate prefills the whole context at once, an upper bound)\n",
+            table(host_rows, [("what", "host memory, loading and serving"), ("GiB", "GiB", "{:.2f}")]) + "\n",
             table(
                 report["host_per_step"],
                 [("what", "host <-> device per decode step"), ("direction", ""), ("bytes", "bytes")],
