@@ -5,6 +5,7 @@ import json
 import pytest
 
 from neuron_moe import cli
+from neuron_moe.experts.int4 import DEFAULT_GROUP, SCALE_BYTES
 from neuron_moe.info import parameter_counts
 from neuron_moe.neuron.plan import (
     CHIP_HBM_BW,
@@ -14,8 +15,6 @@ from neuron_moe.neuron.plan import (
     HOST_LOAD_COPIES,
     HOST_PROCESS_RESERVE,
     INSTANCES,
-    INT4_GROUP,
-    INT4_SCALE_BYTES,
     SHAPE_STEP,
     GiB,
     plan,
@@ -232,13 +231,13 @@ ONE_CHIP = ("inf2.xlarge", "inf2.8xlarge")
 
 @pytest.mark.parametrize("instance", ONE_CHIP)
 def test_int4_experts_fit_one_chip_at_tp2_and_bf16_int8_do_not(big, instance):
-    """int4 experts (two values a byte, a bf16 scale per INT4_GROUP inputs) at TP 2: the experts' bytes
+    """int4 experts (two values a byte, a bf16 scale per DEFAULT_GROUP inputs) at TP 2: the experts' bytes
     are the geometry's, the verdict and margin follow from the rows, and nothing but the experts moved
     against int8 (the graph row aside: its dequantised layer)."""
     r = plan(big, instance, 2, "int4", batch=1, seq=4096)
     L, E, inter, H = big.num_hidden_layers, big.num_experts, big.moe_intermediate_size, big.hidden_size
     weights = L * E * 3 * inter * H // 2  # one rank's expert weights: [E, H, 2I/2] and [E, I/2, H] per layer
-    assert r["per_rank_bytes"]["experts"] == weights // 2 + weights // INT4_GROUP * INT4_SCALE_BYTES
+    assert r["per_rank_bytes"]["experts"] == weights // 2 + weights // DEFAULT_GROUP * SCALE_BYTES
     assert r["fits"], r["reason"]
     assert r["per_rank_total_bytes"] == sum(r["per_rank_bytes"].values()) < CORE_HBM
     assert r["margin_per_core_bytes"] == CORE_HBM - r["per_rank_total_bytes"]
@@ -253,7 +252,7 @@ def test_int4_experts_fit_one_chip_at_tp2_and_bf16_int8_do_not(big, instance):
     bf16 = plan(big, instance, 2, "bf16", batch=1, seq=4096)["per_rank_bytes"]
     experts, vocab = r["savings"]
     assert "int4 experts" in experts["what"] and experts["saved_bytes"] == bf16["experts"] - weights // 2 - (
-        weights // INT4_GROUP * INT4_SCALE_BYTES
+        weights // DEFAULT_GROUP * SCALE_BYTES
     )
     assert "sharded over the vocabulary" in vocab["what"]
     assert vocab["saved_bytes"] == r["per_rank_bytes"]["embeddings"] + r["per_rank_bytes"]["lm_head"]

@@ -2,13 +2,15 @@
 
 Weights come from the port's meta-device model (`info.meta_model`) cut by the TP layout
 (`parallel/layout.py`, in the chosen expert layout) and, for int8, quantised as the rank modules
-are (`experts.int8.quantize_experts`), so the planner and the rank modules cannot disagree about
-who owns what. Each rank holds, in bytes:
+are (`experts.int8.quantize_experts`), for int4 counted in `experts/int4.py`'s format on each
+rank's local shard, so the planner and the rank modules cannot disagree about who owns what.
+Each rank holds, in bytes:
 
   experts      1/t of the experts (channel layout: every expert's I/t channels; expert layout: E/t
                experts whole): bf16, or int8 + fp32 scales per output channel (gate_up's split
                with its channels; down's replicated: [E, 1, H] in the channel layout, [H, 1] in
-               the expert layout)
+               the expert layout), or int4: two values a byte and a bf16 scale per group of
+               input channels (`int4.DEFAULT_GROUP`), split as the weight is
   attention    q/o split by heads, k/v split or replicated up to t heads (layout.py)
   dense MLP    1/t of gate/up/down
   router etc.  router, norms and scalars, replicated
@@ -19,12 +21,23 @@ who owns what. Each rank holds, in bytes:
                seq: the MoE stage's gate_up output and activation, B·S × (E·2I/t + E·I/t) in
                either layout,
                plus, for int8, one layer's local gate_up dequantised to bf16 (the quantized
-               layers cast the weight before the matmul), or the attention stage's fp32 scores
+               layers cast the weight before the matmul; int4: that and its values unpacked to
+               one byte each first), or the attention stage's fp32 scores
                [B, h/t, S, S], whichever is larger
   runtime      stated reserve (default 1 GiB): the runtime's per-core code (96 MiB documented),
                DMA rings, I/O tensors, collectives buffers
 
-against 16 GiB of HBM per NeuronCore-v2. Non-expert weights are bf16 in both dtypes.
+against 16 GiB of HBM per NeuronCore-v2. Non-expert weights are bf16 in every dtype. The plan
+names what it counts against bf16 experts and replicated tensors (`savings`: the experts' format;
+embeddings and lm_head, each 1/t of the vocabulary's rows), and, at the plan's weights and
+reserves, the longest context (steps of SHAPE_STEP) that fits at each batch of SHAPE_BATCHES.
+
+Host memory (`host`): the peak of loading and serving an artifact. The load streams each rank's
+pre-sharded weights to its NeuronCore a load group at a time (`artifact.load_streamed`: a decoder
+layer, or one tensor outside the layers), so the peak is the serving process and its graphs
+(stated reserves) plus HOST_LOAD_COPIES × the largest group of one rank, not the model
+(tests/test_artifact_load.py measures a streamed load's peak on CPU); every rank's whole shard at
+once is given beside it. A plan on an instance whose host memory the peak exceeds does not fit.
 
 Decode: bytes one rank reads per generated token (all its non-expert weights but the embedding
 table, its KV cache, and its experts as the decode graph of each expert layout reads them) and
@@ -55,6 +68,7 @@ from transformers import Gemma4TextConfig
 
 from .. import spec
 from ..errors import UserError
+from ..experts import int4
 from ..experts.int8 import quantize_experts
 from ..info import meta_model, parameter_group
 from .artifact import load_group
@@ -69,14 +83,11 @@ CHIP_HBM_BW = 820 * GiB  # bytes/s per Inferentia2 chip (Neuron docs, inferentia
 CORES_PER_CHIP = 2
 DEFAULT_RUNTIME_RESERVE = 1 * GiB
 DTYPES = ("bf16", "int8", "int4")
-# int4 experts: two values per byte, one scale per INT4_GROUP values along the input dimension
-INT4_GROUP = 32
-INT4_SCALE_BYTES = 2  # bf16 scales
 # Host memory of a serving process (stated estimates, not measurements): the Python process with
 # torch, torch-neuronx, NxD and the server imported, and the compiled graphs (model.pt) it holds.
 HOST_PROCESS_RESERVE = 3 * GiB
 HOST_GRAPHS_RESERVE = 1 * GiB
-# The streamed load (`artifact.stream_shards`) holds one load group of one rank at a time: its
+# The streamed load (`artifact.load_streamed`) holds one load group of one rank at a time: its
 # host buffer and, while it is copied to the device, the runtime's staging copy of it.
 HOST_LOAD_COPIES = 2
 SHAPE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # the batches the plan's largest-shape table tries
@@ -107,14 +118,15 @@ INSTANCES = {
 _EXPERT_WEIGHTS = (".experts.gate_up_proj.weight", ".experts.down_proj.weight")
 
 
-def int4_bytes(shape: torch.Size, group: int = INT4_GROUP) -> int:
-    """Bytes of one int4 weight of `shape` whose input dimension is dim 1 (every expert layout's
-    local experts: [E, H, 2I] / [E, I, H], or [E·2I, H] / [H, E·I]): packed two values per byte,
-    plus a scale per `group` values along dim 1."""
-    numel, inputs = shape.numel(), shape[1]
-    if inputs % group:
-        raise UserError(f"int4 experts: an input dimension of {inputs} is not a multiple of the group {group}")
-    return numel // 2 + numel // group * INT4_SCALE_BYTES
+def int4_bytes(shape: torch.Size) -> int:
+    """Bytes of one int4 weight of `shape` (`experts/int4.py` at its DEFAULT_GROUP): the input
+    dimension is dim 1 of every expert layout's local experts ([E, H, 2I] / [E, I, H], or
+    [E·2I, H] / [H, E·I])."""
+    inputs = shape[1]
+    try:
+        return int4.nbytes(shape.numel() // inputs, inputs)
+    except int4.Int4Error as e:
+        raise UserError(f"int4 experts: {e}") from None
 
 
 def _rank_tensors(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: str) -> dict[str, int]:
@@ -201,7 +213,11 @@ def _savings(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: str, 
         rows.append(
             {
                 "what": f"{dtype} experts"
-                + (f" (groups of {INT4_GROUP}, bf16 scales)" if dtype == "int4" else " (fp32 scales per channel)"),
+                + (
+                    f" (groups of {int4.DEFAULT_GROUP}, bf16 scales)"
+                    if dtype == "int4"
+                    else " (fp32 scales per channel)"
+                ),
                 "instead_of": f"bf16 experts, {bf16 / GB:.2f} GB",
                 "saved_bytes": bf16 - weights["experts"],
             }
