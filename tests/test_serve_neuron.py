@@ -299,3 +299,24 @@ def test_a_tampered_tokenizer_is_refused_by_name_before_binding(dry_run_artifact
     assert cli.main(["serve", "--backend", "neuron", "--artifacts", str(dry_run_artifact)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {dry_run_artifact}/{named}") and err.count("\n") == 1, err
+
+
+def test_an_artifact_that_transforms_its_weights_on_load_takes_the_whole_shards(tmp_path, monkeypatch, caplog):
+    """NxD's weight_loader (a layout transformation) takes every rank's shard through `initialize`;
+    without one the weights stream to the device and `initialize_with_saved_weights` hands them on."""
+    (tmp_path / "weights").mkdir()
+    for rank in range(2):
+        save_file({"w": torch.full((2,), float(rank))}, tmp_path / f"weights/tp{rank}_sharded_checkpoint.safetensors")
+    manifest = {"tp": 2, "expert_layout": "channel"}
+    initialized = []
+    transforming = types.SimpleNamespace(weight_loader=object(), initialize=lambda w, s: initialized.append((w, s)))
+    with caplog.at_level("WARNING"):
+        neuron.load_weights(transforming, tmp_path, manifest)
+    ((weights, start),) = initialized
+    assert [w["w"].tolist() for w in weights] == [[0.0, 0.0], [1.0, 1.0]] and start.tolist() == [0]
+    assert "every shard is read whole" in caplog.text
+    monkeypatch.setattr(neuron, "DEVICE", "cpu")
+    streamed = StandInNxDModel()
+    neuron.load_weights(streamed, tmp_path, manifest)
+    assert [w["w"].tolist() for w in streamed.weights] == [[0.0, 0.0], [1.0, 1.0]]
+    assert streamed.start_rank.tolist() == [0]

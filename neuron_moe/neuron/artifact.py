@@ -8,7 +8,9 @@ defined here once.
     model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
                     context-encoding key per prefill bucket and one token-generation key
     weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint),
-                    in the manifest's expert layout (`load_shards` refuses one of the other);
+                    in the manifest's expert layout (`load_streamed` and `load_shards` refuse
+                    one of the other); served by `load_streamed`, a load group (a decoder
+                    layer) of one rank at a time, so the host never holds a whole shard;
                     with the reader, rank r's sidecar shard too (`<...>.experts.reader.*`)
     shard_plan.json every rank-module tensor: placement, partition dim and stride, full and
                     per-rank shape, dtype

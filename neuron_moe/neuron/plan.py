@@ -139,7 +139,10 @@ def _rank_tensors(config: Gemma4TextConfig, tp: int, dtype: str, expert_layout: 
     for name, w in full.items():
         local = layout.shard(w, layout.placement(name, expert_layout), tp, 0)
         if dtype == "int4" and name.endswith(_EXPERT_WEIGHTS):
-            out[name] = int4_bytes(local.shape)
+            try:
+                out[name] = int4_bytes(local.shape)
+            except UserError as e:
+                raise UserError(f"{e} ({name} on each of {tp} ranks, {expert_layout} layout)") from None
             continue
         # int8 experts, int32 SPMDRanks, the experts' fp32 scales (not the router's `scale`); the rest bf16
         fp32 = ".experts." in name and name.endswith(".scale")
@@ -329,7 +332,10 @@ def _decode(config, tp, dtype, batch, kv, weights, expert_layout, decode_experts
             layout.check_degree(config, tp, name)
         except layout.LayoutError:
             continue  # no such graph can be built at this degree
-        held = weights if name == expert_layout else _weights_per_rank(config, tp, dtype, name)
+        try:
+            held = weights if name == expert_layout else _weights_per_rank(config, tp, dtype, name)
+        except UserError:
+            continue  # its int4 groups do not divide a rank's input channels: no such graph either
         row = _decode_row(config, tp, batch, held, kv, name, decode_experts)
         rows.append(dict(row, this_plan=name == expert_layout and reader is None))
         if reader is not None and name == layout.CHANNEL:
