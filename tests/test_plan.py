@@ -292,6 +292,7 @@ def test_one_chip_int4_plan_cli(capsys):
     for named in ("int4 experts (groups of", "embeddings and lm_head sharded over the vocabulary", "peak"):
         assert named in out
     assert "HBM-bound floor per token" in out and "longest context that fits" in out
+    assert "largest batch × context that fits: " in out
     assert cli.main(args[:-1] + ["int8"]) == 1 and "DOES NOT FIT" in capsys.readouterr().out
 
 

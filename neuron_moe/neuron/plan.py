@@ -484,6 +484,13 @@ def port_plan(
     )
 
 
+def _largest_line(shapes: list[dict]) -> str:
+    if not shapes:
+        return "\nno batch fits a context of " + f"{SHAPE_STEP}"
+    top = max(shapes, key=lambda r: r["tokens"])
+    return f"\nlargest batch × context that fits: {top['batch']} × {top['context']} = {top['tokens']} positions"
+
+
 def render_plan(report: dict) -> str:
     lines = [
         f"{report['model']} on {report['instance']}: TP {report['tp']}, {report['dtype']} experts in the "
@@ -549,6 +556,7 @@ def render_plan(report: dict) -> str:
                 report["largest_shapes"],
                 [("batch", "batch"), ("context", "longest context that fits"), ("tokens", "batch × context")],
             )
+            + _largest_line(report["largest_shapes"])
             + f"\n(the weights, reserves, KV cache and graph estimate per core at each batch, contexts in steps of "
             f"{SHAPE_STEP}; the graph estimate prefills the whole context at once, an upper bound)\n",
             table(host_rows, [("what", "host memory, loading and serving"), ("GiB", "GiB", "{:.2f}")]) + "\n",
