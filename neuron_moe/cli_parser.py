@@ -20,6 +20,7 @@ from .spec import (
     DTYPE_NAMES,
     EXPERT_LAYOUTS,
     INSTANCE_CHIPS,
+    PLAN_QUANTIZATIONS,
     QUANTIZATIONS,
     READER_KERNELS,
     RECOVERY_RANK,
@@ -455,7 +456,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
     _dtype_arg(p, ("bfloat16",), "bfloat16", "the compute dtype of every weight but int8 experts' (default bfloat16)")
     _quantization_arg(
-        p, "the routed experts' weight format: none (bfloat16) or int8 with fp32 scales (default none)", default="none"
+        p,
+        "the routed experts' weight format: none (bfloat16), int8 with fp32 scales per channel, or int4 "
+        "(two values a byte, a bfloat16 scale per group of inputs; the plan counts it) (default none)",
+        PLAN_QUANTIZATIONS,
+        "none",
     )
     _shape_args(
         p,

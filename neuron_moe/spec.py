@@ -49,6 +49,10 @@ DTYPE_NAMES = ("bfloat16", "float32")  # --dtype: the compute dtype, torch's spe
 # per-channel symmetric int8 numbers with fp32 scales (experts/int8.py)
 NO_QUANTIZATION, INT8_QUANTIZATION = "none", "int8"
 QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
+# "int4": group-wise symmetric 4-bit numbers, two a byte, a bf16 scale per group (experts/int4.py); the plan
+# counts its bytes (neuron/plan.py), no command computes with it
+INT4_QUANTIZATION = "int4"
+PLAN_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
 
 # The reader's defaults (reader/prep.py writes them into a sidecar; reader/accounting.py charges them)
 BLOCK = 128  # coordinates per Hadamard block
