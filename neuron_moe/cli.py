@@ -9,6 +9,7 @@ import torch
 
 from . import environment, hub
 from .cli_parser import parser
+from .deploy import k8s as deploy_k8s
 from .environment import render_env
 from .errors import UserError
 from .eval import reader_eval, seq_match
@@ -169,6 +170,29 @@ def cmd_serve(args) -> int:
     return run(args)
 
 
+def cmd_deploy(args) -> int:  # `deploy k8s`, the one engine that takes files (deploy/k8s.py)
+    settings = deploy_k8s.Settings(
+        model=args.model,
+        instance=args.instance,
+        artifacts=args.artifacts,
+        quantization=args.quantization,
+        tp=args.tp,
+        resource=args.resource,
+        replicas=args.replicas,
+        max_replicas=args.max_replicas,
+        target_waiting=args.target_waiting,
+        name=args.name,
+        image=args.image,
+        api_key_secret=args.api_key_secret,
+        service_account=args.service_account,
+        drain_timeout=args.drain_timeout,
+    )
+    report = deploy_k8s.write(settings, load_port(args.model), args.out)
+    if _json_out(report, args):
+        print(deploy_k8s.render(report))
+    return 0
+
+
 def cmd_reads(args) -> int:
     explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
     if any(v is not None for v in explicit):
@@ -288,6 +312,7 @@ COMMANDS = {
     "serve": cmd_serve,
     "reads": cmd_reads,
     "prep-reader": cmd_prep_reader,
+    "deploy": cmd_deploy,
 }
 
 
