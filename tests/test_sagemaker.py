@@ -5,6 +5,7 @@ as /health, /v1/completions and /v1/chat/completions do. The Neuron runtime is r
 graphs of the artifact's port (a dry-run artifact has no compiled model); nothing here runs on an
 endpoint."""
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -179,3 +180,63 @@ def test_a_wrong_environment_is_one_line(tmp_path, monkeypatch, capsys, env, mes
     assert sagemaker.main([]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message.format(**paths)}") and err.count("\n") == 1, err
+
+
+def test_the_endpoint_example_sends_requests_sagemaker_takes():
+    """deploy/sagemaker/create_endpoint.py, not run against AWS: its model data is the publication's run
+    folder, and its three requests pass botocore's own check of SageMaker's API (Stubber: no call leaves)."""
+    import boto3
+    from botocore.stub import Stubber
+
+    from neuron_moe.neuron.plan import INSTANCES
+
+    spec = importlib.util.spec_from_file_location(
+        "create_endpoint", REPO / "deploy" / "sagemaker" / "create_endpoint.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    run = "runs/20261205T021500Z-0a1b2c3d"
+    files = [
+        {"path": p, "key": f"{run}/{p}"}
+        for p in ("manifest.json", "model.pt", "weights/tp0_sharded_checkpoint.safetensors")
+    ]
+    model_data = example.run_prefix("s3://models/gemma4/bf16/", files)
+    assert model_data == f"s3://models/gemma4/bf16/{run}/"
+    with pytest.raises(SystemExit, match="not in one folder"):
+        example.run_prefix("s3://models/x", [*files, {"path": "model.pt", "key": "runs/other/model.pt"}])
+
+    args = example.parser().parse_args(
+        [
+            "--image",
+            "123456789012.dkr.ecr.us-east-1.amazonaws.com/neuron-moe:neuron",
+            "--artifacts",
+            "s3://models/gemma4/bf16",
+        ]
+        + [
+            "--role",
+            "arn:aws:iam::123456789012:role/SageMakerExecution",
+            "--name",
+            "gemma4",
+            "--serve-args",
+            "--max-queue 64",
+        ]
+    )
+    client = boto3.client("sagemaker", region_name="us-east-1", aws_access_key_id="none", aws_secret_access_key="none")
+    instance_types = set(client.meta.service_model.shape_for("ProductionVariantInstanceType").enum)
+    assert {f"ml.{name}" for name in INSTANCES} <= instance_types and args.instance_type in instance_types
+    arn = "arn:aws:sagemaker:us-east-1:123456789012:{}/gemma4"
+    answers = {
+        "create_model": {"ModelArn": arn.format("model")},
+        "create_endpoint_config": {"EndpointConfigArn": arn.format("endpoint-config")},
+        "create_endpoint": {"EndpointArn": arn.format("endpoint")},
+    }
+    calls = example.requests(args, model_data)
+    assert [op for op, _ in calls] == list(answers)
+    with Stubber(client) as stub:
+        for operation, params in calls:
+            stub.add_response(operation, answers[operation], params)
+            getattr(client, operation)(**params)  # botocore validates the parameters against its model
+        stub.assert_no_pending_responses()
+    container = calls[0][1]["PrimaryContainer"]
+    assert container["ModelDataSource"]["S3DataSource"]["S3Uri"] == model_data
+    assert container["Environment"] == {"NEURON_MOE_SERVE_ARGS": "--max-queue 64"}
