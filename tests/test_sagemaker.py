@@ -136,9 +136,10 @@ def test_the_entrypoint_serves_sagemakers_contract(tmp_path, dry_run_artifact): 
                 httpx.post(f"{url}/v1/{route}", json={**bad, **model}),
             )
             assert error["error"]["type"] == "invalid_request_error" and error["error"]["param"] in bad
-        raw = {"content": b'{"prompt": ', "headers": {"content-type": "application/json"}}
-        error = _same_answer(httpx.post(f"{url}/invocations", **raw), httpx.post(f"{url}/v1/completions", **raw))
-        assert error["error"]["message"].startswith("the request body is not valid JSON")
+        for raw, message in ((b'{"prompt": ', "the request body is not valid JSON"), (b"[1]", "Input should be")):
+            sent = {"content": raw, "headers": {"content-type": "application/json"}}
+            error = _same_answer(httpx.post(f"{url}/invocations", **sent), httpx.post(f"{url}/v1/completions", **sent))
+            assert error["error"]["message"].startswith(message), error
 
         proc.send_signal(signal.SIGTERM)  # SageMaker's stop: SIGKILL follows 30 s later
         assert proc.wait(sagemaker.DRAIN_TIMEOUT_S + 10) == 0

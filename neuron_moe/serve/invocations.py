@@ -29,6 +29,6 @@ def invocation_request(body: bytes, model: str) -> ChatRequest | CompletionReque
     if isinstance(doc, dict):
         doc.setdefault("model", model)
     try:
-        return kind.model_validate(doc)
+        return kind.model_validate(doc, from_attributes=True)  # as FastAPI validates a body
     except ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
