@@ -258,6 +258,8 @@ def test_the_autoscaler_reads_the_gauge_the_server_exports(tmp_path, loading_ser
         (("--artifacts", "s3://bucket"), "--artifacts s3://bucket: no prefix"),
         (("--artifacts", "models/gemma"), "not an S3 URI: 'models/gemma'"),
         (("--replicas", "3", "--max-replicas", "2"), "--max-replicas 2 is below --replicas 3"),
+        (("--service-account", "Pull_SA"), "--service-account 'Pull_SA': not a Kubernetes object name"),
+        (("--image", "repo/img:1\nkind: Secret"), "--image 'repo/img:1\\nkind: Secret': empty, or a space or control"),
     ],
 )
 def test_bad_settings_are_one_line_before_anything_is_written(tmp_path, capsys, flags, message):

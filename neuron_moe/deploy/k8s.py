@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import yaml
@@ -63,7 +64,8 @@ HPA_METRIC = "vllm_num_requests_waiting"  # its name in the custom metrics API (
 OBJECTS = ("deployment.yaml", "service.yaml", "hpa.yaml")
 PROMETHEUS = ("prometheus/scrape-config.yaml", "prometheus/adapter-rules.yaml")
 FILES = OBJECTS + PROMETHEUS
-NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")  # a DNS-1035 label, room left for pod suffixes
+NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")  # a DNS-1035 label (a Service's), room left for pod suffixes
+SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a Secret's or a service account's name
 
 
 @dataclass(frozen=True)
@@ -318,16 +320,22 @@ def command_line(settings: Settings, tp: int) -> str:
         ("--service-account", settings.service_account),
         ("--drain-timeout", f"{settings.drain_timeout:g}"),
     ]
-    return "neuron-moe deploy k8s " + " ".join(f"{k} {v}" for k, v in flags if v is not None) + " --out DIR"
+    words = [str(w) for flag, value in flags if value is not None for w in (flag, value)]
+    return shlex.join(["neuron-moe", "deploy", "k8s", *words]) + " --out DIR"
 
 
 def _check(settings: Settings) -> None:
+    for field in fields(settings):  # each lands in YAML and in the files' header comment: one word each
+        value = getattr(settings, field.name)
+        if isinstance(value, str) and (not value or any(c.isspace() or not c.isprintable() for c in value)):
+            raise UserError(f"--{field.name.replace('_', '-')} {value!r}: empty, or a space or control character in it")
     if not NAME.fullmatch(settings.name):
         raise UserError(
             f"--name {settings.name!r}: lower-case letters, digits and '-', starting with a letter, at most 52"
         )
-    if settings.api_key_secret is not None and not NAME.fullmatch(settings.api_key_secret):
-        raise UserError(f"--api-key-secret {settings.api_key_secret!r}: not a Kubernetes object name")
+    for flag, value in (("--api-key-secret", settings.api_key_secret), ("--service-account", settings.service_account)):
+        if value is not None and not SUBDOMAIN.fullmatch(value):
+            raise UserError(f"{flag} {value!r}: not a Kubernetes object name (lower-case letters, digits, '-' and '.')")
     if settings.max_replicas is not None and settings.max_replicas < settings.replicas:
         raise UserError(f"--max-replicas {settings.max_replicas} is below --replicas {settings.replicas}")
     cache_dir(settings.artifacts)
