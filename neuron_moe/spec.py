@@ -70,6 +70,12 @@ EVAL_READER_ITEMS, EVAL_READER_QUICK_ITEMS = 20, 2  # evaluation items per task:
 INSTANCE_CHIPS = {"inf2.xlarge": 1, "inf2.8xlarge": 1, "inf2.24xlarge": 6, "inf2.48xlarge": 12}
 DEFAULT_RUNTIME_RESERVE_GIB = 1.0
 
+# serve and deploy k8s: serve's --drain-timeout default; the Neuron serving image; the Neuron device
+# plugin's resources a pod asks for (aws-neuron-sdk docs, "Kubernetes environment setup for Neuron")
+DRAIN_TIMEOUT_S = 60.0
+DEFAULT_NEURON_IMAGE = "neuron-moe:neuron"
+DEPLOY_RESOURCES = {"neuroncore": "aws.amazon.com/neuroncore", "neuron": "aws.amazon.com/neuron"}
+
 
 def check_quantization(quantization: str, offered=QUANTIZATIONS, where: str = "--quantization") -> str:
     """`quantization` if it is one of `offered`, else a UserError naming the choices."""
