@@ -49,6 +49,10 @@ DTYPE_NAMES = ("bfloat16", "float32")  # --dtype: the compute dtype, torch's spe
 # per-channel symmetric int8 numbers with fp32 scales (experts/int8.py)
 NO_QUANTIZATION, INT8_QUANTIZATION = "none", "int8"
 QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
+# "int4": group-wise symmetric 4-bit numbers, two a byte, a bf16 scale per group (experts/int4.py); the plan
+# counts its bytes (neuron/plan.py), no command computes with it
+INT4_QUANTIZATION = "int4"
+PLAN_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
 
 # The reader's defaults (reader/prep.py writes them into a sidecar; reader/accounting.py charges them)
 BLOCK = 128  # coordinates per Hadamard block
@@ -66,6 +70,12 @@ EVAL_READER_ITEMS, EVAL_READER_QUICK_ITEMS = 20, 2  # evaluation items per task:
 # plan: the inf2 instances (chips each) and the stated per-core runtime reserve
 INSTANCE_CHIPS = {"inf2.xlarge": 1, "inf2.8xlarge": 1, "inf2.24xlarge": 6, "inf2.48xlarge": 12}
 DEFAULT_RUNTIME_RESERVE_GIB = 1.0
+
+# serve and deploy k8s: serve's --drain-timeout default; the Neuron serving image; the Neuron device
+# plugin's resources a pod asks for (aws-neuron-sdk docs, "Kubernetes environment setup for Neuron")
+DRAIN_TIMEOUT_S = 60.0
+DEFAULT_NEURON_IMAGE = "neuron-moe:neuron"
+DEPLOY_RESOURCES = {"neuroncore": "aws.amazon.com/neuroncore", "neuron": "aws.amazon.com/neuron"}
 
 
 def check_quantization(quantization: str, offered=QUANTIZATIONS, where: str = "--quantization") -> str:
