@@ -13,9 +13,9 @@ batching engine) the same load runs against a server at each batch size in turn,
 puts the runs side by side, with each run's output tokens/s as a multiple of the last run's.
 
 --hostile-bytes N runs the load twice on the same server, side by side: without, then with one
-more client that sends an N-byte prompt again and again (a server
-that tokenizes on its event loop freezes under it: a 10 MB prompt can hold the loop for seconds). It reports what that client got
-and how /health and the normal clients' TTFT fared in each run.
+more client that sends an N-byte prompt again and again (a server that tokenizes on its event loop
+freezes under it: a 10 MB prompt can hold the loop for seconds). It reports what that client got and
+how /health and the normal clients' TTFT fared in each run.
 
 The load: short chat prompts, greedy; `--sampled` samples them (temperature 0.7, top-p 0.9, each
 request its own seed); `--long-every N` makes one request in N of each client a long prompt, its
