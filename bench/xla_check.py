@@ -224,6 +224,19 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     start = time.perf_counter()
     if not run.exported:
         model = model.to(xla.device)
+    quantise = None
+    if run.decode == "int8":
+        # the int8 copies are made on the device on first use and cached on the experts module: made
+        # first, as a graph of their own, before the generator's views copy the experts modules (a
+        # copy made before the cache would fill its own inside the first prefill: a second compile)
+        quantise = Metered(
+            xla,
+            f"{run.prefill}-{run.decode}-modules int8 quantise",
+            lambda: [t for layer in model.model.layers for t in _quantized(layer.experts)],
+            None,
+        )
+        xla.moved()  # not the model's move to the device
+        quantise()
     # the serving graphs: the token alone
     generator = StaticGenerator(model, spec, exported=run.exported, device=xla.device, logits=False)
     generator.prepare(generator.check(mask, new_tokens))
@@ -232,17 +245,8 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     # the generator's graphs, each replaced by its metered self (the loop calls them by name)
     graphs = {name: Metered(xla, f"{tag} {name}", graph, hlo_dir) for name, graph in generator._graphs.items()}
     generator._graphs = dict(graphs)
-    if run.decode == "int8":
-        # the int8 copies are made on the device on first use: made first, as a graph of their own,
-        # so that the prefill graph's one compilation is its own
-        graphs["int8 quantise"] = Metered(
-            xla,
-            f"{tag} int8 quantise",
-            lambda: [t for layer in model.model.layers for t in _quantized(layer.experts)],
-            None,
-        )
-        xla.moved()  # not the model's move to the device
-        graphs["int8 quantise"]()
+    if quantise is not None:
+        graphs["int8 quantise"] = quantise
     compiles_before, moved_before = xla.compiles(), xla.transfers()
     xla.moved()
     start = time.perf_counter()
