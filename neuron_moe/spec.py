@@ -39,6 +39,13 @@ class SpecError(UserError):
     pass
 
 
+# The routed experts' weight format: "none" computes them in the compute dtype; "int8" holds per-channel
+# symmetric int8 numbers with fp32 scales (experts/int8.py); "int4" group-wise symmetric 4-bit numbers,
+# two per byte, with a bf16 scale per group (experts/int4.py)
+NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION = "none", "int8", "int4"
+QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
+
+
 # ---- experts implementations ----
 
 ALL, ROUTED, CHANNELS = "all", "routed", "channels"  # what an implementation reads of a layer's experts
@@ -53,7 +60,7 @@ class Experts:
     graphs: bool  # a static graph may trace it: every shape fixed by the token count, nothing made on the fly
     reads: str  # ALL: every expert for every token; ROUTED: each token's top-k; CHANNELS: some of their channels
     needs: str | None = None  # SIDECAR or SELECTOR_RULES: attached to the model before it runs (None: nothing)
-    int8: bool = False  # computes with per-channel int8 numbers of the model's experts (experts/int8.py)
+    quantization: str = NO_QUANTIZATION  # the experts' format it computes with (QUANTIZATIONS)
     backend: str | None = None  # `validate`'s name for it in HF's model (None: not a validate backend)
 
     def gathers(self, config, tokens: int) -> bool:
@@ -84,13 +91,16 @@ DENSE_MASKED = Experts("dense_masked", graphs=True, reads=ALL, backend="dense_ma
 # prompts it is dense_masked (tokens·k ≥ E); its gather is validated in the graphs (`validate --backend traced`)
 SELECTIVE = Experts("selective", graphs=True, reads=ROUTED)
 # per-channel symmetric int8, every expert (quantised on the fly: HF's model only, never a graph)
-INT8 = Experts("int8", graphs=False, reads=ALL, int8=True, backend="int8")
+INT8 = Experts("int8", graphs=False, reads=ALL, quantization=INT8_QUANTIZATION, backend="int8")
+# group-wise symmetric int4, every expert, dequantised before each matmul (HF's model only, never a graph;
+# the graphs' int4 experts are the rank modules', `parallel/moe.py`)
+INT4 = Experts("int4", graphs=False, reads=ALL, quantization=INT4_QUANTIZATION, backend="int4")
 # the sparse-channel reader on decode steps, full experts on prefill; at TP the decode graph with a rank's shard
 CHANNEL_READER = Experts("channel_reader", graphs=True, reads=CHANNELS, needs=SIDECAR, backend="reader")
 # a channel selector of reader/selectors.py (TEAL, WINA, CATS, oracle, the reader) in place of the experts
 SELECTOR = Experts("selector", graphs=False, reads=CHANNELS, needs=SELECTOR_RULES)
 
-EXPERTS = {e.name: e for e in (EAGER, DENSE_MASKED, SELECTIVE, INT8, CHANNEL_READER, SELECTOR)}
+EXPERTS = {e.name: e for e in (EAGER, DENSE_MASKED, SELECTIVE, INT8, INT4, CHANNEL_READER, SELECTOR)}
 
 
 def experts(which: Experts | str) -> Experts:
@@ -156,7 +166,7 @@ class Backend:
     experts: Experts | None = None  # HF's model's (EAGER_GRAPHS); None: each graph's, the port's [static]
     placement: Placement | None = None  # None: one rank (over the nxd layers, the graphs run as modules)
     reader: Reader | None = None  # the reader's settings (with CHANNEL_READER, or in the TP decode graph)
-    int8: bool = False  # int8 experts in the rank modules
+    quantization: str = NO_QUANTIZATION  # the routed experts' format in the rank modules (QUANTIZATIONS)
     dtype: str | None = None  # the float dtype (a port dtype name); None: the port's
 
 

@@ -6,6 +6,15 @@ import pytest
 import torch
 
 from neuron_moe.experts import int4
+from neuron_moe.greedy import greedy, left_pad
+from neuron_moe.model import build_model
+from neuron_moe.parallel import cpu, layout
+from neuron_moe.parallel.layout import fused
+from neuron_moe.parallel.moe import ParallelMoE
+from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
+
+from conftest import expert_reads, random_prompts
+from test_dense_masked import prefill_logits
 
 
 def _weight(shape, seed=0):
@@ -69,3 +78,55 @@ def test_a_group_that_does_not_divide_the_input_dim_is_refused():
         int4.packed_bytes(8, 96, 64)
     with pytest.raises(int4.Int4Error, match="even number"):
         int4.quantize(_weight((4, 18)), 9)
+
+
+# ---- the experts in the model: one rank (HF's model) and the TP rank modules ----
+
+
+def test_int4_experts_are_the_dequantised_model(tiny_port):
+    """HF's model with int4 experts computes what the float model holding the dequantised weights does,
+    and never touches its own weights."""
+    model = build_model(tiny_port, "int4", torch.float32)
+    before = {k: p.clone() for k, p in model.named_parameters()}
+    ids, mask = left_pad(random_prompts(tiny_port.config.vocab_size, [30, 12], seed=2), pad_id=0)
+    got = prefill_logits(model, ids, mask)
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+    assert "_int4_cache" not in "".join(model.state_dict())
+    dq = build_model(tiny_port, "dense_masked", torch.float32)
+    with torch.no_grad():
+        for layer in dq.model.layers:
+            for p in (layer.experts.gate_up_proj, layer.experts.down_proj):
+                p.copy_(fused(int4.unpack(*int4.quantize(fused(p)))))
+    want = prefill_logits(dq, ids, mask)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # fp32 summation order only
+    eager = prefill_logits(build_model(tiny_port, "eager", torch.float32), ids, mask)
+    assert (got - eager).abs().max() > 1e-3 * eager.abs().max()  # it is int4, not the float model
+
+
+@pytest.mark.slow
+def test_tp2_int4_in_both_layouts_is_the_one_rank_int4(tiny_port):
+    """At TP 2 over parallel.cpu (graphs traced once as rank 0), the channel layout (decode gathering
+    each token's experts: packed weights and scales gathered, then dequantised) and the expert layout
+    give the one-rank int4 model's tokens, and its logits up to fp32 summation order: the groups lie
+    along the input dim, so both layouts hold the one-rank numbers."""
+
+    prompts = left_pad(random_prompts(tiny_port.config.vocab_size, [23, 7], seed=44), 0)
+    gens = {
+        "channel": TPGenerator(tiny_port, 2, quantization="int4"),
+        "expert": TPGenerator(tiny_port, 2, expert_layout=layout.EXPERT, quantization="int4"),
+    }
+    out = generate_replicated(gens, *prompts, 6)  # raises if rank 1's tokens differ from rank 0's
+    want = greedy(build_model(tiny_port, "int4", torch.float32), *prompts, 6)
+    for name, got in out.items():
+        assert torch.equal(got.tokens, want.tokens), name
+        assert (got.logits - want.logits).abs().max() <= 1e-4 * want.logits.abs().max(), name
+    assert expert_reads(gens["channel"].programs["decode"])["gathered"]
+    packed = gens["channel"].states[1]["model.model.layers.0.experts.down_proj.weight"]
+    assert packed.dtype == torch.uint8 and packed.shape == (16, 16, 128)  # rank 1's I/t = 32 channels, packed
+
+
+def test_int4_group_must_fit_a_row_rank(tiny_port):
+    """The channel layout at TP 4 leaves each rank 16 of an expert's 64 channels: no whole group of 32."""
+
+    with pytest.raises(int4.Int4Error, match="group size 32 does not divide the rank's input channels 16"):
+        ParallelMoE(tiny_port.config, 4, cpu, quantization="int4")

@@ -61,8 +61,8 @@ def shards(tiny_port, tmp_path_factory):
 CASES = {  # name -> NxDGenerator options, all at TP 2
     "channel": {},
     "expert": {"expert_layout": layout.EXPERT},
-    "channel-int8": {"int8": True},
-    "expert-int8": {"expert_layout": layout.EXPERT, "int8": True},
+    "channel-int8": {"quantization": "int8"},
+    "expert-int8": {"expert_layout": layout.EXPERT, "quantization": "int8"},
     "wrong-shard": {"shards": (0, 0)},  # rank 1 loads rank 0's shard
 }
 
@@ -84,7 +84,7 @@ def _expert_int8_on_one_rank(port, prompts):
     every degree) on one rank of the gloo stand-in."""
     hf = build_model(port, "eager", torch.float32)
     full = quantize_experts(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, layout.EXPERT))
-    module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, int8=True)
+    module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, quantization="int8")
     module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
     return greedy(module, *prompts, NEW_TOKENS)
 

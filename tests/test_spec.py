@@ -39,14 +39,16 @@ def test_every_entry_a_graph_may_trace_has_a_rank_module_compute():
 
 def test_what_the_commands_offer_is_derived_from_the_entries():
     assert GRAPH_EXPERTS == ("dense_masked", "selective")
-    assert list(backends.BACKENDS) == ["eager", "dense_masked", "selective", "int8", "static", "neuron"]
+    assert list(backends.BACKENDS) == ["eager", "dense_masked", "selective", "int8", "int4", "static", "neuron"]
     assert sorted(backends.NOT_SERVED) == ["channel_reader", "selector"]
     assert sorted(seq_match.BACKENDS) == [
         "dense_masked",
         "eager",
+        "int4",
         "int8",
         "reader",
         "tp8",
+        "tp8-int4",
         "tp8-int8",
         "tp8-naive-scatter",
         "traced",
@@ -165,7 +167,7 @@ def test_one_more_entry_is_offered_everywhere_it_fits():
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.splitlines()[-1])
     assert got["graph_experts"] == ["dense_masked", "selective", "dense_again"]
-    assert got["serve"] == ["eager", "dense_masked", "selective", "int8", "dense_again", "static", "neuron"]
+    assert got["serve"] == ["eager", "dense_masked", "selective", "int8", "int4", "dense_again", "static", "neuron"]
     assert "dense_again" in got["validate"] and got["validate_help"] == "dense_again"
     assert got["per_token"] == ["dense_masked", "selective", "dense_again", "eager"]
     assert got["serve_help"] == "dense_again" and got["same_tokens"]

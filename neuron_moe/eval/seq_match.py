@@ -19,7 +19,21 @@ from ..model import build_model, reader_model
 from ..parallel.tp_generator import tp_generator
 from ..port import DTYPES
 from ..report import table
-from ..spec import EAGER, EAGER_GRAPHS, EXPERTS, EXPORTED, NAIVE, SIDECAR, SPMD, Backend, Placement, Reader
+from ..spec import (
+    EAGER,
+    EAGER_GRAPHS,
+    EXPERTS,
+    EXPORTED,
+    INT4_QUANTIZATION,
+    INT8_QUANTIZATION,
+    NAIVE,
+    NO_QUANTIZATION,
+    SIDECAR,
+    SPMD,
+    Backend,
+    Placement,
+    Reader,
+)
 from ..static.generator import traced_backend
 from ..tokenizer import answer_text
 
@@ -39,10 +53,12 @@ BACKENDS: dict[str, Backend] = {
     **{e.backend: Backend(e.backend, EAGER_GRAPHS, e) for e in EXPERTS.values() if e.backend},
     "traced": Backend("traced", EXPORTED),  # the port's static graphs through torch.export (neuron_moe/static)
     # those graphs at TP 8 on gloo (neuron_moe/parallel); the seed bug lives in the expert layout's
-    # router scatter (the channel layout has none); int8 experts with per-channel scales
+    # router scatter (the channel layout has none); int8 experts with per-channel scales, int4 experts
+    # group-wise (compare them with --backend int8 / int4: HF's model with the same numbers on one rank)
     "tp8": Backend("tp8", EXPORTED, placement=Placement()),
     "tp8-naive-scatter": Backend("tp8-naive-scatter", EXPORTED, placement=Placement(scatter=NAIVE)),
-    "tp8-int8": Backend("tp8-int8", EXPORTED, placement=Placement(), int8=True),
+    "tp8-int8": Backend("tp8-int8", EXPORTED, placement=Placement(), quantization=INT8_QUANTIZATION),
+    "tp8-int4": Backend("tp8-int4", EXPORTED, placement=Placement(), quantization=INT4_QUANTIZATION),
 }
 TP_BACKENDS = tuple(name for name, b in BACKENDS.items() if b.placement is not None)
 _READER_FLAGS = {
@@ -61,7 +77,9 @@ def _reads(backend: Backend) -> bool:
 
 def _reads_at_tp(backend: Backend) -> bool:
     """Where the reader runs in the TP decode graph: the float experts, scattered by the SPMDRank."""
-    return backend.placement is not None and backend.placement.scatter == SPMD and not backend.int8
+    return (
+        backend.placement is not None and backend.placement.scatter == SPMD and backend.quantization == NO_QUANTIZATION
+    )
 
 
 def backend(

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import UserError
 from ..greedy import Generation
-from ..spec import SPMD
+from ..spec import NO_QUANTIZATION, SPMD
 from ..static.generator import StaticGenerator, choose_buckets, generate_batches, prompt_lengths
 from . import cpu, nxd, nxd_source
 from .model import materialize
@@ -49,7 +49,7 @@ class NxDGenerator:
         checkpoint=None,
         *,
         expert_layout: str | None = None,
-        int8: bool = False,
+        quantization: str = NO_QUANTIZATION,
         scatter: str = SPMD,
         sidecar=None,
         budget: float | None = None,
@@ -77,7 +77,7 @@ class NxDGenerator:
             dtype,
             checkpoint,
             expert_layout=expert_layout,
-            int8=int8,
+            quantization=quantization,
             scatter=scatter,
             sidecar=sidecar,
             budget=budget,

@@ -7,7 +7,7 @@ zero-initialised KV state of their own (as NxD's state initializer does on each 
 never in a weight shard) and run the static host loop (`static/loop.py`) in lockstep. Every rank
 gathers the full logits and takes the same greedy token; the ranks' tokens are checked to agree.
 
-Backends for `validate`: `tp8` and `tp8-int8` (int8 experts, per-channel scales) in either expert
+Backends for `validate`: `tp8`, `tp8-int8` (int8 experts, per-channel scales) and `tp8-int4` in either expert
 layout (`--expert-layout`, default the port's [static] expert_layout: channel), and
 `tp8-naive-scatter`, always the expert layout: the seed port's Python-int router scatter, which a
 graph traced on rank 0 freezes to rank 0's slice (a wrong model, on purpose). `tp8` with a sidecar
@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..greedy import Generation
 from ..static.export import checked, example_inputs, functional
 from ..static.generator import StaticGenerator
-from ..spec import SPMD, Backend, Reader
+from ..spec import NO_QUANTIZATION, SPMD, Backend, Reader
 from . import cpu
 from .nxd_generator import NxDGenerator
 from .rank_job import LIBRARY_CPU, RankJob
@@ -42,7 +42,7 @@ class TPGenerator(StaticGenerator):
         checkpoint=None,
         *,
         expert_layout: str | None = None,
-        int8: bool = False,
+        quantization: str = NO_QUANTIZATION,
         scatter: str = SPMD,
         logits: bool = True,
         sidecar=None,
@@ -55,7 +55,7 @@ class TPGenerator(StaticGenerator):
             dtype,
             checkpoint,
             expert_layout=expert_layout,
-            int8=int8,
+            quantization=quantization,
             scatter=scatter,
             sidecar=sidecar,
             budget=budget,
@@ -120,7 +120,7 @@ GENERATORS = {"cpu": TPGenerator, "nxd": NxDGenerator}  # by the layer library t
 def tp_generator(port, backend: Backend, dtype=None, checkpoint=None):
     """A `validate` generator of TP ranks (`backend.placement`) over a layer library (`cpu`: trace once
     and replicate on gloo; `nxd`: NxD's own layers in its CPU mode, `nxd_generator.py`), at the
-    placement's degree (default TP_DEGREE), with int8 experts and the reader in the decode graph as
+    placement's degree (default TP_DEGREE), with int8 or int4 experts and the reader in the decode graph as
     `backend` asks. The returned callable's `details` name the layers and the degree."""
     placement, reader = backend.placement, backend.reader or Reader()
     if placement.library not in GENERATORS:
@@ -131,7 +131,7 @@ def tp_generator(port, backend: Backend, dtype=None, checkpoint=None):
         dtype,
         checkpoint,
         expert_layout=placement.layout(None),
-        int8=backend.int8,
+        quantization=backend.quantization,
         scatter=placement.scatter,
         sidecar=reader.sidecar,
         budget=reader.budget,
