@@ -474,7 +474,8 @@ def parser() -> argparse.ArgumentParser:
         "--dtype",
         default="bf16",
         choices=sorted(COMPILE_DTYPES),
-        help="bf16; int8 (int8 experts, the rest bf16); fp32 (default: bf16)",
+        help="bf16; int8 (int8 experts, the rest bf16); int4 (group-wise int4 experts, the rest bf16); "
+        "fp32 (default: bf16)",
     )
     p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")

@@ -4,10 +4,13 @@ never reconstructs worse than round-to-nearest, and the byte counts are what the
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from neuron_moe.experts import int4
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
+from neuron_moe.neuron import artifact as na
+from neuron_moe.neuron import compile as nc
 from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.layout import fused
 from neuron_moe.parallel.moe import ParallelMoE
@@ -130,3 +133,32 @@ def test_int4_group_must_fit_a_row_rank(tiny_port):
 
     with pytest.raises(int4.Int4Error, match="group size 32 does not divide the rank's input channels 16"):
         ParallelMoE(tiny_port.config, 4, cpu, quantization="int4")
+
+
+def _experts_bytes(out) -> int:
+    """Bytes of the routed experts' tensors (weights and scales) in every rank's weight file."""
+    total = 0
+    for rank in range(2):
+        for name, t in load_file(out / na.WEIGHTS.format(rank=rank)).items():
+            if ".experts.gate_up_proj." in name or ".experts.down_proj." in name:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def test_dry_run_artifact_holds_int4_experts_in_under_065_of_int8s_bytes(tiny_port, tmp_path):
+    """trace-and-compile --dry-run --tp 2 of the tiny port: the int4 artifact's experts (packed weights
+    and their scales, both ranks) take at most 0.65 of the int8 artifact's; the ranks hold the packed
+    uint8 shards with bf16 scales, down's split with its weight."""
+    for dtype in ("int8", "int4"):
+        nc.trace_and_compile(tiny_port, dtype, 2, tmp_path / dtype, dry_run=True, export=False)
+    assert na.read_manifest(tmp_path / "int4")["dtype"] == "int4"
+    int8_bytes, int4_bytes = _experts_bytes(tmp_path / "int8"), _experts_bytes(tmp_path / "int4")
+    assert int4_bytes <= 0.65 * int8_bytes
+    E, inter, H, L = 16, 64, 128, 4  # the tiny port; group 32, bf16 scales
+    assert int4_bytes == L * E * (
+        2 * inter * H // 2 + 2 * inter * (H // 32) * 2 + H * inter // 2 + H * (inter // 32) * 2
+    )
+    shard = load_file(tmp_path / "int4" / na.WEIGHTS.format(rank=1))
+    down, scale = (shard[f"model.model.layers.2.experts.down_proj.{n}"] for n in ("weight", "group_scale"))
+    assert (down.dtype, tuple(down.shape)) == (torch.uint8, (E, inter // 2 // 2, H))
+    assert (scale.dtype, tuple(scale.shape)) == (torch.bfloat16, (E, inter // 2 // 32, H))

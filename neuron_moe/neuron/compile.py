@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..experts.int8 import quantize_experts
+from ..experts.quantization import quantize_experts
 from ..model import build_model
 from ..parallel import cpu, layout, nxd, reader
 from ..parallel.model import rank_model
@@ -38,7 +38,7 @@ from ..reader.geometry import Geometry
 from ..reader.prep import RANK, SCAN, model_expert_weights
 from ..reader.sidecar import SidecarLayout
 from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock, table
-from ..spec import CHANNEL_READER, Reader
+from ..spec import CHANNEL_READER, INT4_QUANTIZATION, INT8_QUANTIZATION, NO_QUANTIZATION, Reader
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, example_inputs, functional
@@ -56,9 +56,15 @@ from .artifact import (
     key_shape,
     tokenizer_files,
 )
-from .plan import plan
+from .plan import DTYPES as PLAN_DTYPES, plan
 
-DTYPES = {"bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True), "fp32": (torch.float32, False)}
+# --dtype -> (the rank modules' float dtype, the routed experts' quantization)
+DTYPES = {
+    "bf16": (torch.bfloat16, NO_QUANTIZATION),
+    "int8": (torch.bfloat16, INT8_QUANTIZATION),
+    "int4": (torch.bfloat16, INT4_QUANTIZATION),
+    "fp32": (torch.float32, NO_QUANTIZATION),
+}
 _SDK_DISTS = ("torch", "transformers", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla")
 
 
@@ -190,7 +196,7 @@ def trace_and_compile(
             "here: run it on an inf2 instance in the Neuron DLC (recipes/inf2-24xlarge/), or pass --dry-run to "
             "build and export the same rank modules on CPU"
         )
-    torch_dtype, int8 = DTYPES[dtype]
+    torch_dtype, quantization = DTYPES[dtype]
     spec = port.static
     keys = key_names(spec.buckets, spec.rows_for(spec.batch_size))
     has_weights = checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
@@ -199,7 +205,7 @@ def trace_and_compile(
     tokenizer = _tokenizer_source(port, checkpoint, has_weights)
     sides, reads = None, None
     if reader is not None:  # every check of the reader before any weight loads
-        sides, reads = _plan_reader(port, tp, int8, expert_layout, reader, has_weights)
+        sides, reads = _plan_reader(port, tp, quantization, expert_layout, reader, has_weights)
         spec = dataclasses.replace(spec, decode_experts=CHANNEL_READER.name)
     _check_fits(port, dtype, tp, expert_layout, reads)
     check_output(out, directory=True)
@@ -207,8 +213,12 @@ def trace_and_compile(
     with run_lock(out, "trace-and-compile"):
         _check_replaceable(out, overwrite)
         with atomic_dir(out, sweep=True) as tmp:  # sweep: holding the lock, partial siblings are dead runs'
-            full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides) if has_weights else None
-            build = dict(expert_layout=expert_layout, int8=int8, dtype=torch_dtype, reader=reads)
+            full = (
+                _full_state(port, tp, torch_dtype, quantization, checkpoint, expert_layout, sides)
+                if has_weights
+                else None
+            )
+            build = dict(expert_layout=expert_layout, quantization=quantization, dtype=torch_dtype, reader=reads)
             if dry_run:
                 module, files, exported = _dry_run(port, spec, keys, tp, full, tmp, export, logits, build)
             else:
@@ -256,7 +266,8 @@ def _check_fits(port, dtype: str, tp: int, expert_layout: str, reads: dict | Non
         port.config,
         None,
         tp,
-        dtype,
+        # int4 experts are smaller than int8's: the int8 verdict bounds int4's where the planner has no int4
+        dtype if dtype in PLAN_DTYPES else "int8",
         spec.batch_size,
         spec.max_cache_len,
         model=port.name,
@@ -293,20 +304,20 @@ def _copy_tokenizer(source: Path | None, tmp: Path) -> list[str]:
     return names
 
 
-def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=None) -> dict:
-    """The whole model in the parallel layout (int8 experts quantised), named as the rank module;
+def _full_state(port, tp, torch_dtype, quantization, checkpoint, expert_layout, sides=None) -> dict:
+    """The whole model in the parallel layout (int8 or int4 experts quantised), named as the rank module;
     with the reader's shards `sides`, their entries too (checked against these weights)."""
     hf = build_model(port, "eager", torch_dtype, checkpoint)
     if sides is not None:
         sides[0].check_source(model_expert_weights(hf))
     full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
-    full = quantize_experts(full) if int8 else full
+    full = quantize_experts(full, quantization)  # tensor by tensor, each float experts linear dropped after
     return full if sides is None else {**full, **reader.full_state(sides)}
 
 
-def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: Reader, has_weights: bool):
+def _plan_reader(port, tp: int, quantization: str, expert_layout: str, options: Reader, has_weights: bool):
     """(each rank's shard or None, the settings the graphs are built with) of `--reader`."""
-    check_reader(expert_layout, int8, options.budget)
+    check_reader(expert_layout, quantization, options.budget)
     options = dataclasses.replace(options, rank=port.reader.rank if options.rank is None else options.rank)
     if has_weights:
         if options.sidecar is None:
