@@ -73,6 +73,7 @@ def kl_stats(reference, got) -> dict:
 
 
 def run(args) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     torch.set_num_threads(args.threads)
     port = load_port("tiny-gemma4-moe")
     tok = load_tokenizer(port)
@@ -108,7 +109,6 @@ def run(args) -> dict:
         print(name, {k: v for k, v in r.items() if not k.startswith("_")}, file=sys.stderr, flush=True)
     for r in results.values():
         del r["_answers"], r["_prompts"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {
         "command": "python -m bench.int4_quality " + " ".join(sys.argv[1:]),
         "hardware": f"CPU ({platform.machine()}), {args.threads} thread(s); nothing here ran on Neuron or a GPU",
