@@ -6,7 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from neuron_moe.cli import main
+from neuron_moe.errors import UserError
 from neuron_moe.experts import int4
+from neuron_moe.experts.quantization import quantize_experts
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.neuron import artifact as na
@@ -162,3 +165,28 @@ def test_dry_run_artifact_holds_int4_experts_in_under_065_of_int8s_bytes(tiny_po
     down, scale = (shard[f"model.model.layers.2.experts.down_proj.{n}"] for n in ("weight", "group_scale"))
     assert (down.dtype, tuple(down.shape)) == (torch.uint8, (E, inter // 2 // 2, H))
     assert (scale.dtype, tuple(scale.shape)) == (torch.bfloat16, (E, inter // 2 // 32, H))
+
+
+def test_a_degree_whose_ranks_hold_no_whole_group_is_refused_before_any_weight(capsys):
+    """validate's TP int4 at the default degree 8 leaves each rank 8 of the tiny port's 64 channels."""
+    assert main(["validate", "--backend", "tp8-int4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: int4 group size 32 does not divide a rank's 8 of each expert's 64 channels at TP 8 in the "
+        "channel layout: use a lower TP degree or --expert-layout expert"
+    )
+
+
+def test_quantizing_takes_each_float_experts_linear_out_as_it_goes(tiny_eager):
+    """The state dict is consumed tensor by tensor (never the float and the int4 experts both whole);
+    the result is the per-tensor quantisation, everything else passed on as it was."""
+    full = layout.parallel_state_dict(tiny_eager.state_dict(), tiny_eager.config, 2, layout.CHANNEL)
+    copy = dict(full)
+    out = quantize_experts(full, "int4")
+    assert full == {}
+    name = "model.layers.1.experts.down_proj.weight"
+    packed, scale = int4.quantize(copy[name])
+    assert torch.equal(out[name], packed) and torch.equal(out[name.replace("weight", "group_scale")], scale)
+    assert all(out[k] is v for k, v in copy.items() if ".experts." not in k)
+    with pytest.raises(UserError, match="experts quantization 'int3'"):
+        quantize_experts(copy, "int3")

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel.layout import fused
+from ..errors import UserError
+from ..parallel.layout import CHANNEL, fused
 from .dense_masked import router_weight_matrix
 
 QMAX = 7  # symmetric: -7 … 7
@@ -46,7 +47,7 @@ SCALE_BYTES = 2  # bytes of one SCALE_DTYPE scale
 CLIP_GRID = tuple(round(1.0 - 0.025 * i, 3) for i in range(13))  # 1.0, 0.975, … 0.7
 
 
-class Int4Error(ValueError):
+class Int4Error(UserError):
     pass
 
 
@@ -56,6 +57,20 @@ def check_group(inputs: int, group: int, what: str = "input dim") -> None:
         raise Int4Error(f"int4 group size must be an even number ≥ 2, got {group}")
     if inputs % group:
         raise Int4Error(f"int4 group size {group} does not divide the {what} {inputs}")
+
+
+def check_degree(config, tp: int, expert_layout: str, group: int = DEFAULT_GROUP) -> None:
+    """Every int4 experts linear of `config` at TP `tp` in `expert_layout` holds whole groups on each
+    rank, each group within one expert's channels (so every layout holds the one-rank numbers):
+    `group` divides H, I and, in the channel layout, a rank's I/t. Checked before any weight loads."""
+    H, inter = config.hidden_size, config.moe_intermediate_size
+    check_group(H, group, "hidden size")
+    check_group(inter, group, "experts' intermediate size")
+    if expert_layout == CHANNEL and (inter // tp) % group:
+        raise Int4Error(
+            f"int4 group size {group} does not divide a rank's {inter // tp} of each expert's {inter} channels "
+            f"at TP {tp} in the channel layout: use a lower TP degree or --expert-layout expert"
+        )
 
 
 def packed_bytes(out: int, inputs: int, group: int = DEFAULT_GROUP) -> tuple[int, int]:

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from ..experts import int4
 from ..experts.quantization import quantize_experts
 from ..model import build_model
 from ..parallel import cpu, layout, nxd, reader
@@ -190,6 +191,8 @@ def trace_and_compile(
     port.static_spec("trace-and-compile")
     expert_layout = expert_layout or port.static.expert_layout
     layout.check_degree(port.config, tp, expert_layout)
+    if dtype in DTYPES and DTYPES[dtype][1] == INT4_QUANTIZATION:
+        int4.check_degree(port.config, tp, expert_layout)
     if not dry_run and not nxd.sdk_available():
         raise nxd.NeuronSDKMissing(
             "trace-and-compile needs the Neuron SDK (neuronx-distributed, torch-neuronx), which is not installed "

@@ -13,10 +13,11 @@ import dataclasses
 
 import torch
 
+from ..experts import int4
 from ..experts.quantization import quantize_experts
 from ..model import build_model
 from ..reader.prep import model_expert_weights
-from ..spec import CHANNEL_READER, EAGER, NO_QUANTIZATION, SPMD
+from ..spec import CHANNEL_READER, EAGER, INT4_QUANTIZATION, NO_QUANTIZATION, SPMD
 from . import layout, reader
 from .model import rank_model
 
@@ -63,6 +64,8 @@ class RankJob:
         dtype = dtype or port.dtype
         expert_layout = expert_layout or port.static.expert_layout
         layout.check_degree(port.config, tp, expert_layout)  # before the weights load
+        if quantization == INT4_QUANTIZATION:
+            int4.check_degree(port.config, tp, expert_layout)
         spec, sides, settings = port.static, None, None
         if sidecar is not None:  # the reader on decode steps: every check before the weights load
             reader.check_reader(expert_layout, quantization, budget)
