@@ -231,14 +231,14 @@ def parser() -> argparse.ArgumentParser:
         help="reader: the experts it reads, the model's own (bf16, default) or the int8 experts' numbers "
         "(exact rows in int8 with their scales, prefill through the int8 experts; reference only)",
     )
-    _expert_layout_arg(p, "tp8, tp8-int8: ")
+    _expert_layout_arg(p, "tp8, tp8-int8, tp8-int4: ")
     p.add_argument(
         "--tp",
         type=_positive_int,
         choices=TP_DEGREES,
         metavar="T",
-        help="the TP backends (tp8, tp8-int8, tp8-naive-scatter): the degree, where the port's geometry "
-        "splits over it (default 8)",
+        help="the TP backends (tp8, tp8-int8, tp8-int4, tp8-naive-scatter): the degree, where the port's geometry "
+        "splits over it (default 8; tp8-int4's ranks must hold whole groups of 32 channels: --tp 2 on the tiny port)",
     )
     p.add_argument(
         "--tp-layers",

@@ -71,7 +71,8 @@ def test_user_errors_are_one_line_and_exit_2(capsys):
     assert "pass --checkpoint DIR" in capsys.readouterr().err
     assert cli.main(["validate", "--backend", "int8", "--expert-layout", "channel"]) == 2
     assert (
-        "--expert-layout applies to the TP backends (tp8, tp8-naive-scatter, tp8-int8) only" in capsys.readouterr().err
+        "--expert-layout applies to the TP backends (tp8, tp8-naive-scatter, tp8-int8, tp8-int4) only"
+        in capsys.readouterr().err
     )
     # the seed bug is the expert layout's router scatter: the channel layout has none to get wrong
     assert cli.main(["validate", "--backend", "tp8-naive-scatter", "--expert-layout", "channel"]) == 2

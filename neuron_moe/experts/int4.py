@@ -41,7 +41,7 @@ from .dense_masked import router_weight_matrix
 QMAX = 7  # symmetric: -7 … 7
 OFFSET = 8  # a nibble holds q + 8
 GROUP_SIZES = (16, 32, 64)  # those measured (bench/results/int4-quality.md)
-DEFAULT_GROUP = 32
+DEFAULT_GROUP = 32  # every task within 2 points of bf16 on the tiny model; 64 lost 6 (bench/results/int4-quality.md)
 SCALE_DTYPE = torch.bfloat16
 SCALE_BYTES = 2  # bytes of one SCALE_DTYPE scale
 CLIP_GRID = tuple(round(1.0 - 0.025 * i, 3) for i in range(13))  # 1.0, 0.975, … 0.7
