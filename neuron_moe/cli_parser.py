@@ -16,7 +16,7 @@ from .experts.channel_reader import READER_KERNELS
 from .neuron.compile import DTYPES as COMPILE_DTYPES
 from .neuron.plan import DEFAULT_RUNTIME_RESERVE, DTYPES as PLAN_DTYPES, GiB, INSTANCES
 from .port import DEFAULT_PORT, DTYPES
-from .reader.accounting import STEP_BUDGET, WEIGHTS
+from .reader.accounting import ACCOUNTED, STEP_BUDGET, WEIGHTS
 from .reader.prep import RANK, SCAN
 from .reader.sidecar import BLOCK
 from .serve.backends import BACKENDS as SERVE_BACKENDS, check_backend
@@ -658,10 +658,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=_count, default=RANK, metavar="R", help=f"recovery rank (default {RANK}; 0 = off)")
     p.add_argument(
         "--dtype",
-        choices=WEIGHTS,
+        choices=ACCOUNTED,
         default="bf16",
-        help="the experts' weights: bf16, or int8 exact rows with fp32 scales (the sketch and recovery "
-        "stay bf16); --budget is a share of those experts' full read (default bf16)",
+        help="the experts' weights: bf16, int8 exact rows with fp32 scales, or int4 rows with a bf16 scale "
+        "per 32 (accounted only) (the sketch and recovery stay bf16); --budget is a share of those experts' "
+        "full read (default bf16)",
     )
     p.add_argument(
         "--batch",

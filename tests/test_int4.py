@@ -18,6 +18,8 @@ from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.layout import fused
 from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
+from neuron_moe.reader import accounting as acc
+from neuron_moe.reader.geometry import Geometry
 
 from conftest import expert_reads, random_prompts
 from test_dense_masked import prefill_logits
@@ -190,3 +192,18 @@ def test_quantizing_takes_each_float_experts_linear_out_as_it_goes(tiny_eager):
     assert all(out[k] is v for k, v in copy.items() if ".experts." not in k)
     with pytest.raises(UserError, match="experts quantization 'int3'"):
         quantize_experts(copy, "int3")
+
+
+def test_the_reader_accounting_charges_int4_as_the_format_holds_it():
+    """Gemma-4 26B's geometry: a routed expert read whole is the format's packed bytes and scales (to
+    the sector), a channel three rows of H/2 bytes with H/32 bf16 scales each; the bf16 sketch and
+    recovery then cost 19 % of the int4 read, so a 17.8 % budget is refused, naming that floor."""
+    geo = Geometry(hidden=2816, experts=128, top_k=8, intermediate=704)
+    whole = acc.expert_read_bytes(geo, "int4")
+    assert 0 <= whole - (int4.nbytes(2 * 704, 2816) + int4.nbytes(2816, 704)) < 2 * 2 * acc.SECTOR
+    assert acc.channel_bytes(geo, "int4") == 3 * acc.row_sectors(2816 // 2 + 2816 // 32 * 2) * acc.SECTOR
+    assert acc.channel_bytes(geo, "int4") < acc.channel_bytes(geo, "int8") / 1.7
+    settings = acc.ReaderSettings(weights="int4")
+    with pytest.raises(acc.BudgetError, match="budget 17.8% is below .* int4 experts"):
+        acc.solve_k(geo, settings, 17.8)
+    assert acc.solve_k(geo, settings, 25.0) == 328

@@ -31,7 +31,10 @@ from .sidecar import BLOCK, CODES_PER_BYTE, SECTOR, SidecarLayout
 
 BF16 = 2
 INT8, FP32 = 1, 4
-WEIGHTS = ("bf16", "int8")
+WEIGHTS = ("bf16", "int8")  # the experts the reader reads
+# the experts the accounting charges: those, and int4 (accounted only: no int4 reader is built)
+ACCOUNTED = (*WEIGHTS, "int4")
+INT4_GROUP = 32  # experts/int4.py's DEFAULT_GROUP: input channels per bf16 scale
 STEP_BUDGET = 2.0  # the batch rule's reads per decode step, in units of one token's (`batch_breakdown`)
 
 
@@ -53,8 +56,8 @@ class ReaderSettings:
             raise BudgetError(f"scan must be in [1, {BLOCK}], got {self.scan}")
         if not 0 <= self.rank <= geo.hidden:
             raise BudgetError(f"rank must be in [0, hidden={geo.hidden}], got {self.rank}")
-        if self.weights not in WEIGHTS:
-            raise BudgetError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.weights not in ACCOUNTED:
+            raise BudgetError(f"weights must be one of {', '.join(ACCOUNTED)}, got {self.weights!r}")
 
 
 def sectors(nbytes: int) -> int:
@@ -160,8 +163,17 @@ class StepRows:
     coeffs: int  # recovery rows b_j, distinct (expert, channel); 0 without recovery
 
 
+def int4_row_bytes(n: int) -> int:
+    """A row of n int4 values with its bf16 scales beside it (one per INT4_GROUP), packed two per byte."""
+    return n // 2 + n // INT4_GROUP * BF16
+
+
 def channel_bytes(geo: Geometry, weights: str = "bf16") -> int:
-    """One exact channel: its gate, up and down rows (int8: and its gate/up scale pair, one sector)."""
+    """One exact channel: its gate, up and down rows (int8: and its gate/up scale pair, one sector;
+    int4: each row packed with its own scales, groups along H: gate and up as the int4 experts hold
+    them, the down row in the reader's own grouping, since the experts' down groups lie along I)."""
+    if weights == "int4":
+        return SECTOR * 3 * row_sectors(int4_row_bytes(geo.hidden))
     if weights == "int8":
         return SECTOR * (3 * row_sectors(geo.hidden * INT8) + 1)
     return SECTOR * 3 * row_sectors(geo.hidden * BF16)
@@ -171,6 +183,8 @@ def expert_read_bytes(geo: Geometry, weights: str = "bf16") -> int:
     """One routed expert read whole: gate_up [2I, H] and down [H, I] (int8: and their fp32 scales,
     one per gate/up row and one per hidden channel)."""
     H, I = geo.hidden, geo.intermediate
+    if weights == "int4":  # experts/int4.py: packed values and a bf16 scale per 32 input channels
+        return SECTOR * (row_sectors(2 * I * int4_row_bytes(H)) + row_sectors(H * int4_row_bytes(I)))
     if weights == "int8":
         return SECTOR * (
             row_sectors(2 * I * H * INT8)
@@ -364,7 +378,11 @@ def render_reads(report: dict) -> str:
             f"{whole.intermediate} channels of every expert, its own sketch strips, the whole U); every "
             f"rank reads the same"
         )
-    experts = "bf16" if dtype == "bf16" else "int8 exact rows with fp32 scales, the sketch and recovery bf16"
+    experts = {
+        "bf16": "bf16",
+        "int8": "int8 exact rows with fp32 scales, the sketch and recovery bf16",
+        "int4": f"int4 exact rows with a bf16 scale per {INT4_GROUP} (accounted only), the sketch and recovery bf16",
+    }[dtype]
     rows = [{"part": p, **v} for p, v in report["reads"].items()]
     rows += [
         {
