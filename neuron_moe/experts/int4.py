@@ -143,7 +143,7 @@ def unpack(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> to
     high = torch.bitwise_right_shift(packed, 4)
     a, half, *rest = packed.shape
     n = 2 * half
-    values = torch.stack([low, high], dim=2).reshape(a, n, *rest).to(dtype) - OFFSET
+    values = torch.cat([low.unsqueeze(2), high.unsqueeze(2)], dim=2).reshape(a, n, *rest).to(dtype) - OFFSET
     groups = scale.shape[1]
     grouped = values.reshape(a, groups, n // groups, *rest) * scale.to(dtype).unsqueeze(2)
     return grouped.reshape(a, n, *rest)
