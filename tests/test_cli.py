@@ -212,6 +212,8 @@ def test_the_parser_and_the_entry_point_import_no_torch():
         (["validate", "--reader-weights", "int8"], "--reader-weights"),
         (["validate", "--backend", "tp8"], "invalid choice: 'tp8'"),
         (["validate", "--backend", "tp8-naive-scatter"], "invalid choice: 'tp8-naive-scatter'"),
+        (["validate", "--backend", "tp8-int4"], "invalid choice: 'tp8-int4'"),
+        (["validate", "--backend", "int4"], "invalid choice: 'int4'"),
         (["validate", "--rank", "4"], "--rank"),
         (["plan", "--instance", "inf2.xlarge", "--tp", "1", "--batch", "4"], "--batch"),
         (["plan", "--instance", "inf2.xlarge", "--tp", "1", "--seq", "64"], "--seq"),
@@ -219,6 +221,8 @@ def test_the_parser_and_the_entry_point_import_no_torch():
         (["plan", "--instance", "inf2.xlarge", "--tp", "1", "--dtype", "bf16"], "invalid choice: 'bf16'"),
         (["reads", "--dtype", "int8"], "--dtype"),
         (["trace-and-compile", "--tp", "1", "--out", "o", "--dtype", "fp32"], "invalid choice: 'fp32'"),
+        (["trace-and-compile", "--tp", "2", "--out", "o", "--dtype", "int4"], "invalid choice: 'int4'"),
+        (["reads", "--budget", "25", "--dtype", "int4"], "--dtype"),
     ],
 )
 def test_old_option_names_are_refused(argv, gone, capsys):

@@ -255,7 +255,7 @@ def plan(
         "core_hbm_bytes": CORE_HBM,
         "runtime_reserve_bytes": runtime_reserve,
     }
-    spec.check_quantization(quantization)
+    spec.check_quantization(quantization, spec.PLAN_QUANTIZATIONS)
     if reader is not None and (expert_layout != layout.CHANNEL or quantization != spec.NO_QUANTIZATION):
         raise UserError(
             f"the reader runs in the channel expert layout's bf16 graphs, not {expert_layout} / {quantization} experts"

@@ -45,7 +45,9 @@ int8 experts (`experts/int8.py`) quantise each experts linear as its layout hold
 channel over its input dim (dim 1 in all four tensors): gate_up and the channel layout's down per
 (expert, output channel); the expert layout's down, one linear over all experts, per hidden
 channel shared by its experts. Scales are split as their weight's output dim is: with gate_up,
-replicated with down.
+replicated with down. int4 experts (`experts/int4.py`) pack each linear's weight along its input dim
+(dim 1) with a `group_scale` per (output channel, group of input channels): weight and scales split
+as the float weight is, down's too (a row rank holds whole groups of its input channels).
 """
 
 from __future__ import annotations
@@ -92,13 +94,17 @@ _EXPERT_RULES = {
     EXPERT: (
         (".experts.gate_up_proj.weight", COLUMN),
         (".experts.gate_up_proj.scale", COLUMN),
+        (".experts.gate_up_proj.group_scale", COLUMN),
         (".experts.down_proj.weight", ROW),
+        (".experts.down_proj.group_scale", ROW),
         (".experts.spmd_rank.rank", COLUMN),
     ),
     CHANNEL: (
         (".experts.gate_up_proj.weight", EXPERTS_COLUMN),
         (".experts.gate_up_proj.scale", EXPERTS_COLUMN),
+        (".experts.gate_up_proj.group_scale", EXPERTS_COLUMN),
         (".experts.down_proj.weight", EXPERTS_ROW),
+        (".experts.down_proj.group_scale", EXPERTS_ROW),
         *((f".experts.reader.{name}", READER_SHARD) for name in ("codes", "scales", "down_norms", "coeffs")),
     ),
 }

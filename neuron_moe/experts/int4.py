@@ -1,0 +1,193 @@
+"""int4 experts: group-wise symmetric 4-bit weights, bf16 scales, dequantised before each matmul.
+
+The format, defined once here (the rank modules, the planner, the artifact and the quality bench
+all read it from this module):
+
+  values   q = round(w / s) clamped to -7 … 7 (symmetric: the same grid both sides of zero)
+  groups   along the input dim (dim 1 of every experts linear as the parallel layouts write them:
+           [out, in] linears and NxD's expert-fused [E, in, out]), `group` consecutive input
+           channels per scale; one scale per (output channel, group): s = clip · amax(|w|) / 7
+  packed   uint8, two values per byte along the input dim: input channel 2j in the low nibble,
+           2j + 1 in the high one, each stored offset-binary (q + 8, so 1 … 15): [out, in/2] or
+           [E, in/2, out]
+  scales   bf16 (`SCALE_DTYPE`), [out, in/group] or [E, in/group, out], rounded up to the next
+           bf16 where rounding to nearest would shrink it, so |w / s| ≤ clip · 7 stays true and
+           the round-to-nearest error of every weight is at most s / 2
+
+Dequantising is plain tensor ops a compiler lowers without custom kernels: a bitwise and, a
+right shift, a convert, a subtract, and a multiply by the group's scale (`unpack`). It runs in the
+graph on the rank's own shard (or on the gathered experts of a selective decode step), so the
+compute-dtype weight exists only transiently, one linear at a time.
+
+Sharding: the packed weight and its scales split along the same dim as the float weight (their
+output dim with the column layers, their input dim with the row layers), so a row layer's rank
+must hold whole groups: `group` must divide the rank's input channels (the channel layout's I/t,
+the expert layout's experts × I). Because the groups lie along the input dim, the two expert
+layouts hold the same numbers: gate_up's groups are over H in both, down's over one expert's I
+(given `group` divides I), so TP int4 in either layout is the one-rank int4 up to summation order.
+
+`clip` < 1 is the calibration-free scale search (`quantize(..., search=True)`): per group, the
+clipping ratio from `CLIP_GRID` whose dequantised weight is nearest the original (squared error).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from ..parallel.layout import CHANNEL, fused
+from .dense_masked import router_weight_matrix
+
+QMAX = 7  # symmetric: -7 … 7
+OFFSET = 8  # a nibble holds q + 8
+GROUP_SIZES = (16, 32, 64)  # those measured (bench/results/int4-quality.md)
+DEFAULT_GROUP = 32  # every task within 2 points of bf16 on the tiny model; 64 lost 6 (bench/results/int4-quality.md)
+SCALE_DTYPE = torch.bfloat16
+SCALE_BYTES = 2  # bytes of one SCALE_DTYPE scale
+CLIP_GRID = tuple(round(1.0 - 0.025 * i, 3) for i in range(13))  # 1.0, 0.975, … 0.7
+
+
+class Int4Error(UserError):
+    pass
+
+
+def check_group(inputs: int, group: int, what: str = "input dim") -> None:
+    """`group` must be even-sized and divide `inputs` (whole groups, whole bytes)."""
+    if group < 2 or group % 2:
+        raise Int4Error(f"int4 group size must be an even number ≥ 2, got {group}")
+    if inputs % group:
+        raise Int4Error(f"int4 group size {group} does not divide the {what} {inputs}")
+
+
+def check_degree(config, tp: int, expert_layout: str, group: int = DEFAULT_GROUP) -> None:
+    """Every int4 experts linear of `config` at TP `tp` in `expert_layout` holds whole groups on each
+    rank, each group within one expert's channels (so every layout holds the one-rank numbers):
+    `group` divides H, I and, in the channel layout, a rank's I/t. Checked before any weight loads."""
+    H, inter = config.hidden_size, config.moe_intermediate_size
+    check_group(H, group, "hidden size")
+    check_group(inter, group, "experts' intermediate size")
+    if expert_layout == CHANNEL and (inter // tp) % group:
+        raise Int4Error(
+            f"int4 group size {group} does not divide a rank's {inter // tp} of each expert's {inter} channels "
+            f"at TP {tp} in the channel layout: use a lower TP degree or --expert-layout expert"
+        )
+
+
+def packed_bytes(out: int, inputs: int, group: int = DEFAULT_GROUP) -> tuple[int, int]:
+    """Bytes of a weight of shape (out, in) in this format: (packed values, scales)."""
+    check_group(inputs, group)
+    return out * inputs // 2, out * (inputs // group) * SCALE_BYTES
+
+
+def nbytes(out: int, inputs: int, group: int = DEFAULT_GROUP) -> int:
+    """Packed values plus scales of a weight of shape (out, in)."""
+    return sum(packed_bytes(out, inputs, group))
+
+
+def shapes(shape: tuple[int, ...], group: int = DEFAULT_GROUP) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A float weight's shape ([out, in] or [E, in, out]: the input dim is dim 1) -> the shapes of
+    its packed values and of its scales."""
+    check_group(shape[1], group)
+    return (shape[0], shape[1] // 2, *shape[2:]), (shape[0], shape[1] // group, *shape[2:])
+
+
+def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
+    """[a, n, *rest] -> [a, n/group, group, *rest]."""
+    return w.reshape(w.shape[0], w.shape[1] // group, group, *w.shape[2:])
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 7 in SCALE_DTYPE, never below it (so no value falls outside ±7 by the scale's rounding);
+    1 for an all-zero group (it stays zero)."""
+    exact = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    s = exact.to(SCALE_DTYPE)
+    return torch.where(s.to(torch.float32) < exact, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
+
+
+def _round(grouped: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Values of `grouped` [a, n/g, g, …] on the grid of `scale` [a, n/g, 1, …], int -7 … 7 (as fp32)."""
+    return torch.round(grouped / scale.to(torch.float32)).clamp(-QMAX, QMAX)
+
+
+def quantize(w: torch.Tensor, group: int = DEFAULT_GROUP, *, search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight ([out, in] or [E, in, out]) -> (packed uint8, SCALE_DTYPE scales) as the module
+    docstring says. `search`: each group's clipping ratio chosen from CLIP_GRID by the squared
+    error of its dequantised weight (no calibration data); else round to nearest with clip 1.
+    Never modifies `w`. On the meta device only the shapes are made."""
+    packed_shape, scale_shape = shapes(tuple(w.shape), group)
+    if w.device.type == "meta":
+        return (
+            torch.empty(packed_shape, dtype=torch.uint8, device="meta"),
+            torch.empty(scale_shape, dtype=SCALE_DTYPE, device="meta"),
+        )
+    g = _grouped(w.detach().to(torch.float32), group)  # may be `w` itself: only out-of-place ops below
+    amax = g.abs().amax(dim=2, keepdim=True)
+    scale = _scale(amax)
+    if search:
+        best = ((_round(g, scale) * scale.to(torch.float32) - g) ** 2).sum(dim=2, keepdim=True)
+        for clip in CLIP_GRID[1:]:
+            s = _scale(amax * clip)
+            err = ((_round(g, s) * s.to(torch.float32) - g) ** 2).sum(dim=2, keepdim=True)
+            better = err < best
+            scale, best = torch.where(better, s, scale), torch.where(better, err, best)
+    q = (_round(g, scale) + OFFSET).to(torch.uint8).reshape(w.shape)
+    pairs = q.reshape(w.shape[0], w.shape[1] // 2, 2, *w.shape[2:])
+    packed = pairs.select(2, 0) | (pairs.select(2, 1) << 4)
+    return packed.contiguous(), scale.squeeze(2).contiguous()
+
+
+def unpack(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """The weight `packed` and `scale` stand for, in `dtype`: [a, n/2, *rest] and [a, n/g, *rest]
+    -> [a, n, *rest]. Mask, shift, convert, subtract, multiply: ops every XLA backend lowers."""
+    low = torch.bitwise_and(packed, 15)
+    high = torch.bitwise_right_shift(packed, 4)
+    a, half, *rest = packed.shape
+    n = 2 * half
+    values = torch.cat([low.unsqueeze(2), high.unsqueeze(2)], dim=2).reshape(a, n, *rest).to(dtype) - OFFSET
+    groups = scale.shape[1]
+    grouped = values.reshape(a, groups, n // groups, *rest) * scale.to(dtype).unsqueeze(2)
+    return grouped.reshape(a, n, *rest)
+
+
+def quantize_experts(
+    state: dict[str, torch.Tensor], group: int = DEFAULT_GROUP, *, search: bool = False
+) -> dict[str, torch.Tensor]:
+    """A parallel-layout state dict (either expert layout) with every experts linear replaced by the
+    packed uint8 `weight` and its SCALE_DTYPE `group_scale` (split as the weight is: `layout.py`)."""
+    out = {}
+    for name, w in state.items():
+        if ("." + name).endswith((".experts.gate_up_proj.weight", ".experts.down_proj.weight")):
+            out[name], out[name.removesuffix("weight") + "group_scale"] = quantize(w, group, search=search)
+        else:
+            out[name] = w
+    return out
+
+
+def _quantized(experts) -> tuple[torch.Tensor, ...]:
+    """The module's packed weights and scales in the channel layout's order (gate_up [E, H, 2I] as
+    [E, H/2, 2I] with [E, H/g, 2I]; down [E, I, H] as [E, I/2, H] with [E, I/g, H]), at the module's
+    `int4_group` (DEFAULT_GROUP unless set), made on first use and again whenever a source weight is
+    replaced or changed in place (keyed on its storage and version counter)."""
+    group = getattr(experts, "int4_group", DEFAULT_GROUP)
+    key = (group, *((p.data_ptr(), p._version) for p in (experts.gate_up_proj, experts.down_proj)))
+    cached = getattr(experts, "_int4_cache", None)
+    if cached is None or cached[0] != key:
+        cached = (key, *quantize(fused(experts.gate_up_proj), group), *quantize(fused(experts.down_proj), group))
+        experts._int4_cache = cached  # a plain attribute: not a buffer, not in the state dict
+    return cached[1:]
+
+
+def int4_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' experts-interface signature, on a `Gemma4TextExperts`: every expert for every
+    token (as dense_masked), each weight dequantised in the activations' dtype before its matmul.
+    Eager only: the int4 tensors are made on the fly (the graphs' int4 experts are the rank modules')."""
+    gate_up_q, gate_up_scale, down_q, down_scale = _quantized(self)
+    dtype = hidden_states.dtype
+    weights = router_weight_matrix(top_k_index, top_k_weights, self.num_experts)  # [T, E]
+    gate_up = torch.einsum("th,eho->eto", hidden_states, unpack(gate_up_q, gate_up_scale, dtype))
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = self.act_fn(gate) * up  # [E, T, I]
+    out = torch.einsum("eti,eih->eth", act, unpack(down_q, down_scale, dtype))  # [E, T, H]
+    return torch.einsum("eth,te->th", out, weights.to(dtype))
