@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch that this project's machines carry; pip takes it from local disk.
 TORCH  := torch==2.13.0
 
-.PHONY: venv demo test train-tiny xla-check xla-ops clean
+.PHONY: venv demo lint test train-tiny xla-check xla-ops clean
 
 # Idempotent: re-running only installs what pyproject.toml changed.
 $(VENV)/.installed: pyproject.toml
@@ -22,8 +22,19 @@ demo: venv
 	$(VENV)/bin/neuron-moe info --model tiny-gemma4-moe
 	$(VENV)/bin/neuron-moe validate --model tiny-gemma4-moe --backend dense_masked --max-new-tokens 32
 
+# ruff's lint rules and formatting (config in pyproject.toml); CI runs this before the tests.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# The suite on TEST_WORKERS processes (pytest-xdist; tests handed out as workers free up), each with
+# OMP_NUM_THREADS torch threads (default 1: two workers fill two cores), in a random order (pytest-randomly;
+# SEED=N replays one; the seed and thread count are printed at the end).
+TEST_WORKERS ?= 2
+SEED         ?=
 test: venv
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal \
+		$(if $(SEED),--randomly-seed=$(SEED)) --durations=15
 
 # Retrain the embedded default model (installs the Debian package `fortunes`; about an hour on CPU).
 # Not part of `test`: CI uses the committed checkpoint.

@@ -44,7 +44,7 @@ bf16 amplify rounding: `first_step`), so their difference is recorded (`logits_r
 
     python -m bench.gpu_decode                         # GPU: $OUT/gpu_decode.json and .md
     python -m bench.gpu_decode --models gemma4-26b-a4b qwen3-30b-a3b
-    python -m bench.gpu_decode --dry-run               # CPU: the tiny port and a tiny Qwen3, eager, interpreter
+    python -m bench.gpu_decode --dry-run               # CPU, tiny port and Qwen3, interpreter: build/dry-run/
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ import argparse
 import copy
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -62,7 +61,7 @@ from pathlib import Path
 import torch
 from transformers import Gemma4ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, StaticCache
 
-from bench.gpu_env import command, header, interpret_on_cpu, machine
+from bench.gpu_env import command, default_json, header, interpret_on_cpu, machine
 from neuron_moe import experts as _registered  # noqa: F401  (registers channel_reader, dense_masked)
 from neuron_moe import spec
 from neuron_moe.errors import UserError
@@ -125,7 +124,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--json",
         metavar="FILE",
-        help="default: $OUT/gpu_decode.json, else bench/results/; the markdown goes beside it (.md)",
+        help="default: $OUT/gpu_decode.json, else bench/results/ (a dry run: build/dry-run/); the markdown goes "
+        "beside it (.md)",
     )
     args = p.parse_args(argv)
     if args.dry_run:
@@ -300,7 +300,8 @@ def first_step(model, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     (nothing upstream differs), so their outputs compare at the kernels' own tolerance; the logits of
     random weights, through every layer in bf16, can differ far more between two correct
     implementations (on the tiny port's geometry: 0.28 of the largest logit in bf16, 1e-6 in fp32, the
-    first layer's experts 3e-3 in bf16), so they are recorded, not checked. The step's token is the prompt's first, not the prefill's argmax."""
+    first layer's experts 3e-3 in bf16), so they are recorded, not checked. The step's token is the
+    prompt's first, not the prefill's argmax."""
     seen = []
     hook = model.model.layers[0].experts.register_forward_hook(lambda module, args, out: seen.append(out.float()))
     try:
@@ -377,7 +378,8 @@ def decode_rate(model, batch: int) -> dict:
         out["graph_error"] = why
     if DEVICE == "cuda":
         out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30  # weights, cache, graph pool
-    del graph, cache
+    # free the graph's pool and the cache before empty_cache; rebound, not deleted: run() closes over them
+    graph = cache = lengths = None
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -449,7 +451,8 @@ def write_report(report, dest: str) -> None:
         header(report["machine"]),
         "",
         f"Command: `{report['command']}`. {args.steps} greedy steps per CUDA graph after a {args.prompt}-token "
-        f"prompt, the median of {args.replays} replays; reader kernels: {', '.join(args.reader_variants)}. The source paper's "
+        f"prompt, the median of {args.replays} replays; reader kernels: {', '.join(args.reader_variants)}. "
+        "The source paper's "
         f"full-model decode gain at batch 1 is {PAPER_BATCH1[0]}–{PAPER_BATCH1[1]}× (column 'paper B=1').",
         "",
     ]
@@ -574,11 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(models()))
     if unknown:
         raise SystemExit(f"--models: unknown {', '.join(unknown)}; known: {', '.join(models())}")
-    dest = args.json or (
-        str(Path(os.environ["OUT"]) / "gpu_decode.json")
-        if os.environ.get("OUT")
-        else str(Path(__file__).parent / "results" / "gpu_decode.json")
-    )
+    dest = args.json or str(default_json("gpu_decode", args.dry_run))
     report = {
         "machine": machine(args.dry_run),
         "command": command("bench.gpu_decode", argv),

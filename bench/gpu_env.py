@@ -8,6 +8,18 @@ import datetime
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_json(name: str, dry_run: bool) -> Path:
+    """Where a benchmark writes `name`.json (and .md beside it) without --json: $OUT where the device
+    call sets it; else a dry run's goes to build/dry-run/ (its numbers are the CPU interpreter's and never
+    replace a recorded run) and a real run's to bench/results/."""
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / f"{name}.json"
+    return (ROOT / "build" / "dry-run" if dry_run else ROOT / "bench" / "results") / f"{name}.json"
 
 
 def interpret_on_cpu(module: str, argv: list[str]) -> None:

@@ -9,7 +9,8 @@ Qwen3-30B-A3B layer geometries, batch 1, 4 and 8 decode tokens, bf16 weights:
 - `reader-17.8`, `reader-12.8`: the reader's Triton kernels at those read budgets (the default:
   eight launches, `triton/forward.py`);
 - `reader-17.8 <variant>`, at the first geometry only (`--variant-geometry`; `triton/variants.py`
-  names them): one of the select kernel's variants (`forward.py` SELECT_VARIANTS: radix search, one-scan placement), `fused`
+  names them): one of the select kernel's variants (`forward.py` SELECT_VARIANTS: radix search,
+  one-scan placement), `fused`
   (six launches), `relaxed` (fire-and-forget reductions), or a `persistent ...` variant: the
   whole reader in one launch with the select spread over programs (`triton/persistent.py`
   PERSISTENT_VARIANTS: its tile shapes). A table of the variants side by side is printed
@@ -33,7 +34,7 @@ rewritten after each geometry (a run cut short keeps what it measured); a markdo
 the tables goes beside it.
 
     python -m bench.gpu_reader                  # on the GPU: $OUT/gpu_reader.json and .md
-    python -m bench.gpu_reader --dry-run        # CPU, tiny shapes, Triton interpreter (CI runs it)
+    python -m bench.gpu_reader --dry-run        # CPU, tiny shapes, Triton interpreter: build/dry-run/
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from transformers.activations import ACT2FN
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
-from bench.gpu_env import command, header, interpret_on_cpu, machine
+from bench.gpu_env import command, default_json, header, interpret_on_cpu, machine
 from neuron_moe.reader import reference
 from neuron_moe.reader.accounting import full_bytes, reads, solve_k
 from neuron_moe.spec import Reader
@@ -98,7 +99,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--json",
         metavar="FILE",
-        help="default: $OUT/gpu_reader.json, else bench/results/; the markdown goes beside it (.md)",
+        help="default: $OUT/gpu_reader.json, else bench/results/ (a dry run: build/dry-run/); the markdown goes "
+        "beside it (.md)",
     )
     p.add_argument(
         "--preflight",
@@ -666,11 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     copy_bw = copy_bandwidth()
-    dest = args.json or (
-        str(Path(os.environ["OUT"]) / "gpu_reader.json")
-        if os.environ.get("OUT")
-        else str(Path(__file__).parent / "results" / "gpu_reader.json")
-    )
+    dest = args.json or str(default_json("gpu_reader", args.dry_run))
     report = {
         "machine": machine(args.dry_run),
         "command": command("bench.gpu_reader", argv),

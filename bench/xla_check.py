@@ -465,7 +465,8 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
         f"Machine: {env['machine']} — CPU only, `PJRT_DEVICE=CPU` (XLA:CPU; no Neuron device, no neuronx-cc).",
         f"Packages: Python {env['python']}, torch {env['torch']}, torch-xla {env['torch_xla']}, "
         f"transformers {env['transformers']}. Port `{result['port']}` ({result['weights']}), "
-        f"{len(PROMPTS)} prompts in batches of {result['batch_size']}, prefill + {result['new_tokens'] - 1} decode steps.",
+        f"{len(PROMPTS)} prompts in batches of {result['batch_size']}, "
+        f"prefill + {result['new_tokens'] - 1} decode steps.",
         "",
         "Written by `make xla-check` (`python -m bench.xla_check`). Compilations from `CompileTime`, fallbacks are "
         "torch-xla's `aten::*` counters, per graph; a call is one graph call plus `torch_xla.sync()`. The graphs "
@@ -479,7 +480,9 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
         lines += [
             f"## {row['run']}",
             "",
-            "| graph | calls | compiles, 1st call | compiles, later calls | aten fallbacks | HLO sort / custom-call / while / conditional | call in / out bytes | XLA host→device / device→host bytes | 1st call s | later call ms |",
+            "| graph | calls | compiles, 1st call | compiles, later calls | aten fallbacks "
+            "| HLO sort / custom-call / while / conditional | call in / out bytes "
+            "| XLA host→device / device→host bytes | 1st call s | later call ms |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in row["graphs"]:

@@ -23,7 +23,7 @@ from transformers.initialization import no_init_weights
 
 from .config import geometry_differences, read_config_file
 from .errors import UserError
-from .report import atomic_dir, dumps, read_json_object
+from .report import atomic_dir, dumps, native_write_errors, read_json_object
 from .tokenizer import TOKENIZER_MODELS
 
 CONFIG = "config.json"
@@ -277,12 +277,14 @@ def write_checkpoint(
     (out_dir / CONFIG).write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
     shards = _shard(state, shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], out_dir / SINGLE, metadata={"format": "pt"})
+        with native_write_errors(out_dir / SINGLE):
+            save_file(shards[0], out_dir / SINGLE, metadata={"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out_dir / name, metadata={"format": "pt"})
+        with native_write_errors(out_dir / name):
+            save_file(shard, out_dir / name, metadata={"format": "pt"})
         weight_map.update({k: name for k in shard})
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -4,12 +4,15 @@ command never waits on another's imports (torch, transformers, boto3, uvicorn)."
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 
-from .cli_parser import parser
+from .cli_parser import max_threads, parser
 from .errors import UserError
-from .report import check_output, write_json
-from .spec import Reader
+from .report import OutputError, check_output, write_json
+from .spec import READS_BUDGET, Reader
 
 
 def _json_out(report, args) -> bool:
@@ -87,6 +90,15 @@ def cmd_pull(args) -> int:
     report = pull_report(args.uri, args.dir)
     if _json_out(report, args):
         print(render_pull(report))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .verify import render_verify, verify
+
+    report = verify(args.artifact, args.model)
+    if _json_out(report, args):
+        print(render_verify(report))
     return 0
 
 
@@ -170,19 +182,15 @@ def cmd_reads(args) -> int:
                 f"every expert once"
             )
         geo = Geometry(hidden=args.hidden, experts=args.experts, top_k=args.top_k, intermediate=args.intermediate)
-        name = "explicit geometry"
+        name, defaults = "explicit geometry", Reader()
     else:
         port = load_port(args.model)
-        geo, name = Geometry.from_config(port.config), port.name
-    report = reads_report(
-        name,
-        geo,
-        Reader(scan=args.scan, recovery_rank=args.recovery_rank, quantization=args.quantization).resolved(),
-        args.budget,
-        args.tp or 1,
-        args.batch_size,
-        args.step_budget,
-    )
+        geo, name, defaults = Geometry.from_config(port.config), port.name, port.reader
+    # a flag, else the port's [reader] setting, else the reader's own default (the port's sidecar: not read here)
+    given = Reader(scan=args.scan, recovery_rank=args.recovery_rank, quantization=args.quantization)
+    settings = given.over(Reader(recovery_rank=defaults.recovery_rank)).resolved()
+    budget = next(b for b in (args.budget, defaults.budget, READS_BUDGET) if b is not None)
+    report = reads_report(name, geo, settings, budget, args.tp or 1, args.batch_size, args.step_budget)
     if _json_out(report, args):
         print(render_reads(report))
     return 0
@@ -291,6 +299,7 @@ COMMANDS = {
     "eval-reader": cmd_eval_reader,
     "publish": cmd_publish,
     "pull": cmd_pull,
+    "verify": cmd_verify,
     "plan": cmd_plan,
     "trace-and-compile": cmd_trace_and_compile,
     "serve": cmd_serve,
@@ -306,11 +315,17 @@ WEIGHTS_ONLY = ("info", "prep-reader")
 def _check_outputs(args) -> None:
     """Every output path a command was given, checked before its work starts (not after an upload
     or an hour of training). `--out` is a directory but for prep-reader's sidecar (without --tp)."""
-    if getattr(args, "json", None):
-        check_output(args.json)
-    if getattr(args, "out", None):
-        file = args.command == "prep-reader" and not args.tp
-        check_output(args.out, directory=not file, seekable=file)
+    try:
+        if getattr(args, "json", None):
+            check_output(args.json)
+    except OutputError as e:
+        raise OutputError(f"--json: {e}") from None
+    try:
+        if getattr(args, "out", None):
+            file = args.command == "prep-reader" and not args.tp
+            check_output(args.out, directory=not file, seekable=file)
+    except OutputError as e:
+        raise OutputError(f"--out: {e}") from None
 
 
 def _checkpoint(args) -> None:
@@ -332,9 +347,16 @@ def _checkpoint(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.threads > max_threads():  # only $OMP_NUM_THREADS gets here: --threads is bounded by its type
+        return _error(
+            f"$OMP_NUM_THREADS={args.threads} is more torch threads than this machine runs (at most "
+            f"{max_threads()} here); pass --threads N"
+        )
     import torch  # after the arguments parse: --help and a wrong flag answer without it
 
     torch.set_num_threads(args.threads)  # every command's (cli_parser.DEFAULT_THREADS: measured)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupt) if main_thread else None
     try:
         _check_outputs(args)
         _checkpoint(args)
@@ -343,6 +365,29 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e))
     except OSError as e:  # the system refused (a full disk, a read-only or missing path): one line, not a bug
         return _error(f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
+    except KeyboardInterrupt:  # Ctrl-C: what the command was writing was cleaned up on the way out
+        _error(f"interrupted (Ctrl-C): neuron-moe {args.command} stopped")
+        return INTERRUPTED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+INTERRUPTED = 130  # a shell's status for a process ended by SIGINT (128 + 2)
+RESEND_S = 0.05
+
+
+def interrupt(signum, frame) -> None:
+    """SIGINT as KeyboardInterrupt, as Python's own handler, except inside a finalizer (`__del__`, run
+    by the garbage collector anywhere, in torch.export too), where Python prints the exception as
+    'Exception ignored in' and carries on, the Ctrl-C lost: there the signal is sent again a moment
+    later, once the finalizer is done."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            threading.Timer(RESEND_S, os.kill, (os.getpid(), signum)).start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
 
 
 def _error(message: str) -> int:

@@ -22,6 +22,7 @@ from .spec import (
     INSTANCE_CHIPS,
     QUANTIZATIONS,
     READER_KERNELS,
+    READS_BUDGET,
     RECOVERY_RANK,
     SCAN,
     STEP_BUDGET,
@@ -34,14 +35,26 @@ from .training.corpus import FORTUNES_DIR
 
 
 # torch's intra-op threads, for every command. Measured (bench/threads.py, bench/results/threads-cpu.md): on
-# this project's shared 2-core machine one thread answers a 32-token eager request in 0.39 s where two take
-# 4.65 s (validate: 0.59 s against 6.16 s): the tiny model's ops are too small to share, and two threads
-# wait on each other whenever another process holds a core.
+# 2 CPU cores with other processes running, one thread answers a 32-token eager request in 0.39 s where two
+# take 4.65 s (validate: 0.59 s against 6.16 s): the tiny model's ops are too small to share, and two
+# threads wait on each other whenever another process holds a core.
 DEFAULT_THREADS = 1
 
 
+# At most this many torch threads per CPU this process may run on: more only wait on each other, and a
+# thread pool of 10^5 threads crashes the process (a segfault in its thread library).
+THREADS_PER_CPU = 4
+
+
+def max_threads() -> int:
+    """The most `--threads` a command takes here: THREADS_PER_CPU x the CPUs this process may run on."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return THREADS_PER_CPU * (cpus or 1)
+
+
 def _default_threads() -> int:
-    """$OMP_NUM_THREADS where a user set it (a positive integer), else DEFAULT_THREADS."""
+    """$OMP_NUM_THREADS where a user set it (a positive integer), else DEFAULT_THREADS. One above
+    `max_threads()` is refused by cli.main, naming the variable."""
     text = os.environ.get("OMP_NUM_THREADS", "")
     return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_THREADS
 
@@ -79,12 +92,32 @@ def number(
             raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
         return value
 
+    parse.kind, parse.bounds = kind, (at_least if at_least is not None else above, at_most)  # for the tests
     return parse
 
 
+# Upper bounds of the integer options: what any model a port may declare could use (config.SIZES,
+# port.MAX_BATCH; tests/test_cli.py holds these equal), and for plain counts a C int, what torch and
+# the OS take. A larger number is a typo, refused by name before any work.
+MAX_COUNT = 2**31 - 1
+MAX_ROWS = 1024  # port.MAX_BATCH: rows of a batch, requests at once
+MAX_TOKENS = 1 << 24  # config.SIZES' max_position_embeddings: no context is longer
+MAX_ITEMS = 10_000  # evaluation items per task (each is generated before any is evaluated)
+GEOMETRY_BOUNDS = {  # reads' explicit geometry: config.SIZES' bounds of the same sizes
+    "--hidden": 1 << 16,  # hidden_size
+    "--experts": 4096,  # num_experts
+    "--top-k": 4096,  # top_k_experts
+    "--intermediate": 1 << 18,  # moe_intermediate_size
+}
+
 # The numeric options' types (one check for all: `number`)
-_positive_int = number(int, at_least=1)  # counts of what must exist: steps, rows, tokens, sizes
-_count = number(int, at_least=0)  # counts that may be zero: a queue, a recovery rank (0 = off)
+_positive_int = number(int, at_least=1, at_most=MAX_COUNT)  # counts of what must exist: steps, documents, bytes
+_count = number(int, at_least=0, at_most=MAX_COUNT)  # counts that may be zero: a queue
+_rows = number(int, at_least=1, at_most=MAX_ROWS)  # a batch's rows, requests at once
+_tokens = number(int, at_least=1, at_most=MAX_TOKENS)  # a context, new tokens, a prefill length
+_items = number(int, at_least=1, at_most=MAX_ITEMS)
+_recovery_rank = number(int, at_least=0, at_most=GEOMETRY_BOUNDS["--intermediate"])  # 0 = off; at most I
+_threads = number(int, at_least=1, at_most=max_threads())
 _seed = number(int, at_least=0, at_most=2**64 - 1)  # what torch.Generator.manual_seed takes
 _percent = number(float, above=0, at_most=100)  # a read budget
 _positive = number(float, above=0)
@@ -102,11 +135,14 @@ def _serve_backend(text: str) -> str:
 
 def _lengths(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(part) for part in text.split(","))
+        lengths = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated token counts, e.g. 128,512,2048, got {text!r}"
         ) from None
+    if any(n > MAX_TOKENS for n in lengths):
+        raise argparse.ArgumentTypeError(f"a prefill length is at most {MAX_TOKENS} tokens, got {text}")
+    return lengths
 
 
 def _shape_args(p: argparse.ArgumentParser, note: str = "") -> None:
@@ -114,13 +150,13 @@ def _shape_args(p: argparse.ArgumentParser, note: str = "") -> None:
     the same for plan and trace-and-compile."""
     p.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=_rows,
         metavar="B",
         help="rows of the decode graph and the KV cache (default: the port's [static] batch_size)",
     )
     p.add_argument(
         "--seq-len",
-        type=_positive_int,
+        type=_tokens,
         metavar="S",
         help="positions of the KV cache, the most a prompt and its completion take (context: S + 1 "
         "tokens; default: the port's [static] max_cache_len)",
@@ -183,7 +219,7 @@ def _reader_args(
     )
     p.add_argument(
         "--recovery-rank",
-        type=_count,
+        type=_recovery_rank,
         metavar="R",
         help=f"{applies}rank of the recovery map, 0 = off (default: {recovery_default})",
     )
@@ -252,9 +288,7 @@ def parser() -> argparse.ArgumentParser:
         "experts in it; with reader (int8 only) the reader over the int8 experts' numbers (exact rows in int8 "
         "with their scales, prefill through the int8 experts; reference kernel only)",
     )
-    p.add_argument(
-        "--max-new-tokens", type=_positive_int, default=32, metavar="N", help="tokens to generate (default 32)"
-    )
+    p.add_argument("--max-new-tokens", type=_tokens, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
     _reader_args(
         p,
@@ -293,7 +327,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--text-dir", default=FORTUNES_DIR, help="the fortune files (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the training items (default 0)")
-    p.add_argument("--scale", type=_positive, default=1.0, help="multiplies the number of training task items")
+    p.add_argument(
+        "--scale",
+        type=number(float, above=0, at_most=1000),
+        default=1.0,
+        help="multiplies the number of training task items (at most 1000)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the counts as JSON ('-' for stdout)")
 
     p = sub.add_parser(
@@ -306,8 +345,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", required=True, metavar="DIR", help="directory written by build-corpus")
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     p.add_argument("--steps", type=_positive_int, default=3000, help="optimizer steps (default 3000)")
-    p.add_argument("--batch-size", type=_positive_int, default=4, help="windows per step (default 4)")
-    p.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--batch-size", type=_rows, default=4, help="windows per step (default 4)")
+    p.add_argument("--seq-len", type=_tokens, default=512, help="tokens per window (default 512)")
     p.add_argument("--lr", type=_positive, default=3e-3, help="peak learning rate (default 3e-3)")
     p.add_argument(
         "--task-share",
@@ -335,7 +374,7 @@ def parser() -> argparse.ArgumentParser:
         help="backend that generates (default eager)",
     )
     _quantization_arg(p, "the routed experts' weight format, as validate's (default none)")
-    p.add_argument("--items", type=_positive_int, default=50, help="evaluation items per task (default 50)")
+    p.add_argument("--items", type=_items, default=50, help="evaluation items per task (default 50)")
     p.add_argument("--task", action="append", choices=TASKS, help="only this task (repeatable; default: all)")
     p.add_argument(
         "--corpus",
@@ -396,7 +435,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable)")
     p.add_argument(
         "--items",
-        type=_positive_int,
+        type=_items,
         help=f"evaluation items per task (default {spec.EVAL_READER_ITEMS}; --quick {spec.EVAL_READER_QUICK_ITEMS})",
     )
     p.add_argument(
@@ -436,12 +475,29 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "pull",
         help="download a publication from S3, each file verified (sha256) before it lands",
-        description="Read the manifest at s3://BUCKET/PREFIX, download each file to a temp name, "
-        "check its size and sha256, then rename it into DIR. Files already in DIR "
-        "with the manifest's sha256 are kept.",
+        description="Read the manifest at s3://BUCKET/PREFIX and build the publication beside DIR: "
+        "each file downloaded and its size and sha256 checked (or, where DIR already holds it with "
+        "that sha256, linked from there), then renamed onto DIR. DIR ends up holding exactly the "
+        "manifest's files, or, when the pull is refused, as it was. Only a new, an empty or a "
+        "pulled DIR is replaced.",
     )
     p.add_argument("uri", metavar="s3://BUCKET/PREFIX", help="a prefix written by `neuron-moe publish`")
-    p.add_argument("dir", metavar="DIR", help="destination directory (created if missing)")
+    p.add_argument("dir", metavar="DIR", help="destination directory (created if missing; replaced whole)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+
+    p = sub.add_parser(
+        "verify",
+        help="check a trace-and-compile artifact against its own manifest, no SDK needed",
+        description="Check the artifact's manifest.json (every field of the contract), each file's size "
+        "and sha256 against it, and that it holds no file the manifest does not list; with --model, "
+        "that it was built for that port. An s3:// publication is read from S3, each object checked "
+        "against the publication's manifest too, nothing written. Exit 0 when it is whole, 2 (one "
+        "error: line naming the file or field) when not. serve --artifacts makes the same checks.",
+    )
+    p.add_argument(
+        "artifact", metavar="ARTIFACT|s3://BUCKET/PREFIX", help="a trace-and-compile output, or its publication"
+    )
+    p.add_argument("--model", metavar="NAME|PATH", help="also check that it was built for this port")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
     p = sub.add_parser(
@@ -481,7 +537,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--recovery-rank",
-        type=_count,
+        type=_recovery_rank,
         metavar="R",
         help=f"with --reader: rank of the recovery map, 0 = off (default {RECOVERY_RANK})",
     )
@@ -597,7 +653,8 @@ def parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("NEURON_MOE_API_KEY"),
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NEURON_MOE_API_KEY; unset: open)",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and /metrics "
+        "(default: $NEURON_MOE_API_KEY; unset: open)",
     )
     p.add_argument(
         "--served-model-name",
@@ -608,21 +665,21 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=_tokens,
         metavar="N",
         help="context in tokens, prompt and completion together (default and most: what the backend "
         "holds: the graphs' max_cache_len + 1, or the model's max_position_embeddings)",
     )
     p.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=_rows,
         metavar="B",
         help="--backend static: rows of the graphs' batch, the requests generating at once "
         "(default: the port's [static] batch_size)",
     )
     p.add_argument(
         "--prefill-rows",
-        type=_positive_int,
+        type=_rows,
         nargs="+",
         metavar="P",
         help="--backend static: the prompts one prefill call takes, one graph per count (e.g. 1 4; "
@@ -630,14 +687,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefill-chunk",
-        type=_positive_int,
+        type=_tokens,
         metavar="N",
         help="--backend static: a prompt longer than N tokens is prefilled N at a time, between decode "
         "steps; one of the buckets (default: the port's [static] prefill_chunk)",
     )
     p.add_argument(
         "--max-running",
-        type=_positive_int,
+        type=_rows,
         metavar="N",
         help="per-request backends: requests generating at once (default: 1); the batching "
         "backends run one request per row",
@@ -687,9 +744,17 @@ def parser() -> argparse.ArgumentParser:
         "explicit with all of --hidden --experts --top-k --intermediate.",
     )
     p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help="port whose geometry to use")
-    p.add_argument("--budget", type=_percent, default=17.8, metavar="PERCENT", help="read budget (default 17.8)")
-    for flag in ("--hidden", "--experts", "--top-k", "--intermediate"):
-        p.add_argument(flag, type=_positive_int, metavar="N", help="explicit geometry (instead of --model)")
+    p.add_argument(
+        "--budget",
+        type=_percent,
+        metavar="PERCENT",
+        help=f"read budget (default: the port's [reader] budget, else {READS_BUDGET:g}; an explicit geometry: "
+        f"{READS_BUDGET:g})",
+    )
+    for flag, most in GEOMETRY_BOUNDS.items():
+        p.add_argument(
+            flag, type=number(int, at_least=1, at_most=most), metavar="N", help="explicit geometry (instead of --model)"
+        )
     p.add_argument(
         "--scan",
         type=_scan_width,
@@ -699,10 +764,10 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--recovery-rank",
-        type=_count,
-        default=RECOVERY_RANK,
+        type=_recovery_rank,
         metavar="R",
-        help=f"rank of the recovery map (default {RECOVERY_RANK}; 0 = off)",
+        help=f"rank of the recovery map, 0 = off (default: the port's [reader] recovery_rank, else {RECOVERY_RANK}; "
+        f"an explicit geometry: {RECOVERY_RANK})",
     )
     _quantization_arg(
         p,
@@ -713,7 +778,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=_rows,
         metavar="B",
         help="also a decode step of B tokens, each row read once: the full batch, independent per-token "
         "top-k, and the batch rule (one set of channels for the step), under uniform routing",
@@ -762,7 +827,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=0, help="seed of the Hadamard sign vector (default 0)")
     p.add_argument(
         "--recovery-rank",
-        type=_count,
+        type=_recovery_rank,
         default=RECOVERY_RANK,
         metavar="R",
         help=f"rank of the recovery map (default {RECOVERY_RANK})",
@@ -775,11 +840,12 @@ def parser() -> argparse.ArgumentParser:
         p.allow_abbrev = False  # one name per option: no prefix of it parses as the option
         p.add_argument(
             "--threads",
-            type=_positive_int,
+            type=_threads,
             default=_default_threads(),
             metavar="N",
             help=f"torch's intra-op threads (default: $OMP_NUM_THREADS, else {DEFAULT_THREADS}: measured "
             "fastest for the tiny port on 2 shared cores; raise it for a full-size model on idle "
-            "cores). train-tiny: part of what makes a run reproducible",
+            f"cores; at most {THREADS_PER_CPU} per CPU this process may run on). train-tiny: part of what makes "
+            "a run reproducible",
         )
     return top

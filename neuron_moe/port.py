@@ -113,15 +113,22 @@ def builtin_ports() -> list[str]:
 
 
 def _port_path(name_or_path: str) -> Path:
-    if name_or_path.endswith(".toml") or "/" in name_or_path:
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise PortError(f"port file not found: {path}")
-        return path
+    """A port file's path: a built-in port's by its name, else the path given."""
+    path = Path(name_or_path)
+    is_path = name_or_path.endswith(".toml") or "/" in name_or_path
     res = _ports_dir() / f"{name_or_path}.toml"
-    if not res.is_file():
+    if not is_path and res.is_file():
+        return Path(str(res))
+    if path.is_dir():  # a checkpoint's folder, given where its port goes
+        raise PortError(
+            f"{path} is a directory, not a port file (a .toml, or a built-in port's name); "
+            "a checkpoint directory is given with --checkpoint"
+        )
+    if not is_path:
         raise PortError(f"unknown port {name_or_path!r}; built-in ports: {', '.join(builtin_ports())}")
-    return Path(str(res))
+    if not path.is_file():
+        raise PortError(f"port file not found: {path}")
+    return path
 
 
 def _require(table: dict, key: str, kind: type | tuple, where: str):

@@ -9,9 +9,11 @@ import errno
 import fcntl
 import glob
 import hashlib
+import io
 import json
 import math
 import os
+import re
 import shutil
 import stat
 import sys
@@ -121,6 +123,12 @@ def check_output(dest: str | Path, directory: bool = False, seekable: bool = Fal
         raise OutputError(f"{folder} is not a directory, so {path} cannot be written")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(f"{folder}: directory not writable, so {path} cannot be written")
+    try:  # what the write will do there first (root passes os.access where the filesystem still refuses: /proc)
+        fd, probe = tempfile.mkstemp(prefix=".neuron-moe-probe.", dir=folder)
+    except OSError as e:
+        raise OutputError(f"{path} cannot be written: {folder} takes no new file ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 @contextmanager
@@ -172,6 +180,65 @@ def atomic_write(path: Path, mode: str = "w", seekable: bool = False):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@contextmanager
+def native_write_errors(path: Path):
+    """Writers in Rust (safetensors, tokenizers) report a write the filesystem refused as a plain
+    exception whose text ends "(os error N)": made one line naming `path`, as an OSError would be."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        if found is None or int(found[1]) not in _STORAGE_ERRNOS:
+            raise
+        raise OutputError(f"cannot write {path}: {os.strerror(int(found[1]))}") from None
+
+
+class _HeldErrors(io.RawIOBase):
+    """A file as a C++ serializer writes it (torch.export.save, torch.save): the first write the
+    filesystem refuses (a full disk) is held instead of raised, and later writes are dropped, so the
+    serializer finishes normally; `serializer_file` raises it then. (torch's zip writer, given an
+    error mid-archive, throws again from its destructor: std::terminate, the process aborts.)"""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if self.error is None:
+            try:
+                self.f.write(data)
+            except OSError as e:
+                self.error = e
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence) if self.error is None else 0
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
+@contextmanager
+def serializer_file(path: Path):
+    """Yield a binary file for a C++ serializer to write `path` through; a refused write (full,
+    read-only) is raised once it is done, as one line naming `path`, not an aborted process."""
+    with _storage_errors(path):
+        with open(path, "wb") as raw:
+            held = _HeldErrors(raw)
+            yield held
+            if held.error is None:
+                raw.flush()
+        if held.error is not None:
+            raise held.error
 
 
 def _umask() -> int:

@@ -59,6 +59,7 @@ PLAN_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
 BLOCK = 128  # coordinates per Hadamard block
 SCAN = 80  # coordinates per block a token scans (recorded; a reader may scan any number)
 RECOVERY_RANK = 32  # recovery-map rank
+READS_BUDGET = 17.8  # `reads`' budget, percent, where neither the command line nor the port gives one: the paper's
 READER_KERNELS = ("reference", "triton", "nki")  # the reader's decode-step kernels (experts/channel_reader.py)
 STEP_BUDGET = 2.0  # the batch rule's reads per decode step, in units of one token's (reader/accounting.py)
 

@@ -13,6 +13,29 @@ from neuron_moe.model import build_model
 from neuron_moe.port import load_port
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """What a run depends on beyond the code, printed even under -q: torch's intra-op threads and the
+    random order's seed (pytest-randomly; `make test SEED=N` replays it)."""
+    seed = config.getoption("randomly_seed", None)
+    omp = os.environ.get("OMP_NUM_THREADS", "unset")
+    terminalreporter.write_line(
+        f"torch threads per process: {torch.get_num_threads()} (OMP_NUM_THREADS={omp}); random-order seed: {seed}"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_state_from_the_test_before():
+    """No test's numbers depend on which tests ran before it (the order is random): torch's global
+    generator starts every test from the same seed (pytest-randomly reseeds only `random` and numpy),
+    and torch's intra-op threads, which `cli.main` sets for its process (--threads, default
+    $OMP_NUM_THREADS else 1), are put back after it."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_port():
     return load_port("tiny-gemma4-moe")

@@ -27,6 +27,7 @@ LAYERS = (
             "eval",
             "training",
             "publish",
+            "verify",
             "info",
             "environment",
         ),

@@ -167,3 +167,15 @@ def test_a_dry_run_without_the_interpreter_runs_again_with_it(monkeypatch):
     ((path, argv, environ),) = execs
     assert path == sys.executable and argv == [sys.executable, "-m", "bench.gpu_decode", "--dry-run", "--steps", "2"]
     assert environ["TRITON_INTERPRET"] == "1" and environ["PATH"] == os.environ["PATH"]
+
+
+def test_a_dry_run_without_json_writes_under_build_never_over_the_recorded_results(monkeypatch, tmp_path):
+    """A dry run's numbers are the CPU interpreter's: without --json they go to build/dry-run/ (ignored by
+    git), a real run's to bench/results/, and $OUT, where the device call sets it, takes both."""
+    monkeypatch.delenv("OUT", raising=False)
+    for name in ("gpu_decode", "gpu_reader"):
+        assert gpu_env.default_json(name, dry_run=True) == ROOT / "build" / "dry-run" / f"{name}.json"
+        assert gpu_env.default_json(name, dry_run=False) == ROOT / "bench" / "results" / f"{name}.json"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_env.default_json("gpu_reader", dry_run=True) == tmp_path / "gpu_reader.json"
+    assert gpu_env.default_json("gpu_reader", dry_run=False) == tmp_path / "gpu_reader.json"

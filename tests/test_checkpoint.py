@@ -182,11 +182,12 @@ def one_error_line(capsys, message: str) -> str:
     return err
 
 
-# ---- a checkpoint of another model never stands in for the port's (issue 26, item 3) -------------------
+# ---- a checkpoint of another model never stands in for the port's --------------------------------------
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(tiny_port, capsys):
-    """The full-size port with the tiny checkpoint: it used to PASS validation and serve as gemma4-26b-a4b."""
+    """The full-size port with the tiny checkpoint: refused, or it would pass validation and serve as
+    gemma4-26b-a4b."""
     tiny = str(tiny_port.checkpoint)
     assert cli.main(["validate", "--model", "gemma4-26b-a4b", "--checkpoint", tiny, "--max-new-tokens", "2"]) == 2
     err = one_error_line(capsys, "not the model of port 'gemma4-26b-a4b'")
@@ -216,7 +217,7 @@ def test_nan_or_inf_weights_are_refused_at_load(saved, tmp_path, capsys):
         r"non-finite value\(s\) \(NaN or inf\)",
     ):
         load_checkpoint(path)
-    # validate used to print PASS with max|Δlogit| nan (exit 0); it is now one error line
+    # one error line, not PASS with max|Δlogit| nan (exit 0)
     assert cli.main(["validate", "--checkpoint", str(path), "--max-new-tokens", "2"]) == 2
     one_error_line(capsys, "non-finite value(s)")
 

@@ -1,5 +1,7 @@
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -103,7 +105,8 @@ def test_every_command_has_a_handler():
 
 
 def test_a_non_finite_logit_fails_the_comparison_whatever_the_tokens(capsys):
-    """Issue 26, item 4: NaN logits gave max|Δlogit| nan, cosine nan and SEQ_MATCH True (exit 0)."""
+    """A NaN logit makes max|Δlogit| and the cosine NaN, and comparisons with NaN are false: the check must
+    fail on them explicitly, or matching tokens alone would pass (SEQ_MATCH True, exit 0)."""
     tokens = torch.tensor([[5, 6, 7], [5, 6, 7]])
     logits = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0))
     poisoned = logits.clone()
@@ -116,8 +119,9 @@ def test_a_non_finite_logit_fails_the_comparison_whatever_the_tokens(capsys):
 
 
 def test_validate_refuses_more_new_tokens_than_the_context_holds(capsys):
-    """Issue 26, item 9: 10^9 new tokens ran (and allocated logits) until something broke."""
-    assert cli.main(["validate", "--max-new-tokens", "1000000000"]) == 2
+    """More new tokens than the context holds is refused up front, not run (allocating logits) until
+    something breaks."""
+    assert cli.main(["validate", "--max-new-tokens", "1000000"]) == 2  # within the parser's bound, past the port's
     err = capsys.readouterr().err
     assert "exceeds the model's context of 512 tokens" in err and err.count("\n") == 1
 
@@ -141,7 +145,7 @@ def test_every_command_takes_threads_and_applies_it(monkeypatch, capsys):
         torch.set_num_threads(before)
     with pytest.raises(SystemExit):
         cli.main(["ports", "--threads", "0"])
-    assert "--threads: must be at least 1" in capsys.readouterr().err
+    assert "--threads: must be in [1, " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -165,7 +169,7 @@ def test_every_command_takes_threads_and_applies_it(monkeypatch, capsys):
         ),
         (["serve", "--drain-timeout", "nan"], "argument --drain-timeout: must be a finite number, got nan"),
         (["serve", "--drain-timeout", "-1"], "argument --drain-timeout: must be at least 0, got -1"),
-        (["serve", "--max-queue", "-1"], "argument --max-queue: must be at least 0, got -1"),
+        (["serve", "--max-queue", "-1"], "argument --max-queue: must be in [0, 2147483647], got -1"),
         (["serve", "--batch-size", "1.5"], "argument --batch-size: expected an integer, got '1.5'"),
         (
             ["prep-reader", "--out", "s.safetensors", "--seed", str(2**64)],
@@ -180,13 +184,17 @@ def test_every_command_takes_threads_and_applies_it(monkeypatch, capsys):
             ["train-tiny", "--corpus", "c", "--out", "o", "--task-share", "1.5"],
             "argument --task-share: must be in (0, 1], got 1.5",
         ),
-        (["build-corpus", "--out", "o", "--scale", "0"], "argument --scale: must be more than 0, got 0"),
-        (["validate", "--recovery-rank", "-2"], "argument --recovery-rank: must be at least 0, got -2"),
+        (["build-corpus", "--out", "o", "--scale", "0"], "argument --scale: must be in (0, 1000], got 0"),
+        (["validate", "--recovery-rank", "-2"], "argument --recovery-rank: must be in [0, 262144], got -2"),
+        (
+            ["trace-and-compile", "--tp", "2", "--dry-run", "--out", "o", "--batch-size", "2000"],
+            "argument --batch-size: must be in [1, 1024], got 2000",
+        ),
     ],
 )
 def test_numeric_options_out_of_range_are_refused_by_name(argv, message, capsys):
     """One check for every numeric option (cli_parser.number): NaN, inf, a negative reserve or timeout are
-    refused at the command line, naming the option (a NaN reserve used to print 'FITS: nan' and exit 0)."""
+    refused at the command line, naming the option (a NaN reserve would otherwise print 'FITS: nan', exit 0)."""
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     err = capsys.readouterr().err
@@ -240,3 +248,194 @@ def test_every_command_that_takes_them_offers_the_same_dtype_and_quantization_wo
                 assert set(action.choices) <= {"bfloat16", "float32"}, name
             if "--quantization" in action.option_strings:
                 assert set(action.choices) <= {"none", "int8", "int4"} and "none" in action.choices, name
+
+
+# ---- every integer option bounded -------------------------------------------------------------------------
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def takes_integers(kind) -> bool:
+    try:
+        return type(kind("1")) is int
+    except (argparse.ArgumentTypeError, ValueError, TypeError):
+        return False
+
+
+def integer_options() -> list[tuple[list[str], str]]:
+    """(the least argv a command parses, flag) for every integer option of every command."""
+    found = []
+    for name, sub in subcommands().items():
+        least = [name]
+        for a in sub._actions:
+            if a.required or (not a.option_strings and a.nargs != 0):
+                least += [*a.option_strings[:1], str(a.choices[0]) if a.choices else "x"]
+        found += [(least, a.option_strings[0]) for a in sub._actions if a.option_strings and takes_integers(a.type)]
+    return found
+
+
+def test_every_integer_option_of_every_command_refuses_2_to_the_64_by_name(capsys):
+    """A typo of 20 digits is one argparse error naming the option, whatever the command: never a
+    traceback (an overflow in torch), a segfault (a thread pool of 10^5 threads) or a report of
+    22-digit byte counts."""
+    options = integer_options()
+    assert {"--threads", "--hidden", "--intermediate", "--max-new-tokens", "--seq-len", "--steps"} <= {
+        flag for _, flag in options
+    }
+    for least, flag in options:
+        for value in (str(2**64), "99999999999999999999"):
+            with pytest.raises(SystemExit) as e:
+                cli.parser().parse_args([*least, flag, value])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and re.search(f"argument {flag}(/--[a-z-]+)?: must be", err), (least, flag, err)
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--buckets", f"8,{2**64}"])
+    assert "argument --buckets: a prefill length is at most" in capsys.readouterr().err
+
+
+def test_reads_refuses_an_absurd_explicit_geometry_by_name(capsys):
+    for flag in ("--hidden", "--intermediate"):
+        argv = ["reads", "--hidden", "128", "--experts", "8", "--top-k", "2", "--intermediate", "64"]
+        argv[argv.index(flag) + 1] = "99999999999999999999"
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and f"argument {flag}: must be in [1, " in err and not out
+
+
+def test_the_parsers_bounds_are_the_ports_and_configs():
+    """cli_parser holds no torch import, so it keeps its own copy of these bounds: the same numbers."""
+    from neuron_moe import cli_parser
+    from neuron_moe.config import SIZES
+    from neuron_moe.port import MAX_BATCH
+
+    assert cli_parser.MAX_ROWS == MAX_BATCH
+    assert cli_parser.MAX_TOKENS == SIZES["max_position_embeddings"][1]
+    sizes = ("hidden_size", "num_experts", "top_k_experts", "moe_intermediate_size")
+    assert list(cli_parser.GEOMETRY_BOUNDS.values()) == [SIZES[k][1] for k in sizes]
+
+
+def test_threads_are_bounded_by_what_the_machine_runs(monkeypatch, capsys):
+    """--threads 100000 would crash a thread pool (exit 139), a 20-digit one overflow torch: both refused by name."""
+    before = torch.get_num_threads()
+    try:
+        for value in ("99999999999999999999", "100000"):
+            with pytest.raises(SystemExit) as e:
+                cli.main(["ports", "--threads", value])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and "argument --threads: must be in [1, " in err and f"got {value}" in err
+        assert torch.get_num_threads() == before  # refused before torch was told anything
+        from neuron_moe.cli_parser import THREADS_PER_CPU, max_threads
+
+        assert max_threads() == THREADS_PER_CPU * len(os.sched_getaffinity(0))
+        with pytest.raises(SystemExit):
+            cli.main(["ports", "--threads", str(max_threads() + 1)])
+        assert f"argument --threads: must be in [1, {max_threads()}], got" in capsys.readouterr().err
+        monkeypatch.setenv("OMP_NUM_THREADS", "100000")
+        assert cli.main(["ports"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: $OMP_NUM_THREADS=100000 is more torch threads") and err.count("\n") == 1
+        assert cli.main(["ports", "--threads", "1"]) == 0  # the flag wins over the variable
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- smaller things a user meets ------------------------------------------------------------------------------
+
+
+def test_reads_without_flags_reads_at_the_ports_reader_recovery_rank(capsys):
+    """The tiny port's [reader] table sets recovery_rank 0; the reader's own default (32) is past what its
+    budget allows there."""
+    assert cli.main(["reads", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["recovery_rank"] == 0 and report["budget_percent"] == 17.8, report
+    assert cli.main(["reads", "--recovery-rank", "32"]) == 2  # a flag still overrides the port
+    assert "below what the reader reads before any exact channel" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,flag", [(["reads", "--json"], "--json"), (["prep-reader", "--out"], "--out")])
+def test_an_output_the_filesystem_refuses_is_named_by_its_flag_before_any_work(argv, flag, capsys):
+    """/proc takes no new file (even for root, whom os.access lets through): the error names the flag
+    and the path given, not the temp file a write would have made."""
+    assert cli.main([*argv, "/proc/neuron-moe-test"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}: /proc/neuron-moe-test cannot be written") or err.startswith(
+        f"error: {flag}: /proc: directory not writable"
+    ), err
+    assert "/proc/.neuron-moe-test" not in err and err.count("\n") == 1
+
+
+def test_model_given_a_directory_says_it_is_one(tmp_path, monkeypatch, capsys):
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for model in (str(tmp_path / "ckpt"), "ckpt", "ckpt/"):
+        assert cli.main(["info", "--model", model]) == 2
+        err = capsys.readouterr().err
+        assert "ckpt is a directory, not a port file" in err and "--checkpoint" in err, err
+    (tmp_path / "tiny-gemma4-moe").mkdir()  # a folder named as a built-in port does not hide the port
+    assert cli.main(["info"]) == 0
+
+
+def test_ctrl_c_during_trace_and_compiles_ranks_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the rank shards are built: the partial output is removed on the way out (as on any
+    failure) and the user reads one line, no traceback."""
+    from neuron_moe.neuron import compile as nc
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nc.cpu, "shard_checkpoint", interrupted)
+    out = tmp_path / "art"
+    assert cli.main(["trace-and-compile", "--tp", "2", "--dry-run", "--out", str(out)]) == 130
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "error: interrupted (Ctrl-C): neuron-moe trace-and-compile stopped"
+    assert not [line for line in err if "Traceback" in line or "KeyboardInterrupt" in line]
+    assert not out.exists() and not list(tmp_path.glob(".art.partial-*"))
+
+
+def test_ctrl_c_inside_a_finalizer_is_not_lost():
+    """Python prints an exception raised in `__del__` and carries on: a Ctrl-C landing in one (the
+    garbage collector runs them anywhere; a real Ctrl-C during trace-and-compile's export can land in
+    `regex`'s) would be lost and the command run on. cli's handler sends it again once out of the finalizer."""
+    import signal
+    import time
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, cli.interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Finalized()  # collected at once: the signal arrives inside its __del__
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_real_ctrl_c_during_trace_and_compile_is_one_line_and_exit_130(tmp_path):
+    """SIGINT to the process while it exports the rank graphs: exit 130, one line, nothing written."""
+    import signal
+    import time
+
+    out = tmp_path / "art"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "neuron_moe", "trace-and-compile", "--tp", "2", "--dry-run", "--out", str(out)]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, env=env)
+    seen = b""
+    while b"export:" not in seen:  # tqdm's bar: the rank module is built, its graphs are being exported
+        chunk = proc.stderr.read1(4096)
+        assert chunk, seen.decode(errors="replace")
+        seen += chunk
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=120)[1]
+    err = (seen + rest).decode(errors="replace")
+    assert proc.returncode == 130, err
+    assert err.rstrip().splitlines()[-1] == "error: interrupted (Ctrl-C): neuron-moe trace-and-compile stopped"
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert not out.exists() and not list(tmp_path.glob(".art.partial-*"))

@@ -93,6 +93,7 @@ def test_pinned_bases_and_only_the_package_copied(name):
 
 
 def test_build_context_admits_only_the_package():
-    lines = [l for l in (DOCKER.parent / ".dockerignore").read_text().splitlines() if l and not l.startswith("#")]
+    text = (DOCKER.parent / ".dockerignore").read_text()
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert lines[0] == "*"
-    assert {l[1:].rstrip("/") for l in lines if l.startswith("!")} == ALLOWED_SOURCES
+    assert {line[1:].rstrip("/") for line in lines if line.startswith("!")} == ALLOWED_SOURCES

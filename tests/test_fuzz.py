@@ -12,17 +12,22 @@ either works or is one `UserError` (one `error:` line); any other exception is a
 `derandomize=True`: the same examples on every run, so a failure here is a regression, not luck.
 """
 
+import argparse
 import json
 import math
 import re
 import shutil
+import typing
 
 import httpx
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types import Completion
+from openai.types import completion_create_params as completion_params
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.chat import completion_create_params as chat_params
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -230,6 +235,45 @@ def test_fuzz_completion_requests(http, body, raw):
         check_answer(
             http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), raw, chat=False
         )
+
+
+def nullable_fields(params) -> list[str]:
+    """The fields of one of the `openai` package's request types that may be null: OpenAI's schema,
+    as its own client spells it."""
+    return sorted(k for k, kind in typing.get_type_hints(params).items() if type(None) in typing.get_args(kind))
+
+
+CHAT_NULLABLE = nullable_fields(chat_params.CompletionCreateParamsBase)
+COMPLETION_NULLABLE = nullable_fields(completion_params.CompletionCreateParamsBase)
+
+
+@settings(max_examples=40, **FUZZ)
+@given(chat=st.booleans(), data=st.data())
+def test_fuzz_null_wherever_openai_allows_it_is_the_default(http, chat, data):
+    """Any set of the fields OpenAI's schema lets be null, each null (an assistant turn's content too,
+    and a completion's prompt: the start of a document): a 200, as a request without them."""
+    nullable = CHAT_NULLABLE if chat else COMPLETION_NULLABLE
+    nulls = data.draw(st.sets(st.sampled_from(nullable), min_size=1), label="null")
+    # A length stays set (a completion's max_tokens, or one of chat's two): a request that runs to the
+    # end of the context takes seconds, and the fuzzer sends many.
+    length = ({"max_tokens", "max_completion_tokens"} - nulls) if chat else {"max_tokens"}
+    body = {"model": MODEL, **{k: None for k in nulls}, **({next(iter(sorted(length))): 2} if length else {})}
+    if not length:  # both lengths drawn null: one of them set after all
+        body["max_completion_tokens"] = 2
+    if chat:
+        turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]
+        body["messages"] = turns + [{"role": "user", "content": "again"}] if data.draw(st.booleans()) else turns[:1]
+    elif "prompt" not in nulls:
+        body["prompt"] = "Hi"
+    r = post(http, "/v1/chat/completions" if chat else "/v1/completions", body)
+    assert r.status_code == 200, (body, r.text)
+    check_answer(r, body, chat)
+
+
+def test_the_nullable_fields_are_openais():
+    """The schema the null fuzzer reads: the fields a user meets most are in it."""
+    assert {"temperature", "top_p", "seed", "stop", "max_tokens", "n", "logprobs"} <= set(CHAT_NULLABLE)
+    assert {"prompt", "suffix", "echo", "best_of", "max_tokens"} <= set(COMPLETION_NULLABLE)
 
 
 @settings(max_examples=60, **FUZZ)
@@ -484,7 +528,10 @@ edge_texts = st.sampled_from(
         "1e308",
         "-1e-300",
         str(2**63),
+        str(2**64 - 1),
         str(2**64),
+        "99999999999999999999",
+        "100000",
         str(10**30),
         "1e3",
         "",
@@ -502,31 +549,24 @@ number_texts = st.one_of(
     st.integers(-3, 300).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
 )
-NUMERIC = {
-    "plan": ["--batch-size", "--seq-len", "--budget", "--recovery-rank", "--scan", "--runtime-reserve-gib"],
-    "reads": [
-        "--budget",
-        "--hidden",
-        "--experts",
-        "--top-k",
-        "--intermediate",
-        "--scan",
-        "--recovery-rank",
-        "--batch-size",
-        "--step-budget",
-    ],
-    "serve": [
-        "--port",
-        "--batch-size",
-        "--max-running",
-        "--max-queue",
-        "--drain-timeout",
-        "--max-body-bytes",
-        "--header-timeout",
-        "--body-timeout",
-    ],
-    "prep-reader": ["--seed", "--recovery-rank", "--scan"],
-}
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def numeric_options(sub: argparse.ArgumentParser) -> list[str]:
+    """Every option of a command that takes a number (cli_parser.number's types), --threads included."""
+    return sorted(a.option_strings[0] for a in sub._actions if hasattr(a.type, "bounds"))
+
+
+def integer_option(sub: argparse.ArgumentParser, flag: str) -> bool:
+    (action,) = [a for a in sub._actions if flag in a.option_strings]
+    return getattr(action.type, "kind", None) is int
+
+
+# every numeric option of the commands the fuzzer runs, read from the parser: a new one is fuzzed too
+NUMERIC = {command: numeric_options(subcommands()[command]) for command in ("plan", "reads", "serve", "prep-reader")}
 BASE = {
     # the reader on (--budget given here, a drawn one after it wins): its numbers are fuzzed too
     "plan": ["--model", "gemma4-26b-a4b", "--instance", "inf2.48xlarge", "--tp", "8", "--reader", "--budget", "17.8"],
@@ -548,13 +588,16 @@ def numeric_argv(data, command: str, geometry: bool = False) -> list[str]:
 def refused_or_ran(run, capsys):
     """`run()` returns an exit status (0 or 1: a plan that does not fit) with a report free of NaN and inf,
     or 2 with one `error:` line, or argparse refuses an argument by name (exit 2); any other exception
-    fails the test."""
+    fails the test. torch's thread count (--threads) is put back after."""
+    threads = torch.get_num_threads()
     try:
         status = run()
     except SystemExit as e:
         err = capsys.readouterr().err
         assert e.code == 2 and err.splitlines()[-1].split(": error: argument --")[1], err
         return None
+    finally:
+        torch.set_num_threads(threads)
     out, err = capsys.readouterr()
     assert status in (0, 1, 2), (status, err)
     if status == 2:
@@ -587,6 +630,36 @@ def test_fuzz_numeric_options_of_serve_before_binding(capsys, data):
         return 0
 
     refused_or_ran(check, capsys)
+
+
+@settings(max_examples=150, **FUZZ)
+@given(data=st.data())
+def test_fuzz_every_integer_option_of_every_command_up_to_2_to_the_64(capsys, data):
+    """Every command's every integer option (--threads included), parsed alone with what a user may type,
+    up to 2^64 and past it: refused by name, or a value within the option's own bounds, never anything
+    the parser let through unbounded."""
+    commands = subcommands()
+    command = data.draw(st.sampled_from(sorted(commands)), label="command")
+    sub = commands[command]
+    flags = [f for f in numeric_options(sub) if integer_option(sub, f)]
+    assert "--threads" in flags
+    flag = data.draw(st.sampled_from(flags), label="flag")
+    value = data.draw(number_texts | st.integers(-(2**65), 2**65).map(str), label="value")
+    least = [command]
+    for a in sub._actions:  # what the command needs to parse at all
+        if a.required or (not a.option_strings and a.nargs != 0):
+            least += [*a.option_strings[:1], str(a.choices[0]) if a.choices else "x"]
+    try:
+        args = cli.parser().parse_args([*least, flag, value])
+    except SystemExit as e:
+        err = capsys.readouterr().err
+        assert e.code == 2 and f": error: argument {flag}" in err, err
+        return
+    (action,) = [a for a in sub._actions if flag in a.option_strings]
+    low, high = action.type.bounds
+    got = getattr(args, action.dest)
+    for v in got if isinstance(got, list) else [got]:
+        assert type(v) is int and low <= v <= high < 2**64, (flag, value, v)  # a seed takes all of uint64
 
 
 @settings(max_examples=30, **FUZZ)

@@ -176,9 +176,9 @@ def test_reader_table_is_parsed_at_load(tmp_path):
     assert port.reader == Reader(sidecar=tmp_path / "sc/tiny.safetensors", budget=30.0)
 
 
-# Wrong types, sizes and misspellings (issue 26, item 6): each is one `error:` line naming the field,
-# where each used to be a raw traceback (transformers' own error class, an unhashable value, a
-# zero size that fails later) or, for a misspelled key outside [config], silently ignored.
+# Wrong types, sizes and misspellings: each is one `error:` line naming the field, not a raw traceback
+# (transformers' own error class, an unhashable value, a zero size that fails later) nor, for a
+# misspelled key outside [config], silently ignored.
 @pytest.mark.parametrize(
     "edit,message",
     [
@@ -303,7 +303,8 @@ def test_a_checkout_with_nothing_installed_finds_its_ports(tmp_path):
     and the ports come from the checkout's ports/."""
     code = (
         "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
-        f"sys.path.insert(0, {str(ROOT)!r}); import importlib.util as u; assert u.find_spec('neuron_moe.ports') is None; "
+        f"sys.path.insert(0, {str(ROOT)!r}); import importlib.util as u; "
+        "assert u.find_spec('neuron_moe.ports') is None; "
         "from neuron_moe.port import builtin_ports, load_port; "
         "print(builtin_ports(), load_port('tiny-gemma4-moe').checkpoint)"
     )

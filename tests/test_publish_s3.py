@@ -372,23 +372,27 @@ def test_failure_mid_upload_removes_the_run_and_a_rerun_needs_no_overwrite(
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
-def test_corrupted_object_is_caught_on_pull_and_nothing_lands(bucket, client, artifacts, tmp_path, damage):
+def test_a_refused_pull_leaves_the_destination_as_it_was(bucket, client, artifacts, tmp_path, damage):
+    """A pulled directory, then a new publication there with an object rotten at rest: the pull is
+    refused by the object's name and the directory is byte for byte the first pull's, with nothing
+    beside it."""
     uri = f"s3://{bucket}/v1"
-    report = s3.publish(artifacts, uri, progress=False, client=client)
-    key = next(f["key"] for f in report["files"] if f["path"] == "neff/graph.neff")
-    good = (artifacts / "neff" / "graph.neff").read_bytes()
+    s3.publish(artifacts, uri, progress=False, client=client)
+    dest = s3.pull(uri, tmp_path / "dest")
+    before, siblings = tree(dest), sorted(p.name for p in tmp_path.iterdir())
+
+    (artifacts / "config.json").write_text('{"tp_degree": 4, "seed": 0}\n')
+    (artifacts / "extra.bin").write_bytes(os.urandom(1000))
+    report = s3.publish(artifacts, uri, overwrite=True, progress=False, client=client)
+    key = next(f["key"] for f in report["files"] if f["path"] == "extra.bin")  # one to download
+    good = (artifacts / "extra.bin").read_bytes()
     bad = bytes([good[0] ^ 1]) + good[1:] if damage == "flipped byte" else good[:-10]
     client.put_object(Bucket=bucket, Key=key, Body=bad)  # rot at rest, after publishing
 
-    dest = tmp_path / "dest"
-    (dest / "neff").mkdir(parents=True)
-    (dest / "neff" / "graph.neff").write_bytes(b"an older version")
-    with pytest.raises(PublishError, match=rf"s3://{bucket}/{key} does not match its manifest entry"):
+    with pytest.raises(PublishError, match=rf"{key} does not match its manifest entry"):
         s3.pull(uri, dest)
-    assert (dest / "neff" / "graph.neff").read_bytes() == b"an older version"  # not replaced
-    assert not [p for p in dest.rglob(".*")]  # no temp file left
-    # the files before it in the manifest landed whole and verified
-    assert tree(dest) == dict(tree(artifacts), **{"neff/graph.neff": b"an older version"})
+    assert tree(dest) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == siblings  # no partial directory left
 
 
 def test_second_publish_is_refused_and_overwrite_replaces_it(bucket, client, artifacts, tmp_path, capsys):
@@ -773,6 +777,40 @@ def test_a_second_server_on_a_shared_cache_waits_for_the_first_pull(
     assert torch.equal(engine.runtime.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
+def test_a_republished_checkpoint_served_from_a_used_cache_is_the_new_one(
+    bucket, client, tiny_port, tmp_path, one_torch_thread
+):
+    """A sharded checkpoint (index + shards) served through --artifacts s3://... and a cache, then
+    re-published --overwrite as one model.safetensors of other weights: the next server loads the
+    new weights (the old index, which the loader would prefer, is gone from the cache)."""
+    from neuron_moe.checkpoint import save_checkpoint
+    from neuron_moe.model import build_model
+    from neuron_moe.serve.server import plan_load
+
+    from conftest import reseeded
+
+    def publish(seed, shard_bytes, overwrite):
+        model = build_model(reseeded(tiny_port, seed))
+        out = save_checkpoint(model, tmp_path / f"published-{seed}", shard_bytes=shard_bytes)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (out / name).write_bytes((tiny_port.checkpoint / name).read_bytes())
+        s3.publish(out, uri, overwrite=overwrite, progress=False, client=client)
+        return model, sorted(p.name for p in out.iterdir())
+
+    def serve():
+        args = cli.parser().parse_args(["serve", "--artifacts", uri, "--artifacts-cache", str(tmp_path / "cache")])
+        return plan_load(args)[1]().runtime.model.model.embed_tokens.weight
+
+    uri = f"s3://{bucket}/tiny"
+    first, files = publish(1, 2 * MiB, overwrite=False)
+    assert "model.safetensors.index.json" in files and len([f for f in files if f.startswith("model-")]) >= 2
+    assert torch.equal(serve(), first.model.embed_tokens.weight)
+    second, files = publish(2, None, overwrite=True)
+    assert "model.safetensors" in files and "model.safetensors.index.json" not in files
+    assert not torch.equal(second.model.embed_tokens.weight, first.model.embed_tokens.weight)
+    assert torch.equal(serve(), second.model.embed_tokens.weight)
+
+
 def test_a_pull_waiting_on_a_stuck_one_gives_up(bucket, client, artifacts, tmp_path, monkeypatch):
     uri = f"s3://{bucket}/v1"
     s3.publish(artifacts, uri, progress=False, client=client)
@@ -814,20 +852,16 @@ def test_bad_input_errors_name_the_problem(bucket, client, artifacts, tmp_path):
 
 
 def test_a_killed_pulls_leftovers_are_removed_by_the_next_pull(bucket, client, artifacts, tmp_path):
-    """Issue 26, item 11: a killed pull left hidden `.part` files (ours, and boto's beside them), and
-    `publish` of that directory then refused it for its hidden files."""
+    """A killed pull leaves its private sibling of DIR (`.DIR.partial-*`, files half downloaded in
+    it); the next pull, holding the lock, removes it, and DIR holds exactly the publication."""
     uri = f"s3://{bucket}/v1"
     s3.publish(artifacts, uri, progress=False, client=client)
     dest = tmp_path / "pulled"
-    (dest / "neff").mkdir(parents=True)
-    leftovers = [dest / ".model.pt.k2j4h1x0.part", dest / "neff" / ".graph.neff.a8d0.part.1A2b3C4d"]
-    for part in leftovers:
-        part.write_bytes(b"half a download")
-    (dest / ".mine").write_text("not a download: kept")
+    partial = tmp_path / ".pulled.partial-k2j4h1x0"
+    (partial / "neff").mkdir(parents=True)
+    (partial / "neff" / "graph.neff.a8d0b1c2").write_bytes(b"half a download")
     s3.pull_report(uri, dest, progress=False, client=client)
-    assert not any(p.exists() for p in leftovers)
-    assert (dest / ".mine").exists() and tree(dest) == {**tree(artifacts), ".mine": b"not a download: kept"}
-    (dest / ".mine").unlink()
+    assert not partial.exists() and tree(dest) == tree(artifacts)
     assert s3.publish(dest, f"s3://{bucket}/v2", progress=False, client=client)["files"]
     assert not (tmp_path / ".pulled.lock").exists()  # the lock went with its pull
 
@@ -844,27 +878,64 @@ def test_a_second_pull_into_the_same_dir_is_refused_while_one_runs(bucket, clien
     assert tree(dest) == tree(artifacts)
 
 
-@pytest.mark.parametrize("clash", ["file where a folder goes", "folder where a file goes"])
-def test_a_pull_that_cannot_land_fails_before_downloading(bucket, client, artifacts, tmp_path, capsys, clash):
-    """Issue 26, item 10: a file/folder conflict in DIR was a raw traceback, after part of the download."""
+@pytest.mark.parametrize("clash", ["file where a folder goes", "folder where a file goes", "unrelated file"])
+def test_a_directory_no_pull_wrote_is_refused_before_downloading(bucket, client, artifacts, tmp_path, capsys, clash):
+    """A pull replaces its directory whole: one that a pull did not write is refused, and kept."""
     uri = f"s3://{bucket}/v1"
     s3.publish(artifacts, uri, progress=False, client=client)
     dest = tmp_path / "pulled"
     dest.mkdir()
     if clash == "file where a folder goes":
         (dest / "neff").write_text("x")
-        message = "neff is a file, where the manifest's neff/graph.neff needs a folder"
-    else:
+    elif clash == "folder where a file goes":
         (dest / "model.pt").mkdir()
-        message = "model.pt is a folder, where the manifest has the file model.pt"
+    else:
+        (dest / "notes.txt").write_text("mine")
+    before = sorted(p.relative_to(dest) for p in dest.rglob("*"))
     assert cli.main(["pull", uri, str(dest)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and message in err and "Traceback" not in err
-    assert not (dest / "config.json").exists()  # nothing was downloaded
+    assert err == (
+        f"error: {dest} holds files that no pull wrote; a pull replaces its directory whole with the "
+        "publication, so it writes only a new, an empty or a pulled one: remove it, or choose another\n"
+    )
+    assert sorted(p.relative_to(dest) for p in dest.rglob("*")) == before  # nothing was downloaded
+
+
+def test_a_mount_point_is_refused_as_a_pull_destination(bucket, client, artifacts, tmp_path, monkeypatch):
+    """A pull replaces DIR whole, which a mount point (a container's volume) cannot be."""
+    uri = f"s3://{bucket}/v1"
+    s3.publish(artifacts, uri, progress=False, client=client)
+    dest = tmp_path / "volume"
+    dest.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == dest)
+    with pytest.raises(PublishError, match=rf"{dest} is a mount point; .* pull into a folder inside it"):
+        s3.pull_report(uri, dest, progress=False, client=client)
+    s3.pull_report(uri, dest / "v1", progress=False, client=client)
+    assert tree(dest / "v1") == tree(artifacts)
+
+
+def test_a_republication_with_other_files_pulled_into_a_used_directory_leaves_only_its_files(
+    bucket, client, artifacts, tmp_path
+):
+    """DIR holds exactly the manifest's files: those of the publication it replaced are gone."""
+    uri = f"s3://{bucket}/v1"
+    s3.publish(artifacts, uri, progress=False, client=client)
+    dest = s3.pull(uri, tmp_path / "dest")
+    (artifacts / "neff" / "graph.neff").unlink()
+    (artifacts / "neff").rmdir()
+    (artifacts / "weights.bin").write_bytes(os.urandom(5000))
+    s3.publish(artifacts, uri, overwrite=True, progress=False, client=client)
+    report = s3.pull_report(uri, dest, progress=False, client=client)
+    assert tree(dest) == tree(artifacts) and not (dest / "neff").exists()
+    assert {r["path"]: r["action"] for r in report["files"]} == {
+        "config.json": "present",
+        "model.pt": "present",
+        "weights.bin": "downloaded",
+    }
 
 
 def test_publish_with_a_bad_json_path_fails_before_uploading(bucket, client, artifacts, tmp_path, capsys):
-    """Issue 26, item 10: `publish --json <dir>` uploaded everything, then died writing the report."""
+    """`publish --json <dir>` is refused before any upload, not after uploading everything."""
     uri = f"s3://{bucket}/v1"
     assert cli.main(["publish", str(artifacts), uri, "--json", str(tmp_path)]) == 2
     assert "is a directory; give a file name" in capsys.readouterr().err
@@ -877,3 +948,104 @@ def test_help(command, capsys):
         cli.main([command, "--help"])
     assert exit_.value.code == 0
     assert "--json" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------- a trace-and-compile artifact
+
+
+@pytest.fixture
+def dry_run_artifact(tmp_path, tiny_port, one_torch_thread):
+    from neuron_moe.neuron import compile as compile_
+
+    out = tmp_path / "art"
+    compile_.trace_and_compile(tiny_port, compile_.Build(tp=1, out=out, dtype="float32", dry_run=True, export=False))
+    return out
+
+
+def test_publish_refuses_an_artifact_that_its_own_manifest_does_not_describe(bucket, client, dry_run_artifact, capsys):
+    """A weight file changed after trace-and-compile (its manifest.json says other bytes): nothing
+    is uploaded, and the file is named; a file the manifest does not list, the same."""
+    weights = dry_run_artifact / "weights" / "tp0_sharded_checkpoint.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-100] + bytes([good[-100] ^ 0xFF]) + good[-99:])
+    uri = f"s3://{bucket}/art"
+    assert cli.main(["publish", str(dry_run_artifact), uri]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {weights}: sha256 ") and "the file changed after trace-and-compile" in err, err
+    assert keys(client, bucket, "") == []
+
+    weights.write_bytes(good)
+    (dry_run_artifact / "notes.txt").write_text("added later")
+    assert cli.main(["publish", str(dry_run_artifact), uri]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {dry_run_artifact}/notes.txt: not in the artifact's manifest")
+    assert keys(client, bucket, "") == []
+    (dry_run_artifact / "notes.txt").unlink()
+    assert cli.main(["publish", str(dry_run_artifact), uri]) == 0
+
+
+def test_verify_reads_a_publication_from_s3_and_refuses_a_rotten_object(
+    bucket, client, dry_run_artifact, tmp_path, capsys
+):
+    uri = f"s3://{bucket}/art"
+    report = s3.publish(dry_run_artifact, uri, progress=False, client=client)
+    assert cli.main(["verify", uri, "--model", "tiny-gemma4-moe"]) == 0
+    assert f"{uri}: {len(report['files']) - 1} files" in capsys.readouterr().out
+    assert not (tmp_path / "art-pulled").exists()
+
+    key = next(f["key"] for f in report["files"] if f["path"] == "shard_plan.json")
+    client.put_object(Bucket=bucket, Key=key, Body=b"{}")  # rot at rest
+    assert cli.main(["verify", uri]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: s3://{bucket}/{key} does not match its manifest entry") and err.count("\n") == 1
+
+    # a publication that is not an artifact
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "a.bin").write_bytes(b"a")
+    s3.publish(tmp_path / "plain", f"s3://{bucket}/plain", progress=False, client=client)
+    assert cli.main(["verify", f"s3://{bucket}/plain"]) == 2
+    assert f"error: s3://{bucket}/plain: no manifest.json" in capsys.readouterr().err
+
+
+INTERRUPTED_AFTER_ITS_FIRST_PART = """
+import os, signal, sys
+import boto3
+from neuron_moe import cli
+from neuron_moe.publish import s3
+s3.MULTIPART_THRESHOLD = s3.MULTIPART_CHUNKSIZE = 5 * 2**20
+client, sent = boto3.client, []
+def interrupt_once(**_):  # one Ctrl-C, as a user presses it
+    if not sent:
+        sent.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+def interrupting_client(*args, **kwargs):
+    made = client(*args, **kwargs)
+    made.meta.events.register("after-call.s3.UploadPart", interrupt_once)
+    return made
+boto3.client = interrupting_client
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_during_publish_is_one_line_and_its_clean_up_holds(bucket, client, tmp_path):
+    """SIGINT while s3transfer's threads upload: one line, exit 130; this run's objects removed, its
+    open upload aborted, its claim released (a rerun needs no --overwrite)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "weights.bin").write_bytes(os.urandom(16 * MiB))
+    uri = f"s3://{bucket}/v1"
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_AFTER_ITS_FIRST_PART, "publish", str(src), uri],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (130, "error: interrupted (Ctrl-C): neuron-moe publish stopped\n"), (
+        done.stderr[-3000:]
+    )
+    assert keys(client, bucket, "v1/") == [f"v1/{MANIFEST}"] and uploads(client, bucket, "v1/") == []
+    assert "pending" not in manifest(client, bucket, "v1")
+    s3.publish(src, uri, progress=False, client=client)
+    assert tree(s3.pull(uri, tmp_path / "dest")) == tree(src)

@@ -82,7 +82,8 @@ def test_rows_that_are_not_whole_sectors_cost_one_more():
         (100.5, r"budget must be in"),
         (
             5.0,
-            r"budget 5.0% is below what the reader reads before any exact channel \(5.57%: sketch 4.86%, norms 0.02%, recovery 0.69%",
+            r"budget 5.0% is below what the reader reads before any exact channel "
+            r"\(5.57%: sketch 4.86%, norms 0.02%, recovery 0.69%",
         ),
     ],
 )
@@ -141,7 +142,7 @@ def test_reads_cli_errors(capsys, args, message):
         (["--budget", "0"], "argument --budget: must be in (0, 100], got 0"),
         (["--budget", "nan"], "argument --budget: must be a finite number, got nan"),
         (["--scan", "129"], "argument --scan: must be in [1, 128], got 129"),
-        (["--recovery-rank", "-1"], "argument --recovery-rank: must be at least 0, got -1"),
+        (["--recovery-rank", "-1"], "argument --recovery-rank: must be in [0, 262144], got -1"),
         (["--batch-size", "4", "--step-budget", "nan"], "argument --step-budget: must be a finite number, got nan"),
         (["--batch-size", "4", "--step-budget", "0"], "argument --step-budget: must be more than 0, got 0"),
         (["--batch-size", "4", "--step-budget", "-2"], "argument --step-budget: must be more than 0, got -2"),

@@ -269,7 +269,7 @@ def test_reads_cli_batch(capsys):
     assert "batch 8" in printed and "uniform routing" in printed
     with pytest.raises(SystemExit) as exit:
         cli.main(["reads", "--batch-size", "0"])
-    assert exit.value.code == 2 and "argument --batch-size: must be at least 1" in capsys.readouterr().err
+    assert exit.value.code == 2 and "argument --batch-size: must be in [1, 1024]" in capsys.readouterr().err
 
 
 # ---- decode batches inside the model (eval/reader_batch.py) ----

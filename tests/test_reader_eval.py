@@ -5,12 +5,14 @@ and their reads are measured, unreachable budgets are reported, and a rerun skip
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from neuron_moe import cli
 from neuron_moe.eval import reader_eval as R
+from neuron_moe.eval import reader_report
 from neuron_moe.experts.selector_experts import attach_selector, moe_layers
 from neuron_moe.reader import selectors as S
 from neuron_moe.model import build_model, prep_port
@@ -244,3 +246,16 @@ def test_bad_input_is_one_error_line(flags, message, tmp_path, capsys):
     assert err.startswith("error: ") or err.split("\n", 1)[1].startswith("error: "), err
     assert err.count("error: ") == 1 and "Traceback" not in err
     assert re.search(message, err), err
+
+
+def test_the_results_page_is_written_from_the_run_beside_it(tmp_path):
+    """bench/results/reader-eval.md is the report writer's page for the report.json and layers.json in
+    bench/results/reader-eval/: regenerated, it is byte for byte the committed page, so the page cannot
+    describe another run than the one its files hold."""
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    page = tmp_path / "reader-eval.md"
+    assert reader_report.main([str(results / "reader-eval"), str(page)]) == 0
+    assert page.read_text() == (results / "reader-eval.md").read_text()
+    report = json.loads((results / "reader-eval" / "report.json").read_text())
+    assert report["settings"]["weights_sha256"][:16] in page.read_text()
+    assert reader_report.main([str(tmp_path / "missing")]) == 2

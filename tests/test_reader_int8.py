@@ -166,7 +166,7 @@ def test_a_sidecar_of_the_dequantised_int8_is_accepted_for_int8_only(tiny_port, 
     model = build_model(tiny_port)
     dq = write_sidecar(
         tmp_path / "dq.safetensors",
-        [int8_experts(l.experts).dequantized() for l in model.model.layers],
+        [int8_experts(layer.experts).dequantized() for layer in model.model.layers],
         Geometry(hidden=128, experts=16, intermediate=64),
         layers=4,
         progress=False,

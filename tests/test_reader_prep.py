@@ -219,7 +219,7 @@ def _rewrite(src, dst, edit_meta=None, edit_tensors=None):
         (lambda m: m.update(block="64"), None, "block 64"),
         (lambda m: m.pop("rank"), None, "metadata field 'rank' missing"),
         (lambda m: m.update(seed="1"), None, "hadamard_signs are not those of seed 1"),
-        # issue 26, item 9: a header claiming 10^8 layers built a table of 5·10^8 tensor specs (minutes, GBs)
+        # a header claiming 10^8 layers is refused before a table of 5·10^8 tensor specs is built (minutes, GBs)
         (lambda m: m.update(layers="100000000"), None, "metadata says 100000000 layers; the file holds 11 tensors"),
         (lambda m: m.update(layers="-3"), None, "metadata says -3 layers"),
         (None, lambda t: t.pop("layers.1.coeffs"), r"missing \['layers.1.coeffs'\]"),
@@ -285,11 +285,20 @@ def _restamp(meta: dict, tensors: dict, layers: int) -> None:
         (lambda t: t["layers.0.codes"].view(-1)[3].fill_(243), r"layers\.0\.codes holds 1 byte\(s\) above 242"),
         (lambda t: t["layers.0.scales"].fill_(float("nan")), r"layers\.0\.scales holds NaN or inf"),
         (lambda t: t["layers.0.coeffs"].view(-1)[5].fill_(float("inf")), r"layers\.0\.coeffs holds NaN or inf"),
+        (
+            lambda t: t["layers.0.down_norms"].view(-1)[2].fill_(-0.5),
+            r"layers\.0\.down_norms holds 1 negative value\(s\); down_norms are norms, at least 0",
+        ),
+        (
+            lambda t: t["layers.0.scales"].view(-1)[0].fill_(-1.0),
+            r"layers\.0\.scales holds 1 negative value\(s\); scales are mean magnitudes, at least 0",
+        ),
     ],
 )
 def test_invalid_codes_and_non_finite_numbers_are_refused(sidecar, tmp_path, edit, message):
     """Content that no prep writes, even with digests that match it: invalid code bytes (the reader
-    would read them as codes), NaN or inf (caught before, only as NaN logits)."""
+    would read them as codes), NaN or inf (caught before, only as NaN logits), a negative norm or
+    scale (which would rank channels backwards)."""
     with safe_open(sidecar[0], framework="pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     edit(tensors)

@@ -33,7 +33,7 @@ def test_write_json_gives_the_file_the_umask_mode(tmp_path, restore_umask, mask,
     assert [p.name for p in out.parent.iterdir()] == ["r.json"]  # no temp file left
 
 
-# ---- outputs that are not plain new files (issue 26, item 1) -----------------------------------------
+# ---- outputs that are not plain new files -------------------------------------------------------------
 
 
 def test_a_symlink_is_written_through_not_replaced(tmp_path):

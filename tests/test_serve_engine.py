@@ -150,6 +150,7 @@ def split_texts(draw):
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(case=split_texts())
 @example(case=([b"xa", b"\xc3", b"\xa9!"], ("a\u00e9",)))  # "xa" + half of "é": the "a" was sent, then the stop
+@example(case=([b"a\xdf", b"\x85b"], ("\ufffd",)))  # a stop of U+FFFD never matches half of "\u07c5"
 def test_no_part_of_a_stop_string_reaches_the_client_whatever_the_split(case):
     """Streamed, each step's text is final (never a partial character, never taken back); collected
     (a request without `stream`: the steps' texts joined), the answer ends just before the stop."""
@@ -168,6 +169,16 @@ def test_no_part_of_a_stop_string_reaches_the_client_whatever_the_split(case):
     assert ("".join(streamed), finish) == (want, want_finish), (chunks, stops, streamed)
 
 
+def test_a_stop_of_the_replacement_character_sees_only_complete_characters():
+    """Half of a two-byte character decodes as U+FFFD; a stop string of U+FFFD must not cut the
+    text there (it dropped the character), while a whole U+FFFD in the text is a match."""
+    chunks = [b"a\xdf", b"\x85", b"b\xef\xbf\xbd", b"c"]  # "a", "\u07c5" in two halves, "b", a real U+FFFD, "c"
+    output = Output(ChunkTokenizer(chunks), frozenset(), SamplingParams(8, temperature=0.0, stop=("\ufffd",)))
+    steps = [output.next(None, token) for token in range(4)]
+    assert [s.text for s in steps[:3]] == ["a", "\u07c5", "b"]
+    assert (steps[3].text, steps[3].finish_reason) == ("", "stop")
+
+
 def test_cancelled_generation_stops_without_a_final_step():
     import threading
 
@@ -181,8 +192,8 @@ def test_cancelled_generation_stops_without_a_final_step():
 
 
 def test_non_finite_logits_fail_the_request_not_answer_it(tiny_port):
-    """NaN logits (issue 26, item 4): greedy used to return the argmax of NaNs as a token (empty text),
-    sampling a 500 from multinomial; both are now the same clear failure."""
+    """NaN logits: greedy would take the argmax of NaNs as a token (empty text) and sampling would raise
+    in multinomial (a 500); both are the same clear failure."""
     nan_from = Scripted([b + BYTES.offset for b in b"abc"])
     inner = nan_from._logits
     nan_from._logits = lambda i: inner(i) if i < 2 else torch.full((BYTES.vocab_size,), float("nan"))

@@ -5,7 +5,10 @@ every error case answers in OpenAI's shape with the right status."""
 import asyncio
 import contextlib
 import copy
+import gc
 import json
+import logging
+import re
 import signal
 import socket
 import threading
@@ -414,10 +417,53 @@ def test_unknown_model_is_404(url):
     assert_openai_error(httpx.get(f"{url}/v1/nope"), 404)
 
 
+def test_models_retrieve_answers_each_served_name(engine):
+    """The `openai` client's `models.retrieve(id)` is GET /v1/models/{id}; a served name may hold '/'."""
+    names = [MODEL, "google/gemma-4-26B-A4B-it"]
+    app = create_app(lambda: engine, model_name=names, **({"max_running": 1} if engine.rows is None else {}))
+    with serving(app) as url:
+        ready(url)
+        for name in names:
+            model = client(url).models.retrieve(name)
+            assert Model.model_validate(model.model_dump()).id == name and model.model_extra["root"] == MODEL
+        with pytest.raises(openai.NotFoundError) as e:
+            client(url).models.retrieve("gpt-4o")
+        assert (e.value.code, e.value.param) == ("model_not_found", "model") and MODEL in e.value.message
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_json_body_sent_as_another_content_type_is_told_so(url, content_type):
+    """curl -d sends form-urlencoded; the answer names the Content-Type, not a missing field."""
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(f"{url}/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi"}), headers=headers)
+    message = assert_openai_error(r, 415, code="unsupported_media_type")["message"]
+    assert (
+        "'Content-Type: application/json'" in message and (repr(content_type) if content_type else "missing") in message
+    )
+
+
+def test_a_request_without_a_body_is_told_so(url):
+    r = httpx.post(f"{url}/v1/completions", headers={"content-type": "application/json"})
+    assert "the request has no body" in assert_openai_error(r, 400)["message"]
+
+
+def test_the_open_routes_are_the_ones_the_docs_name():
+    """docs/serving.md says which routes need no key; the server's OPEN_PATHS are those."""
+    from pathlib import Path
+
+    from neuron_moe.serve.app import OPEN_PATHS
+
+    docs = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    sentence = re.search(r"every route needs it but ([^)]*)\)", docs)
+    assert sentence and set(re.findall(r"`(/[a-z]+)`", sentence.group(1))) == set(OPEN_PATHS), sentence
+
+
 def test_api_key(engine):
     with serving(make_app(engine, api_key="secret")) as url:
         ready(url)  # /health stays open for load balancers
         assert httpx.get(f"{url}/ping").status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == 200  # open, as vLLM's: for a Prometheus scraper
+        assert_openai_error(httpx.get(f"{url}/v1/models/{MODEL}"), 401, code="invalid_api_key")
         with pytest.raises(openai.AuthenticationError):
             client(url, key="wrong").models.list()
         r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
@@ -585,6 +631,37 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(endless_engine
         wait_for(lambda: health(url)["running"] == 0, what="the slot to be free")
 
 
+def test_a_storm_of_clients_that_leave_logs_no_unretrieved_task(endless_engine, caplog):
+    """Clients that leave mid-stream or mid-request: each one's waiting task is cancelled and read,
+    not left for asyncio to log 'Task exception was never retrieved', once per client."""
+    spy = Spy(endless_engine, step_delay_s=0.01)
+
+    async def storm(url):
+        async def leave_a_stream(c):
+            async with c.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=LONG, stream=True)) as r:
+                async for _ in r.aiter_lines():
+                    break
+
+        async def leave_a_request(c):
+            with contextlib.suppress(httpx.ReadTimeout):
+                await c.post(
+                    "/v1/chat/completions", json=chat_body(max_tokens=LONG), timeout=httpx.Timeout(30, read=0.05)
+                )
+
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            for _ in range(3):
+                await asyncio.gather(*[leave_a_stream(c) for _ in range(6)], *[leave_a_request(c) for _ in range(4)])
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"), serving(make_app(spy, max_queue=32)) as url:
+        ready(url)
+        asyncio.run(storm(url))
+        wait_for(lambda: health(url)["running"] == 0 and health(url)["waiting"] == 0, what="the slots to be free")
+        gc.collect()  # a task nobody holds any more is logged when it is collected
+        time.sleep(0.2)
+    assert spy.outcomes and set(spy.outcomes) == {"cancelled"}
+    assert not [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
 def test_the_queue_bound_holds_under_50_concurrent_clients(endless_engine):
     """50 clients at once, while the admitted requests are held: exactly rows + max_queue are
     admitted, every other one gets 429 + Retry-After at once, and the admitted ones all finish."""
@@ -665,7 +742,7 @@ def test_a_draining_server_refuses_new_requests_and_finishes_the_running_ones(en
         assert spy.outcomes == ["length"] * n
 
 
-# ---- hostile clients: huge bodies, slow tokenizing (issue 26, item 2) -----------------------------------
+# ---- hostile clients: huge bodies, slow tokenizing -------------------------------------------------------
 
 
 def test_a_body_over_the_limit_is_413_in_openai_shape(engine):
@@ -771,7 +848,8 @@ class SlowTokenizer:
 
 
 def test_health_answers_while_a_prompt_is_tokenized(engine):
-    """A 10 MB prompt took 15 s in the tokenizer, on the event loop: /health waited as long."""
+    """Tokenizing runs off the event loop: while a prompt is in the tokenizer (3 s here; a 10 MB prompt
+    takes ~15 s), /health answers at once, well before the tokenizer is done."""
     slow = copy.copy(engine)
     slow.tokenizer = SlowTokenizer(engine.tokenizer, 3.0)
     with serving(make_app(slow)) as url:
@@ -785,7 +863,7 @@ def test_health_answers_while_a_prompt_is_tokenized(engine):
         assert slow.tokenizer.busy.wait(30)
         start = time.perf_counter()
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
-        assert time.perf_counter() - start < 1.0
+        assert time.perf_counter() - start < 2.0  # not the tokenizer's 3 s, with room for a loaded machine
         sender.join(60)
     assert answers[0].status_code == 200
 
@@ -809,8 +887,8 @@ def test_a_prompt_longer_than_the_context_could_hold_is_refused_untokenized(engi
 
 
 def test_past_the_drain_timeout_requests_in_flight_end_properly(endless_engine):
-    """They used to be cut: a chunked stream without its end (no error event, no [DONE]), or a plain-text
-    500. Now a stream ends with an error event and [DONE], a plain request with a 503 JSON body."""
+    """Not cut off (a chunked stream without its end, or a plain-text 500): a stream ends with an error
+    event and [DONE], a plain request with a 503 JSON body."""
     spy = Spy(endless_engine, step_delay_s=SLOW_S)  # LONG tokens take 3 s: running at the 1 s deadline
     app = create_app(lambda: spy, model_name=MODEL, **({"max_running": 2} if spy.rows is None else {}))
     server = DrainingServer(server_config(app), drain_timeout=1.0)

@@ -30,7 +30,7 @@ from neuron_moe.serve import neuron
 from neuron_moe.serve.backends import BACKENDS, load_engine
 from neuron_moe.serve.batching import BatchEngine
 from neuron_moe.serve.engine import SamplingParams
-from neuron_moe.serve.server import plan_load
+from neuron_moe.serve.server import ServeError, plan_load
 
 from conftest import port_text_elsewhere, reseeded
 from dockerfile import DOCKER, final_stage
@@ -94,6 +94,7 @@ def manifest_dir(tmp_path):
         (["--artifacts", "{tmp}/absent"], "absent: not a directory"),
         (["--checkpoint", "{tmp}", "--artifacts", "{tmp}"], "--checkpoint or --artifacts, not both"),
         (["--model", "no-such-port"], "unknown port 'no-such-port'"),
+        (["--model", "{tmp}"], "is a directory, not a port file (a .toml, or a built-in port's name); a checkpoint"),
     ],
 )
 def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
@@ -104,6 +105,13 @@ def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
     assert cli.main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("host", ["", " "])
+def test_an_empty_host_is_refused_by_name_before_binding(host):
+    """An empty --host would have uvicorn bind every address under a blank name: refused, naming both meanings."""
+    with pytest.raises(ServeError, match=r"^--host '\s*' is no address: pass 127\.0\.0\.1 .* or 0\.0\.0\.0 / ::"):
+        plan_load(cli.parser().parse_args(["serve", "--host", host]))
 
 
 @pytest.mark.parametrize(
@@ -135,7 +143,11 @@ def test_every_backend_offered_generates(backend, tiny_port, one_torch_thread):
 def test_neuron_backend_without_the_sdk(tmp_path, capsys):
     if all(importlib.util.find_spec(m) for m in neuron.SDK_MODULES):
         pytest.skip("the Neuron SDK is installed here")
-    assert cli.main(["serve", "--backend", "neuron", "--artifacts", str(manifest_dir(tmp_path))]) == 2
+    # a whole artifact (its manifest lists no files, and none are there) without a tokenizer: the
+    # checkpoint's; the artifact's checks pass, the SDK's do not
+    checkpoint = str(load_port("tiny-gemma4-moe").checkpoint)
+    args = ["serve", "--backend", "neuron", "--artifacts", str(manifest_dir(tmp_path)), "--checkpoint", checkpoint]
+    assert cli.main(args) == 2
     assert "needs the Neuron SDK (missing torch_neuronx, neuronx_distributed)" in capsys.readouterr().err
 
 
@@ -272,17 +284,23 @@ def test_an_address_in_use_is_one_line_before_anything_loads(capsys):
     assert not any(t.name == "load-model" for t in threading.enumerate())
 
 
-def test_a_batch_that_cannot_fit_in_memory_is_refused_before_binding(capsys):
-    """--batch-size 100000000 allocated a 21 TiB KV cache (and 763 GiB of logits a step) after binding."""
-    assert cli.main(["serve", "--backend", "static", "--batch-size", "100000000", "--port", "1"]) == 2
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_binding(capsys, monkeypatch):
+    """A batch whose KV cache and a step's logits pass the memory available is refused after the flags,
+    before binding (not by a failed allocation once the server is up); past any batch a graph can have
+    (1024 rows) the flag itself is refused."""
+    from neuron_moe.serve import server
+
+    monkeypatch.setattr(server, "available_memory", lambda: 2**20)  # 1 MiB: what a small container has left
+    assert cli.main(["serve", "--backend", "static", "--batch-size", "1024", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert (
-        err.startswith(
-            "error: --batch-size 100000000: the static graphs' KV cache (21,362.3 GiB) and one "
-            "step's logits (762.9 GiB) need more than the "
-        )
+        err.startswith("error: --batch-size 1024: the static graphs' KV cache (")
+        and "need more than the 0.0 GiB of memory available" in err
         and err.count("\n") == 1
-    )
+    ), err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--backend", "static", "--batch-size", "100000000", "--port", "1"])
+    assert e.value.code == 2 and "argument --batch-size: must be in [1, 1024], got 100000000" in capsys.readouterr().err
 
 
 def _stream_until_done(url: str, started: threading.Semaphore, ends: list) -> None:

@@ -46,9 +46,9 @@ def _per_expert(x, gate_up, down, act_fn):
 def _expert_layout_int8(experts):
     """The expert layout's int8 weights, dequantised, back in HF's layout: gate_up per (expert, output
     channel), down per hidden channel shared by the experts."""
-    E, O, H = experts.gate_up_proj.shape
+    E, rows, H = experts.gate_up_proj.shape
     q, s = quantize_per_channel(layout.gate_up_2d(experts.gate_up_proj))
-    gate_up = (q.float() * s).view(E, O, H)
+    gate_up = (q.float() * s).view(E, rows, H)
     q, s = quantize_per_channel(layout.down_2d(experts.down_proj))
     return gate_up, (q.float() * s).view(H, E, -1).permute(1, 0, 2)
 

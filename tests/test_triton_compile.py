@@ -1,7 +1,7 @@
 """Every reader kernel compiles for Hopper (sm_90) on this CPU-only machine.
 
 The interpreter tests run the kernels' Python, not the compiler, and the compiler is stricter
-(the first H200 run failed on a plain-float global the interpreter had accepted). Triton's
+(it refuses a plain-float global that the interpreter accepts). Triton's
 wheel carries LLVM and ptxas, so the whole pipeline down to a cubin runs without a GPU. The
 compile runs in a subprocess because conftest sets TRITON_INTERPRET=1 for this process. Each
 kernel's registers per thread and spilled stack bytes (cuobjdump, also in Triton's wheel) are
@@ -59,7 +59,8 @@ CASES = [
     (K.down_kernel, dict(down_ptr="*bf16", expert_ptr="*i32", channel_ptr="*i32", weight_ptr="*fp32",
                          gu_ptr="*fp32", basis_ptr="*bf16", z_ptr="*fp32", out_ptr="*fp32", k="i32", H="i32",
                          inter="i32", rank="i32", stride_h="i32", stride_r="i32", rows_per_share="i32"),
-     [dict(ACT=a, HAS_RECOVERY=r, RANK_P2=32, BK=16, BH=128, SEM="acq_rel") for a, r in ((K.GELU_TANH, True), (K.SILU, False))], 4),
+     [dict(ACT=a, HAS_RECOVERY=r, RANK_P2=32, BK=16, BH=128, SEM="acq_rel")
+      for a, r in ((K.GELU_TANH, True), (K.SILU, False))], 4),
 ]
 # the one-launch kernel: its default tiles (Gemma-4: 8192 channels in 8 chunks), and SiLU without recovery
 # with the nanosleep backoff and a register cap (the shapes its variants add)

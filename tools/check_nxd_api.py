@@ -76,7 +76,8 @@ def main() -> int:
     for p in problems:
         print("MISSING", p)
     print(
-        f"{len(NXD_API) - len(problems)}/{len(NXD_API)} NxD names verified in {sys.argv[1]} (table written against {NXD_SOURCE})"
+        f"{len(NXD_API) - len(problems)}/{len(NXD_API)} NxD names verified in {sys.argv[1]} "
+        f"(table written against {NXD_SOURCE})"
     )
     return 1 if problems else 0
 

@@ -72,9 +72,8 @@ class Sequence:
 
 @dataclass
 class Settings:
-    per_task: int = (
-        spec.EVAL_READER_ITEMS
-    )  # the full run's size: two budgets, every selector and rule in <= 30 min on 2 cores
+    # the full run's size: two budgets, every selector and rule in <= 30 min on 2 CPU cores
+    per_task: int = spec.EVAL_READER_ITEMS
     tasks: tuple = T.TASKS
     text_docs: int = 50
     calib_tokens: int = CALIB_TOKENS

@@ -9,6 +9,8 @@ retention_by_position.png  mean reads as % of the target against the position in
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 from ..errors import UserError
@@ -313,3 +315,181 @@ def versus_rows(report: dict) -> list[dict]:
             }
         )
     return rows
+
+
+# ---- bench/results/reader-eval.md: the results page, written from the run's files -------------------------
+
+_PLOTS = [
+    ("Reads against accuracy and KL (left: accuracy, right: KL, log scale)", "reads_vs_quality.png"),
+    ("Per-token reads (box 25–75 %, whiskers 5–95 %, triangle the mean, red the target)", "retention.png"),
+    (
+        "Mean reads as % of the target by position in the answer (bins; the last ones hold series items only)",
+        "retention_by_position.png",
+    ),
+]
+
+
+def _pair(top, thr, fmt: str) -> str:
+    return f"{fmt.format(top)} / {fmt.format(thr)}"
+
+
+def _span(values, fmt="{:.1f}") -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}–{fmt.format(hi)}"
+
+
+def results_page(report: dict, layers: dict | None, folder: str = "reader-eval") -> str:
+    """bench/results/reader-eval.md from the run that `folder` holds (its report.json and, from
+    bench/reader_layers.py, layers.json): every number on the page is computed here from those files,
+    so the page cannot describe another run than the one beside it."""
+    s, acc = report["settings"], report["full_model"]["accuracy"]
+    cells = {(c["selector"], c["budget"], c["rule"]): c for c in report["cells"] if c["status"] == "ok"}
+    budgets = sorted({c["budget"] for c in report["cells"]})
+    pairs = [(sel, b) for (sel, b, rule) in cells if rule == "topk" and (sel, b, "threshold") in cells]
+    by_task = ", ".join(f"{t} {n}" for t, n in acc["by_task"].items())
+    seconds = sum(c.get("seconds", 0) for c in report["cells"])
+    lines = [
+        "# The reader against TEAL, WINA, CATS and the oracle on the tiny model (`eval-reader`)",
+        "",
+        f"Written by `python -m neuron_moe.eval.reader_report bench/results/{folder}` from the run in "
+        f"[{folder}/]({folder}/): `{report['model']}`, weights sha256 `{s.get('weights_sha256', '?')[:16]}…` "
+        f"(`report.json` → `settings.weights_sha256`); {s.get('per_task')} items per task "
+        f"({', '.join(s.get('tasks', []))}), {s.get('text_docs')} held-out texts, {s.get('calib_tokens')} "
+        f"calibration tokens; the cells' own time {seconds:.0f} s. Everything is seeded, so a rerun on the "
+        "same weights gives the same numbers (only `seconds` differs). "
+        f"[{folder}/report.md]({folder}/report.md) holds every table as generated.",
+        "",
+        "```sh",
+        "recipes/cpu/reader-eval.sh            # [CHECKPOINT_DIR]: the run, the per-layer analysis and this page",
+        "```",
+        "",
+        "## Set-up",
+        "",
+        "- **Selectors**: each layer's routed experts are replaced by the selector "
+        "(`experts/selector.py`) on every token, prefill and decode alike; the router, the dense MLP "
+        "beside the MoE, attention and the rest are exact.",
+        f"- **Evaluation**: {report['teacher_forced']}; {next(iter(cells.values()))['positions'] if cells else 0} "
+        "positions scored. Task accuracy: greedy generation of every item with the selector, exact match "
+        "up to EOS, as % of the full model's correct answers.",
+        "- **Reads**: per token and layer, in 32-byte sectors, each selector in its natural layout "
+        "(`reader/selectors.py`), as % of the full model's routed-expert reads. The **target** of a cell is "
+        "the top-k plan's reads at that budget; a threshold is calibrated (on the calibration split) to keep "
+        "the same fraction of units as that plan.",
+        "",
+        "## Results",
+        "",
+        f"Full model: **{acc['correct']} of {acc['items']} items correct ({by_task})**. Top-k / calibrated "
+        "threshold, per selector and budget:",
+        "",
+        "| selector | budget % | reads % (top-k / thr, mean) | accuracy % of full | KL mean | top-1 % |",
+        "|---|---|---|---|---|---|",
+    ]
+    for sel, b in pairs:
+        top, thr = cells[(sel, b, "topk")], cells[(sel, b, "threshold")]
+        lines.append(
+            f"| {sel} | {b:g} | {_pair(top['reads']['mean'], thr['reads']['mean'], '{:.2f}')} "
+            f"| {_pair(top['accuracy_percent_of_full'], thr['accuracy_percent_of_full'], '{:.1f}')} "
+            f"| {_pair(top['kl_mean'], thr['kl_mean'], '{:.4f}')} "
+            f"| {_pair(100 * top['top1'], 100 * thr['top1'], '{:.1f}')} |"
+        )
+    lines.append("")
+    lines += [f"- {n}" for n in unreachable(report)]
+    tops = [c for (_, _, rule), c in cells.items() if rule == "topk"]
+    drift = drift_rows(report)
+    lines += [
+        "",
+        f"Top-k reads its plan in every top-k cell: max deviation "
+        f"{max((c['max_read_deviation_bytes'] for c in tops), default=0)} bytes. The calibrated thresholds read "
+        f"{_span([r['all'] for r in drift])} % of their target on average, {_span([r['text'] for r in drift])} % "
+        f"on held-out text alone, {_span([r['first'] for r in drift])} % at answer position 0 and "
+        f"{_span([r['last'] for r in drift])} % in the last answer bin.",
+        "",
+    ]
+    for caption, name in _PLOTS:
+        lines += [f"{caption}:", "", f"![{name[:-4]}]({folder}/{name})", ""]
+    if layers:
+        lines += _layer_lines(layers, folder)
+    versus = versus_rows(report)
+    verdicts = [r[m] for r in versus for m in ("kl_verdict", "top1_verdict", "acc_verdict")]
+    acc_wins = [r["acc_verdict"] for r in versus]
+    lines += [
+        "## Top-k against the calibrated threshold, same scores",
+        "",
+        f"Top-k matches or beats the threshold in {sum(v != 'threshold' for v in verdicts)} of {len(verdicts)} "
+        f"comparisons (KL, top-1, correct answers; {len(versus)} selector × budget pairs); on correct answers "
+        f"in {sum(v != 'threshold' for v in acc_wins)} of {len(acc_wins)}. Per pair in "
+        f"[{folder}/report.md]({folder}/report.md).",
+        "",
+    ]
+    lines += _accuracy_lines(cells, budgets)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _layer_lines(layers: dict, folder: str) -> list[str]:
+    rows = layers["layers"]
+    k, k16, oracle = rows[0].get("reader_k"), rows[0].get("k-r16"), rows[0].get("oracle_channels")
+    out = [
+        f"Per-layer relative error of the routed output, ‖y − y_full‖ / ‖y_full‖, at {layers['budget']:g} % top-k "
+        f"on {layers['tokens']} {layers['split']}-split tokens (`bench/reader_layers.py`, "
+        f"[{folder}/layers.json]({folder}/layers.json); oracle@k: the oracle at the reader's k; recall: share "
+        "of the reader-r0's channels that the exact scores also rank in its top k):",
+        "",
+        f"| layer | TEAL | WINA | oracle ({oracle} ch) | oracle@k ({k} ch) | reader-r0 ({k} ch) | sketch recall "
+        f"| reader-r16 ({k16} ch + rank 16) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+    for r in rows:
+        out.append(
+            f"| {r['layer']} | {fmt(r['teal'])} | {fmt(r['wina'])} | {fmt(r['oracle'])} | {fmt(r['oracle@k'])} "
+            f"| {fmt(r['reader-r0'])} | {fmt(r['recall'])} | {fmt(r['reader-r16'])} |"
+        )
+    if all(r.get("reader-r32") is None for r in rows):
+        out += ["", f"reader (rank 32): not reachable at {layers['budget']:g} %."]
+    return out + [""]
+
+
+def _accuracy_lines(cells: dict, budgets: list[float]) -> list[str]:
+    """Each selector's worst and best accuracy (% of full) over its rules, per budget."""
+    out = [
+        "## Accuracy kept (% of the full model's), over the rules",
+        "",
+        "| selector | " + " | ".join(f"{b:g} %" for b in budgets) + " |",
+    ]
+    out.append("|---|" + "---|" * len(budgets))
+    for sel in dict.fromkeys(sel for sel, _, _ in cells):
+        row = []
+        for b in budgets:
+            got = [c["accuracy_percent_of_full"] for (s, bb, _), c in cells.items() if s == sel and bb == b]
+            row.append(_span(got) if got else "not reachable")
+        out.append(f"| {sel} | " + " | ".join(row) + " |")
+    return out + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m neuron_moe.eval.reader_report DIR [PAGE]: the results page from DIR's report.json (and
+    layers.json, if there), to PAGE (default: DIR.md beside DIR)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(argv) <= 2:
+        print("usage: python -m neuron_moe.eval.reader_report DIR [PAGE]", file=sys.stderr)
+        return 2
+    folder = Path(argv[0])
+    page = Path(argv[1]) if len(argv) == 2 else folder.with_suffix(".md")
+    try:
+        report = json.loads((folder / "report.json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"error: {folder / 'report.json'}: {e}", file=sys.stderr)
+        return 2
+    layers_path = folder / "layers.json"
+    layers = json.loads(layers_path.read_text()) if layers_path.exists() else None
+    with atomic_write(page) as f:
+        f.write(results_page(report, layers, folder.name))
+    print(page)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

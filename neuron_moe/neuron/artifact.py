@@ -43,13 +43,14 @@ before any other field is read.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from ..errors import UserError
 from ..parallel import layout
-from ..parallel.layout import EXPERT_LAYOUTS
+from ..parallel.layout import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 from ..report import file_digest, read_json_object
 from ..tokenizer import TOKENIZER_FILES, TOKENIZER_MODELS, ByteTokenizer, HFTokenizer
 
@@ -59,6 +60,7 @@ RANK_WEIGHTS = "weights/tp{rank}_sharded_checkpoint.safetensors"
 SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
 TOKENIZER = "tokenizer"  # the folder of the tokenizer's files
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 FORMAT = 6
 # field -> type; what a server needs to call the graphs and to read and write text
 MANIFEST_FIELDS = {
@@ -91,6 +93,11 @@ def read_manifest(artifacts: Path) -> dict:
     manifest = read_json_object(
         path, ArtifactError, f"{artifacts}: no {MANIFEST} (expected a trace-and-compile output directory)"
     )
+    return check_manifest(manifest, path)
+
+
+def check_manifest(manifest: dict, path) -> dict:
+    """`manifest` (a JSON object read from `path`), every field of the contract checked."""
     if type(manifest.get("format")) is not int:
         raise ArtifactError(f"{path}: field 'format' is missing or not an int")
     if manifest["format"] != FORMAT:
@@ -134,6 +141,71 @@ def read_manifest(artifacts: Path) -> dict:
             f'{path}: \'tokenizer\' must be {{"kind": "bytes"}} or {{"kind": "checkpoint", '
             f"\"files\": [...]}} naming files of {TOKENIZER}/ that 'files' lists, got {tokenizer}"
         )
+    for name, entry in manifest["files"].items():
+        parts = name.split("/")
+        if name == MANIFEST or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ArtifactError(f"{path}: files[{name!r}] is not a plain relative path of a file beside it")
+        if not _digest_entry(entry) or entry["size"] < 0 or not _SHA256.fullmatch(entry["sha256"]):
+            raise ArtifactError(f'{path}: files[{name!r}] must be {{"size": bytes, "sha256": hex digest}}, got {entry}')
+    return manifest
+
+
+def check_files(artifacts, manifest: dict, found: dict[str, tuple[int, str]]) -> None:
+    """The files found in an artifact (path under it -> (size, sha256), the manifest itself aside)
+    against its manifest's `files`: each listed one there with its size and sha256, and nothing
+    else. Refused by the first file's name that is not so."""
+    where = str(artifacts).rstrip("/")
+    listed = manifest["files"]
+    extra = sorted(set(found) - set(listed))
+    if extra:
+        raise ArtifactError(
+            f"{where}/{extra[0]}: not in the artifact's manifest (added after trace-and-compile); "
+            "remove it or rebuild the artifact"
+        )
+    for name, want in sorted(listed.items()):
+        if name not in found:
+            raise ArtifactError(f"{where}/{name}: missing (the manifest lists it); restore the artifact or rebuild it")
+        size, sha256 = found[name]
+        if (size, sha256) != (want["size"], want["sha256"]):
+            raise ArtifactError(
+                f"{where}/{name}: sha256 {sha256[:16]}… ({size} bytes) is not the manifest's "
+                f"{want['sha256'][:16]}… ({want['size']} bytes): the file changed after "
+                "trace-and-compile; restore it or rebuild the artifact"
+            )
+
+
+def check_port(manifest: dict, port, artifacts) -> None:
+    """An artifact built for `port`: its name, its tokenizer's kind, its expert layout."""
+    if manifest["port"] != port.name:
+        raise ArtifactError(f"{artifacts}: built for port {manifest['port']!r}, not {port.name!r}")
+    if manifest["tokenizer"]["kind"] != port.tokenizer:
+        raise ArtifactError(
+            f"{artifacts}: built with the {manifest['tokenizer']['kind']!r} tokenizer, port {port.name!r} "
+            f"takes {port.tokenizer!r}"
+        )
+    check_expert_layout(manifest, port.static.expert_layout if port.static else DEFAULT_EXPERT_LAYOUT, artifacts)
+
+
+def directory_files(root: Path, progress=None) -> dict[str, tuple[int, str]]:
+    """Every file under root but its manifest: path under root -> (size, sha256)."""
+    root = Path(root)
+    found = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if rel != MANIFEST and not path.is_dir():
+            digest = file_digest(path, progress)
+            found[rel] = (digest.size, digest.sha256)
+    return found
+
+
+def verify(artifacts: Path, port=None, progress=None) -> dict:
+    """An artifact directory checked whole, before any of it is used: the manifest's contract, every
+    file's size and sha256, no file it does not list; with `port`, built for that port. Returns the
+    manifest."""
+    manifest = read_manifest(artifacts)
+    check_files(artifacts, manifest, directory_files(artifacts, progress))
+    if port is not None:
+        check_port(manifest, port, artifacts)
     return manifest
 
 

@@ -39,7 +39,17 @@ from ..reader.accounting import rank_geometry, solve_rank_k
 from ..reader.geometry import Geometry
 from ..reader.prep import model_expert_weights
 from ..reader.sidecar import SidecarLayout
-from ..report import atomic_dir, check_output, dumps, file_digest, read_json_object, run_lock, table
+from ..report import (
+    atomic_dir,
+    check_output,
+    dumps,
+    file_digest,
+    native_write_errors,
+    read_json_object,
+    run_lock,
+    serializer_file,
+    table,
+)
 from ..spec import CHANNEL_READER, INT4_QUANTIZATION, INT8_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.sampling import CANDIDATES
@@ -402,7 +412,8 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
             raise ArtifactError(str(e)) from None
         if full is not None:  # a meta program has no weights to save
             name = GRAPHS.format(key=key)
-            torch.export.save(program, _new_file(tmp / name))
+            with serializer_file(_new_file(tmp / name)) as f:
+                torch.export.save(program, f)
             files.append(name)
     if full is None:
         return module, files, export
@@ -411,7 +422,8 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
         # the graphs hold the model as `.model`: their parameters are named model.<rank-module name>;
         # the KV cache is state, not a weight: it is in no shard (each rank zero-initialises its own)
         state = {f"model.{k}": v.contiguous() for k, v in shard.items()}
-        save_file(state, _new_file(tmp / name))
+        with native_write_errors(tmp / name):
+            save_file(state, _new_file(tmp / name))
         files.append(name)
     return module, files, True
 
@@ -439,7 +451,8 @@ def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict):
         tp=tp,
         workdir=tmp / "compiler",
     )
-    torch.jit.save(traced, str(tmp / MODEL))
+    with serializer_file(tmp / MODEL) as f:
+        torch.jit.save(traced, f)
     nxd.shard_checkpoint(builder, tmp / "weights")
     shutil.rmtree(tmp / "compiler", ignore_errors=True)
     files = [MODEL] + [RANK_WEIGHTS.format(rank=r) for r in range(tp)]
@@ -466,7 +479,8 @@ def _write_reader_shards(tmp: Path, entries: dict, tp: int) -> None:
         path = tmp / RANK_WEIGHTS.format(rank=rank)
         state = load_file(path)
         state.update({f"model.{k}": _rank_piece(v, tp, rank) for k, v in entries.items()})
-        save_file(state, path)
+        with native_write_errors(path):
+            save_file(state, path)
 
 
 def _contract(module, spec, keys, logits: bool) -> tuple[dict, dict]:

@@ -67,7 +67,7 @@ CORE_HBM = 16 * GiB
 CHIP_HBM_BW = 820 * GiB  # bytes/s per Inferentia2 chip (Neuron docs, inferentia2 architecture)
 CORES_PER_CHIP = 2
 DEFAULT_RUNTIME_RESERVE = spec.DEFAULT_RUNTIME_RESERVE_GIB * GiB
-QUANTIZATIONS = spec.QUANTIZATIONS  # the routed experts' formats planned (the rest of the weights: bf16)
+QUANTIZATIONS = spec.PLAN_QUANTIZATIONS  # the routed experts' formats planned (the rest of the weights: bf16)
 
 
 @dataclass(frozen=True)
@@ -255,7 +255,7 @@ def plan(
         "core_hbm_bytes": CORE_HBM,
         "runtime_reserve_bytes": runtime_reserve,
     }
-    spec.check_quantization(quantization, spec.PLAN_QUANTIZATIONS)
+    spec.check_quantization(quantization, QUANTIZATIONS)
     if reader is not None and (expert_layout != layout.CHANNEL or quantization != spec.NO_QUANTIZATION):
         raise UserError(
             f"the reader runs in the channel expert layout's bf16 graphs, not {expert_layout} / {quantization} experts"

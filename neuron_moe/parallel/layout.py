@@ -201,8 +201,8 @@ def channel_range(config: Gemma4TextConfig, tp: int, rank: int) -> range:
 
 def gate_up_2d(w: torch.Tensor) -> torch.Tensor:
     """Expert layout: [E, 2I, H] -> [E·2I, H]: row e·2I + j is expert e's output channel j (gate rows first)."""
-    E, O, H = w.shape
-    return w.reshape(E * O, H)
+    E, rows, H = w.shape
+    return w.reshape(E * rows, H)
 
 
 def down_2d(w: torch.Tensor) -> torch.Tensor:

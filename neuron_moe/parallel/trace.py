@@ -7,9 +7,10 @@ anything the module derives from a Python-int rank is frozen to rank 0's value o
 Here the trace is `torch.export` (strict=False, so that the functional collectives trace into the
 graph) under PyTorch's fake process group of world size t at rank 0. Then t gloo processes are
 forked from this one: each starts with that one ExportedProgram, loads its own shard into it, and
-runs it. (That the programs serialise is checked where they are written: `neuron/compile.py`.) Forked, not spawned: 8 fresh interpreters on 2 cores would spend most of a test importing
-torch and deserialising the graphs (seconds per program per rank); the ranks set one intra-op
-thread before they compute.
+runs it. (That the programs serialise is checked where they are written: `neuron/compile.py`.)
+Forked, not spawned: 8 fresh interpreters would spend most of a test importing torch and
+deserialising the graphs (seconds per program per rank); the ranks set one intra-op thread before
+they compute.
 """
 
 from __future__ import annotations

@@ -51,14 +51,15 @@ publish(DIR, "s3://bucket/P"), in order:
      publication or its claim) lost its claim before that read and can never publish.
 
 pull("s3://bucket/P", DIR): reads the manifest (this layout, or the first, neuron-moe-artifacts/1,
-where each file's key is its path under P: both are read), checks that every file can land in DIR
-(no file where a folder must go, no folder where a file must), downloads each file to a temp name
-in its final folder, checks its size and sha256 against the manifest and only then renames it into
-place. A file already in DIR with the manifest's sha256 is kept; a failed file leaves nothing
-behind. A pull holds a lock on DIR (`.DIR.lock` beside it): a second
-pull into DIR is refused - or, with stall_s (serve's shared --artifacts-cache), waits for the first
-while bytes keep landing in DIR, then verifies what it left - and the temp files a killed pull left
-(hidden `.part` names, which `publish` would refuse) are removed.
+where each file's key is its path under P: both are read) and builds the publication in a private
+sibling of DIR (`.DIR.partial-*`): each file downloaded and checked against the manifest's size and
+sha256, or, where DIR already holds it with that sha256, linked (or copied) from there. Only when
+every file is there is the sibling renamed onto DIR (the old DIR moved aside, then removed): DIR
+holds exactly the manifest's files, or - a refused pull - is left as it was. A pull replaces only a
+new, an empty or a pulled directory (`.DIR.pulled` beside it names the URI), never one it did not
+write. A pull holds a lock on DIR (`.DIR.lock`): a second pull into DIR is refused - or, with stall_s
+(serve's shared --artifacts-cache), waits for the first while its bytes keep landing, then verifies
+what it left - and the partial siblings a killed pull left are removed.
 
 Credentials, region and endpoint come from boto3's usual sources (AWS_* variables, ~/.aws, an
 instance role); AWS_ENDPOINT_URL_S3 points it at another S3 implementation.
@@ -67,13 +68,15 @@ instance role); AWS_ENDPOINT_URL_S3 points it at another S3 implementation.
 from __future__ import annotations
 
 import base64
+import glob
+import hashlib
 import json
 import logging
 import os
 import re
 import secrets
+import shutil
 import socket
-import tempfile
 import time
 import zipfile
 import zlib
@@ -84,7 +87,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..report import check_output, file_digest, run_lock, table
+from ..neuron import artifact
+from ..report import atomic_dir, check_output, file_digest, run_lock, table
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +101,6 @@ ZIP_SUFFIXES = (".pt",)  # torch.save / torch.jit.save archives
 # cannot seek is uploaded from memory: up to s3transfer's 10 parts (640 MiB) at once.
 MULTIPART_THRESHOLD = 64 * 2**20
 MULTIPART_CHUNKSIZE = 64 * 2**20
-PART = ".part"  # suffix of a download in progress
 WAIT_POLL_S = 0.5  # a pull waiting for another's lock tries again this often,
 WAIT_LOG_S = 10.0  # and says how far the other has got this often
 # answers of a conditional write that lost: the object changed (412), a concurrent conditional
@@ -355,6 +358,25 @@ def _check_file(rel: str, path: Path, deep: bool, bar: tqdm) -> tuple[dict, tupl
             f"{path}: changed while it was read ({before[0]} -> {after[0]} bytes): is it still being written?"
         )
     return {"path": rel, "size": size, "sha256": sha256, "crc32": crc32}, after
+
+
+def _check_artifact(src: Path, entries: list[dict]) -> None:
+    """A directory that is a trace-and-compile artifact (its manifest.json has a format and files)
+    is published only as its manifest describes it: every file there with its size and sha256, none
+    else (the sha256 are those just computed: the bytes that will be sent)."""
+    path = src / artifact.MANIFEST
+    if not path.is_file():
+        return
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return  # not JSON: not a trace-and-compile manifest
+    if not isinstance(raw, dict) or not isinstance(raw.get("format"), int) or not isinstance(raw.get("files"), dict):
+        return  # another tool's manifest.json
+    manifest = artifact.check_manifest(raw, path)
+    artifact.check_files(
+        src, manifest, {e["path"]: (e["size"], e["sha256"]) for e in entries if e["path"] != artifact.MANIFEST}
+    )
 
 
 def _list_keys(client, bucket: str, prefix: str) -> list[str]:
@@ -647,6 +669,7 @@ def publish(
             entry, stamp = _check_file(rel, path, deep, bar)
             entries.append(entry)
             stamps.append(stamp)
+    _check_artifact(src, entries)
 
     run = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
     claim = {
@@ -723,58 +746,93 @@ def read_manifest(uri: str, client=None) -> list[dict]:
     return doc["files"]
 
 
+def read_files(uri: str, keep: tuple[str, ...] = (), *, progress: bool = True, client=None):
+    """Every file of the publication at uri read from S3, nothing written, each checked against the
+    manifest's size and sha256: ({path: (size, sha256)}, {path: bytes} of the paths in `keep`)."""
+    bucket, prefix = parse_uri(uri)
+    client = client or _client()
+    files = read_manifest(uri, client)
+    found, kept = {}, {}
+    with _bar(sum(f["size"] for f in files), "reading", progress) as bar:
+        for entry in files:
+            where = _uri(bucket, _key(prefix, entry["key"]))
+            sha, size, chunks = hashlib.sha256(), 0, []
+            with _s3_errors(f"reading {where}"):
+                body = client.get_object(Bucket=bucket, Key=_key(prefix, entry["key"]))["Body"]
+                for block in body.iter_chunks(8 * 2**20):
+                    sha.update(block)
+                    size += len(block)
+                    bar.update(len(block))
+                    if entry["path"] in keep:
+                        chunks.append(block)
+            if (size, sha.hexdigest()) != (entry["size"], entry["sha256"]):
+                raise PublishError(
+                    f"{where} does not match its manifest entry: {size} bytes, sha256 {sha.hexdigest()} "
+                    f"(expected {entry['size']} bytes, sha256 {entry['sha256']})"
+                )
+            found[entry["path"]] = (size, entry["sha256"])
+            if entry["path"] in keep:
+                kept[entry["path"]] = b"".join(chunks)
+    return found, kept
+
+
 def _fetch(client, bucket: str, key: str, target: Path, entry: dict, config, bar: tqdm) -> None:
-    """Download to a temp file beside target, verify, fsync, rename; on any failure remove the temp."""
+    """Download into the pull's private directory and verify; a file that does not match raises
+    (and the whole directory goes)."""
     from botocore.exceptions import ClientError
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=PART, dir=target.parent)
-    os.close(fd)
-    try:
-        with _disk_errors(target), _s3_errors(f"downloading {_uri(bucket, key)} to {target}"):
-            try:
-                client.download_file(bucket, key, tmp, Config=config, Callback=bar.update)
-            except ClientError as e:
-                if _error_code(e) in ("404", "NoSuchKey"):
-                    raise PublishError(
-                        f"{_uri(bucket, key)} is gone: the publication was replaced during this "
-                        f"pull (publish --overwrite); pull again"
-                    ) from e
-                raise
-        size, sha256, _ = file_digest(Path(tmp), bar)
-        if size != entry["size"] or sha256 != entry["sha256"]:
-            raise PublishError(
-                f"{_uri(bucket, key)} does not match its manifest entry: {size} bytes, "
-                f"sha256 {sha256} (expected {entry['size']} bytes, sha256 {entry['sha256']}); "
-                f"{target} was not written"
-            )
-        with _disk_errors(target):
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _disk_errors(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    with _disk_errors(target), _s3_errors(f"downloading {_uri(bucket, key)} to {target}"):
+        try:
+            client.download_file(bucket, key, str(target), Config=config, Callback=bar.update)
+        except ClientError as e:
+            if _error_code(e) in ("404", "NoSuchKey"):
+                raise PublishError(
+                    f"{_uri(bucket, key)} is gone: the publication was replaced during this "
+                    f"pull (publish --overwrite); pull again"
+                ) from e
+            raise
+    size, sha256, _ = file_digest(target, bar)
+    if size != entry["size"] or sha256 != entry["sha256"]:
+        raise PublishError(
+            f"{_uri(bucket, key)} does not match its manifest entry: {size} bytes, "
+            f"sha256 {sha256} (expected {entry['size']} bytes, sha256 {entry['sha256']}); "
+            "nothing was written"
+        )
+
+
+def _pulled_mark(dest: Path) -> Path:
+    """The file beside a directory a pull wrote (`.NAME.pulled`: the URI it came from): only such a
+    directory, or an empty one, is ever replaced by a pull."""
+    return dest.parent / f".{dest.name}.pulled"
 
 
 def pull_report(uri: str, dest_dir: Path, *, progress: bool = True, client=None, stall_s: float | None = None) -> dict:
     """pull(), returning the report (one row per file: downloaded, or already present).
     `stall_s`: where another pull holds DIR, wait for it instead of refusing, for as long as bytes
-    keep landing in DIR; give up after stall_s seconds in which none did."""
+    keep landing; give up after stall_s seconds in which none did."""
     start = time.monotonic()
     bucket, prefix = parse_uri(uri)
     client = client or _client()
     files = read_manifest(uri, client)
-    dest = Path(dest_dir)
+    dest = Path(dest_dir).absolute()
     check_output(dest, directory=True)
-    _check_landing(dest, files)
     wait = None if stall_s is None else _waiter(dest, sum(f["size"] for f in files), stall_s)
+    if os.path.ismount(dest):  # it could be neither renamed aside nor replaced
+        raise PublishError(
+            f"{dest} is a mount point; a pull replaces its directory whole: pull into a folder inside it"
+        )
     with run_lock(dest, "pull", wait=wait):
-        with _disk_errors(dest):
-            dest.mkdir(parents=True, exist_ok=True)
-            for part in _leftovers(dest):  # a dead pull's: a live one would hold the lock
-                part.unlink()
-        rows, fetched = _pull_files(client, bucket, prefix, files, dest, progress)
+        if dest.is_dir() and any(dest.iterdir()) and not _pulled_mark(dest).is_file():
+            raise PublishError(
+                f"{dest} holds files that no pull wrote; a pull replaces its directory whole with the "
+                "publication, so it writes only a new, an empty or a pulled one: remove it, or choose another"
+            )
+        with atomic_dir(dest, sweep=True) as tmp:  # sweep: holding the lock, partial siblings are dead pulls'
+            rows, fetched = _pull_files(client, bucket, prefix, files, dest, tmp, progress)
+            with _disk_errors(dest):  # before the rename: what it replaces was new, empty or pulled
+                _pulled_mark(dest).write_text(_uri(bucket, prefix) + "\n")
     return {
         "uri": _uri(bucket, prefix),
         "dest": str(dest),
@@ -823,25 +881,35 @@ def _amount(part: int, total: int) -> str:
 
 
 def _bytes_in(dest: Path) -> int:
+    """The bytes a pull into dest has landed: in its private sibling directories (`atomic_dir`'s)."""
     total = 0
-    for folder, _, names in os.walk(dest):
-        for name in names:
-            with suppress(FileNotFoundError):  # renamed or removed while we looked
-                total += os.lstat(os.path.join(folder, name)).st_size
+    for partial in dest.parent.glob(glob.escape(f".{dest.name}.partial-") + "*"):
+        for folder, _, names in os.walk(partial):
+            for name in names:
+                with suppress(FileNotFoundError):  # renamed or removed while we looked
+                    total += os.lstat(os.path.join(folder, name)).st_size
     return total
 
 
-def _pull_files(client, bucket: str, prefix: str, files: list[dict], dest: Path, progress: bool):
+def _pull_files(client, bucket: str, prefix: str, files: list[dict], dest: Path, tmp: Path, progress: bool):
+    """Every file of the manifest into tmp, verified: a file of dest with the manifest's sha256 is
+    linked (or copied) over, any other downloaded."""
     config = _transfer_config()
     rows, fetched = [], 0
     # every byte is counted twice: downloaded, then read again for its sha256
     with _bar(2 * sum(f["size"] for f in files), "download + verify", progress) as bar:
         for entry in files:
-            target = dest / entry["path"]
+            old, target = dest / entry["path"], tmp / entry["path"]
             row = {k: v for k, v in entry.items() if k != "key"}
-            if target.is_file() and target.stat().st_size == entry["size"]:
-                if file_digest(target, bar).sha256 == entry["sha256"]:
+            if old.is_file() and not old.is_symlink() and old.stat().st_size == entry["size"]:
+                if file_digest(old, bar).sha256 == entry["sha256"]:
                     bar.update(entry["size"])
+                    with _disk_errors(target):
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        try:
+                            os.link(old, target)
+                        except OSError:  # a filesystem without hard links
+                            shutil.copyfile(old, target)
                     rows.append({**row, "action": "present"})
                     continue
                 bar.total += entry["size"]  # read for nothing: it differs
@@ -849,24 +917,6 @@ def _pull_files(client, bucket: str, prefix: str, files: list[dict], dest: Path,
             fetched += entry["size"]
             rows.append({**row, "action": "downloaded"})
     return rows, fetched
-
-
-def _check_landing(dest: Path, files: list[dict]) -> None:
-    """Before any download: every file of the manifest can land in dest."""
-    for entry in files:
-        target = dest / entry["path"]
-        for folder in reversed(target.parents):
-            if folder in dest.parents or folder == dest:
-                continue
-            if folder.exists() and not folder.is_dir():
-                raise PublishError(f"{folder} is a file, where the manifest's {entry['path']} needs a folder")
-        if target.is_dir():
-            raise PublishError(f"{target} is a folder, where the manifest has the file {entry['path']}")
-
-
-def _leftovers(dest: Path) -> list[Path]:
-    """Temp files of an interrupted pull: ours (`.NAME.*.part`) and boto's beside them (`.part.XXXXXXXX`)."""
-    return [p for p in dest.rglob(".*" + PART + "*") if p.is_file() and (p.name.endswith(PART) or PART + "." in p.name)]
 
 
 @contextmanager

@@ -346,18 +346,21 @@ def run_step(layer: MoeLayer, x, index, weights, rule: Step) -> Result:
         raise BudgetError("reader: this MoeLayer has no sidecar (sidecar.LayerSidecar); run prep first")
     if layer.tp > 1:
         raise BudgetError(f"reader: the Step rules run at TP 1; this layer is charged per rank at TP {layer.tp}")
-    go = lambda settings, **kw: batch.step(
-        x,
-        index,
-        weights,
-        layer.gate_up,
-        layer.down.mT,  # noqa: E731
-        layer.sidecar,
-        settings,
-        layer.act_fn,
-        int8=layer.int8,
-        **kw,
-    )
+
+    def go(settings, **kw):
+        return batch.step(
+            x,
+            index,
+            weights,
+            layer.gate_up,
+            layer.down.mT,
+            layer.sidecar,
+            settings,
+            layer.act_fn,
+            int8=layer.int8,
+            **kw,
+        )
+
     settings = layer.settings
     if rule.rule == "token":
         done = go(settings, rule="token", k=rule.k)

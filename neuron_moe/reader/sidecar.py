@@ -332,7 +332,8 @@ class Sidecar:
 
     def layer(self, index: int) -> LayerSidecar:
         """Layer `index`'s tensors, refused unless they are the bytes the sidecar was written with
-        (a corrupt file), their codes valid bytes and their numbers finite (a file written otherwise)."""
+        (a corrupt file), their codes valid bytes, their numbers finite and the norms and scales at least
+        0 (a file written otherwise)."""
         with safe_open(self.path, framework="pt") as f:
             tensors = {name: f.get_tensor(f"layers.{index}.{name}") for name in LAYER_TENSORS}
         digest = hashlib.sha256()
@@ -353,6 +354,14 @@ class Sidecar:
         for name in ("scales", "down_norms", "basis", "coeffs"):
             if not torch.isfinite(tensors[name]).all():
                 raise SidecarError(f"{self.path}: layers.{index}.{name} holds NaN or inf")
+        for name in ("scales", "down_norms"):  # a mean magnitude and a column norm: never below 0
+            negative = int((tensors[name] < 0).sum())
+            if negative:
+                raise SidecarError(
+                    f"{self.path}: layers.{index}.{name} holds {negative} negative value(s); "
+                    f"{'scales are mean magnitudes' if name == 'scales' else 'down_norms are norms'}, "
+                    "at least 0 (no prep writes this)"
+                )
         return LayerSidecar.from_tensors(tensors, self.signs)
 
 

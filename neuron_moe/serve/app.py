@@ -1,8 +1,10 @@
 """The HTTP surface: OpenAI-compatible routes over an Engine, in vLLM's dialect.
 
-POST /v1/chat/completions and /v1/completions (SSE when `stream`), GET /v1/models, and vLLM's
-POST /tokenize and /detokenize — behind the bearer key when one is set — and GET /health,
-/ping and /version, open for load balancers and Docker's HEALTHCHECK. The model loads in a
+POST /v1/chat/completions and /v1/completions (SSE when `stream`), GET /v1/models and
+/v1/models/{id}, and vLLM's POST /tokenize and /detokenize — behind the bearer key when one is
+set — and GET /health, /ping, /version and /metrics, open for load balancers, Docker's
+HEALTHCHECK and a Prometheus scraper (as vLLM's are: /metrics holds counts and latencies, no
+request's content). A body that is not sent as JSON gets 415. The model loads in a
 thread once the socket is bound; until it is ready, /health, /ping and the model's routes
 answer 503 + Retry-After. Every error is OpenAI's `{"error": {...}}` with 400 for an invalid
 request (never FastAPI's 422). Each request that generates logs one line when it ends: its
@@ -211,8 +213,24 @@ def _param(loc) -> str | None:
     return ".".join(parts) or None
 
 
-async def _validation_error(_request, exc: RequestValidationError) -> JSONResponse:
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     err = exc.errors()[0]
+    if tuple(err.get("loc", ())) == ("body",) and isinstance(err.get("input"), bytes):
+        # FastAPI parses a body as JSON only under a JSON Content-Type; any other leaves it bytes
+        given = request.headers.get("content-type")
+        return JSONResponse(
+            error_body(
+                "the request body must be JSON, sent with 'Content-Type: application/json'; this request's "
+                f"Content-Type is {repr(given) if given else 'missing'}",
+                "invalid_request_error",
+                code="unsupported_media_type",
+            ),
+            415,
+        )
+    if tuple(err.get("loc", ())) == ("body",) and err.get("type") == "missing":
+        return JSONResponse(
+            error_body("the request has no body: send it as a JSON object", "invalid_request_error"), 400
+        )
     if err.get("type") == "json_invalid":
         return JSONResponse(
             error_body(f"the request body is not valid JSON: {err.get('msg')}", "invalid_request_error"), 400
@@ -291,16 +309,26 @@ class _Cut(Exception):
 CUT_MESSAGE = "the server shut down before this request finished (drain timeout); retry it"
 
 
+def _drop(task: asyncio.Future | None) -> None:
+    """Cancel a task whose outcome nobody will read, and read it when it comes: one that ends with an
+    exception unread (the events' StopAsyncIteration once the client has left) is otherwise logged as
+    'Task exception was never retrieved', once per client that left."""
+    if task is not None:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 async def _until_cut(events, cut: asyncio.Event):
-    """`events` as they come, until `cut` is set: then _Cut."""
+    """`events` as they come, until `cut` is set: then _Cut. Closed early (the client left), it
+    leaves no task behind."""
     stop = asyncio.ensure_future(cut.wait())
     it = events.__aiter__()
+    step = None
     try:
         while True:
             step = asyncio.ensure_future(it.__anext__())
             await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
                 raise _Cut
             try:
                 item = step.result()
@@ -308,7 +336,8 @@ async def _until_cut(events, cut: asyncio.Event):
                 return
             yield item
     finally:
-        stop.cancel()
+        _drop(stop)
+        _drop(step)
 
 
 async def _stream(job, head: dict, chat: bool, include_usage: bool, record: _Record, cut: asyncio.Event):
@@ -388,10 +417,17 @@ async def _collect(job, request: Request, cut: asyncio.Event, record: _Record):
         outcome = None
         return result
     finally:
-        gone.cancel()
-        consumer.cancel()
+        _drop(gone)
+        _drop(consumer)
         job.cancel()
         record.log(outcome)
+
+
+def _unknown_model(model: str, names: list[str]) -> APIError:
+    served = ", ".join(repr(n) for n in names)
+    return APIError(
+        404, f"model {model!r} does not exist; this server serves {served}", param="model", code="model_not_found"
+    )
 
 
 def _check_prompt_bytes(engine: Engine, texts: list[str], param: str) -> None:
@@ -490,37 +526,34 @@ def create_app(
     async def prometheus_metrics():  # open, as /health: what a Prometheus scraper reads (metrics.py)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models():
+    def model_card(name: str) -> dict:
         context = state.engine.max_context if state.engine is not None else None  # known once loaded
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "neuron-moe",
-                    "root": names[0],
-                    "parent": None,
-                    "max_model_len": context,
-                }
-                for name in names
-            ],
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "neuron-moe",
+            "root": names[0],
+            "parent": None,
+            "max_model_len": context,
         }
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(name) for name in names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):  # the `openai` client's models.retrieve; a served name may hold a '/'
+        if model not in names:
+            raise _unknown_model(model, names)
+        return model_card(model)
 
     def ready_engine(model: str | None) -> Engine:
         problem = state.unavailable()
         if problem:
             raise problem
         if model is not None and model not in names:
-            served = ", ".join(repr(n) for n in names)
-            raise APIError(
-                404,
-                f"model {model!r} does not exist; this server serves {served}",
-                param="model",
-                code="model_not_found",
-            )
+            raise _unknown_model(model, names)
         return state.engine
 
     async def respond(

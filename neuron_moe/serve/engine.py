@@ -122,7 +122,10 @@ class Output:
         # Decoding the whole output each step is what keeps multi-token characters and
         # tokenizers that merge across tokens right; outputs are short enough for it.
         text = self._text()
-        cut = min((j for j in (text.find(s) for s in params.stop) if j >= 0), default=None)
+        # stops are looked for in the complete characters alone: a trailing U+FFFD may be the start of a
+        # character still arriving (a stop of U+FFFD would cut it), and it is looked at once it is whole
+        complete = text.rstrip("\ufffd")
+        cut = min((j for j in (complete.find(s) for s in params.stop) if j >= 0), default=None)
         if cut is not None:
             return Step(text[self.sent : cut], "stop", self.count)
         if self.count == params.max_tokens:

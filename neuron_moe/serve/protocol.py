@@ -102,10 +102,31 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
+    """A chat message; an assistant's `content` may be null (OpenAI's schema: a turn that only called
+    tools), read as an empty turn. Tool calls themselves are refused by name."""
+
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None
+    tool_calls: list | None = None
+    function_call: dict | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _null_for_assistants(cls, v, info):
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content; only an assistant's may be null")
+        return v
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_tool_calls(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by this server (it runs no tools)")
+        return v
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -231,9 +252,10 @@ def _token_ids(v: list) -> list[int]:
 
 class CompletionRequest(_Sampling):
     """`prompt` as OpenAI allows it: a string, token ids, or a list of one of either (one prompt per
-    request: several are refused, naming how many)."""
+    request: several are refused, naming how many); null, as in OpenAI's API, is the start of a new
+    document (the empty prompt: the tokenizer's BOS)."""
 
-    prompt: Text | list
+    prompt: Text | list | None
     logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = Field(None, ge=1, le=20)
     echo: bool | None = None
@@ -242,6 +264,8 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _single(cls, v):
+        if v is None:
+            return ""
         if isinstance(v, str):
             return v
         if v and all(isinstance(p, (str, list)) for p in v):  # a batch of prompts

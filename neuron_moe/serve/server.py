@@ -31,6 +31,7 @@ import uvicorn
 from .. import hub
 from ..errors import UserError
 from ..neuron.artifact import check_tokenizer
+from ..neuron.artifact import verify as verify_artifact
 from ..port import DTYPES, load_port
 from ..publish import s3
 from ..spec import COMPILED, MODULES, quantized
@@ -70,6 +71,11 @@ def s3_cache_dir(uri: str, root: Path) -> Path:
 
 def plan_load(args):
     """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
+    if not args.host.strip():  # uvicorn and the socket would take it for every address, unsaid
+        raise ServeError(
+            f"--host {args.host!r} is no address: pass 127.0.0.1 (this machine only, the default) or "
+            "0.0.0.0 / :: (every address)"
+        )
     port = load_port(args.model)
     artifacts, pull = args.artifacts, None
     if artifacts and artifacts.startswith(S3_SCHEME):
@@ -116,10 +122,11 @@ def plan_load(args):
     if backend.graphs == COMPILED:
         if local is None:
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
-        manifest = neuron.read_manifest(local) if pull is None else None  # s3: read once pulled
+        if pull is None:  # the artifact checked whole, whatever the runtime (s3: once pulled)
+            manifest = verify_artifact(local, port)
+            if checkpoint is None:  # it serves with its own tokenizer: one it carries
+                check_tokenizer(local, manifest, port)
         neuron.require_sdk()
-        if manifest is not None and checkpoint is None:  # the artifact's own tokenizer: its files' digests, now
-            check_tokenizer(local, manifest, port)
     elif local is not None:  # for a CPU backend the artifact is an HF-layout checkpoint
         if checkpoint is not None:
             raise ServeError("give the CPU backend's weights once: --checkpoint or --artifacts, not both")
@@ -137,6 +144,8 @@ def plan_load(args):
             pull(artifacts, local, stall_s=SHARED_PULL_STALL_S)
             if backend.graphs != COMPILED:
                 checkpoint = local
+            else:
+                verify_artifact(local, port)
         engine = load_engine(
             port,
             backend,

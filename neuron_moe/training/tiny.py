@@ -26,7 +26,7 @@ from transformers import Gemma4ForCausalLM, PreTrainedTokenizerFast
 from .. import spec
 from ..checkpoint import write_checkpoint
 from ..errors import UserError
-from ..report import atomic_dir
+from ..report import atomic_dir, native_write_errors
 from .corpus import read_jsonl
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"  # ids 0, 1, 2: the port config's pad/eos/bos ids
@@ -197,7 +197,7 @@ def train(
         "final_loss": log[-1]["loss"],
         "log": log,
     }
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp, native_write_errors(out_dir):
         write_checkpoint(model, tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / LOG).write_text(json.dumps(summary, indent=1) + "\n")

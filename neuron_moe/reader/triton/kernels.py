@@ -7,11 +7,11 @@ as rows [E, I, H]. Weights and tokens may be bf16 or fp32: every load is convert
 before any arithmetic (the interpreter gets bf16 arithmetic wrong, and fp32 accumulation is
 what the reference does).
 
-Decode is latency-bound: the first H200 run (bench/results/gpu_reader-h200-2026-11-30*.md)
-spent ~75 % of a 360 µs layer in programs that walked long serial loops on a few SMs and in
-dozens of small torch ops. So every weight-reading kernel splits its reduction across many
-programs that meet in fp32 buffers through atomic adds (zeroed once per call), and the glue
-(rotation, scan choice, top-k) is two kernels of its own.
+Decode is latency-bound: on an H200 (bench/results/gpu_reader-h200-2026-11-30*.md), programs that
+walk long serial loops on a few SMs and dozens of small torch ops take ~75 % of a 360 µs layer. So
+every weight-reading kernel splits its reduction across many programs that meet in fp32 buffers
+through atomic adds (zeroed once per call), and the glue (rotation, scan choice, top-k) is two
+kernels of its own.
 
 Each kernel's body is a `_helper` taking its program indices, so that `persistent.py` runs the
 same code as phases of one launch. Two constexprs every helper that reduces or reads another
@@ -36,8 +36,8 @@ GELU_TANH, SILU = 0, 1  # the ACT constexpr: HF's gelu_pytorch_tanh (Gemma-4) or
 @triton.jit
 def _act(g, ACT: tl.constexpr):
     # gelu_tanh(g) = 0.5·g·(1 + tanh(z)) = g·sigmoid(2z), z = sqrt(2/π)(g + 0.044715 g³); 2·sqrt(2/π)
-    # is a literal: the compiler refuses a plain-float global (the first H200 run failed on one, which
-    # the interpreter accepts; tests/test_triton_compile.py compiles every kernel for sm_90 on the CPU),
+    # is a literal: the compiler refuses a plain-float global, which the interpreter accepts
+    # (tests/test_triton_compile.py compiles every kernel for sm_90 on the CPU),
     # and the interpreter cannot multiply a tensor by a tl.constexpr global
     if ACT == 0:
         return g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
@@ -137,7 +137,7 @@ def screen_kernel(
     and the scales; SC scanned coordinates at a time (the chunk loop is unrolled: SCAN is a
     constexpr, so the chunks' loads are in flight together). The sums stay elementwise in [SC, BQ]
     accumulators and cross the coordinates once, at the end: a reduction per chunk and digit
-    (shuffles across the warp) was the first H200 run's cost."""
+    (shuffles across the warp) costs more than the loads it follows on an H200."""
     _screen(
         codes_ptr,
         scales_ptr,
