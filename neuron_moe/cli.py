@@ -167,6 +167,32 @@ def cmd_serve(args) -> int:
     return run(args)
 
 
+def cmd_deploy(args) -> int:  # `deploy k8s`, the one engine that takes files (deploy/k8s.py)
+    from .deploy import k8s as deploy_k8s
+    from .port import load_port
+
+    settings = deploy_k8s.Settings(
+        model=args.model,
+        instance=args.instance,
+        artifacts=args.artifacts,
+        quantization=args.quantization,
+        tp=args.tp,
+        resource=args.resource,
+        replicas=args.replicas,
+        max_replicas=args.max_replicas,
+        target_waiting=args.target_waiting,
+        name=args.name,
+        image=args.image,
+        api_key_secret=args.api_key_secret,
+        service_account=args.service_account,
+        drain_timeout=args.drain_timeout,
+    )
+    report = deploy_k8s.write(settings, load_port(args.model), args.out)
+    if _json_out(report, args):
+        print(deploy_k8s.render(report))
+    return 0
+
+
 def cmd_reads(args) -> int:
     from .port import load_port
     from .reader.accounting import reads_report, render_reads
@@ -305,6 +331,7 @@ COMMANDS = {
     "serve": cmd_serve,
     "reads": cmd_reads,
     "prep-reader": cmd_prep_reader,
+    "deploy": cmd_deploy,
 }
 
 

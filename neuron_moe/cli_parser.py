@@ -15,11 +15,15 @@ from . import spec
 from .errors import UserError
 from .spec import (
     BLOCK,
+    DEFAULT_NEURON_IMAGE,
     DEFAULT_PORT,
     DEFAULT_RUNTIME_RESERVE_GIB,
+    DEPLOY_RESOURCES,
+    DRAIN_TIMEOUT_S,
     DTYPE_NAMES,
     EXPERT_LAYOUTS,
     INSTANCE_CHIPS,
+    PLAN_QUANTIZATIONS,
     QUANTIZATIONS,
     READER_KERNELS,
     READS_BUDGET,
@@ -514,8 +518,9 @@ def parser() -> argparse.ArgumentParser:
     _dtype_arg(p, ("bfloat16",), "bfloat16", "the compute dtype of every weight but int8 experts' (default bfloat16)")
     _quantization_arg(
         p,
-        "the routed experts' weight format: none (bfloat16) or int8 with fp32 scales (default none)",
-        spec.PLAN_QUANTIZATIONS,
+        "the routed experts' weight format: none (bfloat16), int8 with fp32 scales per channel, or int4 "
+        "(two values a byte, a bfloat16 scale per group of inputs; the plan counts it) (default none)",
+        PLAN_QUANTIZATIONS,
         "none",
     )
     _shape_args(
@@ -709,7 +714,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drain-timeout",
         type=_non_negative,
-        default=60.0,
+        default=DRAIN_TIMEOUT_S,
         metavar="S",
         help="on SIGTERM, seconds to let requests in flight finish; those still running then end "
         "with an error event (streams) or a 503 (default: 60)",
@@ -835,6 +840,79 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scan", type=_scan_width, default=SCAN, metavar="N", help=f"scan width recorded for readers (default {SCAN})"
     )
+
+    # ---- deploy: files for the engines that scale a server out (neuron_moe/deploy/, docs/deploy.md)
+    p = sub.add_parser(
+        "deploy",
+        help="Kubernetes manifests for inf2 nodes, derived from the plan (docs/deploy.md)",
+        description="Write what an engine needs to run the serving image. SageMaker needs no files: "
+        "the image answers its contract itself (docs/deploy.md).",
+    )
+    engines = p.add_subparsers(dest="engine", required=True, metavar="ENGINE")
+    k = engines.add_parser(
+        "k8s",
+        help="plain YAML for EKS with the Neuron device plugin",
+        description="Deployment (Neuron resources for the TP degree, the aws.amazon.com/neuron toleration, "
+        "the instance type's node selector, an init step that pulls and verifies the artifact into the "
+        "node's cache, probes, the API key from a Secret), Service, HorizontalPodAutoscaler on the waiting "
+        "requests, and the Prometheus scrape job and adapter rule it reads. Not run on a cluster.",
+    )
+    k.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
+    k.add_argument("--instance", required=True, choices=sorted(INSTANCE_CHIPS), help="inf2 instance type of the nodes")
+    k.add_argument(
+        "--artifacts",
+        required=True,
+        metavar="s3://BUCKET/PREFIX",
+        help="the artifact, published by `neuron-moe publish`",
+    )
+    k.add_argument(
+        "--quantization",
+        default="none",
+        choices=PLAN_QUANTIZATIONS,
+        help="the artifact's routed experts' weight format, for the plan (default: none)",
+    )
+    k.add_argument(
+        "--tp",
+        type=_positive_int,
+        choices=TP_DEGREES,
+        metavar="T",
+        help="the artifact's TP degree (default: the smallest whose plan fits the instance)",
+    )
+    k.add_argument(
+        "--resource",
+        default="neuroncore",
+        choices=sorted(DEPLOY_RESOURCES),
+        help="ask the device plugin for T NeuronCores (aws.amazon.com/neuroncore) or for whole chips "
+        "(aws.amazon.com/neuron) (default: %(default)s)",
+    )
+    k.add_argument("--replicas", type=_positive_int, default=1, metavar="N", help="pods, at least (default 1)")
+    k.add_argument("--max-replicas", type=_positive_int, metavar="M", help="the autoscaler's most (default 4 x N)")
+    k.add_argument(
+        "--target-waiting",
+        type=_positive,
+        default=2.0,
+        metavar="X",
+        help="the autoscaler adds pods while their average waiting requests exceed X (default 2)",
+    )
+    k.add_argument("--name", default="neuron-moe", help="the objects' name (default: %(default)s)")
+    k.add_argument(
+        "--image",
+        default=DEFAULT_NEURON_IMAGE,
+        help="the Neuron serving image, in a registry the nodes pull from (default: %(default)s)",
+    )
+    k.add_argument(
+        "--api-key-secret", metavar="NAME", help="Secret whose key 'api-key' holds the API key (default: NAME-api-key)"
+    )
+    k.add_argument("--service-account", metavar="NAME", help="the pods' service account (S3 read access for the pull)")
+    k.add_argument(
+        "--drain-timeout",
+        type=_non_negative,
+        default=DRAIN_TIMEOUT_S,
+        metavar="S",
+        help="serve's --drain-timeout; the grace period is set above it (default: %(default)g)",
+    )
+    k.add_argument("--out", required=True, metavar="DIR", help="directory to write (replaced whole)")
+    k.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
 
     for p in sub.choices.values():
         p.allow_abbrev = False  # one name per option: no prefix of it parses as the option

@@ -52,8 +52,8 @@ NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION = "none", "int8", "int4"
 QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
 # the experts the one-rank reader reads (no int4 reader is built; reader/accounting.py charges one)
 READER_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
-# plan's (it has no int4 arithmetic; trace-and-compile checks int4 experts against the int8 plan, a bound)
-PLAN_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
+# plan's: it counts every format's bytes (neuron/plan.py)
+PLAN_QUANTIZATIONS = QUANTIZATIONS
 
 # The reader's defaults (reader/prep.py writes them into a sidecar; reader/accounting.py charges them)
 BLOCK = 128  # coordinates per Hadamard block
@@ -71,6 +71,12 @@ EVAL_READER_ITEMS, EVAL_READER_QUICK_ITEMS = 20, 2  # evaluation items per task:
 # plan: the inf2 instances (chips each) and the stated per-core runtime reserve
 INSTANCE_CHIPS = {"inf2.xlarge": 1, "inf2.8xlarge": 1, "inf2.24xlarge": 6, "inf2.48xlarge": 12}
 DEFAULT_RUNTIME_RESERVE_GIB = 1.0
+
+# serve and deploy k8s: serve's --drain-timeout default; the Neuron serving image; the Neuron device
+# plugin's resources a pod asks for (aws-neuron-sdk docs, "Kubernetes environment setup for Neuron")
+DRAIN_TIMEOUT_S = 60.0
+DEFAULT_NEURON_IMAGE = "neuron-moe:neuron"
+DEPLOY_RESOURCES = {"neuroncore": "aws.amazon.com/neuroncore", "neuron": "aws.amazon.com/neuron"}
 
 
 def check_quantization(quantization: str, offered=QUANTIZATIONS, where: str = "--quantization") -> str:

@@ -32,7 +32,7 @@ LAYERS = (
             "environment",
         ),
     ),
-    ("surfaces", ("serve", "cli", "cli_parser", "__main__")),
+    ("surfaces", ("serve", "cli", "cli_parser", "__main__", "deploy")),
 )
 
 

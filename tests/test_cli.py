@@ -265,14 +265,22 @@ def takes_integers(kind) -> bool:
 
 
 def integer_options() -> list[tuple[list[str], str]]:
-    """(the least argv a command parses, flag) for every integer option of every command."""
+    """(the least argv a command parses, flag) for every integer option of every command, those of a
+    command's own subcommands (`deploy k8s`) included."""
     found = []
-    for name, sub in subcommands().items():
-        least = [name]
+
+    def walk(least: list[str], sub: argparse.ArgumentParser) -> None:
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
         for a in sub._actions:
-            if a.required or (not a.option_strings and a.nargs != 0):
-                least += [*a.option_strings[:1], str(a.choices[0]) if a.choices else "x"]
-        found += [(least, a.option_strings[0]) for a in sub._actions if a.option_strings and takes_integers(a.type)]
+            if a not in nested and (a.required or (not a.option_strings and a.nargs != 0)):
+                least = [*least, *a.option_strings[:1], str(a.choices[0]) if a.choices else "x"]
+        found.extend((least, a.option_strings[0]) for a in sub._actions if a.option_strings and takes_integers(a.type))
+        for a in nested:
+            for name, child in a.choices.items():
+                walk([*least, name], child)
+
+    for name, sub in subcommands().items():
+        walk([name], sub)
     return found
 
 

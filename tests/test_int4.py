@@ -185,19 +185,24 @@ def test_a_degree_whose_ranks_hold_no_whole_group_is_refused_before_any_weight(c
     )
 
 
-def test_int4_is_offered_wherever_int8_is_but_by_the_reader_and_the_planner(capsys):
-    """--quantization int4 is the third value wherever int8 is offered, except plan (no int4 plan) and the
-    one-rank reader (no int4 reader is built), which refuses it in one error line before any work."""
+def _quantization_choices(name: str, sub: argparse.ArgumentParser):
+    """(command, --quantization's choices) of `sub` and of its own subcommands (`deploy k8s`)."""
+    for action in sub._actions:
+        if "--quantization" in action.option_strings:
+            yield name, tuple(action.choices)
+        if isinstance(action, argparse._SubParsersAction):
+            for child, parser in action.choices.items():
+                yield from _quantization_choices(f"{name} {child}", parser)
+
+
+def test_int4_is_offered_wherever_int8_is_and_the_one_rank_reader_refuses_it(capsys):
+    """--quantization int4 is the third value wherever int8 is offered (every command's choices are the
+    same three); the one-rank reader (no int4 reader is built) refuses it in one error line before any
+    work."""
     subcommands = next(a for a in cli_parser.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
-    offers = {
-        name: action.choices
-        for name, sub in subcommands.items()
-        for action in sub._actions
-        if "--quantization" in action.option_strings
-    }
-    int4_offered = {"validate", "eval-tasks", "serve", "trace-and-compile", "reads"}
-    assert {name for name, choices in offers.items() if "int4" in choices} == int4_offered
-    assert {name for name, choices in offers.items() if "int8" in choices} == int4_offered | {"plan"}
+    offers = dict(c for name, sub in subcommands.items() for c in _quantization_choices(name, sub))
+    assert {"validate", "eval-tasks", "serve", "trace-and-compile", "reads", "plan", "deploy k8s"} <= set(offers)
+    assert all(choices == ("none", "int8", "int4") for choices in offers.values()), offers
     assert main(["validate", "--backend", "reader", "--budget", "50", "--quantization", "int4"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: --backend reader reads the model's own or the int8 experts, not --quantization int4 (no int4 "

@@ -5,8 +5,21 @@ import json
 import pytest
 
 from neuron_moe import cli
+from neuron_moe.errors import UserError
+from neuron_moe.experts.int4 import DEFAULT_GROUP, SCALE_BYTES
 from neuron_moe.info import parameter_counts
-from neuron_moe.neuron.plan import CHIP_HBM_BW, CORE_HBM, GB, plan
+from neuron_moe.neuron.plan import (
+    CHIP_HBM_BW,
+    CORE_HBM,
+    GB,
+    HOST_GRAPHS_RESERVE,
+    HOST_LOAD_COPIES,
+    HOST_PROCESS_RESERVE,
+    INSTANCES,
+    SHAPE_STEP,
+    GiB,
+    plan,
+)
 from neuron_moe.port import load_port
 from neuron_moe.spec import Reader
 
@@ -223,3 +236,81 @@ def test_plan_cli(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "--instance", "inf2.8xlarge", "--tp", "3"])
     assert e.value.code == 2 and "invalid choice: 3" in capsys.readouterr().err
+
+
+ONE_CHIP = ("inf2.xlarge", "inf2.8xlarge")
+
+
+@pytest.mark.parametrize("instance", ONE_CHIP)
+def test_int4_experts_fit_one_chip_at_tp2_and_bf16_int8_do_not(big, instance):
+    """int4 experts (two values a byte, a bf16 scale per DEFAULT_GROUP inputs) at TP 2: the experts' bytes
+    are the geometry's, the verdict and margin follow from the rows, and nothing but the experts moved
+    against int8 (the graph row aside: its dequantised layer)."""
+    r = plan(big, instance, 2, "int4", batch=1, seq=4096)
+    L, E, inter, H = big.num_hidden_layers, big.num_experts, big.moe_intermediate_size, big.hidden_size
+    weights = L * E * 3 * inter * H // 2  # one rank's expert weights: [E, H, 2I/2] and [E, I/2, H] per layer
+    assert r["per_rank_bytes"]["experts"] == weights // 2 + weights // DEFAULT_GROUP * SCALE_BYTES
+    assert r["fits"], r["reason"]
+    assert r["per_rank_total_bytes"] == sum(r["per_rank_bytes"].values()) < CORE_HBM
+    assert r["margin_per_core_bytes"] == CORE_HBM - r["per_rank_total_bytes"]
+    assert f"{r['margin_per_core_bytes'] / GB:.2f} GB spare per core" in r["reason"]
+    int8 = plan(big, instance, 2, "int8", batch=1, seq=4096)
+    moved = {k for k in r["per_rank_bytes"] if r["per_rank_bytes"][k] != int8["per_rank_bytes"][k]}
+    assert moved == {"experts", "graph"}
+    for quantization in ("none", "int8"):
+        other = plan(big, instance, 2, quantization, batch=1, seq=4096)
+        assert not other["fits"] and other["per_rank_total_bytes"] > CORE_HBM
+    # every saving counted is named: the experts' format, the vocabulary split of embeddings and lm_head
+    bf16 = plan(big, instance, 2, "none", batch=1, seq=4096)["per_rank_bytes"]
+    experts, vocab = r["savings"]
+    assert "int4 experts" in experts["what"] and experts["saved_bytes"] == bf16["experts"] - weights // 2 - (
+        weights // DEFAULT_GROUP * SCALE_BYTES
+    )
+    assert "sharded over the vocabulary" in vocab["what"]
+    assert vocab["saved_bytes"] == r["per_rank_bytes"]["embeddings"] + r["per_rank_bytes"]["lm_head"]
+    assert r["per_rank_bytes"]["lm_head"] == big.vocab_size // 2 * H * 2  # 1/2 of the rows, bf16
+
+
+def test_the_largest_shapes_are_the_edge_of_the_fit(big):
+    """Each row of the largest batch × context table fits, and one step more context does not."""
+    r = plan(big, "inf2.xlarge", 2, "int4", batch=1, seq=4096)
+    shapes = {row["batch"]: row["context"] for row in r["largest_shapes"]}
+    assert shapes[1] > 4096 and list(shapes) == sorted(shapes)
+    assert all(shapes[b] >= shapes[b2] for b, b2 in zip(shapes, list(shapes)[1:]))  # more rows, less context
+    for batch in (1, 8):
+        edge = shapes[batch]
+        assert plan(big, "inf2.xlarge", 2, "int4", batch=batch, seq=edge)["fits"]
+        assert not plan(big, "inf2.xlarge", 2, "int4", batch=batch, seq=edge + SHAPE_STEP)["fits"]
+
+
+@pytest.mark.parametrize("instance", ONE_CHIP)
+def test_the_host_peak_is_one_load_group_not_the_model(big, instance):
+    """Host memory to load and serve: the stated reserves and HOST_LOAD_COPIES × the largest load
+    group of one rank (the vocabulary half of the embeddings at TP 2), within the instance's host."""
+    host = plan(big, instance, 2, "int4", batch=1, seq=4096)["host"]
+    embeddings = big.vocab_size // 2 * big.hidden_size * 2
+    assert host["largest_load_group_bytes"] == embeddings
+    assert host["peak_bytes"] == HOST_PROCESS_RESERVE + HOST_GRAPHS_RESERVE + HOST_LOAD_COPIES * embeddings
+    assert host["fits"] and host["margin_bytes"] == INSTANCES[instance].host_memory - host["peak_bytes"] > 0
+    assert host["whole_shards_peak_bytes"] > 16 * GiB  # both ranks' shards whole would not fit inf2.xlarge
+
+
+def test_one_chip_int4_plan_cli(capsys):
+    args = ["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.xlarge", "--tp", "2", "--quantization", "int4"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("FITS: ") and "GB spare per core" in out and "GiB spare" in out
+    for named in ("int4 experts (groups of", "embeddings and lm_head sharded over the vocabulary", "peak"):
+        assert named in out
+    assert "HBM-bound floor per token" in out and "longest context that fits" in out
+    assert "largest batch × context that fits: " in out
+    assert cli.main(args[:-1] + ["int8"]) == 1 and "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_int4_where_a_rank_holds_part_of_a_group_is_refused_by_name(big):
+    """At TP 8 the channel layout's down holds I/8 = 88 input channels a rank: not whole groups. The
+    expert layout's down holds E·I/8 (whole experts): its plan stands, without the channel row."""
+    with pytest.raises(UserError, match=r"does not divide the input dim 88 \(.*down_proj.weight on each of 8 ranks"):
+        plan(big, "inf2.24xlarge", 8, "int4", batch=1, seq=4096)
+    r = plan(big, "inf2.24xlarge", 8, "int4", batch=1, seq=4096, expert_layout="expert")
+    assert r["fits"] and [row["expert_layout"] for row in r["decode"]] == ["expert"]

@@ -1,6 +1,8 @@
-"""recipes/inf2-24xlarge/run.sh run against stand-ins for `docker` and `curl` (no Docker engine or
-device here): it builds and runs the project's own image, removes every container it starts, never
-mounts the checkout, serves the artifact alone, and its wait ends when the server's container dies."""
+"""recipes/inf2-24xlarge/run.sh and the one-chip recipe (recipes/inf2-xlarge/, inf2-8xlarge/) run
+against stand-ins for `docker` and `curl` (no Docker engine or device here): they build and run the
+project's own image, remove every container they start, never mount the checkout, serve the artifact
+alone, and the wait ends when the server's container dies. The one-chip recipe compiles, plans and
+publishes on one host and pulls and serves on the other, the int4 experts at TP 2 throughout."""
 
 import json
 import os
@@ -11,6 +13,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "inf2-24xlarge" / "run.sh"
+ONE_CHIP = REPO / "recipes" / "inf2-xlarge" / "run.sh"
+ONE_CHIP_8X = REPO / "recipes" / "inf2-8xlarge" / "run.sh"
+AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION")
 # Each call's arguments, one JSON list a line. `docker ps` finds no container (the server died while
 # loading), `docker logs -f` prints its last words; curl never connects.
 DOCKER = """#!/usr/bin/env python3
@@ -34,7 +39,7 @@ def recipe(tmp_path):
         stub.chmod(0o755)
     calls = tmp_path / "calls.jsonl"
 
-    def run(*steps, **env):
+    def run(*steps, script=RECIPE, **env):
         environ = {
             **os.environ,
             "PATH": f"{stubs}:{os.environ['PATH']}",
@@ -43,8 +48,10 @@ def recipe(tmp_path):
             "HF_HOME": str(tmp_path / "hf"),
             **env,
         }
-        environ.pop("HF_TOKEN", None)
-        done = subprocess.run(["bash", str(RECIPE), *steps], env=environ, capture_output=True, text=True, timeout=60)
+        for var in ("HF_TOKEN", "S3", "INSTANCE", *AWS_VARS):
+            if var not in env:
+                environ.pop(var, None)
+        done = subprocess.run(["bash", str(script), *steps], env=environ, capture_output=True, text=True, timeout=60)
         return done, [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
 
     return run
@@ -99,3 +106,104 @@ def test_the_nki_sdk_builds_its_own_image_and_runs_in_it(recipe):
     build, plan = calls
     assert build[3:7] == ["--build-arg", "NEURON_SDK=2.28.0", "-t", "neuron-moe:neuron-sdk2.28.0"]
     assert "neuron-moe:neuron-sdk2.28.0" in plan
+
+
+def _runs(calls):
+    return [c for c in calls if c[0] == "run"]
+
+
+def _command(run: list) -> list:
+    """The neuron-moe command of a `docker run --entrypoint neuron-moe IMAGE ...`."""
+    return run[run.index("--entrypoint") + 3 :]
+
+
+def test_the_one_chip_compile_host_plans_compiles_int4_at_tp2_and_publishes(recipe, tmp_path):
+    s3 = "s3://bucket/gemma4-int4"
+    done, calls = recipe("compile-host", script=ONE_CHIP, S3=s3, AWS_REGION="us-east-2")
+    assert done.returncode == 0, done.stderr
+    build = calls[0]
+    assert build[:3] == ["build", "-f", str(REPO / "docker" / "Dockerfile.neuron")] and build[-1] == str(REPO)
+    runs = _runs(calls)
+    assert all("--rm" in c and "neuron-moe:neuron" in c for c in runs)
+    assert all(str(REPO) not in " ".join(c) for c in runs)  # the image's own package, no checkout mounted
+    plan, compile_, publish = (_command(c) for c in runs)
+    assert plan == [
+        "plan",
+        "--model",
+        "gemma4-26b-a4b",
+        "--instance",
+        "inf2.xlarge",
+        "--tp",
+        "2",
+        "--quantization",
+        "int4",
+    ]
+    assert compile_[0] == "trace-and-compile" and compile_[compile_.index("--quantization") + 1] == "int4"
+    assert compile_[compile_.index("--tp") + 1] == "2"
+    assert compile_[compile_.index("--out") + 1] == "/artifacts/gemma4-26b-a4b-int4-tp2"
+    assert compile_[compile_.index("--checkpoint") + 1] == "google/gemma-4-26B-A4B-it"
+    assert publish == ["publish", "/artifacts/gemma4-26b-a4b-int4-tp2", s3]
+    published = runs[2]
+    assert f"{tmp_path / 'artifacts'}:/artifacts:ro" in published  # publishing reads the artifact only
+    assert "--network" in published and published[published.index("--network") + 1] == "host"
+    assert "AWS_REGION" in published and "AWS_ACCESS_KEY_ID" not in published  # only the variables set
+
+
+def test_the_one_chip_box_pulls_and_serves_the_artifact_alone(recipe, tmp_path):
+    s3 = "s3://bucket/gemma4-int4"
+    done, calls = recipe("serve-host", script=ONE_CHIP, S3=s3)
+    assert done.returncode == 1  # the server died: the wait ended
+    assert "neuron-moe-serve exited before it was ready" in done.stderr and "the device is busy" in done.stderr
+    runs = _runs(calls)
+    plan, pull = (_command(c) for c in runs[:2])
+    assert plan[plan.index("--instance") + 1] == "inf2.xlarge"
+    assert pull == ["pull", s3, "/artifacts/gemma4-26b-a4b-int4-tp2"]
+    serve = runs[2]
+    assert serve[serve.index("neuron-moe:neuron") + 1 :] == [
+        "--model",
+        "gemma4-26b-a4b",
+        "--backend",
+        "neuron",
+        "--artifacts",
+        "/artifacts/gemma4-26b-a4b-int4-tp2",
+    ]
+    assert "--rm" in serve and "NEURON_RT_NUM_CORES=2" in serve
+    assert f"{tmp_path / 'artifacts'}:/artifacts:ro" in serve
+    assert calls.index(["rm", "-f", "neuron-moe-serve"]) < calls.index(serve)
+
+
+def test_the_8xlarge_recipe_is_the_one_chip_recipe_for_its_instance(recipe):
+    done, calls = recipe("plan", script=ONE_CHIP_8X)
+    assert done.returncode == 0, done.stderr
+    (plan,) = (_command(c) for c in _runs(calls))
+    assert plan[plan.index("--instance") + 1] == "inf2.8xlarge" and plan[plan.index("--quantization") + 1] == "int4"
+
+
+def test_the_one_chip_recipe_refuses_without_steps_or_a_publication(recipe):
+    done, calls = recipe(script=ONE_CHIP)
+    assert done.returncode == 2 and "usage: run.sh compile-host | serve-host" in done.stderr and calls == []
+    done, calls = recipe("publish", script=ONE_CHIP)
+    assert done.returncode == 2 and "set S3 to the publication's s3://BUCKET/PREFIX" in done.stderr
+    assert _runs(calls) == []
+    done, _ = recipe("deploy", script=ONE_CHIP)
+    assert done.returncode == 2 and "unknown step deploy" in done.stderr
+
+
+@pytest.mark.parametrize("instance", ["inf2.xlarge", "inf2.8xlarge"])
+def test_the_one_chip_readme_figures_are_the_plans(instance):
+    """The figures the recipes' READMEs quote are what `plan` says for them today."""
+    from neuron_moe.neuron.plan import GB, GiB, plan
+    from neuron_moe.port import load_port
+
+    r = plan(load_port("gemma4-26b-a4b").config, instance, 2, "int4", batch=1, seq=4096)
+    page = ONE_CHIP.parent / "README.md" if instance == "inf2.xlarge" else ONE_CHIP_8X.parent / "README.md"
+    text = " ".join(page.read_text().split())
+    total, spare = r["per_rank_total_bytes"] / GB, r["margin_per_core_bytes"] / GB
+    assert f"{total:.2f}" in text and f"{spare:.2f} spare" in text
+    assert f"{r['host']['peak_bytes'] / GiB:.2f}" in text
+    if instance == "inf2.xlarge":
+        shapes = {row["batch"]: row["context"] for row in r["largest_shapes"]}
+        assert f"batch 1 is {shapes[1]:,} positions" in text and f"batch 8 {shapes[8]:,}" in text
+        floor = r["decode"][0]
+        assert f"{floor['floor_ms']:.2f} ms per token" in text
+        assert f"{r['per_rank_bytes']['experts'] / GB:.2f}" in text

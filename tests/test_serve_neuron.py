@@ -81,6 +81,18 @@ def test_missing_sdk_is_a_clear_error():
         neuron.require_sdk()
 
 
+class StandInNxDModel:
+    """The NxDModel attributes the streamed load uses: its weights, set per rank, then handed to the keys."""
+
+    weight_loader = None  # no layout transformation: the weights stream a load group at a time
+
+    def __init__(self):
+        self.weights, self.start_rank = None, None
+
+    def initialize_with_saved_weights(self, start_rank):
+        self.start_rank = start_rank
+
+
 class StandInRuntime:
     """What a compiled artifact does, computed with the CPU model's static graphs (static/decoder.py,
     the graphs trace-and-compile traces) over one KV state that stays inside, as NxD keeps it on the
@@ -95,11 +107,8 @@ class StandInRuntime:
         cache = new_cache(model, max_length, batch)
         self.prefill = Prefill(model, cache, "dense_masked", logits)
         self.decode = Decode(model, cache, "selective", logits)
-        self.nxd_model = types.SimpleNamespace(initialize=self.initialize)
-        self.weights, self.calls = None, []
-
-    def initialize(self, weights, start_rank):
-        self.weights, self.start_rank = weights, start_rank
+        self.nxd_model = StandInNxDModel()
+        self.calls = []
 
     @torch.no_grad()
     def __call__(self, *inputs):
@@ -140,6 +149,7 @@ def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int
     monkeypatch.setattr(environment, "neuron_devices", lambda: {"devices": 1, "cores": 2, "source": "a stand-in"})
     artifact = StandInRuntime(model, {16, 64}, batch, 128, logits)
     monkeypatch.setattr(torch.jit, "load", lambda path: artifact)
+    monkeypatch.setattr(neuron, "DEVICE", "cpu")  # the stand-in's cores
     return neuron.neuron_runtime(tmp_path, port), artifact
 
 
@@ -152,7 +162,8 @@ def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(
     only the token (and the logits) come out, and each request's tokens are the CPU runtime's (the
     same static graphs as modules) and HF eager's, greedy or sampled in the graphs."""
     runtime, artifact = _neuron_runtime(tmp_path, monkeypatch, tiny_port, tiny_eager, logits)
-    assert [float(w["w"]) for w in artifact.weights] == [0.0, 1.0]  # every rank's shard, in rank order
+    assert [float(w["w"]) for w in artifact.nxd_model.weights] == [0.0, 1.0]  # every rank's shard, in rank order
+    assert artifact.nxd_model.start_rank.tolist() == [0]
     engine = BatchEngine(runtime, IdTokenizer(), set())
     cpu = BatchEngine(static_runtime(tiny_eager, tiny_port.static, chunk=8), IdTokenizer(), set())
     try:
@@ -289,3 +300,24 @@ def test_a_tampered_tokenizer_is_refused_by_name_before_binding(dry_run_artifact
     assert cli.main(["serve", "--backend", "neuron", "--artifacts", str(dry_run_artifact)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {dry_run_artifact}/{named}") and err.count("\n") == 1, err
+
+
+def test_an_artifact_that_transforms_its_weights_on_load_takes_the_whole_shards(tmp_path, monkeypatch, caplog):
+    """NxD's weight_loader (a layout transformation) takes every rank's shard through `initialize`;
+    without one the weights stream to the device and `initialize_with_saved_weights` hands them on."""
+    (tmp_path / "weights").mkdir()
+    for rank in range(2):
+        save_file({"w": torch.full((2,), float(rank))}, tmp_path / f"weights/tp{rank}_sharded_checkpoint.safetensors")
+    manifest = {"tp": 2, "expert_layout": "channel"}
+    initialized = []
+    transforming = types.SimpleNamespace(weight_loader=object(), initialize=lambda w, s: initialized.append((w, s)))
+    with caplog.at_level("WARNING"):
+        neuron.load_weights(transforming, tmp_path, manifest)
+    ((weights, start),) = initialized
+    assert [w["w"].tolist() for w in weights] == [[0.0, 0.0], [1.0, 1.0]] and start.tolist() == [0]
+    assert "every shard is read whole" in caplog.text
+    monkeypatch.setattr(neuron, "DEVICE", "cpu")
+    streamed = StandInNxDModel()
+    neuron.load_weights(streamed, tmp_path, manifest)
+    assert [w["w"].tolist() for w in streamed.weights] == [[0.0, 0.0], [1.0, 1.0]]
+    assert streamed.start_rank.tolist() == [0]

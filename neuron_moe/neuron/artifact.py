@@ -9,7 +9,9 @@ defined here once.
     model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
                     context-encoding key per prefill bucket and one token-generation key
     weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint),
-                    in the manifest's expert layout (`load_shards` refuses one of the other);
+                    in the manifest's expert layout (`load_streamed` and `load_shards` refuse
+                    one of the other); served by `load_streamed`, a load group (a decoder
+                    layer) of one rank at a time, so the host never holds a whole shard;
                     with the reader, rank r's sidecar shard too (`<...>.experts.reader.*`)
     shard_plan.json every rank-module tensor: placement, partition dim and stride, full and
                     per-rank shape, dtype
@@ -43,9 +45,12 @@ before any other field is read.
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from ..errors import UserError
@@ -288,23 +293,111 @@ def check_expert_layout(manifest: dict, expert_layout: str, artifacts: Path) -> 
         )
 
 
-def load_shards(artifacts: Path, manifest: dict) -> list[dict]:
-    """Every rank's weight shard, each checked to be in the manifest's expert layout."""
+def _shard_paths(artifacts: Path, manifest: dict) -> list[Path]:
     paths = [Path(artifacts) / RANK_WEIGHTS.format(rank=r) for r in range(manifest["tp"])]
     absent = [str(p) for p in paths if not p.is_file()]
     if absent:
         raise ArtifactError(f"{artifacts}: missing weight shard(s) {', '.join(absent)}")
+    return paths
+
+
+def _check_shard_layout(path: Path, tensors: dict, manifest: dict) -> None:
+    have = layout.expert_layout_of(tensors)
+    if have is not None and have != manifest["expert_layout"]:
+        raise ArtifactError(
+            f"{path} holds its experts in the {have!r} layout, the manifest says "
+            f"{manifest['expert_layout']!r}: the directory mixes two builds; rebuild it"
+        )
+
+
+def load_shards(artifacts: Path, manifest: dict) -> list[dict]:
+    """Every rank's weight shard, whole, each checked to be in the manifest's expert layout: host
+    memory for the whole model (`load_streamed` holds one load group at a time)."""
     shards = []
-    for path in paths:
+    for path in _shard_paths(artifacts, manifest):
         shard = load_file(path)
-        have = layout.expert_layout_of(shard)
-        if have is not None and have != manifest["expert_layout"]:
-            raise ArtifactError(
-                f"{path} holds its experts in the {have!r} layout, the manifest says "
-                f"{manifest['expert_layout']!r}: the directory mixes two builds; rebuild it"
-            )
+        _check_shard_layout(path, shard, manifest)
         shards.append(shard)
     return shards
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+
+
+def load_group(name: str) -> str:
+    """The unit the streamed load reads at once: a decoder layer's tensors together
+    (`layer 3`), any other tensor (embeddings, lm_head, the final norm) on its own."""
+    found = _LAYER.search(name)
+    return f"layer {found.group(1)}" if found else name
+
+
+def stream_shard(path: Path) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """One rank's safetensors shard, a load group at a time (`load_group`, in file order): each
+    group's tensors read from the file into fresh memory, so that a caller who drops a group
+    before taking the next holds at most one group's bytes (no memory map of the whole file)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = path.stat().st_size
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= size - 8:
+            raise ArtifactError(f"{path}: not a safetensors file (header length {length}, file {size} bytes)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:
+            raise ArtifactError(f"{path}: not a safetensors file (header: {e})") from None
+        header.pop("__metadata__", None)
+        start = 8 + length
+        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        groups: dict[str, list] = {}
+        for name, entry in entries:
+            groups.setdefault(load_group(name), []).append((name, entry))
+        for group, members in groups.items():
+            tensors = {}
+            for name, entry in members:
+                begin, end = entry["data_offsets"]
+                dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+                if dtype is None or start + end > size or begin > end:
+                    raise ArtifactError(
+                        f"{path}: tensor {name!r} ({entry['dtype']}, bytes {begin}..{end}) is unreadable"
+                    )
+                buffer = bytearray(end - begin)
+                f.seek(start + begin)
+                if f.readinto(buffer) != len(buffer):
+                    raise ArtifactError(f"{path}: tensor {name!r} is cut short")
+                flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+                tensors[name] = flat.view(dtype).reshape(entry["shape"])
+            yield group, tensors
+
+
+def load_streamed(artifacts: Path, manifest: dict, to_device: Callable[[int, str, torch.Tensor], object]) -> list[dict]:
+    """Every rank's weights put on the device a load group at a time: `to_device(rank, name, tensor)`
+    copies one host tensor to rank's device and returns what stands for it there; the host copy is
+    dropped once its group is placed. -> per rank {name: what to_device returned}. The host holds
+    one group of one rank at a time (its read buffer, and whatever copy to_device stages), never a
+    whole shard; each group holding experts is checked to be in the manifest's expert layout."""
+    placed = []
+    for rank, path in enumerate(_shard_paths(artifacts, manifest)):
+        on_device = {}
+        for _, tensors in stream_shard(path):
+            _check_shard_layout(path, tensors, manifest)
+            for name in list(tensors):
+                on_device[name] = to_device(rank, name, tensors.pop(name))
+            del tensors
+        placed.append(on_device)
+    return placed
 
 
 def prefill_key(rows: int, bucket: int) -> str:

@@ -50,7 +50,7 @@ from ..report import (
     serializer_file,
     table,
 )
-from ..spec import CHANNEL_READER, INT4_QUANTIZATION, INT8_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization
+from ..spec import CHANNEL_READER, INT4_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, example_inputs, functional
@@ -302,8 +302,7 @@ def _check_fits(port, build: Build, expert_layout: str, reads: dict | None) -> N
         port.config,
         None,
         tp,
-        # int4 experts are smaller than int8's: the int8 verdict bounds int4's (the planner has no int4)
-        INT8_QUANTIZATION if build.quantization == INT4_QUANTIZATION else build.quantization,
+        build.quantization,
         spec.batch_size,
         spec.max_cache_len,
         model=port.name,

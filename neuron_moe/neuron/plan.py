@@ -2,13 +2,15 @@
 
 Weights come from the port's meta-device model (`info.meta_model`) cut by the TP layout
 (`parallel/layout.py`, in the chosen expert layout) and, for int8, quantised as the rank modules
-are (`experts.int8.quantize_experts`), so the planner and the rank modules cannot disagree about
-who owns what. Each rank holds, in bytes:
+are (`experts.int8.quantize_experts`), for int4 counted in `experts/int4.py`'s format on each
+rank's local shard, so the planner and the rank modules cannot disagree about who owns what.
+Each rank holds, in bytes:
 
   experts      1/t of the experts (channel layout: every expert's I/t channels; expert layout: E/t
                experts whole): bf16, or int8 + fp32 scales per output channel (gate_up's split
                with its channels; down's replicated: [E, 1, H] in the channel layout, [H, 1] in
-               the expert layout)
+               the expert layout), or int4: two values a byte and a bf16 scale per group of
+               input channels (`int4.DEFAULT_GROUP`), split as the weight is
   attention    q/o split by heads, k/v split or replicated up to t heads (layout.py)
   dense MLP    1/t of gate/up/down
   router etc.  router, norms and scalars, replicated
@@ -19,12 +21,23 @@ who owns what. Each rank holds, in bytes:
                seq: the MoE stage's gate_up output and activation, B·S × (E·2I/t + E·I/t) in
                either layout,
                plus, for int8, one layer's local gate_up dequantised to bf16 (the quantized
-               layers cast the weight before the matmul), or the attention stage's fp32 scores
+               layers cast the weight before the matmul; int4: that and its values unpacked to
+               one byte each first), or the attention stage's fp32 scores
                [B, h/t, S, S], whichever is larger
   runtime      stated reserve (default 1 GiB): the runtime's per-core code (96 MiB documented),
                DMA rings, I/O tensors, collectives buffers
 
-against 16 GiB of HBM per NeuronCore-v2. Non-expert weights are bf16 whatever the experts.
+against 16 GiB of HBM per NeuronCore-v2. Non-expert weights are bf16 whatever the experts. The plan
+names what it counts against bf16 experts and replicated tensors (`savings`: the experts' format;
+embeddings and lm_head, each 1/t of the vocabulary's rows), and, at the plan's weights and
+reserves, the longest context (steps of SHAPE_STEP) that fits at each batch of SHAPE_BATCHES.
+
+Host memory (`host`): the peak of loading and serving an artifact. The load streams each rank's
+pre-sharded weights to its NeuronCore a load group at a time (`artifact.load_streamed`: a decoder
+layer, or one tensor outside the layers), so the peak is the serving process and its graphs
+(stated reserves) plus HOST_LOAD_COPIES × the largest group of one rank, not the model
+(tests/test_artifact_load.py measures a streamed load's peak on CPU); every rank's whole shard at
+once is given beside it. A plan on an instance whose host memory the peak exceeds does not fit.
 
 Decode: bytes one rank reads per generated token (all its non-expert weights but the embedding
 table, its KV cache, and its experts as the decode graph of each expert layout reads them) and
@@ -55,8 +68,10 @@ from transformers import Gemma4TextConfig
 
 from .. import spec
 from ..errors import UserError
+from ..experts import int4
 from ..experts.int8 import quantize_experts
 from ..info import meta_model, parameter_group
+from .artifact import load_group
 from ..parallel import layout
 from ..reader.accounting import rank_geometry, reads, resident, solve_rank_k
 from ..reader.geometry import Geometry
@@ -68,33 +83,75 @@ CHIP_HBM_BW = 820 * GiB  # bytes/s per Inferentia2 chip (Neuron docs, inferentia
 CORES_PER_CHIP = 2
 DEFAULT_RUNTIME_RESERVE = spec.DEFAULT_RUNTIME_RESERVE_GIB * GiB
 QUANTIZATIONS = spec.PLAN_QUANTIZATIONS  # the routed experts' formats planned (the rest of the weights: bf16)
+# Host memory of a serving process (stated estimates, not measurements): the Python process with
+# torch, torch-neuronx, NxD and the server imported, and the compiled graphs (model.pt) it holds.
+HOST_PROCESS_RESERVE = 3 * GiB
+HOST_GRAPHS_RESERVE = 1 * GiB
+# The streamed load (`artifact.load_streamed`) holds one load group of one rank at a time: its
+# host buffer and, while it is copied to the device, the runtime's staging copy of it.
+HOST_LOAD_COPIES = 2
+SHAPE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # the batches the plan's largest-shape table tries
+SHAPE_STEP = 128  # context lengths it tries: multiples of this
 
 
 @dataclass(frozen=True)
 class Instance:
     name: str
     chips: int
+    host_memory: int  # bytes
 
     @property
     def cores(self) -> int:
         return self.chips * CORES_PER_CHIP
 
 
-INSTANCES = {name: Instance(name, chips) for name, chips in spec.INSTANCE_CHIPS.items()}
+# Neuron SDK docs, inf2 architecture: 2 NeuronCores and 32 GiB of HBM per chip; the host's memory
+INSTANCE_HOST_MEMORY = {
+    "inf2.xlarge": 16 * GiB,
+    "inf2.8xlarge": 128 * GiB,
+    "inf2.24xlarge": 384 * GiB,
+    "inf2.48xlarge": 768 * GiB,
+}
+INSTANCES = {name: Instance(name, chips, INSTANCE_HOST_MEMORY[name]) for name, chips in spec.INSTANCE_CHIPS.items()}
+_EXPERT_WEIGHTS = (".experts.gate_up_proj.weight", ".experts.down_proj.weight")
 
 
-def _weights_per_rank(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str) -> dict[str, float]:
-    """Bytes of weights on one rank, by group (every rank holds the same amount)."""
+def int4_bytes(shape: torch.Size) -> int:
+    """Bytes of one int4 weight of `shape` (`experts/int4.py` at its DEFAULT_GROUP): the input
+    dimension is dim 1 of every expert layout's local experts ([E, H, 2I] / [E, I, H], or
+    [E·2I, H] / [H, E·I])."""
+    inputs = shape[1]
+    try:
+        return int4.nbytes(shape.numel() // inputs, inputs)
+    except int4.Int4Error as e:
+        raise UserError(f"int4 experts: {e}") from None
+
+
+def _rank_tensors(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str) -> dict[str, int]:
+    """Bytes of each tensor on one rank (every rank holds the same amount)."""
     state = meta_model(config).state_dict()  # tied embed_tokens / lm_head appear under both names
     full = layout.parallel_state_dict(state, config, tp, expert_layout)
     if quantization == spec.INT8_QUANTIZATION:
         full = quantize_experts(full)  # on the meta device: int8 weights and fp32 scales, shapes only
-    out: dict[str, float] = {}
+    out = {}
     for name, w in full.items():
         local = layout.shard(w, layout.placement(name, expert_layout), tp, 0)
+        if quantization == spec.INT4_QUANTIZATION and name.endswith(_EXPERT_WEIGHTS):
+            try:
+                out[name] = int4_bytes(local.shape)
+            except UserError as e:
+                raise UserError(f"{e} ({name} on each of {tp} ranks, {expert_layout} layout)") from None
+            continue
         # int8 experts, int32 SPMDRanks, the experts' fp32 scales (not the router's `scale`); the rest bf16
         fp32 = ".experts." in name and name.endswith(".scale")
-        nbytes = local.numel() * {torch.int8: 1, torch.int32: 4}.get(local.dtype, 4 if fp32 else 2)
+        out[name] = local.numel() * {torch.int8: 1, torch.int32: 4}.get(local.dtype, 4 if fp32 else 2)
+    return out
+
+
+def _weights_per_rank(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str) -> dict[str, float]:
+    """Bytes of weights on one rank, by group (every rank holds the same amount)."""
+    out: dict[str, float] = {}
+    for name, nbytes in _rank_tensors(config, tp, quantization, expert_layout).items():
         # the experts' SPMDRank is a scalar, not expert weights: it counts where a block's scalars do
         group = (
             "lm_head"
@@ -103,6 +160,79 @@ def _weights_per_rank(config: Gemma4TextConfig, tp: int, quantization: str, expe
         )
         out[group] = out.get(group, 0) + nbytes
     return out
+
+
+def _host(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str, inst: Instance | None) -> dict:
+    """Peak host memory of loading and serving the artifact: the process and its graphs (stated
+    reserves) and the streamed load's buffers, HOST_LOAD_COPIES × the largest load group of one
+    rank (`artifact.load_group`: a decoder layer, or a tensor outside the layers)."""
+    groups: dict[str, int] = {}
+    for name, nbytes in _rank_tensors(config, tp, quantization, expert_layout).items():
+        groups[load_group(name)] = groups.get(load_group(name), 0) + nbytes
+    largest = max(groups, key=groups.get)
+    peak = HOST_PROCESS_RESERVE + HOST_GRAPHS_RESERVE + HOST_LOAD_COPIES * groups[largest]
+    rank_weights = sum(groups.values())
+    host = {
+        "process_bytes": HOST_PROCESS_RESERVE,
+        "graphs_bytes": HOST_GRAPHS_RESERVE,
+        "largest_load_group": largest,
+        "largest_load_group_bytes": groups[largest],
+        "load_copies": HOST_LOAD_COPIES,
+        "peak_bytes": peak,
+        "whole_shards_peak_bytes": HOST_PROCESS_RESERVE + HOST_GRAPHS_RESERVE + tp * rank_weights,
+    }
+    if inst is not None:
+        host.update(memory_bytes=inst.host_memory, fits=peak <= inst.host_memory, margin_bytes=inst.host_memory - peak)
+    return host
+
+
+def _largest_shapes(config, tp, weights_bytes: float, quantization: str, fixed: float) -> list[dict]:
+    """For each of SHAPE_BATCHES, the longest context (a multiple of SHAPE_STEP, at most the model's
+    max_position_embeddings) at which a rank's weights, `fixed` bytes (runtime reserve, sidecar), KV
+    cache and graph estimate still fit a NeuronCore; batches at which none fits are left out."""
+    rows = []
+    for batch in SHAPE_BATCHES:
+
+        def fits(seq):
+            used = weights_bytes + fixed + _kv_cache_per_rank(config, tp, batch, seq)
+            return used + _graph_per_rank(config, tp, quantization, batch, seq) <= CORE_HBM
+
+        lo, hi = 0, config.max_position_embeddings // SHAPE_STEP  # the largest n with fits(n·STEP): lo
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid * SHAPE_STEP) else (lo, mid - 1)
+        if lo:
+            rows.append({"batch": batch, "context": lo * SHAPE_STEP, "tokens": batch * lo * SHAPE_STEP})
+    return rows
+
+
+def _savings(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str, weights: dict) -> list[dict]:
+    """What this plan counts against bf16 experts and replicated embeddings, per rank."""
+    rows = []
+    if quantization != spec.NO_QUANTIZATION:
+        bf16 = _weights_per_rank(config, tp, spec.NO_QUANTIZATION, expert_layout)["experts"]
+        rows.append(
+            {
+                "what": f"{quantization} experts"
+                + (
+                    f" (groups of {int4.DEFAULT_GROUP}, bf16 scales)"
+                    if quantization == spec.INT4_QUANTIZATION
+                    else " (fp32 scales per channel)"
+                ),
+                "instead_of": f"bf16 experts, {bf16 / GB:.2f} GB",
+                "saved_bytes": bf16 - weights["experts"],
+            }
+        )
+    if tp > 1:
+        vocab = ("embeddings", "lm_head")
+        rows.append(
+            {
+                "what": f"embeddings and lm_head sharded over the vocabulary (1/{tp} of the rows each)",
+                "instead_of": "both replicated on every rank",
+                "saved_bytes": (tp - 1) * sum(weights[g] for g in vocab),
+            }
+        )
+    return rows
 
 
 def _kv_cache_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int) -> int:
@@ -116,7 +246,9 @@ def _kv_cache_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int) 
 
 def _graph_per_rank(config: Gemma4TextConfig, tp: int, quantization: str, batch: int, seq: int) -> int:
     tokens, E, I, H = batch * seq, config.num_experts // tp, config.moe_intermediate_size, config.hidden_size
-    moe = tokens * E * 3 * I * 2 + (E * 2 * I * H * 2 if quantization == spec.INT8_QUANTIZATION else 0)
+    # int8: one layer's local gate_up dequantised to bf16; int4: that, and its values unpacked to int8 first
+    dequantised = {spec.NO_QUANTIZATION: 0, spec.INT8_QUANTIZATION: 2, spec.INT4_QUANTIZATION: 3}[quantization]
+    moe = tokens * E * 3 * I * 2 + E * 2 * I * H * dequantised
     attention = batch * (config.num_attention_heads // tp) * seq * seq * 4
     return max(moe, attention)
 
@@ -198,7 +330,10 @@ def _decode(config, tp, quantization, batch, kv, weights, expert_layout, decode_
             layout.check_degree(config, tp, name)
         except layout.LayoutError:
             continue  # no such graph can be built at this degree
-        held = weights if name == expert_layout else _weights_per_rank(config, tp, quantization, name)
+        try:
+            held = weights if name == expert_layout else _weights_per_rank(config, tp, quantization, name)
+        except UserError:
+            continue  # its int4 groups do not divide a rank's input channels: no such graph either
         row = _decode_row(config, tp, batch, held, kv, name, decode_experts)
         rows.append(dict(row, this_plan=name == expert_layout and reader is None))
         if reader is not None and name == layout.CHANNEL:
@@ -272,8 +407,15 @@ def plan(
         per_rank["reader_sidecar"] = _reader_sidecar_per_rank(config, tp, reader)
     total = sum(per_rank.values())
     experts_all = weights["experts"] * tp
+    host = _host(config, tp, quantization, expert_layout, inst)
     if inst is not None and tp > inst.cores:
         fits, reason = False, f"{instance} has {inst.cores} NeuronCores; TP {tp} needs {tp}"
+    elif inst is not None and not host["fits"]:
+        fits, reason = (
+            False,
+            f"loading needs {host['peak_bytes'] / GiB:.2f} GiB of host memory, {instance} has "
+            f"{inst.host_memory / GiB:.0f} GiB",
+        )
     elif total > CORE_HBM:
         fits, reason = (
             False,
@@ -287,7 +429,13 @@ def plan(
             True,
             (
                 f"{total / GB:.2f} GB per rank of {CORE_HBM / GB:.2f} GB (16 GiB); "
-                f"{(CORE_HBM - total) / GB:.2f} GB spare"
+                f"{(CORE_HBM - total) / GB:.2f} GB spare per core"
+                + (
+                    f"; host peak {host['peak_bytes'] / GiB:.2f} of {inst.host_memory / GiB:.0f} GiB, "
+                    f"{host['margin_bytes'] / GiB:.2f} GiB spare"
+                    if inst is not None
+                    else ""
+                )
             ),
         )
     return {
@@ -297,7 +445,13 @@ def plan(
         "per_rank_bytes": per_rank,
         "per_rank_total_bytes": total,
         "experts_all_ranks_bytes": experts_all,
+        "margin_per_core_bytes": CORE_HBM - total,
+        "savings": _savings(config, tp, quantization, expert_layout, weights),
+        "largest_shapes": _largest_shapes(
+            config, tp, sum(weights.values()), quantization, runtime_reserve + per_rank.get("reader_sidecar", 0)
+        ),
         "decode": _decode(config, tp, quantization, batch, kv, weights, expert_layout, decode_experts, reader),
+        "host": host,
         "host_per_step": _host_per_step(config, batch),
     }
 
@@ -336,6 +490,13 @@ def _experts_format(quantization: str) -> str:
     return "bf16" if quantization == spec.NO_QUANTIZATION else quantization
 
 
+def _largest_line(shapes: list[dict]) -> str:
+    if not shapes:
+        return "\nno batch fits a context of " + f"{SHAPE_STEP}"
+    top = max(shapes, key=lambda r: r["tokens"])
+    return f"\nlargest batch × context that fits: {top['batch']} × {top['context']} = {top['tokens']} positions"
+
+
 def render_plan(report: dict) -> str:
     lines = [
         f"{report['model']} on {report['instance']}: TP {report['tp']}, "
@@ -354,6 +515,27 @@ def render_plan(report: dict) -> str:
             )
             for r in report["decode"]
         ]
+        this = next(r for r in report["decode"] if r["this_plan"] or "reader" in r)
+        host = report["host"]
+        host_rows = [
+            {"what": "process: Python, torch, torch-neuronx, NxD, server (stated)", "GiB": host["process_bytes"] / GiB},
+            {"what": "compiled graphs, model.pt (stated)", "GiB": host["graphs_bytes"] / GiB},
+            {
+                "what": f"streamed load: {host['load_copies']} × one rank's {host['largest_load_group']}",
+                "GiB": host["load_copies"] * host["largest_load_group_bytes"] / GiB,
+            },
+            {"what": "peak", "GiB": host["peak_bytes"] / GiB},
+        ]
+        if "memory_bytes" in host:
+            host_rows.append(
+                {"what": f"margin of {report['instance']}'s host memory", "GiB": host["margin_bytes"] / GiB}
+            )
+        host_rows.append(
+            {
+                "what": "(every rank's whole shard in memory at once, for comparison)",
+                "GiB": host["whole_shards_peak_bytes"] / GiB,
+            }
+        )
         lines += [
             table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]),
             f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
@@ -369,6 +551,22 @@ def render_plan(report: dict) -> str:
                 ],
             ),
             "\n(decode: the graphs trace-and-compile builds, at this batch; bytes read, not measured)\n",
+            f"HBM-bound floor per token (this plan's decode graph, {CHIP_HBM_BW / CORES_PER_CHIP / GiB:.0f} GiB/s "
+            f"per core): {this['floor_ms']:.2f} ms, at most {this['tokens_per_s_ceiling']:.1f} steps/s\n",
+            table(
+                [dict(r, GB=r["saved_bytes"] / GB) for r in report["savings"]]
+                or [{"what": "none: bf16 experts, every tensor where the layout places it"}],
+                [("what", "savings counted per rank"), ("instead_of", "instead of"), ("GB", "GB saved", "{:.2f}")],
+            )
+            + "\n",
+            table(
+                report["largest_shapes"],
+                [("batch", "batch"), ("context", "longest context that fits"), ("tokens", "batch × context")],
+            )
+            + _largest_line(report["largest_shapes"])
+            + f"\n(the weights, reserves, KV cache and graph estimate per core at each batch, contexts in steps of "
+            f"{SHAPE_STEP}; the graph estimate prefills the whole context at once, an upper bound)\n",
+            table(host_rows, [("what", "host memory, loading and serving"), ("GiB", "GiB", "{:.2f}")]) + "\n",
             table(
                 report["host_per_step"],
                 [("what", "host <-> device per decode step"), ("direction", ""), ("bytes", "bytes")],

@@ -40,6 +40,7 @@ from .. import __version__
 from ..report import dumps
 from .chat import render_chat
 from .engine import Engine, RequestError, SamplingParams
+from .invocations import invocation_request
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
     APIError,
@@ -630,5 +631,14 @@ def create_app(
         engine = ready_engine(req.model)
         _check_token_ids(req.tokens, vocab_size, "tokens")
         return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, req.tokens)}
+
+    # ---- SageMaker's contract (deploy/sagemaker.py starts the server for it; its GET /ping is above):
+    # POST /invocations takes an OpenAI body and answers as the route its fields name (invocations.py)
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        req = invocation_request(await request.body(), model_name)
+        if isinstance(req, ChatRequest):
+            return await chat_completions(req, request)
+        return await completions(req, request)
 
     return app

@@ -23,15 +23,18 @@ without logits (the default) serves every request; one built --with-logits also 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from .. import environment
-from ..neuron.artifact import MODEL, ArtifactError, check_expert_layout, load_shards, read_manifest
+from ..neuron.artifact import MODEL, ArtifactError, check_expert_layout, load_shards, load_streamed, read_manifest
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
 from ..static.rows import GraphRuntime
 
+log = logging.getLogger(__name__)
+DEVICE = "privateuseone:{rank}"  # a NeuronCore as torch-neuronx names it (NxD's state initializer)
 SDK_MODULES = environment.SERVE_MODULES
 # one artifact contract, one error for it
 NeuronError = ArtifactError
@@ -42,6 +45,23 @@ def require_sdk() -> None:
     supported, why = environment.support(environment.SERVE_NEURON)
     if not supported:
         raise NeuronError(f"--backend neuron {why}")
+
+
+def load_weights(nxd_model, artifacts: Path, manifest: dict) -> None:
+    """Every rank's weights onto its NeuronCore a load group (a decoder layer) at a time
+    (`artifact.load_streamed`), so the host holds one group of one rank at a time, not the model:
+    each tensor is copied to `privateuseone:<rank>` (the device NxD's state initializer places the
+    KV cache on), the per-rank dicts become the NxDModel's weights, and
+    `initialize_with_saved_weights` hands them to every key. An artifact whose graphs expect NxD's
+    weight layout transformation (a `weight_loader`) takes the whole shards through `initialize`,
+    which transforms them: host memory for every rank's shard at once, logged."""
+    start = torch.tensor([0], dtype=torch.int32)
+    if getattr(nxd_model, "weight_loader", None) is not None:
+        log.warning("%s: the graphs transform their weights' layout on load; every shard is read whole", artifacts)
+        nxd_model.initialize(load_shards(artifacts, manifest), start)
+        return
+    nxd_model.weights = load_streamed(artifacts, manifest, lambda rank, _, t: t.to(DEVICE.format(rank=rank)))
+    nxd_model.initialize_with_saved_weights(start)
 
 
 def neuron_runtime(artifacts: Path, port) -> GraphRuntime:
@@ -56,9 +76,8 @@ def neuron_runtime(artifacts: Path, port) -> GraphRuntime:
     require_sdk()
     import torch_neuronx  # noqa: F401 - registers the Neuron classes that torch.jit.load needs
 
-    shards = load_shards(artifacts, manifest)  # each in the manifest's expert layout
     model = torch.jit.load(str(artifacts / MODEL))
-    model.nxd_model.initialize(shards, torch.tensor([0], dtype=torch.int32))
+    load_weights(model.nxd_model, artifacts, manifest)
     # one callable: NxD routes each call to the key whose example inputs match its shapes
     return GraphRuntime(
         model,

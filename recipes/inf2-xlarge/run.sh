@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Gemma-4 26B-A4B on one Inferentia2 chip (inf2.xlarge, or inf2.8xlarge with INSTANCE=inf2.8xlarge):
+# TP 2 with int4 experts. Compiled on a host with the memory for it (no Neuron device needed),
+# published to S3, pulled and served on the one-chip box; every step in the project's own Neuron
+# image (docker/Dockerfile.neuron: the Neuron DLC for inf2 plus this package).
+#
+# NOT RUN ON NEURON: written against the public Neuron SDK 2.31.1 / NxD APIs; only its flow was checked,
+# against stand-ins for docker and curl (tests/test_recipe.py). See README.md next to this file.
+#
+# On the compile host (x86, Docker, host memory: README.md), then on the one-chip box:
+#   S3=s3://BUCKET/PREFIX ARTIFACTS=/data/artifacts recipes/inf2-xlarge/run.sh compile-host
+#   S3=s3://BUCKET/PREFIX ARTIFACTS=/data/artifacts recipes/inf2-xlarge/run.sh serve-host
+# compile-host = image plan compile publish; serve-host = image plan pull serve; or any steps by name.
+# CHECKPOINT is a Hugging Face Hub repository id (default google/gemma-4-26B-A4B-it; downloaded into
+# HF_HOME, $HOME/.cache/huggingface unless set; HF_TOKEN is passed on when set) or a local HF-layout
+# directory. S3 credentials: the AWS_* variables when set, else the host's (an instance role).
+set -euo pipefail
+shopt -s nullglob
+
+NEURON_SDK=${NEURON_SDK:-2.31.1}  # docs/neuron.md, "Which Neuron SDK": compile and serve on the same one
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+if [ "$NEURON_SDK" = 2.31.1 ]; then IMAGE=${IMAGE:-neuron-moe:neuron}; else IMAGE=${IMAGE:-neuron-moe:neuron-sdk$NEURON_SDK}; fi
+CHECKPOINT=${CHECKPOINT:-google/gemma-4-26B-A4B-it}
+ARTIFACTS=${ARTIFACTS:?set ARTIFACTS to a directory for the compiled artifact}
+HF_CACHE=${HF_HOME:-$HOME/.cache/huggingface}
+MODEL=${MODEL:-gemma4-26b-a4b}
+INSTANCE=${INSTANCE:-inf2.xlarge}  # the box that serves: one chip, 2 NeuronCores
+TP=2
+# the experts' format flag of trace-and-compile and plan
+EXPERTS=(--quantization int4)
+BUILD=$MODEL-int4-tp$TP
+PORT=${PORT:-8080}
+NAME=${NAME:-neuron-moe-serve}  # the serving container
+if [ $# -eq 0 ]; then
+  echo "usage: run.sh compile-host | serve-host | step... (image plan compile publish pull serve)" >&2
+  exit 2
+fi
+STEPS=$*
+STEPS=${STEPS//compile-host/image plan compile publish}
+STEPS=${STEPS//serve-host/image plan pull serve}
+mkdir -p "$ARTIFACTS" "$HF_CACHE"
+
+# One --device per chip where there is one (the one-chip box: /dev/neuron0); the compile host has none.
+DEVICES=()
+for dev in /dev/neuron*; do DEVICES+=(--device "$dev"); done
+RUN_AS=(--user "$(id -u):$(id -g)" -e HOME=/tmp)
+if [ ${#DEVICES[@]} -gt 0 ]; then RUN_AS+=(--group-add "$(stat -c %g /dev/neuron0)"); fi
+MOUNTS=(-v "$ARTIFACTS":/artifacts -v "$HF_CACHE":/hf -e HF_HOME=/hf)
+if [ -n "${HF_TOKEN:-}" ]; then MOUNTS+=(-e HF_TOKEN); fi
+if [ -d "$CHECKPOINT" ]; then
+  MOUNTS+=(-v "$(cd "$CHECKPOINT" && pwd)":/checkpoint:ro)
+  CKPT=/checkpoint
+else
+  CKPT=$CHECKPOINT
+fi
+# S3: the AWS_* variables that are set, and the host network (an instance role's credentials come
+# from the instance metadata service, which a container on the default bridge may not reach)
+AWS=(--network host)
+for var in AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN AWS_REGION AWS_DEFAULT_REGION AWS_ENDPOINT_URL_S3; do
+  if [ -n "${!var:-}" ]; then AWS+=(-e "$var"); fi
+done
+
+neuron_moe() {  # one neuron-moe command in the image, removed when it ends
+  docker run --rm "${DEVICES[@]}" "${RUN_AS[@]}" "$@"
+}
+
+need_s3() {
+  case ${S3:-} in
+    s3://?*) ;;
+    *) echo "set S3 to the publication's s3://BUCKET/PREFIX" >&2; exit 2 ;;
+  esac
+}
+
+compile() {  # an artifact already built is kept (remove it, or OVERWRITE=1, to rebuild)
+  if [ -f "$ARTIFACTS/$BUILD/manifest.json" ] && [ -z "${OVERWRITE:-}" ]; then
+    echo "$ARTIFACTS/$BUILD exists: kept (OVERWRITE=1 rebuilds it)"
+    return
+  fi
+  neuron_moe "${MOUNTS[@]}" --entrypoint neuron-moe "$IMAGE" trace-and-compile --model "$MODEL" --checkpoint "$CKPT" \
+    "${EXPERTS[@]}" --tp "$TP" --out "/artifacts/$BUILD" ${OVERWRITE:+--overwrite}
+}
+
+serve() {  # the pulled artifact alone (it carries its tokenizer); then one request
+  docker rm -f "$NAME" > /dev/null 2>&1 || true  # a server left by an earlier run
+  docker run -d --rm --name "$NAME" "${DEVICES[@]}" "${RUN_AS[@]}" -e NEURON_RT_NUM_CORES="$TP" \
+    -v "$ARTIFACTS":/artifacts:ro -p "$PORT":8080 \
+    "$IMAGE" --model "$MODEL" --backend neuron --artifacts "/artifacts/$BUILD" > /dev/null
+  local log=$ARTIFACTS/$NAME.log
+  docker logs -f "$NAME" > "$log" 2>&1 &  # kept after the container is gone (--rm)
+  echo "waiting for $NAME to load and warm up (minutes); its log: $log"
+  until curl -sf "http://127.0.0.1:$PORT/ping" > /dev/null; do
+    if [ -z "$(docker ps -q --filter "name=^$NAME\$")" ]; then
+      sleep 1  # the log follower's last lines
+      echo "$NAME exited before it was ready:" >&2
+      tail -n 20 "$log" >&2
+      exit 1
+    fi
+    sleep 10
+  done
+  curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"$MODEL\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16, \"temperature\": 0}"
+  echo
+  echo "serving on http://127.0.0.1:$PORT (docker stop $NAME stops it)"
+}
+
+for step in $STEPS; do
+  echo "== $step"
+  case $step in
+    image)
+      docker build -f "$REPO/docker/Dockerfile.neuron" --build-arg NEURON_SDK="$NEURON_SDK" -t "$IMAGE" "$REPO" ;;
+    plan)  # HBM per core and host memory on the serving box: exits 1 (and stops here) unless it fits
+      neuron_moe --entrypoint neuron-moe "$IMAGE" plan --model "$MODEL" --instance "$INSTANCE" --tp "$TP" "${EXPERTS[@]}" ;;
+    compile)
+      compile ;;
+    publish)  # integrity-checked upload, manifest last
+      need_s3
+      neuron_moe "${AWS[@]}" -v "$ARTIFACTS":/artifacts:ro --entrypoint neuron-moe "$IMAGE" publish "/artifacts/$BUILD" "$S3" ;;
+    pull)  # each file verified before it lands; files already there with the manifest's sha256 are kept
+      need_s3
+      neuron_moe "${AWS[@]}" -v "$ARTIFACTS":/artifacts --entrypoint neuron-moe "$IMAGE" pull "$S3" "/artifacts/$BUILD" ;;
+    serve)
+      serve ;;
+    *)
+      echo "unknown step $step (image plan compile publish pull serve; compile-host, serve-host)" >&2; exit 2 ;;
+  esac
+done
