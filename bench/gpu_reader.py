@@ -527,7 +527,7 @@ def copy_bandwidth():
     return 2 * 10 * (1 << 30) / (start.elapsed_time(end) / 1e3)
 
 
-# issue 24's lines for the Gemma-4 block at 17.8 % reads (× the best dense baseline), and the source
+# the targets for the Gemma-4 block at 17.8 % reads (× the best dense baseline), and the source
 # paper's own figures there (against vLLM), printed beside what this run reached
 TARGETS = {1: 1.9, 4: 2.5}
 PAPER = {1: 1.71, 4: 2.34}
@@ -593,7 +593,7 @@ def tables(report) -> list[tuple[str, str, list]]:
             ],
         ),
         (
-            f"issue 24's targets at {BUDGETS[0]} % reads (× the best dense baseline of this run; the paper's "
+            f"the targets at {BUDGETS[0]} % reads (× the best dense baseline of this run; the paper's "
             "figure is against vLLM)",
             "targets",
             [

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on an NVIDIA H200 for issue 24, at most SESSION_S seconds (default 340 s; the kernel
+# One device call on an NVIDIA H200 for the reader's GPU targets, at most SESSION_S seconds (default 340 s; the kernel
 # comparison at most READER_S, default 200 s, the decode what is left):
 #   1. bench.gpu_reader: the reader's MoE block against the dense baselines, every kernel variant
 #      preflighted against the reference at the real shapes, then timed side by side;

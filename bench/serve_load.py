@@ -13,9 +13,9 @@ batching engine) the same load runs against a server at each batch size in turn,
 puts the runs side by side, with each run's output tokens/s as a multiple of the last run's.
 
 --hostile-bytes N runs the load twice on the same server, side by side: without, then with one
-more client that sends an N-byte prompt again and again (what froze the server before issue 26:
-a 10 MB prompt held the event loop in the tokenizer for 15 s). It reports what that client got
-and how /health and the normal clients' TTFT fared in each run.
+more client that sends an N-byte prompt again and again (a server that tokenizes on its event loop
+freezes under it: a 10 MB prompt can hold the loop for seconds). It reports what that client got and
+how /health and the normal clients' TTFT fared in each run.
 
 The load: short chat prompts, greedy; `--sampled` samples them (temperature 0.7, top-p 0.9, each
 request its own seed); `--long-every N` makes one request in N of each client a long prompt, its
@@ -25,11 +25,11 @@ largest prefill bucket, so it is prefilled in chunks), and reports the short req
 Each run ends with a scrape of the server's /metrics (prefill and decode calls, and the rows in
 them), and records `uptime` and the commit.
 
-`--acceptance` runs issue 32's comparison, the same 8-client load against each (`--backend
+`--acceptance` runs the batching engine's acceptance comparison, the same 8-client load against each (`--backend
 static`): the batched engine (batch 8, prefill graphs of 1 and 4 prompts, the port's prefill chunk
 or `--prefill-chunk`) greedy, the same with one-prompt prefill only, batch 1 (each prompt in one
 call: its fastest), the batched engine sampled, and the batched engine under the mixed load (one
-long prompt in 8); then the table of what the issue asks: tokens/s against batch 1, TTFT p99, and
+long prompt in 8); then the table of its goals: tokens/s against batch 1, TTFT p99, and
 the short requests' TPOT p99 under the mixed load against the batched run without it.
 
     python -m bench.serve_load --clients 8 --requests 64 --max-tokens 16 --json out.json
@@ -557,7 +557,7 @@ def print_batch_comparison(reports: list[dict]) -> None:
     print(table(rows, [("metric", "metric"), *[(run, run) for run in runs]]))
 
 
-# issue 32's comparison: (name, overrides of the command line's settings), all --backend static;
+# the acceptance comparison: (name, overrides of the command line's settings), all --backend static;
 # "largest": prefill chunks of the largest bucket (one call per prompt here: batch 1's fastest)
 ACCEPTANCE = [
     ("batched", {"batch_size": 8, "prefill_rows": [1, 4]}),
@@ -627,7 +627,7 @@ def print_acceptance(summary: dict) -> None:
             "goal": "<= 1.5",
         },
     ]
-    print(table(rows, [("what", "acceptance (issue 32)"), ("got", "this run", "{:.2f}"), ("goal", "goal")]))
+    print(table(rows, [("what", "acceptance"), ("got", "this run", "{:.2f}"), ("goal", "goal")]))
 
 
 def main(argv=None) -> int:
@@ -687,7 +687,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--acceptance",
         action="store_true",
-        help="issue 32's runs side by side (see the module docstring); --backend static",
+        help="the acceptance runs side by side (see the module docstring); --backend static",
     )
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""What the static graphs cost per call on this machine, the ceiling of the batching engine.
+"""What the static graphs cost per call on the host it runs on, the ceiling of the batching engine.
 
 The batching engine (`serve/batching.py`) spends its time in two calls of the runtime: a prefill
 of up to R prompts (the largest of `--prefill-rows`) and a decode step of every row. This times

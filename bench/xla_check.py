@@ -551,7 +551,7 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
         "full sort; a custom-call would be an op outside plain HLO, a while or conditional control flow in the graph.",
         "- What this does not show: that neuronx-cc accepts this HLO (its sort support included), that NxD's "
         "runtime keeps the aliased state on the device as its source says, or anything about speed on a Neuron "
-        "device. Times above are XLA:CPU on a shared 2-core machine.",
+        "device. Times above are XLA:CPU on the host that ran this.",
         "",
     ]
     return "\n".join(lines)

@@ -1,14 +1,18 @@
-"""Test helpers: a uvicorn server in a thread on a free loopback port, always shut down; the
-batching engine's requests seen from their sinks."""
+"""Test helpers: a uvicorn server in a thread on a free loopback port, always shut down; a server
+process started on port 0 and always ended; the batching engine's requests seen from their sinks."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import queue
+import re
 import socket
+import subprocess
 import threading
 import time
 
+import httpx
 import uvicorn
 
 
@@ -48,6 +52,50 @@ def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):
             return value
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(0.05)
+
+
+class Output:
+    """A child's merged stdout/stderr, read in a thread so the pipe never fills."""
+
+    def __init__(self, stream):
+        self.lines: queue.Queue = queue.Queue()
+        self.all: list[str] = []
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream):
+        for line in stream:
+            self.all.append(line)
+            self.lines.put(line)
+        self.lines.put(None)  # the child closed its output: it exited
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            if match := re.search(pattern, line):
+                return match
+        raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s:\n{''.join(self.all)}")
+
+
+@contextlib.contextmanager
+def server_process(argv: list, env: dict, ready: str, cwd=None, timeout_s: float = 120.0):
+    """Start the server `argv` (it listens on 127.0.0.1, port 0, and says where) and yield (proc, its
+    Output, base URL) once GET `ready` answers 200; killed at the end unless it has exited."""
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = Output(proc.stdout)
+        url = "http://127.0.0.1:" + out.wait_for(r"running on http://127\.0\.0\.1:(\d+)", timeout_s).group(1)
+        wait_for(lambda: httpx.get(url + ready).status_code == 200, timeout_s, "the model to load")
+        yield proc, out, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def sse_events(lines) -> list:

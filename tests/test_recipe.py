@@ -57,6 +57,14 @@ def recipe(tmp_path):
     return run
 
 
+def _served(run: list) -> str:
+    """The artifact a `docker run ... IMAGE` of the server serves: the image's entrypoint on it alone (no
+    checkpoint: the artifact has its tokenizer)."""
+    command = run[run.index("neuron-moe:neuron") + 1 :]
+    assert command[:-1] == ["--model", "gemma4-26b-a4b", "--backend", "neuron", "--artifacts"], command
+    return command[-1]
+
+
 def test_it_builds_the_image_and_runs_every_step_in_it(recipe, tmp_path):
     done, calls = recipe("image", "plan", "compile-bf16", "serve")
     assert done.returncode == 1  # the server died: the wait ended, it did not loop on
@@ -72,15 +80,8 @@ def test_it_builds_the_image_and_runs_every_step_in_it(recipe, tmp_path):
     assert plan[plan.index("--entrypoint") + 1 :][:2] == ["neuron-moe", "neuron-moe:neuron"] and "plan" in plan
     assert compile_[compile_.index("--checkpoint") + 1] == "google/gemma-4-26B-A4B-it"  # a Hub id, into HF_HOME
     assert f"{tmp_path / 'hf'}:/hf" in compile_ and "HF_HOME=/hf" in compile_
-    # the server: the image's entrypoint on the bf16 artifact alone (no checkpoint: the artifact has its tokenizer)
-    assert serve[serve.index("neuron-moe:neuron") + 1 :] == [
-        "--model",
-        "gemma4-26b-a4b",
-        "--backend",
-        "neuron",
-        "--artifacts",
-        "/artifacts/gemma4-26b-a4b-bf16-tp8",
-    ]
+    # the server: the bf16 artifact, on the cores it was compiled for
+    assert _served(serve) == "/artifacts/gemma4-26b-a4b-bf16-tp8" and "NEURON_RT_NUM_CORES=8" in serve
     assert ["rm", "-f", "neuron-moe-serve"] in calls
     assert calls.index(["rm", "-f", "neuron-moe-serve"]) < calls.index(serve)
     assert serve[serve.index("--name") + 1] == "neuron-moe-serve" and "-d" in serve
@@ -159,14 +160,7 @@ def test_the_one_chip_box_pulls_and_serves_the_artifact_alone(recipe, tmp_path):
     assert plan[plan.index("--instance") + 1] == "inf2.xlarge"
     assert pull == ["pull", s3, "/artifacts/gemma4-26b-a4b-int4-tp2"]
     serve = runs[2]
-    assert serve[serve.index("neuron-moe:neuron") + 1 :] == [
-        "--model",
-        "gemma4-26b-a4b",
-        "--backend",
-        "neuron",
-        "--artifacts",
-        "/artifacts/gemma4-26b-a4b-int4-tp2",
-    ]
+    assert _served(serve) == "/artifacts/gemma4-26b-a4b-int4-tp2"
     assert "--rm" in serve and "NEURON_RT_NUM_CORES=2" in serve
     assert f"{tmp_path / 'artifacts'}:/artifacts:ro" in serve
     assert calls.index(["rm", "-f", "neuron-moe-serve"]) < calls.index(serve)

@@ -8,7 +8,6 @@ endpoint."""
 import importlib.util
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,9 +19,8 @@ from neuron_moe.deploy import sagemaker
 from neuron_moe.errors import UserError
 
 from dockerfile import DOCKER
-from serving import sse_events, wait_for
+from serving import server_process, sse_events
 from test_serve_neuron import dry_run_artifact  # noqa: F401 - the fixture: trace-and-compile --dry-run
-from test_serve_process import Output
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,17 +82,8 @@ def test_the_entrypoint_serves_sagemakers_contract(tmp_path, dry_run_artifact): 
     model_dir = tmp_path / "opt" / "ml" / "model"
     model_dir.parent.mkdir(parents=True)
     dry_run_artifact.rename(model_dir)
-    proc = subprocess.Popen(
-        [str(DOCKER / "entrypoint.sh"), "serve"],
-        env=sagemaker_env(tmp_path, model_dir),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out = Output(proc.stdout)
-        url = "http://127.0.0.1:" + out.wait_for(r"running on http://127\.0\.0\.1:(\d+)", 120).group(1)
-        wait_for(lambda: httpx.get(f"{url}/ping").status_code == 200, 120, "the model to load")
+    argv = [str(DOCKER / "entrypoint.sh"), "serve"]
+    with server_process(argv, sagemaker_env(tmp_path, model_dir), "/ping") as (proc, _, url):
         assert httpx.get(f"{url}/ping").json()["model"] == "tiny-gemma4-moe"  # the port the manifest names
 
         # the bodies the /v1 routes take, answered alike; an endpoint serves one model, so a body
@@ -143,10 +132,6 @@ def test_the_entrypoint_serves_sagemakers_contract(tmp_path, dry_run_artifact): 
 
         proc.send_signal(signal.SIGTERM)  # SageMaker's stop: SIGKILL follows 30 s later
         assert proc.wait(sagemaker.DRAIN_TIMEOUT_S + 10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 def test_the_serve_arguments_come_from_the_environment(tmp_path, dry_run_artifact):  # noqa: F811

@@ -5,15 +5,11 @@ entrypoint run for real — serving on loopback, then draining a stream on SIGTE
 import importlib.util
 import json
 import os
-import queue
-import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -34,7 +30,7 @@ from neuron_moe.serve.server import ServeError, plan_load
 
 from conftest import port_text_elsewhere, reseeded
 from dockerfile import DOCKER, final_stage
-from serving import sse_events, wait_for
+from serving import server_process, sse_events
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -189,34 +185,6 @@ def test_cpu_backend_loads_its_checkpoint_from_artifacts(tmp_path, monkeypatch, 
         assert pulls == [(spec, tmp_path / "cache" / "bucket" / "runs" / "tiny")]  # '..' cannot escape the cache
 
 
-class Output:
-    """A child's merged stdout/stderr, read in a thread so the pipe never fills."""
-
-    def __init__(self, stream):
-        self.lines: queue.Queue = queue.Queue()
-        self.all: list[str] = []
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream):
-        for line in stream:
-            self.all.append(line)
-            self.lines.put(line)
-        self.lines.put(None)  # the child closed its output: it exited
-
-    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            if match := re.search(pattern, line):
-                return match
-        raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s:\n{''.join(self.all)}")
-
-
 def test_entrypoint_serves_then_sigterm_drains_the_stream_in_flight(tmp_path):
     final = final_stage(DOCKER / "Dockerfile.cpu")
     (cmd,) = [json.loads(a) for k, a in final if k == "CMD"]
@@ -233,13 +201,7 @@ def test_entrypoint_serves_then_sigterm_drains_the_stream_in_flight(tmp_path):
         OMP_NUM_THREADS="1",
         NEURON_MOE_API_KEY="k",
     )
-    proc = subprocess.Popen(
-        [str(DOCKER / "entrypoint.sh"), *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        out = Output(proc.stdout)
-        url = "http://127.0.0.1:" + out.wait_for(r"running on http://127\.0\.0\.1:(\d+)", 120).group(1)
-        wait_for(lambda: httpx.get(f"{url}/ping").status_code == 200, 120, "the model to load")
+    with server_process([str(DOCKER / "entrypoint.sh"), *cmd], env, "/ping") as (proc, out, url):
         auth = {"Authorization": "Bearer k"}
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the key came from the environment
         body = {
@@ -265,10 +227,6 @@ def test_entrypoint_serves_then_sigterm_drains_the_stream_in_flight(tmp_path):
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health")
         assert "draining the requests in flight" in "".join(out.all)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 def test_an_address_in_use_is_one_line_before_anything_loads(capsys):
@@ -324,7 +282,7 @@ def test_sigterm_under_load_and_slow_clients_on_a_real_server(tmp_path):
     aborted ('terminate called without an active exception', exit 134) when the interpreter exited
     with the step loop inside a decode step; 256 rows make each step long enough to be caught in."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
+    with server_process(
         [
             sys.executable,
             "-m",
@@ -343,16 +301,10 @@ def test_sigterm_under_load_and_slow_clients_on_a_real_server(tmp_path):
             "--body-timeout",
             "1",
         ],
-        env=env,
+        env,
+        "/health",
         cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out = Output(proc.stdout)
-        url = "http://127.0.0.1:" + out.wait_for(r"running on http://127\.0\.0\.1:(\d+)", 120).group(1)
-        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 120, "the model to load")
+    ) as (proc, out, url):
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as headers_only:
             headers_only.sendall(b"GET /health HTTP/1.1\r\n")
@@ -372,7 +324,3 @@ def test_sigterm_under_load_and_slow_clients_on_a_real_server(tmp_path):
             t.join(30)
         assert len(ends) == len(clients) and all(isinstance(e, list) and e[-1] == "[DONE]" for e in ends), ends
         assert "terminate called" not in "".join(out.all)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)

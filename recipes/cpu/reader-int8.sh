@@ -22,12 +22,11 @@ cp "$WORK/reader-int8/report.md" "$RESULTS/report-r0.md"
 cp "$WORK/reader-int8/report.json" "$RESULTS/report-r0.json"
 cp "$WORK/reader-int8-r32/report.md" "$RESULTS/report-r32.md"
 cp "$WORK/reader-int8-r32/report.json" "$RESULTS/report-r32.json"
-for model in gemma4-26b-a4b; do
-    for dtype in bf16 int8; do
-        $PY -m neuron_moe reads --model $model --dtype $dtype --budget 17.8 --json "$RESULTS/reads-$model-$dtype.json"
-    done
-done
-for dtype in bf16 int8; do
-    $PY -m neuron_moe reads --hidden 2048 --experts 128 --top-k 8 --intermediate 768 --dtype $dtype --budget 17.8 \
-        --json "$RESULTS/reads-qwen3-30b-a3b-$dtype.json"
+# the experts' format: none (bf16 experts) or int8; the files are named by the experts' dtype
+for quantization in none int8; do
+    name=$([ $quantization = none ] && echo bf16 || echo int8)
+    $PY -m neuron_moe reads --model gemma4-26b-a4b --quantization $quantization --budget 17.8 \
+        --json "$RESULTS/reads-gemma4-26b-a4b-$name.json"
+    $PY -m neuron_moe reads --hidden 2048 --experts 128 --top-k 8 --intermediate 768 --quantization $quantization \
+        --budget 17.8 --json "$RESULTS/reads-qwen3-30b-a3b-$name.json"
 done

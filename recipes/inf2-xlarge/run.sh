@@ -17,20 +17,11 @@
 set -euo pipefail
 shopt -s nullglob
 
-NEURON_SDK=${NEURON_SDK:-2.31.1}  # docs/neuron.md, "Which Neuron SDK": compile and serve on the same one
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
-if [ "$NEURON_SDK" = 2.31.1 ]; then IMAGE=${IMAGE:-neuron-moe:neuron}; else IMAGE=${IMAGE:-neuron-moe:neuron-sdk$NEURON_SDK}; fi
-CHECKPOINT=${CHECKPOINT:-google/gemma-4-26B-A4B-it}
 ARTIFACTS=${ARTIFACTS:?set ARTIFACTS to a directory for the compiled artifact}
-HF_CACHE=${HF_HOME:-$HOME/.cache/huggingface}
-MODEL=${MODEL:-gemma4-26b-a4b}
 INSTANCE=${INSTANCE:-inf2.xlarge}  # the box that serves: one chip, 2 NeuronCores
 TP=2
 # the experts' format flag of trace-and-compile and plan
 EXPERTS=(--quantization int4)
-BUILD=$MODEL-int4-tp$TP
-PORT=${PORT:-8080}
-NAME=${NAME:-neuron-moe-serve}  # the serving container
 if [ $# -eq 0 ]; then
   echo "usage: run.sh compile-host | serve-host | step... (image plan compile publish pull serve)" >&2
   exit 2
@@ -38,21 +29,11 @@ fi
 STEPS=$*
 STEPS=${STEPS//compile-host/image plan compile publish}
 STEPS=${STEPS//serve-host/image plan pull serve}
-mkdir -p "$ARTIFACTS" "$HF_CACHE"
+# NEURON_SDK (docs/neuron.md, "Which Neuron SDK": compile and serve on the same one), the image, CHECKPOINT,
+# the containers' arguments, build_image and serve
+source "$(dirname "$0")/../common.sh"
+BUILD=$MODEL-int4-tp$TP
 
-# One --device per chip where there is one (the one-chip box: /dev/neuron0); the compile host has none.
-DEVICES=()
-for dev in /dev/neuron*; do DEVICES+=(--device "$dev"); done
-RUN_AS=(--user "$(id -u):$(id -g)" -e HOME=/tmp)
-if [ ${#DEVICES[@]} -gt 0 ]; then RUN_AS+=(--group-add "$(stat -c %g /dev/neuron0)"); fi
-MOUNTS=(-v "$ARTIFACTS":/artifacts -v "$HF_CACHE":/hf -e HF_HOME=/hf)
-if [ -n "${HF_TOKEN:-}" ]; then MOUNTS+=(-e HF_TOKEN); fi
-if [ -d "$CHECKPOINT" ]; then
-  MOUNTS+=(-v "$(cd "$CHECKPOINT" && pwd)":/checkpoint:ro)
-  CKPT=/checkpoint
-else
-  CKPT=$CHECKPOINT
-fi
 # S3: the AWS_* variables that are set, and the host network (an instance role's credentials come
 # from the instance metadata service, which a container on the default bridge may not reach)
 AWS=(--network host)
@@ -80,34 +61,11 @@ compile() {  # an artifact already built is kept (remove it, or OVERWRITE=1, to 
     "${EXPERTS[@]}" --tp "$TP" --out "/artifacts/$BUILD" ${OVERWRITE:+--overwrite}
 }
 
-serve() {  # the pulled artifact alone (it carries its tokenizer); then one request
-  docker rm -f "$NAME" > /dev/null 2>&1 || true  # a server left by an earlier run
-  docker run -d --rm --name "$NAME" "${DEVICES[@]}" "${RUN_AS[@]}" -e NEURON_RT_NUM_CORES="$TP" \
-    -v "$ARTIFACTS":/artifacts:ro -p "$PORT":8080 \
-    "$IMAGE" --model "$MODEL" --backend neuron --artifacts "/artifacts/$BUILD" > /dev/null
-  local log=$ARTIFACTS/$NAME.log
-  docker logs -f "$NAME" > "$log" 2>&1 &  # kept after the container is gone (--rm)
-  echo "waiting for $NAME to load and warm up (minutes); its log: $log"
-  until curl -sf "http://127.0.0.1:$PORT/ping" > /dev/null; do
-    if [ -z "$(docker ps -q --filter "name=^$NAME\$")" ]; then
-      sleep 1  # the log follower's last lines
-      echo "$NAME exited before it was ready:" >&2
-      tail -n 20 "$log" >&2
-      exit 1
-    fi
-    sleep 10
-  done
-  curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
-    -d "{\"model\": \"$MODEL\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16, \"temperature\": 0}"
-  echo
-  echo "serving on http://127.0.0.1:$PORT (docker stop $NAME stops it)"
-}
-
 for step in $STEPS; do
   echo "== $step"
   case $step in
     image)
-      docker build -f "$REPO/docker/Dockerfile.neuron" --build-arg NEURON_SDK="$NEURON_SDK" -t "$IMAGE" "$REPO" ;;
+      build_image ;;
     plan)  # HBM per core and host memory on the serving box: exits 1 (and stops here) unless it fits
       neuron_moe --entrypoint neuron-moe "$IMAGE" plan --model "$MODEL" --instance "$INSTANCE" --tp "$TP" "${EXPERTS[@]}" ;;
     compile)
@@ -119,7 +77,7 @@ for step in $STEPS; do
       need_s3
       neuron_moe "${AWS[@]}" -v "$ARTIFACTS":/artifacts --entrypoint neuron-moe "$IMAGE" pull "$S3" "/artifacts/$BUILD" ;;
     serve)
-      serve ;;
+      serve "$BUILD" ;;
     *)
       echo "unknown step $step (image plan compile publish pull serve; compile-host, serve-host)" >&2; exit 2 ;;
   esac
