@@ -50,7 +50,7 @@ from neuron_moe.tokenizer import load_tokenizer
 def expert_int8_on_one_rank(port, ids, mask, n):
     hf = build_model(port, "eager", torch.float32)
     full = quantize_experts(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, layout.EXPERT))
-    module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, int8=True)
+    module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, quantization="int8")
     module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
     return greedy(module, ids, mask, n)
 
@@ -94,8 +94,11 @@ def main() -> int:
                 refs[f"reader {args.budget:g} % emulated"] = greedy(emulated, ids, mask, n)
                 cases.update(
                     {
-                        "channel-int8": ({"int8": True}, "one-rank int8"),
-                        "expert-int8": ({"expert_layout": layout.EXPERT, "int8": True}, "expert int8 at TP 1"),
+                        "channel-int8": ({"quantization": "int8"}, "one-rank int8"),
+                        "expert-int8": (
+                            {"expert_layout": layout.EXPERT, "quantization": "int8"},
+                            "expert int8 at TP 1",
+                        ),
                         f"reader {args.budget:g} %": (
                             {"sidecar": tmp, "budget": args.budget},
                             f"reader {args.budget:g} % emulated",

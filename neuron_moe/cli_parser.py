@@ -287,9 +287,10 @@ def parser() -> argparse.ArgumentParser:
     _quantization_arg(
         p,
         "the routed experts' weight format (default none): int8 runs per-channel int8 experts with fp32 "
-        "scales; with eager or dense_masked the int8 experts implementation (every expert computed), with tp "
-        "the rank modules' int8 experts, with reader the reader over the int8 experts' numbers (exact rows "
-        "in int8 with their scales, prefill through the int8 experts; reference kernel only)",
+        "scales, int4 group-wise int4 experts with a bf16 scale per 32 input channels; with eager or "
+        "dense_masked that format's experts implementation (every expert computed), with tp the rank modules' "
+        "experts in it; with reader (int8 only) the reader over the int8 experts' numbers (exact rows in int8 "
+        "with their scales, prefill through the int8 experts; reference kernel only)",
     )
     p.add_argument("--max-new-tokens", type=_tokens, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
@@ -309,7 +310,8 @@ def parser() -> argparse.ArgumentParser:
         type=_positive_int,
         choices=TP_DEGREES,
         metavar="T",
-        help="tp: the degree, where the port's geometry splits over it (default 8)",
+        help="tp: the degree, where the port's geometry splits over it (default 8; with --quantization int4 "
+        "the ranks must hold whole groups of 32 channels: --tp 2 on the tiny port)",
     )
     p.add_argument(
         "--tp-layers",
@@ -578,7 +580,8 @@ def parser() -> argparse.ArgumentParser:
     _dtype_arg(p, default="bfloat16", help="the compute dtype (default bfloat16; float32: for CPU checks)")
     _quantization_arg(
         p,
-        "the routed experts' weight format: none (the compute dtype) or int8 with fp32 scales (default none)",
+        "the routed experts' weight format: none (the compute dtype), int8 with fp32 scales, or int4 "
+        "group-wise with a bf16 scale per 32 input channels (the ranks must hold whole groups) (default none)",
         default="none",
     )
     p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
@@ -646,8 +649,8 @@ def parser() -> argparse.ArgumentParser:
     _dtype_arg(p, help="a CPU backend's compute dtype (default: the port's)")
     _quantization_arg(
         p,
-        "the routed experts' weight format (default none): int8 with --backend eager or dense_masked runs "
-        "the int8 experts implementation (every expert computed); a compiled artifact's is its own",
+        "the routed experts' weight format (default none): int8 or int4 with --backend eager or dense_masked "
+        "runs that format's experts implementation (every expert computed); a compiled artifact's is its own",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=_tcp_port, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
@@ -773,10 +776,10 @@ def parser() -> argparse.ArgumentParser:
     )
     _quantization_arg(
         p,
-        "the routed experts' weight format: none (bfloat16), or int8 exact rows with fp32 scales (the sketch "
-        "and recovery stay bfloat16); --budget is a share of those experts' full read (default none)",
-        ("none", "int8"),
-        "none",
+        "the routed experts' weight format: none (bfloat16), int8 exact rows with fp32 scales, or int4 rows "
+        "with a bf16 scale per 32 (accounted only: no int4 reader is built) (the sketch and recovery stay "
+        "bfloat16); --budget is a share of those experts' full read (default none)",
+        default="none",
     )
     p.add_argument(
         "--batch-size",

@@ -7,6 +7,7 @@ import copy
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
+from .experts import int4
 from .report import table
 from .spec import EXPERTS, NO_QUANTIZATION
 
@@ -75,6 +76,8 @@ def parameter_counts(config: Gemma4TextConfig) -> dict:
     # int8 experts: one byte per weight plus an fp32 scale per output channel (per-channel symmetric)
     E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
     expert_scales = config.num_hidden_layers * E * (2 * I + H)
+    # int4 experts: half a byte per weight plus a bf16 scale per group of input channels (experts/int4.py)
+    int4_experts = config.num_hidden_layers * E * (int4.nbytes(2 * I, H) + int4.nbytes(H, I))
     return {
         "total": total,
         "groups": dict(sorted(groups.items())),
@@ -83,6 +86,7 @@ def parameter_counts(config: Gemma4TextConfig) -> dict:
             "float32": total * 4,
             "bfloat16": total * 2,
             "int8_experts_bf16_rest": (total - experts) * 2 + experts + expert_scales * 4,
+            "int4_experts_bf16_rest": (total - experts) * 2 + int4_experts,
         },
     }
 

@@ -46,13 +46,14 @@ class SpecError(UserError):
 DEFAULT_PORT = "tiny-gemma4-moe"
 DTYPE_NAMES = ("bfloat16", "float32")  # --dtype: the compute dtype, torch's spellings (port.DTYPES: the torch dtypes)
 # --quantization: the routed experts' weight format; "none" computes them in the compute dtype, "int8" holds
-# per-channel symmetric int8 numbers with fp32 scales (experts/int8.py)
-NO_QUANTIZATION, INT8_QUANTIZATION = "none", "int8"
-QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
-# "int4": group-wise symmetric 4-bit numbers, two a byte, a bf16 scale per group (experts/int4.py); the plan
-# counts its bytes (neuron/plan.py), no command computes with it
-INT4_QUANTIZATION = "int4"
-PLAN_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
+# per-channel symmetric int8 numbers with fp32 scales (experts/int8.py), "int4" group-wise symmetric 4-bit
+# numbers, two per byte, with a bf16 scale per group (experts/int4.py)
+NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION = "none", "int8", "int4"
+QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
+# the experts the one-rank reader reads (no int4 reader is built; reader/accounting.py charges one)
+READER_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
+# plan's: it counts every format's bytes (neuron/plan.py)
+PLAN_QUANTIZATIONS = QUANTIZATIONS
 
 # The reader's defaults (reader/prep.py writes them into a sidecar; reader/accounting.py charges them)
 BLOCK = 128  # coordinates per Hadamard block
@@ -99,7 +100,7 @@ class Experts:
     graphs: bool  # a static graph may trace it: every shape fixed by the token count, nothing made on the fly
     reads: str  # ALL: every expert for every token; ROUTED: each token's top-k; CHANNELS: some of their channels
     needs: str | None = None  # SIDECAR or SELECTOR_RULES: attached to the model before it runs (None: nothing)
-    quantization: str = NO_QUANTIZATION  # the experts' format it computes with (INT8_QUANTIZATION: experts/int8.py)
+    quantization: str = NO_QUANTIZATION  # the experts' format it computes with (QUANTIZATIONS)
     backend: str | None = None  # `validate`'s name for it in HF's model (None: not a validate backend)
 
     def gathers(self, config, tokens: int) -> bool:
@@ -131,12 +132,15 @@ DENSE_MASKED = Experts("dense_masked", graphs=True, reads=ALL, backend="dense_ma
 SELECTIVE = Experts("selective", graphs=True, reads=ROUTED)
 # per-channel symmetric int8, every expert (quantised on the fly: HF's model only, never a graph)
 INT8 = Experts("int8", graphs=False, reads=ALL, quantization=INT8_QUANTIZATION)
+# group-wise symmetric int4, every expert, dequantised before each matmul (HF's model only, never a graph;
+# the graphs' int4 experts are the rank modules', `parallel/moe.py`)
+INT4 = Experts("int4", graphs=False, reads=ALL, quantization=INT4_QUANTIZATION)
 # the sparse-channel reader on decode steps, full experts on prefill; at TP the decode graph with a rank's shard
 CHANNEL_READER = Experts("channel_reader", graphs=True, reads=CHANNELS, needs=SIDECAR, backend="reader")
 # a channel selector of reader/selectors.py (TEAL, WINA, CATS, oracle, the reader) in place of the experts
 SELECTOR = Experts("selector", graphs=False, reads=CHANNELS, needs=SELECTOR_RULES)
 
-EXPERTS = {e.name: e for e in (EAGER, DENSE_MASKED, SELECTIVE, INT8, CHANNEL_READER, SELECTOR)}
+EXPERTS = {e.name: e for e in (EAGER, DENSE_MASKED, SELECTIVE, INT8, INT4, CHANNEL_READER, SELECTOR)}
 
 
 def experts(which: Experts | str) -> Experts:
@@ -250,8 +254,8 @@ class Backend:
 def validate_backends() -> dict[str, Backend]:
     """validate's backends, derived from the registry when asked: every experts implementation that runs
     inside HF's model (`Experts.backend`; the reader on decode steps, full experts on prefill), the port's
-    static graphs through torch.export, and those graphs at TP on gloo (the degree: --tp; int8 experts:
-    --quantization int8)."""
+    static graphs through torch.export, and those graphs at TP on gloo (the degree: --tp; int8 or int4
+    experts: --quantization)."""
     return {
         **{e.backend: Backend(e.backend, EAGER_GRAPHS, e) for e in EXPERTS.values() if e.backend},
         "traced": Backend("traced", EXPORTED),
@@ -259,9 +263,10 @@ def validate_backends() -> dict[str, Backend]:
     }
 
 
-# An HF-model backend with --quantization int8: the int8 experts implementation (it computes every
-# expert with the int8 numbers; the tokens routed to none are weighted 0, as eager's loop leaves them out)
-QUANTIZED_EXPERTS = {(EAGER.name, INT8_QUANTIZATION): INT8, (DENSE_MASKED.name, INT8_QUANTIZATION): INT8}
+# An HF-model backend with --quantization int8 or int4: that format's experts implementation (it computes
+# every expert with the quantised numbers; the tokens routed to none are weighted 0, as eager's loop leaves
+# them out)
+QUANTIZED_EXPERTS = {(backend.name, q.quantization): q for backend in (EAGER, DENSE_MASKED) for q in (INT8, INT4)}
 
 STATIC_BACKEND, NEURON_BACKEND = "static", "neuron"
 _NOT_TAKEN = {
@@ -279,8 +284,8 @@ def not_served() -> dict[str, str]:
 
 def serve_backends() -> dict[str, Backend]:
     """serve's backends, derived from the registry when asked: every experts implementation in the
-    compute dtype that needs nothing attached (transformers' model, one request per thread; int8:
-    --quantization int8), the port's static graphs on CPU and a compiled artifact (both batched)."""
+    compute dtype that needs nothing attached (transformers' model, one request per thread; int8 or
+    int4: --quantization), the port's static graphs on CPU and a compiled artifact (both batched)."""
     return {
         **{
             name: Backend(name, EAGER_GRAPHS, e)
@@ -295,22 +300,29 @@ def serve_backends() -> dict[str, Backend]:
 def quantized(backend: Backend, quantization: str | None) -> Backend:
     """`backend` with its routed experts in `quantization` (None: not given, the compute dtype's): an
     HF-model backend's experts implementation in that format (QUANTIZED_EXPERTS), the TP rank modules'
-    experts, or the reader's (its `Reader.quantization`, checked where the reader is built). Refused
-    where the backend has no experts of that format."""
+    experts, or the reader's (its `Reader.quantization`: READER_QUANTIZATIONS). Refused where the
+    backend has no experts of that format."""
     if quantization in (None, NO_QUANTIZATION):
         return backend
     check_quantization(quantization)
     if backend.placement is not None:
         return dataclasses.replace(backend, quantization=quantization)
     if backend.experts is not None and backend.experts.needs == SIDECAR:
+        if quantization not in READER_QUANTIZATIONS:
+            raise SpecError(
+                f"--backend {backend.name} reads the model's own or the int8 experts, not --quantization "
+                f"{quantization} (no {quantization} reader is built; `neuron-moe reads --quantization "
+                f"{quantization}` accounts one)"
+            )
         return backend  # the reader's own setting (Reader.quantization)
     if backend.graphs == EAGER_GRAPHS and (backend.experts.name, quantization) in QUANTIZED_EXPERTS:
         experts = QUANTIZED_EXPERTS[backend.experts.name, quantization]
         return dataclasses.replace(backend, experts=experts, quantization=quantization)
     runs = sorted({name for name, q in QUANTIZED_EXPERTS if q == quantization})
+    also = "validate's tp and reader" if quantization in READER_QUANTIZATIONS else "validate's tp"
     raise SpecError(
-        f"--quantization {quantization} applies to --backend {', '.join(runs)} (HF's model) and validate's tp and "
-        f"reader, not --backend {backend.name}"
+        f"--quantization {quantization} applies to --backend {', '.join(runs)} (HF's model) and {also}, not "
+        f"--backend {backend.name}"
     )
 
 

@@ -220,6 +220,8 @@ def test_the_parser_and_the_entry_point_import_no_torch():
         (["validate", "--reader-weights", "int8"], "--reader-weights"),
         (["validate", "--backend", "tp8"], "invalid choice: 'tp8'"),
         (["validate", "--backend", "tp8-naive-scatter"], "invalid choice: 'tp8-naive-scatter'"),
+        (["validate", "--backend", "tp8-int4"], "invalid choice: 'tp8-int4'"),
+        (["validate", "--backend", "int4"], "invalid choice: 'int4'"),
         (["validate", "--rank", "4"], "--rank"),
         (["plan", "--instance", "inf2.xlarge", "--tp", "1", "--batch", "4"], "--batch"),
         (["plan", "--instance", "inf2.xlarge", "--tp", "1", "--seq", "64"], "--seq"),
@@ -227,6 +229,8 @@ def test_the_parser_and_the_entry_point_import_no_torch():
         (["plan", "--instance", "inf2.xlarge", "--tp", "1", "--dtype", "bf16"], "invalid choice: 'bf16'"),
         (["reads", "--dtype", "int8"], "--dtype"),
         (["trace-and-compile", "--tp", "1", "--out", "o", "--dtype", "fp32"], "invalid choice: 'fp32'"),
+        (["trace-and-compile", "--tp", "2", "--out", "o", "--dtype", "int4"], "invalid choice: 'int4'"),
+        (["reads", "--budget", "25", "--dtype", "int4"], "--dtype"),
     ],
 )
 def test_old_option_names_are_refused(argv, gone, capsys):
@@ -261,14 +265,22 @@ def takes_integers(kind) -> bool:
 
 
 def integer_options() -> list[tuple[list[str], str]]:
-    """(the least argv a command parses, flag) for every integer option of every command."""
+    """(the least argv a command parses, flag) for every integer option of every command, those of a
+    command's own subcommands (`deploy k8s`) included."""
     found = []
-    for name, sub in subcommands().items():
-        least = [name]
+
+    def walk(least: list[str], sub: argparse.ArgumentParser) -> None:
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
         for a in sub._actions:
-            if a.required or (not a.option_strings and a.nargs != 0):
-                least += [*a.option_strings[:1], str(a.choices[0]) if a.choices else "x"]
-        found += [(least, a.option_strings[0]) for a in sub._actions if a.option_strings and takes_integers(a.type)]
+            if a not in nested and (a.required or (not a.option_strings and a.nargs != 0)):
+                least = [*least, *a.option_strings[:1], str(a.choices[0]) if a.choices else "x"]
+        found.extend((least, a.option_strings[0]) for a in sub._actions if a.option_strings and takes_integers(a.type))
+        for a in nested:
+            for name, child in a.choices.items():
+                walk([*least, name], child)
+
+    for name, sub in subcommands().items():
+        walk([name], sub)
     return found
 
 

@@ -398,7 +398,7 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
     (_, [prefill]), (_, [decode]) = seen["keys"].values()
     assert [tuple(x.shape) for x in prefill] == [(1, 16)] * 3 + [(1,), (1, 4)]  # a prompt, its row, its sampling
     assert [tuple(x.shape) for x in decode] == [(2, 1), (2, 1), (2, 4)]  # ids, positions, sampling: no cache, no mask
-    module = rank_model(one_bucket_port.config, 2, cpu, int8=True, device="meta")
+    module = rank_model(one_bucket_port.config, 2, cpu, quantization="int8", device="meta")
     graph = nc._graph(module, one_bucket_port.static, "token_generation", new_cache(module, 96, 2), False)
     assert seen["checkpoint"].keys() == graph.state_dict().keys()  # weights only: the state is not in it
     assert seen["checkpoint"]["model.model.layers.0.experts.gate_up_proj.weight"].dtype == torch.int8

@@ -11,6 +11,8 @@ tier takes 4-14 s on 2 shared cores.
 - int8 experts in both layouts: the same int8 model on one rank (the channel layout's numbers are
   one-rank `int8`'s; the expert layout's are its rank module's at TP 1), built on meta around NxD's
   quantized row-parallel CPU init (documented below as upstream behaviour).
+- int4 experts in both layouts: the one-rank `int4` model (NxD has no int4 layer for inf2: the
+  int4 layers are NxD parallel linears carrying NxD's tags on the packed weights and scales).
 - The reader at TP 2, each rank its sidecar shard: the per-rank reader emulated in one process.
 - Negative control: rank 1 loading rank 0's shard must fail the same comparison.
 - What ran: NxD's classes, from the tree located, with only the absent packages stood in for.
@@ -61,8 +63,10 @@ def shards(tiny_port, tmp_path_factory):
 CASES = {  # name -> NxDGenerator options, all at TP 2
     "channel": {},
     "expert": {"expert_layout": layout.EXPERT},
-    "channel-int8": {"int8": True},
-    "expert-int8": {"expert_layout": layout.EXPERT, "int8": True},
+    "channel-int8": {"quantization": "int8"},
+    "expert-int8": {"expert_layout": layout.EXPERT, "quantization": "int8"},
+    "channel-int4": {"quantization": "int4"},
+    "expert-int4": {"expert_layout": layout.EXPERT, "quantization": "int4"},
     "wrong-shard": {"shards": (0, 0)},  # rank 1 loads rank 0's shard
 }
 
@@ -84,7 +88,7 @@ def _expert_int8_on_one_rank(port, prompts):
     every degree) on one rank of the gloo stand-in."""
     hf = build_model(port, "eager", torch.float32)
     full = quantize_experts(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, layout.EXPERT))
-    module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, int8=True)
+    module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, quantization="int8")
     module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
     return greedy(module, *prompts, NEW_TOKENS)
 
@@ -108,6 +112,13 @@ def test_both_layouts_are_hf_eager(runs, reference, name):
 def test_int8_experts_in_both_layouts_are_the_same_int8_model_on_one_rank(tiny_port, runs, prompts):
     assert matches(runs[0]["channel-int8"], greedy(build_model(tiny_port, "int8", torch.float32), *prompts, NEW_TOKENS))
     assert matches(runs[0]["expert-int8"], _expert_int8_on_one_rank(tiny_port, prompts))
+
+
+def test_int4_experts_in_both_layouts_are_the_one_rank_int4_model(tiny_port, runs, prompts):
+    """Both layouts hold the one-rank int4 numbers (groups along the input dim): NxD's parallel linears
+    carrying the packed weights and scales, cut by NxD's own tags, give the one-rank int4 model."""
+    want = greedy(build_model(tiny_port, "int4", torch.float32), *prompts, NEW_TOKENS)
+    assert matches(runs[0]["channel-int4"], want) and matches(runs[0]["expert-int4"], want)
 
 
 def test_reader_per_rank_at_tp2_is_the_one_process_emulation(tiny_port, runs, shards, prompts, reference):

@@ -136,9 +136,10 @@ def test_degrees_that_do_not_split_are_named():
 
 
 @pytest.mark.parametrize("expert_layout", layout.EXPERT_LAYOUTS)
-@pytest.mark.parametrize("int8", [False, True])
-def test_rank_module_tags_agree_with_the_layout(tiny_eager, expert_layout, int8):
-    module = ParallelMoE(tiny_eager.config, 4, cpu, expert_layout=expert_layout, int8=int8)
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_rank_module_tags_agree_with_the_layout(tiny_eager, expert_layout, quantization):
+    tp = 2 if quantization == "int4" else 4  # int4's row rank holds whole groups of 32: I/t = 64/2
+    module = ParallelMoE(tiny_eager.config, tp, cpu, expert_layout=expert_layout, quantization=quantization)
     names = {name for name, _ in module.named_parameters()}
     assert ("experts.spmd_rank.rank" in names) == (expert_layout == layout.EXPERT)
     for name, p in module.named_parameters():
@@ -146,13 +147,13 @@ def test_rank_module_tags_agree_with_the_layout(tiny_eager, expert_layout, int8)
         split = getattr(p, "tensor_model_parallel", False)  # HF's router: untagged, as in NxD
         assert split == (kind != layout.REPLICATED), name
         if split:
-            assert (p.partition_dim, p.partition_stride) == layout.PARTITION[kind] and p.num_partitions == 4, name
+            assert (p.partition_dim, p.partition_stride) == layout.PARTITION[kind] and p.num_partitions == tp, name
 
 
 def test_shard_checkpoint_cuts_as_nxd_does(tiny_eager, hf_state):
     config, tp = tiny_eager.config, 4
     full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp, layout.EXPERT)))
-    module = ParallelMoE(config, tp, cpu, expert_layout=layout.EXPERT, int8=True)
+    module = ParallelMoE(config, tp, cpu, expert_layout=layout.EXPERT, quantization="int8")
     shards = cpu.shard_checkpoint(full, module, tp)
     gu, gu_s = full["experts.gate_up_proj.weight"], full["experts.gate_up_proj.scale"]
     dn, dn_s = full["experts.down_proj.weight"], full["experts.down_proj.scale"]
@@ -177,7 +178,7 @@ def test_shard_checkpoint_cuts_the_channel_layout_with_its_stride(tiny_eager, hf
     config, tp = tiny_eager.config, 4
     n, I = config.moe_intermediate_size // tp, config.moe_intermediate_size
     full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp, layout.CHANNEL)))
-    module = ParallelMoE(config, tp, cpu, int8=True)
+    module = ParallelMoE(config, tp, cpu, quantization="int8")
     shards = cpu.shard_checkpoint(full, module, tp)
     gu, gu_s = full["experts.gate_up_proj.weight"], full["experts.gate_up_proj.scale"]
     dn, dn_s = full["experts.down_proj.weight"], full["experts.down_proj.scale"]

@@ -296,7 +296,7 @@ def test_validate_tp_reader_refuses_before_running(shards, capsys, flags, messag
 
 def test_int8_experts_with_the_reader_are_refused(tiny_port, shards):
     with pytest.raises(Exception, match="the reader reads float"):
-        TPGenerator(tiny_port, 2, int8=True, sidecar=shards, budget=BUDGET)
+        TPGenerator(tiny_port, 2, quantization="int8", sidecar=shards, budget=BUDGET)
 
 
 _VIEWS = {

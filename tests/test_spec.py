@@ -42,16 +42,19 @@ def test_every_entry_a_graph_may_trace_has_a_rank_module_compute():
 
 def test_what_the_commands_offer_is_derived_from_the_entries():
     assert GRAPH_EXPERTS == ("dense_masked", "selective")
-    # the int8 experts are a format (--quantization int8), not a backend of their own
+    # the int8 and int4 experts are formats (--quantization), not backends of their own
     assert list(backends.BACKENDS) == ["eager", "dense_masked", "selective", "static", "neuron"]
     assert sorted(backends.NOT_SERVED) == ["channel_reader", "selector"]
     assert sorted(seq_match.BACKENDS) == ["dense_masked", "eager", "reader", "tp", "traced"]
     assert seq_match.BACKENDS["reader"].experts is spec.CHANNEL_READER
+    assert spec.QUANTIZATIONS == ("none", "int8", "int4")
     for name in ("eager", "dense_masked"):
-        int8 = spec.quantized(seq_match.BACKENDS[name], "int8")
-        assert int8.experts is spec.INT8 and int8.quantization == "int8" and int8.name == name
-    tp = spec.quantized(seq_match.BACKENDS["tp"], "int8")
-    assert tp.quantization == "int8" and tp.placement == spec.Placement()
+        for quantization, entry in (("int8", spec.INT8), ("int4", spec.INT4)):
+            q = spec.quantized(seq_match.BACKENDS[name], quantization)
+            assert q.experts is entry and q.quantization == quantization and q.name == name
+    for quantization in ("int8", "int4"):
+        tp = spec.quantized(seq_match.BACKENDS["tp"], quantization)
+        assert tp.quantization == quantization and tp.placement == spec.Placement()
     assert spec.quantized(seq_match.BACKENDS["traced"], "none") == seq_match.BACKENDS["traced"]
     with pytest.raises(spec.SpecError, match="not --backend static"):
         spec.quantized(backends.BACKENDS["static"], "int8")

@@ -24,10 +24,10 @@ from test_parallel_layout import LAYER, block_state
 PROGRAMS = {
     "channel": (layout.CHANNEL, {}, "prefill", False),
     "channel decode": (layout.CHANNEL, {}, "decode", True),
-    "channel int8 decode": (layout.CHANNEL, {"int8": True}, "decode", True),
+    "channel int8 decode": (layout.CHANNEL, {"quantization": "int8"}, "decode", True),
     "expert spmd": (layout.EXPERT, {}, "prefill", False),
     "expert naive": (layout.EXPERT, {"scatter": "naive"}, "prefill", False),
-    "expert int8": (layout.EXPERT, {"int8": True}, "prefill", False),
+    "expert int8": (layout.EXPERT, {"quantization": "int8"}, "prefill", False),
 }
 
 
@@ -99,7 +99,7 @@ def test_trace_once_replicate(tiny_eager, block, tp):
     programs, states = {}, {}
     for key, (expert_layout, options, shape, gathers) in PROGRAMS.items():
         full = layout.parallel_state_dict(hf_state, config, tp, expert_layout)
-        full = block_state(quantize_experts(full) if options.get("int8") else full)
+        full = block_state(quantize_experts(full) if options.get("quantization") == "int8" else full)
         module = ParallelMoE(
             decode_config if shape == "decode" else config, tp, cpu, expert_layout=expert_layout, **options
         )
@@ -127,7 +127,7 @@ def test_trace_once_replicate(tiny_eager, block, tp):
                     bug = _bug_prediction(*ref["per_expert"][i], tp, want.shape)
                     assert (got - bug).abs().max() <= 1e-5 * scale, (rank, i)
                     continue
-                if options.get("int8"):
+                if options.get("quantization") == "int8":
                     assert (got - want).abs().max() > 1e-4 * scale, (key, rank, i)  # it is int8: not the float result
                     want = ref["expert int8" if key == "expert int8" else "int8"][i]
                 assert (got - want).abs().max() <= 1e-5 * scale, (key, rank, i)

@@ -70,7 +70,7 @@ def test_rank_module_at_tp1_is_hf(tiny_eager, prompts, expert_layout):
 def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
     gens = {
         "channel": TPGenerator(tiny_port, 8),
-        "int8": TPGenerator(tiny_port, 8, int8=True),
+        "int8": TPGenerator(tiny_port, 8, quantization="int8"),
         "expert": TPGenerator(tiny_port, 8, expert_layout="expert"),
         "naive": TPGenerator(tiny_port, 8, expert_layout="expert", scatter="naive"),
     }

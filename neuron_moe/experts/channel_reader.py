@@ -37,7 +37,7 @@ from ..reader.geometry import Geometry
 from ..reader.nki import forward as nki
 from ..reader.prep import down_rows, model_expert_weights
 from ..reader.sidecar import LAYER_TENSORS, Sidecar, SidecarError
-from ..spec import INT8_QUANTIZATION, NO_QUANTIZATION, READER_KERNELS, Reader
+from ..spec import INT8_QUANTIZATION, NO_QUANTIZATION, READER_KERNELS, READER_QUANTIZATIONS, Reader, check_quantization
 from .dense_masked import dense_masked_forward
 from .int8 import int8_experts, int8_forward
 
@@ -80,7 +80,9 @@ def plan_reader(
     config, sidecar: str | Path, budget: float, rank: int | None = None, quantization: str = NO_QUANTIZATION
 ) -> tuple[Sidecar, int, int]:
     """Every check that needs no weights: the sidecar file against the config's geometry, the
-    rank, the budget. Returns (sidecar, k per token, rank)."""
+    rank, the budget, the experts it reads (spec.READER_QUANTIZATIONS). Returns (sidecar, k per token,
+    rank)."""
+    check_quantization(quantization, READER_QUANTIZATIONS, "the reader's quantization")
     side, geo = Sidecar(Path(sidecar)), Geometry.from_config(config)
     want, have = (*geo.sizes, config.num_hidden_layers), (*side.layout.geometry.sizes, side.layers)
     if want != have:

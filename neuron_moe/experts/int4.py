@@ -34,16 +34,20 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UserError
+from ..parallel.layout import CHANNEL, fused
+from .dense_masked import router_weight_matrix
+
 QMAX = 7  # symmetric: -7 … 7
 OFFSET = 8  # a nibble holds q + 8
 GROUP_SIZES = (16, 32, 64)  # those measured (bench/results/int4-quality.md)
-DEFAULT_GROUP = 32
+DEFAULT_GROUP = 32  # every task within 2 points of bf16 on the tiny model; 64 lost 6 (bench/results/int4-quality.md)
 SCALE_DTYPE = torch.bfloat16
 SCALE_BYTES = 2  # bytes of one SCALE_DTYPE scale
 CLIP_GRID = tuple(round(1.0 - 0.025 * i, 3) for i in range(13))  # 1.0, 0.975, … 0.7
 
 
-class Int4Error(ValueError):
+class Int4Error(UserError):
     pass
 
 
@@ -53,6 +57,20 @@ def check_group(inputs: int, group: int, what: str = "input dim") -> None:
         raise Int4Error(f"int4 group size must be an even number ≥ 2, got {group}")
     if inputs % group:
         raise Int4Error(f"int4 group size {group} does not divide the {what} {inputs}")
+
+
+def check_degree(config, tp: int, expert_layout: str, group: int = DEFAULT_GROUP) -> None:
+    """Every int4 experts linear of `config` at TP `tp` in `expert_layout` holds whole groups on each
+    rank, each group within one expert's channels (so every layout holds the one-rank numbers):
+    `group` divides H, I and, in the channel layout, a rank's I/t. Checked before any weight loads."""
+    H, inter = config.hidden_size, config.moe_intermediate_size
+    check_group(H, group, "hidden size")
+    check_group(inter, group, "experts' intermediate size")
+    if expert_layout == CHANNEL and (inter // tp) % group:
+        raise Int4Error(
+            f"int4 group size {group} does not divide a rank's {inter // tp} of each expert's {inter} channels "
+            f"at TP {tp} in the channel layout: use a lower TP degree or --expert-layout expert"
+        )
 
 
 def packed_bytes(out: int, inputs: int, group: int = DEFAULT_GROUP) -> tuple[int, int]:
@@ -125,7 +143,7 @@ def unpack(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> to
     high = torch.bitwise_right_shift(packed, 4)
     a, half, *rest = packed.shape
     n = 2 * half
-    values = torch.stack([low, high], dim=2).reshape(a, n, *rest).to(dtype) - OFFSET
+    values = torch.cat([low.unsqueeze(2), high.unsqueeze(2)], dim=2).reshape(a, n, *rest).to(dtype) - OFFSET
     groups = scale.shape[1]
     grouped = values.reshape(a, groups, n // groups, *rest) * scale.to(dtype).unsqueeze(2)
     return grouped.reshape(a, n, *rest)
@@ -143,3 +161,33 @@ def quantize_experts(
         else:
             out[name] = w
     return out
+
+
+def _quantized(experts) -> tuple[torch.Tensor, ...]:
+    """The module's packed weights and scales in the channel layout's order (gate_up [E, H, 2I] as
+    [E, H/2, 2I] with [E, H/g, 2I]; down [E, I, H] as [E, I/2, H] with [E, I/g, H]), at the module's
+    `int4_group` (DEFAULT_GROUP unless set), made on first use and again whenever a source weight is
+    replaced or changed in place (keyed on its storage and version counter)."""
+    group = getattr(experts, "int4_group", DEFAULT_GROUP)
+    key = (group, *((p.data_ptr(), p._version) for p in (experts.gate_up_proj, experts.down_proj)))
+    cached = getattr(experts, "_int4_cache", None)
+    if cached is None or cached[0] != key:
+        cached = (key, *quantize(fused(experts.gate_up_proj), group), *quantize(fused(experts.down_proj), group))
+        experts._int4_cache = cached  # a plain attribute: not a buffer, not in the state dict
+    return cached[1:]
+
+
+def int4_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' experts-interface signature, on a `Gemma4TextExperts`: every expert for every
+    token (as dense_masked), each weight dequantised in the activations' dtype before its matmul.
+    Eager only: the int4 tensors are made on the fly (the graphs' int4 experts are the rank modules')."""
+    gate_up_q, gate_up_scale, down_q, down_scale = _quantized(self)
+    dtype = hidden_states.dtype
+    weights = router_weight_matrix(top_k_index, top_k_weights, self.num_experts)  # [T, E]
+    gate_up = torch.einsum("th,eho->eto", hidden_states, unpack(gate_up_q, gate_up_scale, dtype))
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = self.act_fn(gate) * up  # [E, T, I]
+    out = torch.einsum("eti,eih->eth", act, unpack(down_q, down_scale, dtype))  # [E, T, H]
+    return torch.einsum("eth,te->th", out, weights.to(dtype))

@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..experts.int8 import quantize_experts
+from ..experts import int4
+from ..experts.quantization import quantize_experts
 from ..model import build_model
 from ..parallel import cpu, layout, nxd, reader
 from ..parallel.model import rank_model
@@ -49,7 +50,7 @@ from ..report import (
     serializer_file,
     table,
 )
-from ..spec import CHANNEL_READER, INT8_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization
+from ..spec import CHANNEL_READER, INT4_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, example_inputs, functional
@@ -104,10 +105,6 @@ class Build:
             expert_layout=args.expert_layout,
             logits=args.with_logits,
         )
-
-    @property
-    def int8(self) -> bool:
-        return self.quantization == INT8_QUANTIZATION
 
 
 _SDK_DISTS = ("torch", "transformers", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla")
@@ -222,13 +219,15 @@ def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
     port.static_spec("trace-and-compile")
     expert_layout = build.expert_layout or port.static.expert_layout
     layout.check_degree(port.config, tp, expert_layout)
+    if build.quantization == INT4_QUANTIZATION:
+        int4.check_degree(port.config, tp, expert_layout)
     if not dry_run and not nxd.sdk_available():
         raise nxd.NeuronSDKMissing(
             "trace-and-compile needs the Neuron SDK (neuronx-distributed, torch-neuronx), which is not installed "
             "here: run it on an inf2 instance in the Neuron DLC (recipes/inf2-24xlarge/), or pass --dry-run to "
             "build and export the same rank modules on CPU"
         )
-    torch_dtype, int8 = DTYPES[build.dtype], build.int8
+    torch_dtype, quantization = DTYPES[build.dtype], build.quantization
     spec = port.static
     keys = key_names(spec.buckets, spec.rows_for(spec.batch_size))
     has_weights = checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
@@ -237,7 +236,7 @@ def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
     tokenizer = _tokenizer_source(port, checkpoint, has_weights)
     sides, reads = None, None
     if reader is not None:  # every check of the reader before any weight loads
-        sides, reads = _plan_reader(port, tp, int8, expert_layout, reader, has_weights)
+        sides, reads = _plan_reader(port, tp, quantization, expert_layout, reader, has_weights)
         spec = dataclasses.replace(spec, decode_experts=CHANNEL_READER.name)
     _check_fits(port, build, expert_layout, reads)
     check_output(out, directory=True)
@@ -245,8 +244,12 @@ def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
     with run_lock(out, "trace-and-compile"):
         _check_replaceable(out, build.overwrite)
         with atomic_dir(out, sweep=True) as tmp:  # sweep: holding the lock, partial siblings are dead runs'
-            full = _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides) if has_weights else None
-            modules = dict(expert_layout=expert_layout, int8=int8, dtype=torch_dtype, reader=reads)
+            full = (
+                _full_state(port, tp, torch_dtype, quantization, checkpoint, expert_layout, sides)
+                if has_weights
+                else None
+            )
+            modules = dict(expert_layout=expert_layout, quantization=quantization, dtype=torch_dtype, reader=reads)
             if dry_run:
                 module, files, exported = _dry_run(port, spec, keys, tp, full, tmp, build.export, logits, modules)
             else:
@@ -309,7 +312,8 @@ def _check_fits(port, build: Build, expert_layout: str, reads: dict | None) -> N
     )
     if not verdict["fits"]:
         raise ArtifactError(
-            f"port {port.name!r} at TP {tp}, {build.dtype}{', int8 experts' if build.int8 else ''}, batch "
+            f"port {port.name!r} at TP {tp}, {build.dtype}"
+            f"{'' if build.quantization == NO_QUANTIZATION else f', {build.quantization} experts'}, batch "
             f"{spec.batch_size}, seq "
             f"{spec.max_cache_len}: {verdict['reason']} (`neuron-moe plan` shows what each "
             "NeuronCore holds)"
@@ -337,20 +341,20 @@ def _copy_tokenizer(source: Path | None, tmp: Path) -> list[str]:
     return names
 
 
-def _full_state(port, tp, torch_dtype, int8, checkpoint, expert_layout, sides=None) -> dict:
-    """The whole model in the parallel layout (int8 experts quantised), named as the rank module;
+def _full_state(port, tp, torch_dtype, quantization, checkpoint, expert_layout, sides=None) -> dict:
+    """The whole model in the parallel layout (int8 or int4 experts quantised), named as the rank module;
     with the reader's shards `sides`, their entries too (checked against these weights)."""
     hf = build_model(port, "eager", torch_dtype, checkpoint)
     if sides is not None:
         sides[0].check_source(model_expert_weights(hf))
     full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
-    full = quantize_experts(full) if int8 else full
+    full = quantize_experts(full, quantization)  # tensor by tensor, each float experts linear dropped after
     return full if sides is None else {**full, **reader.full_state(sides)}
 
 
-def _plan_reader(port, tp: int, int8: bool, expert_layout: str, options: Reader, has_weights: bool):
+def _plan_reader(port, tp: int, quantization: str, expert_layout: str, options: Reader, has_weights: bool):
     """(each rank's shard or None, the settings the graphs are built with) of `--reader`."""
-    check_reader(expert_layout, int8, options.budget)
+    check_reader(expert_layout, quantization, options.budget)
     options = options.over(port.reader)
     if has_weights:
         if options.sidecar is None:

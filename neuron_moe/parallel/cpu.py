@@ -15,6 +15,11 @@ Same names and semantics as `parallel/nxd.py`, so the rank modules are written o
   QuantizedExpertFusedColumnParallel / QuantizedExpertFusedRowParallel   their int8 forms,
                            expert_wise_per_channel: fp32 scale [E, 1, out(/t)], split with the
                            column layer (with its stride), replicated with the row layer
+  Int4ColumnParallel / Int4RowParallel / Int4ExpertFusedColumnParallel / Int4ExpertFusedRowParallel
+                           int4 forms (`experts/int4.py`; NxD has no int4 layer for inf2): the packed
+                           uint8 weight and its bf16 `group_scale` carry the float weight's partition
+                           tags (the row layers' scale is split with the weight), dequantised on the
+                           rank's own shard (or the gathered experts) before the matmul
   reduce_from_tensor_model_parallel_region   the all-reduce itself
   ParallelEmbedding        rows split over the vocabulary; out-of-range ids masked, all-reduce
   SPMDRank                 a [1] int32 parameter, `arange(t)` in the checkpoint, split on dim 0
@@ -35,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
+from ..experts import int4
 from ..experts.int8 import dequantize_output
 from . import layout
 
@@ -192,6 +198,103 @@ def _expert_matmul(x, weight, expert_indices, scale=None):
         weight, scale = weight[expert_indices], None if scale is None else scale[expert_indices]
     y = torch.einsum("e...h,ehi->e...i", x, weight.to(x.dtype))
     return y if scale is None else dequantize_output(y, scale)
+
+
+class _Int4:
+    """The packed weight and its scales as parameters tagged as the float weight would be; written once
+    over a tag (`tag`) and an all-reduce (`reduce`) so `parallel/nxd.py` reuses it with NxD's."""
+
+    tag = staticmethod(_tag)
+    reduce = staticmethod(all_reduce)
+
+    def _int4_params(self, shape: tuple[int, ...], dim: int, tp: int, stride: int, group: int) -> None:
+        """`shape`: the rank's float weight (dim 1 its input dim; a row layer's already split)."""
+        int4.check_group(shape[1], group, "rank's input channels")
+        packed, scales = int4.shapes(shape, group)
+        self.weight = self.tag(
+            nn.Parameter(torch.zeros(packed, dtype=torch.uint8), requires_grad=False), dim, tp, stride
+        )
+        self.group_scale = self.tag(
+            nn.Parameter(torch.ones(scales, dtype=int4.SCALE_DTYPE), requires_grad=False), dim, tp, stride
+        )
+
+
+class Int4ColumnParallel(_Int4, nn.Module):
+    """An [out, in] linear in int4, split on the output dim (packed [out/t, in/2], scale [out/t, in/g])."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, group=int4.DEFAULT_GROUP):
+        super().__init__()
+        self._int4_params((_per_rank(output_size, tp, "output size"), input_size), 0, tp, 1, group)
+
+    def forward(self, x):
+        return F.linear(x, int4.unpack(self.weight, self.group_scale, x.dtype))
+
+
+class Int4RowParallel(_Int4, nn.Module):
+    """An [out, in] linear in int4, split on the input dim (packed [out, in/2t], scale [out, in/tg]),
+    all-reduce after the matmul."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, group=int4.DEFAULT_GROUP):
+        super().__init__()
+        self.tp = tp
+        self._int4_params((output_size, _per_rank(input_size, tp, "input size")), 1, tp, 1, group)
+
+    def forward(self, x):
+        return self.reduce(F.linear(x, int4.unpack(self.weight, self.group_scale, x.dtype)), self.tp)
+
+
+class Int4ExpertFusedColumnParallel(_Int4, nn.Module):
+    """E linears [E, in, out/t] in int4 (packed [E, in/2, out/t], scale [E, in/g, out/t]), split on
+    the output dim with the float layer's stride."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        input_size: int,
+        output_size: int,
+        *,
+        tp: int,
+        dtype=torch.float32,
+        stride: int = 1,
+        group=int4.DEFAULT_GROUP,
+    ):
+        super().__init__()
+        out = _per_rank(output_size, tp * stride, "output size") * stride
+        self._int4_params((num_experts, input_size, out), 2, tp, stride, group)
+
+    def forward(self, x, expert_indices=None):
+        return _int4_expert_matmul(x, self.weight, self.group_scale, expert_indices)
+
+
+class Int4ExpertFusedRowParallel(_Int4, nn.Module):
+    """E linears [E, in/t, out] in int4 (packed [E, in/2t, out], scale [E, in/tg, out]), split on the
+    input dim; no all-reduce (the caller's follows the router-weighted sum)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        input_size: int,
+        output_size: int,
+        *,
+        tp: int,
+        dtype=torch.float32,
+        group=int4.DEFAULT_GROUP,
+    ):
+        super().__init__()
+        self._int4_params((num_experts, _per_rank(input_size, tp, "input size"), output_size), 1, tp, 1, group)
+
+    def forward(self, x, expert_indices=None):
+        return _int4_expert_matmul(x, self.weight, self.group_scale, expert_indices)
+
+
+def _int4_expert_matmul(x, packed, scale, expert_indices):
+    """The expert-fused forward over int4: the packed weight and its scales gathered by expert_indices
+    when given, dequantised in x's dtype, then einsum("e...h,ehi->e...i") as `_expert_matmul`."""
+    if x.dim() != 4:
+        raise ValueError(f"expert-fused layers take [E, 1, tokens, in] inputs, got shape {tuple(x.shape)}")
+    if expert_indices is not None:
+        packed, scale = packed[expert_indices], scale[expert_indices]
+    return torch.einsum("e...h,ehi->e...i", x, int4.unpack(packed, scale, x.dtype))
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int) -> torch.Tensor:

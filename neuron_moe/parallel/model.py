@@ -32,7 +32,7 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from .. import spec
-from ..spec import SPMD
+from ..spec import NO_QUANTIZATION, SPMD
 from . import layout
 from .moe import parallel_experts
 
@@ -68,14 +68,14 @@ def rank_model(
     layers,
     *,
     expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
-    int8: bool = False,
+    quantization: str = NO_QUANTIZATION,
     scatter: str = SPMD,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> Gemma4ForCausalLM:
     """One rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`); its state dict
-    names are those of `layout.parallel_state_dict` in `expert_layout` (int8: of
-    `experts.int8.quantize_experts` of it). `device="meta"` builds it without memory (for plans and
+    names are those of `layout.parallel_state_dict` in `expert_layout` (int8, int4: of
+    `experts.quantization.quantize_experts` of it). `device="meta"` builds it without memory (for plans and
     shape checks). Outside a graph it computes every expert (dense_masked); each static graph's view
     runs the graph's own experts implementation (`experts/view.py`)."""
     local = rank_config(config, tp, expert_layout)
@@ -90,7 +90,7 @@ def rank_model(
     model.to(dtype)
     with torch.device(device):
         for name, module in list(model.named_modules()):
-            share = _share(name, module, full, model.config, tp, layers, expert_layout, int8, scatter, dtype)
+            share = _share(name, module, full, model.config, tp, layers, expert_layout, quantization, scatter, dtype)
             if share is not None:
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent), child, share)
@@ -107,13 +107,15 @@ def _share(
     tp: int,
     layers,
     expert_layout: str,
-    int8: bool,
+    quantization: str,
     scatter: str,
     dtype: torch.dtype,
 ) -> nn.Module | None:
     """The parallel module in place of `module` (its name `name`), or None where a rank holds it whole."""
     if f"{name}.gate_up_proj.weight" in full:  # the experts, as the layout holds their linears
-        return parallel_experts(local, tp, layers, expert_layout, int8=int8, scatter=scatter, dtype=dtype)
+        return parallel_experts(
+            local, tp, layers, expert_layout, quantization=quantization, scatter=scatter, dtype=dtype
+        )
     kind = layout.placement(f"{name}.weight", expert_layout)
     if kind == layout.REPLICATED or not isinstance(module, (nn.Linear, nn.Embedding)):
         return None

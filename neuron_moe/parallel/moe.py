@@ -43,12 +43,35 @@ from ..experts.dense_masked import router_weight_matrix
 from . import layout
 
 
+# The layers (their names in the layer library) of each experts weight format, per expert layout: the
+# expert-fused ones (channel) and the plain linears (expert), column then row
+LAYERS = {
+    layout.CHANNEL: {
+        spec.NO_QUANTIZATION: ("ExpertFusedColumnParallelLinear", "ExpertFusedRowParallelLinear"),
+        spec.INT8_QUANTIZATION: ("QuantizedExpertFusedColumnParallel", "QuantizedExpertFusedRowParallel"),
+        spec.INT4_QUANTIZATION: ("Int4ExpertFusedColumnParallel", "Int4ExpertFusedRowParallel"),
+    },
+    layout.EXPERT: {
+        spec.NO_QUANTIZATION: ("ColumnParallelLinear", "RowParallelLinear"),
+        spec.INT8_QUANTIZATION: ("QuantizedColumnParallel", "QuantizedRowParallel"),
+        spec.INT4_QUANTIZATION: ("Int4ColumnParallel", "Int4RowParallel"),
+    },
+}
+
+
+def _layers(layers, expert_layout: str, quantization: str):
+    if quantization not in LAYERS[expert_layout]:
+        raise UserError(
+            f"unknown experts quantization {quantization!r}; expected one of {', '.join(spec.QUANTIZATIONS)}"
+        )
+    return tuple(getattr(layers, name) for name in LAYERS[expert_layout][quantization])
+
+
 class ChannelExperts(nn.Module):
-    def __init__(self, config, tp: int, layers, int8: bool = False, dtype=torch.float32):
+    def __init__(self, config, tp: int, layers, quantization: str = spec.NO_QUANTIZATION, dtype=torch.float32):
         super().__init__()
         E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
-        column = layers.QuantizedExpertFusedColumnParallel if int8 else layers.ExpertFusedColumnParallelLinear
-        row = layers.QuantizedExpertFusedRowParallel if int8 else layers.ExpertFusedRowParallelLinear
+        column, row = _layers(layers, layout.CHANNEL, quantization)
         self.gate_up_proj = column(E, H, 2 * I, tp=tp, dtype=dtype, stride=2)  # [E, H, 2I/t]: gate, then up
         self.down_proj = row(E, I, H, tp=tp, dtype=dtype)  # [E, I/t, H]
         self.config = config  # the model's; a graph's view gives it one naming the graph's experts implementation
@@ -110,13 +133,20 @@ COMPUTE = {
 
 
 class WholeExperts(nn.Module):
-    def __init__(self, config, tp: int, layers, int8: bool = False, scatter: str = spec.SPMD, dtype=torch.float32):
+    def __init__(
+        self,
+        config,
+        tp: int,
+        layers,
+        quantization: str = spec.NO_QUANTIZATION,
+        scatter: str = spec.SPMD,
+        dtype=torch.float32,
+    ):
         super().__init__()
         if scatter not in spec.SCATTERS:
             raise ValueError(f"scatter must be one of {spec.SCATTERS}, got {scatter!r}")
         E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
-        column = layers.QuantizedColumnParallel if int8 else layers.ColumnParallelLinear
-        row = layers.QuantizedRowParallel if int8 else layers.RowParallelLinear
+        column, row = _layers(layers, layout.EXPERT, quantization)
         self.gate_up_proj = column(H, E * 2 * I, tp=tp, dtype=dtype)  # rows: this rank's experts × 2I
         self.down_proj = row(E * I, H, tp=tp, dtype=dtype)  # columns: this rank's experts × I
         self.spmd_rank = layers.SPMDRank(tp)
@@ -149,7 +179,7 @@ def parallel_experts(
     layers,
     expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
     *,
-    int8: bool = False,
+    quantization: str = spec.NO_QUANTIZATION,
     scatter: str = spec.SPMD,
     dtype=torch.float32,
 ) -> nn.Module:
@@ -158,8 +188,8 @@ def parallel_experts(
     if layout.check_layout_name(expert_layout) == layout.CHANNEL:
         if scatter != spec.SPMD:
             raise UserError(f"scatter {scatter!r} is the expert layout's: the channel layout slices nothing by rank")
-        return ChannelExperts(config, tp, layers, int8, dtype)
-    return WholeExperts(config, tp, layers, int8, scatter, dtype)
+        return ChannelExperts(config, tp, layers, quantization, dtype)
+    return WholeExperts(config, tp, layers, quantization, scatter, dtype)
 
 
 class ParallelMoE(nn.Module):
@@ -173,13 +203,15 @@ class ParallelMoE(nn.Module):
         layers,
         *,
         expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
-        int8: bool = False,
+        quantization: str = spec.NO_QUANTIZATION,
         scatter: str = spec.SPMD,
         dtype=torch.float32,
     ):
         super().__init__()
         self.router = Gemma4TextRouter(config).to(dtype)
-        self.experts = parallel_experts(config, tp, layers, expert_layout, int8=int8, scatter=scatter, dtype=dtype)
+        self.experts = parallel_experts(
+            config, tp, layers, expert_layout, quantization=quantization, scatter=scatter, dtype=dtype
+        )
 
     def local_router_weights(self, router_input: torch.Tensor) -> torch.Tensor:
         """The expert layout's scatter of the dense router weights to this rank's experts."""

@@ -23,6 +23,10 @@ Traps (shared/notes/neuron-apis.md):
 - NxD's sharding (`trace/trace.py: shard_children`) cuts only parameters of its parallel-layer
   classes: a tagged parameter of any other module is silently replicated. Hence the expert-fused
   layers for the channel layout's 3-D experts, not tagged parameters of our own.
+- int4 experts: NxD has no int4 layer for inf2 (its MXFP4 MoE kernel is Trn3-only). The int4 layers
+  are `parallel/cpu.py`'s, made subclasses of NxD's `BaseParallelLinear` (so `shard_children` cuts
+  their parameters) with NxD's own `set_tensor_model_parallel_attributes` on the packed weight and
+  its scales and NxD's all-reduce.
 - `ParallelEmbedding` takes its vocabulary offset from the Python-int rank unless
   `use_spmd_rank=True`: the same frozen-at-trace-time bug as the router scatter.
 """
@@ -36,6 +40,8 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..experts import int4
+from . import cpu
 
 NXD_SOURCE = "aws-neuron/neuronx-distributed @ fbac349 (Release 2.29)"
 _L = "src/neuronx_distributed/parallel_layers/layers.py"
@@ -45,6 +51,7 @@ _Q = "src/neuronx_distributed/quantization/quantization_layers.py"
 _QC = "src/neuronx_distributed/quantization/quantization_config.py"
 _MB = "src/neuronx_distributed/trace/model_builder.py"
 _MOE = "src/neuronx_distributed/modules/moe/moe_parallel_layers.py"
+_U = "src/neuronx_distributed/parallel_layers/utils.py"
 
 # dotted name -> (file in NXD_SOURCE, keyword arguments we pass; None for a value we only read)
 NXD_API: dict[str, tuple[str, tuple[str, ...] | None]] = {
@@ -67,6 +74,11 @@ NXD_API: dict[str, tuple[str, tuple[str, ...] | None]] = {
     ),
     "neuronx_distributed.parallel_layers.mappings.scatter_to_tensor_model_parallel_region": (_M, ("input_",)),
     "neuronx_distributed.parallel_layers.mappings.reduce_from_tensor_model_parallel_region": (_M, ("input_",)),
+    "neuronx_distributed.parallel_layers.layers.BaseParallelLinear": (_L, None),
+    "neuronx_distributed.parallel_layers.utils.set_tensor_model_parallel_attributes": (
+        _U,
+        ("tensor", "is_parallel", "dim", "stride", "num_partitions"),
+    ),
     "neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear": (
         _MOE,
         ("num_experts", "input_size", "output_size", "bias", "dtype", "stride"),
@@ -349,6 +361,57 @@ def QuantizedExpertFusedRowParallel(
         dtype=dtype,
         **_int8_expert_wise(),
     )
+
+
+def _tag(param, dim: int, tp: int, stride: int = 1):
+    _nxd("neuronx_distributed.parallel_layers.utils.set_tensor_model_parallel_attributes")(
+        tensor=param, is_parallel=True, dim=dim, stride=stride, num_partitions=tp
+    )
+    return param
+
+
+def _reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
+    return reduce_from_tensor_model_parallel_region(x, tp=tp)
+
+
+def _int4(layer: type) -> type:
+    """`parallel/cpu.py`'s int4 layer as an NxD parallel linear (`shard_children` cuts only those),
+    tagged and all-reduced by NxD."""
+    base = _nxd("neuronx_distributed.parallel_layers.layers.BaseParallelLinear")
+    return type(layer.__name__, (layer, base), {"tag": staticmethod(_tag), "reduce": staticmethod(_reduce)})
+
+
+def Int4ColumnParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, group=int4.DEFAULT_GROUP):
+    _check_tp(tp)
+    return _int4(cpu.Int4ColumnParallel)(input_size, output_size, tp=tp, dtype=dtype, group=group)
+
+
+def Int4RowParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, group=int4.DEFAULT_GROUP):
+    _check_tp(tp)
+    return _int4(cpu.Int4RowParallel)(input_size, output_size, tp=tp, dtype=dtype, group=group)
+
+
+def Int4ExpertFusedColumnParallel(
+    num_experts: int,
+    input_size: int,
+    output_size: int,
+    *,
+    tp: int,
+    dtype=torch.float32,
+    stride: int = 1,
+    group=int4.DEFAULT_GROUP,
+):
+    _check_tp(tp)
+    return _int4(cpu.Int4ExpertFusedColumnParallel)(
+        num_experts, input_size, output_size, tp=tp, dtype=dtype, stride=stride, group=group
+    )
+
+
+def Int4ExpertFusedRowParallel(
+    num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, group=int4.DEFAULT_GROUP
+):
+    _check_tp(tp)
+    return _int4(cpu.Int4ExpertFusedRowParallel)(num_experts, input_size, output_size, tp=tp, dtype=dtype, group=group)
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int):

@@ -1,15 +1,16 @@
 """Greedy generation over the full model at TP t through NxD's own parallel layers, in NxD's CPU mode.
 
-`validate --backend tp --tp-layers nxd`: t gloo processes forked from this one, each of which
-makes itself an NxD CPU-mode process (`nxd_source.activate`: the installed neuronx-distributed, or
-the source tree NXD_SRC names), initialises NxD's parallel state for t ranks, and builds its rank
-module over `parallel.nxd`: NxD's ColumnParallelLinear, RowParallelLinear, ParallelEmbedding,
-SPMDRank and mappings, its expert-fused layers in the channel layout and its quantized layers for
-int8 experts. Each rank loads the shard the shard cutter (`cpu.shard_checkpoint`) cuts by the
-tensor-parallel tags NxD's layers set on their parameters, gives the static decoder's graphs a
-zeroed KV state of its own, and runs them as modules, eagerly, in lockstep: in CPU mode NxD's
-collectives are torch.distributed calls over gloo, which run but do not trace. Every rank gathers
-the full logits; the ranks' tokens are checked to agree.
+`validate --backend tp --tp-layers nxd`: t gloo processes forked from this one, each of which makes
+itself an NxD CPU-mode process (`nxd_source.activate`: the installed neuronx-distributed, or the
+source tree NXD_SRC names), initialises NxD's parallel state for t ranks, and builds its rank module
+over `parallel.nxd`: NxD's ColumnParallelLinear, RowParallelLinear, ParallelEmbedding, SPMDRank and
+mappings, its expert-fused layers in the channel layout, its quantized layers for int8 experts and,
+for int4 experts, `parallel/cpu.py`'s int4 layers as NxD parallel linears (`parallel/nxd.py`: NxD
+has no int4 layer for inf2). Each rank loads the shard the shard cutter (`cpu.shard_checkpoint`)
+cuts by the tensor-parallel tags NxD's layers set on their parameters, gives the static decoder's
+graphs a zeroed KV state of its own, and runs them as modules, eagerly, in lockstep: in CPU mode
+NxD's collectives are torch.distributed calls over gloo, which run but do not trace. Every rank
+gathers the full logits; the ranks' tokens are checked to agree.
 
 Rank modules are built on the meta device and then allocated (`model.materialize`): on CPU, NxD
 initialises a quantized row-parallel layer by splitting a master weight whose size it computes
@@ -29,7 +30,7 @@ import torch
 
 from ..errors import UserError
 from ..greedy import Generation
-from ..spec import SPMD
+from ..spec import NO_QUANTIZATION, SPMD
 from ..static.generator import StaticGenerator, choose_buckets, prompt_lengths
 from . import cpu, nxd, nxd_source
 from .model import materialize
@@ -49,7 +50,7 @@ class NxDGenerator:
         checkpoint=None,
         *,
         expert_layout: str | None = None,
-        int8: bool = False,
+        quantization: str = NO_QUANTIZATION,
         scatter: str = SPMD,
         sidecar=None,
         budget: float | None = None,
@@ -77,7 +78,7 @@ class NxDGenerator:
             dtype,
             checkpoint,
             expert_layout=expert_layout,
-            int8=int8,
+            quantization=quantization,
             scatter=scatter,
             sidecar=sidecar,
             budget=budget,

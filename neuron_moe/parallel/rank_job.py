@@ -1,7 +1,7 @@
 """What every rank module of a TP run is built from, whichever layer library runs it.
 
 `RankJob.prepare` makes every check that needs no weights (the degree, the reader's shards), then
-the full parallel-layout checkpoint (`layout.parallel_state_dict`; int8 experts quantised; the
+the full parallel-layout checkpoint (`layout.parallel_state_dict`; int8 or int4 experts quantised; the
 reader's per-rank shards concatenated) that the shard cutter (`cpu.shard_checkpoint`) cuts for
 each rank; `rank_module` builds a rank's module over `parallel.cpu` (trace once and replicate:
 `tp_generator.py`) or `parallel.nxd` (NxD's own layers in its CPU mode: `nxd_generator.py`).
@@ -13,10 +13,11 @@ import dataclasses
 
 import torch
 
-from ..experts.int8 import quantize_experts
+from ..experts import int4
+from ..experts.quantization import quantize_experts
 from ..model import build_model
 from ..reader.prep import model_expert_weights
-from ..spec import CHANNEL_READER, EAGER, SPMD
+from ..spec import CHANNEL_READER, EAGER, INT4_QUANTIZATION, NO_QUANTIZATION, SPMD
 from . import layout, reader
 from .model import rank_model
 
@@ -27,14 +28,14 @@ LIBRARY_CPU = "parallel/cpu.py (NxD's layer names over torch.distributed functio
 class RankJob:
     """What every rank module of a TP run is built from: the port's static spec (the reader's decode
     experts when one is attached), the options of the rank module, and the full parallel-layout
-    checkpoint (int8 experts quantised, the reader's shards concatenated) that the shard cutter cuts."""
+    checkpoint (int8 or int4 experts quantised, the reader's shards concatenated) that the shard cutter cuts."""
 
     config: object
     spec: object
     tp: int
     dtype: torch.dtype
     expert_layout: str
-    int8: bool
+    quantization: str
     scatter: str
     full: dict
     reader: tuple | None  # (SidecarLayout of a rank, k per rank, scan, recovery rank)
@@ -52,7 +53,7 @@ class RankJob:
         checkpoint=None,
         *,
         expert_layout: str | None = None,
-        int8: bool = False,
+        quantization: str = NO_QUANTIZATION,
         scatter: str = SPMD,
         sidecar=None,
         budget: float | None = None,
@@ -63,9 +64,11 @@ class RankJob:
         dtype = dtype or port.dtype
         expert_layout = expert_layout or port.static.expert_layout
         layout.check_degree(port.config, tp, expert_layout)  # before the weights load
+        if quantization == INT4_QUANTIZATION:
+            int4.check_degree(port.config, tp, expert_layout)
         spec, sides, settings = port.static, None, None
         if sidecar is not None:  # the reader on decode steps: every check before the weights load
-            reader.check_reader(expert_layout, int8, budget)
+            reader.check_reader(expert_layout, quantization, budget)
             rank = port.reader.recovery_rank if rank is None else rank  # the port's default, as the one-rank reader's
             sides, k, rank = reader.open_shards(port.config, sidecar, tp, budget, rank)
             spec = dataclasses.replace(spec, decode_experts=CHANNEL_READER.name)
@@ -75,11 +78,10 @@ class RankJob:
             sides[0].check_source(model_expert_weights(hf))  # one prep for all ranks: check_shards
         full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
         del hf
-        if int8:
-            full = quantize_experts(full)
+        full = quantize_experts(full, quantization)  # streamed: each float experts linear dropped as it is quantised
         if sides is not None:
             full.update(reader.full_state(sides))
-        return cls(port.config, spec, tp, dtype, expert_layout, int8, scatter, full, settings)
+        return cls(port.config, spec, tp, dtype, expert_layout, quantization, scatter, full, settings)
 
     def rank_module(self, layers, device: str = "cpu"):
         """A rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`), the reader
@@ -89,7 +91,7 @@ class RankJob:
             self.tp,
             layers,
             expert_layout=self.expert_layout,
-            int8=self.int8,
+            quantization=self.quantization,
             scatter=self.scatter,
             dtype=self.dtype,
             device=device,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..spec import NO_QUANTIZATION
 from ..reader import reference, shard
 from ..reader.accounting import solve_rank_k
 from ..spec import Reader
@@ -88,15 +89,17 @@ def full_state(sides: list) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_reader(expert_layout: str, int8: bool, budget) -> None:
+def check_reader(expert_layout: str, quantization: str, budget) -> None:
     """The reader runs in the channel layout's float decode graphs, at a budget."""
     if expert_layout != layout.CHANNEL:
         raise UserError(
             f"the reader runs on the {layout.CHANNEL!r} expert layout (each rank screens its own I/t "
             f"channels of every expert), not the {expert_layout!r} layout"
         )
-    if int8:
-        raise UserError("the reader reads float (bf16/fp32) experts; int8 experts with the reader are not built")
+    if quantization != NO_QUANTIZATION:
+        raise UserError(
+            f"the reader reads float (bf16/fp32) experts; {quantization} experts with the reader are not built"
+        )
     if budget is None:
         raise UserError("the reader needs a budget: pass --budget PERCENT")
 

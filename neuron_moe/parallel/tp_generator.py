@@ -7,14 +7,14 @@ zero-initialised KV state of their own (as NxD's state initializer does on each 
 never in a weight shard) and run the engine step (`static/rows.py`) in lockstep. Every rank
 gathers the full logits and takes the same greedy token; the ranks' tokens are checked to agree.
 
-`validate --backend tp` (with `--quantization int8`: int8 experts, per-channel scales) in either
-expert layout (`--expert-layout`, default the port's [static] expert_layout: channel). A placement
-with the naive scatter (`spec.NAIVE`, always the expert layout) is the seed port's Python-int router
-scatter, which a graph traced on rank 0 freezes to rank 0's slice: a wrong model, kept as a test
-(tests/test_tp_model.py) that SEQ_MATCH catches it. `tp` with a sidecar directory and a budget
-(`prep-reader --tp T`) runs the reader in the decode graph (`reader.py`). `--tp T` sets the degree
-(default 8); `--tp-layers nxd` runs the same rank modules over NxD's own layers instead
-(`nxd_generator.py`), eagerly on every rank.
+`validate --backend tp` (with `--quantization int8`: int8 experts, per-channel scales;
+`--quantization int4`: group-wise int4 experts) in either expert layout (`--expert-layout`, default
+the port's [static] expert_layout: channel). A placement with the naive scatter (`spec.NAIVE`,
+always the expert layout) is the seed port's Python-int router scatter, which a graph traced on rank
+0 freezes to rank 0's slice: a wrong model, kept as a test (tests/test_tp_model.py) that SEQ_MATCH
+catches it. `tp` with a sidecar directory and a budget (`prep-reader --tp T`) runs the reader in the
+decode graph (`reader.py`). `--tp T` sets the degree (default 8); `--tp-layers nxd` runs the same
+rank modules over NxD's own layers instead (`nxd_generator.py`), eagerly on every rank.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..errors import UserError
 from ..greedy import Generation
 from ..static.export import checked, example_inputs, functional
 from ..static.generator import StaticGenerator
-from ..spec import INT8_QUANTIZATION, SPMD, Backend, Reader
+from ..spec import NO_QUANTIZATION, SPMD, Backend, Reader
 from . import cpu
 from .nxd_generator import NxDGenerator
 from .rank_job import LIBRARY_CPU, RankJob
@@ -43,7 +43,7 @@ class TPGenerator(StaticGenerator):
         checkpoint=None,
         *,
         expert_layout: str | None = None,
-        int8: bool = False,
+        quantization: str = NO_QUANTIZATION,
         scatter: str = SPMD,
         logits: bool = True,
         sidecar=None,
@@ -56,7 +56,7 @@ class TPGenerator(StaticGenerator):
             dtype,
             checkpoint,
             expert_layout=expert_layout,
-            int8=int8,
+            quantization=quantization,
             scatter=scatter,
             sidecar=sidecar,
             budget=budget,
@@ -119,7 +119,7 @@ GENERATORS = {"cpu": TPGenerator, "nxd": NxDGenerator}  # by the layer library t
 def tp_generator(port, backend: Backend, dtype=None, checkpoint=None):
     """A `validate` generator of TP ranks (`backend.placement`) over a layer library (`cpu`: trace once
     and replicate on gloo; `nxd`: NxD's own layers in its CPU mode, `nxd_generator.py`), at the
-    placement's degree (default TP_DEGREE), with int8 experts and the reader in the decode graph as
+    placement's degree (default TP_DEGREE), with int8 or int4 experts and the reader in the decode graph as
     `backend` asks. The returned callable's `details` name the layers and the degree."""
     placement, reader = backend.placement, backend.reader or Reader()
     if placement.library not in GENERATORS:
@@ -130,7 +130,7 @@ def tp_generator(port, backend: Backend, dtype=None, checkpoint=None):
         dtype,
         checkpoint,
         expert_layout=placement.layout(None),
-        int8=backend.quantization == INT8_QUANTIZATION,
+        quantization=backend.quantization,
         scatter=placement.scatter,
         sidecar=reader.sidecar,
         budget=reader.budget,

@@ -25,12 +25,13 @@ from dataclasses import asdict, dataclass, replace
 
 from ..errors import UserError
 from ..report import table
-from ..spec import INT8_QUANTIZATION, NO_QUANTIZATION, QUANTIZATIONS, STEP_BUDGET, Reader
+from ..spec import INT4_QUANTIZATION, INT8_QUANTIZATION, NO_QUANTIZATION, QUANTIZATIONS, STEP_BUDGET, Reader
 from .geometry import Geometry
 from .sidecar import BLOCK, CODES_PER_BYTE, SECTOR, SidecarLayout
 
 BF16 = 2
 INT8, FP32 = 1, 4
+INT4_GROUP = 32  # experts/int4.py's DEFAULT_GROUP: input channels per bf16 scale
 
 
 class BudgetError(UserError):
@@ -152,8 +153,17 @@ class StepRows:
     coeffs: int  # recovery rows b_j, distinct (expert, channel); 0 without recovery
 
 
+def int4_row_bytes(n: int) -> int:
+    """A row of n int4 values with its bf16 scales beside it (one per INT4_GROUP), packed two per byte."""
+    return n // 2 + n // INT4_GROUP * BF16
+
+
 def channel_bytes(geo: Geometry, quantization: str = NO_QUANTIZATION) -> int:
-    """One exact channel: its gate, up and down rows (int8: and its gate/up scale pair, one sector)."""
+    """One exact channel: its gate, up and down rows (int8: and its gate/up scale pair, one sector;
+    int4: each row packed with its own scales, groups along H: gate and up as the int4 experts hold
+    them, the down row in the reader's own grouping, since the experts' down groups lie along I)."""
+    if quantization == INT4_QUANTIZATION:
+        return SECTOR * 3 * row_sectors(int4_row_bytes(geo.hidden))
     if quantization == INT8_QUANTIZATION:
         return SECTOR * (3 * row_sectors(geo.hidden * INT8) + 1)
     return SECTOR * 3 * row_sectors(geo.hidden * BF16)
@@ -163,6 +173,8 @@ def expert_read_bytes(geo: Geometry, quantization: str = NO_QUANTIZATION) -> int
     """One routed expert read whole: gate_up [2I, H] and down [H, I] (int8: and their fp32 scales,
     one per gate/up row and one per hidden channel)."""
     H, I = geo.hidden, geo.intermediate
+    if quantization == INT4_QUANTIZATION:  # experts/int4.py: packed values and a bf16 scale per 32 input channels
+        return SECTOR * (row_sectors(2 * I * int4_row_bytes(H)) + row_sectors(H * int4_row_bytes(I)))
     if quantization == INT8_QUANTIZATION:
         return SECTOR * (
             row_sectors(2 * I * H * INT8)
@@ -359,9 +371,12 @@ def render_reads(report: dict) -> str:
             f"{whole.intermediate} channels of every expert, its own sketch strips, the whole U); every "
             f"rank reads the same"
         )
-    experts = (
-        "bf16" if quantization == NO_QUANTIZATION else "int8 exact rows with fp32 scales, the sketch and recovery bf16"
-    )
+    experts = {
+        NO_QUANTIZATION: "bf16",
+        INT8_QUANTIZATION: "int8 exact rows with fp32 scales, the sketch and recovery bf16",
+        INT4_QUANTIZATION: f"int4 exact rows with a bf16 scale per {INT4_GROUP} (accounted only), the sketch and "
+        "recovery bf16",
+    }[quantization]
     rows = [{"part": p, **v} for p, v in report["reads"].items()]
     rows += [
         {

@@ -20,7 +20,7 @@ shopt -s nullglob
 ARTIFACTS=${ARTIFACTS:?set ARTIFACTS to a directory for the compiled artifact}
 INSTANCE=${INSTANCE:-inf2.xlarge}  # the box that serves: one chip, 2 NeuronCores
 TP=2
-# the experts' format flag of trace-and-compile and plan (trace-and-compile's int4: not in this version, README.md)
+# the experts' format flag of trace-and-compile and plan
 EXPERTS=(--quantization int4)
 if [ $# -eq 0 ]; then
   echo "usage: run.sh compile-host | serve-host | step... (image plan compile publish pull serve)" >&2
