@@ -53,7 +53,7 @@ from torch.export.passes import move_to_device_pass
 from neuron_moe import report
 from neuron_moe.errors import UserError
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
-from neuron_moe.experts.int8 import _quantized
+from neuron_moe.experts import int4, int8
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.port import load_port
@@ -83,6 +83,7 @@ RUNS = (
     Run("exported, dense_masked prefill and decode", "dense_masked", "dense_masked", True),
     Run("modules, dense_masked prefill, selective decode", "dense_masked", "selective", False),
     Run("modules, int8 prefill and decode", "int8", "int8", False),
+    Run("modules, int4 prefill and decode", "int4", "int4", False),
 )
 
 
@@ -225,14 +226,14 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     if not run.exported:
         model = model.to(xla.device)
     quantise = None
-    if run.decode == "int8":
-        # the int8 copies are made on the device on first use and cached on the experts module: made
+    if run.decode in QUANTIZED:
+        # the int8 or int4 copies are made on the device on first use and cached on the experts module: made
         # first, as a graph of their own, before the generator's views copy the experts modules (a
         # copy made before the cache would fill its own inside the first prefill: a second compile)
         quantise = Metered(
             xla,
-            f"{run.prefill}-{run.decode}-modules int8 quantise",
-            lambda: [t for layer in model.model.layers for t in _quantized(layer.experts)],
+            f"{run.prefill}-{run.decode}-modules {run.decode} quantise",
+            lambda: [t for layer in model.model.layers for t in QUANTIZED[run.decode](layer.experts)],
             None,
         )
         xla.moved()  # not the model's move to the device
@@ -246,7 +247,7 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     graphs = {name: Metered(xla, f"{tag} {name}", graph, hlo_dir) for name, graph in generator._graphs.items()}
     generator._graphs = dict(graphs)
     if quantise is not None:
-        graphs["int8 quantise"] = quantise
+        graphs[f"{run.decode} quantise"] = quantise
     compiles_before, moved_before = xla.compiles(), xla.transfers()
     xla.moved()
     start = time.perf_counter()
@@ -255,9 +256,7 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     moved = [now - before for now, before in zip(xla.transfers(), moved_before)]
     summaries = [g.summary() for g in graphs.values()]
     graph_compiles = sum(
-        g["compiles_first_call"] + g["compiles_later_calls"]
-        for g in summaries
-        if not g["graph"].endswith("int8 quantise")
+        g["compiles_first_call"] + g["compiles_later_calls"] for g in summaries if not g["graph"].endswith(" quantise")
     )
     decode_steps = len(graphs["decode"].calls)
     row = {
@@ -275,8 +274,8 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
         "generate_s": generate_s,
         "vs_cpu_fp32": seq_match(references["fp32"], got),
     }
-    if run.decode == "int8":
-        row["vs_cpu_int8"] = seq_match(references["int8"], got)
+    if run.decode in QUANTIZED:
+        row[f"vs_cpu_{run.decode}"] = seq_match(references[run.decode], got)
     ops = {name: graph_ops(program) for name, program in generator.programs.items()}
     return row, ops
 
@@ -401,12 +400,23 @@ def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     return row, {name: graph_ops(p) for name, p in programs.items()}
 
 
+# the quantized experts' runs: each format's cached device copies (made on first use)
+QUANTIZED = {"int8": int8._quantized, "int4": int4._quantized}
+
+
+def _vs_quantized(row: dict) -> str | None:
+    """The row's key of its SEQ_MATCH against the same quantized model on the CPU, if it has one."""
+    return next((k for k in row if k.startswith("vs_cpu_int")), None)
+
+
 def passed(row: dict) -> bool:
-    clean = all(
+    clean = all(  # the quantise step makes the run's quantized copies: done offline for an artifact, not a graph
         g["compiles_first_call"] <= 1 and g["compiles_later_calls"] == 0 and not g["aten_fallbacks"]
         for g in row["graphs"]
+        if not g["graph"].endswith(" quantise")
     )
-    tokens = row["vs_cpu_int8"]["all_match"] if "vs_cpu_int8" in row else row["vs_cpu_fp32"]["all_match"]
+    quantized = _vs_quantized(row)
+    tokens = row[quantized]["all_match"] if quantized else row["vs_cpu_fp32"]["all_match"]
     if row["run"] == SERVING:  # and the sampled row as the CPU samples it, and a decode call returns its tokens only
         tokens = tokens and row["sampled_like_cpu"] and row["decode_output_bytes_per_call"] == row["decode_token_bytes"]
     return clean and tokens
@@ -508,10 +518,10 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
             f"- SEQ_MATCH vs CPU fp32 reference (HF eager): **{fp32['all_match']}** "
             f"({fp32['matched']}/{n}; first divergence per prompt {fp32['first_divergence']})",
         ]
-        if "vs_cpu_int8" in row:
-            q = row["vs_cpu_int8"]
+        if _vs_quantized(row):
+            q, name = row[_vs_quantized(row)], _vs_quantized(row).removeprefix("vs_cpu_")
             lines.append(
-                f"- SEQ_MATCH vs the same int8 model on the CPU (HF, int8 experts): **{q['all_match']}** "
+                f"- SEQ_MATCH vs the same {name} model on the CPU (HF, {name} experts): **{q['all_match']}** "
                 f"({q['matched']}/{len(PROMPTS)}; first divergence per prompt {q['first_divergence']})"
             )
         if row["run"] == SERVING:
@@ -545,11 +555,12 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
         "the device; the fed-back token is already there.",
         "- A first call with 0 compilations found its graph already compiled: the same HLO (same graph, same "
         "weights) ran in an earlier run of this process (torch-xla's `CachedCompile`).",
-        "- int8 is compared with the fp32 reference and with the same int8 model on the CPU; the second is the "
-        "check of the XLA lowering (on seeded random weights, whose logits are nearly flat, int8 rounding alone "
-        "flips greedy picks).",
-        "- int8 runs as modules (lazy tracing, what torch-neuronx traces); it is not exported (`torch.export`), "
-        "since its int8 copies are made on first use, outside any graph.",
+        "- int8 and int4 are compared with the fp32 reference and with the same quantized model on the CPU; the "
+        "second is the check of the XLA lowering (on seeded random weights, whose logits are nearly flat, rounding "
+        "alone flips greedy picks). int4's packed numbers are unpacked inside each graph (mask, shift, convert, "
+        "multiply): its run holds those ops to the allow-list.",
+        "- int8 and int4 run as modules (lazy tracing, what torch-neuronx traces); they are not exported "
+        "(`torch.export`), since their quantized copies are made on first use, outside any graph.",
         "- HLO column (with `--hlo DIR`, which writes each graph's HLO text there; `make xla-check`: "
         "build/xla-check-hlo/): each `sort` is a router's `topk` (one per layer), which torch-xla lowers to a "
         "full sort; a custom-call would be an op outside plain HLO, a while or conditional control flow in the graph.",
@@ -596,7 +607,7 @@ def main(argv=None) -> int:
     ids, mask = left_pad([tokenizer.encode(p) for p in PROMPTS], tokenizer.pad_token_id)
     references = {
         "fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, args.new_tokens),
-        "int8": greedy(build_model(port, "int8", torch.float32), ids, mask, args.new_tokens),
+        **{q: greedy(build_model(port, q, torch.float32), ids, mask, args.new_tokens) for q in QUANTIZED},
     }
     hlo_dir = Path(args.hlo) if args.hlo else None
 
@@ -631,7 +642,11 @@ def main(argv=None) -> int:
         )
         print(
             f"SEQ_MATCH vs CPU fp32: {row['vs_cpu_fp32']['all_match']}"
-            + (f"; vs CPU int8: {row['vs_cpu_int8']['all_match']}" if "vs_cpu_int8" in row else "")
+            + (
+                f"; vs CPU {_vs_quantized(row)[7:]}: {row[_vs_quantized(row)]['all_match']}"
+                if _vs_quantized(row)
+                else ""
+            )
             + f"  -> {'PASS' if row['passed'] else 'FAIL'}",
             flush=True,
         )
