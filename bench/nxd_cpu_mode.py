@@ -7,6 +7,7 @@ four default prompts and N new tokens (`parallel/nxd_generator.py`), each agains
   channel, expert               HF eager fp32 (validate's reference)
   channel-int8                  one-rank `int8` experts (the channel layout's int8 numbers)
   expert-int8                   the expert layout's rank module at TP 1 on the gloo stand-in, int8
+  channel-int4, expert-int4     one-rank `int4` experts (int4's scales split with their weights: one numbering)
   reader B %                    the per-rank reader emulated in one process (`attach_reader(..., tp=t)`)
   wrong-shard (control)         HF eager: rank 1 loads rank 0's shard, and must fail
 
@@ -81,6 +82,7 @@ def main() -> int:
         "HF eager": greedy(build_model(port, "eager", torch.float32), ids, mask, n),
         "one-rank int8": greedy(build_model(port, "int8", torch.float32), ids, mask, n),
         "expert int8 at TP 1": expert_int8_on_one_rank(port, ids, mask, n),
+        "one-rank int4": greedy(build_model(port, "int4", torch.float32), ids, mask, n),
     }
     rows, degrees, started = [], [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,7 +92,8 @@ def main() -> int:
             if tp == 2:
                 shard.write_shards(whole, tmp, tp, progress=False)
                 emulated = build_model(port, "eager", torch.float32)
-                attach_reader(emulated, whole.path, args.budget, tp=tp)
+                # the TP backend reads at the port's [reader] recovery rank unless told: the emulation too
+                attach_reader(emulated, whole.path, args.budget, port.reader.recovery_rank, tp=tp)
                 refs[f"reader {args.budget:g} % emulated"] = greedy(emulated, ids, mask, n)
                 cases.update(
                     {
@@ -99,6 +102,8 @@ def main() -> int:
                             {"expert_layout": layout.EXPERT, "quantization": "int8"},
                             "expert int8 at TP 1",
                         ),
+                        "channel-int4": ({"quantization": "int4"}, "one-rank int4"),
+                        "expert-int4": ({"expert_layout": layout.EXPERT, "quantization": "int4"}, "one-rank int4"),
                         f"reader {args.budget:g} %": (
                             {"sidecar": tmp, "budget": args.budget},
                             f"reader {args.budget:g} % emulated",
@@ -124,7 +129,7 @@ def main() -> int:
             if tp == 2 and args.against_cpu:
                 cpu_gens = {
                     name: TPGenerator(port, tp, **cases[name][0])
-                    for name in ("channel", "expert", "channel-int8", "expert-int8")
+                    for name in ("channel", "expert", "channel-int8", "expert-int8", "channel-int4", "expert-int4")
                 }
                 stand_in = generate_replicated(cpu_gens, ids, mask, n)
                 for row in rows:
