@@ -555,6 +555,19 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
     return next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
+def least_argv(sub: argparse.ArgumentParser) -> list[str]:
+    """What a command needs to parse at all: its required options and positionals, and a nested
+    command's (its first) with that command's own."""
+    argv = []
+    for a in sub._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            name, nested = next(iter(a.choices.items()))
+            argv += [name, *least_argv(nested)]
+        elif a.required or (not a.option_strings and a.nargs != 0):
+            argv += [*a.option_strings[:1], str(a.choices[0]) if a.choices else "x"]
+    return argv
+
+
 def numeric_options(sub: argparse.ArgumentParser) -> list[str]:
     """Every option of a command that takes a number (cli_parser.number's types), --threads included."""
     return sorted(a.option_strings[0] for a in sub._actions if hasattr(a.type, "bounds"))
@@ -645,12 +658,8 @@ def test_fuzz_every_integer_option_of_every_command_up_to_2_to_the_64(capsys, da
     assert "--threads" in flags
     flag = data.draw(st.sampled_from(flags), label="flag")
     value = data.draw(number_texts | st.integers(-(2**65), 2**65).map(str), label="value")
-    least = [command]
-    for a in sub._actions:  # what the command needs to parse at all
-        if a.required or (not a.option_strings and a.nargs != 0):
-            least += [*a.option_strings[:1], str(a.choices[0]) if a.choices else "x"]
-    try:
-        args = cli.parser().parse_args([*least, flag, value])
+    try:  # the flag before a nested command (`deploy k8s`), whose own arguments its parser takes
+        args = cli.parser().parse_args([command, flag, value, *least_argv(sub)])
     except SystemExit as e:
         err = capsys.readouterr().err
         assert e.code == 2 and f": error: argument {flag}" in err, err
