@@ -23,7 +23,6 @@ from .spec import (
     DTYPE_NAMES,
     EXPERT_LAYOUTS,
     INSTANCE_CHIPS,
-    PLAN_QUANTIZATIONS,
     QUANTIZATIONS,
     READER_KERNELS,
     READS_BUDGET,
@@ -520,7 +519,7 @@ def parser() -> argparse.ArgumentParser:
         p,
         "the routed experts' weight format: none (bfloat16), int8 with fp32 scales per channel, or int4 "
         "(two values a byte, a bfloat16 scale per group of inputs; the plan counts it) (default none)",
-        PLAN_QUANTIZATIONS,
+        QUANTIZATIONS,
         "none",
     )
     _shape_args(
@@ -868,7 +867,7 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--quantization",
         default="none",
-        choices=PLAN_QUANTIZATIONS,
+        choices=QUANTIZATIONS,
         help="the artifact's routed experts' weight format, for the plan (default: none)",
     )
     k.add_argument(

@@ -82,7 +82,7 @@ CORE_HBM = 16 * GiB
 CHIP_HBM_BW = 820 * GiB  # bytes/s per Inferentia2 chip (Neuron docs, inferentia2 architecture)
 CORES_PER_CHIP = 2
 DEFAULT_RUNTIME_RESERVE = spec.DEFAULT_RUNTIME_RESERVE_GIB * GiB
-QUANTIZATIONS = spec.PLAN_QUANTIZATIONS  # the routed experts' formats planned (the rest of the weights: bf16)
+QUANTIZATIONS = spec.QUANTIZATIONS  # the routed experts' formats planned (the rest of the weights: bf16)
 # Host memory of a serving process (stated estimates, not measurements): the Python process with
 # torch, torch-neuronx, NxD and the server imported, and the compiled graphs (model.pt) it holds.
 HOST_PROCESS_RESERVE = 3 * GiB
