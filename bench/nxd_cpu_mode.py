@@ -34,7 +34,7 @@ import transformers
 
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
 from neuron_moe.experts.channel_reader import attach_reader
-from neuron_moe.experts.int8 import quantize_experts
+from neuron_moe.experts.quantization import quantize_experts
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model, prep_port
 from neuron_moe.parallel import cpu, layout, nxd_source
@@ -50,7 +50,7 @@ from neuron_moe.tokenizer import load_tokenizer
 
 def expert_int8_on_one_rank(port, ids, mask, n):
     hf = build_model(port, "eager", torch.float32)
-    full = quantize_experts(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, layout.EXPERT))
+    full = quantize_experts(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, layout.EXPERT), "int8")
     module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, quantization="int8")
     module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
     return greedy(module, ids, mask, n)

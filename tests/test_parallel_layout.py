@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from neuron_moe import spec
 from neuron_moe.experts.dense_masked import router_weight_matrix
-from neuron_moe.experts.int8 import quantize_experts
+from neuron_moe.experts.quantization import quantize_experts
 from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.port import load_port
@@ -152,7 +152,7 @@ def test_rank_module_tags_agree_with_the_layout(tiny_eager, expert_layout, quant
 
 def test_shard_checkpoint_cuts_as_nxd_does(tiny_eager, hf_state):
     config, tp = tiny_eager.config, 4
-    full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp, layout.EXPERT)))
+    full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp, layout.EXPERT), "int8"))
     module = ParallelMoE(config, tp, cpu, expert_layout=layout.EXPERT, quantization="int8")
     shards = cpu.shard_checkpoint(full, module, tp)
     gu, gu_s = full["experts.gate_up_proj.weight"], full["experts.gate_up_proj.scale"]
@@ -177,7 +177,7 @@ def test_shard_checkpoint_cuts_the_channel_layout_with_its_stride(tiny_eager, hf
     down's [E, 1, H] is replicated."""
     config, tp = tiny_eager.config, 4
     n, I = config.moe_intermediate_size // tp, config.moe_intermediate_size
-    full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp, layout.CHANNEL)))
+    full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp, layout.CHANNEL), "int8"))
     module = ParallelMoE(config, tp, cpu, quantization="int8")
     shards = cpu.shard_checkpoint(full, module, tp)
     gu, gu_s = full["experts.gate_up_proj.weight"], full["experts.gate_up_proj.scale"]

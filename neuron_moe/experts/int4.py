@@ -149,20 +149,6 @@ def unpack(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> to
     return grouped.reshape(a, n, *rest)
 
 
-def quantize_experts(
-    state: dict[str, torch.Tensor], group: int = DEFAULT_GROUP, *, search: bool = False
-) -> dict[str, torch.Tensor]:
-    """A parallel-layout state dict (either expert layout) with every experts linear replaced by the
-    packed uint8 `weight` and its SCALE_DTYPE `group_scale` (split as the weight is: `layout.py`)."""
-    out = {}
-    for name, w in state.items():
-        if ("." + name).endswith((".experts.gate_up_proj.weight", ".experts.down_proj.weight")):
-            out[name], out[name.removesuffix("weight") + "group_scale"] = quantize(w, group, search=search)
-        else:
-            out[name] = w
-    return out
-
-
 def _quantized(experts) -> tuple[torch.Tensor, ...]:
     """The module's packed weights and scales in the channel layout's order (gate_up [E, H, 2I] as
     [E, H/2, 2I] with [E, H/g, 2I]; down [E, I, H] as [E, I/2, H] with [E, I/g, H]), at the module's

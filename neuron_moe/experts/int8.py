@@ -56,18 +56,6 @@ def dequantize_output(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (y.to(torch.float32) * scale).to(y.dtype)
 
 
-def quantize_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A parallel-layout state dict (either expert layout) with every experts linear replaced by
-    int8 `weight` + fp32 `scale`."""
-    out = {}
-    for name, w in state.items():
-        if ("." + name).endswith((".experts.gate_up_proj.weight", ".experts.down_proj.weight")):
-            out[name], out[name.removesuffix("weight") + "scale"] = quantize_per_channel(w)
-        else:
-            out[name] = w
-    return out
-
-
 def _quantized(experts) -> tuple[torch.Tensor, ...]:
     """The module's int8 weights and scales in the channel layout's order (gate_up [E, H, 2I],
     [E, 1, 2I]; down [E, I, H], [E, 1, H]), made on first use and again whenever a source weight

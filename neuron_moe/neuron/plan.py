@@ -2,7 +2,7 @@
 
 Weights come from the port's meta-device model (`info.meta_model`) cut by the TP layout
 (`parallel/layout.py`, in the chosen expert layout) and, for int8, quantised as the rank modules
-are (`experts.int8.quantize_experts`), for int4 counted in `experts/int4.py`'s format on each
+are (`experts.quantization.quantize_experts`), for int4 counted in `experts/int4.py`'s format on each
 rank's local shard, so the planner and the rank modules cannot disagree about who owns what.
 Each rank holds, in bytes:
 
@@ -69,7 +69,7 @@ from transformers import Gemma4TextConfig
 from .. import spec
 from ..errors import UserError
 from ..experts import int4
-from ..experts.int8 import quantize_experts
+from ..experts.quantization import quantize_experts
 from ..info import meta_model, parameter_group
 from .artifact import load_group
 from ..parallel import layout
@@ -132,7 +132,7 @@ def _rank_tensors(config: Gemma4TextConfig, tp: int, quantization: str, expert_l
     state = meta_model(config).state_dict()  # tied embed_tokens / lm_head appear under both names
     full = layout.parallel_state_dict(state, config, tp, expert_layout)
     if quantization == spec.INT8_QUANTIZATION:
-        full = quantize_experts(full)  # on the meta device: int8 weights and fp32 scales, shapes only
+        full = quantize_experts(full, quantization)  # on the meta device: int8 weights and fp32 scales, shapes only
     out = {}
     for name, w in full.items():
         local = layout.shard(w, layout.placement(name, expert_layout), tp, 0)
