@@ -33,7 +33,7 @@ def verify(target: str, model: str | None = None, *, progress: bool = True, clie
         if not isinstance(raw, dict):
             raise ArtifactError(f"{where}/{MANIFEST}: expected a JSON object")
         manifest = artifact.check_manifest(raw, f"{where}/{MANIFEST}")
-        artifact.check_files(where, manifest, {k: v for k, v in found.items() if k != MANIFEST})
+        artifact.check_files(where, manifest["files"], {k: v for k, v in found.items() if k != MANIFEST})
         if port is not None:
             artifact.check_port(manifest, port, where)
     else:

@@ -155,12 +155,12 @@ def check_manifest(manifest: dict, path) -> dict:
     return manifest
 
 
-def check_files(artifacts, manifest: dict, found: dict[str, tuple[int, str]]) -> None:
-    """The files found in an artifact (path under it -> (size, sha256), the manifest itself aside)
-    against its manifest's `files`: each listed one there with its size and sha256, and nothing
-    else. Refused by the first file's name that is not so."""
+def check_files(artifacts, listed: dict[str, dict], found: dict[str, tuple[int, str]]) -> None:
+    """The files found in an artifact, or in a part of it (path under it -> (size, sha256), the
+    manifest itself aside), against the manifest's entries for them (`listed`: its `files`, or the
+    part's): each listed one there with its size and sha256, and nothing else. Refused by the first
+    file's name that is not so."""
     where = str(artifacts).rstrip("/")
-    listed = manifest["files"]
     extra = sorted(set(found) - set(listed))
     if extra:
         raise ArtifactError(
@@ -208,7 +208,7 @@ def verify(artifacts: Path, port=None, progress=None) -> dict:
     file's size and sha256, no file it does not list; with `port`, built for that port. Returns the
     manifest."""
     manifest = read_manifest(artifacts)
-    check_files(artifacts, manifest, directory_files(artifacts, progress))
+    check_files(artifacts, manifest["files"], directory_files(artifacts, progress))
     if port is not None:
         check_port(manifest, port, artifacts)
     return manifest
@@ -253,28 +253,12 @@ def check_tokenizer(artifacts: Path, manifest: dict, port) -> Path | None:
         raise ArtifactError(
             f"{artifacts}: carries no tokenizer (built without weights); pass --checkpoint DIR for its tokenizer"
         )
-    present = (
-        sorted(f"{TOKENIZER}/{p.relative_to(folder).as_posix()}" for p in folder.rglob("*") if p.is_file())
-        if folder.is_dir()
-        else []
-    )
-    extra = sorted(set(present) - set(listed))
-    if extra:
-        raise ArtifactError(
-            f"{Path(artifacts) / extra[0]}: not in the artifact's manifest (added after "
-            "trace-and-compile); remove it or rebuild the artifact"
-        )
-    for name in listed:
-        path, want = Path(artifacts) / name, manifest["files"][name]
-        if not path.is_file():
-            raise ArtifactError(f"{path}: missing (the manifest lists it); restore the artifact or rebuild it")
-        have = file_digest(path)
-        if (have.size, have.sha256) != (want["size"], want["sha256"]):
-            raise ArtifactError(
-                f"{path}: sha256 {have.sha256[:16]}… ({have.size} bytes) is not the manifest's "
-                f"{want['sha256'][:16]}… ({want['size']} bytes): the file changed after "
-                "trace-and-compile; restore it or rebuild the artifact"
-            )
+    found = {}
+    for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
+        if path.is_file():
+            digest = file_digest(path)
+            found[f"{TOKENIZER}/{path.relative_to(folder).as_posix()}"] = (digest.size, digest.sha256)
+    check_files(artifacts, {name: manifest["files"][name] for name in listed}, found)
     return folder
 
 

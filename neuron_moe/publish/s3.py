@@ -375,7 +375,7 @@ def _check_artifact(src: Path, entries: list[dict]) -> None:
         return  # another tool's manifest.json
     manifest = artifact.check_manifest(raw, path)
     artifact.check_files(
-        src, manifest, {e["path"]: (e["size"], e["sha256"]) for e in entries if e["path"] != artifact.MANIFEST}
+        src, manifest["files"], {e["path"]: (e["size"], e["sha256"]) for e in entries if e["path"] != artifact.MANIFEST}
     )
 
 
