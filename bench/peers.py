@@ -311,18 +311,28 @@ def graph_step_ms(args) -> dict | None:
 
 
 def gap(rows: dict[str, dict], steps: dict | None) -> list[dict]:
-    """The gap to llama.cpp per output token of one request, in parts where measured: our graph step, our
-    engine's host work beside it (server step - graph), what HTTP/streaming adds (client TPOT - server step)."""
+    """The gap to llama.cpp per output token of one request, in parts where measured: our decode graph step,
+    the prefill calls between steps (their count x static_steps' prefill call / decode calls), our engine's
+    host work (the server's step less both), what HTTP/streaming adds (client TPOT - server step)."""
     llama, ours = rows.get("llama.cpp"), rows.get("ours")
     if not llama or not ours or "skipped" in llama or "skipped" in ours:
         return []
     lt, ot = llama["tpot_ms"]["mean"], ours["tpot_ms"]["mean"]
     server = ours.get("server_step_ms")
     graph = steps["decode_ms"] if steps else None
+    engine = ours.get("engine") or {}
+    decode_calls, prefill_calls = (
+        engine.get("neuron_moe:decode_calls_total"),
+        engine.get("neuron_moe:prefill_calls_total"),
+    )
+    # other rows' prefill calls fall between a row's decode steps: their graph time, spread over the steps
+    prefill = prefill_calls * steps["prefill_ms"] / decode_calls if steps and decode_calls and prefill_calls else 0.0
+    host = server - graph - prefill if server and graph else None
     parts = [
         {"part": "client TPOT, mean (ms)", "ours": ot, "llama.cpp": lt, "gap": ot - lt},
         {"part": "  our graph: decode step at the batch size", "ours": graph},
-        {"part": "  our host work: server step - graph", "ours": server - graph if server and graph else None},
+        {"part": "  our graph: prefill calls between steps", "ours": prefill if graph else None},
+        {"part": "  our host work: server step - graphs", "ours": host},
         {"part": "  HTTP/streaming: client TPOT - server step", "ours": ot - server if server else None},
         {
             "part": "TTFT p50 (ms)",
@@ -406,7 +416,7 @@ def main(argv=None) -> int:
     p.add_argument("--ours-args", default=OURS_ARGS, help=f"our serve's arguments (default: {OURS_ARGS!r})")
     p.add_argument(
         "--steps-args",
-        default="--batch-sizes 8 --max-tokens 32",
+        default="--batch-sizes 8 --max-tokens 32 --prompt-tokens 14",
         help="bench.static_steps's arguments for the graph part of the gap ('' to skip)",
     )
     p.add_argument("--only", nargs="+", choices=SERVERS, default=list(SERVERS), help="run only these servers")

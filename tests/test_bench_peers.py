@@ -62,13 +62,15 @@ def test_table_has_each_server_and_a_skipped_one_says_why():
 def test_gap_parts_add_up_to_our_client_tpot():
     by = {"llama.cpp": run("llama.cpp", 2.0, 7.0, 3000.0, SAME), "ours": run("ours", 12.0, 22.0, 600.0, SAME)}
     by["ours"]["server_step_ms"] = 10.0
+    by["ours"]["engine"] = {"neuron_moe:decode_calls_total": 64.0, "neuron_moe:prefill_calls_total": 2.0}
     parts = {p["part"].strip(): p for p in peers.gap(by, {"decode_ms": 7.5, "prefill_ms": 16.0})}
     tpot = parts["client TPOT, mean (ms)"]
     assert (tpot["ours"], tpot["llama.cpp"], tpot["gap"]) == (12.0, 2.0, 10.0)
     graph = parts["our graph: decode step at the batch size"]["ours"]
-    host = parts["our host work: server step - graph"]["ours"]
+    prefill = parts["our graph: prefill calls between steps"]["ours"]
+    host = parts["our host work: server step - graphs"]["ours"]
     http = parts["HTTP/streaming: client TPOT - server step"]["ours"]
-    assert (graph, host, http) == (7.5, 2.5, 2.0) and graph + host + http == tpot["ours"]
+    assert (graph, prefill, host, http) == (7.5, 0.5, 2.0, 2.0) and graph + prefill + host + http == tpot["ours"]
     assert parts["TTFT p50 (ms)"]["gap"] == 15.0
     # a peer skipped: no gap to state
     assert peers.gap({"llama.cpp": {"server": "llama.cpp", "skipped": "x"}, "ours": by["ours"]}, None) == []
