@@ -401,7 +401,8 @@ def write_gguf(args) -> int:
     """The port's checkpoint as an f32 GGUF through the converter llama.cpp vendors (see the docstring)."""
     src = Path(args.llama_cpp_src or "")
     if not (src / "convert_hf_to_gguf.py").is_file():
-        raise SystemExit(f"error: --llama-cpp-src {args.llama_cpp_src}: no convert_hf_to_gguf.py there")
+        print(f"error: --llama-cpp-src {args.llama_cpp_src}: no convert_hf_to_gguf.py there", file=sys.stderr)
+        return 2
     cmd = [sys.executable, "-c", CONVERT, str(src), str(args.checkpoint), "--outtype", "f32"]
     return subprocess.run([*cmd, "--outfile", str(args.write_gguf)]).returncode
 
@@ -428,7 +429,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     port = load_port(args.model)
     if port.checkpoint is None:
-        raise SystemExit(f"error: --model {args.model}: the port has no checkpoint to give the peers")
+        print(f"error: --model {args.model}: the port has no checkpoint to give the peers", file=sys.stderr)
+        return 2
     args.checkpoint, args.served = port.checkpoint, port.name
     if args.write_gguf:
         return write_gguf(args)

@@ -127,3 +127,10 @@ def test_one_request_reads_a_streamed_text_completion(done):
     assert got["text"] == " one two" and got["output_tokens"] == 2 and len(got["itl"]) == 1
     strict = asyncio.run(go(require_done=True))
     assert ("error" in strict) is not done
+
+
+def test_write_gguf_without_the_converter_is_one_error_line(tmp_path, capsys):
+    assert peers.main(["--write-gguf", str(tmp_path / "t.gguf"), "--llama-cpp-src", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --llama-cpp-src {tmp_path}: no convert_hf_to_gguf.py there"]
+    assert not (tmp_path / "t.gguf").exists()
