@@ -19,12 +19,19 @@ engine's cost per prefill is the same for a step with a prefill call, less the m
 cost. At `--step-ms 0` the engine's cost is all of its host work per step; at `--step-ms 5` it is
 what host work adds to a 5 ms graph call (work beside the call costs nothing). Medians and p90s.
 
+`--graphs` runs the same load over the tiny port's own static graphs on CPU (`serve --backend static`'s
+runtime at batch `--rows`, each request's max_tokens cut to a third so that it fits the 96-position
+cache): the graph calls hold the GIL between their ops, so the text thread's work there competes
+with them, and the decode step's wall time is the figure to read (against `bench/static_steps.py`'s
+graph alone).
+
 `--compare REF` runs the same load, alternately, on the engine of git revision REF (its `neuron_moe`
 exported to a temporary folder) and on the working tree's, `--rounds` times each, all in one run so
 the machine's load falls on both alike, and prints them side by side.
 
     python -m bench.engine_overhead --step-ms 0 5
     python -m bench.engine_overhead --step-ms 0 5 --compare main --json bench/results/engine-overhead.json
+    python -m bench.engine_overhead --graphs --compare main
 """
 
 from __future__ import annotations
@@ -54,9 +61,9 @@ PROMPT_LENGTHS = [14, 33, 21, 60, 9, 47, 28, 17]  # 60: past the largest bucket,
 MAX_TOKENS = [96, 64, 112, 80, 72, 104, 88, 120]
 
 
-def measure(rows: int, step_ms: float, requests: int, port_dir: Path) -> dict:
+def measure(rows: int, step_ms: float, requests: int, port_dir: Path, graphs: bool = False) -> dict:
     """One run of the load on the `neuron_moe` this process imports -> the samples (ms) and the
-    run's totals."""
+    run's totals. `graphs`: the tiny port's own static graphs on CPU instead of the stand-in."""
     import torch
 
     from neuron_moe.serve.batching import BatchEngine
@@ -73,6 +80,16 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path) -> dict:
     calls: list[tuple[str, float, float, int]] = []  # (graph, entry, exit, rows generating)
     engine = None
     sleep = step_ms / 1000
+
+    def timed(graph, call):
+        def run(*inputs):
+            start = time.perf_counter()
+            generating = len(engine.batch.generating()) if graph == "decode" else 0
+            out = call(*inputs)
+            calls.append((graph, start, time.perf_counter(), generating))
+            return out
+
+        return run
 
     def prefill(ids, mask, positions, row_ids, sampling):
         start = time.perf_counter()
@@ -94,7 +111,15 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path) -> dict:
     runtime = GraphRuntime(
         prefill, decode, batch=rows, buckets=(8, 56), prefill_rows=(1, 4), max_length=512, candidates=256, chunk=56
     )
-    engine = BatchEngine(runtime, tokenizer, {tokenizer.eos_token_id})
+    if graphs:  # the real graphs, timed as the stand-in's calls are
+        from neuron_moe.model import build_model
+        from neuron_moe.port import load_port
+        from neuron_moe.serve.runtime import static_runtime
+
+        port = load_port("tiny-gemma4-moe")
+        runtime = static_runtime(build_model(port, port.static.decode_experts, torch.float32), port.static, rows)
+        runtime._prefill, runtime._decode = timed("prefill", runtime._prefill), timed("decode", runtime._decode)
+    engine = BatchEngine(runtime, tokenizer, set() if graphs else {tokenizer.eos_token_id})  # every request runs out
     engine.metrics = Metrics("stand-in")
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="bench-event-loop", daemon=True)
@@ -103,19 +128,19 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path) -> dict:
     async def stream(job) -> int:
         return sum([1 async for item in job.events() if item is not None])
 
+    work = []
+    for i in range(requests):
+        prompt = corpus[7 * i : 7 * i + PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]]
+        budget = MAX_TOKENS[i % len(MAX_TOKENS)]
+        if graphs:  # the tiny port's cache holds 96 positions
+            budget = min(budget // 3, engine.max_tokens_for(len(prompt), None))
+        sampled = i % 2 == 0
+        params = SamplingParams(budget, temperature=0.8 if sampled else 0.0, top_p=0.95, seed=1000 + i, stop=STOPS)
+        work.append((prompt, params))
+
     async def serve() -> list[int]:
         jobs = []
-        for i in range(requests):
-            n = PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]
-            prompt = corpus[7 * i : 7 * i + n]
-            sampled = i % 2 == 0
-            params = SamplingParams(
-                MAX_TOKENS[i % len(MAX_TOKENS)],
-                temperature=0.8 if sampled else 0.0,
-                top_p=0.95,
-                seed=1000 + i,
-                stop=STOPS,
-            )
+        for prompt, params in work:
             job = Job(loop, engine.metrics, len(prompt))
             engine.submit(prompt, params, job)
             jobs.append(stream(job))
@@ -129,7 +154,7 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path) -> dict:
         engine.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
-    assert sum(events) == sum(MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(requests)), "a request fell short"
+    assert sum(events) == sum(params.max_tokens for _, params in work), "a request fell short"
 
     decode_ms, decode_wall_ms, prefill_ms = [], [], []
     decodes = [i for i, c in enumerate(calls) if c[0] == "decode"]
@@ -182,7 +207,7 @@ def child(source: Path, args, step_ms: float) -> dict:
     """`measure` in a fresh process that imports `neuron_moe` from `source`."""
     env = {**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, __file__, "--child", "--rows", str(args.rows), "--requests", str(args.requests)]
-    argv += ["--step-ms", str(step_ms), "--port-dir", str(args.port_dir)]
+    argv += ["--step-ms", str(step_ms), "--port-dir", str(args.port_dir)] + ["--graphs"] * args.graphs
     out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.splitlines()[-1])
 
@@ -211,15 +236,26 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 5.0], help="stand-in call time (default 0 5)")
     ap.add_argument("--rounds", type=int, default=3, help="runs per engine and step time (default 3)")
     ap.add_argument("--compare", metavar="REF", help="also the engine of this git revision, side by side")
+    ap.add_argument(
+        "--graphs",
+        action="store_true",
+        help="the tiny port's static graphs on CPU instead of the stand-in (--step-ms 0)",
+    )
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--port-dir", type=Path, default=ROOT / "ports" / "tiny-gemma4-moe", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.rows, args.step_ms[0], args.requests, args.port_dir)))
+        print(json.dumps(measure(args.rows, args.step_ms[0], args.requests, args.port_dir, args.graphs)))
         return
 
     from neuron_moe.report import table, write_json
+
+    if args.graphs:
+        args.step_ms = [0.0]
+
+    def label(ms: float) -> str:
+        return "the tiny port's graphs" if args.graphs else f"step {ms:g} ms"
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,13 +275,13 @@ def main() -> None:
     rows = []
     for ms in args.step_ms:
         for key, name in FIGURES:
-            row = {"figure": f"{name} (ms), step {ms:g} ms"}
+            row = {"figure": f"{name} (ms), {label(ms)}"}
             for side in sides:
                 row[f"{side} p50"] = results[side, ms][key]["median"]
                 row[f"{side} p90"] = results[side, ms][key]["p90"]
                 row[f"{side} n"] = results[side, ms][key]["n"]
             rows.append(row)
-        row = {"figure": f"output tokens/s, step {ms:g} ms"}
+        row = {"figure": f"output tokens/s, {label(ms)}"}
         for side in sides:
             row[f"{side} p50"] = results[side, ms]["tokens_per_s"]
         rows.append(row)
@@ -260,7 +296,7 @@ def main() -> None:
     if args.json:
         write_json(
             {
-                "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "settings": {k: v for k, v in vars(args).items() if k not in ("port_dir", "child", "json")},
                 "commits": commits,
                 "load_average": [load_before, load_after],
                 "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},

@@ -7,9 +7,8 @@ and the text that is safe to send after each token (a partial stop string or a p
 character is held back until it resolves): an id side that decides from the tokens (`take`) and
 a text side (`text`), which the batching engine runs beside its graph calls. `Engine` checks a
 request against its runtime's limits and runs one request per calling thread over a runtime with a
-state per request:
-`prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]` (HF's model on CPU,
-`HFRuntime`). The static graphs (`--backend static` on CPU, `neuron` on the device) are served by
+state per request: `prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]`
+(HF's model on CPU, `HFRuntime`). The static graphs (`--backend static` on CPU, `neuron` on the device) are served by
 `batching.BatchEngine` instead: one step loop over all the rows of the graphs' batch, with the
 same `Output` per row.
 """
