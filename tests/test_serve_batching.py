@@ -386,3 +386,48 @@ def test_a_steps_text_is_made_during_the_next_graph_call_which_the_host_work_bar
     assert sum(inside) > 0.5 * len(inside), f"{sum(inside)} of {len(inside)} Steps sent during the next call"
     host = [b[1] - a[2] for a, b in zip(calls, calls[1:]) if a[0] == b[0] == "decode" and len(a[3]) == 8]
     assert len(host) > 40 and statistics.median(host) < 0.5e-3, f"median {1e3 * statistics.median(host):.3f} ms"
+
+
+class SlowLastSink(Sink):
+    """A sink whose last Step takes 50 ms to send (a slow client connection, as it were)."""
+
+    def put(self, step):
+        if step.finish_reason:
+            time.sleep(0.05)
+        super().put(step)
+
+
+def test_a_graph_failure_after_a_requests_last_step_leaves_it_its_answer(tiny_tokenizer):
+    """A request that a stop string ended is still in the next decode call while its last Step goes
+    out; that call fails: the request keeps its answer (no error after its end), the other request in
+    the call ends with the error."""
+    stand_in = stand_in_engine(tiny_tokenizer, 2)
+    corpus = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
+    prompts = [corpus[:6], corpus[10:20]]
+    stream = stand_in.stream(prompts[0], 30)
+    text = tiny_tokenizer.decode(stream)
+    stopped = SamplingParams(30, temperature=0.0, stop=(text[len(text) // 3 : len(text) // 3 + 2],))
+    output = Output(tiny_tokenizer, frozenset(), stopped)
+    want = [output.next(None, token) for token in stream]
+    want = want[: next(i for i, s in enumerate(want) if s.finish_reason) + 1]
+    assert want[-1].finish_reason == "stop" and len(want) >= 3
+    runtime, calls = stand_in.engine.runtime, []
+
+    def failing(*inputs):  # the decode call after the one whose token the stop string ended
+        calls.append(len(calls) + 1)
+        if len(calls) == len(want):
+            raise RuntimeError("device fault")
+        return decode(*inputs)
+
+    decode, runtime._decode = runtime._decode, failing
+    engine = stand_in.engine
+    try:
+        sinks = serve_together(
+            engine,
+            [(prompts[0], stopped), (prompts[1], SamplingParams(30, temperature=0.0))],
+            [SlowLastSink(engine), Sink(engine)],
+        )
+    finally:
+        engine.close()
+    assert sinks[0].steps == want and sinks[0].error is None
+    assert "device fault" in str(sinks[1].error) and len(sinks[1].steps) == len(want)

@@ -66,6 +66,7 @@ class _Request:
     texts: _Texts
     error: Exception | None = None  # its own failure, sent to its sink at its end
     done: bool = False  # its text side ended it (a stop string, its sink failed): the loop frees its row
+    complete: bool = False  # its last Step went out: a failure after it is past its end
 
     def sampling(self) -> tuple[float, float, float, float]:
         return self.output.sampling()
@@ -124,14 +125,16 @@ class _Texts:
 
     def _run(self) -> None:
         while (item := self._items.get()) is not None:
-            self._handle(*item)
-            with self._handled:
-                self.handled += 1
-                self._handled.notify()
+            try:
+                self._handle(*item)
+            finally:
+                with self._handled:
+                    self.handled += 1
+                    self._handled.notify()
 
     def _handle(self, request: _Request, count, finish) -> None:
         if count is _END:  # `finish` is the error it failed with
-            error = finish or request.error
+            error = None if request.complete else finish or request.error
             try:
                 if error is not None:
                     request.sink.fail(error)
@@ -148,7 +151,7 @@ class _Texts:
             log.exception("generation failed in a row of the batch")
             request.error, request.done = e, True
             return
-        request.done = step.finish_reason is not None
+        request.done = request.complete = step.finish_reason is not None
 
 
 class _QueueSink:
