@@ -293,18 +293,17 @@ class StandIn:
         return self.corpus[(token + position + 1) % len(self.corpus)]
 
     def _prefill(self, ids, mask, positions, row_ids, sampling):
-        return self._call("prefill", self._follow(ids[:, -1], positions[:, -1]), None)
+        start = time.perf_counter()
+        return self._end("prefill", start, self._follow(ids[:, -1], positions[:, -1]), None)
 
     def _decode(self, ids, positions, sampling):
-        rows = self.engine.batch
-        return self._call(
-            "decode", self._follow(ids[:, 0], positions[:, 0]), [rows.slots[r].sink for r in rows.generating()]
-        )
+        start, rows = time.perf_counter(), self.engine.batch
+        running = [rows.slots[r].sink for r in rows.generating()]
+        return self._end("decode", start, self._follow(ids[:, 0], positions[:, 0]), running)
 
-    def _call(self, graph, tokens, running):
-        start = time.perf_counter()
+    def _end(self, graph, start, tokens, running):
         if self.step_s:
-            time.sleep(self.step_s)
+            time.sleep(max(0.0, start + self.step_s - time.perf_counter()))
         self.calls.append((graph, start, time.perf_counter(), running))
         return (tokens[:, None],)
 

@@ -122,7 +122,7 @@ class GraphRuntime:
         self.prefill_rows = sorted(prefill_rows)
         self.chunk = chunk or self.buckets[-1]  # the longest piece of a prompt one prefill call takes
         self.candidates = candidates  # top-k / top-p candidate width of the graphs
-        self.pad_id, self.logits, self.device = pad_id, logits, device
+        self.pad_id, self.logits, self.device = pad_id, logits, torch.device(device)
 
     @torch.no_grad()
     def prefill(self, chunks: list[Chunk]):
@@ -144,12 +144,18 @@ class GraphRuntime:
             positions.append([c.start] * pad + list(range(c.start, c.start + n)))
         inputs = [torch.tensor(ids), torch.tensor(mask), torch.tensor(positions)]
         inputs += [torch.tensor([c.row for c in padded]), torch.tensor([c.sampling for c in padded])]
-        tokens, logits = self._out(self._prefill(*(x.to(self.device) for x in inputs)))
+        tokens, logits = self._out(self._prefill(*self._sent(inputs)))
         return tokens[: len(chunks)], None if logits is None else logits[: len(chunks)]
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
-        return self._out(self._decode(*(x.to(self.device) for x in (ids, positions, sampling))))
+        return self._out(self._decode(*self._sent((ids, positions, sampling))))
+
+    def _sent(self, inputs):
+        """The inputs on `device`. One already there is passed as it is, not through `to`: a call into
+        torch releases the GIL, and another thread of the host (serving's text thread) may then hold
+        it until its work is done, in series with the graph call that follows."""
+        return [x if x.device == self.device else x.to(self.device) for x in inputs]
 
     def _out(self, outputs):
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)  # one output may come bare
