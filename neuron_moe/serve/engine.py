@@ -24,7 +24,17 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import UserError
-from ..static.sampling import GREEDY, GREEDY_BELOW, pick, sampling_row
+from ..static.sampling import (
+    BIAS_WIDTH,
+    GREEDY,
+    GREEDY_BELOW,
+    NOTHING,
+    Processing,
+    logprobs,
+    pick,
+    process_host,
+    sampling_row,
+)
 
 DRAWS = 64  # a sampled request's uniforms drawn at a time (fewer if its max_tokens needs fewer)
 
@@ -49,6 +59,17 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    processing: Processing = NOTHING  # logprobs, penalties, logit_bias, min_p (`static/sampling.py`)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's logprob under the model's own distribution, and the most likely tokens' (as many as
+    asked, most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -56,12 +77,22 @@ class Step:
     text: str  # new text since the previous step; "" while text is held back
     finish_reason: str | None  # "stop" | "length" on the last step, else None
     completion_tokens: int  # tokens generated so far (an EOS counts)
+    logprobs: TokenLogprobs | None = None  # this step's token's, when the request asked for logprobs
+    # the first step of a request that asked for prompt logprobs (echo): one per prompt token, None first
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
-def sample(logits: torch.Tensor, row: tuple) -> int:
+def sample(logits: torch.Tensor, row: tuple, finite: bool | None = None) -> int:
     """One token from [V] logits on the host: the graphs' own `pick`, every token a candidate
-    (nothing capped); -1 for non-finite logits."""
-    return int(pick(logits.float()[None], torch.tensor([row], dtype=torch.float32), logits.shape[-1])[0, 0])
+    (nothing capped); -1 for non-finite logits (`finite`: whether the model's logits were, when
+    `logits` are processed ones that hold -inf on purpose)."""
+    ok = None if finite is None else torch.tensor([finite])
+    return int(pick(logits.float()[None], torch.tensor([row], dtype=torch.float32), logits.shape[-1], ok)[0, 0])
+
+
+def token_logprobs(token: int, chosen: float, top_ids, top, n: int) -> TokenLogprobs:
+    """A TokenLogprobs from a graph's (or the host's) scores, the first `n` of the top ones kept."""
+    return TokenLogprobs(token, float(chosen), tuple(zip(top_ids[:n].tolist(), top[:n].tolist())))
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -106,8 +137,13 @@ class Output:
     served alone, `Engine.generate`).
     """
 
-    def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams):
+    def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams, prompt: list[int] = ()):
         self.tokenizer, self.eos_ids, self.params = tokenizer, eos_ids, params
+        self.prompt = list(prompt)
+        self.generated: list[int] = []  # every token generated (an EOS too): what the penalties count
+        self.scores: list[TokenLogprobs | None] = []  # each generated token's logprobs, when asked
+        # the prompt's logprobs while they arrive (the first token has none), handed out with the first Step
+        self._prompt_logprobs = None if params.processing.prompt_logprobs is None else [None]
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
         self._draws: list[float] = []  # uniforms drawn ahead, next one last
@@ -127,6 +163,43 @@ class Output:
     def greedy(self) -> bool:
         return self.params.temperature < GREEDY_BELOW
 
+    @property
+    def asks(self) -> bool:
+        """Whether this request runs in the logits-processing graphs (`static/rows.py`): it asks for
+        logprobs, penalties, logit_bias or min_p — or, once their fields exist, bans or a grammar
+        (the single place those join: `banned()`, `allowed()`)."""
+        return self.params.processing.asks
+
+    def banned(self) -> tuple[int, ...]:
+        """Token ids the next token must not be (a ban for this step only); none here."""
+        return ()
+
+    def allowed(self) -> torch.Tensor | None:
+        """The grammar's bitmask for the next token (int32 [ceil(V/32)], bit t % 32 of word t // 32 set
+        = token t allowed), or None: no grammar."""
+        return None
+
+    def processing(self) -> tuple[tuple[float, float, float, float], list[tuple[int, float]], torch.Tensor | None]:
+        """This request's row of the logits-processing graphs' inputs for its next token (`static/rows.py`):
+        its penalties and min_p, its logit_bias entries then its bans (-inf), its bitmask."""
+        processing = self.params.processing
+        entries = [*processing.logit_bias, *((token, -float("inf")) for token in self.banned())]
+        return processing.values(), entries, self.allowed()
+
+    def prompt_scores(self, start: int, chosen, top_ids, top) -> None:
+        """The scores of prompt tokens start+1 .. start+len(chosen), from a prefill chunk (`static/rows.py`)."""
+        n = self.params.processing.prompt_logprobs
+        if n is None:
+            return
+        for i in range(len(chosen)):
+            token = self.prompt[start + 1 + i]
+            self._prompt_logprobs.append(token_logprobs(token, chosen[i], top_ids[i], top[i], n))
+
+    def host_prompt_scores(self, logits: torch.Tensor) -> None:
+        """The prompt's scores from its logits [n, V] on the host (`Engine.generate`)."""
+        targets = torch.tensor(self.prompt[1:])
+        self.prompt_scores(0, *logprobs(logits[:-1].float(), targets))
+
     def sampling(self) -> tuple[float, float, float, float]:
         """The next token's sampling row; a sampled request takes its next uniform here, once per
         token (the generator's draws in order: a block of them is one call's worth of the same)."""
@@ -139,18 +212,35 @@ class Output:
         params = self.params
         return sampling_row(params.temperature, params.top_k, params.top_p, self._draws.pop())
 
-    def take(self, logits: torch.Tensor | None, token: int | None = None) -> str | None:
-        """The id side of the next token: it joins the output -> its finish reason from the ids
-        ("stop": EOS, "length": max_tokens), or None."""
+    def take(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> str | None:
+        """The id side of the next token: `token` as a graph chose it (with its `scores`, (logprob, top
+        ids, top logprobs), from the logits-processing graphs), or chosen here from `logits`; it joins
+        the output -> its finish reason from the ids ("stop": EOS, "length": max_tokens), or None."""
         if token is None:
-            token = sample(logits, self.sampling())
+            token, scores = self._choose(logits)
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
         self.token, self.count = token, self.count + 1
+        self.generated.append(token)
+        n = self.params.processing.logprobs
+        if n is not None:  # the count-th token's, for its Step (the text side may run behind)
+            self.scores.append(None if scores is None else token_logprobs(token, *scores, n))
         if token in self.eos_ids:
             return "stop"
         self.tokens.append(token)
         return "length" if self.count == self.params.max_tokens else None
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, tuple | None]:
+        """(the token, its scores) chosen on the host from the model's [V] logits, as the graphs choose it."""
+        sampling = self.sampling()
+        if not self.asks:
+            return sample(logits, sampling), None
+        processed = process_host(
+            logits, sampling[0], self.params.processing, self.prompt, self.generated, self.banned(), self.allowed()
+        )
+        token = sample(processed, sampling, bool(torch.isfinite(logits.float().sum())))
+        chosen, top_ids, top = logprobs(logits.float(), torch.tensor(max(token, 0)))
+        return token, (chosen, top_ids, top)
 
     def text(self, count: int, finish: str | None) -> Step:
         """The Step of the count-th token, whose id side said `finish`: its new text, and its
@@ -164,23 +254,32 @@ class Output:
         base = min(sent, start, len(self._text))
         recent = self._text[base:] + pending  # the text from `base` on
         if finish == "stop":
-            return Step(recent[sent - base :], "stop", count)
+            return self._step(recent[sent - base :], "stop", count)
         # stops are looked for in the complete characters alone: a trailing U+FFFD may be the start of a
         # character still arriving (a stop of U+FFFD would cut it), and it is looked at once it is whole
         complete = recent.rstrip("\ufffd")
         self._searched = base + len(complete)
         cut = min((j for j in (complete.find(s, start - base) for s in params.stop) if j >= 0), default=None)
         if cut is not None:
-            return Step(recent[sent - base : cut], "stop", count)
+            return self._step(recent[sent - base : cut], "stop", count)
         if finish == "length":
-            return Step(recent[sent - base :], "length", count)
+            return self._step(recent[sent - base :], "length", count)
         safe = base + len(recent) - held_back(recent, params.stop)
         self.sent = max(sent, safe)
-        return Step(recent[sent - base : safe - base], None, count)
+        return self._step(recent[sent - base : safe - base], None, count)
 
-    def next(self, logits: torch.Tensor | None, token: int | None = None) -> Step:
+    def _step(self, text: str, finish: str | None, count: int) -> Step:
+        """The count-th token's Step, with its logprobs (and, the first, the prompt's) where asked."""
+        extra = {}
+        if self.params.processing.logprobs is not None and count <= len(self.scores):
+            extra["logprobs"] = self.scores[count - 1]
+        if count == 1 and self._prompt_logprobs is not None:
+            extra["prompt_logprobs"] = tuple(self._prompt_logprobs)
+        return Step(text, finish, count, **extra)
+
+    def next(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> Step:
         """Both sides of the next token at once -> its Step."""
-        finish = self.take(logits, token)
+        finish = self.take(logits, token, scores)
         return self.text(self.count, finish)
 
     def _advance(self, n: int) -> str:
@@ -220,6 +319,24 @@ class Engine:
                 f"must be at most {self.max_top_k} (or 0, off), got {params.top_k}",
                 "top_k",
             )
+        processing = params.processing
+        if len(processing.logit_bias) > BIAS_WIDTH:
+            raise RequestError(
+                f"logit_bias: at most {BIAS_WIDTH} entries (the graphs' fixed width per row), got "
+                f"{len(processing.logit_bias)}",
+                "logit_bias",
+            )
+        vocab = getattr(self.runtime, "vocab", None) or getattr(self, "vocab_size", None)
+        bad = next((t for t, _ in processing.logit_bias if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is not below the vocabulary size {vocab}", "logit_bias")
+        if processing.asks and getattr(self.runtime, "processing", True) is False:
+            field = _asked_field(processing)
+            raise RequestError(
+                f"{field}: this backend's graphs have no logits-processing variant (an artifact built "
+                "before it); serve it with --backend static or hf, or rebuild the artifact",
+                field,
+            )
 
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
         """The request's token budget: what it asked for, or what is left of the context (a request
@@ -246,17 +363,19 @@ class Engine:
     def close(self) -> None:
         """Nothing to stop: this engine generates on its callers' threads."""
 
-    def output(self, params: SamplingParams) -> Output:
+    def output(self, params: SamplingParams, prompt: list[int] = ()) -> Output:
         """A new request's Output; a RequestError if the runtime cannot sample it."""
         self.check_sampling(params)
-        return Output(self.tokenizer, self.eos_ids, params)
+        return Output(self.tokenizer, self.eos_ids, params, prompt)
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None
     ) -> Iterator[Step]:
         """One Step per generated token; the last carries the finish reason. Returns early,
         without a final Step, once `cancelled` is set (the consumer went away)."""
-        output = self.output(params)
+        output = self.output(params, prompt_ids)
+        if params.processing.prompt_logprobs is not None:
+            output.host_prompt_scores(self.runtime.prompt_logits(prompt_ids))
         logits, state = self.runtime.prefill(prompt_ids)
         while True:
             if cancelled is not None and cancelled.is_set():
@@ -273,12 +392,19 @@ class HFRuntime:
 
     def __init__(self, model):
         self.model = model
+        self.vocab = model.config.vocab_size
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]):
         cache = DynamicCache(config=self.model.config)
         state = {"cache": cache, "position": len(ids)}
         return self._forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache), state
+
+    @torch.inference_mode()
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        """The logits [n, V] after each prompt token (the prompt's logprobs, for echo)."""
+        out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None])
+        return out.logits[0].float()
 
     @torch.inference_mode()
     def decode(self, token: int, state) -> torch.Tensor:
@@ -289,6 +415,12 @@ class HFRuntime:
     def _forward(self, ids, positions, cache) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
+
+
+def _asked_field(processing: Processing) -> str:
+    """The request field behind the first thing `processing` asks for (for an error's `param`)."""
+    names = ("logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+    return next((n for n in names if getattr(processing, n) != getattr(NOTHING, n)), "logit_bias")
 
 
 def eos_ids(tokenizer, config) -> set[int]:
