@@ -55,6 +55,9 @@ class _Request:
     def sampling(self) -> tuple[float, float, float, float]:
         return self.output.sampling()
 
+    def banned(self) -> tuple[int, ...]:
+        return self.output.banned()
+
     def next(self, token: int, logits: torch.Tensor | None) -> int | None:
         """The Step of the token the graph chose, sent to the client; the token to feed next, or
         None if that was the last (or the request failed)."""
@@ -94,6 +97,9 @@ class BatchEngine(Engine):
         # n + max_tokens - 1 <= max_length, which is the Engine's n + max_tokens <= max_context.
         super().__init__(runtime, tokenizer, runtime.max_length + 1, eos_ids)
         self.rows = runtime.batch
+        # the graphs choose the tokens: no banned token kept out of them (the logits-processing graphs
+        # take `_Request.banned()`), and a chosen token's logprob only from graphs that return logits
+        self.bans, self.logprobs = False, bool(runtime.logits)
         self.batch = Rows(runtime)  # the request in each row
         self.batch.counted = self._counted
         self.metrics = None  # a metrics.Metrics, once a server counts this engine's calls

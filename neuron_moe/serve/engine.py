@@ -2,9 +2,10 @@
 
 `Output` is one request's side of generation: sampling (greedy at temperature 0, else
 temperature, top-k and top-p from a per-request seeded generator's draws: `static/sampling.py`,
-in the graphs or, for a request served alone, on the host), EOS, stop sequences and max_tokens,
-and the text that is safe to send after each token (a partial stop string or a partial UTF-8
-character is held back until it resolves). `Engine` checks a request against its runtime's limits
+in the graphs or, for a request served alone, on the host), the tokens the next one must not be
+(EOS and stop_token_ids until min_tokens), EOS (unless ignore_eos), stop_token_ids, stop sequences
+and max_tokens, and the text that is safe to send after each token (a partial stop string or a
+partial UTF-8 character is held back until it resolves). `Engine` checks a request against its runtime's limits
 and runs one request per calling thread over a runtime with a state per request:
 `prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]` (HF's model on CPU,
 `HFRuntime`). The static graphs (`--backend static` on CPU, `neuron` on the device) are served by
@@ -46,6 +47,14 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # vLLM's: EOS generated and fed on like any token; generation ends at any of these tokens;
+    # no EOS, stop token or stop string before this many tokens; the stop string or token kept in
+    # the text; the chosen tokens' logprobs summed (best_of's ranking: `Output.logprob`)
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    rank: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,11 @@ class Step:
     text: str  # new text since the previous step; "" while text is held back
     finish_reason: str | None  # "stop" | "length" on the last step, else None
     completion_tokens: int  # tokens generated so far (an EOS counts)
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (EOS: None)
+    logprob: float | None = None  # the chosen tokens' logprobs summed so far (params.rank), else None
+
+
+BANNED = -1e30  # a banned token's logit on the host: never chosen, and finite (`pick` fails a row with inf)
 
 
 def sample(logits: torch.Tensor, row: tuple) -> int:
@@ -96,6 +110,11 @@ class Output:
         self.count = 0  # tokens generated (an EOS counts)
         self.sent = 0  # characters of the decoded text already handed out
         self.token: int | None = None  # the latest token, which the runtime is fed next
+        self.searched = 0  # characters of the text before which no stop string may end (min_tokens)
+        self.logprob = 0.0 if params.rank else None  # the chosen tokens' logprobs (the model's own), summed
+        # the tokens that end it: EOS (unless ignored) and stop_token_ids, banned before min_tokens
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self._banned = tuple(sorted(ends))
 
     @property
     def greedy(self) -> bool:
@@ -109,15 +128,30 @@ class Output:
         u = float(torch.rand((), generator=self.generator))
         return sampling_row(params.temperature, params.top_k, params.top_p, u)
 
+    def banned(self) -> tuple[int, ...]:
+        """The token ids the next token must not be: EOS (unless ignore_eos) and stop_token_ids while
+        fewer than min_tokens have been generated (vLLM's min_tokens); () otherwise. Applied to the
+        logits before sampling: here on the host, in the logits-processing graphs for a batch's row."""
+        return self._banned if self.count < self.params.min_tokens else ()
+
     def next(self, logits: torch.Tensor | None, token: int | None = None) -> Step:
         params = self.params
         if token is None:
+            banned = self.banned()
+            if banned:
+                logits = logits.clone()
+                logits[[t for t in banned if t < logits.shape[-1]]] = BANNED
             token = sample(logits, self.sampling())
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
+        if self.logprob is not None and logits is not None:  # raw: the model's distribution, before any ban
+            self.logprob += float(torch.log_softmax(logits.float(), -1)[token])
         self.token, self.count = token, self.count + 1
-        if token in self.eos_ids:
-            return Step(self._text()[self.sent :], "stop", self.count)
+        eos = token in self.eos_ids and not params.ignore_eos
+        if eos or token in params.stop_token_ids:
+            if params.include_stop_str_in_output:
+                self.tokens.append(token)
+            return self._step(self._text()[self.sent :], "stop", None if eos else token)
         self.tokens.append(token)
         # Decoding the whole output each step is what keeps multi-token characters and
         # tokenizers that merge across tokens right; outputs are short enough for it.
@@ -125,15 +159,22 @@ class Output:
         # stops are looked for in the complete characters alone: a trailing U+FFFD may be the start of a
         # character still arriving (a stop of U+FFFD would cut it), and it is looked at once it is whole
         complete = text.rstrip("\ufffd")
-        cut = min((j for j in (complete.find(s) for s in params.stop) if j >= 0), default=None)
-        if cut is not None:
-            return Step(text[self.sent : cut], "stop", self.count)
+        if self.count <= params.min_tokens:  # vLLM's: no stop string ends within the first min_tokens
+            self.searched = len(complete)
+        else:
+            found = [(j, s) for s in params.stop if (j := complete.find(s, max(0, self.searched - len(s) + 1))) >= 0]
+            if found:
+                cut, stop = min(found)
+                return self._step(text[self.sent : cut + len(stop) * params.include_stop_str_in_output], "stop", stop)
         if self.count == params.max_tokens:
-            return Step(text[self.sent :], "length", self.count)
-        safe = len(text) - held_back(text, params.stop)
-        step = Step(text[self.sent : safe], None, self.count)
+            return self._step(text[self.sent :], "length")
+        safe = len(text) - held_back(text, () if params.include_stop_str_in_output else params.stop)
+        step = self._step(text[self.sent : safe], None)
         self.sent = max(self.sent, safe)
         return step
+
+    def _step(self, text: str, finish_reason: str | None, stop_reason: int | str | None = None) -> Step:
+        return Step(text, finish_reason, self.count, stop_reason, self.logprob)
 
     def _text(self) -> str:
         return self.tokenizer.decode(self.tokens) if self.tokens else ""
@@ -144,6 +185,10 @@ class Engine:
     request on the calling thread over a runtime with a state per request."""
 
     rows: int | None = None  # a batching engine's rows (batching.py); None: one request per thread
+    # whether a request's banned tokens (`Output.banned`) can be kept from being chosen, and whether
+    # each chosen token's logprob is known (best_of's ranking): on the host both are, from the logits
+    bans = True
+    logprobs = True
 
     def __init__(self, runtime, tokenizer, max_context: int, eos_ids: set[int]):
         self.runtime, self.tokenizer = runtime, tokenizer
@@ -159,6 +204,23 @@ class Engine:
                 f"this backend's graphs sample among the {self.max_top_k} most likely tokens: top_k "
                 f"must be at most {self.max_top_k} (or 0, off), got {params.top_k}",
                 "top_k",
+            )
+        if params.min_tokens > params.max_tokens:
+            raise RequestError(
+                f"min_tokens ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})", "min_tokens"
+            )
+        ends = params.stop_token_ids or not params.ignore_eos
+        if params.min_tokens and ends and not self.bans:
+            raise RequestError(
+                "min_tokens is not supported by this backend: its graphs cannot keep EOS and stop_token_ids "
+                "from being chosen (only with ignore_eos and no stop_token_ids)",
+                "min_tokens",
+            )
+        if params.rank and not self.logprobs:
+            raise RequestError(
+                "best_of above n is not supported by this backend: its graphs do not return the tokens' "
+                "logprobs that rank the candidates",
+                "best_of",
             )
 
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
+MAX_STOP_TOKEN_IDS = 32  # vLLM sets none; the logits-processing graphs take a fixed number of banned ids per row
+MAX_BEST_OF = 20  # OpenAI's
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 # What the server cannot do yet, by field: the values that ask for nothing (their defaults). Any
@@ -26,8 +28,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "logit_bias": ({},),
     "logprobs": (False,),
     "top_logprobs": (),
-    "best_of": (1,),
-    "echo": (False,),
     "tools": ([],),
     "functions": ([],),
     "function_call": ("none", "auto"),
@@ -38,10 +38,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "web_search_options": (),
     "min_p": (0, 0.0),
     "repetition_penalty": (1, 1.0),
-    "min_tokens": (0,),
-    "ignore_eos": (False,),
-    "stop_token_ids": ([],),
-    "include_stop_str_in_output": (False,),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "guided_json": (),
@@ -164,6 +160,12 @@ class _Sampling(_Strict):
     stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     n: int | None = Field(None, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)  # candidates, of which the n most likely are answered
+    echo: bool | None = None  # completions: the prompt before the text; chat: vLLM's (the last assistant turn)
+    ignore_eos: bool | None = None  # vLLM's extras, from here on
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[int, Field(ge=-100, le=100)]] | None = Field(
@@ -203,12 +205,36 @@ class _Sampling(_Strict):
             raise ValueError("a stop sequence must not be empty")
         return stops
 
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v, info):
-        if v is not None and v != 1:
-            raise ValueError(f"only {info.field_name}=1 is supported")
-        return v
+    @model_validator(mode="after")
+    def _best_of(self):
+        """OpenAI's rules: best_of candidates hold the n answered; candidates beyond n cannot be streamed
+        (the best are known at the end)."""
+        if self.best_of is not None:
+            if self.best_of < self.choices:
+                raise FieldError("best_of", f"best_of ({self.best_of}) must be at least n ({self.choices})")
+            if self.stream and self.best_of > self.choices:
+                raise FieldError("best_of", "best_of above n cannot be streamed (the best are known only at the end)")
+        return self
+
+    @property
+    def choices(self) -> int:
+        """n: the choices answered."""
+        return self.n or 1
+
+    @property
+    def candidates(self) -> int:
+        """best_of: the generations run (each a row of the batch), of which the `choices` most likely are answered."""
+        return self.best_of or self.choices
+
+    @property
+    def stopping(self) -> dict:
+        """vLLM's stop fields, with their defaults for null (SamplingParams' names)."""
+        return {
+            "ignore_eos": bool(self.ignore_eos),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "min_tokens": self.min_tokens or 0,
+            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+        }
 
     @property
     def sampling(self) -> dict:
@@ -257,8 +283,6 @@ class CompletionRequest(_Sampling):
 
     prompt: Text | list | None
     logprobs: int | None = Field(None, ge=0, le=5)
-    best_of: int | None = Field(None, ge=1, le=20)
-    echo: bool | None = None
     suffix: Text | None = None  # logprobs 0 asks for the chosen tokens' logprobs: not nothing
 
     @field_validator("prompt")
