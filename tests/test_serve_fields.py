@@ -136,6 +136,10 @@ def test_the_chosen_tokens_logprobs_are_summed_when_asked():
     expected = 3 * float(torch.log_softmax(Ranked([byte("x"), EOS]).logits, -1)[byte("x")])
     assert math.isclose(steps[-1].logprob, expected, rel_tol=1e-6)
     assert run(Scripted("ab"))[-1].logprob is None
+    # under a ban, still the model's own distribution: EOS, banned, keeps its share
+    banned = run(Ranked([EOS, byte("x")]), max_tokens=2, min_tokens=2, rank=True)
+    raw = float(torch.log_softmax(Ranked([EOS, byte("x")]).logits, -1)[byte("x")])
+    assert text(banned) == "xx" and math.isclose(banned[-1].logprob, 2 * raw, rel_tol=1e-6)
 
 
 def test_what_a_backend_cannot_do_is_refused_by_name():

@@ -137,11 +137,11 @@ class Output:
     def next(self, logits: torch.Tensor | None, token: int | None = None) -> Step:
         params = self.params
         if token is None:
-            banned = self.banned()
+            banned, kept = self.banned(), logits
             if banned:
-                logits = logits.clone()
-                logits[[t for t in banned if t < logits.shape[-1]]] = BANNED
-            token = sample(logits, self.sampling())
+                kept = logits.clone()
+                kept[[t for t in banned if t < logits.shape[-1]]] = BANNED
+            token = sample(kept, self.sampling())
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
         if self.logprob is not None and logits is not None:  # raw: the model's distribution, before any ban
