@@ -99,7 +99,7 @@ class BatchEngine(Engine):
         self.rows = runtime.batch
         # the graphs choose the tokens: no banned token kept out of them (the logits-processing graphs
         # take `_Request.banned()`), and a chosen token's logprob only from graphs that return logits
-        self.bans, self.logprobs = False, bool(runtime.logits)
+        self.bans, self.logprobs = False, bool(getattr(runtime, "logits", None))
         self.batch = Rows(runtime)  # the request in each row
         self.batch.counted = self._counted
         self.metrics = None  # a metrics.Metrics, once a server counts this engine's calls
