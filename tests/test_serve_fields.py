@@ -134,12 +134,12 @@ def test_no_stop_string_ends_within_min_tokens():
 def test_the_chosen_tokens_logprobs_are_summed_when_asked():
     steps = run(Ranked([byte("x"), EOS]), max_tokens=3, ignore_eos=True, rank=True)
     expected = 3 * float(torch.log_softmax(Ranked([byte("x"), EOS]).logits, -1)[byte("x")])
-    assert math.isclose(steps[-1].logprob, expected, rel_tol=1e-6)
-    assert run(Scripted("ab"))[-1].logprob is None
+    assert math.isclose(steps[-1].cumulative_logprob, expected, rel_tol=1e-6)
+    assert run(Scripted("ab"))[-1].cumulative_logprob is None
     # under a ban, still the model's own distribution: EOS, banned, keeps its share
     banned = run(Ranked([EOS, byte("x")]), max_tokens=2, min_tokens=2, rank=True)
     raw = float(torch.log_softmax(Ranked([EOS, byte("x")]).logits, -1)[byte("x")])
-    assert text(banned) == "xx" and math.isclose(banned[-1].logprob, 2 * raw, rel_tol=1e-6)
+    assert text(banned) == "xx" and math.isclose(banned[-1].cumulative_logprob, 2 * raw, rel_tol=1e-6)
 
 
 def test_what_a_backend_cannot_do_is_refused_by_name():
@@ -147,7 +147,7 @@ def test_what_a_backend_cannot_do_is_refused_by_name():
     with pytest.raises(RequestError) as e:
         engine.check_sampling(SamplingParams(4, min_tokens=5))
     assert e.value.param == "min_tokens"
-    engine.bans, engine.logprobs = False, False  # a batching engine over graphs without logits processing
+    engine.runtime.processing = False  # graphs without the logits-processing variants (an older artifact)
     for params, field in ((SamplingParams(4, min_tokens=2), "min_tokens"), (SamplingParams(4, rank=True), "best_of")):
         with pytest.raises(RequestError) as e:
             engine.check_sampling(params)
@@ -229,18 +229,15 @@ def test_ignore_eos_returns_exactly_max_tokens(url):
     assert got.choices[0].text.startswith(ends.choices[0].text)
 
 
-def test_min_tokens_keeps_eos_away_where_the_backend_can(url, engine):
+def test_min_tokens_keeps_eos_away(url):
     free = complete(url, max_tokens=60, temperature=0)
     n = free.usage.completion_tokens  # EOS is its last token
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "min_tokens": n + 5}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    if engine.rows:  # the graphs choose the token: min_tokens needs the logits-processing graphs
-        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
-    else:
-        assert r.status_code == 200, r.text
-        answer = r.json()
-        assert answer["usage"]["completion_tokens"] > n + 5 or answer["choices"][0]["finish_reason"] == "length"
-        assert answer["choices"][0]["text"].startswith(free.choices[0].text)
+    assert r.status_code == 200, r.text  # the static graphs: EOS banned in their logits-processing variant
+    answer = r.json()
+    assert answer["usage"]["completion_tokens"] > n + 5 or answer["choices"][0]["finish_reason"] == "length"
+    assert answer["choices"][0]["text"].startswith(free.choices[0].text)
     too_many = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 4, "min_tokens": 5}, timeout=60)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "min_tokens"
     nothing_to_ban = {**body, "min_tokens": 3, "max_tokens": 5, "ignore_eos": True}
@@ -292,15 +289,12 @@ def test_echo_prepends_the_prompt(url):
 def test_best_of_answers_the_most_likely_candidates(url, engine):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "seed": 7, "best_of": 3, "n": 1}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    if not engine.logprobs:  # graphs that do not return logprobs cannot rank candidates
-        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
-        return
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200, r.text  # the static graphs: the logprobs from their logits-processing variant
     ids = engine.tokenizer.encode(PROMPT)
     ranked = []
     for seed in (7, 8, 9):  # the candidates, as best_of seeds them, each with its tokens' summed logprob
         steps = list(engine.generate(ids, SamplingParams(6, temperature=1.0, seed=seed, rank=True)))
-        ranked.append((steps[-1].logprob, text(steps)))
+        ranked.append((steps[-1].cumulative_logprob, text(steps)))
     assert len({t for _, t in ranked}) == 3
     assert r.json()["choices"][0]["text"] == max(ranked)[1]
     assert r.json()["usage"]["completion_tokens"] == 18  # every candidate's tokens, as OpenAI counts them

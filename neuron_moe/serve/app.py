@@ -472,7 +472,7 @@ async def _collect(choices: _Choices, request: Request, cut: asyncio.Event, reco
             result = results[index]
             parts[index].append(item.text)
             result.finish, result.completion = item.finish_reason or result.finish, item.completion_tokens
-            result.stop_reason, result.logprob = item.stop_reason, item.logprob
+            result.stop_reason, result.logprob = item.stop_reason, item.cumulative_logprob
         for result, texts in zip(results, parts):
             result.text = "".join(texts)
         return results

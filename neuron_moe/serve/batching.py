@@ -55,14 +55,21 @@ class _Request:
     def sampling(self) -> tuple[float, float, float, float]:
         return self.output.sampling()
 
-    def banned(self) -> tuple[int, ...]:
-        return self.output.banned()
+    @property
+    def asks(self) -> bool:
+        return self.output.asks
 
-    def next(self, token: int, logits: torch.Tensor | None) -> int | None:
+    def processing(self):
+        return self.output.processing()
+
+    def prompt_scores(self, start: int, chosen, top_ids, top) -> None:
+        self.output.prompt_scores(start, chosen, top_ids, top)
+
+    def next(self, token: int, logits: torch.Tensor | None, scores=None) -> int | None:
         """The Step of the token the graph chose, sent to the client; the token to feed next, or
         None if that was the last (or the request failed)."""
         try:
-            step = self.output.next(logits, token)
+            step = self.output.next(logits, token, scores)
             self.sink.put(step)
         except Exception as e:  # this request's own failure: the other rows go on
             log.exception("generation failed in a row of the batch")
@@ -97,9 +104,6 @@ class BatchEngine(Engine):
         # n + max_tokens - 1 <= max_length, which is the Engine's n + max_tokens <= max_context.
         super().__init__(runtime, tokenizer, runtime.max_length + 1, eos_ids)
         self.rows = runtime.batch
-        # the graphs choose the tokens: no banned token kept out of them (the logits-processing graphs
-        # take `_Request.banned()`), and a chosen token's logprob only from graphs that return logits
-        self.bans, self.logprobs = False, bool(getattr(runtime, "logits", None))
         self.batch = Rows(runtime)  # the request in each row
         self.batch.counted = self._counted
         self.metrics = None  # a metrics.Metrics, once a server counts this engine's calls
@@ -125,7 +129,7 @@ class BatchEngine(Engine):
         anything runs, if the prompt or the budget does not fit the graphs or the sampling cannot
         be served."""
         self.max_tokens_for(len(prompt_ids), params.max_tokens)
-        request = _Request(list(prompt_ids), self.output(params), sink)
+        request = _Request(list(prompt_ids), self.output(params, prompt_ids), sink)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the batching engine is closed")

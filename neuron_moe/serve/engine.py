@@ -24,7 +24,17 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import UserError
-from ..static.sampling import GREEDY, GREEDY_BELOW, pick, sampling_row
+from ..static.sampling import (
+    BIAS_WIDTH,
+    GREEDY,
+    GREEDY_BELOW,
+    NOTHING,
+    Processing,
+    logprobs,
+    pick,
+    process_host,
+    sampling_row,
+)
 
 
 class RequestError(UserError):
@@ -47,9 +57,10 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    processing: Processing = NOTHING  # logprobs, penalties, logit_bias, min_p (`static/sampling.py`)
     # vLLM's: EOS generated and fed on like any token; generation ends at any of these tokens;
-    # no EOS, stop token or stop string before this many tokens; the stop string or token kept in
-    # the text; the chosen tokens' logprobs summed (best_of's ranking: `Output.logprob`)
+    # no EOS or stop token chosen, and no stop string ending, before this many tokens; the stop
+    # string or token kept in the text; the chosen tokens' logprobs summed (best_of's ranking)
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
@@ -58,21 +69,38 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's logprob under the model's own distribution, and the most likely tokens' (as many as
+    asked, most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
 class Step:
     text: str  # new text since the previous step; "" while text is held back
     finish_reason: str | None  # "stop" | "length" on the last step, else None
     completion_tokens: int  # tokens generated so far (an EOS counts)
+    logprobs: TokenLogprobs | None = None  # this step's token's, when the request asked for logprobs
+    # the first step of a request that asked for prompt logprobs (echo): one per prompt token, None first
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (EOS: None)
-    logprob: float | None = None  # the chosen tokens' logprobs summed so far (params.rank), else None
+    cumulative_logprob: float | None = None  # the chosen tokens' logprobs summed so far (params.rank), else None
 
 
-BANNED = -1e30  # a banned token's logit on the host: never chosen, and finite (`pick` fails a row with inf)
-
-
-def sample(logits: torch.Tensor, row: tuple) -> int:
+def sample(logits: torch.Tensor, row: tuple, finite: bool | None = None) -> int:
     """One token from [V] logits on the host: the graphs' own `pick`, every token a candidate
-    (nothing capped); -1 for non-finite logits."""
-    return int(pick(logits.float()[None], torch.tensor([row], dtype=torch.float32), logits.shape[-1])[0, 0])
+    (nothing capped); -1 for non-finite logits (`finite`: whether the model's logits were, when
+    `logits` are processed ones that hold -inf on purpose)."""
+    ok = None if finite is None else torch.tensor([finite])
+    return int(pick(logits.float()[None], torch.tensor([row], dtype=torch.float32), logits.shape[-1], ok)[0, 0])
+
+
+def token_logprobs(token: int, chosen: float, top_ids, top, n: int) -> TokenLogprobs:
+    """A TokenLogprobs from a graph's (or the host's) scores, the first `n` of the top ones kept."""
+    return TokenLogprobs(token, float(chosen), tuple(zip(top_ids[:n].tolist(), top[:n].tolist())))
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -102,8 +130,11 @@ class Output:
     (`batching.BatchEngine`).
     """
 
-    def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams):
+    def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams, prompt: list[int] = ()):
         self.tokenizer, self.eos_ids, self.params = tokenizer, eos_ids, params
+        self.prompt = list(prompt)
+        self.generated: list[int] = []  # every token generated (an EOS too): what the penalties count
+        self._prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's, while they arrive
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
         self.tokens: list[int] = []
@@ -112,13 +143,52 @@ class Output:
         self.token: int | None = None  # the latest token, which the runtime is fed next
         self.searched = 0  # characters of the text before which no stop string may end (min_tokens)
         self.logprob = 0.0 if params.rank else None  # the chosen tokens' logprobs (the model's own), summed
-        # the tokens that end it: EOS (unless ignored) and stop_token_ids, banned before min_tokens
-        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        self._banned = tuple(sorted(ends))
+        self._banned = ends(params, eos_ids)  # banned before min_tokens
+        self._bans = bool(self._banned and params.min_tokens)
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature < GREEDY_BELOW
+
+    @property
+    def asks(self) -> bool:
+        """Whether this request runs in the logits-processing graphs (`static/rows.py`): it asks for
+        logprobs, penalties, logit_bias or min_p, bans (min_tokens: `banned()`), each token's logprob
+        (best_of's ranking) — or, once its fields exist, a grammar (`allowed()`)."""
+        return self.params.processing.asks or self._bans or self.params.rank
+
+    def banned(self) -> tuple[int, ...]:
+        """The token ids the next token must not be: EOS (unless ignore_eos) and stop_token_ids while
+        fewer than min_tokens have been generated (vLLM's min_tokens); () otherwise."""
+        return self._banned if self.count < self.params.min_tokens else ()
+
+    def allowed(self) -> torch.Tensor | None:
+        """The grammar's bitmask for the next token (int32 [ceil(V/32)], bit t % 32 of word t // 32 set
+        = token t allowed), or None: no grammar."""
+        return None
+
+    def processing(self) -> tuple[tuple[float, float, float, float], list[tuple[int, float]], torch.Tensor | None]:
+        """This request's row of the logits-processing graphs' inputs for its next token (`static/rows.py`):
+        its penalties and min_p, its logit_bias entries then its bans (-inf), its bitmask."""
+        processing = self.params.processing
+        entries = [*processing.logit_bias, *((token, -float("inf")) for token in self.banned())]
+        return processing.values(), entries, self.allowed()
+
+    def prompt_scores(self, start: int, chosen, top_ids, top) -> None:
+        """The scores of prompt tokens start+1 .. start+len(chosen), from a prefill chunk (`static/rows.py`)."""
+        n = self.params.processing.prompt_logprobs
+        if n is None:
+            return
+        if self._prompt_logprobs is None:
+            self._prompt_logprobs = [None]  # the first prompt token has no logprob
+        for i in range(len(chosen)):
+            token = self.prompt[start + 1 + i]
+            self._prompt_logprobs.append(token_logprobs(token, chosen[i], top_ids[i], top[i], n))
+
+    def host_prompt_scores(self, logits: torch.Tensor) -> None:
+        """The prompt's scores from its logits [n, V] on the host (`Engine.generate`)."""
+        targets = torch.tensor(self.prompt[1:])
+        self.prompt_scores(0, *logprobs(logits[:-1].float(), targets))
 
     def sampling(self) -> tuple[float, float, float, float]:
         """The next token's sampling row; a sampled request draws its uniform here, once per token."""
@@ -128,30 +198,43 @@ class Output:
         u = float(torch.rand((), generator=self.generator))
         return sampling_row(params.temperature, params.top_k, params.top_p, u)
 
-    def banned(self) -> tuple[int, ...]:
-        """The token ids the next token must not be: EOS (unless ignore_eos) and stop_token_ids while
-        fewer than min_tokens have been generated (vLLM's min_tokens); () otherwise. Applied to the
-        logits before sampling: here on the host, in the logits-processing graphs for a batch's row."""
-        return self._banned if self.count < self.params.min_tokens else ()
-
-    def next(self, logits: torch.Tensor | None, token: int | None = None) -> Step:
+    def next(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> Step:
+        """The Step of the next token: `token` as a graph chose it (with its `scores`, (logprob, top
+        ids, top logprobs), from the logits-processing graphs), or chosen here from `logits`."""
         params = self.params
         if token is None:
-            banned, kept = self.banned(), logits
-            if banned:
-                kept = logits.clone()
-                kept[[t for t in banned if t < logits.shape[-1]]] = BANNED
-            token = sample(kept, self.sampling())
+            token, scores = self._choose(logits)
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
-        if self.logprob is not None and logits is not None:  # raw: the model's distribution, before any ban
-            self.logprob += float(torch.log_softmax(logits.float(), -1)[token])
         self.token, self.count = token, self.count + 1
+        self.generated.append(token)
+        if self.logprob is not None and scores is not None:  # the token's logprob under the model's own distribution
+            self.logprob += float(scores[0])
+        n = params.processing.logprobs
+        extra = {"logprobs": None if n is None or scores is None else token_logprobs(token, *scores, n)}
+        if self._prompt_logprobs is not None:
+            extra["prompt_logprobs"], self._prompt_logprobs = tuple(self._prompt_logprobs), None
+        return self._step(token, extra)
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, tuple | None]:
+        """(the token, its scores) chosen on the host from the model's [V] logits, as the graphs choose it."""
+        sampling = self.sampling()
+        if not self.asks:
+            return sample(logits, sampling), None
+        processed = process_host(
+            logits, sampling[0], self.params.processing, self.prompt, self.generated, self.banned(), self.allowed()
+        )
+        token = sample(processed, sampling, bool(torch.isfinite(logits.float().sum())))
+        chosen, top_ids, top = logprobs(logits.float(), torch.tensor(max(token, 0)))
+        return token, (chosen, top_ids, top)
+
+    def _step(self, token: int, extra: dict) -> Step:
+        params = self.params
         eos = token in self.eos_ids and not params.ignore_eos
         if eos or token in params.stop_token_ids:
             if params.include_stop_str_in_output:
                 self.tokens.append(token)
-            return self._step(self._text()[self.sent :], "stop", None if eos else token)
+            return self._made(self._text()[self.sent :], "stop", extra, None if eos else token)
         self.tokens.append(token)
         # Decoding the whole output each step is what keeps multi-token characters and
         # tokenizers that merge across tokens right; outputs are short enough for it.
@@ -165,16 +248,18 @@ class Output:
             found = [(j, s) for s in params.stop if (j := complete.find(s, max(0, self.searched - len(s) + 1))) >= 0]
             if found:
                 cut, stop = min(found)
-                return self._step(text[self.sent : cut + len(stop) * params.include_stop_str_in_output], "stop", stop)
+                return self._made(
+                    text[self.sent : cut + len(stop) * params.include_stop_str_in_output], "stop", extra, stop
+                )
         if self.count == params.max_tokens:
-            return self._step(text[self.sent :], "length")
+            return self._made(text[self.sent :], "length", extra)
         safe = len(text) - held_back(text, () if params.include_stop_str_in_output else params.stop)
-        step = self._step(text[self.sent : safe], None)
+        step = self._made(text[self.sent : safe], None, extra)
         self.sent = max(self.sent, safe)
         return step
 
-    def _step(self, text: str, finish_reason: str | None, stop_reason: int | str | None = None) -> Step:
-        return Step(text, finish_reason, self.count, stop_reason, self.logprob)
+    def _made(self, text: str, finish_reason: str | None, extra: dict, stop_reason: int | str | None = None) -> Step:
+        return Step(text, finish_reason, self.count, **extra, stop_reason=stop_reason, cumulative_logprob=self.logprob)
 
     def _text(self) -> str:
         return self.tokenizer.decode(self.tokens) if self.tokens else ""
@@ -185,10 +270,6 @@ class Engine:
     request on the calling thread over a runtime with a state per request."""
 
     rows: int | None = None  # a batching engine's rows (batching.py); None: one request per thread
-    # whether a request's banned tokens (`Output.banned`) can be kept from being chosen, and whether
-    # each chosen token's logprob is known (best_of's ranking): on the host both are, from the logits
-    bans = True
-    logprobs = True
 
     def __init__(self, runtime, tokenizer, max_context: int, eos_ids: set[int]):
         self.runtime, self.tokenizer = runtime, tokenizer
@@ -209,18 +290,31 @@ class Engine:
             raise RequestError(
                 f"min_tokens ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})", "min_tokens"
             )
-        ends = params.stop_token_ids or not params.ignore_eos
-        if params.min_tokens and ends and not self.bans:
+        processing = params.processing
+        if len(processing.logit_bias) > BIAS_WIDTH:
             raise RequestError(
-                "min_tokens is not supported by this backend: its graphs cannot keep EOS and stop_token_ids "
-                "from being chosen (only with ignore_eos and no stop_token_ids)",
-                "min_tokens",
+                f"logit_bias: at most {BIAS_WIDTH} entries (the graphs' fixed width per row), got "
+                f"{len(processing.logit_bias)}",
+                "logit_bias",
             )
-        if params.rank and not self.logprobs:
+        vocab = getattr(self.runtime, "vocab", None) or getattr(self, "vocab_size", None)
+        bad = next((t for t, _ in processing.logit_bias if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is not below the vocabulary size {vocab}", "logit_bias")
+        banned = ends(params, self.eos_ids) if params.min_tokens else ()
+        if len(processing.logit_bias) + len(banned) > BIAS_WIDTH:
             raise RequestError(
-                "best_of above n is not supported by this backend: its graphs do not return the tokens' "
-                "logprobs that rank the candidates",
-                "best_of",
+                f"stop_token_ids: with min_tokens, the ids banned until then (EOS and these: {len(banned)}) and "
+                f"logit_bias ({len(processing.logit_bias)}) are at most {BIAS_WIDTH} (the graphs' fixed width per row)",
+                "stop_token_ids",
+            )
+        asked = "min_tokens" if banned else "best_of" if params.rank else None
+        if (processing.asks or asked) and getattr(self.runtime, "processing", True) is False:
+            field = _asked_field(processing) if processing.asks else asked
+            raise RequestError(
+                f"{field}: this backend's graphs have no logits-processing variant (an artifact built "
+                "before it); serve it with --backend static or hf, or rebuild the artifact",
+                field,
             )
 
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
@@ -248,17 +342,19 @@ class Engine:
     def close(self) -> None:
         """Nothing to stop: this engine generates on its callers' threads."""
 
-    def output(self, params: SamplingParams) -> Output:
+    def output(self, params: SamplingParams, prompt: list[int] = ()) -> Output:
         """A new request's Output; a RequestError if the runtime cannot sample it."""
         self.check_sampling(params)
-        return Output(self.tokenizer, self.eos_ids, params)
+        return Output(self.tokenizer, self.eos_ids, params, prompt)
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None
     ) -> Iterator[Step]:
         """One Step per generated token; the last carries the finish reason. Returns early,
         without a final Step, once `cancelled` is set (the consumer went away)."""
-        output = self.output(params)
+        output = self.output(params, prompt_ids)
+        if params.processing.prompt_logprobs is not None:
+            output.host_prompt_scores(self.runtime.prompt_logits(prompt_ids))
         logits, state = self.runtime.prefill(prompt_ids)
         while True:
             if cancelled is not None and cancelled.is_set():
@@ -275,12 +371,19 @@ class HFRuntime:
 
     def __init__(self, model):
         self.model = model
+        self.vocab = model.config.vocab_size
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]):
         cache = DynamicCache(config=self.model.config)
         state = {"cache": cache, "position": len(ids)}
         return self._forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache), state
+
+    @torch.inference_mode()
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        """The logits [n, V] after each prompt token (the prompt's logprobs, for echo)."""
+        out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None])
+        return out.logits[0].float()
 
     @torch.inference_mode()
     def decode(self, token: int, state) -> torch.Tensor:
@@ -291,6 +394,17 @@ class HFRuntime:
     def _forward(self, ids, positions, cache) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
+
+
+def _asked_field(processing: Processing) -> str:
+    """The request field behind the first thing `processing` asks for (for an error's `param`)."""
+    names = ("logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+    return next((n for n in names if getattr(processing, n) != getattr(NOTHING, n)), "logit_bias")
+
+
+def ends(params: SamplingParams, eos_ids) -> tuple[int, ...]:
+    """The tokens that end a request, sorted: EOS (unless ignore_eos) and its stop_token_ids."""
+    return tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))))
 
 
 def eos_ids(tokenizer, config) -> set[int]:
