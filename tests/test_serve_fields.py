@@ -147,6 +147,10 @@ def test_what_a_backend_cannot_do_is_refused_by_name():
     with pytest.raises(RequestError) as e:
         engine.check_sampling(SamplingParams(4, min_tokens=5))
     assert e.value.param == "min_tokens"
+    with pytest.raises(RequestError) as e:  # EOS and 64 stop ids: past the graphs' 64 entries per row
+        engine.check_sampling(SamplingParams(4, min_tokens=1, stop_token_ids=tuple(range(10, 74))))
+    assert e.value.param == "stop_token_ids"
+    engine.check_sampling(SamplingParams(4, min_tokens=1, stop_token_ids=tuple(range(10, 73))))
     engine.runtime.processing = False  # graphs without the logits-processing variants (an older artifact)
     for params, field in ((SamplingParams(4, min_tokens=2), "min_tokens"), (SamplingParams(4, rank=True), "best_of")):
         with pytest.raises(RequestError) as e:
