@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.backends import load_engine
@@ -336,3 +337,25 @@ def test_more_generations_than_the_server_admits_is_400_naming_n(tiny_port, engi
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
         assert httpx.post(f"{base}/v1/completions", json={**body, "n": 2}, timeout=60).status_code == 200
+
+
+def aborted(url) -> float:
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    success = next(f for f in families if f.name == "vllm:request_success")
+    return sum(s.value for s in success.samples if s.labels.get("finished_reason") == "abort")
+
+
+def test_a_client_that_leaves_ends_every_choice(url):
+    """A stream of n=2 left after its first chunk: both generations are cancelled (counted as aborted,
+    not run to their length), and their slots are free."""
+    before = aborted(url)
+    body = {"model": MODEL, "prompt": PROMPT, "n": 2, "max_tokens": 85, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())
+    wait_for(lambda: aborted(url) == before + 2, 30, "both generations to be cancelled")
+    assert httpx.get(f"{url}/health").json() | {"status": "ready"} == {
+        "status": "ready",
+        "model": MODEL,
+        "running": 0,
+        "waiting": 0,
+    }
