@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from ..report import dumps
 from .chat import render_chat
-from .engine import Engine, RequestError, SamplingParams
+from .engine import Engine, RequestError, SamplingParams, TokenLogprobs
 from .invocations import invocation_request
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
@@ -262,10 +262,11 @@ def _choice(
     role: bool = False,
     index: int = 0,
     stop_reason: int | str | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     """One choice of a response or a chunk; `stop_reason` is vLLM's (the stop string or stop token id
     that ended it, null for EOS and length)."""
-    tail = {"logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+    tail = {"logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
     if not chat:
         return {"index": index, "text": text or "", **tail}
     if not stream:
@@ -274,6 +275,61 @@ def _choice(
     if text is not None:
         delta["content"] = text
     return {"index": index, "delta": delta, **tail}
+
+
+class _Logprobs:
+    """A choice's tokens' logprobs in OpenAI's shapes: chat's `{"content": [{token, logprob, bytes,
+    top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (the chosen
+    token among its top ones, as vLLM's; a prompt's first token, with echo, has none: null). Made
+    for the whole answer or a stream's chunk at a time (`text_offset` runs on across chunks)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat, self.offset = tokenizer, chat, 0
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def __call__(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict | None:
+        """[(token id, its logprobs or None)] -> the logprobs object of those tokens."""
+        if self.chat:
+            return {"content": [self._chat(entry) for _, entry in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in entries:
+            text = self.text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if entry is None else entry.logprob)
+            top = None if entry is None else {self.text(t): lp for t, lp in entry.top}
+            if top is not None:
+                top.setdefault(text, entry.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def _chat(self, entry: TokenLogprobs) -> dict:
+        def one(token: int, logprob: float) -> dict:
+            text = self.text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+
+
+def _prompt_entries(prompt_ids: list[int], item) -> list:
+    """A first Step's prompt logprobs (echo) as (token, logprobs) entries; [] when it has none."""
+    return list(zip(prompt_ids, item.prompt_logprobs)) if item.prompt_logprobs is not None else []
+
+
+def _step_entries(item) -> list:
+    return [(item.logprobs.token, item.logprobs)] if item.logprobs is not None else []
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """What goes back before each choice's text (`echo`): a completion's prompt (its text and ids, whose
+    logprobs come with the choice's first Step when asked), or chat's last assistant turn (no ids)."""
+
+    text: str
+    ids: list[int]
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -396,20 +452,26 @@ _ENDED = object()
 
 
 async def _stream(
-    choices: _Choices, head: dict, chat: bool, include_usage: bool, record: _Record, cut: asyncio.Event, echo: str
+    choices: _Choices,
+    head: dict,
+    chat: bool,
+    include_usage: bool,
+    record: _Record,
+    cut: asyncio.Event,
+    echo: _Echo | None = None,
+    logprobs: list[_Logprobs] | None = None,
 ):
-    """SSE events: (chat: a role delta per choice), (`echo`: its text per choice), text deltas, a
-    finish chunk per choice, (usage), [DONE]; each chunk names its choice's `index`. A failure
-    mid-stream, or the drain deadline, is an `{"error": ...}` event, then [DONE]. Leaving this
-    generator early — the client disconnected — cancels the jobs, which frees their slots."""
+    """SSE events: (chat: a role delta per choice), then per choice as its rows produce them: (`echo`:
+    its text, with the prompt's logprobs), text deltas (with their tokens' logprobs when asked) and a
+    finish chunk, each naming the choice's `index`; (usage), [DONE]. A failure mid-stream, or the
+    drain deadline, is an `{"error": ...}` event, then [DONE]. Leaving this generator early — the
+    client disconnected — cancels the jobs, which frees their slots."""
     usage = {"usage": None} if include_usage else {}
     n = len(choices.jobs)
-    finished, outcome = set(), "client gone"
+    finished, started, outcome = set(), set(), "client gone"
     try:
         for index in range(n) if chat else ():
             yield _sse({**head, "choices": [_choice(True, True, "", None, role=True, index=index)], **usage})
-        for index in range(n) if echo else ():
-            yield _sse({**head, "choices": [_choice(chat, True, echo, None, index=index)], **usage})
         async for got in _until_cut(choices.events(KEEPALIVE_S), cut):
             if got is None:
                 yield ": keep-alive\n\n"
@@ -420,8 +482,16 @@ async def _stream(
                 yield _sse(error_body(f"generation failed: {type(item).__name__}: {item}", "server_error"))
                 break
             record.step(index, item)
-            if item.text:
-                yield _sse({**head, "choices": [_choice(chat, True, item.text, None, index=index)], **usage})
+            scores = logprobs[index] if logprobs is not None else None
+            if index not in started and echo is not None and echo.text:
+                prompt = scores and scores(_prompt_entries(echo.ids, item))
+                echoed = _choice(chat, True, echo.text, None, index=index, logprobs=prompt)
+                yield _sse({**head, "choices": [echoed], **usage})
+            started.add(index)
+            entries = scores(_step_entries(item)) if scores is not None else None
+            if item.text or entries:
+                chunk = _choice(chat, True, item.text, None, index=index, logprobs=entries)
+                yield _sse({**head, "choices": [chunk], **usage})
             if item.finish_reason:
                 finished.add(index)
                 end = _choice(
@@ -456,9 +526,10 @@ class _Result:
     stop_reason: int | str | None = None
     completion: int = 0
     logprob: float | None = None
+    entries: list = field(default_factory=list)  # [(token, its logprobs)]: the prompt's (echo), then the choice's
 
 
-async def _collect(choices: _Choices, request: Request, cut: asyncio.Event, record: _Record):
+async def _collect(choices: _Choices, request: Request, cut: asyncio.Event, record: _Record, echo: _Echo | None):
     """Each generation's _Result, in order, or None when the client left first; a 503 APIError at
     the drain deadline."""
 
@@ -470,6 +541,9 @@ async def _collect(choices: _Choices, request: Request, cut: asyncio.Event, reco
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}", "server_error")
             record.step(index, item)
             result = results[index]
+            if not parts[index] and echo is not None:
+                result.entries += _prompt_entries(echo.ids, item)
+            result.entries += _step_entries(item)
             parts[index].append(item.text)
             result.finish, result.completion = item.finish_reason or result.finish, item.completion_tokens
             result.stop_reason, result.logprob = item.stop_reason, item.cumulative_logprob
@@ -502,12 +576,11 @@ async def _collect(choices: _Choices, request: Request, cut: asyncio.Event, reco
         record.log(outcome)
 
 
-def _best(results: list[_Result], n: int) -> list[_Result]:
-    """The n most likely of best_of generations (the highest sum of their tokens' logprobs, vLLM's
-    ranking), most likely first; all of them, in order, when there are only n."""
-    if len(results) == n:
-        return results
-    return sorted(results, key=lambda r: r.logprob, reverse=True)[:n]
+def _best(results: list[_Result], n: int) -> list[int]:
+    """Which n of best_of generations are answered: the most likely (the highest sum of their tokens'
+    logprobs, vLLM's ranking), most likely first; all of them, in order, when there are only n."""
+    order = range(len(results))
+    return list(order) if len(results) == n else sorted(order, key=lambda i: results[i].logprob, reverse=True)[:n]
 
 
 def _unknown_model(model: str, names: list[str]) -> APIError:
@@ -651,7 +724,7 @@ def create_app(
         extra_stops: tuple,
         chat: bool,
         started: float,
-        echo: str = "",
+        echo: _Echo | None = None,
     ):
         """Generate `req.candidates` completions of the prompt (each its own row or thread, choice i
         seeded with seed + i, as vLLM seeds them) and answer the `req.choices` most likely, `echo`
@@ -663,7 +736,12 @@ def create_app(
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
             params = SamplingParams(
-                max_tokens, **req.sampling, **req.stopping, stop=tuple(req.stop or ()) + extra_stops, rank=runs > n
+                max_tokens,
+                **req.sampling,
+                **req.stopping,
+                stop=tuple(req.stop or ()) + extra_stops,
+                processing=req.asked_processing,
+                rank=runs > n,
             )
             engine.check_sampling(params)
         except RequestError as e:
@@ -690,18 +768,29 @@ def create_app(
             "model": model_name,
         }
         record = _Record(head["id"], len(prompt_ids), started)
+        asked = params.processing.logprobs is not None  # each choice its own: text_offset runs on per choice
+        logprobs = [_Logprobs(engine.tokenizer, chat) for _ in range(runs)] if asked else None
         if req.stream:
             return StreamingResponse(
-                _stream(choices, head, chat, req.include_usage, record, state.cut, echo),
+                _stream(choices, head, chat, req.include_usage, record, state.cut, echo, logprobs),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        results = await _collect(choices, request, state.cut, record)
+        results = await _collect(choices, request, state.cut, record, echo)
         if results is None:
             return Response(status_code=499)  # nobody is listening; the status is for the access log
+        before = echo.text if echo is not None else ""
         answered = [
-            _choice(chat, False, echo + r.text, r.finish, index=i, stop_reason=r.stop_reason)
-            for i, r in enumerate(_best(results, n))
+            _choice(
+                chat,
+                False,
+                before + results[j].text,
+                results[j].finish,
+                index=i,
+                stop_reason=results[j].stop_reason,
+                logprobs=logprobs[j](results[j].entries) if logprobs is not None else None,
+            )
+            for i, j in enumerate(_best(results, n))
         ]
         # usage as OpenAI counts it: the prompt once, every generated token (best_of's candidates too)
         return {**head, "choices": answered, "usage": _usage(len(prompt_ids), sum(r.completion for r in results))}
@@ -714,7 +803,8 @@ def create_app(
         _check_prompt_bytes(engine, [m["content"] for m in messages], "messages")
         prompt_ids, extra_stops = await asyncio.to_thread(render_chat, engine.tokenizer, messages)
         # vLLM's chat echo: the conversation's last turn, when it is the assistant's, goes on in the answer
-        echo = (messages[-1]["content"] if messages[-1]["role"] == "assistant" else "") if req.echo else ""
+        last = messages[-1]
+        echo = _Echo(last["content"], []) if req.echo and last["role"] == "assistant" else None
         return await respond(engine, req, request, prompt_ids, extra_stops, chat=True, started=started, echo=echo)
 
     @app.post("/v1/completions")
@@ -727,13 +817,14 @@ def create_app(
         else:
             _check_prompt_bytes(engine, [req.prompt], "prompt")
             prompt_ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
-        echo = ""
-        if req.echo:  # the prompt as sent, or its ids' text
-            echo = (
+        echo = None
+        if req.echo:  # the prompt as sent, or its ids' text, and its ids (their logprobs, with logprobs)
+            text = (
                 req.prompt
                 if isinstance(req.prompt, str)
                 else await asyncio.to_thread(engine.tokenizer.decode, prompt_ids)
             )
+            echo = _Echo(text, list(prompt_ids))
         return await respond(engine, req, request, prompt_ids, (), chat=False, started=started, echo=echo)
 
     @app.post("/tokenize")

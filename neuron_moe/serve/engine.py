@@ -134,7 +134,8 @@ class Output:
         self.tokenizer, self.eos_ids, self.params = tokenizer, eos_ids, params
         self.prompt = list(prompt)
         self.generated: list[int] = []  # every token generated (an EOS too): what the penalties count
-        self._prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's, while they arrive
+        # the prompt's logprobs while they arrive (the first token has none), handed out with the first Step
+        self._prompt_logprobs = None if params.processing.prompt_logprobs is None else [None]
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
         self.tokens: list[int] = []
@@ -179,8 +180,6 @@ class Output:
         n = self.params.processing.prompt_logprobs
         if n is None:
             return
-        if self._prompt_logprobs is None:
-            self._prompt_logprobs = [None]  # the first prompt token has no logprob
         for i in range(len(chosen)):
             token = self.prompt[start + 1 + i]
             self._prompt_logprobs.append(token_logprobs(token, chosen[i], top_ids[i], top[i], n))
@@ -212,7 +211,7 @@ class Output:
             self.logprob += float(scores[0])
         n = params.processing.logprobs
         extra = {"logprobs": None if n is None or scores is None else token_logprobs(token, *scores, n)}
-        if self._prompt_logprobs is not None:
+        if self._prompt_logprobs is not None and self.count == 1:
             extra["prompt_logprobs"], self._prompt_logprobs = tuple(self._prompt_logprobs), None
         return self._step(token, extra)
 
