@@ -359,3 +359,17 @@ def test_a_client_that_leaves_ends_every_choice(url):
         "running": 0,
         "waiting": 0,
     }
+
+
+def test_each_choice_has_its_own_logprobs_and_echo(url):
+    """n=2 with logprobs and echo: each choice its own prompt then tokens, text_offset from 0 per choice."""
+    got = complete(url, n=2, max_tokens=4, seed=3, temperature=1.0, logprobs=1, echo=True)
+    for choice in got.choices:
+        lp = choice.logprobs
+        assert "".join(lp.tokens) == choice.text and choice.text.startswith(PROMPT)
+        assert lp.text_offset[0] == 0 and lp.token_logprobs[0] is None  # the prompt's first token has none
+        assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    alone = complete(url, max_tokens=4, seed=4, temperature=1.0, logprobs=1, echo=True).choices[0]
+    assert got.choices[1].text == alone.text  # choice 1 is seeded seed + 1; its logprobs within fp32 rounding of
+    # the same rows' prefill batched otherwise (1e-4: the fp32 port's tolerance against HF eager)
+    assert got.choices[1].logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-4)
