@@ -4,17 +4,19 @@
 temperature, top-k and top-p from a per-request seeded generator's draws: `static/sampling.py`,
 in the graphs or, for a request served alone, on the host), the tokens the next one must not be
 (EOS and stop_token_ids until min_tokens), EOS (unless ignore_eos), stop_token_ids, stop sequences
-and max_tokens, and the text that is safe to send after each token (a partial stop string or a
-partial UTF-8 character is held back until it resolves). `Engine` checks a request against its runtime's limits
-and runs one request per calling thread over a runtime with a state per request:
-`prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]` (HF's model on CPU,
-`HFRuntime`). The static graphs (`--backend static` on CPU, `neuron` on the device) are served by
+and max_tokens, and the text that is safe to send after each token (a partial stop string or a partial UTF-8
+character is held back until it resolves): an id side that decides from the tokens (`take`) and
+a text side (`text`), which the batching engine runs beside its graph calls. `Engine` checks a
+request against its runtime's limits and runs one request per calling thread over a runtime with a
+state per request: `prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]`
+(HF's model on CPU, `HFRuntime`). The static graphs (`--backend static` on CPU, `neuron` on the device) are served by
 `batching.BatchEngine` instead: one step loop over all the rows of the graphs' batch, with the
 same `Output` per row.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 from collections.abc import Iterator
@@ -35,6 +37,8 @@ from ..static.sampling import (
     process_host,
     sampling_row,
 )
+
+DRAWS = 64  # a sampled request's uniforms drawn at a time (fewer if its max_tokens needs fewer)
 
 
 class RequestError(UserError):
@@ -120,32 +124,59 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 class Output:
     """One request's output: the token it takes from each step, and the text a client is sent.
 
-    `sampling()` is the request's row of the graphs' `sampling` input for its next token (its
-    temperature, top-k, top-p and a fresh uniform draw from its own seeded generator, so a seeded
-    request samples the same whatever runs beside it); `next(logits, token)` takes the token the
-    graph chose from it (`token`), or chooses it on the host from the logits [V] with the same
-    function — and returns its Step: EOS, a stop string or max_tokens end it, and the text is what
-    is safe to send (a partial stop string or a partial UTF-8 character is held back until it
-    resolves). The same for a request served alone (`Engine.generate`) and for a row of a batch
-    (`batching.BatchEngine`).
+    Two sides, so that a batch's step loop can run them on two threads (`batching.BatchEngine`):
+
+    - the id side, `take(logits, token)`: the token the graph chose (or, from the logits [V], the
+      one chosen on the host with the graphs' own function) joins the output, and the ids decide
+      at once whether it is the last: EOS ("stop") or max_tokens ("length"); a token of -1 (the
+      graphs' answer to non-finite logits) raises GenerationError. It returns that finish reason
+      (None: go on). `sampling()` belongs to this side too: the request's row of the graphs'
+      `sampling` input for its next token (its temperature, top-k, top-p and a uniform from its own
+      seeded generator, drawn in order a block at a time, so a seeded request samples the same
+      whatever runs beside it). State a next step depends on (what the next token may be) lives
+      here;
+    - the text side, `text(count, finish)`: the Step of the count-th token, whose id side said
+      `finish`. Its text is what is safe to send: a partial stop string or a partial UTF-8
+      character is held back until it resolves, and a stop string ends the output there ("stop",
+      nothing of the stop sent). It runs the tokens' text incrementally (a window of the last
+      tokens is decoded, vLLM's and TGI's way, not the whole output), and the texts are those of
+      decoding the whole output after each token, for any tokenizer whose decode of a longer
+      sequence begins with its decode of a shorter one at a complete character.
+
+    The text side may run behind the id side (it reads the tokens the id side has appended); it
+    takes the tokens in order, each once. An id-side "stop" token (EOS) is no part of the text.
+    `next(logits, token)` is both at once, for a caller that wants the Step at once (a request
+    served alone, `Engine.generate`).
     """
 
     def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams, prompt: list[int] = ()):
         self.tokenizer, self.eos_ids, self.params = tokenizer, eos_ids, params
         self.prompt = list(prompt)
         self.generated: list[int] = []  # every token generated (an EOS too): what the penalties count
+        self.scores: list[TokenLogprobs | None] = []  # each generated token's logprobs, when asked
         # the prompt's logprobs while they arrive (the first token has none), handed out with the first Step
         self._prompt_logprobs = None if params.processing.prompt_logprobs is None else [None]
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        self.tokens: list[int] = []
+        self._draws: list[float] = []  # uniforms drawn ahead, next one last
+        self._drawn = 0
+        # the id side
+        self.tokens: list[int] = []  # the generated tokens, a stop token (EOS) not among them unless kept
         self.count = 0  # tokens generated (an EOS counts)
-        self.sent = 0  # characters of the decoded text already handed out
         self.token: int | None = None  # the latest token, which the runtime is fed next
-        self.searched = 0  # characters of the text before which no stop string may end (min_tokens)
-        self.logprob = 0.0 if params.rank else None  # the chosen tokens' logprobs (the model's own), summed
+        self.stop_token: int | None = None  # a stop_token_ids token that ended it (vLLM's stop_reason)
+        self._kept = False  # whether the stop token that ended it is in `tokens` (include_stop_str_in_output)
         self._banned = ends(params, eos_ids)  # banned before min_tokens
         self._bans = bool(self._banned and params.min_tokens)
+        # the chosen tokens' logprobs (the model's own) summed after each token, for best_of's ranking
+        self._cumulative: list[float] | None = [] if params.rank else None
+        # the text side: the text of tokens[:_read] is _text (final); _window is the text of
+        # tokens[_prefix:_read], the decode window's start, whose text a new token's is told from
+        self._text, self._window, self._prefix, self._read = "", "", 0, 0
+        self._searched = 0  # characters of the text looked through for stop strings
+        self._stop_from = 0  # characters before which no stop string may end (the first min_tokens tokens' text)
+        self._longest = max(map(len, params.stop), default=0)
+        self.sent = 0  # characters of the text already handed out
 
     @property
     def greedy(self) -> bool:
@@ -190,30 +221,44 @@ class Output:
         self.prompt_scores(0, *logprobs(logits[:-1].float(), targets))
 
     def sampling(self) -> tuple[float, float, float, float]:
-        """The next token's sampling row; a sampled request draws its uniform here, once per token."""
+        """The next token's sampling row; a sampled request takes its next uniform here, once per
+        token (the generator's draws in order: a block of them is one call's worth of the same)."""
         if self.greedy:
             return GREEDY
+        if not self._draws:
+            n = min(DRAWS, max(1, self.params.max_tokens - self._drawn))
+            self._draws = torch.rand(n, generator=self.generator).tolist()[::-1]
+            self._drawn += n
         params = self.params
-        u = float(torch.rand((), generator=self.generator))
-        return sampling_row(params.temperature, params.top_k, params.top_p, u)
+        return sampling_row(params.temperature, params.top_k, params.top_p, self._draws.pop())
 
-    def next(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> Step:
-        """The Step of the next token: `token` as a graph chose it (with its `scores`, (logprob, top
-        ids, top logprobs), from the logits-processing graphs), or chosen here from `logits`."""
-        params = self.params
+    def take(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> str | None:
+        """The id side of the next token: `token` as a graph chose it (with its `scores`, (logprob, top
+        ids, top logprobs), from the logits-processing graphs), or chosen here from `logits`; it joins
+        the output -> its finish reason from the ids ("stop": EOS unless ignore_eos, or a stop token;
+        "length": max_tokens), or None."""
         if token is None:
             token, scores = self._choose(logits)
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
         self.token, self.count = token, self.count + 1
         self.generated.append(token)
-        if self.logprob is not None and scores is not None:  # the token's logprob under the model's own distribution
-            self.logprob += float(scores[0])
-        n = params.processing.logprobs
-        extra = {"logprobs": None if n is None or scores is None else token_logprobs(token, *scores, n)}
-        if self._prompt_logprobs is not None and self.count == 1:
-            extra["prompt_logprobs"], self._prompt_logprobs = tuple(self._prompt_logprobs), None
-        return self._step(token, extra)
+        n = self.params.processing.logprobs
+        if n is not None:  # the count-th token's, for its Step (the text side may run behind)
+            self.scores.append(None if scores is None else token_logprobs(token, *scores, n))
+        if self._cumulative is not None:  # the token's logprob under the model's own distribution
+            before = self._cumulative[-1] if self._cumulative else 0.0
+            self._cumulative.append(before + (float(scores[0]) if scores is not None else math.nan))
+        params = self.params
+        eos = token in self.eos_ids and not params.ignore_eos
+        if eos or token in params.stop_token_ids:
+            self.stop_token = None if eos else token
+            if params.include_stop_str_in_output:
+                self.tokens.append(token)
+                self._kept = True
+            return "stop"
+        self.tokens.append(token)
+        return "length" if self.count == self.params.max_tokens else None
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, tuple | None]:
         """(the token, its scores) chosen on the host from the model's [V] logits, as the graphs choose it."""
@@ -227,41 +272,69 @@ class Output:
         chosen, top_ids, top = logprobs(logits.float(), torch.tensor(max(token, 0)))
         return token, (chosen, top_ids, top)
 
-    def _step(self, token: int, extra: dict) -> Step:
-        params = self.params
-        eos = token in self.eos_ids and not params.ignore_eos
-        if eos or token in params.stop_token_ids:
-            if params.include_stop_str_in_output:
-                self.tokens.append(token)
-            return self._made(self._text()[self.sent :], "stop", extra, None if eos else token)
-        self.tokens.append(token)
-        # Decoding the whole output each step is what keeps multi-token characters and
-        # tokenizers that merge across tokens right; outputs are short enough for it.
-        text = self._text()
+    def text(self, count: int, finish: str | None) -> Step:
+        """The Step of the count-th token, whose id side said `finish`: its new text, and its
+        finish reason (a stop string's, if one ends the output here)."""
+        params, sent = self.params, self.sent
+        pending = self._advance(count - 1 if finish == "stop" and not self._kept else count)
+        # Only the text's tail is looked at: stop strings were looked for up to `_searched`, so a new
+        # one ends past `_searched` - (longest - 1), and what is held back is at most a stop's length
+        # and the incomplete character; `sent` is at most that far back.
+        start = max(0, self._searched - self._longest + 1)
+        base = min(sent, start, len(self._text))
+        recent = self._text[base:] + pending  # the text from `base` on
+        if finish == "stop":
+            return self._step(recent[sent - base :], "stop", count, self.stop_token)
         # stops are looked for in the complete characters alone: a trailing U+FFFD may be the start of a
         # character still arriving (a stop of U+FFFD would cut it), and it is looked at once it is whole
-        complete = text.rstrip("\ufffd")
-        if self.count <= params.min_tokens:  # vLLM's: no stop string ends within the first min_tokens
-            self.searched = len(complete)
+        complete = recent.rstrip("\ufffd")
+        self._searched = base + len(complete)
+        if count <= params.min_tokens:  # vLLM's: no stop string ends within the first min_tokens tokens' text
+            self._stop_from = self._searched
         else:
-            found = [(j, s) for s in params.stop if (j := complete.find(s, max(0, self.searched - len(s) + 1))) >= 0]
+            froms = [max(start, self._stop_from - len(s) + 1) - base for s in params.stop]
+            found = [(j, s) for s, f in zip(params.stop, froms) if (j := complete.find(s, f)) >= 0]
             if found:
                 cut, stop = min(found)
-                return self._made(
-                    text[self.sent : cut + len(stop) * params.include_stop_str_in_output], "stop", extra, stop
-                )
-        if self.count == params.max_tokens:
-            return self._made(text[self.sent :], "length", extra)
-        safe = len(text) - held_back(text, () if params.include_stop_str_in_output else params.stop)
-        step = self._made(text[self.sent : safe], None, extra)
-        self.sent = max(self.sent, safe)
-        return step
+                end = cut + len(stop) if params.include_stop_str_in_output else cut
+                return self._step(recent[sent - base : end], "stop", count, stop)
+        if finish == "length":
+            return self._step(recent[sent - base :], "length", count)
+        safe = base + len(recent) - held_back(recent, () if params.include_stop_str_in_output else params.stop)
+        self.sent = max(sent, safe)
+        return self._step(recent[sent - base : safe - base], None, count)
 
-    def _made(self, text: str, finish_reason: str | None, extra: dict, stop_reason: int | str | None = None) -> Step:
-        return Step(text, finish_reason, self.count, **extra, stop_reason=stop_reason, cumulative_logprob=self.logprob)
+    def _step(self, text: str, finish: str | None, count: int, stop_reason: int | str | None = None) -> Step:
+        """The count-th token's Step, with its logprobs (and, the first, the prompt's) where asked, the
+        stop string or token that ended it, and its tokens' logprobs summed (best_of)."""
+        extra = {"stop_reason": stop_reason}
+        if self._cumulative is not None and count <= len(self._cumulative):
+            extra["cumulative_logprob"] = self._cumulative[count - 1]
+        if self.params.processing.logprobs is not None and count <= len(self.scores):
+            extra["logprobs"] = self.scores[count - 1]
+        if count == 1 and self._prompt_logprobs is not None:
+            extra["prompt_logprobs"] = tuple(self._prompt_logprobs)
+        return Step(text, finish, count, **extra)
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.tokens) if self.tokens else ""
+    def next(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> Step:
+        """Both sides of the next token at once -> its Step."""
+        finish = self.take(logits, token, scores)
+        return self.text(self.count, finish)
+
+    def _advance(self, n: int) -> str:
+        """The text side takes tokens[:n] -> the text past `_text` (what is not final yet: a
+        character still arriving, or nothing)."""
+        if n <= self._read:
+            return ""
+        decode, tokens = self.tokenizer.decode, self.tokens
+        whole = decode(tokens[self._prefix : n])
+        new = whole[len(self._window) :]
+        if not new or whole.endswith("\ufffd"):  # nothing yet, or a character still arriving
+            return new
+        self._text += new
+        self._prefix, self._read = self._read, n
+        self._window = decode(tokens[self._prefix : n])
+        return ""
 
 
 class Engine:
@@ -285,10 +358,6 @@ class Engine:
                 f"must be at most {self.max_top_k} (or 0, off), got {params.top_k}",
                 "top_k",
             )
-        if params.min_tokens > params.max_tokens:
-            raise RequestError(
-                f"min_tokens ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})", "min_tokens"
-            )
         processing = params.processing
         if len(processing.logit_bias) > BIAS_WIDTH:
             raise RequestError(
@@ -300,6 +369,10 @@ class Engine:
         bad = next((t for t, _ in processing.logit_bias if vocab is not None and t >= vocab), None)
         if bad is not None:
             raise RequestError(f"logit_bias: token id {bad} is not below the vocabulary size {vocab}", "logit_bias")
+        if params.min_tokens > params.max_tokens:
+            raise RequestError(
+                f"min_tokens ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})", "min_tokens"
+            )
         banned = ends(params, self.eos_ids) if params.min_tokens else ()
         if len(processing.logit_bias) + len(banned) > BIAS_WIDTH:
             raise RequestError(

@@ -172,10 +172,9 @@ class _Sampling(_Strict):
     logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[float, Field(ge=-100, le=100)]] | None = (
         Field(None, max_length=MAX_LOGIT_BIAS)
     )
-    repetition_penalty: float | None = Field(
-        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
-    )  # vLLM's extra: 1 is off
-    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extra: 0 is off
+    # vLLM's extras: repetition_penalty 1 is off, min_p 0 is off
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     user: str | None = None
     tools: list | None = None
     tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused

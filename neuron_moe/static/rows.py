@@ -15,7 +15,8 @@ One step is
 - decode: one decode call for every row that is generating, each at its own position.
 
 Each row's inputs are made here, on the host, once per step: its chunk (`Chunk`), or its next id,
-position and sampling (`ids`, `positions`, the sampling of its work). A piece of work ends when its
+position and sampling (`ids`, `positions`, `sampling`: tensors made once, each row's element
+written in place as its work moves on, no tensor made per step). A piece of work ends when its
 `next` says so or its caller `free`s it, and its row is free for the next step. A row with nothing
 to generate sits in the decode batch as the pad token at its next prefill position (0 for a free
 row): it writes only that slot of its own ring, which its next prefill chunk rewrites, and nothing
@@ -30,6 +31,13 @@ The work in a row (a served request, an evaluated sequence, a prompt to validate
                        them; (None, None) after an empty prompt. Returns the token to feed at the
                        next step, or None: the work is done
   end(error)           the row let go of it: done, freed by the caller, or its graph call failed
+
+What the step does between two graph calls is on the graphs' critical path: `next` runs there for
+every row after every call, so it should decide from the token (and logits) alone what to feed
+next, and do anything slower beside the graph calls. Serving's work does so: its `next` takes the
+token by the ids (EOS, max_tokens) and hands the text and the streaming to a thread of its own
+(`serve/batching.py`), which runs while the loop is in the next call; a request that a stop string
+ends tells the loop so a step late, and the loop `free`s its row.
 
 and, for work that asks for logits processing (logprobs, penalties, bias, min_p, bans, a grammar's
 bitmask: `static/sampling.py`), also
@@ -53,8 +61,10 @@ A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` r
 `chunk`, `prefill_rows`, `prefill(chunks) -> (tokens [n], logits [n, V] | None)` and
 `decode(ids [B, 1], positions [B, 1], sampling [B, 4]) -> (tokens [B], logits [B, V] | None)`, on
 the host, and `processing` (whether it has the variants, `prefill_processing` and `decode_processing`)
-and `vocab`. A graph call that fails ends the work it was running with the error, frees those rows,
-and raises out of the step.
+and `vocab`. The decode call's inputs are the step's own tensors, written in place before the next
+call: a runtime reads them during the call (a device runtime copies them to the device) and keeps
+no reference past it. A graph call that fails ends the work it was running with the error, frees
+those rows, and raises out of the step.
 """
 
 from __future__ import annotations
@@ -66,7 +76,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import BIAS_WIDTH, GREEDY, NEUTRAL, greedy_sampling, neutral_inputs
+from .sampling import BIAS_WIDTH, GREEDY, NEUTRAL, neutral_inputs
 
 
 def prefill_row(prompt: torch.Tensor, bucket: int, pad_id: int, start: int = 0):
@@ -140,7 +150,7 @@ class GraphRuntime:
         self.prefill_rows = sorted(prefill_rows)
         self.chunk = chunk or self.buckets[-1]  # the longest piece of a prompt one prefill call takes
         self.candidates = candidates  # top-k / top-p candidate width of the graphs
-        self.pad_id, self.logits, self.device = pad_id, logits, device
+        self.pad_id, self.logits, self.device = pad_id, logits, torch.device(device)
 
     @torch.no_grad()
     def prefill(self, chunks: list[Chunk]):
@@ -154,15 +164,26 @@ class GraphRuntime:
         longest = max(len(c.ids) for c in chunks)
         bucket = bucket_for(longest, self.buckets) if self.buckets else longest
         padded = chunks + [chunks[-1]] * (rows - len(chunks))
-        parts = [prefill_row(torch.tensor(c.ids), bucket, self.pad_id, c.start) for c in padded]
-        inputs = [torch.cat(column) for column in zip(*parts)]
+        ids, mask, positions = [], [], []  # `prefill_row`'s, all rows at once (lists, then a tensor each)
+        for c in padded:
+            n, pad = len(c.ids), bucket - len(c.ids)
+            ids.append([self.pad_id] * pad + list(c.ids))
+            mask.append([0] * pad + [1] * n)
+            positions.append([c.start] * pad + list(range(c.start, c.start + n)))
+        inputs = [torch.tensor(ids), torch.tensor(mask), torch.tensor(positions)]
         inputs += [torch.tensor([c.row for c in padded]), torch.tensor([c.sampling for c in padded])]
-        tokens, logits = self._out(self._prefill(*(x.to(self.device) for x in inputs)))
+        tokens, logits = self._out(self._prefill(*self._sent(inputs)))
         return tokens[: len(chunks)], None if logits is None else logits[: len(chunks)]
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
-        return self._out(self._decode(*(x.to(self.device) for x in (ids, positions, sampling))))
+        return self._out(self._decode(*self._sent((ids, positions, sampling))))
+
+    def _sent(self, inputs):
+        """The inputs on `device`. One already there is passed as it is, not through `to`: a call into
+        torch releases the GIL, and another thread of the host (serving's text thread) may then hold
+        it until its work is done, in series with the graph call that follows."""
+        return [x if x.device == self.device else x.to(self.device) for x in inputs]
 
     @torch.no_grad()
     def prefill_processing(self, chunks: list[Chunk]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -181,7 +202,7 @@ class GraphRuntime:
         for i, c in enumerate(padded):
             targets[i, bucket - len(c.ids) :] = torch.tensor(c.targets)
         inputs += [torch.tensor([c.row for c in padded]), targets]
-        chosen, top_ids, top = (t.cpu() for t in self._prefill_processing(*(x.to(self.device) for x in inputs))[:3])
+        chosen, top_ids, top = (t.cpu() for t in self._prefill_processing(*self._sent(inputs))[:3])
         return [tuple(t[i, -len(c.ids) :] for t in (chosen, top_ids, top)) for i, c in enumerate(chunks)]
 
     @torch.no_grad()
@@ -189,7 +210,7 @@ class GraphRuntime:
         """The logits-processing decode -> (tokens [B], (logprobs [B], top ids [B, N], top logprobs [B, N]),
         logits [B, V] or None)."""
         inputs = (ids, positions, sampling, process, bias_ids, bias, mask)
-        outputs = self._decode_processing(*(x.to(self.device) for x in inputs))
+        outputs = self._decode_processing(*self._sent(inputs))
         logits = self.logits if self.logits is not None else len(outputs) > 4
         scores = (outputs[1][:, 0].cpu(), outputs[2].cpu(), outputs[3].cpu())
         return outputs[0][:, 0].cpu(), scores, (outputs[4].float().cpu() if logits else None)
@@ -218,8 +239,12 @@ class Rows:
         self.runtime, self.batch = runtime, runtime.batch
         self._per_step = runtime.batch if prefill_all else runtime.prefill_rows[-1]  # chunks a step prefills
         self.slots: list = [None] * self.batch  # the work in each row
+        # The decode call's inputs, made once and written in place a row at a time (through numpy views
+        # of the same memory: a write of one element costs a fraction of a tensor's indexing).
         self.ids = torch.full((self.batch, 1), runtime.pad_id, dtype=torch.long)  # each row's next input
         self.positions = torch.zeros(self.batch, 1, dtype=torch.long)  # and its position
+        self.sampling = torch.tensor([GREEDY] * self.batch)  # and its sampling (`static.sampling.FIELDS`)
+        self._ids, self._positions, self._sampling = self.ids.numpy(), self.positions.numpy(), self.sampling.numpy()
         self.steps = 0  # decode steps run
         # called after each graph call that ran, before its tokens are handed out: (graph, rows it ran)
         self.counted: Callable[[str, int], None] | None = None
@@ -245,7 +270,7 @@ class Rows:
     def free(self, row: int, error: Exception | None = None) -> None:
         """End the work in `row` (with `error`, if it failed) and free the row."""
         work, self.slots[row] = self.slots[row], None
-        self.ids[row], self.positions[row] = self.runtime.pad_id, 0
+        self._ids[row, 0], self._positions[row, 0] = self.runtime.pad_id, 0
         work.end(error)
 
     def _prefilling(self, row: int) -> bool:
@@ -273,7 +298,7 @@ class Rows:
     def _fed_prompt(self, row: int, reset: bool) -> None:
         """Work that asks, prefilled but for its prompt's last token: that token is its next decode input."""
         prompt = self.slots[row].prompt
-        self.ids[row], self.positions[row] = prompt[-1], len(prompt) - 1
+        self._ids[row, 0], self._positions[row, 0] = prompt[-1], len(prompt) - 1
         self._fed[row] = (1.0 if reset else 0.0, 1.0, 0.0)
 
     def _prefill(self) -> None:
@@ -296,7 +321,7 @@ class Rows:
             tokens, logits = self._call("prefill", [r for r, _ in plain], self.runtime.prefill, [c for _, c in plain])
             for i, (row, chunk) in enumerate(plain):
                 self._done[row] += len(chunk.ids)
-                self.positions[row] = self._done[row]  # the next chunk's first position, or the first token's
+                self._positions[row, 0] = self._done[row]  # the next chunk's first position, or the first token's
                 if not self._prefilling(row):
                     self._next(row, int(tokens[i]), None if logits is None else logits[i])
         if asking:
@@ -304,7 +329,7 @@ class Rows:
             scores = self._call("prefill", rows, self.runtime.prefill_processing, [c for _, c in asking])
             for (row, chunk), (chosen, top_ids, top) in zip(asking, scores):
                 self._done[row] += len(chunk.ids)
-                self.positions[row] = self._done[row]
+                self._positions[row, 0] = self._done[row]
                 work = self.slots[row]
                 if hasattr(work, "prompt_scores"):
                     try:
@@ -319,9 +344,10 @@ class Rows:
         rows = self.generating()
         if not rows:
             return []
-        sampling = greedy_sampling(self.batch)
+        sampling, positions = self._sampling, self._positions
+        sampling[:] = GREEDY
         for row in rows:
-            sampling[row] = torch.tensor(self.slots[row].sampling())
+            sampling[row] = self.slots[row].sampling()
         asking = [row for row in rows if self._asks[row]]
         if asking:
             inputs = self._processing_inputs(asking)
@@ -329,20 +355,21 @@ class Rows:
             if not rows:
                 return []
             tokens, scores, logits = self._call(
-                "decode", rows, self.runtime.decode_processing, self.ids, self.positions, sampling, *inputs
+                "decode", rows, self.runtime.decode_processing, self.ids, self.positions, self.sampling, *inputs
             )
         else:
-            tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, sampling)
+            tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, self.sampling)
         self.steps += 1
-        self.positions[rows] += 1
-        for row, token in zip(rows, tokens[rows].tolist()):
+        tokens = tokens.tolist()
+        for row in rows:
+            positions[row, 0] += 1
             row_logits = None if logits is None else logits[row]
             if self._asks[row]:
                 self._fed[row] = (0.0, 0.0, 1.0)  # its token is fed next: an output token
                 chosen, top_ids, top = scores
-                self._next(row, token, row_logits, (float(chosen[row]), top_ids[row], top[row]))
+                self._next(row, tokens[row], row_logits, (float(chosen[row]), top_ids[row], top[row]))
             else:
-                self._next(row, token, row_logits)
+                self._next(row, tokens[row], row_logits)
         return rows
 
     def _processing_inputs(self, asking: list[int]):
@@ -382,7 +409,7 @@ class Rows:
         if feed is None:
             self.free(row)
         else:
-            self.ids[row] = feed
+            self._ids[row, 0] = feed
 
 
 @dataclass
