@@ -144,7 +144,8 @@ class Output:
       sequence begins with its decode of a shorter one at a complete character.
 
     The text side may run behind the id side (it reads the tokens the id side has appended); it
-    takes the tokens in order, each once. An id-side "stop" token (EOS) is no part of the text.
+    takes the tokens in order, each once. An id-side "stop" token (EOS, a stop token) is no part of the
+    text, unless include_stop_str_in_output keeps it.
     `next(logits, token)` is both at once, for a caller that wants the Step at once (a request
     served alone, `Engine.generate`).
     """
