@@ -249,7 +249,7 @@ def test_models_health_and_ping(url):
     [
         (dict(temperature=3.0), "temperature"),
         (dict(top_p=1.5), "top_p"),
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(max_tokens=100_000), "max_tokens"),  # past the context (512 tokens; 97 for the static graphs)
         (dict(max_completion_tokens=100_000), "max_completion_tokens"),
@@ -281,7 +281,7 @@ REFUSED = [
     ({"top_p": -0.1}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"top_k": 2.0}, "top_k"),
-    ({"n": None, "best_of": 2}, "best_of"),
+    ({"n": 3, "best_of": 2}, "best_of"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"presence_penalty": "0"}, "presence_penalty"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
@@ -304,10 +304,10 @@ REFUSED = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"modalities": ["text", "audio"]}, "modalities.1"),
     ({"audio": {"voice": "alloy"}}, "audio"),
-    ({"ignore_eos": True}, "ignore_eos"),
-    ({"min_tokens": 4}, "min_tokens"),
-    ({"stop_token_ids": [5]}, "stop_token_ids"),
-    ({"echo": True}, "echo"),
+    ({"ignore_eos": "true"}, "ignore_eos"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": ["5"]}, "stop_token_ids.0"),
+    ({"echo": 1}, "echo"),
 ]
 
 
@@ -378,9 +378,9 @@ def test_top_k_is_honoured(url, engine):
         ({"logprobs": 6}, "logprobs"),  # OpenAI's most: 5
         ({"logprobs": True}, "logprobs"),  # a count, not a switch
         ({"suffix": "end"}, "suffix"),
-        ({"echo": 1}, "echo"),
+        ({"echo": "true"}, "echo"),
         ({"top_logprobs": 2}, "top_logprobs"),  # chat's; completions' logprobs is the count
-        ({"best_of": 3}, "best_of"),
+        ({"best_of": 21}, "best_of"),
     ],
 )
 def test_completions_fields_too(url, edit, param):

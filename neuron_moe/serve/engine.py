@@ -2,8 +2,9 @@
 
 `Output` is one request's side of generation: sampling (greedy at temperature 0, else
 temperature, top-k and top-p from a per-request seeded generator's draws: `static/sampling.py`,
-in the graphs or, for a request served alone, on the host), EOS, stop sequences and max_tokens,
-and the text that is safe to send after each token (a partial stop string or a partial UTF-8
+in the graphs or, for a request served alone, on the host), the tokens the next one must not be
+(EOS and stop_token_ids until min_tokens), EOS (unless ignore_eos), stop_token_ids, stop sequences
+and max_tokens, and the text that is safe to send after each token (a partial stop string or a partial UTF-8
 character is held back until it resolves): an id side that decides from the tokens (`take`) and
 a text side (`text`), which the batching engine runs beside its graph calls. `Engine` checks a
 request against its runtime's limits and runs one request per calling thread over a runtime with a
@@ -15,6 +16,7 @@ same `Output` per row.
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 from collections.abc import Iterator
@@ -60,6 +62,14 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     processing: Processing = NOTHING  # logprobs, penalties, logit_bias, min_p (`static/sampling.py`)
+    # vLLM's: EOS generated and fed on like any token; generation ends at any of these tokens;
+    # no EOS or stop token chosen, and no stop string ending, before this many tokens; the stop
+    # string or token kept in the text; the chosen tokens' logprobs summed (best_of's ranking)
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    rank: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,8 @@ class Step:
     logprobs: TokenLogprobs | None = None  # this step's token's, when the request asked for logprobs
     # the first step of a request that asked for prompt logprobs (echo): one per prompt token, None first
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (EOS: None)
+    cumulative_logprob: float | None = None  # the chosen tokens' logprobs summed so far (params.rank), else None
 
 
 def sample(logits: torch.Tensor, row: tuple, finite: bool | None = None) -> int:
@@ -132,7 +144,8 @@ class Output:
       sequence begins with its decode of a shorter one at a complete character.
 
     The text side may run behind the id side (it reads the tokens the id side has appended); it
-    takes the tokens in order, each once. An id-side "stop" token (EOS) is no part of the text.
+    takes the tokens in order, each once. An id-side "stop" token (EOS, a stop token) is no part of the
+    text, unless include_stop_str_in_output keeps it.
     `next(logits, token)` is both at once, for a caller that wants the Step at once (a request
     served alone, `Engine.generate`).
     """
@@ -149,13 +162,20 @@ class Output:
         self._draws: list[float] = []  # uniforms drawn ahead, next one last
         self._drawn = 0
         # the id side
-        self.tokens: list[int] = []  # the generated tokens, EOS not among them
+        self.tokens: list[int] = []  # the generated tokens, a stop token (EOS) not among them unless kept
         self.count = 0  # tokens generated (an EOS counts)
         self.token: int | None = None  # the latest token, which the runtime is fed next
+        self.stop_token: int | None = None  # a stop_token_ids token that ended it (vLLM's stop_reason)
+        self._kept = False  # whether the stop token that ended it is in `tokens` (include_stop_str_in_output)
+        self._banned = ends(params, eos_ids)  # banned before min_tokens
+        self._bans = bool(self._banned and params.min_tokens)
+        # the chosen tokens' logprobs (the model's own) summed after each token, for best_of's ranking
+        self._cumulative: list[float] | None = [] if params.rank else None
         # the text side: the text of tokens[:_read] is _text (final); _window is the text of
         # tokens[_prefix:_read], the decode window's start, whose text a new token's is told from
         self._text, self._window, self._prefix, self._read = "", "", 0, 0
         self._searched = 0  # characters of the text looked through for stop strings
+        self._stop_from = 0  # characters before which no stop string may end (the first min_tokens tokens' text)
         self._longest = max(map(len, params.stop), default=0)
         self.sent = 0  # characters of the text already handed out
 
@@ -166,13 +186,14 @@ class Output:
     @property
     def asks(self) -> bool:
         """Whether this request runs in the logits-processing graphs (`static/rows.py`): it asks for
-        logprobs, penalties, logit_bias or min_p — or, once their fields exist, bans or a grammar
-        (the single place those join: `banned()`, `allowed()`)."""
-        return self.params.processing.asks
+        logprobs, penalties, logit_bias or min_p, bans (min_tokens: `banned()`), each token's logprob
+        (best_of's ranking) — or, once its fields exist, a grammar (`allowed()`)."""
+        return self.params.processing.asks or self._bans or self.params.rank
 
     def banned(self) -> tuple[int, ...]:
-        """Token ids the next token must not be (a ban for this step only); none here."""
-        return ()
+        """The token ids the next token must not be: EOS (unless ignore_eos) and stop_token_ids while
+        fewer than min_tokens have been generated (vLLM's min_tokens); () otherwise."""
+        return self._banned if self.count < self.params.min_tokens else ()
 
     def allowed(self) -> torch.Tensor | None:
         """The grammar's bitmask for the next token (int32 [ceil(V/32)], bit t % 32 of word t // 32 set
@@ -215,7 +236,8 @@ class Output:
     def take(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> str | None:
         """The id side of the next token: `token` as a graph chose it (with its `scores`, (logprob, top
         ids, top logprobs), from the logits-processing graphs), or chosen here from `logits`; it joins
-        the output -> its finish reason from the ids ("stop": EOS, "length": max_tokens), or None."""
+        the output -> its finish reason from the ids ("stop": EOS unless ignore_eos, or a stop token;
+        "length": max_tokens), or None."""
         if token is None:
             token, scores = self._choose(logits)
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
@@ -225,7 +247,16 @@ class Output:
         n = self.params.processing.logprobs
         if n is not None:  # the count-th token's, for its Step (the text side may run behind)
             self.scores.append(None if scores is None else token_logprobs(token, *scores, n))
-        if token in self.eos_ids:
+        if self._cumulative is not None:  # the token's logprob under the model's own distribution
+            before = self._cumulative[-1] if self._cumulative else 0.0
+            self._cumulative.append(before + (float(scores[0]) if scores is not None else math.nan))
+        params = self.params
+        eos = token in self.eos_ids and not params.ignore_eos
+        if eos or token in params.stop_token_ids:
+            self.stop_token = None if eos else token
+            if params.include_stop_str_in_output:
+                self.tokens.append(token)
+                self._kept = True
             return "stop"
         self.tokens.append(token)
         return "length" if self.count == self.params.max_tokens else None
@@ -246,7 +277,7 @@ class Output:
         """The Step of the count-th token, whose id side said `finish`: its new text, and its
         finish reason (a stop string's, if one ends the output here)."""
         params, sent = self.params, self.sent
-        pending = self._advance(count - 1 if finish == "stop" else count)
+        pending = self._advance(count - 1 if finish == "stop" and not self._kept else count)
         # Only the text's tail is looked at: stop strings were looked for up to `_searched`, so a new
         # one ends past `_searched` - (longest - 1), and what is held back is at most a stop's length
         # and the incomplete character; `sent` is at most that far back.
@@ -254,23 +285,32 @@ class Output:
         base = min(sent, start, len(self._text))
         recent = self._text[base:] + pending  # the text from `base` on
         if finish == "stop":
-            return self._step(recent[sent - base :], "stop", count)
+            return self._step(recent[sent - base :], "stop", count, self.stop_token)
         # stops are looked for in the complete characters alone: a trailing U+FFFD may be the start of a
         # character still arriving (a stop of U+FFFD would cut it), and it is looked at once it is whole
         complete = recent.rstrip("\ufffd")
         self._searched = base + len(complete)
-        cut = min((j for j in (complete.find(s, start - base) for s in params.stop) if j >= 0), default=None)
-        if cut is not None:
-            return self._step(recent[sent - base : cut], "stop", count)
+        if count <= params.min_tokens:  # vLLM's: no stop string ends within the first min_tokens tokens' text
+            self._stop_from = self._searched
+        else:
+            froms = [max(start, self._stop_from - len(s) + 1) - base for s in params.stop]
+            found = [(j, s) for s, f in zip(params.stop, froms) if (j := complete.find(s, f)) >= 0]
+            if found:
+                cut, stop = min(found)
+                end = cut + len(stop) if params.include_stop_str_in_output else cut
+                return self._step(recent[sent - base : end], "stop", count, stop)
         if finish == "length":
             return self._step(recent[sent - base :], "length", count)
-        safe = base + len(recent) - held_back(recent, params.stop)
+        safe = base + len(recent) - held_back(recent, () if params.include_stop_str_in_output else params.stop)
         self.sent = max(sent, safe)
         return self._step(recent[sent - base : safe - base], None, count)
 
-    def _step(self, text: str, finish: str | None, count: int) -> Step:
-        """The count-th token's Step, with its logprobs (and, the first, the prompt's) where asked."""
-        extra = {}
+    def _step(self, text: str, finish: str | None, count: int, stop_reason: int | str | None = None) -> Step:
+        """The count-th token's Step, with its logprobs (and, the first, the prompt's) where asked, the
+        stop string or token that ended it, and its tokens' logprobs summed (best_of)."""
+        extra = {"stop_reason": stop_reason}
+        if self._cumulative is not None and count <= len(self._cumulative):
+            extra["cumulative_logprob"] = self._cumulative[count - 1]
         if self.params.processing.logprobs is not None and count <= len(self.scores):
             extra["logprobs"] = self.scores[count - 1]
         if count == 1 and self._prompt_logprobs is not None:
@@ -330,8 +370,20 @@ class Engine:
         bad = next((t for t, _ in processing.logit_bias if vocab is not None and t >= vocab), None)
         if bad is not None:
             raise RequestError(f"logit_bias: token id {bad} is not below the vocabulary size {vocab}", "logit_bias")
-        if processing.asks and getattr(self.runtime, "processing", True) is False:
-            field = _asked_field(processing)
+        if params.min_tokens > params.max_tokens:
+            raise RequestError(
+                f"min_tokens ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})", "min_tokens"
+            )
+        banned = ends(params, self.eos_ids) if params.min_tokens else ()
+        if len(processing.logit_bias) + len(banned) > BIAS_WIDTH:
+            raise RequestError(
+                f"stop_token_ids: with min_tokens, the ids banned until then (EOS and these: {len(banned)}) and "
+                f"logit_bias ({len(processing.logit_bias)}) are at most {BIAS_WIDTH} (the graphs' fixed width per row)",
+                "stop_token_ids",
+            )
+        asked = "min_tokens" if banned else "best_of" if params.rank else None
+        if (processing.asks or asked) and getattr(self.runtime, "processing", True) is False:
+            field = _asked_field(processing) if processing.asks else asked
             raise RequestError(
                 f"{field}: this backend's graphs have no logits-processing variant (an artifact built "
                 "before it); serve it with --backend static or hf, or rebuild the artifact",
@@ -421,6 +473,11 @@ def _asked_field(processing: Processing) -> str:
     """The request field behind the first thing `processing` asks for (for an error's `param`)."""
     names = ("logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
     return next((n for n in names if getattr(processing, n) != getattr(NOTHING, n)), "logit_bias")
+
+
+def ends(params: SamplingParams, eos_ids) -> tuple[int, ...]:
+    """The tokens that end a request, sorted: EOS (unless ignore_eos) and its stop_token_ids."""
+    return tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))))
 
 
 def eos_ids(tokenizer, config) -> set[int]:

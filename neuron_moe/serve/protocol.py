@@ -16,6 +16,8 @@ from ..static.sampling import Processing
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
+MAX_STOP_TOKEN_IDS = 32  # vLLM sets none; the logits-processing graphs take a fixed number of banned ids per row
+MAX_BEST_OF = 20  # OpenAI's
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (the graphs take fewer: `engine.check_sampling`)
 # vLLM takes any positive repetition_penalty; outside these a seen token's logit is scaled past any use
 # (and near 0 to inf in fp32)
@@ -26,10 +28,8 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 # of vLLM send through `extra_body`.
 UNSUPPORTED: dict[str, tuple] = {
     # honoured by one route only (the request type that does lists it in its HONOURED): top_logprobs
-    # in chat (completions' `logprobs` is a count), echo in completions
+    # in chat (completions' `logprobs` is a count)
     "top_logprobs": (),
-    "echo": (False,),
-    "best_of": (1,),
     "tools": ([],),
     "functions": ([],),
     "function_call": ("none", "auto"),
@@ -38,10 +38,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "modalities": (["text"],),
     "audio": (),
     "web_search_options": (),
-    "min_tokens": (0,),
-    "ignore_eos": (False,),
-    "stop_token_ids": ([],),
-    "include_stop_str_in_output": (False,),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "guided_json": (),
@@ -165,6 +161,12 @@ class _Sampling(_Strict):
     stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     n: int | None = Field(None, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)  # candidates, of which the n most likely are answered
+    echo: bool | None = None  # completions: the prompt before the text; chat: vLLM's (the last assistant turn)
+    ignore_eos: bool | None = None  # vLLM's extras, from here on
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[float, Field(ge=-100, le=100)]] | None = (
@@ -207,12 +209,36 @@ class _Sampling(_Strict):
             raise ValueError("a stop sequence must not be empty")
         return stops
 
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v, info):
-        if v is not None and v != 1:
-            raise ValueError(f"only {info.field_name}=1 is supported")
-        return v
+    @model_validator(mode="after")
+    def _best_of(self):
+        """OpenAI's rules: best_of candidates hold the n answered; candidates beyond n cannot be streamed
+        (the best are known at the end)."""
+        if self.best_of is not None:
+            if self.best_of < self.choices:
+                raise FieldError("best_of", f"best_of ({self.best_of}) must be at least n ({self.choices})")
+            if self.stream and self.best_of > self.choices:
+                raise FieldError("best_of", "best_of above n cannot be streamed (the best are known only at the end)")
+        return self
+
+    @property
+    def choices(self) -> int:
+        """n: the choices answered."""
+        return self.n or 1
+
+    @property
+    def candidates(self) -> int:
+        """best_of: the generations run (each a row of the batch), of which the `choices` most likely are answered."""
+        return self.best_of or self.choices
+
+    @property
+    def stopping(self) -> dict:
+        """vLLM's stop fields, with their defaults for null (SamplingParams' names)."""
+        return {
+            "ignore_eos": bool(self.ignore_eos),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "min_tokens": self.min_tokens or 0,
+            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+        }
 
     def processing(self, logprobs: int | None, prompt_logprobs: int | None = None) -> Processing:
         """The request's logits processing (`static/sampling.py`), nulls as their defaults."""
@@ -283,11 +309,8 @@ class CompletionRequest(_Sampling):
     request: several are refused, naming how many); null, as in OpenAI's API, is the start of a new
     document (the empty prompt: the tokenizer's BOS)."""
 
-    HONOURED = frozenset({"echo"})
     prompt: Text | list | None
     logprobs: int | None = Field(None, ge=0, le=5)  # the chosen token's logprob and this many more per token
-    best_of: int | None = Field(None, ge=1, le=20)
-    echo: bool | None = None
     suffix: Text | None = None  # logprobs 0 asks for the chosen tokens' logprobs: not nothing
 
     @field_validator("prompt")
