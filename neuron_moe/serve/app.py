@@ -565,8 +565,12 @@ def create_app(
             raise problem
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
-            params = SamplingParams(max_tokens, **req.sampling, stop=tuple(req.stop or ()) + extra_stops)
+            params = SamplingParams(
+                max_tokens, **req.sampling, stop=tuple(req.stop or ()) + extra_stops, grammar=req.grammar
+            )
             engine.check_sampling(params)
+            if params.grammar is not None:  # compiled (or found in the cache) off the event loop
+                await asyncio.to_thread(engine.compile_grammar, params)
         except RequestError as e:
             where = {
                 "prompt": "messages" if chat else "prompt",

@@ -88,6 +88,8 @@ class _QueueSink:
 class BatchEngine(Engine):
     """The engine over a runtime (`runtime.py`): its `batch` rows are this engine's `rows`."""
 
+    masks = False  # the graphs choose each token: a grammar's bitmask needs the graphs' mask input
+
     def __init__(self, runtime, tokenizer, eos_ids: set[int]):
         # Any prompt that fits the cache: a prompt longer than the chunk is prefilled a chunk at a time.
         # A prompt of n tokens takes positions 0..n-1 and each new token but the last the next one:

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from ..errors import UserError
 from ..static.sampling import GREEDY, GREEDY_BELOW, pick, sampling_row
+from .grammar import GrammarError, Grammars, GrammarSpec, Matcher
 
 
 class RequestError(UserError):
@@ -46,6 +47,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    grammar: GrammarSpec | None = None  # structured output: what the text must match (grammar.py)
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,15 @@ class Output:
     is safe to send (a partial stop string or a partial UTF-8 character is held back until it
     resolves). The same for a request served alone (`Engine.generate`) and for a row of a batch
     (`batching.BatchEngine`).
+
+    A request with a grammar (`matcher`, grammar.py) has `allowed()`, the next token's bitmask,
+    which the host applies to the logits before it samples (and the graphs take as an input); the
+    chosen token advances the matcher, and once the grammar takes nothing more the request ends
+    ("stop"). `allowed()` is None for a request without one.
     """
 
-    def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams):
-        self.tokenizer, self.eos_ids, self.params = tokenizer, eos_ids, params
+    def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams, matcher: Matcher | None = None):
+        self.tokenizer, self.eos_ids, self.params, self.matcher = tokenizer, eos_ids, params, matcher
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
         self.tokens: list[int] = []
@@ -109,12 +116,18 @@ class Output:
         u = float(torch.rand((), generator=self.generator))
         return sampling_row(params.temperature, params.top_k, params.top_p, u)
 
+    def allowed(self) -> torch.Tensor | None:
+        """The grammar's bitmask for the next token (int32 [ceil(V/32)], grammar.py); None: no grammar."""
+        return None if self.matcher is None else self.matcher.allowed()
+
     def next(self, logits: torch.Tensor | None, token: int | None = None) -> Step:
         params = self.params
         if token is None:
-            token = sample(logits, self.sampling())
+            token = sample(logits if self.matcher is None else self.matcher.apply(logits), self.sampling())
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
+        if self.matcher is not None and not self.matcher.advance(token):
+            raise GenerationError(f"token {token} at step {self.count} is not one the grammar allows")
         self.token, self.count = token, self.count + 1
         if token in self.eos_ids:
             return Step(self._text()[self.sent :], "stop", self.count)
@@ -128,6 +141,8 @@ class Output:
         cut = min((j for j in (complete.find(s) for s in params.stop) if j >= 0), default=None)
         if cut is not None:
             return Step(text[self.sent : cut], "stop", self.count)
+        if self.matcher is not None and self.matcher.stopped:  # the grammar is complete: nothing may follow
+            return Step(text[self.sent :], "stop", self.count)
         if self.count == params.max_tokens:
             return Step(text[self.sent :], "length", self.count)
         safe = len(text) - held_back(text, params.stop)
@@ -144,13 +159,16 @@ class Engine:
     request on the calling thread over a runtime with a state per request."""
 
     rows: int | None = None  # a batching engine's rows (batching.py); None: one request per thread
+    masks = True  # whether it applies a grammar's token bitmask (structured output) before it samples
 
-    def __init__(self, runtime, tokenizer, max_context: int, eos_ids: set[int]):
+    def __init__(self, runtime, tokenizer, max_context: int, eos_ids: set[int], vocab_size: int | None = None):
         self.runtime, self.tokenizer = runtime, tokenizer
         self.max_context = max_context  # prompt + generated tokens
         self.eos_ids = frozenset(eos_ids)
         # the most top_k the runtime samples from exactly (its graphs' candidate width; None: any)
         self.max_top_k: int | None = getattr(runtime, "candidates", None)
+        # vocab_size: the logits' width, which a grammar's bitmask covers (None: the tokenizer's vocabulary)
+        self.grammars = Grammars(tokenizer, vocab_size, self.eos_ids)
 
     def check_sampling(self, params: SamplingParams) -> None:
         """A RequestError if the runtime cannot sample this request as asked."""
@@ -160,6 +178,20 @@ class Engine:
                 f"must be at most {self.max_top_k} (or 0, off), got {params.top_k}",
                 "top_k",
             )
+        if params.grammar is not None and not self.masks:
+            raise RequestError(
+                "this backend's graphs take no token mask yet: structured output (a grammar) is served by --backend hf",
+                params.grammar.field,
+            )
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar into the cache (slow for a large schema: a caller off the step
+        loop's thread calls this first); a RequestError naming its field if it does not compile."""
+        if params.grammar is not None:
+            try:
+                self.grammars.compile(params.grammar)
+            except GrammarError as e:
+                raise RequestError(str(e), e.field) from None
 
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
         """The request's token budget: what it asked for, or what is left of the context (a request
@@ -187,9 +219,12 @@ class Engine:
         """Nothing to stop: this engine generates on its callers' threads."""
 
     def output(self, params: SamplingParams) -> Output:
-        """A new request's Output; a RequestError if the runtime cannot sample it."""
+        """A new request's Output; a RequestError if the runtime cannot sample it or its grammar does
+        not compile."""
         self.check_sampling(params)
-        return Output(self.tokenizer, self.eos_ids, params)
+        self.compile_grammar(params)
+        matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
+        return Output(self.tokenizer, self.eos_ids, params, matcher)
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None

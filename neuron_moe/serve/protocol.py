@@ -10,11 +10,23 @@ default (`UNSUPPORTED`): never accepted and ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .grammar import GrammarSpec
+
 MAX_STOPS = 4
+# the fields that ask for structured output; at most one per request
+GRAMMAR_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 # What the server cannot do yet, by field: the values that ask for nothing (their defaults). Any
@@ -32,7 +44,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "functions": ([],),
     "function_call": ("none", "auto"),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "web_search_options": (),
@@ -44,11 +55,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "include_stop_str_in_output": (False,),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
     "bad_words": ([],),
     "allowed_token_ids": (),
     "prompt_logprobs": (),
@@ -134,16 +140,93 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+def _schema(v):
+    """A JSON schema: an object, or its text (vLLM's `guided_json` takes either)."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"a JSON schema is a JSON object, got {type(v).__name__}")
+    return v
+
+
+Schema = Annotated[Text | dict, AfterValidator(_schema)]
+Choices = Annotated[list[Text], Field(min_length=1)]
+ANY_OBJECT = {"type": "object"}  # json_object: any JSON object
+
+
+class JSONSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`; its schema is enforced whatever `strict` says."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: Schema = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JSONSchemaFormat | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, v):
-        if v != "text":
-            raise ValueError(f"response_format {v!r} is not supported by this server (only 'text')")
-        return v
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldError(
+                "response_format.json_schema", "json_schema is given with type 'json_schema', and only then"
+            )
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: one of json, regex, choice, grammar or json_object, and options."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: Schema | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Choices | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: Text | None = None
+    disable_fallback: bool | None = None  # one grammar library here: nothing to fall back to, either way
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: Text | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if self.structural_tag is not None:
+            raise FieldError("structured_outputs.structural_tag", "structural_tag is not supported by this server")
+        if self.disable_additional_properties:
+            raise FieldError(
+                "structured_outputs.disable_additional_properties",
+                "disable_additional_properties is not supported by this server: set additionalProperties in the schema",
+            )
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise FieldError(
+                "structured_outputs",
+                "give exactly one of json, regex, choice, grammar or json_object (true), got "
+                + (", ".join(k.rstrip("_") for k in given) or "none"),
+            )
+        return self
+
+    def spec(self) -> GrammarSpec:
+        options = {"whitespace_flexible": self.disable_any_whitespace is False}
+        if self.whitespace_pattern is not None:
+            options["whitespace_pattern"] = self.whitespace_pattern
+        if self.json_ is not None:
+            return GrammarSpec.json_schema(self.json_, "structured_outputs.json", **options)
+        if self.json_object:
+            return GrammarSpec.json_schema(ANY_OBJECT, "structured_outputs.json_object", **options)
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex, "structured_outputs.regex")
+        if self.choice is not None:
+            return GrammarSpec("choice", json.dumps(self.choice), "structured_outputs.choice")
+        return GrammarSpec("grammar", self.grammar, "structured_outputs.grammar")
 
 
 def _token_id(key: str) -> str:
@@ -174,6 +257,13 @@ class _Sampling(_Strict):
     tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused
     functions: list | None = None
     function_call: Literal["none", "auto"] | dict | None = None
+    # structured output (grammar.py): OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Schema | None = None
+    guided_regex: Text | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Text | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -192,6 +282,35 @@ class _Sampling(_Strict):
         for name in sorted(self.model_fields_set & set(UNSUPPORTED)):
             _refuse_unless_default(name, getattr(self, name))
         return self
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        given = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")  # asks for nothing
+        if len(given) > 1:
+            raise FieldError(given[1], f"one structured output per request: {given[0]} and {given[1]} are both given")
+        return self
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """What the output must match, from whichever field asked (None: free text)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            return GrammarSpec.json_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+        if fmt is not None and fmt.type == "json_object":
+            return GrammarSpec.json_schema(ANY_OBJECT, "response_format")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        if self.guided_json is not None:
+            return GrammarSpec.json_schema(self.guided_json, "guided_json")
+        if self.guided_regex is not None:
+            return GrammarSpec("regex", self.guided_regex, "guided_regex")
+        if self.guided_choice is not None:
+            return GrammarSpec("choice", json.dumps(self.guided_choice), "guided_choice")
+        if self.guided_grammar is not None:
+            return GrammarSpec("grammar", self.guided_grammar, "guided_grammar")
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -234,7 +353,6 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None  # "audio" is refused as not one of these
 
 
