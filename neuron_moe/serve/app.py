@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,7 +40,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from ..report import dumps
 from .chat import render_chat
-from .engine import Engine, RequestError, SamplingParams
+from .engine import Engine, RequestError, SamplingParams, TokenLogprobs
 from .invocations import invocation_request
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
@@ -253,20 +254,68 @@ async def _server_error(_request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), 500)
 
 
-def _choice(chat: bool, stream: bool, text: str | None, finish: str | None, role: bool = False) -> dict:
+def _choice(
+    chat: bool, stream: bool, text: str | None, finish: str | None, role: bool = False, logprobs: dict | None = None
+) -> dict:
     if not chat:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if not stream:
         return {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
     delta = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+class _Logprobs:
+    """A request's tokens' logprobs in OpenAI's shapes: chat's `{"content": [{token, logprob, bytes,
+    top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (the chosen
+    token among its top ones, as vLLM's; a prompt's first token, with echo, has none: null). Made
+    for the whole answer or a stream's chunk at a time (`text_offset` runs on across chunks)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat, self.offset = tokenizer, chat, 0
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def __call__(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict | None:
+        """[(token id, its logprobs or None)] -> the logprobs object of those tokens."""
+        if self.chat:
+            return {"content": [self._chat(entry) for _, entry in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in entries:
+            text = self.text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if entry is None else entry.logprob)
+            top = None if entry is None else {self.text(t): lp for t, lp in entry.top}
+            if top is not None:
+                top.setdefault(text, entry.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def _chat(self, entry: TokenLogprobs) -> dict:
+        def one(token: int, logprob: float) -> dict:
+            text = self.text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+
+
+def _prompt_entries(prompt_ids: list[int], item) -> list:
+    """A first Step's prompt logprobs (echo) as (token, logprobs) entries; [] when it has none."""
+    return list(zip(prompt_ids, item.prompt_logprobs)) if item.prompt_logprobs is not None else []
+
+
+def _step_entries(item) -> list:
+    return [(item.logprobs.token, item.logprobs)] if item.logprobs is not None else []
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -341,15 +390,26 @@ async def _until_cut(events, cut: asyncio.Event):
         _drop(step)
 
 
-async def _stream(job, head: dict, chat: bool, include_usage: bool, record: _Record, cut: asyncio.Event):
-    """SSE events: (chat: a role delta), text deltas, a finish chunk, (usage), [DONE]. A
-    failure mid-stream, or the drain deadline, is an `{"error": ...}` event, then [DONE]. Leaving
-    this generator early — the client disconnected — cancels the job, which frees its slot."""
+async def _stream(
+    job,
+    head: dict,
+    chat: bool,
+    include_usage: bool,
+    record: _Record,
+    cut: asyncio.Event,
+    echo: _Echo | None = None,
+    logprobs: _Logprobs | None = None,
+):
+    """SSE events: (chat: a role delta), (`echo`: the prompt's text, with its logprobs), text deltas
+    (with their tokens' logprobs when asked), a finish chunk, (usage), [DONE]. A failure mid-stream,
+    or the drain deadline, is an `{"error": ...}` event, then [DONE]. Leaving this generator early —
+    the client disconnected — cancels the job, which frees its slot."""
     usage = {"usage": None} if include_usage else {}
     completion, finished, n_prompt, outcome = 0, False, record.n_prompt, "client gone"
     try:
         if chat:
             yield _sse({**head, "choices": [_choice(True, True, "", None, role=True)], **usage})
+        first = True
         async for item in _until_cut(job.events(KEEPALIVE_S), cut):
             if item is None:
                 yield ": keep-alive\n\n"
@@ -360,8 +420,13 @@ async def _stream(job, head: dict, chat: bool, include_usage: bool, record: _Rec
                 break
             record.step(item)
             completion = item.completion_tokens
-            if item.text:
-                yield _sse({**head, "choices": [_choice(chat, True, item.text, None)], **usage})
+            if first and echo is not None:
+                scores = logprobs and logprobs(_prompt_entries(echo.ids, item))
+                yield _sse({**head, "choices": [_choice(chat, True, echo.text, None, logprobs=scores)], **usage})
+            first = False
+            entries = logprobs(_step_entries(item)) if logprobs is not None else None
+            if item.text or entries:
+                yield _sse({**head, "choices": [_choice(chat, True, item.text, None, logprobs=entries)], **usage})
             if item.finish_reason:
                 finished = True
                 yield _sse(
@@ -385,19 +450,22 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(job, request: Request, cut: asyncio.Event, record: _Record):
-    """(text, finish_reason, completion tokens), or None when the client left first; a 503
-    APIError at the drain deadline."""
+async def _collect(job, request: Request, cut: asyncio.Event, record: _Record, echo: _Echo | None = None):
+    """(text, finish_reason, completion tokens, [(token, its logprobs)] of the prompt (echo) and the
+    completion), or None when the client left first; a 503 APIError at the drain deadline."""
 
     async def consume():
-        parts, finish, completion = [], None, 0
+        parts, finish, completion, entries = [], None, 0, []
         async for item in _until_cut(job.events(), cut):
             if isinstance(item, Exception):
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}", "server_error")
             record.step(item)
+            if not parts and echo is not None:
+                entries += _prompt_entries(echo.ids, item)
             parts.append(item.text)
+            entries += _step_entries(item)
             finish, completion = item.finish_reason or finish, item.completion_tokens
-        return "".join(parts), finish, completion
+        return "".join(parts), finish, completion, entries
 
     consumer, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
     outcome = "client gone"
@@ -422,6 +490,14 @@ async def _collect(job, request: Request, cut: asyncio.Event, record: _Record):
         _drop(consumer)
         job.cancel()
         record.log(outcome)
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """A completion's prompt, sent back before it (`echo`): its text and its ids."""
+
+    text: str
+    ids: list[int]
 
 
 def _unknown_model(model: str, names: list[str]) -> APIError:
@@ -558,7 +634,14 @@ def create_app(
         return state.engine
 
     async def respond(
-        engine: Engine, req, request: Request, prompt_ids: list[int], extra_stops: tuple, chat: bool, started: float
+        engine: Engine,
+        req,
+        request: Request,
+        prompt_ids: list[int],
+        extra_stops: tuple,
+        chat: bool,
+        started: float,
+        echo_text: str = "",
     ):
         problem = state.unavailable()  # the server may have begun draining while the prompt was tokenized
         if problem:
@@ -566,7 +649,11 @@ def create_app(
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
             params = SamplingParams(
-                max_tokens, **req.sampling, stop=tuple(req.stop or ()) + extra_stops, grammar=req.grammar
+                max_tokens,
+                **req.sampling,
+                stop=tuple(req.stop or ()) + extra_stops,
+                processing=req.asked_processing,
+                grammar=req.grammar,
             )
             engine.check_sampling(params)
             if params.grammar is not None:  # compiled (or found in the cache) off the event loop
@@ -585,17 +672,21 @@ def create_app(
             "model": model_name,
         }
         record = _Record(head["id"], len(prompt_ids), started)
+        logprobs = _Logprobs(engine.tokenizer, chat) if params.processing.logprobs is not None else None
+        echo = None if chat or not req.echo else _Echo(echo_text, list(prompt_ids))
         if req.stream:
             return StreamingResponse(
-                _stream(job, head, chat, req.include_usage, record, state.cut),
+                _stream(job, head, chat, req.include_usage, record, state.cut, echo, logprobs),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        result = await _collect(job, request, state.cut, record)
+        result = await _collect(job, request, state.cut, record, echo)
         if result is None:
             return Response(status_code=499)  # nobody is listening; the status is for the access log
-        text, finish, completion = result
-        return {**head, "choices": [_choice(chat, False, text, finish)], "usage": _usage(len(prompt_ids), completion)}
+        text, finish, completion, entries = result
+        text = text if echo is None else echo.text + text
+        choice = _choice(chat, False, text, finish, logprobs=logprobs and logprobs(entries))
+        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), completion)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
@@ -613,10 +704,12 @@ def create_app(
         if isinstance(req.prompt, list):  # token ids, as they are
             _check_token_ids(req.prompt, vocab_size, "prompt")
             prompt_ids = req.prompt
+            echo_text = await asyncio.to_thread(engine.tokenizer.decode, prompt_ids) if req.echo else ""
         else:
             _check_prompt_bytes(engine, [req.prompt], "prompt")
             prompt_ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
-        return await respond(engine, req, request, prompt_ids, (), chat=False, started=started)
+            echo_text = req.prompt
+        return await respond(engine, req, request, prompt_ids, (), chat=False, started=started, echo_text=echo_text)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):  # vLLM's: the ids a completion of this prompt would start from

@@ -51,10 +51,4 @@ def load_engine(
         runtime = static_runtime(model, spec, batch_size, prefill_rows=prefill_rows, chunk=prefill_chunk)
         return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, model.config))
     model = build_model(port, backend.experts, dtype, checkpoint)
-    return Engine(
-        HFRuntime(model),
-        tokenizer,
-        model.config.max_position_embeddings,
-        eos_ids(tokenizer, model.config),
-        vocab_size=model.config.vocab_size,
-    )
+    return Engine(HFRuntime(model), tokenizer, model.config.max_position_embeddings, eos_ids(tokenizer, model.config))

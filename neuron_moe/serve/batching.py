@@ -55,11 +55,21 @@ class _Request:
     def sampling(self) -> tuple[float, float, float, float]:
         return self.output.sampling()
 
-    def next(self, token: int, logits: torch.Tensor | None) -> int | None:
+    @property
+    def asks(self) -> bool:
+        return self.output.asks
+
+    def processing(self):
+        return self.output.processing()
+
+    def prompt_scores(self, start: int, chosen, top_ids, top) -> None:
+        self.output.prompt_scores(start, chosen, top_ids, top)
+
+    def next(self, token: int, logits: torch.Tensor | None, scores=None) -> int | None:
         """The Step of the token the graph chose, sent to the client; the token to feed next, or
         None if that was the last (or the request failed)."""
         try:
-            step = self.output.next(logits, token)
+            step = self.output.next(logits, token, scores)
             self.sink.put(step)
         except Exception as e:  # this request's own failure: the other rows go on
             log.exception("generation failed in a row of the batch")
@@ -87,8 +97,6 @@ class _QueueSink:
 
 class BatchEngine(Engine):
     """The engine over a runtime (`runtime.py`): its `batch` rows are this engine's `rows`."""
-
-    masks = False  # the graphs choose each token: a grammar's bitmask needs the graphs' mask input
 
     def __init__(self, runtime, tokenizer, eos_ids: set[int]):
         # Any prompt that fits the cache: a prompt longer than the chunk is prefilled a chunk at a time.
@@ -121,7 +129,7 @@ class BatchEngine(Engine):
         anything runs, if the prompt or the budget does not fit the graphs or the sampling cannot
         be served."""
         self.max_tokens_for(len(prompt_ids), params.max_tokens)
-        request = _Request(list(prompt_ids), self.output(params), sink)
+        request = _Request(list(prompt_ids), self.output(params, prompt_ids), sink)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the batching engine is closed")

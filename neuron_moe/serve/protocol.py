@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+from ..static.sampling import Processing
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .grammar import GrammarSpec
@@ -27,19 +28,14 @@ GRAMMAR_FIELDS = (
     "guided_choice",
     "guided_grammar",
 )
-MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (the graphs take fewer: `engine.check_sampling`)
+MAX_REPETITION_PENALTY = 100.0  # vLLM takes any positive value; past this, every seen token is ruled out anyway
 
 # What the server cannot do yet, by field: the values that ask for nothing (their defaults). Any
 # other value is a 400 naming the field. OpenAI's fields, then vLLM's sampling extras that clients
 # of vLLM send through `extra_body`.
 UNSUPPORTED: dict[str, tuple] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "logprobs": (False,),
-    "top_logprobs": (),
     "best_of": (1,),
-    "echo": (False,),
     "tools": ([],),
     "functions": ([],),
     "function_call": ("none", "auto"),
@@ -47,8 +43,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "modalities": (["text"],),
     "audio": (),
     "web_search_options": (),
-    "min_p": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
     "min_tokens": (0,),
     "ignore_eos": (False,),
     "stop_token_ids": ([],),
@@ -249,9 +243,11 @@ class _Sampling(_Strict):
     n: int | None = Field(None, ge=1, le=128)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[int, Field(ge=-100, le=100)]] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS
+    logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[float, Field(ge=-100, le=100)]] | None = (
+        Field(None, max_length=MAX_LOGIT_BIAS)
     )
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's extra: 1 is off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extra: 0 is off
     user: str | None = None
     tools: list | None = None
     tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused
@@ -329,6 +325,18 @@ class _Sampling(_Strict):
             raise ValueError(f"only {info.field_name}=1 is supported")
         return v
 
+    def processing(self, logprobs: int | None, prompt_logprobs: int | None = None) -> Processing:
+        """The request's logits processing (`static/sampling.py`), nulls as their defaults."""
+        return Processing(
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
     @property
     def sampling(self) -> dict:
         """temperature, top_p, top_k and seed with their defaults for null (top_k off: 0)."""
@@ -355,6 +363,17 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     modalities: list[Literal["text"]] | None = None  # "audio" is refused as not one of these
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def asked_processing(self) -> Processing:
+        """logprobs: the chosen token's and `top_logprobs` more per token."""
+        return self.processing((self.top_logprobs or 0) if self.logprobs else None)
+
 
 PROMPT_FORMS = "a string, a list of token ids, or a list of one of either"
 
@@ -374,7 +393,7 @@ class CompletionRequest(_Sampling):
     document (the empty prompt: the tokenizer's BOS)."""
 
     prompt: Text | list | None
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=5)  # the chosen token's logprob and this many more per token
     best_of: int | None = Field(None, ge=1, le=20)
     echo: bool | None = None
     suffix: Text | None = None  # logprobs 0 asks for the chosen tokens' logprobs: not nothing
@@ -395,6 +414,11 @@ class CompletionRequest(_Sampling):
         if not isinstance(v, list) or any(isinstance(p, (str, list)) for p in v):
             raise ValueError(f"must be {PROMPT_FORMS}")
         return _token_ids(v)
+
+    @property
+    def asked_processing(self) -> Processing:
+        """logprobs n: the chosen token's and n more per token, the prompt's too with echo."""
+        return self.processing(self.logprobs, self.logprobs if self.echo else None)
 
 
 class TokenizeRequest(BaseModel):
