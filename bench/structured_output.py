@@ -2,13 +2,20 @@
 schema, each checked to parse and validate against it.
 
 The tiny port is a small model trained on fortunes and code: it knows no JSON, so the grammar does
-the work (serve/grammar.py). Each request runs as the server runs it over transformers' model on
-CPU (`--backend hf`: `Engine.generate`, the grammar's bitmask applied to the logits before the
-host samples), its own seed, `max_tokens` with room for the longest output the schema allows.
+the work (serve/grammar.py). Each request runs as the server runs it, its own seed, `max_tokens`
+with room for the longest text the schema allows (MAX_TOKENS), on one of
+
+- `static`: the static graphs on CPU, 8 rows, their cache widened to hold the prompt and
+  MAX_TOKENS (the port's own holds 96 positions), the requests submitted together (the batching
+  engine: the grammar's bitmask an input of the logits-processing decode graph),
+- `hf`: transformers' model on CPU, one request at a time (`Engine.generate`: the bitmask applied
+  to the logits before the host samples).
+
 Recorded: per request the finish reason, the token count and whether the text validates; the
 grammars compiled (one: the schema is compiled once, then copied per request); the time per token.
 
-    OMP_NUM_THREADS=1 python -m bench.structured_output --requests 100 --json bench/results/structured-output.json
+    OMP_NUM_THREADS=1 python -m bench.structured_output --backend static --requests 100 \
+        --json bench/results/structured-output-static.json
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
@@ -36,40 +44,38 @@ SCHEMA = {
     "required": ["name", "ok", "color", "count"],
     "additionalProperties": False,
 }
-PROMPT = "Q: Describe a fortune as JSON.\nA:"
-# Room for the longest text the schema allows, a token per byte at worst: a string's character is
-# at most 6 bytes written out (\uXXXX), the rest is keys, quotes and separators.
-MAX_TOKENS = 6 * (12 + 2 * 6) + 120
+PROMPT = "JSON:"
+# Room for the longest text the schema allows, a token per byte at worst: 64 characters of keys,
+# punctuation and the longest values ('{"name":"","ok":false,"color":"green","count":99,"tags":["",""]}')
+# and 12 + 2 x 6 string characters of at most 12 bytes each (a surrogate pair written \uXXXX\uXXXX).
+MAX_TOKENS = 64 + 12 * (12 + 2 * 6)
+STATIC_ROWS = 8
 
 
 def run(engine, requests: int, first_seed: int = 0) -> dict:
-    """`requests` seeded requests through `engine` (an Engine of serve/engine.py) -> the record."""
+    """`requests` seeded requests through `engine` (an Engine of serve/engine.py; a batching one takes
+    as many at once as it has rows) -> the record."""
     from neuron_moe.serve.engine import SamplingParams
     from neuron_moe.serve.grammar import GrammarSpec
 
     spec = GrammarSpec.json_schema(SCHEMA, "response_format.json_schema.schema")
     prompt = engine.tokenizer.encode(PROMPT)
-    rows, tokens, started = [], 0, time.perf_counter()
-    for seed in range(first_seed, first_seed + requests):
-        params = SamplingParams(MAX_TOKENS, temperature=1.0, seed=seed, grammar=spec)
-        steps = list(engine.generate(prompt, params))
+
+    def one(seed: int) -> dict:
+        steps = list(engine.generate(prompt, SamplingParams(MAX_TOKENS, temperature=1.0, seed=seed, grammar=spec)))
         text = "".join(s.text for s in steps)
         try:
             jsonschema.validate(json.loads(text), SCHEMA)
             problem = None
         except (ValueError, jsonschema.ValidationError) as e:
             problem = str(e).splitlines()[0]
-        tokens += steps[-1].completion_tokens
-        rows.append(
-            {
-                "seed": seed,
-                "finish_reason": steps[-1].finish_reason,
-                "tokens": steps[-1].completion_tokens,
-                "valid": problem is None,
-                "problem": problem,
-                "text": text,
-            }
-        )
+        last = steps[-1]
+        return {"seed": seed, "finish_reason": last.finish_reason, "tokens": last.completion_tokens,
+                "valid": problem is None, "problem": problem, "text": text}  # fmt: skip
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(engine.rows or 1) as pool:
+        rows = list(pool.map(one, range(first_seed, first_seed + requests)))
     elapsed = time.perf_counter() - started
     return {
         "requests": requests,
@@ -78,24 +84,46 @@ def run(engine, requests: int, first_seed: int = 0) -> dict:
         "tokens_max": max(r["tokens"] for r in rows),
         "max_tokens": MAX_TOKENS,
         "grammars_compiled": engine.grammars.compiles,
-        "ms_per_token": round(1e3 * elapsed / tokens, 2),
+        "ms_per_token": round(1e3 * elapsed / sum(r["tokens"] for r in rows), 2),
         "rows": rows,
     }
 
 
+def static_engine(port, model, rows: int = STATIC_ROWS):
+    """The batching engine over the port's static graphs, their cache widened for PROMPT + MAX_TOKENS."""
+    import dataclasses
+
+    from neuron_moe.serve.batching import BatchEngine
+    from neuron_moe.serve.engine import eos_ids
+    from neuron_moe.serve.runtime import static_runtime
+    from neuron_moe.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(port)
+    length = len(tokenizer.encode(PROMPT)) + MAX_TOKENS
+    spec = dataclasses.replace(port.static, max_cache_len=max(port.static.max_cache_len, length))
+    return BatchEngine(static_runtime(model, spec, rows), tokenizer, eos_ids(tokenizer, model.config))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=("static", "hf"), default="static")
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the record here")
     args = ap.parse_args(argv)
+    from neuron_moe.model import build_model
     from neuron_moe.port import load_port
     from neuron_moe.serve.backends import load_engine
 
-    engine = load_engine(load_port("tiny-gemma4-moe"), "eager")
+    port = load_port("tiny-gemma4-moe")
+    if args.backend == "static":
+        engine = static_engine(port, build_model(port, port.static.decode_experts, torch.float32))
+    else:
+        engine = load_engine(port, "eager")
     load = os.getloadavg()
     record = run(engine, args.requests, args.first_seed)
     record.update(
+        backend=args.backend,
         command="python -m bench.structured_output " + " ".join(argv if argv is not None else sys.argv[1:]),
         schema=SCHEMA,
         prompt=PROMPT,
@@ -104,6 +132,7 @@ def main(argv=None) -> int:
         load_after=os.getloadavg(),
     )
     print({k: v for k, v in record.items() if k != "rows"})
+    engine.close()
     if args.json:
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1) + "\n")

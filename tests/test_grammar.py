@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench import structured_output
+from neuron_moe.model import build_model
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.engine import Engine, HFRuntime, RequestError, SamplingParams, eos_ids
 from neuron_moe.serve.grammar import Grammars, GrammarSpec, unpack
@@ -25,13 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def engine(tiny_port, tiny_eager):
     tokenizer = load_tokenizer(tiny_port)
     config = tiny_eager.config
-    return Engine(
-        HFRuntime(tiny_eager),
-        tokenizer,
-        config.max_position_embeddings,
-        eos_ids(tokenizer, config),
-        vocab_size=config.vocab_size,
-    )
+    return Engine(HFRuntime(tiny_eager), tokenizer, config.max_position_embeddings, eos_ids(tokenizer, config))
 
 
 def generate(engine, spec: GrammarSpec, seed: int, max_tokens: int = 64, prompt: str = "Q: hello\nA:"):
@@ -39,17 +34,31 @@ def generate(engine, spec: GrammarSpec, seed: int, max_tokens: int = 64, prompt:
     return "".join(s.text for s in steps), steps[-1]
 
 
-def test_seeded_requests_at_temperature_one_parse_and_validate_against_a_bounded_schema(engine):
-    """The acceptance's case at a smaller count (bench/structured_output.py runs 100, recorded in
-    bench/results/structured-output.md): every output a JSON document that validates, ended by the
-    grammar ("stop") within max_tokens, and the schema compiled once for all of them."""
-    before = engine.grammars.compiles
-    record = structured_output.run(engine, requests=12, first_seed=1000)
+@pytest.fixture(scope="module")
+def static_engine(tiny_port):
+    """The batching engine over the static graphs (8 rows), its cache wide enough for the bench's schema."""
+    engine = structured_output.static_engine(tiny_port, build_model(tiny_port, tiny_port.static.decode_experts))
+    yield engine
+    engine.close()
+
+
+def test_100_seeded_requests_at_temperature_one_parse_and_validate_against_a_bounded_schema(static_engine):
+    """The acceptance case, in the static graphs (the bitmask an input of the logits-processing decode
+    graph), 8 rows at a time: every output a JSON document that validates, ended by the grammar
+    ("stop") within max_tokens, the schema compiled once for all of them."""
+    record = structured_output.run(static_engine, requests=100, first_seed=1000)
     bad = [r for r in record["rows"] if not r["valid"] or r["finish_reason"] != "stop"]
     assert not bad, bad
-    assert record["tokens_max"] < record["max_tokens"]
-    assert engine.grammars.compiles - before <= 1
-    assert len({r["text"] for r in record["rows"]}) > 6  # sampled at temperature 1, not one text
+    assert record["tokens_max"] < record["max_tokens"] and record["grammars_compiled"] == 1
+    assert len({r["text"] for r in record["rows"]}) > 50  # sampled at temperature 1, not one text
+
+
+def test_the_static_graphs_and_the_host_choose_the_same_tokens_under_a_grammar(engine, static_engine):
+    """A seeded request with a grammar: the same text from the batching engine's graphs (beside other
+    rows) as from the host path's own masking and sampling."""
+    static = structured_output.run(static_engine, requests=8, first_seed=7)
+    host = structured_output.run(engine, requests=3, first_seed=7)
+    assert [r["text"] for r in host["rows"]] == [r["text"] for r in static["rows"][:3]]
 
 
 def test_bitmask_layout_is_bit_t_mod_32_of_word_t_div_32(engine):
@@ -102,13 +111,16 @@ def test_a_grammar_that_does_not_compile_is_a_request_error_naming_its_field(eng
         assert caught.value.param == spec.field and str(caught.value).startswith(spec.field)
 
 
-def test_an_engine_whose_graphs_take_no_mask_refuses_a_grammar_by_its_field(engine):
-    class NoMasks(Engine):
-        masks = False
+def test_graphs_without_the_logits_processing_variant_refuse_a_grammar_by_its_field(engine):
+    """An artifact built before the variant graphs (its runtime's `processing` False): a 400 naming the
+    field that asked, never a grammar accepted and ignored."""
 
-    no_masks = NoMasks(engine.runtime, engine.tokenizer, 64, engine.eos_ids)
+    class Runtime:
+        processing = False
+
+    old = Engine(Runtime(), engine.tokenizer, 64, engine.eos_ids)
     with pytest.raises(RequestError) as caught:
-        no_masks.check_sampling(SamplingParams(4, grammar=GrammarSpec("regex", "a", "guided_regex")))
+        old.check_sampling(SamplingParams(4, grammar=GrammarSpec("regex", "a", "guided_regex")))
     assert caught.value.param == "guided_regex"
 
 
