@@ -6,9 +6,10 @@ vLLM's `structured_outputs` and `guided_*` fields into one `GrammarSpec`). llgui
 against the tokenizer's own tokens (bench/results/grammar-libraries.md says why llguidance and
 what it costs) and, at each step, fills the next token's bitmask: int32 [ceil(V/32)], bit t % 32
 of word t // 32 set = token t allowed (V the model's vocabulary, the logits' width). The bitmask is
-applied to the logits before sampling: on the host (`engine.Output.next`) or as an input of the
-graphs. The chosen token advances the matcher; once the grammar can take nothing more but an EOS,
-the request ends ("stop"). EOS is allowed exactly where the grammar is complete.
+applied to the logits before sampling, by the logits-processing graphs (an input of their decode
+graph) or on the host (`static.sampling.process_host`). The chosen token advances the matcher;
+once the grammar can take nothing more but an EOS, the request ends ("stop"). EOS is allowed
+exactly where the grammar is complete.
 
 JSON is written compactly unless asked otherwise (no whitespace between its tokens: a bounded
 schema bounds the output's length), as vLLM's `disable_any_whitespace` writes it.
@@ -29,10 +30,6 @@ from dataclasses import dataclass
 import torch
 
 CACHE_SIZE = 64  # compiled grammars kept per engine
-# A disallowed token's logit on the host: finite, because the sampler reads a non-finite logit as the
-# model's failure (`static.sampling.pick`), and low enough that its weight is exactly 0 at any
-# temperature (exp underflows) while a vocabulary's sum of them stays finite in fp32.
-MASKED = -1e30
 KINDS = ("json", "regex", "choice", "grammar")
 
 
@@ -115,10 +112,6 @@ class Matcher:
             self._matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
             self._mask = mask
         return self._mask
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """[V] logits with every token the grammar does not allow next at MASKED (weight 0)."""
-        return logits.masked_fill(~unpack(self.allowed(), logits.shape[-1]), MASKED)
 
     def advance(self, token: int) -> bool:
         """Take the chosen token; False if the grammar does not allow it."""
