@@ -11,7 +11,7 @@ default (`UNSUPPORTED`): never accepted and ignored.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from ..static.sampling import Processing
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -29,12 +29,18 @@ GRAMMAR_FIELDS = (
     "guided_grammar",
 )
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (the graphs take fewer: `engine.check_sampling`)
-MAX_REPETITION_PENALTY = 100.0  # vLLM takes any positive value; past this, every seen token is ruled out anyway
+# vLLM takes any positive repetition_penalty; outside these a seen token's logit is scaled past any use
+# (and near 0 to inf in fp32)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 # What the server cannot do yet, by field: the values that ask for nothing (their defaults). Any
 # other value is a 400 naming the field. OpenAI's fields, then vLLM's sampling extras that clients
 # of vLLM send through `extra_body`.
 UNSUPPORTED: dict[str, tuple] = {
+    # honoured by one route only (the request type that does lists it in its HONOURED): top_logprobs
+    # in chat (completions' `logprobs` is a count), echo in completions
+    "top_logprobs": (),
+    "echo": (False,),
     "best_of": (1,),
     "tools": ([],),
     "functions": ([],),
@@ -230,6 +236,7 @@ def _token_id(key: str) -> str:
 
 
 class _Sampling(_Strict):
+    HONOURED: ClassVar[frozenset[str]] = frozenset()  # the fields of UNSUPPORTED this route honours
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -246,7 +253,9 @@ class _Sampling(_Strict):
     logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[float, Field(ge=-100, le=100)]] | None = (
         Field(None, max_length=MAX_LOGIT_BIAS)
     )
-    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's extra: 1 is off
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )  # vLLM's extra: 1 is off
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extra: 0 is off
     user: str | None = None
     tools: list | None = None
@@ -275,7 +284,7 @@ class _Sampling(_Strict):
     def _unsupported_fields(self):
         """An unsupported field this model declares: its type and range checked, then refused by
         name unless null or its default."""
-        for name in sorted(self.model_fields_set & set(UNSUPPORTED)):
+        for name in sorted(self.model_fields_set & set(UNSUPPORTED) - self.HONOURED):
             _refuse_unless_default(name, getattr(self, name))
         return self
 
@@ -358,6 +367,7 @@ class _Sampling(_Strict):
 
 
 class ChatRequest(_Sampling):
+    HONOURED = frozenset({"top_logprobs"})
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -392,6 +402,7 @@ class CompletionRequest(_Sampling):
     request: several are refused, naming how many); null, as in OpenAI's API, is the start of a new
     document (the empty prompt: the tokenizer's BOS)."""
 
+    HONOURED = frozenset({"echo"})
     prompt: Text | list | None
     logprobs: int | None = Field(None, ge=0, le=5)  # the chosen token's logprob and this many more per token
     best_of: int | None = Field(None, ge=1, le=20)
