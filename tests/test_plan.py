@@ -165,6 +165,7 @@ def test_no_kv_bytes_cross_the_host_per_decode_step(big):
     assert rows["input_ids + position_ids"]["bytes"] == 2 * 4 * 8 and rows["token"]["bytes"] == 4 * 8
     assert rows["sampling"]["bytes"] == 4 * 4 * 4  # the graphs choose the token: no logits for sampled requests
     assert rows["logits"]["bytes"] == 4 * 262144 * 4 and "--with-logits" in rows["logits"]["what"]
+    assert rows["grammar bitmask"]["bytes"] == 4 * 262144 // 8  # a bit per token per row: 32 KiB a row
 
 
 def test_tp_beyond_the_instance_or_the_model_is_refused_with_a_reason(big):

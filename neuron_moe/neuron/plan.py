@@ -55,7 +55,8 @@ then also holds its sidecar shard (`reader_sidecar`).
 Host: bytes crossing between host and device per decode step of the built graphs (`neuron/compile.py`):
 int64 input_ids and position_ids [batch, 1] and fp32 sampling [batch, 4] in, the token the graph
 chose [batch, 1] out; the KV cache is device state (0), and the logits come out only from an
-artifact built with --with-logits. Not measured:
+artifact built with --with-logits. A step whose rows ask for more (a grammar's token bitmask, one
+bit per token of the vocabulary per row) runs the logits-processing variant, with its own inputs. Not measured:
 no Neuron device was used for any number here.
 """
 
@@ -356,6 +357,12 @@ def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
             "what": "logits [B, V] fp32 (only an artifact built --with-logits)",
             "direction": "out",
             "bytes": batch * config.vocab_size * 4,
+        },
+        {
+            "what": "grammar bitmask [B, ceil(V/32)] int32 (structured output: in the logits-processing decode "
+            "variant only, all ones for a row without a grammar)",
+            "direction": "in",
+            "bytes": batch * ((config.vocab_size + 31) // 32) * 4,
         },
     ]
 
