@@ -202,6 +202,15 @@ def test_openai_clients_response_format_and_vllms_fields_are_honoured(url, engin
             "structured_outputs.disable_additional_properties",
         ),
         ({"structured_outputs": {"regex": "a", "backend": "xgrammar"}}, "structured_outputs.backend"),
+        ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+        (
+            {"structured_outputs": {"choice": ["a"], "disable_any_whitespace": False}},
+            "structured_outputs.disable_any_whitespace",
+        ),
+        (
+            {"structured_outputs": {"json_object": True, "whitespace_pattern": "["}},
+            "structured_outputs.whitespace_pattern",
+        ),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
     ],

@@ -160,6 +160,11 @@ class Grammars:
                 except GrammarError as e:
                     raise GrammarError(spec.field, f"{spec.field}: {e}") from None
         ll = _llguidance()
+        if spec.whitespace_pattern is not None:  # its own field's error, not the schema's
+            field = spec.field.rsplit(".", 1)[0] + ".whitespace_pattern"
+            problem = ll.LLMatcher.validate_grammar(ll.LLMatcher.grammar_from_regex(spec.whitespace_pattern))
+            if problem:
+                raise GrammarError(field, f"{field}: {_first_line(problem)}")
         try:
             grammar = _grammar(ll, spec)
         except ValueError as e:

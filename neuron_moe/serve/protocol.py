@@ -206,6 +206,11 @@ class StructuredOutputs(_Strict):
             )
         given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
+        is_json = self.json_ is not None or self.json_object
+        for option, asks in (("whitespace_pattern", self.whitespace_pattern is not None),
+                             ("disable_any_whitespace", self.disable_any_whitespace is False)):  # fmt: skip
+            if asks and not is_json:
+                raise FieldError(f"structured_outputs.{option}", f"{option} applies to json and json_object only")
         if len(given) != 1:
             raise FieldError(
                 "structured_outputs",
