@@ -104,12 +104,69 @@ def static_engine(port, model, rows: int = STATIC_ROWS):
     return BatchEngine(static_runtime(model, spec, rows), tokenizer, eos_ids(tokenizer, model.config))
 
 
+def wide_schema(tag: int, properties: int = 60) -> dict:
+    """A schema of `properties` required properties (enums and bounded strings), its keys tagged: a
+    larger compile, and a different one per tag (never from the cache)."""
+    props = {
+        f"k{tag}_{j}": {"enum": [f"v{j}", f"w{j}"]} if j % 2 else {"type": "string", "maxLength": 8}
+        for j in range(properties)
+    }
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def stall(engine, repeats: int = 2) -> dict:
+    """Whether compiles on another thread stall the step loop: the gaps between decode steps of 8
+    rows generating under a regex, alone and while a thread compiles new schemas back to back (far
+    more often than a server does: it compiles a schema once, on the request's thread)."""
+    import statistics
+    import threading
+
+    from neuron_moe.serve.engine import SamplingParams
+    from neuron_moe.serve.grammar import GrammarSpec
+
+    started = time.perf_counter()
+    engine.grammars.compile(GrammarSpec.json_schema(wide_schema(-1), "guided_json"))
+    one_ms = 1e3 * (time.perf_counter() - started)
+    prompt, rows = engine.tokenizer.encode("Once"), []
+
+    def gaps(compiling: bool) -> dict:
+        stamps, compiled, stop = [], [0], threading.Event()
+
+        def compiler():
+            while not stop.is_set():
+                engine.grammars.compile(GrammarSpec.json_schema(wide_schema(compiled[0]), "guided_json"))
+                compiled[0] += 1
+
+        def request(seed: int):
+            spec = GrammarSpec("regex", "[a-z ]{60}", "guided_regex")
+            for _ in engine.generate(prompt, SamplingParams(60, temperature=1.0, seed=seed, grammar=spec)):
+                if seed == 0:
+                    stamps.append(time.perf_counter())
+
+        threads = [threading.Thread(target=request, args=(seed,)) for seed in range(STATIC_ROWS)]
+        threads += [threading.Thread(target=compiler)] if compiling else []
+        for t in threads:
+            t.start()
+        for t in threads[:STATIC_ROWS]:
+            t.join()
+        stop.set()
+        threads[-1].join()
+        ms = [1e3 * (b - a) for a, b in zip(stamps[5:], stamps[6:])]
+        return {"compiling": compiling, "gap_ms_p50": round(statistics.median(ms), 2), "gap_ms_max": round(max(ms), 1),
+                "schemas_compiled_meanwhile": compiled[0]}  # fmt: skip
+
+    for _ in range(repeats):
+        rows += [gaps(False), gaps(True)]
+    return {"wide_schema_compile_ms": round(one_ms, 1), "runs": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=("static", "hf"), default="static")
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the record here")
+    ap.add_argument("--stall", action="store_true", help="also: the step loop's gaps while another thread compiles")
     args = ap.parse_args(argv)
     from neuron_moe.model import build_model
     from neuron_moe.port import load_port
@@ -122,6 +179,8 @@ def main(argv=None) -> int:
         engine = load_engine(port, "eager")
     load = os.getloadavg()
     record = run(engine, args.requests, args.first_seed)
+    if args.stall and args.backend == "static":
+        record["stall"] = stall(engine)
     record.update(
         backend=args.backend,
         command="python -m bench.structured_output " + " ".join(argv if argv is not None else sys.argv[1:]),
