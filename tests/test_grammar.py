@@ -3,6 +3,8 @@ tokenizer, applied on the host path (`Engine.generate`, `--backend hf`), and its
 
 import json
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -13,7 +15,7 @@ from bench import structured_output
 from neuron_moe.model import build_model
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.engine import Engine, HFRuntime, RequestError, SamplingParams, eos_ids
-from neuron_moe.serve.grammar import Grammars, GrammarSpec, unpack
+from neuron_moe.serve.grammar import CACHE_SIZE, Grammars, GrammarSpec, unpack
 from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer
 
 from serving import serving, wait_for
@@ -91,6 +93,26 @@ def test_a_grammar_cut_by_max_tokens_ends_with_length(engine):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "minLength": 8}}, "required": ["answer"]}
     text, last = generate(engine, GrammarSpec.json_schema(schema, "response_format"), 0, max_tokens=3)
     assert last.finish_reason == "length" and last.completion_tokens == 3 and text.startswith("{")
+
+
+def test_requests_asking_for_one_grammar_at_once_compile_it_once(engine):
+    """Eight requests with a schema not yet compiled, at the same moment (a batch's worth of clients):
+    one compile, the others wait for it; then an LRU cache of CACHE_SIZE."""
+    grammars = Grammars(engine.tokenizer, None, engine.eos_ids)
+    spec = GrammarSpec.json_schema(structured_output.wide_schema(0), "guided_json")
+    start = threading.Barrier(8)
+
+    def ask():
+        start.wait()
+        return grammars.matcher(spec)
+
+    with ThreadPoolExecutor(8) as pool:
+        matchers = list(pool.map(lambda _: ask(), range(8)))
+    assert grammars.compiles == 1 and len({id(m._matcher) for m in matchers}) == 8  # each its own copy
+    for tag in range(1, CACHE_SIZE + 1):
+        grammars.compile(GrammarSpec.json_schema(structured_output.wide_schema(tag, 2), "guided_json"))
+    grammars.compile(spec)  # the least recently used: evicted, compiled again
+    assert grammars.compiles == CACHE_SIZE + 2
 
 
 def test_the_builtin_byte_tokenizer_compiles_grammars():

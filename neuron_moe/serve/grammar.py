@@ -142,11 +142,13 @@ class Grammars:
         self._tokenizer = None  # llguidance's, made at the first grammar
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()
         self._lock = threading.Lock()
+        self._compiling: dict[GrammarSpec, threading.Lock] = {}  # a lock per grammar being compiled
         self.compiles = 0  # grammars compiled (cache misses)
 
     def compile(self, spec: GrammarSpec):
-        """The compiled grammar of `spec`, from the cache or compiled now; a GrammarError naming
-        `spec.field` if it does not compile."""
+        """The compiled grammar of `spec`, from the cache or compiled now (once: requests that ask
+        for it while it compiles wait for that compile); a GrammarError naming `spec.field` if it
+        does not compile."""
         key = _key(spec)
         with self._lock:
             if key in self._compiled:
@@ -159,6 +161,24 @@ class Grammars:
                     self._tokenizer = _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
                 except GrammarError as e:
                     raise GrammarError(spec.field, f"{spec.field}: {e}") from None
+            compiling = self._compiling.setdefault(key, threading.Lock())
+        with compiling:  # one compile per grammar at a time; the others find it in the cache after
+            with self._lock:
+                if key in self._compiled:
+                    return self._compiled[key]
+            try:
+                compiled = self._compile(spec)
+                with self._lock:
+                    self.compiles += 1
+                    self._compiled[key] = compiled
+                    while len(self._compiled) > CACHE_SIZE:
+                        self._compiled.popitem(last=False)
+            finally:
+                with self._lock:  # after the cache holds it: a later request finds it there
+                    self._compiling.pop(key, None)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec):
         ll = _llguidance()
         if spec.whitespace_pattern is not None:  # its own field's error, not the schema's
             field = spec.field.rsplit(".", 1)[0] + ".whitespace_pattern"
@@ -177,11 +197,6 @@ class Grammars:
             raise GrammarError(spec.field, f"{spec.field}: the grammar library failed on it: {e}") from None
         if compiled.is_error():
             raise GrammarError(spec.field, f"{spec.field}: {_first_line(compiled.get_error())}")
-        with self._lock:
-            self.compiles += 1
-            self._compiled[key] = compiled
-            while len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
         return compiled
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
