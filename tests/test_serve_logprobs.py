@@ -138,7 +138,7 @@ def test_logit_bias_penalties_and_min_p_are_honoured(url, tokenizer):
         ({"top_logprobs": 3}, "top_logprobs", "top_logprobs needs logprobs: true"),
         ({"logit_bias": {str(i): 1 for i in range(BIAS_WIDTH + 1)}}, "logit_bias", f"at most {BIAS_WIDTH} entries"),
         ({"logit_bias": {"999999": 5}}, "logit_bias", "not below the vocabulary size"),
-        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than or equal to 0.01"),
         ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
     ],
 )
