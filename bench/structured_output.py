@@ -116,8 +116,9 @@ def wide_schema(tag: int, properties: int = 60) -> dict:
 
 def stall(engine, repeats: int = 2) -> dict:
     """Whether compiles on another thread stall the step loop: the gaps between decode steps of 8
-    rows generating under a regex, alone and while a thread compiles new schemas back to back (far
-    more often than a server does: it compiles a schema once, on the request's thread)."""
+    rows generating under a regex, alone, while a thread compiles new schemas back to back (far
+    more often than a server does: it compiles a schema once, on the request's thread), and while a
+    thread as busy runs matrix products with the GIL released (what a busy core alone costs)."""
     import statistics
     import threading
 
@@ -129,13 +130,18 @@ def stall(engine, repeats: int = 2) -> dict:
     one_ms = 1e3 * (time.perf_counter() - started)
     prompt, rows = engine.tokenizer.encode("Once"), []
 
-    def gaps(compiling: bool) -> dict:
+    def gaps(beside: str) -> dict:
         stamps, compiled, stop = [], [0], threading.Event()
 
         def compiler():
             while not stop.is_set():
                 engine.grammars.compile(GrammarSpec.json_schema(wide_schema(compiled[0]), "guided_json"))
                 compiled[0] += 1
+
+        def matmuls():  # the reference: a thread as busy, in C with the GIL released
+            a = torch.randn(512, 512)
+            while not stop.is_set():
+                a @ a
 
         def request(seed: int):
             spec = GrammarSpec("regex", "[a-z ]{60}", "guided_regex")
@@ -144,7 +150,7 @@ def stall(engine, repeats: int = 2) -> dict:
                     stamps.append(time.perf_counter())
 
         threads = [threading.Thread(target=request, args=(seed,)) for seed in range(STATIC_ROWS)]
-        threads += [threading.Thread(target=compiler)] if compiling else []
+        threads += [threading.Thread(target={"compiling": compiler, "matmuls": matmuls}[beside])] if beside else []
         for t in threads:
             t.start()
         for t in threads[:STATIC_ROWS]:
@@ -152,11 +158,11 @@ def stall(engine, repeats: int = 2) -> dict:
         stop.set()
         threads[-1].join()
         ms = [1e3 * (b - a) for a, b in zip(stamps[5:], stamps[6:])]
-        return {"compiling": compiling, "gap_ms_p50": round(statistics.median(ms), 2), "gap_ms_max": round(max(ms), 1),
-                "schemas_compiled_meanwhile": compiled[0]}  # fmt: skip
+        return {"beside": beside or "nothing", "gap_ms_p50": round(statistics.median(ms), 2),
+                "gap_ms_max": round(max(ms), 1), "schemas_compiled_meanwhile": compiled[0]}  # fmt: skip
 
     for _ in range(repeats):
-        rows += [gaps(False), gaps(True)]
+        rows += [gaps(""), gaps("compiling"), gaps("matmuls")]
     return {"wide_schema_compile_ms": round(one_ms, 1), "runs": rows}
 
 
