@@ -161,6 +161,7 @@ OPTIONAL = {
     "guided_regex": regexes,
     "guided_choice": st.none() | st.lists(valid_text, max_size=3),
     "guided_grammar": grammar_texts,
+    "guided_whitespace_pattern": st.sampled_from([None, " ?", "[", ""]),
 }
 
 # What a request may set only to null or these (the server does not do anything else with them).

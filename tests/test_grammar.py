@@ -15,7 +15,8 @@ from bench import structured_output
 from neuron_moe.model import build_model
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.engine import Engine, HFRuntime, RequestError, SamplingParams, eos_ids
-from neuron_moe.serve.grammar import CACHE_SIZE, Grammars, GrammarSpec, unpack
+from neuron_moe.serve.grammar import CACHE_SIZE, Grammars, GrammarSpec, _key, unpack
+from neuron_moe.serve.protocol import CompletionRequest
 from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer
 
 from serving import serving, wait_for
@@ -146,6 +147,34 @@ def test_graphs_without_the_logits_processing_variant_refuse_a_grammar_by_its_fi
     assert caught.value.param == "guided_regex"
 
 
+def test_each_field_reads_into_one_grammar_spec():
+    """The request's fields as the grammar they ask for: the same schema from each field is one
+    grammar (one cache entry); the whitespace options go with it."""
+    base = {"model": MODEL, "prompt": "Q:"}
+    schema = {"type": "object", "properties": {"b": {"type": "boolean"}, "a": {"type": "boolean"}}}
+    specs = [
+        CompletionRequest.model_validate({**base, **fields}).grammar
+        for fields in (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+            {"guided_json": schema},
+            {"guided_json": json.dumps(schema)},
+            {"structured_outputs": {"json": schema}},
+        )
+    ]
+    assert len({_key(spec) for spec in specs}) == 1 and specs[0].kind == "json"
+    assert specs[0].text.index('"b"') < specs[0].text.index('"a"')  # the properties in the request's order
+    assert not specs[0].whitespace_flexible  # compact JSON unless asked
+    loose = CompletionRequest.model_validate(
+        {**base, "structured_outputs": {"json": schema, "disable_any_whitespace": False}}
+    )
+    assert loose.grammar.whitespace_flexible
+    spaced = CompletionRequest.model_validate({**base, "guided_json": schema, "guided_whitespace_pattern": " ?"})
+    assert spaced.grammar.whitespace_pattern == " ?" and spaced.grammar.pattern_field == "guided_whitespace_pattern"
+    assert CompletionRequest.model_validate({**base, "response_format": {"type": "text"}}).grammar is None
+    choice = CompletionRequest.model_validate({**base, "guided_choice": ["x", "y"]}).grammar
+    assert (choice.kind, json.loads(choice.text), choice.field) == ("choice", ["x", "y"], "guided_choice")
+
+
 # ---- over HTTP ---------------------------------------------------------------------------------------------
 
 SCHEMA = {**structured_output.SCHEMA, "title": "fortune"}  # this module's own: compiled here first
@@ -234,6 +263,8 @@ def test_openai_clients_response_format_and_vllms_fields_are_honoured(url, engin
             "structured_outputs.whitespace_pattern",
         ),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "["}, "guided_whitespace_pattern"),
         ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
     ],
 )

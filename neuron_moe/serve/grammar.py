@@ -53,6 +53,7 @@ class GrammarSpec:
     field: str
     whitespace_flexible: bool = False  # JSON: any whitespace between tokens (vLLM's disable_any_whitespace=false)
     whitespace_pattern: str | None = None  # JSON: the whitespace allowed between tokens, as a regex
+    pattern_field: str = ""  # the request field whitespace_pattern came from (errors name it)
 
     @classmethod
     def json_schema(cls, schema: dict, field: str, **options) -> GrammarSpec:
@@ -181,7 +182,7 @@ class Grammars:
     def _compile(self, spec: GrammarSpec):
         ll = _llguidance()
         if spec.whitespace_pattern is not None:  # its own field's error, not the schema's
-            field = spec.field.rsplit(".", 1)[0] + ".whitespace_pattern"
+            field = spec.pattern_field or spec.field
             problem = ll.LLMatcher.validate_grammar(ll.LLMatcher.grammar_from_regex(spec.whitespace_pattern))
             if problem:
                 raise GrammarError(field, f"{field}: {_first_line(problem)}")
@@ -204,9 +205,9 @@ class Grammars:
 
 
 def _key(spec: GrammarSpec) -> GrammarSpec:
-    """The cache key: the spec without the field it came from (the same schema from `guided_json` or
+    """The cache key: the spec without the fields it came from (the same schema from `guided_json` or
     `response_format` is one grammar)."""
-    return GrammarSpec(spec.kind, spec.text, "", spec.whitespace_flexible, spec.whitespace_pattern)
+    return GrammarSpec(spec.kind, spec.text, "", spec.whitespace_flexible, spec.whitespace_pattern, "")
 
 
 def _grammar(ll, spec: GrammarSpec) -> str:

@@ -222,7 +222,9 @@ class StructuredOutputs(_Strict):
     def spec(self) -> GrammarSpec:
         options = {"whitespace_flexible": self.disable_any_whitespace is False}
         if self.whitespace_pattern is not None:
-            options["whitespace_pattern"] = self.whitespace_pattern
+            options.update(
+                whitespace_pattern=self.whitespace_pattern, pattern_field="structured_outputs.whitespace_pattern"
+            )
         if self.json_ is not None:
             return GrammarSpec.json_schema(self.json_, "structured_outputs.json", **options)
         if self.json_object:
@@ -274,6 +276,7 @@ class _Sampling(_Strict):
     guided_regex: Text | None = None
     guided_choice: Choices | None = None
     guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None  # vLLM's: the whitespace a JSON grammar allows, as a regex
 
     @model_validator(mode="before")
     @classmethod
@@ -300,20 +303,30 @@ class _Sampling(_Strict):
             given.remove("response_format")  # asks for nothing
         if len(given) > 1:
             raise FieldError(given[1], f"one structured output per request: {given[0]} and {given[1]} are both given")
+        json_given = self.guided_json is not None or (
+            self.response_format is not None and self.response_format.type != "text"
+        )
+        if self.guided_whitespace_pattern is not None and not json_given:
+            raise FieldError(
+                "guided_whitespace_pattern",
+                "guided_whitespace_pattern applies to JSON (guided_json or response_format) only",
+            )
         return self
 
     @property
     def grammar(self) -> GrammarSpec | None:
         """What the output must match, from whichever field asked (None: free text)."""
         fmt = self.response_format
+        pattern = self.guided_whitespace_pattern
+        ws = {} if pattern is None else {"whitespace_pattern": pattern, "pattern_field": "guided_whitespace_pattern"}
         if fmt is not None and fmt.type == "json_schema":
-            return GrammarSpec.json_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+            return GrammarSpec.json_schema(fmt.json_schema.schema_, "response_format.json_schema.schema", **ws)
         if fmt is not None and fmt.type == "json_object":
-            return GrammarSpec.json_schema(ANY_OBJECT, "response_format")
+            return GrammarSpec.json_schema(ANY_OBJECT, "response_format", **ws)
         if self.structured_outputs is not None:
             return self.structured_outputs.spec()
         if self.guided_json is not None:
-            return GrammarSpec.json_schema(self.guided_json, "guided_json")
+            return GrammarSpec.json_schema(self.guided_json, "guided_json", **ws)
         if self.guided_regex is not None:
             return GrammarSpec("regex", self.guided_regex, "guided_regex")
         if self.guided_choice is not None:
