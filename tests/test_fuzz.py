@@ -81,6 +81,26 @@ message = st.fixed_dictionaries(
 )
 # a number of the wrong JSON type: refused, never coerced
 wrong_types = st.sampled_from(["0.5", "1", True, False, [], {}, [1]])
+# JSON schemas (objects, and their text as vLLM's guided_json takes it), some of them invalid, and not schemas
+schemas = st.sampled_from(
+    [
+        {},
+        {"type": "object"},
+        {"type": "boolean"},
+        {"enum": ["a", "b"]},
+        {"type": "string", "maxLength": 3},
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "nope"},
+        {"type": "string", "pattern": "["},
+        '{"type": "integer"}',
+        "{not json",
+        [],
+        3,
+        None,
+    ]
+)
+regexes = st.sampled_from([None, "[a-z]+", "yes|no", "[0-9]{2}", "", "[a-", "("])
+grammar_texts = st.sampled_from([None, 'start: "yes" | "no"', "root ::= [0-9]+", "start: nowhere", ""])
 OPTIONAL = {
     "max_completion_tokens": st.integers(1, 3) | st.none(),  # small: a request that succeeds is a few decode steps
     "temperature": st.floats(0, 2) | st.sampled_from([0.0, 1e-300, 5e-324, 2.0, None]),
@@ -99,7 +119,17 @@ OPTIONAL = {
     "frequency_penalty": st.sampled_from([None, 0, 0.0, 1.0, -0.1]) | st.floats(-2, 2),
     "logit_bias": st.none()
     | st.dictionaries(st.integers(0, 3000).map(str), st.integers(-100, 100) | st.floats(-100, 100), max_size=3),
-    "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]),
+    "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}])
+    | st.sampled_from([{"type": "xml"}, {"type": "text", "json_schema": {"name": "s", "schema": {}}}])
+    | st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries(
+                {"name": st.sampled_from(["s", "bad name", ""]), "schema": schemas},
+                optional={"strict": st.none() | st.booleans(), "description": st.none() | valid_text},
+            ),
+        }
+    ),
     "suffix": st.sampled_from([None, "", "tail"]),
     "tools": st.none() | st.just([]) | st.just([{"type": "function", "function": {"name": "f"}}]),
     "tool_choice": st.sampled_from([None, "none", "auto", "required"]),
@@ -113,6 +143,28 @@ OPTIONAL = {
     "stop_token_ids": st.none() | st.lists(st.integers(0, 300), max_size=3),
     "include_stop_str_in_output": st.booleans() | st.none(),
     "user": valid_text,  # not ours: ignored
+    # structured output: OpenAI's response_format (above) and vLLM's fields
+    "structured_outputs": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "json": schemas,
+            "regex": regexes,
+            "choice": st.none() | st.lists(valid_text, max_size=3),
+            "grammar": grammar_texts,
+            "json_object": st.none() | st.booleans(),
+            "disable_any_whitespace": st.none() | st.booleans(),
+            "whitespace_pattern": st.sampled_from([None, " ?", "[", "\\s*"]),
+            "disable_fallback": st.none() | st.booleans(),
+            "disable_additional_properties": st.sampled_from([None, False, True]),
+            "structural_tag": st.sampled_from([None, "{}"]),
+        },
+    ),
+    "guided_json": st.none() | schemas,
+    "guided_regex": regexes,
+    "guided_choice": st.none() | st.lists(valid_text, max_size=3),
+    "guided_grammar": grammar_texts,
+    "guided_whitespace_pattern": st.sampled_from([None, " ?", "[", ""]),
 }
 
 # What a request may set only to null or these (the server does not do anything else with them).
@@ -120,7 +172,6 @@ OPTIONAL = {
 # any other value is an accepted-and-ignored field.
 IGNORABLE = {
     "suffix": [""],
-    "response_format": [{"type": "text"}],
     "tools": [[]],
     "tool_choice": ["none", "auto"],
     "functions": [[]],
@@ -150,6 +201,34 @@ def ignored_fields(body, chat: bool) -> list[str]:
         for k, allowed in {**IGNORABLE, **IGNORABLE_ON[chat]}.items()
         if body.get(k) is not None and not any(same_json(body[k], v) for v in allowed)
     ]
+
+
+def grammar_prefix(body):
+    """For a body asking for one structured output whose text this test can judge by eye, whether a
+    text is a beginning of what it allows (a fuzzed request stops after a few tokens); else None."""
+    if not isinstance(body, dict) or body.get("echo"):
+        return None
+    fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    asked = [k for k in fields if body.get(k) is not None and body.get(k) != {"type": "text"}]
+    if len(asked) != 1 or not isinstance(body[asked[0]], (dict, list)):
+        return None
+    value = body[asked[0]]
+    choices = value if asked[0] == "guided_choice" else value.get("choice") if isinstance(value, dict) else None
+    if isinstance(choices, list):
+        return lambda text: any(c.startswith(text) for c in choices)
+    if value.get("type") == "json_object" or (asked[0] == "structured_outputs" and value.get("json_object")):
+        return lambda text: not text.strip() or text.lstrip().startswith("{")
+    return None
+
+
+def answer_text(r: httpx.Response, chat: bool) -> str:
+    if r.headers["content-type"].startswith("text/event-stream"):
+        firsts = [c for e in sse_events(r.text.splitlines())[:-1] for c in e["choices"] if c["index"] == 0]
+        if chat:
+            return "".join(c["delta"].get("content") or "" for c in firsts)
+        return "".join(c["text"] for c in firsts)
+    choice = r.json()["choices"][0]
+    return (choice["message"]["content"] or "") if chat else choice["text"]
 
 
 def requests(required: dict):
@@ -228,6 +307,8 @@ def check_answer(r: httpx.Response, body, chat: bool) -> None:
     assert not ignored_fields(body, chat), f"accepted and ignored: {ignored_fields(body, chat)} in {body}"
     if isinstance(body, dict) and not r.headers["content-type"].startswith("text/event-stream"):
         check_honoured(body, r.json(), chat)
+    allows = None if body.get("echo") else grammar_prefix(body)  # echo: the prompt comes first
+    assert allows is None or allows(answer_text(r, chat)), f"the grammar not followed: {answer_text(r, chat)!r}, {body}"
     if r.headers["content-type"].startswith("text/event-stream"):
         events = sse_events(r.text.splitlines())
         assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), (body, events)

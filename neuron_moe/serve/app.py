@@ -742,8 +742,11 @@ def create_app(
                 stop=tuple(req.stop or ()) + extra_stops,
                 processing=req.asked_processing,
                 rank=runs > n,
+                grammar=req.grammar,
             )
             engine.check_sampling(params)
+            if params.grammar is not None:  # compiled (or found in the cache) off the event loop
+                await asyncio.to_thread(engine.compile_grammar, params)
         except RequestError as e:
             where = {
                 "prompt": "messages" if chat else "prompt",

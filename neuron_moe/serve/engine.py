@@ -37,6 +37,7 @@ from ..static.sampling import (
     process_host,
     sampling_row,
 )
+from .grammar import GrammarError, Grammars, GrammarSpec, Matcher
 
 DRAWS = 64  # a sampled request's uniforms drawn at a time (fewer if its max_tokens needs fewer)
 
@@ -70,6 +71,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     rank: bool = False
+    grammar: GrammarSpec | None = None  # structured output: what the text must match (grammar.py)
 
 
 @dataclass(frozen=True)
@@ -148,10 +150,22 @@ class Output:
     text, unless include_stop_str_in_output keeps it.
     `next(logits, token)` is both at once, for a caller that wants the Step at once (a request
     served alone, `Engine.generate`).
+
+    A request with a grammar (`matcher`, grammar.py) has `allowed()`, the next token's bitmask,
+    which the host applies to the logits before it samples (and the graphs take as an input); the
+    chosen token advances the matcher, and once the grammar takes nothing more the request ends
+    ("stop"). `allowed()` is None for a request without one.
     """
 
-    def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams, prompt: list[int] = ()):
-        self.tokenizer, self.eos_ids, self.params = tokenizer, eos_ids, params
+    def __init__(
+        self,
+        tokenizer,
+        eos_ids: frozenset[int],
+        params: SamplingParams,
+        prompt: list[int] = (),
+        matcher: Matcher | None = None,
+    ):
+        self.tokenizer, self.eos_ids, self.params, self.matcher = tokenizer, eos_ids, params, matcher
         self.prompt = list(prompt)
         self.generated: list[int] = []  # every token generated (an EOS too): what the penalties count
         self.scores: list[TokenLogprobs | None] = []  # each generated token's logprobs, when asked
@@ -166,7 +180,7 @@ class Output:
         self.count = 0  # tokens generated (an EOS counts)
         self.token: int | None = None  # the latest token, which the runtime is fed next
         self.stop_token: int | None = None  # a stop_token_ids token that ended it (vLLM's stop_reason)
-        self._kept = False  # whether the stop token that ended it is in `tokens` (include_stop_str_in_output)
+        self._kept = False  # whether the token that ended it is in `tokens` (include_stop_str_in_output, a grammar)
         self._banned = ends(params, eos_ids)  # banned before min_tokens
         self._bans = bool(self._banned and params.min_tokens)
         # the chosen tokens' logprobs (the model's own) summed after each token, for best_of's ranking
@@ -187,8 +201,8 @@ class Output:
     def asks(self) -> bool:
         """Whether this request runs in the logits-processing graphs (`static/rows.py`): it asks for
         logprobs, penalties, logit_bias or min_p, bans (min_tokens: `banned()`), each token's logprob
-        (best_of's ranking) — or, once its fields exist, a grammar (`allowed()`)."""
-        return self.params.processing.asks or self._bans or self.params.rank
+        (best_of's ranking), or a grammar (`allowed()`)."""
+        return self.params.processing.asks or self._bans or self.params.rank or self.matcher is not None
 
     def banned(self) -> tuple[int, ...]:
         """The token ids the next token must not be: EOS (unless ignore_eos) and stop_token_ids while
@@ -197,8 +211,8 @@ class Output:
 
     def allowed(self) -> torch.Tensor | None:
         """The grammar's bitmask for the next token (int32 [ceil(V/32)], bit t % 32 of word t // 32 set
-        = token t allowed), or None: no grammar."""
-        return None
+        = token t allowed: grammar.py), or None: no grammar."""
+        return None if self.matcher is None else self.matcher.allowed()
 
     def processing(self) -> tuple[tuple[float, float, float, float], list[tuple[int, float]], torch.Tensor | None]:
         """This request's row of the logits-processing graphs' inputs for its next token (`static/rows.py`):
@@ -242,6 +256,8 @@ class Output:
             token, scores = self._choose(logits)
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
+        if self.matcher is not None and not self.matcher.advance(token):
+            raise GenerationError(f"token {token} at step {self.count} is not one the grammar allows")
         self.token, self.count = token, self.count + 1
         self.generated.append(token)
         n = self.params.processing.logprobs
@@ -259,6 +275,9 @@ class Output:
                 self._kept = True
             return "stop"
         self.tokens.append(token)
+        if self.matcher is not None and self.matcher.stopped:  # the grammar is complete: nothing may follow
+            self._kept = True  # the token is the grammar's last, part of the text
+            return "stop"
         return "length" if self.count == self.params.max_tokens else None
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, tuple | None]:
@@ -350,6 +369,9 @@ class Engine:
         self.eos_ids = frozenset(eos_ids)
         # the most top_k the runtime samples from exactly (its graphs' candidate width; None: any)
         self.max_top_k: int | None = getattr(runtime, "candidates", None)
+        # structured output's grammars, their bitmasks as wide as the runtime's logits (`vocab`; else the
+        # tokenizer's vocabulary)
+        self.grammars = Grammars(tokenizer, getattr(runtime, "vocab", None), self.eos_ids)
 
     def check_sampling(self, params: SamplingParams) -> None:
         """A RequestError if the runtime cannot sample this request as asked."""
@@ -389,6 +411,22 @@ class Engine:
                 "before it); serve it with --backend static or hf, or rebuild the artifact",
                 field,
             )
+        if params.grammar is not None and getattr(self.runtime, "processing", True) is False:
+            field = params.grammar.field
+            raise RequestError(
+                f"{field}: this backend's graphs have no logits-processing variant to take a grammar's token mask "
+                "(an artifact built before it); serve it with --backend static or hf, or rebuild the artifact",
+                field,
+            )
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar into the cache (slow for a large schema: a caller off the step
+        loop's thread calls this first); a RequestError naming its field if it does not compile."""
+        if params.grammar is not None:
+            try:
+                self.grammars.compile(params.grammar)
+            except GrammarError as e:
+                raise RequestError(str(e), e.field) from None
 
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
         """The request's token budget: what it asked for, or what is left of the context (a request
@@ -416,9 +454,12 @@ class Engine:
         """Nothing to stop: this engine generates on its callers' threads."""
 
     def output(self, params: SamplingParams, prompt: list[int] = ()) -> Output:
-        """A new request's Output; a RequestError if the runtime cannot sample it."""
+        """A new request's Output; a RequestError if the runtime cannot sample it or its grammar does
+        not compile."""
         self.check_sampling(params)
-        return Output(self.tokenizer, self.eos_ids, params, prompt)
+        self.compile_grammar(params)
+        matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
+        return Output(self.tokenizer, self.eos_ids, params, prompt, matcher)
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None

@@ -10,14 +10,26 @@ default (`UNSUPPORTED`): never accepted and ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from ..static.sampling import Processing
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .grammar import GrammarSpec
+
 MAX_STOPS = 4
 MAX_STOP_TOKEN_IDS = 32  # vLLM sets none; the logits-processing graphs take a fixed number of banned ids per row
 MAX_BEST_OF = 20  # OpenAI's
+# the fields that ask for structured output; at most one per request
+GRAMMAR_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (the graphs take fewer: `engine.check_sampling`)
 # vLLM takes any positive repetition_penalty; outside these a seen token's logit is scaled past any use
 # (and near 0 to inf in fp32)
@@ -34,17 +46,11 @@ UNSUPPORTED: dict[str, tuple] = {
     "functions": ([],),
     "function_call": ("none", "auto"),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "web_search_options": (),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
     "bad_words": ([],),
     "allowed_token_ids": (),
     "prompt_logprobs": (),
@@ -130,16 +136,100 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+def _schema(v):
+    """A JSON schema: an object, or its text (vLLM's `guided_json` takes either)."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"a JSON schema is a JSON object, got {type(v).__name__}")
+    return v
+
+
+Schema = Annotated[Text | dict, AfterValidator(_schema)]
+Choices = Annotated[list[Text], Field(min_length=1)]
+ANY_OBJECT = {"type": "object"}  # json_object: any JSON object
+
+
+class JSONSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`; its schema is enforced whatever `strict` says."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: Schema = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JSONSchemaFormat | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, v):
-        if v != "text":
-            raise ValueError(f"response_format {v!r} is not supported by this server (only 'text')")
-        return v
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldError(
+                "response_format.json_schema", "json_schema is given with type 'json_schema', and only then"
+            )
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: one of json, regex, choice, grammar or json_object, and options."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: Schema | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Choices | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: Text | None = None
+    disable_fallback: bool | None = None  # one grammar library here: nothing to fall back to, either way
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: Text | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if self.structural_tag is not None:
+            raise FieldError("structured_outputs.structural_tag", "structural_tag is not supported by this server")
+        if self.disable_additional_properties:
+            raise FieldError(
+                "structured_outputs.disable_additional_properties",
+                "disable_additional_properties is not supported by this server: set additionalProperties in the schema",
+            )
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        is_json = self.json_ is not None or self.json_object
+        for option, asks in (("whitespace_pattern", self.whitespace_pattern is not None),
+                             ("disable_any_whitespace", self.disable_any_whitespace is False)):  # fmt: skip
+            if asks and not is_json:
+                raise FieldError(f"structured_outputs.{option}", f"{option} applies to json and json_object only")
+        if len(given) != 1:
+            raise FieldError(
+                "structured_outputs",
+                "give exactly one of json, regex, choice, grammar or json_object (true), got "
+                + (", ".join(k.rstrip("_") for k in given) or "none"),
+            )
+        return self
+
+    def spec(self) -> GrammarSpec:
+        options = {"whitespace_flexible": self.disable_any_whitespace is False}
+        if self.whitespace_pattern is not None:
+            options.update(
+                whitespace_pattern=self.whitespace_pattern, pattern_field="structured_outputs.whitespace_pattern"
+            )
+        if self.json_ is not None:
+            return GrammarSpec.json_schema(self.json_, "structured_outputs.json", **options)
+        if self.json_object:
+            return GrammarSpec.json_schema(ANY_OBJECT, "structured_outputs.json_object", **options)
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex, "structured_outputs.regex")
+        if self.choice is not None:
+            return GrammarSpec("choice", json.dumps(self.choice), "structured_outputs.choice")
+        return GrammarSpec("grammar", self.grammar, "structured_outputs.grammar")
 
 
 def _token_id(key: str) -> str:
@@ -180,6 +270,14 @@ class _Sampling(_Strict):
     tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused
     functions: list | None = None
     function_call: Literal["none", "auto"] | dict | None = None
+    # structured output (grammar.py): OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Schema | None = None
+    guided_regex: Text | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None  # vLLM's: the whitespace a JSON grammar allows, as a regex
 
     @model_validator(mode="before")
     @classmethod
@@ -198,6 +296,45 @@ class _Sampling(_Strict):
         for name in sorted(self.model_fields_set & set(UNSUPPORTED) - self.HONOURED):
             _refuse_unless_default(name, getattr(self, name))
         return self
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        given = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")  # asks for nothing
+        if len(given) > 1:
+            raise FieldError(given[1], f"one structured output per request: {given[0]} and {given[1]} are both given")
+        json_given = self.guided_json is not None or (
+            self.response_format is not None and self.response_format.type != "text"
+        )
+        if self.guided_whitespace_pattern is not None and not json_given:
+            raise FieldError(
+                "guided_whitespace_pattern",
+                "guided_whitespace_pattern applies to JSON (guided_json or response_format) only",
+            )
+        return self
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """What the output must match, from whichever field asked (None: free text)."""
+        fmt = self.response_format
+        pattern = self.guided_whitespace_pattern
+        ws = {} if pattern is None else {"whitespace_pattern": pattern, "pattern_field": "guided_whitespace_pattern"}
+        if fmt is not None and fmt.type == "json_schema":
+            return GrammarSpec.json_schema(fmt.json_schema.schema_, "response_format.json_schema.schema", **ws)
+        if fmt is not None and fmt.type == "json_object":
+            return GrammarSpec.json_schema(ANY_OBJECT, "response_format", **ws)
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        if self.guided_json is not None:
+            return GrammarSpec.json_schema(self.guided_json, "guided_json", **ws)
+        if self.guided_regex is not None:
+            return GrammarSpec("regex", self.guided_regex, "guided_regex")
+        if self.guided_choice is not None:
+            return GrammarSpec("choice", json.dumps(self.guided_choice), "guided_choice")
+        if self.guided_grammar is not None:
+            return GrammarSpec("grammar", self.guided_grammar, "guided_grammar")
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -277,7 +414,6 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None  # "audio" is refused as not one of these
 
     @model_validator(mode="after")
