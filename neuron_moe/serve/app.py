@@ -314,9 +314,35 @@ class _Logprobs:
         return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
 
 
-def _prompt_entries(prompt_ids: list[int], item) -> list:
-    """A first Step's prompt logprobs (echo) as (token, logprobs) entries; [] when it has none."""
-    return list(zip(prompt_ids, item.prompt_logprobs)) if item.prompt_logprobs is not None else []
+def _prompt_entries(prompt_ids: list[int], item, n: int | None = None) -> list:
+    """A first Step's prompt logprobs (echo) as (token, logprobs) entries, the `n` most likely kept (None:
+    all); [] when it has none."""
+    if item.prompt_logprobs is None:
+        return []
+    kept = [e if e is None or n is None else replace(e, top=e.top[:n]) for e in item.prompt_logprobs]
+    return list(zip(prompt_ids, kept))
+
+
+def _vllm_prompt_logprobs(tokenizer, scores: tuple | None, n: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}, the prompt's token first, then the n most likely (rank: the token's in the
+    distribution, 1 the most likely; null for a prompt token beyond the 20 most likely)."""
+    if scores is None:
+        return None
+
+    def one(logprob: float, rank: int | None, token: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token])}
+
+    out: list = []
+    for entry in scores:
+        if entry is None:
+            out.append(None)
+            continue
+        position = {str(entry.token): one(entry.logprob, entry.rank, entry.token)}
+        for i, (token, logprob) in enumerate(entry.top[:n]):
+            position.setdefault(str(token), one(logprob, i + 1, token))
+        out.append(position)
+    return out
 
 
 def _step_entries(item) -> list:
@@ -527,11 +553,19 @@ class _Result:
     completion: int = 0
     logprob: float | None = None
     entries: list = field(default_factory=list)  # [(token, its logprobs)]: the prompt's (echo), then the choice's
+    prompt_logprobs: tuple | None = None  # the first Step's: each prompt token's logprobs, None first
 
 
-async def _collect(choices: _Choices, request: Request, cut: asyncio.Event, record: _Record, echo: _Echo | None):
+async def _collect(
+    choices: _Choices,
+    request: Request,
+    cut: asyncio.Event,
+    record: _Record,
+    echo: _Echo | None,
+    logprobs_n: int | None = None,
+):
     """Each generation's _Result, in order, or None when the client left first; a 503 APIError at
-    the drain deadline."""
+    the drain deadline. `logprobs_n`: the most likely tokens kept per echoed prompt token."""
 
     async def consume():
         results = [_Result() for _ in choices.jobs]
@@ -541,8 +575,10 @@ async def _collect(choices: _Choices, request: Request, cut: asyncio.Event, reco
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}", "server_error")
             record.step(index, item)
             result = results[index]
-            if not parts[index] and echo is not None:
-                result.entries += _prompt_entries(echo.ids, item)
+            if not parts[index]:
+                result.prompt_logprobs = item.prompt_logprobs
+                if echo is not None:
+                    result.entries += _prompt_entries(echo.ids, item, logprobs_n)
             result.entries += _step_entries(item)
             parts[index].append(item.text)
             result.finish, result.completion = item.finish_reason or result.finish, item.completion_tokens
@@ -743,6 +779,7 @@ def create_app(
                 processing=req.asked_processing,
                 rank=runs > n,
                 grammar=req.grammar,
+                **req.vocabulary,
             )
             engine.check_sampling(params)
             if params.grammar is not None:  # compiled (or found in the cache) off the event loop
@@ -779,12 +816,15 @@ def create_app(
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        results = await _collect(choices, request, state.cut, record, echo)
+        kept = None if chat else req.logprobs  # echo's prompt logprobs: as many most likely as logprobs asks
+        results = await _collect(choices, request, state.cut, record, echo, kept)
         if results is None:
             return Response(status_code=499)  # nobody is listening; the status is for the access log
         before = echo.text if echo is not None else ""
-        answered = [
-            _choice(
+        prompt_n = req.answered_prompt_logprobs
+        answered = []
+        for i, j in enumerate(_best(results, n)):
+            choice = _choice(
                 chat,
                 False,
                 before + results[j].text,
@@ -793,10 +833,17 @@ def create_app(
                 stop_reason=results[j].stop_reason,
                 logprobs=logprobs[j](results[j].entries) if logprobs is not None else None,
             )
-            for i, j in enumerate(_best(results, n))
-        ]
+            if prompt_n is not None and not chat:  # vLLM's: a completion choice's
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(
+                    engine.tokenizer, results[j].prompt_logprobs, prompt_n
+                )
+            answered.append(choice)
+        extra = {}
+        if prompt_n is not None and chat:  # vLLM's: the chat response's, once (the prompt is the choices' own)
+            extra["prompt_logprobs"] = _vllm_prompt_logprobs(engine.tokenizer, results[0].prompt_logprobs, prompt_n)
         # usage as OpenAI counts it: the prompt once, every generated token (best_of's candidates too)
-        return {**head, "choices": answered, "usage": _usage(len(prompt_ids), sum(r.completion for r in results))}
+        usage = _usage(len(prompt_ids), sum(r.completion for r in results))
+        return {**head, "choices": answered, "usage": usage, **extra}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):

@@ -30,6 +30,8 @@ GRAMMAR_FIELDS = (
     "guided_choice",
     "guided_grammar",
 )
+MAX_BAD_WORDS = 64  # vLLM's limit is 128 token sequences; the graphs ban at most BIAS_WIDTH ids per row
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs, and the graphs' top-n width
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (the graphs take fewer: `engine.check_sampling`)
 # vLLM takes any positive repetition_penalty; outside these a seen token's logit is scaled past any use
 # (and near 0 to inf in fp32)
@@ -51,9 +53,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "web_search_options": (),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "bad_words": ([],),
-    "allowed_token_ids": (),
-    "prompt_logprobs": (),
 }
 
 
@@ -265,6 +264,11 @@ class _Sampling(_Strict):
     # vLLM's extras: repetition_penalty 1 is off, min_p 0 is off
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
+    # vLLM's: the only tokens that may be chosen; words not to generate; the prompt tokens' logprobs and
+    # this many most likely per prompt token (vLLM's -1, the whole vocabulary, is past its default limit too)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    bad_words: list[Annotated[Text, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     user: str | None = None
     tools: list | None = None
     tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused
@@ -347,6 +351,22 @@ class _Sampling(_Strict):
         return stops
 
     @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        """vLLM's rule: prompt logprobs come with the whole answer only."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs", "prompt_logprobs are not available when stream=true")
+        return self
+
+    @property
+    def vocabulary(self) -> dict:
+        """allowed_token_ids and bad_words with their defaults for null (SamplingParams' names)."""
+        allowed = self.allowed_token_ids
+        return {
+            "allowed_token_ids": None if allowed is None else tuple(sorted(set(allowed))),
+            "bad_words": tuple(self.bad_words or ()),
+        }
+
+    @model_validator(mode="after")
     def _best_of(self):
         """OpenAI's rules: best_of candidates hold the n answered; candidates beyond n cannot be streamed
         (the best are known at the end)."""
@@ -424,8 +444,13 @@ class ChatRequest(_Sampling):
 
     @property
     def asked_processing(self) -> Processing:
-        """logprobs: the chosen token's and `top_logprobs` more per token."""
-        return self.processing((self.top_logprobs or 0) if self.logprobs else None)
+        """logprobs: the chosen token's and `top_logprobs` more per token; prompt_logprobs: the prompt's."""
+        return self.processing((self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs)
+
+    @property
+    def answered_prompt_logprobs(self) -> int | None:
+        """The most likely tokens per prompt token of the response's `prompt_logprobs` (None: none)."""
+        return self.prompt_logprobs
 
 
 PROMPT_FORMS = "a string, a list of token ids, or a list of one of either"
@@ -468,8 +493,16 @@ class CompletionRequest(_Sampling):
 
     @property
     def asked_processing(self) -> Processing:
-        """logprobs n: the chosen token's and n more per token, the prompt's too with echo."""
-        return self.processing(self.logprobs, self.logprobs if self.echo else None)
+        """logprobs n: the chosen token's and n more per token, the prompt's too with echo (and
+        prompt_logprobs: the prompt's, the more of the two most likely kept)."""
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return self.processing(self.logprobs, max(asked) if asked else None)
+
+    @property
+    def answered_prompt_logprobs(self) -> int | None:
+        """The most likely tokens per prompt token of the choice's `prompt_logprobs` (None: none), as
+        vLLM's: prompt_logprobs, else with echo the logprobs count."""
+        return self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if self.echo else None
 
 
 class TokenizeRequest(BaseModel):
