@@ -188,6 +188,12 @@ def test_bad_words_ban_each_words_last_token_after_the_rest():
     assert sorted(output.banned()) == [byte("q"), byte("z")]
 
 
+def test_allowed_token_ids_and_bad_words_that_leave_nothing_are_the_requests_fault():
+    with pytest.raises(RequestError) as e:  # "x" the only token allowed, and a bad word
+        run(Ranked([byte("x")]), allowed_token_ids=(byte("x"),), bad_words=("x",))
+    assert e.value.param == "allowed_token_ids" and "no token is left" in str(e.value)
+
+
 def test_bad_words_tokenized_with_and_without_a_leading_space():
     """Each word as vLLM tokenizes it: plain and after a space (a word within the text), stripped of
     leading spaces; the spaced form kept when its first token differs — here also when it is shorter
@@ -522,3 +528,14 @@ def test_prompt_logprobs_as_vllm_shapes_them_are_hf_eagers(url, engine, tiny_eag
         assert abs(position[str(rendered[i + 1])]["logprob"] - float(chat_logp[i, rendered[i + 1]])) < 1e-4
     streamed = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_constraints_that_leave_no_token_are_a_400_naming_the_field(url, engine):
+    only = engine.tokenizer.encode(" Paris", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "allowed_token_ids": only, "bad_words": ["Paris"]}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    events = sse_events(
+        httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
+    )
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "invalid_request_error", events

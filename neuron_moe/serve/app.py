@@ -503,6 +503,10 @@ async def _stream(
                 yield ": keep-alive\n\n"
                 continue
             index, item = got
+            if isinstance(item, RequestError):  # what the request asked admits no token: the client's
+                outcome = f"refused: {item}"
+                yield _sse(error_body(str(item), "invalid_request_error", item.param))
+                break
             if isinstance(item, Exception):
                 outcome = f"failed: {type(item).__name__}"
                 yield _sse(error_body(f"generation failed: {type(item).__name__}: {item}", "server_error"))
@@ -571,6 +575,8 @@ async def _collect(
         results = [_Result() for _ in choices.jobs]
         parts = [[] for _ in choices.jobs]
         async for index, item in _until_cut(choices.events(), cut):
+            if isinstance(item, RequestError):  # what the request asked admits no token: the client's
+                raise APIError(400, str(item), param=item.param)
             if isinstance(item, Exception):
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}", "server_error")
             record.step(index, item)

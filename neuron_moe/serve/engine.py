@@ -290,6 +290,7 @@ class Output:
             token, scores = self._choose(logits)
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
+        self._check_allowed(token)
         if self.matcher is not None and not self.matcher.advance(token):
             raise GenerationError(f"token {token} at step {self.count} is not one the grammar allows")
         self.token, self.count = token, self.count + 1
@@ -313,6 +314,21 @@ class Output:
             self._kept = True  # the token is the grammar's last, part of the text
             return "stop"
         return "length" if self.count == self.params.max_tokens else None
+
+    def _check_allowed(self, token: int) -> None:
+        """A RequestError naming the field when allowed_token_ids and bad_words (and a grammar) left the
+        token no choice: a token they rule out is chosen only when every token was ruled out."""
+        if self._allowed is None and not self._bad_words:
+            return
+        mask = self.allowed()
+        if (mask is None or int(mask[token // 32]) >> (token % 32) & 1) and token not in self.banned():
+            return
+        field = "allowed_token_ids" if self._allowed is not None else "bad_words"
+        raise RequestError(
+            f"{field}: at token {self.count + 1} no token is left to choose: allowed_token_ids, bad_words and the "
+            "structured output (where given) rule out every one",
+            field,
+        )
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, tuple | None]:
         """(the token, its scores) chosen on the host from the model's [V] logits, as the graphs choose it."""
