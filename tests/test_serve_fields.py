@@ -539,3 +539,14 @@ def test_constraints_that_leave_no_token_are_a_400_naming_the_field(url, engine)
         httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
     )
     assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "invalid_request_error", events
+
+
+def test_allowed_token_ids_and_a_grammar_together(url, engine):
+    """guided_choice's two answers, allowed_token_ids only the second's tokens: the second, where the
+    grammar alone answers the first."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "guided_choice": ["Paris", "Rome"]}
+    alone = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert alone == "Paris"
+    rome = engine.tokenizer.encode("Rome", add_special_tokens=False)
+    both = httpx.post(f"{url}/v1/completions", json={**body, "allowed_token_ids": rome}, timeout=60).json()
+    assert both["choices"][0]["text"] == "Rome", both
