@@ -177,11 +177,12 @@ OPTIONAL = {
     | st.sampled_from([[], [2048], [10**6], [-1], ["5"]]),
     "bad_words": st.none() | st.lists(st.sampled_from(BAD_WORDS), max_size=3),
     "prompt_logprobs": st.sampled_from([None, 0, 2, 20, 21, -1, 1.0]),
+    # vLLM's beam search (with most other fields: a 400 naming the other)
+    "use_beam_search": st.sampled_from([None, False, True]),
+    "length_penalty": st.sampled_from([None, 1, 1.0, 0.5, -1.0]),
     # what the server refuses (IGNORABLE), each with its reason in docs/serving.md
     "web_search_options": st.sampled_from([None, {}, {"search_context_size": "low"}]),
     "audio": st.sampled_from([None, {}, {"voice": "alloy", "format": "wav"}]),
-    "use_beam_search": st.sampled_from([None, False, True]),
-    "length_penalty": st.sampled_from([None, 1, 1.0, 0.5]),
 }
 
 # What a request may set only to null or these (the server does not do anything else with them).
@@ -196,8 +197,6 @@ IGNORABLE = {
     "modalities": [["text"]],
     "web_search_options": [],
     "audio": [],
-    "use_beam_search": [False],
-    "length_penalty": [1],
 }
 # ... and on one route only: top_logprobs is chat's (completions' logprobs is the count)
 IGNORABLE_ON = {True: {}, False: {"top_logprobs": []}}
@@ -399,13 +398,41 @@ def test_fuzz_completion_requests(http, body, raw):
 VOCABULARY = ("allowed_token_ids", "bad_words", "prompt_logprobs")
 
 
+@settings(max_examples=30, **FUZZ)
+@given(chat=st.booleans(), data=st.data())
+def test_fuzz_beam_search(http, chat, data):
+    """vLLM's beam search with what it takes (n, temperature, ignore_eos, length_penalty,
+    include_stop_str_in_output) and now and then one field it does not: served, or a 400 naming it."""
+    takes = ("n", "temperature", "ignore_eos", "length_penalty", "include_stop_str_in_output", "stop", "logprobs")
+    fields = data.draw(st.fixed_dictionaries({}, optional={k: OPTIONAL[k] for k in takes}))
+    route = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "The capital of France is"}
+    body = {"model": MODEL, "max_tokens": 2, **route, **fields, "use_beam_search": True}
+    r = post(http, "/v1/chat/completions" if chat else "/v1/completions", body)
+    check_answer(r, body, chat)
+    if r.status_code == 200:
+        assert len(r.json()["choices"]) == (body.get("n") or 1)
+
+
 @settings(max_examples=40, **FUZZ)
 @given(chat=st.booleans(), data=st.data())
 def test_fuzz_allowed_token_ids_bad_words_and_prompt_logprobs(http, chat, data):
     """vLLM's vocabulary fields drawn among a few others a request often sends with them (most of these
     requests are valid, unlike the broad fuzzers', so the checks of a 200's body run on them)."""
-    others = ("temperature", "seed", "echo", "stream", "n", "stop", "guided_choice")
-    fields = data.draw(st.fixed_dictionaries({}, optional={k: OPTIONAL[k] for k in VOCABULARY + others}))
+    others = (
+        "temperature",
+        "seed",
+        "echo",
+        "stream",
+        "n",
+        "stop",
+        "guided_choice",
+        "use_beam_search",
+        "length_penalty",
+    )
+    # guided_choice of ASCII texts: a text cut by max_tokens within a character is not a prefix of its choice
+    ascii_choices = st.none() | st.lists(st.sampled_from(["Paris", "a b", "xx", ".", "e.a"]), min_size=1, max_size=3)
+    optional = {**{k: OPTIONAL[k] for k in VOCABULARY + others}, "guided_choice": ascii_choices}
+    fields = data.draw(st.fixed_dictionaries({}, optional=optional))
     fields["logprobs"] = data.draw(st.sampled_from([None, True]) if chat else st.sampled_from([None, 0, 2]))
     route = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "The capital of France is"}
     body = {"model": MODEL, "max_tokens": 3, **route, **fields}

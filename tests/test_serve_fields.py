@@ -550,3 +550,35 @@ def test_allowed_token_ids_and_a_grammar_together(url, engine):
     rome = engine.tokenizer.encode("Rome", add_special_tokens=False)
     both = httpx.post(f"{url}/v1/completions", json={**body, "allowed_token_ids": rome}, timeout=60).json()
     assert both["choices"][0]["text"] == "Rome", both
+
+
+def test_beam_search_as_vllm_runs_it(url, engine, tiny_eager):
+    """use_beam_search with n beams: each step every beam goes on with its 2·n most likely tokens, the n
+    best cumulative logprobs live on (vLLM's rule; one length for all: length_penalty does not reorder
+    them); the n best are the choices. Held to the same search over HF eager's logprobs, ignore_eos so
+    that nothing completes early; n=1 is greedy."""
+    ids = engine.tokenizer.encode(PROMPT)
+
+    def logp(tokens):
+        with torch.no_grad():
+            return tiny_eager(input_ids=torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1)
+
+    beams = [(ids, 0.0)]
+    for _ in range(3):
+        grown = []
+        for tokens, total in beams:
+            top, top_ids = logp(tokens).topk(4)
+            grown += [(tokens + [t], total + v) for t, v in zip(top_ids.tolist(), top.tolist())]
+        beams = sorted(grown, key=lambda b: b[1], reverse=True)[:2]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    got = httpx.post(f"{url}/v1/completions", json={**body, "use_beam_search": True, "n": 2}, timeout=60).json()
+    assert [c["text"] for c in got["choices"]] == [engine.tokenizer.decode(t[len(ids) :]) for t, _ in beams], got
+    assert [c["finish_reason"] for c in got["choices"]] == ["length", "length"]
+    assert got["usage"]["completion_tokens"] == 6
+    one = httpx.post(f"{url}/v1/completions", json={**body, "use_beam_search": True}, timeout=60).json()
+    assert one["choices"][0]["text"] == complete(url, max_tokens=3, temperature=0).choices[0].text
+    for edit, param in (({"stop": "x"}, "stop"), ({"n": 11}, "n"), ({"logprobs": 1}, "logprobs")):
+        r = httpx.post(f"{url}/v1/completions", json={**body, "use_beam_search": True, **edit}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{url}/v1/completions", json={**body, "length_penalty": 0.5}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty", r.text

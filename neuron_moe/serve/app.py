@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import threading
 import time
 import uuid
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from ..report import dumps
 from .chat import render_chat
+from ..static.sampling import Processing
 from .engine import Engine, RequestError, SamplingParams, TokenLogprobs
 from .invocations import invocation_request
 from .metrics import CONTENT_TYPE, Metrics
@@ -396,6 +398,13 @@ class _Record:
             time.perf_counter() - self.started,
             outcome or f"finish {self.finish}",
         )
+
+
+class _Quiet(_Record):
+    """A request's part that logs nothing of its own (a step of beam search: the request logs once)."""
+
+    def log(self, outcome: str | None = None) -> None:
+        pass
 
 
 class _Cut(Exception):
@@ -775,6 +784,8 @@ def create_app(
         if problem:
             raise problem
         n, runs = req.choices, req.candidates
+        if req.use_beam_search:
+            return await beam_search(engine, req, request, prompt_ids, chat, started)
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
             params = SamplingParams(
@@ -850,6 +861,83 @@ def create_app(
         # usage as OpenAI counts it: the prompt once, every generated token (best_of's candidates too)
         usage = _usage(len(prompt_ids), sum(r.completion for r in results))
         return {**head, "choices": answered, "usage": usage, **extra}
+
+    async def beam_search(engine: Engine, req, request: Request, prompt_ids: list[int], chat: bool, started: float):
+        """vLLM's beam search, as vLLM runs it above its engine: each step, every live beam is a one-token
+        request whose prompt is the beam's whole sequence, asking the 2·n most likely tokens' logprobs
+        (the model's own); each beam goes on with each of those (and the token drawn), an EOS (unless
+        ignore_eos) completing it; the n best by cumulative logprob / length^length_penalty (the length
+        counting the prompt, not a final EOS: vLLM's score) live on. After max_tokens, the n best of the
+        completed and the live are the choices. Every step prefills every beam again (no prefix cache)."""
+        width = req.choices
+        try:
+            max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
+        except RequestError as e:
+            field = {"prompt": "messages" if chat else "prompt"}.get(e.param, e.param)
+            raise APIError(400, str(e), param=field) from None
+        if width > scheduler.max_running + scheduler.max_queue:
+            raise APIError(400, f"n={width}: more beams than this server runs and queues", param="n")
+        temperature = 1.0 if req.temperature is None else req.temperature
+        penalty = 1.0 if req.length_penalty is None else req.length_penalty
+        step_params = SamplingParams(1, temperature=temperature, processing=Processing(logprobs=2 * width))
+        try:
+            engine.check_sampling(step_params)  # the logprobs it reads need the logits-processing graphs
+        except RequestError as e:
+            raise APIError(400, f"use_beam_search reads logprobs: {e}", param="use_beam_search") from None
+        eos, keep_eos = engine.eos_ids, bool(req.include_stop_str_in_output)
+
+        def score(tokens: list[int], cumulative: float) -> float:
+            """cumulative / length^penalty (≤ 0), worked out in logs so that no power overflows."""
+            length = max(1, len(tokens) - (1 if tokens[-1] in eos else 0))
+            if cumulative >= 0:
+                return 0.0
+            return -math.exp(min(700.0, math.log(-cumulative) - penalty * math.log(length)))
+
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
+        record = _Record(head["id"], len(prompt_ids), started)
+        beams: list[tuple[list[int], float]] = [(list(prompt_ids), 0.0)]
+        completed: list[tuple[list[int], float, str]] = []
+        for _ in range(max_tokens):
+            jobs = []
+            try:
+                for tokens, _ in beams:
+                    jobs += scheduler.submit_all(engine, tokens, [step_params])
+            except APIError:
+                for job in jobs:
+                    job.cancel()
+                raise
+            results = await _collect(_Choices(jobs), request, state.cut, _Quiet(head["id"], 0, started), None)
+            if results is None:
+                record.log("client gone")
+                return Response(status_code=499)
+            grown = []
+            for (tokens, cumulative), result in zip(beams, results):
+                entry = result.entries[-1][1]
+                for token, logprob in dict([*entry.top, (entry.token, entry.logprob)]).items():
+                    if token in eos and not req.ignore_eos:
+                        ended = tokens + [token] if keep_eos else tokens
+                        completed.append((ended, cumulative + logprob, "stop"))
+                    else:
+                        grown.append((tokens + [token], cumulative + logprob))
+            beams = sorted(grown, key=lambda b: score(*b), reverse=True)[:width]
+            if not beams:
+                break
+        completed += [(tokens, cumulative, "length") for tokens, cumulative in beams]
+        best = sorted(completed, key=lambda b: score(b[0], b[1]), reverse=True)[:width]
+        choices = []
+        for i, (tokens, _, finish) in enumerate(best):
+            generated = tokens[len(prompt_ids) :]
+            text = await asyncio.to_thread(engine.tokenizer.decode, generated)
+            choices.append(_choice(chat, False, text, finish, index=i))
+            record.tokens[i] = len(generated)
+        record.finish = "beam search"
+        record.log()
+        return {**head, "choices": choices, "usage": _usage(len(prompt_ids), record.completion)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):

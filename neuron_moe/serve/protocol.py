@@ -32,6 +32,13 @@ GRAMMAR_FIELDS = (
 )
 MAX_BAD_WORDS = 64  # vLLM's limit is 128 token sequences; the graphs ban at most BIAS_WIDTH ids per row
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs, and the graphs' top-n width
+MAX_LENGTH_PENALTY = 100.0  # vLLM takes any float; beyond this the length alone orders the beams
+MAX_BEAMS = 10  # vLLM asks 2·n logprobs per beam and step; the graphs return at most MAX_TOP_LOGPROBS
+# what vLLM's beam search takes (any other field set is refused with it, never ignored)
+BEAM_FIELDS = frozenset(
+    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "ignore_eos"}
+    | {"include_stop_str_in_output", "use_beam_search", "length_penalty", "user"}
+)
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (the graphs take fewer: `engine.check_sampling`)
 # vLLM takes any positive repetition_penalty; outside these a seen token's logit is scaled past any use
 # (and near 0 to inf in fp32)
@@ -51,8 +58,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "modalities": (["text"],),
     "audio": (),
     "web_search_options": (),
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
 }
 
 
@@ -269,6 +274,9 @@ class _Sampling(_Strict):
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     bad_words: list[Annotated[Text, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's beam search: n beams, ranked by cumulative logprob / length^length_penalty
+    use_beam_search: bool | None = None
+    length_penalty: float | None = Field(None, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     user: str | None = None
     tools: list | None = None
     tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused
@@ -355,6 +363,25 @@ class _Sampling(_Strict):
         """vLLM's rule: prompt logprobs come with the whole answer only."""
         if self.prompt_logprobs is not None and self.stream:
             raise FieldError("prompt_logprobs", "prompt_logprobs are not available when stream=true")
+        return self
+
+    @model_validator(mode="after")
+    def _beam_search(self):
+        """vLLM's beam search takes n (the beams), max_tokens, temperature, ignore_eos, length_penalty and
+        include_stop_str_in_output; any other field that asks for something is refused with it (vLLM
+        ignores them), and length_penalty without it."""
+        if not self.use_beam_search:
+            if self.length_penalty is not None and self.length_penalty != 1:
+                raise FieldError("length_penalty", "length_penalty applies to beam search only (use_beam_search: true)")
+            return self
+        if self.choices > MAX_BEAMS:
+            raise FieldError("n", f"beam search takes at most {MAX_BEAMS} beams (n), got {self.choices}")
+        for name in sorted(self.model_fields_set - BEAM_FIELDS):
+            value = getattr(self, name)
+            if isinstance(value, ResponseFormat) and value.type == "text":
+                continue
+            if value is not None and value is not False and value != []:
+                raise FieldError(name, f"{name} is not taken with use_beam_search")
         return self
 
     @property
