@@ -785,7 +785,7 @@ def create_app(
             raise problem
         n, runs = req.choices, req.candidates
         if req.use_beam_search:
-            return await beam_search(engine, req, request, prompt_ids, chat, started)
+            return await beam_search(engine, req, request, prompt_ids, chat, started, extra_stops)
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
             params = SamplingParams(
@@ -862,13 +862,17 @@ def create_app(
         usage = _usage(len(prompt_ids), sum(r.completion for r in results))
         return {**head, "choices": answered, "usage": usage, **extra}
 
-    async def beam_search(engine: Engine, req, request: Request, prompt_ids: list[int], chat: bool, started: float):
+    async def beam_search(
+        engine: Engine, req, request: Request, prompt_ids: list[int], chat: bool, started: float, stops: tuple = ()
+    ):
         """vLLM's beam search, as vLLM runs it above its engine: each step, every live beam is a one-token
         request whose prompt is the beam's whole sequence, asking the 2·n most likely tokens' logprobs
         (the model's own); each beam goes on with each of those (and the token drawn), an EOS (unless
         ignore_eos) completing it; the n best by cumulative logprob / length^length_penalty (the length
         counting the prompt, not a final EOS: vLLM's score) live on. After max_tokens, the n best of the
-        completed and the live are the choices. Every step prefills every beam again (no prefix cache)."""
+        completed and the live are the choices. Every step prefills every beam again (no prefix cache).
+        A chat template's own stop string (`stops`: the plain fallback's) cuts a choice's text, as it ends
+        any other answer."""
         width = req.choices
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
@@ -933,6 +937,8 @@ def create_app(
         for i, (tokens, _, finish) in enumerate(best):
             generated = tokens[len(prompt_ids) :]
             text = await asyncio.to_thread(engine.tokenizer.decode, generated)
+            cut = min((j for j in (text.find(stop) for stop in stops) if j >= 0), default=None)
+            text, finish = (text, finish) if cut is None else (text[:cut], "stop")
             choices.append(_choice(chat, False, text, finish, index=i))
             record.tokens[i] = len(generated)
         record.finish = "beam search"
