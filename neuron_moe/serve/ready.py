@@ -4,7 +4,9 @@ was asked for (`--max-model-len`), a warm-up of every graph, and the start-up ba
 Warm-up calls every graph once before the first request: each prefill graph (every row count of
 `prefill_rows` at every bucket) and the decode graph of a batching engine's runtime, greedy, or one
 request through the per-request engine. On Neuron the first call of each compiled key loads and
-initialises it, which a user's first request should not wait for. The rows it writes hold nothing
+initialises it, and on CPU the first call of each graph compiled by torch.compile compiles it (or
+loads it from the compile cache): a user's first request should wait for neither. Each call is
+logged as it starts (a compile takes tens of seconds). The rows it writes hold nothing
 a request reads: a row's prefill writes every position its request will read before it reads it.
 """
 
@@ -60,16 +62,16 @@ def warm_up(engine: Engine) -> int:
         for _ in endless.generate([token], SamplingParams(min(2, engine.max_context - 1), temperature=0.0)):
             pass
         return 1
-    calls = 0
-    for rows in runtime.prefill_rows:
-        for bucket in runtime.buckets:
-            runtime.prefill([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)])
-            calls += 1
     batch = runtime.batch
+    shapes = [(rows, bucket) for rows in runtime.prefill_rows for bucket in runtime.buckets]
+    for i, (rows, bucket) in enumerate(shapes, 1):
+        log.info("warm-up %d/%d: the prefill graph of %d rows x %d tokens", i, len(shapes) + 1, rows, bucket)
+        runtime.prefill([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)])
+    log.info("warm-up %d/%d: the decode graph of %d rows", len(shapes) + 1, len(shapes) + 1, batch)
     runtime.decode(
         torch.full((batch, 1), token), torch.zeros(batch, 1, dtype=torch.long), torch.tensor([GREEDY] * batch)
     )
-    return calls + 1
+    return len(shapes) + 1
 
 
 def ready(engine: Engine, banner: Banner, max_model_len: int | None, what: str) -> Engine:
