@@ -632,7 +632,8 @@ def parser() -> argparse.ArgumentParser:
         description="Serve one model over the OpenAI API as vLLM does: POST /v1/chat/completions, "
         "/v1/completions, /tokenize, /detokenize; GET /v1/models, /version, /health, "
         "/ping. The model loads after the socket is bound and runs one request per "
-        "graph to warm up (/health answers 503 until it is ready). SIGTERM drains the "
+        "graph to warm up, --backend static compiling each graph then (minutes at a first start, seconds "
+        "from the compile cache after) (/health answers 503 until it is ready). SIGTERM drains the "
         "requests in flight, then exits 0.",
     )
     p.add_argument(
