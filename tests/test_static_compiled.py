@@ -153,3 +153,12 @@ def test_the_compile_flags_are_refused_where_they_cannot_apply(argv, message, tm
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message.format(file=tmp_path / "file" / "below") in err, err
+
+
+def test_the_compiled_graphs_order_of_layer_types_is_not_the_hash_seeds(small_spec, model):
+    """transformers' decoder iterates a set of layer-type strings, whose order follows the process's
+    hash seed: a graph traced over it would get another compile-cache key at every other restart.
+    The compiled graph's view holds them sorted; the model keeps its own."""
+    graph = static_runtime(model, small_spec, 2, compile=True)._decode
+    assert graph.module.model.model.unique_layer_types == ["full_attention", "sliding_attention"]
+    assert isinstance(model.model.unique_layer_types, set)

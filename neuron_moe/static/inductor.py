@@ -89,6 +89,13 @@ class CompiledGraph:
 
     def __init__(self, module: torch.nn.Module, name: str, progress: Callable[[str], None] | None = None):
         self.module, self.name, self.progress = module, name, progress
+        # transformers' Gemma-4 decoder makes the rotary embeddings of each layer type in the order of a
+        # set of strings, which follows the process's hash seed: so would the traced graph and inductor's
+        # cache key, and a restart would miss the cache half the time. The graph's view of the decoder
+        # (its own shallow copy: `experts/view.py`) takes them sorted.
+        decoder = module.model.model
+        if isinstance(getattr(decoder, "unique_layer_types", None), (set, frozenset)):
+            decoder.unique_layer_types = sorted(decoder.unique_layer_types)
         self.compiled = torch.compile(module, backend="inductor", fullgraph=True, dynamic=False)
         self.shapes: set[tuple] = set()  # the input shapes compiled so far
 
