@@ -4,9 +4,7 @@ was asked for (`--max-model-len`), a warm-up of every graph, and the start-up ba
 Warm-up calls every graph once before the first request: each prefill graph (every row count of
 `prefill_rows` at every bucket) and the decode graph of a batching engine's runtime, greedy, or one
 request through the per-request engine. On Neuron the first call of each compiled key loads and
-initialises it, and on CPU the first call of each graph compiled by torch.compile compiles it (or
-loads it from the compile cache): a user's first request should wait for neither. Each call is
-logged as it starts (a compile takes tens of seconds). The rows it writes hold nothing
+initialises it, which a user's first request should not wait for. The rows it writes hold nothing
 a request reads: a row's prefill writes every position its request will read before it reads it.
 """
 
@@ -51,7 +49,8 @@ def check_max_model_len(max_model_len: int | None, context: int, what: str) -> N
 def warm_up(engine: Engine) -> int:
     """Every graph of a batching engine's runtime called once (each prefill row count at each bucket,
     then one decode step), greedy; the per-request engine gets one request, EOS ignored. Returns the
-    calls made."""
+    calls made. Each graph's call is logged as it starts: on CPU the first call of a graph compiled by
+    torch.compile compiles it (or loads it from the compile cache), tens of seconds a graph."""
     token = engine.tokenizer.bos_token_id or 0
     runtime = engine.runtime
     if engine.rows is None:  # one request per thread over HF's model
@@ -62,16 +61,18 @@ def warm_up(engine: Engine) -> int:
         for _ in endless.generate([token], SamplingParams(min(2, engine.max_context - 1), temperature=0.0)):
             pass
         return 1
+    calls, graphs = 0, len(runtime.prefill_rows) * len(runtime.buckets) + 1
+    for rows in runtime.prefill_rows:
+        for bucket in runtime.buckets:
+            log.info("warm-up %d/%d: the prefill graph of %d rows x %d tokens", calls + 1, graphs, rows, bucket)
+            runtime.prefill([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)])
+            calls += 1
     batch = runtime.batch
-    shapes = [(rows, bucket) for rows in runtime.prefill_rows for bucket in runtime.buckets]
-    for i, (rows, bucket) in enumerate(shapes, 1):
-        log.info("warm-up %d/%d: the prefill graph of %d rows x %d tokens", i, len(shapes) + 1, rows, bucket)
-        runtime.prefill([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)])
-    log.info("warm-up %d/%d: the decode graph of %d rows", len(shapes) + 1, len(shapes) + 1, batch)
+    log.info("warm-up %d/%d: the decode graph of %d rows", calls + 1, graphs, batch)
     runtime.decode(
         torch.full((batch, 1), token), torch.zeros(batch, 1, dtype=torch.long), torch.tensor([GREEDY] * batch)
     )
-    return len(shapes) + 1
+    return calls + 1
 
 
 def ready(engine: Engine, banner: Banner, max_model_len: int | None, what: str) -> Engine:
