@@ -1,6 +1,5 @@
 """The port's static graphs on CPU, as modules over one KV cache, as the batching engine's runtime
-(`rows.GraphRuntime`: what goes in and out; on Inferentia2 the compiled artifact, `serve/neuron.py`):
-run a module at a time, or compiled by torch.compile (inductor, `inductor.py`)."""
+(`static.rows.GraphRuntime`: what goes in and out; on Inferentia2 the compiled artifact, `serve/neuron.py`)."""
 
 from __future__ import annotations
 
