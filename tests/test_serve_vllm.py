@@ -181,8 +181,8 @@ def test_banner_and_one_log_line_per_request(caplog):
 
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
-    """Static graphs: every prefill graph (each row count at each bucket) and the decode graph, all before
-    /health answers 200;
+    """Static graphs: every prefill graph (each row count at each bucket) and the decode graph, then their
+    logits-processing variants, all before /health answers 200;
     the per-request engine: one request."""
     calls, prefill, decode = [], GraphRuntime.prefill, GraphRuntime.decode
     monkeypatch.setattr(
@@ -196,6 +196,17 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
     monkeypatch.setattr(
         GraphRuntime, "decode", lambda self, *inputs: calls.append(("decode",)) or decode(self, *inputs)
     )
+    variant_prefill, variant_decode = GraphRuntime.prefill_processing, GraphRuntime.decode_processing
+    monkeypatch.setattr(
+        GraphRuntime,
+        "prefill_processing",
+        lambda self, chunks: calls.append(("prefill processing", len(chunks))) or variant_prefill(self, chunks),
+    )
+    monkeypatch.setattr(
+        GraphRuntime,
+        "decode_processing",
+        lambda self, *inputs: calls.append(("decode processing",)) or variant_decode(self, *inputs),
+    )
     generated = []
     if backend == "eager":
         generate = Engine.generate
@@ -205,6 +216,14 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
         seen = list(calls), list(generated)
     if backend == "static":
         # every prefill graph (the tiny port's prefill_rows [1, 4] cut to its batch of 2, each bucket), then decode
-        assert seen[0] == [("prefill", 1, 8), ("prefill", 1, 56), ("prefill", 2, 8), ("prefill", 2, 56), ("decode",)]
+        assert seen[0][:5] == [
+            ("prefill", 1, 8),
+            ("prefill", 1, 56),
+            ("prefill", 2, 8),
+            ("prefill", 2, 56),
+            ("decode",),
+        ]
+        # and their logits-processing variants, once each
+        assert seen[0][5:] == [("prefill processing", n) for n in (1, 1, 2, 2)] + [("decode processing",)]
     else:
         assert len(seen[1]) == 1

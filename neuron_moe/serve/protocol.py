@@ -10,24 +10,26 @@ default (`UNSUPPORTED`): never accepted and ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
+from ..static.sampling import Processing
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
-MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_STOP_TOKEN_IDS = 32  # vLLM sets none; the logits-processing graphs take a fixed number of banned ids per row
+MAX_BEST_OF = 20  # OpenAI's
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (the graphs take fewer: `engine.check_sampling`)
+# vLLM takes any positive repetition_penalty; outside these a seen token's logit is scaled past any use
+# (and near 0 to inf in fp32)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 # What the server cannot do yet, by field: the values that ask for nothing (their defaults). Any
 # other value is a 400 naming the field. OpenAI's fields, then vLLM's sampling extras that clients
 # of vLLM send through `extra_body`.
 UNSUPPORTED: dict[str, tuple] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "logprobs": (False,),
+    # honoured by one route only (the request type that does lists it in its HONOURED): top_logprobs
+    # in chat (completions' `logprobs` is a count)
     "top_logprobs": (),
-    "best_of": (1,),
-    "echo": (False,),
     "tools": ([],),
     "functions": ([],),
     "function_call": ("none", "auto"),
@@ -36,12 +38,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "modalities": (["text"],),
     "audio": (),
     "web_search_options": (),
-    "min_p": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "min_tokens": (0,),
-    "ignore_eos": (False,),
-    "stop_token_ids": ([],),
-    "include_stop_str_in_output": (False,),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "guided_json": (),
@@ -153,6 +149,7 @@ def _token_id(key: str) -> str:
 
 
 class _Sampling(_Strict):
+    HONOURED: ClassVar[frozenset[str]] = frozenset()  # the fields of UNSUPPORTED this route honours
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -164,11 +161,20 @@ class _Sampling(_Strict):
     stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     n: int | None = Field(None, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)  # candidates, of which the n most likely are answered
+    echo: bool | None = None  # completions: the prompt before the text; chat: vLLM's (the last assistant turn)
+    ignore_eos: bool | None = None  # vLLM's extras, from here on
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[int, Field(ge=-100, le=100)]] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS
+    logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[float, Field(ge=-100, le=100)]] | None = (
+        Field(None, max_length=MAX_LOGIT_BIAS)
     )
+    # vLLM's extras: repetition_penalty 1 is off, min_p 0 is off
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     user: str | None = None
     tools: list | None = None
     tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused
@@ -189,7 +195,7 @@ class _Sampling(_Strict):
     def _unsupported_fields(self):
         """An unsupported field this model declares: its type and range checked, then refused by
         name unless null or its default."""
-        for name in sorted(self.model_fields_set & set(UNSUPPORTED)):
+        for name in sorted(self.model_fields_set & set(UNSUPPORTED) - self.HONOURED):
             _refuse_unless_default(name, getattr(self, name))
         return self
 
@@ -203,12 +209,48 @@ class _Sampling(_Strict):
             raise ValueError("a stop sequence must not be empty")
         return stops
 
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v, info):
-        if v is not None and v != 1:
-            raise ValueError(f"only {info.field_name}=1 is supported")
-        return v
+    @model_validator(mode="after")
+    def _best_of(self):
+        """OpenAI's rules: best_of candidates hold the n answered; candidates beyond n cannot be streamed
+        (the best are known at the end)."""
+        if self.best_of is not None:
+            if self.best_of < self.choices:
+                raise FieldError("best_of", f"best_of ({self.best_of}) must be at least n ({self.choices})")
+            if self.stream and self.best_of > self.choices:
+                raise FieldError("best_of", "best_of above n cannot be streamed (the best are known only at the end)")
+        return self
+
+    @property
+    def choices(self) -> int:
+        """n: the choices answered."""
+        return self.n or 1
+
+    @property
+    def candidates(self) -> int:
+        """best_of: the generations run (each a row of the batch), of which the `choices` most likely are answered."""
+        return self.best_of or self.choices
+
+    @property
+    def stopping(self) -> dict:
+        """vLLM's stop fields, with their defaults for null (SamplingParams' names)."""
+        return {
+            "ignore_eos": bool(self.ignore_eos),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "min_tokens": self.min_tokens or 0,
+            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+        }
+
+    def processing(self, logprobs: int | None, prompt_logprobs: int | None = None) -> Processing:
+        """The request's logits processing (`static/sampling.py`), nulls as their defaults."""
+        return Processing(
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     @property
     def sampling(self) -> dict:
@@ -231,11 +273,23 @@ class _Sampling(_Strict):
 
 
 class ChatRequest(_Sampling):
+    HONOURED = frozenset({"top_logprobs"})
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None  # "audio" is refused as not one of these
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def asked_processing(self) -> Processing:
+        """logprobs: the chosen token's and `top_logprobs` more per token."""
+        return self.processing((self.top_logprobs or 0) if self.logprobs else None)
 
 
 PROMPT_FORMS = "a string, a list of token ids, or a list of one of either"
@@ -256,9 +310,7 @@ class CompletionRequest(_Sampling):
     document (the empty prompt: the tokenizer's BOS)."""
 
     prompt: Text | list | None
-    logprobs: int | None = Field(None, ge=0, le=5)
-    best_of: int | None = Field(None, ge=1, le=20)
-    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # the chosen token's logprob and this many more per token
     suffix: Text | None = None  # logprobs 0 asks for the chosen tokens' logprobs: not nothing
 
     @field_validator("prompt")
@@ -277,6 +329,11 @@ class CompletionRequest(_Sampling):
         if not isinstance(v, list) or any(isinstance(p, (str, list)) for p in v):
             raise ValueError(f"must be {PROMPT_FORMS}")
         return _token_ids(v)
+
+    @property
+    def asked_processing(self) -> Processing:
+        """logprobs n: the chosen token's and n more per token, the prompt's too with echo."""
+        return self.processing(self.logprobs, self.logprobs if self.echo else None)
 
 
 class TokenizeRequest(BaseModel):

@@ -15,7 +15,8 @@ One step is
 - decode: one decode call for every row that is generating, each at its own position.
 
 Each row's inputs are made here, on the host, once per step: its chunk (`Chunk`), or its next id,
-position and sampling (`ids`, `positions`, the sampling of its work). A piece of work ends when its
+position and sampling (`ids`, `positions`, `sampling`: tensors made once, each row's element
+written in place as its work moves on, no tensor made per step). A piece of work ends when its
 `next` says so or its caller `free`s it, and its row is free for the next step. A row with nothing
 to generate sits in the decode batch as the pad token at its next prefill position (0 for a free
 row): it writes only that slot of its own ring, which its next prefill chunk rewrites, and nothing
@@ -31,11 +32,39 @@ The work in a row (a served request, an evaluated sequence, a prompt to validate
                        next step, or None: the work is done
   end(error)           the row let go of it: done, freed by the caller, or its graph call failed
 
+What the step does between two graph calls is on the graphs' critical path: `next` runs there for
+every row after every call, so it should decide from the token (and logits) alone what to feed
+next, and do anything slower beside the graph calls. Serving's work does so: its `next` takes the
+token by the ids (EOS, max_tokens) and hands the text and the streaming to a thread of its own
+(`serve/batching.py`), which runs while the loop is in the next call; a request that a stop string
+ends tells the loop so a step late, and the loop `free`s its row.
+
+and, for work that asks for logits processing (logprobs, penalties, bias, min_p, bans, a grammar's
+bitmask: `static/sampling.py`), also
+
+  asks                 True (fixed for the work's life; absent or False: it asks nothing)
+  processing()         its row of the variant's inputs for its next token: (presence, frequency,
+                       repetition, min_p), [(token id, bias)] (bans as -inf; at most BIAS_WIDTH), and
+                       its bitmask [ceil(V/32)] int32 or None
+  next(token, logits, scores)  as `next`, with the token's (logprob, top ids [N], top logprobs [N])
+  prompt_scores(start, logprobs [n], top ids [n, N], top logprobs [n, N])  (optional) the scores of
+                       the prompt tokens start+1..start+n, from its prefill chunk at `start`
+
+Work that asks runs in the runtime's logits-processing variant graphs: it is prefilled up to its
+prompt's last token (`prefill_processing`, which writes its prompt into the rows' token counts), and
+that last token is its first decode input, so its first token, like every later one, comes from the
+variant decode graph (`decode_processing`) with its logprobs. A step's decode runs the variant when
+any generating row asks (the other rows with neutral inputs: the same tokens as `decode`), else
+`decode` with today's inputs.
+
 A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` rows, a `pad_id`,
 `chunk`, `prefill_rows`, `prefill(chunks) -> (tokens [n], logits [n, V] | None)` and
 `decode(ids [B, 1], positions [B, 1], sampling [B, 4]) -> (tokens [B], logits [B, V] | None)`, on
-the host. A graph call that fails ends the work it was running with the error, frees those rows,
-and raises out of the step.
+the host, and `processing` (whether it has the variants, `prefill_processing` and `decode_processing`)
+and `vocab`. The decode call's inputs are the step's own tensors, written in place before the next
+call: a runtime reads them during the call (a device runtime copies them to the device) and keeps
+no reference past it. A graph call that fails ends the work it was running with the error, frees
+those rows, and raises out of the step.
 """
 
 from __future__ import annotations
@@ -47,7 +76,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import GREEDY, greedy_sampling
+from .sampling import BIAS_WIDTH, GREEDY, NEUTRAL, neutral_inputs
 
 
 def prefill_row(prompt: torch.Tensor, bucket: int, pad_id: int, start: int = 0):
@@ -71,6 +100,7 @@ class Chunk:
     start: int  # the position of its first token (0: the prompt's first piece)
     row: int  # the cache row it goes into
     sampling: tuple[float, float, float, float]  # the row's sampling (`static.sampling.FIELDS`)
+    targets: list[int] | None = None  # the logits-processing prefill's: the prompt token after each of ids
 
 
 class GraphRuntime:
@@ -106,13 +136,21 @@ class GraphRuntime:
         pad_id: int = 0,
         chunk: int | None = None,
         device: torch.device | str = "cpu",
+        prefill_processing=None,
+        decode_processing=None,
+        vocab: int | None = None,
     ):
         self._prefill, self._decode = prefill, decode
+        # the logits-processing variants (`decoder.ProcessingPrefill`, `ProcessingDecode`; None: this
+        # runtime has none, and requests that ask for them are refused)
+        self._prefill_processing, self._decode_processing = prefill_processing, decode_processing
+        self.processing = decode_processing is not None and prefill_processing is not None
+        self.vocab = vocab
         self.batch, self.buckets, self.max_length = batch, sorted(buckets or ()), max_length
         self.prefill_rows = sorted(prefill_rows)
         self.chunk = chunk or self.buckets[-1]  # the longest piece of a prompt one prefill call takes
         self.candidates = candidates  # top-k / top-p candidate width of the graphs
-        self.pad_id, self.logits, self.device = pad_id, logits, device
+        self.pad_id, self.logits, self.device = pad_id, logits, torch.device(device)
 
     @torch.no_grad()
     def prefill(self, chunks: list[Chunk]):
@@ -126,15 +164,56 @@ class GraphRuntime:
         longest = max(len(c.ids) for c in chunks)
         bucket = bucket_for(longest, self.buckets) if self.buckets else longest
         padded = chunks + [chunks[-1]] * (rows - len(chunks))
-        parts = [prefill_row(torch.tensor(c.ids), bucket, self.pad_id, c.start) for c in padded]
-        inputs = [torch.cat(column) for column in zip(*parts)]
+        ids, mask, positions = [], [], []  # `prefill_row`'s, all rows at once (lists, then a tensor each)
+        for c in padded:
+            n, pad = len(c.ids), bucket - len(c.ids)
+            ids.append([self.pad_id] * pad + list(c.ids))
+            mask.append([0] * pad + [1] * n)
+            positions.append([c.start] * pad + list(range(c.start, c.start + n)))
+        inputs = [torch.tensor(ids), torch.tensor(mask), torch.tensor(positions)]
         inputs += [torch.tensor([c.row for c in padded]), torch.tensor([c.sampling for c in padded])]
-        tokens, logits = self._out(self._prefill(*(x.to(self.device) for x in inputs)))
+        tokens, logits = self._out(self._prefill(*self._sent(inputs)))
         return tokens[: len(chunks)], None if logits is None else logits[: len(chunks)]
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
-        return self._out(self._decode(*(x.to(self.device) for x in (ids, positions, sampling))))
+        return self._out(self._decode(*self._sent((ids, positions, sampling))))
+
+    def _sent(self, inputs):
+        """The inputs on `device`. One already there is passed as it is, not through `to`: a call into
+        torch releases the GIL, and another thread of the host (serving's text thread) may then hold
+        it until its work is done, in series with the graph call that follows."""
+        return [x if x.device == self.device else x.to(self.device) for x in inputs]
+
+    @torch.no_grad()
+    def prefill_processing(self, chunks: list[Chunk]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The logits-processing prefill of `chunks` (each with its `targets`), batched as `prefill`
+        batches: per chunk, its tokens' (logprob of the target [n], top ids [n, N], top logprobs [n, N])."""
+        most = self.prefill_rows[-1]
+        if len(chunks) > most:
+            return [s for i in range(0, len(chunks), most) for s in self.prefill_processing(chunks[i : i + most])]
+        rows = next(p for p in self.prefill_rows if p >= len(chunks))
+        longest = max(len(c.ids) for c in chunks)
+        bucket = bucket_for(longest, self.buckets) if self.buckets else longest
+        padded = chunks + [chunks[-1]] * (rows - len(chunks))
+        parts = [prefill_row(torch.tensor(c.ids), bucket, self.pad_id, c.start) for c in padded]
+        inputs = [torch.cat(column) for column in zip(*parts)]
+        targets = torch.zeros(rows, bucket, dtype=torch.long)
+        for i, c in enumerate(padded):
+            targets[i, bucket - len(c.ids) :] = torch.tensor(c.targets)
+        inputs += [torch.tensor([c.row for c in padded]), targets]
+        chosen, top_ids, top = (t.cpu() for t in self._prefill_processing(*self._sent(inputs))[:3])
+        return [tuple(t[i, -len(c.ids) :] for t in (chosen, top_ids, top)) for i, c in enumerate(chunks)]
+
+    @torch.no_grad()
+    def decode_processing(self, ids, positions, sampling, process, bias_ids, bias, mask):
+        """The logits-processing decode -> (tokens [B], (logprobs [B], top ids [B, N], top logprobs [B, N]),
+        logits [B, V] or None)."""
+        inputs = (ids, positions, sampling, process, bias_ids, bias, mask)
+        outputs = self._decode_processing(*self._sent(inputs))
+        logits = self.logits if self.logits is not None else len(outputs) > 4
+        scores = (outputs[1][:, 0].cpu(), outputs[2].cpu(), outputs[3].cpu())
+        return outputs[0][:, 0].cpu(), scores, (outputs[4].float().cpu() if logits else None)
 
     def _out(self, outputs):
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)  # one output may come bare
@@ -160,12 +239,18 @@ class Rows:
         self.runtime, self.batch = runtime, runtime.batch
         self._per_step = runtime.batch if prefill_all else runtime.prefill_rows[-1]  # chunks a step prefills
         self.slots: list = [None] * self.batch  # the work in each row
+        # The decode call's inputs, made once and written in place a row at a time (through numpy views
+        # of the same memory: a write of one element costs a fraction of a tensor's indexing).
         self.ids = torch.full((self.batch, 1), runtime.pad_id, dtype=torch.long)  # each row's next input
         self.positions = torch.zeros(self.batch, 1, dtype=torch.long)  # and its position
+        self.sampling = torch.tensor([GREEDY] * self.batch)  # and its sampling (`static.sampling.FIELDS`)
+        self._ids, self._positions, self._sampling = self.ids.numpy(), self.positions.numpy(), self.sampling.numpy()
         self.steps = 0  # decode steps run
         # called after each graph call that ran, before its tokens are handed out: (graph, rows it ran)
         self.counted: Callable[[str, int], None] | None = None
         self._done = [0] * self.batch  # prompt tokens prefilled so far, per row
+        self._asks = [False] * self.batch  # whether each row's work runs in the logits-processing variants
+        self._fed = [NEUTRAL[4:]] * self.batch  # its (reset, fed_prompt, fed_output) flags for its next decode
         self._order = [0] * self.batch  # when each row's work was admitted: the oldest prefills first
         self._admitted = itertools.count()
 
@@ -185,11 +270,16 @@ class Rows:
     def free(self, row: int, error: Exception | None = None) -> None:
         """End the work in `row` (with `error`, if it failed) and free the row."""
         work, self.slots[row] = self.slots[row], None
-        self.ids[row], self.positions[row] = self.runtime.pad_id, 0
+        self._ids[row, 0], self._positions[row, 0] = self.runtime.pad_id, 0
         work.end(error)
 
     def _prefilling(self, row: int) -> bool:
-        return self._done[row] < len(self.slots[row].prompt)
+        return self._done[row] < self._prefilled(row)
+
+    def _prefilled(self, row: int) -> int:
+        """The prompt tokens the row's prefill takes: all, or all but the last for work that asks."""
+        n = len(self.slots[row].prompt)
+        return n - 1 if self._asks[row] and n else n
 
     def _admit(self, take: Callable[[], object]) -> None:
         for row in range(self.batch):
@@ -199,8 +289,17 @@ class Rows:
             if work is None:
                 return
             self.slots[row], self._done[row], self._order[row] = work, 0, next(self._admitted)
-            if not work.prompt:
+            self._asks[row] = bool(getattr(work, "asks", False))
+            if self._asks[row] and len(work.prompt) == 1:  # no prefill: its first decode resets its counts
+                self._fed_prompt(row, reset=True)
+            elif not work.prompt:
                 self._next(row, None, None)
+
+    def _fed_prompt(self, row: int, reset: bool) -> None:
+        """Work that asks, prefilled but for its prompt's last token: that token is its next decode input."""
+        prompt = self.slots[row].prompt
+        self._ids[row, 0], self._positions[row, 0] = prompt[-1], len(prompt) - 1
+        self._fed[row] = (1.0 if reset else 0.0, 1.0, 0.0)
 
     def _prefill(self) -> None:
         prefilling = [row for row in self.active() if self._prefilling(row)]
@@ -210,29 +309,88 @@ class Rows:
         chunks = []
         for row in rows:
             work, done = self.slots[row], self._done[row]
-            piece = work.prompt[done : done + self.runtime.chunk]
-            last = done + len(piece) == len(work.prompt)
-            chunks.append(Chunk(piece, done, row, work.sampling() if last else GREEDY))
-        tokens, logits = self._call("prefill", rows, self.runtime.prefill, chunks)
-        for i, (row, chunk) in enumerate(zip(rows, chunks)):
-            self._done[row] += len(chunk.ids)
-            self.positions[row] = self._done[row]  # the next chunk's first position, or the first token's
-            if not self._prefilling(row):
-                self._next(row, int(tokens[i]), None if logits is None else logits[i])
+            end = self._prefilled(row)
+            piece = work.prompt[done : min(done + self.runtime.chunk, end)]
+            if self._asks[row]:  # no token from this prefill: what it writes, and the prompt's logprobs
+                chunks.append(Chunk(piece, done, row, GREEDY, work.prompt[done + 1 : done + 1 + len(piece)]))
+            else:
+                chunks.append(Chunk(piece, done, row, work.sampling() if done + len(piece) == end else GREEDY))
+        plain = [(row, c) for row, c in zip(rows, chunks) if c.targets is None]
+        asking = [(row, c) for row, c in zip(rows, chunks) if c.targets is not None]
+        if plain:
+            tokens, logits = self._call("prefill", [r for r, _ in plain], self.runtime.prefill, [c for _, c in plain])
+            for i, (row, chunk) in enumerate(plain):
+                self._done[row] += len(chunk.ids)
+                self._positions[row, 0] = self._done[row]  # the next chunk's first position, or the first token's
+                if not self._prefilling(row):
+                    self._next(row, int(tokens[i]), None if logits is None else logits[i])
+        if asking:
+            rows = [r for r, _ in asking]
+            scores = self._call("prefill", rows, self.runtime.prefill_processing, [c for _, c in asking])
+            for (row, chunk), (chosen, top_ids, top) in zip(asking, scores):
+                self._done[row] += len(chunk.ids)
+                self._positions[row, 0] = self._done[row]
+                work = self.slots[row]
+                if hasattr(work, "prompt_scores"):
+                    try:
+                        work.prompt_scores(chunk.start, chosen, top_ids, top)
+                    except Exception as e:  # the work's own failure: its row is freed, the others go on
+                        self.free(row, e)
+                        continue
+                if not self._prefilling(row):
+                    self._fed_prompt(row, reset=False)
 
     def _decode(self) -> list[int]:
         rows = self.generating()
         if not rows:
             return []
-        sampling = greedy_sampling(self.batch)
+        sampling, positions = self._sampling, self._positions
+        sampling[:] = GREEDY
         for row in rows:
-            sampling[row] = torch.tensor(self.slots[row].sampling())
-        tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, sampling)
+            sampling[row] = self.slots[row].sampling()
+        asking = [row for row in rows if self._asks[row]]
+        if asking:
+            inputs = self._processing_inputs(asking)
+            rows = [row for row in rows if self.slots[row] is not None]  # a work whose inputs failed is gone
+            if not rows:
+                return []
+            tokens, scores, logits = self._call(
+                "decode", rows, self.runtime.decode_processing, self.ids, self.positions, self.sampling, *inputs
+            )
+        else:
+            tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, self.sampling)
         self.steps += 1
-        self.positions[rows] += 1
-        for row, token in zip(rows, tokens[rows].tolist()):
-            self._next(row, token, None if logits is None else logits[row])
+        tokens = tokens.tolist()
+        for row in rows:
+            positions[row, 0] += 1
+            row_logits = None if logits is None else logits[row]
+            if self._asks[row]:
+                self._fed[row] = (0.0, 0.0, 1.0)  # its token is fed next: an output token
+                chosen, top_ids, top = scores
+                self._next(row, tokens[row], row_logits, (float(chosen[row]), top_ids[row], top[row]))
+            else:
+                self._next(row, tokens[row], row_logits)
         return rows
+
+    def _processing_inputs(self, asking: list[int]):
+        """(process, bias_ids, bias, mask) of the variant decode: neutral but for the rows that ask."""
+        process, bias_ids, bias, mask = neutral_inputs(self.batch, self.runtime.vocab)
+        for row in asking:
+            try:
+                values, entries, allowed = self.slots[row].processing()
+                if len(entries) > BIAS_WIDTH:
+                    raise ValueError(f"{len(entries)} logit bias and banned entries; the graphs take {BIAS_WIDTH}")
+            except Exception as e:  # the work's own failure: its row is freed (neutral), the others go on
+                self.free(row, e)
+                continue
+            process[row] = torch.tensor((*values, *self._fed[row]))
+            if entries:
+                ids, values = zip(*entries)
+                bias_ids[row, : len(ids)] = torch.tensor(ids)
+                bias[row, : len(ids)] = torch.tensor(values)
+            if allowed is not None:
+                mask[row] = allowed
+        return process, bias_ids, bias, mask
 
     def _call(self, graph: str, rows: list[int], call, *inputs):
         try:
@@ -245,12 +403,13 @@ class Rows:
             self.counted(graph, len(rows))
         return out
 
-    def _next(self, row: int, token: int | None, logits: torch.Tensor | None) -> None:
-        feed = self.slots[row].next(token, logits)
+    def _next(self, row: int, token: int | None, logits: torch.Tensor | None, scores=None) -> None:
+        work = self.slots[row]
+        feed = work.next(token, logits) if scores is None else work.next(token, logits, scores)
         if feed is None:
             self.free(row)
         else:
-            self.ids[row] = feed
+            self._ids[row, 0] = feed
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .decoder import Decode, Prefill, new_cache
+from .decoder import Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from .inductor import CompiledGraph
 from .rows import GraphRuntime
 from .sampling import CANDIDATES
@@ -24,12 +24,15 @@ def static_runtime(
 ) -> GraphRuntime:
     """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
     `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
-    with the experts implementation the port names for it, choosing its tokens itself. `prefill_rows`
-    and `chunk` default to the port's; `logits=True` also returns the logits (validation, tests).
-    `compile`: each graph compiled by torch.compile at its first call of each shape (`progress` told
-    of each compile; the caller checked for a C++ compiler and chose the cache: `inductor.py`)."""
+    with the experts implementation the port names for it, choosing its tokens itself, and their
+    logits-processing variants (`ProcessingPrefill`, `ProcessingDecode`) over the same cache and one
+    set of token counts, for the requests that ask for them. `prefill_rows` and `chunk` default to the
+    port's; `logits=True` also returns the logits (validation, tests). `compile`: the prefill and
+    decode graphs compiled by torch.compile at their first call of each shape (`progress` told of each
+    compile; the caller checked for a C++ compiler and chose the cache: `inductor.py`); the
+    logits-processing variants run as modules."""
     batch = batch or spec.batch_size
-    cache = new_cache(model, spec.max_cache_len, batch)
+    cache, counts = new_cache(model, spec.max_cache_len, batch), new_counts(model, batch)
     rows = sorted({min(p, batch) for p in prefill_rows}) if prefill_rows else spec.rows_for(batch)
     prefill = Prefill(model, cache, spec.prefill_experts, logits=logits)
     decode = Decode(model, cache, spec.decode_experts, logits=logits)
@@ -46,4 +49,7 @@ def static_runtime(
         candidates=min(CANDIDATES, model.config.vocab_size),
         pad_id=model.config.pad_token_id or 0,
         chunk=chunk or spec.chunk,
+        prefill_processing=ProcessingPrefill(model, cache, counts, spec.prefill_experts),
+        decode_processing=ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits),
+        vocab=model.config.vocab_size,
     )
