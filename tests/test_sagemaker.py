@@ -31,7 +31,7 @@ import runpy, sys
 from neuron_moe.model import build_model
 from neuron_moe.neuron import artifact
 from neuron_moe.serve import backends, neuron
-from neuron_moe.serve.runtime import static_runtime
+from neuron_moe.static.runtime import static_runtime
 
 def runtime(artifacts, port):
     manifest = artifact.read_manifest(artifacts)

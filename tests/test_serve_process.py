@@ -236,7 +236,7 @@ def test_an_address_in_use_is_one_line_before_anything_loads(capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert cli.main(["serve", "--backend", "static", "--port", str(port)]) == 2
+        assert cli.main(["serve", "--backend", "static", "--no-compile", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in err and "Traceback" not in err
     assert not any(t.name == "load-model" for t in threading.enumerate())
@@ -290,6 +290,7 @@ def test_sigterm_under_load_and_slow_clients_on_a_real_server(tmp_path):
             "serve",
             "--backend",
             "static",
+            "--no-compile",
             "--port",
             "0",
             "--batch-size",

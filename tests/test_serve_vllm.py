@@ -27,7 +27,8 @@ PROMPT = "The capital of France is"
 
 
 def app_for(*flags):
-    return server.make_app(cli.parser().parse_args(["serve", *flags]))
+    """The app `serve` runs with these flags; the static graphs uncompiled (test_static_compiled.py compiles)."""
+    return server.make_app(cli.parser().parse_args(["serve", *flags, *(["--no-compile"] if "static" in flags else [])]))
 
 
 def ready(url):

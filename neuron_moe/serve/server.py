@@ -34,7 +34,8 @@ from ..neuron.artifact import check_tokenizer
 from ..neuron.artifact import verify as verify_artifact
 from ..port import DTYPES, load_port
 from ..publish import s3
-from ..spec import COMPILED, MODULES, quantized
+from ..spec import COMPILED, MODULES, compile_cache, quantized
+from ..static import inductor
 from ..static.cache import cache_bytes, cache_layout
 from . import connection, neuron, ready
 from .app import BODY_TIMEOUT_S, MAX_BODY_BYTES, create_app
@@ -136,6 +137,7 @@ def plan_load(args):
     context = _context(backend, port, manifest)
     if context is not None:  # an s3:// artifact's is known once it is pulled: checked then
         ready.check_max_model_len(args.max_model_len, *context)
+    compiles = check_compile(args, backend)
 
     def load():
         nonlocal checkpoint
@@ -155,6 +157,8 @@ def plan_load(args):
             batch_size=args.batch_size,
             prefill_rows=args.prefill_rows,
             prefill_chunk=args.prefill_chunk,
+            compile=compiles,
+            progress=log.info,
         )
         found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
         dtype = found["dtype"] if found else str(args.dtype or port.dtype).removeprefix("torch.")
@@ -162,6 +166,29 @@ def plan_load(args):
         return ready.ready(engine, banner, args.max_model_len, _context(backend, port, found)[1])
 
     return port, load
+
+
+def check_compile(args, backend) -> bool:
+    """Whether the static graphs are compiled (--backend static without --no-compile); when they are,
+    a C++ compiler is found and --compile-cache made inductor's cache, else one error says why. The
+    compile flags are refused where no graphs are compiled here."""
+    given = [
+        flag for flag, value in (("--no-compile", args.no_compile), ("--compile-cache", args.compile_cache)) if value
+    ]
+    if given and backend.graphs != MODULES:
+        runs = (
+            "runs the artifact's graphs, compiled by trace-and-compile"
+            if backend.graphs == COMPILED
+            else "runs transformers' model, one request per thread"
+        )
+        raise ServeError(f"{given[0]} applies to --backend static's graphs; --backend {backend.name} {runs}")
+    if len(given) == 2:
+        raise ServeError("--compile-cache keeps compiled graphs; with --no-compile none are compiled")
+    if backend.graphs != MODULES or args.no_compile:
+        return False
+    inductor.require_compiler()
+    inductor.use_cache_dir(compile_cache(args.compile_cache))
+    return True
 
 
 def served_names(args, port) -> list[str]:

@@ -117,7 +117,7 @@ class GraphRuntime:
     return, with no state among their outputs) come back to the host.
 
     On CPU the callables are the `Prefill` and `Decode` modules themselves over one `KVCache`
-    (`serve/runtime.py`, `eval/reader_batch.py`) or exported programs (`graph_runtime`); on
+    (`static/runtime.py`, `eval/reader_batch.py`) or exported programs (`graph_runtime`); on
     Inferentia2 the compiled artifact, whose one callable NxD routes to the key whose input shapes
     match (`serve/neuron.py`).
     """
