@@ -697,6 +697,15 @@ def parser() -> argparse.ArgumentParser:
         "steps; one of the buckets (default: the port's [static] prefill_chunk)",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--backend static: a request whose prompt begins with a prefix a row of the cache holds (whole "
+        "blocks of 16 tokens) takes it from that row instead of prefilling it; rows keep what they hold "
+        "until needed. Default on, as in vLLM: the cost is the sliding layers keeping every position "
+        "(max_cache_len, not the window) so that any prefix can be taken. --no-enable-prefix-caching: off",
+    )
+    p.add_argument(
         "--max-running",
         type=_rows,
         metavar="N",

@@ -30,11 +30,12 @@ def load_engine(
     batch_size: int | None = None,
     prefill_rows=None,
     prefill_chunk: int | None = None,
+    prefix_caching: bool = True,
 ) -> Engine:
     """The engine for `backend` (one of BACKENDS, or its name): the port's static graphs on CPU
     (MODULES, batched; `batch_size` rows, `prefill_rows` and `prefill_chunk`, each default the
-    port's), a compiled artifact directory (COMPILED, batched) or an experts implementation in
-    transformers' model on CPU (one request per thread)."""
+    port's; `prefix_caching`, `static/prefix.py`), a compiled artifact directory (COMPILED, batched)
+    or an experts implementation in transformers' model on CPU (one request per thread)."""
     if isinstance(backend, str):
         backend = check_serve_backend(backend)
     if backend.graphs == COMPILED:  # the artifact's own tokenizer (digest-checked), unless --checkpoint gives one
@@ -48,7 +49,9 @@ def load_engine(
     if backend.graphs == MODULES:
         spec = port.static_spec(f"--backend {backend.name}")
         model = build_model(port, spec.decode_experts, dtype, checkpoint)
-        runtime = static_runtime(model, spec, batch_size, prefill_rows=prefill_rows, chunk=prefill_chunk)
+        runtime = static_runtime(
+            model, spec, batch_size, prefill_rows=prefill_rows, chunk=prefill_chunk, prefix_caching=prefix_caching
+        )
         return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, model.config))
     model = build_model(port, backend.experts, dtype, checkpoint)
     return Engine(HFRuntime(model), tokenizer, model.config.max_position_embeddings, eos_ids(tokenizer, model.config))

@@ -3,20 +3,28 @@
 
 from __future__ import annotations
 
-from ..static.decoder import Decode, Prefill, new_cache
+from ..static.decoder import Copy, Decode, Prefill, new_cache
 from ..static.rows import GraphRuntime
 from ..static.sampling import CANDIDATES
 
 
 def static_runtime(
-    model, spec, batch: int | None = None, *, prefill_rows=None, chunk: int | None = None, logits: bool = False
+    model,
+    spec,
+    batch: int | None = None,
+    *,
+    prefill_rows=None,
+    chunk: int | None = None,
+    logits: bool = False,
+    prefix_caching: bool = False,
 ) -> GraphRuntime:
     """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
     `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
     with the experts implementation the port names for it, choosing its tokens itself. `prefill_rows`
-    and `chunk` default to the port's; `logits=True` also returns the logits (tests)."""
+    and `chunk` default to the port's; `logits=True` also returns the logits (tests). `prefix_caching`:
+    the cache in the whole-row layout and the `Copy` graph over it (`static/prefix.py`)."""
     batch = batch or spec.batch_size
-    cache = new_cache(model, spec.max_cache_len, batch)
+    cache = new_cache(model, spec.max_cache_len, batch, whole_rows=prefix_caching)
     rows = sorted({min(p, batch) for p in prefill_rows}) if prefill_rows else spec.rows_for(batch)
     return GraphRuntime(
         Prefill(model, cache, spec.prefill_experts, logits=logits),
@@ -29,4 +37,5 @@ def static_runtime(
         candidates=min(CANDIDATES, model.config.vocab_size),
         pad_id=model.config.pad_token_id or 0,
         chunk=chunk or spec.chunk,
+        copy=Copy(cache) if prefix_caching else None,
     )

@@ -34,7 +34,11 @@ The work in a row (a served request, an evaluated sequence, a prompt to validate
 A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` rows, a `pad_id`,
 `chunk`, `prefill_rows`, `prefill(chunks) -> (tokens [n], logits [n, V] | None)` and
 `decode(ids [B, 1], positions [B, 1], sampling [B, 4]) -> (tokens [B], logits [B, V] | None)`, on
-the host. A graph call that fails ends the work it was running with the error, frees those rows,
+the host; with prefix caching (`prefix`, a `prefix.PrefixIndex`) also `copy_row(src, dst)`. Then
+admission places each piece of work where its prompt's longest held prefix is (`PrefixIndex`): the
+row holding it if that row is free, else the least recently used free row, into which the prefix is
+copied first; its prefill starts after the prefix.
+A graph call that fails ends the work it was running with the error, frees those rows,
 and raises out of the step.
 """
 
@@ -106,8 +110,11 @@ class GraphRuntime:
         pad_id: int = 0,
         chunk: int | None = None,
         device: torch.device | str = "cpu",
+        copy=None,
     ):
-        self._prefill, self._decode = prefill, decode
+        self._prefill, self._decode, self._copy = prefill, decode, copy
+        # a copy graph (`decoder.Copy`) over a whole-row cache: what prefix caching needs
+        self.prefix_caching = copy is not None
         self.batch, self.buckets, self.max_length = batch, sorted(buckets or ()), max_length
         self.prefill_rows = sorted(prefill_rows)
         self.chunk = chunk or self.buckets[-1]  # the longest piece of a prompt one prefill call takes
@@ -136,6 +143,12 @@ class GraphRuntime:
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
         return self._out(self._decode(*(x.to(self.device) for x in (ids, positions, sampling))))
 
+    @torch.no_grad()
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row `src` of the KV state copied into row `dst` on the device (prefix caching)."""
+        out = self._copy(*(torch.tensor([r]).to(self.device) for r in (src, dst)))
+        (out[0] if isinstance(out, (tuple, list)) else out).cpu()  # waits for the call
+
     def _out(self, outputs):
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)  # one output may come bare
         logits = self.logits if self.logits is not None else len(outputs) > 1
@@ -156,8 +169,9 @@ class Rows:
     needs) before its decode; else one prefill call's worth, so that a long prompt costs the rows
     generating beside it one chunk's call per token, not its whole prefill."""
 
-    def __init__(self, runtime, prefill_all: bool = False):
+    def __init__(self, runtime, prefill_all: bool = False, prefix=None):
         self.runtime, self.batch = runtime, runtime.batch
+        self.prefix = prefix  # a prefix.PrefixIndex: prefix caching (the runtime has `copy_row`), or None
         self._per_step = runtime.batch if prefill_all else runtime.prefill_rows[-1]  # chunks a step prefills
         self.slots: list = [None] * self.batch  # the work in each row
         self.ids = torch.full((self.batch, 1), runtime.pad_id, dtype=torch.long)  # each row's next input
@@ -165,6 +179,8 @@ class Rows:
         self.steps = 0  # decode steps run
         # called after each graph call that ran, before its tokens are handed out: (graph, rows it ran)
         self.counted: Callable[[str, int], None] | None = None
+        # called after each prefix lookup: (prompt tokens queried, tokens taken from a held prefix)
+        self.looked_up: Callable[[int, int], None] | None = None
         self._done = [0] * self.batch  # prompt tokens prefilled so far, per row
         self._order = [0] * self.batch  # when each row's work was admitted: the oldest prefills first
         self._admitted = itertools.count()
@@ -185,22 +201,39 @@ class Rows:
     def free(self, row: int, error: Exception | None = None) -> None:
         """End the work in `row` (with `error`, if it failed) and free the row."""
         work, self.slots[row] = self.slots[row], None
-        self.ids[row], self.positions[row] = self.runtime.pad_id, 0
+        # a free row waits at position 0, or after the prefix it holds (which its pad must not touch)
+        self.ids[row], self.positions[row] = (
+            self.runtime.pad_id,
+            0 if self.prefix is None else self.prefix.park(row, error),
+        )
         work.end(error)
 
     def _prefilling(self, row: int) -> bool:
         return self._done[row] < len(self.slots[row].prompt)
 
     def _admit(self, take: Callable[[], object]) -> None:
-        for row in range(self.batch):
-            if self.slots[row] is not None:
-                continue
+        admitted: set[int] = set()  # a row takes one piece of work a step
+        while free := [row for row in range(self.batch) if self.slots[row] is None and row not in admitted]:
             work = take()
             if work is None:
                 return
-            self.slots[row], self._done[row], self._order[row] = work, 0, next(self._admitted)
+            row, source, hit = (free[0], None, 0) if self.prefix is None else self._place(work.prompt, free)
+            admitted.add(row)
+            self.slots[row], self._done[row], self._order[row] = work, hit, next(self._admitted)
+            self.positions[row] = hit  # its first chunk's first position
+            if source is not None and source != row:
+                self._call("copy", [row], self.runtime.copy_row, source, row)
             if not work.prompt:
                 self._next(row, None, None)
+
+    def _place(self, prompt: list[int], free: list[int]) -> tuple[int, int | None, int]:
+        """(the row for `prompt`, the row holding its longest held prefix or None, that prefix's length)."""
+        source, hit = self.prefix.lookup(prompt, free)
+        row = source if source in free else self.prefix.victim(free, keep=source)
+        self.prefix.admit(row, source, hit)
+        if self.looked_up is not None:
+            self.looked_up(len(prompt), hit)
+        return row, source, hit
 
     def _prefill(self) -> None:
         prefilling = [row for row in self.active() if self._prefilling(row)]
@@ -215,6 +248,8 @@ class Rows:
             chunks.append(Chunk(piece, done, row, work.sampling() if last else GREEDY))
         tokens, logits = self._call("prefill", rows, self.runtime.prefill, chunks)
         for i, (row, chunk) in enumerate(zip(rows, chunks)):
+            if self.prefix is not None:
+                self.prefix.extend(row, chunk.ids)
             self._done[row] += len(chunk.ids)
             self.positions[row] = self._done[row]  # the next chunk's first position, or the first token's
             if not self._prefilling(row):
@@ -227,9 +262,13 @@ class Rows:
         sampling = greedy_sampling(self.batch)
         for row in rows:
             sampling[row] = torch.tensor(self.slots[row].sampling())
+        fed = self.ids[rows, 0].tolist()
         tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, sampling)
         self.steps += 1
         self.positions[rows] += 1
+        if self.prefix is not None:
+            for row, token in zip(rows, fed):
+                self.prefix.extend(row, [token])
         for row, token in zip(rows, tokens[rows].tolist()):
             self._next(row, token, None if logits is None else logits[row])
         return rows
