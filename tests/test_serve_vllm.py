@@ -180,10 +180,10 @@ def test_banner_and_one_log_line_per_request(caplog):
 
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
-    """Static graphs: every prefill graph (each row count at each bucket) and the decode graph, all before
-    /health answers 200;
+    """Static graphs: every prefill graph (each row count at each bucket), the decode graph and the copy
+    graph (prefix caching is on by default), all before /health answers 200;
     the per-request engine: one request."""
-    calls, prefill, decode = [], GraphRuntime.prefill, GraphRuntime.decode
+    calls, prefill, decode, copy = [], GraphRuntime.prefill, GraphRuntime.decode, GraphRuntime.copy_row
     monkeypatch.setattr(
         GraphRuntime,
         "prefill",
@@ -195,6 +195,7 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
     monkeypatch.setattr(
         GraphRuntime, "decode", lambda self, *inputs: calls.append(("decode",)) or decode(self, *inputs)
     )
+    monkeypatch.setattr(GraphRuntime, "copy_row", lambda self, *rows: calls.append(("copy",)) or copy(self, *rows))
     generated = []
     if backend == "eager":
         generate = Engine.generate
@@ -203,7 +204,14 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
         ready(url)
         seen = list(calls), list(generated)
     if backend == "static":
-        # every prefill graph (the tiny port's prefill_rows [1, 4] cut to its batch of 2, each bucket), then decode
-        assert seen[0] == [("prefill", 1, 8), ("prefill", 1, 56), ("prefill", 2, 8), ("prefill", 2, 56), ("decode",)]
+        # every prefill graph (the tiny port's prefill_rows [1, 4] cut to its batch of 2, each bucket), decode, copy
+        assert seen[0] == [
+            ("prefill", 1, 8),
+            ("prefill", 1, 56),
+            ("prefill", 2, 8),
+            ("prefill", 2, 56),
+            ("decode",),
+            ("copy",),
+        ]
     else:
         assert len(seen[1]) == 1

@@ -2,9 +2,9 @@
 was asked for (`--max-model-len`), a warm-up of every graph, and the start-up banner.
 
 Warm-up calls every graph once before the first request: each prefill graph (every row count of
-`prefill_rows` at every bucket) and the decode graph of a batching engine's runtime, greedy, or one
-request through the per-request engine. On Neuron the first call of each compiled key loads and
-initialises it, which a user's first request should not wait for. The rows it writes hold nothing
+`prefill_rows` at every bucket), the decode graph and the copy graph (prefix caching) of a batching
+engine's runtime, greedy, or one request through the per-request engine. On Neuron the first call
+of each compiled key loads and initialises it, which a user's first request should not wait for. The rows it writes hold nothing
 a request reads: a row's prefill writes every position its request will read before it reads it.
 """
 
@@ -69,6 +69,9 @@ def warm_up(engine: Engine) -> int:
     runtime.decode(
         torch.full((batch, 1), token), torch.zeros(batch, 1, dtype=torch.long), torch.tensor([GREEDY] * batch)
     )
+    if getattr(runtime, "prefix_caching", False):  # the copy graph: a row onto itself (no row holds a prefix yet)
+        runtime.copy_row(0, 0)
+        calls += 1
     return calls + 1
 
 

@@ -5,14 +5,15 @@ prefilled, then each token fed back to it. Whole blocks of `block` tokens are na
 hashes, each over its parent's hash and its own tokens (as vLLM names its KV blocks), so equal
 hashes at block i mean equal tokens 0..(i+1)*block-1. A prompt's lookup walks its blocks through
 that chain and finds the row holding the longest run of them; the request then takes that prefix
-instead of prefilling it: in place, if the row is free, else copied into the free row it takes
-(`decoder.Copy`, one graph call), and prefills the rest from there (a chunk whose start is the
-hit). At most len(prompt) - 1 tokens are taken, so the prompt's last token is always prefilled and
+instead of prefilling it, and prefills the rest from there (a chunk whose start is the hit). It
+goes into the least recently used free row (an empty one before any holding a prefix): the prefix
+is copied there (`decoder.Copy`, one graph call) unless that row is the one holding it. So a
+request never destroys a more recently used prefix than the one it evicts, and the row it took a
+prefix from counts as used. At most len(prompt) - 1 tokens are taken, so the prompt's last token is always prefilled and
 its logits give the first token (vLLM's rule too), and only whole blocks.
 
 A row whose request ended keeps what it holds: it is free for admission, and its prefix is there
-for whichever request wants it until the row is taken by one that does not share it: of the free
-rows, the least recently used goes first (an empty row before any holding a prefix). A free row
+for whichever request wants it until the row is taken (least recently used first). A free row
 waits in the decode batch at the position after what it holds, so the pad it writes there each
 step touches nothing held (at most max_length - 1 positions are kept: a row filled to the last
 position waits at that one).
@@ -69,11 +70,9 @@ class PrefixIndex:
         self.hits += hit
         return found, hit
 
-    def victim(self, free: list[int], keep: int | None = None) -> int:
-        """The free row to admit into when the prefix is not in a free row: the least recently
-        used, never `keep` (the row a prefix is copied from) while another is free."""
-        others = [r for r in free if r != keep] or free
-        return min(others, key=self._used.__getitem__)
+    def victim(self, free: list[int]) -> int:
+        """The free row a request goes into: the least recently used (an empty one first)."""
+        return min(free, key=self._used.__getitem__)
 
     def admit(self, row: int, source: int | None, hit: int) -> None:
         """A request took `row` holding the first `hit` tokens of `source`'s (itself, or copied)."""
@@ -81,6 +80,8 @@ class PrefixIndex:
         self._truncate(row, 0)
         self.extend(row, tokens)
         self._used[row] = next(self._clock)
+        if source is not None:
+            self._used[source] = next(self._clock)
 
     def extend(self, row: int, ids: list[int]) -> None:
         """Row `row` wrote `ids` at its next positions."""

@@ -35,9 +35,9 @@ A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` r
 `chunk`, `prefill_rows`, `prefill(chunks) -> (tokens [n], logits [n, V] | None)` and
 `decode(ids [B, 1], positions [B, 1], sampling [B, 4]) -> (tokens [B], logits [B, V] | None)`, on
 the host; with prefix caching (`prefix`, a `prefix.PrefixIndex`) also `copy_row(src, dst)`. Then
-admission places each piece of work where its prompt's longest held prefix is (`PrefixIndex`): the
-row holding it if that row is free, else the least recently used free row, into which the prefix is
-copied first; its prefill starts after the prefix.
+admission puts each piece of work in the least recently used free row, with its prompt's longest
+held prefix (`PrefixIndex`) copied there first unless that row holds it; its prefill starts after
+the prefix.
 A graph call that fails ends the work it was running with the error, frees those rows,
 and raises out of the step.
 """
@@ -229,7 +229,7 @@ class Rows:
     def _place(self, prompt: list[int], free: list[int]) -> tuple[int, int | None, int]:
         """(the row for `prompt`, the row holding its longest held prefix or None, that prefix's length)."""
         source, hit = self.prefix.lookup(prompt, free)
-        row = source if source in free else self.prefix.victim(free, keep=source)
+        row = self.prefix.victim(free)
         self.prefix.admit(row, source, hit)
         if self.looked_up is not None:
             self.looked_up(len(prompt), hit)
