@@ -4,8 +4,9 @@ was asked for (`--max-model-len`), a warm-up of every graph, and the start-up ba
 Warm-up calls every graph once before the first request: each prefill graph (every row count of
 `prefill_rows` at every bucket), the decode graph and the copy graph (prefix caching) of a batching
 engine's runtime, greedy, or one request through the per-request engine. On Neuron the first call
-of each compiled key loads and initialises it, which a user's first request should not wait for. The rows it writes hold nothing
-a request reads: a row's prefill writes every position its request will read before it reads it.
+of each compiled key loads and initialises it, which a user's first request should not wait for.
+The rows it writes hold nothing a request reads: a row's prefill writes every position its request
+will read before it reads it, and no row holds a prefix yet.
 """
 
 from __future__ import annotations
