@@ -18,7 +18,7 @@ The calls (every shape fixed at build time; P prefill rows, B = the cache's rows
            (a row id may repeat with the very same inputs: P is padded that way)
   Decode   (input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1]
            every row at its own position; a row with nothing to do writes its own slot only
-  Copy     (src_row [1], dst_row [1]) -> dst_row [1]
+  Copy     (src_row [1], dst_row [1]) -> dst_row [1, 1]
            row src_row of every layer's K and V copied whole into row dst_row (prefix caching:
            the destination's prompt begins with a prefix the source holds; `cache.copy_rows`)
 
@@ -122,16 +122,17 @@ class Decode(_StaticGraph):
 
 
 class Copy(torch.nn.Module):
-    """forward(src_row [1], dst_row [1]) -> dst_row: row src_row of the KV state copied whole into
-    row dst_row, one fixed-shape graph over the same state as the prefill and decode graphs. It
+    """forward(src_row [1], dst_row [1]) -> dst_row [1, 1]: row src_row of the KV state copied whole
+    into row dst_row, one fixed-shape graph over the same state as the prefill and decode graphs. It
     returns its dst_row so that a call has an output to wait for (with an aliased cache the new
     state follows, as for the other graphs)."""
+
+    logits = False
+    user_outputs = 1
 
     def __init__(self, cache: KVCache):
         super().__init__()
         self.cache = cache
-
-    user_outputs = 1
 
     def output_aliases(self) -> dict[torch.nn.Parameter, int]:
         if not self.cache.aliased:
@@ -139,4 +140,9 @@ class Copy(torch.nn.Module):
         return {t: self.user_outputs + i for i, t in enumerate(self.cache.tensors())}
 
     def forward(self, src_row, dst_row):
-        return (dst_row.clone(),) + self.cache.commit(copy_rows(self.cache, src_row, dst_row))
+        if self.cache.aliased:
+            return (dst_row.reshape(1, 1),) + self.cache.commit(copy_rows(self.cache, src_row, dst_row))
+        # in place: one row moves (torch.export records it as the same buffer mutation as a commit)
+        for t in self.cache.tensors():
+            t.index_copy_(0, dst_row, t.index_select(0, src_row))
+        return (dst_row.reshape(1, 1),)
