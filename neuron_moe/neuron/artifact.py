@@ -30,6 +30,10 @@ Each key is the static decoder (`static/decoder.py`) over the full-model rank mo
                               row_ids (a chunk that is not a prompt's first attends to its row's cache)
     token_generation          (input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1]
                               every row at its own position
+    prefix_copy               (src_row [1], dst_row [1]) -> dst_row [1, 1]
+                              built --enable-prefix-caching (the manifest's `prefix_caching`): a cache
+                              row copied whole into another (`static/prefix.py`); every key's cache is
+                              then in the whole-row layout (sliding layers keep every position)
 
 Each graph chooses its tokens itself (`static/sampling.py`: per row temperature, top-k, top-p and
 a uniform draw; greedy at temperature 0) among `candidates` for top-k / top-p, so per call only
@@ -130,6 +134,8 @@ def check_manifest(manifest: dict, path) -> dict:
         )
     if manifest["prefill_chunk"] not in buckets:
         raise ArtifactError(f"{path}: 'prefill_chunk' {manifest['prefill_chunk']} is not one of the buckets {buckets}")
+    if not isinstance(manifest.get("prefix_caching", False), bool):  # absent: built without the copy key
+        raise ArtifactError(f"{path}: 'prefix_caching' must be true or false, got {manifest['prefix_caching']!r}")
     if not _count(manifest["candidates"]):
         raise ArtifactError(f"{path}: 'candidates' must be a positive count, got {manifest['candidates']}")
     tokenizer = manifest["tokenizer"]
@@ -388,13 +394,17 @@ def prefill_key(rows: int, bucket: int) -> str:
     return f"context_encoding_{rows}x{bucket}"
 
 
-def key_names(buckets, prefill_rows) -> list[str]:
-    return [prefill_key(p, b) for p in prefill_rows for b in buckets] + ["token_generation"]
+COPY_KEY = "prefix_copy"
+
+
+def key_names(buckets, prefill_rows, prefix_caching: bool = False) -> list[str]:
+    keys = [prefill_key(p, b) for p in prefill_rows for b in buckets] + ["token_generation"]
+    return keys + [COPY_KEY] if prefix_caching else keys
 
 
 def key_shape(key: str) -> tuple[int, int] | None:
-    """(rows, bucket) of a prefill key; None for the decode key."""
-    if key == "token_generation":
+    """(rows, bucket) of a prefill key; None for the decode and copy keys."""
+    if key in ("token_generation", COPY_KEY):
         return None
     rows, bucket = key.removeprefix("context_encoding_").split("x")
     return int(rows), int(bucket)

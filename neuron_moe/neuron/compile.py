@@ -51,9 +51,9 @@ from ..report import (
     table,
 )
 from ..spec import CHANNEL_READER, INT4_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization
-from ..static.decoder import Decode, Prefill, new_cache
+from ..static.decoder import Copy, Decode, Prefill, new_cache
 from ..static.sampling import CANDIDATES
-from ..static.export import GraphError, checked, example_inputs, functional
+from ..static.export import GraphError, checked, copy_inputs, example_inputs, functional
 from ..tokenizer import HFTokenizer
 from .artifact import (
     FORMAT,
@@ -63,6 +63,7 @@ from .artifact import (
     SHARD_PLAN,
     TOKENIZER,
     RANK_WEIGHTS,
+    COPY_KEY,
     ArtifactError,
     key_names,
     key_shape,
@@ -91,6 +92,7 @@ class Build:
     export: bool = True
     expert_layout: str | None = None
     logits: bool = False
+    prefix_caching: bool = False  # the copy key, every key over the whole-row cache layout (`static/prefix.py`)
 
     @classmethod
     def from_cli_args(cls, args) -> Build:
@@ -104,6 +106,7 @@ class Build:
             checkpoint=args.checkpoint,
             expert_layout=args.expert_layout,
             logits=args.with_logits,
+            prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
         )
 
 
@@ -153,18 +156,24 @@ def _new_file(path: Path) -> Path:
 
 def _graph(model, spec, key: str, cache, logits: bool):
     """Key `key`'s graph over `model`, its state `cache` (shared by every key of one model)."""
+    if key == COPY_KEY:
+        return Copy(cache)
     if key == "token_generation":
         return Decode(model, cache, spec.decode_experts, logits)
     return Prefill(model, cache, spec.prefill_experts, logits)
 
 
 def _example(spec, key: str) -> tuple:
+    if key == COPY_KEY:
+        return copy_inputs()
     shape = key_shape(key)
     return example_inputs(spec, None) if shape is None else example_inputs(spec, shape[1], shape[0])
 
 
 def _key_contract(graph, spec, key: str) -> dict:
     """A key's calls as the manifest records them: input and output names and shapes."""
+    if key == COPY_KEY:
+        return {"graph": COPY_KEY, "inputs": {"src_row": [1], "dst_row": [1]}, "outputs": {"dst_row": [1, 1]}}
     names = (
         ("input_ids", "position_ids", "sampling")
         if key == "token_generation"
@@ -229,7 +238,8 @@ def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
         )
     torch_dtype, quantization = DTYPES[build.dtype], build.quantization
     spec = port.static
-    keys = key_names(spec.buckets, spec.rows_for(spec.batch_size))
+    keys = key_names(spec.buckets, spec.rows_for(spec.batch_size), build.prefix_caching)
+    whole_rows = build.prefix_caching
     has_weights = checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
     if not dry_run and not has_weights:
         raise ArtifactError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
@@ -251,14 +261,16 @@ def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
             )
             modules = dict(expert_layout=expert_layout, quantization=quantization, dtype=torch_dtype, reader=reads)
             if dry_run:
-                module, files, exported = _dry_run(port, spec, keys, tp, full, tmp, build.export, logits, modules)
+                module, files, exported = _dry_run(
+                    port, spec, keys, tp, full, tmp, build.export, logits, modules, whole_rows
+                )
             else:
-                module, files, exported = _neuron(port, spec, keys, tp, full, tmp, logits, modules)
+                module, files, exported = _neuron(port, spec, keys, tp, full, tmp, logits, modules, whole_rows)
             plan = shard_plan(module, full, tp, expert_layout)
             (tmp / SHARD_PLAN).write_text(dumps(plan, indent=1))
             copied = _copy_tokenizer(tokenizer, tmp)
             files = [*files, SHARD_PLAN, *copied]
-            contract, state = _contract(module, spec, keys, logits)
+            contract, state = _contract(module, spec, keys, logits, whole_rows)
             digests = {f: file_digest(tmp / f) for f in sorted(files)}
             manifest = {
                 "format": FORMAT,
@@ -274,6 +286,7 @@ def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
                 "prefill_chunk": spec.chunk,
                 "candidates": min(CANDIDATES, port.config.vocab_size),
                 "logits": logits,
+                "prefix_caching": whole_rows,
                 "keys": {k: dict(contract[k], exported=exported) for k in keys},
                 "state": state,
                 "dry_run": dry_run,
@@ -394,14 +407,14 @@ def _rank_module(port, tp, layers, build: dict, device="cpu"):
     return model
 
 
-def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, build: dict):
+def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, build: dict, whole_rows: bool):
     device = "cpu" if full is not None else "meta"  # no weights: shapes only, nothing allocated
     module = _rank_module(port, tp, cpu, build, device)
     files = []
     if full is not None:
         shards = cpu.shard_checkpoint(full, module, tp)
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
-    cache = new_cache(module, spec.max_cache_len, spec.batch_size)  # the one state set every key mutates
+    cache = new_cache(module, spec.max_cache_len, spec.batch_size, whole_rows=whole_rows)  # every key mutates it
     for key in tqdm(keys if export else [], desc="export", unit="key"):
         graph = _graph(module, spec, key, cache, logits)
         program = functional(export_rank0(graph, tuple(x.to(device) for x in _example(spec, key)), tp))
@@ -427,13 +440,14 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
     return module, files, True
 
 
-def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict):
+def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict, whole_rows: bool):
     """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
 
     def factory(key):
         def make():  # each key's own module; its state names (cache.k0, ...) are every key's
             model = _rank_module(port, tp, nxd, build)
-            return _graph(model, spec, key, new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True), logits)
+            cache = new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True, whole_rows=whole_rows)
+            return _graph(model, spec, key, cache, logits)
 
         return make
 
@@ -482,9 +496,9 @@ def _write_reader_shards(tmp: Path, entries: dict, tp: int) -> None:
             save_file(state, path)
 
 
-def _contract(module, spec, keys, logits: bool) -> tuple[dict, dict]:
+def _contract(module, spec, keys, logits: bool, whole_rows: bool) -> tuple[dict, dict]:
     """(each key's inputs and outputs, the KV state per rank) as the manifest records them."""
-    cache = new_cache(module, spec.max_cache_len, spec.batch_size)
+    cache = new_cache(module, spec.max_cache_len, spec.batch_size, whole_rows=whole_rows)
     state = {
         f"cache.{n}": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
         for n, t in zip(cache.names, cache.tensors())

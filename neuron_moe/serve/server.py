@@ -105,7 +105,11 @@ def plan_load(args):
         ("--prefill-chunk", args.prefill_chunk),
         ("--enable-prefix-caching" if caching else "--no-enable-prefix-caching", caching),
     ):
-        if value is not None and backend.graphs != MODULES:
+        if (
+            value is not None
+            and backend.graphs != MODULES
+            and not (backend.graphs == COMPILED and flag.endswith("caching"))
+        ):
             raise ServeError(
                 f"{flag} shapes --backend static's graphs; --backend {backend.name} "
                 + (
@@ -159,7 +163,7 @@ def plan_load(args):
             batch_size=args.batch_size,
             prefill_rows=args.prefill_rows,
             prefill_chunk=args.prefill_chunk,
-            prefix_caching=caching is not False,
+            prefix_caching=caching,
         )
         found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
         dtype = found["dtype"] if found else str(args.dtype or port.dtype).removeprefix("torch.")
