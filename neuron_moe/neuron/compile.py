@@ -322,6 +322,7 @@ def _check_fits(port, build: Build, expert_layout: str, reads: dict | None) -> N
         expert_layout=expert_layout,
         decode_experts=spec.decode_experts,
         reader=reader,
+        prefix_caching=build.prefix_caching,
     )
     if not verdict["fits"]:
         raise ArtifactError(
