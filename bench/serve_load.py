@@ -83,11 +83,16 @@ PROMPTS = [
 ]
 
 
-async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
+async def one_request(
+    client: httpx.AsyncClient, body: dict, path: str = "/v1/chat/completions", require_done: bool = True
+) -> dict:
+    """One streamed request to `path` (chat or text completions: a chunk's content is `delta.content` or
+    `text`): its timings and the text it streamed. A stream that ends without `[DONE]` is an error unless
+    not `require_done` (a server that never sends it); one without usage always is."""
     start = time.perf_counter()
-    chunk_times, usage, error, done = [], None, None, False
+    chunk_times, usage, error, done, parts = [], None, None, False, []
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
             async for line in r.aiter_lines():
@@ -102,12 +107,14 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
                     error = f"error event: {event['error'].get('message')}"
                     break
                 usage = event.get("usage") or usage
-                if any(c.get("delta", {}).get("content") for c in event["choices"]):
+                content = "".join(c.get("delta", {}).get("content") or c.get("text") or "" for c in event["choices"])
+                if content:
                     chunk_times.append(time.perf_counter())
+                    parts.append(content)
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
-    if error or not done or usage is None:
+    if error or (require_done and not done) or usage is None:
         return {"error": error or "stream ended without [DONE] and usage"}
     n = usage["completion_tokens"]
     ttft = (chunk_times[0] if chunk_times else end) - start
@@ -117,6 +124,19 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
         "output_tokens": n,
         "tpot": (end - start - ttft) / (n - 1) if n > 1 else None,
         "itl": list(np.diff(chunk_times)) if len(chunk_times) > 1 else [],
+        "text": "".join(parts),
+    }
+
+
+def chat_body(args, content: str) -> tuple[str, dict]:
+    """A streamed chat request of `content` as the load sends it: (path, body)."""
+    return "/v1/chat/completions", {
+        "model": args.served,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
 
 
@@ -136,7 +156,10 @@ def is_long(args, c: int, r: int) -> bool:
     return bool(args.long_every) and (c + r) % args.long_every == args.long_every - 1
 
 
-async def run_load(url: str, args):
+async def run_load(url: str, args, request=chat_body, require_done: bool = True):
+    """`args.clients` clients, each sending `args.requests` requests one after another (after one warm-up
+    request each, not counted); `request(args, prompt)` makes each one's (path, body). Each result names
+    its prompt."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.clients)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
@@ -146,17 +169,10 @@ async def run_load(url: str, args):
             for r in range(n):
                 long = not warm and is_long(args, c, r)
                 content = args.long_text if long else PROMPTS[(c * args.requests + r) % len(PROMPTS)]
-                body = {
-                    "model": args.served,
-                    "messages": [{"role": "user", "content": content}],
-                    "max_tokens": args.max_tokens,
-                    "temperature": 0,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
+                path, body = request(args, content)
                 if args.sampled:
                     body.update(temperature=0.7, top_p=0.9, seed=1000 * c + r)
-                results.append({**await one_request(client, body), "long": long})
+                results.append({**await one_request(client, body, path, require_done), "long": long, "prompt": content})
             return results
 
         # one request per client first, not counted: the server's first calls (allocations, lazy imports)
@@ -350,8 +366,9 @@ def engine_counters(url: str) -> dict:
     return found
 
 
-def start_server(args, batch_size: int | None) -> tuple[subprocess.Popen, str]:
-    """`neuron-moe serve` on 127.0.0.1 with a free port; returns once /health answers 200."""
+def start_server(args, batch_size: int | None, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`neuron-moe serve` on 127.0.0.1 with a free port, `extra` arguments last (a later option overrides
+    an earlier one); returns once /health answers 200."""
     cmd = [
         sys.executable,
         "-m",
@@ -370,6 +387,7 @@ def start_server(args, batch_size: int | None) -> tuple[subprocess.Popen, str]:
         *(["--batch-size", str(batch_size)] if batch_size else []),
         *(["--prefill-rows", *map(str, args.prefill_rows)] if args.prefill_rows else []),
         *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
+        *extra,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # stdout: access log
     deadline = time.monotonic() + 300

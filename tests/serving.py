@@ -124,18 +124,20 @@ def tokens_of(steps) -> list[int]:
 
 class Sink:
     """A request's end of the engine (as scheduler.Job is): records each Step with the decode step
-    it came in, and how the request ended."""
+    it came in, when (`time.perf_counter`) and on which thread, and how the request ended."""
 
     def __init__(self, engine, fail_at=None):
         self.engine, self.fail_at = engine, fail_at
         self.cancelled, self.ended = threading.Event(), threading.Event()
-        self.steps, self.at, self.error = [], [], None
+        self.steps, self.at, self.times, self.threads, self.error = [], [], [], [], None
 
     def put(self, step):
         if len(self.steps) == self.fail_at:
             raise RuntimeError("injected fault in one row")
         self.steps.append(step)
         self.at.append(self.engine.steps)
+        self.times.append(time.perf_counter())
+        self.threads.append(threading.current_thread().name)
 
     def fail(self, error):
         self.error = error

@@ -2,6 +2,8 @@
 requests join and leave the batch at different steps, and each gets the tokens it gets alone.
 (The same engine over the Neuron artifact's calls: test_serve_neuron.py.)"""
 
+import statistics
+import time
 import types
 
 import pytest
@@ -10,9 +12,11 @@ import torch
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Engine, HFRuntime, RequestError, SamplingParams
+from neuron_moe.serve.engine import Engine, HFRuntime, Output, RequestError, SamplingParams
 from neuron_moe.serve.runtime import static_runtime
 from neuron_moe.serve.scheduler import Scheduler
+from neuron_moe.static.rows import GraphRuntime
+from neuron_moe.tokenizer import HFTokenizer
 
 from conftest import random_prompts
 from serving import IdTokenizer, Sink, serve_together, tokens_of, wait_for
@@ -252,3 +256,177 @@ def test_the_graphs_sample_what_the_host_samples_for_the_same_seed(eight_rows, t
     for i, (temperature, top_p, top_k) in enumerate([(1.0, 1.0, 0), (0.7, 0.6, 0), (1.2, 1.0, 30), (0.9, 0.8, 100)]):
         params = SamplingParams(12, temperature=temperature, top_p=top_p, top_k=top_k, seed=900 + i)
         assert tokens_of(engine.generate(EIGHT[2], params)) == tokens_of(alone.generate(EIGHT[2], params)), i
+
+
+# ---- the step's host work beside its graph calls, over stand-in graphs -----------------------------
+
+TEXT = (
+    "Café owners in Zürich charged 4,50 € for a crème brûlée 🍮, and the crew wrote down every word the "
+    "islanders taught them about the winds, the tides 🌊 and the long winters of the far north."
+)
+
+
+class StandIn:
+    """Graph calls that take `step_s` (a sleep, which releases the GIL as a graph's ops do) and
+    answer with the token that follows the row's input in a fixed stream: after token t at position
+    p, corpus[(t + p + 1) % len(corpus)], so a request's tokens follow from its prompt alone, whatever
+    its row. Each call is recorded: (graph, entry, exit, the sinks of the decode's generating rows)."""
+
+    def __init__(self, corpus: list[int], step_s: float = 0.0):
+        self.corpus, self.step_s = torch.tensor(corpus), step_s
+        self.calls, self.engine = [], None
+
+    def runtime(self, batch: int) -> GraphRuntime:
+        return GraphRuntime(
+            self._prefill, self._decode, batch=batch, buckets=(8, 56), prefill_rows=(1, 4), max_length=512, chunk=56
+        )
+
+    def stream(self, prompt: list[int], n: int) -> list[int]:
+        """The first n tokens a request for `prompt` gets."""
+        tokens, token = [], prompt[-1]
+        for position in range(len(prompt) - 1, len(prompt) - 1 + n):
+            token = int(self._follow(torch.tensor(token), position))
+            tokens.append(token)
+        return tokens
+
+    def _follow(self, token, position):
+        return self.corpus[(token + position + 1) % len(self.corpus)]
+
+    def _prefill(self, ids, mask, positions, row_ids, sampling):
+        start = time.perf_counter()
+        return self._end("prefill", start, self._follow(ids[:, -1], positions[:, -1]), None)
+
+    def _decode(self, ids, positions, sampling):
+        start, rows = time.perf_counter(), self.engine.batch
+        running = [rows.slots[r].sink for r in rows.generating()]
+        return self._end("decode", start, self._follow(ids[:, 0], positions[:, 0]), running)
+
+    def _end(self, graph, start, tokens, running):
+        if self.step_s:
+            time.sleep(max(0.0, start + self.step_s - time.perf_counter()))
+        self.calls.append((graph, start, time.perf_counter(), running))
+        return (tokens[:, None],)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_port):
+    return HFTokenizer(tiny_port.checkpoint)
+
+
+def stand_in_engine(tokenizer, batch: int, step_s: float = 0.0, eos_ids=()):
+    stand_in = StandIn(tokenizer.encode(TEXT, add_special_tokens=False), step_s)
+    stand_in.engine = BatchEngine(stand_in.runtime(batch), tokenizer, set(eos_ids))
+    return stand_in
+
+
+def test_stop_strings_eos_and_max_tokens_end_each_request_as_alone_a_stop_string_a_step_late_at_most(tiny_tokenizer):
+    """Each Step as the request's Output makes it alone (texts, held-back text, finish reasons); a
+    request that EOS or max_tokens ends leaves the decode batch at once, one that a stop string ends
+    (seen by the text thread) decodes one token past it at most, and its row serves the next."""
+    corpus = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
+    probe = StandIn(corpus)
+    prompts = [corpus[5 * i : 5 * i + n] for i, n in enumerate([4, 9, 30, 60, 12, 7, 20, 15, 3, 41])]
+    streams = [probe.stream(p, 40) for p in prompts]
+    eos = {streams[1][20]}
+    requests = []
+    for i, (prompt, stream) in enumerate(zip(prompts, streams)):
+        text = tiny_tokenizer.decode(stream)
+        stops = (text[len(text) // 2 : len(text) // 2 + 1 + i % 3],) if i % 3 else ()
+        requests.append((prompt, SamplingParams(40 - i, temperature=0.0, stop=stops)))
+    want = []
+    for (prompt, params), stream in zip(requests, streams):
+        output = Output(tiny_tokenizer, frozenset(eos), params)
+        want.append([output.next(None, token) for token in stream[: len(stream)]])
+        want[-1] = want[-1][: next(i for i, s in enumerate(want[-1]) if s.finish_reason) + 1]
+    by_stop_string = [
+        i for i, w in enumerate(want) if w[-1].finish_reason == "stop" and streams[i][len(w) - 1] not in eos
+    ]
+    by_eos = [i for i, w in enumerate(want) if streams[i][len(w) - 1] in eos]
+    assert len(by_stop_string) >= 3 and by_eos and any(w[-1].finish_reason == "length" for w in want)
+
+    stand_in = stand_in_engine(tiny_tokenizer, 4, eos_ids=eos)
+    try:
+        sinks = serve_together(stand_in.engine, requests)
+    finally:
+        stand_in.engine.close()
+    for i, (sink, steps) in enumerate(zip(sinks, want)):
+        assert sink.error is None and sink.steps == steps, i
+        decoded = sum(sink in running for graph, *_, running in stand_in.calls if graph == "decode")
+        assert decoded in ((len(steps) - 1, len(steps)) if i in by_stop_string else (len(steps) - 1,)), i
+
+
+def test_a_steps_text_is_made_during_the_next_graph_call_which_the_host_work_barely_lengthens(tiny_tokenizer):
+    """8 streaming requests over 5 ms stand-in graph calls: every Step is sent from the text thread,
+    most of them while the step loop is in the graph call after the one that chose their token, and
+    what the host adds between two decode calls (the median over the steps with every row
+    generating) stays within 0.5 ms."""
+    stand_in = stand_in_engine(tiny_tokenizer, 8, step_s=0.005)
+    corpus = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
+    requests = [
+        (
+            corpus[3 * i : 3 * i + 10 + 4 * i],
+            SamplingParams(60, temperature=0.8 * (i % 2), seed=i, stop=("###", "\n\n")),
+        )
+        for i in range(8)
+    ]
+    try:
+        sinks = serve_together(stand_in.engine, requests)
+    finally:
+        stand_in.engine.close()
+    assert all(s.error is None and len(s.steps) == 60 for s in sinks)
+    assert {thread for s in sinks for thread in s.threads} == {"batch-text"}
+    calls = stand_in.calls
+    inside = []
+    for sink in sinks:
+        decodes = [i for i, (graph, *_, running) in enumerate(calls) if graph == "decode" and sink in running]
+        for i, put in zip(decodes, sink.times[1:]):  # its first Step is the prefill's
+            assert put > calls[i][2]
+            inside.append(i + 1 < len(calls) and calls[i + 1][1] <= put <= calls[i + 1][2])
+    assert sum(inside) > 0.5 * len(inside), f"{sum(inside)} of {len(inside)} Steps sent during the next call"
+    host = [b[1] - a[2] for a, b in zip(calls, calls[1:]) if a[0] == b[0] == "decode" and len(a[3]) == 8]
+    assert len(host) > 40 and statistics.median(host) < 0.5e-3, f"median {1e3 * statistics.median(host):.3f} ms"
+
+
+class SlowLastSink(Sink):
+    """A sink whose last Step takes 50 ms to send (a slow client connection, as it were)."""
+
+    def put(self, step):
+        if step.finish_reason:
+            time.sleep(0.05)
+        super().put(step)
+
+
+def test_a_graph_failure_after_a_requests_last_step_leaves_it_its_answer(tiny_tokenizer):
+    """A request that a stop string ended is still in the next decode call while its last Step goes
+    out; that call fails: the request keeps its answer (no error after its end), the other request in
+    the call ends with the error."""
+    stand_in = stand_in_engine(tiny_tokenizer, 2)
+    corpus = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
+    prompts = [corpus[:6], corpus[10:20]]
+    stream = stand_in.stream(prompts[0], 30)
+    text = tiny_tokenizer.decode(stream)
+    stopped = SamplingParams(30, temperature=0.0, stop=(text[len(text) // 3 : len(text) // 3 + 2],))
+    output = Output(tiny_tokenizer, frozenset(), stopped)
+    want = [output.next(None, token) for token in stream]
+    want = want[: next(i for i, s in enumerate(want) if s.finish_reason) + 1]
+    assert want[-1].finish_reason == "stop" and len(want) >= 3
+    runtime, calls = stand_in.engine.runtime, []
+
+    def failing(*inputs):  # the decode call after the one whose token the stop string ended
+        calls.append(len(calls) + 1)
+        if len(calls) == len(want):
+            raise RuntimeError("device fault")
+        return decode(*inputs)
+
+    decode, runtime._decode = runtime._decode, failing
+    engine = stand_in.engine
+    try:
+        sinks = serve_together(
+            engine,
+            [(prompts[0], stopped), (prompts[1], SamplingParams(30, temperature=0.0))],
+            [SlowLastSink(engine), Sink(engine)],
+        )
+    finally:
+        engine.close()
+    assert sinks[0].steps == want and sinks[0].error is None
+    assert "device fault" in str(sinks[1].error) and len(sinks[1].steps) == len(want)

@@ -15,9 +15,11 @@ from neuron_moe.serve.engine import (
     Output,
     RequestError,
     SamplingParams,
+    Step,
     held_back,
     sample,
 )
+from neuron_moe.static.sampling import GREEDY
 from neuron_moe.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()
@@ -177,6 +179,108 @@ def test_a_stop_of_the_replacement_character_sees_only_complete_characters():
     steps = [output.next(None, token) for token in range(4)]
     assert [s.text for s in steps[:3]] == ["a", "\u07c5", "b"]
     assert (steps[3].text, steps[3].finish_reason) == ("", "stop")
+
+
+def whole_text_steps(tokenizer, tokens, params: SamplingParams, eos_ids=frozenset()) -> list[Step]:
+    """The reference Steps: the whole output decoded after each token, stop strings looked for in all
+    of its complete characters, and what may grow into a stop or is a partial character held back."""
+    steps, kept, sent = [], [], 0
+    for count, token in enumerate(tokens, 1):
+        if token in eos_ids:
+            return [*steps, Step((tokenizer.decode(kept) if kept else "")[sent:], "stop", count)]
+        kept.append(token)
+        text = tokenizer.decode(kept)
+        complete = text.rstrip("\ufffd")
+        cut = min((j for j in (complete.find(s) for s in params.stop) if j >= 0), default=None)
+        if cut is not None:
+            return [*steps, Step(text[sent:cut], "stop", count)]
+        if count == params.max_tokens:
+            return [*steps, Step(text[sent:], "length", count)]
+        safe = len(text) - held_back(text, params.stop)
+        steps.append(Step(text[sent:safe], None, count))
+        sent = max(sent, safe)
+    return steps
+
+
+def lagged_steps(output: Output, tokens) -> list[Step]:
+    """The Steps as the batching engine makes them: the text side (`text`) a token behind the id
+    side (`take`), up to the first Step with a finish reason."""
+    steps, behind = [], None  # the (count, finish) of the token the text side has yet to take
+    for token in tokens:
+        finish = output.take(None, token)
+        if behind is not None:
+            steps.append(output.text(*behind))
+            if steps[-1].finish_reason:
+                return steps
+        behind = (output.count, finish)
+        if finish:
+            break
+    return [*steps, output.text(*behind)]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_port):
+    return HFTokenizer(tiny_port.checkpoint)
+
+
+MIXED = "Café 4,50 € 🍮 naïve — ### the tides 🌊 and\n\nthe end"
+
+
+@st.composite
+def token_runs(draw, vocab: int, text_ids: list[int]):
+    """Token ids: runs of a text's own tokens (whole characters, mostly) and ids drawn at random
+    (special tokens, characters cut in pieces, invalid UTF-8)."""
+    tokens = []
+    for _ in range(draw(st.integers(1, 4))):
+        if draw(st.booleans()):
+            start = draw(st.integers(0, len(text_ids) - 1))
+            tokens += text_ids[start : start + draw(st.integers(1, 12))]
+        else:
+            tokens += draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8))
+    return tokens
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def test_the_text_is_that_of_the_whole_output_decoded_after_each_token(tiny_tokenizer, data):
+    """Incremental detokenizing and the stop search in the text's tail give the Steps that decoding
+    the whole output after each token gives: texts, finish reasons, counts, whether the text side
+    runs with the id side (`next`) or a token behind it (the batching engine), for the tiny port's
+    byte-level BPE (special tokens skipped, characters cut across tokens) and any split of UTF-8."""
+    if data.draw(st.booleans(), "tokenizer"):
+        tokenizer = tiny_tokenizer
+        tokens = data.draw(token_runs(2048, tiny_tokenizer.encode(MIXED, add_special_tokens=False)), "tokens")
+    else:
+        chunks, _ = data.draw(split_texts(), "chunks")
+        chunks += [b"\xff", b"\xe2\x82"]  # an invalid byte, and two of a three-byte character
+        tokenizer = ChunkTokenizer(chunks)
+        tokens = data.draw(st.lists(st.integers(0, len(chunks) - 1), min_size=1, max_size=20), "tokens")
+    text = tokenizer.decode(tokens)
+    pieces = st.integers(0, max(0, len(text) - 1)).flatmap(lambda a: st.integers(1, 4).map(lambda n: text[a : a + n]))
+    stops = tuple(
+        s for s in data.draw(st.lists(pieces | st.sampled_from(["###", "\n\n", "\ufffd", "zz"]), max_size=3)) if s
+    )
+    params = SamplingParams(data.draw(st.integers(1, len(tokens) + 1), "max_tokens"), temperature=0.0, stop=stops)
+    eos = frozenset(data.draw(st.sets(st.sampled_from(tokens), max_size=1), "eos"))
+    want = whole_text_steps(tokenizer, tokens, params, eos)
+    together = []
+    output = Output(tokenizer, eos, params)
+    for token in tokens:
+        together.append(output.next(None, token))
+        if together[-1].finish_reason:
+            break
+    assert together == want, (tokens, stops)
+    assert lagged_steps(Output(tokenizer, eos, params), tokens) == want, (tokens, stops)
+
+
+def test_a_sampled_request_draws_its_uniforms_in_the_generators_order():
+    """Drawn a block at a time, the sampling rows are those of one draw per token (the seed decides)."""
+    for max_tokens in (3, 150):
+        params = SamplingParams(max_tokens, temperature=0.7, top_k=40, top_p=0.9, seed=11)
+        output, generator = Output(BYTES, frozenset(), params), torch.Generator().manual_seed(11)
+        rows = [output.sampling() for _ in range(max_tokens)]
+        assert rows == [(0.7, 40.0, 0.9, float(torch.rand((), generator=generator))) for _ in range(max_tokens)]
+    assert Output(BYTES, frozenset(), SamplingParams(4, temperature=0.0, seed=11)).sampling() == GREEDY
 
 
 def test_cancelled_generation_stops_without_a_final_step():

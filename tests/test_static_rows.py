@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from neuron_moe.greedy import left_pad
-from neuron_moe.static.rows import GraphRuntime, Rows, generate
+from neuron_moe.static.rows import Chunk, GraphRuntime, Rows, generate, prefill_row
 from neuron_moe.static.sampling import GREEDY
 
 SAMPLED = (0.5, 0.0, 1.0, 0.25)
@@ -118,3 +118,24 @@ def test_prefill_all_prefills_every_prompt_in_its_first_step_a_call_each_at_its_
             ("decode", [100, 101, 102], [3, 1, 5]),
         ]
         assert got[0].tolist() == [[100, 1003], [101, 1001], [102, 1005]] and got[1] is None
+
+
+def test_a_prefill_calls_inputs_are_each_chunk_left_padded_in_its_bucket_rows_padded_with_the_last():
+    """One tensor per input, row i that `prefill_row` makes for chunk i (pads at the chunk's first
+    position), the call's rows made up to a compiled row count with copies of the last chunk."""
+    got = []
+
+    def prefill(*inputs):
+        got.append(inputs)
+        return (inputs[3][:, None],)
+
+    runtime = GraphRuntime(prefill, None, batch=4, buckets=[4, 8], prefill_rows=[1, 4], pad_id=7, chunk=8)
+    chunks = [Chunk([1, 2, 3], 0, 2, GREEDY), Chunk([4, 5, 6, 7, 8], 8, 0, SAMPLED), Chunk([9], 3, 3, GREEDY)]
+    tokens, logits = runtime.prefill(chunks)
+    assert tokens.tolist() == [2, 0, 3] and logits is None
+    ids, mask, positions, rows, sampling = got[0]
+    padded = [*chunks, chunks[-1]]
+    want = [torch.cat(column) for column in zip(*(prefill_row(torch.tensor(c.ids), 8, 7, c.start) for c in padded))]
+    for tensor, expected in zip((ids, mask, positions), want):
+        assert tensor.dtype == expected.dtype and torch.equal(tensor, expected)
+    assert rows.tolist() == [2, 0, 3, 3] and torch.equal(sampling, torch.tensor([c.sampling for c in padded]))

@@ -8,8 +8,20 @@ most one prefill call and then one decode step of every row that is generating (
 chunked prefill, every row at its own position): a request that joins while others wait is
 prefilled together with them, in one call, and a long prompt costs the rows generating beside it
 one chunk's call per token, not its whole prefill. A row ends — EOS, a stop string, max_tokens
-(at most the end of the cache), or its client went away — and is free that same turn for the next
-waiting request.
+(at most the end of the cache), or its client went away — and is free for the next waiting request.
+
+Host work and graph calls overlap (vLLM's async scheduling is the model): between two graph calls
+the loop does only what the next call needs, from the token ids — each row's token taken by its
+request's id side (`engine.Output.take`: EOS and max_tokens end a request there, and its row is
+free that same turn), the next inputs written in place (`Rows`) and admission. Each token's text
+(`Output.text`: detokenizing, stop strings, held-back text) and the sink's calls run on a second
+thread, the text thread (`_Texts`), while the loop is in the next graph call, whose GIL-free time
+(a CPU graph's ops, a Neuron call) they fill. The text thread is at most a step behind: before a
+step the loop waits for the text of the steps before the previous one. So a request that a stop
+string ends is seen ended a step late, and its row decodes one token too many, which is dropped:
+harmless, as that step writes one slot of the row's own cache, and what a row held before its next
+request's first chunk is never read (`static/cache.py`); the id side still bounds the row by the
+request's max_tokens.
 
 Prefix caching (a runtime with a copy graph, `static/prefix.py`): a row whose request ended keeps
 what its cache holds; a request whose prompt begins with a prefix some row holds (whole blocks)
@@ -22,7 +34,7 @@ request's temperature, top-k, top-p and a uniform draw from the request's own se
 Per row, everything else is engine.py's `Output`: stop strings, held-back text and UTF-8 are
 handled as for a request served alone.
 
-A request comes with a sink (`scheduler.Job`) that the loop, in its own thread, calls: `put(step)`
+A request comes with a sink (`scheduler.Job`) that the text thread calls, in order: `put(step)`
 for each Step, `fail(error)`, and `end()` exactly once when the request is over; the loop reads
 `sink.cancelled` (an Event) at every step. `generate` wraps that in Engine.generate's blocking
 iterator. A failure in one row's work (its text, its sink) ends that request with the error and
@@ -51,33 +63,101 @@ _END = object()
 
 @dataclass
 class _Request:
-    """A request in a row of the batch (the work a `Rows` runs): its Output and its sink."""
+    """A request in a row of the batch (the work a `Rows` runs): its Output's id side here, on the
+    step loop's thread; its text and its sink on the text thread (`_Texts`)."""
 
     prompt: list[int]
     output: Output
     sink: object  # put(step), fail(error), end(), cancelled: threading.Event
+    texts: _Texts
     error: Exception | None = None  # its own failure, sent to its sink at its end
+    done: bool = False  # its text side ended it (a stop string, its sink failed): the loop frees its row
+    complete: bool = False  # its last Step went out: a failure after it is past its end
 
     def sampling(self) -> tuple[float, float, float, float]:
         return self.output.sampling()
 
     def next(self, token: int, logits: torch.Tensor | None) -> int | None:
-        """The Step of the token the graph chose, sent to the client; the token to feed next, or
-        None if that was the last (or the request failed)."""
+        """The token the graph chose, taken by the ids (EOS, max_tokens, non-finite logits end the
+        request here) and its text handed to the text thread -> the token to feed next, or None."""
         try:
-            step = self.output.next(logits, token)
-            self.sink.put(step)
+            finish = self.output.take(logits, token)
         except Exception as e:  # this request's own failure: the other rows go on
             log.exception("generation failed in a row of the batch")
             self.error = e
             return None
-        return None if step.finish_reason else self.output.token
+        self.texts.put(self, self.output.count, finish)
+        return None if finish else token
 
     def end(self, error: Exception | None = None) -> None:
-        error = error or self.error
-        if error is not None:
-            self.sink.fail(error)
-        self.sink.end()
+        self.texts.end(self, error)
+
+
+class _Texts:
+    """The text side of the batch's requests, on a thread of its own: each token's Step
+    (`Output.text`: detokenizing, stop strings, held-back text) and the sink's calls, in the order
+    the step loop hands them over, while the loop goes on to the next graph call. A request that a
+    stop string ends, or whose sink fails, is marked `done`; the loop frees its row when it next
+    looks (`wait` bounds how far behind this side may be). Anything of a request after its end is
+    dropped."""
+
+    def __init__(self):
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._handled = threading.Condition()
+        self.queued = self.handled = 0  # items handed over (by the step loop) and handled (here)
+        self._thread = threading.Thread(target=self._run, name="batch-text", daemon=True)
+        self._thread.start()
+
+    def put(self, request: _Request, count: int, finish: str | None) -> None:
+        """From the step loop: the count-th token of `request`, whose id side said `finish`."""
+        self.queued += 1
+        self._items.put((request, count, finish))
+
+    def end(self, request: _Request, error: Exception | None) -> None:
+        """From the step loop: `request` is over (`error`: what it failed with), after its tokens."""
+        self.queued += 1
+        self._items.put((request, _END, error))
+
+    def wait(self, mark: int) -> None:
+        """Until the first `mark` items handed over are handled."""
+        if self.handled < mark:
+            with self._handled:
+                self._handled.wait_for(lambda: self.handled >= mark)
+
+    def close(self) -> None:
+        """Once everything handed over is handled, end the thread."""
+        self._items.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._items.get()) is not None:
+            try:
+                self._handle(*item)
+            finally:
+                with self._handled:
+                    self.handled += 1
+                    self._handled.notify()
+
+    def _handle(self, request: _Request, count, finish) -> None:
+        if count is _END:  # `finish` is the error it failed with
+            error = None if request.complete else finish or request.error
+            try:
+                if error is not None:
+                    request.sink.fail(error)
+                request.sink.end()
+            except Exception:
+                log.exception("a request's end failed")
+            return
+        if request.done:  # a stop string ended it a step before its row was freed: this token is past the end
+            return
+        try:
+            step = request.output.text(count, finish)
+            request.sink.put(step)
+        except Exception as e:  # this request's own failure: the other rows go on
+            log.exception("generation failed in a row of the batch")
+            request.error, request.done = e, True
+            return
+        request.done = request.complete = step.finish_reason is not None
 
 
 class _QueueSink:
@@ -108,6 +188,7 @@ class BatchEngine(Engine):
         self._waiting: deque[_Request] = deque()
         self._wake = threading.Condition()
         self._closed = False
+        self._texts = _Texts()
         self._thread = threading.Thread(target=self._loop, name="batch-step", daemon=True)
         self._thread.start()
 
@@ -127,7 +208,7 @@ class BatchEngine(Engine):
         anything runs, if the prompt or the budget does not fit the graphs or the sampling cannot
         be served."""
         self.max_tokens_for(len(prompt_ids), params.max_tokens)
-        request = _Request(list(prompt_ids), self.output(params), sink)
+        request = _Request(list(prompt_ids), self.output(params), sink, self._texts)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the batching engine is closed")
@@ -165,15 +246,22 @@ class BatchEngine(Engine):
     # ---- the step loop ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        batch = self.batch
+        batch, texts = self.batch, self._texts
+        mark = 0  # the items handed to the text thread before the previous step
         while True:
             with self._wake:
                 while not self._closed and not self._waiting and not batch.active():
                     self._wake.wait()
                 if self._closed:
                     break
+            # The text of the steps before the previous one is out (the previous one's is made beside
+            # this step's graph calls): a request that a stop string ended is freed here at the latest
+            # two steps after the one whose token ended it, having decoded at most one token too many.
+            texts.wait(mark)
+            mark = texts.queued
             for row in batch.active():
-                if batch.slots[row].sink.cancelled.is_set():
+                request = batch.slots[row]
+                if request.done or request.sink.cancelled.is_set():
                     batch.free(row)
             try:
                 batch.step(self._take)
@@ -183,13 +271,14 @@ class BatchEngine(Engine):
             batch.free(row)
         with self._wake:
             while self._waiting:
-                self._waiting.popleft().sink.end()
+                texts.end(self._waiting.popleft(), None)
+        texts.close()
 
     def _take(self) -> _Request | None:
         """The oldest waiting request whose client has not left, for a free row."""
         with self._wake:
             while self._waiting and self._waiting[0].sink.cancelled.is_set():  # its client left while it waited
-                self._waiting.popleft().sink.end()
+                self._texts.end(self._waiting.popleft(), None)
             return self._waiting.popleft() if self._waiting else None
 
     def _counted(self, graph: str, rows: int) -> None:

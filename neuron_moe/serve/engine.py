@@ -4,10 +4,11 @@
 temperature, top-k and top-p from a per-request seeded generator's draws: `static/sampling.py`,
 in the graphs or, for a request served alone, on the host), EOS, stop sequences and max_tokens,
 and the text that is safe to send after each token (a partial stop string or a partial UTF-8
-character is held back until it resolves). `Engine` checks a request against its runtime's limits
-and runs one request per calling thread over a runtime with a state per request:
-`prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]` (HF's model on CPU,
-`HFRuntime`). The static graphs (`--backend static` on CPU, `neuron` on the device) are served by
+character is held back until it resolves): an id side that decides from the tokens (`take`) and
+a text side (`text`), which the batching engine runs beside its graph calls. `Engine` checks a
+request against its runtime's limits and runs one request per calling thread over a runtime with a
+state per request: `prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]`
+(HF's model on CPU, `HFRuntime`). The static graphs (`--backend static` on CPU, `neuron` on the device) are served by
 `batching.BatchEngine` instead: one step loop over all the rows of the graphs' batch, with the
 same `Output` per row.
 """
@@ -24,6 +25,8 @@ from transformers import DynamicCache
 
 from ..errors import UserError
 from ..static.sampling import GREEDY, GREEDY_BELOW, pick, sampling_row
+
+DRAWS = 64  # a sampled request's uniforms drawn at a time (fewer if its max_tokens needs fewer)
 
 
 class RequestError(UserError):
@@ -78,65 +81,122 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 class Output:
     """One request's output: the token it takes from each step, and the text a client is sent.
 
-    `sampling()` is the request's row of the graphs' `sampling` input for its next token (its
-    temperature, top-k, top-p and a fresh uniform draw from its own seeded generator, so a seeded
-    request samples the same whatever runs beside it); `next(logits, token)` takes the token the
-    graph chose from it (`token`), or chooses it on the host from the logits [V] with the same
-    function — and returns its Step: EOS, a stop string or max_tokens end it, and the text is what
-    is safe to send (a partial stop string or a partial UTF-8 character is held back until it
-    resolves). The same for a request served alone (`Engine.generate`) and for a row of a batch
-    (`batching.BatchEngine`).
+    Two sides, so that a batch's step loop can run them on two threads (`batching.BatchEngine`):
+
+    - the id side, `take(logits, token)`: the token the graph chose (or, from the logits [V], the
+      one chosen on the host with the graphs' own function) joins the output, and the ids decide
+      at once whether it is the last: EOS ("stop") or max_tokens ("length"); a token of -1 (the
+      graphs' answer to non-finite logits) raises GenerationError. It returns that finish reason
+      (None: go on). `sampling()` belongs to this side too: the request's row of the graphs'
+      `sampling` input for its next token (its temperature, top-k, top-p and a uniform from its own
+      seeded generator, drawn in order a block at a time, so a seeded request samples the same
+      whatever runs beside it). State a next step depends on (what the next token may be) lives
+      here;
+    - the text side, `text(count, finish)`: the Step of the count-th token, whose id side said
+      `finish`. Its text is what is safe to send: a partial stop string or a partial UTF-8
+      character is held back until it resolves, and a stop string ends the output there ("stop",
+      nothing of the stop sent). It runs the tokens' text incrementally (a window of the last
+      tokens is decoded, vLLM's and TGI's way, not the whole output), and the texts are those of
+      decoding the whole output after each token, for any tokenizer whose decode of a longer
+      sequence begins with its decode of a shorter one at a complete character.
+
+    The text side may run behind the id side (it reads the tokens the id side has appended); it
+    takes the tokens in order, each once. An id-side "stop" token (EOS) is no part of the text.
+    `next(logits, token)` is both at once, for a caller that wants the Step at once (a request
+    served alone, `Engine.generate`).
     """
 
     def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams):
         self.tokenizer, self.eos_ids, self.params = tokenizer, eos_ids, params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        self.tokens: list[int] = []
+        self._draws: list[float] = []  # uniforms drawn ahead, next one last
+        self._drawn = 0
+        # the id side
+        self.tokens: list[int] = []  # the generated tokens, EOS not among them
         self.count = 0  # tokens generated (an EOS counts)
-        self.sent = 0  # characters of the decoded text already handed out
         self.token: int | None = None  # the latest token, which the runtime is fed next
+        # the text side: the text of tokens[:_read] is _text (final); _window is the text of
+        # tokens[_prefix:_read], the decode window's start, whose text a new token's is told from
+        self._text, self._window, self._prefix, self._read = "", "", 0, 0
+        self._searched = 0  # characters of the text looked through for stop strings
+        self._longest = max(map(len, params.stop), default=0)
+        self.sent = 0  # characters of the text already handed out
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature < GREEDY_BELOW
 
     def sampling(self) -> tuple[float, float, float, float]:
-        """The next token's sampling row; a sampled request draws its uniform here, once per token."""
+        """The next token's sampling row; a sampled request takes its next uniform here, once per
+        token (the generator's draws in order: a block of them is one call's worth of the same)."""
         if self.greedy:
             return GREEDY
+        if not self._draws:
+            n = min(DRAWS, max(1, self.params.max_tokens - self._drawn))
+            self._draws = torch.rand(n, generator=self.generator).tolist()[::-1]
+            self._drawn += n
         params = self.params
-        u = float(torch.rand((), generator=self.generator))
-        return sampling_row(params.temperature, params.top_k, params.top_p, u)
+        return sampling_row(params.temperature, params.top_k, params.top_p, self._draws.pop())
 
-    def next(self, logits: torch.Tensor | None, token: int | None = None) -> Step:
-        params = self.params
+    def take(self, logits: torch.Tensor | None, token: int | None = None) -> str | None:
+        """The id side of the next token: it joins the output -> its finish reason from the ids
+        ("stop": EOS, "length": max_tokens), or None."""
         if token is None:
             token = sample(logits, self.sampling())
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
         self.token, self.count = token, self.count + 1
         if token in self.eos_ids:
-            return Step(self._text()[self.sent :], "stop", self.count)
+            return "stop"
         self.tokens.append(token)
-        # Decoding the whole output each step is what keeps multi-token characters and
-        # tokenizers that merge across tokens right; outputs are short enough for it.
-        text = self._text()
+        return "length" if self.count == self.params.max_tokens else None
+
+    def text(self, count: int, finish: str | None) -> Step:
+        """The Step of the count-th token, whose id side said `finish`: its new text, and its
+        finish reason (a stop string's, if one ends the output here)."""
+        params, sent = self.params, self.sent
+        pending = self._advance(count - 1 if finish == "stop" else count)
+        # Only the text's tail is looked at: stop strings were looked for up to `_searched`, so a new
+        # one ends past `_searched` - (longest - 1), and what is held back is at most a stop's length
+        # and the incomplete character; `sent` is at most that far back.
+        start = max(0, self._searched - self._longest + 1)
+        base = min(sent, start, len(self._text))
+        recent = self._text[base:] + pending  # the text from `base` on
+        if finish == "stop":
+            return Step(recent[sent - base :], "stop", count)
         # stops are looked for in the complete characters alone: a trailing U+FFFD may be the start of a
         # character still arriving (a stop of U+FFFD would cut it), and it is looked at once it is whole
-        complete = text.rstrip("\ufffd")
-        cut = min((j for j in (complete.find(s) for s in params.stop) if j >= 0), default=None)
+        complete = recent.rstrip("\ufffd")
+        self._searched = base + len(complete)
+        cut = min((j for j in (complete.find(s, start - base) for s in params.stop) if j >= 0), default=None)
         if cut is not None:
-            return Step(text[self.sent : cut], "stop", self.count)
-        if self.count == params.max_tokens:
-            return Step(text[self.sent :], "length", self.count)
-        safe = len(text) - held_back(text, params.stop)
-        step = Step(text[self.sent : safe], None, self.count)
-        self.sent = max(self.sent, safe)
-        return step
+            return Step(recent[sent - base : cut], "stop", count)
+        if finish == "length":
+            return Step(recent[sent - base :], "length", count)
+        safe = base + len(recent) - held_back(recent, params.stop)
+        self.sent = max(sent, safe)
+        return Step(recent[sent - base : safe - base], None, count)
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.tokens) if self.tokens else ""
+    def next(self, logits: torch.Tensor | None, token: int | None = None) -> Step:
+        """Both sides of the next token at once -> its Step."""
+        finish = self.take(logits, token)
+        return self.text(self.count, finish)
+
+    def _advance(self, n: int) -> str:
+        """The text side takes tokens[:n] -> the text past `_text` (what is not final yet: a
+        character still arriving, or nothing)."""
+        if n <= self._read:
+            return ""
+        decode, tokens = self.tokenizer.decode, self.tokens
+        whole = decode(tokens[self._prefix : n])
+        new = whole[len(self._window) :]
+        if not new or whole.endswith("\ufffd"):  # nothing yet, or a character still arriving
+            return new
+        self._text += new
+        self._prefix, self._read = self._read, n
+        self._window = decode(tokens[self._prefix : n])
+        return ""
 
 
 class Engine:

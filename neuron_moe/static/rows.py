@@ -15,7 +15,8 @@ One step is
 - decode: one decode call for every row that is generating, each at its own position.
 
 Each row's inputs are made here, on the host, once per step: its chunk (`Chunk`), or its next id,
-position and sampling (`ids`, `positions`, the sampling of its work). A piece of work ends when its
+position and sampling (`ids`, `positions`, `sampling`: tensors made once, each row's element
+written in place as its work moves on, no tensor made per step). A piece of work ends when its
 `next` says so or its caller `free`s it, and its row is free for the next step. A row with nothing
 to generate sits in the decode batch as the pad token at its next prefill position (0 for a free
 row): it writes only that slot of its own ring, which its next prefill chunk rewrites, and nothing
@@ -31,15 +32,23 @@ The work in a row (a served request, an evaluated sequence, a prompt to validate
                        next step, or None: the work is done
   end(error)           the row let go of it: done, freed by the caller, or its graph call failed
 
+What the step does between two graph calls is on the graphs' critical path: `next` runs there for
+every row after every call, so it should decide from the token (and logits) alone what to feed
+next, and do anything slower beside the graph calls. Serving's work does so: its `next` takes the
+token by the ids (EOS, max_tokens) and hands the text and the streaming to a thread of its own
+(`serve/batching.py`), which runs while the loop is in the next call; a request that a stop string
+ends tells the loop so a step late, and the loop `free`s its row.
+
 A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` rows, a `pad_id`,
 `chunk`, `prefill_rows`, `prefill(chunks) -> (tokens [n], logits [n, V] | None)` and
 `decode(ids [B, 1], positions [B, 1], sampling [B, 4]) -> (tokens [B], logits [B, V] | None)`, on
 the host; with prefix caching (`prefix`, a `prefix.PrefixIndex`) also `copy_row(src, dst)`. Then
 admission puts each piece of work in the least recently used free row, with its prompt's longest
 held prefix (`PrefixIndex`) copied there first unless that row holds it; its prefill starts after
-the prefix.
-A graph call that fails ends the work it was running with the error, frees those rows,
-and raises out of the step.
+the prefix. The decode call's inputs are the step's own tensors, written in place before the next
+call: a runtime reads them during the call (a device runtime copies them to the device) and keeps
+no reference past it. A graph call that fails ends the work it was running with the error, frees
+those rows, and raises out of the step.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import GREEDY, greedy_sampling
+from .sampling import GREEDY
 
 
 def prefill_row(prompt: torch.Tensor, bucket: int, pad_id: int, start: int = 0):
@@ -119,7 +128,7 @@ class GraphRuntime:
         self.prefill_rows = sorted(prefill_rows)
         self.chunk = chunk or self.buckets[-1]  # the longest piece of a prompt one prefill call takes
         self.candidates = candidates  # top-k / top-p candidate width of the graphs
-        self.pad_id, self.logits, self.device = pad_id, logits, device
+        self.pad_id, self.logits, self.device = pad_id, logits, torch.device(device)
 
     @torch.no_grad()
     def prefill(self, chunks: list[Chunk]):
@@ -133,15 +142,26 @@ class GraphRuntime:
         longest = max(len(c.ids) for c in chunks)
         bucket = bucket_for(longest, self.buckets) if self.buckets else longest
         padded = chunks + [chunks[-1]] * (rows - len(chunks))
-        parts = [prefill_row(torch.tensor(c.ids), bucket, self.pad_id, c.start) for c in padded]
-        inputs = [torch.cat(column) for column in zip(*parts)]
+        ids, mask, positions = [], [], []  # `prefill_row`'s, all rows at once (lists, then a tensor each)
+        for c in padded:
+            n, pad = len(c.ids), bucket - len(c.ids)
+            ids.append([self.pad_id] * pad + list(c.ids))
+            mask.append([0] * pad + [1] * n)
+            positions.append([c.start] * pad + list(range(c.start, c.start + n)))
+        inputs = [torch.tensor(ids), torch.tensor(mask), torch.tensor(positions)]
         inputs += [torch.tensor([c.row for c in padded]), torch.tensor([c.sampling for c in padded])]
-        tokens, logits = self._out(self._prefill(*(x.to(self.device) for x in inputs)))
+        tokens, logits = self._out(self._prefill(*self._sent(inputs)))
         return tokens[: len(chunks)], None if logits is None else logits[: len(chunks)]
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
-        return self._out(self._decode(*(x.to(self.device) for x in (ids, positions, sampling))))
+        return self._out(self._decode(*self._sent((ids, positions, sampling))))
+
+    def _sent(self, inputs):
+        """The inputs on `device`. One already there is passed as it is, not through `to`: a call into
+        torch releases the GIL, and another thread of the host (serving's text thread) may then hold
+        it until its work is done, in series with the graph call that follows."""
+        return [x if x.device == self.device else x.to(self.device) for x in inputs]
 
     @torch.no_grad()
     def copy_row(self, src: int, dst: int) -> None:
@@ -174,8 +194,12 @@ class Rows:
         self.prefix = prefix  # a prefix.PrefixIndex: prefix caching (the runtime has `copy_row`), or None
         self._per_step = runtime.batch if prefill_all else runtime.prefill_rows[-1]  # chunks a step prefills
         self.slots: list = [None] * self.batch  # the work in each row
+        # The decode call's inputs, made once and written in place a row at a time (through numpy views
+        # of the same memory: a write of one element costs a fraction of a tensor's indexing).
         self.ids = torch.full((self.batch, 1), runtime.pad_id, dtype=torch.long)  # each row's next input
         self.positions = torch.zeros(self.batch, 1, dtype=torch.long)  # and its position
+        self.sampling = torch.tensor([GREEDY] * self.batch)  # and its sampling (`static.sampling.FIELDS`)
+        self._ids, self._positions, self._sampling = self.ids.numpy(), self.positions.numpy(), self.sampling.numpy()
         self.steps = 0  # decode steps run
         # called after each graph call that ran, before its tokens are handed out: (graph, rows it ran)
         self.counted: Callable[[str, int], None] | None = None
@@ -202,10 +226,8 @@ class Rows:
         """End the work in `row` (with `error`, if it failed) and free the row."""
         work, self.slots[row] = self.slots[row], None
         # a free row waits at position 0, or after the prefix it holds (which its pad must not touch)
-        self.ids[row], self.positions[row] = (
-            self.runtime.pad_id,
-            0 if self.prefix is None else self.prefix.park(row, error),
-        )
+        self._ids[row, 0] = self.runtime.pad_id
+        self._positions[row, 0] = 0 if self.prefix is None else self.prefix.park(row, error)
         work.end(error)
 
     def _prefilling(self, row: int) -> bool:
@@ -220,7 +242,7 @@ class Rows:
             row, source, hit = (free[0], None, 0) if self.prefix is None else self._place(work.prompt, free)
             admitted.add(row)
             self.slots[row], self._done[row], self._order[row] = work, hit, next(self._admitted)
-            self.positions[row] = hit  # its first chunk's first position
+            self._positions[row, 0] = hit  # its first chunk's first position
             if source is not None and source != row:
                 self._call("copy", [row], self.runtime.copy_row, source, row)
             if not work.prompt:
@@ -251,7 +273,7 @@ class Rows:
             if self.prefix is not None:
                 self.prefix.extend(row, chunk.ids)
             self._done[row] += len(chunk.ids)
-            self.positions[row] = self._done[row]  # the next chunk's first position, or the first token's
+            self._positions[row, 0] = self._done[row]  # the next chunk's first position, or the first token's
             if not self._prefilling(row):
                 self._next(row, int(tokens[i]), None if logits is None else logits[i])
 
@@ -259,18 +281,20 @@ class Rows:
         rows = self.generating()
         if not rows:
             return []
-        sampling = greedy_sampling(self.batch)
+        sampling, positions = self._sampling, self._positions
+        sampling[:] = GREEDY
         for row in rows:
-            sampling[row] = torch.tensor(self.slots[row].sampling())
-        fed = self.ids[rows, 0].tolist()
-        tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, sampling)
+            sampling[row] = self.slots[row].sampling()
+        fed = None if self.prefix is None else [int(self._ids[row, 0]) for row in rows]
+        tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, self.sampling)
         self.steps += 1
-        self.positions[rows] += 1
-        if self.prefix is not None:
+        tokens = tokens.tolist()
+        if fed is not None:  # each row's cache now holds the token it was fed
             for row, token in zip(rows, fed):
                 self.prefix.extend(row, [token])
-        for row, token in zip(rows, tokens[rows].tolist()):
-            self._next(row, token, None if logits is None else logits[row])
+        for row in rows:
+            positions[row, 0] += 1
+            self._next(row, tokens[row], None if logits is None else logits[row])
         return rows
 
     def _call(self, graph: str, rows: list[int], call, *inputs):
@@ -289,7 +313,7 @@ class Rows:
         if feed is None:
             self.free(row)
         else:
-            self.ids[row] = feed
+            self._ids[row, 0] = feed
 
 
 @dataclass
