@@ -8,7 +8,9 @@ clients at once, each sending `--requests` streamed /v1/completions one after an
 `--max-tokens` each; every prompt is token ids: one shared prefix of `--prefix-tokens` tokens
 (BOS, then random ids) and a suffix of `--suffix-tokens` random ids of its own. Before the load,
 one request of the prefix and a suffix of its own (not counted), in both runs: with caching, the
-load then finds the prefix held. TTFT is request sent -> the first streamed chunk.
+load then finds the prefix held. TTFT is request sent -> the first streamed chunk. Each client sends
+its next request when its last ended; `--bursts`: in rounds, every client's next request at once
+when all of the round's have ended (a burst of requests sharing a system prompt).
 
 Reported per run: TTFT mean/p50/p90/p99, E2EL p50, and from /metrics the prefix-cache queries and
 hits over the load (`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`, tokens) beside the hits
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import random
 import re
@@ -69,7 +72,8 @@ def start_server(port: Path, flag: str, batch_size: int, clients: int) -> tuple[
             break
     if url is None:
         raise SystemExit(f"the server exited ({proc.wait()}) before it was listening")
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep its pipe drained
+    proc.log = collections.deque(maxlen=40)  # its last lines, shown if the run fails
+    threading.Thread(target=lambda: [proc.log.append(line) for line in proc.stderr], daemon=True).start()
     deadline = time.monotonic() + 300
     while httpx.get(f"{url}/health").status_code != 200:
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -115,16 +119,28 @@ def prefix_counters(url: str) -> dict:
     return found
 
 
-def run(url: str, model: str, prompts: list[list[list[int]]], warm: list[int], max_tokens: int) -> dict:
+def run(url: str, model: str, prompts: list[list[list[int]]], warm: list[int], args) -> dict:
+    max_tokens = args.max_tokens
+
     async def client_loop(http, mine):
         return [await one_request(http, prompt, max_tokens) for prompt in mine]
+
+    async def bursts(http):  # round r: every client's r-th request at once, the next round when all ended
+        rounds = [
+            await asyncio.gather(*(one_request(http, mine[r], max_tokens) for mine in prompts))
+            for r in range(len(prompts[0]))
+        ]
+        return [list(mine) for mine in zip(*rounds)]
 
     async def load():
         async with httpx.AsyncClient(base_url=url, timeout=600, headers={"x-model": model}) as http:
             await one_request(http, warm, max_tokens)
             before = prefix_counters(url)
             start = time.perf_counter()
-            results = await asyncio.gather(*(client_loop(http, mine) for mine in prompts))
+            if args.bursts:
+                results = await bursts(http)
+            else:
+                results = await asyncio.gather(*(client_loop(http, mine) for mine in prompts))
             return results, time.perf_counter() - start, before
 
     results, duration, before = asyncio.run(load())
@@ -150,6 +166,12 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-tokens", type=int, default=200)
     p.add_argument("--suffix-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument(
+        "--bursts",
+        action="store_true",
+        help="the clients send in rounds: every client's next request at once once all have ended "
+        "(default: each client on its own, the next request when its last ended)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the report here")
     args = p.parse_args(argv)
@@ -178,9 +200,10 @@ def main(argv=None) -> int:
         for name, flag in MODES.items():
             proc, url = start_server(port, flag, args.batch_size, args.clients)
             try:
-                report["runs"][name] = run(url, load_port(str(port)).name, prompts, warm, args.max_tokens) | {
-                    "flag": flag
-                }
+                report["runs"][name] = run(url, load_port(str(port)).name, prompts, warm, args) | {"flag": flag}
+            except BaseException:
+                sys.stderr.write(f"{name}: the run failed; the server's last lines:\n{''.join(proc.log)}")
+                raise
             finally:
                 proc.terminate()
                 proc.wait(60)
@@ -192,7 +215,9 @@ def main(argv=None) -> int:
     report["counters_match"] = {"queries": on["queries"] == expected["queries"], "hits": on["hits"] == expected["hits"]}
 
     print(
-        f"{args.clients} clients x {args.requests} streamed completions, greedy, {args.max_tokens} tokens each; "
+        f"{args.clients} clients x {args.requests} streamed completions"
+        f"{' in rounds (--bursts)' if args.bursts else ''}, "
+        f"greedy, {args.max_tokens} tokens each; "
         f"prompts: a shared {args.prefix_tokens}-token prefix + {args.suffix_tokens} tokens of their own; "
         f"serve --backend static --batch-size {args.batch_size}, max_cache_len {args.seq_len}"
     )
