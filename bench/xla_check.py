@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import platform
 import statistics
@@ -65,12 +66,12 @@ from neuron_moe.model import build_model
 from neuron_moe.port import load_port
 from neuron_moe.static import XLA_LOWERED_OPS_FILE, graph_ops, xla_lowered_ops
 from neuron_moe.static.cache import share_state
-from neuron_moe.static.decoder import Copy, Decode, Prefill, new_cache
-from neuron_moe.static.export import copy_inputs, example_inputs, export
-from neuron_moe.static.prefix import BLOCK, PrefixIndex
+from neuron_moe.static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
+from neuron_moe.static.export import copy_inputs, example_inputs, export, graph_inputs
 from neuron_moe.static.generator import StaticGenerator
+from neuron_moe.static.prefix import BLOCK, PrefixIndex
 from neuron_moe.static.rows import Chunk, GraphRuntime, Rows
-from neuron_moe.static.sampling import CANDIDATES, GREEDY
+from neuron_moe.static.sampling import CANDIDATES, GREEDY, Processing, neutral_inputs
 from neuron_moe.tokenizer import ByteTokenizer
 
 # The default prompts need the 56-token bucket; the short pair runs the 8-token one.
@@ -309,10 +310,16 @@ def serving_runtime(
     def prefill(*args):
         return on(graphs[f"prefill {args[0].shape[0]}x{bucket}"])(*args)
 
+    def prefill_processing(*args):
+        return on(graphs[f"prefill processing {args[0].shape[0]}x{bucket}"])(*args)
+
     rows = spec.rows_for(spec.batch_size)
     runtime = GraphRuntime(
         prefill,
         on(graphs["decode"]),
+        prefill_processing=prefill_processing if "decode processing" in graphs else None,
+        decode_processing=on(graphs["decode processing"]) if "decode processing" in graphs else None,
+        vocab=VOCAB,
         batch=spec.batch_size,
         buckets=[bucket],
         prefill_rows=rows,
@@ -351,6 +358,43 @@ def drive(runtime, long: list[int], short: list[int], draws: list[tuple], bucket
     return out
 
 
+VOCAB = 2048  # the tiny port's
+PROCESSING = Processing(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_p=0.02)
+PROCESSING_TOKENS = 8
+
+
+def drive_processing(runtime, prompt: list[int], other: list[int], draws: list[tuple]) -> dict:
+    """The logits-processing variants as the engine step calls them: row 0 asks (penalties, min_p, a
+    logit bias, two banned ids, a bitmask allowing the even tokens), row 1 asks nothing; both are
+    prefilled by the variant prefill but for their prompts' last tokens, in one call of both rows
+    (row 0's first chunk) and one of row 0 (its second, after the first), with their prompts'
+    logprobs; then each is fed its last prompt token, row 0 sampled, row 1 greedy with neutral
+    inputs, in the same variant decode calls: (tokens per row, row 0's logprobs, the prompts'
+    logprobs)."""
+    half = (len(prompt) - 1) // 2
+    first = runtime.prefill_processing(
+        [Chunk(prompt[:half], 0, 0, GREEDY, prompt[1 : half + 1]), Chunk(other[:-1], 0, 1, GREEDY, other[1:])]
+    )
+    (second,) = runtime.prefill_processing([Chunk(prompt[half:-1], half, 0, GREEDY, prompt[half + 1 :])])
+    process, bias_ids, bias, mask = neutral_inputs(2, VOCAB)
+    process[0] = torch.tensor([*PROCESSING.values(), 0.0, 1.0, 0.0])  # the fed token: the prompt's last
+    bias_ids[0, :3], bias[0, :3] = torch.tensor([5, 7, 9]), torch.tensor([2.0, -math.inf, -math.inf])
+    mask[0] = 0x55555555  # bit t % 32 for even t: the even tokens
+    ids = torch.tensor([[prompt[-1]], [other[-1]]])
+    positions = torch.tensor([[len(prompt) - 1], [len(other) - 1]])
+    out, logprobs = {0: [], 1: []}, []
+    for i in range(PROCESSING_TOKENS):
+        sampling = torch.tensor([draws[i], GREEDY])
+        tokens, scores, _ = runtime.decode_processing(ids, positions, sampling, process, bias_ids, bias, mask)
+        process[0, 4:] = torch.tensor([0.0, 0.0, 1.0])  # from now on a generated token is fed
+        for row in (0, 1):
+            out[row].append(int(tokens[row]))
+        logprobs.append(float(scores[0][0]))
+        ids, positions = tokens[:, None], positions + 1
+    prompt_logprobs = [s[0].tolist() for s in (*first, second)]
+    return {"tokens": out, "logprobs": logprobs, "prompt_logprobs": [x for p in prompt_logprobs for x in p]}
+
+
 def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     """The port's graphs as the batching engine calls them, on XLA and on the CPU with the same
     inputs: (the report row, {graph name: op set})."""
@@ -367,6 +411,14 @@ def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
         for p in rows
     }
     programs["decode"] = export(Decode(model, cache, spec.decode_experts), example_inputs(spec, None), "decode")
+    # the logits-processing variants over the same cache and one set of token counts
+    counts = new_counts(model, spec.batch_size)
+    for p in rows:
+        graph = ProcessingPrefill(model, cache, counts, spec.prefill_experts)
+        name = f"prefill processing {p}x{bucket}"
+        programs[name] = export(graph, graph_inputs(graph, spec, bucket, p), name)
+    graph = ProcessingDecode(model, cache, counts, spec.decode_experts)
+    programs["decode processing"] = export(graph, graph_inputs(graph, spec, None), "decode processing")
     export_s = time.perf_counter() - start
 
     tokenizer = ByteTokenizer()
@@ -375,16 +427,21 @@ def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     settings = [(0.8, 0, 0.9), (1.0, 20, 1.0), (0.7, 0, 1.0)]  # top-p; top-k; temperature alone
     draws = [(*settings[i % 3], float(torch.rand((), generator=gen))) for i in range(SERVING_TOKENS + 8)]
     pad = port.config.pad_token_id or 0
-    reference = drive(serving_runtime(None, programs, spec, bucket, None)[0], long, short, draws, bucket, pad)
+    cpu_runtime = serving_runtime(None, programs, spec, bucket, None)[0]
+    reference = drive(cpu_runtime, long, short, draws, bucket, pad)
+    asked, other = tokenizer.encode(PROMPTS[0])[: 2 * bucket - 2], tokenizer.encode(PROMPTS[1])[:bucket]
+    processing_reference = drive_processing(cpu_runtime, asked, other, draws)
     runtime, graphs = serving_runtime(xla, programs, spec, bucket, hlo_dir)
     xla.moved()  # not the programs' own move to the device
     start = time.perf_counter()
     got = drive(runtime, long, short, draws, bucket, pad)
+    processing = drive_processing(runtime, asked, other, draws)
     generate_s = time.perf_counter() - start
     ids, mask = torch.tensor([long]), torch.ones(1, len(long), dtype=torch.long)
     eager = greedy(build_model(port, "eager", torch.float32), ids, mask, SERVING_TOKENS).tokens[0].tolist()
     summaries = [g.summary() for g in graphs.values()]
     (decode,) = [g for g in summaries if g["graph"].endswith(" decode")]
+    (variant,) = [g for g in summaries if g["graph"].endswith(" decode processing")]
     diverged = next((i for i, (a, b) in enumerate(zip(got[0], eager)) if a != b), None)
     row = {
         "run": SERVING,
@@ -402,6 +459,18 @@ def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
         "prompts": {"chunked greedy row": len(long), "sampled row": len(short), "chunk": bucket},
         "sampled_like_cpu": got == reference,
         "tokens": got,
+        # the logits-processing variants: the same tokens as on the CPU, the logprobs within fp32 rounding
+        "processing_like_cpu": processing["tokens"] == processing_reference["tokens"]
+        and all(
+            abs(a - b) < 1e-4
+            for key in ("logprobs", "prompt_logprobs")
+            for a, b in zip(processing[key], processing_reference[key])
+        ),
+        "processing": processing,
+        "processing_decode_bytes": {
+            "inputs": variant["inputs_bytes_per_call"],
+            "outputs": variant["outputs_bytes_per_call"],
+        },
         "vs_cpu_fp32": {
             "all_match": diverged is None,
             "matched": int(diverged is None),
@@ -519,6 +588,7 @@ def passed(row: dict) -> bool:
     tokens = row[quantized]["all_match"] if quantized else row["vs_cpu_fp32"]["all_match"]
     if row["run"] == SERVING:  # and the sampled row as the CPU samples it, and a decode call returns its tokens only
         tokens = tokens and row["sampled_like_cpu"] and row["decode_output_bytes_per_call"] == row["decode_token_bytes"]
+        tokens = tokens and row["processing_like_cpu"]
     if row["run"] == PREFIX:  # and every token as the CPU's, the prefix taken
         tokens = tokens and row["same_as_cpu"]
     return clean and tokens
@@ -637,6 +707,14 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
                 f"**{row['sampled_like_cpu']}**",
                 f"- a decode call returns **{row['decode_output_bytes_per_call']:.0f} bytes**: the "
                 f"{row['decode_token_bytes'] // 8} token ids (int64), no logits",
+                "- the logits-processing variants (a row that asks: penalties, min_p, a logit bias, two banned ids "
+                "and a bitmask of the even tokens; prefilled in two chunks but for its prompt's last token, which "
+                "its first variant decode is fed; beside a row that asks nothing, greedy, in the same calls; "
+                "each variant prefill graph called): tokens and "
+                f"logprobs (the prompt's too) as on the CPU: **{row['processing_like_cpu']}**; a variant decode "
+                f"call takes {row['processing_decode_bytes']['inputs']:.0f} bytes and returns "
+                f"{row['processing_decode_bytes']['outputs']:.0f} (the plain decode's: "
+                f"{_step_bytes(row)['inputs']:.0f} and {_step_bytes(row)['outputs']:.0f})",
             ]
         if row["run"] == PREFIX:
             p = row["prompts"]

@@ -74,6 +74,11 @@ class HFTokenizer:
     def chat_template(self) -> str | None:
         return self._tok.chat_template
 
+    @property
+    def backend(self):
+        """The `tokenizers` tokenizer underneath: its JSON is the token table a grammar compiles against."""
+        return self._tok.backend_tokenizer
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Prompt ids for a conversation, the assistant's turn opened. The rendered text
         already holds the template's special tokens, so encoding adds none."""

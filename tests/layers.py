@@ -44,6 +44,7 @@ OPTIONAL = (
     "triton",
     "fastapi",
     "uvicorn",
+    "llguidance",
     "torch_neuronx",
     "neuronx_distributed",
     "neuronxcc",

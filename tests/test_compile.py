@@ -28,8 +28,9 @@ from conftest import expert_reads, random_prompts
 
 @pytest.fixture(scope="module")
 def one_bucket_port(tiny_port):
-    """The tiny port with one prefill bucket and one-prompt prefill graphs: two keys to export
-    instead of five (test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket: the others)."""
+    """The tiny port with one prefill bucket and one-prompt prefill graphs: two keys (and their
+    logits-processing variants) to export instead of five
+    (test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket: the others)."""
     return dataclasses.replace(
         tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(16,), prefill_rows=(1,), prefill_chunk=16)
     )
@@ -44,7 +45,12 @@ def artifact(tmp_path_factory, one_bucket_port):
 def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     manifest, out = artifact
     assert na.read_manifest(out) == {k: v for k, v in manifest.items() if k != "out"}
-    assert manifest["keys"].keys() == {"context_encoding_1x16", "token_generation"}
+    assert list(manifest["keys"]) == [
+        "context_encoding_1x16",
+        "token_generation",
+        "context_encoding_processing_1x16",
+        "token_generation_processing",
+    ]
     assert (
         manifest["port"],
         manifest["tp"],
@@ -89,20 +95,43 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
         "position_ids": [2, 1],
         "sampling": [2, 4],
     }
-    assert [k["outputs"] for k in manifest["keys"].values()] == [{"token": [1, 1]}, {"token": [2, 1]}]
+    assert [k["outputs"] for k in list(manifest["keys"].values())[:2]] == [{"token": [1, 1]}, {"token": [2, 1]}]
+    # the logits-processing variants: the prefill takes the prompt's next tokens instead of sampling and
+    # returns their logprobs; the decode takes the penalties, bias and bitmask, and returns logprobs too
+    variant = manifest["keys"]["context_encoding_processing_1x16"]
+    assert variant["inputs"]["targets"] == [1, 16] and "sampling" not in variant["inputs"]
+    assert variant["outputs"] == {"logprob": [1, 16], "top_ids": [1, 16, 20], "top_logprobs": [1, 16, 20]}
+    variant = manifest["keys"]["token_generation_processing"]
+    assert variant["inputs"] == {
+        "input_ids": [2, 1],
+        "position_ids": [2, 1],
+        "sampling": [2, 4],
+        "process": [2, 7],
+        "bias_ids": [2, 64],
+        "bias": [2, 64],
+        "mask": [2, 64],  # 2048 tokens / 32 bits
+    }
+    assert variant["outputs"] == {"token": [2, 1], "logprob": [2, 1], "top_ids": [2, 20], "top_logprobs": [2, 20]}
     state = manifest["state"]
-    assert list(state) == [f"cache.{kv}{i}" for i in range(4) for kv in "kv"]
+    assert list(state) == [f"cache.{kv}{i}" for i in range(4) for kv in "kv"] + ["counts.output", "counts.prompt"]
+    assert state["counts.output"] == {"shape": [2, 2048], "dtype": "float32"}
     assert state["cache.k0"] == {"shape": [2, 2, 16, 32], "dtype": "float32"}  # sliding: 2 of 4 KV heads, ring 16
     assert state["cache.v1"] == {"shape": [2, 1, 96, 64], "dtype": "float32"}  # global: 1 of 2, every position
 
 
 def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
     _, out = artifact
-    for key in ("context_encoding_1x16", "token_generation"):
+    kv = [f"cache.{kv}{i}" for i in range(4) for kv in "kv"]
+    for key, state, outputs in [
+        ("context_encoding_1x16", kv, 1),  # the token; no KV tensor, no logits
+        ("token_generation", kv, 1),
+        ("context_encoding_processing_1x16", kv + ["counts.output", "counts.prompt"], 3),  # the prompt's logprobs
+        ("token_generation_processing", kv + ["counts.output", "counts.prompt"], 4),  # the token and its logprobs
+    ]:
         program = torch.export.load(out / na.GRAPHS.format(key=key))
         sig = program.graph_signature
-        assert sorted(sig.buffers_to_mutate.values()) == sorted(f"cache.{kv}{i}" for i in range(4) for kv in "kv")
-        assert len(sig.user_outputs) == 1  # the token; no KV tensor, no logits
+        assert sorted(sig.buffers_to_mutate.values()) == sorted(state)
+        assert len(sig.user_outputs) == outputs
 
 
 def test_prefix_caching_adds_the_copy_key_over_whole_rows(tmp_path, one_bucket_port):
@@ -250,6 +279,11 @@ def test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket(tiny_port, tm
         "context_encoding_2x8",
         "context_encoding_2x56",
         "token_generation",
+        "context_encoding_processing_1x8",
+        "context_encoding_processing_1x56",
+        "context_encoding_processing_2x8",
+        "context_encoding_processing_2x56",
+        "token_generation_processing",
     ]
     assert manifest["prefill_rows"] == [1, 2] and manifest["keys"]["context_encoding_2x56"]["inputs"] == {
         "input_ids": [2, 56],
@@ -275,6 +309,10 @@ def test_full_size_port_dry_run_on_meta(tmp_path):
         "context_encoding_1x512",
         "context_encoding_1x2048",
         "token_generation",
+        "context_encoding_processing_1x128",
+        "context_encoding_processing_1x512",
+        "context_encoding_processing_1x2048",
+        "token_generation_processing",
     }  # batch_size 1: one-prompt prefill graphs only
     plan = json.loads((out / na.SHARD_PLAN).read_text())
     down = plan["model.layers.5.experts.down_proj.weight"]  # every expert's 704 channels over 8 ranks, int8
@@ -416,8 +454,10 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
         one_bucket_port, nc.Build(tp=2, out=tmp_path / "out", quantization="int8", dry_run=False)
     )
 
-    assert seen["tp"] == 2 and list(seen["keys"]) == ["context_encoding_1x16", "token_generation"]
-    (_, [prefill]), (_, [decode]) = seen["keys"].values()
+    assert seen["tp"] == 2 and list(seen["keys"]) == na.key_names([16], [1])
+    (_, [prefill]), (_, [decode]), (_, [variant_prefill]), (_, [variant]) = seen["keys"].values()
+    assert [tuple(x.shape) for x in variant_prefill] == [(1, 16)] * 3 + [(1,), (1, 16)]  # the targets
+    assert [tuple(x.shape) for x in variant] == [(2, 1), (2, 1), (2, 4), (2, 7), (2, 64), (2, 64), (2, 64)]
     assert [tuple(x.shape) for x in prefill] == [(1, 16)] * 3 + [(1,), (1, 4)]  # a prompt, its row, its sampling
     assert [tuple(x.shape) for x in decode] == [(2, 1), (2, 1), (2, 4)]  # ids, positions, sampling: no cache, no mask
     module = rank_model(one_bucket_port.config, 2, cpu, quantization="int8", device="meta")
@@ -487,17 +527,25 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
 
         return build
 
-    keys = {k: (factory(k), [nc._example(spec, k)]) for k in na.key_names(spec.buckets, spec.prefill_rows)}
+    vocab = one_bucket_port.config.vocab_size
+    names = na.key_names(spec.buckets, spec.prefill_rows)
+    keys = {k: (factory(k), [nc._example(spec, k, vocab)]) for k in names}
     _, traced = nxd.trace_keys(keys, checkpoint_loader=dict, tp=1, workdir="unused")
-    names = []
+    names, kv = [], [f"cache.{kv}{i}" for i in range(4) for kv in "kv"]
     for key, (module, aliases, outputs) in traced.items():
         state = dict(module.named_parameters())
         aliased = {n: aliases[p] for n, p in state.items() if p in aliases}
-        assert list(aliased) == [f"cache.{kv}{i}" for i in range(4) for kv in "kv"] and len(aliases) == 8
-        assert sorted(aliased.values()) == list(range(1, 9)) and len(outputs) == 9  # the token, then the state
+        # the token (a logits-processing key: its logprobs, or the prompt's), then the state
+        own, held = (
+            (1, kv)
+            if not na.is_processing(key)
+            else (4 - key.startswith("context"), kv + ["counts.output", "counts.prompt"])
+        )
+        assert list(aliased) == held and len(aliases) == len(held)
+        assert sorted(aliased.values()) == list(range(own, own + len(held))) and len(outputs) == own + len(held)
         for name, index in aliased.items():
             assert outputs[index].shape == state[name].shape
-        names.append(list(aliased))
+        names.append(list(aliased)[:8])
         if key == "context_encoding_1x16":
             k0 = outputs[aliased["cache.k0"]]  # layer 0's K of the prompt, in row 0 only
             assert k0[0].abs().sum() > 0 and not k0[1].any()
@@ -515,13 +563,14 @@ def test_shape_flags_override_the_ports_static_table(tiny_port, tmp_path):
         port, nc.Build(tp=2, out=tmp_path / "art", dtype="float32", dry_run=True, export=False)
     )
     assert (manifest["batch_size"], manifest["max_length"], manifest["buckets"]) == (3, 64, [16, 32])
-    assert list(manifest["keys"]) == [
+    assert list(manifest["keys"]) == na.key_names([16, 32], [1, 3])  # prefill_rows [1, 4] cut to 3
+    assert list(manifest["keys"])[:5] == [
         "context_encoding_1x16",
         "context_encoding_1x32",
         "context_encoding_3x16",
         "context_encoding_3x32",
         "token_generation",
-    ]  # prefill_rows [1, 4] cut to 3
+    ]
     assert manifest["keys"]["token_generation"]["inputs"]["input_ids"] == [3, 1]
     assert manifest["state"]["cache.k1"]["shape"][:3:2] == [3, 64]  # 3 rows, every one of the 64 positions
     assert with_shapes(tiny_port) is tiny_port  # no flag: the table as it is

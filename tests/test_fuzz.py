@@ -81,6 +81,26 @@ message = st.fixed_dictionaries(
 )
 # a number of the wrong JSON type: refused, never coerced
 wrong_types = st.sampled_from(["0.5", "1", True, False, [], {}, [1]])
+# JSON schemas (objects, and their text as vLLM's guided_json takes it), some of them invalid, and not schemas
+schemas = st.sampled_from(
+    [
+        {},
+        {"type": "object"},
+        {"type": "boolean"},
+        {"enum": ["a", "b"]},
+        {"type": "string", "maxLength": 3},
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "nope"},
+        {"type": "string", "pattern": "["},
+        '{"type": "integer"}',
+        "{not json",
+        [],
+        3,
+        None,
+    ]
+)
+regexes = st.sampled_from([None, "[a-z]+", "yes|no", "[0-9]{2}", "", "[a-", "("])
+grammar_texts = st.sampled_from([None, 'start: "yes" | "no"', "root ::= [0-9]+", "start: nowhere", ""])
 OPTIONAL = {
     "max_completion_tokens": st.integers(1, 3) | st.none(),  # small: a request that succeeds is a few decode steps
     "temperature": st.floats(0, 2) | st.sampled_from([0.0, 1e-300, 5e-324, 2.0, None]),
@@ -90,50 +110,76 @@ OPTIONAL = {
     "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans() | st.none()}),
     "stop": st.none() | st.text(min_size=1, max_size=6) | st.lists(st.text(min_size=1, max_size=6), max_size=4),
     "seed": st.none() | st.integers(-(2**63), 2**64 - 1),
-    "n": st.sampled_from([1, None, 2]),
-    "best_of": st.sampled_from([None, 1, 2]),
+    "n": st.sampled_from([1, None, 2, 3]),
+    "best_of": st.sampled_from([None, 1, 2, 3]),
     "echo": st.sampled_from([None, False, True]),
     "logprobs": st.sampled_from([None, False, True, 0, 3]),
     "top_logprobs": st.sampled_from([None, 0, 5, 20]),
     "presence_penalty": st.sampled_from([None, 0, 0.0, -2.0, 0.5, 2.0]) | st.floats(-2, 2),
-    "frequency_penalty": st.sampled_from([None, 0, 0.0, 1.0, -0.1]),
-    "logit_bias": st.none() | st.dictionaries(st.integers(0, 3000).map(str), st.integers(-100, 100), max_size=3),
-    "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]),
+    "frequency_penalty": st.sampled_from([None, 0, 0.0, 1.0, -0.1]) | st.floats(-2, 2),
+    "logit_bias": st.none()
+    | st.dictionaries(st.integers(0, 3000).map(str), st.integers(-100, 100) | st.floats(-100, 100), max_size=3),
+    "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}])
+    | st.sampled_from([{"type": "xml"}, {"type": "text", "json_schema": {"name": "s", "schema": {}}}])
+    | st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries(
+                {"name": st.sampled_from(["s", "bad name", ""]), "schema": schemas},
+                optional={"strict": st.none() | st.booleans(), "description": st.none() | valid_text},
+            ),
+        }
+    ),
     "suffix": st.sampled_from([None, "", "tail"]),
     "tools": st.none() | st.just([]) | st.just([{"type": "function", "function": {"name": "f"}}]),
     "tool_choice": st.sampled_from([None, "none", "auto", "required"]),
     "functions": st.sampled_from([None, [], [{"name": "f"}]]),
     "function_call": st.sampled_from([None, "none", "auto", {"name": "f"}]),
     "modalities": st.sampled_from([None, ["text"], ["text", "audio"]]),
-    "min_p": st.sampled_from([0, 0.0, 0.05]),  # vLLM's extras, sent through extra_body
-    "repetition_penalty": st.sampled_from([1, 1.0, 1.3]),
-    "ignore_eos": st.booleans(),
+    "min_p": st.sampled_from([None, 0, 0.0, 0.05, 1.0]) | st.floats(0, 1),  # vLLM's extras, sent through extra_body
+    "repetition_penalty": st.sampled_from([None, 1, 1.0, 1.3, 0.5, 5e-324]) | st.floats(0.01, 3),
+    "ignore_eos": st.booleans() | st.none(),
+    "min_tokens": st.sampled_from([None, 0, 1, 2, 5]),
+    "stop_token_ids": st.none() | st.lists(st.integers(0, 300), max_size=3),
+    "include_stop_str_in_output": st.booleans() | st.none(),
     "user": valid_text,  # not ours: ignored
+    # structured output: OpenAI's response_format (above) and vLLM's fields
+    "structured_outputs": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "json": schemas,
+            "regex": regexes,
+            "choice": st.none() | st.lists(valid_text, max_size=3),
+            "grammar": grammar_texts,
+            "json_object": st.none() | st.booleans(),
+            "disable_any_whitespace": st.none() | st.booleans(),
+            "whitespace_pattern": st.sampled_from([None, " ?", "[", "\\s*"]),
+            "disable_fallback": st.none() | st.booleans(),
+            "disable_additional_properties": st.sampled_from([None, False, True]),
+            "structural_tag": st.sampled_from([None, "{}"]),
+        },
+    ),
+    "guided_json": st.none() | schemas,
+    "guided_regex": regexes,
+    "guided_choice": st.none() | st.lists(valid_text, max_size=3),
+    "guided_grammar": grammar_texts,
+    "guided_whitespace_pattern": st.sampled_from([None, " ?", "[", ""]),
 }
 
 # What a request may set only to null or these (the server does not do anything else with them).
 # Written here from OpenAI's and vLLM's documentation, not from the server's own table: a 200 for
 # any other value is an accepted-and-ignored field.
 IGNORABLE = {
-    "n": [1],
-    "best_of": [1],
-    "echo": [False],
-    "logprobs": [False],
-    "top_logprobs": [],
-    "presence_penalty": [0],
-    "frequency_penalty": [0],
-    "logit_bias": [{}],
     "suffix": [""],
-    "response_format": [{"type": "text"}],
     "tools": [[]],
     "tool_choice": ["none", "auto"],
     "functions": [[]],
     "function_call": ["none", "auto"],
     "modalities": [["text"]],
-    "min_p": [0],
-    "repetition_penalty": [1],
-    "ignore_eos": [False],
 }
+# ... and on one route only: top_logprobs is chat's (completions' logprobs is the count)
+IGNORABLE_ON = {True: {}, False: {"top_logprobs": []}}
 
 
 def same_json(a, b) -> bool:
@@ -145,15 +191,44 @@ def same_json(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def ignored_fields(body) -> list[str]:
-    """The fields of a body that ask for something this server does not do."""
+def ignored_fields(body, chat: bool) -> list[str]:
+    """The fields of a body that ask for something this server does not do (on the chat route or
+    the completions one)."""
     if not isinstance(body, dict):
         return []
     return [
         k
-        for k, allowed in IGNORABLE.items()
+        for k, allowed in {**IGNORABLE, **IGNORABLE_ON[chat]}.items()
         if body.get(k) is not None and not any(same_json(body[k], v) for v in allowed)
     ]
+
+
+def grammar_prefix(body):
+    """For a body asking for one structured output whose text this test can judge by eye, whether a
+    text is a beginning of what it allows (a fuzzed request stops after a few tokens); else None."""
+    if not isinstance(body, dict) or body.get("echo"):
+        return None
+    fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    asked = [k for k in fields if body.get(k) is not None and body.get(k) != {"type": "text"}]
+    if len(asked) != 1 or not isinstance(body[asked[0]], (dict, list)):
+        return None
+    value = body[asked[0]]
+    choices = value if asked[0] == "guided_choice" else value.get("choice") if isinstance(value, dict) else None
+    if isinstance(choices, list):
+        return lambda text: any(c.startswith(text) for c in choices)
+    if value.get("type") == "json_object" or (asked[0] == "structured_outputs" and value.get("json_object")):
+        return lambda text: not text.strip() or text.lstrip().startswith("{")
+    return None
+
+
+def answer_text(r: httpx.Response, chat: bool) -> str:
+    if r.headers["content-type"].startswith("text/event-stream"):
+        firsts = [c for e in sse_events(r.text.splitlines())[:-1] for c in e["choices"] if c["index"] == 0]
+        if chat:
+            return "".join(c["delta"].get("content") or "" for c in firsts)
+        return "".join(c["text"] for c in firsts)
+    choice = r.json()["choices"][0]
+    return (choice["message"]["content"] or "") if chat else choice["text"]
 
 
 def requests(required: dict):
@@ -199,6 +274,29 @@ def post(http: httpx.Client, path: str, body) -> httpx.Response:
     return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
 
 
+def check_honoured(body: dict, answer: dict, chat: bool) -> None:
+    """What the server does with the fields it honours, seen in a 200's body: n choices, each ended as
+    ignore_eos, stop_token_ids, min_tokens and include_stop_str_in_output say, echo before the text."""
+    n = body.get("n") or 1
+    assert [c["index"] for c in answer["choices"]] == list(range(n)), (body, answer)
+    requested = body.get("max_completion_tokens") or body.get("max_tokens")
+    for choice in answer["choices"]:
+        text = choice["message"]["content"] if chat else choice["text"]
+        reason = choice["stop_reason"]
+        if choice["finish_reason"] == "stop":
+            # EOS alone has no stop_reason: never the end with ignore_eos
+            assert reason is not None or not body.get("ignore_eos"), (body, answer)
+            assert reason is None or reason in (body.get("stop_token_ids") or []) or isinstance(reason, str), answer
+            if isinstance(reason, str) and body.get("include_stop_str_in_output"):
+                assert text.endswith(reason), (body, answer)
+        if n == 1 and not body.get("best_of"):
+            tokens = answer["usage"]["completion_tokens"]
+            assert choice["finish_reason"] == "length" or tokens > (body.get("min_tokens") or 0), (body, answer)
+            assert choice["finish_reason"] != "length" or requested is None or tokens == requested, (body, answer)
+        if body.get("echo") and not chat and isinstance(body["prompt"], str):
+            assert text.startswith(body["prompt"]), (body, answer)
+
+
 def check_answer(r: httpx.Response, body, chat: bool) -> None:
     assert r.status_code < 500, (body, r.status_code, r.text)
     if r.status_code != 200:
@@ -206,7 +304,11 @@ def check_answer(r: httpx.Response, body, chat: bool) -> None:
         assert set(error) == ERROR_KEYS and isinstance(error["message"], str) and error["message"], r.text
         assert "Traceback" not in error["message"], r.text
         return
-    assert not ignored_fields(body), f"accepted and ignored: {ignored_fields(body)} in {body}"
+    assert not ignored_fields(body, chat), f"accepted and ignored: {ignored_fields(body, chat)} in {body}"
+    if isinstance(body, dict) and not r.headers["content-type"].startswith("text/event-stream"):
+        check_honoured(body, r.json(), chat)
+    allows = None if body.get("echo") else grammar_prefix(body)  # echo: the prompt comes first
+    assert allows is None or allows(answer_text(r, chat)), f"the grammar not followed: {answer_text(r, chat)!r}, {body}"
     if r.headers["content-type"].startswith("text/event-stream"):
         events = sse_events(r.text.splitlines())
         assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), (body, events)
@@ -277,7 +379,7 @@ def test_the_nullable_fields_are_openais():
 
 
 @settings(max_examples=60, **FUZZ)
-@given(field=st.sampled_from(sorted(IGNORABLE)), data=st.data(), chat=st.booleans())
+@given(field=st.sampled_from(sorted({*IGNORABLE, "top_logprobs"})), data=st.data(), chat=st.booleans())
 def test_fuzz_one_unsupported_field_is_refused_by_name_or_is_its_default(http, field, data, chat):
     """A plain request with one field this server does not implement, set to anything its strategy
     draws (defaults, nulls, real values, wrong types): a 200 only for null or the default, else a
@@ -291,7 +393,7 @@ def test_fuzz_one_unsupported_field_is_refused_by_name_or_is_its_default(http, f
     }
     r = post(http, "/v1/chat/completions" if chat else "/v1/completions", body)
     check_answer(r, body, chat)
-    if ignored_fields(body):
+    if ignored_fields(body, chat):
         assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == field, (body, r.text)
 
 

@@ -168,6 +168,15 @@ def test_no_kv_bytes_cross_the_host_per_decode_step(big):
     assert rows["input_ids + position_ids"]["bytes"] == 2 * 4 * 8 and rows["token"]["bytes"] == 4 * 8
     assert rows["sampling"]["bytes"] == 4 * 4 * 4  # the graphs choose the token: no logits for sampled requests
     assert rows["logits"]["bytes"] == 4 * 262144 * 4 and "--with-logits" in rows["logits"]["what"]
+    every = [row for row in r["host_per_step"] if row["when"] == "every step"]
+    assert (
+        sum(row["bytes"] for row in every if row["direction"] == "in") == 2 * 4 * 8 + 4 * 4 * 4
+    )  # a row that asks nothing
+    # the logits-processing decode's own, only in a step where some row asks
+    assert rows["process"]["bytes"] == 4 * 7 * 4 and rows["logit_bias and bans"]["bytes"] == 4 * 64 * 12
+    assert rows["grammar bitmask"]["bytes"] == 4 * (262144 // 32) * 4  # 32 KiB a row
+    assert rows["logprob"]["bytes"] == 4 * (4 + 20 * 12) and rows["token counts"]["bytes"] == 0
+    assert {row["when"] for row in r["host_per_step"]} == {"every step", "a row asks"}
 
 
 def test_tp_beyond_the_instance_or_the_model_is_refused_with_a_reason(big):

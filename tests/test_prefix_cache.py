@@ -200,3 +200,32 @@ def test_greedy_tokens_with_prefix_caching_are_those_without_it_and_the_hits_are
     queries = sum(len(prompt) for prompt, _ in out[True])
     assert counted[True] == [queries, sum(expected_hits), copies]
     assert counted[False] == [0, 0, 0]
+
+
+def test_a_request_that_asks_for_logits_processing_takes_no_prefix(tiny_port, static_model):
+    """A repetition penalty counts the prompt's tokens in the variant prefill, and prompt logprobs score
+    each of them: such a request prefills its whole prompt (vLLM skips the prefix cache for prompt
+    logprobs too), is not counted as a query, and gets the tokens and logprobs it gets without caching."""
+    from neuron_moe.static.sampling import Processing
+
+    first, second = SHARED + TAILS[0][1:], SHARED + TAILS[1][1:]
+    asking = SamplingParams(8, temperature=0.0, processing=Processing(repetition_penalty=1.3, logprobs=2))
+    out, counted = {}, {}
+    for caching, engine in engines(tiny_port, static_model):
+        engine.metrics = Metrics("m")
+        try:
+            (plain,) = serve_together(engine, [(first, SamplingParams(8, temperature=0.0))])
+            (asked,) = serve_together(engine, [(second, asking)])
+            out[caching] = [plain.steps, asked.steps]
+            registry = engine.metrics.registry
+            counted[caching] = [
+                registry.get_sample_value(n, {"model_name": "m"})
+                for n in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+            ]
+        finally:
+            engine.close()
+    # the same tokens; the logprobs as close as fp32 attention over a longer (masked) sliding ring allows
+    assert [tokens_of(steps) for steps in out[True]] == [tokens_of(steps) for steps in out[False]]
+    with_, without = ([s.logprobs.logprob for s in steps[1]] for steps in (out[True], out[False]))
+    assert torch.allclose(torch.tensor(with_), torch.tensor(without), atol=1e-4)
+    assert counted[True] == [len(first), 0]  # the plain request's lookup only

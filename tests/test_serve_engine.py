@@ -183,7 +183,8 @@ def test_a_stop_of_the_replacement_character_sees_only_complete_characters():
 
 def whole_text_steps(tokenizer, tokens, params: SamplingParams, eos_ids=frozenset()) -> list[Step]:
     """The reference Steps: the whole output decoded after each token, stop strings looked for in all
-    of its complete characters, and what may grow into a stop or is a partial character held back."""
+    of its complete characters (the first to end a stop is its stop_reason), and what may grow into a
+    stop or is a partial character held back."""
     steps, kept, sent = [], [], 0
     for count, token in enumerate(tokens, 1):
         if token in eos_ids:
@@ -191,9 +192,10 @@ def whole_text_steps(tokenizer, tokens, params: SamplingParams, eos_ids=frozense
         kept.append(token)
         text = tokenizer.decode(kept)
         complete = text.rstrip("\ufffd")
-        cut = min((j for j in (complete.find(s) for s in params.stop) if j >= 0), default=None)
-        if cut is not None:
-            return [*steps, Step(text[sent:cut], "stop", count)]
+        found = [(j, s) for s in params.stop if (j := complete.find(s)) >= 0]
+        if found:
+            cut, stop = min(found)
+            return [*steps, Step(text[sent:cut], "stop", count, stop_reason=stop)]
         if count == params.max_tokens:
             return [*steps, Step(text[sent:], "length", count)]
         safe = len(text) - held_back(text, params.stop)

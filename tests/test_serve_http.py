@@ -249,12 +249,12 @@ def test_models_health_and_ping(url):
     [
         (dict(temperature=3.0), "temperature"),
         (dict(top_p=1.5), "top_p"),
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(max_tokens=100_000), "max_tokens"),  # past the context (512 tokens; 97 for the static graphs)
         (dict(max_completion_tokens=100_000), "max_completion_tokens"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
-        (dict(logprobs=True), "logprobs"),
+        (dict(top_logprobs=2), "top_logprobs"),  # without logprobs: true
         (dict(messages=[]), "messages"),
         (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
         (dict(messages=None), "messages"),
@@ -281,33 +281,34 @@ REFUSED = [
     ({"top_p": -0.1}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"top_k": 2.0}, "top_k"),
-    ({"n": None, "best_of": 2}, "best_of"),
+    ({"n": 3, "best_of": 2}, "best_of"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"presence_penalty": "0"}, "presence_penalty"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -0.5}, "frequency_penalty"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"5": 1.5}}, "logit_bias"),
     ({"logit_bias": {"a": 1}}, "logit_bias.a"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logit_bias": {str(i): 1 for i in range(65)}}, "logit_bias"),  # more than the graphs' 64 entries
+    ({"logit_bias": {"5": 1.0, "99999": 2}}, "logit_bias"),  # past the vocabulary
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"min_p": 1.1}, "min_p"),
+    ({"min_p": "0.1"}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
     ({"logprobs": 1}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"top_logprobs": 21}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"modalities": ["text", "audio"]}, "modalities.1"),
     ({"audio": {"voice": "alloy"}}, "audio"),
-    ({"min_p": 0.1}, "min_p"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"ignore_eos": True}, "ignore_eos"),
-    ({"min_tokens": 4}, "min_tokens"),
-    ({"stop_token_ids": [5]}, "stop_token_ids"),
-    ({"echo": True}, "echo"),
+    ({"ignore_eos": "true"}, "ignore_eos"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": ["5"]}, "stop_token_ids.0"),
+    ({"echo": 1}, "echo"),
 ]
 
 
@@ -375,10 +376,12 @@ def test_top_k_is_honoured(url, engine):
 @pytest.mark.parametrize(
     "edit,param",
     [
-        ({"logprobs": 0}, "logprobs"),
+        ({"logprobs": 6}, "logprobs"),  # OpenAI's most: 5
+        ({"logprobs": True}, "logprobs"),  # a count, not a switch
         ({"suffix": "end"}, "suffix"),
-        ({"echo": True}, "echo"),
-        ({"best_of": 3}, "best_of"),
+        ({"echo": "true"}, "echo"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # chat's; completions' logprobs is the count
+        ({"best_of": 21}, "best_of"),
     ],
 )
 def test_completions_fields_too(url, edit, param):

@@ -180,8 +180,9 @@ def test_banner_and_one_log_line_per_request(caplog):
 
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
-    """Static graphs: every prefill graph (each row count at each bucket), the decode graph and the copy
-    graph (prefix caching is on by default), all before /health answers 200;
+    """Static graphs: every prefill graph (each row count at each bucket) and the decode graph, then their
+    logits-processing variants, then the copy graph (prefix caching is on by default), all before /health
+    answers 200;
     the per-request engine: one request."""
     calls, prefill, decode, copy = [], GraphRuntime.prefill, GraphRuntime.decode, GraphRuntime.copy_row
     monkeypatch.setattr(
@@ -195,6 +196,17 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
     monkeypatch.setattr(
         GraphRuntime, "decode", lambda self, *inputs: calls.append(("decode",)) or decode(self, *inputs)
     )
+    variant_prefill, variant_decode = GraphRuntime.prefill_processing, GraphRuntime.decode_processing
+    monkeypatch.setattr(
+        GraphRuntime,
+        "prefill_processing",
+        lambda self, chunks: calls.append(("prefill processing", len(chunks))) or variant_prefill(self, chunks),
+    )
+    monkeypatch.setattr(
+        GraphRuntime,
+        "decode_processing",
+        lambda self, *inputs: calls.append(("decode processing",)) or variant_decode(self, *inputs),
+    )
     monkeypatch.setattr(GraphRuntime, "copy_row", lambda self, *rows: calls.append(("copy",)) or copy(self, *rows))
     generated = []
     if backend == "eager":
@@ -204,14 +216,15 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
         ready(url)
         seen = list(calls), list(generated)
     if backend == "static":
-        # every prefill graph (the tiny port's prefill_rows [1, 4] cut to its batch of 2, each bucket), decode, copy
-        assert seen[0] == [
+        # every prefill graph (the tiny port's prefill_rows [1, 4] cut to its batch of 2, each bucket), then decode
+        assert seen[0][:5] == [
             ("prefill", 1, 8),
             ("prefill", 1, 56),
             ("prefill", 2, 8),
             ("prefill", 2, 56),
             ("decode",),
-            ("copy",),
         ]
+        # and their logits-processing variants, once each, then the copy graph
+        assert seen[0][5:] == [("prefill processing", n) for n in (1, 1, 2, 2)] + [("decode processing",), ("copy",)]
     else:
         assert len(seen[1]) == 1

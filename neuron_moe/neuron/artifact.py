@@ -30,6 +30,15 @@ Each key is the static decoder (`static/decoder.py`) over the full-model rank mo
                               row_ids (a chunk that is not a prompt's first attends to its row's cache)
     token_generation          (input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1]
                               every row at its own position
+    context_encoding_processing_<P>x<b>  (input_ids, attention_mask, position_ids [P, b], row_ids [P],
+                              targets [P, b]) -> logprob [P, b], top_ids, top_logprobs [P, b, 20]
+    token_generation_processing  (input_ids, position_ids [B, 1], sampling [B, 4], process [B, 7],
+                              bias_ids, bias [B, 64], mask [B, ceil(V/32)] int32) -> token [B, 1],
+                              logprob [B, 1], top_ids, top_logprobs [B, 20]
+                              the logits-processing variants (`static/decoder.py`), for the rows
+                              that ask for logprobs, penalties, logit_bias, min_p, bans or a grammar;
+                              they also hold the token counts as state (`counts.output`,
+                              `counts.prompt` [B, V] fp32)
     prefix_copy               (src_row [1], dst_row [1]) -> dst_row [1, 1]
                               built --enable-prefix-caching (the manifest's `prefix_caching`): a cache
                               row copied whole into another (`static/prefix.py`); every key's cache is
@@ -390,21 +399,34 @@ def load_streamed(artifacts: Path, manifest: dict, to_device: Callable[[int, str
     return placed
 
 
-def prefill_key(rows: int, bucket: int) -> str:
-    return f"context_encoding_{rows}x{bucket}"
+PROCESSING = "_processing"  # the suffix of the logits-processing variants' graph names
+DECODE_KEYS = ("token_generation", "token_generation" + PROCESSING)
+
+
+def prefill_key(rows: int, bucket: int, processing: bool = False) -> str:
+    return f"context_encoding{PROCESSING if processing else ''}_{rows}x{bucket}"
 
 
 COPY_KEY = "prefix_copy"
 
 
 def key_names(buckets, prefill_rows, prefix_caching: bool = False) -> list[str]:
-    keys = [prefill_key(p, b) for p in prefill_rows for b in buckets] + ["token_generation"]
+    """The plain keys (a prefill per row count and bucket, the decode), then their logits-processing
+    variants (`static/decoder.py` `ProcessingPrefill`, `ProcessingDecode`) in the same order, then
+    with `prefix_caching` the copy key."""
+    plain = [prefill_key(p, b) for p in prefill_rows for b in buckets] + [DECODE_KEYS[0]]
+    keys = plain + [prefill_key(p, b, True) for p in prefill_rows for b in buckets] + [DECODE_KEYS[1]]
     return keys + [COPY_KEY] if prefix_caching else keys
 
 
+def is_processing(key: str) -> bool:
+    """Whether `key` is a logits-processing variant."""
+    return PROCESSING in key
+
+
 def key_shape(key: str) -> tuple[int, int] | None:
-    """(rows, bucket) of a prefill key; None for the decode and copy keys."""
-    if key in ("token_generation", COPY_KEY):
+    """(rows, bucket) of a prefill key; None for a decode key and the copy key."""
+    if key in DECODE_KEYS or key == COPY_KEY:
         return None
-    rows, bucket = key.removeprefix("context_encoding_").split("x")
+    rows, bucket = key.rsplit("_", 1)[1].split("x")
     return int(rows), int(bucket)

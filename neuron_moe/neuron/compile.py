@@ -51,7 +51,7 @@ from ..report import (
     table,
 )
 from ..spec import CHANNEL_READER, INT4_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization
-from ..static.decoder import Copy, Decode, Prefill, new_cache
+from ..static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, copy_inputs, example_inputs, functional
 from ..tokenizer import HFTokenizer
@@ -65,6 +65,7 @@ from .artifact import (
     RANK_WEIGHTS,
     COPY_KEY,
     ArtifactError,
+    is_processing,
     key_names,
     key_shape,
     tokenizer_files,
@@ -154,39 +155,58 @@ def _new_file(path: Path) -> Path:
     return path
 
 
-def _graph(model, spec, key: str, cache, logits: bool):
-    """Key `key`'s graph over `model`, its state `cache` (shared by every key of one model)."""
+def _graph(model, spec, key: str, cache, logits: bool, counts=None):
+    """Key `key`'s graph over `model`, its state `cache` (shared by every key of one model) and, for a
+    logits-processing key, `counts` (the token counts every such key shares; made here when None)."""
     if key == COPY_KEY:
         return Copy(cache)
-    if key == "token_generation":
+    decode = key_shape(key) is None
+    if is_processing(key):
+        counts = counts if counts is not None else new_counts(model, spec.batch_size, cache.aliased)
+        if decode:
+            return ProcessingDecode(model, cache, counts, spec.decode_experts, logits)
+        return ProcessingPrefill(model, cache, counts, spec.prefill_experts)
+    if decode:
         return Decode(model, cache, spec.decode_experts, logits)
     return Prefill(model, cache, spec.prefill_experts, logits)
 
 
-def _example(spec, key: str) -> tuple:
+def _example(spec, key: str, vocab: int | None = None) -> tuple:
+    """A key's example inputs (a logits-processing key's need the vocabulary's size)."""
     if key == COPY_KEY:
         return copy_inputs()
     shape = key_shape(key)
-    return example_inputs(spec, None) if shape is None else example_inputs(spec, shape[1], shape[0])
+    vocab = vocab if is_processing(key) else None
+    return example_inputs(spec, None, 1, vocab) if shape is None else example_inputs(spec, shape[1], shape[0], vocab)
+
+
+_INPUTS = {
+    (False, True): ("input_ids", "position_ids", "sampling"),
+    (False, False): ("input_ids", "attention_mask", "position_ids", "row_ids", "sampling"),
+    (True, True): ("input_ids", "position_ids", "sampling", "process", "bias_ids", "bias", "mask"),
+    (True, False): ("input_ids", "attention_mask", "position_ids", "row_ids", "targets"),
+}
 
 
 def _key_contract(graph, spec, key: str) -> dict:
     """A key's calls as the manifest records them: input and output names and shapes."""
     if key == COPY_KEY:
         return {"graph": COPY_KEY, "inputs": {"src_row": [1], "dst_row": [1]}, "outputs": {"dst_row": [1, 1]}}
-    names = (
-        ("input_ids", "position_ids", "sampling")
-        if key == "token_generation"
-        else ("input_ids", "attention_mask", "position_ids", "row_ids", "sampling")
-    )
-    example = _example(spec, key)
+    decode, vocab = key_shape(key) is None, graph.model.config.vocab_size
+    example = _example(spec, key, vocab)
     rows = example[0].shape[0]
-    outputs = {"token": [rows, 1]}
+    if not is_processing(key):
+        outputs = {"token": [rows, 1]}
+    elif decode:
+        outputs = {"token": [rows, 1], "logprob": [rows, 1], "top_ids": [rows, 20], "top_logprobs": [rows, 20]}
+    else:
+        bucket = example[0].shape[1]
+        outputs = {"logprob": [rows, bucket], "top_ids": [rows, bucket, 20], "top_logprobs": [rows, bucket, 20]}
     if graph.logits:
-        outputs["logits"] = [rows, graph.model.config.vocab_size]
+        outputs["logits"] = [rows, vocab]
     return {
-        "graph": "token_generation" if key == "token_generation" else "context_encoding",
-        "inputs": {n: list(x.shape) for n, x in zip(names, example)},
+        "graph": ("token_generation" if decode else "context_encoding") + ("_processing" if is_processing(key) else ""),
+        "inputs": {n: list(x.shape) for n, x in zip(_INPUTS[is_processing(key), decode], example)},
         "outputs": outputs,
     }
 
@@ -416,9 +436,11 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
         shards = cpu.shard_checkpoint(full, module, tp)
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
     cache = new_cache(module, spec.max_cache_len, spec.batch_size, whole_rows=whole_rows)  # every key mutates it
+    counts = new_counts(module, spec.batch_size)  # and the one the logits-processing keys mutate too
+    vocab = port.config.vocab_size
     for key in tqdm(keys if export else [], desc="export", unit="key"):
-        graph = _graph(module, spec, key, cache, logits)
-        program = functional(export_rank0(graph, tuple(x.to(device) for x in _example(spec, key)), tp))
+        graph = _graph(module, spec, key, cache, logits, counts)
+        program = functional(export_rank0(graph, tuple(x.to(device) for x in _example(spec, key, vocab)), tp))
         try:
             checked(program, graph, key)
         except GraphError as e:
@@ -445,7 +467,7 @@ def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict, wh
     """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
 
     def factory(key):
-        def make():  # each key's own module; its state names (cache.k0, ...) are every key's
+        def make():  # each key's own module; its state names (cache.k0, ..., counts.output, ...) are every key's
             model = _rank_module(port, tp, nxd, build)
             cache = new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True, whole_rows=whole_rows)
             return _graph(model, spec, key, cache, logits)
@@ -460,7 +482,7 @@ def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict, wh
     own = _reader_split(full)
     checkpoint = {f"model.{k}": (_rank_piece(v, tp, 0) if k in own else v) for k, v in full.items()}
     builder, traced = nxd.trace_keys(
-        {key: (factory(key), [_example(spec, key)]) for key in keys},
+        {key: (factory(key), [_example(spec, key, port.config.vocab_size)]) for key in keys},
         checkpoint_loader=lambda: checkpoint,
         tp=tp,
         workdir=tmp / "compiler",
@@ -500,11 +522,13 @@ def _write_reader_shards(tmp: Path, entries: dict, tp: int) -> None:
 def _contract(module, spec, keys, logits: bool, whole_rows: bool) -> tuple[dict, dict]:
     """(each key's inputs and outputs, the KV state per rank) as the manifest records them."""
     cache = new_cache(module, spec.max_cache_len, spec.batch_size, whole_rows=whole_rows)
+    counts = new_counts(module, spec.batch_size)
     state = {
-        f"cache.{n}": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-        for n, t in zip(cache.names, cache.tensors())
+        f"{prefix}.{n}": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        for prefix, held in (("cache", cache), ("counts", counts))
+        for n, t in zip(held.names, held.tensors())
     }
-    return {k: _key_contract(_graph(module, spec, k, cache, logits), spec, k) for k in keys}, state
+    return {k: _key_contract(_graph(module, spec, k, cache, logits, counts), spec, k) for k in keys}, state
 
 
 def render_trace_and_compile(report: dict) -> str:

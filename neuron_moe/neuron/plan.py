@@ -56,7 +56,10 @@ then also holds its sidecar shard (`reader_sidecar`).
 Host: bytes crossing between host and device per decode step of the built graphs (`neuron/compile.py`):
 int64 input_ids and position_ids [batch, 1] and fp32 sampling [batch, 4] in, the token the graph
 chose [batch, 1] out; the KV cache is device state (0), and the logits come out only from an
-artifact built with --with-logits. Not measured:
+artifact built with --with-logits. A step where some row asks for logprobs, penalties, logit_bias,
+min_p, bans or a grammar runs the logits-processing decode instead, whose added inputs and outputs
+are rows of their own (`when`: a row asks); a step where none does crosses the plain decode's bytes
+alone. Not measured:
 no Neuron device was used for any number here.
 """
 
@@ -69,6 +72,7 @@ from transformers import Gemma4TextConfig
 
 from .. import spec
 from ..errors import UserError
+from ..static.sampling import BIAS_WIDTH, TOP_LOGPROBS
 from ..experts import int4
 from ..experts.quantization import quantize_experts
 from ..info import meta_model, parameter_group
@@ -343,9 +347,16 @@ def _decode(config, tp, quantization, batch, kv, weights, expert_layout, decode_
     return rows
 
 
+ASKS = "a row asks"  # the steps a host_per_step row crosses in: every step, or those of the variant decode
+
+
 def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
-    """What crosses the host per decode step (the same on every rank's call: one SPMD program)."""
-    return [
+    """What crosses the host per decode step (the same on every rank's call: one SPMD program): the
+    plain decode's, every step; then what the logits-processing decode adds (`static/decoder.py`
+    `ProcessingDecode`), only in a step where some row asks for logprobs, penalties, logit_bias,
+    min_p, bans or a grammar (a step where none does runs the plain decode: its bytes alone)."""
+    words = -(-config.vocab_size // 32)
+    rows = [
         {"what": "KV cache (device state, aliased)", "direction": "-", "bytes": 0},
         {"what": "input_ids + position_ids [B, 1] int64", "direction": "in", "bytes": 2 * batch * 8},
         {
@@ -359,7 +370,33 @@ def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
             "direction": "out",
             "bytes": batch * config.vocab_size * 4,
         },
+        {
+            "what": f"token counts [B, V] fp32 x2 (device state, aliased: {2 * batch * config.vocab_size * 4} bytes)",
+            "direction": "-",
+            "bytes": 0,
+            "when": ASKS,
+        },
+        {
+            "what": "process [B, 7] fp32 (presence, frequency, repetition penalties, min_p, 3 flags)",
+            "direction": "in",
+            "bytes": batch * 7 * 4,
+            "when": ASKS,
+        },
+        {
+            "what": f"logit_bias and bans [B, {BIAS_WIDTH}] int64 ids + fp32 values",
+            "direction": "in",
+            "bytes": batch * BIAS_WIDTH * (8 + 4),
+            "when": ASKS,
+        },
+        {"what": f"grammar bitmask [B, {words}] int32", "direction": "in", "bytes": batch * words * 4, "when": ASKS},
+        {
+            "what": f"logprob [B, 1] fp32 + top {TOP_LOGPROBS} ids int64 and logprobs fp32",
+            "direction": "out",
+            "bytes": batch * (4 + TOP_LOGPROBS * (8 + 4)),
+            "when": ASKS,
+        },
     ]
+    return [{"when": "every step", **row} for row in rows]
 
 
 def plan(
@@ -573,7 +610,7 @@ def render_plan(report: dict) -> str:
             table(host_rows, [("what", "host memory, loading and serving"), ("GiB", "GiB", "{:.2f}")]) + "\n",
             table(
                 report["host_per_step"],
-                [("what", "host <-> device per decode step"), ("direction", ""), ("bytes", "bytes")],
+                [("what", "host <-> device per decode step"), ("direction", ""), ("bytes", "bytes"), ("when", "when")],
             ),
             "",
         ]

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,7 +40,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from ..report import dumps
 from .chat import render_chat
-from .engine import Engine, RequestError, SamplingParams
+from .engine import Engine, RequestError, SamplingParams, TokenLogprobs
 from .invocations import invocation_request
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
@@ -253,20 +254,82 @@ async def _server_error(_request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), 500)
 
 
-def _choice(chat: bool, stream: bool, text: str | None, finish: str | None, role: bool = False) -> dict:
+def _choice(
+    chat: bool,
+    stream: bool,
+    text: str | None,
+    finish: str | None,
+    role: bool = False,
+    index: int = 0,
+    stop_reason: int | str | None = None,
+    logprobs: dict | None = None,
+) -> dict:
+    """One choice of a response or a chunk; `stop_reason` is vLLM's (the stop string or stop token id
+    that ended it, null for EOS and length)."""
+    tail = {"logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
     if not chat:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text or "", **tail}
     if not stream:
-        return {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
+        return {"index": index, "message": {"role": "assistant", "content": text}, **tail}
     delta = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "delta": delta, **tail}
+
+
+class _Logprobs:
+    """A choice's tokens' logprobs in OpenAI's shapes: chat's `{"content": [{token, logprob, bytes,
+    top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (the chosen
+    token among its top ones, as vLLM's; a prompt's first token, with echo, has none: null). Made
+    for the whole answer or a stream's chunk at a time (`text_offset` runs on across chunks)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat, self.offset = tokenizer, chat, 0
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def __call__(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict | None:
+        """[(token id, its logprobs or None)] -> the logprobs object of those tokens."""
+        if self.chat:
+            return {"content": [self._chat(entry) for _, entry in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in entries:
+            text = self.text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if entry is None else entry.logprob)
+            top = None if entry is None else {self.text(t): lp for t, lp in entry.top}
+            if top is not None:
+                top.setdefault(text, entry.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def _chat(self, entry: TokenLogprobs) -> dict:
+        def one(token: int, logprob: float) -> dict:
+            text = self.text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+
+
+def _prompt_entries(prompt_ids: list[int], item) -> list:
+    """A first Step's prompt logprobs (echo) as (token, logprobs) entries; [] when it has none."""
+    return list(zip(prompt_ids, item.prompt_logprobs)) if item.prompt_logprobs is not None else []
+
+
+def _step_entries(item) -> list:
+    return [(item.logprobs.token, item.logprobs)] if item.logprobs is not None else []
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """What goes back before each choice's text (`echo`): a completion's prompt (its text and ids, whose
+    logprobs come with the choice's first Step when asked), or chat's last assistant turn (no ids)."""
+
+    text: str
+    ids: list[int]
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -278,17 +341,23 @@ def _sse(obj) -> str:
 
 
 class _Record:
-    """One generating request, for its log line: when it came, when its first token did, its size."""
+    """One generating request, for its log line: when it came, when its first token did, its size
+    (its choices' tokens summed)."""
 
     def __init__(self, rid: str, n_prompt: int, started: float):
         self.rid, self.n_prompt = rid, n_prompt
         self.started, self.first = started, None  # perf_counter() when the request came in
-        self.completion, self.finish = 0, None
+        self.tokens: dict[int, int] = {}  # completion tokens, per choice
+        self.finish = None
 
-    def step(self, item) -> None:
+    @property
+    def completion(self) -> int:
+        return sum(self.tokens.values())
+
+    def step(self, index: int, item) -> None:
         if self.first is None:
             self.first = time.perf_counter()
-        self.completion, self.finish = item.completion_tokens, item.finish_reason or self.finish
+        self.tokens[index], self.finish = item.completion_tokens, item.finish_reason or self.finish
 
     def log(self, outcome: str | None = None) -> None:
         ttft = "-" if self.first is None else f"{self.first - self.started:.3f} s"
@@ -341,42 +410,105 @@ async def _until_cut(events, cut: asyncio.Event):
         _drop(step)
 
 
-async def _stream(job, head: dict, chat: bool, include_usage: bool, record: _Record, cut: asyncio.Event):
-    """SSE events: (chat: a role delta), text deltas, a finish chunk, (usage), [DONE]. A
-    failure mid-stream, or the drain deadline, is an `{"error": ...}` event, then [DONE]. Leaving
-    this generator early — the client disconnected — cancels the job, which frees its slot."""
+class _Choices:
+    """The Jobs of one request's generations (n, or best_of), their events merged as (index, item)."""
+
+    def __init__(self, jobs: list):
+        self.jobs = jobs
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pumps = [asyncio.ensure_future(self._pump(i, job)) for i, job in enumerate(jobs)] if len(jobs) > 1 else []
+
+    async def _pump(self, index: int, job) -> None:
+        async for item in job.events():
+            self._queue.put_nowait((index, item))
+        self._queue.put_nowait((index, _ENDED))
+
+    async def events(self, keepalive_s: float | None = None):
+        """(index, Step or Exception) as they come; None every `keepalive_s` of silence from all."""
+        if not self._pumps:  # one generation: its own events, unmerged
+            async for item in self.jobs[0].events(keepalive_s):
+                yield None if item is None else (0, item)
+            return
+        left = len(self.jobs)
+        while left:
+            try:
+                index, item = await asyncio.wait_for(self._queue.get(), keepalive_s)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            if item is _ENDED:
+                left -= 1
+            else:
+                yield index, item
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+        for pump in self._pumps:
+            _drop(pump)
+
+
+_ENDED = object()
+
+
+async def _stream(
+    choices: _Choices,
+    head: dict,
+    chat: bool,
+    include_usage: bool,
+    record: _Record,
+    cut: asyncio.Event,
+    echo: _Echo | None = None,
+    logprobs: list[_Logprobs] | None = None,
+):
+    """SSE events: (chat: a role delta per choice), then per choice as its rows produce them: (`echo`:
+    its text, with the prompt's logprobs), text deltas (with their tokens' logprobs when asked) and a
+    finish chunk, each naming the choice's `index`; (usage), [DONE]. A failure mid-stream, or the
+    drain deadline, is an `{"error": ...}` event, then [DONE]. Leaving this generator early — the
+    client disconnected — cancels the jobs, which frees their slots."""
     usage = {"usage": None} if include_usage else {}
-    completion, finished, n_prompt, outcome = 0, False, record.n_prompt, "client gone"
+    n = len(choices.jobs)
+    finished, started, outcome = set(), set(), "client gone"
     try:
-        if chat:
-            yield _sse({**head, "choices": [_choice(True, True, "", None, role=True)], **usage})
-        async for item in _until_cut(job.events(KEEPALIVE_S), cut):
-            if item is None:
+        for index in range(n) if chat else ():
+            yield _sse({**head, "choices": [_choice(True, True, "", None, role=True, index=index)], **usage})
+        async for got in _until_cut(choices.events(KEEPALIVE_S), cut):
+            if got is None:
                 yield ": keep-alive\n\n"
                 continue
+            index, item = got
             if isinstance(item, Exception):
                 outcome = f"failed: {type(item).__name__}"
                 yield _sse(error_body(f"generation failed: {type(item).__name__}: {item}", "server_error"))
                 break
-            record.step(item)
-            completion = item.completion_tokens
-            if item.text:
-                yield _sse({**head, "choices": [_choice(chat, True, item.text, None)], **usage})
+            record.step(index, item)
+            scores = logprobs[index] if logprobs is not None else None
+            if index not in started and echo is not None and echo.text:
+                prompt = scores and scores(_prompt_entries(echo.ids, item))
+                echoed = _choice(chat, True, echo.text, None, index=index, logprobs=prompt)
+                yield _sse({**head, "choices": [echoed], **usage})
+            started.add(index)
+            entries = scores(_step_entries(item)) if scores is not None else None
+            if item.text or entries:
+                chunk = _choice(chat, True, item.text, None, index=index, logprobs=entries)
+                yield _sse({**head, "choices": [chunk], **usage})
             if item.finish_reason:
-                finished = True
-                yield _sse(
-                    {**head, "choices": [_choice(chat, True, None if chat else "", item.finish_reason)], **usage}
+                finished.add(index)
+                end = _choice(
+                    chat, True, None if chat else "", item.finish_reason, index=index, stop_reason=item.stop_reason
                 )
-        if finished and include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(n_prompt, completion)})
-        outcome = None if finished else outcome
+                yield _sse({**head, "choices": [end], **usage})
+        done = len(finished) == n
+        if done and include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(record.n_prompt, record.completion)})
+        outcome = None if done else outcome
         yield "data: [DONE]\n\n"
     except _Cut:
         outcome = "cut at the drain deadline"
         yield _sse(error_body(CUT_MESSAGE, "service_unavailable", code="draining"))
         yield "data: [DONE]\n\n"
     finally:
-        job.cancel()
+        choices.cancel()
         record.log(outcome)
 
 
@@ -385,19 +517,39 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(job, request: Request, cut: asyncio.Event, record: _Record):
-    """(text, finish_reason, completion tokens), or None when the client left first; a 503
-    APIError at the drain deadline."""
+@dataclass
+class _Result:
+    """One generation's whole answer."""
+
+    text: str = ""
+    finish: str | None = None
+    stop_reason: int | str | None = None
+    completion: int = 0
+    logprob: float | None = None
+    entries: list = field(default_factory=list)  # [(token, its logprobs)]: the prompt's (echo), then the choice's
+
+
+async def _collect(choices: _Choices, request: Request, cut: asyncio.Event, record: _Record, echo: _Echo | None):
+    """Each generation's _Result, in order, or None when the client left first; a 503 APIError at
+    the drain deadline."""
 
     async def consume():
-        parts, finish, completion = [], None, 0
-        async for item in _until_cut(job.events(), cut):
+        results = [_Result() for _ in choices.jobs]
+        parts = [[] for _ in choices.jobs]
+        async for index, item in _until_cut(choices.events(), cut):
             if isinstance(item, Exception):
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}", "server_error")
-            record.step(item)
-            parts.append(item.text)
-            finish, completion = item.finish_reason or finish, item.completion_tokens
-        return "".join(parts), finish, completion
+            record.step(index, item)
+            result = results[index]
+            if not parts[index] and echo is not None:
+                result.entries += _prompt_entries(echo.ids, item)
+            result.entries += _step_entries(item)
+            parts[index].append(item.text)
+            result.finish, result.completion = item.finish_reason or result.finish, item.completion_tokens
+            result.stop_reason, result.logprob = item.stop_reason, item.cumulative_logprob
+        for result, texts in zip(results, parts):
+            result.text = "".join(texts)
+        return results
 
     consumer, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
     outcome = "client gone"
@@ -420,8 +572,15 @@ async def _collect(job, request: Request, cut: asyncio.Event, record: _Record):
     finally:
         _drop(gone)
         _drop(consumer)
-        job.cancel()
+        choices.cancel()
         record.log(outcome)
+
+
+def _best(results: list[_Result], n: int) -> list[int]:
+    """Which n of best_of generations are answered: the most likely (the highest sum of their tokens'
+    logprobs, vLLM's ranking), most likely first; all of them, in order, when there are only n."""
+    order = range(len(results))
+    return list(order) if len(results) == n else sorted(order, key=lambda i: results[i].logprob, reverse=True)[:n]
 
 
 def _unknown_model(model: str, names: list[str]) -> APIError:
@@ -558,22 +717,53 @@ def create_app(
         return state.engine
 
     async def respond(
-        engine: Engine, req, request: Request, prompt_ids: list[int], extra_stops: tuple, chat: bool, started: float
+        engine: Engine,
+        req,
+        request: Request,
+        prompt_ids: list[int],
+        extra_stops: tuple,
+        chat: bool,
+        started: float,
+        echo: _Echo | None = None,
     ):
+        """Generate `req.candidates` completions of the prompt (each its own row or thread, choice i
+        seeded with seed + i, as vLLM seeds them) and answer the `req.choices` most likely, `echo`
+        before each one's text."""
         problem = state.unavailable()  # the server may have begun draining while the prompt was tokenized
         if problem:
             raise problem
+        n, runs = req.choices, req.candidates
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
-            params = SamplingParams(max_tokens, **req.sampling, stop=tuple(req.stop or ()) + extra_stops)
+            params = SamplingParams(
+                max_tokens,
+                **req.sampling,
+                **req.stopping,
+                stop=tuple(req.stop or ()) + extra_stops,
+                processing=req.asked_processing,
+                rank=runs > n,
+                grammar=req.grammar,
+            )
             engine.check_sampling(params)
+            if params.grammar is not None:  # compiled (or found in the cache) off the event loop
+                await asyncio.to_thread(engine.compile_grammar, params)
         except RequestError as e:
             where = {
                 "prompt": "messages" if chat else "prompt",
                 "max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
             }
             raise APIError(400, str(e), param=where.get(e.param, e.param)) from None
-        job = scheduler.submit(engine, prompt_ids, params)
+        _check_token_ids(list(params.stop_token_ids), vocab_size, "stop_token_ids")
+        most = scheduler.max_running + scheduler.max_queue
+        if runs > most:
+            raise APIError(
+                400,
+                f"{'best_of' if runs > n else 'n'}={runs}: this server runs {scheduler.max_running} generation(s) "
+                f"and queues {scheduler.max_queue}, so a request may ask for at most {most}",
+                param="best_of" if runs > n else "n",
+            )
+        seeds = [None if params.seed is None else params.seed + i for i in range(runs)]
+        choices = _Choices(scheduler.submit_all(engine, prompt_ids, [replace(params, seed=s) for s in seeds]))
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and req.stream else ""),
@@ -581,17 +771,32 @@ def create_app(
             "model": model_name,
         }
         record = _Record(head["id"], len(prompt_ids), started)
+        asked = params.processing.logprobs is not None  # each choice its own: text_offset runs on per choice
+        logprobs = [_Logprobs(engine.tokenizer, chat) for _ in range(runs)] if asked else None
         if req.stream:
             return StreamingResponse(
-                _stream(job, head, chat, req.include_usage, record, state.cut),
+                _stream(choices, head, chat, req.include_usage, record, state.cut, echo, logprobs),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        result = await _collect(job, request, state.cut, record)
-        if result is None:
+        results = await _collect(choices, request, state.cut, record, echo)
+        if results is None:
             return Response(status_code=499)  # nobody is listening; the status is for the access log
-        text, finish, completion = result
-        return {**head, "choices": [_choice(chat, False, text, finish)], "usage": _usage(len(prompt_ids), completion)}
+        before = echo.text if echo is not None else ""
+        answered = [
+            _choice(
+                chat,
+                False,
+                before + results[j].text,
+                results[j].finish,
+                index=i,
+                stop_reason=results[j].stop_reason,
+                logprobs=logprobs[j](results[j].entries) if logprobs is not None else None,
+            )
+            for i, j in enumerate(_best(results, n))
+        ]
+        # usage as OpenAI counts it: the prompt once, every generated token (best_of's candidates too)
+        return {**head, "choices": answered, "usage": _usage(len(prompt_ids), sum(r.completion for r in results))}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
@@ -600,7 +805,10 @@ def create_app(
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         _check_prompt_bytes(engine, [m["content"] for m in messages], "messages")
         prompt_ids, extra_stops = await asyncio.to_thread(render_chat, engine.tokenizer, messages)
-        return await respond(engine, req, request, prompt_ids, extra_stops, chat=True, started=started)
+        # vLLM's chat echo: the conversation's last turn, when it is the assistant's, goes on in the answer
+        last = messages[-1]
+        echo = _Echo(last["content"], []) if req.echo and last["role"] == "assistant" else None
+        return await respond(engine, req, request, prompt_ids, extra_stops, chat=True, started=started, echo=echo)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -612,7 +820,15 @@ def create_app(
         else:
             _check_prompt_bytes(engine, [req.prompt], "prompt")
             prompt_ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
-        return await respond(engine, req, request, prompt_ids, (), chat=False, started=started)
+        echo = None
+        if req.echo:  # the prompt as sent, or its ids' text, and its ids (their logprobs, with logprobs)
+            text = (
+                req.prompt
+                if isinstance(req.prompt, str)
+                else await asyncio.to_thread(engine.tokenizer.decode, prompt_ids)
+            )
+            echo = _Echo(text, list(prompt_ids))
+        return await respond(engine, req, request, prompt_ids, (), chat=False, started=started, echo=echo)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):  # vLLM's: the ids a completion of this prompt would start from

@@ -77,11 +77,22 @@ class _Request:
     def sampling(self) -> tuple[float, float, float, float]:
         return self.output.sampling()
 
-    def next(self, token: int, logits: torch.Tensor | None) -> int | None:
-        """The token the graph chose, taken by the ids (EOS, max_tokens, non-finite logits end the
-        request here) and its text handed to the text thread -> the token to feed next, or None."""
+    @property
+    def asks(self) -> bool:
+        return self.output.asks
+
+    def processing(self):
+        return self.output.processing()
+
+    def prompt_scores(self, start: int, chosen, top_ids, top) -> None:
+        self.output.prompt_scores(start, chosen, top_ids, top)
+
+    def next(self, token: int, logits: torch.Tensor | None, scores=None) -> int | None:
+        """The token the graph chose (with its scores from the logits-processing graphs), taken by the
+        ids (EOS, max_tokens, non-finite logits end the request here) and its text handed to the text
+        thread -> the token to feed next, or None."""
         try:
-            finish = self.output.take(logits, token)
+            finish = self.output.take(logits, token, scores)
         except Exception as e:  # this request's own failure: the other rows go on
             log.exception("generation failed in a row of the batch")
             self.error = e
@@ -208,7 +219,7 @@ class BatchEngine(Engine):
         anything runs, if the prompt or the budget does not fit the graphs or the sampling cannot
         be served."""
         self.max_tokens_for(len(prompt_ids), params.max_tokens)
-        request = _Request(list(prompt_ids), self.output(params), sink, self._texts)
+        request = _Request(list(prompt_ids), self.output(params, prompt_ids), sink, self._texts)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the batching engine is closed")

@@ -2,8 +2,9 @@
 
 `Output` is one request's side of generation: sampling (greedy at temperature 0, else
 temperature, top-k and top-p from a per-request seeded generator's draws: `static/sampling.py`,
-in the graphs or, for a request served alone, on the host), EOS, stop sequences and max_tokens,
-and the text that is safe to send after each token (a partial stop string or a partial UTF-8
+in the graphs or, for a request served alone, on the host), the tokens the next one must not be
+(EOS and stop_token_ids until min_tokens), EOS (unless ignore_eos), stop_token_ids, stop sequences
+and max_tokens, and the text that is safe to send after each token (a partial stop string or a partial UTF-8
 character is held back until it resolves): an id side that decides from the tokens (`take`) and
 a text side (`text`), which the batching engine runs beside its graph calls. `Engine` checks a
 request against its runtime's limits and runs one request per calling thread over a runtime with a
@@ -15,6 +16,7 @@ same `Output` per row.
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 from collections.abc import Iterator
@@ -24,7 +26,18 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import UserError
-from ..static.sampling import GREEDY, GREEDY_BELOW, pick, sampling_row
+from ..static.sampling import (
+    BIAS_WIDTH,
+    GREEDY,
+    GREEDY_BELOW,
+    NOTHING,
+    Processing,
+    logprobs,
+    pick,
+    process_host,
+    sampling_row,
+)
+from .grammar import GrammarError, Grammars, GrammarSpec, Matcher
 
 DRAWS = 64  # a sampled request's uniforms drawn at a time (fewer if its max_tokens needs fewer)
 
@@ -49,6 +62,26 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    processing: Processing = NOTHING  # logprobs, penalties, logit_bias, min_p (`static/sampling.py`)
+    # vLLM's: EOS generated and fed on like any token; generation ends at any of these tokens;
+    # no EOS or stop token chosen, and no stop string ending, before this many tokens; the stop
+    # string or token kept in the text; the chosen tokens' logprobs summed (best_of's ranking)
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    rank: bool = False
+    grammar: GrammarSpec | None = None  # structured output: what the text must match (grammar.py)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's logprob under the model's own distribution, and the most likely tokens' (as many as
+    asked, most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -56,12 +89,24 @@ class Step:
     text: str  # new text since the previous step; "" while text is held back
     finish_reason: str | None  # "stop" | "length" on the last step, else None
     completion_tokens: int  # tokens generated so far (an EOS counts)
+    logprobs: TokenLogprobs | None = None  # this step's token's, when the request asked for logprobs
+    # the first step of a request that asked for prompt logprobs (echo): one per prompt token, None first
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (EOS: None)
+    cumulative_logprob: float | None = None  # the chosen tokens' logprobs summed so far (params.rank), else None
 
 
-def sample(logits: torch.Tensor, row: tuple) -> int:
+def sample(logits: torch.Tensor, row: tuple, finite: bool | None = None) -> int:
     """One token from [V] logits on the host: the graphs' own `pick`, every token a candidate
-    (nothing capped); -1 for non-finite logits."""
-    return int(pick(logits.float()[None], torch.tensor([row], dtype=torch.float32), logits.shape[-1])[0, 0])
+    (nothing capped); -1 for non-finite logits (`finite`: whether the model's logits were, when
+    `logits` are processed ones that hold -inf on purpose)."""
+    ok = None if finite is None else torch.tensor([finite])
+    return int(pick(logits.float()[None], torch.tensor([row], dtype=torch.float32), logits.shape[-1], ok)[0, 0])
+
+
+def token_logprobs(token: int, chosen: float, top_ids, top, n: int) -> TokenLogprobs:
+    """A TokenLogprobs from a graph's (or the host's) scores, the first `n` of the top ones kept."""
+    return TokenLogprobs(token, float(chosen), tuple(zip(top_ids[:n].tolist(), top[:n].tolist())))
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -101,31 +146,94 @@ class Output:
       sequence begins with its decode of a shorter one at a complete character.
 
     The text side may run behind the id side (it reads the tokens the id side has appended); it
-    takes the tokens in order, each once. An id-side "stop" token (EOS) is no part of the text.
+    takes the tokens in order, each once. An id-side "stop" token (EOS, a stop token) is no part of the
+    text, unless include_stop_str_in_output keeps it.
     `next(logits, token)` is both at once, for a caller that wants the Step at once (a request
     served alone, `Engine.generate`).
+
+    A request with a grammar (`matcher`, grammar.py) has `allowed()`, the next token's bitmask,
+    which the host applies to the logits before it samples (and the graphs take as an input); the
+    chosen token advances the matcher, and once the grammar takes nothing more the request ends
+    ("stop"). `allowed()` is None for a request without one.
     """
 
-    def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams):
-        self.tokenizer, self.eos_ids, self.params = tokenizer, eos_ids, params
+    def __init__(
+        self,
+        tokenizer,
+        eos_ids: frozenset[int],
+        params: SamplingParams,
+        prompt: list[int] = (),
+        matcher: Matcher | None = None,
+    ):
+        self.tokenizer, self.eos_ids, self.params, self.matcher = tokenizer, eos_ids, params, matcher
+        self.prompt = list(prompt)
+        self.generated: list[int] = []  # every token generated (an EOS too): what the penalties count
+        self.scores: list[TokenLogprobs | None] = []  # each generated token's logprobs, when asked
+        # the prompt's logprobs while they arrive (the first token has none), handed out with the first Step
+        self._prompt_logprobs = None if params.processing.prompt_logprobs is None else [None]
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
         self._draws: list[float] = []  # uniforms drawn ahead, next one last
         self._drawn = 0
         # the id side
-        self.tokens: list[int] = []  # the generated tokens, EOS not among them
+        self.tokens: list[int] = []  # the generated tokens, a stop token (EOS) not among them unless kept
         self.count = 0  # tokens generated (an EOS counts)
         self.token: int | None = None  # the latest token, which the runtime is fed next
+        self.stop_token: int | None = None  # a stop_token_ids token that ended it (vLLM's stop_reason)
+        self._kept = False  # whether the token that ended it is in `tokens` (include_stop_str_in_output, a grammar)
+        self._banned = ends(params, eos_ids)  # banned before min_tokens
+        self._bans = bool(self._banned and params.min_tokens)
+        # the chosen tokens' logprobs (the model's own) summed after each token, for best_of's ranking
+        self._cumulative: list[float] | None = [] if params.rank else None
         # the text side: the text of tokens[:_read] is _text (final); _window is the text of
         # tokens[_prefix:_read], the decode window's start, whose text a new token's is told from
         self._text, self._window, self._prefix, self._read = "", "", 0, 0
         self._searched = 0  # characters of the text looked through for stop strings
+        self._stop_from = 0  # characters before which no stop string may end (the first min_tokens tokens' text)
         self._longest = max(map(len, params.stop), default=0)
         self.sent = 0  # characters of the text already handed out
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature < GREEDY_BELOW
+
+    @property
+    def asks(self) -> bool:
+        """Whether this request runs in the logits-processing graphs (`static/rows.py`): it asks for
+        logprobs, penalties, logit_bias or min_p, bans (min_tokens: `banned()`), each token's logprob
+        (best_of's ranking), or a grammar (`allowed()`)."""
+        return self.params.processing.asks or self._bans or self.params.rank or self.matcher is not None
+
+    def banned(self) -> tuple[int, ...]:
+        """The token ids the next token must not be: EOS (unless ignore_eos) and stop_token_ids while
+        fewer than min_tokens have been generated (vLLM's min_tokens); () otherwise."""
+        return self._banned if self.count < self.params.min_tokens else ()
+
+    def allowed(self) -> torch.Tensor | None:
+        """The grammar's bitmask for the next token (int32 [ceil(V/32)], bit t % 32 of word t // 32 set
+        = token t allowed: grammar.py), or None: no grammar."""
+        return None if self.matcher is None else self.matcher.allowed()
+
+    def processing(self) -> tuple[tuple[float, float, float, float], list[tuple[int, float]], torch.Tensor | None]:
+        """This request's row of the logits-processing graphs' inputs for its next token (`static/rows.py`):
+        its penalties and min_p, its logit_bias entries then its bans (-inf), its bitmask."""
+        processing = self.params.processing
+        entries = [*processing.logit_bias, *((token, -float("inf")) for token in self.banned())]
+        return processing.values(), entries, self.allowed()
+
+    def prompt_scores(self, start: int, chosen, top_ids, top) -> None:
+        """The scores of prompt tokens start+1 .. start+len(chosen), from a prefill chunk (`static/rows.py`)."""
+        n = self.params.processing.prompt_logprobs
+        if n is None:
+            return
+        for i in range(len(chosen)):
+            token = self.prompt[start + 1 + i]
+            self._prompt_logprobs.append(token_logprobs(token, chosen[i], top_ids[i], top[i], n))
+
+    def host_prompt_scores(self, logits: torch.Tensor) -> None:
+        """The prompt's scores from its logits [n, V] on the host (`Engine.generate`)."""
+        targets = torch.tensor(self.prompt[1:])
+        self.prompt_scores(0, *logprobs(logits[:-1].float(), targets))
 
     def sampling(self) -> tuple[float, float, float, float]:
         """The next token's sampling row; a sampled request takes its next uniform here, once per
@@ -139,24 +247,56 @@ class Output:
         params = self.params
         return sampling_row(params.temperature, params.top_k, params.top_p, self._draws.pop())
 
-    def take(self, logits: torch.Tensor | None, token: int | None = None) -> str | None:
-        """The id side of the next token: it joins the output -> its finish reason from the ids
-        ("stop": EOS, "length": max_tokens), or None."""
+    def take(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> str | None:
+        """The id side of the next token: `token` as a graph chose it (with its `scores`, (logprob, top
+        ids, top logprobs), from the logits-processing graphs), or chosen here from `logits`; it joins
+        the output -> its finish reason from the ids ("stop": EOS unless ignore_eos, or a stop token;
+        "length": max_tokens), or None."""
         if token is None:
-            token = sample(logits, self.sampling())
+            token, scores = self._choose(logits)
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
+        if self.matcher is not None and not self.matcher.advance(token):
+            raise GenerationError(f"token {token} at step {self.count} is not one the grammar allows")
         self.token, self.count = token, self.count + 1
-        if token in self.eos_ids:
+        self.generated.append(token)
+        n = self.params.processing.logprobs
+        if n is not None:  # the count-th token's, for its Step (the text side may run behind)
+            self.scores.append(None if scores is None else token_logprobs(token, *scores, n))
+        if self._cumulative is not None:  # the token's logprob under the model's own distribution
+            before = self._cumulative[-1] if self._cumulative else 0.0
+            self._cumulative.append(before + (float(scores[0]) if scores is not None else math.nan))
+        params = self.params
+        eos = token in self.eos_ids and not params.ignore_eos
+        if eos or token in params.stop_token_ids:
+            self.stop_token = None if eos else token
+            if params.include_stop_str_in_output:
+                self.tokens.append(token)
+                self._kept = True
             return "stop"
         self.tokens.append(token)
+        if self.matcher is not None and self.matcher.stopped:  # the grammar is complete: nothing may follow
+            self._kept = True  # the token is the grammar's last, part of the text
+            return "stop"
         return "length" if self.count == self.params.max_tokens else None
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, tuple | None]:
+        """(the token, its scores) chosen on the host from the model's [V] logits, as the graphs choose it."""
+        sampling = self.sampling()
+        if not self.asks:
+            return sample(logits, sampling), None
+        processed = process_host(
+            logits, sampling[0], self.params.processing, self.prompt, self.generated, self.banned(), self.allowed()
+        )
+        token = sample(processed, sampling, bool(torch.isfinite(logits.float().sum())))
+        chosen, top_ids, top = logprobs(logits.float(), torch.tensor(max(token, 0)))
+        return token, (chosen, top_ids, top)
 
     def text(self, count: int, finish: str | None) -> Step:
         """The Step of the count-th token, whose id side said `finish`: its new text, and its
         finish reason (a stop string's, if one ends the output here)."""
         params, sent = self.params, self.sent
-        pending = self._advance(count - 1 if finish == "stop" else count)
+        pending = self._advance(count - 1 if finish == "stop" and not self._kept else count)
         # Only the text's tail is looked at: stop strings were looked for up to `_searched`, so a new
         # one ends past `_searched` - (longest - 1), and what is held back is at most a stop's length
         # and the incomplete character; `sent` is at most that far back.
@@ -164,23 +304,41 @@ class Output:
         base = min(sent, start, len(self._text))
         recent = self._text[base:] + pending  # the text from `base` on
         if finish == "stop":
-            return Step(recent[sent - base :], "stop", count)
+            return self._step(recent[sent - base :], "stop", count, self.stop_token)
         # stops are looked for in the complete characters alone: a trailing U+FFFD may be the start of a
         # character still arriving (a stop of U+FFFD would cut it), and it is looked at once it is whole
         complete = recent.rstrip("\ufffd")
         self._searched = base + len(complete)
-        cut = min((j for j in (complete.find(s, start - base) for s in params.stop) if j >= 0), default=None)
-        if cut is not None:
-            return Step(recent[sent - base : cut], "stop", count)
+        if count <= params.min_tokens:  # vLLM's: no stop string ends within the first min_tokens tokens' text
+            self._stop_from = self._searched
+        else:
+            froms = [max(start, self._stop_from - len(s) + 1) - base for s in params.stop]
+            found = [(j, s) for s, f in zip(params.stop, froms) if (j := complete.find(s, f)) >= 0]
+            if found:
+                cut, stop = min(found)
+                end = cut + len(stop) if params.include_stop_str_in_output else cut
+                return self._step(recent[sent - base : end], "stop", count, stop)
         if finish == "length":
-            return Step(recent[sent - base :], "length", count)
-        safe = base + len(recent) - held_back(recent, params.stop)
+            return self._step(recent[sent - base :], "length", count)
+        safe = base + len(recent) - held_back(recent, () if params.include_stop_str_in_output else params.stop)
         self.sent = max(sent, safe)
-        return Step(recent[sent - base : safe - base], None, count)
+        return self._step(recent[sent - base : safe - base], None, count)
 
-    def next(self, logits: torch.Tensor | None, token: int | None = None) -> Step:
+    def _step(self, text: str, finish: str | None, count: int, stop_reason: int | str | None = None) -> Step:
+        """The count-th token's Step, with its logprobs (and, the first, the prompt's) where asked, the
+        stop string or token that ended it, and its tokens' logprobs summed (best_of)."""
+        extra = {"stop_reason": stop_reason}
+        if self._cumulative is not None and count <= len(self._cumulative):
+            extra["cumulative_logprob"] = self._cumulative[count - 1]
+        if self.params.processing.logprobs is not None and count <= len(self.scores):
+            extra["logprobs"] = self.scores[count - 1]
+        if count == 1 and self._prompt_logprobs is not None:
+            extra["prompt_logprobs"] = tuple(self._prompt_logprobs)
+        return Step(text, finish, count, **extra)
+
+    def next(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> Step:
         """Both sides of the next token at once -> its Step."""
-        finish = self.take(logits, token)
+        finish = self.take(logits, token, scores)
         return self.text(self.count, finish)
 
     def _advance(self, n: int) -> str:
@@ -211,6 +369,9 @@ class Engine:
         self.eos_ids = frozenset(eos_ids)
         # the most top_k the runtime samples from exactly (its graphs' candidate width; None: any)
         self.max_top_k: int | None = getattr(runtime, "candidates", None)
+        # structured output's grammars, their bitmasks as wide as the runtime's logits (`vocab`; else the
+        # tokenizer's vocabulary)
+        self.grammars = Grammars(tokenizer, getattr(runtime, "vocab", None), self.eos_ids)
 
     def check_sampling(self, params: SamplingParams) -> None:
         """A RequestError if the runtime cannot sample this request as asked."""
@@ -220,6 +381,52 @@ class Engine:
                 f"must be at most {self.max_top_k} (or 0, off), got {params.top_k}",
                 "top_k",
             )
+        processing = params.processing
+        if len(processing.logit_bias) > BIAS_WIDTH:
+            raise RequestError(
+                f"logit_bias: at most {BIAS_WIDTH} entries (the graphs' fixed width per row), got "
+                f"{len(processing.logit_bias)}",
+                "logit_bias",
+            )
+        vocab = getattr(self.runtime, "vocab", None) or getattr(self, "vocab_size", None)
+        bad = next((t for t, _ in processing.logit_bias if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is not below the vocabulary size {vocab}", "logit_bias")
+        if params.min_tokens > params.max_tokens:
+            raise RequestError(
+                f"min_tokens ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})", "min_tokens"
+            )
+        banned = ends(params, self.eos_ids) if params.min_tokens else ()
+        if len(processing.logit_bias) + len(banned) > BIAS_WIDTH:
+            raise RequestError(
+                f"stop_token_ids: with min_tokens, the ids banned until then (EOS and these: {len(banned)}) and "
+                f"logit_bias ({len(processing.logit_bias)}) are at most {BIAS_WIDTH} (the graphs' fixed width per row)",
+                "stop_token_ids",
+            )
+        asked = "min_tokens" if banned else "best_of" if params.rank else None
+        if (processing.asks or asked) and getattr(self.runtime, "processing", True) is False:
+            field = _asked_field(processing) if processing.asks else asked
+            raise RequestError(
+                f"{field}: this backend's graphs have no logits-processing variant (an artifact built "
+                "before it); serve it with --backend static or hf, or rebuild the artifact",
+                field,
+            )
+        if params.grammar is not None and getattr(self.runtime, "processing", True) is False:
+            field = params.grammar.field
+            raise RequestError(
+                f"{field}: this backend's graphs have no logits-processing variant to take a grammar's token mask "
+                "(an artifact built before it); serve it with --backend static or hf, or rebuild the artifact",
+                field,
+            )
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar into the cache (slow for a large schema: a caller off the step
+        loop's thread calls this first); a RequestError naming its field if it does not compile."""
+        if params.grammar is not None:
+            try:
+                self.grammars.compile(params.grammar)
+            except GrammarError as e:
+                raise RequestError(str(e), e.field) from None
 
     def max_tokens_for(self, n_prompt: int, requested: int | None) -> int:
         """The request's token budget: what it asked for, or what is left of the context (a request
@@ -246,17 +453,22 @@ class Engine:
     def close(self) -> None:
         """Nothing to stop: this engine generates on its callers' threads."""
 
-    def output(self, params: SamplingParams) -> Output:
-        """A new request's Output; a RequestError if the runtime cannot sample it."""
+    def output(self, params: SamplingParams, prompt: list[int] = ()) -> Output:
+        """A new request's Output; a RequestError if the runtime cannot sample it or its grammar does
+        not compile."""
         self.check_sampling(params)
-        return Output(self.tokenizer, self.eos_ids, params)
+        self.compile_grammar(params)
+        matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
+        return Output(self.tokenizer, self.eos_ids, params, prompt, matcher)
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None
     ) -> Iterator[Step]:
         """One Step per generated token; the last carries the finish reason. Returns early,
         without a final Step, once `cancelled` is set (the consumer went away)."""
-        output = self.output(params)
+        output = self.output(params, prompt_ids)
+        if params.processing.prompt_logprobs is not None:
+            output.host_prompt_scores(self.runtime.prompt_logits(prompt_ids))
         logits, state = self.runtime.prefill(prompt_ids)
         while True:
             if cancelled is not None and cancelled.is_set():
@@ -273,12 +485,19 @@ class HFRuntime:
 
     def __init__(self, model):
         self.model = model
+        self.vocab = model.config.vocab_size
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]):
         cache = DynamicCache(config=self.model.config)
         state = {"cache": cache, "position": len(ids)}
         return self._forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache), state
+
+    @torch.inference_mode()
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        """The logits [n, V] after each prompt token (the prompt's logprobs, for echo)."""
+        out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None])
+        return out.logits[0].float()
 
     @torch.inference_mode()
     def decode(self, token: int, state) -> torch.Tensor:
@@ -289,6 +508,17 @@ class HFRuntime:
     def _forward(self, ids, positions, cache) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
+
+
+def _asked_field(processing: Processing) -> str:
+    """The request field behind the first thing `processing` asks for (for an error's `param`)."""
+    names = ("logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+    return next((n for n in names if getattr(processing, n) != getattr(NOTHING, n)), "logit_bias")
+
+
+def ends(params: SamplingParams, eos_ids) -> tuple[int, ...]:
+    """The tokens that end a request, sorted: EOS (unless ignore_eos) and its stop_token_ids."""
+    return tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))))
 
 
 def eos_ids(tokenizer, config) -> set[int]:

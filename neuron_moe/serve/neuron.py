@@ -15,8 +15,10 @@ manifest's batch_size rows, each request in its own cache row:
            P of the manifest's prefill_rows chunks of prompts, each left-padded to the bucket
            -> token [P, 1] (, logits [P, V])
   decode   model(input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1] (, logits [B, V])
-  copy     model(src_row [1], dst_row [1]) -> dst_row [1, 1]: an artifact built --enable-prefix-caching
-           (its `prefix_copy` key): a held prefix copied into another row for prefix caching
+and their logits-processing variants (`static/decoder.py`, the artifact's `*_processing` keys) for
+the rows that ask for logprobs, penalties, logit_bias, min_p, bans or a grammar's bitmask; and, in
+an artifact built --enable-prefix-caching, its `prefix_copy` key:
+  copy     model(src_row [1], dst_row [1]) -> dst_row [1, 1]: a held prefix copied into another row
 The KV cache is the artifact's state: it stays on the device (NxD's input_output_aliases) and
 never crosses the call. The graphs choose each row's token themselves, greedy or sampled
 (temperature, top-k among the manifest's `candidates`, top-p: `static/sampling.py`), so an artifact
@@ -31,7 +33,15 @@ from pathlib import Path
 import torch
 
 from .. import environment
-from ..neuron.artifact import MODEL, ArtifactError, check_expert_layout, load_shards, load_streamed, read_manifest
+from ..neuron.artifact import (
+    DECODE_KEYS,
+    MODEL,
+    ArtifactError,
+    check_expert_layout,
+    load_shards,
+    load_streamed,
+    read_manifest,
+)
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
 from ..static.rows import GraphRuntime
 
@@ -87,7 +97,10 @@ def neuron_runtime(artifacts: Path, port, prefix_caching: bool | None = None) ->
 
     model = torch.jit.load(str(artifacts / MODEL))
     load_weights(model.nxd_model, artifacts, manifest)
-    # one callable: NxD routes each call to the key whose example inputs match its shapes
+    # one callable: NxD routes each call to the key whose example inputs match its shapes; an artifact
+    # with the logits-processing keys serves the requests that ask for them (their inputs differ from
+    # the plain keys' in count or shape), one without refuses them (`Engine.check_sampling`)
+    processing = model if DECODE_KEYS[1] in manifest.get("keys", {}) else None
     return GraphRuntime(
         model,
         model,
@@ -99,5 +112,8 @@ def neuron_runtime(artifacts: Path, port, prefix_caching: bool | None = None) ->
         logits=manifest["logits"],
         candidates=manifest["candidates"],
         pad_id=port.config.pad_token_id or 0,
+        prefill_processing=processing,
+        decode_processing=processing,
+        vocab=port.config.vocab_size,
         copy=model if built and prefix_caching is not False else None,  # the prefix_copy key, routed by shape
     )

@@ -10,45 +10,47 @@ default (`UNSUPPORTED`): never accepted and ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
+from ..static.sampling import Processing
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .grammar import GrammarSpec
+
 MAX_STOPS = 4
-MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_STOP_TOKEN_IDS = 32  # vLLM sets none; the logits-processing graphs take a fixed number of banned ids per row
+MAX_BEST_OF = 20  # OpenAI's
+# the fields that ask for structured output; at most one per request
+GRAMMAR_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (the graphs take fewer: `engine.check_sampling`)
+# vLLM takes any positive repetition_penalty; outside these a seen token's logit is scaled past any use
+# (and near 0 to inf in fp32)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 # What the server cannot do yet, by field: the values that ask for nothing (their defaults). Any
 # other value is a 400 naming the field. OpenAI's fields, then vLLM's sampling extras that clients
 # of vLLM send through `extra_body`.
 UNSUPPORTED: dict[str, tuple] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "logprobs": (False,),
+    # honoured by one route only (the request type that does lists it in its HONOURED): top_logprobs
+    # in chat (completions' `logprobs` is a count)
     "top_logprobs": (),
-    "best_of": (1,),
-    "echo": (False,),
     "tools": ([],),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "web_search_options": (),
-    "min_p": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "min_tokens": (0,),
-    "ignore_eos": (False,),
-    "stop_token_ids": ([],),
-    "include_stop_str_in_output": (False,),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
     "bad_words": ([],),
     "allowed_token_ids": (),
     "prompt_logprobs": (),
@@ -134,16 +136,100 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+def _schema(v):
+    """A JSON schema: an object, or its text (vLLM's `guided_json` takes either)."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"a JSON schema is a JSON object, got {type(v).__name__}")
+    return v
+
+
+Schema = Annotated[Text | dict, AfterValidator(_schema)]
+Choices = Annotated[list[Text], Field(min_length=1)]
+ANY_OBJECT = {"type": "object"}  # json_object: any JSON object
+
+
+class JSONSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`; its schema is enforced whatever `strict` says."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: Schema = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JSONSchemaFormat | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, v):
-        if v != "text":
-            raise ValueError(f"response_format {v!r} is not supported by this server (only 'text')")
-        return v
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldError(
+                "response_format.json_schema", "json_schema is given with type 'json_schema', and only then"
+            )
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: one of json, regex, choice, grammar or json_object, and options."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: Schema | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Choices | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: Text | None = None
+    disable_fallback: bool | None = None  # one grammar library here: nothing to fall back to, either way
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: Text | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if self.structural_tag is not None:
+            raise FieldError("structured_outputs.structural_tag", "structural_tag is not supported by this server")
+        if self.disable_additional_properties:
+            raise FieldError(
+                "structured_outputs.disable_additional_properties",
+                "disable_additional_properties is not supported by this server: set additionalProperties in the schema",
+            )
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        is_json = self.json_ is not None or self.json_object
+        for option, asks in (("whitespace_pattern", self.whitespace_pattern is not None),
+                             ("disable_any_whitespace", self.disable_any_whitespace is False)):  # fmt: skip
+            if asks and not is_json:
+                raise FieldError(f"structured_outputs.{option}", f"{option} applies to json and json_object only")
+        if len(given) != 1:
+            raise FieldError(
+                "structured_outputs",
+                "give exactly one of json, regex, choice, grammar or json_object (true), got "
+                + (", ".join(k.rstrip("_") for k in given) or "none"),
+            )
+        return self
+
+    def spec(self) -> GrammarSpec:
+        options = {"whitespace_flexible": self.disable_any_whitespace is False}
+        if self.whitespace_pattern is not None:
+            options.update(
+                whitespace_pattern=self.whitespace_pattern, pattern_field="structured_outputs.whitespace_pattern"
+            )
+        if self.json_ is not None:
+            return GrammarSpec.json_schema(self.json_, "structured_outputs.json", **options)
+        if self.json_object:
+            return GrammarSpec.json_schema(ANY_OBJECT, "structured_outputs.json_object", **options)
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex, "structured_outputs.regex")
+        if self.choice is not None:
+            return GrammarSpec("choice", json.dumps(self.choice), "structured_outputs.choice")
+        return GrammarSpec("grammar", self.grammar, "structured_outputs.grammar")
 
 
 def _token_id(key: str) -> str:
@@ -153,6 +239,7 @@ def _token_id(key: str) -> str:
 
 
 class _Sampling(_Strict):
+    HONOURED: ClassVar[frozenset[str]] = frozenset()  # the fields of UNSUPPORTED this route honours
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -164,16 +251,33 @@ class _Sampling(_Strict):
     stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     n: int | None = Field(None, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)  # candidates, of which the n most likely are answered
+    echo: bool | None = None  # completions: the prompt before the text; chat: vLLM's (the last assistant turn)
+    ignore_eos: bool | None = None  # vLLM's extras, from here on
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[int, Field(ge=-100, le=100)]] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS
+    logit_bias: dict[Annotated[str, AfterValidator(_token_id)], Annotated[float, Field(ge=-100, le=100)]] | None = (
+        Field(None, max_length=MAX_LOGIT_BIAS)
     )
+    # vLLM's extras: repetition_penalty 1 is off, min_p 0 is off
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     user: str | None = None
     tools: list | None = None
     tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused
     functions: list | None = None
     function_call: Literal["none", "auto"] | dict | None = None
+    # structured output (grammar.py): OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Schema | None = None
+    guided_regex: Text | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None  # vLLM's: the whitespace a JSON grammar allows, as a regex
 
     @model_validator(mode="before")
     @classmethod
@@ -189,9 +293,48 @@ class _Sampling(_Strict):
     def _unsupported_fields(self):
         """An unsupported field this model declares: its type and range checked, then refused by
         name unless null or its default."""
-        for name in sorted(self.model_fields_set & set(UNSUPPORTED)):
+        for name in sorted(self.model_fields_set & set(UNSUPPORTED) - self.HONOURED):
             _refuse_unless_default(name, getattr(self, name))
         return self
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        given = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")  # asks for nothing
+        if len(given) > 1:
+            raise FieldError(given[1], f"one structured output per request: {given[0]} and {given[1]} are both given")
+        json_given = self.guided_json is not None or (
+            self.response_format is not None and self.response_format.type != "text"
+        )
+        if self.guided_whitespace_pattern is not None and not json_given:
+            raise FieldError(
+                "guided_whitespace_pattern",
+                "guided_whitespace_pattern applies to JSON (guided_json or response_format) only",
+            )
+        return self
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """What the output must match, from whichever field asked (None: free text)."""
+        fmt = self.response_format
+        pattern = self.guided_whitespace_pattern
+        ws = {} if pattern is None else {"whitespace_pattern": pattern, "pattern_field": "guided_whitespace_pattern"}
+        if fmt is not None and fmt.type == "json_schema":
+            return GrammarSpec.json_schema(fmt.json_schema.schema_, "response_format.json_schema.schema", **ws)
+        if fmt is not None and fmt.type == "json_object":
+            return GrammarSpec.json_schema(ANY_OBJECT, "response_format", **ws)
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        if self.guided_json is not None:
+            return GrammarSpec.json_schema(self.guided_json, "guided_json", **ws)
+        if self.guided_regex is not None:
+            return GrammarSpec("regex", self.guided_regex, "guided_regex")
+        if self.guided_choice is not None:
+            return GrammarSpec("choice", json.dumps(self.guided_choice), "guided_choice")
+        if self.guided_grammar is not None:
+            return GrammarSpec("grammar", self.guided_grammar, "guided_grammar")
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -203,12 +346,48 @@ class _Sampling(_Strict):
             raise ValueError("a stop sequence must not be empty")
         return stops
 
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v, info):
-        if v is not None and v != 1:
-            raise ValueError(f"only {info.field_name}=1 is supported")
-        return v
+    @model_validator(mode="after")
+    def _best_of(self):
+        """OpenAI's rules: best_of candidates hold the n answered; candidates beyond n cannot be streamed
+        (the best are known at the end)."""
+        if self.best_of is not None:
+            if self.best_of < self.choices:
+                raise FieldError("best_of", f"best_of ({self.best_of}) must be at least n ({self.choices})")
+            if self.stream and self.best_of > self.choices:
+                raise FieldError("best_of", "best_of above n cannot be streamed (the best are known only at the end)")
+        return self
+
+    @property
+    def choices(self) -> int:
+        """n: the choices answered."""
+        return self.n or 1
+
+    @property
+    def candidates(self) -> int:
+        """best_of: the generations run (each a row of the batch), of which the `choices` most likely are answered."""
+        return self.best_of or self.choices
+
+    @property
+    def stopping(self) -> dict:
+        """vLLM's stop fields, with their defaults for null (SamplingParams' names)."""
+        return {
+            "ignore_eos": bool(self.ignore_eos),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "min_tokens": self.min_tokens or 0,
+            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+        }
+
+    def processing(self, logprobs: int | None, prompt_logprobs: int | None = None) -> Processing:
+        """The request's logits processing (`static/sampling.py`), nulls as their defaults."""
+        return Processing(
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     @property
     def sampling(self) -> dict:
@@ -231,11 +410,22 @@ class _Sampling(_Strict):
 
 
 class ChatRequest(_Sampling):
+    HONOURED = frozenset({"top_logprobs"})
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None  # "audio" is refused as not one of these
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def asked_processing(self) -> Processing:
+        """logprobs: the chosen token's and `top_logprobs` more per token."""
+        return self.processing((self.top_logprobs or 0) if self.logprobs else None)
 
 
 PROMPT_FORMS = "a string, a list of token ids, or a list of one of either"
@@ -256,9 +446,7 @@ class CompletionRequest(_Sampling):
     document (the empty prompt: the tokenizer's BOS)."""
 
     prompt: Text | list | None
-    logprobs: int | None = Field(None, ge=0, le=5)
-    best_of: int | None = Field(None, ge=1, le=20)
-    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # the chosen token's logprob and this many more per token
     suffix: Text | None = None  # logprobs 0 asks for the chosen tokens' logprobs: not nothing
 
     @field_validator("prompt")
@@ -277,6 +465,11 @@ class CompletionRequest(_Sampling):
         if not isinstance(v, list) or any(isinstance(p, (str, list)) for p in v):
             raise ValueError(f"must be {PROMPT_FORMS}")
         return _token_ids(v)
+
+    @property
+    def asked_processing(self) -> Processing:
+        """logprobs n: the chosen token's and n more per token, the prompt's too with echo."""
+        return self.processing(self.logprobs, self.logprobs if self.echo else None)
 
 
 class TokenizeRequest(BaseModel):

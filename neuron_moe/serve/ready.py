@@ -2,11 +2,12 @@
 was asked for (`--max-model-len`), a warm-up of every graph, and the start-up banner.
 
 Warm-up calls every graph once before the first request: each prefill graph (every row count of
-`prefill_rows` at every bucket), the decode graph and the copy graph (prefix caching) of a batching
-engine's runtime, greedy, or one request through the per-request engine. On Neuron the first call
-of each compiled key loads and initialises it, which a user's first request should not wait for.
-The rows it writes hold nothing a request reads: a row's prefill writes every position its request
-will read before it reads it, and no row holds a prefix yet.
+`prefill_rows` at every bucket) and the decode graph of a batching engine's runtime, greedy, then
+their logits-processing variants with neutral inputs (where the runtime has them) and the copy graph
+(prefix caching), or one request through the per-request engine. On Neuron the first call of each
+compiled key loads and initialises it, which a user's first request should not wait for. The rows
+it writes hold nothing a request reads: a row's prefill writes every position its request will read
+before it reads it, and no row holds a prefix yet.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from ..errors import UserError
 from ..static.rows import Chunk
-from ..static.sampling import GREEDY
+from ..static.sampling import GREEDY, neutral_inputs
 from .engine import Engine, SamplingParams
 
 log = logging.getLogger("neuron_moe.serve")
@@ -67,13 +68,26 @@ def warm_up(engine: Engine) -> int:
             runtime.prefill([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)])
             calls += 1
     batch = runtime.batch
-    runtime.decode(
-        torch.full((batch, 1), token), torch.zeros(batch, 1, dtype=torch.long), torch.tensor([GREEDY] * batch)
+    ids, positions, sampling = (
+        torch.full((batch, 1), token),
+        torch.zeros(batch, 1, dtype=torch.long),
+        torch.tensor([GREEDY] * batch),
     )
+    runtime.decode(ids, positions, sampling)
+    calls += 1
+    if getattr(runtime, "processing", False):  # the logits-processing variants, each once, neutral
+        for rows in runtime.prefill_rows:
+            for bucket in runtime.buckets:
+                runtime.prefill_processing(
+                    [Chunk([token] * bucket, 0, row, GREEDY, [token] * bucket) for row in range(rows)]
+                )
+                calls += 1
+        runtime.decode_processing(ids, positions, sampling, *neutral_inputs(batch, runtime.vocab))
+        calls += 1
     if getattr(runtime, "prefix_caching", False):  # the copy graph: a row onto itself (no row holds a prefix yet)
         runtime.copy_row(0, 0)
         calls += 1
-    return calls + 1
+    return calls
 
 
 def ready(engine: Engine, banner: Banner, max_model_len: int | None, what: str) -> Engine:

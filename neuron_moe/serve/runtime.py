@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..static.decoder import Copy, Decode, Prefill, new_cache
+from ..static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from ..static.rows import GraphRuntime
 from ..static.sampling import CANDIDATES
 
@@ -20,11 +20,14 @@ def static_runtime(
 ) -> GraphRuntime:
     """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
     `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
-    with the experts implementation the port names for it, choosing its tokens itself. `prefill_rows`
-    and `chunk` default to the port's; `logits=True` also returns the logits (tests). `prefix_caching`:
-    the cache in the whole-row layout and the `Copy` graph over it (`static/prefix.py`)."""
+    with the experts implementation the port names for it, choosing its tokens itself, and their
+    logits-processing variants (`ProcessingPrefill`, `ProcessingDecode`) over the same cache and one
+    set of token counts, for the requests that ask for them. `prefill_rows` and `chunk` default to the
+    port's; `logits=True` also returns the logits (tests). `prefix_caching`: the cache in the
+    whole-row layout and the `Copy` graph over it (`static/prefix.py`)."""
     batch = batch or spec.batch_size
     cache = new_cache(model, spec.max_cache_len, batch, whole_rows=prefix_caching)
+    counts = new_counts(model, batch)
     rows = sorted({min(p, batch) for p in prefill_rows}) if prefill_rows else spec.rows_for(batch)
     return GraphRuntime(
         Prefill(model, cache, spec.prefill_experts, logits=logits),
@@ -37,5 +40,8 @@ def static_runtime(
         candidates=min(CANDIDATES, model.config.vocab_size),
         pad_id=model.config.pad_token_id or 0,
         chunk=chunk or spec.chunk,
+        prefill_processing=ProcessingPrefill(model, cache, counts, spec.prefill_experts),
+        decode_processing=ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits),
+        vocab=model.config.vocab_size,
         copy=Copy(cache) if prefix_caching else None,
     )

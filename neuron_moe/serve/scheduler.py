@@ -128,7 +128,12 @@ class Scheduler:
             self.executor = ThreadPoolExecutor(self.max_running, thread_name_prefix="generate")
 
     def submit(self, engine, prompt_ids: list[int], params: SamplingParams) -> Job:
-        if self.admitted >= self.max_running + self.max_queue:
+        return self.submit_all(engine, prompt_ids, [params])[0]
+
+    def submit_all(self, engine, prompt_ids: list[int], params: list[SamplingParams]) -> list[Job]:
+        """One Job per SamplingParams (a request's n or best_of generations of one prompt): all
+        admitted, or none (429)."""
+        if self.admitted + len(params) > self.max_running + self.max_queue:
             raise APIError(
                 429,
                 f"server busy: {self.max_running} request(s) running and {self.max_queue} waiting; retry later",
@@ -136,6 +141,9 @@ class Scheduler:
                 code="queue_full",
                 retry_after=OVERLOADED_RETRY_AFTER_S,
             )
+        return [self._start(engine, prompt_ids, p) for p in params]
+
+    def _start(self, engine, prompt_ids: list[int], params: SamplingParams) -> Job:
         loop = asyncio.get_running_loop()
         job = Job(loop, self.metrics, len(prompt_ids))
         if self.executor is None:

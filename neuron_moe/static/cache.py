@@ -53,6 +53,7 @@ from transformers import Gemma4TextConfig
 
 SLIDING = "sliding_attention"
 STATE = "cache"  # the graphs' attribute, and the prefix of every state tensor's name ("cache.k0")
+COUNTS = "counts"  # the logits-processing graphs' token counts (`TokenCounts`): "counts.output", "counts.prompt"
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,31 @@ class KVCache(nn.Module):
         for old, value in zip(self.tensors(), new):
             old.copy_(value)
         return ()
+
+
+class TokenCounts(nn.Module):
+    """Per row, the token counts the penalties read (`sampling.process`), as module state of the
+    logits-processing graphs only (their prefill and decode variants hold the one `TokenCounts`, as
+    every graph holds the one `KVCache`): `output` [rows, V], how often each token was generated,
+    and `prompt` [rows, V], 1 where the row's prompt holds the token. Zeros at construction; a row is
+    reset by its first prefill chunk (a chunk at position 0) or its first decode step when it had
+    no prefill. fp32, so the penalties need no cast; committed as `KVCache` commits."""
+
+    def __init__(self, rows: int, vocab: int, device=None, aliased: bool = False):
+        super().__init__()
+        self.rows, self.vocab, self.aliased = rows, vocab, aliased
+        self.names = ["output", "prompt"]
+        for name in self.names:
+            zeros = torch.zeros(rows, vocab, device=device)
+            if aliased:
+                self.register_parameter(name, nn.Parameter(zeros, requires_grad=False))
+            else:
+                self.register_buffer(name, zeros, persistent=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.names]
+
+    commit = KVCache.commit
 
 
 def ring_positions(last: torch.Tensor, length: int) -> torch.Tensor:
@@ -232,9 +258,12 @@ def copy_rows(state: KVCache, src_row: torch.Tensor, dst_row: torch.Tensor) -> l
 
 
 def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The KV state of a graph (a module, or an exported program's module) by name: `cache.k0`, ..."""
+    """The state of a graph (a module, or an exported program's module) by name: its KV cache
+    (`cache.k0`, ...) and, in a logits-processing graph, its token counts (`counts.output`, ...)."""
     found = {
-        name: t for name, t in [*module.named_buffers(), *module.named_parameters()] if name.startswith(STATE + ".")
+        name: t
+        for name, t in [*module.named_buffers(), *module.named_parameters()]
+        if name.startswith((STATE + ".", COUNTS + "."))
     }
     if not found:
         raise ValueError(f"{type(module).__name__} holds no KV state ({STATE}.*)")
@@ -242,23 +271,26 @@ def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def share_state(modules, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Make every module's KV state (buffers: the torch.export form) the same tensors: `state`, or
-    (None) fresh zeros shaped as the first module's — what NxD's state initializer does on each
-    rank. Returns the state.
+    """Make every module's state (buffers: the torch.export form) the same tensors: `state`, or
+    (None) fresh zeros shaped as the modules' — what NxD's state initializer does on each rank — and
+    grown by the state of a module that holds more (the logits-processing graphs' token counts).
+    Returns the state.
 
     Exported programs each hold their own copy of the buffers once they are saved and loaded, or
     moved to a device; a graph only shares state with the graphs bound to it here.
     """
     modules = list(modules)
-    if state is None:  # made on the host and sent: on a lazy device (XLA) zeros made there would be a graph
-        state = {
-            name: torch.zeros(t.shape, dtype=t.dtype).to(t.device) for name, t in state_tensors(modules[0]).items()
-        }
+    state = dict(state or {})
+    for module in modules:
+        for name, t in state_tensors(module).items():
+            # made on the host and sent: on a lazy device (XLA) zeros made there would be a graph
+            state.setdefault(name, torch.zeros(t.shape, dtype=t.dtype).to(t.device))
     for module in modules:
         mine = state_tensors(module)
-        if {n: (t.shape, t.dtype) for n, t in mine.items()} != {n: (t.shape, t.dtype) for n, t in state.items()}:
-            raise ValueError(f"{type(module).__name__}: its KV state does not match the shared one")
-        for name, tensor in state.items():
+        if any((t.shape, t.dtype) != (state[n].shape, state[n].dtype) for n, t in mine.items()):
+            raise ValueError(f"{type(module).__name__}: its state does not match the shared one")
+        for name in mine:
+            tensor = state[name]
             owner, attr = name.rsplit(".", 1)
             module.get_submodule(owner).register_buffer(attr, tensor, persistent=False)
     return state

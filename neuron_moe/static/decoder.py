@@ -35,8 +35,8 @@ import torch
 
 from .. import spec
 from ..experts.view import with_experts
-from .cache import SLIDING, GraphCache, KVCache, cache_layout, chunk_mask, copy_rows, decode_mask
-from .sampling import CANDIDATES
+from .cache import SLIDING, GraphCache, KVCache, TokenCounts, cache_layout, chunk_mask, copy_rows, decode_mask
+from .sampling import CANDIDATES, TOP_LOGPROBS, count_tokens, logprobs, process
 from .sampling import pick as pick_token
 
 
@@ -45,6 +45,11 @@ def new_cache(model, max_cache_len: int, rows: int, aliased: bool = False, whole
     `whole_rows`: the layout prefix caching copies rows of (`cache.cache_layout`)."""
     weight = model.model.embed_tokens.weight
     return KVCache(cache_layout(model.config, max_cache_len, whole_rows), rows, weight.dtype, weight.device, aliased)
+
+
+def new_counts(model, rows: int, aliased: bool = False) -> TokenCounts:
+    """Zeroed token counts of `rows` rows for the logits-processing graphs (`cache.TokenCounts`)."""
+    return TokenCounts(rows, model.config.vocab_size, model.model.embed_tokens.weight.device, aliased)
 
 
 class _StaticGraph(torch.nn.Module):
@@ -119,6 +124,109 @@ class Decode(_StaticGraph):
             kind: decode_mask(position_ids, length, self.dtype, window) for kind, (window, length) in self.kinds.items()
         }
         return self._run(input_ids, masks, position_ids, sampling, GraphCache(self.cache, position_ids))
+
+
+class _Processing(_StaticGraph):
+    """A logits-processing variant: its graph also holds the rows' token counts (`TokenCounts`), state
+    beside the KV cache, committed after it."""
+
+    def __init__(self, model, cache: KVCache, counts: TokenCounts, experts, logits: bool = False, **kw):
+        super().__init__(model, cache, experts, logits, **kw)
+        self.counts = counts  # its tensors are named counts.output, counts.prompt (cache.COUNTS)
+
+    def output_aliases(self) -> dict[torch.nn.Parameter, int]:
+        if not self.cache.aliased or not self.counts.aliased:
+            raise ValueError("output_aliases() is for an aliased cache and counts (NxD); these are mutated in place")
+        state = [*self.cache.tensors(), *self.counts.tensors()]
+        return {t: self.user_outputs + i for i, t in enumerate(state)}
+
+    def _commit(self, cache: GraphCache, counts: list[torch.Tensor]) -> tuple:
+        return self.cache.commit(cache.new) + self.counts.commit(counts)
+
+
+class ProcessingDecode(_Processing):
+    """The logits-processing decode graph: the rows that ask for more than temperature/top-k/top-p.
+
+    forward(input_ids [B, 1], position_ids [B, 1], sampling [B, 4], process [B, 7] fp32,
+            bias_ids [B, BIAS_WIDTH] int64, bias [B, BIAS_WIDTH] fp32, mask [B, ceil(V/32)] int32)
+      -> token [B, 1], logprob [B, 1] (the token's, under the model's own distribution),
+         top_ids [B, TOP_LOGPROBS] int64, top_logprobs [B, TOP_LOGPROBS] fp32 (, logits [B, V])
+
+    Each row's fed token first counts into its token counts as `process` flags it, then its logits
+    are processed (`sampling.process`: bitmask, bias and bans, penalties, min_p) and its token picked
+    from them as `Decode` picks it; a row of neutral inputs gets `Decode`'s very token.
+    """
+
+    @property
+    def user_outputs(self) -> int:
+        return 5 if self.logits else 4
+
+    def forward(self, input_ids, position_ids, sampling, process_row, bias_ids, bias, mask):
+        masks = {
+            kind: decode_mask(position_ids, length, self.dtype, window) for kind, (window, length) in self.kinds.items()
+        }
+        cache = GraphCache(self.cache, position_ids)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=masks,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        raw = out.logits[:, -1].float()
+        output_counts, prompt_seen = count_tokens(*self.counts.tensors(), input_ids, process_row)
+        sampling = sampling.float()
+        processed = process(raw, sampling[:, 0], process_row, bias_ids, bias, mask, output_counts, prompt_seen)
+        token = pick_token(processed, sampling, self.candidates, torch.isfinite(raw.sum(-1)))
+        chosen, top_ids, top = logprobs(raw, token[:, 0], TOP_LOGPROBS)
+        outputs = (token, chosen[:, None], top_ids, top) + ((raw,) if self.logits else ())
+        return outputs + self._commit(cache, [output_counts, prompt_seen])
+
+
+class ProcessingPrefill(_Processing):
+    """The logits-processing prefill graph: chunks of the prompts of rows that ask.
+
+    forward(input_ids, attention_mask, position_ids [P, bucket], row_ids [P], targets [P, bucket] int64)
+      -> logprob [P, bucket] (each column's target: the prompt token after it, under the model's own
+         distribution), top_ids [P, bucket, TOP_LOGPROBS] int64, top_logprobs [P, bucket, TOP_LOGPROBS]
+
+    Writes the rows' KV as `Prefill` does and their prompt tokens into their token counts (a chunk at
+    position 0 resets the row's counts first). It picks no token: a row that asks is prefilled up to
+    its prompt's last token, which its first step of `ProcessingDecode` is fed (counted as a prompt
+    token there) and takes the first token from, processed. The logits of every column are computed
+    (the prompt's logprobs, for echo): a row that asks pays the whole bucket's lm_head.
+    """
+
+    @property
+    def user_outputs(self) -> int:
+        return 3
+
+    def forward(self, input_ids, attention_mask, position_ids, row_ids, targets):
+        start = position_ids[:, -1:] + 1 - attention_mask.sum(-1, keepdim=True)  # [P, 1]
+        masks = {
+            kind: chunk_mask(attention_mask, position_ids, start, window, length, self.dtype)
+            for kind, (window, length) in self.kinds.items()
+        }
+        cache = GraphCache(self.cache, position_ids, row_ids, start)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=masks,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=0,
+        )
+        chosen, top_ids, top = logprobs(out.logits.float(), targets, TOP_LOGPROBS)
+        output_counts, prompt_seen = self.counts.tensors()
+        keep = (start >= 1).float()  # a prompt's first chunk starts the row's counts from zero
+        rows_output = output_counts.index_select(0, row_ids) * keep
+        rows_prompt = (prompt_seen.index_select(0, row_ids) * keep).scatter_add(1, input_ids, attention_mask.float())
+        counts = [
+            output_counts.index_copy(0, row_ids, rows_output),
+            prompt_seen.index_copy(0, row_ids, rows_prompt.clamp(max=1)),
+        ]
+        return (chosen, top_ids, top) + self._commit(cache, counts)
 
 
 class Copy(torch.nn.Module):

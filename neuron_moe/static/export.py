@@ -16,9 +16,9 @@ import torch
 
 from ..port import StaticSpec
 from . import data_dependent_ops
-from .cache import STATE
-from .decoder import Copy, Decode, _StaticGraph
-from .sampling import greedy_sampling
+from .cache import COUNTS, STATE
+from .decoder import Copy, Decode, ProcessingDecode, ProcessingPrefill, _Processing, _StaticGraph
+from .sampling import greedy_sampling, neutral_inputs
 
 
 def prefill_inputs(spec: StaticSpec, bucket: int, rows: int = 1) -> tuple[torch.Tensor, ...]:
@@ -48,10 +48,24 @@ def copy_inputs() -> tuple[torch.Tensor, ...]:
     return torch.tensor([0]), torch.tensor([0])
 
 
-def example_inputs(spec: StaticSpec, bucket: int | None, rows: int = 1) -> tuple[torch.Tensor, ...]:
+def example_inputs(
+    spec: StaticSpec, bucket: int | None, rows: int = 1, vocab: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """The example inputs of the prefill graph of `rows` rows and `bucket`, or of the decode graph
-    (bucket None)."""
-    return decode_inputs(spec) if bucket is None else prefill_inputs(spec, bucket, rows)
+    (bucket None); with `vocab`, of their logits-processing variants (`ProcessingPrefill`,
+    `ProcessingDecode`): the prefill's sampling replaced by its targets, the decode's neutral
+    process, bias and mask inputs added."""
+    if vocab is None:
+        return decode_inputs(spec) if bucket is None else prefill_inputs(spec, bucket, rows)
+    if bucket is None:
+        return decode_inputs(spec) + neutral_inputs(spec.batch_size, vocab)
+    return prefill_inputs(spec, bucket, rows)[:4] + (torch.zeros(rows, bucket, dtype=torch.long),)
+
+
+def graph_inputs(graph: _StaticGraph, spec: StaticSpec, bucket: int | None, rows: int = 1) -> tuple:
+    """The example inputs of `graph` (any of the four kinds)."""
+    vocab = graph.model.config.vocab_size if isinstance(graph, _Processing) else None
+    return example_inputs(spec, bucket, rows, vocab)
 
 
 def functional(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -67,16 +81,28 @@ def state_problems(program: torch.export.ExportedProgram, graph: _StaticGraph) -
     tensor mutated, none among the user inputs, and only the token (and logits) as user outputs."""
     sig, problems = program.graph_signature, []
     state = {f"{STATE}.{name}": tuple(t.shape) for name, t in zip(graph.cache.names, graph.cache.tensors())}
+    if isinstance(graph, _Processing):
+        state.update({f"{COUNTS}.{n}": tuple(t.shape) for n, t in zip(graph.counts.names, graph.counts.tensors())})
     unmutated = sorted(set(state) - set(sig.buffers_to_mutate.values()))
     if unmutated:
         problems.append(f"KV state not mutated by the graph: {unmutated[:4]}{'…' if len(unmutated) > 4 else ''}")
     nodes = {n.name: n for n in program.graph.nodes}
     outputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_outputs]
     inputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_inputs]
-    expected_inputs = 3 if isinstance(graph, Decode) else 2 if isinstance(graph, Copy) else 5
-    if len(outputs) != graph.user_outputs or any(len(s) != 2 for s in outputs):
+    expected_inputs = (
+        3
+        if isinstance(graph, Decode)
+        else 7
+        if isinstance(graph, ProcessingDecode)
+        else 2
+        if isinstance(graph, Copy)
+        else 5
+    )
+    ranks = 2 if not isinstance(graph, ProcessingPrefill) else 3  # the top logprobs of every column
+    if len(outputs) != graph.user_outputs or any(len(s) > ranks for s in outputs):
+        what = "the token" if not isinstance(graph, _Processing) else "the token or logprobs"
         problems.append(
-            f"user outputs {outputs}: expected the token{' and the logits' if graph.logits else ''} only, no KV tensor"
+            f"user outputs {outputs}: expected {what}{' and the logits' if graph.logits else ''} only, no KV tensor"
         )
     if len(inputs) != expected_inputs or any(s in state.values() for s in inputs):
         problems.append(

@@ -39,13 +39,34 @@ token by the ids (EOS, max_tokens) and hands the text and the streaming to a thr
 (`serve/batching.py`), which runs while the loop is in the next call; a request that a stop string
 ends tells the loop so a step late, and the loop `free`s its row.
 
+and, for work that asks for logits processing (logprobs, penalties, bias, min_p, bans, a grammar's
+bitmask: `static/sampling.py`), also
+
+  asks                 True (fixed for the work's life; absent or False: it asks nothing)
+  processing()         its row of the variant's inputs for its next token: (presence, frequency,
+                       repetition, min_p), [(token id, bias)] (bans as -inf; at most BIAS_WIDTH), and
+                       its bitmask [ceil(V/32)] int32 or None
+  next(token, logits, scores)  as `next`, with the token's (logprob, top ids [N], top logprobs [N])
+  prompt_scores(start, logprobs [n], top ids [n, N], top logprobs [n, N])  (optional) the scores of
+                       the prompt tokens start+1..start+n, from its prefill chunk at `start`
+
+Work that asks runs in the runtime's logits-processing variant graphs: it is prefilled up to its
+prompt's last token (`prefill_processing`, which writes its prompt into the rows' token counts), and
+that last token is its first decode input, so its first token, like every later one, comes from the
+variant decode graph (`decode_processing`) with its logprobs. A step's decode runs the variant when
+any generating row asks (the other rows with neutral inputs: the same tokens as `decode`), else
+`decode` with today's inputs.
+
 A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` rows, a `pad_id`,
 `chunk`, `prefill_rows`, `prefill(chunks) -> (tokens [n], logits [n, V] | None)` and
 `decode(ids [B, 1], positions [B, 1], sampling [B, 4]) -> (tokens [B], logits [B, V] | None)`, on
-the host; with prefix caching (`prefix`, a `prefix.PrefixIndex`) also `copy_row(src, dst)`. Then
+the host, and `processing` (whether it has the variants, `prefill_processing` and `decode_processing`)
+and `vocab`; with prefix caching (`prefix`, a `prefix.PrefixIndex`) also `copy_row(src, dst)`. Then
 admission puts each piece of work in the least recently used free row, with its prompt's longest
 held prefix (`PrefixIndex`) copied there first unless that row holds it; its prefill starts after
-the prefix. The decode call's inputs are the step's own tensors, written in place before the next
+the prefix (work that asks for logits processing takes none: its prefill counts its prompt's tokens
+and scores them, as vLLM skips the prefix cache for prompt logprobs). The decode call's inputs are
+the step's own tensors, written in place before the next
 call: a runtime reads them during the call (a device runtime copies them to the device) and keeps
 no reference past it. A graph call that fails ends the work it was running with the error, frees
 those rows, and raises out of the step.
@@ -60,7 +81,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import GREEDY
+from .sampling import BIAS_WIDTH, GREEDY, NEUTRAL, neutral_inputs
 
 
 def prefill_row(prompt: torch.Tensor, bucket: int, pad_id: int, start: int = 0):
@@ -84,6 +105,7 @@ class Chunk:
     start: int  # the position of its first token (0: the prompt's first piece)
     row: int  # the cache row it goes into
     sampling: tuple[float, float, float, float]  # the row's sampling (`static.sampling.FIELDS`)
+    targets: list[int] | None = None  # the logits-processing prefill's: the prompt token after each of ids
 
 
 class GraphRuntime:
@@ -119,11 +141,19 @@ class GraphRuntime:
         pad_id: int = 0,
         chunk: int | None = None,
         device: torch.device | str = "cpu",
+        prefill_processing=None,
+        decode_processing=None,
+        vocab: int | None = None,
         copy=None,
     ):
         self._prefill, self._decode, self._copy = prefill, decode, copy
         # a copy graph (`decoder.Copy`) over a whole-row cache: what prefix caching needs
         self.prefix_caching = copy is not None
+        # the logits-processing variants (`decoder.ProcessingPrefill`, `ProcessingDecode`; None: this
+        # runtime has none, and requests that ask for them are refused)
+        self._prefill_processing, self._decode_processing = prefill_processing, decode_processing
+        self.processing = decode_processing is not None and prefill_processing is not None
+        self.vocab = vocab
         self.batch, self.buckets, self.max_length = batch, sorted(buckets or ()), max_length
         self.prefill_rows = sorted(prefill_rows)
         self.chunk = chunk or self.buckets[-1]  # the longest piece of a prompt one prefill call takes
@@ -169,6 +199,36 @@ class GraphRuntime:
         out = self._copy(*(torch.tensor([r]).to(self.device) for r in (src, dst)))
         (out[0] if isinstance(out, (tuple, list)) else out).cpu()  # waits for the call
 
+    @torch.no_grad()
+    def prefill_processing(self, chunks: list[Chunk]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The logits-processing prefill of `chunks` (each with its `targets`), batched as `prefill`
+        batches: per chunk, its tokens' (logprob of the target [n], top ids [n, N], top logprobs [n, N])."""
+        most = self.prefill_rows[-1]
+        if len(chunks) > most:
+            return [s for i in range(0, len(chunks), most) for s in self.prefill_processing(chunks[i : i + most])]
+        rows = next(p for p in self.prefill_rows if p >= len(chunks))
+        longest = max(len(c.ids) for c in chunks)
+        bucket = bucket_for(longest, self.buckets) if self.buckets else longest
+        padded = chunks + [chunks[-1]] * (rows - len(chunks))
+        parts = [prefill_row(torch.tensor(c.ids), bucket, self.pad_id, c.start) for c in padded]
+        inputs = [torch.cat(column) for column in zip(*parts)]
+        targets = torch.zeros(rows, bucket, dtype=torch.long)
+        for i, c in enumerate(padded):
+            targets[i, bucket - len(c.ids) :] = torch.tensor(c.targets)
+        inputs += [torch.tensor([c.row for c in padded]), targets]
+        chosen, top_ids, top = (t.cpu() for t in self._prefill_processing(*self._sent(inputs))[:3])
+        return [tuple(t[i, -len(c.ids) :] for t in (chosen, top_ids, top)) for i, c in enumerate(chunks)]
+
+    @torch.no_grad()
+    def decode_processing(self, ids, positions, sampling, process, bias_ids, bias, mask):
+        """The logits-processing decode -> (tokens [B], (logprobs [B], top ids [B, N], top logprobs [B, N]),
+        logits [B, V] or None)."""
+        inputs = (ids, positions, sampling, process, bias_ids, bias, mask)
+        outputs = self._decode_processing(*self._sent(inputs))
+        logits = self.logits if self.logits is not None else len(outputs) > 4
+        scores = (outputs[1][:, 0].cpu(), outputs[2].cpu(), outputs[3].cpu())
+        return outputs[0][:, 0].cpu(), scores, (outputs[4].float().cpu() if logits else None)
+
     def _out(self, outputs):
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)  # one output may come bare
         logits = self.logits if self.logits is not None else len(outputs) > 1
@@ -206,6 +266,8 @@ class Rows:
         # called after each prefix lookup: (prompt tokens queried, tokens taken from a held prefix)
         self.looked_up: Callable[[int, int], None] | None = None
         self._done = [0] * self.batch  # prompt tokens prefilled so far, per row
+        self._asks = [False] * self.batch  # whether each row's work runs in the logits-processing variants
+        self._fed = [NEUTRAL[4:]] * self.batch  # its (reset, fed_prompt, fed_output) flags for its next decode
         self._order = [0] * self.batch  # when each row's work was admitted: the oldest prefills first
         self._admitted = itertools.count()
 
@@ -231,7 +293,12 @@ class Rows:
         work.end(error)
 
     def _prefilling(self, row: int) -> bool:
-        return self._done[row] < len(self.slots[row].prompt)
+        return self._done[row] < self._prefilled(row)
+
+    def _prefilled(self, row: int) -> int:
+        """The prompt tokens the row's prefill takes: all, or all but the last for work that asks."""
+        n = len(self.slots[row].prompt)
+        return n - 1 if self._asks[row] and n else n
 
     def _admit(self, take: Callable[[], object]) -> None:
         admitted: set[int] = set()  # a row takes one piece of work a step
@@ -239,23 +306,37 @@ class Rows:
             work = take()
             if work is None:
                 return
-            row, source, hit = (free[0], None, 0) if self.prefix is None else self._place(work.prompt, free)
+            asks = bool(getattr(work, "asks", False))
+            if self.prefix is None:
+                row, source, hit = free[0], None, 0
+            else:
+                row, source, hit = self._place(work.prompt, free, lookup=not asks)
             admitted.add(row)
             self.slots[row], self._done[row], self._order[row] = work, hit, next(self._admitted)
             self._positions[row, 0] = hit  # its first chunk's first position
+            self._asks[row] = asks
             if source is not None and source != row:
                 self._call("copy", [row], self.runtime.copy_row, source, row)
-            if not work.prompt:
+            if self._asks[row] and len(work.prompt) == 1:  # no prefill: its first decode resets its counts
+                self._fed_prompt(row, reset=True)
+            elif not work.prompt:
                 self._next(row, None, None)
 
-    def _place(self, prompt: list[int], free: list[int]) -> tuple[int, int | None, int]:
-        """(the row for `prompt`, the row holding its longest held prefix or None, that prefix's length)."""
-        source, hit = self.prefix.lookup(prompt, free)
+    def _place(self, prompt: list[int], free: list[int], lookup: bool) -> tuple[int, int | None, int]:
+        """(the row for `prompt`, the row holding its longest held prefix or None, that prefix's length);
+        `lookup` False: no prefix taken nor counted (work that asks for logits processing)."""
+        source, hit = self.prefix.lookup(prompt, free) if lookup else (None, 0)
         row = self.prefix.victim(free)
         self.prefix.admit(row, source, hit)
-        if self.looked_up is not None:
+        if lookup and self.looked_up is not None:
             self.looked_up(len(prompt), hit)
         return row, source, hit
+
+    def _fed_prompt(self, row: int, reset: bool) -> None:
+        """Work that asks, prefilled but for its prompt's last token: that token is its next decode input."""
+        prompt = self.slots[row].prompt
+        self._ids[row, 0], self._positions[row, 0] = prompt[-1], len(prompt) - 1
+        self._fed[row] = (1.0 if reset else 0.0, 1.0, 0.0)
 
     def _prefill(self) -> None:
         prefilling = [row for row in self.active() if self._prefilling(row)]
@@ -265,17 +346,40 @@ class Rows:
         chunks = []
         for row in rows:
             work, done = self.slots[row], self._done[row]
-            piece = work.prompt[done : done + self.runtime.chunk]
-            last = done + len(piece) == len(work.prompt)
-            chunks.append(Chunk(piece, done, row, work.sampling() if last else GREEDY))
-        tokens, logits = self._call("prefill", rows, self.runtime.prefill, chunks)
-        for i, (row, chunk) in enumerate(zip(rows, chunks)):
-            if self.prefix is not None:
-                self.prefix.extend(row, chunk.ids)
-            self._done[row] += len(chunk.ids)
-            self._positions[row, 0] = self._done[row]  # the next chunk's first position, or the first token's
-            if not self._prefilling(row):
-                self._next(row, int(tokens[i]), None if logits is None else logits[i])
+            end = self._prefilled(row)
+            piece = work.prompt[done : min(done + self.runtime.chunk, end)]
+            if self._asks[row]:  # no token from this prefill: what it writes, and the prompt's logprobs
+                chunks.append(Chunk(piece, done, row, GREEDY, work.prompt[done + 1 : done + 1 + len(piece)]))
+            else:
+                chunks.append(Chunk(piece, done, row, work.sampling() if done + len(piece) == end else GREEDY))
+        plain = [(row, c) for row, c in zip(rows, chunks) if c.targets is None]
+        asking = [(row, c) for row, c in zip(rows, chunks) if c.targets is not None]
+        if plain:
+            tokens, logits = self._call("prefill", [r for r, _ in plain], self.runtime.prefill, [c for _, c in plain])
+            for i, (row, chunk) in enumerate(plain):
+                if self.prefix is not None:
+                    self.prefix.extend(row, chunk.ids)
+                self._done[row] += len(chunk.ids)
+                self._positions[row, 0] = self._done[row]  # the next chunk's first position, or the first token's
+                if not self._prefilling(row):
+                    self._next(row, int(tokens[i]), None if logits is None else logits[i])
+        if asking:
+            rows = [r for r, _ in asking]
+            scores = self._call("prefill", rows, self.runtime.prefill_processing, [c for _, c in asking])
+            for (row, chunk), (chosen, top_ids, top) in zip(asking, scores):
+                if self.prefix is not None:
+                    self.prefix.extend(row, chunk.ids)
+                self._done[row] += len(chunk.ids)
+                self._positions[row, 0] = self._done[row]
+                work = self.slots[row]
+                if hasattr(work, "prompt_scores"):
+                    try:
+                        work.prompt_scores(chunk.start, chosen, top_ids, top)
+                    except Exception as e:  # the work's own failure: its row is freed, the others go on
+                        self.free(row, e)
+                        continue
+                if not self._prefilling(row):
+                    self._fed_prompt(row, reset=False)
 
     def _decode(self) -> list[int]:
         rows = self.generating()
@@ -285,8 +389,19 @@ class Rows:
         sampling[:] = GREEDY
         for row in rows:
             sampling[row] = self.slots[row].sampling()
+        asking = [row for row in rows if self._asks[row]]
+        if asking:
+            inputs = self._processing_inputs(asking)
+            rows = [row for row in rows if self.slots[row] is not None]  # a work whose inputs failed is gone
+            if not rows:
+                return []
         fed = None if self.prefix is None else [int(self._ids[row, 0]) for row in rows]
-        tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, self.sampling)
+        if asking:
+            tokens, scores, logits = self._call(
+                "decode", rows, self.runtime.decode_processing, self.ids, self.positions, self.sampling, *inputs
+            )
+        else:
+            tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, self.sampling)
         self.steps += 1
         tokens = tokens.tolist()
         if fed is not None:  # each row's cache now holds the token it was fed
@@ -294,8 +409,34 @@ class Rows:
                 self.prefix.extend(row, [token])
         for row in rows:
             positions[row, 0] += 1
-            self._next(row, tokens[row], None if logits is None else logits[row])
+            row_logits = None if logits is None else logits[row]
+            if self._asks[row]:
+                self._fed[row] = (0.0, 0.0, 1.0)  # its token is fed next: an output token
+                chosen, top_ids, top = scores
+                self._next(row, tokens[row], row_logits, (float(chosen[row]), top_ids[row], top[row]))
+            else:
+                self._next(row, tokens[row], row_logits)
         return rows
+
+    def _processing_inputs(self, asking: list[int]):
+        """(process, bias_ids, bias, mask) of the variant decode: neutral but for the rows that ask."""
+        process, bias_ids, bias, mask = neutral_inputs(self.batch, self.runtime.vocab)
+        for row in asking:
+            try:
+                values, entries, allowed = self.slots[row].processing()
+                if len(entries) > BIAS_WIDTH:
+                    raise ValueError(f"{len(entries)} logit bias and banned entries; the graphs take {BIAS_WIDTH}")
+            except Exception as e:  # the work's own failure: its row is freed (neutral), the others go on
+                self.free(row, e)
+                continue
+            process[row] = torch.tensor((*values, *self._fed[row]))
+            if entries:
+                ids, values = zip(*entries)
+                bias_ids[row, : len(ids)] = torch.tensor(ids)
+                bias[row, : len(ids)] = torch.tensor(values)
+            if allowed is not None:
+                mask[row] = allowed
+        return process, bias_ids, bias, mask
 
     def _call(self, graph: str, rows: list[int], call, *inputs):
         try:
@@ -308,8 +449,9 @@ class Rows:
             self.counted(graph, len(rows))
         return out
 
-    def _next(self, row: int, token: int | None, logits: torch.Tensor | None) -> None:
-        feed = self.slots[row].next(token, logits)
+    def _next(self, row: int, token: int | None, logits: torch.Tensor | None, scores=None) -> None:
+        work = self.slots[row]
+        feed = work.next(token, logits) if scores is None else work.next(token, logits, scores)
         if feed is None:
             self.free(row)
         else:
