@@ -624,6 +624,14 @@ def parser() -> argparse.ArgumentParser:
         help="graphs that also return the fp32 logits (validation: vocab x 4 bytes per row and step "
         "to the host); default: the token each graph chose (greedy or sampled in the graph) alone",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also compile the copy key (a cache row copied into another) that serve's prefix caching calls, "
+        "every key over a cache whose sliding layers keep every position (max_length, not the window: more "
+        "device memory); default off",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
 
     p = sub.add_parser(
@@ -717,6 +725,16 @@ def parser() -> argparse.ArgumentParser:
         "steps; one of the buckets (default: the port's [static] prefill_chunk)",
     )
     _compile_args(p)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batching backends: a request whose prompt begins with a prefix a row of the cache holds (whole "
+        "blocks of 16 tokens) takes it from that row instead of prefilling it; rows keep what they hold "
+        "until needed. --backend static: default on, as in vLLM (the cost: the sliding layers keep every "
+        "position, max_cache_len, not the window, so that any prefix can be taken); --backend neuron: "
+        "default what the artifact was built with (trace-and-compile --enable-prefix-caching), on needs it",
+    )
     p.add_argument(
         "--max-running",
         type=_rows,

@@ -241,7 +241,7 @@ def _cpu_graphs_for_the_device(monkeypatch):
     """The Neuron runtime replaced by the CPU graphs of the artifact's port (the SDK's check passes)."""
     loaded = []
 
-    def runtime(artifacts, port):
+    def runtime(artifacts, port, prefix_caching=None):
         manifest = artifact.read_manifest(artifacts)
         assert manifest["port"] == port.name and manifest["dry_run"]
         loaded.append(artifacts)

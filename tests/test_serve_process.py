@@ -86,6 +86,10 @@ def manifest_dir(tmp_path):
         ),
         (["--backend", "static", "--max-running", "2"], "its graphs have rows (--batch-size); --max-running is for"),
         (["--batch-size", "4"], "--batch-size shapes --backend static's graphs; --backend eager runs one"),
+        (
+            ["--no-enable-prefix-caching"],
+            "--no-enable-prefix-caching shapes --backend static's graphs; --backend eager runs one",
+        ),
         (["--backend", "static", "--model", "{unstatic}"], "has no [static] table"),
         (["--artifacts", "{tmp}/absent"], "absent: not a directory"),
         (["--checkpoint", "{tmp}", "--artifacts", "{tmp}"], "--checkpoint or --artifacts, not both"),

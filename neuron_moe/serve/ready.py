@@ -3,10 +3,11 @@ was asked for (`--max-model-len`), a warm-up of every graph, and the start-up ba
 
 Warm-up calls every graph once before the first request: each prefill graph (every row count of
 `prefill_rows` at every bucket) and the decode graph of a batching engine's runtime, greedy, then
-their logits-processing variants with neutral inputs (where the runtime has them), or one
-request through the per-request engine. On Neuron the first call of each compiled key loads and
-initialises it, which a user's first request should not wait for. The rows it writes hold nothing
-a request reads: a row's prefill writes every position its request will read before it reads it.
+their logits-processing variants with neutral inputs (where the runtime has them) and the copy graph
+(prefix caching), or one request through the per-request engine. On Neuron the first call of each
+compiled key loads and initialises it, which a user's first request should not wait for. The rows
+it writes hold nothing a request reads: a row's prefill writes every position its request will read
+before it reads it, and no row holds a prefix yet.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def warm_up(engine: Engine) -> int:
                 )
                 calls += 1
         runtime.decode_processing(ids, positions, sampling, *neutral_inputs(batch, runtime.vocab))
+        calls += 1
+    if getattr(runtime, "prefix_caching", False):  # the copy graph: a row onto itself (no row holds a prefix yet)
+        runtime.copy_row(0, 0)
         calls += 1
     return calls
 

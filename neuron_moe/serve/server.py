@@ -99,12 +99,18 @@ def plan_load(args):
             f"rows{' (--batch-size)' if backend.graphs == MODULES else ''}; --max-running is for the "
             f"per-request backends"
         )
+    caching = getattr(args, "enable_prefix_caching", None)
     for flag, value in (
         ("--batch-size", args.batch_size),
         ("--prefill-rows", args.prefill_rows),
         ("--prefill-chunk", args.prefill_chunk),
+        ("--enable-prefix-caching" if caching else "--no-enable-prefix-caching", caching),
     ):
-        if value is not None and backend.graphs != MODULES:
+        if (
+            value is not None
+            and backend.graphs != MODULES
+            and not (backend.graphs == COMPILED and flag.endswith("caching"))
+        ):
             raise ServeError(
                 f"{flag} shapes --backend static's graphs; --backend {backend.name} "
                 + (
@@ -119,7 +125,9 @@ def plan_load(args):
             raise ServeError(
                 f"--prefill-chunk {args.prefill_chunk} is not one of the port's buckets {list(spec.buckets)}"
             )
-        check_static_memory(port, args.batch_size, DTYPES[args.dtype] if args.dtype else port.dtype)
+        check_static_memory(
+            port, args.batch_size, DTYPES[args.dtype] if args.dtype else port.dtype, caching is not False
+        )
     if backend.graphs == COMPILED:
         if local is None:
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
@@ -159,6 +167,7 @@ def plan_load(args):
             prefill_chunk=args.prefill_chunk,
             compile=compiles,
             progress=log.info,
+            prefix_caching=caching,
         )
         found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
         dtype = found["dtype"] if found else str(args.dtype or port.dtype).removeprefix("torch.")
@@ -219,13 +228,14 @@ def available_memory() -> int:
     return min(free, int(limit) - int(used)) if limit.isdigit() and used.isdigit() else free
 
 
-def check_static_memory(port, batch_size: int | None, dtype) -> None:
-    """The static runtime's KV cache (allocated at load) and one step's logits [B, V] fp32, against
+def check_static_memory(port, batch_size: int | None, dtype, whole_rows: bool = True) -> None:
+    """The static runtime's KV cache (allocated at load; `whole_rows`: the layout prefix caching
+    needs, `static/cache.py`) and one step's logits [B, V] fp32, against
     the memory available: a batch that cannot fit is refused before binding, not by a failed
     allocation (or the OOM killer) once the server is up."""
     spec = port.static_spec("--backend static")
     rows = batch_size or spec.batch_size
-    cache = cache_bytes(cache_layout(port.config, spec.max_cache_len), rows, dtype)
+    cache = cache_bytes(cache_layout(port.config, spec.max_cache_len, whole_rows), rows, dtype)
     logits = rows * port.config.vocab_size * 4
     free = available_memory()
     if cache + logits > free:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .decoder import Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
+from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from .inductor import CompiledGraph
 from .rows import GraphRuntime
 from .sampling import CANDIDATES
@@ -21,6 +21,7 @@ def static_runtime(
     logits: bool = False,
     compile: bool = False,
     progress: Callable[[str], None] | None = None,
+    prefix_caching: bool = False,
 ) -> GraphRuntime:
     """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
     `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
@@ -30,9 +31,11 @@ def static_runtime(
     port's; `logits=True` also returns the logits (validation, tests). `compile`: the prefill and
     decode graphs compiled by torch.compile at their first call of each shape (`progress` told of each
     compile; the caller checked for a C++ compiler and chose the cache: `inductor.py`); the
-    logits-processing variants run as modules."""
+    logits-processing variants and the copy run as modules. `prefix_caching`: the cache in the
+    whole-row layout and the `Copy` graph over it (`static/prefix.py`)."""
     batch = batch or spec.batch_size
-    cache, counts = new_cache(model, spec.max_cache_len, batch), new_counts(model, batch)
+    cache = new_cache(model, spec.max_cache_len, batch, whole_rows=prefix_caching)
+    counts = new_counts(model, batch)
     rows = sorted({min(p, batch) for p in prefill_rows}) if prefill_rows else spec.rows_for(batch)
     prefill = Prefill(model, cache, spec.prefill_experts, logits=logits)
     decode = Decode(model, cache, spec.decode_experts, logits=logits)
@@ -52,4 +55,5 @@ def static_runtime(
         prefill_processing=ProcessingPrefill(model, cache, counts, spec.prefill_experts),
         decode_processing=ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits),
         vocab=model.config.vocab_size,
+        copy=Copy(cache) if prefix_caching else None,
     )
