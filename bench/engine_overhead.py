@@ -114,7 +114,7 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path, graphs: bo
     if graphs:  # the real graphs, timed as the stand-in's calls are
         from neuron_moe.model import build_model
         from neuron_moe.port import load_port
-        from neuron_moe.serve.runtime import static_runtime
+        from neuron_moe.static.runtime import static_runtime
 
         port = load_port("tiny-gemma4-moe")
         runtime = static_runtime(build_model(port, port.static.decode_experts, torch.float32), port.static, rows)

@@ -3,8 +3,11 @@
 The batching engine (`serve/batching.py`) spends its time in two calls of the runtime: a prefill
 of up to R prompts (the largest of `--prefill-rows`) and a decode step of every row. This times
 both at each batch size on the port's static graphs as the server runs them (`serve --backend
-static`: `static_runtime`, modules on CPU, greedy rows: the sampler runs in every graph call), and
-from them the throughput ratio a perfect engine would reach for requests of `--max-tokens` tokens
+static`: `static_runtime` on CPU, greedy rows: the sampler runs in every graph call), run a module
+at a time (`--no-compile`) and compiled by torch.compile (inductor, serve's default) side by side,
+the two taking turns call by call; the first call of each compiled graph compiles it, or loads it
+from the compile cache when a run before compiled the same graph. From the step times, the
+throughput ratio a perfect engine would reach for requests of `--max-tokens` tokens
 against batch 1:
 
     ratio = B · (P_1 + (n−1)·D_1) / ((B/R)·P_R + (n−1)·D_B)
@@ -29,19 +32,33 @@ import torch
 from neuron_moe.model import build_model
 from neuron_moe.port import load_port
 from neuron_moe.report import table, write_json
-from neuron_moe.serve.runtime import static_runtime
+from neuron_moe.static.runtime import static_runtime
+from neuron_moe.spec import COMPILE_CACHE, compile_cache
+from neuron_moe.static import inductor
 from neuron_moe.static.rows import Chunk
 from neuron_moe.static.sampling import GREEDY
 
+MODULE_GRAPHS, COMPILED_GRAPHS = "modules", "compiled"
+GRAPHS = (MODULE_GRAPHS, COMPILED_GRAPHS)
 
-def best_ms(call, repeats: int) -> float:
-    """The fastest of `repeats` calls, in ms (the least disturbed by anything else on the machine)."""
-    times = []
+
+def best_ms(calls: dict, repeats: int) -> dict:
+    """The fastest of `repeats` calls of each of `calls` (name -> call), in ms (the least disturbed by
+    anything else on the machine); the calls take turns, so a burst of load falls on all of them alike."""
+    times = {name: [] for name in calls}
     for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * min(t) for name, t in times.items()}
+
+
+def first_call_s(call) -> float:
+    """Seconds of a graph's first call: compiling it (or loading it from the compile cache), or none."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def main() -> int:
@@ -54,9 +71,26 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per request for the ratio (default 16)")
     ap.add_argument("--prefill-rows", type=int, default=4, help="prompts a prefill call takes at batch > 1 (default 4)")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument(
+        "--graphs",
+        choices=("both", *GRAPHS),
+        default="both",
+        help="modules (run a module at a time: serve --no-compile), compiled (torch.compile, inductor: "
+        "serve's default) or both, timed in turns (default both)",
+    )
+    ap.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help=f"inductor's cache (default: $TORCHINDUCTOR_CACHE_DIR, else {COMPILE_CACHE}); a second run over "
+        "the same cache times loading the compiled graphs instead of compiling them",
+    )
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    graphs = GRAPHS if args.graphs == "both" else (args.graphs,)
+    if COMPILED_GRAPHS in graphs:
+        inductor.require_compiler("--graphs modules")
+        inductor.use_cache_dir(compile_cache(args.compile_cache))
     port = load_port(args.model)
     spec = port.static_spec("bench/static_steps.py")
     model = build_model(port, spec.decode_experts)
@@ -64,46 +98,68 @@ def main() -> int:
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         together = min(args.prefill_rows, batch)
-        runtime = static_runtime(model, spec, batch, prefill_rows=(1, together))
         chunks = [Chunk(prompt, 0, row, GREEDY) for row in range(together)]
-        runtime.prefill(chunks)
         ids = torch.full((batch, 1), 7)
         positions = torch.full((batch, 1), args.prompt_tokens)
         sampling = torch.tensor([GREEDY] * batch)
-        runtime.decode(ids, positions, sampling)  # warm
-        rows.append(
-            {
-                "batch": batch,
-                "prefill_rows": together,
-                "prefill_ms": best_ms(lambda: runtime.prefill(chunks), args.repeats),
-                "decode_ms": best_ms(lambda: runtime.decode(ids, positions, sampling), args.repeats),
-            }
+        runtimes = {
+            name: static_runtime(model, spec, batch, prefill_rows=(1, together), compile=name == COMPILED_GRAPHS)
+            for name in graphs
+        }
+        first = {
+            name: (first_call_s(lambda: r.prefill(chunks)), first_call_s(lambda: r.decode(ids, positions, sampling)))
+            for name, r in runtimes.items()
+        }
+        prefill = best_ms({name: (lambda r=r: r.prefill(chunks)) for name, r in runtimes.items()}, args.repeats)
+        decode = best_ms(
+            {name: (lambda r=r: r.decode(ids, positions, sampling)) for name, r in runtimes.items()}, args.repeats
         )
-    base, n = rows[0], args.max_tokens
+        for name in graphs:
+            rows.append(
+                {
+                    "graphs": name,
+                    "batch": batch,
+                    "prefill_rows": together,
+                    "prefill_first_s": first[name][0],
+                    "decode_first_s": first[name][1],
+                    "prefill_ms": prefill[name],
+                    "decode_ms": decode[name],
+                }
+            )
+    n = args.max_tokens
     for r in rows:
+        base = next(b for b in rows if b["graphs"] == r["graphs"])  # the first batch size, the same graphs
+        modules = next((m for m in rows if m["graphs"] == MODULE_GRAPHS and m["batch"] == r["batch"]), None)
         r["prefill_ms_per_prompt"] = r["prefill_ms"] / r["prefill_rows"]
         r["decode_ms_per_token"] = r["decode_ms"] / r["batch"]
         r["decode_x_base"] = r["decode_ms"] / base["decode_ms"]
-        alone = base["prefill_ms_per_prompt"] + (n - 1) * base["decode_ms"] / base["batch"]
+        r["speedup"] = modules["decode_ms"] / r["decode_ms"] if modules else None
+        alone = base["prefill_ms"] / base["prefill_rows"] + (n - 1) * base["decode_ms"] / base["batch"]
         r["ceiling_x_base"] = r["batch"] * alone / (r["batch"] * r["prefill_ms_per_prompt"] + (n - 1) * r["decode_ms"])
     print(
         f"static graphs of {port.name} (prefill: {spec.prefill_experts}, decode: {spec.decode_experts}), "
-        f"prompt {args.prompt_tokens} tokens, {n}-token requests; best of {args.repeats}"
+        f"prompt {args.prompt_tokens} tokens, {n}-token requests; best of {args.repeats}, the graphs timed in turns"
     )
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}\n"
+        f"load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, threads {torch.get_num_threads()}"
+        + (f", compile cache {os.environ[inductor.CACHE_ENV]}" if COMPILED_GRAPHS in graphs else "")
+        + "\n"
     )
     print(
         table(
             rows,
             [
+                ("graphs", "graphs"),
                 ("batch", "batch"),
                 ("prefill_rows", "prompts per prefill"),
+                ("prefill_first_s", "prefill 1st call s", "{:.1f}"),
+                ("decode_first_s", "decode 1st call s", "{:.1f}"),
                 ("prefill_ms", "prefill ms", "{:.2f}"),
                 ("prefill_ms_per_prompt", "prefill ms/prompt", "{:.2f}"),
                 ("decode_ms", "decode step ms", "{:.2f}"),
                 ("decode_ms_per_token", "decode ms/token", "{:.2f}"),
+                ("speedup", "step speed-up vs modules", "{:.2f}"),
                 ("decode_x_base", "step × base", "{:.2f}"),
                 ("ceiling_x_base", "tok/s ceiling × base", "{:.2f}"),
             ],

@@ -95,7 +95,7 @@ def static_engine(port, model, rows: int = STATIC_ROWS):
 
     from neuron_moe.serve.batching import BatchEngine
     from neuron_moe.serve.engine import eos_ids
-    from neuron_moe.serve.runtime import static_runtime
+    from neuron_moe.static.runtime import static_runtime
     from neuron_moe.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(port)

@@ -25,6 +25,12 @@ uniform draw) beside greedy rows; its tokens are compared with the same programs
 the same inputs, its greedy row with HF eager, and the bytes a decode call returns are counted
 (the B token ids; no logits).
 
+The prefix-caching run drives the same engine step with prefix caching on (`static/prefix.py`):
+the cache in the whole-row layout (sliding layers keep every position), a prompt longer than the
+sliding window prefilled in chunks, then, while it generates, a second prompt sharing its first
+blocks: those copied into the second row by the copy graph and only the rest prefilled; both rows'
+tokens compared with the same programs on the CPU and with HF eager.
+
 Where OUT-baseline.json exists (the OUT.json of this check run in another checkout, e.g. main's
 before a change), the report shows the bytes per decode step before and after side by side.
 
@@ -60,10 +66,11 @@ from neuron_moe.model import build_model
 from neuron_moe.port import load_port
 from neuron_moe.static import XLA_LOWERED_OPS_FILE, graph_ops, xla_lowered_ops
 from neuron_moe.static.cache import share_state
-from neuron_moe.static.decoder import Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
-from neuron_moe.static.export import example_inputs, export, graph_inputs
+from neuron_moe.static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
+from neuron_moe.static.export import copy_inputs, example_inputs, export, graph_inputs
 from neuron_moe.static.generator import StaticGenerator
-from neuron_moe.static.rows import Chunk, GraphRuntime
+from neuron_moe.static.prefix import BLOCK, PrefixIndex
+from neuron_moe.static.rows import Chunk, GraphRuntime, Rows
 from neuron_moe.static.sampling import CANDIDATES, GREEDY, Processing, neutral_inputs
 from neuron_moe.tokenizer import ByteTokenizer
 
@@ -285,14 +292,17 @@ SERVING = "exported, the serving runtime: batched and chunked prefill, sampled a
 SERVING_TOKENS = 12  # tokens of the serving run's chunked greedy row
 
 
-def serving_runtime(xla: Xla | None, programs: dict, spec, bucket: int, hlo_dir):
+def serving_runtime(
+    xla: Xla | None, programs: dict, spec, bucket: int, hlo_dir, copy: bool = False, tag: str = "serving"
+):
     """The programs behind the batching engine's runtime, on XLA (metered) or on the CPU (xla None),
-    their KV state one zeroed set; prefill calls routed by their row count, as NxD routes by shape."""
+    their KV state one zeroed set; prefill calls routed by their row count, as NxD routes by shape;
+    `copy`: the copy graph too (prefix caching)."""
     device = "cpu" if xla is None else xla.device
     graphs = {name: (p if xla is None else move_to_device_pass(p, device)).module() for name, p in programs.items()}
     share_state(graphs.values())
     if xla is not None:
-        graphs = {name: Metered(xla, f"serving {name}", g, hlo_dir) for name, g in graphs.items()}
+        graphs = {name: Metered(xla, f"{tag} {name}", g, hlo_dir) for name, g in graphs.items()}
 
     def on(graph):
         return lambda *args: graph(*(a.to(device) for a in args))
@@ -307,8 +317,8 @@ def serving_runtime(xla: Xla | None, programs: dict, spec, bucket: int, hlo_dir)
     runtime = GraphRuntime(
         prefill,
         on(graphs["decode"]),
-        prefill_processing=prefill_processing,
-        decode_processing=on(graphs["decode processing"]),
+        prefill_processing=prefill_processing if "decode processing" in graphs else None,
+        decode_processing=on(graphs["decode processing"]) if "decode processing" in graphs else None,
         vocab=VOCAB,
         batch=spec.batch_size,
         buckets=[bucket],
@@ -317,6 +327,7 @@ def serving_runtime(xla: Xla | None, programs: dict, spec, bucket: int, hlo_dir)
         max_length=spec.max_cache_len,
         logits=False,
         candidates=CANDIDATES,
+        copy=on(graphs["copy"]) if copy else None,
     )
     return runtime, graphs
 
@@ -469,6 +480,95 @@ def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     return row, {name: graph_ops(p) for name, p in programs.items()}
 
 
+PREFIX = "exported, the serving runtime with prefix caching: a held prefix copied into another row"
+
+
+class _Greedy:
+    """A prompt generating `n` tokens greedily in a row of the engine step."""
+
+    def __init__(self, prompt: list[int], n: int):
+        self.prompt, self.n, self.tokens = prompt, n, []
+
+    def sampling(self):
+        return GREEDY
+
+    def next(self, token, logits):
+        self.tokens.append(token)
+        return token if len(self.tokens) < self.n else None
+
+    def end(self, error=None):
+        if error is not None:
+            raise error
+
+
+def drive_prefix(runtime, first: list[int], second: list[int]) -> tuple[list[list[int]], int]:
+    """`first` prefilled in chunks and generating in row 0; once it generates, `second` (sharing its
+    first blocks) admitted: (both rows' tokens, the tokens the second took from row 0)."""
+    rows = Rows(runtime, prefix=PrefixIndex(runtime.batch, runtime.max_length))
+    a, b = _Greedy(first, SERVING_TOKENS), _Greedy(second, SERVING_TOKENS)
+    waiting = [a]
+    while not a.tokens:
+        rows.step(lambda: waiting.pop() if waiting else None)
+    hits = rows.prefix.hits
+    waiting = [b]
+    while rows.active() or waiting:
+        rows.step(lambda: waiting.pop() if waiting else None)
+    return [a.tokens, b.tokens], rows.prefix.hits - hits
+
+
+def check_prefix(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
+    """The port's graphs over a whole-row cache, with the copy graph, as the engine step calls them
+    with prefix caching, on XLA and on the CPU: (the report row, {graph name: op set})."""
+    spec = dataclasses.replace(port.static, prefill_rows=(1,))
+    bucket = spec.buckets[0]
+    model = build_model(port, spec.decode_experts)
+    cache = new_cache(model, spec.max_cache_len, spec.batch_size, whole_rows=True)
+    start = time.perf_counter()
+    programs = {
+        f"prefill 1x{bucket}": export(
+            Prefill(model, cache, spec.prefill_experts), example_inputs(spec, bucket, 1), f"prefill 1x{bucket}"
+        ),
+        "decode": export(Decode(model, cache, spec.decode_experts), example_inputs(spec, None), "decode"),
+        "copy": export(Copy(cache), copy_inputs(), "copy"),
+    }
+    export_s = time.perf_counter() - start
+    tokenizer = ByteTokenizer()
+    first = tokenizer.encode(PROMPTS[2])[: 2 * BLOCK + 9]  # past the sliding window, a partial last block
+    second = first[: 2 * BLOCK] + tokenizer.encode(PROMPTS[-1])  # its first two blocks, then its own
+    reference = drive_prefix(serving_runtime(None, programs, spec, bucket, None, copy=True)[0], first, second)
+    runtime, graphs = serving_runtime(xla, programs, spec, bucket, hlo_dir, copy=True, tag="prefix")
+    xla.moved()
+    start = time.perf_counter()
+    got, hit = drive_prefix(runtime, first, second)
+    generate_s = time.perf_counter() - start
+    eager_model = build_model(port, "eager", torch.float32)
+    eager = [greedy(eager_model, *left_pad([p], 0), SERVING_TOKENS).tokens[0].tolist() for p in (first, second)]
+    summaries = [g.summary() for g in graphs.values()]
+    (decode,) = [g for g in summaries if g["graph"].endswith(" decode")]
+    diverged = [next((i for i, (x, y) in enumerate(zip(g, e)) if x != y), None) for g, e in zip(got, eager)]
+    row = {
+        "run": PREFIX,
+        "exported": True,
+        "prefill_experts": spec.prefill_experts,
+        "decode_experts": spec.decode_experts,
+        "graphs": summaries,
+        "other_compiles": 0,
+        "export_s": export_s,
+        "generate_s": generate_s,
+        "generation_to_device_bytes_per_decode_call": decode["to_device_bytes_per_call"],
+        "generation_to_host_bytes_per_decode_call": decode["to_host_bytes_per_call"],
+        "prompts": {"first": len(first), "second": len(second), "taken": hit, "chunk": bucket},
+        "same_as_cpu": got == reference[0] and hit == reference[1] == 2 * BLOCK,
+        "tokens": got,
+        "vs_cpu_fp32": {
+            "all_match": all(d is None for d in diverged),
+            "matched": sum(d is None for d in diverged),
+            "first_divergence": diverged,
+        },
+    }
+    return row, {name: graph_ops(p) for name, p in programs.items()}
+
+
 # the quantized experts' runs: each format's cached device copies (made on first use)
 QUANTIZED = {"int8": int8._quantized, "int4": int4._quantized}
 
@@ -489,6 +589,8 @@ def passed(row: dict) -> bool:
     if row["run"] == SERVING:  # and the sampled row as the CPU samples it, and a decode call returns its tokens only
         tokens = tokens and row["sampled_like_cpu"] and row["decode_output_bytes_per_call"] == row["decode_token_bytes"]
         tokens = tokens and row["processing_like_cpu"]
+    if row["run"] == PREFIX:  # and every token as the CPU's, the prefix taken
+        tokens = tokens and row["same_as_cpu"]
     return clean and tokens
 
 
@@ -582,7 +684,7 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
                 f"{g['to_device_bytes_per_call']:.0f} / {g['to_host_bytes_per_call']:.0f} | "
                 f"{g['first_call_s']:.1f} | {later} |"
             )
-        n = 1 if row["run"] == SERVING else len(PROMPTS)
+        n = 1 if row["run"] == SERVING else 2 if row["run"] == PREFIX else len(PROMPTS)
         lines += [
             "",
             f"- SEQ_MATCH vs CPU fp32 reference (HF eager): **{fp32['all_match']}** "
@@ -613,6 +715,16 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
                 f"call takes {row['processing_decode_bytes']['inputs']:.0f} bytes and returns "
                 f"{row['processing_decode_bytes']['outputs']:.0f} (the plain decode's: "
                 f"{_step_bytes(row)['inputs']:.0f} and {_step_bytes(row)['outputs']:.0f})",
+            ]
+        if row["run"] == PREFIX:
+            p = row["prompts"]
+            lines += [
+                f"- row 0: a {p['first']}-token prompt (past the sliding window, a partial last block) prefilled in "
+                f"chunks of {p['chunk']}, then greedy; once it generates, row 1: a {p['second']}-token prompt whose "
+                f"first {p['taken']} tokens row 0 holds, copied into row 1 by the copy graph, the rest prefilled "
+                "from there, then greedy (the SEQ_MATCH line above: both rows' tokens vs HF eager)",
+                "- every token (and the prefix taken) equal to the same programs' on the CPU: "
+                f"**{row['same_as_cpu']}**",
             ]
         export = "" if row["export_s"] is None else f"export {row['export_s']:.0f} s, "
         lines += [
@@ -690,11 +802,14 @@ def main(argv=None) -> int:
     hlo_dir = Path(args.hlo) if args.hlo else None
 
     rows, ops = [], {}
-    for run in (*RUNS, None):
-        print(f"== {run.name if run else SERVING}", flush=True)
-        if run is None:
+    for run in (*RUNS, SERVING, PREFIX):
+        print(f"== {run if isinstance(run, str) else run.name}", flush=True)
+        if run == SERVING:
             row, run_ops = check_serving(xla, port, hlo_dir)
             tag = "serving"
+        elif run == PREFIX:
+            row, run_ops = check_prefix(xla, port, hlo_dir)
+            tag = "prefix"
         else:
             row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir)
             tag = f"{run.prefill}/{run.decode}"

@@ -60,6 +60,17 @@ def cmd_validate(args) -> int:
     from .tokenizer import load_tokenizer
 
     backend = seq_match.backend_from_cli_args(args)
+    if args.compile_cache and not backend.compile:
+        raise UserError(
+            f"--compile-cache keeps the graphs torch.compile compiled; --backend {backend.name}"
+            f"{' --no-compile' if args.no_compile else ''} compiles none"
+        )
+    if backend.compile:  # before anything loads: a C++ compiler, and the cache
+        from .spec import compile_cache
+        from .static import inductor
+
+        inductor.require_compiler()
+        inductor.use_cache_dir(compile_cache(args.compile_cache))
     # what a layer library or a reader kernel needs of this machine (environment.py's paths)
     layers_need = {"nxd": environment.VALIDATE_NXD}
     kernel_needs = {"nki": environment.READER_NKI, "triton": environment.READER_TRITON}

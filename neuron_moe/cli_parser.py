@@ -195,6 +195,23 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _compile_args(p: argparse.ArgumentParser) -> None:
+    """--no-compile and --compile-cache: the static graphs on CPU compiled by torch.compile (inductor)."""
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="--backend static: run the graphs a module at a time, uncompiled (default: compiled by "
+        "torch.compile with inductor's C++ kernels, which needs a C++ compiler: g++ or $CXX; without one "
+        "the command stops with an error naming this flag)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="--backend static: where inductor keeps what it compiled, so the next start loads it instead "
+        f"of compiling (default: $TORCHINDUCTOR_CACHE_DIR, else {spec.COMPILE_CACHE})",
+    )
+
+
 def _dtype_arg(p: argparse.ArgumentParser, choices=DTYPE_NAMES, default=None, help: str = "") -> None:
     """--dtype: the compute dtype, torch's spellings, in every command that takes one."""
     p.add_argument("--dtype", choices=choices, default=default, help=help or "the compute dtype (default: the port's)")
@@ -280,8 +297,10 @@ def parser() -> argparse.ArgumentParser:
         default="dense_masked",
         choices=sorted(spec.validate_backends()),
         help="backend under test: an experts implementation in HF's model (dense_masked, eager, reader), the "
-        "port's static graphs through torch.export (traced), or those graphs at TP --tp on gloo (tp)",
+        "port's static graphs as `serve --backend static` runs them (static: compiled unless --no-compile), "
+        "those graphs through torch.export (traced), or at TP --tp on gloo (tp)",
     )
+    _compile_args(p)
     _dtype_arg(p, help="the backend's compute dtype (default: the port's)")
     _quantization_arg(
         p,
@@ -605,6 +624,14 @@ def parser() -> argparse.ArgumentParser:
         help="graphs that also return the fp32 logits (validation: vocab x 4 bytes per row and step "
         "to the host); default: the token each graph chose (greedy or sampled in the graph) alone",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also compile the copy key (a cache row copied into another) that serve's prefix caching calls, "
+        "every key over a cache whose sliding layers keep every position (max_length, not the window: more "
+        "device memory); default off",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
 
     p = sub.add_parser(
@@ -613,7 +640,8 @@ def parser() -> argparse.ArgumentParser:
         description="Serve one model over the OpenAI API as vLLM does: POST /v1/chat/completions, "
         "/v1/completions, /tokenize, /detokenize; GET /v1/models, /version, /health, "
         "/ping. The model loads after the socket is bound and runs one request per "
-        "graph to warm up (/health answers 503 until it is ready). SIGTERM drains the "
+        "graph to warm up, --backend static compiling each graph then (minutes at a first start, seconds "
+        "from the compile cache after) (/health answers 503 until it is ready). SIGTERM drains the "
         "requests in flight, then exits 0.",
     )
     p.add_argument(
@@ -695,6 +723,17 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="--backend static: a prompt longer than N tokens is prefilled N at a time, between decode "
         "steps; one of the buckets (default: the port's [static] prefill_chunk)",
+    )
+    _compile_args(p)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batching backends: a request whose prompt begins with a prefix a row of the cache holds (whole "
+        "blocks of 16 tokens) takes it from that row instead of prefilling it; rows keep what they hold "
+        "until needed. --backend static: default on, as in vLLM (the cost: the sliding layers keep every "
+        "position, max_cache_len, not the window, so that any prefix can be taken); --backend neuron: "
+        "default what the artifact was built with (trace-and-compile --enable-prefix-caching), on needs it",
     )
     p.add_argument(
         "--max-running",

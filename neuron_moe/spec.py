@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,17 @@ DEFAULT_RUNTIME_RESERVE_GIB = 1.0
 # serve and deploy k8s: serve's --drain-timeout default; the Neuron serving image; the Neuron device
 # plugin's resources a pod asks for (aws-neuron-sdk docs, "Kubernetes environment setup for Neuron")
 DRAIN_TIMEOUT_S = 60.0
+# serve --backend static and validate --backend static compile the static graphs with torch.compile
+# (inductor; `--no-compile`: run them a module at a time); inductor's on-disk cache of what it compiled
+# is --compile-cache, default $TORCHINDUCTOR_CACHE_DIR where set, else this
+COMPILE_CACHE = "~/.cache/neuron-moe/compile"
+
+
+def compile_cache(given: str | None) -> str:
+    """The compile cache directory: --compile-cache as given, else $TORCHINDUCTOR_CACHE_DIR, else COMPILE_CACHE."""
+    return given or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or COMPILE_CACHE
+
+
 DEFAULT_NEURON_IMAGE = "neuron-moe:neuron"
 DEPLOY_RESOURCES = {"neuroncore": "aws.amazon.com/neuroncore", "neuron": "aws.amazon.com/neuron"}
 
@@ -244,6 +256,7 @@ class Backend:
     reader: Reader | None = None  # the reader's settings (with CHANNEL_READER, or in the TP decode graph)
     quantization: str = NO_QUANTIZATION  # the routed experts' format in the rank modules (QUANTIZATIONS)
     dtype: str | None = None  # the compute dtype (one of DTYPE_NAMES); None: the port's
+    compile: bool = False  # MODULES: each graph compiled by torch.compile (inductor), else run a module at a time
 
 
 # ---- the backends validate and serve offer ----
@@ -252,10 +265,12 @@ class Backend:
 def validate_backends() -> dict[str, Backend]:
     """validate's backends, derived from the registry when asked: every experts implementation that runs
     inside HF's model (`Experts.backend`; the reader on decode steps, full experts on prefill), the port's
-    static graphs through torch.export, and those graphs at TP on gloo (the degree: --tp; int8 or int4
+    static graphs as modules as `serve --backend static` runs them (compiled unless --no-compile), those
+    graphs through torch.export, and those graphs at TP on gloo (the degree: --tp; int8 or int4
     experts: --quantization)."""
     return {
         **{e.backend: Backend(e.backend, EAGER_GRAPHS, e) for e in EXPERTS.values() if e.backend},
+        "static": Backend("static", MODULES),
         "traced": Backend("traced", EXPORTED),
         "tp": Backend("tp", EXPORTED, placement=Placement()),
     }

@@ -134,6 +134,28 @@ def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
         assert len(sig.user_outputs) == outputs
 
 
+def test_prefix_caching_adds_the_copy_key_over_whole_rows(tmp_path, one_bucket_port):
+    """--enable-prefix-caching: a prefix_copy key whose program copies a row of every cache tensor, and
+    every key's cache in the whole-row layout (the sliding layers' rings as long as the global ones)."""
+    out = tmp_path / "art"
+    manifest = nc.trace_and_compile(
+        one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True, prefix_caching=True)
+    )
+    assert manifest["prefix_caching"] is True and list(manifest["keys"])[-1] == na.COPY_KEY
+    assert manifest["keys"][na.COPY_KEY]["inputs"] == {"src_row": [1], "dst_row": [1]}
+    assert manifest["state"]["cache.k0"]["shape"] == [2, 2, 96, 32]  # sliding: every position
+    assert na.read_manifest(out)["prefix_caching"] is True
+    program = torch.export.load(out / na.GRAPHS.format(key=na.COPY_KEY))
+    sig = program.graph_signature
+    assert sorted(sig.buffers_to_mutate.values()) == sorted(f"cache.{kv}{i}" for i in range(4) for kv in "kv")
+    module = program.module()
+    state = dict(module.named_buffers())
+    for t in state.values():
+        t[1].normal_()
+    module(torch.tensor([1]), torch.tensor([0]))
+    assert all(torch.equal(t[0], t[1]) for t in state.values())
+
+
 def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
     """The written programs and shards, loaded back, generate the reference tokens at TP 2."""
     _, out = artifact

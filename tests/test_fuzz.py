@@ -786,7 +786,7 @@ BASE = {
     # the reader on (--budget given here, a drawn one after it wins): its numbers are fuzzed too
     "plan": ["--model", "gemma4-26b-a4b", "--instance", "inf2.48xlarge", "--tp", "8", "--reader", "--budget", "17.8"],
     "reads": [],
-    "serve": ["--backend", "static"],
+    "serve": ["--backend", "static", "--no-compile"],
     "prep-reader": [],
 }
 

@@ -14,7 +14,7 @@ import torch
 
 from neuron_moe.model import build_model
 from neuron_moe.serve.engine import Engine, HFRuntime, Output, SamplingParams
-from neuron_moe.serve.runtime import static_runtime
+from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static import data_dependent_ops, ops_not_lowered
 from neuron_moe.static.decoder import Decode, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from neuron_moe.static.export import export, graph_inputs

@@ -73,6 +73,9 @@ def test_kv_cache_and_decode_floor_on_the_tiny_port(tiny_port):
     r = plan(tiny_port.config, "inf2.24xlarge", 8, "none", batch=2, seq=64)
     # sliding layers 0, 2: window 16, 4 KV heads -> 1 per rank, head_dim 32; global 1, 3: 64, 2 -> 1 (replicated), 64
     assert r["per_rank_bytes"]["kv_cache"] == 2 * (2 * 2 * 16 * 1 * 32 * 2) + 2 * (2 * 2 * 64 * 1 * 64 * 2)
+    # prefix caching's whole-row layout: the sliding layers hold all 64 positions too
+    r = plan(tiny_port.config, "inf2.24xlarge", 8, "none", batch=2, seq=64, prefix_caching=True)
+    assert r["per_rank_bytes"]["kv_cache"] == 2 * (2 * 2 * 64 * 1 * 32 * 2) + 2 * (2 * 2 * 64 * 1 * 64 * 2)
     # TP 2, batch 1: the channel layout's decode graph gathers 4 experts' 32 of 64 channels; the
     # expert layout's computes its 8 experts whole
     r = plan(tiny_port.config, "inf2.24xlarge", 2, "none", batch=1, seq=64)

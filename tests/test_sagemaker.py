@@ -31,9 +31,9 @@ import runpy, sys
 from neuron_moe.model import build_model
 from neuron_moe.neuron import artifact
 from neuron_moe.serve import backends, neuron
-from neuron_moe.serve.runtime import static_runtime
+from neuron_moe.static.runtime import static_runtime
 
-def runtime(artifacts, port):
+def runtime(artifacts, port, prefix_caching=None):
     manifest = artifact.read_manifest(artifacts)
     assert manifest["dry_run"] and manifest["port"] == port.name
     return static_runtime(build_model(port, port.static.decode_experts), port.static, manifest["batch_size"])

@@ -1,4 +1,4 @@
-"""Continuous batching (serve/batching.py) over the static graphs on CPU (serve/runtime.py):
+"""Continuous batching (serve/batching.py) over the static graphs on CPU (static/runtime.py):
 requests join and leave the batch at different steps, and each gets the tokens it gets alone.
 (The same engine over the Neuron artifact's calls: test_serve_neuron.py.)"""
 
@@ -13,7 +13,7 @@ from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.serve.batching import BatchEngine
 from neuron_moe.serve.engine import Engine, HFRuntime, Output, RequestError, SamplingParams
-from neuron_moe.serve.runtime import static_runtime
+from neuron_moe.static.runtime import static_runtime
 from neuron_moe.serve.scheduler import Scheduler
 from neuron_moe.static.rows import GraphRuntime
 from neuron_moe.tokenizer import HFTokenizer

@@ -25,7 +25,7 @@ from neuron_moe import environment
 from neuron_moe.serve import backends, neuron, server
 from neuron_moe.serve.batching import BatchEngine
 from neuron_moe.serve.engine import RequestError, SamplingParams
-from neuron_moe.serve.runtime import static_runtime
+from neuron_moe.static.runtime import static_runtime
 from neuron_moe.tokenizer import answer_text, load_tokenizer
 
 from serving import IdTokenizer, serve_together, serving, tokens_of, wait_for
@@ -241,7 +241,7 @@ def _cpu_graphs_for_the_device(monkeypatch):
     """The Neuron runtime replaced by the CPU graphs of the artifact's port (the SDK's check passes)."""
     loaded = []
 
-    def runtime(artifacts, port):
+    def runtime(artifacts, port, prefix_caching=None):
         manifest = artifact.read_manifest(artifacts)
         assert manifest["port"] == port.name and manifest["dry_run"]
         loaded.append(artifacts)

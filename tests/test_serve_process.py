@@ -86,6 +86,10 @@ def manifest_dir(tmp_path):
         ),
         (["--backend", "static", "--max-running", "2"], "its graphs have rows (--batch-size); --max-running is for"),
         (["--batch-size", "4"], "--batch-size shapes --backend static's graphs; --backend eager runs one"),
+        (
+            ["--no-enable-prefix-caching"],
+            "--no-enable-prefix-caching shapes --backend static's graphs; --backend eager runs one",
+        ),
         (["--backend", "static", "--model", "{unstatic}"], "has no [static] table"),
         (["--artifacts", "{tmp}/absent"], "absent: not a directory"),
         (["--checkpoint", "{tmp}", "--artifacts", "{tmp}"], "--checkpoint or --artifacts, not both"),
@@ -236,7 +240,7 @@ def test_an_address_in_use_is_one_line_before_anything_loads(capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert cli.main(["serve", "--backend", "static", "--port", str(port)]) == 2
+        assert cli.main(["serve", "--backend", "static", "--no-compile", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in err and "Traceback" not in err
     assert not any(t.name == "load-model" for t in threading.enumerate())
@@ -290,6 +294,7 @@ def test_sigterm_under_load_and_slow_clients_on_a_real_server(tmp_path):
             "serve",
             "--backend",
             "static",
+            "--no-compile",
             "--port",
             "0",
             "--batch-size",

@@ -27,7 +27,8 @@ PROMPT = "The capital of France is"
 
 
 def app_for(*flags):
-    return server.make_app(cli.parser().parse_args(["serve", *flags]))
+    """The app `serve` runs with these flags; the static graphs uncompiled (test_static_compiled.py compiles)."""
+    return server.make_app(cli.parser().parse_args(["serve", *flags, *(["--no-compile"] if "static" in flags else [])]))
 
 
 def ready(url):
@@ -181,9 +182,10 @@ def test_banner_and_one_log_line_per_request(caplog):
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
     """Static graphs: every prefill graph (each row count at each bucket) and the decode graph, then their
-    logits-processing variants, all before /health answers 200;
+    logits-processing variants, then the copy graph (prefix caching is on by default), all before /health
+    answers 200;
     the per-request engine: one request."""
-    calls, prefill, decode = [], GraphRuntime.prefill, GraphRuntime.decode
+    calls, prefill, decode, copy = [], GraphRuntime.prefill, GraphRuntime.decode, GraphRuntime.copy_row
     monkeypatch.setattr(
         GraphRuntime,
         "prefill",
@@ -206,6 +208,7 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
         "decode_processing",
         lambda self, *inputs: calls.append(("decode processing",)) or variant_decode(self, *inputs),
     )
+    monkeypatch.setattr(GraphRuntime, "copy_row", lambda self, *rows: calls.append(("copy",)) or copy(self, *rows))
     generated = []
     if backend == "eager":
         generate = Engine.generate
@@ -222,7 +225,7 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
             ("prefill", 2, 56),
             ("decode",),
         ]
-        # and their logits-processing variants, once each
-        assert seen[0][5:] == [("prefill processing", n) for n in (1, 1, 2, 2)] + [("decode processing",)]
+        # and their logits-processing variants, once each, then the copy graph
+        assert seen[0][5:] == [("prefill processing", n) for n in (1, 1, 2, 2)] + [("decode processing",), ("copy",)]
     else:
         assert len(seen[1]) == 1

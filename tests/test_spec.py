@@ -45,7 +45,7 @@ def test_what_the_commands_offer_is_derived_from_the_entries():
     # the int8 and int4 experts are formats (--quantization), not backends of their own
     assert list(backends.BACKENDS) == ["eager", "dense_masked", "selective", "static", "neuron"]
     assert sorted(backends.NOT_SERVED) == ["channel_reader", "selector"]
-    assert sorted(seq_match.BACKENDS) == ["dense_masked", "eager", "reader", "tp", "traced"]
+    assert sorted(seq_match.BACKENDS) == ["dense_masked", "eager", "reader", "static", "tp", "traced"]
     assert seq_match.BACKENDS["reader"].experts is spec.CHANNEL_READER
     assert spec.QUANTIZATIONS == ("none", "int8", "int4")
     for name in ("eager", "dense_masked"):

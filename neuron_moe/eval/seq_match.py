@@ -3,12 +3,14 @@
 A backend (`spec.Backend`, named in BACKENDS: spec.VALIDATE_BACKENDS) becomes a generator: anything
 that turns (input_ids, attention_mask, max_new_tokens) into a `Generation`. The backends are every
 experts implementation that validate runs inside HF's model (`spec.Experts.backend`), the port's
-static graphs through torch.export, and those graphs at TP on gloo.
+static graphs as modules as `serve --backend static` runs them (compiled by torch.compile unless
+--no-compile), those graphs through torch.export, and at TP on gloo.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 
 import torch
@@ -22,6 +24,7 @@ from ..report import table
 from ..spec import (
     EAGER,
     EXPORTED,
+    MODULES,
     NO_QUANTIZATION,
     SIDECAR,
     SPMD,
@@ -31,7 +34,7 @@ from ..spec import (
     quantized,
     validate_backends,
 )
-from ..static.generator import traced_backend
+from ..static.generator import static_backend, traced_backend
 from ..tokenizer import answer_text
 
 # In the trained default model's domain (neuron_moe/tasks.py): a fact, two tasks, and text.
@@ -69,13 +72,17 @@ def backend(
     tp: int | None = None,
     tp_layers: str | None = None,
     dtype: str | None = None,
+    compile: bool | None = None,
 ) -> Backend:
     """BACKENDS[name] with the options given (not None); options it does not take are refused. The
     reader takes every reader setting; tp runs the reader in its decode graph with sidecar, budget and
     recovery rank; the TP backends take expert_layout, tp (the degree) and tp_layers (the parallel-layer
     library: cpu or nxd). `quantization`: the routed experts' format (`spec.quantized`). `dtype`: the
-    compute dtype, one of spec.DTYPE_NAMES (None: the port's)."""
+    compute dtype, one of spec.DTYPE_NAMES (None: the port's). `compile`: the static graphs compiled by
+    torch.compile (None: the default, compiled; False: --no-compile), static only."""
     base = quantized(BACKENDS[name], quantization)
+    if compile is not None and base.graphs != MODULES:
+        raise UserError(f"--no-compile applies to --backend static (its graphs on CPU), not --backend {name}")
     given = list(reader.given())
     tp_reader = _reads_at_tp(base) and bool(given)  # the reader in the TP decode graph
     if tp_reader and ({"reader_kernel", "scan"} & set(given) or reader.sidecar is None):
@@ -104,7 +111,12 @@ def backend(
         base = dataclasses.replace(
             base, placement=dataclasses.replace(base.placement, **{k: v for k, v in placement.items() if v is not None})
         )
-    return dataclasses.replace(base, reader=reader if _reads(base) or tp_reader else None, dtype=dtype)
+    return dataclasses.replace(
+        base,
+        reader=reader if _reads(base) or tp_reader else None,
+        dtype=dtype,
+        compile=base.graphs == MODULES and compile is not False,
+    )
 
 
 def backend_from_cli_args(args) -> Backend:
@@ -117,6 +129,7 @@ def backend_from_cli_args(args) -> Backend:
         tp=args.tp,
         tp_layers=args.tp_layers,
         dtype=args.dtype,
+        compile=False if args.no_compile else None,
     )
 
 
@@ -127,22 +140,31 @@ def backend_options(backend: Backend) -> dict:
     if backend.quantization != NO_QUANTIZATION:
         options["quantization"] = backend.quantization
     options.update(expert_layout=placement.expert_layout, tp=placement.tp, layers=placement.layers)
+    if backend.graphs == MODULES:
+        options["compile"] = "inductor" if backend.compile else "none"
     return {k: v for k, v in options.items() if v is not None}
 
 
 def generator(port, backend: Backend, checkpoint=None) -> Generator:
-    """What `backend` generates with on `port`'s model: its TP ranks, its exported graphs, or HF's
-    model with its experts (the reader attached to it when it reads)."""
+    """What `backend` generates with on `port`'s model: its TP ranks, its exported graphs, its graphs as
+    modules (compiled or not: each compile says so on stderr), or HF's model with its experts (the reader
+    attached to it when it reads)."""
     dtype = DTYPES[backend.dtype] if backend.dtype else None
     if backend.placement is not None:
         return tp_generator(port, backend, dtype, checkpoint)
     if backend.graphs == EXPORTED:
         return traced_backend(port, dtype, checkpoint)
+    if backend.graphs == MODULES:
+        return static_backend(port, dtype, checkpoint, backend.compile, progress=_to_stderr)
     if _reads(backend):
         model = reader_model(port, dtype, checkpoint, backend.reader or Reader())
     else:
         model = build_model(port, backend.experts, dtype, checkpoint)
     return lambda ids, mask, n: greedy(model, ids, mask, n)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def compare(reference: Generation, backend: Generation, prompts: list[str]) -> list[dict]:
@@ -207,6 +229,7 @@ def render_validation(report: dict) -> str:
     shown = [dict(r, prompt=repr(r["prompt"])) for r in report["prompts"]]  # newlines visible, one row each
     quantization = report["backend_options"].get("quantization")
     experts = f", {quantization} experts" if quantization else ""
+    experts += ", compiled by torch.compile" if report["backend_options"].get("compile") == "inductor" else ""
     lines = [
         f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}{experts}) "
         f"vs {report['reference']}, {report['max_new_tokens']} new tokens"

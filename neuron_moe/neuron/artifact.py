@@ -39,6 +39,10 @@ Each key is the static decoder (`static/decoder.py`) over the full-model rank mo
                               that ask for logprobs, penalties, logit_bias, min_p, bans or a grammar;
                               they also hold the token counts as state (`counts.output`,
                               `counts.prompt` [B, V] fp32)
+    prefix_copy               (src_row [1], dst_row [1]) -> dst_row [1, 1]
+                              built --enable-prefix-caching (the manifest's `prefix_caching`): a cache
+                              row copied whole into another (`static/prefix.py`); every key's cache is
+                              then in the whole-row layout (sliding layers keep every position)
 
 Each graph chooses its tokens itself (`static/sampling.py`: per row temperature, top-k, top-p and
 a uniform draw; greedy at temperature 0) among `candidates` for top-k / top-p, so per call only
@@ -139,6 +143,8 @@ def check_manifest(manifest: dict, path) -> dict:
         )
     if manifest["prefill_chunk"] not in buckets:
         raise ArtifactError(f"{path}: 'prefill_chunk' {manifest['prefill_chunk']} is not one of the buckets {buckets}")
+    if not isinstance(manifest.get("prefix_caching", False), bool):  # absent: built without the copy key
+        raise ArtifactError(f"{path}: 'prefix_caching' must be true or false, got {manifest['prefix_caching']!r}")
     if not _count(manifest["candidates"]):
         raise ArtifactError(f"{path}: 'candidates' must be a positive count, got {manifest['candidates']}")
     tokenizer = manifest["tokenizer"]
@@ -401,11 +407,16 @@ def prefill_key(rows: int, bucket: int, processing: bool = False) -> str:
     return f"context_encoding{PROCESSING if processing else ''}_{rows}x{bucket}"
 
 
-def key_names(buckets, prefill_rows) -> list[str]:
+COPY_KEY = "prefix_copy"
+
+
+def key_names(buckets, prefill_rows, prefix_caching: bool = False) -> list[str]:
     """The plain keys (a prefill per row count and bucket, the decode), then their logits-processing
-    variants (`static/decoder.py` `ProcessingPrefill`, `ProcessingDecode`) in the same order."""
+    variants (`static/decoder.py` `ProcessingPrefill`, `ProcessingDecode`) in the same order, then
+    with `prefix_caching` the copy key."""
     plain = [prefill_key(p, b) for p in prefill_rows for b in buckets] + [DECODE_KEYS[0]]
-    return plain + [prefill_key(p, b, True) for p in prefill_rows for b in buckets] + [DECODE_KEYS[1]]
+    keys = plain + [prefill_key(p, b, True) for p in prefill_rows for b in buckets] + [DECODE_KEYS[1]]
+    return keys + [COPY_KEY] if prefix_caching else keys
 
 
 def is_processing(key: str) -> bool:
@@ -414,8 +425,8 @@ def is_processing(key: str) -> bool:
 
 
 def key_shape(key: str) -> tuple[int, int] | None:
-    """(rows, bucket) of a prefill key; None for a decode key."""
-    if key in DECODE_KEYS:
+    """(rows, bucket) of a prefill key; None for a decode key and the copy key."""
+    if key in DECODE_KEYS or key == COPY_KEY:
         return None
     rows, bucket = key.rsplit("_", 1)[1].split("x")
     return int(rows), int(bucket)

@@ -51,9 +51,9 @@ from ..report import (
     table,
 )
 from ..spec import CHANNEL_READER, INT4_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization
-from ..static.decoder import Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
+from ..static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from ..static.sampling import CANDIDATES
-from ..static.export import GraphError, checked, example_inputs, functional
+from ..static.export import GraphError, checked, copy_inputs, example_inputs, functional
 from ..tokenizer import HFTokenizer
 from .artifact import (
     FORMAT,
@@ -63,6 +63,7 @@ from .artifact import (
     SHARD_PLAN,
     TOKENIZER,
     RANK_WEIGHTS,
+    COPY_KEY,
     ArtifactError,
     is_processing,
     key_names,
@@ -92,6 +93,7 @@ class Build:
     export: bool = True
     expert_layout: str | None = None
     logits: bool = False
+    prefix_caching: bool = False  # the copy key, every key over the whole-row cache layout (`static/prefix.py`)
 
     @classmethod
     def from_cli_args(cls, args) -> Build:
@@ -105,6 +107,7 @@ class Build:
             checkpoint=args.checkpoint,
             expert_layout=args.expert_layout,
             logits=args.with_logits,
+            prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
         )
 
 
@@ -155,6 +158,8 @@ def _new_file(path: Path) -> Path:
 def _graph(model, spec, key: str, cache, logits: bool, counts=None):
     """Key `key`'s graph over `model`, its state `cache` (shared by every key of one model) and, for a
     logits-processing key, `counts` (the token counts every such key shares; made here when None)."""
+    if key == COPY_KEY:
+        return Copy(cache)
     decode = key_shape(key) is None
     if is_processing(key):
         counts = counts if counts is not None else new_counts(model, spec.batch_size, cache.aliased)
@@ -168,6 +173,8 @@ def _graph(model, spec, key: str, cache, logits: bool, counts=None):
 
 def _example(spec, key: str, vocab: int | None = None) -> tuple:
     """A key's example inputs (a logits-processing key's need the vocabulary's size)."""
+    if key == COPY_KEY:
+        return copy_inputs()
     shape = key_shape(key)
     vocab = vocab if is_processing(key) else None
     return example_inputs(spec, None, 1, vocab) if shape is None else example_inputs(spec, shape[1], shape[0], vocab)
@@ -183,6 +190,8 @@ _INPUTS = {
 
 def _key_contract(graph, spec, key: str) -> dict:
     """A key's calls as the manifest records them: input and output names and shapes."""
+    if key == COPY_KEY:
+        return {"graph": COPY_KEY, "inputs": {"src_row": [1], "dst_row": [1]}, "outputs": {"dst_row": [1, 1]}}
     decode, vocab = key_shape(key) is None, graph.model.config.vocab_size
     example = _example(spec, key, vocab)
     rows = example[0].shape[0]
@@ -249,7 +258,8 @@ def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
         )
     torch_dtype, quantization = DTYPES[build.dtype], build.quantization
     spec = port.static
-    keys = key_names(spec.buckets, spec.rows_for(spec.batch_size))
+    keys = key_names(spec.buckets, spec.rows_for(spec.batch_size), build.prefix_caching)
+    whole_rows = build.prefix_caching
     has_weights = checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
     if not dry_run and not has_weights:
         raise ArtifactError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
@@ -271,14 +281,16 @@ def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
             )
             modules = dict(expert_layout=expert_layout, quantization=quantization, dtype=torch_dtype, reader=reads)
             if dry_run:
-                module, files, exported = _dry_run(port, spec, keys, tp, full, tmp, build.export, logits, modules)
+                module, files, exported = _dry_run(
+                    port, spec, keys, tp, full, tmp, build.export, logits, modules, whole_rows
+                )
             else:
-                module, files, exported = _neuron(port, spec, keys, tp, full, tmp, logits, modules)
+                module, files, exported = _neuron(port, spec, keys, tp, full, tmp, logits, modules, whole_rows)
             plan = shard_plan(module, full, tp, expert_layout)
             (tmp / SHARD_PLAN).write_text(dumps(plan, indent=1))
             copied = _copy_tokenizer(tokenizer, tmp)
             files = [*files, SHARD_PLAN, *copied]
-            contract, state = _contract(module, spec, keys, logits)
+            contract, state = _contract(module, spec, keys, logits, whole_rows)
             digests = {f: file_digest(tmp / f) for f in sorted(files)}
             manifest = {
                 "format": FORMAT,
@@ -294,6 +306,7 @@ def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
                 "prefill_chunk": spec.chunk,
                 "candidates": min(CANDIDATES, port.config.vocab_size),
                 "logits": logits,
+                "prefix_caching": whole_rows,
                 "keys": {k: dict(contract[k], exported=exported) for k in keys},
                 "state": state,
                 "dry_run": dry_run,
@@ -329,6 +342,7 @@ def _check_fits(port, build: Build, expert_layout: str, reads: dict | None) -> N
         expert_layout=expert_layout,
         decode_experts=spec.decode_experts,
         reader=reader,
+        prefix_caching=build.prefix_caching,
     )
     if not verdict["fits"]:
         raise ArtifactError(
@@ -414,14 +428,14 @@ def _rank_module(port, tp, layers, build: dict, device="cpu"):
     return model
 
 
-def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, build: dict):
+def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, build: dict, whole_rows: bool):
     device = "cpu" if full is not None else "meta"  # no weights: shapes only, nothing allocated
     module = _rank_module(port, tp, cpu, build, device)
     files = []
     if full is not None:
         shards = cpu.shard_checkpoint(full, module, tp)
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
-    cache = new_cache(module, spec.max_cache_len, spec.batch_size)  # the one state set every key mutates
+    cache = new_cache(module, spec.max_cache_len, spec.batch_size, whole_rows=whole_rows)  # every key mutates it
     counts = new_counts(module, spec.batch_size)  # and the one the logits-processing keys mutate too
     vocab = port.config.vocab_size
     for key in tqdm(keys if export else [], desc="export", unit="key"):
@@ -449,13 +463,14 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
     return module, files, True
 
 
-def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict):
+def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict, whole_rows: bool):
     """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
 
     def factory(key):
         def make():  # each key's own module; its state names (cache.k0, ..., counts.output, ...) are every key's
             model = _rank_module(port, tp, nxd, build)
-            return _graph(model, spec, key, new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True), logits)
+            cache = new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True, whole_rows=whole_rows)
+            return _graph(model, spec, key, cache, logits)
 
         return make
 
@@ -504,9 +519,10 @@ def _write_reader_shards(tmp: Path, entries: dict, tp: int) -> None:
             save_file(state, path)
 
 
-def _contract(module, spec, keys, logits: bool) -> tuple[dict, dict]:
+def _contract(module, spec, keys, logits: bool, whole_rows: bool) -> tuple[dict, dict]:
     """(each key's inputs and outputs, the KV state per rank) as the manifest records them."""
-    cache, counts = new_cache(module, spec.max_cache_len, spec.batch_size), new_counts(module, spec.batch_size)
+    cache = new_cache(module, spec.max_cache_len, spec.batch_size, whole_rows=whole_rows)
+    counts = new_counts(module, spec.batch_size)
     state = {
         f"{prefix}.{n}": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
         for prefix, held in (("cache", cache), ("counts", counts))

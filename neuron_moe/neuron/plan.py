@@ -16,7 +16,8 @@ Each rank holds, in bytes:
   router etc.  router, norms and scalars, replicated
   embeddings   1/t of the vocabulary rows; lm_head another 1/t: tied in the checkpoint, but two
                tensors on the device (each parallel layer loads its own)
-  KV cache     bf16 K and V for batch × length × its KV heads; sliding layers hold the window
+  KV cache     bf16 K and V for batch × length × its KV heads; sliding layers hold the window (every
+               position with prefix caching: `prefix_caching`)
   graph        stated estimate of the largest transient of the context-encoding graph at batch ×
                seq: the MoE stage's gate_up output and activation, B·S × (E·2I/t + E·I/t) in
                either layout,
@@ -239,10 +240,11 @@ def _savings(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout
     return rows
 
 
-def _kv_cache_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int) -> int:
+def _kv_cache_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int, whole_rows: bool = False) -> int:
+    """`whole_rows`: prefix caching's layout, the sliding layers holding every position too."""
     total = 0
     for i, kind in enumerate(config.layer_types):
-        length = min(seq, config.sliding_window) if kind == "sliding_attention" else seq
+        length = min(seq, config.sliding_window) if kind == "sliding_attention" and not whole_rows else seq
         heads = layout.kv_heads_per_rank(config, i, tp)
         total += 2 * batch * length * heads * config.per_layer_config[i].head_dim * 2  # K and V, bf16
     return total
@@ -409,12 +411,14 @@ def plan(
     expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
     decode_experts: spec.Experts | str = spec.SELECTIVE,
     reader: spec.Reader | None = None,
+    prefix_caching: bool = False,
 ) -> dict:
     """The plan for `expert_layout`; its decode table has a row for each expert layout that shards at
     TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts. `reader`
     (its budget, scan and recovery rank): the channel layout's decode graph with the reader, whose sidecar
     shard each rank then holds (`reader_sidecar`), and its row in the decode table. `instance` None:
-    one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check)."""
+    one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check). `prefix_caching`:
+    the KV cache in its whole-row layout (trace-and-compile --enable-prefix-caching)."""
     inst = INSTANCES[instance] if instance is not None else None
     report = {
         "model": model,
@@ -437,7 +441,7 @@ def plan(
     except layout.LayoutError as e:
         return {**report, "fits": False, "reason": f"not shardable: {e}"}
     weights = _weights_per_rank(config, tp, quantization, expert_layout)
-    kv = _kv_cache_per_rank(config, tp, batch, seq)
+    kv = _kv_cache_per_rank(config, tp, batch, seq, prefix_caching)
     graph = _graph_per_rank(config, tp, quantization, batch, seq)
     per_rank = {**weights, "kv_cache": kv, "graph": graph, "runtime": runtime_reserve}
     if reader is not None:

@@ -14,7 +14,7 @@ from ..tokenizer import load_tokenizer
 from .batching import BatchEngine
 from .engine import Engine, HFRuntime, eos_ids
 from .neuron import neuron_runtime
-from .runtime import static_runtime
+from ..static.runtime import static_runtime
 
 BACKENDS = serve_backends()  # spec.py: every experts implementation that needs nothing attached, static, neuron
 NOT_SERVED = not_served()
@@ -30,11 +30,16 @@ def load_engine(
     batch_size: int | None = None,
     prefill_rows=None,
     prefill_chunk: int | None = None,
+    compile: bool = False,
+    progress=None,
+    prefix_caching: bool | None = None,
 ) -> Engine:
     """The engine for `backend` (one of BACKENDS, or its name): the port's static graphs on CPU
     (MODULES, batched; `batch_size` rows, `prefill_rows` and `prefill_chunk`, each default the
-    port's), a compiled artifact directory (COMPILED, batched) or an experts implementation in
-    transformers' model on CPU (one request per thread)."""
+    port's; `compile`: each graph compiled by torch.compile, `progress` told of each compile:
+    `static/inductor.py`; `prefix_caching`, `static/prefix.py`: None on, False off), a compiled
+    artifact directory (COMPILED, batched; `prefix_caching` None: as the artifact was built) or an
+    experts implementation in transformers' model on CPU (one request per thread)."""
     if isinstance(backend, str):
         backend = check_serve_backend(backend)
     if backend.graphs == COMPILED:  # the artifact's own tokenizer (digest-checked), unless --checkpoint gives one
@@ -43,12 +48,22 @@ def load_engine(
             if checkpoint
             else artifact_tokenizer(artifacts, read_manifest(artifacts), port)
         )
-        return BatchEngine(neuron_runtime(artifacts, port), tokenizer, eos_ids(tokenizer, port.config))
+        runtime = neuron_runtime(artifacts, port, prefix_caching)
+        return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, port.config))
     tokenizer = load_tokenizer(port, checkpoint)
     if backend.graphs == MODULES:
         spec = port.static_spec(f"--backend {backend.name}")
         model = build_model(port, spec.decode_experts, dtype, checkpoint)
-        runtime = static_runtime(model, spec, batch_size, prefill_rows=prefill_rows, chunk=prefill_chunk)
+        runtime = static_runtime(
+            model,
+            spec,
+            batch_size,
+            prefill_rows=prefill_rows,
+            chunk=prefill_chunk,
+            compile=compile,
+            progress=progress,
+            prefix_caching=prefix_caching is not False,
+        )
         return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, model.config))
     model = build_model(port, backend.experts, dtype, checkpoint)
     return Engine(HFRuntime(model), tokenizer, model.config.max_position_embeddings, eos_ids(tokenizer, model.config))

@@ -23,6 +23,11 @@ harmless, as that step writes one slot of the row's own cache, and what a row he
 request's first chunk is never read (`static/cache.py`); the id side still bounds the row by the
 request's max_tokens.
 
+Prefix caching (a runtime with a copy graph, `static/prefix.py`): a row whose request ended keeps
+what its cache holds; a request whose prompt begins with a prefix some row holds (whole blocks)
+takes that row if it is free, or has the prefix copied into the row it takes, and prefills only
+the rest. The lookups and hits are counted into /metrics as vLLM counts them.
+
 Sampling happens in the graphs (`static/sampling.py`): each row's sampling input carries its
 request's temperature, top-k, top-p and a uniform draw from the request's own seeded generator
 (`engine.Output.sampling`), so a seeded request gets the same tokens whatever runs beside it.
@@ -48,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..static.prefix import PrefixIndex
 from ..static.rows import Rows
 from .engine import Engine, Output, SamplingParams, Step
 
@@ -185,8 +191,10 @@ class BatchEngine(Engine):
         # n + max_tokens - 1 <= max_length, which is the Engine's n + max_tokens <= max_context.
         super().__init__(runtime, tokenizer, runtime.max_length + 1, eos_ids)
         self.rows = runtime.batch
-        self.batch = Rows(runtime)  # the request in each row
+        prefix = PrefixIndex(runtime.batch, runtime.max_length) if getattr(runtime, "prefix_caching", False) else None
+        self.batch = Rows(runtime, prefix=prefix)  # the request in each row
         self.batch.counted = self._counted
+        self.batch.looked_up = self._looked_up
         self.metrics = None  # a metrics.Metrics, once a server counts this engine's calls
         self._waiting: deque[_Request] = deque()
         self._wake = threading.Condition()
@@ -289,6 +297,15 @@ class BatchEngine(Engine):
         if self.metrics is None:
             return
         m = self.metrics
+        if graph == "copy":
+            m.copy_calls.inc()
+            return
         calls, held = (m.prefill_calls, m.prefill_rows) if graph == "prefill" else (m.decode_calls, m.decode_rows)
         calls.inc()
         held.inc(rows)
+
+    def _looked_up(self, queries: int, hits: int) -> None:
+        """A prefix-cache lookup into /metrics: the prompt's tokens, and those taken from a row."""
+        if self.metrics is not None:
+            self.metrics.prefix_cache_queries.inc(queries)
+            self.metrics.prefix_cache_hits.inc(hits)

@@ -13,12 +13,16 @@ read these unchanged (label `model_name`); what only this server has is `neuron_
     vllm:time_per_output_token_seconds     histogram  the gap before each later token
     vllm:request_time_per_output_token_seconds  histogram  per request: (e2e - ttft) / (tokens - 1)
     vllm:e2e_request_latency_seconds       histogram  admission -> last token
+    vllm:prefix_cache_queries              counter    prompt tokens of the requests looked up in the
+                                                      prefix cache (each request once, at admission)
+    vllm:prefix_cache_hits                 counter    of those, the tokens taken from a held prefix
     neuron_moe:batch_rows                  gauge      rows of the batching engine's graphs
     neuron_moe:batch_rows_in_use           gauge      rows holding a request now
     neuron_moe:prefill_calls_total         counter    prefill graph calls
     neuron_moe:prefill_rows_total          counter    prompts (or pieces of one) those calls held
     neuron_moe:decode_calls_total          counter    decode graph calls
     neuron_moe:decode_rows_total           counter    rows that generated a token in them
+    neuron_moe:copy_calls_total            counter    copy graph calls (a held prefix into another row)
 
 Everything is counted where it happens: the request-level series by `scheduler.Job`, which every
 request passes through from admission to its end whatever the engine, the graph calls and rows
@@ -133,12 +137,19 @@ class Metrics:
             buckets=_TPOT_S,
         )
         self.e2e = series(Histogram, "vllm:e2e_request_latency_seconds", "Admission to the last token.", buckets=_E2E_S)
+        self.prefix_cache_queries = series(
+            Counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = series(
+            Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.rows = series(Gauge, "neuron_moe:batch_rows", "Rows of the batching engine's graphs.")
         self.rows_in_use = series(Gauge, "neuron_moe:batch_rows_in_use", "Rows holding a request now.")
         self.prefill_calls = series(Counter, "neuron_moe:prefill_calls", "Prefill graph calls.")
         self.prefill_rows = series(Counter, "neuron_moe:prefill_rows", "Prompts (or pieces of one) in those calls.")
         self.decode_calls = series(Counter, "neuron_moe:decode_calls", "Decode graph calls.")
         self.decode_rows = series(Counter, "neuron_moe:decode_rows", "Rows that generated a token in those calls.")
+        self.copy_calls = series(Counter, "neuron_moe:copy_calls", "Copy graph calls (a held prefix into a row).")
 
     def watch(self, load) -> None:
         """`load()` -> (running, waiting, rows, rows in use; the last two None without a batch),

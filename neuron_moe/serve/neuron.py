@@ -16,7 +16,9 @@ manifest's batch_size rows, each request in its own cache row:
            -> token [P, 1] (, logits [P, V])
   decode   model(input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1] (, logits [B, V])
 and their logits-processing variants (`static/decoder.py`, the artifact's `*_processing` keys) for
-the rows that ask for logprobs, penalties, logit_bias, min_p, bans or a grammar's bitmask.
+the rows that ask for logprobs, penalties, logit_bias, min_p, bans or a grammar's bitmask; and, in
+an artifact built --enable-prefix-caching, its `prefix_copy` key:
+  copy     model(src_row [1], dst_row [1]) -> dst_row [1, 1]: a held prefix copied into another row
 The KV cache is the artifact's state: it stays on the device (NxD's input_output_aliases) and
 never crosses the call. The graphs choose each row's token themselves, greedy or sampled
 (temperature, top-k among the manifest's `candidates`, top-p: `static/sampling.py`), so an artifact
@@ -74,8 +76,10 @@ def load_weights(nxd_model, artifacts: Path, manifest: dict) -> None:
     nxd_model.initialize_with_saved_weights(start)
 
 
-def neuron_runtime(artifacts: Path, port) -> GraphRuntime:
-    """The compiled artifact in `artifacts`, loaded onto the device, as the batching engine's runtime."""
+def neuron_runtime(artifacts: Path, port, prefix_caching: bool | None = None) -> GraphRuntime:
+    """The compiled artifact in `artifacts`, loaded onto the device, as the batching engine's runtime;
+    with prefix caching where the artifact has the copy key (`prefix_caching` None: then; False: never;
+    True: an artifact without it is refused)."""
     artifacts = Path(artifacts)
     manifest = read_manifest(artifacts)
     if manifest["dry_run"]:
@@ -83,6 +87,11 @@ def neuron_runtime(artifacts: Path, port) -> GraphRuntime:
     if manifest["port"] != port.name:
         raise NeuronError(f"{artifacts}: compiled for port {manifest['port']!r}, not {port.name!r}")
     check_expert_layout(manifest, port.static.expert_layout if port.static else DEFAULT_EXPERT_LAYOUT, artifacts)
+    built = manifest.get("prefix_caching", False)
+    if prefix_caching and not built:
+        raise NeuronError(
+            f"{artifacts}: built without the copy key prefix caching needs (trace-and-compile --enable-prefix-caching)"
+        )
     require_sdk()
     import torch_neuronx  # noqa: F401 - registers the Neuron classes that torch.jit.load needs
 
@@ -106,4 +115,5 @@ def neuron_runtime(artifacts: Path, port) -> GraphRuntime:
         prefill_processing=processing,
         decode_processing=processing,
         vocab=port.config.vocab_size,
+        copy=model if built and prefix_caching is not False else None,  # the prefix_copy key, routed by shape
     )

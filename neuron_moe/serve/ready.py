@@ -3,10 +3,11 @@ was asked for (`--max-model-len`), a warm-up of every graph, and the start-up ba
 
 Warm-up calls every graph once before the first request: each prefill graph (every row count of
 `prefill_rows` at every bucket) and the decode graph of a batching engine's runtime, greedy, then
-their logits-processing variants with neutral inputs (where the runtime has them), or one
-request through the per-request engine. On Neuron the first call of each compiled key loads and
-initialises it, which a user's first request should not wait for. The rows it writes hold nothing
-a request reads: a row's prefill writes every position its request will read before it reads it.
+their logits-processing variants with neutral inputs (where the runtime has them) and the copy graph
+(prefix caching), or one request through the per-request engine. On Neuron the first call of each
+compiled key loads and initialises it, which a user's first request should not wait for. The rows
+it writes hold nothing a request reads: a row's prefill writes every position its request will read
+before it reads it, and no row holds a prefix yet.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def check_max_model_len(max_model_len: int | None, context: int, what: str) -> N
 def warm_up(engine: Engine) -> int:
     """Every graph of a batching engine's runtime called once (each prefill row count at each bucket,
     then one decode step), greedy; the per-request engine gets one request, EOS ignored. Returns the
-    calls made."""
+    calls made. Each graph's call is logged as it starts: on CPU the first call of a graph compiled by
+    torch.compile compiles it (or loads it from the compile cache), tens of seconds a graph."""
     token = engine.tokenizer.bos_token_id or 0
     runtime = engine.runtime
     if engine.rows is None:  # one request per thread over HF's model
@@ -61,9 +63,10 @@ def warm_up(engine: Engine) -> int:
         for _ in endless.generate([token], SamplingParams(min(2, engine.max_context - 1), temperature=0.0)):
             pass
         return 1
-    calls = 0
+    calls, graphs = 0, len(runtime.prefill_rows) * len(runtime.buckets) + 1
     for rows in runtime.prefill_rows:
         for bucket in runtime.buckets:
+            log.info("warm-up %d/%d: the prefill graph of %d rows x %d tokens", calls + 1, graphs, rows, bucket)
             runtime.prefill([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)])
             calls += 1
     batch = runtime.batch
@@ -72,9 +75,11 @@ def warm_up(engine: Engine) -> int:
         torch.zeros(batch, 1, dtype=torch.long),
         torch.tensor([GREEDY] * batch),
     )
+    log.info("warm-up %d/%d: the decode graph of %d rows", calls + 1, graphs, batch)
     runtime.decode(ids, positions, sampling)
     calls += 1
     if getattr(runtime, "processing", False):  # the logits-processing variants, each once, neutral
+        log.info("warm-up: the logits-processing variants of the %d graphs", graphs)
         for rows in runtime.prefill_rows:
             for bucket in runtime.buckets:
                 runtime.prefill_processing(
@@ -82,6 +87,9 @@ def warm_up(engine: Engine) -> int:
                 )
                 calls += 1
         runtime.decode_processing(ids, positions, sampling, *neutral_inputs(batch, runtime.vocab))
+        calls += 1
+    if getattr(runtime, "prefix_caching", False):  # the copy graph: a row onto itself (no row holds a prefix yet)
+        runtime.copy_row(0, 0)
         calls += 1
     return calls
 

@@ -34,7 +34,8 @@ from ..neuron.artifact import check_tokenizer
 from ..neuron.artifact import verify as verify_artifact
 from ..port import DTYPES, load_port
 from ..publish import s3
-from ..spec import COMPILED, MODULES, quantized
+from ..spec import COMPILED, MODULES, compile_cache, quantized
+from ..static import inductor
 from ..static.cache import cache_bytes, cache_layout
 from . import connection, neuron, ready
 from .app import BODY_TIMEOUT_S, MAX_BODY_BYTES, create_app
@@ -98,12 +99,18 @@ def plan_load(args):
             f"rows{' (--batch-size)' if backend.graphs == MODULES else ''}; --max-running is for the "
             f"per-request backends"
         )
+    caching = getattr(args, "enable_prefix_caching", None)
     for flag, value in (
         ("--batch-size", args.batch_size),
         ("--prefill-rows", args.prefill_rows),
         ("--prefill-chunk", args.prefill_chunk),
+        ("--enable-prefix-caching" if caching else "--no-enable-prefix-caching", caching),
     ):
-        if value is not None and backend.graphs != MODULES:
+        if (
+            value is not None
+            and backend.graphs != MODULES
+            and not (backend.graphs == COMPILED and flag.endswith("caching"))
+        ):
             raise ServeError(
                 f"{flag} shapes --backend static's graphs; --backend {backend.name} "
                 + (
@@ -118,7 +125,9 @@ def plan_load(args):
             raise ServeError(
                 f"--prefill-chunk {args.prefill_chunk} is not one of the port's buckets {list(spec.buckets)}"
             )
-        check_static_memory(port, args.batch_size, DTYPES[args.dtype] if args.dtype else port.dtype)
+        check_static_memory(
+            port, args.batch_size, DTYPES[args.dtype] if args.dtype else port.dtype, caching is not False
+        )
     if backend.graphs == COMPILED:
         if local is None:
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
@@ -136,6 +145,7 @@ def plan_load(args):
     context = _context(backend, port, manifest)
     if context is not None:  # an s3:// artifact's is known once it is pulled: checked then
         ready.check_max_model_len(args.max_model_len, *context)
+    compiles = check_compile(args, backend)
 
     def load():
         nonlocal checkpoint
@@ -155,6 +165,9 @@ def plan_load(args):
             batch_size=args.batch_size,
             prefill_rows=args.prefill_rows,
             prefill_chunk=args.prefill_chunk,
+            compile=compiles,
+            progress=log.info,
+            prefix_caching=caching,
         )
         found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
         dtype = found["dtype"] if found else str(args.dtype or port.dtype).removeprefix("torch.")
@@ -162,6 +175,29 @@ def plan_load(args):
         return ready.ready(engine, banner, args.max_model_len, _context(backend, port, found)[1])
 
     return port, load
+
+
+def check_compile(args, backend) -> bool:
+    """Whether the static graphs are compiled (--backend static without --no-compile); when they are,
+    a C++ compiler is found and --compile-cache made inductor's cache, else one error says why. The
+    compile flags are refused where no graphs are compiled here."""
+    given = [
+        flag for flag, value in (("--no-compile", args.no_compile), ("--compile-cache", args.compile_cache)) if value
+    ]
+    if given and backend.graphs != MODULES:
+        runs = (
+            "runs the artifact's graphs, compiled by trace-and-compile"
+            if backend.graphs == COMPILED
+            else "runs transformers' model, one request per thread"
+        )
+        raise ServeError(f"{given[0]} applies to --backend static's graphs; --backend {backend.name} {runs}")
+    if len(given) == 2:
+        raise ServeError("--compile-cache keeps compiled graphs; with --no-compile none are compiled")
+    if backend.graphs != MODULES or args.no_compile:
+        return False
+    inductor.require_compiler()
+    inductor.use_cache_dir(compile_cache(args.compile_cache))
+    return True
 
 
 def served_names(args, port) -> list[str]:
@@ -192,13 +228,14 @@ def available_memory() -> int:
     return min(free, int(limit) - int(used)) if limit.isdigit() and used.isdigit() else free
 
 
-def check_static_memory(port, batch_size: int | None, dtype) -> None:
-    """The static runtime's KV cache (allocated at load) and one step's logits [B, V] fp32, against
+def check_static_memory(port, batch_size: int | None, dtype, whole_rows: bool = True) -> None:
+    """The static runtime's KV cache (allocated at load; `whole_rows`: the layout prefix caching
+    needs, `static/cache.py`) and one step's logits [B, V] fp32, against
     the memory available: a batch that cannot fit is refused before binding, not by a failed
     allocation (or the OOM killer) once the server is up."""
     spec = port.static_spec("--backend static")
     rows = batch_size or spec.batch_size
-    cache = cache_bytes(cache_layout(port.config, spec.max_cache_len), rows, dtype)
+    cache = cache_bytes(cache_layout(port.config, spec.max_cache_len, whole_rows), rows, dtype)
     logits = rows * port.config.vocab_size * 4
     free = available_memory()
     if cache + logits > free:

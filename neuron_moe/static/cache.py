@@ -19,9 +19,13 @@ Positions, not pad columns: row b's token at position p lives at ring index p % 
 own row, and positions 0..p are the row's real tokens (nothing else is ever written to them), so
 - global layers: length = max_cache_len, index = position;
 - sliding layers: length = min(sliding_window, max_cache_len), the ring holds exactly the window
-  (the query and the window - 1 positions before it) and overwrites what fell out of it.
-The decode mask follows from the row's position alone (`ring_positions`), so decode takes no
-mask input, and the rows of a batch can sit at different positions. A prefill writes whole rows
+  (the query and the window - 1 positions before it) and overwrites what fell out of it; or, in the
+  layout prefix caching needs (`whole_rows=True`), length = max_cache_len as in a global layer: a
+  row then holds every position it has written in every layer, so the first h positions of a row
+  are a prefix another row can take whole (`Copy`, decoder.py) for any h, not only the last window.
+The decode mask follows from the row's position alone (`ring_positions`, and the window where a
+sliding ring is longer than it), so decode takes no mask input, and the rows of a batch can sit at
+different positions. A prefill writes whole rows
 (`index_copy` on the batch dimension, by row id): the rows it does not name are not touched.
 A prefill is a chunk of a prompt at positions s..s+n-1: its queries attend over the row's ring
 (the positions before s that the ring still holds: none for a first chunk, s = 0) and the chunk
@@ -62,12 +66,14 @@ class LayerCache:
     length: int  # ring slots
 
 
-def cache_layout(config: Gemma4TextConfig, max_cache_len: int) -> list[LayerCache]:
-    """Per layer: global (full attention) layers have their own head_dim and KV-head count."""
+def cache_layout(config: Gemma4TextConfig, max_cache_len: int, whole_rows: bool = False) -> list[LayerCache]:
+    """Per layer: global (full attention) layers have their own head_dim and KV-head count.
+    `whole_rows`: sliding layers keep every position too (prefix caching), at max_cache_len slots."""
     layout = []
     for i, kind in enumerate(config.layer_types):
         layer = config.per_layer_config[i]
-        length = min(config.sliding_window, max_cache_len) if kind == SLIDING else max_cache_len
+        window = max_cache_len if whole_rows else config.sliding_window
+        length = min(window, max_cache_len) if kind == SLIDING else max_cache_len
         layout.append(LayerCache(kind, layer.num_key_value_heads, layer.head_dim, length))
     return layout
 
@@ -231,11 +237,24 @@ def chunk_mask(
     return _additive(torch.cat([ring, own], dim=-1), dtype)
 
 
-def decode_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+def decode_mask(positions: torch.Tensor, length: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """Each row's query at its position ([B, 1]) against its ring of `length` indices: an index is
     visible if it holds a position (>= 0), which is then a real one of that row at most the query's;
-    a ring of at most the window's length is the window itself."""
-    return _additive((ring_positions(positions, length) >= 0)[:, None, :], dtype)
+    a ring of at most the window's length is the window itself, a longer one (a sliding layer in the
+    whole-row layout) also hides what lies `window` or more before the query."""
+    held = ring_positions(positions, length)
+    visible = held >= 0
+    if window is not None and length > window:
+        visible = visible & (positions.reshape(-1, 1) - held < window)
+    return _additive(visible[:, None, :], dtype)
+
+
+def copy_rows(state: KVCache, src_row: torch.Tensor, dst_row: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's K and V with row `dst_row` [1] replaced by row `src_row` [1], whole: what the
+    destination then reads of it is positions 0..h-1, the prefix it shares (its next chunk starts at
+    h, and `chunk_mask` hides every index at or after it until its own chunks and steps write them).
+    Exact for any h only in the whole-row layout: a window-long ring holds the source's last window."""
+    return [t.index_copy(0, dst_row, t.index_select(0, src_row)) for t in state.tensors()]
 
 
 def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -18,6 +18,9 @@ The calls (every shape fixed at build time; P prefill rows, B = the cache's rows
            (a row id may repeat with the very same inputs: P is padded that way)
   Decode   (input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1]
            every row at its own position; a row with nothing to do writes its own slot only
+  Copy     (src_row [1], dst_row [1]) -> dst_row [1, 1]
+           row src_row of every layer's K and V copied whole into row dst_row (prefix caching:
+           the destination's prompt begins with a prefix the source holds; `cache.copy_rows`)
 
 The token is chosen in the graph (`pick`, `sampling.py`): per row, greedy at temperature 0, else
 temperature, top-k and top-p from the row's own uniform draw. A graph built with `logits=True`
@@ -32,15 +35,16 @@ import torch
 
 from .. import spec
 from ..experts.view import with_experts
-from .cache import SLIDING, GraphCache, KVCache, TokenCounts, cache_layout, chunk_mask, decode_mask
+from .cache import SLIDING, GraphCache, KVCache, TokenCounts, cache_layout, chunk_mask, copy_rows, decode_mask
 from .sampling import CANDIDATES, TOP_LOGPROBS, count_tokens, logprobs, process
 from .sampling import pick as pick_token
 
 
-def new_cache(model, max_cache_len: int, rows: int, aliased: bool = False) -> KVCache:
-    """Zeroed KV state for `model` (its KV heads per layer: a rank module's are its own share)."""
+def new_cache(model, max_cache_len: int, rows: int, aliased: bool = False, whole_rows: bool = False) -> KVCache:
+    """Zeroed KV state for `model` (its KV heads per layer: a rank module's are its own share);
+    `whole_rows`: the layout prefix caching copies rows of (`cache.cache_layout`)."""
     weight = model.model.embed_tokens.weight
-    return KVCache(cache_layout(model.config, max_cache_len), rows, weight.dtype, weight.device, aliased)
+    return KVCache(cache_layout(model.config, max_cache_len, whole_rows), rows, weight.dtype, weight.device, aliased)
 
 
 def new_counts(model, rows: int, aliased: bool = False) -> TokenCounts:
@@ -116,7 +120,9 @@ class Decode(_StaticGraph):
     """forward(input_ids [B, 1], position_ids [B, 1], sampling [B, 4]): row b's token at its position."""
 
     def forward(self, input_ids, position_ids, sampling):
-        masks = {kind: decode_mask(position_ids, length, self.dtype) for kind, (_, length) in self.kinds.items()}
+        masks = {
+            kind: decode_mask(position_ids, length, self.dtype, window) for kind, (window, length) in self.kinds.items()
+        }
         return self._run(input_ids, masks, position_ids, sampling, GraphCache(self.cache, position_ids))
 
 
@@ -156,7 +162,9 @@ class ProcessingDecode(_Processing):
         return 5 if self.logits else 4
 
     def forward(self, input_ids, position_ids, sampling, process_row, bias_ids, bias, mask):
-        masks = {kind: decode_mask(position_ids, length, self.dtype) for kind, (_, length) in self.kinds.items()}
+        masks = {
+            kind: decode_mask(position_ids, length, self.dtype, window) for kind, (window, length) in self.kinds.items()
+        }
         cache = GraphCache(self.cache, position_ids)
         out = self.model(
             input_ids=input_ids,
@@ -219,3 +227,30 @@ class ProcessingPrefill(_Processing):
             prompt_seen.index_copy(0, row_ids, rows_prompt.clamp(max=1)),
         ]
         return (chosen, top_ids, top) + self._commit(cache, counts)
+
+
+class Copy(torch.nn.Module):
+    """forward(src_row [1], dst_row [1]) -> dst_row [1, 1]: row src_row of the KV state copied whole
+    into row dst_row, one fixed-shape graph over the same state as the prefill and decode graphs. It
+    returns its dst_row so that a call has an output to wait for (with an aliased cache the new
+    state follows, as for the other graphs)."""
+
+    logits = False
+    user_outputs = 1
+
+    def __init__(self, cache: KVCache):
+        super().__init__()
+        self.cache = cache
+
+    def output_aliases(self) -> dict[torch.nn.Parameter, int]:
+        if not self.cache.aliased:
+            raise ValueError("output_aliases() is for an aliased cache (NxD); this one is mutated in place")
+        return {t: self.user_outputs + i for i, t in enumerate(self.cache.tensors())}
+
+    def forward(self, src_row, dst_row):
+        if self.cache.aliased:
+            return (dst_row.reshape(1, 1),) + self.cache.commit(copy_rows(self.cache, src_row, dst_row))
+        # in place: one row moves (torch.export records it as the same buffer mutation as a commit)
+        for t in self.cache.tensors():
+            t.index_copy_(0, dst_row, t.index_select(0, src_row))
+        return (dst_row.reshape(1, 1),)

@@ -17,7 +17,7 @@ import torch
 from ..port import StaticSpec
 from . import data_dependent_ops
 from .cache import COUNTS, STATE
-from .decoder import Decode, ProcessingDecode, ProcessingPrefill, _Processing, _StaticGraph
+from .decoder import Copy, Decode, ProcessingDecode, ProcessingPrefill, _Processing, _StaticGraph
 from .sampling import greedy_sampling, neutral_inputs
 
 
@@ -41,6 +41,11 @@ def decode_inputs(spec: StaticSpec) -> tuple[torch.Tensor, ...]:
         torch.zeros(spec.batch_size, 1, dtype=torch.long),
         greedy_sampling(spec.batch_size),
     )
+
+
+def copy_inputs() -> tuple[torch.Tensor, ...]:
+    """Example (src_row [1], dst_row [1]) of the copy graph (prefix caching)."""
+    return torch.tensor([0]), torch.tensor([0])
 
 
 def example_inputs(
@@ -84,7 +89,15 @@ def state_problems(program: torch.export.ExportedProgram, graph: _StaticGraph) -
     nodes = {n.name: n for n in program.graph.nodes}
     outputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_outputs]
     inputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_inputs]
-    expected_inputs = 3 if isinstance(graph, Decode) else 7 if isinstance(graph, ProcessingDecode) else 5
+    expected_inputs = (
+        3
+        if isinstance(graph, Decode)
+        else 7
+        if isinstance(graph, ProcessingDecode)
+        else 2
+        if isinstance(graph, Copy)
+        else 5
+    )
     ranks = 2 if not isinstance(graph, ProcessingPrefill) else 3  # the top logprobs of every column
     if len(outputs) != graph.user_outputs or any(len(s) > ranks for s in outputs):
         what = "the token" if not isinstance(graph, _Processing) else "the token or logprobs"

@@ -22,6 +22,7 @@ from .cache import share_state
 from .decoder import Decode, Prefill, new_cache
 from .export import example_inputs, export
 from .rows import bucket_for, generate, graph_runtime
+from .runtime import static_runtime
 
 
 class StaticInputError(UserError):
@@ -36,6 +37,14 @@ def choose_buckets(spec: StaticSpec, lengths: list[int], max_new_tokens: int) ->
             f"prompt of {longest} tokens exceeds the largest prefill bucket {spec.buckets[-1]} "
             f"(buckets: {list(spec.buckets)})"
         )
+    check_cache(spec, longest, max_new_tokens)
+    return {bucket_for(n, spec.buckets) for n in lengths}
+
+
+def check_cache(spec: StaticSpec, longest: int, max_new_tokens: int) -> None:
+    """The longest prompt and its new tokens fit the KV cache, or a StaticInputError."""
+    if max_new_tokens < 1:
+        raise StaticInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     # a prompt of n tokens holds positions 0..n-1; each generated token but the last is fed back at the next
     if longest + max_new_tokens - 1 > spec.max_cache_len:
         raise StaticInputError(
@@ -43,7 +52,6 @@ def choose_buckets(spec: StaticSpec, lengths: list[int], max_new_tokens: int) ->
             f"cache slots; max_cache_len is {spec.max_cache_len} "
             f"(at most {spec.max_cache_len - longest + 1} new tokens for this prompt)"
         )
-    return {bucket_for(n, spec.buckets) for n in lengths}
 
 
 def prompt_lengths(attention_mask: torch.Tensor) -> list[int]:
@@ -126,3 +134,20 @@ def traced_backend(port, dtype=None, checkpoint=None):
     return the logits too), every prompt checked before anything is exported."""
     spec = port.static_spec("validate --backend traced")
     return StaticGenerator(build_model(port, spec.decode_experts, dtype, checkpoint), spec, logits=True).generate
+
+
+def static_backend(port, dtype=None, checkpoint=None, compile: bool = True, progress=None):
+    """`validate --backend static`: the port's graphs as `serve --backend static` runs them (modules over
+    one KV cache of the port's batch size, prompts longer than the prefill chunk prefilled a chunk at a
+    time; compiled by torch.compile unless `compile=False`, `progress` told of each compile), built to
+    return the logits too. Prompts that do not fit the cache are refused before any graph runs."""
+    spec = port.static_spec("validate --backend static")
+    model = build_model(port, spec.decode_experts, dtype, checkpoint)
+    runtime = static_runtime(model, spec, logits=True, compile=compile, progress=progress)
+
+    @torch.no_grad()
+    def generate_static(input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> Generation:
+        check_cache(spec, max(prompt_lengths(attention_mask)), max_new_tokens)
+        return Generation(*generate(runtime, input_ids, attention_mask, max_new_tokens))
+
+    return generate_static

@@ -61,7 +61,12 @@ A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` r
 `chunk`, `prefill_rows`, `prefill(chunks) -> (tokens [n], logits [n, V] | None)` and
 `decode(ids [B, 1], positions [B, 1], sampling [B, 4]) -> (tokens [B], logits [B, V] | None)`, on
 the host, and `processing` (whether it has the variants, `prefill_processing` and `decode_processing`)
-and `vocab`. The decode call's inputs are the step's own tensors, written in place before the next
+and `vocab`; with prefix caching (`prefix`, a `prefix.PrefixIndex`) also `copy_row(src, dst)`. Then
+admission puts each piece of work in the least recently used free row, with its prompt's longest
+held prefix (`PrefixIndex`) copied there first unless that row holds it; its prefill starts after
+the prefix (work that asks for logits processing takes none: its prefill counts its prompt's tokens
+and scores them, as vLLM skips the prefix cache for prompt logprobs). The decode call's inputs are
+the step's own tensors, written in place before the next
 call: a runtime reads them during the call (a device runtime copies them to the device) and keeps
 no reference past it. A graph call that fails ends the work it was running with the error, frees
 those rows, and raises out of the step.
@@ -117,7 +122,7 @@ class GraphRuntime:
     return, with no state among their outputs) come back to the host.
 
     On CPU the callables are the `Prefill` and `Decode` modules themselves over one `KVCache`
-    (`serve/runtime.py`, `eval/reader_batch.py`) or exported programs (`graph_runtime`); on
+    (`static/runtime.py`, `eval/reader_batch.py`) or exported programs (`graph_runtime`); on
     Inferentia2 the compiled artifact, whose one callable NxD routes to the key whose input shapes
     match (`serve/neuron.py`).
     """
@@ -139,8 +144,11 @@ class GraphRuntime:
         prefill_processing=None,
         decode_processing=None,
         vocab: int | None = None,
+        copy=None,
     ):
-        self._prefill, self._decode = prefill, decode
+        self._prefill, self._decode, self._copy = prefill, decode, copy
+        # a copy graph (`decoder.Copy`) over a whole-row cache: what prefix caching needs
+        self.prefix_caching = copy is not None
         # the logits-processing variants (`decoder.ProcessingPrefill`, `ProcessingDecode`; None: this
         # runtime has none, and requests that ask for them are refused)
         self._prefill_processing, self._decode_processing = prefill_processing, decode_processing
@@ -184,6 +192,12 @@ class GraphRuntime:
         torch releases the GIL, and another thread of the host (serving's text thread) may then hold
         it until its work is done, in series with the graph call that follows."""
         return [x if x.device == self.device else x.to(self.device) for x in inputs]
+
+    @torch.no_grad()
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row `src` of the KV state copied into row `dst` on the device (prefix caching)."""
+        out = self._copy(*(torch.tensor([r]).to(self.device) for r in (src, dst)))
+        (out[0] if isinstance(out, (tuple, list)) else out).cpu()  # waits for the call
 
     @torch.no_grad()
     def prefill_processing(self, chunks: list[Chunk]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -235,8 +249,9 @@ class Rows:
     needs) before its decode; else one prefill call's worth, so that a long prompt costs the rows
     generating beside it one chunk's call per token, not its whole prefill."""
 
-    def __init__(self, runtime, prefill_all: bool = False):
+    def __init__(self, runtime, prefill_all: bool = False, prefix=None):
         self.runtime, self.batch = runtime, runtime.batch
+        self.prefix = prefix  # a prefix.PrefixIndex: prefix caching (the runtime has `copy_row`), or None
         self._per_step = runtime.batch if prefill_all else runtime.prefill_rows[-1]  # chunks a step prefills
         self.slots: list = [None] * self.batch  # the work in each row
         # The decode call's inputs, made once and written in place a row at a time (through numpy views
@@ -248,6 +263,8 @@ class Rows:
         self.steps = 0  # decode steps run
         # called after each graph call that ran, before its tokens are handed out: (graph, rows it ran)
         self.counted: Callable[[str, int], None] | None = None
+        # called after each prefix lookup: (prompt tokens queried, tokens taken from a held prefix)
+        self.looked_up: Callable[[int, int], None] | None = None
         self._done = [0] * self.batch  # prompt tokens prefilled so far, per row
         self._asks = [False] * self.batch  # whether each row's work runs in the logits-processing variants
         self._fed = [NEUTRAL[4:]] * self.batch  # its (reset, fed_prompt, fed_output) flags for its next decode
@@ -270,7 +287,9 @@ class Rows:
     def free(self, row: int, error: Exception | None = None) -> None:
         """End the work in `row` (with `error`, if it failed) and free the row."""
         work, self.slots[row] = self.slots[row], None
-        self._ids[row, 0], self._positions[row, 0] = self.runtime.pad_id, 0
+        # a free row waits at position 0, or after the prefix it holds (which its pad must not touch)
+        self._ids[row, 0] = self.runtime.pad_id
+        self._positions[row, 0] = 0 if self.prefix is None else self.prefix.park(row, error)
         work.end(error)
 
     def _prefilling(self, row: int) -> bool:
@@ -282,18 +301,36 @@ class Rows:
         return n - 1 if self._asks[row] and n else n
 
     def _admit(self, take: Callable[[], object]) -> None:
-        for row in range(self.batch):
-            if self.slots[row] is not None:
-                continue
+        admitted: set[int] = set()  # a row takes one piece of work a step
+        while free := [row for row in range(self.batch) if self.slots[row] is None and row not in admitted]:
             work = take()
             if work is None:
                 return
-            self.slots[row], self._done[row], self._order[row] = work, 0, next(self._admitted)
-            self._asks[row] = bool(getattr(work, "asks", False))
+            asks = bool(getattr(work, "asks", False))
+            if self.prefix is None:
+                row, source, hit = free[0], None, 0
+            else:
+                row, source, hit = self._place(work.prompt, free, lookup=not asks)
+            admitted.add(row)
+            self.slots[row], self._done[row], self._order[row] = work, hit, next(self._admitted)
+            self._positions[row, 0] = hit  # its first chunk's first position
+            self._asks[row] = asks
+            if source is not None and source != row:
+                self._call("copy", [row], self.runtime.copy_row, source, row)
             if self._asks[row] and len(work.prompt) == 1:  # no prefill: its first decode resets its counts
                 self._fed_prompt(row, reset=True)
             elif not work.prompt:
                 self._next(row, None, None)
+
+    def _place(self, prompt: list[int], free: list[int], lookup: bool) -> tuple[int, int | None, int]:
+        """(the row for `prompt`, the row holding its longest held prefix or None, that prefix's length);
+        `lookup` False: no prefix taken nor counted (work that asks for logits processing)."""
+        source, hit = self.prefix.lookup(prompt, free) if lookup else (None, 0)
+        row = self.prefix.victim(free)
+        self.prefix.admit(row, source, hit)
+        if lookup and self.looked_up is not None:
+            self.looked_up(len(prompt), hit)
+        return row, source, hit
 
     def _fed_prompt(self, row: int, reset: bool) -> None:
         """Work that asks, prefilled but for its prompt's last token: that token is its next decode input."""
@@ -320,6 +357,8 @@ class Rows:
         if plain:
             tokens, logits = self._call("prefill", [r for r, _ in plain], self.runtime.prefill, [c for _, c in plain])
             for i, (row, chunk) in enumerate(plain):
+                if self.prefix is not None:
+                    self.prefix.extend(row, chunk.ids)
                 self._done[row] += len(chunk.ids)
                 self._positions[row, 0] = self._done[row]  # the next chunk's first position, or the first token's
                 if not self._prefilling(row):
@@ -328,6 +367,8 @@ class Rows:
             rows = [r for r, _ in asking]
             scores = self._call("prefill", rows, self.runtime.prefill_processing, [c for _, c in asking])
             for (row, chunk), (chosen, top_ids, top) in zip(asking, scores):
+                if self.prefix is not None:
+                    self.prefix.extend(row, chunk.ids)
                 self._done[row] += len(chunk.ids)
                 self._positions[row, 0] = self._done[row]
                 work = self.slots[row]
@@ -354,6 +395,8 @@ class Rows:
             rows = [row for row in rows if self.slots[row] is not None]  # a work whose inputs failed is gone
             if not rows:
                 return []
+        fed = None if self.prefix is None else [int(self._ids[row, 0]) for row in rows]
+        if asking:
             tokens, scores, logits = self._call(
                 "decode", rows, self.runtime.decode_processing, self.ids, self.positions, self.sampling, *inputs
             )
@@ -361,6 +404,9 @@ class Rows:
             tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, self.sampling)
         self.steps += 1
         tokens = tokens.tolist()
+        if fed is not None:  # each row's cache now holds the token it was fed
+            for row, token in zip(rows, fed):
+                self.prefix.extend(row, [token])
         for row in rows:
             positions[row, 0] += 1
             row_logits = None if logits is None else logits[row]

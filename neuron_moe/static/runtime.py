@@ -1,0 +1,59 @@
+"""The port's static graphs on CPU, as modules over one KV cache, as the batching engine's runtime
+(`static.rows.GraphRuntime`: what goes in and out; on Inferentia2 the compiled artifact, `serve/neuron.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
+from .inductor import CompiledGraph
+from .rows import GraphRuntime
+from .sampling import CANDIDATES
+
+
+def static_runtime(
+    model,
+    spec,
+    batch: int | None = None,
+    *,
+    prefill_rows=None,
+    chunk: int | None = None,
+    logits: bool = False,
+    compile: bool = False,
+    progress: Callable[[str], None] | None = None,
+    prefix_caching: bool = False,
+) -> GraphRuntime:
+    """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
+    `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
+    with the experts implementation the port names for it, choosing its tokens itself, and their
+    logits-processing variants (`ProcessingPrefill`, `ProcessingDecode`) over the same cache and one
+    set of token counts, for the requests that ask for them. `prefill_rows` and `chunk` default to the
+    port's; `logits=True` also returns the logits (validation, tests). `compile`: the prefill and
+    decode graphs compiled by torch.compile at their first call of each shape (`progress` told of each
+    compile; the caller checked for a C++ compiler and chose the cache: `inductor.py`); the
+    logits-processing variants and the copy run as modules. `prefix_caching`: the cache in the
+    whole-row layout and the `Copy` graph over it (`static/prefix.py`)."""
+    batch = batch or spec.batch_size
+    cache = new_cache(model, spec.max_cache_len, batch, whole_rows=prefix_caching)
+    counts = new_counts(model, batch)
+    rows = sorted({min(p, batch) for p in prefill_rows}) if prefill_rows else spec.rows_for(batch)
+    prefill = Prefill(model, cache, spec.prefill_experts, logits=logits)
+    decode = Decode(model, cache, spec.decode_experts, logits=logits)
+    if compile:
+        prefill, decode = CompiledGraph(prefill, "prefill", progress), CompiledGraph(decode, "decode", progress)
+    return GraphRuntime(
+        prefill,
+        decode,
+        batch=batch,
+        buckets=spec.buckets,
+        prefill_rows=rows,
+        max_length=spec.max_cache_len,
+        logits=logits,
+        candidates=min(CANDIDATES, model.config.vocab_size),
+        pad_id=model.config.pad_token_id or 0,
+        chunk=chunk or spec.chunk,
+        prefill_processing=ProcessingPrefill(model, cache, counts, spec.prefill_experts),
+        decode_processing=ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits),
+        vocab=model.config.vocab_size,
+        copy=Copy(cache) if prefix_caching else None,
+    )
