@@ -870,7 +870,8 @@ def create_app(
         (the model's own); each beam goes on with each of those (and the token drawn), an EOS (unless
         ignore_eos) completing it; the n best by cumulative logprob / length^length_penalty (the length
         counting the prompt, not a final EOS: vLLM's score) live on. After max_tokens, the n best of the
-        completed and the live are the choices. Every step prefills every beam again (no prefix cache).
+        completed and the live are the choices. Every step prefills every beam again (a request that asks for logprobs
+        takes no prefix from the prefix cache).
         A chat template's own stop string (`stops`: the plain fallback's) cuts a choice's text, as it ends
         any other answer."""
         width = req.choices
