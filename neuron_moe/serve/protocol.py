@@ -3,9 +3,10 @@
 Every field is checked against OpenAI's schema and ranges, strictly: a value of the wrong JSON
 type is refused, never coerced ("0.5" is not a temperature, 1.0 is not a max_tokens, 1 is not a
 `stream`), and `null`, where OpenAI allows it, means the field's default. Unknown fields are
-ignored (clients send `extra_body` as-is); a field this server knows but cannot honour, OpenAI's
-or one of vLLM's sampling extras, is refused with 400 naming it when it asks for anything but its
-default (`UNSUPPORTED`): never accepted and ignored.
+ignored (clients send `extra_body` as-is); a field this server knows but does not honour (tools,
+audio, `suffix`, …) is refused with 400 naming it when it asks for anything but its default
+(`UNSUPPORTED`), and so is a field beam search does not take, sent with it: never accepted and
+ignored.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (the graphs take fe
 # (and near 0 to inf in fp32)
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
-# What the server cannot do yet, by field: the values that ask for nothing (their defaults). Any
-# other value is a 400 naming the field. OpenAI's fields, then vLLM's sampling extras that clients
-# of vLLM send through `extra_body`.
+# What the server does not do, by field: the values that ask for nothing (their defaults). Any
+# other value is a 400 naming the field. OpenAI's fields (each one's reason: docs/serving.md's
+# field table); every sampling extra of vLLM's is honoured.
 UNSUPPORTED: dict[str, tuple] = {
     # honoured by one route only (the request type that does lists it in its HONOURED): top_logprobs
     # in chat (completions' `logprobs` is a count)
