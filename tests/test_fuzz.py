@@ -36,6 +36,7 @@ from neuron_moe.checkpoint import _weight_map
 from neuron_moe.errors import UserError
 from neuron_moe.neuron import artifact as na
 from neuron_moe.port import load_port, tomllib
+from neuron_moe.tokenizer import load_tokenizer
 from neuron_moe.publish import s3
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.prep import write_sidecar
@@ -101,6 +102,11 @@ schemas = st.sampled_from(
 )
 regexes = st.sampled_from([None, "[a-z]+", "yes|no", "[0-9]{2}", "", "[a-", "("])
 grammar_texts = st.sampled_from([None, 'start: "yes" | "no"', "root ::= [0-9]+", "start: nowhere", ""])
+TOKENIZER = load_tokenizer(load_port(MODEL))
+# one-token texts of one character each: allowed_token_ids drawn from these, a text of theirs told by its characters
+LETTERS = {TOKENIZER.encode(c, add_special_tokens=False)[0]: c for c in "abx .e"}
+assert all(len(TOKENIZER.encode(c, add_special_tokens=False)) == 1 for c in LETTERS.values())
+BAD_WORDS = ["the", " is", "a", "Paris", "xyz", "", "\ud800"]
 OPTIONAL = {
     "max_completion_tokens": st.integers(1, 3) | st.none(),  # small: a request that succeeds is a few decode steps
     "temperature": st.floats(0, 2) | st.sampled_from([0.0, 1e-300, 5e-324, 2.0, None]),
@@ -165,6 +171,18 @@ OPTIONAL = {
     "guided_choice": st.none() | st.lists(valid_text, max_size=3),
     "guided_grammar": grammar_texts,
     "guided_whitespace_pattern": st.sampled_from([None, " ?", "[", ""]),
+    # vLLM's vocabulary fields: a few one-character tokens (LETTERS), and ids at and past the vocabulary
+    "allowed_token_ids": st.none()
+    | st.lists(st.sampled_from(sorted(LETTERS)), min_size=1, max_size=3)
+    | st.sampled_from([[], [2048], [10**6], [-1], ["5"]]),
+    "bad_words": st.none() | st.lists(st.sampled_from(BAD_WORDS), max_size=3),
+    "prompt_logprobs": st.sampled_from([None, 0, 2, 20, 21, -1, 1.0]),
+    # vLLM's beam search (with most other fields: a 400 naming the other)
+    "use_beam_search": st.sampled_from([None, False, True]),
+    "length_penalty": st.sampled_from([None, 1, 1.0, 0.5, -1.0]),
+    # what the server refuses (IGNORABLE), each with its reason in docs/serving.md
+    "web_search_options": st.sampled_from([None, {}, {"search_context_size": "low"}]),
+    "audio": st.sampled_from([None, {}, {"voice": "alloy", "format": "wav"}]),
 }
 
 # What a request may set only to null or these (the server does not do anything else with them).
@@ -177,6 +195,8 @@ IGNORABLE = {
     "functions": [[]],
     "function_call": ["none", "auto"],
     "modalities": [["text"]],
+    "web_search_options": [],
+    "audio": [],
 }
 # ... and on one route only: top_logprobs is chat's (completions' logprobs is the count)
 IGNORABLE_ON = {True: {}, False: {"top_logprobs": []}}
@@ -295,6 +315,32 @@ def check_honoured(body: dict, answer: dict, chat: bool) -> None:
             assert choice["finish_reason"] != "length" or requested is None or tokens == requested, (body, answer)
         if body.get("echo") and not chat and isinstance(body["prompt"], str):
             assert text.startswith(body["prompt"]), (body, answer)
+        if body.get("allowed_token_ids") and not body.get("echo"):  # only those tokens: only their characters
+            assert set(text) <= {LETTERS[t] for t in body["allowed_token_ids"]}, (body, answer)
+        if body.get("bad_words") and not body.get("echo"):  # no bad word's own token among the generated
+            generated = logprob_tokens(choice, chat)
+            for word in body["bad_words"]:
+                for form in (word.lstrip(), " " + word.lstrip()):
+                    ids = TOKENIZER.encode(form, add_special_tokens=False) if word else []
+                    if len(ids) == 1:
+                        assert TOKENIZER.decode(ids) not in generated, (word, body, answer)
+    n_prompt = answer["usage"]["prompt_tokens"]
+    asked = body.get("prompt_logprobs")
+    if asked is None and not chat and body.get("echo"):
+        asked = body.get("logprobs")  # vLLM's: echo's logprobs count
+    scores = [answer.get("prompt_logprobs")] if chat else [c.get("prompt_logprobs") for c in answer["choices"]]
+    for got in scores:
+        assert (got is None) == (asked is None), (body, answer)
+        if got is not None:
+            assert len(got) == n_prompt and got[0] is None, (body, answer)
+            assert all(0 < len(p) <= asked + 1 for p in got[1:]), (body, answer)
+
+
+def logprob_tokens(choice: dict, chat: bool) -> list[str]:
+    """The generated tokens' texts of a choice that asked for logprobs ([] when it did not)."""
+    if not choice.get("logprobs"):
+        return []
+    return [e["token"] for e in choice["logprobs"]["content"]] if chat else choice["logprobs"]["tokens"]
 
 
 def check_answer(r: httpx.Response, body, chat: bool) -> None:
@@ -311,7 +357,11 @@ def check_answer(r: httpx.Response, body, chat: bool) -> None:
     assert allows is None or allows(answer_text(r, chat)), f"the grammar not followed: {answer_text(r, chat)!r}, {body}"
     if r.headers["content-type"].startswith("text/event-stream"):
         events = sse_events(r.text.splitlines())
-        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), (body, events)
+        assert events[-1] == "[DONE]", (body, events)
+        errors = [e["error"] for e in events[:-1] if "error" in e]
+        # the one error a stream may end with: allowed_token_ids and bad_words (and a grammar) left no token
+        assert all(e["param"] in ("allowed_token_ids", "bad_words") for e in errors), (body, events)
+        events = [e for e in events if "error" not in e]
         for event in events[:-1]:
             if chat:
                 ChatCompletionChunk.model_validate(event)
@@ -320,7 +370,13 @@ def check_answer(r: httpx.Response, body, chat: bool) -> None:
             else:
                 assert event["usage"]["total_tokens"] >= 1
         return
-    (ChatCompletion if chat else Completion).model_validate(r.json())
+    answer = r.json()
+    if not chat:  # an echoed prompt's first token has no logprob: null, as OpenAI's API and vLLM send it, which
+        for choice in answer["choices"]:  # the `openai` package's Completion type does not allow
+            lp = choice["logprobs"]
+            if lp and lp["token_logprobs"] and lp["token_logprobs"][0] is None:
+                lp["token_logprobs"][0], lp["top_logprobs"][0] = 0.0, {}
+    (ChatCompletion if chat else Completion).model_validate(answer)
 
 
 @settings(max_examples=60, **FUZZ)
@@ -337,6 +393,50 @@ def test_fuzz_completion_requests(http, body, raw):
         check_answer(
             http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), raw, chat=False
         )
+
+
+VOCABULARY = ("allowed_token_ids", "bad_words", "prompt_logprobs")
+
+
+@settings(max_examples=30, **FUZZ)
+@given(chat=st.booleans(), data=st.data())
+def test_fuzz_beam_search(http, chat, data):
+    """vLLM's beam search with what it takes (n, temperature, ignore_eos, length_penalty,
+    include_stop_str_in_output) and now and then one field it does not: served, or a 400 naming it."""
+    takes = ("n", "temperature", "ignore_eos", "length_penalty", "include_stop_str_in_output", "stop", "logprobs")
+    fields = data.draw(st.fixed_dictionaries({}, optional={k: OPTIONAL[k] for k in takes}))
+    route = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "The capital of France is"}
+    body = {"model": MODEL, "max_tokens": 2, **route, **fields, "use_beam_search": True}
+    r = post(http, "/v1/chat/completions" if chat else "/v1/completions", body)
+    check_answer(r, body, chat)
+    if r.status_code == 200:
+        assert len(r.json()["choices"]) == (body.get("n") or 1)
+
+
+@settings(max_examples=40, **FUZZ)
+@given(chat=st.booleans(), data=st.data())
+def test_fuzz_allowed_token_ids_bad_words_and_prompt_logprobs(http, chat, data):
+    """vLLM's vocabulary fields drawn among a few others a request often sends with them (most of these
+    requests are valid, unlike the broad fuzzers', so the checks of a 200's body run on them)."""
+    others = (
+        "temperature",
+        "seed",
+        "echo",
+        "stream",
+        "n",
+        "stop",
+        "guided_choice",
+        "use_beam_search",
+        "length_penalty",
+    )
+    # guided_choice of ASCII texts: a text cut by max_tokens within a character is not a prefix of its choice
+    ascii_choices = st.none() | st.lists(st.sampled_from(["Paris", "a b", "xx", ".", "e.a"]), min_size=1, max_size=3)
+    optional = {**{k: OPTIONAL[k] for k in VOCABULARY + others}, "guided_choice": ascii_choices}
+    fields = data.draw(st.fixed_dictionaries({}, optional=optional))
+    fields["logprobs"] = data.draw(st.sampled_from([None, True]) if chat else st.sampled_from([None, 0, 2]))
+    route = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "The capital of France is"}
+    body = {"model": MODEL, "max_tokens": 3, **route, **fields}
+    check_answer(post(http, "/v1/chat/completions" if chat else "/v1/completions", body), body, chat)
 
 
 def nullable_fields(params) -> list[str]:

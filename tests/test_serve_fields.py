@@ -12,9 +12,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_moe.serve.app import create_app
+from neuron_moe.serve.chat import render_chat
 from neuron_moe.serve.backends import load_engine
-from neuron_moe.serve.engine import Engine, RequestError, SamplingParams
-from neuron_moe.tokenizer import ByteTokenizer
+from neuron_moe.port import load_port
+from neuron_moe.serve.engine import Engine, RequestError, SamplingParams, bad_word_ids
+from neuron_moe.static.sampling import Processing
+from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer
 
 from serving import serving, sse_events, wait_for
 
@@ -143,6 +146,69 @@ def test_the_chosen_tokens_logprobs_are_summed_when_asked():
     assert text(banned) == "xx" and math.isclose(banned[-1].cumulative_logprob, 2 * raw, rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_are_the_only_tokens_chosen(temperature):
+    """The model wants EOS then "a"; only "x" and "y" allowed: every token one of them, to max_tokens."""
+    allowed = (byte("x"), byte("y"))
+    steps = run(
+        Ranked([EOS, byte("a"), byte("y"), byte("x")]),
+        max_tokens=12,
+        temperature=temperature,
+        seed=5,
+        allowed_token_ids=allowed,
+    )
+    assert set(text(steps)) <= {"x", "y"} and steps[-1].completion_tokens == 12
+    if temperature == 0:
+        assert text(steps) == "y" * 12  # the more likely of the two
+
+
+def test_allowed_token_ids_and_a_grammars_mask_allow_what_both_allow():
+    engine = Engine(Ranked([EOS]), BYTES, 512, {EOS})
+    output = engine.output(SamplingParams(4, allowed_token_ids=(byte("a"), byte("b"))))
+    grammar = torch.full_like(output.allowed(), -1)
+    grammar[byte("a") // 32] &= ~(1 << (byte("a") % 32))  # a grammar that rules "a" out
+    output.matcher = type("Grammar", (), {"allowed": lambda self: grammar})()
+    mask = output.allowed()
+    assert [t for t in range(BYTES.vocab_size) if mask[t // 32] >> (t % 32) & 1] == [byte("b")]
+
+
+def test_bad_words_ban_each_words_last_token_after_the_rest():
+    """vLLM's bad_words: a one-token word is never chosen; a longer word's last token is banned right
+    after its other tokens were generated, so the model takes its next choice there."""
+    # "t" banned: the first of the tokens left at -30 instead (token 0: no text)
+    assert text(run(Scripted("a cat sat"), bad_words=("t",))) == "a ca sa"
+    steps = run(Ranked([byte("a"), byte("b"), byte("c")]), max_tokens=6, bad_words=("ab", "aa"))
+    assert text(steps) == "ac" * 3  # after "a": "a" and "b" banned; after "c": "a" again
+    engine = Engine(Ranked([EOS]), BYTES, 512, {EOS})
+    output = engine.output(SamplingParams(8, bad_words=("xyz", "q")))
+    assert output.banned() == (byte("q"),)
+    output.next(None, byte("x"))
+    assert output.banned() == (byte("q"),)
+    output.next(None, byte("y"))
+    assert sorted(output.banned()) == [byte("q"), byte("z")]
+
+
+def test_allowed_token_ids_and_bad_words_that_leave_nothing_are_the_requests_fault():
+    with pytest.raises(RequestError) as e:  # "x" the only token allowed, and a bad word
+        run(Ranked([byte("x")]), allowed_token_ids=(byte("x"),), bad_words=("x",))
+    assert e.value.param == "allowed_token_ids" and "no token is left" in str(e.value)
+
+
+def test_bad_words_tokenized_with_and_without_a_leading_space():
+    """Each word as vLLM tokenizes it: plain and after a space (a word within the text), stripped of
+    leading spaces; the spaced form kept when its first token differs — here also when it is shorter
+    (" Paris" a token of its own, "Paris" two), which vLLM's equal-length rule would miss."""
+    tokenizer = load_tokenizer(load_port(MODEL))
+    ids = bad_word_ids(tokenizer, ("Paris", " Paris"))
+    plain = tuple(tokenizer.encode("Paris", add_special_tokens=False))
+    spaced = tuple(tokenizer.encode(" Paris", add_special_tokens=False))
+    assert plain != spaced and ids == (plain, spaced, plain, spaced)
+    assert bad_word_ids(BYTES, ("ab",)) == ((byte("a"), byte("b")),)  # " ab" only puts a space before it
+    with pytest.raises(RequestError) as e:
+        bad_word_ids(BYTES, ("",))
+    assert e.value.param == "bad_words"
+
+
 def test_what_a_backend_cannot_do_is_refused_by_name():
     engine = Engine(Ranked([EOS]), BYTES, 512, {EOS})
     with pytest.raises(RequestError) as e:
@@ -152,8 +218,21 @@ def test_what_a_backend_cannot_do_is_refused_by_name():
         engine.check_sampling(SamplingParams(4, min_tokens=1, stop_token_ids=tuple(range(10, 74))))
     assert e.value.param == "stop_token_ids"
     engine.check_sampling(SamplingParams(4, min_tokens=1, stop_token_ids=tuple(range(10, 73))))
+    with pytest.raises(RequestError) as e:  # 64 one-token words and a logit_bias entry: past the 64 entries
+        words = tuple(chr(c) for c in range(ord("0"), ord("0") + 64))
+        engine.check_sampling(SamplingParams(4, bad_words=words, processing=Processing(logit_bias=((3, 1.0),))))
+    assert e.value.param == "bad_words"
+    engine.check_sampling(SamplingParams(4, bad_words=words))
+    with pytest.raises(RequestError) as e:
+        engine.check_sampling(SamplingParams(4, allowed_token_ids=(5, BYTES.vocab_size)))
+    assert e.value.param == "allowed_token_ids" and "vocabulary size" in str(e.value)
     engine.runtime.processing = False  # graphs without the logits-processing variants (an older artifact)
-    for params, field in ((SamplingParams(4, min_tokens=2), "min_tokens"), (SamplingParams(4, rank=True), "best_of")):
+    for params, field in (
+        (SamplingParams(4, min_tokens=2), "min_tokens"),
+        (SamplingParams(4, rank=True), "best_of"),
+        (SamplingParams(4, allowed_token_ids=(5,)), "allowed_token_ids"),
+        (SamplingParams(4, bad_words=("x",)), "bad_words"),
+    ):
         with pytest.raises(RequestError) as e:
             engine.check_sampling(params)
         assert e.value.param == field
@@ -373,3 +452,133 @@ def test_each_choice_has_its_own_logprobs_and_echo(url):
     assert got.choices[1].text == alone.text  # choice 1 is seeded seed + 1; its logprobs within fp32 rounding of
     # the same rows' prefill batched otherwise (1e-4: the fp32 port's tolerance against HF eager)
     assert got.choices[1].logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_every_token_in_the_set(url, engine, temperature):
+    """Every generated token one of allowed_token_ids (EOS not among them: to max_tokens), greedy and sampled."""
+    allowed = engine.tokenizer.encode(" Paris London is", add_special_tokens=False)
+    texts = {engine.tokenizer.decode([t]) for t in allowed}
+    got = complete(
+        url, max_tokens=12, temperature=temperature, seed=2, logprobs=0, extra_body={"allowed_token_ids": allowed}
+    )
+    choice = got.choices[0]
+    assert got.usage.completion_tokens == 12 and set(choice.logprobs.tokens) <= texts, choice.logprobs.tokens
+    assert "".join(choice.logprobs.tokens) == choice.text
+
+
+def test_bad_words_never_generated(url, engine):
+    """The greedy answer names Paris first; with "Paris" a bad word, neither of its tokenizations appears
+    in the output ids, and the answer goes another way."""
+    plain = complete(url, max_tokens=16, temperature=0).choices[0].text
+    assert plain.startswith(" Paris")
+    for temperature in (0.0, 1.0):
+        body = {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": 16,
+            "temperature": temperature,
+            "seed": 1,
+            "bad_words": ["Paris"],
+            "logprobs": 0,
+        }
+        choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        ids = engine.tokenizer.encode(choice["text"], add_special_tokens=False)
+        for word in bad_word_ids(engine.tokenizer, ("Paris",)):
+            assert not any(tuple(ids[i : i + len(word)]) == word for i in range(len(ids))), (choice["text"], word)
+        assert "Paris" not in choice["text"]
+
+
+def test_prompt_logprobs_as_vllm_shapes_them_are_hf_eagers(url, engine, tiny_eager):
+    """vLLM's prompt_logprobs (no echo): per prompt token None (the first), else {id: {logprob, rank,
+    decoded_token}}, the prompt's token first then the n most likely; HF eager's log_softmax within 1e-4;
+    completions in the choice, chat once in the response."""
+    ids = engine.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        logp = tiny_eager(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
+    got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    choice = got["choices"][0]
+    assert not choice["text"].startswith(PROMPT) and choice["logprobs"] is None  # no echo
+    scores = choice["prompt_logprobs"]
+    assert len(scores) == len(ids) and scores[0] is None
+    for i, position in enumerate(scores[1:]):
+        row, token = logp[i], ids[i + 1]
+        top, top_ids = row.topk(3)
+        assert list(position)[0] == str(token)  # the prompt's token first
+        assert set(position) == {str(token), *map(str, top_ids.tolist())}
+        assert abs(position[str(token)]["logprob"] - float(row[token])) < 1e-4
+        assert position[str(token)]["rank"] == int((row >= row[token]).sum())
+        for rank, (t, value) in enumerate(zip(top_ids.tolist(), top.tolist()), 1):
+            entry = position[str(t)]
+            assert abs(entry["logprob"] - value) < 1e-4 and entry["rank"] == rank
+            assert entry["decoded_token"] == engine.tokenizer.decode([t])
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=60,
+        json={"model": MODEL, "messages": messages, "max_tokens": 1, "prompt_logprobs": 0},
+    ).json()
+    rendered = render_chat(engine.tokenizer, messages)[0]
+    with torch.no_grad():
+        chat_logp = tiny_eager(input_ids=torch.tensor([rendered])).logits[0].float().log_softmax(-1)
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(rendered)
+    for i, position in enumerate(chat["prompt_logprobs"][1:]):
+        assert list(position) == [str(rendered[i + 1])]  # 0 most likely: the prompt's token alone
+        assert abs(position[str(rendered[i + 1])]["logprob"] - float(chat_logp[i, rendered[i + 1]])) < 1e-4
+    streamed = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_constraints_that_leave_no_token_are_a_400_naming_the_field(url, engine):
+    only = engine.tokenizer.encode(" Paris", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "allowed_token_ids": only, "bad_words": ["Paris"]}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    events = sse_events(
+        httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
+    )
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "invalid_request_error", events
+
+
+def test_allowed_token_ids_and_a_grammar_together(url, engine):
+    """guided_choice's two answers, allowed_token_ids only the second's tokens: the second, where the
+    grammar alone answers the first."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "guided_choice": ["Paris", "Rome"]}
+    alone = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert alone == "Paris"
+    rome = engine.tokenizer.encode("Rome", add_special_tokens=False)
+    both = httpx.post(f"{url}/v1/completions", json={**body, "allowed_token_ids": rome}, timeout=60).json()
+    assert both["choices"][0]["text"] == "Rome", both
+
+
+def test_beam_search_as_vllm_runs_it(url, engine, tiny_eager):
+    """use_beam_search with n beams: each step every beam goes on with its 2·n most likely tokens, the n
+    best cumulative logprobs live on (vLLM's rule; one length for all: length_penalty does not reorder
+    them); the n best are the choices. Held to the same search over HF eager's logprobs, ignore_eos so
+    that nothing completes early; n=1 is greedy."""
+    ids = engine.tokenizer.encode(PROMPT)
+
+    def logp(tokens):
+        with torch.no_grad():
+            return tiny_eager(input_ids=torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1)
+
+    beams = [(ids, 0.0)]
+    for _ in range(3):
+        grown = []
+        for tokens, total in beams:
+            top, top_ids = logp(tokens).topk(4)
+            grown += [(tokens + [t], total + v) for t, v in zip(top_ids.tolist(), top.tolist())]
+        beams = sorted(grown, key=lambda b: b[1], reverse=True)[:2]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    got = httpx.post(f"{url}/v1/completions", json={**body, "use_beam_search": True, "n": 2}, timeout=60).json()
+    assert [c["text"] for c in got["choices"]] == [engine.tokenizer.decode(t[len(ids) :]) for t, _ in beams], got
+    assert [c["finish_reason"] for c in got["choices"]] == ["length", "length"]
+    assert got["usage"]["completion_tokens"] == 6
+    one = httpx.post(f"{url}/v1/completions", json={**body, "use_beam_search": True}, timeout=60).json()
+    assert one["choices"][0]["text"] == complete(url, max_tokens=3, temperature=0).choices[0].text
+    for edit, param in (({"stop": "x"}, "stop"), ({"n": 11}, "n"), ({"logprobs": 1}, "logprobs")):
+        r = httpx.post(f"{url}/v1/completions", json={**body, "use_beam_search": True, **edit}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{url}/v1/completions", json={**body, "length_penalty": 0.5}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty", r.text

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import threading
 import time
 import uuid
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from ..report import dumps
 from .chat import render_chat
+from ..static.sampling import Processing
 from .engine import Engine, RequestError, SamplingParams, TokenLogprobs
 from .invocations import invocation_request
 from .metrics import CONTENT_TYPE, Metrics
@@ -314,9 +316,35 @@ class _Logprobs:
         return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
 
 
-def _prompt_entries(prompt_ids: list[int], item) -> list:
-    """A first Step's prompt logprobs (echo) as (token, logprobs) entries; [] when it has none."""
-    return list(zip(prompt_ids, item.prompt_logprobs)) if item.prompt_logprobs is not None else []
+def _prompt_entries(prompt_ids: list[int], item, n: int | None = None) -> list:
+    """A first Step's prompt logprobs (echo) as (token, logprobs) entries, the `n` most likely kept (None:
+    all); [] when it has none."""
+    if item.prompt_logprobs is None:
+        return []
+    kept = [e if e is None or n is None else replace(e, top=e.top[:n]) for e in item.prompt_logprobs]
+    return list(zip(prompt_ids, kept))
+
+
+def _vllm_prompt_logprobs(tokenizer, scores: tuple | None, n: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}, the prompt's token first, then the n most likely (rank: the token's in the
+    distribution, 1 the most likely; null for a prompt token beyond the 20 most likely)."""
+    if scores is None:
+        return None
+
+    def one(logprob: float, rank: int | None, token: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token])}
+
+    out: list = []
+    for entry in scores:
+        if entry is None:
+            out.append(None)
+            continue
+        position = {str(entry.token): one(entry.logprob, entry.rank, entry.token)}
+        for i, (token, logprob) in enumerate(entry.top[:n]):
+            position.setdefault(str(token), one(logprob, i + 1, token))
+        out.append(position)
+    return out
 
 
 def _step_entries(item) -> list:
@@ -370,6 +398,13 @@ class _Record:
             time.perf_counter() - self.started,
             outcome or f"finish {self.finish}",
         )
+
+
+class _Quiet(_Record):
+    """A request's part that logs nothing of its own (a step of beam search: the request logs once)."""
+
+    def log(self, outcome: str | None = None) -> None:
+        pass
 
 
 class _Cut(Exception):
@@ -477,6 +512,10 @@ async def _stream(
                 yield ": keep-alive\n\n"
                 continue
             index, item = got
+            if isinstance(item, RequestError):  # what the request asked admits no token: the client's
+                outcome = f"refused: {item}"
+                yield _sse(error_body(str(item), "invalid_request_error", item.param))
+                break
             if isinstance(item, Exception):
                 outcome = f"failed: {type(item).__name__}"
                 yield _sse(error_body(f"generation failed: {type(item).__name__}: {item}", "server_error"))
@@ -527,22 +566,34 @@ class _Result:
     completion: int = 0
     logprob: float | None = None
     entries: list = field(default_factory=list)  # [(token, its logprobs)]: the prompt's (echo), then the choice's
+    prompt_logprobs: tuple | None = None  # the first Step's: each prompt token's logprobs, None first
 
 
-async def _collect(choices: _Choices, request: Request, cut: asyncio.Event, record: _Record, echo: _Echo | None):
+async def _collect(
+    choices: _Choices,
+    request: Request,
+    cut: asyncio.Event,
+    record: _Record,
+    echo: _Echo | None,
+    logprobs_n: int | None = None,
+):
     """Each generation's _Result, in order, or None when the client left first; a 503 APIError at
-    the drain deadline."""
+    the drain deadline. `logprobs_n`: the most likely tokens kept per echoed prompt token."""
 
     async def consume():
         results = [_Result() for _ in choices.jobs]
         parts = [[] for _ in choices.jobs]
         async for index, item in _until_cut(choices.events(), cut):
+            if isinstance(item, RequestError):  # what the request asked admits no token: the client's
+                raise APIError(400, str(item), param=item.param)
             if isinstance(item, Exception):
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}", "server_error")
             record.step(index, item)
             result = results[index]
-            if not parts[index] and echo is not None:
-                result.entries += _prompt_entries(echo.ids, item)
+            if not parts[index]:
+                result.prompt_logprobs = item.prompt_logprobs
+                if echo is not None:
+                    result.entries += _prompt_entries(echo.ids, item, logprobs_n)
             result.entries += _step_entries(item)
             parts[index].append(item.text)
             result.finish, result.completion = item.finish_reason or result.finish, item.completion_tokens
@@ -733,6 +784,8 @@ def create_app(
         if problem:
             raise problem
         n, runs = req.choices, req.candidates
+        if req.use_beam_search:
+            return await beam_search(engine, req, request, prompt_ids, chat, started, extra_stops)
         try:
             max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
             params = SamplingParams(
@@ -743,6 +796,7 @@ def create_app(
                 processing=req.asked_processing,
                 rank=runs > n,
                 grammar=req.grammar,
+                **req.vocabulary,
             )
             engine.check_sampling(params)
             if params.grammar is not None:  # compiled (or found in the cache) off the event loop
@@ -779,12 +833,15 @@ def create_app(
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        results = await _collect(choices, request, state.cut, record, echo)
+        kept = None if chat else req.logprobs  # echo's prompt logprobs: as many most likely as logprobs asks
+        results = await _collect(choices, request, state.cut, record, echo, kept)
         if results is None:
             return Response(status_code=499)  # nobody is listening; the status is for the access log
         before = echo.text if echo is not None else ""
-        answered = [
-            _choice(
+        prompt_n = req.answered_prompt_logprobs
+        answered = []
+        for i, j in enumerate(_best(results, n)):
+            choice = _choice(
                 chat,
                 False,
                 before + results[j].text,
@@ -793,10 +850,101 @@ def create_app(
                 stop_reason=results[j].stop_reason,
                 logprobs=logprobs[j](results[j].entries) if logprobs is not None else None,
             )
-            for i, j in enumerate(_best(results, n))
-        ]
+            if prompt_n is not None and not chat:  # vLLM's: a completion choice's
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(
+                    engine.tokenizer, results[j].prompt_logprobs, prompt_n
+                )
+            answered.append(choice)
+        extra = {}
+        if prompt_n is not None and chat:  # vLLM's: the chat response's, once (the prompt is the choices' own)
+            extra["prompt_logprobs"] = _vllm_prompt_logprobs(engine.tokenizer, results[0].prompt_logprobs, prompt_n)
         # usage as OpenAI counts it: the prompt once, every generated token (best_of's candidates too)
-        return {**head, "choices": answered, "usage": _usage(len(prompt_ids), sum(r.completion for r in results))}
+        usage = _usage(len(prompt_ids), sum(r.completion for r in results))
+        return {**head, "choices": answered, "usage": usage, **extra}
+
+    async def beam_search(
+        engine: Engine, req, request: Request, prompt_ids: list[int], chat: bool, started: float, stops: tuple = ()
+    ):
+        """vLLM's beam search, as vLLM runs it above its engine: each step, every live beam is a one-token
+        request whose prompt is the beam's whole sequence, asking the 2·n most likely tokens' logprobs
+        (the model's own); each beam goes on with each of those (and the token drawn), an EOS (unless
+        ignore_eos) completing it; the n best by cumulative logprob / length^length_penalty (the length
+        counting the prompt, not a final EOS: vLLM's score) live on. After max_tokens, the n best of the
+        completed and the live are the choices. Every step prefills every beam again (a request that asks for logprobs
+        takes no prefix from the prefix cache).
+        A chat template's own stop string (`stops`: the plain fallback's) cuts a choice's text, as it ends
+        any other answer."""
+        width = req.choices
+        try:
+            max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
+        except RequestError as e:
+            field = {"prompt": "messages" if chat else "prompt"}.get(e.param, e.param)
+            raise APIError(400, str(e), param=field) from None
+        if width > scheduler.max_running + scheduler.max_queue:
+            raise APIError(400, f"n={width}: more beams than this server runs and queues", param="n")
+        temperature = 1.0 if req.temperature is None else req.temperature
+        penalty = 1.0 if req.length_penalty is None else req.length_penalty
+        step_params = SamplingParams(1, temperature=temperature, processing=Processing(logprobs=2 * width))
+        try:
+            engine.check_sampling(step_params)  # the logprobs it reads need the logits-processing graphs
+        except RequestError as e:
+            raise APIError(400, f"use_beam_search reads logprobs: {e}", param="use_beam_search") from None
+        eos, keep_eos = engine.eos_ids, bool(req.include_stop_str_in_output)
+
+        def score(tokens: list[int], cumulative: float) -> float:
+            """cumulative / length^penalty (≤ 0), worked out in logs so that no power overflows."""
+            length = max(1, len(tokens) - (1 if tokens[-1] in eos else 0))
+            if cumulative >= 0:
+                return 0.0
+            return -math.exp(min(700.0, math.log(-cumulative) - penalty * math.log(length)))
+
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
+        record = _Record(head["id"], len(prompt_ids), started)
+        beams: list[tuple[list[int], float]] = [(list(prompt_ids), 0.0)]
+        completed: list[tuple[list[int], float, str]] = []
+        for _ in range(max_tokens):
+            jobs = []
+            try:
+                for tokens, _ in beams:
+                    jobs += scheduler.submit_all(engine, tokens, [step_params])
+            except APIError:
+                for job in jobs:
+                    job.cancel()
+                raise
+            results = await _collect(_Choices(jobs), request, state.cut, _Quiet(head["id"], 0, started), None)
+            if results is None:
+                record.log("client gone")
+                return Response(status_code=499)
+            grown = []
+            for (tokens, cumulative), result in zip(beams, results):
+                entry = result.entries[-1][1]
+                for token, logprob in dict([*entry.top, (entry.token, entry.logprob)]).items():
+                    if token in eos and not req.ignore_eos:
+                        ended = tokens + [token] if keep_eos else tokens
+                        completed.append((ended, cumulative + logprob, "stop"))
+                    else:
+                        grown.append((tokens + [token], cumulative + logprob))
+            beams = sorted(grown, key=lambda b: score(*b), reverse=True)[:width]
+            if not beams:
+                break
+        completed += [(tokens, cumulative, "length") for tokens, cumulative in beams]
+        best = sorted(completed, key=lambda b: score(b[0], b[1]), reverse=True)[:width]
+        choices = []
+        for i, (tokens, _, finish) in enumerate(best):
+            generated = tokens[len(prompt_ids) :]
+            text = await asyncio.to_thread(engine.tokenizer.decode, generated)
+            cut = min((j for j in (text.find(stop) for stop in stops) if j >= 0), default=None)
+            text, finish = (text, finish) if cut is None else (text[:cut], "stop")
+            choices.append(_choice(chat, False, text, finish, index=i))
+            record.tokens[i] = len(generated)
+        record.finish = "beam search"
+        record.log()
+        return {**head, "choices": choices, "usage": _usage(len(prompt_ids), record.completion)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):

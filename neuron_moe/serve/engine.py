@@ -33,6 +33,7 @@ from ..static.sampling import (
     NOTHING,
     Processing,
     logprobs,
+    mask_words,
     pick,
     process_host,
     sampling_row,
@@ -72,6 +73,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     rank: bool = False
     grammar: GrammarSpec | None = None  # structured output: what the text must match (grammar.py)
+    # vLLM's: the only tokens that may be chosen (None: any); words whose tokens must not be generated
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class TokenLogprobs:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    # the token's rank in the distribution (1: the most likely; vLLM's, ties ranked alike), known when it
+    # is among the most likely the scores hold (TOP_LOGPROBS of them); None otherwise
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,8 +112,11 @@ def sample(logits: torch.Tensor, row: tuple, finite: bool | None = None) -> int:
 
 
 def token_logprobs(token: int, chosen: float, top_ids, top, n: int) -> TokenLogprobs:
-    """A TokenLogprobs from a graph's (or the host's) scores, the first `n` of the top ones kept."""
-    return TokenLogprobs(token, float(chosen), tuple(zip(top_ids[:n].tolist(), top[:n].tolist())))
+    """A TokenLogprobs from a graph's (or the host's) scores, the first `n` of the top ones kept; its rank
+    from all of them."""
+    ids, values, chosen = top_ids.tolist(), top.tolist(), float(chosen)
+    rank = sum(v >= chosen for v in values) if token in ids else None
+    return TokenLogprobs(token, chosen, tuple(zip(ids[:n], values[:n])), rank)
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -164,8 +174,12 @@ class Output:
         params: SamplingParams,
         prompt: list[int] = (),
         matcher: Matcher | None = None,
+        allowed: torch.Tensor | None = None,
+        bad_words: tuple[tuple[int, ...], ...] = (),
     ):
         self.tokenizer, self.eos_ids, self.params, self.matcher = tokenizer, eos_ids, params, matcher
+        self._allowed = allowed  # allowed_token_ids as a bitmask (`allowed_mask`), or None
+        self._bad_words = bad_words  # bad_words' token sequences (`bad_word_ids`)
         self.prompt = list(prompt)
         self.generated: list[int] = []  # every token generated (an EOS too): what the penalties count
         self.scores: list[TokenLogprobs | None] = []  # each generated token's logprobs, when asked
@@ -202,17 +216,37 @@ class Output:
         """Whether this request runs in the logits-processing graphs (`static/rows.py`): it asks for
         logprobs, penalties, logit_bias or min_p, bans (min_tokens: `banned()`), each token's logprob
         (best_of's ranking), or a grammar (`allowed()`)."""
-        return self.params.processing.asks or self._bans or self.params.rank or self.matcher is not None
+        params = self.params
+        return (
+            params.processing.asks
+            or self._bans
+            or params.rank
+            or self.matcher is not None
+            or self._allowed is not None
+            or bool(self._bad_words)
+        )
 
     def banned(self) -> tuple[int, ...]:
         """The token ids the next token must not be: EOS (unless ignore_eos) and stop_token_ids while
-        fewer than min_tokens have been generated (vLLM's min_tokens); () otherwise."""
-        return self._banned if self.count < self.params.min_tokens else ()
+        fewer than min_tokens have been generated (vLLM's min_tokens), and bad_words' (vLLM's): the
+        last token of each of their token sequences whose tokens before it were the last generated
+        (a one-token word's, always)."""
+        banned = list(self._banned) if self.count < self.params.min_tokens else []
+        generated = self.generated
+        for sequence in self._bad_words:
+            before = len(sequence) - 1
+            if before == 0 or (before <= len(generated) and tuple(generated[-before:]) == sequence[:-1]):
+                banned.append(sequence[-1])
+        return tuple(dict.fromkeys(banned))
 
     def allowed(self) -> torch.Tensor | None:
-        """The grammar's bitmask for the next token (int32 [ceil(V/32)], bit t % 32 of word t // 32 set
-        = token t allowed: grammar.py), or None: no grammar."""
-        return None if self.matcher is None else self.matcher.allowed()
+        """The bitmask for the next token (int32 [ceil(V/32)], bit t % 32 of word t // 32 set = token t
+        allowed: grammar.py): the grammar's, and allowed_token_ids' (both: the tokens both allow), or
+        None: neither."""
+        grammar = None if self.matcher is None else self.matcher.allowed()
+        if self._allowed is None:
+            return grammar
+        return self._allowed if grammar is None else grammar & self._allowed
 
     def processing(self) -> tuple[tuple[float, float, float, float], list[tuple[int, float]], torch.Tensor | None]:
         """This request's row of the logits-processing graphs' inputs for its next token (`static/rows.py`):
@@ -256,6 +290,7 @@ class Output:
             token, scores = self._choose(logits)
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
+        self._check_allowed(token)
         if self.matcher is not None and not self.matcher.advance(token):
             raise GenerationError(f"token {token} at step {self.count} is not one the grammar allows")
         self.token, self.count = token, self.count + 1
@@ -279,6 +314,21 @@ class Output:
             self._kept = True  # the token is the grammar's last, part of the text
             return "stop"
         return "length" if self.count == self.params.max_tokens else None
+
+    def _check_allowed(self, token: int) -> None:
+        """A RequestError naming the field when allowed_token_ids and bad_words (and a grammar) left the
+        token no choice: a token they rule out is chosen only when every token was ruled out."""
+        if self._allowed is None and not self._bad_words:
+            return
+        mask = self.allowed()
+        if (mask is None or int(mask[token // 32]) >> (token % 32) & 1) and token not in self.banned():
+            return
+        field = "allowed_token_ids" if self._allowed is not None else "bad_words"
+        raise RequestError(
+            f"{field}: at token {self.count + 1} no token is left to choose: allowed_token_ids, bad_words and the "
+            "structured output (where given) rule out every one",
+            field,
+        )
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, tuple | None]:
         """(the token, its scores) chosen on the host from the model's [V] logits, as the graphs choose it."""
@@ -373,6 +423,12 @@ class Engine:
         # tokenizer's vocabulary)
         self.grammars = Grammars(tokenizer, getattr(runtime, "vocab", None), self.eos_ids)
 
+    @property
+    def vocab(self) -> int | None:
+        """The logits' width: the runtime's vocabulary, else the tokenizer's (None: unknown)."""
+        runtime = getattr(self.runtime, "vocab", None) or getattr(self, "vocab_size", None)
+        return runtime or self.grammars.vocab_size or getattr(self.tokenizer, "vocab_size", None)
+
     def check_sampling(self, params: SamplingParams) -> None:
         """A RequestError if the runtime cannot sample this request as asked."""
         if self.max_top_k is not None and params.top_k > self.max_top_k:
@@ -388,7 +444,7 @@ class Engine:
                 f"{len(processing.logit_bias)}",
                 "logit_bias",
             )
-        vocab = getattr(self.runtime, "vocab", None) or getattr(self, "vocab_size", None)
+        vocab = self.vocab
         bad = next((t for t, _ in processing.logit_bias if vocab is not None and t >= vocab), None)
         if bad is not None:
             raise RequestError(f"logit_bias: token id {bad} is not below the vocabulary size {vocab}", "logit_bias")
@@ -403,7 +459,33 @@ class Engine:
                 f"logit_bias ({len(processing.logit_bias)}) are at most {BIAS_WIDTH} (the graphs' fixed width per row)",
                 "stop_token_ids",
             )
-        asked = "min_tokens" if banned else "best_of" if params.rank else None
+        if params.allowed_token_ids is not None:
+            bad = next((t for t in params.allowed_token_ids if vocab is not None and t >= vocab), None)
+            if bad is not None:
+                raise RequestError(
+                    f"allowed_token_ids: token id {bad} is not below the vocabulary size {vocab}", "allowed_token_ids"
+                )
+        words = bad_word_ids(self.tokenizer, params.bad_words, vocab)
+        if len(processing.logit_bias) + len(banned) + len(words) > BIAS_WIDTH:
+            raise RequestError(
+                f"bad_words: their token sequences ({len(words)}: each word with and without a leading space), "
+                f"logit_bias ({len(processing.logit_bias)}) and the ids min_tokens bans ({len(banned)}) are at "
+                f"most {BIAS_WIDTH} (the graphs' fixed width of banned ids per row)",
+                "bad_words",
+            )
+        asked = next(
+            (
+                field
+                for field, asks in (
+                    ("min_tokens", banned),
+                    ("best_of", params.rank),
+                    ("allowed_token_ids", params.allowed_token_ids is not None),
+                    ("bad_words", params.bad_words),
+                )
+                if asks
+            ),
+            None,
+        )
         if (processing.asks or asked) and getattr(self.runtime, "processing", True) is False:
             field = _asked_field(processing) if processing.asks else asked
             raise RequestError(
@@ -459,7 +541,10 @@ class Engine:
         self.check_sampling(params)
         self.compile_grammar(params)
         matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
-        return Output(self.tokenizer, self.eos_ids, params, prompt, matcher)
+        vocab = self.vocab
+        allowed = None if params.allowed_token_ids is None else allowed_mask(params.allowed_token_ids, vocab)
+        words = bad_word_ids(self.tokenizer, params.bad_words, vocab)
+        return Output(self.tokenizer, self.eos_ids, params, prompt, matcher, allowed, words)
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None
@@ -527,3 +612,35 @@ def eos_ids(tokenizer, config) -> set[int]:
     eos = getattr(config, "eos_token_id", None)
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return {i for i in ids if i is not None}
+
+
+def bad_word_ids(tokenizer, words: tuple[str, ...], vocab: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """bad_words as token sequences, vLLM's way: each word (its leading spaces stripped) tokenized as it
+    is and after a space (a word at the start of the text and within it), the spaced one kept when it
+    starts with another token and does not merely put space tokens before the plain one (which bans it
+    already). vLLM keeps it only when it is as long, too, and so misses a word whose spaced form is a
+    token shorter (" Paris" one token, "Paris" two): banned here. A RequestError for a word of no token
+    or beyond `vocab`."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise RequestError(f"bad_words: {word!r} tokenizes to no token", "bad_words")
+        sequences.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and spaced[-len(plain) :] != plain:
+            sequences.append(spaced)
+    bad = next((t for s in sequences for t in s if vocab is not None and t >= vocab), None)
+    if bad is not None:
+        raise RequestError(f"bad_words: token {bad} is not below the vocabulary size {vocab}", "bad_words")
+    return tuple(sequences)
+
+
+def allowed_mask(ids: tuple[int, ...], vocab: int) -> torch.Tensor:
+    """allowed_token_ids as a bitmask (int32 [ceil(V/32)], bit t % 32 of word t // 32 set = token t
+    allowed: the layout of `Output.allowed`)."""
+    bits = torch.zeros(mask_words(vocab) * 32, dtype=torch.bool)
+    bits[list(ids)] = True
+    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    words = (bits.view(-1, 32).long() * weights).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

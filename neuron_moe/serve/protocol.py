@@ -3,9 +3,10 @@
 Every field is checked against OpenAI's schema and ranges, strictly: a value of the wrong JSON
 type is refused, never coerced ("0.5" is not a temperature, 1.0 is not a max_tokens, 1 is not a
 `stream`), and `null`, where OpenAI allows it, means the field's default. Unknown fields are
-ignored (clients send `extra_body` as-is); a field this server knows but cannot honour, OpenAI's
-or one of vLLM's sampling extras, is refused with 400 naming it when it asks for anything but its
-default (`UNSUPPORTED`): never accepted and ignored.
+ignored (clients send `extra_body` as-is); a field this server knows but does not honour (tools,
+audio, `suffix`, …) is refused with 400 naming it when it asks for anything but its default
+(`UNSUPPORTED`), and so is a field beam search does not take, sent with it: never accepted and
+ignored.
 """
 
 from __future__ import annotations
@@ -30,14 +31,23 @@ GRAMMAR_FIELDS = (
     "guided_choice",
     "guided_grammar",
 )
+MAX_BAD_WORDS = 64  # vLLM's limit is 128 token sequences; the graphs ban at most BIAS_WIDTH ids per row
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs, and the graphs' top-n width
+MAX_LENGTH_PENALTY = 100.0  # vLLM takes any float; beyond this the length alone orders the beams
+MAX_BEAMS = 10  # vLLM asks 2·n logprobs per beam and step; the graphs return at most MAX_TOP_LOGPROBS
+# what vLLM's beam search takes (any other field set is refused with it, never ignored)
+BEAM_FIELDS = frozenset(
+    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "ignore_eos"}
+    | {"include_stop_str_in_output", "use_beam_search", "length_penalty", "user"}
+)
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (the graphs take fewer: `engine.check_sampling`)
 # vLLM takes any positive repetition_penalty; outside these a seen token's logit is scaled past any use
 # (and near 0 to inf in fp32)
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
-# What the server cannot do yet, by field: the values that ask for nothing (their defaults). Any
-# other value is a 400 naming the field. OpenAI's fields, then vLLM's sampling extras that clients
-# of vLLM send through `extra_body`.
+# What the server does not do, by field: the values that ask for nothing (their defaults). Any
+# other value is a 400 naming the field. OpenAI's fields (each one's reason: docs/serving.md's
+# field table); every sampling extra of vLLM's is honoured.
 UNSUPPORTED: dict[str, tuple] = {
     # honoured by one route only (the request type that does lists it in its HONOURED): top_logprobs
     # in chat (completions' `logprobs` is a count)
@@ -49,11 +59,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "modalities": (["text"],),
     "audio": (),
     "web_search_options": (),
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
-    "bad_words": ([],),
-    "allowed_token_ids": (),
-    "prompt_logprobs": (),
 }
 
 
@@ -265,6 +270,14 @@ class _Sampling(_Strict):
     # vLLM's extras: repetition_penalty 1 is off, min_p 0 is off
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
+    # vLLM's: the only tokens that may be chosen; words not to generate; the prompt tokens' logprobs and
+    # this many most likely per prompt token (vLLM's -1, the whole vocabulary, is past its default limit too)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    bad_words: list[Annotated[Text, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's beam search: n beams, ranked by cumulative logprob / length^length_penalty
+    use_beam_search: bool | None = None
+    length_penalty: float | None = Field(None, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     user: str | None = None
     tools: list | None = None
     tool_choice: Literal["none", "auto"] | None = None  # a tool choice needs tools, which are refused
@@ -347,6 +360,41 @@ class _Sampling(_Strict):
         return stops
 
     @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        """vLLM's rule: prompt logprobs come with the whole answer only."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs", "prompt_logprobs are not available when stream=true")
+        return self
+
+    @model_validator(mode="after")
+    def _beam_search(self):
+        """vLLM's beam search takes n (the beams), max_tokens, temperature, ignore_eos, length_penalty and
+        include_stop_str_in_output; any other field that asks for something is refused with it (vLLM
+        ignores them), and length_penalty without it."""
+        if not self.use_beam_search:
+            if self.length_penalty is not None and self.length_penalty != 1:
+                raise FieldError("length_penalty", "length_penalty applies to beam search only (use_beam_search: true)")
+            return self
+        if self.choices > MAX_BEAMS:
+            raise FieldError("n", f"beam search takes at most {MAX_BEAMS} beams (n), got {self.choices}")
+        for name in sorted(self.model_fields_set - BEAM_FIELDS):
+            value = getattr(self, name)
+            if isinstance(value, ResponseFormat) and value.type == "text":
+                continue
+            if value is not None and value is not False and value != []:
+                raise FieldError(name, f"{name} is not taken with use_beam_search")
+        return self
+
+    @property
+    def vocabulary(self) -> dict:
+        """allowed_token_ids and bad_words with their defaults for null (SamplingParams' names)."""
+        allowed = self.allowed_token_ids
+        return {
+            "allowed_token_ids": None if allowed is None else tuple(sorted(set(allowed))),
+            "bad_words": tuple(self.bad_words or ()),
+        }
+
+    @model_validator(mode="after")
     def _best_of(self):
         """OpenAI's rules: best_of candidates hold the n answered; candidates beyond n cannot be streamed
         (the best are known at the end)."""
@@ -424,8 +472,13 @@ class ChatRequest(_Sampling):
 
     @property
     def asked_processing(self) -> Processing:
-        """logprobs: the chosen token's and `top_logprobs` more per token."""
-        return self.processing((self.top_logprobs or 0) if self.logprobs else None)
+        """logprobs: the chosen token's and `top_logprobs` more per token; prompt_logprobs: the prompt's."""
+        return self.processing((self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs)
+
+    @property
+    def answered_prompt_logprobs(self) -> int | None:
+        """The most likely tokens per prompt token of the response's `prompt_logprobs` (None: none)."""
+        return self.prompt_logprobs
 
 
 PROMPT_FORMS = "a string, a list of token ids, or a list of one of either"
@@ -468,8 +521,16 @@ class CompletionRequest(_Sampling):
 
     @property
     def asked_processing(self) -> Processing:
-        """logprobs n: the chosen token's and n more per token, the prompt's too with echo."""
-        return self.processing(self.logprobs, self.logprobs if self.echo else None)
+        """logprobs n: the chosen token's and n more per token, the prompt's too with echo (and
+        prompt_logprobs: the prompt's, the more of the two most likely kept)."""
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return self.processing(self.logprobs, max(asked) if asked else None)
+
+    @property
+    def answered_prompt_logprobs(self) -> int | None:
+        """The most likely tokens per prompt token of the choice's `prompt_logprobs` (None: none), as
+        vLLM's: prompt_logprobs, else with echo the logprobs count."""
+        return self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if self.echo else None
 
 
 class TokenizeRequest(BaseModel):
