@@ -38,7 +38,7 @@ The bench's extra (`pip install -e ".[bench]"`) brings `accelerate` for `transfo
 
     OMP_NUM_THREADS=1 python -m bench.peers --llama-server DIR/build/bin/llama-server --gguf DIR/tiny.gguf \\
         --json bench/results/peers-cpu.json
-    python -m bench.peers --only ours --ours-args "--backend static --batch-size 8 --threads 1 --compile"
+    python -m bench.peers --only ours --ours-args "--backend static --batch-size 8 --threads 1 --no-compile"
 """
 
 from __future__ import annotations
