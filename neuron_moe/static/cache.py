@@ -83,6 +83,15 @@ def cache_bytes(layout: list[LayerCache], rows: int, dtype: torch.dtype) -> int:
     return 2 * rows * dtype.itemsize * sum(spec.kv_heads * spec.length * spec.head_dim for spec in layout)
 
 
+def _register_state(module: nn.Module, name: str, zeros: torch.Tensor, aliased: bool) -> None:
+    """Graph state: a parameter NxD aliases to an output (`aliased`), else a non-persistent buffer
+    that torch.export records as mutated."""
+    if aliased:
+        module.register_parameter(name, nn.Parameter(zeros, requires_grad=False))
+    else:
+        module.register_buffer(name, zeros, persistent=False)
+
+
 class KVCache(nn.Module):
     """K and V of every layer as module state: `k{i}`, `v{i}`, zeros at construction."""
 
@@ -93,10 +102,7 @@ class KVCache(nn.Module):
         for name in self.names:
             spec = layout[int(name[1:])]
             zeros = torch.zeros(rows, spec.kv_heads, spec.length, spec.head_dim, dtype=dtype, device=device)
-            if aliased:
-                self.register_parameter(name, nn.Parameter(zeros, requires_grad=False))
-            else:
-                self.register_buffer(name, zeros, persistent=False)
+            _register_state(self, name, zeros, aliased)
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.names]
@@ -123,11 +129,7 @@ class TokenCounts(nn.Module):
         self.rows, self.vocab, self.aliased = rows, vocab, aliased
         self.names = ["output", "prompt"]
         for name in self.names:
-            zeros = torch.zeros(rows, vocab, device=device)
-            if aliased:
-                self.register_parameter(name, nn.Parameter(zeros, requires_grad=False))
-            else:
-                self.register_buffer(name, zeros, persistent=False)
+            _register_state(self, name, torch.zeros(rows, vocab, device=device), aliased)
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.names]

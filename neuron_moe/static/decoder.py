@@ -86,16 +86,37 @@ class _StaticGraph(torch.nn.Module):
         """[rows, V] fp32, [rows, 4] sampling -> the next token [rows, 1] (`sampling.pick`)."""
         return pick_token(logits, sampling.float(), self.candidates)
 
-    def _run(self, input_ids, masks, position_ids, sampling, cache: GraphCache):
+    def _chunk(self, attention_mask, position_ids, row_ids) -> tuple[dict, GraphCache]:
+        """A prefill chunk's masks per layer type and the cache it writes (rows `row_ids`, each from
+        its chunk's first position, `GraphCache.start`)."""
+        start = position_ids[:, -1:] + 1 - attention_mask.sum(-1, keepdim=True)  # [P, 1]
+        masks = {
+            kind: chunk_mask(attention_mask, position_ids, start, window, length, self.dtype)
+            for kind, (window, length) in self.kinds.items()
+        }
+        return masks, GraphCache(self.cache, position_ids, row_ids, start)
+
+    def _step(self, position_ids) -> tuple[dict, GraphCache]:
+        """A decode step's masks per layer type and the cache it writes (every row at its position)."""
+        masks = {
+            kind: decode_mask(position_ids, length, self.dtype, window) for kind, (window, length) in self.kinds.items()
+        }
+        return masks, GraphCache(self.cache, position_ids)
+
+    def _logits(self, input_ids, masks, position_ids, cache: GraphCache, keep: int = 1) -> torch.Tensor:
+        """HF's model over the inputs -> fp32 logits [rows, keep, V] (keep 0: every column)."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=masks,
             position_ids=position_ids,
             cache=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
         )
-        logits = out.logits[:, -1].float()
+        return out.logits.float()
+
+    def _run(self, input_ids, masks, position_ids, sampling, cache: GraphCache):
+        logits = self._logits(input_ids, masks, position_ids, cache)[:, -1]
         token = self.pick(logits, sampling)
         return ((token, logits) if self.logits else (token,)) + self.cache.commit(cache.new)
 
@@ -108,22 +129,16 @@ class Prefill(_StaticGraph):
     """
 
     def forward(self, input_ids, attention_mask, position_ids, row_ids, sampling):
-        start = position_ids[:, -1:] + 1 - attention_mask.sum(-1, keepdim=True)  # [P, 1]
-        masks = {
-            kind: chunk_mask(attention_mask, position_ids, start, window, length, self.dtype)
-            for kind, (window, length) in self.kinds.items()
-        }
-        return self._run(input_ids, masks, position_ids, sampling, GraphCache(self.cache, position_ids, row_ids, start))
+        masks, cache = self._chunk(attention_mask, position_ids, row_ids)
+        return self._run(input_ids, masks, position_ids, sampling, cache)
 
 
 class Decode(_StaticGraph):
     """forward(input_ids [B, 1], position_ids [B, 1], sampling [B, 4]): row b's token at its position."""
 
     def forward(self, input_ids, position_ids, sampling):
-        masks = {
-            kind: decode_mask(position_ids, length, self.dtype, window) for kind, (window, length) in self.kinds.items()
-        }
-        return self._run(input_ids, masks, position_ids, sampling, GraphCache(self.cache, position_ids))
+        masks, cache = self._step(position_ids)
+        return self._run(input_ids, masks, position_ids, sampling, cache)
 
 
 class _Processing(_StaticGraph):
@@ -162,19 +177,8 @@ class ProcessingDecode(_Processing):
         return 5 if self.logits else 4
 
     def forward(self, input_ids, position_ids, sampling, process_row, bias_ids, bias, mask):
-        masks = {
-            kind: decode_mask(position_ids, length, self.dtype, window) for kind, (window, length) in self.kinds.items()
-        }
-        cache = GraphCache(self.cache, position_ids)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=masks,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        raw = out.logits[:, -1].float()
+        masks, cache = self._step(position_ids)
+        raw = self._logits(input_ids, masks, position_ids, cache)[:, -1]
         output_counts, prompt_seen = count_tokens(*self.counts.tensors(), input_ids, process_row)
         sampling = sampling.float()
         processed = process(raw, sampling[:, 0], process_row, bias_ids, bias, mask, output_counts, prompt_seen)
@@ -203,23 +207,12 @@ class ProcessingPrefill(_Processing):
         return 3
 
     def forward(self, input_ids, attention_mask, position_ids, row_ids, targets):
-        start = position_ids[:, -1:] + 1 - attention_mask.sum(-1, keepdim=True)  # [P, 1]
-        masks = {
-            kind: chunk_mask(attention_mask, position_ids, start, window, length, self.dtype)
-            for kind, (window, length) in self.kinds.items()
-        }
-        cache = GraphCache(self.cache, position_ids, row_ids, start)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=masks,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=0,
+        masks, cache = self._chunk(attention_mask, position_ids, row_ids)
+        chosen, top_ids, top = logprobs(
+            self._logits(input_ids, masks, position_ids, cache, keep=0), targets, TOP_LOGPROBS
         )
-        chosen, top_ids, top = logprobs(out.logits.float(), targets, TOP_LOGPROBS)
         output_counts, prompt_seen = self.counts.tensors()
-        keep = (start >= 1).float()  # a prompt's first chunk starts the row's counts from zero
+        keep = (cache.start >= 1).float()  # a prompt's first chunk starts the row's counts from zero
         rows_output = output_counts.index_select(0, row_ids) * keep
         rows_prompt = (prompt_seen.index_select(0, row_ids) * keep).scatter_add(1, input_ids, attention_mask.float())
         counts = [
