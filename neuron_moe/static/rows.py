@@ -32,13 +32,6 @@ The work in a row (a served request, an evaluated sequence, a prompt to validate
                        next step, or None: the work is done
   end(error)           the row let go of it: done, freed by the caller, or its graph call failed
 
-What the step does between two graph calls is on the graphs' critical path: `next` runs there for
-every row after every call, so it should decide from the token (and logits) alone what to feed
-next, and do anything slower beside the graph calls. Serving's work does so: its `next` takes the
-token by the ids (EOS, max_tokens) and hands the text and the streaming to a thread of its own
-(`serve/batching.py`), which runs while the loop is in the next call; a request that a stop string
-ends tells the loop so a step late, and the loop `free`s its row.
-
 and, for work that asks for logits processing (logprobs, penalties, bias, min_p, bans, a grammar's
 bitmask: `static/sampling.py`), also
 
@@ -55,7 +48,14 @@ prompt's last token (`prefill_processing`, which writes its prompt into the rows
 that last token is its first decode input, so its first token, like every later one, comes from the
 variant decode graph (`decode_processing`) with its logprobs. A step's decode runs the variant when
 any generating row asks (the other rows with neutral inputs: the same tokens as `decode`), else
-`decode` with today's inputs.
+`decode` with its own inputs.
+
+What the step does between two graph calls is on the graphs' critical path: `next` runs there for
+every row after every call, so it should decide from the token (and logits) alone what to feed
+next, and do anything slower beside the graph calls. Serving's work does so: its `next` takes the
+token by the ids (EOS, max_tokens) and hands the text and the streaming to a thread of its own
+(`serve/batching.py`), which runs while the loop is in the next call; a request that a stop string
+ends tells the loop so a step late, and the loop `free`s its row.
 
 A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` rows, a `pad_id`,
 `chunk`, `prefill_rows`, `prefill(chunks) -> (tokens [n], logits [n, V] | None)` and

@@ -124,7 +124,7 @@ def sampling_row(temperature: float, top_k: int, top_p: float, u: float) -> tupl
 #
 # A row that asks for anything beyond temperature/top-k/top-p (logprobs, penalties, logit_bias, min_p,
 # banned ids, a grammar's bitmask) runs in the logits-processing variant of the graphs; a step where no
-# row asks runs today's graphs with today's inputs. Per row, the variant decode graph reads
+# row asks runs the plain graphs (`Prefill`, `Decode`) with their own inputs. Per row, the variant decode graph reads
 #
 #   process   [R, 7] fp32 (PROCESS_FIELDS): presence, frequency and repetition penalties, min_p, and three
 #             flags the engine step sets: reset (zero the row's token counts: its first step without a
