@@ -168,6 +168,15 @@ class GraphRuntime:
         if len(chunks) > most:
             tokens, logits = zip(*(self.prefill(chunks[i : i + most]) for i in range(0, len(chunks), most)))
             return torch.cat(tokens), None if logits[0] is None else torch.cat(logits)
+        padded, inputs = self._padded(chunks)
+        inputs.append(torch.tensor([c.sampling for c in padded]))
+        tokens, logits = self._out(self._prefill(*self._sent(inputs)))
+        return tokens[: len(chunks)], None if logits is None else logits[: len(chunks)]
+
+    def _padded(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[torch.Tensor]]:
+        """One prefill call's chunks -> (the chunks padded to P rows with copies of the last, the inputs
+        every prefill graph takes first: input_ids, attention_mask, position_ids, each [P, bucket] and
+        left-padded as `prefill_row` pads, and row_ids [P])."""
         rows = next(p for p in self.prefill_rows if p >= len(chunks))
         longest = max(len(c.ids) for c in chunks)
         bucket = bucket_for(longest, self.buckets) if self.buckets else longest
@@ -178,10 +187,8 @@ class GraphRuntime:
             ids.append([self.pad_id] * pad + list(c.ids))
             mask.append([0] * pad + [1] * n)
             positions.append([c.start] * pad + list(range(c.start, c.start + n)))
-        inputs = [torch.tensor(ids), torch.tensor(mask), torch.tensor(positions)]
-        inputs += [torch.tensor([c.row for c in padded]), torch.tensor([c.sampling for c in padded])]
-        tokens, logits = self._out(self._prefill(*self._sent(inputs)))
-        return tokens[: len(chunks)], None if logits is None else logits[: len(chunks)]
+        inputs = [torch.tensor(ids), torch.tensor(mask), torch.tensor(positions), torch.tensor([c.row for c in padded])]
+        return padded, inputs
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
@@ -206,16 +213,9 @@ class GraphRuntime:
         most = self.prefill_rows[-1]
         if len(chunks) > most:
             return [s for i in range(0, len(chunks), most) for s in self.prefill_processing(chunks[i : i + most])]
-        rows = next(p for p in self.prefill_rows if p >= len(chunks))
-        longest = max(len(c.ids) for c in chunks)
-        bucket = bucket_for(longest, self.buckets) if self.buckets else longest
-        padded = chunks + [chunks[-1]] * (rows - len(chunks))
-        parts = [prefill_row(torch.tensor(c.ids), bucket, self.pad_id, c.start) for c in padded]
-        inputs = [torch.cat(column) for column in zip(*parts)]
-        targets = torch.zeros(rows, bucket, dtype=torch.long)
-        for i, c in enumerate(padded):
-            targets[i, bucket - len(c.ids) :] = torch.tensor(c.targets)
-        inputs += [torch.tensor([c.row for c in padded]), targets]
+        padded, inputs = self._padded(chunks)
+        bucket = inputs[0].shape[1]
+        inputs.append(torch.tensor([[0] * (bucket - len(c.ids)) + list(c.targets) for c in padded]))
         chosen, top_ids, top = (t.cpu() for t in self._prefill_processing(*self._sent(inputs))[:3])
         return [tuple(t[i, -len(c.ids) :] for t in (chosen, top_ids, top)) for i, c in enumerate(chunks)]
 
@@ -357,20 +357,14 @@ class Rows:
         if plain:
             tokens, logits = self._call("prefill", [r for r, _ in plain], self.runtime.prefill, [c for _, c in plain])
             for i, (row, chunk) in enumerate(plain):
-                if self.prefix is not None:
-                    self.prefix.extend(row, chunk.ids)
-                self._done[row] += len(chunk.ids)
-                self._positions[row, 0] = self._done[row]  # the next chunk's first position, or the first token's
+                self._prefilled_chunk(row, chunk)
                 if not self._prefilling(row):
                     self._next(row, int(tokens[i]), None if logits is None else logits[i])
         if asking:
             rows = [r for r, _ in asking]
             scores = self._call("prefill", rows, self.runtime.prefill_processing, [c for _, c in asking])
             for (row, chunk), (chosen, top_ids, top) in zip(asking, scores):
-                if self.prefix is not None:
-                    self.prefix.extend(row, chunk.ids)
-                self._done[row] += len(chunk.ids)
-                self._positions[row, 0] = self._done[row]
+                self._prefilled_chunk(row, chunk)
                 work = self.slots[row]
                 if hasattr(work, "prompt_scores"):
                     try:
@@ -380,6 +374,13 @@ class Rows:
                         continue
                 if not self._prefilling(row):
                     self._fed_prompt(row, reset=False)
+
+    def _prefilled_chunk(self, row: int, chunk: Chunk) -> None:
+        """The row's cache now holds `chunk`: its next chunk (or its first token) starts after it."""
+        if self.prefix is not None:
+            self.prefix.extend(row, chunk.ids)
+        self._done[row] += len(chunk.ids)
+        self._positions[row, 0] = self._done[row]
 
     def _decode(self) -> list[int]:
         rows = self.generating()
