@@ -13,7 +13,12 @@ import threading
 import time
 
 import httpx
+import torch
 import uvicorn
+
+from neuron_moe.tokenizer import ByteTokenizer
+
+BYTES = ByteTokenizer()
 
 
 def server_config(app) -> uvicorn.Config:
@@ -154,3 +159,22 @@ def serve_together(engine, requests, sinks=None):
     for sink in sinks:
         assert sink.ended.wait(60), "a request did not end"
     return sinks
+
+
+class Scripted:
+    """A backend that emits the given tokens in order, whatever the prompt (then EOS)."""
+
+    def __init__(self, tokens, vocab=BYTES.vocab_size):
+        self.tokens, self.vocab = list(tokens), vocab
+
+    def prefill(self, ids):
+        return self._logits(0), {"i": 0}
+
+    def decode(self, token, state):
+        state["i"] += 1
+        return self._logits(state["i"])
+
+    def _logits(self, i):
+        logits = torch.full((self.vocab,), -30.0)
+        logits[self.tokens[i] if i < len(self.tokens) else BYTES.eos_token_id] = 0.0
+        return logits

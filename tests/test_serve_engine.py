@@ -22,27 +22,10 @@ from neuron_moe.serve.engine import (
 from neuron_moe.static.sampling import GREEDY
 from neuron_moe.tokenizer import ByteTokenizer, HFTokenizer
 
+from serving import Scripted
+
 BYTES = ByteTokenizer()
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class Scripted:
-    """A backend that emits the given tokens in order, whatever the prompt (then EOS)."""
-
-    def __init__(self, tokens, vocab=BYTES.vocab_size):
-        self.tokens, self.vocab = list(tokens), vocab
-
-    def prefill(self, ids):
-        return self._logits(0), {"i": 0}
-
-    def decode(self, token, state):
-        state["i"] += 1
-        return self._logits(state["i"])
-
-    def _logits(self, i):
-        logits = torch.full((self.vocab,), -30.0)
-        logits[self.tokens[i] if i < len(self.tokens) else BYTES.eos_token_id] = 0.0
-        return logits
 
 
 class Recording:

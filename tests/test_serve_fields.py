@@ -19,7 +19,7 @@ from neuron_moe.serve.engine import Engine, RequestError, SamplingParams, bad_wo
 from neuron_moe.static.sampling import Processing
 from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer
 
-from serving import serving, sse_events, wait_for
+from serving import Scripted, serving, sse_events, wait_for
 
 BYTES = ByteTokenizer()
 EOS = BYTES.eos_token_id
@@ -48,23 +48,9 @@ class Ranked:
         return self.logits.clone()
 
 
-class Scripted:
+def scripted(text: str) -> Scripted:
     """The given text's byte tokens in order, whatever the prompt, then EOS."""
-
-    def __init__(self, text: str):
-        self.tokens = [byte(c) for c in text]
-
-    def prefill(self, ids):
-        return self._logits(0), {"i": 0}
-
-    def decode(self, token, state):
-        state["i"] += 1
-        return self._logits(state["i"])
-
-    def _logits(self, i):
-        logits = torch.full((BYTES.vocab_size,), -30.0)
-        logits[self.tokens[i] if i < len(self.tokens) else EOS] = 0.0
-        return logits
+    return Scripted([byte(c) for c in text])
 
 
 def run(runtime, max_tokens=64, **kw):
@@ -82,9 +68,9 @@ def text(steps) -> str:
 
 
 def test_ignore_eos_runs_to_max_tokens_feeding_eos_on():
-    steps = run(Scripted("hi"), max_tokens=6, ignore_eos=True)
+    steps = run(scripted("hi"), max_tokens=6, ignore_eos=True)
     assert (text(steps), steps[-1].finish_reason, steps[-1].completion_tokens) == ("hi", "length", 6)
-    assert run(Scripted("hi"), max_tokens=6)[-1].completion_tokens == 3  # without it: "h", "i", EOS
+    assert run(scripted("hi"), max_tokens=6)[-1].completion_tokens == 3  # without it: "h", "i", EOS
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -96,12 +82,12 @@ def test_min_tokens_bans_eos_until_then(temperature):
 
 
 def test_stop_token_ids_end_with_stop_and_the_token_as_stop_reason():
-    steps = run(Scripted("hello. more"), stop_token_ids=(byte("."),))
+    steps = run(scripted("hello. more"), stop_token_ids=(byte("."),))
     assert (text(steps), steps[-1].finish_reason, steps[-1].stop_reason) == ("hello", "stop", byte("."))
     assert steps[-1].completion_tokens == len("hello.")
-    kept = run(Scripted("hello. more"), stop_token_ids=(byte("."),), include_stop_str_in_output=True)
+    kept = run(scripted("hello. more"), stop_token_ids=(byte("."),), include_stop_str_in_output=True)
     assert (text(kept), kept[-1].stop_reason) == ("hello.", byte("."))
-    eos = run(Scripted("hi"))
+    eos = run(scripted("hi"))
     assert (eos[-1].finish_reason, eos[-1].stop_reason) == ("stop", None)  # EOS: no stop_reason, as vLLM
 
 
@@ -120,26 +106,26 @@ def test_min_tokens_bans_stop_token_ids_too_and_ignore_eos_unbans_eos():
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string_and_sends_nothing_past_it():
-    steps = run(Scripted("The answer is 42. Done"), stop=("42.",), include_stop_str_in_output=True)
+    steps = run(scripted("The answer is 42. Done"), stop=("42.",), include_stop_str_in_output=True)
     assert (text(steps), steps[-1].stop_reason) == ("The answer is 42.", "42.")
-    cut = run(Scripted("The answer is 42. Done"), stop=("42.",))
+    cut = run(scripted("The answer is 42. Done"), stop=("42.",))
     assert (text(cut), cut[-1].stop_reason) == ("The answer is ", "42.")
 
 
 def test_no_stop_string_ends_within_min_tokens():
     """vLLM's rule: text of the first min_tokens tokens is not searched for stop strings."""
-    assert text(run(Scripted("xaxxa yz"), stop=("a",))) == "x"
-    steps = run(Scripted("xaxxa yz"), stop=("a",), min_tokens=2)
+    assert text(run(scripted("xaxxa yz"), stop=("a",))) == "x"
+    steps = run(scripted("xaxxa yz"), stop=("a",), min_tokens=2)
     assert (text(steps), steps[-1].completion_tokens) == ("xaxx", 5)
     # a stop string that begins within min_tokens and ends after it counts
-    assert text(run(Scripted("xyzw"), stop=("yz",), min_tokens=2)) == "x"
+    assert text(run(scripted("xyzw"), stop=("yz",), min_tokens=2)) == "x"
 
 
 def test_the_chosen_tokens_logprobs_are_summed_when_asked():
     steps = run(Ranked([byte("x"), EOS]), max_tokens=3, ignore_eos=True, rank=True)
     expected = 3 * float(torch.log_softmax(Ranked([byte("x"), EOS]).logits, -1)[byte("x")])
     assert math.isclose(steps[-1].cumulative_logprob, expected, rel_tol=1e-6)
-    assert run(Scripted("ab"))[-1].cumulative_logprob is None
+    assert run(scripted("ab"))[-1].cumulative_logprob is None
     # under a ban, still the model's own distribution: EOS, banned, keeps its share
     banned = run(Ranked([EOS, byte("x")]), max_tokens=2, min_tokens=2, rank=True)
     raw = float(torch.log_softmax(Ranked([EOS, byte("x")]).logits, -1)[byte("x")])
@@ -176,7 +162,7 @@ def test_bad_words_ban_each_words_last_token_after_the_rest():
     """vLLM's bad_words: a one-token word is never chosen; a longer word's last token is banned right
     after its other tokens were generated, so the model takes its next choice there."""
     # "t" banned: the first of the tokens left at -30 instead (token 0: no text)
-    assert text(run(Scripted("a cat sat"), bad_words=("t",))) == "a ca sa"
+    assert text(run(scripted("a cat sat"), bad_words=("t",))) == "a ca sa"
     steps = run(Ranked([byte("a"), byte("b"), byte("c")]), max_tokens=6, bad_words=("ab", "aa"))
     assert text(steps) == "ac" * 3  # after "a": "a" and "b" banned; after "c": "a" again
     engine = Engine(Ranked([EOS]), BYTES, 512, {EOS})
