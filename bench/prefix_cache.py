@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_load import machine, stats
+from bench.serve_load import machine, stats, wait_ready
 from neuron_moe.port import load_port
 from neuron_moe.static.prefix import BLOCK
 
@@ -74,12 +74,7 @@ def start_server(port: Path, flag: str, batch_size: int, clients: int) -> tuple[
         raise SystemExit(f"the server exited ({proc.wait()}) before it was listening")
     proc.log = collections.deque(maxlen=40)  # its last lines, shown if the run fails
     threading.Thread(target=lambda: [proc.log.append(line) for line in proc.stderr], daemon=True).start()
-    deadline = time.monotonic() + 300
-    while httpx.get(f"{url}/health").status_code != 200:
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise SystemExit("the server did not become ready within 300 s")
-        time.sleep(0.5)
+    wait_ready(proc, url, time.monotonic() + 300)
     return proc, url
 
 

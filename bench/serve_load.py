@@ -404,12 +404,18 @@ def start_server(args, batch_size: int | None, extra: list[str] = ()) -> tuple[s
     threading.Thread(
         target=lambda: [sys.stderr.write(line) for line in proc.stderr if not line.startswith("INFO")], daemon=True
     ).start()
+    wait_ready(proc, url, deadline)
+    return proc, url
+
+
+def wait_ready(proc: subprocess.Popen, url: str, deadline: float) -> None:
+    """Until the server's /health answers 200; past `deadline` (time.monotonic) or once it exited, it
+    is killed and the bench stops."""
     while httpx.get(f"{url}/health").status_code != 200:
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
             raise SystemExit("the server did not become ready within 300 s")
         time.sleep(0.5)
-    return proc, url
 
 
 def run_once(args, batch_size: int | None) -> dict:
