@@ -395,6 +395,25 @@ def drive_processing(runtime, prompt: list[int], other: list[int], draws: list[t
     return {"tokens": out, "logprobs": logprobs, "prompt_logprobs": [x for p in prompt_logprobs for x in p]}
 
 
+def _graphs_row(run: str, spec, graphs: dict, export_s: float, generate_s: float) -> dict:
+    """What a run over exported serving graphs reports first: its graphs' summaries, the experts, the
+    times, and the decode graph's bytes per call each way."""
+    summaries = [g.summary() for g in graphs.values()]
+    (decode,) = [g for g in summaries if g["graph"].endswith(" decode")]
+    return {
+        "run": run,
+        "exported": True,
+        "prefill_experts": spec.prefill_experts,
+        "decode_experts": spec.decode_experts,
+        "graphs": summaries,
+        "other_compiles": 0,
+        "export_s": export_s,
+        "generate_s": generate_s,
+        "generation_to_device_bytes_per_decode_call": decode["to_device_bytes_per_call"],
+        "generation_to_host_bytes_per_decode_call": decode["to_host_bytes_per_call"],
+    }
+
+
 def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     """The port's graphs as the batching engine calls them, on XLA and on the CPU with the same
     inputs: (the report row, {graph name: op set})."""
@@ -439,21 +458,12 @@ def check_serving(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     generate_s = time.perf_counter() - start
     ids, mask = torch.tensor([long]), torch.ones(1, len(long), dtype=torch.long)
     eager = greedy(build_model(port, "eager", torch.float32), ids, mask, SERVING_TOKENS).tokens[0].tolist()
-    summaries = [g.summary() for g in graphs.values()]
+    row = _graphs_row(SERVING, spec, graphs, export_s, generate_s)
+    summaries = row["graphs"]
     (decode,) = [g for g in summaries if g["graph"].endswith(" decode")]
     (variant,) = [g for g in summaries if g["graph"].endswith(" decode processing")]
     diverged = next((i for i, (a, b) in enumerate(zip(got[0], eager)) if a != b), None)
-    row = {
-        "run": SERVING,
-        "exported": True,
-        "prefill_experts": spec.prefill_experts,
-        "decode_experts": spec.decode_experts,
-        "graphs": summaries,
-        "other_compiles": 0,
-        "export_s": export_s,
-        "generate_s": generate_s,
-        "generation_to_device_bytes_per_decode_call": decode["to_device_bytes_per_call"],
-        "generation_to_host_bytes_per_decode_call": decode["to_host_bytes_per_call"],
+    row |= {
         "decode_output_bytes_per_call": decode["outputs_bytes_per_call"],
         "decode_token_bytes": spec.batch_size * 8,
         "prompts": {"chunked greedy row": len(long), "sampled row": len(short), "chunk": bucket},
@@ -543,20 +553,9 @@ def check_prefix(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     generate_s = time.perf_counter() - start
     eager_model = build_model(port, "eager", torch.float32)
     eager = [greedy(eager_model, *left_pad([p], 0), SERVING_TOKENS).tokens[0].tolist() for p in (first, second)]
-    summaries = [g.summary() for g in graphs.values()]
-    (decode,) = [g for g in summaries if g["graph"].endswith(" decode")]
+    row = _graphs_row(PREFIX, spec, graphs, export_s, generate_s)
     diverged = [next((i for i, (x, y) in enumerate(zip(g, e)) if x != y), None) for g, e in zip(got, eager)]
-    row = {
-        "run": PREFIX,
-        "exported": True,
-        "prefill_experts": spec.prefill_experts,
-        "decode_experts": spec.decode_experts,
-        "graphs": summaries,
-        "other_compiles": 0,
-        "export_s": export_s,
-        "generate_s": generate_s,
-        "generation_to_device_bytes_per_decode_call": decode["to_device_bytes_per_call"],
-        "generation_to_host_bytes_per_decode_call": decode["to_host_bytes_per_call"],
+    row |= {
         "prompts": {"first": len(first), "second": len(second), "taken": hit, "chunk": bucket},
         "same_as_cpu": got == reference[0] and hit == reference[1] == 2 * BLOCK,
         "tokens": got,
