@@ -152,10 +152,12 @@ class Sink:
 
 
 def serve_together(engine, requests, sinks=None):
-    """Submit every (prompt, params) at once; wait until each has ended."""
+    """Submit every (prompt, params) at once, so that the step loop admits them together (it takes
+    waiting requests under the lock held here); wait until each has ended."""
     sinks = sinks or [Sink(engine) for _ in requests]
-    for (prompt, params), sink in zip(requests, sinks):
-        engine.submit(prompt, params, sink)
+    with engine._wake:
+        for (prompt, params), sink in zip(requests, sinks):
+            engine.submit(prompt, params, sink)
     for sink in sinks:
         assert sink.ended.wait(60), "a request did not end"
     return sinks

@@ -2,7 +2,6 @@
 requests join and leave the batch at different steps, and each gets the tokens it gets alone.
 (The same engine over the Neuron artifact's calls: test_serve_neuron.py.)"""
 
-import statistics
 import time
 import types
 
@@ -355,11 +354,10 @@ def test_stop_strings_eos_and_max_tokens_end_each_request_as_alone_a_stop_string
         assert decoded in ((len(steps) - 1, len(steps)) if i in by_stop_string else (len(steps) - 1,)), i
 
 
-def test_a_steps_text_is_made_during_the_next_graph_call_which_the_host_work_barely_lengthens(tiny_tokenizer):
+def test_a_steps_text_is_made_during_the_next_graph_call(tiny_tokenizer):
     """8 streaming requests over 5 ms stand-in graph calls: every Step is sent from the text thread,
-    most of them while the step loop is in the graph call after the one that chose their token, and
-    what the host adds between two decode calls (the median over the steps with every row
-    generating) stays within 0.5 ms."""
+    after the call that chose its token, most of them while the step loop is in the next call. (What
+    the host adds between two calls is timed by bench/engine_overhead.py, not here.)"""
     stand_in = stand_in_engine(tiny_tokenizer, 8, step_s=0.005)
     corpus = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
     requests = [
@@ -383,8 +381,6 @@ def test_a_steps_text_is_made_during_the_next_graph_call_which_the_host_work_bar
             assert put > calls[i][2]
             inside.append(i + 1 < len(calls) and calls[i + 1][1] <= put <= calls[i + 1][2])
     assert sum(inside) > 0.5 * len(inside), f"{sum(inside)} of {len(inside)} Steps sent during the next call"
-    host = [b[1] - a[2] for a, b in zip(calls, calls[1:]) if a[0] == b[0] == "decode" and len(a[3]) == 8]
-    assert len(host) > 40 and statistics.median(host) < 0.5e-3, f"median {1e3 * statistics.median(host):.3f} ms"
 
 
 class SlowLastSink(Sink):
