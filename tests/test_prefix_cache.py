@@ -3,6 +3,8 @@ a runtime that records its calls, and the batching engine over the real graphs, 
 that takes a held prefix (in place, or copied by the Copy graph) gets the greedy tokens it gets
 without prefix caching and from HF eager, and /metrics' counters are the hits made."""
 
+import threading
+
 import pytest
 import torch
 
@@ -136,6 +138,34 @@ def test_rows_take_a_held_prefix_in_place_or_copied_and_prefill_the_rest():
     assert looked == [(22, 0), (3, 0), (21, 20), (13, 12)]
 
 
+def test_work_sharing_a_prefix_being_prefilled_waits_for_it_and_the_work_behind_it_too():
+    """Three prompts sent together, two sharing 20 tokens (5 blocks of 4): the second waits (`held`,
+    and the third, behind it, with it) until the first has prefilled them, then copies them and
+    prefills its own 2; a prompt sharing less than a block does not wait."""
+    runtime = Runtime()
+    rows = Rows(runtime, prefix=PrefixIndex(2, runtime.max_length, block=4))
+    shared = list(range(10, 30))
+    first, second, third = Work(shared + [1, 2], 2), Work(shared + [3, 4], 2), Work([7, 8, 9], 1)
+    waiting = [first, second, third]
+    take = lambda: waiting.pop(0) if waiting else None  # noqa: E731
+    for _ in range(2):  # the first's chunks of 8 at 0 and 8; the second held, the third behind it
+        rows.step(take)
+        assert rows.held is second and waiting == [third] and rows.slots[1] is None
+    rows.step(take)  # its last chunk (16..21) gives its first token
+    rows.step(take)  # the second takes the first's 20 in row 1 and prefills 20..21
+    assert runtime.calls[:3] == [("prefill", [(0, 8, 0)]), ("prefill", [(8, 8, 0)]), ("prefill", [(16, 6, 0)])]
+    # the first ended with its decode (row 0 free): the third, behind the second, goes there beside it
+    assert runtime.calls[4:6] == [("copy", 0, 1), ("prefill", [(20, 2, 1), (0, 3, 0)])]
+    assert rows.held is None and waiting == []
+    while rows.active() or waiting:
+        rows.step(take)
+    assert first.got == [100, 1022] and second.got == [101, 1022] and third.got == [100]
+    runtime.calls.clear()
+    waiting = [Work(list(range(40, 60)), 1), Work([40, 41, 42, 5, 6], 1)]  # they share 3 tokens: not a block
+    rows.step(take)
+    assert rows.held is None and waiting == [] and len(runtime.calls[0][1]) == 2  # both prefilled at once
+
+
 # ---- over the real graphs -------------------------------------------------------------------------------
 
 
@@ -200,6 +230,58 @@ def test_greedy_tokens_with_prefix_caching_are_those_without_it_and_the_hits_are
     queries = sum(len(prompt) for prompt, _ in out[True])
     assert counted[True] == [queries, sum(expected_hits), copies]
     assert counted[False] == [0, 0, 0]
+
+
+def test_n_generations_of_one_prompt_share_its_prefill(tiny_port, static_model, tiny_eager):
+    """A request's n=3 generations of a 50-token prompt, sent together on two rows: with prefix
+    caching the first is prefilled (7 chunks of 8), the others wait for it, then copy its 48 tokens
+    (3 whole blocks) and prefill 2; without, each is prefilled whole. The same greedy tokens."""
+    prompt = SHARED + TAILS[0][1:]
+    names = ("vllm:prefix_cache_hits_total", "neuron_moe:copy_calls_total", "neuron_moe:prefill_rows_total")
+    out, counted = {}, {}
+    for caching, engine in engines(tiny_port, static_model):
+        engine.metrics = Metrics("m")
+        try:
+            sinks = serve_together(engine, [(prompt, SamplingParams(6, temperature=0.0))] * 3)
+            out[caching] = [tokens_of(sink.steps) for sink in sinks]
+            registry = engine.metrics.registry
+            counted[caching] = [registry.get_sample_value(name, {"model_name": "m"}) for name in names]
+        finally:
+            engine.close()
+    want = greedy(tiny_eager, *left_pad([prompt], 0), 6).tokens[0].tolist()
+    assert out[True] == out[False] == [want] * 3
+    assert counted[True] == [2 * 48, 2, 7 + 1 + 1]
+    assert counted[False] == [0, 0, 3 * 7]
+
+
+def test_a_request_waiting_for_a_prefix_ends_when_its_client_leaves_or_the_engine_closes(tiny_port, static_model):
+    """Two requests of one 50-token prompt sent together: the second waits for the first's prefill
+    (its 3 blocks are held by no row) and is ended when its client leaves, or when the engine closes."""
+    params = SamplingParams(30, temperature=0.0)
+    caching, engine = next(engines(tiny_port, static_model))
+    runtime, gate = engine.batch.runtime, threading.Event()
+    prefill = runtime.prefill
+    runtime.prefill = lambda chunks: gate.wait() and prefill(chunks)  # each round's first chunk waits for the test
+    assert caching
+    try:
+        for prompt, leaving in zip(random_prompts(2048, [50, 50], seed=11), (True, False)):
+            gate.clear()
+            first, second = Sink(engine), Sink(engine)
+            with engine._wake:  # admitted together: the second waits for the first's prefill
+                engine.submit(prompt, params, first)
+                engine.submit(prompt, params, second)
+            wait_for(lambda: engine.batch.held is not None, what="the second request to wait")
+            if leaving:
+                second.cancelled.set()
+                gate.set()
+                assert second.ended.wait(10) and second.steps == [] and second.error is None
+                assert engine.batch.held is None and first.ended.wait(60) and len(first.steps) == 30
+    finally:
+        with engine._wake:  # closed before the loop's next step: the first ends running, the second waiting
+            engine._closed = True
+        gate.set()
+        engine.close()
+    assert second.ended.is_set() and second.steps == [] and first.ended.is_set() and len(first.steps) < 30
 
 
 def test_a_request_that_asks_for_logits_processing_takes_no_prefix(tiny_port, static_model):

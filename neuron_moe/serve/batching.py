@@ -245,7 +245,7 @@ class BatchEngine(Engine):
     def load(self) -> tuple[int, int, int, int]:
         """(requests running, waiting, rows, rows in use), for /metrics."""
         in_use = sum(request is not None for request in self.batch.slots)
-        return in_use, len(self._waiting), self.rows, in_use
+        return in_use, len(self._waiting) + (self.batch.held is not None), self.rows, in_use
 
     def close(self) -> None:
         """Stop the loop; requests still waiting or running end without a final Step."""
@@ -261,7 +261,7 @@ class BatchEngine(Engine):
         mark = 0  # the items handed to the text thread before the previous step
         while True:
             with self._wake:
-                while not self._closed and not self._waiting and not batch.active():
+                while not self._closed and not self._waiting and not batch.active() and batch.held is None:
                     self._wake.wait()
                 if self._closed:
                     break
@@ -274,12 +274,17 @@ class BatchEngine(Engine):
                 request = batch.slots[row]
                 if request.done or request.sink.cancelled.is_set():
                     batch.free(row)
+            if batch.held is not None and batch.held.sink.cancelled.is_set():  # its client left while it waited
+                texts.end(batch.held, None)
+                batch.held = None
             try:
                 batch.step(self._take)
             except Exception:  # the requests its failed graph call ran ended with the error
                 log.exception("a graph call failed")
         for row in batch.active():
             batch.free(row)
+        if batch.held is not None:
+            texts.end(batch.held, None)
         with self._wake:
             while self._waiting:
                 texts.end(self._waiting.popleft(), None)

@@ -52,14 +52,7 @@ class PrefixIndex:
         """(the row holding the longest whole-block prefix of `prompt`, of at most len(prompt) - 1
         tokens, its length); a free one of those first, else the most recently used; (None, 0) if
         none. Counts the query and its hit."""
-        holders, blocks, parent = None, 0, None
-        for i in range((len(prompt) - 1) // self.block if prompt else 0):
-            parent = _chain(parent, prompt[i * self.block : (i + 1) * self.block])
-            rows = self._rows.get(parent)
-            if not rows:
-                break
-            holders, blocks = rows, i + 1
-        hit = blocks * self.block
+        holders, hit = self._holders(prompt)
         found = None
         if holders:
             free_set = set(free)
@@ -69,6 +62,22 @@ class PrefixIndex:
         self.queries += len(prompt)
         self.hits += hit
         return found, hit
+
+    def held(self, prompt: list[int]) -> int:
+        """The length of `prompt`'s longest whole-block prefix of at most len(prompt) - 1 tokens that
+        some row holds (as `lookup` finds it, uncounted)."""
+        return self._holders(prompt)[1]
+
+    def _holders(self, prompt: list[int]) -> tuple[set[int] | None, int]:
+        """(the rows holding `prompt`'s longest takeable whole-block prefix, its length) by the hashes."""
+        holders, blocks, parent = None, 0, None
+        for i in range((len(prompt) - 1) // self.block if prompt else 0):
+            parent = _chain(parent, prompt[i * self.block : (i + 1) * self.block])
+            rows = self._rows.get(parent)
+            if not rows:
+                break
+            holders, blocks = rows, i + 1
+        return holders, blocks * self.block
 
     def victim(self, free: list[int]) -> int:
         """The free row a request goes into: the least recently used (an empty one first)."""

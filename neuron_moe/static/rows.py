@@ -65,7 +65,9 @@ and `vocab`; with prefix caching (`prefix`, a `prefix.PrefixIndex`) also `copy_r
 admission puts each piece of work in the least recently used free row, with its prompt's longest
 held prefix (`PrefixIndex`) copied there first unless that row holds it; its prefill starts after
 the prefix (work that asks for logits processing takes none: its prefill counts its prompt's tokens
-and scores them, as vLLM skips the prefix cache for prompt logprobs). The decode call's inputs are
+and scores them, as vLLM skips the prefix cache for prompt logprobs). Work whose prompt shares more
+whole blocks with a row still prefilling than any row holds waits (`held`, and the work behind it
+with it) until that row has written them: one prefill serves a request's n generations. The decode call's inputs are
 the step's own tensors, written in place before the next
 call: a runtime reads them during the call (a device runtime copies them to the device) and keeps
 no reference past it. A graph call that fails ends the work it was running with the error, frees
@@ -270,6 +272,8 @@ class Rows:
         self._fed = [NEUTRAL[4:]] * self.batch  # its (reset, fed_prompt, fed_output) flags for its next decode
         self._order = [0] * self.batch  # when each row's work was admitted: the oldest prefills first
         self._admitted = itertools.count()
+        # work taken but not yet admitted: it waits for a row still prefilling to write the prefix it takes
+        self.held = None
 
     def active(self) -> list[int]:
         return [row for row, work in enumerate(self.slots) if work is not None]
@@ -303,10 +307,13 @@ class Rows:
     def _admit(self, take: Callable[[], object]) -> None:
         admitted: set[int] = set()  # a row takes one piece of work a step
         while free := [row for row in range(self.batch) if self.slots[row] is None and row not in admitted]:
-            work = take()
+            work, self.held = take() if self.held is None else self.held, None
             if work is None:
                 return
             asks = bool(getattr(work, "asks", False))
+            if self.prefix is not None and not asks and self._awaits(work.prompt):
+                self.held = work
+                return
             if self.prefix is None:
                 row, source, hit = free[0], None, 0
             else:
@@ -321,6 +328,22 @@ class Rows:
                 self._fed_prompt(row, reset=True)
             elif not work.prompt:
                 self._next(row, None, None)
+
+    def _awaits(self, prompt: list[int]) -> bool:
+        """Whether a row still prefilling will write more whole blocks of `prompt`'s takeable prefix
+        than any row holds now: then the work waits for them (a step for a prompt within one chunk),
+        and so do the pieces of work behind it. One prefill then serves a request's n generations of
+        one prompt, or prompts sent together that share a long prefix; the rest of each is copied."""
+        held, block, most = self.prefix.held(prompt), self.prefix.block, len(prompt) - 1
+        for row in self.active():
+            if self._prefilling(row):
+                other = self.slots[row].prompt[: self._prefilled(row)]
+                shared = 0
+                while shared < min(most, len(other)) and prompt[shared] == other[shared]:
+                    shared += 1
+                if shared // block * block > held:
+                    return True
+        return False
 
     def _place(self, prompt: list[int], free: list[int], lookup: bool) -> tuple[int, int | None, int]:
         """(the row for `prompt`, the row holding its longest held prefix or None, that prefix's length);
