@@ -3,7 +3,8 @@ prefix caching and with it, one server after the other in one run, and a table o
 
 The server: the embedded model (`--model`, default the tiny port) with its [static] max_cache_len
 raised to `--seq-len` (default 512; the port file is copied into a temporary folder with that one
-field changed, its checkpoint path made absolute) at `--batch-size` rows. The load: `--clients`
+field changed, its checkpoint path made absolute; `--buckets` changes the prefill buckets too) at
+`--batch-size` rows. The load: `--clients`
 clients at once, each sending `--requests` streamed /v1/completions one after another, greedy,
 `--max-tokens` each; every prompt is token ids: one shared prefix of `--prefix-tokens` tokens
 (BOS, then random ids) and a suffix of `--suffix-tokens` random ids of its own. Before the load,
@@ -45,16 +46,19 @@ from neuron_moe.static.prefix import BLOCK
 MODES = {"without prefix caching": "--no-enable-prefix-caching", "with prefix caching": "--enable-prefix-caching"}
 
 
-def port_file(model: str, seq_len: int, folder: Path) -> Path:
-    """The port's file with [static] max_cache_len = seq_len, in `folder` (its checkpoint path absolute)."""
+def port_file(model: str, seq_len: int, buckets: list[int] | None, folder: Path) -> Path:
+    """The port's file with [static] max_cache_len = seq_len (and buckets, if given), in `folder` (its
+    checkpoint path absolute)."""
     port = load_port(model)
     text = port.path.read_text()
     if port.checkpoint is not None:
         rel = port.raw["weights"]["checkpoint"]
         text = text.replace(f'checkpoint = "{rel}"', f'checkpoint = "{port.checkpoint}"')
-    text, n = re.subn(r"(?m)^max_cache_len = \d+", f"max_cache_len = {seq_len}", text)
-    if n != 1:
-        raise SystemExit(f"{port.path}: no single [static] max_cache_len line to change")
+    changes = {"max_cache_len": str(seq_len)} | ({"buckets": str(sorted(buckets))} if buckets else {})
+    for key, value in changes.items():
+        text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        if n != 1:
+            raise SystemExit(f"{port.path}: no single [static] {key} line to change")
     path = folder / f"{port.name}-{seq_len}.toml"
     path.write_text(text)
     return path
@@ -156,6 +160,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny-gemma4-moe")
     p.add_argument("--seq-len", type=int, default=512, help="the served cache's positions (default 512)")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--buckets",
+        type=lambda v: [int(b) for b in v.split(",")],
+        help="the prefill buckets, comma-separated (default the port's; a bucket near the remainder a "
+        "cached prompt prefills makes its one call shorter)",
+    )
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=4, help="per client, one after another (default 4)")
     p.add_argument("--prefix-tokens", type=int, default=200)
@@ -191,7 +201,7 @@ def main(argv=None) -> int:
 
     report = {"machine_before": machine(), "args": vars(args) | {"json": str(args.json)}, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        port = port_file(args.model, args.seq_len, Path(tmp))
+        port = port_file(args.model, args.seq_len, args.buckets, Path(tmp))
         for name, flag in MODES.items():
             proc, url = start_server(port, flag, args.batch_size, args.clients)
             try:
@@ -214,7 +224,8 @@ def main(argv=None) -> int:
         f"{' in rounds (--bursts)' if args.bursts else ''}, "
         f"greedy, {args.max_tokens} tokens each; "
         f"prompts: a shared {args.prefix_tokens}-token prefix + {args.suffix_tokens} tokens of their own; "
-        f"serve --backend static --batch-size {args.batch_size}, max_cache_len {args.seq_len}"
+        f"serve --backend static --batch-size {args.batch_size}, max_cache_len {args.seq_len}, "
+        f"buckets {args.buckets or load_port(args.model).static.buckets}"
     )
     print("| run | TTFT mean | TTFT p50 | TTFT p90 | TTFT p99 | E2EL p50 | prefix queries | prefix hits | hits made |")
     print("|---|---|---|---|---|---|---|---|---|")
