@@ -516,15 +516,20 @@ def test_prompt_logprobs_as_vllm_shapes_them_are_hf_eagers(url, engine, tiny_eag
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
 
 
-def test_constraints_that_leave_no_token_are_a_400_naming_the_field(url, engine):
+def test_constraints_that_leave_no_token_are_a_400_naming_the_field(url, engine, caplog):
+    """The client's error: a 400 (an error event when streamed), and one line in the server's log, no
+    traceback."""
     only = engine.tokenizer.encode(" Paris", add_special_tokens=False)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "allowed_token_ids": only, "bad_words": ["Paris"]}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
-    events = sse_events(
-        httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
-    )
+    with caplog.at_level("WARNING", logger="neuron_moe.serve"):
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+        events = sse_events(
+            httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
+        )
     assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "invalid_request_error", events
+    logged = [record for record in caplog.records if "no token is left" in record.getMessage()]
+    assert len(logged) == 2 and all(record.exc_info is None for record in logged), caplog.text
 
 
 def test_allowed_token_ids_and_a_grammar_together(url, engine):

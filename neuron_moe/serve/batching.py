@@ -55,7 +55,7 @@ import torch
 
 from ..static.prefix import PrefixIndex
 from ..static.rows import Rows
-from .engine import Engine, Output, SamplingParams, Step
+from .engine import Engine, Output, RequestError, SamplingParams, Step
 
 log = logging.getLogger("neuron_moe.serve")
 _END = object()
@@ -93,6 +93,10 @@ class _Request:
         thread -> the token to feed next, or None."""
         try:
             finish = self.output.take(logits, token, scores)
+        except RequestError as e:  # what the request asked admits no token: the client's 400, one line
+            log.warning("a request ended: %s", e)
+            self.error = e
+            return None
         except Exception as e:  # this request's own failure: the other rows go on
             log.exception("generation failed in a row of the batch")
             self.error = e

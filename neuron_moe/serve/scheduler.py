@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .engine import SamplingParams
+from .engine import RequestError, SamplingParams
 from .metrics import Metrics, RequestClock
 from .protocol import APIError
 
@@ -51,6 +51,9 @@ class Job:
             if not self.cancelled.is_set():  # else its client left while it waited
                 for step in engine.generate(prompt_ids, params, self.cancelled):
                     self.put(step)
+        except RequestError as e:  # what the request asked admits no token: the client's 400, one line
+            log.warning("a request ended: %s", e)
+            self.fail(e)
         except Exception as e:  # a backend failure ends this request, not the server
             log.exception("generation failed")
             self.fail(e)
