@@ -100,7 +100,12 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     # returns their logprobs; the decode takes the penalties, bias and bitmask, and returns logprobs too
     variant = manifest["keys"]["context_encoding_processing_1x16"]
     assert variant["inputs"]["targets"] == [1, 16] and "sampling" not in variant["inputs"]
-    assert variant["outputs"] == {"logprob": [1, 16], "top_ids": [1, 16, 20], "top_logprobs": [1, 16, 20]}
+    assert variant["outputs"] == {
+        "logprob": [1, 16],
+        "rank": [1, 16],
+        "top_ids": [1, 16, 20],
+        "top_logprobs": [1, 16, 20],
+    }
     variant = manifest["keys"]["token_generation_processing"]
     assert variant["inputs"] == {
         "input_ids": [2, 1],
@@ -111,7 +116,13 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
         "bias": [2, 64],
         "mask": [2, 64],  # 2048 tokens / 32 bits
     }
-    assert variant["outputs"] == {"token": [2, 1], "logprob": [2, 1], "top_ids": [2, 20], "top_logprobs": [2, 20]}
+    assert variant["outputs"] == {
+        "token": [2, 1],
+        "logprob": [2, 1],
+        "rank": [2, 1],
+        "top_ids": [2, 20],
+        "top_logprobs": [2, 20],
+    }
     state = manifest["state"]
     assert list(state) == [f"cache.{kv}{i}" for i in range(4) for kv in "kv"] + ["counts.output", "counts.prompt"]
     assert state["counts.output"] == {"shape": [2, 2048], "dtype": "float32"}
@@ -125,8 +136,8 @@ def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
     for key, state, outputs in [
         ("context_encoding_1x16", kv, 1),  # the token; no KV tensor, no logits
         ("token_generation", kv, 1),
-        ("context_encoding_processing_1x16", kv + ["counts.output", "counts.prompt"], 3),  # the prompt's logprobs
-        ("token_generation_processing", kv + ["counts.output", "counts.prompt"], 4),  # the token and its logprobs
+        ("context_encoding_processing_1x16", kv + ["counts.output", "counts.prompt"], 4),  # the prompt's scores
+        ("token_generation_processing", kv + ["counts.output", "counts.prompt"], 5),  # the token and its scores
     ]:
         program = torch.export.load(out / na.GRAPHS.format(key=key))
         sig = program.graph_signature
@@ -539,7 +550,7 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
         own, held = (
             (1, kv)
             if not na.is_processing(key)
-            else (4 - key.startswith("context"), kv + ["counts.output", "counts.prompt"])
+            else (5 - key.startswith("context"), kv + ["counts.output", "counts.prompt"])
         )
         assert list(aliased) == held and len(aliases) == len(held)
         assert sorted(aliased.values()) == list(range(own, own + len(held))) and len(outputs) == own + len(held)

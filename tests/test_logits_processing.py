@@ -183,7 +183,7 @@ def test_a_row_that_asks_nothing_gets_the_plain_decode_token_in_the_variant(tiny
             positions = torch.full((2, 1), position)
             token, logits = plain(ids, positions, sampling)
             outputs = variant(ids, positions, sampling, *neutral_inputs(2, VOCAB))
-            assert torch.equal(outputs[0], token) and torch.equal(outputs[4], logits)
+            assert torch.equal(outputs[0], token) and torch.equal(outputs[5], logits)
             ids = token
 
 

@@ -175,7 +175,7 @@ def test_no_kv_bytes_cross_the_host_per_decode_step(big):
     # the logits-processing decode's own, only in a step where some row asks
     assert rows["process"]["bytes"] == 4 * 7 * 4 and rows["logit_bias and bans"]["bytes"] == 4 * 64 * 12
     assert rows["grammar bitmask"]["bytes"] == 4 * (262144 // 32) * 4  # 32 KiB a row
-    assert rows["logprob"]["bytes"] == 4 * (4 + 20 * 12) and rows["token counts"]["bytes"] == 0
+    assert rows["logprob"]["bytes"] == 4 * (4 + 8 + 20 * 12) and rows["token counts"]["bytes"] == 0
     assert {row["when"] for row in r["host_per_step"]} == {"every step", "a row asks"}
 
 

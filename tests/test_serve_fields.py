@@ -19,6 +19,7 @@ from neuron_moe.serve.engine import Engine, RequestError, SamplingParams, bad_wo
 from neuron_moe.static.sampling import Processing
 from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer
 
+from conftest import random_prompts
 from serving import Scripted, serving, sse_events, wait_for
 
 BYTES = ByteTokenizer()
@@ -514,6 +515,24 @@ def test_prompt_logprobs_as_vllm_shapes_them_are_hf_eagers(url, engine, tiny_eag
         assert abs(position[str(rendered[i + 1])]["logprob"] - float(chat_logp[i, rendered[i + 1]])) < 1e-4
     streamed = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_a_prompt_tokens_rank_is_exact_beyond_the_top_20(url, engine, tiny_eager):
+    """Random prompt tokens, most far down the distribution: each one's rank is its place among HF
+    eager's logprobs (those at least as likely), up to the 1e-4 by which the two fp32 logprobs may
+    differ."""
+    (ids,) = random_prompts(2048, [16], seed=3)
+    with torch.no_grad():
+        logp = tiny_eager(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0}
+    scores = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    ranks = []
+    for i, position in enumerate(scores[1:]):
+        row, entry = logp[i], position[str(ids[i + 1])]
+        ranks.append(entry["rank"])
+        above, near = int((row >= entry["logprob"] + 1e-4).sum()), int((row >= entry["logprob"] - 1e-4).sum())
+        assert above <= entry["rank"] <= near, (i, entry, above, near)
+    assert sum(rank > 20 for rank in ranks) >= 10, ranks
 
 
 def test_constraints_that_leave_no_token_are_a_400_naming_the_field(url, engine, caplog):

@@ -31,10 +31,10 @@ Each key is the static decoder (`static/decoder.py`) over the full-model rank mo
     token_generation          (input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1]
                               every row at its own position
     context_encoding_processing_<P>x<b>  (input_ids, attention_mask, position_ids [P, b], row_ids [P],
-                              targets [P, b]) -> logprob [P, b], top_ids, top_logprobs [P, b, 20]
+                              targets [P, b]) -> logprob, rank [P, b], top_ids, top_logprobs [P, b, 20]
     token_generation_processing  (input_ids, position_ids [B, 1], sampling [B, 4], process [B, 7],
                               bias_ids, bias [B, 64], mask [B, ceil(V/32)] int32) -> token [B, 1],
-                              logprob [B, 1], top_ids, top_logprobs [B, 20]
+                              logprob, rank [B, 1], top_ids, top_logprobs [B, 20]
                               the logits-processing variants (`static/decoder.py`), for the rows
                               that ask for logprobs, penalties, logit_bias, min_p, bans or a grammar;
                               they also hold the token counts as state (`counts.output`,

@@ -198,10 +198,12 @@ def _key_contract(graph, spec, key: str) -> dict:
     if not is_processing(key):
         outputs = {"token": [rows, 1]}
     elif decode:
-        outputs = {"token": [rows, 1], "logprob": [rows, 1], "top_ids": [rows, 20], "top_logprobs": [rows, 20]}
+        outputs = {"token": [rows, 1], "logprob": [rows, 1], "rank": [rows, 1]}
+        outputs |= {"top_ids": [rows, 20], "top_logprobs": [rows, 20]}
     else:
         bucket = example[0].shape[1]
-        outputs = {"logprob": [rows, bucket], "top_ids": [rows, bucket, 20], "top_logprobs": [rows, bucket, 20]}
+        outputs = {"logprob": [rows, bucket], "rank": [rows, bucket]}
+        outputs |= {"top_ids": [rows, bucket, 20], "top_logprobs": [rows, bucket, 20]}
     if graph.logits:
         outputs["logits"] = [rows, vocab]
     return {

@@ -390,9 +390,9 @@ def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
         },
         {"what": f"grammar bitmask [B, {words}] int32", "direction": "in", "bytes": batch * words * 4, "when": ASKS},
         {
-            "what": f"logprob [B, 1] fp32 + top {TOP_LOGPROBS} ids int64 and logprobs fp32",
+            "what": f"logprob [B, 1] fp32 + rank [B, 1] int64 + top {TOP_LOGPROBS} ids int64 and logprobs fp32",
             "direction": "out",
-            "bytes": batch * (4 + TOP_LOGPROBS * (8 + 4)),
+            "bytes": batch * (4 + 8 + TOP_LOGPROBS * (8 + 4)),
             "when": ASKS,
         },
     ]

@@ -328,11 +328,11 @@ def _prompt_entries(prompt_ids: list[int], item, n: int | None = None) -> list:
 def _vllm_prompt_logprobs(tokenizer, scores: tuple | None, n: int) -> list | None:
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
     decoded_token}}, the prompt's token first, then the n most likely (rank: the token's in the
-    distribution, 1 the most likely; null for a prompt token beyond the 20 most likely)."""
+    distribution, 1 the most likely)."""
     if scores is None:
         return None
 
-    def one(logprob: float, rank: int | None, token: int) -> dict:
+    def one(logprob: float, rank: int, token: int) -> dict:
         return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token])}
 
     out: list = []

@@ -84,8 +84,8 @@ class _Request:
     def processing(self):
         return self.output.processing()
 
-    def prompt_scores(self, start: int, chosen, top_ids, top) -> None:
-        self.output.prompt_scores(start, chosen, top_ids, top)
+    def prompt_scores(self, start: int, *scores) -> None:
+        self.output.prompt_scores(start, *scores)
 
     def next(self, token: int, logits: torch.Tensor | None, scores=None) -> int | None:
         """The token the graph chose (with its scores from the logits-processing graphs), taken by the

@@ -86,9 +86,8 @@ class TokenLogprobs:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]
-    # the token's rank in the distribution (1: the most likely; vLLM's, ties ranked alike), known when it
-    # is among the most likely the scores hold (TOP_LOGPROBS of them); None otherwise
-    rank: int | None = None
+    # the token's rank in the distribution (1: the most likely; vLLM's, ties ranked alike)
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -111,12 +110,10 @@ def sample(logits: torch.Tensor, row: tuple, finite: bool | None = None) -> int:
     return int(pick(logits.float()[None], torch.tensor([row], dtype=torch.float32), logits.shape[-1], ok)[0, 0])
 
 
-def token_logprobs(token: int, chosen: float, top_ids, top, n: int) -> TokenLogprobs:
-    """A TokenLogprobs from a graph's (or the host's) scores, the first `n` of the top ones kept; its rank
-    from all of them."""
-    ids, values, chosen = top_ids.tolist(), top.tolist(), float(chosen)
-    rank = sum(v >= chosen for v in values) if token in ids else None
-    return TokenLogprobs(token, chosen, tuple(zip(ids[:n], values[:n])), rank)
+def token_logprobs(token: int, chosen: float, rank: int, top_ids, top, n: int) -> TokenLogprobs:
+    """A TokenLogprobs from a graph's (or the host's) scores (`sampling.logprobs`), the first `n` of the
+    top ones kept."""
+    return TokenLogprobs(token, float(chosen), tuple(zip(top_ids.tolist()[:n], top.tolist()[:n])), int(rank))
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -255,14 +252,14 @@ class Output:
         entries = [*processing.logit_bias, *((token, -float("inf")) for token in self.banned())]
         return processing.values(), entries, self.allowed()
 
-    def prompt_scores(self, start: int, chosen, top_ids, top) -> None:
+    def prompt_scores(self, start: int, chosen, ranks, top_ids, top) -> None:
         """The scores of prompt tokens start+1 .. start+len(chosen), from a prefill chunk (`static/rows.py`)."""
         n = self.params.processing.prompt_logprobs
         if n is None:
             return
         for i in range(len(chosen)):
             token = self.prompt[start + 1 + i]
-            self._prompt_logprobs.append(token_logprobs(token, chosen[i], top_ids[i], top[i], n))
+            self._prompt_logprobs.append(token_logprobs(token, chosen[i], ranks[i], top_ids[i], top[i], n))
 
     def host_prompt_scores(self, logits: torch.Tensor) -> None:
         """The prompt's scores from its logits [n, V] on the host (`Engine.generate`)."""
@@ -282,8 +279,8 @@ class Output:
         return sampling_row(params.temperature, params.top_k, params.top_p, self._draws.pop())
 
     def take(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> str | None:
-        """The id side of the next token: `token` as a graph chose it (with its `scores`, (logprob, top
-        ids, top logprobs), from the logits-processing graphs), or chosen here from `logits`; it joins
+        """The id side of the next token: `token` as a graph chose it (with its `scores`, (logprob, rank,
+        top ids, top logprobs), from the logits-processing graphs), or chosen here from `logits`; it joins
         the output -> its finish reason from the ids ("stop": EOS unless ignore_eos, or a stop token;
         "length": max_tokens), or None."""
         if token is None:
@@ -339,8 +336,7 @@ class Output:
             logits, sampling[0], self.params.processing, self.prompt, self.generated, self.banned(), self.allowed()
         )
         token = sample(processed, sampling, bool(torch.isfinite(logits.float().sum())))
-        chosen, top_ids, top = logprobs(logits.float(), torch.tensor(max(token, 0)))
-        return token, (chosen, top_ids, top)
+        return token, logprobs(logits.float(), torch.tensor(max(token, 0)))
 
     def text(self, count: int, finish: str | None) -> Step:
         """The Step of the count-th token, whose id side said `finish`: its new text, and its

@@ -164,8 +164,9 @@ class ProcessingDecode(_Processing):
 
     forward(input_ids [B, 1], position_ids [B, 1], sampling [B, 4], process [B, 7] fp32,
             bias_ids [B, BIAS_WIDTH] int64, bias [B, BIAS_WIDTH] fp32, mask [B, ceil(V/32)] int32)
-      -> token [B, 1], logprob [B, 1] (the token's, under the model's own distribution),
-         top_ids [B, TOP_LOGPROBS] int64, top_logprobs [B, TOP_LOGPROBS] fp32 (, logits [B, V])
+      -> token [B, 1], logprob [B, 1] (the token's, under the model's own distribution), rank [B, 1]
+         int64 (its place in that distribution), top_ids [B, TOP_LOGPROBS] int64, top_logprobs
+         [B, TOP_LOGPROBS] fp32 (, logits [B, V])
 
     Each row's fed token first counts into its token counts as `process` flags it, then its logits
     are processed (`sampling.process`: bitmask, bias and bans, penalties, min_p) and its token picked
@@ -174,7 +175,7 @@ class ProcessingDecode(_Processing):
 
     @property
     def user_outputs(self) -> int:
-        return 5 if self.logits else 4
+        return 6 if self.logits else 5
 
     def forward(self, input_ids, position_ids, sampling, process_row, bias_ids, bias, mask):
         masks, cache = self._step(position_ids)
@@ -183,8 +184,8 @@ class ProcessingDecode(_Processing):
         sampling = sampling.float()
         processed = process(raw, sampling[:, 0], process_row, bias_ids, bias, mask, output_counts, prompt_seen)
         token = pick_token(processed, sampling, self.candidates, torch.isfinite(raw.sum(-1)))
-        chosen, top_ids, top = logprobs(raw, token[:, 0], TOP_LOGPROBS)
-        outputs = (token, chosen[:, None], top_ids, top) + ((raw,) if self.logits else ())
+        chosen, rank, top_ids, top = logprobs(raw, token[:, 0], TOP_LOGPROBS)
+        outputs = (token, chosen[:, None], rank[:, None], top_ids, top) + ((raw,) if self.logits else ())
         return outputs + self._commit(cache, [output_counts, prompt_seen])
 
 
@@ -193,7 +194,8 @@ class ProcessingPrefill(_Processing):
 
     forward(input_ids, attention_mask, position_ids [P, bucket], row_ids [P], targets [P, bucket] int64)
       -> logprob [P, bucket] (each column's target: the prompt token after it, under the model's own
-         distribution), top_ids [P, bucket, TOP_LOGPROBS] int64, top_logprobs [P, bucket, TOP_LOGPROBS]
+         distribution), rank [P, bucket] int64 (the target's place in it), top_ids [P, bucket,
+         TOP_LOGPROBS] int64, top_logprobs [P, bucket, TOP_LOGPROBS]
 
     Writes the rows' KV as `Prefill` does and their prompt tokens into their token counts (a chunk at
     position 0 resets the row's counts first). It picks no token: a row that asks is prefilled up to
@@ -204,13 +206,11 @@ class ProcessingPrefill(_Processing):
 
     @property
     def user_outputs(self) -> int:
-        return 3
+        return 4
 
     def forward(self, input_ids, attention_mask, position_ids, row_ids, targets):
         masks, cache = self._chunk(attention_mask, position_ids, row_ids)
-        chosen, top_ids, top = logprobs(
-            self._logits(input_ids, masks, position_ids, cache, keep=0), targets, TOP_LOGPROBS
-        )
+        scores = logprobs(self._logits(input_ids, masks, position_ids, cache, keep=0), targets, TOP_LOGPROBS)
         output_counts, prompt_seen = self.counts.tensors()
         keep = (cache.start >= 1).float()  # a prompt's first chunk starts the row's counts from zero
         rows_output = output_counts.index_select(0, row_ids) * keep
@@ -219,7 +219,7 @@ class ProcessingPrefill(_Processing):
             output_counts.index_copy(0, row_ids, rows_output),
             prompt_seen.index_copy(0, row_ids, rows_prompt.clamp(max=1)),
         ]
-        return (chosen, top_ids, top) + self._commit(cache, counts)
+        return scores + self._commit(cache, counts)
 
 
 class Copy(torch.nn.Module):

@@ -39,8 +39,8 @@ bitmask: `static/sampling.py`), also
   processing()         its row of the variant's inputs for its next token: (presence, frequency,
                        repetition, min_p), [(token id, bias)] (bans as -inf; at most BIAS_WIDTH), and
                        its bitmask [ceil(V/32)] int32 or None
-  next(token, logits, scores)  as `next`, with the token's (logprob, top ids [N], top logprobs [N])
-  prompt_scores(start, logprobs [n], top ids [n, N], top logprobs [n, N])  (optional) the scores of
+  next(token, logits, scores)  as `next`, with the token's (logprob, rank, top ids [N], top logprobs [N])
+  prompt_scores(start, logprobs [n], ranks [n], top ids [n, N], top logprobs [n, N])  (optional) the scores of
                        the prompt tokens start+1..start+n, from its prefill chunk at `start`
 
 Work that asks runs in the runtime's logits-processing variant graphs: it is prefilled up to its
@@ -209,27 +209,28 @@ class GraphRuntime:
         (out[0] if isinstance(out, (tuple, list)) else out).cpu()  # waits for the call
 
     @torch.no_grad()
-    def prefill_processing(self, chunks: list[Chunk]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def prefill_processing(self, chunks: list[Chunk]) -> list[tuple[torch.Tensor, ...]]:
         """The logits-processing prefill of `chunks` (each with its `targets`), batched as `prefill`
-        batches: per chunk, its tokens' (logprob of the target [n], top ids [n, N], top logprobs [n, N])."""
+        batches: per chunk, its tokens' (logprob of the target [n], its rank [n], top ids [n, N], top
+        logprobs [n, N])."""
         most = self.prefill_rows[-1]
         if len(chunks) > most:
             return [s for i in range(0, len(chunks), most) for s in self.prefill_processing(chunks[i : i + most])]
         padded, inputs = self._padded(chunks)
         bucket = inputs[0].shape[1]
         inputs.append(torch.tensor([[0] * (bucket - len(c.ids)) + list(c.targets) for c in padded]))
-        chosen, top_ids, top = (t.cpu() for t in self._prefill_processing(*self._sent(inputs))[:3])
-        return [tuple(t[i, -len(c.ids) :] for t in (chosen, top_ids, top)) for i, c in enumerate(chunks)]
+        scores = [t.cpu() for t in self._prefill_processing(*self._sent(inputs))[:4]]
+        return [tuple(t[i, -len(c.ids) :] for t in scores) for i, c in enumerate(chunks)]
 
     @torch.no_grad()
     def decode_processing(self, ids, positions, sampling, process, bias_ids, bias, mask):
-        """The logits-processing decode -> (tokens [B], (logprobs [B], top ids [B, N], top logprobs [B, N]),
-        logits [B, V] or None)."""
+        """The logits-processing decode -> (tokens [B], (logprobs [B], ranks [B], top ids [B, N], top
+        logprobs [B, N]), logits [B, V] or None)."""
         inputs = (ids, positions, sampling, process, bias_ids, bias, mask)
         outputs = self._decode_processing(*self._sent(inputs))
-        logits = self.logits if self.logits is not None else len(outputs) > 4
-        scores = (outputs[1][:, 0].cpu(), outputs[2].cpu(), outputs[3].cpu())
-        return outputs[0][:, 0].cpu(), scores, (outputs[4].float().cpu() if logits else None)
+        logits = self.logits if self.logits is not None else len(outputs) > 5
+        scores = (outputs[1][:, 0].cpu(), outputs[2][:, 0].cpu(), outputs[3].cpu(), outputs[4].cpu())
+        return outputs[0][:, 0].cpu(), scores, (outputs[5].float().cpu() if logits else None)
 
     def _out(self, outputs):
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)  # one output may come bare
@@ -386,12 +387,12 @@ class Rows:
         if asking:
             rows = [r for r, _ in asking]
             scores = self._call("prefill", rows, self.runtime.prefill_processing, [c for _, c in asking])
-            for (row, chunk), (chosen, top_ids, top) in zip(asking, scores):
+            for (row, chunk), chunk_scores in zip(asking, scores):
                 self._prefilled_chunk(row, chunk)
                 work = self.slots[row]
                 if hasattr(work, "prompt_scores"):
                     try:
-                        work.prompt_scores(chunk.start, chosen, top_ids, top)
+                        work.prompt_scores(chunk.start, *chunk_scores)
                     except Exception as e:  # the work's own failure: its row is freed, the others go on
                         self.free(row, e)
                         continue
@@ -436,8 +437,8 @@ class Rows:
             row_logits = None if logits is None else logits[row]
             if self._asks[row]:
                 self._fed[row] = (0.0, 0.0, 1.0)  # its token is fed next: an output token
-                chosen, top_ids, top = scores
-                self._next(row, tokens[row], row_logits, (float(chosen[row]), top_ids[row], top[row]))
+                chosen, rank, top_ids, top = scores
+                self._next(row, tokens[row], row_logits, (float(chosen[row]), int(rank[row]), top_ids[row], top[row]))
             else:
                 self._next(row, tokens[row], row_logits)
         return rows

@@ -225,12 +225,14 @@ def count_tokens(
 
 
 def logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int = TOP_LOGPROBS):
-    """[..., V] fp32 raw logits and [...] chosen ids -> (the chosen ids' logprobs [...], the n most likely ids
-    [..., n] int64, their logprobs [..., n]): log_softmax of the model's own logits. A chosen id of -1
-    (non-finite logits) reads id 0's."""
+    """[..., V] fp32 raw logits and [...] chosen ids -> (the chosen ids' logprobs [...], their ranks [...]
+    int64, the n most likely ids [..., n] int64, their logprobs [..., n]): log_softmax of the model's own
+    logits. A rank is the count of tokens at least as likely (1: the most likely; ties ranked alike, as
+    vLLM counts), over the whole vocabulary. A chosen id of -1 (non-finite logits) reads id 0's."""
     logp = logits - logits.logsumexp(-1, keepdim=True)
     top, ids = logp.topk(min(n, logits.shape[-1]), dim=-1)
-    return logp.gather(-1, chosen.clamp(min=0)[..., None])[..., 0], ids, top
+    picked = logp.gather(-1, chosen.clamp(min=0)[..., None])
+    return picked[..., 0], (logp >= picked).sum(-1), ids, top
 
 
 @dataclass(frozen=True)
