@@ -335,15 +335,12 @@ class Rows:
         than any row holds now: then the work waits for them (a step for a prompt within one chunk),
         and so do the pieces of work behind it. One prefill then serves a request's n generations of
         one prompt, or prompts sent together that share a long prefix; the rest of each is copied."""
-        held, block, most = self.prefix.held(prompt), self.prefix.block, len(prompt) - 1
+        end = self.prefix.held(prompt) + self.prefix.block  # the next whole block past what is held
+        if end > len(prompt) - 1:
+            return False
         for row in self.active():
-            if self._prefilling(row):
-                other = self.slots[row].prompt[: self._prefilled(row)]
-                shared = 0
-                while shared < min(most, len(other)) and prompt[shared] == other[shared]:
-                    shared += 1
-                if shared // block * block > held:
-                    return True
+            if self._prefilling(row) and self._prefilled(row) >= end and self.slots[row].prompt[:end] == prompt[:end]:
+                return True
         return False
 
     def _place(self, prompt: list[int], free: list[int], lookup: bool) -> tuple[int, int | None, int]:
