@@ -67,11 +67,11 @@ held prefix (`PrefixIndex`) copied there first unless that row holds it; its pre
 the prefix (work that asks for logits processing takes none: its prefill counts its prompt's tokens
 and scores them, as vLLM skips the prefix cache for prompt logprobs). Work whose prompt shares more
 whole blocks with a row still prefilling than any row holds waits (`held`, and the work behind it
-with it) until that row has written them: one prefill serves a request's n generations. The decode call's inputs are
-the step's own tensors, written in place before the next
-call: a runtime reads them during the call (a device runtime copies them to the device) and keeps
-no reference past it. A graph call that fails ends the work it was running with the error, frees
-those rows, and raises out of the step.
+with it) until that row has written them: one prefill serves a request's n generations. The decode
+call's inputs are the step's own tensors, written in place before the next call: a runtime reads
+them during the call (a device runtime copies them to the device) and keeps no reference past it.
+A graph call that fails ends the work it was running with the error, frees those rows, and raises
+out of the step.
 """
 
 from __future__ import annotations
