@@ -4,31 +4,57 @@ command never waits on another's imports (torch, transformers, boto3, uvicorn)."
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
+from dataclasses import fields
 
+from . import cli_parser
 from .cli_parser import max_threads, parser
-from .errors import UserError
+from .errors import INTERRUPTED, UserError, error_exit, interrupt
 from .report import OutputError, check_output, write_json
-from .spec import READS_BUDGET, Reader
+from .run_config import RunConfig, Serving, Shapes
+from .spec import READS_BUDGET, Reader, compiled_backend
 
 
-def _json_out(report, args) -> bool:
-    """Write the report as --json asks; True when the text report should print too (not when the
-    JSON went to stdout)."""
+def from_options(cls, args, **given):
+    """A dataclass from the parsed options named as its fields (vLLM's `from_cli_args`), lists made
+    tuples; `given` sets fields the options do not."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in given and hasattr(args, f.name)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}, **given)
+
+
+def run_config(args, backend=None) -> RunConfig:
+    """The run configuration of a parsed command line: resolved here, once, and handed down whole."""
+    return from_options(
+        RunConfig,
+        args,
+        backend=backend,
+        shapes=from_options(Shapes, args),
+        compile=False if getattr(args, "no_compile", False) else None,
+        serving=from_options(Serving, args),
+    )
+
+
+def reader_settings(args) -> Reader:
+    """The reader's settings the flags give (those a command does not take: None). --quantization is
+    the experts' format of the whole command, not the reader's alone (`seq_match.backend`)."""
+    return from_options(Reader, args, quantization=None)
+
+
+def _report(report, args, render, *extra, json=None) -> None:
+    """Write the report (or `json`, what of it --json takes) as --json asks, and print
+    `render(report, *extra)` unless the JSON went to stdout."""
     if args.json:
-        write_json(report, args.json)
-    return args.json != "-"
+        write_json(report if json is None else json, args.json)
+    if args.json != "-":
+        print(render(report, *extra))
 
 
 def cmd_ports(args) -> int:
     from .port import ports_report, render_ports
 
-    rows = ports_report()
-    if _json_out(rows, args):
-        print(render_ports(rows))
+    _report(ports_report(), args, render_ports)
     return 0
 
 
@@ -37,134 +63,92 @@ def cmd_info(args) -> int:
     from .port import load_port
 
     port = load_port(args.model)
-    report = info_report(port, args.per_token)
-    if _json_out(report, args):
-        print(render_info(report, port.description))
+    _report(info_report(port, args.per_token), args, render_info, port.description)
     return 0
 
 
 def cmd_env(args) -> int:
     from . import environment
 
-    report = environment.env_report()
-    if _json_out(report, args):
-        print(environment.render_env(report))
+    _report(environment.env_report(), args, environment.render_env)
     return 0
 
 
 def cmd_validate(args) -> int:
-    from . import environment
     from .eval import seq_match
-    from .eval.seq_match import DEFAULT_PROMPTS, render_validation, run_validation
-    from .port import load_port
-    from .tokenizer import load_tokenizer
 
-    backend = seq_match.backend_from_cli_args(args)
-    if args.compile_cache and not backend.compile:
-        raise UserError(
-            f"--compile-cache keeps the graphs torch.compile compiled; --backend {backend.name}"
-            f"{' --no-compile' if args.no_compile else ''} compiles none"
-        )
-    if backend.compile:  # before anything loads: a C++ compiler, and the cache
-        from .spec import compile_cache
-        from .static import inductor
-
-        inductor.require_compiler()
-        inductor.use_cache_dir(compile_cache(args.compile_cache))
-    # what a layer library or a reader kernel needs of this machine (environment.py's paths)
-    layers_need = {"nxd": environment.VALIDATE_NXD}
-    kernel_needs = {"nki": environment.READER_NKI, "triton": environment.READER_TRITON}
-    for need in (layers_need.get(args.tp_layers), kernel_needs.get(args.reader_kernel)):
-        if need is not None:
-            environment.require(need)
-    port = load_port(args.model)
-    tokenizer = load_tokenizer(port, args.checkpoint)
-    prompts = list(DEFAULT_PROMPTS) + list(args.prompt or [])
-    report = run_validation(port, tokenizer, backend, args.max_new_tokens, prompts, args.checkpoint)
-    if _json_out(report, args):
-        print(render_validation(report))
+    backend = seq_match.backend(
+        args.backend,
+        reader=reader_settings(args),
+        **{k: getattr(args, k) for k in ("quantization", "expert_layout", "tp", "tp_layers", "dtype")},
+        compile=False if args.no_compile else None,
+    )
+    report = seq_match.validate(run_config(args, backend), args.max_new_tokens, args.prompt or [])
+    _report(report, args, seq_match.render_validation)
     return 0 if report["all_match"] else 1
 
 
 def cmd_publish(args) -> int:
     from .publish.s3 import publish, render_publish
 
-    report = publish(args.dir, args.uri, overwrite=args.overwrite, deep=args.deep)
-    if _json_out(report, args):
-        print(render_publish(report))
+    _report(publish(args.dir, args.uri, overwrite=args.overwrite, deep=args.deep), args, render_publish)
     return 0
 
 
 def cmd_pull(args) -> int:
     from .publish.s3 import pull_report, render_pull
 
-    report = pull_report(args.uri, args.dir)
-    if _json_out(report, args):
-        print(render_pull(report))
+    _report(pull_report(args.uri, args.dir), args, render_pull)
     return 0
 
 
 def cmd_verify(args) -> int:
     from .verify import render_verify, verify
 
-    report = verify(args.artifact, args.model)
-    if _json_out(report, args):
-        print(render_verify(report))
+    _report(verify(args.artifact, args.model), args, render_verify)
     return 0
+
+
+def _planned(args):
+    """plan's and trace-and-compile's port, its [static] shapes those the flags give, and the
+    backend they build: the rank modules at --tp, their formats and dtype, the reader with --reader."""
+    from .port import load_port, with_shapes
+
+    reader = reader_settings(args)
+    if not args.reader and reader != Reader():
+        given = ", ".join(f"--{name.replace('_', '-')}" for name in reader.given())
+        raise UserError(f"{given} configure the reader: pass --reader")
+    reader = reader if args.reader else None
+    backend = compiled_backend(args.command, args.tp, args.quantization, args.dtype, args.expert_layout, reader)
+    config = run_config(args, backend)
+    port = load_port(args.model)
+    if port.static is None and config.shapes.given():
+        if args.buckets is not None:
+            raise UserError(f"port {port.name!r} has no [static] table, whose buckets --buckets would replace")
+        return port, config
+    return with_shapes(port, config.shapes), config
 
 
 def cmd_plan(args) -> int:
     from .neuron.plan import GiB, port_plan, render_plan
-    from .port import load_port, with_shapes
 
-    reader = _optional_reader(args)
-    if reader is not None and reader.budget is None:
+    port, config = _planned(args)
+    if config.reader is not None and config.reader.budget is None:
         raise UserError("--reader plans the reader's decode graph at a read budget: pass --budget")
-    port = load_port(args.model)
-    if port.static is not None:  # the shapes trace-and-compile would build
-        port = with_shapes(port, batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
-        batch, seq = port.static.batch_size, port.static.max_cache_len
-    elif args.buckets is not None:
-        raise UserError(f"port {port.name!r} has no [static] table, whose buckets --buckets would replace")
-    else:
-        batch, seq = args.batch_size or 1, args.seq_len or 4096
-    report = port_plan(
-        port,
-        args.instance,
-        args.tp,
-        args.quantization,
-        batch,
-        seq,
-        args.runtime_reserve_gib * GiB,
-        expert_layout=args.expert_layout,
-        reader=reader,
-    )
-    if _json_out(report, args):
-        print(render_plan(report))
+    report = port_plan(port, config, args.instance, args.runtime_reserve_gib * GiB)
+    _report(report, args, render_plan)
     return 0 if report["fits"] else 1
-
-
-def _optional_reader(args) -> Reader | None:
-    """The reader's settings of a command where `--reader` turns it on (plan, trace-and-compile): None
-    without it, and its flags refused then."""
-    reader = Reader.from_cli_args(args)
-    if not args.reader and reader != Reader():
-        given = ", ".join(f"--{name.replace('_', '-')}" for name in reader.given())
-        raise UserError(f"{given} configure the reader: pass --reader")
-    return reader if args.reader else None
 
 
 def cmd_trace_and_compile(args) -> int:
     from . import environment
     from .neuron.compile import Build, render_trace_and_compile, trace_and_compile
-    from .port import load_port, with_shapes
 
     if not args.dry_run:
         environment.require(environment.TRACE_AND_COMPILE)
-    port = with_shapes(load_port(args.model), batch_size=args.batch_size, seq_len=args.seq_len, buckets=args.buckets)
-    report = trace_and_compile(port, Build.from_cli_args(args), _optional_reader(args))
-    if _json_out(report, args):
-        print(render_trace_and_compile(report))
+    port, config = _planned(args)
+    build = from_options(Build, args, config=config)
+    _report(trace_and_compile(port, build), args, render_trace_and_compile)
     return 0
 
 
@@ -175,32 +159,25 @@ def cmd_serve(args) -> int:
         if e.name in ("fastapi", "uvicorn", "starlette", "pydantic", "prometheus_client"):
             raise UserError(f"neuron-moe serve needs {e.name!r}: pip install 'neuron-moe[serve]'") from None
         raise
-    return run(args)
+    return run(serve_config(args))
+
+
+def serve_config(args) -> RunConfig:
+    """serve's run configuration, from its parsed arguments or its argv: its backend (a
+    `spec.serve_backends` entry, parsed by the command line) in --quantization's format."""
+    from .spec import quantized
+
+    if isinstance(args, list):
+        args = parser().parse_args(args)
+    return run_config(args, quantized(args.backend, args.quantization))
 
 
 def cmd_deploy(args) -> int:  # `deploy k8s`, the one engine that takes files (deploy/k8s.py)
     from .deploy import k8s as deploy_k8s
     from .port import load_port
 
-    settings = deploy_k8s.Settings(
-        model=args.model,
-        instance=args.instance,
-        artifacts=args.artifacts,
-        quantization=args.quantization,
-        tp=args.tp,
-        resource=args.resource,
-        replicas=args.replicas,
-        max_replicas=args.max_replicas,
-        target_waiting=args.target_waiting,
-        name=args.name,
-        image=args.image,
-        api_key_secret=args.api_key_secret,
-        service_account=args.service_account,
-        drain_timeout=args.drain_timeout,
-    )
-    report = deploy_k8s.write(settings, load_port(args.model), args.out)
-    if _json_out(report, args):
-        print(deploy_k8s.render(report))
+    report = deploy_k8s.write(from_options(deploy_k8s.Settings, args), load_port(args.model), args.out)
+    _report(report, args, deploy_k8s.render)
     return 0
 
 
@@ -218,7 +195,7 @@ def cmd_reads(args) -> int:
                 f"--top-k {args.top_k} is more than --experts {args.experts}: a token routes to at most "
                 f"every expert once"
             )
-        geo = Geometry(hidden=args.hidden, experts=args.experts, top_k=args.top_k, intermediate=args.intermediate)
+        geo = from_options(Geometry, args)
         name, defaults = "explicit geometry", Reader()
     else:
         port = load_port(args.model)
@@ -228,8 +205,7 @@ def cmd_reads(args) -> int:
     settings = given.over(Reader(recovery_rank=defaults.recovery_rank)).resolved()
     budget = next(b for b in (args.budget, defaults.budget, READS_BUDGET) if b is not None)
     report = reads_report(name, geo, settings, budget, args.tp or 1, args.batch_size, args.step_budget)
-    if _json_out(report, args):
-        print(render_reads(report))
+    _report(report, args, render_reads)
     return 0
 
 
@@ -249,8 +225,7 @@ def cmd_prep_reader(args) -> int:
         rank=args.recovery_rank,
         scan=args.scan,
     )
-    if _json_out(report, args):
-        print(render_prep_reader(report, read_source=bool(args.source)))
+    _report(report, args, render_prep_reader, bool(args.source))
     return 0
 
 
@@ -258,8 +233,7 @@ def cmd_build_corpus(args) -> int:
     from .training.corpus import build_corpus, render_corpus
 
     counts = build_corpus(args.text_dir, args.out, seed=args.seed, scale=args.scale)
-    if _json_out(counts, args):
-        print(render_corpus(counts, args.out))
+    _report(counts, args, render_corpus, args.out)
     return 0
 
 
@@ -267,21 +241,9 @@ def cmd_train_tiny(args) -> int:
     from .port import load_port
     from .training.tiny import render_training, train
 
-    port = load_port(args.model)
-    summary = train(
-        port.config,
-        args.corpus,
-        args.out,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        task_share=args.task_share,
-        seed=args.seed,
-        threads=args.threads,
-    )
-    if _json_out({k: v for k, v in summary.items() if k != "log"}, args):
-        print(render_training(summary, args.out))
+    options = ("steps", "batch_size", "seq_len", "lr", "task_share", "seed", "threads")
+    summary = train(load_port(args.model).config, args.corpus, args.out, **{k: getattr(args, k) for k in options})
+    _report(summary, args, render_training, args.out, json={k: v for k, v in summary.items() if k != "log"})
     return 0
 
 
@@ -303,8 +265,7 @@ def cmd_eval_tasks(args) -> int:
         tasks=tuple(args.task or TASKS),
         split=args.split,
     )
-    if _json_out(report, args):
-        print(render_tasks(report, port.config.num_experts))
+    _report(report, args, render_tasks, port.config.num_experts)
     return 0
 
 
@@ -320,30 +281,12 @@ def cmd_eval_reader(args) -> int:
     if args.items is not None:
         settings.per_task = args.items
     report = reader_eval.evaluate(port, args.checkpoint, budgets, specs, rules, args.out, settings)
-    if _json_out(report, args):
-        print(render_reader_eval(report, args.out))
+    _report(report, args, render_reader_eval, args.out)
     return 0
 
 
-COMMANDS = {
-    "ports": cmd_ports,
-    "env": cmd_env,
-    "info": cmd_info,
-    "validate": cmd_validate,
-    "build-corpus": cmd_build_corpus,
-    "train-tiny": cmd_train_tiny,
-    "eval-tasks": cmd_eval_tasks,
-    "eval-reader": cmd_eval_reader,
-    "publish": cmd_publish,
-    "pull": cmd_pull,
-    "verify": cmd_verify,
-    "plan": cmd_plan,
-    "trace-and-compile": cmd_trace_and_compile,
-    "serve": cmd_serve,
-    "reads": cmd_reads,
-    "prep-reader": cmd_prep_reader,
-    "deploy": cmd_deploy,
-}
+# each command of the parser's table runs the function named for it here
+COMMANDS = {c.name: globals()[f"cmd_{c.name.replace('-', '_')}"] for c in cli_parser.COMMANDS}
 
 
 # commands that read a checkpoint's weights and no text: its tokenizer is not asked for
@@ -386,7 +329,7 @@ def _checkpoint(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.threads > max_threads():  # only $OMP_NUM_THREADS gets here: --threads is bounded by its type
-        return _error(
+        return error_exit(
             f"$OMP_NUM_THREADS={args.threads} is more torch threads than this machine runs (at most "
             f"{max_threads()} here); pass --threads N"
         )
@@ -400,38 +343,15 @@ def main(argv: list[str] | None = None) -> int:
         _checkpoint(args)
         return COMMANDS[args.command](args)
     except UserError as e:
-        return _error(str(e))
+        return error_exit(str(e))
     except OSError as e:  # the system refused (a full disk, a read-only or missing path): one line, not a bug
-        return _error(f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
+        return error_exit(f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
     except KeyboardInterrupt:  # Ctrl-C: what the command was writing was cleaned up on the way out
-        _error(f"interrupted (Ctrl-C): neuron-moe {args.command} stopped")
+        error_exit(f"interrupted (Ctrl-C): neuron-moe {args.command} stopped")
         return INTERRUPTED
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
-
-
-INTERRUPTED = 130  # a shell's status for a process ended by SIGINT (128 + 2)
-RESEND_S = 0.05
-
-
-def interrupt(signum, frame) -> None:
-    """SIGINT as KeyboardInterrupt, as Python's own handler, except inside a finalizer (`__del__`, run
-    by the garbage collector anywhere, in torch.export too), where Python prints the exception as
-    'Exception ignored in' and carries on, the Ctrl-C lost: there the signal is sent again a moment
-    later, once the finalizer is done."""
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            threading.Timer(RESEND_S, os.kill, (os.getpid(), signum)).start()
-            return
-        frame = frame.f_back
-    raise KeyboardInterrupt
-
-
-def _error(message: str) -> int:
-    """One `error:` line, whatever the message (a library's may span several): exit 2."""
-    print(f"error: {' '.join(message.split())}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

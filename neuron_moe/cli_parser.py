@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import neuron_moe
 
@@ -148,820 +151,898 @@ def _lengths(text: str) -> tuple[int, ...]:
     return lengths
 
 
-def _shape_args(p: argparse.ArgumentParser, note: str = "") -> None:
-    """The graphs' shapes as flags (NxD Inference / optimum-neuron style) over the port's [static],
-    the same for plan and trace-and-compile."""
-    p.add_argument(
-        "--batch-size",
-        type=_rows,
-        metavar="B",
-        help="rows of the decode graph and the KV cache (default: the port's [static] batch_size)",
-    )
-    p.add_argument(
-        "--seq-len",
-        type=_tokens,
-        metavar="S",
-        help="positions of the KV cache, the most a prompt and its completion take (context: S + 1 "
-        "tokens; default: the port's [static] max_cache_len)",
-    )
-    p.add_argument(
-        "--buckets",
-        type=_lengths,
-        metavar="B,B",
-        help="prefill lengths, strictly increasing, the largest at most --seq-len (default: the port's "
-        f"[static] buckets){note}",
-    )
+# ---- the options as data: one `Option` per flag, one `Command` per subcommand, the parser built by a loop ----
 
 
-def _expert_layout_arg(p: argparse.ArgumentParser, which: str = "") -> None:
-    p.add_argument(
-        "--expert-layout",
-        choices=EXPERT_LAYOUTS,
-        help=f"{which}how TP ranks split the experts: channel (every expert's I/t intermediate channels "
-        "per rank; decode gathers each token's k experts) or expert (E/t whole experts per rank, "
-        "the seed port's) (default: the port's [static] expert_layout, else channel)",
-    )
+@dataclass(frozen=True)
+class Option:
+    """One flag (or positional) as argparse takes it: the names, then add_argument's keywords; a field
+    left None is argparse's own default. `dest` is the field of the run configuration it fills where
+    that differs from the flag's name (cli.py builds the configuration from the parsed values)."""
+
+    names: tuple[str, ...]
+    help: str | None = None
+    type: Callable | None = None
+    choices: Any = None
+    default: Any = None
+    metavar: str | None = None
+    required: bool | None = None
+    action: Any = None
+    nargs: Any = None
+    dest: str | None = None
+
+    def but(self, **changes) -> Option:
+        """This option with some keywords changed (a command's own help or default)."""
+        return replace(self, **changes)
+
+    def add_to(self, p: argparse.ArgumentParser) -> None:
+        values = {f.name: getattr(self, f.name) for f in fields(self)[1:]}
+        kwargs = {k: v.make() if isinstance(v, Later) else v for k, v in values.items() if v is not None}
+        p.add_argument(*self.names, **kwargs)
 
 
-def _checkpoint_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--checkpoint",
-        metavar="DIR|ORG/NAME",
-        help="the weights (and tokenizer) instead of the port's: an HF-layout directory, or a Hugging Face "
-        "Hub repository id, downloaded into the Hub cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply)",
-    )
-    p.add_argument(
-        "--revision", metavar="REV", help="with --checkpoint ORG/NAME: a branch, tag or commit (default main)"
-    )
+@dataclass(frozen=True)
+class Later:
+    """A keyword read when the parser is built, not when this module is imported: the environment
+    (--threads, --api-key) and the registries' backends (spec.py), as they are then."""
+
+    make: Callable[[], Any]
 
 
-def _compile_args(p: argparse.ArgumentParser) -> None:
-    """--no-compile and --compile-cache: the static graphs on CPU compiled by torch.compile (inductor)."""
-    p.add_argument(
+def opt(*names: str, **kwargs) -> Option:
+    return Option(names, **kwargs)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its help line, its description, its options in the order --help lists them, and
+    its own subcommands (`deploy k8s`)."""
+
+    name: str
+    help: str
+    options: tuple[Option, ...] = ()
+    description: str | None = None
+    engines: tuple[Command, ...] = ()
+
+
+def _json(what: str = "the report") -> Option:
+    return opt("--json", metavar="FILE", help=f"also write {what} as JSON ('-' for stdout)")
+
+
+MODEL = opt(
+    "--model",
+    default=DEFAULT_PORT,
+    metavar="NAME|PATH",
+    help=f"port name or path to a port .toml (default: {DEFAULT_PORT}; `neuron-moe ports` lists them)",
+)
+PORT_MODEL = MODEL.but(help=f"port (default: {DEFAULT_PORT})")
+CHECKPOINT = opt(
+    "--checkpoint",
+    metavar="DIR|ORG/NAME",
+    help="the weights (and tokenizer) instead of the port's: an HF-layout directory, or a Hugging Face "
+    "Hub repository id, downloaded into the Hub cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply)",
+)
+REVISION = opt("--revision", metavar="REV", help="with --checkpoint ORG/NAME: a branch, tag or commit (default main)")
+COMMON = (MODEL, CHECKPOINT, REVISION, _json())
+
+# the graphs' shapes as flags (NxD Inference / optimum-neuron style) over the port's [static], the same
+# for plan and trace-and-compile
+BATCH_SIZE = opt(
+    "--batch-size",
+    type=_rows,
+    metavar="B",
+    help="rows of the decode graph and the KV cache (default: the port's [static] batch_size)",
+)
+MAX_CACHE_LEN = opt(
+    "--max-cache-len",
+    type=_tokens,
+    metavar="S",
+    help="positions of the KV cache, the most a prompt and its completion take (context: S + 1 "
+    "tokens; default: the port's [static] max_cache_len)",
+)
+BUCKETS = opt(
+    "--buckets",
+    type=_lengths,
+    metavar="B,B",
+    help="prefill lengths, strictly increasing, the largest at most --max-cache-len (default: the port's "
+    "[static] buckets)",
+)
+EXPERT_LAYOUT = opt(
+    "--expert-layout",
+    choices=EXPERT_LAYOUTS,
+    help="how TP ranks split the experts: channel (every expert's I/t intermediate channels "
+    "per rank; decode gathers each token's k experts) or expert (E/t whole experts per rank, "
+    "NxD Inference's MoE layout) (default: the port's [static] expert_layout, else channel)",
+)
+TP_REQUIRED = opt("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
+DTYPE = opt("--dtype", choices=DTYPE_NAMES, help="the compute dtype (default: the port's)")
+QUANTIZATION = opt("--quantization", choices=QUANTIZATIONS)  # the routed experts' weight format: help per command
+# --backend static: the graphs on CPU compiled by torch.compile (inductor)
+COMPILE = (
+    opt(
         "--no-compile",
         action="store_true",
         help="--backend static: run the graphs a module at a time, uncompiled (default: compiled by "
         "torch.compile with inductor's C++ kernels, which needs a C++ compiler: g++ or $CXX; without one "
         "the command stops with an error naming this flag)",
-    )
-    p.add_argument(
+    ),
+    opt(
         "--compile-cache",
         metavar="DIR",
         help="--backend static: where inductor keeps what it compiled, so the next start loads it instead "
         f"of compiling (default: $TORCHINDUCTOR_CACHE_DIR, else {spec.COMPILE_CACHE})",
+    ),
+)
+# the reader's settings, the same flags in every command that runs it (spec.Reader's fields)
+SIDECAR = opt("--sidecar", metavar="FILE|DIR")
+BUDGET = opt("--budget", type=_percent, metavar="PERCENT")
+RECOVERY = opt("--recovery-rank", type=_recovery_rank, metavar="R")
+SCAN_WIDTH = opt("--scan", type=_scan_width, metavar="N")
+
+
+def _reader(applies: str, sidecar: str, recovery_default: str) -> tuple[Option, ...]:
+    return (
+        SIDECAR.but(help=sidecar),
+        BUDGET.but(help=f"{applies}share of the routed-expert bytes read per token, in (0, 100]"),
+        RECOVERY.but(help=f"{applies}rank of the recovery map, 0 = off (default: {recovery_default})"),
     )
 
 
-def _dtype_arg(p: argparse.ArgumentParser, choices=DTYPE_NAMES, default=None, help: str = "") -> None:
-    """--dtype: the compute dtype, torch's spellings, in every command that takes one."""
-    p.add_argument("--dtype", choices=choices, default=default, help=help or "the compute dtype (default: the port's)")
+THREADS = opt(
+    "--threads",
+    type=_threads,
+    default=Later(_default_threads),
+    metavar="N",
+    help=f"torch's intra-op threads (default: $OMP_NUM_THREADS, else {DEFAULT_THREADS}: measured "
+    "fastest for the tiny port on 2 shared cores; raise it for a full-size model on idle "
+    f"cores; at most {THREADS_PER_CPU} per CPU this process may run on). train-tiny: part of what makes "
+    "a run reproducible",
+)
 
 
-def _quantization_arg(p: argparse.ArgumentParser, help: str, choices=QUANTIZATIONS, default=None) -> None:
-    """--quantization: the routed experts' weight format ("none": the compute dtype's), in every command
-    that takes one."""
-    p.add_argument("--quantization", choices=choices, default=default, help=help)
+# ---- the commands ----
 
+PORTS = Command("ports", "list the built-in ports", (_json("the list"),))
 
-def _reader_args(
-    p: argparse.ArgumentParser,
-    applies: str,
-    sidecar: str,
-    recovery_default: str = "the port's [reader] recovery_rank, else the sidecar's",
-) -> None:
-    """The reader's settings, the same flags in every command that runs it (`spec.Reader.from_cli_args`)."""
-    p.add_argument("--sidecar", metavar="FILE|DIR", help=sidecar)
-    p.add_argument(
-        "--budget",
-        type=_percent,
-        metavar="PERCENT",
-        help=f"{applies}share of the routed-expert bytes read per token, in (0, 100]",
-    )
-    p.add_argument(
-        "--recovery-rank",
-        type=_recovery_rank,
-        metavar="R",
-        help=f"{applies}rank of the recovery map, 0 = off (default: {recovery_default})",
-    )
+ENV = Command(
+    "env",
+    "versions, Neuron devices, GPU, and which paths this machine supports (and why not)",
+    (_json(),),
+    description="Python and the versions of every package a path needs (torch, transformers, "
+    "torch-xla, torch-neuronx, neuronx-distributed, neuronx-cc, nki, triton), the "
+    "Neuron devices and cores (neuron-ls or /dev/neuron*), any CUDA GPU; then per path "
+    "(trace-and-compile, validate --tp-layers nxd, the reader's nki and triton kernels, "
+    "serve --backend neuron) whether it is supported here, and why not. A command that "
+    "needs a path refuses with the same reason before any work. Runs nothing.",
+)
 
+INFO = Command(
+    "info",
+    "geometry, parameter counts and weight bytes of a port (meta device)",
+    (
+        *COMMON,
+        opt(
+            "--per-token",
+            action="store_true",
+            help="also weight bytes and FLOPs per decoded token for each experts implementation",
+        ),
+    ),
+)
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=DEFAULT_PORT,
-        metavar="NAME|PATH",
-        help=f"port name or path to a port .toml (default: {DEFAULT_PORT}; `neuron-moe ports` lists them)",
-    )
-    _checkpoint_args(p)
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
+VALIDATE = Command(
+    "validate",
+    "SEQ_MATCH: greedy tokens of a backend vs the CPU reference (HF eager fp32)",
+    (
+        *COMMON,
+        opt(
+            "--backend",
+            default="dense_masked",
+            choices=Later(lambda: sorted(spec.validate_backends())),
+            help="backend under test: an experts implementation in HF's model (dense_masked, eager, reader), the "
+            "port's static graphs as `serve --backend static` runs them (static: compiled unless --no-compile), "
+            "those graphs through torch.export (traced), or at TP --tp on gloo (tp)",
+        ),
+        *COMPILE,
+        DTYPE.but(help="the backend's compute dtype (default: the port's)"),
+        QUANTIZATION.but(
+            help="the routed experts' weight format (default none): int8 runs per-channel int8 experts with fp32 "
+            "scales, int4 group-wise int4 experts with a bf16 scale per 32 input channels; with eager or "
+            "dense_masked that format's experts implementation (every expert computed), with tp the rank modules' "
+            "experts in it; with reader (int8 only) the reader over the int8 experts' numbers (exact rows in int8 "
+            "with their scales, prefill through the int8 experts; reference kernel only)"
+        ),
+        opt("--max-new-tokens", type=_tokens, default=32, metavar="N", help="tokens to generate (default 32)"),
+        opt("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)"),
+        *_reader(
+            "reader, tp: ",
+            "reader: the sidecar (default: the port's [reader] sidecar); tp: the directory of `prep-reader --tp T`",
+            "the port's [reader] recovery_rank, else the sidecar's",
+        ),
+        opt(
+            "--reader-kernel",
+            choices=READER_KERNELS,
+            dest="kernel",
+            help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron)",
+        ),
+        EXPERT_LAYOUT.but(help="tp: " + EXPERT_LAYOUT.help),
+        opt(
+            "--tp",
+            type=_positive_int,
+            choices=TP_DEGREES,
+            metavar="T",
+            help="tp: the degree, where the port's geometry splits over it (default 8; with --quantization int4 "
+            "the ranks must hold whole groups of 32 channels: --tp 2 on the tiny port)",
+        ),
+        opt(
+            "--tp-layers",
+            choices=TP_LAYERS,
+            help="tp: the parallel-layer library the rank modules are built over: cpu "
+            "(parallel/cpu.py, NxD's names over gloo; the graphs traced once as rank 0 and replicated) "
+            "or nxd (neuronx-distributed's own layers in its CPU mode, eager on every rank: the installed "
+            "package, else the source tree $NXD_SRC names; docs/neuron.md) (default cpu)",
+        ),
+    ),
+    description="Greedy-generate from fixed prompts with the CPU reference (HF eager, fp32) "
+    "and with the backend under test; print one row per prompt. "
+    "Exit 0 only when every prompt's tokens match.",
+)
+
+BUILD_CORPUS = Command(
+    "build-corpus",
+    "write the tiny model's corpus: English text plus the synthetic tasks",
+    (
+        opt("--text-dir", default=FORTUNES_DIR, help="the fortune files (default: %(default)s)"),
+        opt("--out", required=True, metavar="DIR", help="output directory"),
+        opt("--seed", type=_seed, default=0, help="seed of the training items (default 0)"),
+        opt(
+            "--scale",
+            type=number(float, above=0, at_most=1000),
+            default=1.0,
+            help="multiplies the number of training task items (at most 1000)",
+        ),
+        _json("the counts"),
+    ),
+    description="Text from the Debian package 'fortunes' (apt-get install fortunes) plus "
+    "the task mix of neuron_moe.tasks; fixed train/calib/eval splits.",
+)
+
+TRAIN_TINY = Command(
+    "train-tiny",
+    "train the port's model on a corpus (deterministic, CPU)",
+    (
+        MODEL.but(help="port whose config to train"),
+        opt("--corpus", required=True, metavar="DIR", help="directory written by build-corpus"),
+        opt("--out", required=True, metavar="DIR", help="checkpoint directory to write"),
+        opt("--steps", type=_positive_int, default=3000, help="optimizer steps (default 3000)"),
+        opt("--batch-size", type=_rows, default=4, help="training: windows per optimizer step (default 4)"),
+        opt("--seq-len", type=_tokens, default=512, help="training: tokens per window (default 512)"),
+        opt("--lr", type=_positive, default=3e-3, help="peak learning rate (default 3e-3)"),
+        opt(
+            "--task-share",
+            type=number(float, above=0, at_most=1),
+            default=1.0,
+            metavar="F",
+            help="task items fill up to this share of each window, running text the rest (default 1.0: "
+            "text fills only what the last whole item leaves)",
+        ),
+        opt("--seed", type=_seed, default=0, help="seed of initialisation and data order (default 0)"),
+        _json("the run summary"),
+    ),
+    description="Train a BPE tokenizer and the port's Gemma-4 MoE on the corpus from "
+    "build-corpus; write an HF-layout checkpoint with the tokenizer and the loss log.",
+)
+
+EVAL_TASKS = Command(
+    "eval-tasks",
+    "task accuracy, held-out perplexity and expert load of a model",
+    (
+        *COMMON,
+        opt(
+            "--backend",
+            default="eager",
+            choices=Later(lambda: sorted(spec.validate_backends())),
+            help="backend that generates (default eager)",
+        ),
+        QUANTIZATION.but(help="the routed experts' weight format, as validate's (default none)"),
+        opt("--items", type=_items, default=50, help="evaluation items per task (default 50)"),
+        opt("--task", action="append", choices=TASKS, help="only this task (repeatable; default: all)"),
+        opt(
+            "--corpus",
+            metavar="DIR",
+            help="a build-corpus directory: adds held-out text perplexity (vs a "
+            "unigram baseline) and each expert's share of tokens on that text",
+        ),
+        opt("--text-docs", type=_positive_int, default=200, help="held-out text documents (default 200)"),
+        opt(
+            "--split",
+            default="eval",
+            choices=SPLITS,
+            help="eval (default) or valid: the validation split, for choosing between training runs "
+            "(its text is the calibration text)",
+        ),
+    ),
+    description="Greedy answers to the evaluation items of each task (exact match up to EOS), "
+    "perplexity of held-out text against a unigram baseline, and each expert's "
+    "share of routed tokens on that text.",
+)
+
+EVAL_READER = Command(
+    "eval-reader",
+    "channel selectors (TEAL, WINA, CATS, oracle, reader) vs the full model "
+    "at read budgets: KL, top-1, task accuracy, reads, retention",
+    (
+        *COMMON,
+        opt(
+            "--budgets",
+            default="12.8,17.8",
+            metavar="B,B",
+            help="read budgets, %% of the full model's routed-expert reads (default %(default)s)",
+        ),
+        opt(
+            "--selectors",
+            default=",".join(spec.SELECTOR_NAMES),
+            metavar="S,S",
+            help="teal, wina, cats, oracle, reader; reader-rN: the reader at recovery rank N; "
+            "reader[-rN]-int8: over the int8 experts (exact rows int8), -int8dq: with the sketch made "
+            "from the dequantised int8 (budgets stay %% of the bf16 read: equal bytes) "
+            "(default %(default)s)",
+        ),
+        opt(
+            "--rules",
+            default=",".join(spec.RETENTION_RULES),
+            metavar="R,R",
+            help="topk (fixed reads per token) and/or threshold (calibrated) (default %(default)s)",
+        ),
+        opt(
+            "--corpus",
+            metavar="DIR",
+            help="a build-corpus directory: adds held-out text (eval_text.jsonl) "
+            "to the evaluation and calib.jsonl text to the calibration",
+        ),
+        opt("--out", required=True, metavar="DIR", help="output directory (resumable)"),
+        opt(
+            "--items",
+            type=_items,
+            help=f"evaluation items per task (default {spec.EVAL_READER_ITEMS}; --quick "
+            f"{spec.EVAL_READER_QUICK_ITEMS})",
+        ),
+        opt(
+            "--quick",
+            action="store_true",
+            help="a few short items (fact, kv, reverse) and 4 text "
+            "documents: a check (16 s on 2 shared cores), not a "
+            "measurement",
+        ),
+    ),
+    description="For each selector x retention rule x budget, on the evaluation split: "
+    "teacher-forced KL(full || sparse) (mean, p99), top-1 agreement, greedy task "
+    "accuracy as % of the full model's (the selector on every token), reads per "
+    "token against the target, their distribution and their mean by position in the "
+    "answer. Threshold rules are calibrated on the calibration split only. Writes "
+    "OUT/cells/*.json (one per cell; a rerun skips those done), OUT/report.json, "
+    "OUT/report.md and PNG plots. A budget a selector cannot reach is reported, "
+    "not an error.",
+)
+
+PUBLISH = Command(
+    "publish",
+    "upload an artifact directory to S3, integrity-checked, manifest last",
+    (
+        opt("dir", metavar="DIR", help="directory of artifacts to publish"),
+        opt(
+            "uri",
+            metavar="s3://BUCKET/PREFIX",
+            help="where to publish: a prefix with no publication yet, none above it and none below it",
+        ),
+        opt(
+            "--overwrite",
+            action="store_true",
+            help="replace the prefix's own publication, take over a run in progress there (it then "
+            "fails instead of publishing), remove objects of no publication; never touch a "
+            "publication below it",
+        ),
+        opt("--deep", action="store_true", help="also CRC-check every member of .pt archives (reads them)"),
+        _json(),
+    ),
+    description="Check every file (size stable while read; .pt files complete zip archives), "
+    "claim the prefix (a conditional write of its manifest), upload each file under "
+    "this run's own key with its full-object CRC32 checksum (which S3 checks) and its "
+    "sha256 in metadata, verify each with head_object, then write the manifest, on "
+    "condition that the claim is still this run's. "
+    "Credentials and endpoint come from boto3 (AWS_* variables, ~/.aws).",
+)
+
+PULL = Command(
+    "pull",
+    "download a publication from S3, each file verified (sha256) before it lands",
+    (
+        opt("uri", metavar="s3://BUCKET/PREFIX", help="a prefix written by `neuron-moe publish`"),
+        opt("dir", metavar="DIR", help="destination directory (created if missing; replaced whole)"),
+        _json(),
+    ),
+    description="Read the manifest at s3://BUCKET/PREFIX and build the publication beside DIR: "
+    "each file downloaded and its size and sha256 checked (or, where DIR already holds it with "
+    "that sha256, linked from there), then renamed onto DIR. DIR ends up holding exactly the "
+    "manifest's files, or, when the pull is refused, as it was. Only a new, an empty or a "
+    "pulled DIR is replaced.",
+)
+
+VERIFY = Command(
+    "verify",
+    "check a trace-and-compile artifact against its own manifest, no SDK needed",
+    (
+        opt("artifact", metavar="ARTIFACT|s3://BUCKET/PREFIX", help="a trace-and-compile output, or its publication"),
+        opt("--model", metavar="NAME|PATH", help="also check that it was built for this port"),
+        _json(),
+    ),
+    description="Check the artifact's manifest.json (every field of the contract), each file's size "
+    "and sha256 against it, and that it holds no file the manifest does not list; with --model, "
+    "that it was built for that port. An s3:// publication is read from S3, each object checked "
+    "against the publication's manifest too, nothing written. Exit 0 when it is whole, 2 (one "
+    "error: line naming the file or field) when not. serve --artifacts makes the same checks.",
+)
+
+PLAN = Command(
+    "plan",
+    "inf2 memory plan: bytes per NeuronCore at a TP degree, fit verdict, decode floor",
+    (
+        PORT_MODEL,
+        opt("--instance", required=True, choices=sorted(INSTANCE_CHIPS), help="inf2 instance type"),
+        TP_REQUIRED,
+        DTYPE.but(
+            choices=("bfloat16",),
+            default="bfloat16",
+            help="the compute dtype of every weight but int8 experts' (default bfloat16)",
+        ),
+        QUANTIZATION.but(
+            default="none",
+            help="the routed experts' weight format: none (bfloat16), int8 with fp32 scales per channel, or int4 "
+            "(two values a byte, a bfloat16 scale per group of inputs; the plan counts it) (default none)",
+        ),
+        BATCH_SIZE,
+        MAX_CACHE_LEN,
+        BUCKETS.but(
+            help=BUCKETS.help + "; the graph estimate takes --max-cache-len as the prefill length, an upper bound. "
+            "Without a [static] table: batch 1, seq 4096"
+        ),
+        opt(
+            "--reader",
+            action="store_true",
+            help="also the channel layout's decode graph with the reader (bytes per token and rank, each rank's "
+            "sidecar shard in the memory plan); needs --budget",
+        ),
+        BUDGET.but(help="with --reader: share of a rank's routed-expert bytes read per token, in (0, 100]"),
+        RECOVERY.but(help=f"with --reader: rank of the recovery map, 0 = off (default {RECOVERY_RANK})"),
+        SCAN_WIDTH.but(help=f"with --reader: coordinates scanned per {BLOCK}-block (default {SCAN})"),
+        opt(
+            "--runtime-reserve-gib",
+            type=_non_negative,
+            default=DEFAULT_RUNTIME_RESERVE_GIB,
+            metavar="GIB",
+            help="stated per-core runtime reserve (default %(default)s)",
+        ),
+        EXPERT_LAYOUT,
+        _json("the plan"),
+    ),
+    description="Per-rank bytes (experts, attention, dense MLP, embeddings, lm_head, KV cache, "
+    "stated graph and runtime reserves) against 16 GiB per NeuronCore, the fit verdict "
+    "with its reason, and the bytes read per decoded token with the HBM-bound floor. "
+    "Exit 0 when it fits, 1 when not.",
+)
+
+TRACE_AND_COMPILE = Command(
+    "trace-and-compile",
+    "rank graphs (a prefill key per bucket, a decode key), per-rank "
+    "weights and a manifest: Neuron, or --dry-run on CPU",
+    (
+        PORT_MODEL,
+        CHECKPOINT,
+        REVISION,
+        DTYPE.but(default="bfloat16", help="the compute dtype (default bfloat16; float32: for CPU checks)"),
+        QUANTIZATION.but(
+            default="none",
+            help="the routed experts' weight format: none (the compute dtype), int8 with fp32 scales, or int4 "
+            "group-wise with a bf16 scale per 32 input channels (the ranks must hold whole groups) (default none)",
+        ),
+        TP_REQUIRED,
+        opt("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)"),
+        opt("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan"),
+        opt("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)"),
+        BATCH_SIZE,
+        MAX_CACHE_LEN,
+        BUCKETS,
+        EXPERT_LAYOUT,
+        opt(
+            "--reader",
+            action="store_true",
+            help="the decode key reads through the reader (channel layout, --quantization none): each rank's "
+            "sidecar shard goes into its weights; needs --budget and --sidecar DIR (a port without weights: "
+            "shapes only, no sidecar)",
+        ),
+        *_reader(
+            "with --reader: ",
+            "with --reader: the directory of `prep-reader --tp T`",
+            "the port's [reader] recovery_rank, else the sidecar's",
+        ),
+        opt(
+            "--with-logits",
+            action="store_true",
+            dest="logits",
+            help="graphs that also return the fp32 logits (validation: vocab x 4 bytes per row and step "
+            "to the host); default: the token each graph chose (greedy or sampled in the graph) alone",
+        ),
+        opt(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            dest="prefix_caching",
+            help="also compile the copy key (a cache row copied into another) that serve's prefix caching calls, "
+            "every key over a cache whose sliding layers keep every position (max_cache_len, not the window: "
+            "more device memory); default off",
+        ),
+        _json("the manifest"),
+    ),
+    description="Build the full-model rank modules at TP T, trace each key once as rank 0 and "
+    "(on Neuron, with ModelBuilder) compile them; write model.pt, "
+    "weights/tp{r}_sharded_checkpoint.safetensors, shard_plan.json and manifest.json "
+    "into DIR, built aside and renamed into place when complete. --dry-run does the "
+    "same on CPU (exported programs under graphs/); a port without weights is built and "
+    "exported on the meta device: manifest and shard plan only. The KV cache is the graphs' "
+    "state (aliased, zero-initialised on each rank): only ids, pad masks, positions and "
+    "row ids go in, the token comes out.",
+)
+
+SERVE = Command(
+    "serve",
+    "OpenAI-compatible HTTP server (chat and text completions, SSE streaming)",
+    (
+        MODEL.but(help=f"port name or path to a port .toml (default: {DEFAULT_PORT})"),
+        CHECKPOINT,
+        REVISION,
+        opt(
+            "--backend",
+            default="eager",
+            type=_serve_backend,
+            metavar=Later(lambda: "{" + ",".join(spec.serve_backends()) + "}"),
+            help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
+            "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
+            "experts implementation but the reader's: transformers' model on CPU, one request per "
+            "thread, any prompt that fits the context (default: eager)",
+        ),
+        opt(
+            "--artifacts",
+            metavar="DIR|s3://BUCKET/PREFIX",
+            help="what the backend loads: the trace-and-compile output for neuron, an HF checkpoint for "
+            "a CPU backend; an s3:// URI is pulled (and verified) into --artifacts-cache first",
+        ),
+        opt(
+            "--artifacts-cache",
+            default="~/.cache/neuron-moe/artifacts",
+            metavar="DIR",
+            help="where s3:// artifacts are pulled to (default: %(default)s)",
+        ),
+        DTYPE.but(help="a CPU backend's compute dtype (default: the port's)"),
+        QUANTIZATION.but(
+            help="the routed experts' weight format (default none): int8 or int4 with --backend eager or "
+            "dense_masked runs that format's experts implementation (every expert computed); a compiled "
+            "artifact's is its own"
+        ),
+        opt("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)"),
+        opt(
+            "--port",
+            type=_tcp_port,
+            default=8080,
+            metavar="PORT",
+            dest="tcp_port",
+            help="TCP port; 0 picks a free one (default: %(default)s)",
+        ),
+        opt(
+            "--api-key",
+            default=Later(lambda: os.environ.get("NEURON_MOE_API_KEY")),
+            metavar="KEY",
+            help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and /metrics "
+            "(default: $NEURON_MOE_API_KEY; unset: open)",
+        ),
+        opt(
+            "--served-model-name",
+            nargs="+",
+            metavar="NAME",
+            help="the name(s) requests give as 'model' and /v1/models lists; responses carry the first "
+            "(default: the port's name)",
+        ),
+        opt(
+            "--max-model-len",
+            type=_tokens,
+            metavar="N",
+            help="context in tokens, prompt and completion together (default and most: what the backend "
+            "holds: the graphs' max_cache_len + 1, or the model's max_position_embeddings)",
+        ),
+        BATCH_SIZE.but(
+            help="--backend static: rows of the graphs' batch, the requests generating at once "
+            "(default: the port's [static] batch_size)"
+        ),
+        opt(
+            "--prefill-rows",
+            type=_rows,
+            nargs="+",
+            metavar="P",
+            help="--backend static: the prompts one prefill call takes, one graph per count (e.g. 1 4; "
+            "default: the port's [static] prefill_rows)",
+        ),
+        opt(
+            "--prefill-chunk",
+            type=_tokens,
+            metavar="N",
+            help="--backend static: a prompt longer than N tokens is prefilled N at a time, between decode "
+            "steps; one of the buckets (default: the port's [static] prefill_chunk)",
+        ),
+        *COMPILE,
+        opt(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            dest="prefix_caching",
+            help="batching backends: a request whose prompt begins with a prefix a row of the cache holds "
+            "(whole blocks of 16 tokens) takes it from that row instead of prefilling it; rows keep what they "
+            "hold until needed. --backend static: default on, as in vLLM (the cost: the sliding layers keep "
+            "every position, max_cache_len, not the window, so that any prefix can be taken); --backend "
+            "neuron: default what the artifact was built with (trace-and-compile --enable-prefix-caching), "
+            "on needs it",
+        ),
+        opt(
+            "--max-running",
+            type=_rows,
+            metavar="N",
+            help="per-request backends: requests generating at once (default: 1); the batching "
+            "backends run one request per row",
+        ),
+        opt(
+            "--max-queue",
+            type=_count,
+            default=32,
+            metavar="N",
+            help="requests waiting beyond those; more get 429 + Retry-After (default: 32)",
+        ),
+        opt(
+            "--drain-timeout",
+            type=_non_negative,
+            default=DRAIN_TIMEOUT_S,
+            metavar="S",
+            help="on SIGTERM, seconds to let requests in flight finish; those still running then end "
+            "with an error event (streams) or a 503 (default: 60)",
+        ),
+        opt(
+            "--max-body-bytes",
+            type=_positive_int,
+            metavar="N",
+            help="larger request bodies get 413 before they are read (default: 4194304, 4 MiB)",
+        ),
+        opt(
+            "--header-timeout",
+            type=_positive,
+            metavar="S",
+            help="a connection that has not sent a request's complete headers S seconds after it opened "
+            "(or after the first byte of its next request) is closed (default: 10)",
+        ),
+        opt(
+            "--body-timeout",
+            type=_positive,
+            metavar="S",
+            help="a request whose body has not all come S seconds after its headers gets 408 (default: 30)",
+        ),
+        opt("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]),
+    ),
+    description="Serve one model over the OpenAI API as vLLM does: POST /v1/chat/completions, "
+    "/v1/completions, /tokenize, /detokenize; GET /v1/models, /version, /health, "
+    "/ping. The model loads after the socket is bound and runs one request per "
+    "graph to warm up, --backend static compiling each graph then (minutes at a first start, seconds "
+    "from the compile cache after) (/health answers 503 until it is ready). SIGTERM drains the "
+    "requests in flight, then exits 0.",
+)
+
+READS = Command(
+    "reads",
+    "reader: bytes read per token and layer at a budget, and the k it buys",
+    (
+        MODEL.but(help="port whose geometry to use"),
+        BUDGET.but(
+            help=f"read budget (default: the port's [reader] budget, else {READS_BUDGET:g}; an explicit "
+            f"geometry: {READS_BUDGET:g})"
+        ),
+        *(
+            opt(
+                flag,
+                type=number(int, at_least=1, at_most=most),
+                metavar="N",
+                help="explicit geometry (instead of --model)",
+            )
+            for flag, most in GEOMETRY_BOUNDS.items()
+        ),
+        SCAN_WIDTH.but(
+            default=SCAN, help=f"coordinates scanned per {BLOCK}-block (default {SCAN}; {BLOCK} = full scan)"
+        ),
+        RECOVERY.but(
+            help=f"rank of the recovery map, 0 = off (default: the port's [reader] recovery_rank, else "
+            f"{RECOVERY_RANK}; an explicit geometry: {RECOVERY_RANK})"
+        ),
+        QUANTIZATION.but(
+            default="none",
+            help="the routed experts' weight format: none (bfloat16), int8 exact rows with fp32 scales, or int4 "
+            "rows with a bf16 scale per 32 (accounted only: no int4 reader is built) (the sketch and recovery "
+            "stay bfloat16); --budget is a share of those experts' full read (default none)",
+        ),
+        BATCH_SIZE.but(
+            help="also a decode step of B tokens, each row read once: the full batch, independent per-token "
+            "top-k, and the batch rule (one set of channels for the step), under uniform routing"
+        ),
+        opt(
+            "--step-budget",
+            type=_positive,
+            default=STEP_BUDGET,
+            metavar="X",
+            help=f"with --batch-size: the batch rule's step reads, in units of one token's reads (default "
+            f"{STEP_BUDGET:g})",
+        ),
+        opt(
+            "--tp",
+            type=_positive_int,
+            choices=TP_DEGREES,
+            metavar="T",
+            help="per rank at TP T on the channel expert layout (each rank its I/T channels of every expert)",
+        ),
+        _json(),
+    ),
+    description="Bytes the reader reads per token and MoE layer (whole 32-byte sectors, bf16, "
+    "the sidecar layout) as a share of the full model's routed-expert reads; the "
+    "k a budget buys; the memory the sidecar adds. Geometry from --model, or "
+    "explicit with all of --hidden --experts --top-k --intermediate.",
+)
+
+PREP_READER = Command(
+    "prep-reader",
+    "reader: write the weight-prep sidecar of a model",
+    (
+        *COMMON,
+        opt(
+            "--out",
+            required=True,
+            metavar="FILE|DIR",
+            help="sidecar file to write (.safetensors); with --tp a directory",
+        ),
+        opt(
+            "--tp",
+            type=_positive_int,
+            choices=TP_DEGREES,
+            metavar="T",
+            help="also shard it for TP T on the channel expert layout: DIR/reader.safetensors (the whole "
+            "sidecar) and DIR/tpT-rankR.safetensors, rank R's channels of every expert, each tied to its "
+            f"rank, TP degree, layout and source weights ({', '.join(map(str, TP_DEGREES))})",
+        ),
+        opt(
+            "--from",
+            dest="source",
+            metavar="FILE",
+            help="with --tp: shard this existing whole sidecar instead of prepping one",
+        ),
+        opt("--seed", type=_seed, default=0, help="seed of the Hadamard sign vector (default 0)"),
+        RECOVERY.but(default=RECOVERY_RANK, help=f"rank of the recovery map (default {RECOVERY_RANK})"),
+        SCAN_WIDTH.but(default=SCAN, help=f"scan width recorded for readers (default {SCAN})"),
+    ),
+    description="Prepare the reader's sidecar (ternary sketch, channel norms, recovery map) "
+    "from the expert weights alone, layer by layer, and write it atomically.",
+)
+
+DEPLOY_K8S = Command(
+    "k8s",
+    "plain YAML for EKS with the Neuron device plugin",
+    (
+        PORT_MODEL,
+        opt("--instance", required=True, choices=sorted(INSTANCE_CHIPS), help="inf2 instance type of the nodes"),
+        opt(
+            "--artifacts",
+            required=True,
+            metavar="s3://BUCKET/PREFIX",
+            help="the artifact, published by `neuron-moe publish`",
+        ),
+        QUANTIZATION.but(
+            default="none", help="the artifact's routed experts' weight format, for the plan (default: none)"
+        ),
+        opt(
+            "--tp",
+            type=_positive_int,
+            choices=TP_DEGREES,
+            metavar="T",
+            help="the artifact's TP degree (default: the smallest whose plan fits the instance)",
+        ),
+        opt(
+            "--resource",
+            default="neuroncore",
+            choices=sorted(DEPLOY_RESOURCES),
+            help="ask the device plugin for T NeuronCores (aws.amazon.com/neuroncore) or for whole chips "
+            "(aws.amazon.com/neuron) (default: %(default)s)",
+        ),
+        opt("--replicas", type=_positive_int, default=1, metavar="N", help="pods, at least (default 1)"),
+        opt("--max-replicas", type=_positive_int, metavar="M", help="the autoscaler's most (default 4 x N)"),
+        opt(
+            "--target-waiting",
+            type=_positive,
+            default=2.0,
+            metavar="X",
+            help="the autoscaler adds pods while their average waiting requests exceed X (default 2)",
+        ),
+        opt("--name", default="neuron-moe", help="the objects' name (default: %(default)s)"),
+        opt(
+            "--image",
+            default=DEFAULT_NEURON_IMAGE,
+            help="the Neuron serving image, in a registry the nodes pull from (default: %(default)s)",
+        ),
+        opt(
+            "--api-key-secret",
+            metavar="NAME",
+            help="Secret whose key 'api-key' holds the API key (default: NAME-api-key)",
+        ),
+        opt("--service-account", metavar="NAME", help="the pods' service account (S3 read access for the pull)"),
+        opt(
+            "--drain-timeout",
+            type=_non_negative,
+            default=DRAIN_TIMEOUT_S,
+            metavar="S",
+            help="serve's --drain-timeout; the grace period is set above it (default: %(default)g)",
+        ),
+        opt("--out", required=True, metavar="DIR", help="directory to write (replaced whole)"),
+        _json(),
+    ),
+    description="Deployment (Neuron resources for the TP degree, the aws.amazon.com/neuron toleration, "
+    "the instance type's node selector, an init step that pulls and verifies the artifact into the "
+    "node's cache, probes, the API key from a Secret), Service, HorizontalPodAutoscaler on the waiting "
+    "requests, and the Prometheus scrape job and adapter rule it reads. Not run on a cluster.",
+)
+
+# deploy: files for the engines that scale a server out (neuron_moe/deploy/, docs/deploy.md)
+DEPLOY = Command(
+    "deploy",
+    "Kubernetes manifests for inf2 nodes, derived from the plan (docs/deploy.md)",
+    description="Write what an engine needs to run the serving image. SageMaker needs no files: "
+    "the image answers its contract itself (docs/deploy.md).",
+    engines=(DEPLOY_K8S,),
+)
+
+COMMANDS = (
+    PORTS,
+    ENV,
+    INFO,
+    VALIDATE,
+    BUILD_CORPUS,
+    TRAIN_TINY,
+    EVAL_TASKS,
+    EVAL_READER,
+    PUBLISH,
+    PULL,
+    VERIFY,
+    PLAN,
+    TRACE_AND_COMPILE,
+    SERVE,
+    READS,
+    PREP_READER,
+    DEPLOY,
+)
 
 
 def parser() -> argparse.ArgumentParser:
+    """The parser of every command, built from the tables above; each command also takes --threads."""
     top = argparse.ArgumentParser(prog="neuron-moe", description=neuron_moe.__doc__, allow_abbrev=False)
     top.add_argument("--version", action="version", version=f"neuron-moe {neuron_moe.__version__}")
-    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("ports", help="list the built-in ports")
-    p.add_argument("--json", metavar="FILE", help="also write the list as JSON ('-' for stdout)")
-
-    p = sub.add_parser(
-        "env",
-        help="versions, Neuron devices, GPU, and which paths this machine supports (and why not)",
-        description="Python and the versions of every package a path needs (torch, transformers, "
-        "torch-xla, torch-neuronx, neuronx-distributed, neuronx-cc, nki, triton), the "
-        "Neuron devices and cores (neuron-ls or /dev/neuron*), any CUDA GPU; then per path "
-        "(trace-and-compile, validate --tp-layers nxd, the reader's nki and triton kernels, "
-        "serve --backend neuron) whether it is supported here, and why not. A command that "
-        "needs a path refuses with the same reason before any work. Runs nothing.",
-    )
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
-
-    p = sub.add_parser("info", help="geometry, parameter counts and weight bytes of a port (meta device)")
-    _common(p)
-    p.add_argument(
-        "--per-token",
-        action="store_true",
-        help="also weight bytes and FLOPs per decoded token for each experts implementation",
-    )
-
-    p = sub.add_parser(
-        "validate",
-        help="SEQ_MATCH: greedy tokens of a backend vs the CPU reference (HF eager fp32)",
-        description="Greedy-generate from fixed prompts with the CPU reference (HF eager, fp32) "
-        "and with the backend under test; print one row per prompt. "
-        "Exit 0 only when every prompt's tokens match.",
-    )
-    _common(p)
-    p.add_argument(
-        "--backend",
-        default="dense_masked",
-        choices=sorted(spec.validate_backends()),
-        help="backend under test: an experts implementation in HF's model (dense_masked, eager, reader), the "
-        "port's static graphs as `serve --backend static` runs them (static: compiled unless --no-compile), "
-        "those graphs through torch.export (traced), or at TP --tp on gloo (tp)",
-    )
-    _compile_args(p)
-    _dtype_arg(p, help="the backend's compute dtype (default: the port's)")
-    _quantization_arg(
-        p,
-        "the routed experts' weight format (default none): int8 runs per-channel int8 experts with fp32 "
-        "scales, int4 group-wise int4 experts with a bf16 scale per 32 input channels; with eager or "
-        "dense_masked that format's experts implementation (every expert computed), with tp the rank modules' "
-        "experts in it; with reader (int8 only) the reader over the int8 experts' numbers (exact rows in int8 "
-        "with their scales, prefill through the int8 experts; reference kernel only)",
-    )
-    p.add_argument("--max-new-tokens", type=_tokens, default=32, metavar="N", help="tokens to generate (default 32)")
-    p.add_argument("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)")
-    _reader_args(
-        p,
-        "reader, tp: ",
-        "reader: the sidecar (default: the port's [reader] sidecar); tp: the directory of `prep-reader --tp T`",
-    )
-    p.add_argument(
-        "--reader-kernel",
-        choices=READER_KERNELS,
-        help="reader: decode-step kernels (default reference: PyTorch; triton: CUDA; nki: Neuron)",
-    )
-    _expert_layout_arg(p, "tp: ")
-    p.add_argument(
-        "--tp",
-        type=_positive_int,
-        choices=TP_DEGREES,
-        metavar="T",
-        help="tp: the degree, where the port's geometry splits over it (default 8; with --quantization int4 "
-        "the ranks must hold whole groups of 32 channels: --tp 2 on the tiny port)",
-    )
-    p.add_argument(
-        "--tp-layers",
-        choices=TP_LAYERS,
-        help="tp: the parallel-layer library the rank modules are built over: cpu "
-        "(parallel/cpu.py, NxD's names over gloo; the graphs traced once as rank 0 and replicated) "
-        "or nxd (neuronx-distributed's own layers in its CPU mode, eager on every rank: the installed "
-        "package, else the source tree $NXD_SRC names; docs/neuron.md) (default cpu)",
-    )
-
-    p = sub.add_parser(
-        "build-corpus",
-        help="write the tiny model's corpus: English text plus the synthetic tasks",
-        description="Text from the Debian package 'fortunes' (apt-get install fortunes) plus "
-        "the task mix of neuron_moe.tasks; fixed train/calib/eval splits.",
-    )
-    p.add_argument("--text-dir", default=FORTUNES_DIR, help="the fortune files (default: %(default)s)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the training items (default 0)")
-    p.add_argument(
-        "--scale",
-        type=number(float, above=0, at_most=1000),
-        default=1.0,
-        help="multiplies the number of training task items (at most 1000)",
-    )
-    p.add_argument("--json", metavar="FILE", help="also write the counts as JSON ('-' for stdout)")
-
-    p = sub.add_parser(
-        "train-tiny",
-        help="train the port's model on a corpus (deterministic, CPU)",
-        description="Train a BPE tokenizer and the port's Gemma-4 MoE on the corpus from "
-        "build-corpus; write an HF-layout checkpoint with the tokenizer and the loss log.",
-    )
-    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help="port whose config to train")
-    p.add_argument("--corpus", required=True, metavar="DIR", help="directory written by build-corpus")
-    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
-    p.add_argument("--steps", type=_positive_int, default=3000, help="optimizer steps (default 3000)")
-    p.add_argument("--batch-size", type=_rows, default=4, help="windows per step (default 4)")
-    p.add_argument("--seq-len", type=_tokens, default=512, help="tokens per window (default 512)")
-    p.add_argument("--lr", type=_positive, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument(
-        "--task-share",
-        type=number(float, above=0, at_most=1),
-        default=1.0,
-        metavar="F",
-        help="task items fill up to this share of each window, running text the rest (default 1.0: "
-        "text fills only what the last whole item leaves)",
-    )
-    p.add_argument("--seed", type=_seed, default=0, help="seed of initialisation and data order (default 0)")
-    p.add_argument("--json", metavar="FILE", help="also write the run summary as JSON ('-' for stdout)")
-
-    p = sub.add_parser(
-        "eval-tasks",
-        help="task accuracy, held-out perplexity and expert load of a model",
-        description="Greedy answers to the evaluation items of each task (exact match up to EOS), "
-        "perplexity of held-out text against a unigram baseline, and each expert's "
-        "share of routed tokens on that text.",
-    )
-    _common(p)
-    p.add_argument(
-        "--backend",
-        default="eager",
-        choices=sorted(spec.validate_backends()),
-        help="backend that generates (default eager)",
-    )
-    _quantization_arg(p, "the routed experts' weight format, as validate's (default none)")
-    p.add_argument("--items", type=_items, default=50, help="evaluation items per task (default 50)")
-    p.add_argument("--task", action="append", choices=TASKS, help="only this task (repeatable; default: all)")
-    p.add_argument(
-        "--corpus",
-        metavar="DIR",
-        help="a build-corpus directory: adds held-out text perplexity (vs a "
-        "unigram baseline) and each expert's share of tokens on that text",
-    )
-    p.add_argument("--text-docs", type=_positive_int, default=200, help="held-out text documents (default 200)")
-    p.add_argument(
-        "--split",
-        default="eval",
-        choices=SPLITS,
-        help="eval (default) or valid: the validation split, for choosing between training runs "
-        "(its text is the calibration text)",
-    )
-
-    p = sub.add_parser(
-        "eval-reader",
-        help="channel selectors (TEAL, WINA, CATS, oracle, reader) vs the full model "
-        "at read budgets: KL, top-1, task accuracy, reads, retention",
-        description="For each selector x retention rule x budget, on the evaluation split: "
-        "teacher-forced KL(full || sparse) (mean, p99), top-1 agreement, greedy task "
-        "accuracy as % of the full model's (the selector on every token), reads per "
-        "token against the target, their distribution and their mean by position in the "
-        "answer. Threshold rules are calibrated on the calibration split only. Writes "
-        "OUT/cells/*.json (one per cell; a rerun skips those done), OUT/report.json, "
-        "OUT/report.md and PNG plots. A budget a selector cannot reach is reported, "
-        "not an error.",
-    )
-    _common(p)
-    p.add_argument(
-        "--budgets",
-        default="12.8,17.8",
-        metavar="B,B",
-        help="read budgets, %% of the full model's routed-expert reads (default %(default)s)",
-    )
-    p.add_argument(
-        "--selectors",
-        default=",".join(spec.SELECTOR_NAMES),
-        metavar="S,S",
-        help="teal, wina, cats, oracle, reader; reader-rN: the reader at recovery rank N; "
-        "reader[-rN]-int8: over the int8 experts (exact rows int8), -int8dq: with the sketch made "
-        "from the dequantised int8 (budgets stay %% of the bf16 read: equal bytes) "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--rules",
-        default=",".join(spec.RETENTION_RULES),
-        metavar="R,R",
-        help="topk (fixed reads per token) and/or threshold (calibrated) (default %(default)s)",
-    )
-    p.add_argument(
-        "--corpus",
-        metavar="DIR",
-        help="a build-corpus directory: adds held-out text (eval_text.jsonl) "
-        "to the evaluation and calib.jsonl text to the calibration",
-    )
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable)")
-    p.add_argument(
-        "--items",
-        type=_items,
-        help=f"evaluation items per task (default {spec.EVAL_READER_ITEMS}; --quick {spec.EVAL_READER_QUICK_ITEMS})",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a few short items (fact, kv, reverse) and 4 text "
-        "documents: a check (16 s on 2 shared cores), not a "
-        "measurement",
-    )
-
-    p = sub.add_parser(
-        "publish",
-        help="upload an artifact directory to S3, integrity-checked, manifest last",
-        description="Check every file (size stable while read; .pt files complete zip archives), "
-        "claim the prefix (a conditional write of its manifest), upload each file under "
-        "this run's own key with its full-object CRC32 checksum (which S3 checks) and its "
-        "sha256 in metadata, verify each with head_object, then write the manifest, on "
-        "condition that the claim is still this run's. "
-        "Credentials and endpoint come from boto3 (AWS_* variables, ~/.aws).",
-    )
-    p.add_argument("dir", metavar="DIR", help="directory of artifacts to publish")
-    p.add_argument(
-        "uri",
-        metavar="s3://BUCKET/PREFIX",
-        help="where to publish: a prefix with no publication yet, none above it and none below it",
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the prefix's own publication, take over a run in progress there (it then "
-        "fails instead of publishing), remove objects of no publication; never touch a "
-        "publication below it",
-    )
-    p.add_argument("--deep", action="store_true", help="also CRC-check every member of .pt archives (reads them)")
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
-
-    p = sub.add_parser(
-        "pull",
-        help="download a publication from S3, each file verified (sha256) before it lands",
-        description="Read the manifest at s3://BUCKET/PREFIX and build the publication beside DIR: "
-        "each file downloaded and its size and sha256 checked (or, where DIR already holds it with "
-        "that sha256, linked from there), then renamed onto DIR. DIR ends up holding exactly the "
-        "manifest's files, or, when the pull is refused, as it was. Only a new, an empty or a "
-        "pulled DIR is replaced.",
-    )
-    p.add_argument("uri", metavar="s3://BUCKET/PREFIX", help="a prefix written by `neuron-moe publish`")
-    p.add_argument("dir", metavar="DIR", help="destination directory (created if missing; replaced whole)")
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
-
-    p = sub.add_parser(
-        "verify",
-        help="check a trace-and-compile artifact against its own manifest, no SDK needed",
-        description="Check the artifact's manifest.json (every field of the contract), each file's size "
-        "and sha256 against it, and that it holds no file the manifest does not list; with --model, "
-        "that it was built for that port. An s3:// publication is read from S3, each object checked "
-        "against the publication's manifest too, nothing written. Exit 0 when it is whole, 2 (one "
-        "error: line naming the file or field) when not. serve --artifacts makes the same checks.",
-    )
-    p.add_argument(
-        "artifact", metavar="ARTIFACT|s3://BUCKET/PREFIX", help="a trace-and-compile output, or its publication"
-    )
-    p.add_argument("--model", metavar="NAME|PATH", help="also check that it was built for this port")
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
-
-    p = sub.add_parser(
-        "plan",
-        help="inf2 memory plan: bytes per NeuronCore at a TP degree, fit verdict, decode floor",
-        description="Per-rank bytes (experts, attention, dense MLP, embeddings, lm_head, KV cache, "
-        "stated graph and runtime reserves) against 16 GiB per NeuronCore, the fit verdict "
-        "with its reason, and the bytes read per decoded token with the HBM-bound floor. "
-        "Exit 0 when it fits, 1 when not.",
-    )
-    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
-    p.add_argument("--instance", required=True, choices=sorted(INSTANCE_CHIPS), help="inf2 instance type")
-    p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
-    _dtype_arg(p, ("bfloat16",), "bfloat16", "the compute dtype of every weight but int8 experts' (default bfloat16)")
-    _quantization_arg(
-        p,
-        "the routed experts' weight format: none (bfloat16), int8 with fp32 scales per channel, or int4 "
-        "(two values a byte, a bfloat16 scale per group of inputs; the plan counts it) (default none)",
-        QUANTIZATIONS,
-        "none",
-    )
-    _shape_args(
-        p,
-        "; the graph estimate takes --seq-len as the prefill length, an upper bound. Without a [static] "
-        "table: batch 1, seq 4096",
-    )
-    p.add_argument(
-        "--reader",
-        action="store_true",
-        help="also the channel layout's decode graph with the reader (bytes per token and rank, each rank's "
-        "sidecar shard in the memory plan); needs --budget",
-    )
-    p.add_argument(
-        "--budget",
-        type=_percent,
-        metavar="PERCENT",
-        help="with --reader: share of a rank's routed-expert bytes read per token, in (0, 100]",
-    )
-    p.add_argument(
-        "--recovery-rank",
-        type=_recovery_rank,
-        metavar="R",
-        help=f"with --reader: rank of the recovery map, 0 = off (default {RECOVERY_RANK})",
-    )
-    p.add_argument(
-        "--scan",
-        type=_scan_width,
-        metavar="N",
-        help=f"with --reader: coordinates scanned per {BLOCK}-block (default {SCAN})",
-    )
-    p.add_argument(
-        "--runtime-reserve-gib",
-        type=_non_negative,
-        default=DEFAULT_RUNTIME_RESERVE_GIB,
-        metavar="GIB",
-        help="stated per-core runtime reserve (default %(default)s)",
-    )
-    _expert_layout_arg(p)
-    p.add_argument("--json", metavar="FILE", help="also write the plan as JSON ('-' for stdout)")
-
-    p = sub.add_parser(
-        "trace-and-compile",
-        help="rank graphs (a prefill key per bucket, a decode key), per-rank "
-        "weights and a manifest: Neuron, or --dry-run on CPU",
-        description="Build the full-model rank modules at TP T, trace each key once as rank 0 and "
-        "(on Neuron, with ModelBuilder) compile them; write model.pt, "
-        "weights/tp{r}_sharded_checkpoint.safetensors, shard_plan.json and manifest.json "
-        "into DIR, built aside and renamed into place when complete. --dry-run does the "
-        "same on CPU (exported programs under graphs/); a port without weights is built and "
-        "exported on the meta device: manifest and shard plan only. The KV cache is the graphs' "
-        "state (aliased, zero-initialised on each rank): only ids, pad masks, positions and "
-        "row ids go in, the token comes out.",
-    )
-    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
-    _checkpoint_args(p)
-    _dtype_arg(p, default="bfloat16", help="the compute dtype (default bfloat16; float32: for CPU checks)")
-    _quantization_arg(
-        p,
-        "the routed experts' weight format: none (the compute dtype), int8 with fp32 scales, or int4 "
-        "group-wise with a bf16 scale per 32 input channels (the ranks must hold whole groups) (default none)",
-        default="none",
-    )
-    p.add_argument("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
-    p.add_argument("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan")
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)"
-    )
-    _shape_args(p)
-    _expert_layout_arg(p)
-    p.add_argument(
-        "--reader",
-        action="store_true",
-        help="the decode key reads through the reader (channel layout, --quantization none): each rank's "
-        "sidecar shard goes into its weights; needs --budget and --sidecar DIR (a port without weights: "
-        "shapes only, no sidecar)",
-    )
-    _reader_args(p, "with --reader: ", "with --reader: the directory of `prep-reader --tp T`")
-    p.add_argument(
-        "--with-logits",
-        action="store_true",
-        help="graphs that also return the fp32 logits (validation: vocab x 4 bytes per row and step "
-        "to the host); default: the token each graph chose (greedy or sampled in the graph) alone",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="also compile the copy key (a cache row copied into another) that serve's prefix caching calls, "
-        "every key over a cache whose sliding layers keep every position (max_length, not the window: more "
-        "device memory); default off",
-    )
-    p.add_argument("--json", metavar="FILE", help="also write the manifest as JSON ('-' for stdout)")
-
-    p = sub.add_parser(
-        "serve",
-        help="OpenAI-compatible HTTP server (chat and text completions, SSE streaming)",
-        description="Serve one model over the OpenAI API as vLLM does: POST /v1/chat/completions, "
-        "/v1/completions, /tokenize, /detokenize; GET /v1/models, /version, /health, "
-        "/ping. The model loads after the socket is bound and runs one request per "
-        "graph to warm up, --backend static compiling each graph then (minutes at a first start, seconds "
-        "from the compile cache after) (/health answers 503 until it is ready). SIGTERM drains the "
-        "requests in flight, then exits 0.",
-    )
-    p.add_argument(
-        "--model",
-        default=DEFAULT_PORT,
-        metavar="NAME|PATH",
-        help=f"port name or path to a port .toml (default: {DEFAULT_PORT})",
-    )
-    _checkpoint_args(p)
-    p.add_argument(
-        "--backend",
-        default="eager",
-        type=_serve_backend,
-        metavar="{" + ",".join(spec.serve_backends()) + "}",
-        help="static: the port's static graphs on CPU, continuously batched (its [static] table); "
-        "neuron: the compiled artifact, continuously batched (needs the Neuron SDK); or an "
-        "experts implementation but the reader's: transformers' model on CPU, one request per "
-        "thread, any prompt that fits the context (default: eager)",
-    )
-    p.add_argument(
-        "--artifacts",
-        metavar="DIR|s3://BUCKET/PREFIX",
-        help="what the backend loads: the trace-and-compile output for neuron, an HF checkpoint for "
-        "a CPU backend; an s3:// URI is pulled (and verified) into --artifacts-cache first",
-    )
-    p.add_argument(
-        "--artifacts-cache",
-        default="~/.cache/neuron-moe/artifacts",
-        metavar="DIR",
-        help="where s3:// artifacts are pulled to (default: %(default)s)",
-    )
-    _dtype_arg(p, help="a CPU backend's compute dtype (default: the port's)")
-    _quantization_arg(
-        p,
-        "the routed experts' weight format (default none): int8 or int4 with --backend eager or dense_masked "
-        "runs that format's experts implementation (every expert computed); a compiled artifact's is its own",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    p.add_argument("--port", type=_tcp_port, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("NEURON_MOE_API_KEY"),
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and /metrics "
-        "(default: $NEURON_MOE_API_KEY; unset: open)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        metavar="NAME",
-        help="the name(s) requests give as 'model' and /v1/models lists; responses carry the first "
-        "(default: the port's name)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=_tokens,
-        metavar="N",
-        help="context in tokens, prompt and completion together (default and most: what the backend "
-        "holds: the graphs' max_cache_len + 1, or the model's max_position_embeddings)",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=_rows,
-        metavar="B",
-        help="--backend static: rows of the graphs' batch, the requests generating at once "
-        "(default: the port's [static] batch_size)",
-    )
-    p.add_argument(
-        "--prefill-rows",
-        type=_rows,
-        nargs="+",
-        metavar="P",
-        help="--backend static: the prompts one prefill call takes, one graph per count (e.g. 1 4; "
-        "default: the port's [static] prefill_rows)",
-    )
-    p.add_argument(
-        "--prefill-chunk",
-        type=_tokens,
-        metavar="N",
-        help="--backend static: a prompt longer than N tokens is prefilled N at a time, between decode "
-        "steps; one of the buckets (default: the port's [static] prefill_chunk)",
-    )
-    _compile_args(p)
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="batching backends: a request whose prompt begins with a prefix a row of the cache holds (whole "
-        "blocks of 16 tokens) takes it from that row instead of prefilling it; rows keep what they hold "
-        "until needed. --backend static: default on, as in vLLM (the cost: the sliding layers keep every "
-        "position, max_cache_len, not the window, so that any prefix can be taken); --backend neuron: "
-        "default what the artifact was built with (trace-and-compile --enable-prefix-caching), on needs it",
-    )
-    p.add_argument(
-        "--max-running",
-        type=_rows,
-        metavar="N",
-        help="per-request backends: requests generating at once (default: 1); the batching "
-        "backends run one request per row",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=_count,
-        default=32,
-        metavar="N",
-        help="requests waiting beyond those; more get 429 + Retry-After (default: 32)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=_non_negative,
-        default=DRAIN_TIMEOUT_S,
-        metavar="S",
-        help="on SIGTERM, seconds to let requests in flight finish; those still running then end "
-        "with an error event (streams) or a 503 (default: 60)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=_positive_int,
-        metavar="N",
-        help="larger request bodies get 413 before they are read (default: 4194304, 4 MiB)",
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=_positive,
-        metavar="S",
-        help="a connection that has not sent a request's complete headers S seconds after it opened "
-        "(or after the first byte of its next request) is closed (default: 10)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=_positive,
-        metavar="S",
-        help="a request whose body has not all come S seconds after its headers gets 408 (default: 30)",
-    )
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-
-    p = sub.add_parser(
-        "reads",
-        help="reader: bytes read per token and layer at a budget, and the k it buys",
-        description="Bytes the reader reads per token and MoE layer (whole 32-byte sectors, bf16, "
-        "the sidecar layout) as a share of the full model's routed-expert reads; the "
-        "k a budget buys; the memory the sidecar adds. Geometry from --model, or "
-        "explicit with all of --hidden --experts --top-k --intermediate.",
-    )
-    p.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help="port whose geometry to use")
-    p.add_argument(
-        "--budget",
-        type=_percent,
-        metavar="PERCENT",
-        help=f"read budget (default: the port's [reader] budget, else {READS_BUDGET:g}; an explicit geometry: "
-        f"{READS_BUDGET:g})",
-    )
-    for flag, most in GEOMETRY_BOUNDS.items():
-        p.add_argument(
-            flag, type=number(int, at_least=1, at_most=most), metavar="N", help="explicit geometry (instead of --model)"
-        )
-    p.add_argument(
-        "--scan",
-        type=_scan_width,
-        default=SCAN,
-        metavar="N",
-        help=f"coordinates scanned per {BLOCK}-block (default {SCAN}; {BLOCK} = full scan)",
-    )
-    p.add_argument(
-        "--recovery-rank",
-        type=_recovery_rank,
-        metavar="R",
-        help=f"rank of the recovery map, 0 = off (default: the port's [reader] recovery_rank, else {RECOVERY_RANK}; "
-        f"an explicit geometry: {RECOVERY_RANK})",
-    )
-    _quantization_arg(
-        p,
-        "the routed experts' weight format: none (bfloat16), int8 exact rows with fp32 scales, or int4 rows "
-        "with a bf16 scale per 32 (accounted only: no int4 reader is built) (the sketch and recovery stay "
-        "bfloat16); --budget is a share of those experts' full read (default none)",
-        default="none",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=_rows,
-        metavar="B",
-        help="also a decode step of B tokens, each row read once: the full batch, independent per-token "
-        "top-k, and the batch rule (one set of channels for the step), under uniform routing",
-    )
-    p.add_argument(
-        "--step-budget",
-        type=_positive,
-        default=STEP_BUDGET,
-        metavar="X",
-        help=f"with --batch-size: the batch rule's step reads, in units of one token's reads (default {STEP_BUDGET:g})",
-    )
-    p.add_argument(
-        "--tp",
-        type=_positive_int,
-        choices=TP_DEGREES,
-        metavar="T",
-        help="per rank at TP T on the channel expert layout (each rank its I/T channels of every expert)",
-    )
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
-
-    p = sub.add_parser(
-        "prep-reader",
-        help="reader: write the weight-prep sidecar of a model",
-        description="Prepare the reader's sidecar (ternary sketch, channel norms, recovery map) "
-        "from the expert weights alone, layer by layer, and write it atomically.",
-    )
-    _common(p)
-    p.add_argument(
-        "--out", required=True, metavar="FILE|DIR", help="sidecar file to write (.safetensors); with --tp a directory"
-    )
-    p.add_argument(
-        "--tp",
-        type=_positive_int,
-        choices=TP_DEGREES,
-        metavar="T",
-        help="also shard it for TP T on the channel expert layout: DIR/reader.safetensors (the whole "
-        "sidecar) and DIR/tpT-rankR.safetensors, rank R's channels of every expert, each tied to its "
-        f"rank, TP degree, layout and source weights ({', '.join(map(str, TP_DEGREES))})",
-    )
-    p.add_argument(
-        "--from",
-        dest="source",
-        metavar="FILE",
-        help="with --tp: shard this existing whole sidecar instead of prepping one",
-    )
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the Hadamard sign vector (default 0)")
-    p.add_argument(
-        "--recovery-rank",
-        type=_recovery_rank,
-        default=RECOVERY_RANK,
-        metavar="R",
-        help=f"rank of the recovery map (default {RECOVERY_RANK})",
-    )
-    p.add_argument(
-        "--scan", type=_scan_width, default=SCAN, metavar="N", help=f"scan width recorded for readers (default {SCAN})"
-    )
-
-    # ---- deploy: files for the engines that scale a server out (neuron_moe/deploy/, docs/deploy.md)
-    p = sub.add_parser(
-        "deploy",
-        help="Kubernetes manifests for inf2 nodes, derived from the plan (docs/deploy.md)",
-        description="Write what an engine needs to run the serving image. SageMaker needs no files: "
-        "the image answers its contract itself (docs/deploy.md).",
-    )
-    engines = p.add_subparsers(dest="engine", required=True, metavar="ENGINE")
-    k = engines.add_parser(
-        "k8s",
-        help="plain YAML for EKS with the Neuron device plugin",
-        description="Deployment (Neuron resources for the TP degree, the aws.amazon.com/neuron toleration, "
-        "the instance type's node selector, an init step that pulls and verifies the artifact into the "
-        "node's cache, probes, the API key from a Secret), Service, HorizontalPodAutoscaler on the waiting "
-        "requests, and the Prometheus scrape job and adapter rule it reads. Not run on a cluster.",
-    )
-    k.add_argument("--model", default=DEFAULT_PORT, metavar="NAME|PATH", help=f"port (default: {DEFAULT_PORT})")
-    k.add_argument("--instance", required=True, choices=sorted(INSTANCE_CHIPS), help="inf2 instance type of the nodes")
-    k.add_argument(
-        "--artifacts",
-        required=True,
-        metavar="s3://BUCKET/PREFIX",
-        help="the artifact, published by `neuron-moe publish`",
-    )
-    k.add_argument(
-        "--quantization",
-        default="none",
-        choices=QUANTIZATIONS,
-        help="the artifact's routed experts' weight format, for the plan (default: none)",
-    )
-    k.add_argument(
-        "--tp",
-        type=_positive_int,
-        choices=TP_DEGREES,
-        metavar="T",
-        help="the artifact's TP degree (default: the smallest whose plan fits the instance)",
-    )
-    k.add_argument(
-        "--resource",
-        default="neuroncore",
-        choices=sorted(DEPLOY_RESOURCES),
-        help="ask the device plugin for T NeuronCores (aws.amazon.com/neuroncore) or for whole chips "
-        "(aws.amazon.com/neuron) (default: %(default)s)",
-    )
-    k.add_argument("--replicas", type=_positive_int, default=1, metavar="N", help="pods, at least (default 1)")
-    k.add_argument("--max-replicas", type=_positive_int, metavar="M", help="the autoscaler's most (default 4 x N)")
-    k.add_argument(
-        "--target-waiting",
-        type=_positive,
-        default=2.0,
-        metavar="X",
-        help="the autoscaler adds pods while their average waiting requests exceed X (default 2)",
-    )
-    k.add_argument("--name", default="neuron-moe", help="the objects' name (default: %(default)s)")
-    k.add_argument(
-        "--image",
-        default=DEFAULT_NEURON_IMAGE,
-        help="the Neuron serving image, in a registry the nodes pull from (default: %(default)s)",
-    )
-    k.add_argument(
-        "--api-key-secret", metavar="NAME", help="Secret whose key 'api-key' holds the API key (default: NAME-api-key)"
-    )
-    k.add_argument("--service-account", metavar="NAME", help="the pods' service account (S3 read access for the pull)")
-    k.add_argument(
-        "--drain-timeout",
-        type=_non_negative,
-        default=DRAIN_TIMEOUT_S,
-        metavar="S",
-        help="serve's --drain-timeout; the grace period is set above it (default: %(default)g)",
-    )
-    k.add_argument("--out", required=True, metavar="DIR", help="directory to write (replaced whole)")
-    k.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-' for stdout)")
-
-    for p in sub.choices.values():
-        p.allow_abbrev = False  # one name per option: no prefix of it parses as the option
-        p.add_argument(
-            "--threads",
-            type=_threads,
-            default=_default_threads(),
-            metavar="N",
-            help=f"torch's intra-op threads (default: $OMP_NUM_THREADS, else {DEFAULT_THREADS}: measured "
-            "fastest for the tiny port on 2 shared cores; raise it for a full-size model on idle "
-            f"cores; at most {THREADS_PER_CPU} per CPU this process may run on). train-tiny: part of what makes "
-            "a run reproducible",
-        )
+    _add_commands(top, COMMANDS, "command", (THREADS,))
     return top
+
+
+def _add_commands(p: argparse.ArgumentParser, commands, dest: str, shared: tuple[Option, ...] = ()) -> None:
+    sub = p.add_subparsers(dest=dest, required=True, metavar=dest.upper())
+    for command in commands:
+        # allow_abbrev off: one name per option, no prefix of it parses as the option
+        child = sub.add_parser(command.name, help=command.help, description=command.description, allow_abbrev=False)
+        for option in command.options:
+            option.add_to(child)
+        if command.engines:
+            _add_commands(child, command.engines, "engine")
+        for option in shared:
+            option.add_to(child)

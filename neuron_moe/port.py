@@ -20,6 +20,7 @@ from . import spec
 from .config import gemma4_moe_config
 from .errors import UserError
 from .report import table
+from .run_config import Shapes
 from .spec import DEFAULT_EXPERT_LAYOUT, DEFAULT_PORT, EXPERT_LAYOUTS
 
 if sys.version_info >= (3, 11):
@@ -226,36 +227,40 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
     )
 
 
-def with_shapes(
-    port: Port, *, batch_size: int | None = None, seq_len: int | None = None, buckets: tuple[int, ...] | None = None
-) -> Port:
-    """The port with the `[static]` shapes the flags give (`--batch-size`, `--seq-len`: the KV cache's
-    positions, max_cache_len; `--buckets`: the prefill lengths) in place of its table's, held to the
-    table's own checks; each refusal names the flag."""
-    given = {"--batch-size": batch_size, "--seq-len": seq_len, "--buckets": buckets}
-    if all(v is None for v in given.values()):
+def with_shapes(port: Port, shapes: Shapes) -> Port:
+    """The port with the `[static]` shapes the flags give (`Shapes`: --batch-size, --max-cache-len,
+    --buckets, --prefill-rows, --prefill-chunk) in place of its table's, held to the table's own
+    checks; each refusal names the flag."""
+    given = shapes.given()
+    if not given:
         return port
-    spec = port.static_spec(", ".join(f for f, v in given.items() if v is not None))
-    buckets = tuple(buckets) if buckets is not None else spec.buckets
-    seq_len = spec.max_cache_len if seq_len is None else seq_len
-    batch_size = spec.batch_size if batch_size is None else batch_size
+    spec = port.static_spec(", ".join(given))
+    buckets = tuple(shapes.buckets) if shapes.buckets is not None else spec.buckets
+    length = spec.max_cache_len if shapes.max_cache_len is None else shapes.max_cache_len
+    batch_size = spec.batch_size if shapes.batch_size is None else shapes.batch_size
     if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
         raise PortError(f"--buckets must be strictly increasing positive lengths, got {list(buckets)}")
     if len(buckets) > MAX_BUCKETS:
         raise PortError(f"--buckets: at most {MAX_BUCKETS} prefill lengths, got {len(buckets)}")
-    if buckets[-1] > seq_len:
-        whose = "--buckets" if given["--buckets"] is not None else f"the port's [static] buckets {list(buckets)}"
+    if buckets[-1] > length:
+        whose = "--buckets" if shapes.buckets is not None else f"the port's [static] buckets {list(buckets)}"
         raise PortError(
-            f"--seq-len {seq_len} (the KV cache's positions) is shorter than the largest prefill bucket "
-            f"{buckets[-1]} ({whose}): pass --buckets up to {seq_len}, or a longer --seq-len"
+            f"--max-cache-len {length} (the KV cache's positions) is shorter than the largest prefill bucket "
+            f"{buckets[-1]} ({whose}): pass --buckets up to {length}, or a longer --max-cache-len"
         )
-    if seq_len > port.config.max_position_embeddings:
+    if length > port.config.max_position_embeddings:
         raise PortError(
-            f"--seq-len {seq_len} exceeds the model's max_position_embeddings {port.config.max_position_embeddings}"
+            f"--max-cache-len {length} exceeds the model's max_position_embeddings "
+            f"{port.config.max_position_embeddings}"
         )
     if not 1 <= batch_size <= MAX_BATCH:
         raise PortError(f"--batch-size must be in [1, {MAX_BATCH}], got {batch_size}")
-    return replace(port, static=replace(spec, buckets=buckets, max_cache_len=seq_len, batch_size=batch_size))
+    chunk = spec.prefill_chunk if shapes.prefill_chunk is None else shapes.prefill_chunk
+    if shapes.prefill_chunk is not None and chunk not in buckets:
+        raise PortError(f"--prefill-chunk {chunk} is not one of the port's buckets {list(buckets)}")
+    rows = spec.prefill_rows if shapes.prefill_rows is None else tuple(sorted(set(shapes.prefill_rows)))
+    changed = dict(buckets=buckets, max_cache_len=length, batch_size=batch_size, prefill_rows=rows, prefill_chunk=chunk)
+    return replace(port, static=replace(spec, **changed))
 
 
 _READER_FIELDS = {"sidecar": str, "budget": (int, float), "recovery_rank": int}

@@ -197,7 +197,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class Reader:
-    """The reader's settings, one object from the command line (`from_cli_args`) and the port's [reader]
+    """The reader's settings, one object from the command line (`cli.from_options`) and the port's [reader]
     table (`port.Port.reader`, merged by `over`) down to the accounting and the kernels. A field None
     is not given: the port's, else the default (`resolved`); a sidecar records its own scan and rank."""
 
@@ -208,20 +208,8 @@ class Reader:
     quantization: str | None = None  # the experts it reads: QUANTIZATIONS ("none": the model's own)
     scan: int | None = None  # coordinates scanned per block (the planner's; a sidecar records its own)
 
-    # the command-line option of each field (argparse's dest)
-    OPTIONS = {
-        "sidecar": "sidecar",
-        "budget": "budget",
-        "recovery_rank": "recovery_rank",
-        "kernel": "reader_kernel",
-        "scan": "scan",
-    }
-
-    @classmethod
-    def from_cli_args(cls, args) -> Reader:
-        """The settings a command's reader flags gave (those it does not take: None). --quantization is
-        the experts' format of the whole command, not the reader's alone: the caller passes it on."""
-        return cls(**{field: getattr(args, dest, None) for field, dest in cls.OPTIONS.items()})
+    # the command-line option of each field where the two differ, for the errors that name it
+    OPTIONS = {"kernel": "reader_kernel"}
 
     @classmethod
     def _fields(cls) -> tuple[str, ...]:
@@ -257,6 +245,21 @@ class Backend:
     quantization: str = NO_QUANTIZATION  # the routed experts' format in the rank modules (QUANTIZATIONS)
     dtype: str | None = None  # the compute dtype (one of DTYPE_NAMES); None: the port's
     compile: bool = False  # MODULES: each graph compiled by torch.compile (inductor), else run a module at a time
+
+
+def compiled_backend(
+    name: str,
+    tp: int,
+    quantization: str = NO_QUANTIZATION,
+    dtype: str | None = None,
+    expert_layout: str | None = None,
+    reader: Reader | None = None,
+) -> Backend:
+    """The rank modules of a compiled artifact (what trace-and-compile builds, plan plans and deploy
+    sizes): TP `tp` in `expert_layout` (None: the port's), the routed experts in `quantization`, the
+    reader in the decode key where given."""
+    placement = Placement(tp=tp, expert_layout=expert_layout)
+    return Backend(name, COMPILED, placement=placement, reader=reader, quantization=quantization, dtype=dtype)
 
 
 # ---- the backends validate and serve offer ----

@@ -21,6 +21,7 @@ from neuron_moe.neuron import compile as nc
 from neuron_moe.parallel import nxd
 from neuron_moe.parallel.trace import generation_job, run_replicated
 from neuron_moe.port import load_port, with_shapes
+from neuron_moe.run_config import Shapes
 from neuron_moe.report import OutputError, file_digest
 
 from conftest import expert_reads, random_prompts
@@ -39,7 +40,7 @@ def one_bucket_port(tiny_port):
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory, one_bucket_port):
     out = tmp_path_factory.mktemp("art") / "tp2"
-    return nc.trace_and_compile(one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True)), out
+    return nc.trace_and_compile(one_bucket_port, nc.Build.at(tp=2, out=out, dtype="float32", dry_run=True)), out
 
 
 def test_dry_run_writes_the_contract(artifact, one_bucket_port):
@@ -150,7 +151,7 @@ def test_prefix_caching_adds_the_copy_key_over_whole_rows(tmp_path, one_bucket_p
     every key's cache in the whole-row layout (the sliding layers' rings as long as the global ones)."""
     out = tmp_path / "art"
     manifest = nc.trace_and_compile(
-        one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True, prefix_caching=True)
+        one_bucket_port, nc.Build.at(tp=2, out=out, dtype="float32", dry_run=True, prefix_caching=True)
     )
     assert manifest["prefix_caching"] is True and list(manifest["keys"])[-1] == na.COPY_KEY
     assert manifest["keys"][na.COPY_KEY]["inputs"] == {"src_row": [1], "dst_row": [1]}
@@ -187,7 +188,7 @@ def test_a_second_run_never_mixes(artifact, one_bucket_port, tmp_path, monkeypat
     _, out = artifact
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     with pytest.raises(na.ArtifactError, match="already holds a complete artifact; pass --overwrite"):
-        nc.trace_and_compile(one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True))
+        nc.trace_and_compile(one_bucket_port, nc.Build.at(tp=2, out=out, dtype="float32", dry_run=True))
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
     # an interrupted run leaves no output; its leftovers are removed by the next run
@@ -201,12 +202,12 @@ def test_a_second_run_never_mixes(artifact, one_bucket_port, tmp_path, monkeypat
 
     monkeypatch.setattr(nc, "export_rank0", boom)
     with pytest.raises(KeyboardInterrupt):
-        nc.trace_and_compile(one_bucket_port, nc.Build(tp=2, out=target, dtype="float32", dry_run=True))
+        nc.trace_and_compile(one_bucket_port, nc.Build.at(tp=2, out=target, dtype="float32", dry_run=True))
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the output nor any partial
     (target / "stray").parent.mkdir()
     (target / "stray").write_text("x")
     with pytest.raises(na.ArtifactError, match="holds files but no manifest"):
-        nc.trace_and_compile(one_bucket_port, nc.Build(tp=2, out=target, dtype="float32", dry_run=True))
+        nc.trace_and_compile(one_bucket_port, nc.Build.at(tp=2, out=target, dtype="float32", dry_run=True))
 
 
 def test_overwrite_replaces_only_an_artifact(one_bucket_port, tmp_path):
@@ -224,7 +225,7 @@ def test_overwrite_replaces_only_an_artifact(one_bucket_port, tmp_path):
         ):
             nc.trace_and_compile(
                 one_bucket_port,
-                nc.Build(tp=2, out=precious, dtype="float32", dry_run=True, overwrite=True, export=False),
+                nc.Build.at(tp=2, out=precious, dtype="float32", dry_run=True, overwrite=True, export=False),
             )
         assert (precious / "notes" / "todo.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # nothing built beside it, no lock left
@@ -247,7 +248,7 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(one_bucket
     thread = threading.Thread(
         target=lambda: first.update(
             manifest=nc.trace_and_compile(
-                one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True, export=False)
+                one_bucket_port, nc.Build.at(tp=2, out=out, dtype="float32", dry_run=True, export=False)
             )
         )
     )
@@ -257,7 +258,7 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(one_bucket
         (building,) = tmp_path.glob(".art.partial-*")
         with pytest.raises(OutputError, match=r"art is being written by another trace-and-compile \(pid \d+\)"):
             nc.trace_and_compile(
-                one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True, export=False, overwrite=True)
+                one_bucket_port, nc.Build.at(tp=2, out=out, dtype="float32", dry_run=True, export=False, overwrite=True)
             )
         assert building.is_dir()  # the first run's build directory is untouched
     finally:
@@ -271,7 +272,7 @@ def test_every_file_of_an_artifact_gets_the_mode_open_would_give(one_bucket_port
     """The weight shards (safetensors' save_file: 0600) included: an artifact built on the host is
     read by the image's non-root server."""
     out = tmp_path / "art"
-    nc.trace_and_compile(one_bucket_port, nc.Build(tp=2, out=out, dtype="float32", dry_run=True, export=False))
+    nc.trace_and_compile(one_bucket_port, nc.Build.at(tp=2, out=out, dtype="float32", dry_run=True, export=False))
     modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")}
     assert na.RANK_WEIGHTS.format(rank=1) in modes and na.MANIFEST in modes
     assert modes == {name: 0o750 if (out / name).is_dir() else 0o640 for name in modes}
@@ -282,7 +283,7 @@ def test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket(tiny_port, tm
     """Prefill graphs of 1 and 4 prompts (the tiny port's prefill_rows), cut to its batch of 2."""
     port = dataclasses.replace(tiny_port, static=dataclasses.replace(tiny_port.static, prefill_rows=(1, 4)))
     manifest = nc.trace_and_compile(
-        port, nc.Build(tp=2, out=tmp_path / "art", dtype="float32", dry_run=True, export=False)
+        port, nc.Build.at(tp=2, out=tmp_path / "art", dtype="float32", dry_run=True, export=False)
     )
     assert list(manifest["keys"]) == [
         "context_encoding_1x8",
@@ -311,7 +312,7 @@ def test_full_size_port_dry_run_on_meta(tmp_path):
     """Shapes only (exporting 30 layers on the meta device takes minutes: the CLI does it, not this test)."""
     out = tmp_path / "big"
     report = nc.trace_and_compile(
-        load_port("gemma4-26b-a4b"), nc.Build(tp=8, out=out, quantization="int8", dry_run=True, export=False)
+        load_port("gemma4-26b-a4b"), nc.Build.at(tp=8, out=out, quantization="int8", dry_run=True, export=False)
     )
     assert not report["weights"] and not report["keys"]["token_generation"]["exported"]
     manifest = na.read_manifest(out)
@@ -462,7 +463,7 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
         lambda builder, serialize_path: (serialize_path.mkdir(), shard_checkpoint(builder, serialize_path)),
     )
     report = nc.trace_and_compile(
-        one_bucket_port, nc.Build(tp=2, out=tmp_path / "out", quantization="int8", dry_run=False)
+        one_bucket_port, nc.Build.at(tp=2, out=tmp_path / "out", quantization="int8", dry_run=False)
     )
 
     assert seen["tp"] == 2 and list(seen["keys"]) == na.key_names([16], [1])
@@ -569,9 +570,9 @@ def test_modelbuilder_gets_each_keys_state_aliases(one_bucket_port, tiny_eager, 
 
 
 def test_shape_flags_override_the_ports_static_table(tiny_port, tmp_path):
-    port = with_shapes(tiny_port, batch_size=3, seq_len=64, buckets=(16, 32))
+    port = with_shapes(tiny_port, Shapes(batch_size=3, max_cache_len=64, buckets=(16, 32)))
     manifest = nc.trace_and_compile(
-        port, nc.Build(tp=2, out=tmp_path / "art", dtype="float32", dry_run=True, export=False)
+        port, nc.Build.at(tp=2, out=tmp_path / "art", dtype="float32", dry_run=True, export=False)
     )
     assert (manifest["batch_size"], manifest["max_length"], manifest["buckets"]) == (3, 64, [16, 32])
     assert list(manifest["keys"]) == na.key_names([16, 32], [1, 3])  # prefill_rows [1, 4] cut to 3
@@ -584,19 +585,19 @@ def test_shape_flags_override_the_ports_static_table(tiny_port, tmp_path):
     ]
     assert manifest["keys"]["token_generation"]["inputs"]["input_ids"] == [3, 1]
     assert manifest["state"]["cache.k1"]["shape"][:3:2] == [3, 64]  # 3 rows, every one of the 64 positions
-    assert with_shapes(tiny_port) is tiny_port  # no flag: the table as it is
+    assert with_shapes(tiny_port, Shapes()) is tiny_port  # no flag: the table as it is
 
 
 @pytest.mark.parametrize(
     "flags,message",
     [
         (
-            ["--seq-len", "32"],
-            "--seq-len 32 (the KV cache's positions) is shorter than the largest prefill bucket 56 "
+            ["--max-cache-len", "32"],
+            "--max-cache-len 32 (the KV cache's positions) is shorter than the largest prefill bucket 56 "
             "(the port's [static] buckets [8, 56]): pass --buckets up to 32",
         ),
         (["--buckets", "56,8"], "--buckets must be strictly increasing positive lengths, got [56, 8]"),
-        (["--seq-len", "600"], "--seq-len 600 exceeds the model's max_position_embeddings 512"),
+        (["--max-cache-len", "600"], "--max-cache-len 600 exceeds the model's max_position_embeddings 512"),
     ],
 )
 def test_shape_flags_are_checked_before_any_work(tmp_path, capsys, flags, message):
@@ -607,7 +608,7 @@ def test_shape_flags_are_checked_before_any_work(tmp_path, capsys, flags, messag
 
 
 def test_the_planner_refuses_what_a_neuroncore_cannot_hold_and_plan_agrees(tmp_path, capsys):
-    shapes = ["--batch-size", "64", "--seq-len", "8192", "--buckets", "128,512"]
+    shapes = ["--batch-size", "64", "--max-cache-len", "8192", "--buckets", "128,512"]
     assert (
         main(
             [

@@ -17,6 +17,8 @@ from fastapi.routing import APIRoute
 from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_moe import cli
+from neuron_moe.run_config import RunConfig
+from neuron_moe.spec import compiled_backend
 from neuron_moe.deploy import k8s
 from neuron_moe.neuron import plan
 from neuron_moe.neuron.plan import CORES_PER_CHIP, INSTANCES, GiB, port_plan
@@ -97,11 +99,15 @@ def test_the_validation_catches_a_wrong_object(tmp_path, offline):
         kubernetes_validate.validate(deployment, KUBERNETES, strict=True)
 
 
+def _plan(port, instance: str, tp: int, quantization: str) -> dict:
+    """The plan of the artifact at TP `tp` (the port's [static] shapes)."""
+    return port_plan(port, RunConfig(backend=compiled_backend("plan", tp, quantization)), instance)
+
+
 def _smallest_fitting(model: str, instance: str, quantization: str) -> int:
     port = load_port(model)
-    batch, seq = port.static.batch_size, port.static.max_cache_len
     for tp in sorted(TP_DEGREES):
-        if tp <= INSTANCES[instance].cores and port_plan(port, instance, tp, quantization, batch, seq)["fits"]:
+        if tp <= INSTANCES[instance].cores and _plan(port, instance, tp, quantization)["fits"]:
             return tp
     raise AssertionError(f"{model} fits {instance} at no degree")
 
@@ -133,9 +139,8 @@ def test_int4_experts_put_the_26b_on_one_chip_at_tp_2(tmp_path, capsys, instance
     """The plan fits the 26B's int4 experts on one chip at TP 2 (TP 1 does not fit a core), so deploy k8s
     picks TP 2 itself: both NeuronCores, or the one chip, per pod, and the command it writes names int4."""
     port = load_port("gemma4-26b-a4b")
-    batch, seq = port.static.batch_size, port.static.max_cache_len
-    assert not port_plan(port, instance, 1, "int4", batch, seq)["fits"]
-    assert port_plan(port, instance, 2, "int4", batch, seq)["fits"]
+    assert not _plan(port, instance, 1, "int4")["fits"]
+    assert _plan(port, instance, 2, "int4")["fits"]
     flags = ("--model", "gemma4-26b-a4b", "--instance", instance, "--quantization", "int4", "--json", "-")
     _, cores = deploy(tmp_path, *flags, out="cores")
     report = yaml.safe_load(capsys.readouterr().out)
@@ -211,12 +216,12 @@ def test_the_containers_run_what_the_image_runs(tmp_path):
     container = server_container(files)
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     # docker/entrypoint.sh: neuron-moe serve --host "$HOST" --port "$PORT" "$@"
-    args = cli.parser().parse_args(["serve", "--host", env["HOST"], "--port", env["PORT"], *container["args"]])
-    assert args.backend.name == "neuron" and args.model == "gemma4-26b-a4b"
-    assert Path(args.artifacts) == Path(pulled.dir)
+    config = cli.serve_config(["serve", "--host", env["HOST"], "--port", env["PORT"], *container["args"]])
+    assert config.backend.name == "neuron" and config.model == "gemma4-26b-a4b"
+    assert Path(config.serving.artifacts) == Path(pulled.dir)
     assert env["NEURON_MOE_API_KEY"] == {"secretKeyRef": {"name": "neuron-moe-api-key", "key": "api-key"}}
     (http,) = container["ports"]
-    assert http == {"name": "http", "containerPort": args.port, "protocol": "TCP"}
+    assert http == {"name": "http", "containerPort": config.serving.tcp_port, "protocol": "TCP"}
 
     mounts = {m["mountPath"]: m["name"] for c in [pull, container] for m in c["volumeMounts"]}
     assert mounts == {k8s.CACHE_MOUNT: "artifacts-cache"}
@@ -224,8 +229,8 @@ def test_the_containers_run_what_the_image_runs(tmp_path):
     assert volume["hostPath"]["path"] == k8s.CACHE_HOST_PATH  # shared by the pods on a node
 
     pause = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
-    assert args.drain_timeout == 90
-    assert spec["terminationGracePeriodSeconds"] > pause + args.drain_timeout + server.DRAIN_GRACE_S
+    assert config.serving.drain_timeout == 90
+    assert spec["terminationGracePeriodSeconds"] > pause + config.serving.drain_timeout + server.DRAIN_GRACE_S
 
 
 @pytest.fixture

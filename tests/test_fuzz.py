@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from neuron_moe import cli
 from neuron_moe.checkpoint import _weight_map
-from neuron_moe.errors import UserError
+from neuron_moe.errors import UserError, error_exit
 from neuron_moe.neuron import artifact as na
 from neuron_moe.port import load_port, tomllib
 from neuron_moe.tokenizer import load_tokenizer
@@ -631,8 +631,8 @@ def test_fuzz_checkpoint_config_and_index(checkpoint_files, tmp_path, edits, ind
     (ckpt / "config.json").write_text(json.dumps(mutated(config, edits)))
     if index is not None:
         (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
-    args = cli.parser().parse_args(["serve", "--checkpoint", str(ckpt)])
-    expect_user_error_or_nothing(lambda: plan_load(args))
+    config = cli.serve_config(["serve", "--checkpoint", str(ckpt)])
+    expect_user_error_or_nothing(lambda: plan_load(config))
     if index is not None:
         expect_user_error_or_nothing(lambda: _weight_map(ckpt))
 
@@ -836,12 +836,12 @@ def test_fuzz_numeric_options_of_serve_before_binding(capsys, data):
     argv = numeric_argv(data, "serve")
 
     def check():
-        args = cli.parser().parse_args(argv)
+        config = cli.serve_config(argv)
         try:
-            plan_load(args)
+            plan_load(config)
         except UserError as e:
-            return cli._error(str(e))
-        taken = {k: v for k, v in vars(args).items() if isinstance(v, float)}
+            return error_exit(str(e))
+        taken = {k: v for k, v in vars(config.serving).items() if isinstance(v, float)}
         assert all(math.isfinite(v) for v in taken.values()), taken  # a NaN timeout taken for a number
         return 0
 

@@ -159,7 +159,7 @@ def test_dry_run_artifact_holds_int4_experts_in_under_065_of_int8s_bytes(tiny_po
     and their scales, both ranks) take at most 0.65 of the int8 artifact's; the ranks hold the packed
     uint8 shards with bf16 scales, down's split with its weight."""
     for quantization in ("int8", "int4"):
-        build = nc.Build(tp=2, out=tmp_path / quantization, quantization=quantization, dry_run=True, export=False)
+        build = nc.Build.at(tp=2, out=tmp_path / quantization, quantization=quantization, dry_run=True, export=False)
         nc.trace_and_compile(tiny_port, build)
     manifest = na.read_manifest(tmp_path / "int4")
     assert (manifest["dtype"], manifest["quantization"]) == ("bfloat16", "int4")

@@ -745,7 +745,7 @@ def test_a_second_server_on_a_shared_cache_waits_for_the_first_pull(
 
     def second_server():
         try:
-            _, load = plan_load(cli.parser().parse_args(["serve", "--artifacts", uri, "--artifacts-cache", str(cache)]))
+            _, load = plan_load(cli.serve_config(["serve", "--artifacts", uri, "--artifacts-cache", str(cache)]))
             results["second"] = load()
         except Exception as e:  # what the server would exit with
             results["second"] = e
@@ -798,8 +798,8 @@ def test_a_republished_checkpoint_served_from_a_used_cache_is_the_new_one(
         return model, sorted(p.name for p in out.iterdir())
 
     def serve():
-        args = cli.parser().parse_args(["serve", "--artifacts", uri, "--artifacts-cache", str(tmp_path / "cache")])
-        return plan_load(args)[1]().runtime.model.model.embed_tokens.weight
+        config = cli.serve_config(["serve", "--artifacts", uri, "--artifacts-cache", str(tmp_path / "cache")])
+        return plan_load(config)[1]().runtime.model.model.embed_tokens.weight
 
     uri = f"s3://{bucket}/tiny"
     first, files = publish(1, 2 * MiB, overwrite=False)
@@ -958,7 +958,7 @@ def dry_run_artifact(tmp_path, tiny_port, one_torch_thread):
     from neuron_moe.neuron import compile as compile_
 
     out = tmp_path / "art"
-    compile_.trace_and_compile(tiny_port, compile_.Build(tp=1, out=out, dtype="float32", dry_run=True, export=False))
+    compile_.trace_and_compile(tiny_port, compile_.Build.at(tp=1, out=out, dtype="float32", dry_run=True, export=False))
     return out
 
 

@@ -147,8 +147,14 @@ def test_tp2_artifact_is_the_per_rank_reader_emulated(tiny_port, tiny_eager, sha
     )
     out = nc.trace_and_compile(
         port,
-        nc.Build(tp=2, out=tmp_path / "art", dtype="float32", dry_run=True, logits=True),
-        reader=Reader(sidecar=shards, budget=BUDGET, recovery_rank=RANK),
+        nc.Build.at(
+            tp=2,
+            out=tmp_path / "art",
+            dtype="float32",
+            dry_run=True,
+            logits=True,
+            reader=Reader(sidecar=shards, budget=BUDGET, recovery_rank=RANK),
+        ),
     )
     programs = {
         f"a/{name}": torch.export.load(tmp_path / "art" / na.GRAPHS.format(key=key))
@@ -207,7 +213,7 @@ def test_neuron_path_writes_each_ranks_shard(tiny_port, shards, tmp_path, monkey
     monkeypatch.setattr(nxd, "trace_keys", trace_keys)
     monkeypatch.setattr(nxd, "shard_checkpoint", shard_checkpoint)
     nc.trace_and_compile(
-        tiny_port, nc.Build(tp=2, out=tmp_path / "out", dry_run=False), reader=Reader(sidecar=shards, budget=BUDGET)
+        tiny_port, nc.Build.at(tp=2, out=tmp_path / "out", dry_run=False, reader=Reader(sidecar=shards, budget=BUDGET))
     )
     name = "model.model.layers.3.experts.reader.coeffs"
     mine = [Sidecar(shards / shard.shard_name(2, r)).layer(3).coeffs for r in range(2)]
@@ -390,7 +396,7 @@ def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
 
     port = load_port("gemma4-26b-a4b")
     report = nc.trace_and_compile(
-        port, nc.Build(tp=8, out=tmp_path / "big", dry_run=True, export=False), reader=Reader(budget=17.8)
+        port, nc.Build.at(tp=8, out=tmp_path / "big", dry_run=True, export=False, reader=Reader(budget=17.8))
     )
     assert report["reader"] == {
         "budget": 17.8,
@@ -410,10 +416,11 @@ def test_full_size_dry_run_with_the_reader_on_meta(tmp_path):
     with pytest.raises(na.ArtifactError, match="has no weights here: --reader builds shapes only"):
         nc.trace_and_compile(
             port,
-            nc.Build(tp=8, out=tmp_path / "b2", dry_run=True, export=False),
-            reader=Reader(budget=17.8, sidecar=tmp_path),
+            nc.Build.at(
+                tp=8, out=tmp_path / "b2", dry_run=True, export=False, reader=Reader(budget=17.8, sidecar=tmp_path)
+            ),
         )
     with pytest.raises(Exception, match=r"per rank at TP 8 .*below what the reader reads"):
         nc.trace_and_compile(
-            port, nc.Build(tp=8, out=tmp_path / "b3", dry_run=True, export=False), reader=Reader(budget=9)
+            port, nc.Build.at(tp=8, out=tmp_path / "b3", dry_run=True, export=False, reader=Reader(budget=9))
         )

@@ -137,11 +137,16 @@ def test_the_entrypoint_serves_sagemakers_contract(tmp_path, dry_run_artifact): 
 def test_the_serve_arguments_come_from_the_environment(tmp_path, dry_run_artifact):  # noqa: F811
     env = {"SM_MODEL_DIR": str(dry_run_artifact), "NEURON_MOE_SERVE_ARGS": "--max-queue 64 --served-model-name 'a b'"}
     argv = sagemaker.serve_argv(env, ["--log-level", "debug"])
-    args = cli.parser().parse_args(argv)
-    assert (args.model, args.backend.name, args.artifacts) == ("tiny-gemma4-moe", "neuron", str(dry_run_artifact))
-    assert (args.host, args.port, args.drain_timeout) == ("0.0.0.0", 8080, sagemaker.DRAIN_TIMEOUT_S)
-    assert args.max_queue == 64 and args.served_model_name == ["a b"] and args.log_level == "debug"
-    assert cli.parser().parse_args(sagemaker.serve_argv({**env, "SAGEMAKER_BIND_TO_PORT": "9001"})).port == 9001
+    config = cli.serve_config(argv)
+    serving = config.serving
+    assert (config.model, config.backend.name, serving.artifacts) == (
+        "tiny-gemma4-moe",
+        "neuron",
+        str(dry_run_artifact),
+    )
+    assert (serving.host, serving.tcp_port, serving.drain_timeout) == ("0.0.0.0", 8080, sagemaker.DRAIN_TIMEOUT_S)
+    assert serving.max_queue == 64 and serving.served_model_name == ("a b",) and serving.log_level == "debug"
+    assert cli.serve_config(sagemaker.serve_argv({**env, "SAGEMAKER_BIND_TO_PORT": "9001"})).serving.tcp_port == 9001
     with pytest.raises(UserError, match=r"^\$NEURON_MOE_SERVE_ARGS: No closing quotation"):
         sagemaker.serve_argv({**env, "NEURON_MOE_SERVE_ARGS": "'--max-queue"})
     assert sagemaker.DRAIN_TIMEOUT_S + 5 < 30  # uvicorn's grace after it (serve/server.py), before SIGKILL

@@ -26,7 +26,7 @@ ATOL = 1e-4  # fp32 logprobs of the graphs against HF eager's (test_logits_proce
 
 @pytest.fixture(scope="module")
 def url():
-    app = server.make_app(cli.parser().parse_args(["serve", "--backend", "static", "--no-compile"]))  # uncompiled: fast
+    app = server.make_app(cli.serve_config(["serve", "--backend", "static", "--no-compile"]))  # uncompiled: fast
     with serving(app) as base:
         wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "the model to be ready")
         yield base

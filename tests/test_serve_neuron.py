@@ -233,7 +233,7 @@ def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path,
 def dry_run_artifact(tmp_path, tiny_port):
     """trace-and-compile --dry-run of the tiny port (not exported: the graphs are not what is served here)."""
     out = tmp_path / "art"
-    compile_.trace_and_compile(tiny_port, compile_.Build(tp=1, out=out, dtype="float32", dry_run=True, export=False))
+    compile_.trace_and_compile(tiny_port, compile_.Build.at(tp=1, out=out, dtype="float32", dry_run=True, export=False))
     return out
 
 
@@ -258,8 +258,8 @@ def test_a_dry_run_artifact_serves_without_a_checkpoint(dry_run_artifact, monkey
     loaded = _cpu_graphs_for_the_device(monkeypatch)
     digested, digest = [], artifact.file_digest
     monkeypatch.setattr(artifact, "file_digest", lambda path, *a, **k: digested.append(path) or digest(path, *a, **k))
-    args = cli.parser().parse_args(["serve", "--backend", "neuron", "--artifacts", str(dry_run_artifact)])
-    app = server.make_app(args)
+    config = cli.serve_config(["serve", "--backend", "neuron", "--artifacts", str(dry_run_artifact)])
+    app = server.make_app(config)
     tokenizer = load_tokenizer(tiny_port)
     prompt = "The capital of France is"
     reference = greedy(tiny_eager, *left_pad([tokenizer.encode(prompt)], 0), 8).tokens[0].tolist()

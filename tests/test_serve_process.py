@@ -111,7 +111,7 @@ def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
 def test_an_empty_host_is_refused_by_name_before_binding(host):
     """An empty --host would have uvicorn bind every address under a blank name: refused, naming both meanings."""
     with pytest.raises(ServeError, match=r"^--host '\s*' is no address: pass 127\.0\.0\.1 .* or 0\.0\.0\.0 / ::"):
-        plan_load(cli.parser().parse_args(["serve", "--host", host]))
+        plan_load(cli.serve_config(["serve", "--host", host]))
 
 
 @pytest.mark.parametrize(
@@ -124,7 +124,7 @@ def test_an_empty_host_is_refused_by_name_before_binding(host):
 def test_a_backend_serve_cannot_run_is_not_offered(backend, message, capsys):
     """Both answered every completion with a 500 (no sidecar attached): now refused by name, before binding."""
     with pytest.raises(SystemExit) as e:
-        plan_load(cli.parser().parse_args(["serve", "--backend", backend]))
+        plan_load(cli.serve_config(["serve", "--backend", backend]))
     assert e.value.code == 2 and f"argument --backend: {message}" in capsys.readouterr().err
     assert backend not in BACKENDS
     with pytest.raises(UserError, match=message):
@@ -180,8 +180,8 @@ def test_cpu_backend_loads_its_checkpoint_from_artifacts(tmp_path, monkeypatch, 
         spec = "s3://bucket/runs/../tiny/"
     else:
         spec = str(published)
-    args = cli.parser().parse_args(["serve", "--artifacts", spec, "--artifacts-cache", str(tmp_path / "cache")])
-    port, load = plan_load(args)
+    config = cli.serve_config(["serve", "--artifacts", spec, "--artifacts-cache", str(tmp_path / "cache")])
+    port, load = plan_load(config)
     assert pulls == []  # nothing is pulled before the server is up and answering 503
     engine = load()
     assert torch.equal(_embedding(engine), other.model.embed_tokens.weight)

@@ -28,7 +28,7 @@ PROMPT = "The capital of France is"
 
 def app_for(*flags):
     """The app `serve` runs with these flags; the static graphs uncompiled (test_static_compiled.py compiles)."""
-    return server.make_app(cli.parser().parse_args(["serve", *flags, *(["--no-compile"] if "static" in flags else [])]))
+    return server.make_app(cli.serve_config(["serve", *flags, *(["--no-compile"] if "static" in flags else [])]))
 
 
 def ready(url):

@@ -3,7 +3,6 @@ HF forward and to what a rank module computes for it; what the commands offer is
 entries, so one more entry is offered everywhere it fits; a graph's experts are fixed when it is
 built; the one adapter to transformers' registry is the only code that names its private field."""
 
-import argparse
 import dataclasses
 import json
 import os
@@ -15,7 +14,7 @@ import pytest
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from neuron_moe import experts, spec
+from neuron_moe import cli, experts, spec
 from neuron_moe.eval import reader_eval, seq_match
 from neuron_moe.experts.view import with_experts
 from neuron_moe.parallel import moe
@@ -180,8 +179,8 @@ def test_one_more_entry_is_offered_everywhere_it_fits():
 
 def test_the_readers_settings_are_one_object_from_the_flags_to_the_defaults():
     """The flags fill what they give, the port's [reader] table what they do not, the defaults the rest."""
-    args = argparse.Namespace(sidecar=None, budget=30.0, recovery_rank=None, reader_kernel="nki", quantization="int8")
-    given = spec.Reader.from_cli_args(args)
+    flags = ["--backend", "reader", "--budget", "30", "--reader-kernel", "nki", "--quantization", "int8"]
+    given = cli.reader_settings(cli.parser().parse_args(["validate", *flags]))
     assert given == spec.Reader(budget=30.0, kernel="nki")  # --quantization is the command's, not the reader's
     assert given.given() == {"budget": 30.0, "reader_kernel": "nki"}  # by option, for error messages
     port_table = spec.Reader(sidecar=Path("p.safetensors"), budget=10.0, recovery_rank=0)

@@ -129,8 +129,7 @@ def test_without_a_cpp_compiler_the_compiled_graphs_are_refused_by_name(no_compi
 
 def test_no_compile_runs_the_modules_without_a_compiler(no_compiler, monkeypatch, tmp_path):
     monkeypatch.setenv(inductor.CACHE_ENV, str(tmp_path / "unused"))
-    args = cli.parser().parse_args(["serve", "--backend", "static", "--no-compile"])
-    assert server.check_compile(args, server.quantized(args.backend, None)) is False
+    assert server.check_compile(cli.serve_config(["serve", "--backend", "static", "--no-compile"])) is False
     assert not (tmp_path / "unused").exists()
 
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def built(tmp_path_factory, tiny_port):
     """trace-and-compile --dry-run of the tiny port (not exported: the files are what is checked)."""
     out = tmp_path_factory.mktemp("built") / "art"
-    compile_.trace_and_compile(tiny_port, compile_.Build(tp=1, out=out, dtype="float32", dry_run=True, export=False))
+    compile_.trace_and_compile(tiny_port, compile_.Build.at(tp=1, out=out, dtype="float32", dry_run=True, export=False))
     return out
 
 

@@ -39,7 +39,8 @@ from ..errors import UserError
 from ..neuron.plan import CORES_PER_CHIP, INSTANCES, port_plan
 from ..publish.s3 import parse_uri
 from ..report import atomic_dir, table
-from ..spec import DEFAULT_NEURON_IMAGE, DEPLOY_RESOURCES, DRAIN_TIMEOUT_S, TP_DEGREES
+from ..run_config import RunConfig
+from ..spec import DEFAULT_NEURON_IMAGE, DEPLOY_RESOURCES, DRAIN_TIMEOUT_S, TP_DEGREES, compiled_backend
 
 RESOURCES = DEPLOY_RESOURCES  # the Neuron device plugin's resources, by --resource
 NEURON_TAINT = "aws.amazon.com/neuron"  # EKS's Neuron node groups carry it (NoSchedule)
@@ -86,11 +87,9 @@ def resolve_tp(port, instance: str, quantization: str, tp: int | None) -> tuple[
     """(the TP degree, its plan): `tp` where given (it must shard and fit the instance's cores; the
     plan's memory verdict is the artifact builder's call), else the smallest degree whose plan fits."""
     cores = INSTANCES[instance].cores
-    static = port.static
-    batch, seq = (static.batch_size, static.max_cache_len) if static else (1, 4096)
 
     def plan_at(degree: int) -> dict:
-        return port_plan(port, instance, degree, quantization, batch, seq)
+        return port_plan(port, RunConfig(backend=compiled_backend("deploy", degree, quantization)), instance)
 
     if tp is not None:
         if tp > cores:

@@ -15,11 +15,12 @@ from collections.abc import Callable
 
 import torch
 
+from .. import environment
 from ..errors import UserError
 from ..greedy import Generation, greedy, left_pad
 from ..model import build_model, reader_model
 from ..parallel.tp_generator import tp_generator
-from ..port import DTYPES
+from ..port import DTYPES, load_port
 from ..report import table
 from ..spec import (
     EAGER,
@@ -31,11 +32,14 @@ from ..spec import (
     Backend,
     Placement,
     Reader,
+    compile_cache,
     quantized,
     validate_backends,
 )
+from ..run_config import RunConfig
+from ..static import inductor
 from ..static.generator import static_backend, traced_backend
-from ..tokenizer import answer_text
+from ..tokenizer import answer_text, load_tokenizer
 
 # In the trained default model's domain (neuron_moe/tasks.py): a fact, two tasks, and text.
 DEFAULT_PROMPTS = (
@@ -116,20 +120,6 @@ def backend(
         reader=reader if _reads(base) or tp_reader else None,
         dtype=dtype,
         compile=base.graphs == MODULES and compile is not False,
-    )
-
-
-def backend_from_cli_args(args) -> Backend:
-    """validate's backend from its parsed arguments (`backend`)."""
-    return backend(
-        args.backend,
-        reader=Reader.from_cli_args(args),
-        quantization=args.quantization,
-        expert_layout=args.expert_layout,
-        tp=args.tp,
-        tp_layers=args.tp_layers,
-        dtype=args.dtype,
-        compile=False if args.no_compile else None,
     )
 
 
@@ -261,3 +251,31 @@ def render_validation(report: dict) -> str:
         f"{sum(r['seq_match'] for r in report['prompts'])}/{len(report['prompts'])} prompts match"
     )
     return "\n".join(lines)
+
+
+# what a layer library or a reader kernel needs of this machine (environment.py's paths)
+LAYERS_NEED = {"nxd": environment.VALIDATE_NXD}
+KERNEL_NEEDS = {"nki": environment.READER_NKI, "triton": environment.READER_TRITON}
+
+
+def validate(config: RunConfig, max_new_tokens: int, prompts: list[str]) -> dict:
+    """`neuron-moe validate`: what the backend needs checked before anything loads (the compile
+    cache and a C++ compiler where its graphs are compiled, the machine its layers or reader kernel
+    need), then SEQ_MATCH of the backend against HF eager on DEFAULT_PROMPTS and `prompts`."""
+    backend = config.backend
+    if config.compile_cache and not backend.compile:
+        raise UserError(
+            f"--compile-cache keeps the graphs torch.compile compiled; --backend {backend.name}"
+            f"{' --no-compile' if config.compile is False else ''} compiles none"
+        )
+    if backend.compile:
+        inductor.require_compiler()
+        inductor.use_cache_dir(compile_cache(config.compile_cache))
+    layers = backend.placement.layers if backend.placement else None
+    kernel = backend.reader.kernel if backend.reader else None
+    for need in (LAYERS_NEED.get(layers), KERNEL_NEEDS.get(kernel)):
+        if need is not None:
+            environment.require(need)
+    port = load_port(config.model)
+    tokenizer = load_tokenizer(port, config.checkpoint)
+    return run_validation(port, tokenizer, backend, max_new_tokens, [*DEFAULT_PROMPTS, *prompts], config.checkpoint)

@@ -50,7 +50,8 @@ from ..report import (
     serializer_file,
     table,
 )
-from ..spec import CHANNEL_READER, INT4_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization
+from ..run_config import RunConfig
+from ..spec import CHANNEL_READER, INT4_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization, compiled_backend
 from ..static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, copy_inputs, example_inputs, functional
@@ -77,38 +78,45 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # spec.DTYPE_NA
 
 @dataclass(frozen=True)
 class Build:
-    """What trace-and-compile builds, as its command line gives it (`from_cli_args`): the rank modules
-    at TP `tp` in the compute `dtype` (spec.DTYPE_NAMES) with the routed experts in `quantization`,
-    written into `out`. `expert_layout` None: the port's [static] expert_layout. `export=False` (dry run
-    only) skips tracing: the shard plan and manifest alone. `logits`: graphs that also return the logits
-    (validation), at V·4 bytes per row and step across the host."""
+    """What trace-and-compile builds: the run configuration's backend (the rank modules at its TP
+    degree and expert layout, in its compute dtype, the routed experts in its quantization, the
+    reader in the decode key where it has one) from its checkpoint, written into `out`. `export=False`
+    (dry run only) skips tracing: the shard plan and manifest alone. `logits`: graphs that also return
+    the logits (validation), at V·4 bytes per row and step across the host. `prefix_caching`: the
+    copy key, every key over the whole-row cache layout (`static/prefix.py`)."""
 
-    tp: int
+    config: RunConfig
     out: Path
-    dtype: str = "bfloat16"
-    quantization: str = NO_QUANTIZATION
     dry_run: bool = False
     overwrite: bool = False
-    checkpoint: Path | None = None
     export: bool = True
-    expert_layout: str | None = None
     logits: bool = False
-    prefix_caching: bool = False  # the copy key, every key over the whole-row cache layout (`static/prefix.py`)
+    prefix_caching: bool = False
 
     @classmethod
-    def from_cli_args(cls, args) -> Build:
-        return cls(
-            tp=args.tp,
-            out=args.out,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            dry_run=args.dry_run,
-            overwrite=args.overwrite,
-            checkpoint=args.checkpoint,
-            expert_layout=args.expert_layout,
-            logits=args.with_logits,
-            prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
-        )
+    def at(
+        cls,
+        tp: int,
+        out: Path,
+        *,
+        dtype: str = "bfloat16",
+        quantization: str = NO_QUANTIZATION,
+        expert_layout: str | None = None,
+        reader: Reader | None = None,
+        checkpoint: Path | None = None,
+        **build,
+    ) -> Build:
+        """A build of the rank modules at TP `tp`, for callers without a command line (tests, benches)."""
+        backend = compiled_backend("trace-and-compile", tp, quantization, dtype, expert_layout, reader)
+        return cls(RunConfig(checkpoint=checkpoint, backend=backend), Path(out), **build)
+
+    # what the build reads of its configuration
+    tp = property(lambda self: self.config.backend.placement.tp)
+    expert_layout = property(lambda self: self.config.backend.placement.expert_layout)
+    dtype = property(lambda self: self.config.backend.dtype or "bfloat16")
+    quantization = property(lambda self: self.config.backend.quantization)
+    checkpoint = property(lambda self: self.config.checkpoint)
+    reader = property(lambda self: self.config.backend.reader)
 
 
 _SDK_DISTS = ("torch", "transformers", "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla")
@@ -237,12 +245,13 @@ def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
     return plan
 
 
-def trace_and_compile(port, build: Build, reader: Reader | None = None) -> dict:
+def trace_and_compile(port, build: Build) -> dict:
     """Write the artifact directory `build.out` (see the module docstring); returns the manifest.
-    `reader` (its sidecar, the DIR of `prep-reader --tp`, budget and recovery rank; the port's [reader]
+    `build.reader` (its sidecar, the DIR of `prep-reader --tp`, budget and recovery rank; the port's [reader]
     table where not given): the decode key reads through each rank's sidecar shard
     (`parallel/reader.py`), which goes into that rank's weights; a port without weights takes the
     geometry's shapes (`scan`, `recovery_rank`; no sidecar)."""
+    reader = build.reader
     if build.dtype not in DTYPES:
         raise ArtifactError(f"dtype {build.dtype!r} is not one of {sorted(DTYPES)}")
     check_quantization(build.quantization)

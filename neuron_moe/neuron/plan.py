@@ -81,6 +81,7 @@ from ..parallel import layout
 from ..reader.accounting import rank_geometry, reads, resident, solve_rank_k
 from ..reader.geometry import Geometry
 from ..report import table
+from ..run_config import RunConfig
 
 GB, GiB = 1e9, 2**30
 CORE_HBM = 16 * GiB
@@ -497,32 +498,30 @@ def plan(
     }
 
 
-def port_plan(
-    port,
-    instance: str,
-    tp: int,
-    quantization: str,
-    batch: int,
-    seq: int,
-    runtime_reserve: float = DEFAULT_RUNTIME_RESERVE,
-    expert_layout: str | None = None,
-    reader: spec.Reader | None = None,
-) -> dict:
-    """`plan` for a port: its [static] expert_layout unless `expert_layout` is given, and its
-    decode_experts (a port without a [static] table: the channel layout, selective)."""
-    static = port.static
+def port_plan(port, config: RunConfig, instance: str, runtime_reserve: float = DEFAULT_RUNTIME_RESERVE) -> dict:
+    """`plan` for a port at a run configuration: its backend's TP degree, experts' format and reader,
+    the expert layout it gives or the port's [static] one, at the port's [static] shapes (without a
+    table: the configuration's, else batch 1 and 4096 positions) and decode_experts (without a table:
+    the channel layout, selective)."""
+    static, backend, shapes = port.static, config.backend, config.shapes
+    batch, seq = (
+        (static.batch_size, static.max_cache_len) if static else (shapes.batch_size or 1, shapes.max_cache_len or 4096)
+    )
+    expert_layout = backend.placement.expert_layout or (
+        static.expert_layout if static else layout.DEFAULT_EXPERT_LAYOUT
+    )
     return plan(
         port.config,
         instance,
-        tp,
-        quantization,
+        backend.placement.tp,
+        backend.quantization,
         batch,
         seq,
         runtime_reserve,
         model=port.name,
-        expert_layout=expert_layout or (static.expert_layout if static else layout.DEFAULT_EXPERT_LAYOUT),
+        expert_layout=expert_layout,
         decode_experts=static.decode_experts if static else spec.SELECTIVE,
-        reader=reader,
+        reader=backend.reader,
     )
 
 

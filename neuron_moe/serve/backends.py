@@ -27,19 +27,16 @@ def load_engine(
     checkpoint: Path | None = None,
     artifacts: Path | None = None,
     dtype: torch.dtype | None = None,
-    batch_size: int | None = None,
-    prefill_rows=None,
-    prefill_chunk: int | None = None,
     compile: bool = False,
     progress=None,
     prefix_caching: bool | None = None,
 ) -> Engine:
     """The engine for `backend` (one of BACKENDS, or its name): the port's static graphs on CPU
-    (MODULES, batched; `batch_size` rows, `prefill_rows` and `prefill_chunk`, each default the
-    port's; `compile`: each graph compiled by torch.compile, `progress` told of each compile:
-    `static/inductor.py`; `prefix_caching`, `static/prefix.py`: None on, False off), a compiled
-    artifact directory (COMPILED, batched; `prefix_caching` None: as the artifact was built) or an
-    experts implementation in transformers' model on CPU (one request per thread)."""
+    (MODULES, batched, at the shapes of the port's [static] table: `port.with_shapes`; `compile`: each
+    graph compiled by torch.compile, `progress` told of each compile: `static/inductor.py`;
+    `prefix_caching`, `static/prefix.py`: None on, False off), a compiled artifact directory
+    (COMPILED, batched; `prefix_caching` None: as the artifact was built) or an experts
+    implementation in transformers' model on CPU (one request per thread)."""
     if isinstance(backend, str):
         backend = check_serve_backend(backend)
     if backend.graphs == COMPILED:  # the artifact's own tokenizer (digest-checked), unless --checkpoint gives one
@@ -55,14 +52,7 @@ def load_engine(
         spec = port.static_spec(f"--backend {backend.name}")
         model = build_model(port, spec.decode_experts, dtype, checkpoint)
         runtime = static_runtime(
-            model,
-            spec,
-            batch_size,
-            prefill_rows=prefill_rows,
-            chunk=prefill_chunk,
-            compile=compile,
-            progress=progress,
-            prefix_caching=prefix_caching is not False,
+            model, spec, compile=compile, progress=progress, prefix_caching=prefix_caching is not False
         )
         return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, model.config))
     model = build_model(port, backend.experts, dtype, checkpoint)

@@ -32,9 +32,10 @@ from .. import hub
 from ..errors import UserError
 from ..neuron.artifact import check_tokenizer
 from ..neuron.artifact import verify as verify_artifact
-from ..port import DTYPES, load_port
+from ..port import DTYPES, load_port, with_shapes
 from ..publish import s3
-from ..spec import COMPILED, MODULES, compile_cache, quantized
+from ..run_config import RunConfig
+from ..spec import COMPILED, MODULES, compile_cache
 from ..static import inductor
 from ..static.cache import cache_bytes, cache_layout
 from . import connection, neuron, ready
@@ -70,18 +71,19 @@ def s3_cache_dir(uri: str, root: Path) -> Path:
     return root.joinpath(bucket, *[p for p in prefix.split("/") if p not in ("", ".", "..")])
 
 
-def plan_load(args):
+def plan_load(config: RunConfig):
     """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
-    if not args.host.strip():  # uvicorn and the socket would take it for every address, unsaid
+    serving, shapes = config.serving, config.shapes
+    if not serving.host.strip():  # uvicorn and the socket would take it for every address, unsaid
         raise ServeError(
-            f"--host {args.host!r} is no address: pass 127.0.0.1 (this machine only, the default) or "
+            f"--host {serving.host!r} is no address: pass 127.0.0.1 (this machine only, the default) or "
             "0.0.0.0 / :: (every address)"
         )
-    port = load_port(args.model)
-    artifacts, pull = args.artifacts, None
+    port = load_port(config.model)
+    artifacts, pull = serving.artifacts, None
     if artifacts and artifacts.startswith(S3_SCHEME):
         pull = s3_pull_function()
-        local = s3_cache_dir(artifacts, Path(args.artifacts_cache).expanduser())
+        local = s3_cache_dir(artifacts, Path(serving.artifacts_cache).expanduser())
     elif artifacts:
         local = Path(artifacts)
         if not local.is_dir():
@@ -89,21 +91,19 @@ def plan_load(args):
     else:
         local = None
 
-    checkpoint, manifest = args.checkpoint, None
-    if args.revision is not None and checkpoint is None:
+    checkpoint, manifest = config.checkpoint, None
+    if config.revision is not None and checkpoint is None:
         raise ServeError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
-    backend = quantized(args.backend, args.quantization)  # a spec.SERVE_BACKENDS entry, parsed by the command line
-    if backend.graphs in (MODULES, COMPILED) and args.max_running is not None:
+    backend = config.backend  # a spec.serve_backends entry in its --quantization format
+    if backend.graphs in (MODULES, COMPILED) and serving.max_running is not None:
         raise ServeError(
             f"--backend {backend.name} batches: it runs as many requests at once as its graphs have "
             f"rows{' (--batch-size)' if backend.graphs == MODULES else ''}; --max-running is for the "
             f"per-request backends"
         )
-    caching = getattr(args, "enable_prefix_caching", None)
+    caching = serving.prefix_caching
     for flag, value in (
-        ("--batch-size", args.batch_size),
-        ("--prefill-rows", args.prefill_rows),
-        ("--prefill-chunk", args.prefill_chunk),
+        *shapes.given().items(),
         ("--enable-prefix-caching" if caching else "--no-enable-prefix-caching", caching),
     ):
         if (
@@ -120,14 +120,8 @@ def plan_load(args):
                 )
             )
     if backend.graphs == MODULES:
-        spec = port.static_spec("--backend static")
-        if args.prefill_chunk is not None and args.prefill_chunk not in spec.buckets:
-            raise ServeError(
-                f"--prefill-chunk {args.prefill_chunk} is not one of the port's buckets {list(spec.buckets)}"
-            )
-        check_static_memory(
-            port, args.batch_size, DTYPES[args.dtype] if args.dtype else port.dtype, caching is not False
-        )
+        port = with_shapes(port, shapes)  # the graphs' shapes: the port's [static], the flags over it
+        check_static_memory(port, DTYPES[backend.dtype] if backend.dtype else port.dtype, caching is not False)
     if backend.graphs == COMPILED:
         if local is None:
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
@@ -141,11 +135,11 @@ def plan_load(args):
             raise ServeError("give the CPU backend's weights once: --checkpoint or --artifacts, not both")
         checkpoint = local if pull is None else None
     if checkpoint is not None:  # the checkpoint check every command makes, before binding (a Hub id: downloaded)
-        checkpoint = hub.local_checkpoint(checkpoint, args.revision, port)
+        checkpoint = hub.local_checkpoint(checkpoint, config.revision, port)
     context = _context(backend, port, manifest)
     if context is not None:  # an s3:// artifact's is known once it is pulled: checked then
-        ready.check_max_model_len(args.max_model_len, *context)
-    compiles = check_compile(args, backend)
+        ready.check_max_model_len(serving.max_model_len, *context)
+    compiles = check_compile(config)
 
     def load():
         nonlocal checkpoint
@@ -161,28 +155,28 @@ def plan_load(args):
             backend,
             checkpoint=checkpoint,
             artifacts=local,
-            dtype=DTYPES[args.dtype] if args.dtype else None,
-            batch_size=args.batch_size,
-            prefill_rows=args.prefill_rows,
-            prefill_chunk=args.prefill_chunk,
+            dtype=DTYPES[backend.dtype] if backend.dtype else None,
             compile=compiles,
             progress=log.info,
             prefix_caching=caching,
         )
         found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
-        dtype = found["dtype"] if found else str(args.dtype or port.dtype).removeprefix("torch.")
-        banner = ready.Banner(port.name, tuple(served_names(args, port)), backend.name, dtype)
-        return ready.ready(engine, banner, args.max_model_len, _context(backend, port, found)[1])
+        dtype = found["dtype"] if found else str(backend.dtype or port.dtype).removeprefix("torch.")
+        banner = ready.Banner(port.name, tuple(served_names(config, port)), backend.name, dtype)
+        return ready.ready(engine, banner, serving.max_model_len, _context(backend, port, found)[1])
 
     return port, load
 
 
-def check_compile(args, backend) -> bool:
+def check_compile(config: RunConfig) -> bool:
     """Whether the static graphs are compiled (--backend static without --no-compile); when they are,
     a C++ compiler is found and --compile-cache made inductor's cache, else one error says why. The
     compile flags are refused where no graphs are compiled here."""
+    backend = config.backend
     given = [
-        flag for flag, value in (("--no-compile", args.no_compile), ("--compile-cache", args.compile_cache)) if value
+        flag
+        for flag, value in (("--no-compile", config.compile is False), ("--compile-cache", config.compile_cache))
+        if value
     ]
     if given and backend.graphs != MODULES:
         runs = (
@@ -193,17 +187,17 @@ def check_compile(args, backend) -> bool:
         raise ServeError(f"{given[0]} applies to --backend static's graphs; --backend {backend.name} {runs}")
     if len(given) == 2:
         raise ServeError("--compile-cache keeps compiled graphs; with --no-compile none are compiled")
-    if backend.graphs != MODULES or args.no_compile:
+    if backend.graphs != MODULES or config.compile is False:
         return False
     inductor.require_compiler()
-    inductor.use_cache_dir(compile_cache(args.compile_cache))
+    inductor.use_cache_dir(compile_cache(config.compile_cache))
     return True
 
 
-def served_names(args, port) -> list[str]:
+def served_names(config: RunConfig, port) -> list[str]:
     """`--served-model-name`: the names requests may give as `model` (responses carry the first);
     default the port's name."""
-    return list(args.served_model_name or [port.name])
+    return list(config.serving.served_model_name or [port.name])
 
 
 def _context(backend, port, manifest: dict | None) -> tuple[int, str] | None:
@@ -228,13 +222,13 @@ def available_memory() -> int:
     return min(free, int(limit) - int(used)) if limit.isdigit() and used.isdigit() else free
 
 
-def check_static_memory(port, batch_size: int | None, dtype, whole_rows: bool = True) -> None:
+def check_static_memory(port, dtype, whole_rows: bool = True) -> None:
     """The static runtime's KV cache (allocated at load; `whole_rows`: the layout prefix caching
     needs, `static/cache.py`) and one step's logits [B, V] fp32, against
     the memory available: a batch that cannot fit is refused before binding, not by a failed
     allocation (or the OOM killer) once the server is up."""
     spec = port.static_spec("--backend static")
-    rows = batch_size or spec.batch_size
+    rows = spec.batch_size
     cache = cache_bytes(cache_layout(port.config, spec.max_cache_len, whole_rows), rows, dtype)
     logits = rows * port.config.vocab_size * 4
     free = available_memory()
@@ -249,9 +243,9 @@ def check_static_memory(port, batch_size: int | None, dtype, whole_rows: bool = 
 class DrainingServer(uvicorn.Server):
     """uvicorn, its graceful shutdown DRAIN_GRACE_S longer than the app's own drain deadline."""
 
-    def __init__(self, config: uvicorn.Config, drain_timeout: float):
-        config.timeout_graceful_shutdown = drain_timeout + DRAIN_GRACE_S
-        super().__init__(config)
+    def __init__(self, uvicorn_config: uvicorn.Config, drain_timeout: float):
+        uvicorn_config.timeout_graceful_shutdown = drain_timeout + DRAIN_GRACE_S
+        super().__init__(uvicorn_config)
         self.drain_timeout = drain_timeout
 
     def handle_exit(self, sig, frame):
@@ -260,55 +254,57 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, tcp_port: int) -> socket.socket:
     """The listening socket, bound before anything loads (as uvicorn would bind it)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind((host, tcp_port))
     except OSError as e:
         sock.close()
-        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise ServeError(f"cannot listen on {host}:{tcp_port}: {e.strerror or e}") from None
     return sock
 
 
-def make_app(args, on_load_error=None):
+def make_app(config: RunConfig, on_load_error=None):
     """The application `serve` runs, every check of `plan_load` made; the model loads once it starts."""
-    port, load = plan_load(args)
+    port, load = plan_load(config)
+    serving = config.serving
     return create_app(
         load,
-        model_name=served_names(args, port),
-        api_key=args.api_key,
-        max_running=args.max_running,
-        max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES,
+        model_name=served_names(config, port),
+        api_key=serving.api_key,
+        max_running=serving.max_running,
+        max_queue=serving.max_queue,
+        max_body_bytes=serving.max_body_bytes or MAX_BODY_BYTES,
         vocab_size=port.config.vocab_size,
-        body_timeout=args.body_timeout or BODY_TIMEOUT_S,
+        body_timeout=serving.body_timeout or BODY_TIMEOUT_S,
         on_load_error=on_load_error,
     )
 
 
-def run(args) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+def run(config: RunConfig) -> int:
+    serving = config.serving
+    logging.basicConfig(level=serving.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     failure: list[BaseException] = []
 
     def on_load_error(e: BaseException) -> None:
         failure.append(e)
         server.should_exit = True
 
-    app = make_app(args, on_load_error)
-    if args.host not in LOOPBACK and not args.api_key:
-        log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
-    config = uvicorn.Config(
+    app = make_app(config, on_load_error)
+    if serving.host not in LOOPBACK and not serving.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", serving.host)
+    uvicorn_config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
+        host=serving.host,
+        port=serving.tcp_port,
+        log_level=serving.log_level,
         lifespan="on",
-        http=connection.protocol(args.header_timeout or connection.HEADER_TIMEOUT_S),
+        http=connection.protocol(serving.header_timeout or connection.HEADER_TIMEOUT_S),
     )
-    server = DrainingServer(config, args.drain_timeout)
-    sock = bind(args.host, args.port)
+    server = DrainingServer(uvicorn_config, serving.drain_timeout)
+    sock = bind(serving.host, serving.tcp_port)
     # uvicorn logs this line itself only for a socket it binds (the entrypoint's users read the port in it)
     logging.getLogger("uvicorn.error").info(
         "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", *sock.getsockname()[:2]
