@@ -174,7 +174,7 @@ def test_a_wrong_environment_is_one_line(tmp_path, monkeypatch, capsys, env, mes
 
 
 def test_the_endpoint_example_sends_requests_sagemaker_takes():
-    """deploy/sagemaker/create_endpoint.py, not run against AWS: its model data is the publication's run
+    """recipes/sagemaker/create_endpoint.py, not run against AWS: its model data is the publication's run
     folder, and its three requests pass botocore's own check of SageMaker's API (Stubber: no call leaves)."""
     import boto3
     from botocore.stub import Stubber
@@ -182,7 +182,7 @@ def test_the_endpoint_example_sends_requests_sagemaker_takes():
     from neuron_moe.neuron.plan import INSTANCES
 
     spec = importlib.util.spec_from_file_location(
-        "create_endpoint", REPO / "deploy" / "sagemaker" / "create_endpoint.py"
+        "create_endpoint", REPO / "recipes" / "sagemaker" / "create_endpoint.py"
     )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

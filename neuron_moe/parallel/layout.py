@@ -27,7 +27,7 @@ Per decoder layer:
               with its up columns by the stride), down_proj [E, I, H] experts_row (per rank
               [E, I/t, H]). The router weights are used whole on every rank: nothing in the MoE
               block depends on the rank, and one all-reduce follows the router-weighted sum.
-    expert    (the seed port's) gate_up_proj [E, 2I, H] is one column-parallel linear [E·2I, H];
+    expert    (expert-parallel) gate_up_proj [E, 2I, H] is one column-parallel linear [E·2I, H];
               down_proj [E, H, I] one row-parallel linear [H, E·I]. Both are ordered expert-major,
               so rank r holds experts r·E/t … (r+1)·E/t − 1 whole. Each rank scatters the dense
               [T, E] router weights to its own [T, E/t] slice, which must use the rank as a tensor

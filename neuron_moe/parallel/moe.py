@@ -20,14 +20,14 @@ its batch size; `dense_masked` (the prefill graphs) computes all experts. A deco
 `channel_reader` reads through the rank's reader instead (`reader.py`: its sidecar shard): each
 token's k_r channels of the rank's I/t, fixed shapes (tokens, k_r, scan), the same one all-reduce after.
 
-`WholeExperts` (the expert layout, the seed port's): the rank's E/t experts whole, as one
-column-parallel and one row-parallel linear. Every rank computes the full dense [T, E] router
+`WholeExperts` (the expert layout, as expert parallelism places them): the rank's E/t experts whole,
+as one column-parallel and one row-parallel linear. Every rank computes the full dense [T, E] router
 weights, then keeps the columns of its own experts; with `scatter="spmd"` that slice is indexed by
 the SPMDRank tensor (right in a graph traced once on rank 0), with `scatter="naive"` by the
-Python-int process-group rank (the seed port's bug: in that graph every rank weights its experts
-with experts 0…E/t−1's router weights). The router weight multiplies the activation before down,
-so down is one matmul over the rank's experts and the all-reduce after it sums over all experts.
-It computes all its experts in every graph.
+Python-int process-group rank (a wrong model, kept as a test: in that graph every rank weights its
+experts with experts 0…E/t−1's router weights). The router weight multiplies the activation before
+down, so down is one matmul over the rank's experts and the all-reduce after it sums over all
+experts. It computes all its experts in every graph.
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ gathers the full logits and takes the same greedy token; the ranks' tokens are c
 `validate --backend tp` (with `--quantization int8`: int8 experts, per-channel scales;
 `--quantization int4`: group-wise int4 experts) in either expert layout (`--expert-layout`, default
 the port's [static] expert_layout: channel). A placement with the naive scatter (`spec.NAIVE`,
-always the expert layout) is the seed port's Python-int router scatter, which a graph traced on rank
-0 freezes to rank 0's slice: a wrong model, kept as a test (tests/test_tp_model.py) that SEQ_MATCH
-catches it. `tp` with a sidecar directory and a budget (`prep-reader --tp T`) runs the reader in the
-decode graph (`reader.py`). `--tp T` sets the degree (default 8); `--tp-layers nxd` runs the same
-rank modules over NxD's own layers instead (`nxd_generator.py`), eagerly on every rank.
+always the expert layout) is a Python-int router scatter (NxD's
+`scatter_to_tensor_model_parallel_region`), which a graph traced on rank 0 freezes to rank 0's
+slice: a wrong model, kept as a test (tests/test_tp_model.py) that SEQ_MATCH catches it. `tp` with a
+sidecar directory and a budget (`prep-reader --tp T`) runs the reader in the decode graph
+(`reader.py`). `--tp T` sets the degree (default 8); `--tp-layers nxd` runs the same rank modules
+over NxD's own layers instead (`nxd_generator.py`), eagerly on every rank.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ create_endpoint_config, create_endpoint, then (with --invoke) one chat request.
 NOT RUN: no SageMaker endpoint was created with this script; its three requests are only checked
 offline against botocore's SageMaker model (tests/test_sagemaker.py). See docs/deploy.md.
 
-    python deploy/sagemaker/create_endpoint.py \\
+    python recipes/sagemaker/create_endpoint.py \\
         --image 123456789012.dkr.ecr.us-east-1.amazonaws.com/neuron-moe:neuron \\
         --artifacts s3://bucket/gemma4-26b-a4b-bf16-tp4 \\
         --role arn:aws:iam::123456789012:role/SageMakerExecution \\
