@@ -315,6 +315,12 @@ def _drop(task: asyncio.Future | None) -> None:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
+async def _first(task: asyncio.Future, other: asyncio.Future) -> bool:
+    """Wait until `task` or `other` is done; whether `task` is."""
+    await asyncio.wait({task, other}, return_when=asyncio.FIRST_COMPLETED)
+    return task.done()
+
+
 async def _until_cut(events, cut: asyncio.Event):
     """`events` as they come, until `cut` is set: then _Cut. Closed early (the client left), it
     leaves no task behind."""
@@ -324,8 +330,7 @@ async def _until_cut(events, cut: asyncio.Event):
     try:
         while True:
             step = asyncio.ensure_future(it.__anext__())
-            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
+            if not await _first(step, stop):
                 raise _Cut
             try:
                 item = step.result()
@@ -464,8 +469,7 @@ async def _collect(
     consumer, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
     outcome = "client gone"
     try:
-        await asyncio.wait({consumer, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not consumer.done():
+        if not await _first(consumer, gone):
             return None
         try:
             result = consumer.result()
