@@ -10,6 +10,7 @@ protocol.py   request bodies (OpenAI's schema, strictly) and OpenAI-shaped error
 scheduler.py  bounded admission: a bounded wait queue before the batching engine's rows, or
               before a few generation threads; each request's latencies counted for /metrics
 metrics.py    /metrics in Prometheus' text format, vLLM's names
+decoding.py   a request's sampling, n/best_of, logprobs, beam search -> engine calls and choices
 app.py        the FastAPI routes, SSE streaming, readiness while the model loads
 server.py     argument checks, artifact resolution, uvicorn with SIGTERM draining
 """

@@ -8,7 +8,8 @@ request's content). A body that is not sent as JSON gets 415. The model loads in
 thread once the socket is bound; until it is ready, /health, /ping and the model's routes
 answer 503 + Retry-After. Every error is OpenAI's `{"error": {...}}` with 400 for an invalid
 request (never FastAPI's 422). Each request that generates logs one line when it ends: its
-prompt and completion tokens, time to first token and duration.
+prompt and completion tokens, time to first token and duration. What a request's fields ask of the
+engine, and the choices its Steps make, is `decoding.py`'s: this module admits, streams and frames.
 
 Nothing slow runs on the event loop, so /health answers under any request mix: a body over
 `max_body_bytes` is refused (413) before it is read, a body that has not all come within
@@ -25,13 +26,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import math
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,9 +39,10 @@ from starlette.exceptions import HTTPException
 
 from .. import __version__
 from ..report import dumps
+from . import decoding
 from .chat import render_chat
-from ..static.sampling import Processing
-from .engine import Engine, RequestError, SamplingParams, TokenLogprobs
+from .decoding import Echo, Logprobs, Result
+from .engine import Engine, RequestError
 from .invocations import invocation_request
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
@@ -256,114 +256,6 @@ async def _server_error(_request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), 500)
 
 
-def _choice(
-    chat: bool,
-    stream: bool,
-    text: str | None,
-    finish: str | None,
-    role: bool = False,
-    index: int = 0,
-    stop_reason: int | str | None = None,
-    logprobs: dict | None = None,
-) -> dict:
-    """One choice of a response or a chunk; `stop_reason` is vLLM's (the stop string or stop token id
-    that ended it, null for EOS and length)."""
-    tail = {"logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
-    if not chat:
-        return {"index": index, "text": text or "", **tail}
-    if not stream:
-        return {"index": index, "message": {"role": "assistant", "content": text}, **tail}
-    delta = {"role": "assistant"} if role else {}
-    if text is not None:
-        delta["content"] = text
-    return {"index": index, "delta": delta, **tail}
-
-
-class _Logprobs:
-    """A choice's tokens' logprobs in OpenAI's shapes: chat's `{"content": [{token, logprob, bytes,
-    top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (the chosen
-    token among its top ones, as vLLM's; a prompt's first token, with echo, has none: null). Made
-    for the whole answer or a stream's chunk at a time (`text_offset` runs on across chunks)."""
-
-    def __init__(self, tokenizer, chat: bool):
-        self.tokenizer, self.chat, self.offset = tokenizer, chat, 0
-
-    def text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
-    def __call__(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict | None:
-        """[(token id, its logprobs or None)] -> the logprobs object of those tokens."""
-        if self.chat:
-            return {"content": [self._chat(entry) for _, entry in entries]}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, entry in entries:
-            text = self.text(token)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(None if entry is None else entry.logprob)
-            top = None if entry is None else {self.text(t): lp for t, lp in entry.top}
-            if top is not None:
-                top.setdefault(text, entry.logprob)
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
-        return out
-
-    def _chat(self, entry: TokenLogprobs) -> dict:
-        def one(token: int, logprob: float) -> dict:
-            text = self.text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
-
-
-def _prompt_entries(prompt_ids: list[int], item, n: int | None = None) -> list:
-    """A first Step's prompt logprobs (echo) as (token, logprobs) entries, the `n` most likely kept (None:
-    all); [] when it has none."""
-    if item.prompt_logprobs is None:
-        return []
-    kept = [e if e is None or n is None else replace(e, top=e.top[:n]) for e in item.prompt_logprobs]
-    return list(zip(prompt_ids, kept))
-
-
-def _vllm_prompt_logprobs(tokenizer, scores: tuple | None, n: int) -> list | None:
-    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
-    decoded_token}}, the prompt's token first, then the n most likely (rank: the token's in the
-    distribution, 1 the most likely)."""
-    if scores is None:
-        return None
-
-    def one(logprob: float, rank: int, token: int) -> dict:
-        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token])}
-
-    out: list = []
-    for entry in scores:
-        if entry is None:
-            out.append(None)
-            continue
-        position = {str(entry.token): one(entry.logprob, entry.rank, entry.token)}
-        for i, (token, logprob) in enumerate(entry.top[:n]):
-            position.setdefault(str(token), one(logprob, i + 1, token))
-        out.append(position)
-    return out
-
-
-def _step_entries(item) -> list:
-    return [(item.logprobs.token, item.logprobs)] if item.logprobs is not None else []
-
-
-@dataclass(frozen=True)
-class _Echo:
-    """What goes back before each choice's text (`echo`): a completion's prompt (its text and ids, whose
-    logprobs come with the choice's first Step when asked), or chat's last assistant turn (no ids)."""
-
-    text: str
-    ids: list[int]
-
-
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 def _sse(obj) -> str:
     return f"data: {dumps(obj)}\n\n"
 
@@ -423,6 +315,12 @@ def _drop(task: asyncio.Future | None) -> None:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
+async def _first(task: asyncio.Future, other: asyncio.Future) -> bool:
+    """Wait until `task` or `other` is done; whether `task` is."""
+    await asyncio.wait({task, other}, return_when=asyncio.FIRST_COMPLETED)
+    return task.done()
+
+
 async def _until_cut(events, cut: asyncio.Event):
     """`events` as they come, until `cut` is set: then _Cut. Closed early (the client left), it
     leaves no task behind."""
@@ -432,8 +330,7 @@ async def _until_cut(events, cut: asyncio.Event):
     try:
         while True:
             step = asyncio.ensure_future(it.__anext__())
-            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
+            if not await _first(step, stop):
                 raise _Cut
             try:
                 item = step.result()
@@ -493,8 +390,8 @@ async def _stream(
     include_usage: bool,
     record: _Record,
     cut: asyncio.Event,
-    echo: _Echo | None = None,
-    logprobs: list[_Logprobs] | None = None,
+    echo: Echo | None = None,
+    logprobs: list[Logprobs] | None = None,
 ):
     """SSE events: (chat: a role delta per choice), then per choice as its rows produce them: (`echo`:
     its text, with the prompt's logprobs), text deltas (with their tokens' logprobs when asked) and a
@@ -506,7 +403,7 @@ async def _stream(
     finished, started, outcome = set(), set(), "client gone"
     try:
         for index in range(n) if chat else ():
-            yield _sse({**head, "choices": [_choice(True, True, "", None, role=True, index=index)], **usage})
+            yield _sse({**head, "choices": [decoding.choice(True, True, "", None, role=True, index=index)], **usage})
         async for got in _until_cut(choices.events(KEEPALIVE_S), cut):
             if got is None:
                 yield ": keep-alive\n\n"
@@ -522,24 +419,15 @@ async def _stream(
                 break
             record.step(index, item)
             scores = logprobs[index] if logprobs is not None else None
-            if index not in started and echo is not None and echo.text:
-                prompt = scores and scores(_prompt_entries(echo.ids, item))
-                echoed = _choice(chat, True, echo.text, None, index=index, logprobs=prompt)
-                yield _sse({**head, "choices": [echoed], **usage})
+            first = index not in started
             started.add(index)
-            entries = scores(_step_entries(item)) if scores is not None else None
-            if item.text or entries:
-                chunk = _choice(chat, True, item.text, None, index=index, logprobs=entries)
-                yield _sse({**head, "choices": [chunk], **usage})
             if item.finish_reason:
                 finished.add(index)
-                end = _choice(
-                    chat, True, None if chat else "", item.finish_reason, index=index, stop_reason=item.stop_reason
-                )
-                yield _sse({**head, "choices": [end], **usage})
+            for chunk in decoding.stream_choices(chat, index, item, first, echo, scores):
+                yield _sse({**head, "choices": [chunk], **usage})
         done = len(finished) == n
         if done and include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(record.n_prompt, record.completion)})
+            yield _sse({**head, "choices": [], "usage": decoding.usage(record.n_prompt, record.completion)})
         outcome = None if done else outcome
         yield "data: [DONE]\n\n"
     except _Cut:
@@ -556,57 +444,32 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-@dataclass
-class _Result:
-    """One generation's whole answer."""
-
-    text: str = ""
-    finish: str | None = None
-    stop_reason: int | str | None = None
-    completion: int = 0
-    logprob: float | None = None
-    entries: list = field(default_factory=list)  # [(token, its logprobs)]: the prompt's (echo), then the choice's
-    prompt_logprobs: tuple | None = None  # the first Step's: each prompt token's logprobs, None first
-
-
 async def _collect(
     choices: _Choices,
     request: Request,
     cut: asyncio.Event,
     record: _Record,
-    echo: _Echo | None,
+    echo: Echo | None,
     logprobs_n: int | None = None,
 ):
-    """Each generation's _Result, in order, or None when the client left first; a 503 APIError at
+    """Each generation's Result, in order, or None when the client left first; a 503 APIError at
     the drain deadline. `logprobs_n`: the most likely tokens kept per echoed prompt token."""
 
     async def consume():
-        results = [_Result() for _ in choices.jobs]
-        parts = [[] for _ in choices.jobs]
+        results = [Result() for _ in choices.jobs]
         async for index, item in _until_cut(choices.events(), cut):
             if isinstance(item, RequestError):  # what the request asked admits no token: the client's
                 raise APIError(400, str(item), param=item.param)
             if isinstance(item, Exception):
                 raise APIError(500, f"generation failed: {type(item).__name__}: {item}", "server_error")
             record.step(index, item)
-            result = results[index]
-            if not parts[index]:
-                result.prompt_logprobs = item.prompt_logprobs
-                if echo is not None:
-                    result.entries += _prompt_entries(echo.ids, item, logprobs_n)
-            result.entries += _step_entries(item)
-            parts[index].append(item.text)
-            result.finish, result.completion = item.finish_reason or result.finish, item.completion_tokens
-            result.stop_reason, result.logprob = item.stop_reason, item.cumulative_logprob
-        for result, texts in zip(results, parts):
-            result.text = "".join(texts)
+            results[index].add(item, echo, logprobs_n)
         return results
 
     consumer, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
     outcome = "client gone"
     try:
-        await asyncio.wait({consumer, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not consumer.done():
+        if not await _first(consumer, gone):
             return None
         try:
             result = consumer.result()
@@ -627,11 +490,14 @@ async def _collect(
         record.log(outcome)
 
 
-def _best(results: list[_Result], n: int) -> list[int]:
-    """Which n of best_of generations are answered: the most likely (the highest sum of their tokens'
-    logprobs, vLLM's ranking), most likely first; all of them, in order, when there are only n."""
-    order = range(len(results))
-    return list(order) if len(results) == n else sorted(order, key=lambda i: results[i].logprob, reverse=True)[:n]
+def _head(chat: bool, chunk: bool, model_name: str) -> dict:
+    """A response's (or each chunk's) id, object, created and model."""
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chunk else ""),
+        "created": int(time.time()),
+        "model": model_name,
+    }
 
 
 def _unknown_model(model: str, names: list[str]) -> APIError:
@@ -666,6 +532,205 @@ def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None
         raise APIError(400, f"token id {bad[0]} is not below the vocabulary size {vocab_size}", param=param)
 
 
+class _Routes:
+    """The routes' handlers over one server: its state, its admission, its metrics and the names it
+    serves (requests may give any; responses carry the first)."""
+
+    def __init__(self, state: ServerState, scheduler: Scheduler, metrics: Metrics, names: list[str], vocab_size):
+        self.state, self.scheduler, self.metrics = state, scheduler, metrics
+        self.names, self.model_name, self.vocab_size = names, names[0], vocab_size
+        self.created = int(time.time())
+
+    def add_to(self, app: FastAPI) -> None:
+        """Each route on `app`, as `app.get`/`app.post` would add it."""
+        for method, path, handler in (
+            ("GET", "/health", self.health),
+            ("GET", "/ping", self.ping),
+            ("GET", "/version", self.version),
+            ("GET", "/metrics", self.prometheus_metrics),
+            ("GET", "/v1/models", self.models),
+            ("GET", "/v1/models/{model:path}", self.model),
+            ("POST", "/v1/chat/completions", self.chat_completions),
+            ("POST", "/v1/completions", self.completions),
+            ("POST", "/tokenize", self.tokenize),
+            ("POST", "/detokenize", self.detokenize),
+            ("POST", "/invocations", self.invocations),
+        ):
+            app.add_api_route(path, handler, methods=[method])
+
+    async def health(self):
+        state, scheduler = self.state, self.scheduler
+        problem = state.unavailable()
+        running = min(scheduler.admitted, scheduler.max_running or 0)
+        body = {
+            "status": "draining" if state.draining else state.phase,
+            "model": self.model_name,
+            "running": running,
+            "waiting": scheduler.admitted - running,
+        }
+        return JSONResponse(body, problem.status if problem else 200, headers=problem.headers if problem else None)
+
+    async def ping(self):  # what AWS's containers health-check
+        return await self.health()
+
+    async def version(self):  # vLLM's
+        return {"version": __version__}
+
+    async def prometheus_metrics(self):  # open, as /health: what a Prometheus scraper reads (metrics.py)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card(self, name: str) -> dict:
+        context = self.state.engine.max_context if self.state.engine is not None else None  # known once loaded
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "neuron-moe",
+            "root": self.names[0],
+            "parent": None,
+            "max_model_len": context,
+        }
+
+    async def models(self):
+        return {"object": "list", "data": [self.model_card(name) for name in self.names]}
+
+    async def model(self, model: str):  # the `openai` client's models.retrieve; a served name may hold a '/'
+        if model not in self.names:
+            raise _unknown_model(model, self.names)
+        return self.model_card(model)
+
+    def ready_engine(self, model: str | None) -> Engine:
+        problem = self.state.unavailable()
+        if problem:
+            raise problem
+        if model is not None and model not in self.names:
+            raise _unknown_model(model, self.names)
+        return self.state.engine
+
+    async def respond(
+        self,
+        engine: Engine,
+        req,
+        request: Request,
+        prompt_ids: list[int],
+        extra_stops: tuple,
+        chat: bool,
+        started: float,
+        echo: Echo | None = None,
+    ):
+        """Generate `req.candidates` completions of the prompt (each its own row or thread) and answer
+        the `req.choices` most likely (decoding.py), streamed or whole, `echo` before each one's text."""
+        problem = self.state.unavailable()  # the server may have begun draining while the prompt was tokenized
+        if problem:
+            raise problem
+        if req.use_beam_search:
+            return await self.beam_search(engine, req, request, prompt_ids, chat, started, extra_stops)
+        scheduler = self.scheduler
+        params = await decoding.sampling_params(engine, req, len(prompt_ids), extra_stops, chat)
+        _check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
+        decoding.check_runs(req, scheduler.max_running, scheduler.max_queue)
+        choices = _Choices(scheduler.submit_all(engine, prompt_ids, decoding.seeded(params, req.candidates)))
+        head = _head(chat, chat and req.stream, self.model_name)
+        record = _Record(head["id"], len(prompt_ids), started)
+        logprobs = decoding.logprobs_for(engine.tokenizer, params, chat, req.candidates)
+        if req.stream:
+            return StreamingResponse(
+                _stream(choices, head, chat, req.include_usage, record, self.state.cut, echo, logprobs),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        kept = None if chat else req.logprobs  # echo's prompt logprobs: as many most likely as logprobs asks
+        results = await _collect(choices, request, self.state.cut, record, echo, kept)
+        if results is None:
+            return Response(status_code=499)  # nobody is listening; the status is for the access log
+        return {**head, **decoding.answer(engine.tokenizer, req, results, chat, echo, logprobs, len(prompt_ids))}
+
+    async def beam_search(
+        self, engine: Engine, req, request: Request, prompt_ids: list[int], chat: bool, started: float, stops: tuple
+    ):
+        """vLLM's beam search (decoding.BeamSearch), each step's beams admitted as requests of their own
+        (that log nothing: the request logs once)."""
+        scheduler = self.scheduler
+        search = decoding.BeamSearch(engine, req, len(prompt_ids), chat, scheduler.max_running, scheduler.max_queue)
+        head = _head(chat, False, self.model_name)
+        record = _Record(head["id"], len(prompt_ids), started)
+
+        async def step(sequences: list[list[int]]) -> list[Result] | None:
+            jobs = []
+            try:
+                for tokens in sequences:
+                    jobs += scheduler.submit_all(engine, tokens, [search.params])
+            except APIError:
+                for job in jobs:
+                    job.cancel()
+                raise
+            return await _collect(_Choices(jobs), request, self.state.cut, _Quiet(head["id"], 0, started), None)
+
+        beams = await search.run(prompt_ids, step)
+        if beams is None:
+            record.log("client gone")
+            return Response(status_code=499)
+        choices, counts = await search.choices(engine.tokenizer, beams, len(prompt_ids), stops, chat)
+        record.tokens = dict(enumerate(counts))
+        record.finish = "beam search"
+        record.log()
+        return {**head, "choices": choices, "usage": decoding.usage(len(prompt_ids), record.completion)}
+
+    async def chat_completions(self, req: ChatRequest, request: Request):
+        started = time.perf_counter()
+        engine = self.ready_engine(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        _check_prompt_bytes(engine, [m["content"] for m in messages], "messages")
+        prompt_ids, extra_stops = await asyncio.to_thread(render_chat, engine.tokenizer, messages)
+        # vLLM's chat echo: the conversation's last turn, when it is the assistant's, goes on in the answer
+        last = messages[-1]
+        echo = Echo(last["content"], []) if req.echo and last["role"] == "assistant" else None
+        return await self.respond(engine, req, request, prompt_ids, extra_stops, chat=True, started=started, echo=echo)
+
+    async def completions(self, req: CompletionRequest, request: Request):
+        started = time.perf_counter()
+        engine = self.ready_engine(req.model)
+        if isinstance(req.prompt, list):  # token ids, as they are
+            _check_token_ids(req.prompt, self.vocab_size, "prompt")
+            prompt_ids = req.prompt
+        else:
+            _check_prompt_bytes(engine, [req.prompt], "prompt")
+            prompt_ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
+        echo = None
+        if req.echo:  # the prompt as sent, or its ids' text, and its ids (their logprobs, with logprobs)
+            text = (
+                req.prompt
+                if isinstance(req.prompt, str)
+                else await asyncio.to_thread(engine.tokenizer.decode, prompt_ids)
+            )
+            echo = Echo(text, list(prompt_ids))
+        return await self.respond(engine, req, request, prompt_ids, (), chat=False, started=started, echo=echo)
+
+    async def tokenize(self, req: TokenizeRequest):  # vLLM's: the ids a completion of this prompt would start from
+        engine = self.ready_engine(req.model)
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            _check_prompt_bytes(engine, [m["content"] for m in messages], "messages")
+            ids, _ = await asyncio.to_thread(render_chat, engine.tokenizer, messages)
+        else:
+            _check_prompt_bytes(engine, [req.prompt], "prompt")
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": None}
+
+    async def detokenize(self, req: DetokenizeRequest):
+        engine = self.ready_engine(req.model)
+        _check_token_ids(req.tokens, self.vocab_size, "tokens")
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, req.tokens)}
+
+    # SageMaker's contract (deploy/sagemaker.py starts the server for it; its GET /ping is above):
+    # POST /invocations takes an OpenAI body and answers as the route its fields name (invocations.py)
+    async def invocations(self, request: Request):
+        req = invocation_request(await request.body(), self.model_name)
+        if isinstance(req, ChatRequest):
+            return await self.chat_completions(req, request)
+        return await self.completions(req, request)
+
+
 def create_app(
     load: Callable[[], Engine],
     *,
@@ -683,8 +748,7 @@ def create_app(
     `max_running`: requests generating at once (default: a batching engine's rows, else 1).
     `vocab_size`: the bound on token ids a client sends (None: not checked)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
-    model_name = names[0]
-    metrics = Metrics(model_name)
+    metrics = Metrics(names[0])
     scheduler = Scheduler(max_running, max_queue, metrics)
 
     def load_and_open() -> Engine:
@@ -693,7 +757,6 @@ def create_app(
         return engine
 
     state = ServerState(load_and_open, on_load_error)
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -712,297 +775,5 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout)
     if api_key:  # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(BearerAuth, key=api_key)
-
-    @app.get("/health")
-    async def health():
-        problem = state.unavailable()
-        running = min(scheduler.admitted, scheduler.max_running or 0)
-        body = {
-            "status": "draining" if state.draining else state.phase,
-            "model": model_name,
-            "running": running,
-            "waiting": scheduler.admitted - running,
-        }
-        return JSONResponse(body, problem.status if problem else 200, headers=problem.headers if problem else None)
-
-    @app.get("/ping")
-    async def ping():  # what AWS's containers health-check
-        return await health()
-
-    @app.get("/version")
-    async def version():  # vLLM's
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def prometheus_metrics():  # open, as /health: what a Prometheus scraper reads (metrics.py)
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    def model_card(name: str) -> dict:
-        context = state.engine.max_context if state.engine is not None else None  # known once loaded
-        return {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "neuron-moe",
-            "root": names[0],
-            "parent": None,
-            "max_model_len": context,
-        }
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card(name) for name in names]}
-
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str):  # the `openai` client's models.retrieve; a served name may hold a '/'
-        if model not in names:
-            raise _unknown_model(model, names)
-        return model_card(model)
-
-    def ready_engine(model: str | None) -> Engine:
-        problem = state.unavailable()
-        if problem:
-            raise problem
-        if model is not None and model not in names:
-            raise _unknown_model(model, names)
-        return state.engine
-
-    async def respond(
-        engine: Engine,
-        req,
-        request: Request,
-        prompt_ids: list[int],
-        extra_stops: tuple,
-        chat: bool,
-        started: float,
-        echo: _Echo | None = None,
-    ):
-        """Generate `req.candidates` completions of the prompt (each its own row or thread, choice i
-        seeded with seed + i, as vLLM seeds them) and answer the `req.choices` most likely, `echo`
-        before each one's text."""
-        problem = state.unavailable()  # the server may have begun draining while the prompt was tokenized
-        if problem:
-            raise problem
-        n, runs = req.choices, req.candidates
-        if req.use_beam_search:
-            return await beam_search(engine, req, request, prompt_ids, chat, started, extra_stops)
-        try:
-            max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
-            params = SamplingParams(
-                max_tokens,
-                **req.sampling,
-                **req.stopping,
-                stop=tuple(req.stop or ()) + extra_stops,
-                processing=req.asked_processing,
-                rank=runs > n,
-                grammar=req.grammar,
-                **req.vocabulary,
-            )
-            engine.check_sampling(params)
-            if params.grammar is not None:  # compiled (or found in the cache) off the event loop
-                await asyncio.to_thread(engine.compile_grammar, params)
-        except RequestError as e:
-            where = {
-                "prompt": "messages" if chat else "prompt",
-                "max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
-            }
-            raise APIError(400, str(e), param=where.get(e.param, e.param)) from None
-        _check_token_ids(list(params.stop_token_ids), vocab_size, "stop_token_ids")
-        most = scheduler.max_running + scheduler.max_queue
-        if runs > most:
-            raise APIError(
-                400,
-                f"{'best_of' if runs > n else 'n'}={runs}: this server runs {scheduler.max_running} generation(s) "
-                f"and queues {scheduler.max_queue}, so a request may ask for at most {most}",
-                param="best_of" if runs > n else "n",
-            )
-        seeds = [None if params.seed is None else params.seed + i for i in range(runs)]
-        choices = _Choices(scheduler.submit_all(engine, prompt_ids, [replace(params, seed=s) for s in seeds]))
-        head = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and req.stream else ""),
-            "created": int(time.time()),
-            "model": model_name,
-        }
-        record = _Record(head["id"], len(prompt_ids), started)
-        asked = params.processing.logprobs is not None  # each choice its own: text_offset runs on per choice
-        logprobs = [_Logprobs(engine.tokenizer, chat) for _ in range(runs)] if asked else None
-        if req.stream:
-            return StreamingResponse(
-                _stream(choices, head, chat, req.include_usage, record, state.cut, echo, logprobs),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        kept = None if chat else req.logprobs  # echo's prompt logprobs: as many most likely as logprobs asks
-        results = await _collect(choices, request, state.cut, record, echo, kept)
-        if results is None:
-            return Response(status_code=499)  # nobody is listening; the status is for the access log
-        before = echo.text if echo is not None else ""
-        prompt_n = req.answered_prompt_logprobs
-        answered = []
-        for i, j in enumerate(_best(results, n)):
-            choice = _choice(
-                chat,
-                False,
-                before + results[j].text,
-                results[j].finish,
-                index=i,
-                stop_reason=results[j].stop_reason,
-                logprobs=logprobs[j](results[j].entries) if logprobs is not None else None,
-            )
-            if prompt_n is not None and not chat:  # vLLM's: a completion choice's
-                choice["prompt_logprobs"] = _vllm_prompt_logprobs(
-                    engine.tokenizer, results[j].prompt_logprobs, prompt_n
-                )
-            answered.append(choice)
-        extra = {}
-        if prompt_n is not None and chat:  # vLLM's: the chat response's, once (the prompt is the choices' own)
-            extra["prompt_logprobs"] = _vllm_prompt_logprobs(engine.tokenizer, results[0].prompt_logprobs, prompt_n)
-        # usage as OpenAI counts it: the prompt once, every generated token (best_of's candidates too)
-        usage = _usage(len(prompt_ids), sum(r.completion for r in results))
-        return {**head, "choices": answered, "usage": usage, **extra}
-
-    async def beam_search(
-        engine: Engine, req, request: Request, prompt_ids: list[int], chat: bool, started: float, stops: tuple = ()
-    ):
-        """vLLM's beam search, as vLLM runs it above its engine: each step, every live beam is a one-token
-        request whose prompt is the beam's whole sequence, asking the 2·n most likely tokens' logprobs
-        (the model's own); each beam goes on with each of those (and the token drawn), an EOS (unless
-        ignore_eos) completing it; the n best by cumulative logprob / length^length_penalty (the length
-        counting the prompt, not a final EOS: vLLM's score) live on. After max_tokens, the n best of the
-        completed and the live are the choices. Every step prefills every beam again (a request that asks for logprobs
-        takes no prefix from the prefix cache).
-        A chat template's own stop string (`stops`: the plain fallback's) cuts a choice's text, as it ends
-        any other answer."""
-        width = req.choices
-        try:
-            max_tokens = engine.max_tokens_for(len(prompt_ids), req.requested_max_tokens)
-        except RequestError as e:
-            field = {"prompt": "messages" if chat else "prompt"}.get(e.param, e.param)
-            raise APIError(400, str(e), param=field) from None
-        if width > scheduler.max_running + scheduler.max_queue:
-            raise APIError(400, f"n={width}: more beams than this server runs and queues", param="n")
-        temperature = 1.0 if req.temperature is None else req.temperature
-        penalty = 1.0 if req.length_penalty is None else req.length_penalty
-        step_params = SamplingParams(1, temperature=temperature, processing=Processing(logprobs=2 * width))
-        try:
-            engine.check_sampling(step_params)  # the logprobs it reads need the logits-processing graphs
-        except RequestError as e:
-            raise APIError(400, f"use_beam_search reads logprobs: {e}", param="use_beam_search") from None
-        eos, keep_eos = engine.eos_ids, bool(req.include_stop_str_in_output)
-
-        def score(tokens: list[int], cumulative: float) -> float:
-            """cumulative / length^penalty (≤ 0), worked out in logs so that no power overflows."""
-            length = max(1, len(tokens) - (1 if tokens[-1] in eos else 0))
-            if cumulative >= 0:
-                return 0.0
-            return -math.exp(min(700.0, math.log(-cumulative) - penalty * math.log(length)))
-
-        head = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-        }
-        record = _Record(head["id"], len(prompt_ids), started)
-        beams: list[tuple[list[int], float]] = [(list(prompt_ids), 0.0)]
-        completed: list[tuple[list[int], float, str]] = []
-        for _ in range(max_tokens):
-            jobs = []
-            try:
-                for tokens, _ in beams:
-                    jobs += scheduler.submit_all(engine, tokens, [step_params])
-            except APIError:
-                for job in jobs:
-                    job.cancel()
-                raise
-            results = await _collect(_Choices(jobs), request, state.cut, _Quiet(head["id"], 0, started), None)
-            if results is None:
-                record.log("client gone")
-                return Response(status_code=499)
-            grown = []
-            for (tokens, cumulative), result in zip(beams, results):
-                entry = result.entries[-1][1]
-                for token, logprob in dict([*entry.top, (entry.token, entry.logprob)]).items():
-                    if token in eos and not req.ignore_eos:
-                        ended = tokens + [token] if keep_eos else tokens
-                        completed.append((ended, cumulative + logprob, "stop"))
-                    else:
-                        grown.append((tokens + [token], cumulative + logprob))
-            beams = sorted(grown, key=lambda b: score(*b), reverse=True)[:width]
-            if not beams:
-                break
-        completed += [(tokens, cumulative, "length") for tokens, cumulative in beams]
-        best = sorted(completed, key=lambda b: score(b[0], b[1]), reverse=True)[:width]
-        choices = []
-        for i, (tokens, _, finish) in enumerate(best):
-            generated = tokens[len(prompt_ids) :]
-            text = await asyncio.to_thread(engine.tokenizer.decode, generated)
-            cut = min((j for j in (text.find(stop) for stop in stops) if j >= 0), default=None)
-            text, finish = (text, finish) if cut is None else (text[:cut], "stop")
-            choices.append(_choice(chat, False, text, finish, index=i))
-            record.tokens[i] = len(generated)
-        record.finish = "beam search"
-        record.log()
-        return {**head, "choices": choices, "usage": _usage(len(prompt_ids), record.completion)}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
-        started = time.perf_counter()
-        engine = ready_engine(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        _check_prompt_bytes(engine, [m["content"] for m in messages], "messages")
-        prompt_ids, extra_stops = await asyncio.to_thread(render_chat, engine.tokenizer, messages)
-        # vLLM's chat echo: the conversation's last turn, when it is the assistant's, goes on in the answer
-        last = messages[-1]
-        echo = _Echo(last["content"], []) if req.echo and last["role"] == "assistant" else None
-        return await respond(engine, req, request, prompt_ids, extra_stops, chat=True, started=started, echo=echo)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        started = time.perf_counter()
-        engine = ready_engine(req.model)
-        if isinstance(req.prompt, list):  # token ids, as they are
-            _check_token_ids(req.prompt, vocab_size, "prompt")
-            prompt_ids = req.prompt
-        else:
-            _check_prompt_bytes(engine, [req.prompt], "prompt")
-            prompt_ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
-        echo = None
-        if req.echo:  # the prompt as sent, or its ids' text, and its ids (their logprobs, with logprobs)
-            text = (
-                req.prompt
-                if isinstance(req.prompt, str)
-                else await asyncio.to_thread(engine.tokenizer.decode, prompt_ids)
-            )
-            echo = _Echo(text, list(prompt_ids))
-        return await respond(engine, req, request, prompt_ids, (), chat=False, started=started, echo=echo)
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):  # vLLM's: the ids a completion of this prompt would start from
-        engine = ready_engine(req.model)
-        if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            _check_prompt_bytes(engine, [m["content"] for m in messages], "messages")
-            ids, _ = await asyncio.to_thread(render_chat, engine.tokenizer, messages)
-        else:
-            _check_prompt_bytes(engine, [req.prompt], "prompt")
-            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": None}
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        engine = ready_engine(req.model)
-        _check_token_ids(req.tokens, vocab_size, "tokens")
-        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, req.tokens)}
-
-    # ---- SageMaker's contract (deploy/sagemaker.py starts the server for it; its GET /ping is above):
-    # POST /invocations takes an OpenAI body and answers as the route its fields name (invocations.py)
-    @app.post("/invocations")
-    async def invocations(request: Request):
-        req = invocation_request(await request.body(), model_name)
-        if isinstance(req, ChatRequest):
-            return await chat_completions(req, request)
-        return await completions(req, request)
-
+    _Routes(state, scheduler, metrics, names, vocab_size).add_to(app)
     return app
