@@ -252,7 +252,7 @@ EXPERT_LAYOUT = opt(
     choices=EXPERT_LAYOUTS,
     help="how TP ranks split the experts: channel (every expert's I/t intermediate channels "
     "per rank; decode gathers each token's k experts) or expert (E/t whole experts per rank, "
-    "NxD Inference's MoE layout) (default: the port's [static] expert_layout, else channel)",
+    "as expert parallelism places them) (default: the port's [static] expert_layout, else channel)",
 )
 TP_REQUIRED = opt("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
 DTYPE = opt("--dtype", choices=DTYPE_NAMES, help="the compute dtype (default: the port's)")

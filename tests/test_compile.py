@@ -56,7 +56,7 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
         manifest["port"],
         manifest["tp"],
         manifest["buckets"],
-        manifest["max_length"],
+        manifest["max_cache_len"],
         manifest["expert_layout"],
     ) == (one_bucket_port.name, 2, [16], 96, "channel")
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
@@ -77,7 +77,7 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == na.FORMAT == 6 and manifest["logits"] is False
+    assert manifest["format"] == na.FORMAT == 7 and manifest["logits"] is False
     assert (manifest["prefill_rows"], manifest["prefill_chunk"], manifest["candidates"]) == ([1], 16, 256)
     # the tokenizer travels with the graphs: its files copied, named and digested (the server reads no other)
     tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
@@ -574,7 +574,7 @@ def test_shape_flags_override_the_ports_static_table(tiny_port, tmp_path):
     manifest = nc.trace_and_compile(
         port, nc.Build.at(tp=2, out=tmp_path / "art", dtype="float32", dry_run=True, export=False)
     )
-    assert (manifest["batch_size"], manifest["max_length"], manifest["buckets"]) == (3, 64, [16, 32])
+    assert (manifest["batch_size"], manifest["max_cache_len"], manifest["buckets"]) == (3, 64, [16, 32])
     assert list(manifest["keys"]) == na.key_names([16, 32], [1, 3])  # prefill_rows [1, 4] cut to 3
     assert list(manifest["keys"])[:5] == [
         "context_encoding_1x16",

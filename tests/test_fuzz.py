@@ -687,7 +687,7 @@ ARTIFACT = {
     "tp": 1,
     "expert_layout": "channel",
     "buckets": [64],
-    "max_length": 128,
+    "max_cache_len": 128,
     "batch_size": 1,
     "prefill_rows": [1],
     "prefill_chunk": 64,

@@ -1,4 +1,4 @@
-"""The inf2 memory planner reproduces the seed port's findings and agrees with info.py's counts."""
+"""The inf2 memory planner's counts: the expert layout's bytes as whole experts per rank hold them, and info.py's."""
 
 import json
 
@@ -45,7 +45,7 @@ def test_int8_at_tp2_does_not_fit_inf2_8xlarge_once_lm_head_graph_and_runtime_co
     # ≈22.9 GB in all: the channel layout's down scales, [E, 1, H] per layer (43 MB), are on both ranks
     assert 22.9 <= r["experts_all_ranks_bytes"] / GB < 23.0
     whole = plan(big, "inf2.8xlarge", 2, "int8", batch=1, seq=4096, expert_layout="expert")
-    assert 22.8 <= whole["experts_all_ranks_bytes"] / GB < 22.9  # the seed port's ≈22.8 GB: down scales [H]
+    assert 22.8 <= whole["experts_all_ranks_bytes"] / GB < 22.9  # bf16 experts ≈22.8 GB: down scales [H]
     assert r["experts_all_ranks_bytes"] - whole["experts_all_ranks_bytes"] == 2 * 30 * (128 - 1) * 2816 * 4
     assert not whole["fits"]
     assert not r["fits"] and "exceeds a NeuronCore's 17.18 GB (16 GiB)" in r["reason"]

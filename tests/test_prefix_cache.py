@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_the_index_takes_whole_blocks_never_the_last_token_and_counts_tokens_as_vllm():
-    index = PrefixIndex(rows=3, max_length=96, block=4)
+    index = PrefixIndex(rows=3, max_cache_len=96, block=4)
     held = list(range(10, 21))  # 11 tokens: blocks [10..13], [14..17] whole, 3 left over
     index.admit(0, None, 0)
     index.extend(0, held)
@@ -44,7 +44,7 @@ def test_the_index_takes_whole_blocks_never_the_last_token_and_counts_tokens_as_
 
 
 def test_the_index_evicts_the_least_recently_used_row_and_forgets_failed_rows():
-    index = PrefixIndex(rows=3, max_length=12, block=4)
+    index = PrefixIndex(rows=3, max_cache_len=12, block=4)
     for row in (0, 1):
         index.admit(row, None, 0)
         index.extend(row, [1, 2, 3, 4, 5, 6, 7, 8, 9])
@@ -81,7 +81,7 @@ class Runtime:
     """Two rows, chunks of 8; a prefill's token is 100 + its row, a decode step's 1000 + its position;
     records every call, copies included."""
 
-    batch, pad_id, chunk, prefill_rows, max_length = 2, 0, 8, [1, 2], 64
+    batch, pad_id, chunk, prefill_rows, max_cache_len = 2, 0, 8, [1, 2], 64
 
     def __init__(self):
         self.calls = []
@@ -115,7 +115,7 @@ class Work:
 
 def test_rows_take_a_held_prefix_in_place_or_copied_and_prefill_the_rest():
     runtime = Runtime()
-    rows = Rows(runtime, prefix=PrefixIndex(2, runtime.max_length, block=4))
+    rows = Rows(runtime, prefix=PrefixIndex(2, runtime.max_cache_len, block=4))
     looked = []
     rows.looked_up = lambda queries, hits: looked.append((queries, hits))
     shared = list(range(10, 30))  # 20 tokens
@@ -143,7 +143,7 @@ def test_work_sharing_a_prefix_being_prefilled_waits_for_it_and_the_work_behind_
     and the third, behind it, with it) until the first has prefilled them, then copies them and
     prefills its own 2; a prompt sharing less than a block does not wait."""
     runtime = Runtime()
-    rows = Rows(runtime, prefix=PrefixIndex(2, runtime.max_length, block=4))
+    rows = Rows(runtime, prefix=PrefixIndex(2, runtime.max_cache_len, block=4))
     shared = list(range(10, 30))
     first, second, third = Work(shared + [1, 2], 2), Work(shared + [3, 4], 2), Work([7, 8, 9], 1)
     waiting = [first, second, third]

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from neuron_moe.run_config import Shapes
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.serve.batching import BatchEngine
@@ -277,9 +278,7 @@ class StandIn:
         self.calls, self.engine = [], None
 
     def runtime(self, batch: int) -> GraphRuntime:
-        return GraphRuntime(
-            self._prefill, self._decode, batch=batch, buckets=(8, 56), prefill_rows=(1, 4), max_length=512, chunk=56
-        )
+        return GraphRuntime(self._prefill, self._decode, Shapes(batch, 512, (8, 56), (1, 4), 56))
 
     def stream(self, prompt: list[int], n: int) -> list[int]:
         """The first n tokens a request for `prompt` gets."""

@@ -58,18 +58,22 @@ def _manifest(**fields):
 def test_manifest_errors_name_the_problem(tmp_path):
     with pytest.raises(neuron.NeuronError, match="no manifest.json"):
         neuron.read_manifest(tmp_path)
-    (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[64], max_length=32))
+    (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[64], max_cache_len=32))
     with pytest.raises(
-        neuron.NeuronError, match=r"'buckets' must be increasing positive lengths up to max_length \(32"
+        neuron.NeuronError, match=r"'buckets' must be increasing positive lengths up to max_cache_len \(32"
     ):
         neuron.read_manifest(tmp_path)
-    (tmp_path / "manifest.json").write_text(_manifest(port="p", buckets=[8], max_length=32))
+    (tmp_path / "manifest.json").write_text(_manifest(port="p", buckets=[8], max_cache_len=32))
     with pytest.raises(neuron.NeuronError, match="field 'tp' is missing"):
         neuron.read_manifest(tmp_path)
-    (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[8], max_length=32, prefill_rows=[1, 4]))
+    (tmp_path / "manifest.json").write_text(
+        _manifest(port="p", tp=2, buckets=[8], max_cache_len=32, prefill_rows=[1, 4])
+    )
     with pytest.raises(neuron.NeuronError, match=r"'prefill_rows' must be .* at most batch_size \(2\), got \[1, 4\]"):
         neuron.read_manifest(tmp_path)
-    (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[8, 16], max_length=32, prefill_chunk=12))
+    (tmp_path / "manifest.json").write_text(
+        _manifest(port="p", tp=2, buckets=[8, 16], max_cache_len=32, prefill_chunk=12)
+    )
     with pytest.raises(neuron.NeuronError, match=r"'prefill_chunk' 12 is not one of the buckets \[8, 16\]"):
         neuron.read_manifest(tmp_path)
 
@@ -100,11 +104,11 @@ class StandInRuntime:
     in one bucket, their row ids and sampling, P one of the manifest's prefill_rows) or decode (ids,
     positions and sampling of every row). Every call's input and output shapes are recorded."""
 
-    def __init__(self, model, buckets, batch, max_length, logits, prefill_rows=(1, 2)):
+    def __init__(self, model, buckets, batch, max_cache_len, logits, prefill_rows=(1, 2)):
         from neuron_moe.static.decoder import Decode, Prefill, new_cache
 
         self.buckets, self.batch, self.prefill_rows = buckets, batch, prefill_rows
-        cache = new_cache(model, max_length, batch)
+        cache = new_cache(model, max_cache_len, batch)
         self.prefill = Prefill(model, cache, "dense_masked", logits)
         self.decode = Decode(model, cache, "selective", logits)
         self.nxd_model = StandInNxDModel()
@@ -132,7 +136,7 @@ def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int
             port=port.name,
             tp=2,
             buckets=[16, 64],
-            max_length=128,
+            max_cache_len=128,
             batch_size=batch,
             logits=logits,
             prefill_rows=[1, 2],
@@ -197,7 +201,7 @@ def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(
 def test_neuron_backend_refuses_an_artifact_of_another_format_by_its_number_alone(tmp_path):
     """Another format's manifest is refused by its format number, before any other field is read: a
     manifest with nothing else (no port, no files) gets the format error, not a missing-field one."""
-    for other in (1, 4, 5, FORMAT + 1):
+    for other in (1, 4, 5, 6, FORMAT + 1):
         (tmp_path / "manifest.json").write_text(json.dumps({"format": other}))
         with pytest.raises(
             neuron.NeuronError, match=f"artifact format {other}, this version reads {FORMAT} \\(rebuild it"
@@ -211,7 +215,7 @@ def test_neuron_backend_refuses_an_artifact_of_another_format_by_its_number_alon
 def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path, tiny_port):
     """Checked from the manifest, before the SDK or any weights are needed."""
     (tmp_path / "manifest.json").write_text(
-        _manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96, expert_layout="expert")
+        _manifest(port=tiny_port.name, tp=2, buckets=[16], max_cache_len=96, expert_layout="expert")
     )
     with pytest.raises(
         neuron.NeuronError,
@@ -220,7 +224,7 @@ def test_neuron_backend_refuses_an_artifact_of_the_other_expert_layout(tmp_path,
     ):
         neuron.neuron_runtime(tmp_path, tiny_port)
     (tmp_path / "manifest.json").write_text(
-        _manifest(port=tiny_port.name, tp=2, buckets=[16], max_length=96, expert_layout="rows")
+        _manifest(port=tiny_port.name, tp=2, buckets=[16], max_cache_len=96, expert_layout="rows")
     )
     with pytest.raises(neuron.NeuronError, match="expert_layout 'rows' is not one of"):
         neuron.read_manifest(tmp_path)

@@ -48,7 +48,7 @@ def manifest_dir(tmp_path):
                 "tp": 1,
                 "expert_layout": "channel",
                 "buckets": [64],
-                "max_length": 128,
+                "max_cache_len": 128,
                 "batch_size": 1,
                 "prefill_rows": [1],
                 "prefill_chunk": 64,

@@ -6,6 +6,7 @@ serves through it, test_reader_batch.py evaluates through it.)"""
 import pytest
 import torch
 
+from neuron_moe.run_config import Shapes
 from neuron_moe.greedy import left_pad
 from neuron_moe.static.rows import Chunk, GraphRuntime, Rows, generate, prefill_row
 from neuron_moe.static.sampling import GREEDY
@@ -109,7 +110,7 @@ def test_prefill_all_prefills_every_prompt_in_its_first_step_a_call_each_at_its_
             calls.append(("decode", ids[:, 0].tolist(), positions[:, 0].tolist()))
             return (1000 + positions,)
 
-        runtime = GraphRuntime(prefill, decode, batch=3, buckets=buckets, chunk=8, pad_id=0)
+        runtime = GraphRuntime(prefill, decode, Shapes(batch_size=3, buckets=buckets, prefill_chunk=8), pad_id=0)
         got = generate(runtime, *left_pad([[1, 2, 3], [4], [5, 6, 7, 8, 9]], 0), 2)
         assert calls == [
             ("prefill", (1, widths[0]), 3, 2, [0]),
@@ -129,7 +130,9 @@ def test_a_prefill_calls_inputs_are_each_chunk_left_padded_in_its_bucket_rows_pa
         got.append(inputs)
         return (inputs[3][:, None],)
 
-    runtime = GraphRuntime(prefill, None, batch=4, buckets=[4, 8], prefill_rows=[1, 4], pad_id=7, chunk=8)
+    runtime = GraphRuntime(
+        prefill, None, Shapes(batch_size=4, buckets=(4, 8), prefill_rows=(1, 4), prefill_chunk=8), pad_id=7
+    )
     chunks = [Chunk([1, 2, 3], 0, 2, GREEDY), Chunk([4, 5, 6, 7, 8], 8, 0, SAMPLED), Chunk([9], 3, 3, GREEDY)]
     tokens, logits = runtime.prefill(chunks)
     assert tokens.tolist() == [2, 0, 3] and logits is None

@@ -4,8 +4,9 @@ rank 0, then run by every rank with its own shard, in both expert layouts.
 Channel layout: HF's output on every rank, over all experts (prefill-shaped input, T·k ≥ E) and
 gathering each token's k experts (decode-shaped, T·k < E); int8 gives the single-rank int8
 implementation's output. Expert layout: the SPMDRank scatter gives HF's output; the Python-int
-scatter reproduces the seed port's bug exactly; int8 gives its own quantisation's output (down
-per hidden channel, shared by the experts). One spawn per TP degree runs every program."""
+scatter reproduces its frozen-rank bug exactly (rank 0's slice traced into every rank's graph);
+int8 gives its own quantisation's output (down per hidden channel, shared by the experts). One
+spawn per TP degree runs every program."""
 
 import pytest
 import torch

@@ -27,6 +27,7 @@ import torch
 
 from .. import spec
 from ..experts.selector_experts import attach_selector
+from ..run_config import Shapes
 from ..static.decoder import Decode, Prefill, new_cache
 from ..static.rows import GraphRuntime, Rows
 from ..static.sampling import GREEDY
@@ -118,7 +119,7 @@ def decode(
     # every prompt prefilled in the step that admits it, each alone at its own length with the full
     # experts (no bucket, no padding: a position's numbers are the plain forward's)
     prefill = Prefill(model, cache, "eager")
-    rows = Rows(GraphRuntime(prefill, decode_step, batch=batch, buckets=None, chunk=longest), prefill_all=True)
+    rows = Rows(GraphRuntime(prefill, decode_step, Shapes(batch_size=batch, prefill_chunk=longest)), prefill_all=True)
     queue = deque(order(len(seqs), seed))
     fillers = deque()
     out = Decoded([[] for _ in seqs], [[] for _ in seqs], [])

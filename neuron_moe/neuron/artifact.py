@@ -79,7 +79,7 @@ SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
 TOKENIZER = "tokenizer"  # the folder of the tokenizer's files
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-FORMAT = 6
+FORMAT = 7
 # field -> type; what a server needs to call the graphs and to read and write text
 MANIFEST_FIELDS = {
     "format": int,
@@ -89,7 +89,7 @@ MANIFEST_FIELDS = {
     "tp": int,
     "expert_layout": str,
     "buckets": list,
-    "max_length": int,
+    "max_cache_len": int,
     "batch_size": int,
     "prefill_rows": list,
     "prefill_chunk": int,
@@ -129,10 +129,14 @@ def check_manifest(manifest: dict, path) -> dict:
     if manifest["expert_layout"] not in EXPERT_LAYOUTS:
         raise ArtifactError(f"{path}: expert_layout {manifest['expert_layout']!r} is not one of {list(EXPERT_LAYOUTS)}")
     buckets = manifest["buckets"]
-    if not buckets or not all(_count(b) and b <= manifest["max_length"] for b in buckets) or buckets != sorted(buckets):
+    if (
+        not buckets
+        or not all(_count(b) and b <= manifest["max_cache_len"] for b in buckets)
+        or buckets != sorted(buckets)
+    ):
         raise ArtifactError(
-            f"{path}: 'buckets' must be increasing positive lengths up to max_length "
-            f"({manifest['max_length']}), got {buckets}"
+            f"{path}: 'buckets' must be increasing positive lengths up to max_cache_len "
+            f"({manifest['max_cache_len']}), got {buckets}"
         )
     rows = manifest["prefill_rows"]
     batch = manifest["batch_size"]

@@ -50,7 +50,7 @@ from ..report import (
     serializer_file,
     table,
 )
-from ..run_config import RunConfig
+from ..run_config import RunConfig, Shapes
 from ..spec import CHANNEL_READER, INT4_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization, compiled_backend
 from ..static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from ..static.sampling import CANDIDATES
@@ -310,11 +310,9 @@ def trace_and_compile(port, build: Build) -> dict:
                 "quantization": build.quantization,
                 "tp": tp,
                 "expert_layout": expert_layout,
-                "buckets": list(spec.buckets),
-                "max_length": spec.max_cache_len,
-                "batch_size": spec.batch_size,
-                "prefill_rows": list(spec.rows_for(spec.batch_size)),
-                "prefill_chunk": spec.chunk,
+                **Shapes(
+                    spec.batch_size, spec.max_cache_len, spec.buckets, spec.rows_for(spec.batch_size), spec.chunk
+                ).manifest_fields(),
                 "candidates": min(CANDIDATES, port.config.vocab_size),
                 "logits": logits,
                 "prefix_caching": whole_rows,

@@ -192,10 +192,12 @@ class BatchEngine(Engine):
     def __init__(self, runtime, tokenizer, eos_ids: set[int]):
         # Any prompt that fits the cache: a prompt longer than the chunk is prefilled a chunk at a time.
         # A prompt of n tokens takes positions 0..n-1 and each new token but the last the next one:
-        # n + max_tokens - 1 <= max_length, which is the Engine's n + max_tokens <= max_context.
-        super().__init__(runtime, tokenizer, runtime.max_length + 1, eos_ids)
+        # n + max_tokens - 1 <= max_cache_len, which is the Engine's n + max_tokens <= max_context.
+        super().__init__(runtime, tokenizer, runtime.max_cache_len + 1, eos_ids)
         self.rows = runtime.batch
-        prefix = PrefixIndex(runtime.batch, runtime.max_length) if getattr(runtime, "prefix_caching", False) else None
+        prefix = (
+            PrefixIndex(runtime.batch, runtime.max_cache_len) if getattr(runtime, "prefix_caching", False) else None
+        )
         self.batch = Rows(runtime, prefix=prefix)  # the request in each row
         self.batch.counted = self._counted
         self.batch.looked_up = self._looked_up

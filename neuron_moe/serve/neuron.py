@@ -43,6 +43,7 @@ from ..neuron.artifact import (
     read_manifest,
 )
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
+from ..run_config import Shapes
 from ..static.rows import GraphRuntime
 
 log = logging.getLogger(__name__)
@@ -104,11 +105,7 @@ def neuron_runtime(artifacts: Path, port, prefix_caching: bool | None = None) ->
     return GraphRuntime(
         model,
         model,
-        batch=manifest["batch_size"],
-        buckets=manifest["buckets"],
-        prefill_rows=manifest["prefill_rows"],
-        chunk=manifest["prefill_chunk"],
-        max_length=manifest["max_length"],
+        Shapes.from_manifest(manifest),
         logits=manifest["logits"],
         candidates=manifest["candidates"],
         pad_id=port.config.pad_token_id or 0,

@@ -204,7 +204,7 @@ def _context(backend, port, manifest: dict | None) -> tuple[int, str] | None:
     """(the context in tokens the backend holds, what holds it); None while an artifact is unread.
     A prompt of n tokens and its new tokens take n + max_tokens - 1 cache positions."""
     if backend.graphs == COMPILED:
-        return None if manifest is None else (manifest["max_length"] + 1, "the artifact (max_length + 1)")
+        return None if manifest is None else (manifest["max_cache_len"] + 1, "the artifact (max_cache_len + 1)")
     if backend.graphs == MODULES:
         return port.static.max_cache_len + 1, "the static graphs ([static] max_cache_len + 1)"
     return port.config.max_position_embeddings, "the model (max_position_embeddings)"

@@ -15,7 +15,7 @@ its logits give the first token (vLLM's rule too), and only whole blocks.
 A row whose request ended keeps what it holds: it is free for admission, and its prefix is there
 for whichever request wants it until the row is taken (least recently used first). A free row
 waits in the decode batch at the position after what it holds, so the pad it writes there each
-step touches nothing held (at most max_length - 1 positions are kept: a row filled to the last
+step touches nothing held (at most max_cache_len - 1 positions are kept: a row filled to the last
 position waits at that one).
 
 Exact in the whole-row layout only (`cache.cache_layout(..., whole_rows=True)`), where a sliding
@@ -35,12 +35,12 @@ BLOCK = 16  # tokens per hashed block (vLLM's default block size)
 
 class PrefixIndex:
     """The tokens each of `rows` rows holds, their blocks' chained hashes, and when each row was
-    last used; `max_length`: the cache's positions per row."""
+    last used; `max_cache_len`: the cache's positions per row."""
 
-    def __init__(self, rows: int, max_length: int, block: int = BLOCK):
+    def __init__(self, rows: int, max_cache_len: int, block: int = BLOCK):
         if block < 1:
             raise ValueError(f"block must be at least 1 token, got {block}")
-        self.block, self.max_length = block, max_length
+        self.block, self.max_cache_len = block, max_cache_len
         self.tokens: list[list[int]] = [[] for _ in range(rows)]  # what row r holds at positions 0..n-1
         self._hashes: list[list[int]] = [[] for _ in range(rows)]  # the chain hash of each whole block
         self._rows: dict[int, set[int]] = {}  # block hash -> the rows holding that block (and all before it)
@@ -102,9 +102,9 @@ class PrefixIndex:
             self._rows.setdefault(hashes[-1], set()).add(row)
 
     def park(self, row: int, error: Exception | None = None) -> int:
-        """Row `row` is free: what it holds stays (nothing if its work failed), at most max_length - 1
+        """Row `row` is free: what it holds stays (nothing if its work failed), at most max_cache_len - 1
         tokens; the position it waits at in the decode batch (the one after what it holds)."""
-        self._truncate(row, 0 if error is not None else min(len(self.tokens[row]), self.max_length - 1))
+        self._truncate(row, 0 if error is not None else min(len(self.tokens[row]), self.max_cache_len - 1))
         self._used[row] = 0 if error is not None else next(self._clock)
         return len(self.tokens[row])
 

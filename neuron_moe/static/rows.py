@@ -83,6 +83,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..run_config import Shapes
 from .sampling import BIAS_WIDTH, GREEDY, NEUTRAL, neutral_inputs
 
 
@@ -111,8 +112,9 @@ class Chunk:
 
 
 class GraphRuntime:
-    """Two callables with the static decoder's signatures (`decoder.py`), as the rows call them. The
-    KV cache of `batch` rows is their state (`cache.py`): no cache tensor crosses a call.
+    """Two callables with the static decoder's signatures (`decoder.py`), as the rows call them, at
+    `shapes` (the graphs' `Shapes`: a port's [static] table, or an artifact's manifest). The KV cache
+    of `batch_size` rows is their state (`cache.py`): no cache tensor crosses a call.
 
     A prefill call takes P rows of one bucket: P the smallest of `prefill_rows` (the compiled
     graphs' row counts) that holds the chunks, padded with copies of the last chunk (the same row
@@ -133,15 +135,11 @@ class GraphRuntime:
         self,
         prefill,
         decode,
+        shapes: Shapes,
         *,
-        batch: int,
-        buckets,
-        prefill_rows=(1,),
-        max_length: int | None = None,
         logits: bool | None = None,
         candidates: int | None = None,
         pad_id: int = 0,
-        chunk: int | None = None,
         device: torch.device | str = "cpu",
         prefill_processing=None,
         decode_processing=None,
@@ -156,9 +154,14 @@ class GraphRuntime:
         self._prefill_processing, self._decode_processing = prefill_processing, decode_processing
         self.processing = decode_processing is not None and prefill_processing is not None
         self.vocab = vocab
-        self.batch, self.buckets, self.max_length = batch, sorted(buckets or ()), max_length
-        self.prefill_rows = sorted(prefill_rows)
-        self.chunk = chunk or self.buckets[-1]  # the longest piece of a prompt one prefill call takes
+        self.batch, self.buckets, self.max_cache_len = (
+            shapes.batch_size,
+            sorted(shapes.buckets or ()),
+            shapes.max_cache_len,
+        )
+        self.prefill_rows = sorted(shapes.prefill_rows or (1,))
+        # the longest piece of a prompt one prefill call takes
+        self.chunk = shapes.prefill_chunk or self.buckets[-1]
         self.candidates = candidates  # top-k / top-p candidate width of the graphs
         self.pad_id, self.logits, self.device = pad_id, logits, torch.device(device)
 
@@ -242,7 +245,9 @@ def graph_runtime(graphs: dict, batch: int, pad_id: int, device="cpu") -> GraphR
     """Graphs keyed "prefill <bucket>" (one row each) and "decode", sharing one KV state, as a runtime."""
     buckets = [int(key.split()[1]) for key in graphs if key.startswith("prefill ")]
     prefill = lambda *inputs: graphs[f"prefill {inputs[0].shape[1]}"](*inputs)  # noqa: E731
-    return GraphRuntime(prefill, graphs["decode"], batch=batch, buckets=buckets, pad_id=pad_id, device=device)
+    return GraphRuntime(
+        prefill, graphs["decode"], Shapes(batch_size=batch, buckets=buckets), pad_id=pad_id, device=device
+    )
 
 
 class Rows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..run_config import Shapes
 from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from .inductor import CompiledGraph
 from .rows import GraphRuntime
@@ -41,17 +42,14 @@ def static_runtime(
     decode = Decode(model, cache, spec.decode_experts, logits=logits)
     if compile:
         prefill, decode = CompiledGraph(prefill, "prefill", progress), CompiledGraph(decode, "decode", progress)
+    shapes = Shapes(batch, spec.max_cache_len, spec.buckets, tuple(rows), chunk or spec.chunk)
     return GraphRuntime(
         prefill,
         decode,
-        batch=batch,
-        buckets=spec.buckets,
-        prefill_rows=rows,
-        max_length=spec.max_cache_len,
+        shapes,
         logits=logits,
         candidates=min(CANDIDATES, model.config.vocab_size),
         pad_id=model.config.pad_token_id or 0,
-        chunk=chunk or spec.chunk,
         prefill_processing=ProcessingPrefill(model, cache, counts, spec.prefill_experts),
         decode_processing=ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits),
         vocab=model.config.vocab_size,
