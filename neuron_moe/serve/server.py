@@ -34,7 +34,7 @@ from ..neuron.artifact import check_tokenizer
 from ..neuron.artifact import verify as verify_artifact
 from ..port import DTYPES, load_port, with_shapes
 from ..publish import s3
-from ..run_config import RunConfig
+from ..run_config import RunConfig, Serving
 from ..spec import COMPILED, MODULES, compile_cache
 from ..static import inductor
 from ..static.cache import cache_bytes, cache_layout
@@ -71,56 +71,57 @@ def s3_cache_dir(uri: str, root: Path) -> Path:
     return root.joinpath(bucket, *[p for p in prefix.split("/") if p not in ("", ".", "..")])
 
 
+def artifacts_dir(serving: Serving) -> tuple[Path | None, object]:
+    """(the local directory of --artifacts, the pull that fills it first or None): an s3:// URI's
+    folder in --artifacts-cache, else the directory given (None: no --artifacts)."""
+    artifacts = serving.artifacts
+    if artifacts and artifacts.startswith(S3_SCHEME):
+        pull = s3_pull_function()
+        return s3_cache_dir(artifacts, Path(serving.artifacts_cache).expanduser()), pull
+    if artifacts and not Path(artifacts).is_dir():
+        raise ServeError(f"--artifacts {artifacts}: not a directory")
+    return (Path(artifacts) if artifacts else None), None
+
+
+def check_batching_flags(config: RunConfig) -> None:
+    """The flags of one kind of backend refused with another: --max-running is the per-request
+    backends', the shapes and prefix caching the batching backends' (an artifact's shapes are its own)."""
+    backend, caching = config.backend, config.serving.prefix_caching
+    if backend.graphs in (MODULES, COMPILED) and config.serving.max_running is not None:
+        raise ServeError(
+            f"--backend {backend.name} batches: it runs as many requests at once as its graphs have "
+            f"rows{' (--batch-size)' if backend.graphs == MODULES else ''}; --max-running is for the "
+            f"per-request backends"
+        )
+    caching_flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+    for flag, value in (*config.shapes.given().items(), (caching_flag, caching)):
+        if value is None or backend.graphs == MODULES or (backend.graphs == COMPILED and flag == caching_flag):
+            continue
+        takes = (
+            "takes its shapes from the artifact's manifest"
+            if backend.graphs == COMPILED
+            else "runs one request per thread (--max-running)"
+        )
+        raise ServeError(f"{flag} shapes --backend static's graphs; --backend {backend.name} {takes}")
+
+
 def plan_load(config: RunConfig):
     """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
-    serving, shapes = config.serving, config.shapes
+    serving = config.serving
     if not serving.host.strip():  # uvicorn and the socket would take it for every address, unsaid
         raise ServeError(
             f"--host {serving.host!r} is no address: pass 127.0.0.1 (this machine only, the default) or "
             "0.0.0.0 / :: (every address)"
         )
     port = load_port(config.model)
-    artifacts, pull = serving.artifacts, None
-    if artifacts and artifacts.startswith(S3_SCHEME):
-        pull = s3_pull_function()
-        local = s3_cache_dir(artifacts, Path(serving.artifacts_cache).expanduser())
-    elif artifacts:
-        local = Path(artifacts)
-        if not local.is_dir():
-            raise ServeError(f"--artifacts {artifacts}: not a directory")
-    else:
-        local = None
-
+    local, pull = artifacts_dir(serving)
     checkpoint, manifest = config.checkpoint, None
     if config.revision is not None and checkpoint is None:
         raise ServeError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
-    backend = config.backend  # a spec.serve_backends entry in its --quantization format
-    if backend.graphs in (MODULES, COMPILED) and serving.max_running is not None:
-        raise ServeError(
-            f"--backend {backend.name} batches: it runs as many requests at once as its graphs have "
-            f"rows{' (--batch-size)' if backend.graphs == MODULES else ''}; --max-running is for the "
-            f"per-request backends"
-        )
-    caching = serving.prefix_caching
-    for flag, value in (
-        *shapes.given().items(),
-        ("--enable-prefix-caching" if caching else "--no-enable-prefix-caching", caching),
-    ):
-        if (
-            value is not None
-            and backend.graphs != MODULES
-            and not (backend.graphs == COMPILED and flag.endswith("caching"))
-        ):
-            raise ServeError(
-                f"{flag} shapes --backend static's graphs; --backend {backend.name} "
-                + (
-                    "takes its shapes from the artifact's manifest"
-                    if backend.graphs == COMPILED
-                    else "runs one request per thread (--max-running)"
-                )
-            )
+    backend, caching = config.backend, serving.prefix_caching  # a spec.serve_backends entry in its format
+    check_batching_flags(config)
     if backend.graphs == MODULES:
-        port = with_shapes(port, shapes)  # the graphs' shapes: the port's [static], the flags over it
+        port = with_shapes(port, config.shapes)  # the graphs' shapes: the port's [static], the flags over it
         check_static_memory(port, DTYPES[backend.dtype] if backend.dtype else port.dtype, caching is not False)
     if backend.graphs == COMPILED:
         if local is None:
@@ -144,8 +145,8 @@ def plan_load(config: RunConfig):
     def load():
         nonlocal checkpoint
         if pull is not None:
-            log.info("pulling %s into %s", artifacts, local)
-            pull(artifacts, local, stall_s=SHARED_PULL_STALL_S)
+            log.info("pulling %s into %s", serving.artifacts, local)
+            pull(serving.artifacts, local, stall_s=SHARED_PULL_STALL_S)
             if backend.graphs != COMPILED:
                 checkpoint = local
             else:
