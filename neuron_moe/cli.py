@@ -9,8 +9,7 @@ import sys
 import threading
 from dataclasses import fields
 
-from . import cli_parser
-from .cli_parser import max_threads, parser
+from .cli_parser import COMMANDS as TABLE, max_threads, parser
 from .errors import INTERRUPTED, UserError, error_exit, interrupt
 from .report import OutputError, check_output, write_json
 from .run_config import RunConfig, Serving, Shapes
@@ -43,8 +42,7 @@ def reader_settings(args) -> Reader:
 
 
 def _report(report, args, render, *extra, json=None) -> None:
-    """Write the report (or `json`, what of it --json takes) as --json asks, and print
-    `render(report, *extra)` unless the JSON went to stdout."""
+    """The report (or `json`, its part for --json) written as --json asks; `render(report, *extra)` printed."""
     if args.json:
         write_json(report if json is None else json, args.json)
     if args.json != "-":
@@ -77,12 +75,9 @@ def cmd_env(args) -> int:
 def cmd_validate(args) -> int:
     from .eval import seq_match
 
-    backend = seq_match.backend(
-        args.backend,
-        reader=reader_settings(args),
-        **{k: getattr(args, k) for k in ("quantization", "expert_layout", "tp", "tp_layers", "dtype")},
-        compile=False if args.no_compile else None,
-    )
+    options = {k: getattr(args, k) for k in ("quantization", "expert_layout", "tp", "tp_layers", "dtype")}
+    compile = False if args.no_compile else None
+    backend = seq_match.backend(args.backend, reader=reader_settings(args), compile=compile, **options)
     report = seq_match.validate(run_config(args, backend), args.max_new_tokens, args.prompt or [])
     _report(report, args, seq_match.render_validation)
     return 0 if report["all_match"] else 1
@@ -133,8 +128,6 @@ def cmd_plan(args) -> int:
     from .neuron.plan import GiB, port_plan, render_plan
 
     port, config = _planned(args)
-    if config.reader is not None and config.reader.budget is None:
-        raise UserError("--reader plans the reader's decode graph at a read budget: pass --budget")
     report = port_plan(port, config, args.instance, args.runtime_reserve_gib * GiB)
     _report(report, args, render_plan)
     return 0 if report["fits"] else 1
@@ -186,16 +179,8 @@ def cmd_reads(args) -> int:
     from .reader.accounting import reads_report, render_reads
     from .reader.geometry import Geometry
 
-    explicit = (args.hidden, args.experts, args.top_k, args.intermediate)
-    if any(v is not None for v in explicit):
-        if None in explicit:
-            raise UserError("an explicit geometry needs all four of --hidden --experts --top-k --intermediate")
-        if args.top_k > args.experts:
-            raise UserError(
-                f"--top-k {args.top_k} is more than --experts {args.experts}: a token routes to at most "
-                f"every expert once"
-            )
-        geo = from_options(Geometry, args)
+    geo = Geometry.explicit(args.hidden, args.experts, args.top_k, args.intermediate)
+    if geo is not None:
         name, defaults = "explicit geometry", Reader()
     else:
         port = load_port(args.model)
@@ -215,16 +200,8 @@ def cmd_prep_reader(args) -> int:
 
     if args.source and not args.tp:
         raise UserError("--from shards an existing sidecar: it needs --tp")
-    report = prep_reader(
-        load_port(args.model),
-        args.out,
-        args.checkpoint,
-        tp=args.tp,
-        source=args.source,
-        seed=args.seed,
-        rank=args.recovery_rank,
-        scan=args.scan,
-    )
+    options = {k: getattr(args, k) for k in ("tp", "source", "seed", "recovery_rank", "scan")}
+    report = prep_reader(load_port(args.model), args.out, args.checkpoint, **options)
     _report(report, args, render_prep_reader, bool(args.source))
     return 0
 
@@ -255,16 +232,8 @@ def cmd_eval_tasks(args) -> int:
 
     backend = seq_match.backend(args.backend, quantization=args.quantization)
     port = load_port(args.model)
-    report = evaluate(
-        port,
-        backend,
-        args.checkpoint,
-        per_task=args.items,
-        corpus=args.corpus,
-        text_docs=args.text_docs,
-        tasks=tuple(args.task or TASKS),
-        split=args.split,
-    )
+    options = {k: getattr(args, k) for k in ("corpus", "text_docs", "split")}
+    report = evaluate(port, backend, args.checkpoint, per_task=args.items, tasks=tuple(args.task or TASKS), **options)
     _report(report, args, render_tasks, port.config.num_experts)
     return 0
 
@@ -278,15 +247,14 @@ def cmd_eval_reader(args) -> int:
     specs, rules = reader_eval.parse_selectors(args.selectors), reader_eval.parse_rules(args.rules)
     port = load_port(args.model)
     settings = reader_eval.Settings.quick(args.corpus) if args.quick else reader_eval.Settings(corpus=args.corpus)
-    if args.items is not None:
-        settings.per_task = args.items
+    settings.per_task = args.items or settings.per_task
     report = reader_eval.evaluate(port, args.checkpoint, budgets, specs, rules, args.out, settings)
     _report(report, args, render_reader_eval, args.out)
     return 0
 
 
 # each command of the parser's table runs the function named for it here
-COMMANDS = {c.name: globals()[f"cmd_{c.name.replace('-', '_')}"] for c in cli_parser.COMMANDS}
+COMMANDS = {c.name: globals()[f"cmd_{c.name.replace('-', '_')}"] for c in TABLE}
 
 
 # commands that read a checkpoint's weights and no text: its tokenizer is not asked for
@@ -296,34 +264,28 @@ WEIGHTS_ONLY = ("info", "prep-reader")
 def _check_outputs(args) -> None:
     """Every output path a command was given, checked before its work starts (not after an upload
     or an hour of training). `--out` is a directory but for prep-reader's sidecar (without --tp)."""
-    try:
-        if getattr(args, "json", None):
-            check_output(args.json)
-    except OutputError as e:
-        raise OutputError(f"--json: {e}") from None
-    try:
-        if getattr(args, "out", None):
-            file = args.command == "prep-reader" and not args.tp
-            check_output(args.out, directory=not file, seekable=file)
-    except OutputError as e:
-        raise OutputError(f"--out: {e}") from None
+    file = args.command == "prep-reader" and not args.tp
+    for flag, path, kind in (("--json", "json", {}), ("--out", "out", dict(directory=not file, seekable=file))):
+        try:
+            if getattr(args, path, None):
+                check_output(getattr(args, path), **kind)
+        except OutputError as e:
+            raise OutputError(f"{flag}: {e}") from None
 
 
 def _checkpoint(args) -> None:
     """`--checkpoint` made a checked local directory before the command's work starts (a Hub id
     downloaded: `hub.local_checkpoint`). serve makes the same check in its own order: its flags
     first, then the checkpoint, before it binds its socket."""
-    if getattr(args, "checkpoint", None) is None:
-        if getattr(args, "revision", None) is not None:
-            raise UserError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
-        return
-    if args.command != "serve":
+    checkpoint, revision = getattr(args, "checkpoint", None), getattr(args, "revision", None)
+    if checkpoint is None and revision is not None:
+        raise UserError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
+    if checkpoint is not None and args.command != "serve":
         from . import hub
         from .port import load_port
 
-        args.checkpoint = hub.local_checkpoint(
-            args.checkpoint, args.revision, load_port(args.model), tokenizer=args.command not in WEIGHTS_ONLY
-        )
+        tokenizer = args.command not in WEIGHTS_ONLY
+        args.checkpoint = hub.local_checkpoint(checkpoint, revision, load_port(args.model), tokenizer=tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

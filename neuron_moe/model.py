@@ -145,7 +145,7 @@ def prep_reader(
     tp: int | None = None,
     source: Path | None = None,
     seed: int = 0,
-    rank: int = RANK,
+    recovery_rank: int = RANK,
     scan: int = SCAN,
 ) -> dict:
     """`neuron-moe prep-reader`: the port's sidecar written to `out`; with `tp`, `out` is a directory
@@ -156,9 +156,9 @@ def prep_reader(
         path = Path(source) if source else out / WHOLE
         if not source:
             out.mkdir(parents=True, exist_ok=True)
-            prep_port(port, path, checkpoint, seed=seed, rank=rank, scan=scan)
+            prep_port(port, path, checkpoint, seed=seed, rank=recovery_rank, scan=scan)
     else:
-        path = prep_port(port, out, checkpoint, seed=seed, rank=rank, scan=scan)
+        path = prep_port(port, out, checkpoint, seed=seed, rank=recovery_rank, scan=scan)
     side = Sidecar(path)
     if side.tp is not None:
         raise UserError(f"{path}: already a TP shard (rank {side.tp_rank} of {side.tp}); shard the whole sidecar")

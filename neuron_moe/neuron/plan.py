@@ -504,6 +504,8 @@ def port_plan(port, config: RunConfig, instance: str, runtime_reserve: float = D
     table: the configuration's, else batch 1 and 4096 positions) and decode_experts (without a table:
     the channel layout, selective)."""
     static, backend, shapes = port.static, config.backend, config.shapes
+    if backend.reader is not None and backend.reader.budget is None:
+        raise UserError("--reader plans the reader's decode graph at a read budget: pass --budget")
     batch, seq = (
         (static.batch_size, static.max_cache_len) if static else (shapes.batch_size or 1, shapes.max_cache_len or 4096)
     )

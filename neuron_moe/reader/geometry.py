@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import UserError
+
 
 @dataclass(frozen=True, kw_only=True)
 class Geometry:
@@ -33,6 +35,21 @@ class Geometry:
             intermediate=config.moe_intermediate_size,
             top_k=config.top_k_experts,
         )
+
+    @classmethod
+    def explicit(cls, hidden: int | None, experts: int | None, top_k: int | None, intermediate: int | None):
+        """`reads`' explicit geometry (--hidden --experts --top-k --intermediate): all four, or None for
+        none given; anything between is a UserError naming what is missing or wrong."""
+        given = (hidden, experts, top_k, intermediate)
+        if all(v is None for v in given):
+            return None
+        if None in given:
+            raise UserError("an explicit geometry needs all four of --hidden --experts --top-k --intermediate")
+        if top_k > experts:
+            raise UserError(
+                f"--top-k {top_k} is more than --experts {experts}: a token routes to at most every expert once"
+            )
+        return cls(hidden=hidden, experts=experts, top_k=top_k, intermediate=intermediate)
 
     @property
     def sizes(self) -> tuple[int, int, int]:
