@@ -5,7 +5,7 @@ the contract asks:
   the model     SageMaker copies the model data (CreateModel's ModelDataSource or ModelDataUrl) to
                 /opt/ml/model ($SM_MODEL_DIR where set); it must hold a trace-and-compile artifact,
                 served with --backend neuron as the port its manifest names
-  the port      8080 ($SAGEMAKER_BIND_TO_PORT where SageMaker sets one), on every address ($HOST,
+  the TCP port  8080 ($SAGEMAKER_BIND_TO_PORT where SageMaker sets one), on every address ($HOST,
                 default 0.0.0.0)
   the routes    GET /ping (503 while loading, 200 when ready) and POST /invocations (an OpenAI body:
                 `messages` -> a chat completion, else a completion; serve/invocations.py)
@@ -31,7 +31,7 @@ from ..errors import UserError
 from ..neuron.artifact import read_manifest
 
 MODEL_DIR = "/opt/ml/model"
-PORT = 8080
+TCP_PORT = 8080
 DRAIN_TIMEOUT_S = 20.0  # + uvicorn's 5 s of grace, within SageMaker's 30 s before SIGKILL
 EXTRA_ARGS = "NEURON_MOE_SERVE_ARGS"
 
@@ -51,7 +51,7 @@ def serve_argv(environ: Mapping[str, str], extra: Sequence[str] = ()) -> list[st
             f"ModelDataSource or ModelDataUrl: a trace-and-compile artifact)"
         )
     manifest = read_manifest(model_dir)
-    port = environ.get("SAGEMAKER_BIND_TO_PORT") or str(PORT)
+    tcp_port = environ.get("SAGEMAKER_BIND_TO_PORT") or str(TCP_PORT)
     try:
         more = shlex.split(environ.get(EXTRA_ARGS, ""))
     except ValueError as e:
@@ -67,7 +67,7 @@ def serve_argv(environ: Mapping[str, str], extra: Sequence[str] = ()) -> list[st
         "--host",
         environ.get("HOST") or "0.0.0.0",
         "--port",
-        port,
+        tcp_port,
         "--drain-timeout",
         f"{DRAIN_TIMEOUT_S:g}",
         *more,

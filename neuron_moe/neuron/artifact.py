@@ -19,7 +19,7 @@ defined here once.
                     the chat template), copied in at build time so that the artifact alone serves;
                     the manifest's `tokenizer` names them ({"kind": "checkpoint", "files": [...]},
                     or {"kind": "bytes"}: the built-in byte tokenizer) and `files` holds their
-                    digests, checked before they are read (`artifact_tokenizer`)
+                    digests, checked before they are read (`check_tokenizer`)
 
 Each key is the static decoder (`static/decoder.py`) over the full-model rank module
 (`parallel/model.py`); B = batch_size, the rows of the KV cache, P one of prefill_rows:
@@ -70,7 +70,7 @@ from ..errors import UserError
 from ..parallel import layout
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 from ..report import file_digest, read_json_object
-from ..tokenizer import TOKENIZER_FILES, TOKENIZER_MODELS, ByteTokenizer, HFTokenizer
+from ..tokenizer import TOKENIZER_FILES, TOKENIZER_MODELS
 
 MANIFEST = "manifest.json"
 MODEL = "model.pt"
@@ -246,17 +246,9 @@ def tokenizer_files(source: Path) -> list[str]:
     return names
 
 
-def artifact_tokenizer(artifacts: Path, manifest: dict, port):
-    """The tokenizer an artifact carries (`check_tokenizer` first)."""
-    return (
-        ByteTokenizer()
-        if manifest["tokenizer"]["kind"] == "bytes"
-        else HFTokenizer(check_tokenizer(artifacts, manifest, port))
-    )
-
-
 def check_tokenizer(artifacts: Path, manifest: dict, port) -> Path | None:
-    """The folder of the tokenizer an artifact carries (None: the byte tokenizer), each of its files
+    """The folder of the tokenizer an artifact carries (None: the byte tokenizer), what
+    `tokenizer.load_tokenizer` reads it from, each of its files
     checked against the manifest's size and sha256, and nothing else in it: a file changed, added or
     removed since trace-and-compile is refused by name, before it is read."""
     tokenizer = manifest["tokenizer"]

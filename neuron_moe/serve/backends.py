@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..model import build_model
-from ..neuron.artifact import artifact_tokenizer, read_manifest
+from ..neuron.artifact import check_tokenizer, read_manifest
 from ..spec import COMPILED, MODULES, Backend, check_serve_backend, not_served, serve_backends
 from ..tokenizer import load_tokenizer
 from .batching import BatchEngine
@@ -40,11 +40,7 @@ def load_engine(
     if isinstance(backend, str):
         backend = check_serve_backend(backend)
     if backend.graphs == COMPILED:  # the artifact's own tokenizer (digest-checked), unless --checkpoint gives one
-        tokenizer = (
-            load_tokenizer(port, checkpoint)
-            if checkpoint
-            else artifact_tokenizer(artifacts, read_manifest(artifacts), port)
-        )
+        tokenizer = load_tokenizer(port, checkpoint or check_tokenizer(artifacts, read_manifest(artifacts), port))
         runtime = neuron_runtime(artifacts, port, prefix_caching)
         return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, port.config))
     tokenizer = load_tokenizer(port, checkpoint)
