@@ -680,18 +680,7 @@ _SIZES = (
 
 
 def forward(
-    x,
-    top_k_index,
-    top_k_weights,
-    gate_up,
-    down_rows,
-    layer,
-    *,
-    k: int,
-    scan: int,
-    rank: int,
-    act_fn,
-    shape: Tiles = Tiles(),
+    x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int, act_fn, shape=Tiles()
 ) -> torch.Tensor:
     """`reference.forward` (screen="sketch") in one launch; same inputs and output as `forward.forward`."""
     _check_device(x)
@@ -706,49 +695,12 @@ def forward(
     dev = x.device
     n_p2, chunk, sel = _selection(T, ke, inter, k, shape, dev)
     rank_p2 = triton.next_power_of_2(max(rank, 1))
-    # the multi-launch kernels' work split (forward.py), with this variant's tiles
-    screen_tiles = triton.cdiv(strip, shape.bq)
-    per = triton.cdiv(nb, max(1, min(nb, triton.cdiv(shape.programs, T * ke * screen_tiles))))
-    down_tiles = triton.cdiv(H, shape.bh)
-    rows_per_share = triton.cdiv(k, max(1, min(triton.cdiv(k, shape.bk), triton.cdiv(shape.programs, T * down_tiles))))
     flat, work = _workspace(T, {"est": (ke, rows), "gu": (k, 2), "z": (rank_p2,), "y": (H,)}, dev, zeroed=False)
-    scratch = {
-        "rot": torch.empty(T, nb, BLOCK, device=dev),
-        "coords": torch.empty(T, nb, scan, dtype=torch.int32, device=dev),
-        "values": torch.empty(T, nb, scan, device=dev),
-    }
-    out = torch.empty(T, H, dtype=x.dtype, device=dev)
-    sizes = dict(
-        T=T,
-        H=H,
-        nb=nb,
-        ke=ke,
-        inter=inter,
-        k=k,
-        rank=rank,
-        strip=strip,
-        rows=rows,
-        zero_n=flat.numel(),
-        zero_per=triton.cdiv(flat.numel(), T * nb),
-        screen_tiles=screen_tiles,
-        screen_shares=triton.cdiv(nb, per),
-        blocks_per_share=per,
-        exact_jt=triton.cdiv(k, shape.bk),
-        exact_ht=triton.cdiv(H, shape.exact_bh),
-        recover_it=triton.cdiv(inter, shape.bi),
-        down_tiles=down_tiles,
-        down_shares=triton.cdiv(k, rows_per_share),  # no empty share: each arrives
-        rows_per_share=rows_per_share,
-    )
+    sizes = {"T": T, "H": H, "nb": nb, "ke": ke, "inter": inter, "k": k, "rank": rank, "strip": strip, "rows": rows}
+    sizes |= {"zero_n": flat.numel(), "zero_per": triton.cdiv(flat.numel(), T * nb), **_split(shape, sizes)}
     sizes.update(zip(("stride_ce", "stride_ci", "stride_cr"), layer.coeffs.stride()))
     sizes.update(zip(("stride_bh", "stride_br"), layer.basis.stride()))
-    counts = {
-        "rot": T * nb,
-        "screen": T * ke * screen_tiles * sizes["screen_shares"],
-        "exact": T * sizes["exact_jt"] * sizes["exact_ht"],
-        "recover": T * ke * sizes["recover_it"],
-        "down": T * down_tiles * sizes["down_shares"],
-    }
+    out = torch.empty(T, H, dtype=x.dtype, device=dev)
     pointers = dict(
         x=x.contiguous(),
         signs=layer.signs,
@@ -762,29 +714,57 @@ def forward(
         down=down_rows,
         coeffs=layer.coeffs,
         basis=layer.basis,
+        rot=torch.empty(T, nb, BLOCK, device=dev),
+        coords=torch.empty(T, nb, scan, dtype=torch.int32, device=dev),
+        values=torch.empty(T, nb, scan, device=dev),
         zero=flat,
         out=out,
-        **scratch,
         **sel,
         **{name: work[name] for name in ("est", "gu", "z", "y")},
     )
-    constexprs = dict(
-        ACT=activation(act_fn),
-        HAS_RECOVERY=rank > 0,
-        N_P2=n_p2,
-        CHUNKS=n_p2 // chunk,
-        SCAN=scan,
-        BLOCK=BLOCK,
-        SC=shape.sc,
-        BQ=shape.bq,
-        BK=shape.bk,
-        EXACT_BH=shape.exact_bh,
-        BH=shape.bh,
-        BI=shape.bi,
-        RANK_P2=rank_p2,
-    )
-    _launch(shape, T, counts, pointers, sizes, constexprs, dev)
+    constexprs = _constexprs(shape, activation(act_fn), rank > 0, n_p2, chunk, scan, rank_p2)
+    _launch(shape, T, _counts(sizes), pointers, sizes, constexprs, dev)
     return out
+
+
+def _split(shape: Tiles, sizes: dict) -> dict:
+    """The phases' tiles and shares: the multi-launch kernels' work split (forward.py), with this variant's
+    tiles. `sizes`: the call's T, H, nb, ke, inter and k."""
+    T, H, nb, ke, k = (sizes[name] for name in ("T", "H", "nb", "ke", "k"))
+    screen_tiles = triton.cdiv(sizes["strip"], shape.bq)
+    per = triton.cdiv(nb, max(1, min(nb, triton.cdiv(shape.programs, T * ke * screen_tiles))))
+    down_tiles = triton.cdiv(H, shape.bh)
+    rows_per_share = triton.cdiv(k, max(1, min(triton.cdiv(k, shape.bk), triton.cdiv(shape.programs, T * down_tiles))))
+    return {
+        "screen_tiles": screen_tiles,
+        "screen_shares": triton.cdiv(nb, per),
+        "blocks_per_share": per,
+        "exact_jt": triton.cdiv(k, shape.bk),
+        "exact_ht": triton.cdiv(H, shape.exact_bh),
+        "recover_it": triton.cdiv(sizes["inter"], shape.bi),
+        "down_tiles": down_tiles,
+        "down_shares": triton.cdiv(k, rows_per_share),  # no empty share: each arrives
+        "rows_per_share": rows_per_share,
+    }
+
+
+def _counts(sizes: dict) -> dict:
+    """Each phase's programs but the select's (pivot and place: T and T·CHUNKS), from the call's sizes."""
+    T, ke = sizes["T"], sizes["ke"]
+    return {
+        "rot": T * sizes["nb"],
+        "screen": T * ke * sizes["screen_tiles"] * sizes["screen_shares"],
+        "exact": T * sizes["exact_jt"] * sizes["exact_ht"],
+        "recover": T * ke * sizes["recover_it"],
+        "down": T * sizes["down_tiles"] * sizes["down_shares"],
+    }
+
+
+def _constexprs(shape: Tiles, act: int, recovery: bool, n_p2: int, chunk: int, scan: int, rank_p2: int) -> dict:
+    """persistent_kernel's constexprs but those `_launch` adds (SEM, LIMIT, ZB, SPIN_NS)."""
+    select = {"ACT": act, "HAS_RECOVERY": recovery, "N_P2": n_p2, "CHUNKS": n_p2 // chunk}
+    tiles = {"SC": shape.sc, "BQ": shape.bq, "BK": shape.bk, "EXACT_BH": shape.exact_bh, "BH": shape.bh, "BI": shape.bi}
+    return select | {"SCAN": scan, "BLOCK": BLOCK, "RANK_P2": rank_p2} | tiles
 
 
 def select(
@@ -805,20 +785,6 @@ def select(
         norms=down_norms,
         **sel,
     )
-    constexprs = dict(
-        ACT=act,
-        HAS_RECOVERY=recovery,
-        N_P2=n_p2,
-        CHUNKS=n_p2 // chunk,
-        SCAN=1,
-        BLOCK=BLOCK,
-        SC=shape.sc,
-        BQ=shape.bq,
-        BK=shape.bk,
-        EXACT_BH=shape.exact_bh,
-        BH=shape.bh,
-        BI=shape.bi,
-        RANK_P2=1,
-    )
+    constexprs = _constexprs(shape, act, recovery, n_p2, chunk, 1, 1)
     _launch(shape, T, dict(rot=0, screen=0, exact=0, recover=0, down=0), pointers, sizes, constexprs, dev)
     return sel["expert"], sel["channel"], sel["weight"], (sel["q"] if recovery else None)
