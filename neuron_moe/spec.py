@@ -51,6 +51,9 @@ DTYPE_NAMES = ("bfloat16", "float32")  # --dtype: the compute dtype, torch's spe
 # numbers, two per byte, with a bf16 scale per group (experts/int4.py)
 NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION = "none", "int8", "int4"
 QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
+# int4's input channels per bf16 scale unless a model sets its own: every task within 2 points of bf16 on the
+# tiny model, 64 lost 6 (bench/results/int4-quality.md); experts/int4.py and reader/accounting.py read it here
+INT4_GROUP = 32
 # the experts the one-rank reader reads (no int4 reader is built; reader/accounting.py charges one)
 READER_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
 

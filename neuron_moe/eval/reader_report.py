@@ -345,13 +345,46 @@ def results_page(report: dict, layers: dict | None, folder: str = "reader-eval")
     """bench/results/reader-eval.md from the run that `folder` holds (its report.json and, from
     bench/reader_layers.py, layers.json): every number on the page is computed here from those files,
     so the page cannot describe another run than the one beside it."""
-    s, acc = report["settings"], report["full_model"]["accuracy"]
     cells = {(c["selector"], c["budget"], c["rule"]): c for c in report["cells"] if c["status"] == "ok"}
     budgets = sorted({c["budget"] for c in report["cells"]})
     pairs = [(sel, b) for (sel, b, rule) in cells if rule == "topk" and (sel, b, "threshold") in cells]
+    lines = _intro_lines(report, cells, folder)
+    for sel, b in pairs:
+        top, thr = cells[(sel, b, "topk")], cells[(sel, b, "threshold")]
+        lines.append(
+            f"| {sel} | {b:g} | {_pair(top['reads']['mean'], thr['reads']['mean'], '{:.2f}')} "
+            f"| {_pair(top['accuracy_percent_of_full'], thr['accuracy_percent_of_full'], '{:.1f}')} "
+            f"| {_pair(top['kl_mean'], thr['kl_mean'], '{:.4f}')} "
+            f"| {_pair(100 * top['top1'], 100 * thr['top1'], '{:.1f}')} |"
+        )
+    lines.append("")
+    lines += [f"- {n}" for n in unreachable(report)]
+    tops = [c for (_, _, rule), c in cells.items() if rule == "topk"]
+    drift = drift_rows(report)
+    lines += [
+        "",
+        f"Top-k reads its plan in every top-k cell: max deviation "
+        f"{max((c['max_read_deviation_bytes'] for c in tops), default=0)} bytes. The calibrated thresholds read "
+        f"{_span([r['all'] for r in drift])} % of their target on average, {_span([r['text'] for r in drift])} % "
+        f"on held-out text alone, {_span([r['first'] for r in drift])} % at answer position 0 and "
+        f"{_span([r['last'] for r in drift])} % in the last answer bin.",
+        "",
+    ]
+    for caption, name in _PLOTS:
+        lines += [f"{caption}:", "", f"![{name[:-4]}]({folder}/{name})", ""]
+    if layers:
+        lines += _layer_lines(layers, folder)
+    lines += _versus_lines(report, folder)
+    lines += _accuracy_lines(cells, budgets)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _intro_lines(report: dict, cells: dict, folder: str) -> list[str]:
+    """The page's title, the run it describes, the set-up, and the head of the results table."""
+    s, acc = report["settings"], report["full_model"]["accuracy"]
     by_task = ", ".join(f"{t} {n}" for t, n in acc["by_task"].items())
     seconds = sum(c.get("seconds", 0) for c in report["cells"])
-    lines = [
+    return [
         "# The reader against TEAL, WINA, CATS and the oracle on the tiny model (`eval-reader`)",
         "",
         f"Written by `python -m neuron_moe.eval.reader_report bench/results/{folder}` from the run in "
@@ -387,35 +420,14 @@ def results_page(report: dict, layers: dict | None, folder: str = "reader-eval")
         "| selector | budget % | reads % (top-k / thr, mean) | accuracy % of full | KL mean | top-1 % |",
         "|---|---|---|---|---|---|",
     ]
-    for sel, b in pairs:
-        top, thr = cells[(sel, b, "topk")], cells[(sel, b, "threshold")]
-        lines.append(
-            f"| {sel} | {b:g} | {_pair(top['reads']['mean'], thr['reads']['mean'], '{:.2f}')} "
-            f"| {_pair(top['accuracy_percent_of_full'], thr['accuracy_percent_of_full'], '{:.1f}')} "
-            f"| {_pair(top['kl_mean'], thr['kl_mean'], '{:.4f}')} "
-            f"| {_pair(100 * top['top1'], 100 * thr['top1'], '{:.1f}')} |"
-        )
-    lines.append("")
-    lines += [f"- {n}" for n in unreachable(report)]
-    tops = [c for (_, _, rule), c in cells.items() if rule == "topk"]
-    drift = drift_rows(report)
-    lines += [
-        "",
-        f"Top-k reads its plan in every top-k cell: max deviation "
-        f"{max((c['max_read_deviation_bytes'] for c in tops), default=0)} bytes. The calibrated thresholds read "
-        f"{_span([r['all'] for r in drift])} % of their target on average, {_span([r['text'] for r in drift])} % "
-        f"on held-out text alone, {_span([r['first'] for r in drift])} % at answer position 0 and "
-        f"{_span([r['last'] for r in drift])} % in the last answer bin.",
-        "",
-    ]
-    for caption, name in _PLOTS:
-        lines += [f"{caption}:", "", f"![{name[:-4]}]({folder}/{name})", ""]
-    if layers:
-        lines += _layer_lines(layers, folder)
+
+
+def _versus_lines(report: dict, folder: str) -> list[str]:
+    """Top-k against the calibrated threshold on the same scores: how often each wins."""
     versus = versus_rows(report)
     verdicts = [r[m] for r in versus for m in ("kl_verdict", "top1_verdict", "acc_verdict")]
     acc_wins = [r["acc_verdict"] for r in versus]
-    lines += [
+    return [
         "## Top-k against the calibrated threshold, same scores",
         "",
         f"Top-k matches or beats the threshold in {sum(v != 'threshold' for v in verdicts)} of {len(verdicts)} "
@@ -424,8 +436,6 @@ def results_page(report: dict, layers: dict | None, folder: str = "reader-eval")
         f"[{folder}/report.md]({folder}/report.md).",
         "",
     ]
-    lines += _accuracy_lines(cells, budgets)
-    return "\n".join(lines).rstrip() + "\n"
 
 
 def _layer_lines(layers: dict, folder: str) -> list[str]:

@@ -40,6 +40,7 @@ from ..reader.sidecar import LAYER_TENSORS, Sidecar, SidecarError
 from ..spec import INT8_QUANTIZATION, NO_QUANTIZATION, READER_KERNELS, READER_QUANTIZATIONS, Reader, check_quantization
 from .dense_masked import dense_masked_forward
 from .int8 import int8_experts, int8_forward
+from .selector_experts import attached
 
 
 def reader_forward(kernel: str):
@@ -167,12 +168,12 @@ def reader_settings(port, reader: Reader) -> Reader:
 
 
 def channel_reader_forward(self, hidden_states, top_k_index, top_k_weights):
-    state = getattr(self, "reader", None)
-    if state is None:
-        raise UserError(
-            "channel_reader: no sidecar attached to this layer; call "
-            "neuron_moe.experts.channel_reader.attach_reader(model, sidecar, budget) first"
-        )
+    state = attached(
+        self,
+        "reader",
+        "channel_reader: no sidecar attached to this layer; call "
+        "neuron_moe.experts.channel_reader.attach_reader(model, sidecar, budget) first",
+    )
     if not state.decode:
         full = dense_masked_forward if state.int8 is None else int8_forward
         return full(self, hidden_states, top_k_index, top_k_weights)

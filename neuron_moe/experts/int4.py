@@ -36,12 +36,13 @@ import torch
 
 from ..errors import UserError
 from ..parallel.layout import CHANNEL, fused
+from ..spec import INT4_GROUP
 from .dense_masked import router_weight_matrix
 
 QMAX = 7  # symmetric: -7 … 7
 OFFSET = 8  # a nibble holds q + 8
 GROUP_SIZES = (16, 32, 64)  # those measured (bench/results/int4-quality.md)
-DEFAULT_GROUP = 32  # every task within 2 points of bf16 on the tiny model; 64 lost 6 (bench/results/int4-quality.md)
+DEFAULT_GROUP = INT4_GROUP  # spec.py says why 32
 SCALE_DTYPE = torch.bfloat16
 SCALE_BYTES = 2  # bytes of one SCALE_DTYPE scale
 CLIP_GRID = tuple(round(1.0 - 0.025 * i, 3) for i in range(13))  # 1.0, 0.975, … 0.7

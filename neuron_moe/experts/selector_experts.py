@@ -66,13 +66,22 @@ def attach_selector(model, name: str, layers: list[selectors.MoeLayer], rules: l
     return states
 
 
-def selector_forward(self, hidden_states, top_k_index, top_k_weights):
-    state = getattr(self, "selector", None)
+def attached(experts, attr: str, missing: str):
+    """The state an attach call put on an experts module as `attr`; where there is none (an
+    implementation that needs one, set without it), a UserError: `missing`, which names that call."""
+    state = getattr(experts, attr, None)
     if state is None:
-        raise UserError(
-            "selector: no selector attached to this layer; call "
-            "neuron_moe.experts.selector_experts.attach_selector(model, name, layers, rules) first"
-        )
+        raise UserError(missing)
+    return state
+
+
+def selector_forward(self, hidden_states, top_k_index, top_k_weights):
+    state = attached(
+        self,
+        "selector",
+        "selector: no selector attached to this layer; call "
+        "neuron_moe.experts.selector_experts.attach_selector(model, name, layers, rules) first",
+    )
     if state.active is not None:
         out = torch.zeros_like(hidden_states)
         rows = state.active

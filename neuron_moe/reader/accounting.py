@@ -25,13 +25,12 @@ from dataclasses import asdict, dataclass, replace
 
 from ..errors import UserError
 from ..report import table
-from ..spec import INT4_QUANTIZATION, INT8_QUANTIZATION, NO_QUANTIZATION, QUANTIZATIONS, STEP_BUDGET, Reader
+from ..spec import INT4_GROUP, INT4_QUANTIZATION, INT8_QUANTIZATION, NO_QUANTIZATION, QUANTIZATIONS, STEP_BUDGET, Reader
 from .geometry import Geometry
 from .sidecar import BLOCK, CODES_PER_BYTE, SECTOR, SidecarLayout
 
 BF16 = 2
 INT8, FP32 = 1, 4
-INT4_GROUP = 32  # experts/int4.py's DEFAULT_GROUP: input channels per bf16 scale
 
 
 class BudgetError(UserError):
@@ -173,7 +172,7 @@ def expert_read_bytes(geo: Geometry, quantization: str = NO_QUANTIZATION) -> int
     """One routed expert read whole: gate_up [2I, H] and down [H, I] (int8: and their fp32 scales,
     one per gate/up row and one per hidden channel)."""
     H, I = geo.hidden, geo.intermediate
-    if quantization == INT4_QUANTIZATION:  # experts/int4.py: packed values and a bf16 scale per 32 input channels
+    if quantization == INT4_QUANTIZATION:  # experts/int4.py: packed values and a bf16 scale per INT4_GROUP inputs
         return SECTOR * (row_sectors(2 * I * int4_row_bytes(H)) + row_sectors(H * int4_row_bytes(I)))
     if quantization == INT8_QUANTIZATION:
         return SECTOR * (

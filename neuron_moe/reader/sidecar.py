@@ -238,50 +238,8 @@ class Sidecar:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise SidecarError(f"reader sidecar not found: {self.path}")
-        try:
-            with safe_open(self.path, framework="pt") as f:
-                meta, keys = f.metadata() or {}, set(f.keys())
-        except Exception as e:  # safetensors' own error type, or OSError
-            raise SidecarError(f"{self.path}: not a readable safetensors file ({e})") from None
-        if meta.get("format") != FORMAT:
-            raise SidecarError(
-                f"{self.path}: not a reader sidecar (metadata format {meta.get('format')!r}, expected {FORMAT!r})"
-            )
-        if meta.get("format_version") != str(FORMAT_VERSION):
-            raise SidecarError(
-                f"{self.path}: sidecar format version {meta.get('format_version')!r}; this build "
-                f"reads version {FORMAT_VERSION} (re-run `neuron-moe prep-reader`)"
-            )
-        try:
-            fields = {
-                k: int(meta[k])
-                for k in (
-                    "block",
-                    "scan",
-                    "rank",
-                    "seed",
-                    "codes_per_byte",
-                    "hidden",
-                    "experts",
-                    "intermediate",
-                    "layers",
-                )
-            }
-        except (KeyError, ValueError) as e:
-            raise SidecarError(f"{self.path}: metadata field {e} missing or not an integer") from None
-        if (fields["block"], fields["codes_per_byte"]) != (BLOCK, CODES_PER_BYTE):
-            raise SidecarError(
-                f"{self.path}: block {fields['block']}, {fields['codes_per_byte']} codes per byte; "
-                f"this build reads block {BLOCK}, {CODES_PER_BYTE} codes per byte"
-            )
-        if not 1 <= fields["layers"] <= len(keys):
-            # before the table of every layer's tensors is built: a header claiming 10^8 layers is not believed
-            raise SidecarError(
-                f"{self.path}: metadata says {fields['layers']} layers; the file holds "
-                f"{len(keys)} tensors (1 + {len(LAYER_TENSORS)} per layer)"
-            )
+        meta, keys = self._header()
+        fields = self._fields(meta, keys)
         self.scan, self.seed, self.layers = fields["scan"], fields["seed"], fields["layers"]
         if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise SidecarError(f"{self.path}: metadata seed {self.seed} is outside [-2^63, 2^64)")
@@ -302,6 +260,52 @@ class Sidecar:
             self.expert_layout = meta.get("expert_layout")
         geometry = Geometry(hidden=fields["hidden"], experts=fields["experts"], intermediate=fields["intermediate"])
         self.layout = SidecarLayout(geometry, fields["rank"])
+        self.signs = self._check_tensors(keys)
+        if not torch.equal(self.signs, random_signs(self.layout.hidden_padded, self.seed)):
+            raise SidecarError(f"{self.path}: {SIGNS} are not those of seed {self.seed}")
+
+    def _header(self) -> tuple[dict, set]:
+        """The file's metadata and tensor names, once it is known to be a sidecar of this format version."""
+        if not self.path.is_file():
+            raise SidecarError(f"reader sidecar not found: {self.path}")
+        try:
+            with safe_open(self.path, framework="pt") as f:
+                meta, keys = f.metadata() or {}, set(f.keys())
+        except Exception as e:  # safetensors' own error type, or OSError
+            raise SidecarError(f"{self.path}: not a readable safetensors file ({e})") from None
+        if meta.get("format") != FORMAT:
+            raise SidecarError(
+                f"{self.path}: not a reader sidecar (metadata format {meta.get('format')!r}, expected {FORMAT!r})"
+            )
+        if meta.get("format_version") != str(FORMAT_VERSION):
+            raise SidecarError(
+                f"{self.path}: sidecar format version {meta.get('format_version')!r}; this build "
+                f"reads version {FORMAT_VERSION} (re-run `neuron-moe prep-reader`)"
+            )
+        return meta, keys
+
+    def _fields(self, meta: dict, keys: set) -> dict[str, int]:
+        """The metadata's integer fields, checked against this build's block and the file's tensor count."""
+        names = ("block", "scan", "rank", "seed", "codes_per_byte", "hidden", "experts", "intermediate", "layers")
+        try:
+            fields = {k: int(meta[k]) for k in names}
+        except (KeyError, ValueError) as e:
+            raise SidecarError(f"{self.path}: metadata field {e} missing or not an integer") from None
+        if (fields["block"], fields["codes_per_byte"]) != (BLOCK, CODES_PER_BYTE):
+            raise SidecarError(
+                f"{self.path}: block {fields['block']}, {fields['codes_per_byte']} codes per byte; "
+                f"this build reads block {BLOCK}, {CODES_PER_BYTE} codes per byte"
+            )
+        if not 1 <= fields["layers"] <= len(keys):
+            # before the table of every layer's tensors is built: a header claiming 10^8 layers is not believed
+            raise SidecarError(
+                f"{self.path}: metadata says {fields['layers']} layers; the file holds "
+                f"{len(keys)} tensors (1 + {len(LAYER_TENSORS)} per layer)"
+            )
+        return fields
+
+    def _check_tensors(self, keys: set) -> torch.Tensor:
+        """Refuse unless the file holds exactly the layout's tensors, each of its dtype and shape; the signs."""
         specs = _specs(self.layout, self.layers)
         if keys != set(specs):
             missing, extra = sorted(set(specs) - keys), sorted(keys - set(specs))
@@ -316,9 +320,7 @@ class Sidecar:
                         f"{self.path}: {name} is {sl.get_dtype()} {tuple(sl.get_shape())}, "
                         f"expected {_ST_DTYPES[dtype]} {shape}"
                     )
-            self.signs = f.get_tensor(SIGNS)
-        if not torch.equal(self.signs, random_signs(self.layout.hidden_padded, self.seed)):
-            raise SidecarError(f"{self.path}: {SIGNS} are not those of seed {self.seed}")
+            return f.get_tensor(SIGNS)
 
     def check_source(self, weights: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Refuse unless the sidecar was made from exactly these expert weights (bf16-equal)."""

@@ -14,7 +14,10 @@ through atomic adds (zeroed once per call), and the glue (rotation, scan choice,
 kernels of its own.
 
 Each kernel's body is a `_helper` taking its program indices, so that `persistent.py` runs the
-same code as phases of one launch. Two constexprs every helper that reduces or reads another
+same code as phases of one launch; a helper takes the kernel's pointers and sizes as one tuple (or
+two: pointers, sizes), in the kernel's argument order, so that each caller names them once. Triton
+inlines the helpers and flattens the tuples: the compiled kernels are those of the flat
+arguments. Two constexprs every helper that reduces or reads another
 stage's output takes: SEM, the memory order of the reductions' atomic adds (Triton's default
 "acq_rel" compiles to `atom.acq_rel`, a round trip and a fence per add; "relaxed" to a
 fire-and-forget `red`: both correct here, since a kernel's end or, in the one-launch kernel, a
@@ -138,42 +141,15 @@ def screen_kernel(
     constexpr, so the chunks' loads are in flight together). The sums stay elementwise in [SC, BQ]
     accumulators and cross the coordinates once, at the end: a reduction per chunk and digit
     (shuffles across the warp) costs more than the loads it follows on an H200."""
-    _screen(
-        codes_ptr,
-        scales_ptr,
-        experts_ptr,
-        coords_ptr,
-        values_ptr,
-        out_ptr,
-        ke,
-        nb,
-        strip,
-        rows,
-        blocks_per_program,
-        tl.program_id(0),
-        tl.program_id(1),
-        tl.program_id(2),
-        SCAN,
-        SC,
-        BQ,
-        SEM,
-        "",
-    )
+    screen = (codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, out_ptr)
+    sizes = (ke, nb, strip, rows, blocks_per_program)
+    _screen(screen, sizes, tl.program_id(0), tl.program_id(1), tl.program_id(2), SCAN, SC, BQ, SEM, "")
 
 
 @triton.jit
 def _screen(
-    codes_ptr,
-    scales_ptr,
-    experts_ptr,
-    coords_ptr,
-    values_ptr,
-    out_ptr,
-    ke,
-    nb,
-    strip,
-    rows,
-    blocks_per_program,
+    screen,
+    sizes,
     tk,
     tile,
     share,
@@ -183,7 +159,10 @@ def _screen(
     SEM: tl.constexpr,
     CACHE: tl.constexpr,
 ):
-    """screen_kernel's program (tk: token · ke + slot; tile: BQ code bytes; share: of the blocks)."""
+    """screen_kernel's program (tk: token · ke + slot; tile: BQ code bytes; share: of the blocks); `screen`
+    and `sizes`: its pointers and its sizes, screen_kernel's arguments in their order."""
+    codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, out_ptr = screen
+    ke, nb, strip, rows, blocks_per_program = sizes
     t = tk // ke
     q = tile * BQ + tl.arange(0, BQ)
     qm = q < strip
@@ -398,43 +377,15 @@ def exact_kernel(
     """One program: BK chosen channels of one token, BH coordinates of their gate and up rows
     (contiguous runs of the [E, 2I, H] layout). Adds the partial dots g_j·x, v_j·x into
     gu [T, k, 2] (zeroed); the activation is applied where they are complete (down_kernel)."""
-    _exact(
-        gate_up_ptr,
-        x_ptr,
-        expert_ptr,
-        channel_ptr,
-        gu_ptr,
-        k,
-        H,
-        inter,
-        tl.program_id(0),
-        tl.program_id(1),
-        tl.program_id(2),
-        BK,
-        BH,
-        SEM,
-        "",
-    )
+    exact = (gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter)
+    _exact(exact, tl.program_id(0), tl.program_id(1), tl.program_id(2), BK, BH, SEM, "")
 
 
 @triton.jit
-def _exact(
-    gate_up_ptr,
-    x_ptr,
-    expert_ptr,
-    channel_ptr,
-    gu_ptr,
-    k,
-    H,
-    inter,
-    t,
-    jb,
-    hb,
-    BK: tl.constexpr,
-    BH: tl.constexpr,
-    SEM: tl.constexpr,
-    CACHE: tl.constexpr,
-):
+def _exact(exact, t, jb, hb, BK: tl.constexpr, BH: tl.constexpr, SEM: tl.constexpr, CACHE: tl.constexpr):
+    """exact_kernel's program (token t, BK-row tile jb, BH-coordinate tile hb); `exact`: its pointers and
+    sizes, exact_kernel's arguments in their order."""
+    gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter = exact
     j = jb * BK + tl.arange(0, BK)
     jm = j < k
     h = hb * BH + tl.arange(0, BH)
@@ -469,45 +420,15 @@ def recover_kernel(
     """One program: one (token, routed slot), BI of its expert's channels. Adds Σ_j q_j·b_j into
     the token's z [T, RANK_P2] (zeroed; summed over slots, which is all the down epilogue needs);
     q_j = w_e·p_j for unchosen channels and 0 for chosen ones, whose b_j are never read."""
-    _recover(
-        coeffs_ptr,
-        q_ptr,
-        experts_ptr,
-        z_ptr,
-        ke,
-        inter,
-        rank,
-        stride_e,
-        stride_i,
-        stride_r,
-        tl.program_id(0),
-        tl.program_id(1),
-        RANK_P2,
-        BI,
-        SEM,
-        "",
-    )
+    recover = (coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r)
+    _recover(recover, tl.program_id(0), tl.program_id(1), RANK_P2, BI, SEM, "")
 
 
 @triton.jit
-def _recover(
-    coeffs_ptr,
-    q_ptr,
-    experts_ptr,
-    z_ptr,
-    ke,
-    inter,
-    rank,
-    stride_e,
-    stride_i,
-    stride_r,
-    tk,
-    ib,
-    RANK_P2: tl.constexpr,
-    BI: tl.constexpr,
-    SEM: tl.constexpr,
-    CACHE: tl.constexpr,
-):
+def _recover(recover, tk, ib, RANK_P2: tl.constexpr, BI: tl.constexpr, SEM: tl.constexpr, CACHE: tl.constexpr):
+    """recover_kernel's program (tk: token · ke + slot; ib: BI channels); `recover`: its pointers and sizes,
+    recover_kernel's arguments in their order."""
+    coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r = recover
     t = tk // ke
     i = ib * BI + tl.arange(0, BI)
     e = tl.load(experts_ptr + tk).to(tl.int64)
@@ -552,43 +473,12 @@ def exact_recover_kernel(
     j_tiles = tl.cdiv(k, BK)
     n_exact = T * j_tiles * tl.cdiv(H, BH)
     if pid < n_exact:
-        _exact(
-            gate_up_ptr,
-            x_ptr,
-            expert_ptr,
-            channel_ptr,
-            gu_ptr,
-            k,
-            H,
-            inter,
-            pid % T,
-            (pid // T) % j_tiles,
-            pid // (T * j_tiles),
-            BK,
-            BH,
-            SEM,
-            "",
-        )
+        exact = (gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter)
+        _exact(exact, pid % T, (pid // T) % j_tiles, pid // (T * j_tiles), BK, BH, SEM, "")
     else:
         r = pid - n_exact
-        _recover(
-            coeffs_ptr,
-            q_ptr,
-            experts_ptr,
-            z_ptr,
-            ke,
-            inter,
-            rank,
-            stride_e,
-            stride_i,
-            stride_r,
-            r % (T * ke),
-            r // (T * ke),
-            RANK_P2,
-            BI,
-            SEM,
-            "",
-        )
+        recover = (coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_e, stride_i, stride_r)
+        _recover(recover, r % (T * ke), r // (T * ke), RANK_P2, BI, SEM, "")
 
 
 @triton.jit
@@ -622,9 +512,8 @@ def down_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     share = tl.program_id(2)
-    acc = _down_rows(
-        down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inter, rows_per_share, t, h, share, ACT, BK, BH, ""
-    )
+    rows = (down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inter, rows_per_share)
+    acc = _down_rows(rows, t, h, share, ACT, BK, BH, "")
     if HAS_RECOVERY:
         if share == 0:
             acc += _down_recovery(basis_ptr, z_ptr, H, rank, stride_h, stride_r, t, h, RANK_P2, "")
@@ -632,25 +521,10 @@ def down_kernel(
 
 
 @triton.jit
-def _down_rows(
-    down_ptr,
-    expert_ptr,
-    channel_ptr,
-    weight_ptr,
-    gu_ptr,
-    k,
-    H,
-    inter,
-    rows_per_share,
-    t,
-    h,
-    share,
-    ACT: tl.constexpr,
-    BK: tl.constexpr,
-    BH: tl.constexpr,
-    CACHE: tl.constexpr,
-):
-    """Σ_j coef_j·down[e_j, ch_j, h] over the share's rows, [BH] fp32."""
+def _down_rows(rows, t, h, share, ACT: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, CACHE: tl.constexpr):
+    """Σ_j coef_j·down[e_j, ch_j, h] over the share's rows, [BH] fp32; `rows`: down_kernel's pointers and
+    sizes (its arguments in their order) up to rows_per_share."""
+    down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inter, rows_per_share = rows
     hm = h < H
     first = share * rows_per_share
     last = tl.minimum(first + rows_per_share, k)

@@ -32,7 +32,9 @@ The counters live in one int32 buffer per device (`_counters`), one 128-byte lin
 before a call; the call's last program sets them back to zero for the next (stream order), so
 calls must not run concurrently on two streams. The reductions' atomics are relaxed by default
 (the counters' release/acquire pairs order them); the kernels.py helpers are the same code the
-multi-launch path runs.
+multi-launch path runs. Each phase is a branch of `persistent_kernel` that waits, runs its helper
+(`_pivot`, `_place` and `_arrive` are this file's) and releases; the kernel stays one function
+because its 71 parameters are the launch's.
 
 Not yet run on a GPU: bench/gpu_reader.py times it, with a few tile shapes
 (PERSISTENT_VARIANTS), beside the multi-launch reader and the dense baselines.
@@ -135,24 +137,12 @@ def _release(ctr_ptr, line):
 
 
 @triton.jit
-def _rotate_scan_tiled(
-    x_ptr,
-    signs_ptr,
-    hadamard_ptr,
-    rot_ptr,
-    coords_ptr,
-    values_ptr,
-    H,
-    nb,
-    t,
-    b,
-    SCAN: tl.constexpr,
-    BLOCK: tl.constexpr,
-    RT: tl.constexpr,
-):
+def _rotate_scan_tiled(rotate, H, nb, t, b, SCAN: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
     """kernels._rotate_scan in RT-row tiles of the Hadamard matrix, the order by one sort of
     (|r| bits, 127 - i) keys (descending: larger |r| first, ties to the lower index); the scanned
-    coordinates' values are read back from rot_ptr [T, nb, BLOCK] (a register tensor cannot be gathered)."""
+    coordinates' values are read back from rot_ptr [T, nb, BLOCK] (a register tensor cannot be gathered).
+    `rotate`: the pointers x, signs, hadamard, rot, coords and values."""
+    x_ptr, signs_ptr, hadamard_ptr, rot_ptr, coords_ptr, values_ptr = rotate
     i = tl.arange(0, BLOCK)
     r = tl.zeros([BLOCK], dtype=tl.float32)
     for i0 in tl.static_range(0, BLOCK, RT):
@@ -207,16 +197,8 @@ def _refine(
 
 @triton.jit
 def _pivot(
-    est_ptr,
-    experts_ptr,
-    weights_ptr,
-    norms_ptr,
-    bits_ptr,
-    q_ptr,
-    cand_ptr,
-    sel_ptr,
-    ke,
-    inter,
+    scores,
+    select,
     k,
     t,
     ACT: tl.constexpr,
@@ -233,7 +215,11 @@ def _pivot(
     histogram of their top digit (bits 30..23: the exponent); (2) the entries in the k-th's top-digit
     bin are compacted into cand_ptr with their chunk, and each chunk's count above that bin kept;
     (3) three more digits (8, 8, 7 bits) over the candidates only, typically a few hundred; (4) the
-    chunks' counts of candidates above and equal to the k-th, by histograms over the chunk index."""
+    chunks' counts of candidates above and equal to the k-th, by histograms over the chunk index. `scores`:
+    the estimates, routing and down norms the scores come from, with ke and inter; `select`: the select
+    phases' buffers bits, q, cand and sel."""
+    est_ptr, experts_ptr, weights_ptr, norms_ptr, ke, inter = scores
+    bits_ptr, q_ptr, cand_ptr, sel_ptr = select
     UNIT: tl.constexpr = 2 * N_P2  # counts are at most N_P2: one sum carries a rank and a count (_radix_kth)
     hist = tl.zeros([256], dtype=tl.int32)
     for c in range(CHUNKS):
@@ -369,11 +355,12 @@ def persistent_kernel(
         e_recover += T * ke * recover_it
     total = e_recover + T * down_tiles * down_shares
     vid = tl.atomic_add(ctr_ptr, 1, sem="relaxed")
+    scores = (est_ptr, experts_ptr, weights_ptr, norms_ptr, ke, inter)
+    select = (bits_ptr, q_ptr, cand_ptr, sel_ptr)
     if vid < n_rot:  # rotate+scan one (token, block), and zero a share of the workspace
         _zero(zero_ptr, zero_n, vid * zero_per, zero_per, ZB)
-        _rotate_scan_tiled(
-            x_ptr, signs_ptr, hadamard_ptr, rot_ptr, coords_ptr, values_ptr, H, nb, vid // nb, vid % nb, SCAN, BLOCK, 32
-        )
+        rotate = (x_ptr, signs_ptr, hadamard_ptr, rot_ptr, coords_ptr, values_ptr)
+        _rotate_scan_tiled(rotate, H, nb, vid // nb, vid % nb, SCAN, BLOCK, 32)
         _release(ctr_ptr, 3)
     elif vid < e_screen:  # screen: waits for every rotate program (they zero the estimates)
         i = vid - n_rot
@@ -381,123 +368,37 @@ def persistent_kernel(
         t = i // per_token
         r = i % per_token
         _wait(ctr_ptr, 3, n_rot, LIMIT, SPIN_NS)
-        _screen(
-            codes_ptr,
-            scales_ptr,
-            experts_ptr,
-            coords_ptr,
-            values_ptr,
-            est_ptr,
-            ke,
-            nb,
-            strip,
-            rows,
-            blocks_per_share,
-            t * ke + r % ke,
-            (r // ke) % screen_tiles,
-            r // (ke * screen_tiles),
-            SCAN,
-            SC,
-            BQ,
-            SEM,
-            ".cg",
-        )
+        screen = (codes_ptr, scales_ptr, experts_ptr, coords_ptr, values_ptr, est_ptr)
+        tk, tile, share = t * ke + r % ke, (r // ke) % screen_tiles, r // (ke * screen_tiles)
+        _screen(screen, (ke, nb, strip, rows, blocks_per_share), tk, tile, share, SCAN, SC, BQ, SEM, ".cg")
         _release(ctr_ptr, 4 + 5 * t)
     elif vid < e_pivot:  # pivot: the token's k-th largest score and the chunks' counts
         t = vid - e_screen
         _wait(ctr_ptr, 4 + 5 * t, ke * screen_tiles * screen_shares, LIMIT, SPIN_NS)
-        _pivot(
-            est_ptr,
-            experts_ptr,
-            weights_ptr,
-            norms_ptr,
-            bits_ptr,
-            q_ptr,
-            cand_ptr,
-            sel_ptr,
-            ke,
-            inter,
-            k,
-            t,
-            ACT,
-            HAS_RECOVERY,
-            N_P2,
-            CH,
-            CHUNKS,
-        )
+        _pivot(scores, select, k, t, ACT, HAS_RECOVERY, N_P2, CH, CHUNKS)
         _release(ctr_ptr, 5 + 5 * t)
     elif vid < e_place:  # place: one chunk's chosen channels, in channel order, at their output slots
         i = vid - e_pivot
         t = i // CHUNKS
         c = i % CHUNKS
         _wait(ctr_ptr, 5 + 5 * t, 1, LIMIT, SPIN_NS)
-        sel = sel_ptr + t * (2 + 2 * CHUNKS)
-        kth = tl.load(sel, cache_modifier=".cg")
-        room = tl.load(sel + 1, cache_modifier=".cg")
-        above_before = tl.load(sel + 2 + c, cache_modifier=".cg")
-        tied_before = tl.load(sel + 2 + CHUNKS + c, cache_modifier=".cg")
-        n = c * CH + tl.arange(0, CH)
-        valid = n < ke * inter
-        bits = tl.load(bits_ptr + t * N_P2 + n, cache_modifier=".cg")
-        tied = (bits == kth).to(tl.int32)
-        # the tied ones go to the lowest channels: those whose rank among all the token's tied is < room
-        chosen = (bits > kth) | ((tied != 0) & (tied_before + tl.cumsum(tied, axis=0) <= room))
-        pos = above_before + tl.minimum(tied_before, room) + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        slot = n // inter
-        e = tl.load(experts_ptr + t * ke + slot, mask=valid, other=0)
-        w = tl.load(weights_ptr + t * ke + slot, mask=valid, other=0.0).to(tl.float32)
-        tl.store(expert_ptr + t * k + pos, e.to(tl.int32), mask=chosen)
-        tl.store(channel_ptr + t * k + pos, n % inter, mask=chosen)
-        tl.store(weight_ptr + t * k + pos, w, mask=chosen)
-        if HAS_RECOVERY:
-            tl.store(q_ptr + t * ke * inter + n, tl.zeros([CH], dtype=tl.float32), mask=chosen)
+        _place(scores, select, (expert_ptr, channel_ptr, weight_ptr), k, t, c, HAS_RECOVERY, N_P2, CH, CHUNKS)
         _release(ctr_ptr, 6 + 5 * t)
     elif vid < e_exact:  # exact: BK chosen rows × EXACT_BH coordinates of their gate and up rows
         i = vid - e_place
         t = i // (exact_jt * exact_ht)
         r = i % (exact_jt * exact_ht)
         _wait(ctr_ptr, 6 + 5 * t, CHUNKS, LIMIT, SPIN_NS)
-        _exact(
-            gate_up_ptr,
-            x_ptr,
-            expert_ptr,
-            channel_ptr,
-            gu_ptr,
-            k,
-            H,
-            inter,
-            t,
-            r % exact_jt,
-            r // exact_jt,
-            BK,
-            EXACT_BH,
-            SEM,
-            ".cg",
-        )
+        exact = (gate_up_ptr, x_ptr, expert_ptr, channel_ptr, gu_ptr, k, H, inter)
+        _exact(exact, t, r % exact_jt, r // exact_jt, BK, EXACT_BH, SEM, ".cg")
         _release(ctr_ptr, 7 + 5 * t)
     elif vid < e_recover:  # recover: b_j of BI unchosen channels of one (token, slot)
         i = vid - e_exact
         t = i // (ke * recover_it)
         r = i % (ke * recover_it)
         _wait(ctr_ptr, 6 + 5 * t, CHUNKS, LIMIT, SPIN_NS)
-        _recover(
-            coeffs_ptr,
-            q_ptr,
-            experts_ptr,
-            z_ptr,
-            ke,
-            inter,
-            rank,
-            stride_ce,
-            stride_ci,
-            stride_cr,
-            t * ke + r % ke,
-            r // ke,
-            RANK_P2,
-            BI,
-            SEM,
-            ".cg",
-        )
+        recover = (coeffs_ptr, q_ptr, experts_ptr, z_ptr, ke, inter, rank, stride_ce, stride_ci, stride_cr)
+        _recover(recover, t * ke + r % ke, r // ke, RANK_P2, BI, SEM, ".cg")
         _release(ctr_ptr, 8 + 5 * t)
     elif vid < total:  # down: BH outputs × one share of the chosen rows; the tile's last share writes it out
         i = vid - e_recover
@@ -507,42 +408,79 @@ def persistent_kernel(
         share = r % down_shares
         h = tile * BH + tl.arange(0, BH)
         _wait(ctr_ptr, 7 + 5 * t, exact_jt * exact_ht, LIMIT, SPIN_NS)
-        acc = _down_rows(
-            down_ptr,
-            expert_ptr,
-            channel_ptr,
-            weight_ptr,
-            gu_ptr,
-            k,
-            H,
-            inter,
-            rows_per_share,
-            t,
-            h,
-            share,
-            ACT,
-            BK,
-            BH,
-            ".cg",
-        )
+        chosen = (down_ptr, expert_ptr, channel_ptr, weight_ptr, gu_ptr, k, H, inter, rows_per_share)
+        acc = _down_rows(chosen, t, h, share, ACT, BK, BH, ".cg")
         if HAS_RECOVERY:
             if share == 0:
                 _wait(ctr_ptr, 8 + 5 * t, ke * recover_it, LIMIT, SPIN_NS)
                 acc += _down_recovery(basis_ptr, z_ptr, H, rank, stride_bh, stride_br, t, h, RANK_P2, ".cg")
         tl.atomic_add(y_ptr + t * H + h, acc, mask=h < H, sem=SEM)
         tl.debug_barrier()
-        arrived = tl.atomic_add(ctr_ptr + (4 + 5 * T + t * down_tiles + tile) * 32, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if arrived == down_shares - 1:
-            yv = tl.load(y_ptr + t * H + h, mask=h < H, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + t * H + h, yv.to(out_ptr.dtype.element_ty), mask=h < H)
+        _arrive(ctr_ptr + (4 + 5 * T + t * down_tiles + tile) * 32, down_shares, y_ptr, out_ptr, t, h, H)
     tl.debug_barrier()
     done = tl.atomic_add(ctr_ptr + 32, 1, sem="acq_rel")
     if done == total - 1:  # every other program has made its last counter access: reset them (not the faults)
-        lines = 4 + 5 * T + T * down_tiles
-        for l0 in range(0, lines, ZB):
-            line = l0 + tl.arange(0, ZB)
-            tl.store(ctr_ptr + line * 32, tl.zeros([ZB], dtype=tl.int32), mask=(line < lines) & (line != 2))
+        _reset(ctr_ptr, 4 + 5 * T + T * down_tiles, ZB)
+
+
+@triton.jit
+def _place(
+    scores,
+    select,
+    picks,
+    k,
+    t,
+    c,
+    HAS_RECOVERY: tl.constexpr,
+    N_P2: tl.constexpr,
+    CH: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    """Chunk c of token t's channels: its chosen ones (above the k-th, or tied with it and among the first
+    `room` tied of the token) written to picks (expert, channel, weight [T, k]) at their output slots, from
+    the pivot's counts; their q zeroed. `scores`, `select`: as `_pivot`'s."""
+    _, experts_ptr, weights_ptr, _, ke, inter = scores
+    bits_ptr, q_ptr, _, sel_ptr = select
+    expert_ptr, channel_ptr, weight_ptr = picks
+    sel = sel_ptr + t * (2 + 2 * CHUNKS)
+    kth = tl.load(sel, cache_modifier=".cg")
+    room = tl.load(sel + 1, cache_modifier=".cg")
+    above_before = tl.load(sel + 2 + c, cache_modifier=".cg")
+    tied_before = tl.load(sel + 2 + CHUNKS + c, cache_modifier=".cg")
+    n = c * CH + tl.arange(0, CH)
+    valid = n < ke * inter
+    bits = tl.load(bits_ptr + t * N_P2 + n, cache_modifier=".cg")
+    tied = (bits == kth).to(tl.int32)
+    # the tied ones go to the lowest channels: those whose rank among all the token's tied is < room
+    chosen = (bits > kth) | ((tied != 0) & (tied_before + tl.cumsum(tied, axis=0) <= room))
+    pos = above_before + tl.minimum(tied_before, room) + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    slot = n // inter
+    e = tl.load(experts_ptr + t * ke + slot, mask=valid, other=0)
+    w = tl.load(weights_ptr + t * ke + slot, mask=valid, other=0.0).to(tl.float32)
+    tl.store(expert_ptr + t * k + pos, e.to(tl.int32), mask=chosen)
+    tl.store(channel_ptr + t * k + pos, n % inter, mask=chosen)
+    tl.store(weight_ptr + t * k + pos, w, mask=chosen)
+    if HAS_RECOVERY:
+        tl.store(q_ptr + t * ke * inter + n, tl.zeros([CH], dtype=tl.float32), mask=chosen)
+
+
+@triton.jit
+def _arrive(arrivals_ptr, shares, y_ptr, out_ptr, t, h, H):
+    """Count a down share's arrival at its tile (its sums already added into y); the last of the tile's
+    `shares` to arrive writes that tile of y out in out's dtype."""
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
+    tl.debug_barrier()
+    if arrived == shares - 1:
+        yv = tl.load(y_ptr + t * H + h, mask=h < H, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + t * H + h, yv.to(out_ptr.dtype.element_ty), mask=h < H)
+
+
+@triton.jit
+def _reset(ctr_ptr, lines, ZB: tl.constexpr):
+    """Zero the first `lines` counter lines but the faults' (line 2), for the next call."""
+    for l0 in range(0, lines, ZB):
+        line = l0 + tl.arange(0, ZB)
+        tl.store(ctr_ptr + line * 32, tl.zeros([ZB], dtype=tl.int32), mask=(line < lines) & (line != 2))
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
@@ -680,18 +618,7 @@ _SIZES = (
 
 
 def forward(
-    x,
-    top_k_index,
-    top_k_weights,
-    gate_up,
-    down_rows,
-    layer,
-    *,
-    k: int,
-    scan: int,
-    rank: int,
-    act_fn,
-    shape: Tiles = Tiles(),
+    x, top_k_index, top_k_weights, gate_up, down_rows, layer, *, k: int, scan: int, rank: int, act_fn, shape=Tiles()
 ) -> torch.Tensor:
     """`reference.forward` (screen="sketch") in one launch; same inputs and output as `forward.forward`."""
     _check_device(x)
@@ -706,49 +633,12 @@ def forward(
     dev = x.device
     n_p2, chunk, sel = _selection(T, ke, inter, k, shape, dev)
     rank_p2 = triton.next_power_of_2(max(rank, 1))
-    # the multi-launch kernels' work split (forward.py), with this variant's tiles
-    screen_tiles = triton.cdiv(strip, shape.bq)
-    per = triton.cdiv(nb, max(1, min(nb, triton.cdiv(shape.programs, T * ke * screen_tiles))))
-    down_tiles = triton.cdiv(H, shape.bh)
-    rows_per_share = triton.cdiv(k, max(1, min(triton.cdiv(k, shape.bk), triton.cdiv(shape.programs, T * down_tiles))))
     flat, work = _workspace(T, {"est": (ke, rows), "gu": (k, 2), "z": (rank_p2,), "y": (H,)}, dev, zeroed=False)
-    scratch = {
-        "rot": torch.empty(T, nb, BLOCK, device=dev),
-        "coords": torch.empty(T, nb, scan, dtype=torch.int32, device=dev),
-        "values": torch.empty(T, nb, scan, device=dev),
-    }
-    out = torch.empty(T, H, dtype=x.dtype, device=dev)
-    sizes = dict(
-        T=T,
-        H=H,
-        nb=nb,
-        ke=ke,
-        inter=inter,
-        k=k,
-        rank=rank,
-        strip=strip,
-        rows=rows,
-        zero_n=flat.numel(),
-        zero_per=triton.cdiv(flat.numel(), T * nb),
-        screen_tiles=screen_tiles,
-        screen_shares=triton.cdiv(nb, per),
-        blocks_per_share=per,
-        exact_jt=triton.cdiv(k, shape.bk),
-        exact_ht=triton.cdiv(H, shape.exact_bh),
-        recover_it=triton.cdiv(inter, shape.bi),
-        down_tiles=down_tiles,
-        down_shares=triton.cdiv(k, rows_per_share),  # no empty share: each arrives
-        rows_per_share=rows_per_share,
-    )
+    sizes = {"T": T, "H": H, "nb": nb, "ke": ke, "inter": inter, "k": k, "rank": rank, "strip": strip, "rows": rows}
+    sizes |= {"zero_n": flat.numel(), "zero_per": triton.cdiv(flat.numel(), T * nb), **_split(shape, sizes)}
     sizes.update(zip(("stride_ce", "stride_ci", "stride_cr"), layer.coeffs.stride()))
     sizes.update(zip(("stride_bh", "stride_br"), layer.basis.stride()))
-    counts = {
-        "rot": T * nb,
-        "screen": T * ke * screen_tiles * sizes["screen_shares"],
-        "exact": T * sizes["exact_jt"] * sizes["exact_ht"],
-        "recover": T * ke * sizes["recover_it"],
-        "down": T * down_tiles * sizes["down_shares"],
-    }
+    out = torch.empty(T, H, dtype=x.dtype, device=dev)
     pointers = dict(
         x=x.contiguous(),
         signs=layer.signs,
@@ -762,29 +652,57 @@ def forward(
         down=down_rows,
         coeffs=layer.coeffs,
         basis=layer.basis,
+        rot=torch.empty(T, nb, BLOCK, device=dev),
+        coords=torch.empty(T, nb, scan, dtype=torch.int32, device=dev),
+        values=torch.empty(T, nb, scan, device=dev),
         zero=flat,
         out=out,
-        **scratch,
         **sel,
         **{name: work[name] for name in ("est", "gu", "z", "y")},
     )
-    constexprs = dict(
-        ACT=activation(act_fn),
-        HAS_RECOVERY=rank > 0,
-        N_P2=n_p2,
-        CHUNKS=n_p2 // chunk,
-        SCAN=scan,
-        BLOCK=BLOCK,
-        SC=shape.sc,
-        BQ=shape.bq,
-        BK=shape.bk,
-        EXACT_BH=shape.exact_bh,
-        BH=shape.bh,
-        BI=shape.bi,
-        RANK_P2=rank_p2,
-    )
-    _launch(shape, T, counts, pointers, sizes, constexprs, dev)
+    constexprs = _constexprs(shape, activation(act_fn), rank > 0, n_p2, chunk, scan, rank_p2)
+    _launch(shape, T, _counts(sizes), pointers, sizes, constexprs, dev)
     return out
+
+
+def _split(shape: Tiles, sizes: dict) -> dict:
+    """The phases' tiles and shares: the multi-launch kernels' work split (forward.py), with this variant's
+    tiles. `sizes`: the call's T, H, nb, ke, inter and k."""
+    T, H, nb, ke, k = (sizes[name] for name in ("T", "H", "nb", "ke", "k"))
+    screen_tiles = triton.cdiv(sizes["strip"], shape.bq)
+    per = triton.cdiv(nb, max(1, min(nb, triton.cdiv(shape.programs, T * ke * screen_tiles))))
+    down_tiles = triton.cdiv(H, shape.bh)
+    rows_per_share = triton.cdiv(k, max(1, min(triton.cdiv(k, shape.bk), triton.cdiv(shape.programs, T * down_tiles))))
+    return {
+        "screen_tiles": screen_tiles,
+        "screen_shares": triton.cdiv(nb, per),
+        "blocks_per_share": per,
+        "exact_jt": triton.cdiv(k, shape.bk),
+        "exact_ht": triton.cdiv(H, shape.exact_bh),
+        "recover_it": triton.cdiv(sizes["inter"], shape.bi),
+        "down_tiles": down_tiles,
+        "down_shares": triton.cdiv(k, rows_per_share),  # no empty share: each arrives
+        "rows_per_share": rows_per_share,
+    }
+
+
+def _counts(sizes: dict) -> dict:
+    """Each phase's programs but the select's (pivot and place: T and T·CHUNKS), from the call's sizes."""
+    T, ke = sizes["T"], sizes["ke"]
+    return {
+        "rot": T * sizes["nb"],
+        "screen": T * ke * sizes["screen_tiles"] * sizes["screen_shares"],
+        "exact": T * sizes["exact_jt"] * sizes["exact_ht"],
+        "recover": T * ke * sizes["recover_it"],
+        "down": T * sizes["down_tiles"] * sizes["down_shares"],
+    }
+
+
+def _constexprs(shape: Tiles, act: int, recovery: bool, n_p2: int, chunk: int, scan: int, rank_p2: int) -> dict:
+    """persistent_kernel's constexprs but those `_launch` adds (SEM, LIMIT, ZB, SPIN_NS)."""
+    select = {"ACT": act, "HAS_RECOVERY": recovery, "N_P2": n_p2, "CHUNKS": n_p2 // chunk}
+    tiles = {"SC": shape.sc, "BQ": shape.bq, "BK": shape.bk, "EXACT_BH": shape.exact_bh, "BH": shape.bh, "BI": shape.bi}
+    return select | {"SCAN": scan, "BLOCK": BLOCK, "RANK_P2": rank_p2} | tiles
 
 
 def select(
@@ -805,20 +723,6 @@ def select(
         norms=down_norms,
         **sel,
     )
-    constexprs = dict(
-        ACT=act,
-        HAS_RECOVERY=recovery,
-        N_P2=n_p2,
-        CHUNKS=n_p2 // chunk,
-        SCAN=1,
-        BLOCK=BLOCK,
-        SC=shape.sc,
-        BQ=shape.bq,
-        BK=shape.bk,
-        EXACT_BH=shape.exact_bh,
-        BH=shape.bh,
-        BI=shape.bi,
-        RANK_P2=1,
-    )
+    constexprs = _constexprs(shape, act, recovery, n_p2, chunk, 1, 1)
     _launch(shape, T, dict(rot=0, screen=0, exact=0, recover=0, down=0), pointers, sizes, constexprs, dev)
     return sel["expert"], sel["channel"], sel["weight"], (sel["q"] if recovery else None)
