@@ -44,6 +44,7 @@ from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.port import load_port
 from neuron_moe.reader import shard
 from neuron_moe.reader.sidecar import Sidecar
+from neuron_moe.spec import EXPORTED, Backend, Placement, Reader
 from neuron_moe.report import table, write_json
 from neuron_moe.tokenizer import load_tokenizer
 
@@ -54,6 +55,18 @@ def expert_int8_on_one_rank(port, ids, mask, n):
     module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, quantization="int8")
     module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
     return greedy(module, ids, mask, n)
+
+
+def tp_backend(tp: int, layers: str, *, quantization: str = "none", reader=None, **placement) -> Backend:
+    """validate's tp backend of one case over `layers` (`placement`: its expert_layout)."""
+    return Backend(
+        "tp", EXPORTED, placement=Placement(tp=tp, layers=layers, **placement), quantization=quantization, reader=reader
+    )
+
+
+def nxd_generator(port, tp: int, shards=None, **options) -> NxDGenerator:
+    """One case over NxD's layers (`shards`: the shard each rank loads, default its own)."""
+    return NxDGenerator(port, tp_backend(tp, "nxd", **options), shards=shards)
 
 
 def compare(got, want) -> dict:
@@ -105,13 +118,13 @@ def main() -> int:
                         "channel-int4": ({"quantization": "int4"}, "one-rank int4"),
                         "expert-int4": ({"expert_layout": layout.EXPERT, "quantization": "int4"}, "one-rank int4"),
                         f"reader {args.budget:g} %": (
-                            {"sidecar": tmp, "budget": args.budget},
+                            {"reader": Reader(sidecar=tmp, budget=args.budget)},
                             f"reader {args.budget:g} % emulated",
                         ),
                         "wrong-shard (control)": ({"shards": (0, 0)}, "HF eager"),
                     }
                 )
-            gens = {name: NxDGenerator(port, tp, **options) for name, (options, _) in cases.items()}
+            gens = {name: nxd_generator(port, tp, **options) for name, (options, _) in cases.items()}
             t0 = time.time()
             out = generate_nxd(gens, ids, mask, n)
             degrees.append({"tp": tp, "wall_seconds": time.time() - t0, "processes": tp})
@@ -128,7 +141,7 @@ def main() -> int:
                 )
             if tp == 2 and args.against_cpu:
                 cpu_gens = {
-                    name: TPGenerator(port, tp, **cases[name][0])
+                    name: TPGenerator(port, tp_backend(tp, "cpu", **cases[name][0]))
                     for name in ("channel", "expert", "channel-int8", "expert-int8", "channel-int4", "expert-int4")
                 }
                 stand_in = generate_replicated(cpu_gens, ids, mask, n)

@@ -19,6 +19,7 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.port import load_port
 from neuron_moe.reader import shard
 from neuron_moe.reader.sidecar import Sidecar
+from neuron_moe.spec import EXPORTED, Backend, Placement, Reader
 from neuron_moe.report import table, write_json
 from neuron_moe.tokenizer import load_tokenizer
 
@@ -63,10 +65,14 @@ def main() -> int:
         for tp in [int(t) for t in args.tp.split(",")]:
             t0 = time.time()
             shard.write_shards(whole, tmp, tp, progress=False)
+            backend = Backend("tp", EXPORTED, placement=Placement(tp=tp))
             gens = {
-                "channel": TPGenerator(port, tp),
-                "reader 100": TPGenerator(port, tp, sidecar=tmp, budget=100),
-                "reader": TPGenerator(port, tp, sidecar=tmp, budget=args.budget, rank=args.recovery_rank),
+                "channel": TPGenerator(port, backend),
+                "reader 100": TPGenerator(port, replace(backend, reader=Reader(sidecar=tmp, budget=100))),
+                "reader": TPGenerator(
+                    port,
+                    replace(backend, reader=Reader(sidecar=tmp, budget=args.budget, recovery_rank=args.recovery_rank)),
+                ),
             }
             out = generate_replicated(gens, ids, mask, args.new_tokens)
             emulated = build_model(port, "eager", torch.float32)

@@ -25,7 +25,7 @@ from neuron_moe.reader import accounting as acc
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.spec import Reader
 
-from conftest import expert_reads, random_prompts
+from conftest import expert_reads, random_prompts, tp_backend
 from test_dense_masked import prefill_logits
 
 
@@ -124,8 +124,8 @@ def test_tp2_int4_in_both_layouts_is_the_one_rank_int4(tiny_port):
 
     prompts = left_pad(random_prompts(tiny_port.config.vocab_size, [23, 7], seed=44), 0)
     gens = {
-        "channel": TPGenerator(tiny_port, 2, quantization="int4"),
-        "expert": TPGenerator(tiny_port, 2, expert_layout=layout.EXPERT, quantization="int4"),
+        "channel": TPGenerator(tiny_port, tp_backend(2, quantization="int4")),
+        "expert": TPGenerator(tiny_port, tp_backend(2, expert_layout=layout.EXPERT, quantization="int4")),
     }
     out = generate_replicated(gens, *prompts, 6)  # raises if rank 1's tokens differ from rank 0's
     want = greedy(build_model(tiny_port, "int4", torch.float32), *prompts, 6)

@@ -20,7 +20,7 @@ tier takes 4-14 s on 2 shared cores.
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import random_prompts, tp_backend
 
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.experts.quantization import quantize_experts
@@ -32,6 +32,7 @@ from neuron_moe.parallel.nxd_generator import NxDGenerator, generate_nxd
 from neuron_moe.parallel.trace import run_ranks
 from neuron_moe.reader import shard
 from neuron_moe.reader.sidecar import Sidecar
+from neuron_moe.spec import Reader
 
 SOURCE = nxd_source.locate()  # a bad NXD_SRC is an error here, not a skip
 pytestmark = pytest.mark.skipif(
@@ -60,7 +61,7 @@ def shards(tiny_port, tmp_path_factory):
     return out
 
 
-CASES = {  # name -> NxDGenerator options, all at TP 2
+CASES = {  # name -> the tp backend's options (`shards`: NxDGenerator's), all at TP 2
     "channel": {},
     "expert": {"expert_layout": layout.EXPERT},
     "channel-int8": {"quantization": "int8"},
@@ -71,10 +72,14 @@ CASES = {  # name -> NxDGenerator options, all at TP 2
 }
 
 
+def _nxd_generator(port, shards=None, **options):
+    return NxDGenerator(port, tp_backend(2, layers="nxd", **options), shards=shards)
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_port, prompts, shards):
-    gens = {name: NxDGenerator(tiny_port, 2, **options) for name, options in CASES.items()}
-    gens["reader"] = NxDGenerator(tiny_port, 2, sidecar=shards, budget=BUDGET, rank=RANK)
+    gens = {name: _nxd_generator(tiny_port, **options) for name, options in CASES.items()}
+    gens["reader"] = _nxd_generator(tiny_port, reader=Reader(sidecar=shards, budget=BUDGET, recovery_rank=RANK))
     return generate_nxd(gens, *prompts, NEW_TOKENS), gens
 
 

@@ -40,7 +40,7 @@ from neuron_moe.reader.prep import prep_layer
 from neuron_moe.reader.sidecar import LayerSidecar, Sidecar, SidecarError, SidecarLayout
 from neuron_moe.static import data_dependent_ops
 
-from conftest import random_prompts, reseeded
+from conftest import random_prompts, reseeded, tp_backend
 from test_parallel_layout import LAYER, block_state
 
 NEW_TOKENS = 6
@@ -126,7 +126,7 @@ def test_moe_block_on_every_rank_is_the_per_rank_reader(tiny_eager, tp):
 def test_tp1_is_the_one_rank_reader(tiny_port, shards, prompts):
     """TP 1's per-rank selection (its one shard, static graphs on a gloo rank) = `validate --backend
     reader` (HF's model with the one-rank reader): the same tokens, the logits to the fp32 bound."""
-    gen = TPGenerator(tiny_port, 1, sidecar=shards, budget=BUDGET, rank=RANK)
+    gen = TPGenerator(tiny_port, tp_backend(1, reader=Reader(sidecar=shards, budget=BUDGET, recovery_rank=RANK)))
     got = gen.generate(*prompts, NEW_TOKENS)
     want = greedy(
         reader_model(tiny_port, reader=Reader(sidecar=shards / shard.WHOLE, budget=BUDGET, recovery_rank=RANK)),
@@ -258,7 +258,7 @@ def test_a_shard_for_another_tp_rank_layout_or_model_is_refused(tiny_port, shard
     with pytest.raises(SidecarError, match="a sidecar of another model"):
         shard.open_shard(shards, 8, 0, load_port("gemma4-26b-a4b").config)
     with pytest.raises(SidecarError, match="made from other expert weights"):
-        TPGenerator(reseeded(tiny_port, 3), 2, sidecar=shards, budget=BUDGET)
+        TPGenerator(reseeded(tiny_port, 3), tp_backend(2, reader=Reader(sidecar=shards, budget=BUDGET)))
     with pytest.raises(SidecarError, match="reader shards exist for the 'channel' expert layout only"):
         shard.write_shards(Sidecar(shards / shard.WHOLE), tmp_path, 2, expert_layout="expert")
 
@@ -275,7 +275,7 @@ def test_a_byte_flipped_shard_is_refused_by_name(tiny_port, shards, tmp_path):
     raw[8 + n + begin + 5] ^= 0x01
     bad.write_bytes(bytes(raw))
     with pytest.raises(SidecarError, match=r"tp2-rank1\.safetensors: layer 2's tensors do not match their sha256"):
-        TPGenerator(tiny_port, 2, sidecar=tmp_path, budget=BUDGET)
+        TPGenerator(tiny_port, tp_backend(2, reader=Reader(sidecar=tmp_path, budget=BUDGET)))
 
 
 @pytest.mark.parametrize(
@@ -302,7 +302,7 @@ def test_validate_tp_reader_refuses_before_running(shards, capsys, flags, messag
 
 def test_int8_experts_with_the_reader_are_refused(tiny_port, shards):
     with pytest.raises(Exception, match="the reader reads float"):
-        TPGenerator(tiny_port, 2, quantization="int8", sidecar=shards, budget=BUDGET)
+        TPGenerator(tiny_port, tp_backend(2, quantization="int8", reader=Reader(sidecar=shards, budget=BUDGET)))
 
 
 _VIEWS = {

@@ -19,7 +19,7 @@ from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.parallel.model import rank_model
 
-from conftest import expert_reads, random_prompts
+from conftest import expert_reads, random_prompts, tp_backend
 
 NEW_TOKENS = 6
 
@@ -69,10 +69,10 @@ def test_rank_module_at_tp1_is_hf(tiny_eager, prompts, expert_layout):
 @pytest.mark.slow
 def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
     gens = {
-        "channel": TPGenerator(tiny_port, 8),
-        "int8": TPGenerator(tiny_port, 8, quantization="int8"),
-        "expert": TPGenerator(tiny_port, 8, expert_layout="expert"),
-        "naive": TPGenerator(tiny_port, 8, expert_layout="expert", scatter="naive"),
+        "channel": TPGenerator(tiny_port, tp_backend(8)),
+        "int8": TPGenerator(tiny_port, tp_backend(8, quantization="int8")),
+        "expert": TPGenerator(tiny_port, tp_backend(8, expert_layout="expert")),
+        "naive": TPGenerator(tiny_port, tp_backend(8, expert_layout="expert", scatter="naive")),
     }
     out = generate_replicated(gens, *prompts, NEW_TOKENS)  # raises if any rank's tokens differ from rank 0's
 
@@ -117,7 +117,7 @@ def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp2_tp4_match_the_reference(tiny_port, prompts, reference, tp):
     """The channel layout (the port's default), its decode graph gathering: batch 2 × top-4 < 16 experts."""
-    gen = TPGenerator(tiny_port, tp)
+    gen = TPGenerator(tiny_port, tp_backend(tp))
     got = gen.generate(*prompts, NEW_TOKENS)
     assert gen.expert_layout == "channel" and expert_reads(gen.programs["decode"])["gathered"]
     assert torch.equal(got.tokens, reference.tokens) and _close(got, reference) and _step0_within_fp32(got, reference)

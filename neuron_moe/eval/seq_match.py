@@ -139,9 +139,9 @@ def generator(port, backend: Backend, checkpoint=None) -> Generator:
     """What `backend` generates with on `port`'s model: its TP ranks, its exported graphs, its graphs as
     modules (compiled or not: each compile says so on stderr), or HF's model with its experts (the reader
     attached to it when it reads)."""
-    dtype = DTYPES[backend.dtype] if backend.dtype else None
     if backend.placement is not None:
-        return tp_generator(port, backend, dtype, checkpoint)
+        return tp_generator(port, backend, checkpoint)
+    dtype = DTYPES[backend.dtype] if backend.dtype else None
     if backend.graphs == EXPORTED:
         return traced_backend(port, dtype, checkpoint)
     if backend.graphs == MODULES:

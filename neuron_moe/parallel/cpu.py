@@ -202,15 +202,17 @@ def _expert_matmul(x, weight, expert_indices, scale=None):
 
 class _Int4:
     """The packed weight and its scales as parameters tagged as the float weight would be; written once
-    over a tag (`tag`) and an all-reduce (`reduce`) so `parallel/nxd.py` reuses it with NxD's."""
+    over a tag (`tag`) and an all-reduce (`reduce`) so `parallel/nxd.py` reuses it with NxD's. The
+    group size is int4's one (`experts/int4.py`), as `quantize_experts` writes the checkpoint."""
 
     tag = staticmethod(_tag)
     reduce = staticmethod(all_reduce)
+    group = int4.DEFAULT_GROUP
 
-    def _int4_params(self, shape: tuple[int, ...], dim: int, tp: int, stride: int, group: int) -> None:
+    def _int4_params(self, shape: tuple[int, ...], dim: int, tp: int, stride: int = 1) -> None:
         """`shape`: the rank's float weight (dim 1 its input dim; a row layer's already split)."""
-        int4.check_group(shape[1], group, "rank's input channels")
-        packed, scales = int4.shapes(shape, group)
+        int4.check_group(shape[1], self.group, "rank's input channels")
+        packed, scales = int4.shapes(shape, self.group)
         self.weight = self.tag(
             nn.Parameter(torch.zeros(packed, dtype=torch.uint8), requires_grad=False), dim, tp, stride
         )
@@ -222,9 +224,9 @@ class _Int4:
 class Int4ColumnParallel(_Int4, nn.Module):
     """An [out, in] linear in int4, split on the output dim (packed [out/t, in/2], scale [out/t, in/g])."""
 
-    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, group=int4.DEFAULT_GROUP):
+    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
         super().__init__()
-        self._int4_params((_per_rank(output_size, tp, "output size"), input_size), 0, tp, 1, group)
+        self._int4_params((_per_rank(output_size, tp, "output size"), input_size), 0, tp)
 
     def forward(self, x):
         return F.linear(x, int4.unpack(self.weight, self.group_scale, x.dtype))
@@ -234,10 +236,10 @@ class Int4RowParallel(_Int4, nn.Module):
     """An [out, in] linear in int4, split on the input dim (packed [out, in/2t], scale [out, in/tg]),
     all-reduce after the matmul."""
 
-    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, group=int4.DEFAULT_GROUP):
+    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
         super().__init__()
         self.tp = tp
-        self._int4_params((output_size, _per_rank(input_size, tp, "input size")), 1, tp, 1, group)
+        self._int4_params((output_size, _per_rank(input_size, tp, "input size")), 1, tp)
 
     def forward(self, x):
         return self.reduce(F.linear(x, int4.unpack(self.weight, self.group_scale, x.dtype)), self.tp)
@@ -248,19 +250,11 @@ class Int4ExpertFusedColumnParallel(_Int4, nn.Module):
     the output dim with the float layer's stride."""
 
     def __init__(
-        self,
-        num_experts: int,
-        input_size: int,
-        output_size: int,
-        *,
-        tp: int,
-        dtype=torch.float32,
-        stride: int = 1,
-        group=int4.DEFAULT_GROUP,
+        self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
     ):
         super().__init__()
         out = _per_rank(output_size, tp * stride, "output size") * stride
-        self._int4_params((num_experts, input_size, out), 2, tp, stride, group)
+        self._int4_params((num_experts, input_size, out), 2, tp, stride)
 
     def forward(self, x, expert_indices=None):
         return _int4_expert_matmul(x, self.weight, self.group_scale, expert_indices)
@@ -270,18 +264,9 @@ class Int4ExpertFusedRowParallel(_Int4, nn.Module):
     """E linears [E, in/t, out] in int4 (packed [E, in/2t, out], scale [E, in/tg, out]), split on the
     input dim; no all-reduce (the caller's follows the router-weighted sum)."""
 
-    def __init__(
-        self,
-        num_experts: int,
-        input_size: int,
-        output_size: int,
-        *,
-        tp: int,
-        dtype=torch.float32,
-        group=int4.DEFAULT_GROUP,
-    ):
+    def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
         super().__init__()
-        self._int4_params((num_experts, _per_rank(input_size, tp, "input size"), output_size), 1, tp, 1, group)
+        self._int4_params((num_experts, _per_rank(input_size, tp, "input size"), output_size), 1, tp)
 
     def forward(self, x, expert_indices=None):
         return _int4_expert_matmul(x, self.weight, self.group_scale, expert_indices)

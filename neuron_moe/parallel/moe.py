@@ -196,22 +196,11 @@ class ParallelMoE(nn.Module):
     """forward(router_input, experts_input), both [B, S, H]: the residual (the router normalises
     it itself) and pre_feedforward_layernorm_2 of it, as in Gemma4TextDecoderLayer."""
 
-    def __init__(
-        self,
-        config,
-        tp: int,
-        layers,
-        *,
-        expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
-        quantization: str = spec.NO_QUANTIZATION,
-        scatter: str = spec.SPMD,
-        dtype=torch.float32,
-    ):
+    def __init__(self, config, tp: int, layers, **options):
+        """`options`: `parallel_experts`' (expert_layout, quantization, scatter, dtype)."""
         super().__init__()
-        self.router = Gemma4TextRouter(config).to(dtype)
-        self.experts = parallel_experts(
-            config, tp, layers, expert_layout, quantization=quantization, scatter=scatter, dtype=dtype
-        )
+        self.router = Gemma4TextRouter(config).to(options.get("dtype", torch.float32))
+        self.experts = parallel_experts(config, tp, layers, **options)
 
     def local_router_weights(self, router_input: torch.Tensor) -> torch.Tensor:
         """The expert layout's scatter of the dense router weights to this rank's experts."""

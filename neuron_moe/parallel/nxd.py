@@ -33,6 +33,7 @@ Traps (shared/notes/neuron-apis.md):
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +41,6 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..experts import int4
 from . import cpu
 
 NXD_SOURCE = "aws-neuron/neuronx-distributed @ fbac349 (Release 2.29)"
@@ -249,117 +249,85 @@ def _check_tp(tp: int) -> None:
         )
 
 
-def ColumnParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, gather_output=False):
+def _linear(input_size: int, output_size: int, tp: int, dtype) -> dict:
+    """A linear's arguments to NxD (no bias), once the degree agrees with NxD's (`_check_tp`)."""
     _check_tp(tp)
+    return dict(input_size=input_size, output_size=output_size, bias=False, dtype=dtype)
+
+
+def _fused(num_experts: int, input_size: int, output_size: int, tp: int, dtype) -> dict:
+    """An expert-fused layer's arguments to NxD (no bias), once the degree agrees with NxD's."""
+    _check_tp(tp)
+    return dict(num_experts=num_experts, input_size=input_size, output_size=output_size, bias=False, dtype=dtype)
+
+
+def _int8(expert_wise: bool) -> dict:
+    """NxD's int8 arguments: a linear's, a scale per output channel (axis 0 of its [out, in] weight);
+    an expert-fused layer's (`expert_wise`), a scale per expert and output channel (axis 2 of [E, in,
+    out]), [E, 1, out], which selective loading gathers with the weight (`scale[expert_indices]`)."""
+    return dict(
+        quantization_type=_nxd(
+            "neuronx_distributed.quantization.quantization_config.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC"
+        )
+        if expert_wise
+        else _nxd("neuronx_distributed.quantization.quantization_config.QuantizationType.PER_CHANNEL_SYMMETRIC"),
+        quantized_dtype=_nxd("neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8"),
+        quantization_per_channel_axis=2 if expert_wise else 0,
+        scale_dtype=torch.float32,
+    )
+
+
+def ColumnParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, gather_output=False):
     return _nxd("neuronx_distributed.parallel_layers.layers.ColumnParallelLinear")(
-        input_size=input_size, output_size=output_size, bias=False, gather_output=gather_output, dtype=dtype
+        **_linear(input_size, output_size, tp, dtype), gather_output=gather_output
     )
 
 
 def RowParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-    _check_tp(tp)
     return _nxd("neuronx_distributed.parallel_layers.layers.RowParallelLinear")(
-        input_size=input_size, output_size=output_size, bias=False, input_is_parallel=True, dtype=dtype
-    )
-
-
-def _int8_per_channel() -> dict:
-    """A linear's int8: a scale per output channel (axis 0 of its [out, in] weight)."""
-    return dict(
-        quantization_type=_nxd(
-            "neuronx_distributed.quantization.quantization_config.QuantizationType.PER_CHANNEL_SYMMETRIC"
-        ),
-        quantized_dtype=_nxd("neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8"),
-        quantization_per_channel_axis=0,
-        scale_dtype=torch.float32,
-    )
-
-
-def _int8_expert_wise() -> dict:
-    """An expert-fused layer's int8: a scale per expert and output channel (axis 2 of [E, in, out]),
-    [E, 1, out]; selective loading gathers it with the weight (`scale[expert_indices]`)."""
-    return dict(
-        quantization_type=_nxd(
-            "neuronx_distributed.quantization.quantization_config.QuantizationType.EXPERT_WISE_PER_CHANNEL_SYMMETRIC"
-        ),
-        quantized_dtype=_nxd("neuronx_distributed.quantization.quantization_config.QuantizedDtype.INT8"),
-        quantization_per_channel_axis=2,
-        scale_dtype=torch.float32,
+        **_linear(input_size, output_size, tp, dtype), input_is_parallel=True
     )
 
 
 def QuantizedColumnParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-    _check_tp(tp)
     return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedColumnParallel")(
-        input_size=input_size,
-        output_size=output_size,
-        bias=False,
-        gather_output=False,
-        dtype=dtype,
-        **_int8_per_channel(),
+        **_linear(input_size, output_size, tp, dtype), gather_output=False, **_int8(expert_wise=False)
     )
 
 
 def QuantizedRowParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-    _check_tp(tp)
     return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel")(
-        input_size=input_size,
-        output_size=output_size,
-        bias=False,
-        input_is_parallel=True,
-        dtype=dtype,
-        **_int8_per_channel(),
+        **_linear(input_size, output_size, tp, dtype), input_is_parallel=True, **_int8(expert_wise=False)
     )
 
 
 def ExpertFusedColumnParallelLinear(
     num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
 ):
-    _check_tp(tp)
     return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear")(
-        num_experts=num_experts, input_size=input_size, output_size=output_size, bias=False, dtype=dtype, stride=stride
+        **_fused(num_experts, input_size, output_size, tp, dtype), stride=stride
     )
 
 
 def ExpertFusedRowParallelLinear(num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-    _check_tp(tp)
     return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedRowParallelLinear")(
-        num_experts=num_experts,
-        input_size=input_size,
-        output_size=output_size,
-        bias=False,
-        reduce_output=False,
-        dtype=dtype,
+        **_fused(num_experts, input_size, output_size, tp, dtype), reduce_output=False
     )
 
 
 def QuantizedExpertFusedColumnParallel(
     num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
 ):
-    _check_tp(tp)
     return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedColumnParallel")(
-        num_experts=num_experts,
-        input_size=input_size,
-        output_size=output_size,
-        bias=False,
-        dtype=dtype,
-        stride=stride,
-        **_int8_expert_wise(),
+        **_fused(num_experts, input_size, output_size, tp, dtype), stride=stride, **_int8(expert_wise=True)
     )
 
 
 def QuantizedExpertFusedRowParallel(
     num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32
 ):
-    _check_tp(tp)
     return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedRowParallel")(
-        num_experts=num_experts,
-        input_size=input_size,
-        output_size=output_size,
-        reduce_output=False,
-        bias=False,
-        dtype=dtype,
-        **_int8_expert_wise(),
+        **_fused(num_experts, input_size, output_size, tp, dtype), reduce_output=False, **_int8(expert_wise=True)
     )
 
 
@@ -374,44 +342,24 @@ def _reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
     return reduce_from_tensor_model_parallel_region(x, tp=tp)
 
 
-def _int4(layer: type) -> type:
+def _int4(layer: type) -> Callable:
     """`parallel/cpu.py`'s int4 layer as an NxD parallel linear (`shard_children` cuts only those),
-    tagged and all-reduced by NxD."""
-    base = _nxd("neuronx_distributed.parallel_layers.layers.BaseParallelLinear")
-    return type(layer.__name__, (layer, base), {"tag": staticmethod(_tag), "reduce": staticmethod(_reduce)})
+    tagged and all-reduced by NxD; it takes the same arguments (and has the same signature)."""
+
+    @functools.wraps(layer, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+    def build(*args, tp: int, **kwargs):
+        _check_tp(tp)
+        base = _nxd("neuronx_distributed.parallel_layers.layers.BaseParallelLinear")
+        nxd_layer = type(layer.__name__, (layer, base), {"tag": staticmethod(_tag), "reduce": staticmethod(_reduce)})
+        return nxd_layer(*args, tp=tp, **kwargs)
+
+    return build
 
 
-def Int4ColumnParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, group=int4.DEFAULT_GROUP):
-    _check_tp(tp)
-    return _int4(cpu.Int4ColumnParallel)(input_size, output_size, tp=tp, dtype=dtype, group=group)
-
-
-def Int4RowParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, group=int4.DEFAULT_GROUP):
-    _check_tp(tp)
-    return _int4(cpu.Int4RowParallel)(input_size, output_size, tp=tp, dtype=dtype, group=group)
-
-
-def Int4ExpertFusedColumnParallel(
-    num_experts: int,
-    input_size: int,
-    output_size: int,
-    *,
-    tp: int,
-    dtype=torch.float32,
-    stride: int = 1,
-    group=int4.DEFAULT_GROUP,
-):
-    _check_tp(tp)
-    return _int4(cpu.Int4ExpertFusedColumnParallel)(
-        num_experts, input_size, output_size, tp=tp, dtype=dtype, stride=stride, group=group
-    )
-
-
-def Int4ExpertFusedRowParallel(
-    num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, group=int4.DEFAULT_GROUP
-):
-    _check_tp(tp)
-    return _int4(cpu.Int4ExpertFusedRowParallel)(num_experts, input_size, output_size, tp=tp, dtype=dtype, group=group)
+Int4ColumnParallel = _int4(cpu.Int4ColumnParallel)
+Int4RowParallel = _int4(cpu.Int4RowParallel)
+Int4ExpertFusedColumnParallel = _int4(cpu.Int4ExpertFusedColumnParallel)
+Int4ExpertFusedRowParallel = _int4(cpu.Int4ExpertFusedRowParallel)
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int):

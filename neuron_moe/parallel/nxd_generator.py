@@ -30,11 +30,11 @@ import torch
 
 from ..errors import UserError
 from ..greedy import Generation
-from ..spec import NO_QUANTIZATION, SPMD
+from ..spec import SPMD, Backend, Placement
 from ..static.generator import StaticGenerator, choose_buckets, prompt_lengths
 from . import cpu, nxd, nxd_source
 from .model import materialize
-from .rank_job import RankJob
+from .rank_job import TP_DEGREE, RankJob, compute_dtype
 from .trace import run_ranks
 
 
@@ -42,48 +42,26 @@ class NxDGenerator:
     """The TP backend over NxD's layers. `shards`: which rank's shard each rank loads (default its
     own; a negative control loads another's)."""
 
-    def __init__(
-        self,
-        port,
-        tp: int,
-        dtype=None,
-        checkpoint=None,
-        *,
-        expert_layout: str | None = None,
-        quantization: str = NO_QUANTIZATION,
-        scatter: str = SPMD,
-        sidecar=None,
-        budget: float | None = None,
-        rank: int | None = None,
-        shards: tuple[int, ...] | None = None,
-    ):
-        if scatter != SPMD:
+    def __init__(self, port, backend: Backend, checkpoint=None, *, shards: tuple[int, ...] | None = None):
+        placement = backend.placement or Placement()
+        if placement.scatter != SPMD:
             raise UserError(
                 "the Python-int router scatter is wrong only in a graph traced once on rank 0; "
                 "--tp-layers nxd runs NxD's layers eagerly on every rank (its CPU mode), where it is "
                 "right: the cpu layer library shows the bug"
             )
-        if (dtype or port.dtype) != torch.float32:
+        dtype = compute_dtype(port, backend)
+        if dtype != torch.float32:
             raise UserError(
-                f"--tp-layers nxd runs float32 only, not {str(dtype or port.dtype).removeprefix('torch.')}:"
+                f"--tp-layers nxd runs float32 only, not {str(dtype).removeprefix('torch.')}:"
                 " NxD's CPU mode reduces over gloo, which has no bfloat16 sum"
             )
         self.source = nxd_source.require()  # before the weights load
+        tp = placement.degree(TP_DEGREE)
         shards = tuple(range(tp)) if shards is None else tuple(shards)
         if len(shards) != tp or not all(0 <= s < tp for s in shards):
             raise ValueError(f"shards must name one of {tp} ranks' shards per rank, got {shards}")
-        self.job = RankJob.prepare(
-            port,
-            tp,
-            dtype,
-            checkpoint,
-            expert_layout=expert_layout,
-            quantization=quantization,
-            scatter=scatter,
-            sidecar=sidecar,
-            budget=budget,
-            rank=rank,
-        )
+        self.job = RankJob.prepare(port, backend, checkpoint)
         self.tp, self.spec, self.shards = tp, self.job.spec, shards
         self.ran: dict | None = None  # after a run, rank 0's account of it (`_rank`)
 

@@ -1,10 +1,11 @@
 """What every rank module of a TP run is built from, whichever layer library runs it.
 
-`RankJob.prepare` makes every check that needs no weights (the degree, the reader's shards), then
-the full parallel-layout checkpoint (`layout.parallel_state_dict`; int8 or int4 experts quantised; the
-reader's per-rank shards concatenated) that the shard cutter (`cpu.shard_checkpoint`) cuts for
-each rank; `rank_module` builds a rank's module over `parallel.cpu` (trace once and replicate:
-`tp_generator.py`) or `parallel.nxd` (NxD's own layers in its CPU mode: `nxd_generator.py`).
+`RankJob.prepare` takes a TP backend (`spec.Backend`) whole and makes every check that needs no
+weights (the degree, the reader's shards), then the full parallel-layout checkpoint
+(`layout.parallel_state_dict`; int8 or int4 experts quantised; the reader's per-rank shards
+concatenated) that the shard cutter (`cpu.shard_checkpoint`) cuts for each rank; `rank_module`
+builds a rank's module over `parallel.cpu` (trace once and replicate: `tp_generator.py`) or
+`parallel.nxd` (NxD's own layers in its CPU mode: `nxd_generator.py`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,18 @@ from ..experts import int4
 from ..experts.quantization import quantize_experts
 from ..model import build_model
 from ..reader.prep import model_expert_weights
-from ..spec import CHANNEL_READER, EAGER, INT4_QUANTIZATION, NO_QUANTIZATION, SPMD
+from ..port import DTYPES
+from ..spec import CHANNEL_READER, EAGER, INT4_QUANTIZATION, Backend, Placement, Reader
 from . import layout, reader
 from .model import rank_model
 
 LIBRARY_CPU = "parallel/cpu.py (NxD's layer names over torch.distributed functional collectives, gloo)"
+TP_DEGREE = 8  # a TP backend's degree where its placement names none (validate --backend tp without --tp)
+
+
+def compute_dtype(port, backend: Backend) -> torch.dtype:
+    """The torch dtype the ranks compute in: `backend.dtype`'s, else the port's."""
+    return DTYPES[backend.dtype] if backend.dtype else port.dtype
 
 
 @dataclasses.dataclass
@@ -45,43 +53,36 @@ class RankJob:
         return None if self.reader is None else self.reader[1]
 
     @classmethod
-    def prepare(
-        cls,
-        port,
-        tp: int,
-        dtype=None,
-        checkpoint=None,
-        *,
-        expert_layout: str | None = None,
-        quantization: str = NO_QUANTIZATION,
-        scatter: str = SPMD,
-        sidecar=None,
-        budget: float | None = None,
-        rank: int | None = None,
-    ) -> RankJob:
-        """Every check that needs no weights first, then the weights."""
+    def prepare(cls, port, backend: Backend, checkpoint=None) -> RankJob:
+        """Every check that needs no weights first, then the weights. From `backend`: its placement (the
+        degree, default TP_DEGREE; the expert layout, default the port's [static]; the scatter), the
+        experts' format, the dtype (default the port's) and, with a sidecar directory, the reader."""
+        placement, settings = backend.placement or Placement(), backend.reader or Reader()
+        tp = placement.degree(TP_DEGREE)
         port.static_spec(f"the TP {tp} backend")
-        dtype = dtype or port.dtype
-        expert_layout = expert_layout or port.static.expert_layout
+        expert_layout = placement.layout(None) or port.static.expert_layout
         layout.check_degree(port.config, tp, expert_layout)  # before the weights load
-        if quantization == INT4_QUANTIZATION:
+        if backend.quantization == INT4_QUANTIZATION:
             int4.check_degree(port.config, tp, expert_layout)
-        spec, sides, settings = port.static, None, None
-        if sidecar is not None:  # the reader on decode steps: every check before the weights load
-            reader.check_reader(expert_layout, quantization, budget)
-            rank = port.reader.recovery_rank if rank is None else rank  # the port's default, as the one-rank reader's
-            sides, k, rank = reader.open_shards(port.config, sidecar, tp, budget, rank)
+        spec, sides, attached = port.static, None, None
+        if settings.sidecar is not None:  # the reader on decode steps: every check before the weights load
+            reader.check_reader(expert_layout, backend.quantization, settings.budget)
+            # the port's default recovery rank, as the one-rank reader's
+            rank = port.reader.recovery_rank if settings.recovery_rank is None else settings.recovery_rank
+            sides, k, rank = reader.open_shards(port.config, settings.sidecar, tp, settings.budget, rank)
             spec = dataclasses.replace(spec, decode_experts=CHANNEL_READER.name)
-            settings = (sides[0].layout, k, sides[0].scan, rank)
+            attached = (sides[0].layout, k, sides[0].scan, rank)
+        dtype = compute_dtype(port, backend)
         hf = build_model(port, EAGER, dtype, checkpoint)
         if sides is not None:
             sides[0].check_source(model_expert_weights(hf))  # one prep for all ranks: check_shards
         full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
         del hf
-        full = quantize_experts(full, quantization)  # streamed: each float experts linear dropped as it is quantised
+        # streamed: each float experts linear dropped as it is quantised
+        full = quantize_experts(full, backend.quantization)
         if sides is not None:
             full.update(reader.full_state(sides))
-        return cls(port.config, spec, tp, dtype, expert_layout, quantization, scatter, full, settings)
+        return cls(port.config, spec, tp, dtype, expert_layout, backend.quantization, placement.scatter, full, attached)
 
     def rank_module(self, layers, device: str = "cpu"):
         """A rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`), the reader

@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..greedy import Generation
 from ..static.export import checked, example_inputs, functional
 from ..static.generator import StaticGenerator
-from ..spec import NO_QUANTIZATION, SPMD, Backend, Reader
+from ..spec import Backend, Placement
 from . import cpu
 from .nxd_generator import NxDGenerator
 from .rank_job import LIBRARY_CPU, RankJob
@@ -36,40 +36,15 @@ from .trace import export_rank0, generation_job, run_replicated
 class TPGenerator(StaticGenerator):
     """StaticGenerator whose graphs are rank-0 exports of the rank module, run on t processes."""
 
-    def __init__(
-        self,
-        port,
-        tp: int,
-        dtype=None,
-        checkpoint=None,
-        *,
-        expert_layout: str | None = None,
-        quantization: str = NO_QUANTIZATION,
-        scatter: str = SPMD,
-        logits: bool = True,
-        sidecar=None,
-        budget: float | None = None,
-        rank: int | None = None,
-    ):
-        job = RankJob.prepare(
-            port,
-            tp,
-            dtype,
-            checkpoint,
-            expert_layout=expert_layout,
-            quantization=quantization,
-            scatter=scatter,
-            sidecar=sidecar,
-            budget=budget,
-            rank=rank,
-        )
+    def __init__(self, port, backend: Backend, checkpoint=None, *, logits: bool = True):
+        job = RankJob.prepare(port, backend, checkpoint)
         module = job.rank_module(cpu)
-        shards = cpu.shard_checkpoint(job.full, module, tp)
+        shards = cpu.shard_checkpoint(job.full, module, job.tp)
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
         # the graphs (static/decoder.py) hold the model as `.model`
         self.states = [{f"model.{k}": v for k, v in shard.items()} for shard in shards]
         super().__init__(module, job.spec, logits=logits)
-        self.tp, self.expert_layout = tp, job.expert_layout
+        self.tp, self.expert_layout = job.tp, job.expert_layout
         self.reader_k = job.reader_k  # channels per token and rank on decode steps (None: no reader)
 
     def details(self) -> dict:
@@ -113,30 +88,18 @@ def generate_replicated(
     return out
 
 
-TP_DEGREE = 8  # the degree of validate's tp backend unless --tp gives another
 GENERATORS = {"cpu": TPGenerator, "nxd": NxDGenerator}  # by the layer library the rank modules are built over
 
 
-def tp_generator(port, backend: Backend, dtype=None, checkpoint=None):
+def tp_generator(port, backend: Backend, checkpoint=None):
     """A `validate` generator of TP ranks (`backend.placement`) over a layer library (`cpu`: trace once
     and replicate on gloo; `nxd`: NxD's own layers in its CPU mode, `nxd_generator.py`), at the
-    placement's degree (default TP_DEGREE), with int8 or int4 experts and the reader in the decode graph as
-    `backend` asks. The returned callable's `details` name the layers and the degree."""
-    placement, reader = backend.placement, backend.reader or Reader()
-    if placement.library not in GENERATORS:
-        raise UserError(f"unknown layer library {placement.library!r}; expected one of {', '.join(GENERATORS)}")
-    gen = GENERATORS[placement.library](
-        port,
-        placement.degree(TP_DEGREE),
-        dtype,
-        checkpoint,
-        expert_layout=placement.layout(None),
-        quantization=backend.quantization,
-        scatter=placement.scatter,
-        sidecar=reader.sidecar,
-        budget=reader.budget,
-        rank=reader.recovery_rank,
-    )
+    placement's degree (default `rank_job.TP_DEGREE`), with int8 or int4 experts and the reader in the
+    decode graph as `backend` asks. The returned callable's `details` name the layers and the degree."""
+    library = (backend.placement or Placement()).library
+    if library not in GENERATORS:
+        raise UserError(f"unknown layer library {library!r}; expected one of {', '.join(GENERATORS)}")
+    gen = GENERATORS[library](port, backend, checkpoint)
 
     def run(input_ids, attention_mask, max_new_tokens):
         return gen.generate(input_ids, attention_mask, max_new_tokens)
