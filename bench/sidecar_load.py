@@ -43,16 +43,17 @@ def best(fn, repeats: int) -> float:
 
 
 def random_layer(layout: SidecarLayout) -> dict[str, torch.Tensor]:
-    """One layer's tensors in `layout`: valid random codes, random numbers."""
+    """One layer's tensors in `layout`: valid random codes, random numbers (the scales and the norms at
+    least 0, as `Sidecar.layer` requires of them)."""
     gen = torch.Generator().manual_seed(0)
-    return {
-        name: (
-            torch.randint(0, CODE_BYTES, shape, generator=gen, dtype=torch.uint8)
-            if dtype == torch.uint8
-            else torch.randn(shape, generator=gen).to(dtype)
-        )
-        for name, (dtype, shape) in layout.layer_tensors().items()
-    }
+    layer = {}
+    for name, (dtype, shape) in layout.layer_tensors().items():
+        if dtype == torch.uint8:
+            layer[name] = torch.randint(0, CODE_BYTES, shape, generator=gen, dtype=torch.uint8)
+        else:
+            numbers = torch.randn(shape, generator=gen)
+            layer[name] = (numbers.abs() if name in ("scales", "down_norms") else numbers).to(dtype)
+    return layer
 
 
 def timings(path: Path, repeats: int) -> dict[str, float]:
