@@ -61,39 +61,19 @@ PROMPT_LENGTHS = [14, 33, 21, 60, 9, 47, 28, 17]  # 60: past the largest bucket,
 MAX_TOKENS = [96, 64, 112, 80, 72, 104, 88, 120]
 
 
-def measure(rows: int, step_ms: float, requests: int, port_dir: Path, graphs: bool = False) -> dict:
-    """One run of the load on the `neuron_moe` this process imports -> the samples (ms) and the
-    run's totals. `graphs`: the tiny port's own static graphs on CPU instead of the stand-in."""
+def stand_in(rows: int, step_ms: float, text, calls: list, generating):
+    """A `GraphRuntime` whose graph callables return their tokens at once, or after `step_ms` of sleep
+    (which releases the GIL as a real graph call does): the fixed text's next token for each row, each
+    row at its own place in it. Each call is recorded on `calls` as (graph, entry, exit, rows generating)."""
     import torch
 
-    from neuron_moe.serve.batching import BatchEngine
-    from neuron_moe.serve.engine import SamplingParams
-    from neuron_moe.serve.metrics import Metrics
-    from neuron_moe.serve.scheduler import Job
     from neuron_moe.static.rows import GraphRuntime
-    from neuron_moe.tokenizer import HFTokenizer
 
-    torch.set_num_threads(1)
-    tokenizer = HFTokenizer(port_dir)
-    corpus = tokenizer.encode(TEXT, add_special_tokens=False)
-    text = torch.tensor(corpus)
-    calls: list[tuple[str, float, float, int]] = []  # (graph, entry, exit, rows generating)
-    engine = None
     sleep = step_ms / 1000
-
-    def timed(graph, call):
-        def run(*inputs):
-            start = time.perf_counter()
-            generating = len(engine.batch.generating()) if graph == "decode" else 0
-            out = call(*inputs)
-            calls.append((graph, start, time.perf_counter(), generating))
-            return out
-
-        return run
 
     def prefill(ids, mask, positions, row_ids, sampling):
         start = time.perf_counter()
-        out = text[(positions[:, -1] + 1 + 97 * row_ids) % len(corpus)][:, None]
+        out = text[(positions[:, -1] + 1 + 97 * row_ids) % len(text)][:, None]
         if sleep:
             time.sleep(sleep)
         calls.append(("prefill", start, time.perf_counter(), 0))
@@ -101,32 +81,47 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path, graphs: bo
 
     def decode(ids, positions, sampling):
         start = time.perf_counter()
-        out = text[(positions[:, 0] + 1 + 97 * torch.arange(rows)) % len(corpus)][:, None]
-        generating = len(engine.batch.generating())
+        out = text[(positions[:, 0] + 1 + 97 * torch.arange(rows)) % len(text)][:, None]
+        now = generating()
         if sleep:
             time.sleep(sleep)
-        calls.append(("decode", start, time.perf_counter(), generating))
+        calls.append(("decode", start, time.perf_counter(), now))
         return (out,)
 
-    runtime = GraphRuntime(
+    return GraphRuntime(
         prefill, decode, batch=rows, buckets=(8, 56), prefill_rows=(1, 4), max_length=512, candidates=256, chunk=56
     )
-    if graphs:  # the real graphs, timed as the stand-in's calls are
-        from neuron_moe.model import build_model
-        from neuron_moe.port import load_port
-        from neuron_moe.static.runtime import static_runtime
 
-        port = load_port("tiny-gemma4-moe")
-        runtime = static_runtime(build_model(port, port.static.decode_experts, torch.float32), port.static, rows)
-        runtime._prefill, runtime._decode = timed("prefill", runtime._prefill), timed("decode", runtime._decode)
-    engine = BatchEngine(runtime, tokenizer, set() if graphs else {tokenizer.eos_token_id})  # every request runs out
-    engine.metrics = Metrics("stand-in")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="bench-event-loop", daemon=True)
-    thread.start()
 
-    async def stream(job) -> int:
-        return sum([1 async for item in job.events() if item is not None])
+def tiny_graphs(rows: int, calls: list, generating):
+    """The tiny port's own static graphs on CPU (`serve --backend static`'s runtime at batch `rows`), each
+    call recorded on `calls` as the stand-in's are."""
+    import torch
+
+    from neuron_moe.model import build_model
+    from neuron_moe.port import load_port
+    from neuron_moe.static.runtime import static_runtime
+
+    def timed(graph, call):
+        def run(*inputs):
+            start = time.perf_counter()
+            now = generating() if graph == "decode" else 0
+            out = call(*inputs)
+            calls.append((graph, start, time.perf_counter(), now))
+            return out
+
+        return run
+
+    port = load_port("tiny-gemma4-moe")
+    runtime = static_runtime(build_model(port, port.static.decode_experts, torch.float32), port.static, rows)
+    runtime._prefill, runtime._decode = timed("prefill", runtime._prefill), timed("decode", runtime._decode)
+    return runtime
+
+
+def workload(engine, corpus: list[int], requests: int, graphs: bool) -> list[tuple]:
+    """The requests, (prompt, SamplingParams) each: prompts cut from the text, half of them sampled, stop
+    strings that never occur."""
+    from neuron_moe.serve.engine import SamplingParams
 
     work = []
     for i in range(requests):
@@ -137,8 +132,22 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path, graphs: bo
         sampled = i % 2 == 0
         params = SamplingParams(budget, temperature=0.8 if sampled else 0.0, top_p=0.95, seed=1000 + i, stop=STOPS)
         work.append((prompt, params))
+    return work
 
-    async def serve() -> list[int]:
+
+def serve(engine, work: list[tuple]) -> tuple[list[int], float]:
+    """Every request streamed through a `scheduler.Job` read by an asyncio loop in another thread, as
+    the HTTP handlers do -> the events each request got, and the wall time of them all."""
+    from neuron_moe.serve.scheduler import Job
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="bench-event-loop", daemon=True)
+    thread.start()
+
+    async def stream(job) -> int:
+        return sum([1 async for item in job.events() if item is not None])
+
+    async def all_jobs() -> list[int]:
         jobs = []
         for prompt, params in work:
             job = Job(loop, engine.metrics, len(prompt))
@@ -148,14 +157,19 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path, graphs: bo
 
     started = time.perf_counter()
     try:
-        events = asyncio.run_coroutine_threadsafe(serve(), loop).result(timeout=600)
+        events = asyncio.run_coroutine_threadsafe(all_jobs(), loop).result(timeout=600)
     finally:
         wall = time.perf_counter() - started
         engine.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
-    assert sum(events) == sum(params.max_tokens for _, params in work), "a request fell short"
+    return events, wall
 
+
+def engine_costs(calls: list, rows: int) -> dict[str, list[float]]:
+    """From the timed graph calls: the engine's cost per decode step (the time from one decode call's entry
+    to the next's, less the time inside calls) over the steps with every row generating, that step's wall
+    time, and the cost of a step with a prefill call less the median decode-only cost (ms)."""
     decode_ms, decode_wall_ms, prefill_ms = [], [], []
     decodes = [i for i, c in enumerate(calls) if c[0] == "decode"]
     for a, b in zip(decodes, decodes[1:]):
@@ -167,12 +181,39 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path, graphs: bo
         if b == a + 1:
             decode_wall_ms.append(1e3 * period)
     base = median(decode_ms)
-    prefill_ms = [ms - base for ms in prefill_ms]
+    return {"decode_ms": decode_ms, "decode_wall_ms": decode_wall_ms, "prefill_ms": [ms - base for ms in prefill_ms]}
+
+
+def measure(rows: int, step_ms: float, requests: int, port_dir: Path, graphs: bool = False) -> dict:
+    """One run of the load on the `neuron_moe` this process imports -> the samples (ms) and the
+    run's totals. `graphs`: the tiny port's own static graphs on CPU instead of the stand-in."""
+    import torch
+
+    from neuron_moe.serve.batching import BatchEngine
+    from neuron_moe.serve.metrics import Metrics
+    from neuron_moe.tokenizer import HFTokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = HFTokenizer(port_dir)
+    corpus = tokenizer.encode(TEXT, add_special_tokens=False)
+    calls: list[tuple[str, float, float, int]] = []  # (graph, entry, exit, rows generating)
+    engine = None
+
+    def generating() -> int:
+        return len(engine.batch.generating())
+
+    if graphs:  # the real graphs, timed as the stand-in's calls are
+        runtime = tiny_graphs(rows, calls, generating)
+    else:
+        runtime = stand_in(rows, step_ms, torch.tensor(corpus), calls, generating)
+    engine = BatchEngine(runtime, tokenizer, set() if graphs else {tokenizer.eos_token_id})  # every request runs out
+    engine.metrics = Metrics("stand-in")
+    work = workload(engine, corpus, requests, graphs)
+    events, wall = serve(engine, work)
+    assert sum(events) == sum(params.max_tokens for _, params in work), "a request fell short"
     tokens = sum(events)
     return {
-        "decode_ms": decode_ms,
-        "decode_wall_ms": decode_wall_ms,
-        "prefill_ms": prefill_ms,
+        **engine_costs(calls, rows),
         "tokens": tokens,
         "tokens_per_s": tokens / wall,
         "neuron_moe": str(Path(sys.modules["neuron_moe"].__file__).parent),

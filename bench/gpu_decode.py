@@ -61,7 +61,8 @@ from pathlib import Path
 import torch
 from transformers import Gemma4ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, StaticCache
 
-from bench.gpu_env import command, default_json, header, interpret_on_cpu, machine
+from bench.gpu_env import default_json, header, interpret_on_cpu, machine
+from bench.harness import command, write_results
 from neuron_moe import experts as _registered  # noqa: F401  (registers channel_reader, dense_masked)
 from neuron_moe import spec
 from neuron_moe.errors import UserError
@@ -73,7 +74,7 @@ from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import padded, random_signs
 from neuron_moe.reader.prep import SCAN, down_rows, model_expert_weights, prep_layer
 from neuron_moe.reader.sidecar import BLOCK, LayerSidecar
-from neuron_moe.report import atomic_write, table, write_json
+from neuron_moe.report import table
 
 BUDGETS = (17.8, 12.8)
 PAPER_BATCH1 = (1.15, 1.36)  # the source paper's full-model decode gain at batch 1
@@ -438,13 +439,17 @@ COLUMNS = [
 
 
 def write_report(report, dest: str) -> None:
+    """The speed-ups and the paper's figure filled in, then the JSON and its page (`page`) beside it."""
     speedups(report["rows"])
     for r in report["rows"]:
         if r["batch"] == 1 and r["experts"].startswith("reader"):
             r["paper_batch1"] = "{}–{}×".format(*PAPER_BATCH1)
-    write_json(report, dest)
-    if dest == "-":
-        return
+    write_results(report, dest, page)
+
+
+def page(report) -> str:
+    """The markdown page: the machine, the command, the models, the table (the steps, prompt, replays and
+    reader kernels as this run's command line set them)."""
     lines = [
         f"# bench/gpu_decode.py — {report['machine']['device']}",
         "",
@@ -465,8 +470,7 @@ def write_report(report, dest: str) -> None:
             f"{info['layers']} layers in {info.get('prep_s', 0):.1f} s (the rest reuse them in turn)"
         )
     lines += ["", table(report["rows"], COLUMNS, markdown=True), ""]
-    with atomic_write(Path(dest).with_suffix(".md")) as f:
-        f.write("\n".join(lines))
+    return "\n".join(lines)
 
 
 def run_model(report, dest, name) -> None:

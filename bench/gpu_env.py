@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import ROOT
 
 
 def default_json(name: str, dry_run: bool) -> Path:
@@ -29,11 +29,6 @@ def interpret_on_cpu(module: str, argv: list[str]) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", module, *argv], {**os.environ, "TRITON_INTERPRET": "1"})
-
-
-def command(module: str, argv: list[str]) -> str:
-    """The command line that ran, as it is typed from the repository root."""
-    return " ".join(["python", "-m", module, *argv])
 
 
 def driver_version() -> str:

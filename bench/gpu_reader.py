@@ -46,14 +46,14 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 from transformers.activations import ACT2FN
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
-from bench.gpu_env import command, default_json, header, interpret_on_cpu, machine
+from bench.gpu_env import default_json, header, interpret_on_cpu, machine
+from bench.harness import command, write_results
 from neuron_moe.reader import reference
 from neuron_moe.reader.accounting import full_bytes, reads, solve_k
 from neuron_moe.spec import Reader
@@ -64,7 +64,7 @@ from neuron_moe.reader.triton import forward as triton_reader
 from neuron_moe.reader.triton import persistent
 from neuron_moe.reader.triton.variants import FUSED, RELAXED, SELECTS, reader_forward
 from neuron_moe.reader.triton.variants import NAMES as VARIANTS
-from neuron_moe.report import atomic_write, table, write_json
+from neuron_moe.report import table
 
 # (hidden, experts, top_k, intermediate, activation, recovery rank)
 GEOMETRIES = {
@@ -263,48 +263,68 @@ def same_picks(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def reader_stages(layers, inputs, k, rank, iters, variants):
-    """Microseconds per call of each stage of the Triton reader (`triton/forward.py`), each timed on
-    its own over the same calls with the previous stages' outputs precomputed: where the time goes.
-    A stage that reduces into a zeroed buffer is timed with its own zeroing (one more launch).
-    And, for each select variant's stage, whether it picks exactly what the default does (the same
-    expert, channel, weight and recovery weight tensors from the same estimates)."""
+def prepared(layer, x, index, weights, k, rank) -> dict:
+    """Every stage's inputs for one call: the previous stages' outputs, computed by the default reader."""
+    sc = layer.sidecar
+    act = triton_reader.activation(layer.act_fn)
+    coords, values = triton_reader.rotate_scan(x, sc.signs, 80)
+    est = triton_reader.screen(values, coords, index, sc.codes, sc.scales)
+    expert, channel, weight, q = triton_reader.select(est, index, weights, sc.down_norms, k, act)
+    gu = triton_reader.exact(x, expert, channel, layer.gate_up)
+    z = triton_reader.recover(q, index, sc.coeffs, rank)
+    return dict(
+        L=layer,
+        sc=sc,
+        act=act,
+        x=x,
+        coords=coords,
+        values=values,
+        est=est,
+        index=index,
+        weights=weights,
+        expert=expert,
+        channel=channel,
+        weight=weight,
+        q=q,
+        gu=gu,
+        z=z,
+    )
 
-    def prepared(layer, x, index, weights):
-        sc = layer.sidecar
-        act = triton_reader.activation(layer.act_fn)
-        coords, values = triton_reader.rotate_scan(x, sc.signs, 80)
-        est = triton_reader.screen(values, coords, index, sc.codes, sc.scales)
-        expert, channel, weight, q = triton_reader.select(est, index, weights, sc.down_norms, k, act)
-        gu = triton_reader.exact(x, expert, channel, layer.gate_up)
-        z = triton_reader.recover(q, index, sc.coeffs, rank)
-        return dict(
-            L=layer,
-            sc=sc,
-            act=act,
-            x=x,
-            coords=coords,
-            values=values,
-            est=est,
-            index=index,
-            weights=weights,
-            expert=expert,
-            channel=channel,
-            weight=weight,
-            q=q,
-            gu=gu,
-            z=z,
-        )
 
-    stages = {
+def screen(d, **options):
+    return triton_reader.screen(d["values"], d["coords"], d["index"], d["sc"].codes, d["sc"].scales, **options)
+
+
+def select(d, k, **options):
+    return triton_reader.select(d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], **options)
+
+
+def down(d, rank, **options):
+    return triton_reader.down(
+        d["gu"],
+        d["weight"],
+        d["expert"],
+        d["channel"],
+        d["L"].down_rows,
+        d["act"],
+        d["sc"].basis,
+        d["z"],
+        rank,
+        **options,
+    )
+
+
+def stages(k, rank, variants) -> dict:
+    """Name -> the stage as a call on `prepared`'s inputs: the Triton reader's stages (`triton/forward.py`),
+    forward(fuse=True)'s two that differ, and variants beside the defaults (`triton/forward.py` chose its
+    defaults from such rows; the select variants of `variants`, the one-launch kernel's select, relaxed)."""
+    out = {
         "rotate+scan": lambda d: triton_reader.rotate_scan(d["x"], d["sc"].signs, 80),
-        "screen": lambda d: triton_reader.screen(d["values"], d["coords"], d["index"], d["sc"].codes, d["sc"].scales),
-        "select": lambda d: triton_reader.select(d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"]),
+        "screen": screen,
+        "select": lambda d: select(d, k),
         "exact gate/up": lambda d: triton_reader.exact(d["x"], d["expert"], d["channel"], d["L"].gate_up),
         "recover": lambda d: triton_reader.recover(d["q"], d["index"], d["sc"].coeffs, rank),
-        "down (+U)": lambda d: triton_reader.down(
-            d["gu"], d["weight"], d["expert"], d["channel"], d["L"].down_rows, d["act"], d["sc"].basis, d["z"], rank
-        ),
+        "down (+U)": lambda d: down(d, rank),
         "zeroing alone": lambda d: torch.zeros(
             d["x"].shape[0], d["est"].shape[1] * d["est"].shape[2], device=d["x"].device
         ),
@@ -325,57 +345,36 @@ def reader_stages(layers, inputs, k, rank, iters, variants):
             torch.zeros_like(d["z"]),
         ),
     }
-    # variants beside the defaults (`triton/forward.py` chose its defaults from such rows)
     for warps in (2, 4):
-        stages[f"screen, {warps} warps"] = lambda d, w=warps: triton_reader.screen(
-            d["values"], d["coords"], d["index"], d["sc"].codes, d["sc"].scales, warps=w
-        )
+        out[f"screen, {warps} warps"] = functools.partial(screen, warps=warps)
     for warps in (4, 16):
-        stages[f"select, {warps} warps"] = lambda d, w=warps: triton_reader.select(
-            d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], warps=w
-        )
+        out[f"select, {warps} warps"] = functools.partial(select, k=k, warps=warps)
     for variant in (v for v in variants if v in SELECTS):
-        stages[f"select, {variant}"] = lambda d, kw=triton_reader.SELECT_VARIANTS[variant]: triton_reader.select(
-            d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"], **kw
-        )
+        out[f"select, {variant}"] = functools.partial(select, k=k, **triton_reader.SELECT_VARIANTS[variant])
     if any(v in persistent.PERSISTENT_VARIANTS for v in variants):  # the one-launch kernel's pivot and place alone
-        stages["select, across programs"] = lambda d: persistent.select(
+        out["select, across programs"] = lambda d: persistent.select(
             d["est"], d["index"], d["weights"], d["sc"].down_norms, k, d["act"]
         )
     if RELAXED in variants:
-        stages["screen, relaxed"] = lambda d: triton_reader.screen(
-            d["values"], d["coords"], d["index"], d["sc"].codes, d["sc"].scales, sem="relaxed"
-        )
-        stages["down (+U), relaxed"] = lambda d: triton_reader.down(
-            d["gu"],
-            d["weight"],
-            d["expert"],
-            d["channel"],
-            d["L"].down_rows,
-            d["act"],
-            d["sc"].basis,
-            d["z"],
-            rank,
-            sem="relaxed",
-        )
-    stages["down (+U), split 16"] = lambda d: triton_reader.down(
-        d["gu"],
-        d["weight"],
-        d["expert"],
-        d["channel"],
-        d["L"].down_rows,
-        d["act"],
-        d["sc"].basis,
-        d["z"],
-        rank,
-        split=16,
-    )
+        out["screen, relaxed"] = functools.partial(screen, sem="relaxed")
+        out["down (+U), relaxed"] = functools.partial(down, rank=rank, sem="relaxed")
+    out["down (+U), split 16"] = functools.partial(down, rank=rank, split=16)
+    return out
+
+
+def reader_stages(layers, inputs, k, rank, iters, variants):
+    """Microseconds per call of each of `stages`, each timed on its own over the same calls with the
+    previous stages' outputs precomputed: where the time goes. A stage that reduces into a zeroed buffer
+    is timed with its own zeroing (one more launch). And, for each select variant's stage, whether it picks
+    exactly what the default does (the same expert, channel, weight and recovery weight tensors from the
+    same estimates)."""
     distinct = 1 if DEVICE == "cpu" else min(iters, len(layers) * len(inputs))  # a dry run only runs each once
-    calls = [(prepared(*c),) for c in cycled(layers, inputs, distinct)]
+    calls = [(prepared(*c, k, rank),) for c in cycled(layers, inputs, distinct)]
     calls = [calls[i % len(calls)] for i in range(iters)]
-    want = stages["select"](*calls[0])
+    timed_stages = stages(k, rank, variants)
+    want = timed_stages["select"](*calls[0])
     out, same = {}, {}
-    for name, fn in stages.items():
+    for name, fn in timed_stages.items():
         variant = name.startswith("select, ") and "warps" not in name  # a selection: its picks are checked
         try:  # one device call per session: a stage that fails leaves the others' times
             if variant:
@@ -626,11 +625,8 @@ def tables(report) -> list[tuple[str, str, list]]:
     ]
 
 
-def write_report(report, dest: str) -> None:
-    """The JSON, and its tables as markdown beside it (`.md`), both written atomically."""
-    write_json(report, dest)
-    if dest == "-":
-        return
+def page(report) -> str:
+    """The markdown page of a run's JSON: the machine, the command, the preflight and the tables."""
     lines = [
         f"# bench/gpu_reader.py — {report['machine']['device']}",
         "",
@@ -642,8 +638,103 @@ def write_report(report, dest: str) -> None:
     ]
     for title, key, columns in tables(report):
         lines += [f"## {title}", "", table(report[key], columns, markdown=True), ""]
-    with atomic_write(Path(dest).with_suffix(".md")) as f:
-        f.write("\n".join(lines))
+    return "\n".join(lines)
+
+
+def wanted_variants() -> list[str]:
+    """--variants, checked against the known ones (default: all; a dry run: one of each kind)."""
+    wanted = DRY_VARIANTS if args.dry_run else VARIANTS
+    if args.variants:
+        wanted = [] if args.variants == ["none"] else args.variants
+    unknown = sorted(set(wanted) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    return wanted
+
+
+def impl_row(name, geo, tokens, impl, fn, per_token, k, layers, inputs, rank, copy_bw) -> dict:
+    """One implementation at one batch: checked, then timed (a dry run: the check's one call); a failure
+    is recorded in the row, and the rest are still measured."""
+    row = {"geometry": name, "tokens": tokens, "impl": impl, "k": k or geo.channels}
+    try:
+        err, ok, seconds = check(fn, layers[0], *inputs[0], k, rank)
+        graphed = False
+        if not args.dry_run:
+            seconds, graphed = timed(fn, cycled(layers, inputs, args.iters))
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}" + (f"\ncaused by {e.__cause__!r}" if e.__cause__ else "")
+        print(f"{name} T={tokens} {impl}: FAILED {why}", flush=True)
+        return row | {"check_ok": False, "error": why[-2000:]}
+    nbytes = per_token * tokens
+    print(f"{name} T={tokens} {impl}: {seconds * 1e6:.1f} us, check {'ok' if ok else 'FAILED'} ({err:.1e})", flush=True)
+    return row | {
+        "check_rel_err": err,
+        "check_ok": ok,
+        "us": seconds * 1e6,
+        "cuda_graph": graphed,
+        "bytes": nbytes,
+        "read_percent": 100 * per_token / full_bytes(geo),
+        "GBps": nbytes / seconds / 1e9,
+        "of_copy_bw": nbytes / seconds / copy_bw,
+    }
+
+
+def stage_rows(name, tokens, layers, inputs, k, rank, variants) -> list[dict]:
+    """The reader's stages at one batch (`reader_stages`), a row each; none where they failed."""
+    try:
+        times, same = reader_stages(layers, inputs, k, rank, args.iters, variants)
+    except Exception as e:
+        print(f"{name} T={tokens} reader stages: FAILED {type(e).__name__}: {e}", flush=True)
+        return []
+    return [
+        {
+            "geometry": name,
+            "tokens": tokens,
+            "budget": BUDGETS[0],
+            "stage": stage,
+            "us": us,
+            **({"same_picks": same[stage]} if stage in same else {}),
+        }
+        for stage, us in times.items()
+    ]
+
+
+def add_speedups(rows, name) -> None:
+    """Each timed row of the geometry: × the fastest dense implementation at its batch."""
+    for r in rows:
+        if r["geometry"] == name:
+            dense = [
+                x["us"]
+                for x in rows
+                if x["geometry"] == name
+                and x["tokens"] == r["tokens"]
+                and not x["impl"].startswith("reader")
+                and "us" in x
+            ]
+            if dense and "us" in r:
+                r["speedup_vs_best_dense"] = min(dense) / r["us"]
+
+
+def measure_geometry(report, name, shape, variants, gen, copy_bw) -> None:
+    """One geometry: every implementation at every batch (`impl_row`) and the reader's stages, into `report`."""
+    hidden, experts, top_k, inter, act, rank = shape
+    geo = Geometry(hidden=hidden, experts=experts, top_k=top_k, intermediate=inter)
+    layers = [Layer(hidden, experts, inter, act, rank, gen) for _ in range(args.layers)]
+    impls = implementations(geo, rank, variants)
+    for tokens in args.batches:
+        inputs = []
+        for _ in range(min(args.iters, 8)):
+            index, weights = routing(tokens, experts, top_k, gen)
+            x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(BF16)
+            inputs.append((x, index, weights))
+        for impl, (fn, per_token, k) in impls.items():
+            report["rows"].append(impl_row(name, geo, tokens, impl, fn, per_token, k, layers, inputs, rank, copy_bw))
+        if args.dry_run and tokens != args.batches[0]:
+            continue  # a dry run runs each stage once, at its first batch: the interpreter is slow
+        k = impls[f"reader-{BUDGETS[0]}"][2]
+        report["reader_stages"] += stage_rows(name, tokens, layers, inputs, k, rank, variants)
+    del layers
+    add_speedups(report["rows"], name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -655,12 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         DEVICE = "cpu"
     if args.preflight:
         return preflight(args.preflight)
-    wanted = DRY_VARIANTS if args.dry_run else VARIANTS
-    if args.variants:
-        wanted = [] if args.variants == ["none"] else args.variants
-    unknown = sorted(set(wanted) - set(VARIANTS))
-    if unknown:
-        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    wanted = wanted_variants()
     at = variant_geometry()
     # the default too ("bisect"): its check at the real shapes, and its kernels compiled beside the others'
     variants, preflight_ok = checked_variants(["bisect", *wanted])
@@ -682,98 +768,18 @@ def main(argv: list[str] | None = None) -> int:
         "targets": [],
         "preflight": preflight_ok,
     }
-    rows, stage_rows = report["rows"], report["reader_stages"]
-    for name, (hidden, experts, top_k, inter, act, rank) in geometries().items():
-        geo = Geometry(hidden=hidden, experts=experts, top_k=top_k, intermediate=inter)
-        layers = [Layer(hidden, experts, inter, act, rank, gen) for _ in range(args.layers)]
-        impls = implementations(geo, rank, variants if name == at else [])
-        for tokens in args.batches:
-            inputs = []
-            for _ in range(min(args.iters, 8)):
-                index, weights = routing(tokens, experts, top_k, gen)
-                x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(BF16)
-                inputs.append((x, index, weights))
-            for impl, (fn, per_token, k) in impls.items():
-                try:
-                    err, ok, seconds = check(fn, layers[0], *inputs[0], k, rank)
-                    graphed = False
-                    if not args.dry_run:
-                        seconds, graphed = timed(fn, cycled(layers, inputs, args.iters))
-                except Exception as e:  # one device call per session: record the failure, measure the rest
-                    why = f"{type(e).__name__}: {e}" + (f"\ncaused by {e.__cause__!r}" if e.__cause__ else "")
-                    print(f"{name} T={tokens} {impl}: FAILED {why}", flush=True)
-                    rows.append(
-                        {
-                            "geometry": name,
-                            "tokens": tokens,
-                            "impl": impl,
-                            "k": k or geo.channels,
-                            "check_ok": False,
-                            "error": why[-2000:],
-                        }
-                    )
-                    continue
-                nbytes = per_token * tokens
-                rows.append(
-                    {
-                        "geometry": name,
-                        "tokens": tokens,
-                        "impl": impl,
-                        "k": k or geo.channels,
-                        "check_rel_err": err,
-                        "check_ok": ok,
-                        "us": seconds * 1e6,
-                        "cuda_graph": graphed,
-                        "bytes": nbytes,
-                        "read_percent": 100 * per_token / full_bytes(geo),
-                        "GBps": nbytes / seconds / 1e9,
-                        "of_copy_bw": nbytes / seconds / copy_bw,
-                    }
-                )
-                print(
-                    f"{name} T={tokens} {impl}: {seconds * 1e6:.1f} us, check {'ok' if ok else 'FAILED'} ({err:.1e})",
-                    flush=True,
-                )
-            k = impls[f"reader-{BUDGETS[0]}"][2]
-            if args.dry_run and tokens != args.batches[0]:
-                continue  # a dry run runs each stage once, at its first batch: the interpreter is slow
-            try:
-                times, same = reader_stages(layers, inputs, k, rank, args.iters, variants if name == at else [])
-                for stage, us in times.items():
-                    stage_rows.append(
-                        {
-                            "geometry": name,
-                            "tokens": tokens,
-                            "budget": BUDGETS[0],
-                            "stage": stage,
-                            "us": us,
-                            **({"same_picks": same[stage]} if stage in same else {}),
-                        }
-                    )
-            except Exception as e:
-                print(f"{name} T={tokens} reader stages: FAILED {type(e).__name__}: {e}", flush=True)
-        del layers
-        for r in rows:
-            if r["geometry"] == name:
-                dense = [
-                    x["us"]
-                    for x in rows
-                    if x["geometry"] == name
-                    and x["tokens"] == r["tokens"]
-                    and not x["impl"].startswith("reader")
-                    and "us" in x
-                ]
-                if dense and "us" in r:
-                    r["speedup_vs_best_dense"] = min(dense) / r["us"]
-        report["variants"] = variants_side_by_side(rows, stage_rows)
-        report["targets"] = targets(rows)
-        write_report(report, dest)  # after each geometry: a run cut short keeps what it measured
+    for name, shape in geometries().items():
+        measure_geometry(report, name, shape, variants if name == at else [], gen, copy_bw)
+        report["variants"] = variants_side_by_side(report["rows"], report["reader_stages"])
+        report["targets"] = targets(report["rows"])
+        write_results(report, dest, page)  # after each geometry: a run cut short keeps what it measured
     print(f"\nJSON: {dest} (markdown beside it)")
     for title, key, columns in tables(report):
         print(f"\n{title}:\n" + table(report[key], columns))
     faults = 0 if args.dry_run else persistent.faults(DEVICE)
     if faults:
         print(f"the one-launch kernel counted {faults} wait(s) that gave up: its times are not to be trusted")
+    rows = report["rows"]
     checked = all(r["check_ok"] for r in rows + report["variants"]) and all(preflight_ok.values())
     return 0 if checked and not faults else 1
 

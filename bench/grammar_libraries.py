@@ -298,11 +298,14 @@ def main(argv=None) -> int:
     ap.add_argument("--libraries", default="xgrammar,llguidance")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    from bench.harness import command
+    from neuron_moe.report import atomic_write
+
     libs = [{"xgrammar": XGrammar, "llguidance": LLGuidance}[name] for name in args.libraries.split(",")]
     results = run(libs, args.walks, args.seed)
     if args.json:
         report = {
-            "command": "python -m bench.grammar_libraries " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": command("bench.grammar_libraries", argv if argv is not None else sys.argv[1:]),
             "versions": {name: metadata.version(name) for name in ("xgrammar", "llguidance")},
             "host": {"machine": platform.machine(), "threads": torch.get_num_threads(), "load": os.getloadavg()},
             "schema": SCHEMA,
@@ -310,9 +313,8 @@ def main(argv=None) -> int:
             "choices": CHOICES,
             "results": results,
         }
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        tmp.replace(args.json)
+        with atomic_write(args.json) as f:
+            f.write(json.dumps(report, indent=1) + "\n")
     return 0
 
 

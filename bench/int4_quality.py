@@ -23,7 +23,6 @@ experts' matmuls are the int4 forward's. Per variant:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import command, write_results
 from neuron_moe.eval.reader_eval import item_sequence
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
 from neuron_moe.eval.tasks import accuracy_by_task, score_items
@@ -39,7 +39,6 @@ from neuron_moe.experts import int4
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.port import load_port
-from neuron_moe.report import atomic_write
 from neuron_moe.tasks import eval_items
 from neuron_moe.tokenizer import load_tokenizer
 
@@ -110,7 +109,7 @@ def run(args) -> dict:
     for r in results.values():
         del r["_answers"], r["_prompts"]
     return {
-        "command": "python -m bench.int4_quality " + " ".join(sys.argv[1:]),
+        "command": command("bench.int4_quality", sys.argv[1:]),
         "hardware": f"CPU ({platform.machine()}), {args.threads} thread(s); nothing here ran on Neuron or a GPU",
         "torch": torch.__version__,
         "commit": commit,
@@ -154,12 +153,7 @@ def main(argv=None) -> int:
     table = render(report)
     print(table)
     if args.out:
-        for path, text in (
-            (args.out.with_suffix(".json"), json.dumps(report, indent=2) + "\n"),
-            (args.out.with_suffix(".table.md"), table),
-        ):
-            with atomic_write(path) as f:
-                f.write(text)
+        write_results(report, args.out.with_suffix(".json"), render, args.out.with_suffix(".table.md"))
     return 0
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from bench.harness import command
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.experts.quantization import quantize_experts
@@ -44,8 +45,8 @@ from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.port import load_port
 from neuron_moe.reader import shard
 from neuron_moe.reader.sidecar import Sidecar
-from neuron_moe.spec import EXPORTED, Backend, Placement, Reader
 from neuron_moe.report import table, write_json
+from neuron_moe.spec import EXPORTED, Backend, Placement, Reader
 from neuron_moe.tokenizer import load_tokenizer
 
 
@@ -55,6 +56,25 @@ def expert_int8_on_one_rank(port, ids, mask, n):
     module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, quantization="int8")
     module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
     return greedy(module, ids, mask, n)
+
+
+def compare(got, want) -> dict:
+    return {
+        "tokens_equal": bool(torch.equal(got.tokens, want.tokens)),
+        "step0": float((got.logits[:, 0] - want.logits[:, 0]).abs().max()),
+        "all_steps": float((got.logits - want.logits).abs().max()),
+        "max_logit": float(want.logits.abs().max()),
+    }
+
+
+def references(port, ids, mask, n: int) -> dict:
+    """The references the cases are held to, each greedy over the prompts in one process."""
+    return {
+        "HF eager": greedy(build_model(port, "eager", torch.float32), ids, mask, n),
+        "one-rank int8": greedy(build_model(port, "int8", torch.float32), ids, mask, n),
+        "expert int8 at TP 1": expert_int8_on_one_rank(port, ids, mask, n),
+        "one-rank int4": greedy(build_model(port, "int4", torch.float32), ids, mask, n),
+    }
 
 
 def tp_backend(tp: int, layers: str, *, quantization: str = "none", reader=None, **placement) -> Backend:
@@ -69,13 +89,74 @@ def nxd_generator(port, tp: int, shards=None, **options) -> NxDGenerator:
     return NxDGenerator(port, tp_backend(tp, "nxd", **options), shards=shards)
 
 
-def compare(got, want) -> dict:
+def tp2_cases(budget: float, sidecar: str) -> dict[str, tuple[dict, str]]:
+    """The cases run at TP 2 only: name -> (NxDGenerator options, the reference's name)."""
     return {
-        "tokens_equal": bool(torch.equal(got.tokens, want.tokens)),
-        "step0": float((got.logits[:, 0] - want.logits[:, 0]).abs().max()),
-        "all_steps": float((got.logits - want.logits).abs().max()),
-        "max_logit": float(want.logits.abs().max()),
+        "channel-int8": ({"quantization": "int8"}, "one-rank int8"),
+        "expert-int8": ({"expert_layout": layout.EXPERT, "quantization": "int8"}, "expert int8 at TP 1"),
+        "channel-int4": ({"quantization": "int4"}, "one-rank int4"),
+        "expert-int4": ({"expert_layout": layout.EXPERT, "quantization": "int4"}, "one-rank int4"),
+        f"reader {budget:g} %": ({"reader": Reader(sidecar=sidecar, budget=budget)}, f"reader {budget:g} % emulated"),
+        "wrong-shard (control)": ({"shards": (0, 0)}, "HF eager"),
     }
+
+
+def against_cpu(port, tp: int, cases: dict, rows: list[dict], out: dict, ids, mask, n: int) -> None:
+    """The TP 2 layouts on the gloo stand-in: each row's step-0 logits of NxD against the stand-in's."""
+    cpu_gens = {
+        name: TPGenerator(port, tp_backend(tp, "cpu", **cases[name][0]))
+        for name in ("channel", "expert", "channel-int8", "expert-int8", "channel-int4", "expert-int4")
+    }
+    stand_in = generate_replicated(cpu_gens, ids, mask, n)
+    for row in rows:
+        if row["tp"] == tp and row["case"] in stand_in:
+            got, cpu_out = out[row["case"]], stand_in[row["case"]]
+            row["step0_vs_cpu_layers"] = float((got.logits[:, 0] - cpu_out.logits[:, 0]).abs().max())
+
+
+def run_degree(port, tp: int, whole: Sidecar, tmp: str, refs: dict, args, ids, mask) -> tuple[list[dict], dict]:
+    """One TP degree's cases on t forked gloo processes: a row per case, and the degree's wall time."""
+    n = args.new_tokens
+    cases = {"channel": ({}, "HF eager"), "expert": ({"expert_layout": layout.EXPERT}, "HF eager")}
+    if tp == 2:
+        shard.write_shards(whole, tmp, tp, progress=False)
+        emulated = build_model(port, "eager", torch.float32)
+        # the TP backend reads at the port's [reader] recovery rank unless told: the emulation too
+        attach_reader(emulated, whole.path, args.budget, port.reader.recovery_rank, tp=tp)
+        refs[f"reader {args.budget:g} % emulated"] = greedy(emulated, ids, mask, n)
+        cases.update(tp2_cases(args.budget, tmp))
+    gens = {name: nxd_generator(port, tp, **options) for name, (options, _) in cases.items()}
+    t0 = time.time()
+    out = generate_nxd(gens, ids, mask, n)
+    degree = {"tp": tp, "wall_seconds": time.time() - t0, "processes": tp}
+    rows = [
+        {
+            "tp": tp,
+            "case": name,
+            "reference": ref,
+            **compare(out[name], refs[ref]),
+            "seconds": gens[name].ran["seconds"],
+            "expected": "fail" if "control" in name else "pass",
+        }
+        for name, (_, ref) in cases.items()
+    ]
+    if tp == 2 and args.against_cpu:
+        against_cpu(port, tp, cases, rows, out, ids, mask, n)
+    print(f"TP {tp}: {time.time() - t0:.1f} s", file=sys.stderr)
+    return rows, degree
+
+
+COLUMNS = [
+    ("tp", "TP"),
+    ("case", "case"),
+    ("reference", "against"),
+    ("tokens_equal", "tokens equal"),
+    ("step0", "max|Δlogit| step 0", "{:.1e}"),
+    ("all_steps", "max|Δlogit| all steps", "{:.1e}"),
+    ("seconds", "s (rank 0)", "{:.2f}"),
+    ("expected", "expected"),
+    ("ok", "as expected"),
+]
 
 
 def main() -> int:
@@ -90,83 +171,21 @@ def main() -> int:
     port = load_port("tiny-gemma4-moe")
     tok = load_tokenizer(port)
     ids, mask = left_pad([tok.encode(p) for p in DEFAULT_PROMPTS], tok.pad_token_id)
-    n = args.new_tokens
-    refs = {
-        "HF eager": greedy(build_model(port, "eager", torch.float32), ids, mask, n),
-        "one-rank int8": greedy(build_model(port, "int8", torch.float32), ids, mask, n),
-        "expert int8 at TP 1": expert_int8_on_one_rank(port, ids, mask, n),
-        "one-rank int4": greedy(build_model(port, "int4", torch.float32), ids, mask, n),
-    }
+    refs = references(port, ids, mask, args.new_tokens)
     rows, degrees, started = [], [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
         whole = Sidecar(prep_port(port, Path(tmp) / shard.WHOLE))
         for tp in [int(t) for t in args.tp.split(",")]:
-            cases = {"channel": ({}, "HF eager"), "expert": ({"expert_layout": layout.EXPERT}, "HF eager")}
-            if tp == 2:
-                shard.write_shards(whole, tmp, tp, progress=False)
-                emulated = build_model(port, "eager", torch.float32)
-                # the TP backend reads at the port's [reader] recovery rank unless told: the emulation too
-                attach_reader(emulated, whole.path, args.budget, port.reader.recovery_rank, tp=tp)
-                refs[f"reader {args.budget:g} % emulated"] = greedy(emulated, ids, mask, n)
-                cases.update(
-                    {
-                        "channel-int8": ({"quantization": "int8"}, "one-rank int8"),
-                        "expert-int8": (
-                            {"expert_layout": layout.EXPERT, "quantization": "int8"},
-                            "expert int8 at TP 1",
-                        ),
-                        "channel-int4": ({"quantization": "int4"}, "one-rank int4"),
-                        "expert-int4": ({"expert_layout": layout.EXPERT, "quantization": "int4"}, "one-rank int4"),
-                        f"reader {args.budget:g} %": (
-                            {"reader": Reader(sidecar=tmp, budget=args.budget)},
-                            f"reader {args.budget:g} % emulated",
-                        ),
-                        "wrong-shard (control)": ({"shards": (0, 0)}, "HF eager"),
-                    }
-                )
-            gens = {name: nxd_generator(port, tp, **options) for name, (options, _) in cases.items()}
-            t0 = time.time()
-            out = generate_nxd(gens, ids, mask, n)
-            degrees.append({"tp": tp, "wall_seconds": time.time() - t0, "processes": tp})
-            for name, (_, ref) in cases.items():
-                rows.append(
-                    {
-                        "tp": tp,
-                        "case": name,
-                        "reference": ref,
-                        **compare(out[name], refs[ref]),
-                        "seconds": gens[name].ran["seconds"],
-                        "expected": "fail" if "control" in name else "pass",
-                    }
-                )
-            if tp == 2 and args.against_cpu:
-                cpu_gens = {
-                    name: TPGenerator(port, tp_backend(tp, "cpu", **cases[name][0]))
-                    for name in ("channel", "expert", "channel-int8", "expert-int8", "channel-int4", "expert-int4")
-                }
-                stand_in = generate_replicated(cpu_gens, ids, mask, n)
-                for row in rows:
-                    if row["tp"] == tp and row["case"] in stand_in:
-                        got, cpu_out = out[row["case"]], stand_in[row["case"]]
-                        row["step0_vs_cpu_layers"] = float((got.logits[:, 0] - cpu_out.logits[:, 0]).abs().max())
-            print(f"TP {tp}: {time.time() - t0:.1f} s", file=sys.stderr)
+            degree_rows, degree = run_degree(port, tp, whole, tmp, refs, args, ids, mask)
+            rows += degree_rows
+            degrees.append(degree)
     for row in rows:
         row["ok"] = (
             row["tokens_equal"]
             and row["step0"] <= 2e-6 * row["max_logit"]
             and row["all_steps"] <= 1e-4 * row["max_logit"]
         ) == (row["expected"] == "pass")
-    columns = [
-        ("tp", "TP"),
-        ("case", "case"),
-        ("reference", "against"),
-        ("tokens_equal", "tokens equal"),
-        ("step0", "max|Δlogit| step 0", "{:.1e}"),
-        ("all_steps", "max|Δlogit| all steps", "{:.1e}"),
-        ("seconds", "s (rank 0)", "{:.2f}"),
-        ("expected", "expected"),
-        ("ok", "as expected"),
-    ]
+    columns = list(COLUMNS)
     if args.against_cpu:
         columns.insert(6, ("step0_vs_cpu_layers", "step 0 vs cpu layers", "{:.1e}"))
     print(table(rows, columns))
@@ -175,7 +194,7 @@ def main() -> int:
         "nxd_version": source.version,
         "nxd_commit": source.commit,
         "nxd_source_digest": source.digest,
-        "new_tokens": n,
+        "new_tokens": args.new_tokens,
         "prompts": list(DEFAULT_PROMPTS),
         "budget": args.budget,
         "rows": rows,
@@ -184,7 +203,7 @@ def main() -> int:
         "machine": f"CPU ({platform.machine()}), gloo ranks as forked processes, one torch thread each",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "command": "python -m bench.nxd_cpu_mode " + " ".join(sys.argv[1:]),
+        "command": command("bench.nxd_cpu_mode", sys.argv[1:]),
     }
     if args.json:
         write_json(report, args.json)

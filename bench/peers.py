@@ -58,7 +58,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_load import PROMPTS, engine_counters, machine, run_load, start_server, summarize, uptime
+from bench.harness import machine, uptime
+from bench.serve_load import PROMPTS, engine_counters, run_load, start_server, summarize
 from neuron_moe.port import load_port
 from neuron_moe.report import check_output, table, write_json
 

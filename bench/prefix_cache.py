@@ -39,8 +39,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_load import machine, stats, wait_ready
+from bench.harness import machine
+from bench.serve_load import stats, wait_ready
 from neuron_moe.port import load_port
+from neuron_moe.report import atomic_write
 from neuron_moe.static.prefix import BLOCK
 
 MODES = {"without prefix caching": "--no-enable-prefix-caching", "with prefix caching": "--enable-prefix-caching"}
@@ -155,7 +157,7 @@ def run(url: str, model: str, prompts: list[list[list[int]]], warm: list[int], a
     }
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-gemma4-moe")
     p.add_argument("--seq-len", type=int, default=512, help="the served cache's positions (default 512)")
@@ -179,8 +181,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the report here")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def load_prompts(args) -> tuple[list[int], list[list[list[int]]]]:
+    """The warm-up prompt and each client's prompts: the shared prefix (BOS, then random ids) and a
+    suffix of random ids of its own, whose first never extends the prefix's held run."""
     vocab = load_port(args.model).config.vocab_size
     rng = random.Random(args.seed)
     prefix = [2] + [rng.randrange(3, vocab) for _ in range(args.prefix_tokens - 1)]
@@ -192,7 +198,39 @@ def main(argv=None) -> int:
         return [first] + [rng.randrange(3, vocab) for _ in range(args.suffix_tokens - 1)]
 
     warm = prefix + suffix()
-    prompts = [[prefix + suffix() for _ in range(args.requests)] for _ in range(args.clients)]
+    return warm, [[prefix + suffix() for _ in range(args.requests)] for _ in range(args.clients)]
+
+
+def print_report(args, report: dict) -> None:
+    """The two runs side by side, in a markdown table, and the verdicts."""
+    expected = report["expected_with_caching"]
+    on = report["runs"]["with prefix caching"]
+    print(
+        f"{args.clients} clients x {args.requests} streamed completions"
+        f"{' in rounds (--bursts)' if args.bursts else ''}, "
+        f"greedy, {args.max_tokens} tokens each; "
+        f"prompts: a shared {args.prefix_tokens}-token prefix + {args.suffix_tokens} tokens of their own; "
+        f"serve --backend static --batch-size {args.batch_size}, max_cache_len {args.seq_len}, "
+        f"buckets {args.buckets or load_port(args.model).static.buckets}"
+    )
+    print("| run | TTFT mean | TTFT p50 | TTFT p90 | TTFT p99 | E2EL p50 | prefix queries | prefix hits | hits made |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in report["runs"].items():
+        t, made = r["ttft_ms"], expected["hits"] if r is on else 0
+        print(
+            f"| {name} (`{r['flag']}`) | {t['mean']:.1f} ms | {t['p50']:.1f} ms | {t['p90']:.1f} ms | "
+            f"{t['p99']:.1f} ms | {r['e2el_ms']['p50']:.1f} ms | {r['queries']:.0f} | {r['hits']:.0f} | {made} |"
+        )
+    print(
+        f"TTFT p50 without / with: {report['ttft_p50_ratio']:.2f}x; outputs identical: {report['identical_outputs']}; "
+        f"counters as expected: {report['counters_match']}"
+    )
+    print(f"load: before {report['machine_before']['uptime']}; after {report['machine_after']['uptime']}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warm, prompts = load_prompts(args)
     n = args.clients * args.requests
     expected = {
         "queries": n * (args.prefix_tokens + args.suffix_tokens),
@@ -218,30 +256,10 @@ def main(argv=None) -> int:
     report["ttft_p50_ratio"] = off["ttft_ms"]["p50"] / on["ttft_ms"]["p50"]
     report["expected_with_caching"] = expected
     report["counters_match"] = {"queries": on["queries"] == expected["queries"], "hits": on["hits"] == expected["hits"]}
-
-    print(
-        f"{args.clients} clients x {args.requests} streamed completions"
-        f"{' in rounds (--bursts)' if args.bursts else ''}, "
-        f"greedy, {args.max_tokens} tokens each; "
-        f"prompts: a shared {args.prefix_tokens}-token prefix + {args.suffix_tokens} tokens of their own; "
-        f"serve --backend static --batch-size {args.batch_size}, max_cache_len {args.seq_len}, "
-        f"buckets {args.buckets or load_port(args.model).static.buckets}"
-    )
-    print("| run | TTFT mean | TTFT p50 | TTFT p90 | TTFT p99 | E2EL p50 | prefix queries | prefix hits | hits made |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, r in report["runs"].items():
-        t, made = r["ttft_ms"], expected["hits"] if r is on else 0
-        print(
-            f"| {name} (`{r['flag']}`) | {t['mean']:.1f} ms | {t['p50']:.1f} ms | {t['p90']:.1f} ms | "
-            f"{t['p99']:.1f} ms | {r['e2el_ms']['p50']:.1f} ms | {r['queries']:.0f} | {r['hits']:.0f} | {made} |"
-        )
-    print(
-        f"TTFT p50 without / with: {report['ttft_p50_ratio']:.2f}x; outputs identical: {report['identical_outputs']}; "
-        f"counters as expected: {report['counters_match']}"
-    )
-    print(f"load: before {report['machine_before']['uptime']}; after {report['machine_after']['uptime']}")
+    print_report(args, report)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        with atomic_write(args.json) as f:
+            f.write(json.dumps(report, indent=1) + "\n")
     return 0 if report["identical_outputs"] and all(report["counters_match"].values()) else 1
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.harness import write_results
 from neuron_moe.eval import reader_batch as RB
 from neuron_moe.eval import reader_eval as R
 from neuron_moe.eval.reader_report import _pyplot
@@ -56,7 +57,7 @@ from neuron_moe.reader import selectors as S
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.sidecar import Sidecar
 from neuron_moe import spec
-from neuron_moe.report import atomic_write, table, write_json
+from neuron_moe.report import table, write_json
 from neuron_moe.tokenizer import answer_text, load_tokenizer
 
 GEOMETRIES = {
@@ -213,7 +214,8 @@ GEOMETRY = [
 ]
 
 
-def write_report(report: dict, out: Path) -> None:
+def page(report: dict) -> str:
+    """report.md: the measured cells and the accounting, as tables."""
     full_correct = report["full_model"]["accuracy"]["correct"] if report["full_model"] else None
     cells = []
     for c in report["cells"]:
@@ -233,46 +235,40 @@ def write_report(report: dict, out: Path) -> None:
         table(report["geometries"], GEOMETRY, markdown=True),
         "",
     ]
-    with atomic_write(out / "report.md") as f:
-        f.write("\n".join(lines))
+    return "\n".join(lines)
 
 
 def holding(cells: list[dict], batch: int, limit: float) -> dict | None:
     """The batch rule's cell with the least reads whose KL stays within `limit`, at that B."""
-    ok = [
-        c
-        for c in cells
-        if c["batch"] == batch
-        and c["rule"].startswith("batch")
-        and "raw" not in c["rule"]
-        and "scan" not in c["rule"]
-        and c["kl_mean"] <= limit
-    ]
-    return min(ok, key=lambda c: c["x_one_token"], default=None)
+    return min(
+        (c for c in batch_rule_curve(cells, batch) if c["kl_mean"] <= limit),
+        key=lambda c: c["x_one_token"],
+        default=None,
+    )
 
 
-def plot(report: dict, out: Path) -> Path:
-    """Left: KL against union reads per step, a curve per B (the batch rule; x: independent top-k).
-    Middle: union reads per step against B, independent top-k and the batch rule's least measured
-    reads that hold KL within 1.5x of B = 1. Right: the accounting on the full-size geometries."""
-    plt = _pyplot()
-    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(17, 4.8))
+def batch_rule_curve(cells: list[dict], batch: int) -> list[dict]:
+    """The batch rule's cells at B (not the raw-score or scan variants), by their reads."""
+    return sorted(
+        (
+            c
+            for c in cells
+            if c["batch"] == batch
+            and c["rule"].startswith("batch")
+            and "raw" not in c["rule"]
+            and "scan" not in c["rule"]
+        ),
+        key=lambda c: c["x_one_token"],
+    )
+
+
+def plot_quality(ax, report: dict, batches: list[int]) -> None:
+    """KL against union reads per step, a curve per B (the batch rule; x: independent top-k)."""
     cells = report["cells"]
     one = next(c for c in cells if c["batch"] == 1)
-    batches = sorted({c["batch"] for c in cells if c["batch"] > 1})
     for i, b in enumerate(batches):
-        curve = sorted(
-            (
-                c
-                for c in cells
-                if c["batch"] == b
-                and c["rule"].startswith("batch")
-                and "raw" not in c["rule"]
-                and "scan" not in c["rule"]
-            ),
-            key=lambda c: c["x_one_token"],
-        )
-        left.plot(
+        curve = batch_rule_curve(cells, b)
+        ax.plot(
             [c["x_one_token"] for c in curve],
             [c["kl_mean"] for c in curve],
             marker="o",
@@ -280,7 +276,7 @@ def plot(report: dict, out: Path) -> Path:
             label=f"B = {b}: batch rule",
         )
         token = next(c for c in cells if c["batch"] == b and c["rule"] == "token")
-        left.scatter(
+        ax.scatter(
             [token["x_one_token"]],
             [token["kl_mean"]],
             marker="x",
@@ -288,39 +284,49 @@ def plot(report: dict, out: Path) -> Path:
             color=f"C{i}",
             label=f"B = {b}: independent top-k",
         )
-    left.axhline(one["kl_mean"], color="gray", linestyle="--", label="B = 1")
-    left.axhline(1.5 * one["kl_mean"], color="gray", linestyle=":", label="1.5x B = 1")
-    left.set(
+    ax.axhline(one["kl_mean"], color="gray", linestyle="--", label="B = 1")
+    ax.axhline(1.5 * one["kl_mean"], color="gray", linestyle=":", label="1.5x B = 1")
+    ax.set(
         xlabel="union reads per step, x one token's",
         ylabel="KL(full || reader), mean",
         yscale="log",
         title=f"{report['settings']['model']}: quality against step reads (CPU)",
     )
-    left.legend(fontsize=7)
-    limit = 1.5 * one["kl_mean"]
+    ax.legend(fontsize=7)
+
+
+def plot_held(ax, report: dict, batches: list[int]) -> None:
+    """Union reads per step against B: independent top-k, and the batch rule's least measured reads that
+    hold KL within 1.5x of B = 1."""
+    cells = report["cells"]
+    limit = 1.5 * next(c for c in cells if c["batch"] == 1)["kl_mean"]
     xs = [1] + batches
     token_x = [1.0] + [
         next(c for c in cells if c["batch"] == b and c["rule"] == "token")["x_one_token"] for b in batches
     ]
     held = [1.0] + [(holding(cells, b, limit) or {}).get("x_one_token", float("nan")) for b in batches]
-    mid.plot(xs, token_x, marker="x", label="independent top-k (its union)")
-    mid.plot(xs, held, marker="o", label="batch rule, least measured reads with KL <= 1.5x B = 1")
+    ax.plot(xs, token_x, marker="x", label="independent top-k (its union)")
+    ax.plot(xs, held, marker="o", label="batch rule, least measured reads with KL <= 1.5x B = 1")
     full = report["full_batch_x"]
-    mid.plot([int(b) for b in full], list(full.values()), color="gray", linestyle=":", label="full batch")
-    mid.set(
+    ax.plot([int(b) for b in full], list(full.values()), color="gray", linestyle=":", label="full batch")
+    ax.set(
         xlabel="tokens per step B",
         ylabel="union reads per step, x one token's",
         yscale="log",
         title="reads that hold batch-1 quality (measured)",
     )
-    mid.legend(fontsize=7)
+    ax.legend(fontsize=7)
+
+
+def plot_accounting(ax, report: dict) -> None:
+    """The accounting on the full-size geometries, uniform routing."""
     for i, name in enumerate(GEOMETRIES):
         rows = [r for r in report["geometries"] if r["geometry"] == name]
         b = [r["batch"] for r in rows]
-        right.plot(
+        ax.plot(
             b, [r["token_x"] for r in rows], marker="x", color=f"C{i}", label=f"{name}: independent top-k (at most)"
         )
-        right.plot(
+        ax.plot(
             b,
             [r["batch_x"] for r in rows],
             marker="o",
@@ -328,15 +334,26 @@ def plot(report: dict, out: Path) -> Path:
             linestyle="--",
             label=f"{name}: batch rule at 2x (its floor where above)",
         )
-        right.plot(b, [r["sketch_x"] for r in rows], color=f"C{i}", linestyle="-.", label=f"{name}: the union's sketch")
-        right.plot(b, [r["full_x"] for r in rows], color=f"C{i}", linestyle=":", label=f"{name}: full batch")
-    right.set(
+        ax.plot(b, [r["sketch_x"] for r in rows], color=f"C{i}", linestyle="-.", label=f"{name}: the union's sketch")
+        ax.plot(b, [r["full_x"] for r in rows], color=f"C{i}", linestyle=":", label=f"{name}: full batch")
+    ax.set(
         xlabel="tokens per step B",
         ylabel="union reads per step, x one token's",
         yscale="log",
         title="accounting, uniform routing",
     )
-    right.legend(fontsize=6)
+    ax.legend(fontsize=6)
+
+
+def plot(report: dict, out: Path) -> Path:
+    """union_reads.png: the quality against step reads (`plot_quality`), the reads that hold batch-1
+    quality (`plot_held`) and the accounting (`plot_accounting`), side by side."""
+    plt = _pyplot()
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(17, 4.8))
+    batches = sorted({c["batch"] for c in report["cells"] if c["batch"] > 1})
+    plot_quality(left, report, batches)
+    plot_held(mid, report, batches)
+    plot_accounting(right, report)
     fig.tight_layout()
     path = out / "union_reads.png"
     fig.savefig(path, dpi=110)
@@ -344,7 +361,7 @@ def plot(report: dict, out: Path) -> Path:
     return path
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", help="build-corpus's directory: held-out text (eval_text.jsonl)")
     ap.add_argument("--per-task", type=int, default=20)
@@ -380,14 +397,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="build/reader-batch")
     ap.add_argument("--out", default="bench/results/reader-batch")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
-    step_budgets = parse_step_budgets(args.step_budgets)
-    work, out = Path(args.work), Path(args.out)
-    (work / "cells").mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    return ap.parse_args()
 
+
+def setup(args, work: Path) -> tuple[dict, dict]:
+    """The tiny model with the reader on its MoE layers (its sidecar prepped into `work` once) and the
+    sequences: (what the cells run on, the key of this run's cells; `work` holding another run's is an error)."""
     port = load_port("tiny-gemma4-moe")
     tokenizer = load_tokenizer(port, None)
     model = build_model(port, "eager", torch.float32)
@@ -398,7 +413,6 @@ def main() -> None:
     settings = R.Settings(
         per_task=args.per_task, tasks=tuple(args.tasks.split(",")), text_docs=args.text_docs, corpus=args.corpus
     )
-    accuracy_at = [int(b) for b in args.accuracy.split(",") if b]
     seqs = R.sequences(tokenizer, settings, model.config.max_position_embeddings, "evaluation")
     layers = moe_layers(model, sidecar, args.recovery_rank)
     geo, settings = layers[0].geo, layers[0].settings
@@ -426,36 +440,63 @@ def main() -> None:
         "one": one,
         "full": A.full_bytes(geo),
         "tokenizer": tokenizer,
-        "accuracy": accuracy_at,
+        "accuracy": [int(b) for b in args.accuracy.split(",") if b],
         "reference": None,
     }
-    full_model = None
-    if accuracy_at:
-        run["items"] = R.evaluation_items(R.Settings(per_task=args.per_task))
-        run["generation"] = generation_sequences(tokenizer, run["items"])
-        full_file = work / "cells" / "full.json"
-        if not full_file.exists():
-            gen_seqs, new_tokens = run["generation"]
-            decoded = RB.decode(model, gen_seqs, 16, new_tokens=new_tokens, eos=tokenizer.eos_token_id)
-            write_json({"accuracy": accuracy(tokenizer, run["items"], decoded)}, str(full_file))
-        full_model = json.loads(full_file.read_text())
-    raw_at = [int(b) for b in args.raw.split(",") if b]
-    scans = [int(s) for s in args.scans.split(",") if s]
-    wanted = [(b, name, rule) for b in batches for name, rule in rules(b, k, one, step_budgets, raw_at, scans).items()]
-    positions = sum(len(s.ids) - 1 - s.start for s in seqs)
+    return run, key
+
+
+def full_model_accuracy(run: dict, per_task: int, work: Path) -> dict | None:
+    """With --accuracy: the generation items (into `run`) and the full model's accuracy on them, batch 16
+    (cells/full.json, made once)."""
+    if not run["accuracy"]:
+        return None
+    tokenizer = run["tokenizer"]
+    run["items"] = R.evaluation_items(R.Settings(per_task=per_task))
+    run["generation"] = generation_sequences(tokenizer, run["items"])
+    full_file = work / "cells" / "full.json"
+    if not full_file.exists():
+        gen_seqs, new_tokens = run["generation"]
+        decoded = RB.decode(run["model"], gen_seqs, 16, new_tokens=new_tokens, eos=tokenizer.eos_token_id)
+        write_json({"accuracy": accuracy(tokenizer, run["items"], decoded)}, str(full_file))
+    return json.loads(full_file.read_text())
+
+
+def measure_cells(run: dict, wanted: list[tuple], work: Path) -> list[dict]:
+    """Each wanted (B, name, rule) cell, measured into cells/ under `work` unless there already."""
+    positions = sum(len(s.ids) - 1 - s.start for s in run["seqs"])
     results = []
     with tqdm(total=len(wanted), desc="reader-batch", unit="cell") as bar:
         for b, name, rule in wanted:
             path = work / "cells" / f"B{b}-{name}.json"
             if not path.exists():
                 if run["reference"] is None:
-                    run["reference"] = R.teacher_forced(model, seqs)
+                    run["reference"] = R.teacher_forced(run["model"], run["seqs"])
                 bar.set_postfix_str(f"B={b} {name}")
-                answers = sum(run["generation"][1]) if b in accuracy_at else 0
+                answers = sum(run["generation"][1]) if b in run["accuracy"] else 0
                 with tqdm(total=positions + answers, desc=f"B={b} {name}", unit="tok", leave=False) as inner:
                     write_json(cell(run, b, name, rule, inner), str(path))
             results.append(json.loads(path.read_text()))
             bar.update(1)
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    step_budgets = parse_step_budgets(args.step_budgets)
+    work, out = Path(args.work), Path(args.out)
+    (work / "cells").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    run, key = setup(args, work)
+    full_model = full_model_accuracy(run, args.per_task, work)
+    raw_at = [int(b) for b in args.raw.split(",") if b]
+    scans = [int(s) for s in args.scans.split(",") if s]
+    k, one = key["k"], run["one"]
+    wanted = [(b, name, rule) for b in batches for name, rule in rules(b, k, one, step_budgets, raw_at, scans).items()]
+    results = measure_cells(run, wanted, work)
+    geo, settings = run["layers"][0].geo, run["layers"][0].settings
     report = {
         "settings": key
         | {
@@ -470,8 +511,7 @@ def main() -> None:
         "full_batch_x": {str(b): A.full_reads(geo, settings, A.expected_union(geo, b)) / one for b in batches},
         "geometries": accounting_rows(args.budget, 32, batches, [2.0]),
     }
-    write_json(report, str(out / "report.json"))
-    write_report(report, out)
+    write_results(report, out / "report.json", page, out / "report.md")
     plot(report, out)
     print(table([c | {"acc": ""} for c in results], MEASURED))
     print()

@@ -12,8 +12,6 @@ figure to watch is the peak *added* by prep.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import socket
 import sys
 import tempfile
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import cpu_host
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.prep import write_sidecar
 from neuron_moe.reader.sidecar import Sidecar
@@ -34,13 +33,6 @@ def proc_status(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def random_layer(experts: int, inter: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,16 +78,7 @@ def main() -> int:
         "rss_before_prep_bytes": rss_before,
         "peak_rss_bytes": peak,
         "peak_added_by_prep_bytes": peak - rss_before,
-        "machine": {
-            "host": socket.gethostname(),
-            "cpu": cpu_model(),
-            "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_at_end": os.getloadavg(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "device": "CPU",
-        },
+        "machine": cpu_host(),
     }
     out = args.out or str(Path(__file__).parent / "results" / f"reader_prep-{socket.gethostname()}.json")
     write_json(result, out)

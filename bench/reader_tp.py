@@ -32,8 +32,8 @@ from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.port import load_port
 from neuron_moe.reader import shard
 from neuron_moe.reader.sidecar import Sidecar
-from neuron_moe.spec import EXPORTED, Backend, Placement, Reader
 from neuron_moe.report import table, write_json
+from neuron_moe.spec import EXPORTED, Backend, Placement, Reader
 from neuron_moe.tokenizer import load_tokenizer
 
 
@@ -45,6 +45,60 @@ def step0(got, want) -> list[float]:
 def decode_steps(got, want) -> list[float]:
     """Per prompt, max |Δlogit| over steps 1…N−1: the decode graph's, where the reader runs."""
     return [float(d) for d in (got.logits[:, 1:] - want.logits[:, 1:]).abs().amax((-2, -1))]
+
+
+def columns(budget: float) -> list[tuple]:
+    """The table's columns, the reader's at `budget` named by it."""
+    return [
+        ("tp", "TP"),
+        ("prompt", "prompt", "{!r}"),
+        ("channel_seq_match", "channel SEQ_MATCH"),
+        ("r100_seq_match", "reader 100 % SEQ_MATCH"),
+        ("r100_vs_channel_decode", "100 % vs channel, decode steps", "{:.1e}"),
+        ("r100_vs_eager_decode", "100 % vs eager, decode", "{:.1e}"),
+        ("channel_vs_eager_decode", "channel vs eager, decode", "{:.1e}"),
+        ("max_logit", "max logit", "{:.1f}"),
+        ("k_per_rank", f"k/rank @ {budget:g} %"),
+        ("reader_vs_eager_seq_match", f"{budget:g} %: SEQ_MATCH"),
+        ("reader_eq_emulation", "= emulation (tokens)"),
+        ("reader_vs_emulation", "|Δlogit| vs emulation", "{:.1e}"),
+    ]
+
+
+def degree_rows(port, whole: Sidecar, tmp: str, tp: int, args, ids, mask, eager) -> list[dict]:
+    """One TP degree: the three generators on t gloo ranks and the one-process emulation, a row per prompt."""
+    shard.write_shards(whole, tmp, tp, progress=False)
+    backend = Backend("tp", EXPORTED, placement=Placement(tp=tp))
+    gens = {
+        "channel": TPGenerator(port, backend),
+        "reader 100": TPGenerator(port, replace(backend, reader=Reader(sidecar=tmp, budget=100))),
+        "reader": TPGenerator(
+            port, replace(backend, reader=Reader(sidecar=tmp, budget=args.budget, recovery_rank=args.recovery_rank))
+        ),
+    }
+    out = generate_replicated(gens, ids, mask, args.new_tokens)
+    emulated = build_model(port, "eager", torch.float32)
+    attach_reader(emulated, whole.path, args.budget, rank=args.recovery_rank, tp=tp)
+    emulation = greedy(emulated, ids, mask, args.new_tokens)
+    reader, r100, channel = out["reader"], out["reader 100"], out["channel"]
+    return [
+        {
+            "tp": tp,
+            "prompt": prompt,
+            "channel_seq_match": bool(torch.equal(channel.tokens[i], eager.tokens[i])),
+            "r100_seq_match": bool(torch.equal(r100.tokens[i], eager.tokens[i])),
+            "r100_vs_eager": step0(r100, eager)[i],
+            "r100_vs_channel_decode": decode_steps(r100, channel)[i],
+            "r100_vs_eager_decode": decode_steps(r100, eager)[i],
+            "channel_vs_eager_decode": decode_steps(channel, eager)[i],
+            "max_logit": float(eager.logits[i].abs().max()),
+            "k_per_rank": gens["reader"].reader_k,
+            "reader_vs_eager_seq_match": bool(torch.equal(reader.tokens[i], eager.tokens[i])),
+            "reader_eq_emulation": bool(torch.equal(reader.tokens[i], emulation.tokens[i])),
+            "reader_vs_emulation": float((reader.logits[i] - emulation.logits[i]).abs().max()),
+        }
+        for i, prompt in enumerate(DEFAULT_PROMPTS)
+    ]
 
 
 def main() -> int:
@@ -64,59 +118,9 @@ def main() -> int:
         whole = Sidecar(prep_port(port, Path(tmp) / shard.WHOLE))
         for tp in [int(t) for t in args.tp.split(",")]:
             t0 = time.time()
-            shard.write_shards(whole, tmp, tp, progress=False)
-            backend = Backend("tp", EXPORTED, placement=Placement(tp=tp))
-            gens = {
-                "channel": TPGenerator(port, backend),
-                "reader 100": TPGenerator(port, replace(backend, reader=Reader(sidecar=tmp, budget=100))),
-                "reader": TPGenerator(
-                    port,
-                    replace(backend, reader=Reader(sidecar=tmp, budget=args.budget, recovery_rank=args.recovery_rank)),
-                ),
-            }
-            out = generate_replicated(gens, ids, mask, args.new_tokens)
-            emulated = build_model(port, "eager", torch.float32)
-            attach_reader(emulated, whole.path, args.budget, rank=args.recovery_rank, tp=tp)
-            emulation = greedy(emulated, ids, mask, args.new_tokens)
-            reader = out["reader"]
-            for i, prompt in enumerate(DEFAULT_PROMPTS):
-                rows.append(
-                    {
-                        "tp": tp,
-                        "prompt": prompt,
-                        "channel_seq_match": bool(torch.equal(out["channel"].tokens[i], eager.tokens[i])),
-                        "r100_seq_match": bool(torch.equal(out["reader 100"].tokens[i], eager.tokens[i])),
-                        "r100_vs_eager": step0(out["reader 100"], eager)[i],
-                        "r100_vs_channel_decode": decode_steps(out["reader 100"], out["channel"])[i],
-                        "r100_vs_eager_decode": decode_steps(out["reader 100"], eager)[i],
-                        "channel_vs_eager_decode": decode_steps(out["channel"], eager)[i],
-                        "max_logit": float(eager.logits[i].abs().max()),
-                        "k_per_rank": gens["reader"].reader_k,
-                        "reader_vs_eager_seq_match": bool(torch.equal(reader.tokens[i], eager.tokens[i])),
-                        "reader_eq_emulation": bool(torch.equal(reader.tokens[i], emulation.tokens[i])),
-                        "reader_vs_emulation": float((reader.logits[i] - emulation.logits[i]).abs().max()),
-                    }
-                )
+            rows += degree_rows(port, whole, tmp, tp, args, ids, mask, eager)
             print(f"TP {tp}: {time.time() - t0:.0f} s", file=sys.stderr)
-    print(
-        table(
-            rows,
-            [
-                ("tp", "TP"),
-                ("prompt", "prompt", "{!r}"),
-                ("channel_seq_match", "channel SEQ_MATCH"),
-                ("r100_seq_match", "reader 100 % SEQ_MATCH"),
-                ("r100_vs_channel_decode", "100 % vs channel, decode steps", "{:.1e}"),
-                ("r100_vs_eager_decode", "100 % vs eager, decode", "{:.1e}"),
-                ("channel_vs_eager_decode", "channel vs eager, decode", "{:.1e}"),
-                ("max_logit", "max logit", "{:.1f}"),
-                ("k_per_rank", f"k/rank @ {args.budget:g} %"),
-                ("reader_vs_eager_seq_match", f"{args.budget:g} %: SEQ_MATCH"),
-                ("reader_eq_emulation", "= emulation (tokens)"),
-                ("reader_vs_emulation", "|Δlogit| vs emulation", "{:.1e}"),
-            ],
-        )
-    )
+    print(table(rows, columns(args.budget)))
     report = {
         "budget": args.budget,
         "rank": args.recovery_rank,

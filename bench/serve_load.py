@@ -45,7 +45,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import platform
 import queue
 import re
 import signal
@@ -53,11 +52,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 
+from bench.harness import command, machine, uptime
 from neuron_moe.port import load_port
 from neuron_moe.report import check_output, table, write_json
 from neuron_moe.serve.chat import render_chat
@@ -296,47 +295,6 @@ def summarize(results: list[dict], duration: float) -> dict:
         "tpot_ms": stats([r["tpot"] for r in ok]),
         "itl_ms": stats([x for r in ok for x in r["itl"]]),
         "e2el_ms": stats([r["e2el"] for r in ok]),
-    }
-
-
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"uptime failed: {e}"
-
-
-def code() -> str:
-    """The checkout that ran: branch, commit, and whether its tree had changes (bench/results aside)."""
-
-    def git(*args):
-        try:
-            return subprocess.run(
-                ["git", *args], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parents[1]
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    commit = git("rev-parse", "--short", "HEAD")
-    changed = git("status", "--porcelain", "--", ".", ":!bench/results")
-    return f"{git('rev-parse', '--abbrev-ref', 'HEAD')} {commit}" + (" + changes" if changed else "") if commit else ""
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
-        cpu = found.group(1).strip() if found else cpu
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "load_average": os.getloadavg(),
-        "uptime": uptime(),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "code": code(),
     }
 
 
@@ -654,7 +612,8 @@ def print_acceptance(summary: dict) -> None:
     print(table(rows, [("what", "acceptance"), ("got", "this run", "{:.2f}"), ("goal", "goal")]))
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked; the served name and the long prompt resolved from the port."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="an already running server (default: start one on 127.0.0.1)")
     p.add_argument("--model", default="tiny-gemma4-moe", help="port to serve / model name to request")
@@ -729,6 +688,37 @@ def main(argv=None) -> int:
         p.error("--batch-size starts the servers it compares: it cannot be used with --url")
     if args.batch_size and args.backend != "static":
         p.error("--batch-size is the batching engine's (--backend static)")
+    return args
+
+
+def print_report(args, report: dict) -> None:
+    """One run's settings, machine and figures (and the short requests' apart, and the run beside the
+    hostile client's)."""
+    host = report["machine"]
+    engine = args.backend + (f", batch {report['batch_size']}" if report["batch_size"] else "")
+    print(
+        f"serve_load  {args.model} ({engine}), {args.clients} clients x {args.requests} requests, "
+        f"max_tokens {args.max_tokens}, streamed, {'sampled' if report['sampled'] else 'temperature 0'}, "
+        f"loopback{'; mixed' if report['long_every'] else ''}"
+    )
+    print(
+        f"machine: {host['cpu']}, {host['cores']} cores, load average {host['load_average'][0]:.1f} before / "
+        f"{host['load_average_after'][0]:.1f} after, OMP_NUM_THREADS={host['OMP_NUM_THREADS']}\n"
+    )
+    print_run(report)
+    if "short" in report:
+        print("\nthe short requests alone:\n")
+        print_run({**report["short"], "health_ms": report["health_ms"]})
+    hostile = report.get("with_hostile_client")
+    if hostile:
+        print(f"\nwith the {args.hostile_bytes:,}-byte client:\n")
+        print_run(hostile)
+        print_hostile_comparison(report, hostile)
+    print()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     check_output(args.json or "-")
 
     summary = None
@@ -740,32 +730,12 @@ def main(argv=None) -> int:
     if args.json:
         doc = reports[0] if len(reports) == 1 else {"benchmark": "serve_load", "runs": reports}
         if summary is not None:
-            doc = {**doc, "command": " ".join(["python -m bench.serve_load", *sys.argv[1:]]), "acceptance": summary}
+            doc = {**doc, "command": command("bench.serve_load", sys.argv[1:]), "acceptance": summary}
         write_json(doc, args.json)
     if args.json == "-":
         return 0 if failed == 0 else 1
     for report in reports:
-        host = report["machine"]
-        engine = args.backend + (f", batch {report['batch_size']}" if report["batch_size"] else "")
-        print(
-            f"serve_load  {args.model} ({engine}), {args.clients} clients x {args.requests} requests, "
-            f"max_tokens {args.max_tokens}, streamed, {'sampled' if report['sampled'] else 'temperature 0'}, "
-            f"loopback{'; mixed' if report['long_every'] else ''}"
-        )
-        print(
-            f"machine: {host['cpu']}, {host['cores']} cores, load average {host['load_average'][0]:.1f} before / "
-            f"{host['load_average_after'][0]:.1f} after, OMP_NUM_THREADS={host['OMP_NUM_THREADS']}\n"
-        )
-        print_run(report)
-        if "short" in report:
-            print("\nthe short requests alone:\n")
-            print_run({**report["short"], "health_ms": report["health_ms"]})
-        hostile = report.get("with_hostile_client")
-        if hostile:
-            print(f"\nwith the {args.hostile_bytes:,}-byte client:\n")
-            print_run(hostile)
-            print_hostile_comparison(report, hostile)
-        print()
+        print_report(args, report)
     if len(reports) > 1:
         print_batch_comparison(reports)
     if summary is not None:

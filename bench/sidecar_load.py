@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import platform
 import socket
 import sys
 import tempfile
@@ -25,19 +23,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from bench.harness import cpu_host
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.sidecar import CODE_BYTES, LAYER_TENSORS, Sidecar, SidecarLayout, _raw, metadata, stream_layers
 from neuron_moe.report import table, write_json
 
 LAYERS = 30  # Gemma-4 26B-A4B's MoE layers
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def best(fn, repeats: int) -> float:
@@ -50,63 +42,64 @@ def best(fn, repeats: int) -> float:
     return min(times)
 
 
+def random_layer(layout: SidecarLayout) -> dict[str, torch.Tensor]:
+    """One layer's tensors in `layout`: valid random codes, random numbers (the scales and the norms at
+    least 0, as `Sidecar.layer` requires of them)."""
+    gen = torch.Generator().manual_seed(0)
+    layer = {}
+    for name, (dtype, shape) in layout.layer_tensors().items():
+        if dtype == torch.uint8:
+            layer[name] = torch.randint(0, CODE_BYTES, shape, generator=gen, dtype=torch.uint8)
+        else:
+            numbers = torch.randn(shape, generator=gen)
+            layer[name] = (numbers.abs() if name in ("scales", "down_norms") else numbers).to(dtype)
+    return layer
+
+
+def timings(path: Path, repeats: int) -> dict[str, float]:
+    """Seconds, the best of `repeats`, of each way of reading the layer at `path` (warm: read once first)."""
+    side = Sidecar(path)
+
+    def read():
+        with safe_open(path, framework="pt") as f:
+            return {name: f.get_tensor(f"layers.0.{name}") for name in LAYER_TENSORS}
+
+    tensors = read()  # and into the page cache
+
+    def digest():
+        h = hashlib.sha256()
+        for name in LAYER_TENSORS:
+            h.update(_raw(tensors[name]))
+        return h.hexdigest()
+
+    return {
+        "read the tensors (mapped: no byte touched yet)": best(read, repeats),
+        "read the tensors and copy every byte": best(lambda: [t.clone() for t in read().values()], repeats),
+        "Sidecar.layer (read + every check)": best(lambda: side.layer(0), repeats),
+        "  sha256 of the layer's bytes": best(digest, repeats),
+        "  code bytes <= 242": best(lambda: int(tensors["codes"].max()), repeats),
+        "  numbers finite": best(
+            lambda: [bool(torch.isfinite(tensors[n]).all()) for n in ("scales", "down_norms", "basis", "coeffs")],
+            repeats,
+        ),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="results JSON (default bench/results/sidecar_load-<host>.json)")
     args = p.parse_args()
-    geometry = Geometry(hidden=2816, experts=128, intermediate=704)
-    layout = SidecarLayout(geometry, 32)
-    gen = torch.Generator().manual_seed(0)
-    layer = {
-        name: (
-            torch.randint(0, CODE_BYTES, shape, generator=gen, dtype=torch.uint8)
-            if dtype == torch.uint8
-            else torch.randn(shape, generator=gen).to(dtype)
-        )
-        for name, (dtype, shape) in layout.layer_tensors().items()
-    }
+    layout = SidecarLayout(Geometry(hidden=2816, experts=128, intermediate=704), 32)
+    layer = random_layer(layout)
     signs = random_signs(layout.hidden_padded, 0)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "layer.safetensors"
         with open(path, "wb") as f:
             stream_layers(f, layout, 1, metadata(layout, 1, 80, 0, "0" * 64), signs, [layer])
         size = path.stat().st_size
-        side = Sidecar(path)
-
-        def read():
-            with safe_open(path, framework="pt") as f:
-                return {name: f.get_tensor(f"layers.0.{name}") for name in LAYER_TENSORS}
-
-        tensors = read()  # and into the page cache
-
-        def digest():
-            h = hashlib.sha256()
-            for name in LAYER_TENSORS:
-                h.update(_raw(tensors[name]))
-            return h.hexdigest()
-
-        rows = {
-            "read the tensors (mapped: no byte touched yet)": best(read, args.repeats),
-            "read the tensors and copy every byte": best(lambda: [t.clone() for t in read().values()], args.repeats),
-            "Sidecar.layer (read + every check)": best(lambda: side.layer(0), args.repeats),
-            "  sha256 of the layer's bytes": best(digest, args.repeats),
-            "  code bytes <= 242": best(lambda: int(tensors["codes"].max()), args.repeats),
-            "  numbers finite": best(
-                lambda: [bool(torch.isfinite(tensors[n]).all()) for n in ("scales", "down_norms", "basis", "coeffs")],
-                args.repeats,
-            ),
-        }
-    machine = {
-        "host": socket.gethostname(),
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average_at_end": os.getloadavg(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": "CPU",
-    }
+        rows = timings(path, args.repeats)
+    machine = cpu_host()
     result = {
         "bench": "sidecar_load",
         "layer_bytes": size,

@@ -61,7 +61,23 @@ def first_call_s(call) -> float:
     return time.perf_counter() - start
 
 
-def main() -> int:
+COLUMNS = [
+    ("graphs", "graphs"),
+    ("batch", "batch"),
+    ("prefill_rows", "prompts per prefill"),
+    ("prefill_first_s", "prefill 1st call s", "{:.1f}"),
+    ("decode_first_s", "decode 1st call s", "{:.1f}"),
+    ("prefill_ms", "prefill ms", "{:.2f}"),
+    ("prefill_ms_per_prompt", "prefill ms/prompt", "{:.2f}"),
+    ("decode_ms", "decode step ms", "{:.2f}"),
+    ("decode_ms_per_token", "decode ms/token", "{:.2f}"),
+    ("speedup", "step speed-up vs modules", "{:.2f}"),
+    ("decode_x_base", "step × base", "{:.2f}"),
+    ("ceiling_x_base", "tok/s ceiling × base", "{:.2f}"),
+]
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-gemma4-moe", help="port with a [static] table (default tiny-gemma4-moe)")
     ap.add_argument("--batch-sizes", default="1,8", help="comma-separated; the first is the baseline (default 1,8)")
@@ -85,48 +101,45 @@ def main() -> int:
         "the same cache times loading the compiled graphs instead of compiling them",
     )
     ap.add_argument("--json", metavar="FILE")
-    args = ap.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    graphs = GRAPHS if args.graphs == "both" else (args.graphs,)
-    if COMPILED_GRAPHS in graphs:
-        inductor.require_compiler("--graphs modules")
-        inductor.use_cache_dir(compile_cache(args.compile_cache))
-    port = load_port(args.model)
-    spec = port.static_spec("bench/static_steps.py")
-    model = build_model(port, spec.decode_experts)
-    prompt = list(range(5, 5 + args.prompt_tokens))
-    rows = []
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        together = min(args.prefill_rows, batch)
-        chunks = [Chunk(prompt, 0, row, GREEDY) for row in range(together)]
-        ids = torch.full((batch, 1), 7)
-        positions = torch.full((batch, 1), args.prompt_tokens)
-        sampling = torch.tensor([GREEDY] * batch)
-        runtimes = {
-            name: static_runtime(model, spec, batch, prefill_rows=(1, together), compile=name == COMPILED_GRAPHS)
-            for name in graphs
+    return ap.parse_args()
+
+
+def batch_rows(model, spec, graphs, batch: int, args) -> list[dict]:
+    """At one batch size, each kind of graphs' first calls and best prefill and decode step, timed in turns."""
+    together = min(args.prefill_rows, batch)
+    chunks = [Chunk(list(range(5, 5 + args.prompt_tokens)), 0, row, GREEDY) for row in range(together)]
+    ids = torch.full((batch, 1), 7)
+    positions = torch.full((batch, 1), args.prompt_tokens)
+    sampling = torch.tensor([GREEDY] * batch)
+    runtimes = {
+        name: static_runtime(model, spec, batch, prefill_rows=(1, together), compile=name == COMPILED_GRAPHS)
+        for name in graphs
+    }
+    first = {
+        name: (first_call_s(lambda: r.prefill(chunks)), first_call_s(lambda: r.decode(ids, positions, sampling)))
+        for name, r in runtimes.items()
+    }
+    prefill = best_ms({name: (lambda r=r: r.prefill(chunks)) for name, r in runtimes.items()}, args.repeats)
+    decode = best_ms(
+        {name: (lambda r=r: r.decode(ids, positions, sampling)) for name, r in runtimes.items()}, args.repeats
+    )
+    return [
+        {
+            "graphs": name,
+            "batch": batch,
+            "prefill_rows": together,
+            "prefill_first_s": first[name][0],
+            "decode_first_s": first[name][1],
+            "prefill_ms": prefill[name],
+            "decode_ms": decode[name],
         }
-        first = {
-            name: (first_call_s(lambda: r.prefill(chunks)), first_call_s(lambda: r.decode(ids, positions, sampling)))
-            for name, r in runtimes.items()
-        }
-        prefill = best_ms({name: (lambda r=r: r.prefill(chunks)) for name, r in runtimes.items()}, args.repeats)
-        decode = best_ms(
-            {name: (lambda r=r: r.decode(ids, positions, sampling)) for name, r in runtimes.items()}, args.repeats
-        )
-        for name in graphs:
-            rows.append(
-                {
-                    "graphs": name,
-                    "batch": batch,
-                    "prefill_rows": together,
-                    "prefill_first_s": first[name][0],
-                    "decode_first_s": first[name][1],
-                    "prefill_ms": prefill[name],
-                    "decode_ms": decode[name],
-                }
-            )
-    n = args.max_tokens
+        for name in graphs
+    ]
+
+
+def add_ratios(rows: list[dict], n: int) -> None:
+    """Each row's per-prompt and per-token figures, and its ratios to the first batch size's row of the same
+    graphs (the ceiling for `n`-token requests) and to the modules' at its batch."""
     for r in rows:
         base = next(b for b in rows if b["graphs"] == r["graphs"])  # the first batch size, the same graphs
         modules = next((m for m in rows if m["graphs"] == MODULE_GRAPHS and m["batch"] == r["batch"]), None)
@@ -136,6 +149,21 @@ def main() -> int:
         r["speedup"] = modules["decode_ms"] / r["decode_ms"] if modules else None
         alone = base["prefill_ms"] / base["prefill_rows"] + (n - 1) * base["decode_ms"] / base["batch"]
         r["ceiling_x_base"] = r["batch"] * alone / (r["batch"] * r["prefill_ms_per_prompt"] + (n - 1) * r["decode_ms"])
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    graphs = GRAPHS if args.graphs == "both" else (args.graphs,)
+    if COMPILED_GRAPHS in graphs:
+        inductor.require_compiler("--graphs modules")
+        inductor.use_cache_dir(compile_cache(args.compile_cache))
+    port = load_port(args.model)
+    spec = port.static_spec("bench/static_steps.py")
+    model = build_model(port, spec.decode_experts)
+    rows = [row for batch in args.batch_sizes.split(",") for row in batch_rows(model, spec, graphs, int(batch), args)]
+    n = args.max_tokens
+    add_ratios(rows, n)
     print(
         f"static graphs of {port.name} (prefill: {spec.prefill_experts}, decode: {spec.decode_experts}), "
         f"prompt {args.prompt_tokens} tokens, {n}-token requests; best of {args.repeats}, the graphs timed in turns"
@@ -146,25 +174,7 @@ def main() -> int:
         + (f", compile cache {os.environ[inductor.CACHE_ENV]}" if COMPILED_GRAPHS in graphs else "")
         + "\n"
     )
-    print(
-        table(
-            rows,
-            [
-                ("graphs", "graphs"),
-                ("batch", "batch"),
-                ("prefill_rows", "prompts per prefill"),
-                ("prefill_first_s", "prefill 1st call s", "{:.1f}"),
-                ("decode_first_s", "decode 1st call s", "{:.1f}"),
-                ("prefill_ms", "prefill ms", "{:.2f}"),
-                ("prefill_ms_per_prompt", "prefill ms/prompt", "{:.2f}"),
-                ("decode_ms", "decode step ms", "{:.2f}"),
-                ("decode_ms_per_token", "decode ms/token", "{:.2f}"),
-                ("speedup", "step speed-up vs modules", "{:.2f}"),
-                ("decode_x_base", "step × base", "{:.2f}"),
-                ("ceiling_x_base", "tok/s ceiling × base", "{:.2f}"),
-            ],
-        )
-    )
+    print(table(rows, COLUMNS))
     if args.json:
         write_json({"model": port.name, "settings": vars(args), "rows": rows}, args.json)
     return 0

@@ -174,8 +174,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the record here")
     ap.add_argument("--stall", action="store_true", help="also: the step loop's gaps while another thread compiles")
     args = ap.parse_args(argv)
+    from bench.harness import command
     from neuron_moe.model import build_model
     from neuron_moe.port import load_port
+    from neuron_moe.report import atomic_write
     from neuron_moe.serve.backends import load_engine
 
     port = load_port("tiny-gemma4-moe")
@@ -189,7 +191,7 @@ def main(argv=None) -> int:
         record["stall"] = stall(engine)
     record.update(
         backend=args.backend,
-        command="python -m bench.structured_output " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command=command("bench.structured_output", argv if argv is not None else sys.argv[1:]),
         schema=SCHEMA,
         prompt=PROMPT,
         threads=torch.get_num_threads(),
@@ -199,9 +201,8 @@ def main(argv=None) -> int:
     print({k: v for k, v in record.items() if k != "rows"})
     engine.close()
     if args.json:
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(args.json)
+        with atomic_write(args.json) as f:
+            f.write(json.dumps(record, indent=1) + "\n")
     return 0 if record["valid"] == record["requests"] else 1
 
 

@@ -57,7 +57,9 @@ from pathlib import Path
 import torch
 from torch.export.passes import move_to_device_pass
 
+from bench.harness import code, write_results
 from neuron_moe import report
+from neuron_moe.run_config import Shapes
 from neuron_moe.errors import UserError
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
 from neuron_moe.experts import int4, int8
@@ -317,14 +319,10 @@ def serving_runtime(
     runtime = GraphRuntime(
         prefill,
         on(graphs["decode"]),
+        Shapes(spec.batch_size, spec.max_cache_len, (bucket,), tuple(rows), bucket),
         prefill_processing=prefill_processing if "decode processing" in graphs else None,
         decode_processing=on(graphs["decode processing"]) if "decode processing" in graphs else None,
         vocab=VOCAB,
-        batch=spec.batch_size,
-        buckets=[bucket],
-        prefill_rows=rows,
-        chunk=bucket,
-        max_length=spec.max_cache_len,
         logits=False,
         candidates=CANDIDATES,
         copy=on(graphs["copy"]) if copy else None,
@@ -514,7 +512,7 @@ class _Greedy:
 def drive_prefix(runtime, first: list[int], second: list[int]) -> tuple[list[list[int]], int]:
     """`first` prefilled in chunks and generating in row 0; once it generates, `second` (sharing its
     first blocks) admitted: (both rows' tokens, the tokens the second took from row 0)."""
-    rows = Rows(runtime, prefix=PrefixIndex(runtime.batch, runtime.max_length))
+    rows = Rows(runtime, prefix=PrefixIndex(runtime.batch, runtime.max_cache_len))
     a, b = _Greedy(first, SERVING_TOKENS), _Greedy(second, SERVING_TOKENS)
     waiting = [a]
     while not a.tokens:
@@ -642,7 +640,120 @@ def before_after(baseline: dict, result: dict) -> list[str]:
     ]
 
 
+def _graph_table(row: dict) -> list[str]:
+    """A run's graphs, a markdown row each."""
+    lines = [
+        "| graph | calls | compiles, 1st call | compiles, later calls | aten fallbacks "
+        "| HLO sort / custom-call / while / conditional | call in / out bytes "
+        "| XLA host→device / device→host bytes | 1st call s | later call ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for g in row["graphs"]:
+        fb = ", ".join(f"{k} ×{v}" for k, v in g["aten_fallbacks"].items()) or "none"
+        later = "-" if g["later_call_ms"] is None else f"{g['later_call_ms']:.1f}"
+        first = f"{g['compiles_first_call']}" + (
+            " (cached: same HLO as an earlier run)" if g["cache_hit_first_call"] else ""
+        )
+        lines.append(
+            f"| {g['graph'].split(' ', 1)[1]} | {g['calls']} | {first} | "
+            f"{g['compiles_later_calls']} | {fb} | {' / '.join(map(str, g['hlo_ops'].values())) or '-'} | "
+            f"{g['inputs_bytes_per_call']:.0f} / {g['outputs_bytes_per_call']:.0f} | "
+            f"{g['to_device_bytes_per_call']:.0f} / {g['to_host_bytes_per_call']:.0f} | "
+            f"{g['first_call_s']:.1f} | {later} |"
+        )
+    return lines
+
+
+def _serving_lines(row: dict) -> list[str]:
+    """What the serving run drove and found, beyond the SEQ_MATCH line."""
+    p = row["prompts"]
+    return [
+        f"- row 0: a {p['chunked greedy row']}-token prompt prefilled in chunks of {p['chunk']} between "
+        f"decode steps, then greedy (the SEQ_MATCH line above is its tokens vs HF eager); row 1: a "
+        f"{p['sampled row']}-token prompt prefilled beside row 0's first chunk in one call, then sampled "
+        "in the graphs (top-p 0.9, top-k 20, temperature alone, in turn, each token its own draw)",
+        f"- every token equal to the same programs' on the CPU given the same inputs: **{row['sampled_like_cpu']}**",
+        f"- a decode call returns **{row['decode_output_bytes_per_call']:.0f} bytes**: the "
+        f"{row['decode_token_bytes'] // 8} token ids (int64), no logits",
+        "- the logits-processing variants (a row that asks: penalties, min_p, a logit bias, two banned ids "
+        "and a bitmask of the even tokens; prefilled in two chunks but for its prompt's last token, which "
+        "its first variant decode is fed; beside a row that asks nothing, greedy, in the same calls; "
+        "each variant prefill graph called): tokens and "
+        f"logprobs (the prompt's too) as on the CPU: **{row['processing_like_cpu']}**; a variant decode "
+        f"call takes {row['processing_decode_bytes']['inputs']:.0f} bytes and returns "
+        f"{row['processing_decode_bytes']['outputs']:.0f} (the plain decode's: "
+        f"{_step_bytes(row)['inputs']:.0f} and {_step_bytes(row)['outputs']:.0f})",
+    ]
+
+
+def _prefix_lines(row: dict) -> list[str]:
+    """What the prefix-caching run drove and found, beyond the SEQ_MATCH line."""
+    p = row["prompts"]
+    return [
+        f"- row 0: a {p['first']}-token prompt (past the sliding window, a partial last block) prefilled in "
+        f"chunks of {p['chunk']}, then greedy; once it generates, row 1: a {p['second']}-token prompt whose "
+        f"first {p['taken']} tokens row 0 holds, copied into row 1 by the copy graph, the rest prefilled "
+        "from there, then greedy (the SEQ_MATCH line above: both rows' tokens vs HF eager)",
+        f"- every token (and the prefix taken) equal to the same programs' on the CPU: **{row['same_as_cpu']}**",
+    ]
+
+
+def _run_section(row: dict) -> list[str]:
+    """One run's section: its graphs, its tokens against the references, what it moved, its verdict."""
+    fp32 = row["vs_cpu_fp32"]
+    n = 1 if row["run"] == SERVING else 2 if row["run"] == PREFIX else len(PROMPTS)
+    lines = [f"## {row['run']}", "", *_graph_table(row)]
+    lines += [
+        "",
+        f"- SEQ_MATCH vs CPU fp32 reference (HF eager): **{fp32['all_match']}** "
+        f"({fp32['matched']}/{n}; first divergence per prompt {fp32['first_divergence']})",
+    ]
+    if _vs_quantized(row):
+        q, name = row[_vs_quantized(row)], _vs_quantized(row).removeprefix("vs_cpu_")
+        lines.append(
+            f"- SEQ_MATCH vs the same {name} model on the CPU (HF, {name} experts): **{q['all_match']}** "
+            f"({q['matched']}/{len(PROMPTS)}; first divergence per prompt {q['first_divergence']})"
+        )
+    if row["run"] == SERVING:
+        lines += _serving_lines(row)
+    if row["run"] == PREFIX:
+        lines += _prefix_lines(row)
+    export = "" if row["export_s"] is None else f"export {row['export_s']:.0f} s, "
+    return lines + [
+        f"- bytes the whole generation moved, per decode call: host→device "
+        f"{row['generation_to_device_bytes_per_decode_call']:.0f}, device→host "
+        f"{row['generation_to_host_bytes_per_decode_call']:.0f}",
+        f"- wall: {export}generation {row['generate_s']:.1f} s (compiles included); "
+        f"{row['other_compiles']} compilation(s) outside the graphs (collecting the tokens for the host)",
+        f"- verdict: {'PASS' if row['passed'] else 'FAIL'}",
+        "",
+    ]
+
+
+NOTES = [
+    "- Bytes per call are the median over the graph's calls, XLA's from the end of the previous graph call to the "
+    "end of this one. A call's inputs made on the host (ids, pad mask, positions, row ids) are what XLA moves to "
+    "the device; the fed-back token is already there.",
+    "- A first call with 0 compilations found its graph already compiled: the same HLO (same graph, same "
+    "weights) ran in an earlier run of this process (torch-xla's `CachedCompile`).",
+    "- int8 and int4 are compared with the fp32 reference and with the same quantized model on the CPU; the "
+    "second is the check of the XLA lowering (on seeded random weights, whose logits are nearly flat, rounding "
+    "alone flips greedy picks). int4's packed numbers are unpacked inside each graph (mask, shift, convert, "
+    "multiply): its run holds those ops to the allow-list.",
+    "- int8 and int4 run as modules (lazy tracing, what torch-neuronx traces); they are not exported "
+    "(`torch.export`), since their quantized copies are made on first use, outside any graph.",
+    "- HLO column (with `--hlo DIR`, which writes each graph's HLO text there; `make xla-check`: "
+    "build/xla-check-hlo/): each `sort` is a router's `topk` (one per layer), which torch-xla lowers to a "
+    "full sort; a custom-call would be an op outside plain HLO, a while or conditional control flow in the graph.",
+    "- What this does not show: that neuronx-cc accepts this HLO (its sort support included), that NxD's "
+    "runtime keeps the aliased state on the device as its source says, or anything about speed on a Neuron "
+    "device. Times above are XLA:CPU on the host that ran this.",
+    "",
+]
+
+
 def markdown(result: dict, baseline: dict | None = None) -> str:
+    """The page of a check's JSON (`baseline`: another checkout's, its decode bytes shown beside)."""
     env = result["environment"]
     lines = [
         "# XLA lowering check (torch-xla on CPU)",
@@ -661,119 +772,60 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
     if baseline is not None:
         lines += before_after(baseline, result)
     for row in result["runs"]:
-        fp32 = row["vs_cpu_fp32"]
-        lines += [
-            f"## {row['run']}",
-            "",
-            "| graph | calls | compiles, 1st call | compiles, later calls | aten fallbacks "
-            "| HLO sort / custom-call / while / conditional | call in / out bytes "
-            "| XLA host→device / device→host bytes | 1st call s | later call ms |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for g in row["graphs"]:
-            fb = ", ".join(f"{k} ×{v}" for k, v in g["aten_fallbacks"].items()) or "none"
-            later = "-" if g["later_call_ms"] is None else f"{g['later_call_ms']:.1f}"
-            first = f"{g['compiles_first_call']}" + (
-                " (cached: same HLO as an earlier run)" if g["cache_hit_first_call"] else ""
-            )
-            lines.append(
-                f"| {g['graph'].split(' ', 1)[1]} | {g['calls']} | {first} | "
-                f"{g['compiles_later_calls']} | {fb} | {' / '.join(map(str, g['hlo_ops'].values())) or '-'} | "
-                f"{g['inputs_bytes_per_call']:.0f} / {g['outputs_bytes_per_call']:.0f} | "
-                f"{g['to_device_bytes_per_call']:.0f} / {g['to_host_bytes_per_call']:.0f} | "
-                f"{g['first_call_s']:.1f} | {later} |"
-            )
-        n = 1 if row["run"] == SERVING else 2 if row["run"] == PREFIX else len(PROMPTS)
-        lines += [
-            "",
-            f"- SEQ_MATCH vs CPU fp32 reference (HF eager): **{fp32['all_match']}** "
-            f"({fp32['matched']}/{n}; first divergence per prompt {fp32['first_divergence']})",
-        ]
-        if _vs_quantized(row):
-            q, name = row[_vs_quantized(row)], _vs_quantized(row).removeprefix("vs_cpu_")
-            lines.append(
-                f"- SEQ_MATCH vs the same {name} model on the CPU (HF, {name} experts): **{q['all_match']}** "
-                f"({q['matched']}/{len(PROMPTS)}; first divergence per prompt {q['first_divergence']})"
-            )
-        if row["run"] == SERVING:
-            p = row["prompts"]
-            lines += [
-                f"- row 0: a {p['chunked greedy row']}-token prompt prefilled in chunks of {p['chunk']} between "
-                f"decode steps, then greedy (the SEQ_MATCH line above is its tokens vs HF eager); row 1: a "
-                f"{p['sampled row']}-token prompt prefilled beside row 0's first chunk in one call, then sampled "
-                "in the graphs (top-p 0.9, top-k 20, temperature alone, in turn, each token its own draw)",
-                f"- every token equal to the same programs' on the CPU given the same inputs: "
-                f"**{row['sampled_like_cpu']}**",
-                f"- a decode call returns **{row['decode_output_bytes_per_call']:.0f} bytes**: the "
-                f"{row['decode_token_bytes'] // 8} token ids (int64), no logits",
-                "- the logits-processing variants (a row that asks: penalties, min_p, a logit bias, two banned ids "
-                "and a bitmask of the even tokens; prefilled in two chunks but for its prompt's last token, which "
-                "its first variant decode is fed; beside a row that asks nothing, greedy, in the same calls; "
-                "each variant prefill graph called): tokens and "
-                f"logprobs (the prompt's too) as on the CPU: **{row['processing_like_cpu']}**; a variant decode "
-                f"call takes {row['processing_decode_bytes']['inputs']:.0f} bytes and returns "
-                f"{row['processing_decode_bytes']['outputs']:.0f} (the plain decode's: "
-                f"{_step_bytes(row)['inputs']:.0f} and {_step_bytes(row)['outputs']:.0f})",
-            ]
-        if row["run"] == PREFIX:
-            p = row["prompts"]
-            lines += [
-                f"- row 0: a {p['first']}-token prompt (past the sliding window, a partial last block) prefilled in "
-                f"chunks of {p['chunk']}, then greedy; once it generates, row 1: a {p['second']}-token prompt whose "
-                f"first {p['taken']} tokens row 0 holds, copied into row 1 by the copy graph, the rest prefilled "
-                "from there, then greedy (the SEQ_MATCH line above: both rows' tokens vs HF eager)",
-                "- every token (and the prefix taken) equal to the same programs' on the CPU: "
-                f"**{row['same_as_cpu']}**",
-            ]
-        export = "" if row["export_s"] is None else f"export {row['export_s']:.0f} s, "
-        lines += [
-            f"- bytes the whole generation moved, per decode call: host→device "
-            f"{row['generation_to_device_bytes_per_decode_call']:.0f}, device→host "
-            f"{row['generation_to_host_bytes_per_decode_call']:.0f}",
-            f"- wall: {export}generation {row['generate_s']:.1f} s (compiles included); "
-            f"{row['other_compiles']} compilation(s) outside the graphs (collecting the tokens for the host)",
-            f"- verdict: {'PASS' if row['passed'] else 'FAIL'}",
-            "",
-        ]
-    lines += [
-        f"Allow-list: {result['allowlist']}",
-        "",
-        "Notes:",
-        "- Bytes per call are the median over the graph's calls, XLA's from the end of the previous graph call to the "
-        "end of this one. A call's inputs made on the host (ids, pad mask, positions, row ids) are what XLA moves to "
-        "the device; the fed-back token is already there.",
-        "- A first call with 0 compilations found its graph already compiled: the same HLO (same graph, same "
-        "weights) ran in an earlier run of this process (torch-xla's `CachedCompile`).",
-        "- int8 and int4 are compared with the fp32 reference and with the same quantized model on the CPU; the "
-        "second is the check of the XLA lowering (on seeded random weights, whose logits are nearly flat, rounding "
-        "alone flips greedy picks). int4's packed numbers are unpacked inside each graph (mask, shift, convert, "
-        "multiply): its run holds those ops to the allow-list.",
-        "- int8 and int4 run as modules (lazy tracing, what torch-neuronx traces); they are not exported "
-        "(`torch.export`), since their quantized copies are made on first use, outside any graph.",
-        "- HLO column (with `--hlo DIR`, which writes each graph's HLO text there; `make xla-check`: "
-        "build/xla-check-hlo/): each `sort` is a router's `topk` (one per layer), which torch-xla lowers to a "
-        "full sort; a custom-call would be an op outside plain HLO, a while or conditional control flow in the graph.",
-        "- What this does not show: that neuronx-cc accepts this HLO (its sort support included), that NxD's "
-        "runtime keeps the aliased state on the device as its source says, or anything about speed on a Neuron "
-        "device. Times above are XLA:CPU on the host that ran this.",
-        "",
-    ]
+        lines += _run_section(row)
+    lines += [f"Allow-list: {result['allowlist']}", "", "Notes:", *NOTES]
     return "\n".join(lines)
 
 
-def _code(root: Path) -> str:
-    """Which code ran: the checkout's commit (and whether its tree had changes)."""
-    import subprocess
+GRAPH_COLUMNS = [
+    ("graph", "graph"),
+    ("calls", "calls"),
+    ("compiles_first_call", "compiles 1st"),
+    ("compiles_later_calls", "compiles later"),
+    ("aten_fallbacks", "aten fallbacks"),
+    ("inputs_bytes_per_call", "in bytes"),
+    ("outputs_bytes_per_call", "out bytes"),
+    ("to_device_bytes_per_call", "XLA h->d"),
+    ("to_host_bytes_per_call", "XLA d->h"),
+]
 
-    def git(*args):
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True).stdout.strip()
 
-    commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
-        return str(root)
-    # this run's own output (bench/results) is no change to the code
-    changed = git("status", "--porcelain", "--", ".", ":!bench/results")
-    return f"{git('rev-parse', '--abbrev-ref', 'HEAD')} {commit}" + (" + changes" if changed else "")
+def check_all(xla: Xla, port, args, hlo_dir) -> tuple[list[dict], dict]:
+    """Every run, each printed as it ends: (its rows, {"TAG graph": op set} of the exported programs)."""
+    tokenizer = ByteTokenizer()
+    ids, mask = left_pad([tokenizer.encode(p) for p in PROMPTS], tokenizer.pad_token_id)
+    references = {
+        "fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, args.new_tokens),
+        **{q: greedy(build_model(port, q, torch.float32), ids, mask, args.new_tokens) for q in QUANTIZED},
+    }
+    rows, ops = [], {}
+    for run in (*RUNS, SERVING, PREFIX):
+        print(f"== {run if isinstance(run, str) else run.name}", flush=True)
+        if run == SERVING:
+            row, run_ops = check_serving(xla, port, hlo_dir)
+            tag = "serving"
+        elif run == PREFIX:
+            row, run_ops = check_prefix(xla, port, hlo_dir)
+            tag = "prefix"
+        else:
+            row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir)
+            tag = f"{run.prefill}/{run.decode}"
+        row["passed"] = passed(row)
+        rows.append(row)
+        for graph, names in run_ops.items():
+            ops[f"{tag} {graph}"] = names
+        print(report.table(row["graphs"], GRAPH_COLUMNS))
+        print(
+            f"SEQ_MATCH vs CPU fp32: {row['vs_cpu_fp32']['all_match']}"
+            + (
+                f"; vs CPU {_vs_quantized(row)[7:]}: {row[_vs_quantized(row)]['all_match']}"
+                if _vs_quantized(row)
+                else ""
+            )
+            + f"  -> {'PASS' if row['passed'] else 'FAIL'}",
+            flush=True,
+        )
+    return rows, ops
 
 
 def main(argv=None) -> int:
@@ -792,58 +844,8 @@ def main(argv=None) -> int:
     port = load_port(args.model)
     if port.static is None:
         sys.exit(f"error: port {port.name!r} has no [static] table: it has no static graphs to check")
-    tokenizer = ByteTokenizer()
-    ids, mask = left_pad([tokenizer.encode(p) for p in PROMPTS], tokenizer.pad_token_id)
-    references = {
-        "fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, args.new_tokens),
-        **{q: greedy(build_model(port, q, torch.float32), ids, mask, args.new_tokens) for q in QUANTIZED},
-    }
-    hlo_dir = Path(args.hlo) if args.hlo else None
-
-    rows, ops = [], {}
-    for run in (*RUNS, SERVING, PREFIX):
-        print(f"== {run if isinstance(run, str) else run.name}", flush=True)
-        if run == SERVING:
-            row, run_ops = check_serving(xla, port, hlo_dir)
-            tag = "serving"
-        elif run == PREFIX:
-            row, run_ops = check_prefix(xla, port, hlo_dir)
-            tag = "prefix"
-        else:
-            row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir)
-            tag = f"{run.prefill}/{run.decode}"
-        row["passed"] = passed(row)
-        rows.append(row)
-        for graph, names in run_ops.items():
-            ops[f"{tag} {graph}"] = names
-        print(
-            report.table(
-                row["graphs"],
-                [
-                    ("graph", "graph"),
-                    ("calls", "calls"),
-                    ("compiles_first_call", "compiles 1st"),
-                    ("compiles_later_calls", "compiles later"),
-                    ("aten_fallbacks", "aten fallbacks"),
-                    ("inputs_bytes_per_call", "in bytes"),
-                    ("outputs_bytes_per_call", "out bytes"),
-                    ("to_device_bytes_per_call", "XLA h->d"),
-                    ("to_host_bytes_per_call", "XLA d->h"),
-                ],
-            )
-        )
-        print(
-            f"SEQ_MATCH vs CPU fp32: {row['vs_cpu_fp32']['all_match']}"
-            + (
-                f"; vs CPU {_vs_quantized(row)[7:]}: {row[_vs_quantized(row)]['all_match']}"
-                if _vs_quantized(row)
-                else ""
-            )
-            + f"  -> {'PASS' if row['passed'] else 'FAIL'}",
-            flush=True,
-        )
-
-    ok = all(row["passed"] for row in rows)
+    rows, ops = check_all(xla, port, args, Path(args.hlo) if args.hlo else None)
+    root = Path(report.__file__).resolve().parents[1]  # the checkout the package came from
     result = {
         "port": port.name,
         "weights": f"seeded random weights, seed {port.seed}"
@@ -851,9 +853,9 @@ def main(argv=None) -> int:
         else f"checkpoint {port.checkpoint.name}",
         "new_tokens": args.new_tokens,
         "batch_size": port.static.batch_size,
-        "code": _code(Path(report.__file__).resolve().parents[1]),  # the checkout the package came from
+        "code": code(root) or str(root),
         "prompts": list(PROMPTS),
-        "passed": ok,
+        "passed": all(row["passed"] for row in rows),
         "runs": rows,
         "environment": {
             "machine": f"CPU ({platform.machine()}, {os.cpu_count()} cores shared)",
@@ -867,7 +869,7 @@ def main(argv=None) -> int:
     exported = set().union(*ops.values())
     result.update(exported_graphs=sorted(ops), exported_ops=sorted(exported))
     missing = sorted(exported - xla_lowered_ops())
-    ok = ok and not missing
+    ok = result["passed"] and not missing
     allowlist = (
         f"every one of the {len(exported)} ops of the exported graphs is on `{XLA_LOWERED_OPS_FILE.name}`"
         if not missing
@@ -882,9 +884,7 @@ def main(argv=None) -> int:
         if baseline_path.is_file()
         else None
     )
-    report.write_json(result, f"{args.out}.json")
-    with report.atomic_write(Path(f"{args.out}.md")) as f:
-        f.write(markdown(result, baseline))
+    write_results(result, f"{args.out}.json", lambda result: markdown(result, baseline))
     print(f"{'PASS' if ok else 'FAIL'}: written {args.out}.md and {args.out}.json")
     return 0 if ok else 1
 
