@@ -67,6 +67,7 @@ def stand_in(rows: int, step_ms: float, text, calls: list, generating):
     row at its own place in it. Each call is recorded on `calls` as (graph, entry, exit, rows generating)."""
     import torch
 
+    from neuron_moe.run_config import Shapes
     from neuron_moe.static.rows import GraphRuntime
 
     sleep = step_ms / 1000
@@ -88,9 +89,7 @@ def stand_in(rows: int, step_ms: float, text, calls: list, generating):
         calls.append(("decode", start, time.perf_counter(), now))
         return (out,)
 
-    return GraphRuntime(
-        prefill, decode, batch=rows, buckets=(8, 56), prefill_rows=(1, 4), max_length=512, candidates=256, chunk=56
-    )
+    return GraphRuntime(prefill, decode, Shapes(rows, 512, (8, 56), (1, 4), 56), candidates=256)
 
 
 def tiny_graphs(rows: int, calls: list, generating):
