@@ -401,7 +401,7 @@ def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
 
 def plan(
     config: Gemma4TextConfig,
-    instance: str,
+    instance: str | None,
     tp: int,
     quantization: str,
     batch: int,
