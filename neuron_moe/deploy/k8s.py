@@ -142,6 +142,16 @@ def _labels(settings: Settings) -> dict:
     return {"app.kubernetes.io/name": "neuron-moe", "app.kubernetes.io/instance": settings.name}
 
 
+def _object(api_version: str, kind: str, settings: Settings, spec: dict) -> dict:
+    """A Kubernetes object of this release: named and labelled after it, with its `spec`."""
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {"name": settings.name, "labels": _labels(settings)},
+        "spec": spec,
+    }
+
+
 def _probe(path: str, period: int, timeout: int, failures: int) -> dict:
     return {
         "httpGet": {"path": path, "port": "http"},
@@ -211,39 +221,39 @@ def deployment(settings: Settings, port, tp: int) -> dict:
     }
     if settings.service_account:
         pod["serviceAccountName"] = settings.service_account
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": settings.name, "labels": _labels(settings)},
-        "spec": {
+    return _object(
+        "apps/v1",
+        "Deployment",
+        settings,
+        {
             "replicas": settings.replicas,
             "selector": {"matchLabels": _labels(settings)},
             # a new pod needs free Neuron resources before an old one goes
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {"metadata": {"labels": _labels(settings)}, "spec": pod},
         },
-    }
+    )
 
 
 def service(settings: Settings) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": settings.name, "labels": _labels(settings)},
-        "spec": {
+    return _object(
+        "v1",
+        "Service",
+        settings,
+        {
             "type": "ClusterIP",
             "selector": _labels(settings),
             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
         },
-    }
+    )
 
 
 def autoscaler(settings: Settings) -> dict:
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": settings.name, "labels": _labels(settings)},
-        "spec": {
+    return _object(
+        "autoscaling/v2",
+        "HorizontalPodAutoscaler",
+        settings,
+        {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": settings.name},
             "minReplicas": settings.replicas,
             "maxReplicas": settings.max_replicas or 4 * settings.replicas,
@@ -259,7 +269,7 @@ def autoscaler(settings: Settings) -> dict:
             # a pod takes minutes to pull and load: one is not given back on a short lull
             "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
         },
-    }
+    )
 
 
 def scrape_config(settings: Settings) -> dict:

@@ -252,28 +252,12 @@ def trace_and_compile(port, build: Build) -> dict:
     (`parallel/reader.py`), which goes into that rank's weights; a port without weights takes the
     geometry's shapes (`scan`, `recovery_rank`; no sidecar)."""
     reader = build.reader
-    if build.dtype not in DTYPES:
-        raise ArtifactError(f"dtype {build.dtype!r} is not one of {sorted(DTYPES)}")
-    check_quantization(build.quantization)
+    expert_layout, has_weights = _check_build(port, build)
     tp, out, dry_run, checkpoint, logits = build.tp, build.out, build.dry_run, build.checkpoint, build.logits
-    port.static_spec("trace-and-compile")
-    expert_layout = build.expert_layout or port.static.expert_layout
-    layout.check_degree(port.config, tp, expert_layout)
-    if build.quantization == INT4_QUANTIZATION:
-        int4.check_degree(port.config, tp, expert_layout)
-    if not dry_run and not nxd.sdk_available():
-        raise nxd.NeuronSDKMissing(
-            "trace-and-compile needs the Neuron SDK (neuronx-distributed, torch-neuronx), which is not installed "
-            "here: run it on an inf2 instance in the Neuron DLC (recipes/inf2-24xlarge/), or pass --dry-run to "
-            "build and export the same rank modules on CPU"
-        )
     torch_dtype, quantization = DTYPES[build.dtype], build.quantization
     spec = port.static
     keys = key_names(spec.buckets, spec.rows_for(spec.batch_size), build.prefix_caching)
     whole_rows = build.prefix_caching
-    has_weights = checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
-    if not dry_run and not has_weights:
-        raise ArtifactError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
     tokenizer = _tokenizer_source(port, checkpoint, has_weights)
     sides, reads = None, None
     if reader is not None:  # every check of the reader before any weight loads
@@ -327,6 +311,30 @@ def trace_and_compile(port, build: Build) -> dict:
             }
             (tmp / MANIFEST).write_text(dumps(manifest, indent=1) + "\n")
     return dict(manifest, out=str(out))
+
+
+def _check_build(port, build: Build) -> tuple[str, bool]:
+    """(the expert layout, whether weights are at hand): the checks of `build` that need no model, made
+    before any work: the dtype and quantization, the port's [static] table, the TP degree in the layout
+    (and int4's groups), the Neuron SDK unless a dry run, and weights unless a dry run."""
+    if build.dtype not in DTYPES:
+        raise ArtifactError(f"dtype {build.dtype!r} is not one of {sorted(DTYPES)}")
+    check_quantization(build.quantization)
+    port.static_spec("trace-and-compile")
+    expert_layout = build.expert_layout or port.static.expert_layout
+    layout.check_degree(port.config, build.tp, expert_layout)
+    if build.quantization == INT4_QUANTIZATION:
+        int4.check_degree(port.config, build.tp, expert_layout)
+    if not build.dry_run and not nxd.sdk_available():
+        raise nxd.NeuronSDKMissing(
+            "trace-and-compile needs the Neuron SDK (neuronx-distributed, torch-neuronx), which is not installed "
+            "here: run it on an inf2 instance in the Neuron DLC (recipes/inf2-24xlarge/), or pass --dry-run to "
+            "build and export the same rank modules on CPU"
+        )
+    has_weights = build.checkpoint is not None or port.checkpoint is not None or port.weights_source == "random"
+    if not build.dry_run and not has_weights:
+        raise ArtifactError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
+    return expert_layout, has_weights
 
 
 def _check_fits(port, build: Build, expert_layout: str, reads: dict | None) -> None:

@@ -402,7 +402,7 @@ def _host_per_step(config: Gemma4TextConfig, batch: int) -> list[dict]:
 
 def plan(
     config: Gemma4TextConfig,
-    instance: str,
+    instance: str | None,
     tp: int,
     quantization: str,
     batch: int,
@@ -448,45 +448,15 @@ def plan(
     if reader is not None:
         per_rank["reader_sidecar"] = _reader_sidecar_per_rank(config, tp, reader)
     total = sum(per_rank.values())
-    experts_all = weights["experts"] * tp
     host = _host(config, tp, quantization, expert_layout, inst)
-    if inst is not None and tp > inst.cores:
-        fits, reason = False, f"{instance} has {inst.cores} NeuronCores; TP {tp} needs {tp}"
-    elif inst is not None and not host["fits"]:
-        fits, reason = (
-            False,
-            f"loading needs {host['peak_bytes'] / GiB:.2f} GiB of host memory, {instance} has "
-            f"{inst.host_memory / GiB:.0f} GiB",
-        )
-    elif total > CORE_HBM:
-        fits, reason = (
-            False,
-            (
-                f"{total / GB:.2f} GB per rank exceeds a NeuronCore's {CORE_HBM / GB:.2f} GB "
-                f"(16 GiB) by {(total - CORE_HBM) / GB:.2f} GB"
-            ),
-        )
-    else:
-        fits, reason = (
-            True,
-            (
-                f"{total / GB:.2f} GB per rank of {CORE_HBM / GB:.2f} GB (16 GiB); "
-                f"{(CORE_HBM - total) / GB:.2f} GB spare per core"
-                + (
-                    f"; host peak {host['peak_bytes'] / GiB:.2f} of {inst.host_memory / GiB:.0f} GiB, "
-                    f"{host['margin_bytes'] / GiB:.2f} GiB spare"
-                    if inst is not None
-                    else ""
-                )
-            ),
-        )
+    fits, reason = _verdict(inst, tp, total, host)
     return {
         **report,
         "fits": fits,
         "reason": reason,
         "per_rank_bytes": per_rank,
         "per_rank_total_bytes": total,
-        "experts_all_ranks_bytes": experts_all,
+        "experts_all_ranks_bytes": weights["experts"] * tp,
         "margin_per_core_bytes": CORE_HBM - total,
         "savings": _savings(config, tp, quantization, expert_layout, weights),
         "largest_shapes": _largest_shapes(
@@ -496,6 +466,36 @@ def plan(
         "host": host,
         "host_per_step": _host_per_step(config, batch),
     }
+
+
+def _verdict(inst: Instance | None, tp: int, total: float, host: dict) -> tuple[bool, str]:
+    """(fits, the reason): the instance's NeuronCores for TP `tp` and its host memory for the load's
+    peak (`host`), where an instance is named; then one NeuronCore's HBM for a rank's `total` bytes."""
+    if inst is not None and tp > inst.cores:
+        return False, f"{inst.name} has {inst.cores} NeuronCores; TP {tp} needs {tp}"
+    if inst is not None and not host["fits"]:
+        return (
+            False,
+            f"loading needs {host['peak_bytes'] / GiB:.2f} GiB of host memory, {inst.name} has "
+            f"{inst.host_memory / GiB:.0f} GiB",
+        )
+    if total > CORE_HBM:
+        return (
+            False,
+            f"{total / GB:.2f} GB per rank exceeds a NeuronCore's {CORE_HBM / GB:.2f} GB "
+            f"(16 GiB) by {(total - CORE_HBM) / GB:.2f} GB",
+        )
+    host_spare = (
+        f"; host peak {host['peak_bytes'] / GiB:.2f} of {inst.host_memory / GiB:.0f} GiB, "
+        f"{host['margin_bytes'] / GiB:.2f} GiB spare"
+        if inst is not None
+        else ""
+    )
+    return (
+        True,
+        f"{total / GB:.2f} GB per rank of {CORE_HBM / GB:.2f} GB (16 GiB); "
+        f"{(CORE_HBM - total) / GB:.2f} GB spare per core" + host_spare,
+    )
 
 
 def port_plan(port, config: RunConfig, instance: str, runtime_reserve: float = DEFAULT_RUNTIME_RESERVE) -> dict:
