@@ -401,7 +401,7 @@ def measure(report, dest, name, model, experts: str, check: tuple[float, bool], 
                 f"graph {row['cuda_graph']})",
                 flush=True,
             )
-        except Exception as e:  # one device call per session: record it, measure the rest
+        except Exception as e:  # one GPU run: record the failure, measure the rest
             row.update(error=f"{type(e).__name__}: {e}"[-2000:], check_ok=False)
             print(f"{name} B={batch} {experts}: FAILED {row['error']}", flush=True)
         report["rows"].append(row)

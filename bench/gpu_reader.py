@@ -376,7 +376,7 @@ def reader_stages(layers, inputs, k, rank, iters, variants):
     out, same = {}, {}
     for name, fn in timed_stages.items():
         variant = name.startswith("select, ") and "warps" not in name  # a selection: its picks are checked
-        try:  # one device call per session: a stage that fails leaves the others' times
+        try:  # one GPU run: a stage that fails leaves the others' times
             if variant:
                 same[name] = False  # until shown
                 same[name] = same_picks(want, fn(*calls[0]))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on an NVIDIA H200 for the reader's GPU targets, at most SESSION_S seconds (default 340 s; the kernel
+# One run on an NVIDIA H200 for the reader's GPU targets, at most SESSION_S seconds (default 340 s; the kernel
 # comparison at most READER_S, default 200 s, the decode what is left):
 #   1. bench.gpu_reader: the reader's MoE block against the dense baselines, every kernel variant
 #      preflighted against the reference at the real shapes, then timed side by side;
@@ -9,8 +9,8 @@
 # Everything goes to $OUT (JSON + markdown per part, logs, session.json with each part's exit status and
 # seconds). Exit status: 0 only if every part ran and every check passed.
 #
-# Run from the repository root (the device tool does): bash bench/gpu_session.sh
-# Expects the device image's python3 with torch (CUDA) and triton, and transformers 5.24.0 (the project's
+# Run from the repository root: OUT=DIR bash bench/gpu_session.sh
+# Expects the GPU machine's python3 with torch (CUDA) and triton, and transformers 5.24.0 (the project's
 # pin; the image has another), carried as a wheel in .whl/ — docs/reader.md, "On a GPU", says how. It
 # installs nothing else and reaches no network. GPU_SESSION_DRY=1: both parts with --dry-run, no CUDA
 # needed (the CPU, tiny shapes; tests/test_gpu_session.py runs the script that way with stand-ins).

@@ -1,5 +1,5 @@
 """`python -m bench.gpu_decode --dry-run`: the whole-model decode benchmark end to end on the CPU (the
-tiny port's geometry and a tiny Qwen3, eager steps, Triton's interpreter), so that its device call is
+tiny port's geometry and a tiny Qwen3, eager steps, Triton's interpreter), so that its run on a GPU is
 never its first run; and the pieces a dry run cannot show: that the model built on the meta device and
 materialised is HF's own initialisation, when a second model is skipped for time, which kernel variant
 of bench.gpu_reader's result joins the decode (and how the variants' names map to kernels), and that a
@@ -171,7 +171,7 @@ def test_a_dry_run_without_the_interpreter_runs_again_with_it(monkeypatch):
 
 def test_a_dry_run_without_json_writes_under_build_never_over_the_recorded_results(monkeypatch, tmp_path):
     """A dry run's numbers are the CPU interpreter's: without --json they go to build/dry-run/ (ignored by
-    git), a real run's to bench/results/, and $OUT, where the device call sets it, takes both."""
+    git), a real run's to bench/results/, and $OUT, where a GPU run sets it, takes both."""
     monkeypatch.delenv("OUT", raising=False)
     for name in ("gpu_decode", "gpu_reader"):
         assert gpu_env.default_json(name, dry_run=True) == ROOT / "build" / "dry-run" / f"{name}.json"

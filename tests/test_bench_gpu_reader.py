@@ -1,5 +1,5 @@
 """`python -m bench.gpu_reader --dry-run`: the GPU benchmark end to end on the CPU (tiny shapes, Triton's
-interpreter), so that its one device call is never its first run."""
+interpreter), so that its one GPU run is never its first run."""
 
 import json
 import os

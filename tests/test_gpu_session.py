@@ -1,4 +1,4 @@
-"""bench/gpu_session.sh, the one prepared device call, run here with stand-ins for its two benchmarks
+"""bench/gpu_session.sh, the one prepared GPU run, run here with stand-ins for its two benchmarks
 (each has a dry-run test of its own): it runs both in order with the arguments the device run needs,
 keeps each part's output under $OUT, records each part's exit status and time in session.json, and
 exits non-zero when a part fails or times out."""
@@ -30,7 +30,7 @@ esac
 
 
 def session(tmp_path, out="out", **env):
-    """Run the script with $OUT an empty folder `out` (as the device tool gives it)."""
+    """Run the script with $OUT an empty folder `out` (as a GPU run starts with it)."""
     bin_dir, out = tmp_path / "bin", tmp_path / out
     bin_dir.mkdir(exist_ok=True)
     calls = tmp_path / "calls"
