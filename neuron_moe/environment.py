@@ -2,8 +2,9 @@
 paths on, and which of those paths it supports.
 
 The versions of Python and of every package a path needs, the Neuron devices and cores, any CUDA
-GPU; then one row per path that needs more than the CPU install: supported here or not, and why
-(the package, version or device missing). Found without importing or running any of them: package
+GPU; the compile target trace-and-compile builds for and serve requires (`neuron/artifact.TARGET`);
+then one row per path that needs more than the CPU install: supported here or not, and why (the
+package, version or device missing). Found without importing or running any of them: package
 metadata and import specs, `neuron-ls` or `/dev/neuron*`, torch's CUDA query.
 
 Every command that needs one of these paths asks `require(path)` before any work, so its refusal
@@ -25,6 +26,7 @@ import subprocess
 import torch
 
 from .errors import UserError
+from .neuron.artifact import TARGET
 from .parallel import nxd_source
 from .reader.nki.forward import NKI_TARGET, NKI_TARGET_SDK, nki_unsupported
 
@@ -180,6 +182,7 @@ def env_report() -> dict:
         "neuron": neuron_devices(),
         "gpu": gpu(),
         "nxd_src": nxd_src,
+        "target": TARGET,
         "paths": rows,
     }
 
@@ -203,6 +206,12 @@ def render_env(report: dict) -> str:
         f"no CUDA device)"
     )
     lines.append(f"NXD_SRC: {report['nxd_src'] or 'unset'}")
+    target = report["target"]
+    lines.append(
+        f"compile target: {target['name']} (neuronx-cc {' '.join(target['compiler_args'])}; environment "
+        + " ".join(f"{k}={v}" for k, v in target["env"].items())
+        + ")"
+    )
     lines.append("")
     width = max(len(r["path"]) for r in report["paths"])
     lines.append(f"{'path':{width}}  supported  why")

@@ -31,6 +31,21 @@ else
   CKPT=$CHECKPOINT
 fi
 
+# Before a compile (hours): the host's memory against neuronx-cc's for the build's largest key, the
+# GiB of `neuron-moe plan`'s "compile host" line (a stated estimate from the graph's size, not a
+# measurement: docs/neuron.md), which each recipe names; the host's memory is read from MEMINFO
+# (/proc/meminfo). FORCE_COMPILE=1 compiles on a smaller host anyway.
+check_compile_host() {  # $1: the plan's figure, GiB, rounded up
+  local have
+  have=$(awk '/^MemTotal:/ { print int($2 / 1048576) }' "${MEMINFO:-/proc/meminfo}")
+  if [ "${have:-0}" -lt "$1" ] && [ -z "${FORCE_COMPILE:-}" ]; then
+    echo "this host has ${have:-no known} GiB of memory; neuron-moe plan estimates neuronx-cc needs at least $1 GiB" \
+      "for the largest key (its 'compile host' line: an estimate, not a measurement): compile on a larger host," \
+      "or FORCE_COMPILE=1 to try anyway" >&2
+    exit 2
+  fi
+}
+
 build_image() {
   docker build -f "$REPO/docker/Dockerfile.neuron" --build-arg NEURON_SDK="$NEURON_SDK" -t "$IMAGE" "$REPO"
 }

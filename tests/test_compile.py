@@ -6,6 +6,7 @@ layout is refused by the other."""
 
 import dataclasses
 import json
+import os
 import re
 import stat
 import threading
@@ -77,7 +78,8 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == na.FORMAT == 7 and manifest["logits"] is False
+    assert manifest["format"] == na.FORMAT == 8 and manifest["logits"] is False
+    assert manifest["target"] == na.TARGET and na.TARGET["name"] == "inf2"  # a dry run records it too
     assert (manifest["prefill_rows"], manifest["prefill_chunk"], manifest["candidates"]) == ([1], 16, 256)
     # the tokenizer travels with the graphs: its files copied, named and digested (the server reads no other)
     tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
@@ -447,8 +449,9 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
 
     seen = {}
 
-    def trace_keys(keys, checkpoint_loader, tp, workdir):
-        seen.update(keys=keys, checkpoint=checkpoint_loader(), tp=tp)
+    def trace_keys(keys, checkpoint_loader, tp, workdir, compiler_args):
+        seen.update(keys=keys, checkpoint=checkpoint_loader(), tp=tp, compiler_args=compiler_args)
+        seen.update(env=os.environ.get("NEURON_LOGICAL_NC_CONFIG"))  # what neuronx-cc's processes inherit
         return "builder", torch.jit.script(torch.nn.Identity())
 
     def shard_checkpoint(builder, path):
@@ -457,6 +460,7 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
 
     monkeypatch.setattr(nxd, "sdk_available", lambda: True)
     monkeypatch.setattr(nxd, "trace_keys", trace_keys)
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     monkeypatch.setattr(
         nxd,
         "shard_checkpoint",
@@ -467,6 +471,12 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
     )
 
     assert seen["tp"] == 2 and list(seen["keys"]) == na.key_names([16], [1])
+    # compiled for inf2 (ModelBuilder's default arguments and the target), in the environment inf2 needs
+    assert (
+        seen["compiler_args"]
+        == "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1 --target inf2"
+    )
+    assert seen["env"] == "1" and os.environ.get("NEURON_LOGICAL_NC_CONFIG") is None  # set for the compile alone
     (_, [prefill]), (_, [decode]), (_, [variant_prefill]), (_, [variant]) = seen["keys"].values()
     assert [tuple(x.shape) for x in variant_prefill] == [(1, 16)] * 3 + [(1,), (1, 16)]  # the targets
     assert [tuple(x.shape) for x in variant] == [(2, 1), (2, 1), (2, 4), (2, 7), (2, 64), (2, 64), (2, 64)]

@@ -10,6 +10,7 @@ from test_nxd_source import INSTALLED, _tree
 from neuron_moe import environment, port
 from neuron_moe.cli import main
 from neuron_moe.errors import UserError
+from neuron_moe.neuron import artifact
 from neuron_moe.reader.nki import forward as nki_forward
 
 SDK = all(environment.importlib.util.find_spec(m) for m in environment.COMPILE_MODULES)
@@ -46,6 +47,11 @@ def test_on_this_cpu_machine_every_path_is_unsupported_with_its_reason(plain_cpu
         (line,) = [x for x in text.splitlines() if x.startswith(path + " ")]
         assert line.split()[len(path.split())] == "no" and why[path] in line
     assert "Neuron devices: none" in text and "GPU: none" in text
+    # the compile target trace-and-compile builds for and serve requires
+    assert report["target"] == artifact.TARGET
+    assert (
+        "compile target: inf2 (neuronx-cc " in text and "--target inf2; environment NEURON_LOGICAL_NC_CONFIG=1)" in text
+    )
 
 
 @pytest.mark.skipif(INSTALLED, reason="neuronx-distributed is installed here: NXD_SRC is not what is used")

@@ -694,6 +694,7 @@ ARTIFACT = {
     "candidates": 256,
     "dry_run": False,
     "logits": False,
+    "target": na.TARGET,
     "tokenizer": {"kind": "checkpoint", "files": ["tokenizer/tokenizer.json"]},
     "files": {"tokenizer/tokenizer.json": {"size": 3, "sha256": "0" * 64}},
 }

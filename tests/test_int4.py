@@ -50,6 +50,23 @@ def test_pack_unpack_round_trip_is_exact(shape):
     assert torch.equal(low.float() - int4.OFFSET, q.select(1, 0)) and torch.equal(high.float() - 8, q.select(1, 1))
 
 
+class _Unpack(torch.nn.Module):
+    def forward(self, packed, scale):
+        return int4.unpack(packed, scale, torch.bfloat16)
+
+
+def test_the_unpack_shifts_and_masks_32_bit_words_only():
+    """The exported unpack of a packed uint8 weight (NCC_EVRF022: neuronx-cc refuses an arithmetic
+    right shift of a non-32-bit input): every bitwise op of the graph takes int32, the weight stays
+    uint8 in memory, and the bf16 weight is the one unpacked eagerly."""
+    packed, scale = int4.quantize(_weight((3, 64, 10)), 32)
+    program = torch.export.export(_Unpack(), (packed, scale), strict=True)
+    bitwise = [n for n in program.graph.nodes if n.op == "call_function" and "bitwise" in str(n.target)]
+    assert {str(n.target).split(".")[1] for n in bitwise} == {"bitwise_and", "bitwise_right_shift"}
+    assert {n.args[0].meta["val"].dtype for n in bitwise} == {int4.WORD} == {torch.int32}
+    assert torch.equal(program.module()(packed, scale), int4.unpack(packed, scale, torch.bfloat16))
+
+
 @pytest.mark.parametrize("group", int4.GROUP_SIZES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantised_error_is_at_most_half_a_step(group, dtype):

@@ -10,6 +10,8 @@ from neuron_moe.experts.int4 import DEFAULT_GROUP, SCALE_BYTES
 from neuron_moe.info import parameter_counts
 from neuron_moe.neuron.plan import (
     CHIP_HBM_BW,
+    COMPILE_ANCHOR_GRAPH_BYTES,
+    COMPILE_HOST_MULTIPLE,
     CORE_HBM,
     GB,
     HOST_GRAPHS_RESERVE,
@@ -19,11 +21,15 @@ from neuron_moe.neuron.plan import (
     SHAPE_STEP,
     GiB,
     plan,
+    render_plan,
 )
 from neuron_moe.port import load_port
 from neuron_moe.spec import Reader
 
 from conftest import port_text_elsewhere
+
+
+WEIGHT_GROUPS = ("embeddings", "norms_and_scalars", "attention", "dense_mlp", "router", "experts", "lm_head")
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +323,33 @@ def test_one_chip_int4_plan_cli(capsys):
     assert "HBM-bound floor per token" in out and "longest context that fits" in out
     assert "largest batch × context that fits: " in out
     assert cli.main(args[:-1] + ["int8"]) == 1 and "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_the_compile_host_estimate_is_stated_per_key_and_anchored_on_its_one_report(capsys):
+    """neuronx-cc's host memory per key: COMPILE_HOST_MULTIPLE × (a rank's weights + the key's largest
+    activation), the multiple the least that puts Gemma-4 31B's 16384-token key at TP 16 over 128 GiB
+    (NxDI PR #106); the port's plain keys, the largest the longest bucket's prefill, and whether the
+    instance holds it, beside (not in) the plan's verdict."""
+    assert (
+        COMPILE_HOST_MULTIPLE * COMPILE_ANCHOR_GRAPH_BYTES
+        > 128 * GiB
+        >= (COMPILE_HOST_MULTIPLE - 1) * (COMPILE_ANCHOR_GRAPH_BYTES)
+    )
+    args = ["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.xlarge", "--tp", "2", "--quantization", "int4"]
+    assert cli.main([*args, "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    compile_host, weights = report["compile_host"], sum(report["per_rank_bytes"][g] for g in WEIGHT_GROUPS)
+    assert [k["key"] for k in compile_host["keys"]] == [f"context_encoding_1x{b}" for b in (128, 512, 2048)] + [
+        "token_generation"
+    ]
+    for key in compile_host["keys"]:
+        assert key["graph_bytes"] > weights and key["estimate_bytes"] == COMPILE_HOST_MULTIPLE * key["graph_bytes"]
+    assert compile_host["largest_key"] == "context_encoding_1x2048" and compile_host["fits"] is False
+    assert compile_host["memory_bytes"] == 16 * GiB < compile_host["largest_bytes"] < 384 * GiB
+    assert report["fits"]  # the serving box's verdict: the compile host is another machine
+    out = render_plan(report)  # the text `plan` prints of the same report
+    assert "a stated estimate, not a measurement" in out and "NxDI PR #106" in out
+    assert f"compile host: at least {compile_host['largest_bytes'] / GiB:.1f} GiB for context_encoding_1x2048" in out
 
 
 def test_int4_where_a_rank_holds_part_of_a_group_is_refused_by_name(big):

@@ -199,7 +199,7 @@ def test_neuron_path_writes_each_ranks_shard(tiny_port, shards, tmp_path, monkey
 
     seen = {}
 
-    def trace_keys(keys, checkpoint_loader, tp, workdir):
+    def trace_keys(keys, checkpoint_loader, tp, workdir, compiler_args):
         seen.update(checkpoint=checkpoint_loader())
         return "builder", torch.jit.script(torch.nn.Identity())
 

@@ -5,6 +5,7 @@ alone, and the wait ends when the server's container dies. The one-chip recipe c
 publishes on one host and pulls and serves on the other, the int4 experts at TP 2 throughout."""
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -39,6 +40,9 @@ def recipe(tmp_path):
         stub.chmod(0o755)
     calls = tmp_path / "calls.jsonl"
 
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {768 * 2**20} kB\n")  # an inf2.48xlarge's host: every compile fits
+
     def run(*steps, script=RECIPE, **env):
         environ = {
             **os.environ,
@@ -46,9 +50,10 @@ def recipe(tmp_path):
             "CALLS": str(calls),
             "ARTIFACTS": str(tmp_path / "artifacts"),
             "HF_HOME": str(tmp_path / "hf"),
+            "MEMINFO": str(meminfo),
             **env,
         }
-        for var in ("HF_TOKEN", "S3", "INSTANCE", *AWS_VARS):
+        for var in ("HF_TOKEN", "S3", "INSTANCE", "FORCE_COMPILE", *AWS_VARS):
             if var not in env:
                 environ.pop(var, None)
         done = subprocess.run(["bash", str(script), *steps], env=environ, capture_output=True, text=True, timeout=60)
@@ -164,6 +169,41 @@ def test_the_one_chip_box_pulls_and_serves_the_artifact_alone(recipe, tmp_path):
     assert "--rm" in serve and "NEURON_RT_NUM_CORES=2" in serve
     assert f"{tmp_path / 'artifacts'}:/artifacts:ro" in serve
     assert calls.index(["rm", "-f", "neuron-moe-serve"]) < calls.index(serve)
+
+
+def test_a_compile_host_smaller_than_the_plans_estimate_is_refused_naming_it(recipe, tmp_path):
+    """An inf2.8xlarge's 128 GiB against the plan's 234 GiB for the largest int4 key at TP 2: refused
+    before any container runs; FORCE_COMPILE=1 compiles anyway."""
+    small = tmp_path / "meminfo-128"
+    small.write_text(f"MemTotal:       {128 * 2**20} kB\nMemFree:        1 kB\n")
+    done, calls = recipe("compile", script=ONE_CHIP, MEMINFO=str(small))
+    assert done.returncode == 2 and _runs(calls) == []
+    assert "this host has 128 GiB of memory; neuron-moe plan estimates neuronx-cc needs at least 234 GiB" in done.stderr
+    done, calls = recipe("compile", script=ONE_CHIP, MEMINFO=str(small), FORCE_COMPILE="1")
+    assert done.returncode == 0, done.stderr
+    assert _command(_runs(calls)[-1])[0] == "trace-and-compile"
+
+
+def test_the_recipes_compile_host_figures_are_the_plans():
+    """Each recipe's COMPILE_HOST_GIB is its build's `plan` compile-host figure (the largest key's),
+    rounded up, and the figure is the one its comments (and the one-chip README) quote."""
+    from neuron_moe.neuron.plan import GiB, plan_keys, port_plan
+    from neuron_moe.port import load_port
+    from neuron_moe.run_config import RunConfig
+    from neuron_moe.spec import compiled_backend
+
+    port = load_port("gemma4-26b-a4b")
+    readme = " ".join((ONE_CHIP.parent / "README.md").read_text().split())
+    builds = {(2, "int4"): "COMPILE_HOST_GIB={}\n", (8, "none"): "[bf16]={} ", (8, "int8"): "[int8]={})"}
+    for (tp, quantization), held in builds.items():
+        backend = compiled_backend("plan", tp, quantization, "bfloat16", None, None)
+        estimate = port_plan(port, RunConfig(backend=backend), None)["compile_host"]
+        assert [k["key"] for k in estimate["keys"]] == list(plan_keys(1, 4096, port.static))
+        script = (ONE_CHIP if tp == 2 else RECIPE).read_text()
+        assert held.format(math.ceil(estimate["largest_bytes"] / GiB)) in script
+        assert f"{estimate['largest_bytes'] / GiB:.1f} GiB" in script
+        if tp == 2:
+            assert f"at least {estimate['largest_bytes'] / GiB:.1f} GiB for the largest key" in readme
 
 
 def test_the_8xlarge_recipe_is_the_one_chip_recipe_for_its_instance(recipe):

@@ -5,6 +5,7 @@ cache inside, as the device does, and a dry-run artifact served alone (its own t
 import importlib.machinery
 import importlib.util
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -20,7 +21,7 @@ from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.neuron import artifact
 from neuron_moe.neuron import compile as compile_
-from neuron_moe.neuron.artifact import FORMAT
+from neuron_moe.neuron.artifact import FORMAT, TARGET
 from neuron_moe import environment
 from neuron_moe.serve import backends, neuron, server
 from neuron_moe.serve.batching import BatchEngine
@@ -47,6 +48,7 @@ def _manifest(**fields):
                 "prefill_rows": [1, 2],
                 "prefill_chunk": fields.get("buckets", [16])[0],
                 "candidates": 256,
+                "target": TARGET,
                 "tokenizer": {"kind": "checkpoint", "files": []},
                 "files": {},
             },
@@ -75,6 +77,11 @@ def test_manifest_errors_name_the_problem(tmp_path):
         _manifest(port="p", tp=2, buckets=[8, 16], max_cache_len=32, prefill_chunk=12)
     )
     with pytest.raises(neuron.NeuronError, match=r"'prefill_chunk' 12 is not one of the buckets \[8, 16\]"):
+        neuron.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(
+        _manifest(port="p", tp=2, buckets=[8], max_cache_len=32, target={"name": "inf2", "env": {}})
+    )
+    with pytest.raises(neuron.NeuronError, match=r"'target' must be \{\"name\": str, \"compiler_args\""):
         neuron.read_manifest(tmp_path)
 
 
@@ -154,7 +161,10 @@ def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int
     artifact = StandInRuntime(model, {16, 64}, batch, 128, logits)
     monkeypatch.setattr(torch.jit, "load", lambda path: artifact)
     monkeypatch.setattr(neuron, "DEVICE", "cpu")  # the stand-in's cores
-    return neuron.neuron_runtime(tmp_path, port), artifact
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")  # trn2's default: the artifact's target replaces it
+    runtime = neuron.neuron_runtime(tmp_path, port)
+    assert os.environ["NEURON_LOGICAL_NC_CONFIG"] == TARGET["env"]["NEURON_LOGICAL_NC_CONFIG"] == "1"
+    return runtime, artifact
 
 
 @pytest.mark.parametrize("logits", [False, True])
@@ -304,6 +314,26 @@ def test_a_tampered_tokenizer_is_refused_by_name_before_binding(dry_run_artifact
     assert cli.main(["serve", "--backend", "neuron", "--artifacts", str(dry_run_artifact)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {dry_run_artifact}/{named}") and err.count("\n") == 1, err
+
+
+def test_an_artifact_compiled_for_another_target_is_refused_naming_both(
+    dry_run_artifact, monkeypatch, capsys, tiny_port
+):
+    """The dry-run artifact records the target it is built for (inf2); edited to another, `serve
+    --backend neuron --artifacts` refuses it with one line naming both, before binding."""
+    _cpu_graphs_for_the_device(monkeypatch)
+    manifest = json.loads((dry_run_artifact / "manifest.json").read_text())
+    assert manifest["target"] == TARGET and "inf2" in TARGET["compiler_args"]
+    manifest["target"]["name"] = "trn2"
+    (dry_run_artifact / "manifest.json").write_text(json.dumps(manifest))
+    assert cli.main(["serve", "--backend", "neuron", "--artifacts", str(dry_run_artifact)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {dry_run_artifact}: compiled for the 'trn2' target, served here on 'inf2': rebuild it with this "
+        "version's trace-and-compile, which compiles for 'inf2'\n"
+    )
+    with pytest.raises(neuron.NeuronError, match="compiled for the 'trn2' target, served here on 'inf2'"):
+        neuron.neuron_runtime(dry_run_artifact, tiny_port)  # an artifact pulled from s3 meets it there
 
 
 def test_an_artifact_that_transforms_its_weights_on_load_takes_the_whole_shards(tmp_path, monkeypatch, caplog):

@@ -20,7 +20,7 @@ from neuron_moe import cli
 from neuron_moe.checkpoint import save_checkpoint
 from neuron_moe.errors import UserError
 from neuron_moe.model import build_model
-from neuron_moe.neuron.artifact import FORMAT
+from neuron_moe.neuron.artifact import FORMAT, TARGET
 from neuron_moe.port import load_port
 from neuron_moe.serve import neuron
 from neuron_moe.serve.backends import BACKENDS, load_engine
@@ -53,6 +53,7 @@ def manifest_dir(tmp_path):
                 "prefill_rows": [1],
                 "prefill_chunk": 64,
                 "candidates": 256,
+                "target": TARGET,
                 "dry_run": False,
                 "logits": False,
                 "tokenizer": {"kind": "checkpoint", "files": []},

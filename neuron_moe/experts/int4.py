@@ -14,8 +14,9 @@ all read it from this module):
            bf16 where rounding to nearest would shrink it, so |w / s| ≤ clip · 7 stays true and
            the round-to-nearest error of every weight is at most s / 2
 
-Dequantising is plain tensor ops a compiler lowers without custom kernels: a bitwise and, a
-right shift, a convert, a subtract, and a multiply by the group's scale (`unpack`). It runs in the
+Dequantising is plain tensor ops a compiler lowers without custom kernels: the bytes widened to
+32-bit words, a bitwise and, a right shift, a convert, a subtract, and a multiply by the group's
+scale (`unpack`; every shift and mask on int32, `WORD`, as neuronx-cc requires). It runs in the
 graph on the rank's own shard (or on the gathered experts of a selective decode step), so the
 compute-dtype weight exists only transiently, one linear at a time.
 
@@ -45,6 +46,11 @@ GROUP_SIZES = (16, 32, 64)  # those measured (bench/results/int4-quality.md)
 DEFAULT_GROUP = INT4_GROUP  # spec.py says why 32
 SCALE_DTYPE = torch.bfloat16
 SCALE_BYTES = 2  # bytes of one SCALE_DTYPE scale
+# the integer type the nibbles are masked and shifted in: neuronx-cc's verifier refuses an arithmetic
+# right shift of a non-32-bit input ("Cast the first argument's data type to be S32, U32, or F32",
+# aws-neuron-sdk compiler/error-codes/EVRF022.rst), and NeuronCore-v2's integer types are UINT8,
+# INT32 and UINT32 (about-neuron/arch/neuron-features/data-types.rst)
+WORD = torch.int32
 CLIP_GRID = tuple(round(1.0 - 0.025 * i, 3) for i in range(13))  # 1.0, 0.975, … 0.7
 
 
@@ -139,9 +145,13 @@ def quantize(w: torch.Tensor, group: int = DEFAULT_GROUP, *, search: bool = Fals
 
 def unpack(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """The weight `packed` and `scale` stand for, in `dtype`: [a, n/2, *rest] and [a, n/g, *rest]
-    -> [a, n, *rest]. Mask, shift, convert, subtract, multiply: ops every XLA backend lowers."""
-    low = torch.bitwise_and(packed, 15)
-    high = torch.bitwise_right_shift(packed, 4)
+    -> [a, n, *rest]. Widen, mask, shift, convert, subtract, multiply: ops every XLA backend lowers.
+    The bytes are widened to WORD first, so that the mask and the shift take 32-bit integers only
+    (neuronx-cc refuses an arithmetic right shift of any other width: NCC_EVRF022); the packed
+    bytes in HBM stay one per two values, and the widened copy is as transient as the result."""
+    words = packed.to(WORD)  # 0 … 255: the arithmetic and the logical right shift agree
+    low = torch.bitwise_and(words, 15)
+    high = torch.bitwise_right_shift(words, 4)
     a, half, *rest = packed.shape
     n = 2 * half
     values = torch.cat([low.unsqueeze(2), high.unsqueeze(2)], dim=2).reshape(a, n, *rest).to(dtype) - OFFSET

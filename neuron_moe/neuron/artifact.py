@@ -3,9 +3,10 @@ defined here once.
 
     manifest.json   MANIFEST_FIELDS below (dtype: the compute dtype, quantization: the routed
                     experts' format, expert_layout: how the graphs split the experts,
-                    `parallel/layout.py`), plus each key's inputs and outputs, the state, the
-                    reader (`--reader`: budget, k_per_rank, scan, recovery_rank, source_sha256; null
-                    without), and the files' sizes and sha256
+                    `parallel/layout.py`; target: the compile target, TARGET below), plus each
+                    key's inputs and outputs, the state, the reader (`--reader`: budget,
+                    k_per_rank, scan, recovery_rank, source_sha256; null without), and the files'
+                    sizes and sha256
     model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
                     context-encoding key per prefill bucket and one token-generation key
     weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint),
@@ -79,7 +80,22 @@ SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
 TOKENIZER = "tokenizer"  # the folder of the tokenizer's files
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-FORMAT = 7
+FORMAT = 8
+# The compile target: the instance family neuronx-cc compiles for (its `--target`: "generate code for
+# an inf2 instance type", neuronx-cc's CLI reference, which lists inf2, trn1, trn1n and trn2), the
+# arguments ModelBuilder hands it (`ModelBuilder.add`'s own default, `append_default_compiler_flags`
+# at NxD fbac349, with the target: left to itself the compiler takes the target of the machine it
+# runs on, or of an import that sets one, and NxDI's Gemma-4 port met "NEFF arch: v3, instance arch:
+# v2" on inf2, aws-neuron/neuronx-distributed-inference PR #106), and the environment the compile and
+# the runtime need on it (that PR: NEURON_LOGICAL_NC_CONFIG=1 on inf2; one physical NeuronCore per
+# logical one is the only configuration before trn2, neuronx-cc's NCC_EARG001). Written into the
+# manifest; the server refuses another target's.
+TARGET = {
+    "name": "inf2",
+    "compiler_args": ["--enable-saturate-infinity", "--auto-cast=none", "--model-type=transformer", "-O1"]
+    + ["--target", "inf2"],
+    "env": {"NEURON_LOGICAL_NC_CONFIG": "1"},
+}
 # field -> type; what a server needs to call the graphs and to read and write text
 MANIFEST_FIELDS = {
     "format": int,
@@ -96,6 +112,7 @@ MANIFEST_FIELDS = {
     "candidates": int,
     "dry_run": bool,
     "logits": bool,
+    "target": dict,
     "tokenizer": dict,
     "files": dict,
 }
@@ -151,6 +168,7 @@ def check_manifest(manifest: dict, path) -> dict:
         raise ArtifactError(f"{path}: 'prefix_caching' must be true or false, got {manifest['prefix_caching']!r}")
     if not _count(manifest["candidates"]):
         raise ArtifactError(f"{path}: 'candidates' must be a positive count, got {manifest['candidates']}")
+    _check_target_field(manifest["target"], path)
     tokenizer = manifest["tokenizer"]
     files = tokenizer.get("files", [])
     if (
@@ -172,6 +190,32 @@ def check_manifest(manifest: dict, path) -> dict:
         if not _digest_entry(entry) or entry["size"] < 0 or not _SHA256.fullmatch(entry["sha256"]):
             raise ArtifactError(f'{path}: files[{name!r}] must be {{"size": bytes, "sha256": hex digest}}, got {entry}')
     return manifest
+
+
+def _check_target_field(target: dict, path) -> None:
+    """The manifest's `target`: {"name": str, "compiler_args": [str, ...], "env": {str: str}}."""
+    args, env = target.get("compiler_args"), target.get("env")
+    if (
+        not isinstance(target.get("name"), str)
+        or not isinstance(args, list)
+        or not all(isinstance(a, str) for a in args)
+        or not isinstance(env, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise ArtifactError(
+            f'{path}: \'target\' must be {{"name": str, "compiler_args": [str, ...], "env": {{str: str}}}}, '
+            f"got {target}"
+        )
+
+
+def check_target(manifest: dict, artifacts, target: dict = TARGET) -> None:
+    """Refuse an artifact compiled for another target than `target` (this version's, TARGET), naming both."""
+    if manifest["target"]["name"] != target["name"]:
+        raise ArtifactError(
+            f"{artifacts}: compiled for the {manifest['target']['name']!r} target, served here on "
+            f"{target['name']!r}: rebuild it with this version's trace-and-compile, which compiles for "
+            f"{target['name']!r}"
+        )
 
 
 def check_files(artifacts, listed: dict[str, dict], found: dict[str, tuple[int, str]]) -> None:

@@ -2,7 +2,8 @@
 
 The directory is the artifact contract of `artifact.py`, which serve and pull read.
 
-On Neuron (the SDK present) the keys go through ModelBuilder (`parallel/nxd.py`). `--dry-run`
+On Neuron (the SDK present) the keys go through ModelBuilder (`parallel/nxd.py`), compiled for the
+target the manifest records (`artifact.TARGET`: inf2, its compiler arguments and environment). `--dry-run`
 builds the same rank modules on CPU over the gloo backend (`parallel/cpu.py`), exports every key
 as rank 0 (torch.export under a fake process group, what ModelBuilder's trace sees), and writes
 the exported programs under graphs/ in place of model.pt; for a port without weights (the
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +65,7 @@ from .artifact import (
     MANIFEST,
     MODEL,
     SHARD_PLAN,
+    TARGET,
     TOKENIZER,
     RANK_WEIGHTS,
     COPY_KEY,
@@ -303,6 +307,7 @@ def trace_and_compile(port, build: Build) -> dict:
                 "keys": {k: dict(contract[k], exported=exported) for k in keys},
                 "state": state,
                 "dry_run": dry_run,
+                "target": TARGET,  # a dry run records the target its graphs would be compiled for
                 "weights": full is not None,
                 "versions": sdk_versions(),
                 "reader": None if reads is None else {k: v for k, v in reads.items() if k != "layout"},
@@ -498,12 +503,14 @@ def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict, wh
     # rest, so the reader's split tensors go in at one rank's shape and each rank's are written after.
     own = _reader_split(full)
     checkpoint = {f"model.{k}": (_rank_piece(v, tp, 0) if k in own else v) for k, v in full.items()}
-    builder, traced = nxd.trace_keys(
-        {key: (factory(key), [_example(spec, key, port.config.vocab_size)]) for key in keys},
-        checkpoint_loader=lambda: checkpoint,
-        tp=tp,
-        workdir=tmp / "compiler",
-    )
+    with _environment(TARGET["env"]):  # neuronx-cc runs in processes that inherit it
+        builder, traced = nxd.trace_keys(
+            {key: (factory(key), [_example(spec, key, port.config.vocab_size)]) for key in keys},
+            checkpoint_loader=lambda: checkpoint,
+            tp=tp,
+            workdir=tmp / "compiler",
+            compiler_args=" ".join(TARGET["compiler_args"]),
+        )
     with serializer_file(tmp / MODEL) as f:
         torch.jit.save(traced, f)
     nxd.shard_checkpoint(builder, tmp / "weights")
@@ -515,6 +522,22 @@ def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict, wh
     if own:
         _write_reader_shards(tmp, {k: full[k] for k in own}, tp)
     return shapes, files, True  # NxD's layers carry the same partition tags as the CPU ones
+
+
+@contextmanager
+def _environment(env: dict[str, str]):
+    """`env` set in this process's environment while the block runs (the compile target's), then
+    each variable put back as it was."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _reader_split(full: dict) -> list[str]:

@@ -22,8 +22,10 @@ Each rank holds, in bytes:
                seq: the MoE stage's gate_up output and activation, B·S × (E·2I/t + E·I/t) in
                either layout,
                plus, for int8, one layer's local gate_up dequantised to bf16 (the quantized
-               layers cast the weight before the matmul; int4: that and its values unpacked to
-               one byte each first), or the attention stage's fp32 scores
+               layers cast the weight before the matmul; int4: that and one byte a value more for
+               the unpack, whose mask, shift and convert on int32 words are elementwise and
+               counted as fused: unfused, its words would take 4 bytes a value), or the attention
+               stage's fp32 scores
                [B, h/t, S, S], whichever is larger
   runtime      stated reserve (default 1 GiB): the runtime's per-core code (96 MiB documented),
                DMA rings, I/O tensors, collectives buffers
@@ -32,6 +34,11 @@ against 16 GiB of HBM per NeuronCore-v2. Non-expert weights are bf16 whatever th
 names what it counts against bf16 experts and replicated tensors (`savings`: the experts' format;
 embeddings and lm_head, each 1/t of the vocabulary's rows), and, at the plan's weights and
 reserves, the longest context (steps of SHAPE_STEP) that fits at each batch of SHAPE_BATCHES.
+
+Compile host (`compile_host`): neuronx-cc's peak host memory compiling each key, a stated estimate
+from the key's graph size anchored on one public report (COMPILE_HOST_MULTIPLE says how), the
+largest key's, and whether the named instance's host memory holds it (a compile host may be another
+machine: this is not part of the verdict).
 
 Host memory (`host`): the peak of loading and serving an artifact. The load streams each rank's
 pre-sharded weights to its NeuronCore a load group at a time (`artifact.load_streamed`: a decoder
@@ -65,6 +72,7 @@ no Neuron device was used for any number here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +84,7 @@ from ..static.sampling import BIAS_WIDTH, TOP_LOGPROBS
 from ..experts import int4
 from ..experts.quantization import quantize_experts
 from ..info import meta_model, parameter_group
-from .artifact import load_group
+from .artifact import DECODE_KEYS, is_processing, key_names, key_shape, load_group, prefill_key
 from ..parallel import layout
 from ..reader.accounting import rank_geometry, reads, resident, solve_rank_k
 from ..reader.geometry import Geometry
@@ -96,6 +104,18 @@ HOST_GRAPHS_RESERVE = 1 * GiB
 # The streamed load (`artifact.load_streamed`) holds one load group of one rank at a time: its
 # host buffer and, while it is copied to the device, the runtime's staging copy of it.
 HOST_LOAD_COPIES = 2
+# neuronx-cc's peak host memory compiling one key (`compile_host`): a stated estimate, NOT a measurement.
+# Its model: COMPILE_HOST_MULTIPLE × the key's graph, the bytes of its rank's weights plus its largest
+# activation (the graph row's estimate at the key's rows × tokens), on the view that the compiler's
+# working set grows with the tensors it tiles. The multiple comes from the one public data point:
+# NxDI's Gemma-4 31B port for inf2 (aws-neuron/neuronx-distributed-inference PR #106, TP 16) reports
+# "seq_len=16384: CTE compilation runs out of host memory" on a 128 GB host (taken as 128 GiB). That
+# key's graph: 30.7e9 bf16 parameters over 16 ranks (3.84 GB) and, its largest activation, one global
+# layer's fp32 attention scores, 32 / 16 heads a rank × 16384² × 4 B (2.15 GB). The multiple is the least
+# whole one at which that graph needs more than 128 GiB: a floor from one failure, not a fit.
+COMPILE_ANCHOR_GRAPH_BYTES = 30.7e9 * 2 / 16 + (32 // 16) * 16384**2 * 4
+COMPILE_ANCHOR_HOST = 128 * GiB
+COMPILE_HOST_MULTIPLE = math.ceil(COMPILE_ANCHOR_HOST / COMPILE_ANCHOR_GRAPH_BYTES)  # 23
 SHAPE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # the batches the plan's largest-shape table tries
 SHAPE_STEP = 128  # context lengths it tries: multiples of this
 
@@ -192,6 +212,48 @@ def _host(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: s
     return host
 
 
+def _compile_host(
+    config: Gemma4TextConfig, tp: int, quantization: str, weights_bytes: float, keys: dict, inst: Instance | None
+) -> dict:
+    """neuronx-cc's peak host memory per key (`keys`: name -> (rows, tokens)), COMPILE_HOST_MULTIPLE ×
+    (a rank's `weights_bytes` + the key's largest activation), a stated estimate (see the constant);
+    the largest key's, and, where an instance is named, whether its host memory holds it."""
+    rows = []
+    for key, (batch, tokens) in keys.items():
+        graph = weights_bytes + _graph_per_rank(config, tp, quantization, batch, tokens)
+        rows.append(
+            {
+                "key": key,
+                "rows": batch,
+                "tokens": tokens,
+                "graph_bytes": graph,
+                "estimate_bytes": COMPILE_HOST_MULTIPLE * graph,
+            }
+        )
+    largest = max(rows, key=lambda r: r["estimate_bytes"])
+    out = {
+        "multiple": COMPILE_HOST_MULTIPLE,
+        "anchor_graph_bytes": COMPILE_ANCHOR_GRAPH_BYTES,
+        "anchor_host_bytes": COMPILE_ANCHOR_HOST,
+        "keys": rows,
+        "largest_key": largest["key"],
+        "largest_bytes": largest["estimate_bytes"],
+    }
+    if inst is not None:
+        out.update(memory_bytes=inst.host_memory, fits=largest["estimate_bytes"] <= inst.host_memory)
+    return out
+
+
+def plan_keys(batch: int, seq: int, static=None) -> dict[str, tuple[int, int]]:
+    """The keys whose compile `plan` estimates, name -> (rows, tokens): a port's [static] table's plain
+    keys (`artifact.key_names`; each logits-processing variant has its key's shapes), else one prefill
+    of the whole context at once (the graph row's upper bound) and the decode."""
+    if static is None:
+        return {prefill_key(batch, seq): (batch, seq), DECODE_KEYS[0]: (batch, 1)}
+    names = key_names(static.buckets, static.rows_for(batch))
+    return {k: key_shape(k) or (batch, 1) for k in names if not is_processing(k)}
+
+
 def _largest_shapes(config, tp, weights_bytes: float, quantization: str, fixed: float) -> list[dict]:
     """For each of SHAPE_BATCHES, the longest context (a multiple of SHAPE_STEP, at most the model's
     max_position_embeddings) at which a rank's weights, `fixed` bytes (runtime reserve, sidecar), KV
@@ -253,7 +315,7 @@ def _kv_cache_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int, 
 
 def _graph_per_rank(config: Gemma4TextConfig, tp: int, quantization: str, batch: int, seq: int) -> int:
     tokens, E, I, H = batch * seq, config.num_experts // tp, config.moe_intermediate_size, config.hidden_size
-    # int8: one layer's local gate_up dequantised to bf16; int4: that, and its values unpacked to int8 first
+    # int8: one layer's local gate_up dequantised to bf16; int4: that, and a byte a value for the unpack (fused)
     dequantised = {spec.NO_QUANTIZATION: 0, spec.INT8_QUANTIZATION: 2, spec.INT4_QUANTIZATION: 3}[quantization]
     moe = tokens * E * 3 * I * 2 + E * 2 * I * H * dequantised
     attention = batch * (config.num_attention_heads // tp) * seq * seq * 4
@@ -413,13 +475,15 @@ def plan(
     decode_experts: spec.Experts | str = spec.SELECTIVE,
     reader: spec.Reader | None = None,
     prefix_caching: bool = False,
+    keys: dict[str, tuple[int, int]] | None = None,
 ) -> dict:
     """The plan for `expert_layout`; its decode table has a row for each expert layout that shards at
     TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts. `reader`
     (its budget, scan and recovery rank): the channel layout's decode graph with the reader, whose sidecar
     shard each rank then holds (`reader_sidecar`), and its row in the decode table. `instance` None:
     one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check). `prefix_caching`:
-    the KV cache in its whole-row layout (trace-and-compile --enable-prefix-caching)."""
+    the KV cache in its whole-row layout (trace-and-compile --enable-prefix-caching). `keys` (name ->
+    (rows, tokens); default `plan_keys(batch, seq)`): the graphs whose compile host memory it estimates."""
     inst = INSTANCES[instance] if instance is not None else None
     report = {
         "model": model,
@@ -465,6 +529,14 @@ def plan(
         "decode": _decode(config, tp, quantization, batch, kv, weights, expert_layout, decode_experts, reader),
         "host": host,
         "host_per_step": _host_per_step(config, batch),
+        "compile_host": _compile_host(
+            config,
+            tp,
+            quantization,
+            sum(weights.values()) + per_rank.get("reader_sidecar", 0),
+            keys or plan_keys(batch, seq),
+            inst,
+        ),
     }
 
 
@@ -524,6 +596,7 @@ def port_plan(port, config: RunConfig, instance: str, runtime_reserve: float = D
         expert_layout=expert_layout,
         decode_experts=static.decode_experts if static else spec.SELECTIVE,
         reader=backend.reader,
+        keys=plan_keys(batch, seq, static),
     )
 
 
@@ -537,6 +610,37 @@ def _largest_line(shapes: list[dict]) -> str:
         return "\nno batch fits a context of " + f"{SHAPE_STEP}"
     top = max(shapes, key=lambda r: r["tokens"])
     return f"\nlargest batch × context that fits: {top['batch']} × {top['context']} = {top['tokens']} positions"
+
+
+def render_compile_host(compile_host: dict, instance: str | None) -> str:
+    """The compile host's lines of the plan: each key's estimate, the largest, whether `instance` holds it."""
+    rows = [
+        dict(r, shape=f"{r['rows']} × {r['tokens']}", GB=r["graph_bytes"] / GB, GiB=r["estimate_bytes"] / GiB)
+        for r in compile_host["keys"]
+    ]
+    largest = compile_host["largest_bytes"] / GiB
+    verdict = (
+        ""
+        if "fits" not in compile_host
+        else f": {instance}'s {compile_host['memory_bytes'] / GiB:.0f} GiB "
+        + ("holds it" if compile_host["fits"] else "does not hold it (compile on a host that does)")
+    )
+    return "\n".join(
+        [
+            table(
+                rows,
+                [("key", "neuronx-cc host memory per key"), ("shape", "rows × tokens"), ("GB", "graph GB", "{:.2f}")]
+                + [("GiB", "estimate GiB", "{:.1f}")],
+            ),
+            f"(a stated estimate, not a measurement: {compile_host['multiple']} × the key's graph, a rank's weights"
+            " and its largest activation;\n the multiple is the least at which Gemma-4 31B's 16384-token "
+            f"context-encoding key at TP 16 ({compile_host['anchor_graph_bytes'] / GB:.2f} GB)\n needs more than "
+            f"{compile_host['anchor_host_bytes'] / GiB:.0f} GiB, from the one public report of neuronx-cc running "
+            "out of host memory (NxDI PR #106);\n each logits-processing variant as its key; ModelBuilder compiles "
+            "the keys in parallel threads, so their peaks may add)",
+            f"compile host: at least {largest:.1f} GiB for {compile_host['largest_key']}{verdict}",
+        ]
+    )
 
 
 def render_plan(report: dict) -> str:
@@ -609,6 +713,7 @@ def render_plan(report: dict) -> str:
             + f"\n(the weights, reserves, KV cache and graph estimate per core at each batch, contexts in steps of "
             f"{SHAPE_STEP}; the graph estimate prefills the whole context at once, an upper bound)\n",
             table(host_rows, [("what", "host memory, loading and serving"), ("GiB", "GiB", "{:.2f}")]) + "\n",
+            render_compile_host(report["compile_host"], report["instance"]) + "\n",
             table(
                 report["host_per_step"],
                 [("what", "host <-> device per decode step"), ("direction", ""), ("bytes", "bytes"), ("when", "when")],

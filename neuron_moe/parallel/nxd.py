@@ -403,6 +403,8 @@ def trace_keys(
     generation): `keys[key] = (module factory, example input tuples)`. Traces rank 0 once per key
     and compiles; returns (builder, traced model without weights) for `torch.jit.save` and
     `shard_checkpoint`. `checkpoint_loader()` returns the full parallel-layout state dict.
+    `compiler_args`: neuronx-cc's, for every key (trace-and-compile's: its target's, `--target inf2`
+    among them; None: ModelBuilder's default, which names no target).
 
     A module with state (the static graphs' aliased KV cache) has `output_aliases()`: {state
     parameter: output index}, ModelBuilder's input_output_aliases. Those parameters exist only once

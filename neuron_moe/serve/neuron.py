@@ -8,6 +8,8 @@ The artifact directory is what `neuron-moe trace-and-compile` writes; its contra
 manifest fields, the graphs' signatures) is defined once, in `neuron_moe/neuron/artifact.py`:
 manifest.json, model.pt (a context-encoding key per bucket, a token-generation key; NxD routes
 each call to the key whose example inputs match), weights/tp{r}_sharded_checkpoint.safetensors.
+An artifact compiled for another target than this version's (`artifact.TARGET`) is refused, naming
+both; the target's environment is set before the runtime starts.
 
 Served by the batching engine (`batching.py`) as a `GraphRuntime` (`static/rows.py`), B = the
 manifest's batch_size rows, each request in its own cache row:
@@ -28,6 +30,7 @@ without logits (the default) serves every request; one built --with-logits also 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -38,6 +41,7 @@ from ..neuron.artifact import (
     MODEL,
     ArtifactError,
     check_expert_layout,
+    check_target,
     load_shards,
     load_streamed,
     read_manifest,
@@ -58,6 +62,16 @@ def require_sdk() -> None:
     supported, why = environment.support(environment.SERVE_NEURON)
     if not supported:
         raise NeuronError(f"--backend neuron {why}")
+
+
+def target_environment(env: dict[str, str]) -> None:
+    """The environment the artifact's target needs at run time (its manifest's `target.env`:
+    NEURON_LOGICAL_NC_CONFIG=1 on inf2), set for this process before the runtime starts and kept
+    while it serves; a variable set otherwise is replaced, and said so."""
+    for name, value in env.items():
+        if os.environ.get(name, value) != value:
+            log.warning("%s=%s replaced by the artifact target's %s", name, os.environ[name], value)
+        os.environ[name] = value
 
 
 def load_weights(nxd_model, artifacts: Path, manifest: dict) -> None:
@@ -83,6 +97,7 @@ def neuron_runtime(artifacts: Path, port, prefix_caching: bool | None = None) ->
     True: an artifact without it is refused)."""
     artifacts = Path(artifacts)
     manifest = read_manifest(artifacts)
+    check_target(manifest, artifacts)
     if manifest["dry_run"]:
         raise NeuronError(f"{artifacts}: a --dry-run output (exported on CPU, not compiled; no {MODEL})")
     if manifest["port"] != port.name:
@@ -94,6 +109,7 @@ def neuron_runtime(artifacts: Path, port, prefix_caching: bool | None = None) ->
             f"{artifacts}: built without the copy key prefix caching needs (trace-and-compile --enable-prefix-caching)"
         )
     require_sdk()
+    target_environment(manifest["target"]["env"])
     import torch_neuronx  # noqa: F401 - registers the Neuron classes that torch.jit.load needs
 
     model = torch.jit.load(str(artifacts / MODEL))

@@ -30,7 +30,7 @@ import uvicorn
 
 from .. import hub
 from ..errors import UserError
-from ..neuron.artifact import check_tokenizer
+from ..neuron.artifact import check_target, check_tokenizer
 from ..neuron.artifact import verify as verify_artifact
 from ..port import DTYPES, load_port, with_shapes
 from ..publish import s3
@@ -128,6 +128,7 @@ def plan_load(config: RunConfig):
             raise ServeError("--backend neuron needs --artifacts DIR|s3://... (the trace-and-compile output)")
         if pull is None:  # the artifact checked whole, whatever the runtime (s3: once pulled)
             manifest = verify_artifact(local, port)
+            check_target(manifest, local)  # compiled for this version's target (s3: by the runtime once pulled)
             if checkpoint is None:  # it serves with its own tokenizer: one it carries
                 check_tokenizer(local, manifest, port)
         neuron.require_sdk()

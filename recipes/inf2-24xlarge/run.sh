@@ -27,6 +27,10 @@ neuron_moe() {  # one neuron-moe command in the image, removed when it ends
     --entrypoint neuron-moe "$IMAGE" "$@"
 }
 
+# neuronx-cc's host memory for the largest key at TP 8, GiB: `plan --tp 8`'s "compile host" line, 142.7 GiB
+# with bf16 experts and 85.3 GiB with int8 (an estimate, not a measurement), rounded up; inf2.24xlarge has 384
+declare -A COMPILE_HOST_GIB=([bf16]=143 [int8]=86)
+
 compile() {  # bf16 | int8 (the experts' format, the artifact's name): one already built is kept (OVERWRITE=1 rebuilds it)
   local out=/artifacts/$MODEL-$1-tp$TP quantization=none
   [ "$1" = int8 ] && quantization=int8
@@ -34,6 +38,7 @@ compile() {  # bf16 | int8 (the experts' format, the artifact's name): one alrea
     echo "$ARTIFACTS/$MODEL-$1-tp$TP exists: kept (OVERWRITE=1 rebuilds it)"
     return
   fi
+  check_compile_host "${COMPILE_HOST_GIB[$1]}"
   neuron_moe trace-and-compile --model "$MODEL" --checkpoint "$CKPT" --dtype bfloat16 --quantization "$quantization" \
     --tp "$TP" --out "$out" \
     ${OVERWRITE:+--overwrite}

@@ -22,6 +22,9 @@ INSTANCE=${INSTANCE:-inf2.xlarge}  # the box that serves: one chip, 2 NeuronCore
 TP=2
 # the experts' format flag of trace-and-compile and plan
 EXPERTS=(--quantization int4)
+# neuronx-cc's host memory for the largest key, GiB: `plan --tp 2 --quantization int4`'s "compile host"
+# line, 233.1 GiB for context_encoding_1x2048 (an estimate, not a measurement: README.md), rounded up
+COMPILE_HOST_GIB=234
 if [ $# -eq 0 ]; then
   echo "usage: run.sh compile-host | serve-host | step... (image plan compile publish pull serve)" >&2
   exit 2
@@ -57,6 +60,7 @@ compile() {  # an artifact already built is kept (remove it, or OVERWRITE=1, to 
     echo "$ARTIFACTS/$BUILD exists: kept (OVERWRITE=1 rebuilds it)"
     return
   fi
+  check_compile_host "$COMPILE_HOST_GIB"
   neuron_moe "${MOUNTS[@]}" --entrypoint neuron-moe "$IMAGE" trace-and-compile --model "$MODEL" --checkpoint "$CKPT" \
     "${EXPERTS[@]}" --tp "$TP" --out "/artifacts/$BUILD" ${OVERWRITE:+--overwrite}
 }
