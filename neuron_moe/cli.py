@@ -100,6 +100,14 @@ def cmd_verify(args) -> int:
     return _report(verify(args.artifact, args.model), args, render_verify)
 
 
+def cmd_preflight(args) -> int:
+    from .neuron.preflight import preflight, render_preflight
+
+    report = preflight(args.path, args.target, args.rules.split(",") if args.rules else None)
+    _report(report, args, render_preflight)
+    return 0 if report["clean"] else 1
+
+
 def _planned(args):
     """plan's and trace-and-compile's port, its [static] shapes those the flags give, and the
     backend they build: the rank modules at --tp, their formats and dtype, the reader with --reader."""

@@ -582,6 +582,29 @@ VERIFY = Command(
     "error: line naming the file or field) when not. serve --artifacts makes the same checks.",
 )
 
+PREFLIGHT = Command(
+    "preflight",
+    "check every graph against what the Neuron compiler documents it refuses, no SDK needed",
+    (
+        opt("path", metavar="ARTIFACT|FILE.pt2", help="a trace-and-compile --dry-run output, or one saved program"),
+        opt(
+            "--target",
+            default="inf2",
+            metavar="TARGET",
+            help="neuronx-cc's --target: inf2 (default), trn1 (NeuronCore-v2) or trn2 (NeuronCore-v3)",
+        ),
+        opt("--rules", metavar="RULE,RULE", help="only these rules, by code or name (default: every rule)"),
+        _json(),
+    ),
+    description="Read every key's torch.export program (graphs/{key}.pt2 of a dry-run artifact, or the one "
+    "file) node by node, dtypes and shapes, against the rules of docs/neuron.md#preflight: right shifts "
+    "of non-32-bit integers (NCC_EVRF022), integer dots (NCC_EVRF035), iota scatters out of bounds "
+    "(NCC_EVRF031), int64 pow and constants, u16, f64, dynamic shapes, data-dependent control flow, "
+    "custom calls, a tensor over a NeuronCore's HBM, integer top-k. Per key: the op histogram, dtypes, "
+    "the largest intermediate, the weights' bytes. Exit 0 when no rule is broken, 1 when one is, 2 (one "
+    "error: line) for a target, rule, file or artifact it cannot take.",
+)
+
 PLAN = Command(
     "plan",
     "inf2 memory plan: bytes per NeuronCore at a TP degree, fit verdict, decode floor",
@@ -1018,6 +1041,7 @@ COMMANDS = (
     PUBLISH,
     PULL,
     VERIFY,
+    PREFLIGHT,
     PLAN,
     TRACE_AND_COMPILE,
     SERVE,
