@@ -6,13 +6,23 @@ builds are here."""
 
 from __future__ import annotations
 
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 from torch.export import Dim
 
 from neuron_moe import cli
+from neuron_moe.neuron import compile as nc
 from neuron_moe.neuron import preflight as pf
+from neuron_moe.config import gemma4_moe_config
+from neuron_moe.spec import CHANNEL_READER, Reader
 from neuron_moe.static.export import functional
+
+
+PORT_FILE = Path(__file__).resolve().parents[1] / "ports" / "tiny-gemma4-moe.toml"
 
 
 def exported(forward, *args, dynamic_shapes=None):
@@ -165,3 +175,52 @@ def test_rules_choose_what_is_checked(tmp_path, capsys):
     path = _save(tmp_path, "shift", SEEDED["NCC_EVRF022"][0])
     assert cli.main(["preflight", path, "--rules", "f64,int-dot"]) == 0
     assert cli.main(["preflight", path, "--rules", "ncc_evrf022"]) == 1
+
+
+def test_trace_and_compile_refuses_a_key_that_breaks_a_rule():
+    """What the dry run calls on every exported key before it writes it: the rule's line, one error."""
+    with pytest.raises(pf.PreflightError, match=r"^preflight for inf2: NCC_EVRF022: token_generation node \w+ shifts"):
+        pf.refuse(_program(SEEDED["NCC_EVRF022"][0]), "token_generation")
+    pf.refuse(_program(SEEDED["NCC_EVRF022"][1]), "token_generation")
+
+
+# Every format x TP 1, 2, 8 x with and without the reader, where valid (int4 needs whole groups of 32 on a
+# rank: at TP 8 a channel rank's 8 intermediate channels hold none, so int4 at TP 8 is the expert layout's;
+# the reader is the channel layout's over unquantised experts), preflighted where its graphs are exported:
+#   none   TP 1: here        TP 2: tests/test_compile.py (every key, dry run)  TP 8: tests/test_tp_model.py
+#   int8   TP 1: here        TP 2: here                                         TP 8: tests/test_tp_model.py
+#   int4   TP 1: here        TP 2: tests/test_int4.py (both layouts)            TP 8 (expert): here
+#   reader TP 1: tests/test_reader_tp.py (TPGenerator)  TP 2: tests/test_reader_tp.py (dry run)  TP 8: here
+# Here: the dry run's own export-and-preflight of the prefill and decode keys (the logits-processing variants
+# run the same experts), on the meta device (weights change no op, dtype or shape), of the tiny port's
+# geometry with one global layer: the format, the TP split and the reader are the experts', the same ops in
+# every layer; the sliding layers are in the exports above. About 3 s a combination on 2 cores.
+COMBINATIONS = [
+    ("none", 1, "channel", False),
+    ("int8", 1, "channel", False),
+    ("int8", 2, "channel", False),
+    ("int4", 1, "channel", False),
+    ("int4", 8, "expert", False),
+    ("none", 8, "channel", True),
+]
+
+
+@pytest.fixture(scope="module")
+def one_layer_port(tiny_port):
+    table = tomllib.loads(PORT_FILE.read_text())["config"]
+    config = gemma4_moe_config({**table, "num_hidden_layers": 1, "layer_types": ["full_attention"]}, "one layer")
+    static = replace(tiny_port.static, buckets=(8,), prefill_rows=(1,), prefill_chunk=8)
+    return replace(tiny_port, config=config, static=static)
+
+
+@pytest.mark.parametrize("quantization, tp, expert_layout, reader", COMBINATIONS)
+def test_the_dry_runs_keys_pass_at_every_format_and_degree(
+    one_layer_port, tmp_path, quantization, tp, expert_layout, reader
+):
+    spec, reads = one_layer_port.static, None
+    keys = ["token_generation"] if reader else ["context_encoding_1x8", "token_generation"]
+    if reader:  # budget 60 %: at TP 8 a rank's sketch alone is 43 % of its reads on this geometry
+        _, reads = nc._plan_reader(one_layer_port, tp, quantization, expert_layout, Reader(budget=60), False)
+        spec = replace(spec, decode_experts=CHANNEL_READER.name)
+    build = dict(expert_layout=expert_layout, quantization=quantization, dtype=torch.float32, reader=reads)
+    nc._dry_run(one_layer_port, spec, keys, tp, None, tmp_path, True, False, build, False)  # raises on a broken rule

@@ -166,11 +166,11 @@ def _iota(node) -> tuple[int, int] | None:
     while isinstance(node, Node) and node.op == "call_function":
         if _calls(node, "arange"):
             ints = [a for a in node.args if isinstance(a, int)]
-            start, end, step = (0, ints[0], 1) if len(ints) == 1 else (ints + [1])[:3]
-            if len(ints) == 0 or step == 0 or not range(start, end, step):
+            if not ints:
                 return None
-            values = range(start, end, step)
-            return min(values) + offset, max(values) + offset
+            start, end, step = (0, ints[0], 1) if len(ints) == 1 else (ints + [1])[:3]
+            values = range(start, end, step) if step else range(0)
+            return (min(values) + offset, max(values) + offset) if values else None
         if _calls(node, *VIEWS):
             node = node.args[0]
         elif _calls(node, "add") and len(node.args) == 2 and isinstance(node.args[1], int):
@@ -207,11 +207,17 @@ def _int64_pow(node: Node, target: str) -> str | None:
 
 
 INT32 = torch.iinfo(torch.int32)
+# ops whose integer arguments are values the op computes with (a slice's end, a view's size are not)
+VALUE_OPS = (
+    *("add", "sub", "rsub", "mul", "div", "remainder", "floor_divide", "fmod", "maximum", "minimum", "where"),
+    *("full", "full_like", "new_full", "fill", "masked_fill", "clamp", "clamp_min", "clamp_max", "scalar_tensor"),
+    *("bitwise_and", "bitwise_or", "bitwise_xor", "__and__", "__or__", "__xor__", "bitwise_left_shift", "__lshift__"),
+)
 
 
 def _int64_constant(node: Node, target: str) -> str | None:
     values = [t for t in _tensors(node.meta.get("val")) if t.dtype == torch.int64]
-    if node.op != "call_function" or not values:
+    if not _calls(node, *VALUE_OPS) or not values:
         return None
     big = [a for a in [*node.args, *node.kwargs.values()] if type(a) is int and not INT32.min <= a <= INT32.max]
     return f"computes int64 with the constant {big[0]}, outside int32" if big else None
@@ -386,6 +392,7 @@ def select_rules(names=None) -> tuple[Rule, ...]:
     """The rules `names` (codes or names, any case) name, in the table's order; None: every rule."""
     if not names:
         return RULES
+    names = [n.strip() for n in names]
     unknown = [n for n in names if n.lower() not in RULE_NAMES]
     if unknown:
         known = ", ".join(f"{r.code} ({r.name})" for r in RULES)
