@@ -97,7 +97,9 @@ def cmd_pull(args) -> int:
 def cmd_verify(args) -> int:
     from .verify import render_verify, verify
 
-    return _report(verify(args.artifact, args.model), args, render_verify)
+    report = verify(args.artifact, args.model)
+    _report(report, args, render_verify)
+    return 0 if report["preflight"] is None or report["preflight"]["clean"] else 1
 
 
 def cmd_preflight(args) -> int:

@@ -578,8 +578,9 @@ VERIFY = Command(
     description="Check the artifact's manifest.json (every field of the contract), each file's size "
     "and sha256 against it, and that it holds no file the manifest does not list; with --model, "
     "that it was built for that port. An s3:// publication is read from S3, each object checked "
-    "against the publication's manifest too, nothing written. Exit 0 when it is whole, 2 (one "
-    "error: line naming the file or field) when not. serve --artifacts makes the same checks.",
+    "against the publication's manifest too, nothing written. A local dry-run artifact's graphs are also "
+    "preflighted for inf2 (neuron-moe preflight). Exit 0 when it is whole, 1 when a graph breaks a preflight "
+    "rule, 2 (one error: line naming the file or field) when not whole. serve --artifacts makes the same checks.",
 )
 
 PREFLIGHT = Command(
