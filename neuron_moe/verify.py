@@ -42,7 +42,7 @@ def verify(target: str, model: str | None = None, *, progress: bool = True, clie
         if not Path(target).is_dir():
             raise ArtifactError(f"{target}: not a directory (an artifact is a trace-and-compile output directory)")
         manifest = artifact.verify(Path(target), port)
-    graphs = not target.startswith("s3://") and manifest["dry_run"] and manifest["weights"]
+    graphs = not target.startswith("s3://") and preflight.graph_files(manifest)
     return {
         "artifact": target,
         "port": manifest["port"],

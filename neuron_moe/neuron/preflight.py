@@ -461,8 +461,14 @@ def _load(path: Path) -> torch.export.ExportedProgram:
         raise PreflightError(f"{path}: not a saved torch.export program ({type(e).__name__}: {e})") from None
 
 
+def graph_files(manifest: dict) -> dict[str, str]:
+    """Key -> its program's file in an artifact, for each key whose program the manifest lists (a dry run
+    with weights and its keys exported writes one per key; a compiled or shapes-only build, none)."""
+    return {k: GRAPHS.format(key=k) for k in manifest["keys"] if GRAPHS.format(key=k) in manifest["files"]}
+
+
 def programs(path: Path) -> dict[str, Path]:
-    """Key -> program file of `path`: a dry-run artifact's every key (its manifest's), or one .pt2."""
+    """Key -> program file of `path`: a dry-run artifact's every exported key (its manifest's), or one .pt2."""
     if path.is_file():
         return {path.stem: path}
     if not path.is_dir():
@@ -475,7 +481,9 @@ def programs(path: Path) -> dict[str, Path]:
         )
     if not manifest["weights"]:
         raise PreflightError(f"{path}: built without weights (meta device): no graphs were written to check")
-    files = {key: path / GRAPHS.format(key=key) for key in manifest["keys"]}
+    files = {key: path / name for key, name in graph_files(manifest).items()}
+    if not files:
+        raise PreflightError(f"{path}: built without exporting its keys: no graphs were written to check")
     missing = [str(f) for f in files.values() if not f.is_file()]
     if missing:
         raise PreflightError(f"{missing[0]}: missing (the manifest lists its key)")
