@@ -583,20 +583,17 @@ VERIFY = Command(
     "rule, 2 (one error: line naming the file or field) when not whole. serve --artifacts makes the same checks.",
 )
 
+# preflight's own: a wrong target or rule name is preflight's one error: line (exit 2), not argparse's usage
+PREFLIGHT_OPTIONS = (
+    opt("path", metavar="ARTIFACT|FILE.pt2", help="a trace-and-compile --dry-run output, or one saved program"),
+    opt("--target", default="inf2", metavar="T", help="neuronx-cc's --target: inf2 (default), trn1 or trn2"),
+    opt("--rules", metavar="RULE,RULE", help="only these rules, by code or name (default: every rule)"),
+    _json(),
+)
 PREFLIGHT = Command(
     "preflight",
     "check every graph against what the Neuron compiler documents it refuses, no SDK needed",
-    (
-        opt("path", metavar="ARTIFACT|FILE.pt2", help="a trace-and-compile --dry-run output, or one saved program"),
-        opt(
-            "--target",
-            default="inf2",
-            metavar="TARGET",
-            help="neuronx-cc's --target: inf2 (default), trn1 (NeuronCore-v2) or trn2 (NeuronCore-v3)",
-        ),
-        opt("--rules", metavar="RULE,RULE", help="only these rules, by code or name (default: every rule)"),
-        _json(),
-    ),
+    PREFLIGHT_OPTIONS,
     description="Read every key's torch.export program (graphs/{key}.pt2 of a dry-run artifact, or the one "
     "file) node by node, dtypes and shapes, against the rules of docs/neuron.md#preflight: right shifts "
     "of non-32-bit integers (NCC_EVRF022), integer dots (NCC_EVRF035), iota scatters out of bounds "
