@@ -41,19 +41,20 @@ def reader_settings(args) -> Reader:
     return from_options(Reader, args, quantization=None)
 
 
-def _report(report, args, render, *extra, json=None) -> None:
-    """The report (or `json`, its part for --json) written as --json asks; `render(report, *extra)` printed."""
+def _report(report, args, render, *extra, json=None) -> int:
+    """The report (or `json`, its part for --json) written as --json asks; `render(report, *extra)` printed.
+    Returns 0, the exit status of a command whose report is all it has to say."""
     if args.json:
         write_json(report if json is None else json, args.json)
     if args.json != "-":
         print(render(report, *extra))
+    return 0
 
 
 def cmd_ports(args) -> int:
     from .port import ports_report, render_ports
 
-    _report(ports_report(), args, render_ports)
-    return 0
+    return _report(ports_report(), args, render_ports)
 
 
 def cmd_info(args) -> int:
@@ -61,15 +62,13 @@ def cmd_info(args) -> int:
     from .port import load_port
 
     port = load_port(args.model)
-    _report(info_report(port, args.per_token), args, render_info, port.description)
-    return 0
+    return _report(info_report(port, args.per_token), args, render_info, port.description)
 
 
 def cmd_env(args) -> int:
     from . import environment
 
-    _report(environment.env_report(), args, environment.render_env)
-    return 0
+    return _report(environment.env_report(), args, environment.render_env)
 
 
 def cmd_validate(args) -> int:
@@ -86,22 +85,29 @@ def cmd_validate(args) -> int:
 def cmd_publish(args) -> int:
     from .publish.s3 import publish, render_publish
 
-    _report(publish(args.dir, args.uri, overwrite=args.overwrite, deep=args.deep), args, render_publish)
-    return 0
+    return _report(publish(args.dir, args.uri, overwrite=args.overwrite, deep=args.deep), args, render_publish)
 
 
 def cmd_pull(args) -> int:
     from .publish.s3 import pull_report, render_pull
 
-    _report(pull_report(args.uri, args.dir), args, render_pull)
-    return 0
+    return _report(pull_report(args.uri, args.dir), args, render_pull)
 
 
 def cmd_verify(args) -> int:
     from .verify import render_verify, verify
 
-    _report(verify(args.artifact, args.model), args, render_verify)
-    return 0
+    report = verify(args.artifact, args.model)
+    _report(report, args, render_verify)
+    return 0 if report["preflight"] is None or report["preflight"]["clean"] else 1
+
+
+def cmd_preflight(args) -> int:
+    from .neuron.preflight import preflight, render_preflight
+
+    report = preflight(args.path, args.target, args.rules.split(",") if args.rules else None)
+    _report(report, args, render_preflight)
+    return 0 if report["clean"] else 1
 
 
 def _planned(args):
@@ -141,8 +147,7 @@ def cmd_trace_and_compile(args) -> int:
         environment.require(environment.TRACE_AND_COMPILE)
     port, config = _planned(args)
     build = from_options(Build, args, config=config)
-    _report(trace_and_compile(port, build), args, render_trace_and_compile)
-    return 0
+    return _report(trace_and_compile(port, build), args, render_trace_and_compile)
 
 
 def cmd_serve(args) -> int:
@@ -170,8 +175,7 @@ def cmd_deploy(args) -> int:  # `deploy k8s`, the one engine that takes files (d
     from .port import load_port
 
     report = deploy_k8s.write(from_options(deploy_k8s.Settings, args), load_port(args.model), args.out)
-    _report(report, args, deploy_k8s.render)
-    return 0
+    return _report(report, args, deploy_k8s.render)
 
 
 def cmd_reads(args) -> int:
@@ -190,8 +194,7 @@ def cmd_reads(args) -> int:
     settings = given.over(Reader(recovery_rank=defaults.recovery_rank)).resolved()
     budget = next(b for b in (args.budget, defaults.budget, READS_BUDGET) if b is not None)
     report = reads_report(name, geo, settings, budget, args.tp or 1, args.batch_size, args.step_budget)
-    _report(report, args, render_reads)
-    return 0
+    return _report(report, args, render_reads)
 
 
 def cmd_prep_reader(args) -> int:
@@ -202,16 +205,14 @@ def cmd_prep_reader(args) -> int:
         raise UserError("--from shards an existing sidecar: it needs --tp")
     options = {k: getattr(args, k) for k in ("tp", "source", "seed", "recovery_rank", "scan")}
     report = prep_reader(load_port(args.model), args.out, args.checkpoint, **options)
-    _report(report, args, render_prep_reader, bool(args.source))
-    return 0
+    return _report(report, args, render_prep_reader, bool(args.source))
 
 
 def cmd_build_corpus(args) -> int:
     from .training.corpus import build_corpus, render_corpus
 
     counts = build_corpus(args.text_dir, args.out, seed=args.seed, scale=args.scale)
-    _report(counts, args, render_corpus, args.out)
-    return 0
+    return _report(counts, args, render_corpus, args.out)
 
 
 def cmd_train_tiny(args) -> int:
@@ -220,8 +221,7 @@ def cmd_train_tiny(args) -> int:
 
     options = ("steps", "batch_size", "seq_len", "lr", "task_share", "seed", "threads")
     summary = train(load_port(args.model).config, args.corpus, args.out, **{k: getattr(args, k) for k in options})
-    _report(summary, args, render_training, args.out, json={k: v for k, v in summary.items() if k != "log"})
-    return 0
+    return _report(summary, args, render_training, args.out, json={k: v for k, v in summary.items() if k != "log"})
 
 
 def cmd_eval_tasks(args) -> int:
@@ -234,8 +234,7 @@ def cmd_eval_tasks(args) -> int:
     port = load_port(args.model)
     options = {k: getattr(args, k) for k in ("corpus", "text_docs", "split")}
     report = evaluate(port, backend, args.checkpoint, per_task=args.items, tasks=tuple(args.task or TASKS), **options)
-    _report(report, args, render_tasks, port.config.num_experts)
-    return 0
+    return _report(report, args, render_tasks, port.config.num_experts)
 
 
 def cmd_eval_reader(args) -> int:
@@ -249,8 +248,7 @@ def cmd_eval_reader(args) -> int:
     settings = reader_eval.Settings.quick(args.corpus) if args.quick else reader_eval.Settings(corpus=args.corpus)
     settings.per_task = args.items or settings.per_task
     report = reader_eval.evaluate(port, args.checkpoint, budgets, specs, rules, args.out, settings)
-    _report(report, args, render_reader_eval, args.out)
-    return 0
+    return _report(report, args, render_reader_eval, args.out)
 
 
 # each command of the parser's table runs the function named for it here

@@ -578,8 +578,29 @@ VERIFY = Command(
     description="Check the artifact's manifest.json (every field of the contract), each file's size "
     "and sha256 against it, and that it holds no file the manifest does not list; with --model, "
     "that it was built for that port. An s3:// publication is read from S3, each object checked "
-    "against the publication's manifest too, nothing written. Exit 0 when it is whole, 2 (one "
-    "error: line naming the file or field) when not. serve --artifacts makes the same checks.",
+    "against the publication's manifest too, nothing written. A local dry-run artifact's graphs are also "
+    "preflighted for inf2 (neuron-moe preflight). Exit 0 when it is whole, 1 when a graph breaks a preflight "
+    "rule, 2 (one error: line naming the file or field) when not whole. serve --artifacts makes the same checks.",
+)
+
+# preflight's own: a wrong target or rule name is preflight's one error: line (exit 2), not argparse's usage
+PREFLIGHT_OPTIONS = (
+    opt("path", metavar="ARTIFACT|FILE.pt2", help="a trace-and-compile --dry-run output, or one saved program"),
+    opt("--target", default="inf2", metavar="T", help="neuronx-cc's --target: inf2 (default), trn1 or trn2"),
+    opt("--rules", metavar="RULE,RULE", help="only these rules, by code or name (default: every rule)"),
+    _json(),
+)
+PREFLIGHT = Command(
+    "preflight",
+    "check every graph against what the Neuron compiler documents it refuses, no SDK needed",
+    PREFLIGHT_OPTIONS,
+    description="Read every key's torch.export program (graphs/{key}.pt2 of a dry-run artifact, or the one "
+    "file) node by node, dtypes and shapes, against the rules of docs/neuron.md#preflight: right shifts "
+    "of non-32-bit integers (NCC_EVRF022), integer dots (NCC_EVRF035), iota scatters out of bounds "
+    "(NCC_EVRF031), int64 pow and constants, u16, f64, dynamic shapes, data-dependent control flow, "
+    "custom calls, a tensor over a NeuronCore's HBM, integer top-k. Per key: the op histogram, dtypes, "
+    "the largest intermediate, the weights' bytes. Exit 0 when no rule is broken, 1 when one is, 2 (one "
+    "error: line) for a target, rule, file or artifact it cannot take.",
 )
 
 PLAN = Command(
@@ -1018,6 +1039,7 @@ COMMANDS = (
     PUBLISH,
     PULL,
     VERIFY,
+    PREFLIGHT,
     PLAN,
     TRACE_AND_COMPILE,
     SERVE,

@@ -2,7 +2,9 @@
 no SDK and no device: its manifest's contract (`neuron/artifact.py`), every file's size and sha256
 against the manifest, and no file it does not list; with a port, built for that port. A publication
 is read from S3 as it would be pulled (each object against the publication's manifest too), nothing
-written. `serve --artifacts` makes the same checks before it needs the Neuron SDK."""
+written. `serve --artifacts` makes the same checks before it needs the Neuron SDK. A local dry-run
+artifact's graphs are also preflighted (`neuron/preflight.py`, for inf2): the report carries its
+summary, and a broken rule makes verify exit 1."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from .neuron import artifact
+from .neuron import artifact, preflight
 from .neuron.artifact import MANIFEST, ArtifactError
 from .port import load_port
 from .publish import s3
@@ -40,6 +42,7 @@ def verify(target: str, model: str | None = None, *, progress: bool = True, clie
         if not Path(target).is_dir():
             raise ArtifactError(f"{target}: not a directory (an artifact is a trace-and-compile output directory)")
         manifest = artifact.verify(Path(target), port)
+    graphs = not target.startswith("s3://") and preflight.graph_files(manifest)
     return {
         "artifact": target,
         "port": manifest["port"],
@@ -50,6 +53,7 @@ def verify(target: str, model: str | None = None, *, progress: bool = True, clie
         "checked_port": port.name if port is not None else None,
         "files": len(manifest["files"]),
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
+        "preflight": preflight.summary(preflight.preflight(target)) if graphs else None,
         "seconds": round(time.monotonic() - start, 3),
     }
 
@@ -61,7 +65,8 @@ def _no_constant(name: str):
 def render_verify(report: dict) -> str:
     built = f"port {report['port']}, TP {report['tp']}, {report['dtype']}" + (", dry run" if report["dry_run"] else "")
     port = f"; built for --model {report['checked_port']}" if report["checked_port"] else ""
-    return (
+    whole = (
         f"{report['artifact']}: {report['files']} files ({report['total_bytes']} bytes) match its "
         f"{MANIFEST} (format {report['format']}: {built}){port}"
     )
+    return whole if report["preflight"] is None else f"{whole}\n{preflight.render_summary(report['preflight'])}"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from neuron_moe.model import build_model
+from neuron_moe.neuron.preflight import check_program
 from neuron_moe.port import load_port
 from neuron_moe.spec import EXPORTED, NO_QUANTIZATION, Backend, Placement, Reader
 
@@ -117,6 +118,12 @@ class MoEBlock(torch.nn.Module):
 
 
 _GATHERS = (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default)
+
+
+def preflight_violations(programs: dict) -> list[str]:
+    """Every preflight rule (neuron/preflight.py, for inf2) that exported programs break, by name: what the
+    dry run refuses, checked on the graphs a test exports anyway (tests/test_preflight.py says which)."""
+    return [line for name, program in programs.items() for line in check_program(program, name)["violations"]]
 
 
 def expert_reads(program) -> dict[str, dict[str, int]]:

@@ -133,6 +133,19 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     assert state["cache.v1"] == {"shape": [2, 1, 96, 64], "dtype": "float32"}  # global: 1 of 2, every position
 
 
+def test_verify_preflights_every_key_of_the_artifact(artifact, capsys):
+    """The dry run preflighted its keys before it wrote them; verify reads them back and finds them clean
+    (neuron-moe preflight's own CLI: tests/test_preflight.py)."""
+    _, out = artifact
+    assert main(["verify", str(out), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["preflight"] == {
+        "target": "inf2",
+        "violations": [],
+        "clean": True,
+        "keys": 4,
+    }
+
+
 def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
     _, out = artifact
     kv = [f"cache.{kv}{i}" for i in range(4) for kv in "kv"]

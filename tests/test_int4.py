@@ -25,7 +25,7 @@ from neuron_moe.reader import accounting as acc
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.spec import Reader
 
-from conftest import expert_reads, random_prompts, tp_backend
+from conftest import expert_reads, preflight_violations, random_prompts, tp_backend
 from test_dense_masked import prefill_logits
 
 
@@ -150,6 +150,8 @@ def test_tp2_int4_in_both_layouts_is_the_one_rank_int4(tiny_port):
         assert torch.equal(got.tokens, want.tokens), name
         assert (got.logits - want.logits).abs().max() <= 1e-4 * want.logits.abs().max(), name
     assert expert_reads(gens["channel"].programs["decode"])["gathered"]
+    for name, gen in gens.items():  # int4 at TP 2: no right shift of a non-32-bit integer (NCC_EVRF022)
+        assert preflight_violations(gen.programs) == [], name
     packed = gens["channel"].states[1]["model.model.layers.0.experts.down_proj.weight"]
     assert packed.dtype == torch.uint8 and packed.shape == (16, 16, 128)  # rank 1's I/t = 32 channels, packed
 

@@ -40,7 +40,7 @@ from neuron_moe.reader.prep import prep_layer
 from neuron_moe.reader.sidecar import LayerSidecar, Sidecar, SidecarError, SidecarLayout
 from neuron_moe.static import data_dependent_ops
 
-from conftest import random_prompts, reseeded, tp_backend
+from conftest import preflight_violations, random_prompts, reseeded, tp_backend
 from test_parallel_layout import LAYER, block_state
 
 NEW_TOKENS = 6
@@ -134,6 +134,7 @@ def test_tp1_is_the_one_rank_reader(tiny_port, shards, prompts):
         NEW_TOKENS,
     )
     assert gen.reader_k == attach_reader(build_model(tiny_port, "eager"), shards / shard.WHOLE, BUDGET)
+    assert preflight_violations(gen.programs) == []  # the reader at TP 1: its prefill and decode keys
     assert torch.equal(got.tokens, want.tokens)
     assert (got.logits - want.logits).abs().max() <= 2e-6 * want.logits.abs().max()
 

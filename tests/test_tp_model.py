@@ -19,7 +19,7 @@ from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.parallel.model import rank_model
 
-from conftest import expert_reads, random_prompts, tp_backend
+from conftest import expert_reads, preflight_violations, random_prompts, tp_backend
 
 NEW_TOKENS = 6
 
@@ -75,6 +75,8 @@ def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
         "naive": TPGenerator(tiny_port, tp_backend(8, expert_layout="expert", scatter="naive")),
     }
     out = generate_replicated(gens, *prompts, NEW_TOKENS)  # raises if any rank's tokens differ from rank 0's
+    for name in ("channel", "int8", "expert"):  # none and int8 at TP 8: their prefill and decode keys
+        assert preflight_violations(gens[name].programs) == [], name
 
     for name in ("channel", "expert"):
         assert torch.equal(out[name].tokens, reference.tokens) and _close(out[name], reference), name

@@ -76,6 +76,7 @@ from .artifact import (
     tokenizer_files,
 )
 from .plan import plan
+from .preflight import refuse
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # spec.DTYPE_NAMES -> the rank modules' dtype
 
@@ -467,6 +468,7 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
             checked(program, graph, key)
         except GraphError as e:
             raise ArtifactError(str(e)) from None
+        refuse(program, key)  # what neuronx-cc documents it refuses, before the program is written
         if full is not None:  # a meta program has no weights to save
             name = GRAPHS.format(key=key)
             with serializer_file(_new_file(tmp / name)) as f:
