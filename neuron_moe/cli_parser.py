@@ -586,7 +586,12 @@ VERIFY = Command(
 # preflight's own: a wrong target or rule name is preflight's one error: line (exit 2), not argparse's usage
 PREFLIGHT_OPTIONS = (
     opt("path", metavar="ARTIFACT|FILE.pt2", help="a trace-and-compile --dry-run output, or one saved program"),
-    opt("--target", default="inf2", metavar="T", help="neuronx-cc's --target: inf2 (default), trn1 or trn2"),
+    opt(
+        "--target",
+        metavar="T",
+        help="neuronx-cc's --target: inf2, trn1 or trn2 (default: the one an artifact was built for, its "
+        "manifest's; inf2 for a .pt2)",
+    ),
     opt("--rules", metavar="RULE,RULE", help="only these rules, by code or name (default: every rule)"),
     _json(),
 )

@@ -3,8 +3,8 @@ no SDK and no device: its manifest's contract (`neuron/artifact.py`), every file
 against the manifest, and no file it does not list; with a port, built for that port. A publication
 is read from S3 as it would be pulled (each object against the publication's manifest too), nothing
 written. `serve --artifacts` makes the same checks before it needs the Neuron SDK. A local dry-run
-artifact's graphs are also preflighted (`neuron/preflight.py`, for inf2): the report carries its
-summary, and a broken rule makes verify exit 1."""
+artifact's graphs are also preflighted (`neuron/preflight.py`, for the target it was built for): the
+report carries its summary, and a broken rule makes verify exit 1."""
 
 from __future__ import annotations
 

@@ -468,7 +468,7 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
             checked(program, graph, key)
         except GraphError as e:
             raise ArtifactError(str(e)) from None
-        refuse(program, key)  # what neuronx-cc documents it refuses, before the program is written
+        refuse(program, key, TARGET["name"])  # what neuronx-cc documents it refuses, before it is written
         if full is not None:  # a meta program has no weights to save
             name = GRAPHS.format(key=key)
             with serializer_file(_new_file(tmp / name)) as f:

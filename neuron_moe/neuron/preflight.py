@@ -467,10 +467,11 @@ def graph_files(manifest: dict) -> dict[str, str]:
     return {k: GRAPHS.format(key=k) for k in manifest["keys"] if GRAPHS.format(key=k) in manifest["files"]}
 
 
-def programs(path: Path) -> dict[str, Path]:
-    """Key -> program file of `path`: a dry-run artifact's every exported key (its manifest's), or one .pt2."""
+def programs(path: Path) -> tuple[dict[str, Path], str | None]:
+    """(key -> program file, the compile target it was built for) of `path`: a dry-run artifact's every
+    exported key (its manifest's) and its manifest's target, or one .pt2 and None."""
     if path.is_file():
-        return {path.stem: path}
+        return {path.stem: path}, None
     if not path.is_dir():
         raise PreflightError(f"{path}: no such file or directory (an artifact directory or a .pt2 program)")
     manifest = read_manifest(path)  # an ArtifactError (exit 2) for a directory that is not an artifact
@@ -487,13 +488,15 @@ def programs(path: Path) -> dict[str, Path]:
     missing = [str(f) for f in files.values() if not f.is_file()]
     if missing:
         raise PreflightError(f"{missing[0]}: missing (the manifest lists its key)")
-    return files
+    return files, manifest["target"]["name"]
 
 
-def preflight(path, target: str = DEFAULT_TARGET, rules=None) -> dict:
-    """The report on an artifact directory or one .pt2 program: each key's, then every broken rule."""
-    target, chosen = check_target(target), select_rules(rules)
-    keys = [check_program(_load(f), key, target, chosen) for key, f in programs(Path(path)).items()]
+def preflight(path, target: str | None = None, rules=None) -> dict:
+    """The report on an artifact directory or one .pt2 program: each key's, then every broken rule.
+    `target` None: the one the artifact was built for (its manifest's), else DEFAULT_TARGET."""
+    files, built_for = programs(Path(path))
+    target, chosen = check_target(target or built_for or DEFAULT_TARGET), select_rules(rules)
+    keys = [check_program(_load(f), key, target, chosen) for key, f in files.items()]
     violations = [line for k in keys for line in k["violations"]]
     return {
         "source": str(path),
