@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from .spec import DEFAULT_PORT, DRAIN_TIMEOUT_S, Backend, Reader
+from .spec import DEFAULT_PORT, DRAIN_TIMEOUT_S, Backend
 
 ARTIFACTS_CACHE = "~/.cache/neuron-moe/artifacts"  # where serve pulls an s3:// artifact to
 
@@ -94,8 +94,3 @@ class RunConfig:
     compile: bool | None = None  # the static graphs compiled by torch.compile: None the default, False --no-compile
     compile_cache: str | None = None  # inductor's cache of what it compiled (spec.compile_cache)
     serving: Serving = field(default_factory=Serving)
-
-    @property
-    def reader(self) -> Reader | None:
-        """The reader's settings of the backend (None: no reader runs)."""
-        return None if self.backend is None else self.backend.reader
