@@ -59,7 +59,6 @@ from torch.export.passes import move_to_device_pass
 
 from bench.harness import code, write_results
 from neuron_moe import report
-from neuron_moe.run_config import Shapes
 from neuron_moe.errors import UserError
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
 from neuron_moe.experts import int4, int8
@@ -315,11 +314,10 @@ def serving_runtime(
     def prefill_processing(*args):
         return on(graphs[f"prefill processing {args[0].shape[0]}x{bucket}"])(*args)
 
-    rows = spec.rows_for(spec.batch_size)
     runtime = GraphRuntime(
         prefill,
         on(graphs["decode"]),
-        Shapes(spec.batch_size, spec.max_cache_len, (bucket,), tuple(rows), bucket),
+        dataclasses.replace(spec.shapes(), buckets=(bucket,), prefill_chunk=bucket),
         prefill_processing=prefill_processing if "decode processing" in graphs else None,
         decode_processing=on(graphs["decode processing"]) if "decode processing" in graphs else None,
         vocab=VOCAB,

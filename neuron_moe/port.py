@@ -65,6 +65,12 @@ class StaticSpec:
         """The prefill chunk: the table's (one of the buckets), else the largest bucket."""
         return self.prefill_chunk if self.prefill_chunk in self.buckets else self.buckets[-1]
 
+    def shapes(self, batch: int | None = None) -> Shapes:
+        """The graphs' shapes over a cache of `batch` rows (default the table's batch_size): what a
+        `GraphRuntime` runs at and an artifact's manifest records."""
+        batch = batch or self.batch_size
+        return Shapes(batch, self.max_cache_len, self.buckets, self.rows_for(batch), self.chunk)
+
 
 @dataclass(frozen=True)
 class Port:

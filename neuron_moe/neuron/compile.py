@@ -53,7 +53,7 @@ from ..report import (
     serializer_file,
     table,
 )
-from ..run_config import RunConfig, Shapes
+from ..run_config import RunConfig
 from ..spec import CHANNEL_READER, INT4_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization, compiled_backend
 from ..static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from ..static.sampling import CANDIDATES
@@ -299,9 +299,7 @@ def trace_and_compile(port, build: Build) -> dict:
                 "quantization": build.quantization,
                 "tp": tp,
                 "expert_layout": expert_layout,
-                **Shapes(
-                    spec.batch_size, spec.max_cache_len, spec.buckets, spec.rows_for(spec.batch_size), spec.chunk
-                ).manifest_fields(),
+                **spec.shapes().manifest_fields(),
                 "candidates": min(CANDIDATES, port.config.vocab_size),
                 "logits": logits,
                 "prefix_caching": whole_rows,

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
-from ..run_config import Shapes
 from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from .inductor import CompiledGraph
 from .rows import GraphRuntime
@@ -34,15 +34,16 @@ def static_runtime(
     compile; the caller checked for a C++ compiler and chose the cache: `inductor.py`); the
     logits-processing variants and the copy run as modules. `prefix_caching`: the cache in the
     whole-row layout and the `Copy` graph over it (`static/prefix.py`)."""
-    batch = batch or spec.batch_size
-    cache = new_cache(model, spec.max_cache_len, batch, whole_rows=prefix_caching)
-    counts = new_counts(model, batch)
-    rows = sorted({min(p, batch) for p in prefill_rows}) if prefill_rows else spec.rows_for(batch)
+    shapes = spec.shapes(batch)
+    if prefill_rows or chunk:  # the caller's own, over the table's
+        rows = tuple(sorted({min(p, shapes.batch_size) for p in prefill_rows})) if prefill_rows else shapes.prefill_rows
+        shapes = replace(shapes, prefill_rows=rows, prefill_chunk=chunk or shapes.prefill_chunk)
+    cache = new_cache(model, spec.max_cache_len, shapes.batch_size, whole_rows=prefix_caching)
+    counts = new_counts(model, shapes.batch_size)
     prefill = Prefill(model, cache, spec.prefill_experts, logits=logits)
     decode = Decode(model, cache, spec.decode_experts, logits=logits)
     if compile:
         prefill, decode = CompiledGraph(prefill, "prefill", progress), CompiledGraph(decode, "decode", progress)
-    shapes = Shapes(batch, spec.max_cache_len, spec.buckets, tuple(rows), chunk or spec.chunk)
     return GraphRuntime(
         prefill,
         decode,
