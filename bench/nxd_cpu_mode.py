@@ -46,7 +46,7 @@ from neuron_moe.port import load_port
 from neuron_moe.reader import shard
 from neuron_moe.reader.sidecar import Sidecar
 from neuron_moe.report import table, write_json
-from neuron_moe.spec import EXPORTED, Backend, Placement, Reader
+from neuron_moe.spec import Reader, tp_backend
 from neuron_moe.tokenizer import load_tokenizer
 
 
@@ -77,16 +77,9 @@ def references(port, ids, mask, n: int) -> dict:
     }
 
 
-def tp_backend(tp: int, layers: str, *, quantization: str = "none", reader=None, **placement) -> Backend:
-    """validate's tp backend of one case over `layers` (`placement`: its expert_layout)."""
-    return Backend(
-        "tp", EXPORTED, placement=Placement(tp=tp, layers=layers, **placement), quantization=quantization, reader=reader
-    )
-
-
 def nxd_generator(port, tp: int, shards=None, **options) -> NxDGenerator:
     """One case over NxD's layers (`shards`: the shard each rank loads, default its own)."""
-    return NxDGenerator(port, tp_backend(tp, "nxd", **options), shards=shards)
+    return NxDGenerator(port, tp_backend(tp, layers="nxd", **options), shards=shards)
 
 
 def tp2_cases(budget: float, sidecar: str) -> dict[str, tuple[dict, str]]:
@@ -104,7 +97,7 @@ def tp2_cases(budget: float, sidecar: str) -> dict[str, tuple[dict, str]]:
 def against_cpu(port, tp: int, cases: dict, rows: list[dict], out: dict, ids, mask, n: int) -> None:
     """The TP 2 layouts on the gloo stand-in: each row's step-0 logits of NxD against the stand-in's."""
     cpu_gens = {
-        name: TPGenerator(port, tp_backend(tp, "cpu", **cases[name][0]))
+        name: TPGenerator(port, tp_backend(tp, layers="cpu", **cases[name][0]))
         for name in ("channel", "expert", "channel-int8", "expert-int8", "channel-int4", "expert-int4")
     }
     stand_in = generate_replicated(cpu_gens, ids, mask, n)

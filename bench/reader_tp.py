@@ -33,7 +33,7 @@ from neuron_moe.port import load_port
 from neuron_moe.reader import shard
 from neuron_moe.reader.sidecar import Sidecar
 from neuron_moe.report import table, write_json
-from neuron_moe.spec import EXPORTED, Backend, Placement, Reader
+from neuron_moe.spec import Reader, tp_backend
 from neuron_moe.tokenizer import load_tokenizer
 
 
@@ -68,7 +68,7 @@ def columns(budget: float) -> list[tuple]:
 def degree_rows(port, whole: Sidecar, tmp: str, tp: int, args, ids, mask, eager) -> list[dict]:
     """One TP degree: the three generators on t gloo ranks and the one-process emulation, a row per prompt."""
     shard.write_shards(whole, tmp, tp, progress=False)
-    backend = Backend("tp", EXPORTED, placement=Placement(tp=tp))
+    backend = tp_backend(tp)
     gens = {
         "channel": TPGenerator(port, backend),
         "reader 100": TPGenerator(port, replace(backend, reader=Reader(sidecar=tmp, budget=100))),

@@ -579,8 +579,9 @@ VERIFY = Command(
     "and sha256 against it, and that it holds no file the manifest does not list; with --model, "
     "that it was built for that port. An s3:// publication is read from S3, each object checked "
     "against the publication's manifest too, nothing written. A local dry-run artifact's graphs are also "
-    "preflighted for inf2 (neuron-moe preflight). Exit 0 when it is whole, 1 when a graph breaks a preflight "
-    "rule, 2 (one error: line naming the file or field) when not whole. serve --artifacts makes the same checks.",
+    "preflighted for the target it was built for (neuron-moe preflight). Exit 0 when it is whole, 1 when a "
+    "graph breaks a preflight rule, 2 (one error: line naming the file or field) when not whole. serve "
+    "--artifacts makes the same checks.",
 )
 
 # preflight's own: a wrong target or rule name is preflight's one error: line (exit 2), not argparse's usage

@@ -265,6 +265,13 @@ def compiled_backend(
     return Backend(name, COMPILED, placement=placement, reader=reader, quantization=quantization, dtype=dtype)
 
 
+def tp_backend(tp: int, *, quantization: str = NO_QUANTIZATION, reader: Reader | None = None, **placement) -> Backend:
+    """validate's tp backend as `--backend tp --tp T` builds it, for callers without a command line
+    (tests, benches): degree `tp`, the experts' format, the reader's settings, `placement` the
+    Placement's other fields (expert_layout, scatter, layers)."""
+    return Backend("tp", EXPORTED, placement=Placement(tp=tp, **placement), reader=reader, quantization=quantization)
+
+
 # ---- the backends validate and serve offer ----
 
 

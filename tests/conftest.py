@@ -12,7 +12,6 @@ import torch
 from neuron_moe.model import build_model
 from neuron_moe.neuron.preflight import check_program
 from neuron_moe.port import load_port
-from neuron_moe.spec import EXPORTED, NO_QUANTIZATION, Backend, Placement, Reader
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -67,12 +66,6 @@ def with_reader_table(text: str, body: str) -> str:
     head, found, tail = text.partition("\n[reader]\n")
     rest = tail.split("\n[", 1)
     return f"{head}\n[reader]\n{body}" + (f"\n[{rest[1]}" if found and len(rest) > 1 else "") + "\n"
-
-
-def tp_backend(tp: int, *, quantization: str = NO_QUANTIZATION, reader: Reader | None = None, **placement) -> Backend:
-    """validate's tp backend as the command line builds it: degree `tp`, the experts' format, the reader's
-    settings, `placement` the Placement's other fields (expert_layout, scatter, layers)."""
-    return Backend("tp", EXPORTED, placement=Placement(tp=tp, **placement), reader=reader, quantization=quantization)
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:

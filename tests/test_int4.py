@@ -23,9 +23,9 @@ from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.reader import accounting as acc
 from neuron_moe.reader.geometry import Geometry
-from neuron_moe.spec import Reader
+from neuron_moe.spec import Reader, tp_backend
 
-from conftest import expert_reads, preflight_violations, random_prompts, tp_backend
+from conftest import expert_reads, preflight_violations, random_prompts
 from test_dense_masked import prefill_logits
 
 

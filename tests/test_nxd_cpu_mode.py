@@ -20,7 +20,8 @@ tier takes 4-14 s on 2 shared cores.
 
 import pytest
 import torch
-from conftest import random_prompts, tp_backend
+from neuron_moe.spec import Reader, tp_backend
+from conftest import random_prompts
 
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.experts.quantization import quantize_experts
@@ -32,7 +33,6 @@ from neuron_moe.parallel.nxd_generator import NxDGenerator, generate_nxd
 from neuron_moe.parallel.trace import run_ranks
 from neuron_moe.reader import shard
 from neuron_moe.reader.sidecar import Sidecar
-from neuron_moe.spec import Reader
 
 SOURCE = nxd_source.locate()  # a bad NXD_SRC is an error here, not a skip
 pytestmark = pytest.mark.skipif(

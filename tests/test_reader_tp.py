@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from neuron_moe import spec
-from neuron_moe.spec import Reader
+from neuron_moe.spec import Reader, tp_backend
 from neuron_moe.cli import main
 from neuron_moe.experts.channel_reader import attach_reader
 from neuron_moe.model import prep_port, reader_model
@@ -40,7 +40,7 @@ from neuron_moe.reader.prep import prep_layer
 from neuron_moe.reader.sidecar import LayerSidecar, Sidecar, SidecarError, SidecarLayout
 from neuron_moe.static import data_dependent_ops
 
-from conftest import preflight_violations, random_prompts, reseeded, tp_backend
+from conftest import preflight_violations, random_prompts, reseeded
 from test_parallel_layout import LAYER, block_state
 
 NEW_TOKENS = 6

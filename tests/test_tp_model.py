@@ -19,7 +19,8 @@ from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.parallel.model import rank_model
 
-from conftest import expert_reads, preflight_violations, random_prompts, tp_backend
+from neuron_moe.spec import tp_backend
+from conftest import expert_reads, preflight_violations, random_prompts
 
 NEW_TOKENS = 6
 
