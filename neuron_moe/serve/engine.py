@@ -288,7 +288,11 @@ class Output:
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
         self._check_allowed(token)
-        if self.matcher is not None and not self.matcher.advance(token):
+        try:
+            allowed = self.matcher is None or self.matcher.advance(token)
+        except GrammarError as e:  # the grammar admits no output here, or passed a limit: the client's
+            raise RequestError(f"{e} (at token {self.count + 1})", e.field) from None
+        if not allowed:
             raise GenerationError(f"token {token} at step {self.count} is not one the grammar allows")
         self.token, self.count = token, self.count + 1
         self.generated.append(token)

@@ -14,10 +14,19 @@ exactly where the grammar is complete.
 JSON is written compactly unless asked otherwise (no whitespace between its tokens: a bounded
 schema bounds the output's length), as vLLM's `disable_any_whitespace` writes it.
 
+A grammar comes from an untrusted client: before it compiles, its text is held to the bounds of
+grammar_bounds.py (size, rules, alternatives, nesting, repetition), below the points where
+llguidance's compile overflows a stack; it compiles on one thread of its own (a 256 MiB stack, one
+compile at a time: a flood of new schemas takes one core, not the step loop's), under llguidance's
+own limits (`LLParserLimits`); then its first bitmask is computed, so a grammar that admits no output
+(`{"$ref": "#"}`, `[^\\s\\S]`, `start: start`) is refused before the request runs. A limit met
+later, at a step (an Earley row past its size, a lexer out of fuel), is found by `Matcher.advance`.
+Each is the client's error: a GrammarError naming the request field, a 400.
+
 A compiled grammar is cached per (spec, tokenizer): one `Grammars` per engine (one tokenizer), its
-cache holding the most recently used `CACHE_SIZE` grammars, so a repeated schema is not compiled
-again; each request gets its own copy of the compiled matcher (microseconds). llguidance releases
-the GIL while it compiles, so a compile on a request's thread does not stall the step loop.
+cache holding the most recently used grammars, at most CACHE_SIZE of them and CACHE_BYTES of their
+estimated memory, so a repeated schema is not compiled again; each request gets its own copy of the
+compiled matcher (microseconds).
 """
 
 from __future__ import annotations
@@ -25,11 +34,20 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from . import grammar_bounds
+
 CACHE_SIZE = 64  # compiled grammars kept per engine
+# the compiled grammars' estimated memory kept per engine: each is taken as COST_BASE plus COST_PER_BYTE
+# per byte of its llguidance grammar (measured on the tiny port's tokenizer: a 25,000-option enum's
+# 264 KB grammar held ~9 MB, a 1,000-property object's 28 KB ~4 MB)
+CACHE_BYTES = 256 * 2**20
+COST_BASE, COST_PER_BYTE = 64 * 2**10, 160
+COMPILE_STACK = 256 * 2**20  # the compile thread's stack (llguidance recurses over a grammar's rules)
 KINDS = ("json", "regex", "choice", "grammar")
 
 
@@ -99,15 +117,17 @@ def _vocab_size(tokenizer) -> int:
 
 class Matcher:
     """One request's place in its grammar: `allowed()` the next token's bitmask, `advance(token)`
-    the chosen one, `stopped` once the grammar takes nothing more (but an EOS)."""
+    the chosen one, `stopped` once the grammar takes nothing more (but an EOS); `field` the request
+    field the grammar came from."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self._matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, field: str = ""):
+        self._matcher, self.vocab_size, self.field = matcher, vocab_size, field
         self._mask: torch.Tensor | None = None
 
     def allowed(self) -> torch.Tensor:
         """int32 [ceil(V/32)]: bit t % 32 of word t // 32 set = token t may come next; filled once per
-        token (a second call before `advance` returns the same tensor)."""
+        token (a second call before `advance` returns the same tensor). A matcher that fails on the
+        grammar here allows EOS alone, and `advance` says why."""
         if self._mask is None:
             mask = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
             self._matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
@@ -115,9 +135,17 @@ class Matcher:
         return self._mask
 
     def advance(self, token: int) -> bool:
-        """Take the chosen token; False if the grammar does not allow it."""
-        self._mask = None
-        return self._matcher.consume_token(token) and not self._matcher.is_error()
+        """Take the chosen token; False if the grammar does not allow it. A GrammarError naming the
+        field when the matcher failed on the grammar rather than on the token: at the last bitmask,
+        or on a token that bitmask allowed (a limit of llguidance's met at this step)."""
+        mask, self._mask = self._mask, None
+        if self._matcher.is_error():
+            raise GrammarError(self.field, f"{self.field}: {_failure(self._matcher)}")
+        if self._matcher.consume_token(token) and not self._matcher.is_error():
+            return True
+        if mask is not None and int(mask[token // 32]) >> (token % 32) & 1:
+            raise GrammarError(self.field, f"{self.field}: {_failure(self._matcher)}")
+        return False
 
     @property
     def stopped(self) -> bool:
@@ -126,6 +154,14 @@ class Matcher:
     @property
     def error(self) -> str:
         return self._matcher.get_error()
+
+
+def _failure(matcher) -> str:
+    """Why llguidance's matcher failed on a grammar, for the client: it admits no output here, or it
+    passed one of llguidance's limits."""
+    if matcher.get_error().split()[:1] in (["NoExtension"], ["NoExtensionBias"]):  # nothing may come first
+        return "the grammar admits no output (no text matches it)"
+    return f"the grammar passes a limit of the grammar library: {_first_line(matcher.get_error())}"
 
 
 def unpack(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -141,7 +177,8 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int | None, eos_ids):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, frozenset(eos_ids)
         self._tokenizer = None  # llguidance's, made at the first grammar
-        self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()
+        self._compiled: OrderedDict[GrammarSpec, tuple[object, int]] = OrderedDict()  # (grammar, its cost)
+        self.cached_bytes = 0  # the cached grammars' estimated memory
         self._lock = threading.Lock()
         self._compiling: dict[GrammarSpec, threading.Lock] = {}  # a lock per grammar being compiled
         self.compiles = 0  # grammars compiled (cache misses)
@@ -149,12 +186,12 @@ class Grammars:
     def compile(self, spec: GrammarSpec):
         """The compiled grammar of `spec`, from the cache or compiled now (once: requests that ask
         for it while it compiles wait for that compile); a GrammarError naming `spec.field` if it
-        does not compile."""
+        passes a bound, does not compile or admits no output."""
         key = _key(spec)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
-                return self._compiled[key]
+                return self._compiled[key][0]
             if self._tokenizer is None:
                 try:
                     if self.vocab_size is None:
@@ -166,24 +203,35 @@ class Grammars:
         with compiling:  # one compile per grammar at a time; the others find it in the cache after
             with self._lock:
                 if key in self._compiled:
-                    return self._compiled[key]
+                    return self._compiled[key][0]
             try:
-                compiled = self._compile(spec)
+                _check_bounds(spec)
+                compiled, cost = _on_compile_thread(self._compile, spec)
                 with self._lock:
                     self.compiles += 1
-                    self._compiled[key] = compiled
-                    while len(self._compiled) > CACHE_SIZE:
-                        self._compiled.popitem(last=False)
+                    self._keep(key, compiled, cost)
             finally:
                 with self._lock:  # after the cache holds it: a later request finds it there
                     self._compiling.pop(key, None)
         return compiled
 
-    def _compile(self, spec: GrammarSpec):
+    def _keep(self, key: GrammarSpec, compiled, cost: int) -> None:
+        """Cache a compiled grammar; the least recently used go past CACHE_SIZE or CACHE_BYTES (the
+        newest stays, whatever its cost)."""
+        self._compiled[key] = (compiled, cost)
+        self.cached_bytes += cost
+        while len(self._compiled) > 1 and (len(self._compiled) > CACHE_SIZE or self.cached_bytes > CACHE_BYTES):
+            self.cached_bytes -= self._compiled.popitem(last=False)[1][1]
+
+    def _compile(self, spec: GrammarSpec) -> tuple[object, int]:
+        """On the compile thread: the compiled grammar and its estimated memory."""
         ll = _llguidance()
+        limits = ll.LLParserLimits(verbose_errors=False)
         if spec.whitespace_pattern is not None:  # its own field's error, not the schema's
             field = spec.pattern_field or spec.field
-            problem = ll.LLMatcher.validate_grammar(ll.LLMatcher.grammar_from_regex(spec.whitespace_pattern))
+            problem = ll.LLMatcher.validate_grammar(
+                ll.LLMatcher.grammar_from_regex(spec.whitespace_pattern), limits=limits
+            )
             if problem:
                 raise GrammarError(field, f"{field}: {_first_line(problem)}")
         try:
@@ -191,17 +239,54 @@ class Grammars:
         except ValueError as e:
             raise GrammarError(spec.field, f"{spec.field}: {e}") from None
         try:
-            compiled = ll.LLMatcher(self._tokenizer, grammar, log_level=0)  # compiles, the GIL released
+            compiled = ll.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)  # the GIL released
         except BaseException as e:  # a Rust panic arrives as pyo3's PanicException, a BaseException
             if type(e).__name__ != "PanicException":
                 raise
             raise GrammarError(spec.field, f"{spec.field}: the grammar library failed on it: {e}") from None
         if compiled.is_error():
             raise GrammarError(spec.field, f"{spec.field}: {_first_line(compiled.get_error())}")
-        return compiled
+        first = compiled.deep_copy()
+        first.compute_bitmask()  # the first token's: a grammar that admits no output fails here
+        if first.is_error():
+            raise GrammarError(spec.field, f"{spec.field}: {_failure(first)}")
+        return compiled, COST_BASE + COST_PER_BYTE * len(grammar)
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
-        return Matcher(self.compile(spec).deep_copy(), self.vocab_size)
+        return Matcher(self.compile(spec).deep_copy(), self.vocab_size, spec.field)
+
+
+def _check_bounds(spec: GrammarSpec) -> None:
+    """A GrammarError naming the field when the grammar, or its whitespace pattern, passes a bound of
+    grammar_bounds.py."""
+    for field, problem in (
+        (spec.field, grammar_bounds.problem(spec.kind, spec.text)),
+        (
+            spec.pattern_field or spec.field,
+            spec.whitespace_pattern and grammar_bounds.regex_problem(spec.whitespace_pattern),
+        ),
+    ):
+        if problem:
+            raise GrammarError(field, f"{field}: {problem}")
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _on_compile_thread(fn, *args):
+    """fn(*args) on the compile thread (one for the process, its stack COMPILE_STACK), the caller
+    waiting for it."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            before = threading.stack_size(COMPILE_STACK)
+            try:
+                _pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+                _pool.submit(int).result()  # its one thread starts now, with that stack
+            finally:
+                threading.stack_size(before)
+    return _pool.submit(fn, *args).result()
 
 
 def _key(spec: GrammarSpec) -> GrammarSpec:
@@ -226,6 +311,6 @@ def _grammar(ll, spec: GrammarSpec) -> str:
 
 
 def _first_line(error: str) -> str:
-    """llguidance's error on one line, at most 300 characters."""
-    line = " ".join(error.split()) or "the grammar does not compile"
+    """llguidance's error on one line (its `<non-verbose/>` marker dropped), at most 300 characters."""
+    line = " ".join(error.replace("<non-verbose/>", "").split()) or "the grammar does not compile"
     return line if len(line) <= 300 else line[:297] + "..."

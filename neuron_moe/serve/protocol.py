@@ -148,6 +148,8 @@ def _schema(v):
             v = json.loads(v)
         except ValueError as e:
             raise ValueError(f"not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError("nested too deep to read") from None
     if not isinstance(v, dict):
         raise ValueError(f"a JSON schema is a JSON object, got {type(v).__name__}")
     return v
