@@ -248,10 +248,6 @@ def test_openai_clients_response_format_and_vllms_fields_are_honoured(url, engin
         ({"structured_outputs": {}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
-        (
-            {"structured_outputs": {"json": {"type": "boolean"}, "disable_additional_properties": True}},
-            "structured_outputs.disable_additional_properties",
-        ),
         ({"structured_outputs": {"regex": "a", "backend": "xgrammar"}}, "structured_outputs.backend"),
         ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
         (

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import pytest
 
 from bench import structured_output
@@ -19,6 +21,7 @@ from neuron_moe.serve import grammar, grammar_bounds
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.engine import Engine, HFRuntime, RequestError, SamplingParams, eos_ids
 from neuron_moe.serve.grammar import Grammars, GrammarSpec
+from neuron_moe.serve.protocol import CompletionRequest
 from neuron_moe.tokenizer import load_tokenizer
 
 from serving import serving, wait_for
@@ -202,6 +205,90 @@ def test_a_limit_met_at_a_step_is_the_clients_error_naming_the_field(engine):
     assert caught.value.param == spec.field and "(at token 1)" in str(caught.value)
 
 
+# ---- strict JSON ------------------------------------------------------------------------------------------
+
+BOOL = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("backend", ["hf", "static"])
+def test_an_object_schema_without_additional_properties_admits_no_others(urls, backend):
+    """The issue's case: greedy, 30 tokens, once `{"a":true,"I'm not a mental…` (length); now the
+    object ends after its one property, as vLLM's default backend writes it."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "b", "schema": BOOL}}
+    body = {"model": MODEL, "prompt": "Q: hello\nA:", "max_tokens": 30, "temperature": 0, "response_format": fmt}
+    r = httpx.post(f"{urls[backend]}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert json.loads(choice["text"]) in ({"a": True}, {"a": False}) and choice["finish_reason"] == "stop", choice
+
+
+def first_after(grammars: Grammars, spec: GrammarSpec, text: str) -> set[str]:
+    """The text of each token the grammar allows after `text` (fed token by token)."""
+    matcher = grammars.matcher(spec)
+    for token in grammars.tokenizer.encode(text, False):
+        assert matcher.advance(token), text
+    mask = matcher.allowed()
+    allowed = [t for t in range(grammars.vocab_size) if int(mask[t // 32]) >> (t % 32) & 1]
+    return {grammars.tokenizer.decode([t]) for t in allowed}
+
+
+def test_extras_are_allowed_where_the_schema_or_disable_additional_properties_false_says_so(engine):
+    """After `{"a":true` a strict object can only close; `additionalProperties: true` in the schema,
+    or vLLM's `disable_additional_properties: false`, lets another property follow."""
+    grammars = Grammars(engine.tokenizer, None, engine.eos_ids)
+    after = '{"a":true'
+    assert first_after(grammars, GrammarSpec.json_schema(BOOL, "guided_json"), after) == {"}"}
+    loose = GrammarSpec.json_schema({**BOOL, "additionalProperties": True}, "guided_json")
+    assert "," in first_after(grammars, loose, after)
+    assert "," in first_after(grammars, GrammarSpec.json_schema(BOOL, "guided_json", strict=False), after)
+    nested_schema = {"type": "object", "properties": {"o": BOOL}, "required": ["o"]}
+    assert first_after(grammars, GrammarSpec.json_schema(nested_schema, "guided_json"), '{"o":{"a":true') == {"}"}
+    # json_object: any object, whatever its properties
+    assert "," in first_after(grammars, GrammarSpec.json_schema({"type": "object"}, "response_format"), after)
+
+
+def test_vllms_disable_additional_properties_is_read_either_way(urls):
+    for value, strict in ((True, True), (False, False), (None, True)):
+        fields = {"json": BOOL, **({} if value is None else {"disable_additional_properties": value})}
+        req = CompletionRequest.model_validate({"model": MODEL, "prompt": "Q:", "structured_outputs": fields})
+        assert req.grammar.strict is strict
+    body = {"model": MODEL, "prompt": "Q:", "max_tokens": 30, "temperature": 0}
+    body["structured_outputs"] = {"json": BOOL, "disable_additional_properties": True}
+    r = httpx.post(f"{urls['hf']}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and json.loads(r.json()["choices"][0]["text"]).keys() == {"a"}, r.text
+
+
+OBJECT = {  # no additionalProperties anywhere: strict by default
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 4},
+        "ok": {"type": "boolean"},
+        "tag": {"type": "object", "properties": {"x": {"enum": ["x", "y"]}}},
+    },
+    "required": ["name", "ok"],
+}
+
+
+def test_seeded_requests_at_temperature_one_parse_and_validate_against_an_object_schema(static_engine):
+    """response_format json_schema, an object schema with no additionalProperties, temperature 1,
+    max_tokens 40, seeded: each output parses, validates against the schema made strict (no property
+    it does not list), and ends with "stop". (The acceptance run is 100 requests; 24 here.)"""
+    spec = GrammarSpec.json_schema(OBJECT, "response_format.json_schema.schema")
+    strict = grammar._strict(json.loads(json.dumps(OBJECT)))
+    prompt = static_engine.tokenizer.encode("Q: hello\nA:")
+
+    def one(seed):
+        steps = list(static_engine.generate(prompt, SamplingParams(40, temperature=1.0, seed=seed, grammar=spec)))
+        return "".join(s.text for s in steps), steps[-1].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:
+        outputs = list(pool.map(one, range(24)))
+    for text, finish in outputs:
+        jsonschema.validate(json.loads(text), strict)
+        assert finish == "stop", text
+    assert len({text for text, _ in outputs}) > 1
+
+
 # ---- the cache ------------------------------------------------------------------------------------------
 
 
@@ -236,8 +323,6 @@ def test_compiles_run_one_at_a_time_on_their_own_thread(engine):
         return real(spec)
 
     grammars._compile = compile_
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(lambda i: grammars.compile(GrammarSpec("regex", f"q{i}", "guided_regex")), range(6)))
     assert len(seen) == 6 and len(set(seen)) == 1 and seen[0].startswith("grammar-compile")

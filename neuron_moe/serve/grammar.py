@@ -14,6 +14,11 @@ exactly where the grammar is complete.
 JSON is written compactly unless asked otherwise (no whitespace between its tokens: a bounded
 schema bounds the output's length), as vLLM's `disable_any_whitespace` writes it.
 
+An object schema that lists its properties admits no others unless it says so
+(`additionalProperties`), as vLLM's default backend (xgrammar's strict mode) and OpenAI's structured
+outputs read a schema; vLLM's `disable_additional_properties: false` asks for JSON Schema's own
+default instead (any other property allowed), as vLLM's llguidance backend reads it.
+
 A grammar comes from an untrusted client: before it compiles, its text is held to the bounds of
 grammar_bounds.py (size, rules, alternatives, nesting, repetition), below the points where
 llguidance's compile overflows a stack; it compiles on one thread of its own (a 256 MiB stack, one
@@ -72,6 +77,7 @@ class GrammarSpec:
     whitespace_flexible: bool = False  # JSON: any whitespace between tokens (vLLM's disable_any_whitespace=false)
     whitespace_pattern: str | None = None  # JSON: the whitespace allowed between tokens, as a regex
     pattern_field: str = ""  # the request field whitespace_pattern came from (errors name it)
+    strict: bool = True  # JSON: an object schema listing properties admits no others unless it says so
 
     @classmethod
     def json_schema(cls, schema: dict, field: str, **options) -> GrammarSpec:
@@ -292,7 +298,7 @@ def _on_compile_thread(fn, *args):
 def _key(spec: GrammarSpec) -> GrammarSpec:
     """The cache key: the spec without the fields it came from (the same schema from `guided_json` or
     `response_format` is one grammar)."""
-    return GrammarSpec(spec.kind, spec.text, "", spec.whitespace_flexible, spec.whitespace_pattern, "")
+    return GrammarSpec(spec.kind, spec.text, "", spec.whitespace_flexible, spec.whitespace_pattern, "", spec.strict)
 
 
 def _grammar(ll, spec: GrammarSpec) -> str:
@@ -300,7 +306,8 @@ def _grammar(ll, spec: GrammarSpec) -> str:
         options = {"whitespace_flexible": spec.whitespace_flexible}
         if spec.whitespace_pattern is not None:
             options["whitespace_pattern"] = spec.whitespace_pattern
-        return ll.LLMatcher.grammar_from_json_schema(spec.text, overrides=options)
+        schema = json.loads(spec.text)
+        return ll.LLMatcher.grammar_from_json_schema(_strict(schema) if spec.strict else schema, overrides=options)
     if spec.kind == "regex":
         return ll.LLMatcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":
@@ -308,6 +315,22 @@ def _grammar(ll, spec: GrammarSpec) -> str:
     if spec.kind == "grammar":
         return ll.grammar_from("grammar", spec.text)
     raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+def _strict(schema):
+    """The schema (parsed, changed in place) with `additionalProperties: false` in each object schema
+    that lists `properties` or `patternProperties` and says nothing of others: vLLM's walk for its
+    `disable_additional_properties`, the reading of xgrammar's strict mode. Its nesting is bounded
+    (grammar_bounds.MAX_DEPTH)."""
+    if isinstance(schema, dict):
+        for value in schema.values():
+            _strict(value)
+        if "additionalProperties" not in schema and ("properties" in schema or "patternProperties" in schema):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        for value in schema:
+            _strict(value)
+    return schema
 
 
 def _first_line(error: str) -> str:

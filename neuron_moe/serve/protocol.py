@@ -202,11 +202,6 @@ class StructuredOutputs(_Strict):
     def _one(self):
         if self.structural_tag is not None:
             raise FieldError("structured_outputs.structural_tag", "structural_tag is not supported by this server")
-        if self.disable_additional_properties:
-            raise FieldError(
-                "structured_outputs.disable_additional_properties",
-                "disable_additional_properties is not supported by this server: set additionalProperties in the schema",
-            )
         given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         is_json = self.json_ is not None or self.json_object
@@ -223,7 +218,11 @@ class StructuredOutputs(_Strict):
         return self
 
     def spec(self) -> GrammarSpec:
-        options = {"whitespace_flexible": self.disable_any_whitespace is False}
+        # strict JSON unless asked otherwise (grammar.py); false: JSON Schema's default, as vLLM's llguidance reads it
+        options = {
+            "whitespace_flexible": self.disable_any_whitespace is False,
+            "strict": self.disable_additional_properties is not False,
+        }
         if self.whitespace_pattern is not None:
             options.update(
                 whitespace_pattern=self.whitespace_pattern, pattern_field="structured_outputs.whitespace_pattern"
