@@ -46,6 +46,7 @@ from neuron_moe.serve.backends import load_engine
 from neuron_moe.serve.server import plan_load
 
 from conftest import port_text_elsewhere
+from test_grammar_bounds import chain, ref_chain
 from serving import serving, sse_events, wait_for
 
 MODEL = "tiny-gemma4-moe"
@@ -93,6 +94,13 @@ schemas = st.sampled_from(
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
         {"type": "nope"},
         {"type": "string", "pattern": "["},
+        # the grammars a matcher cannot follow (no output, or past a bound): a 400, never a 500 or a crash
+        {"$ref": "#"},
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        ref_chain(1500),
+        {"type": "string", "pattern": "((a{100}){100}){100}"},
+        '{"items":' * 100 + "{}" + "}" * 100,
+        "[" * 100000 + "]" * 100000,
         '{"type": "integer"}',
         "{not json",
         [],
@@ -100,8 +108,16 @@ schemas = st.sampled_from(
         None,
     ]
 )
-regexes = st.sampled_from([None, "[a-z]+", "yes|no", "[0-9]{2}", "", "[a-", "("])
-grammar_texts = st.sampled_from([None, 'start: "yes" | "no"', "root ::= [0-9]+", "start: nowhere", ""])
+regexes = st.sampled_from(
+    [None, "[a-z]+", "yes|no", "[0-9]{2}", "", "[a-", "(", "a{1000000}", "((a{100}){100}){100}", r"[^\s\S]", "(" * 100]
+)
+grammar_texts = st.sampled_from(
+    [None, 'start: "yes" | "no"', "root ::= [0-9]+", "start: nowhere", "", "start: start", 'start: "a"{100000}']
+    + [chain(3000), chain(3000, " | "), chain(3000, head="::="), "start: " + " | ".join(f'"w{i}"' for i in range(2000))]
+)
+choices = (
+    st.none() | st.lists(valid_text, max_size=3) | st.sampled_from([[f"c{i}" for i in range(1100)], ["x" * 2**19]])
+)
 TOKENIZER = load_tokenizer(load_port(MODEL))
 # one-token texts of one character each: allowed_token_ids drawn from these, a text of theirs told by its characters
 LETTERS = {TOKENIZER.encode(c, add_special_tokens=False)[0]: c for c in "abx .e"}
@@ -156,7 +172,7 @@ OPTIONAL = {
         optional={
             "json": schemas,
             "regex": regexes,
-            "choice": st.none() | st.lists(valid_text, max_size=3),
+            "choice": choices,
             "grammar": grammar_texts,
             "json_object": st.none() | st.booleans(),
             "disable_any_whitespace": st.none() | st.booleans(),
@@ -168,7 +184,7 @@ OPTIONAL = {
     ),
     "guided_json": st.none() | schemas,
     "guided_regex": regexes,
-    "guided_choice": st.none() | st.lists(valid_text, max_size=3),
+    "guided_choice": choices,
     "guided_grammar": grammar_texts,
     "guided_whitespace_pattern": st.sampled_from([None, " ?", "[", ""]),
     # vLLM's vocabulary fields: a few one-character tokens (LETTERS), and ids at and past the vocabulary
@@ -386,8 +402,15 @@ def test_fuzz_chat_requests(http, body):
     check_answer(post(http, "/v1/chat/completions", body), body, chat=True)
 
 
+# bodies nested past what a JSON parser recurses through: a 400
+DEEP = [
+    b'{"model": "%s", "prompt": %s}' % (MODEL.encode(), b"[" * 100000 + b"]" * 100000),
+    b'{"model": "%s", "prompt": "Q:", "guided_json": %s}' % (MODEL.encode(), b'{"a":' * 100000 + b"{}" + b"}" * 100000),
+]
+
+
 @settings(max_examples=40, **FUZZ)
-@given(body=completion_requests, raw=st.none() | st.binary(max_size=40))
+@given(body=completion_requests, raw=st.none() | st.binary(max_size=40) | st.sampled_from(DEEP))
 def test_fuzz_completion_requests(http, body, raw):
     check_answer(post(http, "/v1/completions", body), body, chat=False)
     if raw is not None:  # not JSON at all, or not UTF-8
