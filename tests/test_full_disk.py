@@ -211,3 +211,23 @@ def test_a_pull_onto_a_full_disk(namespace, tmp_path):
         assert_one_error(done, ".dest.lock")
     finally:
         server.stop()
+
+
+def test_serve_with_its_compile_cache_on_a_full_disk(namespace, tmp_path):
+    """`serve --backend static` compiles its graphs into --compile-cache as it warms up: a full disk
+    there stops the server with one error line naming the cache (not torch's traceback), exit 2, and
+    nothing left on the disk but the cache's folders (no temp file of a refused write)."""
+    cache = tmp_path / "mnt" / "cache"
+    done, _ = run_on_full_disk(
+        namespace, tmp_path, ["serve", "--backend", "static", "--port", "0", "--compile-cache", str(cache)], fill=True
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(
+        f"error: the model failed to load: compiling the prefill graph into the compile cache {cache}"
+    )
+    assert "No space left on device" in last, last
+    left = done.stdout.split("left on the disk:\n")[-1].split()
+    assert all(p == "./cache" or p.startswith("./cache/") for p in left), left
+    assert not [p for p in left if p.endswith(".tmp")], left
