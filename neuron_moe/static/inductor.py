@@ -37,7 +37,9 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 from torch._inductor import cpp_builder
+from torch._inductor.codecache import LOCK_TIMEOUT
 from torch._inductor.exc import InvalidCxxCompiler
+from torch.utils._filelock import FileLock
 
 from ..errors import UserError
 
@@ -121,9 +123,6 @@ def drop_cut_kernels(cache: Path) -> list[Path]:
     """Remove each compiled kernel (`*.so`) of inductor's cache `cache` that is not a whole ELF file,
     each under inductor's own lock of it (a process compiling it now is waited for), and say so in
     one warning line. Inductor builds a kernel it finds missing again from its source, kept beside it."""
-    from torch._inductor.codecache import LOCK_TIMEOUT
-    from torch.utils._filelock import FileLock
-
     dropped = []
     for kernel in sorted(cache.rglob("*.so")):
         (cache / "locks").mkdir(exist_ok=True)
