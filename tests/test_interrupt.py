@@ -13,20 +13,22 @@ import pytest
 from interrupting import REPO, assert_stopped, interrupted_run
 
 TRACE = ["trace-and-compile", "--dry-run", "--tp", "1", "--dtype", "float32"]
+TRACE_TP2_INT4 = ["trace-and-compile", "--dry-run", "--tp", "2", "--quantization", "int4"]
 
 
 @pytest.mark.parametrize(
-    "where,inside",
+    "args,where,inside",
     [
-        ("import torch", ""),  # start-up: the command line parsed, torch importing
-        ("neuron_moe.neuron.compile:checked", ""),  # after the first key's export
-        ("neuron_moe.neuron.compile:checked", "weakref callback"),  # where Python would print it and run on
+        (TRACE, "import torch", ""),  # start-up: the command line parsed, torch importing
+        (TRACE, "neuron_moe.neuron.compile:checked", ""),  # after the first key's export
+        # where Python would print it as 'Exception ignored' and run on, the artifact written
+        (TRACE_TP2_INT4, "neuron_moe.neuron.compile:checked", "weakref callback"),
     ],
     ids=["start-up", "after an export", "in a weakref callback"],
 )
-def test_ctrl_c_during_trace_and_compile_is_one_line_and_leaves_nothing(tmp_path, where, inside):
+def test_ctrl_c_during_trace_and_compile_is_one_line_and_leaves_nothing(tmp_path, args, where, inside):
     out = tmp_path / "art"
-    done = interrupted_run([*TRACE, "--out", str(out)], where, inside)
+    done = interrupted_run([*args, "--out", str(out)], where, inside)
     assert_stopped(done, "trace-and-compile")
     assert list(tmp_path.iterdir()) == []  # no --out, no .art.partial-*, no .art.lock
 
