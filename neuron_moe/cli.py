@@ -4,13 +4,12 @@ command never waits on another's imports (torch, transformers, boto3, uvicorn)."
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 from dataclasses import fields
 
 from .cli_parser import COMMANDS as TABLE, max_threads, parser
-from .errors import INTERRUPTED, UserError, error_exit, interrupt
+from .errors import UserError, error_exit, interrupted, restore_ctrl_c, take_ctrl_c
 from .report import OutputError, check_output, write_json
 from .run_config import RunConfig, Serving, Shapes
 from .spec import READS_BUDGET, Reader, compiled_backend
@@ -287,18 +286,22 @@ def _checkpoint(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.threads > max_threads():  # only $OMP_NUM_THREADS gets here: --threads is bounded by its type
-        return error_exit(
-            f"$OMP_NUM_THREADS={args.threads} is more torch threads than this machine runs (at most "
-            f"{max_threads()} here); pass --threads N"
-        )
-    import torch  # after the arguments parse: --help and a wrong flag answer without it
-
-    torch.set_num_threads(args.threads)  # every command's (cli_parser.DEFAULT_THREADS: measured)
+    """Run one command line: its exit status. Ctrl-C is taken before anything else (the parsing,
+    torch's import, the work alike) and is one line, exit 130."""
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, interrupt) if main_thread else None
+    previous = take_ctrl_c() if main_thread else None
+    command = None
     try:
+        args = parser().parse_args(argv)
+        command = args.command
+        if args.threads > max_threads():  # only $OMP_NUM_THREADS gets here: --threads is bounded by its type
+            return error_exit(
+                f"$OMP_NUM_THREADS={args.threads} is more torch threads than this machine runs (at most "
+                f"{max_threads()} here); pass --threads N"
+            )
+        import torch  # after the arguments parse: --help and a wrong flag answer without it
+
+        torch.set_num_threads(args.threads)  # every command's (cli_parser.DEFAULT_THREADS: measured)
         _check_outputs(args)
         _checkpoint(args)
         return COMMANDS[args.command](args)
@@ -307,11 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # the system refused (a full disk, a read-only or missing path): one line, not a bug
         return error_exit(f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
     except KeyboardInterrupt:  # Ctrl-C: what the command was writing was cleaned up on the way out
-        error_exit(f"interrupted (Ctrl-C): neuron-moe {args.command} stopped")
-        return INTERRUPTED
+        return interrupted(command)
     finally:
         if main_thread:
-            signal.signal(signal.SIGINT, previous)
+            restore_ctrl_c(previous)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from .reader.geometry import Geometry
 from .reader.prep import RANK, SCAN, model_expert_weights, write_sidecar
 from .reader.shard import WHOLE, write_shards
 from .reader.sidecar import Sidecar, SidecarError
+from .report import made_dir
 
 
 def random_model(port: Port) -> Gemma4ForCausalLM:
@@ -137,6 +138,13 @@ def prep_port(
     )
 
 
+def _whole_sidecar(path: Path) -> Sidecar:
+    side = Sidecar(path)
+    if side.tp is not None:
+        raise UserError(f"{path}: already a TP shard (rank {side.tp_rank} of {side.tp}); shard the whole sidecar")
+    return side
+
+
 def prep_reader(
     port,
     out: Path,
@@ -151,18 +159,18 @@ def prep_reader(
     """`neuron-moe prep-reader`: the port's sidecar written to `out`; with `tp`, `out` is a directory
     of the whole sidecar (prepped there, or the existing `source`) and each rank's shard at TP `tp`."""
     out = Path(out)
-    if tp:  # a directory: the whole sidecar and each rank's shard
+    if tp:  # a directory: the whole sidecar and each rank's shard; one this run made goes if it fails
         check_degree(port.config, tp)
-        path = Path(source) if source else out / WHOLE
-        if not source:
-            out.mkdir(parents=True, exist_ok=True)
-            prep_port(port, path, checkpoint, seed=seed, rank=recovery_rank, scan=scan)
+        with made_dir(out):
+            path = Path(source) if source else out / WHOLE
+            if not source:
+                prep_port(port, path, checkpoint, seed=seed, rank=recovery_rank, scan=scan)
+            side = _whole_sidecar(path)
+            files = [path] + write_shards(side, out, tp)
     else:
         path = prep_port(port, out, checkpoint, seed=seed, rank=recovery_rank, scan=scan)
-    side = Sidecar(path)
-    if side.tp is not None:
-        raise UserError(f"{path}: already a TP shard (rank {side.tp_rank} of {side.tp}); shard the whole sidecar")
-    files = [path] + (write_shards(side, out, tp) if tp else [])
+        side = _whole_sidecar(path)
+        files = [path]
     return {
         "model": port.name,
         "sidecar": str(path),

@@ -304,6 +304,23 @@ def atomic_dir(out: Path, *, sweep: bool = False):
         shutil.rmtree(old, ignore_errors=True)
 
 
+@contextmanager
+def made_dir(path: Path, keep=None):
+    """Yield `path`, a directory (made, parents too, if missing) that a run writes files into one
+    by one. One this block made is removed again when the block fails (a full disk, Ctrl-C), unless
+    `keep()` says it holds work a rerun reuses; one that was there stays as it is."""
+    path = Path(path)
+    made = not path.exists()
+    with _storage_errors(path):
+        path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    except BaseException:
+        if made and not (keep is not None and keep()):
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
 class FileDigest(NamedTuple):
     size: int
     sha256: str  # hex
@@ -396,9 +413,10 @@ def run_lock(path: Path, what: str, wait=None):
             except FileNotFoundError:
                 pass
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
     try:
+        with _storage_errors(lock):  # a full disk refuses the pid: the lock goes as it would after the run
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
         os.unlink(lock)  # while still holding it: whoever opens the path next gets a fresh file

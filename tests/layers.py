@@ -52,8 +52,9 @@ OPTIONAL = (
 )
 
 # Modules whose functions import the package's own modules on purpose: the entry point, whose commands
-# each import what they run when they run, so `--help` and a wrong flag answer without torch.
-LAZY_DISPATCH = ("cli",)
+# each import what they run when they run, so `--help` and a wrong flag answer without torch; and the
+# script's, which sets its Ctrl-C handler before it imports the entry point.
+LAZY_DISPATCH = ("cli", "__main__")
 
 
 def layer_of(module: str) -> int:

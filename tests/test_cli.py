@@ -2,15 +2,18 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+import weakref
 
 import pytest
 import torch
 
 from neuron_moe import cli
 from neuron_moe.cli_parser import DEFAULT_THREADS
-from neuron_moe.errors import UserError
+from neuron_moe.errors import UserError, restore_ctrl_c, take_ctrl_c
 from neuron_moe.eval import seq_match
 from neuron_moe.greedy import Generation
 from neuron_moe.spec import NAIVE, Placement
@@ -403,26 +406,39 @@ def test_ctrl_c_during_trace_and_compiles_ranks_is_one_line_and_exit_130(tmp_pat
     assert not out.exists() and not list(tmp_path.glob(".art.partial-*"))
 
 
-def test_ctrl_c_inside_a_finalizer_is_not_lost():
-    """Python prints an exception raised in `__del__` and carries on: a Ctrl-C landing in one (the
-    garbage collector runs them anywhere; a real Ctrl-C during trace-and-compile's export can land in
-    `regex`'s) would be lost and the command run on. cli's handler sends it again once out of the finalizer."""
-    import signal
-    import time
+class _Finalized:
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)
 
-    class Finalized:
-        def __del__(self):
-            signal.raise_signal(signal.SIGINT)
 
-    previous = signal.signal(signal.SIGINT, cli.interrupt)
+class _Referent:
+    pass
+
+
+def _finalizer():
+    _Finalized()  # collected at once: the signal arrives inside its __del__
+
+
+def _weakref_callback():
+    referent = _Referent()
+    ref = weakref.ref(referent, lambda _: signal.raise_signal(signal.SIGINT))
+    del referent  # collected at once: the signal arrives inside the callback
+    return ref
+
+
+@pytest.mark.parametrize("callback", [_finalizer, _weakref_callback], ids=["__del__", "weakref callback"])
+def test_ctrl_c_inside_a_callback_is_not_lost(callback):
+    """Python prints an exception raised in `__del__` or a weakref callback and carries on: a Ctrl-C
+    landing in one (the garbage collector runs them anywhere; a real Ctrl-C during trace-and-compile's
+    export lands in `regex`'s finalizers and torch's weakref callbacks) would be lost and the command
+    run on. The CLI's hook sends it again once out of the callback."""
+    previous = take_ctrl_c()
     try:
         with pytest.raises(KeyboardInterrupt):
-            Finalized()  # collected at once: the signal arrives inside its __del__
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                time.sleep(0.01)
+            callback()
+            time.sleep(60)  # cut short by the signal sent again
     finally:
-        signal.signal(signal.SIGINT, previous)
+        restore_ctrl_c(previous)
 
 
 def test_a_real_ctrl_c_during_trace_and_compile_is_one_line_and_exit_130(tmp_path):

@@ -61,12 +61,13 @@ def run_on_full_disk(namespace, tmp_path, args, size="256k", fill=False, env=Non
 
 
 def assert_one_error(done, named: str, left: tuple[str, ...] = ()):
-    """One error line naming `named`, exit 2, and nothing but `left` on the disk."""
+    """One error line, on a line of its own (not after a progress bar), naming `named`, exit 2, and
+    nothing but `left` on the disk."""
     assert done.returncode == 2, done.stderr[-3000:]
     assert sorted(done.stdout.split("left on the disk:\n")[-1].split()) == sorted(f"./{p}" for p in left)
     assert done.stderr.count("error:") == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    [line] = [line[line.index("error: ") :] for line in done.stderr.splitlines() if "error:" in line]
-    assert line and named in line and "No space left on device" in line, line
+    [line] = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert line.startswith("error: ") and named in line and "No space left on device" in line, line
 
 
 @pytest.fixture(scope="module")
@@ -81,29 +82,33 @@ def text_dir(tmp_path_factory):
     return out
 
 
-def test_trace_and_compile_on_a_full_disk(namespace, tmp_path):
+@pytest.mark.parametrize("fill,named", [(False, ".pt2"), (True, ".art.lock")], ids=["filling up", "full"])
+def test_trace_and_compile_on_a_full_disk(namespace, tmp_path, fill, named):
     """torch's archive writer, refused a write mid-archive, throws from its destructor: the process
-    must not abort (exit 134) but say which file could not be written."""
+    must not abort (exit 134) but say which file could not be written. A disk full from the start
+    refuses the lock its pid: the lock goes too."""
     done, mnt = run_on_full_disk(
         namespace,
         tmp_path,
         ["trace-and-compile", "--dry-run", "--tp", "1", "--dtype", "float32", "--out", str(tmp_path / "mnt" / "art")],
+        fill=fill,
     )
-    assert_one_error(done, ".pt2")
+    assert_one_error(done, named)
 
 
 @pytest.mark.parametrize(
     "args,named",
     [
         (["prep-reader", "--out", "{mnt}/reader.safetensors"], "reader.safetensors"),
-        (["prep-reader", "--tp", "2", "--out", "{mnt}/reader"], "reader/"),  # leaves DIR, empty
+        (["prep-reader", "--tp", "2", "--out", "{mnt}/reader"], "reader/"),  # not the folder it made
+        (["eval-reader", "--quick", "--out", "{mnt}/eval"], "eval/"),  # nor eval-reader's
     ],
-    ids=["prep-reader", "prep-reader --tp"],
+    ids=["prep-reader", "prep-reader --tp", "eval-reader"],
 )
 def test_reader_commands_on_a_full_disk(namespace, tmp_path, args, named):
     mnt = tmp_path / "mnt"
     done, _ = run_on_full_disk(namespace, tmp_path, [a.replace("{mnt}", str(mnt)) for a in args])
-    assert_one_error(done, named, left=("reader",) if "--tp" in args else ())
+    assert_one_error(done, named)
 
 
 def test_corpus_and_training_on_a_full_disk(namespace, tmp_path, text_dir):
@@ -198,6 +203,31 @@ def test_a_pull_onto_a_full_disk(namespace, tmp_path):
         done, mnt = run_on_full_disk(
             namespace, tmp_path, ["pull", "s3://full/v1", str(tmp_path / "mnt" / "dest")], env=env
         )
+        assert_one_error(done, "dest")
+        shutil.rmtree(mnt)  # and on a disk full from the start: its lock refused its pid, and goes
+        done, mnt = run_on_full_disk(
+            namespace, tmp_path, ["pull", "s3://full/v1", str(tmp_path / "mnt" / "dest")], env=env, fill=True
+        )
+        assert_one_error(done, ".dest.lock")
     finally:
         server.stop()
-    assert_one_error(done, "dest")
+
+
+def test_serve_with_its_compile_cache_on_a_full_disk(namespace, tmp_path):
+    """`serve --backend static` compiles its graphs into --compile-cache as it warms up: a full disk
+    there stops the server with one error line naming the cache (not torch's traceback), exit 2, and
+    nothing left on the disk but the cache's folders (no temp file of a refused write)."""
+    cache = tmp_path / "mnt" / "cache"
+    done, _ = run_on_full_disk(
+        namespace, tmp_path, ["serve", "--backend", "static", "--port", "0", "--compile-cache", str(cache)], fill=True
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(
+        f"error: the model failed to load: compiling the prefill graph into the compile cache {cache}"
+    )
+    assert "No space left on device" in last, last
+    left = done.stdout.split("left on the disk:\n")[-1].split()
+    assert all(p == "./cache" or p.startswith("./cache/") for p in left), left
+    assert not [p for p in left if p.endswith(".tmp")], left

@@ -42,6 +42,8 @@ from neuron_moe.publish import s3
 from neuron_moe.publish.s3 import MANIFEST, PublishError
 from neuron_moe.report import run_lock
 
+from interrupting import assert_stopped, interrupted_run
+
 MiB = 2**20
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 30  # for a wait on another thread: far longer than any step here takes
@@ -1049,3 +1051,33 @@ def test_ctrl_c_during_publish_is_one_line_and_its_clean_up_holds(bucket, client
     assert "pending" not in manifest(client, bucket, "v1")
     s3.publish(src, uri, progress=False, client=client)
     assert tree(s3.pull(uri, tmp_path / "dest")) == tree(src)
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["import torch", "neuron_moe.publish.s3:file_digest", "neuron_moe.report:_give_new_modes"],
+    ids=["start-up", "after a download", "before the rename"],
+)
+def test_ctrl_c_during_pull_is_one_line_and_leaves_nothing(bucket, client, tmp_path, where):
+    """SIGINT at the start, mid-download, or with every file in and DIR's `.DIR.pulled` mark written
+    but DIR not yet renamed into place: one line, exit 130, nothing beside DIR; a DIR an earlier pull
+    wrote keeps its files and its mark (naming the earlier publication)."""
+    for version in ("v1", "v2"):
+        s3.publish(
+            write_artifacts(tmp_path / version, seed=len(version)),
+            f"s3://{bucket}/{version}",
+            progress=False,
+            client=client,
+        )
+    out = tmp_path / "out"
+    out.mkdir()
+    done = interrupted_run(["pull", f"s3://{bucket}/v1", str(out / "dest")], where)
+    assert_stopped(done, "pull")
+    assert list(out.iterdir()) == []
+
+    s3.pull(f"s3://{bucket}/v1", out / "dest")
+    done = interrupted_run(["pull", f"s3://{bucket}/v2", str(out / "dest")], where)
+    assert_stopped(done, "pull")
+    assert sorted(p.name for p in out.iterdir()) == [".dest.pulled", "dest"]
+    assert tree(out / "dest") == tree(tmp_path / "v1")
+    assert (out / ".dest.pulled").read_text() == f"s3://{bucket}/v1\n"

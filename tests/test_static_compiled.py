@@ -6,6 +6,11 @@ they cannot work. The compiling tests share one runtime of the smallest shapes (
 bucket, one prompt per prefill: two graphs, each compiled once)."""
 
 import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +30,8 @@ from neuron_moe.static.sampling import GREEDY
 
 from conftest import random_prompts
 from serving import IdTokenizer, serve_together, tokens_of
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -161,3 +168,49 @@ def test_the_compiled_graphs_order_of_layer_types_is_not_the_hash_seeds(small_sp
     graph = static_runtime(model, small_spec, 2, compile=True)._decode
     assert graph.module.model.model.unique_layer_types == ["full_attention", "sliding_attention"]
     assert isinstance(model.model.unique_layer_types, set)
+
+
+FROM_A_CACHE = """
+import dataclasses, sys
+import torch
+from neuron_moe.model import build_model
+from neuron_moe.port import load_port
+from neuron_moe.static import inductor
+from neuron_moe.static.rows import Chunk
+from neuron_moe.static.runtime import static_runtime
+from neuron_moe.static.sampling import GREEDY
+inductor.use_cache_dir(sys.argv[1])
+port = load_port("tiny-gemma4-moe")
+spec = dataclasses.replace(port.static, buckets=(8,), prefill_rows=(1,), prefill_chunk=8)
+model = build_model(port, port.static.decode_experts, torch.float32)
+compiled = static_runtime(model, spec, 2, compile=True, progress=print)
+torch.set_num_threads(1)
+modules = static_runtime(model, spec, 2)
+got, want = (r.prefill([Chunk([5] * 8, 0, 0, GREEDY)])[0] for r in (compiled, modules))
+print("same tokens" if torch.equal(got, want) else f"other tokens: {got} != {want}")
+"""
+
+
+def test_a_kernel_cut_short_in_the_compile_cache_is_built_again(compiled, tmp_path):
+    """A compiled kernel of the cache truncated (a disk that filled up, a copy stopped midway), in a
+    new process: one warning line naming it, the kernel built again from its source where the graph
+    loads from the cache, and the graph gives the modules' tokens (not a loader's traceback, or a
+    crash mapping it)."""
+    _, cache, _ = compiled
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    kernel = max(copy.rglob("*.main.so"), key=lambda p: p.stat().st_size)  # a graph's kernels
+    kernel.write_bytes(kernel.read_bytes()[:4096])
+    done = subprocess.run(
+        [sys.executable, "-c", FROM_A_CACHE, str(copy)],
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [warning] = [line for line in done.stderr.splitlines() if "cut short" in line]
+    assert str(kernel.relative_to(copy)) in warning and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "(from the compile cache)" in done.stdout and done.stdout.rstrip().endswith("same tokens"), done.stdout
+    assert inductor._whole_elf(kernel)  # built again

@@ -15,7 +15,8 @@ Per cell, over the scored positions: KL(full ‖ sparse) (mean, p99), top-1 agre
 token (mean over layers, % of the full model's routed-expert reads: the retention) against the
 target (the top-k plan at that budget), its distribution and its mean per answer position; and
 greedy task accuracy as % of the full model's. A cell is one JSON file under OUT/cells, written
-atomically, so a rerun skips what is done; a budget a selector cannot reach is a cell too.
+atomically, so a rerun skips what is done; a budget a selector cannot reach is a cell too. An OUT
+the run made and that holds no cell yet is removed again when the run fails (a full disk, Ctrl-C).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..reader.accounting import BudgetError, full_bytes, rank_geometry, solve_k,
 from ..reader.geometry import Geometry
 from ..reader.prep import model_expert_weights, write_sidecar
 from ..reader.sidecar import SECTOR, Sidecar
-from ..report import read_json_object, write_json
+from ..report import made_dir, read_json_object, write_json
 from ..tokenizer import load_tokenizer
 from ..training.corpus import read_jsonl
 from .reader_report import plot, write_markdown
@@ -480,7 +481,15 @@ def evaluate(
                 )
     if "threshold" in rules and any(s.tp for s in specs):
         raise EvalError("the reader at TP T (reader-...-tpT) is a top-k rule per rank: pass --rules topk")
-    run = open_run(port, checkpoint, settings, out, any(s.reader for s in specs))
+    # a folder this run made goes again if it fails before a cell is done (a full disk, Ctrl-C); cells stay
+    with made_dir(out, keep=lambda: any((out / "cells").glob("*.json"))):
+        run = open_run(port, checkpoint, settings, out, any(s.reader for s in specs))
+        return _run(run, port.name, budgets, specs, rules)
+
+
+def _run(run: Run, model: str, budgets: list[float], specs: list[spec.SelectorSpec], rules: list[str]) -> dict:
+    """Every cell of `run` not yet in its OUT, then the merged report."""
+    out = run.out
     for selector in specs:
         run.layers(selector)  # a reader rank above the sidecar's is refused before any cell runs
     per_cell = len(run.evaluation) + len(run.items)
@@ -510,7 +519,7 @@ def evaluate(
                 100 * row["accuracy"]["correct"] / full_acc["correct"] if full_acc["correct"] else None
             )
     report = {
-        "model": port.name,
+        "model": model,
         "settings": _read(out / "run.json"),
         "generation": "greedy, the selector on every token (prefill and decode alike)",
         "teacher_forced": "prompt + answer + EOS; scored: the positions that predict an answer token, and "

@@ -808,6 +808,14 @@ def _pulled_mark(dest: Path) -> Path:
     return dest.parent / f".{dest.name}.pulled"
 
 
+def _restore(path: Path, text: str | None) -> None:
+    """`path` as it was: holding `text`, or absent (None)."""
+    if text is None:
+        path.unlink(missing_ok=True)
+    elif not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+
+
 def pull_report(uri: str, dest_dir: Path, *, progress: bool = True, client=None, stall_s: float | None = None) -> dict:
     """pull(), returning the report (one row per file: downloaded, or already present).
     `stall_s`: where another pull holds DIR, wait for it instead of refusing, for as long as bytes
@@ -829,10 +837,16 @@ def pull_report(uri: str, dest_dir: Path, *, progress: bool = True, client=None,
                 f"{dest} holds files that no pull wrote; a pull replaces its directory whole with the "
                 "publication, so it writes only a new, an empty or a pulled one: remove it, or choose another"
             )
-        with atomic_dir(dest, sweep=True) as tmp:  # sweep: holding the lock, partial siblings are dead pulls'
-            rows, fetched = _pull_files(client, bucket, prefix, files, dest, tmp, progress)
-            with _disk_errors(dest):  # before the rename: what it replaces was new, empty or pulled
-                _pulled_mark(dest).write_text(_uri(bucket, prefix) + "\n")
+        mark = _pulled_mark(dest)
+        before = mark.read_text() if mark.is_file() else None
+        try:
+            with atomic_dir(dest, sweep=True) as tmp:  # sweep: holding the lock, partial siblings are dead pulls'
+                rows, fetched = _pull_files(client, bucket, prefix, files, dest, tmp, progress)
+                with _disk_errors(dest):  # before the rename: what it replaces was new, empty or pulled
+                    mark.write_text(_uri(bucket, prefix) + "\n")
+        except BaseException:  # DIR untouched (a full disk, Ctrl-C): so is its mark
+            _restore(mark, before)
+            raise
     return {
         "uri": _uri(bucket, prefix),
         "dest": str(dest),

@@ -8,13 +8,19 @@ their logits-processing variants with neutral inputs (where the runtime has them
 compiled key loads and initialises it, which a user's first request should not wait for. The rows
 it writes hold nothing a request reads: a row's prefill writes every position its request will read
 before it reads it, and no row holds a prefix yet.
+
+A server told to exit while it warms up stops the warm-up (`Stopper`) rather than compile on for
+minutes, graph after graph, before it can exit.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
+import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +41,46 @@ class Banner:
     names: tuple[str, ...]  # --served-model-name, the first is the one responses carry
     backend: str
     dtype: str
+
+
+class Stopped(BaseException):
+    """Raised in a warm-up's thread by `Stopper.stop`. A BaseException, as KeyboardInterrupt is, so
+    that no `except Exception` inside torch.compile takes it for a failed compile and carries on."""
+
+    def __str__(self) -> str:
+        return "the server is exiting: its warm-up was stopped"
+
+
+class Stopper:
+    """Stops a server's warm-up from the thread that exits the server: `Stopped` is raised in the
+    warm-up's thread at its next Python instruction (a graph's compile by inductor is Python; what
+    it waits for in C — one C++ compiler run — ends first), and a warm-up that starts after `stop`
+    raises it at once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._threads: set[int] = set()
+
+    @contextmanager
+    def running(self):
+        """The block (a warm-up) runs until `stop`."""
+        ident = threading.get_ident()
+        with self._lock:
+            if self._stopped:
+                raise Stopped
+            self._threads.add(ident)
+        try:
+            yield
+        finally:  # the lock held while `stop` raises in the block's thread: Stopped lands in here at the latest
+            with self._lock:
+                self._threads.discard(ident)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            for ident in self._threads:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Stopped))
 
 
 def graph_buckets(engine: Engine) -> list[int] | None:
@@ -94,13 +140,16 @@ def warm_up(engine: Engine) -> int:
     return calls
 
 
-def ready(engine: Engine, banner: Banner, max_model_len: int | None, what: str) -> Engine:
-    """The engine's context cut to `max_model_len` (checked), `warm_up`, then the banner: one line,
-    logged when the server turns ready."""
+def ready(
+    engine: Engine, banner: Banner, max_model_len: int | None, what: str, stopper: Stopper | None = None
+) -> Engine:
+    """The engine's context cut to `max_model_len` (checked), `warm_up` (until `stopper` stops it),
+    then the banner: one line, logged when the server turns ready."""
     check_max_model_len(max_model_len, engine.max_context, what)
     engine.max_context = max_model_len or engine.max_context
     started = time.perf_counter()
-    runs = warm_up(engine)
+    with stopper.running() if stopper is not None else nullcontext():
+        runs = warm_up(engine)
     buckets = graph_buckets(engine)
     rows = f"{engine.rows} batch rows" if engine.rows else "one request per thread"
     log.info(

@@ -105,8 +105,9 @@ def check_batching_flags(config: RunConfig) -> None:
         raise ServeError(f"{flag} shapes --backend static's graphs; --backend {backend.name} {takes}")
 
 
-def plan_load(config: RunConfig):
-    """(port, load) where load() -> Engine; raises ServeError for what is wrong up front."""
+def plan_load(config: RunConfig, stopper: ready.Stopper | None = None):
+    """(port, load) where load() -> Engine; raises ServeError for what is wrong up front. `stopper`
+    stops load()'s warm-up when the server exits."""
     serving = config.serving
     if not serving.host.strip():  # uvicorn and the socket would take it for every address, unsaid
         raise ServeError(
@@ -165,7 +166,7 @@ def plan_load(config: RunConfig):
         found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
         dtype = found["dtype"] if found else str(backend.dtype or port.dtype).removeprefix("torch.")
         banner = ready.Banner(port.name, tuple(served_names(config, port)), backend.name, dtype)
-        return ready.ready(engine, banner, serving.max_model_len, _context(backend, port, found)[1])
+        return ready.ready(engine, banner, serving.max_model_len, _context(backend, port, found)[1], stopper)
 
     return port, load
 
@@ -270,9 +271,10 @@ def bind(host: str, tcp_port: int) -> socket.socket:
 
 def make_app(config: RunConfig, on_load_error=None):
     """The application `serve` runs, every check of `plan_load` made; the model loads once it starts."""
-    port, load = plan_load(config)
+    stopper = ready.Stopper()
+    port, load = plan_load(config, stopper)
     serving = config.serving
-    return create_app(
+    app = create_app(
         load,
         model_name=served_names(config, port),
         api_key=serving.api_key,
@@ -283,6 +285,8 @@ def make_app(config: RunConfig, on_load_error=None):
         body_timeout=serving.body_timeout or BODY_TIMEOUT_S,
         on_load_error=on_load_error,
     )
+    app.state.warm_up = stopper  # run() stops a warm-up still running when the server exits
+    return app
 
 
 def run(config: RunConfig) -> int:
@@ -317,12 +321,13 @@ def run(config: RunConfig) -> int:
     try:
         server.run(sockets=[sock])
     finally:
+        app.state.warm_up.stop()  # not minutes more of compiling before the exit
         app.state.scheduler.close()  # the requests still running end (uvicorn's own shutdown may be cut short)
         app.state.server.close()  # and the engine's threads stop
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if failure:
+    if failure and not isinstance(failure[0], ready.Stopped):  # stopped: by the exit, as it was told to
         if isinstance(failure[0], UserError):
             raise ServeError(f"the model failed to load: {failure[0]}")
         raise failure[0]
