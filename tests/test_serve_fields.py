@@ -337,6 +337,50 @@ def test_stop_token_ids_and_include_stop_str_in_output(url, engine):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
 
 
+def test_a_stop_string_in_the_token_that_completes_a_grammar_cuts_it_there(url):
+    """The grammar's last token ends the output, yet a stop string in its text still cuts it (vLLM's):
+    the text before the stop string, the stop string as stop_reason (kept with include_stop_str_in_output),
+    streamed alike."""
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    for fields, text, reason in (
+        ({"guided_choice": ["yes"], "stop": ["es"]}, "y", "es"),
+        ({"guided_choice": ["yes"], "stop": ["es"], "include_stop_str_in_output": True}, "yes", "es"),
+        ({"guided_json": schema, "stop": ["}"]}, None, "}"),
+        ({"guided_choice": ["yes"], "stop": ["x"]}, "yes", None),  # no stop string in it: the grammar's end
+    ):
+        choice = httpx.post(f"{url}/v1/completions", json={**base, **fields}, timeout=60).json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", reason), (fields, choice)
+        if text is None:  # the JSON document without its closing brace
+            assert json.loads(choice["text"] + "}")["a"] in (True, False), choice
+        else:
+            assert choice["text"] == text, (fields, choice)
+        with httpx.stream("POST", f"{url}/v1/completions", json={**base, **fields, "stream": True}, timeout=60) as r:
+            events = [e for e in sse_events(r.iter_lines()) if isinstance(e, dict)]
+        assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+        assert (events[-1]["choices"][0]["finish_reason"], events[-1]["choices"][0]["stop_reason"]) == ("stop", reason)
+
+
+def test_a_grammar_complete_before_min_tokens_ends_the_output_as_vllms(url):
+    """vLLM's rule (vllm-project/vllm#54218): the grammar is authoritative. min_tokens bans EOS while the
+    grammar could go on, but a grammar that takes nothing more ends the output ("stop") below min_tokens,
+    neither a token outside it nor an error."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "guided_choice": ["yes", "no"]}
+    free = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    held = httpx.post(f"{url}/v1/completions", json={**body, "min_tokens": 10}, timeout=60).json()
+    assert held["choices"][0]["text"] in ("yes", "no") and held["choices"][0]["finish_reason"] == "stop", held
+    assert held["usage"]["completion_tokens"] < 10
+    regex = {**body, "guided_regex": "a+", "guided_choice": None, "max_tokens": 12}  # "a" could end it: banned EOS
+    runs = httpx.post(f"{url}/v1/completions", json={**regex, "min_tokens": 8}, timeout=60).json()
+    assert runs["usage"]["completion_tokens"] >= 8 and set(runs["choices"][0]["text"]) == {"a"}, runs
+    assert free["choices"][0]["text"] in ("yes", "no")
+
+
 def test_echo_prepends_the_prompt(url):
     plain = complete(url, max_tokens=6, temperature=0).choices[0].text
     assert complete(url, max_tokens=6, temperature=0, echo=True).choices[0].text == PROMPT + plain
