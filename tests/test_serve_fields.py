@@ -381,6 +381,49 @@ def test_a_grammar_complete_before_min_tokens_ends_the_output_as_vllms(url):
     assert free["choices"][0]["text"] in ("yes", "no")
 
 
+# a text whose characters take 1 to 4 UTF-8 bytes: the byte-level tokenizer writes 🙂 and ö one byte a token
+EMOJI = "Hello \U0001f642 w\u00f6rld"
+
+
+def test_logprobs_bytes_are_each_tokens_own_bytes(url, engine):
+    """chat's `bytes`: a token that holds part of a character (its `token` text U+FFFD) has its own
+    bytes, not U+FFFD's [239, 191, 189]; a choice's tokens' bytes join into its text (OpenAI's meaning)."""
+    asks = {"temperature": 0, "logprobs": True, "top_logprobs": 2, "guided_choice": [EMOJI]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say it."}], "max_tokens": 24, **asks}
+    choice = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["message"]["content"] == EMOJI
+    assert bytes(b for entry in content for b in entry["bytes"]) == EMOJI.encode()
+    partial = [entry for entry in content if entry["token"] == "\ufffd"]
+    assert len(partial) >= 2 and all(len(entry["bytes"]) == 1 and entry["bytes"][0] >= 0x80 for entry in partial)
+    for entry in content:
+        for top in entry["top_logprobs"]:  # every token's bytes its own, its text theirs where whole
+            assert "\ufffd" in top["token"] or bytes(top["bytes"]) == top["token"].encode(), top
+
+
+def test_text_offset_indexes_the_returned_text_after_a_multibyte_character(url):
+    """completions' text_offset: each token's start in the returned text, in characters — past an emoji
+    (4 byte tokens, one character) and a 2-byte ö; a token inside a character is at that character.
+    Echo's prompt, then the generated tokens; streamed alike."""
+    body = {"model": MODEL, "prompt": EMOJI, "max_tokens": 24, "temperature": 0, "echo": True, "logprobs": 1}
+    generated = {**body, "guided_choice": [" " + EMOJI]}
+    for request in (body, generated):
+        choice = httpx.post(f"{url}/v1/completions", json=request, timeout=60).json()["choices"][0]
+        text, lp = choice["text"], choice["logprobs"]
+        assert text.startswith(EMOJI) and lp["text_offset"] == sorted(lp["text_offset"])
+        for token, offset in zip(lp["tokens"], lp["text_offset"]):
+            if "\ufffd" in token:  # part of a character: the emoji or ö, where it stands
+                assert text[offset] in "\U0001f642\u00f6", (token, offset, text)
+            else:
+                assert text[offset : offset + len(token)] == token, (token, offset, text)
+        assert text[lp["text_offset"][lp["tokens"].index(" w")] :].startswith(" w\u00f6rld")
+        with httpx.stream("POST", f"{url}/v1/completions", json={**request, "stream": True}, timeout=60) as r:
+            events = [e for e in sse_events(r.iter_lines()) if isinstance(e, dict)]
+        offsets = [o for e in events if e["choices"][0]["logprobs"] for o in e["choices"][0]["logprobs"]["text_offset"]]
+        assert offsets == lp["text_offset"]
+    assert text.count(EMOJI) == 2  # the generated one too
+
+
 def test_echo_prepends_the_prompt(url):
     plain = complete(url, max_tokens=6, temperature=0).choices[0].text
     assert complete(url, max_tokens=6, temperature=0, echo=True).choices[0].text == PROMPT + plain
