@@ -322,6 +322,14 @@ def test_a_sampling_field_is_checked_and_refused_by_name_never_ignored(url, edit
     assert_openai_error(r, 400, param=param)
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "\uff11"])  # superscript two, Arabic-Indic three, fullwidth one
+def test_a_logit_bias_key_of_non_ascii_digits_is_400_naming_it(url, key):
+    """str.isdigit takes these, int() takes none of them (or reads another script's digit): refused by
+    name, not a 500."""
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(logit_bias={key: 1}))
+    assert repr(key) in assert_openai_error(r, 400, param="logit_bias")["message"]
+
+
 def test_null_or_the_default_of_every_field_is_the_default(url):
     """What a client library sends when nothing is set: answered as if the fields were absent."""
     defaults = dict(
