@@ -442,19 +442,25 @@ def test_models_retrieve_answers_each_served_name(engine):
         assert (e.value.code, e.value.param) == ("model_not_found", "model") and MODEL in e.value.message
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/invocations"])
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
-def test_a_json_body_sent_as_another_content_type_is_told_so(url, content_type):
-    """curl -d sends form-urlencoded; the answer names the Content-Type, not a missing field."""
+def test_a_json_body_sent_as_another_content_type_is_told_so(url, content_type, route):
+    """curl -d sends form-urlencoded; the answer names the Content-Type, not a missing field. SageMaker's
+    /invocations answers as the /v1 route its body names."""
     headers = {"content-type": content_type} if content_type else {}
-    r = httpx.post(f"{url}/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi"}), headers=headers)
+    r = httpx.post(f"{url}{route}", content=json.dumps({"model": MODEL, "prompt": "hi"}), headers=headers)
     message = assert_openai_error(r, 415, code="unsupported_media_type")["message"]
     assert (
         "'Content-Type: application/json'" in message and (repr(content_type) if content_type else "missing") in message
     )
+    json_too = {"content-type": "application/vnd.api+json; charset=utf-8"}  # JSON, as FastAPI reads it
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    assert httpx.post(f"{url}{route}", json=body, headers=json_too, timeout=60).status_code == 200
 
 
-def test_a_request_without_a_body_is_told_so(url):
-    r = httpx.post(f"{url}/v1/completions", headers={"content-type": "application/json"})
+@pytest.mark.parametrize("route", ["/v1/completions", "/invocations"])
+def test_a_request_without_a_body_is_told_so(url, route):
+    r = httpx.post(f"{url}{route}", headers={"content-type": "application/json"})
     assert "the request has no body" in assert_openai_error(r, 400)["message"]
 
 

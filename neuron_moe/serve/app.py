@@ -725,7 +725,7 @@ class _Routes:
     # SageMaker's contract (deploy/sagemaker.py starts the server for it; its GET /ping is above):
     # POST /invocations takes an OpenAI body and answers as the route its fields name (invocations.py)
     async def invocations(self, request: Request):
-        req = invocation_request(await request.body(), self.model_name)
+        req = invocation_request(await request.body(), request.headers.get("content-type"), self.model_name)
         if isinstance(req, ChatRequest):
             return await self.chat_completions(req, request)
         return await self.completions(req, request)
