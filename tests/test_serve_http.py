@@ -933,3 +933,30 @@ def test_past_the_drain_timeout_requests_in_flight_end_properly(endless_engine):
     assert set(events[-2]["error"]) == ERROR_KEYS and "drain timeout" in events[-2]["error"]["message"]
     assert_openai_error(plain[0], 503, code="draining")
     wait_for(lambda: spy.outcomes == ["cancelled", "cancelled"], what="both generations to stop")
+
+
+def test_a_body_still_arriving_at_the_drain_deadline_is_a_503_in_openai_shape(engine, caplog):
+    """--drain-timeout below --body-timeout (SageMaker's 20 s drain, the 30 s default): a client mid-body at
+    the drain deadline gets the drain's 503 JSON, as every request in flight then — not a plain-text 500
+    when uvicorn cancels the request DRAIN_GRACE_S later, with a CancelledError traceback in the log."""
+    app = make_app(engine, body_timeout=60)
+    server = DrainingServer(server_config(app), drain_timeout=0.5)
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to the root's
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO), serving(app, server=server) as url:
+            ready(url)
+            with _raw_request(url) as sock:
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b'Content-Length: 200\r\n\r\n{"model":'
+                )
+                server.handle_exit(signal.SIGTERM, None)
+                answer = _read_until_closed(sock)
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"\r\nretry-after: 5\r\n" in head.lower(), answer
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "draining") and "drain timeout" in error["message"]
+    assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()], caplog.text
