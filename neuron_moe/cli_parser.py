@@ -127,6 +127,10 @@ _threads = number(int, at_least=1, at_most=max_threads())
 _seed = number(int, at_least=0, at_most=2**64 - 1)  # what torch.Generator.manual_seed takes
 _percent = number(float, above=0, at_most=100)  # a read budget
 _positive = number(float, above=0)
+# A client's deadline for its request's headers or body: under a second, an honest client on a slow
+# network (or a server busy for a moment) would be cut; 1e-300 would cut every one
+MIN_CLIENT_TIMEOUT_S = 1.0
+_client_timeout = number(float, at_least=MIN_CLIENT_TIMEOUT_S)
 _non_negative = number(float, at_least=0)  # seconds, GiB
 _scan_width = number(int, at_least=1, at_most=BLOCK)  # coordinates scanned per Hadamard block
 _tcp_port = number(int, at_least=0, at_most=65535)  # 0: the OS picks a free one
@@ -845,16 +849,16 @@ SERVE = Command(
         ),
         opt(
             "--header-timeout",
-            type=_positive,
+            type=_client_timeout,
             metavar="S",
             help="a connection that has not sent a request's complete headers S seconds after it opened "
-            "(or after the first byte of its next request) is closed (default: 10)",
+            "(or after the first byte of its next request) is closed (default: 10; at least 1)",
         ),
         opt(
             "--body-timeout",
-            type=_positive,
+            type=_client_timeout,
             metavar="S",
-            help="a request whose body has not all come S seconds after its headers gets 408 (default: 30)",
+            help="a request whose body has not all come S seconds after its headers gets 408 (default: 30; at least 1)",
         ),
         opt("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]),
     ),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
@@ -25,6 +26,18 @@ TOKENIZER_FILES = (
 )
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """A byte-level BPE's vocabulary writes byte b as one character (GPT-2's table): the printable
+    Latin-1 bytes as themselves, the others as 256, 257, ... in order -> {character: byte}."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class ByteTokenizer:
     """UTF-8 bytes shifted past the special ids: pad 0, eos 1, bos 2, byte b -> b + 3."""
 
@@ -40,6 +53,10 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes `token` adds to the decoded text (a special token: none)."""
+        return bytes([token - self.offset]) if self.offset <= token < self.vocab_size else b""
 
 
 class HFTokenizer:
@@ -69,6 +86,21 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 bytes `token` adds to the decoded text: its text's, or, for a token that holds part
+        of a character (alone it decodes to U+FFFD), the bytes its vocabulary entry stands for: a
+        byte-fallback piece `<0xNN>` (SentencePiece's) or the characters of a byte-level BPE (GPT-2's
+        alphabet, one character a byte)."""
+        text = self.decode([token])
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.convert_ids_to_tokens(token)
+        if byte := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(byte[1], 16)])
+        if all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode()
 
     @property
     def chat_template(self) -> str | None:

@@ -158,6 +158,10 @@ def test_the_serve_arguments_come_from_the_environment(tmp_path, dry_run_artifac
         ({"SM_MODEL_DIR": "{missing}"}, "{missing}: no such directory: SageMaker copies the model data there"),
         ({"SM_MODEL_DIR": "{empty}"}, "{empty}: no manifest.json (expected a trace-and-compile output directory)"),
         ({"NEURON_MOE_API_KEY": "k"}, "NEURON_MOE_API_KEY is set, but SageMaker's invocations carry no bearer key"),
+        # the key as a serve flag: every invocation would be 401 as well
+        ({"NEURON_MOE_SERVE_ARGS": "--max-queue 4 --api-key k"}, "$NEURON_MOE_SERVE_ARGS sets --api-key, but Sage"),
+        ({"NEURON_MOE_SERVE_ARGS": "--api-key=k"}, "$NEURON_MOE_SERVE_ARGS sets --api-key, but SageMaker's"),
+        ({"argv": "--api-key k"}, "the container's command line sets --api-key, but SageMaker's invocations"),
     ],
 )
 def test_a_wrong_environment_is_one_line(tmp_path, monkeypatch, capsys, env, message):
@@ -166,9 +170,11 @@ def test_a_wrong_environment_is_one_line(tmp_path, monkeypatch, capsys, env, mes
     paths = {"missing": tmp_path / "missing", "empty": empty}
     for key in ("SM_MODEL_DIR", "NEURON_MOE_API_KEY", "NEURON_MOE_SERVE_ARGS", "SAGEMAKER_BIND_TO_PORT"):
         monkeypatch.delenv(key, raising=False)
+    env = dict(env)
+    argv = env.pop("argv", "").split()
     for key, value in env.items():
         monkeypatch.setenv(key, value.format(**paths))
-    assert sagemaker.main([]) == 2
+    assert sagemaker.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message.format(**paths)}") and err.count("\n") == 1, err
 

@@ -337,6 +337,93 @@ def test_stop_token_ids_and_include_stop_str_in_output(url, engine):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
 
 
+def test_a_stop_string_in_the_token_that_completes_a_grammar_cuts_it_there(url):
+    """The grammar's last token ends the output, yet a stop string in its text still cuts it (vLLM's):
+    the text before the stop string, the stop string as stop_reason (kept with include_stop_str_in_output),
+    streamed alike."""
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    for fields, text, reason in (
+        ({"guided_choice": ["yes"], "stop": ["es"]}, "y", "es"),
+        ({"guided_choice": ["yes"], "stop": ["es"], "include_stop_str_in_output": True}, "yes", "es"),
+        ({"guided_json": schema, "stop": ["}"]}, None, "}"),
+        ({"guided_choice": ["yes"], "stop": ["x"]}, "yes", None),  # no stop string in it: the grammar's end
+    ):
+        choice = httpx.post(f"{url}/v1/completions", json={**base, **fields}, timeout=60).json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", reason), (fields, choice)
+        if text is None:  # the JSON document without its closing brace
+            assert json.loads(choice["text"] + "}")["a"] in (True, False), choice
+        else:
+            assert choice["text"] == text, (fields, choice)
+        with httpx.stream("POST", f"{url}/v1/completions", json={**base, **fields, "stream": True}, timeout=60) as r:
+            events = [e for e in sse_events(r.iter_lines()) if isinstance(e, dict)]
+        assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+        assert (events[-1]["choices"][0]["finish_reason"], events[-1]["choices"][0]["stop_reason"]) == ("stop", reason)
+
+
+def test_a_grammar_complete_before_min_tokens_ends_the_output_as_vllms(url):
+    """vLLM's rule (vllm-project/vllm#54218): the grammar is authoritative. min_tokens bans EOS while the
+    grammar could go on, but a grammar that takes nothing more ends the output ("stop") below min_tokens,
+    neither a token outside it nor an error."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "guided_choice": ["yes", "no"]}
+    free = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    held = httpx.post(f"{url}/v1/completions", json={**body, "min_tokens": 10}, timeout=60).json()
+    assert held["choices"][0]["text"] in ("yes", "no") and held["choices"][0]["finish_reason"] == "stop", held
+    assert held["usage"]["completion_tokens"] < 10
+    regex = {**body, "guided_regex": "a+", "guided_choice": None, "max_tokens": 12}  # "a" could end it: banned EOS
+    runs = httpx.post(f"{url}/v1/completions", json={**regex, "min_tokens": 8}, timeout=60).json()
+    assert runs["usage"]["completion_tokens"] >= 8 and set(runs["choices"][0]["text"]) == {"a"}, runs
+    assert free["choices"][0]["text"] in ("yes", "no")
+
+
+# a text whose characters take 1 to 4 UTF-8 bytes: the byte-level tokenizer writes 🙂 and ö one byte a token
+EMOJI = "Hello \U0001f642 w\u00f6rld"
+
+
+def test_logprobs_bytes_are_each_tokens_own_bytes(url, engine):
+    """chat's `bytes`: a token that holds part of a character (its `token` text U+FFFD) has its own
+    bytes, not U+FFFD's [239, 191, 189]; a choice's tokens' bytes join into its text (OpenAI's meaning)."""
+    asks = {"temperature": 0, "logprobs": True, "top_logprobs": 2, "guided_choice": [EMOJI]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say it."}], "max_tokens": 24, **asks}
+    choice = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["message"]["content"] == EMOJI
+    assert bytes(b for entry in content for b in entry["bytes"]) == EMOJI.encode()
+    partial = [entry for entry in content if entry["token"] == "\ufffd"]
+    assert len(partial) >= 2 and all(len(entry["bytes"]) == 1 and entry["bytes"][0] >= 0x80 for entry in partial)
+    for entry in content:
+        for top in entry["top_logprobs"]:  # every token's bytes its own, its text theirs where whole
+            assert "\ufffd" in top["token"] or bytes(top["bytes"]) == top["token"].encode(), top
+
+
+def test_text_offset_indexes_the_returned_text_after_a_multibyte_character(url):
+    """completions' text_offset: each token's start in the returned text, in characters — past an emoji
+    (4 byte tokens, one character) and a 2-byte ö; a token inside a character is at that character.
+    Echo's prompt, then the generated tokens; streamed alike."""
+    body = {"model": MODEL, "prompt": EMOJI, "max_tokens": 24, "temperature": 0, "echo": True, "logprobs": 1}
+    generated = {**body, "guided_choice": [" " + EMOJI]}
+    for request in (body, generated):
+        choice = httpx.post(f"{url}/v1/completions", json=request, timeout=60).json()["choices"][0]
+        text, lp = choice["text"], choice["logprobs"]
+        assert text.startswith(EMOJI) and lp["text_offset"] == sorted(lp["text_offset"])
+        for token, offset in zip(lp["tokens"], lp["text_offset"]):
+            if "\ufffd" in token:  # part of a character: the emoji or ö, where it stands
+                assert text[offset] in "\U0001f642\u00f6", (token, offset, text)
+            else:
+                assert text[offset : offset + len(token)] == token, (token, offset, text)
+        assert text[lp["text_offset"][lp["tokens"].index(" w")] :].startswith(" w\u00f6rld")
+        with httpx.stream("POST", f"{url}/v1/completions", json={**request, "stream": True}, timeout=60) as r:
+            events = [e for e in sse_events(r.iter_lines()) if isinstance(e, dict)]
+        offsets = [o for e in events if e["choices"][0]["logprobs"] for o in e["choices"][0]["logprobs"]["text_offset"]]
+        assert offsets == lp["text_offset"]
+    assert text.count(EMOJI) == 2  # the generated one too
+
+
 def test_echo_prepends_the_prompt(url):
     plain = complete(url, max_tokens=6, temperature=0).choices[0].text
     assert complete(url, max_tokens=6, temperature=0, echo=True).choices[0].text == PROMPT + plain

@@ -322,6 +322,14 @@ def test_a_sampling_field_is_checked_and_refused_by_name_never_ignored(url, edit
     assert_openai_error(r, 400, param=param)
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "\uff11"])  # superscript two, Arabic-Indic three, fullwidth one
+def test_a_logit_bias_key_of_non_ascii_digits_is_400_naming_it(url, key):
+    """str.isdigit takes these, int() takes none of them (or reads another script's digit): refused by
+    name, not a 500."""
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(logit_bias={key: 1}))
+    assert repr(key) in assert_openai_error(r, 400, param="logit_bias")["message"]
+
+
 def test_null_or_the_default_of_every_field_is_the_default(url):
     """What a client library sends when nothing is set: answered as if the fields were absent."""
     defaults = dict(
@@ -434,19 +442,25 @@ def test_models_retrieve_answers_each_served_name(engine):
         assert (e.value.code, e.value.param) == ("model_not_found", "model") and MODEL in e.value.message
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/invocations"])
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
-def test_a_json_body_sent_as_another_content_type_is_told_so(url, content_type):
-    """curl -d sends form-urlencoded; the answer names the Content-Type, not a missing field."""
+def test_a_json_body_sent_as_another_content_type_is_told_so(url, content_type, route):
+    """curl -d sends form-urlencoded; the answer names the Content-Type, not a missing field. SageMaker's
+    /invocations answers as the /v1 route its body names."""
     headers = {"content-type": content_type} if content_type else {}
-    r = httpx.post(f"{url}/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi"}), headers=headers)
+    r = httpx.post(f"{url}{route}", content=json.dumps({"model": MODEL, "prompt": "hi"}), headers=headers)
     message = assert_openai_error(r, 415, code="unsupported_media_type")["message"]
     assert (
         "'Content-Type: application/json'" in message and (repr(content_type) if content_type else "missing") in message
     )
+    json_too = {"content-type": "application/vnd.api+json; charset=utf-8"}  # JSON, as FastAPI reads it
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    assert httpx.post(f"{url}{route}", json=body, headers=json_too, timeout=60).status_code == 200
 
 
-def test_a_request_without_a_body_is_told_so(url):
-    r = httpx.post(f"{url}/v1/completions", headers={"content-type": "application/json"})
+@pytest.mark.parametrize("route", ["/v1/completions", "/invocations"])
+def test_a_request_without_a_body_is_told_so(url, route):
+    r = httpx.post(f"{url}{route}", headers={"content-type": "application/json"})
     assert "the request has no body" in assert_openai_error(r, 400)["message"]
 
 
@@ -919,3 +933,30 @@ def test_past_the_drain_timeout_requests_in_flight_end_properly(endless_engine):
     assert set(events[-2]["error"]) == ERROR_KEYS and "drain timeout" in events[-2]["error"]["message"]
     assert_openai_error(plain[0], 503, code="draining")
     wait_for(lambda: spy.outcomes == ["cancelled", "cancelled"], what="both generations to stop")
+
+
+def test_a_body_still_arriving_at_the_drain_deadline_is_a_503_in_openai_shape(engine, caplog):
+    """--drain-timeout below --body-timeout (SageMaker's 20 s drain, the 30 s default): a client mid-body at
+    the drain deadline gets the drain's 503 JSON, as every request in flight then — not a plain-text 500
+    when uvicorn cancels the request DRAIN_GRACE_S later, with a CancelledError traceback in the log."""
+    app = make_app(engine, body_timeout=60)
+    server = DrainingServer(server_config(app), drain_timeout=0.5)
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to the root's
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO), serving(app, server=server) as url:
+            ready(url)
+            with _raw_request(url) as sock:
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b'Content-Length: 200\r\n\r\n{"model":'
+                )
+                server.handle_exit(signal.SIGTERM, None)
+                answer = _read_until_closed(sock)
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"\r\nretry-after: 5\r\n" in head.lower(), answer
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "draining") and "drain timeout" in error["message"]
+    assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()], caplog.text

@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, normalizers
+from transformers import PreTrainedTokenizerFast
 
 from neuron_moe import cli
 from neuron_moe.greedy import greedy
@@ -14,7 +16,7 @@ from neuron_moe.port import load_port
 from neuron_moe.serve import server
 from neuron_moe.serve.chat import render_chat
 from neuron_moe.static.sampling import BIAS_WIDTH
-from neuron_moe.tokenizer import load_tokenizer
+from neuron_moe.tokenizer import HFTokenizer, load_tokenizer
 
 from serving import serving, wait_for
 
@@ -149,3 +151,33 @@ def test_what_the_graphs_cannot_take_is_refused_by_name(url, body, param, messag
     assert raw.status_code == 400, raw.text
     error = raw.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+def _byte_fallback_tokenizer(directory) -> HFTokenizer:
+    """A SentencePiece-style tokenizer as Gemma's is built (BPE with byte fallback, "▁" for a space): a
+    character missing from its vocabulary is written as its UTF-8 bytes, one `<0xNN>` token each."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    pieces = [f"<0x{b:02X}>" for b in range(256)] + ["\u2581", "w", "r", "l", "d", "\u2581w", "H", "e", "o"]
+    vocab = {p: i for i, p in enumerate(specials + pieces)}
+    tok = Tokenizer(models.BPE(vocab, [("\u2581", "w")], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    names = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    PreTrainedTokenizerFast(tokenizer_object=tok, **names).save_pretrained(directory)
+    return HFTokenizer(directory)
+
+
+def test_a_tokens_bytes_are_its_own_in_byte_level_and_byte_fallback_vocabularies(tokenizer, tmp_path):
+    """`token_bytes`, what logprobs' `bytes` and `text_offset` are made of: for the tiny port's byte-level
+    BPE and a byte-fallback vocabulary (Gemma's kind), each token of a text with 2- and 4-byte
+    characters has its own bytes (a token inside a character: its byte, not U+FFFD's), and they join
+    into the text; a special token adds none, as decoding skips it."""
+    text = "Hello \U0001f642 w\u00f6rld"
+    for tok in (tokenizer, _byte_fallback_tokenizer(tmp_path)):
+        ids = tok.encode(text)
+        parts = [tok.token_bytes(i) for i in ids]
+        assert b"".join(parts) == text.encode() and tok.token_bytes(tok.bos_token_id) == b""
+        partial = [p for i, p in zip(ids, parts) if tok.decode([i]) == "\ufffd"]
+        assert len(partial) == 6 and all(len(p) == 1 and p[0] >= 0x80 for p in partial), parts
+    every = range(2048)  # the tiny vocabulary: a whole token's bytes are its text's
+    assert all(tokenizer.token_bytes(i).decode("utf-8", "replace") == tokenizer.decode([i]) for i in every)

@@ -10,7 +10,8 @@ the contract asks:
   the routes    GET /ping (503 while loading, 200 when ready) and POST /invocations (an OpenAI body:
                 `messages` -> a chat completion, else a completion; serve/invocations.py)
   no API key    SageMaker authenticates invocations itself (IAM) and sends no Authorization header:
-                a key in $NEURON_MOE_API_KEY would refuse every invocation, so it is refused here
+                a key ($NEURON_MOE_API_KEY, or --api-key among the serve flags) would refuse every
+                invocation, so it is refused here
   the stop      SageMaker sends SIGKILL 30 s after SIGTERM: the drain timeout is DRAIN_TIMEOUT_S,
                 which leaves uvicorn's own grace after it (serve/server.py) inside those 30 s
 
@@ -34,16 +35,24 @@ MODEL_DIR = "/opt/ml/model"
 TCP_PORT = 8080
 DRAIN_TIMEOUT_S = 20.0  # + uvicorn's 5 s of grace, within SageMaker's 30 s before SIGKILL
 EXTRA_ARGS = "NEURON_MOE_SERVE_ARGS"
+NO_KEY = (
+    "but SageMaker's invocations carry no bearer key (the endpoint's IAM policy authenticates them), so every "
+    "one would be refused"
+)
 
 
 def serve_argv(environ: Mapping[str, str], extra: Sequence[str] = ()) -> list[str]:
     """`neuron-moe serve`'s arguments under SageMaker's environment `environ` (`extra`: the words after
     `serve` on the container's command line, appended)."""
     if environ.get("NEURON_MOE_API_KEY"):
-        raise UserError(
-            "NEURON_MOE_API_KEY is set, but SageMaker's invocations carry no bearer key (the endpoint's "
-            "IAM policy authenticates them): unset it in the model's Environment"
-        )
+        raise UserError(f"NEURON_MOE_API_KEY is set, {NO_KEY}: unset it in the model's Environment")
+    try:
+        more = shlex.split(environ.get(EXTRA_ARGS, ""))
+    except ValueError as e:
+        raise UserError(f"${EXTRA_ARGS}: {e}") from None
+    for where, words in ((f"${EXTRA_ARGS}", more), ("the container's command line", extra)):
+        if any(word == "--api-key" or word.startswith("--api-key=") for word in words):
+            raise UserError(f"{where} sets --api-key, {NO_KEY}: leave it out")
     model_dir = Path(environ.get("SM_MODEL_DIR") or MODEL_DIR)
     if not model_dir.is_dir():
         raise UserError(
@@ -52,10 +61,6 @@ def serve_argv(environ: Mapping[str, str], extra: Sequence[str] = ()) -> list[st
         )
     manifest = read_manifest(model_dir)
     tcp_port = environ.get("SAGEMAKER_BIND_TO_PORT") or str(TCP_PORT)
-    try:
-        more = shlex.split(environ.get(EXTRA_ARGS, ""))
-    except ValueError as e:
-        raise UserError(f"${EXTRA_ARGS}: {e}") from None
     return [
         "serve",
         "--model",

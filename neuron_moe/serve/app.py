@@ -18,7 +18,8 @@ tokenizing runs in a thread, and a prompt longer in bytes than the longest promp
 could be in tokens is refused untokenized. No schema or docs pages are served (`/openapi.json`,
 `/docs`): the API is OpenAI's, documented by OpenAI, and a server behind a key shows nothing without it.
 Draining (SIGTERM) refuses new requests; past the drain timeout the requests still in flight are
-ended properly: a stream with an error event and [DONE], a plain request with a 503 JSON body.
+ended properly: a stream with an error event and [DONE], a plain request (or one whose body is still
+arriving) with a 503 JSON body.
 """
 
 from __future__ import annotations
@@ -161,10 +162,13 @@ class BearerAuth:
 class BodyLimit:
     """Pure ASGI: a request body over `max_bytes` gets 413 in OpenAI's shape — at once when its
     Content-Length says so, else as soon as the chunks received pass it — and is never read whole;
-    one that has not all come `timeout_s` after the app began to read it gets 408."""
+    one that has not all come `timeout_s` after the app began to read it gets 408, and one still
+    arriving at the drain deadline (`cut`, which may come first: SageMaker's drain is shorter than
+    the default body timeout) a 503 as any request in flight then (it would be refused once read)."""
 
-    def __init__(self, app, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S):
+    def __init__(self, app, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S, cut: asyncio.Event | None = None):
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        self.cut = cut or asyncio.Event()
 
     def _message(self) -> str:
         return f"the request body is larger than this server's limit of {self.max_bytes} bytes"
@@ -185,13 +189,16 @@ class BodyLimit:
             loop = asyncio.get_running_loop()
             deadline = deadline or loop.time() + self.timeout_s
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                message = await asyncio.wait_for(_or_cut(receive(), self.cut), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 raise HTTPException(
                     408,
                     f"the request body did not all arrive within {self.timeout_s:g} s",
                     headers={"Connection": "close"},
                 ) from None
+            except _Cut:  # an HTTPException, as the others: one passes FastAPI's body parsing as it is
+                headers = {"Retry-After": str(DRAINING_RETRY_AFTER_S), "Connection": "close"}
+                raise HTTPException(503, CUT_MESSAGE, headers=headers) from None
             complete = message["type"] != "http.request" or not message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.max_bytes:  # an HTTPException passes FastAPI's body parsing as it is
@@ -247,7 +254,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 async def _http_error(_request, exc: HTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    code = {408: "request_timeout", 413: "request_too_large"}.get(exc.status_code)
+    kind, code = {
+        408: (kind, "request_timeout"),
+        413: (kind, "request_too_large"),
+        503: ("service_unavailable", "draining"),  # BodyLimit's at the drain deadline
+    }.get(exc.status_code, (kind, None))
     return JSONResponse(error_body(str(exc.detail), kind, code=code), exc.status_code, headers=exc.headers)
 
 
@@ -321,25 +332,29 @@ async def _first(task: asyncio.Future, other: asyncio.Future) -> bool:
     return task.done()
 
 
+async def _or_cut(awaitable, cut: asyncio.Event):
+    """What `awaitable` returns, or _Cut once `cut` is set first. Cancelled or cut, it leaves no task
+    behind."""
+    task, stop = asyncio.ensure_future(awaitable), asyncio.ensure_future(cut.wait())
+    try:
+        if not await _first(task, stop):
+            raise _Cut
+        return task.result()
+    finally:
+        _drop(stop)
+        _drop(task)
+
+
 async def _until_cut(events, cut: asyncio.Event):
     """`events` as they come, until `cut` is set: then _Cut. Closed early (the client left), it
     leaves no task behind."""
-    stop = asyncio.ensure_future(cut.wait())
     it = events.__aiter__()
-    step = None
-    try:
-        while True:
-            step = asyncio.ensure_future(it.__anext__())
-            if not await _first(step, stop):
-                raise _Cut
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        _drop(stop)
-        _drop(step)
+    while True:
+        try:
+            item = await _or_cut(it.__anext__(), cut)
+        except StopAsyncIteration:
+            return
+        yield item
 
 
 class _Choices:
@@ -725,7 +740,7 @@ class _Routes:
     # SageMaker's contract (deploy/sagemaker.py starts the server for it; its GET /ping is above):
     # POST /invocations takes an OpenAI body and answers as the route its fields name (invocations.py)
     async def invocations(self, request: Request):
-        req = invocation_request(await request.body(), self.model_name)
+        req = invocation_request(await request.body(), request.headers.get("content-type"), self.model_name)
         if isinstance(req, ChatRequest):
             return await self.chat_completions(req, request)
         return await self.completions(req, request)
@@ -772,7 +787,7 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout, cut=state.cut)
     if api_key:  # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(BearerAuth, key=api_key)
     _Routes(state, scheduler, metrics, names, vocab_size).add_to(app)

@@ -11,6 +11,7 @@ cannot serve is an APIError naming the client's field.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -108,10 +109,17 @@ class Logprobs:
     """A choice's tokens' logprobs in OpenAI's shapes: chat's `{"content": [{token, logprob, bytes,
     top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (the chosen
     token among its top ones, as vLLM's; a prompt's first token, with echo, has none: null). Made
-    for the whole answer or a stream's chunk at a time (`text_offset` runs on across chunks)."""
+    for the whole answer or a stream's chunk at a time (`text_offset` runs on across chunks).
+
+    A token's `bytes` are its own (`tokenizer.token_bytes`), also for a token that holds part of a
+    character, whose `token` text is U+FFFD: OpenAI's, so that a client joins a character's tokens.
+    `text_offset` is where the token begins in the returned text, in characters: the characters its
+    tokens' bytes complete before it (a token that begins inside a character: that character's)."""
 
     def __init__(self, tokenizer, chat: bool):
-        self.tokenizer, self.chat, self.offset = tokenizer, chat, 0
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offset = 0  # characters of the text before the next token
+        self._characters = codecs.getincrementaldecoder("utf-8")("replace")  # the tokens' bytes into characters
 
     def text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -130,13 +138,12 @@ class Logprobs:
                 top.setdefault(text, entry.logprob)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self._characters.decode(self.tokenizer.token_bytes(token)))
         return out
 
     def _chat(self, entry: TokenLogprobs) -> dict:
         def one(token: int, logprob: float) -> dict:
-            text = self.text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": self.text(token), "logprob": logprob, "bytes": list(self.tokenizer.token_bytes(token))}
 
         return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
 

@@ -353,10 +353,10 @@ class Output:
         start = max(0, self._searched - self._longest + 1)
         base = min(sent, start, len(self._text))
         recent = self._text[base:] + pending  # the text from `base` on
-        if finish == "stop":
-            return self._step(recent[sent - base :], "stop", count, self.stop_token)
         # stops are looked for in the complete characters alone: a trailing U+FFFD may be the start of a
-        # character still arriving (a stop of U+FFFD would cut it), and it is looked at once it is whole
+        # character still arriving (a stop of U+FFFD would cut it), and it is looked at once it is whole.
+        # An output the ids ended (a grammar's last token, a kept stop token) is still cut at a stop
+        # string in its last token's text, as vLLM cuts it, the stop string its stop_reason.
         complete = recent.rstrip("\ufffd")
         self._searched = base + len(complete)
         if count <= params.min_tokens:  # vLLM's: no stop string ends within the first min_tokens tokens' text
@@ -368,6 +368,8 @@ class Output:
                 cut, stop = min(found)
                 end = cut + len(stop) if params.include_stop_str_in_output else cut
                 return self._step(recent[sent - base : end], "stop", count, stop)
+        if finish == "stop":
+            return self._step(recent[sent - base :], "stop", count, self.stop_token)
         if finish == "length":
             return self._step(recent[sent - base :], "length", count)
         safe = base + len(recent) - held_back(recent, () if params.include_stop_str_in_output else params.stop)

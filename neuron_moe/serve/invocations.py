@@ -2,10 +2,12 @@
 an OpenAI request body, read as the route its fields name — `messages` makes it a chat completion,
 anything else a completion — so that it is answered exactly as /v1/chat/completions or
 /v1/completions answers that body, errors included (the same validation, the same 400s). An endpoint
-serves one model: a body without `model` asks for it."""
+serves one model: a body without `model` asks for it. As there, the body must be sent as JSON: another
+Content-Type (or none) is a 415, no body a 400."""
 
 from __future__ import annotations
 
+import email.message
 import json
 
 from fastapi.exceptions import RequestValidationError
@@ -14,10 +16,27 @@ from pydantic import ValidationError
 from .protocol import ChatRequest, CompletionRequest
 
 
-def invocation_request(body: bytes, model: str) -> ChatRequest | CompletionRequest:
-    """The request `body` asks for (`model`: the served model, where the body names none); the
-    RequestValidationError FastAPI raises for that route's body where it is not valid (not JSON, or
-    not that route's request)."""
+def sent_as_json(content_type: str | None) -> bool:
+    """Whether a Content-Type is JSON as FastAPI reads it for a route's body (application/json or
+    application/*+json, any parameters; none is not, FastAPI's strict content type)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def invocation_request(body: bytes, content_type: str | None, model: str) -> ChatRequest | CompletionRequest:
+    """The request `body` (sent as `content_type`) asks for (`model`: the served model, where the body
+    names none); the RequestValidationError FastAPI raises for that route's body where it is not valid
+    (none, not sent as JSON, not JSON, or not that route's request)."""
+    if not body:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    if not sent_as_json(content_type):  # FastAPI leaves such a body bytes: the app's 415
+        raise RequestValidationError(
+            [{"type": "model_attributes_type", "loc": ("body",), "msg": "not sent as JSON", "input": body}]
+        )
     try:
         doc = json.loads(body)
     except ValueError as e:  # FastAPI's own error for a body that is not JSON (a JSONDecodeError or a UnicodeError)

@@ -239,7 +239,7 @@ class StructuredOutputs(_Strict):
 
 
 def _token_id(key: str) -> str:
-    if not key.isdigit() or len(key) > 12:
+    if not (key.isascii() and key.isdigit()) or len(key) > 12:  # str.isdigit alone takes "²", which int() refuses
         raise ValueError(f"logit_bias keys are token ids (decimal digits), got {key!r}")
     return key
 

@@ -13,9 +13,10 @@ must send a request's headers within --header-timeout and its body within --body
 SIGTERM (or Ctrl-C) drains: uvicorn stops accepting connections and waits up to
 --drain-timeout for the requests in flight to finish, new requests on open connections get
 503 + Retry-After, and the process exits 0. A request still running at the deadline is ended
-properly (a stream: an error event, then [DONE]; a plain request: a 503 JSON body), and uvicorn
-is given DRAIN_GRACE_S more to send those endings before it cuts connections itself. The engine's
-threads are stopped before the process exits (a thread inside torch at exit would abort it).
+properly (a stream: an error event, then [DONE]; a plain request, or one whose body is still
+arriving: a 503 JSON body), and uvicorn is given DRAIN_GRACE_S more to send those endings before it
+cuts connections itself. The engine's threads are stopped before the process exits (a thread inside
+torch at exit would abort it).
 """
 
 from __future__ import annotations
