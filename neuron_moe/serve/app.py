@@ -46,6 +46,7 @@ from .decoding import Echo, Logprobs, Result
 from .engine import Engine, RequestError
 from .invocations import invocation_request
 from .metrics import CONTENT_TYPE, Metrics
+from .ready import Stopped
 from .protocol import (
     APIError,
     ChatRequest,
@@ -96,7 +97,10 @@ class ServerState:
         try:
             engine = self.load()
         except BaseException as e:  # reported, and the server told to exit
-            log.error("model failed to load: %s", e)
+            if isinstance(e, Stopped):  # the server is exiting: not a failure of the model
+                log.info("%s", e)
+            else:
+                log.error("model failed to load: %s", e)
             self.error, self.phase = e, "failed"
             if self.on_load_error:
                 self.on_load_error(e)
