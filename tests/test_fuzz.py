@@ -694,9 +694,15 @@ ARTIFACT = {
     "candidates": 256,
     "dry_run": False,
     "logits": False,
+    "weights": True,
     "target": na.TARGET,
     "tokenizer": {"kind": "checkpoint", "files": ["tokenizer/tokenizer.json"]},
-    "files": {"tokenizer/tokenizer.json": {"size": 3, "sha256": "0" * 64}},
+    "keys": {k: {"inputs": {}, "outputs": {}} for k in na.key_names([64], [1])},
+    "state": {"cache.k0": {"shape": [1, 1, 128, 4], "dtype": "bfloat16"}},
+    "files": {
+        name: {"size": 3, "sha256": "0" * 64}
+        for name in ("tokenizer/tokenizer.json", na.MODEL, na.SHARD_PLAN, na.RANK_WEIGHTS.format(rank=0))
+    },
 }
 PUBLICATION = {
     "format": s3.FORMAT,
