@@ -20,19 +20,21 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def _build(tmp_path_factory, port, **build):
+    """trace-and-compile --dry-run of `port` at `build` (not exported: the files are what is checked)."""
+    out = tmp_path_factory.mktemp("built") / "art"
+    compile_.trace_and_compile(port, compile_.Build.at(out=out, dtype="float32", dry_run=True, export=False, **build))
+    return out
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_port):
-    """trace-and-compile --dry-run of the tiny port (not exported: the files are what is checked)."""
-    out = tmp_path_factory.mktemp("built") / "art"
-    compile_.trace_and_compile(tiny_port, compile_.Build.at(tp=1, out=out, dtype="float32", dry_run=True, export=False))
-    return out
+    return _build(tmp_path_factory, tiny_port, tp=1)
 
 
 @pytest.fixture
 def art(built, tmp_path):
-    copy = tmp_path / "art"
-    shutil.copytree(built, copy)
-    return copy
+    return shutil.copytree(built, tmp_path / "art")
 
 
 def _flip(path, offset=-100):
@@ -158,19 +160,13 @@ def test_the_image_entrypoint_verifies_the_artifact_before_it_serves(art, tmp_pa
 
 @pytest.fixture(scope="module")
 def built_tp2(tmp_path_factory, tiny_port):
-    """trace-and-compile --dry-run --tp 2 --quantization int4 of the tiny port (not exported): two
-    rank shards whose experts are packed uint8."""
-    out = tmp_path_factory.mktemp("built") / "art"
-    build = compile_.Build.at(tp=2, out=out, dtype="float32", dry_run=True, export=False, quantization="int4")
-    compile_.trace_and_compile(tiny_port, build)
-    return out
+    """--tp 2 --quantization int4: two rank shards whose experts are packed uint8."""
+    return _build(tmp_path_factory, tiny_port, tp=2, quantization="int4")
 
 
 @pytest.fixture
 def art2(built_tp2, tmp_path):
-    copy = tmp_path / "art2"
-    shutil.copytree(built_tp2, copy)
-    return copy
+    return shutil.copytree(built_tp2, tmp_path / "art2")
 
 
 def _edit(art, **fields):
