@@ -57,7 +57,7 @@ def verify(target: str, model: str | None = None, *, progress: bool = True, clie
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
         "manifest_digest": "publication" if remote else None,
         "weights": manifest["weights"],
-        "weights_from": f"rank shards and {SHARD_PLAN}" if manifest["weights"] and not remote else SHARD_PLAN,
+        "weights_from": f"the rank shards and {SHARD_PLAN}" if manifest["weights"] and not remote else SHARD_PLAN,
         "preflight": preflight.summary(preflight.preflight(target)) if graphs else None,
         "seconds": round(time.monotonic() - start, 3),
     }
@@ -97,12 +97,12 @@ def render_verify(report: dict) -> str:
         else f"{MANIFEST} itself: no digest to compare here (a publication records one), its fields checked instead"
     )
     port = "--model's port file" if report["port_file"] else "the built-in port it names"
-    shards = f"a weight shard for each of the {report['tp']} ranks" if report["weights"] else "no weights, no shards"
+    shards = f"a weight shard per rank, {report['tp']} in all" if report["weights"] else "no weights, no shards"
     lines = [
-        f"{report['artifact']}: {report['files']} files ({report['total_bytes']} bytes) match the sizes and "
-        f"sha256 its {MANIFEST} lists, and no other file is there",
+        f"{report['artifact']}: {report['files']} file{'s' * (report['files'] != 1)} ({report['total_bytes']} "
+        f"bytes) match the sizes and sha256 its {MANIFEST} lists, and no other file is there",
         f"{MANIFEST} (format {report['format']}: {built}): every field in range and consistent with the files "
-        f"({shards}, the experts' dtypes in the {report['weights_from']})",
+        f"({shards}, the experts' dtypes in {report['weights_from']})",
         digest,
         f"built for port {report['checked_port']} ({port}: its name, tokenizer and expert layout)",
     ]
