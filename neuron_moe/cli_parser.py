@@ -576,16 +576,22 @@ VERIFY = Command(
     "check a trace-and-compile artifact against its own manifest, no SDK needed",
     (
         opt("artifact", metavar="ARTIFACT|s3://BUCKET/PREFIX", help="a trace-and-compile output, or its publication"),
-        opt("--model", metavar="NAME|PATH", help="also check that it was built for this port"),
+        opt(
+            "--model",
+            metavar="NAME|PATH",
+            help="the port it must be built for (default: the built-in port its manifest names)",
+        ),
         _json(),
     ),
-    description="Check the artifact's manifest.json (every field of the contract), each file's size "
-    "and sha256 against it, and that it holds no file the manifest does not list; with --model, "
-    "that it was built for that port. An s3:// publication is read from S3, each object checked "
-    "against the publication's manifest too, nothing written. A local dry-run artifact's graphs are also "
-    "preflighted for the target it was built for (neuron-moe preflight). Exit 0 when it is whole, 1 when a "
-    "graph breaks a preflight rule, 2 (one error: line naming the file or field) when not whole. serve "
-    "--artifacts makes the same checks.",
+    description="Check the artifact's manifest.json (every field of the contract in range and consistent "
+    "with the files: a weight shard per rank, the experts' dtypes those of its quantization, model.pt "
+    "unless a dry run), each file's size and sha256 against it, that it holds no file the manifest does "
+    "not list and only regular files, and that it was built for the port. An s3:// publication is read "
+    "from S3, each object (manifest.json too) checked against the publication's manifest, nothing "
+    "written; a local manifest.json has no digest of its own, checked field by field. A local dry-run "
+    "artifact's graphs are also preflighted for the target it was built for (neuron-moe preflight). "
+    "Exit 0 when it is whole, 1 when a graph breaks a preflight rule, 2 (one error: line naming the "
+    "file or field) when not whole. serve --artifacts makes the same checks.",
 )
 
 # preflight's own: a wrong target or rule name is preflight's one error: line (exit 2), not argparse's usage
@@ -1017,9 +1023,15 @@ DEPLOY_K8S = Command(
             type=_non_negative,
             default=DRAIN_TIMEOUT_S,
             metavar="S",
-            help="serve's --drain-timeout; the grace period is set above it (default: %(default)g)",
+            help="serve's --drain-timeout, at most 86400 (a day); the grace period is set above it "
+            "(default: %(default)g)",
         ),
-        opt("--out", required=True, metavar="DIR", help="directory to write (replaced whole)"),
+        opt(
+            "--out",
+            required=True,
+            metavar="DIR",
+            help="directory to write (replaced whole; a symbolic link is written through)",
+        ),
         _json(),
     ),
     description="Deployment (Neuron resources for the TP degree, the aws.amazon.com/neuron toleration, "

@@ -366,13 +366,34 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+MAX_JSON_DEPTH = 64  # arrays and objects within each other; what this project writes nests at most 5
+
+
+def loads_json(text: str | bytes):
+    """JSON text parsed strictly: NaN and Infinity refused (they are not JSON), and so is nesting
+    deeper than MAX_JSON_DEPTH, a ValueError like any other malformed text (Python's parser would
+    raise RecursionError, or hand back a structure that later recursion trips on)."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    todo = [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+            todo += [(child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)]
+    return value
+
+
 def read_json_object(path: Path, error: type[Exception], missing: str) -> dict:
     """A JSON file that must hold an object; `error(message)` names the file and the problem.
-    NaN and Infinity, which Python's json would accept, are refused: they are not JSON."""
+    Parsed by `loads_json`: NaN, Infinity and too deep a nesting refused."""
     if not path.is_file():
         raise error(missing)
     try:
-        raw = json.loads(path.read_text(), parse_constant=_no_constant)
+        raw = loads_json(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise error(f"{path}: not valid JSON: {e}") from None
     except OSError as e:

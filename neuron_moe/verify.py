@@ -1,21 +1,23 @@
 """`neuron-moe verify ARTIFACT|s3://BUCKET/PREFIX`: a trace-and-compile artifact checked whole, with
-no SDK and no device: its manifest's contract (`neuron/artifact.py`), every file's size and sha256
-against the manifest, and no file it does not list; with a port, built for that port. A publication
-is read from S3 as it would be pulled (each object against the publication's manifest too), nothing
-written. `serve --artifacts` makes the same checks before it needs the Neuron SDK. A local dry-run
-artifact's graphs are also preflighted (`neuron/preflight.py`, for the target it was built for): the
-report carries its summary, and a broken rule makes verify exit 1."""
+no SDK and no device: its manifest's contract (`neuron/artifact.py`: every field in range and
+consistent with the files it lists), every file's size and sha256 against the manifest, no file it
+does not list, the experts' weights in the manifest's quantization; the port it names (or --model's)
+and the artifact built for it. A publication is read from S3 as it would be pulled (each object,
+manifest.json too, against the publication's manifest), nothing written; a local manifest.json has no
+digest to compare (the report says so). `serve --artifacts` makes the same checks before it needs the
+Neuron SDK. A local dry-run artifact's graphs are also preflighted (`neuron/preflight.py`, for the
+target it was built for): the report carries its summary, and a broken rule makes verify exit 1."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from .neuron import artifact, preflight
-from .neuron.artifact import MANIFEST, ArtifactError
-from .port import load_port
+from .neuron.artifact import MANIFEST, SHARD_PLAN, ArtifactError
+from .port import PortError, load_port
 from .publish import s3
+from .report import loads_json
 
 
 def verify(target: str, model: str | None = None, *, progress: bool = True, client=None) -> dict:
@@ -23,50 +25,87 @@ def verify(target: str, model: str | None = None, *, progress: bool = True, clie
     naming the first file or field that is wrong."""
     start = time.monotonic()
     port = load_port(model) if model is not None else None
-    if target.startswith("s3://"):
-        found, kept = s3.read_files(target, (MANIFEST,), progress=progress, client=client)
-        where = target.rstrip("/")
-        if MANIFEST not in kept:
-            raise ArtifactError(f"{where}: no {MANIFEST} (expected a publication of a trace-and-compile output)")
-        try:
-            raw = json.loads(kept[MANIFEST], parse_constant=_no_constant)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ArtifactError(f"{where}/{MANIFEST}: not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ArtifactError(f"{where}/{MANIFEST}: expected a JSON object")
-        manifest = artifact.check_manifest(raw, f"{where}/{MANIFEST}")
-        artifact.check_files(where, manifest["files"], {k: v for k, v in found.items() if k != MANIFEST})
-        if port is not None:
-            artifact.check_port(manifest, port, where)
+    remote = target.startswith("s3://")
+    where = target.rstrip("/") if remote else target
+    if remote:
+        manifest = _verify_publication(target, progress, client)
     else:
         if not Path(target).is_dir():
             raise ArtifactError(f"{target}: not a directory (an artifact is a trace-and-compile output directory)")
-        manifest = artifact.verify(Path(target), port)
-    graphs = not target.startswith("s3://") and preflight.graph_files(manifest)
+        manifest = artifact.verify(Path(target))
+    if port is None:  # the port it names, a built-in one (a port of one's own: --model PATH)
+        try:
+            port = load_port(manifest["port"])
+        except PortError:
+            raise ArtifactError(
+                f"{where}: built for port {manifest['port']!r}, which is not a built-in port: pass "
+                "--model PATH (its port file)"
+            ) from None
+    artifact.check_port(manifest, port, where)
+    graphs = not remote and preflight.graph_files(manifest)
     return {
         "artifact": target,
         "port": manifest["port"],
         "format": manifest["format"],
         "tp": manifest["tp"],
         "dtype": manifest["dtype"],
+        "quantization": manifest["quantization"],
         "dry_run": manifest["dry_run"],
-        "checked_port": port.name if port is not None else None,
+        "checked_port": port.name,
+        "port_file": model is not None,
         "files": len(manifest["files"]),
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
+        "manifest_digest": "publication" if remote else None,
+        "weights": manifest["weights"],
+        "weights_from": f"the rank shards and {SHARD_PLAN}" if manifest["weights"] and not remote else SHARD_PLAN,
         "preflight": preflight.summary(preflight.preflight(target)) if graphs else None,
         "seconds": round(time.monotonic() - start, 3),
     }
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+def _verify_publication(uri: str, progress: bool, client) -> dict:
+    """The manifest of the artifact published at `uri`, every object read and checked against the
+    publication's manifest (manifest.json's own digest included), then against the artifact's."""
+    found, kept = s3.read_files(uri, (MANIFEST, SHARD_PLAN), progress=progress, client=client)
+    where = uri.rstrip("/")
+    if MANIFEST not in kept:
+        raise ArtifactError(f"{where}: no {MANIFEST} (expected a publication of a trace-and-compile output)")
+    try:
+        raw = loads_json(kept[MANIFEST])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{where}/{MANIFEST}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"{where}/{MANIFEST}: expected a JSON object")
+    manifest = artifact.check_manifest(raw, f"{where}/{MANIFEST}")
+    artifact.check_files(where, manifest["files"], {k: v for k, v in found.items() if k != MANIFEST})
+    try:
+        plan = loads_json(kept[SHARD_PLAN])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{where}/{SHARD_PLAN}: not valid JSON: {e}") from None
+    artifact.check_weight_dtypes(manifest, artifact.plan_dtypes(plan, f"{where}/{SHARD_PLAN}"), f"{where}/{SHARD_PLAN}")
+    return manifest
 
 
 def render_verify(report: dict) -> str:
-    built = f"port {report['port']}, TP {report['tp']}, {report['dtype']}" + (", dry run" if report["dry_run"] else "")
-    port = f"; built for --model {report['checked_port']}" if report["checked_port"] else ""
-    whole = (
-        f"{report['artifact']}: {report['files']} files ({report['total_bytes']} bytes) match its "
-        f"{MANIFEST} (format {report['format']}: {built}){port}"
+    experts = f"{report['quantization']} experts" if report["quantization"] != "none" else f"{report['dtype']} experts"
+    built = f"port {report['port']}, TP {report['tp']}, {report['dtype']}, {experts}" + (
+        ", dry run" if report["dry_run"] else ""
     )
-    return whole if report["preflight"] is None else f"{whole}\n{preflight.render_summary(report['preflight'])}"
+    digest = (
+        f"{MANIFEST} itself: its size and sha256 match the publication's manifest"
+        if report["manifest_digest"]
+        else f"{MANIFEST} itself: no digest to compare here (a publication records one), its fields checked instead"
+    )
+    port = "--model's port file" if report["port_file"] else "the built-in port it names"
+    shards = f"a weight shard per rank, {report['tp']} in all" if report["weights"] else "no weights, no shards"
+    lines = [
+        f"{report['artifact']}: {report['files']} file{'s' * (report['files'] != 1)} ({report['total_bytes']} "
+        f"bytes) match the sizes and sha256 its {MANIFEST} lists, and no other file is there",
+        f"{MANIFEST} (format {report['format']}: {built}): every field in range and consistent with the files "
+        f"({shards}, the experts' dtypes in {report['weights_from']})",
+        digest,
+        f"built for port {report['checked_port']} ({port}: its name, tokenizer and expert layout)",
+    ]
+    if report["preflight"] is not None:
+        lines.append(preflight.render_summary(report["preflight"]))
+    return "\n".join(lines)

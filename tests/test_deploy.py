@@ -17,6 +17,7 @@ from fastapi.routing import APIRoute
 from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_moe import cli
+from neuron_moe.errors import UserError
 from neuron_moe.run_config import RunConfig
 from neuron_moe.spec import compiled_backend
 from neuron_moe.deploy import k8s
@@ -313,6 +314,8 @@ def test_the_autoscaler_reads_the_gauge_the_server_exports(tmp_path, loading_ser
         (("--replicas", "3", "--max-replicas", "2"), "--max-replicas 2 is below --replicas 3"),
         (("--service-account", "Pull_SA"), "--service-account 'Pull_SA': not a Kubernetes object name"),
         (("--image", "repo/img:1\nkind: Secret"), "--image 'repo/img:1\\nkind: Secret': empty, or a space or control"),
+        (("--artifacts", "s3://../x"), "s3://../x: '..' is not an S3 bucket name"),
+        (("--drain-timeout", "1e308"), "--drain-timeout 1e+308: must be in [0, 86400] seconds"),
     ],
 )
 def test_bad_settings_are_one_line_before_anything_is_written(tmp_path, capsys, flags, message):
@@ -331,3 +334,34 @@ def test_it_rewrites_its_own_directory_and_no_other(tmp_path, capsys):
     assert cli.main(["deploy", "k8s", "--instance", "inf2.xlarge", "--artifacts", URI, "--out", str(out)]) == 2
     assert "holds files deploy k8s did not write (notes.txt)" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_replicas_stay_within_int32(tmp_path):
+    """Kubernetes' schema holds replicas, minReplicas and maxReplicas to int32: the default maximum
+    (4 x --replicas) is capped there, not written past it."""
+    _, files = deploy(tmp_path, "--instance", "inf2.xlarge", "--replicas", "2147483647")
+    spec = files["hpa.yaml"]["spec"]
+    assert spec["minReplicas"] == spec["maxReplicas"] == files["deployment.yaml"]["spec"]["replicas"] == 2**31 - 1
+
+
+def test_the_cache_path_never_leaves_the_cache(tmp_path):
+    """serve's --artifacts-cache folder of an s3:// URI, and deploy k8s's: a '..' bucket is refused, not
+    joined into a path above the cache."""
+    with pytest.raises(UserError, match=r"'\.\.' is not an S3 bucket name"):
+        server.s3_cache_dir("s3://../x", tmp_path / "cache")
+    assert server.s3_cache_dir("s3://b/p/q", tmp_path / "cache") == tmp_path / "cache" / "b" / "p" / "q"
+
+
+def test_an_out_link_to_a_folder_is_written_through(tmp_path, capsys):
+    """--out a symbolic link to a folder: the folder it points to is written (replaced whole), the link
+    kept, as a file output is written through its link; --out a file is refused, the file kept."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    out, files = deploy(tmp_path, "--instance", "inf2.xlarge", out="link")
+    assert out.is_symlink() and sorted(p.name for p in real.iterdir()) == sorted({f.split("/")[0] for f in k8s.FILES})
+    (tmp_path / "file").write_text("mine")
+    argv = ["deploy", "k8s", "--instance", "inf2.xlarge", "--artifacts", URI, "--out", str(tmp_path / "file")]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"error: --out: {tmp_path / 'file'} exists and is not a directory\n"
+    assert (tmp_path / "file").read_text() == "mine"

@@ -13,15 +13,21 @@ either works or is one `UserError` (one `error:` line); any other exception is a
 """
 
 import argparse
+import functools
+import io
 import json
 import math
+import posixpath
 import re
 import shutil
+import tempfile
 import typing
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types import Completion
@@ -717,9 +723,15 @@ ARTIFACT = {
     "candidates": 256,
     "dry_run": False,
     "logits": False,
+    "weights": True,
     "target": na.TARGET,
     "tokenizer": {"kind": "checkpoint", "files": ["tokenizer/tokenizer.json"]},
-    "files": {"tokenizer/tokenizer.json": {"size": 3, "sha256": "0" * 64}},
+    "keys": {k: {"inputs": {}, "outputs": {}} for k in na.key_names([64], [1])},
+    "state": {"cache.k0": {"shape": [1, 1, 128, 4], "dtype": "bfloat16"}},
+    "files": {
+        name: {"size": 3, "sha256": "0" * 64}
+        for name in ("tokenizer/tokenizer.json", na.MODEL, na.SHARD_PLAN, na.RANK_WEIGHTS.format(rank=0))
+    },
 }
 PUBLICATION = {
     "format": s3.FORMAT,
@@ -736,6 +748,149 @@ def test_fuzz_manifests(tmp_path, artifact, publication, entry):
     expect_user_error_or_nothing(lambda: na.check_tokenizer(tmp_path, na.read_manifest(tmp_path), load_port(MODEL)))
     for doc in (mutated(PUBLICATION, publication), dict(PUBLICATION, files=[mutated(PUBLICATION["files"][0], entry)])):
         expect_user_error_or_nothing(lambda: s3._check_manifest(doc, "s3://b/p/manifest"))
+
+
+# Each contract field of a manifest past its bounds (or of the wrong kind): refused, always, by one error line.
+not_strictly_increasing = st.lists(st.integers(-2, 200), min_size=2, max_size=4).filter(lambda b: b != sorted(set(b)))
+PAST_BOUNDS = {
+    "tp": st.sampled_from([0, -1, 3, 16, 2**31, 2**70, True, False, 1.0, "1"]),
+    "batch_size": st.integers(1025, 2**70) | st.sampled_from([0, -1, True, 1.0]),
+    "max_cache_len": st.integers(2**24 + 1, 2**70) | st.sampled_from([0, -1, True]),
+    "candidates": st.integers(257, 2**70) | st.sampled_from([0, -1, True]),
+    "quantization": st.text(max_size=6).filter(lambda q: q not in ("none", "int8", "int4")),
+    "dtype": st.text(max_size=9).filter(lambda d: d not in ("bfloat16", "float32")),
+    "port": st.sampled_from(["", "../../etc/passwd", "/etc/passwd", "a/b", "p.toml", ".p", "a b", "\ud800", "a" * 101]),
+    "buckets": not_strictly_increasing | st.sampled_from([[], [0], [-8], [129], [True], list(range(1, 66))]),
+    "prefill_rows": not_strictly_increasing | st.sampled_from([[], [0], [2], [True]]),
+    "keys": st.sampled_from([{}, {"token_generation": {}}, {"x": {"inputs": {}, "outputs": {}}}]),
+    "state": st.sampled_from([{}, {"cache.k0": {"shape": [0], "dtype": "bf16"}}, {"cache.k0": []}]),
+    "weights": st.sampled_from([False, 0, None]),
+    "dry_run": st.sampled_from([None, 0, "false"]),
+}
+
+
+@settings(max_examples=60, **FUZZ)
+@given(field=st.sampled_from(sorted(PAST_BOUNDS)), data=st.data())
+def test_fuzz_manifest_fields_past_their_bounds(tmp_path, field, data):
+    """What the contract allows is fixed here, apart from the code: every value outside it is refused."""
+    value = data.draw(PAST_BOUNDS[field])
+    (tmp_path / na.MANIFEST).write_text(json.dumps(dict(ARTIFACT, **{field: value})))
+    with pytest.raises(UserError):
+        na.read_manifest(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"batch_size": 1024}, {"max_cache_len": 2**24}, {"candidates": 256}],
+    ids=["as built", "batch_size", "max_cache_len", "candidates"],
+)
+def test_a_manifest_at_its_bounds_is_taken(tmp_path, fields):
+    (tmp_path / na.MANIFEST).write_text(json.dumps(dict(ARTIFACT, **fields)))
+    assert na.read_manifest(tmp_path)["batch_size"] == fields.get("batch_size", 1)
+
+
+class _OneObject:
+    """An S3 client holding one object, whatever its key: a publication's manifest."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def get_object(self, **_):
+        return {"Body": io.BytesIO(self.body), "ETag": '"e"'}
+
+
+@settings(max_examples=40, **FUZZ)
+@given(
+    opens=st.lists(st.sampled_from(["[", '{"a": ']), min_size=60, max_size=70),
+    inner=st.sampled_from(["1", "[]", "{}", '"x"', "NaN"]),
+)
+def test_fuzz_deep_json_manifests(tmp_path, opens, inner):
+    """Nested arrays and objects about the bound deep (and the 200,000-deep case in tests/test_verify.py):
+    an artifact's manifest and a publication's are one UserError, never a RecursionError."""
+    text = "".join(opens) + inner + "".join("]" if o == "[" else "}" for o in reversed(opens))
+    (tmp_path / na.MANIFEST).write_text(text)
+    with pytest.raises(UserError) as caught:
+        na.read_manifest(tmp_path)
+    depth = len(opens) + (inner in ("[]", "{}"))
+    if inner == "NaN":
+        assert "NaN is not a JSON number" in str(caught.value)
+    else:  # within the bound: read, then refused for what it holds (not an object, or a field)
+        assert ("nested deeper than 64 levels" in str(caught.value)) == (depth > 64), caught.value
+    with pytest.raises(UserError):
+        s3.read_manifest("s3://b/p", client=_OneObject(text.encode()))
+
+
+# ---- deploy k8s's objects ------------------------------------------------------------------------------------
+
+KUBERNETES_SCHEMAS = "kubernetes-json-schema/v1.37.0-local-strict"
+# the integer formats of Kubernetes' OpenAPI schema, which jsonschema leaves unchecked by default
+INTEGER_FORMATS = {"int32": 2**31, "int64": 2**63}
+
+
+@functools.cache
+def kubernetes_validator(kind: str, api_version: str):
+    """Kubernetes' schema of `kind` (kubernetes-validate's, offline) with its integer formats enforced."""
+    from jsonschema import Draft202012Validator, FormatChecker
+    from kubernetes_validate.utils import schema_contents
+    from referencing import Registry, Resource
+
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    schema = schema_contents(f"{KUBERNETES_SCHEMAS}/{kind.lower()}-{group}.json", "1.37")
+    definitions = schema_contents(f"{KUBERNETES_SCHEMAS}/_definitions.json", "1.37")
+    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    checker = FormatChecker()
+    for name, bound in INTEGER_FORMATS.items():
+        checker.checks(name)(lambda v, bound=bound: not isinstance(v, int) or -bound <= v < bound)
+    return Draft202012Validator(schema, registry=registry, format_checker=checker)
+
+
+buckets = st.sampled_from(["models", "..", ".", "a..b", "My_Bucket", "b" * 64, "a b", ""])
+segments = st.lists(st.sampled_from(["x", "..", ".", "", "gemma4", "..x", "a b", "é"]), min_size=0, max_size=3)
+replicas = st.integers(1, 2**31 - 1) | st.sampled_from([2**31 - 1, 2**29, 2**31, 2**63, 0, -1])
+
+
+@settings(max_examples=40, **FUZZ)
+@given(
+    bucket=buckets,
+    prefix=segments,
+    replicas=replicas,
+    max_replicas=st.none() | replicas,
+    drain=st.floats(0, 1e308) | st.sampled_from([0.0, 86400.0, 86400.5, 1e308, math.inf, math.nan, -1.0]),
+)
+def test_fuzz_deploy_k8s_objects(tmp_path, bucket, prefix, replicas, max_replicas, drain):
+    """Whatever the settings, deploy k8s writes objects valid against Kubernetes' schema, integers
+    within their int32 / int64 formats, and every path inside its folder (the node's cache, its
+    mount in the pod), or refuses them with one UserError and writes nothing."""
+    from neuron_moe.deploy import k8s
+
+    settings_ = k8s.Settings(
+        model=MODEL,
+        instance="inf2.xlarge",
+        artifacts=f"s3://{bucket}/" + "/".join(prefix),
+        tp=1,
+        replicas=replicas,
+        max_replicas=max_replicas,
+        drain_timeout=drain,
+    )
+    out = Path(tempfile.mkdtemp(dir=tmp_path)) / "out"
+    try:
+        k8s.write(settings_, load_port(MODEL), out)
+    except UserError:
+        assert not out.exists()
+        return
+    objects = {rel: yaml.safe_load((out / rel).read_text()) for rel in k8s.OBJECTS}
+    for obj in objects.values():
+        errors = [e.message for e in kubernetes_validator(obj["kind"], obj["apiVersion"]).iter_errors(obj)]
+        assert not errors, errors
+    pod = objects["deployment.yaml"]["spec"]["template"]["spec"]
+    assert [v["hostPath"]["path"] for v in pod["volumes"]] == [k8s.CACHE_HOST_PATH]
+    pull = next(c for c in pod["initContainers"] if c["name"] == "pull")
+    server = pod["containers"][0]
+    local = server["args"][server["args"].index("--artifacts") + 1]
+    assert pull["command"][-1] == local
+    assert posixpath.normpath(local) == local and local.startswith(k8s.CACHE_MOUNT + "/")
+    for container in (*pod["initContainers"], server):
+        assert {m["mountPath"] for m in container["volumeMounts"]} == {k8s.CACHE_MOUNT}
 
 
 # ---- the command line's numbers ---------------------------------------------------------------------------

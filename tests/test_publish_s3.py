@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -1081,3 +1082,106 @@ def test_ctrl_c_during_pull_is_one_line_and_leaves_nothing(bucket, client, tmp_p
     assert sorted(p.name for p in out.iterdir()) == [".dest.pulled", "dest"]
     assert tree(out / "dest") == tree(tmp_path / "v1")
     assert (out / ".dest.pulled").read_text() == f"s3://{bucket}/v1\n"
+
+
+def put_publication(client, bucket: str, prefix: str, objects: dict[str, bytes], text: str | None = None, **extra):
+    """A publication written by hand: each object under runs/r1/, and a manifest naming them (its
+    text `text` where given, else the manifest of these objects with `extra` fields)."""
+    files = []
+    for path, data in objects.items():
+        client.put_object(Bucket=bucket, Key=f"{prefix}/runs/r1/{path}", Body=data)
+        digest = hashlib.sha256(data).hexdigest()
+        files.append({"path": path, "key": f"runs/r1/{path}", "size": len(data), "sha256": digest})
+    body = text if text is not None else json.dumps({"format": s3.FORMAT, "run": "r1", "files": files, **extra})
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{MANIFEST}", Body=body.encode())
+    return f"s3://{bucket}/{prefix}"
+
+
+DEEP = "[" * 200_000 + "]" * 200_000
+
+
+@pytest.mark.parametrize(
+    "text,named",
+    [
+        (DEEP, "not JSON (nested deeper than 64 levels)"),
+        (json.dumps({"format": s3.FORMAT, "total_bytes": float("nan")}), "not JSON (NaN is not a JSON number)"),
+    ],
+    ids=["nested 200,000 deep", "NaN"],
+)
+def test_a_publication_manifest_that_is_not_strict_json_is_one_line(bucket, client, tmp_path, capsys, text, named):
+    uri = put_publication(client, bucket, "v1", {"a.bin": b"a"}, text=text)
+    for argv in (["pull", uri, str(tmp_path / "dest")], ["verify", uri]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: {uri}/{MANIFEST}: {named}\n", err
+    assert not (tmp_path / "dest").exists()
+
+
+def test_an_artifact_manifest_nested_too_deep_in_a_publication_is_one_line(bucket, client, capsys):
+    uri = put_publication(client, bucket, "v1", {"manifest.json": DEEP.encode()})
+    assert cli.main(["verify", uri]) == 2
+    assert capsys.readouterr().err == f"error: {uri}/manifest.json: not valid JSON: nested deeper than 64 levels\n"
+
+
+def test_an_object_the_manifest_names_that_was_never_there_is_named_so(bucket, client, tmp_path, capsys):
+    """Not "replaced during this pull": the manifest is the one the pull read, and it names an object
+    S3 does not hold."""
+    uri = put_publication(client, bucket, "v1", {"a.bin": b"a"})
+    doc = manifest(client, bucket, "v1")
+    doc["files"][0]["key"] = "runs/r1/no-such-object"
+    client.put_object(Bucket=bucket, Key=f"v1/{MANIFEST}", Body=json.dumps(doc).encode())
+    missing = f"s3://{bucket}/v1/runs/r1/no-such-object: no such object, though the publication's manifest names it"
+    for argv in (["pull", uri, str(tmp_path / "dest")], ["verify", uri]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {missing}: the publication is damaged") and err.count("\n") == 1, err
+    assert not (tmp_path / "dest").exists()
+
+
+@pytest.mark.parametrize("uri", ["s3://../x", "s3://./x", "s3://a b/x"])
+def test_a_bucket_that_is_not_a_name_is_refused(tmp_path, capsys, uri):
+    """'..' as a bucket would be a folder of the pull's cache (serve --artifacts-cache, deploy k8s)."""
+    assert cli.main(["pull", uri, str(tmp_path / "dest")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {uri}: ") and not (tmp_path / "dest").exists()
+
+
+def test_a_linked_folder_is_published_with_its_files(bucket, client, artifacts, tmp_path):
+    """A symbolic link to a folder is followed (its files are published, as a link to a file is),
+    not skipped; a FIFO is refused by name."""
+    shutil.move(artifacts / "neff", tmp_path / "neff-elsewhere")
+    (artifacts / "neff").symlink_to(tmp_path / "neff-elsewhere", target_is_directory=True)
+    uri = f"s3://{bucket}/v1"
+    report = s3.publish(artifacts, uri, progress=False, client=client)
+    assert "neff/graph.neff" in {f["path"] for f in report["files"]}
+    pulled = tree(s3.pull(uri, tmp_path / "dest"))
+    assert set(pulled) == {"model.pt", "config.json", "neff/graph.neff"}
+    assert pulled["neff/graph.neff"] == (tmp_path / "neff-elsewhere" / "graph.neff").read_bytes()
+    os.mkfifo(artifacts / "pipe")
+    with pytest.raises(UserError, match=r"pipe: not a regular file"):
+        s3.publish(artifacts, f"s3://{bucket}/v2", progress=False, client=client)
+
+
+def test_verify_catches_a_published_manifest_changed_or_out_of_contract(bucket, client, dry_run_artifact, capsys):
+    """The publication records manifest.json's digest as it does the others': a changed one is caught
+    by its sha256; one rewritten with its digest too, by its fields. publish refuses the latter."""
+    uri = f"s3://{bucket}/art"
+    report = s3.publish(dry_run_artifact, uri, progress=False, client=client)
+    key = next(f["key"] for f in report["files"] if f["path"] == "manifest.json")
+    tampered = json.loads((dry_run_artifact / "manifest.json").read_text())
+    tampered["tp"] = 4
+    body = json.dumps(tampered).encode()
+    client.put_object(Bucket=bucket, Key=key, Body=body)
+    assert cli.main(["verify", uri]) == 2
+    assert capsys.readouterr().err.startswith(f"error: s3://{bucket}/{key} does not match its manifest entry")
+
+    doc = manifest(client, bucket, "art")
+    entry = next(f for f in doc["files"] if f["path"] == "manifest.json")
+    entry.update(size=len(body), sha256=hashlib.sha256(body).hexdigest())
+    client.put_object(Bucket=bucket, Key=f"art/{MANIFEST}", Body=json.dumps(doc).encode())
+    assert cli.main(["verify", uri]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {uri}/manifest.json: 'tp' 4 with weights true takes 4 rank shard(s)"), err
+
+    (dry_run_artifact / "manifest.json").write_bytes(body)
+    assert cli.main(["publish", str(dry_run_artifact), f"s3://{bucket}/again"]) == 2
+    assert "manifest.json: 'tp' 4 with weights true takes 4 rank shard(s)" in capsys.readouterr().err

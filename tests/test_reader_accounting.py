@@ -128,6 +128,9 @@ def test_reads_cli_for_gemma4_and_explicit_geometry(capsys):
             ["--hidden", "2048", "--experts", "4", "--top-k", "8", "--intermediate", "64"],
             "--top-k 8 is more than --experts 4",
         ),
+        (["--tp", "2", "--quantization", "int4"], "one token a step (not with --quantization int4)"),
+        (["--tp", "2", "--quantization", "int8"], "one token a step (not with --quantization int8)"),
+        (["--tp", "2", "--batch-size", "4"], "one token a step (not with --batch-size)"),
     ],
 )
 def test_reads_cli_errors(capsys, args, message):

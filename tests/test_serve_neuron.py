@@ -35,6 +35,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _manifest(**fields):
+    """A compiled artifact's manifest, its keys and files those of its shapes and TP degree."""
+    rows, buckets, tp = fields.get("prefill_rows", [1, 2]), fields.get("buckets", [16]), fields.get("tp", 1)
+    entry = {"size": 1, "sha256": "0" * 64}
+    names = [artifact.MODEL, artifact.SHARD_PLAN, *(artifact.RANK_WEIGHTS.format(rank=r) for r in range(tp))]
     return json.dumps(
         dict(
             {
@@ -45,12 +49,15 @@ def _manifest(**fields):
                 "dry_run": False,
                 "expert_layout": "channel",
                 "logits": False,
-                "prefill_rows": [1, 2],
-                "prefill_chunk": fields.get("buckets", [16])[0],
+                "weights": True,
+                "prefill_rows": rows,
+                "prefill_chunk": buckets[0],
                 "candidates": 256,
                 "target": TARGET,
                 "tokenizer": {"kind": "checkpoint", "files": []},
-                "files": {},
+                "keys": {k: {"inputs": {}, "outputs": {}} for k in artifact.key_names(buckets, rows)},
+                "state": {"cache.k0": {"shape": [2, 1, 16, 4], "dtype": "bfloat16"}},
+                "files": {name: entry for name in names},
             },
             **fields,
         )
@@ -62,7 +69,8 @@ def test_manifest_errors_name_the_problem(tmp_path):
         neuron.read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text(_manifest(port="p", tp=2, buckets=[64], max_cache_len=32))
     with pytest.raises(
-        neuron.NeuronError, match=r"'buckets' must be increasing positive lengths up to max_cache_len \(32"
+        neuron.NeuronError,
+        match=r"'buckets' must be 1 to 64 strictly increasing positive lengths up to max_cache_len \(32",
     ):
         neuron.read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text(_manifest(port="p", buckets=[8], max_cache_len=32))

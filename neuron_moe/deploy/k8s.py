@@ -27,6 +27,7 @@ validated offline against Kubernetes' schemas (tests/test_deploy.py).
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass, fields
@@ -38,7 +39,7 @@ from .. import __version__
 from ..errors import UserError
 from ..neuron.plan import CORES_PER_CHIP, INSTANCES, port_plan
 from ..publish.s3 import parse_uri
-from ..report import atomic_dir, table
+from ..report import atomic_dir, check_output, table
 from ..run_config import RunConfig
 from ..spec import DEFAULT_NEURON_IMAGE, DEPLOY_RESOURCES, DRAIN_TIMEOUT_S, TP_DEGREES, compiled_backend
 
@@ -61,6 +62,8 @@ HPA_METRIC = "vllm_num_requests_waiting"  # its name in the custom metrics API (
 OBJECTS = ("deployment.yaml", "service.yaml", "hpa.yaml")
 PROMETHEUS = ("prometheus/scrape-config.yaml", "prometheus/adapter-rules.yaml")
 FILES = OBJECTS + PROMETHEUS
+INT32_MAX = 2**31 - 1  # Kubernetes' schemas: replicas, minReplicas and maxReplicas are int32
+MAX_DRAIN_S = 24 * 3600  # --drain-timeout: a longer drain is a typo (SageMaker's is 20 s, serve's default 60)
 NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")  # a DNS-1035 label (a Service's), room left for pod suffixes
 SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a Secret's or a service account's name
 
@@ -131,6 +134,11 @@ def cache_dir(artifacts: str) -> str:
     if not prefix:
         raise UserError(f"--artifacts {artifacts}: no prefix (a publication is s3://bucket/prefix)")
     return "/".join([CACHE_MOUNT, bucket, prefix])
+
+
+def max_replicas(settings: Settings) -> int:
+    """The autoscaler's most: --max-replicas, else 4 x --replicas within int32."""
+    return settings.max_replicas or min(4 * settings.replicas, INT32_MAX)
 
 
 def grace_period(settings: Settings) -> int:
@@ -256,7 +264,7 @@ def autoscaler(settings: Settings) -> dict:
         {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": settings.name},
             "minReplicas": settings.replicas,
-            "maxReplicas": settings.max_replicas or 4 * settings.replicas,
+            "maxReplicas": max_replicas(settings),
             "metrics": [
                 {
                     "type": "Pods",
@@ -345,8 +353,13 @@ def _check(settings: Settings) -> None:
     for flag, value in (("--api-key-secret", settings.api_key_secret), ("--service-account", settings.service_account)):
         if value is not None and not SUBDOMAIN.fullmatch(value):
             raise UserError(f"{flag} {value!r}: not a Kubernetes object name (lower-case letters, digits, '-' and '.')")
+    for flag, value in (("--replicas", settings.replicas), ("--max-replicas", settings.max_replicas)):
+        if value is not None and not 1 <= value <= INT32_MAX:
+            raise UserError(f"{flag} {value}: must be in [1, {INT32_MAX}] (an int32 in Kubernetes' schema)")
     if settings.max_replicas is not None and settings.max_replicas < settings.replicas:
         raise UserError(f"--max-replicas {settings.max_replicas} is below --replicas {settings.replicas}")
+    if not 0 <= settings.drain_timeout <= MAX_DRAIN_S:
+        raise UserError(f"--drain-timeout {settings.drain_timeout:g}: must be in [0, {MAX_DRAIN_S}] seconds (a day)")
     cache_dir(settings.artifacts)
 
 
@@ -360,12 +373,15 @@ def _dump(obj: dict, command: str) -> str:
 
 def write(settings: Settings, port, out: Path) -> dict:
     """Write the files to `out` (replaced whole, atomically; a directory holding other files is
-    refused) and return the report."""
+    refused) and return the report. A symbolic link is written through: the folder it points to is
+    replaced, the link kept, as a file output written through a link is."""
     _check(settings)
     out = Path(out)
-    if out.is_dir():
+    target = Path(os.path.realpath(out)) if out.is_symlink() else out
+    check_output(target, directory=True)
+    if target.is_dir():
         ours = set(FILES) | {"prometheus"}
-        others = sorted(str(p.relative_to(out)) for p in out.rglob("*") if str(p.relative_to(out)) not in ours)
+        others = sorted(str(p.relative_to(target)) for p in target.rglob("*") if str(p.relative_to(target)) not in ours)
         if others:
             raise UserError(
                 f"{out} holds files deploy k8s did not write ({', '.join(others[:3])}): choose another --out"
@@ -379,7 +395,7 @@ def write(settings: Settings, port, out: Path) -> dict:
         "prometheus/scrape-config.yaml": scrape_config(settings),
         "prometheus/adapter-rules.yaml": adapter_rules(),
     }
-    with atomic_dir(out) as tmp:
+    with atomic_dir(target) as tmp:
         (tmp / "prometheus").mkdir()
         for rel, obj in documents.items():
             (tmp / rel).write_text(_dump(obj, command))
@@ -398,7 +414,7 @@ def write(settings: Settings, port, out: Path) -> dict:
         "count": count,
         "pods_per_node": pods_per_node(settings.instance, settings.resource, count),
         "replicas": settings.replicas,
-        "max_replicas": settings.max_replicas or 4 * settings.replicas,
+        "max_replicas": max_replicas(settings),
         "termination_grace_period_s": grace_period(settings),
         "drain_timeout_s": settings.drain_timeout,
     }

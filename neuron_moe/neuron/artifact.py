@@ -59,18 +59,24 @@ before any other field is read.
 
 from __future__ import annotations
 
-import json
+import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from ..config import SIZES
 from ..errors import UserError
+from ..experts.quantization import EXPERTS_LINEARS
 from ..parallel import layout
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
-from ..report import file_digest, read_json_object
+from ..port import MAX_BATCH, MAX_BUCKETS
+from ..report import file_digest, loads_json, read_json_object
+from ..spec import DTYPE_NAMES, INT4_QUANTIZATION, INT8_QUANTIZATION, QUANTIZATIONS, TP_DEGREES
+from ..static.sampling import CANDIDATES
 from ..tokenizer import TOKENIZER_FILES, TOKENIZER_MODELS
 
 MANIFEST = "manifest.json"
@@ -112,10 +118,19 @@ MANIFEST_FIELDS = {
     "candidates": int,
     "dry_run": bool,
     "logits": bool,
+    "weights": bool,
     "target": dict,
     "tokenizer": dict,
+    "keys": dict,
+    "state": dict,
     "files": dict,
 }
+_PORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a name `load_port` looks up, never a path
+_RANK_SHARD = re.compile(re.escape(RANK_WEIGHTS).replace(re.escape("{rank}"), "[0-9]+"))
+MAX_CACHE_LEN = SIZES["max_position_embeddings"][1]  # no model's context is longer
+# the routed experts' weights as each quantization stores them (experts/int8.py, experts/int4.py: two
+# 4-bit numbers a byte); "none": the manifest's compute dtype
+EXPERT_STORAGE = {INT8_QUANTIZATION: "int8", INT4_QUANTIZATION: "uint8"}
 
 
 class ArtifactError(UserError):
@@ -145,19 +160,20 @@ def check_manifest(manifest: dict, path) -> dict:
             raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
     if manifest["expert_layout"] not in EXPERT_LAYOUTS:
         raise ArtifactError(f"{path}: expert_layout {manifest['expert_layout']!r} is not one of {list(EXPERT_LAYOUTS)}")
+    _check_ranges(manifest, path)
     buckets = manifest["buckets"]
     if (
-        not buckets
+        not 0 < len(buckets) <= MAX_BUCKETS
         or not all(_count(b) and b <= manifest["max_cache_len"] for b in buckets)
-        or buckets != sorted(buckets)
+        or buckets != sorted(set(buckets))
     ):
         raise ArtifactError(
-            f"{path}: 'buckets' must be increasing positive lengths up to max_cache_len "
-            f"({manifest['max_cache_len']}), got {buckets}"
+            f"{path}: 'buckets' must be 1 to {MAX_BUCKETS} strictly increasing positive lengths up to "
+            f"max_cache_len ({manifest['max_cache_len']}), got {buckets}"
         )
     rows = manifest["prefill_rows"]
     batch = manifest["batch_size"]
-    if not _count(batch) or not rows or not all(_count(p) and p <= batch for p in rows) or rows != sorted(set(rows)):
+    if not 0 < len(rows) <= MAX_BUCKETS or not all(_count(p) and p <= batch for p in rows) or rows != sorted(set(rows)):
         raise ArtifactError(
             f"{path}: 'prefill_rows' must be increasing row counts of at least 1 and at most "
             f"batch_size ({manifest['batch_size']}), got {rows}"
@@ -166,8 +182,6 @@ def check_manifest(manifest: dict, path) -> dict:
         raise ArtifactError(f"{path}: 'prefill_chunk' {manifest['prefill_chunk']} is not one of the buckets {buckets}")
     if not isinstance(manifest.get("prefix_caching", False), bool):  # absent: built without the copy key
         raise ArtifactError(f"{path}: 'prefix_caching' must be true or false, got {manifest['prefix_caching']!r}")
-    if not _count(manifest["candidates"]):
-        raise ArtifactError(f"{path}: 'candidates' must be a positive count, got {manifest['candidates']}")
     _check_target_field(manifest["target"], path)
     tokenizer = manifest["tokenizer"]
     files = tokenizer.get("files", [])
@@ -189,7 +203,86 @@ def check_manifest(manifest: dict, path) -> dict:
             raise ArtifactError(f"{path}: files[{name!r}] is not a plain relative path of a file beside it")
         if not _digest_entry(entry) or entry["size"] < 0 or not _SHA256.fullmatch(entry["sha256"]):
             raise ArtifactError(f'{path}: files[{name!r}] must be {{"size": bytes, "sha256": hex digest}}, got {entry}')
+    _check_keys_and_state(manifest, path)
+    _check_file_list(manifest, path)
     return manifest
+
+
+def _check_ranges(manifest: dict, path) -> None:
+    """The scalar fields of the contract, each within what this version builds: the words it knows,
+    a port's name (never a path: the SageMaker entrypoint serves the port the manifest names), a TP
+    degree of TP_DEGREES, and counts within the bounds the command line and port files hold them to."""
+    port = manifest["port"]
+    if not _PORT_NAME.fullmatch(port) or port.endswith(".toml"):
+        raise ArtifactError(f"{path}: 'port' {port!r} is not a port's name (letters, digits, '.', '_' and '-')")
+    for key, known in (("dtype", DTYPE_NAMES), ("quantization", QUANTIZATIONS)):
+        if manifest[key] not in known:
+            raise ArtifactError(f"{path}: {key!r} {manifest[key]!r} is not one of {list(known)}")
+    if type(manifest["tp"]) is not int or manifest["tp"] not in TP_DEGREES:
+        raise ArtifactError(f"{path}: 'tp' {manifest['tp']!r} is not a TP degree (one of {list(TP_DEGREES)})")
+    for key, most in (("max_cache_len", MAX_CACHE_LEN), ("batch_size", MAX_BATCH), ("candidates", CANDIDATES)):
+        if not _count(manifest[key]) or manifest[key] > most:
+            raise ArtifactError(f"{path}: {key!r} must be a count from 1 to {most}, got {manifest[key]!r}")
+
+
+def _check_keys_and_state(manifest: dict, path) -> None:
+    """`keys`: exactly the graphs the shapes make (`key_names`), each with its inputs and outputs;
+    `state`: the KV cache's (and counts') tensors, each a shape of positive sizes and a dtype."""
+    want = key_names(manifest["buckets"], manifest["prefill_rows"], manifest.get("prefix_caching") is True)
+    keys = manifest["keys"]
+    if sorted(keys) != sorted(want):
+        missing, extra = sorted(set(want) - set(keys)), sorted(set(keys) - set(want))
+        raise ArtifactError(
+            f"{path}: 'keys' must be the graphs of its buckets and prefill_rows; "
+            + (f"missing {missing}" if missing else f"not one of them: {extra}")
+        )
+    for name, key in keys.items():
+        if not isinstance(key, dict) or not all(isinstance(key.get(k), dict) for k in ("inputs", "outputs")):
+            raise ArtifactError(f"{path}: keys[{name!r}] must hold its 'inputs' and 'outputs'")
+    state = manifest["state"]
+    if not state or not all(
+        isinstance(t, dict)
+        and isinstance(t.get("dtype"), str)
+        and isinstance(t.get("shape"), list)
+        and all(_count(n) for n in t["shape"])
+        for t in state.values()
+    ):
+        raise ArtifactError(
+            f'{path}: \'state\' must name the graphs\' state tensors, each {{"shape": [...], "dtype": str}}'
+        )
+
+
+def _check_file_list(manifest: dict, path) -> None:
+    """The files the contract implies, in the manifest's `files`: a weight shard per rank (none
+    without weights), the shard plan, and the compiled model unless a dry run."""
+    files = manifest["files"]
+    shards = sorted(name for name in files if _RANK_SHARD.fullmatch(name))
+    want = [RANK_WEIGHTS.format(rank=r) for r in range(manifest["tp"])] if manifest["weights"] else []
+    if shards != sorted(want):
+        raise ArtifactError(
+            f"{path}: 'tp' {manifest['tp']} with weights {str(manifest['weights']).lower()} takes "
+            f"{len(want)} rank shard(s), 'files' lists {len(shards)}: {shards}"
+        )
+    if SHARD_PLAN not in files:
+        raise ArtifactError(f"{path}: 'files' lists no {SHARD_PLAN}")
+    if not manifest["dry_run"] and MODEL not in files:
+        raise ArtifactError(f"{path}: 'dry_run' is false, but 'files' lists no {MODEL} (the compiled model)")
+
+
+def check_weight_dtypes(manifest: dict, dtypes: dict, where) -> None:
+    """The routed experts' weights stored as the manifest's quantization says (EXPERT_STORAGE; with
+    "none" its compute dtype): `dtypes` is a tensor's name -> its dtype (torch's spelling), from the
+    shard plan or a rank shard's header (`where`). Refused where no experts' weight is there at all."""
+    want = EXPERT_STORAGE.get(manifest["quantization"], manifest["dtype"])
+    experts = {name: dtype for name, dtype in dtypes.items() if ("." + name).endswith(EXPERTS_LINEARS)}
+    if not experts:
+        raise ArtifactError(f"{where}: holds none of the routed experts' weights (*{', *'.join(EXPERTS_LINEARS)})")
+    for name, dtype in sorted(experts.items()):
+        if dtype != want:
+            raise ArtifactError(
+                f"{where}: {name} is {dtype}, but the manifest says quantization {manifest['quantization']!r}, "
+                f"dtype {manifest['dtype']!r} (experts stored as {want})"
+            )
 
 
 def _check_target_field(target: dict, path) -> None:
@@ -254,13 +347,43 @@ def check_port(manifest: dict, port, artifacts) -> None:
     check_expert_layout(manifest, port.static.expert_layout if port.static else DEFAULT_EXPERT_LAYOUT, artifacts)
 
 
-def directory_files(root: Path, progress=None) -> dict[str, tuple[int, str]]:
-    """Every file under root but its manifest: path under root -> (size, sha256)."""
+def regular_files(root: Path) -> list[tuple[str, Path]]:
+    """Every file under root: (its path under root, its path), sorted. A symbolic link to a file or
+    to a folder is followed (what it reaches is read like the rest, by content); anything that is not
+    a regular file - a FIFO, a device (a link to /dev/zero), a socket, a dangling link, a link to a
+    folder that holds it (a loop) - is refused by name: reading it would block, never end, or fail."""
     root = Path(root)
+    found, todo = [], [(root, frozenset({_inode(root)}))]
+    while todo:
+        folder, above = todo.pop()
+        with os.scandir(folder) as entries:
+            paths = [Path(e.path) for e in entries]
+        for path in paths:
+            try:
+                st = os.stat(path)
+            except OSError as e:
+                raise ArtifactError(f"{path}: cannot be read ({e.strerror}; a dangling link?)") from None
+            if stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) in above:
+                    raise ArtifactError(f"{path}: a symbolic link to a folder that holds it (a loop)")
+                todo.append((path, above | {(st.st_dev, st.st_ino)}))
+            elif stat.S_ISREG(st.st_mode):
+                found.append((path.relative_to(root).as_posix(), path))
+            else:
+                raise ArtifactError(f"{path}: not a regular file (a FIFO, a device or a socket); remove it")
+    return sorted(found)
+
+
+def _inode(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def directory_files(root: Path, progress=None) -> dict[str, tuple[int, str]]:
+    """Every file under root but its manifest (`regular_files`): path under root -> (size, sha256)."""
     found = {}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        if rel != MANIFEST and not path.is_dir():
+    for rel, path in regular_files(root):
+        if rel != MANIFEST:
             digest = file_digest(path, progress)
             found[rel] = (digest.size, digest.sha256)
     return found
@@ -268,13 +391,38 @@ def directory_files(root: Path, progress=None) -> dict[str, tuple[int, str]]:
 
 def verify(artifacts: Path, port=None, progress=None) -> dict:
     """An artifact directory checked whole, before any of it is used: the manifest's contract, every
-    file's size and sha256, no file it does not list; with `port`, built for that port. Returns the
-    manifest."""
+    file's size and sha256, no file it does not list, the experts' weights in the manifest's format;
+    with `port`, built for that port. Returns the manifest."""
     manifest = read_manifest(artifacts)
     check_files(artifacts, manifest["files"], directory_files(artifacts, progress))
+    check_weights(artifacts, manifest)
     if port is not None:
         check_port(manifest, port, artifacts)
     return manifest
+
+
+def plan_dtypes(plan, where) -> dict[str, str]:
+    """A shard plan's (`shard_plan.json`, parsed) tensor name -> dtype."""
+    if not isinstance(plan, dict) or not all(
+        isinstance(e, dict) and isinstance(e.get("dtype"), str) for e in plan.values()
+    ):
+        raise ArtifactError(f'{where}: expected {{tensor name: {{..., "dtype": str}}}}')
+    return {name: entry["dtype"] for name, entry in plan.items()}
+
+
+def check_weights(artifacts: Path, manifest: dict) -> None:
+    """The experts' weights in the manifest's quantization and dtype (`check_weight_dtypes`), as the
+    shard plan records them and as each rank's shard holds them (its safetensors header)."""
+    plan = Path(artifacts) / SHARD_PLAN
+    check_weight_dtypes(manifest, plan_dtypes(read_json_object(plan, ArtifactError, f"{plan}: missing"), plan), plan)
+    for rank in range(manifest["tp"] if manifest["weights"] else 0):
+        path = Path(artifacts) / RANK_WEIGHTS.format(rank=rank)
+        with open(path, "rb") as f:
+            header = _shard_header(f, path, path.stat().st_size)
+        dtypes = {n: e.get("dtype") for n, e in header.items() if isinstance(e, dict)}
+        check_weight_dtypes(
+            manifest, {n: str(_SAFETENSORS_DTYPES.get(d, d)).removeprefix("torch.") for n, d in dtypes.items()}, path
+        )
 
 
 def _digest_entry(entry) -> bool:
@@ -309,10 +457,9 @@ def check_tokenizer(artifacts: Path, manifest: dict, port) -> Path | None:
             f"{artifacts}: carries no tokenizer (built without weights); pass --checkpoint DIR for its tokenizer"
         )
     found = {}
-    for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
-        if path.is_file():
-            digest = file_digest(path)
-            found[f"{TOKENIZER}/{path.relative_to(folder).as_posix()}"] = (digest.size, digest.sha256)
+    for rel, path in regular_files(folder) if folder.is_dir() else []:
+        digest = file_digest(path)
+        found[f"{TOKENIZER}/{rel}"] = (digest.size, digest.sha256)
     check_files(artifacts, {name: manifest["files"][name] for name in listed}, found)
     return folder
 
@@ -389,16 +536,8 @@ def stream_shard(path: Path) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     path = Path(path)
     with open(path, "rb") as f:
         size = path.stat().st_size
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < length <= size - 8:
-            raise ArtifactError(f"{path}: not a safetensors file (header length {length}, file {size} bytes)")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as e:
-            raise ArtifactError(f"{path}: not a safetensors file (header: {e})") from None
-        header.pop("__metadata__", None)
-        start = 8 + length
+        header = _shard_header(f, path, size)
+        start = f.tell()
         entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
         groups: dict[str, list] = {}
         for name, entry in entries:
@@ -419,6 +558,23 @@ def stream_shard(path: Path) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
                 flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
                 tensors[name] = flat.view(dtype).reshape(entry["shape"])
             yield group, tensors
+
+
+def _shard_header(f, path: Path, size: int) -> dict:
+    """A safetensors file's header (tensor name -> entry, its `__metadata__` left out), read from `f`
+    at its start, which is left at the first tensor's bytes."""
+    head = f.read(8)
+    length = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < length <= size - 8:
+        raise ArtifactError(f"{path}: not a safetensors file (header length {length}, file {size} bytes)")
+    try:
+        header = loads_json(f.read(length))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: not a safetensors file (header: {e})") from None
+    if not isinstance(header, dict):
+        raise ArtifactError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    return header
 
 
 def load_streamed(artifacts: Path, manifest: dict, to_device: Callable[[int, str, torch.Tensor], object]) -> list[dict]:

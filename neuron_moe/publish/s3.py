@@ -88,7 +88,7 @@ from tqdm import tqdm
 
 from ..errors import UserError
 from ..neuron import artifact
-from ..report import atomic_dir, check_output, file_digest, run_lock, table
+from ..report import atomic_dir, check_output, file_digest, loads_json, run_lock, table
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +116,21 @@ class _LostRace(PublishError):
     """A conditional write of the manifest found it changed: another run's write came first."""
 
 
+class _Missing(PublishError):
+    """An object the manifest names is not there (`_missing` says why)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
 class _BadManifest(PublishError):
     def __init__(self, message: str, etag: str):
         super().__init__(message)
         self.etag = etag
+
+
+_BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}")  # S3's rules, and the looser ones of buckets made before 2018
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -128,6 +139,8 @@ def parse_uri(uri: str) -> tuple[str, str]:
     if not uri.startswith("s3://") or not uri[5:].partition("/")[0]:
         raise PublishError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
     bucket, _, prefix = uri[5:].partition("/")
+    if bucket in (".", "..") or not _BUCKET.fullmatch(bucket):  # it names a folder in a pull's cache too
+        raise PublishError(f"{uri}: {bucket!r} is not an S3 bucket name (letters, digits, '.', '-' and '_')")
     parts = [p for p in prefix.split("/") if p]
     if any(p in (".", "..") for p in parts):
         raise PublishError(f"{uri}: a '.' or '..' segment in the prefix (S3 would keep it as a name)")
@@ -264,10 +277,10 @@ def _get_manifest(client, bucket: str, prefix: str) -> tuple[dict | None, str | 
             raise
         body = answer["Body"].read()
     try:
-        return _check_manifest(json.loads(body), where), answer["ETag"]
-    except (ValueError, PublishError) as e:  # JSONDecodeError is a ValueError
+        return _check_manifest(loads_json(body), where), answer["ETag"]
+    except (ValueError, UnicodeDecodeError, PublishError) as e:  # JSONDecodeError is a ValueError
         raise _BadManifest(
-            f"{where}: not JSON ({e})" if isinstance(e, ValueError) else str(e), answer["ETag"]
+            str(e) if isinstance(e, PublishError) else f"{where}: not JSON ({e})", answer["ETag"]
         ) from None
 
 
@@ -313,18 +326,13 @@ def _local_files(src: Path) -> list[tuple[str, Path]]:
     if not src.is_dir():
         raise PublishError(f"{src}: not a directory")
     files = []
-    for path in sorted(src.rglob("*")):
-        rel = path.relative_to(src)
-        if any(part.startswith(".") for part in rel.parts):
+    for rel, path in artifact.regular_files(src):  # a FIFO or a device refused by name; links followed
+        if any(part.startswith(".") for part in rel.split("/")):
             # temp files of writes in progress (ours, torch's, safetensors') are hidden names
             raise PublishError(f"{path}: a hidden file (a write in progress?); remove it or wait for the writer")
-        if path.is_dir():
-            continue
-        if not path.is_file():
-            raise PublishError(f"{path}: not a regular file")
         if path.name == MANIFEST:  # anywhere: below P, that name marks a publication
             raise PublishError(f"{path}: {MANIFEST} is the name publish gives its manifest; rename the file")
-        files.append((rel.as_posix(), path))
+        files.append((rel, path))
     if not files:
         raise PublishError(f"{src}: no files to publish")
     return files
@@ -368,15 +376,16 @@ def _check_artifact(src: Path, entries: list[dict]) -> None:
     if not path.is_file():
         return
     try:
-        raw = json.loads(path.read_text())
+        raw = loads_json(path.read_text())
     except (ValueError, UnicodeDecodeError):
-        return  # not JSON: not a trace-and-compile manifest
+        return  # not JSON (or nested past any manifest): not a trace-and-compile manifest
     if not isinstance(raw, dict) or not isinstance(raw.get("format"), int) or not isinstance(raw.get("files"), dict):
         return  # another tool's manifest.json
     manifest = artifact.check_manifest(raw, path)
     artifact.check_files(
         src, manifest["files"], {e["path"]: (e["size"], e["sha256"]) for e in entries if e["path"] != artifact.MANIFEST}
     )
+    artifact.check_weights(src, manifest)
 
 
 def _list_keys(client, bucket: str, prefix: str) -> list[str]:
@@ -749,6 +758,8 @@ def read_manifest(uri: str, client=None) -> list[dict]:
 def read_files(uri: str, keep: tuple[str, ...] = (), *, progress: bool = True, client=None):
     """Every file of the publication at uri read from S3, nothing written, each checked against the
     manifest's size and sha256: ({path: (size, sha256)}, {path: bytes} of the paths in `keep`)."""
+    from botocore.exceptions import ClientError
+
     bucket, prefix = parse_uri(uri)
     client = client or _client()
     files = read_manifest(uri, client)
@@ -758,7 +769,12 @@ def read_files(uri: str, keep: tuple[str, ...] = (), *, progress: bool = True, c
             where = _uri(bucket, _key(prefix, entry["key"]))
             sha, size, chunks = hashlib.sha256(), 0, []
             with _s3_errors(f"reading {where}"):
-                body = client.get_object(Bucket=bucket, Key=_key(prefix, entry["key"]))["Body"]
+                try:
+                    body = client.get_object(Bucket=bucket, Key=_key(prefix, entry["key"]))["Body"]
+                except ClientError as e:
+                    if _error_code(e) in ("404", "NoSuchKey"):
+                        raise _missing(client, bucket, prefix, _key(prefix, entry["key"]), files) from None
+                    raise
                 for block in body.iter_chunks(8 * 2**20):
                     sha.update(block)
                     size += len(block)
@@ -776,6 +792,24 @@ def read_files(uri: str, keep: tuple[str, ...] = (), *, progress: bool = True, c
     return found, kept
 
 
+def _missing(client, bucket: str, prefix: str, key: str, files: list[dict]) -> PublishError:
+    """The error for an object that the manifest read at the start names and S3 does not hold: the
+    publication was replaced since (its manifest names other files now), or it never held it (a key
+    no publish wrote, or an object removed by hand)."""
+    try:
+        now = (_get_manifest(client, bucket, prefix)[0] or {}).get("files")
+    except PublishError:
+        now = None
+    if now == files:
+        return PublishError(
+            f"{_uri(bucket, key)}: no such object, though the publication's manifest names it: the "
+            "publication is damaged (an object removed, or a manifest publish did not write); publish it again"
+        )
+    return PublishError(
+        f"{_uri(bucket, key)} is gone: the publication was replaced during this pull (publish --overwrite); pull again"
+    )
+
+
 def _fetch(client, bucket: str, key: str, target: Path, entry: dict, config, bar: tqdm) -> None:
     """Download into the pull's private directory and verify; a file that does not match raises
     (and the whole directory goes)."""
@@ -788,10 +822,7 @@ def _fetch(client, bucket: str, key: str, target: Path, entry: dict, config, bar
             client.download_file(bucket, key, str(target), Config=config, Callback=bar.update)
         except ClientError as e:
             if _error_code(e) in ("404", "NoSuchKey"):
-                raise PublishError(
-                    f"{_uri(bucket, key)} is gone: the publication was replaced during this "
-                    f"pull (publish --overwrite); pull again"
-                ) from e
+                raise _Missing(key) from e
             raise
     size, sha256, _ = file_digest(target, bar)
     if size != entry["size"] or sha256 != entry["sha256"]:
@@ -927,7 +958,10 @@ def _pull_files(client, bucket: str, prefix: str, files: list[dict], dest: Path,
                     rows.append({**row, "action": "present"})
                     continue
                 bar.total += entry["size"]  # read for nothing: it differs
-            _fetch(client, bucket, _key(prefix, entry["key"]), target, entry, config, bar)
+            try:
+                _fetch(client, bucket, _key(prefix, entry["key"]), target, entry, config, bar)
+            except _Missing as e:
+                raise _missing(client, bucket, prefix, e.key, files) from None
             fetched += entry["size"]
             rows.append({**row, "action": "downloaded"})
     return rows, fetched

@@ -334,10 +334,8 @@ def reads_report(
     at TP `tp` on the channel expert layout, and with `batch` a decode step of that many tokens."""
     local = geo
     if tp > 1 and (settings.quantization != NO_QUANTIZATION or batch is not None):
-        raise UserError(
-            "reads --tp T is the per-rank reader over bf16 experts, one token a step (not with --quantization int8 "
-            "or --batch-size)"
-        )
+        given = f"--quantization {settings.quantization}" if batch is None else "--batch-size"
+        raise UserError(f"reads --tp T is the per-rank reader over bf16 experts, one token a step (not with {given})")
     if tp > 1:  # one rank of the channel layout: I/t channels of every expert
         local = rank_geometry(geo, tp)
         solve_rank_k(geo, settings, budget, tp)  # a budget below a rank's floor: the error names TP

@@ -66,10 +66,10 @@ def s3_pull_function():
 
 
 def s3_cache_dir(uri: str, root: Path) -> Path:
-    bucket, _, prefix = uri[len(S3_SCHEME) :].partition("/")
-    if not bucket:
-        raise ServeError(f"--artifacts {uri}: no bucket in the URI (expected s3://bucket/prefix)")
-    return root.joinpath(bucket, *[p for p in prefix.split("/") if p not in ("", ".", "..")])
+    """Where --artifacts-cache `root` holds the publication at `uri`: a folder per bucket and prefix
+    segment (`s3.parse_uri` refuses a bucket or a segment of '.' or '..', which would leave `root`)."""
+    bucket, prefix = s3.parse_uri(uri)
+    return root.joinpath(bucket, *prefix.split("/") if prefix else ())
 
 
 def artifacts_dir(serving: Serving) -> tuple[Path | None, object]:
