@@ -46,9 +46,9 @@ class SpecError(UserError):
 
 DEFAULT_PORT = "tiny-gemma4-moe"
 DTYPE_NAMES = ("bfloat16", "float32")  # --dtype: the compute dtype, torch's spellings (port.DTYPES: the torch dtypes)
-# --quantization: the routed experts' weight format; "none" computes them in the compute dtype, "int8" holds
-# per-channel symmetric int8 numbers with fp32 scales (experts/int8.py), "int4" group-wise symmetric 4-bit
-# numbers, two per byte, with a bf16 scale per group (experts/int4.py)
+# --quantization: the weight format of the linears --quantized-layers names (formats/: one module each);
+# "none" computes them in the compute dtype, "int8" holds per-channel symmetric int8 numbers with fp32 scales,
+# "int4" group-wise symmetric 4-bit numbers, two per byte, with a bf16 scale per group
 NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION = "none", "int8", "int4"
 QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
 # int4's input channels per bf16 scale unless a model sets its own: every task within 2 points of bf16 on the
@@ -56,6 +56,35 @@ QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
 INT4_GROUP = 32
 # the experts the one-rank reader reads (no int4 reader is built; reader/accounting.py charges one)
 READER_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
+# --quantized-layers: the groups of linears --quantization applies to (embeddings, norms, the router and
+# scalars stay in the compute dtype: a lookup reads one row, the rest is small)
+LAYER_GROUPS = ("experts", "attention", "mlp", "lm_head")
+DEFAULT_QUANTIZED_LAYERS = ("experts",)
+_LAYER_GROUP = (
+    (re.compile(r"(^|\.)experts\.(gate_up|down)_proj\.weight$"), "experts"),
+    (re.compile(r"(^|\.)self_attn\.[a-z]+_proj\.weight$"), "attention"),
+    (re.compile(r"(^|\.)mlp\.(gate|up|down)_proj\.weight$"), "mlp"),
+    (re.compile(r"(^|\.)lm_head\.weight$"), "lm_head"),
+)
+
+
+def layer_group(name: str) -> str | None:
+    """The group (LAYER_GROUPS) of the linear whose weight is `name` (a parallel-layout or HF
+    parameter name), or None for any other tensor."""
+    return next((group for pattern, group in _LAYER_GROUP if pattern.search(name)), None)
+
+
+def check_quantized_layers(layers) -> tuple[str, ...]:
+    """`layers` (a tuple, or --quantized-layers' comma-separated text) as a tuple in LAYER_GROUPS' order,
+    each named once; else a UserError naming the choices."""
+    names = [n.strip() for n in layers.split(",")] if isinstance(layers, str) else list(layers)
+    unknown = [n for n in names if n not in LAYER_GROUPS]
+    if unknown or not names:
+        raise SpecError(
+            f"--quantized-layers {','.join(names)!r}: expected a comma-separated list of {', '.join(LAYER_GROUPS)}"
+        )
+    return tuple(g for g in LAYER_GROUPS if g in names)
+
 
 # The reader's defaults (reader/prep.py writes them into a sidecar; reader/accounting.py charges them)
 BLOCK = 128  # coordinates per Hadamard block
@@ -245,7 +274,8 @@ class Backend:
     experts: Experts | None = None  # HF's model's (EAGER_GRAPHS); None: each graph's, the port's [static]
     placement: Placement | None = None  # None: one rank (over the nxd layers, the graphs run as modules)
     reader: Reader | None = None  # the reader's settings (with CHANNEL_READER, or in the TP decode graph)
-    quantization: str = NO_QUANTIZATION  # the routed experts' format in the rank modules (QUANTIZATIONS)
+    quantization: str = NO_QUANTIZATION  # the weight format of the quantized layers (QUANTIZATIONS)
+    quantized_layers: tuple[str, ...] = DEFAULT_QUANTIZED_LAYERS  # which linears are in it (LAYER_GROUPS)
     dtype: str | None = None  # the compute dtype (one of DTYPE_NAMES); None: the port's
     compile: bool = False  # MODULES: each graph compiled by torch.compile (inductor), else run a module at a time
 
@@ -257,19 +287,42 @@ def compiled_backend(
     dtype: str | None = None,
     expert_layout: str | None = None,
     reader: Reader | None = None,
+    quantized_layers: tuple[str, ...] = DEFAULT_QUANTIZED_LAYERS,
 ) -> Backend:
     """The rank modules of a compiled artifact (what trace-and-compile builds, plan plans and deploy
-    sizes): TP `tp` in `expert_layout` (None: the port's), the routed experts in `quantization`, the
+    sizes): TP `tp` in `expert_layout` (None: the port's), `quantized_layers` in `quantization`, the
     reader in the decode key where given."""
     placement = Placement(tp=tp, expert_layout=expert_layout)
-    return Backend(name, COMPILED, placement=placement, reader=reader, quantization=quantization, dtype=dtype)
+    return Backend(
+        name,
+        COMPILED,
+        placement=placement,
+        reader=reader,
+        quantization=quantization,
+        quantized_layers=check_quantized_layers(quantized_layers),
+        dtype=dtype,
+    )
 
 
-def tp_backend(tp: int, *, quantization: str = NO_QUANTIZATION, reader: Reader | None = None, **placement) -> Backend:
+def tp_backend(
+    tp: int,
+    *,
+    quantization: str = NO_QUANTIZATION,
+    quantized_layers: tuple[str, ...] = DEFAULT_QUANTIZED_LAYERS,
+    reader: Reader | None = None,
+    **placement,
+) -> Backend:
     """validate's tp backend as `--backend tp --tp T` builds it, for callers without a command line
-    (tests, benches): degree `tp`, the experts' format, the reader's settings, `placement` the
-    Placement's other fields (expert_layout, scatter, layers)."""
-    return Backend("tp", EXPORTED, placement=Placement(tp=tp, **placement), reader=reader, quantization=quantization)
+    (tests, benches): degree `tp`, the weight format and the layers in it, the reader's settings,
+    `placement` the Placement's other fields (expert_layout, scatter, layers)."""
+    return Backend(
+        "tp",
+        EXPORTED,
+        placement=Placement(tp=tp, **placement),
+        reader=reader,
+        quantization=quantization,
+        quantized_layers=check_quantized_layers(quantized_layers),
+    )
 
 
 # ---- the backends validate and serve offer ----

@@ -28,33 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.int8 import dequantize_output, quantize_per_channel
 from ..parallel.layout import fused
 from ..reader.int8 import Int8Experts
 from .dense_masked import router_weight_matrix
-
-QMAX = 127  # symmetric: -127 … 127, so the grid is the same both sides of zero
-
-
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] or [E, in, out] float -> (int8 of the same shape, fp32 scale [out, 1] or [E, 1, out])
-    with w ≈ q · scale: one scale per output channel, the amax over the input dim (dim 1) / 127."""
-    w32 = w.detach().to(torch.float32)  # may be `w` itself: only out-of-place ops below
-    amax = w32.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))  # an all-zero row stays zero
-    q = torch.round(w32 / scale).clamp(-QMAX, QMAX).to(torch.int8)
-    return q, scale
-
-
-def dequantize_output(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y [..., out] of a matmul with int8 weights, times its scale in fp32, back to y's dtype. The
-    scale is [out, 1] (a linear: one row per output channel) or [E, 1, out] (expert-fused: y is
-    [E, ..., out], one expert per leading row)."""
-    if scale.dim() == 2:
-        scale = scale.T
-    else:
-        scale = scale.view(scale.shape[0], *[1] * (y.dim() - 2), scale.shape[-1])
-    return (y.to(torch.float32) * scale).to(y.dtype)
-
 
 def _quantized(experts) -> tuple[torch.Tensor, ...]:
     """The module's int8 weights and scales in the channel layout's order (gate_up [E, H, 2I],
