@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from .experts import int4
+from .formats.int4 import INT4
 from .report import table
 from .spec import EXPERTS, NO_QUANTIZATION
 
@@ -77,7 +77,7 @@ def parameter_counts(config: Gemma4TextConfig) -> dict:
     E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
     expert_scales = config.num_hidden_layers * E * (2 * I + H)
     # int4 experts: half a byte per weight plus a bf16 scale per group of input channels (experts/int4.py)
-    int4_experts = config.num_hidden_layers * E * (int4.nbytes(2 * I, H) + int4.nbytes(H, I))
+    int4_experts = config.num_hidden_layers * (INT4.nbytes((E, H, 2 * I)) + INT4.nbytes((E, I, H)))
     return {
         "total": total,
         "groups": dict(sorted(groups.items())),

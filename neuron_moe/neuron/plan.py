@@ -81,8 +81,8 @@ from transformers import Gemma4TextConfig
 from .. import spec
 from ..errors import UserError
 from ..static.sampling import BIAS_WIDTH, TOP_LOGPROBS
-from ..experts import int4
-from ..experts.quantization import quantize_experts
+from ..formats import format_of
+from ..formats.int4 import DEFAULT_GROUP
 from ..info import meta_model, parameter_group
 from .artifact import DECODE_KEYS, is_processing, key_names, key_shape, load_group, prefill_key
 from ..parallel import layout
@@ -142,35 +142,25 @@ INSTANCES = {name: Instance(name, chips, INSTANCE_HOST_MEMORY[name]) for name, c
 _EXPERT_WEIGHTS = (".experts.gate_up_proj.weight", ".experts.down_proj.weight")
 
 
-def int4_bytes(shape: torch.Size) -> int:
-    """Bytes of one int4 weight of `shape` (`experts/int4.py` at its DEFAULT_GROUP): the input
-    dimension is dim 1 of every expert layout's local experts ([E, H, 2I] / [E, I, H], or
-    [E·2I, H] / [H, E·I])."""
-    inputs = shape[1]
-    try:
-        return int4.nbytes(shape.numel() // inputs, inputs)
-    except int4.Int4Error as e:
-        raise UserError(f"int4 experts: {e}") from None
-
-
-def _rank_tensors(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str) -> dict[str, int]:
-    """Bytes of each tensor on one rank (every rank holds the same amount)."""
+def _rank_tensors(
+    config: Gemma4TextConfig,
+    tp: int,
+    quantization: str,
+    expert_layout: str,
+    layers: tuple[str, ...] = spec.DEFAULT_QUANTIZED_LAYERS,
+) -> dict[str, int]:
+    """Bytes of each weight on one rank (every rank holds the same amount): its local shard in its
+    format (`formats/`: `layers` in `quantization`, the rest bf16; the SPMDRanks int32)."""
     state = meta_model(config).state_dict()  # tied embed_tokens / lm_head appear under both names
     full = layout.parallel_state_dict(state, config, tp, expert_layout)
-    if quantization == spec.INT8_QUANTIZATION:
-        full = quantize_experts(full, quantization)  # on the meta device: int8 weights and fp32 scales, shapes only
     out = {}
     for name, w in full.items():
         local = layout.shard(w, layout.placement(name, expert_layout), tp, 0)
-        if quantization == spec.INT4_QUANTIZATION and name.endswith(_EXPERT_WEIGHTS):
-            try:
-                out[name] = int4_bytes(local.shape)
-            except UserError as e:
-                raise UserError(f"{e} ({name} on each of {tp} ranks, {expert_layout} layout)") from None
-            continue
-        # int8 experts, int32 SPMDRanks, the experts' fp32 scales (not the router's `scale`); the rest bf16
-        fp32 = ".experts." in name and name.endswith(".scale")
-        out[name] = local.numel() * {torch.int8: 1, torch.int32: 4}.get(local.dtype, 4 if fp32 else 2)
+        dtype = torch.bfloat16 if local.is_floating_point() else local.dtype
+        try:
+            out[name] = format_of(name, quantization, layers).nbytes(tuple(local.shape), dtype)
+        except UserError as e:
+            raise UserError(f"{quantization}: {e} ({name} on each of {tp} ranks, {expert_layout} layout)") from None
     return out
 
 
@@ -283,7 +273,7 @@ def _savings(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout
             {
                 "what": f"{quantization} experts"
                 + (
-                    f" (groups of {int4.DEFAULT_GROUP}, bf16 scales)"
+                    f" (groups of {DEFAULT_GROUP}, bf16 scales)"
                     if quantization == spec.INT4_QUANTIZATION
                     else " (fp32 scales per channel)"
                 ),
