@@ -34,7 +34,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from .. import spec
 from ..errors import UserError
-from ..formats import format_of
+from ..formats import NONE, format_of
 from ..spec import DEFAULT_QUANTIZED_LAYERS, NO_QUANTIZATION, SPMD
 from . import layout
 from .moe import parallel_experts
@@ -71,6 +71,8 @@ def check_formats(
     experts.check(config.moe_intermediate_size, "experts' intermediate size")
     for name, w in layout.parallel_state_dict(whole.state_dict(), config, tp, expert_layout).items():
         fmt = format_of(name, quantization, quantized_layers)
+        if fmt is NONE:
+            continue
         local = layout.shard(w, layout.placement(name, expert_layout), tp, 0)
         try:
             fmt.check(local.shape[1], f"input channels a rank holds of {name} at TP {tp}")
