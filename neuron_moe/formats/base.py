@@ -39,8 +39,9 @@ class Format:
         """Each tensor's (shape, dtype) for a weight of `shape` whose float form is in `dtype`."""
         return {"weight": (tuple(shape), dtype)}
 
-    def check(self, inputs: int, what: str = "input dim") -> None:
-        """A UserError unless an input dim of `inputs` channels holds whole groups (none: any)."""
+    def check(self, inputs: int, what: str = "input channels") -> None:
+        """A UserError unless `inputs` input channels (`what`: which, in its message) hold whole groups
+        (none: any)."""
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """A weight ([out, in] or [E, in, out]) in this format; never modifies `w`. On the meta device

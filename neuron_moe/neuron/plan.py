@@ -160,7 +160,7 @@ def _rank_tensors(
         try:
             out[name] = format_of(name, quantization, layers).nbytes(tuple(local.shape), dtype)
         except UserError as e:
-            raise UserError(f"{quantization}: {e} ({name} on each of {tp} ranks, {expert_layout} layout)") from None
+            raise UserError(f"{e} ({name} on each of {tp} ranks, {expert_layout} layout)") from None
     return out
 
 

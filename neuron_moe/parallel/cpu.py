@@ -82,7 +82,7 @@ class _Weight(nn.Module):
 
     def _weight(self, shape: tuple[int, ...], dim: int, tp: int, dtype, fmt: Format, stride: int = 1) -> None:
         """`shape`: the rank's float weight (dim 1 its input dim; a row layer's already split)."""
-        fmt.check(shape[1], "rank's input channels")
+        fmt.check(shape[1], "input channels of a rank")
         self.format, self.tensor_names = fmt, fmt.tensors
         for name, (size, tensor_dtype) in fmt.shapes(shape, dtype).items():
             param = nn.Parameter(torch.zeros(size, dtype=tensor_dtype), requires_grad=False)
