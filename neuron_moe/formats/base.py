@@ -11,7 +11,7 @@ for a weight's shape (`shapes`). The rest follows from those:
   matmuls   `linear` (x @ Wᵀ) and `expert_matmul` (NxD's einsum over [E, in, out]): the weight
             dequantised in x's dtype, then one matmul; a format may apply part after the matmul
   sharding  each tensor splits as the float weight does along the weight's partition dim, unless
-            it holds one entry there where the weight holds more (a scale per output channel of a
+            its size there does not follow the weight's (a scale per output channel of a
             row-parallel linear): that one is replicated (`replicated`). `check` refuses an input
             dim (a row layer's rank: its share) that does not hold the format's groups whole.
 
@@ -71,7 +71,10 @@ class Format:
 NONE = Format()
 
 
-def replicated(tensor_shape: tuple[int, ...], weight_shape: tuple[int, ...], dim: int) -> bool:
-    """Whether a format's tensor is replicated where its weight splits on `dim`: it holds one entry on
-    that dim where the weight holds more (a scale per output channel of a row-parallel linear)."""
-    return tensor_shape[dim] == 1 and weight_shape[dim] > 1
+def replicated(fmt: Format, name: str, weight_shape: tuple[int, ...], dim: int) -> bool:
+    """Whether the format's tensor `name` is replicated where its weight splits on `dim`: its size there
+    does not follow the weight's (a scale per output channel of a row-parallel linear). Asked of the
+    format, not read off one shape: a rank holding one group holds one group scale, and that one splits."""
+    grown = (*weight_shape[:dim], 2 * weight_shape[dim], *weight_shape[dim + 1 :])  # still whole groups
+    before, after = (fmt.shapes(shape, torch.float32)[name][0][dim] for shape in (tuple(weight_shape), grown))
+    return before == after

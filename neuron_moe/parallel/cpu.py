@@ -86,7 +86,7 @@ class _Weight(nn.Module):
         self.format, self.tensor_names = fmt, fmt.tensors
         for name, (size, tensor_dtype) in fmt.shapes(shape, dtype).items():
             param = nn.Parameter(torch.zeros(size, dtype=tensor_dtype), requires_grad=False)
-            if replicated(size, shape, dim):
+            if replicated(fmt, name, shape, dim):
                 setattr(self, name, _tag(param, None, tp))
             else:
                 setattr(self, name, self.tag(param, dim, tp, stride))
