@@ -172,7 +172,8 @@ def _rank_tensors(
         try:
             out[name] = format_of(name, quantization, layers).nbytes(shape, dtype)
         except UserError as e:
-            raise UserError(f"{quantization}: {e} ({name} on each of {tp} ranks, {expert_layout} layout)") from None
+            what = f"{quantization} {spec.layer_group(name)}"
+            raise UserError(f"{what}: {e} ({name} on each of {tp} ranks, {expert_layout} layout)") from None
     return out
 
 
