@@ -48,9 +48,10 @@ DEFAULT_PORT = "tiny-gemma4-moe"
 DTYPE_NAMES = ("bfloat16", "float32")  # --dtype: the compute dtype, torch's spellings (port.DTYPES: the torch dtypes)
 # --quantization: the weight format of the linears --quantized-layers names (formats/: one module each);
 # "none" computes them in the compute dtype, "int8" holds per-channel symmetric int8 numbers with fp32 scales,
-# "int4" group-wise symmetric 4-bit numbers, two per byte, with a bf16 scale per group
-NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION = "none", "int8", "int4"
-QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
+# "int4" group-wise symmetric 4-bit numbers, two per byte, with a bf16 scale per group, "q4_0" llama.cpp's Q4_0
+# (4-bit numbers -8 … 7, an fp16 scale per 32 input channels: the grid of Google's QAT checkpoints)
+NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION, Q4_0_QUANTIZATION = "none", "int8", "int4", "q4_0"
+QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION, Q4_0_QUANTIZATION)
 # int4's input channels per bf16 scale unless a model sets its own: every task within 2 points of bf16 on the
 # tiny model, 64 lost 6 (bench/results/int4-quality.md); experts/int4.py and reader/accounting.py read it here
 INT4_GROUP = 32

@@ -12,7 +12,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "neuron_moe"
 # Lowest first. A module's layer is its longest prefix here.
 LAYERS = (
     ("foundations", ("", "errors", "report", "config", "tokenizer")),  # "": the package's __init__
-    ("definitions", ("spec", "run_config", "port", "tasks", "checkpoint", "hub", "reader", "parallel.layout")),
+    (
+        "definitions",
+        ("spec", "run_config", "port", "tasks", "checkpoint", "hub", "reader", "formats", "parallel.layout"),
+    ),
     ("modules", ("experts", "static", "parallel", "greedy")),
     # The generators over a port's graphs build the port's model: workflows, not modules.
     (

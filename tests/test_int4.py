@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from neuron_moe import cli_parser
 from neuron_moe.cli import main
 from neuron_moe.errors import UserError
-from neuron_moe.experts import int4
-from neuron_moe.experts.quantization import quantize_experts
+from neuron_moe.formats import int4
+from neuron_moe.formats import FORMATS, quantize_state
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.neuron import artifact as na
@@ -103,7 +103,7 @@ def test_bytes_are_what_the_tensors_hold():
 
 
 def test_a_group_that_does_not_divide_the_input_dim_is_refused():
-    with pytest.raises(int4.Int4Error, match="group size 64 does not divide the input dim 96"):
+    with pytest.raises(int4.Int4Error, match="group size 64 does not divide the 96 input channels"):
         int4.packed_bytes(8, 96, 64)
     with pytest.raises(int4.Int4Error, match="even number"):
         int4.quantize(_weight((4, 18)), 9)
@@ -159,8 +159,8 @@ def test_tp2_int4_in_both_layouts_is_the_one_rank_int4(tiny_port):
 def test_int4_group_must_fit_a_row_rank(tiny_port):
     """The channel layout at TP 4 leaves each rank 16 of an expert's 64 channels: no whole group of 32."""
 
-    with pytest.raises(int4.Int4Error, match="group size 32 does not divide the rank's input channels 16"):
-        ParallelMoE(tiny_port.config, 4, cpu, quantization="int4")
+    with pytest.raises(int4.Int4Error, match="group size 32 does not divide the 16 input channels of a rank"):
+        ParallelMoE(tiny_port.config, 4, cpu, fmt=FORMATS["int4"])
 
 
 def _experts_bytes(out) -> int:
@@ -199,8 +199,9 @@ def test_a_degree_whose_ranks_hold_no_whole_group_is_refused_before_any_weight(c
     assert main(["validate", "--backend", "tp", "--quantization", "int4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
-        "error: int4 group size 32 does not divide a rank's 8 of each expert's 64 channels at TP 8 in the "
-        "channel layout: use a lower TP degree or --expert-layout expert"
+        "error: int4 group size 32 does not divide the 8 input channels each rank holds of "
+        "model.layers.0.experts.down_proj.weight at TP 8 in the channel layout: use a lower TP degree or "
+        "--expert-layout expert"
     )
 
 
@@ -234,14 +235,14 @@ def test_quantizing_takes_each_float_experts_linear_out_as_it_goes(tiny_eager):
     the result is the per-tensor quantisation, everything else passed on as it was."""
     full = layout.parallel_state_dict(tiny_eager.state_dict(), tiny_eager.config, 2, layout.CHANNEL)
     copy = dict(full)
-    out = quantize_experts(full, "int4")
+    out = quantize_state(full, "int4")
     assert full == {}
     name = "model.layers.1.experts.down_proj.weight"
     packed, scale = int4.quantize(copy[name])
     assert torch.equal(out[name], packed) and torch.equal(out[name.replace("weight", "group_scale")], scale)
     assert all(out[k] is v for k, v in copy.items() if ".experts." not in k)
-    with pytest.raises(UserError, match="experts quantization 'int3'"):
-        quantize_experts(copy, "int3")
+    with pytest.raises(UserError, match="--quantization 'int3'"):
+        quantize_state(copy, "int3")
 
 
 def test_the_reader_accounting_charges_int4_as_the_format_holds_it():

@@ -5,7 +5,7 @@ scale per (expert, hidden channel) closer to fp32 than one shared by the experts
 import pytest
 import torch
 
-from neuron_moe.experts.int8 import QMAX, quantize_per_channel
+from neuron_moe.formats.int8 import QMAX, quantize_per_channel
 from neuron_moe.greedy import left_pad
 from neuron_moe.model import build_model
 from neuron_moe.parallel.layout import down_2d, fused

@@ -362,7 +362,9 @@ def test_the_compile_host_estimate_is_stated_per_key_and_anchored_on_its_one_rep
 def test_int4_where_a_rank_holds_part_of_a_group_is_refused_by_name(big):
     """At TP 8 the channel layout's down holds I/8 = 88 input channels a rank: not whole groups. The
     expert layout's down holds E·I/8 (whole experts): its plan stands, without the channel row."""
-    with pytest.raises(UserError, match=r"does not divide the input dim 88 \(.*down_proj.weight on each of 8 ranks"):
+    with pytest.raises(
+        UserError, match=r"does not divide the 88 input channels \(.*down_proj.weight on each of 8 ranks"
+    ):
         plan(big, "inf2.24xlarge", 8, "int4", batch=1, seq=4096)
     r = plan(big, "inf2.24xlarge", 8, "int4", batch=1, seq=4096, expert_layout="expert")
     assert r["fits"] and [row["expert_layout"] for row in r["decode"]] == ["expert"]

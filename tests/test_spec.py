@@ -46,7 +46,7 @@ def test_what_the_commands_offer_is_derived_from_the_entries():
     assert sorted(backends.NOT_SERVED) == ["channel_reader", "selector"]
     assert sorted(seq_match.BACKENDS) == ["dense_masked", "eager", "reader", "static", "tp", "traced"]
     assert seq_match.BACKENDS["reader"].experts is spec.CHANNEL_READER
-    assert spec.QUANTIZATIONS == ("none", "int8", "int4")
+    assert spec.QUANTIZATIONS == ("none", "int8", "int4", "q4_0")
     for name in ("eager", "dense_masked"):
         for quantization, entry in (("int8", spec.INT8), ("int4", spec.INT4)):
             q = spec.quantized(seq_match.BACKENDS[name], quantization)

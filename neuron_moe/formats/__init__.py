@@ -15,14 +15,15 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from .. import spec
-from .base import NONE, Format, replicated
+from .base import NONE, Format
 from .int4 import INT4
 from .int8 import INT8
+from .q4_0 import Q4_0
 
-FORMATS: dict[str, Format] = {f.name: f for f in (NONE, INT8, INT4)}
+FORMATS: dict[str, Format] = {f.name: f for f in (NONE, INT8, INT4, Q4_0)}
 TENSORS = frozenset(name for f in FORMATS.values() for name in f.tensors)  # every format's tensor names
 
-__all__ = ["FORMATS", "TENSORS", "Format", "format_of", "get", "quantize_state", "quantize_stream", "replicated"]
+__all__ = ["FORMATS", "TENSORS", "Format", "format_of", "get", "quantize_state", "quantize_stream"]
 
 
 def get(quantization: str) -> Format:

@@ -10,10 +10,11 @@ for a weight's shape (`shapes`). The rest follows from those:
   bytes     `nbytes`: what the planner, `reads` and `info` charge for a weight
   matmuls   `linear` (x @ Wᵀ) and `expert_matmul` (NxD's einsum over [E, in, out]): the weight
             dequantised in x's dtype, then one matmul; a format may apply part after the matmul
-  sharding  each tensor splits as the float weight does along the weight's partition dim, unless
-            it holds one entry there where the weight holds more (a scale per output channel of a
-            row-parallel linear): that one is replicated (`replicated`). `check` refuses an input
-            dim (a row layer's rank: its share) that does not hold the format's groups whole.
+  sharding  each tensor splits as the float weight does along the weight's partition dim, but for
+            a tensor with one entry per output channel (`per_output`: int8's scale) where the weight
+            splits on its input dim (a row-parallel linear): every rank holds it whole
+            (`replicated`). `check` refuses an input dim (a row layer's rank: its share) that does
+            not hold the format's groups whole.
 
 `Format` itself is "none": the weight as it is, in the compute dtype. Each quantized format is one
 module (`int8.py`, `int4.py`, `q4_0.py`) and one line of the registry (`formats/__init__.py`).
@@ -32,13 +33,15 @@ Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 class Format:
     name = "none"
     tensors = ("weight",)  # what `shapes` and `quantize` name, in that order
+    per_output: tuple[str, ...] = ()  # those with one entry per output channel (no input dim to split)
 
     def shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> Shapes:
         """Each tensor's (shape, dtype) for a weight of `shape` whose float form is in `dtype`."""
         return {"weight": (tuple(shape), dtype)}
 
-    def check(self, inputs: int, what: str = "input dim") -> None:
-        """A UserError unless an input dim of `inputs` channels holds whole groups (none: any)."""
+    def check(self, inputs: int, what: str = "input channels") -> None:
+        """A UserError unless `inputs` input channels (`what`: which, in its message) hold whole groups
+        (none: any)."""
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """A weight ([out, in] or [E, in, out]) in this format; never modifies `w`. On the meta device
@@ -63,15 +66,13 @@ class Format:
         """x [E, 1, tokens, in] through an [E, in, out] weight, as NxD's expert-fused layers."""
         return torch.einsum("e...h,ehi->e...i", x, self.dequantize(tensors, x.dtype))
 
+    def replicated(self, tensor: str, dim: int) -> bool:
+        """Whether every rank holds `tensor` whole where its weight splits on `dim` (1: the input dim)."""
+        return tensor in self.per_output and dim == 1
+
     def nbytes(self, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes of a weight of `shape` in this format (none: in `dtype`)."""
         return sum(math.prod(s) * d.itemsize for s, d in self.shapes(shape, dtype).values())
 
 
 NONE = Format()
-
-
-def replicated(tensor_shape: tuple[int, ...], weight_shape: tuple[int, ...], dim: int) -> bool:
-    """Whether a format's tensor is replicated where its weight splits on `dim`: it holds one entry on
-    that dim where the weight holds more (a scale per output channel of a row-parallel linear)."""
-    return tensor_shape[dim] == 1 and weight_shape[dim] > 1

@@ -54,12 +54,12 @@ class Int4Error(UserError):
     pass
 
 
-def check_group(inputs: int, group: int, what: str = "input dim") -> None:
+def check_group(inputs: int, group: int, what: str = "input channels") -> None:
     """`group` must be even-sized and divide `inputs` (whole groups, whole bytes)."""
     if group < 2 or group % 2:
         raise Int4Error(f"int4 group size must be an even number ≥ 2, got {group}")
     if inputs % group:
-        raise Int4Error(f"int4 group size {group} does not divide the {what} {inputs}")
+        raise Int4Error(f"int4 group size {group} does not divide the {inputs} {what}")
 
 
 def packed_bytes(out: int, inputs: int, group: int = DEFAULT_GROUP) -> tuple[int, int]:
@@ -155,7 +155,7 @@ class Int4(Format):
         packed, scales = shapes(tuple(shape), self.group)
         return {"weight": (packed, torch.uint8), "group_scale": (scales, SCALE_DTYPE)}
 
-    def check(self, inputs: int, what: str = "input dim") -> None:
+    def check(self, inputs: int, what: str = "input channels") -> None:
         check_group(inputs, self.group, what)
 
     def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -47,6 +47,7 @@ def dequantize_output(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class Int8(Format):
     name = "int8"
     tensors = ("weight", "scale")
+    per_output = ("scale",)
 
     def shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> Shapes:
         return {"weight": (tuple(shape), torch.int8), "scale": ((shape[0], 1, *shape[2:]), torch.float32)}

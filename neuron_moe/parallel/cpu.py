@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from ..formats import NONE, Format, replicated
+from ..formats import NONE, Format
 from . import layout
 
 
@@ -73,7 +73,7 @@ def all_gather_last_dim(x: torch.Tensor, tp: int) -> torch.Tensor:
 
 class _Weight(nn.Module):
     """A parallel linear's weight in a format (`formats/`): each of the format's tensors a parameter
-    tagged as the float weight would be, or replicated where the format says so (`formats.replicated`);
+    tagged as the float weight would be, or replicated where the format says so (`Format.replicated`);
     written once over a tag (`tag`) and an all-reduce (`reduce`) so `parallel/nxd.py` reuses it with
     NxD's."""
 
@@ -82,11 +82,11 @@ class _Weight(nn.Module):
 
     def _weight(self, shape: tuple[int, ...], dim: int, tp: int, dtype, fmt: Format, stride: int = 1) -> None:
         """`shape`: the rank's float weight (dim 1 its input dim; a row layer's already split)."""
-        fmt.check(shape[1], "rank's input channels")
+        fmt.check(shape[1], "input channels of a rank")
         self.format, self.tensor_names = fmt, fmt.tensors
         for name, (size, tensor_dtype) in fmt.shapes(shape, dtype).items():
             param = nn.Parameter(torch.zeros(size, dtype=tensor_dtype), requires_grad=False)
-            if replicated(size, shape, dim):
+            if fmt.replicated(name, dim):
                 setattr(self, name, _tag(param, None, tp))
             else:
                 setattr(self, name, self.tag(param, dim, tp, stride))

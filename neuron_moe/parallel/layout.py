@@ -42,8 +42,8 @@ lm_head column-parallel over the vocabulary (logits gathered). They are tied in 
 two tensors on the device: each parallel layer loads its own.
 
 Quantized linears (`formats/`) are quantized as their layout holds them, along their input dim (dim 1
-of all of them); each tensor of a format is placed as its weight, but for a scale with one entry on
-the weight's partition dim, which every rank holds whole. int8: per output channel, so the channel
+of all of them); each tensor of a format is placed as its weight, but for a scale with one entry per
+output channel in a row layer, which every rank holds whole. int8: per output channel, so the channel
 layout's experts per (expert, output channel), the expert layout's down, one linear over all
 experts, per hidden channel shared by its experts. Grouped formats (int4, q4_0): a row rank holds
 whole groups of its input channels, and an expert's groups lie within its own channels.
@@ -122,7 +122,7 @@ def check_layout_name(expert_layout: str) -> str:
 def placement(name: str, expert_layout: str = DEFAULT_EXPERT_LAYOUT) -> str:
     """The placement of a parameter, by its name in the parallel layout (see `parallel_state_dict`). A
     weight format's tensor (`….scale`, …: `formats.TENSORS`) is placed as its linear's weight; the
-    format says which of them a rank holds whole instead (`formats.replicated`)."""
+    format says which of them a rank holds whole instead (`Format.replicated`)."""
     prefix, _, tensor = name.rpartition(".")
     if prefix and tensor in TENSORS:
         name = f"{prefix}.weight"

@@ -34,7 +34,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from .. import spec
 from ..errors import UserError
-from ..formats import format_of
+from ..formats import NONE, format_of
 from ..spec import DEFAULT_QUANTIZED_LAYERS, NO_QUANTIZATION, SPMD
 from . import layout
 from .moe import parallel_experts
@@ -68,12 +68,16 @@ def check_formats(
     with torch.device("meta"):
         whole = Gemma4ForCausalLM(copy.deepcopy(config))
     experts = format_of(".experts.down_proj.weight", quantization, quantized_layers)
-    experts.check(config.moe_intermediate_size, "experts' intermediate size")
+    experts.check(config.moe_intermediate_size, "intermediate channels of each expert")
     for name, w in layout.parallel_state_dict(whole.state_dict(), config, tp, expert_layout).items():
         fmt = format_of(name, quantization, quantized_layers)
+        if fmt is NONE:
+            continue
         local = layout.shard(w, layout.placement(name, expert_layout), tp, 0)
         try:
-            fmt.check(local.shape[1], f"input channels a rank holds of {name} at TP {tp}")
+            fmt.check(
+                local.shape[1], f"input channels each rank holds of {name} at TP {tp} in the {expert_layout} layout"
+            )
         except UserError as e:
             hint = " or --expert-layout expert" if ".experts." in name and expert_layout == layout.CHANNEL else ""
             raise UserError(f"{e}: use a lower TP degree{hint}") from None

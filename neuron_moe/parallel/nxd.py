@@ -287,26 +287,30 @@ def _nxd_int8(fmt: Format) -> bool:
 def ColumnParallelLinear(
     input_size: int, output_size: int, *, tp: int, dtype=torch.float32, fmt: Format = NONE, gather_output=False
 ):
-    args = dict(**_linear(input_size, output_size, tp, dtype), gather_output=gather_output)
     if fmt is NONE:
-        return _nxd("neuronx_distributed.parallel_layers.layers.ColumnParallelLinear")(**args)
+        return _nxd("neuronx_distributed.parallel_layers.layers.ColumnParallelLinear")(
+            **_linear(input_size, output_size, tp, dtype), gather_output=gather_output
+        )
     if _nxd_int8(fmt):
         return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedColumnParallel")(
-            **args, **_int8(expert_wise=False)
+            **_linear(input_size, output_size, tp, dtype), gather_output=gather_output, **_int8(expert_wise=False)
         )
+    _check_tp(tp)
     return _formatted(cpu.ColumnParallelLinear)(
         input_size, output_size, tp=tp, dtype=dtype, fmt=fmt, gather_output=gather_output
     )
 
 
 def RowParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, fmt: Format = NONE):
-    args = dict(**_linear(input_size, output_size, tp, dtype), input_is_parallel=True)
     if fmt is NONE:
-        return _nxd("neuronx_distributed.parallel_layers.layers.RowParallelLinear")(**args)
+        return _nxd("neuronx_distributed.parallel_layers.layers.RowParallelLinear")(
+            **_linear(input_size, output_size, tp, dtype), input_is_parallel=True
+        )
     if _nxd_int8(fmt):
         return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel")(
-            **args, **_int8(expert_wise=False)
+            **_linear(input_size, output_size, tp, dtype), input_is_parallel=True, **_int8(expert_wise=False)
         )
+    _check_tp(tp)
     return _formatted(cpu.RowParallelLinear)(input_size, output_size, tp=tp, dtype=dtype, fmt=fmt)
 
 
@@ -320,13 +324,15 @@ def ExpertFusedColumnParallelLinear(
     fmt: Format = NONE,
     stride: int = 1,
 ):
-    args = dict(**_fused(num_experts, input_size, output_size, tp, dtype), stride=stride)
     if fmt is NONE:
-        return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear")(**args)
+        return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear")(
+            **_fused(num_experts, input_size, output_size, tp, dtype), stride=stride
+        )
     if _nxd_int8(fmt):
         return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedColumnParallel")(
-            **args, **_int8(expert_wise=True)
+            **_fused(num_experts, input_size, output_size, tp, dtype), stride=stride, **_int8(expert_wise=True)
         )
+    _check_tp(tp)
     layer = _formatted(cpu.ExpertFusedColumnParallelLinear)
     return layer(num_experts, input_size, output_size, tp=tp, dtype=dtype, fmt=fmt, stride=stride)
 
@@ -334,13 +340,15 @@ def ExpertFusedColumnParallelLinear(
 def ExpertFusedRowParallelLinear(
     num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, fmt: Format = NONE
 ):
-    args = dict(**_fused(num_experts, input_size, output_size, tp, dtype), reduce_output=False)
     if fmt is NONE:
-        return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedRowParallelLinear")(**args)
+        return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedRowParallelLinear")(
+            **_fused(num_experts, input_size, output_size, tp, dtype), reduce_output=False
+        )
     if _nxd_int8(fmt):
         return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedRowParallel")(
-            **args, **_int8(expert_wise=True)
+            **_fused(num_experts, input_size, output_size, tp, dtype), reduce_output=False, **_int8(expert_wise=True)
         )
+    _check_tp(tp)
     return _formatted(cpu.ExpertFusedRowParallelLinear)(
         num_experts, input_size, output_size, tp=tp, dtype=dtype, fmt=fmt
     )
