@@ -393,43 +393,44 @@ def test_the_weights_planned_are_the_rank_modules_tensors_each_once(tiny_port, q
     assert sum(v for k, v in r["per_rank_bytes"].items() if k not in ("kv_cache", "graph", "runtime")) == held
 
 
-def test_every_linear_in_int4_saves_its_bytes_against_the_experts_alone(big):
-    """The 26B at TP 2 with every linear in int4 (4.5 bits a weight: a nibble and a bf16 scale per 32
-    inputs) against the experts alone: attention, the dense MLP and lm_head shrink to 4.5 / 16 of their
-    bf16 linears (their norms and the embeddings stay bf16), nothing else moves; each group's saving is
-    named; the decode floor falls below 3.2 ms (issue 55) and both one-chip instances hold it."""
-    alone = plan(big, "inf2.xlarge", 2, "int4", batch=1, seq=4096)
-    every = plan(big, "inf2.xlarge", 2, "int4", batch=1, seq=4096, quantized_layers=LAYER_GROUPS)
+@pytest.mark.parametrize("q", ["int4", "q4_0"])
+def test_every_linear_in_4_5_bits_saves_its_bytes_against_the_experts_alone(big, q):
+    """The 26B at TP 2 with every linear in int4 or q4_0 (4.5 bits a weight: a nibble and a 16-bit scale
+    per 32 inputs) against the experts alone in it: attention, the dense MLP and lm_head shrink to 4.5 / 16
+    of their bf16 linears (their norms and the embeddings stay bf16), nothing else moves; each group's
+    saving is named; the decode floor falls below 3.2 ms (issue 55) and both one-chip instances hold it."""
+    alone = plan(big, "inf2.xlarge", 2, q, batch=1, seq=4096)
+    every = plan(big, "inf2.xlarge", 2, q, batch=1, seq=4096, quantized_layers=LAYER_GROUPS)
     H, V, L = big.hidden_size, big.vocab_size, big.num_hidden_layers
-    saved = lambda values: values * 2 - values // 2 - values // 32 * 2  # noqa: E731 bf16 - int4, scales included
+    saved = lambda values: values * 2 - values // 2 - values // 32 * 2  # noqa: E731 bf16 - 4.5 bits
     before, after = alone["per_rank_bytes"], every["per_rank_bytes"]
     assert before["lm_head"] - after["lm_head"] == saved(V // 2 * H)
     assert before["dense_mlp"] - after["dense_mlp"] == saved(L * 3 * big.intermediate_size // 2 * H)
     rows = {row["what"].split(" (")[0]: row for row in every["savings"]}
-    assert [w for w in rows if w.startswith("int4")] == [f"int4 {g}" for g in LAYER_GROUPS]
-    assert all("(4.50 bits a weight, scales included)" in rows[f"int4 {g}"]["what"] for g in LAYER_GROUPS)
+    assert [w for w in rows if w.startswith(q)] == [f"{q} {g}" for g in LAYER_GROUPS]
+    assert all("(4.50 bits a weight, scales included)" in rows[f"{q} {g}"]["what"] for g in LAYER_GROUPS)
     bf16 = rank_model(big, 2, cpu, dtype=torch.bfloat16, device="meta").state_dict()
     attention = sum(t.numel() for n, t in bf16.items() if spec.layer_group(n) == "attention")  # q, k, v, o
-    assert before["attention"] - after["attention"] == rows["int4 attention"]["saved_bytes"] == saved(attention)
-    assert rows["int4 mlp"]["saved_bytes"] == before["dense_mlp"] - after["dense_mlp"]
-    assert rows["int4 lm_head"]["saved_bytes"] == before["lm_head"] - after["lm_head"]
+    assert before["attention"] - after["attention"] == rows[f"{q} attention"]["saved_bytes"] == saved(attention)
+    assert rows[f"{q} mlp"]["saved_bytes"] == before["dense_mlp"] - after["dense_mlp"]
+    assert rows[f"{q} lm_head"]["saved_bytes"] == before["lm_head"] - after["lm_head"]
     assert (
-        rows["int4 experts"]["saved_bytes"]
+        rows[f"{q} experts"]["saved_bytes"]
         == next(r for r in alone["savings"] if "experts" in r["what"])["saved_bytes"]
     )
     moved = {k for k in before if before[k] != after[k]}
     assert moved == {"attention", "dense_mlp", "lm_head"}  # the graph row: the experts' transient still the larger
-    assert sum(before.values()) - sum(after.values()) == sum(rows[f"int4 {g}"]["saved_bytes"] for g in LAYER_GROUPS[1:])
+    assert sum(before.values()) - sum(after.values()) == sum(rows[f"{q} {g}"]["saved_bytes"] for g in LAYER_GROUPS[1:])
     floors = {r["expert_layout"]: r["floor_ms"] for r in every["decode"]}
     assert floors["channel"] <= 3.2 < {r["expert_layout"]: r["floor_ms"] for r in alone["decode"]}["channel"]
     assert every["decode"][0]["bytes_per_token"] == alone["decode"][0]["bytes_per_token"] - sum(
-        rows[f"int4 {g}"]["saved_bytes"] for g in ("attention", "mlp", "lm_head")
+        rows[f"{q} {g}"]["saved_bytes"] for g in ("attention", "mlp", "lm_head")
     )
     for instance in ONE_CHIP:  # through a run configuration, as `plan` and `deploy k8s` make it
-        backend = spec.compiled_backend("plan", 2, "int4", quantized_layers=LAYER_GROUPS)
+        backend = spec.compiled_backend("plan", 2, q, quantized_layers=LAYER_GROUPS)
         r = port_plan(load_port("gemma4-26b-a4b"), RunConfig(backend=backend), instance)
         assert r["fits"] and r["quantized_layers"] == list(LAYER_GROUPS) and r["decode"][0]["floor_ms"] <= 3.2
-        assert "int4 experts, attention, mlp, lm_head, the rest bf16" in render_plan(r).splitlines()[0]
+        assert f"{q} experts, attention, mlp, lm_head, the rest bf16" in render_plan(r).splitlines()[0]
 
 
 def test_a_quantized_linears_dequantised_copy_is_the_graph_rows_transient(big, tiny_port):
