@@ -52,9 +52,6 @@ DTYPE_NAMES = ("bfloat16", "float32")  # --dtype: the compute dtype, torch's spe
 # (4-bit numbers -8 … 7, an fp16 scale per 32 input channels: the grid of Google's QAT checkpoints)
 NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION, Q4_0_QUANTIZATION = "none", "int8", "int4", "q4_0"
 QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION, Q4_0_QUANTIZATION)
-# int4's input channels per bf16 scale unless a model sets its own: every task within 2 points of bf16 on the
-# tiny model, 64 lost 6 (bench/results/int4-quality.md); experts/int4.py and reader/accounting.py read it here
-INT4_GROUP = 32
 # the experts the one-rank reader reads (no int4 reader is built; reader/accounting.py charges one)
 READER_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
 # --quantized-layers: the groups of linears --quantization applies to (embeddings, norms, the router and

@@ -380,11 +380,13 @@ def _check_fits(port, build: Build, expert_layout: str, reads: dict | None) -> N
         decode_experts=spec.decode_experts,
         reader=reader,
         prefix_caching=build.prefix_caching,
+        quantized_layers=build.quantized_layers,
     )
     if not verdict["fits"]:
+        quantized = ", ".join(build.quantized_layers)
         raise ArtifactError(
             f"port {port.name!r} at TP {tp}, {build.dtype}"
-            f"{'' if build.quantization == NO_QUANTIZATION else f', {build.quantization} experts'}, batch "
+            f"{'' if build.quantization == NO_QUANTIZATION else f', {build.quantization} {quantized}'}, batch "
             f"{spec.batch_size}, seq "
             f"{spec.max_cache_len}: {verdict['reason']} (`neuron-moe plan` shows what each "
             "NeuronCore holds)"
