@@ -237,6 +237,43 @@ def render_rows(variants: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def losses(variants: dict) -> dict[str, list[str]]:
+    """Each variant (but the first) -> its tasks more than 2 points below the first row's, as text."""
+    first = next(iter(variants.values()))["tasks"]
+    return {
+        name: [
+            f"{t} {100 * a:.0f} % against {100 * first[t]:.0f} %" for t, a in r["tasks"].items() if first[t] - a > 0.02
+        ]
+        for name, r in list(variants.items())[1:]
+    }
+
+
+def reading(report: dict) -> str:
+    """What the numbers say, as bullets made from them."""
+    table, qat = report["table"], report["qat"]["variants"]
+    lost = losses(table)
+    kept = [n for n, v in lost.items() if not v]
+    lines = [
+        f"- **Within 2 points of bf16 on every task**: {'; '.join(kept) or 'none'}.",
+        *(f"- **{n} loses more than 2 points**: {'; '.join(v)}." for n, v in lost.items() if v),
+        f"- max |Δlogit| is over the whole vocabulary, and its largest differences fall on tokens of negligible "
+        f"probability: bf16 alone against fp32 reads {table['bf16']['max_abs_dlogit']:.2f} at KL mean "
+        f"{table['bf16']['kl_mean']:.1e}. KL is this table's measure; max |Δlogit| is the QAT section's exactness.",
+    ]
+    qat_lost = losses(qat)
+    for name, r in list(qat.items())[1:]:
+        exact = r["max_abs_dw"] == 0 and r["max_abs_dlogit"] == 0
+        lines.append(
+            f"- **{name} over the QAT copy{': lossless' if exact else ''}**: max |Δw| {_number(r['max_abs_dw'])}, "
+            f"max |Δlogit| {_number(r['max_abs_dlogit'])}, KL mean {_number(r['kl_mean'])}, "
+            f"SEQ_MATCH {sum(r['seq_match_prompts'])}/{len(r['seq_match_prompts'])}, "
+            f"answers the copy's {100 * r['same_answers_as_first']:.0f} %"
+            + (f"; loses {'; '.join(qat_lost[name])}" if qat_lost[name] else "")
+            + "."
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render(report: dict) -> str:
     """The results page, from the JSON alone."""
     m, qat = report["machine"], report["qat"]["variants"]
@@ -283,7 +320,10 @@ quantizes back to the same nibbles and scales), each format on those layers, in 
 copy itself (dense_masked, as every row). Lossless (max |Δw| and max |Δlogit| both 0):
 {", ".join(lossless) or "none"}.
 
-{render_rows(qat)}"""
+{render_rows(qat)}
+## Reading
+
+{reading(report)}"""
 
 
 def main(argv=None) -> int:
