@@ -16,7 +16,7 @@ LAYERS = (
         "definitions",
         ("spec", "run_config", "port", "tasks", "checkpoint", "hub", "reader", "formats", "parallel.layout"),
     ),
-    ("modules", ("experts", "static", "parallel", "greedy")),
+    ("modules", ("experts", "static", "parallel", "greedy", "quantize")),
     # The generators over a port's graphs build the port's model: workflows, not modules.
     (
         "workflows",
