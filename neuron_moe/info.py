@@ -10,7 +10,7 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from .errors import UserError
 from .formats import FORMATS, NONE
 from .report import table
-from .spec import EXPERTS, NO_QUANTIZATION
+from .spec import EXPERTS
 
 # Parameter groups, by the first matching name fragment; the rest are norms and scalars.
 _GROUPS = (
@@ -104,10 +104,7 @@ def _experts_per_token(config: Gemma4TextConfig) -> dict[str, int]:
     over the model's own weights that need nothing attached, the graphs' first, then HF's eager loop
     (only the experts some token picked, k at batch 1, but with data-dependent shapes: the CPU
     reference, never a graph)."""
-    costed = sorted(
-        (e for e in EXPERTS.values() if e.needs is None and e.quantization == NO_QUANTIZATION),
-        key=lambda e: not e.graphs,
-    )
+    costed = sorted((e for e in EXPERTS.values() if e.needs is None), key=lambda e: not e.graphs)
     return {e.name: e.experts_read(config) for e in costed}
 
 

@@ -1,4 +1,4 @@
-"""int4 experts: the format (experts/int4.py). Packing is exact, dequantising errs by at most half a
+"""int4 experts: the format (formats/int4.py). Packing is exact, dequantising errs by at most half a
 step of each group's grid (the step is the group's amax / 7, rounded up to a bf16), the scale search
 never reconstructs worse than round-to-nearest, and the byte counts are what the tensors hold."""
 
@@ -21,6 +21,7 @@ from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.layout import fused
 from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
+from neuron_moe.quantize import quantize_model
 from neuron_moe.reader import accounting as acc
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.spec import Reader, tp_backend
@@ -114,13 +115,13 @@ def test_a_group_that_does_not_divide_the_input_dim_is_refused():
 
 def test_int4_experts_are_the_dequantised_model(tiny_port):
     """HF's model with int4 experts computes what the float model holding the dequantised weights does,
-    and never touches its own weights."""
-    model = build_model(tiny_port, "int4", torch.float32)
-    before = {k: p.clone() for k, p in model.named_parameters()}
+    and never touches the float weights it was made from."""
+    model = build_model(tiny_port, "dense_masked", torch.float32)
+    before = {k: (p, p.clone()) for k, p in model.named_parameters()}
+    quantize_model(model, "int4")
+    assert all(torch.equal(p, copy) for p, copy in before.values())
     ids, mask = left_pad(random_prompts(tiny_port.config.vocab_size, [30, 12], seed=2), pad_id=0)
     got = prefill_logits(model, ids, mask)
-    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
-    assert "_int4_cache" not in "".join(model.state_dict())
     dq = build_model(tiny_port, "dense_masked", torch.float32)
     with torch.no_grad():
         for layer in dq.model.layers:
@@ -145,7 +146,7 @@ def test_tp2_int4_in_both_layouts_is_the_one_rank_int4(tiny_port):
         "expert": TPGenerator(tiny_port, tp_backend(2, expert_layout=layout.EXPERT, quantization="int4")),
     }
     out = generate_replicated(gens, *prompts, 6)  # raises if rank 1's tokens differ from rank 0's
-    want = greedy(build_model(tiny_port, "int4", torch.float32), *prompts, 6)
+    want = greedy(build_model(tiny_port, "dense_masked", torch.float32, quantization="int4"), *prompts, 6)
     for name, got in out.items():
         assert torch.equal(got.tokens, want.tokens), name
         assert (got.logits - want.logits).abs().max() <= 1e-4 * want.logits.abs().max(), name
