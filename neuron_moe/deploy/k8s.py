@@ -319,11 +319,13 @@ def adapter_rules() -> dict:
 
 def command_line(settings: Settings, tp: int) -> str:
     """The command that writes these files again (the TP degree as resolved)."""
+    layers = settings.quantized_layers
     flags = [
         ("--model", settings.model),
         ("--instance", settings.instance),
         ("--artifacts", settings.artifacts),
         ("--quantization", settings.quantization),
+        ("--quantized-layers", None if layers == DEFAULT_QUANTIZED_LAYERS else ",".join(layers)),
         ("--tp", tp),
         ("--resource", settings.resource),
         ("--replicas", settings.replicas),

@@ -21,7 +21,6 @@ from ..reader.int8 import Int8Experts
 from .dense_masked import dense_masked
 
 
-
 def _quantized(experts) -> tuple[torch.Tensor, ...]:
     """The module's int8 weights and scales in the channel layout's order (gate_up [E, H, 2I],
     [E, 1, 2I]; down [E, I, H], [E, 1, H]), made on first use and again whenever a source weight
