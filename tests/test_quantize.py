@@ -205,3 +205,19 @@ def test_eval_tasks_records_the_format_and_its_layers(tmp_path, capsys):
         "none",
         [],
     )
+
+
+@pytest.mark.parametrize("argv", [["--backend", "dense_masked"], ["--backend", "static", "--no-compile"]])
+def test_serve_builds_its_cpu_backends_model_in_the_format(tiny_port, monkeypatch, argv):
+    """serve's transformers-model and static backends load the model with --quantized-layers in
+    --quantization's format (the static graphs are then built over it)."""
+    from neuron_moe.serve import backends
+
+    built = []
+    monkeypatch.setattr(backends, "build_model", lambda *a, **k: built.append(build_model(*a, **k)) or built[-1])
+    config = cli.serve_config(["serve", *argv, "--quantization", "int4", "--quantized-layers", "attention,experts"])
+    backends.load_engine(tiny_port, config.backend)
+    (model,) = built
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, QuantizedLinear) and isinstance(layer.experts, QuantizedExperts)
+    assert isinstance(layer.mlp.up_proj, torch.nn.Linear) and isinstance(model.lm_head, torch.nn.Linear)
