@@ -992,7 +992,7 @@ DEPLOY_K8S = Command(
             default="none",
             help="the artifact's weight format of the linears --quantized-layers names, for the plan (default: none)",
         ),
-        QUANTIZED_LAYERS.but(help="the artifact's " + QUANTIZED_LAYERS.help),
+        QUANTIZED_LAYERS.but(help=QUANTIZED_LAYERS.help + ": the artifact's, for the plan"),
         opt(
             "--tp",
             type=_positive_int,
