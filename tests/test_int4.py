@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from neuron_moe import cli_parser
+from neuron_moe import cli_parser, spec
 from neuron_moe.cli import main
 from neuron_moe.errors import UserError
 from neuron_moe.formats import int4
@@ -217,13 +217,13 @@ def _quantization_choices(name: str, sub: argparse.ArgumentParser):
 
 
 def test_int4_is_offered_wherever_int8_is_and_the_one_rank_reader_refuses_it(capsys):
-    """--quantization int4 is the third value wherever int8 is offered (every command's choices are the
-    same three); the one-rank reader (no int4 reader is built) refuses it in one error line before any
+    """--quantization int4 is offered wherever int8 is (every command's choices are the same: every
+    registered format); the one-rank reader (no int4 reader is built) refuses it in one error line before any
     work."""
     subcommands = next(a for a in cli_parser.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     offers = dict(c for name, sub in subcommands.items() for c in _quantization_choices(name, sub))
     assert {"validate", "eval-tasks", "serve", "trace-and-compile", "reads", "plan", "deploy k8s"} <= set(offers)
-    assert all(choices == ("none", "int8", "int4") for choices in offers.values()), offers
+    assert all(choices == spec.QUANTIZATIONS and "int4" in choices for choices in offers.values()), offers
     assert main(["validate", "--backend", "reader", "--budget", "50", "--quantization", "int4"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: --backend reader reads the model's own or the int8 experts, not --quantization int4 (no int4 "
