@@ -13,7 +13,7 @@ from neuron_moe.cli_parser import DEFAULT_THREADS
 from neuron_moe.errors import UserError
 from neuron_moe.eval import seq_match
 from neuron_moe.greedy import Generation
-from neuron_moe.spec import NAIVE, Placement
+from neuron_moe.spec import NAIVE, QUANTIZATIONS, Placement
 
 
 def test_validate_passes_and_writes_json(tmp_path, capsys):
@@ -247,7 +247,7 @@ def test_every_command_that_takes_them_offers_the_same_dtype_and_quantization_wo
             if "--dtype" in action.option_strings:
                 assert set(action.choices) <= {"bfloat16", "float32"}, name
             if "--quantization" in action.option_strings:
-                assert set(action.choices) <= {"none", "int8", "int4"} and "none" in action.choices, name
+                assert set(action.choices) <= set(QUANTIZATIONS) and "none" in action.choices, name
 
 
 # ---- every integer option bounded -------------------------------------------------------------------------
