@@ -354,7 +354,8 @@ VALIDATE = Command(
         DTYPE.but(help="the backend's compute dtype (default: the port's)"),
         QUANTIZATION.but(
             help="the weight format of the linears --quantized-layers names (default none): int8 per-channel int8 "
-            "with fp32 scales, int4 group-wise int4 with a bf16 scale per 32 input channels; eager, dense_masked, "
+            "with fp32 scales, int4 group-wise int4 with a bf16 scale per 32 input channels, q4_0 llama.cpp's Q4_0 "
+            "(an fp16 scale per 32); eager, dense_masked, "
             "static and traced hold them so in HF's model (dequantised inside each graph), tp in the rank modules; "
             "reader (int8 on the experts only) reads the int8 experts' numbers (exact rows in int8 with their "
             "scales, prefill through the int8 experts; reference kernel only)"
@@ -637,7 +638,7 @@ PLAN = Command(
         QUANTIZATION.but(
             default="none",
             help="the weight format of the linears --quantized-layers names: none (bfloat16), int8 with fp32 scales "
-            "per channel, or int4 (two values a byte, a bfloat16 scale per group of inputs; the plan counts it) "
+            "per channel, int4 or q4_0 (two values a byte, a 16-bit scale per group of inputs; the plan counts it) "
             "(default none)",
         ),
         QUANTIZED_LAYERS,
@@ -684,7 +685,7 @@ TRACE_AND_COMPILE = Command(
         QUANTIZATION.but(
             default="none",
             help="the weight format of the linears --quantized-layers names: none (the compute dtype), int8 with "
-            "fp32 scales, or int4 group-wise with a bf16 scale per 32 input channels (the ranks must hold whole "
+            "fp32 scales, int4 or q4_0 with a 16-bit scale per 32 input channels (the ranks must hold whole "
             "groups) (default none); the manifest records both",
         ),
         QUANTIZED_LAYERS,
