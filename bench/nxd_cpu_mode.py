@@ -5,9 +5,8 @@ For each degree one set of t forked gloo processes runs every case of that degre
 four default prompts and N new tokens (`parallel/nxd_generator.py`), each against its reference:
 
   channel, expert               HF eager fp32 (validate's reference)
-  channel-int8                  one-rank `int8` experts (the channel layout's int8 numbers)
-  expert-int8                   the expert layout's rank module at TP 1 on the gloo stand-in, int8
-  channel-int4, expert-int4     one-rank `int4` experts (int4's scales split with their weights: one numbering)
+  LAYOUT-FORMAT                 every quantized format (`formats.FORMATS`) in both layouts: the
+                                layout's rank module at TP 1 on the gloo stand-in in that format
   reader B %                    the per-rank reader emulated in one process (`attach_reader(..., tp=t)`)
   wrong-shard (control)         HF eager: rank 1 loads rank 0's shard, and must fail
 
@@ -35,7 +34,7 @@ import transformers
 from bench.harness import command
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
 from neuron_moe.experts.channel_reader import attach_reader
-from neuron_moe.experts.quantization import quantize_experts
+from neuron_moe.formats import FORMATS, quantize_state
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model, prep_port
 from neuron_moe.parallel import cpu, layout, nxd_source
@@ -50,10 +49,14 @@ from neuron_moe.spec import Reader, tp_backend
 from neuron_moe.tokenizer import load_tokenizer
 
 
-def expert_int8_on_one_rank(port, ids, mask, n):
+QUANTIZED = [(q, e) for q in FORMATS if q != "none" for e in layout.EXPERT_LAYOUTS]
+
+
+def on_one_rank(port, ids, mask, n, quantization: str, expert_layout: str):
+    """The experts in `quantization` as `expert_layout` holds them, the rank module at TP 1."""
     hf = build_model(port, "eager", torch.float32)
-    full = quantize_experts(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, layout.EXPERT), "int8")
-    module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, quantization="int8")
+    full = quantize_state(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, expert_layout), quantization)
+    module = rank_model(port.config, 1, cpu, expert_layout=expert_layout, quantization=quantization)
     module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
     return greedy(module, ids, mask, n)
 
@@ -71,9 +74,7 @@ def references(port, ids, mask, n: int) -> dict:
     """The references the cases are held to, each greedy over the prompts in one process."""
     return {
         "HF eager": greedy(build_model(port, "eager", torch.float32), ids, mask, n),
-        "one-rank int8": greedy(build_model(port, "int8", torch.float32), ids, mask, n),
-        "expert int8 at TP 1": expert_int8_on_one_rank(port, ids, mask, n),
-        "one-rank int4": greedy(build_model(port, "int4", torch.float32), ids, mask, n),
+        **{f"{e} {q} at TP 1": on_one_rank(port, ids, mask, n, q, e) for q, e in QUANTIZED},
     }
 
 
@@ -85,10 +86,7 @@ def nxd_generator(port, tp: int, shards=None, **options) -> NxDGenerator:
 def tp2_cases(budget: float, sidecar: str) -> dict[str, tuple[dict, str]]:
     """The cases run at TP 2 only: name -> (NxDGenerator options, the reference's name)."""
     return {
-        "channel-int8": ({"quantization": "int8"}, "one-rank int8"),
-        "expert-int8": ({"expert_layout": layout.EXPERT, "quantization": "int8"}, "expert int8 at TP 1"),
-        "channel-int4": ({"quantization": "int4"}, "one-rank int4"),
-        "expert-int4": ({"expert_layout": layout.EXPERT, "quantization": "int4"}, "one-rank int4"),
+        **{f"{e}-{q}": ({"expert_layout": e, "quantization": q}, f"{e} {q} at TP 1") for q, e in QUANTIZED},
         f"reader {budget:g} %": ({"reader": Reader(sidecar=sidecar, budget=budget)}, f"reader {budget:g} % emulated"),
         "wrong-shard (control)": ({"shards": (0, 0)}, "HF eager"),
     }
@@ -98,7 +96,7 @@ def against_cpu(port, tp: int, cases: dict, rows: list[dict], out: dict, ids, ma
     """The TP 2 layouts on the gloo stand-in: each row's step-0 logits of NxD against the stand-in's."""
     cpu_gens = {
         name: TPGenerator(port, tp_backend(tp, layers="cpu", **cases[name][0]))
-        for name in ("channel", "expert", "channel-int8", "expert-int8", "channel-int4", "expert-int4")
+        for name in ("channel", "expert", *(f"{e}-{q}" for q, e in QUANTIZED))
     }
     stand_in = generate_replicated(cpu_gens, ids, mask, n)
     for row in rows:

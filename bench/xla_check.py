@@ -14,9 +14,9 @@ to eager CPU, which the Neuron compiler would never see), and the bytes that cro
 host and device (`OutboundData`, `InboundData`) per call, beside the bytes of the call's own
 inputs and outputs (what NxD's runtime moves to and from the host for every input and every
 output that is not an aliased state). Tokens are compared with the CPU reference (HF eager, fp32:
-SEQ_MATCH); the int8 run also with the same int8 model on the CPU. Exit 0 only when every graph
-settles to one compilation, nothing falls back, the fp32 runs match the reference and the int8
-run matches CPU int8.
+SEQ_MATCH); each weight format's run (int8, int4, q4_0 on every linear: `formats/`) also with the same
+quantized model on the CPU. Exit 0 only when every graph settles to one compilation, nothing falls
+back, the fp32 runs match the reference and each format's run its CPU model.
 
 The serving run drives the exported programs as the batching engine calls them, through its
 runtime (`static/rows.GraphRuntime`): a prefill graph of several prompts, a prompt prefilled in chunks
@@ -61,10 +61,11 @@ from bench.harness import code, write_results
 from neuron_moe import report
 from neuron_moe.errors import UserError
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
-from neuron_moe.experts import int4, int8
+from neuron_moe.formats import FORMATS
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.port import load_port
+from neuron_moe.spec import LAYER_GROUPS, NO_QUANTIZATION
 from neuron_moe.static import XLA_LOWERED_OPS_FILE, graph_ops, xla_lowered_ops
 from neuron_moe.static.cache import share_state
 from neuron_moe.static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
@@ -85,14 +86,24 @@ class Run:
     prefill: str  # experts implementation of the prefill graphs
     decode: str  # ... and of the decode graph
     exported: bool  # the torch.export programs (True) or the modules (what lazy tracing sees)
+    quantization: str = NO_QUANTIZATION  # the weight format of every linear (`formats/`): none, the model's own
 
 
 RUNS = (
     Run("exported, dense_masked prefill, selective decode (the port's [static])", "dense_masked", "selective", True),
     Run("exported, dense_masked prefill and decode", "dense_masked", "dense_masked", True),
     Run("modules, dense_masked prefill, selective decode", "dense_masked", "selective", False),
-    Run("modules, int8 prefill and decode", "int8", "int8", False),
-    Run("modules, int4 prefill and decode", "int4", "int4", False),
+    *(
+        Run(
+            f"exported, {q} on every linear, dense_masked prefill, selective decode",
+            "dense_masked",
+            "selective",
+            True,
+            q,
+        )
+        for q in FORMATS
+        if q != NO_QUANTIZATION
+    ),
 )
 
 
@@ -230,33 +241,21 @@ def seq_match(reference, got) -> dict:
 def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: dict, hlo_dir) -> tuple[dict, dict]:
     """One run on XLA: (its report row, {graph name: op set} of its exported programs)."""
     spec = dataclasses.replace(port.static, prefill_experts=run.prefill, decode_experts=run.decode)
-    model = build_model(port, run.decode)
+    # a format's tensors are made once, on the CPU, as trace-and-compile writes them: the graphs only unpack
+    model = build_model(port, run.decode, quantization=run.quantization, quantized_layers=LAYER_GROUPS)
     start = time.perf_counter()
     if not run.exported:
         model = model.to(xla.device)
-    quantise = None
-    if run.decode in QUANTIZED:
-        # the int8 or int4 copies are made on the device on first use and cached on the experts module: made
-        # first, as a graph of their own, before the generator's views copy the experts modules (a
-        # copy made before the cache would fill its own inside the first prefill: a second compile)
-        quantise = Metered(
-            xla,
-            f"{run.prefill}-{run.decode}-modules {run.decode} quantise",
-            lambda: [t for layer in model.model.layers for t in QUANTIZED[run.decode](layer.experts)],
-            None,
-        )
-        xla.moved()  # not the model's move to the device
-        quantise()
     # the serving graphs: the token alone
     generator = StaticGenerator(model, spec, exported=run.exported, device=xla.device, logits=False)
     generator.prepare(generator.check(mask, new_tokens))
     export_s = time.perf_counter() - start
-    tag = f"{run.prefill}-{run.decode}-{'exported' if run.exported else 'modules'}"
+    tag = f"{run.prefill}-{run.decode}-{'exported' if run.exported else 'modules'}" + (
+        "" if run.quantization == NO_QUANTIZATION else f"-{run.quantization}"
+    )
     # the generator's graphs, each replaced by its metered self (the loop calls them by name)
     graphs = {name: Metered(xla, f"{tag} {name}", graph, hlo_dir) for name, graph in generator._graphs.items()}
     generator._graphs = dict(graphs)
-    if quantise is not None:
-        graphs[f"{run.decode} quantise"] = quantise
     compiles_before, moved_before = xla.compiles(), xla.transfers()
     xla.moved()
     start = time.perf_counter()
@@ -264,9 +263,7 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
     generate_s = time.perf_counter() - start
     moved = [now - before for now, before in zip(xla.transfers(), moved_before)]
     summaries = [g.summary() for g in graphs.values()]
-    graph_compiles = sum(
-        g["compiles_first_call"] + g["compiles_later_calls"] for g in summaries if not g["graph"].endswith(" quantise")
-    )
+    graph_compiles = sum(g["compiles_first_call"] + g["compiles_later_calls"] for g in summaries)
     decode_steps = len(graphs["decode"].calls)
     row = {
         "run": run.name,
@@ -283,8 +280,8 @@ def check_run(xla: Xla, port, run: Run, ids, mask, new_tokens: int, references: 
         "generate_s": generate_s,
         "vs_cpu_fp32": seq_match(references["fp32"], got),
     }
-    if run.decode in QUANTIZED:
-        row[f"vs_cpu_{run.decode}"] = seq_match(references[run.decode], got)
+    if run.quantization != NO_QUANTIZATION:
+        row[f"vs_cpu_{run.quantization}"] = seq_match(references[run.quantization], got)
     ops = {name: graph_ops(program) for name, program in generator.programs.items()}
     return row, ops
 
@@ -564,20 +561,15 @@ def check_prefix(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     return row, {name: graph_ops(p) for name, p in programs.items()}
 
 
-# the quantized experts' runs: each format's cached device copies (made on first use)
-QUANTIZED = {"int8": int8._quantized, "int4": int4._quantized}
-
-
 def _vs_quantized(row: dict) -> str | None:
     """The row's key of its SEQ_MATCH against the same quantized model on the CPU, if it has one."""
-    return next((k for k in row if k.startswith("vs_cpu_int")), None)
+    return next((k for k in row if k.startswith("vs_cpu_") and k != "vs_cpu_fp32"), None)
 
 
 def passed(row: dict) -> bool:
-    clean = all(  # the quantise step makes the run's quantized copies: done offline for an artifact, not a graph
+    clean = all(
         g["compiles_first_call"] <= 1 and g["compiles_later_calls"] == 0 and not g["aten_fallbacks"]
         for g in row["graphs"]
-        if not g["graph"].endswith(" quantise")
     )
     quantized = _vs_quantized(row)
     tokens = row[quantized]["all_match"] if quantized else row["vs_cpu_fp32"]["all_match"]
@@ -709,7 +701,7 @@ def _run_section(row: dict) -> list[str]:
     if _vs_quantized(row):
         q, name = row[_vs_quantized(row)], _vs_quantized(row).removeprefix("vs_cpu_")
         lines.append(
-            f"- SEQ_MATCH vs the same {name} model on the CPU (HF, {name} experts): **{q['all_match']}** "
+            f"- SEQ_MATCH vs the same {name} model on the CPU (HF, {name} on every linear): **{q['all_match']}** "
             f"({q['matched']}/{len(PROMPTS)}; first divergence per prompt {q['first_divergence']})"
         )
     if row["run"] == SERVING:
@@ -734,12 +726,11 @@ NOTES = [
     "the device; the fed-back token is already there.",
     "- A first call with 0 compilations found its graph already compiled: the same HLO (same graph, same "
     "weights) ran in an earlier run of this process (torch-xla's `CachedCompile`).",
-    "- int8 and int4 are compared with the fp32 reference and with the same quantized model on the CPU; the "
-    "second is the check of the XLA lowering (on seeded random weights, whose logits are nearly flat, rounding "
-    "alone flips greedy picks). int4's packed numbers are unpacked inside each graph (mask, shift, convert, "
-    "multiply): its run holds those ops to the allow-list.",
-    "- int8 and int4 run as modules (lazy tracing, what torch-neuronx traces); they are not exported "
-    "(`torch.export`), since their quantized copies are made on first use, outside any graph.",
+    "- Each weight format (int8, int4, q4_0 on every linear: experts, attention, dense MLP, lm_head) is compared "
+    "with the fp32 reference and with the same quantized model on the CPU; the second is the check of the XLA "
+    "lowering (a quantized model's greedy picks leave the float model's). Its tensors are made once on the CPU, "
+    "as trace-and-compile writes them; the packed 4-bit numbers are unpacked inside each graph (mask, shift on "
+    "int32 words, convert, multiply): those runs hold the ops to the allow-list.",
     "- HLO column (with `--hlo DIR`, which writes each graph's HLO text there; `make xla-check`: "
     "build/xla-check-hlo/): each `sort` is a router's `topk` (one per layer), which torch-xla lowers to a "
     "full sort; a custom-call would be an op outside plain HLO, a while or conditional control flow in the graph.",
@@ -794,7 +785,16 @@ def check_all(xla: Xla, port, args, hlo_dir) -> tuple[list[dict], dict]:
     ids, mask = left_pad([tokenizer.encode(p) for p in PROMPTS], tokenizer.pad_token_id)
     references = {
         "fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, args.new_tokens),
-        **{q: greedy(build_model(port, q, torch.float32), ids, mask, args.new_tokens) for q in QUANTIZED},
+        **{
+            run.quantization: greedy(
+                build_model(port, "eager", torch.float32, quantization=run.quantization, quantized_layers=LAYER_GROUPS),
+                ids,
+                mask,
+                args.new_tokens,
+            )
+            for run in RUNS
+            if run.quantization != NO_QUANTIZATION
+        },
     }
     rows, ops = [], {}
     for run in (*RUNS, SERVING, PREFIX):

@@ -12,7 +12,7 @@ from .cli_parser import COMMANDS as TABLE, max_threads, parser
 from .errors import UserError, error_exit, interrupted, restore_ctrl_c, take_ctrl_c
 from .report import OutputError, check_output, write_json
 from .run_config import RunConfig, Serving, Shapes
-from .spec import READS_BUDGET, Reader, compiled_backend
+from .spec import READS_BUDGET, Reader, check_formats, compiled_backend
 
 
 def from_options(cls, args, **given):
@@ -73,7 +73,9 @@ def cmd_env(args) -> int:
 def cmd_validate(args) -> int:
     from .eval import seq_match
 
-    options = {k: getattr(args, k) for k in ("quantization", "expert_layout", "tp", "tp_layers", "dtype")}
+    options = {
+        k: getattr(args, k) for k in ("quantization", "quantized_layers", "expert_layout", "tp", "tp_layers", "dtype")
+    }
     compile = False if args.no_compile else None
     backend = seq_match.backend(args.backend, reader=reader_settings(args), compile=compile, **options)
     report = seq_match.validate(run_config(args, backend), args.max_new_tokens, args.prompt or [])
@@ -119,7 +121,9 @@ def _planned(args):
         given = ", ".join(f"--{name.replace('_', '-')}" for name in reader.given())
         raise UserError(f"{given} configure the reader: pass --reader")
     reader = reader if args.reader else None
-    backend = compiled_backend(args.command, args.tp, args.quantization, args.dtype, args.expert_layout, reader)
+    backend = compiled_backend(
+        args.command, args.tp, args.quantization, args.dtype, args.expert_layout, reader, args.quantized_layers
+    )
     config = run_config(args, backend)
     port = load_port(args.model)
     if port.static is None and config.shapes.given():
@@ -161,19 +165,21 @@ def cmd_serve(args) -> int:
 
 def serve_config(args) -> RunConfig:
     """serve's run configuration, from its parsed arguments or its argv: its backend (a
-    `spec.serve_backends` entry, parsed by the command line) in --quantization's format."""
+    `spec.serve_backends` entry, parsed by the command line), --quantized-layers in --quantization's format."""
     from .spec import quantized
 
     if isinstance(args, list):
         args = parser().parse_args(args)
-    return run_config(args, quantized(args.backend, args.quantization))
+    return run_config(args, quantized(args.backend, args.quantization, args.quantized_layers))
 
 
 def cmd_deploy(args) -> int:  # `deploy k8s`, the one engine that takes files (deploy/k8s.py)
     from .deploy import k8s as deploy_k8s
     from .port import load_port
 
-    report = deploy_k8s.write(from_options(deploy_k8s.Settings, args), load_port(args.model), args.out)
+    layers = check_formats(args.quantization, args.quantized_layers)  # before the plan tries each degree
+    settings = from_options(deploy_k8s.Settings, args, quantized_layers=layers)
+    report = deploy_k8s.write(settings, load_port(args.model), args.out)
     return _report(report, args, deploy_k8s.render)
 
 
@@ -229,7 +235,7 @@ def cmd_eval_tasks(args) -> int:
     from .port import load_port
     from .tasks import TASKS
 
-    backend = seq_match.backend(args.backend, quantization=args.quantization)
+    backend = seq_match.backend(args.backend, quantization=args.quantization, quantized_layers=args.quantized_layers)
     port = load_port(args.model)
     options = {k: getattr(args, k) for k in ("corpus", "text_docs", "split")}
     report = evaluate(port, backend, args.checkpoint, per_task=args.items, tasks=tuple(args.task or TASKS), **options)

@@ -260,7 +260,15 @@ EXPERT_LAYOUT = opt(
 )
 TP_REQUIRED = opt("--tp", type=_positive_int, required=True, choices=TP_DEGREES, help="tensor-parallel degree")
 DTYPE = opt("--dtype", choices=DTYPE_NAMES, help="the compute dtype (default: the port's)")
-QUANTIZATION = opt("--quantization", choices=QUANTIZATIONS)  # the routed experts' weight format: help per command
+QUANTIZATION = opt("--quantization", choices=QUANTIZATIONS)  # the format of --quantized-layers: help per command
+# the linears --quantization applies to, checked where the backend is built (spec.quantized: one error line)
+QUANTIZED_LAYERS = opt(
+    "--quantized-layers",
+    metavar="LIST",
+    help=f"the linears --quantization applies to, comma-separated from {','.join(spec.LAYER_GROUPS)} (default "
+    f"{','.join(spec.DEFAULT_QUANTIZED_LAYERS)}: the routed experts); embeddings, norms and the router stay in the "
+    "compute dtype",
+)
 # --backend static: the graphs on CPU compiled by torch.compile (inductor)
 COMPILE = (
     opt(
@@ -349,12 +357,14 @@ VALIDATE = Command(
         *COMPILE,
         DTYPE.but(help="the backend's compute dtype (default: the port's)"),
         QUANTIZATION.but(
-            help="the routed experts' weight format (default none): int8 runs per-channel int8 experts with fp32 "
-            "scales, int4 group-wise int4 experts with a bf16 scale per 32 input channels; with eager or "
-            "dense_masked that format's experts implementation (every expert computed), with tp the rank modules' "
-            "experts in it; with reader (int8 only) the reader over the int8 experts' numbers (exact rows in int8 "
-            "with their scales, prefill through the int8 experts; reference kernel only)"
+            help="the weight format of the linears --quantized-layers names (default none): int8 per-channel int8 "
+            "with fp32 scales, int4 group-wise int4 with a bf16 scale per 32 input channels, q4_0 llama.cpp's Q4_0 "
+            "(an fp16 scale per 32); eager, dense_masked, "
+            "static and traced hold them so in HF's model (dequantised inside each graph), tp in the rank modules; "
+            "reader (int8 on the experts only) reads the int8 experts' numbers (exact rows in int8 with their "
+            "scales, prefill through the int8 experts; reference kernel only)"
         ),
+        QUANTIZED_LAYERS,
         opt("--max-new-tokens", type=_tokens, default=32, metavar="N", help="tokens to generate (default 32)"),
         opt("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)"),
         *_reader(
@@ -447,7 +457,11 @@ EVAL_TASKS = Command(
             choices=Later(lambda: sorted(spec.validate_backends())),
             help="backend that generates (default eager)",
         ),
-        QUANTIZATION.but(help="the routed experts' weight format, as validate's (default none)"),
+        QUANTIZATION.but(
+            help="the weight format of the linears --quantized-layers names, as validate's (default none); the "
+            "held-out text runs in it too"
+        ),
+        QUANTIZED_LAYERS,
         opt("--items", type=_items, default=50, help="evaluation items per task (default 50)"),
         opt("--task", action="append", choices=TASKS, help="only this task (repeatable; default: all)"),
         opt(
@@ -633,9 +647,11 @@ PLAN = Command(
         ),
         QUANTIZATION.but(
             default="none",
-            help="the routed experts' weight format: none (bfloat16), int8 with fp32 scales per channel, or int4 "
-            "(two values a byte, a bfloat16 scale per group of inputs; the plan counts it) (default none)",
+            help="the weight format of the linears --quantized-layers names: none (bfloat16), int8 with fp32 scales "
+            "per channel, int4 or q4_0 (two values a byte, a 16-bit scale per group of inputs; the plan counts it) "
+            "(default none)",
         ),
+        QUANTIZED_LAYERS,
         BATCH_SIZE,
         MAX_CACHE_LEN,
         BUCKETS.but(
@@ -678,9 +694,11 @@ TRACE_AND_COMPILE = Command(
         DTYPE.but(default="bfloat16", help="the compute dtype (default bfloat16; float32: for CPU checks)"),
         QUANTIZATION.but(
             default="none",
-            help="the routed experts' weight format: none (the compute dtype), int8 with fp32 scales, or int4 "
-            "group-wise with a bf16 scale per 32 input channels (the ranks must hold whole groups) (default none)",
+            help="the weight format of the linears --quantized-layers names: none (the compute dtype), int8 with "
+            "fp32 scales, int4 or q4_0 with a 16-bit scale per 32 input channels (the ranks must hold whole "
+            "groups) (default none); the manifest records both",
         ),
+        QUANTIZED_LAYERS,
         TP_REQUIRED,
         opt("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)"),
         opt("--dry-run", action="store_true", help="no Neuron SDK: build and export on CPU, write the plan"),
@@ -760,10 +778,11 @@ SERVE = Command(
         ),
         DTYPE.but(help="a CPU backend's compute dtype (default: the port's)"),
         QUANTIZATION.but(
-            help="the routed experts' weight format (default none): int8 or int4 with --backend eager or "
-            "dense_masked runs that format's experts implementation (every expert computed); a compiled "
-            "artifact's is its own"
+            help="the weight format of the linears --quantized-layers names (default none), with the CPU backends "
+            "(transformers' model or the static graphs, dequantised inside each graph); --backend neuron runs the "
+            "artifact's own (its manifest's)"
         ),
+        QUANTIZED_LAYERS.but(help=QUANTIZED_LAYERS.help + "; the CPU backends only"),
         opt("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)"),
         opt(
             "--port",
@@ -981,8 +1000,10 @@ DEPLOY_K8S = Command(
             help="the artifact, published by `neuron-moe publish`",
         ),
         QUANTIZATION.but(
-            default="none", help="the artifact's routed experts' weight format, for the plan (default: none)"
+            default="none",
+            help="the artifact's weight format of the linears --quantized-layers names, for the plan (default: none)",
         ),
+        QUANTIZED_LAYERS.but(help=QUANTIZED_LAYERS.help + ": the artifact's, for the plan"),
         opt(
             "--tp",
             type=_positive_int,

@@ -7,9 +7,10 @@ import copy
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from .experts import int4
+from .errors import UserError
+from .formats import FORMATS, NONE
 from .report import table
-from .spec import EXPERTS, NO_QUANTIZATION
+from .spec import EXPERTS
 
 # Parameter groups, by the first matching name fragment; the rest are norms and scalars.
 _GROUPS = (
@@ -65,6 +66,23 @@ def meta_model(config: Gemma4TextConfig) -> Gemma4ForCausalLM:
         return Gemma4ForCausalLM(copy.deepcopy(config))
 
 
+def _quantized_experts(config: Gemma4TextConfig, rest: int) -> dict[str, int]:
+    """Bytes of the weights with the routed experts in each quantized format (formats.FORMATS:
+    `Format.nbytes`, scales included, as NxD's expert-fused layers hold them: gate_up [E, H, 2I] and
+    down [E, I, H], the input dim first after E) and `rest` parameters in bf16; a format whose groups
+    do not divide the experts' input dims has no row."""
+    E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    out = {}
+    for name, fmt in FORMATS.items():
+        try:
+            experts = fmt.nbytes((E, H, 2 * I)) + fmt.nbytes((E, I, H))
+        except UserError:
+            continue
+        if fmt is not NONE:
+            out[f"{name}_experts_bf16_rest"] = rest * 2 + config.num_hidden_layers * experts
+    return out
+
+
 def parameter_counts(config: Gemma4TextConfig) -> dict:
     model = meta_model(config)
     groups: dict[str, int] = {}
@@ -73,21 +91,11 @@ def parameter_counts(config: Gemma4TextConfig) -> dict:
     total = sum(groups.values())
     experts = groups.get("experts", 0)
     active = total - experts + experts * config.top_k_experts // config.num_experts
-    # int8 experts: one byte per weight plus an fp32 scale per output channel (per-channel symmetric)
-    E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
-    expert_scales = config.num_hidden_layers * E * (2 * I + H)
-    # int4 experts: half a byte per weight plus a bf16 scale per group of input channels (experts/int4.py)
-    int4_experts = config.num_hidden_layers * E * (int4.nbytes(2 * I, H) + int4.nbytes(H, I))
     return {
         "total": total,
         "groups": dict(sorted(groups.items())),
         "active_per_token": active,
-        "bytes": {
-            "float32": total * 4,
-            "bfloat16": total * 2,
-            "int8_experts_bf16_rest": (total - experts) * 2 + experts + expert_scales * 4,
-            "int4_experts_bf16_rest": (total - experts) * 2 + int4_experts,
-        },
+        "bytes": {"float32": total * 4, "bfloat16": total * 2, **_quantized_experts(config, total - experts)},
     }
 
 
@@ -96,10 +104,7 @@ def _experts_per_token(config: Gemma4TextConfig) -> dict[str, int]:
     over the model's own weights that need nothing attached, the graphs' first, then HF's eager loop
     (only the experts some token picked, k at batch 1, but with data-dependent shapes: the CPU
     reference, never a graph)."""
-    costed = sorted(
-        (e for e in EXPERTS.values() if e.needs is None and e.quantization == NO_QUANTIZATION),
-        key=lambda e: not e.graphs,
-    )
+    costed = sorted((e for e in EXPERTS.values() if e.needs is None), key=lambda e: not e.graphs)
     return {e.name: e.experts_read(config) for e in costed}
 
 

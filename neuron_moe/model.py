@@ -1,8 +1,9 @@
 """Build the HF Gemma-4 model for a port, with the chosen experts implementation.
 
-transformers' own Gemma4ForCausalLM is the model; we only choose its weights and which
-experts implementation its MoE blocks dispatch to. Attention is always HF "eager" so that two
-models built here differ in nothing but their experts.
+transformers' own Gemma4ForCausalLM is the model; we only choose its weights, which
+experts implementation its MoE blocks dispatch to, and which of its linears are held in a weight
+format (`quantize.py`). Attention is always HF "eager" so that two models built here differ in
+nothing but their experts and their formats.
 
 Also what needs a port's weights for the reader: its sidecar (`prep_port`) and the model with
 the reader attached (`reader_model`). The reader itself (`reader/`, `experts/channel_reader.py`)
@@ -26,6 +27,7 @@ from .errors import UserError
 from .experts.channel_reader import attach_reader, plan_reader, reader_forward, reader_settings
 from .parallel.layout import check_degree
 from .port import Port
+from .quantize import quantize_model
 from .reader.accounting import solve_k
 from .reader.geometry import Geometry
 from .reader.prep import RANK, SCAN, model_expert_weights, write_sidecar
@@ -61,9 +63,13 @@ def build_model(
     experts: spec.Experts | str = spec.EAGER,
     dtype: torch.dtype | None = None,
     checkpoint: str | Path | None = None,
+    *,
+    quantization: str = spec.NO_QUANTIZATION,
+    quantized_layers: tuple[str, ...] = spec.DEFAULT_QUANTIZED_LAYERS,
 ) -> Gemma4ForCausalLM:
     """The port's model in eval mode: `experts` is the implementation (an entry of spec.EXPERTS, or
-    its name), `dtype` overrides the port's."""
+    its name), `dtype` overrides the port's; the linears of `quantized_layers` in `quantization`'s
+    format once loaded (`quantize.quantize_model`)."""
     experts = spec.experts(experts)
     dtype = dtype or port.dtype
     checkpoint = checkpoint or port.checkpoint
@@ -75,7 +81,7 @@ def build_model(
         raise UserError(f"port {port.name!r} has no embedded weights: pass --checkpoint DIR")
     model.set_attn_implementation("eager")
     spec.set_experts(model, experts)
-    return model.eval()
+    return quantize_model(model, quantization, quantized_layers).eval()
 
 
 def reader_model(port, dtype=None, checkpoint=None, reader: spec.Reader = spec.Reader()):

@@ -46,16 +46,43 @@ class SpecError(UserError):
 
 DEFAULT_PORT = "tiny-gemma4-moe"
 DTYPE_NAMES = ("bfloat16", "float32")  # --dtype: the compute dtype, torch's spellings (port.DTYPES: the torch dtypes)
-# --quantization: the routed experts' weight format; "none" computes them in the compute dtype, "int8" holds
-# per-channel symmetric int8 numbers with fp32 scales (experts/int8.py), "int4" group-wise symmetric 4-bit
-# numbers, two per byte, with a bf16 scale per group (experts/int4.py)
-NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION = "none", "int8", "int4"
-QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION)
-# int4's input channels per bf16 scale unless a model sets its own: every task within 2 points of bf16 on the
-# tiny model, 64 lost 6 (bench/results/int4-quality.md); experts/int4.py and reader/accounting.py read it here
-INT4_GROUP = 32
+# --quantization: the weight format of the linears --quantized-layers names (formats/: one module each);
+# "none" computes them in the compute dtype, "int8" holds per-channel symmetric int8 numbers with fp32 scales,
+# "int4" group-wise symmetric 4-bit numbers, two per byte, with a bf16 scale per group, "q4_0" llama.cpp's Q4_0
+# (4-bit numbers -8 … 7, an fp16 scale per 32 input channels: the grid of Google's QAT checkpoints)
+NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION, Q4_0_QUANTIZATION = "none", "int8", "int4", "q4_0"
+QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION, INT4_QUANTIZATION, Q4_0_QUANTIZATION)
 # the experts the one-rank reader reads (no int4 reader is built; reader/accounting.py charges one)
 READER_QUANTIZATIONS = (NO_QUANTIZATION, INT8_QUANTIZATION)
+# --quantized-layers: the groups of linears --quantization applies to (embeddings, norms, the router and
+# scalars stay in the compute dtype: a lookup reads one row, the rest is small)
+LAYER_GROUPS = ("experts", "attention", "mlp", "lm_head")
+DEFAULT_QUANTIZED_LAYERS = ("experts",)
+_LAYER_GROUP = (
+    (re.compile(r"(^|\.)experts\.(gate_up|down)_proj\.weight$"), "experts"),
+    (re.compile(r"(^|\.)self_attn\.[a-z]+_proj\.weight$"), "attention"),
+    (re.compile(r"(^|\.)mlp\.(gate|up|down)_proj\.weight$"), "mlp"),
+    (re.compile(r"(^|\.)lm_head\.weight$"), "lm_head"),
+)
+
+
+def layer_group(name: str) -> str | None:
+    """The group (LAYER_GROUPS) of the linear whose weight is `name` (a parallel-layout or HF
+    parameter name), or None for any other tensor."""
+    return next((group for pattern, group in _LAYER_GROUP if pattern.search(name)), None)
+
+
+def check_quantized_layers(layers) -> tuple[str, ...]:
+    """`layers` (a tuple, or --quantized-layers' comma-separated text) as a tuple in LAYER_GROUPS' order,
+    each named once; else a UserError naming the choices."""
+    names = [n.strip() for n in layers.split(",")] if isinstance(layers, str) else list(layers)
+    unknown = [n for n in names if n not in LAYER_GROUPS]
+    if unknown or not names:
+        raise SpecError(
+            f"--quantized-layers {','.join(names)!r}: expected a comma-separated list of {', '.join(LAYER_GROUPS)}"
+        )
+    return tuple(g for g in LAYER_GROUPS if g in names)
+
 
 # The reader's defaults (reader/prep.py writes them into a sidecar; reader/accounting.py charges them)
 BLOCK = 128  # coordinates per Hadamard block
@@ -113,7 +140,6 @@ class Experts:
     graphs: bool  # a static graph may trace it: every shape fixed by the token count, nothing made on the fly
     reads: str  # ALL: every expert for every token; ROUTED: each token's top-k; CHANNELS: some of their channels
     needs: str | None = None  # SIDECAR or SELECTOR_RULES: attached to the model before it runs (None: nothing)
-    quantization: str = NO_QUANTIZATION  # the experts' format it computes with (QUANTIZATIONS)
     backend: str | None = None  # `validate`'s name for it in HF's model (None: not a validate backend)
 
     def gathers(self, config, tokens: int) -> bool:
@@ -143,17 +169,12 @@ DENSE_MASKED = Experts("dense_masked", graphs=True, reads=ALL, backend="dense_ma
 # each token gathers its top-k experts' weights: the decode graphs. Not a validate backend: at validate's
 # prompts it is dense_masked (tokens·k ≥ E); its gather is validated in the graphs (`validate --backend traced`)
 SELECTIVE = Experts("selective", graphs=True, reads=ROUTED)
-# per-channel symmetric int8, every expert (quantised on the fly: HF's model only, never a graph)
-INT8 = Experts("int8", graphs=False, reads=ALL, quantization=INT8_QUANTIZATION)
-# group-wise symmetric int4, every expert, dequantised before each matmul (HF's model only, never a graph;
-# the graphs' int4 experts are the rank modules', `parallel/moe.py`)
-INT4 = Experts("int4", graphs=False, reads=ALL, quantization=INT4_QUANTIZATION)
 # the sparse-channel reader on decode steps, full experts on prefill; at TP the decode graph with a rank's shard
 CHANNEL_READER = Experts("channel_reader", graphs=True, reads=CHANNELS, needs=SIDECAR, backend="reader")
 # a channel selector of reader/selectors.py (TEAL, WINA, CATS, oracle, the reader) in place of the experts
 SELECTOR = Experts("selector", graphs=False, reads=CHANNELS, needs=SELECTOR_RULES)
 
-EXPERTS = {e.name: e for e in (EAGER, DENSE_MASKED, SELECTIVE, INT8, INT4, CHANNEL_READER, SELECTOR)}
+EXPERTS = {e.name: e for e in (EAGER, DENSE_MASKED, SELECTIVE, CHANNEL_READER, SELECTOR)}
 
 
 def experts(which: Experts | str) -> Experts:
@@ -245,9 +266,15 @@ class Backend:
     experts: Experts | None = None  # HF's model's (EAGER_GRAPHS); None: each graph's, the port's [static]
     placement: Placement | None = None  # None: one rank (over the nxd layers, the graphs run as modules)
     reader: Reader | None = None  # the reader's settings (with CHANNEL_READER, or in the TP decode graph)
-    quantization: str = NO_QUANTIZATION  # the routed experts' format in the rank modules (QUANTIZATIONS)
+    quantization: str = NO_QUANTIZATION  # the weight format of the quantized layers (QUANTIZATIONS)
+    quantized_layers: tuple[str, ...] = DEFAULT_QUANTIZED_LAYERS  # which linears are in it (LAYER_GROUPS)
     dtype: str | None = None  # the compute dtype (one of DTYPE_NAMES); None: the port's
     compile: bool = False  # MODULES: each graph compiled by torch.compile (inductor), else run a module at a time
+
+    @property
+    def formats(self) -> dict:
+        """The weights' formats as `model.build_model` takes them: quantization, quantized_layers."""
+        return {"quantization": self.quantization, "quantized_layers": self.quantized_layers}
 
 
 def compiled_backend(
@@ -257,19 +284,35 @@ def compiled_backend(
     dtype: str | None = None,
     expert_layout: str | None = None,
     reader: Reader | None = None,
+    quantized_layers=None,
 ) -> Backend:
     """The rank modules of a compiled artifact (what trace-and-compile builds, plan plans and deploy
-    sizes): TP `tp` in `expert_layout` (None: the port's), the routed experts in `quantization`, the
-    reader in the decode key where given."""
+    sizes): TP `tp` in `expert_layout` (None: the port's), `quantized_layers` in `quantization` (as
+    `quantized` takes them: None, the routed experts), the reader in the decode key where given."""
     placement = Placement(tp=tp, expert_layout=expert_layout)
-    return Backend(name, COMPILED, placement=placement, reader=reader, quantization=quantization, dtype=dtype)
+    backend = Backend(name, COMPILED, placement=placement, reader=reader, dtype=dtype)
+    return quantized(backend, quantization, quantized_layers)
 
 
-def tp_backend(tp: int, *, quantization: str = NO_QUANTIZATION, reader: Reader | None = None, **placement) -> Backend:
+def tp_backend(
+    tp: int,
+    *,
+    quantization: str = NO_QUANTIZATION,
+    quantized_layers: tuple[str, ...] = DEFAULT_QUANTIZED_LAYERS,
+    reader: Reader | None = None,
+    **placement,
+) -> Backend:
     """validate's tp backend as `--backend tp --tp T` builds it, for callers without a command line
-    (tests, benches): degree `tp`, the experts' format, the reader's settings, `placement` the
-    Placement's other fields (expert_layout, scatter, layers)."""
-    return Backend("tp", EXPORTED, placement=Placement(tp=tp, **placement), reader=reader, quantization=quantization)
+    (tests, benches): degree `tp`, the weight format and the layers in it, the reader's settings,
+    `placement` the Placement's other fields (expert_layout, scatter, layers)."""
+    return Backend(
+        "tp",
+        EXPORTED,
+        placement=Placement(tp=tp, **placement),
+        reader=reader,
+        quantization=quantization,
+        quantized_layers=check_quantized_layers(quantized_layers),
+    )
 
 
 # ---- the backends validate and serve offer ----
@@ -279,8 +322,8 @@ def validate_backends() -> dict[str, Backend]:
     """validate's backends, derived from the registry when asked: every experts implementation that runs
     inside HF's model (`Experts.backend`; the reader on decode steps, full experts on prefill), the port's
     static graphs as modules as `serve --backend static` runs them (compiled unless --no-compile), those
-    graphs through torch.export, and those graphs at TP on gloo (the degree: --tp; int8 or int4
-    experts: --quantization)."""
+    graphs through torch.export, and those graphs at TP on gloo (the degree: --tp); each in any weight
+    format (--quantization, on the linears --quantized-layers names: `quantized`)."""
     return {
         **{e.backend: Backend(e.backend, EAGER_GRAPHS, e) for e in EXPERTS.values() if e.backend},
         "static": Backend("static", MODULES),
@@ -288,11 +331,6 @@ def validate_backends() -> dict[str, Backend]:
         "tp": Backend("tp", EXPORTED, placement=Placement()),
     }
 
-
-# An HF-model backend with --quantization int8 or int4: that format's experts implementation (it computes
-# every expert with the quantised numbers; the tokens routed to none are weighted 0, as eager's loop leaves
-# them out)
-QUANTIZED_EXPERTS = {(backend.name, q.quantization): q for backend in (EAGER, DENSE_MASKED) for q in (INT8, INT4)}
 
 STATIC_BACKEND, NEURON_BACKEND = "static", "neuron"
 _NOT_TAKEN = {
@@ -309,30 +347,47 @@ def not_served() -> dict[str, str]:
 
 
 def serve_backends() -> dict[str, Backend]:
-    """serve's backends, derived from the registry when asked: every experts implementation in the
-    compute dtype that needs nothing attached (transformers' model, one request per thread; int8 or
-    int4: --quantization), the port's static graphs on CPU and a compiled artifact (both batched)."""
+    """serve's backends, derived from the registry when asked: every experts implementation that needs
+    nothing attached (transformers' model, one request per thread), the port's static graphs on CPU (both
+    in any format: --quantization, --quantized-layers) and a compiled artifact (batched, in its own)."""
     return {
-        **{
-            name: Backend(name, EAGER_GRAPHS, e)
-            for name, e in EXPERTS.items()
-            if e.needs is None and e.quantization == NO_QUANTIZATION
-        },
+        **{name: Backend(name, EAGER_GRAPHS, e) for name, e in EXPERTS.items() if e.needs is None},
         STATIC_BACKEND: Backend(STATIC_BACKEND, MODULES),
         NEURON_BACKEND: Backend(NEURON_BACKEND, COMPILED),
     }
 
 
-def quantized(backend: Backend, quantization: str | None) -> Backend:
-    """`backend` with its routed experts in `quantization` (None: not given, the compute dtype's): an
-    HF-model backend's experts implementation in that format (QUANTIZED_EXPERTS), the TP rank modules'
-    experts, or the reader's (its `Reader.quantization`: READER_QUANTIZATIONS). Refused where the
-    backend has no experts of that format."""
+def check_formats(quantization: str | None, quantized_layers=None) -> tuple[str, ...]:
+    """The layer groups `quantized_layers` names (None: the routed experts) if `quantization` (None: not
+    given) is a format and other groups than the experts' have one to be put in; else a UserError."""
+    layers = DEFAULT_QUANTIZED_LAYERS if quantized_layers is None else check_quantized_layers(quantized_layers)
+    if quantization in (None, NO_QUANTIZATION):
+        if layers != DEFAULT_QUANTIZED_LAYERS:
+            raise SpecError(
+                "--quantized-layers names the linears --quantization puts in a format: pass --quantization "
+                f"{' or '.join(QUANTIZATIONS[1:])} too"
+            )
+    else:
+        check_quantization(quantization)
+    return layers
+
+
+def quantized(backend: Backend, quantization: str | None, quantized_layers=None) -> Backend:
+    """`backend` with the linears of `quantized_layers` (LAYER_GROUPS, a tuple or --quantized-layers' text;
+    None: not given, the routed experts) in `quantization` (None: not given, the compute dtype's): HF's
+    model, the static graphs and the TP rank modules take any format on any group (`quantize.py`,
+    `formats/`); the reader reads the model's own or the int8 experts (its `Reader.quantization`:
+    READER_QUANTIZATIONS), nothing else; a compiled artifact's format is its own (its manifest's).
+    Other layers than the experts without a format to put them in are refused, as is any format the
+    backend lacks."""
+    layers = check_formats(quantization, quantized_layers)
     if quantization in (None, NO_QUANTIZATION):
         return backend
-    check_quantization(quantization)
-    if backend.placement is not None:
-        return dataclasses.replace(backend, quantization=quantization)
+    if backend.graphs == COMPILED and backend.placement is None:
+        raise SpecError(
+            f"--backend {backend.name} runs a compiled artifact in the format it was built with (its manifest's "
+            "quantization and quantized_layers): drop --quantization and --quantized-layers"
+        )
     if backend.experts is not None and backend.experts.needs == SIDECAR:
         if quantization not in READER_QUANTIZATIONS:
             raise SpecError(
@@ -340,16 +395,13 @@ def quantized(backend: Backend, quantization: str | None) -> Backend:
                 f"{quantization} (no {quantization} reader is built; `neuron-moe reads --quantization "
                 f"{quantization}` accounts one)"
             )
+        if layers != DEFAULT_QUANTIZED_LAYERS:
+            raise SpecError(
+                f"--backend {backend.name} reads the routed experts alone in int8, not --quantized-layers "
+                f"{','.join(layers)}"
+            )
         return backend  # the reader's own setting (Reader.quantization)
-    if backend.graphs == EAGER_GRAPHS and (backend.experts.name, quantization) in QUANTIZED_EXPERTS:
-        experts = QUANTIZED_EXPERTS[backend.experts.name, quantization]
-        return dataclasses.replace(backend, experts=experts, quantization=quantization)
-    runs = sorted({name for name, q in QUANTIZED_EXPERTS if q == quantization})
-    also = "validate's tp and reader" if quantization in READER_QUANTIZATIONS else "validate's tp"
-    raise SpecError(
-        f"--quantization {quantization} applies to --backend {', '.join(runs)} (HF's model) and {also}, not "
-        f"--backend {backend.name}"
-    )
+    return dataclasses.replace(backend, quantization=quantization, quantized_layers=layers)
 
 
 def check_serve_backend(name: str) -> Backend:

@@ -12,8 +12,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "neuron_moe"
 # Lowest first. A module's layer is its longest prefix here.
 LAYERS = (
     ("foundations", ("", "errors", "report", "config", "tokenizer")),  # "": the package's __init__
-    ("definitions", ("spec", "run_config", "port", "tasks", "checkpoint", "hub", "reader", "parallel.layout")),
-    ("modules", ("experts", "static", "parallel", "greedy")),
+    (
+        "definitions",
+        ("spec", "run_config", "port", "tasks", "checkpoint", "hub", "reader", "formats", "parallel.layout"),
+    ),
+    ("modules", ("experts", "static", "parallel", "greedy", "quantize")),
     # The generators over a port's graphs build the port's model: workflows, not modules.
     (
         "workflows",

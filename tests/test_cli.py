@@ -16,7 +16,7 @@ from neuron_moe.cli_parser import DEFAULT_THREADS
 from neuron_moe.errors import UserError, restore_ctrl_c, take_ctrl_c
 from neuron_moe.eval import seq_match
 from neuron_moe.greedy import Generation
-from neuron_moe.spec import NAIVE, Placement
+from neuron_moe.spec import NAIVE, QUANTIZATIONS, Placement
 
 
 def test_validate_passes_and_writes_json(tmp_path, capsys):
@@ -80,10 +80,10 @@ def test_user_errors_are_one_line_and_exit_2(capsys):
     assert "pass --checkpoint DIR" in capsys.readouterr().err
     assert cli.main(["validate", "--backend", "eager", "--quantization", "int8", "--expert-layout", "channel"]) == 2
     assert "--expert-layout applies to the TP backends (tp) only" in capsys.readouterr().err
-    assert cli.main(["validate", "--backend", "traced", "--quantization", "int8"]) == 2
-    assert "--quantization int8 applies to --backend dense_masked, eager" in capsys.readouterr().err
-    assert cli.main(["serve", "--backend", "static", "--quantization", "int8", "--port", "0"]) == 2  # before binding
-    assert "not --backend static" in capsys.readouterr().err
+    assert cli.main(["validate", "--backend", "traced", "--quantized-layers", "attention"]) == 2
+    assert "--quantized-layers names the linears --quantization puts in a format" in capsys.readouterr().err
+    assert cli.main(["serve", "--backend", "neuron", "--quantization", "int8", "--port", "0"]) == 2  # before binding
+    assert "runs a compiled artifact in the format it was built with" in capsys.readouterr().err
     assert cli.main(["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--budget", "10"]) == 2
     assert "--budget configure the reader: pass --reader" in capsys.readouterr().err
     # the seed bug is the expert layout's router scatter: the channel layout has none to get wrong
@@ -261,7 +261,7 @@ def test_every_command_that_takes_them_offers_the_same_dtype_and_quantization_wo
             if "--dtype" in action.option_strings:
                 assert set(action.choices) <= {"bfloat16", "float32"}, name
             if "--quantization" in action.option_strings:
-                assert set(action.choices) <= {"none", "int8", "int4"} and "none" in action.choices, name
+                assert set(action.choices) <= set(QUANTIZATIONS) and "none" in action.choices, name
 
 
 # ---- every integer option bounded -------------------------------------------------------------------------

@@ -153,6 +153,19 @@ def test_int4_experts_put_the_26b_on_one_chip_at_tp_2(tmp_path, capsys, instance
     assert neuron_limits(chips) == {"aws.amazon.com/neuron": 1}
 
 
+def test_the_tp_is_planned_with_the_layers_the_artifact_quantizes(tmp_path):
+    """The plan deploy k8s picks the degree by is the artifact's: its quantized layer groups
+    (`Settings.quantized_layers`) in its format, every linear of the 26B here, against the experts alone."""
+    port, every = load_port("gemma4-26b-a4b"), ("experts", "attention", "mlp", "lm_head")
+    tp, report = k8s.resolve_tp(port, "inf2.xlarge", "int4", None, every)
+    backend = compiled_backend("plan", 2, "int4", quantized_layers=every)
+    assert tp == 2 and report == port_plan(port, RunConfig(backend=backend), "inf2.xlarge")
+    settings = k8s.Settings("gemma4-26b-a4b", "inf2.xlarge", URI, quantization="int4", quantized_layers=every)
+    written = k8s.write(settings, port, tmp_path / "out")
+    assert written["plan"]["per_rank_total_bytes"] == report["per_rank_total_bytes"]
+    assert report["per_rank_total_bytes"] < _plan(port, "inf2.xlarge", 2, "int4")["per_rank_total_bytes"]
+
+
 def test_int4_at_a_degree_whose_ranks_split_its_groups_is_refused_by_name(tmp_path, capsys, monkeypatch):
     """At TP 8 a rank of the channel layout holds 88 of down's input channels, not whole groups of 32:
     as the artifact's --tp that is one error line naming the tensor; among the degrees deploy k8s tries

@@ -1,3 +1,8 @@
+import torch
+
+from neuron_moe import info
+from neuron_moe.formats import FORMATS, Format
+from neuron_moe.formats.int4 import Int4
 from neuron_moe.info import geometry, parameter_counts, per_token_costs
 from neuron_moe.port import load_port
 
@@ -40,3 +45,29 @@ def test_per_token_bytes_and_flops_at_full_size():
     # top-k experts plus everything else is exactly the active parameter count (tied LM head read whole)
     assert selective["weight_bytes_per_token"] == 2 * parameter_counts(port.config)["active_per_token"]
     assert costs["selective_below_batch"] == 16
+
+
+class _Fp8(Format):
+    """A format the registry does not hold: one byte a weight, no scale."""
+
+    name = "fp8"
+
+    def shapes(self, shape, dtype):
+        return {"weight": (tuple(shape), torch.float8_e4m3fn)}
+
+
+def test_the_bytes_table_has_a_row_for_each_registered_format(monkeypatch):
+    """The 26B's weights with the experts in each format the registry holds, the rest bf16: int8 a byte
+    a weight and an fp32 scale per output channel, int4 half a byte and a bf16 scale per 32 inputs; a
+    format registered later appears without an edit, and one whose groups do not divide the experts'
+    input dims (704 channels in groups of 128) has no row."""
+    config = load_port("gemma4-26b-a4b").config
+    params = parameter_counts(config)
+    rest, experts = params["total"] - params["groups"]["experts"], params["groups"]["experts"]
+    b = params["bytes"]
+    assert list(b) == ["float32", "bfloat16"] + [f"{q}_experts_bf16_rest" for q in FORMATS if q != "none"]
+    assert b["int8_experts_bf16_rest"] == rest * 2 + experts + 30 * 128 * (1408 + 2816) * 4
+    assert b["int4_experts_bf16_rest"] == rest * 2 + experts // 2 + 30 * 128 * (1408 * 88 + 2816 * 22) * 2
+    monkeypatch.setattr(info, "FORMATS", {**FORMATS, "fp8": _Fp8(), "int4_128": Int4(group=128)})
+    b = parameter_counts(config)["bytes"]
+    assert b["fp8_experts_bf16_rest"] == rest * 2 + experts and "int4_128_experts_bf16_rest" not in b

@@ -1,4 +1,4 @@
-"""int4 experts: the format (experts/int4.py). Packing is exact, dequantising errs by at most half a
+"""int4 experts: the format (formats/int4.py). Packing is exact, dequantising errs by at most half a
 step of each group's grid (the step is the group's amax / 7, rounded up to a bf16), the scale search
 never reconstructs worse than round-to-nearest, and the byte counts are what the tensors hold."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from neuron_moe import cli_parser
+from neuron_moe import cli_parser, spec
 from neuron_moe.cli import main
 from neuron_moe.errors import UserError
-from neuron_moe.experts import int4
-from neuron_moe.experts.quantization import quantize_experts
+from neuron_moe.formats import int4
+from neuron_moe.formats import FORMATS, quantize_state
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.neuron import artifact as na
@@ -21,6 +21,7 @@ from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.layout import fused
 from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
+from neuron_moe.quantize import quantize_model
 from neuron_moe.reader import accounting as acc
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.spec import Reader, tp_backend
@@ -103,7 +104,7 @@ def test_bytes_are_what_the_tensors_hold():
 
 
 def test_a_group_that_does_not_divide_the_input_dim_is_refused():
-    with pytest.raises(int4.Int4Error, match="group size 64 does not divide the input dim 96"):
+    with pytest.raises(int4.Int4Error, match="group size 64 does not divide the 96 input channels"):
         int4.packed_bytes(8, 96, 64)
     with pytest.raises(int4.Int4Error, match="even number"):
         int4.quantize(_weight((4, 18)), 9)
@@ -114,13 +115,13 @@ def test_a_group_that_does_not_divide_the_input_dim_is_refused():
 
 def test_int4_experts_are_the_dequantised_model(tiny_port):
     """HF's model with int4 experts computes what the float model holding the dequantised weights does,
-    and never touches its own weights."""
-    model = build_model(tiny_port, "int4", torch.float32)
-    before = {k: p.clone() for k, p in model.named_parameters()}
+    and never touches the float weights it was made from."""
+    model = build_model(tiny_port, "dense_masked", torch.float32)
+    before = {k: (p, p.clone()) for k, p in model.named_parameters()}
+    quantize_model(model, "int4")
+    assert all(torch.equal(p, copy) for p, copy in before.values())
     ids, mask = left_pad(random_prompts(tiny_port.config.vocab_size, [30, 12], seed=2), pad_id=0)
     got = prefill_logits(model, ids, mask)
-    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
-    assert "_int4_cache" not in "".join(model.state_dict())
     dq = build_model(tiny_port, "dense_masked", torch.float32)
     with torch.no_grad():
         for layer in dq.model.layers:
@@ -145,7 +146,7 @@ def test_tp2_int4_in_both_layouts_is_the_one_rank_int4(tiny_port):
         "expert": TPGenerator(tiny_port, tp_backend(2, expert_layout=layout.EXPERT, quantization="int4")),
     }
     out = generate_replicated(gens, *prompts, 6)  # raises if rank 1's tokens differ from rank 0's
-    want = greedy(build_model(tiny_port, "int4", torch.float32), *prompts, 6)
+    want = greedy(build_model(tiny_port, "dense_masked", torch.float32, quantization="int4"), *prompts, 6)
     for name, got in out.items():
         assert torch.equal(got.tokens, want.tokens), name
         assert (got.logits - want.logits).abs().max() <= 1e-4 * want.logits.abs().max(), name
@@ -159,8 +160,8 @@ def test_tp2_int4_in_both_layouts_is_the_one_rank_int4(tiny_port):
 def test_int4_group_must_fit_a_row_rank(tiny_port):
     """The channel layout at TP 4 leaves each rank 16 of an expert's 64 channels: no whole group of 32."""
 
-    with pytest.raises(int4.Int4Error, match="group size 32 does not divide the rank's input channels 16"):
-        ParallelMoE(tiny_port.config, 4, cpu, quantization="int4")
+    with pytest.raises(int4.Int4Error, match="group size 32 does not divide the 16 input channels of a rank"):
+        ParallelMoE(tiny_port.config, 4, cpu, fmt=FORMATS["int4"])
 
 
 def _experts_bytes(out) -> int:
@@ -199,8 +200,9 @@ def test_a_degree_whose_ranks_hold_no_whole_group_is_refused_before_any_weight(c
     assert main(["validate", "--backend", "tp", "--quantization", "int4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
-        "error: int4 group size 32 does not divide a rank's 8 of each expert's 64 channels at TP 8 in the "
-        "channel layout: use a lower TP degree or --expert-layout expert"
+        "error: int4 group size 32 does not divide the 8 input channels each rank holds of "
+        "model.layers.0.experts.down_proj.weight at TP 8 in the channel layout: use a lower TP degree or "
+        "--expert-layout expert"
     )
 
 
@@ -215,13 +217,13 @@ def _quantization_choices(name: str, sub: argparse.ArgumentParser):
 
 
 def test_int4_is_offered_wherever_int8_is_and_the_one_rank_reader_refuses_it(capsys):
-    """--quantization int4 is the third value wherever int8 is offered (every command's choices are the
-    same three); the one-rank reader (no int4 reader is built) refuses it in one error line before any
+    """--quantization int4 is offered wherever int8 is (every command's choices are the same: every
+    registered format); the one-rank reader (no int4 reader is built) refuses it in one error line before any
     work."""
     subcommands = next(a for a in cli_parser.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     offers = dict(c for name, sub in subcommands.items() for c in _quantization_choices(name, sub))
     assert {"validate", "eval-tasks", "serve", "trace-and-compile", "reads", "plan", "deploy k8s"} <= set(offers)
-    assert all(choices == ("none", "int8", "int4") for choices in offers.values()), offers
+    assert all(choices == spec.QUANTIZATIONS and "int4" in choices for choices in offers.values()), offers
     assert main(["validate", "--backend", "reader", "--budget", "50", "--quantization", "int4"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: --backend reader reads the model's own or the int8 experts, not --quantization int4 (no int4 "
@@ -234,14 +236,14 @@ def test_quantizing_takes_each_float_experts_linear_out_as_it_goes(tiny_eager):
     the result is the per-tensor quantisation, everything else passed on as it was."""
     full = layout.parallel_state_dict(tiny_eager.state_dict(), tiny_eager.config, 2, layout.CHANNEL)
     copy = dict(full)
-    out = quantize_experts(full, "int4")
+    out = quantize_state(full, "int4")
     assert full == {}
     name = "model.layers.1.experts.down_proj.weight"
     packed, scale = int4.quantize(copy[name])
     assert torch.equal(out[name], packed) and torch.equal(out[name.replace("weight", "group_scale")], scale)
     assert all(out[k] is v for k, v in copy.items() if ".experts." not in k)
-    with pytest.raises(UserError, match="experts quantization 'int3'"):
-        quantize_experts(copy, "int3")
+    with pytest.raises(UserError, match="--quantization 'int3'"):
+        quantize_state(copy, "int3")
 
 
 def test_the_reader_accounting_charges_int4_as_the_format_holds_it():

@@ -8,11 +8,10 @@ one set of 2 processes (NxD imported and its parallel state initialised once per
 tier takes 4-14 s on 2 shared cores.
 
 - TP 2, channel and expert layouts: HF eager's tokens, its step-0 logits to the fp32 bound.
-- int8 experts in both layouts: the same int8 model on one rank (the channel layout's numbers are
-  one-rank `int8`'s; the expert layout's are its rank module's at TP 1), built on meta around NxD's
-  quantized row-parallel CPU init (documented below as upstream behaviour).
-- int4 experts in both layouts: the one-rank `int4` model (NxD has no int4 layer for inf2: the
-  int4 layers are NxD parallel linears carrying NxD's tags on the packed weights and scales).
+- Every quantized format's experts in both layouts: the same model on one rank (its rank module at
+  TP 1). int8 on NxD's quantized layers, built on meta around NxD's quantized row-parallel CPU init
+  (documented below as upstream behaviour); int4 and q4_0 on NxD parallel linears carrying NxD's
+  tags on the format's tensors (NxD has no 4-bit layer for inf2).
 - The reader at TP 2, each rank its sidecar shard: the per-rank reader emulated in one process.
 - Negative control: rank 1 loading rank 0's shard must fail the same comparison.
 - What ran: NxD's classes, from the tree located, with only the absent packages stood in for.
@@ -24,7 +23,8 @@ from neuron_moe.spec import Reader, tp_backend
 from conftest import random_prompts
 
 from neuron_moe.experts.channel_reader import attach_reader
-from neuron_moe.experts.quantization import quantize_experts
+from neuron_moe.formats import FORMATS, quantize_state
+from neuron_moe.formats.int8 import INT8
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model, prep_port
 from neuron_moe.parallel import cpu, layout, nxd, nxd_source
@@ -61,13 +61,11 @@ def shards(tiny_port, tmp_path_factory):
     return out
 
 
+QUANTIZED = [(q, expert_layout) for q in FORMATS if q != "none" for expert_layout in layout.EXPERT_LAYOUTS]
 CASES = {  # name -> the tp backend's options (`shards`: NxDGenerator's), all at TP 2
     "channel": {},
     "expert": {"expert_layout": layout.EXPERT},
-    "channel-int8": {"quantization": "int8"},
-    "expert-int8": {"expert_layout": layout.EXPERT, "quantization": "int8"},
-    "channel-int4": {"quantization": "int4"},
-    "expert-int4": {"expert_layout": layout.EXPERT, "quantization": "int4"},
+    **{f"{e}-{q}": {"expert_layout": e, "quantization": q} for q, e in QUANTIZED},
     "wrong-shard": {"shards": (0, 0)},  # rank 1 loads rank 0's shard
 }
 
@@ -88,12 +86,13 @@ def reference(tiny_eager, prompts):
     return greedy(tiny_eager, *prompts, NEW_TOKENS)
 
 
-def _expert_int8_on_one_rank(port, prompts):
-    """The expert layout's int8 numbers (down scaled per hidden channel over all experts: the same at
-    every degree) on one rank of the gloo stand-in."""
+def _on_one_rank(port, prompts, quantization: str, expert_layout: str):
+    """The experts in `quantization` as `expert_layout` holds them, on one rank of the gloo stand-in:
+    the numbers every degree holds (int8's expert layout scales down per hidden channel over all
+    experts, the same at every degree; the grouped formats' groups lie along the input dim)."""
     hf = build_model(port, "eager", torch.float32)
-    full = quantize_experts(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, layout.EXPERT), "int8")
-    module = rank_model(port.config, 1, cpu, expert_layout=layout.EXPERT, quantization="int8")
+    full = quantize_state(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, expert_layout), quantization)
+    module = rank_model(port.config, 1, cpu, expert_layout=expert_layout, quantization=quantization)
     module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
     return greedy(module, *prompts, NEW_TOKENS)
 
@@ -114,16 +113,13 @@ def test_both_layouts_are_hf_eager(runs, reference, name):
     assert matches(runs[0][name], reference)
 
 
-def test_int8_experts_in_both_layouts_are_the_same_int8_model_on_one_rank(tiny_port, runs, prompts):
-    assert matches(runs[0]["channel-int8"], greedy(build_model(tiny_port, "int8", torch.float32), *prompts, NEW_TOKENS))
-    assert matches(runs[0]["expert-int8"], _expert_int8_on_one_rank(tiny_port, prompts))
-
-
-def test_int4_experts_in_both_layouts_are_the_one_rank_int4_model(tiny_port, runs, prompts):
-    """Both layouts hold the one-rank int4 numbers (groups along the input dim): NxD's parallel linears
-    carrying the packed weights and scales, cut by NxD's own tags, give the one-rank int4 model."""
-    want = greedy(build_model(tiny_port, "int4", torch.float32), *prompts, NEW_TOKENS)
-    assert matches(runs[0]["channel-int4"], want) and matches(runs[0]["expert-int4"], want)
+@pytest.mark.parametrize("quantization, expert_layout", QUANTIZED)
+def test_quantized_experts_at_tp2_are_the_same_model_on_one_rank(tiny_port, runs, prompts, quantization, expert_layout):
+    """NxD's quantized layers (int8) and NxD parallel linears carrying a format's tensors (int4, q4_0:
+    NxD has no 4-bit layer for inf2), cut by NxD's own tags, give the one-rank model of that format."""
+    want = _on_one_rank(tiny_port, prompts, quantization, expert_layout)
+    assert matches(runs[0][f"{expert_layout}-{quantization}"], want)
+    assert not matches(want, _on_one_rank(tiny_port, prompts, "none", expert_layout))  # teeth: it is quantized
 
 
 def test_reader_per_rank_at_tp2_is_the_one_process_emulation(tiny_port, runs, shards, prompts, reference):
@@ -172,7 +168,7 @@ def _quantized_row_parallel(rank: int, source, device: str):
     nxd.initialize_model_parallel(2)
     try:
         with torch.device(device):
-            layer = nxd.QuantizedRowParallel(8, 4, tp=2)
+            layer = nxd.RowParallelLinear(8, 4, tp=2, fmt=INT8)
     except (RuntimeError, ValueError) as e:  # torch raises the empty-cat error as a ValueError since 2.x
         return str(e)
     return tuple(layer.weight.shape)

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from neuron_moe import spec
 from neuron_moe.experts.dense_masked import router_weight_matrix
-from neuron_moe.experts.quantization import quantize_experts
+from neuron_moe.errors import UserError
+from neuron_moe.formats import FORMATS, quantize_state
 from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.port import load_port
@@ -136,24 +137,30 @@ def test_degrees_that_do_not_split_are_named():
 
 
 @pytest.mark.parametrize("expert_layout", layout.EXPERT_LAYOUTS)
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("quantization", list(FORMATS))
 def test_rank_module_tags_agree_with_the_layout(tiny_eager, expert_layout, quantization):
-    tp = 2 if quantization == "int4" else 4  # int4's row rank holds whole groups of 32: I/t = 64/2
-    module = ParallelMoE(tiny_eager.config, tp, cpu, expert_layout=expert_layout, quantization=quantization)
+    """Every tensor of a rank's experts is split as the layout places its linear's weight, but for a
+    format's tensor with one entry per output channel (int8's scale) in a row layer, which every rank
+    holds whole."""
+    fmt = FORMATS[quantization]
+    tp = 4 if _holds(fmt, tiny_eager.config.moe_intermediate_size // 4) else 2  # a row rank holds whole groups
+    module = ParallelMoE(tiny_eager.config, tp, cpu, expert_layout=expert_layout, fmt=fmt)
     names = {name for name, _ in module.named_parameters()}
     assert ("experts.spmd_rank.rank" in names) == (expert_layout == layout.EXPERT)
-    for name, p in module.named_parameters():
+    params = dict(module.named_parameters())
+    for name, p in params.items():
         kind = layout.placement(name, expert_layout)
         split = getattr(p, "tensor_model_parallel", False)  # HF's router: untagged, as in NxD
-        assert split == (kind != layout.REPLICATED), name
+        whole = kind != layout.REPLICATED and fmt.replicated(name.rpartition(".")[2], layout.PARTITION[kind][0])
+        assert split == (kind != layout.REPLICATED and not whole), name
         if split:
             assert (p.partition_dim, p.partition_stride) == layout.PARTITION[kind] and p.num_partitions == tp, name
 
 
 def test_shard_checkpoint_cuts_as_nxd_does(tiny_eager, hf_state):
     config, tp = tiny_eager.config, 4
-    full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp, layout.EXPERT), "int8"))
-    module = ParallelMoE(config, tp, cpu, expert_layout=layout.EXPERT, quantization="int8")
+    full = block_state(quantize_state(layout.parallel_state_dict(hf_state, config, tp, layout.EXPERT), "int8"))
+    module = ParallelMoE(config, tp, cpu, expert_layout=layout.EXPERT, fmt=FORMATS["int8"])
     shards = cpu.shard_checkpoint(full, module, tp)
     gu, gu_s = full["experts.gate_up_proj.weight"], full["experts.gate_up_proj.scale"]
     dn, dn_s = full["experts.down_proj.weight"], full["experts.down_proj.scale"]
@@ -177,8 +184,8 @@ def test_shard_checkpoint_cuts_the_channel_layout_with_its_stride(tiny_eager, hf
     down's [E, 1, H] is replicated."""
     config, tp = tiny_eager.config, 4
     n, I = config.moe_intermediate_size // tp, config.moe_intermediate_size
-    full = block_state(quantize_experts(layout.parallel_state_dict(hf_state, config, tp, layout.CHANNEL), "int8"))
-    module = ParallelMoE(config, tp, cpu, quantization="int8")
+    full = block_state(quantize_state(layout.parallel_state_dict(hf_state, config, tp, layout.CHANNEL), "int8"))
+    module = ParallelMoE(config, tp, cpu, fmt=FORMATS["int8"])
     shards = cpu.shard_checkpoint(full, module, tp)
     gu, gu_s = full["experts.gate_up_proj.weight"], full["experts.gate_up_proj.scale"]
     dn, dn_s = full["experts.down_proj.weight"], full["experts.down_proj.scale"]
@@ -268,3 +275,12 @@ def test_a_decode_graph_gathers_only_while_tokens_times_k_is_below_e(tiny_eager,
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     module.experts.config = spec.dispatching(config, spec.DENSE_MASKED)  # a prefill graph's
     assert not expert_reads(export_rank0(module, (x, x), 1))["gathered"]
+
+
+def _holds(fmt, inputs: int) -> bool:
+    """Whether `inputs` input channels hold whole groups of `fmt`."""
+    try:
+        fmt.check(inputs)
+    except UserError:
+        return False
+    return True

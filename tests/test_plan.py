@@ -3,10 +3,12 @@
 import json
 
 import pytest
+import torch
 
-from neuron_moe import cli
+from neuron_moe import cli, spec
+from neuron_moe.formats import FORMATS
 from neuron_moe.errors import UserError
-from neuron_moe.experts.int4 import DEFAULT_GROUP, SCALE_BYTES
+from neuron_moe.formats.int4 import DEFAULT_GROUP, SCALE_BYTES
 from neuron_moe.info import parameter_counts
 from neuron_moe.neuron.plan import (
     CHIP_HBM_BW,
@@ -21,10 +23,14 @@ from neuron_moe.neuron.plan import (
     SHAPE_STEP,
     GiB,
     plan,
+    port_plan,
     render_plan,
 )
+from neuron_moe.parallel import cpu
+from neuron_moe.parallel.model import rank_model
 from neuron_moe.port import load_port
-from neuron_moe.spec import Reader
+from neuron_moe.run_config import RunConfig
+from neuron_moe.spec import LAYER_GROUPS, Reader
 
 from conftest import port_text_elsewhere
 
@@ -318,7 +324,8 @@ def test_one_chip_int4_plan_cli(capsys):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[-1].startswith("FITS: ") and "GB spare per core" in out and "GiB spare" in out
-    for named in ("int4 experts (groups of", "embeddings and lm_head sharded over the vocabulary", "peak"):
+    assert out.startswith("gemma4-26b-a4b on inf2.xlarge: TP 2, int4 experts, the rest bf16, the channel expert layout")
+    for named in ("int4 experts (4.50 bits a weight", "embeddings and lm_head sharded over the vocabulary", "peak"):
         assert named in out
     assert "HBM-bound floor per token" in out and "longest context that fits" in out
     assert "largest batch × context that fits: " in out
@@ -355,7 +362,90 @@ def test_the_compile_host_estimate_is_stated_per_key_and_anchored_on_its_one_rep
 def test_int4_where_a_rank_holds_part_of_a_group_is_refused_by_name(big):
     """At TP 8 the channel layout's down holds I/8 = 88 input channels a rank: not whole groups. The
     expert layout's down holds E·I/8 (whole experts): its plan stands, without the channel row."""
-    with pytest.raises(UserError, match=r"does not divide the input dim 88 \(.*down_proj.weight on each of 8 ranks"):
+    with pytest.raises(
+        UserError, match=r"does not divide the 88 input channels \(.*down_proj.weight on each of 8 ranks"
+    ):
         plan(big, "inf2.24xlarge", 8, "int4", batch=1, seq=4096)
     r = plan(big, "inf2.24xlarge", 8, "int4", batch=1, seq=4096, expert_layout="expert")
     assert r["fits"] and [row["expert_layout"] for row in r["decode"]] == ["expert"]
+
+
+@pytest.mark.parametrize("expert_layout", ["channel", "expert"])
+@pytest.mark.parametrize("quantization", list(FORMATS))
+def test_the_weights_planned_are_the_rank_modules_tensors_each_once(tiny_port, quantization, expert_layout):
+    """Every linear quantized, in every format: a rank's weights in the plan are the bytes of the tensors
+    its rank module holds (built on the meta device, in bf16), each tensor counted once."""
+    config = tiny_port.config
+    module = rank_model(
+        config,
+        2,
+        cpu,
+        expert_layout=expert_layout,
+        quantization=quantization,
+        quantized_layers=LAYER_GROUPS,
+        dtype=torch.bfloat16,
+        device="meta",
+    )
+    tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}
+    held = sum(t.numel() * t.element_size() for t in tensors.values())
+    r = plan(config, None, 2, quantization, 1, 64, expert_layout=expert_layout, quantized_layers=LAYER_GROUPS)
+    assert r["quantized_layers"] == list(LAYER_GROUPS)
+    assert sum(v for k, v in r["per_rank_bytes"].items() if k not in ("kv_cache", "graph", "runtime")) == held
+
+
+@pytest.mark.parametrize("q", ["int4", "q4_0"])
+def test_every_linear_in_4_5_bits_saves_its_bytes_against_the_experts_alone(big, q):
+    """The 26B at TP 2 with every linear in int4 or q4_0 (4.5 bits a weight: a nibble and a 16-bit scale
+    per 32 inputs) against the experts alone in it: attention, the dense MLP and lm_head shrink to 4.5 / 16
+    of their bf16 linears (their norms and the embeddings stay bf16), nothing else moves; each group's
+    saving is named; the decode floor falls below 3.2 ms (issue 55) and both one-chip instances hold it."""
+    alone = plan(big, "inf2.xlarge", 2, q, batch=1, seq=4096)
+    every = plan(big, "inf2.xlarge", 2, q, batch=1, seq=4096, quantized_layers=LAYER_GROUPS)
+    H, V, L = big.hidden_size, big.vocab_size, big.num_hidden_layers
+    saved = lambda values: values * 2 - values // 2 - values // 32 * 2  # noqa: E731 bf16 - 4.5 bits
+    before, after = alone["per_rank_bytes"], every["per_rank_bytes"]
+    assert before["lm_head"] - after["lm_head"] == saved(V // 2 * H)
+    assert before["dense_mlp"] - after["dense_mlp"] == saved(L * 3 * big.intermediate_size // 2 * H)
+    rows = {row["what"].split(" (")[0]: row for row in every["savings"]}
+    assert [w for w in rows if w.startswith(q)] == [f"{q} {g}" for g in LAYER_GROUPS]
+    assert all("(4.50 bits a weight, scales included)" in rows[f"{q} {g}"]["what"] for g in LAYER_GROUPS)
+    bf16 = rank_model(big, 2, cpu, dtype=torch.bfloat16, device="meta").state_dict()
+    attention = sum(t.numel() for n, t in bf16.items() if spec.layer_group(n) == "attention")  # q, k, v, o
+    assert before["attention"] - after["attention"] == rows[f"{q} attention"]["saved_bytes"] == saved(attention)
+    assert rows[f"{q} mlp"]["saved_bytes"] == before["dense_mlp"] - after["dense_mlp"]
+    assert rows[f"{q} lm_head"]["saved_bytes"] == before["lm_head"] - after["lm_head"]
+    assert (
+        rows[f"{q} experts"]["saved_bytes"]
+        == next(r for r in alone["savings"] if "experts" in r["what"])["saved_bytes"]
+    )
+    moved = {k for k in before if before[k] != after[k]}
+    assert moved == {"attention", "dense_mlp", "lm_head"}  # the graph row: the experts' transient still the larger
+    assert sum(before.values()) - sum(after.values()) == sum(rows[f"{q} {g}"]["saved_bytes"] for g in LAYER_GROUPS[1:])
+    floors = {r["expert_layout"]: r["floor_ms"] for r in every["decode"]}
+    assert floors["channel"] <= 3.2 < {r["expert_layout"]: r["floor_ms"] for r in alone["decode"]}["channel"]
+    assert every["decode"][0]["bytes_per_token"] == alone["decode"][0]["bytes_per_token"] - sum(
+        rows[f"{q} {g}"]["saved_bytes"] for g in ("attention", "mlp", "lm_head")
+    )
+    for instance in ONE_CHIP:  # through a run configuration, as `plan` and `deploy k8s` make it
+        backend = spec.compiled_backend("plan", 2, q, quantized_layers=LAYER_GROUPS)
+        r = port_plan(load_port("gemma4-26b-a4b"), RunConfig(backend=backend), instance)
+        assert r["fits"] and r["quantized_layers"] == list(LAYER_GROUPS) and r["decode"][0]["floor_ms"] <= 3.2
+        assert f"{q} experts, attention, mlp, lm_head, the rest bf16" in render_plan(r).splitlines()[0]
+
+
+def test_a_quantized_linears_dequantised_copy_is_the_graph_rows_transient(big, tiny_port):
+    """The graph row's dequantised transient is the format's (from its tensors): none for bf16, a bf16
+    copy for int8, that and a byte a value more for int4's unpack; a short prefill's largest transient
+    is then a quantized lm_head's copy (1/t of the vocabulary), not the MoE stage's."""
+    from neuron_moe.neuron.plan import _dequantised_bytes
+
+    shape = (64, 128)
+    assert [_dequantised_bytes(FORMATS[q], shape) for q in ("none", "int8", "int4")] == [0, 2 * 64 * 128, 3 * 64 * 128]
+    H, V, E, inter = big.hidden_size, big.vocab_size, big.num_experts // 2, big.moe_intermediate_size
+    moe = 128 * E * 3 * inter * 2 + E * 2 * inter * H * 3  # the MoE stage's activation and one gate_up dequantised
+    assert plan(big, None, 2, "int4", batch=1, seq=128)["per_rank_bytes"]["graph"] == moe
+    every = plan(big, None, 2, "int4", batch=1, seq=128, quantized_layers=LAYER_GROUPS)
+    assert every["per_rank_bytes"]["graph"] == V // 2 * H * 3 > moe
+    assert plan(big, None, 2, "none", batch=1, seq=128, quantized_layers=LAYER_GROUPS)["per_rank_bytes"]["graph"] == (
+        128 * E * 3 * inter * 2
+    )

@@ -7,7 +7,19 @@ import pytest
 
 import trained_like
 from neuron_moe import cli
-from neuron_moe.reader.accounting import BudgetError, breakdown, full_bytes, reads, resident, row_sectors, solve_k
+from neuron_moe.formats import FORMATS
+from neuron_moe.reader.accounting import (
+    SECTOR,
+    BudgetError,
+    breakdown,
+    channel_bytes,
+    expert_read_bytes,
+    full_bytes,
+    reads,
+    resident,
+    row_sectors,
+    solve_k,
+)
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.spec import Reader
 from neuron_moe.reader.hadamard import random_signs
@@ -118,6 +130,37 @@ def test_reads_cli_for_gemma4_and_explicit_geometry(capsys):
     full_scan = json.loads(capsys.readouterr().out)
     assert full_scan["reads"]["recovery"]["bytes"] == 0
     assert full_scan["reads"]["sketch"]["bytes"] == 8 * (16 * 128 * 320 + 16 * 1536 * 2)  # every strip
+
+
+def test_each_format_is_charged_its_tensors_by_hand():
+    """Gemma-4 26B's expert (gate_up [1408, 2816], down [2816, 704]) read whole and one exact channel
+    (three rows of 2816), in each format: bf16; int8 with an fp32 scale per output channel (and the
+    one-rank reader's scale pair); int4 packed two a byte with a bf16 scale per 32 inputs, every
+    tensor here a whole number of sectors but int4's channel row (1584 bytes: 49.5 sectors, 51)."""
+    assert expert_read_bytes(GEMMA4_26B, "none") == 3 * 704 * 2816 * 2
+    assert expert_read_bytes(GEMMA4_26B, "int8") == 3 * 704 * 2816 + (1408 + 2816) * 4
+    assert expert_read_bytes(GEMMA4_26B, "int4") == 3 * 704 * 2816 // 2 + (1408 * 88 + 2816 * 22) * 2
+    assert channel_bytes(GEMMA4_26B, "none") == 3 * 2816 * 2
+    assert channel_bytes(GEMMA4_26B, "int8") == 3 * 2816 + SECTOR
+    assert channel_bytes(GEMMA4_26B, "int4") == 3 * 51 * SECTOR
+
+
+@pytest.mark.parametrize("quantization", list(FORMATS))
+def test_a_whole_expert_is_its_formats_bytes_to_the_sector(quantization):
+    """Every registered format, asked for its bytes: an expert read whole costs the format's bytes of
+    gate_up and down (`Format.nbytes`), each of its tensors rounded up to whole sectors (one more
+    where a tensor need not start on a boundary), and the full read is top_k of them."""
+    fmt, H, inter = FORMATS[quantization], GEMMA4_26B.hidden, GEMMA4_26B.intermediate
+    whole = expert_read_bytes(GEMMA4_26B, quantization)
+    assert 0 <= whole - fmt.nbytes((2 * inter, H)) - fmt.nbytes((H, inter)) < 2 * len(fmt.tensors) * 2 * SECTOR
+    settings = Reader(quantization=quantization).resolved()
+    assert breakdown(GEMMA4_26B, settings, 100)["full_bytes"] == 8 * whole
+
+
+def test_reads_names_a_formats_bits_a_weight(capsys):
+    args = ["reads", "--model", "gemma4-26b-a4b", "--quantization", "int4", "--budget", "25"]
+    assert cli.main(args) == 0
+    assert "int4 exact rows at 4.50 bits a weight, scales beside them (accounted only)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

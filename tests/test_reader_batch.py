@@ -15,7 +15,7 @@ from neuron_moe.reader import selectors as S
 from neuron_moe.reader.geometry import Geometry
 from neuron_moe.reader.hadamard import random_signs
 from neuron_moe.reader.int8 import Int8Experts
-from neuron_moe.experts.int8 import quantize_per_channel
+from neuron_moe.formats.int8 import quantize_per_channel
 from neuron_moe.reader.prep import prep_layer
 from neuron_moe.reader.sidecar import LayerSidecar
 

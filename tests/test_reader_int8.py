@@ -124,7 +124,7 @@ def generate(model, tokenizer, n=24):
 
 def test_seq_match_at_budget_100_against_one_rank_int8(tiny_port, sidecar):
     tokenizer = load_tokenizer(tiny_port, None)
-    want = generate(build_model(tiny_port, "int8"), tokenizer)
+    want = generate(build_model(tiny_port, "dense_masked", quantization="int8"), tokenizer)
     model = build_model(tiny_port)
     assert attach_reader(model, sidecar, budget=100, quantization="int8") == 4 * 64
     rows = compare(want, generate(model, tokenizer), list(DEFAULT_PROMPTS))

@@ -46,17 +46,23 @@ def test_what_the_commands_offer_is_derived_from_the_entries():
     assert sorted(backends.NOT_SERVED) == ["channel_reader", "selector"]
     assert sorted(seq_match.BACKENDS) == ["dense_masked", "eager", "reader", "static", "tp", "traced"]
     assert seq_match.BACKENDS["reader"].experts is spec.CHANNEL_READER
-    assert spec.QUANTIZATIONS == ("none", "int8", "int4")
-    for name in ("eager", "dense_masked"):
-        for quantization, entry in (("int8", spec.INT8), ("int4", spec.INT4)):
-            q = spec.quantized(seq_match.BACKENDS[name], quantization)
-            assert q.experts is entry and q.quantization == quantization and q.name == name
-    for quantization in ("int8", "int4"):
-        tp = spec.quantized(seq_match.BACKENDS["tp"], quantization)
-        assert tp.quantization == quantization and tp.placement == spec.Placement()
+    assert spec.QUANTIZATIONS == ("none", "int8", "int4", "q4_0")
+    # every backend but the reader and a compiled artifact takes any format on any layers, its own
+    # experts implementation unchanged (the model's modules hold the format: quantize.py)
+    for name in ("eager", "dense_masked", "static", "traced", "tp"):
+        base = seq_match.BACKENDS[name]
+        for quantization in spec.QUANTIZATIONS[1:]:
+            q = spec.quantized(base, quantization, "mlp,experts")
+            assert (q.experts, q.placement, q.graphs) == (base.experts, base.placement, base.graphs), name
+            assert (q.quantization, q.quantized_layers) == (quantization, ("experts", "mlp")), name
     assert spec.quantized(seq_match.BACKENDS["traced"], "none") == seq_match.BACKENDS["traced"]
-    with pytest.raises(spec.SpecError, match="not --backend static"):
-        spec.quantized(backends.BACKENDS["static"], "int8")
+    assert spec.quantized(backends.BACKENDS["static"], "int8").quantized_layers == spec.DEFAULT_QUANTIZED_LAYERS
+    with pytest.raises(spec.SpecError, match="in the format it was built with"):
+        spec.quantized(backends.BACKENDS["neuron"], "int8")
+    reader = seq_match.BACKENDS["reader"]
+    assert spec.quantized(reader, "int8") == reader  # the reader's own setting (Reader.quantization)
+    with pytest.raises(spec.SpecError, match="routed experts alone"):
+        spec.quantized(reader, "int8", ("experts", "lm_head"))
 
 
 def test_experts_read_and_the_gather_rule(tiny_port):
@@ -94,12 +100,12 @@ def test_a_graph_runs_the_experts_it_was_built_with(tiny_port, tiny_eager):
     cache = new_cache(model, 16, 2)
     prefill, decode = Prefill(model, cache, spec.DENSE_MASKED), Decode(model, cache, "selective")
     assert spec.dispatched(model.config) is spec.EAGER
-    spec.set_experts(model, spec.INT8)  # the model's own, switched after the graphs were built
+    spec.set_experts(model, spec.SELECTOR)  # the model's own, switched after the graphs were built
     for graph, want in ((prefill, spec.DENSE_MASKED), (decode, spec.SELECTIVE)):
         assert {spec.dispatched(layer.experts.config) for layer in graph.model.model.layers} == {want}
         assert dict(graph.model.named_parameters()).keys() == dict(model.named_parameters()).keys()
         assert all(a is b for a, b in zip(graph.model.parameters(), model.parameters()))
-    assert spec.dispatched(model.config) is spec.INT8
+    assert spec.dispatched(model.config) is spec.SELECTOR
     # a weight the model takes later (as attach_reader replaces down_proj) is the graphs' too
     experts = model.model.layers[0].experts
     experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().clone(), requires_grad=False)

@@ -14,7 +14,7 @@ import torch
 from neuron_moe import spec
 from neuron_moe.experts.dense_masked import router_weight_matrix
 from neuron_moe.experts.int8 import int8_forward, quantize_per_channel
-from neuron_moe.experts.quantization import quantize_experts
+from neuron_moe.formats import FORMATS, quantize_state
 from neuron_moe.parallel import cpu, layout
 from neuron_moe.parallel.moe import ParallelMoE
 from neuron_moe.parallel.trace import export_rank0, forward_job, run_replicated
@@ -101,9 +101,16 @@ def test_trace_once_replicate(tiny_eager, block, tp):
     programs, states = {}, {}
     for key, (expert_layout, options, shape, gathers) in PROGRAMS.items():
         full = layout.parallel_state_dict(hf_state, config, tp, expert_layout)
-        full = block_state(quantize_experts(full, options.get("quantization", "none")))
+        quantization = options.get("quantization", "none")
+        full = block_state(quantize_state(full, quantization))
+        module_options = {k: v for k, v in options.items() if k != "quantization"}
         module = ParallelMoE(
-            decode_config if shape == "decode" else config, tp, cpu, expert_layout=expert_layout, **options
+            decode_config if shape == "decode" else config,
+            tp,
+            cpu,
+            expert_layout=expert_layout,
+            fmt=FORMATS[quantization],
+            **module_options,
         )
         states[key] = cpu.shard_checkpoint(full, module, tp)
         module.load_state_dict(states[key][0])

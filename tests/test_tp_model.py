@@ -97,7 +97,7 @@ def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
     assert _reads_rank(gens["expert"].programs["decode"]) and not _reads_rank(gens["naive"].programs["decode"])
     assert not _reads_rank(gens["channel"].programs["decode"])  # nothing in its MoE block depends on the rank
     # int8 under TP (channel layout) is the single-rank int8 implementation, not the float model
-    int8 = greedy(build_model(tiny_port, "int8", torch.float32), *prompts, NEW_TOKENS)
+    int8 = greedy(build_model(tiny_port, "dense_masked", torch.float32, quantization="int8"), *prompts, NEW_TOKENS)
     assert torch.equal(out["int8"].tokens, int8.tokens) and _close(out["int8"], int8)
     assert not _close(out["int8"], reference, 1e-3)
 

@@ -42,6 +42,7 @@ from ..publish.s3 import parse_uri
 from ..report import atomic_dir, check_output, table
 from ..run_config import RunConfig
 from ..spec import DEFAULT_NEURON_IMAGE, DEPLOY_RESOURCES, DRAIN_TIMEOUT_S, TP_DEGREES, compiled_backend
+from ..spec import DEFAULT_QUANTIZED_LAYERS
 
 RESOURCES = DEPLOY_RESOURCES  # the Neuron device plugin's resources, by --resource
 NEURON_TAINT = "aws.amazon.com/neuron"  # EKS's Neuron node groups carry it (NoSchedule)
@@ -74,6 +75,7 @@ class Settings:
     instance: str
     artifacts: str  # s3://bucket/prefix
     quantization: str = "none"
+    quantized_layers: tuple[str, ...] = DEFAULT_QUANTIZED_LAYERS  # the layer groups in `quantization`
     tp: int | None = None  # None: the smallest degree whose plan fits
     resource: str = "neuroncore"  # a RESOURCES key
     replicas: int = 1
@@ -86,13 +88,17 @@ class Settings:
     drain_timeout: float = DRAIN_TIMEOUT_S
 
 
-def resolve_tp(port, instance: str, quantization: str, tp: int | None) -> tuple[int, dict]:
-    """(the TP degree, its plan): `tp` where given (it must shard and fit the instance's cores; the
-    plan's memory verdict is the artifact builder's call), else the smallest degree whose plan fits."""
+def resolve_tp(
+    port, instance: str, quantization: str, tp: int | None, layers: tuple[str, ...] = DEFAULT_QUANTIZED_LAYERS
+) -> tuple[int, dict]:
+    """(the TP degree, its plan, `layers` in `quantization`): `tp` where given (it must shard and fit the
+    instance's cores; the plan's memory verdict is the artifact builder's call), else the smallest degree
+    whose plan fits."""
     cores = INSTANCES[instance].cores
 
     def plan_at(degree: int) -> dict:
-        return port_plan(port, RunConfig(backend=compiled_backend("deploy", degree, quantization)), instance)
+        backend = compiled_backend("deploy", degree, quantization, quantized_layers=layers)
+        return port_plan(port, RunConfig(backend=backend), instance)
 
     if tp is not None:
         if tp > cores:
@@ -105,7 +111,7 @@ def resolve_tp(port, instance: str, quantization: str, tp: int | None) -> tuple[
     for degree in sorted(d for d in TP_DEGREES if d <= cores):
         try:
             report = plan_at(degree)
-        except UserError as e:  # int4 experts whose groups a rank holds only part of, at this degree
+        except UserError as e:  # a format whose groups a rank holds only part of, at this degree
             tried.append(f"TP {degree}: {e}")
             continue
         if report["fits"]:
@@ -321,11 +327,13 @@ def adapter_rules() -> dict:
 
 def command_line(settings: Settings, tp: int) -> str:
     """The command that writes these files again (the TP degree as resolved)."""
+    layers = settings.quantized_layers
     flags = [
         ("--model", settings.model),
         ("--instance", settings.instance),
         ("--artifacts", settings.artifacts),
         ("--quantization", settings.quantization),
+        ("--quantized-layers", None if layers == DEFAULT_QUANTIZED_LAYERS else ",".join(layers)),
         ("--tp", tp),
         ("--resource", settings.resource),
         ("--replicas", settings.replicas),
@@ -386,7 +394,7 @@ def write(settings: Settings, port, out: Path) -> dict:
             raise UserError(
                 f"{out} holds files deploy k8s did not write ({', '.join(others[:3])}): choose another --out"
             )
-    tp, plan = resolve_tp(port, settings.instance, settings.quantization, settings.tp)
+    tp, plan = resolve_tp(port, settings.instance, settings.quantization, settings.tp, settings.quantized_layers)
     command = command_line(settings, tp)
     documents = {
         "deployment.yaml": deployment(settings, port, tp),

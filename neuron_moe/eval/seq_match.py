@@ -72,6 +72,7 @@ def backend(
     *,
     reader: Reader = Reader(),
     quantization: str | None = None,
+    quantized_layers=None,
     expert_layout: str | None = None,
     tp: int | None = None,
     tp_layers: str | None = None,
@@ -81,10 +82,11 @@ def backend(
     """BACKENDS[name] with the options given (not None); options it does not take are refused. The
     reader takes every reader setting; tp runs the reader in its decode graph with sidecar, budget and
     recovery rank; the TP backends take expert_layout, tp (the degree) and tp_layers (the parallel-layer
-    library: cpu or nxd). `quantization`: the routed experts' format (`spec.quantized`). `dtype`: the
-    compute dtype, one of spec.DTYPE_NAMES (None: the port's). `compile`: the static graphs compiled by
-    torch.compile (None: the default, compiled; False: --no-compile), static only."""
-    base = quantized(BACKENDS[name], quantization)
+    library: cpu or nxd). `quantization`: the weight format of the linears `quantized_layers` names
+    (None: the routed experts; `spec.quantized`). `dtype`: the compute dtype, one of spec.DTYPE_NAMES
+    (None: the port's). `compile`: the static graphs compiled by torch.compile (None: the default,
+    compiled; False: --no-compile), static only."""
+    base = quantized(BACKENDS[name], quantization, quantized_layers)
     if compile is not None and base.graphs != MODULES:
         raise UserError(f"--no-compile applies to --backend static (its graphs on CPU), not --backend {name}")
     given = list(reader.given())
@@ -129,6 +131,8 @@ def backend_options(backend: Backend) -> dict:
     options = dict(reader.given())
     if backend.quantization != NO_QUANTIZATION:
         options["quantization"] = backend.quantization
+    if options.get("quantization", NO_QUANTIZATION) != NO_QUANTIZATION:  # the reader's int8: the experts
+        options["quantized_layers"] = ",".join(backend.quantized_layers)
     options.update(expert_layout=placement.expert_layout, tp=placement.tp, layers=placement.layers)
     if backend.graphs == MODULES:
         options["compile"] = "inductor" if backend.compile else "none"
@@ -143,13 +147,13 @@ def generator(port, backend: Backend, checkpoint=None) -> Generator:
         return tp_generator(port, backend, checkpoint)
     dtype = DTYPES[backend.dtype] if backend.dtype else None
     if backend.graphs == EXPORTED:
-        return traced_backend(port, dtype, checkpoint)
+        return traced_backend(port, dtype, checkpoint, **backend.formats)
     if backend.graphs == MODULES:
-        return static_backend(port, dtype, checkpoint, backend.compile, progress=_to_stderr)
+        return static_backend(port, dtype, checkpoint, backend.compile, progress=_to_stderr, **backend.formats)
     if _reads(backend):
         model = reader_model(port, dtype, checkpoint, backend.reader or Reader())
     else:
-        model = build_model(port, backend.experts, dtype, checkpoint)
+        model = build_model(port, backend.experts, dtype, checkpoint, **backend.formats)
     return lambda ids, mask, n: greedy(model, ids, mask, n)
 
 
@@ -218,7 +222,8 @@ def run_validation(port, tokenizer, backend: Backend, max_new_tokens: int, promp
 def render_validation(report: dict) -> str:
     shown = [dict(r, prompt=repr(r["prompt"])) for r in report["prompts"]]  # newlines visible, one row each
     quantization = report["backend_options"].get("quantization")
-    experts = f", {quantization} experts" if quantization else ""
+    layers = report["backend_options"].get("quantized_layers", "").replace(",", ", ")
+    experts = f", {quantization} on {layers}" if quantization else ""
     experts += ", compiled by torch.compile" if report["backend_options"].get("compile") == "inductor" else ""
     lines = [
         f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}{experts}) "

@@ -1,7 +1,8 @@
 """`neuron-moe eval-tasks`: a model scored on the task suite (`neuron_moe/tasks.py`) — greedy
 generation through any SEQ_MATCH backend, exact match of the text up to the first EOS; perplexity
 of held-out text against a unigram baseline; and the share of tokens each expert receives on the
-evaluation text."""
+evaluation text. The report names the backend's weight format and the linears in it (--quantization,
+--quantized-layers); the held-out text runs through HF's eager model in fp32 with the same formats."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from tqdm import tqdm
 from ..greedy import left_pad
 from ..model import build_model
 from ..report import table
-from ..spec import EAGER, Backend
+from ..spec import EAGER, NO_QUANTIZATION, Backend
 from ..tasks import TASKS, Item, eval_items
 from ..tokenizer import answer_text, load_tokenizer
 from ..training.corpus import read_jsonl
-from .seq_match import BACKENDS, generator
+from .seq_match import BACKENDS, backend_options, generator
 
 
 def score_items(generate, tokenizer, items: list[Item], batch_size: int = 32, progress=None) -> list[dict]:
@@ -128,9 +129,12 @@ def evaluate(
     generate = generator(port, backend, checkpoint)
     with tqdm(total=len(items), desc=f"eval-tasks ({backend.name})", leave=False) as bar:
         rows = score_items(generate, tokenizer, items, progress=bar)
+    options = backend_options(backend)
     report = {
         "model": port.name,
         "backend": backend.name,
+        "quantization": options.get("quantization", NO_QUANTIZATION),
+        "quantized_layers": options["quantized_layers"].split(",") if "quantized_layers" in options else [],
         "split": split,
         "items_per_task": per_task,
         "tasks": accuracy_by_task(rows),
@@ -146,7 +150,7 @@ def evaluate(
         )
         held_out = [r["text"] for r in held_out][:text_docs]
         unigram = unigram_counts(tokenizer.encode(t) for t in train_text)
-        model = build_model(port, EAGER, torch.float32, checkpoint)
+        model = build_model(port, EAGER, torch.float32, checkpoint, **backend.formats)
         longest = port.config.max_position_embeddings  # a few fortunes are longer than the training window
         docs = [tokenizer.encode(t)[:longest] for t in held_out]
         report["text"] = dict(text_metrics(model, docs, unigram, port.config.vocab_size), documents=len(held_out))
@@ -154,8 +158,12 @@ def evaluate(
 
 
 def render_tasks(report: dict, num_experts: int) -> str:
+    formats = (
+        f" ({report['quantization']} on {', '.join(report['quantized_layers'])})" if report["quantized_layers"] else ""
+    )
     lines = [
-        f"{report['model']}: {report['split']} split, greedy answers with {report['backend']}, exact match up to EOS\n",
+        f"{report['model']}: {report['split']} split, greedy answers with {report['backend']}{formats}, "
+        "exact match up to EOS\n",
         table(
             report["tasks"],
             [

@@ -10,8 +10,6 @@ from transformers.integrations.moe import ExpertsInterface
 from .. import spec
 from .channel_reader import channel_reader_forward
 from .dense_masked import dense_masked_forward
-from .int4 import int4_forward
-from .int8 import int8_forward
 from .selective import selective_forward
 from .selector_experts import selector_forward
 
@@ -20,8 +18,6 @@ FORWARDS = {
     spec.EAGER: None,
     spec.DENSE_MASKED: dense_masked_forward,
     spec.SELECTIVE: selective_forward,
-    spec.INT8: int8_forward,
-    spec.INT4: int4_forward,
     spec.CHANNEL_READER: channel_reader_forward,  # needs a sidecar: channel_reader.attach_reader
     spec.SELECTOR: selector_forward,  # a reader/selectors.py baseline: selector_experts.attach_selector
 }

@@ -28,9 +28,21 @@ def router_weight_matrix(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
 def dense_masked_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    weights = router_weight_matrix(top_k_index, top_k_weights, self.num_experts)  # [T, E]
-    gate_up = torch.einsum("th,eoh->teo", hidden_states, self.gate_up_proj)  # [T, E, 2I]
+    return dense_masked(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
+
+
+def dense_masked(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn,
+) -> torch.Tensor:
+    """Every expert for every token over the weights given (HF's [E, 2I, H] and [E, H, I])."""
+    weights = router_weight_matrix(top_k_index, top_k_weights, gate_up_proj.shape[0])  # [T, E]
+    gate_up = torch.einsum("th,eoh->teo", hidden_states, gate_up_proj)  # [T, E, 2I]
     gate, up = gate_up.chunk(2, dim=-1)
-    act = self.act_fn(gate) * up  # [T, E, I]
-    out = torch.einsum("tei,ehi->teh", act, self.down_proj)  # [T, E, H]
+    act = act_fn(gate) * up  # [T, E, I]
+    out = torch.einsum("tei,ehi->teh", act, down_proj)  # [T, E, H]
     return torch.einsum("teh,te->th", out, weights.to(out.dtype))

@@ -1,59 +1,24 @@
-"""int8 experts: per-output-channel symmetric int8 weights, fp32 scales, dequantised after the matmul.
+"""The int8 experts the one-rank reader reads (`--backend reader --quantization int8`).
 
-The quantisation is defined once, on the experts' linears as the parallel layouts write them
-(`parallel/layout.py`): each weight gets one scale per output channel, over its input dim (dim 1
-of all of them: [out, in] linears and NxD's expert-fused [E, in, out]). So it follows the layout:
+The numbers are `formats/int8.py`'s on the TP channel layout's view of the experts (gate_up
+[E, H, 2I] with a scale per (expert, output channel) [E, 1, 2I]; down [E, I, H] with [E, 1, H]):
+what a one-rank model with int8 experts holds (`quantize.py`) and what TP int8 holds on the default
+layout. `int8_experts` gives them in the reader's rows (reader/int8.py: its decode steps read the
+exact channels there); `int8_forward` is the reader's prefill through them (dense_masked over their
+dequantised weights: a one-rank int8 model's numbers). Not an experts implementation of its own:
+every other backend quantizes its model's modules (`quantize.quantize_model`).
 
-  channel  gate_up [E, H, 2I] and down [E, I, H]: a scale per (expert, output channel) for both,
-           [E, 1, 2I] and [E, 1, H] (NxD's QuantizedExpertFused* layers, expert_wise_per_channel);
-  expert   gate_up [E·2I, H]: per (expert, output channel), the same numbers as channel's;
-           down [H, E·I], one linear over all experts: per hidden channel, shared by the experts
-           (NxD's QuantizedRowParallel, per_channel_symmetric).
-
-The one-rank implementation below (`int8`, registered with transformers) holds the channel
-layout's numbers, so TP int8 on the default layout is one-rank int8 up to fp32 summation order.
-Why that one: it is the finer quantisation (on the tiny port, mean |Δlogit| against fp32 is 0.018
-with down per (expert, hidden) and 0.025 with down's scale shared by the experts; prefill of three
-prompts, measured on CPU), and NxD's selective loading gathers the scales with the weights
-(`scale[expert_indices]`), so the channel layout's down needs a scale per expert anyway. The expert
-layout cannot hold it: its down is one matmul over all of a rank's experts, after which a scale can
-only be per hidden channel. Its down is the coarser quantisation, checked against its own
-dequantised weights (tests/test_tensor_parallel.py).
-
-Quantisation never mutates the source weights. (NxD's `scale_dequantize` multiplies an fp32
-input in place, since `.to(float32)` of an fp32 tensor is the tensor itself; nothing here does.)
+Quantisation never mutates the source weights.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..formats.int8 import INT8, quantize_per_channel
 from ..parallel.layout import fused
 from ..reader.int8 import Int8Experts
-from .dense_masked import router_weight_matrix
-
-QMAX = 127  # symmetric: -127 … 127, so the grid is the same both sides of zero
-
-
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] or [E, in, out] float -> (int8 of the same shape, fp32 scale [out, 1] or [E, 1, out])
-    with w ≈ q · scale: one scale per output channel, the amax over the input dim (dim 1) / 127."""
-    w32 = w.detach().to(torch.float32)  # may be `w` itself: only out-of-place ops below
-    amax = w32.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))  # an all-zero row stays zero
-    q = torch.round(w32 / scale).clamp(-QMAX, QMAX).to(torch.int8)
-    return q, scale
-
-
-def dequantize_output(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y [..., out] of a matmul with int8 weights, times its scale in fp32, back to y's dtype. The
-    scale is [out, 1] (a linear: one row per output channel) or [E, 1, out] (expert-fused: y is
-    [E, ..., out], one expert per leading row)."""
-    if scale.dim() == 2:
-        scale = scale.T
-    else:
-        scale = scale.view(scale.shape[0], *[1] * (y.dim() - 2), scale.shape[-1])
-    return (y.to(torch.float32) * scale).to(y.dtype)
+from .dense_masked import dense_masked
 
 
 def _quantized(experts) -> tuple[torch.Tensor, ...]:
@@ -80,13 +45,11 @@ def int8_experts(experts):
 def int8_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """transformers' experts-interface signature, on a `Gemma4TextExperts`. Fixed shapes (every
-    expert for every token, as dense_masked), eager only: the int8 tensors are made on the fly."""
+    """transformers' experts-interface signature, on a `Gemma4TextExperts`: dense_masked over the int8
+    experts' weights dequantised in the activations' dtype, the numbers of a one-rank model with int8
+    experts (`quantize.QuantizedExperts` over dense_masked) to the bit."""
     gate_up_q, gate_up_scale, down_q, down_scale = _quantized(self)
     dtype = hidden_states.dtype
-    weights = router_weight_matrix(top_k_index, top_k_weights, self.num_experts)  # [T, E]
-    gate_up = dequantize_output(torch.einsum("th,eho->eto", hidden_states, gate_up_q.to(dtype)), gate_up_scale)
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = self.act_fn(gate) * up  # [E, T, I]
-    out = dequantize_output(torch.einsum("eti,eih->eth", act, down_q.to(dtype)), down_scale)  # [E, T, H]
-    return torch.einsum("eth,te->th", out, weights.to(dtype))
+    gate_up = fused(INT8.dequantize({"weight": gate_up_q, "scale": gate_up_scale}, dtype))
+    down = fused(INT8.dequantize({"weight": down_q, "scale": down_scale}, dtype))
+    return dense_masked(hidden_states, top_k_index, top_k_weights, gate_up, down, self.act_fn)

@@ -1,8 +1,8 @@
 """The trace-and-compile artifact: what `neuron/compile.py` writes and `serve/neuron.py` reads,
 defined here once.
 
-    manifest.json   MANIFEST_FIELDS below (dtype: the compute dtype, quantization: the routed
-                    experts' format, expert_layout: how the graphs split the experts,
+    manifest.json   MANIFEST_FIELDS below (dtype: the compute dtype, quantization: the weight
+                    format of the linears quantized_layers names, expert_layout: how the graphs split the experts,
                     `parallel/layout.py`; target: the compile target, TARGET below), plus each
                     key's inputs and outputs, the state, the reader (`--reader`: budget,
                     k_per_rank, scan, recovery_rank, source_sha256; null without), and the files'
@@ -86,7 +86,7 @@ SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
 TOKENIZER = "tokenizer"  # the folder of the tokenizer's files
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-FORMAT = 8
+FORMAT = 9
 # The compile target: the instance family neuronx-cc compiles for (its `--target`: "generate code for
 # an inf2 instance type", neuronx-cc's CLI reference, which lists inf2, trn1, trn1n and trn2), the
 # arguments ModelBuilder hands it (`ModelBuilder.add`'s own default, `append_default_compiler_flags`
@@ -108,6 +108,7 @@ MANIFEST_FIELDS = {
     "port": str,
     "dtype": str,
     "quantization": str,
+    "quantized_layers": list,
     "tp": int,
     "expert_layout": str,
     "buckets": list,

@@ -31,11 +31,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..experts import int4
-from ..experts.quantization import quantize_experts
+from ..formats import quantize_state
 from ..model import build_model
 from ..parallel import cpu, layout, nxd, reader
-from ..parallel.model import rank_model
+from ..parallel.model import check_formats, rank_model
 from ..parallel.reader import check_reader, open_shards
 from ..parallel.trace import export_rank0
 from ..reader.accounting import rank_geometry, solve_rank_k
@@ -54,7 +53,14 @@ from ..report import (
     table,
 )
 from ..run_config import RunConfig
-from ..spec import CHANNEL_READER, INT4_QUANTIZATION, NO_QUANTIZATION, Reader, check_quantization, compiled_backend
+from ..spec import (
+    CHANNEL_READER,
+    DEFAULT_QUANTIZED_LAYERS,
+    NO_QUANTIZATION,
+    Reader,
+    check_quantization,
+    compiled_backend,
+)
 from ..static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
 from ..static.sampling import CANDIDATES
 from ..static.export import GraphError, checked, copy_inputs, example_inputs, functional
@@ -106,13 +112,16 @@ class Build:
         *,
         dtype: str = "bfloat16",
         quantization: str = NO_QUANTIZATION,
+        quantized_layers: tuple[str, ...] = DEFAULT_QUANTIZED_LAYERS,
         expert_layout: str | None = None,
         reader: Reader | None = None,
         checkpoint: Path | None = None,
         **build,
     ) -> Build:
         """A build of the rank modules at TP `tp`, for callers without a command line (tests, benches)."""
-        backend = compiled_backend("trace-and-compile", tp, quantization, dtype, expert_layout, reader)
+        backend = compiled_backend(
+            "trace-and-compile", tp, quantization, dtype, expert_layout, reader, quantized_layers=quantized_layers
+        )
         return cls(RunConfig(checkpoint=checkpoint, backend=backend), Path(out), **build)
 
     # what the build reads of its configuration
@@ -120,6 +129,7 @@ class Build:
     expert_layout = property(lambda self: self.config.backend.placement.expert_layout)
     dtype = property(lambda self: self.config.backend.dtype or "bfloat16")
     quantization = property(lambda self: self.config.backend.quantization)
+    quantized_layers = property(lambda self: self.config.backend.quantized_layers)
     checkpoint = property(lambda self: self.config.checkpoint)
     reader = property(lambda self: self.config.backend.reader)
 
@@ -275,11 +285,17 @@ def trace_and_compile(port, build: Build) -> dict:
         _check_replaceable(out, build.overwrite)
         with atomic_dir(out, sweep=True) as tmp:  # sweep: holding the lock, partial siblings are dead runs'
             full = (
-                _full_state(port, tp, torch_dtype, quantization, checkpoint, expert_layout, sides)
+                _full_state(port, tp, torch_dtype, build.config.backend, checkpoint, expert_layout, sides)
                 if has_weights
                 else None
             )
-            modules = dict(expert_layout=expert_layout, quantization=quantization, dtype=torch_dtype, reader=reads)
+            modules = dict(
+                expert_layout=expert_layout,
+                quantization=quantization,
+                quantized_layers=build.quantized_layers,
+                dtype=torch_dtype,
+                reader=reads,
+            )
             if dry_run:
                 module, files, exported = _dry_run(
                     port, spec, keys, tp, full, tmp, build.export, logits, modules, whole_rows
@@ -297,6 +313,7 @@ def trace_and_compile(port, build: Build) -> dict:
                 "port": port.name,
                 "dtype": build.dtype,
                 "quantization": build.quantization,
+                "quantized_layers": list(build.quantized_layers),
                 "tp": tp,
                 "expert_layout": expert_layout,
                 **spec.shapes().manifest_fields(),
@@ -320,15 +337,14 @@ def trace_and_compile(port, build: Build) -> dict:
 def _check_build(port, build: Build) -> tuple[str, bool]:
     """(the expert layout, whether weights are at hand): the checks of `build` that need no model, made
     before any work: the dtype and quantization, the port's [static] table, the TP degree in the layout
-    (and int4's groups), the Neuron SDK unless a dry run, and weights unless a dry run."""
+    (and the weight format's groups), the Neuron SDK unless a dry run, and weights unless a dry run."""
     if build.dtype not in DTYPES:
         raise ArtifactError(f"dtype {build.dtype!r} is not one of {sorted(DTYPES)}")
     check_quantization(build.quantization)
     port.static_spec("trace-and-compile")
     expert_layout = build.expert_layout or port.static.expert_layout
     layout.check_degree(port.config, build.tp, expert_layout)
-    if build.quantization == INT4_QUANTIZATION:
-        int4.check_degree(port.config, build.tp, expert_layout)
+    check_formats(port.config, build.tp, expert_layout, build.quantization, build.quantized_layers)
     if not build.dry_run and not nxd.sdk_available():
         raise nxd.NeuronSDKMissing(
             "trace-and-compile needs the Neuron SDK (neuronx-distributed, torch-neuronx), which is not installed "
@@ -364,11 +380,13 @@ def _check_fits(port, build: Build, expert_layout: str, reads: dict | None) -> N
         decode_experts=spec.decode_experts,
         reader=reader,
         prefix_caching=build.prefix_caching,
+        quantized_layers=build.quantized_layers,
     )
     if not verdict["fits"]:
+        quantized = ", ".join(build.quantized_layers)
         raise ArtifactError(
             f"port {port.name!r} at TP {tp}, {build.dtype}"
-            f"{'' if build.quantization == NO_QUANTIZATION else f', {build.quantization} experts'}, batch "
+            f"{'' if build.quantization == NO_QUANTIZATION else f', {build.quantization} {quantized}'}, batch "
             f"{spec.batch_size}, seq "
             f"{spec.max_cache_len}: {verdict['reason']} (`neuron-moe plan` shows what each "
             "NeuronCore holds)"
@@ -396,14 +414,16 @@ def _copy_tokenizer(source: Path | None, tmp: Path) -> list[str]:
     return names
 
 
-def _full_state(port, tp, torch_dtype, quantization, checkpoint, expert_layout, sides=None) -> dict:
-    """The whole model in the parallel layout (int8 or int4 experts quantised), named as the rank module;
+def _full_state(port, tp, torch_dtype, backend, checkpoint, expert_layout, sides=None) -> dict:
+    """The whole model in the parallel layout (the backend's quantized layers in its format), named as
+    the rank module;
     with the reader's shards `sides`, their entries too (checked against these weights)."""
     hf = build_model(port, "eager", torch_dtype, checkpoint)
     if sides is not None:
         sides[0].check_source(model_expert_weights(hf))
     full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
-    full = quantize_experts(full, quantization)  # tensor by tensor, each float experts linear dropped after
+    # tensor by tensor, each float linear dropped after
+    full = quantize_state(full, backend.quantization, backend.quantized_layers)
     return full if sides is None else {**full, **reader.full_state(sides)}
 
 

@@ -1,38 +1,39 @@
 """inf2 memory planner: what one NeuronCore holds for a port at a TP degree, and whether it fits.
 
 Weights come from the port's meta-device model (`info.meta_model`) cut by the TP layout
-(`parallel/layout.py`, in the chosen expert layout) and, for int8, quantised as the rank modules
-are (`experts.quantization.quantize_experts`), for int4 counted in `experts/int4.py`'s format on each
-rank's local shard, so the planner and the rank modules cannot disagree about who owns what.
-Each rank holds, in bytes:
+(`parallel/layout.py`, in the chosen expert layout); each rank's local shard of a linear of the
+quantized layer groups (`--quantized-layers`: spec.LAYER_GROUPS, the routed experts by default) is
+charged its format's bytes (`formats/`: `Format.nbytes` of the shard's shape, `--quantization`),
+every other tensor bf16 (embeddings too: a lookup reads one row), so the planner and the rank
+modules cannot disagree about who owns what or what it weighs. Each rank holds, in bytes:
 
   experts      1/t of the experts (channel layout: every expert's I/t channels; expert layout: E/t
-               experts whole): bf16, or int8 + fp32 scales per output channel (gate_up's split
-               with its channels; down's replicated: [E, 1, H] in the channel layout, [H, 1] in
-               the expert layout), or int4: two values a byte and a bf16 scale per group of
-               input channels (`int4.DEFAULT_GROUP`), split as the weight is
+               experts whole)
   attention    q/o split by heads, k/v split or replicated up to t heads (layout.py)
   dense MLP    1/t of gate/up/down
   router etc.  router, norms and scalars, replicated
   embeddings   1/t of the vocabulary rows; lm_head another 1/t: tied in the checkpoint, but two
-               tensors on the device (each parallel layer loads its own)
+               tensors on the device (each parallel layer loads its own), the lm_head in the
+               format where its group is quantized, the embeddings bf16
   KV cache     bf16 K and V for batch × length × its KV heads; sliding layers hold the window (every
                position with prefix caching: `prefix_caching`)
   graph        stated estimate of the largest transient of the context-encoding graph at batch ×
-               seq: the MoE stage's gate_up output and activation, B·S × (E·2I/t + E·I/t) in
-               either layout,
-               plus, for int8, one layer's local gate_up dequantised to bf16 (the quantized
-               layers cast the weight before the matmul; int4: that and one byte a value more for
-               the unpack, whose mask, shift and convert on int32 words are elementwise and
-               counted as fused: unfused, its words would take 4 bytes a value), or the attention
-               stage's fp32 scores
-               [B, h/t, S, S], whichever is larger
+               seq, whichever is larger of: the MoE stage's gate_up output and activation,
+               B·S × (E·2I/t + E·I/t) in either layout; the attention stage's fp32 scores
+               [B, h/t, S, S]; each plus its group's largest linear on the rank dequantised
+               where the group is quantized, and any other quantized group's largest linear
+               dequantised (lm_head's: 1/t of the vocabulary). A quantized linear is dequantised
+               one at a time before its matmul (`Format.dequantize`), to a bf16 weight and, where
+               the format packs more than one value a byte, one byte a value more for the unpack,
+               whose mask, shift and convert on int32 words are elementwise and counted as fused
+               (unfused, its words would take 4 bytes a value): `_dequantised_bytes`, from the
+               format's tensors
   runtime      stated reserve (default 1 GiB): the runtime's per-core code (96 MiB documented),
                DMA rings, I/O tensors, collectives buffers
 
-against 16 GiB of HBM per NeuronCore-v2. Non-expert weights are bf16 whatever the experts. The plan
-names what it counts against bf16 experts and replicated tensors (`savings`: the experts' format;
-embeddings and lm_head, each 1/t of the vocabulary's rows), and, at the plan's weights and
+against 16 GiB of HBM per NeuronCore-v2. The plan names what it counts against bf16 weights and
+replicated tensors (`savings`: each quantized group in its format, with its bits a weight, scales
+included; embeddings and lm_head, each 1/t of the vocabulary's rows), and, at the plan's weights and
 reserves, the longest context (steps of SHAPE_STEP) that fits at each batch of SHAPE_BATCHES.
 
 Compile host (`compile_host`): neuronx-cc's peak host memory compiling each key, a stated estimate
@@ -48,7 +49,8 @@ layer, or one tensor outside the layers), so the peak is the serving process and
 once is given beside it. A plan on an instance whose host memory the peak exceeds does not fit.
 
 Decode: bytes one rank reads per generated token (all its non-expert weights but the embedding
-table, its KV cache, and its experts as the decode graph of each expert layout reads them) and
+table, each in its format, its KV cache, and its experts as the decode graph of each expert layout
+reads them) and
 the HBM-bound floor this implies at half a chip's 820 GiB/s per core (two cores per chip share
 it). The graphs are those trace-and-compile builds (`parallel/moe.py`): the channel layout's
 gathers the batch's B·k experts' I/t channels while its experts implementation (the port's
@@ -81,8 +83,7 @@ from transformers import Gemma4TextConfig
 from .. import spec
 from ..errors import UserError
 from ..static.sampling import BIAS_WIDTH, TOP_LOGPROBS
-from ..experts import int4
-from ..experts.quantization import quantize_experts
+from ..formats import Format, format_of, get
 from ..info import meta_model, parameter_group
 from .artifact import DECODE_KEYS, is_processing, key_names, key_shape, load_group, prefill_key
 from ..parallel import layout
@@ -96,7 +97,8 @@ CORE_HBM = 16 * GiB
 CHIP_HBM_BW = 820 * GiB  # bytes/s per Inferentia2 chip (Neuron docs, inferentia2 architecture)
 CORES_PER_CHIP = 2
 DEFAULT_RUNTIME_RESERVE = spec.DEFAULT_RUNTIME_RESERVE_GIB * GiB
-QUANTIZATIONS = spec.QUANTIZATIONS  # the routed experts' formats planned (the rest of the weights: bf16)
+QUANTIZATIONS = spec.QUANTIZATIONS  # the formats planned, of the quantized layer groups (the rest: bf16)
+BF16 = 2  # bytes of a bf16 value
 # Host memory of a serving process (stated estimates, not measurements): the Python process with
 # torch, torch-neuronx, NxD and the server imported, and the compiled graphs (model.pt) it holds.
 HOST_PROCESS_RESERVE = 3 * GiB
@@ -139,45 +141,79 @@ INSTANCE_HOST_MEMORY = {
     "inf2.48xlarge": 768 * GiB,
 }
 INSTANCES = {name: Instance(name, chips, INSTANCE_HOST_MEMORY[name]) for name, chips in spec.INSTANCE_CHIPS.items()}
-_EXPERT_WEIGHTS = (".experts.gate_up_proj.weight", ".experts.down_proj.weight")
+Layers = tuple[str, ...]  # quantized layer groups (spec.LAYER_GROUPS)
 
 
-def int4_bytes(shape: torch.Size) -> int:
-    """Bytes of one int4 weight of `shape` (`experts/int4.py` at its DEFAULT_GROUP): the input
-    dimension is dim 1 of every expert layout's local experts ([E, H, 2I] / [E, I, H], or
-    [E·2I, H] / [H, E·I])."""
-    inputs = shape[1]
-    try:
-        return int4.nbytes(shape.numel() // inputs, inputs)
-    except int4.Int4Error as e:
-        raise UserError(f"int4 experts: {e}") from None
-
-
-def _rank_tensors(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str) -> dict[str, int]:
-    """Bytes of each tensor on one rank (every rank holds the same amount)."""
+def _rank_shards(
+    config: Gemma4TextConfig, tp: int, expert_layout: str
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each weight's local shard on one rank (every rank holds the same amount): (shape, dtype), the
+    floats bf16, the SPMDRanks int32."""
     state = meta_model(config).state_dict()  # tied embed_tokens / lm_head appear under both names
     full = layout.parallel_state_dict(state, config, tp, expert_layout)
-    if quantization == spec.INT8_QUANTIZATION:
-        full = quantize_experts(full, quantization)  # on the meta device: int8 weights and fp32 scales, shapes only
     out = {}
     for name, w in full.items():
         local = layout.shard(w, layout.placement(name, expert_layout), tp, 0)
-        if quantization == spec.INT4_QUANTIZATION and name.endswith(_EXPERT_WEIGHTS):
-            try:
-                out[name] = int4_bytes(local.shape)
-            except UserError as e:
-                raise UserError(f"{e} ({name} on each of {tp} ranks, {expert_layout} layout)") from None
-            continue
-        # int8 experts, int32 SPMDRanks, the experts' fp32 scales (not the router's `scale`); the rest bf16
-        fp32 = ".experts." in name and name.endswith(".scale")
-        out[name] = local.numel() * {torch.int8: 1, torch.int32: 4}.get(local.dtype, 4 if fp32 else 2)
+        out[name] = tuple(local.shape), torch.bfloat16 if local.is_floating_point() else local.dtype
     return out
 
 
-def _weights_per_rank(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str) -> dict[str, float]:
-    """Bytes of weights on one rank, by group (every rank holds the same amount)."""
+def _rank_tensors(
+    config: Gemma4TextConfig,
+    tp: int,
+    quantization: str,
+    expert_layout: str,
+    layers: Layers = spec.DEFAULT_QUANTIZED_LAYERS,
+) -> dict[str, int]:
+    """Bytes of each weight on one rank: its local shard in its format (`formats/`: `layers` in
+    `quantization`, the rest as `_rank_shards` has them)."""
+    out = {}
+    for name, (shape, dtype) in _rank_shards(config, tp, expert_layout).items():
+        try:
+            out[name] = format_of(name, quantization, layers).nbytes(shape, dtype)
+        except UserError as e:
+            what = f"{quantization} {spec.layer_group(name)}"
+            raise UserError(f"{what}: {e} ({name} on each of {tp} ranks, {expert_layout} layout)") from None
+    return out
+
+
+def _layer_groups(tensors: dict[str, int]) -> dict[str, int]:
+    """`_rank_tensors`' bytes summed by layer group (spec.layer_group: the linears --quantized-layers names)."""
+    out: dict[str, int] = {}
+    for name, nbytes in tensors.items():
+        group = spec.layer_group(name)
+        if group is not None:
+            out[group] = out.get(group, 0) + nbytes
+    return out
+
+
+def _dequantised_bytes(fmt: Format, shape: tuple[int, ...]) -> int:
+    """Transient bytes of a weight of `shape` in `fmt` dequantised in the graph (`Format.dequantize`,
+    before its matmul): none where the format holds the weight as it is (its values, its first
+    tensor, are the bf16 weight); else the bf16 weight and, where its values pack more than one to
+    a byte (fewer elements than the weight), one byte a value more for the unpack (fused)."""
+    values, dtype = fmt.shapes(shape, torch.bfloat16)[fmt.tensors[0]]
+    numel = math.prod(shape)
+    if dtype == torch.bfloat16 and tuple(values) == tuple(shape):
+        return 0
+    return numel * (BF16 + (1 if math.prod(values) < numel else 0))
+
+
+def _dequantised(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str, layers: Layers) -> dict:
+    """For each quantized layer group, the largest transient of one of its linears on a rank dequantised
+    (`_dequantised_bytes`): the graph row's (the linears are dequantised one at a time)."""
+    fmt, out = get(quantization), {}
+    for name, (shape, _) in _rank_shards(config, tp, expert_layout).items():
+        group = spec.layer_group(name)
+        if group in layers:
+            out[group] = max(out.get(group, 0), _dequantised_bytes(fmt, shape))
+    return out
+
+
+def _weights_per_rank(tensors: dict[str, int]) -> dict[str, float]:
+    """Bytes of weights on one rank, by group (`tensors`: a rank's bytes of each weight, `_rank_tensors`)."""
     out: dict[str, float] = {}
-    for name, nbytes in _rank_tensors(config, tp, quantization, expert_layout).items():
+    for name, nbytes in tensors.items():
         # the experts' SPMDRank is a scalar, not expert weights: it counts where a block's scalars do
         group = (
             "lm_head"
@@ -188,12 +224,13 @@ def _weights_per_rank(config: Gemma4TextConfig, tp: int, quantization: str, expe
     return out
 
 
-def _host(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str, inst: Instance | None) -> dict:
+def _host(tensors: dict[str, int], tp: int, inst: Instance | None) -> dict:
     """Peak host memory of loading and serving the artifact: the process and its graphs (stated
     reserves) and the streamed load's buffers, HOST_LOAD_COPIES × the largest load group of one
-    rank (`artifact.load_group`: a decoder layer, or a tensor outside the layers)."""
+    rank (`artifact.load_group`: a decoder layer, or a tensor outside the layers; `tensors`: a
+    rank's bytes of each weight, `_rank_tensors`)."""
     groups: dict[str, int] = {}
-    for name, nbytes in _rank_tensors(config, tp, quantization, expert_layout).items():
+    for name, nbytes in tensors.items():
         groups[load_group(name)] = groups.get(load_group(name), 0) + nbytes
     largest = max(groups, key=groups.get)
     peak = HOST_PROCESS_RESERVE + HOST_GRAPHS_RESERVE + HOST_LOAD_COPIES * groups[largest]
@@ -213,14 +250,15 @@ def _host(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: s
 
 
 def _compile_host(
-    config: Gemma4TextConfig, tp: int, quantization: str, weights_bytes: float, keys: dict, inst: Instance | None
+    config: Gemma4TextConfig, tp: int, dequantised: dict, weights_bytes: float, keys: dict, inst: Instance | None
 ) -> dict:
     """neuronx-cc's peak host memory per key (`keys`: name -> (rows, tokens)), COMPILE_HOST_MULTIPLE ×
-    (a rank's `weights_bytes` + the key's largest activation), a stated estimate (see the constant);
-    the largest key's, and, where an instance is named, whether its host memory holds it."""
+    (a rank's `weights_bytes` + the key's largest activation, `dequantised` its quantized groups'
+    transients), a stated estimate (see the constant); the largest key's, and, where an instance is
+    named, whether its host memory holds it."""
     rows = []
     for key, (batch, tokens) in keys.items():
-        graph = weights_bytes + _graph_per_rank(config, tp, quantization, batch, tokens)
+        graph = weights_bytes + _graph_per_rank(config, tp, batch, tokens, dequantised)
         rows.append(
             {
                 "key": key,
@@ -254,16 +292,17 @@ def plan_keys(batch: int, seq: int, static=None) -> dict[str, tuple[int, int]]:
     return {k: key_shape(k) or (batch, 1) for k in names if not is_processing(k)}
 
 
-def _largest_shapes(config, tp, weights_bytes: float, quantization: str, fixed: float) -> list[dict]:
+def _largest_shapes(config, tp, weights_bytes: float, dequantised: dict, fixed: float) -> list[dict]:
     """For each of SHAPE_BATCHES, the longest context (a multiple of SHAPE_STEP, at most the model's
-    max_position_embeddings) at which a rank's weights, `fixed` bytes (runtime reserve, sidecar), KV
-    cache and graph estimate still fit a NeuronCore; batches at which none fits are left out."""
+    max_position_embeddings) at which a rank's `weights_bytes` (its reader sidecar too), `fixed` bytes
+    (the runtime reserve), KV cache and graph estimate (`dequantised`: `_graph_per_rank`'s) still fit a
+    NeuronCore; batches at which none fits are left out."""
     rows = []
     for batch in SHAPE_BATCHES:
 
         def fits(seq):
             used = weights_bytes + fixed + _kv_cache_per_rank(config, tp, batch, seq)
-            return used + _graph_per_rank(config, tp, quantization, batch, seq) <= CORE_HBM
+            return used + _graph_per_rank(config, tp, batch, seq, dequantised) <= CORE_HBM
 
         lo, hi = 0, config.max_position_embeddings // SHAPE_STEP  # the largest n with fits(n·STEP): lo
         while lo < hi:
@@ -274,23 +313,31 @@ def _largest_shapes(config, tp, weights_bytes: float, quantization: str, fixed: 
     return rows
 
 
-def _savings(config: Gemma4TextConfig, tp: int, quantization: str, expert_layout: str, weights: dict) -> list[dict]:
-    """What this plan counts against bf16 experts and replicated embeddings, per rank."""
+def _savings(
+    config: Gemma4TextConfig,
+    tp: int,
+    quantization: str,
+    expert_layout: str,
+    layers: Layers,
+    tensors: dict,
+    weights: dict,
+) -> list[dict]:
+    """What this plan counts against bf16 and replicated weights, per rank: each quantized layer group
+    in its format (`tensors`: a rank's bytes of each weight, `_rank_tensors`), with its bits a weight,
+    scales included; embeddings and lm_head split over the vocabulary."""
     rows = []
     if quantization != spec.NO_QUANTIZATION:
-        bf16 = _weights_per_rank(config, tp, spec.NO_QUANTIZATION, expert_layout)["experts"]
-        rows.append(
-            {
-                "what": f"{quantization} experts"
-                + (
-                    f" (groups of {int4.DEFAULT_GROUP}, bf16 scales)"
-                    if quantization == spec.INT4_QUANTIZATION
-                    else " (fp32 scales per channel)"
-                ),
-                "instead_of": f"bf16 experts, {bf16 / GB:.2f} GB",
-                "saved_bytes": bf16 - weights["experts"],
-            }
-        )
+        ours = _layer_groups(tensors)
+        bf16 = _layer_groups(_rank_tensors(config, tp, spec.NO_QUANTIZATION, expert_layout))
+        for group in layers:
+            bits = 8 * ours[group] / (bf16[group] / BF16)
+            rows.append(
+                {
+                    "what": f"{quantization} {group} ({bits:.2f} bits a weight, scales included)",
+                    "instead_of": f"bf16 {group}, {bf16[group] / GB:.2f} GB",
+                    "saved_bytes": bf16[group] - ours[group],
+                }
+            )
     if tp > 1:
         vocab = ("embeddings", "lm_head")
         rows.append(
@@ -313,13 +360,13 @@ def _kv_cache_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int, 
     return total
 
 
-def _graph_per_rank(config: Gemma4TextConfig, tp: int, quantization: str, batch: int, seq: int) -> int:
-    tokens, E, I, H = batch * seq, config.num_experts // tp, config.moe_intermediate_size, config.hidden_size
-    # int8: one layer's local gate_up dequantised to bf16; int4: that, and a byte a value for the unpack (fused)
-    dequantised = {spec.NO_QUANTIZATION: 0, spec.INT8_QUANTIZATION: 2, spec.INT4_QUANTIZATION: 3}[quantization]
-    moe = tokens * E * 3 * I * 2 + E * 2 * I * H * dequantised
-    attention = batch * (config.num_attention_heads // tp) * seq * seq * 4
-    return max(moe, attention)
+def _graph_per_rank(config: Gemma4TextConfig, tp: int, batch: int, seq: int, dequantised: dict) -> int:
+    """The graph row (the module docstring says what it counts): `dequantised`, each quantized layer
+    group's largest linear on the rank dequantised (`_dequantised`)."""
+    tokens, E, I = batch * seq, config.num_experts // tp, config.moe_intermediate_size
+    moe = tokens * E * 3 * I * BF16 + dequantised.get("experts", 0)
+    attention = batch * (config.num_attention_heads // tp) * seq * seq * 4 + dequantised.get("attention", 0)
+    return max(moe, attention, *dequantised.values())
 
 
 def _reader_sidecar_per_rank(config: Gemma4TextConfig, tp: int, reader: spec.Reader) -> int:
@@ -389,7 +436,9 @@ def _reader_row(config: Gemma4TextConfig, tp: int, batch: int, weights: dict, kv
     )
 
 
-def _decode(config, tp, quantization, batch, kv, weights, expert_layout, decode_experts, reader=None) -> list[dict]:
+def _decode(
+    config, tp, quantization, layers, batch, kv, weights, expert_layout, decode_experts, reader=None
+) -> list[dict]:
     """A row per expert layout whose graphs can be built at TP `tp`, this plan's layout (whose
     weights are `weights`) first; with `reader`, the channel layout's decode graph with the reader
     after the channel row."""
@@ -400,9 +449,13 @@ def _decode(config, tp, quantization, batch, kv, weights, expert_layout, decode_
         except layout.LayoutError:
             continue  # no such graph can be built at this degree
         try:
-            held = weights if name == expert_layout else _weights_per_rank(config, tp, quantization, name)
+            held = (
+                weights
+                if name == expert_layout
+                else _weights_per_rank(_rank_tensors(config, tp, quantization, name, layers))
+            )
         except UserError:
-            continue  # its int4 groups do not divide a rank's input channels: no such graph either
+            continue  # its format's groups do not divide a rank's input channels: no such graph either
         row = _decode_row(config, tp, batch, held, kv, name, decode_experts)
         rows.append(dict(row, this_plan=name == expert_layout and reader is None))
         if reader is not None and name == layout.CHANNEL:
@@ -476,20 +529,24 @@ def plan(
     reader: spec.Reader | None = None,
     prefix_caching: bool = False,
     keys: dict[str, tuple[int, int]] | None = None,
+    quantized_layers: Layers = spec.DEFAULT_QUANTIZED_LAYERS,
 ) -> dict:
-    """The plan for `expert_layout`; its decode table has a row for each expert layout that shards at
-    TP `tp`, this plan's first. `decode_experts`: the port's [static] decode_experts. `reader`
-    (its budget, scan and recovery rank): the channel layout's decode graph with the reader, whose sidecar
-    shard each rank then holds (`reader_sidecar`), and its row in the decode table. `instance` None:
+    """The plan for `expert_layout`, `quantized_layers` (spec.LAYER_GROUPS) in `quantization`; its decode
+    table has a row for each expert layout that shards at TP `tp`, this plan's first. `decode_experts`: the
+    port's [static] decode_experts. `reader` (its budget, scan and recovery rank): the channel layout's
+    decode graph with the reader, whose sidecar shard each rank then holds (`reader_sidecar`), and its
+    row in the decode table. `instance` None:
     one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check). `prefix_caching`:
     the KV cache in its whole-row layout (trace-and-compile --enable-prefix-caching). `keys` (name ->
     (rows, tokens); default `plan_keys(batch, seq)`): the graphs whose compile host memory it estimates."""
     inst = INSTANCES[instance] if instance is not None else None
+    layers = spec.check_quantized_layers(quantized_layers)
     report = {
         "model": model,
         "instance": instance,
         "tp": tp,
         "quantization": quantization,
+        "quantized_layers": list(layers),
         "expert_layout": expert_layout,
         "batch": batch,
         "seq": seq,
@@ -505,14 +562,16 @@ def plan(
         layout.check_degree(config, tp, expert_layout)
     except layout.LayoutError as e:
         return {**report, "fits": False, "reason": f"not shardable: {e}"}
-    weights = _weights_per_rank(config, tp, quantization, expert_layout)
+    tensors = _rank_tensors(config, tp, quantization, expert_layout, layers)
+    weights = _weights_per_rank(tensors)
     kv = _kv_cache_per_rank(config, tp, batch, seq, prefix_caching)
-    graph = _graph_per_rank(config, tp, quantization, batch, seq)
-    per_rank = {**weights, "kv_cache": kv, "graph": graph, "runtime": runtime_reserve}
+    dequantised = _dequantised(config, tp, quantization, expert_layout, layers)
+    per_rank = {**weights, "kv_cache": kv, "graph": _graph_per_rank(config, tp, batch, seq, dequantised)}
+    per_rank["runtime"] = runtime_reserve
     if reader is not None:
         per_rank["reader_sidecar"] = _reader_sidecar_per_rank(config, tp, reader)
-    total = sum(per_rank.values())
-    host = _host(config, tp, quantization, expert_layout, inst)
+    total, held = sum(per_rank.values()), sum(weights.values()) + per_rank.get("reader_sidecar", 0)
+    host = _host(tensors, tp, inst)
     fits, reason = _verdict(inst, tp, total, host)
     return {
         **report,
@@ -522,21 +581,12 @@ def plan(
         "per_rank_total_bytes": total,
         "experts_all_ranks_bytes": weights["experts"] * tp,
         "margin_per_core_bytes": CORE_HBM - total,
-        "savings": _savings(config, tp, quantization, expert_layout, weights),
-        "largest_shapes": _largest_shapes(
-            config, tp, sum(weights.values()), quantization, runtime_reserve + per_rank.get("reader_sidecar", 0)
-        ),
-        "decode": _decode(config, tp, quantization, batch, kv, weights, expert_layout, decode_experts, reader),
+        "savings": _savings(config, tp, quantization, expert_layout, layers, tensors, weights),
+        "largest_shapes": _largest_shapes(config, tp, held, dequantised, runtime_reserve),
+        "decode": _decode(config, tp, quantization, layers, batch, kv, weights, expert_layout, decode_experts, reader),
         "host": host,
         "host_per_step": _host_per_step(config, batch),
-        "compile_host": _compile_host(
-            config,
-            tp,
-            quantization,
-            sum(weights.values()) + per_rank.get("reader_sidecar", 0),
-            keys or plan_keys(batch, seq),
-            inst,
-        ),
+        "compile_host": _compile_host(config, tp, dequantised, held, keys or plan_keys(batch, seq), inst),
     }
 
 
@@ -571,7 +621,8 @@ def _verdict(inst: Instance | None, tp: int, total: float, host: dict) -> tuple[
 
 
 def port_plan(port, config: RunConfig, instance: str, runtime_reserve: float = DEFAULT_RUNTIME_RESERVE) -> dict:
-    """`plan` for a port at a run configuration: its backend's TP degree, experts' format and reader,
+    """`plan` for a port at a run configuration: its backend's TP degree, weight format, the layer groups
+    in it and reader,
     the expert layout it gives or the port's [static] one, at the port's [static] shapes (without a
     table: the configuration's, else batch 1 and 4096 positions) and decode_experts (without a table:
     the channel layout, selective)."""
@@ -597,12 +648,15 @@ def port_plan(port, config: RunConfig, instance: str, runtime_reserve: float = D
         decode_experts=static.decode_experts if static else spec.SELECTIVE,
         reader=backend.reader,
         keys=plan_keys(batch, seq, static),
+        quantized_layers=backend.quantized_layers,
     )
 
 
-def _experts_format(quantization: str) -> str:
-    """How the plan names the experts' bytes: bf16, or the quantized format."""
-    return "bf16" if quantization == spec.NO_QUANTIZATION else quantization
+def _weights_format(report: dict) -> str:
+    """How the plan names its weights' formats: bf16, or the quantized layer groups' format."""
+    if report["quantization"] == spec.NO_QUANTIZATION:
+        return "bf16 weights"
+    return f"{report['quantization']} {', '.join(report['quantized_layers'])}, the rest bf16"
 
 
 def _largest_line(shapes: list[dict]) -> str:
@@ -646,8 +700,8 @@ def render_compile_host(compile_host: dict, instance: str | None) -> str:
 def render_plan(report: dict) -> str:
     lines = [
         f"{report['model']} on {report['instance']}: TP {report['tp']}, "
-        f"{_experts_format(report['quantization'])} experts in the "
-        f"{report['expert_layout']} layout, batch {report['batch']}, seq {report['seq']}\n"
+        f"{_weights_format(report)}, the {report['expert_layout']} expert layout, batch {report['batch']}, "
+        f"seq {report['seq']}\n"
     ]
     if "per_rank_bytes" in report:
         rows = [{"what": k, "GB": v / GB} for k, v in report["per_rank_bytes"].items()]
@@ -701,7 +755,7 @@ def render_plan(report: dict) -> str:
             f"per core): {this['floor_ms']:.2f} ms, at most {this['tokens_per_s_ceiling']:.1f} steps/s\n",
             table(
                 [dict(r, GB=r["saved_bytes"] / GB) for r in report["savings"]]
-                or [{"what": "none: bf16 experts, every tensor where the layout places it"}],
+                or [{"what": "none: bf16 weights, every tensor where the layout places it"}],
                 [("what", "savings counted per rank"), ("instead_of", "instead of"), ("GB", "GB saved", "{:.2f}")],
             )
             + "\n",

@@ -6,20 +6,15 @@ Same names and semantics as `parallel/nxd.py`, so the rank modules are written o
                            or an all-gather of the outputs (gather_output=True, for lm_head)
   RowParallelLinear        weight [out, in/t], partition dim 1, input already parallel, all-reduce
                            (in fp32, as NxD's reduce_dtype) after the matmul
-  QuantizedColumnParallel  int8 weight as the column layer; fp32 scale [out/t, 1] split with it
-  QuantizedRowParallel     int8 weight as the row layer; fp32 scale [out, 1] replicated
   ExpertFusedColumnParallelLinear  weight [E, in, out/t], partition dim 2 (stride 2 for a fused
                            gate_up: each rank's gate columns, then the same up columns)
   ExpertFusedRowParallelLinear     weight [E, in/t, out], partition dim 1; no collective
                            (reduce_output=False: one all-reduce after the router-weighted sum)
-  QuantizedExpertFusedColumnParallel / QuantizedExpertFusedRowParallel   their int8 forms,
-                           expert_wise_per_channel: fp32 scale [E, 1, out(/t)], split with the
-                           column layer (with its stride), replicated with the row layer
-  Int4ColumnParallel / Int4RowParallel / Int4ExpertFusedColumnParallel / Int4ExpertFusedRowParallel
-                           int4 forms (`experts/int4.py`; NxD has no int4 layer for inf2): the packed
-                           uint8 weight and its bf16 `group_scale` carry the float weight's partition
-                           tags (the row layers' scale is split with the weight), dequantised on the
-                           rank's own shard (or the gathered experts) before the matmul
+                           Each takes its weight in any format (`fmt`, `formats/`): the format's
+                           tensors carry the float weight's partition tags, but for one it
+                           replicates (int8's per-output-channel scale of a row layer, as NxD's
+                           quantized layers hold it), and are unpacked on the rank's own shard (or
+                           the gathered experts) in the graph
   reduce_from_tensor_model_parallel_region   the all-reduce itself
   ParallelEmbedding        rows split over the vocabulary; out-of-range ids masked, all-reduce
   SPMDRank                 a [1] int32 parameter, `arange(t)` in the checkpoint, split on dim 0
@@ -40,8 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from ..experts import int4
-from ..experts.int8 import dequantize_output
+from ..formats import NONE, Format
 from . import layout
 
 
@@ -77,209 +71,115 @@ def all_gather_last_dim(x: torch.Tensor, tp: int) -> torch.Tensor:
     return fc.all_gather_tensor(x.contiguous(), x.dim() - 1, dist.group.WORLD)
 
 
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, gather_output=False):
-        super().__init__()
-        self.tp, self.gather_output = tp, gather_output
-        out = _per_rank(output_size, tp, "output size")
-        self.weight = _tag(nn.Parameter(torch.zeros(out, input_size, dtype=dtype), requires_grad=False), 0, tp)
-
-    def forward(self, x):
-        y = F.linear(x, self.weight)
-        return all_gather_last_dim(y, self.tp) if self.gather_output else y
-
-
-class RowParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-        super().__init__()
-        self.tp = tp
-        inp = _per_rank(input_size, tp, "input size")
-        self.weight = _tag(nn.Parameter(torch.zeros(output_size, inp, dtype=dtype), requires_grad=False), 1, tp)
-
-    def forward(self, x):
-        return all_reduce(F.linear(x, self.weight), self.tp)
-
-
-class QuantizedColumnParallel(nn.Module):
-    """per_channel_symmetric int8: the scale has one row per output channel and is split with them."""
-
-    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-        super().__init__()
-        self.tp = tp
-        out = _per_rank(output_size, tp, "output size")
-        self.weight = _tag(nn.Parameter(torch.zeros(out, input_size, dtype=torch.int8), requires_grad=False), 0, tp)
-        self.scale = _tag(nn.Parameter(torch.ones(out, 1), requires_grad=False), 0, tp)
-
-    def forward(self, x):
-        return dequantize_output(F.linear(x, self.weight.to(x.dtype)), self.scale)
-
-
-class QuantizedRowParallel(nn.Module):
-    """per_channel_symmetric int8 over the input-sharded weight: the output channels are whole on
-    every rank, so the scale is replicated and applied before the all-reduce (as NxD does)."""
-
-    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-        super().__init__()
-        self.tp = tp
-        inp = _per_rank(input_size, tp, "input size")
-        self.weight = _tag(nn.Parameter(torch.zeros(output_size, inp, dtype=torch.int8), requires_grad=False), 1, tp)
-        self.scale = _tag(nn.Parameter(torch.ones(output_size, 1), requires_grad=False), None, tp)
-
-    def forward(self, x):
-        return all_reduce(dequantize_output(F.linear(x, self.weight.to(x.dtype)), self.scale), self.tp)
-
-
-class ExpertFusedColumnParallelLinear(nn.Module):
-    """E linears in one [E, in, out/t] weight, split on the output dim. forward(x [E or 1, 1, c, in],
-    expert_indices [E'] or None) -> [E', 1, c, out/t]: with expert_indices the weight is gathered
-    (`weight[expert_indices]`, NxD's selective loading), x's leading dim is 1 or E'."""
-
-    def __init__(
-        self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
-    ):
-        super().__init__()
-        out = _per_rank(output_size, tp * stride, "output size") * stride
-        self.weight = _tag(
-            nn.Parameter(torch.zeros(num_experts, input_size, out, dtype=dtype), requires_grad=False), 2, tp, stride
-        )
-
-    def forward(self, x, expert_indices=None):
-        return _expert_matmul(x, self.weight, expert_indices)
-
-
-class ExpertFusedRowParallelLinear(nn.Module):
-    """E linears in one [E, in/t, out] weight, split on the input dim; no all-reduce (NxD's
-    reduce_output=False): each rank's output is a partial sum over its input channels."""
-
-    def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-        super().__init__()
-        inp = _per_rank(input_size, tp, "input size")
-        self.weight = _tag(
-            nn.Parameter(torch.zeros(num_experts, inp, output_size, dtype=dtype), requires_grad=False), 1, tp
-        )
-
-    def forward(self, x, expert_indices=None):
-        return _expert_matmul(x, self.weight, expert_indices)
-
-
-class QuantizedExpertFusedColumnParallel(ExpertFusedColumnParallelLinear):
-    """int8 weight as the float layer; expert_wise_per_channel scale [E, 1, out/t], split with it."""
-
-    def __init__(
-        self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
-    ):
-        super().__init__(num_experts, input_size, output_size, tp=tp, dtype=torch.int8, stride=stride)
-        E, _, out = self.weight.shape
-        self.scale = _tag(nn.Parameter(torch.ones(E, 1, out), requires_grad=False), 2, tp, stride)
-
-    def forward(self, x, expert_indices=None):
-        return _expert_matmul(x, self.weight, expert_indices, self.scale)
-
-
-class QuantizedExpertFusedRowParallel(ExpertFusedRowParallelLinear):
-    """int8 weight as the float layer; expert_wise_per_channel scale [E, 1, out], replicated (the
-    output channels are whole on every rank) and applied before the caller's all-reduce."""
-
-    def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-        super().__init__(num_experts, input_size, output_size, tp=tp, dtype=torch.int8)
-        self.scale = _tag(nn.Parameter(torch.ones(num_experts, 1, output_size), requires_grad=False), None, tp)
-
-    def forward(self, x, expert_indices=None):
-        return _expert_matmul(x, self.weight, expert_indices, self.scale)
-
-
-def _expert_matmul(x, weight, expert_indices, scale=None):
-    """NxD's expert-fused forward: the weight (and an int8 layer's scale) gathered by expert_indices
-    when given, einsum("e...h,ehi->e...i") on 4-D inputs as NxD's Experts module passes them (its
-    quantized layers broadcast the scale as [E, 1, 1, out]), then the scale applied."""
-    if x.dim() != 4:
-        raise ValueError(f"expert-fused layers take [E, 1, tokens, in] inputs, got shape {tuple(x.shape)}")
-    if expert_indices is not None:
-        weight, scale = weight[expert_indices], None if scale is None else scale[expert_indices]
-    y = torch.einsum("e...h,ehi->e...i", x, weight.to(x.dtype))
-    return y if scale is None else dequantize_output(y, scale)
-
-
-class _Int4:
-    """The packed weight and its scales as parameters tagged as the float weight would be; written once
-    over a tag (`tag`) and an all-reduce (`reduce`) so `parallel/nxd.py` reuses it with NxD's. The
-    group size is int4's one (`experts/int4.py`), as `quantize_experts` writes the checkpoint."""
+class _Weight(nn.Module):
+    """A parallel linear's weight in a format (`formats/`): each of the format's tensors a parameter
+    tagged as the float weight would be, or replicated where the format says so (`Format.replicated`);
+    written once over a tag (`tag`) and an all-reduce (`reduce`) so `parallel/nxd.py` reuses it with
+    NxD's."""
 
     tag = staticmethod(_tag)
     reduce = staticmethod(all_reduce)
-    group = int4.DEFAULT_GROUP
 
-    def _int4_params(self, shape: tuple[int, ...], dim: int, tp: int, stride: int = 1) -> None:
+    def _weight(self, shape: tuple[int, ...], dim: int, tp: int, dtype, fmt: Format, stride: int = 1) -> None:
         """`shape`: the rank's float weight (dim 1 its input dim; a row layer's already split)."""
-        int4.check_group(shape[1], self.group, "rank's input channels")
-        packed, scales = int4.shapes(shape, self.group)
-        self.weight = self.tag(
-            nn.Parameter(torch.zeros(packed, dtype=torch.uint8), requires_grad=False), dim, tp, stride
-        )
-        self.group_scale = self.tag(
-            nn.Parameter(torch.ones(scales, dtype=int4.SCALE_DTYPE), requires_grad=False), dim, tp, stride
-        )
+        fmt.check(shape[1], "input channels of a rank")
+        self.format, self.tensor_names = fmt, fmt.tensors
+        for name, (size, tensor_dtype) in fmt.shapes(shape, dtype).items():
+            param = nn.Parameter(torch.zeros(size, dtype=tensor_dtype), requires_grad=False)
+            if fmt.replicated(name, dim):
+                setattr(self, name, _tag(param, None, tp))
+            else:
+                setattr(self, name, self.tag(param, dim, tp, stride))
+
+    def tensors(self, expert_indices: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The format's tensors, each gathered by `expert_indices` when given (NxD's selective loading)."""
+        tensors = {name: getattr(self, name) for name in self.tensor_names}
+        if expert_indices is None:
+            return tensors
+        return {name: t[expert_indices] for name, t in tensors.items()}
 
 
-class Int4ColumnParallel(_Int4, nn.Module):
-    """An [out, in] linear in int4, split on the output dim (packed [out/t, in/2], scale [out/t, in/g])."""
-
-    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-        super().__init__()
-        self._int4_params((_per_rank(output_size, tp, "output size"), input_size), 0, tp)
-
-    def forward(self, x):
-        return F.linear(x, int4.unpack(self.weight, self.group_scale, x.dtype))
-
-
-class Int4RowParallel(_Int4, nn.Module):
-    """An [out, in] linear in int4, split on the input dim (packed [out, in/2t], scale [out, in/tg]),
-    all-reduce after the matmul."""
-
-    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-        super().__init__()
-        self.tp = tp
-        self._int4_params((output_size, _per_rank(input_size, tp, "input size")), 1, tp)
-
-    def forward(self, x):
-        return self.reduce(F.linear(x, int4.unpack(self.weight, self.group_scale, x.dtype)), self.tp)
-
-
-class Int4ExpertFusedColumnParallel(_Int4, nn.Module):
-    """E linears [E, in, out/t] in int4 (packed [E, in/2, out/t], scale [E, in/g, out/t]), split on
-    the output dim with the float layer's stride."""
+class ColumnParallelLinear(_Weight):
+    """An [out, in] linear split on the output dim; no collective (gather_output=False) or an all-gather
+    of the outputs (gather_output=True, for lm_head)."""
 
     def __init__(
-        self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp: int,
+        dtype=torch.float32,
+        fmt: Format = NONE,
+        gather_output=False,
+    ):
+        super().__init__()
+        self.tp, self.gather_output = tp, gather_output
+        self._weight((_per_rank(output_size, tp, "output size"), input_size), 0, tp, dtype, fmt)
+
+    def forward(self, x):
+        y = self.format.linear(x, self.tensors())
+        return all_gather_last_dim(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(_Weight):
+    """An [out, in] linear split on the input dim (the input already parallel), all-reduce after the matmul."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, fmt: Format = NONE):
+        super().__init__()
+        self.tp = tp
+        self._weight((output_size, _per_rank(input_size, tp, "input size")), 1, tp, dtype, fmt)
+
+    def forward(self, x):
+        return self.reduce(self.format.linear(x, self.tensors()), self.tp)
+
+
+class ExpertFusedColumnParallelLinear(_Weight):
+    """E linears in one [E, in, out/t] weight, split on the output dim (with stride 2 for a fused
+    gate_up). forward(x [E or 1, 1, c, in], expert_indices [E'] or None) -> [E', 1, c, out/t]: with
+    expert_indices the weight is gathered (`weight[expert_indices]`, NxD's selective loading), x's
+    leading dim is 1 or E'."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        input_size: int,
+        output_size: int,
+        *,
+        tp: int,
+        dtype=torch.float32,
+        fmt: Format = NONE,
+        stride: int = 1,
     ):
         super().__init__()
         out = _per_rank(output_size, tp * stride, "output size") * stride
-        self._int4_params((num_experts, input_size, out), 2, tp, stride)
+        self._weight((num_experts, input_size, out), 2, tp, dtype, fmt, stride)
 
     def forward(self, x, expert_indices=None):
-        return _int4_expert_matmul(x, self.weight, self.group_scale, expert_indices)
+        return _expert_matmul(x, self, expert_indices)
 
 
-class Int4ExpertFusedRowParallel(_Int4, nn.Module):
-    """E linears [E, in/t, out] in int4 (packed [E, in/2t, out], scale [E, in/tg, out]), split on the
-    input dim; no all-reduce (the caller's follows the router-weighted sum)."""
+class ExpertFusedRowParallelLinear(_Weight):
+    """E linears in one [E, in/t, out] weight, split on the input dim; no all-reduce (NxD's
+    reduce_output=False): each rank's output is a partial sum over its input channels."""
 
-    def __init__(self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
+    def __init__(
+        self, num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, fmt: Format = NONE
+    ):
         super().__init__()
-        self._int4_params((num_experts, _per_rank(input_size, tp, "input size"), output_size), 1, tp)
+        self._weight((num_experts, _per_rank(input_size, tp, "input size"), output_size), 1, tp, dtype, fmt)
 
     def forward(self, x, expert_indices=None):
-        return _int4_expert_matmul(x, self.weight, self.group_scale, expert_indices)
+        return _expert_matmul(x, self, expert_indices)
 
 
-def _int4_expert_matmul(x, packed, scale, expert_indices):
-    """The expert-fused forward over int4: the packed weight and its scales gathered by expert_indices
-    when given, dequantised in x's dtype, then einsum("e...h,ehi->e...i") as `_expert_matmul`."""
+def _expert_matmul(x: torch.Tensor, layer: _Weight, expert_indices: torch.Tensor | None) -> torch.Tensor:
+    """NxD's expert-fused forward: the layer's tensors gathered by expert_indices when given, then
+    einsum("e...h,ehi->e...i") on 4-D inputs as NxD's Experts module passes them (its quantized
+    layers broadcast an int8 scale as [E, 1, 1, out]), in the layer's format."""
     if x.dim() != 4:
         raise ValueError(f"expert-fused layers take [E, 1, tokens, in] inputs, got shape {tuple(x.shape)}")
-    if expert_indices is not None:
-        packed, scale = packed[expert_indices], scale[expert_indices]
-    return torch.einsum("e...h,ehi->e...i", x, int4.unpack(packed, scale, x.dtype))
+    return layer.format.expert_matmul(x, layer.tensors(expert_indices))
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int) -> torch.Tensor:

@@ -41,13 +41,12 @@ Embeddings are vocab-parallel (their row offset from an SPMDRank, `embed_tokens.
 lm_head column-parallel over the vocabulary (logits gathered). They are tied in the checkpoint but
 two tensors on the device: each parallel layer loads its own.
 
-int8 experts (`experts/int8.py`) quantise each experts linear as its layout holds it, per output
-channel over its input dim (dim 1 in all four tensors): gate_up and the channel layout's down per
-(expert, output channel); the expert layout's down, one linear over all experts, per hidden
-channel shared by its experts. Scales are split as their weight's output dim is: with gate_up,
-replicated with down. int4 experts (`experts/int4.py`) pack each linear's weight along its input dim
-(dim 1) with a `group_scale` per (output channel, group of input channels): weight and scales split
-as the float weight is, down's too (a row rank holds whole groups of its input channels).
+Quantized linears (`formats/`) are quantized as their layout holds them, along their input dim (dim 1
+of all of them); each tensor of a format is placed as its weight, but for a scale with one entry per
+output channel in a row layer, which every rank holds whole. int8: per output channel, so the channel
+layout's experts per (expert, output channel), the expert layout's down, one linear over all
+experts, per hidden channel shared by its experts. Grouped formats (int4, q4_0): a row rank holds
+whole groups of its input channels, and an expert's groups lie within its own channels.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ import torch
 from transformers import Gemma4TextConfig
 
 from ..errors import UserError
+from ..formats import TENSORS
 from ..spec import CHANNEL, DEFAULT_EXPERT_LAYOUT, EXPERT, EXPERT_LAYOUTS, TP_DEGREES
 
 COLUMN, ROW, VOCAB, REPLICATED = "column", "row", "vocab", "replicated"
@@ -93,18 +93,12 @@ _RULES = (
 _EXPERT_RULES = {
     EXPERT: (
         (".experts.gate_up_proj.weight", COLUMN),
-        (".experts.gate_up_proj.scale", COLUMN),
-        (".experts.gate_up_proj.group_scale", COLUMN),
         (".experts.down_proj.weight", ROW),
-        (".experts.down_proj.group_scale", ROW),
         (".experts.spmd_rank.rank", COLUMN),
     ),
     CHANNEL: (
         (".experts.gate_up_proj.weight", EXPERTS_COLUMN),
-        (".experts.gate_up_proj.scale", EXPERTS_COLUMN),
-        (".experts.gate_up_proj.group_scale", EXPERTS_COLUMN),
         (".experts.down_proj.weight", EXPERTS_ROW),
-        (".experts.down_proj.group_scale", EXPERTS_ROW),
         *((f".experts.reader.{name}", READER_SHARD) for name in ("codes", "scales", "down_norms", "coeffs")),
     ),
 }
@@ -126,7 +120,12 @@ def check_layout_name(expert_layout: str) -> str:
 
 
 def placement(name: str, expert_layout: str = DEFAULT_EXPERT_LAYOUT) -> str:
-    """The placement of a parameter, by its name in the parallel layout (see `parallel_state_dict`)."""
+    """The placement of a parameter, by its name in the parallel layout (see `parallel_state_dict`). A
+    weight format's tensor (`….scale`, …: `formats.TENSORS`) is placed as its linear's weight; the
+    format says which of them a rank holds whole instead (`Format.replicated`)."""
+    prefix, _, tensor = name.rpartition(".")
+    if prefix and tensor in TENSORS:
+        name = f"{prefix}.weight"
     for suffix, kind in (*_RULES, *_EXPERT_RULES[check_layout_name(expert_layout)]):
         if ("." + name).endswith(suffix):
             return kind

@@ -25,6 +25,7 @@ vocabulary once per rank), then materialised empty: every value comes from the r
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -32,7 +33,9 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from .. import spec
-from ..spec import NO_QUANTIZATION, SPMD
+from ..errors import UserError
+from ..formats import NONE, format_of
+from ..spec import DEFAULT_QUANTIZED_LAYERS, NO_QUANTIZATION, SPMD
 from . import layout
 from .moe import parallel_experts
 
@@ -55,6 +58,31 @@ def rank_config(
     return local
 
 
+def check_formats(
+    config: Gemma4TextConfig, tp: int, expert_layout: str, quantization: str, quantized_layers: tuple[str, ...]
+) -> None:
+    """Every linear of `quantized_layers` holds whole groups of its format on each rank at TP `tp` in
+    `expert_layout` (a row layer's rank: its share of the input channels), and each experts group lies
+    within one expert's channels (so every layout holds the one-rank numbers). Checked on the meta
+    device, before any weight loads; the error names the linear and what to change."""
+    with torch.device("meta"):
+        whole = Gemma4ForCausalLM(copy.deepcopy(config))
+    experts = format_of(".experts.down_proj.weight", quantization, quantized_layers)
+    experts.check(config.moe_intermediate_size, "intermediate channels of each expert")
+    for name, w in layout.parallel_state_dict(whole.state_dict(), config, tp, expert_layout).items():
+        fmt = format_of(name, quantization, quantized_layers)
+        if fmt is NONE:
+            continue
+        local = layout.shard(w, layout.placement(name, expert_layout), tp, 0)
+        try:
+            fmt.check(
+                local.shape[1], f"input channels each rank holds of {name} at TP {tp} in the {expert_layout} layout"
+            )
+        except UserError as e:
+            hint = " or --expert-layout expert" if ".experts." in name and expert_layout == layout.CHANNEL else ""
+            raise UserError(f"{e}: use a lower TP degree{hint}") from None
+
+
 def _scaled(embedding: nn.Module, scale: torch.Tensor) -> nn.Module:
     """HF's Gemma4TextScaledWordEmbedding multiplies by sqrt(H) rounded to the weight dtype; a hook
     keeps the parallel embedding's own parameter names (`embed_tokens.weight`, `.rank_util.rank`)."""
@@ -69,15 +97,17 @@ def rank_model(
     *,
     expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
     quantization: str = NO_QUANTIZATION,
+    quantized_layers: tuple[str, ...] = DEFAULT_QUANTIZED_LAYERS,
     scatter: str = SPMD,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> Gemma4ForCausalLM:
     """One rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`); its state dict
-    names are those of `layout.parallel_state_dict` in `expert_layout` (int8, int4: of
-    `experts.quantization.quantize_experts` of it). `device="meta"` builds it without memory (for plans and
-    shape checks). Outside a graph it computes every expert (dense_masked); each static graph's view
-    runs the graph's own experts implementation (`experts/view.py`)."""
+    names are those of `layout.parallel_state_dict` in `expert_layout` (quantized: of
+    `formats.quantize_state` of it, `quantized_layers` in `quantization`). `device="meta"` builds it
+    without memory (for plans and shape checks). Outside a graph it computes every expert
+    (dense_masked); each static graph's view runs the graph's own experts implementation
+    (`experts/view.py`)."""
     local = rank_config(config, tp, expert_layout)
     with torch.device("meta"):
         model = Gemma4ForCausalLM(local)
@@ -90,7 +120,8 @@ def rank_model(
     model.to(dtype)
     with torch.device(device):
         for name, module in list(model.named_modules()):
-            share = _share(name, module, full, model.config, tp, layers, expert_layout, quantization, scatter, dtype)
+            formats = functools.partial(format_of, quantization=quantization, layers=quantized_layers)
+            share = _share(name, module, full, model.config, tp, layers, expert_layout, formats, scatter, dtype)
             if share is not None:
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent), child, share)
@@ -107,27 +138,27 @@ def _share(
     tp: int,
     layers,
     expert_layout: str,
-    quantization: str,
+    formats,
     scatter: str,
     dtype: torch.dtype,
 ) -> nn.Module | None:
-    """The parallel module in place of `module` (its name `name`), or None where a rank holds it whole."""
+    """The parallel module in place of `module` (its name `name`), or None where a rank holds it whole;
+    `formats(weight name)`: the format its weight is in."""
     if f"{name}.gate_up_proj.weight" in full:  # the experts, as the layout holds their linears
-        return parallel_experts(
-            local, tp, layers, expert_layout, quantization=quantization, scatter=scatter, dtype=dtype
-        )
+        fmt = formats(f"{name}.gate_up_proj.weight")
+        return parallel_experts(local, tp, layers, expert_layout, fmt=fmt, scatter=scatter, dtype=dtype)
     kind = layout.placement(f"{name}.weight", expert_layout)
     if kind == layout.REPLICATED or not isinstance(module, (nn.Linear, nn.Embedding)):
         return None
     out, inp = full[f"{name}.weight"]
     if kind == layout.VOCAB:
         return _scaled(layers.ParallelEmbedding(out, inp, tp=tp, dtype=dtype), torch.tensor(inp**0.5))
+    fmt = formats(f"{name}.weight")
     if kind == layout.COLUMN:
-        return layers.ColumnParallelLinear(
-            inp, out, tp=tp, dtype=dtype, gather_output=f"{name}.weight" in layout.GATHERED
-        )
+        gather = f"{name}.weight" in layout.GATHERED
+        return layers.ColumnParallelLinear(inp, out, tp=tp, dtype=dtype, fmt=fmt, gather_output=gather)
     if kind == layout.ROW:
-        return layers.RowParallelLinear(inp, out, tp=tp, dtype=dtype)
+        return layers.RowParallelLinear(inp, out, tp=tp, dtype=dtype, fmt=fmt)
     raise ValueError(f"{name}: no parallel layer for placement {kind!r}")
 
 

@@ -40,40 +40,17 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
 from .. import spec
 from ..errors import UserError
 from ..experts.dense_masked import router_weight_matrix
+from ..formats import NONE, Format
 from . import layout
 
 
-# The layers (their names in the layer library) of each experts weight format, per expert layout: the
-# expert-fused ones (channel) and the plain linears (expert), column then row
-LAYERS = {
-    layout.CHANNEL: {
-        spec.NO_QUANTIZATION: ("ExpertFusedColumnParallelLinear", "ExpertFusedRowParallelLinear"),
-        spec.INT8_QUANTIZATION: ("QuantizedExpertFusedColumnParallel", "QuantizedExpertFusedRowParallel"),
-        spec.INT4_QUANTIZATION: ("Int4ExpertFusedColumnParallel", "Int4ExpertFusedRowParallel"),
-    },
-    layout.EXPERT: {
-        spec.NO_QUANTIZATION: ("ColumnParallelLinear", "RowParallelLinear"),
-        spec.INT8_QUANTIZATION: ("QuantizedColumnParallel", "QuantizedRowParallel"),
-        spec.INT4_QUANTIZATION: ("Int4ColumnParallel", "Int4RowParallel"),
-    },
-}
-
-
-def _layers(layers, expert_layout: str, quantization: str):
-    if quantization not in LAYERS[expert_layout]:
-        raise UserError(
-            f"unknown experts quantization {quantization!r}; expected one of {', '.join(spec.QUANTIZATIONS)}"
-        )
-    return tuple(getattr(layers, name) for name in LAYERS[expert_layout][quantization])
-
-
 class ChannelExperts(nn.Module):
-    def __init__(self, config, tp: int, layers, quantization: str = spec.NO_QUANTIZATION, dtype=torch.float32):
+    def __init__(self, config, tp: int, layers, fmt: Format = NONE, dtype=torch.float32):
         super().__init__()
         E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
-        column, row = _layers(layers, layout.CHANNEL, quantization)
-        self.gate_up_proj = column(E, H, 2 * I, tp=tp, dtype=dtype, stride=2)  # [E, H, 2I/t]: gate, then up
-        self.down_proj = row(E, I, H, tp=tp, dtype=dtype)  # [E, I/t, H]
+        # [E, H, 2I/t]: gate, then up; [E, I/t, H]
+        self.gate_up_proj = layers.ExpertFusedColumnParallelLinear(E, H, 2 * I, tp=tp, dtype=dtype, fmt=fmt, stride=2)
+        self.down_proj = layers.ExpertFusedRowParallelLinear(E, I, H, tp=tp, dtype=dtype, fmt=fmt)
         self.config = config  # the model's; a graph's view gives it one naming the graph's experts implementation
         self.tp, self.layers, self.num_experts = tp, layers, E
         self.act_fn = ACT2FN[config.hidden_activation]
@@ -133,22 +110,17 @@ COMPUTE = {
 
 
 class WholeExperts(nn.Module):
-    def __init__(
-        self,
-        config,
-        tp: int,
-        layers,
-        quantization: str = spec.NO_QUANTIZATION,
-        scatter: str = spec.SPMD,
-        dtype=torch.float32,
-    ):
+    def __init__(self, config, tp: int, layers, fmt: Format = NONE, scatter: str = spec.SPMD, dtype=torch.float32):
         super().__init__()
         if scatter not in spec.SCATTERS:
             raise ValueError(f"scatter must be one of {spec.SCATTERS}, got {scatter!r}")
         E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
-        column, row = _layers(layers, layout.EXPERT, quantization)
-        self.gate_up_proj = column(H, E * 2 * I, tp=tp, dtype=dtype)  # rows: this rank's experts × 2I
-        self.down_proj = row(E * I, H, tp=tp, dtype=dtype)  # columns: this rank's experts × I
+        self.gate_up_proj = layers.ColumnParallelLinear(
+            H, E * 2 * I, tp=tp, dtype=dtype, fmt=fmt
+        )  # this rank's experts × 2I
+        self.down_proj = layers.RowParallelLinear(
+            E * I, H, tp=tp, dtype=dtype, fmt=fmt
+        )  # columns: this rank's experts × I
         self.spmd_rank = layers.SPMDRank(tp)
         self.config = config  # as ChannelExperts': every graph computes all its experts, whatever it names
         self.tp, self.scatter, self.layers = tp, scatter, layers
@@ -179,17 +151,18 @@ def parallel_experts(
     layers,
     expert_layout: str = layout.DEFAULT_EXPERT_LAYOUT,
     *,
-    quantization: str = spec.NO_QUANTIZATION,
+    fmt: Format = NONE,
     scatter: str = spec.SPMD,
     dtype=torch.float32,
 ) -> nn.Module:
-    """This rank's experts in `expert_layout`. `config` is the model's own (a graph's view replaces it
-    with one naming the graph's experts implementation). `scatter` exists only in the expert layout."""
+    """This rank's experts in `expert_layout`, their weights in `fmt`. `config` is the model's own (a
+    graph's view replaces it with one naming the graph's experts implementation). `scatter` exists only
+    in the expert layout."""
     if layout.check_layout_name(expert_layout) == layout.CHANNEL:
         if scatter != spec.SPMD:
             raise UserError(f"scatter {scatter!r} is the expert layout's: the channel layout slices nothing by rank")
-        return ChannelExperts(config, tp, layers, quantization, dtype)
-    return WholeExperts(config, tp, layers, quantization, scatter, dtype)
+        return ChannelExperts(config, tp, layers, fmt, dtype)
+    return WholeExperts(config, tp, layers, fmt, scatter, dtype)
 
 
 class ParallelMoE(nn.Module):
@@ -197,7 +170,7 @@ class ParallelMoE(nn.Module):
     it itself) and pre_feedforward_layernorm_2 of it, as in Gemma4TextDecoderLayer."""
 
     def __init__(self, config, tp: int, layers, **options):
-        """`options`: `parallel_experts`' (expert_layout, quantization, scatter, dtype)."""
+        """`options`: `parallel_experts`' (expert_layout, fmt, scatter, dtype)."""
         super().__init__()
         self.router = Gemma4TextRouter(config).to(options.get("dtype", torch.float32))
         self.experts = parallel_experts(config, tp, layers, **options)

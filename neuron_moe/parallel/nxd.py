@@ -23,17 +23,17 @@ Traps (shared/notes/neuron-apis.md):
 - NxD's sharding (`trace/trace.py: shard_children`) cuts only parameters of its parallel-layer
   classes: a tagged parameter of any other module is silently replicated. Hence the expert-fused
   layers for the channel layout's 3-D experts, not tagged parameters of our own.
-- int4 experts: NxD has no int4 layer for inf2 (its MXFP4 MoE kernel is Trn3-only). The int4 layers
-  are `parallel/cpu.py`'s, made subclasses of NxD's `BaseParallelLinear` (so `shard_children` cuts
-  their parameters) with NxD's own `set_tensor_model_parallel_attributes` on the packed weight and
-  its scales and NxD's all-reduce.
+- Weight formats (`formats/`): none and int8 run on NxD's own layers (its quantized layers for int8).
+  NxD has no 4-bit layer for inf2 (its MXFP4 MoE kernel is Trn3-only): int4 and q4_0 run on
+  `parallel/cpu.py`'s layers made subclasses of NxD's `BaseParallelLinear` (so `shard_children` cuts
+  their parameters), with NxD's own `set_tensor_model_parallel_attributes` on the format's tensors
+  and NxD's all-reduce.
 - `ParallelEmbedding` takes its vocabulary offset from the Python-int rank unless
   `use_spmd_rank=True`: the same frozen-at-trace-time bug as the router scatter.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..formats import NONE, Format
+from ..formats.int8 import INT8
 from . import cpu
 
 NXD_SOURCE = "aws-neuron/neuronx-distributed @ fbac349 (Release 2.29)"
@@ -277,57 +279,78 @@ def _int8(expert_wise: bool) -> dict:
     )
 
 
-def ColumnParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, gather_output=False):
-    return _nxd("neuronx_distributed.parallel_layers.layers.ColumnParallelLinear")(
-        **_linear(input_size, output_size, tp, dtype), gather_output=gather_output
+def _nxd_int8(fmt: Format) -> bool:
+    """int8 runs on NxD's own quantized layers; every other quantized format on `parallel/cpu.py`'s."""
+    return fmt.name == INT8.name
+
+
+def ColumnParallelLinear(
+    input_size: int, output_size: int, *, tp: int, dtype=torch.float32, fmt: Format = NONE, gather_output=False
+):
+    if fmt is NONE:
+        return _nxd("neuronx_distributed.parallel_layers.layers.ColumnParallelLinear")(
+            **_linear(input_size, output_size, tp, dtype), gather_output=gather_output
+        )
+    if _nxd_int8(fmt):
+        return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedColumnParallel")(
+            **_linear(input_size, output_size, tp, dtype), gather_output=gather_output, **_int8(expert_wise=False)
+        )
+    _check_tp(tp)
+    return _formatted(cpu.ColumnParallelLinear)(
+        input_size, output_size, tp=tp, dtype=dtype, fmt=fmt, gather_output=gather_output
     )
 
 
-def RowParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-    return _nxd("neuronx_distributed.parallel_layers.layers.RowParallelLinear")(
-        **_linear(input_size, output_size, tp, dtype), input_is_parallel=True
-    )
-
-
-def QuantizedColumnParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-    return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedColumnParallel")(
-        **_linear(input_size, output_size, tp, dtype), gather_output=False, **_int8(expert_wise=False)
-    )
-
-
-def QuantizedRowParallel(input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-    return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel")(
-        **_linear(input_size, output_size, tp, dtype), input_is_parallel=True, **_int8(expert_wise=False)
-    )
+def RowParallelLinear(input_size: int, output_size: int, *, tp: int, dtype=torch.float32, fmt: Format = NONE):
+    if fmt is NONE:
+        return _nxd("neuronx_distributed.parallel_layers.layers.RowParallelLinear")(
+            **_linear(input_size, output_size, tp, dtype), input_is_parallel=True
+        )
+    if _nxd_int8(fmt):
+        return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedRowParallel")(
+            **_linear(input_size, output_size, tp, dtype), input_is_parallel=True, **_int8(expert_wise=False)
+        )
+    _check_tp(tp)
+    return _formatted(cpu.RowParallelLinear)(input_size, output_size, tp=tp, dtype=dtype, fmt=fmt)
 
 
 def ExpertFusedColumnParallelLinear(
-    num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
+    num_experts: int,
+    input_size: int,
+    output_size: int,
+    *,
+    tp: int,
+    dtype=torch.float32,
+    fmt: Format = NONE,
+    stride: int = 1,
 ):
-    return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear")(
-        **_fused(num_experts, input_size, output_size, tp, dtype), stride=stride
-    )
+    if fmt is NONE:
+        return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedColumnParallelLinear")(
+            **_fused(num_experts, input_size, output_size, tp, dtype), stride=stride
+        )
+    if _nxd_int8(fmt):
+        return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedColumnParallel")(
+            **_fused(num_experts, input_size, output_size, tp, dtype), stride=stride, **_int8(expert_wise=True)
+        )
+    _check_tp(tp)
+    layer = _formatted(cpu.ExpertFusedColumnParallelLinear)
+    return layer(num_experts, input_size, output_size, tp=tp, dtype=dtype, fmt=fmt, stride=stride)
 
 
-def ExpertFusedRowParallelLinear(num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32):
-    return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedRowParallelLinear")(
-        **_fused(num_experts, input_size, output_size, tp, dtype), reduce_output=False
-    )
-
-
-def QuantizedExpertFusedColumnParallel(
-    num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, stride: int = 1
+def ExpertFusedRowParallelLinear(
+    num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32, fmt: Format = NONE
 ):
-    return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedColumnParallel")(
-        **_fused(num_experts, input_size, output_size, tp, dtype), stride=stride, **_int8(expert_wise=True)
-    )
-
-
-def QuantizedExpertFusedRowParallel(
-    num_experts: int, input_size: int, output_size: int, *, tp: int, dtype=torch.float32
-):
-    return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedRowParallel")(
-        **_fused(num_experts, input_size, output_size, tp, dtype), reduce_output=False, **_int8(expert_wise=True)
+    if fmt is NONE:
+        return _nxd("neuronx_distributed.modules.moe.moe_parallel_layers.ExpertFusedRowParallelLinear")(
+            **_fused(num_experts, input_size, output_size, tp, dtype), reduce_output=False
+        )
+    if _nxd_int8(fmt):
+        return _nxd("neuronx_distributed.quantization.quantization_layers.QuantizedExpertFusedRowParallel")(
+            **_fused(num_experts, input_size, output_size, tp, dtype), reduce_output=False, **_int8(expert_wise=True)
+        )
+    _check_tp(tp)
+    return _formatted(cpu.ExpertFusedRowParallelLinear)(
+        num_experts, input_size, output_size, tp=tp, dtype=dtype, fmt=fmt
     )
 
 
@@ -342,24 +365,12 @@ def _reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
     return reduce_from_tensor_model_parallel_region(x, tp=tp)
 
 
-def _int4(layer: type) -> Callable:
-    """`parallel/cpu.py`'s int4 layer as an NxD parallel linear (`shard_children` cuts only those),
-    tagged and all-reduced by NxD; it takes the same arguments (and has the same signature)."""
-
-    @functools.wraps(layer, assigned=("__name__", "__qualname__", "__doc__"), updated=())
-    def build(*args, tp: int, **kwargs):
-        _check_tp(tp)
-        base = _nxd("neuronx_distributed.parallel_layers.layers.BaseParallelLinear")
-        nxd_layer = type(layer.__name__, (layer, base), {"tag": staticmethod(_tag), "reduce": staticmethod(_reduce)})
-        return nxd_layer(*args, tp=tp, **kwargs)
-
-    return build
-
-
-Int4ColumnParallel = _int4(cpu.Int4ColumnParallel)
-Int4RowParallel = _int4(cpu.Int4RowParallel)
-Int4ExpertFusedColumnParallel = _int4(cpu.Int4ExpertFusedColumnParallel)
-Int4ExpertFusedRowParallel = _int4(cpu.Int4ExpertFusedRowParallel)
+def _formatted(layer: type) -> type:
+    """`parallel/cpu.py`'s layer of a weight format NxD has no layer for (int4, q4_0; its MXFP4 MoE
+    kernel is Trn3-only) as an NxD parallel linear (`shard_children` cuts only those), tagged and
+    all-reduced by NxD; it takes the same arguments."""
+    base = _nxd("neuronx_distributed.parallel_layers.layers.BaseParallelLinear")
+    return type(layer.__name__, (layer, base), {"tag": staticmethod(_tag), "reduce": staticmethod(_reduce)})
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, *, tp: int):

@@ -14,14 +14,13 @@ import dataclasses
 
 import torch
 
-from ..experts import int4
-from ..experts.quantization import quantize_experts
+from ..formats import quantize_state
 from ..model import build_model
 from ..reader.prep import model_expert_weights
 from ..port import DTYPES
-from ..spec import CHANNEL_READER, EAGER, INT4_QUANTIZATION, Backend, Placement, Reader
+from ..spec import CHANNEL_READER, EAGER, Backend, Placement, Reader
 from . import layout, reader
-from .model import rank_model
+from .model import check_formats, rank_model
 
 LIBRARY_CPU = "parallel/cpu.py (NxD's layer names over torch.distributed functional collectives, gloo)"
 TP_DEGREE = 8  # a TP backend's degree where its placement names none (validate --backend tp without --tp)
@@ -36,7 +35,7 @@ def compute_dtype(port, backend: Backend) -> torch.dtype:
 class RankJob:
     """What every rank module of a TP run is built from: the port's static spec (the reader's decode
     experts when one is attached), the options of the rank module, and the full parallel-layout
-    checkpoint (int8 or int4 experts quantised, the reader's shards concatenated) that the shard cutter cuts."""
+    checkpoint (its quantized layers in their format, the reader's shards concatenated) that the shard cutter cuts."""
 
     config: object
     spec: object
@@ -44,6 +43,7 @@ class RankJob:
     dtype: torch.dtype
     expert_layout: str
     quantization: str
+    quantized_layers: tuple[str, ...]
     scatter: str
     full: dict
     reader: tuple | None  # (SidecarLayout of a rank, k per rank, scan, recovery rank)
@@ -62,8 +62,7 @@ class RankJob:
         port.static_spec(f"the TP {tp} backend")
         expert_layout = placement.layout(None) or port.static.expert_layout
         layout.check_degree(port.config, tp, expert_layout)  # before the weights load
-        if backend.quantization == INT4_QUANTIZATION:
-            int4.check_degree(port.config, tp, expert_layout)
+        check_formats(port.config, tp, expert_layout, backend.quantization, backend.quantized_layers)
         spec, sides, attached = port.static, None, None
         if settings.sidecar is not None:  # the reader on decode steps: every check before the weights load
             reader.check_reader(expert_layout, backend.quantization, settings.budget)
@@ -78,11 +77,22 @@ class RankJob:
             sides[0].check_source(model_expert_weights(hf))  # one prep for all ranks: check_shards
         full = layout.parallel_state_dict(hf.state_dict(), hf.config, tp, expert_layout)
         del hf
-        # streamed: each float experts linear dropped as it is quantised
-        full = quantize_experts(full, backend.quantization)
+        # streamed: each float linear dropped as it is quantized
+        full = quantize_state(full, backend.quantization, backend.quantized_layers)
         if sides is not None:
             full.update(reader.full_state(sides))
-        return cls(port.config, spec, tp, dtype, expert_layout, backend.quantization, placement.scatter, full, attached)
+        return cls(
+            port.config,
+            spec,
+            tp,
+            dtype,
+            expert_layout,
+            backend.quantization,
+            backend.quantized_layers,
+            placement.scatter,
+            full,
+            attached,
+        )
 
     def rank_module(self, layers, device: str = "cpu"):
         """A rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`), the reader
@@ -93,6 +103,7 @@ class RankJob:
             layers,
             expert_layout=self.expert_layout,
             quantization=self.quantization,
+            quantized_layers=self.quantized_layers,
             scatter=self.scatter,
             dtype=self.dtype,
             device=device,

@@ -9,7 +9,8 @@ For one token the reader reads, from its top_k experts:
 - exact: for each of the k chosen channels its gate row, up row and down row (H bf16 each);
 - recovery: U [H, rank] (bf16) once, and b_j (rank bf16) for every channel not chosen.
 
-The full model reads each routed expert whole: gate_up [2I, H] and down [H, I] in bf16.
+The full model reads each routed expert whole: gate_up [2I, H] and down [H, I] in bf16, or in
+the experts' format (`formats/`: each of the format's tensors of the weight, `Format.shapes`).
 A read of n bytes starting on a sector boundary touches ceil(n/32) sectors; where the
 layout cannot guarantee that start (a row length not a multiple of 32 bytes) one more.
 
@@ -23,9 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+import torch
+
+from .. import formats
 from ..errors import UserError
 from ..report import table
-from ..spec import INT4_GROUP, INT4_QUANTIZATION, INT8_QUANTIZATION, NO_QUANTIZATION, QUANTIZATIONS, STEP_BUDGET, Reader
+from ..spec import INT8_QUANTIZATION, NO_QUANTIZATION, QUANTIZATIONS, STEP_BUDGET, Reader
 from .geometry import Geometry
 from .sidecar import BLOCK, CODES_PER_BYTE, SECTOR, SidecarLayout
 
@@ -152,36 +156,35 @@ class StepRows:
     coeffs: int  # recovery rows b_j, distinct (expert, channel); 0 without recovery
 
 
-def int4_row_bytes(n: int) -> int:
-    """A row of n int4 values with its bf16 scales beside it (one per INT4_GROUP), packed two per byte."""
-    return n // 2 + n // INT4_GROUP * BF16
+def row_bytes(n: int, quantization: str = NO_QUANTIZATION) -> int:
+    """A row of n weights in the format with its scales beside it (`Format.nbytes` of a [1, n] weight:
+    groups along the row)."""
+    return formats.get(quantization).nbytes((1, n), torch.bfloat16)
+
+
+def weight_sectors(shape: tuple[int, int], quantization: str = NO_QUANTIZATION) -> int:
+    """Sectors of a weight of `shape` ([out, in]) read whole in the format: each of its tensors
+    (`Format.shapes`: the values and their scales) from a boundary of its own."""
+    held = formats.get(quantization).shapes(shape, torch.bfloat16).values()
+    return sum(row_sectors(math.prod(s) * dtype.itemsize) for s, dtype in held)
 
 
 def channel_bytes(geo: Geometry, quantization: str = NO_QUANTIZATION) -> int:
-    """One exact channel: its gate, up and down rows (int8: and its gate/up scale pair, one sector;
-    int4: each row packed with its own scales, groups along H: gate and up as the int4 experts hold
-    them, the down row in the reader's own grouping, since the experts' down groups lie along I)."""
-    if quantization == INT4_QUANTIZATION:
-        return SECTOR * 3 * row_sectors(int4_row_bytes(geo.hidden))
+    """One exact channel: its gate, up and down rows. int8 (the one-rank reader's layout, `reader/int8.py`):
+    three int8 rows and the gate/up scale pair, one sector. Any other format (no reader of its own is
+    built: accounted only): each row in the format with its own scales beside it (`row_bytes`), groups
+    along H: gate and up as the experts hold them, the down row in the reader's own grouping, since
+    the experts' down groups lie along I."""
     if quantization == INT8_QUANTIZATION:
         return SECTOR * (3 * row_sectors(geo.hidden * INT8) + 1)
-    return SECTOR * 3 * row_sectors(geo.hidden * BF16)
+    return SECTOR * 3 * row_sectors(row_bytes(geo.hidden, quantization))
 
 
 def expert_read_bytes(geo: Geometry, quantization: str = NO_QUANTIZATION) -> int:
-    """One routed expert read whole: gate_up [2I, H] and down [H, I] (int8: and their fp32 scales,
-    one per gate/up row and one per hidden channel)."""
+    """One routed expert read whole: gate_up [2I, H] and down [H, I] in the format, scales included
+    (`weight_sectors`; int8: one fp32 scale per gate/up row and one per hidden channel)."""
     H, I = geo.hidden, geo.intermediate
-    if quantization == INT4_QUANTIZATION:  # experts/int4.py: packed values and a bf16 scale per INT4_GROUP inputs
-        return SECTOR * (row_sectors(2 * I * int4_row_bytes(H)) + row_sectors(H * int4_row_bytes(I)))
-    if quantization == INT8_QUANTIZATION:
-        return SECTOR * (
-            row_sectors(2 * I * H * INT8)
-            + row_sectors(H * I * INT8)
-            + row_sectors(2 * I * FP32)
-            + row_sectors(H * FP32)
-        )
-    return SECTOR * (row_sectors(2 * I * H * BF16) + row_sectors(H * I * BF16))
+    return SECTOR * (weight_sectors((2 * I, H), quantization) + weight_sectors((H, I), quantization))
 
 
 def full_reads(geo: Geometry, settings: Reader, experts: int | None = None) -> int:
@@ -368,12 +371,7 @@ def render_reads(report: dict) -> str:
             f"{whole.intermediate} channels of every expert, its own sketch strips, the whole U); every "
             f"rank reads the same"
         )
-    experts = {
-        NO_QUANTIZATION: "bf16",
-        INT8_QUANTIZATION: "int8 exact rows with fp32 scales, the sketch and recovery bf16",
-        INT4_QUANTIZATION: f"int4 exact rows with a bf16 scale per {INT4_GROUP} (accounted only), the sketch and "
-        "recovery bf16",
-    }[quantization]
+    experts = _experts_layout(quantization, geo.hidden)
     rows = [{"part": p, **v} for p, v in report["reads"].items()]
     rows += [
         {
@@ -407,6 +405,20 @@ def render_reads(report: dict) -> str:
     if "batch" in report:
         lines.append(_render_batch(report["batch"]))
     return "\n".join(lines)
+
+
+def _experts_layout(quantization: str, hidden: int) -> str:
+    """How `render_reads` names the experts' format: bf16, the int8 reader's layout, or another format's
+    rows (accounted only), with their bits a weight."""
+    if quantization == NO_QUANTIZATION:
+        return "bf16"
+    if quantization == INT8_QUANTIZATION:
+        return "int8 exact rows with fp32 scales, the sketch and recovery bf16"
+    bits = 8 * row_bytes(hidden, quantization) / hidden
+    return (
+        f"{quantization} exact rows at {bits:.2f} bits a weight, scales beside them (accounted only), "
+        "the sketch and recovery bf16"
+    )
 
 
 def _render_batch(b: dict) -> str:

@@ -36,7 +36,8 @@ def load_engine(
     graph compiled by torch.compile, `progress` told of each compile: `static/inductor.py`;
     `prefix_caching`, `static/prefix.py`: None on, False off), a compiled artifact directory
     (COMPILED, batched; `prefix_caching` None: as the artifact was built) or an experts
-    implementation in transformers' model on CPU (one request per thread)."""
+    implementation in transformers' model on CPU (one request per thread). The CPU backends' linears
+    are in the backend's formats (its quantization on its quantized_layers); an artifact's, its own."""
     if isinstance(backend, str):
         backend = check_serve_backend(backend)
     if backend.graphs == COMPILED:  # the artifact's own tokenizer (digest-checked), unless --checkpoint gives one
@@ -46,10 +47,10 @@ def load_engine(
     tokenizer = load_tokenizer(port, checkpoint)
     if backend.graphs == MODULES:
         spec = port.static_spec(f"--backend {backend.name}")
-        model = build_model(port, spec.decode_experts, dtype, checkpoint)
+        model = build_model(port, spec.decode_experts, dtype, checkpoint, **backend.formats)
         runtime = static_runtime(
             model, spec, compile=compile, progress=progress, prefix_caching=prefix_caching is not False
         )
         return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, model.config))
-    model = build_model(port, backend.experts, dtype, checkpoint)
+    model = build_model(port, backend.experts, dtype, checkpoint, **backend.formats)
     return Engine(HFRuntime(model), tokenizer, model.config.max_position_embeddings, eos_ids(tokenizer, model.config))

@@ -129,20 +129,23 @@ class StaticGenerator:
         return Generation(*generate(runtime, input_ids, attention_mask, max_new_tokens))
 
 
-def traced_backend(port, dtype=None, checkpoint=None):
+def traced_backend(port, dtype=None, checkpoint=None, **formats):
     """`validate --backend traced`: the port's exported programs (the validation graphs, which
-    return the logits too), every prompt checked before anything is exported."""
+    return the logits too), every prompt checked before anything is exported. `formats`: build_model's
+    quantization and quantized_layers (the weights' formats, unpacked inside each graph)."""
     spec = port.static_spec("validate --backend traced")
-    return StaticGenerator(build_model(port, spec.decode_experts, dtype, checkpoint), spec, logits=True).generate
+    model = build_model(port, spec.decode_experts, dtype, checkpoint, **formats)
+    return StaticGenerator(model, spec, logits=True).generate
 
 
-def static_backend(port, dtype=None, checkpoint=None, compile: bool = True, progress=None):
+def static_backend(port, dtype=None, checkpoint=None, compile: bool = True, progress=None, **formats):
     """`validate --backend static`: the port's graphs as `serve --backend static` runs them (modules over
     one KV cache of the port's batch size, prompts longer than the prefill chunk prefilled a chunk at a
     time; compiled by torch.compile unless `compile=False`, `progress` told of each compile), built to
-    return the logits too. Prompts that do not fit the cache are refused before any graph runs."""
+    return the logits too, the weights in `formats` as traced_backend's. Prompts that do not fit the
+    cache are refused before any graph runs."""
     spec = port.static_spec("validate --backend static")
-    model = build_model(port, spec.decode_experts, dtype, checkpoint)
+    model = build_model(port, spec.decode_experts, dtype, checkpoint, **formats)
     runtime = static_runtime(model, spec, logits=True, compile=compile, progress=progress)
 
     @torch.no_grad()

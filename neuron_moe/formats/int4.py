@@ -1,10 +1,7 @@
-"""int4 experts: group-wise symmetric 4-bit weights, bf16 scales, dequantised before each matmul.
-
-The format, defined once here (the rank modules, the planner, the artifact and the quality bench
-all read it from this module):
+"""int4: group-wise symmetric 4-bit weights, bf16 scales, dequantised before each matmul.
 
   values   q = round(w / s) clamped to -7 … 7 (symmetric: the same grid both sides of zero)
-  groups   along the input dim (dim 1 of every experts linear as the parallel layouts write them:
+  groups   along the input dim (dim 1 of every weight as the parallel layouts write them:
            [out, in] linears and NxD's expert-fused [E, in, out]), `group` consecutive input
            channels per scale; one scale per (output channel, group): s = clip · amax(|w|) / 7
   packed   uint8, two values per byte along the input dim: input channel 2j in the low nibble,
@@ -36,14 +33,14 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from ..parallel.layout import CHANNEL, fused
-from ..spec import INT4_GROUP
-from .dense_masked import router_weight_matrix
+from .base import Format, Shapes
 
 QMAX = 7  # symmetric: -7 … 7
 OFFSET = 8  # a nibble holds q + 8
 GROUP_SIZES = (16, 32, 64)  # those measured (bench/results/int4-quality.md)
-DEFAULT_GROUP = INT4_GROUP  # spec.py says why 32
+# input channels per bf16 scale: every task within 2 points of bf16 on the tiny model, 64 lost 6
+# (bench/results/int4-quality.md)
+DEFAULT_GROUP = 32
 SCALE_DTYPE = torch.bfloat16
 SCALE_BYTES = 2  # bytes of one SCALE_DTYPE scale
 # the integer type the nibbles are masked and shifted in: neuronx-cc's verifier refuses an arithmetic
@@ -58,26 +55,12 @@ class Int4Error(UserError):
     pass
 
 
-def check_group(inputs: int, group: int, what: str = "input dim") -> None:
+def check_group(inputs: int, group: int, what: str = "input channels") -> None:
     """`group` must be even-sized and divide `inputs` (whole groups, whole bytes)."""
     if group < 2 or group % 2:
         raise Int4Error(f"int4 group size must be an even number ≥ 2, got {group}")
     if inputs % group:
-        raise Int4Error(f"int4 group size {group} does not divide the {what} {inputs}")
-
-
-def check_degree(config, tp: int, expert_layout: str, group: int = DEFAULT_GROUP) -> None:
-    """Every int4 experts linear of `config` at TP `tp` in `expert_layout` holds whole groups on each
-    rank, each group within one expert's channels (so every layout holds the one-rank numbers):
-    `group` divides H, I and, in the channel layout, a rank's I/t. Checked before any weight loads."""
-    H, inter = config.hidden_size, config.moe_intermediate_size
-    check_group(H, group, "hidden size")
-    check_group(inter, group, "experts' intermediate size")
-    if expert_layout == CHANNEL and (inter // tp) % group:
-        raise Int4Error(
-            f"int4 group size {group} does not divide a rank's {inter // tp} of each expert's {inter} channels "
-            f"at TP {tp} in the channel layout: use a lower TP degree or --expert-layout expert"
-        )
+        raise Int4Error(f"int4 group size {group} does not divide the {inputs} {what}")
 
 
 def packed_bytes(out: int, inputs: int, group: int = DEFAULT_GROUP) -> tuple[int, int]:
@@ -160,31 +143,28 @@ def unpack(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> to
     return grouped.reshape(a, n, *rest)
 
 
-def _quantized(experts) -> tuple[torch.Tensor, ...]:
-    """The module's packed weights and scales in the channel layout's order (gate_up [E, H, 2I] as
-    [E, H/2, 2I] with [E, H/g, 2I]; down [E, I, H] as [E, I/2, H] with [E, I/g, H]), at the module's
-    `int4_group` (DEFAULT_GROUP unless set), made on first use and again whenever a source weight is
-    replaced or changed in place (keyed on its storage and version counter)."""
-    group = getattr(experts, "int4_group", DEFAULT_GROUP)
-    key = (group, *((p.data_ptr(), p._version) for p in (experts.gate_up_proj, experts.down_proj)))
-    cached = getattr(experts, "_int4_cache", None)
-    if cached is None or cached[0] != key:
-        cached = (key, *quantize(fused(experts.gate_up_proj), group), *quantize(fused(experts.down_proj), group))
-        experts._int4_cache = cached  # a plain attribute: not a buffer, not in the state dict
-    return cached[1:]
+class Int4(Format):
+    """The format at one group size (the registry's: DEFAULT_GROUP)."""
+
+    name = "int4"
+    tensors = ("weight", "group_scale")
+
+    def __init__(self, group: int = DEFAULT_GROUP):
+        self.group = group
+
+    def shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> Shapes:
+        packed, scales = shapes(tuple(shape), self.group)
+        return {"weight": (packed, torch.uint8), "group_scale": (scales, SCALE_DTYPE)}
+
+    def check(self, inputs: int, what: str = "input channels") -> None:
+        check_group(inputs, self.group, what)
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        packed, scale = quantize(w, self.group)
+        return {"weight": packed, "group_scale": scale}
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return unpack(tensors["weight"], tensors["group_scale"], dtype)
 
 
-def int4_forward(
-    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """transformers' experts-interface signature, on a `Gemma4TextExperts`: every expert for every
-    token (as dense_masked), each weight dequantised in the activations' dtype before its matmul.
-    Eager only: the int4 tensors are made on the fly (the graphs' int4 experts are the rank modules')."""
-    gate_up_q, gate_up_scale, down_q, down_scale = _quantized(self)
-    dtype = hidden_states.dtype
-    weights = router_weight_matrix(top_k_index, top_k_weights, self.num_experts)  # [T, E]
-    gate_up = torch.einsum("th,eho->eto", hidden_states, unpack(gate_up_q, gate_up_scale, dtype))
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = self.act_fn(gate) * up  # [E, T, I]
-    out = torch.einsum("eti,eih->eth", act, unpack(down_q, down_scale, dtype))  # [E, T, H]
-    return torch.einsum("eth,te->th", out, weights.to(dtype))
+INT4 = Int4()
