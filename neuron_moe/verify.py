@@ -50,6 +50,7 @@ def verify(target: str, model: str | None = None, *, progress: bool = True, clie
         "tp": manifest["tp"],
         "dtype": manifest["dtype"],
         "quantization": manifest["quantization"],
+        "quantized_layers": manifest["quantized_layers"],
         "dry_run": manifest["dry_run"],
         "checked_port": port.name,
         "port_file": model is not None,
@@ -87,8 +88,9 @@ def _verify_publication(uri: str, progress: bool, client) -> dict:
 
 
 def render_verify(report: dict) -> str:
-    experts = f"{report['quantization']} experts" if report["quantization"] != "none" else f"{report['dtype']} experts"
-    built = f"port {report['port']}, TP {report['tp']}, {report['dtype']}, {experts}" + (
+    layers = ", ".join(report["quantized_layers"])
+    weights = f"{report['quantization']} {layers}" if report["quantization"] != "none" else "no quantized layers"
+    built = f"port {report['port']}, TP {report['tp']}, {report['dtype']}, {weights}" + (
         ", dry run" if report["dry_run"] else ""
     )
     digest = (

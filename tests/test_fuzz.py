@@ -713,6 +713,7 @@ ARTIFACT = {
     "port": MODEL,
     "dtype": "bfloat16",
     "quantization": "none",
+    "quantized_layers": ["experts"],
     "tp": 1,
     "expert_layout": "channel",
     "buckets": [64],

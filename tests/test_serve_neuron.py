@@ -45,6 +45,7 @@ def _manifest(**fields):
                 "format": FORMAT,
                 "dtype": "bfloat16",
                 "quantization": "none",
+                "quantized_layers": ["experts"],
                 "batch_size": 2,
                 "dry_run": False,
                 "expert_layout": "channel",

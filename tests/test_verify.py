@@ -13,7 +13,7 @@ import pytest
 
 from neuron_moe import cli
 from neuron_moe.neuron import compile as compile_
-from neuron_moe.neuron.artifact import MANIFEST, RANK_WEIGHTS
+from neuron_moe.neuron.artifact import FORMAT, MANIFEST, RANK_WEIGHTS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -192,6 +192,15 @@ CONTRACT = {
         "/shard_plan.json: model.layers.0.experts.down_proj.weight is uint8, but the manifest says quantization 'int8'",
     ),
     "none on int4 weights": ({"quantization": "none"}, "experts.down_proj.weight is uint8, but the manifest says"),
+    "quantized_layers bogus": (
+        {"quantized_layers": ["experts", "bogus"]},
+        "/manifest.json: 'quantized_layers' ['experts', 'bogus'] is not a list of layer groups",
+    ),
+    "quantized_layers empty": ({"quantized_layers": []}, "/manifest.json: 'quantized_layers' [] is not a list"),
+    "attention claimed on float attention": (
+        {"quantized_layers": ["experts", "attention"]},
+        "self_attn.k_proj.weight is float32, but the manifest says quantization 'int4' on experts, attention",
+    ),
     "dtype bogus": ({"dtype": "bogus"}, "/manifest.json: 'dtype' 'bogus' is not one of"),
     "port nonexistent": ({"port": "nonexistent"}, ": built for port 'nonexistent', which is not a built-in port"),
     "port a path": ({"port": "../../etc/passwd"}, "/manifest.json: 'port' '../../etc/passwd' is not a port's name"),
@@ -245,7 +254,7 @@ def test_the_report_says_what_was_compared(art2, capsys):
     manifest = json.loads((art2 / MANIFEST).read_text())
     assert f"{art2}: {len(manifest['files'])} files (" in out
     assert "match the sizes and sha256 its manifest.json lists, and no other file is there" in out
-    assert "(format 8: port tiny-gemma4-moe, TP 2, float32, int4 experts, dry run): every field in range" in out
+    assert f"(format {FORMAT}: port tiny-gemma4-moe, TP 2, float32, int4 experts, dry run): every field in range" in out
     assert "a weight shard per rank, 2 in all, the experts' dtypes in the rank shards and shard_plan.json" in out
     assert "manifest.json itself: no digest to compare here (a publication records one)" in out
 

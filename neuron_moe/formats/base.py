@@ -34,6 +34,11 @@ class Format:
     name = "none"
     tensors = ("weight",)  # what `shapes` and `quantize` name, in that order
     per_output: tuple[str, ...] = ()  # those with one entry per output channel (no input dim to split)
+    weight_dtype: torch.dtype | None = None  # what "weight" is stored in (None: the float weight's dtype)
+
+    def stored(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the "weight" tensor of a weight whose float form is in `dtype` (what verify reads)."""
+        return self.weight_dtype or dtype
 
     def shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> Shapes:
         """Each tensor's (shape, dtype) for a weight of `shape` whose float form is in `dtype`."""

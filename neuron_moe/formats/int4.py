@@ -148,13 +148,14 @@ class Int4(Format):
 
     name = "int4"
     tensors = ("weight", "group_scale")
+    weight_dtype = torch.uint8  # two values a byte
 
     def __init__(self, group: int = DEFAULT_GROUP):
         self.group = group
 
     def shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> Shapes:
         packed, scales = shapes(tuple(shape), self.group)
-        return {"weight": (packed, torch.uint8), "group_scale": (scales, SCALE_DTYPE)}
+        return {"weight": (packed, self.weight_dtype), "group_scale": (scales, SCALE_DTYPE)}
 
     def check(self, inputs: int, what: str = "input channels") -> None:
         check_group(inputs, self.group, what)

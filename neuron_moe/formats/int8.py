@@ -48,9 +48,10 @@ class Int8(Format):
     name = "int8"
     tensors = ("weight", "scale")
     per_output = ("scale",)
+    weight_dtype = torch.int8
 
     def shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> Shapes:
-        return {"weight": (tuple(shape), torch.int8), "scale": ((shape[0], 1, *shape[2:]), torch.float32)}
+        return {"weight": (tuple(shape), self.weight_dtype), "scale": ((shape[0], 1, *shape[2:]), torch.float32)}
 
     def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         q, scale = quantize_per_channel(w)

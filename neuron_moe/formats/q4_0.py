@@ -70,11 +70,12 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 class Q4_0Format(Format):
     name = "q4_0"
     tensors = ("weight", "block_scale")
+    weight_dtype = torch.uint8  # two values a byte
 
     def shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> Shapes:
         self.check(shape[1])
         packed, scales = int4.shapes(tuple(shape), BLOCK)
-        return {"weight": (packed, torch.uint8), "block_scale": (scales, SCALE_DTYPE)}
+        return {"weight": (packed, self.weight_dtype), "block_scale": (scales, SCALE_DTYPE)}
 
     def check(self, inputs: int, what: str = "input channels") -> None:
         if inputs % BLOCK:

@@ -70,12 +70,12 @@ from safetensors.torch import load_file
 
 from ..config import SIZES
 from ..errors import UserError
-from ..experts.quantization import EXPERTS_LINEARS
+from ..formats import format_of
 from ..parallel import layout
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 from ..port import MAX_BATCH, MAX_BUCKETS
 from ..report import file_digest, loads_json, read_json_object
-from ..spec import DTYPE_NAMES, INT4_QUANTIZATION, INT8_QUANTIZATION, QUANTIZATIONS, TP_DEGREES
+from ..spec import DTYPE_NAMES, LAYER_GROUPS, QUANTIZATIONS, TP_DEGREES, layer_group
 from ..static.sampling import CANDIDATES
 from ..tokenizer import TOKENIZER_FILES, TOKENIZER_MODELS
 
@@ -129,9 +129,6 @@ MANIFEST_FIELDS = {
 _PORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a name `load_port` looks up, never a path
 _RANK_SHARD = re.compile(re.escape(RANK_WEIGHTS).replace(re.escape("{rank}"), "[0-9]+"))
 MAX_CACHE_LEN = SIZES["max_position_embeddings"][1]  # no model's context is longer
-# the routed experts' weights as each quantization stores them (experts/int8.py, experts/int4.py: two
-# 4-bit numbers a byte); "none": the manifest's compute dtype
-EXPERT_STORAGE = {INT8_QUANTIZATION: "int8", INT4_QUANTIZATION: "uint8"}
 
 
 class ArtifactError(UserError):
@@ -219,6 +216,11 @@ def _check_ranges(manifest: dict, path) -> None:
     for key, known in (("dtype", DTYPE_NAMES), ("quantization", QUANTIZATIONS)):
         if manifest[key] not in known:
             raise ArtifactError(f"{path}: {key!r} {manifest[key]!r} is not one of {list(known)}")
+    layers = manifest["quantized_layers"]
+    if not layers or list(layers) != [group for group in LAYER_GROUPS if group in layers]:
+        raise ArtifactError(
+            f"{path}: 'quantized_layers' {layers!r} is not a list of layer groups (of {list(LAYER_GROUPS)}, in order)"
+        )
     if type(manifest["tp"]) is not int or manifest["tp"] not in TP_DEGREES:
         raise ArtifactError(f"{path}: 'tp' {manifest['tp']!r} is not a TP degree (one of {list(TP_DEGREES)})")
     for key, most in (("max_cache_len", MAX_CACHE_LEN), ("batch_size", MAX_BATCH), ("candidates", CANDIDATES)):
@@ -271,18 +273,21 @@ def _check_file_list(manifest: dict, path) -> None:
 
 
 def check_weight_dtypes(manifest: dict, dtypes: dict, where) -> None:
-    """The routed experts' weights stored as the manifest's quantization says (EXPERT_STORAGE; with
-    "none" its compute dtype): `dtypes` is a tensor's name -> its dtype (torch's spelling), from the
-    shard plan or a rank shard's header (`where`). Refused where no experts' weight is there at all."""
-    want = EXPERT_STORAGE.get(manifest["quantization"], manifest["dtype"])
-    experts = {name: dtype for name, dtype in dtypes.items() if ("." + name).endswith(EXPERTS_LINEARS)}
-    if not experts:
-        raise ArtifactError(f"{where}: holds none of the routed experts' weights (*{', *'.join(EXPERTS_LINEARS)})")
-    for name, dtype in sorted(experts.items()):
+    """Every linear's weight stored as its format says (`formats.format_of` over the manifest's
+    quantization and quantized_layers; unquantized: its compute dtype): `dtypes` is a tensor's name ->
+    its dtype (torch's spelling), from the shard plan or a rank shard's header (`where`). Refused where
+    no routed experts' weight is there at all."""
+    compute = getattr(torch, manifest["dtype"])
+    linears = {name: dtype for name, dtype in dtypes.items() if layer_group(name) is not None}
+    if not any(layer_group(name) == "experts" for name in linears):
+        raise ArtifactError(f"{where}: holds none of the routed experts' weights (*.experts.*_proj.weight)")
+    for name, dtype in sorted(linears.items()):
+        fmt = format_of(name, manifest["quantization"], manifest["quantized_layers"])
+        want = str(fmt.stored(compute)).removeprefix("torch.")
         if dtype != want:
             raise ArtifactError(
-                f"{where}: {name} is {dtype}, but the manifest says quantization {manifest['quantization']!r}, "
-                f"dtype {manifest['dtype']!r} (experts stored as {want})"
+                f"{where}: {name} is {dtype}, but the manifest says quantization {manifest['quantization']!r} "
+                f"on {', '.join(manifest['quantized_layers'])}, dtype {manifest['dtype']!r} (so {want})"
             )
 
 
