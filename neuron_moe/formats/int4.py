@@ -130,11 +130,13 @@ def unpack(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> to
     """The weight `packed` and `scale` stand for, in `dtype`: [a, n/2, *rest] and [a, n/g, *rest]
     -> [a, n, *rest]. Widen, mask, shift, convert, subtract, multiply: ops every XLA backend lowers.
     The bytes are widened to WORD first, so that the mask and the shift take 32-bit integers only
-    (neuronx-cc refuses an arithmetic right shift of any other width: NCC_EVRF022); the packed
-    bytes in HBM stay one per two values, and the widened copy is as transient as the result."""
+    (neuronx-cc refuses an arithmetic right shift of any other width: NCC_EVRF022), and the shift's
+    amount is a WORD tensor too: torch-xla 2.9 lowers a shift by a Python int to an s64 shift of
+    the words converted to s64 (measured on XLA:CPU), one by an int32 tensor to an s32 shift. The
+    packed bytes in HBM stay one per two values; the widened copy is as transient as the result."""
     words = packed.to(WORD)  # 0 … 255: the arithmetic and the logical right shift agree
     low = torch.bitwise_and(words, 15)
-    high = torch.bitwise_right_shift(words, 4)
+    high = torch.bitwise_right_shift(words, torch.full_like(words, 4))
     a, half, *rest = packed.shape
     n = 2 * half
     values = torch.cat([low.unsqueeze(2), high.unsqueeze(2)], dim=2).reshape(a, n, *rest).to(dtype) - OFFSET

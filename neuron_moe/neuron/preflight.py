@@ -138,9 +138,16 @@ def _shift(node: Node, target: str) -> str | None:
     if not _calls(node, "bitwise_right_shift", "__rshift__", "__irshift__", "rshift"):
         return None
     first = _val(node.args[0]) if node.args else None
-    if first is None or first.dtype not in NOT_32_BIT:
+    if first is None:
         return None
-    return f"shifts right the {_str(first.dtype)} tensor {_shape(first)}"
+    if first.dtype in NOT_32_BIT:
+        return f"shifts right the {_str(first.dtype)} tensor {_shape(first)}"
+    if len(node.args) > 1 and not isinstance(node.args[1], Node):  # torch-xla 2.9: an s64 shift (int4.unpack)
+        return (
+            f"shifts right the {_str(first.dtype)} tensor {_shape(first)} by a Python number, which torch-xla "
+            "widens to 64 bits"
+        )
+    return None
 
 
 DOTS = ("mm", "bmm", "matmul", "linear", "addmm", "baddbmm", "addbmm", "dot", "mv", "addmv", "einsum", "_int_mm")
