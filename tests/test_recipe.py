@@ -2,7 +2,8 @@
 against stand-ins for `docker` and `curl` (no Docker engine or device here): they build and run the
 project's own image, remove every container they start, never mount the checkout, serve the artifact
 alone, and the wait ends when the server's container dies. The one-chip recipe compiles, plans and
-publishes on one host and pulls and serves on the other, the int4 experts at TP 2 throughout."""
+publishes on one host and pulls and serves on the other, q4_0 on every linear at TP 2 throughout, from
+Google's QAT checkpoint unless CHECKPOINT names another."""
 
 import json
 import math
@@ -16,6 +17,11 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "inf2-24xlarge" / "run.sh"
 ONE_CHIP = REPO / "recipes" / "inf2-xlarge" / "run.sh"
 ONE_CHIP_8X = REPO / "recipes" / "inf2-8xlarge" / "run.sh"
+# the one-chip build: its format and the linears in it, its checkpoint and its artifact
+ONE_CHIP_FORMAT = ["--quantization", "q4_0", "--quantized-layers", "experts,attention,mlp,lm_head"]
+ONE_CHIP_LAYERS = ("experts", "attention", "mlp", "lm_head")
+QAT = "google/gemma-4-26B-A4B-it-qat-q4_0-unquantized"
+ONE_CHIP_BUILD = "/artifacts/gemma4-26b-a4b-q4_0-all-tp2"
 AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION")
 # Each call's arguments, one JSON list a line. `docker ps` finds no container (the server died while
 # loading), `docker logs -f` prints its last words; curl never connects.
@@ -123,8 +129,8 @@ def _command(run: list) -> list:
     return run[run.index("--entrypoint") + 3 :]
 
 
-def test_the_one_chip_compile_host_plans_compiles_int4_at_tp2_and_publishes(recipe, tmp_path):
-    s3 = "s3://bucket/gemma4-int4"
+def test_the_one_chip_compile_host_plans_compiles_q4_0_everywhere_at_tp2_and_publishes(recipe, tmp_path):
+    s3 = "s3://bucket/gemma4-q4_0"
     done, calls = recipe("compile-host", script=ONE_CHIP, S3=s3, AWS_REGION="us-east-2")
     assert done.returncode == 0, done.stderr
     build = calls[0]
@@ -133,52 +139,64 @@ def test_the_one_chip_compile_host_plans_compiles_int4_at_tp2_and_publishes(reci
     assert all("--rm" in c and "neuron-moe:neuron" in c for c in runs)
     assert all(str(REPO) not in " ".join(c) for c in runs)  # the image's own package, no checkout mounted
     plan, compile_, publish = (_command(c) for c in runs)
-    assert plan == [
-        "plan",
-        "--model",
-        "gemma4-26b-a4b",
-        "--instance",
-        "inf2.xlarge",
-        "--tp",
-        "2",
-        "--quantization",
-        "int4",
-    ]
-    assert compile_[0] == "trace-and-compile" and compile_[compile_.index("--quantization") + 1] == "int4"
+    assert plan == ["plan", "--model", "gemma4-26b-a4b", "--instance", "inf2.xlarge", "--tp", "2", *ONE_CHIP_FORMAT]
+    assert compile_[0] == "trace-and-compile"
+    flags = compile_.index("--quantization")
+    assert compile_[flags : flags + 4] == ONE_CHIP_FORMAT
     assert compile_[compile_.index("--tp") + 1] == "2"
-    assert compile_[compile_.index("--out") + 1] == "/artifacts/gemma4-26b-a4b-int4-tp2"
-    assert compile_[compile_.index("--checkpoint") + 1] == "google/gemma-4-26B-A4B-it"
-    assert publish == ["publish", "/artifacts/gemma4-26b-a4b-int4-tp2", s3]
+    assert compile_[compile_.index("--out") + 1] == ONE_CHIP_BUILD
+    assert compile_[compile_.index("--checkpoint") + 1] == QAT  # this recipe's default: the QAT weights
+    assert publish == ["publish", ONE_CHIP_BUILD, s3]
     published = runs[2]
     assert f"{tmp_path / 'artifacts'}:/artifacts:ro" in published  # publishing reads the artifact only
     assert "--network" in published and published[published.index("--network") + 1] == "host"
     assert "AWS_REGION" in published and "AWS_ACCESS_KEY_ID" not in published  # only the variables set
 
 
+def test_the_one_chip_checkpoint_is_overridable_and_the_others_default_is_unchanged(recipe, tmp_path):
+    """CHECKPOINT names another checkpoint for the one-chip recipe (a Hub id, or a local directory
+    mounted read-only); the QAT default is that recipe's alone: inf2.24xlarge's is still Google's own."""
+    done, calls = recipe("compile", script=ONE_CHIP, CHECKPOINT="google/gemma-4-26B-A4B-it")
+    assert done.returncode == 0, done.stderr
+    compile_ = _command(_runs(calls)[-1])
+    assert compile_[compile_.index("--checkpoint") + 1] == "google/gemma-4-26B-A4B-it"
+    checkpoint = tmp_path / "gemma"
+    checkpoint.mkdir()
+    done, calls = recipe("compile", script=ONE_CHIP, CHECKPOINT=str(checkpoint))
+    assert done.returncode == 0, done.stderr
+    compile_ = _runs(calls)[-1]
+    assert f"{checkpoint}:/checkpoint:ro" in compile_ and compile_[compile_.index("--checkpoint") + 1] == "/checkpoint"
+    done, calls = recipe("compile-bf16")
+    assert done.returncode == 0, done.stderr
+    compile_ = _command(_runs(calls)[-1])
+    assert compile_[compile_.index("--checkpoint") + 1] == "google/gemma-4-26B-A4B-it"
+
+
 def test_the_one_chip_box_pulls_and_serves_the_artifact_alone(recipe, tmp_path):
-    s3 = "s3://bucket/gemma4-int4"
+    s3 = "s3://bucket/gemma4-q4_0"
     done, calls = recipe("serve-host", script=ONE_CHIP, S3=s3)
     assert done.returncode == 1  # the server died: the wait ended
     assert "neuron-moe-serve exited before it was ready" in done.stderr and "the device is busy" in done.stderr
     runs = _runs(calls)
     plan, pull = (_command(c) for c in runs[:2])
     assert plan[plan.index("--instance") + 1] == "inf2.xlarge"
-    assert pull == ["pull", s3, "/artifacts/gemma4-26b-a4b-int4-tp2"]
+    assert pull == ["pull", s3, ONE_CHIP_BUILD]
     serve = runs[2]
-    assert _served(serve) == "/artifacts/gemma4-26b-a4b-int4-tp2"
+    assert _served(serve) == ONE_CHIP_BUILD
     assert "--rm" in serve and "NEURON_RT_NUM_CORES=2" in serve
     assert f"{tmp_path / 'artifacts'}:/artifacts:ro" in serve
     assert calls.index(["rm", "-f", "neuron-moe-serve"]) < calls.index(serve)
 
 
 def test_a_compile_host_smaller_than_the_plans_estimate_is_refused_naming_it(recipe, tmp_path):
-    """An inf2.8xlarge's 128 GiB against the plan's 234 GiB for the largest int4 key at TP 2: refused
+    """An inf2.8xlarge's 128 GiB against the plan's 197 GiB for the largest key of q4_0 on every linear
+    at TP 2: refused
     before any container runs; FORCE_COMPILE=1 compiles anyway."""
     small = tmp_path / "meminfo-128"
     small.write_text(f"MemTotal:       {128 * 2**20} kB\nMemFree:        1 kB\n")
     done, calls = recipe("compile", script=ONE_CHIP, MEMINFO=str(small))
     assert done.returncode == 2 and _runs(calls) == []
-    assert "this host has 128 GiB of memory; neuron-moe plan estimates neuronx-cc needs at least 234 GiB" in done.stderr
+    assert "this host has 128 GiB of memory; neuron-moe plan estimates neuronx-cc needs at least 197 GiB" in done.stderr
     done, calls = recipe("compile", script=ONE_CHIP, MEMINFO=str(small), FORCE_COMPILE="1")
     assert done.returncode == 0, done.stderr
     assert _command(_runs(calls)[-1])[0] == "trace-and-compile"
@@ -194,9 +212,13 @@ def test_the_recipes_compile_host_figures_are_the_plans():
 
     port = load_port("gemma4-26b-a4b")
     readme = " ".join((ONE_CHIP.parent / "README.md").read_text().split())
-    builds = {(2, "int4"): "COMPILE_HOST_GIB={}\n", (8, "none"): "[bf16]={} ", (8, "int8"): "[int8]={})"}
-    for (tp, quantization), held in builds.items():
-        backend = compiled_backend("plan", tp, quantization, "bfloat16", None, None)
+    builds = {
+        (2, "q4_0", ONE_CHIP_LAYERS): "COMPILE_HOST_GIB={}\n",
+        (8, "none", None): "[bf16]={} ",
+        (8, "int8", None): "[int8]={})",
+    }
+    for (tp, quantization, layers), held in builds.items():
+        backend = compiled_backend("plan", tp, quantization, "bfloat16", None, None, layers)
         estimate = port_plan(port, RunConfig(backend=backend), None)["compile_host"]
         assert [k["key"] for k in estimate["keys"]] == list(plan_keys(1, 4096, port.static))
         script = (ONE_CHIP if tp == 2 else RECIPE).read_text()
@@ -210,7 +232,7 @@ def test_the_8xlarge_recipe_is_the_one_chip_recipe_for_its_instance(recipe):
     done, calls = recipe("plan", script=ONE_CHIP_8X)
     assert done.returncode == 0, done.stderr
     (plan,) = (_command(c) for c in _runs(calls))
-    assert plan[plan.index("--instance") + 1] == "inf2.8xlarge" and plan[plan.index("--quantization") + 1] == "int4"
+    assert plan[plan.index("--instance") + 1] == "inf2.8xlarge" and plan[-4:] == ONE_CHIP_FORMAT
 
 
 def test_the_one_chip_recipe_refuses_without_steps_or_a_publication(recipe):
@@ -229,7 +251,9 @@ def test_the_one_chip_readme_figures_are_the_plans(instance):
     from neuron_moe.neuron.plan import GB, GiB, plan
     from neuron_moe.port import load_port
 
-    r = plan(load_port("gemma4-26b-a4b").config, instance, 2, "int4", batch=1, seq=4096)
+    r = plan(
+        load_port("gemma4-26b-a4b").config, instance, 2, "q4_0", batch=1, seq=4096, quantized_layers=ONE_CHIP_LAYERS
+    )
     page = ONE_CHIP.parent / "README.md" if instance == "inf2.xlarge" else ONE_CHIP_8X.parent / "README.md"
     text = " ".join(page.read_text().split())
     total, spare = r["per_rank_total_bytes"] / GB, r["margin_per_core_bytes"] / GB
@@ -239,5 +263,8 @@ def test_the_one_chip_readme_figures_are_the_plans(instance):
         shapes = {row["batch"]: row["context"] for row in r["largest_shapes"]}
         assert f"batch 1 is {shapes[1]:,} positions" in text and f"batch 8 {shapes[8]:,}" in text
         floor = r["decode"][0]
-        assert f"{floor['floor_ms']:.2f} ms per token" in text
-        assert f"{r['per_rank_bytes']['experts'] / GB:.2f}" in text
+        assert f"{floor['floor_ms']:.2f} ms per token ({floor['GB_per_token']:.2f} GB read" in text
+        held = r["per_rank_bytes"]
+        assert f"| {held['experts'] / GB:.2f} |" in text and f"| {held['embeddings'] / GB:.2f} |" in text
+        quantized = " + ".join(f"{held[group] / GB:.2f}" for group in ("attention", "dense_mlp", "lm_head"))
+        assert f"| {quantized} |" in text

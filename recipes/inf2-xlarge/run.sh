@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Gemma-4 26B-A4B on one Inferentia2 chip (inf2.xlarge, or inf2.8xlarge with INSTANCE=inf2.8xlarge):
-# TP 2 with int4 experts. Compiled on a host with the memory for it (no Neuron device needed),
-# published to S3, pulled and served on the one-chip box; every step in the project's own Neuron
-# image (docker/Dockerfile.neuron: the Neuron DLC for inf2 plus this package).
+# TP 2 with every linear in llama.cpp's Q4_0 (experts, attention, dense MLP, lm_head; the embeddings
+# stay bf16), from Google's QAT checkpoint for Q4_0. Compiled on a host with the memory for it (no
+# Neuron device needed), published to S3, pulled and served on the one-chip box; every step in the
+# project's own Neuron image (docker/Dockerfile.neuron: the Neuron DLC for inf2 plus this package).
 #
 # NOT RUN ON NEURON: written against the public Neuron SDK 2.31.1 / NxD APIs; only its flow was checked,
 # against stand-ins for docker and curl (tests/test_recipe.py). See README.md next to this file.
@@ -11,20 +12,24 @@
 #   S3=s3://BUCKET/PREFIX ARTIFACTS=/data/artifacts recipes/inf2-xlarge/run.sh compile-host
 #   S3=s3://BUCKET/PREFIX ARTIFACTS=/data/artifacts recipes/inf2-xlarge/run.sh serve-host
 # compile-host = image plan compile publish; serve-host = image plan pull serve; or any steps by name.
-# CHECKPOINT is a Hugging Face Hub repository id (default google/gemma-4-26B-A4B-it; downloaded into
-# HF_HOME, $HOME/.cache/huggingface unless set; HF_TOKEN is passed on when set) or a local HF-layout
-# directory. S3 credentials: the AWS_* variables when set, else the host's (an instance role).
+# CHECKPOINT is a Hugging Face Hub repository id (default google/gemma-4-26B-A4B-it-qat-q4_0-unquantized:
+# bf16 weights trained onto Q4_0's grid; downloaded into HF_HOME, $HOME/.cache/huggingface unless set;
+# HF_TOKEN is passed on when set) or a local HF-layout directory. S3 credentials: the AWS_* variables
+# when set, else the host's (an instance role).
 set -euo pipefail
 shopt -s nullglob
 
 ARTIFACTS=${ARTIFACTS:?set ARTIFACTS to a directory for the compiled artifact}
 INSTANCE=${INSTANCE:-inf2.xlarge}  # the box that serves: one chip, 2 NeuronCores
 TP=2
-# the experts' format flag of trace-and-compile and plan
-EXPERTS=(--quantization int4)
-# neuronx-cc's host memory for the largest key, GiB: `plan --tp 2 --quantization int4`'s "compile host"
-# line, 233.1 GiB for context_encoding_1x2048 (an estimate, not a measurement: README.md), rounded up
-COMPILE_HOST_GIB=234
+# this recipe's checkpoint: the QAT one, whose weights q4_0 holds as trained (README.md); common.sh's
+# default is the other recipes'
+CHECKPOINT=${CHECKPOINT:-google/gemma-4-26B-A4B-it-qat-q4_0-unquantized}
+# the weight format and the linears in it, flags of trace-and-compile and plan
+FORMAT=(--quantization q4_0 --quantized-layers experts,attention,mlp,lm_head)
+# neuronx-cc's host memory for the largest key, GiB: `plan --tp 2` in that format, its "compile host"
+# line, 196.4 GiB for context_encoding_1x2048 (an estimate, not a measurement: README.md), rounded up
+COMPILE_HOST_GIB=197
 if [ $# -eq 0 ]; then
   echo "usage: run.sh compile-host | serve-host | step... (image plan compile publish pull serve)" >&2
   exit 2
@@ -32,10 +37,10 @@ fi
 STEPS=$*
 STEPS=${STEPS//compile-host/image plan compile publish}
 STEPS=${STEPS//serve-host/image plan pull serve}
-# NEURON_SDK (docs/neuron.md, "Which Neuron SDK": compile and serve on the same one), the image, CHECKPOINT,
-# the containers' arguments, build_image and serve
+# NEURON_SDK (docs/neuron.md, "Which Neuron SDK": compile and serve on the same one), the image, the
+# checkpoint's mount, the containers' arguments, build_image and serve
 source "$(dirname "$0")/../common.sh"
-BUILD=$MODEL-int4-tp$TP
+BUILD=$MODEL-q4_0-all-tp$TP  # q4_0 on all linears
 
 # S3: the AWS_* variables that are set, and the host network (an instance role's credentials come
 # from the instance metadata service, which a container on the default bridge may not reach)
@@ -62,7 +67,7 @@ compile() {  # an artifact already built is kept (remove it, or OVERWRITE=1, to 
   fi
   check_compile_host "$COMPILE_HOST_GIB"
   neuron_moe "${MOUNTS[@]}" --entrypoint neuron-moe "$IMAGE" trace-and-compile --model "$MODEL" --checkpoint "$CKPT" \
-    "${EXPERTS[@]}" --tp "$TP" --out "/artifacts/$BUILD" ${OVERWRITE:+--overwrite}
+    "${FORMAT[@]}" --tp "$TP" --out "/artifacts/$BUILD" ${OVERWRITE:+--overwrite}
 }
 
 for step in $STEPS; do
@@ -71,7 +76,7 @@ for step in $STEPS; do
     image)
       build_image ;;
     plan)  # HBM per core and host memory on the serving box: exits 1 (and stops here) unless it fits
-      neuron_moe --entrypoint neuron-moe "$IMAGE" plan --model "$MODEL" --instance "$INSTANCE" --tp "$TP" "${EXPERTS[@]}" ;;
+      neuron_moe --entrypoint neuron-moe "$IMAGE" plan --model "$MODEL" --instance "$INSTANCE" --tp "$TP" "${FORMAT[@]}" ;;
     compile)
       compile ;;
     publish)  # integrity-checked upload, manifest last
