@@ -153,6 +153,19 @@ def test_int4_experts_put_the_26b_on_one_chip_at_tp_2(tmp_path, capsys, instance
     assert neuron_limits(chips) == {"aws.amazon.com/neuron": 1}
 
 
+@pytest.mark.parametrize("instance", ONE_CHIP)
+def test_q4_0_on_every_linear_is_deployed_at_tp_2_and_named_whole(tmp_path, capsys, instance):
+    """The one-chip recipe's build (q4_0 on every linear): deploy k8s picks TP 2 by its plan, and both the
+    command it writes and the build it asks for name the quantized layers."""
+    every = "experts,attention,mlp,lm_head"
+    flags = ("--model", "gemma4-26b-a4b", "--instance", instance, "--quantization", "q4_0")
+    deploy(tmp_path, *flags, "--quantized-layers", every, "--json", "-", out="q4_0")
+    report = yaml.safe_load(capsys.readouterr().out)
+    assert report["tp"] == 2 and report["tp_from"] == "plan" and report["quantized_layers"] == every.split(",")
+    assert f"--quantization q4_0 --quantized-layers {every} --tp 2" in report["command"]
+    assert f"(trace-and-compile --tp 2 --quantization q4_0 --quantized-layers {every})" in k8s.render(report)
+
+
 def test_the_tp_is_planned_with_the_layers_the_artifact_quantizes(tmp_path):
     """The plan deploy k8s picks the degree by is the artifact's: its quantized layer groups
     (`Settings.quantized_layers`) in its format, every linear of the 26B here, against the experts alone."""

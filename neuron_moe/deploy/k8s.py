@@ -415,6 +415,7 @@ def write(settings: Settings, port, out: Path) -> dict:
         "model": port.name,
         "instance": settings.instance,
         "quantization": settings.quantization,
+        "quantized_layers": list(settings.quantized_layers),
         "tp": tp,
         "tp_from": "--tp" if settings.tp is not None else "plan",
         "plan": {"fits": plan["fits"], "reason": plan["reason"], "per_rank_total_bytes": plan["per_rank_total_bytes"]},
@@ -435,6 +436,8 @@ def render(report: dict) -> str:
         else f"the smallest degree whose plan fits {report['instance']}"
     )
     quantization = "" if report["quantization"] == "none" else f" --quantization {report['quantization']}"
+    if quantization and tuple(report["quantized_layers"]) != DEFAULT_QUANTIZED_LAYERS:
+        quantization += f" --quantized-layers {','.join(report['quantized_layers'])}"
     rows = [
         {"what": "TP degree", "value": f"{report['tp']}, {how} ({report['plan']['reason']})"},
         {"what": "per pod", "value": f"{report['count']} {report['resource']}"},
