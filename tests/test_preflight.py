@@ -58,7 +58,11 @@ GIB5 = 5 * 2**30  # float32 elements: 20 GiB, over an inf2 NeuronCore's 16 GiB, 
 
 # rule code -> (a graph that breaks it, one that keeps it, the target), each (forward, args[, dynamic])
 SEEDED = {
-    "NCC_EVRF022": ((lambda x: torch.bitwise_right_shift(x, 2), (i16,)), (lambda x: x >> 2, (i32,)), "inf2"),
+    "NCC_EVRF022": (
+        (lambda x: torch.bitwise_right_shift(x, 2), (i16,)),
+        (lambda x: x >> torch.full_like(x, 2), (i32,)),
+        "inf2",
+    ),
     "NCC_EVRF035": ((lambda x: x @ x.T, (i32,)), (lambda x: x @ x.T, (f32,)), "trn2"),
     "NCC_EVRF031": (
         (lambda x: torch.zeros(3, 8).index_copy(0, torch.arange(4), x), (f32,)),
@@ -169,6 +173,13 @@ def test_an_unreadable_file_or_artifact_is_one_error_line(tmp_path, capsys, kind
     assert cli.main(["preflight", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_an_int32_shift_by_a_python_number_is_refused():
+    """torch-xla 2.9 lowers `x >> 2` of an int32 x to an s64 shift of x converted (measured on XLA:CPU; the
+    4-bit unpack shifts by an int32 tensor instead): what neuronx-cc refuses, so the preflight does."""
+    with pytest.raises(pf.PreflightError, match="int32 tensor .* by a Python number, which torch-xla widens to 64"):
+        pf.refuse(_program((lambda x: x >> 2, (i32,))), "token_generation")
 
 
 def test_rules_choose_what_is_checked(tmp_path, capsys):
