@@ -807,7 +807,9 @@ def check_all(xla: Xla, port, args, hlo_dir) -> tuple[list[dict], dict]:
             tag = "prefix"
         else:
             row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir)
-            tag = f"{run.prefill}/{run.decode}"
+            tag = f"{run.prefill}/{run.decode}" + (
+                "" if run.quantization == NO_QUANTIZATION else f" {run.quantization}"
+            )
         row["passed"] = passed(row)
         rows.append(row)
         for graph, names in run_ops.items():
