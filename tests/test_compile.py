@@ -78,7 +78,7 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == na.FORMAT == 8 and manifest["logits"] is False
+    assert manifest["format"] == na.FORMAT == 9 and manifest["logits"] is False
     assert manifest["target"] == na.TARGET and na.TARGET["name"] == "inf2"  # a dry run records it too
     assert (manifest["prefill_rows"], manifest["prefill_chunk"], manifest["candidates"]) == ([1], 16, 256)
     # the tokenizer travels with the graphs: its files copied, named and digested (the server reads no other)

@@ -20,6 +20,7 @@ from neuron_moe import cli
 from neuron_moe.checkpoint import save_checkpoint
 from neuron_moe.errors import UserError
 from neuron_moe.model import build_model
+from neuron_moe.neuron import compile as compile_
 from neuron_moe.neuron.artifact import FORMAT, TARGET
 from neuron_moe.port import load_port
 from neuron_moe.serve import neuron
@@ -45,6 +46,7 @@ def manifest_dir(tmp_path):
                 "port": "tiny-gemma4-moe",
                 "dtype": "bfloat16",
                 "quantization": "none",
+                "quantized_layers": ["experts"],
                 "tp": 1,
                 "expert_layout": "channel",
                 "buckets": [64],
@@ -144,10 +146,12 @@ def test_every_backend_offered_generates(backend, tiny_port, one_torch_thread):
 def test_neuron_backend_without_the_sdk(tmp_path, capsys):
     if all(importlib.util.find_spec(m) for m in neuron.SDK_MODULES):
         pytest.skip("the Neuron SDK is installed here")
-    # a whole artifact (its manifest lists no files, and none are there) without a tokenizer: the
-    # checkpoint's; the artifact's checks pass, the SDK's do not
-    checkpoint = str(load_port("tiny-gemma4-moe").checkpoint)
-    args = ["serve", "--backend", "neuron", "--artifacts", str(manifest_dir(tmp_path)), "--checkpoint", checkpoint]
+    # a whole artifact (trace-and-compile's dry run, its files verified): the artifact's checks pass, the SDK's do not
+    out = tmp_path / "art"
+    compile_.trace_and_compile(
+        load_port("tiny-gemma4-moe"), compile_.Build.at(tp=1, out=out, dtype="float32", dry_run=True, export=False)
+    )
+    args = ["serve", "--backend", "neuron", "--artifacts", str(out)]
     assert cli.main(args) == 2
     assert "needs the Neuron SDK (missing torch_neuronx, neuronx_distributed)" in capsys.readouterr().err
 
@@ -178,7 +182,7 @@ def test_cpu_backend_loads_its_checkpoint_from_artifacts(tmp_path, monkeypatch, 
 
     if where == "s3":
         monkeypatch.setattr("neuron_moe.publish.s3.pull", pull)
-        spec = "s3://bucket/runs/../tiny/"
+        spec = "s3://bucket/runs/tiny/"
     else:
         spec = str(published)
     config = cli.serve_config(["serve", "--artifacts", spec, "--artifacts-cache", str(tmp_path / "cache")])
@@ -187,7 +191,7 @@ def test_cpu_backend_loads_its_checkpoint_from_artifacts(tmp_path, monkeypatch, 
     engine = load()
     assert torch.equal(_embedding(engine), other.model.embed_tokens.weight)
     if where == "s3":
-        assert pulls == [(spec, tmp_path / "cache" / "bucket" / "runs" / "tiny")]  # '..' cannot escape the cache
+        assert pulls == [(spec, tmp_path / "cache" / "bucket" / "runs" / "tiny")]  # ('..' is refused: test_deploy)
 
 
 def test_entrypoint_serves_then_sigterm_drains_the_stream_in_flight(tmp_path):
