@@ -34,11 +34,11 @@ import transformers
 from bench.harness import command
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
 from neuron_moe.experts.channel_reader import attach_reader
-from neuron_moe.formats import FORMATS, quantize_state
+from neuron_moe.formats import FORMATS
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model, prep_port
 from neuron_moe.parallel import cpu, layout, nxd_source
-from neuron_moe.parallel.model import rank_model
+from neuron_moe.parallel.rank_job import RankJob
 from neuron_moe.parallel.nxd_generator import NxDGenerator, generate_nxd
 from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.port import load_port
@@ -54,11 +54,8 @@ QUANTIZED = [(q, e) for q in FORMATS if q != "none" for e in layout.EXPERT_LAYOU
 
 def on_one_rank(port, ids, mask, n, quantization: str, expert_layout: str):
     """The experts in `quantization` as `expert_layout` holds them, the rank module at TP 1."""
-    hf = build_model(port, "eager", torch.float32)
-    full = quantize_state(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, expert_layout), quantization)
-    module = rank_model(port.config, 1, cpu, expert_layout=expert_layout, quantization=quantization)
-    module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
-    return greedy(module, ids, mask, n)
+    job = RankJob.prepare(port, tp_backend(1, quantization=quantization, expert_layout=expert_layout))
+    return greedy(job.rank_zero(cpu)[0], ids, mask, n)
 
 
 def compare(got, want) -> dict:

@@ -23,12 +23,12 @@ from neuron_moe.spec import Reader, tp_backend
 from conftest import random_prompts
 
 from neuron_moe.experts.channel_reader import attach_reader
-from neuron_moe.formats import FORMATS, quantize_state
+from neuron_moe.formats import FORMATS
 from neuron_moe.formats.int8 import INT8
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model, prep_port
 from neuron_moe.parallel import cpu, layout, nxd, nxd_source
-from neuron_moe.parallel.model import rank_model
+from neuron_moe.parallel.rank_job import RankJob
 from neuron_moe.parallel.nxd_generator import NxDGenerator, generate_nxd
 from neuron_moe.parallel.trace import run_ranks
 from neuron_moe.reader import shard
@@ -90,11 +90,8 @@ def _on_one_rank(port, prompts, quantization: str, expert_layout: str):
     """The experts in `quantization` as `expert_layout` holds them, on one rank of the gloo stand-in:
     the numbers every degree holds (int8's expert layout scales down per hidden channel over all
     experts, the same at every degree; the grouped formats' groups lie along the input dim)."""
-    hf = build_model(port, "eager", torch.float32)
-    full = quantize_state(layout.parallel_state_dict(hf.state_dict(), hf.config, 1, expert_layout), quantization)
-    module = rank_model(port.config, 1, cpu, expert_layout=expert_layout, quantization=quantization)
-    module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
-    return greedy(module, *prompts, NEW_TOKENS)
+    job = RankJob.prepare(port, tp_backend(1, quantization=quantization, expert_layout=expert_layout))
+    return greedy(job.rank_zero(cpu)[0], *prompts, NEW_TOKENS)
 
 
 def matches(got, want) -> bool:

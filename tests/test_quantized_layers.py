@@ -8,13 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from neuron_moe import spec
-from neuron_moe.formats import quantize_state
 from neuron_moe.greedy import greedy, left_pad
-from neuron_moe.model import build_model
 from neuron_moe.neuron import artifact as na
 from neuron_moe.neuron import compile as nc
 from neuron_moe.parallel import cpu, layout
-from neuron_moe.parallel.model import rank_model
+from neuron_moe.parallel.rank_job import RankJob
 from neuron_moe.parallel.tp_generator import TPGenerator, generate_replicated
 from neuron_moe.spec import LAYER_GROUPS, tp_backend
 from neuron_moe.verify import verify
@@ -28,14 +26,8 @@ CASES = [("q4_0", layout.CHANNEL), ("int8", layout.EXPERT)]
 
 def _one_rank(port, prompts, quantization: str, expert_layout: str, layers=LAYER_GROUPS):
     """The rank module at TP 1 with `layers` in `quantization`: the numbers every degree holds."""
-    hf = build_model(port, "eager", torch.float32)
-    full = layout.parallel_state_dict(hf.state_dict(), hf.config, 1, expert_layout)
-    full = quantize_state(full, quantization, layers)
-    module = rank_model(
-        port.config, 1, cpu, expert_layout=expert_layout, quantization=quantization, quantized_layers=layers
-    )
-    module.load_state_dict(cpu.shard_checkpoint(full, module, 1)[0], strict=True)
-    return greedy(module, *prompts, 6)
+    backend = tp_backend(1, quantization=quantization, quantized_layers=layers, expert_layout=expert_layout)
+    return greedy(RankJob.prepare(port, backend).rank_zero(cpu)[0], *prompts, 6)
 
 
 @pytest.mark.slow

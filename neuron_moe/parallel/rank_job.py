@@ -19,7 +19,7 @@ from ..model import build_model
 from ..reader.prep import model_expert_weights
 from ..port import DTYPES
 from ..spec import CHANNEL_READER, EAGER, Backend, Placement, Reader
-from . import layout, reader
+from . import cpu, layout, reader
 from .model import check_formats, rank_model
 
 LIBRARY_CPU = "parallel/cpu.py (NxD's layer names over torch.distributed functional collectives, gloo)"
@@ -93,6 +93,14 @@ class RankJob:
             full,
             attached,
         )
+
+    def rank_zero(self, layers) -> tuple:
+        """(rank 0's module over `layers` with its shard loaded, as ModelBuilder traces it; every rank's
+        shard, cut from the full checkpoint by the module's parameter tags)."""
+        module = self.rank_module(layers)
+        shards = cpu.shard_checkpoint(self.full, module, self.tp)
+        module.load_state_dict(shards[0], strict=True)
+        return module, shards
 
     def rank_module(self, layers, device: str = "cpu"):
         """A rank's Gemma4ForCausalLM over `layers` (`parallel.cpu` or `parallel.nxd`), the reader

@@ -38,9 +38,7 @@ class TPGenerator(StaticGenerator):
 
     def __init__(self, port, backend: Backend, checkpoint=None, *, logits: bool = True):
         job = RankJob.prepare(port, backend, checkpoint)
-        module = job.rank_module(cpu)
-        shards = cpu.shard_checkpoint(job.full, module, job.tp)
-        module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
+        module, shards = job.rank_zero(cpu)
         # the graphs (static/decoder.py) hold the model as `.model`
         self.states = [{f"model.{k}": v for k, v in shard.items()} for shard in shards]
         super().__init__(module, job.spec, logits=logits)
