@@ -12,7 +12,7 @@ from .cli_parser import COMMANDS as TABLE, max_threads, parser
 from .errors import UserError, error_exit, interrupted, restore_ctrl_c, take_ctrl_c
 from .report import OutputError, check_output, write_json
 from .run_config import RunConfig, Serving, Shapes
-from .spec import READS_BUDGET, Reader, check_formats, compiled_backend
+from .spec import READS_BUDGET, Reader, check_quantization_flags, compiled_backend
 
 
 def from_options(cls, args, **given):
@@ -177,7 +177,7 @@ def cmd_deploy(args) -> int:  # `deploy k8s`, the one engine that takes files (d
     from .deploy import k8s as deploy_k8s
     from .port import load_port
 
-    layers = check_formats(args.quantization, args.quantized_layers)  # before the plan tries each degree
+    layers = check_quantization_flags(args.quantization, args.quantized_layers)  # before the plan tries each degree
     settings = from_options(deploy_k8s.Settings, args, quantized_layers=layers)
     report = deploy_k8s.write(settings, load_port(args.model), args.out)
     return _report(report, args, deploy_k8s.render)

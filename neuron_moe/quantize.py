@@ -112,7 +112,7 @@ def quantize_model(model: nn.Module, quantization: str, layers: Iterable[str] = 
     The float weights are not modified: the swapped-out modules are dropped with them."""
     fmt = formats.get(quantization)
     layers = spec.check_quantized_layers(layers)
-    if fmt is formats.FORMATS[spec.NO_QUANTIZATION]:
+    if fmt is formats.NONE:
         return model
     swaps = [(name, new) for name, m in model.named_modules() if (new := _quantized(m, name, fmt, layers)) is not None]
     for name, new in swaps:

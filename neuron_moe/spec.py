@@ -357,7 +357,7 @@ def serve_backends() -> dict[str, Backend]:
     }
 
 
-def check_formats(quantization: str | None, quantized_layers=None) -> tuple[str, ...]:
+def check_quantization_flags(quantization: str | None, quantized_layers=None) -> tuple[str, ...]:
     """The layer groups `quantized_layers` names (None: the routed experts) if `quantization` (None: not
     given) is a format and other groups than the experts' have one to be put in; else a UserError."""
     layers = DEFAULT_QUANTIZED_LAYERS if quantized_layers is None else check_quantized_layers(quantized_layers)
@@ -380,7 +380,7 @@ def quantized(backend: Backend, quantization: str | None, quantized_layers=None)
     READER_QUANTIZATIONS), nothing else; a compiled artifact's format is its own (its manifest's).
     Other layers than the experts without a format to put them in are refused, as is any format the
     backend lacks."""
-    layers = check_formats(quantization, quantized_layers)
+    layers = check_quantization_flags(quantization, quantized_layers)
     if quantization in (None, NO_QUANTIZATION):
         return backend
     if backend.graphs == COMPILED and backend.placement is None:

@@ -23,7 +23,7 @@ from .q4_0 import Q4_0
 FORMATS: dict[str, Format] = {f.name: f for f in (NONE, INT8, INT4, Q4_0)}
 TENSORS = frozenset(name for f in FORMATS.values() for name in f.tensors)  # every format's tensor names
 
-__all__ = ["FORMATS", "TENSORS", "Format", "format_of", "get", "quantize_state", "quantize_stream"]
+__all__ = ["FORMATS", "NONE", "TENSORS", "Format", "format_of", "get", "quantize_state", "quantize_stream"]
 
 
 def get(quantization: str) -> Format:
