@@ -97,15 +97,15 @@ def test_scale_search_never_reconstructs_worse_than_round_to_nearest():
 
 def test_bytes_are_what_the_tensors_hold():
     packed, scale = int4.quantize(_weight((48, 96)), 32)
-    assert int4.packed_bytes(48, 96, 32) == (packed.numel(), scale.numel() * scale.element_size())
-    assert int4.nbytes(48, 96, 32) == 48 * 96 // 2 + 48 * 3 * 2
+    assert int4.Int4(32).nbytes((48, 96)) == packed.numel() + scale.numel() * scale.element_size()
+    assert int4.Int4(32).nbytes((48, 96)) == 48 * 96 // 2 + 48 * 3 * 2
     meta = int4.quantize(torch.empty(4, 64, 8, device="meta"), 16)
     assert [t.shape for t in meta] == [(4, 32, 8), (4, 4, 8)] and meta[0].device.type == "meta"
 
 
 def test_a_group_that_does_not_divide_the_input_dim_is_refused():
     with pytest.raises(int4.Int4Error, match="group size 64 does not divide the 96 input channels"):
-        int4.packed_bytes(8, 96, 64)
+        int4.Int4(64).nbytes((8, 96))
     with pytest.raises(int4.Int4Error, match="even number"):
         int4.quantize(_weight((4, 18)), 9)
 
@@ -252,7 +252,7 @@ def test_the_reader_accounting_charges_int4_as_the_format_holds_it():
     recovery then cost 19 % of the int4 read, so a 17.8 % budget is refused, naming that floor."""
     geo = Geometry(hidden=2816, experts=128, top_k=8, intermediate=704)
     whole = acc.expert_read_bytes(geo, "int4")
-    assert 0 <= whole - (int4.nbytes(2 * 704, 2816) + int4.nbytes(2816, 704)) < 2 * 2 * acc.SECTOR
+    assert 0 <= whole - (int4.INT4.nbytes((2 * 704, 2816)) + int4.INT4.nbytes((2816, 704))) < 2 * 2 * acc.SECTOR
     assert acc.channel_bytes(geo, "int4") == 3 * acc.row_sectors(2816 // 2 + 2816 // 32 * 2) * acc.SECTOR
     assert acc.channel_bytes(geo, "int4") < acc.channel_bytes(geo, "int8") / 1.7
     settings = Reader(quantization="int4").resolved()

@@ -63,17 +63,6 @@ def check_group(inputs: int, group: int, what: str = "input channels") -> None:
         raise Int4Error(f"int4 group size {group} does not divide the {inputs} {what}")
 
 
-def packed_bytes(out: int, inputs: int, group: int = DEFAULT_GROUP) -> tuple[int, int]:
-    """Bytes of a weight of shape (out, in) in this format: (packed values, scales)."""
-    check_group(inputs, group)
-    return out * inputs // 2, out * (inputs // group) * SCALE_BYTES
-
-
-def nbytes(out: int, inputs: int, group: int = DEFAULT_GROUP) -> int:
-    """Packed values plus scales of a weight of shape (out, in)."""
-    return sum(packed_bytes(out, inputs, group))
-
-
 def shapes(shape: tuple[int, ...], group: int = DEFAULT_GROUP) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A float weight's shape ([out, in] or [E, in, out]: the input dim is dim 1) -> the shapes of
     its packed values and of its scales."""
