@@ -14,7 +14,18 @@ LAYERS = (
     ("foundations", ("", "errors", "report", "config", "tokenizer")),  # "": the package's __init__
     (
         "definitions",
-        ("spec", "run_config", "port", "tasks", "checkpoint", "hub", "reader", "formats", "parallel.layout"),
+        (
+            "spec",
+            "run_config",
+            "speculative",
+            "port",
+            "tasks",
+            "checkpoint",
+            "hub",
+            "reader",
+            "formats",
+            "parallel.layout",
+        ),
     ),
     ("modules", ("experts", "static", "parallel", "greedy", "quantize")),
     # The generators over a port's graphs build the port's model: workflows, not modules.

@@ -1,0 +1,255 @@
+"""Speculative decoding as vLLM offers it: its `--speculative-config` JSON, the prompt-lookup proposer,
+and the rejection sampler that keeps the target's distribution.
+
+Two methods, with vLLM's names and defaults (vLLM's `vllm/config/speculative.py`):
+
+    {"model": NAME|PATH, "num_speculative_tokens": k}      Gemma-4's own assistant (a multi-token-
+        prediction drafter reading the target's KV); vLLM detects its `gemma4_assistant` config as
+        method "mtp", so that is the method here, given or not; k defaults to 1 (vLLM: the draft's
+        n_predict, which it sets to 1 for Gemma-4's assistant)
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
+        prompt lookup, no model: k required; neither bound given, both are 5; one given, the other
+        is the same
+
+A drafted token is checked by the target's verify step: `rejection_sample` (sampling; Leviathan et al.
+2023, vLLM's rejection sampler) or `greedy_verify` (greedy: exactly the target's argmax tokens). Both
+are pure functions of their inputs at static shapes, so a graph may call them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import Gemma4AssistantConfig
+
+from .errors import UserError
+from .report import loads_json, read_json_object
+
+FLAG = "--speculative-config"
+MAX_SPECULATIVE_TOKENS = 16  # drafts per step: the verify graph's k + 1 positions stay a handful
+NGRAM_DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
+MTP_DEFAULT_TOKENS = 1  # vLLM's num_speculative_tokens for Gemma-4's assistant when not given (its n_predict)
+METHODS = ("mtp", "ngram")
+KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+ASSISTANT_MODEL_TYPE = "gemma4_assistant"
+
+
+def _error(message: str) -> UserError:
+    """The flag's error: one line (a library's message may span several)."""
+    return UserError(f"{FLAG}: {' '.join(message.split())}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """One run's speculative decoding, resolved: the method, k drafts per step, and the method's own
+    settings (the assistant's `model` for mtp; the lookup bounds for ngram, None otherwise)."""
+
+    method: str  # one of METHODS
+    num_speculative_tokens: int  # k, in 1..MAX_SPECULATIVE_TOKENS
+    model: str | None = None  # mtp: the assistant, a built-in name or a directory
+    prompt_lookup_max: int | None = None  # ngram: the longest n-gram matched
+    prompt_lookup_min: int | None = None  # ngram: the shortest
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """`--speculative-config`'s JSON text, parsed and checked: one `UserError` line naming the key
+        for bad JSON, an unknown key, a wrong type, k outside 1..16, an unknown method, a setting of
+        the other method, or prompt_lookup_min > prompt_lookup_max."""
+        try:
+            raw = loads_json(text)
+        except ValueError as e:
+            raise _error(f"not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise _error(f"expected a JSON object, got {text.strip()!r}")
+        unknown = sorted(set(raw) - set(KEYS))
+        if unknown:
+            raise _error(f"unknown key {unknown[0]!r} (the keys: {', '.join(KEYS)})")
+        given = {key: value for key, value in raw.items() if value is not None}  # null: not given, as vLLM
+        for key in ("method", "model"):
+            if key in given and not isinstance(given[key], str):
+                raise _error(f"{key} must be a string, got {given[key]!r}")
+        for key in KEYS[2:]:
+            if key in given and (not isinstance(given[key], int) or isinstance(given[key], bool)):
+                raise _error(f"{key} must be an integer, got {given[key]!r}")
+        method = _method(given)
+        k = given.get("num_speculative_tokens", MTP_DEFAULT_TOKENS if method == "mtp" else None)
+        if k is None:
+            raise _error("num_speculative_tokens is required with method 'ngram'")
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise _error(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
+        if method == "mtp":
+            lookup = [key for key in KEYS[3:] if key in given]
+            if lookup:
+                raise _error(f"{lookup[0]} is a setting of method 'ngram', not of an assistant model")
+            return cls("mtp", k, model=given["model"])
+        if "model" in given and given["model"] not in ("ngram", "[ngram]"):
+            raise _error(f"model {given['model']!r} is not used by method 'ngram' (prompt lookup has no model)")
+        high, low = _lookups(given)
+        return cls("ngram", k, prompt_lookup_max=high, prompt_lookup_min=low)
+
+
+def _method(given: dict) -> str:
+    """The method, as vLLM infers it: given, else 'ngram' for the model names "ngram" and "[ngram]",
+    else 'mtp' with a model (vLLM reads the model's config; Gemma-4's assistant is 'mtp')."""
+    method = given.get("method")
+    model = given.get("model")
+    if method is None:
+        if model is None:
+            raise _error("give 'model' (an assistant) or 'method': 'ngram' (prompt lookup)")
+        return "ngram" if model in ("ngram", "[ngram]") else "mtp"
+    if method == "[ngram]":
+        return "ngram"
+    if method not in METHODS:
+        raise _error(f"method {method!r} is not supported (supported: {', '.join(METHODS)})")
+    if method == "mtp" and model is None:
+        raise _error("method 'mtp' needs 'model': Gemma-4's assistant is a checkpoint of its own")
+    return method
+
+
+def _lookups(given: dict) -> tuple[int, int]:
+    """(prompt_lookup_max, prompt_lookup_min), checked: each at least 1, min <= max; one absent, the
+    other's value (vLLM), both absent 5."""
+    for key in ("prompt_lookup_max", "prompt_lookup_min"):
+        if given.get(key, 1) < 1:
+            raise _error(f"{key} must be at least 1, got {given[key]}")
+    low = given.get("prompt_lookup_min", given.get("prompt_lookup_max", NGRAM_DEFAULT_LOOKUP))
+    high = given.get("prompt_lookup_max", low)
+    if low > high:
+        raise _error(f"prompt_lookup_min ({low}) must be at most prompt_lookup_max ({high})")
+    return high, low
+
+
+# ---- the assistant: where it is, and whether it fits the target ----
+
+
+def assistant_dir(model: str) -> Path:
+    """The directory of the assistant `model` names: a directory holding its config.json and weights.
+    The built-in assistants' names resolve here too, once the project ships one."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise _error(f"model {model!r}: no such directory, and not a built-in assistant")
+    return path
+
+
+def check_assistant(config: SpeculativeConfig, target_config) -> Path | None:
+    """The assistant's directory for an mtp config (None for ngram), once its config.json is a
+    Gemma-4 assistant's (transformers' `Gemma4AssistantConfig`, its own checks) that fits
+    `target_config` (the target's `Gemma4TextConfig`): the same vocabulary, and its
+    backbone_hidden_size the target's hidden size (it reads the target's hidden states)."""
+    if config.method != "mtp":
+        return None
+    directory = assistant_dir(config.model)
+    where = f"model {config.model!r}"
+    raw = read_json_object(directory / "config.json", _error, f"{where}: no config.json in {directory}")
+    if raw.get("model_type") != ASSISTANT_MODEL_TYPE:
+        raise _error(f"{where}: model_type {raw.get('model_type')!r} is not a Gemma-4 assistant's")
+    try:
+        assistant = Gemma4AssistantConfig.from_dict(raw)
+    except (StrictDataclassError, TypeError, ValueError) as e:
+        raise _error(f"{where}: not a valid Gemma-4 assistant config: {e}") from None
+    vocab = assistant.text_config.vocab_size
+    if vocab != target_config.vocab_size:
+        raise _error(f"{where}: its vocabulary ({vocab}) is not the target's ({target_config.vocab_size})")
+    if assistant.backbone_hidden_size != target_config.hidden_size:
+        raise _error(
+            f"{where}: its backbone_hidden_size ({assistant.backbone_hidden_size}) is not the target's "
+            f"hidden size ({target_config.hidden_size})"
+        )
+    return directory
+
+
+# ---- prompt lookup ----
+
+
+def ngram_propose(context: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Up to k drafted tokens by prompt lookup, vLLM's NgramProposer: the longest n-gram, n in
+    [lookup_min, lookup_max], that ends the context and also occurs earlier in it (the occurrence may
+    overlap the suffix, but not be it); of several occurrences of that length, the EARLIEST (vLLM's
+    rule); the draft is the tokens that followed it, at most k and at most to the context's end. []
+    when no n-gram of lookup_min tokens recurs. The caller caps k by the room left in the cache (vLLM:
+    max_model_len - len(context))."""
+    tokens = np.asarray(context, dtype=np.int64)
+    ends = len(tokens) - 1  # an earlier occurrence ends at 0 .. len - 2
+    longest = min(lookup_max, ends)
+    if k < 1 or longest < lookup_min:
+        return []
+    # same[m, e]: the token m before e equals the token m before the context's last
+    same = np.zeros((longest, ends), dtype=bool)
+    for m in range(longest):
+        same[m, m:] = tokens[: ends - m] == tokens[ends - m]
+    run = np.logical_and.accumulate(same, axis=0).sum(axis=0)  # the n-gram ending at e that matches
+    best = int(run.max())
+    if best < lookup_min:
+        return []
+    start = int(np.argmax(run == best)) + 1  # the earliest end of the longest
+    return tokens[start : start + k].tolist()
+
+
+# ---- verification: the drafted tokens against the target's distribution ----
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    uniform_accept: torch.Tensor,
+    uniform_sample: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a sampled verify step keeps, as vLLM's rejection sampler chooses them.
+
+    target_probs [B, k+1, V]: the target's distribution at each drafted position and the one after;
+    draft_tokens [B, k] (int64); draft_probs [B, k, V] the drafter's distributions, or None for a
+    deterministic draft (prompt lookup: each q one-hot on its token); uniform_accept [B, k] and
+    uniform_sample [B, k+1], uniform draws in [0, 1) from each request's own random state.
+
+    Draft i is accepted when u < p(x)/q(x), u = uniform_accept[:, i] (probability min(1, p/q); q(x) = 0
+    rejects, as vLLM), and only while every draft before it was. The first rejected position holds a draw
+    from norm(max(0, p - q)), the inverse CDF at uniform_sample[:, i] (p itself should that residual
+    have no mass, which only fp32 rounding allows); with all k accepted, position k holds the bonus
+    token, drawn from p there at uniform_sample[:, k]. So each row's tokens are distributed as the
+    target's own, token after token.
+
+    Returns (tokens [B, k+1] int64, accepted [B] int64): the row keeps tokens[:, :accepted + 1]. The
+    positions after that are don't-care: each holds its own position's residual draw, a valid token id.
+    """
+    batch, positions, vocab = target_probs.shape
+    k = positions - 1
+    p = target_probs[:, :k]
+    index = draft_tokens[..., None]
+    if draft_probs is None:
+        draft_probs = torch.zeros_like(p).scatter(-1, index, 1.0)
+    p_draft = p.gather(-1, index)[..., 0]
+    q_draft = draft_probs.gather(-1, index)[..., 0]
+    accept = (q_draft > 0) & (uniform_accept * q_draft < p_draft)
+    accepted = accept.long().cumprod(-1).sum(-1)
+    weights = torch.cat([(p - draft_probs).clamp(min=0), target_probs[:, k:]], dim=1)
+    weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, target_probs)
+    drawn = _inverse_cdf(weights, uniform_sample)
+    drafts = torch.cat([draft_tokens, drawn[:, k:]], dim=1)
+    position = torch.arange(positions, device=target_probs.device)
+    return torch.where(position < accepted[:, None], drafts, drawn), accepted
+
+
+def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a greedy verify step keeps: target_logits [B, k+1, V] (or any monotone map of them),
+    draft_tokens [B, k] -> (tokens [B, k+1] int64, accepted [B] int64). A draft is accepted while it
+    is the target's argmax; tokens are the target's argmax at every position, so the row's kept
+    tokens[:, :accepted + 1] are exactly what greedy decoding without drafts gives. After those the
+    argmax of a context holding a rejected draft: don't-care."""
+    tokens = target_logits.argmax(-1)
+    accepted = (draft_tokens == tokens[:, :-1]).long().cumprod(-1).sum(-1)
+    return tokens, accepted
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[..., V] non-negative weights with some mass, [...] uniforms in [0, 1) -> [...] the first index
+    whose cumulative weight passes u·(their sum): a draw from them, never an index of weight 0 (the
+    last one of weight kept where fp32 rounding would pass it)."""
+    cumulative = weights.cumsum(-1)
+    total = cumulative[..., -1:]
+    found = (cumulative <= u[..., None] * total).sum(-1)
+    return torch.minimum(found, (cumulative < total).sum(-1))
