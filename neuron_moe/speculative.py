@@ -224,10 +224,10 @@ def rejection_sample(
         draft_probs = torch.zeros_like(p).scatter(-1, index, 1.0)
     p_draft = p.gather(-1, index)[..., 0]
     q_draft = draft_probs.gather(-1, index)[..., 0]
-    accept = (q_draft > 0) & (uniform_accept * q_draft < p_draft)
-    accepted = accept.long().cumprod(-1).sum(-1)
+    reject = (q_draft <= 0) | (uniform_accept * q_draft >= p_draft)
+    accepted = _leading(reject)
     weights = torch.cat([(p - draft_probs).clamp(min=0), target_probs[:, k:]], dim=1)
-    weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, target_probs)
+    weights = torch.where(weights.sum(-1, keepdim=True) <= 0, target_probs, weights)
     drawn = _inverse_cdf(weights, uniform_sample)
     drafts = torch.cat([draft_tokens, drawn[:, k:]], dim=1)
     position = torch.arange(positions, device=target_probs.device)
@@ -241,8 +241,12 @@ def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     tokens[:, :accepted + 1] are exactly what greedy decoding without drafts gives. After those the
     argmax of a context holding a rejected draft: don't-care."""
     tokens = target_logits.argmax(-1)
-    accepted = (draft_tokens == tokens[:, :-1]).long().cumprod(-1).sum(-1)
-    return tokens, accepted
+    return tokens, _leading(draft_tokens != tokens[:, :-1])
+
+
+def _leading(reject: torch.Tensor) -> torch.Tensor:
+    """[B, k] bool -> [B] int64: the positions before each row's first True (k: none)."""
+    return (reject.cumsum(-1) == 0).sum(-1)
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
