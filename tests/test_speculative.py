@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import Gemma4AssistantConfig
 
+from neuron_moe import cli, cli_parser
 from neuron_moe.errors import UserError
 from neuron_moe.port import load_port
 from neuron_moe.spec import DEFAULT_PORT
@@ -322,3 +323,46 @@ def test_the_verify_functions_export_as_static_graphs():
     eager = _Verify()(*inputs)
     for a, b in zip(program.module()(*inputs), eager, strict=True):
         assert torch.equal(a, b)
+
+
+# ---- the flag ----
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+COMMANDS = {
+    "validate": ["validate"],
+    "serve": ["serve", "--backend", "static"],
+    "trace-and-compile": ["trace-and-compile", "--tp", "2", "--dry-run", "--out", "OUT"],
+    "deploy k8s": ["deploy", "k8s", "--instance", "inf2.xlarge", "--artifacts", "s3://b/p", "--out", "OUT"],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_the_flag_on_each_command_refuses_a_bad_config_in_one_line(command, tmp_path, capsys):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in COMMANDS[command]]
+    assert cli.main([*argv, "--speculative-config", '{"model": "m", "num_speculative_tokens": 17}']) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --speculative-config: num_speculative_tokens must be in 1..16, got 17\n"
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("command", ["validate", "serve", "trace-and-compile"])
+def test_the_run_configuration_holds_the_parsed_config(command, tmp_path):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in COMMANDS[command]]
+    args = cli_parser.parser().parse_args([*argv, "--speculative-config", NGRAM])
+    assert cli.run_config(args).speculative == SpeculativeConfig("ngram", 4, None, 4, 4)
+    assert cli.run_config(cli_parser.parser().parse_args(argv)).speculative is None
+
+
+def test_deploy_refuses_a_config_it_cannot_serve_yet(tmp_path, capsys):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in COMMANDS["deploy k8s"]]
+    assert cli.main([*argv, "--speculative-config", NGRAM]) == 2
+    assert capsys.readouterr().err == (
+        "error: --speculative-config: not yet supported by deploy k8s (the artifact has no verify graph)\n"
+    )
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_commands_help_names_the_flag(command, capsys):
+    with pytest.raises(SystemExit):
+        cli_parser.parser().parse_args([*COMMANDS[command][: 2 if command == "deploy k8s" else 1], "--help"])
+    assert "--speculative-config JSON" in capsys.readouterr().out
