@@ -16,6 +16,7 @@ from transformers import Gemma4AssistantConfig
 from neuron_moe import cli, cli_parser
 from neuron_moe.errors import UserError
 from neuron_moe.port import load_port
+from neuron_moe.serve.metrics import Metrics
 from neuron_moe.spec import DEFAULT_PORT
 from neuron_moe.speculative import (
     MAX_SPECULATIVE_TOKENS,
@@ -366,3 +367,26 @@ def test_each_commands_help_names_the_flag(command, capsys):
     with pytest.raises(SystemExit):
         cli_parser.parser().parse_args([*COMMANDS[command][: 2 if command == "deploy k8s" else 1], "--help"])
     assert "--speculative-config JSON" in capsys.readouterr().out
+
+
+# ---- /metrics ----
+
+
+def test_metrics_count_the_drafts_as_vllm():
+    """Per row: a draft, its tokens, the accepted ones and each accepted position; a row without drafts
+    is no draft."""
+    metrics = Metrics("tiny")
+    metrics.spec_decoded([4, 4, 0], [2, 4, 0])
+    metrics.spec_decoded([3], [0])
+    text = metrics.render().decode()
+    expected = {
+        "vllm:spec_decode_num_drafts_total": 3,
+        "vllm:spec_decode_num_draft_tokens_total": 11,
+        "vllm:spec_decode_num_accepted_tokens_total": 6,
+    }
+    for name, value in expected.items():
+        assert f'{name}{{model_name="tiny"}} {value:.1f}' in text
+    for position, value in enumerate([2, 2, 1, 1]):
+        line = f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{position}"}}'
+        assert f"{line} {value:.1f}" in text
+    assert 'position="4"' not in text
