@@ -11,6 +11,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import Gemma4AssistantConfig
 
 from neuron_moe import cli, cli_parser
@@ -19,6 +21,7 @@ from neuron_moe.port import load_port
 from neuron_moe.serve.metrics import Metrics
 from neuron_moe.spec import DEFAULT_PORT
 from neuron_moe.speculative import (
+    KEYS,
     MAX_SPECULATIVE_TOKENS,
     SpeculativeConfig,
     check_assistant,
@@ -66,6 +69,7 @@ def test_an_assistant_model_is_method_mtp():
         ('{"model": "m", "num_speculative_tokens": true}', "num_speculative_tokens must be an integer"),
         ('{"model": "m", "num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer"),
         ('{"model": 4, "num_speculative_tokens": 4}', "model must be a string"),
+        ('{"model": "", "num_speculative_tokens": 4}', "model must not be empty"),
         ('{"method": ["ngram"], "num_speculative_tokens": 4}', "method must be a string"),
         ('{"method": "eagle", "model": "m", "num_speculative_tokens": 4}', "method 'eagle' is not supported"),
         ('{"method": "mtp", "num_speculative_tokens": 4}', "method 'mtp' needs 'model'"),
@@ -88,6 +92,26 @@ def test_a_bad_config_is_one_line_naming_the_key(text, says):
         SpeculativeConfig.from_json(text)
     message = str(e.value)
     assert message.startswith("--speculative-config: ") and says in message and "\n" not in message
+
+
+_VALUES = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8)
+_VALUES |= st.sampled_from(["ngram", "[ngram]", "mtp", "eagle", ""])
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.dictionaries(st.sampled_from([*KEYS, "quantization"]), _VALUES | st.lists(_VALUES, max_size=2)))
+def test_fuzz_any_config_is_taken_or_refused_in_one_line(raw):
+    """Whatever the keys and values: a config within the bounds, or one line naming the problem."""
+    try:
+        config = SpeculativeConfig.from_json(json.dumps(raw))
+    except UserError as e:
+        assert str(e).startswith("--speculative-config: ") and "\n" not in str(e)
+        return
+    assert config.method in ("mtp", "ngram") and 1 <= config.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
+    if config.method == "ngram":
+        assert 1 <= config.prompt_lookup_min <= config.prompt_lookup_max and config.model is None
+    else:
+        assert config.model and config.prompt_lookup_max is None
 
 
 def test_k_is_at_most_16():
