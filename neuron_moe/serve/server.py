@@ -163,6 +163,7 @@ def plan_load(config: RunConfig, stopper: ready.Stopper | None = None):
             compile=compiles,
             progress=log.info,
             prefix_caching=caching,
+            rows=serving.max_running,
         )
         found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
         dtype = found["dtype"] if found else str(backend.dtype or port.dtype).removeprefix("torch.")
