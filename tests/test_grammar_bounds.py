@@ -175,7 +175,7 @@ UNHONOURED = [  # the issue's grammars the matcher could not follow: a 500 at st
 
 @pytest.fixture(scope="module")
 def urls(engine, static_engine):
-    """Both backends over HTTP: the per-request engine (hf) and the batching engine (static graphs)."""
+    """Both runtimes over HTTP: transformers' model (hf) and the static graphs."""
     with (
         serving(create_app(lambda: engine, model_name=MODEL, max_running=2, max_queue=8)) as hf,
         serving(create_app(lambda: static_engine, model_name=MODEL, max_running=8, max_queue=8)) as static,
