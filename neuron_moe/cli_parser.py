@@ -860,7 +860,7 @@ SERVE = Command(
             "--max-running",
             type=_rows,
             metavar="N",
-            help="per-request backends: requests generating at once (default: 1); the batching "
+            help="backends over transformers' model: requests generating at once, its rows (default: 1); the graphs' "
             "backends run one request per row",
         ),
         opt(

@@ -74,7 +74,7 @@ class Serving:
     api_key: str | None = None
     served_model_name: tuple[str, ...] | None = None  # None: the port's name
     max_model_len: int | None = None  # the context in tokens a request may take (None: what the backend holds)
-    max_running: int | None = None  # per-request backends: requests generating at once
+    max_running: int | None = None  # backends over transformers' model: its rows, requests generating at once
     max_queue: int = 32
     drain_timeout: float = DRAIN_TIMEOUT_S
     max_body_bytes: int | None = None  # None: serve/app.py's MAX_BODY_BYTES

@@ -348,7 +348,7 @@ def not_served() -> dict[str, str]:
 
 def serve_backends() -> dict[str, Backend]:
     """serve's backends, derived from the registry when asked: every experts implementation that needs
-    nothing attached (transformers' model, one request per thread), the port's static graphs on CPU (both
+    nothing attached (transformers' model, as the engine's runtime), the port's static graphs on CPU (both
     in any format: --quantization, --quantized-layers) and a compiled artifact (batched, in its own)."""
     return {
         **{name: Backend(name, EAGER_GRAPHS, e) for name, e in EXPERTS.items() if e.needs is None},

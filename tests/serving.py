@@ -16,6 +16,7 @@ import httpx
 import torch
 import uvicorn
 
+from neuron_moe.serve.hf_runtime import HostRuntime
 from neuron_moe.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer()
@@ -163,20 +164,26 @@ def serve_together(engine, requests, sinks=None):
     return sinks
 
 
-class Scripted:
-    """A backend that emits the given tokens in order, whatever the prompt (then EOS)."""
+class Scripted(HostRuntime):
+    """A runtime that emits the given tokens in order, whatever the prompt (then EOS), in each of its
+    `batch` rows: a row's first token comes from its prompt's last logits, each next from a decode."""
 
-    def __init__(self, tokens, vocab=BYTES.vocab_size):
-        self.tokens, self.vocab = list(tokens), vocab
+    def __init__(self, tokens, vocab=BYTES.vocab_size, batch: int = 1, max_cache_len: int = 511):
+        super().__init__(batch, vocab, max_cache_len)
+        self.tokens, self.at = list(tokens), [0] * batch
 
-    def prefill(self, ids):
-        return self._logits(0), {"i": 0}
+    def reset(self, row):
+        self.at[row] = 0
 
-    def decode(self, token, state):
-        state["i"] += 1
-        return self._logits(state["i"])
+    def logits(self, row, ids, start, keep):
+        """The script's next logits after each call whose last logits choose a token (a logits-processing
+        prefill, `keep` 0, scores the prompt and chooses none: the script does not move)."""
+        if keep == 0:
+            return torch.stack([self.script(self.at[row])] * len(ids))
+        self.at[row] += 1
+        return self.script(self.at[row] - 1)[None]
 
-    def _logits(self, i):
+    def script(self, i):
         logits = torch.full((self.vocab,), -30.0)
         logits[self.tokens[i] if i < len(self.tokens) else BYTES.eos_token_id] = 0.0
         return logits

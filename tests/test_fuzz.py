@@ -292,17 +292,15 @@ completion_requests = requests({"prompt": valid_text | st.lists(valid_text, min_
 
 @pytest.fixture(scope="module", params=["eager", "static"])
 def url(request, tiny_port):
-    """A server over transformers' model (sampling on the host) and over the static graphs (the
-    batching engine, sampling in the graphs)."""
+    """A server over transformers' model (sampling on the host) and over the static graphs (sampling
+    in the graphs)."""
     engine = load_engine(tiny_port, request.param)
-    rows = {} if engine.rows else {"max_running": 1}
     try:
-        with serving(create_app(lambda: engine, model_name=MODEL, max_queue=4, **rows)) as base:
+        with serving(create_app(lambda: engine, model_name=MODEL, max_queue=4)) as base:
             wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, what="the model to be ready")
             yield base
     finally:
-        if engine.rows:
-            engine.close()
+        engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Structured output (serve/grammar.py): a request's grammar as a token bitmask over the tiny port's
-tokenizer, applied on the host path (`Engine.generate`, `--backend hf`), and its request fields."""
+tokenizer, applied on the host (`--backend hf`'s runtime, `hf_runtime.py`), and its request fields."""
 
 import json
 import re
@@ -14,7 +14,9 @@ import torch
 from bench import structured_output
 from neuron_moe.model import build_model
 from neuron_moe.serve.app import create_app
-from neuron_moe.serve.engine import Engine, HFRuntime, RequestError, SamplingParams, eos_ids
+from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import Engine, RequestError, SamplingParams, eos_ids
+from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.serve.grammar import CACHE_SIZE, Grammars, GrammarSpec, _key, unpack
 from neuron_moe.serve.protocol import CompletionRequest
 from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer
@@ -28,8 +30,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def engine(tiny_port, tiny_eager):
     tokenizer = load_tokenizer(tiny_port)
-    config = tiny_eager.config
-    return Engine(HFRuntime(tiny_eager), tokenizer, config.max_position_embeddings, eos_ids(tokenizer, config))
+    with BatchEngine(HFRuntime(tiny_eager), tokenizer, eos_ids(tokenizer, tiny_eager.config)) as engine:
+        yield engine
 
 
 def generate(engine, spec: GrammarSpec, seed: int, max_tokens: int = 64, prompt: str = "Q: hello\nA:"):

@@ -19,7 +19,9 @@ from bench import structured_output
 from neuron_moe.model import build_model
 from neuron_moe.serve import grammar, grammar_bounds
 from neuron_moe.serve.app import create_app
-from neuron_moe.serve.engine import Engine, HFRuntime, RequestError, SamplingParams, eos_ids
+from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import RequestError, SamplingParams, eos_ids
+from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.serve.grammar import Grammars, GrammarSpec
 from neuron_moe.serve.protocol import CompletionRequest
 from neuron_moe.tokenizer import load_tokenizer
@@ -136,8 +138,8 @@ def test_the_shapes_that_overflowed_llguidances_stack_are_refused_or_compile_in_
 @pytest.fixture(scope="module")
 def engine(tiny_port, tiny_eager):
     tokenizer = load_tokenizer(tiny_port)
-    config = tiny_eager.config
-    return Engine(HFRuntime(tiny_eager), tokenizer, config.max_position_embeddings, eos_ids(tokenizer, config))
+    with BatchEngine(HFRuntime(tiny_eager, 2), tokenizer, eos_ids(tokenizer, tiny_eager.config)) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +175,7 @@ UNHONOURED = [  # the issue's grammars the matcher could not follow: a 500 at st
 
 @pytest.fixture(scope="module")
 def urls(engine, static_engine):
-    """Both backends over HTTP: the per-request engine (hf) and the batching engine (static graphs)."""
+    """Both runtimes over HTTP: transformers' model (hf) and the static graphs."""
     with (
         serving(create_app(lambda: engine, model_name=MODEL, max_running=2, max_queue=8)) as hf,
         serving(create_app(lambda: static_engine, model_name=MODEL, max_running=8, max_queue=8)) as static,

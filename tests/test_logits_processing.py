@@ -1,6 +1,6 @@
 """The logits-processing variant graphs (static/decoder.py `ProcessingDecode`, `ProcessingPrefill`;
 static/sampling.py `process`) against a host reference sampler written from each request's own
-token lists (`sampling.process_host`, what `engine.sample`'s path runs for `--backend hf`):
+token lists (`sampling.process_host`, which `--backend hf`'s runtime matches with `process` itself):
 penalties, logit_bias, min_p, bans and a bitmask token for token over more than 1,000 steps, greedy
 and seeded, a request alone and beside 7 others; a row that asks nothing gets the plain decode
 graph's very token in the variant; logprobs (the chosen token's and the top 20) and the prompt's
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from neuron_moe.model import build_model
-from neuron_moe.serve.engine import Engine, HFRuntime, Output, SamplingParams
+from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import Output, SamplingParams
+from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static import data_dependent_ops, ops_not_lowered
 from neuron_moe.static.decoder import Decode, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
@@ -75,7 +77,7 @@ class Recorded:
     def next(self, token, logits, scores=None):
         self.tokens.append(token)
         self.logits.append(logits)
-        step = self.output.next(logits, token, scores)
+        step = self.output.next(token, scores)
         self.steps.append(step)
         return None if step.finish_reason else token
 
@@ -264,13 +266,13 @@ def test_logprobs_and_prompt_logprobs_are_hf_eagers_log_softmax(tiny_port, stati
 
 
 def test_the_host_path_honours_the_same_fields_as_the_graphs(tiny_port, static_model, tiny_eager):
-    """`--backend hf`'s path (Engine.generate: HF eager's logits, sampled on the host by `Output`)
-    gives what the static graphs give for the same greedy requests with penalties, bias and min_p,
-    and the same logprobs within LOGPROB_ATOL."""
+    """`--backend hf`'s runtime (`hf_runtime.HFRuntime`: HF eager's logits, processed and sampled on
+    the host with the graphs' functions) gives what the static graphs give for the same greedy
+    requests with penalties, bias and min_p, and the same logprobs within LOGPROB_ATOL."""
     spec = tiny_port.static
     runtime = static_runtime(static_model, spec, batch=4)
     prompts = random_prompts(VOCAB, [5, 11, 1], seed=44)
-    host = Engine(HFRuntime(tiny_eager), IdTokenizer(), spec.max_cache_len, set())
+    host = BatchEngine(HFRuntime(tiny_eager), IdTokenizer(), set())
     for i, prompt in enumerate(prompts):
         settings = SETTINGS[(i * 2 + 1) % len(SETTINGS)]
         settings = Processing(**{**settings.__dict__, "logprobs": 2, "prompt_logprobs": 2})
@@ -284,6 +286,7 @@ def test_the_host_path_honours_the_same_fields_as_the_graphs(tiny_port, static_m
         torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=0)
         host_prompt, graph_prompt = steps[0].prompt_logprobs, work.steps[0].prompt_logprobs
         assert [e and e.token for e in host_prompt] == [e and e.token for e in graph_prompt]
+    host.close()
 
 
 def test_a_request_that_asks_nothing_is_not_a_processing_request():

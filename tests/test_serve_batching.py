@@ -13,7 +13,8 @@ from neuron_moe.run_config import Shapes
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Engine, HFRuntime, Output, RequestError, SamplingParams
+from neuron_moe.serve.engine import Output, RequestError, SamplingParams
+from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.serve.scheduler import Scheduler
 from neuron_moe.static.rows import GraphRuntime
@@ -148,10 +149,10 @@ def test_limits_are_refused_before_anything_runs_and_the_cache_end_is_length(eng
     assert tokens_of(steps) == greedy(tiny_eager, *left_pad([PROMPTS[1]], 0), budget).tokens[0].tolist()
 
 
-def test_a_batching_engine_sets_the_admission_to_its_rows():
+def test_the_engine_sets_the_admission_to_its_rows():
     scheduler = Scheduler(None, max_queue=3)
     scheduler.open(types.SimpleNamespace(rows=4))
-    assert (scheduler.max_running, scheduler.executor) == (4, None)  # its step loop runs the jobs
+    assert scheduler.max_running == 4  # its step loop runs the jobs
     with pytest.raises(ValueError, match="runs its 4 rows at once; max_running \\(2\\) does not apply"):
         Scheduler(2, max_queue=3).open(types.SimpleNamespace(rows=4))
 
@@ -248,15 +249,16 @@ def test_seeded_sampled_requests_are_the_same_alone_and_beside_seven_others(eigh
 
 
 def test_the_graphs_sample_what_the_host_samples_for_the_same_seed(eight_rows, tiny_eager):
-    """In the graphs (the batching engine) and on the host (the per-request engine over HF eager):
+    """In the graphs and on the host (the engine over HF eager, `hf_runtime.HFRuntime`):
     the same sampler, the same seeded draws, so the same tokens — where the graphs' cap does not
     bite (a nucleus within their 256 candidates: top-p 0.6 here; the trained model's nucleus at
     top-p 0.9 after a random prompt is wider, and is then cut: tests/test_sampling.py)."""
     engine, _ = eight_rows
-    alone = Engine(HFRuntime(tiny_eager), IdTokenizer(), tiny_eager.config.max_position_embeddings, set())
-    for i, (temperature, top_p, top_k) in enumerate([(1.0, 1.0, 0), (0.7, 0.6, 0), (1.2, 1.0, 30), (0.9, 0.8, 100)]):
-        params = SamplingParams(12, temperature=temperature, top_p=top_p, top_k=top_k, seed=900 + i)
-        assert tokens_of(engine.generate(EIGHT[2], params)) == tokens_of(alone.generate(EIGHT[2], params)), i
+    settings = [(1.0, 1.0, 0), (0.7, 0.6, 0), (1.2, 1.0, 30), (0.9, 0.8, 100)]
+    with BatchEngine(HFRuntime(tiny_eager), IdTokenizer(), set()) as alone:
+        for i, (temperature, top_p, top_k) in enumerate(settings):
+            params = SamplingParams(12, temperature=temperature, top_p=top_p, top_k=top_k, seed=900 + i)
+            assert tokens_of(engine.generate(EIGHT[2], params)) == tokens_of(alone.generate(EIGHT[2], params)), i
 
 
 # ---- the step's host work beside its graph calls, over stand-in graphs -----------------------------
@@ -335,7 +337,7 @@ def test_stop_strings_eos_and_max_tokens_end_each_request_as_alone_a_stop_string
     want = []
     for (prompt, params), stream in zip(requests, streams):
         output = Output(tiny_tokenizer, frozenset(eos), params)
-        want.append([output.next(None, token) for token in stream[: len(stream)]])
+        want.append([output.next(token) for token in stream[: len(stream)]])
         want[-1] = want[-1][: next(i for i, s in enumerate(want[-1]) if s.finish_reason) + 1]
     by_stop_string = [
         i for i, w in enumerate(want) if w[-1].finish_reason == "stop" and streams[i][len(w) - 1] not in eos
@@ -403,7 +405,7 @@ def test_a_graph_failure_after_a_requests_last_step_leaves_it_its_answer(tiny_to
     text = tiny_tokenizer.decode(stream)
     stopped = SamplingParams(30, temperature=0.0, stop=(text[len(text) // 3 : len(text) // 3 + 2],))
     output = Output(tiny_tokenizer, frozenset(), stopped)
-    want = [output.next(None, token) for token in stream]
+    want = [output.next(token) for token in stream]
     want = want[: next(i for i, s in enumerate(want) if s.finish_reason) + 1]
     assert want[-1].finish_reason == "stop" and len(want) >= 3
     runtime, calls = stand_in.engine.runtime, []

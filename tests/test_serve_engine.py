@@ -1,5 +1,6 @@
 """The serving engine without HTTP: sampling, stop sequences, streamed text, limits and chat
-prompts (the batching engine: test_serve_batching.py; the Neuron backend: test_serve_neuron.py)."""
+prompts, over scripted runtimes and transformers' model (the static graphs: test_serve_batching.py;
+the Neuron backend: test_serve_neuron.py)."""
 
 import pytest
 import torch
@@ -8,17 +9,9 @@ from hypothesis import strategies as st
 
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
-from neuron_moe.serve.engine import (
-    Engine,
-    GenerationError,
-    HFRuntime,
-    Output,
-    RequestError,
-    SamplingParams,
-    Step,
-    held_back,
-    sample,
-)
+from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import GenerationError, Output, RequestError, SamplingParams, Step, held_back
+from neuron_moe.serve.hf_runtime import HFRuntime, HostRuntime
 from neuron_moe.static.sampling import GREEDY
 from neuron_moe.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -28,26 +21,26 @@ BYTES = ByteTokenizer()
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-class Recording:
-    """Wraps a backend and records every token fed back to it."""
+class Recording(HFRuntime):
+    """transformers' model, recording every token fed back to it after the prompt."""
 
-    def __init__(self, inner):
-        self.inner, self.fed = inner, []
+    def __init__(self, model):
+        super().__init__(model)
+        self.fed = []
 
-    def prefill(self, ids):
-        return self.inner.prefill(ids)
-
-    def decode(self, token, state):
-        self.fed.append(token)
-        return self.inner.decode(token, state)
+    def logits(self, row, ids, start, keep):
+        if start > 0:
+            self.fed += ids
+        return super().logits(row, ids, start, keep)
 
 
-def scripted_engine(text: str) -> Engine:
-    return Engine(Scripted([b + BYTES.offset for b in text.encode()]), BYTES, 512, {BYTES.eos_token_id})
+def scripted_engine(text: str) -> BatchEngine:
+    return BatchEngine(Scripted([b + BYTES.offset for b in text.encode()]), BYTES, {BYTES.eos_token_id})
 
 
 def run(engine, max_tokens=64, prompt=(2, 50), **kw):
-    return list(engine.generate(list(prompt), SamplingParams(max_tokens, temperature=0.0, **kw)))
+    with engine:
+        return list(engine.generate(list(prompt), SamplingParams(max_tokens, temperature=0.0, **kw)))
 
 
 # ---- text handed out step by step ---------------------------------------------------------------
@@ -144,7 +137,7 @@ def test_no_part_of_a_stop_string_reaches_the_client_whatever_the_split(case):
     output = Output(tokenizer, frozenset(), SamplingParams(len(chunks), temperature=0.0, stop=stops))
     streamed, finish = [], None
     for token in range(len(chunks)):
-        step = output.next(None, token)
+        step = output.next(token)
         assert "\ufffd" not in step.text, (step, chunks)
         streamed.append(step.text)
         finish = step.finish_reason
@@ -159,7 +152,7 @@ def test_a_stop_of_the_replacement_character_sees_only_complete_characters():
     text there (it dropped the character), while a whole U+FFFD in the text is a match."""
     chunks = [b"a\xdf", b"\x85", b"b\xef\xbf\xbd", b"c"]  # "a", "\u07c5" in two halves, "b", a real U+FFFD, "c"
     output = Output(ChunkTokenizer(chunks), frozenset(), SamplingParams(8, temperature=0.0, stop=("\ufffd",)))
-    steps = [output.next(None, token) for token in range(4)]
+    steps = [output.next(token) for token in range(4)]
     assert [s.text for s in steps[:3]] == ["a", "\u07c5", "b"]
     assert (steps[3].text, steps[3].finish_reason) == ("", "stop")
 
@@ -192,7 +185,7 @@ def lagged_steps(output: Output, tokens) -> list[Step]:
     side (`take`), up to the first Step with a finish reason."""
     steps, behind = [], None  # the (count, finish) of the token the text side has yet to take
     for token in tokens:
-        finish = output.take(None, token)
+        finish = output.take(token)
         if behind is not None:
             steps.append(output.text(*behind))
             if steps[-1].finish_reason:
@@ -251,7 +244,7 @@ def test_the_text_is_that_of_the_whole_output_decoded_after_each_token(tiny_toke
     together = []
     output = Output(tokenizer, eos, params)
     for token in tokens:
-        together.append(output.next(None, token))
+        together.append(output.next(token))
         if together[-1].finish_reason:
             break
     assert together == want, (tokens, stops)
@@ -273,10 +266,11 @@ def test_cancelled_generation_stops_without_a_final_step():
 
     cancelled = threading.Event()
     steps = []
-    for step in scripted_engine("abcdefgh").generate([2], SamplingParams(8, temperature=0.0), cancelled):
-        steps.append(step)
-        if len(steps) == 3:
-            cancelled.set()
+    with scripted_engine("abcdefgh") as engine:
+        for step in engine.generate([2], SamplingParams(8, temperature=0.0), cancelled):
+            steps.append(step)
+            if len(steps) == 3:
+                cancelled.set()
     assert len(steps) == 3 and steps[-1].finish_reason is None
 
 
@@ -284,18 +278,38 @@ def test_non_finite_logits_fail_the_request_not_answer_it(tiny_port):
     """NaN logits: greedy would take the argmax of NaNs as a token (empty text) and sampling would raise
     in multinomial (a 500); both are the same clear failure."""
     nan_from = Scripted([b + BYTES.offset for b in b"abc"])
-    inner = nan_from._logits
-    nan_from._logits = lambda i: inner(i) if i < 2 else torch.full((BYTES.vocab_size,), float("nan"))
-    engine = Engine(nan_from, BYTES, 512, {BYTES.eos_token_id})
-    for temperature in (0.0, 1.0):
-        steps = []
-        with pytest.raises(GenerationError, match="non-finite logits .* at step 2"):
-            for step in engine.generate([2], SamplingParams(8, temperature=temperature, seed=0)):
-                steps.append(step)
-        assert "".join(s.text for s in steps) == "ab"
+    inner = nan_from.script
+    nan_from.script = lambda i: inner(i) if i < 2 else torch.full((BYTES.vocab_size,), float("nan"))
+    with BatchEngine(nan_from, BYTES, {BYTES.eos_token_id}) as engine:
+        for temperature in (0.0, 1.0):
+            steps = []
+            with pytest.raises(GenerationError, match="non-finite logits .* at step 2"):
+                for step in engine.generate([2], SamplingParams(8, temperature=temperature, seed=0)):
+                    steps.append(step)
+            assert "".join(s.text for s in steps) == "ab"
 
 
 # ---- sampling ------------------------------------------------------------------------------------
+
+
+class Fixed(HostRuntime):
+    """The same logits after every token."""
+
+    def __init__(self, logits):
+        super().__init__(1, logits.shape[-1], 511)
+        self.fixed = logits
+
+    def reset(self, row):
+        pass
+
+    def logits(self, row, ids, start, keep):
+        return self.fixed[None]
+
+
+def sample(logits, row) -> int:
+    """The token the host runtime's decode picks from `logits` with the sampling row `row`."""
+    tokens, _ = Fixed(logits).decode(torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([row]))
+    return int(tokens[0])
 
 
 def test_a_vanishing_temperature_or_top_p_samples_the_top_token():
@@ -308,8 +322,8 @@ def test_a_vanishing_temperature_or_top_p_samples_the_top_token():
 
 
 def test_the_host_samples_with_every_token_a_candidate():
-    """A request served alone samples on the host with the graphs' own function, nothing capped: a
-    top-k past the graphs' candidate width keeps what it asks for (tests/test_sampling.py: the graphs)."""
+    """A runtime on the host (transformers' model) samples with the graphs' own function, nothing capped:
+    a top-k past the graphs' candidate width keeps what it asks for (tests/test_sampling.py: the graphs)."""
     logits = torch.linspace(0.0, -1.0, 1000)  # token i is the i-th most likely
     u = (torch.arange(2000) + 0.5) / 2000
     drawn = {sample(logits, (1.0, 600, 1.0, float(x))) for x in u}
@@ -318,14 +332,14 @@ def test_the_host_samples_with_every_token_a_candidate():
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_eager):
-    return Engine(HFRuntime(tiny_eager), BYTES, tiny_eager.config.max_position_embeddings, {BYTES.eos_token_id})
+    with BatchEngine(HFRuntime(tiny_eager), BYTES, {BYTES.eos_token_id}) as engine:
+        yield engine
 
 
 def test_greedy_generation_is_the_reference_greedy(tiny_engine, tiny_eager):
     prompt = BYTES.encode("Mixture-of-Experts models route each token to")
-    recording = Recording(tiny_engine.runtime)
-    engine = Engine(recording, BYTES, tiny_engine.max_context, set(tiny_engine.eos_ids))
-    steps = run(engine, max_tokens=16, prompt=prompt)
+    recording = Recording(tiny_eager)
+    steps = run(BatchEngine(recording, BYTES, set(tiny_engine.eos_ids)), max_tokens=16, prompt=prompt)
     reference = greedy(tiny_eager, *left_pad([prompt], 0), 16).tokens[0].tolist()
     assert steps[-1].completion_tokens == 16 and recording.fed == reference[:15]
     assert "".join(s.text for s in steps) == BYTES.decode(reference)

@@ -1,6 +1,6 @@
 """vLLM's stop fields and OpenAI's choices: ignore_eos, stop_token_ids, min_tokens,
 include_stop_str_in_output, echo, n and best_of — in `Output` on scripted logits, then over HTTP
-against transformers' model (sampling on the host) and the static graphs (the batching engine)."""
+against the engine over transformers' model (sampling on the host) and over the static graphs."""
 
 import json
 import math
@@ -15,7 +15,9 @@ from neuron_moe.serve.app import create_app
 from neuron_moe.serve.chat import render_chat
 from neuron_moe.serve.backends import load_engine
 from neuron_moe.port import load_port
+from neuron_moe.serve.batching import BatchEngine
 from neuron_moe.serve.engine import Engine, RequestError, SamplingParams, bad_word_ids
+from neuron_moe.serve.hf_runtime import HostRuntime
 from neuron_moe.static.sampling import Processing
 from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -33,20 +35,21 @@ def byte(c: str) -> int:
     return ord(c) + BYTES.offset
 
 
-class Ranked:
+class Ranked(HostRuntime):
     """Every step the same logits: the tokens of `order` most likely first (one logit apart), every
     other token far below. EOS first makes a model that wants to stop at once."""
 
     def __init__(self, order):
-        self.logits = torch.full((BYTES.vocab_size,), -30.0)
+        super().__init__(1, BYTES.vocab_size, 511)
+        self.ranked = torch.full((BYTES.vocab_size,), -30.0)
         for i, token in enumerate(order):
-            self.logits[token] = -float(i)
+            self.ranked[token] = -float(i)
 
-    def prefill(self, ids):
-        return self.logits.clone(), None
+    def reset(self, row):
+        pass
 
-    def decode(self, token, state):
-        return self.logits.clone()
+    def logits(self, row, ids, start, keep):
+        return self.ranked.expand(keep or len(ids), -1).clone()
 
 
 def scripted(text: str) -> Scripted:
@@ -55,10 +58,10 @@ def scripted(text: str) -> Scripted:
 
 
 def run(runtime, max_tokens=64, **kw):
-    engine = Engine(runtime, BYTES, 512, {EOS})
-    params = SamplingParams(max_tokens, **{"temperature": 0.0, **kw})
-    engine.check_sampling(params)
-    return list(engine.generate([2, 50], params))
+    with BatchEngine(runtime, BYTES, {EOS}) as engine:
+        params = SamplingParams(max_tokens, **{"temperature": 0.0, **kw})
+        engine.check_sampling(params)
+        return list(engine.generate([2, 50], params))
 
 
 def text(steps) -> str:
@@ -99,8 +102,8 @@ def test_min_tokens_bans_stop_token_ids_too_and_ignore_eos_unbans_eos():
     engine = Engine(Ranked([EOS]), BYTES, 512, {EOS})
     output = engine.output(SamplingParams(8, min_tokens=2, stop_token_ids=(9, 7)))
     assert output.banned() == (EOS, 7, 9)
-    output.next(None, byte("b"))
-    output.next(None, byte("b"))
+    output.next(byte("b"))
+    output.next(byte("b"))
     assert output.banned() == ()  # two generated: nothing banned any more
     ignoring = engine.output(SamplingParams(8, min_tokens=2, stop_token_ids=(9,), ignore_eos=True))
     assert ignoring.banned() == (9,)
@@ -124,12 +127,12 @@ def test_no_stop_string_ends_within_min_tokens():
 
 def test_the_chosen_tokens_logprobs_are_summed_when_asked():
     steps = run(Ranked([byte("x"), EOS]), max_tokens=3, ignore_eos=True, rank=True)
-    expected = 3 * float(torch.log_softmax(Ranked([byte("x"), EOS]).logits, -1)[byte("x")])
+    expected = 3 * float(torch.log_softmax(Ranked([byte("x"), EOS]).ranked, -1)[byte("x")])
     assert math.isclose(steps[-1].cumulative_logprob, expected, rel_tol=1e-6)
     assert run(scripted("ab"))[-1].cumulative_logprob is None
     # under a ban, still the model's own distribution: EOS, banned, keeps its share
     banned = run(Ranked([EOS, byte("x")]), max_tokens=2, min_tokens=2, rank=True)
-    raw = float(torch.log_softmax(Ranked([EOS, byte("x")]).logits, -1)[byte("x")])
+    raw = float(torch.log_softmax(Ranked([EOS, byte("x")]).ranked, -1)[byte("x")])
     assert text(banned) == "xx" and math.isclose(banned[-1].cumulative_logprob, 2 * raw, rel_tol=1e-6)
 
 
@@ -169,9 +172,9 @@ def test_bad_words_ban_each_words_last_token_after_the_rest():
     engine = Engine(Ranked([EOS]), BYTES, 512, {EOS})
     output = engine.output(SamplingParams(8, bad_words=("xyz", "q")))
     assert output.banned() == (byte("q"),)
-    output.next(None, byte("x"))
+    output.next(byte("x"))
     assert output.banned() == (byte("q"),)
-    output.next(None, byte("y"))
+    output.next(byte("y"))
     assert sorted(output.banned()) == [byte("q"), byte("z")]
 
 
@@ -233,14 +236,12 @@ def test_what_a_backend_cannot_do_is_refused_by_name():
 def engine(request, tiny_port):
     engine = load_engine(tiny_port, request.param)
     yield engine
-    if engine.rows:
-        engine.close()
+    engine.close()
 
 
 @pytest.fixture(scope="module")
 def url(engine, tiny_port):
-    rows = {} if engine.rows else {"max_running": 1}
-    app = create_app(lambda: engine, model_name=MODEL, vocab_size=tiny_port.config.vocab_size, **rows)
+    app = create_app(lambda: engine, model_name=MODEL, vocab_size=tiny_port.config.vocab_size)
     with serving(app) as base:
         wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, what="the model to be ready")
         yield base
@@ -483,10 +484,9 @@ def test_fields_checked_by_name(url, edit, param):
 
 
 def test_more_generations_than_the_server_admits_is_400_naming_n(tiny_port, engine):
-    rows = {} if engine.rows else {"max_running": 1}
-    with serving(create_app(lambda: engine, model_name=MODEL, max_queue=1, **rows)) as base:
+    with serving(create_app(lambda: engine, model_name=MODEL, max_queue=1)) as base:
         wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, what="the model to be ready")
-        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": (engine.rows or 1) + 2}
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": engine.rows + 2}
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
         assert httpx.post(f"{base}/v1/completions", json={**body, "n": 2}, timeout=60).status_code == 200

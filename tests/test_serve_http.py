@@ -42,9 +42,8 @@ LONG, SLOW_S = 60, 0.05  # a long request (it fits the static graphs' cache afte
 class Spy:
     """Wraps an engine: counts steps, records how each generation ended, can fail on cue, and can
     slow generation down (`step_delay_s`) or hold it until `gate` is set, so that a test holds the
-    rows while it looks. A
-    per-request engine is watched through `generate`; a batching engine through the sink the
-    scheduler hands its step loop (a failure there is one row's failure)."""
+    rows while it looks. It watches the sink the scheduler hands the engine's step loop (a failure
+    there is one row's failure)."""
 
     def __init__(self, engine, fail_after=None, step_delay_s=0.0, gate: threading.Event | None = None):
         self.engine, self.fail_after, self.step_delay_s, self.gate = engine, fail_after, step_delay_s, gate
@@ -53,25 +52,16 @@ class Spy:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, prompt_ids, params, cancelled=None):
-        watch = _Watch(self)
-        try:
-            for step in self.engine.generate(prompt_ids, params, cancelled):
-                watch.put(step)
-                yield step
-        finally:
-            watch.end()
-
     def submit(self, prompt_ids, params, sink):
         self.engine.submit(prompt_ids, params, _Watch(self, sink))
 
 
 class _Watch:
-    """One request's steps as the Spy sees them, passed on to the scheduler's sink (if any)."""
+    """One request's steps as the Spy sees them, passed on to the scheduler's sink."""
 
-    def __init__(self, spy, sink=None):
+    def __init__(self, spy, sink):
         self.spy, self.sink, self.i, self.finish = spy, sink, 0, "cancelled"
-        self.cancelled = sink.cancelled if sink else None
+        self.cancelled = sink.cancelled
 
     def put(self, step):
         if self.i == self.spy.fail_after:
@@ -83,16 +73,14 @@ class _Watch:
         self.spy.steps += 1
         self.finish = step.finish_reason or self.finish
         time.sleep(self.spy.step_delay_s)
-        if self.sink:
-            self.sink.put(step)
+        self.sink.put(step)
 
     def fail(self, error):
         self.sink.fail(error)
 
     def end(self):
         self._outcome(self.finish)
-        if self.sink:
-            self.sink.end()
+        self.sink.end()
 
     def _outcome(self, outcome):
         if self.finish is not None:
@@ -102,31 +90,30 @@ class _Watch:
 
 @pytest.fixture(scope="module", params=["eager", "static"])
 def engine(request, tiny_port):
-    """Each test against transformers' model (one request per thread) and against the static
-    graphs (the batching engine, the port's 2 rows)."""
-    engine = load_engine(tiny_port, request.param)
+    """Each test against the engine over transformers' model and over the static graphs, 2 rows each
+    (the port's batch)."""
+    engine = load_engine(tiny_port, request.param, rows=2 if request.param == "eager" else None)
     yield engine
-    if engine.rows:
-        engine.close()
+    engine.close()
 
 
 @pytest.fixture(scope="module")
 def endless_engine(engine):
     """The engine without EOS: the trained model may end an answer before a test has cancelled it.
-    (A shallow copy: a batching engine's copy feeds the same step loop.)"""
+    (A shallow copy: it feeds the same step loop.)"""
     endless = copy.copy(engine)
     endless.eos_ids = frozenset()
     return endless
 
 
 def rows(engine) -> int:
-    """Requests that generate at once: a batching engine's rows, else the one thread these tests give."""
-    return engine.rows or 1
+    """Requests that generate at once: the engine's rows."""
+    return engine.rows
 
 
 def make_app(engine, **kw):
-    """An app over `engine`; a per-request engine runs one request at a time."""
-    return create_app(lambda: engine, model_name=MODEL, **({"max_running": 1} if engine.rows is None else {}), **kw)
+    """An app over `engine`."""
+    return create_app(lambda: engine, model_name=MODEL, **kw)
 
 
 def ready(url):
@@ -375,7 +362,7 @@ def test_top_k_is_honoured(url, engine):
             answer = http.post("/v1/chat/completions", json=body).json()
             assert answer["choices"][0]["message"]["content"] == greedy_text
         wide = http.post("/v1/chat/completions", json=chat_body(temperature=1.0, top_k=300, seed=1))
-    if engine.rows:
+    if engine.max_top_k is not None:
         assert "at most 256" in assert_openai_error(wide, 400, param="top_k")["message"]
     else:
         assert wide.status_code == 200  # on the host every token is a candidate
@@ -431,7 +418,7 @@ def test_unknown_model_is_404(url):
 def test_models_retrieve_answers_each_served_name(engine):
     """The `openai` client's `models.retrieve(id)` is GET /v1/models/{id}; a served name may hold '/'."""
     names = [MODEL, "google/gemma-4-26B-A4B-it"]
-    app = create_app(lambda: engine, model_name=names, **({"max_running": 1} if engine.rows is None else {}))
+    app = create_app(lambda: engine, model_name=names)
     with serving(app) as url:
         ready(url)
         for name in names:
@@ -545,13 +532,12 @@ def test_metrics_count_the_requests_and_tokens_sent(engine):
         assert got[(f"{name}_count", ())] == 9 and got[(f"{name}_sum", ())] > 0
     assert got[("vllm:time_per_output_token_seconds_count", ())] == generated - 9  # every token but the first
     assert after[("vllm:num_requests_running", ())] == after[("vllm:num_requests_waiting", ())] == 0
-    if engine.rows:  # every chunk of every prompt once, several to a call
-        chunks = sum(-(-u["prompt_tokens"] // engine.runtime.chunk) for u in usages)
-        assert got[("neuron_moe:prefill_rows_total", ())] == chunks
-        assert chunks / engine.runtime.prefill_rows[-1] <= got[("neuron_moe:prefill_calls_total", ())] <= chunks
-        assert got[("neuron_moe:decode_rows_total", ())] == generated - 9
-        assert got[("neuron_moe:decode_calls_total", ())] >= (generated - 9) / engine.rows
-        assert after[("neuron_moe:batch_rows", ())] == engine.rows and after[("neuron_moe:batch_rows_in_use", ())] == 0
+    chunks = sum(-(-u["prompt_tokens"] // engine.runtime.chunk) for u in usages)  # every chunk once, several a call
+    assert got[("neuron_moe:prefill_rows_total", ())] == chunks
+    assert chunks / engine.runtime.prefill_rows[-1] <= got[("neuron_moe:prefill_calls_total", ())] <= chunks
+    assert got[("neuron_moe:decode_rows_total", ())] == generated - 9
+    assert got[("neuron_moe:decode_calls_total", ())] >= (generated - 9) / engine.rows
+    assert after[("neuron_moe:batch_rows", ())] == engine.rows and after[("neuron_moe:batch_rows_in_use", ())] == 0
 
 
 # ---- load, overload, disconnects, failures ------------------------------------------------------------
@@ -907,7 +893,7 @@ def test_past_the_drain_timeout_requests_in_flight_end_properly(endless_engine):
     """Not cut off (a chunked stream without its end, or a plain-text 500): a stream ends with an error
     event and [DONE], a plain request with a 503 JSON body."""
     spy = Spy(endless_engine, step_delay_s=SLOW_S)  # LONG tokens take 3 s: running at the 1 s deadline
-    app = create_app(lambda: spy, model_name=MODEL, **({"max_running": 2} if spy.rows is None else {}))
+    app = create_app(lambda: spy, model_name=MODEL)
     server = DrainingServer(server_config(app), drain_timeout=1.0)
     plain = []
     with serving(app, server=server) as url:

@@ -25,7 +25,6 @@ from neuron_moe.neuron.artifact import FORMAT, TARGET
 from neuron_moe.port import load_port
 from neuron_moe.serve import neuron
 from neuron_moe.serve.backends import BACKENDS, load_engine
-from neuron_moe.serve.batching import BatchEngine
 from neuron_moe.serve.engine import SamplingParams
 from neuron_moe.serve.server import ServeError, plan_load
 
@@ -136,11 +135,9 @@ def test_a_backend_serve_cannot_run_is_not_offered(backend, message, capsys):
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "neuron"])  # neuron: test_serve_neuron.py
 def test_every_backend_offered_generates(backend, tiny_port, one_torch_thread):
-    engine = load_engine(tiny_port, backend)
-    steps = list(engine.generate([2, 40, 41], SamplingParams(3, temperature=0.0)))
+    with load_engine(tiny_port, backend) as engine:
+        steps = list(engine.generate([2, 40, 41], SamplingParams(3, temperature=0.0)))
     assert [s.completion_tokens for s in steps] == list(range(1, len(steps) + 1)) and steps[-1].finish_reason
-    if isinstance(engine, BatchEngine):
-        engine.close()
 
 
 def test_neuron_backend_without_the_sdk(tmp_path, capsys):

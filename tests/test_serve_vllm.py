@@ -14,7 +14,7 @@ from neuron_moe import __version__, cli
 from neuron_moe.port import load_port
 from neuron_moe.serve import server
 from neuron_moe.serve.chat import render_chat
-from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.static.rows import GraphRuntime
 from neuron_moe.static.rows import bucket_for
 from neuron_moe.tokenizer import load_tokenizer
@@ -183,8 +183,7 @@ def test_banner_and_one_log_line_per_request(caplog):
 def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
     """Static graphs: every prefill graph (each row count at each bucket) and the decode graph, then their
     logits-processing variants, then the copy graph (prefix caching is on by default), all before /health
-    answers 200;
-    the per-request engine: one request."""
+    answers 200; transformers' model (no buckets): a decode step of every row, plain and processing."""
     calls, prefill, decode, copy = [], GraphRuntime.prefill, GraphRuntime.decode, GraphRuntime.copy_row
     monkeypatch.setattr(
         GraphRuntime,
@@ -209,13 +208,13 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
         lambda self, *inputs: calls.append(("decode processing",)) or variant_decode(self, *inputs),
     )
     monkeypatch.setattr(GraphRuntime, "copy_row", lambda self, *rows: calls.append(("copy",)) or copy(self, *rows))
-    generated = []
-    if backend == "eager":
-        generate = Engine.generate
-        monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: generated.append(a[0]) or generate(self, *a, **k))
+    eager = []
+    for name in ("prefill", "decode", "prefill_processing", "decode_processing"):
+        method = getattr(HFRuntime, name)
+        monkeypatch.setattr(HFRuntime, name, lambda self, *a, _m=method, _n=name: eager.append(_n) or _m(self, *a))
     with serving(app_for("--backend", backend)) as url:
         ready(url)
-        seen = list(calls), list(generated)
+        seen = list(calls), list(eager)
     if backend == "static":
         # every prefill graph (the tiny port's prefill_rows [1, 4] cut to its batch of 2, each bucket), then decode
         assert seen[0][:5] == [
@@ -228,4 +227,4 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
         # and their logits-processing variants, once each, then the copy graph
         assert seen[0][5:] == [("prefill processing", n) for n in (1, 1, 2, 2)] + [("decode processing",), ("copy",)]
     else:
-        assert len(seen[1]) == 1
+        assert seen == ([], ["decode", "decode_processing"])

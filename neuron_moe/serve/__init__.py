@@ -1,14 +1,13 @@
 """`neuron-moe serve`: an OpenAI-compatible HTTP server over one model.
 
-engine.py     a request's limits and output (sampling, stop sequences, token-by-token text);
-              one request per thread over transformers' model (the CPU experts backends)
-batching.py   continuous batching: one step loop over the rows of the static graphs
-runtime.py    the static graphs as the batching engine calls them; on CPU, the modules themselves
+engine.py     a request's limits and output (sampling, stop sequences, token-by-token text)
+batching.py   the engine: continuous batching, one step loop over the rows of any runtime
+hf_runtime.py transformers' model as a runtime (the CPU experts backends): a cache per row
 chat.py       messages -> prompt ids (the tokenizer's chat template, or a documented fallback)
 neuron.py     the Neuron runtime (a compiled NxD artifact; needs the Neuron SDK)
 protocol.py   request bodies (OpenAI's schema, strictly) and OpenAI-shaped errors
-scheduler.py  bounded admission: a bounded wait queue before the batching engine's rows, or
-              before a few generation threads; each request's latencies counted for /metrics
+scheduler.py  bounded admission: a bounded wait queue before the engine's rows; each request's
+              latencies counted for /metrics
 metrics.py    /metrics in Prometheus' text format, vLLM's names
 decoding.py   a request's sampling, n/best_of, logprobs, beam search -> engine calls and choices
 app.py        the FastAPI routes, SSE streaming, readiness while the model loads

@@ -1,5 +1,5 @@
-"""The engine behind `serve --backend`: the batching engine over the static graphs (CPU
-runtime or a compiled Neuron artifact), or the per-request engine over transformers' model."""
+"""The engine behind `serve --backend`: the one engine (`batching.BatchEngine`) over the runtime the
+backend names: the static graphs on CPU, a compiled Neuron artifact, or transformers' model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from ..neuron.artifact import check_tokenizer, read_manifest
 from ..spec import COMPILED, MODULES, Backend, check_serve_backend, not_served, serve_backends
 from ..tokenizer import load_tokenizer
 from .batching import BatchEngine
-from .engine import Engine, HFRuntime, eos_ids
+from .engine import Engine, eos_ids
+from .hf_runtime import HFRuntime
 from .neuron import neuron_runtime
 from ..static.runtime import static_runtime
 
@@ -30,13 +31,15 @@ def load_engine(
     compile: bool = False,
     progress=None,
     prefix_caching: bool | None = None,
+    rows: int | None = None,
 ) -> Engine:
     """The engine for `backend` (one of BACKENDS, or its name): the port's static graphs on CPU
     (MODULES, batched, at the shapes of the port's [static] table: `port.with_shapes`; `compile`: each
     graph compiled by torch.compile, `progress` told of each compile: `static/inductor.py`;
     `prefix_caching`, `static/prefix.py`: None on, False off), a compiled artifact directory
     (COMPILED, batched; `prefix_caching` None: as the artifact was built) or an experts
-    implementation in transformers' model on CPU (one request per thread). The CPU backends' linears
+    implementation in transformers' model on CPU (`rows` of it, default 1, each with a cache of its
+    own: `hf_runtime.py`). The CPU backends' linears
     are in the backend's formats (its quantization on its quantized_layers); an artifact's, its own."""
     if isinstance(backend, str):
         backend = check_serve_backend(backend)
@@ -53,4 +56,4 @@ def load_engine(
         )
         return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, model.config))
     model = build_model(port, backend.experts, dtype, checkpoint, **backend.formats)
-    return Engine(HFRuntime(model), tokenizer, model.config.max_position_embeddings, eos_ids(tokenizer, model.config))
+    return BatchEngine(HFRuntime(model, rows or 1), tokenizer, eos_ids(tokenizer, model.config))

@@ -1,5 +1,6 @@
-"""Continuous batching for the server: the rows of the static graphs' batch (`static/rows.py`),
-driven by one step loop in its own thread.
+"""The engine: continuous batching over the rows of a runtime (`static/rows.py`'s protocol: the static
+graphs on CPU, a compiled Neuron artifact, or transformers' model, `hf_runtime.py`), driven by one
+step loop in its own thread. Every backend `serve` offers runs here.
 
 A request waits until a row is free, then joins: its prompt is prefilled into that row (the graph
 writes that row of the cache only, `static/rows.py`), and its first token, which the prefill graph
@@ -92,7 +93,7 @@ class _Request:
         ids (EOS, max_tokens, non-finite logits end the request here) and its text handed to the text
         thread -> the token to feed next, or None."""
         try:
-            finish = self.output.take(logits, token, scores)
+            finish = self.output.take(token, scores)
         except RequestError as e:  # what the request asked admits no token: the client's 400, one line
             log.warning("a request ended: %s", e)
             self.error = e
@@ -187,7 +188,9 @@ class _QueueSink:
 
 
 class BatchEngine(Engine):
-    """The engine over a runtime (`runtime.py`): its `batch` rows are this engine's `rows`."""
+    """The engine over a runtime with Rows' protocol (the static graphs on CPU, a Neuron artifact,
+    transformers' model: `hf_runtime.py`): its `batch` rows are this engine's `rows`, and `step()`
+    its one step, which its loop thread runs while there is work."""
 
     def __init__(self, runtime, tokenizer, eos_ids: set[int]):
         # Any prompt that fits the cache: a prompt longer than the chunk is prefilled a chunk at a time.
@@ -235,12 +238,13 @@ class BatchEngine(Engine):
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None
     ) -> Iterator[Step]:
-        """Engine.generate's iterator, for a request that runs in the batch: the Steps come from
-        the loop's thread. A consumer that stops reading (or sets `cancelled`) frees its row."""
+        """One Step per generated token, the last with the finish reason, for a caller that blocks on
+        them: the Steps come from the loop's thread. A consumer that stops reading (or sets
+        `cancelled`: then no Step follows, not even a final one) frees its row."""
         sink = _QueueSink(cancelled or threading.Event())
         self.submit(prompt_ids, params, sink)
         try:
-            while (item := sink.items.get()) is not _END:
+            while (item := sink.items.get()) is not _END and not sink.cancelled.is_set():
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -271,22 +275,7 @@ class BatchEngine(Engine):
                     self._wake.wait()
                 if self._closed:
                     break
-            # The text of the steps before the previous one is out (the previous one's is made beside
-            # this step's graph calls): a request that a stop string ended is freed here at the latest
-            # two steps after the one whose token ended it, having decoded at most one token too many.
-            texts.wait(mark)
-            mark = texts.queued
-            for row in batch.active():
-                request = batch.slots[row]
-                if request.done or request.sink.cancelled.is_set():
-                    batch.free(row)
-            if batch.held is not None and batch.held.sink.cancelled.is_set():  # its client left while it waited
-                texts.end(batch.held, None)
-                batch.held = None
-            try:
-                batch.step(self._take)
-            except Exception:  # the requests its failed graph call ran ended with the error
-                log.exception("a graph call failed")
+            mark = self.step(mark)
         for row in batch.active():
             batch.free(row)
         if batch.held is not None:
@@ -295,6 +284,29 @@ class BatchEngine(Engine):
             while self._waiting:
                 texts.end(self._waiting.popleft(), None)
         texts.close()
+
+    def step(self, mark: int = 0) -> int:
+        """One engine step (`Rows.step`), once the text thread has handled the first `mark` items and the
+        rows whose requests ended or left are freed -> the mark of the next step (the items handed over
+        before this one)."""
+        batch, texts = self.batch, self._texts
+        # The text of the steps before the previous one is out (the previous one's is made beside
+        # this step's graph calls): a request that a stop string ended is freed here at the latest
+        # two steps after the one whose token ended it, having decoded at most one token too many.
+        texts.wait(mark)
+        mark = texts.queued
+        for row in batch.active():
+            request = batch.slots[row]
+            if request.done or request.sink.cancelled.is_set():
+                batch.free(row)
+        if batch.held is not None and batch.held.sink.cancelled.is_set():  # its client left while it waited
+            texts.end(batch.held, None)
+            batch.held = None
+        try:
+            batch.step(self._take)
+        except Exception:  # the requests its failed graph call ran ended with the error
+            log.exception("a graph call failed")
+        return mark
 
     def _take(self) -> _Request | None:
         """The oldest waiting request whose client has not left, for a free row."""

@@ -2,42 +2,28 @@
 
 `Output` is one request's side of generation: sampling (greedy at temperature 0, else
 temperature, top-k and top-p from a per-request seeded generator's draws: `static/sampling.py`,
-in the graphs or, for a request served alone, on the host), the tokens the next one must not be
+which the runtime runs, in its graphs or on the host), the tokens the next one must not be
 (EOS and stop_token_ids until min_tokens), EOS (unless ignore_eos), stop_token_ids, stop sequences
 and max_tokens, and the text that is safe to send after each token (a partial stop string or a partial UTF-8
 character is held back until it resolves): an id side that decides from the tokens (`take`) and
-a text side (`text`), which the batching engine runs beside its graph calls. `Engine` checks a
-request against its runtime's limits and runs one request per calling thread over a runtime with a
-state per request: `prefill(ids) -> (logits [V], state)` and `decode(token, state) -> logits [V]`
-(HF's model on CPU, `HFRuntime`). The static graphs (`--backend static` on CPU, `neuron` on the device) are served by
-`batching.BatchEngine` instead: one step loop over all the rows of the graphs' batch, with the
-same `Output` per row.
+a text side (`text`), which the engine runs beside its runtime's calls. `Engine` is what the
+engine asks of a request before it runs: the runtime's limits (its context, its candidate width, its
+logits-processing variants), the grammar compiled, the request's `Output`. The engine itself is
+`batching.BatchEngine`: one step loop (`static.rows.Rows.step`) over the rows of a runtime with Rows'
+protocol, whichever runs the model: the static graphs on CPU (`static/runtime.py`), the compiled
+artifact on Inferentia2 (`neuron.py`) or transformers' model (`hf_runtime.py`).
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from ..errors import UserError
-from ..static.sampling import (
-    BIAS_WIDTH,
-    GREEDY,
-    GREEDY_BELOW,
-    NOTHING,
-    Processing,
-    logprobs,
-    mask_words,
-    pick,
-    process_host,
-    sampling_row,
-)
+from ..static.sampling import BIAS_WIDTH, GREEDY, GREEDY_BELOW, NOTHING, Processing, mask_words, sampling_row
 from .grammar import GrammarError, Grammars, GrammarSpec, Matcher
 
 DRAWS = 64  # a sampled request's uniforms drawn at a time (fewer if its max_tokens needs fewer)
@@ -102,14 +88,6 @@ class Step:
     cumulative_logprob: float | None = None  # the chosen tokens' logprobs summed so far (params.rank), else None
 
 
-def sample(logits: torch.Tensor, row: tuple, finite: bool | None = None) -> int:
-    """One token from [V] logits on the host: the graphs' own `pick`, every token a candidate
-    (nothing capped); -1 for non-finite logits (`finite`: whether the model's logits were, when
-    `logits` are processed ones that hold -inf on purpose)."""
-    ok = None if finite is None else torch.tensor([finite])
-    return int(pick(logits.float()[None], torch.tensor([row], dtype=torch.float32), logits.shape[-1], ok)[0, 0])
-
-
 def token_logprobs(token: int, chosen: float, rank: int, top_ids, top, n: int) -> TokenLogprobs:
     """A TokenLogprobs from a graph's (or the host's) scores (`sampling.logprobs`), the first `n` of the
     top ones kept."""
@@ -135,8 +113,8 @@ class Output:
 
     Two sides, so that a batch's step loop can run them on two threads (`batching.BatchEngine`):
 
-    - the id side, `take(logits, token)`: the token the graph chose (or, from the logits [V], the
-      one chosen on the host with the graphs' own function) joins the output, and the ids decide
+    - the id side, `take(token, scores)`: the token the runtime chose (with its scores, from the
+      logits-processing variants, for a request that asks for them) joins the output, and the ids decide
       at once whether it is the last: EOS ("stop") or max_tokens ("length"); a token of -1 (the
       graphs' answer to non-finite logits) raises GenerationError. It returns that finish reason
       (None: go on). `sampling()` belongs to this side too: the request's row of the graphs'
@@ -155,11 +133,10 @@ class Output:
     The text side may run behind the id side (it reads the tokens the id side has appended); it
     takes the tokens in order, each once. An id-side "stop" token (EOS, a stop token) is no part of the
     text, unless include_stop_str_in_output keeps it.
-    `next(logits, token)` is both at once, for a caller that wants the Step at once (a request
-    served alone, `Engine.generate`).
+    `next(token, scores)` is both at once, for a caller that wants the Step at once.
 
     A request with a grammar (`matcher`, grammar.py) has `allowed()`, the next token's bitmask,
-    which the host applies to the logits before it samples (and the graphs take as an input); the
+    which the runtime applies to the logits before it samples (an input of its variants); the
     chosen token advances the matcher, and once the grammar takes nothing more the request ends
     ("stop"). `allowed()` is None for a request without one.
     """
@@ -261,11 +238,6 @@ class Output:
             token = self.prompt[start + 1 + i]
             self._prompt_logprobs.append(token_logprobs(token, chosen[i], ranks[i], top_ids[i], top[i], n))
 
-    def host_prompt_scores(self, logits: torch.Tensor) -> None:
-        """The prompt's scores from its logits [n, V] on the host (`Engine.generate`)."""
-        targets = torch.tensor(self.prompt[1:])
-        self.prompt_scores(0, *logprobs(logits[:-1].float(), targets))
-
     def sampling(self) -> tuple[float, float, float, float]:
         """The next token's sampling row; a sampled request takes its next uniform here, once per
         token (the generator's draws in order: a block of them is one call's worth of the same)."""
@@ -278,13 +250,11 @@ class Output:
         params = self.params
         return sampling_row(params.temperature, params.top_k, params.top_p, self._draws.pop())
 
-    def take(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> str | None:
-        """The id side of the next token: `token` as a graph chose it (with its `scores`, (logprob, rank,
-        top ids, top logprobs), from the logits-processing graphs), or chosen here from `logits`; it joins
-        the output -> its finish reason from the ids ("stop": EOS unless ignore_eos, or a stop token;
-        "length": max_tokens), or None."""
-        if token is None:
-            token, scores = self._choose(logits)
+    def take(self, token: int, scores=None) -> str | None:
+        """The id side of the next token: `token` as the runtime chose it (with its `scores`, (logprob,
+        rank, top ids, top logprobs), from the logits-processing variants); it joins the output -> its
+        finish reason from the ids ("stop": EOS unless ignore_eos, or a stop token; "length":
+        max_tokens), or None."""
         if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
             raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
         self._check_allowed(token)
@@ -330,17 +300,6 @@ class Output:
             "structured output (where given) rule out every one",
             field,
         )
-
-    def _choose(self, logits: torch.Tensor) -> tuple[int, tuple | None]:
-        """(the token, its scores) chosen on the host from the model's [V] logits, as the graphs choose it."""
-        sampling = self.sampling()
-        if not self.asks:
-            return sample(logits, sampling), None
-        processed = process_host(
-            logits, sampling[0], self.params.processing, self.prompt, self.generated, self.banned(), self.allowed()
-        )
-        token = sample(processed, sampling, bool(torch.isfinite(logits.float().sum())))
-        return token, logprobs(logits.float(), torch.tensor(max(token, 0)))
 
     def text(self, count: int, finish: str | None) -> Step:
         """The Step of the count-th token, whose id side said `finish`: its new text, and its
@@ -388,9 +347,9 @@ class Output:
             extra["prompt_logprobs"] = tuple(self._prompt_logprobs)
         return Step(text, finish, count, **extra)
 
-    def next(self, logits: torch.Tensor | None, token: int | None = None, scores=None) -> Step:
+    def next(self, token: int, scores=None) -> Step:
         """Both sides of the next token at once -> its Step."""
-        finish = self.take(logits, token, scores)
+        finish = self.take(token, scores)
         return self.text(self.count, finish)
 
     def _advance(self, n: int) -> str:
@@ -410,10 +369,8 @@ class Output:
 
 
 class Engine:
-    """What a request may ask of a runtime (its limits, its sampling), and generation of one
-    request on the calling thread over a runtime with a state per request."""
-
-    rows: int | None = None  # a batching engine's rows (batching.py); None: one request per thread
+    """What a request may ask of a runtime (its limits, its sampling), checked before it runs, and its
+    Output: the engine's side of admission (`batching.BatchEngine` runs the requests)."""
 
     def __init__(self, runtime, tokenizer, max_context: int, eos_ids: set[int]):
         self.runtime, self.tokenizer = runtime, tokenizer
@@ -535,7 +492,13 @@ class Engine:
         return requested
 
     def close(self) -> None:
-        """Nothing to stop: this engine generates on its callers' threads."""
+        """Stop what the engine runs (`batching.BatchEngine`: its step loop)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
 
     def output(self, params: SamplingParams, prompt: list[int] = ()) -> Output:
         """A new request's Output; a RequestError if the runtime cannot sample it or its grammar does
@@ -547,54 +510,6 @@ class Engine:
         allowed = None if params.allowed_token_ids is None else allowed_mask(params.allowed_token_ids, vocab)
         words = bad_word_ids(self.tokenizer, params.bad_words, vocab)
         return Output(self.tokenizer, self.eos_ids, params, prompt, matcher, allowed, words)
-
-    def generate(
-        self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None
-    ) -> Iterator[Step]:
-        """One Step per generated token; the last carries the finish reason. Returns early,
-        without a final Step, once `cancelled` is set (the consumer went away)."""
-        output = self.output(params, prompt_ids)
-        if params.processing.prompt_logprobs is not None:
-            output.host_prompt_scores(self.runtime.prompt_logits(prompt_ids))
-        logits, state = self.runtime.prefill(prompt_ids)
-        while True:
-            if cancelled is not None and cancelled.is_set():
-                return
-            step = output.next(logits)
-            yield step
-            if step.finish_reason:
-                return
-            logits = self.runtime.decode(output.token, state)
-
-
-class HFRuntime:
-    """transformers' model on CPU (any experts implementation) with a per-request KV cache."""
-
-    def __init__(self, model):
-        self.model = model
-        self.vocab = model.config.vocab_size
-
-    @torch.inference_mode()
-    def prefill(self, ids: list[int]):
-        cache = DynamicCache(config=self.model.config)
-        state = {"cache": cache, "position": len(ids)}
-        return self._forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache), state
-
-    @torch.inference_mode()
-    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
-        """The logits [n, V] after each prompt token (the prompt's logprobs, for echo)."""
-        out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None])
-        return out.logits[0].float()
-
-    @torch.inference_mode()
-    def decode(self, token: int, state) -> torch.Tensor:
-        position = torch.tensor([[state["position"]]])
-        state["position"] += 1
-        return self._forward(torch.tensor([[token]]), position, state["cache"])
-
-    def _forward(self, ids, positions, cache) -> torch.Tensor:
-        out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float()
 
 
 def _asked_field(processing: Processing) -> str:

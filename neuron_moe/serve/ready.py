@@ -2,12 +2,12 @@
 was asked for (`--max-model-len`), a warm-up of every graph, and the start-up banner.
 
 Warm-up calls every graph once before the first request: each prefill graph (every row count of
-`prefill_rows` at every bucket) and the decode graph of a batching engine's runtime, greedy, then
-their logits-processing variants with neutral inputs (where the runtime has them) and the copy graph
-(prefix caching), or one request through the per-request engine. On Neuron the first call of each
-compiled key loads and initialises it, which a user's first request should not wait for. The rows
-it writes hold nothing a request reads: a row's prefill writes every position its request will read
-before it reads it, and no row holds a prefix yet.
+`prefill_rows` at every bucket) and the decode graph of the engine's runtime, greedy, then their
+logits-processing variants with neutral inputs (where the runtime has them) and the copy graph
+(prefix caching); transformers' model, which has no buckets, a decode step of every row. On Neuron
+the first call of each compiled key loads and initialises it, which a user's first request should
+not wait for. The rows it writes hold nothing a request reads: a row's prefill writes every position
+its request will read before it reads it, and no row holds a prefix yet.
 
 A server told to exit while it warms up stops the warm-up (`Stopper`) rather than compile on for
 minutes, graph after graph, before it can exit.
@@ -15,7 +15,6 @@ minutes, graph after graph, before it can exit.
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import logging
 import threading
@@ -28,7 +27,7 @@ import torch
 from ..errors import UserError
 from ..static.rows import Chunk
 from ..static.sampling import GREEDY, neutral_inputs
-from .engine import Engine, SamplingParams
+from .engine import Engine
 
 log = logging.getLogger("neuron_moe.serve")
 
@@ -83,9 +82,9 @@ class Stopper:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Stopped))
 
 
-def graph_buckets(engine: Engine) -> list[int] | None:
-    """The prefill buckets of a batching engine's graphs; None for the per-request engine."""
-    return list(engine.runtime.buckets) if engine.rows is not None else None
+def graph_buckets(engine: Engine) -> list[int]:
+    """The prefill buckets of the engine's graphs ([]: any prompt length, transformers' model)."""
+    return list(engine.runtime.buckets)
 
 
 def check_max_model_len(max_model_len: int | None, context: int, what: str) -> None:
@@ -95,20 +94,12 @@ def check_max_model_len(max_model_len: int | None, context: int, what: str) -> N
 
 
 def warm_up(engine: Engine) -> int:
-    """Every graph of a batching engine's runtime called once (each prefill row count at each bucket,
-    then one decode step), greedy; the per-request engine gets one request, EOS ignored. Returns the
-    calls made. Each graph's call is logged as it starts: on CPU the first call of a graph compiled by
-    torch.compile compiles it (or loads it from the compile cache), tens of seconds a graph."""
+    """Every graph of the engine's runtime called once (each prefill row count at each bucket, then one
+    decode step), greedy. Returns the calls made. Each graph's call is logged as it starts: on CPU the
+    first call of a graph compiled by torch.compile compiles it (or loads it from the compile cache),
+    tens of seconds a graph."""
     token = engine.tokenizer.bos_token_id or 0
     runtime = engine.runtime
-    if engine.rows is None:  # one request per thread over HF's model
-        endless = copy.copy(engine)  # a shallow copy: the same model, without EOS
-        endless.eos_ids = frozenset()
-        if engine.max_context < 2:  # no room for a token after the prompt
-            return 0
-        for _ in endless.generate([token], SamplingParams(min(2, engine.max_context - 1), temperature=0.0)):
-            pass
-        return 1
     calls, graphs = 0, len(runtime.prefill_rows) * len(runtime.buckets) + 1
     for rows in runtime.prefill_rows:
         for bucket in runtime.buckets:
@@ -151,7 +142,7 @@ def ready(
     with stopper.running() if stopper is not None else nullcontext():
         runs = warm_up(engine)
     buckets = graph_buckets(engine)
-    rows = f"{engine.rows} batch rows" if engine.rows else "one request per thread"
+    rows = f"{engine.rows} batch rows"
     log.info(
         "serving %s as %s: backend %s, dtype %s, context %d tokens, %s, %s; warmed up in %.2f s (%d graph calls)",
         banner.port,

@@ -1,39 +1,33 @@
 """Bounded admission: at most `max_running` requests generating and `max_queue` waiting.
 
 A request past `max_running + max_queue` is refused at once (429 + Retry-After) instead of
-waiting without bound. Two ways to run what is admitted:
-- a batching engine (`batching.py`, `engine.rows` set) takes the Job itself: its step loop runs up
-  to `rows` requests at once, and its own wait queue holds the rest;
-- any other engine is blocking torch code per request: each Job runs in a thread of a fixed
-  pool of `max_running`, whose queue is the wait queue.
-A slot is released when the generation ends (`Job.end`) — not when its client leaves — so the
-count never over-admits; a client that goes away sets the job's cancel flag, and generation
-stops at the next token (the batching engine frees the row at its next step).
+waiting without bound. The engine (`batching.py`) takes each Job itself: its step loop runs up to
+`rows` requests at once (`max_running` is its rows), and its own wait queue holds the rest. A slot is
+released when the generation ends (`Job.end`) — not when its client leaves — so the count never
+over-admits; a client that goes away sets the job's cancel flag, and the engine frees its row at its
+next step.
 
-Every request's Steps pass through its Job, whichever engine runs it: that is where its latencies
-and tokens are counted for /metrics (`metrics.RequestClock`).
+Every request's Steps pass through its Job: that is where its latencies and tokens are counted for
+/metrics (`metrics.RequestClock`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from .engine import RequestError, SamplingParams
+from .engine import SamplingParams
 from .metrics import Metrics, RequestClock
 from .protocol import APIError
 
-log = logging.getLogger("neuron_moe.serve")
 OVERLOADED_RETRY_AFTER_S = 1
 _DONE = object()
 
 
 class Job:
-    """One request's generation: whichever thread generates it calls `put(step)`, `fail(error)`
-    and, once, `end()`; the event loop reads them from an asyncio queue (`events`)."""
+    """One request's generation: the engine's thread calls `put(step)`, `fail(error)` and, once,
+    `end()`; the event loop reads them from an asyncio queue (`events`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, metrics: Metrics | None = None, prompt_tokens: int = 0):
         self.loop = loop
@@ -45,20 +39,6 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-    def run(self, engine, prompt_ids: list[int], params: SamplingParams) -> None:  # in a pool thread
-        try:
-            if not self.cancelled.is_set():  # else its client left while it waited
-                for step in engine.generate(prompt_ids, params, self.cancelled):
-                    self.put(step)
-        except RequestError as e:  # what the request asked admits no token: the client's 400, one line
-            log.warning("a request ended: %s", e)
-            self.fail(e)
-        except Exception as e:  # a backend failure ends this request, not the server
-            log.exception("generation failed")
-            self.fail(e)
-        finally:
-            self.end()
 
     def put(self, step) -> None:
         self.clock.token(time.perf_counter(), self.prompt_tokens)
@@ -99,36 +79,23 @@ class Job:
 
 class Scheduler:
     def __init__(self, max_running: int | None, max_queue: int, metrics: Metrics | None = None):
-        """`max_running` None: a batching engine's rows, else 1 (set by `open`)."""
+        """`max_running` None: the engine's rows (set by `open`)."""
         self.max_running, self.max_queue = max_running, max_queue
-        self.executor: ThreadPoolExecutor | None = None
         self.admitted = 0  # running + waiting; touched only on the event loop
         self.jobs: set[Job] = set()
         self.metrics = metrics
 
-    def load(self, engine=None) -> tuple[int, int, int | None, int | None]:
-        """(running, waiting, rows, rows in use): the batching engine's own, else this admission's."""
-        if engine is not None and engine.rows is not None:
-            return engine.load()
-        running = min(self.admitted, self.max_running or 0)
-        return running, self.admitted - running, None, None
-
     def open(self, engine) -> None:
         """Size the admission for the engine that is ready to serve (and count its calls)."""
         if self.metrics is not None:
-            self.metrics.watch(lambda: self.load(engine))
-            if engine.rows is not None:
-                engine.metrics = self.metrics
-        if engine.rows is not None:
-            if self.max_running not in (None, engine.rows):
-                raise ValueError(
-                    f"the batching engine runs its {engine.rows} rows at once; max_running "
-                    f"({self.max_running}) does not apply to it (choose the batch size)"
-                )
-            self.max_running = engine.rows
-        else:
-            self.max_running = self.max_running or 1
-            self.executor = ThreadPoolExecutor(self.max_running, thread_name_prefix="generate")
+            self.metrics.watch(engine.load)
+            engine.metrics = self.metrics
+        if self.max_running not in (None, engine.rows):
+            raise ValueError(
+                f"the engine runs its {engine.rows} rows at once; max_running ({self.max_running}) "
+                "does not apply to it (choose the rows)"
+            )
+        self.max_running = engine.rows
 
     def submit(self, engine, prompt_ids: list[int], params: SamplingParams) -> Job:
         return self.submit_all(engine, prompt_ids, [params])[0]
@@ -149,10 +116,7 @@ class Scheduler:
     def _start(self, engine, prompt_ids: list[int], params: SamplingParams) -> Job:
         loop = asyncio.get_running_loop()
         job = Job(loop, self.metrics, len(prompt_ids))
-        if self.executor is None:
-            engine.submit(prompt_ids, params, job)
-        else:
-            loop.run_in_executor(self.executor, job.run, engine, prompt_ids, params)
+        engine.submit(prompt_ids, params, job)
         self.admitted += 1
         self.jobs.add(job)
         job.done.add_done_callback(lambda _: self._release(job))
@@ -163,8 +127,6 @@ class Scheduler:
         self.jobs.discard(job)
 
     def close(self) -> None:
-        """Stop what still runs (after the drain), and wait for the threads to return."""
+        """Stop what still runs (after the drain): the engine frees the rows at its next step."""
         for job in list(self.jobs):
             job.cancel()
-        if self.executor is not None:
-            self.executor.shutdown(wait=True, cancel_futures=True)

@@ -85,14 +85,14 @@ def artifacts_dir(serving: Serving) -> tuple[Path | None, object]:
 
 
 def check_batching_flags(config: RunConfig) -> None:
-    """The flags of one kind of backend refused with another: --max-running is the per-request
-    backends', the shapes and prefix caching the batching backends' (an artifact's shapes are its own)."""
+    """The flags of one kind of backend refused with another: --max-running is transformers' model's
+    rows, the shapes and prefix caching the batching backends' (an artifact's shapes are its own)."""
     backend, caching = config.backend, config.serving.prefix_caching
     if backend.graphs in (MODULES, COMPILED) and config.serving.max_running is not None:
         raise ServeError(
             f"--backend {backend.name} batches: it runs as many requests at once as its graphs have "
             f"rows{' (--batch-size)' if backend.graphs == MODULES else ''}; --max-running is for the "
-            f"per-request backends"
+            f"backends over transformers' model"
         )
     caching_flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
     for flag, value in (*config.shapes.given().items(), (caching_flag, caching)):
@@ -101,7 +101,7 @@ def check_batching_flags(config: RunConfig) -> None:
         takes = (
             "takes its shapes from the artifact's manifest"
             if backend.graphs == COMPILED
-            else "runs one request per thread (--max-running)"
+            else "runs transformers' model (its rows: --max-running)"
         )
         raise ServeError(f"{flag} shapes --backend static's graphs; --backend {backend.name} {takes}")
 
@@ -163,6 +163,7 @@ def plan_load(config: RunConfig, stopper: ready.Stopper | None = None):
             compile=compiles,
             progress=log.info,
             prefix_caching=caching,
+            rows=serving.max_running,
         )
         found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
         dtype = found["dtype"] if found else str(backend.dtype or port.dtype).removeprefix("torch.")
@@ -186,7 +187,7 @@ def check_compile(config: RunConfig) -> bool:
         runs = (
             "runs the artifact's graphs, compiled by trace-and-compile"
             if backend.graphs == COMPILED
-            else "runs transformers' model, one request per thread"
+            else "runs transformers' model, uncompiled"
         )
         raise ServeError(f"{given[0]} applies to --backend static's graphs; --backend {backend.name} {runs}")
     if len(given) == 2:

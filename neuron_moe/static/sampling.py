@@ -1,7 +1,7 @@
 """The next token, chosen inside a graph: greedy, temperature, top-k and top-p at fixed shapes.
 
 `pick(logits [R, V], sampling [R, 4])` is what the static graphs run (`decoder.py`) and what the
-per-request engine runs on the host (`serve/engine.py`, with every token a candidate). Per row,
+runtime over transformers' model runs on the host (`serve/hf_runtime.py`, every token a candidate). Per row,
 `sampling` holds
 
     temperature   below GREEDY_BELOW: greedy, the argmax of the logits (the same graph)
