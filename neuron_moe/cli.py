@@ -31,7 +31,19 @@ def run_config(args, backend=None) -> RunConfig:
         shapes=from_options(Shapes, args),
         compile=False if getattr(args, "no_compile", False) else None,
         serving=from_options(Serving, args),
+        speculative=speculative_config(args),
     )
+
+
+def speculative_config(args):
+    """--speculative-config's JSON as a `SpeculativeConfig` (one error line if it is wrong), None when
+    not given: speculative.py (torch) imported only then."""
+    text = getattr(args, "speculative", None)
+    if text is None:
+        return None
+    from .speculative import SpeculativeConfig
+
+    return SpeculativeConfig.from_json(text)
 
 
 def reader_settings(args) -> Reader:
@@ -178,6 +190,8 @@ def cmd_deploy(args) -> int:  # `deploy k8s`, the one engine that takes files (d
     from .port import load_port
 
     layers = check_quantization_flags(args.quantization, args.quantized_layers)  # before the plan tries each degree
+    if speculative_config(args) is not None:
+        raise UserError("--speculative-config: not yet supported by deploy k8s (the artifact has no verify graph)")
     settings = from_options(deploy_k8s.Settings, args, quantized_layers=layers)
     report = deploy_k8s.write(settings, load_port(args.model), args.out)
     return _report(report, args, deploy_k8s.render)

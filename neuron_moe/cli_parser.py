@@ -285,6 +285,15 @@ COMPILE = (
         f"of compiling (default: $TORCHINDUCTOR_CACHE_DIR, else {spec.COMPILE_CACHE})",
     ),
 )
+# speculative decoding, vLLM's flag and JSON (speculative.SpeculativeConfig parses and checks it)
+SPECULATIVE_CONFIG = opt(
+    "--speculative-config",
+    metavar="JSON",
+    dest="speculative",
+    help='speculative decoding, vLLM\'s JSON: {"model": NAME|PATH, "num_speculative_tokens": k} drafts with '
+    'Gemma-4\'s assistant (k default 1), {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, '
+    '"prompt_lookup_min": m} by prompt lookup (n and m default to each other, else 5); k in 1..16 (default: off)',
+)
 # the reader's settings, the same flags in every command that runs it (spec.Reader's fields)
 SIDECAR = opt("--sidecar", metavar="FILE|DIR")
 BUDGET = opt("--budget", type=_percent, metavar="PERCENT")
@@ -365,6 +374,7 @@ VALIDATE = Command(
             "scales, prefill through the int8 experts; reference kernel only)"
         ),
         QUANTIZED_LAYERS,
+        SPECULATIVE_CONFIG,
         opt("--max-new-tokens", type=_tokens, default=32, metavar="N", help="tokens to generate (default 32)"),
         opt("--prompt", action="append", metavar="TEXT", help="an extra prompt (repeatable)"),
         *_reader(
@@ -735,6 +745,7 @@ TRACE_AND_COMPILE = Command(
             "every key over a cache whose sliding layers keep every position (max_cache_len, not the window: "
             "more device memory); default off",
         ),
+        SPECULATIVE_CONFIG,
         _json("the manifest"),
     ),
     description="Build the full-model rank modules at TP T, trace each key once as rank 0 and "
@@ -844,6 +855,7 @@ SERVE = Command(
             "neuron: default what the artifact was built with (trace-and-compile --enable-prefix-caching), "
             "on needs it",
         ),
+        SPECULATIVE_CONFIG,
         opt(
             "--max-running",
             type=_rows,
@@ -1004,6 +1016,7 @@ DEPLOY_K8S = Command(
             help="the artifact's weight format of the linears --quantized-layers names, for the plan (default: none)",
         ),
         QUANTIZED_LAYERS.but(help=QUANTIZED_LAYERS.help + ": the artifact's, for the plan"),
+        SPECULATIVE_CONFIG,
         opt(
             "--tp",
             type=_positive_int,

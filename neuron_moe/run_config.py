@@ -12,8 +12,12 @@ cache's positions per row; vLLM's `--max-model-len`, a context in tokens, is max
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from .spec import DEFAULT_PORT, DRAIN_TIMEOUT_S, Backend
+
+if TYPE_CHECKING:  # speculative.py imports torch; the command line builds one only when the flag is given
+    from .speculative import SpeculativeConfig
 
 ARTIFACTS_CACHE = "~/.cache/neuron-moe/artifacts"  # where serve pulls an s3:// artifact to
 
@@ -94,3 +98,4 @@ class RunConfig:
     compile: bool | None = None  # the static graphs compiled by torch.compile: None the default, False --no-compile
     compile_cache: str | None = None  # inductor's cache of what it compiled (spec.compile_cache)
     serving: Serving = field(default_factory=Serving)
+    speculative: SpeculativeConfig | None = None  # --speculative-config, parsed and checked; None: off

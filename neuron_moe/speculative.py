@@ -72,6 +72,8 @@ class SpeculativeConfig:
         for key in ("method", "model"):
             if key in given and not isinstance(given[key], str):
                 raise _error(f"{key} must be a string, got {given[key]!r}")
+        if given.get("model") == "":
+            raise _error("model must not be empty")
         for key in KEYS[2:]:
             if key in given and (not isinstance(given[key], int) or isinstance(given[key], bool)):
                 raise _error(f"{key} must be an integer, got {given[key]!r}")

@@ -11,12 +11,17 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import Gemma4AssistantConfig
 
+from neuron_moe import cli, cli_parser
 from neuron_moe.errors import UserError
 from neuron_moe.port import load_port
+from neuron_moe.serve.metrics import Metrics
 from neuron_moe.spec import DEFAULT_PORT
 from neuron_moe.speculative import (
+    KEYS,
     MAX_SPECULATIVE_TOKENS,
     SpeculativeConfig,
     check_assistant,
@@ -64,6 +69,7 @@ def test_an_assistant_model_is_method_mtp():
         ('{"model": "m", "num_speculative_tokens": true}', "num_speculative_tokens must be an integer"),
         ('{"model": "m", "num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer"),
         ('{"model": 4, "num_speculative_tokens": 4}', "model must be a string"),
+        ('{"model": "", "num_speculative_tokens": 4}', "model must not be empty"),
         ('{"method": ["ngram"], "num_speculative_tokens": 4}', "method must be a string"),
         ('{"method": "eagle", "model": "m", "num_speculative_tokens": 4}', "method 'eagle' is not supported"),
         ('{"method": "mtp", "num_speculative_tokens": 4}', "method 'mtp' needs 'model'"),
@@ -86,6 +92,26 @@ def test_a_bad_config_is_one_line_naming_the_key(text, says):
         SpeculativeConfig.from_json(text)
     message = str(e.value)
     assert message.startswith("--speculative-config: ") and says in message and "\n" not in message
+
+
+_VALUES = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8)
+_VALUES |= st.sampled_from(["ngram", "[ngram]", "mtp", "eagle", ""])
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.dictionaries(st.sampled_from([*KEYS, "quantization"]), _VALUES | st.lists(_VALUES, max_size=2)))
+def test_fuzz_any_config_is_taken_or_refused_in_one_line(raw):
+    """Whatever the keys and values: a config within the bounds, or one line naming the problem."""
+    try:
+        config = SpeculativeConfig.from_json(json.dumps(raw))
+    except UserError as e:
+        assert str(e).startswith("--speculative-config: ") and "\n" not in str(e)
+        return
+    assert config.method in ("mtp", "ngram") and 1 <= config.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
+    if config.method == "ngram":
+        assert 1 <= config.prompt_lookup_min <= config.prompt_lookup_max and config.model is None
+    else:
+        assert config.model and config.prompt_lookup_max is None
 
 
 def test_k_is_at_most_16():
@@ -322,3 +348,69 @@ def test_the_verify_functions_export_as_static_graphs():
     eager = _Verify()(*inputs)
     for a, b in zip(program.module()(*inputs), eager, strict=True):
         assert torch.equal(a, b)
+
+
+# ---- the flag ----
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+COMMANDS = {
+    "validate": ["validate"],
+    "serve": ["serve", "--backend", "static"],
+    "trace-and-compile": ["trace-and-compile", "--tp", "2", "--dry-run", "--out", "OUT"],
+    "deploy k8s": ["deploy", "k8s", "--instance", "inf2.xlarge", "--artifacts", "s3://b/p", "--out", "OUT"],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_the_flag_on_each_command_refuses_a_bad_config_in_one_line(command, tmp_path, capsys):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in COMMANDS[command]]
+    assert cli.main([*argv, "--speculative-config", '{"model": "m", "num_speculative_tokens": 17}']) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --speculative-config: num_speculative_tokens must be in 1..16, got 17\n"
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("command", ["validate", "serve", "trace-and-compile"])
+def test_the_run_configuration_holds_the_parsed_config(command, tmp_path):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in COMMANDS[command]]
+    args = cli_parser.parser().parse_args([*argv, "--speculative-config", NGRAM])
+    assert cli.run_config(args).speculative == SpeculativeConfig("ngram", 4, None, 4, 4)
+    assert cli.run_config(cli_parser.parser().parse_args(argv)).speculative is None
+
+
+def test_deploy_refuses_a_config_it_cannot_serve_yet(tmp_path, capsys):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in COMMANDS["deploy k8s"]]
+    assert cli.main([*argv, "--speculative-config", NGRAM]) == 2
+    assert capsys.readouterr().err == (
+        "error: --speculative-config: not yet supported by deploy k8s (the artifact has no verify graph)\n"
+    )
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_commands_help_names_the_flag(command, capsys):
+    with pytest.raises(SystemExit):
+        cli_parser.parser().parse_args([*COMMANDS[command][: 2 if command == "deploy k8s" else 1], "--help"])
+    assert "--speculative-config JSON" in capsys.readouterr().out
+
+
+# ---- /metrics ----
+
+
+def test_metrics_count_the_drafts_as_vllm():
+    """Per row: a draft, its tokens, the accepted ones and each accepted position; a row without drafts
+    is no draft."""
+    metrics = Metrics("tiny")
+    metrics.spec_decoded([4, 4, 0], [2, 4, 0])
+    metrics.spec_decoded([3], [0])
+    text = metrics.render().decode()
+    expected = {
+        "vllm:spec_decode_num_drafts_total": 3,
+        "vllm:spec_decode_num_draft_tokens_total": 11,
+        "vllm:spec_decode_num_accepted_tokens_total": 6,
+    }
+    for name, value in expected.items():
+        assert f'{name}{{model_name="tiny"}} {value:.1f}' in text
+    for position, value in enumerate([2, 2, 1, 1]):
+        line = f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{position}"}}'
+        assert f"{line} {value:.1f}" in text
+    assert 'position="4"' not in text

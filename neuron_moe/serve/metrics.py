@@ -16,6 +16,13 @@ read these unchanged (label `model_name`); what only this server has is `neuron_
     vllm:prefix_cache_queries              counter    prompt tokens of the requests looked up in the
                                                       prefix cache (each request once, at admission)
     vllm:prefix_cache_hits                 counter    of those, the tokens taken from a held prefix
+    vllm:spec_decode_num_drafts            counter    speculative decoding: rows' verify steps that
+                                                      checked drafted tokens
+    vllm:spec_decode_num_draft_tokens      counter    the tokens they checked
+    vllm:spec_decode_num_accepted_tokens   counter    of those, the tokens accepted
+    vllm:spec_decode_num_accepted_tokens_per_pos  counter  the same by draft position (label
+                                                      `position`, from 0): per-position acceptance
+                                                      is it over num_drafts
     neuron_moe:batch_rows                  gauge      rows of the batching engine's graphs
     neuron_moe:batch_rows_in_use           gauge      rows holding a request now
     neuron_moe:prefill_calls_total         counter    prefill graph calls
@@ -26,7 +33,8 @@ read these unchanged (label `model_name`); what only this server has is `neuron_
 
 Everything is counted where it happens: the request-level series by `scheduler.Job`, which every
 request passes through from admission to its end whatever the engine, the graph calls and rows
-by the batching engine (`batching.py`), the gauges read at scrape time.
+by the batching engine (`batching.py`), the drafts by the engine's verify step (`spec_decoded`), the
+gauges read at scrape time.
 """
 
 from __future__ import annotations
@@ -150,6 +158,31 @@ class Metrics:
         self.decode_calls = series(Counter, "neuron_moe:decode_calls", "Decode graph calls.")
         self.decode_rows = series(Counter, "neuron_moe:decode_rows", "Rows that generated a token in those calls.")
         self.copy_calls = series(Counter, "neuron_moe:copy_calls", "Copy graph calls (a held prefix into a row).")
+        self.spec_drafts = series(Counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = series(Counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = series(
+            Counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self._spec_per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["model_name", "position"],
+            registry=registry,
+        )
+        self._model_name = model_name
+
+    def spec_decoded(self, drafted: list[int], accepted: list[int]) -> None:
+        """One verify step, per row: the tokens drafted for it and how many of them were accepted (the
+        first `accepted`, in order). A row with no drafts (prompt lookup found none) is no draft, as
+        vLLM counts."""
+        for row_drafted, row_accepted in zip(drafted, accepted, strict=True):
+            if row_drafted <= 0:
+                continue
+            self.spec_drafts.inc()
+            self.spec_draft_tokens.inc(row_drafted)
+            self.spec_accepted_tokens.inc(row_accepted)
+            for position in range(row_accepted):
+                self._spec_per_position.labels(model_name=self._model_name, position=str(position)).inc()
 
     def watch(self, load) -> None:
         """`load()` -> (running, waiting, rows, rows in use; the last two None without a batch),
