@@ -7,11 +7,13 @@ decode graph's own draws at the same uniforms."""
 import pytest
 import torch
 
+from neuron_moe import cli
 from neuron_moe.greedy import left_pad
 from neuron_moe.model import build_model
 from neuron_moe.run_config import Shapes
 from neuron_moe.serve.batching import BatchEngine
 from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.serve.metrics import Metrics
 from neuron_moe.speculative import SpeculativeConfig
 from neuron_moe.static.cache import SLIDING, cache_layout
 from neuron_moe.static.decoder import Decode, Prefill, Verify, new_cache
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 K = 4
 LOOKUP = SpeculativeConfig("ngram", K, prompt_lookup_max=4, prompt_lookup_min=1)
+SPEC = ("drafts", "draft_tokens", "accepted_tokens")  # vllm:spec_decode_num_*
 
 
 @pytest.fixture(scope="module")
@@ -201,24 +204,38 @@ def _serve(engine, requests):
 
 
 def test_served_greedy_texts_with_speculation_are_those_without(tiny_port, static_model):
-    """64 requests over 8 rows (EOS on, one to the cache's last position): each request's text is the
-    same with prompt lookup as without; and where a stop token from the middle of its answer is
-    asked, that answer up to the stop."""
+    """64 requests over 8 rows (EOS on, prefix caching on as serve has it, one request to the cache's
+    last position): each request's text is the same with prompt lookup as without; and where a stop
+    token from the middle of its answer is asked, that answer up to the stop."""
     spec = tiny_port.static
     prompts = repetitive([5 + (7 * i) % 40 for i in range(63)], seed=12)
+    prompts[32:48] = [prompts[0][:17] + p for p in prompts[32:48]]  # a block held by another row
     prompts.append(prompts[-1][:40] * 2)  # 80 tokens, then to the cache's last position
     budget = [8 + i % 9 for i in range(63)] + [spec.max_cache_len + 1 - 80]
 
     def served(speculative, stops):
-        runtime = static_runtime(static_model, spec, batch=8, speculative=speculative)
+        runtime = static_runtime(static_model, spec, batch=8, prefix_caching=True, speculative=speculative)
         calls = _recording(runtime) if speculative else []
+        engine = BatchEngine(runtime, IdTokenizer(), {1})
+        engine.metrics = Metrics("m")
         params = [SamplingParams(n, temperature=0.0, stop_token_ids=s) for n, s in zip(budget, stops)]
-        return _serve(BatchEngine(runtime, IdTokenizer(), {1}), list(zip(prompts, params))), calls
+        return _serve(engine, list(zip(prompts, params))), calls, engine.metrics.registry
 
-    expected, _ = served(None, [()] * 64)
-    got, calls = served(LOOKUP, [()] * 64)
+    expected, _, _ = served(None, [()] * 64)
+    got, calls, registry = served(LOOKUP, [()] * 64)
     assert got == expected
-    assert sum(a for _, accepted in calls for a in accepted) > 0
+    # /metrics: each verify call's rows that had drafts, their drafts, and those accepted
+    rows = [(d, a) for drafted, accepted in calls for d, a in zip(drafted, accepted) if d]
+    counted = [registry.get_sample_value(f"vllm:spec_decode_num_{name}_total", {"model_name": "m"}) for name in SPEC]
+    assert counted == [len(rows), sum(d for d, _ in rows), sum(a for _, a in rows)] and counted[2] > 0
     stops = [(a[len(a) // 2],) if i % 2 == 0 and a else () for i, a in enumerate(expected)]
-    got, _ = served(LOOKUP, stops)
+    got, _, _ = served(LOOKUP, stops)
     assert got == [a[: a.index(s[0])] if s else a for a, s in zip(expected, stops)]
+
+
+@pytest.mark.parametrize("command", ["validate", "serve"])
+def test_speculation_outside_the_static_graphs_is_one_error_line(command, capsys):
+    given = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
+    assert cli.main([command, "--backend", "eager", *given] + (["--port", "0"] if command == "serve" else [])) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: --speculative-config runs in --backend static's graphs, not --backend eager"
