@@ -14,6 +14,7 @@ from neuron_moe.static.decoder import Prefill
 from neuron_moe.static.draft import Draft, shared_layers
 from neuron_moe.static.export import functional
 from neuron_moe.static.rows import Chunk, GraphRuntime
+from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static.sampling import GREEDY
 from neuron_moe.training.assistant import assistant_config
 
@@ -168,3 +169,14 @@ def test_the_draft_graph_exports_with_fixed_shapes_the_cache_read_only_and_no_da
         exported = program.module()(*inputs)
     assert torch.equal(eager[0], exported[0])
 
+
+def test_the_runtime_drafts_over_the_cache_its_prefill_graph_wrote(tiny_port, tiny_eager, assistant):
+    """`static_runtime(..., assistant=)`: the draft graph over the runtime's own cache (the whole-row
+    layout: its sliding rings hold every position), called through `GraphRuntime.draft`."""
+    runtime = static_runtime(tiny_eager, tiny_port.static, 2, prefix_caching=True, assistant=assistant, draft_tokens=3)
+    prompts = random_prompts(tiny_port.config.vocab_size, [30, 9], seed=7)
+    tokens, _ = runtime.prefill([Chunk(p, 0, row, GREEDY) for row, p in enumerate(prompts)])
+    expected = [hf_drafts(tiny_eager, assistant, p, 3) for p in prompts]
+    assert tokens.tolist() == [e[0] for e in expected]
+    drafts, logits = runtime.draft(tokens, torch.stack([e[1] for e in expected]), torch.tensor([30, 9]))
+    assert drafts.tolist() == [e[2].tolist() for e in expected] and logits.shape == (2, 3, tiny_port.config.vocab_size)

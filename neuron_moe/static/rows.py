@@ -145,8 +145,11 @@ class GraphRuntime:
         decode_processing=None,
         vocab: int | None = None,
         copy=None,
+        draft=None,
     ):
         self._prefill, self._decode, self._copy = prefill, decode, copy
+        # the assistant's draft graph (`draft.Draft`) over the same cache; None: no assistant
+        self._draft = draft
         # a copy graph (`decoder.Copy`) over a whole-row cache: what prefix caching needs
         self.prefix_caching = copy is not None
         # the logits-processing variants (`decoder.ProcessingPrefill`, `ProcessingDecode`; None: this
@@ -198,6 +201,14 @@ class GraphRuntime:
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
         return self._out(self._decode(*self._sent((ids, positions, sampling))))
+
+    @torch.no_grad()
+    def draft(self, last_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """The assistant's k drafts after each row's last token `last_ids` [B] at `positions` [B], from
+        the target's final hidden state at the position before, `hidden` [B, H] (`draft.Draft`) ->
+        (tokens [B, k], logits [B, k, V] fp32), on the host."""
+        tokens, logits = self._draft(*self._sent((last_ids, hidden, positions)))
+        return tokens.cpu(), logits.float().cpu()
 
     def _sent(self, inputs):
         """The inputs on `device`. One already there is passed as it is, not through `to`: a call into

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
+from .draft import Draft
 from .inductor import CompiledGraph
 from .rows import GraphRuntime
 from .sampling import CANDIDATES
@@ -23,6 +24,8 @@ def static_runtime(
     compile: bool = False,
     progress: Callable[[str], None] | None = None,
     prefix_caching: bool = False,
+    assistant=None,
+    draft_tokens: int = 4,
 ) -> GraphRuntime:
     """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
     `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
@@ -33,7 +36,9 @@ def static_runtime(
     decode graphs compiled by torch.compile at their first call of each shape (`progress` told of each
     compile; the caller checked for a C++ compiler and chose the cache: `inductor.py`); the
     logits-processing variants and the copy run as modules. `prefix_caching`: the cache in the
-    whole-row layout and the `Copy` graph over it (`static/prefix.py`)."""
+    whole-row layout and the `Copy` graph over it (`static/prefix.py`). `assistant`: a
+    `Gemma4AssistantForCausalLM` for the model, and its draft graph of `draft_tokens` steps over the
+    same cache (`draft.Draft`; its sliding rings must hold the window + 1 positions it reads)."""
     shapes = spec.shapes(batch)
     if prefill_rows or chunk:  # the caller's own, over the table's
         rows = tuple(sorted({min(p, shapes.batch_size) for p in prefill_rows})) if prefill_rows else shapes.prefill_rows
@@ -42,8 +47,10 @@ def static_runtime(
     counts = new_counts(model, shapes.batch_size)
     prefill = Prefill(model, cache, spec.prefill_experts, logits=logits)
     decode = Decode(model, cache, spec.decode_experts, logits=logits)
+    draft = None if assistant is None else Draft(assistant, model, cache, draft_tokens)
     if compile:
         prefill, decode = CompiledGraph(prefill, "prefill", progress), CompiledGraph(decode, "decode", progress)
+        draft = None if draft is None else CompiledGraph(draft, "draft", progress)
     return GraphRuntime(
         prefill,
         decode,
@@ -55,4 +62,5 @@ def static_runtime(
         decode_processing=ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits),
         vocab=model.config.vocab_size,
         copy=Copy(cache) if prefix_caching else None,
+        draft=draft,
     )
