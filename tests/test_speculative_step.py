@@ -22,6 +22,7 @@ from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static.sampling import GREEDY
 
 from conftest import random_prompts
+from test_assistant import random_assistant
 from serving import IdTokenizer, serve_together, tokens_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -148,6 +149,27 @@ def test_greedy_generation_with_speculation_is_without(tiny_port, static_model):
     assert any(len({a for d, a in zip(*call) if d}) > 1 for call in calls)  # rows accepting different counts
 
 
+@torch.no_grad()
+def test_greedy_generation_with_an_assistants_drafts_is_without(tiny_port, static_model):
+    """The assistant's drafts (a random one here: drafts mostly rejected, so every row's rejected
+    slots are read around, past the window, by the verify graph and by the draft's window + 1): the
+    same tokens as without speculation; each row drafts from its second speculative step on."""
+    spec = tiny_port.static
+    prompts = random_prompts(2048, [6, 30, 12, 20], seed=13)
+    ids, mask = left_pad(prompts, 0)
+    n = spec.max_cache_len + 1 - ids.shape[1]
+    plain = generate(static_runtime(static_model, spec, batch=2, logits=True), ids, mask, n)
+    config = SpeculativeConfig("mtp", K, model="random")
+    runtime = static_runtime(
+        static_model, spec, batch=2, logits=True, speculative=config, assistant=random_assistant(tiny_port.config)
+    )
+    calls = _recording(runtime)
+    got = generate(runtime, ids, mask, n)
+    assert torch.equal(got[0], plain[0])
+    torch.testing.assert_close(got[1], plain[1], rtol=0, atol=1e-4)
+    assert sum(d == K for drafted, _ in calls for d in drafted) > len(calls)
+
+
 class Runtime:
     """One row; a prefill gives 7, and the verify graph's column i the token after its input there
     (input + 1): prompt lookup's drafts 8, 9, 10, 11 after 7 are all accepted."""
@@ -164,7 +186,7 @@ class Runtime:
         self.calls.append((ids.tolist(), positions.tolist(), drafted.tolist()))
         tokens = ids + 1
         accepted = ((ids[:, 1:] == tokens[:, :-1]).long().cumprod(-1) * (torch.arange(K) < drafted[:, None])).sum(-1)
-        return tokens, accepted, None
+        return tokens, accepted, None, None
 
 
 class Work:

@@ -155,7 +155,11 @@ class Verify(_StaticGraph):
     in one call at q = k + 1 positions.
 
     forward(input_ids [B, q], position_ids [B, q], sampling [B, 4], drafted [B] int64, uniforms [B, q])
-      -> tokens [B, q], accepted [B] int64 (, logits [B, q, V])
+      -> tokens [B, q], accepted [B] int64 (, logits [B, q, V]) (, hidden [B, q, H])
+
+    `hidden` (built for an assistant, `draft.Draft`): the target's final hidden state at each column
+    (post-norm, what its lm_head reads: HF's `hidden_states[-1]`), the assistant's input for the
+    row's next drafts (the column of its last accepted token).
 
     Row b feeds its next token at position p then its drafts at p+1.., `drafted[b]` of them (the rest
     of the row padded, at the positions after them; a row with nothing to do feeds pads). Every
@@ -173,9 +177,23 @@ class Verify(_StaticGraph):
     `pick` processes it (temperature, top-k, top-p).
     """
 
+    def __init__(self, model, cache: KVCache, experts, logits: bool = False, hidden: bool = False, **kw):
+        super().__init__(model, cache, experts, logits, **kw)
+        self.hidden = hidden
+
+    @property
+    def user_outputs(self) -> int:
+        return 2 + self.logits + self.hidden
+
     def forward(self, input_ids, position_ids, sampling, drafted, uniforms):
         masks, cache = self._step(position_ids)
-        logits = self._logits(input_ids, masks, position_ids, cache, keep=0)  # [B, q, V]
+        # the decoder, then HF's lm_head and final softcapping (Gemma4ForCausalLM's), keeping the hidden state
+        hidden = self.model.model(
+            input_ids=input_ids, attention_mask=masks, position_ids=position_ids, cache=cache, use_cache=True
+        ).last_hidden_state
+        logits = self.model.lm_head(hidden)
+        cap = self.model.config.final_logit_softcapping
+        logits = (torch.tanh(logits / cap) * cap if cap is not None else logits).float()  # [B, q, V]
         rows, q, vocab = logits.shape
         sampling = sampling.float()
         per_column = torch.cat([sampling[:, None, :3].expand(rows, q, 3), uniforms[:, :, None]], dim=-1)
@@ -184,7 +202,7 @@ class Verify(_StaticGraph):
         column = torch.arange(q - 1, device=input_ids.device)[None]
         missed = ((input_ids[:, 1:] != tokens[:, :-1]) | (column >= drafted[:, None])).long()
         accepted = (missed.cumsum(-1) == 0).sum(-1)  # the drafts before the first miss
-        outputs = (tokens, accepted) + ((logits,) if self.logits else ())
+        outputs = (tokens, accepted) + ((logits,) if self.logits else ()) + ((hidden,) if self.hidden else ())
         return outputs + self.cache.commit(cache.new)
 
 
