@@ -12,7 +12,9 @@ One step is
   takes (`runtime.prefill_rows`), or all of them (`prefill_all`). A prompt longer than
   `runtime.chunk` is prefilled a chunk per step, each attending to the row's cache of the ones
   before (chunked prefill); a row whose prompt that completes takes its first token from the call;
-- decode: one decode call for every row that is generating, each at its own position.
+- decode: one decode call for every row that is generating, each at its own position; or, with a
+  runtime built for speculative decoding (`speculative`, `verify`, and `draft` with an assistant),
+  one verify call checking each row's drafts (`_speculate`), a row taking several tokens a step.
 
 Each row's inputs are made here, on the host, once per step: its chunk (`Chunk`), or its next id,
 position and sampling (`ids`, `positions`, `sampling`: tensors made once, each row's element
