@@ -139,17 +139,20 @@ def backend_options(backend: Backend) -> dict:
     return {k: v for k, v in options.items() if v is not None}
 
 
-def generator(port, backend: Backend, checkpoint=None) -> Generator:
+def generator(port, backend: Backend, checkpoint=None, speculative=None) -> Generator:
     """What `backend` generates with on `port`'s model: its TP ranks, its exported graphs, its graphs as
-    modules (compiled or not: each compile says so on stderr), or HF's model with its experts (the reader
-    attached to it when it reads)."""
+    modules (compiled or not: each compile says so on stderr; `speculative`, a
+    `speculative.SpeculativeConfig`: speculating), or HF's model with its experts (the reader attached
+    to it when it reads)."""
     if backend.placement is not None:
         return tp_generator(port, backend, checkpoint)
     dtype = DTYPES[backend.dtype] if backend.dtype else None
     if backend.graphs == EXPORTED:
         return traced_backend(port, dtype, checkpoint, **backend.formats)
     if backend.graphs == MODULES:
-        return static_backend(port, dtype, checkpoint, backend.compile, progress=_to_stderr, **backend.formats)
+        return static_backend(
+            port, dtype, checkpoint, backend.compile, progress=_to_stderr, speculative=speculative, **backend.formats
+        )
     if _reads(backend):
         model = reader_model(port, dtype, checkpoint, backend.reader or Reader())
     else:
@@ -188,7 +191,9 @@ def compare(reference: Generation, backend: Generation, prompts: list[str]) -> l
     return rows
 
 
-def run_validation(port, tokenizer, backend: Backend, max_new_tokens: int, prompts: list[str], checkpoint=None) -> dict:
+def run_validation(
+    port, tokenizer, backend: Backend, max_new_tokens: int, prompts: list[str], checkpoint=None, speculative=None
+) -> dict:
     ids, mask = left_pad([tokenizer.encode(p) for p in prompts], tokenizer.pad_token_id)
     context = port.config.max_position_embeddings
     if ids.shape[1] + max_new_tokens > context:
@@ -197,7 +202,7 @@ def run_validation(port, tokenizer, backend: Backend, max_new_tokens: int, promp
             f"the model's context of {context} tokens"
         )
     # the backend first: a backend that refuses the input does so before the reference has run
-    generate = generator(port, backend, checkpoint)
+    generate = generator(port, backend, checkpoint, speculative)
     got = generate(ids, mask, max_new_tokens)
     reference = build_model(port, EAGER, torch.float32, checkpoint)
     ref_gen = greedy(reference, ids, mask, max_new_tokens)
@@ -214,6 +219,7 @@ def run_validation(port, tokenizer, backend: Backend, max_new_tokens: int, promp
         "backend_options": {k: str(v) for k, v in backend_options(backend).items()},
         **getattr(generate, "details", {}),  # the TP backends: layers, layer_library, tp, expert_layout
         "max_new_tokens": max_new_tokens,
+        "speculative": None if speculative is None else dataclasses.asdict(speculative),
         "all_match": all(r["seq_match"] for r in rows),
         "prompts": rows,
     }
@@ -225,6 +231,8 @@ def render_validation(report: dict) -> str:
     layers = report["backend_options"].get("quantized_layers", "").replace(",", ", ")
     experts = f", {quantization} on {layers}" if quantization else ""
     experts += ", compiled by torch.compile" if report["backend_options"].get("compile") == "inductor" else ""
+    speculative = report.get("speculative")
+    experts += f", speculative {speculative['method']} k={speculative['num_speculative_tokens']}" if speculative else ""
     lines = [
         f"SEQ_MATCH  {report['model']}: {report['backend']} ({report['backend_dtype']}{experts}) "
         f"vs {report['reference']}, {report['max_new_tokens']} new tokens"
@@ -268,6 +276,8 @@ def validate(config: RunConfig, max_new_tokens: int, prompts: list[str]) -> dict
     cache and a C++ compiler where its graphs are compiled, the machine its layers or reader kernel
     need), then SEQ_MATCH of the backend against HF eager on DEFAULT_PROMPTS and `prompts`."""
     backend = config.backend
+    if config.speculative is not None and backend.graphs != MODULES:
+        raise UserError(f"--speculative-config runs in --backend static's graphs, not --backend {backend.name}")
     if config.compile_cache and not backend.compile:
         raise UserError(
             f"--compile-cache keeps the graphs torch.compile compiled; --backend {backend.name}"
@@ -283,4 +293,5 @@ def validate(config: RunConfig, max_new_tokens: int, prompts: list[str]) -> dict
             environment.require(need)
     port = load_port(config.model)
     tokenizer = load_tokenizer(port, config.checkpoint)
-    return run_validation(port, tokenizer, backend, max_new_tokens, [*DEFAULT_PROMPTS, *prompts], config.checkpoint)
+    prompts = [*DEFAULT_PROMPTS, *prompts]
+    return run_validation(port, tokenizer, backend, max_new_tokens, prompts, config.checkpoint, config.speculative)

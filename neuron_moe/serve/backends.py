@@ -32,6 +32,7 @@ def load_engine(
     progress=None,
     prefix_caching: bool | None = None,
     rows: int | None = None,
+    speculative=None,
 ) -> Engine:
     """The engine for `backend` (one of BACKENDS, or its name): the port's static graphs on CPU
     (MODULES, batched, at the shapes of the port's [static] table: `port.with_shapes`; `compile`: each
@@ -40,7 +41,8 @@ def load_engine(
     (COMPILED, batched; `prefix_caching` None: as the artifact was built) or an experts
     implementation in transformers' model on CPU (`rows` of it, default 1, each with a cache of its
     own: `hf_runtime.py`). The CPU backends' linears
-    are in the backend's formats (its quantization on its quantized_layers); an artifact's, its own."""
+    are in the backend's formats (its quantization on its quantized_layers); an artifact's, its own.
+    `speculative` (a `speculative.SpeculativeConfig`, MODULES only): the static graphs speculate."""
     if isinstance(backend, str):
         backend = check_serve_backend(backend)
     if backend.graphs == COMPILED:  # the artifact's own tokenizer (digest-checked), unless --checkpoint gives one
@@ -52,7 +54,12 @@ def load_engine(
         spec = port.static_spec(f"--backend {backend.name}")
         model = build_model(port, spec.decode_experts, dtype, checkpoint, **backend.formats)
         runtime = static_runtime(
-            model, spec, compile=compile, progress=progress, prefix_caching=prefix_caching is not False
+            model,
+            spec,
+            compile=compile,
+            progress=progress,
+            prefix_caching=prefix_caching is not False,
+            speculative=speculative,
         )
         return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, model.config))
     model = build_model(port, backend.experts, dtype, checkpoint, **backend.formats)

@@ -29,6 +29,11 @@ what its cache holds; a request whose prompt begins with a prefix some row holds
 takes that row if it is free, or has the prefix copied into the row it takes, and prefills only
 the rest. The lookups and hits are counted into /metrics as vLLM counts them.
 
+Speculative decoding (a runtime with a verify graph, `--speculative-config`): a step drafts tokens for
+each row and checks them in one verify call (`Rows`), a row taking several tokens a step, each
+through its request's id side as above; the drafts and the accepted ones are counted into /metrics
+as vLLM counts them.
+
 Sampling happens in the graphs (`static/sampling.py`): each row's sampling input carries its
 request's temperature, top-k, top-p and a uniform draw from the request's own seeded generator
 (`engine.Output.sampling`), so a seeded request gets the same tokens whatever runs beside it.
@@ -204,6 +209,7 @@ class BatchEngine(Engine):
         self.batch = Rows(runtime, prefix=prefix)  # the request in each row
         self.batch.counted = self._counted
         self.batch.looked_up = self._looked_up
+        self.batch.verified = self._verified
         self.metrics = None  # a metrics.Metrics, once a server counts this engine's calls
         self._waiting: deque[_Request] = deque()
         self._wake = threading.Condition()
@@ -332,3 +338,8 @@ class BatchEngine(Engine):
         if self.metrics is not None:
             self.metrics.prefix_cache_queries.inc(queries)
             self.metrics.prefix_cache_hits.inc(hits)
+
+    def _verified(self, drafted: list[int], accepted: list[int]) -> None:
+        """A verify step (speculative decoding) into /metrics: each row's drafts and those it accepted."""
+        if self.metrics is not None:
+            self.metrics.spec_decoded(drafted, accepted)

@@ -122,6 +122,8 @@ def plan_load(config: RunConfig, stopper: ready.Stopper | None = None):
         raise ServeError("--revision picks the revision of --checkpoint ORG/NAME: pass --checkpoint too")
     backend, caching = config.backend, serving.prefix_caching  # a spec.serve_backends entry in its format
     check_batching_flags(config)
+    if config.speculative is not None and backend.graphs != MODULES:
+        raise ServeError(f"--speculative-config runs in --backend static's graphs, not --backend {backend.name}")
     if backend.graphs == MODULES:
         port = with_shapes(port, config.shapes)  # the graphs' shapes: the port's [static], the flags over it
         check_static_memory(port, DTYPES[backend.dtype] if backend.dtype else port.dtype, caching is not False)
@@ -164,6 +166,7 @@ def plan_load(config: RunConfig, stopper: ready.Stopper | None = None):
             progress=log.info,
             prefix_caching=caching,
             rows=serving.max_running,
+            speculative=config.speculative,
         )
         found = neuron.read_manifest(local) if backend.graphs == COMPILED else None
         dtype = found["dtype"] if found else str(backend.dtype or port.dtype).removeprefix("torch.")

@@ -35,7 +35,10 @@ never read (every ring index then holds a negative position, which the masks hid
 slot is written by its own chunk or decode step before anything attends to it. A row between two
 chunks of its prompt sits in the decode batch with nothing to do at position s (the next chunk's
 first): the one slot that writes is the next chunk's to rewrite, and no query of that chunk
-attends to what it held (position s - length).
+attends to what it held (position s - length). A verify step (speculative decoding) writes a row's
+fed token and its drafts at p..p+k before its queries attend, and keeps only the accepted ones: the
+slots of the rest hold positions the row has not reached, which the masks hide until the row's next
+call rewrites them, given a layout with `slack` k (`cache_layout`).
 
 Why not transformers' StaticCache: its StaticSlidingWindowLayer branches on a Python int (how
 full the window is), so an exported graph would freeze one branch — transformers' own export
@@ -66,15 +69,22 @@ class LayerCache:
     length: int  # ring slots
 
 
-def cache_layout(config: Gemma4TextConfig, max_cache_len: int, whole_rows: bool = False) -> list[LayerCache]:
+def cache_layout(
+    config: Gemma4TextConfig, max_cache_len: int, whole_rows: bool = False, slack: int = 0
+) -> list[LayerCache]:
     """Per layer: global (full attention) layers have their own head_dim and KV-head count.
-    `whole_rows`: sliding layers keep every position too (prefix caching), at max_cache_len slots."""
+    `whole_rows`: sliding layers keep every position too (prefix caching), at max_cache_len slots.
+    `slack`: every layer `slack` slots longer, for a graph that writes up to `slack` positions past a
+    row's latest real one (speculative decoding's verify graph: its drafts, rejected or padded). A
+    query then never reads such a slot: in a global layer it lies past every position the row's
+    queries hold (a ring of max_cache_len + slack never wraps), in a sliding layer it is at least a
+    window behind the query (the ring holds the window and the slack, and the masks keep the window)."""
     layout = []
     for i, kind in enumerate(config.layer_types):
         layer = config.per_layer_config[i]
         window = max_cache_len if whole_rows else config.sliding_window
         length = min(window, max_cache_len) if kind == SLIDING else max_cache_len
-        layout.append(LayerCache(kind, layer.num_key_value_heads, layer.head_dim, length))
+        layout.append(LayerCache(kind, layer.num_key_value_heads, layer.head_dim, length + slack))
     return layout
 
 
@@ -240,15 +250,18 @@ def chunk_mask(
 
 
 def decode_mask(positions: torch.Tensor, length: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
-    """Each row's query at its position ([B, 1]) against its ring of `length` indices: an index is
-    visible if it holds a position (>= 0), which is then a real one of that row at most the query's;
-    a ring of at most the window's length is the window itself, a longer one (a sliding layer in the
-    whole-row layout) also hides what lies `window` or more before the query."""
-    held = ring_positions(positions, length)
+    """Each row's queries at their positions ([B, S]: a decode step's one, a verify step's S in a row)
+    against its ring of `length` indices ([B, 1, S, length]): an index is visible if it holds a
+    position (>= 0) at most the query's, which is then a real one of that row; a ring of at most the
+    window's length is the window itself, a longer one (a sliding layer in the whole-row layout, or
+    with slack) also hides what lies `window` or more before the query. A verify step writes its S
+    positions before attending: for its earlier queries an index holding a later one of them reads as
+    that position less `length`, hidden (negative, or a window behind: `cache_layout`'s slack)."""
+    held = ring_positions(positions, length).view(*positions.shape, length)
     visible = held >= 0
     if window is not None and length > window:
-        visible = visible & (positions.reshape(-1, 1) - held < window)
-    return _additive(visible[:, None, :], dtype)
+        visible = visible & (positions[..., None] - held < window)
+    return _additive(visible, dtype)
 
 
 def copy_rows(state: KVCache, src_row: torch.Tensor, dst_row: torch.Tensor) -> list[torch.Tensor]:

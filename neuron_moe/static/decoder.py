@@ -18,6 +18,11 @@ The calls (every shape fixed at build time; P prefill rows, B = the cache's rows
            (a row id may repeat with the very same inputs: P is padded that way)
   Decode   (input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1]
            every row at its own position; a row with nothing to do writes its own slot only
+  Verify   (input_ids [B, q], position_ids [B, q], sampling [B, 4], drafted [B], uniforms [B, q])
+           -> tokens [B, q], accepted [B]
+           speculative decoding: each row's fed token and up to q - 1 drafts, at q positions from
+           its own; column i's token the one Decode would pick there, the drafts taken while they
+           are those tokens (a cache with `slack` q - 1: the rejected drafts' slots, `cache.py`)
   Copy     (src_row [1], dst_row [1]) -> dst_row [1, 1]
            row src_row of every layer's K and V copied whole into row dst_row (prefix caching:
            the destination's prompt begins with a prefix the source holds; `cache.copy_rows`)
@@ -40,11 +45,15 @@ from .sampling import CANDIDATES, TOP_LOGPROBS, count_tokens, logprobs, process
 from .sampling import pick as pick_token
 
 
-def new_cache(model, max_cache_len: int, rows: int, aliased: bool = False, whole_rows: bool = False) -> KVCache:
+def new_cache(
+    model, max_cache_len: int, rows: int, aliased: bool = False, whole_rows: bool = False, slack: int = 0
+) -> KVCache:
     """Zeroed KV state for `model` (its KV heads per layer: a rank module's are its own share);
-    `whole_rows`: the layout prefix caching copies rows of (`cache.cache_layout`)."""
+    `whole_rows`: the layout prefix caching copies rows of; `slack`: the slots a verify graph of
+    `slack` drafts writes past a row's latest position (`cache.cache_layout`)."""
     weight = model.model.embed_tokens.weight
-    return KVCache(cache_layout(model.config, max_cache_len, whole_rows), rows, weight.dtype, weight.device, aliased)
+    layout = cache_layout(model.config, max_cache_len, whole_rows, slack)
+    return KVCache(layout, rows, weight.dtype, weight.device, aliased)
 
 
 def new_counts(model, rows: int, aliased: bool = False) -> TokenCounts:
@@ -139,6 +148,62 @@ class Decode(_StaticGraph):
     def forward(self, input_ids, position_ids, sampling):
         masks, cache = self._step(position_ids)
         return self._run(input_ids, masks, position_ids, sampling, cache)
+
+
+class Verify(_StaticGraph):
+    """The target's verify graph (speculative decoding): each row's fed token and its drafts, checked
+    in one call at q = k + 1 positions.
+
+    forward(input_ids [B, q], position_ids [B, q], sampling [B, 4], drafted [B] int64, uniforms [B, q])
+      -> tokens [B, q], accepted [B] int64 (, logits [B, q, V]) (, hidden [B, q, H])
+
+    `hidden` (built for an assistant, `draft.Draft`): the target's final hidden state at each column
+    (post-norm, what its lm_head reads: HF's `hidden_states[-1]`), the assistant's input for the
+    row's next drafts (the column of its last accepted token).
+
+    Row b feeds its next token at position p then its drafts at p+1.., `drafted[b]` of them (the rest
+    of the row padded, at the positions after them; a row with nothing to do feeds pads). Every
+    position's KV is written, attending as a decode step at that position would (`decode_mask`): the
+    slots of rejected and padded drafts are rewritten by the row's next call before any query reads
+    them, which the cache's slack (`cache_layout`) guarantees. Column i's token is the one the decode
+    graph would pick after the row's input up to column i (`pick`, at u = uniforms[:, i]) and
+    `accepted` the leading drafts that are those very tokens: tokens[b, :accepted[b] + 1] is what that
+    many decode steps give, the last a correction or the bonus token. For a greedy row that is
+    greedy decoding itself. For a sampled row it is rejection sampling against a deterministic draft
+    (prompt lookup, an assistant's argmax; Leviathan et al. 2023): the draft d is taken with
+    probability p(d), the chance that the target's own draw is d, and on a miss the token is that
+    draw, which given it is not d follows max(0, p - onehot(d)), renormalised: the residual the
+    rejection sampler draws from. So every row's tokens follow the target's distribution, as
+    `pick` processes it (temperature, top-k, top-p).
+    """
+
+    def __init__(self, model, cache: KVCache, experts, logits: bool = False, hidden: bool = False, **kw):
+        super().__init__(model, cache, experts, logits, **kw)
+        self.hidden = hidden
+
+    @property
+    def user_outputs(self) -> int:
+        return 2 + self.logits + self.hidden
+
+    def forward(self, input_ids, position_ids, sampling, drafted, uniforms):
+        masks, cache = self._step(position_ids)
+        # the decoder, then HF's lm_head and final softcapping (Gemma4ForCausalLM's), keeping the hidden state
+        hidden = self.model.model(
+            input_ids=input_ids, attention_mask=masks, position_ids=position_ids, cache=cache, use_cache=True
+        ).last_hidden_state
+        logits = self.model.lm_head(hidden)
+        cap = self.model.config.final_logit_softcapping
+        logits = (torch.tanh(logits / cap) * cap if cap is not None else logits).float()  # [B, q, V]
+        rows, q, vocab = logits.shape
+        sampling = sampling.float()
+        per_column = torch.cat([sampling[:, None, :3].expand(rows, q, 3), uniforms[:, :, None]], dim=-1)
+        flat = logits.reshape(rows * q, vocab)
+        tokens = self.pick(flat, per_column.reshape(rows * q, 4)).reshape(rows, q)
+        column = torch.arange(q - 1, device=input_ids.device)[None]
+        missed = ((input_ids[:, 1:] != tokens[:, :-1]) | (column >= drafted[:, None])).long()
+        accepted = (missed.cumsum(-1) == 0).sum(-1)  # the drafts before the first miss
+        outputs = (tokens, accepted) + ((logits,) if self.logits else ()) + ((hidden,) if self.hidden else ())
+        return outputs + self.cache.commit(cache.new)
 
 
 class _Processing(_StaticGraph):

@@ -138,15 +138,16 @@ def traced_backend(port, dtype=None, checkpoint=None, **formats):
     return StaticGenerator(model, spec, logits=True).generate
 
 
-def static_backend(port, dtype=None, checkpoint=None, compile: bool = True, progress=None, **formats):
+def static_backend(port, dtype=None, checkpoint=None, compile: bool = True, progress=None, speculative=None, **formats):
     """`validate --backend static`: the port's graphs as `serve --backend static` runs them (modules over
     one KV cache of the port's batch size, prompts longer than the prefill chunk prefilled a chunk at a
-    time; compiled by torch.compile unless `compile=False`, `progress` told of each compile), built to
-    return the logits too, the weights in `formats` as traced_backend's. Prompts that do not fit the
-    cache are refused before any graph runs."""
+    time; compiled by torch.compile unless `compile=False`, `progress` told of each compile; speculating
+    as `speculative` says, a `speculative.SpeculativeConfig`), built to return the logits too, the
+    weights in `formats` as traced_backend's. Prompts that do not fit the cache are refused before any
+    graph runs."""
     spec = port.static_spec("validate --backend static")
     model = build_model(port, spec.decode_experts, dtype, checkpoint, **formats)
-    runtime = static_runtime(model, spec, logits=True, compile=compile, progress=progress)
+    runtime = static_runtime(model, spec, logits=True, compile=compile, progress=progress, speculative=speculative)
 
     @torch.no_grad()
     def generate_static(input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> Generation:

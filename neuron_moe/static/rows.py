@@ -12,7 +12,9 @@ One step is
   takes (`runtime.prefill_rows`), or all of them (`prefill_all`). A prompt longer than
   `runtime.chunk` is prefilled a chunk per step, each attending to the row's cache of the ones
   before (chunked prefill); a row whose prompt that completes takes its first token from the call;
-- decode: one decode call for every row that is generating, each at its own position.
+- decode: one decode call for every row that is generating, each at its own position; or, with a
+  runtime built for speculative decoding (`speculative`, `verify`, and `draft` with an assistant),
+  one verify call checking each row's drafts (`_speculate`), a row taking several tokens a step.
 
 Each row's inputs are made here, on the host, once per step: its chunk (`Chunk`), or its next id,
 position and sampling (`ids`, `positions`, `sampling`: tensors made once, each row's element
@@ -84,6 +86,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..run_config import Shapes
+from ..speculative import ngram_propose
 from .sampling import BIAS_WIDTH, GREEDY, NEUTRAL, neutral_inputs
 
 
@@ -145,8 +148,14 @@ class GraphRuntime:
         decode_processing=None,
         vocab: int | None = None,
         copy=None,
+        verify=None,
+        speculative=None,
+        draft=None,
     ):
         self._prefill, self._decode, self._copy = prefill, decode, copy
+        # speculative decoding: the verify graph (`decoder.Verify`) and its `speculative.SpeculativeConfig`,
+        # and the assistant's draft graph (`draft.Draft`) over the same cache (None: no assistant)
+        self._verify, self.speculative, self._draft = verify, speculative, draft
         # a copy graph (`decoder.Copy`) over a whole-row cache: what prefix caching needs
         self.prefix_caching = copy is not None
         # the logits-processing variants (`decoder.ProcessingPrefill`, `ProcessingDecode`; None: this
@@ -198,6 +207,29 @@ class GraphRuntime:
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
         return self._out(self._decode(*self._sent((ids, positions, sampling))))
+
+    @torch.no_grad()
+    def verify(self, ids, positions, sampling, drafted, uniforms):
+        """The verify graph (`decoder.Verify`): ids and positions [B, q], sampling [B, 4], drafted [B],
+        uniforms [B, q] -> (tokens [B, q], accepted [B], logits [B, q, V] or None, hidden [B, q, H] or
+        None: the target's final hidden state, with an assistant), on the host."""
+        outputs = self._verify(*self._sent((ids, positions, sampling, drafted, uniforms)))
+        hidden = self._draft is not None
+        logits = self.logits if self.logits is not None else len(outputs) > 2 + hidden
+        return (
+            outputs[0].cpu(),
+            outputs[1].cpu(),
+            outputs[2].float().cpu() if logits else None,
+            outputs[2 + logits].cpu() if hidden else None,
+        )
+
+    @torch.no_grad()
+    def draft(self, last_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """The assistant's k drafts after each row's last token `last_ids` [B] at `positions` [B], from
+        the target's final hidden state at the position before, `hidden` [B, H] (`draft.Draft`) ->
+        (tokens [B, k], logits [B, k, V] fp32), on the host."""
+        tokens, logits = self._draft(*self._sent((last_ids, hidden, positions)))
+        return tokens.cpu(), logits.float().cpu()
 
     def _sent(self, inputs):
         """The inputs on `device`. One already there is passed as it is, not through `to`: a call into
@@ -273,6 +305,12 @@ class Rows:
         self.counted: Callable[[str, int], None] | None = None
         # called after each prefix lookup: (prompt tokens queried, tokens taken from a held prefix)
         self.looked_up: Callable[[int, int], None] | None = None
+        # called after each verify call (speculation): the drafts of each row that had any, and how
+        # many of them it accepted
+        self.verified: Callable[[list[int], list[int]], None] | None = None
+        self._spoken: dict[int, tuple[object, list[int]]] = {}  # per row: (its work, the tokens it took)
+        # per row, with an assistant: (its work, the position of its fed token, the target's hidden state before it)
+        self._hidden: dict[int, tuple[object, int, torch.Tensor]] = {}
         self._done = [0] * self.batch  # prompt tokens prefilled so far, per row
         self._asks = [False] * self.batch  # whether each row's work runs in the logits-processing variants
         self._fed = [NEUTRAL[4:]] * self.batch  # its (reset, fed_prompt, fed_output) flags for its next decode
@@ -292,7 +330,7 @@ class Rows:
         the decode ran."""
         self._admit(take)
         self._prefill()
-        return self._decode()
+        return self._speculate() if getattr(self.runtime, "speculative", None) else self._decode()
 
     def free(self, row: int, error: Exception | None = None) -> None:
         """End the work in `row` (with `error`, if it failed) and free the row."""
@@ -444,6 +482,99 @@ class Rows:
             else:
                 self._next(row, tokens[row], row_logits)
         return rows
+
+    def _speculate(self) -> list[int]:
+        """The decode of a runtime built with speculation: each generating row proposes up to k drafts
+        (`_drafts`), one verify call checks them all (`GraphRuntime.verify`), and each row takes its
+        accepted drafts and the token after them through its work's `next`, one at a time (so an end
+        mid-way drops the rest), its position advancing by what it took. A step in which some row asks
+        for logits processing, or (prompt lookup) no row has a draft, is a plain decode step
+        (`_decode`): those rows' processing (penalties, bias, grammar, logprobs) applies at one
+        position a step as without speculation, and their steps speculate for no row."""
+        rows = self.generating()
+        if any(self._asks[row] for row in rows):
+            return self._decode()
+        drafts = self._drafts(rows)
+        if not any(drafts.values()) and self.runtime.speculative.method == "ngram":
+            return self._decode()
+        ids, positions, drafted, uniforms = self._verify_inputs(rows, drafts)
+        tokens, accepted, logits, hidden = self._call(
+            "verify", rows, self.runtime.verify, ids, positions, self.sampling, drafted, uniforms
+        )
+        self.steps += 1
+        if self.verified is not None:
+            proposed = [row for row in rows if drafts[row]]
+            self.verified([len(drafts[row]) for row in proposed], [int(accepted[row]) for row in proposed])
+        for row in rows:
+            n = int(accepted[row]) + 1
+            if self.prefix is not None:  # the row's cache now holds its fed token and the drafts it took
+                self.prefix.extend(row, ids[row, :n].tolist())
+            work = self.slots[row]
+            if row in self._spoken:
+                self._spoken[row][1].extend(tokens[row, :n].tolist())
+            if hidden is not None:  # the assistant's input at the row's next token: the last one it took here
+                self._hidden[row] = (work, int(self._positions[row, 0]) + n, hidden[row, n - 1])
+            for i, token in enumerate(tokens[row, :n].tolist()):
+                self._positions[row, 0] += 1
+                self._next(row, token, None if logits is None else logits[row, i])
+                if self.slots[row] is not work:  # it ended: the rest is dropped
+                    break
+        return rows
+
+    def _drafts(self, rows: list[int]) -> dict[int, list[int]]:
+        """Each generating row's drafts: prompt lookup over its tokens (`speculative.ngram_propose`), or
+        the assistant's k (`GraphRuntime.draft`) from the target's hidden state at the position before
+        the row's fed token, which the row's last verify call gave (none before that: its first
+        speculative step drafts nothing, and its verify call gives it)."""
+        config = self.runtime.speculative
+        k = config.num_speculative_tokens
+        if config.method == "ngram":
+            low, high = config.prompt_lookup_min, config.prompt_lookup_max
+            return {row: ngram_propose(self._context(row), k, low, high)[:k] for row in rows}
+        held = {}
+        for row in rows:
+            work, position, state = self._hidden.get(row, (None, None, None))
+            if work is self.slots[row] and position == int(self._positions[row, 0]):
+                held[row] = state
+        if not held:
+            return {row: [] for row in rows}
+        states = torch.zeros(self.batch, next(iter(held.values())).shape[-1])
+        for row, state in held.items():
+            states[row] = state
+        tokens = self.runtime.draft(self.ids[:, 0], states, self.positions[:, 0])[0]
+        return {row: tokens[row].tolist() if row in held else [] for row in rows}
+
+    def _context(self, row: int) -> list[int]:
+        """The row's tokens: its prompt, those it took, and the one it is fed now (what prompt lookup
+        searches). Kept per row from its first generating step on: what a verify call gave it is added
+        there, a plain decode step's token here, as the row's position shows it."""
+        work = self.slots[row]
+        seen = self._spoken.get(row)
+        if seen is None or seen[0] is not work:
+            seen = self._spoken[row] = (work, [])
+        if len(seen[1]) < int(self._positions[row, 0]) + 1 - len(work.prompt):  # a plain step's token, fed now
+            seen[1].append(int(self._ids[row, 0]))
+        return work.prompt + seen[1]
+
+    def _verify_inputs(self, rows: list[int], drafts: dict[int, list[int]]):
+        """The verify call's ids and positions [B, q] (each row's fed token, then its drafts padded),
+        drafted [B] and uniforms [B, q] (a sampled row's own draw for each column it fills, `sampling`;
+        its sampling row in `self.sampling`), every row's positions running on from its own."""
+        q = self.runtime.speculative.num_speculative_tokens + 1
+        ids = torch.full((self.batch, q), self.runtime.pad_id, dtype=torch.long)
+        ids[:, 0] = self.ids[:, 0]
+        positions = self.positions + torch.arange(q)
+        drafted = torch.zeros(self.batch, dtype=torch.long)
+        uniforms = torch.zeros(self.batch, q)
+        self._sampling[:] = GREEDY
+        for row in rows:
+            work, n = self.slots[row], len(drafts[row])
+            ids[row, 1 : 1 + n] = torch.tensor(drafts[row], dtype=torch.long)
+            drafted[row] = n
+            draws = [work.sampling() for _ in range(n + 1)]
+            self._sampling[row] = draws[0]
+            uniforms[row, : n + 1] = torch.tensor([d[3] for d in draws])
+        return ids, positions, drafted, uniforms
 
     def _processing_inputs(self, asking: list[int]):
         """(process, bias_ids, bias, mask) of the variant decode: neutral but for the rows that ask."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
+from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, Verify, new_cache, new_counts
+from ..errors import UserError
+from .draft import Draft
 from .inductor import CompiledGraph
 from .rows import GraphRuntime
 from .sampling import CANDIDATES
@@ -23,6 +25,9 @@ def static_runtime(
     compile: bool = False,
     progress: Callable[[str], None] | None = None,
     prefix_caching: bool = False,
+    speculative=None,
+    assistant=None,
+    draft_tokens: int = 4,
 ) -> GraphRuntime:
     """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
     `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
@@ -33,17 +38,34 @@ def static_runtime(
     decode graphs compiled by torch.compile at their first call of each shape (`progress` told of each
     compile; the caller checked for a C++ compiler and chose the cache: `inductor.py`); the
     logits-processing variants and the copy run as modules. `prefix_caching`: the cache in the
-    whole-row layout and the `Copy` graph over it (`static/prefix.py`)."""
+    whole-row layout and the `Copy` graph over it (`static/prefix.py`). `assistant`: a
+    `Gemma4AssistantForCausalLM` for the model, and its draft graph of `draft_tokens` steps over the
+    same cache (`draft.Draft`; its sliding rings must hold the window + 1 positions it reads).
+    `speculative` (a `speculative.SpeculativeConfig`): the `Verify` graph of its k drafts too (and
+    k draft steps of the `assistant` an mtp config needs), over a cache with the slack they need
+    (`cache.cache_layout`): the verify graph writes k positions past a row's latest, which the
+    draft, reading the window + 1 positions before its query, must not find there either."""
     shapes = spec.shapes(batch)
     if prefill_rows or chunk:  # the caller's own, over the table's
         rows = tuple(sorted({min(p, shapes.batch_size) for p in prefill_rows})) if prefill_rows else shapes.prefill_rows
         shapes = replace(shapes, prefill_rows=rows, prefill_chunk=chunk or shapes.prefill_chunk)
-    cache = new_cache(model, spec.max_cache_len, shapes.batch_size, whole_rows=prefix_caching)
+    if speculative and speculative.method == "mtp" and assistant is None:
+        raise UserError(
+            f"--speculative-config: the assistant {speculative.model!r} is not loaded for the static graphs"
+        )
+    draft_tokens = speculative.num_speculative_tokens if speculative else draft_tokens
+    # a verify step's k slots past the row, and one more ahead of the window + 1 a draft reads
+    slack = draft_tokens + (assistant is not None) if speculative else 0
+    cache = new_cache(model, spec.max_cache_len, shapes.batch_size, whole_rows=prefix_caching, slack=slack)
     counts = new_counts(model, shapes.batch_size)
     prefill = Prefill(model, cache, spec.prefill_experts, logits=logits)
     decode = Decode(model, cache, spec.decode_experts, logits=logits)
+    verify = speculative and Verify(model, cache, spec.decode_experts, logits=logits, hidden=assistant is not None)
+    draft = None if assistant is None else Draft(assistant, model, cache, draft_tokens)
     if compile:
         prefill, decode = CompiledGraph(prefill, "prefill", progress), CompiledGraph(decode, "decode", progress)
+        verify = verify and CompiledGraph(verify, "verify", progress)
+        draft = draft and CompiledGraph(draft, "draft", progress)
     return GraphRuntime(
         prefill,
         decode,
@@ -55,4 +77,7 @@ def static_runtime(
         decode_processing=ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits),
         vocab=model.config.vocab_size,
         copy=Copy(cache) if prefix_caching else None,
+        verify=verify,
+        speculative=speculative,
+        draft=draft,
     )

@@ -1,0 +1,182 @@
+"""The MTP assistant: the static draft graph (`static/draft.py`) against HF's candidate generator."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from transformers import GenerationConfig, Gemma4AssistantForCausalLM
+from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
+
+from neuron_moe.static import data_dependent_ops
+from neuron_moe.static.cache import SLIDING, KVCache, cache_layout
+from neuron_moe.static.decoder import Prefill
+from neuron_moe.static.draft import Draft, shared_layers
+from neuron_moe.static.export import functional
+from neuron_moe.static.rows import Chunk, GraphRuntime
+from neuron_moe.static.runtime import static_runtime
+from neuron_moe.static.sampling import GREEDY
+from neuron_moe.training.assistant import assistant_config
+
+from conftest import random_prompts
+
+K = 4
+MAX_CACHE_LEN = 96
+
+
+def random_assistant(target_config, seed: int = 0) -> Gemma4AssistantForCausalLM:
+    """A small assistant over the target, HF's initialisation from `seed`, its norms perturbed (HF sets
+    them to 1: a norm applied twice or skipped would not show) and its projections scaled up (at HF's
+    0.02 the drafts would hardly depend on the target's state)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Gemma4AssistantForCausalLM(assistant_config(target_config, hidden_size=64, intermediate_size=128))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(0.2 * torch.randn(param.shape))
+                elif name.endswith("proj.weight"):
+                    param.mul_(10.0)
+    model.set_attn_implementation("eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def assistant(tiny_port):
+    return random_assistant(tiny_port.config)
+
+
+def hf_drafts(target, assistant, prompt: list[int], k: int):
+    """HF's candidate generator on its first round: the target prefilled with `prompt`, its greedy
+    token appended -> (that token, the target's hidden state at the prompt's last position, the k
+    drafts [k], their logits [k, V])."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True, return_shared_kv_states=True)
+    bonus = out.logits[:, -1].argmax(-1, keepdim=True)
+    ids = torch.cat([ids, bonus], dim=1)
+    assistant.generation_config.num_assistant_tokens = k
+    gen = SinglePositionMultiTokenCandidateGenerator(
+        assistant, target.get_input_embeddings(), GenerationConfig(max_length=ids.shape[1] + k + 1)
+    )
+    mask = torch.ones_like(ids)
+    candidates, logits = gen.get_candidates(
+        ids, model_kwargs={"attention_mask": mask}, model_outputs=out, is_first_iteration=False, n_last_matches=0
+    )
+    return int(bonus), out.hidden_states[-1][0, -1], candidates[0, ids.shape[1] :], logits[0]
+
+
+def widened(layout, length: int):
+    """`layout` with every sliding ring `length` slots long."""
+    return [dataclasses.replace(spec, length=length) if spec.kind == SLIDING else spec for spec in layout]
+
+
+def prefilled(model, layout, prompts: list[list[int]], bucket: int = 56) -> KVCache:
+    """A KV cache with row b holding `prompts[b]`, written by the static Prefill graph a chunk of at
+    most `bucket` tokens at a time (a long prompt's later chunks attend to its ring)."""
+    cache = KVCache(layout, len(prompts), torch.float32)
+    runtime = GraphRuntime(Prefill(model, cache, "dense_masked"), None, _shapes(len(prompts), bucket))
+    for row, prompt in enumerate(prompts):
+        for start in range(0, len(prompt), bucket):
+            runtime.prefill([Chunk(prompt[start : start + bucket], start, row, GREEDY)])
+    return cache
+
+
+def _shapes(batch: int, bucket: int):
+    from neuron_moe.run_config import Shapes
+
+    return Shapes(batch_size=batch, buckets=[bucket], max_cache_len=MAX_CACHE_LEN)
+
+
+# rows at positions inside the window, just past it (W + 1, W + 2), and far past it over several chunks
+LENGTHS = [5, 17, 18, 40, 75]
+
+
+@pytest.mark.parametrize("ring", ["window + k + 1", "whole rows"])
+def test_the_draft_graph_drafts_what_hfs_candidate_generator_drafts(tiny_port, tiny_eager, assistant, ring):
+    """Rows at different positions, some past the sliding window, over the static Prefill graph's
+    cache: the draft graph's tokens are HF's, its logits HF's to fp32 rounding of a few small layers."""
+    config = tiny_port.config
+    layout = cache_layout(config, MAX_CACHE_LEN, whole_rows=ring == "whole rows")
+    if ring != "whole rows":
+        layout = widened(layout, config.sliding_window + K + 1)
+    prompts = random_prompts(config.vocab_size, LENGTHS, seed=3)
+    cache = prefilled(tiny_eager, layout, prompts)
+    expected = [hf_drafts(tiny_eager, assistant, p, K) for p in prompts]
+    draft = Draft(assistant, tiny_eager, cache, K)
+    with torch.no_grad():
+        tokens, logits = draft(
+            torch.tensor([e[0] for e in expected]),
+            torch.stack([e[1] for e in expected]),
+            torch.tensor([len(p) for p in prompts]),
+        )
+    assert tokens.shape == (len(prompts), K) and logits.shape == (len(prompts), K, config.vocab_size)
+    for row, (_, _, hf_tokens, hf_logits) in enumerate(expected):
+        assert tokens[row].tolist() == hf_tokens.tolist(), f"row {row} at position {LENGTHS[row]}"
+        torch.testing.assert_close(logits[row], hf_logits.float(), rtol=1e-4, atol=1e-4)
+    # the drafts differ from row to row: the comparison is not of constants
+    assert len({tuple(t) for t in tokens.tolist()}) == len(prompts)
+
+
+def test_the_draft_reads_the_window_plus_one_positions_before_its_query(tiny_port, tiny_eager, assistant):
+    """One position more or less in a sliding layer changes the drafts: what the test above holds is
+    the window HF's assistant reads (W + 1 positions), not a near miss."""
+    config = tiny_port.config
+    layout = widened(cache_layout(config, MAX_CACHE_LEN), config.sliding_window + K + 1)
+    prompt = random_prompts(config.vocab_size, [40], seed=5)[0]
+    cache = prefilled(tiny_eager, layout, [prompt])
+    bonus, hidden, hf_tokens, hf_logits = hf_drafts(tiny_eager, assistant, prompt, K)
+    inputs = (torch.tensor([bonus]), hidden[None], torch.tensor([len(prompt)]))
+    for window in (config.sliding_window - 1, config.sliding_window + 1):
+        draft = Draft(assistant, tiny_eager, cache, K)
+        draft.window = window
+        with torch.no_grad():
+            _, logits = draft(*inputs)
+        assert not torch.allclose(logits[0], hf_logits.float(), rtol=1e-4, atol=1e-4), window
+
+
+def test_a_ring_shorter_than_the_window_plus_one_is_refused(tiny_port, tiny_eager, assistant):
+    cache = KVCache(cache_layout(tiny_port.config, MAX_CACHE_LEN), 1, torch.float32)
+    with pytest.raises(ValueError, match="holds 16 positions: the draft reads the 17 before its query"):
+        Draft(assistant, tiny_eager, cache, K)
+
+
+def test_the_assistant_reads_the_last_sliding_and_the_last_full_attention_layer(tiny_port):
+    assert shared_layers(tiny_port.config) == {SLIDING: 2, "full_attention": 3}
+
+
+def test_the_draft_graph_exports_with_fixed_shapes_the_cache_read_only_and_no_data_dependent_op(
+    tiny_port, tiny_eager, assistant
+):
+    config = tiny_port.config
+    layout = widened(cache_layout(config, MAX_CACHE_LEN), config.sliding_window + K + 1)
+    cache = KVCache(layout, 3, torch.float32)
+    draft = Draft(assistant, tiny_eager, cache, K)
+    inputs = (torch.tensor([5, 6, 7]), torch.randn(3, config.hidden_size), torch.tensor([3, 20, 60]))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="While compiling, we found certain side effects")
+        program = functional(torch.export.export(draft, inputs, strict=True))
+    assert data_dependent_ops(program) == []
+    sig = program.graph_signature
+    assert not sig.buffers_to_mutate  # reads the target's KV, writes nothing
+    nodes = {n.name: n for n in program.graph.nodes}
+    shapes = [tuple(nodes[o].meta["val"].shape) for o in sig.user_outputs]
+    assert shapes == [(3, K), (3, K, config.vocab_size)]
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    assert all(type(d) is int for n in placeholders for d in n.meta["val"].shape)
+    with torch.no_grad():
+        eager = draft(*inputs)
+        exported = program.module()(*inputs)
+    assert torch.equal(eager[0], exported[0])
+
+
+def test_the_runtime_drafts_over_the_cache_its_prefill_graph_wrote(tiny_port, tiny_eager, assistant):
+    """`static_runtime(..., assistant=)`: the draft graph over the runtime's own cache (the whole-row
+    layout: its sliding rings hold every position), called through `GraphRuntime.draft`."""
+    runtime = static_runtime(tiny_eager, tiny_port.static, 2, prefix_caching=True, assistant=assistant, draft_tokens=3)
+    prompts = random_prompts(tiny_port.config.vocab_size, [30, 9], seed=7)
+    tokens, _ = runtime.prefill([Chunk(p, 0, row, GREEDY) for row, p in enumerate(prompts)])
+    expected = [hf_drafts(tiny_eager, assistant, p, 3) for p in prompts]
+    assert tokens.tolist() == [e[0] for e in expected]
+    drafts, logits = runtime.draft(tokens, torch.stack([e[1] for e in expected]), torch.tensor([30, 9]))
+    assert drafts.tolist() == [e[2].tolist() for e in expected] and logits.shape == (2, 3, tiny_port.config.vocab_size)

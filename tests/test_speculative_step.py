@@ -1,0 +1,263 @@
+"""Speculative decoding's step over the static graphs: the verify graph (`static/decoder.Verify`), the
+cache's slack for the drafts it writes (`static/cache.cache_layout`), the speculative step of `Rows`
+(`static/rows.py`) and the batching engine over it (`serve/batching.py`): with prompt lookup, greedy
+rows get exactly the tokens they get without speculation, and a sampled row's verify columns are the
+decode graph's own draws at the same uniforms."""
+
+import pytest
+import torch
+
+from neuron_moe import cli
+from neuron_moe.greedy import left_pad
+from neuron_moe.model import build_model
+from neuron_moe.run_config import Shapes
+from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.serve.metrics import Metrics
+from neuron_moe.speculative import SpeculativeConfig
+from neuron_moe.static.cache import SLIDING, cache_layout
+from neuron_moe.static.decoder import Decode, Prefill, Verify, new_cache
+from neuron_moe.static.rows import Chunk, GraphRuntime, Rows, generate
+from neuron_moe.static.runtime import static_runtime
+from neuron_moe.static.sampling import GREEDY
+
+from conftest import random_prompts
+from test_assistant import random_assistant
+from serving import IdTokenizer, serve_together, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+K = 4
+LOOKUP = SpeculativeConfig("ngram", K, prompt_lookup_max=4, prompt_lookup_min=1)
+SPEC = ("drafts", "draft_tokens", "accepted_tokens")  # vllm:spec_decode_num_*
+
+
+@pytest.fixture(scope="module")
+def static_model(tiny_port):
+    return build_model(tiny_port, tiny_port.static.decode_experts, torch.float32)
+
+
+def repetitive(lengths: list[int], seed: int) -> list[list[int]]:
+    """Prompts that repeat a piece of themselves, so that prompt lookup finds drafts."""
+    return [p + p[1 : 1 + n // 2] for p, n in zip(random_prompts(2048, lengths, seed), lengths)]
+
+
+def test_the_cache_has_the_slack_a_verify_step_writes_past_a_row(tiny_port):
+    config, spec = tiny_port.config, tiny_port.static
+    plain, slack = cache_layout(config, spec.max_cache_len), cache_layout(config, spec.max_cache_len, slack=16)
+    for a, b in zip(plain, slack):
+        assert b.length == a.length + 16
+        assert a.length == (config.sliding_window if a.kind == SLIDING else spec.max_cache_len)
+
+
+def _graphs(model, spec, rows, slack):
+    cache = new_cache(model, spec.max_cache_len, rows, slack=slack)
+    return (
+        Prefill(model, cache, spec.prefill_experts, logits=True),
+        Decode(model, cache, spec.decode_experts, logits=True),
+        Verify(model, cache, spec.decode_experts, logits=True),
+    )
+
+
+def _prefill(prefill, prompts, sampling):
+    """Each prompt prefilled into its own row, whole -> the first tokens [B]."""
+    runtime = GraphRuntime(prefill, None, Shapes(batch_size=len(prompts), buckets=(8, 56), prefill_rows=(1,)))
+    chunks = [Chunk(p, 0, row, tuple(s)) for row, (p, s) in enumerate(zip(prompts, sampling.tolist()))]
+    return runtime.prefill(chunks)[0]
+
+
+@torch.no_grad()
+def test_verify_columns_are_the_decode_graphs_tokens_step_by_step(tiny_port, static_model):
+    """Three rows, one past the sliding window (16) and one sampled: the decode graph run q steps on
+    its own tokens (at the sampled row's uniforms) against one verify call fed the same tokens as
+    drafts — all of them to rows 0 and 2, a wrong one at column 2 to row 1. Every column each row's
+    drafts reach is the decode graph's token (and logits); the rows accept k, 1 and k drafts."""
+    spec = tiny_port.static
+    prompts = random_prompts(2048, [5, 40, 9], seed=4)
+    sampling = torch.tensor([GREEDY, GREEDY, (0.8, 0.0, 1.0, 0.0)])
+    uniforms = torch.rand(3, K + 1)
+    prefill, decode, _ = _graphs(static_model, spec, 3, slack=K)
+    fed = _prefill(prefill, prompts, sampling)
+    start = torch.tensor([[len(p)] for p in prompts])
+    tokens, logits, ids = [], [], fed[:, None]
+    for i in range(K + 1):
+        step = torch.cat([sampling[:, :3], uniforms[:, i : i + 1]], dim=1)
+        token, step_logits = decode(ids, start + i, step)
+        tokens.append(token[:, 0])
+        logits.append(step_logits)
+        ids = token
+    tokens, logits = torch.stack(tokens, 1), torch.stack(logits, 1)
+
+    prefill, _, verify = _graphs(static_model, spec, 3, slack=K)
+    assert torch.equal(_prefill(prefill, prompts, sampling), fed)
+    drafts = tokens[:, :K].clone()
+    drafts[1, 1] = (drafts[1, 1] + 1) % 2048
+    ids = torch.cat([fed[:, None], drafts], dim=1)
+    got, accepted, got_logits = verify(ids, start + torch.arange(K + 1), sampling, torch.full((3,), K), uniforms)
+    assert accepted.tolist() == [K, 1, K]
+    for row, n in enumerate([K + 1, 2, K + 1]):
+        assert torch.equal(got[row, :n], tokens[row, :n])
+        torch.testing.assert_close(got_logits[row, :n], logits[row, :n], rtol=0, atol=1e-4)
+
+
+@torch.no_grad()
+def test_a_row_with_fewer_drafts_accepts_none_of_its_pads(tiny_port, static_model):
+    """A row's columns after its drafts are pads: never accepted, even where the pad is the token."""
+    spec = tiny_port.static
+    prompts = random_prompts(2048, [6, 7], seed=5)
+    prefill, decode, verify = _graphs(static_model, spec, 2, slack=K)
+    fed = _prefill(prefill, prompts, torch.tensor([GREEDY, GREEDY]))
+    start = torch.tensor([[len(p)] for p in prompts])
+    first = decode(fed[:, None], start, torch.tensor([GREEDY, GREEDY]))[0][:, 0]
+    ids = torch.cat([fed[:, None], first[:, None].expand(2, K)], dim=1)  # every draft the token after fed
+    got, accepted, _ = verify(
+        ids, start + torch.arange(K + 1), torch.tensor([GREEDY, GREEDY]), torch.tensor([0, 1]), torch.zeros(2, K + 1)
+    )
+    assert accepted.tolist() == [0, 1] and torch.equal(got[:, 0], first)
+
+
+def _recording(runtime):
+    """The runtime, its verify calls recorded: (drafted [B], accepted [B])."""
+    calls, inner = [], runtime.verify
+
+    def verify(*inputs):
+        out = inner(*inputs)
+        calls.append((inputs[3].tolist(), out[1].tolist()))
+        return out
+
+    runtime.verify = verify
+    return calls
+
+
+@torch.no_grad()
+def test_greedy_generation_with_speculation_is_without(tiny_port, static_model):
+    """Rows well past the sliding window and one up to the cache's last position (the global layers'
+    slack): the same tokens and logits with prompt lookup as without, the rows of a call accepting
+    different counts."""
+    spec = tiny_port.static
+    prompts = repetitive([6, 30, 12, 20], seed=11)
+    ids, mask = left_pad(prompts, 0)
+    n = spec.max_cache_len + 1 - ids.shape[1]
+    plain = generate(static_runtime(static_model, spec, batch=2, logits=True), ids, mask, n)
+    runtime = static_runtime(static_model, spec, batch=2, logits=True, speculative=LOOKUP)
+    calls = _recording(runtime)
+    got = generate(runtime, ids, mask, n)
+    assert torch.equal(got[0], plain[0])
+    torch.testing.assert_close(got[1], plain[1], rtol=0, atol=1e-4)
+    taken = [a for drafted, accepted in calls for d, a in zip(drafted, accepted) if d]
+    assert sum(taken) > 0  # drafts were taken
+    assert any(len({a for d, a in zip(*call) if d}) > 1 for call in calls)  # rows accepting different counts
+
+
+@torch.no_grad()
+def test_greedy_generation_with_an_assistants_drafts_is_without(tiny_port, static_model):
+    """The assistant's drafts (a random one here: drafts mostly rejected, so every row's rejected
+    slots are read around, past the window, by the verify graph and by the draft's window + 1): the
+    same tokens as without speculation; each row drafts from its second speculative step on."""
+    spec = tiny_port.static
+    prompts = random_prompts(2048, [6, 30, 12, 20], seed=13)
+    ids, mask = left_pad(prompts, 0)
+    n = spec.max_cache_len + 1 - ids.shape[1]
+    plain = generate(static_runtime(static_model, spec, batch=2, logits=True), ids, mask, n)
+    config = SpeculativeConfig("mtp", K, model="random")
+    runtime = static_runtime(
+        static_model, spec, batch=2, logits=True, speculative=config, assistant=random_assistant(tiny_port.config)
+    )
+    calls = _recording(runtime)
+    got = generate(runtime, ids, mask, n)
+    assert torch.equal(got[0], plain[0])
+    torch.testing.assert_close(got[1], plain[1], rtol=0, atol=1e-4)
+    assert sum(d == K for drafted, _ in calls for d in drafted) > len(calls)
+
+
+class Runtime:
+    """One row; a prefill gives 7, and the verify graph's column i the token after its input there
+    (input + 1): prompt lookup's drafts 8, 9, 10, 11 after 7 are all accepted."""
+
+    batch, pad_id, chunk, prefill_rows, speculative = 1, 0, 8, [1], LOOKUP
+
+    def __init__(self):
+        self.calls = []
+
+    def prefill(self, chunks):
+        return torch.tensor([7 for _ in chunks]), None
+
+    def verify(self, ids, positions, sampling, drafted, uniforms):
+        self.calls.append((ids.tolist(), positions.tolist(), drafted.tolist()))
+        tokens = ids + 1
+        accepted = ((ids[:, 1:] == tokens[:, :-1]).long().cumprod(-1) * (torch.arange(K) < drafted[:, None])).sum(-1)
+        return tokens, accepted, None, None
+
+
+class Work:
+    def __init__(self, prompt, stop, n=50):
+        self.prompt, self.stop, self.n, self.got, self.ended = prompt, stop, n, [], False
+
+    def sampling(self):
+        return GREEDY
+
+    def next(self, token, logits):
+        self.got.append(token)
+        return None if token == self.stop or len(self.got) == self.n else token
+
+    def end(self, error=None):
+        self.ended = True
+
+
+def test_a_stop_token_among_the_accepted_drafts_ends_the_work_there():
+    """Four drafts accepted and a bonus token, and the work stops at the second: it takes two, the
+    rest are dropped, and its row serves the next work from position 0; a work whose max_tokens ends
+    it mid-way takes exactly that many."""
+    runtime, first, second = Runtime(), Work([7, 8, 9, 10, 11, 3], stop=9), Work([7, 8, 9, 10, 11, 3], stop=-1, n=4)
+    rows, waiting = Rows(runtime), [first, second]
+    while waiting or rows.active():
+        rows.step(lambda: waiting.pop(0) if waiting else None)
+    assert first.got == [7, 8, 9] and first.ended
+    assert second.got == [7, 8, 9, 10] and second.ended
+    assert runtime.calls == [([[7, 8, 9, 10, 11]], [[6, 7, 8, 9, 10]], [4])] * 2
+
+
+def _serve(engine, requests):
+    """Each request's tokens (its texts, spelled by IdTokenizer)."""
+    try:
+        return [tokens_of(sink.steps) for sink in serve_together(engine, requests)]
+    finally:
+        engine.close()
+
+
+def test_served_greedy_texts_with_speculation_are_those_without(tiny_port, static_model):
+    """64 requests over 8 rows (EOS on, prefix caching on as serve has it, one request to the cache's
+    last position): each request's text is the same with prompt lookup as without; and where a stop
+    token from the middle of its answer is asked, that answer up to the stop."""
+    spec = tiny_port.static
+    prompts = repetitive([5 + (7 * i) % 40 for i in range(63)], seed=12)
+    prompts[32:48] = [prompts[0][:17] + p for p in prompts[32:48]]  # a block held by another row
+    prompts.append(prompts[-1][:40] * 2)  # 80 tokens, then to the cache's last position
+    budget = [8 + i % 9 for i in range(63)] + [spec.max_cache_len + 1 - 80]
+
+    def served(speculative, stops):
+        runtime = static_runtime(static_model, spec, batch=8, prefix_caching=True, speculative=speculative)
+        calls = _recording(runtime) if speculative else []
+        engine = BatchEngine(runtime, IdTokenizer(), {1})
+        engine.metrics = Metrics("m")
+        params = [SamplingParams(n, temperature=0.0, stop_token_ids=s) for n, s in zip(budget, stops)]
+        return _serve(engine, list(zip(prompts, params))), calls, engine.metrics.registry
+
+    expected, _, _ = served(None, [()] * 64)
+    got, calls, registry = served(LOOKUP, [()] * 64)
+    assert got == expected
+    # /metrics: each verify call's rows that had drafts, their drafts, and those accepted
+    rows = [(d, a) for drafted, accepted in calls for d, a in zip(drafted, accepted) if d]
+    counted = [registry.get_sample_value(f"vllm:spec_decode_num_{name}_total", {"model_name": "m"}) for name in SPEC]
+    assert counted == [len(rows), sum(d for d, _ in rows), sum(a for _, a in rows)] and counted[2] > 0
+    stops = [(a[len(a) // 2],) if i % 2 == 0 and a else () for i, a in enumerate(expected)]
+    got, _, _ = served(LOOKUP, stops)
+    assert got == [a[: a.index(s[0])] if s else a for a, s in zip(expected, stops)]
+
+
+@pytest.mark.parametrize("command", ["validate", "serve"])
+def test_speculation_outside_the_static_graphs_is_one_error_line(command, capsys):
+    given = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
+    assert cli.main([command, "--backend", "eager", *given] + (["--port", "0"] if command == "serve" else [])) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: --speculative-config runs in --backend static's graphs, not --backend eager"
