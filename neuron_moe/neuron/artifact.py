@@ -44,6 +44,17 @@ Each key is the static decoder (`static/decoder.py`) over the full-model rank mo
                               built --enable-prefix-caching (the manifest's `prefix_caching`): a cache
                               row copied whole into another (`static/prefix.py`); every key's cache is
                               then in the whole-row layout (sliding layers keep every position)
+    speculation               (input_ids, position_ids [B, q], sampling [B, 4], drafted [B], uniforms
+                              [B, q]) -> tokens [B, q], accepted [B] (, hidden [B, q, H])
+                              built --speculative-config (the manifest's `speculative`, its JSON as
+                              parsed): the target's verify graph (`decoder.Verify`) over q = k + 1
+                              positions per row (NxDI's speculation_model); every key's cache is then
+                              k slots longer per layer (k + 1 with an assistant: `cache.cache_layout`'s
+                              slack), and with an assistant it also returns the final hidden state
+    draft                     (last_ids [B], hidden [B, H], positions [B]) -> tokens [B, k], logits
+                              [B, k, V]: the assistant's k draft steps over the target's KV
+                              (`static/draft.py`), built for an assistant ("method": "mtp"); it reads
+                              the state and writes it back unchanged (every key aliases the same state)
 
 Each graph chooses its tokens itself (`static/sampling.py`: per row temperature, top-k, top-p and
 a uniform draw; greedy at temperature 0) among `candidates` for top-k / top-p, so per call only
@@ -74,7 +85,7 @@ from ..formats import format_of
 from ..parallel import layout
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 from ..port import MAX_BATCH, MAX_BUCKETS
-from ..report import file_digest, loads_json, read_json_object
+from ..report import dumps, file_digest, loads_json, read_json_object
 from ..spec import DTYPE_NAMES, LAYER_GROUPS, QUANTIZATIONS, TP_DEGREES, layer_group
 from ..static.sampling import CANDIDATES
 from ..tokenizer import TOKENIZER_FILES, TOKENIZER_MODELS
@@ -180,6 +191,7 @@ def check_manifest(manifest: dict, path) -> dict:
         raise ArtifactError(f"{path}: 'prefill_chunk' {manifest['prefill_chunk']} is not one of the buckets {buckets}")
     if not isinstance(manifest.get("prefix_caching", False), bool):  # absent: built without the copy key
         raise ArtifactError(f"{path}: 'prefix_caching' must be true or false, got {manifest['prefix_caching']!r}")
+    check_speculative_field(manifest.get("speculative"), manifest["keys"], path)
     _check_target_field(manifest["target"], path)
     tokenizer = manifest["tokenizer"]
     files = tokenizer.get("files", [])
@@ -232,6 +244,7 @@ def _check_keys_and_state(manifest: dict, path) -> None:
     """`keys`: exactly the graphs the shapes make (`key_names`), each with its inputs and outputs;
     `state`: the KV cache's (and counts') tensors, each a shape of positive sizes and a dtype."""
     want = key_names(manifest["buckets"], manifest["prefill_rows"], manifest.get("prefix_caching") is True)
+    want = want + speculative_keys(manifest.get("speculative"))
     keys = manifest["keys"]
     if sorted(keys) != sorted(want):
         missing, extra = sorted(set(want) - set(keys)), sorted(set(keys) - set(want))
@@ -632,3 +645,35 @@ def key_shape(key: str) -> tuple[int, int] | None:
         return None
     rows, bucket = key.rsplit("_", 1)[1].split("x")
     return int(rows), int(bucket)
+
+
+SPECULATION_KEY = "speculation"  # the target's verify graph (NxDI's speculation_model)
+DRAFT_KEY = "draft"  # the assistant's draft graph
+SPECULATIVE_KEYS = (SPECULATION_KEY, DRAFT_KEY)
+
+
+def speculative_keys(speculative: dict | None) -> list[str]:
+    """The keys a manifest's `speculative` adds (none without it): the verify graph, and with an
+    assistant (method "mtp") the draft graph."""
+    if not speculative:
+        return []
+    return [SPECULATION_KEY] + ([DRAFT_KEY] if speculative.get("method") == "mtp" else [])
+
+
+def check_speculative_field(speculative, keys: dict, path) -> None:
+    """The manifest's `speculative`: absent or null (built without it), else the JSON object of a
+    `--speculative-config` as trace-and-compile parsed it (`speculative.SpeculativeConfig`), checked
+    by that same parser, its verify key (in `keys`) over k + 1 positions."""
+    if speculative is None:
+        return
+    from ..speculative import SpeculativeConfig  # torch's import: only for a manifest that speculates
+
+    try:
+        if not isinstance(speculative, dict):
+            raise UserError(f"expected a JSON object, got {speculative!r}")
+        k = SpeculativeConfig.from_json(dumps(speculative)).num_speculative_tokens
+    except UserError as e:
+        raise ArtifactError(f"{path}: 'speculative' is not a speculative config: {e}") from None
+    shape = keys.get(SPECULATION_KEY, {}).get("inputs", {}).get("input_ids")
+    if shape is not None and shape[1:] != [k + 1]:
+        raise ArtifactError(f"{path}: the {SPECULATION_KEY} key takes input_ids {shape}, not k + 1 = {k + 1} per row")

@@ -61,8 +61,8 @@ from ..spec import (
     check_quantization,
     compiled_backend,
 )
-from ..static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
-from ..static.sampling import CANDIDATES
+from ..static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, Verify, new_cache, new_counts
+from ..static.sampling import CANDIDATES, greedy_sampling
 from ..static.export import GraphError, checked, copy_inputs, example_inputs, functional
 from ..tokenizer import HFTokenizer
 from .artifact import (
@@ -75,10 +75,12 @@ from .artifact import (
     TOKENIZER,
     RANK_WEIGHTS,
     COPY_KEY,
+    SPECULATION_KEY,
     ArtifactError,
     is_processing,
     key_names,
     key_shape,
+    speculative_keys,
     tokenizer_files,
 )
 from .plan import plan
@@ -181,6 +183,8 @@ def _new_file(path: Path) -> Path:
 def _graph(model, spec, key: str, cache, logits: bool, counts=None):
     """Key `key`'s graph over `model`, its state `cache` (shared by every key of one model) and, for a
     logits-processing key, `counts` (the token counts every such key shares; made here when None)."""
+    if key == SPECULATION_KEY:
+        return Verify(model, cache, spec.decode_experts, logits)
     if key == COPY_KEY:
         return Copy(cache)
     decode = key_shape(key) is None
@@ -194,8 +198,10 @@ def _graph(model, spec, key: str, cache, logits: bool, counts=None):
     return Prefill(model, cache, spec.prefill_experts, logits)
 
 
-def _example(spec, key: str, vocab: int | None = None) -> tuple:
+def _example(spec, key: str, vocab: int | None = None, speculative=None) -> tuple:
     """A key's example inputs (a logits-processing key's need the vocabulary's size)."""
+    if key == SPECULATION_KEY:
+        return verify_inputs(spec.batch_size, speculative.num_speculative_tokens + 1)
     if key == COPY_KEY:
         return copy_inputs()
     shape = key_shape(key)
@@ -211,8 +217,10 @@ _INPUTS = {
 }
 
 
-def _key_contract(graph, spec, key: str) -> dict:
+def _key_contract(graph, spec, key: str, speculative=None) -> dict:
     """A key's calls as the manifest records them: input and output names and shapes."""
+    if key == SPECULATION_KEY:
+        return _verify_contract(graph, spec, speculative)
     if key == COPY_KEY:
         return {"graph": COPY_KEY, "inputs": {"src_row": [1], "dst_row": [1]}, "outputs": {"dst_row": [1, 1]}}
     decode, vocab = key_shape(key) is None, graph.model.config.vocab_size
@@ -234,6 +242,75 @@ def _key_contract(graph, spec, key: str) -> dict:
         "inputs": {n: list(x.shape) for n, x in zip(_INPUTS[is_processing(key), decode], example)},
         "outputs": outputs,
     }
+
+
+def _check_speculative(build: Build):
+    """The run's `--speculative-config` (None without one), refused where this build cannot serve it:
+    an assistant ("method": "mtp"), whose draft key is not built here yet (its rank modules: its
+    attention reads each rank's share of the target's KV heads, so its q_proj and o_proj would be cut
+    as the target's are; and its weights would need names of their own beside the target's in the one
+    checkpoint every key shares), and --with-logits (the verify key returns no logits)."""
+    speculative = build.config.speculative
+    if speculative is None:
+        return None
+    if speculative.method != "ngram":
+        raise ArtifactError(
+            f"--speculative-config: method {speculative.method!r} (an assistant) has no draft key in an artifact "
+            'yet; build with {"method": "ngram", ...} (prompt lookup: the verify key alone), or run the '
+            "assistant on CPU (serve or validate --backend static)"
+        )
+    if build.logits:
+        raise ArtifactError("--speculative-config with --with-logits: the verify key returns no logits; drop one")
+    return speculative
+
+
+def _slack(speculative) -> int:
+    """The slots every layer of the cache holds past a row's latest (`cache.cache_layout`): the verify
+    key writes its k drafts there (as `static_runtime` builds it for prompt lookup)."""
+    return speculative.num_speculative_tokens if speculative else 0
+
+
+def verify_inputs(batch: int, q: int) -> tuple[torch.Tensor, ...]:
+    """Example (input_ids, position_ids [batch, q], sampling [batch, 4], drafted [batch], uniforms
+    [batch, q]) of the verify key (`decoder.Verify`)."""
+    return (
+        torch.zeros(batch, q, dtype=torch.long),
+        torch.arange(q).expand(batch, q).contiguous(),
+        greedy_sampling(batch),
+        torch.full((batch,), q - 1, dtype=torch.long),
+        torch.zeros(batch, q),
+    )
+
+
+_VERIFY_INPUTS = ("input_ids", "position_ids", "sampling", "drafted", "uniforms")
+
+
+def _verify_contract(graph, spec, speculative) -> dict:
+    """The verify key's calls as the manifest records them."""
+    example = verify_inputs(spec.batch_size, speculative.num_speculative_tokens + 1)
+    rows, q = example[0].shape
+    return {
+        "graph": SPECULATION_KEY,
+        "inputs": {n: list(x.shape) for n, x in zip(_VERIFY_INPUTS, example)},
+        "outputs": {"tokens": [rows, q], "accepted": [rows]},
+    }
+
+
+def check_routes(examples: dict[str, tuple]) -> None:
+    """Refuse keys whose example inputs have the very same shapes: ModelBuilder's model routes a call
+    by its inputs' shapes alone (NxD's NxDModel.router, a map from the shapes to the key), so such
+    keys could not be told apart. (A verify key of q = 4 positions over every row, beside a prefill key
+    of a bucket of 4 over every row, is one such pair.)"""
+    seen: dict[tuple, str] = {}
+    for key, inputs in examples.items():
+        shapes = tuple(tuple(x.shape) for x in inputs)
+        if shapes in seen:
+            raise ArtifactError(
+                f"keys {seen[shapes]!r} and {key!r} take inputs of the same shapes {[list(s) for s in shapes]}: "
+                "NxD routes a call by its inputs' shapes, so one could not be called; change a bucket, "
+                "--speculative-config's num_speculative_tokens or the prefill rows"
+            )
+        seen[shapes] = key
 
 
 def shard_plan(module, full: dict | None, tp: int, expert_layout: str) -> dict:
@@ -271,7 +348,10 @@ def trace_and_compile(port, build: Build) -> dict:
     tp, out, dry_run, checkpoint, logits = build.tp, build.out, build.dry_run, build.checkpoint, build.logits
     torch_dtype, quantization = DTYPES[build.dtype], build.quantization
     spec = port.static
+    speculative = _check_speculative(build)
     keys = key_names(spec.buckets, spec.rows_for(spec.batch_size), build.prefix_caching)
+    keys += speculative_keys(speculative and dataclasses.asdict(speculative))
+    check_routes({k: _example(spec, k, port.config.vocab_size, speculative) for k in keys})
     whole_rows = build.prefix_caching
     tokenizer = _tokenizer_source(port, checkpoint, has_weights)
     sides, reads = None, None
@@ -298,15 +378,17 @@ def trace_and_compile(port, build: Build) -> dict:
             )
             if dry_run:
                 module, files, exported = _dry_run(
-                    port, spec, keys, tp, full, tmp, build.export, logits, modules, whole_rows
+                    port, spec, keys, tp, full, tmp, build.export, logits, modules, whole_rows, speculative
                 )
             else:
-                module, files, exported = _neuron(port, spec, keys, tp, full, tmp, logits, modules, whole_rows)
+                module, files, exported = _neuron(
+                    port, spec, keys, tp, full, tmp, logits, modules, whole_rows, speculative
+                )
             plan = shard_plan(module, full, tp, expert_layout)
             (tmp / SHARD_PLAN).write_text(dumps(plan, indent=1))
             copied = _copy_tokenizer(tokenizer, tmp)
             files = [*files, SHARD_PLAN, *copied]
-            contract, state = _contract(module, spec, keys, logits, whole_rows)
+            contract, state = _contract(module, spec, keys, logits, whole_rows, speculative)
             digests = {f: file_digest(tmp / f) for f in sorted(files)}
             manifest = {
                 "format": FORMAT,
@@ -320,6 +402,7 @@ def trace_and_compile(port, build: Build) -> dict:
                 "candidates": min(CANDIDATES, port.config.vocab_size),
                 "logits": logits,
                 "prefix_caching": whole_rows,
+                "speculative": speculative and dataclasses.asdict(speculative),
                 "keys": {k: dict(contract[k], exported=exported) for k in keys},
                 "state": state,
                 "dry_run": dry_run,
@@ -469,19 +552,23 @@ def _rank_module(port, tp, layers, build: dict, device="cpu"):
     return model
 
 
-def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, build: dict, whole_rows: bool):
+def _dry_run(
+    port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, build: dict, whole_rows: bool, speculative=None
+):
     device = "cpu" if full is not None else "meta"  # no weights: shapes only, nothing allocated
     module = _rank_module(port, tp, cpu, build, device)
     files = []
     if full is not None:
         shards = cpu.shard_checkpoint(full, module, tp)
         module.load_state_dict(shards[0], strict=True)  # rank 0, as ModelBuilder traces it
-    cache = new_cache(module, spec.max_cache_len, spec.batch_size, whole_rows=whole_rows)  # every key mutates it
+    slack = _slack(speculative)
+    cache = new_cache(module, spec.max_cache_len, spec.batch_size, whole_rows=whole_rows, slack=slack)  # every key's
     counts = new_counts(module, spec.batch_size)  # and the one the logits-processing keys mutate too
     vocab = port.config.vocab_size
     for key in tqdm(keys if export else [], desc="export", unit="key"):
         graph = _graph(module, spec, key, cache, logits, counts)
-        program = functional(export_rank0(graph, tuple(x.to(device) for x in _example(spec, key, vocab)), tp))
+        example = _example(spec, key, vocab, speculative)
+        program = functional(export_rank0(graph, tuple(x.to(device) for x in example), tp))
         try:
             checked(program, graph, key)
         except GraphError as e:
@@ -505,13 +592,16 @@ def _dry_run(port, spec, keys, tp, full, tmp: Path, export: bool, logits: bool, 
     return module, files, True
 
 
-def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict, whole_rows: bool):
+def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict, whole_rows: bool, speculative=None):
     """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
 
     def factory(key):
         def make():  # each key's own module; its state names (cache.k0, ..., counts.output, ...) are every key's
             model = _rank_module(port, tp, nxd, build)
-            cache = new_cache(model, spec.max_cache_len, spec.batch_size, aliased=True, whole_rows=whole_rows)
+            slack = _slack(speculative)
+            cache = new_cache(
+                model, spec.max_cache_len, spec.batch_size, aliased=True, whole_rows=whole_rows, slack=slack
+            )
             return _graph(model, spec, key, cache, logits)
 
         return make
@@ -525,7 +615,7 @@ def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict, wh
     checkpoint = {f"model.{k}": (_rank_piece(v, tp, 0) if k in own else v) for k, v in full.items()}
     with _environment(TARGET["env"]):  # neuronx-cc runs in processes that inherit it
         builder, traced = nxd.trace_keys(
-            {key: (factory(key), [_example(spec, key, port.config.vocab_size)]) for key in keys},
+            {key: (factory(key), [_example(spec, key, port.config.vocab_size, speculative)]) for key in keys},
             checkpoint_loader=lambda: checkpoint,
             tp=tp,
             workdir=tmp / "compiler",
@@ -579,16 +669,17 @@ def _write_reader_shards(tmp: Path, entries: dict, tp: int) -> None:
             save_file(state, path)
 
 
-def _contract(module, spec, keys, logits: bool, whole_rows: bool) -> tuple[dict, dict]:
+def _contract(module, spec, keys, logits: bool, whole_rows: bool, speculative=None) -> tuple[dict, dict]:
     """(each key's inputs and outputs, the KV state per rank) as the manifest records them."""
-    cache = new_cache(module, spec.max_cache_len, spec.batch_size, whole_rows=whole_rows)
+    cache = new_cache(module, spec.max_cache_len, spec.batch_size, whole_rows=whole_rows, slack=_slack(speculative))
     counts = new_counts(module, spec.batch_size)
     state = {
         f"{prefix}.{n}": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
         for prefix, held in (("cache", cache), ("counts", counts))
         for n, t in zip(held.names, held.tensors())
     }
-    return {k: _key_contract(_graph(module, spec, k, cache, logits, counts), spec, k) for k in keys}, state
+    contracts = {k: _key_contract(_graph(module, spec, k, cache, logits, counts), spec, k, speculative) for k in keys}
+    return contracts, state
 
 
 def render_trace_and_compile(report: dict) -> str:
@@ -600,6 +691,12 @@ def render_trace_and_compile(report: dict) -> str:
         f"expert layout, keys {', '.join(report['keys'])}; {what}"
         + ("" if report["weights"] else "; no weights (meta device): exported, manifest and shard plan only"),
     ]
+    if report.get("speculative"):
+        k = report["speculative"]["num_speculative_tokens"]
+        lines.append(
+            f"speculation key: the verify graph over k + 1 = {k + 1} positions per row "
+            f"({report['speculative']['method']}), every layer of the cache {k} slots longer"
+        )
     if report.get("reader"):
         r = report["reader"]
         lines.append(
