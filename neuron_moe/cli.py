@@ -191,7 +191,10 @@ def cmd_deploy(args) -> int:  # `deploy k8s`, the one engine that takes files (d
 
     layers = check_quantization_flags(args.quantization, args.quantized_layers)  # before the plan tries each degree
     if speculative_config(args) is not None:
-        raise UserError("--speculative-config: not yet supported by deploy k8s (the artifact has no verify graph)")
+        raise UserError(
+            "--speculative-config: deploy k8s takes none; an artifact speculates as it was built "
+            "(trace-and-compile --speculative-config writes its verify key and the config into its manifest)"
+        )
     settings = from_options(deploy_k8s.Settings, args, quantized_layers=layers)
     report = deploy_k8s.write(settings, load_port(args.model), args.out)
     return _report(report, args, deploy_k8s.render)

@@ -378,11 +378,12 @@ def test_the_run_configuration_holds_the_parsed_config(command, tmp_path):
     assert cli.run_config(cli_parser.parser().parse_args(argv)).speculative is None
 
 
-def test_deploy_refuses_a_config_it_cannot_serve_yet(tmp_path, capsys):
+def test_deploy_refuses_the_config_an_artifact_carries(tmp_path, capsys):
     argv = [str(tmp_path / "out") if a == "OUT" else a for a in COMMANDS["deploy k8s"]]
     assert cli.main([*argv, "--speculative-config", NGRAM]) == 2
     assert capsys.readouterr().err == (
-        "error: --speculative-config: not yet supported by deploy k8s (the artifact has no verify graph)\n"
+        "error: --speculative-config: deploy k8s takes none; an artifact speculates as it was built "
+        "(trace-and-compile --speculative-config writes its verify key and the config into its manifest)\n"
     )
 
 

@@ -21,6 +21,9 @@ and their logits-processing variants (`static/decoder.py`, the artifact's `*_pro
 the rows that ask for logprobs, penalties, logit_bias, min_p, bans or a grammar's bitmask; and, in
 an artifact built --enable-prefix-caching, its `prefix_copy` key:
   copy     model(src_row [1], dst_row [1]) -> dst_row [1, 1]: a held prefix copied into another row
+and, in an artifact built --speculative-config (the manifest's `speculative`), its `speculation` key:
+  verify   model(input_ids, position_ids [B, k + 1], sampling [B, 4], drafted [B], uniforms [B, k + 1])
+           -> tokens [B, k + 1], accepted [B]: each step's drafts checked in one call (`Rows._speculate`)
 The KV cache is the artifact's state: it stays on the device (NxD's input_output_aliases) and
 never crosses the call. The graphs choose each row's token themselves, greedy or sampled
 (temperature, top-k among the manifest's `candidates`, top-p: `static/sampling.py`), so an artifact
@@ -39,6 +42,7 @@ from .. import environment
 from ..neuron.artifact import (
     DECODE_KEYS,
     MODEL,
+    SPECULATION_KEY,
     ArtifactError,
     check_expert_layout,
     check_target,
@@ -129,4 +133,16 @@ def neuron_runtime(artifacts: Path, port, prefix_caching: bool | None = None) ->
         decode_processing=processing,
         vocab=port.config.vocab_size,
         copy=model if built and prefix_caching is not False else None,  # the prefix_copy key, routed by shape
+        **speculation(model, manifest),
     )
+
+
+def speculation(model, manifest: dict) -> dict:
+    """The runtime's verify graph and its config, as the artifact was built (`speculative`): its
+    `speculation` key, routed by the shapes of its inputs as the others are (trace-and-compile refuses
+    keys whose inputs have the same shapes); nothing for an artifact built without it."""
+    if SPECULATION_KEY not in manifest["keys"] or not manifest.get("speculative"):
+        return {}
+    from ..speculative import SpeculativeConfig
+
+    return {"verify": model, "speculative": SpeculativeConfig(**manifest["speculative"])}

@@ -123,7 +123,11 @@ def plan_load(config: RunConfig, stopper: ready.Stopper | None = None):
     backend, caching = config.backend, serving.prefix_caching  # a spec.serve_backends entry in its format
     check_batching_flags(config)
     if config.speculative is not None and backend.graphs != MODULES:
-        raise ServeError(f"--speculative-config runs in --backend static's graphs, not --backend {backend.name}")
+        built = " (an artifact speculates as trace-and-compile --speculative-config built it)"
+        raise ServeError(
+            f"--speculative-config runs in --backend static's graphs, not --backend {backend.name}"
+            + (built if backend.graphs == COMPILED else "")
+        )
     if backend.graphs == MODULES:
         port = with_shapes(port, config.shapes)  # the graphs' shapes: the port's [static], the flags over it
         check_static_memory(port, DTYPES[backend.dtype] if backend.dtype else port.dtype, caching is not False)
