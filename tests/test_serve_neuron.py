@@ -146,17 +146,22 @@ class StandInRuntime:
         return outputs
 
 
-def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int = 3):
+def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int = 3, stand_in=None, **fields):
+    """The Neuron runtime over a stand-in artifact (`stand_in`, default StandInRuntime) whose manifest
+    has these shapes (and `fields` over them)."""
     (tmp_path / "manifest.json").write_text(
         _manifest(
-            port=port.name,
-            tp=2,
-            buckets=[16, 64],
-            max_cache_len=128,
-            batch_size=batch,
-            logits=logits,
-            prefill_rows=[1, 2],
-            prefill_chunk=16,
+            **{
+                "port": port.name,
+                "tp": 2,
+                "buckets": [16, 64],
+                "max_cache_len": 128,
+                "batch_size": batch,
+                "logits": logits,
+                "prefill_rows": [1, 2],
+                "prefill_chunk": 16,
+                **fields,
+            }
         )
     )
     (tmp_path / "weights").mkdir(exist_ok=True)
@@ -167,7 +172,7 @@ def _neuron_runtime(tmp_path, monkeypatch, port, model, logits: bool, batch: int
         module.__spec__ = importlib.machinery.ModuleSpec(name, None)
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(environment, "neuron_devices", lambda: {"devices": 1, "cores": 2, "source": "a stand-in"})
-    artifact = StandInRuntime(model, {16, 64}, batch, 128, logits)
+    artifact = (stand_in or StandInRuntime)(model, {16, 64}, batch, 128, logits)
     monkeypatch.setattr(torch.jit, "load", lambda path: artifact)
     monkeypatch.setattr(neuron, "DEVICE", "cpu")  # the stand-in's cores
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")  # trn2's default: the artifact's target replaces it

@@ -299,8 +299,9 @@ def _verify_contract(graph, spec, speculative) -> dict:
 def check_routes(examples: dict[str, tuple]) -> None:
     """Refuse keys whose example inputs have the very same shapes: ModelBuilder's model routes a call
     by its inputs' shapes alone (NxD's NxDModel.router, a map from the shapes to the key), so such
-    keys could not be told apart. (A verify key of q = 4 positions over every row, beside a prefill key
-    of a bucket of 4 over every row, is one such pair.)"""
+    keys could not be told apart. (A prefill key of a bucket of 4 and its logits-processing variant are
+    one such pair, its targets [P, 4] shaped as the sampling; a verify key of 4 positions over every
+    row beside such a prefill key over every row another.)"""
     seen: dict[tuple, str] = {}
     for key, inputs in examples.items():
         shapes = tuple(tuple(x.shape) for x in inputs)
