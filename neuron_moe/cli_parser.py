@@ -685,6 +685,10 @@ PLAN = Command(
             help="stated per-core runtime reserve (default %(default)s)",
         ),
         EXPERT_LAYOUT,
+        SPECULATIVE_CONFIG.but(
+            help=SPECULATIVE_CONFIG.help + "; the plan adds the cache's k slots per layer, the bytes one verify step "
+            "reads (and an assistant's k draft steps) and its HBM floor per token kept, for 1 to k + 1 kept"
+        ),
         _json("the plan"),
     ),
     description="Per-rank bytes (experts, attention, dense MLP, embeddings, lm_head, KV cache, "

@@ -171,3 +171,24 @@ def test_serve_refuses_the_flag_for_an_artifact(capsys, tmp_path):
 
 def test_an_artifact_without_the_key_has_no_verify():
     assert neuron.speculation(object(), {"keys": {na.DECODE_KEYS[0]: {}}, "speculative": None}) == {}
+
+
+def test_plan_counts_a_verify_step_and_its_floor_per_token_kept():
+    """The 26B on one inf2 chip (TP 2, q4_0): a verify step reads the decode step's bytes plus the
+    experts the other k positions gather; its floor per token is the step's over the tokens kept."""
+    from neuron_moe.neuron.plan import plan
+    from neuron_moe.port import load_port
+
+    port = load_port("gemma4-26b-a4b")
+    layers = ("experts", "attention", "mlp", "lm_head")
+    args = (port.config, "inf2.xlarge", 2, "q4_0", 1, 4096)
+    spec_plan = plan(*args, quantized_layers=layers, speculative=SpeculativeConfig("ngram", K, None, 3, 3))
+    plain = plan(*args, quantized_layers=layers)
+    decode = next(r for r in spec_plan["decode"] if r["this_plan"])["bytes_per_token"]
+    s = spec_plan["speculation"]
+    extra = spec_plan["per_rank_bytes"]["experts"] * K * port.config.top_k_experts / port.config.num_experts
+    assert s["verify_bytes"] == pytest.approx(decode + extra) and s["draft_bytes"] == 0
+    assert [r["kept"] for r in s["per_kept"]] == list(range(1, K + 2))
+    assert all(r["floor_ms_per_token"] == pytest.approx(s["step_floor_ms"] / r["kept"]) for r in s["per_kept"])
+    slack = spec_plan["per_rank_bytes"]["kv_cache"] - plain["per_rank_bytes"]["kv_cache"]
+    assert slack > 0 and "speculation" not in plain  # the cache's k slots per layer

@@ -530,6 +530,7 @@ def plan(
     prefix_caching: bool = False,
     keys: dict[str, tuple[int, int]] | None = None,
     quantized_layers: Layers = spec.DEFAULT_QUANTIZED_LAYERS,
+    speculative=None,
 ) -> dict:
     """The plan for `expert_layout`, `quantized_layers` (spec.LAYER_GROUPS) in `quantization`; its decode
     table has a row for each expert layout that shards at TP `tp`, this plan's first. `decode_experts`: the
@@ -538,7 +539,9 @@ def plan(
     row in the decode table. `instance` None:
     one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check). `prefix_caching`:
     the KV cache in its whole-row layout (trace-and-compile --enable-prefix-caching). `keys` (name ->
-    (rows, tokens); default `plan_keys(batch, seq)`): the graphs whose compile host memory it estimates."""
+    (rows, tokens); default `plan_keys(batch, seq)`): the graphs whose compile host memory it estimates.
+    `speculative` (a `speculative.SpeculativeConfig`): the cache k slots longer per layer, and what a
+    verify step reads (`_speculation`)."""
     inst = INSTANCES[instance] if instance is not None else None
     layers = spec.check_quantized_layers(quantized_layers)
     report = {
@@ -565,6 +568,7 @@ def plan(
     tensors = _rank_tensors(config, tp, quantization, expert_layout, layers)
     weights = _weights_per_rank(tensors)
     kv = _kv_cache_per_rank(config, tp, batch, seq, prefix_caching)
+    kv += _kv_cache_per_rank(config, tp, batch, speculative.num_speculative_tokens) if speculative else 0  # slack
     dequantised = _dequantised(config, tp, quantization, expert_layout, layers)
     per_rank = {**weights, "kv_cache": kv, "graph": _graph_per_rank(config, tp, batch, seq, dequantised)}
     per_rank["runtime"] = runtime_reserve
@@ -587,7 +591,60 @@ def plan(
         "host": host,
         "host_per_step": _host_per_step(config, batch),
         "compile_host": _compile_host(config, tp, dequantised, held, keys or plan_keys(batch, seq), inst),
+        **_speculation(config, tp, batch, weights, kv, expert_layout, decode_experts, speculative),
     }
+
+
+def _speculation(config, tp: int, batch: int, weights: dict, kv: int, expert_layout: str, decode_experts, speculative):
+    """What one verify step reads per rank (`decoder.Verify`, the speculation key): the decode graph
+    over q = k + 1 positions of every row, so its weights once for B·q tokens (the experts as the
+    decode graph reads them at B·q tokens: a gathering graph gathers each token's top-k experts, so
+    the experts' share grows with q) and the KV cache (with its slack) once; and its HBM floor per
+    token kept, for each count of tokens a step keeps (1: every draft rejected, k + 1: every draft
+    accepted and the bonus token). With an assistant, its k draft steps read its weights k times
+    (the assistant's own parameters, bf16; its embedding table unused: it reads the target's);
+    the draft's KV reads (two of the target's layers) are left out, a small share beside them."""
+    if speculative is None:
+        return {}
+    k, q = speculative.num_speculative_tokens, speculative.num_speculative_tokens + 1
+    verify = _decode_row(config, tp, batch * q, weights, kv, expert_layout, decode_experts)
+    draft = _assistant_bytes(speculative, config) * k
+    step = verify["bytes_per_token"] + draft
+    per_core_bw = CHIP_HBM_BW / CORES_PER_CHIP
+    return {
+        "speculation": {
+            "method": speculative.method,
+            "num_speculative_tokens": k,
+            "verify_graph": verify["decode_graph"] + f" (B·q = {batch}×{q} tokens)",
+            "verify_bytes": verify["bytes_per_token"],
+            "draft_bytes": draft,
+            "step_bytes": step,
+            "step_floor_ms": 1e3 * step / per_core_bw,
+            "per_kept": [
+                {
+                    "kept": n,
+                    "floor_ms_per_token": 1e3 * step / per_core_bw / n,
+                    "tokens_per_s_ceiling": n * per_core_bw / step,
+                }
+                for n in range(1, q + 1)
+            ],
+        }
+    }
+
+
+def _assistant_bytes(speculative, config) -> int:
+    """An mtp config's assistant, bf16, but its embedding table (0 for prompt lookup): its
+    config.json (`speculative.check_assistant`) built on the meta device."""
+    if speculative.method != "mtp":
+        return 0
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    from ..speculative import check_assistant
+
+    directory = check_assistant(speculative, config)
+    with torch.device("meta"):
+        model = Gemma4AssistantForCausalLM(Gemma4AssistantConfig.from_pretrained(directory))
+    return sum(t.numel() * BF16 for n, t in model.state_dict().items() if "embed_tokens" not in n)
 
 
 def _verdict(inst: Instance | None, tp: int, total: float, host: dict) -> tuple[bool, str]:
@@ -649,6 +706,7 @@ def port_plan(port, config: RunConfig, instance: str, runtime_reserve: float = D
         reader=backend.reader,
         keys=plan_keys(batch, seq, static),
         quantized_layers=backend.quantized_layers,
+        speculative=config.speculative,
     )
 
 
@@ -774,5 +832,29 @@ def render_plan(report: dict) -> str:
             ),
             "",
         ]
+    if report.get("speculation"):
+        lines.append(render_speculation(report["speculation"]))
     lines.append(f"{'FITS' if report['fits'] else 'DOES NOT FIT'}: {report['reason']}")
     return "\n".join(lines)
+
+
+def render_speculation(spec_plan: dict) -> str:
+    """The verify step's reads and its floor per token kept."""
+    head = (
+        f"speculative decoding ({spec_plan['method']}, k = {spec_plan['num_speculative_tokens']}): a verify step "
+        f"reads {spec_plan['verify_bytes'] / GB:.3f} GB per rank ({spec_plan['verify_graph']})"
+        + (f", the draft {spec_plan['draft_bytes'] / GB:.3f} GB" if spec_plan["draft_bytes"] else "")
+        + f"; {spec_plan['step_floor_ms']:.2f} ms per step at the HBM floor\n"
+    )
+    return (
+        head
+        + table(
+            spec_plan["per_kept"],
+            [
+                ("kept", "tokens kept per step"),
+                ("floor_ms_per_token", "HBM floor ms/token", "{:.2f}"),
+                ("tokens_per_s_ceiling", "tokens/s ceiling", "{:.1f}"),
+            ],
+        )
+        + "\n"
+    )
