@@ -832,8 +832,7 @@ def render_plan(report: dict) -> str:
             ),
             "",
         ]
-    if report.get("speculation"):
-        lines.append(render_speculation(report["speculation"]))
+    lines += [render_speculation(report["speculation"])] if report.get("speculation") else []
     lines.append(f"{'FITS' if report['fits'] else 'DOES NOT FIT'}: {report['reason']}")
     return "\n".join(lines)
 
