@@ -120,7 +120,7 @@ def tiny_graphs(rows: int, calls: list, generating):
 def workload(engine, corpus: list[int], requests: int, graphs: bool) -> list[tuple]:
     """The requests, (prompt, SamplingParams) each: prompts cut from the text, half of them sampled, stop
     strings that never occur."""
-    from neuron_moe.serve.engine import SamplingParams
+    from neuron_moe.serve.decoding import SamplingParams
 
     work = []
     for i in range(requests):

@@ -55,7 +55,7 @@ STATIC_ROWS = 8
 def run(engine, requests: int, first_seed: int = 0) -> dict:
     """`requests` seeded requests through `engine` (an Engine of serve/engine.py; a batching one takes
     as many at once as it has rows) -> the record."""
-    from neuron_moe.serve.engine import SamplingParams
+    from neuron_moe.serve.decoding import SamplingParams
     from neuron_moe.serve.grammar import GrammarSpec
 
     spec = GrammarSpec.json_schema(SCHEMA, "response_format.json_schema.schema")
@@ -94,7 +94,7 @@ def static_engine(port, model, rows: int = STATIC_ROWS):
     import dataclasses
 
     from neuron_moe.serve.batching import BatchEngine
-    from neuron_moe.serve.engine import eos_ids
+    from neuron_moe.serve.decoding import eos_ids
     from neuron_moe.static.runtime import static_runtime
     from neuron_moe.tokenizer import load_tokenizer
 
@@ -122,7 +122,7 @@ def stall(engine, repeats: int = 2) -> dict:
     import statistics
     import threading
 
-    from neuron_moe.serve.engine import SamplingParams
+    from neuron_moe.serve.decoding import SamplingParams
     from neuron_moe.serve.grammar import GrammarSpec
 
     started = time.perf_counter()

@@ -15,7 +15,8 @@ from bench import structured_output
 from neuron_moe.model import build_model
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Engine, RequestError, SamplingParams, eos_ids
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import RequestError, SamplingParams, eos_ids
 from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.serve.grammar import CACHE_SIZE, Grammars, GrammarSpec, _key, unpack
 from neuron_moe.serve.protocol import CompletionRequest

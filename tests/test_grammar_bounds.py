@@ -20,7 +20,7 @@ from neuron_moe.model import build_model
 from neuron_moe.serve import grammar, grammar_bounds
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import RequestError, SamplingParams, eos_ids
+from neuron_moe.serve.decoding import RequestError, SamplingParams, eos_ids
 from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.serve.grammar import Grammars, GrammarSpec
 from neuron_moe.serve.protocol import CompletionRequest

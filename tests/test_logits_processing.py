@@ -14,7 +14,7 @@ import torch
 
 from neuron_moe.model import build_model
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Output, SamplingParams
+from neuron_moe.serve.decoding import Output, SamplingParams
 from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static import data_dependent_ops, ops_not_lowered

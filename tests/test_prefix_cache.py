@@ -11,7 +11,7 @@ import torch
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.serve.decoding import SamplingParams
 from neuron_moe.serve.metrics import Metrics
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static.cache import KVCache, cache_layout, copy_rows

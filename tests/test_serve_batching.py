@@ -13,7 +13,7 @@ from neuron_moe.run_config import Shapes
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Output, RequestError, SamplingParams
+from neuron_moe.serve.decoding import Output, RequestError, SamplingParams
 from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.serve.scheduler import Scheduler

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import GenerationError, Output, RequestError, SamplingParams, Step, held_back
+from neuron_moe.serve.decoding import GenerationError, Output, RequestError, SamplingParams, Step, held_back
 from neuron_moe.serve.hf_runtime import HFRuntime, HostRuntime
 from neuron_moe.static.sampling import GREEDY
 from neuron_moe.tokenizer import ByteTokenizer, HFTokenizer

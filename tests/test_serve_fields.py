@@ -16,7 +16,8 @@ from neuron_moe.serve.chat import render_chat
 from neuron_moe.serve.backends import load_engine
 from neuron_moe.port import load_port
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Engine, RequestError, SamplingParams, bad_word_ids
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import RequestError, SamplingParams, bad_word_ids
 from neuron_moe.serve.hf_runtime import HostRuntime
 from neuron_moe.static.sampling import Processing
 from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer

@@ -25,7 +25,7 @@ from neuron_moe.neuron.artifact import FORMAT, TARGET
 from neuron_moe import environment
 from neuron_moe.serve import backends, neuron, server
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import RequestError, SamplingParams
+from neuron_moe.serve.decoding import RequestError, SamplingParams
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.tokenizer import answer_text, load_tokenizer
 

@@ -25,7 +25,7 @@ from neuron_moe.neuron.artifact import FORMAT, TARGET
 from neuron_moe.port import load_port
 from neuron_moe.serve import neuron
 from neuron_moe.serve.backends import BACKENDS, load_engine
-from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.serve.decoding import SamplingParams
 from neuron_moe.serve.server import ServeError, plan_load
 
 from conftest import port_text_elsewhere, reseeded

@@ -22,7 +22,7 @@ from neuron_moe import cli
 from neuron_moe.model import build_model
 from neuron_moe.serve import server
 from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.serve.decoding import SamplingParams
 from neuron_moe.static import inductor
 from neuron_moe.static.rows import Chunk
 from neuron_moe.static.runtime import static_runtime

@@ -12,7 +12,8 @@ from ..neuron.artifact import check_tokenizer, read_manifest
 from ..spec import COMPILED, MODULES, Backend, check_serve_backend, not_served, serve_backends
 from ..tokenizer import load_tokenizer
 from .batching import BatchEngine
-from .engine import Engine, eos_ids
+from .decoding import eos_ids
+from .engine import Engine
 from .hf_runtime import HFRuntime
 from .neuron import neuron_runtime
 from ..static.runtime import static_runtime

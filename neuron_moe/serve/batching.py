@@ -13,7 +13,7 @@ one chunk's call per token, not its whole prefill. A row ends — EOS, a stop st
 
 Host work and graph calls overlap (vLLM's async scheduling is the model): between two graph calls
 the loop does only what the next call needs, from the token ids — each row's token taken by its
-request's id side (`engine.Output.take`: EOS and max_tokens end a request there, and its row is
+request's id side (`decoding.Output.take`: EOS and max_tokens end a request there, and its row is
 free that same turn), the next inputs written in place (`Rows`) and admission. Each token's text
 (`Output.text`: detokenizing, stop strings, held-back text) and the sink's calls run on a second
 thread, the text thread (`_Texts`), while the loop is in the next graph call, whose GIL-free time
@@ -31,8 +31,8 @@ the rest. The lookups and hits are counted into /metrics as vLLM counts them.
 
 Sampling happens in the graphs (`static/sampling.py`): each row's sampling input carries its
 request's temperature, top-k, top-p and a uniform draw from the request's own seeded generator
-(`engine.Output.sampling`), so a seeded request gets the same tokens whatever runs beside it.
-Per row, everything else is engine.py's `Output`: stop strings, held-back text and UTF-8 are
+(`decoding.Output.sampling`), so a seeded request gets the same tokens whatever runs beside it.
+Per row, everything else is decoding.py's `Output`: stop strings, held-back text and UTF-8 are
 handled as for a request served alone.
 
 A request comes with a sink (`scheduler.Job`) that the text thread calls, in order: `put(step)`
@@ -56,7 +56,8 @@ import torch
 
 from ..static.prefix import PrefixIndex
 from ..static.rows import Rows
-from .engine import Engine, Output, RequestError, SamplingParams, Step
+from .decoding import Output, RequestError, SamplingParams, Step
+from .engine import Engine
 
 log = logging.getLogger("neuron_moe.serve")
 _END = object()

@@ -17,7 +17,7 @@ import asyncio
 import threading
 import time
 
-from .engine import SamplingParams
+from .decoding import SamplingParams
 from .metrics import Metrics, RequestClock
 from .protocol import APIError
 
