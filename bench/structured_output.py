@@ -53,8 +53,8 @@ STATIC_ROWS = 8
 
 
 def run(engine, requests: int, first_seed: int = 0) -> dict:
-    """`requests` seeded requests through `engine` (an Engine of serve/engine.py; a batching one takes
-    as many at once as it has rows) -> the record."""
+    """`requests` seeded requests through `engine` (serve/engine.py's Engine: it takes as many at once
+    as it has rows) -> the record."""
     from neuron_moe.serve.decoding import SamplingParams
     from neuron_moe.serve.grammar import GrammarSpec
 
@@ -93,7 +93,7 @@ def static_engine(port, model, rows: int = STATIC_ROWS):
     """The batching engine over the port's static graphs, their cache widened for PROMPT + MAX_TOKENS."""
     import dataclasses
 
-    from neuron_moe.serve.batching import BatchEngine
+    from neuron_moe.serve.engine import Engine
     from neuron_moe.serve.decoding import eos_ids
     from neuron_moe.static.runtime import static_runtime
     from neuron_moe.tokenizer import load_tokenizer
@@ -101,7 +101,7 @@ def static_engine(port, model, rows: int = STATIC_ROWS):
     tokenizer = load_tokenizer(port)
     length = len(tokenizer.encode(PROMPT)) + MAX_TOKENS
     spec = dataclasses.replace(port.static, max_cache_len=max(port.static.max_cache_len, length))
-    return BatchEngine(static_runtime(model, spec, rows), tokenizer, eos_ids(tokenizer, model.config))
+    return Engine(static_runtime(model, spec, rows), tokenizer, eos_ids(tokenizer, model.config))
 
 
 def wide_schema(tag: int, properties: int = 60) -> dict:

@@ -1,9 +1,9 @@
 """`neuron-moe serve`: an OpenAI-compatible HTTP server over one model.
 
-engine.py     a request's limits, checked before it runs
+engine.py     the engine: a request's limits checked, continuous batching, one step loop over the
+              rows of any runtime
 decoding.py   what a request asks and how its tokens become text (sampling parameters, stop
               sequences, held-back text, logprobs), and its Steps as choices: n/best_of, beam search
-batching.py   the engine: continuous batching, one step loop over the rows of any runtime
 hf_runtime.py transformers' model as a runtime (the CPU experts backends): a cache per row
 chat.py       messages -> prompt ids (the tokenizer's chat template, or a documented fallback)
 neuron.py     the Neuron runtime (a compiled NxD artifact; needs the Neuron SDK)

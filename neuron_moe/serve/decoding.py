@@ -7,7 +7,7 @@ which the runtime runs, in its graphs or on the host), the tokens the next one m
 (EOS and stop_token_ids until min_tokens), EOS (unless ignore_eos), stop_token_ids, stop sequences
 and max_tokens, and the text that is safe to send after each token (a partial stop string or a partial UTF-8
 character is held back until it resolves): an id side that decides from the tokens (`take`) and
-a text side (`text`), which the engine (`batching.py`) runs beside its runtime's calls.
+a text side (`text`), which the engine (`engine.py`) runs beside its runtime's calls.
 
 Above the engine, a request's fields become its generations' SamplingParams (checked against the
 engine, its grammar compiled, choice i seeded with seed + i), n and best_of (the generations run, the
@@ -118,7 +118,7 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 class Output:
     """One request's output: the token it takes from each step, and the text a client is sent.
 
-    Two sides, so that a batch's step loop can run them on two threads (`batching.BatchEngine`):
+    Two sides, so that a batch's step loop can run them on two threads (`engine.Engine`):
 
     - the id side, `take(token, scores)`: the token the runtime chose (with its scores, from the
       logits-processing variants, for a request that asks for them) joins the output, and the ids decide
