@@ -87,10 +87,13 @@ def manifest_dir(tmp_path):
             "--prefill-chunk 20 is not one of the port's buckets [8, 56]",
         ),
         (["--backend", "static", "--max-running", "2"], "its graphs have rows (--batch-size); --max-running is for"),
-        (["--batch-size", "4"], "--batch-size shapes --backend static's graphs; --backend eager runs one"),
+        (
+            ["--batch-size", "4"],
+            "--batch-size shapes --backend static's graphs; --backend eager runs transformers' model",
+        ),
         (
             ["--no-enable-prefix-caching"],
-            "--no-enable-prefix-caching shapes --backend static's graphs; --backend eager runs one",
+            "--no-enable-prefix-caching shapes --backend static's graphs; --backend eager runs transformers' model",
         ),
         (["--backend", "static", "--model", "{unstatic}"], "has no [static] table"),
         (["--artifacts", "{tmp}/absent"], "absent: not a directory"),
