@@ -1,6 +1,6 @@
 """The batching engine's own cost per step, over a stand-in for the graphs.
 
-The server's step loop (`serve/batching.py` `BatchEngine`, one `static.rows.Rows.step` per turn)
+The server's step loop (`serve/engine.py` `Engine`, one `static.rows.Rows.step` per turn)
 drives a `GraphRuntime` whose two graph callables are stand-ins: they return their tokens at once
 (`--step-ms 0`) or after a fixed sleep, which releases the GIL as a real graph call does (a CPU
 graph's ops, a Neuron call). The runtime around them is the real one, so building each call's inputs
@@ -120,7 +120,7 @@ def tiny_graphs(rows: int, calls: list, generating):
 def workload(engine, corpus: list[int], requests: int, graphs: bool) -> list[tuple]:
     """The requests, (prompt, SamplingParams) each: prompts cut from the text, half of them sampled, stop
     strings that never occur."""
-    from neuron_moe.serve.engine import SamplingParams
+    from neuron_moe.serve.decoding import SamplingParams
 
     work = []
     for i in range(requests):
@@ -188,7 +188,7 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path, graphs: bo
     run's totals. `graphs`: the tiny port's own static graphs on CPU instead of the stand-in."""
     import torch
 
-    from neuron_moe.serve.batching import BatchEngine
+    from neuron_moe.serve.engine import Engine
     from neuron_moe.serve.metrics import Metrics
     from neuron_moe.tokenizer import HFTokenizer
 
@@ -205,7 +205,7 @@ def measure(rows: int, step_ms: float, requests: int, port_dir: Path, graphs: bo
         runtime = tiny_graphs(rows, calls, generating)
     else:
         runtime = stand_in(rows, step_ms, torch.tensor(corpus), calls, generating)
-    engine = BatchEngine(runtime, tokenizer, set() if graphs else {tokenizer.eos_token_id})  # every request runs out
+    engine = Engine(runtime, tokenizer, set() if graphs else {tokenizer.eos_token_id})  # every request runs out
     engine.metrics = Metrics("stand-in")
     work = workload(engine, corpus, requests, graphs)
     events, wall = serve(engine, work)

@@ -1,6 +1,6 @@
 """What the static graphs cost per call on the host it runs on, the ceiling of the batching engine.
 
-The batching engine (`serve/batching.py`) spends its time in two calls of the runtime: a prefill
+The batching engine (`serve/engine.py`) spends its time in two calls of the runtime: a prefill
 of up to R prompts (the largest of `--prefill-rows`) and a decode step of every row. This times
 both at each batch size on the port's static graphs as the server runs them (`serve --backend
 static`: `static_runtime` on CPU, greedy rows: the sampler runs in every graph call), run a module

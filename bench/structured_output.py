@@ -53,9 +53,9 @@ STATIC_ROWS = 8
 
 
 def run(engine, requests: int, first_seed: int = 0) -> dict:
-    """`requests` seeded requests through `engine` (an Engine of serve/engine.py; a batching one takes
-    as many at once as it has rows) -> the record."""
-    from neuron_moe.serve.engine import SamplingParams
+    """`requests` seeded requests through `engine` (serve/engine.py's Engine: it takes as many at once
+    as it has rows) -> the record."""
+    from neuron_moe.serve.decoding import SamplingParams
     from neuron_moe.serve.grammar import GrammarSpec
 
     spec = GrammarSpec.json_schema(SCHEMA, "response_format.json_schema.schema")
@@ -93,15 +93,15 @@ def static_engine(port, model, rows: int = STATIC_ROWS):
     """The batching engine over the port's static graphs, their cache widened for PROMPT + MAX_TOKENS."""
     import dataclasses
 
-    from neuron_moe.serve.batching import BatchEngine
-    from neuron_moe.serve.engine import eos_ids
+    from neuron_moe.serve.engine import Engine
+    from neuron_moe.serve.decoding import eos_ids
     from neuron_moe.static.runtime import static_runtime
     from neuron_moe.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(port)
     length = len(tokenizer.encode(PROMPT)) + MAX_TOKENS
     spec = dataclasses.replace(port.static, max_cache_len=max(port.static.max_cache_len, length))
-    return BatchEngine(static_runtime(model, spec, rows), tokenizer, eos_ids(tokenizer, model.config))
+    return Engine(static_runtime(model, spec, rows), tokenizer, eos_ids(tokenizer, model.config))
 
 
 def wide_schema(tag: int, properties: int = 60) -> dict:
@@ -122,7 +122,7 @@ def stall(engine, repeats: int = 2) -> dict:
     import statistics
     import threading
 
-    from neuron_moe.serve.engine import SamplingParams
+    from neuron_moe.serve.decoding import SamplingParams
     from neuron_moe.serve.grammar import GrammarSpec
 
     started = time.perf_counter()

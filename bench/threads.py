@@ -29,7 +29,7 @@ from neuron_moe.eval.seq_match import DEFAULT_PROMPTS, run_validation
 from neuron_moe.port import load_port
 from neuron_moe.report import table, write_json
 from neuron_moe.serve.backends import load_engine
-from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.serve.decoding import SamplingParams
 from neuron_moe.tokenizer import load_tokenizer
 
 

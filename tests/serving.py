@@ -114,7 +114,7 @@ def sse_events(lines) -> list:
     return events
 
 
-# ---- the batching engine (serve/batching.py) -----------------------------------------------------
+# ---- the batching engine (serve/engine.py) -------------------------------------------------------
 
 
 class IdTokenizer:

@@ -31,6 +31,7 @@ REPOSITORY_DIRS = ("tests", "docker", "ports", "docs", "bench", "recipes")
 NOT_OURS = {
     "ast",  # the standard library's
     "nn.Module",  # torch's
+    "LLMEngine",  # nano-vllm's (the model of the serving engine)
     "snapshot_download",  # huggingface_hub's
     "NXD_SRC",  # an environment variable (parallel/nxd_source.py reads it)
     "LAZY_DISPATCH",  # tests/layers.py's

@@ -14,9 +14,9 @@ import torch
 from bench import structured_output
 from neuron_moe.model import build_model
 from neuron_moe.serve.app import create_app
-from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Engine, RequestError, SamplingParams, eos_ids
-from neuron_moe.serve.hf_runtime import HFRuntime
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import RequestError, SamplingParams, eos_ids
+from neuron_moe.serve.hf_runtime import HFRuntime, HostRuntime
 from neuron_moe.serve.grammar import CACHE_SIZE, Grammars, GrammarSpec, _key, unpack
 from neuron_moe.serve.protocol import CompletionRequest
 from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def engine(tiny_port, tiny_eager):
     tokenizer = load_tokenizer(tiny_port)
-    with BatchEngine(HFRuntime(tiny_eager), tokenizer, eos_ids(tokenizer, tiny_eager.config)) as engine:
+    with Engine(HFRuntime(tiny_eager), tokenizer, eos_ids(tokenizer, tiny_eager.config)) as engine:
         yield engine
 
 
@@ -140,12 +140,12 @@ def test_graphs_without_the_logits_processing_variant_refuse_a_grammar_by_its_fi
     """An artifact built before the variant graphs (its runtime's `processing` False): a 400 naming the
     field that asked, never a grammar accepted and ignored."""
 
-    class Runtime:
+    class Runtime(HostRuntime):
         processing = False
 
-    old = Engine(Runtime(), engine.tokenizer, 64, engine.eos_ids)
-    with pytest.raises(RequestError) as caught:
-        old.check_sampling(SamplingParams(4, grammar=GrammarSpec("regex", "a", "guided_regex")))
+    with Engine(Runtime(1, engine.vocab, 63), engine.tokenizer, engine.eos_ids) as old:
+        with pytest.raises(RequestError) as caught:
+            old.check_sampling(SamplingParams(4, grammar=GrammarSpec("regex", "a", "guided_regex")))
     assert caught.value.param == "guided_regex"
 
 

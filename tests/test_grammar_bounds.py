@@ -19,8 +19,8 @@ from bench import structured_output
 from neuron_moe.model import build_model
 from neuron_moe.serve import grammar, grammar_bounds
 from neuron_moe.serve.app import create_app
-from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import RequestError, SamplingParams, eos_ids
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import RequestError, SamplingParams, eos_ids
 from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.serve.grammar import Grammars, GrammarSpec
 from neuron_moe.serve.protocol import CompletionRequest
@@ -138,7 +138,7 @@ def test_the_shapes_that_overflowed_llguidances_stack_are_refused_or_compile_in_
 @pytest.fixture(scope="module")
 def engine(tiny_port, tiny_eager):
     tokenizer = load_tokenizer(tiny_port)
-    with BatchEngine(HFRuntime(tiny_eager, 2), tokenizer, eos_ids(tokenizer, tiny_eager.config)) as engine:
+    with Engine(HFRuntime(tiny_eager, 2), tokenizer, eos_ids(tokenizer, tiny_eager.config)) as engine:
         yield engine
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from neuron_moe.model import build_model
-from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Output, SamplingParams
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import Output, SamplingParams
 from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static import data_dependent_ops, ops_not_lowered
@@ -272,7 +272,7 @@ def test_the_host_path_honours_the_same_fields_as_the_graphs(tiny_port, static_m
     spec = tiny_port.static
     runtime = static_runtime(static_model, spec, batch=4)
     prompts = random_prompts(VOCAB, [5, 11, 1], seed=44)
-    host = BatchEngine(HFRuntime(tiny_eager), IdTokenizer(), set())
+    host = Engine(HFRuntime(tiny_eager), IdTokenizer(), set())
     for i, prompt in enumerate(prompts):
         settings = SETTINGS[(i * 2 + 1) % len(SETTINGS)]
         settings = Processing(**{**settings.__dict__, "logprobs": 2, "prompt_logprobs": 2})

@@ -10,8 +10,8 @@ import torch
 
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
-from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import SamplingParams
 from neuron_moe.serve.metrics import Metrics
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static.cache import KVCache, cache_layout, copy_rows
@@ -180,7 +180,7 @@ def engines(tiny_port, static_model):
         runtime = static_runtime(
             static_model, tiny_port.static, batch=2, prefill_rows=(1, 2), chunk=8, prefix_caching=caching
         )
-        yield caching, BatchEngine(runtime, IdTokenizer(), set())
+        yield caching, Engine(runtime, IdTokenizer(), set())
 
 
 SHARED = random_prompts(2048, [45], seed=5)[0]  # longer than the sliding window (16): 2 whole blocks and 13

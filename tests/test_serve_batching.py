@@ -1,4 +1,4 @@
-"""Continuous batching (serve/batching.py) over the static graphs on CPU (static/runtime.py):
+"""Continuous batching (serve/engine.py) over the static graphs on CPU (static/runtime.py):
 requests join and leave the batch at different steps, and each gets the tokens it gets alone.
 (The same engine over the Neuron artifact's calls: test_serve_neuron.py.)"""
 
@@ -12,8 +12,8 @@ import torch
 from neuron_moe.run_config import Shapes
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
-from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Output, RequestError, SamplingParams
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import Output, RequestError, SamplingParams
 from neuron_moe.serve.hf_runtime import HFRuntime
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.serve.scheduler import Scheduler
@@ -34,7 +34,7 @@ def static_model(tiny_port):
 @pytest.fixture(scope="module")
 def engine(tiny_port, static_model):
     """4 rows, no EOS: every request runs to its max_tokens (or ends on a stop string)."""
-    engine = BatchEngine(static_runtime(static_model, tiny_port.static, batch=4), IdTokenizer(), set())
+    engine = Engine(static_runtime(static_model, tiny_port.static, batch=4), IdTokenizer(), set())
     yield engine
     engine.close()
 
@@ -71,7 +71,7 @@ def test_seeded_sampling_is_the_same_whatever_runs_beside_it(engine):
 
 
 def test_a_cancelled_request_frees_its_row_within_one_step(tiny_port, static_model):
-    engine = BatchEngine(static_runtime(static_model, tiny_port.static, batch=2), IdTokenizer(), set())
+    engine = Engine(static_runtime(static_model, tiny_port.static, batch=2), IdTokenizer(), set())
     try:
         long = SamplingParams(40, temperature=0.0)
         first, second, waiting = Sink(engine), Sink(engine), Sink(engine)
@@ -118,7 +118,7 @@ def test_a_graph_failure_ends_the_requests_it_ran_and_the_engine_goes_on(tiny_po
         return decode(ids, positions, sampling)
 
     runtime.decode = failing_once
-    engine = BatchEngine(runtime, IdTokenizer(), set())
+    engine = Engine(runtime, IdTokenizer(), set())
     try:
         params = SamplingParams(6, temperature=0.0)
         sinks = serve_together(engine, [(PROMPTS[0], params), (PROMPTS[2], params)])
@@ -184,7 +184,7 @@ def eight_rows(tiny_port, static_model):
     first is prefilled in pieces, several of them in each call."""
     runtime = static_runtime(static_model, tiny_port.static, batch=8, prefill_rows=(1, 4), chunk=8)
     calls = Calls(runtime)
-    engine = BatchEngine(runtime, IdTokenizer(), set())
+    engine = Engine(runtime, IdTokenizer(), set())
     yield engine, calls
     engine.close()
 
@@ -219,7 +219,7 @@ def test_chunked_prefill_is_the_unchunked_prefill(tiny_port, static_model, tiny_
     prompts = random_prompts(2048, [56, 41, 17], seed=8)
     out = {}
     for chunk in (56, 8):
-        engine = BatchEngine(
+        engine = Engine(
             static_runtime(static_model, tiny_port.static, batch=4, prefill_rows=(1, 4), chunk=chunk),
             IdTokenizer(),
             set(),
@@ -255,7 +255,7 @@ def test_the_graphs_sample_what_the_host_samples_for_the_same_seed(eight_rows, t
     top-p 0.9 after a random prompt is wider, and is then cut: tests/test_sampling.py)."""
     engine, _ = eight_rows
     settings = [(1.0, 1.0, 0), (0.7, 0.6, 0), (1.2, 1.0, 30), (0.9, 0.8, 100)]
-    with BatchEngine(HFRuntime(tiny_eager), IdTokenizer(), set()) as alone:
+    with Engine(HFRuntime(tiny_eager), IdTokenizer(), set()) as alone:
         for i, (temperature, top_p, top_k) in enumerate(settings):
             params = SamplingParams(12, temperature=temperature, top_p=top_p, top_k=top_k, seed=900 + i)
             assert tokens_of(engine.generate(EIGHT[2], params)) == tokens_of(alone.generate(EIGHT[2], params)), i
@@ -316,7 +316,7 @@ def tiny_tokenizer(tiny_port):
 
 def stand_in_engine(tokenizer, batch: int, step_s: float = 0.0, eos_ids=()):
     stand_in = StandIn(tokenizer.encode(TEXT, add_special_tokens=False), step_s)
-    stand_in.engine = BatchEngine(stand_in.runtime(batch), tokenizer, set(eos_ids))
+    stand_in.engine = Engine(stand_in.runtime(batch), tokenizer, set(eos_ids))
     return stand_in
 
 

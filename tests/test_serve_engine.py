@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.serve.chat import FALLBACK_STOP, render_chat
-from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import GenerationError, Output, RequestError, SamplingParams, Step, held_back
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import GenerationError, Output, RequestError, SamplingParams, Step, held_back
 from neuron_moe.serve.hf_runtime import HFRuntime, HostRuntime
 from neuron_moe.static.sampling import GREEDY
 from neuron_moe.tokenizer import ByteTokenizer, HFTokenizer
@@ -34,8 +34,8 @@ class Recording(HFRuntime):
         return super().logits(row, ids, start, keep)
 
 
-def scripted_engine(text: str) -> BatchEngine:
-    return BatchEngine(Scripted([b + BYTES.offset for b in text.encode()]), BYTES, {BYTES.eos_token_id})
+def scripted_engine(text: str) -> Engine:
+    return Engine(Scripted([b + BYTES.offset for b in text.encode()]), BYTES, {BYTES.eos_token_id})
 
 
 def run(engine, max_tokens=64, prompt=(2, 50), **kw):
@@ -280,7 +280,7 @@ def test_non_finite_logits_fail_the_request_not_answer_it(tiny_port):
     nan_from = Scripted([b + BYTES.offset for b in b"abc"])
     inner = nan_from.script
     nan_from.script = lambda i: inner(i) if i < 2 else torch.full((BYTES.vocab_size,), float("nan"))
-    with BatchEngine(nan_from, BYTES, {BYTES.eos_token_id}) as engine:
+    with Engine(nan_from, BYTES, {BYTES.eos_token_id}) as engine:
         for temperature in (0.0, 1.0):
             steps = []
             with pytest.raises(GenerationError, match="non-finite logits .* at step 2"):
@@ -332,14 +332,14 @@ def test_the_host_samples_with_every_token_a_candidate():
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_eager):
-    with BatchEngine(HFRuntime(tiny_eager), BYTES, {BYTES.eos_token_id}) as engine:
+    with Engine(HFRuntime(tiny_eager), BYTES, {BYTES.eos_token_id}) as engine:
         yield engine
 
 
 def test_greedy_generation_is_the_reference_greedy(tiny_engine, tiny_eager):
     prompt = BYTES.encode("Mixture-of-Experts models route each token to")
     recording = Recording(tiny_eager)
-    steps = run(BatchEngine(recording, BYTES, set(tiny_engine.eos_ids)), max_tokens=16, prompt=prompt)
+    steps = run(Engine(recording, BYTES, set(tiny_engine.eos_ids)), max_tokens=16, prompt=prompt)
     reference = greedy(tiny_eager, *left_pad([prompt], 0), 16).tokens[0].tolist()
     assert steps[-1].completion_tokens == 16 and recording.fed == reference[:15]
     assert "".join(s.text for s in steps) == BYTES.decode(reference)

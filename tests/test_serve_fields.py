@@ -15,8 +15,8 @@ from neuron_moe.serve.app import create_app
 from neuron_moe.serve.chat import render_chat
 from neuron_moe.serve.backends import load_engine
 from neuron_moe.port import load_port
-from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import Engine, RequestError, SamplingParams, bad_word_ids
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import RequestError, SamplingParams, bad_word_ids
 from neuron_moe.serve.hf_runtime import HostRuntime
 from neuron_moe.static.sampling import Processing
 from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer
@@ -52,13 +52,20 @@ class Ranked(HostRuntime):
         return self.ranked.expand(keep or len(ids), -1).clone()
 
 
+@pytest.fixture
+def eos_first():
+    """The engine over a model that wants to stop at once (EOS first): what it checks, the Outputs it makes."""
+    with Engine(Ranked([EOS]), BYTES, {EOS}) as engine:
+        yield engine
+
+
 def scripted(text: str) -> Scripted:
     """The given text's byte tokens in order, whatever the prompt, then EOS."""
     return Scripted([byte(c) for c in text])
 
 
 def run(runtime, max_tokens=64, **kw):
-    with BatchEngine(runtime, BYTES, {EOS}) as engine:
+    with Engine(runtime, BYTES, {EOS}) as engine:
         params = SamplingParams(max_tokens, **{"temperature": 0.0, **kw})
         engine.check_sampling(params)
         return list(engine.generate([2, 50], params))
@@ -95,17 +102,16 @@ def test_stop_token_ids_end_with_stop_and_the_token_as_stop_reason():
     assert (eos[-1].finish_reason, eos[-1].stop_reason) == ("stop", None)  # EOS: no stop_reason, as vLLM
 
 
-def test_min_tokens_bans_stop_token_ids_too_and_ignore_eos_unbans_eos():
+def test_min_tokens_bans_stop_token_ids_too_and_ignore_eos_unbans_eos(eos_first):
     # "a" (a stop token) first, "b" next: b until min_tokens, then a ends it
     steps = run(Ranked([byte("a"), byte("b")]), min_tokens=3, stop_token_ids=(byte("a"),))
     assert (text(steps), steps[-1].stop_reason, steps[-1].completion_tokens) == ("bbb", byte("a"), 4)
-    engine = Engine(Ranked([EOS]), BYTES, 512, {EOS})
-    output = engine.output(SamplingParams(8, min_tokens=2, stop_token_ids=(9, 7)))
+    output = eos_first.output(SamplingParams(8, min_tokens=2, stop_token_ids=(9, 7)))
     assert output.banned() == (EOS, 7, 9)
     output.next(byte("b"))
     output.next(byte("b"))
     assert output.banned() == ()  # two generated: nothing banned any more
-    ignoring = engine.output(SamplingParams(8, min_tokens=2, stop_token_ids=(9,), ignore_eos=True))
+    ignoring = eos_first.output(SamplingParams(8, min_tokens=2, stop_token_ids=(9,), ignore_eos=True))
     assert ignoring.banned() == (9,)
 
 
@@ -152,9 +158,8 @@ def test_allowed_token_ids_are_the_only_tokens_chosen(temperature):
         assert text(steps) == "y" * 12  # the more likely of the two
 
 
-def test_allowed_token_ids_and_a_grammars_mask_allow_what_both_allow():
-    engine = Engine(Ranked([EOS]), BYTES, 512, {EOS})
-    output = engine.output(SamplingParams(4, allowed_token_ids=(byte("a"), byte("b"))))
+def test_allowed_token_ids_and_a_grammars_mask_allow_what_both_allow(eos_first):
+    output = eos_first.output(SamplingParams(4, allowed_token_ids=(byte("a"), byte("b"))))
     grammar = torch.full_like(output.allowed(), -1)
     grammar[byte("a") // 32] &= ~(1 << (byte("a") % 32))  # a grammar that rules "a" out
     output.matcher = type("Grammar", (), {"allowed": lambda self: grammar})()
@@ -162,15 +167,14 @@ def test_allowed_token_ids_and_a_grammars_mask_allow_what_both_allow():
     assert [t for t in range(BYTES.vocab_size) if mask[t // 32] >> (t % 32) & 1] == [byte("b")]
 
 
-def test_bad_words_ban_each_words_last_token_after_the_rest():
+def test_bad_words_ban_each_words_last_token_after_the_rest(eos_first):
     """vLLM's bad_words: a one-token word is never chosen; a longer word's last token is banned right
     after its other tokens were generated, so the model takes its next choice there."""
     # "t" banned: the first of the tokens left at -30 instead (token 0: no text)
     assert text(run(scripted("a cat sat"), bad_words=("t",))) == "a ca sa"
     steps = run(Ranked([byte("a"), byte("b"), byte("c")]), max_tokens=6, bad_words=("ab", "aa"))
     assert text(steps) == "ac" * 3  # after "a": "a" and "b" banned; after "c": "a" again
-    engine = Engine(Ranked([EOS]), BYTES, 512, {EOS})
-    output = engine.output(SamplingParams(8, bad_words=("xyz", "q")))
+    output = eos_first.output(SamplingParams(8, bad_words=("xyz", "q")))
     assert output.banned() == (byte("q"),)
     output.next(byte("x"))
     assert output.banned() == (byte("q"),)
@@ -199,24 +203,23 @@ def test_bad_words_tokenized_with_and_without_a_leading_space():
     assert e.value.param == "bad_words"
 
 
-def test_what_a_backend_cannot_do_is_refused_by_name():
-    engine = Engine(Ranked([EOS]), BYTES, 512, {EOS})
+def test_what_a_backend_cannot_do_is_refused_by_name(eos_first):
     with pytest.raises(RequestError) as e:
-        engine.check_sampling(SamplingParams(4, min_tokens=5))
+        eos_first.check_sampling(SamplingParams(4, min_tokens=5))
     assert e.value.param == "min_tokens"
     with pytest.raises(RequestError) as e:  # EOS and 64 stop ids: past the graphs' 64 entries per row
-        engine.check_sampling(SamplingParams(4, min_tokens=1, stop_token_ids=tuple(range(10, 74))))
+        eos_first.check_sampling(SamplingParams(4, min_tokens=1, stop_token_ids=tuple(range(10, 74))))
     assert e.value.param == "stop_token_ids"
-    engine.check_sampling(SamplingParams(4, min_tokens=1, stop_token_ids=tuple(range(10, 73))))
+    eos_first.check_sampling(SamplingParams(4, min_tokens=1, stop_token_ids=tuple(range(10, 73))))
     with pytest.raises(RequestError) as e:  # 64 one-token words and a logit_bias entry: past the 64 entries
         words = tuple(chr(c) for c in range(ord("0"), ord("0") + 64))
-        engine.check_sampling(SamplingParams(4, bad_words=words, processing=Processing(logit_bias=((3, 1.0),))))
+        eos_first.check_sampling(SamplingParams(4, bad_words=words, processing=Processing(logit_bias=((3, 1.0),))))
     assert e.value.param == "bad_words"
-    engine.check_sampling(SamplingParams(4, bad_words=words))
+    eos_first.check_sampling(SamplingParams(4, bad_words=words))
     with pytest.raises(RequestError) as e:
-        engine.check_sampling(SamplingParams(4, allowed_token_ids=(5, BYTES.vocab_size)))
+        eos_first.check_sampling(SamplingParams(4, allowed_token_ids=(5, BYTES.vocab_size)))
     assert e.value.param == "allowed_token_ids" and "vocabulary size" in str(e.value)
-    engine.runtime.processing = False  # graphs without the logits-processing variants (an older artifact)
+    eos_first.runtime.processing = False  # graphs without the logits-processing variants (an older artifact)
     for params, field in (
         (SamplingParams(4, min_tokens=2), "min_tokens"),
         (SamplingParams(4, rank=True), "best_of"),
@@ -224,9 +227,9 @@ def test_what_a_backend_cannot_do_is_refused_by_name():
         (SamplingParams(4, bad_words=("x",)), "bad_words"),
     ):
         with pytest.raises(RequestError) as e:
-            engine.check_sampling(params)
+            eos_first.check_sampling(params)
         assert e.value.param == field
-    engine.check_sampling(SamplingParams(4, min_tokens=2, ignore_eos=True))  # nothing to ban: fine
+    eos_first.check_sampling(SamplingParams(4, min_tokens=2, ignore_eos=True))  # nothing to ban: fine
 
 
 # ---- over HTTP --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from neuron_moe.serve import connection
 from neuron_moe.serve.app import create_app
 from neuron_moe.serve.chat import render_chat
 from neuron_moe.serve.backends import load_engine
-from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.serve.decoding import SamplingParams
 from neuron_moe.serve.server import DrainingServer
 
 from serving import server_config, serving, sse_events, wait_for

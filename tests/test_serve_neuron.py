@@ -24,8 +24,8 @@ from neuron_moe.neuron import compile as compile_
 from neuron_moe.neuron.artifact import FORMAT, TARGET
 from neuron_moe import environment
 from neuron_moe.serve import backends, neuron, server
-from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import RequestError, SamplingParams
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import RequestError, SamplingParams
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.tokenizer import answer_text, load_tokenizer
 
@@ -192,8 +192,8 @@ def test_the_engine_drives_the_artifact_with_no_cache_across_the_calls(
     runtime, artifact = _neuron_runtime(tmp_path, monkeypatch, tiny_port, tiny_eager, logits)
     assert [float(w["w"]) for w in artifact.nxd_model.weights] == [0.0, 1.0]  # every rank's shard, in rank order
     assert artifact.nxd_model.start_rank.tolist() == [0]
-    engine = BatchEngine(runtime, IdTokenizer(), set())
-    cpu = BatchEngine(static_runtime(tiny_eager, tiny_port.static, chunk=8), IdTokenizer(), set())
+    engine = Engine(runtime, IdTokenizer(), set())
+    cpu = Engine(static_runtime(tiny_eager, tiny_port.static, chunk=8), IdTokenizer(), set())
     try:
         prompts = [[2] + list(range(40, 40 + n)) for n in (5, 30, 12, 50, 3)]  # buckets 16 and 64
         requests = [(p, SamplingParams(n, temperature=0.0)) for p, n in zip(prompts, (9, 4, 7, 6, 8))]

@@ -25,7 +25,7 @@ from neuron_moe.neuron.artifact import FORMAT, TARGET
 from neuron_moe.port import load_port
 from neuron_moe.serve import neuron
 from neuron_moe.serve.backends import BACKENDS, load_engine
-from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.serve.decoding import SamplingParams
 from neuron_moe.serve.server import ServeError, plan_load
 
 from conftest import port_text_elsewhere, reseeded
@@ -87,10 +87,13 @@ def manifest_dir(tmp_path):
             "--prefill-chunk 20 is not one of the port's buckets [8, 56]",
         ),
         (["--backend", "static", "--max-running", "2"], "its graphs have rows (--batch-size); --max-running is for"),
-        (["--batch-size", "4"], "--batch-size shapes --backend static's graphs; --backend eager runs one"),
+        (
+            ["--batch-size", "4"],
+            "--batch-size shapes --backend static's graphs; --backend eager runs transformers' model",
+        ),
         (
             ["--no-enable-prefix-caching"],
-            "--no-enable-prefix-caching shapes --backend static's graphs; --backend eager runs one",
+            "--no-enable-prefix-caching shapes --backend static's graphs; --backend eager runs transformers' model",
         ),
         (["--backend", "static", "--model", "{unstatic}"], "has no [static] table"),
         (["--artifacts", "{tmp}/absent"], "absent: not a directory"),

@@ -14,7 +14,7 @@ from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.neuron import artifact as na
 from neuron_moe.neuron import compile as nc
 from neuron_moe.serve import neuron
-from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import Engine
 from neuron_moe.serve.engine import SamplingParams
 from neuron_moe.speculative import SpeculativeConfig
 from neuron_moe.static.decoder import Decode, Prefill, Verify, new_cache
@@ -148,7 +148,7 @@ def test_a_server_speculates_on_the_artifacts_verify_key(tmp_path, monkeypatch, 
         keys={k: {"inputs": {}, "outputs": {}} for k in keys},
     )
     assert runtime.speculative == SpeculativeConfig("ngram", K, None, 3, 3)
-    engine = BatchEngine(runtime, IdTokenizer(), set())
+    engine = Engine(runtime, IdTokenizer(), set())
     try:
         prompts = [[2] + [40, 41, 42, 43] * 5, [2] + list(range(50, 62))]
         requests = [(p, SamplingParams(10, temperature=0.0)) for p in prompts]

@@ -1,6 +1,6 @@
 """Speculative decoding's step over the static graphs: the verify graph (`static/decoder.Verify`), the
 cache's slack for the drafts it writes (`static/cache.cache_layout`), the speculative step of `Rows`
-(`static/rows.py`) and the batching engine over it (`serve/batching.py`): with prompt lookup, greedy
+(`static/rows.py`) and the batching engine over it (`serve/engine.py`): with prompt lookup, greedy
 rows get exactly the tokens they get without speculation, and a sampled row's verify columns are the
 decode graph's own draws at the same uniforms."""
 
@@ -11,7 +11,7 @@ from neuron_moe import cli
 from neuron_moe.greedy import left_pad
 from neuron_moe.model import build_model
 from neuron_moe.run_config import Shapes
-from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import Engine
 from neuron_moe.serve.engine import SamplingParams
 from neuron_moe.serve.metrics import Metrics
 from neuron_moe.speculative import SpeculativeConfig
@@ -238,7 +238,7 @@ def test_served_greedy_texts_with_speculation_are_those_without(tiny_port, stati
     def served(speculative, stops):
         runtime = static_runtime(static_model, spec, batch=8, prefix_caching=True, speculative=speculative)
         calls = _recording(runtime) if speculative else []
-        engine = BatchEngine(runtime, IdTokenizer(), {1})
+        engine = Engine(runtime, IdTokenizer(), {1})
         engine.metrics = Metrics("m")
         params = [SamplingParams(n, temperature=0.0, stop_token_ids=s) for n, s in zip(budget, stops)]
         return _serve(engine, list(zip(prompts, params))), calls, engine.metrics.registry

@@ -21,8 +21,8 @@ from torch._inductor.exc import InvalidCxxCompiler
 from neuron_moe import cli
 from neuron_moe.model import build_model
 from neuron_moe.serve import server
-from neuron_moe.serve.batching import BatchEngine
-from neuron_moe.serve.engine import SamplingParams
+from neuron_moe.serve.engine import Engine
+from neuron_moe.serve.decoding import SamplingParams
 from neuron_moe.static import inductor
 from neuron_moe.static.rows import Chunk
 from neuron_moe.static.runtime import static_runtime
@@ -76,7 +76,7 @@ def compiled(tmp_path_factory, small_spec, model):
 
 
 def run(runtime) -> list[list[int]]:
-    engine = BatchEngine(runtime, IdTokenizer(), set())
+    engine = Engine(runtime, IdTokenizer(), set())
     try:
         return [tokens_of(sink.steps) for sink in serve_together(engine, REQUESTS)]
     finally:

@@ -42,8 +42,8 @@ from .. import __version__
 from ..report import dumps
 from . import decoding
 from .chat import render_chat
-from .decoding import Echo, Logprobs, Result
-from .engine import Engine, RequestError
+from .decoding import Echo, Logprobs, RequestError, Result
+from .engine import Engine
 from .invocations import invocation_request
 from .metrics import CONTENT_TYPE, Metrics
 from .ready import Stopped

@@ -1,4 +1,4 @@
-"""The engine behind `serve --backend`: the one engine (`batching.BatchEngine`) over the runtime the
+"""The engine behind `serve --backend`: the one engine (`engine.Engine`) over the runtime the
 backend names: the static graphs on CPU, a compiled Neuron artifact, or transformers' model."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from ..model import build_model
 from ..neuron.artifact import check_tokenizer, read_manifest
 from ..spec import COMPILED, MODULES, Backend, check_serve_backend, not_served, serve_backends
 from ..tokenizer import load_tokenizer
-from .batching import BatchEngine
-from .engine import Engine, eos_ids
+from .decoding import eos_ids
+from .engine import Engine
 from .hf_runtime import HFRuntime
 from .neuron import neuron_runtime
 from ..static.runtime import static_runtime
@@ -48,7 +48,7 @@ def load_engine(
     if backend.graphs == COMPILED:  # the artifact's own tokenizer (digest-checked), unless --checkpoint gives one
         tokenizer = load_tokenizer(port, checkpoint or check_tokenizer(artifacts, read_manifest(artifacts), port))
         runtime = neuron_runtime(artifacts, port, prefix_caching)
-        return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, port.config))
+        return Engine(runtime, tokenizer, eos_ids(tokenizer, port.config))
     tokenizer = load_tokenizer(port, checkpoint)
     if backend.graphs == MODULES:
         spec = port.static_spec(f"--backend {backend.name}")
@@ -61,6 +61,6 @@ def load_engine(
             prefix_caching=prefix_caching is not False,
             speculative=speculative,
         )
-        return BatchEngine(runtime, tokenizer, eos_ids(tokenizer, model.config))
+        return Engine(runtime, tokenizer, eos_ids(tokenizer, model.config))
     model = build_model(port, backend.experts, dtype, checkpoint, **backend.formats)
-    return BatchEngine(HFRuntime(model, rows or 1), tokenizer, eos_ids(tokenizer, model.config))
+    return Engine(HFRuntime(model, rows or 1), tokenizer, eos_ids(tokenizer, model.config))

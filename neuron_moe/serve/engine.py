@@ -1,386 +1,247 @@
-"""The serving engine: what a request may ask, and the tokens and text it gets back.
+"""The engine: one step loop, in its own thread, over the rows of a runtime with `static/rows.py`'s
+protocol, whichever runs the model: the static graphs on CPU (`static/runtime.py`), a compiled Neuron
+artifact (`neuron.py`) or transformers' model (`hf_runtime.py`). Every backend `serve` offers runs here.
 
-`Output` is one request's side of generation: sampling (greedy at temperature 0, else
-temperature, top-k and top-p from a per-request seeded generator's draws: `static/sampling.py`,
-which the runtime runs, in its graphs or on the host), the tokens the next one must not be
-(EOS and stop_token_ids until min_tokens), EOS (unless ignore_eos), stop_token_ids, stop sequences
-and max_tokens, and the text that is safe to send after each token (a partial stop string or a partial UTF-8
-character is held back until it resolves): an id side that decides from the tokens (`take`) and
-a text side (`text`), which the engine runs beside its runtime's calls. `Engine` is what the
-engine asks of a request before it runs: the runtime's limits (its context, its candidate width, its
-logits-processing variants), the grammar compiled, the request's `Output`. The engine itself is
-`batching.BatchEngine`: one step loop (`static.rows.Rows.step`) over the rows of a runtime with Rows'
-protocol, whichever runs the model: the static graphs on CPU (`static/runtime.py`), the compiled
-artifact on Inferentia2 (`neuron.py`) or transformers' model (`hf_runtime.py`).
+Before a request runs, `Engine` checks what it asks against the runtime (its context, its candidate
+width, its logits-processing variants: `check_sampling`, `max_tokens_for`), compiles its grammar and
+makes its `decoding.Output`; a request it cannot serve is a RequestError naming the field.
+
+A request waits until a row is free, then joins: its prompt is prefilled into that row (the graph
+writes that row of the cache only, `static/rows.py`), and its first token, which the prefill graph
+chose, is sent at once. Each turn of the loop is one engine step (`static.rows.Rows.step`): at
+most one prefill call and then one decode step of every row that is generating (batched and
+chunked prefill, every row at its own position): a request that joins while others wait is
+prefilled together with them, in one call, and a long prompt costs the rows generating beside it
+one chunk's call per token, not its whole prefill. A row ends — EOS, a stop string, max_tokens
+(at most the end of the cache), or its client went away — and is free for the next waiting request.
+
+Host work and graph calls overlap (vLLM's async scheduling is the model): between two graph calls
+the loop does only what the next call needs, from the token ids — each row's token taken by its
+request's id side (`decoding.Output.take`: EOS and max_tokens end a request there, and its row is
+free that same turn), the next inputs written in place (`Rows`) and admission. Each token's text
+(`Output.text`: detokenizing, stop strings, held-back text) and the sink's calls run on a second
+thread, the text thread (`_Texts`), while the loop is in the next graph call, whose GIL-free time
+(a CPU graph's ops, a Neuron call) they fill. The text thread is at most a step behind: before a
+step the loop waits for the text of the steps before the previous one. So a request that a stop
+string ends is seen ended a step late, and its row decodes one token too many, which is dropped:
+harmless, as that step writes one slot of the row's own cache, and what a row held before its next
+request's first chunk is never read (`static/cache.py`); the id side still bounds the row by the
+request's max_tokens.
+
+Prefix caching (a runtime with a copy graph, `static/prefix.py`): a row whose request ended keeps
+what its cache holds; a request whose prompt begins with a prefix some row holds (whole blocks)
+takes that row if it is free, or has the prefix copied into the row it takes, and prefills only
+the rest. The lookups and hits are counted into /metrics as vLLM counts them.
+
+Speculative decoding (a runtime with a verify graph, `--speculative-config`): a step drafts tokens for
+each row and checks them in one verify call (`Rows`), a row taking several tokens a step, each
+through its request's id side as above; the drafts and the accepted ones are counted into /metrics
+as vLLM counts them.
+
+Sampling happens in the graphs (`static/sampling.py`): each row's sampling input carries its
+request's temperature, top-k, top-p and a uniform draw from the request's own seeded generator
+(`decoding.Output.sampling`), so a seeded request gets the same tokens whatever runs beside it.
+Per row, everything else is decoding.py's `Output`: stop strings, held-back text and UTF-8 are
+handled as for a request served alone.
+
+A request comes with a sink (`scheduler.Job`) that the text thread calls, in order: `put(step)`
+for each Step, `fail(error)`, and `end()` exactly once when the request is over; the loop reads
+`sink.cancelled` (an Event) at every step. `generate` wraps that in a blocking iterator. A failure
+in one row's work (its text, its sink) ends that request with the error and leaves the other rows
+running; a graph call that fails ends the requests it was running (the prefilled ones, or every
+generating row); the loop itself goes on.
 """
 
 from __future__ import annotations
 
-import math
-import secrets
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from ..static.sampling import BIAS_WIDTH, GREEDY, GREEDY_BELOW, NOTHING, Processing, mask_words, sampling_row
-from .grammar import GrammarError, Grammars, GrammarSpec, Matcher
+from ..static.prefix import PrefixIndex
+from ..static.rows import Rows
+from ..static.sampling import BIAS_WIDTH, NOTHING, Processing
+from .decoding import Output, RequestError, SamplingParams, Step, allowed_mask, bad_word_ids, ends
+from .grammar import GrammarError, Grammars
 
-DRAWS = 64  # a sampled request's uniforms drawn at a time (fewer if its max_tokens needs fewer)
-
-
-class RequestError(UserError):
-    """A request the engine cannot serve as asked; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+log = logging.getLogger("neuron_moe.serve")
+_END = object()
 
 
-class GenerationError(RuntimeError):
-    """The model failed a request mid-way (a server fault: answered 500 or an error event)."""
+@dataclass
+class _Request:
+    """A request in a row of the batch (the work a `Rows` runs): its Output's id side here, on the
+    step loop's thread; its text and its sink on the text thread (`_Texts`)."""
 
+    prompt: list[int]
+    output: Output
+    sink: object  # put(step), fail(error), end(), cancelled: threading.Event
+    texts: _Texts
+    error: Exception | None = None  # its own failure, sent to its sink at its end
+    done: bool = False  # its text side ended it (a stop string, its sink failed): the loop frees its row
+    complete: bool = False  # its last Step went out: a failure after it is past its end
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    processing: Processing = NOTHING  # logprobs, penalties, logit_bias, min_p (`static/sampling.py`)
-    # vLLM's: EOS generated and fed on like any token; generation ends at any of these tokens;
-    # no EOS or stop token chosen, and no stop string ending, before this many tokens; the stop
-    # string or token kept in the text; the chosen tokens' logprobs summed (best_of's ranking)
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    rank: bool = False
-    grammar: GrammarSpec | None = None  # structured output: what the text must match (grammar.py)
-    # vLLM's: the only tokens that may be chosen (None: any); words whose tokens must not be generated
-    allowed_token_ids: tuple[int, ...] | None = None
-    bad_words: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A token's logprob under the model's own distribution, and the most likely tokens' (as many as
-    asked, most likely first)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-    # the token's rank in the distribution (1: the most likely; vLLM's, ties ranked alike)
-    rank: int
-
-
-@dataclass(frozen=True)
-class Step:
-    text: str  # new text since the previous step; "" while text is held back
-    finish_reason: str | None  # "stop" | "length" on the last step, else None
-    completion_tokens: int  # tokens generated so far (an EOS counts)
-    logprobs: TokenLogprobs | None = None  # this step's token's, when the request asked for logprobs
-    # the first step of a request that asked for prompt logprobs (echo): one per prompt token, None first
-    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
-    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (EOS: None)
-    cumulative_logprob: float | None = None  # the chosen tokens' logprobs summed so far (params.rank), else None
-
-
-def token_logprobs(token: int, chosen: float, rank: int, top_ids, top, n: int) -> TokenLogprobs:
-    """A TokenLogprobs from a graph's (or the host's) scores (`sampling.logprobs`), the first `n` of the
-    top ones kept."""
-    return TokenLogprobs(token, float(chosen), tuple(zip(top_ids.tolist()[:n], top.tolist()[:n])), int(rank))
-
-
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters must wait: an incomplete character at the end (decoders show a
-    partial UTF-8 sequence as U+FFFD), and before it a suffix that may grow into a stop string —
-    the stop may go on in that very character, so what precedes it waits with it."""
-    body = text.rstrip("\ufffd")
-    n = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(body)), n, -1):
-            if body.endswith(stop[:k]):
-                n = k
-                break
-    return n + len(text) - len(body)
-
-
-class Output:
-    """One request's output: the token it takes from each step, and the text a client is sent.
-
-    Two sides, so that a batch's step loop can run them on two threads (`batching.BatchEngine`):
-
-    - the id side, `take(token, scores)`: the token the runtime chose (with its scores, from the
-      logits-processing variants, for a request that asks for them) joins the output, and the ids decide
-      at once whether it is the last: EOS ("stop") or max_tokens ("length"); a token of -1 (the
-      graphs' answer to non-finite logits) raises GenerationError. It returns that finish reason
-      (None: go on). `sampling()` belongs to this side too: the request's row of the graphs'
-      `sampling` input for its next token (its temperature, top-k, top-p and a uniform from its own
-      seeded generator, drawn in order a block at a time, so a seeded request samples the same
-      whatever runs beside it). State a next step depends on (what the next token may be) lives
-      here;
-    - the text side, `text(count, finish)`: the Step of the count-th token, whose id side said
-      `finish`. Its text is what is safe to send: a partial stop string or a partial UTF-8
-      character is held back until it resolves, and a stop string ends the output there ("stop",
-      nothing of the stop sent). It runs the tokens' text incrementally (a window of the last
-      tokens is decoded, vLLM's and TGI's way, not the whole output), and the texts are those of
-      decoding the whole output after each token, for any tokenizer whose decode of a longer
-      sequence begins with its decode of a shorter one at a complete character.
-
-    The text side may run behind the id side (it reads the tokens the id side has appended); it
-    takes the tokens in order, each once. An id-side "stop" token (EOS, a stop token) is no part of the
-    text, unless include_stop_str_in_output keeps it.
-    `next(token, scores)` is both at once, for a caller that wants the Step at once.
-
-    A request with a grammar (`matcher`, grammar.py) has `allowed()`, the next token's bitmask,
-    which the runtime applies to the logits before it samples (an input of its variants); the
-    chosen token advances the matcher, and once the grammar takes nothing more the request ends
-    ("stop"). `allowed()` is None for a request without one.
-    """
-
-    def __init__(
-        self,
-        tokenizer,
-        eos_ids: frozenset[int],
-        params: SamplingParams,
-        prompt: list[int] = (),
-        matcher: Matcher | None = None,
-        allowed: torch.Tensor | None = None,
-        bad_words: tuple[tuple[int, ...], ...] = (),
-    ):
-        self.tokenizer, self.eos_ids, self.params, self.matcher = tokenizer, eos_ids, params, matcher
-        self._allowed = allowed  # allowed_token_ids as a bitmask (`allowed_mask`), or None
-        self._bad_words = bad_words  # bad_words' token sequences (`bad_word_ids`)
-        self.prompt = list(prompt)
-        self.generated: list[int] = []  # every token generated (an EOS too): what the penalties count
-        self.scores: list[TokenLogprobs | None] = []  # each generated token's logprobs, when asked
-        # the prompt's logprobs while they arrive (the first token has none), handed out with the first Step
-        self._prompt_logprobs = None if params.processing.prompt_logprobs is None else [None]
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        self._draws: list[float] = []  # uniforms drawn ahead, next one last
-        self._drawn = 0
-        # the id side
-        self.tokens: list[int] = []  # the generated tokens, a stop token (EOS) not among them unless kept
-        self.count = 0  # tokens generated (an EOS counts)
-        self.token: int | None = None  # the latest token, which the runtime is fed next
-        self.stop_token: int | None = None  # a stop_token_ids token that ended it (vLLM's stop_reason)
-        self._kept = False  # whether the token that ended it is in `tokens` (include_stop_str_in_output, a grammar)
-        self._banned = ends(params, eos_ids)  # banned before min_tokens
-        self._bans = bool(self._banned and params.min_tokens)
-        # the chosen tokens' logprobs (the model's own) summed after each token, for best_of's ranking
-        self._cumulative: list[float] | None = [] if params.rank else None
-        # the text side: the text of tokens[:_read] is _text (final); _window is the text of
-        # tokens[_prefix:_read], the decode window's start, whose text a new token's is told from
-        self._text, self._window, self._prefix, self._read = "", "", 0, 0
-        self._searched = 0  # characters of the text looked through for stop strings
-        self._stop_from = 0  # characters before which no stop string may end (the first min_tokens tokens' text)
-        self._longest = max(map(len, params.stop), default=0)
-        self.sent = 0  # characters of the text already handed out
-
-    @property
-    def greedy(self) -> bool:
-        return self.params.temperature < GREEDY_BELOW
+    def sampling(self) -> tuple[float, float, float, float]:
+        return self.output.sampling()
 
     @property
     def asks(self) -> bool:
-        """Whether this request runs in the logits-processing graphs (`static/rows.py`): it asks for
-        logprobs, penalties, logit_bias or min_p, bans (min_tokens: `banned()`), each token's logprob
-        (best_of's ranking), or a grammar (`allowed()`)."""
-        params = self.params
-        return (
-            params.processing.asks
-            or self._bans
-            or params.rank
-            or self.matcher is not None
-            or self._allowed is not None
-            or bool(self._bad_words)
-        )
+        return self.output.asks
 
-    def banned(self) -> tuple[int, ...]:
-        """The token ids the next token must not be: EOS (unless ignore_eos) and stop_token_ids while
-        fewer than min_tokens have been generated (vLLM's min_tokens), and bad_words' (vLLM's): the
-        last token of each of their token sequences whose tokens before it were the last generated
-        (a one-token word's, always)."""
-        banned = list(self._banned) if self.count < self.params.min_tokens else []
-        generated = self.generated
-        for sequence in self._bad_words:
-            before = len(sequence) - 1
-            if before == 0 or (before <= len(generated) and tuple(generated[-before:]) == sequence[:-1]):
-                banned.append(sequence[-1])
-        return tuple(dict.fromkeys(banned))
+    def processing(self):
+        return self.output.processing()
 
-    def allowed(self) -> torch.Tensor | None:
-        """The bitmask for the next token (int32 [ceil(V/32)], bit t % 32 of word t // 32 set = token t
-        allowed: grammar.py): the grammar's, and allowed_token_ids' (both: the tokens both allow), or
-        None: neither."""
-        grammar = None if self.matcher is None else self.matcher.allowed()
-        if self._allowed is None:
-            return grammar
-        return self._allowed if grammar is None else grammar & self._allowed
+    def prompt_scores(self, start: int, *scores) -> None:
+        self.output.prompt_scores(start, *scores)
 
-    def processing(self) -> tuple[tuple[float, float, float, float], list[tuple[int, float]], torch.Tensor | None]:
-        """This request's row of the logits-processing graphs' inputs for its next token (`static/rows.py`):
-        its penalties and min_p, its logit_bias entries then its bans (-inf), its bitmask."""
-        processing = self.params.processing
-        entries = [*processing.logit_bias, *((token, -float("inf")) for token in self.banned())]
-        return processing.values(), entries, self.allowed()
-
-    def prompt_scores(self, start: int, chosen, ranks, top_ids, top) -> None:
-        """The scores of prompt tokens start+1 .. start+len(chosen), from a prefill chunk (`static/rows.py`)."""
-        n = self.params.processing.prompt_logprobs
-        if n is None:
-            return
-        for i in range(len(chosen)):
-            token = self.prompt[start + 1 + i]
-            self._prompt_logprobs.append(token_logprobs(token, chosen[i], ranks[i], top_ids[i], top[i], n))
-
-    def sampling(self) -> tuple[float, float, float, float]:
-        """The next token's sampling row; a sampled request takes its next uniform here, once per
-        token (the generator's draws in order: a block of them is one call's worth of the same)."""
-        if self.greedy:
-            return GREEDY
-        if not self._draws:
-            n = min(DRAWS, max(1, self.params.max_tokens - self._drawn))
-            self._draws = torch.rand(n, generator=self.generator).tolist()[::-1]
-            self._drawn += n
-        params = self.params
-        return sampling_row(params.temperature, params.top_k, params.top_p, self._draws.pop())
-
-    def take(self, token: int, scores=None) -> str | None:
-        """The id side of the next token: `token` as the runtime chose it (with its `scores`, (logprob,
-        rank, top ids, top logprobs), from the logits-processing variants); it joins the output -> its
-        finish reason from the ids ("stop": EOS unless ignore_eos, or a stop token; "length":
-        max_tokens), or None."""
-        if token < 0:  # the graphs' answer to non-finite logits; a token is never picked from NaNs
-            raise GenerationError(f"the model produced non-finite logits (NaN or inf) at step {self.count}")
-        self._check_allowed(token)
+    def next(self, token: int, logits: torch.Tensor | None, scores=None) -> int | None:
+        """The token the graph chose (with its scores from the logits-processing graphs), taken by the
+        ids (EOS, max_tokens, non-finite logits end the request here) and its text handed to the text
+        thread -> the token to feed next, or None."""
         try:
-            allowed = self.matcher is None or self.matcher.advance(token)
-        except GrammarError as e:  # the grammar admits no output here, or passed a limit: the client's
-            raise RequestError(f"{e} (at token {self.count + 1})", e.field) from None
-        if not allowed:
-            raise GenerationError(f"token {token} at step {self.count} is not one the grammar allows")
-        self.token, self.count = token, self.count + 1
-        self.generated.append(token)
-        n = self.params.processing.logprobs
-        if n is not None:  # the count-th token's, for its Step (the text side may run behind)
-            self.scores.append(None if scores is None else token_logprobs(token, *scores, n))
-        if self._cumulative is not None:  # the token's logprob under the model's own distribution
-            before = self._cumulative[-1] if self._cumulative else 0.0
-            self._cumulative.append(before + (float(scores[0]) if scores is not None else math.nan))
-        params = self.params
-        eos = token in self.eos_ids and not params.ignore_eos
-        if eos or token in params.stop_token_ids:
-            self.stop_token = None if eos else token
-            if params.include_stop_str_in_output:
-                self.tokens.append(token)
-                self._kept = True
-            return "stop"
-        self.tokens.append(token)
-        if self.matcher is not None and self.matcher.stopped:  # the grammar is complete: nothing may follow
-            self._kept = True  # the token is the grammar's last, part of the text
-            return "stop"
-        return "length" if self.count == self.params.max_tokens else None
+            finish = self.output.take(token, scores)
+        except RequestError as e:  # what the request asked admits no token: the client's 400, one line
+            log.warning("a request ended: %s", e)
+            self.error = e
+            return None
+        except Exception as e:  # this request's own failure: the other rows go on
+            log.exception("generation failed in a row of the batch")
+            self.error = e
+            return None
+        self.texts.put(self, self.output.count, finish)
+        return None if finish else token
 
-    def _check_allowed(self, token: int) -> None:
-        """A RequestError naming the field when allowed_token_ids and bad_words (and a grammar) left the
-        token no choice: a token they rule out is chosen only when every token was ruled out."""
-        if self._allowed is None and not self._bad_words:
+    def end(self, error: Exception | None = None) -> None:
+        self.texts.end(self, error)
+
+
+class _Texts:
+    """The text side of the batch's requests, on a thread of its own: each token's Step
+    (`Output.text`: detokenizing, stop strings, held-back text) and the sink's calls, in the order
+    the step loop hands them over, while the loop goes on to the next graph call. A request that a
+    stop string ends, or whose sink fails, is marked `done`; the loop frees its row when it next
+    looks (`wait` bounds how far behind this side may be). Anything of a request after its end is
+    dropped."""
+
+    def __init__(self):
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._handled = threading.Condition()
+        self.queued = self.handled = 0  # items handed over (by the step loop) and handled (here)
+        self._thread = threading.Thread(target=self._run, name="batch-text", daemon=True)
+        self._thread.start()
+
+    def put(self, request: _Request, count: int, finish: str | None) -> None:
+        """From the step loop: the count-th token of `request`, whose id side said `finish`."""
+        self.queued += 1
+        self._items.put((request, count, finish))
+
+    def end(self, request: _Request, error: Exception | None) -> None:
+        """From the step loop: `request` is over (`error`: what it failed with), after its tokens."""
+        self.queued += 1
+        self._items.put((request, _END, error))
+
+    def wait(self, mark: int) -> None:
+        """Until the first `mark` items handed over are handled."""
+        if self.handled < mark:
+            with self._handled:
+                self._handled.wait_for(lambda: self.handled >= mark)
+
+    def close(self) -> None:
+        """Once everything handed over is handled, end the thread."""
+        self._items.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._items.get()) is not None:
+            try:
+                self._handle(*item)
+            finally:
+                with self._handled:
+                    self.handled += 1
+                    self._handled.notify()
+
+    def _handle(self, request: _Request, count, finish) -> None:
+        if count is _END:  # `finish` is the error it failed with
+            error = None if request.complete else finish or request.error
+            try:
+                if error is not None:
+                    request.sink.fail(error)
+                request.sink.end()
+            except Exception:
+                log.exception("a request's end failed")
             return
-        mask = self.allowed()
-        if (mask is None or int(mask[token // 32]) >> (token % 32) & 1) and token not in self.banned():
+        if request.done:  # a stop string ended it a step before its row was freed: this token is past the end
             return
-        field = "allowed_token_ids" if self._allowed is not None else "bad_words"
-        raise RequestError(
-            f"{field}: at token {self.count + 1} no token is left to choose: allowed_token_ids, bad_words and the "
-            "structured output (where given) rule out every one",
-            field,
-        )
+        try:
+            step = request.output.text(count, finish)
+            request.sink.put(step)
+        except Exception as e:  # this request's own failure: the other rows go on
+            log.exception("generation failed in a row of the batch")
+            request.error, request.done = e, True
+            return
+        request.done = request.complete = step.finish_reason is not None
 
-    def text(self, count: int, finish: str | None) -> Step:
-        """The Step of the count-th token, whose id side said `finish`: its new text, and its
-        finish reason (a stop string's, if one ends the output here)."""
-        params, sent = self.params, self.sent
-        pending = self._advance(count - 1 if finish == "stop" and not self._kept else count)
-        # Only the text's tail is looked at: stop strings were looked for up to `_searched`, so a new
-        # one ends past `_searched` - (longest - 1), and what is held back is at most a stop's length
-        # and the incomplete character; `sent` is at most that far back.
-        start = max(0, self._searched - self._longest + 1)
-        base = min(sent, start, len(self._text))
-        recent = self._text[base:] + pending  # the text from `base` on
-        # stops are looked for in the complete characters alone: a trailing U+FFFD may be the start of a
-        # character still arriving (a stop of U+FFFD would cut it), and it is looked at once it is whole.
-        # An output the ids ended (a grammar's last token, a kept stop token) is still cut at a stop
-        # string in its last token's text, as vLLM cuts it, the stop string its stop_reason.
-        complete = recent.rstrip("\ufffd")
-        self._searched = base + len(complete)
-        if count <= params.min_tokens:  # vLLM's: no stop string ends within the first min_tokens tokens' text
-            self._stop_from = self._searched
-        else:
-            froms = [max(start, self._stop_from - len(s) + 1) - base for s in params.stop]
-            found = [(j, s) for s, f in zip(params.stop, froms) if (j := complete.find(s, f)) >= 0]
-            if found:
-                cut, stop = min(found)
-                end = cut + len(stop) if params.include_stop_str_in_output else cut
-                return self._step(recent[sent - base : end], "stop", count, stop)
-        if finish == "stop":
-            return self._step(recent[sent - base :], "stop", count, self.stop_token)
-        if finish == "length":
-            return self._step(recent[sent - base :], "length", count)
-        safe = base + len(recent) - held_back(recent, () if params.include_stop_str_in_output else params.stop)
-        self.sent = max(sent, safe)
-        return self._step(recent[sent - base : safe - base], None, count)
 
-    def _step(self, text: str, finish: str | None, count: int, stop_reason: int | str | None = None) -> Step:
-        """The count-th token's Step, with its logprobs (and, the first, the prompt's) where asked, the
-        stop string or token that ended it, and its tokens' logprobs summed (best_of)."""
-        extra = {"stop_reason": stop_reason}
-        if self._cumulative is not None and count <= len(self._cumulative):
-            extra["cumulative_logprob"] = self._cumulative[count - 1]
-        if self.params.processing.logprobs is not None and count <= len(self.scores):
-            extra["logprobs"] = self.scores[count - 1]
-        if count == 1 and self._prompt_logprobs is not None:
-            extra["prompt_logprobs"] = tuple(self._prompt_logprobs)
-        return Step(text, finish, count, **extra)
+class _QueueSink:
+    """Steps for a thread that blocks on them (`Engine.generate`)."""
 
-    def next(self, token: int, scores=None) -> Step:
-        """Both sides of the next token at once -> its Step."""
-        finish = self.take(token, scores)
-        return self.text(self.count, finish)
+    def __init__(self, cancelled: threading.Event):
+        self.cancelled, self.items = cancelled, queue.SimpleQueue()
+        self.put = self.fail = self.items.put
 
-    def _advance(self, n: int) -> str:
-        """The text side takes tokens[:n] -> the text past `_text` (what is not final yet: a
-        character still arriving, or nothing)."""
-        if n <= self._read:
-            return ""
-        decode, tokens = self.tokenizer.decode, self.tokens
-        whole = decode(tokens[self._prefix : n])
-        new = whole[len(self._window) :]
-        if not new or whole.endswith("\ufffd"):  # nothing yet, or a character still arriving
-            return new
-        self._text += new
-        self._prefix, self._read = self._read, n
-        self._window = decode(tokens[self._prefix : n])
-        return ""
+    def end(self) -> None:
+        self.items.put(_END)
 
 
 class Engine:
-    """What a request may ask of a runtime (its limits, its sampling), checked before it runs, and its
-    Output: the engine's side of admission (`batching.BatchEngine` runs the requests)."""
+    """The engine over a runtime with Rows' protocol (the static graphs on CPU, a Neuron artifact,
+    transformers' model: `hf_runtime.py`): what a request may ask of it (its limits, its sampling),
+    checked before it runs, and its Output; its `batch` rows are this engine's `rows`, and `step()` its
+    one step, which its loop thread runs while there is work."""
 
-    def __init__(self, runtime, tokenizer, max_context: int, eos_ids: set[int]):
+    def __init__(self, runtime, tokenizer, eos_ids: set[int]):
         self.runtime, self.tokenizer = runtime, tokenizer
-        self.max_context = max_context  # prompt + generated tokens
+        # prompt + generated tokens. Any prompt that fits the cache: a prompt longer than the chunk is
+        # prefilled a chunk at a time. A prompt of n tokens takes positions 0..n-1 and each new token but
+        # the last the next one: n + max_tokens - 1 <= max_cache_len, so n + max_tokens <= max_context.
+        self.max_context = runtime.max_cache_len + 1
         self.eos_ids = frozenset(eos_ids)
         # the most top_k the runtime samples from exactly (its graphs' candidate width; None: any)
         self.max_top_k: int | None = getattr(runtime, "candidates", None)
         # structured output's grammars, their bitmasks as wide as the runtime's logits (`vocab`; else the
         # tokenizer's vocabulary)
         self.grammars = Grammars(tokenizer, getattr(runtime, "vocab", None), self.eos_ids)
+        self.rows = runtime.batch
+        prefix = (
+            PrefixIndex(runtime.batch, runtime.max_cache_len) if getattr(runtime, "prefix_caching", False) else None
+        )
+        self.batch = Rows(runtime, prefix=prefix)  # the request in each row
+        self.batch.counted = self._counted
+        self.batch.looked_up = self._looked_up
+        self.batch.verified = self._verified
+        self.metrics = None  # a metrics.Metrics, once a server counts this engine's calls
+        self._waiting: deque[_Request] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._texts = _Texts()
+        self._thread = threading.Thread(target=self._loop, name="batch-step", daemon=True)
+        self._thread.start()
+
+    @property
+    def slots(self) -> list[_Request | None]:
+        return self.batch.slots
+
+    @property
+    def steps(self) -> int:
+        """Decode steps run."""
+        return self.batch.steps
+
+    # ---- what a request may ask ----------------------------------------------------------------------
 
     @property
     def vocab(self) -> int | None:
@@ -491,15 +352,6 @@ class Engine:
             )
         return requested
 
-    def close(self) -> None:
-        """Stop what the engine runs (`batching.BatchEngine`: its step loop)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.close()
-
     def output(self, params: SamplingParams, prompt: list[int] = ()) -> Output:
         """A new request's Output; a RequestError if the runtime cannot sample it or its grammar does
         not compile."""
@@ -511,53 +363,131 @@ class Engine:
         words = bad_word_ids(self.tokenizer, params.bad_words, vocab)
         return Output(self.tokenizer, self.eos_ids, params, prompt, matcher, allowed, words)
 
+    # ---- requests in ------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink) -> None:
+        """Queue a request; its Steps go to `sink` from the loop's thread. A RequestError, before
+        anything runs, if the prompt or the budget does not fit the graphs or the sampling cannot
+        be served."""
+        self.max_tokens_for(len(prompt_ids), params.max_tokens)
+        request = _Request(list(prompt_ids), self.output(params, prompt_ids), sink, self._texts)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._waiting.append(request)
+            self._wake.notify()
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, cancelled: threading.Event | None = None
+    ) -> Iterator[Step]:
+        """One Step per generated token, the last with the finish reason, for a caller that blocks on
+        them: the Steps come from the loop's thread. A consumer that stops reading (or sets
+        `cancelled`: then no Step follows, not even a final one) frees its row."""
+        sink = _QueueSink(cancelled or threading.Event())
+        self.submit(prompt_ids, params, sink)
+        try:
+            while (item := sink.items.get()) is not _END and not sink.cancelled.is_set():
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        except GeneratorExit:  # closed (or dropped) by its consumer before the end
+            sink.cancelled.set()
+            raise
+
+    def load(self) -> tuple[int, int, int, int]:
+        """(requests running, waiting, rows, rows in use), for /metrics."""
+        in_use = sum(request is not None for request in self.batch.slots)
+        return in_use, len(self._waiting) + (self.batch.held is not None), self.rows, in_use
+
+    def close(self) -> None:
+        """Stop the loop; requests still waiting or running end without a final Step."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
+    # ---- the step loop ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        batch, texts = self.batch, self._texts
+        mark = 0  # the items handed to the text thread before the previous step
+        while True:
+            with self._wake:
+                while not self._closed and not self._waiting and not batch.active() and batch.held is None:
+                    self._wake.wait()
+                if self._closed:
+                    break
+            mark = self.step(mark)
+        for row in batch.active():
+            batch.free(row)
+        if batch.held is not None:
+            texts.end(batch.held, None)
+        with self._wake:
+            while self._waiting:
+                texts.end(self._waiting.popleft(), None)
+        texts.close()
+
+    def step(self, mark: int = 0) -> int:
+        """One engine step (`Rows.step`), once the text thread has handled the first `mark` items and the
+        rows whose requests ended or left are freed -> the mark of the next step (the items handed over
+        before this one)."""
+        batch, texts = self.batch, self._texts
+        # The text of the steps before the previous one is out (the previous one's is made beside
+        # this step's graph calls): a request that a stop string ended is freed here at the latest
+        # two steps after the one whose token ended it, having decoded at most one token too many.
+        texts.wait(mark)
+        mark = texts.queued
+        for row in batch.active():
+            request = batch.slots[row]
+            if request.done or request.sink.cancelled.is_set():
+                batch.free(row)
+        if batch.held is not None and batch.held.sink.cancelled.is_set():  # its client left while it waited
+            texts.end(batch.held, None)
+            batch.held = None
+        try:
+            batch.step(self._take)
+        except Exception:  # the requests its failed graph call ran ended with the error
+            log.exception("a graph call failed")
+        return mark
+
+    def _take(self) -> _Request | None:
+        """The oldest waiting request whose client has not left, for a free row."""
+        with self._wake:
+            while self._waiting and self._waiting[0].sink.cancelled.is_set():  # its client left while it waited
+                self._texts.end(self._waiting.popleft(), None)
+            return self._waiting.popleft() if self._waiting else None
+
+    def _counted(self, graph: str, rows: int) -> None:
+        """A graph call into /metrics, before its tokens reach a client."""
+        if self.metrics is None:
+            return
+        m = self.metrics
+        if graph == "copy":
+            m.copy_calls.inc()
+            return
+        calls, held = (m.prefill_calls, m.prefill_rows) if graph == "prefill" else (m.decode_calls, m.decode_rows)
+        calls.inc()
+        held.inc(rows)
+
+    def _looked_up(self, queries: int, hits: int) -> None:
+        """A prefix-cache lookup into /metrics: the prompt's tokens, and those taken from a row."""
+        if self.metrics is not None:
+            self.metrics.prefix_cache_queries.inc(queries)
+            self.metrics.prefix_cache_hits.inc(hits)
+
+    def _verified(self, drafted: list[int], accepted: list[int]) -> None:
+        """A verify step (speculative decoding) into /metrics: each row's drafts and those it accepted."""
+        if self.metrics is not None:
+            self.metrics.spec_decoded(drafted, accepted)
+
 
 def _asked_field(processing: Processing) -> str:
     """The request field behind the first thing `processing` asks for (for an error's `param`)."""
     names = ("logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
     return next((n for n in names if getattr(processing, n) != getattr(NOTHING, n)), "logit_bias")
-
-
-def ends(params: SamplingParams, eos_ids) -> tuple[int, ...]:
-    """The tokens that end a request, sorted: EOS (unless ignore_eos) and its stop_token_ids."""
-    return tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))))
-
-
-def eos_ids(tokenizer, config) -> set[int]:
-    """The tokens that end a generation: the tokenizer's EOS and the model config's."""
-    ids = {tokenizer.eos_token_id}
-    eos = getattr(config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return {i for i in ids if i is not None}
-
-
-def bad_word_ids(tokenizer, words: tuple[str, ...], vocab: int | None = None) -> tuple[tuple[int, ...], ...]:
-    """bad_words as token sequences, vLLM's way: each word (its leading spaces stripped) tokenized as it
-    is and after a space (a word at the start of the text and within it), the spaced one kept when it
-    starts with another token and does not merely put space tokens before the plain one (which bans it
-    already). vLLM keeps it only when it is as long, too, and so misses a word whose spaced form is a
-    token shorter (" Paris" one token, "Paris" two): banned here. A RequestError for a word of no token
-    or beyond `vocab`."""
-    sequences: list[tuple[int, ...]] = []
-    for word in words:
-        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        if not plain:
-            raise RequestError(f"bad_words: {word!r} tokenizes to no token", "bad_words")
-        sequences.append(plain)
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        if spaced and spaced[0] != plain[0] and spaced[-len(plain) :] != plain:
-            sequences.append(spaced)
-    bad = next((t for s in sequences for t in s if vocab is not None and t >= vocab), None)
-    if bad is not None:
-        raise RequestError(f"bad_words: token {bad} is not below the vocabulary size {vocab}", "bad_words")
-    return tuple(sequences)
-
-
-def allowed_mask(ids: tuple[int, ...], vocab: int) -> torch.Tensor:
-    """allowed_token_ids as a bitmask (int32 [ceil(V/32)], bit t % 32 of word t // 32 set = token t
-    allowed: the layout of `Output.allowed`)."""
-    bits = torch.zeros(mask_words(vocab) * 32, dtype=torch.bool)
-    bits[list(ids)] = True
-    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
-    words = (bits.view(-1, 32).long() * weights).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

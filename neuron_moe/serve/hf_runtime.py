@@ -1,7 +1,7 @@
 """transformers' model on CPU as a runtime of the engine step (`static/rows.py`), beside the static
 graphs' (`static/runtime.py`) and the Neuron artifact's (`serve/neuron.py`).
 
-The engine (`batching.BatchEngine`) drives `Rows.step` over any runtime with Rows' protocol; this one
+The engine (`engine.Engine`) drives `Rows.step` over any runtime with Rows' protocol; this one
 computes each row's logits with HF's model, a `DynamicCache` per row (any experts implementation, any
 prompt length up to max_position_embeddings: no buckets, no fixed cache), and chooses the tokens on the
 host with the graphs' own functions (`static/sampling.py`: `pick` over every token of the vocabulary,

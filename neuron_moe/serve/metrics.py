@@ -33,7 +33,7 @@ read these unchanged (label `model_name`); what only this server has is `neuron_
 
 Everything is counted where it happens: the request-level series by `scheduler.Job`, which every
 request passes through from admission to its end whatever the engine, the graph calls and rows
-by the batching engine (`batching.py`), the drafts by the engine's verify step (`spec_decoded`), the
+by the engine (`engine.py`), the drafts by the engine's verify step (`spec_decoded`), the
 gauges read at scrape time.
 """
 

@@ -11,7 +11,7 @@ each call to the key whose example inputs match), weights/tp{r}_sharded_checkpoi
 An artifact compiled for another target than this version's (`artifact.TARGET`) is refused, naming
 both; the target's environment is set before the runtime starts.
 
-Served by the batching engine (`batching.py`) as a `GraphRuntime` (`static/rows.py`), B = the
+Served by the engine (`engine.py`) as a `GraphRuntime` (`static/rows.py`), B = the
 manifest's batch_size rows, each request in its own cache row:
   prefill  model(input_ids, attention_mask, position_ids [P, bucket], row_ids [P], sampling [P, 4]),
            P of the manifest's prefill_rows chunks of prompts, each left-padded to the bucket

@@ -1,7 +1,7 @@
 """Bounded admission: at most `max_running` requests generating and `max_queue` waiting.
 
 A request past `max_running + max_queue` is refused at once (429 + Retry-After) instead of
-waiting without bound. The engine (`batching.py`) takes each Job itself: its step loop runs up to
+waiting without bound. The engine (`engine.py`) takes each Job itself: its step loop runs up to
 `rows` requests at once (`max_running` is its rows), and its own wait queue holds the rest. A slot is
 released when the generation ends (`Job.end`) — not when its client leaves — so the count never
 over-admits; a client that goes away sets the job's cancel flag, and the engine frees its row at its
@@ -17,7 +17,7 @@ import asyncio
 import threading
 import time
 
-from .engine import SamplingParams
+from .decoding import SamplingParams
 from .metrics import Metrics, RequestClock
 from .protocol import APIError
 

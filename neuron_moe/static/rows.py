@@ -1,7 +1,7 @@
 """The engine step over the static graphs: B rows of one KV cache, a piece of work in each.
 
 `Rows.step` is the one host loop over the graphs; every caller drives it, a step at a time:
-serving (`serve/batching.py`: threads, a sink per request), the batch evaluation
+serving (`serve/engine.py`: threads, a sink per request), the batch evaluation
 (`eval/reader_batch.py`: teacher forcing, fillers, each step's reads), and greedy generation of
 prompts, a batch at a time (`generate`: `validate`'s static and TP generators, every TP rank in lockstep).
 One step is
@@ -56,7 +56,7 @@ What the step does between two graph calls is on the graphs' critical path: `nex
 every row after every call, so it should decide from the token (and logits) alone what to feed
 next, and do anything slower beside the graph calls. Serving's work does so: its `next` takes the
 token by the ids (EOS, max_tokens) and hands the text and the streaming to a thread of its own
-(`serve/batching.py`), which runs while the loop is in the next call; a request that a stop string
+(`serve/engine.py`), which runs while the loop is in the next call; a request that a stop string
 ends tells the loop so a step late, and the loop `free`s its row.
 
 A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` rows, a `pad_id`,
