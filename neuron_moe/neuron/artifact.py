@@ -87,6 +87,7 @@ from ..parallel.layout import DEFAULT_EXPERT_LAYOUT, EXPERT_LAYOUTS
 from ..port import MAX_BATCH, MAX_BUCKETS
 from ..report import dumps, file_digest, loads_json, read_json_object
 from ..spec import DTYPE_NAMES, LAYER_GROUPS, QUANTIZATIONS, TP_DEGREES, layer_group
+from ..speculative import SpeculativeConfig
 from ..static.sampling import CANDIDATES
 from ..tokenizer import TOKENIZER_FILES, TOKENIZER_MODELS
 
@@ -666,8 +667,6 @@ def check_speculative_field(speculative, keys: dict, path) -> None:
     by that same parser, its verify key (in `keys`) over k + 1 positions."""
     if speculative is None:
         return
-    from ..speculative import SpeculativeConfig  # torch's import: only for a manifest that speculates
-
     try:
         if not isinstance(speculative, dict):
             raise UserError(f"expected a JSON object, got {speculative!r}")

@@ -78,7 +78,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers import Gemma4TextConfig
+from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
 from .. import spec
 from ..errors import UserError
@@ -91,6 +91,7 @@ from ..reader.accounting import rank_geometry, reads, resident, solve_rank_k
 from ..reader.geometry import Geometry
 from ..report import table
 from ..run_config import RunConfig
+from ..speculative import check_assistant
 
 GB, GiB = 1e9, 2**30
 CORE_HBM = 16 * GiB
@@ -637,10 +638,6 @@ def _assistant_bytes(speculative, config) -> int:
     config.json (`speculative.check_assistant`) built on the meta device."""
     if speculative.method != "mtp":
         return 0
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
-
-    from ..speculative import check_assistant
-
     directory = check_assistant(speculative, config)
     with torch.device("meta"):
         model = Gemma4AssistantForCausalLM(Gemma4AssistantConfig.from_pretrained(directory))

@@ -52,6 +52,7 @@ from ..neuron.artifact import (
 )
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
 from ..run_config import Shapes
+from ..speculative import SpeculativeConfig
 from ..static.rows import GraphRuntime
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,4 @@ def speculation(model, manifest: dict) -> dict:
     keys whose inputs have the same shapes); nothing for an artifact built without it."""
     if SPECULATION_KEY not in manifest["keys"] or not manifest.get("speculative"):
         return {}
-    from ..speculative import SpeculativeConfig
-
     return {"verify": model, "speculative": SpeculativeConfig(**manifest["speculative"])}
