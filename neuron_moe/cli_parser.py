@@ -446,6 +446,41 @@ TRAIN_TINY = Command(
     "build-corpus; write an HF-layout checkpoint with the tokenizer and the loss log.",
 )
 
+TRAIN_ASSISTANT = Command(
+    "train-assistant",
+    "train a Gemma-4 MTP assistant for the port's model, the target frozen (deterministic, CPU)",
+    (
+        MODEL.but(help=f"port of the target (default: {DEFAULT_PORT})"),
+        CHECKPOINT.but(help="the target's weights and tokenizer instead of the port's"),
+        opt("--corpus", required=True, metavar="DIR", help="directory written by build-corpus"),
+        opt("--out", required=True, metavar="DIR", help="assistant directory to write"),
+        opt("--steps", type=_positive_int, default=600, help="optimizer steps (default 600)"),
+        opt(
+            "--draft-steps",
+            type=number(int, at_least=1, at_most=16),
+            default=4,
+            metavar="K",
+            help="draft steps unrolled in training, each predicting one token further (default 4)",
+        ),
+        opt("--batch-size", type=_rows, default=2, help="training: windows per optimizer step (default 2)"),
+        opt("--seq-len", type=_tokens, default=512, help="training: tokens per window (default 512)"),
+        opt(
+            "--queries",
+            type=_tokens,
+            default=128,
+            help="training: draft positions drawn from each window per step (default 128)",
+        ),
+        opt("--lr", type=_positive, default=2e-3, help="peak learning rate (default 2e-3)"),
+        opt("--seed", type=_seed, default=0, help="seed of initialisation and data order (default 0)"),
+        _json("the run summary"),
+    ),
+    description="Teacher forcing from the frozen target over the corpus from build-corpus: the "
+    "assistant drafts from the target's final hidden state and KV as the draft graph does, and learns "
+    "the target's next-token distribution at each unrolled step. Writes config.json and "
+    "model.safetensors (transformers' Gemma4AssistantForCausalLM) and the loss log, then measures "
+    "the drafts accepted by HF's assisted generation on held-out text.",
+)
+
 EVAL_TASKS = Command(
     "eval-tasks",
     "task accuracy, held-out perplexity and expert load of a model",
@@ -1077,6 +1112,7 @@ COMMANDS = (
     VALIDATE,
     BUILD_CORPUS,
     TRAIN_TINY,
+    TRAIN_ASSISTANT,
     EVAL_TASKS,
     EVAL_READER,
     PUBLISH,

@@ -16,7 +16,7 @@ from neuron_moe.static.export import functional
 from neuron_moe.static.rows import Chunk, GraphRuntime
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static.sampling import GREEDY
-from neuron_moe.training.assistant import assistant_config
+from neuron_moe.training.assistant import assistant_config, teacher, unrolled
 
 from conftest import random_prompts
 
@@ -180,3 +180,21 @@ def test_the_runtime_drafts_over_the_cache_its_prefill_graph_wrote(tiny_port, ti
     assert tokens.tolist() == [e[0] for e in expected]
     drafts, logits = runtime.draft(tokens, torch.stack([e[1] for e in expected]), torch.tensor([30, 9]))
     assert drafts.tolist() == [e[2].tolist() for e in expected] and logits.shape == (2, 3, tiny_port.config.vocab_size)
+
+
+def test_training_runs_the_assistant_as_the_draft_graph_runs_it(tiny_port, tiny_eager, assistant):
+    """Teacher forcing (`training/assistant.py`) over a window gives, at each query position p, the
+    draft graph's first step for a row prefilled up to p - 1 with the token at p as its last: the
+    same inputs, masks and position, so what is trained is what runs."""
+    config = tiny_port.config
+    ids = torch.tensor(random_prompts(config.vocab_size, [48], seed=11))
+    positions = torch.tensor([3, 16, 17, 18, 40])
+    batch = teacher(tiny_eager, ids)
+    (trained_logits, target_logits), _ = unrolled(assistant, batch, positions, 2, config.sliding_window)
+    layout = widened(cache_layout(config, MAX_CACHE_LEN), config.sliding_window + K + 1)
+    prompts = [ids[0, :p].tolist() for p in positions]
+    draft = Draft(assistant, tiny_eager, prefilled(tiny_eager, layout, prompts), 1)
+    with torch.no_grad():
+        _, logits = draft(ids[0, positions], batch[1][0, positions - 1], positions)
+    torch.testing.assert_close(trained_logits[0].detach(), logits[:, 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(target_logits[0], batch[3][0, positions])  # labels: the target's next token there
