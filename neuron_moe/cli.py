@@ -232,7 +232,8 @@ def cmd_train_tiny(args) -> int:
 def cmd_train_assistant(args) -> int:
     from .training.assistant import render_assistant, train_for_port
 
-    options = ("checkpoint", "steps", "draft_steps", "batch_size", "seq_len", "queries", "lr", "seed", "threads")
+    options = ("checkpoint", "steps", "draft_steps", "batch_size", "seq_len", "queries", "task_share", "lr", "seed")
+    options += ("threads",)
     summary = train_for_port(args.model, args.corpus, args.out, **{k: getattr(args, k) for k in options})
     return _report(summary, args, render_assistant, args.out, json={k: v for k, v in summary.items() if k != "log"})
 

@@ -127,13 +127,14 @@ def step_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor,
     return loss, (logits.argmax(-1) == target.argmax(-1)).float().mean()
 
 
-def windows(tokenizer, corpus_dir: Path, seq_len: int, seed: int, eos: int) -> Windows:
-    """The training windows of the target's own corpus, packed as `train-tiny` packs them."""
+def windows(tokenizer, corpus_dir: Path, seq_len: int, seed: int, eos: int, task_share: float) -> Windows:
+    """The training windows of the target's own corpus, packed as `train-tiny` packs them: whole task
+    items up to `task_share` of each window, running text the rest."""
     rows = read_jsonl(Path(corpus_dir) / "train.jsonl")
     encoded = [e.ids + [eos] for e in tokenizer.backend.encode_batch([r["text"] for r in rows])]
     tasks = [ids for r, ids in zip(rows, encoded) if r["kind"] != "text"]
     text = [ids for r, ids in zip(rows, encoded) if r["kind"] == "text"]
-    return Windows(tasks, text, seq_len, random.Random(seed), task_share=1.0)
+    return Windows(tasks, text, seq_len, random.Random(seed), task_share)
 
 
 def new_assistant(target, seed: int) -> Gemma4AssistantForCausalLM:
@@ -158,6 +159,7 @@ def train(
     batch_size: int = 2,
     seq_len: int = 512,
     queries: int = 128,
+    task_share: float = 0.25,
     lr: float = 2e-3,
     seed: int = 0,
     threads: int = 1,
@@ -169,7 +171,7 @@ def train(
     grouped_mm experts meanwhile (speed; its outputs are the same function) and eager after."""
     if draft_steps >= seq_len:
         raise UserError(f"--draft-steps {draft_steps}: at most --seq-len - 1 ({seq_len - 1})")
-    data = windows(tokenizer, corpus_dir, seq_len, seed, target.config.eos_token_id)
+    data = windows(tokenizer, corpus_dir, seq_len, seed, target.config.eos_token_id, task_share)
     with repeatable(threads):
         assistant = new_assistant(target, seed)
         assistant.set_attn_implementation("sdpa")
@@ -207,6 +209,7 @@ def train(
         "batch_size": batch_size,
         "seq_len": seq_len,
         "queries": queries,
+        "task_share": task_share,
         "lr": lr,
         "threads": threads,
         "seconds": round(time.time() - start, 1),
