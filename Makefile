@@ -46,7 +46,7 @@ train-tiny: venv
 train-assistant: venv
 	test -d build/tiny/corpus || $(VENV)/bin/neuron-moe build-corpus --out build/tiny/corpus
 	$(VENV)/bin/neuron-moe train-assistant --corpus build/tiny/corpus --out ports/tiny-gemma4-moe-assistant \
-		--steps 600 --batch-size 2 --queries 128 --seed 0
+		--steps 800 --batch-size 2 --queries 128 --task-share 0.05 --seed 0
 
 # The XLA lowering check (bench/xla_check.py): the static graphs through torch-xla on the CPU; its report
 # goes to bench/results/xla-check.{md,json}, each graph's HLO text to build/xla-check-hlo/.

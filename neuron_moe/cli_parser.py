@@ -463,7 +463,7 @@ TRAIN_ASSISTANT = Command(
         CHECKPOINT.but(help="the target's weights and tokenizer instead of the port's"),
         CORPUS,
         opt("--out", required=True, metavar="DIR", help="assistant directory to write"),
-        opt("--steps", type=_positive_int, default=600, help="optimizer steps (default 600)"),
+        opt("--steps", type=_positive_int, default=800, help="optimizer steps (default 800)"),
         opt(
             "--draft-steps",
             type=number(int, at_least=1, at_most=16),
@@ -479,7 +479,7 @@ TRAIN_ASSISTANT = Command(
             default=128,
             help="training: draft positions drawn from each window per step (default 128)",
         ),
-        _task_share(0.25),
+        _task_share(0.05),
         opt("--lr", type=_positive, default=2e-3, help="peak learning rate (default 2e-3)"),
         TRAIN_SEED,
         _json("the run summary"),
