@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch that this project's machines carry; pip takes it from local disk.
 TORCH  := torch==2.13.0
 
-.PHONY: venv demo lint test train-tiny xla-check xla-ops clean
+.PHONY: venv demo lint test train-tiny train-assistant xla-check xla-ops clean
 
 # Idempotent: re-running only installs what pyproject.toml changed.
 $(VENV)/.installed: pyproject.toml
@@ -40,6 +40,13 @@ test: venv
 # Not part of `test`: CI uses the committed checkpoint.
 train-tiny: venv
 	recipes/cpu/train-tiny.sh
+
+# Retrain the tiny model's MTP assistant (ports/tiny-gemma4-moe-assistant) on the tiny model's corpus
+# (build/tiny/corpus, as train-tiny builds it; built here if missing, from the Debian package `fortunes`).
+train-assistant: venv
+	test -d build/tiny/corpus || $(VENV)/bin/neuron-moe build-corpus --out build/tiny/corpus
+	$(VENV)/bin/neuron-moe train-assistant --corpus build/tiny/corpus --out ports/tiny-gemma4-moe-assistant \
+		--steps 800 --batch-size 2 --queries 128 --task-share 0.05 --seed 0
 
 # The XLA lowering check (bench/xla_check.py): the static graphs through torch-xla on the CPU; its report
 # goes to bench/results/xla-check.{md,json}, each graph's HLO text to build/xla-check-hlo/.

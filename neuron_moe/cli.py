@@ -246,6 +246,15 @@ def cmd_train_tiny(args) -> int:
     return _report(summary, args, render_training, args.out, json={k: v for k, v in summary.items() if k != "log"})
 
 
+def cmd_train_assistant(args) -> int:
+    from .training.assistant import render_assistant, train_for_port
+
+    options = ("checkpoint", "steps", "draft_steps", "batch_size", "seq_len", "queries", "task_share", "lr", "seed")
+    options += ("threads",)
+    summary = train_for_port(args.model, args.corpus, args.out, **{k: getattr(args, k) for k in options})
+    return _report(summary, args, render_assistant, args.out, json={k: v for k, v in summary.items() if k != "log"})
+
+
 def cmd_eval_tasks(args) -> int:
     from .eval import seq_match
     from .eval.tasks import evaluate, render_tasks

@@ -430,30 +430,75 @@ BUILD_CORPUS = Command(
     "the task mix of neuron_moe.tasks; fixed train/calib/eval splits.",
 )
 
+# the training commands' options
+CORPUS = opt("--corpus", required=True, metavar="DIR", help="directory written by build-corpus")
+SEQ_LEN = opt("--seq-len", type=_tokens, default=512, help="training: tokens per window (default 512)")
+TRAIN_SEED = opt("--seed", type=_seed, default=0, help="seed of initialisation and data order (default 0)")
+
+
+def _task_share(default: float, why: str = "") -> Option:
+    return opt(
+        "--task-share",
+        type=number(float, above=0, at_most=1),
+        default=default,
+        metavar="F",
+        help=f"task items fill up to this share of each window, running text the rest (default {default}{why})",
+    )
+
+
 TRAIN_TINY = Command(
     "train-tiny",
     "train the port's model on a corpus (deterministic, CPU)",
     (
         MODEL.but(help="port whose config to train"),
-        opt("--corpus", required=True, metavar="DIR", help="directory written by build-corpus"),
+        CORPUS,
         opt("--out", required=True, metavar="DIR", help="checkpoint directory to write"),
         opt("--steps", type=_positive_int, default=3000, help="optimizer steps (default 3000)"),
         opt("--batch-size", type=_rows, default=4, help="training: windows per optimizer step (default 4)"),
-        opt("--seq-len", type=_tokens, default=512, help="training: tokens per window (default 512)"),
+        SEQ_LEN,
         opt("--lr", type=_positive, default=3e-3, help="peak learning rate (default 3e-3)"),
-        opt(
-            "--task-share",
-            type=number(float, above=0, at_most=1),
-            default=1.0,
-            metavar="F",
-            help="task items fill up to this share of each window, running text the rest (default 1.0: "
-            "text fills only what the last whole item leaves)",
-        ),
-        opt("--seed", type=_seed, default=0, help="seed of initialisation and data order (default 0)"),
+        _task_share(1.0, ": text fills only what the last whole item leaves"),
+        TRAIN_SEED,
         _json("the run summary"),
     ),
     description="Train a BPE tokenizer and the port's Gemma-4 MoE on the corpus from "
     "build-corpus; write an HF-layout checkpoint with the tokenizer and the loss log.",
+)
+
+TRAIN_ASSISTANT = Command(
+    "train-assistant",
+    "train a Gemma-4 MTP assistant for the port's model, the target frozen (deterministic, CPU)",
+    (
+        MODEL.but(help=f"port of the target (default: {DEFAULT_PORT})"),
+        CHECKPOINT.but(help="the target's weights and tokenizer instead of the port's"),
+        CORPUS,
+        opt("--out", required=True, metavar="DIR", help="assistant directory to write"),
+        opt("--steps", type=_positive_int, default=800, help="optimizer steps (default 800)"),
+        opt(
+            "--draft-steps",
+            type=number(int, at_least=1, at_most=16),
+            default=4,
+            metavar="K",
+            help="draft steps unrolled in training, each predicting one token further (default 4)",
+        ),
+        opt("--batch-size", type=_rows, default=2, help="training: windows per optimizer step (default 2)"),
+        SEQ_LEN,
+        opt(
+            "--queries",
+            type=_tokens,
+            default=128,
+            help="training: draft positions drawn from each window per step (default 128)",
+        ),
+        _task_share(0.05),
+        opt("--lr", type=_positive, default=2e-3, help="peak learning rate (default 2e-3)"),
+        TRAIN_SEED,
+        _json("the run summary"),
+    ),
+    description="Teacher forcing from the frozen target over the corpus from build-corpus: the "
+    "assistant drafts from the target's final hidden state and KV as the draft graph does, and learns "
+    "the target's next-token distribution at each unrolled step. Writes config.json and "
+    "model.safetensors (transformers' Gemma4AssistantForCausalLM) and the loss log, then measures "
+    "the drafts accepted by HF's assisted generation on held-out text.",
 )
 
 EVAL_TASKS = Command(
@@ -1094,6 +1139,7 @@ COMMANDS = (
     VALIDATE,
     BUILD_CORPUS,
     TRAIN_TINY,
+    TRAIN_ASSISTANT,
     EVAL_TASKS,
     EVAL_READER,
     PUBLISH,

@@ -24,15 +24,24 @@ from huggingface_hub.errors import (
     OfflineModeIsEnabled,
     RepositoryNotFoundError,
     RevisionNotFoundError,
+    StrictDataclassError,
 )
 
+from transformers import Gemma4AssistantConfig
+
 from .checkpoint import CONFIG, INDEX, CheckpointError, check_checkpoint
+from .config import SIZES
+from .port import builtin_path
+from .report import read_json_object
 from .tokenizer import TOKENIZER_FILES
 
 # What checkpoint.py and tokenizer.py read: the weights as model.safetensors or the shards its index
 # names (model-00001-of-00012.safetensors: the name transformers writes); nothing else of the repo
 # (README, other formats, original/ weights) is downloaded.
 PATTERNS = (CONFIG, INDEX, "model*.safetensors", *TOKENIZER_FILES)
+# Speculative decoding's assistants shipped with the project, by name: each a directory beside the
+# built-in ports (ports/NAME: config.json, model.safetensors) for the port it drafts for.
+ASSISTANTS = ("tiny-gemma4-moe-assistant",)
 # ORG/NAME as the Hub spells repository ids: letters, digits, '-', '_', '.'; not a path
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
 
@@ -108,3 +117,41 @@ def local_checkpoint(spec: str | Path, revision: str | None, port, tokenizer: bo
     path = resolve(spec, revision)
     check_checkpoint(path, port.config, port.name, tokenizer=tokenizer and port.tokenizer == "checkpoint")
     return path
+
+
+def resolve_assistant(spec: str, revision: str | None = None) -> Path:
+    """The directory of a speculative-decoding assistant (`--speculative-config`'s "model"): a built-in
+    one's by its name (`ASSISTANTS`), else `resolve`'s (a directory, or a Hub repository id), with its
+    config.json in it."""
+    path = builtin_path(spec) if spec in ASSISTANTS else resolve(spec, revision)
+    if not (path / CONFIG).is_file():
+        raise CheckpointError(
+            f"assistant {spec}: no {CONFIG} in {path} (an assistant is a directory with its config.json "
+            f"and safetensors, a Hub repository id, or a built-in one: {', '.join(ASSISTANTS)})"
+        )
+    return path
+
+
+def read_assistant_config(path: Path, target) -> Gemma4AssistantConfig:
+    """The config of the Gemma-4 assistant in directory `path`, refused unless it drafts for `target`
+    (a Gemma4TextConfig): the target's vocabulary, and a backbone hidden size that is the target's."""
+    where = path / CONFIG
+    raw = read_json_object(where, CheckpointError, f"{path}: no {CONFIG}")
+    text = raw.get("text_config")
+    if raw.get("model_type") != "gemma4_assistant" or not isinstance(text, dict):
+        raise CheckpointError(f"{where}: not a Gemma-4 assistant (model_type gemma4_assistant with a text_config)")
+    for key, (least, most) in SIZES.items():
+        if text.get(key) is not None and not (type(text[key]) is int and least <= text[key] <= most):
+            raise CheckpointError(f"{where}: text_config.{key} = {text[key]!r} is not an integer in [{least}, {most}]")
+    fits = {"vocab_size": (text.get("vocab_size"), target.vocab_size)}
+    fits["backbone_hidden_size"] = (raw.get("backbone_hidden_size"), target.hidden_size)
+    for key, (mine, theirs) in fits.items():
+        if mine != theirs:
+            raise CheckpointError(f"{where}: {key} {mine} does not fit the target's {theirs}")
+    fields = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")}
+    try:
+        config = Gemma4AssistantConfig(**fields)
+        config.validate_architecture()
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, StrictDataclassError) as e:
+        raise CheckpointError(f"{where}: not a usable Gemma-4 assistant config: {_first_line(e)}") from None
+    return config

@@ -115,6 +115,11 @@ def _ports_dir():
         return checkout
 
 
+def builtin_path(name: str) -> Path:
+    """Where a file or checkpoint directory shipped with the built-in ports is (`name` inside ports/)."""
+    return Path(str(_ports_dir() / name))
+
+
 def builtin_ports() -> list[str]:
     return sorted(p.name[: -len(".toml")] for p in _ports_dir().iterdir() if p.name.endswith(".toml"))
 

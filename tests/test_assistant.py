@@ -1,6 +1,8 @@
 """The MTP assistant: the static draft graph (`static/draft.py`) against HF's candidate generator."""
 
+import copy
 import dataclasses
+import json
 import warnings
 
 import pytest
@@ -8,15 +10,19 @@ import torch
 from transformers import GenerationConfig, Gemma4AssistantForCausalLM
 from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
+from neuron_moe.checkpoint import CheckpointError
+from neuron_moe.hub import read_assistant_config, resolve_assistant
+from neuron_moe.port import load_port
 from neuron_moe.static import data_dependent_ops
 from neuron_moe.static.cache import SLIDING, KVCache, cache_layout
 from neuron_moe.static.decoder import Prefill
-from neuron_moe.static.draft import Draft, shared_layers
+from neuron_moe.static.draft import Draft, load_assistant, shared_layers
 from neuron_moe.static.export import functional
 from neuron_moe.static.rows import Chunk, GraphRuntime
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static.sampling import GREEDY
-from neuron_moe.training.assistant import assistant_config
+from neuron_moe.tokenizer import load_tokenizer
+from neuron_moe.training.assistant import acceptance, assistant_config, teacher, unrolled
 
 from conftest import random_prompts
 
@@ -180,3 +186,76 @@ def test_the_runtime_drafts_over_the_cache_its_prefill_graph_wrote(tiny_port, ti
     assert tokens.tolist() == [e[0] for e in expected]
     drafts, logits = runtime.draft(tokens, torch.stack([e[1] for e in expected]), torch.tensor([30, 9]))
     assert drafts.tolist() == [e[2].tolist() for e in expected] and logits.shape == (2, 3, tiny_port.config.vocab_size)
+
+
+# The committed assistant (ports/tiny-gemma4-moe-assistant) and HF's assisted generation as its reference
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_eager):
+    return load_assistant(resolve_assistant("tiny-gemma4-moe-assistant"), tiny_eager)
+
+
+def test_the_built_in_assistant_resolves_beside_the_tiny_checkpoint_and_a_directory_by_its_path(tiny_port):
+    path = resolve_assistant("tiny-gemma4-moe-assistant")
+    assert path == tiny_port.checkpoint.parent / "tiny-gemma4-moe-assistant"
+    assert resolve_assistant(str(path)) == path
+    assert sum(f.stat().st_size for f in path.iterdir()) < 16 * 2**20
+
+
+def test_an_assistant_that_does_not_fit_the_target_is_one_error_naming_the_field(tiny_port, tmp_path):
+    source = resolve_assistant("tiny-gemma4-moe-assistant")
+    raw = json.loads((source / "config.json").read_text())
+    for edit, message in [
+        (lambda c: c["text_config"].update(vocab_size=4096), "vocab_size 4096 does not fit the target's 2048"),
+        (lambda c: c.update(backbone_hidden_size=256), "backbone_hidden_size 256 does not fit the target's 128"),
+        (lambda c: c.update(model_type="gemma4_text"), "not a Gemma-4 assistant"),
+        (lambda c: c["text_config"].update(num_hidden_layers=10**9), r"num_hidden_layers = 1000000000 is not"),
+    ]:
+        config = copy.deepcopy(raw)
+        edit(config)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=message):
+            read_assistant_config(tmp_path, tiny_port.config)
+    with pytest.raises(CheckpointError, match=r"assistant .*nowhere: no config.json"):
+        resolve_assistant(str(tmp_path / "nowhere"))
+
+
+def test_hf_assisted_generation_with_the_trained_assistant_is_the_targets_greedy_and_accepts_its_drafts(
+    tiny_eager, trained
+):
+    """HF's `generate(..., assistant_model=)`, greedy: exactly the target's own tokens, and the
+    trained assistant's drafts accepted far above chance (1/2048 a draft) on held-out prose."""
+    tokenizer = load_tokenizer(load_port("tiny-gemma4-moe"))
+    prompts = [tokenizer.encode(text) for text in PROSE]
+    got = acceptance(tiny_eager, trained, prompts, K, new_tokens=24)
+    assert got["greedy_equal"] and got["rounds"] >= len(prompts)
+    assert got["mean_accepted"] >= 1.5, got  # 2.2 of 4 with the committed weights
+    assert got["per_position"] == sorted(got["per_position"], reverse=True)  # a draft needs the ones before it
+
+
+# the openings of three documents of the corpus's evaluation split (eval_text.jsonl: fortunes whose hash
+# puts them there, never trained on)
+PROSE = [
+    "A man from AI walked across the mountains to SAIL to see the Master,",
+    "As the trials of life continue to take their toll, remember that there",
+    "But in our enthusiasm, we could not resist a radical overhaul of the",
+]
+
+
+def test_training_runs_the_assistant_as_the_draft_graph_runs_it(tiny_port, tiny_eager, assistant):
+    """Teacher forcing (`training/assistant.py`) over a window gives, at each query position p, the
+    draft graph's first step for a row prefilled up to p - 1 with the token at p as its last: the
+    same inputs, masks and position, so what is trained is what runs."""
+    config = tiny_port.config
+    ids = torch.tensor(random_prompts(config.vocab_size, [48], seed=11))
+    positions = torch.tensor([3, 16, 17, 18, 40])
+    batch = teacher(tiny_eager, ids)
+    (trained_logits, target_logits), _ = unrolled(assistant, batch, positions, 2, config.sliding_window)
+    layout = widened(cache_layout(config, MAX_CACHE_LEN), config.sliding_window + K + 1)
+    prompts = [ids[0, :p].tolist() for p in positions]
+    draft = Draft(assistant, tiny_eager, prefilled(tiny_eager, layout, prompts), 1)
+    with torch.no_grad():
+        _, logits = draft(ids[0, positions], batch[1][0, positions - 1], positions)
+    torch.testing.assert_close(trained_logits[0].detach(), logits[:, 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(target_logits[0], batch[3][0, positions])  # labels: the target's next token there

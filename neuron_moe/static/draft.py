@@ -22,6 +22,7 @@ a batch sit at different positions and the slots the target wrote at p or after 
 rejected drafts) are never read.
 
   Draft  (last_ids [B], hidden [B, H], positions [B]) -> tokens [B, k] int64, logits [B, k, V] fp32
+         (ids and positions also as [B, 1], as the decode graph takes them)
          last_ids: each row's last token (at `positions`, its KV not yet written); hidden: the
          target's final hidden state at position - 1; tokens: the greedy drafts; logits: the
          assistant's, from which each draft came (no softcapping: HF's assistant applies none).
@@ -32,10 +33,15 @@ no data-dependent op.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
+from transformers import Gemma4AssistantForCausalLM
 
-from .cache import SLIDING, KVCache, _additive, ring_positions
+from ..checkpoint import CheckpointError
+from ..hub import read_assistant_config
+from .cache import SLIDING, KVCache, decode_mask
 
 
 def shared_layers(config) -> dict[str, int]:
@@ -47,15 +53,12 @@ def shared_layers(config) -> dict[str, int]:
 
 def draft_masks(positions: torch.Tensor, cache: KVCache, layers: dict[str, int], window: int, dtype) -> dict:
     """Per layer type, the additive mask [B, 1, 1, ring] of what a draft query at `positions` [B]
-    reads of the layer's ring: positions 0..p-1, and in a sliding layer only p-W-1..p-1."""
-    masks = {}
-    for kind, layer in layers.items():
-        held = ring_positions(positions - 1, cache.layout[layer].length)  # [B, ring]
-        visible = held >= 0
-        if kind == SLIDING:
-            visible = visible & (positions.reshape(-1, 1) - held <= window + 1)
-        masks[kind] = _additive(visible[:, None, :], dtype)
-    return masks
+    reads of the layer's ring: positions 0..p-1, and in a sliding layer only p-W-1..p-1, which is
+    what a decode query at p - 1 with a window of W + 1 sees (`cache.decode_mask`)."""
+    return {
+        kind: decode_mask(positions - 1, cache.layout[layer].length, dtype, window + 1 if kind == SLIDING else None)
+        for kind, layer in layers.items()
+    }
 
 
 class Draft(nn.Module):
@@ -111,3 +114,23 @@ class Draft(nn.Module):
 def _longest(cache: KVCache) -> int:
     """The most positions any layer of the cache holds (a ring never needs more than that)."""
     return max(spec.length for spec in cache.layout)
+
+
+def load_assistant(path: Path, target_model, dtype: torch.dtype | None = None):
+    """The Gemma-4 assistant in directory `path` (`hub.resolve_assistant`) for `target_model`, in eval
+    mode with eager attention (the draft graph's additive masks), in the target's dtype unless
+    `dtype`; refused (CheckpointError) unless it fits the target (`hub.read_assistant_config`) and its
+    files hold every weight."""
+    config = read_assistant_config(Path(path), target_model.config)
+    dtype = dtype or target_model.model.embed_tokens.weight.dtype
+    try:
+        model, info = Gemma4AssistantForCausalLM.from_pretrained(
+            str(path), config=config, dtype=dtype, local_files_only=True, output_loading_info=True
+        )
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"assistant {path}: cannot load its weights: {e}") from None
+    wrong = {k: v for k, v in info.items() if k != "error_msgs" and v}
+    if wrong or info.get("error_msgs"):
+        raise CheckpointError(f"assistant {path}: its weights do not match its config: {wrong or info['error_msgs']}")
+    model.set_attn_implementation("eager")
+    return model.eval()

@@ -227,8 +227,10 @@ class GraphRuntime:
     def draft(self, last_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """The assistant's k drafts after each row's last token `last_ids` [B] at `positions` [B], from
         the target's final hidden state at the position before, `hidden` [B, H] (`draft.Draft`) ->
-        (tokens [B, k], logits [B, k, V] fp32), on the host."""
-        tokens, logits = self._draft(*self._sent((last_ids, hidden, positions)))
+        (tokens [B, k], logits [B, k, V] fp32), on the host. The ids and positions go in as [B, 1], as
+        the decode graph takes them (a compiled graph names its shape by the first input's two dims)."""
+        inputs = (last_ids.reshape(-1, 1), hidden, positions.reshape(-1, 1))
+        tokens, logits = self._draft(*self._sent(inputs))
         return tokens.cpu(), logits.float().cpu()
 
     def _sent(self, inputs):
