@@ -23,11 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from huggingface_hub.errors import StrictDataclassError
-from transformers import Gemma4AssistantConfig
 
 from .errors import UserError
-from .report import loads_json, read_json_object
+from .hub import read_assistant_config, resolve_assistant
+from .report import loads_json
 
 FLAG = "--speculative-config"
 MAX_SPECULATIVE_TOKENS = 16  # drafts per step: the verify graph's k + 1 positions stay a handful
@@ -35,7 +34,6 @@ NGRAM_DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is gi
 MTP_DEFAULT_TOKENS = 1  # vLLM's num_speculative_tokens for Gemma-4's assistant when not given (its n_predict)
 METHODS = ("mtp", "ngram")
 KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 
 
 def _error(message: str) -> UserError:
@@ -128,39 +126,18 @@ def _lookups(given: dict) -> tuple[int, int]:
 # ---- the assistant: where it is, and whether it fits the target ----
 
 
-def assistant_dir(model: str) -> Path:
-    """The directory of the assistant `model` names: a directory holding its config.json and weights.
-    The built-in assistants' names resolve here too, once the project ships one."""
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise _error(f"model {model!r}: no such directory, and not a built-in assistant")
-    return path
-
-
 def check_assistant(config: SpeculativeConfig, target_config) -> Path | None:
-    """The assistant's directory for an mtp config (None for ngram), once its config.json is a
-    Gemma-4 assistant's (transformers' `Gemma4AssistantConfig`, its own checks) that fits
-    `target_config` (the target's `Gemma4TextConfig`): the same vocabulary, and its
-    backbone_hidden_size the target's hidden size (it reads the target's hidden states)."""
+    """The assistant's directory for an mtp config (None for ngram): its "model" resolved
+    (`hub.resolve_assistant`: a built-in name, a directory or a Hub id) and its config.json checked to
+    fit `target_config`, the target's `Gemma4TextConfig` (`hub.read_assistant_config`: a Gemma-4
+    assistant's, the same vocabulary, its backbone_hidden_size the target's hidden size)."""
     if config.method != "mtp":
         return None
-    directory = assistant_dir(config.model)
-    where = f"model {config.model!r}"
-    raw = read_json_object(directory / "config.json", _error, f"{where}: no config.json in {directory}")
-    if raw.get("model_type") != ASSISTANT_MODEL_TYPE:
-        raise _error(f"{where}: model_type {raw.get('model_type')!r} is not a Gemma-4 assistant's")
     try:
-        assistant = Gemma4AssistantConfig.from_dict(raw)
-    except (StrictDataclassError, TypeError, ValueError) as e:
-        raise _error(f"{where}: not a valid Gemma-4 assistant config: {e}") from None
-    vocab = assistant.text_config.vocab_size
-    if vocab != target_config.vocab_size:
-        raise _error(f"{where}: its vocabulary ({vocab}) is not the target's ({target_config.vocab_size})")
-    if assistant.backbone_hidden_size != target_config.hidden_size:
-        raise _error(
-            f"{where}: its backbone_hidden_size ({assistant.backbone_hidden_size}) is not the target's "
-            f"hidden size ({target_config.hidden_size})"
-        )
+        directory = resolve_assistant(config.model)
+        read_assistant_config(directory, target_config)
+    except UserError as e:
+        raise _error(str(e)) from None
     return directory
 
 

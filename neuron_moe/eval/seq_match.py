@@ -37,6 +37,7 @@ from ..spec import (
     validate_backends,
 )
 from ..run_config import RunConfig
+from ..speculative import check_assistant
 from ..static import inductor
 from ..static.generator import static_backend, traced_backend
 from ..tokenizer import answer_text, load_tokenizer
@@ -292,6 +293,8 @@ def validate(config: RunConfig, max_new_tokens: int, prompts: list[str]) -> dict
         if need is not None:
             environment.require(need)
     port = load_port(config.model)
+    if config.speculative is not None:  # its assistant found and fitting before anything loads
+        check_assistant(config.speculative, port.config)
     tokenizer = load_tokenizer(port, config.checkpoint)
     prompts = [*DEFAULT_PROMPTS, *prompts]
     return run_validation(port, tokenizer, backend, max_new_tokens, prompts, config.checkpoint, config.speculative)

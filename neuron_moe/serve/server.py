@@ -37,6 +37,7 @@ from ..port import DTYPES, load_port, with_shapes
 from ..publish import s3
 from ..run_config import RunConfig, Serving
 from ..spec import COMPILED, MODULES, compile_cache
+from ..speculative import check_assistant
 from ..static import inductor
 from ..static.cache import cache_bytes, cache_layout
 from . import connection, neuron, ready
@@ -128,6 +129,8 @@ def plan_load(config: RunConfig, stopper: ready.Stopper | None = None):
             f"--speculative-config runs in --backend static's graphs, not --backend {backend.name}"
             + (built if backend.graphs == COMPILED else "")
         )
+    if config.speculative is not None:  # its assistant found and fitting before anything loads
+        check_assistant(config.speculative, port.config)
     if backend.graphs == MODULES:
         port = with_shapes(port, config.shapes)  # the graphs' shapes: the port's [static], the flags over it
         check_static_memory(port, DTYPES[backend.dtype] if backend.dtype else port.dtype, caching is not False)

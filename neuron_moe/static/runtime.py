@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, Verify, new_cache, new_counts
-from ..errors import UserError
-from .draft import Draft
+from ..speculative import check_assistant
+from .draft import Draft, load_assistant
 from .inductor import CompiledGraph
 from .rows import GraphRuntime
 from .sampling import CANDIDATES
@@ -50,9 +50,7 @@ def static_runtime(
         rows = tuple(sorted({min(p, shapes.batch_size) for p in prefill_rows})) if prefill_rows else shapes.prefill_rows
         shapes = replace(shapes, prefill_rows=rows, prefill_chunk=chunk or shapes.prefill_chunk)
     if speculative and speculative.method == "mtp" and assistant is None:
-        raise UserError(
-            f"--speculative-config: the assistant {speculative.model!r} is not loaded for the static graphs"
-        )
+        assistant = load_assistant(check_assistant(speculative, model.config), model)
     draft_tokens = speculative.num_speculative_tokens if speculative else draft_tokens
     # a verify step's k slots past the row, and one more ahead of the window + 1 a draft reads
     slack = draft_tokens + (assistant is not None) if speculative else 0
