@@ -2,6 +2,7 @@
 tokenizer, applied on the host (`--backend hf`'s runtime, `hf_runtime.py`), and its request fields."""
 
 import json
+import random
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from neuron_moe.serve.app import create_app
 from neuron_moe.serve.engine import Engine
 from neuron_moe.serve.decoding import RequestError, SamplingParams, eos_ids
 from neuron_moe.serve.hf_runtime import HFRuntime, HostRuntime
-from neuron_moe.serve.grammar import CACHE_SIZE, Grammars, GrammarSpec, _key, unpack
+from neuron_moe.serve.grammar import CACHE_SIZE, Grammars, GrammarSpec, Matcher, _key, unpack
 from neuron_moe.serve.protocol import CompletionRequest
 from neuron_moe.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -81,6 +82,54 @@ def test_bitmask_layout_is_bit_t_mod_32_of_word_t_div_32(engine):
     assert bits == takes and takes  # the extra 40 ids never
     assert unpack(mask, vocab + 40).nonzero().flatten().tolist() == takes
     assert not set(engine.eos_ids) & set(bits)  # the regex needs a character first: no EOS yet
+
+
+def test_the_batched_fill_is_each_rows_own_fill_bit_for_bit(engine):
+    """`Matcher.fill`, llguidance's batched fill of many rows at once, against each matcher's own fill
+    (`allowed()`), on a JSON schema, a regex and a choice, two walks each, a matcher failed on its
+    grammar and one whose grammar is complete, over a vocabulary wider than the tokenizer's, at every
+    state of 14 steps of seeded random walks: the same bits, every row a row of one tensor."""
+    vocab = engine.grammars.vocab_size or 2048
+    grammars = Grammars(engine.tokenizer, vocab + 40, engine.eos_ids)
+    specs = [
+        GrammarSpec.json_schema(structured_output.SCHEMA, "response_format"),
+        GrammarSpec("regex", r"[A-Z][a-z]{1,8}-[0-9]{2,4}", "guided_regex"),
+        GrammarSpec("choice", json.dumps(["positive", "negative", "neutral"]), "guided_choice"),
+    ]
+    matchers = [grammars.matcher(spec) for spec in specs * 2]
+    failed, complete = grammars.matcher(specs[1]), grammars.matcher(specs[2])
+    assert not failed.advance(engine.tokenizer.encode("a", False)[0]) and failed.error  # a lower-case first letter
+    for token in engine.tokenizer.encode("neutral", False):
+        assert complete.advance(token)
+    assert complete.stopped
+    matchers += [failed, complete]
+    rng = random.Random(0)
+    for step in range(14):
+        own = [Matcher(m._matcher.deep_copy(), m.vocab_size) for m in matchers]  # each fills its own
+        pending = [m for m in matchers if m._mask is None]  # those that took a token since their last fill
+        Matcher.fill(matchers)
+        masks = [m.allowed() for m in matchers]
+        assert len({m.allowed().untyped_storage().data_ptr() for m in pending}) == 1  # one tensor, one call
+        for m, twin in zip(matchers, own):
+            assert torch.equal(m.allowed(), twin.allowed()), (step, m.field)
+        Matcher.fill(matchers)  # filled already: left as they are
+        assert all(m.allowed() is mask for m, mask in zip(matchers, masks))
+        for m, mask in zip(matchers[:6], masks):
+            allowed = unpack(mask, m.vocab_size).nonzero().flatten().tolist()
+            if not m.stopped:
+                assert m.advance(rng.choice(allowed))
+    assert all(m.stopped for m in matchers[2:6:3]) and not all(m.stopped for m in matchers[:6])
+
+
+def test_the_step_fills_every_grammar_rows_bitmask_in_one_call(static_engine, monkeypatch):
+    """8 requests with a grammar in the batching engine's 8 rows: each step fills the bitmasks of all its
+    grammar rows in one batched call, and no row fills its own."""
+    sizes, own = [], []
+    fill, allowed = Matcher.fill, Matcher.allowed
+    monkeypatch.setattr(Matcher, "fill", classmethod(lambda cls, ms: sizes.append(len(ms)) or fill(ms)))
+    monkeypatch.setattr(Matcher, "allowed", lambda self: own.append(self._mask is None) or allowed(self))
+    record = structured_output.run(static_engine, requests=8, first_seed=50)
+    assert record["valid"] == 8 and max(sizes) == 8 and not any(own), (sizes, sum(own))
 
 
 def test_choice_and_regex_end_the_request_when_the_grammar_is_complete(engine):

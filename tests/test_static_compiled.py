@@ -3,9 +3,11 @@ them by default: the same tokens as the modules (greedy and seeded sampling, a p
 chunks, rows joining and leaving), one shared KV cache, no compile after the first call of each
 shape, inductor's cache where it was put; and the commands' compile flags, refused by name where
 they cannot work. The compiling tests share one runtime of the smallest shapes (batch 2, one
-bucket, one prompt per prefill: two graphs, each compiled once)."""
+bucket, one prompt per prefill: two graphs, each compiled once), and one more with prefix caching whose
+logits-processing variants and copy graph are compiled (three graphs) and checked against the modules'."""
 
 import dataclasses
+import math
 import os
 import shutil
 import subprocess
@@ -26,7 +28,7 @@ from neuron_moe.serve.decoding import SamplingParams
 from neuron_moe.static import inductor
 from neuron_moe.static.rows import Chunk
 from neuron_moe.static.runtime import static_runtime
-from neuron_moe.static.sampling import GREEDY
+from neuron_moe.static.sampling import BIAS_WIDTH, GREEDY, mask_words, neutral_inputs, sampling_row
 
 from conftest import random_prompts
 from serving import IdTokenizer, serve_together, tokens_of
@@ -214,3 +216,102 @@ def test_a_kernel_cut_short_in_the_compile_cache_is_built_again(compiled, tmp_pa
     assert str(kernel.relative_to(copy)) in warning and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "(from the compile cache)" in done.stdout and done.stdout.rstrip().endswith("same tokens"), done.stdout
     assert inductor._whole_elf(kernel)  # built again
+
+
+# ---- the logits-processing variants and the copy graph, compiled ----------------------------------------
+
+# fp32 logprobs of the same model compiled and not: inductor's fused kernels sum in another order,
+# logits within ~1e-6 of each other; log_softmax of them, with margin (as test_logits_processing.py)
+LOGPROB_ATOL = 1e-4
+# the KV state after the same calls: K and V come out of the projections (and rotary, norms) in fp32,
+# where the two orders of summation differ by a few ulps of values of order 1
+STATE_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def variants(compiled, small_spec, model):
+    """(a runtime with prefix caching whose variants and copy graph are compiled, into the module's
+    compile cache, its progress lines; the same of the modules)."""
+    lines = []
+    runtime = static_runtime(model, small_spec, 2, compile=True, progress=lines.append, prefix_caching=True)
+    return runtime, lines, static_runtime(model, small_spec, 2, prefix_caching=True)
+
+
+def variant_calls(runtime, steps: int = 4) -> list:
+    """Two chunks of a prompt prefilled in row 0 by the logits-processing prefill (the second attends to
+    the first and keeps its counts), row 0 copied into row 1 (the copy graph), then `steps` steps of the
+    logits-processing decode of both rows, each fed its own last token: row 0 greedy under penalties and
+    min_p, row 1 sampled under a bias, a ban and a bitmask -> every call's outputs."""
+    prompt = PROMPTS[0]
+    outputs = [
+        runtime.prefill_processing([Chunk(prompt[s : s + 8], s, 0, GREEDY, prompt[s + 1 : s + 9])]) for s in (0, 8)
+    ]
+    runtime.copy_row(0, 1)
+    vocab = runtime.vocab
+    ids, positions = torch.tensor([[prompt[16]], [prompt[16]]]), torch.full((2, 1), 16)
+    process, bias_ids, bias, mask = neutral_inputs(2, vocab)
+    process[0] = torch.tensor([0.5, 0.3, 1.2, 0.05, 0.0, 1.0, 0.0])  # penalties, min_p; fed a prompt token
+    process[1] = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    bias_ids[1, :2], bias[1, :2] = torch.tensor([7, 100]), torch.tensor([3.0, -math.inf])
+    mask[1] = torch.randint(-(2**31), 2**31 - 1, (mask.shape[1],), generator=torch.Generator().manual_seed(3))
+    for step in range(steps):
+        sampling = torch.tensor([GREEDY, sampling_row(0.9, 40, 0.95, (0.37 * (step + 1)) % 1)])
+        out = runtime.decode_processing(ids, positions, sampling, process, bias_ids, bias, mask)
+        outputs.append(out)
+        ids, positions = out[0][:, None].clone(), positions + 1
+        process[:, 4:] = torch.tensor([0.0, 0.0, 1.0])  # the rows are fed their output tokens now
+    return outputs
+
+
+def state(runtime) -> list[torch.Tensor]:
+    graph = runtime._decode_processing
+    graph = getattr(graph, "module", graph)
+    return [*graph.cache.tensors(), *graph.counts.tensors()]
+
+
+def test_the_compiled_variants_and_copy_give_the_modules_outputs_and_state(variants):
+    """The logits-processing prefill and decode and the copy graph, compiled, against the modules over
+    the same calls: the same tokens, ranks and top ids, logprobs within fp32's reordering, the same
+    token counts, and a KV state as close; the compiled graphs wrote the very tensors they were built
+    over (one state with the prefill and decode graphs)."""
+    runtime, lines, modules = variants
+    compiled_state = state(runtime)
+    assert runtime._copy.module.cache is runtime._decode.module.cache is runtime._prefill_processing.module.cache
+    before = [t.data_ptr() for t in compiled_state]
+    got, want = variant_calls(runtime), variant_calls(modules)
+    for g, w in zip(got[:2], want[:2]):  # the prefill's scores: (logprob, rank, top ids, top logprobs) per chunk
+        (g,), (w,) = g, w
+        torch.testing.assert_close(g[0], w[0], atol=LOGPROB_ATOL, rtol=0)
+        assert torch.equal(g[1], w[1]) and torch.equal(g[2], w[2])
+        torch.testing.assert_close(g[3], w[3], atol=LOGPROB_ATOL, rtol=0)
+    for (g_tokens, g_scores, _), (w_tokens, w_scores, _) in zip(got[2:], want[2:]):
+        assert torch.equal(g_tokens, w_tokens) and (g_tokens >= 0).all()
+        torch.testing.assert_close(g_scores[0], w_scores[0], atol=LOGPROB_ATOL, rtol=0)
+        assert torch.equal(g_scores[1], w_scores[1]) and torch.equal(g_scores[2], w_scores[2])
+        torch.testing.assert_close(g_scores[3], w_scores[3], atol=LOGPROB_ATOL, rtol=0)
+    assert [t.data_ptr() for t in compiled_state] == before
+    *kv, output_counts, prompt_seen = compiled_state
+    *want_kv, want_output, want_prompt = state(modules)
+    assert torch.equal(output_counts, want_output) and torch.equal(prompt_seen, want_prompt)
+    assert output_counts.sum(-1).tolist() == [3, 3] and prompt_seen[0].sum() > 0  # the steps after the first
+    for g, w in zip(kv, want_kv):
+        torch.testing.assert_close(g, w, **STATE_TOLERANCE)
+        assert torch.equal(g[0, :, :16], g[1, :, :16]) and g[1, :, :16].abs().sum() > 0  # the copy: row 0's prompt
+
+
+def test_the_variants_and_copy_compile_once_per_shape(variants):
+    """Each compiled once at its first call, told through `progress`; the same calls again compile nothing."""
+    runtime, lines, _ = variants
+    variant_calls(runtime)
+    graphs, frames = counters["stats"]["unique_graphs"], dict(counters["frames"])
+    variant_calls(runtime, steps=6)
+    assert counters["stats"]["unique_graphs"] == graphs and dict(counters["frames"]) == frames
+    assert runtime._prefill_processing.shapes == {((1, 8), (1, 8), (1, 8), (1,), (1, 8))}
+    words, width = mask_words(runtime.vocab), BIAS_WIDTH
+    assert runtime._decode_processing.shapes == {((2, 1), (2, 1), (2, 4), (2, 7), (2, width), (2, width), (2, words))}
+    assert runtime._copy.shapes == {((1,), (1,))}
+    assert [line.split(" in ")[0] for line in lines] == [
+        "compiled the logits-processing prefill graph (1 rows x 8 tokens)",
+        "compiled the copy graph",
+        "compiled the logits-processing decode graph (2 rows x 1 tokens)",
+    ]

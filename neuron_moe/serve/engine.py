@@ -96,6 +96,10 @@ class _Request:
     def processing(self):
         return self.output.processing()
 
+    @property
+    def matcher(self):
+        return self.output.matcher
+
     def prompt_scores(self, start: int, *scores) -> None:
         self.output.prompt_scores(start, *scores)
 

@@ -28,6 +28,10 @@ own limits (`LLParserLimits`); then its first bitmask is computed, so a grammar 
 later, at a step (an Earley row past its size, a lexer out of fuel), is found by `Matcher.advance`.
 Each is the client's error: a GrammarError naming the request field, a 400.
 
+The rows of a batch that follow grammars have their bitmasks filled together at each step
+(`Matcher.fill`: llguidance's batched fill, one call for every row, the GIL released and the rows
+spread over its own threads) into one tensor, instead of one call per row.
+
 A compiled grammar is cached per (spec, tokenizer): one `Grammars` per engine (one tokenizer), its
 cache holding the most recently used grammars, at most CACHE_SIZE of them and CACHE_BYTES of their
 estimated memory, so a repeated schema is not compiled again; each request gets its own copy of the
@@ -37,6 +41,8 @@ compiled matcher (microseconds).
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +60,8 @@ CACHE_BYTES = 256 * 2**20
 COST_BASE, COST_PER_BYTE = 64 * 2**10, 160
 COMPILE_STACK = 256 * 2**20  # the compile thread's stack (llguidance recurses over a grammar's rules)
 KINDS = ("json", "regex", "choice", "grammar")
+
+log = logging.getLogger("neuron_moe.serve")
 
 
 class GrammarError(ValueError):
@@ -86,8 +94,23 @@ class GrammarSpec:
 
 def _llguidance():
     import llguidance
+    import llguidance.torch  # noqa: F401  (its batched fill)
 
     return llguidance
+
+
+_fills = None  # llguidance's thread pool of the batched fill (`Matcher.fill`), made at its first use
+_fills_lock = threading.Lock()
+
+
+def _executor():
+    """The process's one `LLExecutor`, a thread per core up to 32 (llguidance's default, 80 % of the
+    cores, is one thread on two: the rows handed to it and filled one after another)."""
+    global _fills
+    with _fills_lock:
+        if _fills is None:
+            _fills = _llguidance().LLExecutor(num_threads=min(32, os.cpu_count() or 1))
+        return _fills
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
@@ -152,6 +175,27 @@ class Matcher:
         if mask is not None and int(mask[token // 32]) >> (token % 32) & 1:
             raise GrammarError(self.field, f"{self.field}: {_failure(self._matcher)}")
         return False
+
+    @classmethod
+    def fill(cls, matchers: list[Matcher]) -> None:
+        """The next bitmask of each of `matchers` not yet filled, in one call of llguidance's batched fill
+        (`LLExecutor`: the GIL released, the matchers spread over its threads) into one tensor [n,
+        ceil(V/32)], each matcher's `allowed()` then a row of it: the very bits of `allowed()`'s own fill
+        (a matcher failed on its grammar allows EOS alone there too). Should the batched call fail, each
+        matcher's `allowed()` fills its own, and fails or not on its own."""
+        pending = [m for m in matchers if m._mask is None]
+        for size in {m.vocab_size for m in pending}:
+            group = [m for m in pending if m.vocab_size == size]
+            masks = torch.zeros(len(group), (size + 31) // 32, dtype=torch.int32)
+            try:
+                _llguidance().torch.fill_next_token_bitmask_par(
+                    _executor(), [(m._matcher, i) for i, m in enumerate(group)], masks
+                )
+            except Exception:
+                log.warning("the batched bitmask fill failed; each row fills its own", exc_info=True)
+                continue
+            for m, mask in zip(group, masks):
+                m._mask = mask
 
     @property
     def stopped(self) -> bool:

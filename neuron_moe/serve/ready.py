@@ -4,10 +4,11 @@ was asked for (`--max-model-len`), a warm-up of every graph, and the start-up ba
 Warm-up calls every graph once before the first request: each prefill graph (every row count of
 `prefill_rows` at every bucket) and the decode graph of the engine's runtime, greedy, then their
 logits-processing variants with neutral inputs (where the runtime has them) and the copy graph
-(prefix caching); transformers' model, which has no buckets, a decode step of every row. On Neuron
-the first call of each compiled key loads and initialises it, which a user's first request should
-not wait for. The rows it writes hold nothing a request reads: a row's prefill writes every position
-its request will read before it reads it, and no row holds a prefix yet.
+(prefix caching); transformers' model, which has no buckets, a decode step of every row. On CPU the
+first call of each graph compiled by torch.compile compiles it or loads it from the compile cache; on
+Neuron the first call of each compiled key loads and initialises it: neither a user's first request
+should wait for. The rows it writes hold nothing a request reads: a row's prefill writes every
+position its request will read before it reads it, and no row holds a prefix yet.
 
 A server told to exit while it warms up stops the warm-up (`Stopper`) rather than compile on for
 minutes, graph after graph, before it can exit.
@@ -19,6 +20,7 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -94,40 +96,51 @@ def check_max_model_len(max_model_len: int | None, context: int, what: str) -> N
 
 
 def warm_up(engine: Engine) -> int:
-    """Every graph of the engine's runtime called once (each prefill row count at each bucket, then one
-    decode step), greedy. Returns the calls made. Each graph's call is logged as it starts: on CPU the
-    first call of a graph compiled by torch.compile compiles it (or loads it from the compile cache),
-    tens of seconds a graph."""
+    """Every graph of the engine's runtime called once (`graph_calls`), greedy. Returns the calls
+    made. Each graph's call is logged as it starts (`warm-up i/n: the decode graph of 8 rows`): on CPU
+    the first call of a graph compiled by torch.compile compiles it (or loads it from the compile
+    cache), tens of seconds a graph."""
     token = engine.tokenizer.bos_token_id or 0
-    runtime = engine.runtime
-    calls, graphs = 0, len(runtime.prefill_rows) * len(runtime.buckets) + 1
-    for rows in runtime.prefill_rows:
-        for bucket in runtime.buckets:
-            log.info("warm-up %d/%d: the prefill graph of %d rows x %d tokens", calls + 1, graphs, rows, bucket)
-            runtime.prefill([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)])
-            calls += 1
-    batch = runtime.batch
-    ids, positions, sampling = (
-        torch.full((batch, 1), token),
-        torch.zeros(batch, 1, dtype=torch.long),
-        torch.tensor([GREEDY] * batch),
-    )
-    log.info("warm-up %d/%d: the decode graph of %d rows", calls + 1, graphs, batch)
-    runtime.decode(ids, positions, sampling)
-    calls += 1
-    if getattr(runtime, "processing", False):  # the logits-processing variants, each once, neutral
-        log.info("warm-up: the logits-processing variants of the %d graphs", graphs)
-        for rows in runtime.prefill_rows:
-            for bucket in runtime.buckets:
-                runtime.prefill_processing(
-                    [Chunk([token] * bucket, 0, row, GREEDY, [token] * bucket) for row in range(rows)]
-                )
-                calls += 1
-        runtime.decode_processing(ids, positions, sampling, *neutral_inputs(batch, runtime.vocab))
-        calls += 1
-    if getattr(runtime, "prefix_caching", False):  # the copy graph: a row onto itself (no row holds a prefix yet)
-        runtime.copy_row(0, 0)
-        calls += 1
+    calls = graph_calls(engine.runtime, token)
+    for i, (graph, call) in enumerate(calls, 1):
+        log.info("warm-up %d/%d: %s", i, len(calls), graph)
+        call()
+    return len(calls)
+
+
+def graph_calls(runtime, token: int) -> list[tuple[str, Callable[[], object]]]:
+    """One call of each graph of a batching runtime, fed `token`, as (the graph in words, the call): each
+    prefill row count at each bucket, the decode step, then their logits-processing variants with neutral
+    inputs (where the runtime has them) and the copy graph, a row onto itself (prefix caching)."""
+    batch, shapes = runtime.batch, [(rows, bucket) for rows in runtime.prefill_rows for bucket in runtime.buckets]
+    ids, positions = torch.full((batch, 1), token), torch.zeros(batch, 1, dtype=torch.long)
+    sampling = torch.tensor([GREEDY] * batch)
+
+    def chunks(rows: int, bucket: int, targets: bool = False) -> list[Chunk]:
+        return [Chunk([token] * bucket, 0, row, GREEDY, [token] * bucket if targets else None) for row in range(rows)]
+
+    calls = [
+        (f"the prefill graph of {r} rows x {b} tokens", lambda r=r, b=b: runtime.prefill(chunks(r, b)))
+        for r, b in shapes
+    ]
+    calls.append((f"the decode graph of {batch} rows", lambda: runtime.decode(ids, positions, sampling)))
+    if getattr(runtime, "processing", False):
+        calls += [
+            (
+                f"the logits-processing prefill graph of {r} rows x {b} tokens",
+                lambda r=r, b=b: runtime.prefill_processing(chunks(r, b, targets=True)),
+            )
+            for r, b in shapes
+        ]
+        neutral = neutral_inputs(batch, runtime.vocab)
+        calls.append(
+            (
+                f"the logits-processing decode graph of {batch} rows",
+                lambda: runtime.decode_processing(ids, positions, sampling, *neutral),
+            )
+        )
+    if getattr(runtime, "prefix_caching", False):  # no row holds a prefix yet
+        calls.append(("the copy graph", lambda: runtime.copy_row(0, 0)))
     return calls
 
 

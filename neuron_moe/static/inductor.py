@@ -1,12 +1,13 @@
 """The static graphs compiled for the CPU by torch.compile (inductor): C++ kernels of fused ops in
 place of PyTorch's dispatch of one op at a time.
 
-Each graph (a `Prefill` or `Decode` module, `decoder.py`) is compiled whole (`fullgraph=True`: a
+Each graph (a `Prefill` or `Decode` module, their logits-processing variants, the `Copy` of prefix
+caching: `decoder.py`) is compiled whole (`fullgraph=True`: a
 graph break would run Python between two parts of a step) for the shapes it is called with
 (`dynamic=False`: every shape of the graphs is fixed, and each prefill row count x bucket is a graph
 of its own, compiled at its first call; the server's warm-up makes every one). The KV cache stays
 module state: the compiled graph takes its buffers as inputs and writes the new state into those
-same tensors, so the prefill and decode graphs still share one cache.
+same tensors, so the graphs still share one cache (and the variants one set of token counts).
 
 A compile takes tens of seconds per graph; inductor keeps what it compiled on disk (its FX graph
 cache and AOTAutograd cache, under TORCHINDUCTOR_CACHE_DIR: `use_cache_dir`), so a process that
@@ -177,7 +178,7 @@ class CompiledGraph:
         # set of strings, which follows the process's hash seed: so would the traced graph and inductor's
         # cache key, and a restart would miss the cache half the time. The graph's view of the decoder
         # (its own shallow copy: `experts/view.py`) takes them sorted.
-        decoder = module.model.model
+        decoder = getattr(getattr(module, "model", None), "model", None)  # none in the copy graph
         if isinstance(getattr(decoder, "unique_layer_types", None), (set, frozenset)):
             decoder.unique_layer_types = sorted(decoder.unique_layer_types)
         self.compiled = torch.compile(module, backend="inductor", fullgraph=True, dynamic=False)
@@ -204,8 +205,9 @@ class CompiledGraph:
         if self.progress is not None:
             found = counters["inductor"]
             cached = found["fxgraph_cache_hit"] > hits and found["fxgraph_cache_miss"] == misses
+            rows = f" ({shape[0][0]} rows x {shape[0][1]} tokens)" if len(shape[0]) == 2 else ""
             self.progress(
-                f"compiled the {self.name} graph ({shape[0][0]} rows x {shape[0][1]} tokens) in "
-                f"{time.perf_counter() - started:.1f} s ({'from the compile cache' if cached else 'compiled anew'})"
+                f"compiled the {self.name} graph{rows} in {time.perf_counter() - started:.1f} s "
+                f"({'from the compile cache' if cached else 'compiled anew'})"
             )
         return out

@@ -44,6 +44,10 @@ bitmask: `static/sampling.py`), also
   next(token, logits, scores)  as `next`, with the token's (logprob, rank, top ids [N], top logprobs [N])
   prompt_scores(start, logprobs [n], ranks [n], top ids [n, N], top logprobs [n, N])  (optional) the scores of
                        the prompt tokens start+1..start+n, from its prefill chunk at `start`
+  matcher              (optional) its grammar's matcher, whose bitmask its next `processing()` returns, or
+                       None: an object whose class's `fill(matchers)` fills the next bitmask of many at
+                       once. A step fills those of all its rows in one call per class (llguidance's batched
+                       fill: `serve/grammar.py`) before it asks each row for its `processing()`
 
 Work that asks runs in the runtime's logits-processing variant graphs: it is prefilled up to its
 prompt's last token (`prefill_processing`, which writes its prompt into the rows' token counts), and
@@ -581,6 +585,13 @@ class Rows:
     def _processing_inputs(self, asking: list[int]):
         """(process, bias_ids, bias, mask) of the variant decode: neutral but for the rows that ask."""
         process, bias_ids, bias, mask = neutral_inputs(self.batch, self.runtime.vocab)
+        groups: dict[type, list] = {}  # the rows' grammar matchers, by class: each class fills its own at once
+        for row in asking:
+            matcher = getattr(self.slots[row], "matcher", None)
+            if matcher is not None:
+                groups.setdefault(type(matcher), []).append(matcher)
+        for kind, matchers in groups.items():
+            kind.fill(matchers)
         for row in asking:
             try:
                 values, entries, allowed = self.slots[row].processing()

@@ -35,9 +35,9 @@ def static_runtime(
     logits-processing variants (`ProcessingPrefill`, `ProcessingDecode`) over the same cache and one
     set of token counts, for the requests that ask for them. `prefill_rows` and `chunk` default to the
     port's; `logits=True` also returns the logits (validation, tests). `compile`: the prefill and
-    decode graphs compiled by torch.compile at their first call of each shape (`progress` told of each
-    compile; the caller checked for a C++ compiler and chose the cache: `inductor.py`); the
-    logits-processing variants and the copy run as modules. `prefix_caching`: the cache in the
+    decode graphs, their logits-processing variants and the copy compiled by torch.compile at their
+    first call of each shape (`progress` told of each compile; the caller checked for a C++ compiler
+    and chose the cache: `inductor.py`). `prefix_caching`: the cache in the
     whole-row layout and the `Copy` graph over it (`static/prefix.py`). `assistant`: a
     `Gemma4AssistantForCausalLM` for the model, and its draft graph of `draft_tokens` steps over the
     same cache (`draft.Draft`; its sliding rings must hold the window + 1 positions it reads).
@@ -58,10 +58,16 @@ def static_runtime(
     counts = new_counts(model, shapes.batch_size)
     prefill = Prefill(model, cache, spec.prefill_experts, logits=logits)
     decode = Decode(model, cache, spec.decode_experts, logits=logits)
+    prefill_processing = ProcessingPrefill(model, cache, counts, spec.prefill_experts)
+    decode_processing = ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits)
+    copy = Copy(cache) if prefix_caching else None
     verify = speculative and Verify(model, cache, spec.decode_experts, logits=logits, hidden=assistant is not None)
     draft = None if assistant is None else Draft(assistant, model, cache, draft_tokens)
     if compile:
         prefill, decode = CompiledGraph(prefill, "prefill", progress), CompiledGraph(decode, "decode", progress)
+        prefill_processing = CompiledGraph(prefill_processing, "logits-processing prefill", progress)
+        decode_processing = CompiledGraph(decode_processing, "logits-processing decode", progress)
+        copy = copy and CompiledGraph(copy, "copy", progress)
         verify = verify and CompiledGraph(verify, "verify", progress)
         draft = draft and CompiledGraph(draft, "draft", progress)
     return GraphRuntime(
@@ -71,10 +77,10 @@ def static_runtime(
         logits=logits,
         candidates=min(CANDIDATES, model.config.vocab_size),
         pad_id=model.config.pad_token_id or 0,
-        prefill_processing=ProcessingPrefill(model, cache, counts, spec.prefill_experts),
-        decode_processing=ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits),
+        prefill_processing=prefill_processing,
+        decode_processing=decode_processing,
         vocab=model.config.vocab_size,
-        copy=Copy(cache) if prefix_caching else None,
+        copy=copy,
         verify=verify,
         speculative=speculative,
         draft=draft,
