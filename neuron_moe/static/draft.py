@@ -56,7 +56,9 @@ def draft_masks(positions: torch.Tensor, cache: KVCache, layers: dict[str, int],
     reads of the layer's ring: positions 0..p-1, and in a sliding layer only p-W-1..p-1, which is
     what a decode query at p - 1 with a window of W + 1 sees (`cache.decode_mask`)."""
     return {
-        kind: decode_mask(positions - 1, cache.layout[layer].length, dtype, window + 1 if kind == SLIDING else None)
+        kind: decode_mask(
+            (positions - 1).reshape(-1, 1), cache.layout[layer].length, dtype, window + 1 if kind == SLIDING else None
+        )
         for kind, layer in layers.items()
     }
 
