@@ -204,8 +204,9 @@ class CompiledGraph:
         if self.progress is not None:
             found = counters["inductor"]
             cached = found["fxgraph_cache_hit"] > hits and found["fxgraph_cache_miss"] == misses
+            rows, tokens = (*shape[0], 1)[:2]  # a first input [B] (the draft graph's last ids): one token a row
             self.progress(
-                f"compiled the {self.name} graph ({shape[0][0]} rows x {shape[0][1]} tokens) in "
+                f"compiled the {self.name} graph ({rows} rows x {tokens} tokens) in "
                 f"{time.perf_counter() - started:.1f} s ({'from the compile cache' if cached else 'compiled anew'})"
             )
         return out
