@@ -536,7 +536,9 @@ def page(report: dict) -> str:
         "",
     ]
     for name, w in report["workloads"].items():
-        lines += [f"- **{name}**: {w['description']}; the first of {len(w['prompts'])}: `{w['prompts'][0]!r}`"]
+        lines += [
+            f"- **{name}**: {w['description'].rstrip('.')}; the first of {len(w['prompts'])}: `{w['prompts'][0]!r}`"
+        ]
     return "\n".join(lines) + "\n"
 
 
