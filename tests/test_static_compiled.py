@@ -117,6 +117,19 @@ def test_inductor_keeps_what_it_compiled_in_the_cache_directory(compiled):
     assert lines[1].startswith("compiled the decode graph (2 rows x 1 tokens) in ")
 
 
+def test_the_progress_line_of_a_graph_whose_first_input_is_one_dimensional(monkeypatch):
+    """The draft graph's first input is the rows' last ids [B] (the copy graph's a row [1]): its line
+    names no shape, where it once raised (compiling stood in for by the module itself: the line is
+    what is checked)."""
+    monkeypatch.setattr(inductor.torch, "compile", lambda module, **_: module)
+    module = torch.nn.Identity()
+    module.model = torch.nn.Module()
+    module.model.model = torch.nn.Module()
+    lines = []
+    inductor.CompiledGraph(module, "draft", lines.append)(torch.zeros(3, dtype=torch.long))
+    assert len(lines) == 1 and lines[0].startswith("compiled the draft graph in "), lines
+
+
 @pytest.fixture
 def no_compiler(monkeypatch):
     """Inductor's own compiler lookup finds none (as on a machine without g++)."""
