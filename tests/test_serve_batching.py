@@ -157,11 +157,16 @@ def test_a_batching_engine_sets_the_admission_to_its_rows():
 
 
 class Calls:
-    """The runtime's calls in order: ("prefill", [(row, start, length), ...]) and ("decode", rows busy)."""
+    """The runtime's calls in order: ("prefill", [(row, start, length), ...]) and ("decode", rows busy);
+    a step call (`GraphRuntime.step`) as its prefill, then its decode."""
 
     def __init__(self, runtime):
-        self.log, self.prefill, self.decode = [], runtime.prefill, runtime.decode
-        runtime.prefill, runtime.decode = self._prefill, self._decode
+        self.log, self.prefill, self.decode, self.step = [], runtime.prefill, runtime.decode, runtime.step
+        runtime.prefill, runtime.decode, runtime.step = self._prefill, self._decode, self._step
+
+    def _step(self, chunks, ids, positions, sampling):
+        self.log += [("prefill", [(c.row, c.start, len(c.ids)) for c in chunks]), ("decode", None)]
+        return self.step(chunks, ids, positions, sampling)
 
     def _prefill(self, chunks):
         self.log.append(("prefill", [(c.row, c.start, len(c.ids)) for c in chunks]))

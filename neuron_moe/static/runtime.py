@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
+from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, Step, new_cache, new_counts
 from .inductor import CompiledGraph
 from .rows import GraphRuntime
 from .sampling import CANDIDATES
@@ -23,6 +23,7 @@ def static_runtime(
     compile: bool = False,
     progress: Callable[[str], None] | None = None,
     prefix_caching: bool = False,
+    fused: bool = True,
 ) -> GraphRuntime:
     """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
     `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
@@ -33,7 +34,9 @@ def static_runtime(
     decode graphs compiled by torch.compile at their first call of each shape (`progress` told of each
     compile; the caller checked for a C++ compiler and chose the cache: `inductor.py`); the
     logits-processing variants and the copy run as modules. `prefix_caching`: the cache in the
-    whole-row layout and the `Copy` graph over it (`static/prefix.py`)."""
+    whole-row layout and the `Copy` graph over it (`static/prefix.py`). `fused`: also the `Step` graph
+    (a prefill chunk and the decode step in one call, with the prefill's experts; compiled as the
+    prefill and decode graphs are), which the rows call in place of the two when a step has both."""
     shapes = spec.shapes(batch)
     if prefill_rows or chunk:  # the caller's own, over the table's
         rows = tuple(sorted({min(p, shapes.batch_size) for p in prefill_rows})) if prefill_rows else shapes.prefill_rows
@@ -42,8 +45,10 @@ def static_runtime(
     counts = new_counts(model, shapes.batch_size)
     prefill = Prefill(model, cache, spec.prefill_experts, logits=logits)
     decode = Decode(model, cache, spec.decode_experts, logits=logits)
+    step = Step(model, cache, spec.prefill_experts, logits=logits) if fused else None
     if compile:
         prefill, decode = CompiledGraph(prefill, "prefill", progress), CompiledGraph(decode, "decode", progress)
+        step = step and CompiledGraph(step, "step", progress)
     return GraphRuntime(
         prefill,
         decode,
@@ -55,4 +60,5 @@ def static_runtime(
         decode_processing=ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits),
         vocab=model.config.vocab_size,
         copy=Copy(cache) if prefix_caching else None,
+        step=step,
     )
