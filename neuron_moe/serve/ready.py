@@ -96,9 +96,10 @@ def check_max_model_len(max_model_len: int | None, context: int, what: str) -> N
 
 def warm_up(engine: Engine) -> int:
     """Every graph of a batching engine's runtime called once (each prefill row count at each bucket,
-    then one decode step), greedy; the per-request engine gets one request, EOS ignored. Returns the
-    calls made. Each graph's call is logged as it starts: on CPU the first call of a graph compiled by
-    torch.compile compiles it (or loads it from the compile cache), tens of seconds a graph."""
+    then one decode step, then each step graph), greedy; the per-request engine gets one request, EOS
+    ignored. Returns the calls made. Each graph's call is logged as it starts: on CPU the first call of
+    a graph compiled by torch.compile compiles it (or loads it from the compile cache), tens of seconds
+    a graph."""
     token = engine.tokenizer.bos_token_id or 0
     runtime = engine.runtime
     if engine.rows is None:  # one request per thread over HF's model
@@ -124,6 +125,12 @@ def warm_up(engine: Engine) -> int:
     log.info("warm-up %d/%d: the decode graph of %d rows", calls + 1, graphs, batch)
     runtime.decode(ids, positions, sampling)
     calls += 1
+    if getattr(runtime, "fuses", False):  # the step graphs: each prefill shape with the decode of every row
+        for rows in runtime.prefill_rows:
+            for bucket in runtime.buckets:
+                log.info("warm-up: the step graph of %d rows x %d tokens and the decode of %d", rows, bucket, batch)
+                runtime.step([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)], ids, positions, sampling)
+                calls += 1
     if getattr(runtime, "processing", False):  # the logits-processing variants, each once, neutral
         log.info("warm-up: the logits-processing variants of the %d graphs", graphs)
         for rows in runtime.prefill_rows:
