@@ -38,7 +38,7 @@ def engine(tiny_port, static_model):
     engine.close()
 
 
-PROMPTS = random_prompts(2048, [3, 56, 8, 9, 20, 5, 33, 12, 47, 7], seed=21)  # both buckets (8, 56)
+PROMPTS = random_prompts(2048, [3, 56, 8, 9, 20, 5, 33, 12, 47, 7], seed=21)  # every bucket (8, 24, 56)
 MAX_TOKENS = [12, 5, 9, 3, 14, 7, 4, 11, 6, 10]
 
 
