@@ -16,7 +16,13 @@ against batch 1:
 the steps are shared by B rows; at batch 1, R = 1).
 `bench/serve_load.py` measures what the server reaches through HTTP; this says what the graphs allow.
 
+`--prefill-buckets`: instead, the prefill of R full chunks at each of those buckets with each of
+`--prefill-experts`, and, at the batch size, the step graph (those R chunks and a decode of every row
+in one call: `decoder.Step`) against the two calls it replaces (prefill, then decode).
+
     OMP_NUM_THREADS=1 python -m bench.static_steps --batch-sizes 1,8 --max-tokens 16 --prefill-rows 4
+    OMP_NUM_THREADS=1 python -m bench.static_steps --batch-sizes 8 --prefill-buckets 8,24,56 \
+        --prefill-experts dense_masked,selective --graphs modules
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from neuron_moe.model import build_model
-from neuron_moe.port import load_port
+from neuron_moe.port import GRAPH_EXPERTS, load_port
 from neuron_moe.report import table, write_json
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.spec import COMPILE_CACHE, compile_cache
@@ -42,15 +49,20 @@ MODULE_GRAPHS, COMPILED_GRAPHS = "modules", "compiled"
 GRAPHS = (MODULE_GRAPHS, COMPILED_GRAPHS)
 
 
-def best_ms(calls: dict, repeats: int) -> dict:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def best_ms(calls: dict, repeats: int, clock=time.perf_counter) -> dict:
     """The fastest of `repeats` calls of each of `calls` (name -> call), in ms (the least disturbed by
-    anything else on the machine); the calls take turns, so a burst of load falls on all of them alike."""
+    anything else on the machine); the calls take turns, so a burst of load falls on all of them alike.
+    `clock`: wall time, or this thread's CPU time (`time.thread_time`: one-thread graphs on a machine
+    shared with other work, whose turns on the cores it leaves out)."""
     times = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
-            start = time.perf_counter()
+            start = clock()
             call()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: 1e3 * min(t) for name, t in times.items()}
 
 
@@ -100,8 +112,80 @@ def parse_args() -> argparse.Namespace:
         help=f"inductor's cache (default: $TORCHINDUCTOR_CACHE_DIR, else {COMPILE_CACHE}); a second run over "
         "the same cache times loading the compiled graphs instead of compiling them",
     )
+    ap.add_argument(
+        "--prefill-buckets", help="comma-separated: time the prefill and the step graph at these buckets instead"
+    )
+    ap.add_argument(
+        "--prefill-experts",
+        default="dense_masked",
+        help=f"comma-separated, with --prefill-buckets: the prefill's experts, of {', '.join(GRAPH_EXPERTS)}",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=tuple(CLOCKS),
+        default="wall",
+        help="with --prefill-buckets: wall time, or the thread's CPU time (a shared machine; one thread)",
+    )
     ap.add_argument("--json", metavar="FILE")
     return ap.parse_args()
+
+
+PREFILL_COLUMNS = [
+    ("graphs", "graphs"),
+    ("experts", "prefill experts"),
+    ("batch", "batch"),
+    ("bucket", "bucket"),
+    ("prefill_rows", "chunks per call"),
+    ("prefill_ms", "prefill ms", "{:.2f}"),
+    ("prefill_ms_per_chunk", "prefill ms/chunk", "{:.2f}"),
+    ("decode_ms", "decode ms", "{:.2f}"),
+    ("two_calls_ms", "prefill + decode ms", "{:.2f}"),
+    ("step_ms", "step ms (one call)", "{:.2f}"),
+]
+
+
+def prefill_rows(model, spec, graphs, batch: int, bucket: int, experts: str, args) -> list[dict]:
+    """At one batch size and bucket: R full chunks prefilled, a decode step, and the step graph doing
+    both in one call, each kind of graphs timed in turns (the best of `repeats`)."""
+    together = min(args.prefill_rows, batch)
+    chunks = [Chunk(list(range(5, 5 + bucket)), 0, row, GREEDY) for row in range(together)]
+    ids, positions = torch.full((batch, 1), 7), torch.full((batch, 1), bucket)
+    sampling = torch.tensor([GREEDY] * batch)
+    tables = {name: replace(spec, buckets=(bucket,), prefill_experts=experts) for name in graphs}  # that bucket only
+    runtimes = {
+        name: static_runtime(model, tables[name], batch, prefill_rows=(together,), compile=name == COMPILED_GRAPHS)
+        for name in graphs
+    }
+    calls = {
+        "prefill": lambda r: r.prefill(chunks),
+        "decode": lambda r: r.decode(ids, positions, sampling),
+        "step": lambda r: r.step(chunks, ids, positions, sampling),
+    }
+    for r in runtimes.values():  # the first calls: compiling, or loading from the compile cache
+        for call in calls.values():
+            call(r)
+    best = {
+        (name, what): ms
+        for what, call in calls.items()
+        for name, ms in best_ms(
+            {n: (lambda r=r, call=call: call(r)) for n, r in runtimes.items()}, args.repeats, CLOCKS[args.clock]
+        ).items()
+    }
+    return [
+        {
+            "graphs": name,
+            "experts": experts,
+            "batch": batch,
+            "bucket": bucket,
+            "prefill_rows": together,
+            "prefill_ms": best[name, "prefill"],
+            "prefill_ms_per_chunk": best[name, "prefill"] / together,
+            "decode_ms": best[name, "decode"],
+            "two_calls_ms": best[name, "prefill"] + best[name, "decode"],
+            "step_ms": best[name, "step"],
+        }
+        for name in graphs
+    ]
 
 
 def batch_rows(model, spec, graphs, batch: int, args) -> list[dict]:
@@ -151,6 +235,14 @@ def add_ratios(rows: list[dict], n: int) -> None:
         r["ceiling_x_base"] = r["batch"] * alone / (r["batch"] * r["prefill_ms_per_prompt"] + (n - 1) * r["decode_ms"])
 
 
+def machine_line(graphs) -> str:
+    return (
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, threads {torch.get_num_threads()}"
+        + (f", compile cache {os.environ[inductor.CACHE_ENV]}" if COMPILED_GRAPHS in graphs else "")
+    )
+
+
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -161,20 +253,29 @@ def main() -> int:
     port = load_port(args.model)
     spec = port.static_spec("bench/static_steps.py")
     model = build_model(port, spec.decode_experts)
-    rows = [row for batch in args.batch_sizes.split(",") for row in batch_rows(model, spec, graphs, int(batch), args)]
-    n = args.max_tokens
-    add_ratios(rows, n)
-    print(
-        f"static graphs of {port.name} (prefill: {spec.prefill_experts}, decode: {spec.decode_experts}), "
-        f"prompt {args.prompt_tokens} tokens, {n}-token requests; best of {args.repeats}, the graphs timed in turns"
-    )
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, threads {torch.get_num_threads()}"
-        + (f", compile cache {os.environ[inductor.CACHE_ENV]}" if COMPILED_GRAPHS in graphs else "")
-        + "\n"
-    )
-    print(table(rows, COLUMNS))
+    if args.prefill_buckets:
+        rows = [
+            row
+            for batch in args.batch_sizes.split(",")
+            for bucket in args.prefill_buckets.split(",")
+            for experts in args.prefill_experts.split(",")
+            for row in prefill_rows(model, spec, graphs, int(batch), int(bucket), experts, args)
+        ]
+        columns = PREFILL_COLUMNS
+        title = f"prefill and step at buckets {args.prefill_buckets}; best of {args.repeats}, {args.clock} time"
+    else:
+        rows = [
+            row for batch in args.batch_sizes.split(",") for row in batch_rows(model, spec, graphs, int(batch), args)
+        ]
+        add_ratios(rows, args.max_tokens)
+        columns = COLUMNS
+        title = (
+            f"(prefill: {spec.prefill_experts}, decode: {spec.decode_experts}), prompt {args.prompt_tokens} tokens, "
+            f"{args.max_tokens}-token requests; best of {args.repeats}, the graphs timed in turns"
+        )
+    print(f"static graphs of {port.name} {title}")
+    print(machine_line(graphs) + "\n")
+    print(table(rows, columns))
     if args.json:
         write_json({"model": port.name, "settings": vars(args), "rows": rows}, args.json)
     return 0

@@ -302,13 +302,17 @@ def test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket(tiny_port, tm
     )
     assert list(manifest["keys"]) == [
         "context_encoding_1x8",
+        "context_encoding_1x24",
         "context_encoding_1x56",
         "context_encoding_2x8",
+        "context_encoding_2x24",
         "context_encoding_2x56",
         "token_generation",
         "context_encoding_processing_1x8",
+        "context_encoding_processing_1x24",
         "context_encoding_processing_1x56",
         "context_encoding_processing_2x8",
+        "context_encoding_processing_2x24",
         "context_encoding_processing_2x56",
         "token_generation_processing",
     ]
@@ -617,7 +621,7 @@ def test_shape_flags_override_the_ports_static_table(tiny_port, tmp_path):
         (
             ["--max-cache-len", "32"],
             "--max-cache-len 32 (the KV cache's positions) is shorter than the largest prefill bucket 56 "
-            "(the port's [static] buckets [8, 56]): pass --buckets up to 32",
+            "(the port's [static] buckets [8, 24, 56]): pass --buckets up to 32",
         ),
         (["--buckets", "56,8"], "--buckets must be strictly increasing positive lengths, got [56, 8]"),
         (["--max-cache-len", "600"], "--max-cache-len 600 exceeds the model's max_position_embeddings 512"),

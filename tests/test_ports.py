@@ -95,11 +95,11 @@ def test_expert_layout_defaults_to_channel(tmp_path):
         (lambda t: t.replace("top_k_experts = 4", "top_k_experts = 32"), ConfigError, "exceeds num_experts=16"),
         (lambda t: t + "\n[[[", PortError, "not valid TOML"),
         (
-            lambda t: t.replace("buckets = [8, 56]", "buckets = [56, 8]"),
+            lambda t: t.replace("buckets = [8, 24, 56]", "buckets = [56, 8]"),
             PortError,
             r"\[static\]: buckets must be strictly increasing, got \[56, 8\]",
         ),
-        (lambda t: t.replace("buckets = [8, 56]", "buckets = []"), PortError, "buckets must be a list of 1 to 64"),
+        (lambda t: t.replace("buckets = [8, 24, 56]", "buckets = []"), PortError, "buckets must be a list of 1 to 64"),
         (
             lambda t: t.replace("max_cache_len = 96", "max_cache_len = 32"),
             PortError,

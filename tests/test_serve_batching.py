@@ -39,7 +39,7 @@ def engine(tiny_port, static_model):
     engine.close()
 
 
-PROMPTS = random_prompts(2048, [3, 56, 8, 9, 20, 5, 33, 12, 47, 7], seed=21)  # both buckets (8, 56)
+PROMPTS = random_prompts(2048, [3, 56, 8, 9, 20, 5, 33, 12, 47, 7], seed=21)  # every bucket (8, 24, 56)
 MAX_TOKENS = [12, 5, 9, 3, 14, 7, 4, 11, 6, 10]
 
 
@@ -158,11 +158,16 @@ def test_the_engine_sets_the_admission_to_its_rows():
 
 
 class Calls:
-    """The runtime's calls in order: ("prefill", [(row, start, length), ...]) and ("decode", rows busy)."""
+    """The runtime's calls in order: ("prefill", [(row, start, length), ...]) and ("decode", rows busy);
+    a step call (`GraphRuntime.step`) as its prefill, then its decode."""
 
     def __init__(self, runtime):
-        self.log, self.prefill, self.decode = [], runtime.prefill, runtime.decode
-        runtime.prefill, runtime.decode = self._prefill, self._decode
+        self.log, self.prefill, self.decode, self.step = [], runtime.prefill, runtime.decode, runtime.step
+        runtime.prefill, runtime.decode, runtime.step = self._prefill, self._decode, self._step
+
+    def _step(self, chunks, ids, positions, sampling):
+        self.log += [("prefill", [(c.row, c.start, len(c.ids)) for c in chunks]), ("decode", None)]
+        return self.step(chunks, ids, positions, sampling)
 
     def _prefill(self, chunks):
         self.log.append(("prefill", [(c.row, c.start, len(c.ids)) for c in chunks]))

@@ -84,7 +84,7 @@ def manifest_dir(tmp_path):
         ),
         (
             ["--backend", "static", "--prefill-chunk", "20"],
-            "--prefill-chunk 20 is not one of the port's buckets [8, 56]",
+            "--prefill-chunk 20 is not one of the port's buckets [8, 24, 56]",
         ),
         (["--backend", "static", "--max-running", "2"], "its graphs have rows (--batch-size); --max-running is for"),
         (

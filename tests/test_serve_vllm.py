@@ -153,7 +153,7 @@ def test_banner_and_one_log_line_per_request(caplog):
         banner = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
         assert len(banner) == 1 and banner[0].startswith(
             "serving tiny-gemma4-moe as tiny-gemma4-moe: backend static, dtype float32, context 97 tokens, "
-            "2 batch rows, prefill buckets 8, 56; warmed up in "
+            "2 batch rows, prefill buckets 8, 24, 56; warmed up in "
         )
         caplog.clear()
         client(url).completions.create(model=PORT, prompt=PROMPT, max_tokens=5, temperature=0)

@@ -60,7 +60,9 @@ def model(tiny_port):
 def warm(runtime):
     """Every shape of the runtime called once (what serve's warm-up does): the compiled graphs compile."""
     runtime.prefill([Chunk([5] * 8, 0, 0, GREEDY)])
-    runtime.decode(torch.full((2, 1), 5), torch.zeros(2, 1, dtype=torch.long), torch.tensor([GREEDY] * 2))
+    decode = (torch.full((2, 1), 5), torch.zeros(2, 1, dtype=torch.long), torch.tensor([GREEDY] * 2))
+    runtime.decode(*decode)
+    runtime.step([Chunk([5] * 8, 0, 0, GREEDY)], *decode)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_no_graph_compiles_again_after_the_first_call_of_its_shape(compiled):
     assert counters["stats"]["unique_graphs"] == graphs and dict(counters["frames"]) == frames
     assert runtime._prefill.shapes == {((1, 8), (1, 8), (1, 8), (1,), (1, 4))}
     assert runtime._decode.shapes == {((2, 1), (2, 1), (2, 4))}
-    assert len(lines) == 2, lines  # a progress line per compile, no more
+    assert len(lines) == 3, lines  # a progress line per compile, no more
 
 
 def test_inductor_keeps_what_it_compiled_in_the_cache_directory(compiled):
@@ -115,6 +117,7 @@ def test_inductor_keeps_what_it_compiled_in_the_cache_directory(compiled):
     assert any((cache / "fxgraph").rglob("*")), sorted(p.name for p in cache.iterdir())
     assert lines[0].startswith("compiled the prefill graph (1 rows x 8 tokens) in ")
     assert lines[1].startswith("compiled the decode graph (2 rows x 1 tokens) in ")
+    assert lines[2].startswith("compiled the step graph (1 rows x 8 tokens) in ")
 
 
 def test_the_progress_line_of_a_graph_whose_first_input_is_one_dimensional(monkeypatch):

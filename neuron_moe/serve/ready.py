@@ -108,9 +108,33 @@ def warm_up(engine: Engine) -> int:
     return len(calls)
 
 
+def speculative_calls(runtime, token: int) -> list[tuple[str, Callable[[], object]]]:
+    """The verify graph's call (every row feeding `token` and no draft at positions 0..k), then with an
+    assistant the draft graph's, fed the verify's hidden state."""
+    batch, q = runtime.batch, runtime.speculative.num_speculative_tokens + 1
+    ids, positions = torch.full((batch, q), token), torch.arange(q).repeat(batch, 1)
+    sampling, uniforms = torch.tensor([GREEDY] * batch), torch.zeros(batch, q)
+    drafted = torch.zeros(batch, dtype=torch.long)
+    verified = []
+
+    def verify():
+        verified[:] = [runtime.verify(ids, positions, sampling, drafted, uniforms)[3]]
+
+    calls = [(f"the verify graph of {batch} rows x {q} tokens", verify)]
+    if runtime.speculative.method == "mtp":
+        calls.append(
+            (
+                f"the draft graph of {batch} rows",
+                lambda: runtime.draft(ids[:, 0], verified[0][:, 0], positions[:, 0] + 1),
+            )
+        )
+    return calls
+
+
 def graph_calls(runtime, token: int) -> list[tuple[str, Callable[[], object]]]:
-    """One call of each graph of a batching runtime, fed `token`, as (the graph in words, the call): each
-    prefill row count at each bucket, the decode step, then their logits-processing variants with neutral
+    """One call of each graph of a runtime, fed `token`, as (the graph in words, the call): each prefill
+    row count at each bucket, the decode step, the step graphs (prefill folded into the step), the
+    verify and draft graphs (speculative decoding), then the logits-processing variants with neutral
     inputs (where the runtime has them) and the copy graph, a row onto itself (prefix caching)."""
     batch, shapes = runtime.batch, [(rows, bucket) for rows in runtime.prefill_rows for bucket in runtime.buckets]
     ids, positions = torch.full((batch, 1), token), torch.zeros(batch, 1, dtype=torch.long)
@@ -124,6 +148,16 @@ def graph_calls(runtime, token: int) -> list[tuple[str, Callable[[], object]]]:
         for r, b in shapes
     ]
     calls.append((f"the decode graph of {batch} rows", lambda: runtime.decode(ids, positions, sampling)))
+    if getattr(runtime, "fuses", False):  # the step graphs: each prefill shape with the decode of every row
+        calls += [
+            (
+                f"the step graph of {r} rows x {b} tokens and the decode of {batch}",
+                lambda r=r, b=b: runtime.step(chunks(r, b), ids, positions, sampling),
+            )
+            for r, b in shapes
+        ]
+    if getattr(runtime, "speculative", None) is not None:
+        calls += speculative_calls(runtime, token)
     if getattr(runtime, "processing", False):
         calls += [
             (

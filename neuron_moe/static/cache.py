@@ -175,8 +175,14 @@ class GraphCache:
         self.new: list[torch.Tensor | None] = [None] * len(state.names)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        length = self.state.layout[layer_idx].length
         old = self.state.tensors()[2 * layer_idx : 2 * layer_idx + 2]
+        new, attend = self.write(old, key, value, self.state.layout[layer_idx].length)
+        self.new[2 * layer_idx], self.new[2 * layer_idx + 1] = new
+        return attend
+
+    def write(self, old: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, length: int):
+        """One layer's [K, V] state `old` with this call's K/V written -> (the new [K, V], the K/V to
+        attend over)."""
         if self.rows is not None:
             held, index = _bucket_columns(self.positions, length)
             rings = [o.index_select(0, self.rows) for o in old]
@@ -190,8 +196,7 @@ class GraphCache:
             index = torch.remainder(self.positions, length)  # [B, 1]
             new = [o.scatter(2, _expand(index, t), t) for o, t in zip(old, (key, value))]
             attend = new
-        self.new[2 * layer_idx], self.new[2 * layer_idx + 1] = new
-        return attend
+        return new, attend
 
 
 def _expand(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,13 @@ The calls (every shape fixed at build time; P prefill rows, B = the cache's rows
            speculative decoding: each row's fed token and up to q - 1 drafts, at q positions from
            its own; column i's token the one Decode would pick there, the drafts taken while they
            are those tokens (a cache with `slack` q - 1: the rejected drafts' slots, `cache.py`)
+  Step     (the prefill's five inputs at [P, bucket], then the decode's three at [B, 1])
+             -> token [P + B, 1] (the chunks' first, then every row's)
+           a prefill chunk of P rows and a decode step of every row in one forward over the cache,
+           as one flat batch of P·bucket + B tokens: every op but attention runs once over all of
+           them (the experts, the MLP, the projections); attention runs per part as the two graphs
+           run it, the chunks' rings written first (vLLM V1's and llama.cpp's unified batch). A row
+           being prefilled sits in the decode part as a pad at its position after its chunk
   Copy     (src_row [1], dst_row [1]) -> dst_row [1, 1]
            row src_row of every layer's K and V copied whole into row dst_row (prefix caching:
            the destination's prompt begins with a prefix the source holds; `cache.copy_rows`)
@@ -36,7 +43,12 @@ follows as extra outputs, mapped onto the state by `output_aliases()`.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
+from transformers import AttentionInterface
+from transformers.models.gemma4.modeling_gemma4 import eager_attention_forward
 
 from .. import spec
 from ..experts.view import with_experts
@@ -204,6 +216,104 @@ class Verify(_StaticGraph):
         accepted = (missed.cumsum(-1) == 0).sum(-1)  # the drafts before the first miss
         outputs = (tokens, accepted) + ((logits,) if self.logits else ()) + ((hidden,) if self.hidden else ())
         return outputs + self.cache.commit(cache.new)
+
+
+STEP_ATTENTION = "neuron_moe_step"  # the attention `Step`'s view of the model dispatches to (`_step_attention`)
+
+
+def _parts(t: torch.Tensor, rows: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's flat [1, heads, rows·bucket + B, d] -> the chunks' [rows, heads, bucket, d] and the
+    decode rows' [B, heads, 1, d]."""
+    n = rows * bucket
+    return t[0, :, :n].unflatten(1, (rows, bucket)).transpose(0, 1), t[0, :, n:].transpose(0, 1).unsqueeze(2)
+
+
+class _StepCache:
+    """What HF's attention layers call in a `Step`: each layer's flat K/V split into the chunks' and the
+    decode rows', the chunks written into their rows' rings, then the decode rows' into that, as the
+    prefill and decode graphs write them one call after the other; what each part attends over is
+    kept for `_step_attention` (HF's attention gets the flat K/V back, unused)."""
+
+    def __init__(self, chunks: GraphCache, decode: GraphCache):
+        self.chunks, self.decode, self.state = chunks, decode, chunks.state
+        self.new: list[torch.Tensor | None] = [None] * len(self.state.names)
+        self.attend: dict[int, tuple] = {}
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        rows, bucket = self.chunks.positions.shape
+        (key_chunks, key_rows), (value_chunks, value_rows) = (_parts(t, rows, bucket) for t in (key, value))
+        length = self.state.layout[layer_idx].length
+        old = self.state.tensors()[2 * layer_idx : 2 * layer_idx + 2]
+        written, chunks = self.chunks.write(old, key_chunks, value_chunks, length)
+        new, decode = self.decode.write(written, key_rows, value_rows, length)
+        self.new[2 * layer_idx], self.new[2 * layer_idx + 1] = new
+        self.attend[layer_idx] = (chunks, decode)
+        return key, value
+
+
+@dataclass
+class _StepMask:
+    """A step's attention mask of one layer type: the chunks' and the decode rows', and the cache that
+    holds what each part attends over."""
+
+    chunks: torch.Tensor  # [P, 1, bucket, ring + bucket]
+    decode: torch.Tensor  # [B, 1, 1, ring]
+    cache: _StepCache
+
+
+def _step_attention(module, query, key, value, attention_mask: _StepMask, **kwargs):
+    """HF's eager attention of a step's two parts, each as its own graph runs it -> [1, P·bucket + B,
+    heads, d] in the flat batch's order."""
+    (key_chunks, value_chunks), (key_rows, value_rows) = attention_mask.cache.attend[module.layer_idx]
+    rows, bucket = attention_mask.chunks.shape[0], attention_mask.chunks.shape[2]
+    query_chunks, query_rows = _parts(query, rows, bucket)
+    chunks, _ = eager_attention_forward(module, query_chunks, key_chunks, value_chunks, attention_mask.chunks, **kwargs)
+    decode, _ = eager_attention_forward(module, query_rows, key_rows, value_rows, attention_mask.decode, **kwargs)
+    return torch.cat([chunks.flatten(0, 1), decode.flatten(0, 1)])[None], None
+
+
+AttentionInterface.register(STEP_ATTENTION, _step_attention)
+
+
+def _with_step_attention(view):
+    """`view` (a graph's view of the model: `with_experts`) with every attention module dispatching to
+    `_step_attention`: a copy of each decoder layer and its attention module, with a config of its own."""
+    layers = view.model.layers
+    for key, layer in list(layers._modules.items()):
+        layer = layers._modules[key] = copy.copy(layer)
+        layer._modules = dict(layer._modules)
+        attention = layer._modules["self_attn"] = copy.copy(layer.self_attn)
+        attention.config = copy.copy(attention.config)
+        attention.config._attn_implementation = STEP_ATTENTION
+    return view
+
+
+class Step(_StaticGraph):
+    """forward(input_ids, attention_mask, position_ids [P, bucket], row_ids [P], sampling [P, 4],
+    decode_ids [B, 1], decode_positions [B, 1], decode_sampling [B, 4]) -> token [P + B, 1]: a
+    `Prefill` of the chunks and a `Decode` of every row, in one forward (the flat batch: the chunks'
+    tokens row after row, then the decode rows'). The logits are taken at each chunk's last column and
+    each decode row only."""
+
+    def __init__(self, model, cache: KVCache, experts, logits: bool = False, **kw):
+        super().__init__(model, cache, experts, logits, **kw)
+        self.model = _with_step_attention(self.model)
+
+    def forward(
+        self, input_ids, attention_mask, position_ids, row_ids, sampling, decode_ids, decode_positions, decode_sampling
+    ):
+        chunk_masks, chunks = self._chunk(attention_mask, position_ids, row_ids)
+        decode_masks, decode = self._step(decode_positions)
+        cache = _StepCache(chunks, decode)
+        masks = {kind: _StepMask(chunk_masks[kind], decode_masks[kind], cache) for kind in chunk_masks}
+        rows, bucket = input_ids.shape
+        flat = rows * bucket
+        keep = torch.cat([torch.arange(rows) * bucket + (bucket - 1), torch.arange(decode_ids.shape[0]) + flat])
+        ids = torch.cat([input_ids.reshape(1, -1), decode_ids.reshape(1, -1)], dim=1)
+        positions = torch.cat([position_ids.reshape(1, -1), decode_positions.reshape(1, -1)], dim=1)
+        logits = self._logits(ids, masks, positions, cache, keep=keep.to(ids.device))[0]
+        token = self.pick(logits, torch.cat([sampling, decode_sampling]))
+        return ((token, logits) if self.logits else (token,)) + self.cache.commit(cache.new)
 
 
 class _Processing(_StaticGraph):

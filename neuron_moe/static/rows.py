@@ -14,7 +14,10 @@ One step is
   before (chunked prefill); a row whose prompt that completes takes its first token from the call;
 - decode: one decode call for every row that is generating, each at its own position; or, with a
   runtime built for speculative decoding (`speculative`, `verify`, and `draft` with an assistant),
-  one verify call checking each row's drafts (`_speculate`), a row taking several tokens a step.
+  one verify call checking each row's drafts (`_speculate`), a row taking several tokens a step;
+- or both in one call, where the runtime has a step graph (`fuses`: `decoder.Step`, vLLM V1's and
+  llama.cpp's unified batch), the step has both and one call takes its chunks (`_fused`): then no
+  row waits on a prefill call of its own (not while speculating: the step's decode is a verify).
 
 Each row's inputs are made here, on the host, once per step: its chunk (`Chunk`), or its next id,
 position and sampling (`ids`, `positions`, `sampling`: tensors made once, each row's element
@@ -65,7 +68,8 @@ ends tells the loop so a step late, and the loop `free`s its row.
 
 A runtime (`GraphRuntime`, or any object with the same attributes) has `batch` rows, a `pad_id`,
 `chunk`, `prefill_rows`, `prefill(chunks) -> (tokens [n], logits [n, V] | None)` and
-`decode(ids [B, 1], positions [B, 1], sampling [B, 4]) -> (tokens [B], logits [B, V] | None)`, on
+`decode(ids [B, 1], positions [B, 1], sampling [B, 4]) -> (tokens [B], logits [B, V] | None)` (and, with
+`fuses`, `step(chunks, ids, positions, sampling)`: both in one call), on
 the host, and `processing` (whether it has the variants, `prefill_processing` and `decode_processing`)
 and `vocab`; with prefix caching (`prefix`, a `prefix.PrefixIndex`) also `copy_row(src, dst)`. Then
 admission puts each piece of work in the least recently used free row, with its prompt's longest
@@ -155,11 +159,15 @@ class GraphRuntime:
         verify=None,
         speculative=None,
         draft=None,
+        step=None,
     ):
         self._prefill, self._decode, self._copy = prefill, decode, copy
         # speculative decoding: the verify graph (`decoder.Verify`) and its `speculative.SpeculativeConfig`,
         # and the assistant's draft graph (`draft.Draft`) over the same cache (None: no assistant)
         self._verify, self.speculative, self._draft = verify, speculative, draft
+        # a step graph (`decoder.Step`): a prefill chunk and the decode step in one call (None: two calls)
+        self._step = step
+        self.fuses = step is not None
         # a copy graph (`decoder.Copy`) over a whole-row cache: what prefix caching needs
         self.prefix_caching = copy is not None
         # the logits-processing variants (`decoder.ProcessingPrefill`, `ProcessingDecode`; None: this
@@ -236,6 +244,22 @@ class GraphRuntime:
         inputs = (last_ids.reshape(-1, 1), hidden, positions.reshape(-1, 1))
         tokens, logits = self._draft(*self._sent(inputs))
         return tokens.cpu(), logits.float().cpu()
+
+    @torch.no_grad()
+    def step(self, chunks: list[Chunk], ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
+        """`prefill(chunks)` and `decode(ids, positions, sampling)` in one call of the step graph (the
+        chunks are one call's: at most the largest of `prefill_rows`) -> (the chunks' tokens [n], their
+        logits [n, V] or None, every row's tokens [B], their logits [B, V] or None)."""
+        padded, inputs = self._padded(chunks)
+        inputs += [torch.tensor([c.sampling for c in padded]), ids, positions, sampling]
+        tokens, logits = self._out(self._step(*self._sent(inputs)))
+        n, rows = len(chunks), len(padded)
+        return (
+            tokens[:n],
+            None if logits is None else logits[:n],
+            tokens[rows:],
+            None if logits is None else logits[rows:],
+        )
 
     def _sent(self, inputs):
         """The inputs on `device`. One already there is passed as it is, not through `to`: a call into
@@ -332,11 +356,16 @@ class Rows:
         return [row for row in self.active() if not self._prefilling(row)]
 
     def step(self, take: Callable[[], object] = lambda: None) -> list[int]:
-        """Admission from `take`, a prefill, then a decode (each only if a row needs it); the rows
-        the decode ran."""
+        """Admission from `take`, a prefill, then a decode (each only if a row needs it), in one call
+        of the runtime's step graph where it can (`_fused`); the rows the decode ran."""
         self._admit(take)
-        self._prefill()
-        return self._speculate() if getattr(self.runtime, "speculative", None) else self._decode()
+        rows, chunks = self._chunks()
+        speculating = getattr(self.runtime, "speculative", None)
+        fused = None if speculating else self._fused(rows, chunks)
+        if fused is not None:
+            return fused
+        self._prefill(rows, chunks)
+        return self._speculate() if speculating else self._decode()
 
     def free(self, row: int, error: Exception | None = None) -> None:
         """End the work in `row` (with `error`, if it failed) and free the row."""
@@ -408,11 +437,10 @@ class Rows:
         self._ids[row, 0], self._positions[row, 0] = prompt[-1], len(prompt) - 1
         self._fed[row] = (1.0 if reset else 0.0, 1.0, 0.0)
 
-    def _prefill(self) -> None:
+    def _chunks(self) -> tuple[list[int], list[Chunk]]:
+        """The rows this step prefills (the oldest first, as many as a step takes) and the chunk of each."""
         prefilling = [row for row in self.active() if self._prefilling(row)]
         rows = sorted(prefilling, key=self._order.__getitem__)[: self._per_step]
-        if not rows:
-            return
         chunks = []
         for row in rows:
             work, done = self.slots[row], self._done[row]
@@ -422,14 +450,14 @@ class Rows:
                 chunks.append(Chunk(piece, done, row, GREEDY, work.prompt[done + 1 : done + 1 + len(piece)]))
             else:
                 chunks.append(Chunk(piece, done, row, work.sampling() if done + len(piece) == end else GREEDY))
+        return rows, chunks
+
+    def _prefill(self, rows: list[int], chunks: list[Chunk]) -> None:
         plain = [(row, c) for row, c in zip(rows, chunks) if c.targets is None]
         asking = [(row, c) for row, c in zip(rows, chunks) if c.targets is not None]
         if plain:
             tokens, logits = self._call("prefill", [r for r, _ in plain], self.runtime.prefill, [c for _, c in plain])
-            for i, (row, chunk) in enumerate(plain):
-                self._prefilled_chunk(row, chunk)
-                if not self._prefilling(row):
-                    self._next(row, int(tokens[i]), None if logits is None else logits[i])
+            self._took_chunks(plain, tokens, logits)
         if asking:
             rows = [r for r, _ in asking]
             scores = self._call("prefill", rows, self.runtime.prefill_processing, [c for _, c in asking])
@@ -445,6 +473,40 @@ class Rows:
                 if not self._prefilling(row):
                     self._fed_prompt(row, reset=False)
 
+    def _took_chunks(self, plain: list[tuple[int, Chunk]], tokens: torch.Tensor, logits: torch.Tensor | None) -> None:
+        """The chunks of `plain` (row, chunk) prefilled: a row whose prompt that completes takes its token."""
+        for i, (row, chunk) in enumerate(plain):
+            self._prefilled_chunk(row, chunk)
+            if not self._prefilling(row):
+                self._next(row, int(tokens[i]), None if logits is None else logits[i])
+
+    def _fused(self, prefilling: list[int], chunks: list[Chunk]) -> list[int] | None:
+        """The step's prefill (`chunks` into rows `prefilling`) and decode in one call of the runtime's
+        step graph, when it has one (`fuses`), rows are generating and a chunk is to be prefilled, all
+        in one call's worth (`prefill_rows`), and no row asks for logits processing -> the rows it
+        decoded; else None, and the step makes its two calls. A row being prefilled sits in the decode
+        part as the pad at its position after its chunk (a row whose prompt completes decodes from the
+        next step on). The call counts as a prefill of its chunks and a decode of its rows (`counted`)."""
+        if not getattr(self.runtime, "fuses", False):
+            return None
+        decoding = self.generating()
+        if not chunks or not decoding or len(chunks) > self.runtime.prefill_rows[-1]:
+            return None
+        if any(self._asks[row] for row in prefilling + decoding):
+            return None
+        for row, chunk in zip(prefilling, chunks):
+            self._positions[row, 0] = chunk.start + len(chunk.ids)
+        self._sample(decoding)
+        fed = None if self.prefix is None else [int(self._ids[row, 0]) for row in decoding]
+        inputs = (chunks, self.ids, self.positions, self.sampling)
+        out = self._call(None, prefilling + decoding, self.runtime.step, *inputs)
+        if self.counted is not None:
+            self.counted("prefill", len(chunks))
+            self.counted("decode", len(decoding))
+        self._took_chunks(list(zip(prefilling, chunks)), *out[:2])
+        self._decoded(decoding, fed, *out[2:])
+        return decoding
+
     def _prefilled_chunk(self, row: int, chunk: Chunk) -> None:
         """The row's cache now holds `chunk`: its next chunk (or its first token) starts after it."""
         if self.prefix is not None:
@@ -456,10 +518,7 @@ class Rows:
         rows = self.generating()
         if not rows:
             return []
-        sampling, positions = self._sampling, self._positions
-        sampling[:] = GREEDY
-        for row in rows:
-            sampling[row] = self.slots[row].sampling()
+        self._sample(rows)
         asking = [row for row in rows if self._asks[row]]
         if asking:
             inputs = self._processing_inputs(asking)
@@ -473,13 +532,25 @@ class Rows:
             )
         else:
             tokens, logits = self._call("decode", rows, self.runtime.decode, self.ids, self.positions, self.sampling)
+            scores = None
+        self._decoded(rows, fed, tokens, logits, scores)
+        return rows
+
+    def _sample(self, rows: list[int]) -> None:
+        """The decode's sampling input: each of `rows`' own, greedy for the others."""
+        self._sampling[:] = GREEDY
+        for row in rows:
+            self._sampling[row] = self.slots[row].sampling()
+
+    def _decoded(self, rows: list[int], fed: list[int] | None, tokens, logits, scores=None) -> None:
+        """A decode of `rows` ran (`fed`: the ids they were fed, for the prefix index): each row's token to its work."""
         self.steps += 1
         tokens = tokens.tolist()
         if fed is not None:  # each row's cache now holds the token it was fed
             for row, token in zip(rows, fed):
                 self.prefix.extend(row, [token])
         for row in rows:
-            positions[row, 0] += 1
+            self._positions[row, 0] += 1
             row_logits = None if logits is None else logits[row]
             if self._asks[row]:
                 self._fed[row] = (0.0, 0.0, 1.0)  # its token is fed next: an output token
@@ -487,7 +558,6 @@ class Rows:
                 self._next(row, tokens[row], row_logits, (float(chosen[row]), int(rank[row]), top_ids[row], top[row]))
             else:
                 self._next(row, tokens[row], row_logits)
-        return rows
 
     def _speculate(self) -> list[int]:
         """The decode of a runtime built with speculation: each generating row proposes up to k drafts
@@ -616,7 +686,7 @@ class Rows:
             for row in rows:
                 self.free(row, e)
             raise
-        if self.counted is not None:
+        if self.counted is not None and graph is not None:
             self.counted(graph, len(rows))
         return out
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, Verify, new_cache, new_counts
+from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, Step, Verify, new_cache, new_counts
 from ..speculative import check_assistant
 from .draft import Draft, load_assistant
 from .inductor import CompiledGraph
@@ -28,6 +28,7 @@ def static_runtime(
     speculative=None,
     assistant=None,
     draft_tokens: int = 4,
+    fused: bool = True,
 ) -> GraphRuntime:
     """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
     `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
@@ -44,7 +45,9 @@ def static_runtime(
     `speculative` (a `speculative.SpeculativeConfig`): the `Verify` graph of its k drafts too (and
     k draft steps of the `assistant` an mtp config needs), over a cache with the slack they need
     (`cache.cache_layout`): the verify graph writes k positions past a row's latest, which the
-    draft, reading the window + 1 positions before its query, must not find there either."""
+    draft, reading the window + 1 positions before its query, must not find there either. `fused`: also the `Step` graph
+    (a prefill chunk and the decode step in one call, with the prefill's experts; compiled as the
+    prefill and decode graphs are), which the rows call in place of the two when a step has both."""
     shapes = spec.shapes(batch)
     if prefill_rows or chunk:  # the caller's own, over the table's
         rows = tuple(sorted({min(p, shapes.batch_size) for p in prefill_rows})) if prefill_rows else shapes.prefill_rows
@@ -61,6 +64,7 @@ def static_runtime(
     prefill_processing = ProcessingPrefill(model, cache, counts, spec.prefill_experts)
     decode_processing = ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits)
     copy = Copy(cache) if prefix_caching else None
+    step = Step(model, cache, spec.prefill_experts, logits=logits) if fused else None
     verify = speculative and Verify(model, cache, spec.decode_experts, logits=logits, hidden=assistant is not None)
     draft = None if assistant is None else Draft(assistant, model, cache, draft_tokens)
     if compile:
@@ -68,6 +72,7 @@ def static_runtime(
         prefill_processing = CompiledGraph(prefill_processing, "logits-processing prefill", progress)
         decode_processing = CompiledGraph(decode_processing, "logits-processing decode", progress)
         copy = copy and CompiledGraph(copy, "copy", progress)
+        step = step and CompiledGraph(step, "step", progress)
         verify = verify and CompiledGraph(verify, "verify", progress)
         draft = draft and CompiledGraph(draft, "draft", progress)
     return GraphRuntime(
@@ -84,4 +89,5 @@ def static_runtime(
         verify=verify,
         speculative=speculative,
         draft=draft,
+        step=step,
     )
