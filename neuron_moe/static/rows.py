@@ -134,7 +134,7 @@ class GraphRuntime:
     def __init__(
         self,
         prefill,
-        decode,
+        decode,  # a callable, or {KV length: callable}: the decode graphs by the positions they attend
         shapes: Shapes,
         *,
         logits: bool | None = None,
@@ -146,12 +146,12 @@ class GraphRuntime:
         vocab: int | None = None,
         copy=None,
     ):
-        self._prefill, self._decode, self._copy = prefill, decode, copy
+        self._prefill, self._decode, self._copy = prefill, _by_length(decode), copy
         # a copy graph (`decoder.Copy`) over a whole-row cache: what prefix caching needs
         self.prefix_caching = copy is not None
         # the logits-processing variants (`decoder.ProcessingPrefill`, `ProcessingDecode`; None: this
         # runtime has none, and requests that ask for them are refused)
-        self._prefill_processing, self._decode_processing = prefill_processing, decode_processing
+        self._prefill_processing, self._decode_processing = prefill_processing, _by_length(decode_processing)
         self.processing = decode_processing is not None and prefill_processing is not None
         self.vocab = vocab
         self.batch, self.buckets, self.max_cache_len = (
@@ -197,7 +197,17 @@ class GraphRuntime:
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
-        return self._out(self._decode(*self._sent((ids, positions, sampling))))
+        return self._out(self._decode[self.decode_length(positions)](*self._sent((ids, positions, sampling))))
+
+    def decode_length(self, positions: torch.Tensor) -> int | None:
+        """The KV length of the decode graph a step at `positions` runs: the smallest of the graphs'
+        that is above every row's position (NxDI's token-generation bucket), else the largest; None
+        for a runtime of one decode graph."""
+        lengths = self._decode.lengths
+        if len(lengths) == 1:
+            return lengths[0]
+        need = int(positions.max()) + 1
+        return next((n for n in lengths if n >= need), lengths[-1])
 
     def _sent(self, inputs):
         """The inputs on `device`. One already there is passed as it is, not through `to`: a call into
@@ -230,7 +240,7 @@ class GraphRuntime:
         """The logits-processing decode -> (tokens [B], (logprobs [B], ranks [B], top ids [B, N], top
         logprobs [B, N]), logits [B, V] or None)."""
         inputs = (ids, positions, sampling, process, bias_ids, bias, mask)
-        outputs = self._decode_processing(*self._sent(inputs))
+        outputs = self._decode_processing[self.decode_length(positions)](*self._sent(inputs))
         logits = self.logits if self.logits is not None else len(outputs) > 5
         scores = (outputs[1][:, 0].cpu(), outputs[2][:, 0].cpu(), outputs[3].cpu(), outputs[4].cpu())
         return outputs[0][:, 0].cpu(), scores, (outputs[5].float().cpu() if logits else None)
@@ -239,6 +249,21 @@ class GraphRuntime:
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)  # one output may come bare
         logits = self.logits if self.logits is not None else len(outputs) > 1
         return outputs[0][:, 0].cpu(), (outputs[1].float().cpu() if logits else None)
+
+
+class _Lengths(dict):
+    """Decode graphs by the KV length they attend over (`lengths`: ascending; a lone graph's is None)."""
+
+    def __init__(self, graphs: dict):
+        super().__init__(graphs)
+        self.lengths = sorted(graphs, key=lambda n: -1 if n is None else n)
+
+
+def _by_length(decode) -> _Lengths | None:
+    """A decode callable, or {KV length: callable}, as `_Lengths` (None: no such graph)."""
+    if decode is None:
+        return None
+    return _Lengths(decode if isinstance(decode, dict) else {None: decode})
 
 
 def graph_runtime(graphs: dict, batch: int, pad_id: int, device="cpu") -> GraphRuntime:
