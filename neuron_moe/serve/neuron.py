@@ -50,7 +50,7 @@ from ..neuron.artifact import (
 )
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
 from ..run_config import Shapes
-from ..static.rows import GraphRuntime
+from ..static.rows import GraphRuntime, with_kv_length
 
 log = logging.getLogger(__name__)
 DEVICE = "privateuseone:{rank}"  # a NeuronCore as torch-neuronx names it (NxD's state initializer)
@@ -95,11 +95,9 @@ def load_weights(nxd_model, artifacts: Path, manifest: dict) -> None:
 
 def by_length(model, shapes: Shapes) -> dict:
     """The artifact's decode keys by KV length (`artifact.decode_key`), as the runtime calls them: the
-    whole cache's with the inputs as they are, each shorter one's with its `kv_length` [L] appended,
-    the input whose shape alone routes the call to that key (made once here, never read)."""
-    keyed = {n: torch.zeros(n, dtype=torch.int32) for n in shapes.decode_lengths[:-1]}
-    calls = {n: (lambda *inputs, _length=length: model(*inputs, _length)) for n, length in keyed.items()}
-    return {**calls, shapes.max_cache_len: model}
+    whole cache's with the inputs as they are, each shorter one's with its `kv_length` [L] appended
+    (`with_kv_length`: the input whose shape alone routes the call to that key)."""
+    return {n: with_kv_length(model, n) for n in shapes.decode_lengths[:-1]} | {shapes.max_cache_len: model}
 
 
 def neuron_runtime(artifacts: Path, port, prefix_caching: bool | None = None) -> GraphRuntime:

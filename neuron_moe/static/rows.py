@@ -76,6 +76,8 @@ out of the step.
 
 from __future__ import annotations
 
+import math
+
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -200,14 +202,14 @@ class GraphRuntime:
         return self._out(self._decode[self.decode_length(positions)](*self._sent((ids, positions, sampling))))
 
     def decode_length(self, positions: torch.Tensor) -> int | None:
-        """The KV length of the decode graph a step at `positions` runs: the smallest of the graphs'
-        that is above every row's position (NxDI's token-generation bucket), else the largest; None
-        for a runtime of one decode graph."""
-        lengths = self._decode.lengths
-        if len(lengths) == 1:
-            return lengths[0]
+        """The KV length of the decode graph a step at `positions` runs: the smallest of the shorter
+        graphs' that is above every row's position (NxDI's token-generation bucket), else the whole
+        cache's (its length, or None where the runtime was not told it)."""
+        *shorter, whole = self._decode.lengths
+        if not shorter:
+            return whole
         need = int(positions.max()) + 1
-        return next((n for n in lengths if n >= need), lengths[-1])
+        return next((n for n in shorter if n >= need), whole)
 
     def _sent(self, inputs):
         """The inputs on `device`. One already there is passed as it is, not through `to`: a call into
@@ -252,11 +254,12 @@ class GraphRuntime:
 
 
 class _Lengths(dict):
-    """Decode graphs by the KV length they attend over (`lengths`: ascending; a lone graph's is None)."""
+    """Decode graphs by the KV length they attend over (`lengths`: ascending; None, the whole cache of a
+    length the runtime was not told, last)."""
 
     def __init__(self, graphs: dict):
         super().__init__(graphs)
-        self.lengths = sorted(graphs, key=lambda n: -1 if n is None else n)
+        self.lengths = sorted(graphs, key=lambda n: math.inf if n is None else n)
 
 
 def _by_length(decode) -> _Lengths | None:
@@ -267,12 +270,22 @@ def _by_length(decode) -> _Lengths | None:
 
 
 def graph_runtime(graphs: dict, batch: int, pad_id: int, device="cpu") -> GraphRuntime:
-    """Graphs keyed "prefill <bucket>" (one row each) and "decode", sharing one KV state, as a runtime."""
+    """Graphs keyed "prefill <bucket>" (one row each), "decode" (over the whole cache) and "decode <L>"
+    (an artifact's decode key over the first L positions, `with_kv_length`), sharing one KV state, as a
+    runtime."""
     buckets = [int(key.split()[1]) for key in graphs if key.startswith("prefill ")]
     prefill = lambda *inputs: graphs[f"prefill {inputs[0].shape[1]}"](*inputs)  # noqa: E731
-    return GraphRuntime(
-        prefill, graphs["decode"], Shapes(batch_size=batch, buckets=buckets), pad_id=pad_id, device=device
-    )
+    spans = {int(key.split()[1]): graph for key, graph in graphs.items() if key.startswith("decode ")}
+    decode = {n: with_kv_length(graph, n) for n, graph in spans.items()} | {None: graphs["decode"]}
+    return GraphRuntime(prefill, decode, Shapes(batch_size=batch, buckets=buckets), pad_id=pad_id, device=device)
+
+
+def with_kv_length(graph, length: int):
+    """An artifact's decode key over the first `length` positions (`token_generation_<L>`,
+    `neuron/artifact.py`) called as the whole cache's is: its last input, `kv_length` [length], appended,
+    the input whose shape alone routes a call to that key (made once here, never read)."""
+    kv_length = torch.zeros(length, dtype=torch.int32)
+    return lambda *inputs: graph(*inputs, kv_length)
 
 
 class Rows:
