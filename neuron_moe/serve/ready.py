@@ -96,8 +96,8 @@ def check_max_model_len(max_model_len: int | None, context: int, what: str) -> N
 
 def warm_up(engine: Engine) -> int:
     """Every graph of a batching engine's runtime called once (each prefill row count at each bucket,
-    then one decode step), greedy; the per-request engine gets one request, EOS ignored. Returns the
-    calls made. Each graph's call is logged as it starts: on CPU the first call of a graph compiled by
+    then a decode step at each decode length), greedy; the per-request engine gets one request, EOS
+    ignored. Returns the calls made. Each graph's call is logged as it starts: on CPU the first call of a graph compiled by
     torch.compile compiles it (or loads it from the compile cache), tens of seconds a graph."""
     token = engine.tokenizer.bos_token_id or 0
     runtime = engine.runtime
@@ -109,21 +109,19 @@ def warm_up(engine: Engine) -> int:
         for _ in endless.generate([token], SamplingParams(min(2, engine.max_context - 1), temperature=0.0)):
             pass
         return 1
-    calls, graphs = 0, len(runtime.prefill_rows) * len(runtime.buckets) + 1
+    starts = getattr(runtime, "decode_starts", (0,))  # a position that runs each decode graph
+    calls, graphs = 0, len(runtime.prefill_rows) * len(runtime.buckets) + len(starts)
     for rows in runtime.prefill_rows:
         for bucket in runtime.buckets:
             log.info("warm-up %d/%d: the prefill graph of %d rows x %d tokens", calls + 1, graphs, rows, bucket)
             runtime.prefill([Chunk([token] * bucket, 0, row, GREEDY) for row in range(rows)])
             calls += 1
     batch = runtime.batch
-    ids, positions, sampling = (
-        torch.full((batch, 1), token),
-        torch.zeros(batch, 1, dtype=torch.long),
-        torch.tensor([GREEDY] * batch),
-    )
-    log.info("warm-up %d/%d: the decode graph of %d rows", calls + 1, graphs, batch)
-    runtime.decode(ids, positions, sampling)
-    calls += 1
+    ids, sampling = torch.full((batch, 1), token), torch.tensor([GREEDY] * batch)
+    for start in starts:
+        log.info("warm-up %d/%d: the decode graph of %d rows from position %d", calls + 1, graphs, batch, start)
+        runtime.decode(ids, torch.full((batch, 1), start), sampling)
+        calls += 1
     if getattr(runtime, "processing", False):  # the logits-processing variants, each once, neutral
         log.info("warm-up: the logits-processing variants of the %d graphs", graphs)
         for rows in runtime.prefill_rows:
@@ -132,8 +130,11 @@ def warm_up(engine: Engine) -> int:
                     [Chunk([token] * bucket, 0, row, GREEDY, [token] * bucket) for row in range(rows)]
                 )
                 calls += 1
-        runtime.decode_processing(ids, positions, sampling, *neutral_inputs(batch, runtime.vocab))
-        calls += 1
+        for start in starts:
+            runtime.decode_processing(
+                ids, torch.full((batch, 1), start), sampling, *neutral_inputs(batch, runtime.vocab)
+            )
+            calls += 1
     if getattr(runtime, "prefix_caching", False):  # the copy graph: a row onto itself (no row holds a prefix yet)
         runtime.copy_row(0, 0)
         calls += 1

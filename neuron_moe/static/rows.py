@@ -154,6 +154,9 @@ class GraphRuntime:
         # the logits-processing variants (`decoder.ProcessingPrefill`, `ProcessingDecode`; None: this
         # runtime has none, and requests that ask for them are refused)
         self._prefill_processing, self._decode_processing = prefill_processing, _by_length(decode_processing)
+        # a position that runs each decode graph (the first past the next shorter graph's length): a
+        # warm-up that decodes at each calls every graph once
+        self.decode_starts = (0, *self._decode.lengths[:-1])
         self.processing = decode_processing is not None and prefill_processing is not None
         self.vocab = vocab
         self.batch, self.buckets, self.max_cache_len = (
