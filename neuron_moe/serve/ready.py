@@ -97,8 +97,9 @@ def check_max_model_len(max_model_len: int | None, context: int, what: str) -> N
 def warm_up(engine: Engine) -> int:
     """Every graph of a batching engine's runtime called once (each prefill row count at each bucket,
     then a decode step at each decode length), greedy; the per-request engine gets one request, EOS
-    ignored. Returns the calls made. Each graph's call is logged as it starts: on CPU the first call of a graph compiled by
-    torch.compile compiles it (or loads it from the compile cache), tens of seconds a graph."""
+    ignored. Returns the calls made. Each graph's call is logged as it starts: on CPU the first call
+    of a graph compiled by torch.compile compiles it (or loads it from the compile cache), tens of
+    seconds a graph."""
     token = engine.tokenizer.bos_token_id or 0
     runtime = engine.runtime
     if engine.rows is None:  # one request per thread over HF's model
