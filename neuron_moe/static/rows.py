@@ -156,7 +156,7 @@ class GraphRuntime:
         self._prefill_processing, self._decode_processing = prefill_processing, _by_length(decode_processing)
         # a position that runs each decode graph (the first past the next shorter graph's length): a
         # warm-up that decodes at each calls every graph once
-        self.decode_starts = (0, *self._decode.lengths[:-1])
+        self.decode_starts = (0, *(self._decode.lengths[:-1] if self._decode is not None else ()))
         self.processing = decode_processing is not None and prefill_processing is not None
         self.vocab = vocab
         self.batch, self.buckets, self.max_cache_len = (
