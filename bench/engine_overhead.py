@@ -113,7 +113,8 @@ def tiny_graphs(rows: int, calls: list, generating):
 
     port = load_port("tiny-gemma4-moe")
     runtime = static_runtime(build_model(port, port.static.decode_experts, torch.float32), port.static, rows)
-    runtime._prefill, runtime._decode = timed("prefill", runtime._prefill), timed("decode", runtime._decode)
+    runtime._prefill = timed("prefill", runtime._prefill)
+    runtime._decode.update({n: timed("decode", graph) for n, graph in runtime._decode.items()})  # each decode length
     return runtime
 
 

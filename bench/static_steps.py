@@ -23,11 +23,21 @@ in one call: `decoder.Step`) against the two calls it replaces (prefill, then de
     OMP_NUM_THREADS=1 python -m bench.static_steps --batch-sizes 1,8 --max-tokens 16 --prefill-rows 4
     OMP_NUM_THREADS=1 python -m bench.static_steps --batch-sizes 8 --prefill-buckets 8,24,56 \
         --prefill-experts dense_masked,selective --graphs modules
+
+The decode step runs the decode graph of the smallest KV length above every row's position
+(`--decode-lengths`, NxDI's token-generation buckets; `--kv-positions` in use); `--whole-cache`
+times beside it the one decode graph of the whole cache (`--max-cache-len` positions), as a port
+without decode lengths runs every step.
+
+    OMP_NUM_THREADS=1 python -m bench.static_steps --batch-sizes 1,8 --max-tokens 16 --prefill-rows 4
+    OMP_NUM_THREADS=1 python -m bench.static_steps --batch-sizes 8 --graphs compiled --max-cache-len 512 \
+        --decode-lengths 64 --kv-positions 64 --whole-cache
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -37,8 +47,9 @@ from dataclasses import replace
 import torch
 
 from neuron_moe.model import build_model
-from neuron_moe.port import GRAPH_EXPERTS, load_port
+from neuron_moe.port import GRAPH_EXPERTS, load_port, with_shapes
 from neuron_moe.report import table, write_json
+from neuron_moe.run_config import Shapes
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.spec import COMPILE_CACHE, compile_cache
 from neuron_moe.static import inductor
@@ -77,6 +88,7 @@ COLUMNS = [
     ("graphs", "graphs"),
     ("batch", "batch"),
     ("prefill_rows", "prompts per prefill"),
+    ("decode_length", "decode KV length"),
     ("prefill_first_s", "prefill 1st call s", "{:.1f}"),
     ("decode_first_s", "decode 1st call s", "{:.1f}"),
     ("prefill_ms", "prefill ms", "{:.2f}"),
@@ -98,6 +110,20 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per request for the ratio (default 16)")
     ap.add_argument("--prefill-rows", type=int, default=4, help="prompts a prefill call takes at batch > 1 (default 4)")
+    ap.add_argument("--max-cache-len", type=int, help="the KV cache's positions (default: the port's)")
+    ap.add_argument(
+        "--decode-lengths",
+        type=lambda text: tuple(int(n) for n in text.split(",")),
+        help="the decode graphs' KV lengths below --max-cache-len, comma-separated (default: the port's)",
+    )
+    ap.add_argument(
+        "--kv-positions", type=int, help="positions in use at the timed decode step (default: --prompt-tokens + 1)"
+    )
+    ap.add_argument(
+        "--whole-cache",
+        action="store_true",
+        help="also time the one decode graph of the whole cache (no decode lengths), in turns with the others",
+    )
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument(
         "--graphs",
@@ -188,16 +214,23 @@ def prefill_rows(model, spec, graphs, batch: int, bucket: int, experts: str, arg
     ]
 
 
+def positions_in_use(args) -> int:
+    """The KV positions in use at the timed decode step: its rows sit at the position before."""
+    return args.kv_positions or args.prompt_tokens + 1
+
+
 def batch_rows(model, spec, graphs, batch: int, args) -> list[dict]:
     """At one batch size, each kind of graphs' first calls and best prefill and decode step, timed in turns."""
     together = min(args.prefill_rows, batch)
     chunks = [Chunk(list(range(5, 5 + args.prompt_tokens)), 0, row, GREEDY) for row in range(together)]
     ids = torch.full((batch, 1), 7)
-    positions = torch.full((batch, 1), args.prompt_tokens)
+    positions = torch.full((batch, 1), positions_in_use(args) - 1)
     sampling = torch.tensor([GREEDY] * batch)
+    specs = [spec] + ([dataclasses.replace(spec, decode_lengths=())] if args.whole_cache else [])
     runtimes = {
-        name: static_runtime(model, spec, batch, prefill_rows=(1, together), compile=name == COMPILED_GRAPHS)
+        (name, i): static_runtime(model, s, batch, prefill_rows=(1, together), compile=name == COMPILED_GRAPHS)
         for name in graphs
+        for i, s in enumerate(specs)
     }
     first = {
         name: (first_call_s(lambda: r.prefill(chunks)), first_call_s(lambda: r.decode(ids, positions, sampling)))
@@ -209,15 +242,16 @@ def batch_rows(model, spec, graphs, batch: int, args) -> list[dict]:
     )
     return [
         {
-            "graphs": name,
+            "graphs": key[0],
             "batch": batch,
             "prefill_rows": together,
-            "prefill_first_s": first[name][0],
-            "decode_first_s": first[name][1],
-            "prefill_ms": prefill[name],
-            "decode_ms": decode[name],
+            "decode_length": r.decode_length(positions),
+            "prefill_first_s": first[key][0],
+            "decode_first_s": first[key][1],
+            "prefill_ms": prefill[key],
+            "decode_ms": decode[key],
         }
-        for name in graphs
+        for key, r in runtimes.items()
     ]
 
 
@@ -225,8 +259,9 @@ def add_ratios(rows: list[dict], n: int) -> None:
     """Each row's per-prompt and per-token figures, and its ratios to the first batch size's row of the same
     graphs (the ceiling for `n`-token requests) and to the modules' at its batch."""
     for r in rows:
-        base = next(b for b in rows if b["graphs"] == r["graphs"])  # the first batch size, the same graphs
-        modules = next((m for m in rows if m["graphs"] == MODULE_GRAPHS and m["batch"] == r["batch"]), None)
+        same = [b for b in rows if b["decode_length"] == r["decode_length"]]
+        base = next(b for b in same if b["graphs"] == r["graphs"])  # the first batch size, the same graphs
+        modules = next((m for m in same if m["graphs"] == MODULE_GRAPHS and m["batch"] == r["batch"]), None)
         r["prefill_ms_per_prompt"] = r["prefill_ms"] / r["prefill_rows"]
         r["decode_ms_per_token"] = r["decode_ms"] / r["batch"]
         r["decode_x_base"] = r["decode_ms"] / base["decode_ms"]
@@ -250,7 +285,8 @@ def main() -> int:
     if COMPILED_GRAPHS in graphs:
         inductor.require_compiler("--graphs modules")
         inductor.use_cache_dir(compile_cache(args.compile_cache))
-    port = load_port(args.model)
+    shapes = Shapes(max_cache_len=args.max_cache_len, decode_lengths=args.decode_lengths)
+    port = with_shapes(load_port(args.model), shapes)
     spec = port.static_spec("bench/static_steps.py")
     model = build_model(port, spec.decode_experts)
     if args.prefill_buckets:
@@ -271,7 +307,8 @@ def main() -> int:
         columns = COLUMNS
         title = (
             f"(prefill: {spec.prefill_experts}, decode: {spec.decode_experts}), prompt {args.prompt_tokens} tokens, "
-            f"{args.max_tokens}-token requests; best of {args.repeats}, the graphs timed in turns"
+            f"{args.max_tokens}-token requests, decode at {positions_in_use(args)} positions in use of "
+            f"{spec.max_cache_len}; best of {args.repeats}, the graphs timed in turns"
         )
     print(f"static graphs of {port.name} {title}")
     print(machine_line(graphs) + "\n")

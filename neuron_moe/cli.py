@@ -139,8 +139,12 @@ def _planned(args):
     config = run_config(args, backend)
     port = load_port(args.model)
     if port.static is None and config.shapes.given():
-        if args.buckets is not None:
-            raise UserError(f"port {port.name!r} has no [static] table, whose buckets --buckets would replace")
+        for what, flag, given in (
+            ("buckets", "--buckets", args.buckets),
+            ("decode lengths", "--decode-lengths", args.decode_lengths),
+        ):
+            if given is not None:
+                raise UserError(f"port {port.name!r} has no [static] table, whose {what} {flag} would replace")
         return port, config
     return with_shapes(port, config.shapes), config
 

@@ -151,7 +151,7 @@ def _lengths(text: str) -> tuple[int, ...]:
             f"expected comma-separated token counts, e.g. 128,512,2048, got {text!r}"
         ) from None
     if any(n > MAX_TOKENS for n in lengths):
-        raise argparse.ArgumentTypeError(f"a prefill length is at most {MAX_TOKENS} tokens, got {text}")
+        raise argparse.ArgumentTypeError(f"a length is at most {MAX_TOKENS} tokens, got {text}")
     return lengths
 
 
@@ -250,6 +250,14 @@ BUCKETS = opt(
     metavar="B,B",
     help="prefill lengths, strictly increasing, the largest at most --max-cache-len (default: the port's "
     "[static] buckets)",
+)
+DECODE_LENGTHS = opt(
+    "--decode-lengths",
+    type=_lengths,
+    metavar="L,L",
+    help="KV lengths of the decode graphs, strictly increasing, each at most --max-cache-len, which is "
+    "added as the last where absent: a step runs the smallest above every row's position (NxDI's "
+    "token-generation buckets; default: the port's [static] decode_lengths)",
 )
 EXPERT_LAYOUT = opt(
     "--expert-layout",
@@ -713,6 +721,7 @@ PLAN = Command(
             help=BUCKETS.help + "; the graph estimate takes --max-cache-len as the prefill length, an upper bound. "
             "Without a [static] table: batch 1, seq 4096"
         ),
+        DECODE_LENGTHS,
         opt(
             "--reader",
             action="store_true",
@@ -744,7 +753,7 @@ PLAN = Command(
 
 TRACE_AND_COMPILE = Command(
     "trace-and-compile",
-    "rank graphs (a prefill key per bucket, a decode key), per-rank "
+    "rank graphs (a prefill key per bucket, a decode key per decode length), per-rank "
     "weights and a manifest: Neuron, or --dry-run on CPU",
     (
         PORT_MODEL,
@@ -765,6 +774,7 @@ TRACE_AND_COMPILE = Command(
         BATCH_SIZE,
         MAX_CACHE_LEN,
         BUCKETS,
+        DECODE_LENGTHS,
         EXPERT_LAYOUT,
         opt(
             "--reader",

@@ -55,6 +55,8 @@ class StaticSpec:
     expert_layout: str = DEFAULT_EXPERT_LAYOUT  # how the TP graphs split the experts (parallel/layout.py)
     prefill_rows: tuple[int, ...] = (1,)  # prompts one prefill graph takes at once (at most the batch: `rows_for`)
     prefill_chunk: int | None = None  # the longest piece of a prompt a prefill call takes (a bucket; None: the largest)
+    # the decode graphs' KV lengths below max_cache_len (`lengths`: with max_cache_len, the graph of every position)
+    decode_lengths: tuple[int, ...] = ()
 
     def rows_for(self, batch: int) -> tuple[int, ...]:
         """The prefill row counts of graphs over a cache of `batch` rows (none larger than it)."""
@@ -65,11 +67,17 @@ class StaticSpec:
         """The prefill chunk: the table's (one of the buckets), else the largest bucket."""
         return self.prefill_chunk if self.prefill_chunk in self.buckets else self.buckets[-1]
 
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The decode graphs' KV lengths: the table's below max_cache_len, then max_cache_len (a
+        decode graph attends over that many positions; a step runs the smallest above its rows')."""
+        return tuple(n for n in self.decode_lengths if n < self.max_cache_len) + (self.max_cache_len,)
+
     def shapes(self, batch: int | None = None) -> Shapes:
         """The graphs' shapes over a cache of `batch` rows (default the table's batch_size): what a
         `GraphRuntime` runs at and an artifact's manifest records."""
         batch = batch or self.batch_size
-        return Shapes(batch, self.max_cache_len, self.buckets, self.rows_for(batch), self.chunk)
+        return Shapes(batch, self.max_cache_len, self.buckets, self.rows_for(batch), self.chunk, self.lengths)
 
 
 @dataclass(frozen=True)
@@ -180,6 +188,7 @@ _STATIC_FIELDS = {
     "expert_layout",
     "prefill_rows",
     "prefill_chunk",
+    "decode_lengths",
 }
 
 
@@ -227,6 +236,10 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
     chunk = _typed(table, "prefill_chunk", int, where) if "prefill_chunk" in table else buckets[-1]
     if chunk not in buckets:
         raise PortError(f"{where}: prefill_chunk {chunk} is not one of the buckets {buckets}")
+    lengths = _typed(table, "decode_lengths", list, where) if "decode_lengths" in table else []
+    problem = _lengths_problem(lengths, max_cache_len)
+    if problem:
+        raise PortError(f"{where}: decode_lengths {problem}, got {lengths}")
     return StaticSpec(
         tuple(buckets),
         max_cache_len,
@@ -235,13 +248,26 @@ def _static_spec(table: dict, config: Gemma4TextConfig, where: str) -> StaticSpe
         expert_layout=expert_layout,
         prefill_rows=tuple(rows),
         prefill_chunk=chunk,
+        decode_lengths=tuple(lengths),
     )
+
+
+def _lengths_problem(lengths, max_cache_len: int) -> str | None:
+    """What is wrong with decode lengths over a cache of `max_cache_len` positions (None: nothing)."""
+    if not all(type(n) is int and n > 0 for n in lengths) or list(lengths) != sorted(set(lengths)):
+        return "must be strictly increasing positive lengths"
+    if len(lengths) > MAX_BUCKETS:
+        return f"must be at most {MAX_BUCKETS} lengths"
+    if lengths and lengths[-1] > max_cache_len:
+        return f"must each be at most max_cache_len ({max_cache_len}; it is added as the last where absent)"
+    return None
 
 
 def with_shapes(port: Port, shapes: Shapes) -> Port:
     """The port with the `[static]` shapes the flags give (`Shapes`: --batch-size, --max-cache-len,
-    --buckets, --prefill-rows, --prefill-chunk) in place of its table's, held to the table's own
-    checks; each refusal names the flag."""
+    --buckets, --prefill-rows, --prefill-chunk, --decode-lengths) in place of its table's, held to the
+    table's own checks; each refusal names the flag. Without --decode-lengths, the table's lengths
+    below the cache's are kept (`StaticSpec.lengths`)."""
     given = shapes.given()
     if not given:
         return port
@@ -270,7 +296,12 @@ def with_shapes(port: Port, shapes: Shapes) -> Port:
     if shapes.prefill_chunk is not None and chunk not in buckets:
         raise PortError(f"--prefill-chunk {chunk} is not one of the port's buckets {list(buckets)}")
     rows = spec.prefill_rows if shapes.prefill_rows is None else tuple(sorted(set(shapes.prefill_rows)))
+    decode = spec.decode_lengths if shapes.decode_lengths is None else tuple(shapes.decode_lengths)
+    problem = _lengths_problem(decode, length)
+    if shapes.decode_lengths is not None and problem:
+        raise PortError(f"--decode-lengths {problem.replace('max_cache_len', '--max-cache-len')}, got {list(decode)}")
     changed = dict(buckets=buckets, max_cache_len=length, batch_size=batch_size, prefill_rows=rows, prefill_chunk=chunk)
+    changed["decode_lengths"] = decode
     return replace(port, static=replace(spec, **changed))
 
 

@@ -32,6 +32,9 @@ class Shapes:
     buckets: tuple[int, ...] | None = None  # prefill lengths, strictly increasing
     prefill_rows: tuple[int, ...] | None = None  # prompts one prefill call takes, one graph per count
     prefill_chunk: int | None = None  # the longest piece of a prompt one prefill call takes (a bucket)
+    # the KV lengths of the decode graphs, strictly increasing, the last max_cache_len: each step runs the
+    # smallest above every row's position (NxDI's token-generation buckets)
+    decode_lengths: tuple[int, ...] | None = None
 
     # the flag that sets each field, for the errors that name it
     FLAGS = {
@@ -40,6 +43,7 @@ class Shapes:
         "buckets": "--buckets",
         "prefill_rows": "--prefill-rows",
         "prefill_chunk": "--prefill-chunk",
+        "decode_lengths": "--decode-lengths",
     }
 
     def given(self) -> dict[str, object]:
@@ -48,7 +52,9 @@ class Shapes:
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> Shapes:
-        """The shapes an artifact was built at, as its manifest records them (`manifest_fields`)."""
+        """The shapes an artifact was built at, as its manifest records them (`manifest_fields`); one
+        without decode lengths has one decode graph, of the whole cache."""
+        manifest = {"decode_lengths": [manifest["max_cache_len"]], **manifest}
         return cls(**{f.name: _tuple(manifest[f.name]) for f in fields(cls)})
 
     def manifest_fields(self) -> dict:

@@ -314,7 +314,7 @@ def test_every_integer_option_of_every_command_refuses_2_to_the_64_by_name(capsy
             assert e.value.code == 2 and re.search(f"argument {flag}(/--[a-z-]+)?: must be", err), (least, flag, err)
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["plan", "--instance", "inf2.48xlarge", "--tp", "8", "--buckets", f"8,{2**64}"])
-    assert "argument --buckets: a prefill length is at most" in capsys.readouterr().err
+    assert "argument --buckets: a length is at most" in capsys.readouterr().err
 
 
 def test_reads_refuses_an_absurd_explicit_geometry_by_name(capsys):

@@ -30,9 +30,10 @@ from conftest import expert_reads, random_prompts
 
 @pytest.fixture(scope="module")
 def one_bucket_port(tiny_port):
-    """The tiny port with one prefill bucket and one-prompt prefill graphs: two keys (and their
-    logits-processing variants) to export instead of five
-    (test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket: the others)."""
+    """The tiny port with one prefill bucket and one-prompt prefill graphs: three keys (the prefill, the
+    decode over the first 64 positions and the decode over all 96; and their logits-processing
+    variants) to export instead of six (test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket:
+    the others)."""
     return dataclasses.replace(
         tiny_port, static=dataclasses.replace(tiny_port.static, buckets=(16,), prefill_rows=(1,), prefill_chunk=16)
     )
@@ -49,8 +50,10 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     assert na.read_manifest(out) == {k: v for k, v in manifest.items() if k != "out"}
     assert list(manifest["keys"]) == [
         "context_encoding_1x16",
+        "token_generation_64",
         "token_generation",
         "context_encoding_processing_1x16",
+        "token_generation_processing_64",
         "token_generation_processing",
     ]
     assert (
@@ -78,9 +81,10 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
     assert not any(k.endswith("experts.spmd_rank.rank") for k in shard)  # the channel layout slices nothing by rank
     assert not [k for k in shard if "cache" in k]  # the KV cache is state, in no weight shard
     # the contract: what goes in and out of each key (never a KV tensor), and the state they share
-    assert manifest["format"] == na.FORMAT == 9 and manifest["logits"] is False
+    assert manifest["format"] == na.FORMAT == 10 and manifest["logits"] is False
     assert manifest["target"] == na.TARGET and na.TARGET["name"] == "inf2"  # a dry run records it too
     assert (manifest["prefill_rows"], manifest["prefill_chunk"], manifest["candidates"]) == ([1], 16, 256)
+    assert manifest["decode_lengths"] == [64, 96]  # the port's: a decode key per length
     # the tokenizer travels with the graphs: its files copied, named and digested (the server reads no other)
     tokenizer = ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
     assert manifest["tokenizer"] == {"kind": "checkpoint", "files": tokenizer}
@@ -98,7 +102,14 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
         "position_ids": [2, 1],
         "sampling": [2, 4],
     }
-    assert [k["outputs"] for k in list(manifest["keys"].values())[:2]] == [{"token": [1, 1]}, {"token": [2, 1]}]
+    # the shorter decode key: the same inputs and a kv_length [64] whose shape alone routes a call to it
+    assert manifest["keys"]["token_generation_64"]["inputs"] == {
+        "input_ids": [2, 1],
+        "position_ids": [2, 1],
+        "sampling": [2, 4],
+        "kv_length": [64],
+    }
+    assert [k["outputs"] for k in list(manifest["keys"].values())[:3]] == [{"token": [1, 1]}, *[{"token": [2, 1]}] * 2]
     # the logits-processing variants: the prefill takes the prompt's next tokens instead of sampling and
     # returns their logprobs; the decode takes the penalties, bias and bitmask, and returns logprobs too
     variant = manifest["keys"]["context_encoding_processing_1x16"]
@@ -119,6 +130,8 @@ def test_dry_run_writes_the_contract(artifact, one_bucket_port):
         "bias": [2, 64],
         "mask": [2, 64],  # 2048 tokens / 32 bits
     }
+    assert manifest["keys"]["token_generation_processing_64"]["inputs"] == {**variant["inputs"], "kv_length": [64]}
+    assert manifest["keys"]["token_generation_processing_64"]["outputs"] == variant["outputs"]
     assert variant["outputs"] == {
         "token": [2, 1],
         "logprob": [2, 1],
@@ -142,7 +155,7 @@ def test_verify_preflights_every_key_of_the_artifact(artifact, capsys):
         "target": "inf2",
         "violations": [],
         "clean": True,
-        "keys": 4,
+        "keys": 6,
     }
 
 
@@ -151,9 +164,11 @@ def test_the_exported_keys_carry_the_cache_as_mutated_state(artifact):
     kv = [f"cache.{kv}{i}" for i in range(4) for kv in "kv"]
     for key, state, outputs in [
         ("context_encoding_1x16", kv, 1),  # the token; no KV tensor, no logits
+        ("token_generation_64", kv, 1),  # the whole cache is its state, whatever it attends over
         ("token_generation", kv, 1),
         ("context_encoding_processing_1x16", kv + ["counts.output", "counts.prompt"], 4),  # the prompt's scores
         ("token_generation_processing", kv + ["counts.output", "counts.prompt"], 5),  # the token and its scores
+        ("token_generation_processing_64", kv + ["counts.output", "counts.prompt"], 5),
     ]:
         program = torch.export.load(out / na.GRAPHS.format(key=key))
         sig = program.graph_signature
@@ -184,18 +199,21 @@ def test_prefix_caching_adds_the_copy_key_over_whole_rows(tmp_path, one_bucket_p
 
 
 def test_the_artifact_runs_on_its_ranks(artifact, one_bucket_port, tiny_eager):
-    """The written programs and shards, loaded back, generate the reference tokens at TP 2."""
+    """The written programs and shards, loaded back, generate the reference tokens at TP 2: a 60-token
+    prompt in four chunks, then decode steps at positions 60 to 63 through the key over 64 positions
+    and at 64 and 65 through the whole cache's."""
     _, out = artifact
     programs = {
         "a/prefill 16": torch.export.load(out / na.GRAPHS.format(key="context_encoding_1x16")),
+        "a/decode 64": torch.export.load(out / na.GRAPHS.format(key="token_generation_64")),
         "a/decode": torch.export.load(out / na.GRAPHS.format(key="token_generation")),
     }
     shards = [load_file(out / na.RANK_WEIGHTS.format(rank=r)) for r in range(2)]
-    ids, mask = left_pad(random_prompts(one_bucket_port.config.vocab_size, [11, 5], seed=3), 0)
+    ids, mask = left_pad(random_prompts(one_bucket_port.config.vocab_size, [60, 5], seed=3), 0)
     (result, _) = run_replicated(
-        programs, {k: shards for k in programs}, generation_job, [("a", 2, 0, [(ids, mask, 5)])]
+        programs, {k: shards for k in programs}, generation_job, [("a", 2, 0, [(ids, mask, 7)])]
     )  # each rank zero-initialises its own state
-    reference = greedy(tiny_eager, ids, mask, 5)
+    reference = greedy(tiny_eager, ids, mask, 7)
     assert torch.equal(result["a"][0], reference.tokens)
 
 
@@ -307,6 +325,7 @@ def test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket(tiny_port, tm
         "context_encoding_2x8",
         "context_encoding_2x24",
         "context_encoding_2x56",
+        "token_generation_64",
         "token_generation",
         "context_encoding_processing_1x8",
         "context_encoding_processing_1x24",
@@ -314,6 +333,7 @@ def test_the_manifest_lists_a_key_per_prefill_row_count_and_bucket(tiny_port, tm
         "context_encoding_processing_2x8",
         "context_encoding_processing_2x24",
         "context_encoding_processing_2x56",
+        "token_generation_processing_64",
         "token_generation_processing",
     ]
     assert manifest["prefill_rows"] == [1, 2] and manifest["keys"]["context_encoding_2x56"]["inputs"] == {
@@ -487,18 +507,22 @@ def test_neuron_path_hands_modelbuilder_every_key(one_bucket_port, tmp_path, mon
         one_bucket_port, nc.Build.at(tp=2, out=tmp_path / "out", quantization="int8", dry_run=False)
     )
 
-    assert seen["tp"] == 2 and list(seen["keys"]) == na.key_names([16], [1])
+    assert seen["tp"] == 2 and list(seen["keys"]) == na.key_names([16], [1], spans=[64])
     # compiled for inf2 (ModelBuilder's default arguments and the target), in the environment inf2 needs
     assert (
         seen["compiler_args"]
         == "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1 --target inf2"
     )
     assert seen["env"] == "1" and os.environ.get("NEURON_LOGICAL_NC_CONFIG") is None  # set for the compile alone
-    (_, [prefill]), (_, [decode]), (_, [variant_prefill]), (_, [variant]) = seen["keys"].values()
+    (_, [prefill]), (_, [decode_64]), (_, [decode]), (_, [variant_prefill]), (_, [variant_64]), (_, [variant]) = seen[
+        "keys"
+    ].values()
     assert [tuple(x.shape) for x in variant_prefill] == [(1, 16)] * 3 + [(1,), (1, 16)]  # the targets
     assert [tuple(x.shape) for x in variant] == [(2, 1), (2, 1), (2, 4), (2, 7), (2, 64), (2, 64), (2, 64)]
+    assert [tuple(x.shape) for x in variant_64] == [tuple(x.shape) for x in variant] + [(64,)]
     assert [tuple(x.shape) for x in prefill] == [(1, 16)] * 3 + [(1,), (1, 4)]  # a prompt, its row, its sampling
     assert [tuple(x.shape) for x in decode] == [(2, 1), (2, 1), (2, 4)]  # ids, positions, sampling: no cache, no mask
+    assert [tuple(x.shape) for x in decode_64] == [(2, 1), (2, 1), (2, 4), (64,)]  # kv_length's shape routes a call
     module = rank_model(one_bucket_port.config, 2, cpu, quantization="int8", device="meta")
     graph = nc._graph(module, one_bucket_port.static, "token_generation", new_cache(module, 96, 2), False)
     assert seen["checkpoint"].keys() == graph.state_dict().keys()  # weights only: the state is not in it

@@ -719,13 +719,14 @@ ARTIFACT = {
     "batch_size": 1,
     "prefill_rows": [1],
     "prefill_chunk": 64,
+    "decode_lengths": [32, 128],
     "candidates": 256,
     "dry_run": False,
     "logits": False,
     "weights": True,
     "target": na.TARGET,
     "tokenizer": {"kind": "checkpoint", "files": ["tokenizer/tokenizer.json"]},
-    "keys": {k: {"inputs": {}, "outputs": {}} for k in na.key_names([64], [1])},
+    "keys": {k: {"inputs": {}, "outputs": {}} for k in na.key_names([64], [1], spans=[32])},
     "state": {"cache.k0": {"shape": [1, 1, 128, 4], "dtype": "bfloat16"}},
     "files": {
         name: {"size": 3, "sha256": "0" * 64}
@@ -761,6 +762,9 @@ PAST_BOUNDS = {
     "port": st.sampled_from(["", "../../etc/passwd", "/etc/passwd", "a/b", "p.toml", ".p", "a b", "\ud800", "a" * 101]),
     "buckets": not_strictly_increasing | st.sampled_from([[], [0], [-8], [129], [True], list(range(1, 66))]),
     "prefill_rows": not_strictly_increasing | st.sampled_from([[], [0], [2], [True]]),
+    # the last must be max_cache_len (128), each a positive int, at most 64 of them
+    "decode_lengths": not_strictly_increasing
+    | st.sampled_from([[], [32], [0, 128], [-8, 128], [True, 128], [32, 129], [32, 256], [*range(1, 65), 128]]),
     "keys": st.sampled_from([{}, {"token_generation": {}}, {"x": {"inputs": {}, "outputs": {}}}]),
     "state": st.sampled_from([{}, {"cache.k0": {"shape": [0], "dtype": "bf16"}}, {"cache.k0": []}]),
     "weights": st.sampled_from([False, 0, None]),
@@ -780,7 +784,7 @@ def test_fuzz_manifest_fields_past_their_bounds(tmp_path, field, data):
 
 @pytest.mark.parametrize(
     "fields",
-    [{}, {"batch_size": 1024}, {"max_cache_len": 2**24}, {"candidates": 256}],
+    [{}, {"batch_size": 1024}, {"max_cache_len": 2**24, "decode_lengths": [32, 2**24]}, {"candidates": 256}],
     ids=["as built", "batch_size", "max_cache_len", "candidates"],
 )
 def test_a_manifest_at_its_bounds_is_taken(tmp_path, fields):

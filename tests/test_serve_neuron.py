@@ -53,6 +53,7 @@ def _manifest(**fields):
                 "weights": True,
                 "prefill_rows": rows,
                 "prefill_chunk": buckets[0],
+                "decode_lengths": [fields.get("max_cache_len", 32)],
                 "candidates": 256,
                 "target": TARGET,
                 "tokenizer": {"kind": "checkpoint", "files": []},

@@ -181,7 +181,7 @@ def test_banner_and_one_log_line_per_request(caplog):
 
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
-    """Static graphs: every prefill graph (each row count at each bucket) and the decode graph, then their
+    """Static graphs: every prefill graph (each row count at each bucket) and each decode graph, then their
     logits-processing variants, then the copy graph (prefix caching is on by default), all before /health
     answers 200; transformers' model (no buckets): a decode step of every row, plain and processing."""
     calls, prefill, decode, copy = [], GraphRuntime.prefill, GraphRuntime.decode, GraphRuntime.copy_row
@@ -194,7 +194,9 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
         ),
     )
     monkeypatch.setattr(
-        GraphRuntime, "decode", lambda self, *inputs: calls.append(("decode",)) or decode(self, *inputs)
+        GraphRuntime,
+        "decode",
+        lambda self, *inputs: calls.append(("decode", self.decode_length(inputs[1]))) or decode(self, *inputs),
     )
     variant_prefill, variant_decode = GraphRuntime.prefill_processing, GraphRuntime.decode_processing
     monkeypatch.setattr(
@@ -205,7 +207,9 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
     monkeypatch.setattr(
         GraphRuntime,
         "decode_processing",
-        lambda self, *inputs: calls.append(("decode processing",)) or variant_decode(self, *inputs),
+        lambda self, *inputs: (
+            calls.append(("decode processing", self.decode_length(inputs[1]))) or variant_decode(self, *inputs)
+        ),
     )
     monkeypatch.setattr(GraphRuntime, "copy_row", lambda self, *rows: calls.append(("copy",)) or copy(self, *rows))
     eager = []
@@ -216,15 +220,18 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
         ready(url)
         seen = list(calls), list(eager)
     if backend == "static":
-        # every prefill graph (the tiny port's prefill_rows [1, 4] cut to its batch of 2, each bucket), then decode
-        assert seen[0][:5] == [
+        # every prefill graph (the tiny port's prefill_rows [1, 4] cut to its batch of 2, each bucket), then the
+        # decode graph of each decode length (the port's 64 and 96)
+        assert seen[0][:6] == [
             ("prefill", 1, 8),
             ("prefill", 1, 56),
             ("prefill", 2, 8),
             ("prefill", 2, 56),
-            ("decode",),
+            ("decode", 64),
+            ("decode", 96),
         ]
         # and their logits-processing variants, once each, then the copy graph
-        assert seen[0][5:] == [("prefill processing", n) for n in (1, 1, 2, 2)] + [("decode processing",), ("copy",)]
+        variants = [("prefill processing", n) for n in (1, 1, 2, 2)] + [("decode processing", n) for n in (64, 96)]
+        assert seen[0][6:] == variants + [("copy",)]
     else:
         assert seen == ([], ["decode", "decode_processing"])

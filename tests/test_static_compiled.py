@@ -3,7 +3,8 @@ them by default: the same tokens as the modules (greedy and seeded sampling, a p
 chunks, rows joining and leaving), one shared KV cache, no compile after the first call of each
 shape, inductor's cache where it was put; and the commands' compile flags, refused by name where
 they cannot work. The compiling tests share one runtime of the smallest shapes (batch 2, one
-bucket, one prompt per prefill: two graphs, each compiled once), and one more with prefix caching whose
+bucket, one prompt per prefill, a decode graph over the first 16 positions and one over all 96,
+and the step graph: four graphs, each compiled once), and one more with prefix caching whose
 logits-processing variants and copy graph are compiled (three graphs) and checked against the modules'."""
 
 import dataclasses
@@ -49,7 +50,7 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def small_spec(tiny_port):
-    return dataclasses.replace(tiny_port.static, buckets=(8,), prefill_rows=(1,), prefill_chunk=8)
+    return dataclasses.replace(tiny_port.static, buckets=(8,), prefill_rows=(1,), prefill_chunk=8, decode_lengths=(16,))
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,10 @@ def model(tiny_port):
 def warm(runtime):
     """Every shape of the runtime called once (what serve's warm-up does): the compiled graphs compile."""
     runtime.prefill([Chunk([5] * 8, 0, 0, GREEDY)])
-    decode = (torch.full((2, 1), 5), torch.zeros(2, 1, dtype=torch.long), torch.tensor([GREEDY] * 2))
-    runtime.decode(*decode)
-    runtime.step([Chunk([5] * 8, 0, 0, GREEDY)], *decode)
+    sampling = torch.tensor([GREEDY] * 2)
+    for start in runtime.decode_starts:  # each decode length's graph
+        runtime.decode(torch.full((2, 1), 5), torch.full((2, 1), start), sampling)
+    runtime.step([Chunk([5] * 8, 0, 0, GREEDY)], torch.full((2, 1), 5), torch.zeros(2, 1, dtype=torch.long), sampling)
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +91,21 @@ def run(runtime) -> list[list[int]]:
 
 def test_the_compiled_graphs_give_the_modules_tokens_over_one_shared_cache(compiled, small_spec, model):
     """Greedy and seeded sampled requests, 4 on 2 rows, one prefilled in chunks: the compiled graphs give
-    the modules' tokens. The compiled prefill and decode write the one KV cache in place (the tensors
-    the graphs were built over): a decode that read a copy would attend to zeros after the prefill."""
+    the modules' tokens, the steps running the decode graph over 16 positions while every row is below
+    16 and the one over all 96 otherwise. The compiled prefill and decode graphs write the one KV cache
+    in place (the tensors the graphs were built over): a decode that read a copy would attend to zeros
+    after the prefill."""
     runtime, _, _ = compiled
-    cache = runtime._decode.module.cache
-    assert runtime._prefill.module.cache is cache
+    cache = runtime._decode[16].module.cache
+    assert runtime._prefill.module.cache is cache and runtime._decode[96].module.cache is cache
     before = [t.data_ptr() for t in cache.tensors()]
-    got = run(runtime)
+    ran, choose = [], runtime.decode_length
+    runtime.decode_length = lambda positions: ran.append(choose(positions)) or ran[-1]
+    try:
+        got = run(runtime)
+    finally:
+        del runtime.decode_length
+    assert set(ran) == {16, 96}
     assert [t.data_ptr() for t in cache.tensors()] == before and all(t.abs().sum() > 0 for t in cache.tensors())
     want = run(static_runtime(model, small_spec, 2))
     assert got == want and [len(t) for t in got] == [p.max_tokens for _, p in REQUESTS]
@@ -108,16 +118,17 @@ def test_no_graph_compiles_again_after_the_first_call_of_its_shape(compiled):
     run(runtime)
     assert counters["stats"]["unique_graphs"] == graphs and dict(counters["frames"]) == frames
     assert runtime._prefill.shapes == {((1, 8), (1, 8), (1, 8), (1,), (1, 4))}
-    assert runtime._decode.shapes == {((2, 1), (2, 1), (2, 4))}
-    assert len(lines) == 3, lines  # a progress line per compile, no more
+    assert runtime._decode[16].shapes == runtime._decode[96].shapes == {((2, 1), (2, 1), (2, 4))}
+    assert len(lines) == 4, lines  # a progress line per compile, no more
 
 
 def test_inductor_keeps_what_it_compiled_in_the_cache_directory(compiled):
     _, cache, lines = compiled
     assert any((cache / "fxgraph").rglob("*")), sorted(p.name for p in cache.iterdir())
     assert lines[0].startswith("compiled the prefill graph (1 rows x 8 tokens) in ")
-    assert lines[1].startswith("compiled the decode graph (2 rows x 1 tokens) in ")
-    assert lines[2].startswith("compiled the step graph (1 rows x 8 tokens) in ")
+    assert lines[1].startswith("compiled the decode 16 graph (2 rows x 1 tokens) in ")
+    assert lines[2].startswith("compiled the decode 96 graph (2 rows x 1 tokens) in ")
+    assert lines[3].startswith("compiled the step graph (1 rows x 8 tokens) in ")
 
 
 def test_the_progress_line_of_a_graph_whose_first_input_is_one_dimensional(monkeypatch):
@@ -183,7 +194,7 @@ def test_the_compiled_graphs_order_of_layer_types_is_not_the_hash_seeds(small_sp
     """transformers' decoder iterates a set of layer-type strings, whose order follows the process's
     hash seed: a graph traced over it would get another compile-cache key at every other restart.
     The compiled graph's view holds them sorted; the model keeps its own."""
-    graph = static_runtime(model, small_spec, 2, compile=True)._decode
+    graph = static_runtime(model, small_spec, 2, compile=True)._decode[96]
     assert graph.module.model.model.unique_layer_types == ["full_attention", "sliding_attention"]
     assert isinstance(model.model.unique_layer_types, set)
 

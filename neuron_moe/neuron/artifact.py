@@ -8,7 +8,7 @@ defined here once.
                     k_per_rank, scan, recovery_rank, source_sha256; null without), and the files'
                     sizes and sha256
     model.pt        torch.jit.save of ModelBuilder.trace(initialize_model_weights=False): one
-                    context-encoding key per prefill bucket and one token-generation key
+                    context-encoding key per prefill bucket and a token-generation key per decode length
     weights/tp{r}_sharded_checkpoint.safetensors   rank r's weights (ModelBuilder.shard_checkpoint),
                     in the manifest's expert layout (`load_streamed` and `load_shards` refuse
                     one of the other); served by `load_streamed`, a load group (a decoder
@@ -30,7 +30,13 @@ Each key is the static decoder (`static/decoder.py`) over the full-model rank mo
                               P chunks of prompts, each left-padded to the bucket, into cache rows
                               row_ids (a chunk that is not a prompt's first attends to its row's cache)
     token_generation          (input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1]
-                              every row at its own position
+                              every row at its own position, attending over the whole cache
+    token_generation_<L>      (input_ids [B, 1], position_ids [B, 1], sampling [B, 4], kv_length [L])
+                              -> token [B, 1]: the same over the first L positions of the cache, one
+                              key per decode length below max_cache_len (the manifest's
+                              decode_lengths; NxDI's token-generation buckets); a step runs the
+                              smallest above every row's position. kv_length is never read: NxD
+                              routes a call by its inputs' shapes alone, and its shape names L
     context_encoding_processing_<P>x<b>  (input_ids, attention_mask, position_ids [P, b], row_ids [P],
                               targets [P, b]) -> logprob, rank [P, b], top_ids, top_logprobs [P, b, 20]
     token_generation_processing  (input_ids, position_ids [B, 1], sampling [B, 4], process [B, 7],
@@ -40,6 +46,7 @@ Each key is the static decoder (`static/decoder.py`) over the full-model rank mo
                               that ask for logprobs, penalties, logit_bias, min_p, bans or a grammar;
                               they also hold the token counts as state (`counts.output`,
                               `counts.prompt` [B, V] fp32)
+    token_generation_processing_<L>  the variant over the first L positions, kv_length [L] last
     prefix_copy               (src_row [1], dst_row [1]) -> dst_row [1, 1]
                               built --enable-prefix-caching (the manifest's `prefix_caching`): a cache
                               row copied whole into another (`static/prefix.py`); every key's cache is
@@ -98,7 +105,7 @@ SHARD_PLAN = "shard_plan.json"
 GRAPHS = "graphs/{key}.pt2"  # dry run: the exported rank-0 programs
 TOKENIZER = "tokenizer"  # the folder of the tokenizer's files
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-FORMAT = 9
+FORMAT = 10
 # The compile target: the instance family neuronx-cc compiles for (its `--target`: "generate code for
 # an inf2 instance type", neuronx-cc's CLI reference, which lists inf2, trn1, trn1n and trn2), the
 # arguments ModelBuilder hands it (`ModelBuilder.add`'s own default, `append_default_compiler_flags`
@@ -128,6 +135,7 @@ MANIFEST_FIELDS = {
     "batch_size": int,
     "prefill_rows": list,
     "prefill_chunk": int,
+    "decode_lengths": list,
     "candidates": int,
     "dry_run": bool,
     "logits": bool,
@@ -190,6 +198,17 @@ def check_manifest(manifest: dict, path) -> dict:
         )
     if manifest["prefill_chunk"] not in buckets:
         raise ArtifactError(f"{path}: 'prefill_chunk' {manifest['prefill_chunk']} is not one of the buckets {buckets}")
+    lengths = manifest["decode_lengths"]
+    if (
+        not 0 < len(lengths) <= MAX_BUCKETS
+        or not all(_count(n) for n in lengths)
+        or lengths != sorted(set(lengths))
+        or lengths[-1] != manifest["max_cache_len"]
+    ):
+        raise ArtifactError(
+            f"{path}: 'decode_lengths' must be 1 to {MAX_BUCKETS} strictly increasing positive lengths, the last "
+            f"max_cache_len ({manifest['max_cache_len']}), got {lengths}"
+        )
     if not isinstance(manifest.get("prefix_caching", False), bool):  # absent: built without the copy key
         raise ArtifactError(f"{path}: 'prefix_caching' must be true or false, got {manifest['prefix_caching']!r}")
     check_speculative_field(manifest.get("speculative"), manifest["keys"], path)
@@ -244,7 +263,8 @@ def _check_ranges(manifest: dict, path) -> None:
 def _check_keys_and_state(manifest: dict, path) -> None:
     """`keys`: exactly the graphs the shapes make (`key_names`), each with its inputs and outputs;
     `state`: the KV cache's (and counts') tensors, each a shape of positive sizes and a dtype."""
-    want = key_names(manifest["buckets"], manifest["prefill_rows"], manifest.get("prefix_caching") is True)
+    spans = manifest["decode_lengths"][:-1]
+    want = key_names(manifest["buckets"], manifest["prefill_rows"], manifest.get("prefix_caching") is True, spans)
     want = want + speculative_keys(manifest.get("speculative"))
     keys = manifest["keys"]
     if sorted(keys) != sorted(want):
@@ -616,7 +636,18 @@ def load_streamed(artifacts: Path, manifest: dict, to_device: Callable[[int, str
 
 
 PROCESSING = "_processing"  # the suffix of the logits-processing variants' graph names
-DECODE_KEYS = ("token_generation", "token_generation" + PROCESSING)
+DECODE_KEYS = ("token_generation", "token_generation" + PROCESSING)  # the decode keys of the whole cache
+
+
+def decode_key(span: int | None = None, processing: bool = False) -> str:
+    """The decode key over the first `span` positions of the cache (None: the whole cache)."""
+    return DECODE_KEYS[processing] + ("" if span is None else f"_{span}")
+
+
+def key_span(key: str) -> int | None:
+    """The positions a decode key attends over, where fewer than the cache's; None otherwise."""
+    tail = key.rsplit("_", 1)[1]
+    return int(tail) if key.startswith(DECODE_KEYS[0]) and tail.isdigit() else None
 
 
 def prefill_key(rows: int, bucket: int, processing: bool = False) -> str:
@@ -626,12 +657,14 @@ def prefill_key(rows: int, bucket: int, processing: bool = False) -> str:
 COPY_KEY = "prefix_copy"
 
 
-def key_names(buckets, prefill_rows, prefix_caching: bool = False) -> list[str]:
-    """The plain keys (a prefill per row count and bucket, the decode), then their logits-processing
-    variants (`static/decoder.py` `ProcessingPrefill`, `ProcessingDecode`) in the same order, then
-    with `prefix_caching` the copy key."""
-    plain = [prefill_key(p, b) for p in prefill_rows for b in buckets] + [DECODE_KEYS[0]]
-    keys = plain + [prefill_key(p, b, True) for p in prefill_rows for b in buckets] + [DECODE_KEYS[1]]
+def key_names(buckets, prefill_rows, prefix_caching: bool = False, spans=()) -> list[str]:
+    """The plain keys (a prefill per row count and bucket, a decode per length in `spans`, the decode lengths
+    below the cache's, then the whole cache's), then their logits-processing variants (`static/decoder.py`
+    `ProcessingPrefill`, `ProcessingDecode`) in the same order, then with `prefix_caching` the copy key."""
+    decodes = [*spans, None]
+    plain = [prefill_key(p, b) for p in prefill_rows for b in buckets] + [decode_key(n) for n in decodes]
+    keys = plain + [prefill_key(p, b, True) for p in prefill_rows for b in buckets]
+    keys += [decode_key(n, True) for n in decodes]
     return keys + [COPY_KEY] if prefix_caching else keys
 
 
@@ -642,7 +675,7 @@ def is_processing(key: str) -> bool:
 
 def key_shape(key: str) -> tuple[int, int] | None:
     """(rows, bucket) of a prefill key; None for a decode key and the copy key."""
-    if key in DECODE_KEYS or key == COPY_KEY:
+    if key.startswith(DECODE_KEYS[0]) or key == COPY_KEY:
         return None
     rows, bucket = key.rsplit("_", 1)[1].split("x")
     return int(rows), int(bucket)

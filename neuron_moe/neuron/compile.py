@@ -80,6 +80,7 @@ from .artifact import (
     is_processing,
     key_names,
     key_shape,
+    key_span,
     speculative_keys,
     tokenizer_files,
 )
@@ -180,6 +181,24 @@ def _new_file(path: Path) -> Path:
     return path
 
 
+class _SpanDecode(Decode):
+    """A decode key over the first L positions of the cache (`Decode` of span L) whose last input,
+    `kv_length` [L], is never read: ModelBuilder's model routes a call to the key whose example
+    inputs' shapes match (NxD's NxDModel.router), and the decode keys' other inputs are the same at
+    every length, so this one's shape names L (NxDI's token-generation buckets differ by the length
+    of their attention mask alike)."""
+
+    def forward(self, input_ids, position_ids, sampling, kv_length):
+        return super().forward(input_ids, position_ids, sampling)
+
+
+class _SpanProcessingDecode(ProcessingDecode):
+    """`ProcessingDecode` over the first L positions, `kv_length` [L] last, as `_SpanDecode`."""
+
+    def forward(self, input_ids, position_ids, sampling, process_row, bias_ids, bias, mask, kv_length):
+        return super().forward(input_ids, position_ids, sampling, process_row, bias_ids, bias, mask)
+
+
 def _graph(model, spec, key: str, cache, logits: bool, counts=None):
     """Key `key`'s graph over `model`, its state `cache` (shared by every key of one model) and, for a
     logits-processing key, `counts` (the token counts every such key shares; made here when None)."""
@@ -187,14 +206,15 @@ def _graph(model, spec, key: str, cache, logits: bool, counts=None):
         return Verify(model, cache, spec.decode_experts, logits)
     if key == COPY_KEY:
         return Copy(cache)
-    decode = key_shape(key) is None
+    decode, span = key_shape(key) is None, key_span(key)
     if is_processing(key):
         counts = counts if counts is not None else new_counts(model, spec.batch_size, cache.aliased)
         if decode:
-            return ProcessingDecode(model, cache, counts, spec.decode_experts, logits)
+            graph = ProcessingDecode if span is None else _SpanProcessingDecode
+            return graph(model, cache, counts, spec.decode_experts, logits, span=span)
         return ProcessingPrefill(model, cache, counts, spec.prefill_experts)
     if decode:
-        return Decode(model, cache, spec.decode_experts, logits)
+        return (Decode if span is None else _SpanDecode)(model, cache, spec.decode_experts, logits, span=span)
     return Prefill(model, cache, spec.prefill_experts, logits)
 
 
@@ -204,9 +224,11 @@ def _example(spec, key: str, vocab: int | None = None, speculative=None) -> tupl
         return verify_inputs(spec.batch_size, speculative.num_speculative_tokens + 1)
     if key == COPY_KEY:
         return copy_inputs()
-    shape = key_shape(key)
+    shape, span = key_shape(key), key_span(key)
     vocab = vocab if is_processing(key) else None
-    return example_inputs(spec, None, 1, vocab) if shape is None else example_inputs(spec, shape[1], shape[0], vocab)
+    if shape is not None:
+        return example_inputs(spec, shape[1], shape[0], vocab)
+    return example_inputs(spec, None, 1, vocab) + (() if span is None else (torch.zeros(span, dtype=torch.int32),))
 
 
 _INPUTS = {
@@ -237,9 +259,10 @@ def _key_contract(graph, spec, key: str, speculative=None) -> dict:
         outputs |= {"top_ids": [rows, bucket, 20], "top_logprobs": [rows, bucket, 20]}
     if graph.logits:
         outputs["logits"] = [rows, vocab]
+    names = _INPUTS[is_processing(key), decode] + (("kv_length",) if key_span(key) else ())
     return {
         "graph": ("token_generation" if decode else "context_encoding") + ("_processing" if is_processing(key) else ""),
-        "inputs": {n: list(x.shape) for n, x in zip(_INPUTS[is_processing(key), decode], example)},
+        "inputs": {n: list(x.shape) for n, x in zip(names, example)},
         "outputs": outputs,
     }
 
@@ -350,7 +373,7 @@ def trace_and_compile(port, build: Build) -> dict:
     torch_dtype, quantization = DTYPES[build.dtype], build.quantization
     spec = port.static
     speculative = _check_speculative(build)
-    keys = key_names(spec.buckets, spec.rows_for(spec.batch_size), build.prefix_caching)
+    keys = key_names(spec.buckets, spec.rows_for(spec.batch_size), build.prefix_caching, spec.lengths[:-1])
     keys += speculative_keys(speculative and dataclasses.asdict(speculative))
     check_routes({k: _example(spec, k, port.config.vocab_size, speculative) for k in keys})
     whole_rows = build.prefix_caching
@@ -594,7 +617,8 @@ def _dry_run(
 
 
 def _neuron(port, spec, keys, tp, full, tmp: Path, logits: bool, build: dict, whole_rows: bool, speculative=None):
-    """ModelBuilder: one key per bucket and the token-generation key, traced as rank 0, compiled."""
+    """ModelBuilder: one key per bucket and per decode length (and the verify key), traced as rank 0,
+    compiled."""
 
     def factory(key):
         def make():  # each key's own module; its state names (cache.k0, ..., counts.output, ...) are every key's

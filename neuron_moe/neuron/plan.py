@@ -52,7 +52,8 @@ Decode: bytes one rank reads per generated token (all its non-expert weights but
 table, each in its format, its KV cache, and its experts as the decode graph of each expert layout
 reads them) and
 the HBM-bound floor this implies at half a chip's 820 GiB/s per core (two cores per chip share
-it). The graphs are those trace-and-compile builds (`parallel/moe.py`): the channel layout's
+it); and the same at each decode length (`decode_by_length`: a decode graph of length L reads the
+KV cache up to L). The graphs are those trace-and-compile builds (`parallel/moe.py`): the channel layout's
 gathers the batch's B·k experts' I/t channels while its experts implementation (the port's
 decode_experts) does at that batch (`spec.Experts.gathers`: selective, while B·k < E), else computes
 all E experts' channels; the expert layout's computes all its E/t experts.
@@ -285,11 +286,12 @@ def _compile_host(
 
 def plan_keys(batch: int, seq: int, static=None) -> dict[str, tuple[int, int]]:
     """The keys whose compile `plan` estimates, name -> (rows, tokens): a port's [static] table's plain
-    keys (`artifact.key_names`; each logits-processing variant has its key's shapes), else one prefill
+    keys (`artifact.key_names`: a decode key per decode length; each logits-processing variant has its
+    key's shapes), else one prefill
     of the whole context at once (the graph row's upper bound) and the decode."""
     if static is None:
         return {prefill_key(batch, seq): (batch, seq), DECODE_KEYS[0]: (batch, 1)}
-    names = key_names(static.buckets, static.rows_for(batch))
+    names = key_names(static.buckets, static.rows_for(batch), spans=static.lengths[:-1])
     return {k: key_shape(k) or (batch, 1) for k in names if not is_processing(k)}
 
 
@@ -464,6 +466,19 @@ def _decode(
     return rows
 
 
+def _by_length(config, tp: int, batch: int, kv: int, decode: list[dict], lengths, whole_rows: bool) -> list[dict]:
+    """This plan's decode graph (its row of `decode`, which reads the whole cache, `kv` bytes) at each
+    decode length: it reads a sliding layer's ring up to the length and a global layer's first length
+    positions (`_kv_cache_per_rank` at that length), the rest as the whole cache's graph."""
+    this = next(r for r in decode if r["this_plan"] or "reader" in r)
+    rows = []
+    for length in lengths:
+        read = _kv_cache_per_rank(config, tp, batch, length, whole_rows)
+        row = _row(this["expert_layout"], this["decode_graph"], this["bytes_per_token"] - kv + read)
+        rows.append({"length": length, "kv_bytes": read, **row})
+    return rows
+
+
 ASKS = "a row asks"  # the steps a host_per_step row crosses in: every step, or those of the variant decode
 
 
@@ -532,6 +547,7 @@ def plan(
     keys: dict[str, tuple[int, int]] | None = None,
     quantized_layers: Layers = spec.DEFAULT_QUANTIZED_LAYERS,
     speculative=None,
+    decode_lengths: tuple[int, ...] | None = None,
 ) -> dict:
     """The plan for `expert_layout`, `quantized_layers` (spec.LAYER_GROUPS) in `quantization`; its decode
     table has a row for each expert layout that shards at TP `tp`, this plan's first. `decode_experts`: the
@@ -542,7 +558,10 @@ def plan(
     the KV cache in its whole-row layout (trace-and-compile --enable-prefix-caching). `keys` (name ->
     (rows, tokens); default `plan_keys(batch, seq)`): the graphs whose compile host memory it estimates.
     `speculative` (a `speculative.SpeculativeConfig`): the cache k slots longer per layer, and what a
-    verify step reads (`_speculation`)."""
+    verify step reads (`_speculation`).
+
+    `decode_lengths` (default: seq alone): the decode graphs' KV lengths, each with its floor
+    (`decode_by_length`)."""
     inst = INSTANCES[instance] if instance is not None else None
     layers = spec.check_quantized_layers(quantized_layers)
     report = {
@@ -578,6 +597,7 @@ def plan(
     total, held = sum(per_rank.values()), sum(weights.values()) + per_rank.get("reader_sidecar", 0)
     host = _host(tensors, tp, inst)
     fits, reason = _verdict(inst, tp, total, host)
+    decode = _decode(config, tp, quantization, layers, batch, kv, weights, expert_layout, decode_experts, reader)
     return {
         **report,
         "fits": fits,
@@ -588,7 +608,8 @@ def plan(
         "margin_per_core_bytes": CORE_HBM - total,
         "savings": _savings(config, tp, quantization, expert_layout, layers, tensors, weights),
         "largest_shapes": _largest_shapes(config, tp, held, dequantised, runtime_reserve),
-        "decode": _decode(config, tp, quantization, layers, batch, kv, weights, expert_layout, decode_experts, reader),
+        "decode": decode,
+        "decode_by_length": _by_length(config, tp, batch, kv, decode, decode_lengths or (seq,), prefix_caching),
         "host": host,
         "host_per_step": _host_per_step(config, batch),
         "compile_host": _compile_host(config, tp, dequantised, held, keys or plan_keys(batch, seq), inst),
@@ -704,6 +725,7 @@ def port_plan(port, config: RunConfig, instance: str, runtime_reserve: float = D
         keys=plan_keys(batch, seq, static),
         quantized_layers=backend.quantized_layers,
         speculative=config.speculative,
+        decode_lengths=static.lengths if static else None,
     )
 
 
@@ -749,6 +771,17 @@ def render_compile_host(compile_host: dict, instance: str | None) -> str:
             "the keys in parallel threads, so their peaks may add)",
             f"compile host: at least {largest:.1f} GiB for {compile_host['largest_key']}{verdict}",
         ]
+    )
+
+
+def _render_by_length(rows: list[dict]) -> str:
+    """The decode floor at each decode length (`_by_length`)."""
+    columns = [("length", "decode length"), ("kv_GB", "KV GB read/rank", "{:.3f}")]
+    columns += [("GB_per_token", "GB/token/rank", "{:.3f}"), ("floor_ms", "HBM floor ms/token", "{:.2f}")]
+    return (
+        table([dict(r, kv_GB=r["kv_bytes"] / GB) for r in rows], columns)
+        + "\n(a decode graph per length: a step runs the smallest above every row's position and reads the KV "
+        "cache up to it)\n"
     )
 
 
@@ -808,6 +841,7 @@ def render_plan(report: dict) -> str:
             "\n(decode: the graphs trace-and-compile builds, at this batch; bytes read, not measured)\n",
             f"HBM-bound floor per token (this plan's decode graph, {CHIP_HBM_BW / CORES_PER_CHIP / GiB:.0f} GiB/s "
             f"per core): {this['floor_ms']:.2f} ms, at most {this['tokens_per_s_ceiling']:.1f} steps/s\n",
+            _render_by_length(report["decode_by_length"]),
             table(
                 [dict(r, GB=r["saved_bytes"] / GB) for r in report["savings"]]
                 or [{"what": "none: bf16 weights, every tensor where the layout places it"}],

@@ -6,8 +6,8 @@ Written against the NxD runtime API as NxD Inference uses it; the Neuron SDK
 
 The artifact directory is what `neuron-moe trace-and-compile` writes; its contract (file names,
 manifest fields, the graphs' signatures) is defined once, in `neuron_moe/neuron/artifact.py`:
-manifest.json, model.pt (a context-encoding key per bucket, a token-generation key; NxD routes
-each call to the key whose example inputs match), weights/tp{r}_sharded_checkpoint.safetensors.
+manifest.json, model.pt (a context-encoding key per bucket, a token-generation key per decode
+length; NxD routes each call to the key whose example inputs match), weights/tp{r}_sharded_checkpoint.safetensors.
 An artifact compiled for another target than this version's (`artifact.TARGET`) is refused, naming
 both; the target's environment is set before the runtime starts.
 
@@ -16,7 +16,9 @@ manifest's batch_size rows, each request in its own cache row:
   prefill  model(input_ids, attention_mask, position_ids [P, bucket], row_ids [P], sampling [P, 4]),
            P of the manifest's prefill_rows chunks of prompts, each left-padded to the bucket
            -> token [P, 1] (, logits [P, V])
-  decode   model(input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1] (, logits [B, V])
+  decode   model(input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1] (, logits [B, V]),
+           the key of the smallest decode length above every row's position: a shorter key's call
+           with kv_length [L] appended, whose shape routes it (`artifact.py`)
 and their logits-processing variants (`static/decoder.py`, the artifact's `*_processing` keys) for
 the rows that ask for logprobs, penalties, logit_bias, min_p, bans or a grammar's bitmask; and, in
 an artifact built --enable-prefix-caching, its `prefix_copy` key:
@@ -53,7 +55,7 @@ from ..neuron.artifact import (
 from ..parallel.layout import DEFAULT_EXPERT_LAYOUT
 from ..run_config import Shapes
 from ..speculative import SpeculativeConfig
-from ..static.rows import GraphRuntime
+from ..static.rows import GraphRuntime, with_kv_length
 
 log = logging.getLogger(__name__)
 DEVICE = "privateuseone:{rank}"  # a NeuronCore as torch-neuronx names it (NxD's state initializer)
@@ -96,6 +98,13 @@ def load_weights(nxd_model, artifacts: Path, manifest: dict) -> None:
     nxd_model.initialize_with_saved_weights(start)
 
 
+def by_length(model, shapes: Shapes) -> dict:
+    """The artifact's decode keys by KV length (`artifact.decode_key`), as the runtime calls them: the
+    whole cache's with the inputs as they are, each shorter one's with its `kv_length` [L] appended
+    (`with_kv_length`: the input whose shape alone routes the call to that key)."""
+    return {n: with_kv_length(model, n) for n in shapes.decode_lengths[:-1]} | {shapes.max_cache_len: model}
+
+
 def neuron_runtime(artifacts: Path, port, prefix_caching: bool | None = None) -> GraphRuntime:
     """The compiled artifact in `artifacts`, loaded onto the device, as the batching engine's runtime;
     with prefix caching where the artifact has the copy key (`prefix_caching` None: then; False: never;
@@ -122,16 +131,17 @@ def neuron_runtime(artifacts: Path, port, prefix_caching: bool | None = None) ->
     # one callable: NxD routes each call to the key whose example inputs match its shapes; an artifact
     # with the logits-processing keys serves the requests that ask for them (their inputs differ from
     # the plain keys' in count or shape), one without refuses them (`Engine.check_sampling`)
+    shapes = Shapes.from_manifest(manifest)
     processing = model if DECODE_KEYS[1] in manifest.get("keys", {}) else None
     return GraphRuntime(
         model,
-        model,
-        Shapes.from_manifest(manifest),
+        by_length(model, shapes),
+        shapes,
         logits=manifest["logits"],
         candidates=manifest["candidates"],
         pad_id=port.config.pad_token_id or 0,
         prefill_processing=processing,
-        decode_processing=processing,
+        decode_processing=None if processing is None else by_length(processing, shapes),
         vocab=port.config.vocab_size,
         copy=model if built and prefix_caching is not False else None,  # the prefix_copy key, routed by shape
         **speculation(model, manifest),

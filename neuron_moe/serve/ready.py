@@ -133,7 +133,7 @@ def speculative_calls(runtime, token: int) -> list[tuple[str, Callable[[], objec
 
 def graph_calls(runtime, token: int) -> list[tuple[str, Callable[[], object]]]:
     """One call of each graph of a runtime, fed `token`, as (the graph in words, the call): each prefill
-    row count at each bucket, the decode step, the step graphs (prefill folded into the step), the
+    row count at each bucket, a decode step at each decode length, the step graphs (prefill folded into the step), the
     verify and draft graphs (speculative decoding), then the logits-processing variants with neutral
     inputs (where the runtime has them) and the copy graph, a row onto itself (prefix caching)."""
     batch, shapes = runtime.batch, [(rows, bucket) for rows in runtime.prefill_rows for bucket in runtime.buckets]
@@ -147,7 +147,14 @@ def graph_calls(runtime, token: int) -> list[tuple[str, Callable[[], object]]]:
         (f"the prefill graph of {r} rows x {b} tokens", lambda r=r, b=b: runtime.prefill(chunks(r, b)))
         for r, b in shapes
     ]
-    calls.append((f"the decode graph of {batch} rows", lambda: runtime.decode(ids, positions, sampling)))
+    starts = getattr(runtime, "decode_starts", (0,))  # a position that runs each decode graph (its KV length)
+    calls += [
+        (
+            f"the decode graph of {batch} rows from position {start}",
+            lambda start=start: runtime.decode(ids, torch.full((batch, 1), start), sampling),
+        )
+        for start in starts
+    ]
     if getattr(runtime, "fuses", False):  # the step graphs: each prefill shape with the decode of every row
         calls += [
             (
@@ -167,12 +174,13 @@ def graph_calls(runtime, token: int) -> list[tuple[str, Callable[[], object]]]:
             for r, b in shapes
         ]
         neutral = neutral_inputs(batch, runtime.vocab)
-        calls.append(
+        calls += [
             (
-                f"the logits-processing decode graph of {batch} rows",
-                lambda: runtime.decode_processing(ids, positions, sampling, *neutral),
+                f"the logits-processing decode graph of {batch} rows from position {start}",
+                lambda start=start: runtime.decode_processing(ids, torch.full((batch, 1), start), sampling, *neutral),
             )
-        )
+            for start in starts
+        ]
     if getattr(runtime, "prefix_caching", False):  # no row holds a prefix yet
         calls.append(("the copy graph", lambda: runtime.copy_row(0, 0)))
     return calls

@@ -25,7 +25,11 @@ own row, and positions 0..p are the row's real tokens (nothing else is ever writ
   are a prefix another row can take whole (`Copy`, decoder.py) for any h, not only the last window.
 The decode mask follows from the row's position alone (`ring_positions`, and the window where a
 sliding ring is longer than it), so decode takes no mask input, and the rows of a batch can sit at
-different positions. A prefill writes whole rows
+different positions. A decode graph may attend over the first `span` slots of each ring only
+(`GraphCache.span`; NxDI's token-generation buckets): exact while every row's position is below
+span, since a row at position p < span holds its positions 0..p at indices 0..p of a ring at least
+span long, and a shorter ring (a sliding layer's window) is attended whole. It writes the whole
+buffer as the full-length graph does, so what it writes is the same at any position. A prefill writes whole rows
 (`index_copy` on the batch dimension, by row id): the rows it does not name are not touched.
 A prefill is a chunk of a prompt at positions s..s+n-1: its queries attend over the row's ring
 (the positions before s that the ring still holds: none for a first chunk, s = 0) and the chunk
@@ -161,7 +165,8 @@ class GraphCache:
     row's ring then the bucket's own K/V (`chunk_mask` handles the pads and what the ring holds);
     each layer's new state is the old one with the prefilled rows' rings updated from the bucket.
     Decode: each row's K/V is scattered into index position % length of its own row and attention
-    runs over the whole ring. The new state of every layer is collected in `new`.
+    runs over the ring's first `attended(length, span)` indices (`span` None: the whole ring). The
+    new state of every layer is collected in `new`.
     """
 
     def __init__(
@@ -170,8 +175,9 @@ class GraphCache:
         positions: torch.Tensor,
         rows: torch.Tensor | None = None,
         start: torch.Tensor | None = None,
+        span: int | None = None,
     ):
-        self.state, self.positions, self.rows, self.start = state, positions, rows, start
+        self.state, self.positions, self.rows, self.start, self.span = state, positions, rows, start, span
         self.new: list[torch.Tensor | None] = [None] * len(state.names)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -195,8 +201,14 @@ class GraphCache:
         else:
             index = torch.remainder(self.positions, length)  # [B, 1]
             new = [o.scatter(2, _expand(index, t), t) for o, t in zip(old, (key, value))]
-            attend = new
+            attend = [n[:, :, : attended(length, self.span)] for n in new]
         return new, attend
+
+
+def attended(length: int, span: int | None) -> int:
+    """The ring indices a decode graph of `span` positions attends over in a ring of `length`: the
+    first span, or the whole ring where it is shorter (None: the whole ring)."""
+    return length if span is None else min(length, span)
 
 
 def _expand(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The static-shape Gemma-4 decoder: one prefill graph per bucket and one decode graph.
+"""The static-shape Gemma-4 decoder: one prefill graph per bucket, decode graphs by KV length.
 
 Both wrap transformers' own Gemma4ForCausalLM — HF's embedding, attention, router, dense MLP
 and norms run unchanged. What is ours: the KV cache (`KVCache`, module state shared by every
@@ -17,7 +17,10 @@ The calls (every shape fixed at build time; P prefill rows, B = the cache's rows
            attends to the row's cache too (chunked prefill); writes cache rows `row_ids` only
            (a row id may repeat with the very same inputs: P is padded that way)
   Decode   (input_ids [B, 1], position_ids [B, 1], sampling [B, 4]) -> token [B, 1]
-           every row at its own position; a row with nothing to do writes its own slot only
+           every row at its own position; a row with nothing to do writes its own slot only.
+           Built with `span` L, it attends over the first L positions of the cache (NxDI's
+           token-generation buckets, `cache.GraphCache`): the runtime runs the smallest L above
+           every row's position, the graph of the whole cache (span None) where none is
   Verify   (input_ids [B, q], position_ids [B, q], sampling [B, 4], drafted [B], uniforms [B, q])
            -> tokens [B, q], accepted [B]
            speculative decoding: each row's fed token and up to q - 1 drafts, at q positions from
@@ -52,7 +55,7 @@ from transformers.models.gemma4.modeling_gemma4 import eager_attention_forward
 
 from .. import spec
 from ..experts.view import with_experts
-from .cache import SLIDING, GraphCache, KVCache, TokenCounts, cache_layout, chunk_mask, copy_rows, decode_mask
+from .cache import SLIDING, GraphCache, KVCache, TokenCounts, attended, cache_layout, chunk_mask, copy_rows, decode_mask
 from .sampling import CANDIDATES, TOP_LOGPROBS, count_tokens, logprobs, process
 from .sampling import pick as pick_token
 
@@ -75,9 +78,16 @@ def new_counts(model, rows: int, aliased: bool = False) -> TokenCounts:
 
 class _StaticGraph(torch.nn.Module):
     def __init__(
-        self, model, cache: KVCache, experts: spec.Experts | str, logits: bool = False, candidates: int = CANDIDATES
+        self,
+        model,
+        cache: KVCache,
+        experts: spec.Experts | str,
+        logits: bool = False,
+        candidates: int = CANDIDATES,
+        span: int | None = None,
     ):
         super().__init__()
+        self.span = span  # a decode graph's: the KV positions it attends over (None: the whole cache)
         self.experts = spec.experts(experts)  # this graph's experts implementation (an entry, or its name)
         self.model = with_experts(model, self.experts)  # the model's weights, its experts dispatching to ours
         self.cache = cache  # its tensors are named cache.k0, cache.v0, ... (cache.STATE)
@@ -118,11 +128,13 @@ class _StaticGraph(torch.nn.Module):
         return masks, GraphCache(self.cache, position_ids, row_ids, start)
 
     def _step(self, position_ids) -> tuple[dict, GraphCache]:
-        """A decode step's masks per layer type and the cache it writes (every row at its position)."""
+        """A decode step's masks per layer type over the positions it attends (`span`) and the cache it
+        writes (every row at its position)."""
         masks = {
-            kind: decode_mask(position_ids, length, self.dtype, window) for kind, (window, length) in self.kinds.items()
+            kind: decode_mask(position_ids, attended(length, self.span), self.dtype, window)
+            for kind, (window, length) in self.kinds.items()
         }
-        return masks, GraphCache(self.cache, position_ids)
+        return masks, GraphCache(self.cache, position_ids, span=self.span)
 
     def _logits(self, input_ids, masks, position_ids, cache: GraphCache, keep: int = 1) -> torch.Tensor:
         """HF's model over the inputs -> fp32 logits [rows, keep, V] (keep 0: every column)."""

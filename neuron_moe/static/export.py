@@ -10,6 +10,7 @@ nothing but the token (and, in a validation graph, the logits) among its outputs
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from ..port import StaticSpec
 from . import data_dependent_ops
 from .cache import COUNTS, STATE
-from .decoder import Copy, Decode, ProcessingDecode, ProcessingPrefill, _Processing, _StaticGraph
+from .decoder import ProcessingPrefill, _Processing, _StaticGraph
 from .sampling import greedy_sampling, neutral_inputs
 
 
@@ -89,15 +90,7 @@ def state_problems(program: torch.export.ExportedProgram, graph: _StaticGraph) -
     nodes = {n.name: n for n in program.graph.nodes}
     outputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_outputs]
     inputs = [tuple(nodes[name].meta["val"].shape) for name in sig.user_inputs]
-    expected_inputs = (
-        3
-        if isinstance(graph, Decode)
-        else 7
-        if isinstance(graph, ProcessingDecode)
-        else 2
-        if isinstance(graph, Copy)
-        else 5
-    )
+    expected_inputs = len(inspect.signature(graph.forward).parameters)  # the graph's own: none added
     ranks = 2 if not isinstance(graph, ProcessingPrefill) else 3  # the top logprobs of every column
     if len(outputs) != graph.user_outputs or any(len(s) > ranks for s in outputs):
         what = "the token" if not isinstance(graph, _Processing) else "the token or logprobs"

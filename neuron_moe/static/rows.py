@@ -86,6 +86,8 @@ out of the step.
 
 from __future__ import annotations
 
+import math
+
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -145,7 +147,7 @@ class GraphRuntime:
     def __init__(
         self,
         prefill,
-        decode,
+        decode,  # a callable, or {KV length: callable}: the decode graphs by the positions they attend
         shapes: Shapes,
         *,
         logits: bool | None = None,
@@ -161,7 +163,7 @@ class GraphRuntime:
         draft=None,
         step=None,
     ):
-        self._prefill, self._decode, self._copy = prefill, decode, copy
+        self._prefill, self._decode, self._copy = prefill, _by_length(decode), copy
         # speculative decoding: the verify graph (`decoder.Verify`) and its `speculative.SpeculativeConfig`,
         # and the assistant's draft graph (`draft.Draft`) over the same cache (None: no assistant)
         self._verify, self.speculative, self._draft = verify, speculative, draft
@@ -172,7 +174,10 @@ class GraphRuntime:
         self.prefix_caching = copy is not None
         # the logits-processing variants (`decoder.ProcessingPrefill`, `ProcessingDecode`; None: this
         # runtime has none, and requests that ask for them are refused)
-        self._prefill_processing, self._decode_processing = prefill_processing, decode_processing
+        self._prefill_processing, self._decode_processing = prefill_processing, _by_length(decode_processing)
+        # a position that runs each decode graph (the first past the next shorter graph's length): a
+        # warm-up that decodes at each calls every graph once
+        self.decode_starts = (0, *(self._decode.lengths[:-1] if self._decode is not None else ()))
         self.processing = decode_processing is not None and prefill_processing is not None
         self.vocab = vocab
         self.batch, self.buckets, self.max_cache_len = (
@@ -218,7 +223,17 @@ class GraphRuntime:
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, sampling: torch.Tensor):
-        return self._out(self._decode(*self._sent((ids, positions, sampling))))
+        return self._out(self._decode[self.decode_length(positions)](*self._sent((ids, positions, sampling))))
+
+    def decode_length(self, positions: torch.Tensor) -> int | None:
+        """The KV length of the decode graph a step at `positions` runs: the smallest of the shorter
+        graphs' that is above every row's position (NxDI's token-generation bucket), else the whole
+        cache's (its length, or None where the runtime was not told it)."""
+        *shorter, whole = self._decode.lengths
+        if not shorter:
+            return whole
+        need = int(positions.max()) + 1
+        return next((n for n in shorter if n >= need), whole)
 
     @torch.no_grad()
     def verify(self, ids, positions, sampling, drafted, uniforms):
@@ -292,7 +307,7 @@ class GraphRuntime:
         """The logits-processing decode -> (tokens [B], (logprobs [B], ranks [B], top ids [B, N], top
         logprobs [B, N]), logits [B, V] or None)."""
         inputs = (ids, positions, sampling, process, bias_ids, bias, mask)
-        outputs = self._decode_processing(*self._sent(inputs))
+        outputs = self._decode_processing[self.decode_length(positions)](*self._sent(inputs))
         logits = self.logits if self.logits is not None else len(outputs) > 5
         scores = (outputs[1][:, 0].cpu(), outputs[2][:, 0].cpu(), outputs[3].cpu(), outputs[4].cpu())
         return outputs[0][:, 0].cpu(), scores, (outputs[5].float().cpu() if logits else None)
@@ -303,13 +318,39 @@ class GraphRuntime:
         return outputs[0][:, 0].cpu(), (outputs[1].float().cpu() if logits else None)
 
 
+class _Lengths(dict):
+    """Decode graphs by the KV length they attend over (`lengths`: ascending; None, the whole cache of a
+    length the runtime was not told, last)."""
+
+    def __init__(self, graphs: dict):
+        super().__init__(graphs)
+        self.lengths = sorted(graphs, key=lambda n: math.inf if n is None else n)
+
+
+def _by_length(decode) -> _Lengths | None:
+    """A decode callable, or {KV length: callable}, as `_Lengths` (None: no such graph)."""
+    if decode is None:
+        return None
+    return _Lengths(decode if isinstance(decode, dict) else {None: decode})
+
+
 def graph_runtime(graphs: dict, batch: int, pad_id: int, device="cpu") -> GraphRuntime:
-    """Graphs keyed "prefill <bucket>" (one row each) and "decode", sharing one KV state, as a runtime."""
+    """Graphs keyed "prefill <bucket>" (one row each), "decode" (over the whole cache) and "decode <L>"
+    (an artifact's decode key over the first L positions, `with_kv_length`), sharing one KV state, as a
+    runtime."""
     buckets = [int(key.split()[1]) for key in graphs if key.startswith("prefill ")]
     prefill = lambda *inputs: graphs[f"prefill {inputs[0].shape[1]}"](*inputs)  # noqa: E731
-    return GraphRuntime(
-        prefill, graphs["decode"], Shapes(batch_size=batch, buckets=buckets), pad_id=pad_id, device=device
-    )
+    spans = {int(key.split()[1]): graph for key, graph in graphs.items() if key.startswith("decode ")}
+    decode = {n: with_kv_length(graph, n) for n, graph in spans.items()} | {None: graphs["decode"]}
+    return GraphRuntime(prefill, decode, Shapes(batch_size=batch, buckets=buckets), pad_id=pad_id, device=device)
+
+
+def with_kv_length(graph, length: int):
+    """An artifact's decode key over the first `length` positions (`token_generation_<L>`,
+    `neuron/artifact.py`) called as the whole cache's is: its last input, `kv_length` [length], appended,
+    the input whose shape alone routes a call to that key (made once here, never read)."""
+    kv_length = torch.zeros(length, dtype=torch.int32)
+    return lambda *inputs: graph(*inputs, kv_length)
 
 
 class Rows:

@@ -30,24 +30,24 @@ def static_runtime(
     draft_tokens: int = 4,
     fused: bool = True,
 ) -> GraphRuntime:
-    """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and
-    `Decode` over one KV cache of `batch` rows (default: the port's [static] batch_size), each graph
-    with the experts implementation the port names for it, choosing its tokens itself, and their
+    """The port's static graphs on CPU, as modules: `Prefill` (every bucket and row count) and a
+    `Decode` per decode length (`Shapes.decode_lengths`: each attends over that many positions) over
+    one KV cache of `batch` rows (default: the port's [static] batch_size), each graph with the
+    experts implementation the port names for it, choosing its tokens itself, and their
     logits-processing variants (`ProcessingPrefill`, `ProcessingDecode`) over the same cache and one
     set of token counts, for the requests that ask for them. `prefill_rows` and `chunk` default to the
-    port's; `logits=True` also returns the logits (validation, tests). `compile`: the prefill and
-    decode graphs, their logits-processing variants and the copy compiled by torch.compile at their
-    first call of each shape (`progress` told of each compile; the caller checked for a C++ compiler
-    and chose the cache: `inductor.py`). `prefix_caching`: the cache in the
-    whole-row layout and the `Copy` graph over it (`static/prefix.py`). `assistant`: a
-    `Gemma4AssistantForCausalLM` for the model, and its draft graph of `draft_tokens` steps over the
-    same cache (`draft.Draft`; its sliding rings must hold the window + 1 positions it reads).
-    `speculative` (a `speculative.SpeculativeConfig`): the `Verify` graph of its k drafts too (and
-    k draft steps of the `assistant` an mtp config needs), over a cache with the slack they need
-    (`cache.cache_layout`): the verify graph writes k positions past a row's latest, which the
-    draft, reading the window + 1 positions before its query, must not find there either. `fused`: also the `Step` graph
-    (a prefill chunk and the decode step in one call, with the prefill's experts; compiled as the
-    prefill and decode graphs are), which the rows call in place of the two when a step has both."""
+    port's; `logits=True` also returns the logits (validation, tests). `compile`: every graph compiled
+    by torch.compile at its first call of each shape (`progress` told of each compile, each decode
+    length its own graph; the caller checked for a C++ compiler and chose the cache: `inductor.py`).
+    `prefix_caching`: the cache in the whole-row layout and the `Copy` graph over it
+    (`static/prefix.py`). `assistant`: a `Gemma4AssistantForCausalLM` for the model, and its draft
+    graph of `draft_tokens` steps over the same cache (`draft.Draft`; its sliding rings must hold the
+    window + 1 positions it reads). `speculative` (a `speculative.SpeculativeConfig`): the `Verify`
+    graph of its k drafts too (and k draft steps of the `assistant` an mtp config needs), over a cache
+    with the slack they need (`cache.cache_layout`): the verify graph writes k positions past a row's
+    latest, which the draft, reading the window + 1 positions before its query, must not find there
+    either. `fused`: also the `Step` graph (a prefill chunk and the decode step in one call, with the
+    prefill's experts), which the rows call in place of the two when a step has both."""
     shapes = spec.shapes(batch)
     if prefill_rows or chunk:  # the caller's own, over the table's
         rows = tuple(sorted({min(p, shapes.batch_size) for p in prefill_rows})) if prefill_rows else shapes.prefill_rows
@@ -57,20 +57,27 @@ def static_runtime(
     draft_tokens = speculative.num_speculative_tokens if speculative else draft_tokens
     # a verify step's k slots past the row, and one more ahead of the window + 1 a draft reads
     slack = draft_tokens + (assistant is not None) if speculative else 0
+    lengths = shapes.decode_lengths
     cache = new_cache(model, spec.max_cache_len, shapes.batch_size, whole_rows=prefix_caching, slack=slack)
     counts = new_counts(model, shapes.batch_size)
     prefill = Prefill(model, cache, spec.prefill_experts, logits=logits)
-    decode = Decode(model, cache, spec.decode_experts, logits=logits)
+    decode = {n: Decode(model, cache, spec.decode_experts, logits=logits, span=_span(n, shapes)) for n in lengths}
     prefill_processing = ProcessingPrefill(model, cache, counts, spec.prefill_experts)
-    decode_processing = ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits)
+    decode_processing = {
+        n: ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits, span=_span(n, shapes))
+        for n in lengths
+    }
     copy = Copy(cache) if prefix_caching else None
     step = Step(model, cache, spec.prefill_experts, logits=logits) if fused else None
     verify = speculative and Verify(model, cache, spec.decode_experts, logits=logits, hidden=assistant is not None)
     draft = None if assistant is None else Draft(assistant, model, cache, draft_tokens)
     if compile:
-        prefill, decode = CompiledGraph(prefill, "prefill", progress), CompiledGraph(decode, "decode", progress)
+        prefill = CompiledGraph(prefill, "prefill", progress)
+        decode = {n: CompiledGraph(graph, f"decode {n}", progress) for n, graph in decode.items()}
         prefill_processing = CompiledGraph(prefill_processing, "logits-processing prefill", progress)
-        decode_processing = CompiledGraph(decode_processing, "logits-processing decode", progress)
+        decode_processing = {
+            n: CompiledGraph(graph, f"logits-processing decode {n}", progress) for n, graph in decode_processing.items()
+        }
         copy = copy and CompiledGraph(copy, "copy", progress)
         step = step and CompiledGraph(step, "step", progress)
         verify = verify and CompiledGraph(verify, "verify", progress)
@@ -91,3 +98,8 @@ def static_runtime(
         draft=draft,
         step=step,
     )
+
+
+def _span(length: int, shapes) -> int | None:
+    """A decode graph's span: its length, None for the whole cache's (the graph of every position)."""
+    return None if length == shapes.max_cache_len else length
