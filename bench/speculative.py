@@ -7,7 +7,7 @@ admits and decodes every generating row, a free row taking the next prompt; `--m
 prompt, EOS not stopping it), over `static_runtime(..., speculative=...)`: the graphs compiled by
 torch.compile (inductor, serve's default; `--no-compile`: as modules). tok_s is the output tokens of a
 workload's prompts over the wall time of that loop, prefill included; the served engine runs the same
-step (`serve/batching.py`) with HTTP and streaming around it, which this leaves out.
+step (`serve/engine.py`) with HTTP and streaming around it, which this leaves out.
 
 Methods: `none` (a decode call per step), `ngram` (prompt lookup, `--ngram` config: a verify call over
 each row's fed token and its drafts; a step in which no row has a draft is a plain decode step) and

@@ -8,7 +8,7 @@ import torch
 
 from neuron_moe.greedy import greedy, left_pad
 from neuron_moe.model import build_model
-from neuron_moe.serve.batching import BatchEngine
+from neuron_moe.serve.engine import Engine
 from neuron_moe.serve.engine import SamplingParams
 from neuron_moe.static import data_dependent_ops, ops_not_lowered
 from neuron_moe.static.cache import state_tensors
@@ -111,7 +111,7 @@ def test_served_greedy_with_the_step_graph_is_with_two_calls_and_hf_eagers(
             fused=fused,
         )
         calls = Counted(runtime)
-        engine = BatchEngine(runtime, IdTokenizer(), set())
+        engine = Engine(runtime, IdTokenizer(), set())
         try:
             sinks = serve_together(engine, requests)
         finally:
