@@ -303,7 +303,7 @@ def test_the_compiled_variants_and_copy_give_the_modules_outputs_and_state(varia
     over (one state with the prefill and decode graphs)."""
     runtime, lines, modules = variants
     compiled_state = state(runtime)
-    assert runtime._copy.module.cache is runtime._decode.module.cache is runtime._prefill_processing.module.cache
+    assert runtime._copy.module.cache is runtime._decode[96].module.cache is runtime._prefill_processing.module.cache
     before = [t.data_ptr() for t in compiled_state]
     got, want = variant_calls(runtime), variant_calls(modules)
     for g, w in zip(got[:2], want[:2]):  # the prefill's scores: (logprob, rank, top ids, top logprobs) per chunk
@@ -335,10 +335,11 @@ def test_the_variants_and_copy_compile_once_per_shape(variants):
     assert counters["stats"]["unique_graphs"] == graphs and dict(counters["frames"]) == frames
     assert runtime._prefill_processing.shapes == {((1, 8), (1, 8), (1, 8), (1,), (1, 8))}
     words, width = mask_words(runtime.vocab), BIAS_WIDTH
-    assert runtime._decode_processing.shapes == {((2, 1), (2, 1), (2, 4), (2, 7), (2, width), (2, width), (2, words))}
+    shapes = {((2, 1), (2, 1), (2, 4), (2, 7), (2, width), (2, width), (2, words))}
+    assert runtime._decode_processing[96].shapes == shapes
     assert runtime._copy.shapes == {((1,), (1,))}
     assert [line.split(" in ")[0] for line in lines] == [
         "compiled the logits-processing prefill graph (1 rows x 8 tokens)",
         "compiled the copy graph",
-        "compiled the logits-processing decode graph (2 rows x 1 tokens)",
+        "compiled the logits-processing decode 96 graph (2 rows x 1 tokens)",
     ]

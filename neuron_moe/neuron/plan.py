@@ -553,29 +553,17 @@ def plan(
     table has a row for each expert layout that shards at TP `tp`, this plan's first. `decode_experts`: the
     port's [static] decode_experts. `reader` (its budget, scan and recovery rank): the channel layout's
     decode graph with the reader, whose sidecar shard each rank then holds (`reader_sidecar`), and its
-    row in the decode table. `instance` None:
-    one NeuronCore's verdict alone, whatever the instance (trace-and-compile's check). `prefix_caching`:
-    the KV cache in its whole-row layout (trace-and-compile --enable-prefix-caching). `keys` (name ->
-    (rows, tokens); default `plan_keys(batch, seq)`): the graphs whose compile host memory it estimates.
-    `speculative` (a `speculative.SpeculativeConfig`): the cache k slots longer per layer, and what a
-    verify step reads (`_speculation`).
-
-    `decode_lengths` (default: seq alone): the decode graphs' KV lengths, each with its floor
-    (`decode_by_length`)."""
+    row in the decode table. `instance` None: one NeuronCore's verdict alone, whatever the instance
+    (trace-and-compile's check). `prefix_caching`: the KV cache in its whole-row layout (trace-and-compile
+    --enable-prefix-caching). `keys` (name -> (rows, tokens); default `plan_keys(batch, seq)`): the graphs
+    whose compile host memory it estimates. `speculative` (a `speculative.SpeculativeConfig`): the cache k
+    slots longer per layer, and what a verify step reads (`_speculation`). `decode_lengths` (default: seq
+    alone): the decode graphs' KV lengths, each with its floor (`decode_by_length`)."""
     inst = INSTANCES[instance] if instance is not None else None
     layers = spec.check_quantized_layers(quantized_layers)
-    report = {
-        "model": model,
-        "instance": instance,
-        "tp": tp,
-        "quantization": quantization,
-        "quantized_layers": list(layers),
-        "expert_layout": expert_layout,
-        "batch": batch,
-        "seq": seq,
-        "core_hbm_bytes": CORE_HBM,
-        "runtime_reserve_bytes": runtime_reserve,
-    }
+    report = dict(model=model, instance=instance, tp=tp, quantization=quantization, quantized_layers=list(layers))
+    report.update(expert_layout=expert_layout, batch=batch, seq=seq, core_hbm_bytes=CORE_HBM)
+    report.update(runtime_reserve_bytes=runtime_reserve)
     spec.check_quantization(quantization, QUANTIZATIONS)
     if reader is not None and (expert_layout != layout.CHANNEL or quantization != spec.NO_QUANTIZATION):
         raise UserError(
@@ -590,8 +578,12 @@ def plan(
     kv = _kv_cache_per_rank(config, tp, batch, seq, prefix_caching)
     kv += _kv_cache_per_rank(config, tp, batch, speculative.num_speculative_tokens) if speculative else 0  # slack
     dequantised = _dequantised(config, tp, quantization, expert_layout, layers)
-    per_rank = {**weights, "kv_cache": kv, "graph": _graph_per_rank(config, tp, batch, seq, dequantised)}
-    per_rank["runtime"] = runtime_reserve
+    per_rank = {
+        **weights,
+        "kv_cache": kv,
+        "graph": _graph_per_rank(config, tp, batch, seq, dequantised),
+        "runtime": runtime_reserve,
+    }
     if reader is not None:
         per_rank["reader_sidecar"] = _reader_sidecar_per_rank(config, tp, reader)
     total, held = sum(per_rank.values()), sum(weights.values()) + per_rank.get("reader_sidecar", 0)
@@ -804,26 +796,7 @@ def render_plan(report: dict) -> str:
             for r in report["decode"]
         ]
         this = next(r for r in report["decode"] if r["this_plan"] or "reader" in r)
-        host = report["host"]
-        host_rows = [
-            {"what": "process: Python, torch, torch-neuronx, NxD, server (stated)", "GiB": host["process_bytes"] / GiB},
-            {"what": "compiled graphs, model.pt (stated)", "GiB": host["graphs_bytes"] / GiB},
-            {
-                "what": f"streamed load: {host['load_copies']} × one rank's {host['largest_load_group']}",
-                "GiB": host["load_copies"] * host["largest_load_group_bytes"] / GiB,
-            },
-            {"what": "peak", "GiB": host["peak_bytes"] / GiB},
-        ]
-        if "memory_bytes" in host:
-            host_rows.append(
-                {"what": f"margin of {report['instance']}'s host memory", "GiB": host["margin_bytes"] / GiB}
-            )
-        host_rows.append(
-            {
-                "what": "(every rank's whole shard in memory at once, for comparison)",
-                "GiB": host["whole_shards_peak_bytes"] / GiB,
-            }
-        )
+        host_rows = _host_rows(report)
         lines += [
             table(rows, [("what", "per rank"), ("GB", "GB", "{:.3f}")]),
             f"\nexperts on all ranks: {report['experts_all_ranks_bytes'] / GB:.2f} GB "
@@ -866,6 +839,29 @@ def render_plan(report: dict) -> str:
     lines += [render_speculation(report["speculation"])] if report.get("speculation") else []
     lines.append(f"{'FITS' if report['fits'] else 'DOES NOT FIT'}: {report['reason']}")
     return "\n".join(lines)
+
+
+def _host_rows(report: dict) -> list[dict]:
+    """The plan's host-memory table: the process, the graphs, the streamed load, its peak and margin."""
+    host = report["host"]
+    rows = [
+        {"what": "process: Python, torch, torch-neuronx, NxD, server (stated)", "GiB": host["process_bytes"] / GiB},
+        {"what": "compiled graphs, model.pt (stated)", "GiB": host["graphs_bytes"] / GiB},
+        {
+            "what": f"streamed load: {host['load_copies']} × one rank's {host['largest_load_group']}",
+            "GiB": host["load_copies"] * host["largest_load_group_bytes"] / GiB,
+        },
+        {"what": "peak", "GiB": host["peak_bytes"] / GiB},
+    ]
+    if "memory_bytes" in host:
+        rows.append({"what": f"margin of {report['instance']}'s host memory", "GiB": host["margin_bytes"] / GiB})
+    rows.append(
+        {
+            "what": "(every rank's whole shard in memory at once, for comparison)",
+            "GiB": host["whole_shards_peak_bytes"] / GiB,
+        }
+    )
+    return rows
 
 
 def render_speculation(spec_plan: dict) -> str:

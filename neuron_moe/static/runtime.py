@@ -60,44 +60,46 @@ def static_runtime(
     lengths = shapes.decode_lengths
     cache = new_cache(model, spec.max_cache_len, shapes.batch_size, whole_rows=prefix_caching, slack=slack)
     counts = new_counts(model, shapes.batch_size)
-    prefill = Prefill(model, cache, spec.prefill_experts, logits=logits)
-    decode = {n: Decode(model, cache, spec.decode_experts, logits=logits, span=_span(n, shapes)) for n in lengths}
-    prefill_processing = ProcessingPrefill(model, cache, counts, spec.prefill_experts)
-    decode_processing = {
-        n: ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits, span=_span(n, shapes))
-        for n in lengths
+    graphs = {
+        "prefill": Prefill(model, cache, spec.prefill_experts, logits=logits),
+        "decode": {n: Decode(model, cache, spec.decode_experts, logits=logits, span=_span(n, shapes)) for n in lengths},
+        "logits-processing prefill": ProcessingPrefill(model, cache, counts, spec.prefill_experts),
+        "logits-processing decode": {
+            n: ProcessingDecode(model, cache, counts, spec.decode_experts, logits=logits, span=_span(n, shapes))
+            for n in lengths
+        },
+        "copy": Copy(cache) if prefix_caching else None,
+        "step": Step(model, cache, spec.prefill_experts, logits=logits) if fused else None,
+        "verify": speculative
+        and Verify(model, cache, spec.decode_experts, logits=logits, hidden=assistant is not None),
+        "draft": None if assistant is None else Draft(assistant, model, cache, draft_tokens),
     }
-    copy = Copy(cache) if prefix_caching else None
-    step = Step(model, cache, spec.prefill_experts, logits=logits) if fused else None
-    verify = speculative and Verify(model, cache, spec.decode_experts, logits=logits, hidden=assistant is not None)
-    draft = None if assistant is None else Draft(assistant, model, cache, draft_tokens)
     if compile:
-        prefill = CompiledGraph(prefill, "prefill", progress)
-        decode = {n: CompiledGraph(graph, f"decode {n}", progress) for n, graph in decode.items()}
-        prefill_processing = CompiledGraph(prefill_processing, "logits-processing prefill", progress)
-        decode_processing = {
-            n: CompiledGraph(graph, f"logits-processing decode {n}", progress) for n, graph in decode_processing.items()
-        }
-        copy = copy and CompiledGraph(copy, "copy", progress)
-        step = step and CompiledGraph(step, "step", progress)
-        verify = verify and CompiledGraph(verify, "verify", progress)
-        draft = draft and CompiledGraph(draft, "draft", progress)
+        graphs = {name: _compiled(name, graph, progress) for name, graph in graphs.items()}
     return GraphRuntime(
-        prefill,
-        decode,
+        graphs["prefill"],
+        graphs["decode"],
         shapes,
         logits=logits,
         candidates=min(CANDIDATES, model.config.vocab_size),
         pad_id=model.config.pad_token_id or 0,
-        prefill_processing=prefill_processing,
-        decode_processing=decode_processing,
+        prefill_processing=graphs["logits-processing prefill"],
+        decode_processing=graphs["logits-processing decode"],
         vocab=model.config.vocab_size,
-        copy=copy,
-        verify=verify,
+        copy=graphs["copy"],
+        verify=graphs["verify"],
         speculative=speculative,
-        draft=draft,
-        step=step,
+        draft=graphs["draft"],
+        step=graphs["step"],
     )
+
+
+def _compiled(name: str, graph, progress):
+    """A graph compiled by torch.compile at its first call of each shape (`CompiledGraph`, its progress
+    lines naming it), or {KV length: graph} each compiled; None stays None."""
+    if isinstance(graph, dict):
+        return {n: CompiledGraph(g, f"{name} {n}", progress) for n, g in graph.items()}
+    return graph and CompiledGraph(graph, name, progress)
 
 
 def _span(length: int, shapes) -> int | None:
