@@ -31,6 +31,7 @@ from transformers import Gemma4AssistantConfig
 
 from .checkpoint import CONFIG, INDEX, CheckpointError, check_checkpoint
 from .config import SIZES
+from .errors import UserError
 from .port import builtin_path
 from .report import read_json_object
 from .tokenizer import TOKENIZER_FILES
@@ -155,3 +156,18 @@ def read_assistant_config(path: Path, target) -> Gemma4AssistantConfig:
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, StrictDataclassError) as e:
         raise CheckpointError(f"{where}: not a usable Gemma-4 assistant config: {_first_line(e)}") from None
     return config
+
+
+def check_assistant(speculative, target) -> Path | None:
+    """The assistant's directory for a `--speculative-config` (a `speculative.SpeculativeConfig`) whose
+    method is mtp (None for prompt lookup): its "model" resolved (`resolve_assistant`: a built-in name,
+    a directory or a Hub id) and its config.json checked to fit `target`, the target's
+    `Gemma4TextConfig` (`read_assistant_config`); a failure is one line naming the flag."""
+    if speculative.method != "mtp":
+        return None
+    try:
+        directory = resolve_assistant(speculative.model)
+        read_assistant_config(directory, target)
+    except UserError as e:
+        raise UserError(f"--speculative-config: {' '.join(str(e).split())}") from None
+    return directory

@@ -19,13 +19,11 @@ are pure functions of their inputs at static shapes, so a graph may call them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from .errors import UserError
-from .hub import read_assistant_config, resolve_assistant
 from .report import loads_json
 
 FLAG = "--speculative-config"
@@ -124,21 +122,6 @@ def _lookups(given: dict) -> tuple[int, int]:
 
 
 # ---- the assistant: where it is, and whether it fits the target ----
-
-
-def check_assistant(config: SpeculativeConfig, target_config) -> Path | None:
-    """The assistant's directory for an mtp config (None for ngram): its "model" resolved
-    (`hub.resolve_assistant`: a built-in name, a directory or a Hub id) and its config.json checked to
-    fit `target_config`, the target's `Gemma4TextConfig` (`hub.read_assistant_config`: a Gemma-4
-    assistant's, the same vocabulary, its backbone_hidden_size the target's hidden size)."""
-    if config.method != "mtp":
-        return None
-    try:
-        directory = resolve_assistant(config.model)
-        read_assistant_config(directory, target_config)
-    except UserError as e:
-        raise _error(str(e)) from None
-    return directory
 
 
 # ---- prompt lookup ----

@@ -20,11 +20,11 @@ from neuron_moe.errors import UserError
 from neuron_moe.port import load_port
 from neuron_moe.serve.metrics import Metrics
 from neuron_moe.spec import DEFAULT_PORT
+from neuron_moe.hub import check_assistant
 from neuron_moe.speculative import (
     KEYS,
     MAX_SPECULATIVE_TOKENS,
     SpeculativeConfig,
-    check_assistant,
     greedy_verify,
     ngram_propose,
     rejection_sample,

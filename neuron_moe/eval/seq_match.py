@@ -37,7 +37,7 @@ from ..spec import (
     validate_backends,
 )
 from ..run_config import RunConfig
-from ..speculative import check_assistant
+from ..hub import check_assistant
 from ..static import inductor
 from ..static.generator import static_backend, traced_backend
 from ..tokenizer import answer_text, load_tokenizer

@@ -92,7 +92,7 @@ from ..reader.accounting import rank_geometry, reads, resident, solve_rank_k
 from ..reader.geometry import Geometry
 from ..report import table
 from ..run_config import RunConfig
-from ..speculative import check_assistant
+from ..hub import check_assistant
 
 GB, GiB = 1e9, 2**30
 CORE_HBM = 16 * GiB
@@ -648,7 +648,7 @@ def _speculation(config, tp: int, batch: int, weights: dict, kv: int, expert_lay
 
 def _assistant_bytes(speculative, config) -> int:
     """An mtp config's assistant, bf16, but its embedding table (0 for prompt lookup): its
-    config.json (`speculative.check_assistant`) built on the meta device."""
+    config.json (`hub.check_assistant`) built on the meta device."""
     if speculative.method != "mtp":
         return 0
     directory = check_assistant(speculative, config)

@@ -37,7 +37,7 @@ from ..port import DTYPES, load_port, with_shapes
 from ..publish import s3
 from ..run_config import RunConfig, Serving
 from ..spec import COMPILED, MODULES, compile_cache
-from ..speculative import check_assistant
+from ..hub import check_assistant
 from ..static import inductor
 from ..static.cache import cache_bytes, cache_layout
 from . import connection, neuron, ready

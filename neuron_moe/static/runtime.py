@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, Step, Verify, new_cache, new_counts
-from ..speculative import check_assistant
+from ..hub import check_assistant
 from .draft import Draft, load_assistant
 from .inductor import CompiledGraph
 from .rows import GraphRuntime
