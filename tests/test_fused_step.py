@@ -66,7 +66,7 @@ def test_one_step_call_writes_and_returns_what_the_prefill_then_the_decode_do(ti
     assert torch.equal(fused[0], tokens) and torch.equal(fused[2], decoded)
     torch.testing.assert_close(fused[1], logits, atol=LOGITS_ATOL, rtol=0)
     torch.testing.assert_close(fused[3], decoded_logits, atol=LOGITS_ATOL, rtol=0)
-    two, one = (state_tensors(r._decode) for r in runtimes)
+    two, one = (state_tensors(r._prefill) for r in runtimes)
     for name in two:
         # K and V after their RMS norms (values of order 1): a few fp32 ulps from the other row counts
         torch.testing.assert_close(one[name], two[name], atol=1e-5, rtol=1e-5, msg=name)
