@@ -2,22 +2,32 @@
 
 The servers, each started here on 127.0.0.1 and stopped before the next one starts:
 
-- llama.cpp: `llama-server --parallel 8 --cont-batching -t 1` on a GGUF (f32) of the same checkpoint;
+- llama.cpp: `llama-server --parallel C --cont-batching -t 1 -c C*S` (C clients, S positions a slot: 128, or
+  the load's longest prompt and max_tokens where that is more) on a GGUF (f32) of the same checkpoint;
 - transformers: `transformers serve` (the pinned transformers; `accelerate` loads it on the CPU), without
   continuous batching: its paged cache reads a global `num_key_value_heads`, which Gemma-4's per-layer
   config does not have, so it cannot load this model (every request fails);
-- ours: `neuron-moe serve` with `--ours-args` (default `--backend static --batch-size 8 --threads 1`).
+- ours: `neuron-moe serve` with `--ours-args` (default `--backend static --batch-size 8 --threads 1`, and
+  `--max-cache-len` the load's longest request where the port's [static] max_cache_len is shorter; given
+  arguments whose cache is too short are refused with the flag to add).
 
 The load is `bench/serve_load.py`'s (its clients, request loop and metrics), sending streamed text
-completions (`/v1/completions`, the prompt as is, greedy) of the same prompts to each. The texts are
+completions (`/v1/completions`, the prompt as is, greedy) of the same prompts to each: serve_load's 8 short
+prompts (6-23 tokens; today's load: 8 clients x 8 requests of 32 tokens), or with `--prompt-tokens N` a
+distinct prompt of about N tokens for every request and warm-up (a numbered window of serve_load's long
+passage, then one of its prompts; at most N tokens of the port's tokenizer, BOS counted, a word short at
+most), so that no request finds its prompt in a cache. The second load: 32 clients, ~256-token prompts,
+128 output tokens (our cache then 383 positions, llama.cpp's 384 a slot). The texts are
 compared with transformers' own greedy generation of the same prompts (`generate`, in this process):
 "identical n/N" counts the requests whose streamed text equals it. A peer that is not there (no
 `--llama-server`, no GGUF, `transformers serve` not installed) is a skipped row with the reason.
 
 Then the gap to llama.cpp, in parts: our graph time per decode step at the batch size (`bench/static_steps.py`,
-run here with `--steps-args`), our server's step as it measures it (`vllm:time_per_output_token_seconds`
-on its /metrics: the gap between a request's tokens, the graph call and the engine's host work), and what
-the clients see on top of that (the streamed inter-token gap, TPOT: HTTP, SSE framing and the event loop).
+run here with `--steps-args`; with `--prompt-tokens`, its prefill call is of one prefill chunk, what each call
+of a long prompt carries, and its decode graph over the port's [static] cache, not our server's longer one),
+our server's step as it measures it (`vllm:time_per_output_token_seconds` on its /metrics: the gap between a
+request's tokens, the graph call and the engine's host work), and what the clients see on top of that (the
+streamed inter-token gap, TPOT: HTTP, SSE framing and the event loop).
 
 Building llama-server (once; outside the repository, nothing of it committed) from the llama.cpp that the
 PyPI package llama-cpp-python 0.3.36 vendors, and writing the GGUF with the converter it vendors
@@ -38,6 +48,8 @@ The bench's extra (`pip install -e ".[bench]"`) brings `accelerate` for `transfo
 
     OMP_NUM_THREADS=1 python -m bench.peers --llama-server DIR/build/bin/llama-server --gguf DIR/tiny.gguf \\
         --json bench/results/peers-cpu.json
+    OMP_NUM_THREADS=1 python -m bench.peers --llama-server DIR/build/bin/llama-server --gguf DIR/tiny.gguf \
+        --clients 32 --prompt-tokens 256 --max-tokens 128 --json bench/results/peers-cpu-long-N.json
     python -m bench.peers --only ours --ours-args "--backend static --batch-size 8 --threads 1 --no-compile"
 """
 
@@ -59,12 +71,15 @@ from pathlib import Path
 import httpx
 
 from bench.harness import machine, uptime
-from bench.serve_load import PROMPTS, engine_counters, run_load, start_server, summarize
+from bench.serve_load import LONG_TEXT, PROMPTS, engine_counters, run_load, start_server, summarize
 from neuron_moe.port import load_port
 from neuron_moe.report import check_output, table, write_json
+from neuron_moe.tokenizer import load_tokenizer
 
 SERVERS = ("llama.cpp", "transformers", "ours")
 OURS_ARGS = "--backend static --batch-size 8 --threads 1"
+STEPS_ARGS = "--batch-sizes 8 --max-tokens {max_tokens} --prompt-tokens {prompt_tokens}"
+SLOT_POSITIONS = 128  # llama-server's context per slot at least: today's load's (-c 1024 at 8 clients)
 TRANSFORMERS_NOTE = "no continuous batching: its paged cache cannot load Gemma-4 (a global num_key_value_heads)"
 
 # Run with the converter's directory first on sys.path: Gemma-4 converted with a byte-level BPE vocabulary
@@ -87,6 +102,89 @@ convert_hf_to_gguf.main()
 
 class Skipped(Exception):
     """A peer that cannot run here; its message is the reason the table gives."""
+
+
+class BadLoad(Exception):
+    """A load that cannot be run as asked; its message is the one error line."""
+
+
+def long_prompts(tokenizer, tokens: int, count: int) -> list[str]:
+    """`count` distinct prompts of at most `tokens` tokens each, a word short at most (the port's tokenizer,
+    its BOS counted: what /v1/completions feeds the model): each a numbered passage of serve_load's long
+    text, from its own word on, then one of serve_load's prompts. Numbered from their first words, no two
+    share a prefix cache block."""
+    words = LONG_TEXT.split()
+    out = []
+    for i in range(count):
+        body = [words[(i + j) % len(words)] for j in range(tokens)]  # every word is a token at least
+
+        def text(k: int, i=i, body=body) -> str:
+            return " ".join([f"Passage {i + 1}:", *body[:k], PROMPTS[i % len(PROMPTS)]])
+
+        if len(tokenizer.encode(text(0))) > tokens:
+            raise BadLoad(f"--prompt-tokens {tokens}: shorter than the prompts' own words ({text(0)!r})")
+        lo, hi = 0, tokens  # text(lo) fits, text(hi) does not: the most words that fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if len(tokenizer.encode(text(mid))) <= tokens else (lo, mid)
+        out.append(text(lo))
+    return out
+
+
+def load_prompts(args, tokenizer) -> tuple[list[str], list[str] | None]:
+    """The load's prompts: (client c's r-th request's at c * requests + r, the warm-ups' or None). Without
+    --prompt-tokens serve_load's 8 short prompts (today's load); with it, a distinct prompt for every
+    request and warm-up, so that no request finds its prompt cached."""
+    if args.prompt_tokens is None:
+        return PROMPTS, None
+    n = args.clients * args.requests
+    prompts = long_prompts(tokenizer, args.prompt_tokens, n + args.clients)
+    return prompts[:n], prompts[n:]
+
+
+def cache_positions(args, port, longest: int) -> int:
+    """The KV positions the load's longest request takes (a prompt of n tokens and max_tokens new ones
+    write positions 0..n + max_tokens - 2, and every server's context counts n + max_tokens tokens);
+    BadLoad past the model's max_position_embeddings."""
+    need = longest + args.max_tokens - 1
+    if need + 1 > port.config.max_position_embeddings:
+        raise BadLoad(
+            f"prompts of up to {longest} tokens and --max-tokens {args.max_tokens} take {need + 1} positions, "
+            f"past the model's max_position_embeddings {port.config.max_position_embeddings}"
+        )
+    return need
+
+
+def ours_args(args, port, need: int) -> str:
+    """--ours-args, or by default OURS_ARGS with `--max-cache-len need` where the port's cache is shorter;
+    BadLoad when the given arguments' cache (theirs, else the port's) cannot take the load."""
+    if args.ours_args is None:
+        spec = port.static_spec("bench/peers.py")
+        return OURS_ARGS + (f" --max-cache-len {need}" if need > spec.max_cache_len else "")
+    serve = argparse.ArgumentParser(add_help=False)
+    serve.add_argument("--max-cache-len", type=int)
+    have = serve.parse_known_args(shlex.split(args.ours_args))[0].max_cache_len
+    have = have or port.static_spec("bench/peers.py").max_cache_len
+    if have < need:
+        raise BadLoad(
+            f"the load takes {need} cache positions, ours has {have}: add --max-cache-len {need} to --ours-args"
+        )
+    return args.ours_args
+
+
+def size_load(args, port) -> None:
+    """The load's prompts (args.prompts, args.warmup) and every server sized to them: llama-server's
+    positions a slot, our serve's arguments (--max-cache-len where needed), bench.static_steps's."""
+    tokenizer = load_tokenizer(port, None)
+    args.prompts, args.warmup = load_prompts(args, tokenizer)
+    args.longest = max(len(tokenizer.encode(p)) for p in [*args.prompts, *(args.warmup or [])])
+    need = cache_positions(args, port, args.longest)
+    args.slot_positions = max(SLOT_POSITIONS, need + 1)
+    if "ours" in args.only:
+        args.ours_args = ours_args(args, port, need)
+    if args.steps_args is None:  # a long prompt's prefill calls carry a chunk each
+        steps_prompt = 14 if args.prompt_tokens is None else port.static_spec("bench/peers.py").chunk
+        args.steps_args = STEPS_ARGS.format(max_tokens=args.max_tokens, prompt_tokens=steps_prompt)
 
 
 def completion_body(args, prompt: str) -> tuple[str, dict]:
@@ -154,7 +252,7 @@ def llama_cmd(args, port: int) -> list[str]:
         "-t",
         str(args.threads),
         "-c",
-        str(args.clients * 128),  # 128 positions a slot: prompt and max_tokens fit
+        str(args.clients * args.slot_positions),  # each slot's: its prompt and max_tokens fit
         "--no-webui",
     ]
 
@@ -228,7 +326,9 @@ def run_server(server: str, args, log_dir: Path) -> dict:
         )
         before = os.getloadavg()
         # transformers serve ends its stream after the usage chunk, without [DONE]
-        results, duration = asyncio.run(run_load(url, load, completion_body, require_done=server != "transformers"))
+        results, duration = asyncio.run(
+            run_load(url, load, completion_body, server != "transformers", args.prompts, args.warmup)
+        )
         row.update(
             command=shlex.join(cmd),
             load_average_before=before,
@@ -276,7 +376,7 @@ def reference_texts(args) -> dict[str, str]:
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
     texts = {}
     with torch.inference_mode():
-        for prompt in PROMPTS:
+        for prompt in dict.fromkeys(args.prompts):
             ids = tokenizer(prompt, return_tensors="pt")
             out = model.generate(**ids, max_new_tokens=args.max_tokens, do_sample=False)
             texts[prompt] = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -408,26 +508,41 @@ def write_gguf(args) -> int:
     return subprocess.run([*cmd, "--outfile", str(args.write_gguf)]).returncode
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-gemma4-moe", help="the port (its checkpoint is what every server loads)")
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary (none: skipped)")
     p.add_argument("--gguf", metavar="PATH", help="the port's checkpoint as GGUF, for llama-server")
     p.add_argument("--write-gguf", metavar="PATH", help="write that GGUF with --llama-cpp-src's converter, and exit")
     p.add_argument("--llama-cpp-src", metavar="DIR", help="llama.cpp's source (the sdist's vendor/llama.cpp)")
-    p.add_argument("--ours-args", default=OURS_ARGS, help=f"our serve's arguments (default: {OURS_ARGS!r})")
+    p.add_argument(
+        "--ours-args",
+        help=f"our serve's arguments (default: {OURS_ARGS!r}, and --max-cache-len the load's longest request "
+        "where the port's cache is shorter)",
+    )
     p.add_argument(
         "--steps-args",
-        default="--batch-sizes 8 --max-tokens 32 --prompt-tokens 14",
-        help="bench.static_steps's arguments for the graph part of the gap ('' to skip)",
+        help="bench.static_steps's arguments for the graph part of the gap ('' to skip; default: "
+        f"{STEPS_ARGS.format(max_tokens='M', prompt_tokens='P')!r}, M --max-tokens, P 14, or with "
+        "--prompt-tokens the port's prefill chunk)",
     )
     p.add_argument("--only", nargs="+", choices=SERVERS, default=list(SERVERS), help="run only these servers")
     p.add_argument("--threads", type=int, default=1, help="the peers' threads (llama-server -t, OMP_NUM_THREADS)")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=8, help="requests per client (default 8)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        metavar="N",
+        help="a distinct prompt of about N tokens for every request (default: serve_load's 8 short prompts)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     port = load_port(args.model)
     if port.checkpoint is None:
         print(f"error: --model {args.model}: the port has no checkpoint to give the peers", file=sys.stderr)
@@ -437,6 +552,11 @@ def main(argv=None) -> int:
         return write_gguf(args)
     if args.json:
         check_output(args.json)
+    try:
+        size_load(args, port)
+    except BadLoad as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     host = machine()
     reference = reference_texts(args)
@@ -454,7 +574,13 @@ def main(argv=None) -> int:
         "benchmark": "peers",
         "command": shlex.join(["python", "-m", "bench.peers", *(argv if argv is not None else sys.argv[1:])]),
         "model": port.name,
-        "load": {"clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens},
+        "load": {
+            "clients": args.clients,
+            "requests_per_client": args.requests,
+            "max_tokens": args.max_tokens,
+            "prompt_tokens": args.prompt_tokens,
+            "longest_prompt_tokens": args.longest,
+        },
         "machine": {**host, "uptime_after": uptime()},
         "reference": {"what": "transformers generate, greedy, float32", "texts": reference},
         "graph_steps": steps,
@@ -463,9 +589,10 @@ def main(argv=None) -> int:
     }
     if args.json:
         write_json(report, args.json)
+    prompts = "serve_load's prompts" if args.prompt_tokens is None else f"prompts of ~{args.prompt_tokens} tokens"
     print(
         f"\npeers  {port.name}, {args.clients} clients x {args.requests} streamed /v1/completions of "
-        f"{args.max_tokens} tokens, greedy; one server at a time"
+        f"{args.max_tokens} tokens, {prompts}, greedy; one server at a time"
     )
     print(f"machine: {host['cpu']}, {host['cores']} cores; {host['uptime']}; {host['code']}\n")
     print(render(report))

@@ -155,10 +155,11 @@ def is_long(args, c: int, r: int) -> bool:
     return bool(args.long_every) and (c + r) % args.long_every == args.long_every - 1
 
 
-async def run_load(url: str, args, request=chat_body, require_done: bool = True):
+async def run_load(url: str, args, request=chat_body, require_done: bool = True, prompts=PROMPTS, warmup=None):
     """`args.clients` clients, each sending `args.requests` requests one after another (after one warm-up
-    request each, not counted); `request(args, prompt)` makes each one's (path, body). Each result names
-    its prompt."""
+    request each, not counted); `request(args, prompt)` makes each one's (path, body). Client c's r-th
+    request sends `prompts[(c * requests + r) % len(prompts)]`, its warm-up `warmup[c]` (default: the
+    prompt of its first request). Each result names its prompt."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.clients)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
@@ -167,7 +168,10 @@ async def run_load(url: str, args, request=chat_body, require_done: bool = True)
             results = []
             for r in range(n):
                 long = not warm and is_long(args, c, r)
-                content = args.long_text if long else PROMPTS[(c * args.requests + r) % len(PROMPTS)]
+                if long:
+                    content = args.long_text
+                else:
+                    content = warmup[c] if warm and warmup else prompts[(c * args.requests + r) % len(prompts)]
                 path, body = request(args, content)
                 if args.sampled:
                     body.update(temperature=0.7, top_p=0.9, seed=1000 * c + r)

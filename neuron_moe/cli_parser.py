@@ -887,6 +887,10 @@ SERVE = Command(
             help="--backend static: rows of the graphs' batch, the requests generating at once "
             "(default: the port's [static] batch_size)"
         ),
+        MAX_CACHE_LEN.but(
+            help="--backend static: positions of the KV cache a row holds, the most a prompt and its "
+            "completion take (context: S + 1 tokens; default: the port's [static] max_cache_len)"
+        ),
         opt(
             "--prefill-rows",
             type=_rows,

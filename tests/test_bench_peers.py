@@ -10,7 +10,9 @@ import httpx
 import pytest
 
 from bench import peers
-from bench.serve_load import one_request
+from bench.serve_load import PROMPTS, one_request
+from neuron_moe.port import load_port
+from neuron_moe.tokenizer import load_tokenizer
 
 
 def run(server, tpot, ttft50, tok_s, texts, **extra):
@@ -77,8 +79,67 @@ def test_gap_parts_add_up_to_our_client_tpot():
 
 
 def args(**kw):
-    base = dict(llama_server=None, gguf=None, clients=8, threads=1, checkpoint="ports/tiny-gemma4-moe")
+    base = dict(
+        llama_server=None, gguf=None, clients=8, threads=1, checkpoint="ports/tiny-gemma4-moe", slot_positions=128
+    )
     return argparse.Namespace(**{**base, **kw})
+
+
+def load_args(**kw):
+    base = dict(clients=8, requests=8, max_tokens=32, prompt_tokens=None, only=list(peers.SERVERS))
+    return args(**{**base, "ours_args": None, "steps_args": None, **kw})
+
+
+TINY = load_port("tiny-gemma4-moe")
+
+
+def test_long_prompts_are_distinct_and_about_n_tokens_each():
+    tokenizer = load_tokenizer(TINY, None)
+    prompts = peers.long_prompts(tokenizer, 256, 40)
+    ids = [tokenizer.encode(p) for p in prompts]
+    # whole words up to N tokens (BOS counted): short of N by less than one word (at most 5 tokens here)
+    assert all(256 - 5 <= len(i) <= 256 for i in ids), sorted(len(i) for i in ids)
+    assert len({tuple(i[:16]) for i in ids}) == 40  # distinct from their first prefix-cache block on
+
+
+def test_second_load_sizes_every_server_and_gives_distinct_warm_ups():
+    today = load_args()
+    peers.size_load(today, TINY)
+    assert today.prompts == PROMPTS and today.warmup is None
+    assert peers.llama_cmd(today, 1)[peers.llama_cmd(today, 1).index("-c") + 1] == "1024"  # today's command
+    assert today.ours_args == peers.OURS_ARGS  # serve_load's prompts and 32 tokens fit the port's 96 positions
+    assert today.steps_args == "--batch-sizes 8 --max-tokens 32 --prompt-tokens 14"
+
+    load = load_args(clients=4, requests=2, prompt_tokens=256, max_tokens=128)
+    peers.size_load(load, TINY)
+    assert len(load.prompts) == 8 and len(load.warmup) == 4 and len(set(load.prompts + load.warmup)) == 12
+    # the longest prompt and 128 new tokens: positions 0..longest + 126, a context of longest + 128 tokens
+    assert 256 - 5 <= load.longest <= 256
+    cmd = peers.llama_cmd(load, 1)
+    assert cmd[cmd.index("-c") + 1] == str(4 * (load.longest + 128))
+    assert load.ours_args == f"{peers.OURS_ARGS} --max-cache-len {load.longest + 127}"
+    assert load.steps_args == f"--batch-sizes 8 --max-tokens 128 --prompt-tokens {TINY.static.chunk}"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--prompt-tokens", "256", "--max-tokens", "128", "--ours-args", "--backend static --no-compile"],
+            "cache positions, ours has 96: add --max-cache-len",
+        ),
+        (
+            ["--prompt-tokens", "256", "--max-tokens", "128", "--ours-args", "--max-cache-len 300"],
+            "cache positions, ours has 300: add --max-cache-len",
+        ),
+        (["--prompt-tokens", "500", "--max-tokens", "128"], "past the model's max_position_embeddings 512"),
+        (["--prompt-tokens", "4"], "--prompt-tokens 4: shorter than the prompts' own words"),
+    ],
+)
+def test_a_load_our_server_cannot_take_is_one_error_line(argv, message, capsys):
+    assert peers.main(["--only", "ours", "--clients", "2", "--requests", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
 def test_llama_server_missing_is_a_skipped_row(tmp_path):
@@ -103,7 +164,7 @@ def test_llama_server_command_is_the_measured_configuration():
     cmd = peers.llama_cmd(args(llama_server="/x/llama-server", gguf="/x/t.gguf"), 1234)
     joined = " ".join(cmd)
     assert joined.startswith("/x/llama-server -m /x/t.gguf")
-    assert "--parallel 8" in joined and "--cont-batching" in cmd and "-t 1" in joined
+    assert "--parallel 8" in joined and "--cont-batching" in cmd and "-t 1" in joined and "-c 1024" in joined
 
 
 def sse(*events: str) -> bytes:

@@ -88,6 +88,15 @@ def manifest_dir(tmp_path):
         ),
         (["--backend", "static", "--max-running", "2"], "its graphs have rows (--batch-size); --max-running is for"),
         (
+            ["--max-cache-len", "200"],
+            "--max-cache-len shapes --backend static's graphs; --backend eager runs transformers' model",
+        ),
+        (["--backend", "static", "--max-cache-len", "600"], "exceeds the model's max_position_embeddings 512"),
+        (
+            ["--backend", "static", "--max-cache-len", "200", "--max-model-len", "202"],
+            "--max-model-len 202 is more than the static graphs ([static] max_cache_len + 1) holds: 201 tokens",
+        ),
+        (
             ["--batch-size", "4"],
             "--batch-size shapes --backend static's graphs; --backend eager runs transformers' model",
         ),
@@ -110,6 +119,13 @@ def test_errors_before_binding_are_one_line(tmp_path, capsys, args, message):
     assert cli.main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_max_cache_len_sizes_the_static_graphs_cache_and_context():
+    """A longer cache than the port's [static] max_cache_len, and the context it holds (prompt + completion)."""
+    port, _ = plan_load(cli.serve_config(["serve", "--backend", "static", "--max-cache-len", "383"]))
+    assert port.static.max_cache_len == 383
+    plan_load(cli.serve_config(["serve", "--backend", "static", "--max-cache-len", "383", "--max-model-len", "384"]))
 
 
 @pytest.mark.parametrize("host", ["", " "])
