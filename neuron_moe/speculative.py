@@ -1,5 +1,5 @@
 """Speculative decoding as vLLM offers it: its `--speculative-config` JSON, the prompt-lookup proposer,
-and the rejection sampler that keeps the target's distribution.
+and the verify step's acceptance rule, which keeps the target's distribution.
 
 Two methods, with vLLM's names and defaults (vLLM's `vllm/config/speculative.py`):
 
@@ -11,9 +11,10 @@ Two methods, with vLLM's names and defaults (vLLM's `vllm/config/speculative.py`
         prompt lookup, no model: k required; neither bound given, both are 5; one given, the other
         is the same
 
-A drafted token is checked by the target's verify step: `rejection_sample` (sampling; Leviathan et al.
-2023, vLLM's rejection sampler) or `greedy_verify` (greedy: exactly the target's argmax tokens). Both
-are pure functions of their inputs at static shapes, so a graph may call them.
+A drafted token is checked by the target's verify step (`static/decoder.Verify`), which keeps the
+drafts `accepted_drafts` chooses: for greedy rows exactly the target's argmax tokens, for sampled rows
+rejection sampling (Leviathan et al. 2023, vLLM's rejection sampler), so the tokens follow the
+target's distribution. It is a pure function of its inputs at static shapes, so the graph calls it.
 """
 
 from __future__ import annotations
@@ -151,71 +152,24 @@ def ngram_propose(context: list[int], k: int, lookup_min: int, lookup_max: int) 
     return tokens[start : start + k].tolist()
 
 
-# ---- verification: the drafted tokens against the target's distribution ----
+# ---- verification: which drafts a verify step keeps ----
 
 
-def rejection_sample(
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    uniform_accept: torch.Tensor,
-    uniform_sample: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens a sampled verify step keeps, as vLLM's rejection sampler chooses them.
+def accepted_drafts(fed_and_drafts: torch.Tensor, tokens: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """The drafts a verify step keeps, at static shapes (the verify graph calls it: `static/decoder.Verify`).
 
-    target_probs [B, k+1, V]: the target's distribution at each drafted position and the one after;
-    draft_tokens [B, k] (int64); draft_probs [B, k, V] the drafter's distributions, or None for a
-    deterministic draft (prompt lookup: each q one-hot on its token); uniform_accept [B, k] and
-    uniform_sample [B, k+1], uniform draws in [0, 1) from each request's own random state.
+    fed_and_drafts [B, q]: each row's fed token then its drafts, `drafted` [B] of them (the rest pads);
+    tokens [B, q]: the target's token at each column, the one the decode graph would pick after the
+    row's input up to that column (`static/sampling.pick`) -> accepted [B] int64: the leading drafts
+    equal to the target's token before them, never a pad. The row keeps tokens[:, :accepted + 1].
 
-    Draft i is accepted when u < p(x)/q(x), u = uniform_accept[:, i] (probability min(1, p/q); q(x) = 0
-    rejects, as vLLM), and only while every draft before it was. The first rejected position holds a draw
-    from norm(max(0, p - q)), the inverse CDF at uniform_sample[:, i] (p itself should that residual
-    have no mass, which only fp32 rounding allows); with all k accepted, position k holds the bonus
-    token, drawn from p there at uniform_sample[:, k]. So each row's tokens are distributed as the
-    target's own, token after token.
-
-    Returns (tokens [B, k+1] int64, accepted [B] int64): the row keeps tokens[:, :accepted + 1]. The
-    positions after that are don't-care: each holds its own position's residual draw, a valid token id.
+    Greedy rows: exactly greedy decoding's tokens. Sampled rows: rejection sampling (Leviathan et al.
+    2023; vLLM's rejection sampler) against a deterministic draft (prompt lookup, an assistant's
+    argmax), in its coupled form: the draft d is kept with probability p(d), the chance that the
+    target's own draw is d, and on a miss the token is that draw, which given it is not d follows
+    max(0, p - onehot(d)), renormalised: the residual the rejection sampler draws from. So every
+    row's tokens follow the target's distribution as `pick` processes it (temperature, top-k, top-p).
     """
-    batch, positions, vocab = target_probs.shape
-    k = positions - 1
-    p = target_probs[:, :k]
-    index = draft_tokens[..., None]
-    if draft_probs is None:
-        draft_probs = torch.zeros_like(p).scatter(-1, index, 1.0)
-    p_draft = p.gather(-1, index)[..., 0]
-    q_draft = draft_probs.gather(-1, index)[..., 0]
-    reject = (q_draft <= 0) | (uniform_accept * q_draft >= p_draft)
-    accepted = _leading(reject)
-    weights = torch.cat([(p - draft_probs).clamp(min=0), target_probs[:, k:]], dim=1)
-    weights = torch.where(weights.sum(-1, keepdim=True) <= 0, target_probs, weights)
-    drawn = _inverse_cdf(weights, uniform_sample)
-    drafts = torch.cat([draft_tokens, drawn[:, k:]], dim=1)
-    position = torch.arange(positions, device=target_probs.device)
-    return torch.where(position < accepted[:, None], drafts, drawn), accepted
-
-
-def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens a greedy verify step keeps: target_logits [B, k+1, V] (or any monotone map of them),
-    draft_tokens [B, k] -> (tokens [B, k+1] int64, accepted [B] int64). A draft is accepted while it
-    is the target's argmax; tokens are the target's argmax at every position, so the row's kept
-    tokens[:, :accepted + 1] are exactly what greedy decoding without drafts gives. After those the
-    argmax of a context holding a rejected draft: don't-care."""
-    tokens = target_logits.argmax(-1)
-    return tokens, _leading(draft_tokens != tokens[:, :-1])
-
-
-def _leading(reject: torch.Tensor) -> torch.Tensor:
-    """[B, k] bool -> [B] int64: the positions before each row's first True (k: none)."""
-    return (reject.cumsum(-1) == 0).sum(-1)
-
-
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[..., V] non-negative weights with some mass, [...] uniforms in [0, 1) -> [...] the first index
-    whose cumulative weight passes u·(their sum): a draw from them, never an index of weight 0 (the
-    last one of weight kept where fp32 rounding would pass it)."""
-    cumulative = weights.cumsum(-1)
-    total = cumulative[..., -1:]
-    found = (cumulative <= u[..., None] * total).sum(-1)
-    return torch.minimum(found, (cumulative < total).sum(-1))
+    column = torch.arange(tokens.shape[1] - 1, device=tokens.device)[None]
+    missed = ((fed_and_drafts[:, 1:] != tokens[:, :-1]) | (column >= drafted[:, None])).long()
+    return (missed.cumsum(-1) == 0).sum(-1)  # the drafts before the first miss

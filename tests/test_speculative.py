@@ -1,7 +1,6 @@
 """Speculative decoding's pieces: the --speculative-config JSON (vLLM's names and defaults, every
-refusal one line naming the key), the assistant's fit to the target, prompt lookup (vLLM's rule), and
-the rejection sampler: its tokens distributed as the target's (and not without the rejection step),
-the greedy check exactly the target's argmax, both static graphs."""
+refusal one line naming the key), the assistant's fit to the target and prompt lookup (vLLM's rule).
+The verify step's acceptance rule is tested over the verify graph itself (test_speculative_step.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import random
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Gemma4AssistantConfig
@@ -21,15 +19,7 @@ from neuron_moe.port import load_port
 from neuron_moe.serve.metrics import Metrics
 from neuron_moe.spec import DEFAULT_PORT
 from neuron_moe.hub import check_assistant
-from neuron_moe.speculative import (
-    KEYS,
-    MAX_SPECULATIVE_TOKENS,
-    SpeculativeConfig,
-    greedy_verify,
-    ngram_propose,
-    rejection_sample,
-)
-from neuron_moe.static import data_dependent_ops
+from neuron_moe.speculative import KEYS, MAX_SPECULATIVE_TOKENS, SpeculativeConfig, ngram_propose
 
 # ---- the config ----
 
@@ -221,136 +211,6 @@ def test_prompt_lookup_on_a_long_context():
     context = list(np.random.default_rng(1).integers(100, 1000, 512))
     context[100:104] = context[-4:]
     assert ngram_propose(context, 5, 2, 4) == context[104:109]
-
-
-# ---- the rejection sampler ----
-
-DRAWS = 20_000
-VOCAB = 12
-K = 3
-
-
-def _chi_square_p(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square test of `tokens` against `probs` [V]: its p-value (the regularised upper
-    gamma function; scipy is not a dependency). Bins expected under 5 are merged; a token of
-    probability 0 drawn at all gives 0."""
-    counts = torch.bincount(tokens, minlength=probs.numel()).double()
-    probs = probs.double()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs * counts.sum()
-    small = expected < 5
-    observed = torch.cat([counts[~small], counts[small].sum()[None]])
-    expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = expected > 0
-    observed, expected = observed[keep], expected[keep]
-    statistic = ((observed - expected) ** 2 / expected).sum()
-    dof = observed.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
-
-
-def _distributions(generator: torch.Generator, rows: int) -> torch.Tensor:
-    """`rows` model-like distributions over VOCAB (softmax of scaled normal logits), one token of each
-    at probability 0 (so that drawing it would show)."""
-    logits = torch.randn(rows, VOCAB, generator=generator, dtype=torch.float64) * 1.5
-    logits[:, -1] = -torch.inf
-    return logits.softmax(-1).float()
-
-
-def _verify_draws(seed: int, draft: str, rejection: bool):
-    """DRAWS verify steps of one fixed context (the target's p at each of K + 1 positions, the
-    drafter's q): (tokens, accepted, p). `draft`: 'model' (q a model-like distribution, the drafts drawn
-    from it) or 'lookup' (fixed drafts, each the target's most likely token, q one-hot). Without
-    `rejection` every draft of p > 0 is kept (uniform_accept 0): the sampler with its rejection step
-    removed."""
-    g = torch.Generator().manual_seed(seed)
-    p = _distributions(g, K + 1)
-    if draft == "model":
-        q = _distributions(g, K)
-        tokens = torch.multinomial(q, DRAWS, replacement=True, generator=g).T  # [DRAWS, K]
-        draft_probs = q.expand(DRAWS, K, VOCAB)
-    else:
-        tokens = p[:K].argmax(-1).expand(DRAWS, K)  # lookup proposes what the context makes likely
-        draft_probs = None
-    u_accept = torch.rand(DRAWS, K, generator=g) * rejection
-    u_sample = torch.rand(DRAWS, K + 1, generator=g)
-    out, accepted = rejection_sample(p.expand(DRAWS, K + 1, VOCAB), tokens, draft_probs, u_accept, u_sample)
-    return out, accepted, p
-
-
-def _p_values(out, accepted, p) -> list[float]:
-    """The chi-square p-value of each position's token among the rows that reach it (every earlier
-    draft accepted), against the target's p there: each is the target's next-token distribution."""
-    return [_chi_square_p(out[accepted >= i, i], p[i]) for i in range(K + 1) if (accepted >= i).sum() >= 500]
-
-
-@pytest.mark.parametrize("draft", ["model", "lookup"])
-def test_the_speculative_tokens_are_distributed_as_the_targets(draft):
-    out, accepted, p = _verify_draws(seed=57, draft=draft, rejection=True)
-    values = _p_values(out, accepted, p)
-    assert len(values) >= 2, "too few rows reach the second position to test it"
-    assert min(values) > 0.01, values
-    assert int(accepted.min()) >= 0 and int(accepted.max()) <= K
-
-
-@pytest.mark.parametrize("draft", ["model", "lookup"])
-def test_without_the_rejection_step_the_same_test_fails(draft):
-    out, accepted, p = _verify_draws(seed=57, draft=draft, rejection=False)
-    assert (accepted == K).all()  # every draft kept: the drafter's distribution, not the target's
-    assert _p_values(out, accepted, p)[0] < 1e-6
-
-
-def test_the_kept_tokens_are_the_accepted_drafts_then_one_draw():
-    """Hand-made rows: p = q accepts everything (the bonus from p at k); a draft of target probability
-    0 is rejected and replaced by a draw from max(0, p - q); a drafter probability 0 rejects too."""
-    p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])[None].repeat(3, 1, 1)
-    q = p[:, :2].clone()
-    drafts = torch.tensor([[1, 2], [2, 2], [1, 2]])
-    q[2, 0] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # row 2's draft 1 has drafter probability 0
-    u = torch.full((3, 2), 0.5)
-    tokens, accepted = rejection_sample(p, drafts, q, u, torch.full((3, 3), 0.99))
-    assert accepted.tolist() == [2, 0, 0]
-    assert tokens[0].tolist() == [1, 2, 3]
-    assert tokens[1, 0] == 1  # p - q: [0.5, 0.5, -0.5, 0] -> only 0 and 1; u 0.99 -> 1
-    assert tokens[2, 0] == 1  # p - q: [-0.5, 0.5, 0, 0] -> 1
-
-
-def test_greedy_verify_is_the_targets_argmax():
-    g = torch.Generator().manual_seed(3)
-    logits = torch.randn(5, K + 1, VOCAB, generator=g)
-    argmax = logits.argmax(-1)
-    drafts = argmax[:, :K].clone()
-    for row, wrong_at in enumerate([0, 1, 2, None, 1]):
-        if wrong_at is not None:
-            drafts[row, wrong_at] = (drafts[row, wrong_at] + 1) % VOCAB
-    tokens, accepted = greedy_verify(logits, drafts)
-    assert torch.equal(tokens, argmax)
-    assert accepted.tolist() == [0, 1, 2, K, 1]
-
-
-class _Verify(torch.nn.Module):
-    def forward(self, target_probs, draft_tokens, draft_probs, uniform_accept, uniform_sample, logits):
-        sampled = rejection_sample(target_probs, draft_tokens, draft_probs, uniform_accept, uniform_sample)
-        lookup = rejection_sample(target_probs, draft_tokens, None, uniform_accept, uniform_sample)
-        return *sampled, *lookup, *greedy_verify(logits, draft_tokens)
-
-
-def test_the_verify_functions_export_as_static_graphs():
-    rows = 2
-    probs = torch.full((rows, K + 1, VOCAB), 1 / VOCAB)
-    inputs = (
-        probs,
-        torch.zeros(rows, K, dtype=torch.long),
-        probs[:, :K],
-        torch.rand(rows, K),
-        torch.rand(rows, K + 1),
-        torch.randn(rows, K + 1, VOCAB),
-    )
-    program = torch.export.export(_Verify(), inputs)
-    assert data_dependent_ops(program) == []
-    eager = _Verify()(*inputs)
-    for a, b in zip(program.module()(*inputs), eager, strict=True):
-        assert torch.equal(a, b)
 
 
 # ---- the flag ----

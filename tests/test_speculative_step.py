@@ -1,9 +1,11 @@
 """Speculative decoding's step over the static graphs: the verify graph (`static/decoder.Verify`), the
 cache's slack for the drafts it writes (`static/cache.cache_layout`), the speculative step of `Rows`
 (`static/rows.py`) and the batching engine over it (`serve/engine.py`): with prompt lookup, greedy
-rows get exactly the tokens they get without speculation, and a sampled row's verify columns are the
-decode graph's own draws at the same uniforms."""
+rows get exactly the tokens they get without speculation, a sampled row's verify columns are the
+decode graph's own draws at the same uniforms, and a sampled row's tokens follow the target's
+distribution (a chi-square test over 10,240 seeded verify draws, which fails with every draft kept)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from neuron_moe.serve.engine import SamplingParams
 from neuron_moe.serve.metrics import Metrics
 from neuron_moe.speculative import SpeculativeConfig
 from neuron_moe.static.cache import SLIDING, cache_layout
+from neuron_moe.static import decoder
 from neuron_moe.static.decoder import Decode, Prefill, Verify, new_cache
 from neuron_moe.static.rows import Chunk, GraphRuntime, Rows, generate
 from neuron_moe.static.runtime import static_runtime
@@ -23,6 +26,7 @@ from neuron_moe.static.sampling import GREEDY
 
 from conftest import random_prompts
 from test_assistant import random_assistant
+from test_sampling import chi_square_p, reference
 from serving import IdTokenizer, serve_together, tokens_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -114,6 +118,64 @@ def test_a_row_with_fewer_drafts_accepts_none_of_its_pads(tiny_port, static_mode
         ids, start + torch.arange(K + 1), torch.tensor([GREEDY, GREEDY]), torch.tensor([0, 1]), torch.zeros(2, K + 1)
     )
     assert accepted.tolist() == [0, 1] and torch.equal(got[:, 0], first)
+
+
+# ---- sampled rows: the verify graph's tokens follow the target's distribution ----
+
+ROWS, CALLS = 64, 160  # 10,240 draws of one verify step
+SAMPLED = (1.0, 8, 1.0)  # temperature 1, top-k 8, top-p 1: a support of 8 tokens
+
+
+@torch.no_grad()
+def _sampled_draws(tiny_port, static_model):
+    """ROWS rows prefilled with one fixed prompt, sampled (SAMPLED); the decode graph's logits at the
+    fed token and after the draft d (its most likely next token) processed as `pick` does, p0 and p1;
+    then CALLS verify calls of the fed token and d in every row, each at its own seeded uniforms (each
+    call rewrites the same two positions with the same KV). -> (the first token each draw emits [N],
+    the second where it emits two [M], p0, p1): what a row's context continues with, the drafts it
+    keeps then the target's token after them."""
+    spec = tiny_port.static
+    prompt = random_prompts(2048, [12], seed=57)[0]
+    sampling = torch.tensor([(*SAMPLED, 0.0)] * ROWS)
+    prefill, decode, verify = _graphs(static_model, spec, ROWS, slack=1)
+    fed = _prefill(prefill, [prompt] * ROWS, sampling)
+    start = torch.full((ROWS, 1), len(prompt))
+    p0 = reference(decode(fed[:, None], start, sampling)[1][0], *SAMPLED)
+    draft = int(p0.argmax())
+    p1 = reference(decode(torch.full((ROWS, 1), draft), start + 1, sampling)[1][0], *SAMPLED)
+    ids = torch.stack([fed, torch.full((ROWS,), draft)], dim=1)
+    generator, first, second = torch.Generator().manual_seed(57), [], []
+    for _ in range(CALLS):
+        uniforms = torch.rand(ROWS, 2, generator=generator)
+        tokens, accepted, _ = verify(
+            ids, start + torch.arange(2), sampling, torch.ones(ROWS, dtype=torch.long), uniforms
+        )
+        kept = accepted == 1
+        first.append(torch.where(kept, ids[:, 1], tokens[:, 0]))
+        second.append(tokens[kept, 1])
+    return torch.cat(first).numpy(), torch.cat(second).numpy(), p0, p1
+
+
+def test_a_sampled_rows_tokens_follow_the_targets_distribution(tiny_port, static_model):
+    """The verify graph with one drafted token d (the coupled rejection sampling of
+    `speculative.accepted_drafts`): the first token over 10,240 draws follows the target's processed
+    distribution there, and the second, over the draws that kept d, the target's after d (Pearson's
+    chi-square test, p > 0.01; seeded, so it cannot flake)."""
+    first, second, p0, p1 = _sampled_draws(tiny_port, static_model)
+    for tokens, p in ((first, p0), (second, p1)):
+        counts = np.bincount(tokens, minlength=len(p))
+        assert not counts[p == 0].any(), "a token outside the top 8 was drawn"
+        assert chi_square_p(counts, len(tokens) * p) > 0.01
+    assert len(second) >= 1000  # enough draws kept d to test the token after it
+
+
+def test_keeping_every_draft_fails_the_same_test(tiny_port, static_model, monkeypatch):
+    """The same draws with the rejection step removed (every draft kept): d is always the first
+    token, and the test fails."""
+    monkeypatch.setattr(decoder, "accepted_drafts", lambda fed_and_drafts, tokens, drafted: drafted)
+    first, second, p0, _ = _sampled_draws(tiny_port, static_model)
+    assert len(second) == len(first) == ROWS * CALLS
+    assert chi_square_p(np.bincount(first, minlength=len(p0)), len(first) * p0) < 1e-6
 
 
 def _recording(runtime):

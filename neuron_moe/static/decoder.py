@@ -55,6 +55,7 @@ from transformers.models.gemma4.modeling_gemma4 import eager_attention_forward
 
 from .. import spec
 from ..experts.view import with_experts
+from ..speculative import accepted_drafts
 from .cache import SLIDING, GraphCache, KVCache, TokenCounts, attended, cache_layout, chunk_mask, copy_rows, decode_mask
 from .sampling import CANDIDATES, TOP_LOGPROBS, count_tokens, logprobs, process
 from .sampling import pick as pick_token
@@ -191,14 +192,11 @@ class Verify(_StaticGraph):
     slots of rejected and padded drafts are rewritten by the row's next call before any query reads
     them, which the cache's slack (`cache_layout`) guarantees. Column i's token is the one the decode
     graph would pick after the row's input up to column i (`pick`, at u = uniforms[:, i]) and
-    `accepted` the leading drafts that are those very tokens: tokens[b, :accepted[b] + 1] is what that
-    many decode steps give, the last a correction or the bonus token. For a greedy row that is
-    greedy decoding itself. For a sampled row it is rejection sampling against a deterministic draft
-    (prompt lookup, an assistant's argmax; Leviathan et al. 2023): the draft d is taken with
-    probability p(d), the chance that the target's own draw is d, and on a miss the token is that
-    draw, which given it is not d follows max(0, p - onehot(d)), renormalised: the residual the
-    rejection sampler draws from. So every row's tokens follow the target's distribution, as
-    `pick` processes it (temperature, top-k, top-p).
+    `accepted` the leading drafts that are those very tokens (`speculative.accepted_drafts`):
+    tokens[b, :accepted[b] + 1] is what that many decode steps give, the last a correction or the
+    bonus token. For a greedy row that is greedy decoding itself; for a sampled row, rejection
+    sampling against a deterministic draft, so its tokens follow the target's distribution as `pick`
+    processes it (temperature, top-k, top-p).
     """
 
     def __init__(self, model, cache: KVCache, experts, logits: bool = False, hidden: bool = False, **kw):
@@ -223,9 +221,7 @@ class Verify(_StaticGraph):
         per_column = torch.cat([sampling[:, None, :3].expand(rows, q, 3), uniforms[:, :, None]], dim=-1)
         flat = logits.reshape(rows * q, vocab)
         tokens = self.pick(flat, per_column.reshape(rows * q, 4)).reshape(rows, q)
-        column = torch.arange(q - 1, device=input_ids.device)[None]
-        missed = ((input_ids[:, 1:] != tokens[:, :-1]) | (column >= drafted[:, None])).long()
-        accepted = (missed.cumsum(-1) == 0).sum(-1)  # the drafts before the first miss
+        accepted = accepted_drafts(input_ids, tokens, drafted)
         outputs = (tokens, accepted) + ((logits,) if self.logits else ()) + ((hidden,) if self.hidden else ())
         return outputs + self.cache.commit(cache.new)
 
