@@ -291,7 +291,7 @@ def variant_calls(runtime, steps: int = 4) -> list:
 
 
 def state(runtime) -> list[torch.Tensor]:
-    graph = runtime._decode_processing
+    graph = runtime._prefill_processing
     graph = getattr(graph, "module", graph)
     return [*graph.cache.tensors(), *graph.counts.tensors()]
 
