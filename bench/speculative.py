@@ -471,6 +471,7 @@ def limits(runs: list[dict]) -> list[dict]:
                 "workload": r["workload"],
                 "batch_size": r["batch_size"],
                 "verify_x_decode": r["verify_call_ms"] / base["decode_call_ms"],
+                "draft_x_decode": (r["draft_call_ms"] or 0.0) / base["decode_call_ms"],
                 "host_ms_none": base["host_ms_per_step"],
                 "host_ms": r["host_ms_per_step"],
                 "step_x_plain": step / plain,
@@ -492,6 +493,25 @@ LIMIT_COLUMNS = [
     ("bound", "tokens/step ÷ that", "{:.2f}"),
     ("speedup", "measured speed-up", "{:.2f}"),
 ]
+
+
+def _limit(run: dict, bounds: list[dict]) -> dict:
+    """`run`'s entry of `limits`."""
+    return next(b for b in bounds if all(b[key] == run[key] for key in ("method", "workload", "batch_size")))
+
+
+def _bounded(run: dict, bounds: list[dict]) -> str:
+    """What bounds `run`'s speed-up, in a sentence: its step's cost against a plain step's, part by part
+    (the calls' medians; a lookup step in which no row has a draft is a plain step, which the estimate
+    does not count)."""
+    b = _limit(run, bounds)
+    draft = f", the draft call {b['draft_x_decode']:.2f}×" if b["draft_x_decode"] else ""
+    return (
+        f"{run['method']} on {run['workload']}: a step costs {b['step_x_plain']:.2f}× a plain step (the verify "
+        f"call {b['verify_x_decode']:.2f}× the decode call{draft}; host {b['host_ms']:.2f} ms a step against "
+        f"{b['host_ms_none']:.2f}): about {run['tokens_per_step']:.2f} / {b['step_x_plain']:.2f} = {b['bound']:.2f}× "
+        f"if every step were a verify step."
+    )
 
 
 def page(report: dict) -> str:
@@ -516,6 +536,10 @@ def page(report: dict) -> str:
                 f" Prose, {r['method']}: {r['speedup']:.2f}× at {r['tokens_per_step']:.2f} tokens per step."
                 for r in prose
             ),
+            "",
+            " ".join(_bounded(r, limits(runs)) for r in [best] + [r for r in prose if r is not best])
+            + f" At its step's cost, 1.8× would take {1.8 * _limit(best, limits(runs))['step_x_plain']:.2f} "
+            "tokens per step.",
             "",
             f"Greedy texts with speculation identical to those without: "
             f"{sum(r['identical'] for r in runs)} of {len(runs)} runs.",
