@@ -49,8 +49,10 @@ from neuron_moe.model import build_model
 from neuron_moe.port import load_port
 from neuron_moe.report import table
 from neuron_moe.spec import COMPILE_CACHE, compile_cache
-from neuron_moe.speculative import FLAG, SpeculativeConfig, assistant_dir, check_assistant
+from neuron_moe.hub import check_assistant, resolve_assistant
+from neuron_moe.speculative import FLAG, SpeculativeConfig
 from neuron_moe.static import inductor
+from neuron_moe.static.draft import load_assistant as load_draft_assistant
 from neuron_moe.static.rows import Rows
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static.sampling import GREEDY
@@ -274,23 +276,20 @@ def measure(model, spec, configs: dict, assistant, prompts: dict, batch: int, ar
     ]
 
 
-def load_assistant(args, target_config, k: int) -> tuple[SpeculativeConfig | None, object, str | None]:
-    """The mtp method's (config of `k` drafts, assistant model, None), or (None, None, why it is skipped)
-    when the built-in assistant is not there; an `--assistant` given that is not a fitting assistant is
-    an error."""
+def load_assistant(args, target, k: int) -> tuple[SpeculativeConfig | None, object, str | None]:
+    """The mtp method's (config of `k` drafts, assistant model for the target model `target`, None), or
+    (None, None, why it is skipped) when the built-in assistant is not there; an `--assistant` given that
+    is not a fitting assistant is an error. The assistant is resolved and loaded as validate and serve
+    load it (`hub.check_assistant`: `hub.resolve_assistant`; `static.draft.load_assistant`)."""
     model = args.assistant or BUILTIN_ASSISTANT
     config = SpeculativeConfig("mtp", k, model=model)
     try:
-        directory = check_assistant(config, target_config)
+        directory = check_assistant(config, target.config)
     except UserError as e:
         if args.assistant:
             raise UserError(f"--assistant: {str(e).removeprefix(FLAG + ': ')}") from None
         return None, None, f"no built-in assistant {BUILTIN_ASSISTANT!r} on this branch ({e}); --assistant DIR runs it"
-    from transformers import Gemma4AssistantForCausalLM
-
-    assistant = Gemma4AssistantForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
-    assistant.set_attn_implementation("eager")
-    return config, assistant.eval(), None
+    return config, load_draft_assistant(directory, target), None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -366,14 +365,14 @@ def run(args, argv: list[str]) -> dict:
     if lookup.method != "ngram":
         raise UserError(f"--ngram: {args.ngram!r} is not a prompt-lookup config (method 'ngram')")
     configs: dict = {"none": None, **({"ngram": lookup} if "ngram" in methods else {})}
+    model = build_model(port, spec.decode_experts)
     skipped, assistant = {}, None
     if "mtp" in methods:
-        config, assistant, skipped_why = load_assistant(args, port.config, lookup.num_speculative_tokens)
+        config, assistant, skipped_why = load_assistant(args, model, lookup.num_speculative_tokens)
         if config is None:
             skipped["mtp"] = skipped_why
         else:
             configs["mtp"] = config
-    model = build_model(port, spec.decode_experts)
     tokenizer = load_tokenizer(port)
     most = spec.max_cache_len - args.max_tokens  # a prompt and its tokens fit the cache
     if most < 2:
@@ -410,7 +409,7 @@ def assistant_source(args) -> dict:
     """Where the assistant came from: its directory and its weights' sha256 (it may be retrained)."""
     import hashlib
 
-    directory = assistant_dir(args.assistant or BUILTIN_ASSISTANT)
+    directory = resolve_assistant(args.assistant or BUILTIN_ASSISTANT)
     weights = directory / "model.safetensors"
     digest = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.exists() else None
     return {"directory": str(directory), "model.safetensors sha256": digest}
@@ -472,6 +471,7 @@ def limits(runs: list[dict]) -> list[dict]:
                 "workload": r["workload"],
                 "batch_size": r["batch_size"],
                 "verify_x_decode": r["verify_call_ms"] / base["decode_call_ms"],
+                "draft_x_decode": (r["draft_call_ms"] or 0.0) / base["decode_call_ms"],
                 "host_ms_none": base["host_ms_per_step"],
                 "host_ms": r["host_ms_per_step"],
                 "step_x_plain": step / plain,
@@ -493,6 +493,25 @@ LIMIT_COLUMNS = [
     ("bound", "tokens/step ÷ that", "{:.2f}"),
     ("speedup", "measured speed-up", "{:.2f}"),
 ]
+
+
+def _limit(run: dict, bounds: list[dict]) -> dict:
+    """`run`'s entry of `limits`."""
+    return next(b for b in bounds if all(b[key] == run[key] for key in ("method", "workload", "batch_size")))
+
+
+def _bounded(run: dict, bounds: list[dict]) -> str:
+    """What bounds `run`'s speed-up, in a sentence: its step's cost against a plain step's, part by part
+    (the calls' medians; a lookup step in which no row has a draft is a plain step, which the estimate
+    does not count)."""
+    b = _limit(run, bounds)
+    draft = f", the draft call {b['draft_x_decode']:.2f}×" if b["draft_x_decode"] else ""
+    return (
+        f"{run['method']} on {run['workload']}: a step costs {b['step_x_plain']:.2f}× a plain step (the verify "
+        f"call {b['verify_x_decode']:.2f}× the decode call{draft}; host {b['host_ms']:.2f} ms a step against "
+        f"{b['host_ms_none']:.2f}): about {run['tokens_per_step']:.2f} / {b['step_x_plain']:.2f} = {b['bound']:.2f}× "
+        f"if every step were a verify step."
+    )
 
 
 def page(report: dict) -> str:
@@ -517,6 +536,10 @@ def page(report: dict) -> str:
                 f" Prose, {r['method']}: {r['speedup']:.2f}× at {r['tokens_per_step']:.2f} tokens per step."
                 for r in prose
             ),
+            "",
+            " ".join(_bounded(r, limits(runs)) for r in [best] + [r for r in prose if r is not best])
+            + f" At its step's cost, 1.8× would take {1.8 * _limit(best, limits(runs))['step_x_plain']:.2f} "
+            "tokens per step.",
             "",
             f"Greedy texts with speculation identical to those without: "
             f"{sum(r['identical'] for r in runs)} of {len(runs)} runs.",

@@ -128,28 +128,42 @@ def _lookups(given: dict) -> tuple[int, int]:
 # ---- prompt lookup ----
 
 
-def ngram_propose(context: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+def ngram_propose(context, k: int, lookup_min: int, lookup_max: int) -> list[int]:
     """Up to k drafted tokens by prompt lookup, vLLM's NgramProposer: the longest n-gram, n in
     [lookup_min, lookup_max], that ends the context and also occurs earlier in it (the occurrence may
     overlap the suffix, but not be it); of several occurrences of that length, the EARLIEST (vLLM's
     rule); the draft is the tokens that followed it, at most k and at most to the context's end. []
     when no n-gram of lookup_min tokens recurs. The caller caps k by the room left in the cache (vLLM:
-    max_model_len - len(context))."""
+    max_model_len - len(context)).
+
+    `context`: token ids, a list or an int64 array (taken as it is: an engine passes a view of a
+    row's tokens). The search is `bytes.find` over the tokens' bytes (a match counts only at a token's
+    boundary), n rising from lookup_min while the suffix recurs (an n-gram recurs only if its own
+    suffix does): a few calls in C a step, where an engine runs it between two graph calls."""
     tokens = np.asarray(context, dtype=np.int64)
     ends = len(tokens) - 1  # an earlier occurrence ends at 0 .. len - 2
     longest = min(lookup_max, ends)
     if k < 1 or longest < lookup_min:
         return []
-    # same[m, e]: the token m before e equals the token m before the context's last
-    same = np.zeros((longest, ends), dtype=bool)
-    for m in range(longest):
-        same[m, m:] = tokens[: ends - m] == tokens[ends - m]
-    run = np.logical_and.accumulate(same, axis=0).sum(axis=0)  # the n-gram ending at e that matches
-    best = int(run.max())
-    if best < lookup_min:
+    data, width = tokens.tobytes(), tokens.itemsize
+    found = None  # (the earliest occurrence's first token, n) of the longest n so far
+    for n in range(lookup_min, longest + 1):
+        at = _earliest(data, data[(ends + 1 - n) * width :], width, ends * width)
+        if at < 0:
+            break
+        found = (at // width, n)
+    if found is None:
         return []
-    start = int(np.argmax(run == best)) + 1  # the earliest end of the longest
+    start = found[0] + found[1]
     return tokens[start : start + k].tolist()
+
+
+def _earliest(data: bytes, pattern: bytes, width: int, end: int) -> int:
+    """The first offset, a multiple of `width`, at which `pattern` occurs within data[:end]; -1 if none."""
+    at = data.find(pattern, 0, end)
+    while at > 0 and at % width:
+        at = data.find(pattern, at + 1, end)
+    return at
 
 
 # ---- verification: which drafts a verify step keeps ----

@@ -190,6 +190,8 @@ def _lookup_reference(context, k, low, high):
         ([3], 2, 1, 2, []),
         ([], 2, 1, 2, []),
         ([1, 2, 1, 2], 0, 1, 2, []),
+        ([256, 0, 5, 1], 2, 1, 2, []),  # the suffix's bytes inside two other tokens': not an occurrence
+        ([256, 0, 1, 7, 1], 2, 1, 2, [7, 1]),  # past such a place, the first occurrence at a token
     ],
 )
 def test_prompt_lookup_cases(context, k, low, high, draft):

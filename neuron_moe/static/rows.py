@@ -93,6 +93,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..run_config import Shapes
@@ -379,7 +380,12 @@ class Rows:
         # called after each verify call (speculation): the drafts of each row that had any, and how
         # many of them it accepted
         self.verified: Callable[[list[int], list[int]], None] | None = None
-        self._spoken: dict[int, tuple[object, list[int]]] = {}  # per row: (its work, the tokens it took)
+        # speculation's verify inputs, made once and written in place as the decode's are (`_verify_inputs`)
+        self.verify_inputs, self._verify = _verify_buffers(runtime)
+        # prompt lookup: each row's tokens, each at its position (its prompt, then every token it is fed,
+        # `_next`), in an array that grows: what the proposer searches, read as a view (None: no lookup)
+        lookup = getattr(getattr(runtime, "speculative", None), "method", None) == "ngram"
+        self._tokens: list[np.ndarray] | None = [np.zeros(0, dtype=np.int64)] * self.batch if lookup else None
         # per row, with an assistant: (its work, the position of its fed token, the target's hidden state before it)
         self._hidden: dict[int, tuple[object, int, torch.Tensor]] = {}
         self._done = [0] * self.batch  # prompt tokens prefilled so far, per row
@@ -442,6 +448,8 @@ class Rows:
             self.slots[row], self._done[row], self._order[row] = work, hit, next(self._admitted)
             self._positions[row, 0] = hit  # its first chunk's first position
             self._asks[row] = asks
+            if self._tokens is not None:
+                self._tokens[row] = np.array(work.prompt, dtype=np.int64)
             if source is not None and source != row:
                 self._call("copy", [row], self.runtime.copy_row, source, row)
             if self._asks[row] and len(work.prompt) == 1:  # no prefill: its first decode resets its counts
@@ -614,21 +622,21 @@ class Rows:
         drafts = self._drafts(rows)
         if not any(drafts.values()) and self.runtime.speculative.method == "ngram":
             return self._decode()
-        ids, positions, drafted, uniforms = self._verify_inputs(rows, drafts)
+        self._verify_inputs(rows, drafts)
+        ids, positions, drafted, uniforms = self.verify_inputs
         tokens, accepted, logits, hidden = self._call(
             "verify", rows, self.runtime.verify, ids, positions, self.sampling, drafted, uniforms
         )
         self.steps += 1
+        accepted = accepted.tolist()
         if self.verified is not None:
             proposed = [row for row in rows if drafts[row]]
-            self.verified([len(drafts[row]) for row in proposed], [int(accepted[row]) for row in proposed])
+            self.verified([len(drafts[row]) for row in proposed], [accepted[row] for row in proposed])
         for row in rows:
-            n = int(accepted[row]) + 1
+            n = accepted[row] + 1
             if self.prefix is not None:  # the row's cache now holds its fed token and the drafts it took
-                self.prefix.extend(row, ids[row, :n].tolist())
+                self.prefix.extend(row, self._verify[0][row, :n].tolist())
             work = self.slots[row]
-            if row in self._spoken:
-                self._spoken[row][1].extend(tokens[row, :n].tolist())
             if hidden is not None:  # the assistant's input at the row's next token: the last one it took here
                 self._hidden[row] = (work, int(self._positions[row, 0]) + n, hidden[row, n - 1])
             for i, token in enumerate(tokens[row, :n].tolist()):
@@ -647,7 +655,7 @@ class Rows:
         k = config.num_speculative_tokens
         if config.method == "ngram":
             low, high = config.prompt_lookup_min, config.prompt_lookup_max
-            return {row: ngram_propose(self._context(row), k, low, high)[:k] for row in rows}
+            return {row: ngram_propose(self._context(row), k, low, high) for row in rows}
         held = {}
         for row in rows:
             work, position, state = self._hidden.get(row, (None, None, None))
@@ -661,37 +669,29 @@ class Rows:
         tokens = self.runtime.draft(self.ids[:, 0], states, self.positions[:, 0])[0]
         return {row: tokens[row].tolist() if row in held else [] for row in rows}
 
-    def _context(self, row: int) -> list[int]:
-        """The row's tokens: its prompt, those it took, and the one it is fed now (what prompt lookup
-        searches). Kept per row from its first generating step on: what a verify call gave it is added
-        there, a plain decode step's token here, as the row's position shows it."""
-        work = self.slots[row]
-        seen = self._spoken.get(row)
-        if seen is None or seen[0] is not work:
-            seen = self._spoken[row] = (work, [])
-        if len(seen[1]) < int(self._positions[row, 0]) + 1 - len(work.prompt):  # a plain step's token, fed now
-            seen[1].append(int(self._ids[row, 0]))
-        return work.prompt + seen[1]
+    def _context(self, row: int) -> np.ndarray:
+        """The row's tokens up to the one it is fed now (what prompt lookup searches): a view of its
+        token array, no copy."""
+        return self._tokens[row][: int(self._positions[row, 0]) + 1]
 
-    def _verify_inputs(self, rows: list[int], drafts: dict[int, list[int]]):
-        """The verify call's ids and positions [B, q] (each row's fed token, then its drafts padded),
-        drafted [B] and uniforms [B, q] (a sampled row's own draw for each column it fills, `sampling`;
-        its sampling row in `self.sampling`), every row's positions running on from its own."""
-        q = self.runtime.speculative.num_speculative_tokens + 1
-        ids = torch.full((self.batch, q), self.runtime.pad_id, dtype=torch.long)
-        ids[:, 0] = self.ids[:, 0]
-        positions = self.positions + torch.arange(q)
-        drafted = torch.zeros(self.batch, dtype=torch.long)
-        uniforms = torch.zeros(self.batch, q)
+    def _verify_inputs(self, rows: list[int], drafts: dict[int, list[int]]) -> None:
+        """The verify call's inputs (`verify_inputs`), written in place: ids and positions [B, q] (each
+        row's fed token, then its drafts, padded), drafted [B] and uniforms [B, q] (a sampled row's own
+        draw for each column it fills, `sampling`; its sampling row in `self.sampling`), every row's
+        positions running on from its own."""
+        ids, positions, drafted, uniforms = self._verify
+        ids[:, 0], ids[:, 1:] = self._ids[:, 0], self.runtime.pad_id
+        np.add(self._positions, np.arange(ids.shape[1]), out=positions)
+        drafted[:], uniforms[:] = 0, 0.0
         self._sampling[:] = GREEDY
         for row in rows:
-            work, n = self.slots[row], len(drafts[row])
-            ids[row, 1 : 1 + n] = torch.tensor(drafts[row], dtype=torch.long)
+            work, draft = self.slots[row], drafts[row]
+            n = len(draft)
+            ids[row, 1 : 1 + n] = draft
             drafted[row] = n
             draws = [work.sampling() for _ in range(n + 1)]
             self._sampling[row] = draws[0]
-            uniforms[row, : n + 1] = torch.tensor([d[3] for d in draws])
-        return ids, positions, drafted, uniforms
+            uniforms[row, : n + 1] = [d[3] for d in draws]
 
     def _processing_inputs(self, asking: list[int]):
         """(process, bias_ids, bias, mask) of the variant decode: neutral but for the rows that ask."""
@@ -738,6 +738,33 @@ class Rows:
             self.free(row)
         else:
             self._ids[row, 0] = feed
+            if self._tokens is not None:
+                self._fed_token(row, feed)
+
+    def _fed_token(self, row: int, token: int) -> None:
+        """Prompt lookup: `token`, fed to the row now, into its token array at its position (the array
+        doubled when full)."""
+        position, tokens = int(self._positions[row, 0]), self._tokens[row]
+        if position >= len(tokens):
+            tokens = self._tokens[row] = np.concatenate([tokens, np.zeros(max(position + 1, 16), dtype=np.int64)])
+        tokens[position] = token
+
+
+def _verify_buffers(runtime) -> tuple[tuple[torch.Tensor, ...] | None, tuple[np.ndarray, ...] | None]:
+    """A speculating runtime's verify inputs (`GraphRuntime.verify`): ids and positions [B, q] int64,
+    drafted [B] int64, uniforms [B, q] fp32, q = k + 1; and numpy views of each, through which a step
+    writes them. (None, None) for a runtime that does not speculate."""
+    config = getattr(runtime, "speculative", None)
+    if config is None:
+        return None, None
+    batch, q = runtime.batch, config.num_speculative_tokens + 1
+    tensors = (
+        torch.full((batch, q), runtime.pad_id, dtype=torch.long),
+        torch.zeros(batch, q, dtype=torch.long),
+        torch.zeros(batch, dtype=torch.long),
+        torch.zeros(batch, q),
+    )
+    return tensors, tuple(t.numpy() for t in tensors)
 
 
 @dataclass
