@@ -31,6 +31,15 @@ sliding window prefilled in chunks, then, while it generates, a second prompt sh
 blocks: those copied into the second row by the copy graph and only the rest prefilled; both rows'
 tokens compared with the same programs on the CPU and with HF eager.
 
+The run of the new graphs (`--only new` runs it alone) drives, over one cache with the slack of k = 4
+drafts, the graphs speculative decoding and the fused step add, as the engine's runtime calls them:
+a prompt prefilled whole; another in chunks by the step graph (`Step`: a chunk and the decode of every
+row in one call); decode steps routed by KV length (the graph of the shortest, `Decode(span=L)`, until
+a row passes it, then the whole cache's); then verify calls (`Verify`, q = 5: a greedy row and a
+sampled row, a draw per column), the first of prompt lookup's drafts, the later ones of the built-in
+assistant's (`draft.Draft`, from the verify graph's hidden state). Every token, draft and acceptance
+is compared with the same programs on the CPU, the greedy row's tokens with HF eager.
+
 Where OUT-baseline.json exists (the OUT.json of this check run in another checkout, e.g. main's
 before a change), the report shows the bytes per decode step before and after side by side.
 
@@ -52,6 +61,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -63,13 +73,27 @@ from neuron_moe.errors import UserError
 from neuron_moe.eval.seq_match import DEFAULT_PROMPTS
 from neuron_moe.formats import FORMATS
 from neuron_moe.greedy import greedy, left_pad
+from neuron_moe.hub import check_assistant
 from neuron_moe.model import build_model
 from neuron_moe.port import load_port
+from neuron_moe.neuron.compile import verify_inputs
 from neuron_moe.spec import LAYER_GROUPS, NO_QUANTIZATION
-from neuron_moe.static import XLA_LOWERED_OPS_FILE, graph_ops, xla_lowered_ops
+from neuron_moe.speculative import SpeculativeConfig, ngram_propose
+from neuron_moe.static import XLA_LOWERED_OPS_FILE, data_dependent_ops, graph_ops, xla_lowered_ops
 from neuron_moe.static.cache import share_state
-from neuron_moe.static.decoder import Copy, Decode, Prefill, ProcessingDecode, ProcessingPrefill, new_cache, new_counts
-from neuron_moe.static.export import copy_inputs, example_inputs, export, graph_inputs
+from neuron_moe.static.decoder import (
+    Copy,
+    Decode,
+    Prefill,
+    ProcessingDecode,
+    ProcessingPrefill,
+    Step,
+    Verify,
+    new_cache,
+    new_counts,
+)
+from neuron_moe.static.draft import Draft, load_assistant
+from neuron_moe.static.export import GraphError, copy_inputs, example_inputs, export, functional, graph_inputs
 from neuron_moe.static.generator import StaticGenerator
 from neuron_moe.static.prefix import BLOCK, PrefixIndex
 from neuron_moe.static.rows import Chunk, GraphRuntime, Rows
@@ -290,12 +314,9 @@ SERVING = "exported, the serving runtime: batched and chunked prefill, sampled a
 SERVING_TOKENS = 12  # tokens of the serving run's chunked greedy row
 
 
-def serving_runtime(
-    xla: Xla | None, programs: dict, spec, bucket: int, hlo_dir, copy: bool = False, tag: str = "serving"
-):
-    """The programs behind the batching engine's runtime, on XLA (metered) or on the CPU (xla None),
-    their KV state one zeroed set; prefill calls routed by their row count, as NxD routes by shape;
-    `copy`: the copy graph too (prefix caching)."""
+def placed(xla: Xla | None, programs: dict, hlo_dir, tag: str):
+    """The programs' modules on XLA (metered, `tag` naming them) or on the CPU (xla None), their state
+    one zeroed set, and `on`: a graph as a callable that sends its arguments to the device."""
     device = "cpu" if xla is None else xla.device
     graphs = {name: (p if xla is None else move_to_device_pass(p, device)).module() for name, p in programs.items()}
     share_state(graphs.values())
@@ -304,6 +325,17 @@ def serving_runtime(
 
     def on(graph):
         return lambda *args: graph(*(a.to(device) for a in args))
+
+    return graphs, on
+
+
+def serving_runtime(
+    xla: Xla | None, programs: dict, spec, bucket: int, hlo_dir, copy: bool = False, tag: str = "serving"
+):
+    """The programs behind the batching engine's runtime, on XLA (metered) or on the CPU (xla None),
+    their KV state one zeroed set; prefill calls routed by their row count, as NxD routes by shape;
+    `copy`: the copy graph too (prefix caching)."""
+    graphs, on = placed(xla, programs, hlo_dir, tag)
 
     def prefill(*args):
         return on(graphs[f"prefill {args[0].shape[0]}x{bucket}"])(*args)
@@ -561,6 +593,200 @@ def check_prefix(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
     return row, {name: graph_ops(p) for name, p in programs.items()}
 
 
+NEW = "exported, the new graphs: decode by KV length, the step graph, verify (k = 4) and the assistant's draft"
+NEW_K = 4  # drafts per verify call: q = k + 1 positions a row
+NEW_CHUNK = 24  # the step graph's bucket: a chunk of row 1's prompt beside the decode of every row
+ASSISTANT = "tiny-gemma4-moe-assistant"  # the built-in assistant of the tiny port
+
+
+def _read_only_export(graph, inputs: tuple, what: str) -> torch.export.ExportedProgram:
+    """torch.export (strict, functional) of a graph that `export`'s state check does not describe: the
+    verify graph returning the hidden state an assistant reads, the draft graph that writes no state;
+    refused with a data-dependent op all the same."""
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.filterwarnings("ignore", message="While (compiling|exporting), we found certain side effects")
+        program = functional(torch.export.export(graph, inputs, strict=True))
+    bad = data_dependent_ops(program)
+    if bad:
+        raise GraphError(f"{what}: data-dependent ops in the exported graph: {sorted(set(bad))}")
+    return program
+
+
+def new_programs(port, config) -> tuple[dict, float]:
+    """The port's new graphs over one cache (with the slack of k drafts and the assistant's read):
+    the prefill of the longest bucket, the decode graphs of the shortest KV length and of the whole
+    cache, the step graph of NEW_CHUNK, the verify graph of k (returning the hidden state) and the
+    assistant's draft graph of k; (the programs, the seconds their export took)."""
+    spec = port.static
+    model = build_model(port, spec.decode_experts)
+    assistant = load_assistant(check_assistant(config, model.config), model)
+    cache = new_cache(model, spec.max_cache_len, spec.batch_size, slack=NEW_K + 1)
+    bucket, short, rows = spec.buckets[-1], min(spec.decode_lengths), spec.batch_size
+    start = time.perf_counter()
+    decode = example_inputs(spec, None)
+    programs = {
+        f"prefill 1x{bucket}": export(
+            Prefill(model, cache, spec.prefill_experts), example_inputs(spec, bucket, 1), f"prefill 1x{bucket}"
+        ),
+        f"decode {short}": export(Decode(model, cache, spec.decode_experts, span=short), decode, f"decode {short}"),
+        "decode": export(Decode(model, cache, spec.decode_experts), decode, "decode"),
+        f"step 1x{NEW_CHUNK}": export(
+            Step(model, cache, spec.prefill_experts), example_inputs(spec, NEW_CHUNK, 1) + decode, "step"
+        ),
+        "verify": _read_only_export(
+            Verify(model, cache, spec.decode_experts, hidden=True), verify_inputs(rows, NEW_K + 1), "verify"
+        ),
+        "draft": _read_only_export(
+            Draft(assistant, model, cache, NEW_K),
+            (decode[0], torch.zeros(rows, model.config.hidden_size), decode[1]),
+            "draft",
+        ),
+    }
+    return programs, time.perf_counter() - start
+
+
+def new_runtime(xla: Xla | None, programs: dict, spec, config, hlo_dir) -> tuple[GraphRuntime, dict]:
+    """The new graphs behind the engine's runtime, on XLA (metered) or on the CPU (xla None): the
+    decode graphs by KV length, prefill calls routed by their shape."""
+    graphs, on = placed(xla, programs, hlo_dir, "new")
+    short = min(spec.decode_lengths)
+
+    def prefill(*args):
+        return on(graphs[f"prefill {args[0].shape[0]}x{args[0].shape[1]}"])(*args)
+
+    shapes = dataclasses.replace(spec.shapes(), buckets=(NEW_CHUNK, spec.buckets[-1]), prefill_rows=(1,))
+    runtime = GraphRuntime(
+        prefill,
+        {short: on(graphs[f"decode {short}"]), None: on(graphs["decode"])},
+        shapes,
+        logits=False,
+        candidates=CANDIDATES,
+        vocab=VOCAB,
+        verify=on(graphs["verify"]),
+        speculative=config,
+        draft=on(graphs["draft"]),
+        step=on(graphs[f"step 1x{NEW_CHUNK}"]),
+    )
+    return runtime, graphs
+
+
+def drive_new(runtime, first: list[int], second: list[int], draws: list[tuple], pad: int) -> dict:
+    """Row 0 greedy, row 1 sampled (draws[i] its i-th draw). Row 0: `first` prefilled whole; row 1:
+    `second` in chunks of NEW_CHUNK by the step graph, each beside a decode of every row (row 1 a pad
+    at the end of its chunk); both then decode, row 0 from below the shortest decode graph's length
+    to past it (that graph, then the whole cache's); then VERIFY_ROUNDS verify calls, the first of
+    prompt lookup's drafts (as the engine step, a plain decode step while no row has one), each later
+    one of the assistant's (the draft graph from the hidden state at the column of the row's last
+    accepted token). -> what each call gave, and the rows' tokens."""
+    draws, short = iter(draws), runtime.decode_starts[1]  # the shortest decode graph's length
+    context = [list(first), list(second)]
+    calls = {"decode lengths": [], "accepted": [], "drafts": [], "verify": []}
+    (token,), _ = runtime.prefill([Chunk(first, 0, 0, GREEDY)])
+    context[0].append(int(token))
+    for done in range(0, len(second), NEW_CHUNK):
+        piece = second[done : done + NEW_CHUNK]
+        ids = torch.tensor([[context[0][-1]], [pad]])
+        positions = torch.tensor([[len(context[0]) - 1], [done + len(piece)]])
+        last = done + len(piece) == len(second)  # the last chunk's token is row 1's first, sampled
+        sampling = next(draws) if last else GREEDY
+        chunk, _, tokens, _ = runtime.step(
+            [Chunk(piece, done, 1, sampling)], ids, positions, torch.tensor([GREEDY, GREEDY])
+        )
+        context[0].append(int(tokens[0]))
+    context[1].append(int(chunk[0]))
+    while len(context[0]) <= short + 2:  # the last two steps past the shorter graph's positions
+        _decode_step(runtime, context, draws, calls)
+    hidden = None
+    for _ in range(VERIFY_ROUNDS):
+        if hidden is None:
+            drafts = [ngram_propose(c, NEW_K, 1, 3) for c in context]
+            for _ in range(LOOKUP_WAIT):
+                if any(drafts):
+                    break
+                _decode_step(runtime, context, draws, calls)
+                drafts = [ngram_propose(c, NEW_K, 1, 3) for c in context]
+        else:
+            last, positions = torch.tensor([c[-1] for c in context]), torch.tensor([len(c) - 1 for c in context])
+            drafts = runtime.draft(last, hidden, positions)[0].tolist()
+        calls["drafts"].append(drafts)
+        hidden = _verify(runtime, context, drafts, draws, pad, calls)
+    return {"calls": calls, "tokens": [c[len(p) :] for c, p in zip(context, (first, second))]}
+
+
+LOOKUP_WAIT = 8  # plain decode steps at most while prompt lookup drafts nothing for any row
+
+
+def _decode_step(runtime, context: list[list[int]], draws, calls: dict) -> None:
+    """A decode step of both rows (row 0 greedy, row 1 sampled), routed by KV length; each row's context
+    extended by its token."""
+    ids = torch.tensor([[c[-1]] for c in context])
+    positions = torch.tensor([[len(c) - 1] for c in context])
+    calls["decode lengths"].append(runtime.decode_length(positions))
+    tokens, _ = runtime.decode(ids, positions, torch.tensor([GREEDY, next(draws)]))
+    for row, c in enumerate(context):
+        c.append(int(tokens[row]))
+
+
+VERIFY_ROUNDS = 4
+
+
+def _verify(runtime, context: list[list[int]], drafts: list[list[int]], draws, pad: int, calls: dict):
+    """One verify call of each row's fed token and its drafts (row 0 greedy, row 1 sampled: a draw per
+    column), each row's context extended by the tokens it took -> the hidden state at the column of each
+    row's last accepted token."""
+    q = NEW_K + 1
+    ids = torch.full((len(context), q), pad, dtype=torch.long)
+    drafted, uniforms = torch.zeros(len(context), dtype=torch.long), torch.zeros(len(context), q)
+    sampling = torch.tensor([GREEDY, next(draws)])
+    for row, (c, d) in enumerate(zip(context, drafts)):
+        ids[row, 0], ids[row, 1 : 1 + len(d)], drafted[row] = c[-1], torch.tensor(d, dtype=torch.long), len(d)
+    uniforms[1] = torch.tensor([float(sampling[1, 3]), *(next(draws)[3] for _ in range(q - 1))])
+    positions = torch.tensor([[len(c) - 1] for c in context]) + torch.arange(q)
+    tokens, accepted, _, hidden = runtime.verify(ids, positions, sampling, drafted, uniforms)
+    calls["accepted"].append(accepted.tolist())
+    calls["verify"].append(tokens.tolist())
+    for row, c in enumerate(context):
+        c.extend(tokens[row, : int(accepted[row]) + 1].tolist())
+    return hidden[torch.arange(len(context)), accepted]
+
+
+def check_new(xla: Xla, port, hlo_dir) -> tuple[dict, dict]:
+    """The new graphs as the engine calls them, on XLA and on the CPU with the same inputs: (the report
+    row, {graph name: op set})."""
+    spec = port.static
+    config = SpeculativeConfig("mtp", NEW_K, model=ASSISTANT)
+    programs, export_s = new_programs(port, config)
+    tokenizer = ByteTokenizer()
+    first, second = tokenizer.encode(PROMPTS[2]), tokenizer.encode(PROMPTS[3])
+    gen = torch.Generator().manual_seed(0)
+    settings = [(0.8, 0, 0.9), (1.0, 20, 1.0), (0.7, 0, 1.0)]  # top-p; top-k; temperature alone
+    draws = [(*settings[i % 3], float(torch.rand((), generator=gen))) for i in range(128)]
+    pad = port.config.pad_token_id or 0
+    reference = drive_new(new_runtime(None, programs, spec, config, None)[0], first, second, draws, pad)
+    runtime, graphs = new_runtime(xla, programs, spec, config, hlo_dir)
+    xla.moved()  # not the programs' own move to the device
+    start = time.perf_counter()
+    got = drive_new(runtime, first, second, draws, pad)
+    generate_s = time.perf_counter() - start
+    ids, mask = torch.tensor([first]), torch.ones(1, len(first), dtype=torch.long)
+    greedy_row = got["tokens"][0]
+    eager = greedy(build_model(port, "eager", torch.float32), ids, mask, len(greedy_row)).tokens[0].tolist()
+    diverged = next((i for i, (a, b) in enumerate(zip(greedy_row, eager)) if a != b), None)
+    row = _graphs_row(NEW, spec, graphs, export_s, generate_s)
+    row |= {
+        "prompts": {"prefilled row": len(first), "stepped row": len(second), "chunk": NEW_CHUNK, "k": NEW_K},
+        "same_as_cpu": got == reference,
+        "calls": got["calls"],
+        "tokens": got["tokens"],
+        "vs_cpu_fp32": {
+            "all_match": diverged is None,
+            "matched": int(diverged is None),
+            "first_divergence": [diverged],
+        },
+    }
+    return row, {name: graph_ops(p) for name, p in programs.items()}
+
+
 def _vs_quantized(row: dict) -> str | None:
     """The row's key of its SEQ_MATCH against the same quantized model on the CPU, if it has one."""
     return next((k for k in row if k.startswith("vs_cpu_") and k != "vs_cpu_fp32"), None)
@@ -576,8 +802,10 @@ def passed(row: dict) -> bool:
     if row["run"] == SERVING:  # and the sampled row as the CPU samples it, and a decode call returns its tokens only
         tokens = tokens and row["sampled_like_cpu"] and row["decode_output_bytes_per_call"] == row["decode_token_bytes"]
         tokens = tokens and row["processing_like_cpu"]
-    if row["run"] == PREFIX:  # and every token as the CPU's, the prefix taken
+    if row["run"] in (PREFIX, NEW):  # and every token as the CPU's (the prefix taken, the drafts, the accepted)
         tokens = tokens and row["same_as_cpu"]
+    if row["run"] == NEW:  # and prompt lookup's drafts were verified, not only the assistant's
+        tokens = tokens and any(row["calls"]["drafts"][0])
     return clean and tokens
 
 
@@ -688,10 +916,30 @@ def _prefix_lines(row: dict) -> list[str]:
     ]
 
 
+def _new_lines(row: dict) -> list[str]:
+    """What the run of the new graphs drove and found, beyond the SEQ_MATCH line."""
+    p, calls = row["prompts"], row["calls"]
+    lengths = calls["decode lengths"]
+    short = min(n for n in lengths if n is not None)
+    drafted = [[len(d) for d in drafts] for drafts in calls["drafts"]]
+    return [
+        f"- row 0 (greedy): a {p['prefilled row']}-token prompt prefilled whole; row 1 (sampled): a "
+        f"{p['stepped row']}-token prompt in chunks of {p['chunk']} by the step graph, each call also the "
+        "decode of every row (row 1 a pad at the end of its chunk); the SEQ_MATCH line above is row 0's "
+        "tokens vs HF eager",
+        f"- decode calls: {lengths.count(short)} of the {short}-position graph, then "
+        f"{lengths.count(None)} of the whole cache's once row 0 passed position {short - 1}",
+        f"- {len(calls['verify'])} verify calls of q = {p['k'] + 1} (row 0 greedy, row 1 sampled, a draw a column): "
+        f"the first of prompt lookup's drafts, each later one of the assistant's {p['k']} (the draft graph, from "
+        f"the verify graph's hidden state); drafts per row {drafted}, accepted per row {calls['accepted']}",
+        f"- every token, draft and acceptance equal to the same programs' on the CPU: **{row['same_as_cpu']}**",
+    ]
+
+
 def _run_section(row: dict) -> list[str]:
     """One run's section: its graphs, its tokens against the references, what it moved, its verdict."""
     fp32 = row["vs_cpu_fp32"]
-    n = 1 if row["run"] == SERVING else 2 if row["run"] == PREFIX else len(PROMPTS)
+    n = 1 if row["run"] in (SERVING, NEW) else 2 if row["run"] == PREFIX else len(PROMPTS)
     lines = [f"## {row['run']}", "", *_graph_table(row)]
     lines += [
         "",
@@ -708,6 +956,8 @@ def _run_section(row: dict) -> list[str]:
         lines += _serving_lines(row)
     if row["run"] == PREFIX:
         lines += _prefix_lines(row)
+    if row["run"] == NEW:
+        lines += _new_lines(row)
     export = "" if row["export_s"] is None else f"export {row['export_s']:.0f} s, "
     return lines + [
         f"- bytes the whole generation moved, per decode call: host→device "
@@ -749,15 +999,21 @@ def markdown(result: dict, baseline: dict | None = None) -> str:
         "",
         f"Machine: {env['machine']} — CPU only, `PJRT_DEVICE=CPU` (XLA:CPU; no Neuron device, no neuronx-cc).",
         f"Packages: Python {env['python']}, torch {env['torch']}, torch-xla {env['torch_xla']}, "
-        f"transformers {env['transformers']}. Port `{result['port']}` ({result['weights']}), "
-        f"{len(PROMPTS)} prompts in batches of {result['batch_size']}, "
-        f"prefill + {result['new_tokens'] - 1} decode steps.",
+        f"transformers {env['transformers']}. Port `{result['port']}` ({result['weights']})"
+        + (
+            f", {len(PROMPTS)} prompts in batches of {result['batch_size']}, "
+            f"prefill + {result['new_tokens'] - 1} decode steps."
+            if not result.get("only")
+            else f", batch {result['batch_size']}."
+        ),
         "",
         "Written by `make xla-check` (`python -m bench.xla_check`). Compilations from `CompileTime`, fallbacks are "
         "torch-xla's `aten::*` counters, per graph; a call is one graph call plus `torch_xla.sync()`. The graphs "
         "are the serving graphs: the KV cache is their device state, the token their only output.",
         "",
     ]
+    if result.get("only"):
+        lines += [f"This page is one run of the check alone (`--only {result['only']}`).", ""]
     if baseline is not None:
         lines += before_after(baseline, result)
     for row in result["runs"]:
@@ -779,32 +1035,40 @@ GRAPH_COLUMNS = [
 ]
 
 
-def check_all(xla: Xla, port, args, hlo_dir) -> tuple[list[dict], dict]:
-    """Every run, each printed as it ends: (its rows, {"TAG graph": op set} of the exported programs)."""
-    tokenizer = ByteTokenizer()
-    ids, mask = left_pad([tokenizer.encode(p) for p in PROMPTS], tokenizer.pad_token_id)
-    references = {
-        "fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, args.new_tokens),
+def _references(port, ids, mask, new_tokens: int) -> dict:
+    """The CPU references of the generator runs: HF eager in fp32, and each format's quantized model."""
+    return {
+        "fp32": greedy(build_model(port, "eager", torch.float32), ids, mask, new_tokens),
         **{
             run.quantization: greedy(
                 build_model(port, "eager", torch.float32, quantization=run.quantization, quantized_layers=LAYER_GROUPS),
                 ids,
                 mask,
-                args.new_tokens,
+                new_tokens,
             )
             for run in RUNS
             if run.quantization != NO_QUANTIZATION
         },
     }
+
+
+CHECKS = {SERVING: check_serving, PREFIX: check_prefix, NEW: check_new}  # the runs that are not a `Run`
+
+
+def check_all(xla: Xla, port, args, hlo_dir) -> tuple[list[dict], dict]:
+    """Every run, each printed as it ends: (its rows, {"TAG graph": op set} of the exported programs)."""
+    runs = {"new": (NEW,), "serving": (SERVING,), "prefix": (PREFIX,)}.get(args.only, (*RUNS, SERVING, PREFIX, NEW))
+    tokenizer = ByteTokenizer()
+    ids, mask = left_pad([tokenizer.encode(p) for p in PROMPTS], tokenizer.pad_token_id)
+    references = {}
+    if any(isinstance(run, Run) for run in runs):
+        references = _references(port, ids, mask, args.new_tokens)
     rows, ops = [], {}
-    for run in (*RUNS, SERVING, PREFIX):
+    for run in runs:
         print(f"== {run if isinstance(run, str) else run.name}", flush=True)
-        if run == SERVING:
-            row, run_ops = check_serving(xla, port, hlo_dir)
-            tag = "serving"
-        elif run == PREFIX:
-            row, run_ops = check_prefix(xla, port, hlo_dir)
-            tag = "prefix"
+        if run in CHECKS:
+            row, run_ops = CHECKS[run](xla, port, hlo_dir)
+            tag = CHECKS[run].__name__.removeprefix("check_")
         else:
             row, run_ops = check_run(xla, port, run, ids, mask, args.new_tokens, references, hlo_dir)
             tag = f"{run.prefill}/{run.decode}" + (
@@ -836,6 +1100,12 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=33, help="tokens per prompt: prefill + N-1 decode steps")
     parser.add_argument("--out", default="bench/results/xla-check", help="result files: OUT.md and OUT.json")
     parser.add_argument("--hlo", metavar="DIR", help="also write each graph's HLO text into DIR")
+    parser.add_argument(
+        "--only",
+        choices=("serving", "prefix", "new"),
+        help="run only that run: the serving runtime, prefix caching, or the new graphs (decode by KV length, "
+        "step, verify, the assistant's draft); default: every run",
+    )
     args = parser.parse_args(argv)
 
     xla = Xla()
@@ -855,6 +1125,7 @@ def main(argv=None) -> int:
         "batch_size": port.static.batch_size,
         "code": code(root) or str(root),
         "prompts": list(PROMPTS),
+        "only": args.only,
         "passed": all(row["passed"] for row in rows),
         "runs": rows,
         "environment": {

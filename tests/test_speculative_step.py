@@ -17,9 +17,11 @@ from neuron_moe.serve.engine import Engine
 from neuron_moe.serve.engine import SamplingParams
 from neuron_moe.serve.metrics import Metrics
 from neuron_moe.speculative import SpeculativeConfig
+from neuron_moe.static import data_dependent_ops, ops_not_lowered
 from neuron_moe.static.cache import SLIDING, cache_layout
 from neuron_moe.static import decoder
 from neuron_moe.static.decoder import Decode, Prefill, Verify, new_cache
+from neuron_moe.static.export import functional
 from neuron_moe.static.rows import Chunk, GraphRuntime, Rows, generate
 from neuron_moe.static.runtime import static_runtime
 from neuron_moe.static.sampling import GREEDY
@@ -52,6 +54,25 @@ def test_the_cache_has_the_slack_a_verify_step_writes_past_a_row(tiny_port):
     for a, b in zip(plain, slack):
         assert b.length == a.length + 16
         assert a.length == (config.sliding_window if a.kind == SLIDING else spec.max_cache_len)
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["prompt lookup", "for an assistant"])
+def test_the_verify_graph_exports_static_with_only_ops_the_xla_check_lowered(tiny_port, static_model, hidden):
+    """The verify graph as the runtime builds it (with the hidden state an assistant reads, or without)
+    exports with no data-dependent op and only ops on the allow-list (bench/results/xla-check-new.md)."""
+    spec, rows, q = tiny_port.static, tiny_port.static.batch_size, K + 1
+    cache = new_cache(static_model, spec.max_cache_len, rows, slack=K + 1)
+    verify = Verify(static_model, cache, spec.decode_experts, hidden=hidden)
+    inputs = (
+        torch.zeros(rows, q, dtype=torch.long),
+        torch.arange(q).expand(rows, q).contiguous(),
+        torch.tensor([GREEDY] * rows),
+        torch.full((rows,), K, dtype=torch.long),
+        torch.zeros(rows, q),
+    )
+    with torch.no_grad():
+        program = functional(torch.export.export(verify, inputs, strict=True))
+    assert data_dependent_ops(program) == [] and ops_not_lowered(program) == []
 
 
 def _graphs(model, spec, rows, slack):

@@ -43,6 +43,24 @@ def test_the_recorded_ops_become_the_list_the_package_reads(tmp_path, monkeypatc
     assert static.xla_lowered_ops() == frozenset(OPS)
 
 
+def test_several_results_make_the_list_of_their_ops_together_each_vouching_for_its_own(tmp_path):
+    """A run of the check alone (`--only new`) beside the full check's result: the union of their ops,
+    both named in the header; a failed run in either refuses the whole list."""
+    out = tmp_path / "xla_lowered_ops.txt"
+    (tmp_path / "full.json").write_text(json.dumps(result()))
+    new = result(runs=[{"run": "new", "passed": True}], exported_graphs=["new verify"], exported_ops=["aten.ne.Tensor"])
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    assert xla_ops.main([str(tmp_path / "full.json"), str(tmp_path / "new.json"), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert xla_ops.ops_of(text) == sorted([*OPS, "aten.ne.Tensor"])
+    assert f"{tmp_path / 'full.json'}, {tmp_path / 'new.json'}" in text and "new verify" in text
+    new["runs"] = [{"run": "new", "passed": False}]
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    with pytest.raises(UserError, match=r"new.json: not every run lowered cleanly \(failed: new\)"):
+        xla_ops.main([str(tmp_path / "full.json"), str(tmp_path / "new.json"), "--out", str(out)])
+    assert xla_ops.ops_of(out.read_text()) == sorted([*OPS, "aten.ne.Tensor"])
+
+
 def test_the_committed_list_is_what_the_tool_would_write_from_its_ops():
     """The committed allow-list round-trips: its ops, recorded as a result's, come back unchanged."""
     committed = static.XLA_LOWERED_OPS_FILE.read_text()

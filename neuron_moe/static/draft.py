@@ -102,8 +102,14 @@ class Draft(nn.Module):
         tokens, logits = [], []
         for _ in range(self.k):
             embeds = self.model.pre_projection(torch.cat([self.embed(token), state], dim=-1))
+            # no cache of its own (HF's assistant forward passes use_cache=False too): a DynamicCache made
+            # here is a call torch 2.9's Dynamo, the Neuron SDK's, refuses to trace
             out = self.model.model(
-                inputs_embeds=embeds, attention_mask=masks, position_ids=position_ids, shared_kv_states=shared
+                inputs_embeds=embeds,
+                attention_mask=masks,
+                position_ids=position_ids,
+                shared_kv_states=shared,
+                use_cache=False,
             )
             step = self.model.lm_head(out.last_hidden_state).float()  # [B, 1, V]
             token = step.argmax(-1)  # [B, 1]
