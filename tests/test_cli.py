@@ -39,8 +39,8 @@ def test_validate_passes_and_writes_json(tmp_path, capsys):
 def test_validate_fails_with_exit_1_and_reports_divergence(monkeypatch, capsys):
     make_eager = seq_match.generator
 
-    def make(port, backend, checkpoint):
-        inner = make_eager(port, backend, checkpoint)
+    def make(port, backend, checkpoint, speculative=None):
+        inner = make_eager(port, backend, checkpoint, speculative)
 
         def generate(ids, mask, n):
             gen = inner(ids, mask, n)

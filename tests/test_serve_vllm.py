@@ -222,16 +222,11 @@ def test_warm_up_runs_every_graph_before_health_is_ready(monkeypatch, backend):
     if backend == "static":
         # every prefill graph (the tiny port's prefill_rows [1, 4] cut to its batch of 2, each bucket), then the
         # decode graph of each decode length (the port's 64 and 96)
-        assert seen[0][:6] == [
-            ("prefill", 1, 8),
-            ("prefill", 1, 56),
-            ("prefill", 2, 8),
-            ("prefill", 2, 56),
-            ("decode", 64),
-            ("decode", 96),
-        ]
-        # and their logits-processing variants, once each, then the copy graph
-        variants = [("prefill processing", n) for n in (1, 1, 2, 2)] + [("decode processing", n) for n in (64, 96)]
-        assert seen[0][6:] == variants + [("copy",)]
+        prefills = [("prefill", rows, bucket) for rows in (1, 2) for bucket in (8, 24, 56)]
+        assert seen[0][:8] == prefills + [("decode", 64), ("decode", 96)]
+        # (the step graphs, not counted here) and their logits-processing variants, once each, then the copy graph
+        variants = [("prefill processing", rows) for _, rows, _ in prefills]
+        variants += [("decode processing", n) for n in (64, 96)]
+        assert seen[0][8:] == variants + [("copy",)]
     else:
         assert seen == ([], ["decode", "decode_processing"])

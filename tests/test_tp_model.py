@@ -85,7 +85,8 @@ def test_tp8_both_layouts_naive_scatter_and_int8(tiny_port, prompts, reference):
     # the channel layout's decode graph gathers its experts' slices; its prefill graphs and the
     # expert layout's graphs read every local expert
     assert expert_reads(gens["channel"].programs["decode"])["gathered"]
-    assert not expert_reads(gens["channel"].programs["prefill 56"])["gathered"]
+    prefill = next(key for key in gens["channel"].programs if key.startswith("prefill "))
+    assert not expert_reads(gens["channel"].programs[prefill])["gathered"]
     assert not expert_reads(gens["expert"].programs["decode"])["gathered"]
     # the seed bug: every rank weights its experts with experts 0..1's router weights
     assert not torch.equal(out["naive"].tokens, reference.tokens)
